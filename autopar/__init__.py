@@ -1,0 +1,51 @@
+"""autopar: automatic parallelism planning and execution for PyTorch.
+
+    cluster = autopar.ClusterSpec.load("dgx-a100-80g", num_nodes=4)
+    plan = autopar.plan(model, cluster, example_inputs=(tokens, targets), global_batch_size=512)
+    print(plan.summary()); plan.save("plan.json")
+
+Two levels, as in Alpa: an ILP shards every op of a stage over a logical mesh (`auto_shard`),
+a dynamic program slices the model into pipeline stages over sub-meshes (`plan`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+from autopar.schema import (ClusterSpec, Constraints, DeviceSpec, LinkSpec, LogicalMesh, Plan,
+                            PlanError, Prediction, StagePlan, load_plan)
+from autopar.schema.cluster import bundled_clusters
+from autopar.capture import OpGraph, capture
+
+__version__ = "0.1.0"
+
+__all__ = ["ClusterSpec", "Constraints", "DeviceSpec", "LinkSpec", "LogicalMesh", "Plan",
+           "PlanError", "Prediction", "StagePlan", "load_plan", "plan", "auto_shard", "capture",
+           "OpGraph", "bundled_clusters", "__version__"]
+
+
+def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Sequence[Any] | None = None, *,
+         global_batch_size: int, dtype: str = "bf16", constraints: Optional[Constraints] = None,
+         loss_fn: Optional[Callable[[Any], Any]] = None, progress: bool = False,
+         name: Optional[str] = None) -> Plan:
+    """The fastest plan for training `model` on `cluster` that fits in memory.
+
+    `model` is an nn.Module (on any device, meta included) or a model reference (zoo name,
+    MODULE:FACTORY, hf:NAME); dim 0 of every example input is the batch. Raises PlanError when no
+    plan fits or a constraint cannot hold.
+    """
+    from autopar.planner import plan as _plan
+
+    return _plan(model, cluster, example_inputs, global_batch_size=global_batch_size, dtype=dtype,
+                 constraints=constraints, loss_fn=loss_fn, progress=progress, name=name)
+
+
+def auto_shard(model: Any, example_inputs: Sequence[Any], *, mesh: LogicalMesh,
+               memory_budget_bytes: Optional[float] = None,
+               loss_fn: Optional[Callable[[Any], Any]] = None, dtype: str = "fp32") -> Any:
+    """Intra-op only: shard every op of `model` over one logical mesh (Alpa §4 ILP).
+    Returns a ShardingSolution (param_placements, collectives, objective, per-op choices)."""
+    from autopar.intra_op import auto_shard as _auto_shard
+
+    return _auto_shard(model, example_inputs, mesh=mesh, memory_budget_bytes=memory_budget_bytes,
+                       loss_fn=loss_fn, dtype=dtype)

@@ -1,0 +1,321 @@
+"""Capture a model into an OpGraph with torch.export (non-strict), torch.fx as fallback.
+
+The model may live on the meta device: nothing is allocated or computed, only shapes are
+propagated. The batch dimension (dim 0 of every example input) is captured symbolically, so the
+graph serves every micro-batch size; models that refuse a symbolic batch are captured at two
+batch sizes and the dims that change are read off as linear in the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from autopar.capture.graph import (OpGraph, OpNode, ParamInfo, Ref, SymDim, TensorMeta,
+                                   flatten_refs)
+from autopar.schema.errors import PlanError
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[Any], torch.Tensor]
+
+
+def default_loss(out: Any) -> torch.Tensor:
+    """The output itself when it is a scalar; a Hugging Face output's `loss` when set; else the sum
+    of the first tensor output (a stand-in loss with the right backward cost)."""
+    if isinstance(out, torch.Tensor):
+        return out if out.dim() == 0 else out.float().sum()
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        for o in out:
+            if isinstance(o, torch.Tensor):
+                return default_loss(o)
+    raise PlanError(f"the model returned {type(out).__name__}, which holds no tensor; pass loss_fn= "
+                    f"to turn its output into a scalar loss")
+
+
+class _WithLoss(nn.Module):
+    def __init__(self, model: nn.Module, loss_fn: LossFn) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        out = self.model(*args)
+        if isinstance(out, torch.Tensor) and out.dim() == 0:
+            return out
+        return self.loss_fn(out)
+
+
+def _dtype(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def find_layers(model: nn.Module) -> tuple[list[str], dict[str, str]]:
+    """Repeated blocks: children of a ModuleList/Sequential holding >= 2 modules of one class with
+    parameters, outermost only (experts inside a block stay inside it)."""
+    layers: list[str] = []
+    types: dict[str, str] = {}
+    for name, mod in model.named_modules():
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential)) or any(
+                name == l or name.startswith(l + ".") for l in layers):
+            continue
+        kids = [(n, c) for n, c in mod.named_children() if any(True for _ in c.parameters())]
+        classes = {type(c).__name__ for _, c in kids}
+        if len(kids) >= 2 and len(classes) == 1:
+            for n, c in kids:
+                fq = f"{name}.{n}" if name else n
+                layers.append(fq)
+                types[fq] = type(c).__name__
+    return layers, types
+
+
+def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Optional[LossFn] = None,
+            name: Optional[str] = None, batch_dim: bool = True) -> OpGraph:
+    """Capture `model(*example_inputs)` (plus its loss) as an OpGraph.
+
+    With `batch_dim`, dim 0 of every tensor input is the batch and shapes are kept symbolic in it.
+    Raises PlanError naming the module and op when the model cannot be captured.
+    """
+    if not isinstance(model, nn.Module):
+        raise PlanError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    example_inputs = tuple(example_inputs)
+    name = name or type(model).__name__
+    wrapped = _WithLoss(model, loss_fn or default_loss)
+    errors = []
+    attempts: list[tuple[str, Callable[[], OpGraph]]] = []
+    if batch_dim:
+        attempts.append(("torch.export (symbolic batch)", lambda: _export_dynamic(wrapped, example_inputs, name)))
+        attempts.append(("torch.export (two batch sizes)", lambda: _export_two_batches(wrapped, example_inputs, name)))
+    else:
+        attempts.append(("torch.export", lambda: _from_export(wrapped, example_inputs, name, None)))
+    for label, fn in attempts:
+        try:
+            g = fn()
+            g.capture_method = label
+            return g
+        except PlanError:
+            raise
+        except Exception as e:  # noqa: BLE001 - try the next method, report all at the end
+            log.debug("capture with %s failed", label, exc_info=True)
+            errors.append((label, e))
+    try:
+        from autopar.capture.fx_fallback import capture_fx
+
+        return capture_fx(wrapped, example_inputs, name)
+    except Exception as e:  # noqa: BLE001
+        errors.append(("torch.fx.symbolic_trace", e))
+    raise PlanError(f"cannot capture {name}: {_explain(errors[0][1])} "
+                    f"(torch.fx fallback: {_explain(errors[-1][1])}); make the forward traceable "
+                    f"or pass a model without data-dependent control flow") from None
+
+
+def _explain(e: Exception) -> str:
+    msg = str(e).strip().splitlines()
+    first = next((l for l in msg if l.strip()), type(e).__name__)
+    mod = re.search(r"(?:module|Module)[ :]+[`'\"]?([\w.]+)", str(e))
+    where = f" in module {mod.group(1)}" if mod else ""
+    return f"{type(e).__name__}{where}: {first[:200]}"
+
+
+def _with_batch(x: Any, b: int) -> Any:
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return x
+    if x.device.type == "meta":
+        return torch.empty((b,) + tuple(x.shape[1:]), dtype=x.dtype, device="meta")
+    reps = [b // x.shape[0] + 1] + [1] * (x.dim() - 1) if x.shape[0] else None
+    return x.repeat(*reps)[:b].contiguous() if reps else x.new_zeros((b,) + tuple(x.shape[1:]))
+
+
+def _export_dynamic(wrapped: nn.Module, inputs: tuple, name: str) -> OpGraph:
+    from torch.export import Dim, export
+
+    b0 = max(2, _batch_of(inputs))
+    inputs = tuple(_with_batch(x, b0) for x in inputs)
+    batch = Dim("batch", min=1, max=1 << 20)
+    dyn = tuple({0: batch} if isinstance(x, torch.Tensor) and x.dim() > 0 else None for x in inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = export(wrapped, inputs, strict=False, dynamic_shapes=(dyn,))
+    return _from_export(wrapped, inputs, name, ep)
+
+
+def _export_two_batches(wrapped: nn.Module, inputs: tuple, name: str) -> OpGraph:
+    b0 = max(2, _batch_of(inputs))
+    g0 = _from_export(wrapped, tuple(_with_batch(x, b0) for x in inputs), name, None)
+    g1 = _from_export(wrapped, tuple(_with_batch(x, 2 * b0) for x in inputs), name, None)
+    if [n.target for n in g0.nodes] != [n.target for n in g1.nodes]:
+        raise RuntimeError("the graph's structure depends on the batch size")
+
+    def sym(d0: Any, d1: Any) -> Any:
+        if isinstance(d0, int) and isinstance(d1, int) and d0 != d1:
+            slope, rest = divmod(d1 - d0, b0)
+            if rest:
+                raise RuntimeError("a dimension is not linear in the batch size")
+            const = d0 - slope * b0
+            return SymDim(f"{slope}*b" + (f" + {const}" if const else ""))
+        if isinstance(d0, (list, tuple)) and isinstance(d1, (list, tuple)) and len(d0) == len(d1):
+            return type(d0)(sym(a, c) for a, c in zip(d0, d1))
+        return d0
+
+    for n0, n1 in zip(g0.nodes, g1.nodes):
+        n0.outputs = [TensorMeta(tuple(sym(a, c) for a, c in zip(o0.shape, o1.shape)), o0.dtype)
+                      for o0, o1 in zip(n0.outputs, n1.outputs)]
+        n0.args = sym(n0.args, n1.args)
+    g0.batch_size = None
+    return g0
+
+
+def _batch_of(inputs: tuple) -> int:
+    for x in inputs:
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return int(x.shape[0])
+    raise PlanError("no example input is a tensor with a batch dimension (dim 0)")
+
+
+def _param_groups(model: nn.Module) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """canonical FQN of every parameter/buffer name, and the tied names of each canonical one."""
+    canon: dict[str, str] = {}
+    tied: dict[str, list[str]] = {}
+    by_id: dict[int, str] = {}
+    for fq, p in list(model.named_parameters(remove_duplicate=False)) + list(
+            model.named_buffers(remove_duplicate=False)):
+        first = by_id.setdefault(id(p), fq)
+        canon[fq] = first
+        if first != fq:
+            tied.setdefault(first, []).append(fq)
+    return canon, tied
+
+
+def _from_export(wrapped: nn.Module, inputs: tuple, name: str, ep: Any) -> OpGraph:
+    from torch.export import export
+    from torch.export.graph_signature import InputKind
+
+    if ep is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = export(wrapped, inputs, strict=False)
+    model = wrapped.model
+    canon, tied = _param_groups(model)
+    strip = lambda s: s[len("model."):] if s.startswith("model.") else ("" if s == "model" else s)  # noqa: E731
+    spec_of = {s.arg.name: s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
+    layers, layer_types = find_layers(model)
+    top = [n for n, _ in model.named_children()]
+
+    sym_names: dict[str, str] = {}   # fx symbol -> "b"
+
+    def dim(d: Any) -> Any:
+        if isinstance(d, torch.SymInt):
+            expr = d.node.expr
+            if not expr.free_symbols:
+                return int(expr)
+            import sympy
+
+            subs = {}
+            for s in expr.free_symbols:
+                sym_names.setdefault(str(s), "b")
+                subs[s] = sympy.Symbol("b")
+            if len(set(sym_names)) > 1:
+                raise RuntimeError("more than one symbolic dimension")
+            return SymDim(str(sympy.expand(expr.subs(subs))))
+        return d
+
+    def meta_of(v: Any) -> list[TensorMeta]:
+        if isinstance(v, torch.Tensor):
+            return [TensorMeta(tuple(dim(d) for d in v.shape), _dtype(v.dtype))]
+        if isinstance(v, (list, tuple)):
+            return [m for x in v for m in meta_of(x)]
+        return []
+
+    sym_nodes: dict[str, Any] = {}
+
+    def conv(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            if a.name in sym_nodes:
+                return sym_nodes[a.name]
+            return Ref(a.name)
+        if isinstance(a, (list, tuple)):
+            return type(a)(conv(x) for x in a)
+        if isinstance(a, dict):
+            return {k: conv(v) for k, v in a.items()}
+        if isinstance(a, torch.dtype):
+            return _dtype(a)
+        if isinstance(a, (torch.device, torch.layout, torch.memory_format)):
+            return str(a)
+        return dim(a)
+
+    nodes: list[OpNode] = []
+    params: dict[str, ParamInfo] = {}
+    buffers: dict[str, ParamInfo] = {}
+    placeholder_param: dict[str, str] = {}
+    for n in ep.graph_module.graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "placeholder":
+            spec = spec_of.get(n.name)
+            kind = spec.kind if spec is not None else InputKind.USER_INPUT
+            outs = meta_of(val)
+            if kind in (InputKind.PARAMETER, InputKind.BUFFER):
+                fq = canon.get(strip(spec.target), strip(spec.target))
+                info = ParamInfo(fq, tuple(int(d) for d in val.shape), _dtype(val.dtype),
+                                 tied=tied.get(fq, []), requires_grad=kind == InputKind.PARAMETER)
+                (params if kind == InputKind.PARAMETER else buffers)[fq] = info
+                placeholder_param[n.name] = fq
+                nodes.append(OpNode(n.name, "param" if kind == InputKind.PARAMETER else "buffer",
+                                    "placeholder", outputs=outs, fqn=fq))
+            elif kind == InputKind.USER_INPUT:
+                nodes.append(OpNode(n.name, "input", "placeholder", outputs=outs, fqn=n.name))
+            else:
+                nodes.append(OpNode(n.name, "constant", "placeholder", outputs=outs,
+                                    fqn=strip(getattr(spec, "target", n.name) or n.name)))
+            continue
+        if n.op == "output":
+            refs = flatten_refs(conv(n.args))
+            nodes.append(OpNode(n.name, "output", "output", args=(), inputs=refs))
+            continue
+        if n.op != "call_function":
+            continue
+        if isinstance(val, torch.SymInt) or (val is None and "sym_size" in str(n.target)):
+            sym_nodes[n.name] = dim(val) if val is not None else None
+            continue
+        args, kwargs = conv(n.args), conv(n.kwargs)
+        ins = flatten_refs(args) + flatten_refs(kwargs)
+        stack = list((n.meta.get("nn_module_stack") or {}).values())
+        paths = [strip(p[0] if isinstance(p, tuple) else str(p)) for p in stack]
+        paths = [p for p in paths if p and not p.startswith("_empty")]
+        mod_path = paths[-1] if paths else ""
+        mtype = (stack[-1][1] if stack and isinstance(stack[-1], tuple) else "")
+        mtype = str(mtype).rsplit(".", 1)[-1]
+        layer = next((l for p in paths for l in layers if p == l or p.startswith(l + ".")), None)
+        target = "getitem" if n.target is getattr(__import__("operator"), "getitem") else str(n.target)
+        nodes.append(OpNode(
+            n.name, "call", target, args=args, kwargs=kwargs, inputs=ins,
+            outputs=meta_of(val), params=[placeholder_param[i] for i in ins if i in placeholder_param],
+            module_path=mod_path, module_type=mtype, layer=layer))
+    used_layers = [l for l in layers if any(x.layer == l for x in nodes)]
+    seen: list[str] = []
+    for x in nodes:
+        if x.layer and x.layer not in seen:
+            seen.append(x.layer)
+    order = [t for t in top]
+    first_use = {}
+    for i, x in enumerate(nodes):
+        for t in top:
+            if t not in first_use and (x.module_path == t or x.module_path.startswith(t + ".")):
+                first_use[t] = i
+    order = sorted((t for t in top if t in first_use), key=lambda t: first_use[t])
+    g = OpGraph(name=name, nodes=nodes, params=params, buffers=buffers,
+                layers=seen if seen else used_layers, layer_types={l: layer_types[l] for l in seen},
+                top_modules=order)
+    # concrete FLOPs for graphs without symbolic dims; symbolic ones get them from at_batch
+    if not any(o.is_batched for x in nodes for o in x.outputs):
+        g = g.at_batch(_batch_of(inputs))
+    return g

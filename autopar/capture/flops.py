@@ -1,0 +1,106 @@
+"""Forward FLOPs and bytes moved of one captured op at concrete shapes.
+
+Matrix ops (linear, mm, bmm, matmul, attention, convolution) count 2 FLOPs per multiply-add;
+PyTorch's own flop formulas (`torch.utils.flop_counter`) are used where it has them. Other ops
+count a few FLOPs per output element. Bytes moved are the bytes read plus written; views,
+reshapes and other aliasing ops move nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from autopar.capture.graph import OpNode, Ref, TensorMeta, shapes_of
+
+# ops that alias or only change metadata: no FLOPs, no memory traffic
+VIEW_OPS = frozenset({
+    "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "expand_as",
+    "unsqueeze", "squeeze", "flatten", "unflatten", "split", "split_with_sizes", "chunk",
+    "unbind", "slice", "select", "narrow", "alias", "detach", "lift_fresh_copy", "view_as",
+    "as_strided", "getitem", "sym_size", "sym_numel", "_assert_tensor_metadata", "movedim",
+    "unsafe_split",
+})
+
+# FLOPs per output element for common non-matrix ops
+PER_ELEMENT = {"softmax": 5, "_softmax": 5, "log_softmax": 5, "_log_softmax": 5, "layer_norm": 8,
+               "native_layer_norm": 8, "rms_norm": 6, "gelu": 8, "silu": 4, "tanh": 4, "sigmoid": 4,
+               "exp": 2, "rsqrt": 2, "pow": 2, "dropout": 2, "native_dropout": 2,
+               "cross_entropy_loss": 6, "nll_loss": 1, "embedding": 0, "gather": 0, "index": 0,
+               "index_select": 0, "scatter": 0, "cat": 0, "clone": 0, "contiguous": 0, "_to_copy": 0,
+               "to": 0, "copy_": 0, "zeros_like": 0, "ones_like": 0, "full": 0, "arange": 0,
+               "zeros": 0, "ones": 0, "empty": 0, "new_zeros": 0, "new_ones": 0, "tril": 1, "triu": 1}
+
+
+def _numel(shape: Any) -> int:
+    return math.prod(int(d) for d in shape)
+
+
+def matmul_flops(a: tuple, b: tuple) -> float:
+    """2*M*N*K (times batch) for torch.matmul semantics with broadcasting."""
+    a, b = list(a), list(b)
+    if len(a) == 1:
+        a = [1] + a
+    if len(b) == 1:
+        b = b + [1]
+    m, k = a[-2], a[-1]
+    n = b[-1]
+    batch = [max(x, y) for x, y in zip([1] * (max(len(a), len(b)) - len(a)) + a[:-2],
+                                        [1] * (max(len(a), len(b)) - len(b)) + b[:-2])]
+    return 2.0 * _numel(batch) * m * n * k
+
+
+def attention_flops(q: tuple, k: tuple, v: tuple) -> float:
+    """Scaled dot-product attention: QK^T and PV, 2 FLOPs per MAC (causality not discounted,
+    as in the Megatron FLOP formula)."""
+    *bq, sq, d = q
+    *_, sk, dv = v
+    batch = _numel(bq)
+    return 2.0 * batch * sq * sk * d + 2.0 * batch * sq * sk * dv
+
+
+def node_cost(node: OpNode, metas: dict[str, list[TensorMeta]]) -> tuple[float, float]:
+    """(forward FLOPs, bytes moved) of `node` at the concrete shapes in `metas`."""
+    op = node.op
+    if op in VIEW_OPS or node.target == "getitem":
+        return 0.0, 0.0
+    in_metas = [metas[i][0] for i in node.inputs if metas.get(i)]
+    out_bytes = sum(o.nbytes for o in node.outputs)
+    in_bytes = sum(m.nbytes for m in in_metas)
+    if op in ("embedding", "index_select", "gather", "index"):
+        in_bytes = sum(m.nbytes for m in in_metas[1:]) + out_bytes   # rows actually read
+    flops = _matrix_flops(node, metas)
+    if flops is None:
+        out_el = sum(o.numel for o in node.outputs)
+        per = PER_ELEMENT.get(op, 1)
+        if op in ("sum", "mean", "amax", "max", "min", "var", "std", "norm", "cumsum"):
+            out_el = sum(m.numel for m in in_metas[:1]) or out_el
+        flops = float(per * out_el)
+    return flops, float(in_bytes + out_bytes)
+
+
+def _matrix_flops(node: OpNode, metas: dict[str, list[TensorMeta]]) -> float | None:
+    op = node.op
+    shp = lambda r: tuple(int(d) for d in metas[r.name][0].shape) if isinstance(r, Ref) else None  # noqa: E731
+    a = node.args
+    if op == "linear":
+        x, w = shp(a[0]), shp(a[1])
+        return 2.0 * _numel(x[:-1]) * x[-1] * w[0] + (_numel(x[:-1]) * w[0] if len(a) > 2 and a[2] is not None else 0)
+    if op in ("matmul", "mm", "bmm"):
+        return matmul_flops(shp(a[0]), shp(a[1]))
+    if op in ("addmm", "baddbmm"):
+        return matmul_flops(shp(a[1]), shp(a[2])) + _numel(node.outputs[0].shape)
+    if op == "scaled_dot_product_attention":
+        return attention_flops(shp(a[0]), shp(a[1]), shp(a[2]))
+    try:
+        import torch
+        from torch.utils.flop_counter import flop_registry
+
+        packet = getattr(torch.ops.aten, op, None)
+        if packet is not None and packet in flop_registry:
+            out = torch.Size([int(d) for d in node.outputs[0].shape]) if node.outputs else None
+            return float(flop_registry[packet](*shapes_of(node.args, metas),
+                                               **shapes_of(node.kwargs, metas), out_val=out))
+    except Exception:  # formula mismatch on an unusual signature: fall back to per-element
+        return None
+    return None

@@ -1,0 +1,107 @@
+"""GPT (GPT-2 / GPT-3 / Megatron shape): learned positions, pre-LayerNorm blocks, GELU MLP,
+tied input/output embeddings. forward(tokens, targets) returns the mean cross-entropy loss."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 50257
+    seq_len: int = 1024
+    hidden: int = 768
+    layers: int = 12
+    heads: int = 12
+    ffn_mult: int = 4
+    tie_embeddings: bool = True
+
+    def num_params(self) -> int:
+        h, l, v, s = self.hidden, self.layers, self.vocab_size, self.seq_len
+        per_layer = 4 * h * h + 4 * h + 2 * self.ffn_mult * h * h + (self.ffn_mult + 1) * h + 4 * h
+        return l * per_layer + v * h + s * h + 2 * h + (0 if self.tie_embeddings else v * h)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).split(h, dim=-1)
+        q = q.view(b, s, self.heads, h // self.heads).transpose(1, 2)
+        k = k.view(b, s, self.heads, h // self.heads).transpose(1, 2)
+        v = v.view(b, s, self.heads, h // self.heads).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, h))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.hidden, cfg.ffn_mult * cfg.hidden)
+        self.proj = nn.Linear(cfg.ffn_mult * cfg.hidden, cfg.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.hidden)
+        self.attn = Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.hidden)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.hidden)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.tok(tokens) + self.pos(pos)
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.hidden)
+        self.out = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln(x))
+
+
+class GPT(nn.Module):
+    """Top-level children run in order (embed, blocks, head), so pipeline stages cut cleanly."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embedding(cfg)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.head = Head(cfg)
+        if cfg.tie_embeddings:
+            self.head.out.weight = self.embed.tok.weight
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.head(x)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

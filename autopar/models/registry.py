@@ -1,0 +1,203 @@
+"""The built-in model zoo and model references.
+
+A reference is a zoo name (`gpt3-1.3b`), `MODULE:FACTORY` (a callable returning
+`(model, example_inputs)` or `(model, example_inputs, batch_fn)`), or `hf:NAME` (Hugging Face,
+optional extra). `batch_fn(step, global_batch_size)` returns that step's global batch; zoo batch
+functions depend only on the step and the seed, so every plan sees the same data.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from autopar.models.gpt import GPT, GPTConfig
+from autopar.models.mlp import MLP
+from autopar.schema.errors import PlanError
+
+BatchFn = Callable[..., tuple]
+
+
+@dataclass
+class ModelBundle:
+    """A model with example inputs (batch dim 0) and a function giving each step's batch."""
+
+    name: str
+    model: nn.Module
+    example_inputs: tuple
+    batch_fn: Optional[BatchFn] = None
+    description: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    name: str
+    family: str
+    build: Callable[[], nn.Module]
+    inputs: Callable[[int], tuple]              # batch size -> example inputs (on meta)
+    batch: Callable[[int, int, int], tuple]     # (step, global batch, seed) -> real inputs
+    description: str
+    params: int = 0
+
+
+def _gen(step: int, seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed((seed * 1_000_003 + step) % (2**63))
+    return g
+
+
+def token_batch(vocab: int, seq: int) -> Callable[[int, int, int], tuple]:
+    def fn(step: int, global_batch_size: int, seed: int = 0) -> tuple:
+        t = torch.randint(0, vocab, (global_batch_size, seq + 1), generator=_gen(step, seed))
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+    return fn
+
+
+def token_inputs(seq: int) -> Callable[[int], tuple]:
+    def fn(b: int) -> tuple:
+        return (torch.zeros(b, seq, dtype=torch.long, device="meta"),
+                torch.zeros(b, seq, dtype=torch.long, device="meta"))
+    return fn
+
+
+def _gpt(name: str, cfg: GPTConfig, desc: str) -> ZooEntry:
+    return ZooEntry(name, "gpt", lambda: GPT(cfg), token_inputs(cfg.seq_len),
+                    token_batch(cfg.vocab_size, cfg.seq_len), desc, cfg.num_params())
+
+
+def _mlp_entry(name: str, dim: int, hidden: int, layers: int) -> ZooEntry:
+    def batch(step: int, gbs: int, seed: int = 0) -> tuple:
+        g = _gen(step, seed)
+        return torch.randn(gbs, dim, generator=g), torch.randn(gbs, dim, generator=g)
+
+    return ZooEntry(name, "mlp", lambda: MLP(dim, hidden, layers),
+                    lambda b: (torch.zeros(b, dim, device="meta"), torch.zeros(b, dim, device="meta")),
+                    batch, f"MLP {dim}->{hidden}x{layers - 1}->{dim}, MSE loss",
+                    dim * hidden * 2 + hidden * hidden * max(0, layers - 2))
+
+
+_ZOO: dict[str, ZooEntry] = {}
+
+
+def register(entry: ZooEntry) -> None:
+    _ZOO[entry.name] = entry
+
+
+_GPT2 = dict(vocab_size=50257, seq_len=1024)
+_GPT3 = dict(vocab_size=51200, seq_len=2048)
+for _n, _h, _l, _a, _d in [
+    ("gpt2", 768, 12, 12, "GPT-2 small (124M)"), ("gpt2-medium", 1024, 24, 16, "GPT-2 medium (355M)"),
+    ("gpt2-large", 1280, 36, 20, "GPT-2 large (774M)"), ("gpt2-xl", 1600, 48, 25, "GPT-2 XL (1.5B)")]:
+    register(_gpt(_n, GPTConfig(hidden=_h, layers=_l, heads=_a, **_GPT2), _d))
+for _n, _h, _l, _a in [("350m", 1024, 24, 16), ("1.3b", 2048, 24, 16), ("2.7b", 2560, 32, 32),
+                       ("6.7b", 4096, 32, 32), ("13b", 5120, 40, 40), ("175b", 12288, 96, 96)]:
+    register(_gpt(f"gpt3-{_n}", GPTConfig(hidden=_h, layers=_l, heads=_a, **_GPT3),
+                  f"GPT-3 {_n.upper()} (Brown et al. 2020, s=2048, V=51200)"))
+register(_gpt("gpt-tiny", GPTConfig(vocab_size=128, seq_len=16, hidden=32, layers=2, heads=4),
+              "tiny GPT for tests and local runs"))
+register(_gpt("gpt-small", GPTConfig(vocab_size=1024, seq_len=64, hidden=128, layers=4, heads=4),
+              "small GPT for CPU runs"))
+register(_mlp_entry("mlp", 1024, 4096, 4))
+register(_mlp_entry("mlp-tiny", 32, 64, 3))
+
+
+def zoo() -> dict[str, ZooEntry]:
+    """All built-in models by name (importing optional families that are installed)."""
+    _load_families()
+    return dict(_ZOO)
+
+
+def _load_families() -> None:
+    for mod in ("autopar.models.llama", "autopar.models.bert"):
+        try:
+            importlib.import_module(mod)
+        except ImportError:
+            pass
+
+
+def build_model(ref: str, *, device: str | torch.device = "meta", batch_size: int = 1) -> ModelBundle:
+    """Resolve a model reference into a ModelBundle. Zoo models are built on `device`."""
+    if not isinstance(ref, str) or not ref.strip():
+        raise PlanError("model reference is empty; give a zoo name (see `autopar models`), "
+                        "MODULE:FACTORY, or hf:NAME")
+    ref = ref.strip()
+    if ref.startswith("hf:"):
+        from autopar.models.hf import build_hf
+
+        return build_hf(ref[3:], batch_size=batch_size, device=device)
+    if ":" in ref:
+        return _from_factory(ref)
+    entries = zoo()
+    if ref not in entries:
+        import difflib
+
+        close = difflib.get_close_matches(ref, entries, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else "; `autopar models` lists the zoo"
+        raise PlanError(f"unknown model {ref!r}{hint} (or give MODULE:FACTORY or hf:NAME)")
+    e = entries[ref]
+    with torch.device(device):
+        model = e.build()
+    inputs = e.inputs(batch_size)
+    if str(device) != "meta":
+        inputs = tuple(torch.zeros(x.shape, dtype=x.dtype, device=device) for x in inputs)
+    return ModelBundle(ref, model, inputs, e.batch, e.description)
+
+
+def _from_factory(ref: str) -> ModelBundle:
+    mod_name, _, attr = ref.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise PlanError(f"cannot import module {mod_name!r} of model factory {ref!r}: {e}; "
+                        f"check the name and that it is on PYTHONPATH") from None
+    fn = mod
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise PlanError(f"module {mod_name!r} has no attribute {attr!r} (model factory {ref!r})")
+    if not callable(fn):
+        raise PlanError(f"{ref!r} is not callable; a factory returns (model, example_inputs[, batch_fn])")
+    out = fn()
+    if isinstance(out, ModelBundle):
+        return out
+    if not isinstance(out, (tuple, list)) or len(out) not in (2, 3) or not isinstance(out[0], nn.Module):
+        raise PlanError(f"factory {ref!r} must return (model, example_inputs) or "
+                        f"(model, example_inputs, batch_fn), got {type(out).__name__}")
+    inputs = out[1] if isinstance(out[1], (tuple, list)) else (out[1],)
+    return ModelBundle(ref, out[0], tuple(inputs), out[2] if len(out) == 3 else None, "user factory")
+
+
+def call_batch_fn(batch_fn: BatchFn, step: int, global_batch_size: int, seed: int) -> tuple:
+    """Call a batch function, passing the seed when it accepts one."""
+    try:
+        takes_seed = "seed" in inspect.signature(batch_fn).parameters
+    except (TypeError, ValueError):
+        takes_seed = False
+    out = batch_fn(step, global_batch_size, seed=seed) if takes_seed else batch_fn(step, global_batch_size)
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def default_batch_fn(example_inputs: Sequence[Any]) -> BatchFn:
+    """For factories without a batch_fn: random data shaped like the example inputs (integer inputs
+    drawn below their example's max+1, floats from a normal)."""
+    def fn(step: int, global_batch_size: int, seed: int = 0) -> tuple:
+        g = _gen(step, seed)
+        out = []
+        for x in example_inputs:
+            if not isinstance(x, torch.Tensor):
+                out.append(x)
+                continue
+            shape = (global_batch_size,) + tuple(x.shape[1:])
+            if x.dtype.is_floating_point:
+                out.append(torch.randn(shape, generator=g).to(x.dtype))
+            else:
+                hi = int(x.max()) + 1 if x.device.type != "meta" and x.numel() else 2
+                out.append(torch.randint(0, max(hi, 2), shape, generator=g).to(x.dtype))
+        return tuple(out)
+    return fn

@@ -1,0 +1,173 @@
+"""Hardware descriptions: a device, a link class, and a cluster of identical nodes.
+
+Units: FLOP/s, bytes, bytes/s (per device and direction), seconds. Every bundled figure carries
+its source in `sources` (field name -> where the number comes from).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from autopar.schema.errors import PlanError
+
+DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class EfficiencyPoint(_Strict):
+    """One point of a GEMM efficiency curve: a GEMM of `flops` FLOPs runs at `efficiency` x peak."""
+
+    flops: float = Field(gt=0)
+    efficiency: float = Field(gt=0, le=1)
+
+
+class MeasuredCollective(_Strict):
+    """A measured collective: `kind` over `num_devices` devices moving `bytes` took `seconds`."""
+
+    kind: str
+    num_devices: int = Field(ge=2)
+    bytes: float = Field(gt=0)
+    seconds: float = Field(gt=0)
+
+
+class DeviceSpec(_Strict):
+    """One accelerator (or one CPU process when profiling a CPU machine)."""
+
+    name: str = Field(min_length=1)
+    peak_flops: dict[str, float] = Field(description="dense peak FLOP/s by dtype (bf16, fp16, fp32, ...)")
+    memory_bytes: float = Field(gt=0, description="device memory in bytes")
+    memory_bandwidth: float = Field(gt=0, description="memory bandwidth in bytes/s")
+    gemm_efficiency: dict[str, list[EfficiencyPoint]] = Field(
+        default_factory=dict, description="achieved fraction of peak by GEMM size, per dtype")
+    memory_efficiency: float = Field(default=0.8, gt=0, le=1,
+                                     description="achieved fraction of memory bandwidth for streaming ops")
+    kernel_overhead_s: float = Field(default=5e-6, ge=0, description="fixed launch cost per kernel")
+    sources: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("peak_flops")
+    @classmethod
+    def _check_peaks(cls, v: dict[str, float]) -> dict[str, float]:
+        if not v:
+            raise ValueError("needs at least one dtype, e.g. {bf16: 312e12}")
+        for k, x in v.items():
+            if k not in DTYPES:
+                raise ValueError(f"unknown dtype {k!r}; use one of {', '.join(DTYPES)}")
+            if not x > 0:
+                raise ValueError(f"peak for {k} must be > 0, got {x}")
+        return v
+
+    def peak(self, dtype: str) -> float:
+        """Peak FLOP/s for `dtype`, falling back bf16<->fp16 and tf32->fp32."""
+        for d in (dtype, {"bf16": "fp16", "fp16": "bf16", "tf32": "fp32"}.get(dtype, dtype), "fp32"):
+            if d in self.peak_flops:
+                return self.peak_flops[d]
+        return max(self.peak_flops.values())
+
+
+class LinkSpec(_Strict):
+    """A class of links (inside a node, or between nodes)."""
+
+    bandwidth: float = Field(gt=0, description="bytes/s per device and direction")
+    latency: float = Field(ge=0, description="seconds per message hop (alpha)")
+    measured: list[MeasuredCollective] = Field(
+        default_factory=list, description="measured collective timings; override the formulas")
+    sources: dict[str, str] = Field(default_factory=dict)
+
+
+class ClusterSpec(_Strict):
+    """A cluster of `num_nodes` identical nodes with `devices_per_node` devices each."""
+
+    name: str = "custom"
+    num_nodes: int = Field(default=1, ge=1)
+    devices_per_node: int = Field(ge=1)
+    device: DeviceSpec
+    intra_node: LinkSpec
+    inter_node: Optional[LinkSpec] = None
+    description: str = ""
+    sources: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _inter_node_needed(self) -> "ClusterSpec":
+        if self.num_nodes > 1 and self.inter_node is None:
+            raise ValueError("inter_node: a cluster of more than one node needs an inter_node link "
+                             "(bandwidth in bytes/s per device, latency in s)")
+        return self
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+    def link_between(self, rank_a: int, rank_b: int) -> LinkSpec:
+        """The link class two global ranks talk over."""
+        same = rank_a // self.devices_per_node == rank_b // self.devices_per_node
+        return self.intra_node if same or self.inter_node is None else self.inter_node
+
+    @classmethod
+    def load(cls, name_or_path: str | Path, num_nodes: int | None = None) -> "ClusterSpec":
+        """Load a bundled profile by name (see `bundled_clusters()`) or a YAML/JSON file."""
+        path = _resolve_profile(str(name_or_path))
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise PlanError(f"cannot read cluster file {path}: {e.strerror}") from None
+        try:
+            data = yaml.safe_load(text) if path.suffix.lower() in (".yaml", ".yml") else json.loads(text)
+        except (yaml.YAMLError, json.JSONDecodeError) as e:
+            raise PlanError(f"cluster file {path} is not valid {'YAML' if path.suffix != '.json' else 'JSON'}: "
+                            f"{str(e).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise PlanError(f"cluster file {path} must hold a mapping with num_nodes, devices_per_node, "
+                            f"device, intra_node, inter_node")
+        if num_nodes is not None:
+            data["num_nodes"] = num_nodes
+        data.setdefault("name", path.stem)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise PlanError(f"invalid cluster file {path}: {validation_message(e)}") from None
+
+
+def validation_message(e: ValidationError) -> str:
+    """One line naming each bad field and what it must be."""
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        inp = err.get("input")
+        got = f" (got {inp!r})" if inp is not None and not isinstance(inp, (dict, list)) else ""
+        parts.append(f"field '{loc}': {msg}{got}")
+    return "; ".join(parts)
+
+
+def bundled_profiles_dir() -> Path:
+    import hardware_profiles  # data package shipped beside autopar
+
+    return Path(hardware_profiles.__file__).parent
+
+
+def bundled_clusters() -> list[str]:
+    return sorted(p.stem for p in bundled_profiles_dir().glob("*.yaml"))
+
+
+def _resolve_profile(name: str) -> Path:
+    p = Path(name)
+    if p.suffix.lower() in (".yaml", ".yml", ".json") or p.exists() or "/" in name:
+        if not p.exists():
+            raise PlanError(f"cluster file {name} does not exist; give a bundled name "
+                            f"({', '.join(bundled_clusters())}) or a YAML/JSON path")
+        return p
+    cand = bundled_profiles_dir() / f"{name}.yaml"
+    if not cand.exists():
+        raise PlanError(f"unknown cluster {name!r}; bundled: {', '.join(bundled_clusters())} "
+                        f"(or give a YAML/JSON file path)")
+    return cand
+
+

@@ -1,0 +1,31 @@
+"""User constraints on the plan search: any field left None is searched."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+Recompute = Literal["none", "selective", "full"]
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
+RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
+
+
+class Constraints(BaseModel):
+    """Pins parts of the plan. `dp * tp * pp` must equal the device count when all three are set."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dp: Optional[int] = Field(default=None, ge=1, description="data-parallel degree")
+    tp: Optional[int] = Field(default=None, ge=1, description="tensor-parallel degree")
+    pp: Optional[int] = Field(default=None, ge=1, description="number of pipeline stages")
+    microbatch_size: Optional[int] = Field(default=None, ge=1)
+    num_microbatches: Optional[int] = Field(default=None, ge=1)
+    schedule: Optional[Schedule] = None
+    virtual_stages: Optional[int] = Field(default=None, ge=1, description="model chunks per device (interleaved)")
+    recompute: Optional[Recompute] = None
+    zero_stage: Optional[int] = Field(default=None, ge=0, le=3)
+
+    def pinned(self) -> dict[str, object]:
+        return {k: v for k, v in self.model_dump().items() if v is not None}

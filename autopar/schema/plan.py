@@ -1,0 +1,252 @@
+"""The plan: what `autopar.plan` returns, `autopar show` prints and `autopar run` executes.
+
+Versioned JSON (`format_version`); a file written by a newer autopar is refused with a message,
+never misread. Mesh axes of a stage are named: "dp" axes split the batch (parameters replicated,
+or sharded when ZeRO is on), "tp" axes hold the tensor-parallel placements in `placements`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from autopar.schema.cluster import ClusterSpec, validation_message
+from autopar.schema.constraints import Recompute, Schedule
+from autopar.schema.errors import PlanError
+
+PLAN_FORMAT_VERSION = 1
+
+Placement = str  # "R" (replicated), "S(d)" (sharded on tensor dim d), "P" (partial sum)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelInfo(_Model):
+    """What the plan was made for; `fingerprint` identifies the captured graph."""
+
+    name: str
+    num_params: int = Field(ge=0)
+    fingerprint: str
+    num_layers: int = Field(ge=1)
+    flops_per_sample: float = Field(ge=0, description="training FLOPs of one sample (fwd+bwd, no recompute)")
+    tokens_per_sample: int = Field(default=1, ge=1)
+
+
+class StagePrediction(_Model):
+    """Per-iteration time split and per-device memory of one stage."""
+
+    compute_s: float = Field(ge=0)
+    communication_s: float = Field(ge=0)
+    bubble_s: float = Field(ge=0)
+    weights_bytes: float = Field(ge=0)
+    gradients_bytes: float = Field(ge=0)
+    optimizer_bytes: float = Field(ge=0)
+    activations_bytes: float = Field(ge=0)
+    peak_memory_bytes: float = Field(ge=0)
+
+
+class StagePlan(_Model):
+    """One pipeline stage: its devices, logical mesh, layers and shardings."""
+
+    index: int = Field(ge=0)
+    devices: list[int] = Field(min_length=1, description="global ranks, row-major over mesh_shape")
+    mesh_shape: tuple[int, ...] = Field(min_length=1)
+    mesh_axis_names: tuple[str, ...] = Field(min_length=1)
+    layers: list[str] = Field(min_length=1, description="module FQNs of the layers, in order")
+    recompute: Recompute = "none"
+    placements: dict[str, tuple[Placement, ...]] = Field(
+        default_factory=dict, description="parameter FQN -> placement per mesh axis")
+    virtual_chunk: int = Field(default=0, ge=0, description="model chunk index under interleaving")
+    predicted: Optional[StagePrediction] = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "StagePlan":
+        n = 1
+        for s in self.mesh_shape:
+            n *= s
+        if n != len(self.devices):
+            raise ValueError(f"mesh_shape {self.mesh_shape} holds {n} devices but devices lists {len(self.devices)}")
+        if len(self.mesh_axis_names) != len(self.mesh_shape):
+            raise ValueError("mesh_axis_names needs one name per mesh axis")
+        for fqn, pl in self.placements.items():
+            if len(pl) != len(self.mesh_shape):
+                raise ValueError(f"placements[{fqn!r}] needs one entry per mesh axis")
+        return self
+
+    def axis_size(self, name: str) -> int:
+        """Product of the sizes of axes called `name` (1 when there is none)."""
+        n = 1
+        for a, s in zip(self.mesh_axis_names, self.mesh_shape):
+            if a == name:
+                n *= s
+        return n
+
+
+class Prediction(_Model):
+    """The cost model's prediction for one training iteration."""
+
+    iteration_time_s: float = Field(ge=0)
+    samples_per_s: float = Field(ge=0)
+    tokens_per_s: float = Field(ge=0)
+    tflops_per_device: float = Field(ge=0)
+    peak_memory_bytes: float = Field(ge=0, description="largest per-device peak over stages")
+    collectives: dict[str, int] = Field(default_factory=dict, description="one step, by kind")
+    compute_s: float = Field(default=0, ge=0)
+    communication_s: float = Field(default=0, ge=0)
+    bubble_s: float = Field(default=0, ge=0)
+
+
+class Plan(_Model):
+    """A complete parallel training plan."""
+
+    format_version: int = PLAN_FORMAT_VERSION
+    autopar_version: str = ""
+    model: ModelInfo
+    cluster: ClusterSpec
+    dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
+    global_batch_size: int = Field(ge=1)
+    microbatch_size: int = Field(ge=1)
+    num_microbatches: int = Field(ge=1)
+    schedule: Schedule = "1f1b"
+    virtual_stages: int = Field(default=1, ge=1)
+    zero_stage: int = Field(default=0, ge=0, le=3)
+    stages: list[StagePlan] = Field(min_length=1)
+    predicted: Prediction
+    search: dict[str, float | int | str] = Field(default_factory=dict, description="search statistics")
+
+    @model_validator(mode="after")
+    def _check(self) -> "Plan":
+        used = [d for s in self.stages for d in s.devices]
+        if any(d < 0 or d >= self.cluster.num_devices for d in used):
+            raise ValueError(f"stage devices must be ranks in [0, {self.cluster.num_devices})")
+        dp = self.stages[0].axis_size("dp")
+        if self.microbatch_size * self.num_microbatches * dp != self.global_batch_size:
+            raise ValueError(f"microbatch_size ({self.microbatch_size}) x num_microbatches "
+                             f"({self.num_microbatches}) x data-parallel degree ({dp}) must equal "
+                             f"global_batch_size ({self.global_batch_size})")
+        return self
+
+    # -- derived ---------------------------------------------------------------------------
+    @property
+    def pp(self) -> int:
+        return len({tuple(s.devices) for s in self.stages})
+
+    @property
+    def dp(self) -> int:
+        return self.stages[0].axis_size("dp")
+
+    @property
+    def tp(self) -> int:
+        return self.stages[0].axis_size("tp")
+
+    @property
+    def world_size(self) -> int:
+        return len({d for s in self.stages for d in s.devices})
+
+    # -- JSON ------------------------------------------------------------------------------
+    def to_json(self, indent: int | None = 2) -> str:
+        return self.model_dump_json(indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "plan") -> "Plan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{source} is not valid JSON (truncated or corrupted?): {e.msg} at line "
+                            f"{e.lineno}; re-create it with `autopar plan ... -o FILE`") from None
+        if not isinstance(data, dict):
+            raise PlanError(f"{source} is not a plan: expected a JSON object")
+        ver = data.get("format_version")
+        if not isinstance(ver, int):
+            raise PlanError(f"{source} is not an autopar plan: it has no integer format_version")
+        if ver > PLAN_FORMAT_VERSION:
+            raise PlanError(f"{source} has format_version {ver}, newer than this autopar reads "
+                            f"({PLAN_FORMAT_VERSION}); upgrade autopar or re-plan with this version")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise PlanError(f"{source} is not a valid plan: {validation_message(e)}") from None
+
+    def save(self, path: str | Path) -> None:
+        """Write atomically: the file is either the whole plan or left untouched."""
+        write_atomic(Path(path), self.to_json())
+
+    @staticmethod
+    def json_schema() -> dict:
+        return Plan.model_json_schema()
+
+    # -- text ------------------------------------------------------------------------------
+    def summary(self) -> str:
+        """A table of the stages and the plan's totals (what `autopar show` prints)."""
+        p = self.predicted
+        gib = 2**30
+        head = (f"autopar plan for {self.model.name} ({self.model.num_params / 1e9:.3g}B params) on "
+                f"{self.cluster.num_devices} x {self.cluster.device.name} "
+                f"({self.cluster.num_nodes} node{'s' if self.cluster.num_nodes > 1 else ''})\n"
+                f"dp={self.dp} tp={self.tp} pp={self.pp}  schedule={self.schedule}"
+                f"{f' (v={self.virtual_stages})' if self.virtual_stages > 1 else ''}  "
+                f"global batch={self.global_batch_size}  micro-batch={self.microbatch_size} x "
+                f"{self.num_microbatches}  zero={self.zero_stage}  dtype={self.dtype}")
+        cols = ["stage", "devices", "mesh", "layers", "recompute", "compute s", "comm s", "bubble s",
+                "memory GiB", "of GiB"]
+        rows = []
+        cap = self.cluster.device.memory_bytes / gib
+        for s in self.stages:
+            sp = s.predicted
+            devs = f"{s.devices[0]}-{s.devices[-1]}" if len(s.devices) > 1 else str(s.devices[0])
+            lay = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]} .. {s.layers[-1]} ({len(s.layers)})"
+            mesh = "x".join(f"{n}{a}" for n, a in zip(s.mesh_shape, s.mesh_axis_names))
+            rows.append([str(s.index), devs, mesh, lay, s.recompute,
+                         f"{sp.compute_s:.4g}" if sp else "-", f"{sp.communication_s:.4g}" if sp else "-",
+                         f"{sp.bubble_s:.4g}" if sp else "-",
+                         f"{sp.peak_memory_bytes / gib:.2f}" if sp else "-", f"{cap:.0f}"])
+        table = format_table(cols, rows)
+        coll = ", ".join(f"{k}={v}" for k, v in sorted(p.collectives.items())) or "none"
+        tail = (f"predicted: {p.iteration_time_s:.4g} s/iteration, {p.samples_per_s:.4g} samples/s, "
+                f"{p.tflops_per_device:.4g} TFLOP/s per device, peak memory "
+                f"{p.peak_memory_bytes / gib:.2f} GiB\ncollectives per step: {coll}")
+        return f"{head}\n{table}\n{tail}"
+
+
+def format_table(cols: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
+    line = "  ".join(c.ljust(w) for c, w in zip(cols, widths))
+    sep = "  ".join("-" * w for w in widths)
+    body = ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+    return "\n".join([line, sep, *body])
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file and a rename."""
+    path = Path(path)
+    d = path.parent if str(path.parent) else Path(".")
+    if not d.exists():
+        raise PlanError(f"cannot write {path}: directory {d} does not exist")
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan file, with a clear error when it is missing, truncated or from a newer autopar."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise PlanError(f"plan file {p} does not exist; make one with `autopar plan ... -o {p}`") from None
+    except OSError as e:
+        raise PlanError(f"cannot read plan file {p}: {e.strerror}") from None
+    return Plan.from_json(text, source=f"plan file {p}")
