@@ -1,0 +1,152 @@
+"""BERT (Devlin et al. 2019): post-LayerNorm encoder with bidirectional attention, GELU MLP,
+masked-language-model head tied to the word embeddings (BertForMaskedLM without the pooler).
+forward(tokens, targets) returns the MLM cross-entropy over positions whose target is not -100.
+
+Top-level children run in order (`embed`, `layers`, `head`). Dropout is left out (as in the GPT
+zoo model) so that runs are deterministic and comparable across plans.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autopar.models.registry import ZooEntry, _gen, register, token_inputs
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    vocab_size: int = 30522
+    seq_len: int = 512
+    hidden: int = 768
+    layers: int = 12
+    heads: int = 12
+    ffn_hidden: int = 3072
+    type_vocab_size: int = 2
+    norm_eps: float = 1e-12
+    mask_token: int = 103
+    mask_prob: float = 0.15
+
+    def num_params(self) -> int:
+        h, f, v = self.hidden, self.ffn_hidden, self.vocab_size
+        embed = (v + self.seq_len + self.type_vocab_size) * h + 2 * h
+        per_layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
+        head = h * h + h + 2 * h + v      # transform dense + LayerNorm + decoder bias (weight tied)
+        return embed + self.layers * per_layer + head
+
+
+class Embeddings(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.word = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.hidden)
+        self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.hidden)
+        self.ln = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        s = tokens.shape[1]
+        pos = torch.arange(s, device=tokens.device)
+        types = torch.zeros(s, dtype=torch.long, device=tokens.device)
+        return self.ln(self.word(tokens) + self.pos(pos) + self.token_type(types))
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.query = nn.Linear(cfg.hidden, cfg.hidden)
+        self.key = nn.Linear(cfg.hidden, cfg.hidden)
+        self.value = nn.Linear(cfg.hidden, cfg.hidden)
+        self.out = nn.Linear(cfg.hidden, cfg.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        d = h // self.heads
+        q = self.query(x).view(b, s, self.heads, d).transpose(1, 2)
+        k = self.key(x).view(b, s, self.heads, d).transpose(1, 2)
+        v = self.value(x).view(b, s, self.heads, d).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.out(y.transpose(1, 2).reshape(b, s, h))
+
+
+class Layer(nn.Module):
+    """Post-LN: x = LN(x + attn(x)); x = LN(x + mlp(x))."""
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.attn = SelfAttention(cfg)
+        self.attn_ln = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.fc1 = nn.Linear(cfg.hidden, cfg.ffn_hidden)
+        self.fc2 = nn.Linear(cfg.ffn_hidden, cfg.hidden)
+        self.mlp_ln = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.attn_ln(x + self.attn(x))
+        return self.mlp_ln(x + self.fc2(F.gelu(self.fc1(x))))
+
+
+class MLMHead(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden, cfg.hidden)
+        self.ln = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.decoder = nn.Linear(cfg.hidden, cfg.vocab_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.ln(F.gelu(self.dense(x))))
+
+
+class Bert(nn.Module):
+    """Top-level children run in order (embed, layers, head); head.decoder.weight is tied to
+    embed.word.weight."""
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embeddings(cfg)
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.layers))
+        self.head = MLMHead(cfg)
+        self.head.decoder.weight = self.embed.word.weight
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(x)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
+
+
+def mlm_batch(cfg: BertConfig):
+    """(step, global batch, seed) -> (tokens with ~15% replaced by [MASK], targets: the original
+    token at masked positions, -100 elsewhere); at least one masked position per sequence."""
+    def fn(step: int, global_batch_size: int, seed: int = 0) -> tuple:
+        g = _gen(step, seed)
+        tokens = torch.randint(0, cfg.vocab_size, (global_batch_size, cfg.seq_len), generator=g)
+        mask = torch.rand(global_batch_size, cfg.seq_len, generator=g) < cfg.mask_prob
+        mask[:, 0] = True
+        targets = torch.where(mask, tokens, torch.full_like(tokens, IGNORE))
+        inputs = torch.where(mask, torch.full_like(tokens, cfg.mask_token % cfg.vocab_size), tokens)
+        return inputs, targets
+    return fn
+
+
+def _bert(name: str, cfg: BertConfig, desc: str) -> ZooEntry:
+    return ZooEntry(name, "bert", lambda: Bert(cfg), token_inputs(cfg.seq_len), mlm_batch(cfg),
+                    desc, cfg.num_params())
+
+
+CONFIGS: dict[str, tuple[BertConfig, str]] = {
+    "bert-base": (BertConfig(), "BERT base (110M, s=512, MLM loss)"),
+    "bert-large": (BertConfig(hidden=1024, layers=24, heads=16, ffn_hidden=4096),
+                   "BERT large (340M, s=512, MLM loss)"),
+    "bert-tiny": (BertConfig(vocab_size=128, seq_len=16, hidden=32, layers=2, heads=4, ffn_hidden=64,
+                             mask_token=3), "tiny BERT for tests and local runs"),
+}
+
+for _name, (_cfg, _desc) in CONFIGS.items():
+    register(_bert(_name, _cfg, _desc))

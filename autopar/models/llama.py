@@ -1,0 +1,168 @@
+"""Llama 2 / Llama 3 (Touvron et al. 2023; Meta 2024): RMSNorm pre-norm blocks, SwiGLU MLP, rotary
+position embeddings, grouped-query attention (n_kv_heads < n_heads), untied output head.
+forward(tokens, targets) returns the mean next-token cross-entropy loss.
+
+Top-level children run in execution order (`embed`, `layers`, `norm`, `head`), so pipeline stages
+cut cleanly at top-level / ModuleList FQNs; each block is a function of the hidden state alone
+(the rotary tables are recomputed per block from the sequence length: a few element-wise ops on
+an (s, d/2) table, negligible next to the block, and no buffers that need materialising after
+building on the meta device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autopar.models.registry import ZooEntry, register, token_batch, token_inputs
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 32000
+    seq_len: int = 4096
+    hidden: int = 4096
+    layers: int = 32
+    heads: int = 32
+    kv_heads: int = 32
+    ffn_hidden: int = 11008
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def num_params(self) -> int:
+        h, d = self.hidden, self.head_dim
+        attn = h * self.heads * d + 2 * h * self.kv_heads * d + self.heads * d * h
+        per_layer = attn + 3 * h * self.ffn_hidden + 2 * h
+        return self.layers * per_layer + 2 * self.vocab_size * h + h
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rotary_tables(seq: int, dim: int, theta: float, device: torch.device, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, (seq, dim), in the half-split (rotate_half) layout."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    t = torch.arange(seq, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
+        self.theta = cfg.rope_theta
+        self.q_proj = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        d = self.head_dim
+        q = self.q_proj(x).view(b, s, self.heads, d).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.kv_heads, d).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.kv_heads, d).transpose(1, 2)
+        cos, sin = rotary_tables(s, d, self.theta, x.device, q.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if self.kv_heads != self.heads:   # grouped-query attention: share each K/V head
+            rep = self.heads // self.kv_heads
+            k = k[:, :, None].expand(b, self.kv_heads, rep, s, d).reshape(b, self.heads, s, d)
+            v = v[:, :, None].expand(b, self.kv_heads, rep, s, d).reshape(b, self.heads, s, d)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, self.heads * d))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    """Top-level children run in order (embed, layers, norm, head)."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for blk in self.layers:
+            x = blk(x)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _llama(name: str, cfg: LlamaConfig, desc: str) -> ZooEntry:
+    return ZooEntry(name, "llama", lambda: Llama(cfg), token_inputs(cfg.seq_len),
+                    token_batch(cfg.vocab_size, cfg.seq_len), desc, cfg.num_params())
+
+
+CONFIGS: dict[str, tuple[LlamaConfig, str]] = {
+    "llama2-7b": (LlamaConfig(hidden=4096, layers=32, heads=32, kv_heads=32, ffn_hidden=11008),
+                  "Llama 2 7B (s=4096, V=32000, MHA)"),
+    "llama2-13b": (LlamaConfig(hidden=5120, layers=40, heads=40, kv_heads=40, ffn_hidden=13824),
+                   "Llama 2 13B (s=4096, V=32000, MHA)"),
+    "llama2-70b": (LlamaConfig(hidden=8192, layers=80, heads=64, kv_heads=8, ffn_hidden=28672),
+                   "Llama 2 70B (s=4096, V=32000, GQA 8 KV heads)"),
+    "llama3-8b": (LlamaConfig(vocab_size=128256, seq_len=8192, hidden=4096, layers=32, heads=32,
+                              kv_heads=8, ffn_hidden=14336, rope_theta=500000.0),
+                  "Llama 3 8B (s=8192, V=128256, GQA 8 KV heads)"),
+    "llama3-70b": (LlamaConfig(vocab_size=128256, seq_len=8192, hidden=8192, layers=80, heads=64,
+                               kv_heads=8, ffn_hidden=28672, rope_theta=500000.0),
+                   "Llama 3 70B (s=8192, V=128256, GQA 8 KV heads)"),
+    "llama-tiny": (LlamaConfig(vocab_size=128, seq_len=16, hidden=32, layers=2, heads=4, kv_heads=2,
+                               ffn_hidden=64),
+                   "tiny Llama (GQA) for tests and local runs"),
+}
+
+for _name, (_cfg, _desc) in CONFIGS.items():
+    register(_llama(_name, _cfg, _desc))
