@@ -159,7 +159,7 @@ class Plan(_Model):
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise PlanError(f"{source} is not valid JSON (truncated or corrupted?): {e.msg} at line "
+            raise PlanError(f"{source} is not valid JSON (truncated or corrupted?): {e.msg}, line "
                             f"{e.lineno}; re-create it with `autopar plan ... -o FILE`") from None
         if not isinstance(data, dict):
             raise PlanError(f"{source} is not a plan: expected a JSON object")
@@ -187,7 +187,7 @@ class Plan(_Model):
         """A table of the stages and the plan's totals (what `autopar show` prints)."""
         p = self.predicted
         gib = 2**30
-        head = (f"autopar plan for {self.model.name} ({self.model.num_params / 1e9:.3g}B params) on "
+        head = (f"autopar plan for {self.model.name} ({format_count(self.model.num_params)} params) on "
                 f"{self.cluster.num_devices} x {self.cluster.device.name} "
                 f"({self.cluster.num_nodes} node{'s' if self.cluster.num_nodes > 1 else ''})\n"
                 f"dp={self.dp} tp={self.tp} pp={self.pp}  schedule={self.schedule}"
@@ -213,6 +213,14 @@ class Plan(_Model):
                 f"{p.tflops_per_device:.4g} TFLOP/s per device, peak memory "
                 f"{p.peak_memory_bytes / gib:.2f} GiB\ncollectives per step: {coll}")
         return f"{head}\n{table}\n{tail}"
+
+
+def format_count(n: float) -> str:
+    """12.3B, 45.6M, 7.8K."""
+    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return f"{n:.0f}"
 
 
 def format_table(cols: list[str], rows: list[list[str]]) -> str:

@@ -1,0 +1,3 @@
+from autopar.cli import entry
+
+entry()

@@ -1,0 +1,228 @@
+"""The `autopar` command: plan, show, run, profile, models, schema.
+
+Every user mistake ends as one line on stderr (`autopar: error: ...`) and a non-zero exit code,
+never a traceback; output files are written atomically, so a failed command leaves none behind.
+Set AUTOPAR_DEBUG=1 to see tracebacks of unexpected errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import click
+from pydantic import ValidationError
+
+from autopar.schema import PlanError
+from autopar.schema.cluster import validation_message
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+def _echo_err(msg: str, quiet: bool = False) -> None:
+    if not quiet:
+        click.echo(msg, err=True)
+
+
+@click.group(context_settings=CONTEXT)
+@click.version_option(package_name="autopar", prog_name="autopar")
+def cli() -> None:
+    """autopar: find the fastest parallel plan for a PyTorch model on a cluster, and run it."""
+
+
+def _constraints(**kw: Any):
+    from autopar.schema import Constraints
+
+    try:
+        return Constraints(**kw)
+    except ValidationError as e:
+        raise PlanError(f"invalid constraint: {validation_message(e)}") from None
+
+
+def _cluster(name: str, nodes: Optional[int], devices_per_node: Optional[int]):
+    from autopar.schema import ClusterSpec
+
+    spec = ClusterSpec.load(name, num_nodes=nodes)
+    if devices_per_node is not None:
+        spec = spec.model_copy(update={"devices_per_node": devices_per_node})
+    return spec
+
+
+@cli.command("plan", context_settings=CONTEXT)
+@click.option("--model", "model_ref", required=True, help="zoo name, MODULE:FACTORY, or hf:NAME")
+@click.option("--cluster", required=True, help="bundled profile name or a YAML/JSON file")
+@click.option("--nodes", type=click.IntRange(min=1), help="number of nodes (overrides the profile)")
+@click.option("--devices-per-node", type=click.IntRange(min=1), help="devices per node (overrides)")
+@click.option("--global-batch-size", "-b", type=int, required=True, help="samples per iteration")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
+@click.option("--dp", type=int, help="pin the data-parallel degree")
+@click.option("--tp", type=int, help="pin the tensor-parallel degree")
+@click.option("--pp", type=int, help="pin the number of pipeline stages")
+@click.option("--microbatch-size", type=int)
+@click.option("--num-microbatches", type=int)
+@click.option("--schedule", type=click.Choice(["gpipe", "1f1b", "interleaved_1f1b"]))
+@click.option("--virtual-stages", type=int)
+@click.option("--recompute", type=click.Choice(["none", "selective", "full"]))
+@click.option("--zero-stage", type=int)
+@click.option("--output", "-o", type=click.Path(dir_okay=False), help="write the plan as JSON")
+@click.option("--compare", is_flag=True, help="also show data-parallel, ZeRO-3 and Megatron baselines")
+@click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
+@click.option("--quiet", "-q", is_flag=True, help="no progress output")
+def plan_cmd(model_ref: str, cluster: str, nodes: Optional[int], devices_per_node: Optional[int],
+             global_batch_size: int, dtype: str, output: Optional[str], compare: bool, as_json: bool,
+             quiet: bool, **pins: Any) -> None:
+    """Plan MODEL on CLUSTER and print the plan (or write it with -o)."""
+    import autopar
+
+    if global_batch_size < 1:
+        raise PlanError(f"--global-batch-size must be >= 1, got {global_batch_size}")
+    if output and not Path(output).resolve().parent.is_dir():
+        raise PlanError(f"cannot write {output}: directory {Path(output).parent} does not exist")
+    cons = _constraints(**pins)
+    spec = _cluster(cluster, nodes, devices_per_node)
+    p = autopar.plan(model_ref, spec, global_batch_size=global_batch_size, dtype=dtype,
+                     constraints=cons, progress=not quiet)
+    if output:
+        p.save(output)
+    if as_json:
+        click.echo(p.to_json())
+    else:
+        click.echo(p.summary())
+    if compare:
+        from autopar.compare import compare_baselines
+
+        click.echo(compare_baselines(p, model_ref, spec, as_json=as_json))
+    if output and not as_json:
+        _echo_err(f"wrote {output}", quiet)
+
+
+@cli.command("show", context_settings=CONTEXT)
+@click.argument("plan_file", type=click.Path(dir_okay=False))
+@click.option("--plot", type=click.Path(dir_okay=False), help="draw timeline and memory (PNG or SVG)")
+@click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
+def show_cmd(plan_file: str, plot: Optional[str], as_json: bool) -> None:
+    """Print a saved plan's stages, sharding, memory and predicted time."""
+    from autopar.schema import load_plan
+
+    p = load_plan(plan_file)
+    click.echo(p.to_json() if as_json else p.summary())
+    if plot:
+        from autopar.plot import plot_plan
+
+        plot_plan(p, plot)
+        _echo_err(f"wrote {plot}")
+
+
+@cli.command("run", context_settings=CONTEXT)
+@click.argument("plan_file", type=click.Path(dir_okay=False))
+@click.option("--model", "model_ref", required=True, help="the model the plan was made for")
+@click.option("--steps", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--metrics", type=click.Path(dir_okay=False), help="one JSON line per step")
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False))
+@click.option("--checkpoint-every", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--quiet", "-q", is_flag=True)
+def run_cmd(plan_file: str, model_ref: str, steps: int, seed: int, metrics: Optional[str],
+            checkpoint_dir: Optional[str], checkpoint_every: int, quiet: bool) -> None:
+    """Execute a plan on torch.distributed (launches torchrun itself when needed)."""
+    from autopar.schema import load_plan
+
+    p = load_plan(plan_file)
+    try:
+        from autopar.runtime import run
+    except ImportError as e:  # pragma: no cover - runtime always ships
+        raise PlanError(f"the runtime is not available: {e}") from None
+    rows = run(p, model_ref, steps=steps, seed=seed, metrics_path=metrics,
+               checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, quiet=quiet)
+    if not quiet and rows and not metrics:
+        for r in rows:
+            click.echo(json.dumps(r))
+
+
+@cli.command("profile", context_settings=CONTEXT)
+@click.option("--output", "-o", type=click.Path(dir_okay=False), required=True)
+@click.option("--processes", type=click.IntRange(min=1), help="local processes (default: GPUs or 2)")
+@click.option("--quick", is_flag=True, help="fewer sizes (seconds instead of minutes)")
+@click.option("--quiet", "-q", is_flag=True)
+def profile_cmd(output: str, processes: Optional[int], quick: bool, quiet: bool) -> None:
+    """Measure this machine (GEMMs, memory bandwidth, collectives) into a cluster profile."""
+    from cost_models.profiler import profile_machine
+
+    if not Path(output).resolve().parent.is_dir():
+        raise PlanError(f"cannot write {output}: directory {Path(output).parent} does not exist")
+    profile_machine(Path(output), num_processes=processes, quick=quick, progress=not quiet)
+    _echo_err(f"wrote {output}", quiet)
+
+
+@cli.command("models", context_settings=CONTEXT)
+@click.option("--json", "as_json", is_flag=True)
+def models_cmd(as_json: bool) -> None:
+    """List the built-in model zoo."""
+    from autopar.models import zoo
+    from autopar.schema.plan import format_count, format_table
+
+    entries = zoo()
+    if as_json:
+        click.echo(json.dumps({n: {"family": e.family, "params": e.params, "description": e.description}
+                               for n, e in entries.items()}, indent=2))
+        return
+    rows = [[n, e.family, format_count(e.params), e.description] for n, e in entries.items()]
+    click.echo(format_table(["model", "family", "params", "description"], rows))
+
+
+@cli.command("schema", context_settings=CONTEXT)
+def schema_cmd() -> None:
+    """Print the JSON Schema of plan files."""
+    from autopar.schema import Plan
+
+    click.echo(json.dumps(Plan.json_schema(), indent=2))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point: runs the CLI and turns user errors into one line and an exit code."""
+    debug = os.environ.get("AUTOPAR_DEBUG") == "1"
+    try:
+        cli.main(args=argv, prog_name="autopar", standalone_mode=False)
+        return 0
+    except click.exceptions.Exit as e:
+        return int(e.exit_code)
+    except click.exceptions.Abort:
+        click.echo("autopar: aborted", err=True)
+        return 130
+    except click.UsageError as e:
+        hint = f" (see `autopar {e.ctx.info_name} --help`)" if e.ctx is not None and e.ctx.info_name != "autopar" else ""
+        click.echo(f"autopar: error: {e.format_message()}{hint}", err=True)
+        return 2
+    except click.ClickException as e:
+        click.echo(f"autopar: error: {e.format_message()}", err=True)
+        return 1
+    except PlanError as e:
+        if debug:
+            raise
+        click.echo(f"autopar: error: {e}", err=True)
+        return 1
+    except ValidationError as e:
+        if debug:
+            raise
+        click.echo(f"autopar: error: {validation_message(e)}", err=True)
+        return 1
+    except KeyboardInterrupt:
+        click.echo("autopar: interrupted", err=True)
+        return 130
+    except Exception as e:  # noqa: BLE001 - a bug, not a user mistake: say so in one line
+        if debug:
+            raise
+        click.echo(f"autopar: internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+                   f"(set AUTOPAR_DEBUG=1 for the traceback; please report it)", err=True)
+        return 3
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

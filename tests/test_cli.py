@@ -1,0 +1,80 @@
+"""The CLI as a user runs it: output, exit codes, one-line errors, no half-written files."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+ENV.pop("AUTOPAR_DEBUG", None)
+
+
+def autopar(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "autopar", *args], capture_output=True, text=True,
+                          env=ENV, cwd=cwd, timeout=300)
+
+
+def test_plan_prints_and_writes(tmp_path):
+    out = tmp_path / "plan.json"
+    r = autopar("plan", "--model", "gpt-tiny", "--cluster", "cpu", "--global-batch-size", "8",
+                "--dtype", "fp32", "-o", str(out), "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert "predicted:" in r.stdout and "stage" in r.stdout
+    plan = json.loads(out.read_text())
+    assert plan["global_batch_size"] == 8 and plan["stages"][0]["devices"] == [0, 1]
+    s = autopar("show", str(out))
+    assert s.returncode == 0 and "gpt-tiny" in s.stdout
+    j = autopar("show", str(out), "--json")
+    assert json.loads(j.stdout) == plan
+
+
+def test_models_and_schema():
+    r = autopar("models")
+    assert r.returncode == 0 and "gpt3-175b" in r.stdout and "mlp" in r.stdout
+    s = autopar("schema")
+    assert s.returncode == 0 and json.loads(s.stdout)["title"] == "Plan"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["plan", "--model", "gpt-nope", "--cluster", "cpu", "-b", "8"], "unknown model 'gpt-nope'"),
+    (["plan", "--model", "no_such_mod:factory", "--cluster", "cpu", "-b", "8"], "cannot import module"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "dgx-z9", "-b", "8"], "unknown cluster 'dgx-z9'"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "cpu", "-b", "0"], "--global-batch-size must be >= 1"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "cpu", "-b", "7"], "does not divide"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "cpu", "-b", "8", "--zero-stage", "5"], "zero_stage"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "cpu", "-b", "8", "--dp", "3", "--tp", "1", "--pp", "1"],
+     "dp"),
+    (["show", "missing-plan.json"], "does not exist"),
+    (["plan", "--cluster", "cpu", "-b", "8"], "Missing option '--model'"),
+])
+def test_bad_input_is_one_line(tmp_path, args, message):
+    out = tmp_path / "out.json"
+    r = autopar(*args, "-o", str(out)) if args[0] == "plan" else autopar(*args, cwd=tmp_path)
+    assert r.returncode != 0
+    assert message in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    assert not out.exists() and not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+
+
+def test_bad_plan_files(tmp_path):
+    good = tmp_path / "good.json"
+    assert autopar("plan", "--model", "gpt-tiny", "--cluster", "cpu", "-b", "8", "-o", str(good), "-q").returncode == 0
+    text = good.read_text()
+    (tmp_path / "trunc.json").write_text(text[: len(text) // 2])
+    d = json.loads(text)
+    d["format_version"] = 7
+    (tmp_path / "future.json").write_text(json.dumps(d))
+    for name, msg in (("trunc.json", "not valid JSON"), ("future.json", "newer than this autopar")):
+        r = autopar("show", str(tmp_path / name))
+        assert r.returncode == 1 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_invalid_cluster_file(tmp_path):
+    f = tmp_path / "mycluster.yaml"
+    f.write_text("num_nodes: 1\ndevices_per_node: 8\ndevice: {name: x, peak_flops: {bf16: 1.0e14}, "
+                 "memory_bytes: -5, memory_bandwidth: 1.0e12}\nintra_node: {bandwidth: 1.0e11, latency: 1.0e-6}\n")
+    r = autopar("plan", "--model", "gpt-tiny", "--cluster", str(f), "-b", "8")
+    assert r.returncode == 1 and "field 'device.memory_bytes'" in r.stderr

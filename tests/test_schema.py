@@ -1,0 +1,117 @@
+"""File formats: round trips, bundled profiles, and validation messages that name the field."""
+
+import json
+
+import pytest
+
+import autopar
+from autopar import ClusterSpec, Constraints, LogicalMesh, Plan, PlanError
+from autopar.schema.cluster import bundled_clusters
+
+
+def test_bundled_cluster_loads_with_node_override():
+    c = ClusterSpec.load("dgx-a100-80g", num_nodes=4)
+    assert c.num_nodes == 4 and c.devices_per_node == 8 and c.num_devices == 32
+    assert c.device.peak("bf16") == 312e12
+    assert "dgx-a100-80g" in bundled_clusters()
+
+
+def test_cluster_from_yaml_and_json(tmp_path):
+    data = ClusterSpec.load("dgx-a100-80g").model_dump()
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    import yaml
+
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(data))
+    assert ClusterSpec.load(tmp_path / "c.json") == ClusterSpec.load(str(tmp_path / "c.yaml"))
+
+
+def test_cluster_constructed_as_in_the_contract():
+    c = ClusterSpec(num_nodes=2, devices_per_node=8,
+                    device=autopar.DeviceSpec(name="a100-80g", peak_flops={"bf16": 312e12, "fp32": 19.5e12},
+                                              memory_bytes=80 * 2**30, memory_bandwidth=2.039e12),
+                    intra_node=autopar.LinkSpec(bandwidth=300e9, latency=5e-6),
+                    inter_node=autopar.LinkSpec(bandwidth=200e9, latency=10e-6))
+    assert c.num_devices == 16
+    assert c.link_between(0, 7) is c.intra_node and c.link_between(0, 8) is c.inter_node
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda d: d["device"].update(memory_bytes=-1), "device.memory_bytes"),
+    (lambda d: d["intra_node"].update(bandwidth=0), "intra_node.bandwidth"),
+    (lambda d: d.update(devices_per_node=0), "devices_per_node"),
+    (lambda d: d["device"]["peak_flops"].update(int3=1e12), "device.peak_flops"),
+])
+def test_invalid_cluster_file_names_the_field(tmp_path, mutate, field):
+    d = ClusterSpec.load("dgx-a100-80g").model_dump()
+    mutate(d)
+    f = tmp_path / "bad.json"
+    f.write_text(json.dumps(d))
+    with pytest.raises(PlanError, match=f"field '{field}"):
+        ClusterSpec.load(f)
+
+
+def test_multi_node_needs_inter_node_link():
+    d = ClusterSpec.load("dgx-a100-80g").model_dump()
+    d.update(num_nodes=2, inter_node=None)
+    with pytest.raises(Exception, match="inter_node"):
+        ClusterSpec.model_validate(d)
+
+
+def test_unknown_cluster_and_missing_file():
+    with pytest.raises(PlanError, match="unknown cluster 'dgx-z9'.*bundled"):
+        ClusterSpec.load("dgx-z9")
+    with pytest.raises(PlanError, match="does not exist"):
+        ClusterSpec.load("/no/such/cluster.yaml")
+
+
+def test_constraints_validate_each_field():
+    assert Constraints(tp=8, pp=2).pinned() == {"tp": 8, "pp": 2}
+    for bad in ({"tp": 0}, {"schedule": "zigzag"}, {"zero_stage": 4}, {"recompute": "some"}, {"dpp": 2}):
+        with pytest.raises(Exception) as e:
+            Constraints(**bad)
+        assert list(bad)[0] in str(e.value)
+
+
+def test_logical_mesh_checks_lengths():
+    m = LogicalMesh(shape=(2, 4), alpha=(1e-5, 1e-6), beta=(1 / 25e9, 1 / 300e9))
+    assert m.num_devices == 8
+    with pytest.raises(Exception, match="one value per mesh axis"):
+        LogicalMesh(shape=(2, 4), alpha=(1e-5,), beta=(1e-9, 1e-9))
+
+
+@pytest.fixture(scope="module")
+def tiny_plan() -> Plan:
+    return autopar.plan("gpt-tiny", "cpu", global_batch_size=8, dtype="fp32")
+
+
+def test_plan_round_trip(tiny_plan, tmp_path):
+    assert Plan.from_json(tiny_plan.to_json()) == tiny_plan
+    path = tmp_path / "plan.json"
+    tiny_plan.save(path)
+    assert autopar.load_plan(path) == tiny_plan
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]   # no temp file left
+
+
+def test_plan_future_version_and_truncated(tiny_plan, tmp_path):
+    d = json.loads(tiny_plan.to_json())
+    d["format_version"] = 99
+    with pytest.raises(PlanError, match="format_version 99, newer"):
+        Plan.from_json(json.dumps(d))
+    with pytest.raises(PlanError, match="not valid JSON"):
+        Plan.from_json(tiny_plan.to_json()[:200])
+    with pytest.raises(PlanError, match="not a valid plan: field 'global_batch_size'"):
+        d["format_version"] = 1
+        d["global_batch_size"] = 0
+        Plan.from_json(json.dumps(d))
+
+
+def test_plan_batch_arithmetic_is_checked(tiny_plan):
+    d = json.loads(tiny_plan.to_json())
+    d["num_microbatches"] += 1
+    with pytest.raises(PlanError, match="must equal global_batch_size"):
+        Plan.from_json(json.dumps(d))
+
+
+def test_plan_schema_is_json_schema(tiny_plan):
+    s = Plan.json_schema()
+    assert s["type"] == "object" and "stages" in s["properties"] and "predicted" in s["properties"]
