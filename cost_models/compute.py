@@ -1,37 +1,89 @@
-"""Compute time of one op from its FLOPs and bytes against a device (roofline plus overhead)."""
+"""Compute time of ops, op lists and captured graphs against a device (roofline plus overhead).
+
+Model, per op (forward):
+    t = max(FLOPs / (peak(dtype) * eff), bytes / (memory_bandwidth * memory_efficiency)) + overhead
+where `eff` is the GEMM efficiency curve of the device (a function of the GEMM's FLOPs: small
+GEMMs run far below peak) for matrix ops, and 1 against the vector (fp32, non-tensor-core) peak
+for every other op, which in practice makes them memory-bound.
+
+Backward, per op family:
+- matrix ops compute the input gradient and the weight gradient, 2x the forward FLOPs; a fused
+  (flash) attention kernel recomputes QK^T in its backward: 5 matmuls against 2, 2.5x;
+- element-wise and normalisation ops are memory-bound: their backward reads the output gradient
+  and what the forward saved and writes the input gradient, about 1.5x-2x the forward bytes
+  (`backward_bytes_factor`); an add only passes its gradient on.
+Recomputation adds one more forward of the recomputed ops (all of them under "full", the
+attention core under "selective", Korthikanti et al. 2022).
+
+The optimizer step is memory-bound: AdamW reads and writes every parameter's master weight,
+two moments, and gradient (`optimizer_step_time`).
+
+Graphs are captured in fp32 on the meta device; `dtype` rescales every floating-point tensor's
+bytes to the training dtype (bf16: half), so a bf16 run is assessed from an fp32 capture.
+"""
 
 from __future__ import annotations
 
-from autopar.schema.cluster import DeviceSpec
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Literal, Optional, Union
+
+from autopar.schema.cluster import DeviceSpec, EfficiencyPoint
 
 MATRIX_OPS = frozenset({"linear", "mm", "addmm", "bmm", "baddbmm", "matmul",
-                        "scaled_dot_product_attention", "convolution", "_convolution"})
+                        "scaled_dot_product_attention", "convolution", "_convolution",
+                        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                        "conv1d", "conv2d", "conv3d", "einsum"})
+
+# fused attention kernels: backward recomputes the scores (flash attention, Dao et al. 2022)
+FUSED_ATTENTION = frozenset({"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+                             "_scaled_dot_product_efficient_attention"})
+
+# bytes per element of a training dtype
+DTYPE_SIZE = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+Recompute = Literal["none", "selective", "full"]
+
+# Generic efficiency curve, used when a profile has none: fraction of the dense tensor-core peak
+# reached by a GEMM of F FLOPs. Shape from published cuBLAS sweeps on A100/H100 (NVIDIA
+# "Matrix Multiplication Background User's Guide", GEMM performance figures; and the square-GEMM
+# sweeps in the nccl/cutlass profiler reports): ~1e8 FLOPs (a 256^3 GEMM) is launch/latency
+# bound at a few percent, 1e10 (~1700^3) reaches about half, and >= 1e12 (8192^3) saturates near
+# 80% of the datasheet peak.
+GENERIC_CURVE: tuple[tuple[float, float], ...] = (
+    (1e6, 0.01), (1e7, 0.03), (1e8, 0.10), (1e9, 0.30), (1e10, 0.55), (1e11, 0.72), (1e12, 0.80),
+    (1e13, 0.82))
+
+
+def _curve(device: DeviceSpec, dtype: str) -> list[tuple[float, float]]:
+    fallbacks = (dtype, {"bf16": "fp16", "fp16": "bf16", "tf32": "fp32"}.get(dtype, dtype))
+    for d in fallbacks:
+        pts: list[EfficiencyPoint] = device.gemm_efficiency.get(d) or []
+        if pts:
+            return sorted((p.flops, p.efficiency) for p in pts)
+    return list(GENERIC_CURVE)
 
 
 def gemm_efficiency(device: DeviceSpec, flops: float, dtype: str) -> float:
-    """Achieved fraction of peak for a matrix op of `flops` FLOPs (interpolated on the device's
-    curve in log-space; a generic curve when it has none)."""
-    import math
-
-    pts = device.gemm_efficiency.get(dtype) or device.gemm_efficiency.get("bf16") or []
-    if not pts:
-        # generic: large GEMMs reach ~75% of peak, falling with size
-        pts_x = [1e6, 1e8, 1e9, 1e10, 1e11, 1e12]
-        pts_y = [0.02, 0.15, 0.35, 0.6, 0.72, 0.76]
-    else:
-        pts = sorted(pts, key=lambda p: p.flops)
-        pts_x = [p.flops for p in pts]
-        pts_y = [p.efficiency for p in pts]
-    if flops <= pts_x[0]:
-        return pts_y[0]
-    if flops >= pts_x[-1]:
-        return pts_y[-1]
+    """Achieved fraction of peak for a matrix op of `flops` FLOPs: the device's measured curve for
+    `dtype` (bf16<->fp16, tf32->fp32 fall back to each other) interpolated linearly in
+    log(FLOPs), constant beyond its ends; the generic curve when the profile has none."""
+    pts = _curve(device, dtype)
+    if flops <= pts[0][0]:
+        return pts[0][1]
+    if flops >= pts[-1][0]:
+        return pts[-1][1]
     lx = math.log(flops)
-    for (x0, y0), (x1, y1) in zip(zip(pts_x, pts_y), zip(pts_x[1:], pts_y[1:])):
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
         if flops <= x1:
             t = (lx - math.log(x0)) / (math.log(x1) - math.log(x0))
             return y0 + t * (y1 - y0)
-    return pts_y[-1]
+    return pts[-1][1]
+
+
+def vector_peak(device: DeviceSpec) -> float:
+    """FLOP/s of non-matrix (CUDA-core / SIMD) work: the fp32 peak when the profile has one."""
+    return device.peak_flops.get("fp32") or min(device.peak_flops.values())
 
 
 def op_time(op: str, flops: float, bytes_moved: float, device: DeviceSpec, dtype: str = "bf16") -> float:
@@ -42,10 +94,196 @@ def op_time(op: str, flops: float, bytes_moved: float, device: DeviceSpec, dtype
     if op in MATRIX_OPS:
         comp = flops / (device.peak(dtype) * gemm_efficiency(device, flops, dtype))
     else:
-        comp = flops / (device.peak("fp32") if dtype == "fp32" else device.peak(dtype) * 0.25)
+        comp = flops / vector_peak(device)
     return max(comp, mem) + device.kernel_overhead_s
 
 
 def backward_factor(op: str) -> float:
-    """Backward work relative to forward: matrix ops compute input and weight gradients (2x)."""
+    """Backward FLOPs relative to forward: matrix ops compute input and weight gradients (2x);
+    fused attention also recomputes its scores (2.5x); other ops about 1x."""
+    if op in FUSED_ATTENTION:
+        return 2.5
     return 2.0 if op in MATRIX_OPS else 1.0
+
+
+# backward bytes relative to forward bytes for memory-bound ops
+_BWD_BYTES = {"add": 1.0, "sub": 1.0, "embedding": 2.0, "layer_norm": 2.0, "native_layer_norm": 2.0,
+              "rms_norm": 2.0, "gelu": 1.5, "silu": 1.5, "relu": 1.5, "tanh": 1.5, "sigmoid": 1.5,
+              "softmax": 1.5, "_softmax": 1.5, "_safe_softmax": 1.5, "log_softmax": 1.5, "_log_softmax": 1.5,
+              "dropout": 1.5, "native_dropout": 1.5, "mul": 2.0, "div": 1.5, "cross_entropy_loss": 1.0,
+              "to": 1.0, "_to_copy": 1.0, "clone": 1.0, "contiguous": 1.0, "arange": 0.0, "zeros": 0.0,
+              "ones": 0.0, "full": 0.0, "empty": 0.0, "masked_fill": 1.0}
+
+
+def backward_bytes_factor(op: str) -> float:
+    """Backward bytes relative to forward bytes: the gradient read plus the saved tensors read plus
+    the input gradient written (1.5x for a unary op, 2x with a weight gradient); matrix ops are
+    costed by FLOPs instead (their bytes scale with the same 2x)."""
+    if op in MATRIX_OPS:
+        return backward_factor(op)
+    return _BWD_BYTES.get(op, 1.5)
+
+
+def op_backward_time(op: str, flops: float, bytes_moved: float, device: DeviceSpec,
+                     dtype: str = "bf16") -> float:
+    """Backward seconds of one op (see `backward_factor` / `backward_bytes_factor`)."""
+    bf, bb = backward_factor(op), backward_bytes_factor(op)
+    if bf == 0 and bb == 0:
+        return 0.0
+    if op in MATRIX_OPS:
+        # two GEMMs of the forward's size (input grad, weight grad), each at the forward's efficiency
+        n = max(1, round(bf))
+        return n * op_time(op, flops * bf / n, bytes_moved * bb / n, device, dtype)
+    return op_time(op, flops * bf, bytes_moved * bb, device, dtype)
+
+
+def optimizer_bytes_per_param(policy: str = "bf16", optimizer: str = "adamw") -> float:
+    """Bytes read plus written per parameter by one optimizer step.
+
+    AdamW under bf16/fp16 mixed precision reads the grad (2), fp32 master (4), m (4), v (4) and
+    writes master, m, v (12) and the bf16 weight copy (2): 28 bytes. In fp32: reads w, g, m, v
+    (16), writes w, m, v (12): 28. SGD with momentum: reads w, g, buf, writes w, buf."""
+    opt = optimizer.lower()
+    if opt in ("adamw", "adam"):
+        return 28.0
+    if opt in ("sgd", "sgd_momentum"):
+        w = DTYPE_SIZE.get(policy, 4)
+        return (2 * 4 + w) + 2 * 4 + (w if policy != "fp32" else 0)
+    raise ValueError(f"unknown optimizer {optimizer!r}; one of adamw, adam, sgd")
+
+
+def optimizer_step_time(num_params: float, device: DeviceSpec, policy: str = "bf16",
+                        optimizer: str = "adamw", shard: float = 1.0, num_tensors: int = 1) -> float:
+    """Seconds of one optimizer step over `num_params / shard` parameters on one device
+    (memory-bound: `optimizer_bytes_per_param` over the achieved memory bandwidth), plus one kernel
+    launch per `num_tensors` (multi-tensor apply launches a handful)."""
+    if num_params <= 0:
+        return 0.0
+    nbytes = num_params / max(shard, 1.0) * optimizer_bytes_per_param(policy, optimizer)
+    return nbytes / (device.memory_bandwidth * device.memory_efficiency) + num_tensors * device.kernel_overhead_s
+
+
+# -- op lists and graphs -------------------------------------------------------------------------
+
+@dataclass
+class ComputeTime:
+    """Seconds of forward, backward and recomputation of a list of ops (one micro-batch)."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    recompute_s: float = 0.0
+    per_layer: dict[Optional[str], float] = field(default_factory=dict)
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s + self.recompute_s
+
+    def __add__(self, other: "ComputeTime") -> "ComputeTime":
+        per = dict(self.per_layer)
+        for k, v in other.per_layer.items():
+            per[k] = per.get(k, 0.0) + v
+        return ComputeTime(self.forward_s + other.forward_s, self.backward_s + other.backward_s,
+                           self.recompute_s + other.recompute_s, per)
+
+
+Shard = Union[float, Callable[..., float]]
+
+
+def bytes_scale(tensor_dtype: str, dtype: str) -> float:
+    """Factor turning the bytes of a captured floating-point tensor into bytes at the training
+    `dtype` (captures are fp32 on meta; a bf16 run moves half the bytes). Integer/bool tensors keep
+    their size."""
+    if tensor_dtype in ("float32", "float64", "float16", "bfloat16"):
+        from autopar.capture.graph import DTYPE_BYTES
+
+        return DTYPE_SIZE.get(dtype, 4) / DTYPE_BYTES[tensor_dtype]
+    return 1.0
+
+
+def attention_core(nodes: Iterable) -> set[str]:
+    """Names of the ops of each attention core (scores, softmax, dropout on probabilities, and the
+    two batched matmuls around them): what selective recomputation re-runs. Found structurally:
+    a softmax, the chain of ops from the score matmul up to it, and the ops from it down to the
+    matmul with V; a fused attention op is a core by itself."""
+    nodes = list(nodes)
+    by_name = {n.name: n for n in nodes}
+    cons: dict[str, list] = {n.name: [] for n in nodes}
+    for n in nodes:
+        for i in n.inputs:
+            if i in cons:
+                cons[i].append(n)
+    core: set[str] = set()
+    for n in nodes:
+        if n.op in FUSED_ATTENTION:
+            core.add(n.name)
+        if n.op not in ("softmax", "_softmax", "_safe_softmax"):
+            continue
+        core.add(n.name)
+        # up: to the score matmul
+        cur = n
+        for _ in range(8):
+            prev = [by_name[i] for i in cur.inputs if i in by_name and by_name[i].kind == "call"]
+            if not prev:
+                break
+            cur = prev[0]
+            core.add(cur.name)
+            if cur.op in ("bmm", "matmul", "baddbmm"):
+                break
+        # down: to the matmul with V
+        frontier = [n]
+        for _ in range(8):
+            nxt = [c for f in frontier for c in cons.get(f.name, [])]
+            if not nxt:
+                break
+            for c in nxt:
+                core.add(c.name)
+            if any(c.op in ("bmm", "matmul") for c in nxt):
+                break
+            frontier = nxt
+    return core
+
+
+def op_list_time(nodes: Iterable, device: DeviceSpec, dtype: str = "bf16", *,
+                 recompute: Recompute | bool = "none", shard: Shard = 1.0) -> ComputeTime:
+    """Training compute seconds (forward + backward + recomputation) of captured ops at a concrete
+    batch. Each op's FLOPs and bytes are divided by `shard` (a number, or a function of the op
+    node giving its sharding factor, e.g. the tensor-parallel degree for the ops it splits).
+    Floating-point bytes are rescaled to `dtype` (see `bytes_scale`)."""
+    rec = "full" if recompute is True else ("none" if recompute is False else recompute)
+    if rec not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+    nodes = [n for n in nodes if n.kind == "call"]
+    core = attention_core(nodes) if rec == "selective" else set()
+    out = ComputeTime()
+    for n in nodes:
+        if n.flops <= 0 and n.bytes_moved <= 0:
+            continue
+        f = shard(n) if callable(shard) else shard
+        f = max(float(f), 1.0)
+        tdt = n.outputs[0].dtype if n.outputs else "float32"
+        flops, nbytes = n.flops / f, n.bytes_moved * bytes_scale(tdt, dtype) / f
+        fwd = op_time(n.op, flops, nbytes, device, dtype)
+        bwd = op_backward_time(n.op, flops, nbytes, device, dtype)
+        if n.op in ("arange", "zeros", "ones", "full", "empty") or n.op == "to" and not n.inputs:
+            bwd = 0.0
+        re = fwd if rec == "full" or n.name in core else 0.0
+        out.forward_s += fwd
+        out.backward_s += bwd
+        out.recompute_s += re
+        out.per_layer[n.layer] = out.per_layer.get(n.layer, 0.0) + fwd + bwd + re
+    return out
+
+
+def graph_compute_time(graph, device: DeviceSpec, dtype: str = "bf16", *,
+                       recompute: Recompute | bool = "none", shard: Shard = 1.0,
+                       layers: Optional[Iterable[Optional[str]]] = None) -> ComputeTime:
+    """Training compute seconds of one micro-batch of a captured `OpGraph` at a concrete batch
+    (`graph.at_batch(b)`), optionally only the ops of `layers` (layer FQNs; None names the ops
+    outside every layer). See `op_list_time` for `recompute` and `shard`."""
+    if graph.batch_size is None and any(o.is_batched for n in graph.nodes for o in n.outputs):
+        raise ValueError("the graph has symbolic batch dimensions; call graph.at_batch(b) first")
+    nodes = graph.calls
+    if layers is not None:
+        keep = set(layers)
+        nodes = [n for n in nodes if n.layer in keep]
+    return op_list_time(nodes, device, dtype, recompute=recompute, shard=shard)
