@@ -1,0 +1,52 @@
+"""Schedule simulation against the bubble formulas, and the plot a user opens."""
+
+import subprocess
+import sys
+
+import pytest
+
+from autopar.timeline import simulate
+
+
+@pytest.mark.parametrize("schedule, v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3)])
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 12)])
+def test_simulated_bubble_matches_formula(schedule, v, p, m):
+    if m % p and v > 1:
+        pytest.skip("interleaving needs micro-batches in groups of p")
+    ev = simulate(schedule, [1.0] * (p * v), [2.0] * (p * v), m, v)
+    total = max(e.end for e in ev)
+    ideal = 3.0 * m * v
+    assert (total - ideal) / ideal == pytest.approx((p - 1) / (v * m))
+    assert len(ev) == 2 * m * p * v
+
+
+def test_1f1b_keeps_at_most_p_microbatches_in_flight():
+    p, m = 4, 8
+    ev = sorted(simulate("1f1b", [1.0] * p, [2.0] * p, m), key=lambda e: e.start)
+    for stage in range(p):
+        live = peak = 0
+        for e in (x for x in ev if x.stage == stage):
+            live += 1 if e.kind == "F" else -1
+            peak = max(peak, live)
+        assert peak == min(p - stage, m)
+
+
+def test_show_plot_png_and_svg(tmp_path):
+    plan = tmp_path / "plan.json"
+    run = lambda *a: subprocess.run([sys.executable, "-m", "autopar", *a], capture_output=True, text=True,  # noqa: E731
+                                    timeout=300)
+    r = run("plan", "--model", "gpt-tiny", "--cluster", "cpu", "-b", "8", "-o", str(plan), "-q")
+    assert r.returncode == 0, r.stderr
+    png, svg = tmp_path / "t.png", tmp_path / "t.svg"
+    assert run("show", str(plan), "--plot", str(png)).returncode == 0
+    assert run("show", str(plan), "--plot", str(svg)).returncode == 0
+    import matplotlib.image as mpimg
+
+    img = mpimg.imread(png)
+    assert img.shape[0] > 400 and img.shape[1] > 600
+    assert len({tuple(px) for px in img.reshape(-1, img.shape[-1])[::97]}) > 10   # not blank
+    text = svg.read_text()
+    for label in ("pipeline timeline", "memory per stage", "stages on nodes", "stage 0"):
+        assert label in text
+    bad = run("show", str(plan), "--plot", str(tmp_path / "t.bmp"))
+    assert bad.returncode == 1 and ".png or .svg" in bad.stderr and not (tmp_path / "t.bmp").exists()
