@@ -8,6 +8,8 @@ batch sizes and the dims that change are read off as linear in the batch.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import re
 import warnings
@@ -84,47 +86,148 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Optiona
     """Capture `model(*example_inputs)` (plus its loss) as an OpGraph.
 
     With `batch_dim`, dim 0 of every tensor input is the batch and shapes are kept symbolic in it.
-    Raises PlanError naming the module and op when the model cannot be captured.
+    `model` may be any nn.Module, a Hugging Face `PreTrainedModel` included (its `.loss` is the
+    loss when the inputs hold labels). Tries torch.export (symbolic batch, then two batch sizes),
+    then torch.fx.symbolic_trace; raises PlanError naming the module and op when all fail.
     """
     if not isinstance(model, nn.Module):
         raise PlanError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(example_inputs, (torch.Tensor, dict)) or not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
     example_inputs = tuple(example_inputs)
     name = name or type(model).__name__
+    _prepare_hf(model)
     wrapped = _WithLoss(model, loss_fn or default_loss)
-    errors = []
+    errors: list[tuple[str, Exception, tuple[str, str]]] = []
     attempts: list[tuple[str, Callable[[], OpGraph]]] = []
     if batch_dim:
         attempts.append(("torch.export (symbolic batch)", lambda: _export_dynamic(wrapped, example_inputs, name)))
-        attempts.append(("torch.export (two batch sizes)", lambda: _export_two_batches(wrapped, example_inputs, name)))
+        attempts.append(("torch.export (two batch sizes)",
+                         lambda: _two_batches(lambda ins: _from_export(wrapped, ins, name, None), example_inputs)))
     else:
         attempts.append(("torch.export", lambda: _from_export(wrapped, example_inputs, name, None)))
     for label, fn in attempts:
+        tracker = _ModuleTracker(model)
         try:
-            g = fn()
+            with tracker, _QuietTorch():
+                g = fn()
             g.capture_method = label
             return g
         except PlanError:
             raise
         except Exception as e:  # noqa: BLE001 - try the next method, report all at the end
             log.debug("capture with %s failed", label, exc_info=True)
-            errors.append((label, e))
-    try:
-        from autopar.capture.fx_fallback import capture_fx
+            errors.append((label, e, tracker.where()))
+            if _is_data_dependent(e) and label.endswith("(symbolic batch)"):
+                break   # the two-batch export would fail the same way; go to torch.fx
+    from autopar.capture.fx_fallback import CaptureFailure, capture_fx
 
-        return capture_fx(wrapped, example_inputs, name)
+    try:
+        g = capture_fx(wrapped, example_inputs, name, batch_dim=batch_dim)
+        log.info("captured %s with torch.fx after torch.export failed: %s", name, _explain(errors[0][1]))
+        return g
+    except PlanError:
+        raise
+    except CaptureFailure as e:
+        errors.append(("torch.fx.symbolic_trace", e, (e.module, e.module_type)))
     except Exception as e:  # noqa: BLE001
-        errors.append(("torch.fx.symbolic_trace", e))
-    raise PlanError(f"cannot capture {name}: {_explain(errors[0][1])} "
-                    f"(torch.fx fallback: {_explain(errors[-1][1])}); make the forward traceable "
-                    f"or pass a model without data-dependent control flow") from None
+        errors.append(("torch.fx.symbolic_trace", e, ("", "")))
+    raise PlanError(_failure_message(name, errors)) from None
+
+
+def _failure_message(name: str, errors: list[tuple[str, Exception, tuple[str, str]]]) -> str:
+    """One message naming, for the export and the fx attempt, the module and the op that failed."""
+    parts = []
+    for label, e, (mod, mtype) in (errors[0], errors[-1]) if len(errors) > 1 else errors:
+        from autopar.capture.fx_fallback import CaptureFailure, user_frame
+
+        op = e.op if isinstance(e, CaptureFailure) and e.op else user_frame(e.__traceback__)
+        where = f"in module `{mod}` ({mtype})" if mod else ("in the model's top-level forward"
+                                                          if mtype or op else "")
+        parts.append(f"{label} failed {where}{' at ' + op if op else ''}: {_explain(e)}".replace("  ", " "))
+    hint = ("the forward has data-dependent control flow or shapes (a Python `if`/loop on tensor "
+            "values, .item(), nonzero); make it shape-only, or mark that module a leaf")
+    return f"cannot capture {name}: " + "; ".join(parts) + f". Hint: {hint}"
+
+
+def _is_data_dependent(e: Exception) -> bool:
+    s = f"{type(e).__name__} {e}"
+    return any(k in s for k in ("DataDependent", "data-dependent", "GuardOnDataDependent"))
+
+
+class _ModuleTracker:
+    """Global forward hooks that remember the stack of modules running when a capture attempt
+    fails (post-hooks do not run on an exception, so the stack is left as it was)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.names = {id(m): (n, type(m).__name__) for n, m in model.named_modules()}
+        self.stack: list[tuple[str, str]] = []
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> "_ModuleTracker":
+        from torch.nn.modules.module import (register_module_forward_hook,
+                                             register_module_forward_pre_hook)
+
+        def pre(m: nn.Module, args: Any) -> None:
+            if id(m) in self.names:
+                self.stack.append(self.names[id(m)])
+
+        def post(m: nn.Module, args: Any, out: Any) -> None:
+            if id(m) in self.names and self.stack:
+                self.stack.pop()
+
+        self.handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def where(self) -> tuple[str, str]:
+        return self.stack[-1] if self.stack else ("", "")
+
+
+def _prepare_hf(model: nn.Module) -> None:
+    """Hugging Face models: no KV cache, and an export-friendly MoE experts implementation."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "to_dict"):
+        return
+    if getattr(cfg, "use_cache", False):
+        cfg.use_cache = False
+    try:
+        from autopar.models.hf import prepare_for_capture
+
+        prepare_for_capture(model)
+    except ImportError:
+        pass
 
 
 def _explain(e: Exception) -> str:
     msg = str(e).strip().splitlines()
-    first = next((l for l in msg if l.strip()), type(e).__name__)
-    mod = re.search(r"(?:module|Module)[ :]+[`'\"]?([\w.]+)", str(e))
-    where = f" in module {mod.group(1)}" if mod else ""
-    return f"{type(e).__name__}{where}: {first[:200]}"
+    first = next((l for l in msg if l.strip()), "")
+    if type(e).__name__ == "CaptureFailure":
+        return first[:240]
+    return f"{type(e).__name__}: {first[:200]}" if first else type(e).__name__
+
+
+class _QuietTorch:
+    """Silence torch's shape-guard warnings and the partial graph torch.export prints to stderr on
+    failure, during a capture attempt (the failure is reported in the PlanError instead)."""
+
+    NAMES = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export",
+             "torch._dynamo", "torch.fx.experimental.recording")
+
+    def __enter__(self) -> None:
+        self.levels = [(logging.getLogger(n), logging.getLogger(n).level) for n in self.NAMES]
+        for lg, _ in self.levels:
+            lg.setLevel(logging.ERROR)
+        self.stderr = contextlib.redirect_stderr(io.StringIO())
+        self.stderr.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stderr.__exit__(*exc)
+        for lg, lvl in self.levels:
+            lg.setLevel(lvl)
 
 
 def _with_batch(x: Any, b: int) -> Any:
@@ -149,28 +252,32 @@ def _export_dynamic(wrapped: nn.Module, inputs: tuple, name: str) -> OpGraph:
     return _from_export(wrapped, inputs, name, ep)
 
 
-def _export_two_batches(wrapped: nn.Module, inputs: tuple, name: str) -> OpGraph:
+def _two_batches(capture_at: Callable[[tuple], OpGraph], inputs: tuple) -> OpGraph:
+    """Capture at batch sizes b0 and 2*b0 and read the dims that change off as linear in b."""
     b0 = max(2, _batch_of(inputs))
-    g0 = _from_export(wrapped, tuple(_with_batch(x, b0) for x in inputs), name, None)
-    g1 = _from_export(wrapped, tuple(_with_batch(x, 2 * b0) for x in inputs), name, None)
+    g0 = capture_at(tuple(_with_batch(x, b0) for x in inputs))
+    g1 = capture_at(tuple(_with_batch(x, 2 * b0) for x in inputs))
     if [n.target for n in g0.nodes] != [n.target for n in g1.nodes]:
         raise RuntimeError("the graph's structure depends on the batch size")
 
     def sym(d0: Any, d1: Any) -> Any:
-        if isinstance(d0, int) and isinstance(d1, int) and d0 != d1:
+        if isinstance(d0, int) and isinstance(d1, int) and not isinstance(d0, bool) and d0 != d1:
             slope, rest = divmod(d1 - d0, b0)
             if rest:
                 raise RuntimeError("a dimension is not linear in the batch size")
             const = d0 - slope * b0
-            return SymDim(f"{slope}*b" + (f" + {const}" if const else ""))
+            return SymDim(f"{slope}*b" + (f" + {const}" if const > 0 else f" - {-const}" if const else ""))
         if isinstance(d0, (list, tuple)) and isinstance(d1, (list, tuple)) and len(d0) == len(d1):
             return type(d0)(sym(a, c) for a, c in zip(d0, d1))
+        if isinstance(d0, dict) and isinstance(d1, dict) and d0.keys() == d1.keys():
+            return {k: sym(d0[k], d1[k]) for k in d0}
         return d0
 
     for n0, n1 in zip(g0.nodes, g1.nodes):
         n0.outputs = [TensorMeta(tuple(sym(a, c) for a, c in zip(o0.shape, o1.shape)), o0.dtype)
                       for o0, o1 in zip(n0.outputs, n1.outputs)]
         n0.args = sym(n0.args, n1.args)
+        n0.kwargs = sym(n0.kwargs, n1.kwargs)
     g0.batch_size = None
     return g0
 
@@ -208,9 +315,6 @@ def _from_export(wrapped: nn.Module, inputs: tuple, name: str, ep: Any) -> OpGra
     canon, tied = _param_groups(model)
     strip = lambda s: s[len("model."):] if s.startswith("model.") else ("" if s == "model" else s)  # noqa: E731
     spec_of = {s.arg.name: s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
-    layers, layer_types = find_layers(model)
-    top = [n for n, _ in model.named_children()]
-
     sym_names: dict[str, str] = {}   # fx symbol -> "b"
 
     def dim(d: Any) -> Any:
@@ -294,27 +398,37 @@ def _from_export(wrapped: nn.Module, inputs: tuple, name: str, ep: Any) -> OpGra
         mod_path = paths[-1] if paths else ""
         mtype = (stack[-1][1] if stack and isinstance(stack[-1], tuple) else "")
         mtype = str(mtype).rsplit(".", 1)[-1]
-        layer = next((l for p in paths for l in layers if p == l or p.startswith(l + ".")), None)
         target = "getitem" if n.target is getattr(__import__("operator"), "getitem") else str(n.target)
         nodes.append(OpNode(
             n.name, "call", target, args=args, kwargs=kwargs, inputs=ins,
             outputs=meta_of(val), params=[placeholder_param[i] for i in ins if i in placeholder_param],
-            module_path=mod_path, module_type=mtype, layer=layer))
-    used_layers = [l for l in layers if any(x.layer == l for x in nodes)]
+            module_path=mod_path, module_type=mtype))
+    return _finish(model, nodes, params, buffers, name, inputs, method="torch.export")
+
+
+def _finish(model: nn.Module, nodes: list[OpNode], params: dict[str, ParamInfo],
+            buffers: dict[str, ParamInfo], name: str, inputs: tuple, method: str) -> OpGraph:
+    """Assign layers (repeated blocks) and top-level module order; concrete FLOPs when no dim is
+    symbolic."""
+    layers, layer_types = find_layers(model)
+    top = [n for n, _ in model.named_children()]
+    for x in nodes:
+        if x.kind == "call" and x.module_path:
+            p = x.module_path
+            x.layer = next((l for l in layers if p == l or p.startswith(l + ".")), None)
     seen: list[str] = []
     for x in nodes:
         if x.layer and x.layer not in seen:
             seen.append(x.layer)
-    order = [t for t in top]
-    first_use = {}
+    first_use: dict[str, int] = {}
     for i, x in enumerate(nodes):
         for t in top:
             if t not in first_use and (x.module_path == t or x.module_path.startswith(t + ".")):
                 first_use[t] = i
     order = sorted((t for t in top if t in first_use), key=lambda t: first_use[t])
-    g = OpGraph(name=name, nodes=nodes, params=params, buffers=buffers,
-                layers=seen if seen else used_layers, layer_types={l: layer_types[l] for l in seen},
-                top_modules=order)
+    g = OpGraph(name=name, nodes=nodes, params=params, buffers=buffers, layers=seen,
+                layer_types={l: layer_types[l] for l in seen}, top_modules=order,
+                capture_method=method)
     # concrete FLOPs for graphs without symbolic dims; symbolic ones get them from at_batch
     if not any(o.is_batched for x in nodes for o in x.outputs):
         g = g.at_batch(_batch_of(inputs))
