@@ -45,14 +45,13 @@ DTYPE_SIZE = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 Recompute = Literal["none", "selective", "full"]
 
 # Generic efficiency curve, used when a profile has none: fraction of the dense tensor-core peak
-# reached by a GEMM of F FLOPs. Shape from published cuBLAS sweeps on A100/H100 (NVIDIA
-# "Matrix Multiplication Background User's Guide", GEMM performance figures; and the square-GEMM
-# sweeps in the nccl/cutlass profiler reports): ~1e8 FLOPs (a 256^3 GEMM) is launch/latency
-# bound at a few percent, 1e10 (~1700^3) reaches about half, and >= 1e12 (8192^3) saturates near
-# 80% of the datasheet peak.
+# reached by a GEMM of F FLOPs. Median efficiency per half-decade of FLOPs of the measured sm_90
+# (H100) cuBLAS bf16 table in OpenXLA (xla/service/gpu/model/matmul_interpolator_data.h): a 1e8-FLOP
+# GEMM (~256^3) is launch/latency bound at ~2%, 1e10 (~1700^3) reaches about half, >= 1e11 saturates
+# near 77% (Maximum Achievable Matmul FLOPS, S. Bekman's ml-engineering, finds ~80% at best).
 GENERIC_CURVE: tuple[tuple[float, float], ...] = (
-    (1e6, 0.01), (1e7, 0.03), (1e8, 0.10), (1e9, 0.30), (1e10, 0.55), (1e11, 0.72), (1e12, 0.80),
-    (1e13, 0.82))
+    (1e8, 0.022), (3.16e8, 0.044), (1e9, 0.129), (3.16e9, 0.307), (1e10, 0.531), (3.16e10, 0.686),
+    (1e11, 0.765), (1e12, 0.775))
 
 
 def _curve(device: DeviceSpec, dtype: str) -> list[tuple[float, float]]:
@@ -163,6 +162,19 @@ def optimizer_step_time(num_params: float, device: DeviceSpec, policy: str = "bf
     return nbytes / (device.memory_bandwidth * device.memory_efficiency) + num_tensors * device.kernel_overhead_s
 
 
+def grad_accumulation_time(num_params: float, device: DeviceSpec, policy: str = "bf16",
+                           num_microbatches: int = 1, shard: float = 1.0) -> float:
+    """Seconds spent adding each micro-batch's weight gradients into the accumulated gradients over
+    one step: after the first micro-batch, every parameter's gradient is read, the new one read and
+    the sum written (3 gradient-sized accesses: 6 bytes/param in bf16, 12 in fp32), per micro-batch."""
+    if num_params <= 0 or num_microbatches <= 1:
+        return 0.0
+    g = DTYPE_SIZE.get(policy, 4)
+    nbytes = num_params / max(shard, 1.0) * 3 * g
+    per = nbytes / (device.memory_bandwidth * device.memory_efficiency) + device.kernel_overhead_s
+    return (num_microbatches - 1) * per
+
+
 # -- op lists and graphs -------------------------------------------------------------------------
 
 @dataclass
@@ -243,15 +255,67 @@ def attention_core(nodes: Iterable) -> set[str]:
     return core
 
 
+def attention_time(q_shape: tuple, k_shape: tuple, v_shape: tuple, device: DeviceSpec, dtype: str = "bf16",
+                   shard: float = 1.0, dropout_p: float = 0.0) -> tuple[float, float]:
+    """(forward, backward) seconds of one scaled-dot-product attention with the given q/k/v shapes
+    (batch and head dims first), its batch*heads divided by `shard`.
+
+    `device.attention_kernel == "fused"` (FlashAttention): one matrix op of the QK^T and PV FLOPs at
+    the GEMM curve, backward 2.5x (it recomputes the scores). "unfused" (Megatron-LM 2021, PyTorch's
+    math path): QK^T and PV as batched GEMMs (roofline on their bytes: with a head dim of 64-128 they
+    are close to memory-bound), a softmax (with scale and mask fused) that reads and writes the
+    b*a*s*s scores, and a dropout on the probabilities when `dropout_p > 0`; backward: 2x the GEMMs,
+    1.5x the bytes of softmax and dropout."""
+    *bq, sq, d = (int(x) for x in q_shape)
+    sk, dv = int(k_shape[-2]), int(v_shape[-1])
+    bh = math.prod(bq) / max(shard, 1.0)
+    esz = DTYPE_SIZE.get(dtype, 4)
+    qk_flops, pv_flops = 2.0 * bh * sq * sk * d, 2.0 * bh * sq * sk * dv
+    if device.attention_kernel == "fused":
+        nbytes = esz * bh * (sq * d + sk * d + sk * dv + sq * dv)
+        f = op_time("scaled_dot_product_attention", qk_flops + pv_flops, nbytes, device, dtype)
+        return f, op_backward_time("scaled_dot_product_attention", qk_flops + pv_flops, nbytes, device, dtype)
+    scores = bh * sq * sk * esz
+    qk_bytes = esz * bh * (sq * d + sk * d) + scores
+    pv_bytes = scores + esz * bh * (sk * dv + sq * dv)
+    fwd = (op_time("bmm", qk_flops, qk_bytes, device, dtype) + op_time("bmm", pv_flops, pv_bytes, device, dtype)
+           + op_time("softmax", 5 * scores / esz, 2 * scores, device, dtype))
+    bwd = (op_backward_time("bmm", qk_flops, qk_bytes, device, dtype)
+           + op_backward_time("bmm", pv_flops, pv_bytes, device, dtype)
+           + op_backward_time("softmax", 5 * scores / esz, 2 * scores, device, dtype))
+    if dropout_p > 0:
+        drop_bytes = 2 * scores + scores / esz            # read, write, 1-byte mask
+        fwd += op_time("dropout", 2 * scores / esz, drop_bytes, device, dtype)
+        bwd += op_backward_time("dropout", 2 * scores / esz, drop_bytes, device, dtype)
+    return fwd, bwd
+
+
+def _attention_node_time(n, index: dict, device: DeviceSpec, dtype: str, shard: float) -> Optional[tuple[float, float]]:
+    shapes = []
+    for i in n.inputs[:3]:
+        src = index.get(i)
+        if src is None or not src.outputs:
+            return None
+        shapes.append(tuple(int(x) for x in src.outputs[0].shape))
+    if len(shapes) < 3 or len(shapes[0]) < 2:
+        return None
+    p = n.args[4] if len(n.args) > 4 and isinstance(n.args[4], (int, float)) else n.kwargs.get("dropout_p", 0.0)
+    return attention_time(shapes[0], shapes[1], shapes[2], device, dtype, shard, float(p or 0.0))
+
+
 def op_list_time(nodes: Iterable, device: DeviceSpec, dtype: str = "bf16", *,
-                 recompute: Recompute | bool = "none", shard: Shard = 1.0) -> ComputeTime:
+                 recompute: Recompute | bool = "none", shard: Shard = 1.0,
+                 index: Optional[dict] = None) -> ComputeTime:
     """Training compute seconds (forward + backward + recomputation) of captured ops at a concrete
     batch. Each op's FLOPs and bytes are divided by `shard` (a number, or a function of the op
     node giving its sharding factor, e.g. the tensor-parallel degree for the ops it splits).
-    Floating-point bytes are rescaled to `dtype` (see `bytes_scale`)."""
+    Floating-point bytes are rescaled to `dtype` (see `bytes_scale`). `index` (name -> node) lets
+    attention ops find their inputs' shapes when those are not in `nodes`."""
     rec = "full" if recompute is True else ("none" if recompute is False else recompute)
     if rec not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+    nodes = list(nodes)
+    index = {**(index or {}), **{n.name: n for n in nodes}}
     nodes = [n for n in nodes if n.kind == "call"]
     core = attention_core(nodes) if rec == "selective" else set()
     out = ComputeTime()
@@ -262,8 +326,12 @@ def op_list_time(nodes: Iterable, device: DeviceSpec, dtype: str = "bf16", *,
         f = max(float(f), 1.0)
         tdt = n.outputs[0].dtype if n.outputs else "float32"
         flops, nbytes = n.flops / f, n.bytes_moved * bytes_scale(tdt, dtype) / f
-        fwd = op_time(n.op, flops, nbytes, device, dtype)
-        bwd = op_backward_time(n.op, flops, nbytes, device, dtype)
+        att = _attention_node_time(n, index, device, dtype, f) if n.op in FUSED_ATTENTION else None
+        if att is not None:
+            fwd, bwd = att
+        else:
+            fwd = op_time(n.op, flops, nbytes, device, dtype)
+            bwd = op_backward_time(n.op, flops, nbytes, device, dtype)
         if n.op in ("arange", "zeros", "ones", "full", "empty") or n.op == "to" and not n.inputs:
             bwd = 0.0
         re = fwd if rec == "full" or n.name in core else 0.0
@@ -286,4 +354,5 @@ def graph_compute_time(graph, device: DeviceSpec, dtype: str = "bf16", *,
     if layers is not None:
         keep = set(layers)
         nodes = [n for n in nodes if n.layer in keep]
-    return op_list_time(nodes, device, dtype, recompute=recompute, shard=shard)
+    return op_list_time(nodes, device, dtype, recompute=recompute, shard=shard,
+                        index={n.name: n for n in graph.nodes})

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -50,6 +50,10 @@ class DeviceSpec(_Strict):
     memory_efficiency: float = Field(default=0.8, gt=0, le=1,
                                      description="achieved fraction of memory bandwidth for streaming ops")
     kernel_overhead_s: float = Field(default=5e-6, ge=0, description="fixed launch cost per kernel")
+    attention_kernel: Literal["fused", "unfused"] = Field(
+        default="fused", description="how scaled_dot_product_attention runs: fused (FlashAttention-style, "
+                                     "scores never stored) or unfused (scores materialised, softmax "
+                                     "memory-bound, as in Megatron-LM 2021)")
     sources: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("peak_flops")
