@@ -1,0 +1,682 @@
+r"""The intra-operator ILP (Alpa §4): one sharding strategy per op of a stage, for training.
+
+Formulation
+-----------
+Let V be the *groups* of the graph (an op, parameter or input; ops that only follow one operand
+are merged into it, and identical layers share one copy of their groups), S_v the strategies of
+group v, and E the edges between groups (a tensor produced in u, consumed in v).
+
+    variables   x_{v,i} ∈ {0,1}                 v ∈ V, i ∈ S_v    (strategy i chosen for v)
+                e_{uv,ab} ∈ {0,1}                 (u,v) ∈ E, a ∈ A_uv, b ∈ B_uv
+    minimise    Σ_v Σ_i c_{v,i} x_{v,i}  +  Σ_{(u,v)} Σ_{a,b} R_{uv,ab} e_{uv,ab}
+    subject to  Σ_i x_{v,i} = 1                                    ∀ v           (one_hot)
+                Σ_b e_{uv,ab} = Σ_{i ∈ a} x_{u,i}                  ∀ (u,v), a    (edge_rows)
+                Σ_a e_{uv,ab} = Σ_{j ∈ b} x_{v,j}                  ∀ (u,v), b    (edge_cols)
+                Σ_v Σ_i m_{v,i} x_{v,i} ≤ M                                      (memory)
+
+* c_{v,i} (`node_cost`): the op's forward + backward compute (`cost_models.compute.op_time` on
+  its share of the work, only when the mesh has a device; without one compute is free and a
+  matmul-family op must split its work over every mesh axis of size > 1) plus the collectives
+  inside the op (vocab-parallel cross-entropy), times the number of identical copies.
+* A_uv / B_uv group the producer's strategies by the layout they give the tensor and the
+  consumer's by the layout they need (and the axes along which they leave its gradient partial),
+  so an edge needs |A|·|B| variables, not |S_u|·|S_v|; an edge with one class on a side is
+  linear and folded into c. R_{uv,ab} (`edge_cost`) is the training cost of the resharding:
+  forward `transition(a -> b)`; backward the gradient's way back (partial axes reduced, slices
+  gathered), which for a parameter is its gradient synchronisation (phase grad_sync: all-reduce,
+  or reduce-scatter when it is stored sharded, ZeRO-3/FSDP) plus, for a stored-sharded
+  parameter, its all-gather again in the backward pass.
+* m_{v,i} (`memory`): the bytes per device of the op's outputs (saved for backward; views
+  alias and cost nothing) and of a parameter with its gradient and Adam state
+  (`STATE_FACTOR` times its weights), times the number of copies.
+* Costs are seconds; CP-SAT needs integers, so they are scaled to about 1e12 over the largest
+  possible objective (resolution 1e-12 of it) and the solution's costs are recomputed in floats.
+
+The solution is read back per op of the whole graph (every copy of a shared layer takes its
+representative's choice); `gap` is CP-SAT's (objective - bound) / objective.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from autopar.capture.graph import OpGraph, OpNode, TensorMeta
+from autopar.intra_op import rules as rules_mod
+from autopar.intra_op.placement import (PARTIAL, REPLICATE, Spec, all_specs, local_numel,
+                                        shard_dim, transition)
+from autopar.intra_op.solution import Collective, OpChoice, ShardingSolution
+from autopar.intra_op.strategy import OpContext, Strategy
+from autopar.schema.mesh import LogicalMesh
+from cost_models.communication import collective_time
+from cost_models.compute import MATRIX_OPS, backward_factor, op_time
+
+FLOAT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+# bytes per device a parameter costs, relative to its weights' bytes: weights, gradients and
+# Adam's state. fp32: w + g + m + v = 4x; bf16/fp16 mixed precision: 2 + 2 + 12 = 16 B per
+# parameter = 8x the 2-byte weights (ZeRO paper).
+STATE_FACTOR = {"fp32": 4.0, "tf32": 4.0, "bf16": 8.0, "fp16": 8.0, "fp8": 16.0}
+TIE_BREAK_S_PER_FLOP = 1e-21   # without a device: prefer splitting work when costs tie
+HEAVY_OPS = MATRIX_OPS
+OUTPUT = "__output__"
+BUCKET_BYTES = 25 * 2**20      # gradient bucket (DDP's default 25 MiB)
+MIN_SHARED_LAYER_OPS = 4       # layers smaller than this are solved per copy
+
+
+@dataclass
+class PNode:
+    """A node of the problem: a representative op, parameter, input or boundary tensor."""
+
+    name: str
+    kind: str                               # call | param | input | boundary | output
+    node: Optional[OpNode]
+    strategies: list[Strategy]
+    family: str = ""
+    count: int = 1
+    requires_grad: bool = False
+    group: int = -1
+
+
+@dataclass
+class Group:
+    root: str
+    members: list[str]
+    choice: list[dict[str, int]]            # per group strategy: member -> its strategy index
+
+    @property
+    def size(self) -> int:
+        return len(self.choice)
+
+
+@dataclass
+class EdgeTerm:
+    u: int
+    v: int
+    cls_u: tuple[int, ...]                  # class of each strategy of group u
+    cls_v: tuple[int, ...]
+    cost: list[list[float]] = field(default_factory=list)
+
+
+class IntraOpProblem:
+    """The ILP's data: groups, their strategies' costs, edges. `evaluate(assign)` prices any
+    assignment (one strategy index per group), so brute force can check the solver."""
+
+    def __init__(self, graph: OpGraph, mesh: LogicalMesh, *, nodes: Optional[Iterable[str]] = None,
+                 memory_budget_bytes: Optional[float] = None, dtype: str = "fp32",
+                 merge: bool = True, share_layers: bool = True) -> None:
+        if graph.batch_size is None and any(o.is_batched for n in graph.nodes for o in n.outputs):
+            raise ValueError("solve a graph at a concrete batch: call graph.at_batch(b) first")
+        t0 = time.perf_counter()
+        self.graph = graph
+        self.mesh = mesh
+        self.mesh_shape = tuple(mesh.shape)
+        self.dtype = dtype
+        self.float_bytes = FLOAT_BYTES.get(dtype, 4)
+        self.state_factor = STATE_FACTOR.get(dtype, 4.0)
+        self.budget = memory_budget_bytes
+        self.warnings: list[str] = []
+        self._edge_cache: dict = {}
+        self._select(nodes)
+        self._requires_grad()
+        self._share_layers(share_layers)
+        self._build_nodes()
+        self._build_groups(merge)
+        self._build_costs()
+        self.build_time_s = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ which nodes
+    def _select(self, nodes: Optional[Iterable[str]]) -> None:
+        g = self.graph
+        if nodes is None:
+            calls = [n.name for n in g.nodes if n.kind == "call"]
+        else:
+            calls = [n for n in nodes if g.node(n).kind == "call"]
+        calls = [c for c in calls if g.node(c).outputs]             # asserts etc. have none
+        self.calls = calls
+        call_set = set(calls)
+        producers: list[str] = []
+        seen = set()
+        for c in calls:
+            for i in g.node(c).inputs:
+                if i not in call_set and i not in seen:
+                    seen.add(i)
+                    producers.append(i)
+        self.outer = producers                    # params, inputs, boundary tensors
+        outs = []
+        consumers = g.consumers()
+        for c in calls:
+            cons = consumers.get(c, [])
+            if any(g.node(x).kind == "output" for x in cons):
+                outs.append(c)
+        self.output_refs = outs                   # tensors the graph returns (the loss)
+        self.in_set = call_set | set(producers)
+
+    def _requires_grad(self) -> None:
+        g = self.graph
+        rg: dict[str, bool] = {}
+        for n in g.nodes:
+            if n.kind == "param":
+                info = g.params.get(n.fqn or "")
+                rg[n.name] = info.requires_grad if info else True
+            elif n.kind == "call":
+                is_float = bool(n.outputs) and n.outputs[0].dtype.startswith(("float", "bfloat", "complex"))
+                rg[n.name] = is_float and any(rg.get(i, False) for i in n.inputs)
+            else:
+                rg[n.name] = False
+        self.rg = rg
+
+    # ------------------------------------------------------------------ identical layers
+    def _share_layers(self, share: bool) -> None:
+        g = self.graph
+        rep = {n: n for n in self.in_set}
+        if share:
+            call_set = set(self.calls)
+            first: dict[str, str] = {}
+            for layer in g.layers:
+                lnodes = [n for n in g.layer_nodes(layer) if n.outputs]
+                if len(lnodes) < MIN_SHARED_LAYER_OPS or not all(n.name in call_set for n in lnodes):
+                    continue
+                sig = g.layer_signature(layer)
+                if sig not in first:
+                    first[sig] = layer
+                    continue
+                r_nodes = [n for n in g.layer_nodes(first[sig]) if n.outputs]
+                if len(r_nodes) != len(lnodes):
+                    continue
+                trial: dict[str, str] = {}
+                ok = True
+                for a, b in zip(lnodes, r_nodes):
+                    if a.target != b.target or len(a.inputs) != len(b.inputs):
+                        ok = False
+                        break
+                    trial[a.name] = b.name
+                    for ia, ib in zip(a.inputs, b.inputs):
+                        na, nb = g.node(ia), g.node(ib)
+                        if na.kind in ("param", "buffer", "constant"):
+                            if nb.kind != na.kind or trial.get(ia, ib) != ib or rep.get(ia, ia) != ia \
+                                    or na.outputs[0].shape != nb.outputs[0].shape:
+                                ok = False
+                            trial[ia] = ib
+                if ok:
+                    rep.update(trial)
+        self.rep = rep
+        copies: dict[str, list[str]] = defaultdict(list)
+        for n in self.in_set:
+            copies[rep[n]].append(n)
+        self.copies = copies
+
+    # ------------------------------------------------------------------ strategies
+    def _ctx(self, n: OpNode) -> OpContext:
+        g = self.graph
+        metas = []
+        for k, i in enumerate(n.inputs):
+            p = g.node(i)
+            idx = self._out_index(n, k)
+            metas.append(p.outputs[idx] if idx < len(p.outputs) else p.outputs[0])
+        return OpContext(n, metas, self.mesh_shape, g, self.float_bytes)
+
+    def _out_index(self, consumer: OpNode, k: int) -> int:
+        if consumer.target == "getitem" and k == 0 and len(consumer.args) > 1 and isinstance(consumer.args[1], int):
+            return consumer.args[1]
+        return 0
+
+    def itemsize(self, meta: TensorMeta) -> int:
+        return self.float_bytes if meta.dtype.startswith(("float", "bfloat", "complex")) else meta.itemsize
+
+    def _build_nodes(self) -> None:
+        g = self.graph
+        self.pnodes: dict[str, PNode] = {}
+        heavy_need = math.prod(m for m in self.mesh_shape if m > 1)
+        for name in list(self.outer) + list(self.calls):
+            if self.rep[name] != name:
+                continue
+            n = g.node(name)
+            cnt = len(self.copies[name])
+            if name in self.outer:
+                kind = {"param": "param", "input": "input"}.get(n.kind, "boundary" if n.kind == "call" else n.kind)
+                shape = tuple(int(d) for d in n.outputs[0].shape) if n.outputs else ()
+                specs = all_specs(shape, self.mesh_shape)
+                sts = [Strategy(" ".join(s), [], [s]) for s in specs]
+                self.pnodes[name] = PNode(name, kind, n, sts, kind, cnt, self.rg.get(name, False))
+                continue
+            ctx = self._ctx(n)
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                sts, fam = rules_mod.strategies(ctx)
+            for x in w:
+                self.warnings.append(str(x.message))
+                warnings.warn(x.message, stacklevel=4)
+            if self.mesh.device is None and n.op in HEAVY_OPS:
+                full = [s for s in sts if s.work_div == heavy_need]
+                sts = full or sts
+            self.pnodes[name] = PNode(name, "call", n, sts, fam, cnt, self.rg.get(name, False))
+        self.pnodes[OUTPUT] = PNode(OUTPUT, "output", None, [Strategy(
+            "output", [(REPLICATE,) * len(self.mesh_shape)] * len(self.output_refs), [],
+            [()] * len(self.output_refs))], "output", 1)
+
+    # ------------------------------------------------------------------ groups (merging)
+    def _build_groups(self, merge: bool) -> None:
+        g = self.graph
+        self.groups: list[Group] = []
+        for name, pn in self.pnodes.items():
+            if pn.kind != "call" and name != OUTPUT and name not in self.outer:
+                continue
+            if merge and pn.kind == "call":
+                rule = rules_mod.rule_for(pn.node.op)
+                prods = {self.rep[i] for i in pn.node.inputs}
+                if rule is not None and rule.follow and len(prods) == 1:
+                    p = next(iter(prods))
+                    pp = self.pnodes.get(p)
+                    if pp is not None and pp.kind == "call" and pp.group >= 0 and \
+                            g.node(p).layer == pn.node.layer and self._merge(pn, pp):
+                        continue
+            pn.group = len(self.groups)
+            self.groups.append(Group(name, [name], [{name: i} for i in range(len(pn.strategies))]))
+
+    def _merge(self, f: PNode, p: PNode) -> bool:
+        grp = self.groups[p.group]
+        oidx = self._out_index(f.node, 0)
+        choice = []
+        for ch in grp.choice:
+            sp = p.strategies[ch[p.name]].out_specs[oidx]
+            best, bkey = None, None
+            for j, st in enumerate(f.strategies):
+                c = self.node_cost(f, st)[0]
+                for k in range(len(f.node.inputs)):
+                    c += self.edge_cost(p.name, oidx, sp, f.name, k, st)[0]
+                key = (round(c, 15), st.in_specs[0] != sp, j)
+                if bkey is None or key < bkey:
+                    best, bkey = j, key
+            new = dict(ch)
+            new[f.name] = best
+            choice.append(new)
+        grp.members.append(f.name)
+        grp.choice = choice
+        f.group = p.group
+        return True
+
+    # ------------------------------------------------------------------ costs
+    def coll_time(self, kind: str, axes: tuple[int, ...], nbytes: float, phase: str = "forward") -> float:
+        """Seconds of a collective; over several axes, one ring over all their devices at the
+        slowest axis' alpha and beta. Gradient synchronisation is bucketed (DDP/FSDP fuse the
+        gradients of many parameters into one collective), so a gradient pays bandwidth only;
+        the solution adds one latency per bucket (`BUCKET_BYTES`)."""
+        if len(axes) == 1:
+            n, alpha, beta = self.mesh_shape[axes[0]], self.mesh.alpha[axes[0]], self.mesh.beta[axes[0]]
+        else:
+            n = math.prod(self.mesh_shape[a] for a in axes)
+            alpha, beta = max(self.mesh.alpha[a] for a in axes), max(self.mesh.beta[a] for a in axes)
+        if phase == "grad_sync":
+            alpha = 0.0
+        return collective_time(kind, nbytes, n, alpha, beta)
+
+    def compute_time(self, pn: PNode, st: Strategy) -> tuple[float, float]:
+        """(forward, backward) compute seconds of one copy of op `pn` under `st`."""
+        n = pn.node
+        if self.mesh.device is None or n is None:
+            return 0.0, 0.0
+        f = op_time(n.op, n.flops / st.work_div, n.bytes_moved / st.work_div, self.mesh.device, self.dtype)
+        return f, (backward_factor(n.op) * f if pn.requires_grad else 0.0)
+
+    def node_cost(self, pn: PNode, st: Strategy) -> tuple[float, float, float, float]:
+        """(total, forward, backward, grad_sync) seconds of one copy, excluding resharding."""
+        if pn.kind != "call":
+            return 0.0, 0.0, 0.0, 0.0
+        fwd, bwd = self.compute_time(pn, st)
+        sync = 0.0
+        for kind, axes, nbytes, phase in st.comms:
+            t = self.coll_time(kind, axes, nbytes, phase)
+            if phase == "forward":
+                fwd += t
+            elif phase == "backward":
+                bwd += t
+            else:
+                sync += t
+        return fwd + bwd + sync, fwd, bwd, sync
+
+    def tie_break(self, pn: PNode, st: Strategy) -> float:
+        if self.mesh.device is not None or pn.node is None or pn.kind != "call":
+            return 0.0
+        return TIE_BREAK_S_PER_FLOP * (pn.node.flops + pn.node.bytes_moved) / st.work_div
+
+    def memory(self, pn: PNode, st: Strategy) -> float:
+        if pn.kind == "output" or pn.node is None:
+            return 0.0
+        n = pn.node
+        if pn.kind == "param":
+            shape = tuple(int(d) for d in n.outputs[0].shape)
+            return local_numel(shape, st.out_specs[0], self.mesh_shape) * self.itemsize(n.outputs[0]) * self.state_factor
+        if pn.kind == "boundary":
+            return 0.0
+        if pn.kind == "call" and n.bytes_moved <= 0:
+            return 0.0                                          # views alias their input
+        tot = 0.0
+        for o, s in zip(n.outputs, st.out_specs):
+            tot += local_numel(tuple(int(d) for d in o.shape), s, self.mesh_shape) * self.itemsize(o)
+        return tot
+
+    def edge_collectives(self, prod: str, oidx: int, src: Spec, cons: str, k: int,
+                         st: Strategy) -> list[tuple[str, int, float, str, str]]:
+        """Collectives (kind, axis, bytes, phase, reason) of feeding output `oidx` of `prod`
+        (laid out `src`) to input `k` of `cons` under strategy `st`."""
+        u = st.in_specs[k]
+        partial = st.grad_partial[k] if k < len(st.grad_partial) else ()
+        pn = self.pnodes[prod]
+        meta = pn.node.outputs[oidx] if pn.node is not None and oidx < len(pn.node.outputs) else pn.node.outputs[0]
+        key = (prod, oidx, src, u, partial)
+        hit = self._edge_cache.get(key)
+        if hit is not None:
+            return hit
+        shape = tuple(int(d) for d in meta.shape)
+        isz = self.itemsize(meta)
+        out = [(kind, a, b, "forward", "reshard") for kind, a, b in transition(shape, isz, src, u, self.mesh_shape)]
+        is_param = pn.kind == "param"
+        if self.rg.get(pn.name, False):
+            gspec = tuple(PARTIAL if a in partial else p for a, p in enumerate(u))
+            target = tuple(REPLICATE if p == PARTIAL else p for a, p in enumerate(src))
+            for kind, a, b in transition(shape, isz, gspec, target, self.mesh_shape):
+                out.append((kind, a, b, "grad_sync" if is_param else "backward", "grad"))
+            if is_param:
+                for kind, a, b, ph, _ in list(out):
+                    if kind == "all_gather" and ph == "forward":
+                        out.append(("all_gather", a, b, "backward", "re-gather sharded param"))
+        self._edge_cache[key] = out
+        return out
+
+    def edge_cost(self, prod: str, oidx: int, src: Spec, cons: str, k: int,
+                  st: Strategy) -> tuple[float, float, float, float]:
+        fwd = bwd = sync = 0.0
+        for kind, a, b, ph, _ in self.edge_collectives(prod, oidx, src, cons, k, st):
+            t = self.coll_time(kind, (a,), b, ph)
+            if ph == "forward":
+                fwd += t
+            elif ph == "backward":
+                bwd += t
+            else:
+                sync += t
+        return fwd + bwd + sync, fwd, bwd, sync
+
+    def _out_spec(self, grp: Group, gi: int, member: str, oidx: int) -> Spec:
+        pn = self.pnodes[member]
+        return pn.strategies[grp.choice[gi][member]].out_specs[oidx]
+
+    def _edges(self):
+        """(rep producer, out index, rep consumer, input index, multiplicity) of every edge."""
+        g = self.graph
+        mult: dict[tuple, int] = defaultdict(int)
+        for c in self.calls:
+            n = g.node(c)
+            for k, i in enumerate(n.inputs):
+                mult[(self.rep[i], self._out_index(n, k), self.rep[c], k)] += 1
+        for k, c in enumerate(self.output_refs):
+            mult[(self.rep[c], 0, OUTPUT, k)] += 1
+        return mult
+
+    def _build_costs(self) -> None:
+        G = self.groups
+        self.lin = [[0.0] * grp.size for grp in G]
+        self.tie = [[0.0] * grp.size for grp in G]
+        self.mem = [[0.0] * grp.size for grp in G]
+        for gi, grp in enumerate(G):
+            for m in grp.members:
+                pn = self.pnodes[m]
+                for s, ch in enumerate(grp.choice):
+                    st = pn.strategies[ch[m]]
+                    self.lin[gi][s] += pn.count * self.node_cost(pn, st)[0]
+                    self.tie[gi][s] += pn.count * self.tie_break(pn, st)
+                    self.mem[gi][s] += pn.count * self.memory(pn, st)
+        terms: dict[tuple, EdgeTerm] = {}
+        self.edge_list = self._edges()
+        for (p, oidx, c, k), cnt in self.edge_list.items():
+            pp, pc = self.pnodes[p], self.pnodes[c]
+            gu, gv = pp.group, pc.group
+            Gu, Gv = G[gu], G[gv]
+            if gu == gv:
+                for s in range(Gu.size):
+                    st = pc.strategies[Gv.choice[s][c]]
+                    src = self._out_spec(Gu, s, p, oidx)
+                    self.lin[gu][s] += cnt * self.edge_cost(p, oidx, src, c, k, st)[0]
+                continue
+            srcs = [self._out_spec(Gu, s, p, oidx) for s in range(Gu.size)]
+            need = [(pc.strategies[Gv.choice[s][c]].in_specs[k],
+                     pc.strategies[Gv.choice[s][c]].grad_partial[k]) for s in range(Gv.size)]
+            cu, ru = _classes(srcs)
+            cv, rv = _classes(need)
+            cost = [[0.0] * len(rv) for _ in ru]
+            for a, sa in enumerate(ru):
+                for b, sb in enumerate(rv):
+                    st = pc.strategies[Gv.choice[cv.index(b)][c]]
+                    cost[a][b] = cnt * self.edge_cost(p, oidx, srcs[cu.index(a)], c, k, st)[0]
+            if len(ru) == 1:
+                for s in range(Gv.size):
+                    self.lin[gv][s] += cost[0][cv[s]]
+                continue
+            if len(rv) == 1:
+                for s in range(Gu.size):
+                    self.lin[gu][s] += cost[cu[s]][0]
+                continue
+            key = (gu, gv, tuple(cu), tuple(cv))
+            t = terms.get(key)
+            if t is None:
+                t = terms[key] = EdgeTerm(gu, gv, tuple(cu), tuple(cv),
+                                          [[0.0] * len(rv) for _ in ru])
+            for a in range(len(ru)):
+                for b in range(len(rv)):
+                    t.cost[a][b] += cost[a][b]
+        self.terms = [t for t in terms.values() if any(x > 0 for row in t.cost for x in row)]
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, assign: list[int]) -> float:
+        """The ILP objective of one strategy per group (seconds, without tie-breaks)."""
+        tot = sum(self.lin[g][s] for g, s in enumerate(assign))
+        for t in self.terms:
+            tot += t.cost[t.cls_u[assign[t.u]]][t.cls_v[assign[t.v]]]
+        return tot
+
+    def memory_of(self, assign: list[int]) -> float:
+        return sum(self.mem[g][s] for g, s in enumerate(assign))
+
+    # ------------------------------------------------------------------ solve
+    def solve(self, time_limit_s: float = 10.0, workers: int = 2) -> tuple[list[int], dict]:
+        from ortools.sat.python import cp_model
+
+        G = self.groups
+        m = cp_model.CpModel()
+        bound = sum(max(row) for row in self.lin) + sum(max(max(r) for r in t.cost) for t in self.terms) \
+            + sum(max(row) for row in self.tie)
+        scale = 1e12 / bound if bound > 0 else 1.0
+        q = lambda x: int(round(x * scale))  # noqa: E731
+        x: list[list] = []
+        obj = []
+        nvars = ncons = 0
+        for gi, grp in enumerate(G):
+            if grp.size == 1:
+                x.append([1])
+                continue
+            vs = [m.NewBoolVar(f"x{gi}_{s}") for s in range(grp.size)]
+            m.AddExactlyOne(vs)
+            nvars += len(vs)
+            ncons += 1
+            x.append(vs)
+            for s, v in enumerate(vs):
+                c = q(self.lin[gi][s] + self.tie[gi][s])
+                if c:
+                    obj.append(c * v)
+        const = sum(q(self.lin[gi][0] + self.tie[gi][0]) for gi, grp in enumerate(G) if grp.size == 1)
+        for ti, t in enumerate(self.terms):
+            na, nb = len(t.cost), len(t.cost[0])
+            e = [[m.NewBoolVar(f"e{ti}_{a}_{b}") for b in range(nb)] for a in range(na)]
+            nvars += na * nb
+            for a in range(na):
+                m.Add(sum(e[a]) == sum(x[t.u][s] for s in range(G[t.u].size) if t.cls_u[s] == a))
+            for b in range(nb):
+                m.Add(sum(e[a][b] for a in range(na)) == sum(x[t.v][s] for s in range(G[t.v].size) if t.cls_v[s] == b))
+            ncons += na + nb
+            for a in range(na):
+                for b in range(nb):
+                    c = q(t.cost[a][b])
+                    if c:
+                        obj.append(c * e[a][b])
+        if self.budget is not None:
+            terms = []
+            fixed = 0.0
+            for gi, grp in enumerate(G):
+                if grp.size == 1:
+                    fixed += self.mem[gi][0]
+                else:
+                    terms += [int(math.ceil(self.mem[gi][s])) * x[gi][s] for s in range(grp.size) if self.mem[gi][s]]
+            m.Add(sum(terms) <= int(self.budget - fixed))
+            ncons += 1
+        m.Minimize(sum(obj) + const)
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = float(time_limit_s)
+        solver.parameters.num_workers = workers
+        t0 = time.perf_counter()
+        status = solver.Solve(m)
+        dt = time.perf_counter() - t0
+        info = {"status": solver.StatusName(status), "solve_time_s": dt, "num_variables": nvars,
+                "num_constraints": ncons, "scale": scale}
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            info["assign"] = None
+            return [], info
+        assign = []
+        for gi, grp in enumerate(G):
+            if grp.size == 1:
+                assign.append(0)
+            else:
+                assign.append(next(s for s in range(grp.size) if solver.Value(x[gi][s])))
+        o, b = solver.ObjectiveValue(), solver.BestObjectiveBound()
+        info["gap"] = 0.0 if status == cp_model.OPTIMAL or o <= 0 else max(0.0, (o - b) / o)
+        return assign, info
+
+    # ------------------------------------------------------------------ read back
+    def solution(self, assign: list[int], info: dict) -> ShardingSolution:
+        g = self.graph
+        G = self.groups
+        chosen: dict[str, Strategy] = {}
+        for gi, grp in enumerate(G):
+            for mname in grp.members:
+                chosen[mname] = self.pnodes[mname].strategies[grp.choice[assign[gi]][mname]]
+
+        def strat(name: str) -> Strategy:
+            return chosen[self.rep[name]]
+
+        colls: list[Collective] = []
+        fwd = bwd = sync = 0.0
+        op_choices: dict[str, OpChoice] = {}
+        comm_of: dict[str, float] = defaultdict(float)
+        layouts: dict[str, tuple[int, int]] = {}
+
+        def add(kind, axes, nbytes, phase, op, reason):
+            nonlocal fwd, bwd, sync
+            t = self.coll_time(kind, axes, nbytes, phase)
+            if phase == "forward":
+                fwd += t
+            elif phase == "backward":
+                bwd += t
+            else:
+                sync += t
+            comm_of[op] += t
+            if t > 0 or nbytes > 0:
+                colls.append(Collective(kind, tuple(axes), float(nbytes), phase, op, t, reason))
+
+        compute: dict[str, float] = {}
+        for c in self.calls:
+            pn = self.pnodes[self.rep[c]]
+            st = strat(c)
+            f, b = self.compute_time(pn, st)
+            fwd += f
+            bwd += b
+            compute[c] = f + b
+            for kind, axes, nbytes, phase in st.comms:
+                add(kind, axes, nbytes, phase, c, pn.family)
+        consumers = [(c, g.node(c)) for c in self.calls]
+        for c, n in consumers:
+            st = strat(c)
+            for k, i in enumerate(n.inputs):
+                oidx = self._out_index(n, k)
+                src = strat(i).out_specs[oidx]
+                pk = self.rep[i]
+                for kind, a, b, ph, why in self.edge_collectives(pk, oidx, src, self.rep[c], k, st):
+                    add(kind, (a,), b, ph, c, f"{why} of {g.node(i).fqn or i}" if g.node(i).kind == "param" else f"{why} of {i}")
+        out_st = self.pnodes[OUTPUT].strategies[0]
+        for k, c in enumerate(self.output_refs):
+            src = strat(c).out_specs[0]
+            for kind, a, b, ph, why in self.edge_collectives(self.rep[c], 0, src, OUTPUT, k, out_st):
+                add(kind, (a,), b, ph, "output", f"{why} of {c}")
+        for c, n in consumers:
+            st = strat(c)
+            op_choices[c] = OpChoice(st.name, list(st.out_specs), compute[c], comm_of.get(c, 0.0),
+                                     list(st.in_specs), self.pnodes[self.rep[c]].family)
+            if st.note.startswith("interleaved"):
+                _, dim, chunks = st.note.split(":")
+                self._record_interleave(n.inputs[0], int(dim), int(chunks), layouts)
+        params: dict[str, tuple[str, ...]] = {}
+        inputs: dict[str, tuple[str, ...]] = {}
+        pbytes = abytes = 0.0
+        for o in self.outer:
+            n = g.node(o)
+            sp = strat(o).out_specs[0]
+            if n.kind == "param":
+                params[n.fqn] = sp
+                pbytes += local_numel(tuple(int(d) for d in n.outputs[0].shape), sp, self.mesh_shape) * self.itemsize(n.outputs[0])
+            elif n.kind == "input":
+                inputs[o] = sp
+            elif n.kind == "call":
+                inputs[o] = sp
+        for c in self.calls:
+            pn = self.pnodes[self.rep[c]]
+            abytes += self.memory(pn, strat(c))
+        # tied names of a parameter share its placement
+        for fq, sp in list(params.items()):
+            info_p = g.params.get(fq)
+            for t in (info_p.tied if info_p else []):
+                params.setdefault(t, sp)
+        # one latency per gradient bucket (per kind and mesh axis)
+        buckets: dict[tuple, float] = defaultdict(float)
+        for c in colls:
+            if c.phase == "grad_sync":
+                buckets[(c.kind, c.mesh_axes)] += c.bytes
+        for (kind, axes), nbytes in buckets.items():
+            n = math.prod(self.mesh_shape[a] for a in axes)
+            alpha = max(self.mesh.alpha[a] for a in axes)
+            steps = 2 * (n - 1) if kind == "all_reduce" else (n - 1)
+            sync += steps * alpha * max(1, math.ceil(nbytes / BUCKET_BYTES))
+        obj = fwd + bwd + sync
+        return ShardingSolution(
+            param_placements=params, input_placements=inputs, collectives=colls, objective=obj,
+            op_choices=op_choices, forward_s=fwd, backward_s=bwd, grad_sync_s=sync,
+            param_bytes_per_device=pbytes, activation_bytes_per_device=abytes,
+            solve_time_s=info.get("solve_time_s", 0.0), gap=info.get("gap", 0.0),
+            num_variables=info.get("num_variables", 0), num_constraints=info.get("num_constraints", 0),
+            mesh_shape=self.mesh_shape, status=info.get("status", ""), param_layouts=layouts,
+            memory_bytes_per_device=pbytes * self.state_factor + abytes, build_time_s=self.build_time_s,
+            num_groups=len(self.groups), warnings=list(dict.fromkeys(self.warnings)))
+
+    def _record_interleave(self, tensor: str, dim: int, chunks: int, layouts: dict) -> None:
+        """The matmul producing `tensor` (split chunk-interleaved along `dim`) reads a weight whose
+        rows (its output features) must be laid out interleaved."""
+        g = self.graph
+        n = g.node(tensor)
+        if n.op in ("linear",) and dim == len(n.outputs[0].shape) - 1:
+            for p in n.inputs[1:]:
+                pn = g.node(p)
+                if pn.kind == "param":
+                    layouts[pn.fqn] = (0, chunks)
+
+
+def _classes(items: list) -> tuple[list[int], list]:
+    """Class index of each item, and the distinct items in first-seen order."""
+    idx: dict = {}
+    reps: list = []
+    cls = []
+    for it in items:
+        if it not in idx:
+            idx[it] = len(reps)
+            reps.append(it)
+        cls.append(idx[it])
+    return cls, reps

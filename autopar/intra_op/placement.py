@@ -1,0 +1,116 @@
+"""Placements of one tensor over a logical mesh, and the collectives that change them.
+
+A *spec* is a tuple with one entry per mesh axis: "R" (replicated), "S(d)" (dimension d split
+evenly over the axis) or "P" (partial: the devices of the axis hold summands of the tensor).
+Several axes may split the same dimension (("S(0)", "S(0)") splits dim 0 over both, axis 0
+outermost, as DTensor does).
+
+`transition` lists the collectives that turn one spec into another, axis by axis:
+
+    P -> R     all_reduce          S(i) -> R     all_gather
+    P -> S(d)  reduce_scatter      S(i) -> S(j)  all_to_all
+    R -> S(d)  free (local slice)  R|S -> P      free (keep one summand, zero the rest)
+
+A collective's `bytes` is the whole buffer it works on, as in nccl-tests: the buffer reduced
+(all_reduce), the gathered result (all_gather), the tensor before scattering (reduce_scatter),
+the local buffer exchanged (all_to_all); "whole" means whole over the axis it runs on, i.e. the
+local shard along the other axes.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Optional, Sequence
+
+Spec = tuple[str, ...]
+
+REPLICATE = "R"
+PARTIAL = "P"
+
+
+def shard(d: int) -> str:
+    return f"S({d})"
+
+
+@lru_cache(maxsize=None)
+def shard_dim(p: str) -> Optional[int]:
+    """The dimension of "S(d)", None for "R"/"P"."""
+    if p.startswith("S("):
+        return int(p[2:-1])
+    return None
+
+
+def replicated(ndim_mesh: int) -> Spec:
+    return (REPLICATE,) * ndim_mesh
+
+
+def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    out = list(int(d) for d in shape)
+    for p, m in zip(spec, mesh_shape):
+        d = shard_dim(p)
+        if d is not None and m > 1:
+            out[d] = -(-out[d] // m)
+    return tuple(out)
+
+
+def local_numel(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> int:
+    return math.prod(local_shape(shape, spec, mesh_shape))
+
+
+def is_valid(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> bool:
+    """Every split dimension exists and divides evenly by the axes splitting it."""
+    div: dict[int, int] = {}
+    for p, m in zip(spec, mesh_shape):
+        d = shard_dim(p)
+        if d is not None:
+            if d >= len(shape) or m <= 1:
+                return m <= 1 and d < len(shape)
+            div[d] = div.get(d, 1) * m
+    return all(int(shape[d]) % k == 0 for d, k in div.items())
+
+
+def all_specs(shape: Sequence[int], mesh_shape: Sequence[int], allow_partial: bool = False) -> list[Spec]:
+    """Every valid R/S(d) (and P, if asked) spec of a tensor of `shape`; axes of size 1 are R."""
+    opts = [REPLICATE] + [shard(d) for d in range(len(shape))] + ([PARTIAL] if allow_partial else [])
+    specs: list[Spec] = [()]
+    for m in mesh_shape:
+        choices = opts if m > 1 else [REPLICATE]
+        specs = [s + (c,) for s in specs for c in choices]
+    return [s for s in specs if is_valid(shape, s, mesh_shape)]
+
+
+def _bytes(shape: Sequence[int], spec: Sequence[str], mesh_shape: Sequence[int], itemsize: int) -> float:
+    return float(local_numel(shape, tuple(spec), mesh_shape) * itemsize)
+
+
+@lru_cache(maxsize=200_000)
+def transition(shape: tuple[int, ...], itemsize: int, src: Spec, dst: Spec,
+               mesh_shape: tuple[int, ...]) -> tuple[tuple[str, int, float], ...]:
+    """Collectives (kind, mesh axis, bytes) turning layout `src` into `dst`, axis by axis.
+
+    Reductions and gathers run first (on the larger buffer only where unavoidable), slices last."""
+    cur = list(src)
+    out: list[tuple[str, int, float]] = []
+    order = sorted(range(len(src)), key=lambda a: (0 if src[a] == PARTIAL else 1 if dst[a] == REPLICATE else 2))
+    for a in order:
+        s, d = cur[a], dst[a]
+        if s == d or mesh_shape[a] <= 1:
+            cur[a] = d
+            continue
+        whole = list(cur)
+        whole[a] = REPLICATE
+        if s == PARTIAL:
+            if d == REPLICATE:
+                out.append(("all_reduce", a, _bytes(shape, whole, mesh_shape, itemsize)))
+            else:
+                out.append(("reduce_scatter", a, _bytes(shape, whole, mesh_shape, itemsize)))
+        elif shard_dim(s) is not None:
+            if d == REPLICATE:
+                out.append(("all_gather", a, _bytes(shape, whole, mesh_shape, itemsize)))
+            elif shard_dim(d) is not None:
+                out.append(("all_to_all", a, _bytes(shape, cur, mesh_shape, itemsize)))
+            # S -> P: free
+        # R -> S, R -> P: free
+        cur[a] = d
+    return tuple(out)

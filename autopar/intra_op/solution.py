@@ -1,0 +1,95 @@
+"""The answer of the intra-op ILP: a placement per parameter and input, a strategy per op, the
+collectives one training step runs, and its cost split the way the inter-op DP needs it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+Phase = Literal["forward", "backward", "grad_sync"]
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a training step. `bytes` is the whole buffer (nccl-tests convention):
+    reduced (all_reduce), gathered (all_gather), before scattering (reduce_scatter)."""
+
+    kind: str                       # all_reduce | all_gather | reduce_scatter | all_to_all
+    mesh_axes: tuple[int, ...]
+    bytes: float
+    phase: Phase
+    op: str = ""                    # the node it belongs to (a consumer for resharding)
+    time_s: float = 0.0
+    reason: str = ""                # "reshard x", "grad of w", "vocab-parallel cross-entropy", ...
+
+
+@dataclass
+class OpChoice:
+    strategy: str
+    output_placements: list[tuple[str, ...]]
+    compute_s: float                # forward + backward compute of the op
+    communication_s: float          # collectives charged to it (its own and its inputs' resharding)
+    input_placements: list[tuple[str, ...]] = field(default_factory=list)
+    family: str = ""
+
+
+@dataclass
+class ShardingSolution:
+    param_placements: dict[str, tuple[str, ...]]
+    input_placements: dict[str, tuple[str, ...]]
+    collectives: list[Collective]
+    objective: float
+    op_choices: dict[str, OpChoice]
+    forward_s: float
+    backward_s: float
+    grad_sync_s: float
+    param_bytes_per_device: float
+    activation_bytes_per_device: float
+    solve_time_s: float
+    gap: float
+    num_variables: int
+    num_constraints: int
+    mesh_shape: tuple[int, ...] = ()
+    status: str = ""
+    # params whose rows must be laid out chunk-interleaved (fused QKV): fqn -> (dim, chunks)
+    param_layouts: dict[str, tuple[int, int]] = field(default_factory=dict)
+    memory_bytes_per_device: float = 0.0          # params with grads/optimizer state + activations
+    build_time_s: float = 0.0
+    num_groups: int = 0
+    warnings: list[str] = field(default_factory=list)
+
+    def collective_counts(self, phases: Optional[tuple[str, ...]] = None) -> dict[str, int]:
+        """Collectives of one step by kind; a collective over k mesh axes (of size > 1) counts k
+        times, as DTensor runs one per mesh dimension."""
+        c: Counter = Counter()
+        for x in self.collectives:
+            if phases is None or x.phase in phases:
+                c[x.kind] += max(1, len(x.mesh_axes))
+        return dict(c)
+
+    def explain(self, node: str) -> str:
+        if node in self.param_placements:
+            cs = [c for c in self.collectives if c.reason.endswith(node) or node in c.reason]
+            return f"param {node}: {self.param_placements[node]}" + "".join(
+                f"\n  {c.phase:9s} {c.kind} over axes {c.mesh_axes}: {c.bytes:.0f} B, {c.time_s * 1e6:.1f} us ({c.op})"
+                for c in cs)
+        ch = self.op_choices.get(node)
+        if ch is None:
+            return f"{node}: not part of this solution"
+        lines = [f"{node} [{ch.family}]: strategy {ch.strategy!r}",
+                 f"  inputs  {ch.input_placements}", f"  outputs {ch.output_placements}",
+                 f"  compute {ch.compute_s * 1e6:.2f} us, communication {ch.communication_s * 1e6:.2f} us"]
+        for c in self.collectives:
+            if c.op == node:
+                lines.append(f"  {c.phase:9s} {c.kind} over axes {c.mesh_axes}: {c.bytes:.0f} B, "
+                             f"{c.time_s * 1e6:.2f} us  ({c.reason})")
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        return (f"objective {self.objective * 1e3:.3f} ms (fwd {self.forward_s * 1e3:.3f}, bwd "
+                f"{self.backward_s * 1e3:.3f}, grad sync {self.grad_sync_s * 1e3:.3f}); "
+                f"collectives {self.collective_counts()}; params {self.param_bytes_per_device / 2**20:.1f} MiB/dev, "
+                f"activations {self.activation_bytes_per_device / 2**20:.1f} MiB/dev; "
+                f"ILP {self.num_variables} vars / {self.num_constraints} constraints, "
+                f"{self.solve_time_s:.2f} s, gap {self.gap:.2%} ({self.status})")
