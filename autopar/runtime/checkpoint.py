@@ -1,0 +1,135 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP), atomic and resharding.
+
+Layout: `DIR/step_00000012/` (a DCP checkpoint: `.metadata` + shards). A save writes
+`DIR/.tmp-step_00000012/` and rank 0 renames it once every rank has finished, so a directory
+named `step_*` is always complete; leftovers of an interrupted save (`.tmp-*`) are ignored and
+removed. Keys are layout-independent: `model.<canonical FQN>` for parameters and
+`optim.<canonical FQN>.<state>` for the optimizer state, each the full logical tensor (a DTensor
+where the layout shards it), so a plan with another layout resumes from it (DCP reshards).
+ZeRO-1/2's flat optimizer shards are saved under `zero12.*` and need the same layout to resume.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+def latest(ckpt_dir: str | Path) -> Optional[tuple[int, Path]]:
+    """(step, path) of the newest complete checkpoint in `ckpt_dir`, or None."""
+    d = Path(ckpt_dir)
+    if not d.is_dir():
+        return None
+    best = None
+    for p in d.iterdir():
+        m = _STEP.match(p.name)
+        if m and p.is_dir() and (p / ".metadata").exists():
+            k = int(m.group(1))
+            if best is None or k > best[0]:
+                best = (k, p)
+    return best
+
+
+def _ensure_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Create zero Adam(W) state for parameters that have none yet, so DCP can load into it."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state[p]
+            if st:
+                continue
+            if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+                st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group.get("amsgrad"):
+                    st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def state_dict(pm, *, for_load: bool = False) -> dict:
+    """The DCP state of a ParallelModel (tensors alias the live ones, so a load is in place)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    state: dict = {"step": torch.tensor(pm.steps_done, dtype=torch.int64)}
+    named = pm.local_named_parameters()
+    for n, p in named:
+        state[f"model.{n}"] = p.data if not isinstance(p.data, DTensor) else p.data
+    if for_load:
+        _ensure_optimizer_state(pm.optimizer)
+    if pm.zero12:
+        p = pm.flat_shard
+        st = pm.optimizer.state.get(p, {})
+        mesh = pm.my_mesh.dp_mesh
+        idx = list(pm.meshes).index(pm.my_mesh.devices)
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == p.numel():
+                state[f"zero12.stage{idx}.tp{pm.tp_rank}.{k}"] = DTensor.from_local(v, mesh, [Shard(0)],
+                                                                                    run_check=False)
+            elif isinstance(v, torch.Tensor):
+                state[f"zero12.stage{idx}.tp{pm.tp_rank}.{k}"] = v
+    else:
+        names = {id(p): n for n, p in named}
+        for p, st in pm.optimizer.state.items():
+            n = names.get(id(p))
+            if n is None:
+                continue
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    state[f"optim.{n}.{k}"] = v
+    return state
+
+
+def save(pm, ckpt_dir: str | Path) -> Path:
+    """Collective: save `pm` after `pm.steps_done` steps; returns the final directory."""
+    import torch.distributed.checkpoint as dcp
+
+    d = Path(ckpt_dir)
+    name = f"step_{pm.steps_done:08d}"
+    tmp, final = d / f".tmp-{name}", d / name
+    if dist.get_rank() == 0:
+        d.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    dist.barrier()
+    dcp.save(state_dict(pm), checkpoint_id=str(tmp))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    dist.barrier()
+    return final
+
+
+def load(pm, path: str | Path) -> int:
+    """Collective: load a checkpoint into `pm` (any layout for model.*/optim.*); returns its step."""
+    import torch.distributed.checkpoint as dcp
+
+    state = state_dict(pm, for_load=True)
+    with torch.no_grad():
+        dcp.load(state, checkpoint_id=str(path))
+    pm.steps_done = int(state["step"])
+    if pm.zero12:  # parameters are the source of truth; refresh the flat shard from them
+        with torch.no_grad():
+            locs = [pm._local(p.data) for p in pm.params]
+            flat = torch.cat([t.reshape(-1) for t in locs])
+            lo = pm.dp_rank * pm.shard_size
+            seg = flat[lo:lo + pm.shard_size]
+            pm.flat_shard.data.zero_()
+            pm.flat_shard.data[:seg.numel()].copy_(seg)
+    return pm.steps_done
+
+
+def cleanup_tmp(ckpt_dir: str | Path) -> None:
+    d = Path(ckpt_dir)
+    if d.is_dir():
+        for p in d.iterdir():
+            if p.name.startswith(".tmp-step_"):
+                shutil.rmtree(p, ignore_errors=True)

@@ -1,0 +1,122 @@
+"""Counting the collectives that ran, and the convention the plan's `predicted.collectives` uses.
+
+Convention (per optimizer step, by kind: all_reduce, all_gather, reduce_scatter, all_to_all,
+broadcast, send_recv):
+
+* A collective issued by every group along a mesh axis of a stage (the SPMD program of the stage
+  issues it on every device) counts **once per stage** - not once per group, not once per rank.
+  E.g. dp4 with one flat gradient bucket: all_reduce = 1; pp2 x dp2: all_reduce = 2 (one per
+  stage).
+* One point-to-point transfer (an activation forward or a gradient backward between adjacent
+  stages, per micro-batch) counts **once** as send_recv (at the sender). Under pp x dp the dp
+  replicas' pipelines run the same transfers in parallel; they count once.
+* A collective whose group spans stages (the gradient sync of a parameter tied between the first
+  and the last stage) counts once.
+* Coalesced calls count once. Collectives outside the step (initialisation, metrics, checkpoint)
+  are not counted.
+
+Measured: every rank counts what it issues (a TorchDispatchMode that sees c10d and functional
+collectives, DTensor's included); `global_counts` combines them: only one representative rank
+per distinct stage device set (the device at mesh coordinate 0) contributes, a collective counted
+with weight 1/(representatives in its group), sends with weight 1, receives 0.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_KIND = {
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce", "all_reduce_coalesced_": "all_reduce",
+    "allgather_": "all_gather", "_allgather_base_": "all_gather", "allgather_coalesced_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather", "all_gather_into_tensor_out": "all_gather",
+    "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all",
+    "broadcast_": "broadcast", "broadcast": "broadcast",
+    "send": "send_recv", "recv_": "recv", "recv_any_source_": "recv",
+    "gather_": "gather", "scatter_": "scatter", "reduce_": "reduce",
+}
+_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
+
+
+def _group_ranks(func: Any, args: Sequence[Any], kwargs: dict) -> tuple[int, ...]:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, dist.ProcessGroup):
+            try:
+                return tuple(dist.get_process_group_ranks(a))
+            except Exception:
+                return ()
+        if isinstance(a, str) and func.namespace != "c10d":
+            try:
+                return tuple(dist.get_process_group_ranks(_resolve_process_group(a)))
+            except Exception:
+                continue
+    return ()
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Records (kind, group ranks) of every collective issued while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, tuple[int, ...]]] = []
+        self.enabled = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        from torch.distributed.tensor import DTensor
+
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor desugar into collectives first, then see them
+        if self.enabled and func.namespace in _NAMESPACES:
+            kind = _KIND.get(func._opname)
+            if kind is not None:
+                self.events.append((kind, _group_ranks(func, args, kwargs)))
+        return func(*args, **kwargs)
+
+    def local_counts(self) -> dict[str, int]:
+        return dict(Counter(k for k, _ in self.events if k != "recv"))
+
+    def reset(self) -> None:
+        self.events = []
+
+
+def combine(events_by_rank: dict[int, list[tuple[str, tuple[int, ...]]]],
+            representatives: set[int]) -> dict[str, int]:
+    """Apply the convention above to every rank's events (see module docstring)."""
+    total: Counter = Counter()
+    for r in representatives:
+        for kind, ranks in events_by_rank.get(r, []):
+            if kind == "recv":
+                continue
+            if kind == "send_recv":
+                total[kind] += 1.0
+                continue
+            n = len(set(ranks) & representatives) if ranks else 1
+            total[kind] += 1.0 / max(n, 1)
+    return {k: int(round(v)) for k, v in sorted(total.items()) if round(v) > 0}
+
+
+def global_counts(counter: CollectiveCounter, representatives: set[int]) -> dict[str, int]:
+    """Collective call: every rank passes its counter; returns the combined counts on all ranks."""
+    world = dist.get_world_size()
+    was = counter.enabled
+    counter.enabled = False
+    try:
+        if world == 1:
+            return combine({0: counter.events}, {0})
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, counter.events)
+        return combine({i: ev for i, ev in enumerate(gathered)}, representatives)
+    finally:
+        counter.enabled = was

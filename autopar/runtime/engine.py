@@ -1,0 +1,637 @@
+"""Executing a Plan on this rank: meshes, stage modules, data/tensor/pipeline parallelism, ZeRO,
+recomputation and the optimizer. `ParallelModel.step(batch)` runs one training iteration on the
+*global* batch (every rank passes the same global batch; each takes its rows).
+
+How each part of the plan is executed:
+
+* Stage meshes: one `DeviceMesh` per distinct stage device set (`mesh_shape`,
+  `mesh_axis_names`), created on every rank in stage order.
+* "tp" axes: the stage's parameters become DTensors on the tp sub-mesh with the tp entries of
+  `placements` (`spmd.distribute_params`); activations are DTensors inside the stage and plain
+  (replicated) tensors at its boundaries.
+* "dp" axes: the batch is split by rows; gradients are averaged over the dp group after the
+  backward in one flat all-reduce per stage (zero_stage 0), one flat reduce-scatter + sharded
+  AdamW + one all-gather of the updated parameters (zero_stage 1 and 2: optimizer state, and the
+  gradients once reduced, live sharded), or `fully_shard` on the dp sub-mesh per layer
+  (zero_stage 3, or any "S(0)" on a dp axis).
+* Pipelines (more than one distinct device set): `torch.distributed.pipelining.PipelineStage`
+  per chunk, holding only its layers under their original FQNs; schedule from the plan (gpipe,
+  1f1b, interleaved_1f1b). The loss is computed on the last stage. Parameters tied across stages
+  (GPT's embedding and output weight) live on both stages and their gradients are summed over a
+  group joining the two copies (Megatron's embedding group).
+* Recompute: `torch.utils.checkpoint` (non-reentrant) around each layer ("full") or around each
+  layer's attention child ("selective"; the whole layer when it has none).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.models.registry import ModelBundle
+from autopar.runtime.materialize import canonical_names, materialize
+from autopar.runtime.spmd import (SPMDModule, allow_implicit_replication, distribute_params,
+                                  grads_to_param_layout, register_extra_strategies)
+from autopar.schema.errors import PlanError
+from autopar.schema.plan import Plan, StagePlan
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+def default_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW, lr 1e-3 (torch defaults otherwise). foreach off: the same kernels as one process."""
+    return torch.optim.AdamW(params, lr=1e-3, foreach=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# model families: how layers chain and where the loss comes from, for pipeline stages
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Family:
+    """How a model decomposes into layers for pipelining: `between(fqn, x)` is applied after a
+    layer (e.g. an activation), `loss(output, *targets)` ends the last stage."""
+
+    loss: Callable[..., torch.Tensor]
+    between: Callable[[str, torch.Tensor, bool], torch.Tensor] = lambda fqn, x, last: x
+    num_inputs: int = 1
+
+
+def family_of(model: nn.Module) -> Family:
+    from autopar.models.gpt import GPT
+    from autopar.models.mlp import MLP
+
+    if isinstance(model, GPT):
+        return Family(loss=lambda logits, tgt: F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten()))
+    if isinstance(model, MLP):
+        return Family(loss=lambda out, y: F.mse_loss(out, y),
+                      between=lambda fqn, x, last: x if last else F.relu(x))
+    fn = getattr(model, "pipeline_loss", None)
+    if callable(fn):
+        return Family(loss=fn)
+    raise PlanError(f"cannot cut {type(model).__name__} into pipeline stages: autopar knows the layer "
+                    f"chaining and loss of the zoo GPT and MLP; give the model a "
+                    f"`pipeline_loss(output, *targets)` method, or plan it without pipelining (pp=1)")
+
+
+def get_submodule(root: nn.Module, fqn: str) -> nn.Module:
+    try:
+        return root.get_submodule(fqn)
+    except AttributeError:
+        raise PlanError(f"the plan names layer {fqn!r}, which the model does not have") from None
+
+
+class StageCore(nn.Module):
+    """The layers of one pipeline chunk, kept at their original FQNs (so parameter names, plan
+    placements and checkpoint keys match the full model), run in order."""
+
+    def __init__(self, root: nn.Module, layers: Sequence[str], family: Family, is_last: bool) -> None:
+        super().__init__()
+        self.order = list(layers)
+        self.family = family
+        self.is_last = is_last
+        self._mods: list[nn.Module] = []
+        for fqn in self.order:
+            mod = get_submodule(root, fqn)
+            parent: nn.Module = self
+            parts = fqn.split(".")
+            for part in parts[:-1]:
+                if part not in parent._modules:
+                    parent.add_module(part, nn.Module())
+                parent = parent._modules[part]
+            parent.add_module(parts[-1], mod)
+            self._mods.append(mod)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = len(self.order)
+        for i, (fqn, mod) in enumerate(zip(self.order, self._mods)):
+            x = mod(x)
+            x = self.family.between(fqn, x, self.is_last and i == n - 1)
+        return x
+
+
+def apply_recompute(layer: nn.Module, mode: str) -> None:
+    if mode == "none":
+        return
+    from torch.utils.checkpoint import checkpoint
+
+    target = layer
+    if mode == "selective":
+        for name in ("attn", "attention", "self_attn"):
+            if isinstance(getattr(layer, name, None), nn.Module):
+                target = getattr(layer, name)
+                break
+    orig = target.forward
+
+    def fwd(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(orig, *args, use_reentrant=False, **kwargs)
+
+    target.forward = fwd  # instance attribute: hooks (fully_shard) still run around __call__
+
+
+def unique_axis_names(names: Sequence[str]) -> tuple[str, ...]:
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        k = seen.get(n, 0)
+        seen[n] = k + 1
+        out.append(n if k == 0 else f"{n}_{k}")
+    return tuple(out)
+
+
+@dataclass
+class StageMesh:
+    devices: tuple[int, ...]
+    mesh: DeviceMesh
+    axis_names: tuple[str, ...]          # unique names
+    kinds: tuple[str, ...]               # "dp" / "tp" per axis
+    dp_mesh: Optional[DeviceMesh] = None
+    tp_mesh: Optional[DeviceMesh] = None
+    dp_size: int = 1
+    tp_size: int = 1
+
+    def submesh(self, kind: str) -> Optional[DeviceMesh]:
+        names = tuple(n for n, k in zip(self.axis_names, self.kinds) if k == kind)
+        if not names:
+            return None
+        if len(names) == 1:
+            return self.mesh[names[0]]
+        return self.mesh[names]._flatten(f"{kind}_flat")
+
+
+def _coord(devices: Sequence[int], rank: int) -> int:
+    return list(devices).index(rank)
+
+
+# ---------------------------------------------------------------------------------------------
+class ParallelModel:
+    """One rank's share of a planned training job. Every rank of the job builds one (a
+    collective). `step(batch)` takes the global batch and returns the loss (mean over it)."""
+
+    def __init__(self, plan: Plan, bundle: ModelBundle, *, seed: int = 0,
+                 optimizer_factory: Optional[OptimizerFactory] = None,
+                 device: Optional[torch.device] = None) -> None:
+        if not dist.is_initialized():
+            raise PlanError("ParallelModel needs torch.distributed initialised (run under torchrun, "
+                            "or use autopar.runtime.run which launches it)")
+        self.plan = plan
+        self.bundle = bundle
+        self.seed = seed
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        if self.world != plan.world_size:
+            raise PlanError(f"the plan needs {plan.world_size} processes, this job has {self.world}")
+        self.device = device or (torch.device("cuda", torch.cuda.current_device())
+                                 if torch.cuda.is_available() and dist.get_backend() == "nccl"
+                                 else torch.device("cpu"))
+        self.device_type = self.device.type
+        self.autocast = (self.device_type == "cuda" and plan.dtype in ("bf16", "fp16"))
+        self.opt_factory = optimizer_factory or default_optimizer
+        register_extra_strategies()
+        self.stages = sorted(plan.stages, key=lambda s: s.index)
+        self._check_plan()
+        self._build_meshes()
+        self.model = bundle.model
+        self.aliases = canonical_names(self.model)
+        if self.pp == 1:
+            self._build_single()
+        else:
+            self._build_pipeline()
+        self._build_tied_groups()
+        self._build_optimizer()
+        self.steps_done = 0
+
+    # -- plan checks ---------------------------------------------------------------------
+    def _check_plan(self) -> None:
+        plan = self.plan
+        used = sorted({d for s in self.stages for d in s.devices})
+        if used != list(range(len(used))):
+            raise PlanError(f"the plan's stages use devices {used}; the runtime needs ranks 0..{len(used) - 1}")
+        for s in self.stages:
+            for a in s.mesh_axis_names:
+                if a not in ("dp", "tp"):
+                    raise PlanError(f"stage {s.index}: mesh axis {a!r} is neither 'dp' nor 'tp'")
+        devsets: list[tuple[int, ...]] = []
+        for s in self.stages:
+            t = tuple(s.devices)
+            if t not in devsets:
+                devsets.append(t)
+        self.devsets = devsets
+        self.pp = len(devsets)
+        shapes = {(tuple(s.mesh_shape), tuple(s.mesh_axis_names)) for s in self.stages}
+        if self.pp > 1 and len(shapes) > 1:
+            raise PlanError("pipeline stages with different logical meshes are not supported by the "
+                            f"runtime yet (got {sorted(shapes)}); plan with equal stage meshes")
+        nst = len(self.stages)
+        if self.pp > 1:
+            for i, s in enumerate(self.stages):
+                if tuple(s.devices) != devsets[i % self.pp]:
+                    raise PlanError(f"stage {s.index} runs on {s.devices}, expected {list(devsets[i % self.pp])}: "
+                                    f"chunks must go round the device sets in order (interleaving)")
+            v = nst // self.pp
+            if v * self.pp != nst:
+                raise PlanError(f"{nst} stages over {self.pp} device sets: not a whole number of chunks")
+            if plan.schedule != "interleaved_1f1b" and v > 1:
+                raise PlanError(f"{v} chunks per device need schedule interleaved_1f1b, not {plan.schedule}")
+        self.chunks_per_device = nst // self.pp
+        self.representatives = {ds[0] for ds in devsets}
+
+    def _build_meshes(self) -> None:
+        self.meshes: dict[tuple[int, ...], StageMesh] = {}
+        for s in self.stages:
+            key = tuple(s.devices)
+            if key in self.meshes:
+                continue
+            names = unique_axis_names(s.mesh_axis_names)
+            mesh = DeviceMesh(self.device_type, torch.tensor(s.devices, dtype=torch.int).view(*s.mesh_shape),
+                              mesh_dim_names=names)
+            sm = StageMesh(key, mesh, names, tuple(s.mesh_axis_names))
+            sm.dp_size = s.axis_size("dp")
+            sm.tp_size = s.axis_size("tp")
+            if self.rank in key:
+                sm.dp_mesh = sm.submesh("dp")
+                sm.tp_mesh = sm.submesh("tp")
+            self.meshes[key] = sm
+        mine = [s for s in self.stages if self.rank in s.devices]
+        if not mine:
+            raise PlanError(f"rank {self.rank} is in no stage of the plan")
+        self.my_stages = mine
+        self.my_mesh = self.meshes[tuple(mine[0].devices)]
+        self.coord = _coord(mine[0].devices, self.rank)
+        sm = self.my_mesh
+        self.dp_size, self.tp_size = sm.dp_size, sm.tp_size
+        self.dp_rank = sm.dp_mesh.get_local_rank() if sm.dp_mesh is not None else 0
+        self.tp_rank = sm.tp_mesh.get_local_rank() if sm.tp_mesh is not None else 0
+        self.dp_group = sm.dp_mesh.get_group() if sm.dp_mesh is not None and self.dp_size > 1 else None
+        zero3 = self.plan.zero_stage == 3 or any(
+            pl[i].startswith("S") for s in mine for pl in s.placements.values()
+            for i, k in enumerate(s.mesh_axis_names) if k == "dp")
+        self.zero3 = zero3 and self.dp_size > 1
+        self.zero12 = self.plan.zero_stage in (1, 2) and self.dp_size > 1 and not self.zero3
+
+    def _tp_placements(self, s: StagePlan) -> dict[str, tuple[str, ...]]:
+        idx = [i for i, k in enumerate(s.mesh_axis_names) if k == "tp"]
+        out = {}
+        for fqn, pl in s.placements.items():
+            sel = tuple(pl[i] for i in idx)
+            if len(idx) > 1:  # flattened tp axes: sharded only if every tp axis agrees
+                sel = (sel[0],) if len(set(sel)) == 1 else ("R",)
+            out[fqn] = sel
+        return out
+
+    # -- single stage (no pipeline) ------------------------------------------------------
+    def _build_single(self) -> None:
+        s = self.stages[0]
+        model = self.model
+        for fqn in s.layers:
+            apply_recompute(get_submodule(model, fqn), s.recompute)
+        materialize(model, seed=self.seed, device=self.device, aliases=self.aliases)
+        if self.tp_size > 1:
+            distribute_params(model, self.my_mesh.tp_mesh, self._tp_placements(s), aliases=self.aliases,
+                              src_data_rank=None)
+        if self.zero3:
+            self._fully_shard(model, s.layers)
+        runner: nn.Module = model
+        if self.tp_size > 1:
+            runner = SPMDModule(model, self.my_mesh.tp_mesh, [None] * len(self.bundle.example_inputs))
+        self.runner = runner
+        self.local_modules = [model]
+        self.pipe_stages = []
+        self.schedule = None
+
+    def _fully_shard(self, root: nn.Module, layers: Sequence[str]) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.my_mesh.dp_mesh
+        if self.tp_size > 1:
+            raise PlanError("ZeRO-3 together with tensor parallelism inside a stage is not supported by "
+                            "the runtime yet; plan zero_stage <= 2 with tp, or tp = 1 with ZeRO-3")
+        # parameters used by more than one layer (tied) stay with the root unit
+        owners: dict[int, set[str]] = {}
+        for fqn in layers:
+            for p in get_submodule(root, fqn).parameters():
+                owners.setdefault(id(p), set()).add(fqn)
+        all_names = {n: id(p) for n, p in root.named_parameters(remove_duplicate=False)}
+        for fqn in layers:
+            mod = get_submodule(root, fqn)
+            ids = {id(p) for p in mod.parameters()}
+            shared_outside = any(
+                pid in ids and not n.startswith(fqn + ".") for n, pid in all_names.items())
+            if not shared_outside and ids:
+                fully_shard(mod, mesh=mesh)
+        fully_shard(root, mesh=mesh)
+        self._fsdp_root = root
+
+    # -- pipeline ------------------------------------------------------------------------
+    def _stage_shapes(self, mb: int) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """Example (inputs, outputs) of every chunk for one micro-batch, from a meta run."""
+        ex = [x for x in self.bundle.example_inputs]
+        x = torch.empty((mb,) + tuple(ex[0].shape[1:]), dtype=ex[0].dtype, device="meta")
+        fam = self.family
+        out = []
+        nst = len(self.stages)
+        for i, s in enumerate(self.stages):
+            ins = x
+            for j, fqn in enumerate(s.layers):
+                with torch.no_grad():
+                    x = get_submodule(self.model, fqn)(x)
+                x = fam.between(fqn, x, i == nst - 1 and j == len(s.layers) - 1)
+            out.append((ins, x))
+        return out
+
+    def _build_pipeline(self) -> None:
+        from torch.distributed.pipelining import PipelineStage
+
+        self.family = family_of(self.model)
+        nst = len(self.stages)
+        covered = {}
+        for s in self.stages:
+            for fqn in s.layers:
+                for n, _ in get_submodule(self.model, fqn).named_parameters(remove_duplicate=False):
+                    covered[self.aliases.get(f"{fqn}.{n}", f"{fqn}.{n}")] = True
+        missing = [n for n in set(self.aliases.values()) if n not in covered]
+        if missing:
+            raise PlanError(f"the plan's stages leave parameters out: {', '.join(sorted(missing)[:5])}")
+        shapes = self._stage_shapes(self.plan.microbatch_size)
+        # pipeline groups: one per mesh coordinate, ranks in stage order
+        ncoord = len(self.devsets[0])
+        self.pp_group = None
+        self.pp_group_ranks: list[int] = []
+        for c in range(ncoord):
+            ranks = [ds[c] for ds in self.devsets]
+            g = dist.new_group(ranks)
+            if self.rank in ranks:
+                self.pp_group = g
+                self.pp_group_ranks = ranks
+        self.pipe_stages = []
+        self.local_modules = []
+        for i, s in enumerate(self.stages):
+            if self.rank not in s.devices:
+                continue
+            core = StageCore(self.model, s.layers, self.family, i == nst - 1)
+            for fqn in s.layers:
+                apply_recompute(get_submodule(self.model, fqn), s.recompute)
+            materialize(core, seed=self.seed, device=self.device, aliases=self.aliases)
+            if self.tp_size > 1:
+                distribute_params(core, self.my_mesh.tp_mesh, self._tp_placements(s),
+                                  aliases=self.aliases, src_data_rank=None)
+            if self.zero3:
+                self._fully_shard(core, s.layers)
+            mod: nn.Module = core
+            if self.tp_size > 1:
+                mod = SPMDModule(core, self.my_mesh.tp_mesh, [None])
+            ins, outs = shapes[i]
+            ex_in = torch.empty(ins.shape, dtype=ins.dtype, device=self.device)
+            ex_out = torch.empty(outs.shape, dtype=outs.dtype, device=self.device)
+            stage = PipelineStage(mod, i, nst, self.device, input_args=(ex_in,), output_args=(ex_out,),
+                                  group=self.pp_group)
+            self.pipe_stages.append(stage)
+            self.local_modules.append(core)
+        self.runner = None
+        self._make_schedule()
+
+    def _make_schedule(self) -> None:
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        M = self.plan.num_microbatches
+        fam = self.family
+        loss_fn = lambda out, tgt: fam.loss(out, tgt)  # noqa: E731
+        kind = self.plan.schedule
+        if kind == "interleaved_1f1b" or len(self.pipe_stages) > 1:
+            if M % self.pp != 0:
+                raise PlanError(f"interleaved 1F1B needs num_microbatches ({M}) to be a multiple of "
+                                f"the pipeline depth ({self.pp})")
+            sched = ScheduleInterleaved1F1B(self.pipe_stages, n_microbatches=M, loss_fn=loss_fn)
+        elif kind == "gpipe":
+            sched = ScheduleGPipe(self.pipe_stages[0], n_microbatches=M, loss_fn=loss_fn)
+        else:
+            sched = Schedule1F1B(self.pipe_stages[0], n_microbatches=M, loss_fn=loss_fn)
+        # stage i lives on group rank of devsets[i % pp][coord]
+        sorted_ranks = sorted(self.pp_group_ranks)
+        mapping = {i: sorted_ranks.index(self.pp_group_ranks[i % self.pp]) for i in range(len(self.stages))}
+        sched.stage_index_to_group_rank = mapping
+        for st in self.pipe_stages:
+            st.stage_index_to_group_rank = mapping
+        self.schedule = sched
+
+    # -- tied parameters across stages ---------------------------------------------------
+    def _build_tied_groups(self) -> None:
+        """Parameters held by more than one stage device set: a group per mesh coordinate joins
+        the copies; their gradients are summed there."""
+        self.tied: list[tuple[dist.ProcessGroup, list[nn.Parameter]]] = []
+        if self.pp == 1:
+            return
+        holders: dict[str, list[int]] = {}
+        for si, s in enumerate(self.stages):
+            for fqn in s.layers:
+                for n, _ in get_submodule(self.model, fqn).named_parameters(remove_duplicate=False):
+                    canon = self.aliases.get(f"{fqn}.{n}", f"{fqn}.{n}")
+                    ds = si % self.pp
+                    if ds not in holders.setdefault(canon, []):
+                        holders[canon].append(ds)
+        shared = {k: tuple(v) for k, v in holders.items() if len(v) > 1}
+        bykey: dict[tuple[int, ...], list[str]] = {}
+        for k, v in sorted(shared.items()):
+            bykey.setdefault(v, []).append(k)
+        ncoord = len(self.devsets[0])
+        for dss, names in bykey.items():
+            for c in range(ncoord):
+                ranks = [self.devsets[d][c] for d in dss]
+                g = dist.new_group(ranks)
+                if self.rank in ranks:
+                    params = []
+                    for core in self.local_modules:
+                        for n, p in core.named_parameters(remove_duplicate=False):
+                            if self.aliases.get(n, n) in names and all(p is not q for q in params):
+                                params.append(p)
+                    self.tied.append((g, params))
+
+    # -- optimizer -----------------------------------------------------------------------
+    def local_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(canonical FQN, parameter) of this rank, each parameter once."""
+        out, seen = [], set()
+        for core in self.local_modules:
+            for n, p in core.named_parameters(remove_duplicate=False):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                out.append((self.aliases.get(n, n), p))
+        return out
+
+    def _build_optimizer(self) -> None:
+        self.params = [p for _, p in self.local_named_parameters()]
+        if self.zero12:
+            self._zero12_setup()
+        else:
+            self.optimizer = self.opt_factory(self.params)
+
+    def _local(self, t: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def _zero12_setup(self) -> None:
+        D = self.dp_size
+        locs = [self._local(p.data) for p in self.params]
+        n = sum(t.numel() for t in locs)
+        self.flat_numel = n
+        self.shard_size = math.ceil(n / D)
+        flat = torch.zeros(self.shard_size * D, dtype=locs[0].dtype, device=self.device)
+        torch.cat([t.reshape(-1) for t in locs], out=flat[:n])
+        lo = self.dp_rank * self.shard_size
+        self.flat_shard = nn.Parameter(flat[lo:lo + self.shard_size].clone())
+        self.optimizer = self.opt_factory([self.flat_shard])
+
+    # -- step ----------------------------------------------------------------------------
+    def local_batch(self, batch: Sequence[Any]) -> tuple:
+        """This rank's rows of the global batch (its dp replica's share)."""
+        G = self.plan.global_batch_size
+        D = self.dp_size
+        out = []
+        for x in batch:
+            if isinstance(x, torch.Tensor) and x.dim() > 0:
+                if x.shape[0] != G:
+                    raise PlanError(f"the batch has {x.shape[0]} rows, the plan's global batch size is {G}")
+                rows = G // D
+                x = x[self.dp_rank * rows:(self.dp_rank + 1) * rows].to(self.device)
+            out.append(x)
+        return tuple(out)
+
+    def step(self, batch: Sequence[Any]) -> float:
+        """One training iteration on the global `batch`; returns the mean loss over it (on every
+        rank)."""
+        return self.reduce_loss(self.train_step(batch))
+
+    def train_step(self, batch: Sequence[Any]) -> tuple[float, int]:
+        """Forward, backward, gradient sync and optimizer update; returns this rank's (sum of
+        reported micro-batch losses, their number). No communication beyond the plan's."""
+        loss_sum, n = self.forward_backward(batch)
+        self.sync_and_update()
+        self.steps_done += 1
+        return loss_sum, n
+
+    def reduce_loss(self, local: tuple[float, int]) -> float:
+        """Mean loss over the global batch from every rank's `train_step` result (a collective)."""
+        t = torch.tensor([local[0], float(local[1])], dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(t)
+        return float(t[0] / t[1]) if t[1] > 0 else float("nan")
+
+    def forward_backward(self, batch: Sequence[Any]) -> tuple[float, int]:
+        """Returns (sum of micro-batch losses this rank reports, their number)."""
+        local = self.local_batch(batch)
+        M = self.plan.num_microbatches
+        reporter_tp = self.tp_rank == 0
+        ctx = (torch.autocast(self.device_type, dtype=torch.bfloat16 if self.plan.dtype == "bf16" else torch.float16)
+               if self.autocast else _nullctx())
+        if self.pp == 1:
+            allow_implicit_replication()
+            total = 0.0
+            mbs = [torch.tensor_split(x, M) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * M
+                   for x in local]
+            for m in range(M):
+                if self.zero3 and M > 1:
+                    self._fsdp_root.set_requires_gradient_sync(m == M - 1)
+                args = [mb[m] for mb in mbs]
+                with ctx:
+                    loss = self.runner(*args)
+                (loss / M).backward()
+                total += float(loss.detach())
+            return (total if reporter_tp else 0.0), (M if reporter_tp else 0)
+        # pipeline
+        is_first = any(st.is_first for st in self.pipe_stages)
+        is_last = any(st.is_last for st in self.pipe_stages)
+        inputs, targets = local[0], local[1:] if len(local) > 1 else ()
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {}
+        if is_last:
+            kwargs["target"] = targets[0] if len(targets) == 1 else targets
+            kwargs["losses"] = losses
+        with ctx:
+            if is_first:
+                self.schedule.step(inputs, **kwargs)
+            else:
+                self.schedule.step(**kwargs)
+        if is_last and reporter_tp:
+            return float(sum(float(l.detach()) for l in losses)), len(losses)
+        return 0.0, 0
+
+    def sync_and_update(self) -> None:
+        grads_to_param_layout(self.params)
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.zero12:
+            self._zero12_step()
+        else:
+            if self.dp_group is not None and not self.zero3:
+                self._allreduce_flat([self._local(p.grad) for p in self.params], self.dp_group,
+                                     1.0 / self.dp_size)
+            for g, ps in self.tied:
+                self._allreduce_flat([self._local(p.grad) for p in ps], g, 1.0)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.params:
+            p.grad = None
+
+    @staticmethod
+    def _allreduce_flat(grads: list[torch.Tensor], group: dist.ProcessGroup, scale: float) -> None:
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        if scale != 1.0:
+            flat.mul_(scale)
+        off = 0
+        for g in grads:
+            g.copy_(flat[off:off + g.numel()].view_as(g))
+            off += g.numel()
+
+    def _zero12_step(self) -> None:
+        # tied copies first (sum), then reduce-scatter over dp, sharded update, all-gather
+        for g, ps in self.tied:
+            self._allreduce_flat([self._local(p.grad) for p in ps], g, 1.0)
+        D, S, n = self.dp_size, self.shard_size, self.flat_numel
+        grads = [self._local(p.grad) for p in self.params]
+        flat = torch.zeros(S * D, dtype=grads[0].dtype, device=self.device)
+        torch.cat([g.reshape(-1) for g in grads], out=flat[:n])
+        shard = torch.empty(S, dtype=flat.dtype, device=self.device)
+        dist.reduce_scatter_tensor(shard, flat, group=self.dp_group)
+        shard.mul_(1.0 / D)
+        self.flat_shard.grad = shard
+        self.optimizer.step()
+        full = torch.empty(S * D, dtype=flat.dtype, device=self.device)
+        dist.all_gather_into_tensor(full, self.flat_shard.data, group=self.dp_group)
+        off = 0
+        with torch.no_grad():
+            for p in self.params:
+                loc = self._local(p.data)
+                loc.copy_(full[off:off + loc.numel()].view_as(loc))
+                off += loc.numel()
+        self.flat_shard.grad = None
+
+    # -- views ---------------------------------------------------------------------------
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Full parameter values by canonical FQN, gathered (a collective when sharded). For
+        tests and export; every rank gets the parameters it holds."""
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        for n, p in self.local_named_parameters():
+            out[n] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+        return out
+
+
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False

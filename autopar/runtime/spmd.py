@@ -1,0 +1,216 @@
+"""SPMD execution of one stage: parameters as DTensors with the planned placements.
+
+`parallelize(module, mesh, param_placements, input_placements)` turns every parameter named in
+`param_placements` into a DTensor on `mesh` ("R" -> Replicate, "S(d)" -> Shard(d), "P" ->
+Partial), wraps the forward so that the inputs (this rank's local shards) become DTensors with
+`input_placements`, and returns the loss as a plain tensor equal to the one-process loss.
+
+Activations stay DTensors between ops: DTensor's sharding propagation picks each op's output
+layout and `redistribute`s an operand where an op needs another layout (for the zoo GPT with the
+Megatron placements - qkv/fc weight "S(0)", proj weight "S(1)" on the tp axis - that is the
+all-reduce after each row-parallel projection, and an all-gather of the fused qkv output before
+its head split, because a contiguous row shard of a fused qkv weight is not head-aligned).
+torch's `parallelize_module` with ColwiseParallel/RowwiseParallel is *not* used: it hands local
+tensors to the module's own code, which breaks models whose forward reads `x.shape` to split a
+fused projection (the zoo GPT does). Keeping DTensors everywhere is correct for any placement
+the ILP may choose; the price is the extra all-gather above.
+
+Parameters not named in `param_placements` are replicated. Plain tensors created inside the
+forward (positions, masks) are treated as replicated (`allow_implicit_replication`, process-wide).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from autopar.schema.errors import PlanError
+
+_SHARD = re.compile(r"^S\((-?\d+)\)$")
+
+
+def to_placement(p: str | Any):
+    """"R" -> Replicate(), "S(d)" -> Shard(d), "P" -> Partial(); placement objects pass through."""
+    if not isinstance(p, str):
+        return p
+    p = p.strip()
+    if p == "R":
+        return Replicate()
+    if p == "P":
+        return Partial()
+    m = _SHARD.match(p)
+    if m:
+        return Shard(int(m.group(1)))
+    raise PlanError(f"unknown placement {p!r}; use 'R', 'S(d)' or 'P'")
+
+
+def to_placements(pl: Sequence[str | Any], ndim: int | None = None) -> tuple:
+    out = tuple(to_placement(p) for p in pl)
+    if ndim is not None:
+        fixed = []
+        for p in out:
+            if isinstance(p, Shard) and p.dim < 0:
+                p = Shard(p.dim + ndim)
+            fixed.append(p)
+        out = tuple(fixed)
+    return out
+
+
+_registered = False
+
+
+def allow_implicit_replication() -> None:
+    """Treat plain tensors met by DTensor ops as replicated, process-wide: the forward of a model
+    creates plain tensors (positions, masks) and their backward runs outside any context
+    manager, so `implicit_replication()` (a context) is not enough."""
+    DTensor._op_dispatcher._allow_implicit_replication = True
+
+
+def register_extra_strategies() -> None:
+    """Sharding rules DTensor lacks on CPU: the fused CPU flash-attention kernels (batch or
+    head sharded, or replicated)."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    try:
+        from torch.distributed.tensor.experimental import register_sharding
+    except ImportError:  # pragma: no cover
+        return
+    aten = torch.ops.aten
+    fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if fwd is None or bwd is None:
+        return
+
+    @register_sharding(fwd.default)
+    def _fwd(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+        out = []
+        for d in (None, 0, 1):
+            p = Replicate() if d is None else Shard(d)
+            out.append(([p, p], [p, p, p, None, None]))
+        return out
+
+    @register_sharding(bwd.default)
+    def _bwd(g, q, k, v, o, lse, dropout_p, is_causal, *, attn_mask=None, scale=None):
+        out = []
+        for d in (None, 0, 1):
+            p = Replicate() if d is None else Shard(d)
+            out.append(([p, p, p], [p, p, p, p, p, p, None, None]))
+        return out
+
+
+def distribute_params(module: nn.Module, mesh: DeviceMesh,
+                      param_placements: dict[str, Sequence[str]], *,
+                      aliases: dict[str, str] | None = None, src_data_rank: int | None = 0) -> None:
+    """Replace every parameter of `module` by a DTensor on `mesh` with its planned placements
+    (Replicate on every axis when not named). Tied parameters stay tied. `aliases` maps a
+    parameter's name in `module` to the name the plan uses (its first name in the full model)."""
+    aliases = aliases or {}
+    done: dict[int, nn.Parameter] = {}
+    for mod_name, mod in list(module.named_modules(remove_duplicate=False)):
+        for pname, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            fqn = f"{mod_name}.{pname}" if mod_name else pname
+            if id(p) in done:
+                mod._parameters[pname] = done[id(p)]
+                continue
+            if isinstance(p, DTensor):
+                done[id(p)] = p
+                continue
+            key = aliases.get(fqn, fqn)
+            pl = param_placements.get(key, param_placements.get(fqn))
+            if pl is None:
+                placements = tuple(Replicate() for _ in range(mesh.ndim))
+            else:
+                if len(pl) != mesh.ndim:
+                    raise PlanError(f"placement {tuple(pl)} of {key} has {len(pl)} entries for a "
+                                    f"{mesh.ndim}-D mesh")
+                placements = to_placements(pl, p.dim())
+            for q in placements:
+                if isinstance(q, Shard) and (q.dim >= p.dim()):
+                    raise PlanError(f"placement S({q.dim}) of {key} does not fit its shape {tuple(p.shape)}")
+            dt = distribute_tensor(p.detach(), mesh, placements, src_data_rank=src_data_rank)
+            newp = nn.Parameter(dt, requires_grad=p.requires_grad)
+            done[id(p)] = newp
+            mod._parameters[pname] = newp
+
+
+def _to_dtensor(x: Any, mesh: DeviceMesh, placements: Sequence[Any] | None) -> Any:
+    if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+        return x
+    if placements is None:
+        placements = ["R"] * mesh.ndim
+    return DTensor.from_local(x, mesh, to_placements(placements, x.dim()), run_check=False)
+
+
+def _to_plain(y: Any) -> Any:
+    if isinstance(y, DTensor):
+        return y.full_tensor()
+    if isinstance(y, (tuple, list)):
+        return type(y)(_to_plain(v) for v in y)
+    if isinstance(y, dict):
+        return {k: _to_plain(v) for k, v in y.items()}
+    return y
+
+
+class SPMDModule(nn.Module):
+    """The result of `parallelize`: `module` with DTensor parameters; forward takes this rank's
+    local input shards and returns plain tensors (the loss, equal on every rank)."""
+
+    def __init__(self, module: nn.Module, mesh: DeviceMesh,
+                 input_placements: Sequence[Sequence[str] | None], plain_output: bool = True) -> None:
+        super().__init__()
+        self.module = module
+        self.mesh = mesh
+        self.input_placements = list(input_placements)
+        self.plain_output = plain_output
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        ins = []
+        for i, a in enumerate(args):
+            pl = self.input_placements[i] if i < len(self.input_placements) else None
+            ins.append(_to_dtensor(a, self.mesh, pl))
+        allow_implicit_replication()
+        out = self.module(*ins, **kwargs)
+        return _to_plain(out) if self.plain_output else out
+
+
+def parallelize(module: nn.Module, mesh: DeviceMesh, param_placements: dict[str, tuple[str, ...]],
+                input_placements: list[tuple[str, ...]]) -> nn.Module:
+    """Shard `module` over `mesh` as planned and return a module whose forward takes local input
+    shards (placed by `input_placements`, one tuple per positional input, one entry per mesh
+    axis) and returns the loss as a plain tensor, equal to the one-process loss.
+
+    `param_placements`: parameter FQN -> one placement per mesh axis ("R", "S(d)").
+    Parameters must be materialised (not on meta); every rank passes the same full values
+    (each keeps its shard)."""
+    register_extra_strategies()
+    allow_implicit_replication()
+    names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    unknown = sorted(set(param_placements) - names)
+    if unknown:
+        raise PlanError(f"placements name parameters the module does not have: {', '.join(unknown[:5])}")
+    distribute_params(module, mesh, param_placements, src_data_rank=None)
+    return SPMDModule(module, mesh, input_placements)
+
+
+def local_shard_rows(x: torch.Tensor, mesh: DeviceMesh, placements: Sequence[str]) -> torch.Tensor:
+    """This rank's local shard of a full tensor `x` under `placements` (helper for callers that
+    hold the full input and want to feed `parallelize`d modules)."""
+    return distribute_tensor(x, mesh, to_placements(placements, x.dim()), src_data_rank=None).to_local()
+
+
+def grads_to_param_layout(params: Iterable[nn.Parameter]) -> None:
+    """Make every DTensor gradient have its parameter's placements (Partial -> all-reduce or
+    reduce-scatter), so the optimizer sees consistent shards."""
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
+            p.grad = g.redistribute(p.device_mesh, p.placements)

@@ -1,0 +1,176 @@
+"""Pinned Plan objects for runtime tests (the real planner emits the same format).
+
+`make_plan(layout)` builds a plan for gpt-tiny (or the 6-block variant `GPT6_REF` for the
+interleaved pipeline, which needs 8 chunks) on a 4-process CPU cluster. Each plan's
+`predicted.collectives` holds the collectives the layout needs per optimizer step under the
+runtime's counting convention (autopar/runtime/counting.py):
+
+* an SPMD collective counts once per stage (not per group or rank);
+* a point-to-point transfer counts once (send_recv), per micro-batch and direction;
+* a collective joining stages (tied embedding gradient) counts once.
+
+Derivations (gpt-tiny: embed, 2 blocks, head; tied embedding/output weight):
+
+* dpN, zero 0: one flat gradient all-reduce per stage -> all_reduce 1.
+* ZeRO-3 dp4 (`fully_shard` per block; embed+head share the tied weight so they stay in the
+  root unit): all_gather = 3 units in forward + 2 blocks re-gathered in backward (the root is
+  not resharded after forward) = 5; reduce_scatter = 3 (one per unit).
+* tp (DTensor, Megatron placements qkv/fc "S(0)", proj "S(1)"): per block the runtime measures
+  forward: all-gather of the qkv weight (fused qkv is split per head, a contiguous row shard is
+  not head-aligned, so DTensor gathers) + all-reduce after each row-parallel proj (2);
+  backward: the mirrored collectives. The figures below are the measured counts, written down
+  once and pinned, so a change in the runtime's or DTensor's behaviour fails the test.
+* pp: 1F1B/GPipe with M micro-batches over p stages: 2·M·(p−1) send_recv (activation forward,
+  gradient backward); interleaved with v chunks per device: 2·M·(p·v−1). Tied embedding across
+  first and last stage: +1 all_reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autopar.models.gpt import GPT, GPTConfig
+from autopar.models.registry import build_model, token_batch
+from autopar.schema import ClusterSpec, DeviceSpec, LinkSpec, ModelInfo, Plan, Prediction, StagePlan
+
+GPT6_REF = "tests.plans:gpt_tiny6"
+_CFG6 = GPTConfig(vocab_size=128, seq_len=16, hidden=32, layers=6, heads=4)
+
+
+def gpt_tiny6():
+    """gpt-tiny with 6 blocks (8 layers: embed, 6 blocks, head), built on meta."""
+    with torch.device("meta"):
+        model = GPT(_CFG6)
+    inputs = (torch.zeros(1, 16, dtype=torch.long, device="meta"),
+              torch.zeros(1, 16, dtype=torch.long, device="meta"))
+    return model, inputs, token_batch(_CFG6.vocab_size, _CFG6.seq_len)
+
+
+_FP: dict[str, tuple[str, int, int]] = {}
+
+
+def model_info(ref: str) -> ModelInfo:
+    if ref not in _FP:
+        from autopar.capture import capture
+
+        b = build_model(ref, device="meta")
+        nparams = sum(p.numel() for p in b.model.parameters())
+        layers = len(b.model.blocks) + 2 if hasattr(b.model, "blocks") else 1
+        _FP[ref] = (capture(b.model, b.example_inputs).fingerprint(), nparams, layers)
+    fp, n, layers = _FP[ref]
+    return ModelInfo(name=ref, num_params=n, fingerprint=fp, num_layers=layers, flops_per_sample=1.0)
+
+
+def cpu_cluster(n: int = 4) -> ClusterSpec:
+    return ClusterSpec(name="cpu-test", num_nodes=1, devices_per_node=n,
+                       device=DeviceSpec(name="cpu-process", peak_flops={"fp32": 5e10},
+                                         memory_bytes=8 * 2**30, memory_bandwidth=1e10),
+                       intra_node=LinkSpec(bandwidth=2e9, latency=5e-5))
+
+
+def megatron_placements(nblocks: int, axes: tuple[str, ...], blocks: range | None = None) -> dict:
+    """Megatron TP on the tp axis (qkv/fc column: weight+bias S(0); proj row: weight S(1)), R on
+    every other axis."""
+    out = {}
+    tpi = [i for i, a in enumerate(axes) if a == "tp"]
+
+    def pl(p: str) -> tuple[str, ...]:
+        return tuple(p if i in tpi else "R" for i in range(len(axes)))
+
+    for b in (blocks if blocks is not None else range(nblocks)):
+        for n in ("attn.qkv", "mlp.fc"):
+            out[f"blocks.{b}.{n}.weight"] = pl("S(0)")
+            out[f"blocks.{b}.{n}.bias"] = pl("S(0)")
+        for n in ("attn.proj", "mlp.proj"):
+            out[f"blocks.{b}.{n}.weight"] = pl("S(1)")
+    return out
+
+
+def _layers(nblocks: int) -> list[str]:
+    return ["embed"] + [f"blocks.{i}" for i in range(nblocks)] + ["head"]
+
+
+def _plan(ref: str, stages: list[StagePlan], *, gbs: int, mb: int, m: int, schedule: str = "1f1b",
+          v: int = 1, zero: int = 0, collectives: dict | None = None, nodes_devices: int = 4) -> Plan:
+    return Plan(model=model_info(ref), cluster=cpu_cluster(nodes_devices), dtype="fp32",
+                global_batch_size=gbs, microbatch_size=mb, num_microbatches=m, schedule=schedule,
+                virtual_stages=v, zero_stage=zero, stages=stages,
+                predicted=Prediction(iteration_time_s=0.05, samples_per_s=gbs / 0.05, tokens_per_s=gbs * 16 / 0.05,
+                                     tflops_per_device=0.0, peak_memory_bytes=2**30,
+                                     collectives=dict(collectives or {})))
+
+
+# measured per-step collectives of the tp layouts (see module docstring), by tp stage shape
+TP_COLLECTIVES = {
+    # filled from the runtime's own count; see test_runtime_layouts
+    "tp": {"all_gather": 8, "all_reduce": 12},
+}
+
+LAYOUTS = ["single", "dp2", "dp4", "tp4", "dp2xtp2", "pp2xdp2", "pp2xtp2", "pp4v2", "zero3dp4",
+           "zero2dp4", "recompute_dp2"]
+
+
+def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
+    """A pinned plan for `layout` (see LAYOUTS)."""
+    nb = 2
+    L = _layers(nb)
+    if layout == "single":
+        return _plan(ref, [StagePlan(index=0, devices=[0], mesh_shape=(1,), mesh_axis_names=("dp",), layers=L)],
+                     gbs=gbs, mb=gbs, m=1, collectives={}, nodes_devices=1)
+    if layout in ("dp2", "dp4", "recompute_dp2"):
+        n = 4 if layout == "dp4" else 2
+        rec = "full" if layout == "recompute_dp2" else "none"
+        m = 2 if layout == "dp4" else 1
+        return _plan(ref, [StagePlan(index=0, devices=list(range(n)), mesh_shape=(n,), mesh_axis_names=("dp",),
+                                     layers=L, recompute=rec)],
+                     gbs=gbs, mb=gbs // n // m, m=m, collectives={"all_reduce": 1}, nodes_devices=n)
+    if layout == "zero3dp4":
+        pl = {n: ("S(0)",) for n in _param_names(ref)}
+        return _plan(ref, [StagePlan(index=0, devices=[0, 1, 2, 3], mesh_shape=(4,), mesh_axis_names=("dp",),
+                                     layers=L, placements=pl)],
+                     gbs=gbs, mb=gbs // 4, m=1, zero=3, collectives={"all_gather": 5, "reduce_scatter": 3})
+    if layout == "zero2dp4":
+        return _plan(ref, [StagePlan(index=0, devices=[0, 1, 2, 3], mesh_shape=(4,), mesh_axis_names=("dp",),
+                                     layers=L)],
+                     gbs=gbs, mb=gbs // 4, m=1, zero=2, collectives={"all_gather": 1, "reduce_scatter": 1})
+    if layout == "tp4":
+        return _plan(ref, [StagePlan(index=0, devices=[0, 1, 2, 3], mesh_shape=(4,), mesh_axis_names=("tp",),
+                                     layers=L, placements=megatron_placements(nb, ("tp",)))],
+                     gbs=gbs, mb=gbs, m=1, collectives=dict(TP_COLLECTIVES["tp"]))
+    if layout == "dp2xtp2":
+        c = dict(TP_COLLECTIVES["tp"])
+        c["all_reduce"] = c.get("all_reduce", 0) + 1
+        return _plan(ref, [StagePlan(index=0, devices=[0, 1, 2, 3], mesh_shape=(2, 2), mesh_axis_names=("dp", "tp"),
+                                     layers=L, placements=megatron_placements(nb, ("dp", "tp")))],
+                     gbs=gbs, mb=gbs // 2, m=1, collectives=c)
+    if layout == "pp2xdp2":
+        M = 4
+        st = [StagePlan(index=0, devices=[0, 1], mesh_shape=(2,), mesh_axis_names=("dp",), layers=L[:2]),
+              StagePlan(index=1, devices=[2, 3], mesh_shape=(2,), mesh_axis_names=("dp",), layers=L[2:])]
+        return _plan(ref, st, gbs=gbs, mb=gbs // 2 // M, m=M, schedule="1f1b",
+                     collectives={"all_reduce": 2 + 1, "send_recv": 2 * M})
+    if layout == "pp2xtp2":
+        M = 4
+        st = [StagePlan(index=0, devices=[0, 1], mesh_shape=(2,), mesh_axis_names=("tp",), layers=L[:2],
+                        placements=megatron_placements(nb, ("tp",), range(0, 1))),
+              StagePlan(index=1, devices=[2, 3], mesh_shape=(2,), mesh_axis_names=("tp",), layers=L[2:],
+                        placements=megatron_placements(nb, ("tp",), range(1, 2)))]
+        c = {k: v for k, v in TP_COLLECTIVES["tp"].items()}
+        c["all_reduce"] = c.get("all_reduce", 0) * M + 1  # per micro-batch, + tied embedding sync
+        c["all_gather"] = c.get("all_gather", 0) * M
+        c["send_recv"] = 2 * M
+        return _plan(ref, st, gbs=gbs, mb=gbs // M, m=M, schedule="gpipe", collectives=c)
+    if layout == "pp4v2":
+        ref = GPT6_REF
+        L6 = _layers(6)
+        M = 4
+        st = [StagePlan(index=i, devices=[i % 4], mesh_shape=(1,), mesh_axis_names=("dp",), layers=[L6[i]],
+                        virtual_chunk=i // 4) for i in range(8)]
+        return _plan(ref, st, gbs=gbs, mb=gbs // M, m=M, schedule="interleaved_1f1b", v=2,
+                     collectives={"all_reduce": 1, "send_recv": 2 * M * 7})
+    raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS}")
+
+
+def _param_names(ref: str) -> list[str]:
+    b = build_model(ref, device="meta")
+    return [n for n, _ in b.model.named_parameters()]
