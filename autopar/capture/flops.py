@@ -92,6 +92,12 @@ def _matrix_flops(node: OpNode, metas: dict[str, list[TensorMeta]]) -> float | N
         return matmul_flops(shp(a[1]), shp(a[2])) + _numel(node.outputs[0].shape)
     if op == "scaled_dot_product_attention":
         return attention_flops(shp(a[0]), shp(a[1]), shp(a[2]))
+    if "grouped_mm" in node.target and len(a) >= 2 and isinstance(a[0], Ref) and isinstance(a[1], Ref):
+        # grouped GEMM of routed tokens (S, K) against per-expert weights (E, K, N): each token
+        # row meets one expert's (K, N) matrix (mixture-of-experts layers)
+        x, w = shp(a[0]), shp(a[1])
+        if len(x) == 2 and len(w) == 3:
+            return 2.0 * x[0] * x[1] * w[-1]
     try:
         import torch
         from torch.utils.flop_counter import flop_registry

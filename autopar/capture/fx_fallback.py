@@ -81,7 +81,8 @@ def user_frame(tb: Any) -> str:
     model's line that failed."""
     frames = traceback.extract_tb(tb)
     skip = ("/torch/", "/autopar/capture/", "/transformers/utils/", "/contextlib.py", "/sympy/",
-            "<frozen", "/functools.py")
+            "<frozen", "/functools.py",
+            "/transformers/configuration_utils.py", "/transformers/utils/generic.py")
     for fr in reversed(frames):
         if not any(s in fr.filename for s in skip):
             return f"{fr.filename.rsplit('/', 1)[-1]}:{fr.lineno}: `{(fr.line or '').strip()}`"
