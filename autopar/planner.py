@@ -1,25 +1,31 @@
 """`autopar.plan`: from a model and a cluster to a Plan.
 
-First version: data-parallel plans only (every device a replica; micro-batch size searched),
-costed with the shared cost models. The inter-op DP and the intra-op ILP replace the search.
+capture (OpGraph) -> layers (`inter_op.layers`) -> per-layer costs on tensor-parallel meshes
+(`inter_op.stage_cost`: analytic Megatron rules, or the intra-op ILP) -> the joint search
+(`inter_op.search`: Alpa's stage DP inside a loop over dp/tp/pp, micro-batching, schedule,
+recomputation and ZeRO) -> a Plan with per-stage devices, meshes, layers, placements and the
+predicted time, memory and collectives.
+
+FLOP/s per device count the recomputed forward (Megatron's convention: the 96-factor formula for
+full recomputation counts 4 passes over the transformer layers, 3 over the logits).
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any, Callable, Optional, Sequence
 
 import torch.nn as nn
 
 from autopar.capture import OpGraph, capture
+from autopar.inter_op.layers import Layer, build_layers
+from autopar.inter_op.search import Candidate, Search, SearchResult
+from autopar.inter_op.stage_cost import ACT_BYTES, AnalyticProvider
 from autopar.models import ModelBundle, build_model
 from autopar.schema import (ClusterSpec, Constraints, ModelInfo, Plan, PlanError, Prediction,
                             StagePlan, StagePrediction)
-from cost_models.communication import collective_time
-from cost_models.compute import backward_factor, op_time
-
-BYTES_PER_PARAM = {"bf16": 16, "fp16": 16, "fp32": 16}   # weights + grads + AdamW states
-ACT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+from cost_models.compute import attention_core
 
 
 def resolve_model(model: Any, example_inputs: Optional[Sequence[Any]], name: Optional[str]) -> ModelBundle:
@@ -43,10 +49,31 @@ def resolve_cluster(cluster: ClusterSpec | str) -> ClusterSpec:
     return ClusterSpec.load(cluster) if isinstance(cluster, str) else cluster
 
 
+def make_provider(kind: str, graph: OpGraph, layers: list[Layer], cluster: ClusterSpec, dtype: str):
+    """The per-layer cost provider: "analytic" (Megatron rules), "ilp" (the intra-op ILP), or
+    "auto" (the ILP when it is installed and the model is small enough for it to be quick,
+    else analytic)."""
+    if kind == "analytic":
+        return AnalyticProvider(graph, layers, cluster, dtype)
+    if kind in ("ilp", "auto"):
+        try:
+            from autopar.inter_op.ilp_provider import IlpProvider
+        except ImportError:
+            if kind == "ilp":
+                raise PlanError("the intra-op ILP is not available in this installation") from None
+            return AnalyticProvider(graph, layers, cluster, dtype)
+        if kind == "auto" and not IlpProvider.worthwhile(graph, layers, cluster):
+            return AnalyticProvider(graph, layers, cluster, dtype)
+        return IlpProvider(graph, layers, cluster, dtype)
+    raise PlanError(f"unknown intra-op provider {kind!r}; one of auto, ilp, analytic")
+
+
 def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Optional[Sequence[Any]] = None, *,
          global_batch_size: int, dtype: str = "bf16", constraints: Optional[Constraints] = None,
          loss_fn: Optional[Callable[[Any], Any]] = None, progress: bool = False,
-         name: Optional[str] = None) -> Plan:
+         name: Optional[str] = None, intra_op: str = "auto", graph: Optional[OpGraph] = None) -> Plan:
+    """The fastest plan that fits (see the module docstring). `graph` skips the capture when
+    the caller already has the model's OpGraph."""
     t0 = time.perf_counter()
     if dtype not in ACT_BYTES:
         raise PlanError(f"dtype {dtype!r} is not supported; use bf16, fp16 or fp32")
@@ -55,89 +82,146 @@ def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Optional[Sequen
     cons = constraints or Constraints()
     bundle = resolve_model(model, example_inputs, name)
     spec = resolve_cluster(cluster)
-    graph = capture(bundle.model, bundle.example_inputs, loss_fn=loss_fn, name=bundle.name)
-    n = spec.num_devices
-    for field, val in (("tp", cons.tp), ("pp", cons.pp)):
-        if val not in (None, 1):
-            raise PlanError(f"constraint {field}={val} cannot hold: this planner version emits "
-                            f"data-parallel plans only (tp=1, pp=1)", constraint=field)
-    if cons.dp not in (None, n):
-        raise PlanError(f"constraint dp={cons.dp} cannot hold: dp x tp x pp must equal the "
-                        f"{n} devices of the cluster", constraint="dp")
-    if global_batch_size % n:
-        raise PlanError(f"global batch {global_batch_size} does not divide over {n} data-parallel "
-                        f"replicas; use a multiple of {n}", constraint="global_batch_size")
-    local = global_batch_size // n
-    sizes = [m for m in range(1, local + 1) if local % m == 0]
-    if cons.microbatch_size is not None:
-        sizes = [m for m in sizes if m == cons.microbatch_size]
-    if cons.num_microbatches is not None:
-        sizes = [m for m in sizes if local // m == cons.num_microbatches]
-    if not sizes:
-        raise PlanError(f"no micro-batch size satisfies microbatch_size={cons.microbatch_size}, "
-                        f"num_microbatches={cons.num_microbatches} with {local} samples per replica",
-                        constraint="microbatch_size")
-    best = None
-    least_mem = float("inf")
-    for mb in sizes:
-        cand = _dp_candidate(graph, spec, mb, local // mb, dtype)
-        least_mem = min(least_mem, cand["peak"])
-        if cand["peak"] <= spec.device.memory_bytes and (best is None or cand["time"] < best["time"]):
-            best = cand
-    if best is None:
-        raise PlanError(f"no data-parallel plan fits: the least memory any needs is "
-                        f"{least_mem / 2**30:.2f} GiB per device, the device has "
-                        f"{spec.device.memory_bytes / 2**30:.2f} GiB", min_memory_bytes=least_mem)
-    return _assemble(bundle, graph, spec, best, global_batch_size, dtype, time.perf_counter() - t0)
+    if graph is None:
+        graph = capture(bundle.model, bundle.example_inputs, loss_fn=loss_fn, name=bundle.name)
+    t_cap = time.perf_counter() - t0
+    layers = build_layers(graph, bundle.model)
+    provider = make_provider(intra_op, graph, layers, spec, dtype)
+    res = Search(graph, layers, spec, global_batch_size, dtype, cons, provider, progress).run()
+    return assemble(bundle, graph, spec, res, global_batch_size, dtype, time.perf_counter() - t0, t_cap)
 
 
-def _dp_candidate(graph: OpGraph, spec: ClusterSpec, mb: int, m: int, dtype: str) -> dict:
-    g = graph.at_batch(mb)
-    dev = spec.device
-    fwd = sum(op_time(n.op, n.flops, n.bytes_moved * ACT_BYTES[dtype] / 4, dev, dtype) for n in g.calls)
-    bwd = sum(backward_factor(n.op) * op_time(n.op, n.flops, n.bytes_moved * ACT_BYTES[dtype] / 4, dev, dtype)
-              for n in g.calls)
-    n = spec.num_devices
-    grad_bytes = g.num_params * ACT_BYTES[dtype]
-    link = spec.inter_node if spec.num_nodes > 1 and spec.inter_node else spec.intra_node
-    sync = collective_time("all_reduce", grad_bytes, n, link.latency, 1 / link.bandwidth)
-    opt = g.num_params * BYTES_PER_PARAM[dtype] / (dev.memory_bandwidth * dev.memory_efficiency)
-    states = g.num_params * BYTES_PER_PARAM[dtype]
-    acts = sum(o.numel for x in g.calls if x.flops > 0 for o in x.outputs) * ACT_BYTES[dtype]
-    compute = m * (fwd + bwd) + opt
-    return {"mb": mb, "m": m, "time": compute + sync, "compute": compute, "comm": sync,
-            "peak": states + acts, "states": states, "acts": acts, "params": g.num_params,
-            "flops_per_sample": 3 * g.forward_flops / mb}
+# -- the Plan ----------------------------------------------------------------------------------
+
+def _stage_modules(layers: list[Layer], k: int, j: int) -> list[str]:
+    out: list[str] = []
+    for l in layers[k:j]:
+        for m in l.modules:
+            if m and m not in out:
+                out.append(m)
+    return out or [layers[k].name or "model"]
 
 
-def _assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, c: dict, gbs: int, dtype: str,
-              search_s: float) -> Plan:
-    n = spec.num_devices
-    layers = graph.top_modules or graph.layers or [""]
-    psz = c["params"] * ACT_BYTES[dtype]
-    stage = StagePlan(
-        index=0, devices=list(range(n)), mesh_shape=(n, 1), mesh_axis_names=("dp", "tp"), layers=layers,
-        recompute="none", placements={fqn: ("R", "R") for fqn in graph.params},
-        predicted=StagePrediction(compute_s=c["compute"], communication_s=c["comm"], bubble_s=0.0,
-                                  weights_bytes=psz, gradients_bytes=psz,
-                                  optimizer_bytes=c["states"] - 2 * psz, activations_bytes=c["acts"],
-                                  peak_memory_bytes=c["peak"]))
+def _placements(graph: OpGraph, layers: list[Layer], costs, k: int, j: int, modules: list[str],
+                zero3: bool) -> dict[str, tuple[str, str]]:
+    dp_pl = "S(0)" if zero3 else "R"
+    out: dict[str, tuple[str, str]] = {}
+    for i in range(k, j):
+        for fqn, pl in costs[i].placements.items():
+            out.setdefault(fqn, (dp_pl, pl))
+    # tied aliases and parameters under the stage's modules that no op reads
+    under = lambda f: any(f == m or f.startswith(m + ".") for m in modules)  # noqa: E731
+    for fqn, info in graph.params.items():
+        if fqn in out:
+            for alias in info.tied:
+                if under(alias):
+                    out.setdefault(alias, out[fqn])
+        elif under(fqn) and not any(fqn in p.params for p in layers):
+            out[fqn] = (dp_pl, "R")
+    return out
+
+
+def _extra_flops(graph1: OpGraph, layer: Layer, recompute: str) -> float:
+    """Forward FLOPs re-run per sample by `recompute` in `layer` (graph at batch 1)."""
+    if recompute == "full":
+        return sum(graph1.node(n).flops for n in layer.block_nodes)
+    if recompute == "selective":
+        nodes = [graph1.node(n) for n in layer.nodes]
+        return sum(graph1.node(n).flops for n in attention_core(nodes))
+    return 0.0
+
+
+def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: SearchResult, gbs: int,
+             dtype: str, search_s: float, capture_s: float = 0.0) -> Plan:
+    c: Candidate = res.best
+    layers = res.layers
+    tb = c.costs
+    costs = tb.costs
+    p, v, m, u = c.pp, c.v, c.m, c.dp * c.tp
+    g1 = graph.at_batch(1) if graph.batch_size is None else graph
+    fwd1 = g1.forward_flops / (graph.batch_size or 1)
+    # stages: device group d holds chunks d, d + p, ... ; listed in model order
+    chunks = []   # (model position, group, virtual chunk, (k, j))
+    for d, st in enumerate(c.stages):
+        for vc, (k, j) in enumerate(st.chunks):
+            chunks.append((k, d, vc, (k, j)))
+    chunks.sort()
+    stage_plans = []
+    coll: Counter = Counter()
+    extra = 0.0
+    for pos, (_, d, vc, (k, j)) in enumerate(chunks):
+        st = c.stages[d]
+        mods = _stage_modules(layers, k, j)
+        devices = list(range(d * u, (d + 1) * u))
+        first_chunk = vc == 0
+        share = 1.0 / len(st.chunks)
+        pred = StagePrediction(
+            compute_s=m * st.compute_mb * share + (st.opt_s if first_chunk else 0.0),
+            communication_s=m * st.comm_mb * share + (st.sync_s if first_chunk else 0.0),
+            bubble_s=max(0.0, c.iteration_s - m * st.t_mb - st.sync_s - st.opt_s) * share,
+            weights_bytes=st.weights_bytes, gradients_bytes=st.gradients_bytes,
+            optimizer_bytes=st.optimizer_bytes, activations_bytes=st.activations_bytes,
+            peak_memory_bytes=st.peak_bytes)
+        stage_plans.append(StagePlan(
+            index=pos, devices=devices, mesh_shape=(c.dp, c.tp), mesh_axis_names=("dp", "tp"),
+            layers=mods, recompute=st.recompute,
+            placements=_placements(graph, layers, costs, k, j, mods, c.zero == 3 and c.dp > 1),
+            virtual_chunk=vc, predicted=pred))
+        for i in range(k, j):
+            lc = costs[i]
+            coll.update({kk: m * vv for kk, vv in lc.coll_fwd.items()})
+            coll.update({kk: m * vv for kk, vv in lc.coll_bwd.items()})
+            if st.recompute == "full":
+                coll.update({kk: m * vv for kk, vv in lc.coll_rc.items()})
+            extra += _extra_flops(g1, layers[i], st.recompute)
+    # dp gradient sync, once per stage (device group), as the runtime issues it
+    if c.dp > 1:
+        for st in c.stages:
+            if c.zero == 0:
+                coll["all_reduce"] += 1
+            elif c.zero in (1, 2):
+                coll["reduce_scatter"] += 1
+                coll["all_gather"] += 1
+            else:
+                units = sum(j - k for k, j in st.chunks) + 1
+                coll["all_gather"] += 2 * m * units
+                coll["reduce_scatter"] += units
+    if len(chunks) > 1:
+        coll["send_recv"] += 2 * m * (len(chunks) - 1)
+    if p > 1 and any(len({_owner(c, x) for x in us}) > 1 for _, _, us in tb.shared):
+        coll["all_reduce"] += 1
+    coll = Counter({kk: int(vv) for kk, vv in coll.items() if vv})
     tokens = _tokens_per_sample(bundle)
-    flops = c["flops_per_sample"] * gbs
-    pred = Prediction(iteration_time_s=c["time"], samples_per_s=gbs / c["time"],
-                      tokens_per_s=gbs * tokens / c["time"],
-                      tflops_per_device=flops / c["time"] / n / 1e12, peak_memory_bytes=c["peak"],
-                      collectives={"all_reduce": len(graph.params)} if n > 1 else {},
-                      compute_s=c["compute"], communication_s=c["comm"], bubble_s=0.0)
+    flops_step = gbs * (3 * fwd1 + extra)
+    crit = max(c.stages, key=lambda s: s.t_mb)
+    compute = m * crit.compute_mb + crit.opt_s
+    comm = m * crit.comm_mb + crit.sync_s
+    peak = max(s.peak_bytes for s in c.stages)
+    pred = Prediction(iteration_time_s=c.iteration_s, samples_per_s=gbs / c.iteration_s,
+                      tokens_per_s=gbs * tokens / c.iteration_s,
+                      tflops_per_device=flops_step / c.iteration_s / spec.num_devices / 1e12,
+                      peak_memory_bytes=peak, collectives=dict(coll), compute_s=compute,
+                      communication_s=comm, bubble_s=max(0.0, c.iteration_s - compute - comm))
     from autopar import __version__
 
     info = ModelInfo(name=bundle.name, num_params=graph.num_params, fingerprint=graph.fingerprint(),
-                     num_layers=max(1, len(graph.layers)), flops_per_sample=c["flops_per_sample"],
-                     tokens_per_sample=tokens)
+                     num_layers=max(1, len(layers)), flops_per_sample=3 * fwd1, tokens_per_sample=tokens)
     return Plan(autopar_version=__version__, model=info, cluster=spec, dtype=dtype,
-                global_batch_size=gbs, microbatch_size=c["mb"], num_microbatches=c["m"],
-                schedule="1f1b", virtual_stages=1, zero_stage=0, stages=[stage], predicted=pred,
-                search={"search_time_s": round(search_s, 3), "candidates": 1})
+                global_batch_size=gbs, microbatch_size=c.mb, num_microbatches=m,
+                schedule=c.schedule, virtual_stages=v, zero_stage=c.zero, stages=stage_plans,
+                predicted=pred,
+                search={"search_time_s": round(search_s, 3), "capture_time_s": round(capture_s, 3),
+                        "candidates": res.considered, "evaluated": res.evaluated,
+                        "intra_op": getattr(res.provider, "name", "analytic"),
+                        "layers": len(layers)})
+
+
+def _owner(c: Candidate, layer: int) -> int:
+    for d, st in enumerate(c.stages):
+        for k, j in st.chunks:
+            if k <= layer < j:
+                return d
+    return -1
 
 
 def _tokens_per_sample(bundle: ModelBundle) -> int:

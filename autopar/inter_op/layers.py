@@ -1,0 +1,249 @@
+"""The model's layers: the units the inter-op DP slices into pipeline stages.
+
+- Repeated blocks (`graph.layers`, e.g. `blocks.0 .. blocks.47`) are the layers. Ops outside
+  every block belong to the top-level module in their `module_path`; the ones before the first
+  block join the first layer (`embed` + `blocks.0`), the ones after it join the block that ran
+  last before them (`blocks.47` + `head` + the loss).
+- Without repeated blocks (a plain MLP, a user model), the top-level units (children of the
+  root, or the elements of a ModuleList/Sequential at the root's level) are clustered into
+  at most `max_layers` layers by Alpa's eq. 6: contiguous groups whose FLOPs stay within
+  (1 + delta) x the mean, minimising the largest activation a layer receives from earlier ones.
+
+A layer's `modules` are the module FQNs the runtime cuts stages at, in execution order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.nn as nn
+
+from autopar.capture.graph import OpGraph, OpNode
+
+
+@dataclass
+class Layer:
+    """One layer: a contiguous run of ops and the modules that hold them."""
+
+    index: int
+    name: str                                   # e.g. "blocks.3" (the main module)
+    modules: list[str]                          # module FQNs for the runtime, in order
+    nodes: list[str]                            # call-node names, in graph order
+    params: list[str]                           # canonical parameter FQNs the ops read
+    block_nodes: frozenset[str] = frozenset()   # nodes inside the repeated block (recomputable)
+    signature: str = ""                         # equal for identical layers (cost cache key)
+    flops: float = 0.0                          # forward FLOPs at batch size 1
+
+    def rename_param(self, fqn: str, other: "Layer") -> str:
+        """`fqn` of this layer as the corresponding FQN of `other` (same signature)."""
+        if fqn.startswith(self.name + ".") and other.name != self.name:
+            return other.name + fqn[len(self.name):]
+        return fqn
+
+
+def _top(path: str, containers: set[str]) -> str:
+    """The top-level unit of a module path: the root's child, or a container's element."""
+    if not path:
+        return ""
+    parts = path.split(".")
+    if parts[0] in containers and len(parts) > 1:
+        return ".".join(parts[:2])
+    return parts[0]
+
+
+def build_layers(graph: OpGraph, model: Optional[nn.Module] = None, max_layers: int = 16,
+                 delta: float = 0.5) -> list[Layer]:
+    """The layers of `graph` in execution order (see the module docstring)."""
+    calls = graph.calls
+    g1 = graph.at_batch(1) if graph.batch_size is None else graph
+    flops = {n.name: n.flops for n in g1.calls}
+    if graph.layers:
+        groups = _block_groups(calls, graph.layers)
+    else:
+        containers = set()
+        if model is not None:
+            containers = {n for n, c in model.named_children() if isinstance(c, (nn.ModuleList, nn.Sequential))}
+        groups = _cluster(calls, graph, containers, flops, max_layers, delta)
+    layers = []
+    for i, (name, modules, nodes, block) in enumerate(groups):
+        params: list[str] = []
+        for n in nodes:
+            for p in n.params:
+                if p not in params:
+                    params.append(p)
+        lay = Layer(i, name, modules, [n.name for n in nodes], params,
+                    frozenset(n.name for n in nodes if n.name in block),
+                    flops=sum(flops.get(n.name, 0.0) for n in nodes))
+        lay.signature = _signature(graph, lay, nodes)
+        layers.append(lay)
+    return layers
+
+
+def _block_groups(calls: list[OpNode], blocks: list[str]):
+    order = {b: i for i, b in enumerate(blocks)}
+    groups: dict[str, tuple[list[str], list[OpNode], set[str]]] = {b: ([], [], set()) for b in blocks}
+    current: Optional[str] = None
+    pending: list[OpNode] = []                  # outside-block ops before the first block
+    for n in calls:
+        if n.layer in order:
+            if current is None:
+                for p in pending:
+                    _add(groups[n.layer], p, in_block=False)
+                pending = []
+            current = n.layer
+            _add(groups[current], n, in_block=True)
+        elif current is None:
+            pending.append(n)
+        else:
+            _add(groups[current], n, in_block=False)
+    if current is None:                         # no op inside any block (should not happen)
+        groups[blocks[0]] = ([], pending, set())
+    out = []
+    for b in blocks:
+        mods, nodes, block = groups[b]
+        out.append((b, mods or [b], nodes, block))       # modules in order of first use
+    return out
+
+
+def _add(group, n: OpNode, in_block: bool) -> None:
+    mods, nodes, block = group
+    nodes.append(n)
+    if in_block:
+        block.add(n.name)
+        mod = n.layer
+    else:
+        mod = n.module_path.split(".")[0] if n.module_path else ""
+    if mod and mod not in mods:
+        mods.append(mod)
+
+
+def _cluster(calls: list[OpNode], graph: OpGraph, containers: set[str], flops: dict[str, float],
+             max_layers: int, delta: float):
+    """Alpa eq. 6 over top-level units."""
+    units: list[tuple[str, list[OpNode]]] = []
+    for n in calls:
+        u = _top(n.module_path, containers)
+        if units and (u == "" or u == units[-1][0]):
+            units[-1][1].append(n)
+        elif u == "" and not units:
+            units.append(("", [n]))
+        else:
+            units.append((u, [n]))
+    # a leading root-level unit joins the next one
+    if len(units) > 1 and units[0][0] == "":
+        units[1] = (units[1][0], units[0][1] + units[1][1])
+        units = units[1:]
+    # the same module may appear twice when control flow interleaves; keep the order of ops
+    if not units:
+        return [("", [], [], set())]
+    k = len(units)
+    L = max(1, min(max_layers, k))
+    uf = [sum(flops.get(n.name, 0.0) for n in ns) for _, ns in units]
+    # bytes each unit receives from earlier units (activations crossing into it)
+    pos = {}
+    for ui, (_, ns) in enumerate(units):
+        for n in ns:
+            pos[n.name] = ui
+    recv = [[0.0] * k for _ in range(k)]        # recv[i][j]: bytes into units i..j from < i
+    produced_by = {}
+    for n in graph.nodes:
+        if n.kind == "call":
+            produced_by[n.name] = n
+    into = [dict() for _ in range(k)]           # unit -> {producer: (producer unit, bytes)}
+    for ui, (_, ns) in enumerate(units):
+        for n in ns:
+            for src in n.inputs:
+                p = produced_by.get(src)
+                if p is None or src not in pos or pos[src] >= ui:
+                    continue
+                b = sum(_nbytes1(o) for o in p.outputs)
+                into[ui][src] = (pos[src], b)
+    for i in range(k):
+        seen: dict[str, float] = {}
+        for j in range(i, k):
+            for src, (pu, b) in into[j].items():
+                if pu < i:
+                    seen[src] = b
+            recv[i][j] = sum(seen.values())
+    total = sum(uf) or 1.0
+    groups = None
+    d = delta
+    while groups is None:
+        cap = (1 + d) * total / L
+        groups = _eq6(uf, recv, L, cap)
+        d = d * 2 + 0.5
+    out = []
+    for a, b in groups:
+        ns = [n for _, nn_ in units[a:b + 1] for n in nn_]
+        mods = [u for u, _ in units[a:b + 1] if u]
+        out.append((mods[0] if mods else "", mods or [""], ns, {n.name for n in ns}))
+    return out
+
+
+def _nbytes1(o) -> float:
+    try:
+        return float(o.nbytes)
+    except (TypeError, ValueError):
+        import math
+
+        return float(math.prod(d if isinstance(d, int) else 1 for d in o.shape) * o.itemsize)
+
+
+def _eq6(uf: list[float], recv: list[list[float]], L: int, cap: float):
+    """G(k, r): units 0..k-1 in r layers, minimising the largest received activation under the
+    FLOP cap; ties broken by the largest layer FLOPs. None when the cap cannot hold."""
+    k = len(uf)
+    pre = [0.0]
+    for f in uf:
+        pre.append(pre[-1] + f)
+    INF = (float("inf"), float("inf"))
+    G = [[INF] * (L + 1) for _ in range(k + 1)]
+    arg = [[-1] * (L + 1) for _ in range(k + 1)]
+    G[0][0] = (0.0, 0.0)
+    for j in range(1, k + 1):
+        for r in range(1, min(L, j) + 1):
+            for i in range(r - 1, j):                 # layer = units i..j-1
+                fl = pre[j] - pre[i]
+                if fl > cap and j - i > 1:
+                    continue
+                prev = G[i][r - 1]
+                if prev == INF:
+                    continue
+                c = recv[i][j - 1] if i > 0 else 0.0
+                cand = (max(prev[0], c), max(prev[1], fl))
+                if cand < G[j][r]:
+                    G[j][r] = cand
+                    arg[j][r] = i
+    if G[k][L] == INF:
+        return None
+    out = []
+    j, r = k, L
+    while r > 0:
+        i = arg[j][r]
+        out.append((i, j - 1))
+        j, r = i, r - 1
+    return out[::-1]
+
+
+def _signature(graph: OpGraph, layer: Layer, nodes: list[OpNode]) -> str:
+    """Identical layers (same ops, shapes, parameter shapes, local wiring) share a signature."""
+    h = hashlib.sha256()
+    local = {n: i for i, n in enumerate(layer.nodes)}
+    for n in nodes:
+        h.update(n.target.encode())
+        h.update(repr([str(o.shape) for o in n.outputs]).encode())
+        h.update(repr([graph.params[p].shape if p in graph.params else None for p in n.params]).encode())
+        h.update(repr([local.get(i, -1) for i in n.inputs]).encode())
+        h.update(repr(_scalar_args(n.args)).encode())
+        h.update(b"B" if n.name in layer.block_nodes else b"O")
+    return h.hexdigest()[:16]
+
+
+def _scalar_args(a):
+    if isinstance(a, (list, tuple)):
+        return [_scalar_args(x) for x in a]
+    if isinstance(a, (int, float, str, bool)) or a is None:
+        return a
+    return type(a).__name__

@@ -1,0 +1,578 @@
+"""The joint plan search: dp x tp x pp, micro-batching, schedule, recomputation, ZeRO.
+
+For every tensor-parallel degree tp and data-parallel degree dp (dp * tp * pp = devices; a stage
+is a sub-mesh of dp * tp devices that is a power-of-two slice of a node or whole nodes), every
+micro-batch size, schedule and ZeRO stage, Alpa's DP (`dp.stage_dp`) slices the layers into the
+pp stages and picks each stage's recomputation (the fastest policy whose memory fits), and the
+candidate with the least predicted iteration time wins. Candidates are visited in the order of
+a lower bound (perfect balance, no bubble) and skipped once that bound exceeds the best found.
+
+What is approximated, and why (to keep a 1000-GPU search within seconds on two cores):
+- Each layer is costed on the tp part of the stage's mesh only (one 1-D mesh per tp degree,
+  cached per layer signature x micro-batch x tp); the dp axis is added analytically: the batch
+  split, the gradient all-reduce (ZeRO 0), reduce-scatter + all-gather (ZeRO 1, 2) or per
+  micro-batch all-gathers and reduce-scatters (ZeRO 3) of each stage's parameters over dp,
+  and ZeRO's memory split.
+- Stage cost = the sum of its layers' costs (Alpa's "individual" profiling) plus the
+  point-to-point transfer of the activation and its gradient at each boundary, on the link the
+  boundary crosses (inter-node when a stage spans whole nodes, intra-node otherwise).
+- All stages share one (dp, tp) logical mesh, because the runtime feeds every data-parallel
+  replica its own micro-batch stream (dp x micro-batch x micro-batches = global batch). Alpa's
+  per-stage choice among a sub-mesh's logical meshes is thereby fixed per candidate, and the
+  outer loop enumerates it instead.
+- The gradient sync and the optimizer step run once per iteration after the pipeline drains:
+  they add max over stages to T* (not part of the DP objective; Megatron-LM does not overlap
+  them either). The gradient of a parameter tied between the first and last stage (GPT's
+  embedding) is all-reduced between those stages.
+- Interleaved 1F1B: the layers are cut into pp * v chunks by the same DP (uniform
+  recomputation per candidate), chunk c on stage c mod pp; T = m * t_max + (sum_d t_d - t_max) / v
+  (bubble (p - 1) / (v m) of the ideal for balanced stages); Megatron requires m % pp == 0.
+- GPipe has 1F1B's time in this model and more memory, so it is only planned when pinned.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from autopar.capture.graph import OpGraph
+from autopar.inter_op.dp import stage_dp
+from autopar.inter_op.layers import Layer
+from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost, RECOMPUTES, axis_link, coll_time
+from autopar.schema import ClusterSpec, Constraints, PlanError
+from cost_models.compute import optimizer_step_time
+from cost_models.memory import PRECISION_POLICIES, inflight_microbatches, model_state_bytes, usable_memory
+
+INF = float("inf")
+MAX_MICROBATCH = 64
+
+
+@dataclass
+class StageResult:
+    """One pipeline stage (device group) of the chosen plan."""
+
+    chunks: list[tuple[int, int]]     # layer ranges [k, j), one per virtual chunk
+    recompute: str
+    t_mb: float                       # seconds per micro-batch (all its chunks)
+    compute_mb: float                 # compute part of t_mb (incl. recomputation)
+    comm_mb: float                    # tp collectives + p2p + ZeRO per-micro-batch collectives
+    sync_s: float                     # per iteration: dp gradient sync
+    opt_s: float                      # per iteration: optimizer step
+    param_elems: float                # per device
+    weights_bytes: float = 0.0
+    gradients_bytes: float = 0.0
+    optimizer_bytes: float = 0.0
+    activations_bytes: float = 0.0
+    peak_bytes: float = 0.0
+
+
+@dataclass
+class Candidate:
+    dp: int
+    tp: int
+    pp: int
+    mb: int
+    m: int
+    schedule: str
+    v: int
+    zero: int
+    iteration_s: float = INF
+    pipeline_s: float = 0.0
+    tail_s: float = 0.0
+    stages: list[StageResult] = field(default_factory=list)
+    costs: Optional["_Tables"] = None
+
+    def key(self) -> tuple:
+        return (self.dp, self.tp, self.pp, self.mb, self.schedule, self.v, self.zero)
+
+
+@dataclass
+class SearchResult:
+    best: Candidate
+    layers: list[Layer]
+    provider: object
+    evaluated: int
+    considered: int
+    seconds: float
+    min_memory_bytes: float
+
+
+class _Tables:
+    """Per-layer cost arrays for one (micro-batch, tp, dp, zero) and stage aggregates over ranges."""
+
+    def __init__(self, costs: list[LayerCost], cluster: ClusterSpec, dtype: str, dp: int, tp: int,
+                 zero: int, layers: list[Layer]) -> None:
+        self.costs = costs
+        L = len(costs)
+        self.L = L
+        self.dp, self.tp, self.zero = dp, tp, zero
+        self.cluster = cluster
+        self.dtype = dtype
+        pre = lambda xs: np.concatenate([[0.0], np.cumsum(xs)])  # noqa: E731
+        self.base = pre([c.base_s for c in costs])
+        self.compute = pre([c.fwd_s + c.bwd_s for c in costs])
+        self.rc = {r: pre([c.rc_extra_s.get(r, 0.0) for c in costs]) for r in RECOMPUTES}
+        self.act = {r: pre([c.act_bytes.get(r, 0.0) for c in costs]) for r in RECOMPUTES}
+        self.work = np.array([c.work_bytes for c in costs])
+        # parameter elements per device: every layer's own, tied ones once per stage
+        users: dict[str, list[int]] = {}
+        elems: dict[str, float] = {}
+        for i, c in enumerate(costs):
+            for f, e in c.param_elems.items():
+                users.setdefault(f, []).append(i)
+                elems[f] = e
+        self.pel_layer = np.array([sum(c.param_elems.values()) for c in costs])
+        self.pel = pre(self.pel_layer)
+        self.shared = [(f, elems[f], sorted(set(u))) for f, u in users.items() if len(set(u)) > 1]
+        self.out = np.array([c.out_bytes for c in costs])
+        stage_size = dp * tp
+        link = axis_link(cluster, stage_size)
+        self.p2p = np.array([coll_time("send_recv", b, 2, link) for b in self.out])
+        self.dp_link = _dp_link(cluster, dp, tp)
+        w, g, o = PRECISION_POLICIES[dtype]
+        self.wgo = (w, g, o)
+        # ranges
+        k = np.arange(L)[:, None]
+        j = np.arange(L + 1)[None, :]
+        self.valid = j > k
+        kk, jj = np.broadcast_arrays(k, j)
+        self.kk, self.jj = kk, jj
+        pel = self.pel[np.clip(jj, 0, L)] - self.pel[kk]
+        for f, e, us in self.shared:
+            cnt = sum(((kk <= u) & (u < jj)).astype(float) for u in us)
+            pel = pel - np.maximum(cnt - 1, 0) * e
+        self.range_pel = np.where(self.valid, pel, 0.0)
+        # p2p at the boundaries this stage sends over: activation forward at its end, gradient
+        # backward at its start
+        send_fwd = np.where(jj < L, self.p2p[np.clip(jj - 1, 0, L - 1)], 0.0)
+        send_bwd = np.where(kk > 0, self.p2p[np.clip(kk - 1, 0, L - 1)], 0.0)
+        self.range_p2p = send_fwd + send_bwd
+        # largest per-layer working memory in a range (full recomputation)
+        W = np.zeros((L, L + 1))
+        for a in range(L):
+            W[a, a + 1:] = np.maximum.accumulate(self.work[a:])
+        self.range_work = W
+        maxlayer = np.zeros((L, L + 1))
+        for a in range(L):
+            maxlayer[a, a + 1:] = np.maximum.accumulate(self.pel_layer[a:])
+        self.range_maxlayer = maxlayer
+
+    def ranged(self, arr: np.ndarray) -> np.ndarray:
+        return arr[np.clip(self.jj, 0, self.L)] - arr[self.kk]
+
+    def zero_mb(self, pel: np.ndarray) -> np.ndarray:
+        """ZeRO-3 collectives per micro-batch: the weights all-gathered for the forward and again
+        for the backward (FSDP reshards after the forward)."""
+        w, g, _ = self.wgo
+        if self.dp == 1 or self.zero < 3:
+            return np.zeros_like(pel)
+        return 2 * _vec_coll("all_gather", pel * w, self.dp, self.dp_link)
+
+    def states(self, pel: np.ndarray) -> tuple:
+        w, g, o = self.wgo
+        D = self.dp
+        z = self.zero
+        return (pel * w / (D if z >= 3 else 1), pel * g / (D if z >= 2 else 1), pel * o / (D if z >= 1 else 1))
+
+    def sync(self, pel: float) -> float:
+        return _sync_time(self.cluster, self.dtype, self.dp, self.tp, self.zero, pel)
+
+    def opt(self, pel: float) -> float:
+        return optimizer_step_time(pel, self.cluster.device, self.dtype, shard=self.dp if self.zero >= 1 else 1)
+
+
+def _sync_time(cluster: ClusterSpec, dtype: str, dp: int, tp: int, zero: int, pel: float) -> float:
+    """Per-iteration gradient sync of one stage over dp, as the runtime does it: one flat
+    all-reduce (ZeRO 0), one reduce-scatter + one all-gather of the updated weights (ZeRO 1
+    and 2), one reduce-scatter after the last micro-batch (ZeRO 3)."""
+    w, g, _ = PRECISION_POLICIES[dtype]
+    if dp == 1:
+        return 0.0
+    link = _dp_link(cluster, dp, tp)
+    if zero == 0:
+        return coll_time("all_reduce", pel * g, dp, link)
+    if zero in (1, 2):
+        return coll_time("reduce_scatter", pel * g, dp, link) + coll_time("all_gather", pel * w, dp, link)
+    return coll_time("reduce_scatter", pel * g, dp, link)
+
+
+def _vec_coll(kind: str, nbytes: np.ndarray, n: int, link) -> np.ndarray:
+    if n <= 1:
+        return np.zeros_like(nbytes)
+    a, b = link.latency, 1.0 / link.bandwidth
+    steps = 2 * (n - 1) if kind == "all_reduce" else (n - 1)
+    frac = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
+    return np.where(nbytes > 0, steps * a + frac * nbytes * b, 0.0)
+
+
+def _dp_link(cluster: ClusterSpec, dp: int, tp: int):
+    """Data-parallel groups are `tp` ranks apart: inside a node while dp * tp fits in one."""
+    return axis_link(cluster, dp, stride=tp)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class Search:
+    def __init__(self, graph: OpGraph, layers: list[Layer], cluster: ClusterSpec, gbs: int, dtype: str,
+                 cons: Constraints, provider=None, progress: bool = False) -> None:
+        self.graph, self.layers, self.cluster = graph, layers, cluster
+        self.gbs, self.dtype, self.cons = gbs, dtype, cons
+        self.provider = provider or AnalyticProvider(graph, layers, cluster, dtype)
+        self.progress = progress
+        self.N = cluster.num_devices
+        self.L = len(layers)
+        self.budget = usable_memory(cluster.device)
+        self.min_memory = INF
+        self.evaluated = 0
+        self.considered = 0
+        self._chunk_cache: dict = {}
+
+    # -- the space -----------------------------------------------------------------------------
+    def meshes(self) -> list[tuple[int, int, int]]:
+        """(dp, tp, pp) triples allowed by the constraints and the cluster's shape."""
+        c, N, dpn = self.cons, self.N, self.cluster.devices_per_node
+        if c.dp and c.tp and c.pp and c.dp * c.tp * c.pp != N:
+            raise PlanError(f"dp x tp x pp = {c.dp} x {c.tp} x {c.pp} = {c.dp * c.tp * c.pp} does not equal "
+                            f"the cluster's {N} devices", constraint="dp")
+        for name in ("dp", "tp", "pp"):
+            v = getattr(c, name)
+            if v is not None and N % v:
+                raise PlanError(f"{name}={v} does not divide the cluster's {N} devices", constraint=name)
+        if c.pp is not None and c.pp > self.L:
+            raise PlanError(f"pp={c.pp} stages need at least {c.pp} layers; the model has {self.L} "
+                            f"({', '.join(l.name for l in self.layers[:4])}{' ...' if self.L > 4 else ''})",
+                            constraint="pp")
+        if c.dp is not None and self.gbs % c.dp:
+            raise PlanError(f"global batch {self.gbs} does not divide over dp={c.dp} replicas",
+                            constraint="global_batch_size")
+        tps = [c.tp] if c.tp else [t for t in divisors(N) if t <= dpn and (t & (t - 1)) == 0 or t == dpn and N % t == 0]
+        tps = sorted({t for t in tps if N % t == 0})
+        out = []
+        for tp in tps:
+            for dp in ([c.dp] if c.dp else divisors(N // tp)):
+                if (N // tp) % dp:
+                    continue
+                pp = N // (tp * dp)
+                if c.pp and pp != c.pp:
+                    continue
+                if pp > self.L or self.gbs % dp:
+                    continue
+                u = dp * tp
+                if not (dpn % u == 0 or u % dpn == 0):
+                    if c.dp and c.tp and c.pp:
+                        raise PlanError(f"a stage of dp x tp = {u} devices is neither a power-of-two slice of a "
+                                        f"{dpn}-device node nor whole nodes", constraint="tp")
+                    continue
+                out.append((dp, tp, pp))
+        if not out:
+            raise PlanError(f"no dp x tp x pp layout of {N} devices satisfies the constraints "
+                            f"(dp={c.dp}, tp={c.tp}, pp={c.pp}) with global batch {self.gbs} and "
+                            f"{self.L} layers: dp must divide the global batch and pp cannot exceed the layers",
+                            constraint="dp" if c.dp else ("pp" if c.pp else "tp"))
+        return out
+
+    def microbatches(self, dp: int) -> list[int]:
+        c = self.cons
+        local = self.gbs // dp
+        mbs = [b for b in divisors(local) if b <= MAX_MICROBATCH or b == c.microbatch_size]
+        if c.microbatch_size is not None:
+            mbs = [b for b in mbs if b == c.microbatch_size]
+        if c.num_microbatches is not None:
+            mbs = [b for b in mbs if local // b == c.num_microbatches]
+        return mbs
+
+    def schedules(self, pp: int, m: int) -> list[tuple[str, int]]:
+        c = self.cons
+        out = []
+        scheds = [c.schedule] if c.schedule else (["1f1b", "interleaved_1f1b"] if pp > 1 else ["1f1b"])
+        if c.virtual_stages is not None and c.virtual_stages > 1 and c.schedule is None:
+            scheds = ["interleaved_1f1b"]
+        for s in scheds:
+            if s == "interleaved_1f1b":
+                vs = [c.virtual_stages] if c.virtual_stages else [v for v in (2, 3, 4, 6, 8) if pp * v <= self.L]
+                for v in vs:
+                    if pp > 1 and pp * v <= self.L and m % pp == 0:
+                        out.append((s, v))
+                    elif c.schedule and c.virtual_stages:
+                        pass
+                if c.schedule and pp == 1:
+                    out.append((s, 1))
+            else:
+                if c.virtual_stages in (None, 1):
+                    out.append((s, 1))
+        return out
+
+    def zeros(self, dp: int, tp: int) -> list[int]:
+        """ZeRO stages to try; ZeRO-3 with tp > 1 only when pinned (the runtime's FSDP path
+        takes tp = 1)."""
+        if self.cons.zero_stage is not None:
+            return [self.cons.zero_stage]
+        return [0] if dp == 1 else ([0, 1, 2, 3] if tp == 1 else [0, 1, 2])
+
+    def recomputes(self) -> list[str]:
+        return [self.cons.recompute] if self.cons.recompute else list(RECOMPUTES)
+
+    # -- run -------------------------------------------------------------------------------------
+    def run(self) -> SearchResult:
+        t0 = time.perf_counter()
+        meshes = self.meshes()
+        issues: list[str] = []
+        cands: list[tuple[float, Candidate]] = []
+        layer_costs: dict[tuple[int, int], list[LayerCost]] = {}
+        for dp, tp, pp in meshes:
+            for mb in self.microbatches(dp):
+                key = (mb, tp)
+                if key not in layer_costs:
+                    layer_costs[key] = [self.provider.cost(l, mb, tp) for l in self.layers]
+                costs = layer_costs[key]
+                iss = sorted({i for c in costs for i in c.issues})
+                if iss:
+                    issues.extend(iss)
+                    continue
+                m = self.gbs // dp // mb
+                per_layer = sum(c.base_s for c in costs)
+                rc_min = min(sum(c.rc_extra_s.get(r, 0.0) for c in costs) for r in self.recomputes())
+                ideal = m * (per_layer + rc_min) / pp
+                pel = sum(sum(c.param_elems.values()) for c in costs) / pp
+                for sched, v in self.schedules(pp, m):
+                    for z in self.zeros(dp, tp):
+                        # lower bound: balanced stages, the schedule's bubble, the gradient sync
+                        lb = ideal * (1 + (pp - 1) / (v * m)) + _sync_time(self.cluster, self.dtype, dp, tp, z, pel)
+                        cands.append((lb, Candidate(dp, tp, pp, mb, m, sched, v, z)))
+        if not cands:
+            if issues:
+                raise PlanError(f"tensor parallelism cannot hold: {issues[0]}", constraint="tp")
+            raise PlanError(self._why_no_candidates(meshes), constraint=self._failing_constraint())
+        cands.sort(key=lambda x: (x[0], x[1].zero, x[1].v))
+        self.considered = len(cands)
+        best: Optional[Candidate] = None
+        tables: dict[tuple, _Tables] = {}
+        bar = _Progress(self.progress, len(cands))
+        for i, (lb, cand) in enumerate(cands):
+            bar.update(i, best)
+            if best is not None and lb >= best.iteration_s:
+                break
+            tk = (cand.mb, cand.tp, cand.dp, cand.zero)
+            if tk not in tables:
+                tables[tk] = _Tables(layer_costs[(cand.mb, cand.tp)], self.cluster, self.dtype, cand.dp,
+                                     cand.tp, cand.zero, self.layers)
+            self.evaluated += 1
+            ok = self.evaluate(cand, tables[tk])
+            if ok and (best is None or cand.iteration_s < best.iteration_s * (1 - 1e-9)):
+                best = cand
+        bar.done()
+        if best is None:
+            raise PlanError(f"no plan fits in memory: the least memory any plan needs is "
+                            f"{self.min_memory / 2**30:.2f} GiB per device, the device has "
+                            f"{self.cluster.device.memory_bytes / 2**30:.2f} GiB "
+                            f"({self.budget / 2**30:.2f} GiB usable); add devices, or allow "
+                            f"recomputation, ZeRO or more pipeline stages",
+                            min_memory_bytes=self.min_memory)
+        return SearchResult(best, self.layers, self.provider, self.evaluated, self.considered,
+                            time.perf_counter() - t0, self.min_memory)
+
+    def _failing_constraint(self) -> str:
+        c = self.cons
+        if c.microbatch_size is not None or c.num_microbatches is not None:
+            return "microbatch_size" if c.microbatch_size is not None else "num_microbatches"
+        if c.schedule is not None or c.virtual_stages is not None:
+            return "schedule" if c.schedule else "virtual_stages"
+        return "global_batch_size"
+
+    def _why_no_candidates(self, meshes) -> str:
+        c = self.cons
+        parts = []
+        for dp, tp, pp in meshes[:1]:
+            local = self.gbs // dp
+            if c.microbatch_size is not None and local % c.microbatch_size:
+                return (f"micro-batch size {c.microbatch_size} does not divide the {local} samples per "
+                        f"data-parallel replica (global batch {self.gbs} / dp {dp})")
+            if c.num_microbatches is not None and local % c.num_microbatches:
+                return (f"{c.num_microbatches} micro-batches do not divide the {local} samples per "
+                        f"data-parallel replica (global batch {self.gbs} / dp {dp})")
+            if c.schedule == "interleaved_1f1b" or (c.virtual_stages or 1) > 1:
+                return (f"the interleaved schedule needs pp > 1, pp x virtual_stages <= {self.L} layers and "
+                        f"the number of micro-batches divisible by pp (dp={dp}, tp={tp}, pp={pp})")
+            parts.append(f"dp={dp} tp={tp} pp={pp}")
+        return "no micro-batching or schedule satisfies the constraints for " + ", ".join(parts)
+
+    # -- one candidate ---------------------------------------------------------------------------
+    def evaluate(self, cand: Candidate, tb: _Tables) -> bool:
+        if cand.schedule == "interleaved_1f1b" and cand.v > 1:
+            return self._evaluate_interleaved(cand, tb)
+        L, p, m = self.L, cand.pp, cand.m
+        pel = tb.range_pel
+        wts, grads, opts = tb.states(pel)
+        states = wts + grads + opts
+        zero3_buf = 2 * tb.range_maxlayer * tb.wgo[0] if cand.zero == 3 and cand.dp > 1 else 0.0
+        zmb = tb.zero_mb(pel)
+        t_common = tb.ranged(tb.base) + tb.range_p2p + zmb
+        cost = np.full((L, L + 1, 1, p + 1), INF)
+        choice = np.full((L, L + 1, p + 1), -1, dtype=int)
+        rcs = self.recomputes()
+        least = INF
+        for s in range(1, p + 1):
+            inflight = m if cand.schedule == "gpipe" else min(s, m)
+            best_t = np.full((L, L + 1), INF)
+            best_c = np.full((L, L + 1), -1, dtype=int)
+            for ri, r in enumerate(rcs):
+                act = tb.ranged(tb.act[r]) * inflight + (tb.range_work if r == "full" else 0.0)
+                mem = states + act + zero3_buf
+                if s == p or s == 1:
+                    least = min(least, float(np.min(np.where(tb.valid, mem, INF))))
+                t = t_common + tb.ranged(tb.rc[r])
+                ok = tb.valid & (mem <= self.budget) & (t < best_t)
+                best_t = np.where(ok, t, best_t)
+                best_c = np.where(ok, ri, best_c)
+            cost[:, :, 0, s] = best_t
+            choice[:, :, s] = best_c
+        res = stage_dp(cost, [1], p, m, num_stages=p)
+        if res is None:
+            self._note_min_memory(cand, tb)
+            return False
+        stages = []
+        for idx, (k, j, _) in enumerate(res.stages):
+            s = p - idx
+            r = rcs[choice[k, j, s]]
+            inflight = m if cand.schedule == "gpipe" else min(s, m)
+            buf = float(zero3_buf[k, j]) if isinstance(zero3_buf, np.ndarray) else zero3_buf
+            stages.append(self._stage(tb, cand, [(k, j)], r, inflight, buf))
+        self._finish(cand, tb, stages, res.total)
+        cand.costs = tb
+        return True
+
+    def _evaluate_interleaved(self, cand: Candidate, tb: _Tables) -> bool:
+        L, p, v, m = self.L, cand.pp, cand.v, cand.m
+        nch = p * v
+        best_ok = False
+        for r in self.recomputes():
+            ck = (cand.mb, cand.tp, cand.dp, nch, r, cand.zero == 3)
+            res = self._chunk_cache.get(ck)
+            if ck not in self._chunk_cache:
+                t = tb.ranged(tb.base) + tb.range_p2p + tb.ranged(tb.rc[r]) + tb.zero_mb(tb.range_pel)
+                cost = np.where(tb.valid, t, INF)[:, :, None, None] * np.ones((1, 1, 1, nch + 1))
+                res = self._chunk_cache[ck] = stage_dp(cost, [1], nch, m * v, num_stages=nch)
+            if res is None:
+                continue
+            groups = [[res.stages[c] for c in range(d, nch, p)] for d in range(p)]
+            zero3_buf = 2 * float(np.max(tb.pel_layer)) * tb.wgo[0] if cand.zero == 3 and cand.dp > 1 else 0.0
+            stages = []
+            fits = True
+            for d, g in enumerate(groups):
+                inflight = inflight_microbatches("interleaved_1f1b", p, d, m, v)
+                st = self._stage(tb, cand, [(k, j) for k, j, _ in g], r, inflight, zero3_buf)
+                if st.peak_bytes > self.budget:
+                    fits = False
+                    self.min_memory = min(self.min_memory, st.peak_bytes)
+                stages.append(st)
+            if not fits:
+                continue
+            tmax = max(s.t_mb for s in stages)
+            pipeline = m * tmax + (sum(s.t_mb for s in stages) - tmax) / v
+            trial = Candidate(**{k: getattr(cand, k) for k in ("dp", "tp", "pp", "mb", "m", "schedule", "v", "zero")})
+            self._finish(trial, tb, stages, pipeline)
+            if not best_ok or trial.iteration_s < cand.iteration_s:
+                cand.iteration_s, cand.pipeline_s, cand.tail_s, cand.stages = (
+                    trial.iteration_s, trial.pipeline_s, trial.tail_s, trial.stages)
+                best_ok = True
+        cand.costs = tb
+        return best_ok
+
+    def _stage(self, tb: _Tables, cand: Candidate, chunks: list[tuple[int, int]], r: str, inflight: float,
+               zero3_buf: float) -> StageResult:
+        pel = 0.0
+        t = comp = act = work = 0.0
+        for k, j in chunks:
+            pel += float(tb.range_pel[k, j])
+            t += float(tb.base[j] - tb.base[k] + tb.rc[r][j] - tb.rc[r][k] + tb.range_p2p[k, j])
+            comp += float(tb.compute[j] - tb.compute[k])
+            comp += sum(c.rc_extra_s.get(r, 0.0) - c.rc_comm_s.get(r, 0.0) for c in tb.costs[k:j])
+            act += float(tb.act[r][j] - tb.act[r][k])
+            if r == "full":
+                work = max(work, float(tb.range_work[k, j]))
+        # a parameter tied across chunks of one stage is held once
+        t += float(tb.zero_mb(np.array([pel]))[0])
+        w, g, o = (float(x[0]) for x in tb.states(np.array([pel])))
+        v = max(1, len(chunks))
+        acts = act / v * inflight if len(chunks) > 1 else act * inflight
+        peak = w + g + o + acts + work + float(zero3_buf)
+        return StageResult(chunks, r, t, comp, max(0.0, t - comp), tb.sync(pel), tb.opt(pel), pel,
+                           w, g, o, acts + work, peak)
+
+    def _finish(self, cand: Candidate, tb: _Tables, stages: list[StageResult], pipeline_s: float) -> None:
+        tail = max(s.sync_s + s.opt_s for s in stages)
+        tail += self._tied_sync(cand, tb, stages)
+        cand.stages = stages
+        cand.pipeline_s = pipeline_s
+        cand.tail_s = tail
+        cand.iteration_s = pipeline_s + tail
+
+    def _tied_sync(self, cand: Candidate, tb: _Tables, stages: list[StageResult]) -> float:
+        if cand.pp == 1:
+            return 0.0
+        t = 0.0
+        owner = {}
+        for si, st in enumerate(stages):
+            for k, j in st.chunks:
+                for l in range(k, j):
+                    owner[l] = si
+        link = self.cluster.inter_node if (self.cluster.num_nodes > 1 and cand.dp * cand.tp >= self.cluster.devices_per_node) \
+            else self.cluster.intra_node
+        for f, e, us in tb.shared:
+            if len({owner[u] for u in us}) > 1:
+                t += coll_time("all_reduce", e * tb.wgo[1], 2, link)
+        return t
+
+    def _note_min_memory(self, cand: Candidate, tb: _Tables) -> None:
+        """The least peak memory of this candidate's layout: balanced stages, the most
+        memory-saving recomputation allowed."""
+        p, L = cand.pp, self.L
+        r = "full" if "full" in self.recomputes() else self.recomputes()[0]
+        bounds = [round(i * L / p) for i in range(p + 1)]
+        zero3_buf = 2 * tb.range_maxlayer * tb.wgo[0] if cand.zero == 3 and cand.dp > 1 else 0.0
+        worst = 0.0
+        for i in range(p):
+            k, j = bounds[i], bounds[i + 1]
+            inflight = cand.m if cand.schedule == "gpipe" else min(p - i, cand.m)
+            st = self._stage(tb, cand, [(k, j)], r, inflight,
+                             float(zero3_buf[k, j]) if isinstance(zero3_buf, np.ndarray) else zero3_buf)
+            worst = max(worst, st.peak_bytes)
+        self.min_memory = min(self.min_memory, worst)
+
+
+class _Progress:
+    """A rich progress bar on stderr once the search has run for more than a second."""
+
+    def __init__(self, enabled: bool, total: int) -> None:
+        self.enabled, self.total = enabled, total
+        self.t0 = time.perf_counter()
+        self.bar = None
+        self.task = None
+
+    def update(self, i: int, best) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None and time.perf_counter() - self.t0 > 1.0:
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("planning"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                                TextColumn("{task.description}"), TimeElapsedColumn(),
+                                console=Console(file=sys.stderr), transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("", total=self.total)
+        if self.bar is not None:
+            desc = (f"best {best.iteration_s:.4g} s (dp={best.dp} tp={best.tp} pp={best.pp})" if best else "")
+            self.bar.update(self.task, completed=i, description=desc)
+
+    def done(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()

@@ -1,0 +1,279 @@
+"""Per-layer costs on a tensor-parallel mesh, and the stage-cost tables the DP reads.
+
+A `LayerCost` is one layer at one micro-batch size on one tensor-parallel degree: compute,
+tensor-parallel collectives, activations kept per recomputation policy, parameter elements per
+device and the placements of its parameters on the tp axis. Providers make them:
+
+- `AnalyticProvider` (the fast path, and the cross-check of the ILP): Megatron-LM's tensor
+  parallelism derived from the graph. A `linear` whose input is replicated is column-parallel
+  (weight S(0), output sharded, an all-reduce of its input's gradient in the backward); one whose
+  input is sharded is row-parallel (weight S(1), an all-reduce of its output in the forward);
+  the largest embedding table is vocab-parallel (S(0), forward all-reduce); attention on sharded
+  q/k/v splits its heads; a cross-entropy over vocab-sharded logits costs Megatron's three small
+  all-reduces. Sharded ops cost flops/tp, replicated ones (layer norms, residual adds) full.
+  A layer must hand a replicated activation to the next one (an all-gather otherwise).
+- `IlpProvider`: the intra-op ILP (`autopar.intra_op.solve_graph`) on the layer's ops over a
+  1-D tp mesh; see that class.
+
+Identical layers (same signature) share one computation; results are cached per
+(signature, micro-batch, tp).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from autopar.capture.graph import OpGraph, OpNode
+from autopar.inter_op.layers import Layer
+from autopar.schema import ClusterSpec, LinkSpec
+from cost_models.communication import collective_time
+from cost_models.compute import attention_core, op_list_time
+from cost_models.memory import activation_memory
+
+ACT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+LOSS_OPS = frozenset({"cross_entropy_loss", "nll_loss", "log_softmax", "_log_softmax"})
+RECOMPUTES = ("none", "selective", "full")
+
+
+@dataclass
+class LayerCost:
+    """One layer, one micro-batch (per data-parallel replica), one tp degree; per device."""
+
+    fwd_s: float = 0.0                        # forward compute
+    bwd_s: float = 0.0                        # backward compute
+    fwd_comm_s: float = 0.0                   # tp collectives in the forward
+    bwd_comm_s: float = 0.0                   # tp collectives in the backward
+    rc_extra_s: dict[str, float] = field(default_factory=dict)    # extra forward by policy
+    rc_comm_s: dict[str, float] = field(default_factory=dict)     # its collectives' part
+    act_bytes: dict[str, float] = field(default_factory=dict)     # kept per micro-batch by policy
+    work_bytes: float = 0.0                   # the recomputed block's activations, live in its backward
+    param_elems: dict[str, float] = field(default_factory=dict)   # FQN -> elements per device
+    out_bytes: float = 0.0                    # activation handed to the next layer (p2p size)
+    coll_fwd: Counter = field(default_factory=Counter)
+    coll_bwd: Counter = field(default_factory=Counter)
+    coll_rc: Counter = field(default_factory=Counter)             # recomputed forward (full)
+    placements: dict[str, str] = field(default_factory=dict)      # FQN -> tp-axis placement
+    issues: list[str] = field(default_factory=list)               # why this tp cannot hold
+
+    @property
+    def base_s(self) -> float:
+        return self.fwd_s + self.bwd_s + self.fwd_comm_s + self.bwd_comm_s
+
+    def time(self, recompute: str) -> float:
+        return self.base_s + self.rc_extra_s.get(recompute, 0.0)
+
+
+def axis_link(cluster: ClusterSpec, group: int, stride: int = 1) -> LinkSpec:
+    """The slowest link a group of `group` ranks `stride` apart crosses."""
+    if cluster.num_nodes > 1 and cluster.inter_node is not None and group * stride > cluster.devices_per_node:
+        return cluster.inter_node
+    return cluster.intra_node
+
+
+def coll_time(kind: str, nbytes: float, n: int, link: LinkSpec) -> float:
+    return collective_time(kind, nbytes, n, link.latency, 1.0 / link.bandwidth)
+
+
+def _float_bytes(o, dtype: str) -> float:
+    if o.dtype.startswith("float") or o.dtype.startswith("bfloat"):
+        return o.numel * ACT_BYTES[dtype]
+    return float(o.nbytes)
+
+
+class AnalyticProvider:
+    """Megatron-style tensor parallelism read off the graph (see the module docstring)."""
+
+    name = "analytic"
+
+    def __init__(self, graph: OpGraph, layers: list[Layer], cluster: ClusterSpec, dtype: str) -> None:
+        self.graph = graph
+        self.layers = layers
+        self.cluster = cluster
+        self.dtype = dtype
+        self._cache: dict[tuple, LayerCost] = {}
+        self._graphs: dict[int, OpGraph] = {}
+        self._consumers = graph.consumers()
+        self._layer_of = {n: l.index for l in layers for n in l.nodes}
+
+    def graph_at(self, mb: int, layer: Layer) -> OpGraph:
+        """The layer's ops and the tensors they read, at concrete batch `mb` (only these are
+        re-shaped, so a 96-layer model costs one block per micro-batch size)."""
+        key = (layer.index, mb)
+        if key not in self._graphs:
+            mine = set(layer.nodes)
+            names = set(mine)
+            for n in layer.nodes:
+                names.update(self.graph.node(n).inputs)
+            nodes = []
+            for n in self.graph.nodes:
+                if n.name in mine:
+                    nodes.append(n)
+                elif n.name in names:
+                    nodes.append(replace(n, kind="input" if n.kind == "call" else n.kind, inputs=[]))
+            sub = OpGraph(self.graph.name, nodes, self.graph.params)
+            self._graphs[key] = sub.at_batch(mb) if self.graph.batch_size is None else sub
+        return self._graphs[key]
+
+    def cost(self, layer: Layer, mb: int, tp: int) -> LayerCost:
+        key = (layer.signature, mb, tp)
+        rep = self._cache.get(key)
+        if rep is None:
+            rep = self._analyze(layer, mb, tp)
+            rep._layer = layer  # type: ignore[attr-defined]
+            self._cache[key] = rep
+        src: Layer = rep._layer  # type: ignore[attr-defined]
+        if src.index == layer.index:
+            return rep
+        out = LayerCost(**{k: getattr(rep, k) for k in rep.__dataclass_fields__})
+        out.param_elems = {src.rename_param(f, layer): v for f, v in rep.param_elems.items()}
+        out.placements = {src.rename_param(f, layer): v for f, v in rep.placements.items()}
+        return out
+
+    # -- the rules ---------------------------------------------------------------------------
+    @staticmethod
+    def _subgraph(g: OpGraph, layer: Layer, nodes: list[OpNode]) -> OpGraph:
+        """The layer's ops, with the tensors it reads from outside as inputs; ops of the block
+        carry the layer's name (what full recomputation re-runs), the others None."""
+        mine = {n.name for n in nodes}
+        ext: list[OpNode] = []
+        seen: set[str] = set()
+        for n in nodes:
+            for i in n.inputs:
+                if i not in mine and i not in seen and i in g._index:
+                    seen.add(i)
+                    src = g.node(i)
+                    ext.append(replace(src, kind="input" if src.kind in ("call", "input") else src.kind,
+                                       layer=None, inputs=[]))
+        body = [replace(n, layer=layer.name if n.name in layer.block_nodes else None) for n in nodes]
+        return OpGraph(g.name, ext + body, g.params, batch_size=g.batch_size or 1)
+
+    def _analyze(self, layer: Layer, mb: int, tp: int) -> LayerCost:
+        g = self.graph_at(mb, layer)
+        dev, dtype = self.cluster.device, self.dtype
+        link = axis_link(self.cluster, tp)
+        c = LayerCost()
+        mine = set(layer.nodes)
+        state: dict[str, str] = {}
+        nodes = [g.node(n) for n in layer.nodes]
+        emb = [n for n in nodes if n.op == "embedding" and n.params]
+        big_emb = max(emb, key=lambda n: math.prod(g.params[n.params[0]].shape)).name if emb else None
+        grad_ar_done: set[str] = set()
+        times: dict[str, tuple[float, float, float, float]] = {}   # fwd, bwd, fwd comm, bwd comm
+        coll_f: dict[str, Counter] = {}
+        sharded_nodes: set[str] = set()
+
+        def ar(nbytes: float) -> float:
+            return coll_time("all_reduce", nbytes, tp, link)
+
+        for n in nodes:
+            ins = [state.get(i, "R") for i in n.inputs]
+            x = ins[0] if ins else "R"
+            op = n.op
+            fc = bc = 0.0
+            cf = Counter()
+            cb = Counter()
+            sharded = False
+            out = "S" if "S" in ins else "R"
+            weights = [p for p in n.params if len(g.params[p].shape) == 2] if n.params else []
+            if tp > 1 and op == "linear" and weights:
+                w = weights[0]
+                o_f, i_f = g.params[w].shape
+                if x == "R":
+                    if o_f % tp:
+                        c.issues.append(f"tp={tp} does not divide the {o_f} output features of {n.module_path or w}")
+                        out = "R"
+                        for p in n.params:
+                            c.placements.setdefault(p, "R")
+                    else:
+                        for p in n.params:
+                            c.placements[p] = "S(0)"
+                        sharded, out = True, "S"
+                        src = n.inputs[0]
+                        if src not in grad_ar_done:
+                            grad_ar_done.add(src)
+                            nb = sum(_float_bytes(o, dtype) for o in g.node(src).outputs[:1]) if src in g._index else 0
+                            bc += ar(nb)
+                            cb["all_reduce"] += 1
+                else:
+                    if i_f % tp:
+                        c.issues.append(f"tp={tp} does not divide the {i_f} input features of {n.module_path or w}")
+                    c.placements[w] = "S(1)"
+                    for p in n.params:
+                        c.placements.setdefault(p, "R")
+                    sharded, out = True, "R"
+                    fc += ar(sum(_float_bytes(o, dtype) for o in n.outputs))
+                    cf["all_reduce"] += 1
+            elif tp > 1 and op == "embedding" and n.params and n.name == big_emb:
+                rows = g.params[n.params[0]].shape[0]
+                if rows % tp:
+                    c.issues.append(f"tp={tp} does not divide the {rows} rows of embedding {n.params[0]}")
+                    c.placements[n.params[0]] = "R"
+                else:
+                    c.placements[n.params[0]] = "S(0)"
+                    sharded = True
+                    fc += ar(sum(_float_bytes(o, dtype) for o in n.outputs))
+                    cf["all_reduce"] += 1
+                out = "R"
+            elif tp > 1 and op in ("scaled_dot_product_attention",) and x == "S":
+                heads = n.outputs[0].shape[1] if n.outputs and len(n.outputs[0].shape) == 4 else 1
+                if heads % tp:
+                    c.issues.append(f"tp={tp} does not divide the {heads} attention heads of {n.module_path}")
+                sharded = True
+            elif tp > 1 and op in LOSS_OPS and x == "S":
+                rows = n.outputs[0].numel if n.outputs and n.outputs[0].shape else 1
+                nb = g.node(n.inputs[0]).outputs[0].numel / max(1, g.node(n.inputs[0]).outputs[0].shape[-1]) * 4 \
+                    if n.inputs and n.inputs[0] in g._index and g.node(n.inputs[0]).outputs else rows * 4
+                fc += 3 * ar(nb)
+                cf["all_reduce"] += 3
+                sharded, out = True, "R"
+            else:
+                sharded = out == "S"
+                for p in n.params:
+                    c.placements.setdefault(p, "R")
+            state[n.name] = out
+            if sharded:
+                sharded_nodes.add(n.name)
+            ct = op_list_time([n], dev, dtype, shard=tp if sharded else 1, index=g._index)
+            times[n.name] = (ct.forward_s, ct.backward_s, fc, bc)
+            coll_f[n.name] = cf
+            c.coll_bwd.update(cb)
+        # the layer hands replicated activations to the next one
+        outs = [n for n in nodes if any(u not in mine for u in self._consumers.get(n.name, []))]
+        for n in outs:
+            if state.get(n.name) == "S" and n.outputs:
+                nb = sum(_float_bytes(o, dtype) for o in n.outputs)
+                f, b, fc, bc = times[n.name]
+                times[n.name] = (f, b, fc + coll_time("all_gather", nb, tp, link), bc)
+                coll_f[n.name]["all_gather"] += 1
+        c.out_bytes = sum(_float_bytes(o, dtype) for n in outs[-1:] for o in n.outputs[:1]) if outs else 0.0
+        block = layer.block_nodes
+        core = attention_core(nodes)
+        c.fwd_s = sum(t[0] for t in times.values())
+        c.bwd_s = sum(t[1] for t in times.values())
+        c.fwd_comm_s = sum(t[2] for t in times.values())
+        c.bwd_comm_s = sum(t[3] for t in times.values())
+        for cf in coll_f.values():
+            c.coll_fwd.update(cf)
+        c.rc_extra_s = {"none": 0.0,
+                        "selective": sum(times[k][0] for k in core),
+                        "full": sum(times[k][0] + times[k][2] for k in block)}
+        c.rc_comm_s = {"full": sum(times[k][2] for k in block)}
+        for k in block:
+            c.coll_rc.update(coll_f[k])
+        # activations kept for the backward: graph liveness (cost_models.memory) on the layer's ops
+        sub = self._subgraph(g, layer, nodes)
+        shard = lambda node: tp if node.name in sharded_nodes else 1  # noqa: E731
+        for rc in RECOMPUTES:
+            am = activation_memory(sub, dtype, rc, shard=shard)
+            c.act_bytes[rc] = am.saved_bytes
+            if rc == "full":
+                c.work_bytes = am.working_bytes
+        for n in nodes:
+            for p in n.params:
+                pl = c.placements.get(p, "R")
+                c.placements.setdefault(p, pl)
+                c.param_elems[p] = math.prod(g.params[p].shape) / (tp if pl.startswith("S") else 1)
+        return c
