@@ -51,9 +51,15 @@ def _group_ranks(func: Any, args: Sequence[Any], kwargs: dict) -> tuple[int, ...
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     for a in list(args) + list(kwargs.values()):
-        if isinstance(a, dist.ProcessGroup):
+        pg = a if isinstance(a, dist.ProcessGroup) else None
+        if pg is None and isinstance(a, torch.ScriptObject):
             try:
-                return tuple(dist.get_process_group_ranks(a))
+                pg = dist.ProcessGroup.unbox(a)
+            except Exception:
+                pg = None
+        if pg is not None:
+            try:
+                return tuple(dist.get_process_group_ranks(pg))
             except Exception:
                 return ()
         if isinstance(a, str) and func.namespace != "c10d":
@@ -117,6 +123,11 @@ def global_counts(counter: CollectiveCounter, representatives: set[int]) -> dict
             return combine({0: counter.events}, {0})
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, counter.events)
+        import os
+
+        if os.environ.get("AUTOPAR_DEBUG_COLLECTIVES") and dist.get_rank() == 0:
+            for i, ev in enumerate(gathered):
+                print(f"[collectives] rank {i}: {ev}", flush=True)
         return combine({i: ev for i, ev in enumerate(gathered)}, representatives)
     finally:
         counter.enabled = was

@@ -389,9 +389,13 @@ class ParallelModel:
                 mod = SPMDModule(core, self.my_mesh.tp_mesh, [None])
             ins, outs = shapes[i]
             ex_in = torch.empty(ins.shape, dtype=ins.dtype, device=self.device)
+            if ex_in.is_floating_point():
+                ex_in.requires_grad_(True)  # received activations need their gradient sent back
             ex_out = torch.empty(outs.shape, dtype=outs.dtype, device=self.device)
+            in_grad = torch.empty_like(ex_in) if ex_in.is_floating_point() and i > 0 else None
+            out_grad = torch.empty_like(ex_out) if i < nst - 1 else None
             stage = PipelineStage(mod, i, nst, self.device, input_args=(ex_in,), output_args=(ex_out,),
-                                  group=self.pp_group)
+                                  input_grads=(in_grad,), output_grads=(out_grad,), group=self.pp_group)
             self.pipe_stages.append(stage)
             self.local_modules.append(core)
         self.runner = None
