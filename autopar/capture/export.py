@@ -46,13 +46,17 @@ def default_loss(out: Any) -> torch.Tensor:
 
 
 class _WithLoss(nn.Module):
-    def __init__(self, model: nn.Module, loss_fn: LossFn) -> None:
+    """The model and its loss as one module; `names` turns positional inputs into keyword
+    arguments (example inputs given as a dict, e.g. {"input_ids": ..., "labels": ...})."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn, names: Optional[Sequence[str]] = None) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.names = list(names) if names else None
 
     def forward(self, *args: Any) -> torch.Tensor:
-        out = self.model(*args)
+        out = self.model(**dict(zip(self.names, args))) if self.names else self.model(*args)
         if isinstance(out, torch.Tensor) and out.dim() == 0:
             return out
         return self.loss_fn(out)
@@ -87,17 +91,22 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Optiona
 
     With `batch_dim`, dim 0 of every tensor input is the batch and shapes are kept symbolic in it.
     `model` may be any nn.Module, a Hugging Face `PreTrainedModel` included (its `.loss` is the
-    loss when the inputs hold labels). Tries torch.export (symbolic batch, then two batch sizes),
+    loss when the inputs hold labels). `example_inputs` is a tuple of positional inputs, or a dict
+    of keyword inputs (`{"input_ids": ids, "labels": ids}`). Tries torch.export (symbolic batch, then two batch sizes),
     then torch.fx.symbolic_trace; raises PlanError naming the module and op when all fail.
     """
     if not isinstance(model, nn.Module):
         raise PlanError(f"expected a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(example_inputs, (torch.Tensor, dict)) or not isinstance(example_inputs, (tuple, list)):
+    names = None
+    if isinstance(example_inputs, dict):     # keyword inputs, e.g. a tokenizer's output + labels
+        names = [str(k) for k in example_inputs]
+        example_inputs = tuple(example_inputs.values())
+    elif isinstance(example_inputs, torch.Tensor) or not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     example_inputs = tuple(example_inputs)
     name = name or type(model).__name__
     _prepare_hf(model)
-    wrapped = _WithLoss(model, loss_fn or default_loss)
+    wrapped = _WithLoss(model, loss_fn or default_loss, names)
     errors: list[tuple[str, Exception, tuple[str, str]]] = []
     attempts: list[tuple[str, Callable[[], OpGraph]]] = []
     if batch_dim:

@@ -244,6 +244,10 @@ def _fx_once(wrapped: nn.Module, inputs: tuple, name: str) -> OpGraph:
     with fake:
         fins = [torch.empty(tuple(x.shape), dtype=x.dtype, device=dev) if isinstance(x, torch.Tensor) else x
                 for x in inputs]
+        if getattr(wrapped, "names", None):     # keyword inputs: place them by placeholder name
+            given = dict(zip(wrapped.names, fins))
+            fins = [given.get(n.target, n.args[0] if n.args else None)
+                    for n in graph.nodes if n.op == "placeholder"]
 
         class _Interp(fx.Interpreter):
             def run_node(self, n: fx.Node) -> Any:
@@ -311,7 +315,10 @@ def _fx_once(wrapped: nn.Module, inputs: tuple, name: str) -> OpGraph:
         v = vals.get(n.name)
         mpath, mtype = n.meta.get("module_path", ""), n.meta.get("module_type", "")
         if n.op == "placeholder":
-            nodes.append(OpNode(n.name, "input", "placeholder", outputs=_meta_of(v), fqn=n.name))
+            if isinstance(v, torch.Tensor):
+                nodes.append(OpNode(n.name, "input", "placeholder", outputs=_meta_of(v), fqn=n.name))
+            else:
+                consts[n.name] = _plain(v)
             continue
         if n.op == "get_attr":
             if canon.get(n.target, n.target) in pnode:
