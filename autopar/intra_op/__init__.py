@@ -13,6 +13,7 @@ enumerator), `rules/` (one module per op family), `ilp` (the formulation and CP-
 
 from __future__ import annotations
 
+import gc
 from typing import Any, Callable, Optional, Sequence
 
 from autopar.capture.graph import OpGraph
@@ -27,17 +28,24 @@ __all__ = ["auto_shard", "solve_graph", "ShardingSolution", "Collective", "OpCho
 
 def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optional[float] = None,
                 dtype: str = "fp32", nodes: Optional[list[str]] = None, time_limit_s: float = 10,
-                merge: bool = True, share_layers: bool = True) -> ShardingSolution:
+                merge: bool = True, share_layers: bool = True, backend: str = "cbc") -> ShardingSolution:
     """Shard the ops of `graph` (at a concrete batch) over `mesh`.
 
     `nodes` restricts the problem to those call nodes (one layer, to cost a layer): tensors
     they read from outside come in with whatever layout suits them, at no cost. Identical layers
-    (same `layer_signature`) share one set of choices. Raises PlanError when nothing fits
-    `memory_budget_bytes`.
+    (same `layer_signature`) share one set of choices. `backend`: "cbc" (default; the LP
+    relaxation of this formulation is nearly tight, so branch-and-cut closes it fast), "highs",
+    "scip" or "cp-sat". Raises PlanError when nothing fits `memory_budget_bytes`.
     """
-    prob = IntraOpProblem(graph, mesh, nodes=nodes, memory_budget_bytes=memory_budget_bytes,
-                          dtype=dtype, merge=merge, share_layers=share_layers)
-    assign, info = prob.solve(time_limit_s=time_limit_s)
+    gc_was_on = gc.isenabled()
+    gc.disable()     # the captured graph holds many objects; collections would dominate the build
+    try:
+        prob = IntraOpProblem(graph, mesh, nodes=nodes, memory_budget_bytes=memory_budget_bytes,
+                              dtype=dtype, merge=merge, share_layers=share_layers)
+        assign, info = prob.solve(time_limit_s=time_limit_s, backend=backend)
+    finally:
+        if gc_was_on:
+            gc.enable()
     if not assign and prob.groups:
         if memory_budget_bytes is not None:
             least = sum(min(row) for row in prob.mem)

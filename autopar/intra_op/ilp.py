@@ -118,6 +118,7 @@ class IntraOpProblem:
         self.float_bytes = FLOAT_BYTES.get(dtype, 4)
         self.state_factor = STATE_FACTOR.get(dtype, 4.0)
         self.budget = memory_budget_bytes
+        self.axis_cost = tuple(b * (m - 1) / m if m > 1 else 0.0 for b, m in zip(mesh.beta, mesh.shape))
         self.warnings: list[str] = []
         self._edge_cache: dict = {}
         self._select(nodes)
@@ -373,12 +374,13 @@ class IntraOpProblem:
             return hit
         shape = tuple(int(d) for d in meta.shape)
         isz = self.itemsize(meta)
-        out = [(kind, a, b, "forward", "reshard") for kind, a, b in transition(shape, isz, src, u, self.mesh_shape)]
+        ac = self.axis_cost
+        out = [(kind, a, b, "forward", "reshard") for kind, a, b in transition(shape, isz, src, u, self.mesh_shape, ac)]
         is_param = pn.kind == "param"
         if self.rg.get(pn.name, False):
             gspec = tuple(PARTIAL if a in partial else p for a, p in enumerate(u))
             target = tuple(REPLICATE if p == PARTIAL else p for a, p in enumerate(src))
-            for kind, a, b in transition(shape, isz, gspec, target, self.mesh_shape):
+            for kind, a, b in transition(shape, isz, gspec, target, self.mesh_shape, ac):
                 out.append((kind, a, b, "grad_sync" if is_param else "backward", "grad"))
             if is_param:
                 for kind, a, b, ph, _ in list(out):
@@ -481,77 +483,152 @@ class IntraOpProblem:
         return sum(self.mem[g][s] for g, s in enumerate(assign))
 
     # ------------------------------------------------------------------ solve
-    def solve(self, time_limit_s: float = 10.0, workers: int = 2) -> tuple[list[int], dict]:
-        from ortools.sat.python import cp_model
-
+    def _model(self):
+        """The ILP in solver-neutral form: objective coefficients per variable, equality rows,
+        the memory row. Variables: x (per group strategy, groups with one strategy fixed),
+        then e (per edge term class pair)."""
         G = self.groups
-        m = cp_model.CpModel()
-        bound = sum(max(row) for row in self.lin) + sum(max(max(r) for r in t.cost) for t in self.terms) \
-            + sum(max(row) for row in self.tie)
-        scale = 1e12 / bound if bound > 0 else 1.0
-        q = lambda x: int(round(x * scale))  # noqa: E731
-        x: list[list] = []
-        obj = []
-        nvars = ncons = 0
+        cost: list[float] = []
+        names: list[str] = []
+        xidx: list[list[Optional[int]]] = []
+        const = 0.0
         for gi, grp in enumerate(G):
             if grp.size == 1:
-                x.append([1])
+                xidx.append([None])
+                const += self.lin[gi][0] + self.tie[gi][0]
                 continue
-            vs = [m.NewBoolVar(f"x{gi}_{s}") for s in range(grp.size)]
-            m.AddExactlyOne(vs)
-            nvars += len(vs)
-            ncons += 1
-            x.append(vs)
-            for s, v in enumerate(vs):
-                c = q(self.lin[gi][s] + self.tie[gi][s])
-                if c:
-                    obj.append(c * v)
-        const = sum(q(self.lin[gi][0] + self.tie[gi][0]) for gi, grp in enumerate(G) if grp.size == 1)
+            ids = []
+            for s_ in range(grp.size):
+                ids.append(len(cost))
+                cost.append(self.lin[gi][s_] + self.tie[gi][s_])
+                names.append(f"x{gi}_{s_}")
+            xidx.append(ids)
+        rows: list[tuple[dict[int, float], float]] = []       # sum(coef * var) == rhs
+        for gi, ids in enumerate(xidx):
+            if ids[0] is not None:
+                rows.append(({i: 1.0 for i in ids}, 1.0))
         for ti, t in enumerate(self.terms):
             na, nb = len(t.cost), len(t.cost[0])
-            e = [[m.NewBoolVar(f"e{ti}_{a}_{b}") for b in range(nb)] for a in range(na)]
-            nvars += na * nb
-            for a in range(na):
-                m.Add(sum(e[a]) == sum(x[t.u][s] for s in range(G[t.u].size) if t.cls_u[s] == a))
-            for b in range(nb):
-                m.Add(sum(e[a][b] for a in range(na)) == sum(x[t.v][s] for s in range(G[t.v].size) if t.cls_v[s] == b))
-            ncons += na + nb
+            e = [[0] * nb for _ in range(na)]
             for a in range(na):
                 for b in range(nb):
-                    c = q(t.cost[a][b])
-                    if c:
-                        obj.append(c * e[a][b])
+                    e[a][b] = len(cost)
+                    cost.append(t.cost[a][b])
+                    names.append(f"e{ti}_{a}_{b}")
+            for a in range(na):
+                row = {e[a][b]: 1.0 for b in range(nb)}
+                for s_ in range(G[t.u].size):
+                    if t.cls_u[s_] == a:
+                        row[xidx[t.u][s_]] = -1.0
+                rows.append((row, 0.0))
+            for b in range(nb):
+                row = {e[a][b]: 1.0 for a in range(na)}
+                for s_ in range(G[t.v].size):
+                    if t.cls_v[s_] == b:
+                        row[xidx[t.v][s_]] = -1.0
+                rows.append((row, 0.0))
+        mem_row = None
         if self.budget is not None:
-            terms = []
-            fixed = 0.0
+            fixed = sum(self.mem[gi][0] for gi, grp in enumerate(G) if grp.size == 1)
+            coefs = {}
             for gi, grp in enumerate(G):
-                if grp.size == 1:
-                    fixed += self.mem[gi][0]
-                else:
-                    terms += [int(math.ceil(self.mem[gi][s])) * x[gi][s] for s in range(grp.size) if self.mem[gi][s]]
-            m.Add(sum(terms) <= int(self.budget - fixed))
-            ncons += 1
-        m.Minimize(sum(obj) + const)
+                if grp.size > 1:
+                    for s_ in range(grp.size):
+                        if self.mem[gi][s_]:
+                            coefs[xidx[gi][s_]] = self.mem[gi][s_]
+            mem_row = (coefs, self.budget - fixed)
+        return cost, names, xidx, rows, mem_row, const
+
+    def solve(self, time_limit_s: float = 10.0, workers: int = 2, backend: str = "cp-sat") -> tuple[list[int], dict]:
+        """Solve with CP-SAT (`backend="cp-sat"`, integer-scaled costs) or a MIP solver through
+        pywraplp (`"highs"`, `"scip"`, `"cbc"`). Returns (strategy per group, info)."""
+        cost, names, xidx, rows, mem_row, const = self._model()
+        nvars, ncons = len(cost), len(rows) + (mem_row is not None)
+        t0 = time.perf_counter()
+        if backend == "cp-sat":
+            vals, status, obj, bound = self._solve_cpsat(cost, rows, mem_row, time_limit_s, workers)
+        else:
+            vals, status, obj, bound = self._solve_mip(backend, cost, rows, mem_row, time_limit_s)
+        dt = time.perf_counter() - t0
+        info = {"status": status, "solve_time_s": dt, "num_variables": nvars, "num_constraints": ncons,
+                "backend": backend}
+        if vals is None:
+            return [], info
+        assign = []
+        for ids in xidx:
+            if ids[0] is None:
+                assign.append(0)
+            else:
+                assign.append(max(range(len(ids)), key=lambda s_: vals[ids[s_]]))
+        obj += const
+        bound += const
+        info["gap"] = 0.0 if status == "OPTIMAL" or obj <= 0 else max(0.0, (obj - bound) / obj)
+        return assign, info
+
+    def _solve_cpsat(self, cost, rows, mem_row, time_limit_s, workers):
+        from ortools.sat.python import cp_model
+
+        m = cp_model.CpModel()
+        bound = sum(abs(c) for c in cost) or 1.0
+        scale = 1e12 / bound
+        xs = [m.NewBoolVar(f"v{i}") for i in range(len(cost))]
+        for row, rhs in rows:
+            if rhs == 1.0 and all(v == 1.0 for v in row.values()):
+                m.AddExactlyOne([xs[i] for i in row])
+            else:
+                m.Add(sum(int(c) * xs[i] for i, c in row.items()) == int(rhs))
+        if mem_row is not None:
+            coefs, rhs = mem_row
+            m.Add(sum(int(math.ceil(c)) * xs[i] for i, c in coefs.items()) <= int(math.floor(rhs)))
+        m.Minimize(sum(int(round(c * scale)) * xs[i] for i, c in enumerate(cost) if round(c * scale)))
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = float(time_limit_s)
         solver.parameters.num_workers = workers
-        t0 = time.perf_counter()
-        status = solver.Solve(m)
-        dt = time.perf_counter() - t0
-        info = {"status": solver.StatusName(status), "solve_time_s": dt, "num_variables": nvars,
-                "num_constraints": ncons, "scale": scale}
-        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            info["assign"] = None
-            return [], info
-        assign = []
-        for gi, grp in enumerate(G):
-            if grp.size == 1:
-                assign.append(0)
-            else:
-                assign.append(next(s for s in range(grp.size) if solver.Value(x[gi][s])))
-        o, b = solver.ObjectiveValue(), solver.BestObjectiveBound()
-        info["gap"] = 0.0 if status == cp_model.OPTIMAL or o <= 0 else max(0.0, (o - b) / o)
-        return assign, info
+        st = solver.Solve(m)
+        name = solver.StatusName(st)
+        if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return None, name, 0.0, 0.0
+        vals = [solver.Value(x) for x in xs]
+        return vals, name, solver.ObjectiveValue() / scale, solver.BestObjectiveBound() / scale
+
+    def _solve_mip(self, backend, cost, rows, mem_row, time_limit_s):
+        from ortools.linear_solver import pywraplp
+
+        solver = pywraplp.Solver.CreateSolver(backend.upper())
+        if solver is None:
+            raise ValueError(f"MIP backend {backend!r} is not available in this OR-Tools build")
+        scale = 1e6 / (sum(abs(c) for c in cost) or 1.0)
+        xs = [solver.BoolVar(f"v{i}") for i in range(len(cost))]
+        for row, rhs in rows:
+            ct = solver.Constraint(rhs, rhs)
+            for i, c in row.items():
+                ct.SetCoefficient(xs[i], c)
+        if mem_row is not None:
+            coefs, rhs = mem_row
+            ct = solver.Constraint(-solver.infinity(), rhs / 2**20)
+            for i, c in coefs.items():
+                ct.SetCoefficient(xs[i], c / 2**20)
+        obj = solver.Objective()
+        for i, c in enumerate(cost):
+            if c:
+                obj.SetCoefficient(xs[i], c * scale)
+        obj.SetMinimization()
+        solver.SetTimeLimit(int(time_limit_s * 1000))
+        params = pywraplp.MPSolverParameters()
+        params.SetDoubleParam(pywraplp.MPSolverParameters.RELATIVE_MIP_GAP, 1e-6)
+        st = solver.Solve(params)
+        names = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
+                 pywraplp.Solver.INFEASIBLE: "INFEASIBLE", pywraplp.Solver.NOT_SOLVED: "NOT_SOLVED"}
+        name = names.get(st, str(st))
+        if st not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+            return None, name, 0.0, 0.0
+        vals = [x.solution_value() for x in xs]
+        o = obj.Value() / scale
+        try:
+            b = obj.BestBound() / scale
+        except Exception:  # noqa: BLE001
+            b = o
+        return vals, name, o, b
 
     # ------------------------------------------------------------------ read back
     def solution(self, assign: list[int], info: dict) -> ShardingSolution:

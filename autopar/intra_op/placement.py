@@ -19,6 +19,7 @@ local shard along the other axes.
 
 from __future__ import annotations
 
+import itertools
 import math
 from functools import lru_cache
 from typing import Optional, Sequence
@@ -86,13 +87,30 @@ def _bytes(shape: Sequence[int], spec: Sequence[str], mesh_shape: Sequence[int],
 
 @lru_cache(maxsize=200_000)
 def transition(shape: tuple[int, ...], itemsize: int, src: Spec, dst: Spec,
-               mesh_shape: tuple[int, ...]) -> tuple[tuple[str, int, float], ...]:
+               mesh_shape: tuple[int, ...], axis_cost: Optional[tuple[float, ...]] = None
+               ) -> tuple[tuple[str, int, float], ...]:
     """Collectives (kind, mesh axis, bytes) turning layout `src` into `dst`, axis by axis.
 
-    Reductions and gathers run first (on the larger buffer only where unavoidable), slices last."""
+    The axes are visited in the order that moves the fewest weighted bytes (`axis_cost[a]`:
+    seconds per byte on axis a; all orders run the same collectives, on different buffers:
+    gather along a slow axis while the tensor is still small, reduce-scatter along it once it
+    has shrunk)."""
+    axes = [a for a in range(len(src)) if src[a] != dst[a] and mesh_shape[a] > 1]
+    if len(axes) <= 1 or axis_cost is None:
+        return _transition(shape, itemsize, src, dst, mesh_shape, tuple(range(len(src))))
+    best, best_c = None, None
+    for perm in itertools.permutations(axes):
+        order = tuple(perm) + tuple(a for a in range(len(src)) if a not in perm)
+        t = _transition(shape, itemsize, src, dst, mesh_shape, order)
+        c = sum(axis_cost[a] * b for _, a, b in t)
+        if best_c is None or c < best_c - 1e-18:
+            best, best_c = t, c
+    return best
+
+
+def _transition(shape, itemsize, src, dst, mesh_shape, order) -> tuple[tuple[str, int, float], ...]:
     cur = list(src)
     out: list[tuple[str, int, float]] = []
-    order = sorted(range(len(src)), key=lambda a: (0 if src[a] == PARTIAL else 1 if dst[a] == REPLICATE else 2))
     for a in order:
         s, d = cur[a], dst[a]
         if s == d or mesh_shape[a] <= 1:

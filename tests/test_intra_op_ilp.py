@@ -1,0 +1,304 @@
+"""The intra-op ILP end to end: classic plans come out, the solver matches brute force, shared
+layers, memory, the ShardingSolution API."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopar
+from autopar.capture import capture
+from autopar.intra_op import IntraOpProblem, ShardingSolution, auto_shard, solve_graph
+from autopar.models.gpt import GPT, GPTConfig
+from autopar.models.mlp import MLP
+from autopar.schema.errors import PlanError
+
+DESIGN_ALPHA, DESIGN_BETA = (1e-5, 1e-6), (1 / 25e9, 1 / 300e9)
+
+
+def mesh(shape, alpha=None, beta=None, device=None):
+    n = len(shape)
+    return autopar.LogicalMesh(shape=shape, alpha=alpha or DESIGN_ALPHA[:n], beta=beta or DESIGN_BETA[:n],
+                               device=device)
+
+
+def mlp_graph(batch, hidden):
+    m = MLP(hidden, hidden, 2).to("meta")
+    x = torch.zeros(batch, hidden, device="meta")
+    return m, (x, x)
+
+
+# -- classic plans -------------------------------------------------------------------------------
+
+def test_mlp_data_parallel_when_batch_is_large():
+    m, ex = mlp_graph(1024, 128)
+    sol = autopar.auto_shard(m, ex, mesh=mesh((4, 1)))
+    assert isinstance(sol, ShardingSolution)
+    assert sol.param_placements == {"layers.0.weight": ("R", "R"), "layers.1.weight": ("R", "R")}
+    assert sol.input_placements["args_0"] == ("S(0)", "R")
+    assert sol.op_choices["linear"].strategy == "b0@0" and sol.op_choices["linear_1"].strategy == "b0@0"
+    sync = [c for c in sol.collectives if c.phase == "grad_sync"]
+    assert sorted(c.bytes for c in sync) == [128 * 128 * 4] * 2 and all(c.kind == "all_reduce" for c in sync)
+    assert sol.grad_sync_s > 0 and sol.gap <= 0.01
+
+
+def test_mlp_megatron_when_hidden_is_large():
+    b, h = 128, 1024
+    m, ex = mlp_graph(b, h)
+    sol = auto_shard(m, ex, mesh=mesh((4, 1)))
+    assert sol.param_placements == {"layers.0.weight": ("S(0)", "R"), "layers.1.weight": ("S(1)", "R")}
+    fwd = [c for c in sol.collectives if c.phase == "forward"]
+    assert [(c.kind, c.mesh_axes, c.bytes) for c in fwd] == [("all_reduce", (0,), b * h * 4)]
+    assert sol.collective_counts() == {"all_reduce": 1}
+    assert sol.grad_sync_s == 0 and sol.backward_s == 0       # the input needs no gradient
+    # the objective is the alpha-beta time of that one all-reduce
+    expect = 2 * 3 * 1e-5 + 2 * 3 / 4 * b * h * 4 / 25e9
+    assert sol.objective == pytest.approx(expect, rel=1e-9)
+    assert "all_reduce" in sol.explain("broadcast_tensors") or "all_reduce" in sol.explain("mse_loss")
+
+
+@pytest.fixture(scope="module")
+def gpt_small():
+    cfg = GPTConfig(vocab_size=1024, seq_len=128, hidden=512, layers=2, heads=8)
+    m = GPT(cfg).to("meta")
+    x = torch.zeros(2, 128, dtype=torch.long, device="meta")
+    return capture(m, (x, x))
+
+
+MEGATRON = {"attn.qkv.weight": "S(0)", "attn.proj.weight": "S(1)", "mlp.fc.weight": "S(0)",
+            "mlp.proj.weight": "S(1)"}
+
+
+def test_gpt_block_megatron_on_8_devices(gpt_small):
+    g = gpt_small.at_batch(1)
+    nodes = [n.name for n in g.layer_nodes("blocks.0")]
+    sol = solve_graph(g, mesh((8,)), nodes=nodes)
+    got = {k.removeprefix("blocks.0."): v[0] for k, v in sol.param_placements.items()}
+    for k, v in MEGATRON.items():
+        assert got[k] == v, (k, got[k])
+    fwd = [c for c in sol.collectives if c.phase == "forward"]
+    assert [c.kind for c in fwd] == ["all_reduce", "all_reduce"]
+    assert all(c.bytes == 1 * 128 * 512 * 4 for c in fwd)
+    assert sol.collective_counts() == {"all_reduce": 4}     # + two in backward (Megatron's f)
+    attn = [n for n in nodes if g.node(n).op == "scaled_dot_product_attention"][0]
+    assert sol.op_choices[attn].strategy == "h@0"
+    assert sol.param_layouts == {"blocks.0.attn.qkv.weight": (0, 3), "blocks.0.attn.qkv.bias": (0, 3)}
+
+
+@pytest.mark.parametrize("shape,slow", [((2, 4), 0), ((4, 2), 1)])
+def test_data_parallel_on_slow_axis_tensor_parallel_on_fast(gpt_small, shape, slow):
+    fast = 1 - slow
+    alpha = [1e-6, 1e-6]
+    beta = [1 / 300e9, 1 / 300e9]
+    alpha[slow] *= 100
+    beta[slow] *= 100
+    g = gpt_small.at_batch(16)
+    nodes = [n.name for n in g.layer_nodes("blocks.0")]
+    sol = solve_graph(g, mesh(shape, tuple(alpha), tuple(beta)), nodes=nodes)
+    for k, v in MEGATRON.items():
+        pl = sol.param_placements["blocks.0." + k]
+        assert pl[fast] == v and pl[slow] == "R", (k, pl)
+    (x,) = [p for n, p in sol.input_placements.items()]
+    assert x[slow] == "S(0)" and x[fast] == "R"
+    assert all(c.mesh_axes == (slow,) for c in sol.collectives if c.phase == "grad_sync")
+    assert all(c.mesh_axes == (fast,) for c in sol.collectives if c.phase != "grad_sync")
+
+
+# -- the solver against brute force --------------------------------------------------------------
+
+class Tiny(nn.Module):
+    def __init__(self, d=8, h=16):
+        super().__init__()
+        self.fc = nn.Linear(d, h, bias=False)
+        self.out = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.out(F.gelu(self.fc(x))).sum()
+
+
+class TinyAttn(nn.Module):
+    def __init__(self, d=8, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.q = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q = self.q(x).view(b, s, self.heads, d // self.heads).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, q, q).sum()
+
+
+def _table(prob: IntraOpProblem, per_group, terms=()):
+    """The value of every combination of strategies, as an array with one axis per group."""
+    sizes = [g.size for g in prob.groups]
+    tot = np.zeros(sizes)
+    for gi, row in enumerate(per_group):
+        shp = [1] * len(sizes)
+        shp[gi] = sizes[gi]
+        tot = tot + np.asarray(row, dtype=float).reshape(shp)
+    for t in terms:
+        mat = np.asarray(t.cost)[np.ix_(t.cls_u, t.cls_v)]
+        shp = [1] * len(sizes)
+        shp[t.u], shp[t.v] = sizes[t.u], sizes[t.v]
+        tot = tot + (mat if t.u < t.v else mat.T).reshape(shp)
+    return tot
+
+
+def brute_force(prob: IntraOpProblem, budget=None) -> float:
+    """Enumerate every combination of strategies (vectorised): the least objective."""
+    obj = _table(prob, prob.lin, prob.terms)
+    if budget is not None:
+        obj = np.where(_table(prob, prob.mem) <= budget, obj, np.inf)
+    best = float(obj.min())
+    # spot-check the vectorised table against the problem's own evaluation
+    idx = np.unravel_index(int(obj.argmin()), obj.shape)
+    assert prob.evaluate([int(i) for i in idx]) == pytest.approx(best, rel=1e-9, abs=1e-15)
+    return best
+
+
+def _graph(model, ex):
+    g = capture(model.to("meta"), ex)
+    return g.at_batch(ex[0].shape[0]) if g.batch_size is None else g
+
+
+CASES = [
+    ("mlp-dp", lambda: _graph(*mlp_graph(64, 16)), (4,), True),
+    ("tiny-unmerged", lambda: _graph(Tiny(), (torch.zeros(8, 8, device="meta"),)), (2,), False),
+    ("tiny-2d", lambda: _graph(Tiny(), (torch.zeros(8, 8, device="meta"),)), (2, 2), True),
+    ("attn", lambda: _graph(TinyAttn(), (torch.zeros(4, 4, 8, device="meta"),)), (2,), True),
+]
+
+
+@pytest.mark.parametrize("name,build,shape,merge", CASES, ids=[c[0] for c in CASES])
+def test_ilp_matches_brute_force(name, build, shape, merge):
+    g = build()
+    assert len(g.calls) <= 8
+    m = mesh(shape, alpha=(3e-6,) * len(shape), beta=tuple(1 / (10e9 * (i + 1)) for i in range(len(shape))))
+    prob = IntraOpProblem(g, m, merge=merge, share_layers=False)
+    assert math.prod(gr.size for gr in prob.groups) <= 2_000_000
+    for backend in ("cbc", "cp-sat"):
+        assign, info = prob.solve(backend=backend)
+        assert prob.evaluate(assign) == pytest.approx(brute_force(prob), rel=1e-6, abs=1e-12), backend
+    # with a memory bound between the smallest and the unconstrained optimum's footprint
+    assign, _ = prob.solve()
+    lo = float(_table(prob, prob.mem).min())
+    hi = prob.memory_of(assign)
+    if hi > lo:
+        budget = (lo + hi) / 2
+        prob.budget = budget
+        a2, _ = prob.solve()
+        assert prob.memory_of(a2) <= budget
+        assert prob.evaluate(a2) == pytest.approx(brute_force(prob, budget), rel=1e-6, abs=1e-12)
+        prob.budget = None
+
+
+def test_solution_costs_agree_with_the_ilp():
+    g = _graph(*mlp_graph(128, 1024))
+    prob = IntraOpProblem(g, mesh((4,)))
+    assign, info = prob.solve()
+    sol = prob.solution(assign, info)
+    # the read-back objective adds only one latency per gradient bucket
+    assert sol.objective == pytest.approx(prob.evaluate(assign), rel=1e-9)
+    assert sol.forward_s + sol.backward_s + sol.grad_sync_s == pytest.approx(sol.objective)
+
+
+# -- identical layers, memory, devices ------------------------------------------------------------
+
+def test_identical_layers_solved_once(gpt_small):
+    g = gpt_small.at_batch(2)
+    m = mesh((2, 4))
+    shared = IntraOpProblem(g, m)
+    alone = IntraOpProblem(g, m, share_layers=False)
+    assert len(shared.groups) < len(alone.groups)
+    sol = solve_graph(g, m)
+    for k in MEGATRON:
+        assert sol.param_placements["blocks.0." + k] == sol.param_placements["blocks.1." + k]
+    # every op of every layer has a choice
+    assert set(sol.op_choices) == {n.name for n in g.calls if n.outputs}
+    free = solve_graph(g, m, share_layers=False)
+    assert free.objective <= sol.objective * (1 + 1e-9)
+
+
+def test_memory_budget_shards_parameters_over_the_data_axis():
+    g = _graph(*mlp_graph(1024, 128))
+    m = mesh((4,))
+    free = solve_graph(g, m)
+    assert free.param_placements["layers.0.weight"] == ("R",)
+    tight = free.memory_bytes_per_device * 0.6
+    sol = solve_graph(g, m, memory_budget_bytes=tight)
+    assert sol.memory_bytes_per_device <= tight
+    assert sol.objective >= free.objective
+    assert any(p != ("R",) for p in sol.param_placements.values())
+    with pytest.raises(PlanError, match="fits in"):
+        solve_graph(g, m, memory_budget_bytes=1024)
+
+
+def test_zero3_parameter_sharding_costs():
+    """A parameter stored sharded along the data axis: all-gather before use (and again in
+    backward), reduce-scatter of its gradient."""
+    g = _graph(*mlp_graph(1024, 128))
+    prob = IntraOpProblem(g, mesh((4,)))
+    w = next(n for n in prob.pnodes.values() if n.kind == "param")
+    lin = prob.pnodes["linear"]
+    dp = next(s for s in lin.strategies if s.name == "b0@0")
+    colls = prob.edge_collectives(w.name, 0, ("S(0)",), "linear", 1, dp)
+    kinds = sorted((c[0], c[3]) for c in colls)
+    assert kinds == [("all_gather", "backward"), ("all_gather", "forward"), ("reduce_scatter", "grad_sync")]
+
+
+def test_compute_is_costed_with_a_device():
+    dev = autopar.DeviceSpec(name="x", peak_flops={"fp32": 1e12}, memory_bytes=1e10, memory_bandwidth=1e11)
+    g = _graph(*mlp_graph(128, 256))
+    # links so slow that any collective loses to replicated compute
+    slow = mesh((4,), alpha=(1.0,), beta=(1.0,), device=dev)
+    sol = solve_graph(g, slow)
+    assert sol.collectives == [] and all(v == ("R",) for v in sol.param_placements.values())
+    assert sol.forward_s > 0 and sol.backward_s > 0
+    fast = mesh((4,), alpha=(0.0,), beta=(1e-15,), device=dev)
+    sol2 = solve_graph(g, fast)
+    assert sol2.objective < sol.objective
+
+
+def test_llama_gqa_whole_model():
+    from autopar.models import build_model
+
+    b = build_model("llama-tiny")
+    g = capture(b.model, b.example_inputs).at_batch(2)
+    sol = solve_graph(g, mesh((2,)))
+    assert sol.gap <= 0.01 and sol.objective > 0
+    assert not sol.warnings
+    assert {p for p in sol.param_placements} == set(g.params)
+
+
+def test_bert_whole_model():
+    from autopar.models import build_model
+
+    b = build_model("bert-tiny")
+    sol = auto_shard(b.model, b.example_inputs, mesh=mesh((2, 2)))
+    assert sol.gap <= 0.01 and not sol.warnings
+    assert sol.num_variables > 0 and sol.solve_time_s < 10
+
+
+def test_solution_api_fields(gpt_small):
+    g = gpt_small.at_batch(2)
+    sol = solve_graph(g, mesh((2, 4)))
+    for f in ("param_placements", "input_placements", "collectives", "objective", "op_choices",
+              "forward_s", "backward_s", "grad_sync_s", "param_bytes_per_device",
+              "activation_bytes_per_device", "solve_time_s", "gap", "num_variables", "num_constraints"):
+        assert hasattr(sol, f), f
+    assert set(sol.input_placements) == {"args_0", "args_1"}
+    assert all(len(v) == 2 for v in sol.param_placements.values())
+    assert all(c.phase in ("forward", "backward", "grad_sync") for c in sol.collectives)
+    assert all(c.kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all") for c in sol.collectives)
+    counts = sol.collective_counts()
+    assert sum(counts.values()) >= len(sol.collectives)
+    text = sol.explain("linear")
+    assert "strategy" in text and "linear" in text
+    assert sol.param_bytes_per_device > 0 and sol.activation_bytes_per_device > 0
+    assert "objective" in sol.summary()
