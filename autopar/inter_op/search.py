@@ -46,6 +46,7 @@ from autopar.inter_op.dp import stage_dp
 from autopar.inter_op.layers import Layer
 from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost, RECOMPUTES, axis_link, coll_time
 from autopar.schema import ClusterSpec, Constraints, PlanError
+from cost_models.communication import axis_collective_time
 from cost_models.compute import optimizer_step_time
 from cost_models.memory import PRECISION_POLICIES, inflight_microbatches, model_state_bytes, usable_memory
 
@@ -168,11 +169,15 @@ class _Tables:
 
     def zero_mb(self, pel: np.ndarray) -> np.ndarray:
         """ZeRO-3 collectives per micro-batch: the weights all-gathered for the forward and again
-        for the backward (FSDP reshards after the forward)."""
+        for the backward (FSDP reshards after the forward); linear in the bytes between two
+        evaluations of the cluster's collective model."""
         w, g, _ = self.wgo
         if self.dp == 1 or self.zero < 3:
             return np.zeros_like(pel)
-        return 2 * _vec_coll("all_gather", pel * w, self.dp, self.dp_link)
+        big = 1e9
+        t0 = _dp_coll(self.cluster, "all_gather", 1.0, self.dp, self.tp)
+        t1 = _dp_coll(self.cluster, "all_gather", big, self.dp, self.tp)
+        return np.where(pel > 0, 2 * (t0 + (t1 - t0) * (pel * w) / big), 0.0)
 
     def states(self, pel: np.ndarray) -> tuple:
         w, g, o = self.wgo
@@ -187,6 +192,14 @@ class _Tables:
         return optimizer_step_time(pel, self.cluster.device, self.dtype, shard=self.dp if self.zero >= 1 else 1)
 
 
+def _dp_coll(cluster: ClusterSpec, kind: str, nbytes: float, dp: int, tp: int) -> float:
+    """`kind` over one data-parallel group of the first stage (ranks 0, tp, 2 tp, ...): intra-node,
+    rail or hierarchical across nodes (`cost_models.communication.axis_collective_time`)."""
+    if dp <= 1 or nbytes <= 0:
+        return 0.0
+    return axis_collective_time(kind, nbytes, cluster, [i * tp for i in range(dp)])
+
+
 def _sync_time(cluster: ClusterSpec, dtype: str, dp: int, tp: int, zero: int, pel: float) -> float:
     """Per-iteration gradient sync of one stage over dp, as the runtime does it: one flat
     all-reduce (ZeRO 0), one reduce-scatter + one all-gather of the updated weights (ZeRO 1
@@ -194,12 +207,11 @@ def _sync_time(cluster: ClusterSpec, dtype: str, dp: int, tp: int, zero: int, pe
     w, g, _ = PRECISION_POLICIES[dtype]
     if dp == 1:
         return 0.0
-    link = _dp_link(cluster, dp, tp)
     if zero == 0:
-        return coll_time("all_reduce", pel * g, dp, link)
+        return _dp_coll(cluster, "all_reduce", pel * g, dp, tp)
     if zero in (1, 2):
-        return coll_time("reduce_scatter", pel * g, dp, link) + coll_time("all_gather", pel * w, dp, link)
-    return coll_time("reduce_scatter", pel * g, dp, link)
+        return _dp_coll(cluster, "reduce_scatter", pel * g, dp, tp) + _dp_coll(cluster, "all_gather", pel * w, dp, tp)
+    return _dp_coll(cluster, "reduce_scatter", pel * g, dp, tp)
 
 
 def _vec_coll(kind: str, nbytes: np.ndarray, n: int, link) -> np.ndarray:

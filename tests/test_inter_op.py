@@ -1,0 +1,99 @@
+"""The inter-op DP against brute force, and the layers of a model."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from autopar.capture import capture
+from autopar.inter_op.dp import brute_force, stage_dp
+from autopar.inter_op.layers import build_layers
+from autopar.models import build_model
+
+
+def _random_instance(rng, L, sizes, S, inf_frac=0.2):
+    M = len(sizes)
+    cost = np.full((L, L + 1, M, S + 1), np.inf)
+    for k in range(L):
+        for j in range(k + 1, L + 1):
+            for m, u in enumerate(sizes):
+                base = rng.uniform(0.5, 2.0) * (j - k) / u ** rng.uniform(0.3, 1.0)
+                for s in range(1, S + 1):
+                    # memory grows with the stages after this one: infeasible past a random bound
+                    if rng.random() < inf_frac * s / S:
+                        continue
+                    cost[k, j, m, s] = round(base + 0.05 * s * rng.random(), 3)
+    return cost
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_dp_equals_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    L = int(rng.integers(1, 7))            # up to 6 layers
+    N = int(rng.choice([1, 2, 4, 8]))      # up to 8 devices
+    sizes = [u for u in (1, 2, 4, 8) if u <= N]
+    B = int(rng.choice([1, 2, 4, 16]))
+    cost = _random_instance(rng, L, sizes, min(L, N))
+    dp = stage_dp(cost, sizes, N, B)
+    bf = brute_force(cost, sizes, N, B)
+    if bf is None:
+        assert dp is None
+        return
+    assert dp is not None
+    assert dp.total == pytest.approx(bf.total, rel=1e-9)
+    # the DP's stages are a valid slicing with the cost it claims
+    assert dp.stages[0][0] == 0 and dp.stages[-1][1] == L
+    assert sum(sizes[m] for _, _, m in dp.stages) == N
+    s = len(dp.stages)
+    ts = [cost[k, j, m, s - i] for i, (k, j, m) in enumerate(dp.stages)]
+    assert sum(ts) + (B - 1) * max(ts) == pytest.approx(dp.total, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dp_pinned_stage_count(seed):
+    rng = np.random.default_rng(100 + seed)
+    L, p = 6, int(rng.integers(1, 5))
+    cost = _random_instance(rng, L, [1], p, inf_frac=0.3)
+    dp = stage_dp(cost, [1], p, 8, num_stages=p)
+    bf = brute_force(cost, [1], p, 8, num_stages=p)
+    assert (dp is None) == (bf is None)
+    if bf is not None:
+        assert dp.total == pytest.approx(bf.total, rel=1e-9)
+        assert len(dp.stages) == p
+
+
+def test_gpt_layers_join_embedding_and_head():
+    b = build_model("gpt-tiny")
+    g = capture(b.model, b.example_inputs, name="gpt-tiny")
+    layers = build_layers(g, b.model)
+    assert [l.name for l in layers] == ["blocks.0", "blocks.1"]
+    assert layers[0].modules == ["embed", "blocks.0"]
+    assert layers[-1].modules == ["blocks.1", "head"]
+    assert sum(len(l.nodes) for l in layers) == len(g.calls)
+    assert "embed.tok.weight" in layers[0].params and "embed.tok.weight" in layers[-1].params
+
+
+class _Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 256)
+        self.b = nn.Linear(256, 256)
+        self.c = nn.Sequential(nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 64), nn.LayerNorm(64))
+        self.d = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.d(self.c(torch.relu(self.b(torch.relu(self.a(x)))))).sum()
+
+
+def test_flop_balanced_clustering_without_blocks():
+    m = _Plain()
+    g = capture(m, (torch.randn(4, 64),))
+    assert not g.layers
+    layers = build_layers(g, m, max_layers=3)
+    assert len(layers) == 3
+    assert sum(len(l.nodes) for l in layers) == len(g.calls)
+    mods = [x for l in layers for x in l.modules]
+    assert mods == ["a", "b", "c.0", "c.1", "c.2", "c.3", "d"]
+    # FLOP balance: no layer above (1 + delta) x the mean unless it is a single unit
+    total = sum(l.flops for l in layers)
+    assert max(l.flops for l in layers) <= 1.5 * total / 3 or any(len(l.modules) == 1 for l in layers)
