@@ -1,0 +1,341 @@
+"""Measure the machine this runs on and write a cluster profile (`autopar profile -o FILE`).
+
+One "device" is one process: a GPU each when CUDA is available (NCCL), otherwise a CPU process
+with its share of the cores (gloo over loopback). All processes run every measurement at once, so
+the figures include the contention a real run sees (shared memory bus, shared cores):
+- GEMM throughput: square matmuls over a range of sizes, fp32 and bf16; the peak is the best
+  measured rate, the efficiency curve is each size's rate over that peak;
+- memory bandwidth: a large tensor copy (bytes read + written per second);
+- kernel overhead: the time of a one-element op;
+- collectives: all_reduce, all_gather, reduce_scatter, all_to_all and send/recv over a range of
+  sizes (kept as the link's measured table, which overrides the alpha-beta formulas); the link's
+  bandwidth is the bus bandwidth of the largest all_reduce, its latency from the smallest.
+The result is a YAML profile in the bundled format (`ClusterSpec.load` reads it), every figure
+with a source saying how it was measured, written atomically (temp file + rename).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import queue as _queue
+import socket
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from autopar.schema.cluster import ClusterSpec, DeviceSpec, EfficiencyPoint, LinkSpec, MeasuredCollective
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+
+def _plan(quick: bool, cuda: bool) -> dict[str, Any]:
+    """What to measure: sizes and time budgets (quick mode: a few points, for tests)."""
+    if cuda:
+        return dict(gemm=[256, 512, 1024, 2048, 4096, 8192], dtypes=["fp32", "bf16"],
+                    coll=[2 ** k for k in range(10, 31, 2)], copy_bytes=1 << 30, min_time=0.05)
+    if quick:
+        return dict(gemm=[32, 128, 384], dtypes=["fp32", "bf16"], coll=[1 << 10, 1 << 16, 1 << 20],
+                    copy_bytes=16 << 20, min_time=0.02)
+    return dict(gemm=[32, 64, 128, 256, 512, 1024, 2048], dtypes=["fp32", "bf16"],
+                coll=[1 << 10, 1 << 13, 1 << 16, 1 << 19, 1 << 22, 1 << 24, 1 << 26], copy_bytes=256 << 20,
+                min_time=0.1)
+
+
+def _timeit(fn, min_time: float, sync=lambda: None, max_reps: int = 10_000, windows: int = 3) -> float:
+    """Seconds per call of `fn`: one warm-up call, then `windows` timing windows of repeated calls
+    (each at least min_time/windows); the best window, as `timeit` does, since interference from
+    other work on the machine only ever adds time."""
+    fn()
+    sync()
+    best = math.inf
+    for _ in range(windows):
+        reps, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            reps += 1
+            if reps >= max_reps // windows or time.perf_counter() - t0 >= min_time / windows:
+                sync()
+                el = time.perf_counter() - t0
+                if el >= min_time / windows or reps >= max_reps // windows:
+                    break
+        best = min(best, el / reps)
+    return best
+
+
+def _timeit_collective(fn, min_time: float, sync, dist: Any, torch: Any, dev: Any, max_reps: int = 500) -> float:
+    """Seconds per call of collective `fn`; every rank must make the same number of calls, so the
+    repeat count comes from rank 0's first timing (broadcast)."""
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    one = time.perf_counter() - t0
+    reps = torch.tensor([min(max_reps, max(1, int(min_time / 3 / max(one, 1e-7))))], device=dev)
+    dist.broadcast(reps, 0)
+    n = int(reps.item())
+    best = math.inf
+    for _ in range(3):           # best of three windows, as in `_timeit`
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best
+
+
+def _worker(rank: int, world: int, port: int, plan: dict, threads: int, q: Any) -> None:
+    """One device: measure compute and memory, then the collectives with the others; rank 0
+    reports results on `q` as (tag, payload) tuples."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore", category=FutureWarning)   # *_into_tensor renames in new torch
+    torch.set_num_threads(max(1, threads))
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda", rank % max(1, torch.cuda.device_count())) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
+    report = (lambda tag, payload: q.put((tag, payload))) if rank == 0 else (lambda tag, payload: None)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    try:
+        # compute: every process at once, so shared cores / memory bus are accounted for
+        tdt = {"fp32": torch.float32, "bf16": torch.bfloat16}
+        for dt in plan["dtypes"]:
+            for n in plan["gemm"]:
+                a = torch.randn(n, n, device=dev).to(tdt[dt])
+                b = torch.randn(n, n, device=dev).to(tdt[dt])
+                dist.barrier()
+                s = _timeit(lambda: torch.mm(a, b), plan["min_time"], sync)
+                report("gemm", (dt, n, 2.0 * n ** 3, s))
+        nel = plan["copy_bytes"] // 4
+        src = torch.randn(nel, device=dev)
+        dst = torch.empty_like(src)
+        dist.barrier()
+        s = _timeit(lambda: dst.copy_(src), plan["min_time"], sync)
+        report("copy", (2.0 * nel * 4, s))
+        one = torch.ones(1, device=dev)
+        s = _timeit(lambda: one.add_(1.0), plan["min_time"] / 2, sync, max_reps=2000)
+        report("overhead", s)
+        # collectives
+        for kind in KINDS:
+            ok = True
+            for nbytes in plan["coll"]:
+                if not ok:
+                    break
+                nel = max(world, nbytes // 4 // world * world)
+                x = torch.ones(nel, device=dev)
+                try:
+                    fn = _collective(kind, x, world, rank, dist, torch)
+                    s = _timeit_collective(fn, plan["min_time"], sync, dist, torch, dev)
+                    # the slowest rank's time is the collective's time
+                    t = torch.tensor([s], device=dev)
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                    report("coll", (kind, world if kind != "send_recv" else 2, float(nel * 4), float(t.item())))
+                except (RuntimeError, NotImplementedError, ValueError) as e:
+                    ok = False
+                    report("unsupported", (kind, str(e).splitlines()[0][:120] if str(e) else type(e).__name__))
+                    dist.barrier()
+        report("done", None)
+    finally:
+        dist.destroy_process_group()
+
+
+def _collective(kind: str, x: Any, world: int, rank: int, dist: Any, torch: Any):
+    """A zero-argument function running one `kind` collective on `x` (the whole buffer)."""
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(x)
+    if kind == "all_gather":
+        part = x[: x.numel() // world].clone()
+        out = torch.empty_like(x)
+        return lambda: dist.all_gather_into_tensor(out, part)
+    if kind == "reduce_scatter":
+        out = torch.empty(x.numel() // world, device=x.device)
+        return lambda: dist.reduce_scatter_tensor(out, x)
+    if kind == "all_to_all":
+        out = torch.empty_like(x)
+        return lambda: dist.all_to_all_single(out, x)
+    if kind == "send_recv":
+        # ping-pong between ranks 0 and 1; one direction is half the round trip
+        def pingpong() -> None:
+            if rank == 0:
+                dist.send(x, 1)
+                dist.recv(x, 1)
+            elif rank == 1:
+                dist.recv(x, 0)
+                dist.send(x, 0)
+        return pingpong
+    raise ValueError(kind)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _total_memory_bytes() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 8.0 * 2 ** 30
+
+
+def profile_machine(output: Path, *, num_processes: int | None = None, quick: bool = False,
+                    progress: bool = True) -> ClusterSpec:
+    """Measure this machine (see the module docstring) and write its profile to `output` (YAML).
+
+    `num_processes`: devices to measure (default: every GPU, else 2 CPU processes). `quick`: a few
+    sizes only (for tests, < 30 s on 2 cores). `progress`: a rich progress bar on stderr.
+    Returns the ClusterSpec that was written."""
+    import torch
+    import torch.multiprocessing as mp
+
+    output = Path(output)
+    cuda = torch.cuda.is_available()
+    n = int(num_processes or (torch.cuda.device_count() if cuda else 2))
+    if n < 2:
+        raise ValueError("profiling collectives needs at least 2 processes")
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // n) if not cuda else 1
+    plan = _plan(quick, cuda)
+    total_steps = (len(plan["dtypes"]) * len(plan["gemm"]) + 2 + len(KINDS) * len(plan["coll"]))
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    port = _free_port()
+    t_start = time.perf_counter()
+    procs = [ctx.Process(target=_worker, args=(r, n, port, plan, threads, q), daemon=True) for r in range(n)]
+    for p in procs:
+        p.start()
+    results: dict[str, list] = {"gemm": [], "copy": [], "overhead": [], "coll": [], "unsupported": []}
+
+    bar = None
+    if progress:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        bar = Progress(TextColumn("[bold]profiling[/] {task.description}"), BarColumn(),
+                       TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                       console=Console(stderr=True), transient=False)
+        bar.start()
+        task = bar.add_task("starting processes", total=total_steps)
+    try:
+        done = False
+        while not done:
+            if q.empty():
+                if not any(p.is_alive() for p in procs):
+                    break
+                time.sleep(0.02)
+                continue
+            tag, payload = q.get()
+            if tag == "done":
+                done = True
+                continue
+            results[tag].append(payload)
+            if bar is not None:
+                desc = {"gemm": lambda p: f"GEMM {p[0]} {p[1]}^3", "copy": lambda p: "memory bandwidth",
+                        "overhead": lambda p: "kernel overhead", "coll": lambda p: f"{p[0]} {int(p[2])} B",
+                        "unsupported": lambda p: f"{p[0]} unsupported"}[tag](payload)
+                skip = len(plan["coll"]) - sum(1 for c in results["coll"] if c[0] == payload[0]) \
+                    if tag == "unsupported" else 0
+                bar.update(task, advance=1 + max(skip - 1, 0), description=desc)
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        if bar is not None:
+            bar.stop()
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+    if not done:
+        codes = [p.exitcode for p in procs]
+        raise RuntimeError(f"profiling processes exited early (exit codes {codes}); "
+                           f"check that torch.distributed ({'nccl' if cuda else 'gloo'}) works here")
+    spec = _build_spec(results, n, cuda, threads, time.perf_counter() - t_start, quick)
+    _write_yaml(output, spec)
+    return spec
+
+
+def _build_spec(res: dict[str, list], n: int, cuda: bool, threads: int, elapsed: float, quick: bool) -> ClusterSpec:
+    import torch
+
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    how = f"measured by cost_models.profiler ({'quick' if quick else 'full'} mode) on {when}, " \
+          f"{n} processes at once"
+    peaks: dict[str, float] = {}
+    curves: dict[str, list[EfficiencyPoint]] = {}
+    for dt in sorted({g[0] for g in res["gemm"]}):
+        pts = [(f, f / s) for d, _, f, s in res["gemm"] if d == dt]
+        peak = max(r for _, r in pts)
+        peaks[dt] = peak
+        curves[dt] = [EfficiencyPoint(flops=f, efficiency=min(1.0, max(r / peak, 1e-6))) for f, r in sorted(pts)]
+    sizes = sorted({g[1] for g in res["gemm"]})
+    copy_bytes, copy_s = res["copy"][0]
+    mem_bw = copy_bytes / copy_s
+    overhead = res["overhead"][0] if res["overhead"] else 5e-6
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        name, mem = props.name.lower().replace(" ", "-"), float(props.total_memory)
+        mem_src = "torch.cuda.get_device_properties(0).total_memory"
+    else:
+        name = f"cpu-process-{threads}t"
+        mem = _total_memory_bytes() / n
+        mem_src = f"physical memory (os.sysconf) divided by {n} processes"
+    device = DeviceSpec(
+        name=name, peak_flops=peaks, memory_bytes=mem, memory_bandwidth=mem_bw, gemm_efficiency=curves,
+        memory_efficiency=1.0, kernel_overhead_s=overhead,
+        sources={
+            "peak_flops": f"{how}: best rate of square torch.mm over n in {sizes} per dtype"
+                          + ("" if cuda else f", {threads} thread(s) per process"),
+            "gemm_efficiency": f"{how}: each size's torch.mm rate over the dtype's peak",
+            "memory_bytes": mem_src,
+            "memory_bandwidth": f"{how}: torch copy_ of {copy_bytes / 2 / 2**20:.0f} MiB, bytes read + written per second",
+            "memory_efficiency": "1.0: memory_bandwidth is already the achieved copy bandwidth",
+            "kernel_overhead_s": f"{how}: time of an in-place add on a one-element tensor",
+            "attention_kernel": "fused: torch's scaled_dot_product_attention runs a fused (flash) kernel "
+                                "on CUDA and on CPU",
+        })
+    measured = [MeasuredCollective(kind=k, num_devices=nd, bytes=b, seconds=s) for k, nd, b, s in res["coll"]]
+    from cost_models.communication import bus_factor
+
+    ar = sorted((b, s) for k, _, b, s in res["coll"] if k == "all_reduce")
+    if ar:
+        bw = bus_factor("all_reduce", n) * ar[-1][0] / ar[-1][1]
+        lat = ar[0][1] / (2 * (n - 1))
+        bw_src = f"{how}: bus bandwidth of the largest all_reduce ({int(ar[-1][0])} B), 2(n-1)/n * S / t"
+        lat_src = f"{how}: smallest all_reduce ({int(ar[0][0])} B) time / 2(n-1)"
+    else:  # pragma: no cover - all_reduce always works on gloo/nccl
+        bw, lat = mem_bw / 4, 50e-6
+        bw_src = lat_src = "no all_reduce measured; a quarter of the copy bandwidth, 50 us (guess)"
+    unsupported = {k: why for k, why in res["unsupported"]}
+    link_sources = {"bandwidth": bw_src, "latency": lat_src,
+                    "measured": f"{how}: {'NCCL' if cuda else 'gloo over loopback'}, slowest rank's time per call, best of 3 windows"}
+    if unsupported:
+        link_sources["unsupported"] = "; ".join(f"{k}: {v}" for k, v in unsupported.items())
+    link = LinkSpec(bandwidth=bw, latency=lat, measured=measured, sources=link_sources)
+    host = platform.node() or "this machine"
+    return ClusterSpec(
+        name=f"{host}-{'cuda' if cuda else 'cpu'}", num_nodes=1, devices_per_node=n, device=device,
+        intra_node=link,
+        description=(f"measured on {host} ({platform.processor() or platform.machine()}, "
+                     f"{os.cpu_count()} cores, torch {torch.__version__}) in {elapsed:.0f} s; "
+                     f"{n} {'GPUs' if cuda else 'CPU processes'} as devices"),
+        sources={"all": how})
+
+
+def _write_yaml(path: Path, spec: ClusterSpec) -> None:
+    from autopar.schema.plan import write_atomic
+
+    data = spec.model_dump(mode="json", exclude_none=True)
+    header = ("# Profile written by `autopar profile` (cost_models.profiler): every figure measured on\n"
+              "# this machine; see `sources`. Units: FLOP/s, bytes, bytes/s per device and direction, s.\n")
+    write_atomic(path, header + yaml.safe_dump(data, sort_keys=False, width=120))

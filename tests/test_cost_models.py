@@ -1,0 +1,289 @@
+"""Cost models: collective formulas, cluster groups and meshes, measured tables, compute, memory."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import autopar
+from autopar.schema.cluster import ClusterSpec, DeviceSpec, LinkSpec, MeasuredCollective
+from cost_models.communication import (axis_collective_time, collective_time, hierarchical_time,
+                                       link_collective_time, logical_mesh, mesh_axis_collective_time)
+from cost_models.compute import (MATRIX_OPS, attention_time, backward_factor, gemm_efficiency,
+                                 grad_accumulation_time, graph_compute_time, op_time, optimizer_step_time)
+from cost_models.memory import (activation_memory, inflight_microbatches, korthikanti_layer_bytes,
+                                model_state_bytes, peak_memory)
+
+INTRA = LinkSpec(bandwidth=200e9, latency=2e-6)
+INTER = LinkSpec(bandwidth=25e9, latency=8e-6)
+DEV = DeviceSpec(name="gpu", peak_flops={"bf16": 300e12, "fp32": 20e12}, memory_bytes=80e9,
+                 memory_bandwidth=2e12)
+
+
+def cluster(nodes: int = 2, per_node: int = 8, intra: LinkSpec = INTRA, inter: LinkSpec = INTER) -> ClusterSpec:
+    return ClusterSpec(num_nodes=nodes, devices_per_node=per_node, device=DEV, intra_node=intra, inter_node=inter)
+
+
+# -- communication -------------------------------------------------------------------------------
+
+def test_collective_closed_forms() -> None:
+    a, b, n, s = 1e-5, 1 / 100e9, 8, 1e9
+    assert collective_time("all_reduce", s, n, a, b) == pytest.approx(2 * 7 * a + 2 * 7 / 8 * s * b)
+    for kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert collective_time(kind, s, n, a, b) == pytest.approx(7 * a + 7 / 8 * s * b)
+    assert collective_time("send_recv", s, 2, a, b) == pytest.approx(a + s * b)
+    assert collective_time("all_reduce", s, 1, a, b) == 0.0
+    assert collective_time("all_reduce", 0, 8, a, b) == 0.0
+    with pytest.raises(ValueError):
+        collective_time("broadcastish", s, n, a, b)
+
+
+def test_logical_mesh_takes_the_slowest_link_per_axis() -> None:
+    c = cluster()
+    m = logical_mesh(c, list(range(16)), (2, 8))
+    assert m.beta == (pytest.approx(1 / 25e9), pytest.approx(1 / 200e9))
+    assert m.alpha == (8e-6, 2e-6)
+    assert m.device == c.device and m.shape == (2, 8)
+    m = logical_mesh(c, list(range(16)), (4, 4))       # axis 0 groups [0,4,8,12] cross nodes
+    assert m.beta == (pytest.approx(1 / 25e9), pytest.approx(1 / 200e9))
+    m = logical_mesh(c, list(range(8)), (2, 4))        # one node: both axes on NVLink
+    assert m.beta == (pytest.approx(1 / 200e9), pytest.approx(1 / 200e9))
+
+
+def test_group_inside_a_node_and_rails() -> None:
+    c = cluster()
+    s = 1e8
+    assert axis_collective_time("all_reduce", s, c, list(range(8))) == pytest.approx(
+        collective_time("all_reduce", s, 8, 2e-6, 1 / 200e9))
+    # one device per node: its own NIC at the inter-node link
+    assert axis_collective_time("all_reduce", s, c, [3, 11]) == pytest.approx(
+        collective_time("all_reduce", s, 2, 8e-6, 1 / 25e9))
+    assert axis_collective_time("send_recv", s, c, [0, 8]) == pytest.approx(8e-6 + s / 25e9)
+
+
+def test_hierarchical_all_reduce_across_nodes() -> None:
+    c = cluster(nodes=4)
+    s = 1e9
+    expect = (collective_time("reduce_scatter", s, 8, 2e-6, 1 / 200e9)
+              + collective_time("all_reduce", s / 8, 4, 8e-6, 1 / 25e9)
+              + collective_time("all_gather", s, 8, 2e-6, 1 / 200e9))
+    got = axis_collective_time("all_reduce", s, c, list(range(32)))
+    assert got == pytest.approx(expect)
+    assert got == pytest.approx(hierarchical_time("all_reduce", s, 8, 4, INTRA, INTER))
+    flat = collective_time("all_reduce", s, 32, 8e-6, 1 / 25e9)
+    assert got < flat / 3                                   # 8 rails in parallel beat one flat ring
+    # a mesh axis runs its groups concurrently: time of the slowest group
+    assert mesh_axis_collective_time("all_reduce", s, c, list(range(32)), (4, 8), 0) == pytest.approx(
+        collective_time("all_reduce", s, 4, 8e-6, 1 / 25e9))
+
+
+def test_measured_table_overrides_and_interpolates() -> None:
+    rows = [MeasuredCollective(kind="all_reduce", num_devices=8, bytes=1e6, seconds=1e-4),
+            MeasuredCollective(kind="all_reduce", num_devices=8, bytes=1e8, seconds=1e-3)]
+    link = LinkSpec(bandwidth=200e9, latency=2e-6, measured=rows)
+    assert link_collective_time("all_reduce", 1e6, 8, link) == pytest.approx(1e-4)
+    assert link_collective_time("all_reduce", 1e7, 8, link) == pytest.approx(10 ** -3.5)   # log-log
+    assert link_collective_time("all_reduce", 1e3, 8, link) == pytest.approx(1e-4)         # latency floor
+    slope = (1e-3 - 1e-4) / (1e8 - 1e6)
+    assert link_collective_time("all_reduce", 2e8, 8, link) == pytest.approx(1e-3 + 1e8 * slope)
+    # another kind has no table: the formula
+    assert link_collective_time("all_gather", 1e8, 8, link) == pytest.approx(
+        collective_time("all_gather", 1e8, 8, 2e-6, 1 / 200e9))
+    # another device count: the table scaled by the formula's ratio
+    ratio = collective_time("all_reduce", 1e6, 4, 2e-6, 1 / 200e9) / collective_time("all_reduce", 1e6, 8, 2e-6, 1 / 200e9)
+    assert link_collective_time("all_reduce", 1e6, 4, link) == pytest.approx(1e-4 * ratio)
+    c = cluster(intra=link)
+    assert axis_collective_time("all_reduce", 1e7, c, list(range(8))) == pytest.approx(10 ** -3.5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(kind=st.sampled_from(["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"]),
+       nbytes=st.floats(1, 1e10), bw=st.floats(1e8, 1e12), more=st.floats(1.0, 100.0),
+       group=st.sampled_from([[0, 1], list(range(8)), [0, 8], list(range(16)), [0, 1, 8, 9]]))
+def test_more_bandwidth_never_slower(kind: str, nbytes: float, bw: float, more: float, group: list[int]) -> None:
+    slow = cluster(intra=LinkSpec(bandwidth=bw, latency=1e-6), inter=LinkSpec(bandwidth=bw / 4, latency=5e-6))
+    fast = cluster(intra=LinkSpec(bandwidth=bw * more, latency=1e-6),
+                   inter=LinkSpec(bandwidth=bw * more / 4, latency=5e-6))
+    assert axis_collective_time(kind, nbytes, fast, group) <= axis_collective_time(kind, nbytes, slow, group) * (1 + 1e-12)
+    assert axis_collective_time(kind, nbytes * 2, slow, group) >= axis_collective_time(kind, nbytes, slow, group)
+
+
+# -- compute --------------------------------------------------------------------------------------
+
+def test_gemm_efficiency_curve() -> None:
+    small, big = gemm_efficiency(DEV, 1e7, "bf16"), gemm_efficiency(DEV, 1e12, "bf16")
+    assert small < 0.1 < 0.6 < big <= 1.0                 # generic curve: small GEMMs far below peak
+    prof = autopar.ClusterSpec.load("dgx-a100-80g").device
+    pts = sorted((p.flops, p.efficiency) for p in prof.gemm_efficiency["bf16"])
+    assert gemm_efficiency(prof, pts[2][0], "bf16") == pytest.approx(pts[2][1])
+    mid = math.sqrt(pts[2][0] * pts[3][0])                 # linear in log(FLOPs)
+    assert gemm_efficiency(prof, mid, "bf16") == pytest.approx((pts[2][1] + pts[3][1]) / 2)
+    assert gemm_efficiency(prof, 1e20, "fp16") == pytest.approx(pts[-1][1])   # fp16 falls back to bf16
+
+
+@settings(max_examples=50, deadline=None)
+@given(op=st.sampled_from(["mm", "linear", "gelu", "layer_norm", "add"]), flops=st.floats(1e3, 1e14),
+       more=st.floats(1.0, 1e3), nbytes=st.floats(0, 1e10))
+def test_more_flops_never_faster(op: str, flops: float, more: float, nbytes: float) -> None:
+    assert op_time(op, flops * more, nbytes, DEV, "bf16") >= op_time(op, flops, nbytes, DEV, "bf16") * (1 - 1e-12)
+    assert op_time(op, flops, nbytes * more, DEV, "bf16") >= op_time(op, flops, nbytes, DEV, "bf16") * (1 - 1e-12)
+
+
+def test_op_time_roofline_and_backward() -> None:
+    f = 1e12
+    t = op_time("mm", f, 0, DEV, "bf16")
+    assert t == pytest.approx(f / (300e12 * gemm_efficiency(DEV, f, "bf16")) + DEV.kernel_overhead_s)
+    assert op_time("add", 1e6, 1e9, DEV) == pytest.approx(1e9 / (2e12 * 0.8) + DEV.kernel_overhead_s)
+    assert backward_factor("linear") == 2.0 and backward_factor("gelu") == 1.0
+    assert "mm" in MATRIX_OPS and backward_factor("scaled_dot_product_attention") == 2.5
+
+
+def test_optimizer_and_accumulation_are_memory_bound() -> None:
+    n = 1e9
+    assert optimizer_step_time(n, DEV, "bf16", num_tensors=0) == pytest.approx(28 * n / (2e12 * 0.8))
+    assert optimizer_step_time(n, DEV, "bf16", shard=4, num_tensors=0) == pytest.approx(7 * n / (2e12 * 0.8))
+    assert grad_accumulation_time(n, DEV, "bf16", 1) == 0.0
+    assert grad_accumulation_time(n, DEV, "bf16", 3) == pytest.approx(2 * (6 * n / 1.6e12 + DEV.kernel_overhead_s))
+
+
+def test_unfused_attention_costs_more_than_fused() -> None:
+    q = (4, 16, 2048, 128)
+    fused = attention_time(q, q, q, DEV, "bf16")
+    unfused = attention_time(q, q, q, DEV.model_copy(update={"attention_kernel": "unfused"}), "bf16")
+    assert unfused[0] > fused[0] and unfused[1] > fused[1]
+    assert attention_time(q, q, q, DEV, "bf16", shard=4)[0] < fused[0]
+
+
+# -- captured models ------------------------------------------------------------------------------
+
+class MegatronBlock(nn.Module):
+    """Megatron-LM's GPT layer as Korthikanti et al. count it: unfused attention with dropout on the
+    probabilities, dropout after both residual branches (p = 0.1)."""
+
+    def __init__(self, h: int, a: int) -> None:
+        super().__init__()
+        self.a = a
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.fc, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+        self.d_attn, self.d1, self.d2 = nn.Dropout(0.1), nn.Dropout(0.1), nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = (t.view(b, s, self.a, h // self.a).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(h, -1))
+        p = self.d_attn(torch.softmax(torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(h // self.a), -1))
+        x = x + self.d1(self.proj(torch.matmul(p, v).transpose(1, 2).reshape(b, s, h)))
+        return x + self.d2(self.fc2(F.gelu(self.fc(self.ln2(x)))))
+
+
+class Stack(nn.Module):
+    def __init__(self, h: int, a: int, n: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MegatronBlock(h, a) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for blk in self.blocks:
+            x = blk(x)
+        return x.sum()
+
+
+H, A, S = 256, 4, 128
+
+
+@pytest.fixture(scope="module")
+def megatron_graph():
+    with torch.device("meta"):
+        m = Stack(H, A, 2).train()
+    return autopar.capture(m, (torch.zeros(1, S, H, device="meta"),))
+
+
+@pytest.fixture(scope="module")
+def zoo_graph():
+    from autopar.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=512, seq_len=S, hidden=H, layers=2, heads=A)
+    with torch.device("meta"):
+        m = GPT(cfg)
+    x = torch.zeros(1, S, dtype=torch.long, device="meta")
+    return autopar.capture(m, (x, x))
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_activations_match_korthikanti(megatron_graph, recompute: str) -> None:
+    b = 2
+    g = megatron_graph.at_batch(b)
+    am = activation_memory(g, "bf16", recompute)
+    want = korthikanti_layer_bytes(S, b, H, A, recompute=recompute)
+    for layer in g.layers:
+        assert am.per_layer[layer] == pytest.approx(want, rel=0.05)
+    if recompute == "full":   # the recomputed layer is live again during its backward
+        assert am.working_bytes == pytest.approx(korthikanti_layer_bytes(S, b, H, A), rel=0.05)
+
+
+def test_zoo_gpt_layer_activations(zoo_graph) -> None:
+    """The zoo's GPT layer has fused attention (no s x s scores) and no dropout: Korthikanti's count
+    without the score terms and the two dropout masks, 32·s·b·h in 16-bit; 2·s·b·h under full."""
+    b = 3
+    g = zoo_graph.at_batch(b)
+    sbh = S * b * H
+    none = activation_memory(g, "bf16", "none").per_layer[g.layers[0]]
+    assert none == pytest.approx(korthikanti_layer_bytes(S, b, H, A, recompute="selective") - 2 * sbh, rel=0.05)
+    assert activation_memory(g, "bf16", "full").per_layer[g.layers[0]] == pytest.approx(2 * sbh, rel=0.05)
+    assert activation_memory(g, "fp32", "none").per_layer[g.layers[0]] == pytest.approx(2 * none, rel=0.05)
+    with pytest.raises(ValueError):
+        activation_memory(zoo_graph, "bf16", "none")        # symbolic batch
+
+
+@settings(max_examples=12, deadline=None)
+@given(b=st.integers(1, 16), rec=st.sampled_from(["none", "selective", "full"]))
+def test_bigger_batch_never_less_memory(zoo_graph, b: int, rec: str) -> None:
+    small = activation_memory(zoo_graph.at_batch(b), "bf16", rec)
+    big = activation_memory(zoo_graph.at_batch(b + 1), "bf16", rec)
+    assert big.peak_bytes >= small.peak_bytes
+
+
+def test_graph_compute_time_recompute_and_shard(zoo_graph) -> None:
+    g = zoo_graph.at_batch(4)
+    dev = autopar.ClusterSpec.load("dgx-a100-80g").device
+    none = graph_compute_time(g, dev, "bf16")
+    full = graph_compute_time(g, dev, "bf16", recompute="full")
+    sel = graph_compute_time(g, dev, "bf16", recompute="selective")
+    assert none.recompute_s == 0 and full.recompute_s == pytest.approx(full.forward_s)
+    assert full.total_s == pytest.approx(none.total_s + none.forward_s)
+    assert 0 < sel.recompute_s < full.recompute_s
+    assert none.backward_s > 1.5 * none.forward_s             # matrix ops dominate: ~2x
+    half = graph_compute_time(g, dev, "bf16", shard=lambda n: 2.0 if n.op in MATRIX_OPS else 1.0)
+    assert half.total_s < none.total_s
+    one = graph_compute_time(g, dev, "bf16", layers=[g.layers[0]])
+    assert set(one.per_layer) == {g.layers[0]} and one.total_s < none.total_s
+
+
+# -- model states and schedules -------------------------------------------------------------------
+
+def test_zero_formulas() -> None:
+    psi, n = 1e9, 64
+    assert model_state_bytes(psi, "bf16", 0).total == pytest.approx(16 * psi)
+    assert model_state_bytes(psi, "bf16", 1, n).total == pytest.approx(4 * psi + 12 * psi / n)
+    assert model_state_bytes(psi, "bf16", 2, n).total == pytest.approx(2 * psi + 14 * psi / n)
+    assert model_state_bytes(psi, "bf16", 3, n).total == pytest.approx(16 * psi / n)
+    assert model_state_bytes(psi, "fp32", 0).total == pytest.approx(16 * psi)
+    assert model_state_bytes(psi, "fp32", 0).weights == pytest.approx(4 * psi)
+    with pytest.raises(ValueError):
+        model_state_bytes(psi, "int4")
+
+
+def test_inflight_microbatches_by_schedule() -> None:
+    assert inflight_microbatches("gpipe", 4, 0, 16) == 16
+    assert [inflight_microbatches("1f1b", 4, s, 16) for s in range(4)] == [4, 3, 2, 1]
+    assert inflight_microbatches("1f1b", 4, 0, 2) == 2
+    p, v = 8, 3
+    assert inflight_microbatches("interleaved_1f1b", p, 0, 64, v) == pytest.approx(p + (p - 1) / v)
+    assert inflight_microbatches("interleaved_1f1b", p, 0, 64, 1) == p
+    peak = peak_memory(1e9, 1e9, DEV, schedule="1f1b", num_stages=4, stage=1, num_microbatches=8)
+    assert peak.peak == pytest.approx(16e9 + 3e9) and peak.fits

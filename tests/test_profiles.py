@@ -1,0 +1,46 @@
+"""Bundled hardware profiles load, and every figure in them says where it comes from."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+import autopar
+from autopar.schema.cluster import bundled_profiles_dir
+
+PROFILES = ["dgx-a100-80g", "dgx-a100-40g", "dgx-h100", "hgx-h200", "p3.16xlarge", "cpu"]
+NOT_FIGURES = {"name", "sources", "measured"}
+
+
+def test_the_bundled_set_is_there() -> None:
+    assert set(PROFILES) <= set(autopar.bundled_clusters())
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_profile_loads_and_every_figure_has_a_source(name: str) -> None:
+    c = autopar.ClusterSpec.load(name, num_nodes=2 if name != "cpu" else None)
+    raw = yaml.safe_load((bundled_profiles_dir() / f"{name}.yaml").read_text())
+    for section in ("device", "intra_node", "inter_node"):
+        if section not in raw:
+            continue
+        srcs = raw[section].get("sources", {})
+        for key in raw[section]:
+            if key not in NOT_FIGURES:
+                assert srcs.get(key), f"{name}: {section}.{key} has no source"
+        if raw[section].get("measured"):
+            assert srcs.get("measured"), f"{name}: {section}.measured has no source"
+    assert c.device.memory_bytes > 0 and c.intra_node.bandwidth > 0
+
+
+@pytest.mark.parametrize("name,peak,hbm", [("dgx-a100-80g", 312e12, 80), ("dgx-a100-40g", 312e12, 40),
+                                           ("dgx-h100", 989e12, 80), ("hgx-h200", 989e12, 141),
+                                           ("p3.16xlarge", 125e12, 16)])
+def test_published_figures(name: str, peak: float, hbm: float) -> None:
+    c = autopar.ClusterSpec.load(name, num_nodes=2)
+    assert c.device.peak("bf16") == peak
+    assert c.device.memory_bytes / 2**30 == pytest.approx(hbm, rel=0.07)
+    assert c.devices_per_node == 8 and c.inter_node is not None
+    assert c.inter_node.bandwidth < c.intra_node.bandwidth       # NICs are slower than NVLink
+    curve = sorted((p.flops, p.efficiency) for pts in c.device.gemm_efficiency.values() for p in pts)
+    assert curve and all(e0 <= e1 for (_, e0), (_, e1) in zip(curve, curve[1:]))   # bigger GEMMs no worse
+    assert curve[-1][1] < 0.9                                    # never the datasheet peak
