@@ -12,7 +12,10 @@ Cases (A100-80GB DGX nodes, GPT with V=51200, s=2048, bf16, full recomputation):
 Section 1 ("planner"): `autopar.plan(...)` with the published configuration pinned in Constraints;
 the prediction is `plan.predicted.iteration_time_s`.
 Section 2 ("analytic"): the cost models alone. One transformer layer (and the embedding, head and
-loss) captured from the zoo's GPT; per micro-batch, the layer's forward, backward and recompute
+loss) captured from `MegatronGPT` below: the zoo's GPT architecture as the published runs trained it,
+with dropout 0.1 (attention probabilities, both residual branches) and unfused attention (the zoo's
+GPT has no dropout and uses fused SDPA, which the planner section costs through the profile's
+`attention_kernel`); per micro-batch, the layer's forward, backward and recompute
 time with matrix ops (and the ops between the column- and row-parallel GEMMs) divided by t, the
 Megatron TP all-reduces (2 forward, 2 backward, 2 in the recomputed forward, s*b*h*2 bytes each),
 stage-to-stage sends; the pipeline as (m + (p-1)/v) stage times (bubble (p-1)/(v*m)); the data-parallel
@@ -33,13 +36,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from autopar.capture import capture
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.schema.cluster import ClusterSpec
 from cost_models.communication import axis_collective_time
-from cost_models.compute import (FUSED_ATTENTION, MATRIX_OPS, grad_accumulation_time, graph_compute_time,
-                                  optimizer_step_time)
+from cost_models.compute import (FUSED_ATTENTION, MATRIX_OPS, attention_core, grad_accumulation_time,
+                                  graph_compute_time, optimizer_step_time)
 
 V, S = 51200, 2048
 
@@ -87,22 +92,63 @@ CASES = [
 ]
 
 
+class MegatronBlock(nn.Module):
+    """Megatron-LM's GPT layer as it ran in the published runs: pre-LN, unfused attention with
+    dropout 0.1 on the probabilities, dropout 0.1 after both residual branches. The softmax scale
+    is applied to q and the causal mask is left out: Megatron fuses both into its softmax kernel."""
+
+    def __init__(self, h: int, a: int, p: float = 0.1) -> None:
+        super().__init__()
+        self.a = a
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.fc, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+        self.d_attn, self.d1, self.d2 = nn.Dropout(p), nn.Dropout(p), nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        d = h // self.a
+        q, k, v = (t.view(b, s, self.a, d).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(h, -1))
+        probs = self.d_attn(torch.softmax(torch.matmul(q * d ** -0.5, k.transpose(-2, -1)), -1))
+        x = x + self.d1(self.proj(torch.matmul(probs, v).transpose(1, 2).reshape(b, s, h)))
+        return x + self.d2(self.fc2(F.gelu(self.fc(self.ln2(x)), approximate="tanh")))
+
+
+class MegatronGPT(nn.Module):
+    """GPT as trained in the published runs (embedding dropout, MegatronBlocks, tied head, fp32
+    cross-entropy); only its shapes matter here."""
+
+    def __init__(self, h: int, a: int, layers: int) -> None:
+        super().__init__()
+        self.tok, self.pos, self.drop = nn.Embedding(V, h), nn.Embedding(S, h), nn.Dropout(0.1)
+        self.blocks = nn.ModuleList(MegatronBlock(h, a) for _ in range(layers))
+        self.ln = nn.LayerNorm(h)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device)))
+        for blk in self.blocks:
+            x = blk(x)
+        logits = F.linear(self.ln(x), self.tok.weight)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
 def _one_layer_graph(case: Case, microbatch: int):
-    cfg = GPTConfig(vocab_size=V, seq_len=S, hidden=case.hidden, layers=2, heads=case.heads)
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = MegatronGPT(case.hidden, case.heads, 2).train()
     x = torch.zeros(1, S, dtype=torch.long, device="meta")
     return capture(model, (x, x)).at_batch(microbatch)
 
 
-def _tp_shard(t: int):
-    """Megatron tensor parallelism (no sequence parallelism): GEMMs, attention and the GeLU between
-    the column- and row-parallel linears are split t ways; layer norms, residual adds, the
-    embedding lookups are replicated; the vocabulary-parallel head and its loss are split."""
-    split = MATRIX_OPS | FUSED_ATTENTION | {"gelu", "softmax", "_softmax", "cross_entropy_loss", "to"}
+def _tp_shard(t: int, g):
+    """Megatron tensor parallelism (no sequence parallelism): GEMMs, the attention core and the
+    ops between the column- and row-parallel linears (q scaling, GeLU) are split t ways; layer
+    norms, residual adds and hidden dropouts are replicated; the vocabulary-parallel head and its
+    loss are split."""
+    core = attention_core(g.calls)
+    split = MATRIX_OPS | FUSED_ATTENTION | {"gelu", "mul", "cross_entropy_loss", "to"}
 
     def shard(node) -> float:
-        return float(t) if node.op in split else 1.0
+        return float(t) if node.op in split or node.name in core else 1.0
     return shard
 
 
@@ -110,7 +156,7 @@ def analytic(case: Case, cluster: ClusterSpec) -> dict[str, float]:
     """Predicted seconds per iteration of `case` from the cost models alone, with its parts."""
     g = _one_layer_graph(case, case.microbatch)
     dev, t, p, v, m, dp = cluster.device, case.t, case.p, case.v, case.num_microbatches, case.dp
-    shard = _tp_shard(t)
+    shard = _tp_shard(t, g)
     layer = graph_compute_time(g, dev, "bf16", recompute="full", shard=shard, layers=[g.layers[0]]).total_s
     outside = graph_compute_time(g, dev, "bf16", recompute="none", shard=shard, layers=[None]).total_s
     # TP: 6 all-reduces of s*b*h bf16 per layer (2 fwd, 2 bwd, 2 recomputed fwd); 2 more for the
@@ -145,9 +191,13 @@ def planner(case: Case, cluster: ClusterSpec) -> float:
     """Predicted seconds per iteration from `autopar.plan` with the case's configuration pinned."""
     import autopar
 
-    cfg = GPTConfig(vocab_size=V, seq_len=S, hidden=case.hidden, layers=case.layers, heads=case.heads)
+    # the published runs used dropout 0.1 (attention probabilities and both residual branches);
+    # pass it when the zoo's GPTConfig has the field
+    extra = {"dropout": 0.1} if "dropout" in getattr(GPTConfig, "__dataclass_fields__", {}) else {}
+    cfg = GPTConfig(vocab_size=V, seq_len=S, hidden=case.hidden, layers=case.layers, heads=case.heads, **extra)
     with torch.device("meta"):
         model = GPT(cfg)
+    model.train()
     x = torch.zeros(1, S, dtype=torch.long, device="meta")
     plan = autopar.plan(model, cluster, (x, x), global_batch_size=case.batch, dtype="bf16",
                         constraints=autopar.Constraints(
@@ -204,7 +254,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 pred = planner(c, cluster)
                 err = pred / pub - 1
                 errs.append(err)
-                cells = [f"{pred:.2f}", f"{err:+.1%}", f"{c.assumed} planned in {time.perf_counter() - t0:.0f}s"]
+                cells = [f"{pred:.2f}", f"{err:+.1%}", (c.assumed + "; " if c.assumed else "") + f"planned in {time.perf_counter() - t0:.0f}s"]
             except Exception as e:  # noqa: BLE001 - the planner may not support this yet
                 cells = ["n/a", "", f"{type(e).__name__}: {str(e).splitlines()[0][:70] if str(e) else ''}"]
             rows.append([c.name, str(c.gpus), str(c.t), str(c.p), str(c.v), str(c.microbatch),
