@@ -38,6 +38,7 @@ representative's choice); `gap` is CP-SAT's (objective - bound) / objective.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 import warnings
@@ -124,6 +125,7 @@ class IntraOpProblem:
         self._select(nodes)
         self._requires_grad()
         self._share_layers(share_layers)
+        self._junctions()
         self._build_nodes()
         self._build_groups(merge)
         self._build_costs()
@@ -210,6 +212,52 @@ class IntraOpProblem:
             copies[rep[n]].append(n)
         self.copies = copies
 
+    # ------------------------------------------------------------------ junctions
+    def _junctions(self) -> None:
+        """A tensor read by several consumers gets a *junction*: one layout shared by its
+        consumers (a gather paid once, not per consumer) and one place where their gradients
+        are summed, optionally kept partial (one reduction for all, as Megatron's f does for
+        q, k, v). Edges: producer -> junction -> each consumer."""
+        g = self.graph
+        uses: dict[tuple[str, int], int] = defaultdict(int)
+        edges: list[tuple[str, int, str, int]] = []
+        for c in self.calls:
+            n = g.node(c)
+            for k, i in enumerate(n.inputs):
+                edges.append((i, self._out_index(n, k), c, k))
+        for k, c in enumerate(self.output_refs):
+            edges.append((c, 0, OUTPUT, k))
+        for p, o, c, k in edges:
+            uses[(p, o)] += 1
+        self.junction: dict[tuple[str, int], str] = {}
+        for (p, o), cnt in uses.items():
+            if cnt >= 2:
+                self.junction[(p, o)] = f"{p}#{o}"
+        self.actual_edges: list[tuple[str, int, str, int]] = []
+        for p, o, c, k in edges:
+            j = self.junction.get((p, o))
+            self.actual_edges.append((j, o, c, k) if j else (p, o, c, k))
+        for (p, o), j in self.junction.items():
+            self.actual_edges.append((p, o, j, 0))
+            rj = self.junction.get((self.rep[p], o), j)
+            self.rep[j] = rj
+            self.copies[rj].append(j)
+            self.rg[j] = self.rg.get(p, False)
+
+    def _junction_strategies(self, producer: OpNode, o: int) -> list[Strategy]:
+        shape = tuple(int(d) for d in producer.outputs[o].shape)
+        nout = len(producer.outputs)
+        out = []
+        for sp in all_specs(shape, self.mesh_shape):
+            free = [a for a in range(len(sp)) if sp[a] == REPLICATE and self.mesh_shape[a] > 1]
+            subsets = [()]
+            if self.rg.get(producer.name, False):
+                subsets = [c for r in range(len(free) + 1) for c in itertools.combinations(free, r)]
+            for sub in subsets:
+                name = " ".join(sp) + ("" if not sub else " grad " + " ".join(f"P@{a}" for a in sub))
+                out.append(Strategy(name, [sp], [sp] * nout, [tuple(sub)]))
+        return out
+
     # ------------------------------------------------------------------ strategies
     def _ctx(self, n: OpNode) -> OpContext:
         g = self.graph
@@ -232,11 +280,23 @@ class IntraOpProblem:
         g = self.graph
         self.pnodes: dict[str, PNode] = {}
         heavy_need = math.prod(m for m in self.mesh_shape if m > 1)
+        jof: dict[str, list[tuple[str, int]]] = defaultdict(list)
+        for (p, o), j in self.junction.items():
+            jof[p].append((j, o))
+        order: list[tuple[str, int]] = []
         for name in list(self.outer) + list(self.calls):
+            order.append((name, -1))
+            order += [(j, o) for j, o in jof.get(name, [])]
+        for name, o in order:
             if self.rep[name] != name:
                 continue
-            n = g.node(name)
             cnt = len(self.copies[name])
+            if o >= 0:
+                prod = g.node(name.rsplit("#", 1)[0])
+                self.pnodes[name] = PNode(name, "junction", prod, self._junction_strategies(prod, o),
+                                          "junction", cnt, self.rg.get(name, False))
+                continue
+            n = g.node(name)
             if name in self.outer:
                 kind = {"param": "param", "input": "input"}.get(n.kind, "boundary" if n.kind == "call" else n.kind)
                 shape = tuple(int(d) for d in n.outputs[0].shape) if n.outputs else ()
@@ -264,31 +324,36 @@ class IntraOpProblem:
         g = self.graph
         self.groups: list[Group] = []
         for name, pn in self.pnodes.items():
-            if pn.kind != "call" and name != OUTPUT and name not in self.outer:
-                continue
             if merge and pn.kind == "call":
                 rule = rules_mod.rule_for(pn.node.op)
-                prods = {self.rep[i] for i in pn.node.inputs}
+                prods = {self.rep[self._src(pn.node, k)] for k in range(len(pn.node.inputs))}
                 if rule is not None and rule.follow and len(prods) == 1:
                     p = next(iter(prods))
                     pp = self.pnodes.get(p)
-                    if pp is not None and pp.kind == "call" and pp.group >= 0 and \
-                            g.node(p).layer == pn.node.layer and self._merge(pn, pp):
+                    if pp is not None and pp.kind in ("call", "junction") and pp.group >= 0 and \
+                            pp.node.layer == pn.node.layer and self._merge(pn, pp):
                         continue
             pn.group = len(self.groups)
             self.groups.append(Group(name, [name], [{name: i} for i in range(len(pn.strategies))]))
+
+    def _src(self, n: OpNode, k: int) -> str:
+        """The problem node feeding input k of `n`: its producer, or the producer's junction."""
+        i = n.inputs[k]
+        return self.junction.get((i, self._out_index(n, k)), i)
 
     def _merge(self, f: PNode, p: PNode) -> bool:
         grp = self.groups[p.group]
         oidx = self._out_index(f.node, 0)
         choice = []
         for ch in grp.choice:
-            sp = p.strategies[ch[p.name]].out_specs[oidx]
+            pst = p.strategies[ch[p.name]]
+            sp = pst.out_specs[oidx]
+            sgp = self._src_gp(p, pst)
             best, bkey = None, None
             for j, st in enumerate(f.strategies):
                 c = self.node_cost(f, st)[0]
                 for k in range(len(f.node.inputs)):
-                    c += self.edge_cost(p.name, oidx, sp, f.name, k, st)[0]
+                    c += self.edge_cost(p.name, oidx, sp, f.name, k, st, sgp)[0]
                 key = (round(c, 15), st.in_specs[0] != sp, j)
                 if bkey is None or key < bkey:
                     best, bkey = j, key
@@ -351,7 +416,7 @@ class IntraOpProblem:
         if pn.kind == "param":
             shape = tuple(int(d) for d in n.outputs[0].shape)
             return local_numel(shape, st.out_specs[0], self.mesh_shape) * self.itemsize(n.outputs[0]) * self.state_factor
-        if pn.kind == "boundary":
+        if pn.kind in ("boundary", "junction"):
             return 0.0
         if pn.kind == "call" and n.bytes_moved <= 0:
             return 0.0                                          # views alias their input
@@ -360,15 +425,20 @@ class IntraOpProblem:
             tot += local_numel(tuple(int(d) for d in o.shape), s, self.mesh_shape) * self.itemsize(o)
         return tot
 
+    @staticmethod
+    def _src_gp(pn: PNode, st: Strategy) -> tuple[int, ...]:
+        """Axes along which a junction keeps its consumers' summed gradient partial."""
+        return st.grad_partial[0] if pn.kind == "junction" else ()
+
     def edge_collectives(self, prod: str, oidx: int, src: Spec, cons: str, k: int,
-                         st: Strategy) -> list[tuple[str, int, float, str, str]]:
+                         st: Strategy, src_gp: tuple[int, ...] = ()) -> list[tuple[str, int, float, str, str]]:
         """Collectives (kind, axis, bytes, phase, reason) of feeding output `oidx` of `prod`
         (laid out `src`) to input `k` of `cons` under strategy `st`."""
         u = st.in_specs[k]
         partial = st.grad_partial[k] if k < len(st.grad_partial) else ()
         pn = self.pnodes[prod]
         meta = pn.node.outputs[oidx] if pn.node is not None and oidx < len(pn.node.outputs) else pn.node.outputs[0]
-        key = (prod, oidx, src, u, partial)
+        key = (prod, oidx, src, u, partial, src_gp)
         hit = self._edge_cache.get(key)
         if hit is not None:
             return hit
@@ -376,10 +446,10 @@ class IntraOpProblem:
         isz = self.itemsize(meta)
         ac = self.axis_cost
         out = [(kind, a, b, "forward", "reshard") for kind, a, b in transition(shape, isz, src, u, self.mesh_shape, ac)]
-        is_param = pn.kind == "param"
+        is_param = pn.kind == "param" or (pn.kind == "junction" and pn.node.kind == "param")
         if self.rg.get(pn.name, False):
             gspec = tuple(PARTIAL if a in partial else p for a, p in enumerate(u))
-            target = tuple(REPLICATE if p == PARTIAL else p for a, p in enumerate(src))
+            target = tuple(PARTIAL if a in src_gp else REPLICATE if p == PARTIAL else p for a, p in enumerate(src))
             for kind, a, b in transition(shape, isz, gspec, target, self.mesh_shape, ac):
                 out.append((kind, a, b, "grad_sync" if is_param else "backward", "grad"))
             if is_param:
@@ -390,9 +460,9 @@ class IntraOpProblem:
         return out
 
     def edge_cost(self, prod: str, oidx: int, src: Spec, cons: str, k: int,
-                  st: Strategy) -> tuple[float, float, float, float]:
+                  st: Strategy, src_gp: tuple[int, ...] = ()) -> tuple[float, float, float, float]:
         fwd = bwd = sync = 0.0
-        for kind, a, b, ph, _ in self.edge_collectives(prod, oidx, src, cons, k, st):
+        for kind, a, b, ph, _ in self.edge_collectives(prod, oidx, src, cons, k, st, src_gp):
             t = self.coll_time(kind, (a,), b, ph)
             if ph == "forward":
                 fwd += t
@@ -402,20 +472,16 @@ class IntraOpProblem:
                 sync += t
         return fwd + bwd + sync, fwd, bwd, sync
 
-    def _out_spec(self, grp: Group, gi: int, member: str, oidx: int) -> Spec:
+    def _out_spec(self, grp: Group, gi: int, member: str, oidx: int) -> tuple[Spec, tuple[int, ...]]:
         pn = self.pnodes[member]
-        return pn.strategies[grp.choice[gi][member]].out_specs[oidx]
+        st = pn.strategies[grp.choice[gi][member]]
+        return st.out_specs[oidx], self._src_gp(pn, st)
 
     def _edges(self):
-        """(rep producer, out index, rep consumer, input index, multiplicity) of every edge."""
-        g = self.graph
+        """(rep producer, out index, rep consumer, input index) -> multiplicity, every edge."""
         mult: dict[tuple, int] = defaultdict(int)
-        for c in self.calls:
-            n = g.node(c)
-            for k, i in enumerate(n.inputs):
-                mult[(self.rep[i], self._out_index(n, k), self.rep[c], k)] += 1
-        for k, c in enumerate(self.output_refs):
-            mult[(self.rep[c], 0, OUTPUT, k)] += 1
+        for p, o, c, k in self.actual_edges:
+            mult[(self.rep[p], o, self.rep.get(c, c), k)] += 1
         return mult
 
     def _build_costs(self) -> None:
@@ -440,8 +506,8 @@ class IntraOpProblem:
             if gu == gv:
                 for s in range(Gu.size):
                     st = pc.strategies[Gv.choice[s][c]]
-                    src = self._out_spec(Gu, s, p, oidx)
-                    self.lin[gu][s] += cnt * self.edge_cost(p, oidx, src, c, k, st)[0]
+                    src, sgp = self._out_spec(Gu, s, p, oidx)
+                    self.lin[gu][s] += cnt * self.edge_cost(p, oidx, src, c, k, st, sgp)[0]
                 continue
             srcs = [self._out_spec(Gu, s, p, oidx) for s in range(Gu.size)]
             need = [(pc.strategies[Gv.choice[s][c]].in_specs[k],
@@ -452,7 +518,8 @@ class IntraOpProblem:
             for a, sa in enumerate(ru):
                 for b, sb in enumerate(rv):
                     st = pc.strategies[Gv.choice[cv.index(b)][c]]
-                    cost[a][b] = cnt * self.edge_cost(p, oidx, srcs[cu.index(a)], c, k, st)[0]
+                    src, sgp = srcs[cu.index(a)]
+                    cost[a][b] = cnt * self.edge_cost(p, oidx, src, c, k, st, sgp)[0]
             if len(ru) == 1:
                 for s in range(Gv.size):
                     self.lin[gv][s] += cost[0][cv[s]]
@@ -672,19 +739,24 @@ class IntraOpProblem:
             for kind, axes, nbytes, phase in st.comms:
                 add(kind, axes, nbytes, phase, c, pn.family)
         consumers = [(c, g.node(c)) for c in self.calls]
-        for c, n in consumers:
-            st = strat(c)
-            for k, i in enumerate(n.inputs):
-                oidx = self._out_index(n, k)
-                src = strat(i).out_specs[oidx]
-                pk = self.rep[i]
-                for kind, a, b, ph, why in self.edge_collectives(pk, oidx, src, self.rep[c], k, st):
-                    add(kind, (a,), b, ph, c, f"{why} of {g.node(i).fqn or i}" if g.node(i).kind == "param" else f"{why} of {i}")
         out_st = self.pnodes[OUTPUT].strategies[0]
-        for k, c in enumerate(self.output_refs):
-            src = strat(c).out_specs[0]
-            for kind, a, b, ph, why in self.edge_collectives(self.rep[c], 0, src, OUTPUT, k, out_st):
-                add(kind, (a,), b, ph, "output", f"{why} of {c}")
+
+        def label(x: str) -> str:
+            base = x.rsplit("#", 1)[0] if "#" in x else x
+            nd = g.node(base)
+            return nd.fqn if nd.kind == "param" and nd.fqn else base
+
+        for p, o, c, k in self.actual_edges:
+            pn = self.pnodes[self.rep[p]]
+            pst = strat(p)
+            src, sgp = pst.out_specs[o], self._src_gp(pn, pst)
+            if c == OUTPUT:
+                st, rc, at = out_st, OUTPUT, "output"
+            else:
+                st, rc = strat(c), self.rep[c]
+                at = c if "#" not in c else p          # producer -> junction: charged to the producer
+            for kind, a, b, ph, why in self.edge_collectives(self.rep[p], o, src, rc, k, st, sgp):
+                add(kind, (a,), b, ph, at, f"{why} of {label(p)}")
         for c, n in consumers:
             st = strat(c)
             op_choices[c] = OpChoice(st.name, list(st.out_specs), compute[c], comm_of.get(c, 0.0),
