@@ -194,7 +194,8 @@ def profile_machine(output: Path, *, num_processes: int | None = None, quick: bo
                     progress: bool = True) -> ClusterSpec:
     """Measure this machine (see the module docstring) and write its profile to `output` (YAML).
 
-    `num_processes`: devices to measure (default: every GPU, else 2 CPU processes). `quick`: a few
+    `num_processes`: devices to measure (default: every GPU, else 2 CPU processes; with one, the
+    link figures are placeholders and no collective is measured). `quick`: a few
     sizes only (for tests, < 30 s on 2 cores). `progress`: a rich progress bar on stderr.
     Returns the ClusterSpec that was written."""
     import torch
@@ -203,11 +204,13 @@ def profile_machine(output: Path, *, num_processes: int | None = None, quick: bo
     output = Path(output)
     cuda = torch.cuda.is_available()
     n = int(num_processes or (torch.cuda.device_count() if cuda else 2))
-    if n < 2:
-        raise ValueError("profiling collectives needs at least 2 processes")
+    if n < 1:
+        raise ValueError(f"num_processes must be >= 1, got {n}")
     cores = os.cpu_count() or 1
     threads = max(1, cores // n) if not cuda else 1
     plan = _plan(quick, cuda)
+    if n == 1:
+        plan["coll"] = []         # one device: nothing to communicate with
     total_steps = (len(plan["dtypes"]) * len(plan["gemm"]) + 2 + len(KINDS) * len(plan["coll"]))
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
@@ -313,12 +316,15 @@ def _build_spec(res: dict[str, list], n: int, cuda: bool, threads: int, elapsed:
         lat = ar[0][1] / (2 * (n - 1))
         bw_src = f"{how}: bus bandwidth of the largest all_reduce ({int(ar[-1][0])} B), 2(n-1)/n * S / t"
         lat_src = f"{how}: smallest all_reduce ({int(ar[0][0])} B) time / 2(n-1)"
-    else:  # pragma: no cover - all_reduce always works on gloo/nccl
-        bw, lat = mem_bw / 4, 50e-6
-        bw_src = lat_src = "no all_reduce measured; a quarter of the copy bandwidth, 50 us (guess)"
+    else:  # one device: no link to measure
+        bw, lat = mem_bw / 2, overhead
+        bw_src = "one device, no link: placeholder, half the measured copy bandwidth (a device-local copy)"
+        lat_src = "one device, no link: placeholder, the measured kernel overhead"
     unsupported = {k: why for k, why in res["unsupported"]}
-    link_sources = {"bandwidth": bw_src, "latency": lat_src,
-                    "measured": f"{how}: {'NCCL' if cuda else 'gloo over loopback'}, slowest rank's time per call, best of 3 windows"}
+    link_sources = {"bandwidth": bw_src, "latency": lat_src}
+    if measured:
+        link_sources["measured"] = (f"{how}: {'NCCL' if cuda else 'gloo over loopback'}, slowest rank's time "
+                                    f"per call, best of 3 windows")
     if unsupported:
         link_sources["unsupported"] = "; ".join(f"{k}: {v}" for k, v in unsupported.items())
     link = LinkSpec(bandwidth=bw, latency=lat, measured=measured, sources=link_sources)
