@@ -108,7 +108,7 @@ TP_COLLECTIVES = {
     "tp": {"all_gather": 8, "all_reduce": 12},
 }
 
-LAYOUTS = ["single", "dp2", "dp4", "tp4", "dp2xtp2", "pp2xdp2", "pp2xtp2", "pp4v2", "zero3dp4",
+LAYOUTS = ["single", "dp2", "dp4", "tp2", "tp4", "dp2xtp2", "pp2xdp2", "pp2xtp2", "pp4v2", "zero3dp4",
            "zero2dp4", "recompute_dp2"]
 
 
@@ -135,6 +135,10 @@ def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
         return _plan(ref, [StagePlan(index=0, devices=[0, 1, 2, 3], mesh_shape=(4,), mesh_axis_names=("dp",),
                                      layers=L)],
                      gbs=gbs, mb=gbs // 4, m=1, zero=2, collectives={"all_gather": 1, "reduce_scatter": 1})
+    if layout == "tp2":
+        return _plan(ref, [StagePlan(index=0, devices=[0, 1], mesh_shape=(2,), mesh_axis_names=("tp",),
+                                     layers=L, placements=megatron_placements(nb, ("tp",)))],
+                     gbs=gbs, mb=gbs, m=1, collectives=dict(TP_COLLECTIVES["tp"]), nodes_devices=2)
     if layout == "tp4":
         return _plan(ref, [StagePlan(index=0, devices=[0, 1, 2, 3], mesh_shape=(4,), mesh_axis_names=("tp",),
                                      layers=L, placements=megatron_placements(nb, ("tp",)))],

@@ -48,8 +48,19 @@ def init_distributed() -> torch.device:
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
+        timeout = timedelta(seconds=int(os.environ.get("AUTOPAR_TIMEOUT_S", "300")))
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend, timeout=timedelta(seconds=int(os.environ.get("AUTOPAR_TIMEOUT_S", "300"))))
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                # the agent's store outlives a restart of the group: keys of the failed attempt
+                # (gloo's listening addresses) would be read back; prefix them per attempt
+                attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+                base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                     is_master=False, timeout=timeout)
+                store = dist.PrefixStore(f"autopar/attempt_{attempt}", base)
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+            else:
+                dist.init_process_group(backend, timeout=timeout)
         else:
             store = dist.HashStore()
             dist.init_process_group(backend, store=store, rank=0, world_size=1)

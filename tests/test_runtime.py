@@ -1,0 +1,180 @@
+"""Runtime tests: executed plans give the one-process losses, and run the collectives they
+predict. Multi-process jobs use gloo on CPU with gpt-tiny; several layouts share one launch."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from autopar.schema.errors import PlanError  # noqa: E402
+from tests.plans import GPT6_REF, make_plan  # noqa: E402
+
+pytestmark = pytest.mark.slow
+STEPS = 4
+
+_REF: dict = {}
+
+
+def reference_losses(ref: str = "gpt-tiny", steps: int = STEPS) -> list[float]:
+    """Losses of a one-process run (in this process) with the same seed and global batch."""
+    from autopar.runtime import run
+
+    key = (ref, steps)
+    if key not in _REF:
+        plan = make_plan("single", ref=ref)
+        rows = run(plan, ref, steps=steps, quiet=True)
+        _REF[key] = [r["loss"] for r in rows if "step" in r]
+    return _REF[key]
+
+
+def close(a: list[float], b: list[float], rel: float) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b))
+
+
+def launch_layouts(layouts: list[str], tmp_path: Path, nproc: int = 4) -> dict:
+    """One torchrun job (elastic launcher) running every layout in turn (tests/plans.py)."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from autopar.runtime import _free_port
+
+    out = tmp_path / "layouts.json"
+    env_old = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PYTHONPATH")}
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in (env_old["PYTHONPATH"] or "").split(os.pathsep) if p])
+    cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
+                       rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+                       monitor_interval=0.1)
+    cwd = os.getcwd()
+    try:
+        os.chdir(ROOT)
+        elastic_launch(cfg, sys.executable)(str(ROOT / "tests" / "plans.py"), "--out", str(out),
+                                            "--steps", str(STEPS), *layouts)
+    finally:
+        os.chdir(cwd)
+        for k, v in env_old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return json.loads(out.read_text())
+
+
+# ---------------------------------------------------------------------------------------------
+def test_dp2_api_equals_one_process(tmp_path):
+    """Issue #2: a 2-process data-parallel plan through the API gives the one-process losses."""
+    from autopar.runtime import run
+
+    metrics = tmp_path / "m.jsonl"
+    rows = run(make_plan("dp2"), "gpt-tiny", steps=STEPS, metrics_path=str(metrics), quiet=True)
+    steps = [r for r in rows if "step" in r]
+    assert [r["step"] for r in steps] == list(range(STEPS))
+    assert close([r["loss"] for r in steps], reference_losses(), 1e-5)
+    for r in steps:
+        assert r["time_s"] > 0 and r["peak_memory_bytes"] > 0
+        assert r["collectives"] == {"all_reduce": 1}
+    summary = rows[-1]
+    assert summary["summary"] and summary["collectives_match"] is True
+    assert summary["predicted_time_s"] == 0.05 and summary["measured_time_s"] > 0
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert len(lines) == STEPS + 1 and lines[-1]["summary"]
+
+
+def test_cli_plan_and_run_dp2(tmp_path):
+    """Issue #2 through the CLI: `autopar plan` makes a 2-device DP plan, `autopar run` runs it."""
+    exe = shutil.which("autopar")
+    if exe is None:
+        pytest.skip("autopar console script not installed")
+    plan = tmp_path / "plan.json"
+    metrics = tmp_path / "m.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([exe, "plan", "--model", "gpt-tiny", "--cluster", "cpu", "--devices-per-node", "2",
+                        "--global-batch-size", "8", "-o", str(plan), "-q"], capture_output=True, text=True,
+                       timeout=300, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([exe, "run", str(plan), "--model", "gpt-tiny", "--steps", str(STEPS), "--metrics",
+                        str(metrics), "-q"], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    losses = [x["loss"] for x in rows if "step" in x]
+    assert close(losses, reference_losses(), 1e-5), (losses, reference_losses())
+    assert rows[-1]["summary"]
+
+
+def test_layouts_equal_one_process_and_count_collectives(tmp_path):
+    """dp4, tp4, dp2xtp2, pp2xdp2 (1F1B), pp2xtp2 (GPipe), pp4 interleaved (v=2), ZeRO-3 dp4,
+    ZeRO-2 dp4 in one 4-process job: losses within 1e-4 of one process, collectives as planned."""
+    layouts = ["dp4", "tp4", "dp2xtp2", "pp2xdp2", "pp2xtp2", "pp4v2", "zero3dp4", "zero2dp4"]
+    res = launch_layouts(layouts, tmp_path)
+    errors = {k: v["error"] for k, v in res.items() if isinstance(v, dict)}
+    assert not errors, errors
+    for lay in layouts:
+        rows = res[lay]
+        steps = [r for r in rows if "step" in r]
+        ref = reference_losses(GPT6_REF if lay == "pp4v2" else "gpt-tiny")
+        got = [r["loss"] for r in steps]
+        assert close(got, ref, 1e-4), (lay, got, ref)
+        planned = make_plan(lay).predicted.collectives
+        assert steps[-1]["collectives"] == planned, (lay, steps[-1]["collectives"], planned)
+        assert rows[-1]["collectives_match"] is True, lay
+
+
+def test_plan_for_another_model_is_refused():
+    from autopar.runtime import run
+
+    plan = make_plan("dp2", ref="gpt-small")
+    with pytest.raises(PlanError, match=r"plan was made for gpt-small .*not gpt-tiny .*re-plan with --model gpt-tiny"):
+        run(plan, "gpt-tiny", steps=1)
+
+
+def test_world_size_mismatch_is_refused():
+    from autopar.runtime import run
+
+    with pytest.raises(PlanError, match="needs 2 processes"):
+        run(make_plan("dp2"), "gpt-tiny", steps=1, nproc=3)
+
+
+def test_checkpoint_restart_and_reshard(tmp_path):
+    """Rank 1 dies before step 3; torchrun restarts the group, it resumes from the last
+    checkpoint, and the final parameters equal an uninterrupted run's. A tp2 plan then resumes
+    the dp2 checkpoint of step 4 (DCP resharding) and ends at the same parameters."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from autopar.runtime import run
+
+    steps = 6
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    ra = run(make_plan("dp2"), "gpt-tiny", steps=steps, checkpoint_dir=str(a), checkpoint_every=2, quiet=True)
+    rb = run(make_plan("dp2"), "gpt-tiny", steps=steps, checkpoint_dir=str(b), checkpoint_every=2, quiet=True,
+             max_restarts=1, env={"AUTOPAR_FAULT": "1:3"})
+    la = [r["loss"] for r in ra if "step" in r]
+    lb = [r["loss"] for r in rb if "step" in r]
+    assert len(lb) == steps and close(lb, la, 1e-6)
+    (c).mkdir()
+    shutil.copytree(a / "step_00000004", c / "step_00000004")
+    (c / ".tmp-step_00000006").mkdir()  # an interrupted save: ignored
+    rc = run(make_plan("tp2"), "gpt-tiny", steps=steps, checkpoint_dir=str(c), quiet=True)
+    assert [r["step"] for r in rc if "step" in r] == [4, 5]
+
+    def final(d: Path) -> dict:
+        out = d / "final.pt"
+        dcp_to_torch_save(str(d / f"step_{steps:08d}"), str(out))
+        return torch.load(out, weights_only=False)
+
+    fa, fb, fc = final(a), final(b), final(c)
+    keys = [k for k in fa if k.startswith("model.")]
+    assert keys and int(fa["step"]) == int(fb["step"]) == int(fc["step"]) == steps
+    for k in keys:
+        assert torch.equal(fa[k], fb[k]), k
+        assert torch.allclose(fa[k], fc[k], rtol=1e-4, atol=1e-6), k
