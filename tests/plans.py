@@ -182,6 +182,34 @@ def _param_names(ref: str) -> list[str]:
     return [n for n, _ in b.model.named_parameters()]
 
 
+def spmd2d_check() -> dict:
+    """`autopar.runtime.spmd.parallelize` on a (dp 2, tp 2) mesh with Megatron placements and
+    batch-sharded inputs: forward loss and a backward vs one process on the full batch."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.runtime.materialize import canonical_names, materialize
+    from autopar.runtime.spmd import grads_to_param_layout, local_shard_rows, parallelize
+
+    b = build_model("gpt-tiny", device="meta")
+    materialize(b.model, seed=0, aliases=canonical_names(b.model))
+    tok, tgt = b.batch_fn(0, 8, 0)
+    ref = b.model(tok, tgt)
+    ref.backward()
+    ref_grad = b.model.blocks[0].mlp.fc.weight.grad.clone()
+    m = build_model("gpt-tiny", device="meta").model
+    materialize(m, seed=0, aliases=canonical_names(m))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    pm = parallelize(m, mesh, megatron_placements(2, ("dp", "tp")), [("S(0)", "R"), ("S(0)", "R")])
+    loss = pm(local_shard_rows(tok, mesh, ("S(0)", "R")), local_shard_rows(tgt, mesh, ("S(0)", "R")))
+    loss.backward()
+    grads_to_param_layout(m.parameters())
+    g = m.blocks[0].mlp.fc.weight.grad.full_tensor()
+    dist.barrier()
+    return {"loss": float(loss), "ref": float(ref), "grad_err": float((g - ref_grad).abs().max()),
+            "grad_scale": float(ref_grad.abs().max())}
+
+
 # ---------------------------------------------------------------------------------------------
 # a multi-layout job: one torchrun launch runs several layouts in turn (saves process start-up)
 # ---------------------------------------------------------------------------------------------
@@ -198,6 +226,9 @@ def run_layouts_job(layouts: list[str], out_path: str, steps: int = 4, seed: int
     results: dict = {}
     try:
         for lay in layouts:
+            if lay == "spmd2d":
+                results[lay] = spmd2d_check()
+                continue
             plan = make_plan(lay)
             bundle = build_model(plan.model.name, device="meta")
             try:

@@ -235,3 +235,37 @@ def test_gpt3_175b_capture_is_fast_and_allocates_nothing() -> None:
     megatron_fwd = 24 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
     assert g.at_batch(1).forward_flops == pytest.approx(megatron_fwd, rel=0.01)
     assert math.isclose(g.at_batch(4).forward_flops / g.at_batch(1).forward_flops, 4, rel_tol=1e-4)
+
+
+class _ConvBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.conv(x))) + x
+
+
+class _ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = nn.Sequential(*[_ConvBlock() for _ in range(3)])
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.fc(self.blocks(self.stem(x)).mean((2, 3))), y)
+
+
+def test_convnet_with_buffers_export_and_fx_agree() -> None:
+    m = _ConvNet().to("meta")
+    ins = (torch.zeros(4, 3, 16, 16, device="meta"), torch.zeros(4, dtype=torch.long, device="meta"))
+    g = capture(m, ins)
+    f = capture_fx(_WithLoss(m, default_loss), ins, "convnet")
+    for graph in (g, f):
+        _well_formed(graph)
+        assert graph.layers == ["blocks.0", "blocks.1", "blocks.2"]
+        assert "blocks.0.bn.running_mean" in graph.buffers
+        (conv,) = [n for n in graph.at_batch(2).calls if n.module_path == "blocks.1.conv"]
+        assert conv.flops == 2 * (2 * 8 * 16 * 16) * 8 * 9        # 2 * out elements * C_in * k*k
