@@ -24,7 +24,9 @@ VIEW_OPS = frozenset({
 
 # FLOPs per output element for common non-matrix ops
 PER_ELEMENT = {"softmax": 5, "_softmax": 5, "log_softmax": 5, "_log_softmax": 5, "layer_norm": 8,
-               "native_layer_norm": 8, "rms_norm": 6, "gelu": 8, "silu": 4, "tanh": 4, "sigmoid": 4,
+               "native_layer_norm": 8, "rms_norm": 6, "batch_norm": 8,
+               "_native_batch_norm_legit": 8, "_native_batch_norm_legit_no_training": 8,
+               "native_batch_norm": 8, "group_norm": 8, "native_group_norm": 8, "instance_norm": 8, "gelu": 8, "silu": 4, "tanh": 4, "sigmoid": 4,
                "exp": 2, "rsqrt": 2, "pow": 2, "dropout": 2, "native_dropout": 2,
                "cross_entropy_loss": 6, "nll_loss": 1, "embedding": 0, "gather": 0, "index": 0,
                "index_select": 0, "scatter": 0, "cat": 0, "clone": 0, "contiguous": 0, "_to_copy": 0,
@@ -92,6 +94,17 @@ def _matrix_flops(node: OpNode, metas: dict[str, list[TensorMeta]]) -> float | N
         return matmul_flops(shp(a[1]), shp(a[2])) + _numel(node.outputs[0].shape)
     if op == "scaled_dot_product_attention":
         return attention_flops(shp(a[0]), shp(a[1]), shp(a[2]))
+    if op in ("conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d",
+              "conv_transpose2d", "conv_transpose3d") and len(a) >= 2 and node.outputs:
+        # 2 * output elements * (input channels per group) * kernel size; for a transposed
+        # convolution the same product counted over the input (weight is (C_in, C_out/g, *k))
+        w = shp(a[1])
+        if w is not None and len(w) >= 3:
+            kernel = _numel(w[2:])
+            if op.startswith("conv_transpose") or (op in ("convolution", "_convolution") and len(a) > 6 and a[6] is True):
+                x = shp(a[0])
+                return 2.0 * _numel(x) * (w[1]) * kernel
+            return 2.0 * _numel(node.outputs[0].shape) * w[1] * kernel
     if "grouped_mm" in node.target and len(a) >= 2 and isinstance(a[0], Ref) and isinstance(a[1], Ref):
         # grouped GEMM of routed tokens (S, K) against per-expert weights (E, K, N): each token
         # row meets one expert's (K, N) matrix (mixture-of-experts layers)
