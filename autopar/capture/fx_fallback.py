@@ -97,13 +97,9 @@ class _Tracer(fx.Tracer):
         self.stack: list[tuple[str, str]] = [("", "")]
 
     def call_module(self, m: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
-        path = self.path_of_module(m)
-        self.stack.append((path, type(m).__name__))
-        try:
-            out = super().call_module(m, forward, args, kwargs)
-        except Exception:
-            raise   # keep the stack: it says where tracing failed
-        self.stack.pop()
+        self.stack.append((self.path_of_module(m), type(m).__name__))
+        out = super().call_module(m, forward, args, kwargs)
+        self.stack.pop()     # not on an exception: the stack then says where tracing failed
         return out
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:

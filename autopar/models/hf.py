@@ -158,27 +158,25 @@ def make_config(name: str, **overrides: Any) -> tuple[str, Any, int, int]:
     seq = int(overrides.pop("seq_len", seq))
     dec_seq = int(overrides.pop("decoder_seq_len", seq))
     values = dict(values)
+    given = {_GENERIC[family].get(k, k) for k in overrides}     # the family's own field names
     for k, v in overrides.items():
         values[_GENERIC[family].get(k, k)] = v
-    if family == "t5" and "num_layers" in overrides.keys() | {_GENERIC["t5"].get(k, k) for k in overrides} \
-            and "num_decoder_layers" not in overrides:
-        values["num_decoder_layers"] = values["num_layers"]
-    if family == "t5" and "d_kv" not in overrides and ({"d_model", "num_heads"} & {
-            _GENERIC["t5"].get(k, k) for k in overrides}):
-        values["d_kv"] = values["d_model"] // values["num_heads"]
-    pos_key = "n_positions" if family == "gpt2" else "max_position_embeddings"
-    if family != "t5" and values.get(pos_key, 0) < seq and pos_key not in overrides:
-        values[pos_key] = max(seq, 2)
-    if family == "gpt2":
-        values.setdefault("n_positions", max(seq, 1024))
-    values.update(use_cache=False)
     if family == "t5":
+        if "num_layers" in given and "num_decoder_layers" not in given:
+            values["num_decoder_layers"] = values["num_layers"]
+        if "d_kv" not in given and {"d_model", "num_heads"} & given:
+            values["d_kv"] = values["d_model"] // values["num_heads"]
         values.setdefault("decoder_start_token_id", 0)
         values.setdefault("pad_token_id", 0)
         values.setdefault("eos_token_id", 1)
+    else:   # room for the sequence in the position table
+        pos_key = "n_positions" if family == "gpt2" else "max_position_embeddings"
+        if pos_key not in given and values.get(pos_key, 0) < seq:
+            values[pos_key] = max(seq, 2)
+    values.update(use_cache=False)
     cfg_cls = getattr(tf, _FAMILIES[family][0])
-    vocab = int(values.get("vocab_size", getattr(cfg_cls(), "vocab_size", 0) or 0))
     defaults = cfg_cls()
+    vocab = int(values.get("vocab_size", getattr(defaults, "vocab_size", 0) or 0))
     for tok in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
         v = values.get(tok, getattr(defaults, tok, None))
         if isinstance(v, int) and vocab and v >= vocab:   # a small test vocabulary
