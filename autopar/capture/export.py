@@ -155,7 +155,8 @@ def _failure_message(name: str, errors: list[tuple[str, Exception, tuple[str, st
                                                           if mtype or op else "")
         parts.append(f"{label} failed {where}{' at ' + op if op else ''}: {_explain(e)}".replace("  ", " "))
     hint = ("the forward has data-dependent control flow or shapes (a Python `if`/loop on tensor "
-            "values, .item(), nonzero); make it shape-only, or mark that module a leaf")
+            "values, .item(), nonzero); express it with tensor ops (torch.where, masking) so that "
+            "the graph depends on shapes only")
     return f"cannot capture {name}: " + "; ".join(parts) + f". Hint: {hint}"
 
 
