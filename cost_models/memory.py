@@ -13,7 +13,7 @@ storage, so a tensor saved twice, or through two views, counts once):
 - gelu, silu, pow and other non-linear unary ops: their input;
 - layer/RMS norm: their input plus mean and rstd (fp32, one per row);
 - dropout: its mask (1 byte per element);
-- mul/div by a tensor: both operands; add, sub, casts, copies, concatenation, views: nothing;
+- mul/div by a tensor: its activation operands; add, sub, casts, copies, concatenation, views: nothing;
 - embedding: its indices; cross-entropy: its logits and targets;
 - anything else: all its activation inputs (conservative).
 Recomputation (Korthikanti et al. 2022, arXiv 2205.05198):
@@ -149,7 +149,8 @@ def saved_tensors(node, by_name: dict, dtype: str = "bf16") -> list[tuple[str, O
             return []
         return [(node.name + ":mask", 1.0 * out.numel)]
     if op in ("mul", "div", "true_divide", "mul_", "div_"):
-        return [(i, None) for i in ins] if len(ins) >= 2 or op.startswith("mul") and len(ins) == 2 else []
+        # by a tensor (activation or parameter): each gradient needs the other operand; by a scalar: nothing
+        return [(i, None) for i in ins] if len(node.inputs) >= 2 else []
     if op in ("embedding", "index_select", "gather", "index"):
         return [(i, None) for i in ins if by_name[i].outputs and "int" in by_name[i].outputs[0].dtype]
     if op in ("cross_entropy_loss", "nll_loss", "nll_loss_nd", "mse_loss", "l1_loss", "smooth_l1_loss"):
