@@ -50,9 +50,8 @@ def resolve_cluster(cluster: ClusterSpec | str) -> ClusterSpec:
 
 
 def make_provider(kind: str, graph: OpGraph, layers: list[Layer], cluster: ClusterSpec, dtype: str):
-    """The per-layer cost provider: "analytic" (Megatron rules), "ilp" (the intra-op ILP), or
-    "auto" (the ILP when it is installed and the model is small enough for it to be quick,
-    else analytic)."""
+    """The per-layer cost provider: "analytic" (Megatron rules read off the graph), "ilp" (the
+    intra-op ILP per layer signature x micro-batch x tp), or "auto" (analytic for now: see below)."""
     if kind == "analytic":
         return AnalyticProvider(graph, layers, cluster, dtype)
     if kind in ("ilp", "auto"):
@@ -62,7 +61,10 @@ def make_provider(kind: str, graph: OpGraph, layers: list[Layer], cluster: Clust
             if kind == "ilp":
                 raise PlanError("the intra-op ILP is not available in this installation") from None
             return AnalyticProvider(graph, layers, cluster, dtype)
-        if kind == "auto" and not IlpProvider.worthwhile(graph, layers, cluster):
+        if kind == "auto":
+            # The runtime executes "tp" axes as Megatron-style DTensor placements; the ILP may use
+            # a tp axis for the batch (replicated weights, all-to-all), which that runtime would
+            # not reproduce. Until the plan can say so, auto stays on the analytic provider.
             return AnalyticProvider(graph, layers, cluster, dtype)
         return IlpProvider(graph, layers, cluster, dtype)
     raise PlanError(f"unknown intra-op provider {kind!r}; one of auto, ilp, analytic")
@@ -174,6 +176,8 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
             if st.recompute == "full":
                 coll.update({kk: m * vv for kk, vv in lc.coll_rc.items()})
             extra += _extra_flops(g1, layers[i], st.recompute)
+        step_kinds = {kk for i in range(k, j) for kk in costs[i].coll_step}
+        coll.update({kk: 1 for kk in step_kinds})
     # dp gradient sync, once per stage (device group), as the runtime issues it
     if c.dp > 1:
         for st in c.stages:

@@ -118,6 +118,7 @@ class _Tables:
         pre = lambda xs: np.concatenate([[0.0], np.cumsum(xs)])  # noqa: E731
         self.base = pre([c.base_s for c in costs])
         self.compute = pre([c.fwd_s + c.bwd_s for c in costs])
+        self.iter = pre([c.iter_s for c in costs])
         self.rc = {r: pre([c.rc_extra_s.get(r, 0.0) for c in costs]) for r in RECOMPUTES}
         self.act = {r: pre([c.act_bytes.get(r, 0.0) for c in costs]) for r in RECOMPUTES}
         self.work = np.array([c.work_bytes for c in costs])
@@ -192,12 +193,26 @@ class _Tables:
         return optimizer_step_time(pel, self.cluster.device, self.dtype, shard=self.dp if self.zero >= 1 else 1)
 
 
+_LINEAR: dict[tuple, tuple[float, float]] = {}
+
+
 def _dp_coll(cluster: ClusterSpec, kind: str, nbytes: float, dp: int, tp: int) -> float:
     """`kind` over one data-parallel group of the first stage (ranks 0, tp, 2 tp, ...): intra-node,
-    rail or hierarchical across nodes (`cost_models.communication.axis_collective_time`)."""
+    rail or hierarchical across nodes (`cost_models.communication.axis_collective_time`). The
+    model is affine in the bytes for a given group, so two evaluations per group are cached."""
     if dp <= 1 or nbytes <= 0:
         return 0.0
-    return axis_collective_time(kind, nbytes, cluster, [i * tp for i in range(dp)])
+    if nbytes < 1e6:
+        return axis_collective_time(kind, nbytes, cluster, [i * tp for i in range(dp)])
+    key = (id(cluster), cluster.num_nodes, kind, dp, tp)
+    if key not in _LINEAR:
+        group = [i * tp for i in range(dp)]
+        t1 = axis_collective_time(kind, 1e6, cluster, group)
+        t2 = axis_collective_time(kind, 1e9, cluster, group)
+        slope = (t2 - t1) / (1e9 - 1e6)
+        _LINEAR[key] = (t1 - slope * 1e6, slope)
+    a, b = _LINEAR[key]
+    return max(0.0, a + b * nbytes)
 
 
 def _sync_time(cluster: ClusterSpec, dtype: str, dp: int, tp: int, zero: int, pel: float) -> float:
@@ -470,17 +485,16 @@ class Search:
             res = self._chunk_cache.get(ck)
             if ck not in self._chunk_cache:
                 t = tb.ranged(tb.base) + tb.range_p2p + tb.ranged(tb.rc[r]) + tb.zero_mb(tb.range_pel)
-                cost = np.where(tb.valid, t, INF)[:, :, None, None] * np.ones((1, 1, 1, nch + 1))
-                res = self._chunk_cache[ck] = stage_dp(cost, [1], nch, m * v, num_stages=nch)
+                res = self._chunk_cache[ck] = balanced_chunks(np.where(tb.valid, t, INF), nch)
             if res is None:
                 continue
-            groups = [[res.stages[c] for c in range(d, nch, p)] for d in range(p)]
+            groups = [[res[c] for c in range(d, nch, p)] for d in range(p)]
             zero3_buf = 2 * float(np.max(tb.pel_layer)) * tb.wgo[0] if cand.zero == 3 and cand.dp > 1 else 0.0
             stages = []
             fits = True
             for d, g in enumerate(groups):
                 inflight = inflight_microbatches("interleaved_1f1b", p, d, m, v)
-                st = self._stage(tb, cand, [(k, j) for k, j, _ in g], r, inflight, zero3_buf)
+                st = self._stage(tb, cand, list(g), r, inflight, zero3_buf)
                 if st.peak_bytes > self.budget:
                     fits = False
                     self.min_memory = min(self.min_memory, st.peak_bytes)
@@ -516,7 +530,8 @@ class Search:
         v = max(1, len(chunks))
         acts = act / v * inflight if len(chunks) > 1 else act * inflight
         peak = w + g + o + acts + work + float(zero3_buf)
-        return StageResult(chunks, r, t, comp, max(0.0, t - comp), tb.sync(pel), tb.opt(pel), pel,
+        sync = tb.sync(pel) + sum(float(tb.iter[j] - tb.iter[k]) for k, j in chunks)
+        return StageResult(chunks, r, t, comp, max(0.0, t - comp), sync, tb.opt(pel), pel,
                            w, g, o, acts + work, peak)
 
     def _finish(self, cand: Candidate, tb: _Tables, stages: list[StageResult], pipeline_s: float) -> None:
@@ -558,6 +573,49 @@ class Search:
                              float(zero3_buf[k, j]) if isinstance(zero3_buf, np.ndarray) else zero3_buf)
             worst = max(worst, st.peak_bytes)
         self.min_memory = min(self.min_memory, worst)
+
+
+def balanced_chunks(cost: np.ndarray, n: int) -> Optional[list[tuple[int, int]]]:
+    """Cut L layers into exactly `n` contiguous chunks minimising the largest chunk cost
+    (`cost[k, j]` for layers k..j-1): binary search on the bound over the distinct costs, greedy
+    cuts for each bound, then the costliest chunks split until there are `n`. Used for the
+    interleaved schedule, whose stage times are sums of v chunks and whose bubble shrinks with
+    the largest chunk."""
+    L = cost.shape[0]
+    if n > L:
+        return None
+    vals = np.unique(cost[np.isfinite(cost)])
+
+    def greedy(tb: float) -> Optional[list[tuple[int, int]]]:
+        out, k = [], 0
+        while k < L:
+            j = k + 1
+            if cost[k, j] > tb:
+                return None
+            while j < L and cost[k, j + 1] <= tb:
+                j += 1
+            out.append((k, j))
+            k = j
+            if len(out) > n:
+                return None
+        return out
+
+    lo, hi = 0, len(vals) - 1
+    if greedy(vals[hi]) is None:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if greedy(vals[mid]) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    chunks = greedy(vals[lo])
+    while len(chunks) < n:
+        i = max((i for i, (k, j) in enumerate(chunks) if j - k > 1), key=lambda i: cost[chunks[i]])
+        k, j = chunks[i]
+        best = min(range(k + 1, j), key=lambda c: max(cost[k, c], cost[c, j]))
+        chunks[i:i + 1] = [(k, best), (best, j)]
+    return chunks
 
 
 class _Progress:

@@ -55,6 +55,8 @@ class LayerCost:
     coll_fwd: Counter = field(default_factory=Counter)
     coll_bwd: Counter = field(default_factory=Counter)
     coll_rc: Counter = field(default_factory=Counter)             # recomputed forward (full)
+    coll_step: Counter = field(default_factory=Counter)           # once per step (tp-axis grad sync)
+    iter_s: float = 0.0                       # once per step: gradient sync on the tp axis (ILP)
     placements: dict[str, str] = field(default_factory=dict)      # FQN -> tp-axis placement
     issues: list[str] = field(default_factory=list)               # why this tp cannot hold
 
