@@ -246,8 +246,8 @@ def build_hf(name: str, *, batch_size: int = 1, device: str | torch.device = "me
             raise PlanError(f"hf:{name}: cannot build {base_cls.__name__} from its config: "
                             f"{type(e).__name__}: {e}") from None
     prepare_for_capture(model)
-    if family == "gpt2" and getattr(cfg, "loss_type", None) is None:
-        cfg.loss_type = "ForCausalLM"      # GPT2LMHeadModel's name does not say which loss
+    if family == "gpt2" and getattr(model, "loss_type", None) is None:
+        model.loss_type = "ForCausalLM"    # GPT2LMHeadModel's name does not say which loss
     model.train()
     vocab = int(cfg.vocab_size)
     dec = dec_seq if family == "t5" else seq
