@@ -4,8 +4,10 @@ same loss, same gradients, and the collectives CommDebugMode counts equal the so
 
 The solutions come from `autopar.intra_op.auto_shard`; they are applied with
 `autopar.runtime.spmd.parallelize` (parameters -> DTensors with the planned placements, inputs
--> DTensors from their local shards); the gradient synchronisation is the redistribution of
-each gradient to its parameter's placements (`grads_to_param_layout`).
+-> DTensors from their local shards), each module's output is redistributed to the layout the
+plan consumes it in (`ShardingSolution.module_output_placements`, a forward hook), and the
+gradient synchronisation is the redistribution of each gradient to its parameter's placements
+(`grads_to_param_layout`).
 """
 
 from __future__ import annotations
@@ -26,11 +28,25 @@ from autopar.models.mlp import MLP
 
 WORLD = 4
 
-# (batch, hidden, expected plan): Megatron when the weights outweigh the activations, data
-# parallel when the batch does. alpha = 0 so that the choice is by bytes alone.
+class MLPSumLoss(MLP):
+    """The zoo MLP with its mean-squared error written as sum / numel: a batch-split loss is
+    then a Partial(sum). (DTensor's mse_loss over a batch split gives Partial(avg), whose
+    backward through a redistribution to Replicate scales the gradients by the mesh size in
+    torch 2.13; the one-process loss is the same either way.)"""
+
+    def forward(self, x, y):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.relu(x)
+        return ((x - y) ** 2).sum() / x.numel()
+
+
+# (model, batch, hidden, expected plan): Megatron when the weights outweigh the activations,
+# data parallel when the batch does. alpha = 0 so that the choice is by bytes alone.
 CASES = {
-    "megatron": (8, 64, {"layers.0.weight": ("S(0)",), "layers.1.weight": ("S(1)",)}),
-    "data-parallel": (256, 16, {"layers.0.weight": ("R",), "layers.1.weight": ("R",)}),
+    "megatron": (MLP, 8, 64, {"layers.0.weight": ("S(0)",), "layers.1.weight": ("S(1)",)}),
+    "data-parallel": (MLPSumLoss, 256, 16, {"layers.0.weight": ("R",), "layers.1.weight": ("R",)}),
 }
 
 
@@ -38,9 +54,9 @@ def _mesh():
     return autopar.LogicalMesh(shape=(WORLD,), alpha=(0.0,), beta=(1 / 25e9,))
 
 
-def _solution(batch, hidden):
+def _solution(cls, batch, hidden):
     with torch.device("meta"):
-        m = MLP(hidden, hidden, 2)
+        m = cls(hidden, hidden, 2)
     x = torch.zeros(batch, hidden, device="meta")
     return auto_shard(m, (x, x), mesh=_mesh())
 
@@ -56,6 +72,21 @@ def _kind(op) -> str:
     return str(op)
 
 
+def _follow_activation_layouts(model, mods):
+    """Redistribute each module's output to the layout the plan consumes it in (DTensor's own
+    propagation would otherwise pick its own layouts for the ops after it)."""
+    from autopar.runtime.spmd import to_placements
+
+    for path, spec in mods.items():
+        if "P" in spec:
+            continue
+        mod = model.get_submodule(path)
+
+        def hook(m, args, out, spec=spec):
+            return out.redistribute(out.device_mesh, to_placements(spec, out.dim()))
+        mod.register_forward_hook(hook)
+
+
 def _worker(rank, port, cases, result_dir):
     try:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -69,9 +100,9 @@ def _worker(rank, port, cases, result_dir):
 
         mesh = init_device_mesh("cpu", (WORLD,))
         out = {}
-        for name, (batch, hidden, params, inputs, counts) in cases.items():
+        for name, (cls, batch, hidden, params, inputs, counts, mods) in cases.items():
             torch.manual_seed(0)
-            ref = MLP(hidden, hidden, 2)
+            ref = cls(hidden, hidden, 2)
             x = torch.randn(batch, hidden)
             y = torch.randn(batch, hidden)
             loss_ref = ref(x, y)
@@ -79,8 +110,9 @@ def _worker(rank, port, cases, result_dir):
             grads_ref = {n: p.grad.clone() for n, p in ref.named_parameters()}
 
             torch.manual_seed(0)
-            model = MLP(hidden, hidden, 2)
+            model = cls(hidden, hidden, 2)
             sp = parallelize(model, mesh, params, inputs)
+            _follow_activation_layouts(model, mods)
             xs = [local_shard_rows(t, mesh, pl) for t, pl in zip((x, y), inputs)]
             with CommDebugMode() as comm:
                 loss = sp(*xs)
@@ -115,22 +147,23 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def solutions():
     sols = {}
-    for name, (batch, hidden, _) in CASES.items():
-        sols[name] = _solution(batch, hidden)
+    for name, (cls, batch, hidden, _) in CASES.items():
+        sols[name] = _solution(cls, batch, hidden)
     return sols
 
 
 def test_solutions_are_the_expected_plans(solutions):
-    for name, (_, _, expect) in CASES.items():
+    for name, (_, _, _, expect) in CASES.items():
         assert solutions[name].param_placements == expect, name
 
 
 def test_solutions_execute_on_a_gloo_mesh(solutions):
     cases = {}
-    for name, (batch, hidden, _) in CASES.items():
+    for name, (cls, batch, hidden, _) in CASES.items():
         sol = solutions[name]
         inputs = [sol.input_placements[k] for k in ("args_0", "args_1")]
-        cases[name] = (batch, hidden, sol.param_placements, inputs, sol.collective_counts())
+        cases[name] = (cls, batch, hidden, sol.param_placements, inputs, sol.collective_counts(),
+                       sol.module_output_placements)
     with tempfile.TemporaryDirectory() as d:
         try:
             mp.start_processes(_worker, args=(_free_port(), cases, d), nprocs=WORLD, join=True,
@@ -140,7 +173,7 @@ def test_solutions_execute_on_a_gloo_mesh(solutions):
             raise AssertionError("worker failed:\n" + "\n".join(errs[:1]))
         results = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(WORLD)]
     for name in CASES:
-        expect = cases[name][4]
+        expect = cases[name][5]
         for r, res in enumerate(results):
             got = res[name]
             loss, loss_ref = got["loss"]

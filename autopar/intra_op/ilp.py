@@ -448,7 +448,8 @@ class IntraOpProblem:
         out = [(kind, a, b, "forward", "reshard") for kind, a, b in transition(shape, isz, src, u, self.mesh_shape, ac)]
         is_param = pn.kind == "param" or (pn.kind == "junction" and pn.node.kind == "param")
         if self.rg.get(pn.name, False):
-            gspec = tuple(PARTIAL if a in partial else p for a, p in enumerate(u))
+            # the gradient of a summand of a partial tensor is the whole (replicated) gradient
+            gspec = tuple(PARTIAL if a in partial else REPLICATE if p == PARTIAL else p for a, p in enumerate(u))
             target = tuple(PARTIAL if a in src_gp else REPLICATE if p == PARTIAL else p for a, p in enumerate(src))
             for kind, a, b in transition(shape, isz, gspec, target, self.mesh_shape, ac):
                 out.append((kind, a, b, "grad_sync" if is_param else "backward", "grad"))
@@ -780,6 +781,22 @@ class IntraOpProblem:
         for c in self.calls:
             pn = self.pnodes[self.rep[c]]
             abytes += self.memory(pn, strat(c))
+        # the layout each tensor is consumed in: its junction's, or its single consumer's
+        acts: dict[str, tuple[str, ...]] = {}
+        for p, o, c, k in self.actual_edges:
+            if o != 0 or "#" in p or p not in self.in_set or g.node(p).kind != "call":
+                continue
+            if c == OUTPUT:
+                acts[p] = self.pnodes[OUTPUT].strategies[0].in_specs[k]
+            elif "#" in c:
+                acts[p] = strat(c).in_specs[0]
+            else:
+                acts.setdefault(p, strat(c).in_specs[k])
+        mods: dict[str, tuple[str, ...]] = {}
+        for c in self.calls:
+            n = g.node(c)
+            if n.module_path and c in acts:
+                mods[n.module_path] = acts[c]              # the last op of a module wins
         # tied names of a parameter share its placement
         for fq, sp in list(params.items()):
             info_p = g.params.get(fq)
@@ -804,7 +821,8 @@ class IntraOpProblem:
             num_variables=info.get("num_variables", 0), num_constraints=info.get("num_constraints", 0),
             mesh_shape=self.mesh_shape, status=info.get("status", ""), param_layouts=layouts,
             memory_bytes_per_device=pbytes * self.state_factor + abytes, build_time_s=self.build_time_s,
-            num_groups=len(self.groups), warnings=list(dict.fromkeys(self.warnings)))
+            num_groups=len(self.groups), warnings=list(dict.fromkeys(self.warnings)),
+            activation_placements=acts, module_output_placements=mods)
 
     def _record_interleave(self, tensor: str, dim: int, chunks: int, layouts: dict) -> None:
         """The matmul producing `tensor` (split chunk-interleaved along `dim`) reads a weight whose

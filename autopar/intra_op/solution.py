@@ -58,6 +58,11 @@ class ShardingSolution:
     build_time_s: float = 0.0
     num_groups: int = 0
     warnings: list[str] = field(default_factory=list)
+    # the layout each op's output is consumed in (after any resharding), and the same for the
+    # output of each module (its last op): a runtime that keeps activations as DTensors
+    # redistributes a module's output to it (a forward hook) to run exactly the planned collectives
+    activation_placements: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    module_output_placements: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def collective_counts(self, phases: Optional[tuple[str, ...]] = None) -> dict[str, int]:
         """Collectives of one step by kind; a collective over k mesh axes (of size > 1) counts k
