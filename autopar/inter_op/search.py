@@ -24,9 +24,15 @@ What is approximated, and why (to keep a 1000-GPU search within seconds on two c
   they add max over stages to T* (not part of the DP objective; Megatron-LM does not overlap
   them either). The gradient of a parameter tied between the first and last stage (GPT's
   embedding) is all-reduced between those stages.
-- Interleaved 1F1B: the layers are cut into pp * v chunks by the same DP (uniform
-  recomputation per candidate), chunk c on stage c mod pp; T = m * t_max + (sum_d t_d - t_max) / v
-  (bubble (p - 1) / (v m) of the ideal for balanced stages); Megatron requires m % pp == 0.
+- Interleaved 1F1B: the layers are cut into pp * v chunks minimising the largest chunk
+  (`balanced_chunks`, uniform recomputation per candidate), chunk c on stage c mod pp;
+  T = m * t_max + (sum_d t_d - t_max) / v (bubble (p - 1) / (v m) of the ideal for balanced
+  stages); Megatron requires m % pp == 0. Alpa's DP is not used here: its stage times are
+  sums of v non-adjacent chunks, which its additive recurrence cannot express.
+- ZeRO 1 and 2 cost the same communication (one reduce-scatter + one all-gather per stage and
+  step, as the runtime issues them); ZeRO 2's memory counts sharded gradients (design.md).
+  ZeRO 3 (FSDP per layer) all-gathers the weights per micro-batch, and is only searched with
+  tp = 1 (what the runtime runs).
 - GPipe has 1F1B's time in this model and more memory, so it is only planned when pinned.
 """
 
