@@ -43,21 +43,25 @@ def _plans(model: str, n: int, gbs: int):
     return {"dp": dp, "zero3": z3, "tp": tp}
 
 
-def _timeit(fn, steps: int, warmup: int = 3) -> float:
+def _timeit(fns: dict, steps: int, warmup: int = 3) -> dict:
+    """Median step time of each variant, the variants interleaved step by step (the machine is
+    shared: load changes hit every variant alike)."""
     import torch.distributed as dist
 
     for s in range(warmup):
-        fn(s)
-    ts = []
+        for fn in fns.values():
+            fn(s)
+    ts: dict = {k: [] for k in fns}
     for s in range(warmup, warmup + steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn(s)
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+        for k, fn in fns.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn(s)
+            ts[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in ts.items()}
 
 
-def _hand(kind: str, model_ref: str, gbs: int, seed: int, steps: int) -> float:
+def _hand(kind: str, model_ref: str, gbs: int, seed: int):
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -110,10 +114,10 @@ def _hand(kind: str, model_ref: str, gbs: int, seed: int, steps: int) -> float:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return _timeit(step, steps)
+    return step
 
 
-def _autopar(plan, model_ref: str, seed: int, steps: int, count: bool) -> float:
+def _autopar(plan, model_ref: str, seed: int, count: bool):
     from autopar.models import build_model
     from autopar.models.registry import call_batch_fn
     from autopar.runtime.counting import CollectiveCounter
@@ -132,7 +136,7 @@ def _autopar(plan, model_ref: str, seed: int, steps: int, count: bool) -> float:
         else:
             pm.train_step(batch)
 
-    return _timeit(step, steps)
+    return step
 
 
 def worker(args) -> None:
@@ -144,9 +148,10 @@ def worker(args) -> None:
     plans = _plans(args.model, dist.get_world_size(), args.batch)
     res = {}
     for kind in ("dp", "zero3", "tp"):
-        res[kind] = {"hand": _hand(kind, args.model, args.batch, 0, args.steps),
-                     "autopar": _autopar(plans[kind], args.model, 0, args.steps, count=False),
-                     "autopar_counting": _autopar(plans[kind], args.model, 0, args.steps, count=True)}
+        fns = {"hand": _hand(kind, args.model, args.batch, 0),
+               "autopar": _autopar(plans[kind], args.model, 0, count=False),
+               "autopar_counting": _autopar(plans[kind], args.model, 0, count=True)}
+        res[kind] = _timeit(fns, args.steps)
         dist.barrier()
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(res))

@@ -413,7 +413,9 @@ class ParallelModel:
                 raise PlanError(f"interleaved 1F1B needs num_microbatches ({M}) to be a multiple of "
                                 f"the pipeline depth ({self.pp})")
             sched = ScheduleInterleaved1F1B(self.pipe_stages, n_microbatches=M, loss_fn=loss_fn)
-        elif kind == "gpipe":
+        elif kind == "gpipe" or M < self.pp:
+            # torch's 1F1B needs at least as many micro-batches as stages; with fewer, 1F1B
+            # degenerates to GPipe (all forwards, then all backwards): same maths, same transfers
             sched = ScheduleGPipe(self.pipe_stages[0], n_microbatches=M, loss_fn=loss_fn)
         else:
             sched = Schedule1F1B(self.pipe_stages[0], n_microbatches=M, loss_fn=loss_fn)
