@@ -269,3 +269,23 @@ def test_convnet_with_buffers_export_and_fx_agree() -> None:
         assert "blocks.0.bn.running_mean" in graph.buffers
         (conv,) = [n for n in graph.at_batch(2).calls if n.module_path == "blocks.1.conv"]
         assert conv.flops == 2 * (2 * 8 * 16 * 16) * 8 * 9        # 2 * out elements * C_in * k*k
+
+
+def test_two_batch_fallback_reads_linear_dims(monkeypatch: pytest.MonkeyPatch, gpt: OpGraph) -> None:
+    import importlib
+
+    ex = importlib.import_module("autopar.capture.export")
+
+    def no_dynamic(*a, **k):
+        raise RuntimeError("symbolic batch refused")
+
+    monkeypatch.setattr(ex, "_export_dynamic", no_dynamic)
+    g = _capture("gpt-tiny")
+    assert g.capture_method == "torch.export (two batch sizes)" and g.batch_size is None
+    fc = _one(g, "blocks.0.mlp.fc", "aten.linear.default")
+    assert fc.out.shape == (SymDim("b"), 16, 128)
+    flat = [n for n in g.calls if n.target == "aten.flatten.using_ints"]
+    assert flat and flat[0].out.shape[0] == SymDim("16*b")         # (b*s, V) logits for the loss
+    for b in (1, 5):
+        assert g.at_batch(b).forward_flops == pytest.approx(gpt.at_batch(b).forward_flops, rel=1e-12)
+    assert g.fingerprint() == gpt.fingerprint()

@@ -276,7 +276,9 @@ def _two_batches(capture_at: Callable[[tuple], OpGraph], inputs: tuple) -> OpGra
             if rest:
                 raise RuntimeError("a dimension is not linear in the batch size")
             const = d0 - slope * b0
-            return SymDim(f"{slope}*b" + (f" + {const}" if const > 0 else f" - {-const}" if const else ""))
+            import sympy
+
+            return SymDim(str(sympy.expand(slope * sympy.Symbol("b") + const)))   # "b", "2048*b", ...
         if isinstance(d0, (list, tuple)) and isinstance(d1, (list, tuple)) and len(d0) == len(d1):
             return type(d0)(sym(a, c) for a, c in zip(d0, d1))
         if isinstance(d0, dict) and isinstance(d1, dict) and d0.keys() == d1.keys():
