@@ -170,3 +170,13 @@ def test_overrides_and_bad_refs() -> None:
         build_model("hf:not-a-model")
     with pytest.raises(autopar.PlanError, match="no built-in config for that size"):
         build_model("hf:opt-2.7b")
+
+
+def test_positional_model_pickles() -> None:
+    import pickle
+
+    b = build_model(TINY["gpt2"], device="cpu")
+    m2 = pickle.loads(pickle.dumps(b.model))
+    assert type(m2) is type(b.model) and type(m2).__name__ == "GPT2LMHeadModel"
+    batch = call_batch_fn(b.batch_fn, 0, 2, seed=0)
+    assert torch.equal(m2(*batch), b.model(*batch))

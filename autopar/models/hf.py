@@ -196,8 +196,19 @@ def _positional_class(base: type) -> type:
         return base.forward(self, input_ids=input_ids, labels=labels, use_cache=False,
                             return_dict=True).loss
 
-    return type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__,
+    # named after the base class, importable (so picklable) as autopar.models.hf.Positional_<Base>
+    return type(base.__name__, (base,), {"forward": forward, "__module__": __name__,
+                                         "__qualname__": f"Positional_{base.__name__}",
                                          "__doc__": base.__doc__, "_autopar_positional": True})
+
+
+def __getattr__(name: str) -> Any:
+    """Positional_<transformers class>, made on first use (for unpickling in a fresh process)."""
+    if name.startswith("Positional_"):
+        base = getattr(_transformers(), name[len("Positional_"):], None)
+        if isinstance(base, type):
+            return _positional_class(base)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def prepare_for_capture(model: nn.Module) -> None:
