@@ -179,4 +179,5 @@ def test_positional_model_pickles() -> None:
     m2 = pickle.loads(pickle.dumps(b.model))
     assert type(m2) is type(b.model) and type(m2).__name__ == "GPT2LMHeadModel"
     batch = call_batch_fn(b.batch_fn, 0, 2, seed=0)
+    b.model.eval(), m2.eval()                                      # no dropout
     assert torch.equal(m2(*batch), b.model(*batch))
