@@ -169,7 +169,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         worker(args)
-        return
+        from autopar.runtime.worker import hard_exit
+
+        hard_exit(0)
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from autopar.runtime import _free_port

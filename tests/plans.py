@@ -256,3 +256,6 @@ if __name__ == "__main__":
     a = ap.parse_args()
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
     run_layouts_job(a.layouts, a.out, a.steps)
+    from autopar.runtime.worker import hard_exit
+
+    hard_exit(0)

@@ -200,7 +200,17 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     run(a.plan, a.model, steps=a.steps, seed=a.seed, metrics_path=a.metrics,
         checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every, quiet=a.quiet)
+    hard_exit(0)
     return 0
+
+
+def hard_exit(code: int) -> None:
+    """Leave without interpreter teardown: process groups still referenced by meshes/FSDP
+    state are otherwise freed in an order that sometimes aborts gloo's threads ("terminate
+    called without an active exception") after a successful run."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
