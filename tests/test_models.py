@@ -165,3 +165,20 @@ def test_hf_without_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)     # import transformers -> ImportError
     with pytest.raises(autopar.PlanError, match=r"pip install autopar\[hf\]"):
         build_model("hf:gpt2")
+
+
+@pytest.mark.parametrize("ref", ["gpt-tiny", "llama-tiny", "bert-tiny", "mlp-tiny", "test_models_factory:two"])
+def test_bundles_pickle(ref: str) -> None:
+    """Bundles go to spawned workers: model, inputs and batch function must pickle."""
+    import pickle
+
+    from autopar.models import default_batch_fn
+
+    b = build_model(ref, device="cpu")
+    fn = b.batch_fn or default_batch_fn(b.example_inputs)
+    b2 = pickle.loads(pickle.dumps(b))
+    fn2 = pickle.loads(pickle.dumps(fn))
+    x, y = call_batch_fn(fn, 2, 3, 5), call_batch_fn(fn2, 2, 3, 5)
+    assert all(torch.equal(a, c) for a, c in zip(x, y))
+    assert not all(torch.equal(a, c) for a, c in zip(x, call_batch_fn(fn, 2, 3, 6)))   # seed matters
+    assert torch.equal(b2.model(*x), b.model(*x))

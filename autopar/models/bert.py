@@ -121,10 +121,16 @@ class Bert(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
 
 
-def mlm_batch(cfg: BertConfig):
+@dataclass(frozen=True)
+class MLMBatch:
     """(step, global batch, seed) -> (tokens with ~15% replaced by [MASK], targets: the original
-    token at masked positions, -100 elsewhere); at least one masked position per sequence."""
-    def fn(step: int, global_batch_size: int, seed: int = 0) -> tuple:
+    token at masked positions, -100 elsewhere); at least one masked position per sequence.
+    A picklable callable."""
+
+    cfg: BertConfig
+
+    def __call__(self, step: int, global_batch_size: int, seed: int = 0) -> tuple:
+        cfg = self.cfg
         g = _gen(step, seed)
         tokens = torch.randint(0, cfg.vocab_size, (global_batch_size, cfg.seq_len), generator=g)
         mask = torch.rand(global_batch_size, cfg.seq_len, generator=g) < cfg.mask_prob
@@ -132,7 +138,10 @@ def mlm_batch(cfg: BertConfig):
         targets = torch.where(mask, tokens, torch.full_like(tokens, IGNORE))
         inputs = torch.where(mask, torch.full_like(tokens, cfg.mask_token % cfg.vocab_size), tokens)
         return inputs, targets
-    return fn
+
+
+def mlm_batch(cfg: BertConfig) -> MLMBatch:
+    return MLMBatch(cfg)
 
 
 def _bert(name: str, cfg: BertConfig, desc: str) -> ZooEntry:

@@ -18,6 +18,7 @@ to `autopar.capture.capture` directly; its `.loss` is the loss when labels are p
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Callable
 from urllib.parse import parse_qsl
 
@@ -272,22 +273,32 @@ def build_hf(name: str, *, batch_size: int = 1, device: str | torch.device = "me
                        extra={"family": family, "config": cfg, "seq_len": seq, "decoder_seq_len": dec})
 
 
-def _batch_fn(family: str, vocab: int, seq: int, dec_seq: int) -> Callable[..., tuple]:
+@dataclass(frozen=True)
+class HFBatch:
     """Deterministic random token batches by (step, seed): causal LMs get labels = input ids (the
-    model shifts them), BERT gets 15% masked positions, T5 random targets."""
-    def fn(step: int, global_batch_size: int, seed: int = 0) -> tuple:
+    model shifts them), BERT 15% masked positions, T5 random targets. A picklable callable."""
+
+    family: str
+    vocab: int
+    seq: int
+    dec_seq: int
+
+    def __call__(self, step: int, global_batch_size: int, seed: int = 0) -> tuple:
         g = _gen(step, seed)
-        ids = torch.randint(0, vocab, (global_batch_size, seq), generator=g)
-        if family == "bert":
-            mask = torch.rand(global_batch_size, seq, generator=g) < 0.15
+        ids = torch.randint(0, self.vocab, (global_batch_size, self.seq), generator=g)
+        if self.family == "bert":
+            mask = torch.rand(global_batch_size, self.seq, generator=g) < 0.15
             mask[:, 0] = True
             labels = torch.where(mask, ids, torch.full_like(ids, IGNORE))
-            ids = torch.where(mask, torch.full_like(ids, min(103, vocab - 1)), ids)
+            ids = torch.where(mask, torch.full_like(ids, min(103, self.vocab - 1)), ids)
             return ids, labels
-        if family == "t5":
-            return ids, torch.randint(0, vocab, (global_batch_size, dec_seq), generator=g)
+        if self.family == "t5":
+            return ids, torch.randint(0, self.vocab, (global_batch_size, self.dec_seq), generator=g)
         return ids, ids.clone()
-    return fn
+
+
+def _batch_fn(family: str, vocab: int, seq: int, dec_seq: int) -> HFBatch:
+    return HFBatch(family, vocab, seq, dec_seq)
 
 
 def num_params(model: nn.Module) -> int:

@@ -52,18 +52,48 @@ def _gen(step: int, seed: int) -> torch.Generator:
     return g
 
 
-def token_batch(vocab: int, seq: int) -> Callable[[int, int, int], tuple]:
-    def fn(step: int, global_batch_size: int, seed: int = 0) -> tuple:
-        t = torch.randint(0, vocab, (global_batch_size, seq + 1), generator=_gen(step, seed))
+@dataclass(frozen=True)
+class TokenBatch:
+    """(step, global batch, seed) -> (tokens, next tokens): random ids below `vocab`, length `seq`.
+    A picklable callable (workers may be spawned with the bundle)."""
+
+    vocab: int
+    seq: int
+
+    def __call__(self, step: int, global_batch_size: int, seed: int = 0) -> tuple:
+        t = torch.randint(0, self.vocab, (global_batch_size, self.seq + 1), generator=_gen(step, seed))
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
-    return fn
+
+
+@dataclass(frozen=True)
+class TokenInputs:
+    """batch size -> (tokens, targets) example inputs on meta."""
+
+    seq: int
+
+    def __call__(self, b: int) -> tuple:
+        return (torch.zeros(b, self.seq, dtype=torch.long, device="meta"),
+                torch.zeros(b, self.seq, dtype=torch.long, device="meta"))
+
+
+def token_batch(vocab: int, seq: int) -> Callable[[int, int, int], tuple]:
+    return TokenBatch(vocab, seq)
 
 
 def token_inputs(seq: int) -> Callable[[int], tuple]:
-    def fn(b: int) -> tuple:
-        return (torch.zeros(b, seq, dtype=torch.long, device="meta"),
-                torch.zeros(b, seq, dtype=torch.long, device="meta"))
-    return fn
+    return TokenInputs(seq)
+
+
+@dataclass(frozen=True)
+class NormalBatch:
+    """(step, global batch, seed) -> (x, y), both standard normal of width `dim`."""
+
+    dim: int
+
+    def __call__(self, step: int, global_batch_size: int, seed: int = 0) -> tuple:
+        g = _gen(step, seed)
+        return (torch.randn(global_batch_size, self.dim, generator=g),
+                torch.randn(global_batch_size, self.dim, generator=g))
 
 
 def _gpt(name: str, cfg: GPTConfig, desc: str) -> ZooEntry:
@@ -72,13 +102,9 @@ def _gpt(name: str, cfg: GPTConfig, desc: str) -> ZooEntry:
 
 
 def _mlp_entry(name: str, dim: int, hidden: int, layers: int) -> ZooEntry:
-    def batch(step: int, gbs: int, seed: int = 0) -> tuple:
-        g = _gen(step, seed)
-        return torch.randn(gbs, dim, generator=g), torch.randn(gbs, dim, generator=g)
-
     return ZooEntry(name, "mlp", lambda: MLP(dim, hidden, layers),
                     lambda b: (torch.zeros(b, dim, device="meta"), torch.zeros(b, dim, device="meta")),
-                    batch, f"MLP {dim}->{hidden}x{layers - 1}->{dim}, MSE loss",
+                    NormalBatch(dim), f"MLP {dim}->{hidden}x{layers - 1}->{dim}, MSE loss",
                     dim * hidden * 2 + hidden * hidden * max(0, layers - 2))
 
 
@@ -186,18 +212,34 @@ def call_batch_fn(batch_fn: BatchFn, step: int, global_batch_size: int, seed: in
 def default_batch_fn(example_inputs: Sequence[Any]) -> BatchFn:
     """For factories without a batch_fn: random data shaped like the example inputs (integer inputs
     drawn below their example's max+1, floats from a normal)."""
-    def fn(step: int, global_batch_size: int, seed: int = 0) -> tuple:
+    specs = []
+    for x in example_inputs:
+        if not isinstance(x, torch.Tensor):
+            specs.append(("const", x))
+        elif x.dtype.is_floating_point:
+            specs.append(("float", (tuple(x.shape[1:]), x.dtype)))
+        else:
+            hi = int(x.max()) + 1 if x.device.type != "meta" and x.numel() else 2
+            specs.append(("int", (tuple(x.shape[1:]), x.dtype, max(hi, 2))))
+    return ShapedBatch(tuple(specs))
+
+
+@dataclass(frozen=True)
+class ShapedBatch:
+    """Random inputs shaped like example inputs (see `default_batch_fn`); picklable."""
+
+    specs: tuple
+
+    def __call__(self, step: int, global_batch_size: int, seed: int = 0) -> tuple:
         g = _gen(step, seed)
         out = []
-        for x in example_inputs:
-            if not isinstance(x, torch.Tensor):
-                out.append(x)
-                continue
-            shape = (global_batch_size,) + tuple(x.shape[1:])
-            if x.dtype.is_floating_point:
-                out.append(torch.randn(shape, generator=g).to(x.dtype))
+        for kind, spec in self.specs:
+            if kind == "const":
+                out.append(spec)
+            elif kind == "float":
+                shape, dtype = spec
+                out.append(torch.randn((global_batch_size,) + shape, generator=g).to(dtype))
             else:
-                hi = int(x.max()) + 1 if x.device.type != "meta" and x.numel() else 2
-                out.append(torch.randint(0, max(hi, 2), shape, generator=g).to(x.dtype))
+                shape, dtype, hi = spec
+                out.append(torch.randint(0, hi, (global_batch_size,) + shape, generator=g).to(dtype))
         return tuple(out)
-    return fn
