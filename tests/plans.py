@@ -109,7 +109,7 @@ TP_COLLECTIVES = {
 }
 
 LAYOUTS = ["single", "dp2", "dp4", "tp2", "tp4", "dp2xtp2", "pp2xdp2", "pp2xtp2", "pp4v2", "zero3dp4",
-           "zero2dp4", "recompute_dp2"]
+           "zero2dp4", "recompute_dp4", "selective_tp4", "pp2xdp2z2", "pp2xdp2z3"]
 
 
 def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
@@ -119,9 +119,9 @@ def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
     if layout == "single":
         return _plan(ref, [StagePlan(index=0, devices=[0], mesh_shape=(1,), mesh_axis_names=("dp",), layers=L)],
                      gbs=gbs, mb=gbs, m=1, collectives={}, nodes_devices=1)
-    if layout in ("dp2", "dp4", "recompute_dp2"):
-        n = 4 if layout == "dp4" else 2
-        rec = "full" if layout == "recompute_dp2" else "none"
+    if layout in ("dp2", "dp4", "recompute_dp4"):
+        n = 2 if layout == "dp2" else 4
+        rec = "full" if layout == "recompute_dp4" else "none"
         m = 2 if layout == "dp4" else 1
         return _plan(ref, [StagePlan(index=0, devices=list(range(n)), mesh_shape=(n,), mesh_axis_names=("dp",),
                                      layers=L, recompute=rec)],
@@ -139,6 +139,14 @@ def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
         return _plan(ref, [StagePlan(index=0, devices=[0, 1], mesh_shape=(2,), mesh_axis_names=("tp",),
                                      layers=L, placements=megatron_placements(nb, ("tp",)))],
                      gbs=gbs, mb=gbs, m=1, collectives=dict(TP_COLLECTIVES["tp"]), nodes_devices=2)
+    if layout == "selective_tp4":
+        # recomputing attention re-runs its forward collectives in the backward (the qkv weight
+        # all-gather of each block; the proj all-reduce sits outside, at the residual add):
+        # measured and pinned, 2 all-gathers and 1 all-reduce more than tp4
+        return _plan(ref, [StagePlan(index=0, devices=[0, 1, 2, 3], mesh_shape=(4,), mesh_axis_names=("tp",),
+                                     layers=L, recompute="selective",
+                                     placements=megatron_placements(nb, ("tp",)))],
+                     gbs=gbs, mb=gbs, m=1, collectives={"all_gather": 10, "all_reduce": 13})
     if layout == "tp4":
         return _plan(ref, [StagePlan(index=0, devices=[0, 1, 2, 3], mesh_shape=(4,), mesh_axis_names=("tp",),
                                      layers=L, placements=megatron_placements(nb, ("tp",)))],
@@ -155,6 +163,17 @@ def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
               StagePlan(index=1, devices=[2, 3], mesh_shape=(2,), mesh_axis_names=("dp",), layers=L[2:])]
         return _plan(ref, st, gbs=gbs, mb=gbs // 2 // M, m=M, schedule="1f1b",
                      collectives={"all_reduce": 2 + 1, "send_recv": 2 * M})
+    if layout in ("pp2xdp2z2", "pp2xdp2z3"):
+        M = 2
+        z = int(layout[-1])
+        st = [StagePlan(index=0, devices=[0, 1], mesh_shape=(2,), mesh_axis_names=("dp",), layers=L[:2]),
+              StagePlan(index=1, devices=[2, 3], mesh_shape=(2,), mesh_axis_names=("dp",), layers=L[2:])]
+        # z2: per stage 1 reduce-scatter + 1 all-gather; + tied all-reduce; 2·M transfers.
+        # z3 (fully_shard per layer in each stage; two units per stage): measured and pinned
+        # (torch.pipelining re-gathers units per micro-batch): all_gather 12, reduce_scatter 4
+        c = ({"all_gather": 2, "reduce_scatter": 2, "all_reduce": 1, "send_recv": 2 * M} if z == 2 else
+             {"all_gather": 12, "reduce_scatter": 4, "all_reduce": 1, "send_recv": 2 * M})
+        return _plan(ref, st, gbs=gbs, mb=gbs // 2 // M, m=M, schedule="1f1b", zero=z, collectives=c)
     if layout == "pp2xtp2":
         M = 4
         st = [StagePlan(index=0, devices=[0, 1], mesh_shape=(2,), mesh_axis_names=("tp",), layers=L[:2],
