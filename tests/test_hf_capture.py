@@ -82,6 +82,10 @@ def test_gpt2_tied_head_and_linear_flops(graphs: dict) -> None:
 
 def test_llama_gqa(graphs: dict) -> None:
     _, g = graphs["llama"]
+    # the rotary embedding runs under @torch.no_grad: export wraps it in a higher-order op, which
+    # capture inlines, so its ops are visible and costed
+    assert not any("wrap_with" in n.target for n in g.calls)
+    assert any(n.op == "cos" and n.module_path == "model.rotary_emb" for n in g.calls)
     g2 = g.at_batch(2)
     (k,) = [n for n in g2.calls if n.module_path == "model.layers.0.self_attn.k_proj"]
     assert k.out.shape == (2, 16, 2 * 16)                        # 2 KV heads of 16

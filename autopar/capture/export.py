@@ -352,13 +352,14 @@ def _from_export(wrapped: nn.Module, inputs: tuple, name: str, ep: Any) -> OpGra
             return [m for x in v for m in meta_of(x)]
         return []
 
-    sym_nodes: dict[str, Any] = {}
+    subst: dict[torch.fx.Node, Any] = {}   # node -> the value standing for it (SymDims, inlined refs)
+    names: dict[torch.fx.Node, str] = {}   # node -> OpNode name (nodes of inlined subgraphs)
 
     def conv(a: Any) -> Any:
         if isinstance(a, torch.fx.Node):
-            if a.name in sym_nodes:
-                return sym_nodes[a.name]
-            return Ref(a.name)
+            if a in subst:
+                return subst[a]
+            return Ref(names.get(a, a.name))
         if isinstance(a, (list, tuple)):
             return type(a)(conv(x) for x in a)
         if isinstance(a, dict):
@@ -373,48 +374,78 @@ def _from_export(wrapped: nn.Module, inputs: tuple, name: str, ep: Any) -> OpGra
     params: dict[str, ParamInfo] = {}
     buffers: dict[str, ParamInfo] = {}
     placeholder_param: dict[str, str] = {}
-    for n in ep.graph_module.graph.nodes:
+    getitem = __import__("operator").getitem
+
+    def emit_calls(graph_nodes: Any, owner: nn.Module, prefix: str) -> Any:
+        """Emit the call nodes of a graph; returns what its output node returns (converted).
+        Higher-order ops that wrap a subgraph (torch.no_grad / autocast regions, e.g. a rotary
+        embedding under @torch.no_grad) are inlined, so their ops are costed like any other."""
+        for n in graph_nodes:
+            if n.op == "output":
+                return conv(n.args[0] if len(n.args) == 1 else n.args)
+            if n.op != "call_function":
+                continue
+            val = n.meta.get("val")
+            if isinstance(val, torch.SymInt) or (val is None and "sym_size" in str(n.target)):
+                subst[n] = dim(val) if val is not None else None
+                continue
+            if "_assert" in str(n.target):     # shape/metadata assertions: no work, no users
+                continue
+            if n.target is getitem and n.args[0] in subst and isinstance(subst[n.args[0]], (tuple, list)):
+                subst[n] = subst[n.args[0]][n.args[1]]
+                continue
+            sub_i = next((i for i, a in enumerate(n.args) if isinstance(a, torch.fx.Node)
+                          and a.op == "get_attr" and isinstance(getattr(owner, str(a.target), None),
+                                                                torch.fx.GraphModule)), None)
+            if sub_i is not None and "wrap" in str(n.target):
+                sub = getattr(owner, str(n.args[sub_i].target))
+                operands = n.args[sub_i + 1:]
+                phs = [x for x in sub.graph.nodes if x.op == "placeholder"]
+                for ph, a in zip(phs, operands):
+                    subst[ph] = conv(a)
+                for x in sub.graph.nodes:
+                    if x.op == "call_function":
+                        names[x] = f"{prefix}{n.name}__{x.name}"
+                subst[n] = emit_calls(sub.graph.nodes, sub, f"{prefix}{n.name}__")
+                continue
+            args, kwargs = conv(n.args), conv(n.kwargs)
+            ins = flatten_refs(args) + flatten_refs(kwargs)
+            stack = list((n.meta.get("nn_module_stack") or {}).values())
+            paths = [strip(p[0] if isinstance(p, tuple) else str(p)) for p in stack]
+            paths = [p for p in paths if p and not p.startswith("_empty")]
+            mod_path = paths[-1] if paths else ""
+            mtype = (stack[-1][1] if stack and isinstance(stack[-1], tuple) else "")
+            mtype = str(mtype).rsplit(".", 1)[-1]
+            target = "getitem" if n.target is getitem else str(n.target)
+            nodes.append(OpNode(
+                names.get(n, n.name), "call", target, args=args, kwargs=kwargs, inputs=ins,
+                outputs=meta_of(val), params=[placeholder_param[i] for i in ins if i in placeholder_param],
+                module_path=mod_path, module_type=mtype))
+        return None
+
+    graph_nodes = list(ep.graph_module.graph.nodes)
+    for n in graph_nodes:
+        if n.op != "placeholder":
+            continue
         val = n.meta.get("val")
-        if n.op == "placeholder":
-            spec = spec_of.get(n.name)
-            kind = spec.kind if spec is not None else InputKind.USER_INPUT
-            outs = meta_of(val)
-            if kind in (InputKind.PARAMETER, InputKind.BUFFER):
-                fq = canon.get(strip(spec.target), strip(spec.target))
-                info = ParamInfo(fq, tuple(int(d) for d in val.shape), _dtype(val.dtype),
-                                 tied=tied.get(fq, []), requires_grad=kind == InputKind.PARAMETER)
-                (params if kind == InputKind.PARAMETER else buffers)[fq] = info
-                placeholder_param[n.name] = fq
-                nodes.append(OpNode(n.name, "param" if kind == InputKind.PARAMETER else "buffer",
-                                    "placeholder", outputs=outs, fqn=fq))
-            elif kind == InputKind.USER_INPUT:
-                nodes.append(OpNode(n.name, "input", "placeholder", outputs=outs, fqn=n.name))
-            else:
-                nodes.append(OpNode(n.name, "constant", "placeholder", outputs=outs,
-                                    fqn=strip(getattr(spec, "target", n.name) or n.name)))
-            continue
-        if n.op == "output":
-            refs = flatten_refs(conv(n.args))
-            nodes.append(OpNode(n.name, "output", "output", args=(), inputs=refs))
-            continue
-        if n.op != "call_function":
-            continue
-        if isinstance(val, torch.SymInt) or (val is None and "sym_size" in str(n.target)):
-            sym_nodes[n.name] = dim(val) if val is not None else None
-            continue
-        args, kwargs = conv(n.args), conv(n.kwargs)
-        ins = flatten_refs(args) + flatten_refs(kwargs)
-        stack = list((n.meta.get("nn_module_stack") or {}).values())
-        paths = [strip(p[0] if isinstance(p, tuple) else str(p)) for p in stack]
-        paths = [p for p in paths if p and not p.startswith("_empty")]
-        mod_path = paths[-1] if paths else ""
-        mtype = (stack[-1][1] if stack and isinstance(stack[-1], tuple) else "")
-        mtype = str(mtype).rsplit(".", 1)[-1]
-        target = "getitem" if n.target is getattr(__import__("operator"), "getitem") else str(n.target)
-        nodes.append(OpNode(
-            n.name, "call", target, args=args, kwargs=kwargs, inputs=ins,
-            outputs=meta_of(val), params=[placeholder_param[i] for i in ins if i in placeholder_param],
-            module_path=mod_path, module_type=mtype))
+        spec = spec_of.get(n.name)
+        kind = spec.kind if spec is not None else InputKind.USER_INPUT
+        outs = meta_of(val)
+        if kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            fq = canon.get(strip(spec.target), strip(spec.target))
+            info = ParamInfo(fq, tuple(int(d) for d in val.shape), _dtype(val.dtype),
+                             tied=tied.get(fq, []), requires_grad=kind == InputKind.PARAMETER)
+            (params if kind == InputKind.PARAMETER else buffers)[fq] = info
+            placeholder_param[n.name] = fq
+            nodes.append(OpNode(n.name, "param" if kind == InputKind.PARAMETER else "buffer",
+                                "placeholder", outputs=outs, fqn=fq))
+        elif kind == InputKind.USER_INPUT:
+            nodes.append(OpNode(n.name, "input", "placeholder", outputs=outs, fqn=n.name))
+        else:
+            nodes.append(OpNode(n.name, "constant", "placeholder", outputs=outs,
+                                fqn=strip(getattr(spec, "target", n.name) or n.name)))
+    out = emit_calls(graph_nodes, ep.graph_module, "")
+    nodes.append(OpNode("output", "output", "output", args=(), inputs=flatten_refs(out)))
     return _finish(model, nodes, params, buffers, name, inputs, method="torch.export")
 
 
