@@ -174,6 +174,10 @@ def test_reductions():
     assert s["d1@0"].out_specs == [("P",)]
     s, _ = by_name(make("amax", [(4, 8)], [(4,)], extra_args=([1],)))
     assert "d1@0" not in s                                   # max of a split dim is not a sum
+    s, _ = by_name(make("topk", [(4, 8)], [(4, 2), (4, 2)], extra_args=(2, -1)))
+    assert set(s) == {"replicate", "d0@0"}
+    s, _ = by_name(make("max", [(4, 8), (4, 8)], [(4, 8)], target="aten.max.other"))
+    assert "d1@0" in s                                       # element-wise max of two tensors
 
 
 def test_losses():

@@ -134,6 +134,7 @@ class IntraOpProblem:
     # ------------------------------------------------------------------ which nodes
     def _select(self, nodes: Optional[Iterable[str]]) -> None:
         g = self.graph
+        self.known = {n.name for n in g.nodes}
         if nodes is None:
             calls = [n.name for n in g.nodes if n.kind == "call"]
         else:
@@ -145,16 +146,14 @@ class IntraOpProblem:
         seen = set()
         for c in calls:
             for i in g.node(c).inputs:
+                if i not in self.known or not g.node(i).outputs:
+                    continue
                 if i not in call_set and i not in seen:
                     seen.add(i)
                     producers.append(i)
         self.outer = producers                    # params, inputs, boundary tensors
-        outs = []
-        consumers = g.consumers()
-        for c in calls:
-            cons = consumers.get(c, [])
-            if any(g.node(x).kind == "output" for x in cons):
-                outs.append(c)
+        returned = {i for n in g.nodes if n.kind == "output" for i in n.inputs}
+        outs = [c for c in calls if c in returned]
         self.output_refs = outs                   # tensors the graph returns (the loss)
         self.in_set = call_set | set(producers)
 
@@ -198,6 +197,8 @@ class IntraOpProblem:
                         break
                     trial[a.name] = b.name
                     for ia, ib in zip(a.inputs, b.inputs):
+                        if ia not in self.known or ib not in self.known:
+                            continue
                         na, nb = g.node(ia), g.node(ib)
                         if na.kind in ("param", "buffer", "constant"):
                             if nb.kind != na.kind or trial.get(ia, ib) != ib or rep.get(ia, ia) != ia \
@@ -224,7 +225,8 @@ class IntraOpProblem:
         for c in self.calls:
             n = g.node(c)
             for k, i in enumerate(n.inputs):
-                edges.append((i, self._out_index(n, k), c, k))
+                if i in self.in_set:
+                    edges.append((i, self._out_index(n, k), c, k))
         for k, c in enumerate(self.output_refs):
             edges.append((c, 0, OUTPUT, k))
         for p, o, c, k in edges:
@@ -244,12 +246,26 @@ class IntraOpProblem:
             self.copies[rj].append(j)
             self.rg[j] = self.rg.get(p, False)
 
-    def _junction_strategies(self, producer: OpNode, o: int) -> list[Strategy]:
+    def _junction_strategies(self, producer: OpNode, o: int, jname: str) -> list[Strategy]:
+        """Layouts worth holding a shared tensor in: any its producer gives or a consumer
+        wants; gradients kept partial along axes where some consumer leaves them partial."""
         shape = tuple(int(d) for d in producer.outputs[o].shape)
         nout = len(producer.outputs)
+        specs: dict[Spec, None] = {}
+        gp_axes: set[int] = set()
+        pp = self.pnodes.get(producer.name)
+        if pp is not None:
+            for st in pp.strategies:
+                specs[st.out_specs[o] if o < len(st.out_specs) else st.out_specs[0]] = None
+        for p, oo, c, k in self.actual_edges:
+            if p == jname and self.rep.get(c, c) in self.pnodes:
+                for st in self.pnodes[self.rep.get(c, c)].strategies:
+                    specs[st.in_specs[k]] = None
+                    gp_axes.update(st.grad_partial[k])
+        specs[(REPLICATE,) * len(self.mesh_shape)] = None
         out = []
-        for sp in all_specs(shape, self.mesh_shape):
-            free = [a for a in range(len(sp)) if sp[a] == REPLICATE and self.mesh_shape[a] > 1]
+        for sp in specs:
+            free = [a for a in sorted(gp_axes) if sp[a] == REPLICATE and self.mesh_shape[a] > 1]
             subsets = [()]
             if self.rg.get(producer.name, False):
                 subsets = [c for r in range(len(free) + 1) for c in itertools.combinations(free, r)]
@@ -263,9 +279,12 @@ class IntraOpProblem:
         g = self.graph
         metas = []
         for k, i in enumerate(n.inputs):
+            if i not in self.known:                       # a sub-graph (higher-order op) argument
+                metas.append(TensorMeta((), "float32"))
+                continue
             p = g.node(i)
             idx = self._out_index(n, k)
-            metas.append(p.outputs[idx] if idx < len(p.outputs) else p.outputs[0])
+            metas.append(p.outputs[idx] if idx < len(p.outputs) else (p.outputs[0] if p.outputs else TensorMeta((), "float32")))
         return OpContext(n, metas, self.mesh_shape, g, self.float_bytes)
 
     def _out_index(self, consumer: OpNode, k: int) -> int:
@@ -293,8 +312,8 @@ class IntraOpProblem:
             cnt = len(self.copies[name])
             if o >= 0:
                 prod = g.node(name.rsplit("#", 1)[0])
-                self.pnodes[name] = PNode(name, "junction", prod, self._junction_strategies(prod, o),
-                                          "junction", cnt, self.rg.get(name, False))
+                self.pnodes[name] = PNode(name, "junction", prod, [], "junction", cnt,
+                                          self.rg.get(name, False))
                 continue
             n = g.node(name)
             if name in self.outer:
@@ -315,6 +334,9 @@ class IntraOpProblem:
                 full = [s for s in sts if s.work_div == heavy_need]
                 sts = full or sts
             self.pnodes[name] = PNode(name, "call", n, sts, fam, cnt, self.rg.get(name, False))
+        for name, pn in self.pnodes.items():
+            if pn.kind == "junction":
+                pn.strategies = self._junction_strategies(pn.node, int(name.rsplit("#", 1)[1]), name)
         self.pnodes[OUTPUT] = PNode(OUTPUT, "output", None, [Strategy(
             "output", [(REPLICATE,) * len(self.mesh_shape)] * len(self.output_refs), [],
             [()] * len(self.output_refs))], "output", 1)
@@ -325,14 +347,9 @@ class IntraOpProblem:
         self.groups: list[Group] = []
         for name, pn in self.pnodes.items():
             if merge and pn.kind == "call":
-                rule = rules_mod.rule_for(pn.node.op)
-                prods = {self.rep[self._src(pn.node, k)] for k in range(len(pn.node.inputs))}
-                if rule is not None and rule.follow and len(prods) == 1:
-                    p = next(iter(prods))
-                    pp = self.pnodes.get(p)
-                    if pp is not None and pp.kind in ("call", "junction") and pp.group >= 0 and \
-                            pp.node.layer == pn.node.layer and self._merge(pn, pp):
-                        continue
+                main = self._main_operand(pn)
+                if main is not None and self._merge(pn, self.pnodes[main[0]], main[1]):
+                    continue
             pn.group = len(self.groups)
             self.groups.append(Group(name, [name], [{name: i} for i in range(len(pn.strategies))]))
 
@@ -341,9 +358,36 @@ class IntraOpProblem:
         i = n.inputs[k]
         return self.junction.get((i, self._out_index(n, k)), i)
 
-    def _merge(self, f: PNode, p: PNode) -> bool:
+    def _main_operand(self, f: PNode) -> Optional[tuple[str, list[int]]]:
+        """The operand a follower op is merged into (Alpa §4.2): its only producer, or for an
+        element-wise op with several, the first operand of the output's shape made by an op of
+        the same layer. Returns (producer's problem node, the inputs it feeds)."""
+        rule = rules_mod.rule_for(f.node.op)
+        if rule is None or not rule.follow or not f.node.inputs:
+            return None
+        srcs = [self.rep.get(self._src(f.node, k), "?") for k in range(len(f.node.inputs))]
+        out_shape = f.node.outputs[0].shape
+        cands = list(dict.fromkeys(srcs)) if len(set(srcs)) == 1 else [
+            srcs[k] for k in range(len(srcs))
+            if self._ctx_meta(f.node, k) is not None and self._ctx_meta(f.node, k).shape == out_shape]
+        for p in cands:
+            pp = self.pnodes.get(p)
+            if pp is not None and pp.kind in ("call", "junction") and pp.group >= 0 \
+                    and (pp.node.layer == f.node.layer or (pp.count == 1 and f.count == 1)):
+                return p, [k for k in range(len(srcs)) if srcs[k] == p]
+        return None
+
+    def _ctx_meta(self, n: OpNode, k: int) -> Optional[TensorMeta]:
+        i = n.inputs[k]
+        if i not in self.known:
+            return None
+        p = self.graph.node(i)
+        o = self._out_index(n, k)
+        return p.outputs[o] if o < len(p.outputs) else None
+
+    def _merge(self, f: PNode, p: PNode, ks: list[int]) -> bool:
         grp = self.groups[p.group]
-        oidx = self._out_index(f.node, 0)
+        oidx = self._out_index(f.node, ks[0])
         choice = []
         for ch in grp.choice:
             pst = p.strategies[ch[p.name]]
@@ -352,9 +396,9 @@ class IntraOpProblem:
             best, bkey = None, None
             for j, st in enumerate(f.strategies):
                 c = self.node_cost(f, st)[0]
-                for k in range(len(f.node.inputs)):
+                for k in ks:
                     c += self.edge_cost(p.name, oidx, sp, f.name, k, st, sgp)[0]
-                key = (round(c, 15), st.in_specs[0] != sp, j)
+                key = (round(c, 15), st.in_specs[ks[0]] != sp, j)
                 if bkey is None or key < bkey:
                     best, bkey = j, key
             new = dict(ch)

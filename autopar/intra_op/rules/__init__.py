@@ -75,6 +75,13 @@ def strategies(ctx: OpContext) -> tuple[list[Strategy], str]:
             log.debug("rule %s failed on %s", rule.family, ctx.node.name, exc_info=True)
             out = []
             _warn(ctx.node.op, f"rule {rule.family} failed ({type(e).__name__}: {e})")
+        n_in, n_out = len(ctx.in_metas), len(ctx.out_metas)
+        bad = [st for st in out if len(st.in_specs) != n_in or len(st.out_specs) != n_out
+               or len(st.grad_partial) != n_in]
+        if bad:
+            _warn(ctx.node.op, f"rule {rule.family} gave {len(bad[0].in_specs)} input layouts for "
+                               f"{n_in} inputs")
+            out = []
         if out:
             return out, rule.family
     else:

@@ -19,7 +19,10 @@ UNARY = ("relu", "gelu", "silu", "tanh", "sigmoid", "exp", "log", "log1p", "expm
          "bernoulli", "nan_to_num", "pow", "type_as", "masked_fill", "where", "lerp",
          "add", "sub", "rsub", "mul", "div", "true_divide", "floor_divide", "remainder", "fmod",
          "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
-         "bitwise_and", "bitwise_or", "atan2", "addcmul", "addcdiv", "copy", "copy_", "xlogy")
+         "bitwise_and", "bitwise_or", "atan2", "addcmul", "addcdiv", "copy", "copy_", "xlogy",
+         "__and__", "__or__", "__xor__", "__invert__", "bitwise_xor", "logical_xor", "masked_fill_",
+         "gelu_", "relu_", "add_", "mul_", "div_", "sub_", "fill_", "clamp_", "isin", "float_power",
+         "log_sigmoid", "logit", "erfinv", "exp2", "sgn", "trunc", "frac", "heaviside", "hypot")
 LINEAR_UNARY = ("neg", "to", "_to_copy", "clone", "contiguous", "alias", "detach",
                 "lift_fresh_copy", "positive", "conj")
 
@@ -54,6 +57,28 @@ def linear_unary(ctx: OpContext) -> list[Strategy]:
 @register("outer", "ger", family="elementwise")
 def outer(ctx: OpContext) -> list[Strategy]:
     return label_strategies(ctx, [["i"], ["j"]], [["i", "j"]])
+
+
+@register("diff", family="elementwise", follow=True)
+def diff(ctx: OpContext) -> list[Strategy]:
+    """x[..., 1:] - x[..., :-1] along `dim`: that dim stays whole."""
+    n = len(ctx.in_shape(0))
+    a = ctx.node.args
+    dim = (a[2] if len(a) > 2 else ctx.node.kwargs.get("dim", -1)) % n
+    ins = [dims_labels(n)[:dim] + [None] + dims_labels(n)[dim + 1:]]
+    ins += [[None] * len(ctx.in_shape(i)) for i in range(1, len(ctx.in_metas))]
+    return label_strategies(ctx, ins, [ins[0]])
+
+
+@register("pad", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d", "replication_pad1d",
+          "replication_pad2d", family="elementwise", follow=True)
+def pad(ctx: OpContext) -> list[Strategy]:
+    """Padding: the padded (trailing) dims stay whole."""
+    n = len(ctx.in_shape(0))
+    widths = ctx.node.args[1] if len(ctx.node.args) > 1 else []
+    k = len(widths) // 2
+    labels = dims_labels(n)[:n - k] + [None] * k
+    return label_strategies(ctx, [labels], [labels])
 
 
 @register("triu", "tril", family="elementwise", follow=True)

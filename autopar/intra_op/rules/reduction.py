@@ -26,6 +26,10 @@ def _reduced_dims(ctx: OpContext) -> tuple[list[int], bool]:
 def reduction(ctx: OpContext) -> list[Strategy]:
     n = len(ctx.in_shape(0))
     op = ctx.node.op
+    if len(ctx.in_metas) == 2 and op in ("max", "min"):          # max.other / min.other
+        from autopar.intra_op.rules.elementwise import elementwise
+
+        return elementwise(ctx)
     if op == "cumsum":
         d = ctx.node.args[1] % n
         li = dims_labels(n)
@@ -41,3 +45,22 @@ def reduction(ctx: OpContext) -> list[Strategy]:
     outs = [lo if len(ctx.out_shape(j)) == len(lo) else [None] * len(ctx.out_shape(j))
             for j in range(len(ctx.out_metas))]
     return label_strategies(ctx, [li], outs, reduced=[f"d{d}" for d in red] if summing else [])
+
+
+@register("topk", "sort", "argsort", "kthvalue", "mode", "median", "cummax", "cummin", family="reduction")
+def along_dim(ctx: OpContext) -> list[Strategy]:
+    """Ops that work along one dim (sort, top-k): that dim stays whole, the others may split."""
+    x = ctx.in_shape(0)
+    n = len(x)
+    a = ctx.node.args
+    op = ctx.node.op
+    pos = {"topk": 2, "kthvalue": 2}.get(op, 1)
+    dim = a[pos] if len(a) > pos and isinstance(a[pos], int) else ctx.node.kwargs.get("dim", -1)
+    dim = dim % n if n else 0
+    li = dims_labels(n)
+    li[dim] = None
+    outs = []
+    for j in range(len(ctx.out_metas)):
+        o = ctx.out_shape(j)
+        outs.append(li if len(o) == n else [l for k, l in enumerate(li) if k != dim] if len(o) == n - 1 else [None] * len(o))
+    return label_strategies(ctx, [li], outs)
