@@ -109,7 +109,7 @@ TP_COLLECTIVES = {
 }
 
 LAYOUTS = ["single", "dp2", "dp4", "tp2", "tp4", "dp2xtp2", "pp2xdp2", "pp2xtp2", "pp4v2", "zero3dp4",
-           "zero2dp4", "recompute_dp4", "selective_tp4", "pp2xdp2z2", "pp2xdp2z3"]
+           "zero2dp4", "recompute_dp4", "selective_tp4", "pp2xdp2z2", "pp2xdp2z3", "zero3dp2xtp2"]
 
 
 def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
@@ -151,6 +151,14 @@ def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
         return _plan(ref, [StagePlan(index=0, devices=[0, 1, 2, 3], mesh_shape=(4,), mesh_axis_names=("tp",),
                                      layers=L, placements=megatron_placements(nb, ("tp",)))],
                      gbs=gbs, mb=gbs, m=1, collectives=dict(TP_COLLECTIVES["tp"]))
+    if layout == "zero3dp2xtp2":
+        pl = megatron_placements(nb, ("dp", "tp"))
+        pl = {n: ("S(0)", pl.get(n, ("R", "R"))[1]) for n in _param_names(ref)}
+        return _plan(ref, [StagePlan(index=0, devices=[0, 1, 2, 3], mesh_shape=(2, 2), mesh_axis_names=("dp", "tp"),
+                                     layers=L, placements=pl)],
+                     gbs=gbs, mb=gbs // 2, m=1, zero=3,
+                     # tp's 8 all-gathers and 12 all-reduces + ZeRO-3's 5 all-gathers, 3 reduce-scatters
+                     collectives={"all_gather": 13, "all_reduce": 12, "reduce_scatter": 3})
     if layout == "dp2xtp2":
         c = dict(TP_COLLECTIVES["tp"])
         c["all_reduce"] = c.get("all_reduce", 0) + 1

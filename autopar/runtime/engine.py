@@ -310,9 +310,8 @@ class ParallelModel:
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.my_mesh.dp_mesh
-        if self.tp_size > 1:
-            raise PlanError("ZeRO-3 together with tensor parallelism inside a stage is not supported by "
-                            "the runtime yet; plan zero_stage <= 2 with tp, or tp = 1 with ZeRO-3")
+        # with tp, parameters are already DTensors on the sibling tp sub-mesh: FSDP2 makes them
+        # 2-D (Shard on dp, the planned placement on tp)
         # parameters used by more than one layer (tied) stay with the root unit
         owners: dict[int, set[str]] = {}
         for fqn in layers:
