@@ -209,6 +209,18 @@ def _param_names(ref: str) -> list[str]:
     return [n for n, _ in b.model.named_parameters()]
 
 
+def build_api_check(steps: int, seed: int) -> dict:
+    """`autopar.runtime.build` + `ParallelModel.step` from a user's loop (dp2 x tp2)."""
+    from autopar.models.registry import call_batch_fn
+    from autopar.runtime import build
+
+    plan = make_plan("dp2xtp2")
+    b = build_model("gpt-tiny", device="meta")
+    pm = build(plan, "gpt-tiny", seed=seed)
+    losses = [pm.step(call_batch_fn(b.batch_fn, s, plan.global_batch_size, seed)) for s in range(steps)]
+    return {"losses": losses}
+
+
 def spmd2d_check() -> dict:
     """`autopar.runtime.spmd.parallelize` on a (dp 2, tp 2) mesh with Megatron placements and
     batch-sharded inputs: forward loss and a backward vs one process on the full batch."""
@@ -255,6 +267,9 @@ def run_layouts_job(layouts: list[str], out_path: str, steps: int = 4, seed: int
         for lay in layouts:
             if lay == "spmd2d":
                 results[lay] = spmd2d_check()
+                continue
+            if lay == "build_api":
+                results[lay] = build_api_check(steps, seed)
                 continue
             plan = make_plan(lay)
             bundle = build_model(plan.model.name, device="meta")

@@ -136,13 +136,15 @@ def test_layouts_equal_one_process_and_count_collectives(tmp_path):
     and `parallelize` on a 2-D mesh."""
     layouts = ["dp4", "tp4", "dp2xtp2", "pp2xdp2", "pp2xtp2", "pp4v2", "zero3dp4", "zero2dp4",
                "pp2xdp2z2", "pp2xdp2z3", "recompute_dp4", "selective_tp4", "zero3dp2xtp2"]
-    res = launch_layouts(layouts + ["spmd2d"], tmp_path)
+    res = launch_layouts(layouts + ["spmd2d", "build_api"], tmp_path)
     errors = {k: v["error"] for k, v in res.items() if isinstance(v, dict) and "error" in v}
     assert not errors, errors
     # spmd.parallelize on a (dp2, tp2) mesh, batch-sharded inputs: loss and gradient of one process
     sp = res["spmd2d"]
     assert abs(sp["loss"] - sp["ref"]) <= 1e-5 * abs(sp["ref"]), sp
     assert sp["grad_err"] <= 1e-5 * sp["grad_scale"], sp
+    # build() + step() from a user's loop
+    assert close(res["build_api"]["losses"], reference_losses(), 1e-4), res["build_api"]
     for lay in layouts:
         rows = res[lay]
         steps = [r for r in rows if "step" in r]

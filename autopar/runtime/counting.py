@@ -15,6 +15,20 @@ broadcast, send_recv):
 * Coalesced calls count once. Collectives outside the step (initialisation, metrics, checkpoint)
   are not counted.
 
+What the runtime's layouts issue (for planners matching the count):
+
+* dp gradient sync, once per stage per step (after all micro-batches): zero_stage 0 -> 1
+  all_reduce (one flat bucket); zero_stage 1/2 -> 1 reduce_scatter + 1 all_gather.
+* zero_stage 3 (`fully_shard`): U units per stage = the stage's layers whose parameters no other
+  layer of the stage shares, + the stage root when it holds parameters directly (tied ones).
+  Without pipelining: all_gather = M·U (forward) + M·(U − 1 if the root holds parameters, else
+  U) (backward; the root is not resharded after forward); reduce_scatter = U. In a pipeline:
+  all_gather = U·(M + 1), reduce_scatter = U.
+* tp: what DTensor's sharding propagation issues for the placements (measured, e.g. the zoo
+  GPT with Megatron placements, 2 blocks: all_gather 8, all_reduce 12 per micro-batch).
+* pp: send_recv = 2·M·(chunks − 1); +1 all_reduce when a tied parameter spans stages.
+* recompute re-runs the forward collectives of the recomputed region in the backward.
+
 Measured: every rank counts what it issues (a TorchDispatchMode that sees c10d and functional
 collectives, DTensor's included); `global_counts` combines them: only one representative rank
 per distinct stage device set (the device at mesh coordinate 0) contributes, a collective counted
