@@ -26,8 +26,7 @@ How each part of the plan is executed:
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -524,9 +523,10 @@ class ParallelModel:
 
     def reduce_loss(self, local: tuple[float, int]) -> float:
         """Mean loss over the global batch from every rank's `train_step` result (a collective)."""
-        t = torch.tensor([local[0], float(local[1])], dtype=torch.float64)
+        t = torch.tensor([local[0], float(local[1])], dtype=torch.float64, device=self.device)
         if self.world > 1:
-            dist.all_reduce(t)
+            dist.all_reduce(t)  # on the device: NCCL reduces device tensors only
+        t = t.cpu()
         return float(t[0] / t[1]) if t[1] > 0 else float("nan")
 
     def forward_backward(self, batch: Sequence[Any]) -> tuple[float, int]:

@@ -119,9 +119,10 @@ def train(plan: Plan, bundle: Any, *, steps: int, seed: int = 0, metrics_path: O
             dt = time.perf_counter() - t0
             loss = pm.reduce_loss(local)
             mem = peak_memory_bytes(pm.device)
-            tm = torch.tensor([dt, float(mem)], dtype=torch.float64)
+            tm = torch.tensor([dt, float(mem)], dtype=torch.float64, device=pm.device)
             if dist.get_world_size() > 1:
                 dist.all_reduce(tm, op=dist.ReduceOp.MAX)
+            tm = tm.cpu()
             coll = global_counts(counter, pm.representatives) if counter is not None else {}
             row = {"step": step, "loss": loss, "time_s": float(tm[0]), "peak_memory_bytes": int(tm[1]),
                    "collectives": coll}
