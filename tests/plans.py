@@ -109,7 +109,7 @@ TP_COLLECTIVES = {
 }
 
 LAYOUTS = ["single", "dp2", "dp4", "tp2", "tp4", "dp2xtp2", "pp2xdp2", "pp2xtp2", "pp4v2", "zero3dp4",
-           "zero2dp4", "recompute_dp4", "selective_tp4", "pp2xdp2z2", "pp2xdp2z3", "zero3dp2xtp2"]
+           "zero2dp2", "zero2dp4", "recompute_dp4", "selective_tp4", "pp2xdp2z2", "pp2xdp2z3", "zero3dp2xtp2"]
 
 
 def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
@@ -131,6 +131,11 @@ def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
         return _plan(ref, [StagePlan(index=0, devices=[0, 1, 2, 3], mesh_shape=(4,), mesh_axis_names=("dp",),
                                      layers=L, placements=pl)],
                      gbs=gbs, mb=gbs // 4, m=1, zero=3, collectives={"all_gather": 5, "reduce_scatter": 3})
+    if layout == "zero2dp2":
+        return _plan(ref, [StagePlan(index=0, devices=[0, 1], mesh_shape=(2,), mesh_axis_names=("dp",),
+                                     layers=L)],
+                     gbs=gbs, mb=gbs // 2, m=1, zero=2, collectives={"all_gather": 1, "reduce_scatter": 1},
+                     nodes_devices=2)
     if layout == "zero2dp4":
         return _plan(ref, [StagePlan(index=0, devices=[0, 1, 2, 3], mesh_shape=(4,), mesh_axis_names=("dp",),
                                      layers=L)],

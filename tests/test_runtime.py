@@ -174,7 +174,8 @@ def test_world_size_mismatch_is_refused():
 def test_checkpoint_restart_and_reshard(tmp_path):
     """Rank 1 dies before step 3; torchrun restarts the group, it resumes from the last
     checkpoint, and the final parameters equal an uninterrupted run's. A tp2 plan then resumes
-    the dp2 checkpoint of step 4 (DCP resharding) and ends at the same parameters."""
+    the dp2 checkpoint of step 4 (DCP resharding) and ends at the same parameters; so does a
+    ZeRO-2 plan, whose saved optimizer state matches the dp2 run's."""
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -193,15 +194,26 @@ def test_checkpoint_restart_and_reshard(tmp_path):
     (c / ".tmp-step_00000006").mkdir()  # an interrupted save: ignored
     rc = run(make_plan("tp2"), "gpt-tiny", steps=steps, checkpoint_dir=str(c), quiet=True)
     assert [r["step"] for r in rc if "step" in r] == [4, 5]
+    d = tmp_path / "d"  # ZeRO-2 (flat optimizer shards) resumes the dp2 checkpoint too
+    d.mkdir()
+    shutil.copytree(a / "step_00000004", d / "step_00000004")
+    rd = run(make_plan("zero2dp2"), "gpt-tiny", steps=steps, checkpoint_dir=str(d), quiet=True)
+    assert [r["step"] for r in rd if "step" in r] == [4, 5]
 
     def final(d: Path) -> dict:
         out = d / "final.pt"
         dcp_to_torch_save(str(d / f"step_{steps:08d}"), str(out))
         return torch.load(out, weights_only=False)
 
-    fa, fb, fc = final(a), final(b), final(c)
+    fa, fb, fc, fd = final(a), final(b), final(c), final(d)
     keys = [k for k in fa if k.startswith("model.")]
-    assert keys and int(fa["step"]) == int(fb["step"]) == int(fc["step"]) == steps
+    assert keys and int(fa["step"]) == int(fb["step"]) == int(fc["step"]) == int(fd["step"]) == steps
     for k in keys:
         assert torch.equal(fa[k], fb[k]), k
         assert torch.allclose(fa[k], fc[k], rtol=1e-4, atol=1e-6), k
+        assert torch.allclose(fa[k], fd[k], rtol=1e-4, atol=1e-6), k
+    # the optimizer state is stored per parameter whatever the layout (ZeRO-2 gathers its shards)
+    okeys = [k for k in fa if k.startswith("optim.")]
+    assert okeys and set(okeys) == {k for k in fd if k.startswith("optim.")}
+    for k in okeys:
+        assert torch.allclose(fa[k], fd[k], rtol=1e-4, atol=1e-8), k

@@ -6,7 +6,7 @@ named `step_*` is always complete; leftovers of an interrupted save (`.tmp-*`) a
 removed. Keys are layout-independent: `model.<canonical FQN>` for parameters and
 `optim.<canonical FQN>.<state>` for the optimizer state, each the full logical tensor (a DTensor
 where the layout shards it), so a plan with another layout resumes from it (DCP reshards).
-ZeRO-1/2's flat optimizer shards are saved under `zero12.*` and need the same layout to resume.
+ZeRO-1/2's flat optimizer shards are gathered and stored per parameter under the same keys.
 """
 
 from __future__ import annotations
@@ -53,27 +53,64 @@ def _ensure_optimizer_state(opt: torch.optim.Optimizer) -> None:
                     st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
+def _zero12_per_param(pm, named) -> dict:
+    """ZeRO-1/2 keeps the optimizer state as flat dp shards; a checkpoint stores it per
+    parameter (`optim.<fqn>.<state>`, the same keys as unsharded layouts) so any layout resumes
+    from it. Gathers the flat state over dp (a collective). The tensors are fresh buffers; after
+    a load, `_zero12_scatter_back` copies them into the flat shard."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict = {}
+    st = pm.optimizer.state.get(pm.flat_shard, {})
+    S, D = pm.shard_size, pm.dp_size
+    for k, v in st.items():
+        if not isinstance(v, torch.Tensor):
+            continue
+        if v.dim() == 1 and v.numel() == S:
+            full = torch.empty(S * D, dtype=v.dtype, device=v.device)
+            dist.all_gather_into_tensor(full, v.contiguous(), group=pm.dp_group)
+            off = 0
+            for n, p in named:
+                loc = pm._local(p.data)
+                seg = full[off:off + loc.numel()].view(loc.shape).clone()
+                off += loc.numel()
+                if isinstance(p.data, DTensor):
+                    seg = DTensor.from_local(seg, p.data.device_mesh, p.data.placements, run_check=False,
+                                             shape=p.data.shape, stride=p.data.stride())
+                out[f"optim.{n}.{k}"] = seg
+        else:
+            for n, _ in named:
+                out[f"optim.{n}.{k}"] = v.clone()
+    return out
+
+
+def _zero12_scatter_back(pm, state: dict) -> None:
+    """After a load: the per-parameter optimizer state back into this rank's flat shard."""
+    st = pm.optimizer.state[pm.flat_shard]
+    named = pm.local_named_parameters()
+    lo = pm.dp_rank * pm.shard_size
+    for k, v in st.items():
+        if not isinstance(v, torch.Tensor):
+            continue
+        if v.dim() == 1 and v.numel() == pm.shard_size:
+            full = torch.cat([pm._local(state[f"optim.{n}.{k}"]).reshape(-1) for n, _ in named])
+            seg = full[lo:lo + pm.shard_size]
+            v.zero_()
+            v[:seg.numel()].copy_(seg)
+        else:
+            v.copy_(state[f"optim.{named[0][0]}.{k}"])
+
+
 def state_dict(pm, *, for_load: bool = False) -> dict:
     """The DCP state of a ParallelModel (tensors alias the live ones, so a load is in place)."""
-    from torch.distributed.tensor import DTensor, Shard
-
     state: dict = {"step": torch.tensor(pm.steps_done, dtype=torch.int64)}
     named = pm.local_named_parameters()
     for n, p in named:
-        state[f"model.{n}"] = p.data if not isinstance(p.data, DTensor) else p.data
+        state[f"model.{n}"] = p.data
     if for_load:
         _ensure_optimizer_state(pm.optimizer)
     if pm.zero12:
-        p = pm.flat_shard
-        st = pm.optimizer.state.get(p, {})
-        mesh = pm.my_mesh.dp_mesh
-        idx = list(pm.meshes).index(pm.my_mesh.devices)
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == p.numel():
-                state[f"zero12.stage{idx}.tp{pm.tp_rank}.{k}"] = DTensor.from_local(v, mesh, [Shard(0)],
-                                                                                    run_check=False)
-            elif isinstance(v, torch.Tensor):
-                state[f"zero12.stage{idx}.tp{pm.tp_rank}.{k}"] = v
+        state.update(_zero12_per_param(pm, named))
     else:
         names = {id(p): n for n, p in named}
         for p, st in pm.optimizer.state.items():
@@ -118,6 +155,7 @@ def load(pm, path: str | Path) -> int:
     pm.steps_done = int(state["step"])
     if pm.zero12:  # parameters are the source of truth; refresh the flat shard from them
         with torch.no_grad():
+            _zero12_scatter_back(pm, state)
             locs = [pm._local(p.data) for p in pm.params]
             flat = torch.cat([t.reshape(-1) for t in locs])
             lo = pm.dp_rank * pm.shard_size
