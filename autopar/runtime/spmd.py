@@ -183,12 +183,17 @@ class SPMDModule(nn.Module):
 
 
 def parallelize(module: nn.Module, mesh: DeviceMesh, param_placements: dict[str, tuple[str, ...]],
-                input_placements: list[tuple[str, ...]]) -> nn.Module:
+                input_placements: list[tuple[str, ...]], *,
+                output_placements: dict[str, tuple[str, ...]] | None = None) -> nn.Module:
     """Shard `module` over `mesh` as planned and return a module whose forward takes local input
     shards (placed by `input_placements`, one tuple per positional input, one entry per mesh
     axis) and returns the loss as a plain tensor, equal to the one-process loss.
 
     `param_placements`: parameter FQN -> one placement per mesh axis ("R", "S(d)").
+    `output_placements` (optional): submodule FQN -> the layout its output is consumed in; the
+    output is `redistribute`d there (a forward hook), so the activations follow the plan rather
+    than DTensor's own choice. Entries with a "P" (partial) are left as DTensor produces them.
+
     Parameters must be materialised (not on meta); every rank passes the same full values
     (each keeps its shard)."""
     register_extra_strategies()
@@ -198,6 +203,17 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, param_placements: dict[str,
     if unknown:
         raise PlanError(f"placements name parameters the module does not have: {', '.join(unknown[:5])}")
     distribute_params(module, mesh, param_placements, src_data_rank=None)
+    for path, spec in (output_placements or {}).items():
+        if any(str(x).strip() == "P" for x in spec):
+            continue
+        sub = module.get_submodule(path)
+
+        def hook(m: nn.Module, args: Any, out: Any, spec: Sequence[str] = spec) -> Any:
+            if isinstance(out, DTensor):
+                return out.redistribute(out.device_mesh, to_placements(spec, out.dim()))
+            return out
+
+        sub.register_forward_hook(hook)
     return SPMDModule(module, mesh, input_placements)
 
 
