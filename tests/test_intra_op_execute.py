@@ -42,23 +42,26 @@ class MLPSumLoss(MLP):
         return ((x - y) ** 2).sum() / x.numel()
 
 
-# (model, batch, hidden, expected plan): Megatron when the weights outweigh the activations,
-# data parallel when the batch does. alpha = 0 so that the choice is by bytes alone.
+# (model, batch, hidden, mesh shape, expected plan): Megatron when the weights outweigh the
+# activations, data parallel when the batch does, both on a 2-D mesh whose axis 0 is 100x
+# slower (data parallel there, Megatron on the fast axis). alpha = 0: choices by bytes alone.
 CASES = {
-    "megatron": (MLP, 8, 64, {"layers.0.weight": ("S(0)",), "layers.1.weight": ("S(1)",)}),
-    "data-parallel": (MLPSumLoss, 256, 16, {"layers.0.weight": ("R",), "layers.1.weight": ("R",)}),
+    "megatron": (MLP, 8, 64, (4,), {"layers.0.weight": ("S(0)",), "layers.1.weight": ("S(1)",)}),
+    "data-parallel": (MLPSumLoss, 256, 16, (4,), {"layers.0.weight": ("R",), "layers.1.weight": ("R",)}),
+    "2d": (MLPSumLoss, 192, 64, (2, 2), {"layers.0.weight": ("R", "S(0)"), "layers.1.weight": ("R", "S(1)")}),
 }
 
 
-def _mesh():
-    return autopar.LogicalMesh(shape=(WORLD,), alpha=(0.0,), beta=(1 / 25e9,))
+def _mesh(shape):
+    beta = (1 / 25e9,) if len(shape) == 1 else (100 / 300e9, 1 / 300e9)
+    return autopar.LogicalMesh(shape=shape, alpha=(0.0,) * len(shape), beta=beta)
 
 
-def _solution(cls, batch, hidden):
+def _solution(cls, batch, hidden, shape):
     with torch.device("meta"):
         m = cls(hidden, hidden, 2)
     x = torch.zeros(batch, hidden, device="meta")
-    return auto_shard(m, (x, x), mesh=_mesh())
+    return auto_shard(m, (x, x), mesh=_mesh(shape))
 
 
 def _kind(op) -> str:
@@ -98,9 +101,9 @@ def _worker(rank, port, cases, result_dir):
 
         from autopar.runtime.spmd import grads_to_param_layout, local_shard_rows, parallelize
 
-        mesh = init_device_mesh("cpu", (WORLD,))
         out = {}
-        for name, (cls, batch, hidden, params, inputs, counts, mods) in cases.items():
+        for name, (cls, batch, hidden, shape, params, inputs, counts, mods) in cases.items():
+            mesh = init_device_mesh("cpu", shape)
             torch.manual_seed(0)
             ref = cls(hidden, hidden, 2)
             x = torch.randn(batch, hidden)
@@ -147,22 +150,22 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def solutions():
     sols = {}
-    for name, (cls, batch, hidden, _) in CASES.items():
-        sols[name] = _solution(cls, batch, hidden)
+    for name, (cls, batch, hidden, shape, _) in CASES.items():
+        sols[name] = _solution(cls, batch, hidden, shape)
     return sols
 
 
 def test_solutions_are_the_expected_plans(solutions):
-    for name, (_, _, _, expect) in CASES.items():
+    for name, (_, _, _, _, expect) in CASES.items():
         assert solutions[name].param_placements == expect, name
 
 
 def test_solutions_execute_on_a_gloo_mesh(solutions):
     cases = {}
-    for name, (cls, batch, hidden, _) in CASES.items():
+    for name, (cls, batch, hidden, shape, _) in CASES.items():
         sol = solutions[name]
         inputs = [sol.input_placements[k] for k in ("args_0", "args_1")]
-        cases[name] = (cls, batch, hidden, sol.param_placements, inputs, sol.collective_counts(),
+        cases[name] = (cls, batch, hidden, shape, sol.param_placements, inputs, sol.collective_counts(),
                        sol.module_output_placements)
     with tempfile.TemporaryDirectory() as d:
         try:
@@ -173,7 +176,7 @@ def test_solutions_execute_on_a_gloo_mesh(solutions):
             raise AssertionError("worker failed:\n" + "\n".join(errs[:1]))
         results = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(WORLD)]
     for name in CASES:
-        expect = cases[name][5]
+        expect = cases[name][6]
         for r, res in enumerate(results):
             got = res[name]
             loss, loss_ref = got["loss"]

@@ -449,9 +449,20 @@ class IntraOpProblem:
         return fwd + bwd + sync, fwd, bwd, sync
 
     def tie_break(self, pn: PNode, st: Strategy) -> float:
-        if self.mesh.device is not None or pn.node is None or pn.kind != "call":
+        """A negligible cost that settles ties: ops split their work, inputs and parameters
+        are held in their smallest layout (so a batch split shows in the input's placement
+        rather than as a free local slice after it)."""
+        if pn.node is None:
+            return 0.0
+        if pn.kind in ("input", "boundary", "param"):
+            return TIE_BREAK_S_PER_FLOP * self.memory_bytes_of(pn, st)
+        if self.mesh.device is not None or pn.kind != "call":
             return 0.0
         return TIE_BREAK_S_PER_FLOP * (pn.node.flops + pn.node.bytes_moved) / st.work_div
+
+    def memory_bytes_of(self, pn: PNode, st: Strategy) -> float:
+        meta = pn.node.outputs[0]
+        return local_numel(tuple(int(d) for d in meta.shape), st.out_specs[0], self.mesh_shape) * self.itemsize(meta)
 
     def memory(self, pn: PNode, st: Strategy) -> float:
         if pn.kind == "output" or pn.node is None:
@@ -672,10 +683,49 @@ class IntraOpProblem:
                 assign.append(0)
             else:
                 assign.append(max(range(len(ids)), key=lambda s_: vals[ids[s_]]))
+        assign = self._shard_inputs(assign)
         obj += const
         bound += const
         info["gap"] = 0.0 if status == "OPTIMAL" or obj <= 0 else max(0.0, (obj - bound) / obj)
         return assign, info
+
+    def _shard_inputs(self, assign: list[int]) -> list[int]:
+        """An input held replicated but read by every consumer in one sharded layout (a free
+        local slice) is given that layout instead: same cost, less memory, and the placement
+        says what the runtime must feed."""
+        assign = list(assign)
+        base = self.evaluate(assign)
+        for gi, grp in enumerate(self.groups):
+            pn = self.pnodes[grp.root]
+            if pn.kind != "input" or grp.size == 1:
+                continue
+            wanted = set()
+            for p, o, c, k in self.actual_edges:
+                if self.rep.get(p, p) != grp.root:
+                    continue
+                rc = self.rep.get(c, c)
+                cg = self.pnodes[rc].group
+                st = self.pnodes[rc].strategies[self.groups[cg].choice[assign[cg]][rc]]
+                wanted.add(st.in_specs[k])
+            if len(wanted) != 1:
+                continue
+            (u,) = wanted
+            cur = pn.strategies[grp.choice[assign[gi]][grp.root]].out_specs[0]
+            if u == cur or PARTIAL in u:
+                continue
+            cur_st = pn.strategies[grp.choice[assign[gi]][grp.root]]
+            for s_ in range(grp.size):
+                st = pn.strategies[grp.choice[s_][grp.root]]
+                if st.out_specs[0] == u:
+                    if self.memory_bytes_of(pn, st) >= self.memory_bytes_of(pn, cur_st):
+                        break
+                    trial = list(assign)
+                    trial[gi] = s_
+                    new = self.evaluate(trial)
+                    if new <= base * (1 + 1e-9) + 1e-15:
+                        assign, base = trial, new
+                    break
+        return assign
 
     def _solve_cpsat(self, cost, rows, mem_row, time_limit_s, workers):
         from ortools.sat.python import cp_model
