@@ -58,7 +58,8 @@ _KIND = {
     "send": "send_recv", "recv_": "recv", "recv_any_source_": "recv",
     "gather_": "gather", "scatter_": "scatter", "reduce_": "reduce",
 }
-_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
+_NAMESPACES = frozenset(("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd"))
+from torch.distributed.tensor import DTensor as _DTensor  # noqa: E402
 
 
 def _group_ranks(func: Any, args: Sequence[Any], kwargs: dict) -> tuple[int, ...]:
@@ -93,12 +94,10 @@ class CollectiveCounter(TorchDispatchMode):
         self.enabled = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        from torch.distributed.tensor import DTensor
-
-        if any(t is DTensor for t in types):
+        if _DTensor in types:
             return NotImplemented  # let DTensor desugar into collectives first, then see them
-        if self.enabled and func.namespace in _NAMESPACES:
+        kwargs = kwargs or {}
+        if func.namespace in _NAMESPACES and self.enabled:
             kind = _KIND.get(func._opname)
             if kind is not None:
                 self.events.append((kind, _group_ranks(func, args, kwargs)))
