@@ -2,9 +2,10 @@ r"""The intra-operator ILP (Alpa §4): one sharding strategy per op of a stage, 
 
 Formulation
 -----------
-Let V be the *groups* of the graph (an op, parameter or input; ops that only follow one operand
-are merged into it, and identical layers share one copy of their groups), S_v the strategies of
-group v, and E the edges between groups (a tensor produced in u, consumed in v).
+Let V be the *groups* of the problem and S_v the strategies of group v. A group is an op, a
+parameter, a graph input (or a tensor entering a sub-graph), or a *junction* (below); ops that
+only follow one operand are merged into it, and identical layers share one copy of their
+groups. E is the set of edges between groups (a tensor produced in u, consumed in v).
 
     variables   x_{v,i} ∈ {0,1}                 v ∈ V, i ∈ S_v    (strategy i chosen for v)
                 e_{uv,ab} ∈ {0,1}                 (u,v) ∈ E, a ∈ A_uv, b ∈ B_uv
@@ -16,24 +17,39 @@ group v, and E the edges between groups (a tensor produced in u, consumed in v).
 
 * c_{v,i} (`node_cost`): the op's forward + backward compute (`cost_models.compute.op_time` on
   its share of the work, only when the mesh has a device; without one compute is free and a
-  matmul-family op must split its work over every mesh axis of size > 1) plus the collectives
-  inside the op (vocab-parallel cross-entropy), times the number of identical copies.
+  matmul-family op must split its work over every mesh axis of size > 1, Alpa's convention)
+  plus the collectives inside the op (vocab-parallel cross-entropy), times the number of
+  identical copies; plus every edge internal to the group (a merged follower's resharding).
 * A_uv / B_uv group the producer's strategies by the layout they give the tensor and the
-  consumer's by the layout they need (and the axes along which they leave its gradient partial),
+  consumer's by the layout they need and the axes along which they leave its gradient partial,
   so an edge needs |A|·|B| variables, not |S_u|·|S_v|; an edge with one class on a side is
-  linear and folded into c. R_{uv,ab} (`edge_cost`) is the training cost of the resharding:
-  forward `transition(a -> b)`; backward the gradient's way back (partial axes reduced, slices
-  gathered), which for a parameter is its gradient synchronisation (phase grad_sync: all-reduce,
-  or reduce-scatter when it is stored sharded, ZeRO-3/FSDP) plus, for a stored-sharded
-  parameter, its all-gather again in the backward pass.
-* m_{v,i} (`memory`): the bytes per device of the op's outputs (saved for backward; views
-  alias and cost nothing) and of a parameter with its gradient and Adam state
-  (`STATE_FACTOR` times its weights), times the number of copies.
-* Costs are seconds; CP-SAT needs integers, so they are scaled to about 1e12 over the largest
-  possible objective (resolution 1e-12 of it) and the solution's costs are recomputed in floats.
+  linear and folded into c; edges with the same (u, v, classes) are summed (identical layers).
+* R_{uv,ab} (`edge_cost`): the training cost of the resharding. Forward: `transition(a -> b)`
+  (all-reduce of a partial, all-gather, all-to-all, reduce-scatter; slices are free). Backward:
+  the gradient's way back from b (partial along the consumer's partial axes) to a: a backward
+  all-reduce (Megatron's f), a reduce-scatter after a forward all-gather. For a parameter this
+  is its gradient synchronisation (phase grad_sync: all-reduce, or reduce-scatter when it is
+  stored sharded along the data axis, ZeRO-3/FSDP, which then also pays its all-gather again
+  in the backward pass). Gradient synchronisation is bucketed: the ILP charges its bandwidth,
+  the solution adds one latency per 25 MiB bucket.
+* Junctions: a tensor read by several consumers gets a group of its own whose strategies are a
+  layout (any its producer gives or a consumer wants) and a set of axes along which the summed
+  gradient stays partial. Consumers then share one gather, and their partial gradients are
+  summed before one reduction (one backward all-reduce for Llama's q, k and v projections).
+* m_{v,i} (`memory`): the bytes per device of the op's outputs (all saved for backward at the
+  end of the forward pass; views alias and cost nothing) and of a parameter with its gradient
+  and Adam state (`STATE_FACTOR` times its weights), times the number of copies.
+* Merging (Alpa §4.2): an op whose rule follows its operand (element-wise, views, softmax) is
+  merged into the group of its only producer, or of its only full-size operand (a residual add
+  keeps its own choice); it takes, for each of the group's strategies, its cheapest strategy
+  given that layout.
+* Solvers: CBC through pywraplp by default (the LP relaxation of this formulation is nearly
+  tight; CBC closes it in tenths of a second on a GPT-3 layer), HiGHS and SCIP likewise, or
+  CP-SAT (integer-scaled costs). A negligible tie-break prefers split work and sharded inputs.
 
 The solution is read back per op of the whole graph (every copy of a shared layer takes its
-representative's choice); `gap` is CP-SAT's (objective - bound) / objective.
+representative's choice), with costs recomputed in floats; `gap` is the solver's
+(objective - bound) / objective (0 when proven optimal).
 """
 
 from __future__ import annotations
