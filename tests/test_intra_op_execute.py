@@ -4,8 +4,8 @@ same loss, same gradients, and the collectives CommDebugMode counts equal the so
 
 The solutions come from `autopar.intra_op.auto_shard`; they are applied with
 `autopar.runtime.spmd.parallelize` (parameters -> DTensors with the planned placements, inputs
--> DTensors from their local shards), each module's output is redistributed to the layout the
-plan consumes it in (`ShardingSolution.module_output_placements`, a forward hook), and the
+-> DTensors from their local shards; each module's output redistributed to the layout the plan
+consumes it in: `output_placements=ShardingSolution.module_output_placements`), and the
 gradient synchronisation is the redistribution of each gradient to its parameter's placements
 (`grads_to_param_layout`).
 """
@@ -75,21 +75,6 @@ def _kind(op) -> str:
     return str(op)
 
 
-def _follow_activation_layouts(model, mods):
-    """Redistribute each module's output to the layout the plan consumes it in (DTensor's own
-    propagation would otherwise pick its own layouts for the ops after it)."""
-    from autopar.runtime.spmd import to_placements
-
-    for path, spec in mods.items():
-        if "P" in spec:
-            continue
-        mod = model.get_submodule(path)
-
-        def hook(m, args, out, spec=spec):
-            return out.redistribute(out.device_mesh, to_placements(spec, out.dim()))
-        mod.register_forward_hook(hook)
-
-
 def _worker(rank, port, cases, result_dir):
     try:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -114,8 +99,7 @@ def _worker(rank, port, cases, result_dir):
 
             torch.manual_seed(0)
             model = cls(hidden, hidden, 2)
-            sp = parallelize(model, mesh, params, inputs)
-            _follow_activation_layouts(model, mods)
+            sp = parallelize(model, mesh, params, inputs, output_placements=mods)
             xs = [local_shard_rows(t, mesh, pl) for t, pl in zip((x, y), inputs)]
             with CommDebugMode() as comm:
                 loss = sp(*xs)
