@@ -622,6 +622,19 @@ class ParallelModel:
                 off += loc.numel()
         self.flat_shard.grad = None
 
+    def model_state_bytes(self) -> int:
+        """Bytes of this rank's parameters and optimizer state (local shards)."""
+        n = 0
+        seen = set()
+        for p in self.params:
+            n += self._local(p.data).numel() * p.element_size()
+        for st in self.optimizer.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and id(v) not in seen:
+                    seen.add(id(v))
+                    n += self._local(v).numel() * v.element_size()
+        return n
+
     # -- views ---------------------------------------------------------------------------
     def full_state(self) -> dict[str, torch.Tensor]:
         """Full parameter values by canonical FQN, gathered (a collective when sharded). For

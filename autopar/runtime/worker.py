@@ -135,6 +135,11 @@ def train(plan: Plan, bundle: Any, *, steps: int, seed: int = 0, metrics_path: O
             if checkpoint_dir and ((step + 1) % checkpoint_every == 0 or step + 1 == steps):
                 ckpt.save(pm, checkpoint_dir)
         summary = summarize(plan, rows, counted=counter is not None)
+        sb = torch.tensor([float(pm.model_state_bytes())], dtype=torch.float64, device=pm.device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(sb, op=dist.ReduceOp.MAX)
+        # parameters + optimizer state of the fullest rank (CPU peak memory is the process RSS)
+        summary["measured_model_state_bytes"] = int(sb.cpu()[0])
         if out is not None:
             out.write(json.dumps(summary) + "\n")
         rows.append(summary)
