@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autopar.models.init import init_weights
+
 from autopar.models.registry import ZooEntry, _gen, register, token_inputs
 
 IGNORE = -100
@@ -112,6 +114,7 @@ class Bert(nn.Module):
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.layers))
         self.head = MLMHead(cfg)
         self.head.decoder.weight = self.embed.word.weight
+        init_weights(self)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
@@ -155,6 +158,8 @@ CONFIGS: dict[str, tuple[BertConfig, str]] = {
                    "BERT large (340M, s=512, MLM loss)"),
     "bert-tiny": (BertConfig(vocab_size=128, seq_len=16, hidden=32, layers=2, heads=4, ffn_hidden=64,
                              mask_token=3), "tiny BERT for tests and local runs"),
+    "bert-small": (BertConfig(vocab_size=1024, seq_len=64, hidden=128, layers=4, heads=4, ffn_hidden=512),
+                   "small BERT for CPU runs"),
 }
 
 for _name, (_cfg, _desc) in CONFIGS.items():

@@ -9,6 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autopar.models.init import init_weights
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -98,6 +100,7 @@ class GPT(nn.Module):
         self.head = Head(cfg)
         if cfg.tie_embeddings:
             self.head.out.weight = self.embed.tok.weight
+        init_weights(self)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)

@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autopar.models.init import init_weights
+
 from autopar.models.registry import ZooEntry, register, token_batch, token_inputs
 
 
@@ -132,6 +134,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        init_weights(self)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
@@ -162,6 +165,9 @@ CONFIGS: dict[str, tuple[LlamaConfig, str]] = {
     "llama-tiny": (LlamaConfig(vocab_size=128, seq_len=16, hidden=32, layers=2, heads=4, kv_heads=2,
                                ffn_hidden=64),
                    "tiny Llama (GQA) for tests and local runs"),
+    "llama-small": (LlamaConfig(vocab_size=1024, seq_len=64, hidden=128, layers=4, heads=4, kv_heads=2,
+                                ffn_hidden=352),
+                    "small Llama (GQA) for CPU runs"),
 }
 
 for _name, (_cfg, _desc) in CONFIGS.items():
