@@ -420,6 +420,9 @@ class ParallelModel:
         # stage i lives on group rank of devsets[i % pp][coord]
         sorted_ranks = sorted(self.pp_group_ranks)
         mapping = {i: sorted_ranks.index(self.pp_group_ranks[i % self.pp]) for i in range(len(self.stages))}
+        if len(self.pipe_stages) > 1 and any(mapping[i] != i % self.pp for i in mapping):
+            raise PlanError("interleaved pipelines need the stage device sets in increasing rank order "
+                            f"(got {[list(d) for d in self.devsets]}); renumber the devices of the plan")
         sched.stage_index_to_group_rank = mapping
         for st in self.pipe_stages:
             st.stage_index_to_group_rank = mapping
