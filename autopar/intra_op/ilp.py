@@ -628,15 +628,21 @@ class IntraOpProblem:
 
     # ------------------------------------------------------------------ solve
     def _model(self):
-        """The ILP in solver-neutral form: objective coefficients per variable, equality rows,
-        the memory row. Variables: x (per group strategy, groups with one strategy fixed),
-        then e (per edge term class pair)."""
-        G = self.groups
+        """The ILP in solver-neutral form, one method per part of the formulation: variables
+        and objective (`_strategy_vars`, `_edge_vars`), then the constraint families
+        (`_one_hot_rows`, `_edge_rows`, `_memory_row`). Equality rows are ({var: coef}, rhs)."""
         cost: list[float] = []
         names: list[str] = []
+        xidx, const = self._strategy_vars(cost, names)
+        evars = self._edge_vars(cost, names)
+        rows = self._one_hot_rows(xidx) + self._edge_rows(xidx, evars)
+        return cost, names, xidx, rows, self._memory_row(xidx), const
+
+    def _strategy_vars(self, cost: list[float], names: list[str]) -> tuple[list[list[Optional[int]]], float]:
+        """x_{v,i} with objective c_{v,i}; a group with one strategy is a constant."""
         xidx: list[list[Optional[int]]] = []
         const = 0.0
-        for gi, grp in enumerate(G):
+        for gi, grp in enumerate(self.groups):
             if grp.size == 1:
                 xidx.append([None])
                 const += self.lin[gi][0] + self.tie[gi][0]
@@ -647,18 +653,33 @@ class IntraOpProblem:
                 cost.append(self.lin[gi][s_] + self.tie[gi][s_])
                 names.append(f"x{gi}_{s_}")
             xidx.append(ids)
-        rows: list[tuple[dict[int, float], float]] = []       # sum(coef * var) == rhs
-        for gi, ids in enumerate(xidx):
-            if ids[0] is not None:
-                rows.append(({i: 1.0 for i in ids}, 1.0))
+        return xidx, const
+
+    def _edge_vars(self, cost: list[float], names: list[str]) -> list[list[list[int]]]:
+        """e_{uv,ab} with objective R_{uv,ab}, per edge term."""
+        out = []
         for ti, t in enumerate(self.terms):
-            na, nb = len(t.cost), len(t.cost[0])
-            e = [[0] * nb for _ in range(na)]
-            for a in range(na):
-                for b in range(nb):
-                    e[a][b] = len(cost)
-                    cost.append(t.cost[a][b])
+            e = []
+            for a, row in enumerate(t.cost):
+                e.append([])
+                for b, c in enumerate(row):
+                    e[a].append(len(cost))
+                    cost.append(c)
                     names.append(f"e{ti}_{a}_{b}")
+            out.append(e)
+        return out
+
+    @staticmethod
+    def _one_hot_rows(xidx) -> list[tuple[dict[int, float], float]]:
+        """one_hot: Σ_i x_{v,i} = 1."""
+        return [({i: 1.0 for i in ids}, 1.0) for ids in xidx if ids[0] is not None]
+
+    def _edge_rows(self, xidx, evars) -> list[tuple[dict[int, float], float]]:
+        """edge_rows / edge_cols: Σ_b e_ab = Σ_{i∈a} x_{u,i};  Σ_a e_ab = Σ_{j∈b} x_{v,j}."""
+        G = self.groups
+        rows = []
+        for t, e in zip(self.terms, evars):
+            na, nb = len(t.cost), len(t.cost[0])
             for a in range(na):
                 row = {e[a][b]: 1.0 for b in range(nb)}
                 for s_ in range(G[t.u].size):
@@ -671,17 +692,21 @@ class IntraOpProblem:
                     if t.cls_v[s_] == b:
                         row[xidx[t.v][s_]] = -1.0
                 rows.append((row, 0.0))
-        mem_row = None
-        if self.budget is not None:
-            fixed = sum(self.mem[gi][0] for gi, grp in enumerate(G) if grp.size == 1)
-            coefs = {}
-            for gi, grp in enumerate(G):
-                if grp.size > 1:
-                    for s_ in range(grp.size):
-                        if self.mem[gi][s_]:
-                            coefs[xidx[gi][s_]] = self.mem[gi][s_]
-            mem_row = (coefs, self.budget - fixed)
-        return cost, names, xidx, rows, mem_row, const
+        return rows
+
+    def _memory_row(self, xidx) -> Optional[tuple[dict[int, float], float]]:
+        """memory: Σ m_{v,i} x_{v,i} ≤ M (None without a budget)."""
+        if self.budget is None:
+            return None
+        G = self.groups
+        fixed = sum(self.mem[gi][0] for gi, grp in enumerate(G) if grp.size == 1)
+        coefs = {}
+        for gi, grp in enumerate(G):
+            if grp.size > 1:
+                for s_ in range(grp.size):
+                    if self.mem[gi][s_]:
+                        coefs[xidx[gi][s_]] = self.mem[gi][s_]
+        return coefs, self.budget - fixed
 
     def solve(self, time_limit_s: float = 10.0, workers: int = 2, backend: str = "cp-sat") -> tuple[list[int], dict]:
         """Solve with CP-SAT (`backend="cp-sat"`, integer-scaled costs) or a MIP solver through
