@@ -148,7 +148,8 @@ def run(plan: Plan | str, model: str | ModelBundle, *, steps: int = 10, seed: in
     Outside torchrun: checks the plan against the model, launches `nproc` (default
     `plan.world_size`) local worker processes with torch's elastic launcher (`max_restarts`
     restarts of the whole group on a failure; with `checkpoint_dir` the restarted group resumes
-    from the latest checkpoint) and reads the metrics back. Under torchrun: runs this worker.
+    from the latest checkpoint) and reads the metrics back. Under torchrun: runs this worker
+    (the rows come back on rank 0, the other ranks get []).
     `env`: extra environment variables for the launched workers. `count_collectives=False`
     skips the per-step collective count (its dispatch mode costs ~10-20% of a small CPU step)."""
     from autopar.runtime.worker import init_distributed, train, worker_entry
@@ -165,9 +166,10 @@ def run(plan: Plan | str, model: str | ModelBundle, *, steps: int = 10, seed: in
         import torch.distributed as dist
 
         try:
-            return train(p, b, steps=steps, seed=seed, metrics_path=metrics_path,
+            rows = train(p, b, steps=steps, seed=seed, metrics_path=metrics_path,
                          checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, quiet=quiet,
                          optimizer_factory=optimizer_factory, count_collectives=count_collectives)
+            return rows if dist.get_rank() == 0 else []  # one copy (the CLI prints what it gets)
         finally:
             dist.destroy_process_group()
     n = nproc or p.world_size
