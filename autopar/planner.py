@@ -138,8 +138,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
     c: Candidate = res.best
     layers = res.layers
     tb = c.costs
-    costs = tb.costs
-    p, v, m, u = c.pp, c.v, c.m, c.dp * c.tp
+    p, v, m = c.pp, c.v, c.m
     g1 = graph.at_batch(1) if graph.batch_size is None else graph
     fwd1 = g1.forward_flops / (graph.batch_size or 1)
     # stages: device group d holds chunks d, d + p, ... ; listed in model order
@@ -154,7 +153,8 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
     for pos, (_, d, vc, (k, j)) in enumerate(chunks):
         st = c.stages[d]
         mods = _stage_modules(layers, k, j)
-        devices = list(range(d * u, (d + 1) * u))
+        devices = st.devices
+        costs = st.tables.costs
         first_chunk = vc == 0
         share = 1.0 / len(st.chunks)
         pred = StagePrediction(
@@ -165,7 +165,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
             optimizer_bytes=st.optimizer_bytes, activations_bytes=st.activations_bytes,
             peak_memory_bytes=st.peak_bytes)
         stage_plans.append(StagePlan(
-            index=pos, devices=devices, mesh_shape=(c.dp, c.tp), mesh_axis_names=("dp", "tp"),
+            index=pos, devices=devices, mesh_shape=(c.dp, st.tp), mesh_axis_names=("dp", "tp"),
             layers=mods, recompute=st.recompute,
             placements=_placements(graph, layers, costs, k, j, mods, c.zero == 3 and c.dp > 1),
             virtual_chunk=vc, predicted=pred))

@@ -97,3 +97,34 @@ def test_flop_balanced_clustering_without_blocks():
     # FLOP balance: no layer above (1 + delta) x the mean unless it is a single unit
     total = sum(l.flops for l in layers)
     assert max(l.flops for l in layers) <= 1.5 * total / 3 or any(len(l.modules) == 1 for l in layers)
+
+
+def test_pack_stages_whole_nodes_and_aligned_slices():
+    from autopar.inter_op.search import pack_stages
+
+    out = pack_stages([2, 8, 4, 2], 16, 8)
+    assert sorted(d for s in out for d in s) == list(range(16))
+    for s in out:
+        assert len({d // 8 for d in s}) == 1 or len(s) % 8 == 0
+        assert s[0] % min(len(s), 8) == 0
+
+
+def test_hetero_submesh_search_gives_valid_stages():
+    """Alpa's free sub-mesh choice inside the joint search (stages may differ in tp)."""
+    from autopar.inter_op.search import Search
+    from autopar.schema import ClusterSpec, Constraints
+
+    b = build_model("gpt-small")
+    g = capture(b.model, b.example_inputs, name="gpt-small")
+    layers = build_layers(g, b.model)
+    cl = ClusterSpec.load("dgx-a100-80g", num_nodes=1)
+    s = Search(g, layers, cl, 16, "bf16", Constraints())
+    het = s._hetero_candidates(s.meshes())
+    assert het
+    ok = [c for _, c in het if s.evaluate(c, None)]
+    assert ok
+    for c in ok:
+        devs = [d for st in c.stages for d in st.devices]
+        assert sorted(devs) == list(range(8))          # the sub-meshes cover the node exactly
+        assert c.stages[0].chunks[0][0] == 0 and c.stages[-1].chunks[-1][1] == len(layers)
+        assert all(len(st.devices) == c.dp * st.tp for st in c.stages)

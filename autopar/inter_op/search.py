@@ -58,6 +58,9 @@ from cost_models.memory import PRECISION_POLICIES, inflight_microbatches, model_
 
 INF = float("inf")
 MAX_MICROBATCH = 64
+HETERO_MAX_UNITS = 32
+HETERO_MAX_TABLE = 1_000_000      # L^2 x units x sub-meshes x stages: one DP run stays ~ms
+HETERO_MAX_LAYERS = 64
 
 
 @dataclass
@@ -77,6 +80,9 @@ class StageResult:
     optimizer_bytes: float = 0.0
     activations_bytes: float = 0.0
     peak_bytes: float = 0.0
+    tp: int = 1                       # this stage's tensor-parallel degree
+    devices: list[int] = field(default_factory=list)
+    tables: Optional["_Tables"] = None
 
 
 @dataclass
@@ -94,6 +100,7 @@ class Candidate:
     tail_s: float = 0.0
     stages: list[StageResult] = field(default_factory=list)
     costs: Optional["_Tables"] = None
+    hetero_tps: tuple[int, ...] = ()  # Alpa's free sub-mesh choice: stages may differ in tp
 
     def key(self) -> tuple:
         return (self.dp, self.tp, self.pp, self.mb, self.schedule, self.v, self.zero)
@@ -267,6 +274,8 @@ class Search:
         self.evaluated = 0
         self.considered = 0
         self._chunk_cache: dict = {}
+        self._tables_cache: dict = {}
+        self._costs_cache: dict = {}
 
     # -- the space -----------------------------------------------------------------------------
     def meshes(self) -> list[tuple[int, int, int]]:
@@ -359,13 +368,9 @@ class Search:
         meshes = self.meshes()
         issues: list[str] = []
         cands: list[tuple[float, Candidate]] = []
-        layer_costs: dict[tuple[int, int], list[LayerCost]] = {}
         for dp, tp, pp in meshes:
             for mb in self.microbatches(dp):
-                key = (mb, tp)
-                if key not in layer_costs:
-                    layer_costs[key] = [self.provider.cost(l, mb, tp) for l in self.layers]
-                costs = layer_costs[key]
+                costs = self._layer_costs(mb, tp)
                 iss = sorted({i for c in costs for i in c.issues})
                 if iss:
                     issues.extend(iss)
@@ -380,6 +385,7 @@ class Search:
                         # lower bound: balanced stages, the schedule's bubble, the gradient sync
                         lb = ideal * (1 + (pp - 1) / (v * m)) + _sync_time(self.cluster, self.dtype, dp, tp, z, pel)
                         cands.append((lb, Candidate(dp, tp, pp, mb, m, sched, v, z)))
+        cands.extend(self._hetero_candidates(meshes))
         if not cands:
             if issues:
                 raise PlanError(f"tensor parallelism cannot hold: {issues[0]}", constraint="tp")
@@ -387,18 +393,13 @@ class Search:
         cands.sort(key=lambda x: (x[0], x[1].zero, x[1].v))
         self.considered = len(cands)
         best: Optional[Candidate] = None
-        tables: dict[tuple, _Tables] = {}
         bar = _Progress(self.progress, len(cands))
         for i, (lb, cand) in enumerate(cands):
             bar.update(i, best)
             if best is not None and lb >= best.iteration_s:
                 break
-            tk = (cand.mb, cand.tp, cand.dp, cand.zero)
-            if tk not in tables:
-                tables[tk] = _Tables(layer_costs[(cand.mb, cand.tp)], self.cluster, self.dtype, cand.dp,
-                                     cand.tp, cand.zero, self.layers)
             self.evaluated += 1
-            ok = self.evaluate(cand, tables[tk])
+            ok = self.evaluate(cand, None if cand.hetero_tps else self._tables(cand.mb, cand.tp, cand.dp, cand.zero))
             if ok and (best is None or cand.iteration_s < best.iteration_s * (1 - 1e-9)):
                 best = cand
         bar.done()
@@ -411,6 +412,39 @@ class Search:
                             min_memory_bytes=self.min_memory)
         return SearchResult(best, self.layers, self.provider, self.evaluated, self.considered,
                             time.perf_counter() - t0, self.min_memory)
+
+    def _hetero_candidates(self, meshes) -> list[tuple[float, Candidate]]:
+        """Candidates for Alpa's DP with a free sub-mesh per stage (stages may differ in tp),
+        on clusters small enough for its (stages x layers x devices) table: at most
+        `HETERO_MAX_UNITS` dp-replica-sized device units. Not when tp or pp is pinned, nor for
+        the interleaved schedule (whose chunks go round equal device sets)."""
+        c = self.cons
+        if c.tp is not None or c.pp is not None or c.schedule == "interleaved_1f1b" or (c.virtual_stages or 1) > 1:
+            return []
+        if self.L > HETERO_MAX_LAYERS:
+            return []
+        dpn, N = self.cluster.devices_per_node, self.N
+        out = []
+        for D in sorted({dp for dp, _, _ in meshes}):
+            units = N // D
+            if units > HETERO_MAX_UNITS or units < 2:
+                continue
+            tps = [T for T in (1, 2, 4, 8, 16, 32, 64) if T <= dpn and T <= units and
+                   (dpn % (D * T) == 0 or (D * T) % dpn == 0)]
+            if len(tps) < 2 or self.L ** 2 * units * len(tps) * min(self.L, units) > HETERO_MAX_TABLE:
+                continue
+            for mb in self.microbatches(D):
+                ok = [T for T in tps if not any(x.issues for x in self._layer_costs(mb, T))]
+                if len(ok) < 2:
+                    continue
+                m = self.gbs // D // mb
+                # heuristic bound: the least device-seconds per micro-batch spread over all units
+                work = min(sum(x.base_s for x in self._layer_costs(mb, T)) * T for T in ok)
+                lb = m * work / units
+                for sched in ([c.schedule] if c.schedule else ["1f1b"]):
+                    for z in self.zeros(D, max(ok)):
+                        out.append((lb, Candidate(D, 0, 0, mb, m, sched, 1, z, hetero_tps=tuple(ok))))
+        return out
 
     def _failing_constraint(self) -> str:
         c = self.cons
@@ -439,6 +473,8 @@ class Search:
 
     # -- one candidate ---------------------------------------------------------------------------
     def evaluate(self, cand: Candidate, tb: _Tables) -> bool:
+        if cand.hetero_tps:
+            return self._evaluate_hetero(cand)
         if cand.schedule == "interleaved_1f1b" and cand.v > 1:
             return self._evaluate_interleaved(cand, tb)
         L, p, m = self.L, cand.pp, cand.m
@@ -481,6 +517,67 @@ class Search:
         self._finish(cand, tb, stages, res.total)
         cand.costs = tb
         return True
+
+    def _evaluate_hetero(self, cand: Candidate) -> bool:
+        """Alpa's DP with its sub-mesh choice: every stage picks its own sub-mesh of dp x T
+        devices (T a power of two; a slice of a node or whole nodes), the sub-meshes covering
+        the cluster exactly, and its recomputation; one common dp (see the module docstring)."""
+        L, m, D = self.L, cand.m, cand.dp
+        units = self.N // D
+        S = min(L, units)
+        tps = list(cand.hetero_tps)
+        tbs = [self._tables(cand.mb, T, D, cand.zero) for T in tps]
+        rcs = self.recomputes()
+        cost = np.full((L, L + 1, len(tps), S + 1), INF)
+        choice = np.full((L, L + 1, len(tps), S + 1), -1, dtype=int)
+        for mi, tb in enumerate(tbs):
+            pel = tb.range_pel
+            wts, grads, opts = tb.states(pel)
+            states = wts + grads + opts
+            zero3_buf = 2 * tb.range_maxlayer * tb.wgo[0] if cand.zero == 3 and D > 1 else 0.0
+            t_common = tb.ranged(tb.base) + tb.range_p2p + tb.zero_mb(pel)
+            for s_ in range(1, S + 1):
+                inflight = m if cand.schedule == "gpipe" else min(s_, m)
+                best_t = np.full((L, L + 1), INF)
+                best_c = np.full((L, L + 1), -1, dtype=int)
+                for ri, r in enumerate(rcs):
+                    act = tb.ranged(tb.act[r]) * inflight + (tb.range_work if r == "full" else 0.0)
+                    mem = states + act + zero3_buf
+                    t = t_common + tb.ranged(tb.rc[r])
+                    ok = tb.valid & (mem <= self.budget) & (t < best_t)
+                    best_t = np.where(ok, t, best_t)
+                    best_c = np.where(ok, ri, best_c)
+                cost[:, :, mi, s_] = best_t
+                choice[:, :, mi, s_] = best_c
+        res = stage_dp(cost, tps, units, m)
+        if res is None:
+            return False
+        stages = []
+        p = len(res.stages)
+        for idx, (k, j, mi) in enumerate(res.stages):
+            s_ = p - idx
+            tb = tbs[mi]
+            r = rcs[choice[k, j, mi, s_]]
+            inflight = m if cand.schedule == "gpipe" else min(s_, m)
+            buf = float(2 * tb.range_maxlayer[k, j] * tb.wgo[0]) if cand.zero == 3 and D > 1 else 0.0
+            stages.append(self._stage(tb, cand, [(k, j)], r, inflight, buf))
+        cand.pp, cand.tp = p, stages[0].tp
+        self._finish(cand, tbs[0], stages, res.total)
+        cand.costs = tbs[0]
+        return True
+
+    def _tables(self, mb: int, tp: int, dp: int, zero: int) -> "_Tables":
+        key = (mb, tp, dp, zero)
+        if key not in self._tables_cache:
+            costs = self._layer_costs(mb, tp)
+            self._tables_cache[key] = _Tables(costs, self.cluster, self.dtype, dp, tp, zero, self.layers)
+        return self._tables_cache[key]
+
+    def _layer_costs(self, mb: int, tp: int) -> list[LayerCost]:
+        key = (mb, tp)
+        if key not in self._costs_cache:
+            self._costs_cache[key] = [self.provider.cost(l, mb, tp) for l in self.layers]
+        return self._costs_cache[key]
 
     def _evaluate_interleaved(self, cand: Candidate, tb: _Tables) -> bool:
         L, p, v, m = self.L, cand.pp, cand.v, cand.m
@@ -538,9 +635,13 @@ class Search:
         peak = w + g + o + acts + work + float(zero3_buf)
         sync = tb.sync(pel) + sum(float(tb.iter[j] - tb.iter[k]) for k, j in chunks)
         return StageResult(chunks, r, t, comp, max(0.0, t - comp), sync, tb.opt(pel), pel,
-                           w, g, o, acts + work, peak)
+                           w, g, o, acts + work, peak, tp=tb.tp, tables=tb)
 
     def _finish(self, cand: Candidate, tb: _Tables, stages: list[StageResult], pipeline_s: float) -> None:
+        if not all(st.devices for st in stages):
+            placed = pack_stages([cand.dp * st.tp for st in stages], self.N, self.cluster.devices_per_node)
+            for st, devs in zip(stages, placed):
+                st.devices = devs
         tail = max(s.sync_s + s.opt_s for s in stages)
         tail += self._tied_sync(cand, tb, stages)
         cand.stages = stages
@@ -622,6 +723,27 @@ def balanced_chunks(cost: np.ndarray, n: int) -> Optional[list[tuple[int, int]]]
         best = min(range(k + 1, j), key=lambda c: max(cost[k, c], cost[c, j]))
         chunks[i:i + 1] = [(k, best), (best, j)]
     return chunks
+
+
+def pack_stages(sizes: list[int], N: int, dpn: int) -> list[list[int]]:
+    """Global ranks for stages of `sizes` devices (pipeline order kept): whole-node stages take
+    whole nodes, smaller ones aligned slices inside a node (largest first, first fit); with
+    power-of-two slice sizes dividing the node this always packs when the sizes sum to N."""
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    free = [True] * N
+    out: list[list[int]] = [[] for _ in sizes]
+    for i in order:
+        u = sizes[i]
+        step = u if u <= dpn else dpn
+        for start in range(0, N - u + 1, step):
+            if all(free[start:start + u]) and (u > dpn or start // dpn == (start + u - 1) // dpn):
+                out[i] = list(range(start, start + u))
+                for r in out[i]:
+                    free[r] = False
+                break
+        else:
+            raise PlanError(f"cannot place stages of {sizes} devices on {N} devices in nodes of {dpn}")
+    return out
 
 
 class _Progress:
