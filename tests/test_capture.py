@@ -289,3 +289,9 @@ def test_two_batch_fallback_reads_linear_dims(monkeypatch: pytest.MonkeyPatch, g
     for b in (1, 5):
         assert g.at_batch(b).forward_flops == pytest.approx(gpt.at_batch(b).forward_flops, rel=1e-12)
     assert g.fingerprint() == gpt.fingerprint()
+
+
+def test_compiled_module_is_unwrapped(gpt: OpGraph) -> None:
+    b = build_model("gpt-tiny")
+    g = capture(torch.compile(b.model), b.example_inputs)
+    assert g.layers == gpt.layers and g.fingerprint() == gpt.fingerprint()

@@ -97,6 +97,8 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Optiona
     """
     if not isinstance(model, nn.Module):
         raise PlanError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    # torch.compile's wrapper: capture the module it wraps (same FQNs as the user's model)
+    model = getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
     names = None
     if isinstance(example_inputs, dict):     # keyword inputs, e.g. a tokenizer's output + labels
         names = [str(k) for k in example_inputs]
