@@ -92,8 +92,9 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Optiona
     With `batch_dim`, dim 0 of every tensor input is the batch and shapes are kept symbolic in it.
     `model` may be any nn.Module, a Hugging Face `PreTrainedModel` included (its `.loss` is the
     loss when the inputs hold labels). `example_inputs` is a tuple of positional inputs, or a dict
-    of keyword inputs (`{"input_ids": ids, "labels": ids}`). Tries torch.export (symbolic batch, then two batch sizes),
-    then torch.fx.symbolic_trace; raises PlanError naming the module and op when all fail.
+    of keyword inputs (`{"input_ids": ids, "labels": ids}`). Tries torch.export (symbolic batch,
+    then two batch sizes), then torch.fx.symbolic_trace; raises PlanError naming the module and
+    op when all fail.
     """
     if not isinstance(model, nn.Module):
         raise PlanError(f"expected a torch.nn.Module, got {type(model).__name__}")
