@@ -302,3 +302,33 @@ def test_solution_api_fields(gpt_small):
     assert "strategy" in text and "linear" in text
     assert sol.param_bytes_per_device > 0 and sol.activation_bytes_per_device > 0
     assert "objective" in sol.summary()
+
+
+def test_hugging_face_llama_without_fallbacks():
+    """HF Llama (GQA through repeat_kv, RoPE, RMSNorm written out, masks): every op has a rule."""
+    pytest.importorskip("transformers")
+    from autopar.models import build_model
+
+    b = build_model("hf:llama?num_hidden_layers=2&hidden_size=64&num_attention_heads=4&num_key_value_heads=2"
+                    "&intermediate_size=128&vocab_size=128&seq_len=16", batch_size=4)
+    g = capture(b.model, b.example_inputs)
+    g = g.at_batch(4) if g.batch_size is None else g
+    sol = solve_graph(g, mesh((4,)))
+    assert sol.gap <= 0.01 and sol.warnings == []
+    q = next(k for k in sol.param_placements if k.endswith("layers.0.self_attn.q_proj.weight"))
+    k = next(k for k in sol.param_placements if k.endswith("layers.0.self_attn.k_proj.weight"))
+    assert sol.param_placements[q] in {("S(0)",), ("R",)} and sol.param_placements[k] in {("S(0)",), ("R",)}
+
+
+def test_unknown_ops_are_reported():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8, bias=False)
+
+        def forward(self, x):
+            return torch.special.i0(self.fc(x)).sum()
+
+    sol = auto_shard(Odd().to("meta"), (torch.zeros(8, 8, device="meta"),), mesh=mesh((2,)))
+    assert any("i0" in w for w in sol.warnings)
+    assert sol.op_choices[next(n for n in sol.op_choices if "i0" in n)].family == "fallback"

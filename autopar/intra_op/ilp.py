@@ -344,8 +344,9 @@ class IntraOpProblem:
                 warnings.simplefilter("always")
                 sts, fam = rules_mod.strategies(ctx)
             for x in w:
-                self.warnings.append(str(x.message))
                 warnings.warn(x.message, stacklevel=4)
+            if fam == "fallback":
+                self.warnings.append(f"no sharding rule for op {n.op!r} ({name}); it runs replicated")
             if self.mesh.device is None and n.op in HEAVY_OPS:
                 full = [s for s in sts if s.work_div == heavy_need]
                 sts = full or sts
