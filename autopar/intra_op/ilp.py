@@ -452,7 +452,13 @@ class IntraOpProblem:
         if self.mesh.device is None or n is None:
             return 0.0, 0.0
         f = op_time(n.op, n.flops / st.work_div, n.bytes_moved / st.work_div, self.mesh.device, self.dtype)
-        return f, (backward_factor(n.op) * f if pn.requires_grad else 0.0)
+        if not pn.requires_grad:
+            return f, 0.0
+        if n.op in HEAVY_OPS:
+            # one matmul per operand that needs a gradient (dX = dY W, dW = dY^T X)
+            k = sum(1 for i in n.inputs[:2] if self.rg.get(i, False))
+            return f, f * max(1, k) * backward_factor(n.op) / 2.0
+        return f, backward_factor(n.op) * f
 
     def node_cost(self, pn: PNode, st: Strategy) -> tuple[float, float, float, float]:
         """(total, forward, backward, grad_sync) seconds of one copy, excluding resharding."""
