@@ -164,6 +164,21 @@ def test_plan_for_another_model_is_refused():
         run(plan, "gpt-tiny", steps=1)
 
 
+def test_plans_the_runtime_cannot_execute_are_refused_before_launch():
+    from autopar.runtime import run
+    from tests.plans import StagePlan, _plan
+
+    def two(l0, l1):
+        return _plan("gpt-tiny", [StagePlan(index=0, devices=[0], mesh_shape=(1,), mesh_axis_names=("dp",), layers=l0),
+                                  StagePlan(index=1, devices=[1], mesh_shape=(1,), mesh_axis_names=("dp",), layers=l1)],
+                     gbs=8, mb=2, m=4, nodes_devices=2)
+
+    with pytest.raises(PlanError, match="leave parameters out: head.ln.bias"):
+        run(two(["embed", "blocks.0"], ["blocks.1"]), "gpt-tiny", steps=1)
+    with pytest.raises(PlanError, match="layer 'blocks.7'"):
+        run(two(["embed", "blocks.7"], ["blocks.1", "head"]), "gpt-tiny", steps=1)
+
+
 def test_world_size_mismatch_is_refused():
     from autopar.runtime import run
 

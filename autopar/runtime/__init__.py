@@ -77,6 +77,9 @@ def check_plan(plan: Plan, bundle: ModelBundle, *, world_size: Optional[int] = N
     if fp != plan.model.fingerprint:
         raise PlanError(f"plan was made for {plan.model.name} (fingerprint {plan.model.fingerprint}), "
                         f"not {ref} (fingerprint {fp}); re-plan with --model {ref}")
+    from autopar.runtime.engine import validate_plan
+
+    validate_plan(plan, bundle.model)
     need = plan.world_size
     if world_size is not None and world_size != need:
         raise PlanError(f"the plan needs {need} processes (one per device), but {world_size} "
@@ -260,8 +263,13 @@ def _launch(p: Plan, model: Any, n: int, steps: int, seed: int, mpath: str, chec
             elastic_launch(cfg, worker_entry)(p.to_json(indent=None), model, steps, seed, mpath, checkpoint_dir,
                                               checkpoint_every, quiet, optimizer_factory)
     except ChildFailedError as e:
-        fails = "; ".join(f"rank {r}: {f.message or f'exit code {f.exitcode}'}"[:2000]
-                          for r, f in sorted(e.failures.items()))
+        def msg(f: Any) -> str:
+            m = f.message
+            if isinstance(m, dict):
+                m = m.get("message") or str(m)
+            return str(m or f"exit code {f.exitcode}")[:2000]
+
+        fails = "; ".join(f"rank {r}: {msg(f)}" for r, f in sorted(e.failures.items()))
         raise PlanError(f"the run failed: {fails}") from None
     finally:
         for k, v in old.items():

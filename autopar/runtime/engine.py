@@ -170,6 +170,72 @@ def _coord(devices: Sequence[int], rank: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+def validate_plan(plan: Plan, model: nn.Module) -> dict:
+    """Check, without any process group, that the runtime can execute `plan` on `model`; raise
+    PlanError saying what cannot. Returns derived facts (device sets in stage order, chunks per
+    device set)."""
+    stages = sorted(plan.stages, key=lambda s: s.index)
+    used = sorted({d for s in stages for d in s.devices})
+    if used != list(range(len(used))):
+        raise PlanError(f"the plan's stages use devices {used}; the runtime needs ranks 0..{len(used) - 1}")
+    for s in stages:
+        for a in s.mesh_axis_names:
+            if a not in ("dp", "tp"):
+                raise PlanError(f"stage {s.index}: mesh axis {a!r} is neither 'dp' nor 'tp'")
+        for fqn in s.layers:
+            get_submodule(model, fqn)
+    devsets: list[tuple[int, ...]] = []
+    for s in stages:
+        t = tuple(s.devices)
+        if t not in devsets:
+            devsets.append(t)
+    pp = len(devsets)
+    shapes = {(tuple(s.mesh_shape), tuple(s.mesh_axis_names)) for s in stages}
+    if pp > 1 and len(shapes) > 1:
+        raise PlanError("pipeline stages with different logical meshes are not supported by the "
+                        f"runtime yet (got {sorted(shapes)}); plan with equal stage meshes")
+    dps = {s.axis_size("dp") for s in stages}
+    if len(dps) > 1:
+        raise PlanError(f"stages with different data-parallel degrees {sorted(dps)} are not supported")
+    nst = len(stages)
+    M = plan.num_microbatches
+    if pp > 1:
+        for i, s in enumerate(stages):
+            if tuple(s.devices) != devsets[i % pp]:
+                raise PlanError(f"stage {s.index} runs on {s.devices}, expected {list(devsets[i % pp])}: "
+                                f"chunks must go round the device sets in order (interleaving)")
+        v = nst // pp
+        if v * pp != nst:
+            raise PlanError(f"{nst} stages over {pp} device sets: not a whole number of chunks")
+        if plan.schedule != "interleaved_1f1b" and v > 1:
+            raise PlanError(f"{v} chunks per device need schedule interleaved_1f1b, not {plan.schedule}")
+        if v > 1 and M % pp != 0:
+            raise PlanError(f"interleaved 1F1B needs num_microbatches ({M}) to be a multiple of "
+                            f"the pipeline depth ({pp})")
+        family_of(model)
+        aliases = canonical_names(model)
+        covered = set()
+        for s in stages:
+            for fqn in s.layers:
+                for n, _ in get_submodule(model, fqn).named_parameters(remove_duplicate=False):
+                    covered.add(aliases.get(f"{fqn}.{n}", f"{fqn}.{n}"))
+        missing = sorted(set(aliases.values()) - covered)
+        if missing:
+            raise PlanError(f"the plan's stages leave parameters out: {', '.join(missing[:5])}")
+    names = dict(model.named_parameters(remove_duplicate=False))
+    for s in stages:
+        for fqn, pl in s.placements.items():
+            p = names.get(fqn)
+            if p is None:
+                raise PlanError(f"stage {s.index} places {fqn!r}, which the model does not have")
+            for ax, q in zip(s.mesh_shape, pl):
+                if q.startswith("S("):
+                    d = int(q[2:-1])
+                    if not -p.dim() <= d < p.dim():
+                        raise PlanError(f"placement {q} of {fqn} does not fit its shape {tuple(p.shape)}")
+    return {"devsets": devsets, "chunks_per_device": nst // pp}
+
+
 class ParallelModel:
     """One rank's share of a planned training job. Every rank of the job builds one (a
     collective). `step(batch)` takes the global batch and returns the loss (mean over it)."""
@@ -209,38 +275,11 @@ class ParallelModel:
 
     # -- plan checks ---------------------------------------------------------------------
     def _check_plan(self) -> None:
-        plan = self.plan
-        used = sorted({d for s in self.stages for d in s.devices})
-        if used != list(range(len(used))):
-            raise PlanError(f"the plan's stages use devices {used}; the runtime needs ranks 0..{len(used) - 1}")
-        for s in self.stages:
-            for a in s.mesh_axis_names:
-                if a not in ("dp", "tp"):
-                    raise PlanError(f"stage {s.index}: mesh axis {a!r} is neither 'dp' nor 'tp'")
-        devsets: list[tuple[int, ...]] = []
-        for s in self.stages:
-            t = tuple(s.devices)
-            if t not in devsets:
-                devsets.append(t)
-        self.devsets = devsets
-        self.pp = len(devsets)
-        shapes = {(tuple(s.mesh_shape), tuple(s.mesh_axis_names)) for s in self.stages}
-        if self.pp > 1 and len(shapes) > 1:
-            raise PlanError("pipeline stages with different logical meshes are not supported by the "
-                            f"runtime yet (got {sorted(shapes)}); plan with equal stage meshes")
-        nst = len(self.stages)
-        if self.pp > 1:
-            for i, s in enumerate(self.stages):
-                if tuple(s.devices) != devsets[i % self.pp]:
-                    raise PlanError(f"stage {s.index} runs on {s.devices}, expected {list(devsets[i % self.pp])}: "
-                                    f"chunks must go round the device sets in order (interleaving)")
-            v = nst // self.pp
-            if v * self.pp != nst:
-                raise PlanError(f"{nst} stages over {self.pp} device sets: not a whole number of chunks")
-            if plan.schedule != "interleaved_1f1b" and v > 1:
-                raise PlanError(f"{v} chunks per device need schedule interleaved_1f1b, not {plan.schedule}")
-        self.chunks_per_device = nst // self.pp
-        self.representatives = {ds[0] for ds in devsets}
+        v = validate_plan(self.plan, self.model if hasattr(self, "model") else self.bundle.model)
+        self.devsets = v["devsets"]
+        self.pp = len(self.devsets)
+        self.chunks_per_device = v["chunks_per_device"]
+        self.representatives = {ds[0] for ds in self.devsets}
 
     def _build_meshes(self) -> None:
         self.meshes: dict[tuple[int, ...], StageMesh] = {}
