@@ -187,9 +187,12 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                 coll["reduce_scatter"] += 1
                 coll["all_gather"] += 1
             else:
-                units = sum(j - k for k, j in st.chunks) + 1
-                coll["all_gather"] += 2 * m * units
-                coll["reduce_scatter"] += units
+                # FSDP per layer module whose parameters are not shared outside it, plus the root
+                # unit (not resharded after its forward): the runtime's `_fully_shard`
+                mods = [x for k, j in st.chunks for x in _stage_modules(layers, k, j)]
+                units = sum(1 for x in mods if _fsdp_unit(graph, x))
+                coll["all_gather"] += m * (2 * units + 1)
+                coll["reduce_scatter"] += units + 1
     if len(chunks) > 1:
         coll["send_recv"] += 2 * m * (len(chunks) - 1)
     if p > 1 and any(len({_owner(c, x) for x in us}) > 1 for _, _, us in tb.shared):
@@ -218,6 +221,14 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                         "candidates": res.considered, "evaluated": res.evaluated,
                         "intra_op": getattr(res.provider, "name", "analytic"),
                         "layers": len(layers)})
+
+
+def _fsdp_unit(graph: OpGraph, module: str) -> bool:
+    """Whether `module` holds parameters none of which is also named outside it."""
+    pre = module + "."
+    names = [(f, [f, *info.tied]) for f, info in graph.params.items()]
+    mine = [ns for f, ns in names if any(n.startswith(pre) for n in ns)]
+    return bool(mine) and all(n.startswith(pre) for ns in mine for n in ns)
 
 
 def _owner(c: Candidate, layer: int) -> int:
