@@ -239,7 +239,7 @@ def _launch(p: Plan, model: Any, n: int, steps: int, seed: int, mpath: str, chec
 
     from autopar.runtime.worker import worker_entry
 
-    old = {k: os.environ.get(k) for k in list(env) + ["PYTHONPATH"]}
+    old = {k: os.environ.get(k) for k in list(env) + ["PYTHONPATH", "OMP_NUM_THREADS"]}
     os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     paths = [os.getcwd()] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]
