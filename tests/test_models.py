@@ -185,3 +185,16 @@ def test_bundles_pickle(ref: str) -> None:
     assert all(torch.equal(a, c) for a, c in zip(x, y))
     assert not all(torch.equal(a, c) for a, c in zip(x, call_batch_fn(fn, 2, 3, 6)))   # seed matters
     assert torch.equal(b2.model(*x), b.model(*x))
+
+
+@pytest.mark.parametrize("ref", ["llama-tiny", "bert-tiny"])
+def test_children_chain_to_the_loss(ref: str) -> None:
+    """Pipeline stages run the top-level children (ModuleLists expanded) in order, then
+    `pipeline_loss`: that must equal forward."""
+    b = build_model(ref, device="cpu", batch_size=2)
+    tokens, targets = call_batch_fn(b.batch_fn, 0, 2, 0)
+    x = tokens
+    for _, child in b.model.named_children():
+        for mod in (child if isinstance(child, torch.nn.ModuleList) else [child]):
+            x = mod(x)
+    assert torch.equal(b.model.pipeline_loss(x, targets), b.model(tokens, targets))

@@ -120,7 +120,12 @@ class Bert(nn.Module):
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x)
-        logits = self.head(x)
+        return self.pipeline_loss(self.head(x), targets)
+
+    @staticmethod
+    def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The MLM loss after the last child (`head`), for the runtime's last pipeline stage;
+        the children (embed, layers.*, head) each take the previous one's output."""
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
 
 

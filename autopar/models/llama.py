@@ -140,7 +140,12 @@ class Llama(nn.Module):
         x = self.embed(tokens)
         for blk in self.layers:
             x = blk(x)
-        logits = self.head(self.norm(x))
+        return self.pipeline_loss(self.head(self.norm(x)), targets)
+
+    @staticmethod
+    def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss after the last child (`head`): the runtime ends the last pipeline stage with
+        it, the children (embed, layers.*, norm, head) each taking the previous one's output."""
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
