@@ -134,3 +134,22 @@ def test_out_of_memory_reports_least_memory():
         plan(b, tiny, global_batch_size=8, graph=g)
     assert e.value.min_memory_bytes is not None and e.value.min_memory_bytes > 8 * 2**30 * 0.9
     assert "least memory" in str(e.value)
+
+
+def test_memory_pressure_brings_recompute_or_sharding_and_pins_hold():
+    b, g = _gpt(16, 2048, 24)                      # GPT-3 1.3B shape
+    cl = ClusterSpec.load("dgx-a100-80g", num_nodes=1)
+    small = cl.model_copy(update={"device": cl.device.model_copy(update={"memory_bytes": 20 * 2**30})})
+    free = plan(b, cl, global_batch_size=64, graph=g)
+    tight = plan(b, small, global_batch_size=64, graph=g)
+    _check_plan(tight)
+    assert tight.predicted.peak_memory_bytes <= 20 * 2**30
+    assert free.predicted.iteration_time_s <= tight.predicted.iteration_time_s
+    assert (tight.zero_stage > 0 or tight.tp > 1 or tight.pp > 1
+            or any(s.recompute != "none" for s in tight.stages))
+    pinned = plan(b, cl, global_batch_size=64, graph=g,
+                  constraints=Constraints(zero_stage=3, recompute="selective", microbatch_size=2))
+    assert pinned.zero_stage == 3 and pinned.microbatch_size == 2
+    assert all(s.recompute == "selective" for s in pinned.stages)
+    if pinned.dp > 1:
+        assert all(pl[0] == "S(0)" for s in pinned.stages for pl in s.placements.values())
