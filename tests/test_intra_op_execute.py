@@ -1,6 +1,6 @@
 """Apply intra-op solutions on a 4-process gloo mesh (CPU) and check them against one process:
 same loss, same gradients, and the collectives CommDebugMode counts equal the solution's
-`collective_counts()`.
+`collective_counts()`. A zoo Llama's solution is also executed (loss and gradients only).
 
 The solutions come from `autopar.intra_op.auto_shard`; they are applied with
 `autopar.runtime.spmd.parallelize` (parameters -> DTensors with the planned placements, inputs
@@ -28,6 +28,7 @@ from autopar.models.mlp import MLP
 
 WORLD = 4
 
+
 class MLPSumLoss(MLP):
     """The zoo MLP with its mean-squared error written as sum / numel: a batch-split loss is
     then a Partial(sum). (DTensor's mse_loss over a batch split gives Partial(avg), whose
@@ -50,6 +51,13 @@ CASES = {
     "data-parallel": (MLPSumLoss, 256, 16, (4,), {"layers.0.weight": ("R",), "layers.1.weight": ("R",)}),
     "2d": (MLPSumLoss, 192, 64, (2, 2), {"layers.0.weight": ("R", "S(0)"), "layers.1.weight": ("R", "S(1)")}),
 }
+
+
+# a zoo transformer (GQA, RoPE, RMSNorm, SwiGLU, cross-entropy), solved on (4,): its
+# placements must execute with the one-process loss and gradients. Its collective counts are
+# not compared: only module outputs follow the plan, and inside attention DTensor's own
+# propagation picks other layouts than the plan's.
+ZOO = ("llama-tiny", 4)
 
 
 def _mesh(shape):
@@ -75,7 +83,33 @@ def _kind(op) -> str:
     return str(op)
 
 
-def _worker(rank, port, cases, result_dir):
+def _zoo_case(mesh, zoo):
+    from torch.distributed.tensor import DTensor
+
+    from autopar.models import build_model
+    from autopar.runtime.spmd import grads_to_param_layout, local_shard_rows, parallelize
+
+    name, batch, params, inputs, mods = zoo
+    torch.manual_seed(0)
+    ref = build_model(name, device="cpu", batch_size=batch).model
+    vocab = ref.embed.weight.shape[0]
+    seq = 16
+    toks, tgt = torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq))
+    loss_ref = ref(toks, tgt)
+    loss_ref.backward()
+    torch.manual_seed(0)
+    model = build_model(name, device="cpu", batch_size=batch).model
+    sp = parallelize(model, mesh, params, inputs, output_placements=mods)
+    loss = sp(*[local_shard_rows(t, mesh, pl) for t, pl in zip((toks, tgt), inputs)])
+    loss.backward()
+    grads_to_param_layout(model.parameters())
+    ref_g = dict(ref.named_parameters())
+    err = max(float(((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) - ref_g[n].grad).abs().max())
+              for n, p in model.named_parameters())
+    return {"loss": (float(loss.detach()), float(loss_ref.detach())), "grad_err": err}
+
+
+def _worker(rank, port, cases, result_dir, zoo=None):
     try:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port)
@@ -116,6 +150,8 @@ def _worker(rank, port, cases, result_dir):
                 "counts": got,
                 "placements": {n: tuple(str(q) for q in p.placements) for n, p in model.named_parameters()},
             }
+        if zoo is not None:
+            out["zoo"] = _zoo_case(init_device_mesh("cpu", (WORLD,)), zoo)
         torch.save(out, os.path.join(result_dir, f"rank{rank}.pt"))
         dist.barrier()
         dist.destroy_process_group()
@@ -151,9 +187,16 @@ def test_solutions_execute_on_a_gloo_mesh(solutions):
         inputs = [sol.input_placements[k] for k in ("args_0", "args_1")]
         cases[name] = (cls, batch, hidden, shape, sol.param_placements, inputs, sol.collective_counts(),
                        sol.module_output_placements)
+    from autopar.models import build_model
+
+    b = build_model(ZOO[0], batch_size=ZOO[1])
+    zsol = auto_shard(b.model, b.example_inputs, mesh=_mesh((WORLD,)))
+    assert not zsol.warnings
+    zoo = (ZOO[0], ZOO[1], zsol.param_placements, [zsol.input_placements[k] for k in ("args_0", "args_1")],
+           zsol.module_output_placements)
     with tempfile.TemporaryDirectory() as d:
         try:
-            mp.start_processes(_worker, args=(_free_port(), cases, d), nprocs=WORLD, join=True,
+            mp.start_processes(_worker, args=(_free_port(), cases, d, zoo), nprocs=WORLD, join=True,
                                start_method="spawn")
         except Exception:
             errs = [open(os.path.join(d, f)).read() for f in os.listdir(d) if f.endswith(".err")]
@@ -167,3 +210,7 @@ def test_solutions_execute_on_a_gloo_mesh(solutions):
             assert loss == pytest.approx(loss_ref, rel=1e-5), (name, r)
             assert got["grad_err"] < 1e-5, (name, r, got["grad_err"])
             assert got["counts"] == expect, (name, r, got["counts"], expect)
+    for r, res in enumerate(results):
+        loss, loss_ref = res["zoo"]["loss"]
+        assert loss == pytest.approx(loss_ref, rel=1e-5), r
+        assert res["zoo"]["grad_err"] < 1e-5, (r, res["zoo"]["grad_err"])
