@@ -302,6 +302,10 @@ def test_solution_api_fields(gpt_small):
     assert "strategy" in text and "linear" in text
     assert sol.param_bytes_per_device > 0 and sol.activation_bytes_per_device > 0
     assert "objective" in sol.summary()
+    import json
+
+    d = json.loads(json.dumps(sol.to_dict()))
+    assert d["objective"] == sol.objective and len(d["collectives"]) == len(sol.collectives)
 
 
 def test_hugging_face_llama_without_fallbacks():

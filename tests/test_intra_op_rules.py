@@ -75,6 +75,10 @@ def test_matmul_family():
     assert s["k@0"].in_specs == [("S(2)",), ("S(0)",)]
     s, _ = by_name(make("baddbmm", [(4, 8, 32), (4, 8, 16), (4, 16, 32)], [(4, 8, 32)]))
     assert "b0@0" in s
+    s, _ = by_name(make("convolution", [(4, 8, 16, 16), (32, 8, 3, 3), (32,)], [(4, 32, 14, 14)],
+                        extra_args=([1, 1], [0, 0], [1, 1], False, [0, 0], 1)))
+    assert s["n@0"].in_specs == [("S(0)",), ("R",), ("R",)] and s["c@0"].out_specs == [("P",)]
+    assert s["o@0"].in_specs[1] == ("S(0)",) and s["o@0"].out_specs == [("S(1)",)]
     # divisibility: a dim of 3 cannot split over 2
     s, _ = by_name(make("linear", [(3, 16), (32, 16)], [(3, 32)]))
     assert "b0@0" not in s

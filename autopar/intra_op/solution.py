@@ -91,6 +91,12 @@ class ShardingSolution:
                              f"{c.time_s * 1e6:.2f} us  ({c.reason})")
         return "\n".join(lines)
 
+    def to_dict(self) -> dict:
+        """Plain JSON-able data (tuples become lists)."""
+        import dataclasses
+
+        return dataclasses.asdict(self)
+
     def summary(self) -> str:
         return (f"objective {self.objective * 1e3:.3f} ms (fwd {self.forward_s * 1e3:.3f}, bwd "
                 f"{self.backward_s * 1e3:.3f}, grad sync {self.grad_sync_s * 1e3:.3f}); "
