@@ -36,9 +36,11 @@ groups. E is the set of edges between groups (a tensor produced in u, consumed i
   layout (any its producer gives or a consumer wants) and a set of axes along which the summed
   gradient stays partial. Consumers then share one gather, and their partial gradients are
   summed before one reduction (one backward all-reduce for Llama's q, k and v projections).
-* m_{v,i} (`memory`): the bytes per device of the op's outputs (all saved for backward at the
-  end of the forward pass; views alias and cost nothing) and of a parameter with its gradient
-  and Adam state (`STATE_FACTOR` times its weights), times the number of copies.
+* m_{v,i} (`memory`): the bytes per device of what the backward pass holds at the end of the
+  forward pass: the op's outputs that some consumer saves (`cost_models.memory.saved_tensors`,
+  the rules of the inter-op memory model; views alias their base) and its side tensors (norm
+  statistics, dropout masks), a graph input, and a parameter with its gradient and Adam state
+  (`STATE_FACTOR` times its weights), times the number of copies.
 * Merging (Alpa §4.2): an op whose rule follows its operand (element-wise, views, softmax) is
   merged into the group of its only producer, or of its only full-size operand (a residual add
   keeps its own choice); it takes, for each of the group's strategies, its cheapest strategy
@@ -140,6 +142,7 @@ class IntraOpProblem:
         self._edge_cache: dict = {}
         self._select(nodes)
         self._requires_grad()
+        self._saved_for_backward()
         self._share_layers(share_layers)
         self._junctions()
         self._build_nodes()
@@ -186,6 +189,43 @@ class IntraOpProblem:
             else:
                 rg[n.name] = False
         self.rg = rg
+
+    def _saved_for_backward(self) -> None:
+        """Which tensors the backward pass holds (`cost_models.memory.saved_tensors`, the rules
+        the inter-op memory model uses): an op's output costs memory only if some consumer
+        saves it (through views, their base); side tensors (norm statistics, dropout masks,
+        attention log-sum-exp) are charged to the op that makes them."""
+        from autopar.capture.flops import VIEW_OPS
+        from cost_models.memory import saved_tensors
+
+        g = self.graph
+        by_name = {n.name: n for n in g.nodes}
+        base: dict[str, str] = {}
+        for n in g.nodes:
+            if n.kind == "call" and (n.op in VIEW_OPS or n.target == "getitem") and n.inputs:
+                src = n.inputs[0]
+                prod = by_name.get(src)
+                if n.target == "getitem" and prod is not None and prod.kind == "call" and prod.op not in VIEW_OPS:
+                    base[n.name] = n.name
+                else:
+                    base[n.name] = base.get(src, src)
+            else:
+                base[n.name] = n.name
+        self.saved: set[str] = set()
+        self.side_bytes: dict[str, float] = defaultdict(float)
+        dt = self.dtype if self.dtype in ("bf16", "fp16", "fp32") else "fp32"
+        for n in g.nodes:
+            if n.kind != "call" or not n.outputs:
+                continue
+            try:
+                items = saved_tensors(n, by_name, dt)
+            except Exception:  # noqa: BLE001 - an odd op: keep its inputs, conservatively
+                items = [(i, None) for i in n.inputs if i in by_name]
+            for name, nbytes in items:
+                if nbytes is None:
+                    self.saved.add(base.get(name, name))
+                else:
+                    self.side_bytes[n.name] += nbytes
 
     # ------------------------------------------------------------------ identical layers
     def _share_layers(self, share: bool) -> None:
@@ -501,8 +541,12 @@ class IntraOpProblem:
             return local_numel(shape, st.out_specs[0], self.mesh_shape) * self.itemsize(n.outputs[0]) * self.state_factor
         if pn.kind in ("boundary", "junction"):
             return 0.0
-        if pn.kind == "call" and n.bytes_moved <= 0:
-            return 0.0                                          # views alias their input
+        if pn.kind == "call":
+            tot = self.side_bytes.get(n.name, 0.0) / st.work_div
+            if n.name in self.saved:
+                for o, s in zip(n.outputs, st.out_specs):
+                    tot += local_numel(tuple(int(d) for d in o.shape), s, self.mesh_shape) * self.itemsize(o)
+            return tot
         tot = 0.0
         for o, s in zip(n.outputs, st.out_specs):
             tot += local_numel(tuple(int(d) for d in o.shape), s, self.mesh_shape) * self.itemsize(o)
