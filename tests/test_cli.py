@@ -42,7 +42,7 @@ def test_models_and_schema():
     (["plan", "--model", "no_such_mod:factory", "--cluster", "cpu", "-b", "8"], "cannot import module"),
     (["plan", "--model", "gpt-tiny", "--cluster", "dgx-z9", "-b", "8"], "unknown cluster 'dgx-z9'"),
     (["plan", "--model", "gpt-tiny", "--cluster", "cpu", "-b", "0"], "--global-batch-size must be >= 1"),
-    (["plan", "--model", "gpt-tiny", "--cluster", "cpu", "-b", "7"], "does not divide"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "cpu", "-b", "7", "--dp", "2"], "divide"),
     (["plan", "--model", "gpt-tiny", "--cluster", "cpu", "-b", "8", "--zero-stage", "5"], "zero_stage"),
     (["plan", "--model", "gpt-tiny", "--cluster", "cpu", "-b", "8", "--dp", "3", "--tp", "1", "--pp", "1"],
      "dp"),

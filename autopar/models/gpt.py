@@ -21,6 +21,7 @@ class GPTConfig:
     heads: int = 12
     ffn_mult: int = 4
     tie_embeddings: bool = True
+    dropout: float = 0.0      # Megatron's hidden and attention dropout (0.1 in its published runs)
 
     def num_params(self) -> int:
         h, l, v, s = self.hidden, self.layers, self.vocab_size, self.seq_len
@@ -28,10 +29,16 @@ class GPTConfig:
         return l * per_layer + v * h + s * h + 2 * h + (0 if self.tie_embeddings else v * h)
 
 
+def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Dropout only when configured, so dropout-free models capture without dropout ops."""
+    return F.dropout(x, p, training) if p > 0 else x
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.heads = cfg.heads
+        self.p = cfg.dropout
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
 
@@ -41,18 +48,20 @@ class Attention(nn.Module):
         q = q.view(b, s, self.heads, h // self.heads).transpose(1, 2)
         k = k.view(b, s, self.heads, h // self.heads).transpose(1, 2)
         v = v.view(b, s, self.heads, h // self.heads).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, s, h))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.p if self.training else 0.0)
+        return _dropout(self.proj(y.transpose(1, 2).reshape(b, s, h)), self.p, self.training)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
+        self.p = cfg.dropout
         self.fc = nn.Linear(cfg.hidden, cfg.ffn_mult * cfg.hidden)
         self.proj = nn.Linear(cfg.ffn_mult * cfg.hidden, cfg.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        return _dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")), self.p, self.training)
 
 
 class Block(nn.Module):
@@ -71,12 +80,13 @@ class Block(nn.Module):
 class Embedding(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
+        self.p = cfg.dropout
         self.tok = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.pos = nn.Embedding(cfg.seq_len, cfg.hidden)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.tok(tokens) + self.pos(pos)
+        return _dropout(self.tok(tokens) + self.pos(pos), self.p, self.training)
 
 
 class Head(nn.Module):
