@@ -142,6 +142,16 @@ def test_elementwise_broadcast():
     assert s["d0@0"].out_specs == [("S(0)",), ("S(0)",)]
 
 
+def test_view_groups():
+    from autopar.intra_op.rules.view import reshape_labels
+
+    assert reshape_labels((2, 3, 4), (6, 4)) == (["g0", None, "g1"], ["g0", "g1"])
+    assert reshape_labels((4, 6), (2, 2, 6)) == (["g0", "g1"], ["g0", None, "g1"])
+    assert reshape_labels((1, 16, 32), (16, 32)) == ([None, "g0", "g1"], ["g0", "g1"])
+    assert reshape_labels((2, 1, 3), (2, 3)) == (["g0", None, "g1"], ["g0", "g1"])
+    assert reshape_labels((2, 2, 1), (4,)) == (["g0", None, None], ["g0"])
+
+
 def test_views():
     # [b, s, h] -> [b, s, heads, hd]: h splits as heads
     s, fam = by_name(make("view", [(2, 8, 16)], [(2, 8, 4, 4)], extra_args=([2, 8, 4, 4],)))
