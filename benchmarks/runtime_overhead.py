@@ -131,10 +131,7 @@ def _autopar(plan, model_ref: str, seed: int, count: bool):
         batch = call_batch_fn(b.batch_fn, s, plan.global_batch_size, seed)
         if counter is not None:
             counter.reset()
-            with counter:
-                pm.train_step(batch)
-        else:
-            pm.train_step(batch)
+        pm.train_step(batch, counter=counter)
 
     return step
 

@@ -555,11 +555,25 @@ class ParallelModel:
         rank)."""
         return self.reduce_loss(self.train_step(batch))
 
-    def train_step(self, batch: Sequence[Any]) -> tuple[float, int]:
+    @property
+    def collectives_in_compute(self) -> bool:
+        """Whether forward/backward can issue collectives (DTensor tp, FSDP, pipelines); when
+        not, every collective of a step is in `sync_and_update`."""
+        return self.tp_size > 1 or self.zero3 or self.pp > 1
+
+    def train_step(self, batch: Sequence[Any], counter: Any = None) -> tuple[float, int]:
         """Forward, backward, gradient sync and optimizer update; returns this rank's (sum of
-        reported micro-batch losses, their number). No communication beyond the plan's."""
-        loss_sum, n = self.forward_backward(batch)
-        self.sync_and_update()
+        reported micro-batch losses, their number). No communication beyond the plan's.
+        `counter` (a CollectiveCounter) is active wherever collectives can run: the whole step,
+        or only the gradient sync when forward/backward cannot communicate (its per-op cost then
+        stays out of the compute)."""
+        if counter is not None and self.collectives_in_compute:
+            with counter:
+                loss_sum, n = self.forward_backward(batch)
+                self.sync_and_update()
+        else:
+            loss_sum, n = self.forward_backward(batch)
+            self.sync_and_update(counter)
         self.steps_done += 1
         return loss_sum, n
 
@@ -610,19 +624,24 @@ class ParallelModel:
             return float(sum(float(l.detach()) for l in losses)), len(losses)
         return 0.0, 0
 
-    def sync_and_update(self) -> None:
-        grads_to_param_layout(self.params)
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if self.zero12:
-            self._zero12_step()
-        else:
-            if self.dp_group is not None and not self.zero3:
-                self._allreduce_flat([self._local(p.grad) for p in self.params], self.dp_group,
-                                     1.0 / self.dp_size)
-            for g, ps in self.tied:
-                self._allreduce_flat([self._local(p.grad) for p in ps], g, 1.0)
+    def sync_and_update(self, counter: Any = None) -> None:
+        """Gradient sync (the plan's collectives) then the optimizer update. `counter`, when
+        given, is active around the sync only (the update issues no collectives, except ZeRO-1/2's
+        all-gather, which sits inside the sync there)."""
+        with (counter if counter is not None else _nullctx()):
+            grads_to_param_layout(self.params)
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            if self.zero12:
+                self._zero12_step()
+            else:
+                if self.dp_group is not None and not self.zero3:
+                    self._allreduce_flat([self._local(p.grad) for p in self.params], self.dp_group,
+                                         1.0 / self.dp_size)
+                for g, ps in self.tied:
+                    self._allreduce_flat([self._local(p.grad) for p in ps], g, 1.0)
+        if not self.zero12:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         for p in self.params:

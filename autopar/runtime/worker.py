@@ -109,11 +109,7 @@ def train(plan: Plan, bundle: Any, *, steps: int, seed: int = 0, metrics_path: O
             if counter is not None:
                 counter.reset()
             t0 = time.perf_counter()
-            if counter is not None:
-                with counter:
-                    local = pm.train_step(batch)
-            else:
-                local = pm.train_step(batch)
+            local = pm.train_step(batch, counter=counter)
             if pm.device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
