@@ -89,6 +89,11 @@ def test_gpt_block_megatron_on_8_devices(gpt_small):
     attn = [n for n in nodes if g.node(n).op == "scaled_dot_product_attention"][0]
     assert sol.op_choices[attn].strategy == "h@0"
     assert sol.param_layouts == {"blocks.0.attn.qkv.weight": (0, 3), "blocks.0.attn.qkv.bias": (0, 3)}
+    # a contiguously sharded fused QKV weight (DTensor's Shard(0)) cannot split for free
+    plain = solve_graph(g, mesh((8,)), nodes=nodes, interleaved_splits=False)
+    assert plain.param_layouts == {} and plain.objective > sol.objective
+    split = next(n for n in nodes if g.node(n).op == "split")
+    assert "S(2)" not in plain.op_choices[split].input_placements[0]
 
 
 @pytest.mark.parametrize("shape,slow", [((2, 4), 0), ((4, 2), 1)])

@@ -126,7 +126,7 @@ class IntraOpProblem:
 
     def __init__(self, graph: OpGraph, mesh: LogicalMesh, *, nodes: Optional[Iterable[str]] = None,
                  memory_budget_bytes: Optional[float] = None, dtype: str = "fp32",
-                 merge: bool = True, share_layers: bool = True) -> None:
+                 merge: bool = True, share_layers: bool = True, interleaved_splits: bool = True) -> None:
         if graph.batch_size is None and any(o.is_batched for n in graph.nodes for o in n.outputs):
             raise ValueError("solve a graph at a concrete batch: call graph.at_batch(b) first")
         t0 = time.perf_counter()
@@ -137,6 +137,7 @@ class IntraOpProblem:
         self.float_bytes = FLOAT_BYTES.get(dtype, 4)
         self.state_factor = STATE_FACTOR.get(dtype, 4.0)
         self.budget = memory_budget_bytes
+        self.interleaved_splits = interleaved_splits
         self.axis_cost = tuple(b * (m - 1) / m if m > 1 else 0.0 for b, m in zip(mesh.beta, mesh.shape))
         self.warnings: list[str] = []
         self._edge_cache: dict = {}
@@ -341,7 +342,7 @@ class IntraOpProblem:
             p = g.node(i)
             idx = self._out_index(n, k)
             metas.append(p.outputs[idx] if idx < len(p.outputs) else (p.outputs[0] if p.outputs else TensorMeta((), "float32")))
-        return OpContext(n, metas, self.mesh_shape, g, self.float_bytes)
+        return OpContext(n, metas, self.mesh_shape, g, self.float_bytes, self.interleaved_splits)
 
     def _out_index(self, consumer: OpNode, k: int) -> int:
         if consumer.target == "getitem" and k == 0 and len(consumer.args) > 1 and isinstance(consumer.args[1], int):

@@ -55,6 +55,7 @@ class OpContext:
     mesh_shape: tuple[int, ...]
     graph: Optional[OpGraph] = None
     float_bytes: int = 4
+    interleaved_splits: bool = True     # may a split along a split dim assume an interleaved weight
 
     @property
     def out_metas(self) -> list[TensorMeta]:

@@ -109,7 +109,8 @@ def split(ctx: OpContext) -> list[Strategy]:
     dim = _dim(dim, n)
     li = dims_labels(n)
     prod = ctx.producer(0)
-    interleave = (op != "unbind" and prod is not None and prod.op in MATMUL_PRODUCERS)
+    interleave = (ctx.interleaved_splits and op != "unbind" and prod is not None
+                  and prod.op in MATMUL_PRODUCERS)
     if op == "unbind":
         outs = [li[:dim] + li[dim + 1:] for _ in ctx.out_metas]
         li = li[:dim] + [None] + li[dim + 1:]
