@@ -192,7 +192,9 @@ def run(plan: Plan | str, model: str | ModelBundle, *, steps: int = 10, seed: in
     try:
         if not count_collectives:
             env = dict(env or {}, AUTOPAR_COUNT_COLLECTIVES="0")
-        if n == 1 and not env:
+        import torch.distributed as dist
+
+        if n == 1 and not env and not dist.is_initialized():
             _run_inline(p, b, steps, seed, mpath, checkpoint_dir, checkpoint_every, quiet, optimizer_factory)
         else:
             _launch(p, model if isinstance(model, str) else b, n, steps, seed, mpath, checkpoint_dir,
