@@ -238,7 +238,9 @@ def validate_plan(plan: Plan, model: nn.Module) -> dict:
 
 class ParallelModel:
     """One rank's share of a planned training job. Every rank of the job builds one (a
-    collective). `step(batch)` takes the global batch and returns the loss (mean over it)."""
+    collective). `step(batch)` takes the global batch and returns the loss (mean over it).
+    The bundle's model (on meta) is materialised in place, this rank's layers only: build a
+    fresh bundle for each ParallelModel."""
 
     def __init__(self, plan: Plan, bundle: ModelBundle, *, seed: int = 0,
                  optimizer_factory: Optional[OptimizerFactory] = None,
@@ -351,10 +353,6 @@ class ParallelModel:
         # with tp, parameters are already DTensors on the sibling tp sub-mesh: FSDP2 makes them
         # 2-D (Shard on dp, the planned placement on tp)
         # parameters used by more than one layer (tied) stay with the root unit
-        owners: dict[int, set[str]] = {}
-        for fqn in layers:
-            for p in get_submodule(root, fqn).parameters():
-                owners.setdefault(id(p), set()).add(fqn)
         all_names = {n: id(p) for n, p in root.named_parameters(remove_duplicate=False)}
         for fqn in layers:
             mod = get_submodule(root, fqn)
