@@ -1,0 +1,89 @@
+"""Fast runtime unit tests (one process, no launch): counting convention, deterministic
+materialisation, placements, checkpoint discovery, plan validation."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from autopar.schema.errors import PlanError  # noqa: E402
+
+
+def test_counting_convention_counts_stage_collectives_once():
+    from autopar.runtime.counting import combine
+
+    # pp2 x dp2: stages on [0, 1] and [2, 3]; representatives 0 and 2
+    ev = {
+        0: [("send_recv", ()), ("recv", ()), ("all_reduce", (0, 1)), ("all_reduce", (0, 2))],
+        1: [("send_recv", ()), ("recv", ()), ("all_reduce", (0, 1)), ("all_reduce", (1, 3))],
+        2: [("recv", ()), ("send_recv", ()), ("all_reduce", (2, 3)), ("all_reduce", (0, 2))],
+        3: [("recv", ()), ("send_recv", ()), ("all_reduce", (2, 3)), ("all_reduce", (1, 3))],
+    }
+    # dp all-reduce once per stage (2), tied all-reduce across stages once (1), 2 transfers
+    assert combine(ev, {0, 2}) == {"all_reduce": 3, "send_recv": 2}
+    # dp4, one stage: once
+    assert combine({r: [("all_reduce", (0, 1, 2, 3))] for r in range(4)}, {0}) == {"all_reduce": 1}
+
+
+def test_materialize_is_layout_independent():
+    from autopar.models import build_model
+    from autopar.runtime.engine import StageCore, family_of
+    from autopar.runtime.materialize import canonical_names, materialize
+
+    full = build_model("gpt-tiny").model
+    aliases = canonical_names(full)
+    materialize(full, seed=3, aliases=aliases)
+    assert full.head.out.weight is full.embed.tok.weight  # tie kept
+    part = build_model("gpt-tiny").model
+    core = StageCore(part, ["blocks.1", "head"], family_of(part), True)
+    materialize(core, seed=3, aliases=canonical_names(part))
+    got = dict(core.named_parameters())
+    assert set(got) >= {"blocks.1.attn.qkv.weight", "head.out.weight"}
+    assert torch.equal(got["head.out.weight"], full.embed.tok.weight)  # tied copy, same value
+    assert torch.equal(got["blocks.1.mlp.fc.weight"], full.blocks[1].mlp.fc.weight)
+    assert torch.equal(got["head.ln.weight"], torch.ones(32))
+    assert part.blocks[0].attn.qkv.weight.is_meta  # other stages' layers stay on meta
+
+
+def test_placements_parse():
+    from torch.distributed.tensor import Replicate, Shard
+
+    from autopar.runtime.spmd import to_placements
+
+    assert to_placements(["R", "S(0)", "S(-1)"], ndim=2) == (Replicate(), Shard(0), Shard(1))
+    with pytest.raises(PlanError):
+        to_placements(["X"])
+
+
+def test_latest_checkpoint_ignores_incomplete(tmp_path):
+    from autopar.runtime.checkpoint import latest
+
+    (tmp_path / "step_00000002").mkdir()
+    (tmp_path / "step_00000002" / ".metadata").write_text("x")
+    (tmp_path / "step_00000004").mkdir()  # no metadata: incomplete
+    (tmp_path / ".tmp-step_00000006").mkdir()
+    assert latest(tmp_path)[0] == 2
+    assert latest(tmp_path / "missing") is None
+
+
+def test_validate_plan_names_the_problem():
+    from autopar.models import build_model
+    from autopar.runtime.engine import validate_plan
+    from tests.plans import StagePlan, _plan, make_plan
+
+    model = build_model("gpt-tiny").model
+    assert validate_plan(make_plan("pp2xdp2"), model)["devsets"] == [(0, 1), (2, 3)]
+    st = [StagePlan(index=i, devices=[i % 2], mesh_shape=(1,), mesh_axis_names=("dp",), layers=[lay],
+                    virtual_chunk=i // 2) for i, lay in enumerate(["embed", "blocks.0", "blocks.1", "head"])]
+    with pytest.raises(PlanError, match="multiple of the pipeline depth"):
+        validate_plan(_plan("gpt-tiny", st, gbs=6, mb=2, m=3, schedule="interleaved_1f1b", v=2, nodes_devices=2),
+                      model)
+    with pytest.raises(PlanError, match="need schedule interleaved_1f1b"):
+        validate_plan(_plan("gpt-tiny", st, gbs=8, mb=2, m=4, schedule="1f1b", nodes_devices=2), model)
