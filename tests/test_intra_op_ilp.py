@@ -3,7 +3,6 @@ layers, memory, the ShardingSolution API."""
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import numpy as np

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
 from autopar.capture.graph import OpNode, Ref, TensorMeta

@@ -66,8 +66,7 @@ from typing import Iterable, Optional
 
 from autopar.capture.graph import OpGraph, OpNode, TensorMeta
 from autopar.intra_op import rules as rules_mod
-from autopar.intra_op.placement import (PARTIAL, REPLICATE, Spec, all_specs, local_numel,
-                                        shard_dim, transition)
+from autopar.intra_op.placement import PARTIAL, REPLICATE, Spec, all_specs, local_numel, transition
 from autopar.intra_op.solution import Collective, OpChoice, ShardingSolution
 from autopar.intra_op.strategy import OpContext, Strategy
 from autopar.schema.mesh import LogicalMesh

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 from autopar.capture.graph import OpGraph, OpNode, TensorMeta
 from autopar.intra_op.placement import PARTIAL, REPLICATE, Spec, shard, shard_dim

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from autopar.capture.graph import Ref
 from autopar.intra_op.rules import register
 from autopar.intra_op.strategy import OpContext, Strategy, dims_labels, label_strategies
 

@@ -5,7 +5,6 @@ the element-wise and reduction rules."""
 
 from __future__ import annotations
 
-from autopar.capture.graph import Ref
 from autopar.intra_op.rules import register
 from autopar.intra_op.strategy import OpContext, Strategy, label_strategies
 

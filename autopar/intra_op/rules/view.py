@@ -10,7 +10,6 @@ every chunk, as Megatron lays out the fused QKV weight); the solution records it
 
 from __future__ import annotations
 
-from autopar.capture.graph import Ref
 from autopar.intra_op.rules import register
 from autopar.intra_op.strategy import (OpContext, Strategy, broadcast_labels, dims_labels,
                                        label_strategies, with_partial_passthrough)
