@@ -74,11 +74,14 @@ MEGATRON = {"attn.qkv.weight": "S(0)", "attn.proj.weight": "S(1)", "mlp.fc.weigh
             "mlp.proj.weight": "S(1)"}
 
 
-def test_gpt_block_megatron_on_8_devices(gpt_small):
+@pytest.mark.parametrize("shape", [(8,), (1, 8)])
+def test_gpt_block_megatron_on_8_devices(gpt_small, shape):
     g = gpt_small.at_batch(1)
     nodes = [n.name for n in g.layer_nodes("blocks.0")]
-    sol = solve_graph(g, mesh((8,)), nodes=nodes)
-    got = {k.removeprefix("blocks.0."): v[0] for k, v in sol.param_placements.items()}
+    sol = solve_graph(g, mesh(shape), nodes=nodes)
+    tp = len(shape) - 1
+    assert all(v[:tp] == ("R",) * tp for v in sol.param_placements.values())
+    got = {k.removeprefix("blocks.0."): v[tp] for k, v in sol.param_placements.items()}
     for k, v in MEGATRON.items():
         assert got[k] == v, (k, got[k])
     fwd = [c for c in sol.collectives if c.phase == "forward"]
@@ -86,10 +89,10 @@ def test_gpt_block_megatron_on_8_devices(gpt_small):
     assert all(c.bytes == 1 * 128 * 512 * 4 for c in fwd)
     assert sol.collective_counts() == {"all_reduce": 4}     # + two in backward (Megatron's f)
     attn = [n for n in nodes if g.node(n).op == "scaled_dot_product_attention"][0]
-    assert sol.op_choices[attn].strategy == "h@0"
+    assert sol.op_choices[attn].strategy == f"h@{tp}"
     assert sol.param_layouts == {"blocks.0.attn.qkv.weight": (0, 3), "blocks.0.attn.qkv.bias": (0, 3)}
     # a contiguously sharded fused QKV weight (DTensor's Shard(0)) cannot split for free
-    plain = solve_graph(g, mesh((8,)), nodes=nodes, interleaved_splits=False)
+    plain = solve_graph(g, mesh(shape), nodes=nodes, interleaved_splits=False)
     assert plain.param_layouts == {} and plain.objective > sol.objective
     split = next(n for n in nodes if g.node(n).op == "split")
     assert "S(2)" not in plain.op_choices[split].input_placements[0]
