@@ -29,7 +29,7 @@ __all__ = ["auto_shard", "solve_graph", "ShardingSolution", "Collective", "OpCho
 def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optional[float] = None,
                 dtype: str = "fp32", nodes: Optional[list[str]] = None, time_limit_s: float = 10,
                 merge: bool = True, share_layers: bool = True, backend: str = "cbc",
-                interleaved_splits: bool = True) -> ShardingSolution:
+                interleaved_splits: bool = True, cyclic_boundary: bool = False) -> ShardingSolution:
     """Shard the ops of `graph` (at a concrete batch) over `mesh`.
 
     `nodes` restricts the problem to those call nodes (one layer, to cost a layer): tensors
@@ -39,15 +39,17 @@ def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optio
     "scip" or "cp-sat". `interleaved_splits`: a fused projection's output (QKV) split along
     its split feature dim costs nothing, the weight's rows being chunk-interleaved
     (`sol.param_layouts`, Megatron's layout); with False the split needs the whole dim (an
-    all-gather), as DTensor runs a contiguously sharded fused weight. Raises PlanError when
-    nothing fits `memory_budget_bytes`.
+    all-gather), as DTensor runs a contiguously sharded fused weight. `cyclic_boundary` (with
+    `nodes` one layer of a stack): the tensor entering the layer comes in the layout its output
+    leaves in, a reshard charged otherwise (steady state of identical layers), instead of for
+    free. Raises PlanError when nothing fits `memory_budget_bytes`.
     """
     gc_was_on = gc.isenabled()
     gc.disable()     # the captured graph holds many objects; collections would dominate the build
     try:
         prob = IntraOpProblem(graph, mesh, nodes=nodes, memory_budget_bytes=memory_budget_bytes,
                               dtype=dtype, merge=merge, share_layers=share_layers,
-                              interleaved_splits=interleaved_splits)
+                              interleaved_splits=interleaved_splits, cyclic_boundary=cyclic_boundary)
         assign, info = prob.solve(time_limit_s=time_limit_s, backend=backend)
     finally:
         if gc_was_on:

@@ -125,7 +125,8 @@ class IntraOpProblem:
 
     def __init__(self, graph: OpGraph, mesh: LogicalMesh, *, nodes: Optional[Iterable[str]] = None,
                  memory_budget_bytes: Optional[float] = None, dtype: str = "fp32",
-                 merge: bool = True, share_layers: bool = True, interleaved_splits: bool = True) -> None:
+                 merge: bool = True, share_layers: bool = True, interleaved_splits: bool = True,
+                 cyclic_boundary: bool = False) -> None:
         if graph.batch_size is None and any(o.is_batched for n in graph.nodes for o in n.outputs):
             raise ValueError("solve a graph at a concrete batch: call graph.at_batch(b) first")
         t0 = time.perf_counter()
@@ -137,6 +138,7 @@ class IntraOpProblem:
         self.state_factor = STATE_FACTOR.get(dtype, 4.0)
         self.budget = memory_budget_bytes
         self.interleaved_splits = interleaved_splits
+        self.cyclic_boundary = cyclic_boundary
         self.axis_cost = tuple(b * (m - 1) / m if m > 1 else 0.0 for b, m in zip(mesh.beta, mesh.shape))
         self.warnings: list[str] = []
         self._edge_cache: dict = {}
@@ -175,6 +177,18 @@ class IntraOpProblem:
         outs = [c for c in calls if c in returned]
         self.output_refs = outs                   # tensors the graph returns (the loss)
         self.in_set = call_set | set(producers)
+        self.cycle: Optional[tuple[str, str]] = None
+        if self.cyclic_boundary and nodes is not None:
+            # one layer of a stack: its output is the next copy's input, so the tensor entering
+            # it arrives in the layout it leaves in (a reshard otherwise), as in steady state
+            isfloat = lambda x: g.node(x).outputs[0].dtype.startswith(("float", "bfloat"))  # noqa: E731
+            entering = [p for p in producers if g.node(p).kind == "call" and isfloat(p)]
+            cons = g.consumers()
+            leaving = [c for c in calls if isfloat(c) and any(
+                x not in call_set and g.node(x).kind == "call" for x in cons.get(c, []))]
+            if len(entering) == 1 and len(leaving) == 1 and \
+                    g.node(entering[0]).outputs[0].shape == g.node(leaving[0]).outputs[0].shape:
+                self.cycle = (leaving[0], entering[0])
 
     def _requires_grad(self) -> None:
         g = self.graph
@@ -285,6 +299,8 @@ class IntraOpProblem:
                     edges.append((i, self._out_index(n, k), c, k))
         for k, c in enumerate(self.output_refs):
             edges.append((c, 0, OUTPUT, k))
+        if self.cycle is not None:
+            edges.append((self.cycle[0], 0, self.cycle[1], 0))
         for p, o, c, k in edges:
             uses[(p, o)] += 1
         self.junction: dict[tuple[str, int], str] = {}
@@ -376,7 +392,10 @@ class IntraOpProblem:
                 kind = {"param": "param", "input": "input"}.get(n.kind, "boundary" if n.kind == "call" else n.kind)
                 shape = tuple(int(d) for d in n.outputs[0].shape) if n.outputs else ()
                 specs = all_specs(shape, self.mesh_shape)
-                sts = [Strategy(" ".join(s), [], [s]) for s in specs]
+                if self.cycle is not None and name == self.cycle[1]:
+                    sts = [Strategy(" ".join(s), [s], [s], [()]) for s in specs]
+                else:
+                    sts = [Strategy(" ".join(s), [], [s]) for s in specs]
                 self.pnodes[name] = PNode(name, kind, n, sts, kind, cnt, self.rg.get(name, False))
                 continue
             ctx = self._ctx(n)
