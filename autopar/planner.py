@@ -248,7 +248,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                 global_batch_size=gbs, microbatch_size=c.mb, num_microbatches=m,
                 schedule=c.schedule, virtual_stages=v, zero_stage=c.zero, stages=stage_plans,
                 predicted=pred,
-                search={"search_time_s": round(search_s, 3), "capture_time_s": round(capture_s, 3),
+                search={"search_time_s": round(search_s - capture_s, 3), "capture_time_s": round(capture_s, 3),
                         "candidates": res.considered, "evaluated": res.evaluated,
                         "intra_op": getattr(res.provider, "name", "analytic"),
                         "layers": len(layers)})
