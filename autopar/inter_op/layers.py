@@ -15,7 +15,7 @@ A layer's `modules` are the module FQNs the runtime cuts stages at, in execution
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch.nn as nn

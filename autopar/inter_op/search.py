@@ -38,10 +38,8 @@ What is approximated, and why (to keep a 1000-GPU search within seconds on two c
 
 from __future__ import annotations
 
-import math
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -54,7 +52,7 @@ from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost, RECOMPUTES,
 from autopar.schema import ClusterSpec, Constraints, PlanError
 from cost_models.communication import axis_collective_time
 from cost_models.compute import optimizer_step_time
-from cost_models.memory import PRECISION_POLICIES, inflight_microbatches, model_state_bytes, usable_memory
+from cost_models.memory import PRECISION_POLICIES, inflight_microbatches, usable_memory
 
 INF = float("inf")
 MAX_MICROBATCH = 64
@@ -240,15 +238,6 @@ def _sync_time(cluster: ClusterSpec, dtype: str, dp: int, tp: int, zero: int, pe
     if zero in (1, 2):
         return _dp_coll(cluster, "reduce_scatter", pel * g, dp, tp) + _dp_coll(cluster, "all_gather", pel * w, dp, tp)
     return _dp_coll(cluster, "reduce_scatter", pel * g, dp, tp)
-
-
-def _vec_coll(kind: str, nbytes: np.ndarray, n: int, link) -> np.ndarray:
-    if n <= 1:
-        return np.zeros_like(nbytes)
-    a, b = link.latency, 1.0 / link.bandwidth
-    steps = 2 * (n - 1) if kind == "all_reduce" else (n - 1)
-    frac = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
-    return np.where(nbytes > 0, steps * a + frac * nbytes * b, 0.0)
 
 
 def _dp_link(cluster: ClusterSpec, dp: int, tp: int):

@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Optional
 
 from autopar.capture.graph import OpGraph, OpNode
 from autopar.inter_op.layers import Layer
