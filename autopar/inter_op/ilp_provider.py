@@ -50,7 +50,10 @@ class IlpProvider(AnalyticProvider):
         g = self.graph_at(mb, layer)
         mesh = logical_mesh(self.cluster, list(range(tp)), (tp,))
         try:
-            sol = solve_graph(g, mesh, dtype=self.dtype, nodes=list(layer.nodes), time_limit_s=self.time_limit_s)
+            # as the runtime executes it: a contiguously sharded fused weight (no interleaved
+            # rows), and the layer's input arriving as the previous identical layer leaves it
+            sol = solve_graph(g, mesh, dtype=self.dtype, nodes=list(layer.nodes), time_limit_s=self.time_limit_s,
+                              interleaved_splits=False, cyclic_boundary=True)
         except PlanError as e:
             base.issues.append(f"intra-op ILP on tp={tp}: {e}")
             return base
