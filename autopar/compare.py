@@ -62,12 +62,16 @@ def baselines(chosen: Plan, plan_fn: Callable[[Constraints], Plan], cluster: Clu
 def compare_baselines(chosen: Plan, model: Any, cluster: ClusterSpec, *, as_json: bool = False,
                       plan_fn: Optional[Callable[[Constraints], Plan]] = None) -> str:
     """A table (or JSON) of the chosen plan and the baselines with speed-ups."""
-    import autopar
-
     if plan_fn is None:
+        from autopar.capture import capture
+        from autopar.planner import plan as plan_with_graph, resolve_model
+
+        bundle = resolve_model(model, None, None)
+        graph = capture(bundle.model, bundle.example_inputs, name=bundle.name)   # once for all baselines
+
         def plan_fn(cons: Constraints) -> Plan:
-            return autopar.plan(model, cluster, global_batch_size=chosen.global_batch_size,
-                                dtype=chosen.dtype, constraints=cons)
+            return plan_with_graph(bundle, cluster, global_batch_size=chosen.global_batch_size,
+                                   dtype=chosen.dtype, constraints=cons, graph=graph)
     rows = [Baseline("autopar (chosen)", chosen)] + baselines(chosen, plan_fn, cluster)
     t0 = chosen.predicted.iteration_time_s
     if as_json:

@@ -116,6 +116,13 @@ class StageCore(nn.Module):
         return x
 
 
+def is_repeated_block(fqn: str) -> bool:
+    """Recomputation covers the repeated blocks (`blocks.3`), as in Megatron; the embedding and
+    head run once (checkpointing a vocab-parallel embedding would also re-materialise its
+    DTensor mask buffer, which torch refuses)."""
+    return fqn.rsplit(".", 1)[-1].isdigit()
+
+
 def apply_recompute(layer: nn.Module, mode: str) -> None:
     if mode == "none":
         return
@@ -331,7 +338,8 @@ class ParallelModel:
         s = self.stages[0]
         model = self.model
         for fqn in s.layers:
-            apply_recompute(get_submodule(model, fqn), s.recompute)
+            if is_repeated_block(fqn):
+                apply_recompute(get_submodule(model, fqn), s.recompute)
         materialize(model, seed=self.seed, device=self.device, aliases=self.aliases)
         if self.tp_size > 1:
             distribute_params(model, self.my_mesh.tp_mesh, self._tp_placements(s), aliases=self.aliases,
@@ -412,7 +420,8 @@ class ParallelModel:
                 continue
             core = StageCore(self.model, s.layers, self.family, i == nst - 1)
             for fqn in s.layers:
-                apply_recompute(get_submodule(self.model, fqn), s.recompute)
+                if is_repeated_block(fqn):
+                    apply_recompute(get_submodule(self.model, fqn), s.recompute)
             materialize(core, seed=self.seed, device=self.device, aliases=self.aliases)
             if self.tp_size > 1:
                 distribute_params(core, self.my_mesh.tp_mesh, self._tp_placements(s),
