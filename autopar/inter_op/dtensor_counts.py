@@ -19,6 +19,8 @@ and too large to copy.
 
 from __future__ import annotations
 
+import warnings
+
 import copy
 from collections import Counter
 from typing import Any, Callable, Optional, Sequence
@@ -116,7 +118,8 @@ def dtensor_tp_counts(model: nn.Module, example_inputs: Sequence[Any], tp: int,
             pm = parallelize(m, mesh, {f: (p,) for f, p in placements.items()},
                              [("R",) if isinstance(x, torch.Tensor) else None for x in inputs])
             cm = CommDebugMode()
-            with cm:
+            with cm, warnings.catch_warnings():
+                warnings.simplefilter("ignore")   # a dry run: torch's hook warnings are not the user's
                 out = pm(*inputs)
                 if not (isinstance(out, torch.Tensor) and out.dim() == 0):
                     from autopar.capture.export import default_loss

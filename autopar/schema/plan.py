@@ -80,6 +80,19 @@ class StagePlan(_Model):
                 raise ValueError(f"placements[{fqn!r}] needs one entry per mesh axis")
         return self
 
+    def sharding_summary(self, limit: int = 8) -> str:
+        """The non-replicated weights, with layer indices folded (`blocks.*.mlp.fc.weight`)."""
+        import re
+
+        seen: dict[str, tuple[str, ...]] = {}
+        for fqn, pl in self.placements.items():
+            if any(x != "R" for x in pl):
+                seen.setdefault(re.sub(r"\.\d+\.", ".*.", fqn), pl)
+        items = [f"{k} [{', '.join(f'{a}:{x}' for a, x in zip(self.mesh_axis_names, v))}]"
+                 for k, v in list(seen.items())[:limit]]
+        more = f" (+{len(seen) - limit} more)" if len(seen) > limit else ""
+        return "".join(f"\n  {i}" for i in items) + (f"\n  {more.strip()}" if more else "")
+
     def axis_size(self, name: str) -> int:
         """Product of the sizes of axes called `name` (1 when there is none)."""
         n = 1
@@ -208,6 +221,10 @@ class Plan(_Model):
                          f"{sp.bubble_s:.4g}" if sp else "-",
                          f"{sp.peak_memory_bytes / gib:.2f}" if sp else "-", f"{cap:.0f}"])
         table = format_table(cols, rows)
+        shard_lines = [f"stage {s.index}:{sharding}" for s in self.stages
+                       if (sharding := s.sharding_summary())]
+        if shard_lines:
+            table += "\nsharded weights (placement per mesh axis; the rest replicated):\n" + "\n".join(shard_lines)
         coll = ", ".join(f"{k}={v}" for k, v in sorted(p.collectives.items())) or "none"
         tail = (f"predicted: {p.iteration_time_s:.4g} s/iteration, {p.samples_per_s:.4g} samples/s, "
                 f"{p.tflops_per_device:.4g} TFLOP/s per device, peak memory "
