@@ -439,7 +439,8 @@ def _from_export(wrapped: nn.Module, inputs: tuple, name: str, ep: Any) -> OpGra
             info = ParamInfo(fq, tuple(int(d) for d in val.shape), _dtype(val.dtype),
                              tied=tied.get(fq, []), requires_grad=kind == InputKind.PARAMETER)
             (params if kind == InputKind.PARAMETER else buffers)[fq] = info
-            placeholder_param[n.name] = fq
+            if kind == InputKind.PARAMETER:        # OpNode.params lists parameters, not buffers
+                placeholder_param[n.name] = fq
             nodes.append(OpNode(n.name, "param" if kind == InputKind.PARAMETER else "buffer",
                                 "placeholder", outputs=outs, fqn=fq))
         elif kind == InputKind.USER_INPUT:

@@ -1,0 +1,52 @@
+"""Hugging Face models plan on one and on four DGX A100 nodes (issue: the user's side).
+
+Real widths, fewer layers where a family is slow to capture; Llama is Llama 3 (grouped-query
+attention). Each model is captured once and planned for both cluster sizes."""
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import autopar  # noqa: E402
+from autopar.capture import capture  # noqa: E402
+from autopar.models import build_model  # noqa: E402
+from autopar.planner import plan  # noqa: E402
+
+REFS = {
+    "gpt2": "hf:gpt2",
+    "llama-gqa": "hf:llama-3-8b?num_hidden_layers=4&seq_len=1024",
+    "bert": "hf:bert-base-uncased",
+    "opt": "hf:opt-125m",
+    "t5": "hf:t5-small",
+    "mixtral": "hf:mixtral-8x7b?num_hidden_layers=2&seq_len=1024",
+}
+
+
+@pytest.mark.parametrize("family", list(REFS))
+def test_hf_family_plans_on_one_and_four_nodes(family):
+    bundle = build_model(REFS[family])
+    graph = capture(bundle.model, bundle.example_inputs, name=bundle.name)
+    assert graph.layers, "repeated blocks must be found"
+    for nodes in (1, 4):
+        cluster = autopar.ClusterSpec.load("dgx-a100-80g", num_nodes=nodes)
+        p = plan(bundle, cluster, global_batch_size=64 * nodes, graph=graph)
+        assert p.world_size == 8 * nodes
+        assert sorted(d for s in p.stages if s.virtual_chunk == 0 for d in s.devices) == list(range(8 * nodes))
+        assert 0 < p.predicted.peak_memory_bytes <= cluster.device.memory_bytes
+        assert p.predicted.iteration_time_s > 0 and p.predicted.tflops_per_device > 0
+        covered = {fqn for s in p.stages for fqn in s.placements}
+        assert set(graph.params) <= covered, set(graph.params) - covered
+        if p.tp > 1:
+            assert any("S(" in x for s in p.stages for pl in s.placements.values() for x in pl)
+
+
+def test_hf_model_through_the_cli(tmp_path):
+    out = tmp_path / "plan.json"
+    r = subprocess.run([sys.executable, "-m", "autopar", "plan", "--model", "hf:gpt2", "--cluster",
+                        "dgx-a100-80g", "--nodes", "4", "-b", "256", "-o", str(out), "-q"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "autopar plan for hf:gpt2" in r.stdout and autopar.load_plan(out).world_size == 32
