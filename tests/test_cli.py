@@ -46,6 +46,10 @@ def test_models_and_schema():
     (["plan", "--model", "gpt-tiny", "--cluster", "cpu", "-b", "8", "--zero-stage", "5"], "zero_stage"),
     (["plan", "--model", "gpt-tiny", "--cluster", "cpu", "-b", "8", "--dp", "3", "--tp", "1", "--pp", "1"],
      "dp"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "dgx-a100-80g", "-b", "8", "--tp", "8"],
+     "does not divide the 4 attention heads"),
+    (["plan", "--model", "gpt3-175b", "--cluster", "dgx-a100-80g", "-b", "8"], "least memory any plan needs is"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "cpu", "--nodes", "2", "-b", "8"], "needs an inter_node link"),
     (["show", "missing-plan.json"], "does not exist"),
     (["plan", "--cluster", "cpu", "-b", "8"], "Missing option '--model'"),
 ])
@@ -78,3 +82,12 @@ def test_invalid_cluster_file(tmp_path):
                  "memory_bytes: -5, memory_bandwidth: 1.0e12}\nintra_node: {bandwidth: 1.0e11, latency: 1.0e-6}\n")
     r = autopar("plan", "--model", "gpt-tiny", "--cluster", str(f), "-b", "8")
     assert r.returncode == 1 and "field 'device.memory_bytes'" in r.stderr
+
+
+def test_run_with_another_model_is_refused(tmp_path):
+    plan = tmp_path / "plan.json"
+    assert autopar("plan", "--model", "gpt-tiny", "--cluster", "cpu", "-b", "8", "-o", str(plan), "-q").returncode == 0
+    metrics = tmp_path / "m.jsonl"
+    r = autopar("run", str(plan), "--model", "gpt-small", "--steps", "1", "--metrics", str(metrics))
+    assert r.returncode == 1 and "plan was made for gpt-tiny" in r.stderr and "re-plan with --model gpt-small" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not metrics.exists()

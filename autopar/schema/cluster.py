@@ -143,11 +143,11 @@ def validation_message(e: ValidationError) -> str:
     """One line naming each bad field and what it must be."""
     parts = []
     for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        loc = ".".join(str(x) for x in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
         inp = err.get("input")
         got = f" (got {inp!r})" if inp is not None and not isinstance(inp, (dict, list)) else ""
-        parts.append(f"field '{loc}': {msg}{got}")
+        parts.append(f"field '{loc}': {msg}{got}" if err["loc"] else f"{msg}{got}")
     return "; ".join(parts)
 
 
