@@ -23,7 +23,8 @@ def test_plan_prints_and_writes(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "predicted:" in r.stdout and "stage" in r.stdout
     plan = json.loads(out.read_text())
-    assert plan["global_batch_size"] == 8 and plan["stages"][0]["devices"] == [0, 1]
+    assert plan["global_batch_size"] == 8
+    assert sorted({d for st in plan["stages"] for d in st["devices"]}) == [0, 1]   # both processes used
     s = autopar("show", str(out))
     assert s.returncode == 0 and "gpt-tiny" in s.stdout
     j = autopar("show", str(out), "--json")

@@ -243,7 +243,8 @@ def _launch(p: Plan, model: Any, n: int, steps: int, seed: int, mpath: str, chec
 
     old = {k: os.environ.get(k) for k in list(env) + ["PYTHONPATH", "OMP_NUM_THREADS"]}
     os.environ.update(env)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # the cores split evenly between the local processes: the rule `autopar profile` measures under
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, n))))
     paths = [os.getcwd()] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"autopar-{uuid.uuid4().hex[:8]}",
