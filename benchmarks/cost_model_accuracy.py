@@ -3,6 +3,7 @@
     python benchmarks/cost_model_accuracy.py              # both sections
     python benchmarks/cost_model_accuracy.py --analytic   # the cost-model cross-check only
     python benchmarks/cost_model_accuracy.py --planner    # autopar.plan with pinned constraints only
+    python benchmarks/cost_model_accuracy.py --local      # plan + run a small GPT on this machine
 
 Cases (A100-80GB DGX nodes, GPT with V=51200, s=2048, bf16, full recomputation):
   1.7B/32 GPUs (t=1, p=1), 39.1B/512 (t=8, p=2), 22B/8 (t=8, p=1, mb=4), 175B/64 (t=8, p=8, mb=1,
@@ -240,8 +241,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--analytic", action="store_true", help="only the cost-model cross-check")
     ap.add_argument("--planner", action="store_true", help="only the planner section")
+    ap.add_argument("--local", action="store_true",
+                    help="only the measured section: plan and run a small GPT on this machine")
+    ap.add_argument("--model", default="gpt-small", help="zoo model for --local (default gpt-small)")
+    ap.add_argument("--steps", type=int, default=8, help="steps per --local run (median of the last half)")
     args = ap.parse_args(argv)
-    both = not (args.analytic or args.planner)
+    both = not (args.analytic or args.planner or args.local)
     header = ["case", "GPUs", "t", "p", "v", "mb", "m", "published s", "predicted s", "error", "note"]
 
     if both or args.planner:
@@ -277,7 +282,42 @@ def main(argv: Optional[list[str]] = None) -> int:
                          (c.assumed + "; " if c.assumed else "") + parts])
         _table("cost models alone (analytic cross-check) vs published", rows, header)
         print(_errors_summary(errs))
+
+    if both or args.local:
+        local(args.model, args.steps)
     return 0
+
+
+def local(model: str, steps: int, processes: tuple[int, ...] = (1, 2), batch: int = 16) -> list[float]:
+    """Prediction against measurement on this machine: for each process count, `autopar profile`
+    measures the machine as that many processes, `autopar.plan` plans `model` on that profile
+    (fp32), and `autopar run` executes it; measured = median step time of the second half of the
+    steps (the first are warm-up). Target: within 25%."""
+    import statistics
+    import tempfile
+    from pathlib import Path
+
+    import autopar
+    from autopar.runtime import run
+    from cost_models.profiler import profile_machine
+
+    rows, errs = [], []
+    with tempfile.TemporaryDirectory() as d:
+        for n in processes:
+            spec = profile_machine(Path(d) / f"cpu{n}.yaml", num_processes=n, quick=True, progress=False)
+            plan = autopar.plan(model, spec, global_batch_size=batch, dtype="fp32")
+            out = run(plan, model, steps=steps, seed=0, quiet=True, count_collectives=False)
+            times = [r["time_s"] for r in out if "step" in r]
+            measured = statistics.median(times[len(times) // 2:])
+            pred = plan.predicted.iteration_time_s
+            errs.append(pred / measured - 1)
+            rows.append([f"{model} x{n}", f"dp={plan.dp} tp={plan.tp} pp={plan.pp} mb={plan.microbatch_size}",
+                         f"{measured * 1e3:.1f}", f"{pred * 1e3:.1f}", f"{pred / measured - 1:+.1%}"])
+    _table(f"predicted vs measured on this machine (fresh `autopar profile`, {batch} samples/step, fp32)",
+           rows, ["run", "plan", "measured ms", "predicted ms", "error"])
+    worst = max(abs(e) for e in errs)
+    print(f"worst |error| {worst:.1%} (target: each within 25%: {'met' if worst <= 0.25 else 'NOT met'})")
+    return errs
 
 
 if __name__ == "__main__":
