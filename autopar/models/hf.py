@@ -251,12 +251,19 @@ def build_hf(name: str, *, batch_size: int = 1, device: str | torch.device = "me
         cfg._attn_implementation = attn
     except Exception:  # noqa: BLE001
         pass
-    with torch.device(device):
+    from autopar.models.empty import buffers_to_meta, empty_weights
+
+    on_meta = torch.device(device).type == "meta"
+    # on meta: weights empty, buffers (rotary inv_freq, position ids) computed and remembered, so
+    # the runtime restores their values when it materialises the model
+    with empty_weights() if on_meta else torch.device(device):
         try:
             model = cls(cfg)
         except Exception as e:  # noqa: BLE001
             raise PlanError(f"hf:{name}: cannot build {base_cls.__name__} from its config: "
                             f"{type(e).__name__}: {e}") from None
+    if on_meta:
+        buffers_to_meta(model)
     prepare_for_capture(model)
     if family == "gpt2" and getattr(model, "loss_type", None) is None:
         model.loss_type = "ForCausalLM"    # GPT2LMHeadModel's name does not say which loss

@@ -14,6 +14,8 @@ import zlib
 import torch
 import torch.nn as nn
 
+from autopar.models.empty import buffer_value
+
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
           nn.InstanceNorm1d, nn.InstanceNorm2d)
 if hasattr(nn, "RMSNorm"):
@@ -69,9 +71,15 @@ def materialize(module: nn.Module, *, seed: int, device: torch.device | str = "c
             made[id(p)] = newp
             mod._parameters[pname] = newp
         for bname, b in list(mod._buffers.items()):
-            if b is None or not b.is_meta:
+            if b is None:
                 continue
-            if "running_var" in bname:
+            if not b.is_meta:
+                mod._buffers[bname] = b.to(device)
+                continue
+            known = buffer_value(b)     # computed when the model was built (autopar.models.empty)
+            if known is not None:
+                val = known.to(device=device, dtype=b.dtype)
+            elif "running_var" in bname:
                 val = torch.ones(b.shape, dtype=b.dtype, device=device)
             else:
                 val = torch.zeros(b.shape, dtype=b.dtype, device=device)
