@@ -217,8 +217,8 @@ class Plan(_Model):
             lay = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]} .. {s.layers[-1]} ({len(s.layers)})"
             mesh = "x".join(f"{n}{a}" for n, a in zip(s.mesh_shape, s.mesh_axis_names))
             rows.append([str(s.index), devs, mesh, lay, s.recompute,
-                         f"{sp.compute_s:.4g}" if sp else "-", f"{sp.communication_s:.4g}" if sp else "-",
-                         f"{sp.bubble_s:.4g}" if sp else "-",
+                         _secs(sp.compute_s) if sp else "-", _secs(sp.communication_s) if sp else "-",
+                         _secs(sp.bubble_s) if sp else "-",
                          f"{sp.peak_memory_bytes / gib:.2f}" if sp else "-", f"{cap:.0f}"])
         table = format_table(cols, rows)
         shard_lines = [f"stage {s.index}:{sharding}" for s in self.stages
@@ -230,6 +230,11 @@ class Plan(_Model):
                 f"{p.tflops_per_device:.4g} TFLOP/s per device, peak memory "
                 f"{p.peak_memory_bytes / gib:.2f} GiB\ncollectives per step: {coll}")
         return f"{head}\n{table}\n{tail}"
+
+
+def _secs(x: float) -> str:
+    """Seconds to 4 significant digits; float noise below a nanosecond shows as 0."""
+    return "0" if abs(x) < 1e-9 else f"{x:.4g}"
 
 
 def format_count(n: float) -> str:
