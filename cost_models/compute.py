@@ -81,8 +81,10 @@ def gemm_efficiency(device: DeviceSpec, flops: float, dtype: str) -> float:
 
 
 def vector_peak(device: DeviceSpec) -> float:
-    """FLOP/s of non-matrix (CUDA-core / SIMD) work: the fp32 peak when the profile has one."""
-    return device.peak_flops.get("fp32") or min(device.peak_flops.values())
+    """FLOP/s of non-matrix (CUDA-core / SIMD) work: the measured `vector_flops` when the profile
+    has it (on CPUs transcendental element-wise ops run far below the GEMM peak), else the fp32
+    peak."""
+    return device.vector_flops or device.peak_flops.get("fp32") or min(device.peak_flops.values())
 
 
 def op_time(op: str, flops: float, bytes_moved: float, device: DeviceSpec, dtype: str = "bf16") -> float:
@@ -93,7 +95,7 @@ def op_time(op: str, flops: float, bytes_moved: float, device: DeviceSpec, dtype
     if op in MATRIX_OPS:
         comp = flops / (device.peak(dtype) * gemm_efficiency(device, flops, dtype))
     else:
-        comp = flops / vector_peak(device)
+        comp = flops / (device.op_flops.get(op) or vector_peak(device))
     return max(comp, mem) + device.kernel_overhead_s
 
 

@@ -36,13 +36,14 @@ def _plan(quick: bool, cuda: bool) -> dict[str, Any]:
     """What to measure: sizes and time budgets (quick mode: a few points, for tests)."""
     if cuda:
         return dict(gemm=[256, 512, 1024, 2048, 4096, 8192], dtypes=["fp32", "bf16"],
-                    coll=[2 ** k for k in range(10, 31, 2)], copy_bytes=1 << 30, min_time=0.05)
+                    coll=[2 ** k for k in range(10, 31, 2)], copy_bytes=1 << 30, min_time=0.05,
+                    vector_elems=1 << 26)
     if quick:
         return dict(gemm=[32, 128, 384], dtypes=["fp32", "bf16"], coll=[1 << 10, 1 << 16, 1 << 20],
-                    copy_bytes=16 << 20, min_time=0.02)
+                    copy_bytes=16 << 20, min_time=0.02, vector_elems=1 << 18)
     return dict(gemm=[32, 64, 128, 256, 512, 1024, 2048], dtypes=["fp32", "bf16"],
                 coll=[1 << 10, 1 << 13, 1 << 16, 1 << 19, 1 << 22, 1 << 24, 1 << 26], copy_bytes=256 << 20,
-                min_time=0.1)
+                min_time=0.1, vector_elems=1 << 20)
 
 
 def _timeit(fn, min_time: float, sync=lambda: None, max_reps: int = 10_000, windows: int = 3) -> float:
@@ -123,6 +124,27 @@ def _worker(rank: int, world: int, port: int, plan: dict, threads: int, q: Any) 
         dist.barrier()
         s = _timeit(lambda: dst.copy_(src), plan["min_time"], sync)
         report("copy", (2.0 * nel * 4, s))
+        # element-wise and reduction ops: FLOP/s with FLOPs counted as the capture counts them
+        import torch.nn.functional as F
+
+        from autopar.capture.flops import PER_ELEMENT
+
+        vec = torch.randn(plan["vector_elems"], device=dev)
+        rows = vec.view(-1, 1024)       # rows of a typical hidden or vocabulary width
+        rates = {}
+        labels = torch.randint(0, rows.shape[-1], (rows.shape[0],), device=dev)
+        for names, fn in ((("gelu",), lambda: F.gelu(vec, approximate="tanh")),
+                          (("softmax", "_softmax"), lambda: torch.softmax(rows, -1)),
+                          (("log_softmax", "_log_softmax"), lambda: torch.log_softmax(rows, -1)),
+                          (("cross_entropy_loss",), lambda: F.cross_entropy(rows, labels)),
+                          (("layer_norm", "native_layer_norm"), lambda: F.layer_norm(rows, rows.shape[-1:])),
+                          (("silu",), lambda: F.silu(vec)),
+                          (("tanh",), lambda: torch.tanh(vec)),
+                          (("exp",), lambda: torch.exp(vec))):
+            dist.barrier()
+            rate = PER_ELEMENT[names[0]] * vec.numel() / _timeit(fn, plan["min_time"] / 4, sync)
+            rates.update({n: rate for n in names})
+        report("vector", (rates, vec.numel()))
         # per-kernel overhead as a training step pays it: eager dispatch plus autograd recording
         # in the forward and the engine's call in the backward, averaged over both passes
         leaf = torch.ones(1, device=dev, requires_grad=True)
@@ -221,7 +243,7 @@ def profile_machine(output: Path, *, num_processes: int | None = None, quick: bo
     plan = _plan(quick, cuda)
     if n == 1:
         plan["coll"] = []         # one device: nothing to communicate with
-    total_steps = (len(plan["dtypes"]) * len(plan["gemm"]) + 2 + len(KINDS) * len(plan["coll"]))
+    total_steps = (len(plan["dtypes"]) * len(plan["gemm"]) + 3 + len(KINDS) * len(plan["coll"]))
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
     port = _free_port()
@@ -229,7 +251,8 @@ def profile_machine(output: Path, *, num_processes: int | None = None, quick: bo
     procs = [ctx.Process(target=_worker, args=(r, n, port, plan, threads, q), daemon=True) for r in range(n)]
     for p in procs:
         p.start()
-    results: dict[str, list] = {"gemm": [], "copy": [], "overhead": [], "coll": [], "unsupported": []}
+    results: dict[str, list] = {"gemm": [], "copy": [], "vector": [], "overhead": [], "coll": [],
+                                "unsupported": []}
 
     bar = None
     if progress:
@@ -256,7 +279,7 @@ def profile_machine(output: Path, *, num_processes: int | None = None, quick: bo
             results[tag].append(payload)
             if bar is not None:
                 desc = {"gemm": lambda p: f"GEMM {p[0]} {p[1]}^3", "copy": lambda p: "memory bandwidth",
-                        "overhead": lambda p: "kernel overhead", "coll": lambda p: f"{p[0]} {int(p[2])} B",
+                        "overhead": lambda p: "kernel overhead", "vector": lambda p: "element-wise ops", "coll": lambda p: f"{p[0]} {int(p[2])} B",
                         "unsupported": lambda p: f"{p[0]} unsupported"}[tag](payload)
                 skip = len(plan["coll"]) - sum(1 for c in results["coll"] if c[0] == payload[0]) \
                     if tag == "unsupported" else 0
@@ -306,6 +329,9 @@ def _build_spec(res: dict[str, list], n: int, cuda: bool, threads: int, elapsed:
     device = DeviceSpec(
         name=name, peak_flops=peaks, memory_bytes=mem, memory_bandwidth=mem_bw, gemm_efficiency=curves,
         memory_efficiency=1.0, kernel_overhead_s=overhead,
+        vector_flops=(sorted(res["vector"][0][0].values())[len(res["vector"][0][0]) // 2]
+                      if res.get("vector") else None),
+        op_flops=dict(res["vector"][0][0]) if res.get("vector") else {},
         sources={
             "peak_flops": f"{how}: best rate of square torch.mm over n in {sizes} per dtype"
                           + ("" if cuda else f", {threads} thread(s) per process"),
@@ -313,6 +339,9 @@ def _build_spec(res: dict[str, list], n: int, cuda: bool, threads: int, elapsed:
             "memory_bytes": mem_src,
             "memory_bandwidth": f"{how}: torch copy_ of {copy_bytes / 2 / 2**20:.0f} MiB, bytes read + written per second",
             "memory_efficiency": "1.0: memory_bandwidth is already the achieved copy bandwidth",
+            "vector_flops": f"{how}: median of op_flops",
+            "op_flops": f"{how}: each op on {res['vector'][0][1] if res.get('vector') else 0} fp32 "
+                        f"elements, FLOPs per element as the capture counts them",
             "kernel_overhead_s": f"{how}: per op of a 64-op chain on a one-element tensor, forward with "
                                  f"autograd plus backward, over both passes",
             "attention_kernel": "fused: torch's scaled_dot_product_attention runs a fused (flash) kernel "

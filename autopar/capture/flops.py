@@ -22,11 +22,18 @@ VIEW_OPS = frozenset({
     "unsafe_split",
 })
 
-# FLOPs per output element for common non-matrix ops
+# losses reduce their input to a scalar: their work is per input element
+LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d", "mse_loss", "l1_loss",
+                    "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
+                    "kl_div", "soft_margin_loss", "multilabel_margin_loss"})
+
+# FLOPs per output element for common non-matrix ops (per input element for reductions and
+# losses); transcendental ones count the few operations their approximations take (gelu's tanh
+# form: cube, multiply-adds, tanh, and the final product)
 PER_ELEMENT = {"softmax": 5, "_softmax": 5, "log_softmax": 5, "_log_softmax": 5, "layer_norm": 8,
                "native_layer_norm": 8, "rms_norm": 6, "batch_norm": 8,
                "_native_batch_norm_legit": 8, "_native_batch_norm_legit_no_training": 8,
-               "native_batch_norm": 8, "group_norm": 8, "native_group_norm": 8, "instance_norm": 8, "gelu": 8, "silu": 4, "tanh": 4, "sigmoid": 4,
+               "native_batch_norm": 8, "group_norm": 8, "native_group_norm": 8, "instance_norm": 8, "gelu": 18, "silu": 6, "tanh": 10, "sigmoid": 5,
                "exp": 2, "rsqrt": 2, "pow": 2, "dropout": 2, "native_dropout": 2,
                "cross_entropy_loss": 6, "nll_loss": 1, "embedding": 0, "gather": 0, "index": 0,
                "index_select": 0, "scatter": 0, "cat": 0, "clone": 0, "contiguous": 0, "_to_copy": 0,
@@ -75,7 +82,7 @@ def node_cost(node: OpNode, metas: dict[str, list[TensorMeta]]) -> tuple[float, 
     if flops is None:
         out_el = sum(o.numel for o in node.outputs)
         per = PER_ELEMENT.get(op, 1)
-        if op in ("sum", "mean", "amax", "max", "min", "var", "std", "norm", "cumsum"):
+        if op in ("sum", "mean", "amax", "max", "min", "var", "std", "norm", "cumsum") or op in LOSSES:
             out_el = sum(m.numel for m in in_metas[:1]) or out_el
         flops = float(per * out_el)
     return flops, float(in_bytes + out_bytes)

@@ -50,6 +50,13 @@ class DeviceSpec(_Strict):
     memory_efficiency: float = Field(default=0.8, gt=0, le=1,
                                      description="achieved fraction of memory bandwidth for streaming ops")
     kernel_overhead_s: float = Field(default=5e-6, ge=0, description="fixed launch cost per kernel")
+    op_flops: dict[str, float] = Field(
+        default_factory=dict, description="measured FLOP/s of particular non-matrix ops by ATen name "
+        "(gelu, softmax, ...); they override vector_flops for those ops")
+    vector_flops: Optional[float] = Field(
+        default=None, gt=0, description="FLOP/s achieved by element-wise and reduction ops, their "
+        "FLOPs counted as autopar's capture counts them; None: the fp32 peak (GPUs, where such ops "
+        "are bound by memory bandwidth anyway)")
     attention_kernel: Literal["fused", "unfused"] = Field(
         default="fused", description="how scaled_dot_product_attention runs: fused (FlashAttention-style, "
                                      "scores never stored) or unfused (scores materialised, softmax "
