@@ -140,6 +140,30 @@ def distribute_params(module: nn.Module, mesh: DeviceMesh,
             newp = nn.Parameter(dt, requires_grad=p.requires_grad)
             done[id(p)] = newp
             mod._parameters[pname] = newp
+    reduce_vocab_parallel_embeddings(module)
+
+
+def reduce_vocab_parallel_embeddings(module: nn.Module) -> None:
+    """Reduce the output of a vocabulary-parallel embedding (weight sharded on dim 0) right away,
+    as Megatron does. DTensor leaves it as a masked partial sum that can be reduced only once, so
+    a model that reads the embedding twice (a residual and a norm, as Llama does) would fail on
+    the second read; the all-reduce is the one the plan already counts for this layout."""
+    for mod in module.modules():
+        w = getattr(mod, "weight", None)
+        if not (isinstance(mod, nn.Embedding) and isinstance(w, DTensor)
+                and any(isinstance(q, Shard) and q.dim == 0 for q in w.placements)):
+            continue
+        if getattr(mod, "_autopar_reduces_output", False):
+            continue
+
+        def hook(m: nn.Module, args: Any, out: Any) -> Any:
+            if isinstance(out, DTensor) and any(q.is_partial() for q in out.placements):
+                return out.redistribute(out.device_mesh,
+                                        [Replicate() if q.is_partial() else q for q in out.placements])
+            return out
+
+        mod.register_forward_hook(hook)
+        mod._autopar_reduces_output = True
 
 
 def _to_dtensor(x: Any, mesh: DeviceMesh, placements: Sequence[Any] | None) -> Any:
