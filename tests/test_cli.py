@@ -92,3 +92,20 @@ def test_run_with_another_model_is_refused(tmp_path):
     r = autopar("run", str(plan), "--model", "gpt-small", "--steps", "1", "--metrics", str(metrics))
     assert r.returncode == 1 and "plan was made for gpt-tiny" in r.stderr and "re-plan with --model gpt-small" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not metrics.exists()
+
+
+def test_factory_module_beside_the_user_resolves(tmp_path):
+    (tmp_path / "mynet.py").write_text(
+        "import torch, torch.nn as nn\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.conv = nn.Conv2d(3, 8, 3, padding=1); self.fc = nn.Linear(8, 4)\n"
+        "    def forward(self, x, y):\n"
+        "        h = torch.relu(self.conv(x)).mean((2, 3))\n"
+        "        return nn.functional.cross_entropy(self.fc(h), y)\n"
+        "def build():\n"
+        "    return Net(), (torch.randn(2, 3, 8, 8), torch.randint(0, 4, (2,)))\n")
+    r = autopar("plan", "--model", "mynet:build", "--cluster", "cpu", "-b", "8", "--dtype", "fp32", "-q",
+                cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "autopar plan for mynet:build" in r.stdout

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import re
 import warnings
 from typing import Any, Callable, Optional, Sequence
 

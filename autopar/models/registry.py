@@ -177,6 +177,11 @@ def build_model(ref: str, *, device: str | torch.device = "meta", batch_size: in
 
 def _from_factory(ref: str) -> ModelBundle:
     mod_name, _, attr = ref.partition(":")
+    import os
+    import sys
+
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())     # as `python -m` does: modules beside the user resolve
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as e:

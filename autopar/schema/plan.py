@@ -199,7 +199,6 @@ class Plan(_Model):
     def summary(self) -> str:
         """A table of the stages and the plan's totals (what `autopar show` prints)."""
         p = self.predicted
-        gib = 2**30
         head = (f"autopar plan for {self.model.name} ({format_count(self.model.num_params)} params) on "
                 f"{self.cluster.num_devices} x {self.cluster.device.name} "
                 f"({self.cluster.num_nodes} node{'s' if self.cluster.num_nodes > 1 else ''})\n"
@@ -208,9 +207,8 @@ class Plan(_Model):
                 f"global batch={self.global_batch_size}  micro-batch={self.microbatch_size} x "
                 f"{self.num_microbatches}  zero={self.zero_stage}  dtype={self.dtype}")
         cols = ["stage", "devices", "mesh", "layers", "recompute", "compute s", "comm s", "bubble s",
-                "memory GiB", "of GiB"]
+                "memory", "capacity"]
         rows = []
-        cap = self.cluster.device.memory_bytes / gib
         for s in self.stages:
             sp = s.predicted
             devs = f"{s.devices[0]}-{s.devices[-1]}" if len(s.devices) > 1 else str(s.devices[0])
@@ -219,7 +217,8 @@ class Plan(_Model):
             rows.append([str(s.index), devs, mesh, lay, s.recompute,
                          _secs(sp.compute_s) if sp else "-", _secs(sp.communication_s) if sp else "-",
                          _secs(sp.bubble_s) if sp else "-",
-                         f"{sp.peak_memory_bytes / gib:.2f}" if sp else "-", f"{cap:.0f}"])
+                         format_bytes(sp.peak_memory_bytes) if sp else "-",
+                         format_bytes(self.cluster.device.memory_bytes)])
         table = format_table(cols, rows)
         shard_lines = [f"stage {s.index}:{sharding}" for s in self.stages
                        if (sharding := s.sharding_summary())]
@@ -228,13 +227,21 @@ class Plan(_Model):
         coll = ", ".join(f"{k}={v}" for k, v in sorted(p.collectives.items())) or "none"
         tail = (f"predicted: {p.iteration_time_s:.4g} s/iteration, {p.samples_per_s:.4g} samples/s, "
                 f"{p.tflops_per_device:.4g} TFLOP/s per device, peak memory "
-                f"{p.peak_memory_bytes / gib:.2f} GiB\ncollectives per step: {coll}")
+                f"{format_bytes(p.peak_memory_bytes)}\ncollectives per step: {coll}")
         return f"{head}\n{table}\n{tail}"
 
 
 def _secs(x: float) -> str:
     """Seconds to 4 significant digits; float noise below a nanosecond shows as 0."""
     return "0" if abs(x) < 1e-9 else f"{x:.4g}"
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in binary units: 512 B, 3.2 MiB, 57.26 GiB."""
+    for div, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:.0f} B"
 
 
 def format_count(n: float) -> str:
