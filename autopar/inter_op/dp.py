@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -37,6 +37,19 @@ class DPResult:
     stages: list[tuple[int, int, int]]
     evaluations: int = 0         # DP runs (t_max values tried)
 
+
+
+def first_feasible(vals: Sequence[float], feasible: Callable[[float], bool]) -> int:
+    """Index of the smallest value in ascending `vals` for which the monotone `feasible` holds;
+    the caller has checked that the largest one does (binary search)."""
+    lo, hi = 0, len(vals) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if feasible(vals[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 def stage_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, B: int,
              num_stages: Optional[int] = None) -> Optional[DPResult]:
@@ -68,13 +81,7 @@ def stage_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, B: int,
         return None
     lb = unbounded[0]
     # smallest feasible t_max
-    lo, hi = 0, len(vals) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if run(vals[mid]) is not None:
-            hi = mid
-        else:
-            lo = mid + 1
+    lo = first_feasible(vals, lambda t: run(t) is not None)
     best: Optional[tuple[float, float, float, list]] = None
     for t in vals[lo:]:
         if best is not None and lb + (B - 1) * t >= best[0] * (1 - 1e-12):

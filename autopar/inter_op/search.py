@@ -46,7 +46,7 @@ from typing import Optional
 import numpy as np
 
 from autopar.capture.graph import OpGraph
-from autopar.inter_op.dp import stage_dp
+from autopar.inter_op.dp import first_feasible, stage_dp
 from autopar.inter_op.layers import Layer
 from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost, RECOMPUTES, axis_link, coll_time
 from autopar.schema import ClusterSpec, Constraints, PlanError
@@ -569,7 +569,7 @@ class Search:
         return self._costs_cache[key]
 
     def _evaluate_interleaved(self, cand: Candidate, tb: _Tables) -> bool:
-        L, p, v, m = self.L, cand.pp, cand.v, cand.m
+        p, v, m = cand.pp, cand.v, cand.m
         nch = p * v
         best_ok = False
         for r in self.recomputes():
@@ -696,16 +696,9 @@ def balanced_chunks(cost: np.ndarray, n: int) -> Optional[list[tuple[int, int]]]
                 return None
         return out
 
-    lo, hi = 0, len(vals) - 1
-    if greedy(vals[hi]) is None:
+    if greedy(vals[-1]) is None:
         return None
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if greedy(vals[mid]) is not None:
-            hi = mid
-        else:
-            lo = mid + 1
-    chunks = greedy(vals[lo])
+    chunks = greedy(vals[first_feasible(vals, lambda t: greedy(t) is not None)])
     while len(chunks) < n:
         i = max((i for i, (k, j) in enumerate(chunks) if j - k > 1), key=lambda i: cost[chunks[i]])
         k, j = chunks[i]
