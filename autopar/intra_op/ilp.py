@@ -85,6 +85,15 @@ BUCKET_BYTES = 25 * 2**20      # gradient bucket (DDP's default 25 MiB)
 MIN_SHARED_LAYER_OPS = 4       # layers smaller than this are solved per copy
 
 
+def by_phase(phase: str, t: float) -> tuple[float, float, float]:
+    """`t` seconds as (forward, backward, grad_sync) by the collective's phase."""
+    if phase == "forward":
+        return t, 0.0, 0.0
+    if phase == "backward":
+        return 0.0, t, 0.0
+    return 0.0, 0.0, t
+
+
 @dataclass
 class PNode:
     """A node of the problem: a representative op, parameter, input or boundary tensor."""
@@ -526,13 +535,8 @@ class IntraOpProblem:
         fwd, bwd = self.compute_time(pn, st)
         sync = 0.0
         for kind, axes, nbytes, phase in st.comms:
-            t = self.coll_time(kind, axes, nbytes, phase)
-            if phase == "forward":
-                fwd += t
-            elif phase == "backward":
-                bwd += t
-            else:
-                sync += t
+            df, db, ds = by_phase(phase, self.coll_time(kind, axes, nbytes, phase))
+            fwd, bwd, sync = fwd + df, bwd + db, sync + ds
         return fwd + bwd + sync, fwd, bwd, sync
 
     def tie_break(self, pn: PNode, st: Strategy) -> float:
@@ -929,12 +933,8 @@ class IntraOpProblem:
         def add(kind, axes, nbytes, phase, op, reason):
             nonlocal fwd, bwd, sync
             t = self.coll_time(kind, axes, nbytes, phase)
-            if phase == "forward":
-                fwd += t
-            elif phase == "backward":
-                bwd += t
-            else:
-                sync += t
+            df, db, ds = by_phase(phase, t)
+            fwd, bwd, sync = fwd + df, bwd + db, sync + ds
             comm_of[op] += t
             if t > 0 or nbytes > 0:
                 colls.append(Collective(kind, tuple(axes), float(nbytes), phase, op, t, reason))
