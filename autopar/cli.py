@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from autopar.schema import PlanError
 from autopar.schema.cluster import validation_message
+from autopar.schema.plan import TRAINING_DTYPES
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -57,7 +58,7 @@ def _cluster(name: str, nodes: Optional[int], devices_per_node: Optional[int]):
 @click.option("--nodes", type=click.IntRange(min=1), help="number of nodes (overrides the profile)")
 @click.option("--devices-per-node", type=click.IntRange(min=1), help="devices per node (overrides)")
 @click.option("--global-batch-size", "-b", type=int, required=True, help="samples per iteration")
-@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
+@click.option("--dtype", type=click.Choice(TRAINING_DTYPES), default="bf16", show_default=True)
 @click.option("--dp", type=int, help="pin the data-parallel degree")
 @click.option("--tp", type=int, help="pin the tensor-parallel degree")
 @click.option("--pp", type=int, help="pin the number of pipeline stages")
@@ -75,7 +76,8 @@ def plan_cmd(model_ref: str, cluster: str, nodes: Optional[int], devices_per_nod
              global_batch_size: int, dtype: str, output: Optional[str], compare: bool, as_json: bool,
              quiet: bool, **pins: Any) -> None:
     """Plan MODEL on CLUSTER and print the plan (or write it with -o)."""
-    import autopar
+    from autopar.capture import capture
+    from autopar.planner import plan as plan_model, resolve_model
 
     if global_batch_size < 1:
         raise PlanError(f"--global-batch-size must be >= 1, got {global_batch_size}")
@@ -83,8 +85,10 @@ def plan_cmd(model_ref: str, cluster: str, nodes: Optional[int], devices_per_nod
         raise PlanError(f"cannot write {output}: directory {Path(output).parent} does not exist")
     cons = _constraints(**pins)
     spec = _cluster(cluster, nodes, devices_per_node)
-    p = autopar.plan(model_ref, spec, global_batch_size=global_batch_size, dtype=dtype,
-                     constraints=cons, progress=not quiet)
+    bundle = resolve_model(model_ref, None, None)
+    graph = capture(bundle.model, bundle.example_inputs, name=bundle.name)   # shared with --compare
+    p = plan_model(bundle, spec, global_batch_size=global_batch_size, dtype=dtype, constraints=cons,
+                   progress=not quiet, graph=graph)
     if output:
         p.save(output)
     if as_json:
@@ -94,7 +98,7 @@ def plan_cmd(model_ref: str, cluster: str, nodes: Optional[int], devices_per_nod
     if compare:
         from autopar.compare import compare_baselines
 
-        click.echo(compare_baselines(p, model_ref, spec, as_json=as_json))
+        click.echo(compare_baselines(p, bundle, spec, as_json=as_json, graph=graph))
     if output and not as_json:
         _echo_err(f"wrote {output}", quiet)
 

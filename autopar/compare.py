@@ -60,14 +60,16 @@ def baselines(chosen: Plan, plan_fn: Callable[[Constraints], Plan], cluster: Clu
 
 
 def compare_baselines(chosen: Plan, model: Any, cluster: ClusterSpec, *, as_json: bool = False,
-                      plan_fn: Optional[Callable[[Constraints], Plan]] = None) -> str:
-    """A table (or JSON) of the chosen plan and the baselines with speed-ups."""
+                      plan_fn: Optional[Callable[[Constraints], Plan]] = None, graph: Any = None) -> str:
+    """A table (or JSON) of the chosen plan and the baselines with speed-ups. `graph`: the model's
+    OpGraph when the caller has it (otherwise captured here, once for all baselines)."""
     if plan_fn is None:
         from autopar.capture import capture
         from autopar.planner import plan as plan_with_graph, resolve_model
 
         bundle = resolve_model(model, None, None)
-        graph = capture(bundle.model, bundle.example_inputs, name=bundle.name)   # once for all baselines
+        if graph is None:
+            graph = capture(bundle.model, bundle.example_inputs, name=bundle.name)
 
         def plan_fn(cons: Constraints) -> Plan:
             return plan_with_graph(bundle, cluster, global_batch_size=chosen.global_batch_size,

@@ -22,10 +22,11 @@ from autopar.capture import OpGraph, capture
 from autopar.inter_op.dtensor_counts import dtensor_tp_counts
 from autopar.inter_op.layers import Layer, build_layers
 from autopar.inter_op.search import Candidate, Search, SearchResult
-from autopar.inter_op.stage_cost import ACT_BYTES, AnalyticProvider
+from autopar.inter_op.stage_cost import AnalyticProvider
 from autopar.models import ModelBundle, build_model
 from autopar.schema import (ClusterSpec, Constraints, ModelInfo, Plan, PlanError, Prediction,
                             StagePlan, StagePrediction)
+from autopar.schema.plan import TRAINING_DTYPES
 from cost_models.compute import attention_core
 
 
@@ -78,7 +79,7 @@ def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Optional[Sequen
     """The fastest plan that fits (see the module docstring). `graph` skips the capture when
     the caller already has the model's OpGraph."""
     t0 = time.perf_counter()
-    if dtype not in ACT_BYTES:
+    if dtype not in TRAINING_DTYPES:
         raise PlanError(f"dtype {dtype!r} is not supported; use bf16, fp16 or fp32")
     if not isinstance(global_batch_size, int) or global_batch_size < 1:
         raise PlanError(f"global_batch_size must be a positive integer, got {global_batch_size!r}")

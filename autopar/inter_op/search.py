@@ -41,7 +41,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -471,27 +471,14 @@ class Search:
         wts, grads, opts = tb.states(pel)
         states = wts + grads + opts
         zero3_buf = 2 * tb.range_maxlayer * tb.wgo[0] if cand.zero == 3 and cand.dp > 1 else 0.0
-        zmb = tb.zero_mb(pel)
-        t_common = tb.ranged(tb.base) + tb.range_p2p + zmb
+        t_common = tb.ranged(tb.base) + tb.range_p2p + tb.zero_mb(pel)
         cost = np.full((L, L + 1, 1, p + 1), INF)
         choice = np.full((L, L + 1, p + 1), -1, dtype=int)
         rcs = self.recomputes()
-        least = INF
         for s in range(1, p + 1):
             inflight = m if cand.schedule == "gpipe" else min(s, m)
-            best_t = np.full((L, L + 1), INF)
-            best_c = np.full((L, L + 1), -1, dtype=int)
-            for ri, r in enumerate(rcs):
-                act = tb.ranged(tb.act[r]) * inflight + (tb.range_work if r == "full" else 0.0)
-                mem = states + act + zero3_buf
-                if s == p or s == 1:
-                    least = min(least, float(np.min(np.where(tb.valid, mem, INF))))
-                t = t_common + tb.ranged(tb.rc[r])
-                ok = tb.valid & (mem <= self.budget) & (t < best_t)
-                best_t = np.where(ok, t, best_t)
-                best_c = np.where(ok, ri, best_c)
-            cost[:, :, 0, s] = best_t
-            choice[:, :, s] = best_c
+            cost[:, :, 0, s], choice[:, :, s] = self._best_recompute(tb, rcs, t_common, states + zero3_buf,
+                                                                     inflight)
         res = stage_dp(cost, [1], p, m, num_stages=p)
         if res is None:
             self._note_min_memory(cand, tb)
@@ -506,6 +493,22 @@ class Search:
         self._finish(cand, tb, stages, res.total)
         cand.costs = tb
         return True
+
+    def _best_recompute(self, tb: "_Tables", rcs: list[str], t_common: np.ndarray, fixed_mem: Any,
+                        inflight: int) -> tuple[np.ndarray, np.ndarray]:
+        """For every layer range [k, j): the fastest recomputation policy whose memory (states and
+        buffers `fixed_mem`, plus `inflight` micro-batches of activations) fits the budget, as
+        (time, index into `rcs`); INF and -1 where none fits."""
+        L = self.L
+        best_t = np.full((L, L + 1), INF)
+        best_c = np.full((L, L + 1), -1, dtype=int)
+        for ri, r in enumerate(rcs):
+            mem = fixed_mem + tb.ranged(tb.act[r]) * inflight + (tb.range_work if r == "full" else 0.0)
+            t = t_common + tb.ranged(tb.rc[r])
+            ok = tb.valid & (mem <= self.budget) & (t < best_t)
+            best_t = np.where(ok, t, best_t)
+            best_c = np.where(ok, ri, best_c)
+        return best_t, best_c
 
     def _evaluate_hetero(self, cand: Candidate) -> bool:
         """Alpa's DP with its sub-mesh choice: every stage picks its own sub-mesh of dp x T
@@ -527,17 +530,8 @@ class Search:
             t_common = tb.ranged(tb.base) + tb.range_p2p + tb.zero_mb(pel)
             for s_ in range(1, S + 1):
                 inflight = m if cand.schedule == "gpipe" else min(s_, m)
-                best_t = np.full((L, L + 1), INF)
-                best_c = np.full((L, L + 1), -1, dtype=int)
-                for ri, r in enumerate(rcs):
-                    act = tb.ranged(tb.act[r]) * inflight + (tb.range_work if r == "full" else 0.0)
-                    mem = states + act + zero3_buf
-                    t = t_common + tb.ranged(tb.rc[r])
-                    ok = tb.valid & (mem <= self.budget) & (t < best_t)
-                    best_t = np.where(ok, t, best_t)
-                    best_c = np.where(ok, ri, best_c)
-                cost[:, :, mi, s_] = best_t
-                choice[:, :, mi, s_] = best_c
+                cost[:, :, mi, s_], choice[:, :, mi, s_] = self._best_recompute(
+                    tb, rcs, t_common, states + zero3_buf, inflight)
         res = stage_dp(cost, tps, units, m)
         if res is None:
             return False

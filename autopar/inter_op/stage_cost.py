@@ -29,10 +29,9 @@ from autopar.capture.graph import OpGraph, OpNode
 from autopar.inter_op.layers import Layer
 from autopar.schema import ClusterSpec, LinkSpec
 from cost_models.communication import collective_time
-from cost_models.compute import attention_core, op_list_time
+from cost_models.compute import DTYPE_SIZE, attention_core, op_list_time
 from cost_models.memory import activation_memory
 
-ACT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 LOSS_OPS = frozenset({"cross_entropy_loss", "nll_loss", "log_softmax", "_log_softmax"})
 RECOMPUTES = ("none", "selective", "full")
 
@@ -80,7 +79,7 @@ def coll_time(kind: str, nbytes: float, n: int, link: LinkSpec) -> float:
 
 def _float_bytes(o, dtype: str) -> float:
     if o.dtype.startswith("float") or o.dtype.startswith("bfloat"):
-        return o.numel * ACT_BYTES[dtype]
+        return o.numel * DTYPE_SIZE[dtype]
     return float(o.nbytes)
 
 

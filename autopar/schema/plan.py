@@ -11,7 +11,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -20,6 +20,9 @@ from autopar.schema.constraints import Recompute, Schedule
 from autopar.schema.errors import PlanError
 
 PLAN_FORMAT_VERSION = 1
+
+TrainingDtype = Literal["fp32", "bf16", "fp16"]
+TRAINING_DTYPES: tuple[str, ...] = get_args(TrainingDtype)
 
 Placement = str  # "R" (replicated), "S(d)" (sharded on tensor dim d), "P" (partial sum)
 
@@ -123,7 +126,7 @@ class Plan(_Model):
     autopar_version: str = ""
     model: ModelInfo
     cluster: ClusterSpec
-    dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
+    dtype: TrainingDtype = "bf16"
     global_batch_size: int = Field(ge=1)
     microbatch_size: int = Field(ge=1)
     num_microbatches: int = Field(ge=1)
