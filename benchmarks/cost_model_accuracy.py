@@ -1,8 +1,9 @@
 """How well the cost models predict published Megatron-LM training runs (design.md's calibration cases).
 
-    python benchmarks/cost_model_accuracy.py              # both sections
+    python benchmarks/cost_model_accuracy.py              # every section
     python benchmarks/cost_model_accuracy.py --analytic   # the cost-model cross-check only
     python benchmarks/cost_model_accuracy.py --planner    # autopar.plan with pinned constraints only
+    python benchmarks/cost_model_accuracy.py --table1     # every row of Megatron's Table 1 (generalisation)
     python benchmarks/cost_model_accuracy.py --local      # plan + run a small GPT on this machine
 
 Cases (A100-80GB DGX nodes, GPT with V=51200, s=2048, bf16, full recomputation):
@@ -91,6 +92,19 @@ CASES = [
     Case("22B", 64, 6144, 48, 8, 1, 8, 4, 4, published_s=1.42),
     Case("175B", 96, 12288, 96, 8, 8, 64, 64, 1, v=3, published_s=18.13),
 ]
+
+
+# Generalisation check: every row of Narayanan et al. 2021, Table 1 (weak scaling, 1.7B to 1T on
+# 32 to 3072 A100s, the same software and hardware as the calibration cases). The table gives no
+# micro-batch size or schedule: micro-batch 1 and 1F1B are assumed for every row (not chosen per
+# row), so these rows test how the model extrapolates, not how well it was tuned.
+TABLE1 = [Case(name, a, h, l, t, p, n, b, 1, published_tflops=tf, assumed="mb=1, 1F1B assumed")
+          for name, a, h, l, t, p, n, b, tf in [
+              ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137), ("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138),
+              ("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142), ("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135),
+              ("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138), ("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140),
+              ("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148), ("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155),
+              ("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163), ("1008B", 160, 25600, 128, 8, 64, 3072, 3072, 163)]]
 
 
 class MegatronBlock(nn.Module):
@@ -204,7 +218,8 @@ def planner(case: Case, cluster: ClusterSpec) -> float:
                         constraints=autopar.Constraints(
                             dp=case.dp, tp=case.t, pp=case.p, microbatch_size=case.microbatch,
                             schedule="interleaved_1f1b" if case.v > 1 else "1f1b",
-                            virtual_stages=case.v if case.v > 1 else None, recompute="full"))
+                            virtual_stages=case.v if case.v > 1 else None, recompute="full",
+                            zero_stage=0))
     return plan.predicted.iteration_time_s
 
 
@@ -241,17 +256,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--analytic", action="store_true", help="only the cost-model cross-check")
     ap.add_argument("--planner", action="store_true", help="only the planner section")
+    ap.add_argument("--table1", action="store_true",
+                    help="only the generalisation check: every row of Narayanan et al. 2021 Table 1 through autopar.plan")
     ap.add_argument("--local", action="store_true",
                     help="only the measured section: plan and run a small GPT on this machine")
     ap.add_argument("--model", default="gpt-small", help="zoo model for --local (default gpt-small)")
     ap.add_argument("--steps", type=int, default=8, help="steps per --local run (median of the last half)")
     args = ap.parse_args(argv)
-    both = not (args.analytic or args.planner or args.local)
+    both = not (args.analytic or args.planner or args.local or args.table1)
     header = ["case", "GPUs", "t", "p", "v", "mb", "m", "published s", "predicted s", "error", "note"]
 
+    sections = []
     if both or args.planner:
+        sections.append(("autopar.plan (pinned configuration) vs published", CASES))
+    if both or args.table1:
+        sections.append(("generalisation: autopar.plan on every row of Narayanan et al. 2021 Table 1", TABLE1))
+    for title, cases in sections:
         rows, errs = [], []
-        for c in CASES:
+        for c in cases:
             cluster = ClusterSpec.load("dgx-a100-80g", num_nodes=c.gpus // 8 if c.gpus >= 8 else 1)
             pub = c.published_time()
             t0 = time.perf_counter()
@@ -264,7 +286,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 cells = ["n/a", "", f"{type(e).__name__}: {str(e).splitlines()[0][:70] if str(e) else ''}"]
             rows.append([c.name, str(c.gpus), str(c.t), str(c.p), str(c.v), str(c.microbatch),
                          str(c.num_microbatches), f"{pub:.2f}"] + cells)
-        _table("autopar.plan (pinned configuration) vs published", rows, header)
+        _table(title, rows, header)
         print(_errors_summary(errs))
 
     if both or args.analytic:

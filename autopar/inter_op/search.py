@@ -33,6 +33,9 @@ What is approximated, and why (to keep a 1000-GPU search within seconds on two c
   step, as the runtime issues them); ZeRO 2's memory counts sharded gradients (design.md).
   ZeRO 3 (FSDP per layer) all-gathers the weights per micro-batch, and is only searched with
   tp = 1 (what the runtime runs).
+- Gradient accumulation: after the first micro-batch, every backward adds the weight gradients
+  into the accumulated ones (read both, write the sum), a memory-bound cost per micro-batch
+  in the stage time (`_Tables.accum`).
 - GPipe has 1F1B's time in this model and more memory, so it is only planned when pinned.
 """
 
@@ -51,7 +54,7 @@ from autopar.inter_op.layers import Layer
 from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost, RECOMPUTES, axis_link, coll_time
 from autopar.schema import ClusterSpec, Constraints, PlanError
 from cost_models.communication import axis_collective_time
-from cost_models.compute import optimizer_step_time
+from cost_models.compute import grad_accumulation_time, optimizer_step_time
 from cost_models.memory import PRECISION_POLICIES, inflight_microbatches, usable_memory
 
 INF = float("inf")
@@ -202,6 +205,16 @@ class _Tables:
 
     def opt(self, pel: float) -> float:
         return optimizer_step_time(pel, self.cluster.device, self.dtype, shard=self.dp if self.zero >= 1 else 1)
+
+    def accum(self, pel: Any, m: int) -> Any:
+        """Per micro-batch share of adding each micro-batch's weight gradients into the
+        accumulated ones (autograd does it in every backward after the first): linear in the
+        parameter elements, `grad_accumulation_time` over m micro-batches, divided by m. The
+        gradients are accumulated unsharded (ZeRO reduces them once per step)."""
+        if m <= 1:
+            return pel * 0.0
+        unit = grad_accumulation_time(1e9, self.cluster.device, self.dtype, m) / 1e9 / m
+        return np.where(np.asarray(pel) > 0, np.asarray(pel) * unit, 0.0)
 
 
 _LINEAR: dict[tuple, tuple[float, float]] = {}
@@ -471,7 +484,7 @@ class Search:
         wts, grads, opts = tb.states(pel)
         states = wts + grads + opts
         zero3_buf = 2 * tb.range_maxlayer * tb.wgo[0] if cand.zero == 3 and cand.dp > 1 else 0.0
-        t_common = tb.ranged(tb.base) + tb.range_p2p + tb.zero_mb(pel)
+        t_common = tb.ranged(tb.base) + tb.range_p2p + tb.zero_mb(pel) + tb.accum(pel, m)
         cost = np.full((L, L + 1, 1, p + 1), INF)
         choice = np.full((L, L + 1, p + 1), -1, dtype=int)
         rcs = self.recomputes()
@@ -527,7 +540,7 @@ class Search:
             wts, grads, opts = tb.states(pel)
             states = wts + grads + opts
             zero3_buf = 2 * tb.range_maxlayer * tb.wgo[0] if cand.zero == 3 and D > 1 else 0.0
-            t_common = tb.ranged(tb.base) + tb.range_p2p + tb.zero_mb(pel)
+            t_common = tb.ranged(tb.base) + tb.range_p2p + tb.zero_mb(pel) + tb.accum(pel, m)
             for s_ in range(1, S + 1):
                 inflight = m if cand.schedule == "gpipe" else min(s_, m)
                 cost[:, :, mi, s_], choice[:, :, mi, s_] = self._best_recompute(
@@ -570,7 +583,8 @@ class Search:
             ck = (cand.mb, cand.tp, cand.dp, nch, r, cand.zero == 3)
             res = self._chunk_cache.get(ck)
             if ck not in self._chunk_cache:
-                t = tb.ranged(tb.base) + tb.range_p2p + tb.ranged(tb.rc[r]) + tb.zero_mb(tb.range_pel)
+                t = (tb.ranged(tb.base) + tb.range_p2p + tb.ranged(tb.rc[r]) + tb.zero_mb(tb.range_pel)
+                     + tb.accum(tb.range_pel, m))
                 res = self._chunk_cache[ck] = balanced_chunks(np.where(tb.valid, t, INF), nch)
             if res is None:
                 continue
@@ -612,6 +626,9 @@ class Search:
                 work = max(work, float(tb.range_work[k, j]))
         # a parameter tied across chunks of one stage is held once
         t += float(tb.zero_mb(np.array([pel]))[0])
+        acc = float(tb.accum(np.array([pel]), cand.m)[0])
+        t += acc
+        comp += acc
         w, g, o = (float(x[0]) for x in tb.states(np.array([pel])))
         v = max(1, len(chunks))
         acts = act / v * inflight if len(chunks) > 1 else act * inflight
