@@ -8,8 +8,11 @@ broadcast, send_recv):
   E.g. dp4 with one flat gradient bucket: all_reduce = 1; pp2 x dp2: all_reduce = 2 (one per
   stage).
 * One point-to-point transfer (an activation forward or a gradient backward between adjacent
-  stages, per micro-batch) counts **once** as send_recv (at the sender). Under pp x dp the dp
-  replicas' pipelines run the same transfers in parallel; they count once.
+  stages, per micro-batch) counts **once** as send_recv (at the receiver). Under pp x dp the dp
+  replicas' pipelines run the same transfers in parallel; they count once. When adjacent stages
+  have different tp degrees, every rank of the receiving stage gets its own copy of the
+  (replicated) tensor (`autopar.runtime.pipeline_p2p`): still one transfer - it is counted where
+  it is received, once per receiving stage.
 * A collective whose group spans stages (the gradient sync of a parameter tied between the first
   and the last stage) counts once.
 * Coalesced calls count once. Collectives outside the step (initialisation, metrics, checkpoint)
@@ -32,7 +35,9 @@ What the runtime's layouts issue (for planners matching the count):
 Measured: every rank counts what it issues (a TorchDispatchMode that sees c10d and functional
 collectives, DTensor's included); `global_counts` combines them: only one representative rank
 per distinct stage device set (the device at mesh coordinate 0) contributes, a collective counted
-with weight 1/(representatives in its group), sends with weight 1, receives 0.
+with weight 1/(representatives in its group), receives with weight 1, sends 0 (every rank of a
+stage receives each transfer exactly once, while a stage's rank 0 may send one to several ranks
+of a wider neighbour, or none to a narrower one).
 """
 
 from __future__ import annotations
@@ -104,7 +109,8 @@ class CollectiveCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def local_counts(self) -> dict[str, int]:
-        return dict(Counter(k for k, _ in self.events if k != "recv"))
+        """This rank's counts, a receive counted as one send_recv and sends not at all."""
+        return dict(Counter("send_recv" if k == "recv" else k for k, _ in self.events if k != "send_recv"))
 
     def reset(self) -> None:
         self.events = []
@@ -116,10 +122,10 @@ def combine(events_by_rank: dict[int, list[tuple[str, tuple[int, ...]]]],
     total: Counter = Counter()
     for r in representatives:
         for kind, ranks in events_by_rank.get(r, []):
-            if kind == "recv":
-                continue
             if kind == "send_recv":
-                total[kind] += 1.0
+                continue
+            if kind == "recv":
+                total["send_recv"] += 1.0
                 continue
             n = len(set(ranks) & representatives) if ranks else 1
             total[kind] += 1.0 / max(n, 1)

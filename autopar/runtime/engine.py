@@ -37,8 +37,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.models.registry import ModelBundle
 from autopar.runtime.materialize import canonical_names, materialize
+from autopar.runtime.pipeline_p2p import FanoutPipelineStage, replica_ranks
 from autopar.runtime.spmd import (SPMDModule, allow_implicit_replication, distribute_params,
                                   grads_to_param_layout, register_extra_strategies)
+from autopar.runtime.tied_grads import FlatTiedSync, FullTiedSync, allreduce_flat
 from autopar.schema.errors import PlanError
 from autopar.schema.plan import Plan, StagePlan
 
@@ -176,6 +178,21 @@ def _coord(devices: Sequence[int], rank: int) -> int:
     return list(devices).index(rank)
 
 
+def fsdp_sharded(plan: Plan) -> bool:
+    """Whether the plan's stages run under `fully_shard` (ZeRO-3, or a dp axis placed "S(0)")
+    with more than one data-parallel replica."""
+    if plan.dp <= 1:
+        return False
+    return plan.zero_stage == 3 or any(
+        pl[i].startswith("S") for s in plan.stages for pl in s.placements.values()
+        for i, k in enumerate(s.mesh_axis_names) if k == "dp")
+
+
+def _mesh_kinds(stages: Sequence[StagePlan]) -> set[tuple[tuple[int, ...], tuple[str, ...]]]:
+    """The distinct (mesh_shape, mesh_axis_names) of `stages`."""
+    return {(tuple(s.mesh_shape), tuple(s.mesh_axis_names)) for s in stages}
+
+
 # ---------------------------------------------------------------------------------------------
 def validate_plan(plan: Plan, model: nn.Module) -> dict:
     """Check, without any process group, that the runtime can execute `plan` on `model`; raise
@@ -197,10 +214,6 @@ def validate_plan(plan: Plan, model: nn.Module) -> dict:
         if t not in devsets:
             devsets.append(t)
     pp = len(devsets)
-    shapes = {(tuple(s.mesh_shape), tuple(s.mesh_axis_names)) for s in stages}
-    if pp > 1 and len(shapes) > 1:
-        raise PlanError("pipeline stages with different logical meshes are not supported by the "
-                        f"runtime yet (got {sorted(shapes)}); plan with equal stage meshes")
     dps = {s.axis_size("dp") for s in stages}
     if len(dps) > 1:
         raise PlanError(f"stages with different data-parallel degrees {sorted(dps)} are not supported")
@@ -216,6 +229,9 @@ def validate_plan(plan: Plan, model: nn.Module) -> dict:
             raise PlanError(f"{nst} stages over {pp} device sets: not a whole number of chunks")
         if plan.schedule != "interleaved_1f1b" and v > 1:
             raise PlanError(f"{v} chunks per device need schedule interleaved_1f1b, not {plan.schedule}")
+        if v > 1 and len(_mesh_kinds(stages)) > 1:
+            raise PlanError("interleaved pipelines need equal stage meshes (chunks go round the device "
+                            f"sets), got {sorted(_mesh_kinds(stages))}; plan them with equal stage meshes")
         if v > 1 and M % pp != 0:
             raise PlanError(f"interleaved 1F1B needs num_microbatches ({M}) to be a multiple of "
                             f"the pipeline depth ({pp})")
@@ -390,8 +406,6 @@ class ParallelModel:
         return out
 
     def _build_pipeline(self) -> None:
-        from torch.distributed.pipelining import PipelineStage
-
         self.family = family_of(self.model)
         nst = len(self.stages)
         covered = {}
@@ -403,16 +417,11 @@ class ParallelModel:
         if missing:
             raise PlanError(f"the plan's stages leave parameters out: {', '.join(sorted(missing)[:5])}")
         shapes = self._stage_shapes(self.plan.microbatch_size)
-        # pipeline groups: one per mesh coordinate, ranks in stage order
-        ncoord = len(self.devsets[0])
-        self.pp_group = None
-        self.pp_group_ranks: list[int] = []
-        for c in range(ncoord):
-            ranks = [ds[c] for ds in self.devsets]
-            g = dist.new_group(ranks)
-            if self.rank in ranks:
-                self.pp_group = g
-                self.pp_group_ranks = ranks
+        self.hetero = len(_mesh_kinds(self.stages)) > 1
+        if self.hetero:
+            self._build_replica_groups()
+        else:
+            self._build_pp_groups()
         self.pipe_stages = []
         self.local_modules = []
         for i, s in enumerate(self.stages):
@@ -431,19 +440,56 @@ class ParallelModel:
             mod: nn.Module = core
             if self.tp_size > 1:
                 mod = SPMDModule(core, self.my_mesh.tp_mesh, [None])
-            ins, outs = shapes[i]
-            ex_in = torch.empty(ins.shape, dtype=ins.dtype, device=self.device)
-            if ex_in.is_floating_point():
-                ex_in.requires_grad_(True)  # received activations need their gradient sent back
-            ex_out = torch.empty(outs.shape, dtype=outs.dtype, device=self.device)
-            in_grad = torch.empty_like(ex_in) if ex_in.is_floating_point() and i > 0 else None
-            out_grad = torch.empty_like(ex_out) if i < nst - 1 else None
-            stage = PipelineStage(mod, i, nst, self.device, input_args=(ex_in,), output_args=(ex_out,),
-                                  input_grads=(in_grad,), output_grads=(out_grad,), group=self.pp_group)
-            self.pipe_stages.append(stage)
+            self.pipe_stages.append(self._make_stage(mod, i, *shapes[i]))
             self.local_modules.append(core)
         self.runner = None
         self._make_schedule()
+
+    def _build_pp_groups(self) -> None:
+        """Equal stage meshes: one pipeline group per mesh coordinate, ranks in stage order."""
+        ncoord = len(self.devsets[0])
+        self.pp_group = None
+        self.pp_group_ranks: list[int] = []
+        for c in range(ncoord):
+            ranks = [ds[c] for ds in self.devsets]
+            g = dist.new_group(ranks)
+            if self.rank in ranks:
+                self.pp_group = g
+                self.pp_group_ranks = ranks
+
+    def _build_replica_groups(self) -> None:
+        """Stage meshes of different tp degrees (`pipeline_p2p`): per data-parallel replica, the
+        ranks of every stage (tp order) and one group holding them all for the point-to-point
+        ops. On NCCL the group's communicator is created here, by every member: torch.pipelining
+        would create it lazily inside a batch only some members join."""
+        per_stage = [replica_ranks(s.devices, s.mesh_shape, s.mesh_axis_names) for s in self.stages]
+        self.replica_stage_ranks: list[list[int]] = []
+        self.pp_group = None
+        for d in range(len(per_stage[0])):
+            ranks = [st[d] for st in per_stage]
+            members = sorted(r for rs in ranks for r in rs)
+            g = None if len(members) == self.world else dist.new_group(members)
+            if self.rank in members:
+                self.replica_stage_ranks, self.pp_group = ranks, g
+        if self.device_type == "cuda":
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.pp_group)
+
+    def _make_stage(self, mod: nn.Module, i: int, ins: torch.Tensor, outs: torch.Tensor) -> Any:
+        """The torch.pipelining stage of chunk `i` with static shapes from the meta run."""
+        from torch.distributed.pipelining import PipelineStage
+
+        nst = len(self.stages)
+        ex_in = torch.empty(ins.shape, dtype=ins.dtype, device=self.device)
+        if ex_in.is_floating_point():
+            ex_in.requires_grad_(True)  # received activations need their gradient sent back
+        ex_out = torch.empty(outs.shape, dtype=outs.dtype, device=self.device)
+        in_grad = torch.empty_like(ex_in) if ex_in.is_floating_point() and i > 0 else None
+        out_grad = torch.empty_like(ex_out) if i < nst - 1 else None
+        meta = dict(input_args=(ex_in,), output_args=(ex_out,), input_grads=(in_grad,), output_grads=(out_grad,))
+        if self.hetero:
+            return FanoutPipelineStage(mod, i, nst, self.device, ranks=self.replica_stage_ranks,
+                                       group=self.pp_group, **meta)
+        return PipelineStage(mod, i, nst, self.device, group=self.pp_group, **meta)
 
     def _make_schedule(self) -> None:
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -463,6 +509,9 @@ class ParallelModel:
             sched = ScheduleGPipe(self.pipe_stages[0], n_microbatches=M, loss_fn=loss_fn)
         else:
             sched = Schedule1F1B(self.pipe_stages[0], n_microbatches=M, loss_fn=loss_fn)
+        self.schedule = sched
+        if self.hetero:
+            return  # FanoutPipelineStage finds its peers itself (one stage per rank)
         # stage i lives on group rank of devsets[i % pp][coord]
         sorted_ranks = sorted(self.pp_group_ranks)
         mapping = {i: sorted_ranks.index(self.pp_group_ranks[i % self.pp]) for i in range(len(self.stages))}
@@ -472,15 +521,31 @@ class ParallelModel:
         sched.stage_index_to_group_rank = mapping
         for st in self.pipe_stages:
             st.stage_index_to_group_rank = mapping
-        self.schedule = sched
 
     # -- tied parameters across stages ---------------------------------------------------
     def _build_tied_groups(self) -> None:
-        """Parameters held by more than one stage device set: a group per mesh coordinate joins
-        the copies; their gradients are summed there."""
-        self.tied: list[tuple[dist.ProcessGroup, list[nn.Parameter]]] = []
+        """Parameters held by more than one stage device set: their gradients are summed over a
+        group joining the copies (`tied_grads`): one per mesh coordinate when the holders'
+        meshes are equal, else one per data-parallel replica over all the holders' ranks (one
+        over all replicas under ZeRO-3, whose replicas hold different shards)."""
+        self.tied: list[FlatTiedSync | FullTiedSync] = []
         if self.pp == 1:
             return
+        for dss, names in self._tied_sets().items():
+            if len(_mesh_kinds([self.stages[d] for d in dss])) == 1:
+                groups = [[self.devsets[d][c] for d in dss] for c in range(len(self.devsets[dss[0]]))]
+                sync = FlatTiedSync
+            else:
+                groups = self._full_tied_groups(dss)
+                sync = FullTiedSync
+            for ranks in groups:
+                g = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.tied.append(sync(g, self._local_params(names)))
+
+    def _tied_sets(self) -> dict[tuple[int, ...], list[str]]:
+        """{device-set indices holding them: canonical names} of the parameters held by more
+        than one device set."""
         holders: dict[str, list[int]] = {}
         for si, s in enumerate(self.stages):
             for fqn in s.layers:
@@ -489,22 +554,28 @@ class ParallelModel:
                     ds = si % self.pp
                     if ds not in holders.setdefault(canon, []):
                         holders[canon].append(ds)
-        shared = {k: tuple(v) for k, v in holders.items() if len(v) > 1}
         bykey: dict[tuple[int, ...], list[str]] = {}
-        for k, v in sorted(shared.items()):
-            bykey.setdefault(v, []).append(k)
-        ncoord = len(self.devsets[0])
-        for dss, names in bykey.items():
-            for c in range(ncoord):
-                ranks = [self.devsets[d][c] for d in dss]
-                g = dist.new_group(ranks)
-                if self.rank in ranks:
-                    params = []
-                    for core in self.local_modules:
-                        for n, p in core.named_parameters(remove_duplicate=False):
-                            if self.aliases.get(n, n) in names and all(p is not q for q in params):
-                                params.append(p)
-                    self.tied.append((g, params))
+        for k, v in sorted(holders.items()):
+            if len(v) > 1:
+                bykey.setdefault(tuple(v), []).append(k)
+        return bykey
+
+    def _full_tied_groups(self, dss: Sequence[int]) -> list[list[int]]:
+        """Rank groups of a `FullTiedSync` across device sets `dss` of different meshes."""
+        per = [replica_ranks(self.stages[d].devices, self.stages[d].mesh_shape, self.stages[d].mesh_axis_names)
+               for d in dss]
+        if fsdp_sharded(self.plan):
+            return [sorted(r for st in per for rs in st for r in rs)]
+        return [sorted(r for st in per for r in st[rep]) for rep in range(len(per[0]))]
+
+    def _local_params(self, names: Sequence[str]) -> list[nn.Parameter]:
+        """This rank's parameters with canonical names in `names`, each once."""
+        params: list[nn.Parameter] = []
+        for core in self.local_modules:
+            for n, p in core.named_parameters(remove_duplicate=False):
+                if self.aliases.get(n, n) in names and all(p is not q for q in params):
+                    params.append(p)
+        return params
 
     # -- optimizer -----------------------------------------------------------------------
     def local_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -644,33 +715,20 @@ class ParallelModel:
                 self._zero12_step()
             else:
                 if self.dp_group is not None and not self.zero3:
-                    self._allreduce_flat([self._local(p.grad) for p in self.params], self.dp_group,
-                                         1.0 / self.dp_size)
-                for g, ps in self.tied:
-                    self._allreduce_flat([self._local(p.grad) for p in ps], g, 1.0)
+                    allreduce_flat([self._local(p.grad) for p in self.params], self.dp_group,
+                                   1.0 / self.dp_size)
+                for t in self.tied:
+                    t.sync()
         if not self.zero12:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         for p in self.params:
             p.grad = None
 
-    @staticmethod
-    def _allreduce_flat(grads: list[torch.Tensor], group: dist.ProcessGroup, scale: float) -> None:
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        if scale != 1.0:
-            flat.mul_(scale)
-        off = 0
-        for g in grads:
-            g.copy_(flat[off:off + g.numel()].view_as(g))
-            off += g.numel()
-
     def _zero12_step(self) -> None:
         # tied copies first (sum), then reduce-scatter over dp, sharded update, all-gather
-        for g, ps in self.tied:
-            self._allreduce_flat([self._local(p.grad) for p in ps], g, 1.0)
+        for t in self.tied:
+            t.sync()
         D, S, n = self.dp_size, self.shard_size, self.flat_numel
         grads = [self._local(p.grad) for p in self.params]
         flat = torch.zeros(S * D, dtype=grads[0].dtype, device=self.device)

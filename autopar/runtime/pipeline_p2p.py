@@ -1,0 +1,134 @@
+"""Pipeline stages whose neighbours have other tensor-parallel degrees (Alpa's free sub-mesh per
+stage: e.g. stage 0 on 1 device, stage 1 on 2 devices with tp 2).
+
+At a stage boundary the activation is a plain tensor, replicated over the sending stage's tp
+ranks (`SPMDModule` returns full tensors), and so is the input gradient a tp stage hands back
+(the gradient of a Replicate input is all-reduced by DTensor before it leaves the stage). So any
+rank of a stage can stand for the whole stage. Within one data-parallel replica, stage s holds
+T_s ranks (`ranks[s]`, in tp order); every rank of a stage runs the same torch.pipelining
+schedule in lockstep, and
+
+* rank k of stage s receives from rank k mod T_p of its neighbour p (`recv_peer`), in either
+  direction (activation from s - 1, gradient from s + 1);
+* rank c of stage s therefore sends to every rank k of the neighbour with k mod T_s == c
+  (`send_peers`): with T_p <= T_s one rank or none, with T_p > T_s T_p / T_s of them.
+
+Each rank receives each transfer exactly once; with equal tp degrees it is torch's own
+rank-to-rank pipeline. `FanoutPipelineStage` is torch's `PipelineStage` with that peer mapping:
+every point-to-point op the schedule, its warm-up vote and the metadata exchange issue goes
+through `recv_peer` / `send_peers`, so every send has exactly one matching receive.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+
+
+def recv_peer(ranks: Sequence[Sequence[int]], stage: int, peer_stage: int, tp_index: int) -> int:
+    """The global rank of `peer_stage` that sends to tp rank `tp_index` of `stage`."""
+    peers = ranks[peer_stage]
+    return peers[tp_index % len(peers)]
+
+
+def send_peers(ranks: Sequence[Sequence[int]], stage: int, peer_stage: int, tp_index: int) -> list[int]:
+    """The global ranks of `peer_stage` that tp rank `tp_index` of `stage` sends to (the inverse
+    of `recv_peer`)."""
+    mine = len(ranks[stage])
+    return [r for k, r in enumerate(ranks[peer_stage]) if k % mine == tp_index]
+
+
+class FanoutPipelineStage(PipelineStage):
+    """A `PipelineStage` whose neighbour stages may hold another number of (tp) ranks; see the
+    module docstring. `ranks[s]` are the global ranks of stage s in this rank's data-parallel
+    replica (tp order); `group` is a process group holding all of them (the point-to-point ops
+    of one batch must share a group)."""
+
+    def __init__(self, submodule: torch.nn.Module, stage_index: int, num_stages: int,
+                 device: torch.device, *, ranks: Sequence[Sequence[int]],
+                 group: dist.ProcessGroup | None = None, **kwargs: Any) -> None:
+        size = dist.get_world_size(group)
+        # torch refuses a group larger than the number of stages (it assumes one rank per
+        # stage); ours holds every tp rank. Pass a count that satisfies the check, then restore
+        # it: nothing else in the constructor depends on it.
+        super().__init__(submodule, stage_index, max(num_stages, size), device, group=group, **kwargs)
+        self.num_stages = num_stages
+        self.ranks = [list(r) for r in ranks]
+        self.global_rank = dist.get_rank()
+        self.tp_index = self.ranks[stage_index].index(self.global_rank)
+        self.stage_index_to_group_rank = {}   # peers come from `ranks`, never from this mapping
+
+    # -- peers ---------------------------------------------------------------------------
+    def _resolve_peer_global_rank(self, stage_idx: int) -> int:
+        """The rank this stage receives from in `stage_idx` (torch calls this for every recv)."""
+        return recv_peer(self.ranks, self.stage_index, stage_idx, self.tp_index)
+
+    def send_peers(self, stage_idx: int) -> list[int]:
+        return send_peers(self.ranks, self.stage_index, stage_idx, self.tp_index)
+
+    def _is_same_rank(self, other_stage: int) -> bool:
+        return False  # stages of different device sets never share a rank
+
+    def _fan_out(self, ops: list[dist.P2POp], peer_stage: int) -> list[dist.P2POp]:
+        """torch's send ops (one per tensor, to its single peer) re-addressed to `send_peers`."""
+        return [dist.P2POp(dist.isend, op.tensor, r, self.group) for op in ops for r in self.send_peers(peer_stage)]
+
+    # -- schedule ops ----------------------------------------------------------------------
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._fan_out(super().get_fwd_send_ops(fwd_chunk_id), self.stage_index + 1)
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._fan_out(super().get_bwd_send_ops(bwd_chunk_id), self.stage_index - 1)
+
+    # -- start-up: warm-up vote and (dynamic mode) metadata exchange -----------------------
+    def _send_meta(self, meta: Any, dst_stage: int) -> None:
+        for r in self.send_peers(dst_stage):
+            dist.send_object_list([meta], dst=r, group=self.group, device=self.device, use_batch=True)
+
+    def _recv_tensor(self, stage_idx: int) -> torch.Tensor:
+        t = torch.zeros(1, dtype=torch.int32, device=self.device)
+        dist.recv(t, src=self._resolve_peer_global_rank(stage_idx), group=self.group)
+        return t
+
+    def _send_tensor(self, t: torch.Tensor, stage_idx: int) -> None:
+        for r in self.send_peers(stage_idx):
+            dist.send(t, dst=r, group=self.group)
+
+    def _warmup_forward_vote(self, has_backward: bool, received_acc: torch.Tensor | None = None) -> torch.Tensor:
+        """torch's forward vote (1 = static metadata everywhere), with the fan-out peers."""
+        from torch.distributed.pipelining.stage import InferenceMode
+
+        vote = torch.tensor([0 if InferenceMode.needs_dynamic(self._user_meta, has_backward) else 1],
+                            dtype=torch.int32, device=self.device)
+        acc = vote if self.is_first else self._recv_tensor(self.stage_index - 1) * vote
+        if not self.is_last:
+            self._send_tensor(acc, self.stage_index + 1)
+        return acc
+
+    def _warmup_backward_result(self, received_result: torch.Tensor | None = None) -> torch.Tensor:
+        """torch's backward half of the vote: the last stage's product travels back."""
+        if self.is_last:
+            if received_result is None:
+                raise RuntimeError("the pipeline warm-up vote reached the last stage without a result")
+            result = received_result
+        else:
+            result = self._recv_tensor(self.stage_index + 1)
+        if not self.is_first:
+            self._send_tensor(result, self.stage_index - 1)
+        return result
+
+
+def replica_ranks(devices: Sequence[int], mesh_shape: Sequence[int], axis_names: Sequence[str]) -> list[list[int]]:
+    """A stage's global ranks split by data-parallel replica: `out[d]` are the ranks of dp index
+    d (row-major over the "dp" axes, as the dp sub-mesh numbers them) in tp order (row-major
+    over the other axes)."""
+    grid = torch.tensor(list(devices)).view(*mesh_shape)
+    dp_axes = [i for i, a in enumerate(axis_names) if a == "dp"]
+    tp_axes = [i for i, a in enumerate(axis_names) if a != "dp"]
+    D = 1
+    for i in dp_axes:
+        D *= mesh_shape[i]
+    return grid.permute(*dp_axes, *tp_axes).reshape(D, -1).tolist()

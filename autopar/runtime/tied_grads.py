@@ -1,0 +1,100 @@
+"""Gradient sync of parameters held by more than one pipeline stage (GPT's embedding and output
+weight): the copies' gradients are summed, as Megatron's embedding group does.
+
+* `FlatTiedSync`: the stages hold the parameter in the same layout (equal stage meshes): rank c
+  of one stage and rank c of the other hold the same elements; one flat all-reduce over the
+  pair (a group per mesh coordinate).
+* `FullTiedSync`: the layouts differ (stages of different tp degrees, e.g. the embedding whole
+  on a 1-device stage and vocabulary-sharded on a 2-device one): every rank adds its local
+  gradient into a zero buffer of the full parameter at its elements (once per stage: a rank
+  holding a copy along a Replicate mesh dimension adds nothing unless it is at coordinate 0
+  there), one flat all-reduce over all holders sums the stages' copies, and each rank reads its
+  elements back. It moves the full parameter instead of a shard: see `autopar/runtime/README.md`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor, else `t`."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def allreduce_flat(grads: list[torch.Tensor], group: dist.ProcessGroup, scale: float = 1.0) -> None:
+    """All-reduce `grads` in place as one flat buffer (one collective), times `scale`."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    if scale != 1.0:
+        flat.mul_(scale)
+    off = 0
+    for g in grads:
+        g.copy_(flat[off:off + g.numel()].view_as(g))
+        off += g.numel()
+
+
+class FlatTiedSync:
+    """Copies in the same layout: sum the local gradients over `group` (one flat all-reduce)."""
+
+    def __init__(self, group: dist.ProcessGroup, params: list[nn.Parameter]) -> None:
+        self.group, self.params = group, params
+
+    def sync(self) -> None:
+        allreduce_flat([local(p.grad) for p in self.params], self.group)
+
+
+def element_index(p: torch.Tensor) -> Optional[torch.Tensor]:
+    """Flat indices, in the full parameter, of this rank's local elements of `p` (None when `p`
+    is a plain, whole tensor). Computed by laying out an arange with `p`'s placements (no
+    communication), so every placement DTensor and FSDP use is covered."""
+    if not isinstance(p, DTensor):
+        return None
+    dev = p.to_local().device
+    ar = torch.arange(p.numel(), device=dev).view(p.shape)
+    return distribute_tensor(ar, p.device_mesh, p.placements, src_data_rank=None).to_local().reshape(-1)
+
+
+def holds_first_copy(p: torch.Tensor) -> bool:
+    """Whether this rank adds its elements of `p`: not a second copy along a Replicate axis."""
+    if not isinstance(p, DTensor):
+        return True
+    mesh = p.device_mesh
+    return all(mesh.get_local_rank(i) == 0 for i, q in enumerate(p.placements) if q.is_replicate())
+
+
+class FullTiedSync:
+    """Copies in different layouts: sum over `group` in the full parameter's coordinates (see
+    the module docstring). `group` holds every rank that holds any of the copies' elements
+    whose sum it must see: a data-parallel replica's ranks, or all replicas under ZeRO-3."""
+
+    def __init__(self, group: dist.ProcessGroup, params: list[nn.Parameter]) -> None:
+        self.group, self.params = group, params
+        self.index = [element_index(p) for p in params]
+        self.adds = [holds_first_copy(p) for p in params]
+        self.numel = sum(p.numel() for p in params)
+
+    def sync(self) -> None:
+        grads = [local(p.grad) for p in self.params]
+        buf = torch.zeros(self.numel, dtype=grads[0].dtype, device=grads[0].device)
+        off = 0
+        for p, g, idx, add in zip(self.params, grads, self.index, self.adds):
+            if add:
+                if idx is None:
+                    buf[off:off + p.numel()] = g.reshape(-1)
+                else:
+                    buf.index_copy_(0, idx + off, g.reshape(-1).to(buf.dtype))
+            off += p.numel()
+        dist.all_reduce(buf, group=self.group)
+        off = 0
+        for p, g, idx in zip(self.params, grads, self.index):
+            part = buf[off:off + p.numel()]
+            g.copy_((part if idx is None else part[idx]).view_as(g))
+            off += p.numel()
