@@ -172,3 +172,22 @@ def test_collectives_match_the_runtime(model, cluster_nodes, cons, expected):
     cl = cl.model_copy(update={"devices_per_node": cluster_nodes})
     p = autopar.plan(model, cl, global_batch_size=8, dtype="fp32", constraints=Constraints(**cons))
     assert p.predicted.collectives == expected
+
+
+def test_gradient_accumulation_is_costed_per_microbatch():
+    """Same layout, same micro-batch size: a step of m micro-batches does m times the layer work
+    plus (m - 1) accumulations of every weight gradient (read both, write the sum), so the
+    predicted time grows by more than m x the per-micro-batch compute, by about the accumulation's
+    memory traffic."""
+    from cost_models.compute import grad_accumulation_time, optimizer_step_time
+
+    cl = ClusterSpec.load("dgx-a100-80g", num_nodes=1).model_copy(update={"devices_per_node": 1})
+    pin = dict(dp=1, tp=1, pp=1, microbatch_size=1, recompute="none", zero_stage=0)
+    one = plan("gpt-small", cl, global_batch_size=1, constraints=Constraints(**pin))
+    eight = plan("gpt-small", cl, global_batch_size=8, constraints=Constraints(**pin))
+    st1, st8 = one.stages[0].predicted, eight.stages[0].predicted
+    n = one.model.num_params
+    opt = optimizer_step_time(n, cl.device, one.dtype)     # once per step, in compute_s
+    accum = grad_accumulation_time(n, cl.device, one.dtype, 8)
+    assert st8.compute_s == pytest.approx(8 * (st1.compute_s - opt) + opt + accum, rel=0.01)
+    assert accum > 0.005 * st8.compute_s
