@@ -1,13 +1,20 @@
 """Apply intra-op solutions on a 4-process gloo mesh (CPU) and check them against one process:
-same loss, same gradients, and the collectives CommDebugMode counts equal the solution's
-`collective_counts()`. A zoo Llama's solution is also executed (loss and gradients only).
+the same loss and gradients (1e-4 relative), and the collectives CommDebugMode counts equal the
+solution's `collective_counts()`: forward against phase "forward", backward against "backward"
+plus "grad_sync".
 
-The solutions come from `autopar.intra_op.auto_shard`; they are applied with
-`autopar.runtime.spmd.parallelize` (parameters -> DTensors with the planned placements, inputs
--> DTensors from their local shards; each module's output redistributed to the layout the plan
-consumes it in: `output_placements=ShardingSolution.module_output_placements`), and the
-gradient synchronisation is the redistribution of each gradient to its parameter's placements
-(`grads_to_param_layout`).
+The solutions come from `autopar.intra_op.auto_shard`, for MLPs and for zoo transformers: a GPT
+in the Megatron regime (batch 1: weights outweigh activations), the same GPT in the
+data-parallel regime (batch 64), and a Llama (GQA, RoPE, SwiGLU) at batch 1, whose plan mixes
+reduce-scatters, all-to-alls and free shard-to-partial steps. They are applied two ways:
+
+* `ShardingSolution.apply` (`autopar.intra_op.execute`): the exported program runs op by op,
+  each op's inputs redistributed to the layouts its chosen strategy reads them in. Every case,
+  counts forward and backward.
+* `autopar.runtime.spmd.parallelize`, the runtime's: parameters as DTensors, module outputs
+  redistributed to the plan's layouts (`module_output_placements`), the rest left to DTensor's
+  own propagation. For the MLPs its counts are the solution's as well, gradient synchronisation
+  being `grads_to_param_layout`.
 """
 
 from __future__ import annotations
@@ -24,16 +31,18 @@ import torch.multiprocessing as mp
 
 import autopar
 from autopar.intra_op import auto_shard
+from autopar.intra_op.execute import deinterleave, interleave
 from autopar.models.mlp import MLP
 
 WORLD = 4
+REL = 1e-4
 
 
 class MLPSumLoss(MLP):
     """The zoo MLP with its mean-squared error written as sum / numel: a batch-split loss is
-    then a Partial(sum). (DTensor's mse_loss over a batch split gives Partial(avg), whose
-    backward through a redistribution to Replicate scales the gradients by the mesh size in
-    torch 2.13; the one-process loss is the same either way.)"""
+    then a Partial(sum). (Under spmd.parallelize, DTensor's mse_loss over a batch split gives
+    Partial(avg), whose backward scales the gradients by the mesh size in torch 2.13; the
+    executor computes a split loss itself and takes either.)"""
 
     def forward(self, x, y):
         for i, layer in enumerate(self.layers):
@@ -52,12 +61,12 @@ CASES = {
     "2d": (MLPSumLoss, 192, 64, (2, 2), {"layers.0.weight": ("R", "S(0)"), "layers.1.weight": ("R", "S(1)")}),
 }
 
-
-# a zoo transformer (GQA, RoPE, RMSNorm, SwiGLU, cross-entropy), solved on (4,): its
-# placements must execute with the one-process loss and gradients. Its collective counts are
-# not compared: only module outputs follow the plan, and inside attention DTensor's own
-# propagation picks other layouts than the plan's.
-ZOO = ("llama-tiny", 4)
+# zoo transformers on (4,): (model, batch, a parameter and the placement the regime gives it)
+ZOO = {
+    "gpt-megatron": ("gpt-tiny", 1, ("blocks.0.attn.qkv.weight", ("S(0)",))),
+    "gpt-data-parallel": ("gpt-tiny", 64, ("blocks.0.attn.qkv.weight", ("R",))),
+    "llama-megatron": ("llama-tiny", 1, ("layers.0.attn.q_proj.weight", ("S(0)",))),
+}
 
 
 def _mesh(shape):
@@ -72,9 +81,14 @@ def _solution(cls, batch, hidden, shape):
     return auto_shard(m, (x, x), mesh=_mesh(shape))
 
 
+def _zoo_solution(name, batch):
+    from autopar.models import build_model
+
+    b = build_model(name, batch_size=batch)
+    return auto_shard(b.model, b.example_inputs, mesh=_mesh((WORLD,)))
+
+
 def _kind(op) -> str:
-    name = str(op).split(".")[-1] if "." in str(op) else str(op)
-    name = getattr(op, "__name__", name)
     for k, v in (("all_reduce", "all_reduce"), ("allreduce", "all_reduce"), ("all_gather", "all_gather"),
                  ("allgather", "all_gather"), ("reduce_scatter", "reduce_scatter"),
                  ("all_to_all", "all_to_all"), ("alltoall", "all_to_all")):
@@ -83,75 +97,91 @@ def _kind(op) -> str:
     return str(op)
 
 
-def _zoo_case(mesh, zoo):
-    from torch.distributed.tensor import DTensor
+def _counts(comm) -> dict[str, int]:
+    got: dict[str, int] = {}
+    for op, n in comm.get_comm_counts().items():
+        got[_kind(op)] = got.get(_kind(op), 0) + n
+    return got
 
-    from autopar.models import build_model
+
+def _rel_err(got: dict, ref: dict) -> float:
+    """Largest gradient difference, relative to the largest reference gradient."""
+    scale = max(float(g.abs().max()) for g in ref.values()) or 1.0
+    return max(float((got[n] - ref[n]).abs().max()) for n in ref) / scale
+
+
+def _run_executor(mesh, model, ref_model, inputs, sol):
+    """One step with `sol.apply`: the loss, the gradients' error, counts forward / backward."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    loss_ref = ref_model(*inputs)
+    loss_ref.backward()
+    prog = sol.apply(model, inputs, mesh)
+    with CommDebugMode() as fwd:
+        loss = prog(*inputs)
+    with CommDebugMode() as bwd:
+        loss.backward()
+    ref = {n: p.grad for n, p in ref_model.named_parameters()}
+    return {"loss": (float(loss.detach()), float(loss_ref.detach())),
+            "grad_err": _rel_err(prog.full_gradients(), ref),
+            "forward": _counts(fwd), "backward": _counts(bwd)}
+
+
+def _run_spmd(mesh, model, ref_model, inputs, sol):
+    """One step with spmd.parallelize (module outputs follow the plan): loss, error, counts."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
     from autopar.runtime.spmd import grads_to_param_layout, local_shard_rows, parallelize
 
-    name, batch, params, inputs, mods = zoo
-    torch.manual_seed(0)
-    ref = build_model(name, device="cpu", batch_size=batch).model
-    vocab = ref.embed.weight.shape[0]
-    seq = 16
-    toks, tgt = torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq))
-    loss_ref = ref(toks, tgt)
+    loss_ref = ref_model(*inputs)
     loss_ref.backward()
+    specs = [sol.input_placements[k] for k in ("args_0", "args_1")]
+    sp = parallelize(model, mesh, sol.param_placements, specs, output_placements=sol.module_output_placements)
+    xs = [local_shard_rows(t, mesh, pl) for t, pl in zip(inputs, specs)]
+    with CommDebugMode() as comm:
+        loss = sp(*xs)
+        loss.backward()
+        grads_to_param_layout(model.parameters())
+    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+             for n, p in model.named_parameters()}
+    ref = {n: p.grad for n, p in ref_model.named_parameters()}
+    return {"loss": (float(loss.detach()), float(loss_ref.detach())), "grad_err": _rel_err(grads, ref),
+            "counts": _counts(comm)}
+
+
+def _zoo_inputs(name, batch):
+    from autopar.models import build_model
+
     torch.manual_seed(0)
-    model = build_model(name, device="cpu", batch_size=batch).model
-    sp = parallelize(model, mesh, params, inputs, output_placements=mods)
-    loss = sp(*[local_shard_rows(t, mesh, pl) for t, pl in zip((toks, tgt), inputs)])
-    loss.backward()
-    grads_to_param_layout(model.parameters())
-    ref_g = dict(ref.named_parameters())
-    err = max(float(((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) - ref_g[n].grad).abs().max())
-              for n, p in model.named_parameters())
-    return {"loss": (float(loss.detach()), float(loss_ref.detach())), "grad_err": err}
+    b = build_model(name, device="cpu", batch_size=batch)
+    vocab = next(m for m in b.model.modules() if isinstance(m, torch.nn.Embedding)).num_embeddings
+    torch.manual_seed(1)
+    return b.model, tuple(torch.randint(0, vocab, tuple(x.shape)) for x in b.example_inputs)
 
 
-def _worker(rank, port, cases, result_dir, zoo=None):
+def _worker(rank, port, cases, zoo, result_dir):
     try:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port)
         dist.init_process_group("gloo", rank=rank, world_size=WORLD)
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor.debug import CommDebugMode
-
-        from autopar.runtime.spmd import grads_to_param_layout, local_shard_rows, parallelize
 
         out = {}
-        for name, (cls, batch, hidden, shape, params, inputs, counts, mods) in cases.items():
+        for name, (cls, batch, hidden, shape, sol) in cases.items():
             mesh = init_device_mesh("cpu", shape)
             torch.manual_seed(0)
-            ref = cls(hidden, hidden, 2)
-            x = torch.randn(batch, hidden)
-            y = torch.randn(batch, hidden)
-            loss_ref = ref(x, y)
-            loss_ref.backward()
-            grads_ref = {n: p.grad.clone() for n, p in ref.named_parameters()}
-
-            torch.manual_seed(0)
-            model = cls(hidden, hidden, 2)
-            sp = parallelize(model, mesh, params, inputs, output_placements=mods)
-            xs = [local_shard_rows(t, mesh, pl) for t, pl in zip((x, y), inputs)]
-            with CommDebugMode() as comm:
-                loss = sp(*xs)
-                loss.backward()
-                grads_to_param_layout(model.parameters())
-            got = {}
-            for op, n in comm.get_comm_counts().items():
-                got[_kind(op)] = got.get(_kind(op), 0) + n
-            grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
-                     for n, p in model.named_parameters()}
-            out[name] = {
-                "loss": (float(loss.detach()), float(loss_ref.detach())),
-                "grad_err": max(float((grads[n] - grads_ref[n]).abs().max()) for n in grads_ref),
-                "counts": got,
-                "placements": {n: tuple(str(q) for q in p.placements) for n, p in model.named_parameters()},
-            }
-        if zoo is not None:
-            out["zoo"] = _zoo_case(init_device_mesh("cpu", (WORLD,)), zoo)
+            x, y = torch.randn(batch, hidden), torch.randn(batch, hidden)
+            for how, run in (("executor", _run_executor), ("spmd", _run_spmd)):
+                torch.manual_seed(0)
+                ref = cls(hidden, hidden, 2)
+                torch.manual_seed(0)
+                out[(how, name)] = run(mesh, cls(hidden, hidden, 2), ref, (x, y), sol)
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for name, (model_name, batch, sol) in zoo.items():
+            ref, inputs = _zoo_inputs(model_name, batch)
+            model, _ = _zoo_inputs(model_name, batch)
+            out[("executor", name)] = _run_executor(mesh, model, ref, inputs, sol)
         torch.save(out, os.path.join(result_dir, f"rank{rank}.pt"))
         dist.barrier()
         dist.destroy_process_group()
@@ -169,48 +199,61 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def solutions():
-    sols = {}
-    for name, (cls, batch, hidden, shape, _) in CASES.items():
-        sols[name] = _solution(cls, batch, hidden, shape)
+    sols = {name: _solution(cls, batch, hidden, shape) for name, (cls, batch, hidden, shape, _) in CASES.items()}
+    sols.update({name: _zoo_solution(model, batch) for name, (model, batch, _) in ZOO.items()})
     return sols
 
 
 def test_solutions_are_the_expected_plans(solutions):
     for name, (_, _, _, _, expect) in CASES.items():
         assert solutions[name].param_placements == expect, name
+    for name, (_, _, (param, spec)) in ZOO.items():
+        assert solutions[name].param_placements[param] == spec, name
+        assert not solutions[name].warnings, name
 
 
-def test_solutions_execute_on_a_gloo_mesh(solutions):
-    cases = {}
-    for name, (cls, batch, hidden, shape, _) in CASES.items():
-        sol = solutions[name]
-        inputs = [sol.input_placements[k] for k in ("args_0", "args_1")]
-        cases[name] = (cls, batch, hidden, shape, sol.param_placements, inputs, sol.collective_counts(),
-                       sol.module_output_placements)
-    from autopar.models import build_model
+def test_interleave_round_trip():
+    w = torch.arange(24.0).reshape(12, 2)              # fused q, k, v of 4 rows each
+    lay = interleave(w, 0, 3, 2)
+    assert lay[:6, 0].tolist() == [0, 2, 8, 10, 16, 18]            # device 0: rows 0-1 of q, k, v
+    assert torch.equal(deinterleave(lay, 0, 3, 2), w)
 
-    b = build_model(ZOO[0], batch_size=ZOO[1])
-    zsol = auto_shard(b.model, b.example_inputs, mesh=_mesh((WORLD,)))
-    assert not zsol.warnings
-    zoo = (ZOO[0], ZOO[1], zsol.param_placements, [zsol.input_placements[k] for k in ("args_0", "args_1")],
-           zsol.module_output_placements)
+
+@pytest.fixture(scope="module")
+def results(solutions):
+    cases = {name: (cls, batch, hidden, shape, solutions[name])
+             for name, (cls, batch, hidden, shape, _) in CASES.items()}
+    zoo = {name: (model, batch, solutions[name]) for name, (model, batch, _) in ZOO.items()}
     with tempfile.TemporaryDirectory() as d:
         try:
-            mp.start_processes(_worker, args=(_free_port(), cases, d, zoo), nprocs=WORLD, join=True,
+            mp.start_processes(_worker, args=(_free_port(), cases, zoo, d), nprocs=WORLD, join=True,
                                start_method="spawn")
         except Exception:
             errs = [open(os.path.join(d, f)).read() for f in os.listdir(d) if f.endswith(".err")]
             raise AssertionError("worker failed:\n" + "\n".join(errs[:1]))
-        results = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(WORLD)]
-    for name in CASES:
-        expect = cases[name][6]
-        for r, res in enumerate(results):
-            got = res[name]
-            loss, loss_ref = got["loss"]
-            assert loss == pytest.approx(loss_ref, rel=1e-5), (name, r)
-            assert got["grad_err"] < 1e-5, (name, r, got["grad_err"])
-            assert got["counts"] == expect, (name, r, got["counts"], expect)
+        return [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("name", list(CASES) + list(ZOO))
+def test_executor_matches_one_process_and_the_plan(solutions, results, name):
+    sol = solutions[name]
+    expect = {"forward": sol.collective_counts(("forward",)),
+              "backward": sol.collective_counts(("backward", "grad_sync"))}
     for r, res in enumerate(results):
-        loss, loss_ref = res["zoo"]["loss"]
-        assert loss == pytest.approx(loss_ref, rel=1e-5), r
-        assert res["zoo"]["grad_err"] < 1e-5, (r, res["zoo"]["grad_err"])
+        got = res[("executor", name)]
+        loss, loss_ref = got["loss"]
+        assert loss == pytest.approx(loss_ref, rel=REL), (name, r)
+        assert got["grad_err"] < REL, (name, r, got["grad_err"])
+        for phase in ("forward", "backward"):
+            assert got[phase] == expect[phase], (name, r, phase, got[phase], expect[phase])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_spmd_parallelize_matches_for_mlps(solutions, results, name):
+    expect = solutions[name].collective_counts()
+    for r, res in enumerate(results):
+        got = res[("spmd", name)]
+        loss, loss_ref = got["loss"]
+        assert loss == pytest.approx(loss_ref, rel=REL), (name, r)
+        assert got["grad_err"] < REL, (name, r, got["grad_err"])
+        assert got["counts"] == expect, (name, r, got["counts"], expect)

@@ -252,6 +252,13 @@ def _with_batch(x: Any, b: int) -> Any:
 
 
 def _export_dynamic(wrapped: nn.Module, inputs: tuple, name: str) -> OpGraph:
+    ep, inputs = _export_symbolic(wrapped, inputs)
+    return _from_export(wrapped, inputs, name, ep)
+
+
+def _export_symbolic(wrapped: nn.Module, inputs: tuple) -> tuple[Any, tuple]:
+    """torch.export of `wrapped` with a symbolic batch (dim 0 of every tensor input); returns
+    the program and the inputs it was traced with."""
     from torch.export import Dim, export
 
     b0 = max(2, _batch_of(inputs))
@@ -261,7 +268,35 @@ def _export_dynamic(wrapped: nn.Module, inputs: tuple, name: str) -> OpGraph:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ep = export(wrapped, inputs, strict=False, dynamic_shapes=(dyn,))
-    return _from_export(wrapped, inputs, name, ep)
+    return ep, inputs
+
+
+def export_program(model: nn.Module, example_inputs: Sequence[Any], *,
+                   loss_fn: Optional[LossFn] = None) -> tuple[Any, nn.Module, Optional[list[str]]]:
+    """The torch.export program `capture` reads its OpGraph from (the model and its loss, batch
+    symbolic; a fixed batch when the model refuses a symbolic one), so that its nodes carry the
+    names a ShardingSolution uses. Returns (ExportedProgram, the wrapped module whose parameters
+    it lifts, the keyword names of dict inputs or None). For executing a plan op by op
+    (`autopar.intra_op.execute`); raises when torch.export cannot capture the model."""
+    model = getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
+    names = None
+    if isinstance(example_inputs, dict):
+        names = [str(k) for k in example_inputs]
+        example_inputs = tuple(example_inputs.values())
+    elif isinstance(example_inputs, torch.Tensor) or not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    _prepare_hf(model)
+    wrapped = _WithLoss(model, loss_fn or default_loss, names)
+    with _QuietTorch():
+        try:
+            ep, _ = _export_symbolic(wrapped, tuple(example_inputs))
+        except Exception:  # noqa: BLE001 - as capture does: then at a fixed batch
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                from torch.export import export
+
+                ep = export(wrapped, tuple(example_inputs), strict=False)
+    return ep, wrapped, names
 
 
 def _two_batches(capture_at: Callable[[tuple], OpGraph], inputs: tuple) -> OpGraph:

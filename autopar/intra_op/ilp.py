@@ -1007,6 +1007,8 @@ class IntraOpProblem:
             n = g.node(c)
             if n.module_path and c in acts:
                 mods[n.module_path] = acts[c]              # the last op of a module wins
+        junctions = {j: (strat(j).in_specs[0], tuple(strat(j).grad_partial[0]))
+                     for j in self.junction.values()}
         # tied names of a parameter share its placement
         for fq, sp in list(params.items()):
             info_p = g.params.get(fq)
@@ -1032,7 +1034,7 @@ class IntraOpProblem:
             mesh_shape=self.mesh_shape, status=info.get("status", ""), param_layouts=layouts,
             memory_bytes_per_device=pbytes * self.state_factor + abytes, build_time_s=self.build_time_s,
             num_groups=len(self.groups), warnings=list(dict.fromkeys(self.warnings)),
-            activation_placements=acts, module_output_placements=mods)
+            activation_placements=acts, module_output_placements=mods, junctions=junctions)
 
     def _record_interleave(self, tensor: str, dim: int, chunks: int, layouts: dict) -> None:
         """The matmul producing `tensor` (split chunk-interleaved along `dim`) reads a weight whose

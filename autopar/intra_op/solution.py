@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 Phase = Literal["forward", "backward", "grad_sync"]
 
@@ -63,6 +63,10 @@ class ShardingSolution:
     # redistributes a module's output to it (a forward hook) to run exactly the planned collectives
     activation_placements: dict[str, tuple[str, ...]] = field(default_factory=dict)
     module_output_placements: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # a tensor read by several ops ("producer#output index") -> (the layout its consumers share,
+    # the mesh axes along which their summed gradient stays partial before the one reduction);
+    # an executor that follows the plan op by op (`autopar.intra_op.execute`) needs both
+    junctions: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = field(default_factory=dict)
 
     def collective_counts(self, phases: Optional[tuple[str, ...]] = None) -> dict[str, int]:
         """Collectives of one step by kind; a collective over k mesh axes (of size > 1) counts k
@@ -72,6 +76,16 @@ class ShardingSolution:
             if phases is None or x.phase in phases:
                 c[x.kind] += max(1, len(x.mesh_axes))
         return dict(c)
+
+    def apply(self, model: Any, example_inputs: Any, mesh: Any, *, loss_fn: Any = None,
+              inputs: str = "full") -> Any:
+        """Run `model` (materialised, the same values on every rank) as this solution plans it on
+        the DeviceMesh `mesh`: `autopar.intra_op.execute.parallelize_graph`. Returns a module
+        whose forward takes the model's inputs and returns the loss; the collectives it runs,
+        forward and backward, are `collectives`."""
+        from autopar.intra_op.execute import parallelize_graph
+
+        return parallelize_graph(model, example_inputs, self, mesh, loss_fn=loss_fn, inputs=inputs)
 
     def explain(self, node: str) -> str:
         if node in self.param_placements:

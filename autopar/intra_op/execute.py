@@ -1,0 +1,584 @@
+"""Execute a ShardingSolution as planned, op by op, with DTensor.
+
+    prog = parallelize_graph(model, example_inputs, solution, mesh)   # or solution.apply(...)
+    loss = prog(*inputs)            # full inputs (the same on every rank); the one-process loss
+    loss.backward()                 # parameters' .grad: DTensors in their planned placements
+    optimizer = torch.optim.AdamW(prog.parameters())
+
+`parallelize_graph` re-exports the model with its loss (`capture.export.export_program`: the
+torch.export program the solution was solved on, so its nodes carry the solution's op names) and
+runs that program with a torch.fx.Interpreter over DTensors:
+
+* parameters are DTensors with the solution's placements (`param_placements`); the rows of a
+  fused projection that the plan splits chunk-interleaved (`param_layouts`) are permuted so that
+  each device's contiguous shard holds its share of every chunk, as Megatron lays out fused QKV;
+* before each op, each tensor input is redistributed to the layout the op's chosen strategy reads
+  it in (`op_choices[op].input_placements`). A tensor read by several ops is first
+  redistributed once to its junction's layout (`junctions`). The loss is made replicated;
+* DTensor then runs the op. Given its inputs in the planned layouts it produces the planned
+  output layout without communicating, apart from the op's own reductions (a vocab-parallel
+  cross-entropy's three all-reduces, run by torch's `loss_parallel` handlers).
+
+The backward pass is autograd over the same DTensor ops. Each redistribution's backward sends
+the gradient back to its source's layout, with partial made replicated (a backward all-reduce,
+Megatron's f, or for a parameter its gradient synchronisation). A junction is the exception:
+along its partial axes the consumers' gradients stay partial, are summed, and are reduced once.
+So the collectives that run are the solution's `collectives`: its resharding, forward and
+backward, and the ops' own reductions.
+
+Three kinds of op do not run as DTensor would run them by default:
+
+* a split along a dim the plan shards (fused QKV, interleaved weight rows) splits each device's
+  shard locally. DTensor would gather the dim first.
+* a loss whose plan splits a reduced dim (the batch) is computed on each device's shard. The
+  all-reduce that makes it replicated sums or averages it, as data parallelism does, and its
+  backward hands each device its share of the gradient. DTensor would also all-reduce the
+  target count in nll_loss's backward pass, and its mse_loss backward scales gradients by the
+  mesh size (torch 2.13).
+* a vocab-parallel cross-entropy runs under torch's `loss_parallel` handlers, forward and
+  backward.
+
+Ops the solution has no choice for (shape arithmetic, assertions) run as DTensor runs them.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+import torch.fx
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement
+
+from autopar.intra_op.solution import OpChoice, ShardingSolution
+from autopar.schema.errors import PlanError
+
+__all__ = ["parallelize_graph", "ShardedProgram", "to_placements"]
+
+Spec = Sequence[str]
+_SHARD = re.compile(r"^S\((-?\d+)\)$")
+SPLIT_OPS = ("split", "split_with_sizes", "chunk", "unsafe_split", "tensor_split")
+# loss op -> position of its `reduction` argument (0 none, 1 mean, 2 sum)
+LOSS_REDUCTION_ARG = {"cross_entropy_loss": 3, "nll_loss": 3, "nll_loss_forward": 3, "nll_loss2d": 3,
+                      "mse_loss": 2, "l1_loss": 2, "smooth_l1_loss": 2, "huber_loss": 2,
+                      "soft_margin_loss": 2, "binary_cross_entropy": 3,
+                      "binary_cross_entropy_with_logits": 4}
+
+
+# ---------------------------------------------------------------------------- placements
+def to_placements(spec: Spec, ndim: int) -> tuple[Placement, ...]:
+    """("R", "S(1)", "P") -> (Replicate(), Shard(1), Partial()); a negative dim counts from the
+    end of a tensor of `ndim` dims."""
+    out: list[Placement] = []
+    for p in spec:
+        p = str(p).strip()
+        m = _SHARD.match(p)
+        if p == "R":
+            out.append(Replicate())
+        elif p == "P":
+            out.append(Partial())
+        elif m:
+            d = int(m.group(1))
+            out.append(Shard(d + ndim if d < 0 else d))
+        else:
+            raise PlanError(f"unknown placement {p!r}; use 'R', 'S(d)' or 'P'")
+    return tuple(out)
+
+
+def _target(x: DTensor, spec: Spec) -> tuple[Placement, ...]:
+    """The placements `spec` asks of `x`; a partial already there stays as it is (a plan's "P"
+    is any pending reduction: DTensor's masked partial of a vocab-parallel embedding included)."""
+    want = to_placements(spec, x.ndim)
+    return tuple(have if w.is_partial() and have.is_partial() else w
+                 for have, w in zip(x.placements, want))
+
+
+def _grad_target(src: Sequence[Placement], keep_partial: Sequence[int]) -> tuple[Placement, ...]:
+    """Where the gradient of a tensor laid out `src` goes back to: its layout, partial made
+    replicated, except along `keep_partial` (a junction's axes), where it stays partial."""
+    return tuple(Partial() if a in keep_partial else Replicate() if p.is_partial() else p
+                 for a, p in enumerate(src))
+
+
+# ---------------------------------------------------------------------------- redistribution
+def redistribute(x: DTensor, dst: Sequence[Placement]) -> DTensor:
+    """`x` laid out `dst` (not differentiable), running the collectives of the plan's
+    `placement.transition`: DTensor's redistribute, except for two steps it does not take.
+    To partial (from replicated or sharded) is free: one device keeps the value (or each its
+    shard, in place), the others hold zeros; DTensor allows it only inside its ops. Shard to
+    shard is an all-to-all; on a CPU mesh DTensor gathers instead (gloo has all-to-all)."""
+    mesh = x.device_mesh
+    dst = tuple(dst)
+    cur = tuple(x.placements)
+    if cur == dst:
+        return x
+    a2a = [a for a, (c, d) in enumerate(zip(cur, dst)) if _is_a2a(c, d, cur, mesh)]
+    first = tuple(c if (d.is_partial() and not c.is_partial()) or a in a2a else d
+                  for a, (c, d) in enumerate(zip(cur, dst)))
+    if first != cur:
+        x = x.redistribute(mesh, first)
+    for a in a2a:
+        x = _all_to_all(x, a, dst[a])
+    for a, d in enumerate(dst):
+        if d.is_partial() and not x.placements[a].is_partial():
+            x = _to_partial(x, a)
+    return x
+
+
+def _is_a2a(c: Placement, d: Placement, cur: Sequence[Placement], mesh: DeviceMesh) -> bool:
+    """Shard(i) -> Shard(j) on a CPU mesh, with no other mesh axis sharding i or j."""
+    if not (isinstance(c, Shard) and isinstance(d, Shard) and c.dim != d.dim
+            and mesh.device_type == "cpu"):
+        return False
+    return sum(1 for p in cur if isinstance(p, Shard) and p.dim in (c.dim, d.dim)) == 1
+
+
+def _all_to_all(x: DTensor, axis: int, d: Shard) -> DTensor:
+    c = x.placements[axis]
+    group = x.device_mesh.get_group(axis).group_name
+    local = torch.ops._dtensor.shard_dim_alltoall(x.to_local().contiguous(), c.dim, d.dim, group)
+    pl = list(x.placements)
+    pl[axis] = d
+    return DTensor.from_local(local, x.device_mesh, pl, run_check=False, shape=x.shape,
+                              stride=x.stride())
+
+
+def _to_partial(x: DTensor, axis: int) -> DTensor:
+    """Replicated -> partial: the device at coordinate 0 of `axis` keeps the value, the others
+    zeros. Shard(d) -> partial: each device's shard in its place along d, zeros elsewhere."""
+    mesh = x.device_mesh
+    p = x.placements[axis]
+    coord = mesh.get_local_rank(axis)
+    local = x.to_local()
+    if isinstance(p, Shard):
+        if sum(1 for q in x.placements if isinstance(q, Shard) and q.dim == p.dim) > 1:
+            raise NotImplementedError(f"{tuple(x.placements)} -> partial on mesh axis {axis}")
+        n = local.shape[p.dim]
+        shape = list(local.shape)
+        shape[p.dim] = n * mesh.size(axis)
+        full = local.new_zeros(shape)
+        full.narrow(p.dim, coord * n, n).copy_(local)
+        local = full
+    elif coord != 0:
+        local = torch.zeros_like(local)
+    pl = list(x.placements)
+    pl[axis] = Partial()
+    return DTensor.from_local(local, mesh, pl, run_check=False, shape=x.shape, stride=x.stride())
+
+
+# ---------------------------------------------------------------------------- autograd pieces
+class _Reshard(torch.autograd.Function):
+    """Redistribute to `dst` in the forward pass, and the gradient to `grad_dst` in the backward
+    pass (DTensor's own redistribute always sends the gradient to the source's layout)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: DTensor, dst: tuple, grad_dst: tuple) -> DTensor:
+        ctx.grad_dst = grad_dst
+        out = redistribute(x, dst)
+        return out.view_as(out) if out is x else out
+
+    @staticmethod
+    def backward(ctx: Any, g: Any) -> tuple:
+        if isinstance(g, DTensor):
+            g = redistribute(g, ctx.grad_dst)
+        return g, None, None
+
+
+class _LossParallelScope(torch.autograd.Function):
+    """Identity that switches torch's vocab-parallel cross-entropy handlers on (`on=True`) or
+    off when the backward pass reaches it: placed after the loss (on) and before its logits
+    (off), the loss's backward runs under the handlers, as its forward does."""
+
+    @staticmethod
+    def forward(ctx: Any, x: DTensor, on: bool) -> DTensor:
+        ctx.on = on
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: Any) -> tuple:
+        _loss_parallel_handlers(ctx.on)
+        return g, None
+
+
+def _loss_parallel_handlers(on: bool) -> None:
+    from torch.distributed.tensor.parallel.loss import (_disable_custom_loss_ops,
+                                                        _enable_custom_loss_ops)
+
+    (_enable_custom_loss_ops if on else _disable_custom_loss_ops)()
+
+
+class _ShardLoss(torch.autograd.Function):
+    """A loss computed on this device's shard, as a partial DTensor whose sum is the whole loss
+    (`scale` = 1/devices for a mean over equal shards); backward gives each device the gradient
+    of its share."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, mesh: DeviceMesh, placements: tuple,
+                scale: float) -> DTensor:
+        ctx.scale, ctx.mesh = scale, mesh
+        return DTensor.from_local(local * scale, mesh, placements, run_check=False)
+
+    @staticmethod
+    def backward(ctx: Any, g: Any) -> tuple:
+        if isinstance(g, DTensor):
+            g = g.redistribute(ctx.mesh, [Replicate()] * ctx.mesh.ndim).to_local()
+        return g * ctx.scale, None, None, None
+
+
+# ---------------------------------------------------------------------------- interleaved rows
+def interleave(t: torch.Tensor, dim: int, chunks: int, ways: int) -> torch.Tensor:
+    """Rows of `t` along `dim` reordered so that contiguous shard r of `ways` holds the r-th
+    slice of each of its `chunks` chunks (Megatron's fused-QKV layout)."""
+    s = tuple(t.shape)
+    n = s[dim]
+    v = t.reshape(s[:dim] + (chunks, ways, n // (chunks * ways)) + s[dim + 1:])
+    return v.transpose(dim, dim + 1).reshape(s)
+
+
+def deinterleave(t: torch.Tensor, dim: int, chunks: int, ways: int) -> torch.Tensor:
+    """The inverse of `interleave`: the rows back in the model's order."""
+    s = tuple(t.shape)
+    n = s[dim]
+    v = t.reshape(s[:dim] + (ways, chunks, n // (chunks * ways)) + s[dim + 1:])
+    return v.transpose(dim, dim + 1).reshape(s)
+
+
+def _ways(placements: Sequence[Placement], dim: int, mesh: DeviceMesh) -> int:
+    return math.prod(mesh.size(a) for a, p in enumerate(placements)
+                     if isinstance(p, Shard) and p.dim == dim)
+
+
+# ---------------------------------------------------------------------------- the program
+class ShardedProgram(nn.Module):
+    """A model with its loss, run as a ShardingSolution plans it (see the module docstring).
+
+    forward(*inputs) takes the model's inputs (full tensors, the same on every rank; or this
+    rank's shards with `inputs="local"`) and returns the loss, a plain tensor equal on every
+    rank. `parameters()` are the model's, as DTensors in their planned placements (gradients
+    land in the same placements). `full_parameters()` / `full_gradients()` gather them, in the
+    model's own row order."""
+
+    def __init__(self, model: nn.Module, wrapped: nn.Module, program: Any, solution: ShardingSolution,
+                 mesh: DeviceMesh, names: Optional[list[str]], inputs: str = "full") -> None:
+        super().__init__()
+        self.model = model
+        self._wrapped = [wrapped]           # not a submodule: `model` already is
+        self.program = program
+        self.gm = program.graph_module
+        self.solution = solution
+        self.mesh = mesh
+        self.names = names
+        if inputs not in ("full", "local"):
+            raise PlanError(f"inputs must be 'full' or 'local', got {inputs!r}")
+        self.inputs_mode = inputs
+        self.trace: Optional[list[tuple[str, tuple[str, ...], tuple[str, ...]]]] = None
+        self.layouts: dict[str, tuple[int, int, int]] = {}      # fqn -> (dim, chunks, ways)
+        self._check_names()
+        self._distribute_parameters()
+
+    # -- setup ---------------------------------------------------------------------------
+    def _check_names(self) -> None:
+        """The program must be the one the solution was solved on: every op with a choice is a
+        node of it with the same op, and every node the solution expects inputs of exists."""
+        nodes = {n.name: n for n in self.gm.graph.nodes}
+        missing = [op for op in self.solution.op_choices if op not in nodes]
+        if missing:
+            raise PlanError(f"the solution names ops the model's program does not have "
+                            f"({', '.join(missing[:4])}); solve and apply with the same model and "
+                            f"loss, and solve the whole graph (not a subset of its nodes)")
+        calls = [n.name for n in nodes.values() if n.op == "call_function" and not _no_choice_needed(n)]
+        self.unplanned = [c for c in calls if c not in self.solution.op_choices]
+
+    def _distribute_parameters(self) -> None:
+        """Every parameter becomes a DTensor with its planned placements (Replicate when the
+        plan does not name it); tied parameters stay tied; interleaved rows are permuted."""
+        sol, mesh = self.solution, self.mesh
+        done: dict[int, nn.Parameter] = {}
+        for mod_name, mod in list(self.model.named_modules(remove_duplicate=False)):
+            for pname, p in list(mod._parameters.items()):
+                if p is None:
+                    continue
+                fqn = f"{mod_name}.{pname}" if mod_name else pname
+                if id(p) in done:
+                    mod._parameters[pname] = done[id(p)]
+                    continue
+                spec = sol.param_placements.get(fqn, ("R",) * mesh.ndim)
+                if len(spec) != mesh.ndim:
+                    raise PlanError(f"placement {tuple(spec)} of {fqn} has {len(spec)} entries for a "
+                                    f"{mesh.ndim}-D mesh")
+                pl = to_placements(spec, p.dim())
+                data = p.detach()
+                if fqn in sol.param_layouts:
+                    dim, chunks = sol.param_layouts[fqn]
+                    ways = _ways(pl, dim, mesh)
+                    self.layouts[fqn] = (dim, chunks, ways)
+                    data = interleave(data, dim, chunks, ways)
+                dt = distribute_tensor(data, mesh, pl, src_data_rank=None)
+                newp = nn.Parameter(dt, requires_grad=p.requires_grad)
+                done[id(p)] = newp
+                mod._parameters[pname] = newp
+
+    # -- running ---------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.names and kwargs:
+            args = tuple(args) + tuple(kwargs[k] for k in self.names[len(args):])
+        from autopar.runtime.spmd import register_extra_strategies
+
+        register_extra_strategies()          # DTensor rules for CPU flash attention
+        flat = self._flat_inputs(args)
+        out = _PlanInterpreter(self).run(*flat)
+        loss = out[0] if isinstance(out, (tuple, list)) else out
+        return loss.to_local() if isinstance(loss, DTensor) else loss
+
+    def _flat_inputs(self, user: Sequence[Any]) -> list[Any]:
+        """The program's placeholders in order: parameters, buffers, constants, user inputs."""
+        from torch.export.graph_signature import InputKind
+
+        wrapped = self._wrapped[0]
+        user_it: Iterator[Any] = iter(user)
+        flat: list[Any] = []
+        for spec in self.program.graph_signature.input_specs:
+            if spec.kind == InputKind.PARAMETER:
+                flat.append(wrapped.get_parameter(spec.target))
+            elif spec.kind == InputKind.BUFFER:
+                flat.append(self._replicated(wrapped.get_buffer(spec.target)))
+            elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+                c = self.program.constants[spec.target]
+                flat.append(self._replicated(c) if isinstance(c, torch.Tensor) else c)
+            elif spec.kind == InputKind.USER_INPUT:
+                flat.append(self._user_input(spec.arg.name, next(user_it)))
+            else:  # pragma: no cover - token inputs of effectful ops
+                raise PlanError(f"unsupported program input {spec.kind} ({spec.arg})")
+        return flat
+
+    def _replicated(self, t: torch.Tensor) -> DTensor:
+        return DTensor.from_local(t, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
+
+    def _user_input(self, name: str, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        spec = self.solution.input_placements.get(name, ("R",) * self.mesh.ndim)
+        pl = to_placements(spec, x.dim())
+        if self.inputs_mode == "local":
+            return DTensor.from_local(x, self.mesh, pl, run_check=False)
+        return distribute_tensor(x, self.mesh, pl, src_data_rank=None)
+
+    # -- reading back ----------------------------------------------------------------------
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter as a full tensor in the model's row order (collective: call it on
+        every rank)."""
+        return {n: self._full(n, p) for n, p in self.model.named_parameters()}
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Every parameter's gradient as a full tensor in the model's row order (collective)."""
+        return {n: self._full(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None}
+
+    def _full(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
+        t = t.full_tensor() if isinstance(t, DTensor) else t
+        lay = self.layouts.get(fqn)
+        return deinterleave(t.detach(), *lay) if lay else t.detach()
+
+
+def _no_choice_needed(n: torch.fx.Node) -> bool:
+    """Nodes the capture leaves out of the OpGraph: shape arithmetic and assertions."""
+    val = n.meta.get("val")
+    if isinstance(val, (torch.SymInt, int, float, bool)) or "sym_size" in str(n.target) \
+            or "_assert" in str(n.target):
+        return True
+    return val is None or (n.target is operator.getitem and not isinstance(val, torch.Tensor))
+
+
+class _PlanInterpreter(torch.fx.Interpreter):
+    """Runs the exported program over DTensors, feeding each planned op its inputs in the
+    layouts its chosen strategy reads them in."""
+
+    def __init__(self, prog: ShardedProgram) -> None:
+        super().__init__(prog.gm, garbage_collect_values=True)
+        self.prog = prog
+        self.sol = prog.solution
+        self.mesh = prog.mesh
+        self.junction_values: dict[str, DTensor] = {}
+        self.node_name = ""
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        self.node_name = n.name
+        if n.op == "call_function" and "_assert" in str(n.target):
+            return None                     # metadata assertions: nothing to run
+        choice = self.sol.op_choices.get(n.name) if n.op == "call_function" else None
+        if choice is not None:
+            with self._set_current_node(n):
+                return self._run_planned(n, choice)
+        if n.op == "output":
+            outs = [self._feed(self.env[a], a.name, 0, ("R",) * self.mesh.ndim)
+                    if isinstance(a, torch.fx.Node) else a for a in _flat_nodes(n.args[0])]
+            return tuple(outs)
+        return super().run_node(n)
+
+    # -- one op ----------------------------------------------------------------------------
+    def _run_planned(self, n: torch.fx.Node, choice: OpChoice) -> Any:
+        specs = choice.input_placements
+        if n.target is operator.getitem and isinstance(self.env[n.args[0]], (tuple, list)):
+            src, idx = n.args[0], n.args[1]
+            return self._feed(self.env[src][idx], src.name, idx, specs[0])
+        k = 0
+
+        def feed(a: Any) -> Any:
+            nonlocal k
+            if not isinstance(a, torch.fx.Node):
+                return a
+            v = self.env[a]
+            if isinstance(v, torch.Tensor) and k < len(specs):
+                v = self._feed(v, a.name, 0, specs[k])
+                k += 1
+            return v
+
+        args = torch.fx.node.map_aggregate(n.args, feed)
+        kwargs = torch.fx.node.map_aggregate(n.kwargs, feed)
+        op = _op_name(n)
+        if op in SPLIT_OPS and self._splits_sharded_dim(n, args[0]):
+            return self._local_split(n, args[0])
+        if len(specs) == 1 and _partial(specs[0]) and _unsharded(specs[0]) \
+                and all(_unsharded(o) for o in choice.output_placements):
+            return self._partial_passthrough(n, args, kwargs)
+        if choice.family == "loss" and "vocab-parallel" in choice.strategy:
+            return self._vocab_parallel_loss(n, args, kwargs)
+        if choice.family == "loss" and _partial(choice.output_placements[0]) \
+                and _reduction(op, n.args, n.kwargs) in (1, 2):
+            return self._shard_loss(n, args, kwargs, choice.output_placements[0], op)
+        return n.target(*args, **kwargs)
+
+    def _feed(self, value: Any, producer: str, out_index: int, spec: Spec) -> Any:
+        """`value` (output `out_index` of `producer`) in layout `spec`: through its junction
+        (one redistribution shared by its consumers) when it has one."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        x = value if isinstance(value, DTensor) else self.prog._replicated(value)
+        key = f"{producer}#{out_index}"
+        j = self.sol.junctions.get(key)
+        if j is None:
+            return self._reshard(x, spec, ())
+        jv = self.junction_values.get(key)
+        if jv is None:
+            jv = self.junction_values[key] = self._reshard(x, j[0], ())
+        return self._reshard(jv, spec, j[1])
+
+    def _reshard(self, x: DTensor, spec: Spec, keep_partial: Sequence[int]) -> DTensor:
+        dst = _target(x, spec)
+        if self.prog.trace is not None and tuple(x.placements) != dst:
+            self.prog.trace.append((self.node_name, tuple(map(str, x.placements)),
+                                    tuple(map(str, dst))))
+        if not x.requires_grad:
+            return redistribute(x, dst)
+        return _Reshard.apply(x, dst, _grad_target(x.placements, keep_partial))
+
+    # -- ops DTensor would run otherwise ---------------------------------------------------
+    def _splits_sharded_dim(self, n: torch.fx.Node, x: Any) -> bool:
+        return isinstance(x, DTensor) and any(
+            isinstance(p, Shard) and p.dim == _split_dim(n, x.ndim) for p in x.placements)
+
+    def _local_split(self, n: torch.fx.Node, x: DTensor) -> list[DTensor]:
+        """Split each device's shard: with interleaved weight rows it holds its share of every
+        chunk, so chunk i of the shard is the shard of chunk i."""
+        dim = _split_dim(n, x.ndim)
+        ways = _ways(x.placements, dim, self.mesh)
+        sizes = [int(v.shape[dim]) // ways for v in n.meta["val"]]
+        pieces = torch.split(x.to_local(), sizes, dim)
+        return [DTensor.from_local(p, self.mesh, x.placements, run_check=False) for p in pieces]
+
+    def _partial_passthrough(self, n: torch.fx.Node, args: Any, kwargs: Any) -> DTensor:
+        """An op linear in its one tensor input (a view, a cast, a scaling) on a partial input:
+        run on each device's summand, the output partial likewise. DTensor reduces the input
+        first for some of them (expand, unsqueeze). The layout holds no shard, so local shapes
+        are the global ones."""
+        x = args[0]
+        local = x.to_local(grad_placements=_grad_target(x.placements, ()))
+        out = n.target(local, *args[1:], **kwargs)
+        return DTensor.from_local(out, self.mesh, x.placements, run_check=False)
+
+    def _vocab_parallel_loss(self, n: torch.fx.Node, args: Any, kwargs: Any) -> Any:
+        """Cross-entropy over class-sharded logits with torch's loss_parallel handlers (three
+        all-reduces of one value per row, none backward), forward and backward."""
+        args = list(args)
+        args[0] = _LossParallelScope.apply(args[0], False)
+        _loss_parallel_handlers(True)
+        try:
+            out = n.target(*args, **kwargs)
+        finally:
+            _loss_parallel_handlers(False)
+        return _LossParallelScope.apply(out, True)
+
+    def _shard_loss(self, n: torch.fx.Node, args: Any, kwargs: Any, out_spec: Spec, op: str) -> DTensor:
+        """A loss over a split batch (or other reduced dim): each device's share, to be summed
+        (reduction mean: each device's mean / devices, exact for equal shards)."""
+        local = n.target(*_locals(args), **_locals(kwargs))
+        pl = tuple(Partial() if p == "P" else Replicate() for p in out_spec)
+        devices = math.prod(self.mesh.size(a) for a, p in enumerate(out_spec) if p == "P")
+        scale = 1.0 / devices if _reduction(op, n.args, n.kwargs) == 1 else 1.0
+        return _ShardLoss.apply(local, self.mesh, pl, scale)
+
+
+# ---------------------------------------------------------------------------- helpers
+def _op_name(n: torch.fx.Node) -> str:
+    """"split" for aten.split.Tensor (the OpNode.op convention)."""
+    s = str(n.target)
+    parts = s.split(".")
+    return parts[1] if len(parts) >= 3 and parts[0] == "aten" else s
+
+
+def _split_dim(n: torch.fx.Node, ndim: int) -> int:
+    d = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
+    return int(d) % ndim
+
+
+def _partial(spec: Spec) -> bool:
+    return any(str(p) == "P" for p in spec)
+
+
+def _unsharded(spec: Spec) -> bool:
+    return all(str(p) in ("R", "P") for p in spec)
+
+
+def _reduction(op: str, args: Sequence[Any], kwargs: dict) -> int:
+    pos = LOSS_REDUCTION_ARG.get(op)
+    if pos is None:
+        return 0
+    r = args[pos] if len(args) > pos else kwargs.get("reduction", 1)
+    return r if isinstance(r, int) else 1
+
+
+def _locals(v: Any) -> Any:
+    """DTensors replaced by their local tensors (differentiably)."""
+    return torch.fx.node.map_aggregate(v, lambda x: x.to_local() if isinstance(x, DTensor) else x)
+
+
+def _flat_nodes(v: Any) -> list[Any]:
+    if isinstance(v, (tuple, list)):
+        return [y for x in v for y in _flat_nodes(x)]
+    return [v]
+
+
+# ---------------------------------------------------------------------------- entry point
+def parallelize_graph(model: nn.Module, example_inputs: Any, solution: ShardingSolution,
+                      mesh: DeviceMesh, *, loss_fn: Any = None, inputs: str = "full") -> ShardedProgram:
+    """Apply `solution` to `model` on `mesh` and return a module that trains it as planned.
+
+    `model` must hold real (materialised) parameters, the same values on every rank (each rank
+    keeps its shards). `example_inputs` and `loss_fn` as given to `auto_shard` (the program is
+    re-exported, so a solution solved on the meta-device copy of the model applies). The mesh's
+    shape must be the solution's. Call it on every rank. See the module docstring for how it
+    runs and which collectives run."""
+    if tuple(mesh.shape) != tuple(solution.mesh_shape):
+        raise PlanError(f"the solution is for a mesh of shape {tuple(solution.mesh_shape)}, "
+                        f"the device mesh has shape {tuple(mesh.shape)}")
+    if any(p.is_meta for p in model.parameters()):
+        raise PlanError("materialise the model's parameters before applying a solution "
+                        "(they are on the meta device)")
+    from autopar.capture.export import export_program
+
+    program, wrapped, names = export_program(model, example_inputs, loss_fn=loss_fn)
+    return ShardedProgram(model, wrapped, program, solution, mesh, names, inputs=inputs)
