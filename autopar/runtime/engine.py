@@ -18,7 +18,11 @@ How each part of the plan is executed:
   per chunk, holding only its layers under their original FQNs; schedule from the plan (gpipe,
   1f1b, interleaved_1f1b). The loss is computed on the last stage. Parameters tied across stages
   (GPT's embedding and output weight) live on both stages and their gradients are summed over a
-  group joining the two copies (Megatron's embedding group).
+  group joining the two copies (Megatron's embedding group; `tied_grads`).
+* Stages of different tp degrees (Alpa's free sub-mesh per stage, one dp degree):
+  `pipeline_p2p.FanoutPipelineStage`; every rank of a stage runs the schedule, each receives
+  every transfer once from one rank of the neighbour (so a rank may send to several ranks of a
+  wider neighbour). Interleaving still needs equal stage meshes.
 * Recompute: `torch.utils.checkpoint` (non-reentrant) around each layer ("full") or around each
   layer's attention child ("selective"; the whole layer when it has none).
 """
@@ -529,6 +533,7 @@ class ParallelModel:
         meshes are equal, else one per data-parallel replica over all the holders' ranks (one
         over all replicas under ZeRO-3, whose replicas hold different shards)."""
         self.tied: list[FlatTiedSync | FullTiedSync] = []
+        self.checkpoint_skip: set[str] = set()
         if self.pp == 1:
             return
         for dss, names in self._tied_sets().items():
@@ -538,6 +543,7 @@ class ParallelModel:
             else:
                 groups = self._full_tied_groups(dss)
                 sync = FullTiedSync
+                self._mark_checkpoint_skip(dss, names)
             for ranks in groups:
                 g = dist.new_group(ranks)
                 if self.rank in ranks:
@@ -567,6 +573,12 @@ class ParallelModel:
         if fsdp_sharded(self.plan):
             return [sorted(r for st in per for rs in st for r in rs)]
         return [sorted(r for st in per for r in st[rep]) for rep in range(len(per[0]))]
+
+    def _mark_checkpoint_skip(self, dss: Sequence[int], names: Sequence[str]) -> None:
+        """Tied copies in different layouts are saved once, by the first holder (DCP refuses a
+        key that one rank saves whole and another sharded); every copy still loads it."""
+        if any(self.rank in self.devsets[d] for d in dss[1:]):
+            self.checkpoint_skip.update(names)
 
     def _local_params(self, names: Sequence[str]) -> list[nn.Parameter]:
         """This rank's parameters with canonical names in `names`, each once."""

