@@ -28,7 +28,7 @@ What the runtime's layouts issue (for planners matching the count):
   U) (backward; the root is not resharded after forward); reduce_scatter = U. In a pipeline:
   all_gather = U·(M + 1), reduce_scatter = U.
 * tp: what DTensor's sharding propagation issues for the placements (measured, e.g. the zoo
-  GPT with Megatron placements, 2 blocks: all_gather 8, all_reduce 12 per micro-batch).
+  GPT with Megatron placements, 2 blocks: all_gather 8, all_reduce 8 per micro-batch).
 * pp: send_recv = 2·M·(chunks − 1); +1 all_reduce when a tied parameter spans stages.
 * recompute re-runs the forward collectives of the recomputed region in the backward.
 

@@ -15,6 +15,11 @@ tensors to the module's own code, which breaks models whose forward reads `x.sha
 fused projection (the zoo GPT does). Keeping DTensors everywhere is correct for any placement
 the ILP may choose; the price is the extra all-gather above.
 
+DTensor reduces a partial sum lazily, where an op first needs it whole; `megatron_boundaries`
+(applied by `distribute_params`) reduces it where Megatron does instead - a row-parallel
+linear's or vocabulary-parallel embedding's output in the forward, a norm's output gradient in
+the backward - without which a Llama (RMSNorm is linear in its input) fails (see there).
+
 Parameters not named in `param_placements` are replicated. Plain tensors created inside the
 forward (positions, masks) are treated as replicated (`allow_implicit_replication`, process-wide).
 """
@@ -140,30 +145,95 @@ def distribute_params(module: nn.Module, mesh: DeviceMesh,
             newp = nn.Parameter(dt, requires_grad=p.requires_grad)
             done[id(p)] = newp
             mod._parameters[pname] = newp
-    reduce_vocab_parallel_embeddings(module)
+    megatron_boundaries(module)
 
 
-def reduce_vocab_parallel_embeddings(module: nn.Module) -> None:
-    """Reduce the output of a vocabulary-parallel embedding (weight sharded on dim 0) right away,
-    as Megatron does. DTensor leaves it as a masked partial sum that can be reduced only once, so
-    a model that reads the embedding twice (a residual and a norm, as Llama does) would fail on
-    the second read; the all-reduce is the one the plan already counts for this layout."""
+def _grad_boundary(x: DTensor) -> DTensor:
+    """`x` unchanged in the forward; in the backward its gradient is first redistributed to
+    `x`'s own placements (a partial-sum gradient is all-reduced here). DTensor would otherwise
+    keep a gradient partial for as long as the ops it flows back through allow."""
+    return DTensor.from_local(x.to_local(), x.device_mesh, x.placements, run_check=False,
+                              shape=x.shape, stride=x.stride())
+
+
+def _reduce_partial(out: Any) -> Any:
+    """`out` with every Partial placement all-reduced to Replicate (other placements kept),
+    behind a gradient boundary (`_grad_boundary`): the gradient that flows back into the layer
+    is then never a lazily summed partial, which DTensor cannot turn back into a vocabulary-
+    parallel embedding's masked partial ("Redistribution from one partial type ... is
+    unsupported")."""
+    if not (isinstance(out, DTensor) and any(q.is_partial() for q in out.placements)):
+        return out
+    r = out.redistribute(out.device_mesh, [Replicate() if q.is_partial() else q for q in out.placements])
+    return _grad_boundary(r)
+
+
+def _reduce_partial_hook(mod: nn.Module, args: Any, out: Any) -> Any:
+    """Forward hook of a row-parallel linear / vocabulary-parallel embedding: `_reduce_partial`,
+    unless the plan names the module's output layout."""
+    return out if getattr(mod, "_autopar_planned_output", False) else _reduce_partial(out)
+
+
+def _reduce_grad_hook(mod: nn.Module, args: Any, out: Any) -> Any:
+    """Forward hook of a norm: its output behind a `_grad_boundary`, unless the plan names the
+    module's output layout."""
+    if getattr(mod, "_autopar_planned_output", False) or not isinstance(out, DTensor):
+        return out
+    return _grad_boundary(out)
+
+
+def _is_partial_producer(mod: nn.Module) -> bool:
+    """Whether `mod` is a layer whose output DTensor leaves as a partial sum: an embedding with
+    its vocabulary (weight dim 0) sharded, or a linear layer with its input features (weight
+    dim 1) sharded (row-parallel)."""
+    w = getattr(mod, "weight", None)
+    if not isinstance(w, DTensor):
+        return False
+    dim = 0 if isinstance(mod, nn.Embedding) else 1 if isinstance(mod, nn.Linear) else None
+    return dim is not None and any(isinstance(q, Shard) and q.dim == dim for q in w.placements)
+
+
+def _is_norm(mod: nn.Module) -> bool:
+    """Whether `mod` is a normalisation layer (torch's, or a model's own class named *Norm, as
+    Llama's RMSNorm in the zoo and in transformers) with DTensor parameters."""
+    is_norm = isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) or type(mod).__name__.endswith("Norm")
+    return is_norm and any(isinstance(p, DTensor) for p in mod.parameters(recurse=False))
+
+
+def megatron_boundaries(module: nn.Module) -> None:
+    """Put Megatron's tensor-parallel communication at the layer boundaries where Megatron has it
+    (its `g` and `f` operators), instead of wherever DTensor's lazy propagation puts it:
+
+    * forward: the partial-sum output of a vocabulary-parallel embedding or a row-parallel linear
+      (o_proj, down_proj) is all-reduced at that layer. Left to DTensor, the partial sum flows on
+      through linear ops - the residual add, RMSNorm's `x * rsqrt(..)` (only its `pow` forces a
+      reduction) - into the next column-parallel projection, whose matmul has no strategy for a
+      partial input and a row-sharded weight, so DTensor all-gathers the *weight* (the layer no
+      longer runs sharded) and q/k/v come out partial. Attention then reduce-scatters q; the CPU
+      attention kernel's output follows the local query's memory layout (now contiguous) while
+      DTensor's metadata follows the global, transposed one, so the head-merging `view` after
+      attention fails ("view size is not compatible with input tensor's size and stride";
+      `.contiguous()` is a no-op on a DTensor whose strides claim contiguity). A vocabulary-
+      parallel embedding's masked partial can moreover be reduced only once, so a model reading
+      it twice (residual and norm, as Llama does) fails on the second read.
+    * backward: the gradient of a normalisation layer's output (the input of the column-parallel
+      projections after it) is all-reduced there, once for q, k and v together. Left to DTensor,
+      it stays partial through the norm, whose weight gradient then needs an all-reduce of its
+      own (an extra collective per norm, beyond the plan's count).
+
+    Both are collectives every Megatron layout needs; they only move to the layer boundary, so
+    a Megatron plan (q/k/v/gate/up column, o/down row) runs its weights sharded with 2
+    all-reduces per block forward and 2 backward. Modules whose output layout the plan names
+    (`parallelize(output_placements=...)`) keep it."""
     for mod in module.modules():
-        w = getattr(mod, "weight", None)
-        if not (isinstance(mod, nn.Embedding) and isinstance(w, DTensor)
-                and any(isinstance(q, Shard) and q.dim == 0 for q in w.placements)):
+        if getattr(mod, "_autopar_boundary", False):
             continue
-        if getattr(mod, "_autopar_reduces_output", False):
-            continue
-
-        def hook(m: nn.Module, args: Any, out: Any) -> Any:
-            if isinstance(out, DTensor) and any(q.is_partial() for q in out.placements):
-                return out.redistribute(out.device_mesh,
-                                        [Replicate() if q.is_partial() else q for q in out.placements])
-            return out
-
-        mod.register_forward_hook(hook)
-        mod._autopar_reduces_output = True
+        if _is_partial_producer(mod):
+            mod.register_forward_hook(_reduce_partial_hook)
+            mod._autopar_boundary = True
+        elif _is_norm(mod):
+            mod.register_forward_hook(_reduce_grad_hook)
+            mod._autopar_boundary = True
 
 
 def _to_dtensor(x: Any, mesh: DeviceMesh, placements: Sequence[Any] | None) -> Any:
@@ -217,6 +287,8 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, param_placements: dict[str,
     `output_placements` (optional): submodule FQN -> the layout its output is consumed in; the
     output is `redistribute`d there (a forward hook), so the activations follow the plan rather
     than DTensor's own choice. Entries with a "P" (partial) are left as DTensor produces them.
+    Modules named here are exempt from `megatron_boundaries` (the plan says where their output
+    is reduced).
 
     Parameters must be materialised (not on meta); every rank passes the same full values
     (each keeps its shard)."""
@@ -228,9 +300,10 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, param_placements: dict[str,
         raise PlanError(f"placements name parameters the module does not have: {', '.join(unknown[:5])}")
     distribute_params(module, mesh, param_placements, src_data_rank=None)
     for path, spec in (output_placements or {}).items():
+        sub = module.get_submodule(path)
+        sub._autopar_planned_output = True   # the plan's layout, not `megatron_boundaries`
         if any(str(x).strip() == "P" for x in spec):
             continue
-        sub = module.get_submodule(path)
 
         def hook(m: nn.Module, args: Any, out: Any, spec: Sequence[str] = spec) -> Any:
             if isinstance(out, DTensor):
