@@ -136,8 +136,23 @@ def dtensor_tp_counts(model: nn.Module, example_inputs: Sequence[Any], tp: int,
     root = roots[0] if roots else "SPMDModule.module"
     prefix = root + "."
 
+    # a layer may name a module that holds other layers' modules (a Hugging Face model's
+    # `model` holds the embedding, the final norm and `model.layers.*`, and is named by the first
+    # and the last layer): its own collectives, without those of the layer modules inside it,
+    # count once, in the first layer naming it
+    names = list(dict.fromkeys(m for l in layers for m in l.modules))
+    owner = {m: next(i for i, l in enumerate(layers) if m in l.modules) for m in names}
+
+    def inner(name: str) -> list[str]:
+        """The outermost layer modules strictly inside `name`."""
+        sub = [m for m in names if m.startswith(name + ".")]
+        return [m for m in sub if not any(m.startswith(o + ".") for o in sub)]
+
     def get(name: str, phase: str) -> Counter:
-        return _counter(counts.get(prefix + name, {}).get(phase, {}))
+        c = _counter(counts.get(prefix + name, {}).get(phase, {}))
+        for m in inner(name):
+            c -= _counter(counts.get(prefix + m, {}).get(phase, {}))
+        return c
 
     res = LayerCounts(len(layers))
     total_f = _counter(counts.get("Global", {}).get("forward", {}))
@@ -146,6 +161,8 @@ def dtensor_tp_counts(model: nn.Module, example_inputs: Sequence[Any], tp: int,
     for i, l in enumerate(layers):
         src = rep.get(i, i)
         for mod in layers[src].modules:
+            if owner[mod] != src:
+                continue
             f, b = get(mod, "forward"), get(mod, "backward")
             res.fwd[i] += f
             res.bwd[i] += b
