@@ -245,6 +245,24 @@ def test_checkpoint_of_a_hetero_pipeline(tmp_path):
     assert [r["step"] for r in rows if "step" in r] == [2]
 
 
+def test_every_send_has_one_receive():
+    """`send_peers` is the inverse of `recv_peer`: each rank of a stage receives from exactly one
+    rank of its neighbour, whatever the two stages' sizes; `replica_ranks` splits by dp."""
+    from autopar.runtime.pipeline_p2p import recv_peer, replica_ranks, send_peers
+
+    for a in range(1, 5):
+        for b in range(1, 5):
+            ranks = [list(range(a)), list(range(10, 10 + b))]
+            for s, p in ((0, 1), (1, 0)):
+                sent = sorted(r for c in range(len(ranks[s])) for r in send_peers(ranks, s, p, c))
+                assert sent == ranks[p], (a, b, s)
+                for k, r in enumerate(ranks[p]):
+                    src = recv_peer(ranks, p, s, k)
+                    assert r in send_peers(ranks, s, p, ranks[s].index(src)), (a, b, s, k)
+    assert replica_ranks([4, 5, 6, 7], (2, 2), ("dp", "tp")) == [[4, 5], [6, 7]]
+    assert replica_ranks([4, 5, 6, 7], (2, 2), ("tp", "dp")) == [[4, 6], [5, 7]]
+
+
 def test_interleaving_needs_equal_stage_meshes():
     from autopar.models.registry import build_model as build
     from autopar.runtime.engine import validate_plan

@@ -41,6 +41,19 @@ def send_peers(ranks: Sequence[Sequence[int]], stage: int, peer_stage: int, tp_i
     return [r for k, r in enumerate(ranks[peer_stage]) if k % mine == tp_index]
 
 
+def replica_ranks(devices: Sequence[int], mesh_shape: Sequence[int], axis_names: Sequence[str]) -> list[list[int]]:
+    """A stage's global ranks split by data-parallel replica: `out[d]` are the ranks of dp index
+    d (row-major over the "dp" axes, as the dp sub-mesh numbers them) in tp order (row-major
+    over the other axes)."""
+    grid = torch.tensor(list(devices)).view(*mesh_shape)
+    dp_axes = [i for i, a in enumerate(axis_names) if a == "dp"]
+    tp_axes = [i for i, a in enumerate(axis_names) if a != "dp"]
+    D = 1
+    for i in dp_axes:
+        D *= mesh_shape[i]
+    return grid.permute(*dp_axes, *tp_axes).reshape(D, -1).tolist()
+
+
 class FanoutPipelineStage(PipelineStage):
     """A `PipelineStage` whose neighbour stages may hold another number of (tp) ranks; see the
     module docstring. `ranks[s]` are the global ranks of stage s in this rank's data-parallel
@@ -120,15 +133,3 @@ class FanoutPipelineStage(PipelineStage):
             self._send_tensor(result, self.stage_index - 1)
         return result
 
-
-def replica_ranks(devices: Sequence[int], mesh_shape: Sequence[int], axis_names: Sequence[str]) -> list[list[int]]:
-    """A stage's global ranks split by data-parallel replica: `out[d]` are the ranks of dp index
-    d (row-major over the "dp" axes, as the dp sub-mesh numbers them) in tp order (row-major
-    over the other axes)."""
-    grid = torch.tensor(list(devices)).view(*mesh_shape)
-    dp_axes = [i for i, a in enumerate(axis_names) if a == "dp"]
-    tp_axes = [i for i, a in enumerate(axis_names) if a != "dp"]
-    D = 1
-    for i in dp_axes:
-        D *= mesh_shape[i]
-    return grid.permute(*dp_axes, *tp_axes).reshape(D, -1).tolist()
