@@ -203,15 +203,16 @@ def test_data_parallel_replicas_of_a_hetero_pipeline(tmp_path):
 
 
 def test_planner_hetero_plan_runs(tmp_path):
-    """`autopar.plan` emits stages of different tp for mlp-tiny on a 4-device CPU node (dp pinned
-    to 1): stage 0 and 2 on one device, stage 1 tp 2. It runs, with the one-process losses."""
-    import autopar
+    """The planner emits stages of different tp for mlp-tiny on a 4-device CPU node (dp pinned to
+    1, the analytic per-layer costs): stages of tp 1, 2 and 1. It runs, with the one-process
+    losses."""
+    from autopar.planner import plan as make
     from autopar.runtime import run
     from autopar.schema import ClusterSpec, Constraints
     from tests.test_runtime import close
 
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4, "num_nodes": 1})
-    plan = autopar.plan("mlp-tiny", cl, global_batch_size=8, dtype="fp32", constraints=Constraints(dp=1))
+    plan = make("mlp-tiny", cl, global_batch_size=8, dtype="fp32", constraints=Constraints(dp=1), intra_op="analytic")
     assert len({s.axis_size("tp") for s in plan.stages}) > 1, [s.mesh_shape for s in plan.stages]
     rows = run(plan, "mlp-tiny", steps=STEPS, quiet=True)
     layers = [x for s in sorted(plan.stages, key=lambda s: s.index) for x in s.layers]
