@@ -5,8 +5,9 @@ plus "grad_sync".
 
 The solutions come from `autopar.intra_op.auto_shard`, for MLPs and for zoo transformers: a GPT
 in the Megatron regime (batch 1: weights outweigh activations), the same GPT in the
-data-parallel regime (batch 64), and a Llama (GQA, RoPE, SwiGLU) at batch 1, whose plan mixes
-reduce-scatters, all-to-alls and free shard-to-partial steps. They are applied two ways:
+data-parallel regime (batch 64), a Llama (GQA, RoPE, SwiGLU) at batch 1, whose plan mixes
+reduce-scatters, all-to-alls and free shard-to-partial steps, and both on a (2, 2) mesh (see
+ZOO). They are applied two ways:
 
 * `ShardingSolution.apply` (`autopar.intra_op.execute`): the exported program runs op by op,
   each op's inputs redistributed to the layouts its chosen strategy reads them in. Every case,
@@ -61,11 +62,17 @@ CASES = {
     "2d": (MLPSumLoss, 192, 64, (2, 2), {"layers.0.weight": ("R", "S(0)"), "layers.1.weight": ("R", "S(1)")}),
 }
 
-# zoo transformers on (4,): (model, batch, a parameter and the placement the regime gives it)
+# zoo transformers: (model, batch, mesh shape, a parameter and the placement the regime gives
+# it). On (2, 2) (axis 0 slow): the GPT's fused QKV split over both axes (interleaved rows,
+# nested all-to-alls, vocab-parallel cross-entropy on one axis and batch on none); the Llama
+# data parallel on both axes with its norm weights stored sharded on the fast one (ZeRO-3:
+# gathered again for the backward pass) and a vocab-parallel loss over a split batch.
 ZOO = {
-    "gpt-megatron": ("gpt-tiny", 1, ("blocks.0.attn.qkv.weight", ("S(0)",))),
-    "gpt-data-parallel": ("gpt-tiny", 64, ("blocks.0.attn.qkv.weight", ("R",))),
-    "llama-megatron": ("llama-tiny", 1, ("layers.0.attn.q_proj.weight", ("S(0)",))),
+    "gpt-megatron": ("gpt-tiny", 1, (4,), ("blocks.0.attn.qkv.weight", ("S(0)",))),
+    "gpt-data-parallel": ("gpt-tiny", 64, (4,), ("blocks.0.attn.qkv.weight", ("R",))),
+    "llama-megatron": ("llama-tiny", 1, (4,), ("layers.0.attn.q_proj.weight", ("S(0)",))),
+    "gpt-2d": ("gpt-tiny", 2, (2, 2), ("blocks.0.attn.qkv.weight", ("S(0)", "S(0)"))),
+    "llama-2d": ("llama-tiny", 8, (2, 2), ("layers.0.attn_norm.weight", ("R", "S(0)"))),
 }
 
 
@@ -81,11 +88,11 @@ def _solution(cls, batch, hidden, shape):
     return auto_shard(m, (x, x), mesh=_mesh(shape))
 
 
-def _zoo_solution(name, batch):
+def _zoo_solution(name, batch, shape):
     from autopar.models import build_model
 
     b = build_model(name, batch_size=batch)
-    return auto_shard(b.model, b.example_inputs, mesh=_mesh((WORLD,)))
+    return auto_shard(b.model, b.example_inputs, mesh=_mesh(shape))
 
 
 def _kind(op) -> str:
@@ -177,8 +184,8 @@ def _worker(rank, port, cases, zoo, result_dir):
                 ref = cls(hidden, hidden, 2)
                 torch.manual_seed(0)
                 out[(how, name)] = run(mesh, cls(hidden, hidden, 2), ref, (x, y), sol)
-        mesh = init_device_mesh("cpu", (WORLD,))
-        for name, (model_name, batch, sol) in zoo.items():
+        for name, (model_name, batch, shape, sol) in zoo.items():
+            mesh = init_device_mesh("cpu", shape)
             ref, inputs = _zoo_inputs(model_name, batch)
             model, _ = _zoo_inputs(model_name, batch)
             out[("executor", name)] = _run_executor(mesh, model, ref, inputs, sol)
@@ -200,14 +207,14 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def solutions():
     sols = {name: _solution(cls, batch, hidden, shape) for name, (cls, batch, hidden, shape, _) in CASES.items()}
-    sols.update({name: _zoo_solution(model, batch) for name, (model, batch, _) in ZOO.items()})
+    sols.update({name: _zoo_solution(model, batch, shape) for name, (model, batch, shape, _) in ZOO.items()})
     return sols
 
 
 def test_solutions_are_the_expected_plans(solutions):
     for name, (_, _, _, _, expect) in CASES.items():
         assert solutions[name].param_placements == expect, name
-    for name, (_, _, (param, spec)) in ZOO.items():
+    for name, (_, _, _, (param, spec)) in ZOO.items():
         assert solutions[name].param_placements[param] == spec, name
         assert not solutions[name].warnings, name
 
@@ -223,7 +230,7 @@ def test_interleave_round_trip():
 def results(solutions):
     cases = {name: (cls, batch, hidden, shape, solutions[name])
              for name, (cls, batch, hidden, shape, _) in CASES.items()}
-    zoo = {name: (model, batch, solutions[name]) for name, (model, batch, _) in ZOO.items()}
+    zoo = {name: (model, batch, shape, solutions[name]) for name, (model, batch, shape, _) in ZOO.items()}
     with tempfile.TemporaryDirectory() as d:
         try:
             mp.start_processes(_worker, args=(_free_port(), cases, zoo, d), nprocs=WORLD, join=True,

@@ -117,25 +117,28 @@ def redistribute(x: DTensor, dst: Sequence[Placement]) -> DTensor:
     cur = tuple(x.placements)
     if cur == dst:
         return x
-    a2a = [a for a, (c, d) in enumerate(zip(cur, dst)) if _is_a2a(c, d, cur, mesh)]
+    cpu = mesh.device_type == "cpu"
+    a2a = [a for a, (c, d) in enumerate(zip(cur, dst))
+           if cpu and isinstance(c, Shard) and isinstance(d, Shard) and c.dim != d.dim]
     first = tuple(c if (d.is_partial() and not c.is_partial()) or a in a2a else d
                   for a, (c, d) in enumerate(zip(cur, dst)))
     if first != cur:
         x = x.redistribute(mesh, first)
     for a in a2a:
-        x = _all_to_all(x, a, dst[a])
+        if _innermost(x.placements, a, (x.placements[a].dim, dst[a].dim)):
+            x = _all_to_all(x, a, dst[a])
+        else:
+            x = x.redistribute(mesh, tuple(dst[a] if b == a else p for b, p in enumerate(x.placements)))
     for a, d in enumerate(dst):
         if d.is_partial() and not x.placements[a].is_partial():
             x = _to_partial(x, a)
     return x
 
 
-def _is_a2a(c: Placement, d: Placement, cur: Sequence[Placement], mesh: DeviceMesh) -> bool:
-    """Shard(i) -> Shard(j) on a CPU mesh, with no other mesh axis sharding i or j."""
-    if not (isinstance(c, Shard) and isinstance(d, Shard) and c.dim != d.dim
-            and mesh.device_type == "cpu"):
-        return False
-    return sum(1 for p in cur if isinstance(p, Shard) and p.dim in (c.dim, d.dim)) == 1
+def _innermost(pl: Sequence[Placement], axis: int, dims: Sequence[int]) -> bool:
+    """No mesh axis after `axis` shards any of `dims`: an all-to-all along `axis` then moves
+    the innermost split of one dim to the innermost split of the other (DTensor's order)."""
+    return not any(isinstance(p, Shard) and p.dim in dims for p in pl[axis + 1:])
 
 
 def _all_to_all(x: DTensor, axis: int, d: Shard) -> DTensor:
@@ -230,6 +233,60 @@ class _ShardLoss(torch.autograd.Function):
         return g * ctx.scale, None, None, None
 
 
+class _Regather(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks that keep no gathered parameter for the backward pass: a tensor some
+    op saves that lives in the storage of a gathered parameter is packed as a recipe (the
+    parameter's shard, the layout it was gathered to, the view), and unpacked by gathering the
+    shard again: one all-gather per gathered parameter per backward pass, shared by the ops
+    that saved it, dropped once the last one has read it."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, tuple[DTensor, DTensor, tuple]] = {}    # storage -> (gathered, shard, dst)
+        self.gathered: dict[int, DTensor] = {}                       # storage -> gathered again
+        self.readers: dict[int, int] = {}
+        super().__init__(self._pack, self._unpack)
+
+    def track(self, gathered: DTensor, shard: DTensor, dst: tuple) -> None:
+        self.live[_storage(gathered)] = (gathered, shard, dst)
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self.live = {k: (None, sh, dst) for k, (_, sh, dst) in self.live.items()}   # free them
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        key = _storage(t)
+        if key not in self.live:
+            return t
+        self.readers[key] = self.readers.get(key, 0) + 1
+        loc = t._local_tensor if isinstance(t, DTensor) else t
+        view = (tuple(loc.shape), tuple(loc.stride()), loc.storage_offset())
+        spec = (tuple(t.placements), tuple(t.shape), tuple(t.stride())) if isinstance(t, DTensor) else None
+        return ("regather", key, view, spec)
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not (isinstance(packed, tuple) and len(packed) == 4 and packed[0] == "regather"):
+            return packed
+        _, key, (shape, stride, offset), spec = packed
+        full = self.gathered.get(key)
+        if full is None:
+            _, shard, dst = self.live[key]
+            full = self.gathered[key] = redistribute(shard, dst)
+        self.readers[key] -= 1
+        if self.readers[key] == 0:
+            del self.gathered[key]
+        loc = full._local_tensor.as_strided(shape, stride, offset)
+        if spec is None:
+            return loc
+        return DTensor.from_local(loc, full.device_mesh, spec[0], run_check=False, shape=spec[1],
+                                  stride=spec[2])
+
+
+def _storage(t: Any) -> int:
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else -1
+
+
 # ---------------------------------------------------------------------------- interleaved rows
 def interleave(t: torch.Tensor, dim: int, chunks: int, ways: int) -> torch.Tensor:
     """Rows of `t` along `dim` reordered so that contiguous shard r of `ways` holds the r-th
@@ -293,6 +350,10 @@ class ShardedProgram(nn.Module):
                             f"loss, and solve the whole graph (not a subset of its nodes)")
         calls = [n.name for n in nodes.values() if n.op == "call_function" and not _no_choice_needed(n)]
         self.unplanned = [c for c in calls if c not in self.solution.op_choices]
+        from torch.export.graph_signature import InputKind
+
+        self.param_nodes = {s.arg.name for s in self.program.graph_signature.input_specs
+                            if s.kind == InputKind.PARAMETER}
 
     def _distribute_parameters(self) -> None:
         """Every parameter becomes a DTensor with its planned placements (Replicate when the
@@ -331,7 +392,9 @@ class ShardedProgram(nn.Module):
 
         register_extra_strategies()          # DTensor rules for CPU flash attention
         flat = self._flat_inputs(args)
-        out = _PlanInterpreter(self).run(*flat)
+        interp = _PlanInterpreter(self)
+        with interp.regather:
+            out = interp.run(*flat)
         loss = out[0] if isinstance(out, (tuple, list)) else out
         return loss.to_local() if isinstance(loss, DTensor) else loss
 
@@ -404,6 +467,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
         self.mesh = prog.mesh
         self.junction_values: dict[str, DTensor] = {}
         self.node_name = ""
+        self.regather = _Regather()
 
     def run_node(self, n: torch.fx.Node) -> Any:
         self.node_name = n.name
@@ -460,21 +524,27 @@ class _PlanInterpreter(torch.fx.Interpreter):
         x = value if isinstance(value, DTensor) else self.prog._replicated(value)
         key = f"{producer}#{out_index}"
         j = self.sol.junctions.get(key)
+        param = producer in self.prog.param_nodes
         if j is None:
-            return self._reshard(x, spec, ())
+            return self._reshard(x, spec, (), param)
         jv = self.junction_values.get(key)
         if jv is None:
-            jv = self.junction_values[key] = self._reshard(x, j[0], ())
-        return self._reshard(jv, spec, j[1])
+            jv = self.junction_values[key] = self._reshard(x, j[0], (), param)
+        return self._reshard(jv, spec, j[1], param)
 
-    def _reshard(self, x: DTensor, spec: Spec, keep_partial: Sequence[int]) -> DTensor:
+    def _reshard(self, x: DTensor, spec: Spec, keep_partial: Sequence[int], param: bool = False) -> DTensor:
+        """`x` in layout `spec`; a parameter gathered here is gathered again for the backward
+        pass rather than kept (`_Regather`), as ZeRO-3/FSDP and the plan's accounting do."""
         dst = _target(x, spec)
         if self.prog.trace is not None and tuple(x.placements) != dst:
             self.prog.trace.append((self.node_name, tuple(map(str, x.placements)),
                                     tuple(map(str, dst))))
         if not x.requires_grad:
             return redistribute(x, dst)
-        return _Reshard.apply(x, dst, _grad_target(x.placements, keep_partial))
+        out = _Reshard.apply(x, dst, _grad_target(x.placements, keep_partial))
+        if param and any(isinstance(c, Shard) and d.is_replicate() for c, d in zip(x.placements, dst)):
+            self.regather.track(out, x.detach(), dst)
+        return out
 
     # -- ops DTensor would run otherwise ---------------------------------------------------
     def _splits_sharded_dim(self, n: torch.fx.Node, x: Any) -> bool:
@@ -495,22 +565,30 @@ class _PlanInterpreter(torch.fx.Interpreter):
         run on each device's summand, the output partial likewise. DTensor reduces the input
         first for some of them (expand, unsqueeze). The layout holds no shard, so local shapes
         are the global ones."""
-        x = args[0]
-        local = x.to_local(grad_placements=_grad_target(x.placements, ()))
-        out = n.target(local, *args[1:], **kwargs)
-        return DTensor.from_local(out, self.mesh, x.placements, run_check=False)
+        return _on_summands(args[0], lambda t: n.target(t, *args[1:], **kwargs))
 
     def _vocab_parallel_loss(self, n: torch.fx.Node, args: Any, kwargs: Any) -> Any:
         """Cross-entropy over class-sharded logits with torch's loss_parallel handlers (three
-        all-reduces of one value per row, none backward), forward and backward."""
-        args = list(args)
+        all-reduces of one value per row, none backward), forward and backward. On a mesh of
+        several axes the handlers sum only (the batch may be split along another axis): the
+        mean is that sum over the number of targets (exact when none is ignored)."""
+        op = _op_name(n)
+        args, kwargs = list(args), dict(kwargs)
+        mean_nd = self.mesh.ndim > 1 and _reduction(op, n.args, n.kwargs) == 1
+        if mean_nd:
+            pos = LOSS_REDUCTION_ARG[op]
+            if len(args) > pos:
+                args[pos] = 2
+            else:
+                kwargs["reduction"] = 2
         args[0] = _LossParallelScope.apply(args[0], False)
         _loss_parallel_handlers(True)
         try:
             out = n.target(*args, **kwargs)
         finally:
             _loss_parallel_handlers(False)
-        return _LossParallelScope.apply(out, True)
+        out = _LossParallelScope.apply(out, True)
+        return _scaled(out, 1.0 / args[1].numel()) if mean_nd else out
 
     def _shard_loss(self, n: torch.fx.Node, args: Any, kwargs: Any, out_spec: Spec, op: str) -> DTensor:
         """A loss over a split batch (or other reduced dim): each device's share, to be summed
@@ -537,6 +615,18 @@ def _split_dim(n: torch.fx.Node, ndim: int) -> int:
 
 def _partial(spec: Spec) -> bool:
     return any(str(p) == "P" for p in spec)
+
+
+def _on_summands(x: DTensor, fn: Any) -> DTensor:
+    """`fn` (linear) applied to each device's local tensor of `x` (differentiably), the result
+    laid out as `x` (partial stays partial; its gradient is the replicated one)."""
+    local = x.to_local(grad_placements=_grad_target(x.placements, ()))
+    return DTensor.from_local(fn(local), x.device_mesh, x.placements, run_check=False)
+
+
+def _scaled(x: DTensor, c: float) -> DTensor:
+    """`x * c` without the reduction DTensor may run first on a partial `x`."""
+    return _on_summands(x, lambda t: t * c)
 
 
 def _unsharded(spec: Spec) -> bool:

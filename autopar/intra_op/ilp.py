@@ -30,8 +30,9 @@ groups. E is the set of edges between groups (a tensor produced in u, consumed i
   all-reduce (Megatron's f), a reduce-scatter after a forward all-gather. For a parameter this
   is its gradient synchronisation (phase grad_sync: all-reduce, or reduce-scatter when it is
   stored sharded along the data axis, ZeRO-3/FSDP, which then also pays its all-gather again
-  in the backward pass). Gradient synchronisation is bucketed: the ILP charges its bandwidth,
-  the solution adds one latency per 25 MiB bucket.
+  in the backward pass when the backward reads it: a weight, a norm's scale and shift, not a
+  bias added to a matmul or an embedding table; `BACKWARD_SKIPS`). Gradient synchronisation
+  is bucketed: the ILP charges its bandwidth, the solution adds one latency per 25 MiB bucket.
 * Junctions: a tensor read by several consumers gets a group of its own whose strategies are a
   layout (any its producer gives or a consumer wants) and a set of axes along which the summed
   gradient stays partial. Consumers then share one gather, and their partial gradients are
@@ -83,6 +84,10 @@ HEAVY_OPS = MATRIX_OPS
 OUTPUT = "__output__"
 BUCKET_BYTES = 25 * 2**20      # gradient bucket (DDP's default 25 MiB)
 MIN_SHARED_LAYER_OPS = 4       # layers smaller than this are solved per copy
+# op -> inputs its backward pass does not read (autograd keeps no copy): a parameter gathered
+# for them (ZeRO-3) is not gathered again for the backward pass. Other ops read every input.
+BACKWARD_SKIPS = {"linear": (2,), "addmm": (0,), "baddbmm": (0,), "embedding": (0,),
+                  "add": (0, 1), "sub": (0, 1), "rsub": (0, 1)}
 
 
 def by_phase(phase: str, t: float) -> tuple[float, float, float]:
@@ -151,6 +156,7 @@ class IntraOpProblem:
         self.axis_cost = tuple(b * (m - 1) / m if m > 1 else 0.0 for b, m in zip(mesh.beta, mesh.shape))
         self.warnings: list[str] = []
         self._edge_cache: dict = {}
+        self._reads_cache: dict[str, bool] = {}
         self._select(nodes)
         self._requires_grad()
         self._saved_for_backward()
@@ -588,7 +594,9 @@ class IntraOpProblem:
         partial = st.grad_partial[k] if k < len(st.grad_partial) else ()
         pn = self.pnodes[prod]
         meta = pn.node.outputs[oidx] if pn.node is not None and oidx < len(pn.node.outputs) else pn.node.outputs[0]
-        key = (prod, oidx, src, u, partial, src_gp)
+        is_param = pn.kind == "param" or (pn.kind == "junction" and pn.node.kind == "param")
+        reads = is_param and self.backward_reads(cons, k)
+        key = (prod, oidx, src, u, partial, src_gp, reads)
         hit = self._edge_cache.get(key)
         if hit is not None:
             return hit
@@ -596,19 +604,32 @@ class IntraOpProblem:
         isz = self.itemsize(meta)
         ac = self.axis_cost
         out = [(kind, a, b, "forward", "reshard") for kind, a, b in transition(shape, isz, src, u, self.mesh_shape, ac)]
-        is_param = pn.kind == "param" or (pn.kind == "junction" and pn.node.kind == "param")
         if self.rg.get(pn.name, False):
             # the gradient of a summand of a partial tensor is the whole (replicated) gradient
             gspec = tuple(PARTIAL if a in partial else REPLICATE if p == PARTIAL else p for a, p in enumerate(u))
             target = tuple(PARTIAL if a in src_gp else REPLICATE if p == PARTIAL else p for a, p in enumerate(src))
             for kind, a, b in transition(shape, isz, gspec, target, self.mesh_shape, ac):
                 out.append((kind, a, b, "grad_sync" if is_param else "backward", "grad"))
-            if is_param:
+            if is_param and reads:
                 for kind, a, b, ph, _ in list(out):
                     if kind == "all_gather" and ph == "forward":
                         out.append(("all_gather", a, b, "backward", "re-gather sharded param"))
         self._edge_cache[key] = out
         return out
+
+    def backward_reads(self, cons: str, k: int) -> bool:
+        """Whether the backward pass reads input `k` of problem node `cons` (`BACKWARD_SKIPS`);
+        for a junction, whether it does for any of the junction's consumers."""
+        pn = self.pnodes.get(cons)
+        if pn is None or pn.kind == "output":
+            return False
+        if pn.kind != "junction":
+            return pn.node is None or k not in BACKWARD_SKIPS.get(pn.node.op, ())
+        hit = self._reads_cache.get(cons)
+        if hit is None:
+            hit = self._reads_cache[cons] = any(self.backward_reads(self.rep.get(c, c), kk)
+                                                for p, _, c, kk in self.actual_edges if p == cons)
+        return hit
 
     def edge_cost(self, prod: str, oidx: int, src: Spec, cons: str, k: int,
                   st: Strategy, src_gp: tuple[int, ...] = ()) -> tuple[float, float, float, float]:
