@@ -53,7 +53,10 @@ def resolve_cluster(cluster: ClusterSpec | str) -> ClusterSpec:
 
 def make_provider(kind: str, graph: OpGraph, layers: list[Layer], cluster: ClusterSpec, dtype: str):
     """The per-layer cost provider: "analytic" (Megatron rules read off the graph), "ilp" (the
-    intra-op ILP per layer signature x micro-batch x tp), or "auto" (analytic for now: see below)."""
+    intra-op ILP per layer signature x micro-batch x tp), or "auto": the ILP where its solves
+    stay within seconds (`IlpProvider.worthwhile`: few distinct layers, a small cluster), the
+    analytic rules otherwise. Both cost the tp axis as the runtime runs it (model parallelism).
+    """
     if kind == "analytic":
         return AnalyticProvider(graph, layers, cluster, dtype)
     if kind in ("ilp", "auto"):
@@ -63,10 +66,7 @@ def make_provider(kind: str, graph: OpGraph, layers: list[Layer], cluster: Clust
             if kind == "ilp":
                 raise PlanError("the intra-op ILP is not available in this installation") from None
             return AnalyticProvider(graph, layers, cluster, dtype)
-        if kind == "auto":
-            # The runtime executes "tp" axes as Megatron-style DTensor placements; the ILP may use
-            # a tp axis for the batch (replicated weights, all-to-all), which that runtime would
-            # not reproduce. Until the plan can say so, auto stays on the analytic provider.
+        if kind == "auto" and not IlpProvider.worthwhile(graph, layers, cluster):
             return AnalyticProvider(graph, layers, cluster, dtype)
         return IlpProvider(graph, layers, cluster, dtype)
     raise PlanError(f"unknown intra-op provider {kind!r}; one of auto, ilp, analytic")

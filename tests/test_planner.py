@@ -170,7 +170,9 @@ def test_memory_pressure_brings_recompute_or_sharding_and_pins_hold():
 def test_collectives_match_the_runtime(model, cluster_nodes, cons, expected):
     cl = ClusterSpec.load("cpu")
     cl = cl.model_copy(update={"devices_per_node": cluster_nodes})
-    p = autopar.plan(model, cl, global_batch_size=8, dtype="fp32", constraints=Constraints(**cons))
+    # the Megatron layouts these counts were measured for (on a model this small the ILP, which
+    # "auto" uses on small clusters, finds replicating the tp axis cheaper than sharding it)
+    p = plan(model, cl, global_batch_size=8, dtype="fp32", constraints=Constraints(**cons), intra_op="analytic")
     assert p.predicted.collectives == expected
 
 

@@ -16,3 +16,43 @@ def test_ilp_provider_plans_and_is_no_worse_per_layer():
     assert i.predicted.iteration_time_s <= a.predicted.iteration_time_s * 1.15
     params = {f for s in i.stages for f in s.placements}
     assert "blocks.0.attn.qkv.weight" in params
+
+
+def test_ilp_keeps_the_tp_axis_model_parallel():
+    """The runtime runs a "tp" axis as tensor parallelism: every tp rank sees the whole
+    micro-batch. Unconstrained, the ILP prefers splitting tokens over tp for GPT-3 1.3B
+    (Ulysses-style sequence parallelism over replicated weights); the planner's ILP must not,
+    so its plan is Megatron's and its prediction describes what runs."""
+    cl = ClusterSpec.load("dgx-a100-80g", num_nodes=1)
+    p = plan("gpt3-1.3b", cl, global_batch_size=64, intra_op="ilp", constraints=Constraints(tp=2, pp=1))
+    pl = p.stages[0].placements
+    tp = p.stages[0].mesh_axis_names.index("tp")
+    assert pl["blocks.3.attn.qkv.weight"][tp] == "S(0)" and pl["blocks.3.mlp.fc.weight"][tp] == "S(0)"
+    assert pl["blocks.3.attn.proj.weight"][tp] == "S(1)" and pl["blocks.3.mlp.proj.weight"][tp] == "S(1)"
+    a = plan("gpt3-1.3b", cl, global_batch_size=64, intra_op="analytic", constraints=Constraints(tp=2, pp=1))
+    assert abs(p.predicted.iteration_time_s / a.predicted.iteration_time_s - 1) < 0.1
+
+
+def test_unconstrained_ilp_would_split_tokens_on_tp():
+    """What the constraint above removes, at the level of one layer: without `model_axes` the
+    ILP's cheapest tp=2 layer replicates the weights and splits the activations."""
+    from autopar.capture import capture
+    from autopar.intra_op import batch_dims_of, solve_graph
+    from autopar.inter_op.layers import build_layers
+    from autopar.inter_op.stage_cost import AnalyticProvider
+    from autopar.planner import resolve_model
+    from cost_models.communication import logical_mesh
+
+    b = resolve_model("gpt3-1.3b", None, None)
+    g = capture(b.model, b.example_inputs)
+    layers = build_layers(g, b.model)
+    cl = ClusterSpec.load("dgx-a100-80g")
+    lay = layers[1]
+    gg = AnalyticProvider(g, layers, cl, "bf16").graph_at(16, lay)
+    mesh = logical_mesh(cl, [0, 1], (2,))
+    kw = dict(dtype="bf16", nodes=list(lay.nodes), interleaved_splits=False, cyclic_boundary=True)
+    free = solve_graph(gg, mesh, **kw)
+    tied = solve_graph(gg, mesh, **kw, batch_dims=batch_dims_of(g), model_axes=(0,))
+    w = "blocks.1.mlp.fc.weight"
+    assert free.param_placements[w] == ("R",) and tied.param_placements[w] == ("S(0)",)
+    assert free.objective <= tied.objective

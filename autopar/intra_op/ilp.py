@@ -46,6 +46,11 @@ groups. E is the set of edges between groups (a tensor produced in u, consumed i
   merged into the group of its only producer, or of its only full-size operand (a residual add
   keeps its own choice); it takes, for each of the group's strategies, its cheapest strategy
   given that layout.
+* Model axes (optional, `model_axes` with `batch_dims`): strategies that use such an axis as
+  data parallelism are removed before solving: splitting a batch dim there, or splitting an
+  activation while every parameter the op reads stays whole on that axis (token or sequence
+  parallelism over replicated weights). The planner passes its "tp" axis, which the runtime
+  executes as tensor parallelism with every tp rank holding the whole micro-batch.
 * Solvers: CBC through pywraplp by default (the LP relaxation of this formulation is nearly
   tight; CBC closes it in tenths of a second on a GPT-3 layer), HiGHS and SCIP likewise, or
   CP-SAT (integer-scaled costs). A negligible tie-break prefers split work and sharded inputs.
@@ -140,7 +145,8 @@ class IntraOpProblem:
     def __init__(self, graph: OpGraph, mesh: LogicalMesh, *, nodes: Optional[Iterable[str]] = None,
                  memory_budget_bytes: Optional[float] = None, dtype: str = "fp32",
                  merge: bool = True, share_layers: bool = True, interleaved_splits: bool = True,
-                 cyclic_boundary: bool = False) -> None:
+                 cyclic_boundary: bool = False, batch_dims: Optional[dict[str, tuple[int, ...]]] = None,
+                 model_axes: tuple[int, ...] = ()) -> None:
         if graph.batch_size is None and any(o.is_batched for n in graph.nodes for o in n.outputs):
             raise ValueError("solve a graph at a concrete batch: call graph.at_batch(b) first")
         t0 = time.perf_counter()
@@ -153,6 +159,8 @@ class IntraOpProblem:
         self.budget = memory_budget_bytes
         self.interleaved_splits = interleaved_splits
         self.cyclic_boundary = cyclic_boundary
+        self.batch_dims = batch_dims or {}
+        self.model_axes = tuple(a for a in model_axes if self.mesh_shape[a] > 1) if batch_dims else ()
         self.axis_cost = tuple(b * (m - 1) / m if m > 1 else 0.0 for b, m in zip(mesh.beta, mesh.shape))
         self.warnings: list[str] = []
         self._edge_cache: dict = {}
@@ -406,7 +414,7 @@ class IntraOpProblem:
             if name in self.outer:
                 kind = {"param": "param", "input": "input"}.get(n.kind, "boundary" if n.kind == "call" else n.kind)
                 shape = tuple(int(d) for d in n.outputs[0].shape) if n.outputs else ()
-                specs = all_specs(shape, self.mesh_shape)
+                specs = [sp for sp in all_specs(shape, self.mesh_shape) if not self._splits_batch(name, sp)]
                 if self.cycle is not None and name == self.cycle[1]:
                     sts = [Strategy(" ".join(s), [s], [s], [()]) for s in specs]
                 else:
@@ -421,6 +429,8 @@ class IntraOpProblem:
                 warnings.warn(x.message, stacklevel=4)
             if fam == "fallback":
                 self.warnings.append(f"no sharding rule for op {n.op!r} ({name}); it runs replicated")
+            if self.model_axes:
+                sts = [st for st in sts if not self._strategy_splits_batch(n, st)] or sts
             if self.mesh.device is None and n.op in HEAVY_OPS:
                 full = [s for s in sts if s.work_div == heavy_need]
                 sts = full or sts
@@ -431,6 +441,42 @@ class IntraOpProblem:
         self.pnodes[OUTPUT] = PNode(OUTPUT, "output", None, [Strategy(
             "output", [(REPLICATE,) * len(self.mesh_shape)] * len(self.output_refs), [],
             [()] * len(self.output_refs))], "output", 1)
+
+    def _splits_batch(self, tensor: str, spec: Spec) -> bool:
+        """Whether `spec` shards one of `tensor`'s batch dims along a model axis (`model_axes`:
+        axes the runtime runs as tensor parallelism, where every rank sees the whole batch)."""
+        dims = self.batch_dims.get(tensor, ())
+        if not dims:
+            return False
+        for a in self.model_axes:
+            if a < len(spec) and spec[a].startswith("S("):
+                d = int(spec[a][2:-1])
+                if d in dims or (d < 0 and d + len(self._shape_of(tensor)) in dims):
+                    return True
+        return False
+
+    def _shape_of(self, tensor: str) -> tuple:
+        n = self.graph.node(tensor) if tensor in self.known else None
+        return tuple(n.outputs[0].shape) if n is not None and n.outputs else ()
+
+    def _strategy_splits_batch(self, n: OpNode, st: Strategy) -> bool:
+        """Whether strategy `st` of op `n` is data rather than model parallelism on a model axis:
+        it splits a batch dim there, or it keeps every parameter it reads whole on that axis
+        while splitting an activation (tokens or sequence split over replicated weights, i.e.
+        data or sequence parallelism; Megatron's layers always split the weight they use)."""
+        if any(self._splits_batch(n.name, sp) for sp in st.out_specs[:1]):
+            return True
+        if any(self._splits_batch(i, sp) for i, sp in zip(n.inputs, st.in_specs)):
+            return True
+        kinds = [self.graph.node(i).kind if i in self.known else "" for i in n.inputs]
+        if "param" not in kinds:
+            return False
+        for a in self.model_axes:
+            params = [sp[a] for k, sp in zip(kinds, st.in_specs) if k == "param" and a < len(sp)]
+            acts = [sp[a] for k, sp in zip(kinds, st.in_specs) if k != "param" and a < len(sp)]
+            if params and all(x == REPLICATE for x in params) and any(x.startswith("S(") for x in acts):
+                return True
+        return False
 
     # ------------------------------------------------------------------ groups (merging)
     def _build_groups(self, merge: bool) -> None:
