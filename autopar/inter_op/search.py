@@ -33,6 +33,10 @@ What is approximated, and why (to keep a 1000-GPU search within seconds on two c
   step, as the runtime issues them); ZeRO 2's memory counts sharded gradients (design.md).
   ZeRO 3 (FSDP per layer) all-gathers the weights per micro-batch, and is only searched with
   tp = 1 (what the runtime runs).
+- Stages of different tp (Alpa's free sub-mesh choice, small clusters): a stage feeding a
+  neighbour with more tp ranks sends it one copy per receiving rank (the runtime's fan-out);
+  the DP costs one, the extra copies are added to the stages it picks (`_fanout_sends`). A
+  parameter tied between stages of different tp is all-reduced whole over all their ranks.
 - Gradient accumulation: after the first micro-batch, every backward adds the weight gradients
   into the accumulated ones (read both, write the sum), a memory-bound cost per micro-batch
   in the stage time (`_Tables.accum`).
@@ -41,6 +45,7 @@ What is approximated, and why (to keep a 1000-GPU search within seconds on two c
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -203,8 +208,16 @@ class _Tables:
     def sync(self, pel: float) -> float:
         return _sync_time(self.cluster, self.dtype, self.dp, self.tp, self.zero, pel)
 
-    def opt(self, pel: float) -> float:
-        return optimizer_step_time(pel, self.cluster.device, self.dtype, shard=self.dp if self.zero >= 1 else 1)
+    def opt(self, pel: float, tensors: int = 1) -> float:
+        """Optimizer step of `pel` parameter elements in `tensors` parameter tensors (the runtime
+        updates one tensor at a time; ZeRO-1/2 update one flat shard)."""
+        flat = self.zero in (1, 2) and self.dp > 1
+        return optimizer_step_time(pel, self.cluster.device, self.dtype, shard=self.dp if self.zero >= 1 else 1,
+                                   param_tensors=1 if flat else tensors)
+
+    def param_tensors(self, chunks: list[tuple[int, int]]) -> int:
+        """Distinct parameter tensors of the layers in `chunks` (a tied one counts once)."""
+        return len({f for k, j in chunks for c in self.costs[k:j] for f in c.param_elems})
 
     def accum(self, pel: Any, m: int) -> Any:
         """Per micro-batch share of adding each micro-batch's weight gradients into the
@@ -557,10 +570,29 @@ class Search:
             inflight = m if cand.schedule == "gpipe" else min(s_, m)
             buf = float(2 * tb.range_maxlayer[k, j] * tb.wgo[0]) if cand.zero == 3 and D > 1 else 0.0
             stages.append(self._stage(tb, cand, [(k, j)], r, inflight, buf))
+        self._fanout_sends(stages)
+        ts = [st.t_mb for st in stages]
         cand.pp, cand.tp = p, stages[0].tp
-        self._finish(cand, tbs[0], stages, res.total)
+        self._finish(cand, tbs[0], stages, sum(ts) + (m - 1) * max(ts))
         cand.costs = tbs[0]
         return True
+
+    def _fanout_sends(self, stages: list[StageResult]) -> None:
+        """Add the copies a stage sends beyond the one the DP charges when its neighbour has more
+        tp ranks (the runtime's fan-out, `runtime.pipeline_p2p`: rank k of a stage receives
+        from rank k mod T of a T-rank neighbour, so each of those T ranks sends T'/T copies):
+        forward activations to the next stage, input gradients to the previous one. Alpa's DP
+        sees one stage at a time, so this is applied to the stages it picked."""
+        for i, st in enumerate(stages):
+            tb = st.tables
+            k, j = st.chunks[0][0], st.chunks[-1][1]
+            extra = 0.0
+            if i + 1 < len(stages) and stages[i + 1].tp > st.tp:
+                extra += (stages[i + 1].tp // st.tp - 1) * float(tb.p2p[j - 1])
+            if i > 0 and stages[i - 1].tp > st.tp:
+                extra += (stages[i - 1].tp // st.tp - 1) * float(tb.p2p[k - 1])
+            st.t_mb += extra
+            st.comm_mb += extra
 
     def _tables(self, mb: int, tp: int, dp: int, zero: int) -> "_Tables":
         key = (mb, tp, dp, zero)
@@ -634,7 +666,7 @@ class Search:
         acts = act / v * inflight if len(chunks) > 1 else act * inflight
         peak = w + g + o + acts + work + float(zero3_buf)
         sync = tb.sync(pel) + sum(float(tb.iter[j] - tb.iter[k]) for k, j in chunks)
-        return StageResult(chunks, r, t, comp, max(0.0, t - comp), sync, tb.opt(pel), pel,
+        return StageResult(chunks, r, t, comp, max(0.0, t - comp), sync, tb.opt(pel, tb.param_tensors(chunks)), pel,
                            w, g, o, acts + work, peak, tp=tb.tp, tables=tb)
 
     def _finish(self, cand: Candidate, tb: _Tables, stages: list[StageResult], pipeline_s: float) -> None:
@@ -661,8 +693,19 @@ class Search:
         link = self.cluster.inter_node if (self.cluster.num_nodes > 1 and cand.dp * cand.tp >= self.cluster.devices_per_node) \
             else self.cluster.intra_node
         for f, e, us in tb.shared:
-            if len({owner[u] for u in us}) > 1:
-                t += coll_time("all_reduce", e * tb.wgo[1], 2, link)
+            holders = sorted({owner[u] for u in us})
+            if len(holders) < 2:
+                continue
+            tps = {stages[h].tp for h in holders}
+            if len(tps) == 1:
+                # equal layouts: each rank all-reduces its shard with its peer copy
+                t += coll_time("all_reduce", e * tb.wgo[1], len(holders), link)
+            else:
+                # different tp (runtime.tied_grads.FullTiedSync): the whole parameter, zero
+                # outside each rank's shard, all-reduced over every rank holding a copy
+                info = self.graph.params.get(f)
+                full = math.prod(int(d) for d in info.shape) if info is not None else e * max(tps)
+                t += coll_time("all_reduce", full * tb.wgo[1], sum(stages[h].tp for h in holders), link)
         return t
 
     def _note_min_memory(self, cand: Candidate, tb: _Tables) -> None:
