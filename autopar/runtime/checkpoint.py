@@ -7,6 +7,11 @@ removed. Keys are layout-independent: `model.<canonical FQN>` for parameters and
 `optim.<canonical FQN>.<state>` for the optimizer state, each the full logical tensor (a DTensor
 where the layout shards it), so a plan with another layout resumes from it (DCP reshards).
 ZeRO-1/2's flat optimizer shards are gathered and stored per parameter under the same keys.
+
+A parameter tied across pipeline stages of different layouts (the embedding whole on a tp-1
+stage, vocabulary-sharded on a tp-2 one) is saved by one holder only: DCP refuses a key that one
+rank saves whole and another sharded. `ParallelModel.checkpoint_skip` names the copies a rank
+leaves out of a save (its parameter and optimizer keys); a load still fills every copy.
 """
 
 from __future__ import annotations
@@ -53,11 +58,12 @@ def _ensure_optimizer_state(opt: torch.optim.Optimizer) -> None:
                     st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def _zero12_per_param(pm, named) -> dict:
+def _zero12_per_param(pm, named, skip: frozenset[str] = frozenset()) -> dict:
     """ZeRO-1/2 keeps the optimizer state as flat dp shards; a checkpoint stores it per
     parameter (`optim.<fqn>.<state>`, the same keys as unsharded layouts) so any layout resumes
-    from it. Gathers the flat state over dp (a collective). The tensors are fresh buffers; after
-    a load, `_zero12_scatter_back` copies them into the flat shard."""
+    from it. Gathers the flat state over dp (a collective, run whatever `skip` holds); parameters
+    named in `skip` get no key. The tensors are fresh buffers; after a load,
+    `_zero12_scatter_back` copies them into the flat shard."""
     from torch.distributed.tensor import DTensor
 
     out: dict = {}
@@ -74,13 +80,16 @@ def _zero12_per_param(pm, named) -> dict:
                 loc = pm._local(p.data)
                 seg = full[off:off + loc.numel()].view(loc.shape).clone()
                 off += loc.numel()
+                if n in skip:
+                    continue
                 if isinstance(p.data, DTensor):
                     seg = DTensor.from_local(seg, p.data.device_mesh, p.data.placements, run_check=False,
                                              shape=p.data.shape, stride=p.data.stride())
                 out[f"optim.{n}.{k}"] = seg
         else:
             for n, _ in named:
-                out[f"optim.{n}.{k}"] = v.clone()
+                if n not in skip:
+                    out[f"optim.{n}.{k}"] = v.clone()
     return out
 
 
@@ -101,21 +110,32 @@ def _zero12_scatter_back(pm, state: dict) -> None:
             v.copy_(state[f"optim.{named[0][0]}.{k}"])
 
 
+def _save_skip(pm, for_load: bool) -> frozenset[str]:
+    """Canonical names this rank leaves out of a save (tied copies another holder saves in its
+    layout, `ParallelModel.checkpoint_skip`); none when loading: every copy is filled."""
+    if for_load:
+        return frozenset()
+    return frozenset(getattr(pm, "checkpoint_skip", None) or ())
+
+
 def state_dict(pm, *, for_load: bool = False) -> dict:
-    """The DCP state of a ParallelModel (tensors alias the live ones, so a load is in place)."""
+    """The DCP state of a ParallelModel (tensors alias the live ones, so a load is in place).
+    For a save, the parameters in `pm.checkpoint_skip` are left out (model and optimizer keys)."""
+    skip = _save_skip(pm, for_load)
     state: dict = {"step": torch.tensor(pm.steps_done, dtype=torch.int64)}
     named = pm.local_named_parameters()
     for n, p in named:
-        state[f"model.{n}"] = p.data
+        if n not in skip:
+            state[f"model.{n}"] = p.data
     if for_load:
         _ensure_optimizer_state(pm.optimizer)
     if pm.zero12:
-        state.update(_zero12_per_param(pm, named))
+        state.update(_zero12_per_param(pm, named, skip))
     else:
         names = {id(p): n for n, p in named}
         for p, st in pm.optimizer.state.items():
             n = names.get(id(p))
-            if n is None:
+            if n is None or n in skip:
                 continue
             for k, v in st.items():
                 if isinstance(v, torch.Tensor):
