@@ -18,6 +18,14 @@ attention core under "selective", Korthikanti et al. 2022).
 The optimizer step is memory-bound: AdamW reads and writes every parameter's master weight,
 two moments, and gradient (`optimizer_step_time`).
 
+Measured profiles (`autopar profile`) may carry what these formulas guess, and then it is used
+instead: the backward rate of element-wise / normalisation / loss ops (`op_backward_flops`; on a
+CPU the backward kernels run at their own rates, not the forward's), the fused attention kernel's
+forward and backward rates by size (`attention_flops`; on a CPU it runs far below the GEMM rate),
+and the optimizer step's cost per parameter tensor and per element (`optimizer_step`; a step that
+updates one tensor at a time runs ~10 small kernels per tensor). Profiles without them (the
+bundled GPU ones) are costed by the formulas alone.
+
 Graphs are captured in fp32 on the meta device; `dtype` rescales every floating-point tensor's
 bytes to the training dtype (bf16: half), so a bf16 run is assessed from an fp32 capture.
 """
@@ -87,16 +95,22 @@ def vector_peak(device: DeviceSpec) -> float:
     return device.vector_flops or device.peak_flops.get("fp32") or min(device.peak_flops.values())
 
 
+def _roofline(flops: float, rate: float, bytes_moved: float, device: DeviceSpec) -> float:
+    """Seconds of one kernel: the slower of its FLOPs at `rate` and its bytes at the achieved
+    memory bandwidth, plus the fixed per-kernel overhead."""
+    mem = bytes_moved / (device.memory_bandwidth * device.memory_efficiency)
+    return max(flops / rate, mem) + device.kernel_overhead_s
+
+
 def op_time(op: str, flops: float, bytes_moved: float, device: DeviceSpec, dtype: str = "bf16") -> float:
     """Forward seconds of one op with `flops` FLOPs and `bytes_moved` bytes (0 for free views)."""
     if flops <= 0 and bytes_moved <= 0:
         return 0.0
-    mem = bytes_moved / (device.memory_bandwidth * device.memory_efficiency)
     if op in MATRIX_OPS:
-        comp = flops / (device.peak(dtype) * gemm_efficiency(device, flops, dtype))
+        rate = device.peak(dtype) * gemm_efficiency(device, flops, dtype)
     else:
-        comp = flops / (device.op_flops.get(op) or vector_peak(device))
-    return max(comp, mem) + device.kernel_overhead_s
+        rate = device.op_flops.get(op) or vector_peak(device)
+    return _roofline(flops, rate, bytes_moved, device)
 
 
 def backward_factor(op: str) -> float:
@@ -125,9 +139,16 @@ def backward_bytes_factor(op: str) -> float:
     return _BWD_BYTES.get(op, 1.5)
 
 
+def measured_backward_rate(op: str, device: DeviceSpec) -> Optional[float]:
+    """FLOP/s of `op`'s backward measured by the profiler (its FLOPs counted as the forward's
+    times `backward_factor`), or None when the profile has none for `op`."""
+    return (device.op_backward_flops or {}).get(op)
+
+
 def op_backward_time(op: str, flops: float, bytes_moved: float, device: DeviceSpec,
                      dtype: str = "bf16") -> float:
-    """Backward seconds of one op (see `backward_factor` / `backward_bytes_factor`)."""
+    """Backward seconds of one op (see `backward_factor` / `backward_bytes_factor`); a non-matrix
+    op whose backward the profile measured runs at that rate instead of the forward's."""
     bf, bb = backward_factor(op), backward_bytes_factor(op)
     if bf == 0 and bb == 0:
         return 0.0
@@ -135,6 +156,9 @@ def op_backward_time(op: str, flops: float, bytes_moved: float, device: DeviceSp
         # two GEMMs of the forward's size (input grad, weight grad), each at the forward's efficiency
         n = max(1, round(bf))
         return n * op_time(op, flops * bf / n, bytes_moved * bb / n, device, dtype)
+    rate = measured_backward_rate(op, device)
+    if rate is not None and (flops > 0 or bytes_moved > 0):
+        return _roofline(flops * bf, rate, bytes_moved * bb, device)
     return op_time(op, flops * bf, bytes_moved * bb, device, dtype)
 
 
@@ -154,13 +178,23 @@ def optimizer_bytes_per_param(policy: str = "bf16", optimizer: str = "adamw") ->
 
 
 def optimizer_step_time(num_params: float, device: DeviceSpec, policy: str = "bf16",
-                        optimizer: str = "adamw", shard: float = 1.0, num_tensors: int = 1) -> float:
-    """Seconds of one optimizer step over `num_params / shard` parameters on one device
-    (memory-bound: `optimizer_bytes_per_param` over the achieved memory bandwidth), plus one kernel
-    launch per `num_tensors` (multi-tensor apply launches a handful)."""
+                        optimizer: str = "adamw", shard: float = 1.0, num_tensors: int = 1,
+                        param_tensors: Optional[int] = None) -> float:
+    """Seconds of one optimizer step over `num_params / shard` parameters on one device.
+
+    With the profile's measured step cost (`device.optimizer_step`, AdamW/Adam): `per_element_s`
+    per parameter element plus `per_tensor_s` per parameter tensor, `param_tensors` of them (the
+    runtime updates one tensor at a time; a ZeRO flat shard is one tensor; default `num_tensors`).
+    Otherwise memory-bound: `optimizer_bytes_per_param` over the achieved memory bandwidth, plus
+    one kernel launch per `num_tensors` (multi-tensor apply launches a handful)."""
     if num_params <= 0:
         return 0.0
-    nbytes = num_params / max(shard, 1.0) * optimizer_bytes_per_param(policy, optimizer)
+    elems = num_params / max(shard, 1.0)
+    cost = device.optimizer_step
+    if cost is not None and optimizer.lower() in ("adamw", "adam"):
+        tensors = num_tensors if param_tensors is None else param_tensors
+        return elems * cost.per_element_s + max(tensors, 1) * cost.per_tensor_s
+    nbytes = elems * optimizer_bytes_per_param(policy, optimizer)
     return nbytes / (device.memory_bandwidth * device.memory_efficiency) + num_tensors * device.kernel_overhead_s
 
 
@@ -275,8 +309,14 @@ def attention_time(q_shape: tuple, k_shape: tuple, v_shape: tuple, device: Devic
     qk_flops, pv_flops = 2.0 * bh * sq * sk * d, 2.0 * bh * sq * sk * dv
     if device.attention_kernel == "fused":
         nbytes = esz * bh * (sq * d + sk * d + sk * dv + sq * dv)
-        f = op_time("scaled_dot_product_attention", qk_flops + pv_flops, nbytes, device, dtype)
-        return f, op_backward_time("scaled_dot_product_attention", qk_flops + pv_flops, nbytes, device, dtype)
+        flops = qk_flops + pv_flops
+        rates = attention_rates(device, flops / max(bh, 1e-9), dtype)
+        if rates is not None:
+            bf = backward_factor("scaled_dot_product_attention")
+            return (_roofline(flops, rates[0], nbytes, device),
+                    _roofline(flops * bf, rates[1], nbytes * bf, device))
+        f = op_time("scaled_dot_product_attention", flops, nbytes, device, dtype)
+        return f, op_backward_time("scaled_dot_product_attention", flops, nbytes, device, dtype)
     scores = bh * sq * sk * esz
     qk_bytes = esz * bh * (sq * d + sk * d) + scores
     pv_bytes = scores + esz * bh * (sk * dv + sq * dv)
@@ -290,6 +330,30 @@ def attention_time(q_shape: tuple, k_shape: tuple, v_shape: tuple, device: Devic
         fwd += op_time("dropout", 2 * scores / esz, drop_bytes, device, dtype)
         bwd += op_backward_time("dropout", 2 * scores / esz, drop_bytes, device, dtype)
     return fwd, bwd
+
+
+def attention_rates(device: DeviceSpec, flops_per_head: float, dtype: str) -> Optional[tuple[float, float]]:
+    """(forward, backward) FLOP/s of the fused attention kernel for slices of `flops_per_head`
+    forward FLOPs, from the profile's measured `attention_flops` for `dtype` (bf16<->fp16 and
+    tf32->fp32 fall back to each other): linear in log(FLOPs) between measured sizes, constant
+    beyond them. None when the profile measured none (then the GEMM curve stands in)."""
+    table = device.attention_flops or {}
+    for d in (dtype, {"bf16": "fp16", "fp16": "bf16", "tf32": "fp32"}.get(dtype, dtype)):
+        pts = sorted((p.flops_per_head, p.forward_flops, p.backward_flops) for p in table.get(d) or [])
+        if pts:
+            break
+    else:
+        return None
+    if flops_per_head <= pts[0][0]:
+        return pts[0][1], pts[0][2]
+    if flops_per_head >= pts[-1][0]:
+        return pts[-1][1], pts[-1][2]
+    lx = math.log(flops_per_head)
+    for (x0, f0, b0), (x1, f1, b1) in zip(pts, pts[1:]):
+        if flops_per_head <= x1:
+            w = (lx - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return f0 + w * (f1 - f0), b0 + w * (b1 - b0)
+    return pts[-1][1], pts[-1][2]
 
 
 def _attention_node_time(n, index: dict, device: DeviceSpec, dtype: str, shard: float) -> Optional[tuple[float, float]]:

@@ -7,6 +7,12 @@ the figures include the contention a real run sees (shared memory bus, shared co
   measured rate, the efficiency curve is each size's rate over that peak;
 - memory bandwidth: a large tensor copy (bytes read + written per second);
 - kernel overhead: per op of a chain of one-element ops run forward and backward under autograd;
+- element-wise, normalisation and loss ops: forward and backward FLOP/s (the backward kernels of
+  these ops run at their own rates, which the cost model would otherwise take from the forward);
+- fused attention (scaled_dot_product_attention): forward and backward FLOP/s per dtype at a few
+  (sequence, head dim) sizes (on a CPU it runs far below the GEMM rate);
+- the optimizer step as the runtime runs it (AdamW, one tensor at a time): seconds per parameter
+  tensor and per element;
 - collectives: all_reduce, all_gather, reduce_scatter, all_to_all and send/recv over a range of
   sizes (kept as the link's measured table, which overrides the alpha-beta formulas); the link's
   bandwidth is the bus bandwidth of the largest all_reduce, its latency from the smallest.
@@ -27,7 +33,8 @@ from typing import Any, Optional
 
 import yaml
 
-from autopar.schema.cluster import ClusterSpec, DeviceSpec, EfficiencyPoint, LinkSpec, MeasuredCollective
+from autopar.schema.cluster import (AttentionPoint, ClusterSpec, DeviceSpec, EfficiencyPoint, LinkSpec,
+                                    MeasuredCollective, OptimizerCost)
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
@@ -37,13 +44,16 @@ def _plan(quick: bool, cuda: bool) -> dict[str, Any]:
     if cuda:
         return dict(gemm=[256, 512, 1024, 2048, 4096, 8192], dtypes=["fp32", "bf16"],
                     coll=[2 ** k for k in range(10, 31, 2)], copy_bytes=1 << 30, min_time=0.05,
-                    vector_elems=1 << 26)
+                    vector_elems=1 << 26, opt_hidden=2048, attention=[(512, 64), (1024, 64), (2048, 128), (4096, 128)],
+                    attention_flops=2.0 ** 36)
     if quick:
-        return dict(gemm=[32, 128, 384], dtypes=["fp32", "bf16"], coll=[1 << 10, 1 << 16, 1 << 20],
-                    copy_bytes=16 << 20, min_time=0.02, vector_elems=1 << 18)
+        return dict(gemm=[32, 128, 384], dtypes=["fp32", "bf16"], coll=[1 << 10, 1 << 16, 1 << 20, 1 << 22],
+                    copy_bytes=16 << 20, min_time=0.02, vector_elems=1 << 18, opt_hidden=256,
+                    attention=[(64, 32), (256, 64)], attention_flops=2.0 ** 25)
     return dict(gemm=[32, 64, 128, 256, 512, 1024, 2048], dtypes=["fp32", "bf16"],
                 coll=[1 << 10, 1 << 13, 1 << 16, 1 << 19, 1 << 22, 1 << 24, 1 << 26], copy_bytes=256 << 20,
-                min_time=0.1, vector_elems=1 << 20)
+                min_time=0.1, vector_elems=1 << 20, opt_hidden=256,
+                attention=[(64, 32), (128, 64), (256, 64), (512, 64), (1024, 128)], attention_flops=2.0 ** 26)
 
 
 def _timeit(fn, min_time: float, sync=lambda: None, max_reps: int = 10_000, windows: int = 3) -> float:
@@ -110,76 +120,197 @@ def _worker(rank: int, world: int, port: int, plan: dict, threads: int, q: Any) 
                             rank=rank, world_size=world)
     try:
         # compute: every process at once, so shared cores / memory bus are accounted for
-        tdt = {"fp32": torch.float32, "bf16": torch.bfloat16}
-        for dt in plan["dtypes"]:
-            for n in plan["gemm"]:
-                a = torch.randn(n, n, device=dev).to(tdt[dt])
-                b = torch.randn(n, n, device=dev).to(tdt[dt])
-                dist.barrier()
-                s = _timeit(lambda: torch.mm(a, b), plan["min_time"], sync)
-                report("gemm", (dt, n, 2.0 * n ** 3, s))
-        nel = plan["copy_bytes"] // 4
-        src = torch.randn(nel, device=dev)
-        dst = torch.empty_like(src)
-        dist.barrier()
-        s = _timeit(lambda: dst.copy_(src), plan["min_time"], sync)
-        report("copy", (2.0 * nel * 4, s))
-        # element-wise and reduction ops: FLOP/s with FLOPs counted as the capture counts them
-        import torch.nn.functional as F
-
-        from autopar.capture.flops import PER_ELEMENT
-
-        vec = torch.randn(plan["vector_elems"], device=dev)
-        rows = vec.view(-1, 1024)       # rows of a typical hidden or vocabulary width
-        rates = {}
-        labels = torch.randint(0, rows.shape[-1], (rows.shape[0],), device=dev)
-        for names, fn in ((("gelu",), lambda: F.gelu(vec, approximate="tanh")),
-                          (("softmax", "_softmax"), lambda: torch.softmax(rows, -1)),
-                          (("log_softmax", "_log_softmax"), lambda: torch.log_softmax(rows, -1)),
-                          (("cross_entropy_loss",), lambda: F.cross_entropy(rows, labels)),
-                          (("layer_norm", "native_layer_norm"), lambda: F.layer_norm(rows, rows.shape[-1:])),
-                          (("silu",), lambda: F.silu(vec)),
-                          (("tanh",), lambda: torch.tanh(vec)),
-                          (("exp",), lambda: torch.exp(vec))):
-            dist.barrier()
-            rate = PER_ELEMENT[names[0]] * vec.numel() / _timeit(fn, plan["min_time"] / 4, sync)
-            rates.update({n: rate for n in names})
-        report("vector", (rates, vec.numel()))
-        # per-kernel overhead as a training step pays it: eager dispatch plus autograd recording
-        # in the forward and the engine's call in the backward, averaged over both passes
-        leaf = torch.ones(1, device=dev, requires_grad=True)
-        chain = 64
-
-        def fwd_bwd() -> None:
-            y = leaf
-            for _ in range(chain):
-                y = y * 1.0001
-            y.sum().backward()
-
-        s = _timeit(fwd_bwd, plan["min_time"] / 2, sync, max_reps=500)
-        report("overhead", s / (2 * (chain + 1)))
-        # collectives
-        for kind in KINDS:
-            ok = True
-            for nbytes in plan["coll"]:
-                if not ok:
-                    break
-                nel = max(world, nbytes // 4 // world * world)
-                x = torch.ones(nel, device=dev)
-                try:
-                    fn = _collective(kind, x, world, rank, dist, torch)
-                    s = _timeit_collective(fn, plan["min_time"], sync, dist, torch, dev)
-                    # the slowest rank's time is the collective's time
-                    t = torch.tensor([s], device=dev)
-                    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                    report("coll", (kind, world if kind != "send_recv" else 2, float(nel * 4), float(t.item())))
-                except (RuntimeError, NotImplementedError, ValueError) as e:
-                    ok = False
-                    report("unsupported", (kind, str(e).splitlines()[0][:120] if str(e) else type(e).__name__))
-                    dist.barrier()
+        _measure_gemm(plan, dev, sync, dist.barrier, report)
+        _measure_copy(plan, dev, sync, dist.barrier, report)
+        _measure_vector(plan, dev, sync, dist.barrier, report)
+        _measure_overhead(plan, dev, sync, report)
+        _measure_attention(plan, dev, sync, dist.barrier, report)
+        _measure_optimizer(plan, dev, sync, dist.barrier, report)
+        _measure_collectives(plan, dev, sync, world, rank, report)
         report("done", None)
     finally:
         dist.destroy_process_group()
+
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def _measure_gemm(plan: dict, dev: Any, sync, barrier, report) -> None:
+    """Square torch.mm per dtype and size: reports (dtype, n, FLOPs, seconds)."""
+    import torch
+
+    for dt in plan["dtypes"]:
+        for n in plan["gemm"]:
+            a = torch.randn(n, n, device=dev).to(getattr(torch, _DTYPES[dt]))
+            b = torch.randn(n, n, device=dev).to(getattr(torch, _DTYPES[dt]))
+            barrier()
+            s = _timeit(lambda: torch.mm(a, b), plan["min_time"], sync)
+            report("gemm", (dt, n, 2.0 * n ** 3, s))
+
+
+def _measure_copy(plan: dict, dev: Any, sync, barrier, report) -> None:
+    """A large tensor copy: reports (bytes read + written, seconds)."""
+    import torch
+
+    nel = plan["copy_bytes"] // 4
+    src = torch.randn(nel, device=dev)
+    dst = torch.empty_like(src)
+    barrier()
+    s = _timeit(lambda: dst.copy_(src), plan["min_time"], sync)
+    report("copy", (2.0 * nel * 4, s))
+
+
+def _vector_ops(n: int, dev: Any) -> list[tuple[tuple[str, ...], Any, list]]:
+    """The measured element-wise / normalisation / loss ops on `n` fp32 elements: (ATen names,
+    forward function, leaf tensors its backward differentiates). Rows are 1024 wide (a typical
+    hidden or vocabulary width); the layer norm has a weight and bias, as models use it."""
+    import torch
+    import torch.nn.functional as F
+
+    def leaf(*shape: int) -> Any:
+        return torch.randn(*shape, device=dev).requires_grad_()
+
+    vec, rows = leaf(n), leaf(n // 1024, 1024)
+    w, b = leaf(1024), leaf(1024)
+    labels = torch.randint(0, 1024, (n // 1024,), device=dev)
+    return [(("gelu",), lambda: F.gelu(vec, approximate="tanh"), [vec]),
+            (("softmax", "_softmax"), lambda: torch.softmax(rows, -1), [rows]),
+            (("log_softmax", "_log_softmax"), lambda: torch.log_softmax(rows, -1), [rows]),
+            (("cross_entropy_loss",), lambda: F.cross_entropy(rows, labels), [rows]),
+            (("layer_norm", "native_layer_norm"), lambda: F.layer_norm(rows, (1024,), w, b), [rows, w, b]),
+            (("silu",), lambda: F.silu(vec), [vec]),
+            (("tanh",), lambda: torch.tanh(vec), [vec]),
+            (("exp",), lambda: torch.exp(vec), [vec])]
+
+
+def _backward_timer(fn, leaves: list) -> Any:
+    """A zero-argument function running the backward of one `fn()` (graph kept between calls)."""
+    import torch
+
+    y = fn()
+    g = torch.ones_like(y)
+    return lambda: torch.autograd.grad(y, leaves, g, retain_graph=True)
+
+
+def _measure_vector(plan: dict, dev: Any, sync, barrier, report) -> None:
+    """Forward and backward FLOP/s of element-wise, normalisation and loss ops, FLOPs counted as
+    the capture counts them (`PER_ELEMENT`, the backward's as the forward's). The backward's
+    fixed cost (the autograd engine's call, measured on a 1024-element copy of the op and
+    subtracted) is left out: the cost model adds a kernel overhead per op itself.
+    Reports ({name: forward rate}, elements) and ({name: backward rate}, elements)."""
+    import torch
+
+    from autopar.capture.flops import PER_ELEMENT
+
+    n = plan["vector_elems"]
+    fwd, bwd = {}, {}
+    with torch.no_grad():
+        for names, fn, _ in _vector_ops(n, dev):
+            barrier()
+            rate = PER_ELEMENT[names[0]] * n / _timeit(fn, plan["min_time"] / 4, sync)
+            fwd.update({k: rate for k in names})
+    report("vector", (fwd, n))
+    tiny = {names: (fn, leaves) for names, fn, leaves in _vector_ops(1024, dev)}
+    for names, fn, leaves in _vector_ops(n, dev):
+        barrier()
+        t = _timeit(_backward_timer(fn, leaves), plan["min_time"] / 4, sync)
+        t0 = _timeit(_backward_timer(*tiny[names]), plan["min_time"] / 8, sync)
+        net = max(t - t0, 0.5 * t)
+        bwd.update({k: PER_ELEMENT[names[0]] * n / net for k in names})
+    report("vector_bwd", (bwd, n))
+
+
+def _measure_overhead(plan: dict, dev: Any, sync, report) -> None:
+    """Per-kernel overhead as a training step pays it: eager dispatch plus autograd recording
+    in the forward and the engine's call in the backward, averaged over both passes."""
+    import torch
+
+    leaf = torch.ones(1, device=dev, requires_grad=True)
+    chain = 64
+
+    def fwd_bwd() -> None:
+        y = leaf
+        for _ in range(chain):
+            y = y * 1.0001
+        y.sum().backward()
+
+    s = _timeit(fwd_bwd, plan["min_time"] / 2, sync, max_reps=500)
+    report("overhead", s / (2 * (chain + 1)))
+
+
+def _measure_attention(plan: dict, dev: Any, sync, barrier, report) -> None:
+    """The fused attention kernel (causal scaled_dot_product_attention, as decoders run it) per
+    dtype and (sequence, head dim): forward and backward seconds of `heads` slices. Reports
+    (dtype, forward FLOPs per slice 4*s*s*d, forward FLOPs, forward s, backward s)."""
+    import torch
+    import torch.nn.functional as F
+
+    for dt in plan["dtypes"]:
+        for seq, d in plan["attention"]:
+            per_head = 4.0 * seq * seq * d
+            heads = max(1, int(plan["attention_flops"] // per_head))
+            q, k, v = (torch.randn(1, heads, seq, d, device=dev).to(getattr(torch, _DTYPES[dt])).requires_grad_()
+                       for _ in range(3))
+            fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+            barrier()
+            with torch.no_grad():
+                tf = _timeit(fn, plan["min_time"] / 4, sync)
+            tb = _timeit(_backward_timer(fn, [q, k, v]), plan["min_time"] / 4, sync)
+            report("attention", (dt, per_head, per_head * heads, tf, tb))
+
+
+def _measure_optimizer(plan: dict, dev: Any, sync, barrier, report) -> None:
+    """One step of the runtime's optimizer (`autopar.runtime.engine.default_optimizer`: AdamW,
+    foreach off, one tensor at a time) over many one-element tensors (the per-tensor cost) and
+    over the parameters of one GPT layer of width `opt_hidden` (the per-element cost, less their
+    per-tensor cost). Reports (per-tensor s, per-element s, the layer's width)."""
+    import torch
+
+    def step_time(sizes: list[int]) -> float:
+        params = [torch.nn.Parameter(torch.randn(n, device=dev)) for n in sizes]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)
+        barrier()
+        return _timeit(opt.step, plan["min_time"] / 4, sync)
+
+    tensors, h = 64, plan["opt_hidden"]
+    per_tensor = step_time([1] * tensors) / tensors
+    layer = _layer_param_sizes(h)
+    per_elem = max(step_time(layer) - len(layer) * per_tensor, 0.0) / sum(layer)
+    report("optimizer", (per_tensor, per_elem, h))
+
+
+def _layer_param_sizes(h: int) -> list[int]:
+    """Element counts of one GPT layer's parameter tensors at hidden width `h` (two layer norms,
+    QKV and output projections, a 4h MLP, weights and biases): the sizes an optimizer step walks."""
+    return [h, h, 3 * h * h, 3 * h, h * h, h, h, h, 4 * h * h, 4 * h, 4 * h * h, h]
+
+
+def _measure_collectives(plan: dict, dev: Any, sync, world: int, rank: int, report) -> None:
+    """Every collective kind over the plan's sizes, the slowest rank's time; kinds the backend
+    lacks are reported as unsupported."""
+    import torch
+    import torch.distributed as dist
+
+    for kind in KINDS:
+        ok = True
+        for nbytes in plan["coll"]:
+            if not ok:
+                break
+            nel = max(world, nbytes // 4 // world * world)
+            x = torch.ones(nel, device=dev)
+            try:
+                fn = _collective(kind, x, world, rank, dist, torch)
+                s = _timeit_collective(fn, plan["min_time"], sync, dist, torch, dev)
+                # the slowest rank's time is the collective's time
+                t = torch.tensor([s], device=dev)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                report("coll", (kind, world if kind != "send_recv" else 2, float(nel * 4), float(t.item())))
+            except (RuntimeError, NotImplementedError, ValueError) as e:
+                ok = False
+                report("unsupported", (kind, str(e).splitlines()[0][:120] if str(e) else type(e).__name__))
+                dist.barrier()
 
 
 def _collective(kind: str, x: Any, world: int, rank: int, dist: Any, torch: Any):
@@ -243,7 +374,8 @@ def profile_machine(output: Path, *, num_processes: int | None = None, quick: bo
     plan = _plan(quick, cuda)
     if n == 1:
         plan["coll"] = []         # one device: nothing to communicate with
-    total_steps = (len(plan["dtypes"]) * len(plan["gemm"]) + 3 + len(KINDS) * len(plan["coll"]))
+    total_steps = (len(plan["dtypes"]) * (len(plan["gemm"]) + len(plan["attention"])) + 5
+                   + len(KINDS) * len(plan["coll"]))
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
     port = _free_port()
@@ -251,8 +383,8 @@ def profile_machine(output: Path, *, num_processes: int | None = None, quick: bo
     procs = [ctx.Process(target=_worker, args=(r, n, port, plan, threads, q), daemon=True) for r in range(n)]
     for p in procs:
         p.start()
-    results: dict[str, list] = {"gemm": [], "copy": [], "vector": [], "overhead": [], "coll": [],
-                                "unsupported": []}
+    results: dict[str, list] = {"gemm": [], "copy": [], "vector": [], "vector_bwd": [], "overhead": [],
+                                "attention": [], "optimizer": [], "coll": [], "unsupported": []}
 
     bar = None
     if progress:
@@ -278,9 +410,7 @@ def profile_machine(output: Path, *, num_processes: int | None = None, quick: bo
                 continue
             results[tag].append(payload)
             if bar is not None:
-                desc = {"gemm": lambda p: f"GEMM {p[0]} {p[1]}^3", "copy": lambda p: "memory bandwidth",
-                        "overhead": lambda p: "kernel overhead", "vector": lambda p: "element-wise ops", "coll": lambda p: f"{p[0]} {int(p[2])} B",
-                        "unsupported": lambda p: f"{p[0]} unsupported"}[tag](payload)
+                desc = _describe(tag, payload)
                 skip = len(plan["coll"]) - sum(1 for c in results["coll"] if c[0] == payload[0]) \
                     if tag == "unsupported" else 0
                 bar.update(task, advance=1 + max(skip - 1, 0), description=desc)
@@ -299,6 +429,47 @@ def profile_machine(output: Path, *, num_processes: int | None = None, quick: bo
     spec = _build_spec(results, n, cuda, threads, time.perf_counter() - t_start, quick)
     _write_yaml(output, spec)
     return spec
+
+
+def _describe(tag: str, p: Any) -> str:
+    """The progress bar's text for a finished measurement."""
+    return {"gemm": lambda: f"GEMM {p[0]} {p[1]}^3", "copy": lambda: "memory bandwidth",
+            "overhead": lambda: "kernel overhead", "vector": lambda: "element-wise ops",
+            "vector_bwd": lambda: "element-wise backward", "attention": lambda: f"attention {p[0]}",
+            "optimizer": lambda: "optimizer step", "coll": lambda: f"{p[0]} {int(p[2])} B",
+            "unsupported": lambda: f"{p[0]} unsupported"}[tag]()
+
+
+def _measured_costs(res: dict[str, list], how: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """DeviceSpec fields (and their sources) for what the formulas would otherwise guess: the
+    element-wise backward rates, the fused attention rates, the optimizer step's cost."""
+    fields: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if res.get("vector_bwd"):
+        rates, n = res["vector_bwd"][0]
+        fields["op_backward_flops"] = dict(rates)
+        sources["op_backward_flops"] = (
+            f"{how}: backward (torch.autograd.grad) of each op on {n} fp32 elements, less its time on "
+            f"1024 elements (the engine's fixed cost), FLOPs counted as the forward's")
+    if res.get("attention"):
+        table: dict[str, list[AttentionPoint]] = {}
+        for dt, per_head, flops, tf, tb in res["attention"]:
+            table.setdefault(dt, []).append(AttentionPoint(
+                flops_per_head=per_head, forward_flops=flops / tf, backward_flops=2.5 * flops / tb))
+        fields["attention_flops"] = {dt: sorted(pts, key=lambda p: p.flops_per_head) for dt, pts in table.items()}
+        sources["attention_flops"] = (
+            f"{how}: causal torch scaled_dot_product_attention forward and backward (torch.autograd.grad) "
+            f"per dtype and (sequence, head dim), FLOPs 4*b*h*s*s*d (causality not discounted), "
+            f"the backward's 2.5x that")
+    if res.get("optimizer"):
+        per_tensor, per_elem, h = res["optimizer"][0]
+        fields["optimizer_step"] = OptimizerCost(per_tensor_s=per_tensor, per_element_s=per_elem)
+        sources["optimizer_step"] = (
+            f"{how}: torch.optim.AdamW(foreach=False) step (the runtime's default optimizer) over 64 "
+            f"one-element tensors (per tensor) and over the parameters of a GPT layer of width {h} "
+            f"({sum(_layer_param_sizes(h))} elements in {len(_layer_param_sizes(h))} tensors; per element, less their "
+            f"per-tensor cost)")
+    return fields, sources
 
 
 def _build_spec(res: dict[str, list], n: int, cuda: bool, threads: int, elapsed: float, quick: bool) -> ClusterSpec:
@@ -326,6 +497,7 @@ def _build_spec(res: dict[str, list], n: int, cuda: bool, threads: int, elapsed:
         name = f"cpu-process-{threads}t"
         mem = _total_memory_bytes() / n
         mem_src = f"physical memory (os.sysconf) divided by {n} processes"
+    extra, extra_sources = _measured_costs(res, how)
     device = DeviceSpec(
         name=name, peak_flops=peaks, memory_bytes=mem, memory_bandwidth=mem_bw, gemm_efficiency=curves,
         memory_efficiency=1.0, kernel_overhead_s=overhead,
@@ -346,7 +518,9 @@ def _build_spec(res: dict[str, list], n: int, cuda: bool, threads: int, elapsed:
                                  f"autograd plus backward, over both passes",
             "attention_kernel": "fused: torch's scaled_dot_product_attention runs a fused (flash) kernel "
                                 "on CUDA and on CPU",
-        })
+            **extra_sources,
+        },
+        **extra)
     measured = [MeasuredCollective(kind=k, num_devices=nd, bytes=b, seconds=s) for k, nd, b, s in res["coll"]]
     from cost_models.communication import bus_factor
 

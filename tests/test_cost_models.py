@@ -12,11 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import autopar
-from autopar.schema.cluster import ClusterSpec, DeviceSpec, LinkSpec, MeasuredCollective
+from autopar.schema.cluster import (AttentionPoint, ClusterSpec, DeviceSpec, LinkSpec, MeasuredCollective,
+                                    OptimizerCost)
 from cost_models.communication import (axis_collective_time, collective_time, hierarchical_time,
                                        link_collective_time, logical_mesh, mesh_axis_collective_time)
-from cost_models.compute import (MATRIX_OPS, attention_time, backward_factor, gemm_efficiency,
-                                 grad_accumulation_time, graph_compute_time, op_time, optimizer_step_time)
+from cost_models.compute import (MATRIX_OPS, attention_rates, attention_time, backward_factor, gemm_efficiency,
+                                 grad_accumulation_time, graph_compute_time, op_backward_time, op_time,
+                                 optimizer_step_time)
 from cost_models.memory import (activation_memory, inflight_microbatches, korthikanti_layer_bytes,
                                 model_state_bytes, peak_memory)
 
@@ -174,6 +176,141 @@ def test_unfused_attention_costs_more_than_fused() -> None:
     unfused = attention_time(q, q, q, DEV.model_copy(update={"attention_kernel": "unfused"}), "bf16")
     assert unfused[0] > fused[0] and unfused[1] > fused[1]
     assert attention_time(q, q, q, DEV, "bf16", shard=4)[0] < fused[0]
+
+
+# -- measured costs (autopar profile) -------------------------------------------------------------
+
+CPU = DeviceSpec(name="cpu", peak_flops={"fp32": 100e9}, memory_bytes=8e9, memory_bandwidth=40e9,
+                 memory_efficiency=1.0, kernel_overhead_s=3e-6, op_flops={"gelu": 15e9}, vector_flops=12e9)
+
+
+def _measured(dev: DeviceSpec = CPU, bwd: float = 10e9, att: tuple = (60e9, 70e9), per_tensor: float = 15e-6,
+              per_element: float = 1e-9) -> DeviceSpec:
+    """`dev` with the fields `autopar profile` measures beyond the roofline's inputs."""
+    return dev.model_copy(update={
+        "op_backward_flops": {"gelu": bwd, "layer_norm": bwd},
+        "attention_flops": {"fp32": [AttentionPoint(flops_per_head=5e5, forward_flops=att[0], backward_flops=att[1]),
+                                     AttentionPoint(flops_per_head=5e7, forward_flops=2 * att[0],
+                                                    backward_flops=2 * att[1])]},
+        "optimizer_step": OptimizerCost(per_tensor_s=per_tensor, per_element_s=per_element)})
+
+
+def test_measured_backward_rate_replaces_the_forward_rate() -> None:
+    f, nbytes = 18e6, 8e6
+    plain = op_backward_time("gelu", f, nbytes, CPU, "fp32")
+    assert plain == pytest.approx(op_time("gelu", f, 1.5 * nbytes, CPU, "fp32"))        # the forward's rate
+    slow, fast = op_backward_time("gelu", f, nbytes, _measured(bwd=5e9), "fp32"), \
+        op_backward_time("gelu", f, nbytes, _measured(bwd=50e9), "fp32")
+    assert slow == pytest.approx(f / 5e9 + CPU.kernel_overhead_s)
+    assert fast == pytest.approx(max(f / 50e9, 1.5 * nbytes / 40e9) + CPU.kernel_overhead_s)   # memory still bounds it
+    assert slow > plain > fast
+    # ops the profile did not measure, and matrix ops, keep the formulas
+    assert op_backward_time("silu", f, nbytes, _measured(bwd=5e9), "fp32") == op_backward_time("silu", f, nbytes, CPU, "fp32")
+    assert op_backward_time("linear", 1e9, nbytes, _measured(bwd=5e9), "fp32") == \
+        op_backward_time("linear", 1e9, nbytes, CPU, "fp32")
+
+
+@settings(max_examples=25, deadline=None)
+@given(r1=st.floats(1e8, 1e12), r2=st.floats(1e8, 1e12))
+def test_slower_measured_backward_never_predicts_faster(r1: float, r2: float) -> None:
+    lo, hi = sorted((r1, r2))
+    assert op_backward_time("layer_norm", 8e6, 8e6, _measured(bwd=lo), "fp32") >= \
+        op_backward_time("layer_norm", 8e6, 8e6, _measured(bwd=hi), "fp32")
+
+
+def test_measured_attention_rates_interpolate_by_size() -> None:
+    dev = _measured()
+    assert attention_rates(CPU, 1e6, "fp32") is None                          # nothing measured
+    assert attention_rates(dev, 1e3, "fp32") == (60e9, 70e9)                  # constant below the table
+    assert attention_rates(dev, 1e9, "fp32") == (120e9, 140e9)                # and above it
+    mid = attention_rates(dev, 5e6, "fp32")                                   # halfway in log(FLOPs)
+    assert mid == (pytest.approx(90e9), pytest.approx(105e9))
+    assert attention_rates(dev, 5e6, "tf32") == mid and attention_rates(dev, 5e6, "bf16") is None
+    q = (16, 4, 64, 32)                                                       # 4*64*64*32 FLOPs per head: 5.2e5
+    flops = 4.0 * 16 * 4 * 64 * 64 * 32
+    fwd, bwd = attention_time(q, q, q, dev, "fp32")
+    r = attention_rates(dev, flops / 64, "fp32")
+    assert fwd == pytest.approx(flops / r[0] + dev.kernel_overhead_s)
+    assert bwd == pytest.approx(2.5 * flops / r[1] + dev.kernel_overhead_s)
+    # a slower measured kernel predicts a slower attention, both passes; bf16 (not measured) keeps the GEMM curve
+    slow = attention_time(q, q, q, _measured(att=(30e9, 35e9)), "fp32")
+    assert slow[0] > fwd and slow[1] > bwd
+    assert attention_time(q, q, q, dev, "bf16") == attention_time(q, q, q, CPU, "bf16")
+
+
+def test_measured_optimizer_step_counts_tensors_and_elements() -> None:
+    dev = _measured(per_tensor=20e-6, per_element=2e-9)
+    n = 1e6
+    assert optimizer_step_time(n, dev, "fp32", param_tensors=52) == pytest.approx(52 * 20e-6 + n * 2e-9)
+    assert optimizer_step_time(n, dev, "fp32", shard=2, param_tensors=1) == pytest.approx(20e-6 + n / 2 * 2e-9)
+    assert optimizer_step_time(n, dev, "fp32", num_tensors=3) == pytest.approx(3 * 20e-6 + n * 2e-9)
+    assert optimizer_step_time(n, dev, "fp32", param_tensors=100) > optimizer_step_time(n, dev, "fp32", param_tensors=10)
+    # SGD has no measurement: the memory-bound formula
+    assert optimizer_step_time(n, dev, "fp32", "sgd") == optimizer_step_time(n, CPU, "fp32", "sgd")
+
+
+@pytest.mark.parametrize("name", ["dgx-a100-80g", "dgx-a100-40g", "dgx-h100", "hgx-h200", "p3.16xlarge"])
+def test_gpu_profiles_keep_the_formulas(name: str) -> None:
+    """Bundled GPU profiles measure none of the new fields: their predictions are the formulas'."""
+    dev = ClusterSpec.load(name).device
+    assert dev.op_backward_flops is None and dev.attention_flops is None and dev.optimizer_step is None
+    n = 1e9
+    assert optimizer_step_time(n, dev, "bf16", param_tensors=500) == optimizer_step_time(n, dev, "bf16")
+    assert optimizer_step_time(n, dev, "bf16", num_tensors=0) == pytest.approx(
+        28 * n / (dev.memory_bandwidth * dev.memory_efficiency))
+    assert op_backward_time("gelu", 1e9, 1e9, dev) == op_time("gelu", 1e9, 1.5e9, dev)
+    q = (4, 16, 2048, 128)
+    flops, nbytes = 4.0 * 4 * 16 * 2048 * 2048 * 128, 2 * 4 * 4 * 16 * 2048 * 128
+    fused = dev.model_copy(update={"attention_kernel": "fused"})
+    assert attention_time(q, q, q, fused, "bf16") == (
+        op_time("scaled_dot_product_attention", flops, nbytes, fused, "bf16"),
+        op_backward_time("scaled_dot_product_attention", flops, nbytes, fused, "bf16"))
+
+
+def test_cluster_file_with_measured_costs_loads(tmp_path) -> None:
+    import yaml
+
+    data = yaml.safe_load((autopar.schema.cluster.bundled_profiles_dir() / "cpu.yaml").read_text())
+    dev = _measured()
+    data["device"].update(dev.model_dump(mode="json", include={"op_backward_flops", "attention_flops",
+                                                               "optimizer_step"}))
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(data))
+    c = ClusterSpec.load(path)
+    assert c.device.optimizer_step == dev.optimizer_step and c.device.attention_flops == dev.attention_flops
+    assert c.device.op_backward_flops == dev.op_backward_flops
+    data["device"]["optimizer_step"]["per_tensor_s"] = -1.0
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(autopar.PlanError, match="optimizer_step.per_tensor_s"):
+        ClusterSpec.load(path)
+    data["device"]["optimizer_step"]["per_tensor_s"] = 1e-5
+    data["device"]["attention_flops"]["fp32"][0]["forward_flops"] = 0
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(autopar.PlanError, match="forward_flops"):
+        ClusterSpec.load(path)
+    data["device"]["attention_flops"]["fp32"][0]["forward_flops"] = 1e9
+    data["device"]["op_backward_flops"]["gelu"] = 0
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(autopar.PlanError, match="op_backward_flops"):
+        ClusterSpec.load(path)
+
+
+def test_planner_costs_the_optimizer_per_parameter_tensor() -> None:
+    """With a measured per-tensor cost, the plan's optimizer time counts the stage's parameter
+    tensors (gpt-tiny: 28, the tied embedding once); a slower measured step predicts a slower plan."""
+    base = ClusterSpec.load("cpu")
+    dp1 = base.model_copy(update={"devices_per_node": 1})
+
+    def plan(per_tensor: float, per_element: float = 0.0):
+        dev = base.device.model_copy(update={"optimizer_step": OptimizerCost(per_tensor_s=per_tensor,
+                                                                             per_element_s=per_element)})
+        return autopar.plan("gpt-tiny", dp1.model_copy(update={"device": dev}), global_batch_size=4, dtype="fp32")
+
+    p0, p1 = plan(0.0), plan(1e-3)
+    with torch.device("meta"):
+        tensors = len(list(autopar.models.registry.build_model("gpt-tiny").model.parameters()))
+    assert p1.predicted.iteration_time_s - p0.predicted.iteration_time_s == pytest.approx(tensors * 1e-3, rel=1e-6)
+    assert plan(0.0, 1e-6).predicted.iteration_time_s > p0.predicted.iteration_time_s
 
 
 # -- captured models ------------------------------------------------------------------------------

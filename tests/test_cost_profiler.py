@@ -1,4 +1,6 @@
-"""The machine profiler (quick mode) writes a profile that ClusterSpec.load accepts."""
+"""The machine profiler (quick mode) writes a profile that ClusterSpec.load accepts, with the
+measured costs the compute model uses beyond the roofline (element-wise backward rates, fused
+attention rates, the optimizer step's per-tensor and per-element cost)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ from pathlib import Path
 
 import autopar
 from cost_models.communication import axis_collective_time
-from cost_models.profiler import profile_machine
+from cost_models.compute import attention_time, op_backward_time, optimizer_step_time
+from cost_models.profiler import _layer_param_sizes, profile_machine
 
 
 def test_quick_profile_is_loadable(tmp_path: Path) -> None:
@@ -29,3 +32,32 @@ def test_quick_profile_is_loadable(tmp_path: Path) -> None:
     assert axis_collective_time("all_reduce", m.bytes, c, [0, 1]) == m.seconds
     assert spec.device.peak_flops == c.device.peak_flops
     assert not list(tmp_path.glob(".*.tmp"))                 # written atomically, no leftovers
+    _check_measured_costs(c)
+
+
+def _check_measured_costs(c: autopar.ClusterSpec) -> None:
+    """The profile carries the measured backward, attention and optimizer costs, each with its
+    source, and the compute model takes them up."""
+    d = c.device
+    for field in ("op_backward_flops", "attention_flops", "optimizer_step"):
+        assert "measured" in d.sources[field]
+    assert {"gelu", "layer_norm", "native_layer_norm", "softmax", "cross_entropy_loss"} <= set(d.op_backward_flops)
+    assert all(r > 1e6 for r in d.op_backward_flops.values())
+    assert set(d.attention_flops) == {"fp32", "bf16"}
+    for pts in d.attention_flops.values():
+        assert len(pts) >= 2 and [p.flops_per_head for p in pts] == sorted(p.flops_per_head for p in pts)
+        assert all(p.forward_flops > 1e6 and p.backward_flops > 1e6 for p in pts)
+    assert d.optimizer_step.per_tensor_s > 0 and d.optimizer_step.per_element_s >= 0
+    # the compute model uses them
+    assert op_backward_time("gelu", 18e6, 8e6, d, "fp32") >= 18e6 / d.op_backward_flops["gelu"]
+    fwd, bwd = attention_time((8, 4, 64, 32), (8, 4, 64, 32), (8, 4, 64, 32), d, "fp32")
+    flops = 4.0 * 32 * 64 * 64 * 32
+    assert fwd >= flops / max(p.forward_flops for p in d.attention_flops["fp32"])
+    assert optimizer_step_time(1e6, d, "fp32", param_tensors=10) == \
+        1e6 * d.optimizer_step.per_element_s + 10 * d.optimizer_step.per_tensor_s
+
+
+def test_layer_param_sizes_are_a_gpt_layer() -> None:
+    h = 256
+    sizes = _layer_param_sizes(h)
+    assert len(sizes) == 12 and sum(sizes) == 12 * h * h + 13 * h

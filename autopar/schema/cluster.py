@@ -38,6 +38,27 @@ class MeasuredCollective(_Strict):
     seconds: float = Field(gt=0)
 
 
+class AttentionPoint(_Strict):
+    """Measured rate of the fused attention kernel at one size. `flops_per_head` is the forward
+    FLOPs of one (batch, head) slice, 4 * s_q * s_k * d (the capture's count), which sets how well
+    the kernel's tiles fill; the rates count FLOPs as the cost model does: the forward's for the
+    forward, 2.5x the forward's for the backward (it recomputes the scores)."""
+
+    flops_per_head: float = Field(gt=0)
+    forward_flops: float = Field(gt=0, description="FLOP/s of the forward")
+    backward_flops: float = Field(gt=0, description="FLOP/s of the backward (2.5x the forward's FLOPs)")
+
+
+class OptimizerCost(_Strict):
+    """Measured seconds of one optimizer step as the runtime runs it (one tensor at a time):
+    a fixed cost per parameter tensor (the per-tensor kernels and their dispatch) plus a cost
+    per parameter element."""
+
+    optimizer: Literal["adamw"] = "adamw"
+    per_tensor_s: float = Field(ge=0, description="seconds per parameter tensor and step")
+    per_element_s: float = Field(ge=0, description="seconds per parameter element and step")
+
+
 class DeviceSpec(_Strict):
     """One accelerator (or one CPU process when profiling a CPU machine)."""
 
@@ -57,6 +78,16 @@ class DeviceSpec(_Strict):
         default=None, gt=0, description="FLOP/s achieved by element-wise and reduction ops, their "
         "FLOPs counted as autopar's capture counts them; None: the fp32 peak (GPUs, where such ops "
         "are bound by memory bandwidth anyway)")
+    op_backward_flops: Optional[dict[str, float]] = Field(
+        default=None, description="measured FLOP/s of the backward of particular non-matrix ops by "
+        "ATen name, their FLOPs counted as the forward's; None: the backward runs at the forward's "
+        "rate (op_flops / vector_flops), bound by memory bandwidth")
+    attention_flops: Optional[dict[str, list[AttentionPoint]]] = Field(
+        default=None, description="measured forward and backward rates of the fused attention kernel "
+        "by dtype and size; None: fused attention runs at the GEMM efficiency curve")
+    optimizer_step: Optional[OptimizerCost] = Field(
+        default=None, description="measured cost of one optimizer step per parameter tensor and "
+        "per element; None: memory-bound bytes per parameter over memory_bandwidth")
     attention_kernel: Literal["fused", "unfused"] = Field(
         default="fused", description="how scaled_dot_product_attention runs: fused (FlashAttention-style, "
                                      "scores never stored) or unfused (scores materialised, softmax "
@@ -73,6 +104,14 @@ class DeviceSpec(_Strict):
                 raise ValueError(f"unknown dtype {k!r}; use one of {', '.join(DTYPES)}")
             if not x > 0:
                 raise ValueError(f"peak for {k} must be > 0, got {x}")
+        return v
+
+    @field_validator("op_backward_flops")
+    @classmethod
+    def _check_rates(cls, v: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+        for k, x in (v or {}).items():
+            if not x > 0:
+                raise ValueError(f"rate for {k} must be > 0 FLOP/s, got {x}")
         return v
 
     def peak(self, dtype: str) -> float:
