@@ -74,6 +74,17 @@ ZOO = {
     "gpt-2d": ("gpt-tiny", 2, (2, 2), ("blocks.0.attn.qkv.weight", ("S(0)", "S(0)"))),
     "llama-2d": ("llama-tiny", 8, (2, 2), ("layers.0.attn_norm.weight", ("R", "S(0)"))),
 }
+# a Hugging Face Llama: its rotary embedding runs under torch.no_grad (a wrapped subgraph in the
+# program) and it traces differently on the meta device than on the CPU (the solution's capture
+# is on meta, so the executor runs the meta program on the CPU)
+HF_LLAMA = ("hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2&num_attention_heads=4"
+            "&num_hidden_layers=2&vocab_size=128&seq_len=16")
+try:
+    import transformers  # noqa: F401
+
+    ZOO["hf-llama"] = (HF_LLAMA, 2, (4,), ("model.layers.0.self_attn.q_proj.weight", ("S(0)",)))
+except ImportError:  # pragma: no cover - the [hf] extra is not installed
+    pass
 
 
 def _mesh(shape):

@@ -192,6 +192,28 @@ class _Reshard(torch.autograd.Function):
         return g, None, None
 
 
+class _ToLocal(torch.autograd.Function):
+    """`x.to_local()` whose gradient comes back contiguous, as a DTensor laid out
+    `grad_placements`. Kernels run on local shards (attention) may return gradients in their own
+    strides; DTensor derives global strides from local ones, and a later view of such a
+    gradient can fail."""
+
+    @staticmethod
+    def forward(ctx: Any, x: DTensor, grad_placements: tuple) -> torch.Tensor:
+        ctx.mesh, ctx.grad_placements, ctx.shape = x.device_mesh, tuple(grad_placements), x.shape
+        return x._local_tensor.view_as(x._local_tensor)
+
+    @staticmethod
+    def backward(ctx: Any, g: Any) -> tuple:
+        if g is None:
+            return None, None
+        stride = [1] * len(ctx.shape)
+        for d in range(len(ctx.shape) - 2, -1, -1):
+            stride[d] = stride[d + 1] * int(ctx.shape[d + 1])
+        return DTensor.from_local(g.contiguous(), ctx.mesh, ctx.grad_placements, run_check=False,
+                                  shape=ctx.shape, stride=tuple(stride)), None
+
+
 class _LossParallelScope(torch.autograd.Function):
     """Identity that switches torch's vocab-parallel cross-entropy handlers on (`on=True`) or
     off when the backward pass reaches it: placed after the loss (on) and before its logits
@@ -321,8 +343,10 @@ class ShardedProgram(nn.Module):
     model's own row order."""
 
     def __init__(self, model: nn.Module, wrapped: nn.Module, program: Any, solution: ShardingSolution,
-                 mesh: DeviceMesh, names: Optional[list[str]], inputs: str = "full") -> None:
+                 mesh: DeviceMesh, names: Optional[list[str]], inputs: str = "full",
+                 device: Optional[torch.device] = None) -> None:
         super().__init__()
+        self.device = device                # set: the program was traced on meta, runs here
         self.model = model
         self._wrapped = [wrapped]           # not a submodule: `model` already is
         self.program = program
@@ -342,14 +366,14 @@ class ShardedProgram(nn.Module):
     def _check_names(self) -> None:
         """The program must be the one the solution was solved on: every op with a choice is a
         node of it with the same op, and every node the solution expects inputs of exists."""
-        nodes = {n.name: n for n in self.gm.graph.nodes}
-        missing = [op for op in self.solution.op_choices if op not in nodes]
+        nodes = _program_calls(self.gm)
+        missing = _mismatch(self.program, self.solution)
         if missing:
-            raise PlanError(f"the solution names ops the model's program does not have "
+            raise PlanError(f"the solution's ops do not match the model's program "
                             f"({', '.join(missing[:4])}); solve and apply with the same model and "
                             f"loss, and solve the whole graph (not a subset of its nodes)")
-        calls = [n.name for n in nodes.values() if n.op == "call_function" and not _no_choice_needed(n)]
-        self.unplanned = [c for c in calls if c not in self.solution.op_choices]
+        self.unplanned = [c for c, n in nodes.items() if not _no_choice_needed(n)
+                          and c not in self.solution.op_choices]
         from torch.export.graph_signature import InputKind
 
         self.param_nodes = {s.arg.name for s in self.program.graph_signature.input_specs
@@ -388,9 +412,6 @@ class ShardedProgram(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.names and kwargs:
             args = tuple(args) + tuple(kwargs[k] for k in self.names[len(args):])
-        from autopar.runtime.spmd import register_extra_strategies
-
-        register_extra_strategies()          # DTensor rules for CPU flash attention
         flat = self._flat_inputs(args)
         interp = _PlanInterpreter(self)
         with interp.regather:
@@ -412,6 +433,10 @@ class ShardedProgram(nn.Module):
                 flat.append(self._replicated(wrapped.get_buffer(spec.target)))
             elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
                 c = self.program.constants[spec.target]
+                if isinstance(c, torch.Tensor) and c.is_meta:
+                    raise PlanError(f"the model's program holds a tensor constant ({spec.target}) "
+                                    f"traced on the meta device only; capture the model on its "
+                                    f"device to apply this solution")
                 flat.append(self._replicated(c) if isinstance(c, torch.Tensor) else c)
             elif spec.kind == InputKind.USER_INPUT:
                 flat.append(self._user_input(spec.arg.name, next(user_it)))
@@ -447,6 +472,22 @@ class ShardedProgram(nn.Module):
         return deinterleave(t.detach(), *lay) if lay else t.detach()
 
 
+def _program_calls(gm: torch.fx.GraphModule, prefix: str = "") -> dict[str, torch.fx.Node]:
+    """The call nodes of a program by their OpGraph names, wrapped subgraphs inlined as the
+    capture inlines them ("<wrapper>__<node>")."""
+    out: dict[str, torch.fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        i = _subgraph_index(n, gm)
+        if i is not None:
+            out.update(_program_calls(getattr(gm, str(n.args[i].target)), f"{prefix}{n.name}__"))
+        elif not (n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node)
+                  and _subgraph_index(n.args[0], gm) is not None):
+            out[prefix + n.name] = n
+    return out
+
+
 def _no_choice_needed(n: torch.fx.Node) -> bool:
     """Nodes the capture leaves out of the OpGraph: shape arithmetic and assertions."""
     val = n.meta.get("val")
@@ -458,37 +499,86 @@ def _no_choice_needed(n: torch.fx.Node) -> bool:
 
 class _PlanInterpreter(torch.fx.Interpreter):
     """Runs the exported program over DTensors, feeding each planned op its inputs in the
-    layouts its chosen strategy reads them in."""
+    layouts its chosen strategy reads them in. A higher-order op wrapping a subgraph (a
+    torch.no_grad or autocast region) runs its subgraph with a nested interpreter, whose nodes
+    the capture names "<wrapper>__<node>" (it inlines them)."""
 
-    def __init__(self, prog: ShardedProgram) -> None:
-        super().__init__(prog.gm, garbage_collect_values=True)
+    def __init__(self, prog: ShardedProgram, gm: Optional[torch.fx.GraphModule] = None,
+                 prefix: str = "", parent: Optional["_PlanInterpreter"] = None) -> None:
+        super().__init__(gm if gm is not None else prog.gm, garbage_collect_values=True)
         self.prog = prog
         self.sol = prog.solution
         self.mesh = prog.mesh
-        self.junction_values: dict[str, DTensor] = {}
+        self.prefix = prefix
+        self.junction_values: dict[str, DTensor] = parent.junction_values if parent else {}
+        self.alias: dict[torch.fx.Node, str] = parent.alias if parent else {}   # node -> OpGraph name
+        self.regather = parent.regather if parent else _Regather()
         self.node_name = ""
-        self.regather = _Regather()
+
+    def fetch_args_kwargs_from_env(self, n: torch.fx.Node) -> tuple:
+        args, kwargs = super().fetch_args_kwargs_from_env(n)
+        return self.on_device(args), self.on_device(kwargs)
+
+    def on_device(self, v: Any) -> Any:
+        """Devices of a program traced on meta made the real one."""
+        if self.prog.device is None:
+            return v
+        real = self.prog.device
+        return torch.fx.node.map_aggregate(
+            v, lambda x: real if isinstance(x, torch.device) and x.type == "meta" else x)
+
+    def name_of(self, n: torch.fx.Node) -> str:
+        """The OpGraph name of the tensor node `n` stands for."""
+        return self.alias.get(n, self.prefix + n.name)
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        self.node_name = n.name
+        self.node_name = self.name_of(n)
         if n.op == "call_function" and "_assert" in str(n.target):
             return None                     # metadata assertions: nothing to run
-        choice = self.sol.op_choices.get(n.name) if n.op == "call_function" else None
+        choice = self.sol.op_choices.get(self.name_of(n)) if n.op == "call_function" else None
         if choice is not None:
             with self._set_current_node(n):
                 return self._run_planned(n, choice)
-        if n.op == "output":
-            outs = [self._feed(self.env[a], a.name, 0, ("R",) * self.mesh.ndim)
+        if n.op == "call_function" and _subgraph_index(n, self.module) is not None:
+            return self._run_wrapped(n)
+        if n.op == "call_function" and n.target is operator.getitem and n.args[0] in self.alias_outputs:
+            self.alias[n] = self.alias_outputs[n.args[0]][n.args[1]]
+        if n.op == "output" and self.prefix == "":
+            outs = [self._feed(self.env[a], self.name_of(a), 0, ("R",) * self.mesh.ndim)
                     if isinstance(a, torch.fx.Node) else a for a in _flat_nodes(n.args[0])]
             return tuple(outs)
         return super().run_node(n)
+
+    @property
+    def alias_outputs(self) -> dict[torch.fx.Node, list[str]]:
+        """Wrapper node -> the OpGraph names of its outputs (nodes of its subgraph)."""
+        if not hasattr(self, "_alias_outputs"):
+            self._alias_outputs: dict[torch.fx.Node, list[str]] = {}
+        return self._alias_outputs
+
+    def _run_wrapped(self, n: torch.fx.Node) -> Any:
+        """A higher-order op wrapping a subgraph: its subgraph, nested, under its context."""
+        i = _subgraph_index(n, self.module)
+        sub = getattr(self.module, str(n.args[i].target))
+        operands = n.args[i + 1:]
+        inner = _PlanInterpreter(self.prog, sub, f"{self.prefix}{n.name}__", self)
+        placeholders = [x for x in sub.graph.nodes if x.op == "placeholder"]
+        for ph, a in zip(placeholders, operands):
+            if isinstance(a, torch.fx.Node):
+                self.alias[ph] = self.name_of(a)
+        out_node = next(x for x in sub.graph.nodes if x.op == "output")
+        self.alias_outputs[n] = [inner.name_of(x) if isinstance(x, torch.fx.Node) else ""
+                                 for x in _flat_nodes(out_node.args[0])]
+        values = [self.env[a] if isinstance(a, torch.fx.Node) else a for a in operands]
+        with _wrapper_context(n):
+            return inner.run(*values)
 
     # -- one op ----------------------------------------------------------------------------
     def _run_planned(self, n: torch.fx.Node, choice: OpChoice) -> Any:
         specs = choice.input_placements
         if n.target is operator.getitem and isinstance(self.env[n.args[0]], (tuple, list)):
             src, idx = n.args[0], n.args[1]
-            return self._feed(self.env[src][idx], src.name, idx, specs[0])
+            return self._feed(self.env[src][idx], self.name_of(src), idx, specs[0])
         k = 0
 
         def feed(a: Any) -> Any:
@@ -497,18 +587,24 @@ class _PlanInterpreter(torch.fx.Interpreter):
                 return a
             v = self.env[a]
             if isinstance(v, torch.Tensor) and k < len(specs):
-                v = self._feed(v, a.name, 0, specs[k])
+                v = self._feed(v, self.name_of(a), 0, specs[k])
                 k += 1
             return v
 
-        args = torch.fx.node.map_aggregate(n.args, feed)
-        kwargs = torch.fx.node.map_aggregate(n.kwargs, feed)
+        args = self.on_device(torch.fx.node.map_aggregate(n.args, feed))
+        kwargs = self.on_device(torch.fx.node.map_aggregate(n.kwargs, feed))
         op = _op_name(n)
         if op in SPLIT_OPS and self._splits_sharded_dim(n, args[0]):
             return self._local_split(n, args[0])
         if len(specs) == 1 and _partial(specs[0]) and _unsharded(specs[0]) \
                 and all(_unsharded(o) for o in choice.output_placements):
             return self._partial_passthrough(n, args, kwargs)
+        if choice.family == "attention":
+            return self._local_attention(args, kwargs, n, choice.output_placements)
+        if n.target is torch.ops.aten.view.default:
+            # reshape: a view when strides allow. A program traced on meta may view a tensor
+            # that real kernels (attention) lay out with other strides
+            return torch.ops.aten.reshape.default(*args, **kwargs)
         if choice.family == "loss" and "vocab-parallel" in choice.strategy:
             return self._vocab_parallel_loss(n, args, kwargs)
         if choice.family == "loss" and _partial(choice.output_placements[0]) \
@@ -557,7 +653,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
         dim = _split_dim(n, x.ndim)
         ways = _ways(x.placements, dim, self.mesh)
         sizes = [int(v.shape[dim]) // ways for v in n.meta["val"]]
-        pieces = torch.split(x.to_local(), sizes, dim)
+        pieces = torch.split(_ToLocal.apply(x, x.placements), sizes, dim)
         return [DTensor.from_local(p, self.mesh, x.placements, run_check=False) for p in pieces]
 
     def _partial_passthrough(self, n: torch.fx.Node, args: Any, kwargs: Any) -> DTensor:
@@ -566,6 +662,17 @@ class _PlanInterpreter(torch.fx.Interpreter):
         first for some of them (expand, unsqueeze). The layout holds no shard, so local shapes
         are the global ones."""
         return _on_summands(args[0], lambda t: n.target(t, *args[1:], **kwargs))
+
+    def _local_attention(self, args: Any, kwargs: Any, n: torch.fx.Node,
+                         out_specs: Sequence[Spec]) -> Any:
+        """Attention on each device's shard: the plan splits only batch and head dims (the
+        sequence and head dims stay whole), so the shards are independent attentions. DTensor
+        has no rule for CPU flash attention with a mask."""
+        out = n.target(*_locals(args), **_locals(kwargs))
+        if isinstance(out, torch.Tensor):
+            return DTensor.from_local(out, self.mesh, to_placements(out_specs[0], out.dim()), run_check=False)
+        return type(out)(DTensor.from_local(o, self.mesh, to_placements(sp, o.dim()), run_check=False)
+                         if isinstance(o, torch.Tensor) else o for o, sp in zip(out, out_specs))
 
     def _vocab_parallel_loss(self, n: torch.fx.Node, args: Any, kwargs: Any) -> Any:
         """Cross-entropy over class-sharded logits with torch's loss_parallel handlers (three
@@ -601,8 +708,31 @@ class _PlanInterpreter(torch.fx.Interpreter):
 
 
 # ---------------------------------------------------------------------------- helpers
+def _subgraph_index(n: torch.fx.Node, owner: Any) -> Optional[int]:
+    """Position of the subgraph argument of a wrapping higher-order op (None for other ops)."""
+    if "wrap" not in str(n.target):
+        return None
+    return next((i for i, a in enumerate(n.args) if isinstance(a, torch.fx.Node) and a.op == "get_attr"
+                 and isinstance(getattr(owner, str(a.target), None), torch.fx.GraphModule)), None)
+
+
+def _wrapper_context(n: torch.fx.Node) -> Any:
+    """The context a wrapping higher-order op runs its subgraph in."""
+    import contextlib
+
+    t = str(n.target)
+    if "set_grad_enabled" in t:
+        return torch.set_grad_enabled(bool(n.args[0]))
+    if "autocast" in t:
+        device, dtype, enabled, cache = n.args[:4]
+        return torch.autocast(device_type=device, dtype=dtype, enabled=enabled, cache_enabled=cache)
+    return contextlib.nullcontext()
+
+
 def _op_name(n: torch.fx.Node) -> str:
     """"split" for aten.split.Tensor (the OpNode.op convention)."""
+    if n.target is operator.getitem:
+        return "getitem"
     s = str(n.target)
     parts = s.split(".")
     return parts[1] if len(parts) >= 3 and parts[0] == "aten" else s
@@ -620,7 +750,7 @@ def _partial(spec: Spec) -> bool:
 def _on_summands(x: DTensor, fn: Any) -> DTensor:
     """`fn` (linear) applied to each device's local tensor of `x` (differentiably), the result
     laid out as `x` (partial stays partial; its gradient is the replicated one)."""
-    local = x.to_local(grad_placements=_grad_target(x.placements, ()))
+    local = _ToLocal.apply(x, _grad_target(x.placements, ()))
     return DTensor.from_local(fn(local), x.device_mesh, x.placements, run_check=False)
 
 
@@ -643,7 +773,8 @@ def _reduction(op: str, args: Sequence[Any], kwargs: dict) -> int:
 
 def _locals(v: Any) -> Any:
     """DTensors replaced by their local tensors (differentiably)."""
-    return torch.fx.node.map_aggregate(v, lambda x: x.to_local() if isinstance(x, DTensor) else x)
+    return torch.fx.node.map_aggregate(
+        v, lambda x: _ToLocal.apply(x, _grad_target(x.placements, ())) if isinstance(x, DTensor) else x)
 
 
 def _flat_nodes(v: Any) -> list[Any]:
@@ -671,4 +802,62 @@ def parallelize_graph(model: nn.Module, example_inputs: Any, solution: ShardingS
     from autopar.capture.export import export_program
 
     program, wrapped, names = export_program(model, example_inputs, loss_fn=loss_fn)
-    return ShardedProgram(model, wrapped, program, solution, mesh, names, inputs=inputs)
+    device = None
+    if _mismatch(program, solution):
+        # the model traces differently on the meta device, where the solution's capture ran
+        # (a Hugging Face model's attention, for one): run the meta program on the real device
+        meta_program, _, _ = export_program(_meta_copy(model), _to_meta(example_inputs), loss_fn=loss_fn)
+        if not _mismatch(meta_program, solution):
+            program, device = meta_program, next(model.parameters()).device
+    return ShardedProgram(model, wrapped, program, solution, mesh, names, inputs=inputs, device=device)
+
+
+def _mismatch(program: Any, solution: ShardingSolution) -> list[str]:
+    """Ops the solution has a choice for that the program lacks, or holds as another kind of op
+    (another rule family, another number of tensor inputs)."""
+    from autopar.intra_op import rules
+
+    nodes = _program_calls(program.graph_module)
+    bad = []
+    for name, ch in solution.op_choices.items():
+        n = nodes.get(name)
+        rule = rules.rule_for(_op_name(n)) if n is not None else None
+        if n is None or (rule.family if rule else "fallback") != ch.family \
+                or len(_tensor_args(n)) != len(ch.input_placements):
+            bad.append(name)
+    return bad
+
+
+def _tensor_args(n: torch.fx.Node) -> list[torch.fx.Node]:
+    out: list[torch.fx.Node] = []
+
+    def visit(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node) and not _no_choice_needed(a) or (
+                isinstance(a, torch.fx.Node) and a.op == "placeholder"):
+            out.append(a)
+        return a
+
+    torch.fx.node.map_aggregate((n.args, n.kwargs), visit)
+    return out
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` with its parameters and buffers on the meta device (no data copied)."""
+    import copy
+
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def _to_meta(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return torch.empty_like(v, device="meta")
+    if isinstance(v, dict):
+        return {k: _to_meta(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_to_meta(x) for x in v)
+    return v
