@@ -129,7 +129,8 @@ def _rel_err(got: dict, ref: dict) -> float:
 
 
 def _run_executor(mesh, model, ref_model, inputs, sol):
-    """One step with `sol.apply`: the loss, the gradients' error, counts forward / backward."""
+    """One step with `sol.apply`: the loss, the gradients' error, counts forward / backward;
+    then an SGD step on both and the next loss (the program trains)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     loss_ref = ref_model(*inputs)
@@ -140,9 +141,14 @@ def _run_executor(mesh, model, ref_model, inputs, sol):
     with CommDebugMode() as bwd:
         loss.backward()
     ref = {n: p.grad for n, p in ref_model.named_parameters()}
-    return {"loss": (float(loss.detach()), float(loss_ref.detach())),
-            "grad_err": _rel_err(prog.full_gradients(), ref),
-            "forward": _counts(fwd), "backward": _counts(bwd)}
+    out = {"loss": (float(loss.detach()), float(loss_ref.detach())),
+           "grad_err": _rel_err(prog.full_gradients(), ref),
+           "forward": _counts(fwd), "backward": _counts(bwd)}
+    for params in (prog.parameters(), ref_model.parameters()):
+        torch.optim.SGD(params, lr=0.5, foreach=False).step()
+    with torch.no_grad():
+        out["next_loss"] = (float(prog(*inputs)), float(ref_model(*inputs)))
+    return out
 
 
 def _run_spmd(mesh, model, ref_model, inputs, sol):
@@ -262,6 +268,7 @@ def test_executor_matches_one_process_and_the_plan(solutions, results, name):
         loss, loss_ref = got["loss"]
         assert loss == pytest.approx(loss_ref, rel=REL), (name, r)
         assert got["grad_err"] < REL, (name, r, got["grad_err"])
+        assert got["next_loss"][0] == pytest.approx(got["next_loss"][1], rel=REL), (name, r)
         for phase in ("forward", "backward"):
             assert got[phase] == expect[phase], (name, r, phase, got[phase], expect[phase])
 

@@ -17,7 +17,7 @@ runs that program with a torch.fx.Interpreter over DTensors:
   redistributed once to its junction's layout (`junctions`). The loss is made replicated;
 * DTensor then runs the op. Given its inputs in the planned layouts it produces the planned
   output layout without communicating, apart from the op's own reductions (a vocab-parallel
-  cross-entropy's three all-reduces, run by torch's `loss_parallel` handlers).
+  cross-entropy's three all-reduces).
 
 The backward pass is autograd over the same DTensor ops. Each redistribution's backward sends
 the gradient back to its source's layout, with partial made replicated (a backward all-reduce,
@@ -26,19 +26,30 @@ along its partial axes the consumers' gradients stay partial, are summed, and ar
 So the collectives that run are the solution's `collectives`: its resharding, forward and
 backward, and the ops' own reductions.
 
-Three kinds of op do not run as DTensor would run them by default:
+Where DTensor by default would run other collectives than the plan, the step runs here:
 
+* redistribution (`redistribute`): to partial is local (DTensor refuses it), shard to shard on
+  a CPU mesh is an all-to-all (DTensor gathers there);
 * a split along a dim the plan shards (fused QKV, interleaved weight rows) splits each device's
-  shard locally. DTensor would gather the dim first.
-* a loss whose plan splits a reduced dim (the batch) is computed on each device's shard. The
-  all-reduce that makes it replicated sums or averages it, as data parallelism does, and its
-  backward hands each device its share of the gradient. DTensor would also all-reduce the
-  target count in nll_loss's backward pass, and its mse_loss backward scales gradients by the
-  mesh size (torch 2.13).
+  shard locally (DTensor would gather the dim first);
+* an op passing a partial input through (a view, a cast, a scaling) runs on each summand
+  (DTensor reduces first for some, expand and unsqueeze among them);
+* attention runs on each device's shard: the plan splits only batch and heads (DTensor has no
+  rule for CPU flash attention with a mask);
+* a loss whose plan splits a reduced dim (the batch) is computed on each device's shard and
+  summed or averaged by the all-reduce that makes it replicated, as data parallelism does
+  (DTensor's nll_loss would also all-reduce the target count in the backward pass, and its
+  mse_loss backward scales gradients by the mesh size, torch 2.13);
 * a vocab-parallel cross-entropy runs under torch's `loss_parallel` handlers, forward and
-  backward.
+  backward;
+* a parameter stored sharded and gathered for an op (ZeRO-3) is not kept for the backward
+  pass: it is gathered again when the backward reads it (`_Regather`), as FSDP does and the
+  plan counts.
 
 Ops the solution has no choice for (shape arithmetic, assertions) run as DTensor runs them.
+Subgraphs of higher-order ops (a torch.no_grad region) run nested, under their names in the
+capture. A model that traces differently on the meta device, where the solution was solved,
+runs its meta program on the real device.
 """
 
 from __future__ import annotations
@@ -346,7 +357,7 @@ class ShardedProgram(nn.Module):
                  mesh: DeviceMesh, names: Optional[list[str]], inputs: str = "full",
                  device: Optional[torch.device] = None) -> None:
         super().__init__()
-        self.device = device                # set: the program was traced on meta, runs here
+        self.run_device = device            # set: the program was traced on meta, runs here
         self.model = model
         self._wrapped = [wrapped]           # not a submodule: `model` already is
         self.program = program
@@ -357,6 +368,7 @@ class ShardedProgram(nn.Module):
         if inputs not in ("full", "local"):
             raise PlanError(f"inputs must be 'full' or 'local', got {inputs!r}")
         self.inputs_mode = inputs
+        # set to a list to record each redistribution: (op, from placements, to placements)
         self.trace: Optional[list[tuple[str, tuple[str, ...], tuple[str, ...]]]] = None
         self.layouts: dict[str, tuple[int, int, int]] = {}      # fqn -> (dim, chunks, ways)
         self._check_names()
@@ -365,7 +377,8 @@ class ShardedProgram(nn.Module):
     # -- setup ---------------------------------------------------------------------------
     def _check_names(self) -> None:
         """The program must be the one the solution was solved on: every op with a choice is a
-        node of it with the same op, and every node the solution expects inputs of exists."""
+        node of it, of the same kind (`_mismatch`). Notes the ops without a choice, and the
+        parameters' placeholders."""
         nodes = _program_calls(self.gm)
         missing = _mismatch(self.program, self.solution)
         if missing:
@@ -513,6 +526,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
         self.junction_values: dict[str, DTensor] = parent.junction_values if parent else {}
         self.alias: dict[torch.fx.Node, str] = parent.alias if parent else {}   # node -> OpGraph name
         self.regather = parent.regather if parent else _Regather()
+        self.alias_outputs: dict[torch.fx.Node, list[str]] = {}   # wrapper -> its outputs' names
         self.node_name = ""
 
     def fetch_args_kwargs_from_env(self, n: torch.fx.Node) -> tuple:
@@ -521,9 +535,9 @@ class _PlanInterpreter(torch.fx.Interpreter):
 
     def on_device(self, v: Any) -> Any:
         """Devices of a program traced on meta made the real one."""
-        if self.prog.device is None:
+        if self.prog.run_device is None:
             return v
-        real = self.prog.device
+        real = self.prog.run_device
         return torch.fx.node.map_aggregate(
             v, lambda x: real if isinstance(x, torch.device) and x.type == "meta" else x)
 
@@ -549,13 +563,6 @@ class _PlanInterpreter(torch.fx.Interpreter):
             return tuple(outs)
         return super().run_node(n)
 
-    @property
-    def alias_outputs(self) -> dict[torch.fx.Node, list[str]]:
-        """Wrapper node -> the OpGraph names of its outputs (nodes of its subgraph)."""
-        if not hasattr(self, "_alias_outputs"):
-            self._alias_outputs: dict[torch.fx.Node, list[str]] = {}
-        return self._alias_outputs
-
     def _run_wrapped(self, n: torch.fx.Node) -> Any:
         """A higher-order op wrapping a subgraph: its subgraph, nested, under its context."""
         i = _subgraph_index(n, self.module)
@@ -575,6 +582,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
 
     # -- one op ----------------------------------------------------------------------------
     def _run_planned(self, n: torch.fx.Node, choice: OpChoice) -> Any:
+        """Op `n` with its inputs in the layouts `choice` reads them in."""
         specs = choice.input_placements
         if n.target is operator.getitem and isinstance(self.env[n.args[0]], (tuple, list)):
             src, idx = n.args[0], n.args[1]
@@ -593,23 +601,26 @@ class _PlanInterpreter(torch.fx.Interpreter):
 
         args = self.on_device(torch.fx.node.map_aggregate(n.args, feed))
         kwargs = self.on_device(torch.fx.node.map_aggregate(n.kwargs, feed))
-        op = _op_name(n)
+        return self._run_op(n, choice, args, kwargs)
+
+    def _run_op(self, n: torch.fx.Node, choice: OpChoice, args: Any, kwargs: Any) -> Any:
+        """Run op `n` on inputs laid out as planned: DTensor runs it, except where its default
+        would communicate differently from the plan (see the module docstring)."""
+        op, specs, outs = _op_name(n), choice.input_placements, choice.output_placements
         if op in SPLIT_OPS and self._splits_sharded_dim(n, args[0]):
             return self._local_split(n, args[0])
-        if len(specs) == 1 and _partial(specs[0]) and _unsharded(specs[0]) \
-                and all(_unsharded(o) for o in choice.output_placements):
+        if len(specs) == 1 and _partial(specs[0]) and _unsharded(specs[0]) and all(map(_unsharded, outs)):
             return self._partial_passthrough(n, args, kwargs)
         if choice.family == "attention":
-            return self._local_attention(args, kwargs, n, choice.output_placements)
-        if n.target is torch.ops.aten.view.default:
-            # reshape: a view when strides allow. A program traced on meta may view a tensor
-            # that real kernels (attention) lay out with other strides
-            return torch.ops.aten.reshape.default(*args, **kwargs)
+            return self._local_attention(args, kwargs, n, outs)
         if choice.family == "loss" and "vocab-parallel" in choice.strategy:
             return self._vocab_parallel_loss(n, args, kwargs)
-        if choice.family == "loss" and _partial(choice.output_placements[0]) \
-                and _reduction(op, n.args, n.kwargs) in (1, 2):
-            return self._shard_loss(n, args, kwargs, choice.output_placements[0], op)
+        if choice.family == "loss" and _partial(outs[0]) and _reduction(op, n.args, n.kwargs) in (1, 2):
+            return self._shard_loss(n, args, kwargs, outs[0], op)
+        if n.target is torch.ops.aten.view.default:
+            # a view when strides allow: a program traced on meta may view a tensor that real
+            # kernels (attention) lay out with other strides
+            return torch.ops.aten.reshape.default(*args, **kwargs)
         return n.target(*args, **kwargs)
 
     def _feed(self, value: Any, producer: str, out_index: int, spec: Spec) -> Any:
@@ -829,15 +840,9 @@ def _mismatch(program: Any, solution: ShardingSolution) -> list[str]:
 
 
 def _tensor_args(n: torch.fx.Node) -> list[torch.fx.Node]:
+    """The arguments of `n` the capture records as its tensor inputs (not shape arithmetic)."""
     out: list[torch.fx.Node] = []
-
-    def visit(a: Any) -> Any:
-        if isinstance(a, torch.fx.Node) and not _no_choice_needed(a) or (
-                isinstance(a, torch.fx.Node) and a.op == "placeholder"):
-            out.append(a)
-        return a
-
-    torch.fx.node.map_aggregate((n.args, n.kwargs), visit)
+    torch.fx.node.map_arg((n.args, n.kwargs), lambda a: out.append(a) if not _no_choice_needed(a) else None)
     return out
 
 
