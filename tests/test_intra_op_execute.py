@@ -184,6 +184,42 @@ def _zoo_inputs(name, batch):
     return b.model, tuple(torch.randint(0, vocab, tuple(x.shape)) for x in b.example_inputs)
 
 
+def _nested(src, dst) -> bool:
+    """A mesh axis changes how it touches a dim that a later axis splits before and after: one
+    collective per changing axis cannot do it (`placement.transition` counts as if it could)."""
+    for a, (c, d) in enumerate(zip(src, dst)):
+        touched = {p for p in (c, d) if p.startswith("S(")}
+        if c != d and any(src[b] == dst[b] and src[b] in touched for b in range(a + 1, len(src))):
+            return True
+    return False
+
+
+def _check_redistribute(shape):
+    """Every pair of layouts of an 8x8 tensor on a mesh of `shape`: the values after
+    `execute.redistribute`, and its collectives against `placement.transition`'s."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from autopar.intra_op.execute import redistribute, to_placements
+    from autopar.intra_op.placement import all_specs, transition
+
+    mesh = init_device_mesh("cpu", shape)
+    t = torch.arange(64.0).reshape(8, 8)
+    wrong, differ = [], []
+    for src in all_specs((8, 8), shape, allow_partial=True):
+        start = tuple("R" if p == "P" else p for p in src)
+        x = redistribute(distribute_tensor(t, mesh, to_placements(start, 2)), to_placements(src, 2))
+        for dst in all_specs((8, 8), shape, allow_partial=True):
+            with CommDebugMode() as comm:
+                y = redistribute(x, to_placements(dst, 2))
+            if not torch.equal(y.full_tensor(), t) or y.placements != to_placements(dst, 2):
+                wrong.append((src, dst))
+            if sum(comm.get_comm_counts().values()) != len(transition((8, 8), 4, src, dst, shape)):
+                differ.append((src, dst))
+    return {"wrong": wrong, "differ": differ}
+
+
 def _worker(rank, port, cases, zoo, result_dir):
     try:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -206,6 +242,7 @@ def _worker(rank, port, cases, zoo, result_dir):
             ref, inputs = _zoo_inputs(model_name, batch)
             model, _ = _zoo_inputs(model_name, batch)
             out[("executor", name)] = _run_executor(mesh, model, ref, inputs, sol)
+        out["redistribute"] = {shape: _check_redistribute(shape) for shape in ((4,), (2, 2))}
         torch.save(out, os.path.join(result_dir, f"rank{rank}.pt"))
         dist.barrier()
         dist.destroy_process_group()
@@ -282,3 +319,15 @@ def test_spmd_parallelize_matches_for_mlps(solutions, results, name):
         assert loss == pytest.approx(loss_ref, rel=REL), (name, r)
         assert got["grad_err"] < REL, (name, r, got["grad_err"])
         assert got["counts"] == expect, (name, r, got["counts"], expect)
+
+
+def test_redistribute_runs_the_planned_transitions(results):
+    """`execute.redistribute` gives the right values for every pair of layouts, running one
+    collective per changing mesh axis as the plan counts, except where a later axis keeps
+    splitting a dim the changing one touches (DTensor gathers it first; the plan's
+    `placement.transition` does not count that gather)."""
+    for r, res in enumerate(results):
+        for shape, got in res["redistribute"].items():
+            assert got["wrong"] == [], (r, shape, got["wrong"][:3])
+            assert all(_nested(s, d) for s, d in got["differ"]), (r, shape, got["differ"][:3])
+    assert not results[0]["redistribute"][(4,)]["differ"]

@@ -118,38 +118,58 @@ def _grad_target(src: Sequence[Placement], keep_partial: Sequence[int]) -> tuple
 
 # ---------------------------------------------------------------------------- redistribution
 def redistribute(x: DTensor, dst: Sequence[Placement]) -> DTensor:
-    """`x` laid out `dst` (not differentiable), running the collectives of the plan's
-    `placement.transition`: DTensor's redistribute, except for two steps it does not take.
-    To partial (from replicated or sharded) is free: one device keeps the value (or each its
-    shard, in place), the others hold zeros; DTensor allows it only inside its ops. Shard to
-    shard is an all-to-all; on a CPU mesh DTensor gathers instead (gloo has all-to-all)."""
+    """`x` laid out `dst` (not differentiable), one mesh axis at a time as the plan's
+    `placement.transition` counts it: a collective per axis that changes (a reduction, a gather,
+    an all-to-all) or none (a slice; to partial). The axes go in an order where no later axis
+    splits a dim the step touches, so each step is that one collective. DTensor's redistribute
+    runs the steps, except two it does not take: to partial (from replicated or sharded) is
+    local, one device keeping the value (or each its shard, in place) and the others zeros, as
+    DTensor allows only inside its ops; shard to shard on a CPU mesh is an all-to-all (DTensor
+    gathers there; gloo has all-to-all). With no such order (a split nested inside the one that
+    changes) DTensor's redistribute runs it all."""
     mesh = x.device_mesh
     dst = tuple(dst)
-    cur = tuple(x.placements)
-    if cur == dst:
+    if tuple(x.placements) == dst:
         return x
-    cpu = mesh.device_type == "cpu"
-    a2a = [a for a, (c, d) in enumerate(zip(cur, dst))
-           if cpu and isinstance(c, Shard) and isinstance(d, Shard) and c.dim != d.dim]
-    first = tuple(c if (d.is_partial() and not c.is_partial()) or a in a2a else d
-                  for a, (c, d) in enumerate(zip(cur, dst)))
-    if first != cur:
+    changing = [a for a, (c, d) in enumerate(zip(x.placements, dst))
+                if c != d and not (c.is_partial() and d.is_partial())]
+    order = _simple_order(tuple(x.placements), dst, changing)
+    if order is None:
+        first = tuple(p if d.is_partial() and not p.is_partial() else d for p, d in zip(x.placements, dst))
         x = x.redistribute(mesh, first)
-    for a in a2a:
-        if _innermost(x.placements, a, (x.placements[a].dim, dst[a].dim)):
-            x = _all_to_all(x, a, dst[a])
-        else:
-            x = x.redistribute(mesh, tuple(dst[a] if b == a else p for b, p in enumerate(x.placements)))
-    for a, d in enumerate(dst):
-        if d.is_partial() and not x.placements[a].is_partial():
-            x = _to_partial(x, a)
+        order = [a for a, d in enumerate(dst) if d.is_partial() and not x.placements[a].is_partial()]
+    for a in order:
+        x = _step(x, a, dst[a])
     return x
 
 
-def _innermost(pl: Sequence[Placement], axis: int, dims: Sequence[int]) -> bool:
-    """No mesh axis after `axis` shards any of `dims`: an all-to-all along `axis` then moves
-    the innermost split of one dim to the innermost split of the other (DTensor's order)."""
-    return not any(isinstance(p, Shard) and p.dim in dims for p in pl[axis + 1:])
+def _touched(c: Placement, d: Placement) -> set[int]:
+    return {p.dim for p in (c, d) if isinstance(p, Shard)}
+
+
+def _simple_order(cur: tuple, dst: tuple, axes: list[int]) -> Optional[list[int]]:
+    """An order of `axes` in which, at each step, no later mesh axis splits a dim the step
+    touches (None when there is none)."""
+    if not axes:
+        return []
+    for a in axes:
+        if any(isinstance(p, Shard) and p.dim in _touched(cur[a], dst[a]) for p in cur[a + 1:]):
+            continue
+        nxt = cur[:a] + (dst[a],) + cur[a + 1:]
+        rest = _simple_order(nxt, dst, [b for b in axes if b != a])
+        if rest is not None:
+            return [a] + rest
+    return None
+
+
+def _step(x: DTensor, axis: int, d: Placement) -> DTensor:
+    """`x` with mesh axis `axis` laid out `d`, the other axes as they are."""
+    c = x.placements[axis]
+    if d.is_partial() and not c.is_partial():
+        return _to_partial(x, axis)
+    if isinstance(c, Shard) and isinstance(d, Shard) and x.device_mesh.device_type == "cpu":
+        return _all_to_all(x, axis, d)
+    return x.redistribute(x.device_mesh, tuple(d if b == axis else p for b, p in enumerate(x.placements)))
 
 
 def _all_to_all(x: DTensor, axis: int, d: Shard) -> DTensor:
@@ -167,11 +187,16 @@ def _to_partial(x: DTensor, axis: int) -> DTensor:
     zeros. Shard(d) -> partial: each device's shard in its place along d, zeros elsewhere."""
     mesh = x.device_mesh
     p = x.placements[axis]
+    inner = [b for b, q in enumerate(x.placements)
+             if b > axis and isinstance(p, Shard) and isinstance(q, Shard) and q.dim == p.dim]
+    if inner:       # a later axis splits the same dim: gather it around the step
+        pl = tuple(x.placements)
+        x = _to_partial(x.redistribute(mesh, tuple(Replicate() if b in inner else q
+                                                   for b, q in enumerate(pl))), axis)
+        return x.redistribute(mesh, tuple(pl[b] if b in inner else q for b, q in enumerate(x.placements)))
     coord = mesh.get_local_rank(axis)
     local = x.to_local()
     if isinstance(p, Shard):
-        if sum(1 for q in x.placements if isinstance(q, Shard) and q.dim == p.dim) > 1:
-            raise NotImplementedError(f"{tuple(x.placements)} -> partial on mesh axis {axis}")
         n = local.shape[p.dim]
         shape = list(local.shape)
         shape[p.dim] = n * mesh.size(axis)
