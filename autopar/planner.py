@@ -19,9 +19,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch.nn as nn
 
 from autopar.capture import OpGraph, capture
-from autopar.inter_op.dtensor_counts import dtensor_tp_counts
+from autopar.inter_op.dtensor_counts import LayerCounts, dtensor_stage_counts, dtensor_tp_counts
 from autopar.inter_op.layers import Layer, build_layers
-from autopar.inter_op.search import Candidate, Search, SearchResult
+from autopar.inter_op.search import Candidate, Search, SearchResult, StageResult
 from autopar.inter_op.stage_cost import AnalyticProvider
 from autopar.models import ModelBundle, build_model
 from autopar.schema import (ClusterSpec, Constraints, ModelInfo, Plan, PlanError, Prediction,
@@ -139,8 +139,9 @@ def _extra_flops(graph1: OpGraph, layer: Layer, recompute: str) -> float:
 def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: SearchResult, gbs: int,
              dtype: str, search_s: float, capture_s: float = 0.0, loss_fn=None, count_tp: bool = True) -> Plan:
     """The Plan of the search's best candidate. With `count_tp`, the tensor-parallel
-    collectives are counted by a DTensor dry run (`inter_op.dtensor_counts`) so that
-    `predicted.collectives` is what the runtime will issue; else Megatron-style counts."""
+    collectives are counted by DTensor dry runs (`inter_op.dtensor_counts`: each pipeline chunk
+    as the runtime runs it) so that `predicted.collectives` is what the runtime will issue; else
+    Megatron-style counts."""
     c: Candidate = res.best
     layers = res.layers
     tb = c.costs
@@ -153,16 +154,8 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
         for vc, (k, j) in enumerate(st.chunks):
             chunks.append((k, d, vc, (k, j)))
     chunks.sort()
-    # the tp collectives as DTensor will issue them (dry run), per distinct tp degree
-    dry_counts = {}
-    if count_tp:
-        for tp in sorted({st.tp for st in c.stages if st.tp > 1}):
-            st0 = next(st for st in c.stages if st.tp == tp)
-            allmods = _stage_modules(layers, 0, len(layers))
-            pls = {f: pl[1] for f, pl in _placements(graph, layers, st0.tables.costs, 0, len(layers),
-                                                      allmods, False).items()}
-            dry_counts[tp] = dtensor_tp_counts(bundle.model, bundle.example_inputs, tp, pls, layers, loss_fn,
-                                               batch=c.mb, device=_device_kind(spec))
+    # the tp collectives as DTensor will issue them (dry runs), per chunk position
+    dry_counts = _dry_counts(bundle, graph, spec, c, layers, chunks, loss_fn) if count_tp else {}
     stage_plans = []
     coll: Counter = Counter()
     extra = 0.0
@@ -185,7 +178,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
             layers=mods, recompute=st.recompute,
             placements=_placements(graph, layers, costs, k, j, mods, c.zero == 3 and c.dp > 1),
             virtual_chunk=vc, predicted=pred))
-        dry = dry_counts.get(st.tp) if st.tp > 1 else None
+        dry = dry_counts.get(pos)
         for i in range(k, j):
             lc = costs[i]
             if dry is not None:
@@ -220,10 +213,6 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                 coll["reduce_scatter"] += units + 1
     if len(chunks) > 1:
         coll["send_recv"] += 2 * m * (len(chunks) - 1)
-        # the dry run runs the model whole; its counts hold per stage as well: the runtime
-        # reduces partial sums and their gradients at layer boundaries
-        # (`spmd.megatron_boundaries`), so a stage boundary, where it hands a plain replicated
-        # tensor on, moves no collective (measured: gpt-small, tp 2 x pp 2, `autopar run`)
     if p > 1 and any(len({_owner(c, x) for x in us}) > 1 for _, _, us in tb.shared):
         coll["all_reduce"] += 1
     coll = Counter({kk: int(vv) for kk, vv in coll.items() if vv})
@@ -250,6 +239,73 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                         "candidates": res.considered, "evaluated": res.evaluated,
                         "intra_op": getattr(res.provider, "name", "analytic"),
                         "layers": len(layers)})
+
+
+def _dry_counts(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, c: Candidate, layers: list[Layer],
+                chunks: list[tuple[int, int, int, tuple[int, int]]], loss_fn=None) -> dict[int, LayerCounts]:
+    """{chunk position: its tp collectives per layer (DTensor dry run)} for the chunks on a tp
+    mesh. Without pipelining, the whole model as one tp stage; with it, each chunk alone as the
+    runtime runs it (plain tensors at its boundaries, its own tp degree: stages of different
+    tp see boundaries a whole-model run does not), identical chunks run once. A chunk whose dry
+    run fails takes the whole-model run at its tp degree; a position left out gets the analytic
+    counts."""
+    out: dict[int, LayerCounts] = {}
+    whole: dict[int, Optional[LayerCounts]] = {}
+    done: dict[tuple, tuple[int, Optional[LayerCounts]]] = {}
+    dev, n = _device_kind(spec), len(chunks)
+    for pos, (_, d, _, (k, j)) in enumerate(chunks):
+        st = c.stages[d]
+        if st.tp <= 1:
+            continue
+        lc = None
+        if n > 1:
+            mods = _stage_modules(layers, k, j)
+            pls = {f: pl[1] for f, pl in _placements(graph, layers, st.tables.costs, k, j, mods, False).items()}
+            key = (st.tp, pos == 0, pos == n - 1, tuple(l.signature for l in layers[k:j]),
+                   tuple(sorted((_relative(f, layers, k, j), pl) for f, pl in pls.items())))
+            if key not in done:
+                done[key] = (k, dtensor_stage_counts(bundle.model, bundle.example_inputs, st.tp, pls, layers, k, j,
+                                                     mods, index=pos, num_stages=n, batch=c.mb, device=dev))
+            k0, lc0 = done[key]
+            lc = _moved(lc0, k0, k, j - k) if lc0 is not None else None
+        if lc is None:
+            if st.tp not in whole:
+                whole[st.tp] = _whole_model_counts(bundle, graph, layers, st, c.mb, dev, loss_fn)
+            lc = whole[st.tp]
+        if lc is not None:
+            out[pos] = lc
+    return out
+
+
+def _whole_model_counts(bundle: ModelBundle, graph: OpGraph, layers: list[Layer], st: StageResult, mb: int,
+                        dev: str, loss_fn=None) -> Optional[LayerCounts]:
+    """The dry run of the whole model at stage `st`'s tp degree with its per-layer placements."""
+    allmods = _stage_modules(layers, 0, len(layers))
+    pls = {f: pl[1] for f, pl in _placements(graph, layers, st.tables.costs, 0, len(layers), allmods,
+                                              False).items()}
+    return dtensor_tp_counts(bundle.model, bundle.example_inputs, st.tp, pls, layers, loss_fn, batch=mb,
+                             device=dev)
+
+
+def _relative(fqn: str, layers: list[Layer], k: int, j: int) -> str:
+    """`fqn` with the name of the layer of [k, j) holding it replaced by its offset in the range
+    (identical chunks at different depths then give equal keys)."""
+    for i in range(k, j):
+        name = layers[i].name
+        if name and fqn.startswith(name + "."):
+            return f"#{i - k}{fqn[len(name):]}"
+    return fqn
+
+
+def _moved(lc: LayerCounts, src: int, dst: int, n: int) -> LayerCounts:
+    """`lc`'s counts of layers [src, src + n) as those of [dst, dst + n)."""
+    if src == dst:
+        return lc
+    out = LayerCounts(len(lc.fwd))
+    for off in range(n):
+        for name in ("fwd", "bwd", "block_fwd", "attn_fwd"):
+            getattr(out, name)[dst + off] = getattr(lc, name)[src + off]
+    return out
 
 
 def _device_kind(spec: ClusterSpec) -> str:

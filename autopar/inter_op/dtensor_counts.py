@@ -4,12 +4,23 @@ The runtime executes "tp" axes as DTensor placements and lets DTensor's sharding
 choose every op's layout (`autopar.runtime.spmd`); the collectives it runs follow from those
 rules (for the zoo GPT: an all-gather of the fused qkv output before its head split, lazily
 reduced partial sums, ...), which a Megatron-style count does not reproduce. So the planner
-counts them the way the runtime will issue them: the model is copied to the meta device, its
-parameters distributed with the stage's tp placements over a fake process group of tp ranks
-(`torch.testing._internal.distributed.fake_pg`), and one forward and backward run under
-`CommDebugMode`, which attributes each collective to the module that issued it. Nothing is
-allocated or communicated. Layers identical to their predecessor (same signature) are run once:
-the later copies pass their input through, and take the counts of the first steady-state copy.
+counts them the way the runtime will issue them: the model (or one pipeline stage of it) is
+copied to the meta device, its parameters distributed with the stage's tp placements over a
+fake process group of tp ranks (`torch.testing._internal.distributed.fake_pg`), and one forward
+and backward run under `CommDebugMode`, which attributes each collective to the module that
+issued it. Nothing is allocated or communicated. Layers identical to their predecessor (same
+signature) are run once: the later copies pass their input through, and take the counts of the
+first steady-state copy.
+
+* `dtensor_tp_counts`: the whole model, as the runtime runs a plan without pipelining (the
+  model's own loss inside the tp region).
+* `dtensor_stage_counts`: one pipeline stage, as the runtime runs it (`engine.StageCore` inside
+  an `SPMDModule`): a plain replicated input (requiring its gradient after the first stage), a
+  plain output (made whole: e.g. a vocabulary-parallel head's logits are all-gathered) and a
+  plain output gradient. Stages of different tp degrees see exactly these boundaries, which a
+  slice of the whole-model run at one tp degree does not reproduce (mlp-tiny, stages tp 1, 2, 1:
+  the whole-model run at tp 2 counts {all_gather 2, reduce_scatter 1} for the middle layer; the
+  stage alone runs {all_gather 1, all_reduce 1}).
 
 Counts are per micro-batch; DTensor chooses layouts by tensor size, so the dry run uses the
 plan's micro-batch size. Skipped (returns None) when a
@@ -19,9 +30,9 @@ and too large to copy.
 
 from __future__ import annotations
 
-import warnings
-
 import copy
+import sys
+import warnings
 from collections import Counter
 from typing import Any, Callable, Optional, Sequence
 
@@ -62,39 +73,30 @@ class LayerCounts:
         self.attn_fwd = [Counter() for _ in range(L)]
 
 
-def dtensor_tp_counts(model: nn.Module, example_inputs: Sequence[Any], tp: int,
-                      placements: dict[str, str], layers: list[Layer],
-                      loss_fn: Optional[Callable[[Any], Any]] = None, batch: Optional[int] = None,
-                      device: str = "meta", max_real_params: int = 50_000_000) -> Optional[LayerCounts]:
-    """Per-layer collectives of one micro-batch of `batch` samples (DTensor picks layouts by
-    size, so the plan's micro-batch size is used) under `placements` (FQN -> tp placement)."""
-    import torch.distributed as dist
-
-    if tp <= 1 or not dist.is_available() or dist.is_initialized():
-        return None
-    params = list(model.parameters())
+def _working_copy(module: nn.Module, device: str, max_real_params: int) -> Optional[tuple[nn.Module, str]]:
+    """(a copy of `module` to run the dry run on, its device), or None when `module` is real and
+    too large to copy. DTensor's choices can depend on the kernels the device dispatches to (CPU
+    attention takes another path than the meta one): on a CPU cluster a small model runs on
+    (uninitialised) CPU tensors, else on meta."""
+    params = list(module.parameters())
     on_meta = all(p.device.type == "meta" for p in params)
-    if not on_meta and sum(p.numel() for p in params) > max_real_params:
-        return None
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.debug import CommDebugMode
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        from autopar.runtime.spmd import allow_implicit_replication, parallelize, register_extra_strategies
-    except Exception:  # noqa: BLE001 - an optional refinement
-        return None
-    # DTensor's choices can depend on the kernels the device dispatches to (CPU attention takes
-    # another path than the meta one): on a CPU cluster run on (uninitialised) CPU tensors
     small = sum(p.numel() for p in params) <= max_real_params
-    on_cpu = device == "cpu" and small
-    m = copy.deepcopy(model)
-    m = m.to_empty(device="cpu") if on_cpu else (m if on_meta else m.to("meta"))
-    dev = "cpu" if on_cpu else "meta"
-    # run each run of identical layers once: later copies pass their input through
+    if not on_meta and not small:
+        return None
+    m = copy.deepcopy(module)
+    if device == "cpu" and small:
+        return m.to_empty(device="cpu"), "cpu"
+    return (m if on_meta else m.to("meta")), "meta"
+
+
+def _pass_through_repeats(m: nn.Module, layers: list[Layer], lo: int, hi: int) -> Optional[dict[int, int]]:
+    """Make the layers of [lo, hi) that repeat their two predecessors in the range pass their
+    input through (in the copy `m`); returns {repeated layer: the layer whose counts it takes},
+    or None when a layer's module is not found."""
     rep: dict[int, int] = {}
-    for i, l in enumerate(layers):
-        if i >= 2 and l.signature == layers[i - 1].signature == layers[i - 2].signature and len(l.modules) == 1:
+    for i in range(lo + 2, hi):
+        l = layers[i]
+        if l.signature == layers[i - 1].signature == layers[i - 2].signature and len(l.modules) == 1:
             rep[i] = rep.get(i - 1, i - 1)
     for i in rep:
         try:
@@ -102,36 +104,184 @@ def dtensor_tp_counts(model: nn.Module, example_inputs: Sequence[Any], tp: int,
         except AttributeError:
             return None
         mod.forward = lambda x, *a, **k: x  # type: ignore[method-assign]
-    inputs = []
+    return rep
+
+
+def _batch_inputs(example_inputs: Sequence[Any], batch: Optional[int], dev: str) -> list[Any]:
+    """Zero tensors shaped like `example_inputs` with dim 0 = `batch`, on `dev`."""
+    out = []
     for x in example_inputs:
         if isinstance(x, torch.Tensor):
             shape = (batch, *x.shape[1:]) if batch and x.dim() > 0 else tuple(x.shape)
-            inputs.append(torch.zeros(shape, dtype=x.dtype, device=dev))
+            out.append(torch.zeros(shape, dtype=x.dtype, device=dev))
         else:
-            inputs.append(x)
+            out.append(x)
+    return out
+
+
+def _count_comms(tp: int, build: Callable[[Any], Callable[[], Any]]) -> Optional[dict]:
+    """CommDebugMode's per-module counts of `build(mesh)()` (a forward and backward) run over a
+    fake process group of `tp` ranks; None when anything fails (the caller falls back)."""
+    import torch.distributed as dist
+
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.debug import CommDebugMode
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        from autopar.runtime.spmd import allow_implicit_replication, register_extra_strategies
+    except Exception:  # noqa: BLE001 - an optional refinement
+        return None
+    hook = sys.excepthook   # init_process_group prefixes every later traceback with "[rank0]:"
     try:
         dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
         try:
             mesh = init_device_mesh("cpu", (tp,))
             register_extra_strategies()
             allow_implicit_replication()
-            pm = parallelize(m, mesh, {f: (p,) for f, p in placements.items()},
-                             [("R",) if isinstance(x, torch.Tensor) else None for x in inputs])
+            step = build(mesh)
             cm = CommDebugMode()
             with cm, warnings.catch_warnings():
                 warnings.simplefilter("ignore")   # a dry run: torch's hook warnings are not the user's
-                out = pm(*inputs)
-                if not (isinstance(out, torch.Tensor) and out.dim() == 0):
-                    from autopar.capture.export import default_loss
-
-                    out = (loss_fn or default_loss)(out)
-                out.backward()
-            counts = cm.comm_module_counts
+                step()
+            return cm.comm_module_counts
         finally:
             dist.destroy_process_group()
+            sys.excepthook = hook
     except Exception:  # noqa: BLE001 - fall back to the analytic counts
         return None
-    prefix = next((k[: -len(".embed")] for k in counts if k.endswith(".embed")), None)
+
+
+def _can_dry_run(tp: int) -> bool:
+    import torch.distributed as dist
+
+    return tp > 1 and dist.is_available() and not dist.is_initialized()
+
+
+def dtensor_tp_counts(model: nn.Module, example_inputs: Sequence[Any], tp: int,
+                      placements: dict[str, str], layers: list[Layer],
+                      loss_fn: Optional[Callable[[Any], Any]] = None, batch: Optional[int] = None,
+                      device: str = "meta", max_real_params: int = 50_000_000) -> Optional[LayerCounts]:
+    """Per-layer collectives of one micro-batch of `batch` samples (DTensor picks layouts by
+    size, so the plan's micro-batch size is used) under `placements` (FQN -> tp placement),
+    the whole model run as one tp stage (a plan without pipelining)."""
+    if not _can_dry_run(tp):
+        return None
+    work = _working_copy(model, device, max_real_params)
+    if work is None:
+        return None
+    m, dev = work
+    rep = _pass_through_repeats(m, layers, 0, len(layers))
+    if rep is None:
+        return None
+    inputs = _batch_inputs(example_inputs, batch, dev)
+
+    def build(mesh: Any) -> Callable[[], None]:
+        from autopar.runtime.spmd import parallelize
+
+        pm = parallelize(m, mesh, {f: (p,) for f, p in placements.items()},
+                         [("R",) if isinstance(x, torch.Tensor) else None for x in inputs])
+
+        def step() -> None:
+            out = pm(*inputs)
+            if not (isinstance(out, torch.Tensor) and out.dim() == 0):
+                from autopar.capture.export import default_loss
+
+                out = (loss_fn or default_loss)(out)
+            out.backward()
+        return step
+
+    counts = _count_comms(tp, build)
+    if counts is None:
+        return None
+    return _attribute(counts, layers, rep, 0, len(layers))
+
+
+def dtensor_stage_counts(model: nn.Module, example_inputs: Sequence[Any], tp: int,
+                         placements: dict[str, str], layers: list[Layer], lo: int, hi: int,
+                         modules: list[str], *, index: int, num_stages: int, batch: Optional[int] = None,
+                         device: str = "meta", max_real_params: int = 50_000_000) -> Optional[LayerCounts]:
+    """Per-layer collectives (layers [lo, hi) filled) of one micro-batch of pipeline stage
+    `index` of `num_stages`, holding `modules` (the plan's `StagePlan.layers`), run on a tp mesh
+    of `tp` ranks under `placements` (FQN -> tp placement) as the runtime runs it (see the module
+    docstring). None when the model cannot be cut into stages here (the caller falls back)."""
+    if not _can_dry_run(tp):
+        return None
+    try:
+        from autopar.runtime.engine import StageCore, family_of
+        from autopar.runtime.materialize import canonical_names
+    except Exception:  # noqa: BLE001 - an optional refinement
+        return None
+    try:
+        family = family_of(model)
+        x = _stage_input(model, family, example_inputs, layers, lo, batch, max_real_params)
+    except Exception:  # noqa: BLE001 - a model the runtime cannot pipeline: fall back
+        return None
+    if x is None:
+        return None
+    aliases = canonical_names(model)
+    work = _working_copy(StageCore(model, modules, family, index == num_stages - 1), device, max_real_params)
+    if work is None:
+        return None
+    core, dev = work
+    rep = _pass_through_repeats(core, layers, lo, hi)
+    if rep is None:
+        return None
+    x = torch.zeros(x.shape, dtype=x.dtype, device=dev)
+    if index > 0 and x.is_floating_point():
+        x.requires_grad_(True)   # a received activation: its gradient is sent back
+
+    def build(mesh: Any) -> Callable[[], None]:
+        from autopar.runtime.spmd import SPMDModule, distribute_params
+
+        distribute_params(core, mesh, {f: (p,) for f, p in placements.items()}, aliases=aliases,
+                          src_data_rank=None)
+        run = SPMDModule(core, mesh, [None])
+
+        def step() -> None:
+            out = run(x)   # plain: the loss (last stage) or the sent gradient is plain too
+            torch.autograd.backward(out, grad_tensors=torch.zeros_like(out))
+        return step
+
+    counts = _count_comms(tp, build)
+    if counts is None:
+        return None
+    return _attribute(counts, layers, rep, lo, hi)
+
+
+def _stage_input(model: nn.Module, family: Any, example_inputs: Sequence[Any], layers: list[Layer],
+                 lo: int, batch: Optional[int], max_real_params: int = 50_000_000) -> Optional[torch.Tensor]:
+    """The (meta) input of the stage starting at layer `lo` for a micro-batch of `batch`: the
+    first example input, run through the layers before `lo` as the runtime chains them
+    (`engine._stage_shapes`) on a meta copy of those layers. A layer identical to its
+    predecessor keeps its input's shape, so it is not run."""
+    if not example_inputs or not isinstance(example_inputs[0], torch.Tensor):
+        return None
+    x = _batch_inputs(example_inputs[:1], batch, "meta")[0]
+    if lo == 0:
+        return x
+    from autopar.runtime.engine import StageCore
+
+    done: set[str] = set()
+    run: list[str] = []
+    for i in range(lo):
+        mods = [m for m in layers[i].modules if m and m not in done]
+        done.update(mods)
+        if i > 0 and layers[i].signature == layers[i - 1].signature and len(layers[i].modules) == 1:
+            continue
+        run.extend(mods)
+    prefix = StageCore(model, run, family, False)
+    work = _working_copy(prefix, "meta", max_real_params)
+    if work is None:
+        return None
+    with torch.no_grad():
+        return work[0](x)
+
+
+def _attribute(counts: dict, layers: list[Layer], rep: dict[int, int], lo: int, hi: int) -> LayerCounts:
+    """CommDebugMode's per-module counts of a run of layers [lo, hi) as per-layer LayerCounts
+    (other layers left empty); a repeated layer takes its source's counts, and the collectives
+    of no layer module (the loss, a stage's boundaries) go to the last layer of the range."""
     roots = [k for k in counts if k.endswith(".module")]
     root = roots[0] if roots else "SPMDModule.module"
     prefix = root + "."
@@ -140,8 +290,8 @@ def dtensor_tp_counts(model: nn.Module, example_inputs: Sequence[Any], tp: int,
     # `model` holds the embedding, the final norm and `model.layers.*`, and is named by the first
     # and the last layer): its own collectives, without those of the layer modules inside it,
     # count once, in the first layer naming it
-    names = list(dict.fromkeys(m for l in layers for m in l.modules))
-    owner = {m: next(i for i, l in enumerate(layers) if m in l.modules) for m in names}
+    names = list(dict.fromkeys(m for l in layers[lo:hi] for m in l.modules))
+    owner = {m: next(i for i in range(lo, hi) if m in layers[i].modules) for m in names}
 
     def inner(name: str) -> list[str]:
         """The outermost layer modules strictly inside `name`."""
@@ -158,7 +308,7 @@ def dtensor_tp_counts(model: nn.Module, example_inputs: Sequence[Any], tp: int,
     total_f = _counter(counts.get("Global", {}).get("forward", {}))
     total_b = _counter(counts.get("Global", {}).get("backward", {}))
     seen_f, seen_b = Counter(), Counter()
-    for i, l in enumerate(layers):
+    for i in range(lo, hi):
         src = rep.get(i, i)
         for mod in layers[src].modules:
             if owner[mod] != src:
@@ -174,7 +324,7 @@ def dtensor_tp_counts(model: nn.Module, example_inputs: Sequence[Any], tp: int,
             if src == i:
                 seen_f += f
                 seen_b += b
-    # ops of the root module itself (the loss): the last layer's stage runs them
-    res.fwd[-1] += total_f - seen_f
-    res.bwd[-1] += total_b - seen_b
+    # ops of the root module itself (the loss, a stage's plain boundaries): the last layer's
+    res.fwd[hi - 1] += total_f - seen_f
+    res.bwd[hi - 1] += total_b - seen_b
     return res
