@@ -126,7 +126,7 @@ def redistribute(x: DTensor, dst: Sequence[Placement]) -> DTensor:
     local, one device keeping the value (or each its shard, in place) and the others zeros, as
     DTensor allows only inside its ops; shard to shard on a CPU mesh is an all-to-all (DTensor
     gathers there; gloo has all-to-all). With no such order (a split nested inside the one that
-    changes) DTensor's redistribute runs it all."""
+    changes), each step gathers the nested axes first (`_nested_redistribute`)."""
     mesh = x.device_mesh
     dst = tuple(dst)
     if tuple(x.placements) == dst:
@@ -135,11 +135,27 @@ def redistribute(x: DTensor, dst: Sequence[Placement]) -> DTensor:
                 if c != d and not (c.is_partial() and d.is_partial())]
     order = _simple_order(tuple(x.placements), dst, changing)
     if order is None:
-        first = tuple(p if d.is_partial() and not p.is_partial() else d for p, d in zip(x.placements, dst))
-        x = x.redistribute(mesh, first)
-        order = [a for a, d in enumerate(dst) if d.is_partial() and not x.placements[a].is_partial()]
+        return _nested_redistribute(x, dst, changing)
     for a in order:
         x = _step(x, a, dst[a])
+    return x
+
+
+def _nested_redistribute(x: DTensor, dst: tuple, changing: list[int]) -> DTensor:
+    """No simple order: per changing axis (mesh order), gather the later axes that split a dim
+    it touches (innermost first), change it, and slice back those that keep their layout, as
+    `placement.transition` counts it."""
+    src = tuple(x.placements)
+    for a in changing:
+        t = _touched(x.placements[a], dst[a])
+        inner = [b for b in range(a + 1, len(dst))
+                 if isinstance(x.placements[b], Shard) and x.placements[b].dim in t]
+        for b in reversed(inner):
+            x = _step(x, b, Replicate())
+        x = _step(x, a, dst[a])
+        for b in inner:
+            if b not in changing:
+                x = _step(x, b, src[b])
     return x
 
 

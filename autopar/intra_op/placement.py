@@ -91,21 +91,71 @@ def transition(shape: tuple[int, ...], itemsize: int, src: Spec, dst: Spec,
                ) -> tuple[tuple[str, int, float], ...]:
     """Collectives (kind, mesh axis, bytes) turning layout `src` into `dst`, axis by axis.
 
-    The axes are visited in the order that moves the fewest weighted bytes (`axis_cost[a]`:
-    seconds per byte on axis a; all orders run the same collectives, on different buffers:
-    gather along a slow axis while the tensor is still small, reduce-scatter along it once it
-    has shrunk)."""
+    A step on one axis is one collective only if no later mesh axis splits a dim the step
+    touches (DTensor shards nest: a later axis splits what the earlier one left). The axes go in
+    such a *simple* order when there is one; among those, the order that moves the fewest
+    weighted bytes (`axis_cost[a]`: seconds per byte on axis a; gather along a slow axis while
+    the tensor is still small, reduce-scatter along it once it has shrunk). Without one, each
+    step in mesh order first gathers the later axes nested in it, innermost first, and slices
+    them back afterwards (`intra_op.execute.redistribute` runs exactly this)."""
     axes = [a for a in range(len(src)) if src[a] != dst[a] and mesh_shape[a] > 1]
-    if len(axes) <= 1 or axis_cost is None:
-        return _transition(shape, itemsize, src, dst, mesh_shape, tuple(range(len(src))))
+    orders = _simple_orders(tuple(src), tuple(dst), tuple(axes))
+    if not orders:
+        return _nested_transition(shape, itemsize, src, dst, mesh_shape, axes)
+    rest = lambda perm: tuple(perm) + tuple(a for a in range(len(src)) if a not in perm)  # noqa: E731
+    if len(orders) == 1 or axis_cost is None:
+        return _transition(shape, itemsize, src, dst, mesh_shape, rest(orders[0]))
     best, best_c = None, None
-    for perm in itertools.permutations(axes):
-        order = tuple(perm) + tuple(a for a in range(len(src)) if a not in perm)
-        t = _transition(shape, itemsize, src, dst, mesh_shape, order)
+    for perm in orders:
+        t = _transition(shape, itemsize, src, dst, mesh_shape, rest(perm))
         c = sum(axis_cost[a] * b for _, a, b in t)
         if best_c is None or c < best_c - 1e-18:
             best, best_c = t, c
     return best
+
+
+def _touched(c: str, d: str) -> set[int]:
+    return {x for x in (shard_dim(c), shard_dim(d)) if x is not None}
+
+
+def nested_axes(cur: Sequence[str], a: int, d: str) -> list[int]:
+    """Later mesh axes splitting a dim that changing axis `a` of `cur` to `d` touches."""
+    t = _touched(cur[a], d)
+    return [b for b in range(a + 1, len(cur)) if shard_dim(cur[b]) in t]
+
+
+def _simple_orders(cur: Spec, dst: Spec, axes: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every order of `axes` in which no step has a nested later axis (`nested_axes`)."""
+    if not axes:
+        return [()]
+    out = []
+    for a in axes:
+        if nested_axes(cur, a, dst[a]):
+            continue
+        nxt = cur[:a] + (dst[a],) + cur[a + 1:]
+        out += [(a,) + r for r in _simple_orders(nxt, dst, tuple(b for b in axes if b != a))]
+    return out
+
+
+def _nested_transition(shape, itemsize, src, dst, mesh_shape, axes) -> tuple[tuple[str, int, float], ...]:
+    """No simple order: per changing axis a (mesh order), all-gather the axes nested in it
+    (innermost first), change a, slice back the nested axes that keep their layout."""
+    cur = list(src)
+    out: list[tuple[str, int, float]] = []
+    for a in axes:
+        inner = nested_axes(cur, a, dst[a])
+        for b in reversed(inner):
+            whole = list(cur)
+            whole[b] = REPLICATE
+            out.append(("all_gather", b, _bytes(shape, whole, mesh_shape, itemsize)))
+            cur[b] = REPLICATE
+        out += _transition(shape, itemsize, tuple(cur), tuple(dst[x] if x == a else cur[x] for x in range(len(cur))),
+                           mesh_shape, (a,))
+        cur[a] = dst[a]
+        for b in inner:
+            if b not in axes:
+                cur[b] = src[b]          # R -> S: a local slice
+    return tuple(out)
 
 
 def _transition(shape, itemsize, src, dst, mesh_shape, order) -> tuple[tuple[str, int, float], ...]:
