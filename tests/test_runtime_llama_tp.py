@@ -48,13 +48,15 @@ def megatron_counts(blocks: int, dp: int = 1) -> dict[str, int]:
 
 
 def make_plan(ref: str, devices: int, **pins):
-    """The planner's plan for `ref` on `devices` CPU processes with the knobs in `pins`."""
-    import autopar
+    """The planner's plan for `ref` on `devices` CPU processes with the knobs in `pins`, with
+    the analytic (Megatron) per-layer rules: these tests are about running Megatron's layout,
+    vocabulary-parallel embedding included (the ILP may keep a table this small whole)."""
     from autopar import ClusterSpec, Constraints
+    from autopar.planner import plan
 
     cluster = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": devices})
-    return autopar.plan(ref, cluster, global_batch_size=GBS, dtype="fp32",
-                        constraints=Constraints(num_microbatches=1, recompute="none", **pins))
+    return plan(ref, cluster, global_batch_size=GBS, dtype="fp32", intra_op="analytic",
+                constraints=Constraints(num_microbatches=1, recompute="none", **pins))
 
 
 _REF: dict[str, list[float]] = {}
@@ -118,3 +120,18 @@ def test_llama_dp2_tp2_equals_one_process():
     assert_megatron_placements(plan)
     assert plan.predicted.collectives == megatron_counts(blocks=2, dp=2)
     run_and_check(plan, ZOO)
+
+
+def test_ilp_planned_llama_tp2_runs_as_predicted():
+    """The default planner on a small cluster costs layers with the intra-op ILP: its tp=2 plan
+    (weight GEMMs split Megatron-style, the small embedding table kept whole) runs with the
+    one-process losses and exactly the collectives it predicts."""
+    from autopar import ClusterSpec, Constraints
+    from autopar.planner import plan as make
+
+    cluster = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 2})
+    p = make(ZOO, cluster, global_batch_size=GBS, dtype="fp32", intra_op="ilp",
+             constraints=Constraints(num_microbatches=1, recompute="none", tp=2, dp=1, pp=1))
+    assert p.search["intra_op"] == "ilp"
+    assert_megatron_placements(p)
+    run_and_check(p, ZOO)

@@ -49,7 +49,7 @@ groups. E is the set of edges between groups (a tensor produced in u, consumed i
 * Model axes (optional, `model_axes` with `batch_dims`): strategies that use such an axis as
   data parallelism are removed before solving: splitting a batch dim there, or splitting an
   activation while every parameter the op reads stays whole on that axis (token or sequence
-  parallelism over replicated weights). The planner passes its "tp" axis, which the runtime
+  parallelism over replicated weights), or a weight GEMM not splitting its weight there. The planner passes its "tp" axis, which the runtime
   executes as tensor parallelism with every tp rank holding the whole micro-batch.
 * Solvers: CBC through pywraplp by default (the LP relaxation of this formulation is nearly
   tight; CBC closes it in tenths of a second on a GPT-3 layer), HiGHS and SCIP likewise, or
@@ -460,10 +460,12 @@ class IntraOpProblem:
         return tuple(n.outputs[0].shape) if n is not None and n.outputs else ()
 
     def _strategy_splits_batch(self, n: OpNode, st: Strategy) -> bool:
-        """Whether strategy `st` of op `n` is data rather than model parallelism on a model axis:
-        it splits a batch dim there, or it keeps every parameter it reads whole on that axis
-        while splitting an activation (tokens or sequence split over replicated weights, i.e.
-        data or sequence parallelism; Megatron's layers always split the weight they use)."""
+        """Whether strategy `st` of op `n` is not model parallelism on a model axis: it splits a
+        batch dim there, or it keeps every parameter it reads whole on that axis while splitting
+        an activation (tokens or sequence over replicated weights: data or sequence
+        parallelism), or it is a matrix op with weights that it does not split there (the axis
+        would only repeat its work: tensor parallelism splits every weight GEMM, as Megatron's
+        layers do; an op with no such strategy keeps its others)."""
         if any(self._splits_batch(n.name, sp) for sp in st.out_specs[:1]):
             return True
         if any(self._splits_batch(i, sp) for i, sp in zip(n.inputs, st.in_specs)):
@@ -474,7 +476,8 @@ class IntraOpProblem:
         for a in self.model_axes:
             params = [sp[a] for k, sp in zip(kinds, st.in_specs) if k == "param" and a < len(sp)]
             acts = [sp[a] for k, sp in zip(kinds, st.in_specs) if k != "param" and a < len(sp)]
-            if params and all(x == REPLICATE for x in params) and any(x.startswith("S(") for x in acts):
+            if params and all(x == REPLICATE for x in params) and (
+                    n.op in HEAVY_OPS or any(x.startswith("S(") for x in acts)):
                 return True
         return False
 
