@@ -20,7 +20,8 @@ two moments, and gradient (`optimizer_step_time`).
 
 Measured profiles (`autopar profile`) may carry what these formulas guess, and then it is used
 instead: the backward rate of element-wise / normalisation / loss ops (`op_backward_flops`; on a
-CPU the backward kernels run at their own rates, not the forward's), the fused attention kernel's
+CPU the backward kernels run at their own rates, not the forward's), a linear layer's backward
+over forward time (`matmul_backward_ratio`, instead of 2), the fused attention kernel's
 forward and backward rates by size (`attention_flops`; on a CPU it runs far below the GEMM rate),
 and the optimizer step's cost per parameter tensor and per element (`optimizer_step`; a step that
 updates one tensor at a time runs ~10 small kernels per tensor). Profiles without them (the
@@ -155,7 +156,11 @@ def op_backward_time(op: str, flops: float, bytes_moved: float, device: DeviceSp
     if op in MATRIX_OPS:
         # two GEMMs of the forward's size (input grad, weight grad), each at the forward's efficiency
         n = max(1, round(bf))
-        return n * op_time(op, flops * bf / n, bytes_moved * bb / n, device, dtype)
+        t = n * op_time(op, flops * bf / n, bytes_moved * bb / n, device, dtype)
+        if device.matmul_backward_ratio is not None and op not in FUSED_ATTENTION:
+            # measured: the weight gradient's transposed GEMM and the bias sum run below the forward
+            t *= device.matmul_backward_ratio / bf
+        return t
     rate = measured_backward_rate(op, device)
     if rate is not None and (flops > 0 or bytes_moved > 0):
         return _roofline(flops * bf, rate, bytes_moved * bb, device)

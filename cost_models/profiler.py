@@ -9,6 +9,8 @@ the figures include the contention a real run sees (shared memory bus, shared co
 - kernel overhead: per op of a chain of one-element ops run forward and backward under autograd;
 - element-wise, normalisation and loss ops: forward and backward FLOP/s (the backward kernels of
   these ops run at their own rates, which the cost model would otherwise take from the forward);
+- a linear layer's backward over forward time (the weight gradient's transposed GEMM and the bias
+  sum run below the forward's rate);
 - fused attention (scaled_dot_product_attention): forward and backward FLOP/s per dtype at a few
   (sequence, head dim) sizes (on a CPU it runs far below the GEMM rate);
 - the optimizer step as the runtime runs it (AdamW, one tensor at a time): seconds per parameter
@@ -44,15 +46,15 @@ def _plan(quick: bool, cuda: bool) -> dict[str, Any]:
     if cuda:
         return dict(gemm=[256, 512, 1024, 2048, 4096, 8192], dtypes=["fp32", "bf16"],
                     coll=[2 ** k for k in range(10, 31, 2)], copy_bytes=1 << 30, min_time=0.05,
-                    vector_elems=1 << 26, opt_hidden=2048, attention=[(512, 64), (1024, 64), (2048, 128), (4096, 128)],
-                    attention_flops=2.0 ** 36)
+                    vector_elems=1 << 26, opt_hidden=2048, linear=(8192, 4096, 16384),
+                    attention=[(512, 64), (1024, 64), (2048, 128), (4096, 128)], attention_flops=2.0 ** 36)
     if quick:
         return dict(gemm=[32, 128, 384], dtypes=["fp32", "bf16"], coll=[1 << 10, 1 << 16, 1 << 20, 1 << 22],
-                    copy_bytes=16 << 20, min_time=0.02, vector_elems=1 << 18, opt_hidden=256,
+                    copy_bytes=16 << 20, min_time=0.02, vector_elems=1 << 18, opt_hidden=256, linear=(1024, 256, 1024),
                     attention=[(64, 32), (256, 64)], attention_flops=2.0 ** 25)
     return dict(gemm=[32, 64, 128, 256, 512, 1024, 2048], dtypes=["fp32", "bf16"],
                 coll=[1 << 10, 1 << 13, 1 << 16, 1 << 19, 1 << 22, 1 << 24, 1 << 26], copy_bytes=256 << 20,
-                min_time=0.1, vector_elems=1 << 20, opt_hidden=256,
+                min_time=0.1, vector_elems=1 << 20, opt_hidden=256, linear=(1024, 256, 1024),
                 attention=[(64, 32), (128, 64), (256, 64), (512, 64), (1024, 128)], attention_flops=2.0 ** 26)
 
 
@@ -124,6 +126,7 @@ def _worker(rank: int, world: int, port: int, plan: dict, threads: int, q: Any) 
         _measure_copy(plan, dev, sync, dist.barrier, report)
         _measure_vector(plan, dev, sync, dist.barrier, report)
         _measure_overhead(plan, dev, sync, report)
+        _measure_linear(plan, dev, sync, dist.barrier, report)
         _measure_attention(plan, dev, sync, dist.barrier, report)
         _measure_optimizer(plan, dev, sync, dist.barrier, report)
         _measure_collectives(plan, dev, sync, world, rank, report)
@@ -236,6 +239,22 @@ def _measure_overhead(plan: dict, dev: Any, sync, report) -> None:
 
     s = _timeit(fwd_bwd, plan["min_time"] / 2, sync, max_reps=500)
     report("overhead", s / (2 * (chain + 1)))
+
+
+def _measure_linear(plan: dict, dev: Any, sync, barrier, report) -> None:
+    """A linear layer with bias (fp32) at the plan's (tokens, in, out) shape: forward and backward
+    (input and weight gradients, bias sum) seconds. Reports (shape, forward s, backward s)."""
+    import torch
+    import torch.nn.functional as F
+
+    m, k, n = plan["linear"]
+    x, w, b = (torch.randn(*shape, device=dev).requires_grad_() for shape in ((m, k), (n, k), (n,)))
+    fn = lambda: F.linear(x, w, b)  # noqa: E731
+    barrier()
+    with torch.no_grad():
+        tf = _timeit(fn, plan["min_time"] / 4, sync)
+    tb = _timeit(_backward_timer(fn, [x, w, b]), plan["min_time"] / 4, sync)
+    report("linear", ((m, k, n), tf, tb))
 
 
 def _measure_attention(plan: dict, dev: Any, sync, barrier, report) -> None:
@@ -374,7 +393,7 @@ def profile_machine(output: Path, *, num_processes: int | None = None, quick: bo
     plan = _plan(quick, cuda)
     if n == 1:
         plan["coll"] = []         # one device: nothing to communicate with
-    total_steps = (len(plan["dtypes"]) * (len(plan["gemm"]) + len(plan["attention"])) + 5
+    total_steps = (len(plan["dtypes"]) * (len(plan["gemm"]) + len(plan["attention"])) + 6
                    + len(KINDS) * len(plan["coll"]))
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
@@ -384,7 +403,7 @@ def profile_machine(output: Path, *, num_processes: int | None = None, quick: bo
     for p in procs:
         p.start()
     results: dict[str, list] = {"gemm": [], "copy": [], "vector": [], "vector_bwd": [], "overhead": [],
-                                "attention": [], "optimizer": [], "coll": [], "unsupported": []}
+                                "attention": [], "optimizer": [], "linear": [], "coll": [], "unsupported": []}
 
     bar = None
     if progress:
@@ -436,7 +455,8 @@ def _describe(tag: str, p: Any) -> str:
     return {"gemm": lambda: f"GEMM {p[0]} {p[1]}^3", "copy": lambda: "memory bandwidth",
             "overhead": lambda: "kernel overhead", "vector": lambda: "element-wise ops",
             "vector_bwd": lambda: "element-wise backward", "attention": lambda: f"attention {p[0]}",
-            "optimizer": lambda: "optimizer step", "coll": lambda: f"{p[0]} {int(p[2])} B",
+            "optimizer": lambda: "optimizer step", "linear": lambda: "linear backward",
+            "coll": lambda: f"{p[0]} {int(p[2])} B",
             "unsupported": lambda: f"{p[0]} unsupported"}[tag]()
 
 
@@ -451,6 +471,12 @@ def _measured_costs(res: dict[str, list], how: str) -> tuple[dict[str, Any], dic
         sources["op_backward_flops"] = (
             f"{how}: backward (torch.autograd.grad) of each op on {n} fp32 elements, less its time on "
             f"1024 elements (the engine's fixed cost), FLOPs counted as the forward's")
+    if res.get("linear"):
+        (m, k, n), tf, tb = res["linear"][0]
+        fields["matmul_backward_ratio"] = tb / tf
+        sources["matmul_backward_ratio"] = (
+            f"{how}: torch.nn.functional.linear with bias, {m} x {k} -> {n} fp32, backward "
+            f"(torch.autograd.grad: input and weight gradients, bias sum) over forward seconds")
     if res.get("attention"):
         table: dict[str, list[AttentionPoint]] = {}
         for dt, per_head, flops, tf, tb in res["attention"]:

@@ -205,9 +205,23 @@ def test_measured_backward_rate_replaces_the_forward_rate() -> None:
     assert fast == pytest.approx(max(f / 50e9, 1.5 * nbytes / 40e9) + CPU.kernel_overhead_s)   # memory still bounds it
     assert slow > plain > fast
     # ops the profile did not measure, and matrix ops, keep the formulas
-    assert op_backward_time("silu", f, nbytes, _measured(bwd=5e9), "fp32") == op_backward_time("silu", f, nbytes, CPU, "fp32")
+    assert op_backward_time("silu", f, nbytes, _measured(bwd=5e9), "fp32") == \
+        op_backward_time("silu", f, nbytes, CPU, "fp32")
     assert op_backward_time("linear", 1e9, nbytes, _measured(bwd=5e9), "fp32") == \
         op_backward_time("linear", 1e9, nbytes, CPU, "fp32")
+
+
+def test_measured_matmul_backward_ratio() -> None:
+    f, nbytes = 5e8, 4e6
+    two = op_backward_time("linear", f, nbytes, CPU, "fp32")
+    assert two == pytest.approx(2 * op_time("linear", f, nbytes, CPU, "fp32"))
+    slow = CPU.model_copy(update={"matmul_backward_ratio": 2.2})
+    assert op_backward_time("linear", f, nbytes, slow, "fp32") == pytest.approx(1.1 * two)
+    assert op_backward_time("bmm", f, nbytes, slow, "fp32") > op_backward_time("bmm", f, nbytes, CPU, "fp32")
+    # fused attention has its own measurement; element-wise ops are untouched
+    q = (16, 4, 64, 32)
+    assert attention_time(q, q, q, slow, "fp32") == attention_time(q, q, q, CPU, "fp32")
+    assert op_backward_time("gelu", f, nbytes, slow, "fp32") == op_backward_time("gelu", f, nbytes, CPU, "fp32")
 
 
 @settings(max_examples=25, deadline=None)
@@ -254,6 +268,8 @@ def test_gpu_profiles_keep_the_formulas(name: str) -> None:
     """Bundled GPU profiles measure none of the new fields: their predictions are the formulas'."""
     dev = ClusterSpec.load(name).device
     assert dev.op_backward_flops is None and dev.attention_flops is None and dev.optimizer_step is None
+    assert dev.matmul_backward_ratio is None
+    assert op_backward_time("linear", 1e12, 1e9, dev) == 2 * op_time("linear", 1e12, 1e9, dev)
     n = 1e9
     assert optimizer_step_time(n, dev, "bf16", param_tensors=500) == optimizer_step_time(n, dev, "bf16")
     assert optimizer_step_time(n, dev, "bf16", num_tensors=0) == pytest.approx(

@@ -39,7 +39,7 @@ def _check_measured_costs(c: autopar.ClusterSpec) -> None:
     """The profile carries the measured backward, attention and optimizer costs, each with its
     source, and the compute model takes them up."""
     d = c.device
-    for field in ("op_backward_flops", "attention_flops", "optimizer_step"):
+    for field in ("op_backward_flops", "attention_flops", "optimizer_step", "matmul_backward_ratio"):
         assert "measured" in d.sources[field]
     assert {"gelu", "layer_norm", "native_layer_norm", "softmax", "cross_entropy_loss"} <= set(d.op_backward_flops)
     assert all(r > 1e6 for r in d.op_backward_flops.values())
@@ -48,6 +48,7 @@ def _check_measured_costs(c: autopar.ClusterSpec) -> None:
         assert len(pts) >= 2 and [p.flops_per_head for p in pts] == sorted(p.flops_per_head for p in pts)
         assert all(p.forward_flops > 1e6 and p.backward_flops > 1e6 for p in pts)
     assert d.optimizer_step.per_tensor_s > 0 and d.optimizer_step.per_element_s >= 0
+    assert 0.5 < d.matmul_backward_ratio < 20
     # the compute model uses them
     assert op_backward_time("gelu", 18e6, 8e6, d, "fp32") >= 18e6 / d.op_backward_flops["gelu"]
     fwd, bwd = attention_time((8, 4, 64, 32), (8, 4, 64, 32), (8, 4, 64, 32), d, "fp32")

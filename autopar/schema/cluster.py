@@ -82,6 +82,10 @@ class DeviceSpec(_Strict):
         default=None, description="measured FLOP/s of the backward of particular non-matrix ops by "
         "ATen name, their FLOPs counted as the forward's; None: the backward runs at the forward's "
         "rate (op_flops / vector_flops), bound by memory bandwidth")
+    matmul_backward_ratio: Optional[float] = Field(
+        default=None, gt=0, description="measured backward over forward time of a linear layer (input "
+        "and weight gradients, bias sum) at a representative transformer shape; None: 2 (two GEMMs of "
+        "the forward's size at its efficiency)")
     attention_flops: Optional[dict[str, list[AttentionPoint]]] = Field(
         default=None, description="measured forward and backward rates of the fused attention kernel "
         "by dtype and size; None: fused attention runs at the GEMM efficiency curve")
