@@ -182,11 +182,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
         for i in range(k, j):
             lc = costs[i]
             if dry is not None:
-                per_mb = dry.fwd[i] + dry.bwd[i]
-                if st.recompute == "full":
-                    per_mb += dry.block_fwd[i]
-                elif st.recompute == "selective":
-                    per_mb += dry.attn_fwd[i]
+                per_mb = dry.fwd[i] + dry.bwd[i] + _recomputed(dry, i, st.recompute)
                 coll.update({kk: m * vv for kk, vv in per_mb.items()})
             else:
                 coll.update({kk: m * vv for kk, vv in lc.coll_fwd.items()})
@@ -241,6 +237,15 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                         "layers": len(layers)})
 
 
+def _recomputed(dry: LayerCounts, i: int, recompute: str) -> Counter:
+    """Collectives of layer `i` re-run by `recompute` beyond `dry`'s counts: none when the dry
+    run ran with that mode (its backward already holds what torch's checkpoint re-runs, which
+    stops at the last saved tensor), else Megatron's whole re-run forward."""
+    if recompute == dry.recompute or recompute == "none":
+        return Counter()
+    return dry.block_fwd[i] if recompute == "full" else dry.attn_fwd[i] if recompute == "selective" else Counter()
+
+
 def _dry_counts(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, c: Candidate, layers: list[Layer],
                 chunks: list[tuple[int, int, int, tuple[int, int]]], loss_fn=None) -> dict[int, LayerCounts]:
     """{chunk position: its tp collectives per layer (DTensor dry run)} for the chunks on a tp
@@ -248,9 +253,10 @@ def _dry_counts(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, c: Candi
     runtime runs it (plain tensors at its boundaries, its own tp degree: stages of different
     tp see boundaries a whole-model run does not), identical chunks run once. A chunk whose dry
     run fails takes the whole-model run at its tp degree; a position left out gets the analytic
-    counts."""
+    counts. Each run recomputes as its stage does (`StageResult.recompute`), so the counts hold
+    what the runtime's recomputation re-runs."""
     out: dict[int, LayerCounts] = {}
-    whole: dict[int, Optional[LayerCounts]] = {}
+    whole: dict[tuple[int, str], Optional[LayerCounts]] = {}
     done: dict[tuple, tuple[int, Optional[LayerCounts]]] = {}
     dev, n = _device_kind(spec), len(chunks)
     for pos, (_, d, _, (k, j)) in enumerate(chunks):
@@ -261,17 +267,19 @@ def _dry_counts(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, c: Candi
         if n > 1:
             mods = _stage_modules(layers, k, j)
             pls = {f: pl[1] for f, pl in _placements(graph, layers, st.tables.costs, k, j, mods, False).items()}
-            key = (st.tp, pos == 0, pos == n - 1, tuple(l.signature for l in layers[k:j]),
+            key = (st.tp, st.recompute, pos == 0, pos == n - 1, tuple(l.signature for l in layers[k:j]),
                    tuple(sorted((_relative(f, layers, k, j), pl) for f, pl in pls.items())))
             if key not in done:
                 done[key] = (k, dtensor_stage_counts(bundle.model, bundle.example_inputs, st.tp, pls, layers, k, j,
-                                                     mods, index=pos, num_stages=n, batch=c.mb, device=dev))
+                                                     mods, index=pos, num_stages=n, batch=c.mb, device=dev,
+                                                     recompute=st.recompute))
             k0, lc0 = done[key]
             lc = _moved(lc0, k0, k, j - k) if lc0 is not None else None
         if lc is None:
-            if st.tp not in whole:
-                whole[st.tp] = _whole_model_counts(bundle, graph, layers, st, c.mb, dev, loss_fn)
-            lc = whole[st.tp]
+            wkey = (st.tp, st.recompute)
+            if wkey not in whole:
+                whole[wkey] = _whole_model_counts(bundle, graph, layers, st, c.mb, dev, loss_fn)
+            lc = whole[wkey]
         if lc is not None:
             out[pos] = lc
     return out
@@ -279,12 +287,13 @@ def _dry_counts(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, c: Candi
 
 def _whole_model_counts(bundle: ModelBundle, graph: OpGraph, layers: list[Layer], st: StageResult, mb: int,
                         dev: str, loss_fn=None) -> Optional[LayerCounts]:
-    """The dry run of the whole model at stage `st`'s tp degree with its per-layer placements."""
+    """The dry run of the whole model at stage `st`'s tp degree with its per-layer placements
+    and recompute mode."""
     allmods = _stage_modules(layers, 0, len(layers))
     pls = {f: pl[1] for f, pl in _placements(graph, layers, st.tables.costs, 0, len(layers), allmods,
                                               False).items()}
     return dtensor_tp_counts(bundle.model, bundle.example_inputs, st.tp, pls, layers, loss_fn, batch=mb,
-                             device=dev)
+                             device=dev, recompute=st.recompute)
 
 
 def _relative(fqn: str, layers: list[Layer], k: int, j: int) -> str:
@@ -301,7 +310,7 @@ def _moved(lc: LayerCounts, src: int, dst: int, n: int) -> LayerCounts:
     """`lc`'s counts of layers [src, src + n) as those of [dst, dst + n)."""
     if src == dst:
         return lc
-    out = LayerCounts(len(lc.fwd))
+    out = LayerCounts(len(lc.fwd), lc.recompute)
     for off in range(n):
         for name in ("fwd", "bwd", "block_fwd", "attn_fwd"):
             getattr(out, name)[dst + off] = getattr(lc, name)[src + off]

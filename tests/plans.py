@@ -36,6 +36,7 @@ import torch
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.models.registry import build_model, token_batch
 from autopar.schema import ClusterSpec, DeviceSpec, LinkSpec, ModelInfo, Plan, Prediction, StagePlan
+from autopar.schema.plan import load_plan
 
 GPT6_REF = "tests.plans:gpt_tiny6"
 _CFG6 = GPTConfig(vocab_size=128, seq_len=16, hidden=32, layers=6, heads=4)
@@ -111,7 +112,15 @@ TP_COLLECTIVES = {
 }
 
 LAYOUTS = ["single", "dp2", "dp4", "tp2", "tp4", "dp2xtp2", "pp2xdp2", "pp2xtp2", "pp4v2", "zero3dp4",
-           "zero2dp2", "zero2dp4", "recompute_dp4", "selective_tp4", "pp2xdp2z2", "pp2xdp2z3", "zero3dp2xtp2"]
+           "zero2dp2", "zero2dp4", "recompute_dp4", "selective_tp4", "pp2xdp2z2", "pp2xdp2z3", "zero3dp2xtp2",
+           "pp2xtp2_full", "pp2xtp2_selective"]
+
+# per block and micro-batch, the collectives recomputation re-runs in the backward (measured):
+# torch's non-reentrant checkpoint stops recomputing at the region's last saved tensor, so the
+# all-reduce of its last row-parallel output (the MLP projection for "full", the attention
+# projection for "selective"), feeding only a residual add that saves nothing, is not re-run
+RECOMPUTED_PER_BLOCK = {"none": {}, "full": {"all_gather": 1, "all_reduce": 1},
+                        "selective": {"all_gather": 1}}
 
 
 def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
@@ -147,9 +156,10 @@ def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
                                      layers=L, placements=megatron_placements(nb, ("tp",)))],
                      gbs=gbs, mb=gbs, m=1, collectives=dict(TP_COLLECTIVES["tp"]), nodes_devices=2)
     if layout == "selective_tp4":
-        # recomputing attention re-runs its forward collectives in the backward (the qkv output
-        # all-gather of each block; the proj all-reduce sits outside, at the residual add); the
-        # embedding and head are never recomputed: measured and pinned, 2 all-gathers more than tp4
+        # recomputing attention re-runs its forward collectives in the backward up to its last
+        # saved tensor (the qkv output all-gather of each block, not the proj all-reduce:
+        # RECOMPUTED_PER_BLOCK); the embedding and head are never recomputed: measured and
+        # pinned, 2 all-gathers more than tp4
         return _plan(ref, [StagePlan(index=0, devices=[0, 1, 2, 3], mesh_shape=(4,), mesh_axis_names=("tp",),
                                      layers=L, recompute="selective",
                                      placements=megatron_placements(nb, ("tp",)))],
@@ -189,15 +199,19 @@ def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
         c = ({"all_gather": 2, "reduce_scatter": 2, "all_reduce": 1, "send_recv": 2 * M} if z == 2 else
              {"all_gather": 12, "reduce_scatter": 4, "all_reduce": 1, "send_recv": 2 * M})
         return _plan(ref, st, gbs=gbs, mb=gbs // 2 // M, m=M, schedule="1f1b", zero=z, collectives=c)
-    if layout == "pp2xtp2":
+    if layout in ("pp2xtp2", "pp2xtp2_full", "pp2xtp2_selective"):
         M = 4
+        rec = layout.split("_")[1] if "_" in layout else "none"
         st = [StagePlan(index=0, devices=[0, 1], mesh_shape=(2,), mesh_axis_names=("tp",), layers=L[:2],
-                        placements=megatron_placements(nb, ("tp",), range(0, 1))),
+                        placements=megatron_placements(nb, ("tp",), range(0, 1)), recompute=rec),
               StagePlan(index=1, devices=[2, 3], mesh_shape=(2,), mesh_axis_names=("tp",), layers=L[2:],
-                        placements=megatron_placements(nb, ("tp",), range(1, 2)))]
+                        placements=megatron_placements(nb, ("tp",), range(1, 2)), recompute=rec)]
         # measured: per micro-batch 8 all-reduces and 8 all-gathers inside the two tp stages (as
-        # tp4), + 1 tied-embedding all-reduce; 2 transfers per micro-batch
-        c = {"all_gather": 8 * M, "all_reduce": 8 * M + 1, "send_recv": 2 * M}
+        # tp4), + 1 tied-embedding all-reduce; 2 transfers per micro-batch; recomputation adds
+        # RECOMPUTED_PER_BLOCK for each of the nb blocks per micro-batch
+        extra = RECOMPUTED_PER_BLOCK[rec]
+        c = {"all_gather": (8 + nb * extra.get("all_gather", 0)) * M,
+             "all_reduce": (8 + nb * extra.get("all_reduce", 0)) * M + 1, "send_recv": 2 * M}
         return _plan(ref, st, gbs=gbs, mb=gbs // M, m=M, schedule="gpipe", collectives=c)
     if layout == "pp4v2":
         ref = GPT6_REF
@@ -255,11 +269,51 @@ def spmd2d_check() -> dict:
             "grad_scale": float(ref_grad.abs().max())}
 
 
+def recompute_check(layout: str) -> dict:
+    """Whether `layout`'s recomputation really recomputes, on this job's ranks: over one step,
+    the forward calls of every local block's attention (its qkv projection: inside both the
+    "full" and the "selective" region) and the bytes autograd keeps saved for the backward
+    outside checkpointed regions (a checkpoint keeps only its inputs). Returns {"calls": per
+    rank, "saved_bytes": per rank, "microbatches": M}."""
+    import torch.distributed as dist
+
+    from autopar.models.registry import call_batch_fn
+    from autopar.runtime import build
+
+    plan = make_plan(layout)
+    b = build_model(plan.model.name, device="meta")
+    calls = [0]
+
+    def count(mod: torch.nn.Module, args: tuple) -> None:
+        calls[0] += 1
+
+    for name, mod in b.model.named_modules():
+        if name.endswith("attn.qkv"):
+            mod.register_forward_pre_hook(count)
+    pm = build(plan, b, seed=0)
+    calls[0] = 0   # building runs the layers on meta (stage shapes)
+    saved = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        loc = t.to_local() if hasattr(t, "to_local") else t
+        saved[0] += loc.numel() * loc.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        pm.step(call_batch_fn(b.batch_fn, 0, plan.global_batch_size, 0))
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, (calls[0], saved[0]))
+    return {"calls": [c for c, _ in out], "saved_bytes": [s for _, s in out],
+            "microbatches": plan.num_microbatches}
+
+
 # ---------------------------------------------------------------------------------------------
 # a multi-layout job: one torchrun launch runs several layouts in turn (saves process start-up)
 # ---------------------------------------------------------------------------------------------
 def run_layouts_job(layouts: list[str], out_path: str, steps: int = 4, seed: int = 0) -> None:
-    """Under torchrun: train each layout `steps` steps; rank 0 writes {layout: rows} as JSON."""
+    """Under torchrun: train each layout `steps` steps; rank 0 writes {layout: rows} as JSON.
+    A layout is a name of LAYOUTS, "plan:PATH" (a plan file, e.g. the planner's), or a check:
+    "spmd2d", "build_api", "recompute_check:LAYOUT"."""
     import json
     import traceback
 
@@ -277,7 +331,10 @@ def run_layouts_job(layouts: list[str], out_path: str, steps: int = 4, seed: int
             if lay == "build_api":
                 results[lay] = build_api_check(steps, seed)
                 continue
-            plan = make_plan(lay)
+            if lay.startswith("recompute_check:"):
+                results[lay] = recompute_check(lay.split(":", 1)[1])
+                continue
+            plan = load_plan(lay[len("plan:"):]) if lay.startswith("plan:") else make_plan(lay)
             bundle = build_model(plan.model.name, device="meta")
             try:
                 rows = train(plan, bundle, steps=steps, seed=seed, quiet=True)

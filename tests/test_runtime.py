@@ -156,6 +156,48 @@ def test_layouts_equal_one_process_and_count_collectives(tmp_path):
         assert rows[-1]["collectives_match"] is True, lay
 
 
+def _planned_recompute_pipeline(tmp_path: Path, recompute: str) -> Path:
+    """The planner's gpt-tiny plan pinned to tp 2 x pp 2 with `recompute` (Megatron layouts from
+    the analytic per-layer costs), saved to a file for the layouts job."""
+    from autopar.planner import plan as make
+    from autopar.schema import ClusterSpec, Constraints
+
+    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4, "num_nodes": 1})
+    p = make("gpt-tiny", cl, global_batch_size=8, dtype="fp32", intra_op="analytic",
+             constraints=Constraints(dp=1, tp=2, pp=2, num_microbatches=2, recompute=recompute))
+    assert p.pp == 2 and all(s.recompute == recompute and s.axis_size("tp") == 2 for s in p.stages)
+    path = tmp_path / f"planned_{recompute}.json"
+    p.save(path)
+    return path
+
+
+def test_recompute_in_a_pipeline(tmp_path):
+    """pp2 x tp2 with full and selective recomputation: the losses of one process within 1e-4,
+    the collectives as pinned (tests/plans.py `RECOMPUTED_PER_BLOCK`: torch's checkpoint stops
+    recomputing at the last saved tensor, so a block's last row-parallel all-reduce is not
+    re-run) and as the planner predicts for its own tp2 x pp2 plans; and recomputation really
+    recomputes: each local block's attention runs twice per micro-batch, and the bytes autograd
+    keeps for the backward drop."""
+    planned = {rc: _planned_recompute_pipeline(tmp_path, rc) for rc in ("full", "selective")}
+    layouts = ["pp2xtp2_full", "pp2xtp2_selective"] + [f"plan:{p}" for p in planned.values()]
+    checks = ["recompute_check:pp2xtp2", "recompute_check:pp2xtp2_full"]
+    res = launch_layouts(layouts + checks, tmp_path)
+    errors = {k: v["error"] for k, v in res.items() if isinstance(v, dict) and "error" in v}
+    assert not errors, errors
+    from autopar.schema.plan import load_plan
+
+    for lay in layouts:
+        steps = [r for r in res[lay] if "step" in r]
+        assert close([r["loss"] for r in steps], reference_losses(), 1e-4), (lay, steps)
+        plan = load_plan(lay[5:]) if lay.startswith("plan:") else make_plan(lay)
+        assert steps[-1]["collectives"] == plan.predicted.collectives, (lay, steps[-1]["collectives"],
+                                                                         plan.predicted.collectives)
+    plain, full = res[checks[0]], res[checks[1]]
+    M = plain["microbatches"]
+    assert plain["calls"] == [M] * 4 and full["calls"] == [2 * M] * 4, (plain, full)
+    assert all(f < p for f, p in zip(full["saved_bytes"], plain["saved_bytes"])), (plain, full)
+
+
 def test_plan_for_another_model_is_refused():
     from autopar.runtime import run
 

@@ -22,6 +22,15 @@ first steady-state copy.
   the whole-model run at tp 2 counts {all_gather 2, reduce_scatter 1} for the middle layer; the
   stage alone runs {all_gather 1, all_reduce 1}).
 
+Recomputation: with a stage's `recompute` mode the dry run wraps the repeated blocks as the
+runtime does (`engine.apply_recompute`: non-reentrant `torch.utils.checkpoint`) and counts the
+backward's re-run forward as it happens, instead of adding the block's forward collectives.
+torch's checkpoint stops recomputing once every tensor the backward needs is back, so the
+collectives after a region's last saved tensor are not re-run: for Megatron layouts the
+all-reduce of the last row-parallel output (the MLP's for "full", the attention projection's for
+"selective": the residual add after it saves nothing). Megatron's reentrant recompute re-runs
+them; the runtime does not, so neither does the prediction.
+
 Counts are per micro-batch; DTensor chooses layouts by tensor size, so the dry run uses the
 plan's micro-batch size. Skipped (returns None) when a
 process group is already initialised in this process, or the model is not on the meta device
@@ -64,9 +73,12 @@ def _counter(d: dict) -> Counter:
 
 class LayerCounts:
     """Per layer (index): forward and backward collectives per micro-batch; `attn_fwd` the part
-    of the forward issued inside its attention children (what selective recomputation re-runs)."""
+    of the forward issued inside its attention children. `bwd` includes what recomputation
+    re-runs when the dry run ran with `recompute` ("full" / "selective"); `block_fwd` and
+    `attn_fwd` (Megatron's whole re-run forward) serve counts made without it."""
 
-    def __init__(self, L: int) -> None:
+    def __init__(self, L: int, recompute: str = "none") -> None:
+        self.recompute = recompute   # the recompute mode whose re-run forward `bwd` includes
         self.fwd = [Counter() for _ in range(L)]
         self.bwd = [Counter() for _ in range(L)]
         self.block_fwd = [Counter() for _ in range(L)]
@@ -105,6 +117,24 @@ def _pass_through_repeats(m: nn.Module, layers: list[Layer], lo: int, hi: int) -
             return None
         mod.forward = lambda x, *a, **k: x  # type: ignore[method-assign]
     return rep
+
+
+def _apply_recompute(m: nn.Module, layers: list[Layer], lo: int, hi: int, rep: dict[int, int],
+                     recompute: str) -> None:
+    """Wrap the repeated blocks of layers [lo, hi) in the copy `m` for `recompute` exactly as the
+    runtime does (`engine.apply_recompute` on the modules `engine.is_repeated_block` names), so
+    the dry run's backward re-runs what the runtime's re-runs. Layers passing their input
+    through (`rep`) take their source's counts and stay unwrapped."""
+    if recompute == "none":
+        return
+    from autopar.runtime.engine import apply_recompute, is_repeated_block
+
+    for i in range(lo, hi):
+        if i in rep:
+            continue
+        for name in layers[i].modules:
+            if name and is_repeated_block(name):
+                apply_recompute(m.get_submodule(name), recompute)
 
 
 def _batch_inputs(example_inputs: Sequence[Any], batch: Optional[int], dev: str) -> list[Any]:
@@ -161,10 +191,12 @@ def _can_dry_run(tp: int) -> bool:
 def dtensor_tp_counts(model: nn.Module, example_inputs: Sequence[Any], tp: int,
                       placements: dict[str, str], layers: list[Layer],
                       loss_fn: Optional[Callable[[Any], Any]] = None, batch: Optional[int] = None,
-                      device: str = "meta", max_real_params: int = 50_000_000) -> Optional[LayerCounts]:
+                      device: str = "meta", max_real_params: int = 50_000_000,
+                      recompute: str = "none") -> Optional[LayerCounts]:
     """Per-layer collectives of one micro-batch of `batch` samples (DTensor picks layouts by
     size, so the plan's micro-batch size is used) under `placements` (FQN -> tp placement),
-    the whole model run as one tp stage (a plan without pipelining)."""
+    the whole model run as one tp stage (a plan without pipelining), its repeated blocks
+    recomputed as `recompute` says (the backward counts include the re-run forward)."""
     if not _can_dry_run(tp):
         return None
     work = _working_copy(model, device, max_real_params)
@@ -174,6 +206,7 @@ def dtensor_tp_counts(model: nn.Module, example_inputs: Sequence[Any], tp: int,
     rep = _pass_through_repeats(m, layers, 0, len(layers))
     if rep is None:
         return None
+    _apply_recompute(m, layers, 0, len(layers), rep, recompute)
     inputs = _batch_inputs(example_inputs, batch, dev)
 
     def build(mesh: Any) -> Callable[[], None]:
@@ -194,17 +227,19 @@ def dtensor_tp_counts(model: nn.Module, example_inputs: Sequence[Any], tp: int,
     counts = _count_comms(tp, build)
     if counts is None:
         return None
-    return _attribute(counts, layers, rep, 0, len(layers))
+    return _attribute(counts, layers, rep, 0, len(layers), recompute)
 
 
 def dtensor_stage_counts(model: nn.Module, example_inputs: Sequence[Any], tp: int,
                          placements: dict[str, str], layers: list[Layer], lo: int, hi: int,
                          modules: list[str], *, index: int, num_stages: int, batch: Optional[int] = None,
-                         device: str = "meta", max_real_params: int = 50_000_000) -> Optional[LayerCounts]:
+                         device: str = "meta", max_real_params: int = 50_000_000,
+                         recompute: str = "none") -> Optional[LayerCounts]:
     """Per-layer collectives (layers [lo, hi) filled) of one micro-batch of pipeline stage
     `index` of `num_stages`, holding `modules` (the plan's `StagePlan.layers`), run on a tp mesh
-    of `tp` ranks under `placements` (FQN -> tp placement) as the runtime runs it (see the module
-    docstring). None when the model cannot be cut into stages here (the caller falls back)."""
+    of `tp` ranks under `placements` (FQN -> tp placement) with the stage's `recompute` mode as
+    the runtime runs it (see the module docstring). None when the model cannot be cut into
+    stages here (the caller falls back)."""
     if not _can_dry_run(tp):
         return None
     try:
@@ -227,6 +262,7 @@ def dtensor_stage_counts(model: nn.Module, example_inputs: Sequence[Any], tp: in
     rep = _pass_through_repeats(core, layers, lo, hi)
     if rep is None:
         return None
+    _apply_recompute(core, layers, lo, hi, rep, recompute)
     x = torch.zeros(x.shape, dtype=x.dtype, device=dev)
     if index > 0 and x.is_floating_point():
         x.requires_grad_(True)   # a received activation: its gradient is sent back
@@ -246,7 +282,7 @@ def dtensor_stage_counts(model: nn.Module, example_inputs: Sequence[Any], tp: in
     counts = _count_comms(tp, build)
     if counts is None:
         return None
-    return _attribute(counts, layers, rep, lo, hi)
+    return _attribute(counts, layers, rep, lo, hi, recompute)
 
 
 def _stage_input(model: nn.Module, family: Any, example_inputs: Sequence[Any], layers: list[Layer],
@@ -278,7 +314,8 @@ def _stage_input(model: nn.Module, family: Any, example_inputs: Sequence[Any], l
         return work[0](x)
 
 
-def _attribute(counts: dict, layers: list[Layer], rep: dict[int, int], lo: int, hi: int) -> LayerCounts:
+def _attribute(counts: dict, layers: list[Layer], rep: dict[int, int], lo: int, hi: int,
+               recompute: str = "none") -> LayerCounts:
     """CommDebugMode's per-module counts of a run of layers [lo, hi) as per-layer LayerCounts
     (other layers left empty); a repeated layer takes its source's counts, and the collectives
     of no layer module (the loss, a stage's boundaries) go to the last layer of the range."""
@@ -304,7 +341,7 @@ def _attribute(counts: dict, layers: list[Layer], rep: dict[int, int], lo: int, 
             c -= _counter(counts.get(prefix + m, {}).get(phase, {}))
         return c
 
-    res = LayerCounts(len(layers))
+    res = LayerCounts(len(layers), recompute)
     total_f = _counter(counts.get("Global", {}).get("forward", {}))
     total_b = _counter(counts.get("Global", {}).get("backward", {}))
     seen_f, seen_b = Counter(), Counter()
