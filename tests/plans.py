@@ -194,8 +194,10 @@ def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
         st = [StagePlan(index=0, devices=[0, 1], mesh_shape=(2,), mesh_axis_names=("dp",), layers=L[:2]),
               StagePlan(index=1, devices=[2, 3], mesh_shape=(2,), mesh_axis_names=("dp",), layers=L[2:])]
         # z2: per stage 1 reduce-scatter + 1 all-gather; + tied all-reduce; 2·M transfers.
-        # z3 (fully_shard per layer in each stage; two units per stage): measured and pinned
-        # (torch.pipelining re-gathers units per micro-batch): all_gather 12, reduce_scatter 4
+        # z3 (fully_shard per layer in each stage; U = 2 units per stage): measured and pinned,
+        # per stage all_gather U·(M + 1) (each micro-batch's forward re-gathers, the backward
+        # gathers once: torch.pipelining reshards after the last micro-batch only),
+        # reduce_scatter U: all_gather 12, reduce_scatter 4
         c = ({"all_gather": 2, "reduce_scatter": 2, "all_reduce": 1, "send_recv": 2 * M} if z == 2 else
              {"all_gather": 12, "reduce_scatter": 4, "all_reduce": 1, "send_recv": 2 * M})
         return _plan(ref, st, gbs=gbs, mb=gbs // 2 // M, m=M, schedule="1f1b", zero=z, collectives=c)

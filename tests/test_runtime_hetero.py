@@ -99,12 +99,12 @@ def hetero_plan(layout: str) -> Plan:
         c.update(all_gather=c["all_gather"] + 2, reduce_scatter=2)
         return _plan("gpt-tiny", st, gbs=8, mb=8 // 2 // M, m=M, zero=2, collectives=c, nodes_devices=6)
     if layout == "dp2_tp1_tp2_z3":
-        # fully_shard units per stage U = 2 (the block; the root holding the tied weight).
-        # Stage 0: all_gather U·(M + 1), reduce_scatter U (runtime README). Stage 1 (tp 2): its
-        # FSDP root sits inside the SPMD wrapper, where torch.pipelining does not look for it, so
-        # every micro-batch's backward re-gathers and reduce-scatters: 2·U·M and U·M (measured)
+        # fully_shard units per stage U = 2 (its two layers; the tied weight is one name in
+        # each stage, so no root unit holds parameters). Per stage all_gather U·(M + 1),
+        # reduce_scatter U (runtime README): torch.pipelining drives the stage's FSDP root, the
+        # SPMD wrapper on the tp-2 stage, syncing and resharding after the last micro-batch only
         U = 2
-        c.update(all_gather=c["all_gather"] + U * (M + 1) + 2 * U * M, reduce_scatter=U + U * M)
+        c.update(all_gather=c["all_gather"] + 2 * U * (M + 1), reduce_scatter=2 * U)
         return _plan("gpt-tiny", _zero3(st), gbs=8, mb=8 // 2 // M, m=M, zero=3, collectives=c, nodes_devices=6)
     raise ValueError(f"unknown layout {layout!r}")
 

@@ -25,8 +25,9 @@ What the runtime's layouts issue (for planners matching the count):
 * zero_stage 3 (`fully_shard`): U units per stage = the stage's layers whose parameters no other
   layer of the stage shares, + the stage root when it holds parameters directly (tied ones).
   Without pipelining: all_gather = M·U (forward) + M·(U − 1 if the root holds parameters, else
-  U) (backward; the root is not resharded after forward); reduce_scatter = U. In a pipeline:
-  all_gather = U·(M + 1), reduce_scatter = U.
+  U) (backward; the root is not resharded after forward); reduce_scatter = U. In a pipeline
+  (torch.pipelining drives the stage's FSDP root, the SPMD wrapper with tp: gradient sync and
+  resharding after the last micro-batch only): all_gather = U·(M + 1), reduce_scatter = U.
 * tp: what DTensor's sharding propagation issues for the placements (measured, e.g. the zoo
   GPT with Megatron placements, 2 blocks: all_gather 8, all_reduce 8 per micro-batch).
 * pp: send_recv = 2·M·(chunks − 1); +1 all_reduce when a tied parameter spans stages.

@@ -13,7 +13,7 @@ How each part of the plan is executed:
   backward in one flat all-reduce per stage (zero_stage 0), one flat reduce-scatter + sharded
   AdamW + one all-gather of the updated parameters (zero_stage 1 and 2: optimizer state, and the
   gradients once reduced, live sharded), or `fully_shard` on the dp sub-mesh per layer
-  (zero_stage 3, or any "S(0)" on a dp axis).
+  (zero_stage 3, or any "S(0)" on a dp axis), rooted at the module a pipeline stage holds.
 * Pipelines (more than one distinct device set): `torch.distributed.pipelining.PipelineStage`
   per chunk, holding only its layers under their original FQNs; schedule from the plan (gpipe,
   1f1b, interleaved_1f1b). The loss is computed on the last stage. Parameters tied across stages
@@ -146,6 +146,16 @@ def apply_recompute(layer: nn.Module, mode: str) -> None:
         return checkpoint(orig, *args, use_reentrant=False, **kwargs)
 
     target.forward = fwd  # instance attribute: hooks (fully_shard) still run around __call__
+
+
+def _quiet_view_output_warning() -> None:
+    """Silence FSDP's warning that an `SPMDModule` root returns a view: its plain output (the
+    local tensor of a replicated DTensor) is only sent on or fed to the loss by torch.pipelining,
+    never modified in place, which is what the warning is about."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPSPMDModule\) returned a view",
+                            category=UserWarning)
 
 
 def unique_axis_names(names: Sequence[str]) -> tuple[str, ...]:
@@ -374,21 +384,30 @@ class ParallelModel:
         self.pipe_stages = []
         self.schedule = None
 
-    def _fully_shard(self, root: nn.Module, layers: Sequence[str]) -> None:
+    def _fully_shard(self, model: nn.Module, layers: Sequence[str], root: Optional[nn.Module] = None) -> None:
+        """ZeRO-3: `fully_shard` on the dp sub-mesh for each of `layers` (modules of `model`)
+        whose parameters no other module of `model` uses, then on `root` (default `model`; a
+        module holding `model`) as the root unit, which keeps the parameters used by more than
+        one layer (tied). A pipeline stage passes the module its PipelineStage holds as `root`:
+        torch.pipelining drives FSDP (gradient sync and resharding on the last micro-batch
+        only) only when the stage's module is the FSDP root, and with tp that is the
+        SPMDModule around the stage's layers."""
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.my_mesh.dp_mesh
         # with tp, parameters are already DTensors on the sibling tp sub-mesh: FSDP2 makes them
         # 2-D (Shard on dp, the planned placement on tp)
-        # parameters used by more than one layer (tied) stay with the root unit
-        all_names = {n: id(p) for n, p in root.named_parameters(remove_duplicate=False)}
+        all_names = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
         for fqn in layers:
-            mod = get_submodule(root, fqn)
+            mod = get_submodule(model, fqn)
             ids = {id(p) for p in mod.parameters()}
             shared_outside = any(
                 pid in ids and not n.startswith(fqn + ".") for n, pid in all_names.items())
             if not shared_outside and ids:
                 fully_shard(mod, mesh=mesh)
+        root = model if root is None else root
+        if isinstance(root, SPMDModule):
+            _quiet_view_output_warning()
         fully_shard(root, mesh=mesh)
         self._fsdp_root = root
 
@@ -439,11 +458,11 @@ class ParallelModel:
             if self.tp_size > 1:
                 distribute_params(core, self.my_mesh.tp_mesh, self._tp_placements(s),
                                   aliases=self.aliases, src_data_rank=None)
-            if self.zero3:
-                self._fully_shard(core, s.layers)
             mod: nn.Module = core
             if self.tp_size > 1:
                 mod = SPMDModule(core, self.my_mesh.tp_mesh, [None])
+            if self.zero3:
+                self._fully_shard(core, s.layers, root=mod)   # the FSDP root: what the stage holds
             self.pipe_stages.append(self._make_stage(mod, i, *shapes[i]))
             self.local_modules.append(core)
         self.runner = None
