@@ -198,6 +198,30 @@ def test_recompute_in_a_pipeline(tmp_path):
     assert all(f < p for f, p in zip(full["saved_bytes"], plain["saved_bytes"])), (plain, full)
 
 
+def test_planned_zero3_tp_pipeline_runs_as_predicted(tmp_path):
+    """The planner's gpt-tiny pp2 x dp2 x tp2 ZeRO-3 plan (8 processes): the losses of one
+    process within 1e-4 and the predicted collectives. torch.pipelining drives FSDP (gradient
+    sync and resharding after the last micro-batch) only when the stage's module is the FSDP
+    root, with tp the SPMD wrapper: per stage U·(M + 1) all-gathers and U reduce-scatters, not
+    a reduce-scatter per unit and micro-batch."""
+    from autopar.planner import plan as make
+    from autopar.schema import ClusterSpec, Constraints
+
+    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 8, "num_nodes": 1})
+    p = make("gpt-tiny", cl, global_batch_size=8, dtype="fp32", intra_op="analytic",
+             constraints=Constraints(pp=2, dp=2, tp=2, zero_stage=3, num_microbatches=2))
+    assert p.pp == 2 and all(s.mesh_shape == (2, 2) for s in p.stages) and p.zero_stage == 3
+    path = tmp_path / "zero3.json"
+    p.save(path)
+    rows = launch_layouts([f"plan:{path}"], tmp_path, nproc=8)[f"plan:{path}"]
+    assert isinstance(rows, list), rows
+    steps = [r for r in rows if "step" in r]
+    assert close([r["loss"] for r in steps], reference_losses(), 1e-4), steps
+    counted, planned = steps[-1]["collectives"], p.predicted.collectives
+    assert counted == planned, (counted, planned)
+    assert counted["reduce_scatter"] == 2 * 2   # U = 2 units in each of the 2 stages
+
+
 def test_plan_for_another_model_is_refused():
     from autopar.runtime import run
 
