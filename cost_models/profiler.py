@@ -40,6 +40,10 @@ from autopar.schema.cluster import (AttentionPoint, ClusterSpec, DeviceSpec, Eff
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
+# timing windows per measurement; the best is kept (other work on the machine only adds time, and
+# on a shared machine five short windows find a quiet one more often than three long ones)
+WINDOWS = 5
+
 
 def _plan(quick: bool, cuda: bool) -> dict[str, Any]:
     """What to measure: sizes and time budgets (quick mode: a few points, for tests)."""
@@ -50,15 +54,15 @@ def _plan(quick: bool, cuda: bool) -> dict[str, Any]:
                     attention=[(512, 64), (1024, 64), (2048, 128), (4096, 128)], attention_flops=2.0 ** 36)
     if quick:
         return dict(gemm=[32, 128, 384], dtypes=["fp32", "bf16"], coll=[1 << 10, 1 << 16, 1 << 20, 1 << 22],
-                    copy_bytes=16 << 20, min_time=0.02, vector_elems=1 << 18, opt_hidden=256, linear=(1024, 256, 1024),
-                    attention=[(64, 32), (256, 64)], attention_flops=2.0 ** 25)
+                    copy_bytes=16 << 20, min_time=0.03, vector_elems=1 << 18, opt_hidden=256,
+                    linear=(1024, 256, 1024), attention=[(64, 32), (256, 64)], attention_flops=2.0 ** 25)
     return dict(gemm=[32, 64, 128, 256, 512, 1024, 2048], dtypes=["fp32", "bf16"],
                 coll=[1 << 10, 1 << 13, 1 << 16, 1 << 19, 1 << 22, 1 << 24, 1 << 26], copy_bytes=256 << 20,
                 min_time=0.1, vector_elems=1 << 20, opt_hidden=256, linear=(1024, 256, 1024),
                 attention=[(64, 32), (128, 64), (256, 64), (512, 64), (1024, 128)], attention_flops=2.0 ** 26)
 
 
-def _timeit(fn, min_time: float, sync=lambda: None, max_reps: int = 10_000, windows: int = 3) -> float:
+def _timeit(fn, min_time: float, sync=lambda: None, max_reps: int = 10_000, windows: int = WINDOWS) -> float:
     """Seconds per call of `fn`: one warm-up call, then `windows` timing windows of repeated calls
     (each at least min_time/windows); the best window, as `timeit` does, since interference from
     other work on the machine only ever adds time."""
@@ -88,11 +92,11 @@ def _timeit_collective(fn, min_time: float, sync, dist: Any, torch: Any, dev: An
     fn()
     sync()
     one = time.perf_counter() - t0
-    reps = torch.tensor([min(max_reps, max(1, int(min_time / 3 / max(one, 1e-7))))], device=dev)
+    reps = torch.tensor([min(max_reps, max(1, int(min_time / WINDOWS / max(one, 1e-7))))], device=dev)
     dist.broadcast(reps, 0)
     n = int(reps.item())
     best = math.inf
-    for _ in range(3):           # best of three windows, as in `_timeit`
+    for _ in range(WINDOWS):     # the best window, as in `_timeit`
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(n):
@@ -493,8 +497,8 @@ def _measured_costs(res: dict[str, list], how: str) -> tuple[dict[str, Any], dic
         sources["optimizer_step"] = (
             f"{how}: torch.optim.AdamW(foreach=False) step (the runtime's default optimizer) over 64 "
             f"one-element tensors (per tensor) and over the parameters of a GPT layer of width {h} "
-            f"({sum(_layer_param_sizes(h))} elements in {len(_layer_param_sizes(h))} tensors; per element, less their "
-            f"per-tensor cost)")
+            f"({sum(_layer_param_sizes(h))} elements in {len(_layer_param_sizes(h))} tensors; per element, "
+            f"less their per-tensor cost)")
     return fields, sources
 
 
@@ -564,7 +568,7 @@ def _build_spec(res: dict[str, list], n: int, cuda: bool, threads: int, elapsed:
     link_sources = {"bandwidth": bw_src, "latency": lat_src}
     if measured:
         link_sources["measured"] = (f"{how}: {'NCCL' if cuda else 'gloo over loopback'}, slowest rank's time "
-                                    f"per call, best of 3 windows")
+                                    f"per call, best of {WINDOWS} windows")
     if unsupported:
         link_sources["unsupported"] = "; ".join(f"{k}: {v}" for k, v in unsupported.items())
     link = LinkSpec(bandwidth=bw, latency=lat, measured=measured, sources=link_sources)
