@@ -113,7 +113,7 @@ TP_COLLECTIVES = {
 
 LAYOUTS = ["single", "dp2", "dp4", "tp2", "tp4", "dp2xtp2", "pp2xdp2", "pp2xtp2", "pp4v2", "zero3dp4",
            "zero2dp2", "zero2dp4", "recompute_dp4", "selective_tp4", "pp2xdp2z2", "pp2xdp2z3", "zero3dp2xtp2",
-           "pp2xtp2_full", "pp2xtp2_selective"]
+           "pp2xtp2_full", "pp2xtp2_selective", "pp2xtp2_vocab"]
 
 # per block and micro-batch, the collectives recomputation re-runs in the backward (measured):
 # torch's non-reentrant checkpoint stops recomputing at the region's last saved tensor, so the
@@ -201,6 +201,18 @@ def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
         c = ({"all_gather": 2, "reduce_scatter": 2, "all_reduce": 1, "send_recv": 2 * M} if z == 2 else
              {"all_gather": 12, "reduce_scatter": 4, "all_reduce": 1, "send_recv": 2 * M})
         return _plan(ref, st, gbs=gbs, mb=gbs // 2 // M, m=M, schedule="1f1b", zero=z, collectives=c)
+    if layout == "pp2xtp2_vocab":
+        # pp2xtp2 with the tied embedding in two layouts on equal meshes, as the planner's ILP
+        # places it: replicated on stage 0, the output weight vocabulary-parallel on stage 1
+        # (its gradient summed in the full parameter's coordinates, `tied_grads.FullTiedSync`).
+        # The vocabulary-parallel head adds per micro-batch 1 all-gather (the logits made plain
+        # for the loss) and 1 all-reduce (its input's partial gradient): measured and pinned
+        plan = make_plan("pp2xtp2", gbs=gbs, ref=ref)
+        M = plan.num_microbatches
+        plan.stages[1].placements.update({"embed.tok.weight": ("S(0)",), "head.out.weight": ("S(0)",)})
+        c = dict(plan.predicted.collectives)
+        c.update(all_gather=c["all_gather"] + M, all_reduce=c["all_reduce"] + M)
+        return plan.model_copy(update={"predicted": plan.predicted.model_copy(update={"collectives": c})})
     if layout in ("pp2xtp2", "pp2xtp2_full", "pp2xtp2_selective"):
         M = 4
         rec = layout.split("_")[1] if "_" in layout else "none"

@@ -132,10 +132,12 @@ def test_cli_plan_then_run_dp2(tmp_path):
 
 def test_layouts_equal_one_process_and_count_collectives(tmp_path):
     """dp4, tp4, dp2xtp2, pp2xdp2 (1F1B), pp2xtp2 (GPipe), pp4 interleaved (v=2), ZeRO-3 dp4,
-    ZeRO-2 dp4, pp2 x dp2 with ZeRO-2 and ZeRO-3, full and selective recompute, ZeRO-3 x tp2 in one 4-process job: losses within 1e-4 of one process, collectives as planned;
-    and `parallelize` on a 2-D mesh."""
+    ZeRO-2 dp4, pp2 x dp2 with ZeRO-2 and ZeRO-3, full and selective recompute, ZeRO-3 x tp2,
+    pp2xtp2 with the tied embedding replicated on one stage and vocabulary-parallel on the other
+    in one 4-process job: losses within 1e-4 of one process, collectives as planned; and
+    `parallelize` on a 2-D mesh."""
     layouts = ["dp4", "tp4", "dp2xtp2", "pp2xdp2", "pp2xtp2", "pp4v2", "zero3dp4", "zero2dp4",
-               "pp2xdp2z2", "pp2xdp2z3", "recompute_dp4", "selective_tp4", "zero3dp2xtp2"]
+               "pp2xdp2z2", "pp2xdp2z3", "recompute_dp4", "selective_tp4", "zero3dp2xtp2", "pp2xtp2_vocab"]
     res = launch_layouts(layouts + ["spmd2d", "build_api"], tmp_path)
     errors = {k: v["error"] for k, v in res.items() if isinstance(v, dict) and "error" in v}
     assert not errors, errors

@@ -548,15 +548,16 @@ class ParallelModel:
     # -- tied parameters across stages ---------------------------------------------------
     def _build_tied_groups(self) -> None:
         """Parameters held by more than one stage device set: their gradients are summed over a
-        group joining the copies (`tied_grads`): one per mesh coordinate when the holders'
-        meshes are equal, else one per data-parallel replica over all the holders' ranks (one
-        over all replicas under ZeRO-3, whose replicas hold different shards)."""
+        group joining the copies (`tied_grads`): one per mesh coordinate when the holders hold
+        them in one layout (equal meshes and placements), else one per data-parallel replica
+        over all the holders' ranks (one over all replicas under ZeRO-3, whose replicas hold
+        different shards)."""
         self.tied: list[FlatTiedSync | FullTiedSync] = []
         self.checkpoint_skip: set[str] = set()
         if self.pp == 1:
             return
         for dss, names in self._tied_sets().items():
-            if len(_mesh_kinds([self.stages[d] for d in dss])) == 1:
+            if self._same_layout(dss, names):
                 groups = [[self.devsets[d][c] for d in dss] for c in range(len(self.devsets[dss[0]]))]
                 sync = FlatTiedSync
             else:
@@ -584,6 +585,33 @@ class ParallelModel:
             if len(v) > 1:
                 bykey.setdefault(tuple(v), []).append(k)
         return bykey
+
+    def _same_layout(self, dss: Sequence[int], names: Sequence[str]) -> bool:
+        """Whether the device sets `dss` hold the parameters `names` in one layout: equal stage
+        meshes and, for each parameter, equal placements in every holding stage (rank c of each
+        then holds the same elements). A planner may place a tied embedding replicated on one
+        stage and vocabulary-sharded on another of the same mesh."""
+        if len(_mesh_kinds([self.stages[d] for d in dss])) != 1:
+            return False
+        return all(len({self._placement_of(s, n) for s in self._holders(dss, n)}) == 1 for n in names)
+
+    def _holders(self, dss: Sequence[int], canon: str) -> list[StagePlan]:
+        """The stages on device sets `dss` holding the parameter of canonical name `canon`."""
+        out = []
+        for si, s in enumerate(self.stages):
+            if si % self.pp in dss and any(
+                    self.aliases.get(f"{fqn}.{n}", f"{fqn}.{n}") == canon
+                    for fqn in s.layers for n, _ in get_submodule(self.model, fqn).named_parameters(remove_duplicate=False)):
+                out.append(s)
+        return out
+
+    def _placement_of(self, s: StagePlan, canon: str) -> tuple[str, ...]:
+        """Stage `s`'s placement of the parameter `canon` as `distribute_params` and FSDP read
+        it: the canonical name's entry, else an alias's, else replicated."""
+        pl = s.placements.get(canon)
+        if pl is None:
+            pl = next((v for k, v in s.placements.items() if self.aliases.get(k, k) == canon), None)
+        return tuple(pl) if pl is not None else ("R",) * len(s.mesh_shape)
 
     def _full_tied_groups(self, dss: Sequence[int]) -> list[list[int]]:
         """Rank groups of a `FullTiedSync` across device sets `dss` of different meshes."""
