@@ -190,8 +190,12 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                 if st.recompute == "full":
                     coll.update({kk: m * vv for kk, vv in lc.coll_rc.items()})
             extra += _extra_flops(g1, layers[i], st.recompute)
-        step_kinds = {kk for i in range(k, j) for kk in costs[i].coll_step}
-        coll.update({kk: 1 for kk in step_kinds})
+        if dry is not None:
+            for i in range(k, j):
+                coll.update(dry.step[i])
+        else:
+            step_kinds = {kk for i in range(k, j) for kk in costs[i].coll_step}
+            coll.update({kk: 1 for kk in step_kinds})
     # dp gradient sync, once per stage (device group), as the runtime issues it
     if c.dp > 1:
         for st in c.stages:
@@ -308,7 +312,7 @@ def _moved(lc: LayerCounts, src: int, dst: int, n: int) -> LayerCounts:
         return lc
     out = LayerCounts(len(lc.fwd), lc.recompute)
     for off in range(n):
-        for name in ("fwd", "bwd", "block_fwd", "attn_fwd"):
+        for name in ("fwd", "bwd", "block_fwd", "attn_fwd", "step"):
             getattr(out, name)[dst + off] = getattr(lc, name)[src + off]
     return out
 

@@ -73,7 +73,9 @@ def _counter(d: dict) -> Counter:
 
 class LayerCounts:
     """Per layer (index): forward and backward collectives per micro-batch; `attn_fwd` the part
-    of the forward issued inside its attention children. `bwd` includes what recomputation
+    of the forward issued inside its attention children; `step` what bringing its parameters'
+    gradients to their parameters' layouts issues once per step (`spmd.grads_to_param_layout`,
+    e.g. a reduce-scatter of a partial gradient of a sharded weight). `bwd` includes what recomputation
     re-runs when the dry run ran with `recompute` ("full" / "selective"); `block_fwd` and
     `attn_fwd` (Megatron's whole re-run forward) serve counts made without it."""
 
@@ -83,6 +85,7 @@ class LayerCounts:
         self.bwd = [Counter() for _ in range(L)]
         self.block_fwd = [Counter() for _ in range(L)]
         self.attn_fwd = [Counter() for _ in range(L)]
+        self.step = [Counter() for _ in range(L)]   # once per step: gradients to their params' layout
 
 
 def _working_copy(module: nn.Module, device: str, max_real_params: int) -> Optional[tuple[nn.Module, str]]:
@@ -149,9 +152,11 @@ def _batch_inputs(example_inputs: Sequence[Any], batch: Optional[int], dev: str)
     return out
 
 
-def _count_comms(tp: int, build: Callable[[Any], Callable[[], Any]]) -> Optional[dict]:
-    """CommDebugMode's per-module counts of `build(mesh)()` (a forward and backward) run over a
-    fake process group of `tp` ranks; None when anything fails (the caller falls back)."""
+def _count_comms(tp: int, build: Callable[[Any], tuple[Callable[[], Any], Callable[[], dict]]]) -> Optional[dict]:
+    """Over a fake process group of `tp` ranks, `step, after = build(mesh)`: CommDebugMode's
+    per-module counts of `step()` (a forward and backward) as "modules", and `after()`'s result
+    (per-parameter counts, run outside that count) as "params"; None when anything fails (the
+    caller falls back)."""
     import torch.distributed as dist
 
     try:
@@ -169,17 +174,36 @@ def _count_comms(tp: int, build: Callable[[Any], Callable[[], Any]]) -> Optional
             mesh = init_device_mesh("cpu", (tp,))
             register_extra_strategies()
             allow_implicit_replication()
-            step = build(mesh)
+            step, after = build(mesh)
             cm = CommDebugMode()
             with cm, warnings.catch_warnings():
                 warnings.simplefilter("ignore")   # a dry run: torch's hook warnings are not the user's
                 step()
-            return cm.comm_module_counts
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                per_param = after()
+            return {"modules": cm.comm_module_counts, "params": per_param}
         finally:
             dist.destroy_process_group()
             sys.excepthook = hook
     except Exception:  # noqa: BLE001 - fall back to the analytic counts
         return None
+
+
+def _grad_layout_counts(module: nn.Module) -> dict[str, Counter]:
+    """{parameter name: the collectives of bringing its gradient to its layout}, each counted
+    alone, as the runtime's `spmd.grads_to_param_layout` runs them once per step."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    out: dict[str, Counter] = {}
+    for name, p in module.named_parameters():
+        g = p.grad
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
+            with CommDebugMode() as cm:
+                g.redistribute(p.device_mesh, p.placements)
+            out[name] = _counter(cm.get_comm_counts())
+    return out
 
 
 def _can_dry_run(tp: int) -> bool:
@@ -222,7 +246,7 @@ def dtensor_tp_counts(model: nn.Module, example_inputs: Sequence[Any], tp: int,
 
                 out = (loss_fn or default_loss)(out)
             out.backward()
-        return step
+        return step, lambda: _grad_layout_counts(m)
 
     counts = _count_comms(tp, build)
     if counts is None:
@@ -277,7 +301,7 @@ def dtensor_stage_counts(model: nn.Module, example_inputs: Sequence[Any], tp: in
         def step() -> None:
             out = run(x)   # plain: the loss (last stage) or the sent gradient is plain too
             torch.autograd.backward(out, grad_tensors=torch.zeros_like(out))
-        return step
+        return step, lambda: _grad_layout_counts(core)
 
     counts = _count_comms(tp, build)
     if counts is None:
@@ -319,6 +343,8 @@ def _attribute(counts: dict, layers: list[Layer], rep: dict[int, int], lo: int, 
     """CommDebugMode's per-module counts of a run of layers [lo, hi) as per-layer LayerCounts
     (other layers left empty); a repeated layer takes its source's counts, and the collectives
     of no layer module (the loss, a stage's boundaries) go to the last layer of the range."""
+    per_param = counts.get("params", {})
+    counts = counts["modules"]
     roots = [k for k in counts if k.endswith(".module")]
     root = roots[0] if roots else "SPMDModule.module"
     prefix = root + "."
@@ -364,4 +390,14 @@ def _attribute(counts: dict, layers: list[Layer], rep: dict[int, int], lo: int, 
     # ops of the root module itself (the loss, a stage's plain boundaries): the last layer's
     res.fwd[hi - 1] += total_f - seen_f
     res.bwd[hi - 1] += total_b - seen_b
+    # per-step gradient layouts: each parameter with the first layer naming a module holding it;
+    # a repeated layer (run as a pass-through) takes its source's
+    for pname, c in per_param.items():
+        for i in range(lo, hi):
+            if any(pname == m or pname.startswith(m + ".") for m in layers[i].modules if m):
+                res.step[i] += c
+                break
+    for i, src in rep.items():
+        if lo <= i < hi:
+            res.step[i] = Counter(res.step[src])
     return res
