@@ -1,5 +1,5 @@
-"""Plans from the default planner (per-layer costs from the intra-op ILP on a small cluster) run
-exactly as predicted: every step's counted collectives equal `plan.predicted.collectives`,
+"""Plans whose per-layer costs come from the intra-op ILP (`intra_op="ilp"`) run exactly as
+predicted: every step's counted collectives equal `plan.predicted.collectives`,
 including the once-per-step moves of gradients to their parameters' layouts, and the losses
 equal one process."""
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 def test_ilp_planned_gpt_tp2_pp2_runs_as_predicted():
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
     cons = Constraints(tp=2, pp=2, dp=1, num_microbatches=2, recompute="none", schedule="1f1b")
-    p = plan("gpt-tiny", cl, global_batch_size=8, dtype="fp32", constraints=cons)
+    p = plan("gpt-tiny", cl, global_batch_size=8, dtype="fp32", constraints=cons, intra_op="ilp")
     assert p.search["intra_op"] == "ilp"
     rows = run(p, "gpt-tiny", steps=3, seed=0, quiet=True)
     steps = [r for r in rows if "step" in r]
