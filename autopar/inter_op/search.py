@@ -255,15 +255,25 @@ def _dp_coll(cluster: ClusterSpec, kind: str, nbytes: float, dp: int, tp: int) -
 def _sync_time(cluster: ClusterSpec, dtype: str, dp: int, tp: int, zero: int, pel: float) -> float:
     """Per-iteration gradient sync of one stage over dp, as the runtime does it: one flat
     all-reduce (ZeRO 0), one reduce-scatter + one all-gather of the updated weights (ZeRO 1
-    and 2), one reduce-scatter after the last micro-batch (ZeRO 3)."""
+    and 2), one reduce-scatter after the last micro-batch (ZeRO 3), with the copies into and
+    out of the flat buffers (`_pack_time`)."""
     w, g, _ = PRECISION_POLICIES[dtype]
     if dp == 1:
         return 0.0
     if zero == 0:
-        return _dp_coll(cluster, "all_reduce", pel * g, dp, tp)
+        return _dp_coll(cluster, "all_reduce", pel * g, dp, tp) + _pack_time(cluster, pel * g * 6)
     if zero in (1, 2):
-        return _dp_coll(cluster, "reduce_scatter", pel * g, dp, tp) + _dp_coll(cluster, "all_gather", pel * w, dp, tp)
+        return (_dp_coll(cluster, "reduce_scatter", pel * g, dp, tp) + _dp_coll(cluster, "all_gather", pel * w, dp, tp)
+                + _pack_time(cluster, pel * (2 * g + 2 * w)))
     return _dp_coll(cluster, "reduce_scatter", pel * g, dp, tp)
+
+
+def _pack_time(cluster: ClusterSpec, nbytes: float) -> float:
+    """Memory traffic of the runtime's flat buffers around the sync: ZeRO 0 copies the gradients
+    into one buffer, averages it in place and copies it back (6 gradient-sized accesses); ZeRO 1
+    and 2 copy the gradients in (2) and the gathered weights back out (2)."""
+    dev = cluster.device
+    return nbytes / (dev.memory_bandwidth * dev.memory_efficiency)
 
 
 def _dp_link(cluster: ClusterSpec, dp: int, tp: int):
