@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -44,29 +43,10 @@ def close(a: list[float], b: list[float], rel: float) -> bool:
 
 def launch_layouts(layouts: list[str], tmp_path: Path, nproc: int = 4) -> dict:
     """One torchrun job (elastic launcher) running every layout in turn (tests/plans.py)."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from autopar.runtime import _free_port
+    from tests.launch import elastic_run
 
     out = tmp_path / "layouts.json"
-    env_old = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PYTHONPATH")}
-    os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in (env_old["PYTHONPATH"] or "").split(os.pathsep) if p])
-    cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
-                       rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
-                       monitor_interval=0.1)
-    cwd = os.getcwd()
-    try:
-        os.chdir(ROOT)
-        elastic_launch(cfg, sys.executable)(str(ROOT / "tests" / "plans.py"), "--out", str(out),
-                                            "--steps", str(STEPS), *layouts)
-    finally:
-        os.chdir(cwd)
-        for k, v in env_old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    elastic_run(ROOT / "tests" / "plans.py", ["--out", str(out), "--steps", str(STEPS), *layouts], nproc)
     return json.loads(out.read_text())
 
 

@@ -22,9 +22,7 @@ of autopar/runtime/counting.py), M micro-batches, measured once and pinned:
 from __future__ import annotations
 
 import json
-import os
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -136,25 +134,10 @@ def run_job(layouts: list[str], out_path: str) -> None:
 
 
 def launch(layouts: list[str], nproc: int, tmp_path: Path) -> dict:
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from autopar.runtime import _free_port
+    from tests.launch import elastic_run
 
     out = tmp_path / f"hetero_{nproc}.json"
-    old = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PYTHONPATH")}
-    os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in (old["PYTHONPATH"] or "").split(os.pathsep) if p])
-    cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
-                       rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
-                       monitor_interval=0.1)
-    try:
-        elastic_launch(cfg, sys.executable)(str(Path(__file__).resolve()), "--out", str(out), *layouts)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    elastic_run(Path(__file__).resolve(), ["--out", str(out), *layouts], nproc)
     return json.loads(out.read_text())
 
 
