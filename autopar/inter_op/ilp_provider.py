@@ -38,12 +38,6 @@ class IlpProvider(AnalyticProvider):
         self.solve_s = 0.0
         self.solves = 0
 
-    @staticmethod
-    def worthwhile(graph: OpGraph, layers: list[Layer], cluster: ClusterSpec) -> bool:
-        """Whether `auto` should use the ILP: few distinct layers and a cluster small enough that
-        the (signature x micro-batch x tp) solves stay within a few seconds."""
-        return len({l.signature for l in layers}) <= 4 and cluster.num_devices <= 16
-
     def _analyze(self, layer: Layer, mb: int, tp: int) -> LayerCost:
         base = super()._analyze(layer, mb, tp)
         if tp == 1:
