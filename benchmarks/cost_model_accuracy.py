@@ -3,6 +3,7 @@
     python benchmarks/cost_model_accuracy.py              # every section
     python benchmarks/cost_model_accuracy.py --analytic   # the cost-model cross-check only
     python benchmarks/cost_model_accuracy.py --planner    # autopar.plan with pinned constraints only
+    python benchmarks/cost_model_accuracy.py --planner --intra-op ilp   # per-layer costs from the ILP
     python benchmarks/cost_model_accuracy.py --table1     # every row of Megatron's Table 1 (generalisation)
     python benchmarks/cost_model_accuracy.py --local      # plan + run a small GPT on this machine
 
@@ -31,7 +32,6 @@ the models' shapes.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -203,7 +203,7 @@ def analytic(case: Case, cluster: ClusterSpec) -> dict[str, float]:
             "dp_comm": grad_sync, "optimizer": opt + accum}
 
 
-def planner(case: Case, cluster: ClusterSpec) -> float:
+def planner(case: Case, cluster: ClusterSpec, intra_op: str = "auto") -> float:
     """Predicted seconds per iteration from `autopar.plan` with the case's configuration pinned."""
     import autopar
 
@@ -215,12 +215,14 @@ def planner(case: Case, cluster: ClusterSpec) -> float:
         model = GPT(cfg)
     model.train()
     x = torch.zeros(1, S, dtype=torch.long, device="meta")
-    plan = autopar.plan(model, cluster, (x, x), global_batch_size=case.batch, dtype="bf16",
-                        constraints=autopar.Constraints(
-                            dp=case.dp, tp=case.t, pp=case.p, microbatch_size=case.microbatch,
-                            schedule="interleaved_1f1b" if case.v > 1 else "1f1b",
-                            virtual_stages=case.v if case.v > 1 else None, recompute="full",
-                            zero_stage=0))
+    from autopar.planner import plan as make_plan
+
+    plan = make_plan(model, cluster, (x, x), global_batch_size=case.batch, dtype="bf16", intra_op=intra_op,
+                     constraints=autopar.Constraints(
+                         dp=case.dp, tp=case.t, pp=case.p, microbatch_size=case.microbatch,
+                         schedule="interleaved_1f1b" if case.v > 1 else "1f1b",
+                         virtual_stages=case.v if case.v > 1 else None, recompute="full",
+                         zero_stage=0))
     return plan.predicted.iteration_time_s
 
 
@@ -257,6 +259,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--analytic", action="store_true", help="only the cost-model cross-check")
     ap.add_argument("--planner", action="store_true", help="only the planner section")
+    ap.add_argument("--intra-op", choices=("auto", "analytic", "ilp"), default="auto",
+                    help="per-layer costs of the planner sections (autopar.planner.plan's intra_op)")
     ap.add_argument("--table1", action="store_true",
                     help="only the generalisation check: every row of Narayanan et al. 2021 Table 1 through autopar.plan")
     ap.add_argument("--local", action="store_true",
@@ -279,7 +283,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             pub = c.published_time()
             t0 = time.perf_counter()
             try:
-                pred = planner(c, cluster)
+                pred = planner(c, cluster, args.intra_op)
                 err = pred / pub - 1
                 errs.append(err)
                 cells = [f"{pred:.2f}", f"{err:+.1%}", (c.assumed + "; " if c.assumed else "") + f"planned in {time.perf_counter() - t0:.0f}s"]

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Literal, Optional, Union
+from typing import Callable, Iterable, Literal, Optional, Sequence, Union
 
 from autopar.schema.cluster import DeviceSpec, EfficiencyPoint
 
@@ -63,9 +63,28 @@ GENERIC_CURVE: tuple[tuple[float, float], ...] = (
     (1e11, 0.765), (1e12, 0.775))
 
 
+def _dtype_fallbacks(dtype: str) -> tuple[str, str]:
+    """`dtype`, then the one a measured table may stand in with (bf16<->fp16, tf32->fp32)."""
+    return dtype, {"bf16": "fp16", "fp16": "bf16", "tf32": "fp32"}.get(dtype, dtype)
+
+
+def _log_interp(pts: Sequence[tuple[float, ...]], x: float) -> tuple[float, ...]:
+    """The values of sorted points (x, v1, v2, ...) at `x`: linear in log(x) between points,
+    constant beyond the ends."""
+    if x <= pts[0][0]:
+        return tuple(pts[0][1:])
+    if x >= pts[-1][0]:
+        return tuple(pts[-1][1:])
+    lx = math.log(x)
+    for p0, p1 in zip(pts, pts[1:]):
+        if x <= p1[0]:
+            t = (lx - math.log(p0[0])) / (math.log(p1[0]) - math.log(p0[0]))
+            return tuple(a + t * (b - a) for a, b in zip(p0[1:], p1[1:]))
+    return tuple(pts[-1][1:])
+
+
 def _curve(device: DeviceSpec, dtype: str) -> list[tuple[float, float]]:
-    fallbacks = (dtype, {"bf16": "fp16", "fp16": "bf16", "tf32": "fp32"}.get(dtype, dtype))
-    for d in fallbacks:
+    for d in _dtype_fallbacks(dtype):
         pts: list[EfficiencyPoint] = device.gemm_efficiency.get(d) or []
         if pts:
             return sorted((p.flops, p.efficiency) for p in pts)
@@ -76,17 +95,12 @@ def gemm_efficiency(device: DeviceSpec, flops: float, dtype: str) -> float:
     """Achieved fraction of peak for a matrix op of `flops` FLOPs: the device's measured curve for
     `dtype` (bf16<->fp16, tf32->fp32 fall back to each other) interpolated linearly in
     log(FLOPs), constant beyond its ends; the generic curve when the profile has none."""
-    pts = _curve(device, dtype)
-    if flops <= pts[0][0]:
-        return pts[0][1]
-    if flops >= pts[-1][0]:
-        return pts[-1][1]
-    lx = math.log(flops)
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-        if flops <= x1:
-            t = (lx - math.log(x0)) / (math.log(x1) - math.log(x0))
-            return y0 + t * (y1 - y0)
-    return pts[-1][1]
+    return _log_interp(_curve(device, dtype), flops)[0]
+
+
+def memory_time(nbytes: float, device: DeviceSpec) -> float:
+    """Seconds to move `nbytes` (read plus written) at the device's achieved memory bandwidth."""
+    return nbytes / (device.memory_bandwidth * device.memory_efficiency)
 
 
 def vector_peak(device: DeviceSpec) -> float:
@@ -99,8 +113,7 @@ def vector_peak(device: DeviceSpec) -> float:
 def _roofline(flops: float, rate: float, bytes_moved: float, device: DeviceSpec) -> float:
     """Seconds of one kernel: the slower of its FLOPs at `rate` and its bytes at the achieved
     memory bandwidth, plus the fixed per-kernel overhead."""
-    mem = bytes_moved / (device.memory_bandwidth * device.memory_efficiency)
-    return max(flops / rate, mem) + device.kernel_overhead_s
+    return max(flops / rate, memory_time(bytes_moved, device)) + device.kernel_overhead_s
 
 
 def op_time(op: str, flops: float, bytes_moved: float, device: DeviceSpec, dtype: str = "bf16") -> float:
@@ -200,20 +213,24 @@ def optimizer_step_time(num_params: float, device: DeviceSpec, policy: str = "bf
         tensors = num_tensors if param_tensors is None else param_tensors
         return elems * cost.per_element_s + max(tensors, 1) * cost.per_tensor_s
     nbytes = elems * optimizer_bytes_per_param(policy, optimizer)
-    return nbytes / (device.memory_bandwidth * device.memory_efficiency) + num_tensors * device.kernel_overhead_s
+    return memory_time(nbytes, device) + num_tensors * device.kernel_overhead_s
+
+
+def grad_accumulation_bytes(policy: str = "bf16") -> float:
+    """Bytes one micro-batch's gradient accumulation moves per parameter: the accumulated
+    gradient and the new one read, the sum written (3 gradient-sized accesses)."""
+    return 3.0 * DTYPE_SIZE.get(policy, 4)
 
 
 def grad_accumulation_time(num_params: float, device: DeviceSpec, policy: str = "bf16",
                            num_microbatches: int = 1, shard: float = 1.0) -> float:
     """Seconds spent adding each micro-batch's weight gradients into the accumulated gradients over
-    one step: after the first micro-batch, every parameter's gradient is read, the new one read and
-    the sum written (3 gradient-sized accesses: 6 bytes/param in bf16, 12 in fp32), per micro-batch."""
+    one step: after the first micro-batch, `grad_accumulation_bytes` per parameter (6 in bf16,
+    12 in fp32) and one kernel, per micro-batch."""
     if num_params <= 0 or num_microbatches <= 1:
         return 0.0
-    g = DTYPE_SIZE.get(policy, 4)
-    nbytes = num_params / max(shard, 1.0) * 3 * g
-    per = nbytes / (device.memory_bandwidth * device.memory_efficiency) + device.kernel_overhead_s
-    return (num_microbatches - 1) * per
+    nbytes = num_params / max(shard, 1.0) * grad_accumulation_bytes(policy)
+    return (num_microbatches - 1) * (memory_time(nbytes, device) + device.kernel_overhead_s)
 
 
 # -- op lists and graphs -------------------------------------------------------------------------
@@ -343,22 +360,11 @@ def attention_rates(device: DeviceSpec, flops_per_head: float, dtype: str) -> Op
     tf32->fp32 fall back to each other): linear in log(FLOPs) between measured sizes, constant
     beyond them. None when the profile measured none (then the GEMM curve stands in)."""
     table = device.attention_flops or {}
-    for d in (dtype, {"bf16": "fp16", "fp16": "bf16", "tf32": "fp32"}.get(dtype, dtype)):
+    for d in _dtype_fallbacks(dtype):
         pts = sorted((p.flops_per_head, p.forward_flops, p.backward_flops) for p in table.get(d) or [])
         if pts:
-            break
-    else:
-        return None
-    if flops_per_head <= pts[0][0]:
-        return pts[0][1], pts[0][2]
-    if flops_per_head >= pts[-1][0]:
-        return pts[-1][1], pts[-1][2]
-    lx = math.log(flops_per_head)
-    for (x0, f0, b0), (x1, f1, b1) in zip(pts, pts[1:]):
-        if flops_per_head <= x1:
-            w = (lx - math.log(x0)) / (math.log(x1) - math.log(x0))
-            return f0 + w * (f1 - f0), b0 + w * (b1 - b0)
-    return pts[-1][1], pts[-1][2]
+            return _log_interp(pts, flops_per_head)
+    return None
 
 
 def _attention_node_time(n, index: dict, device: DeviceSpec, dtype: str, shard: float) -> Optional[tuple[float, float]]:

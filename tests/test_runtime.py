@@ -7,17 +7,14 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from autopar.schema.errors import PlanError
+from tests.plans import GPT6_REF, make_plan
 
-from autopar.schema.errors import PlanError  # noqa: E402
-from tests.plans import GPT6_REF, make_plan  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
 STEPS = 4

@@ -22,18 +22,13 @@ of autopar/runtime/counting.py), M micro-batches, measured once and pinned:
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from autopar.models.registry import build_model  # noqa: E402
-from autopar.schema import Plan, StagePlan  # noqa: E402
-from tests.plans import _layers, _plan, megatron_placements  # noqa: E402
+from autopar.models.registry import build_model
+from autopar.schema import Plan, StagePlan
+from tests.plans import _layers, _plan, megatron_placements
 
 pytestmark = pytest.mark.slow
 STEPS = 4

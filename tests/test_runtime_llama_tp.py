@@ -17,16 +17,10 @@ Launches cost ~5-10 s each on the 2-core development machine; the module runs in
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from tests.test_runtime import close  # noqa: E402
+from tests.test_runtime import close
 
 pytestmark = pytest.mark.slow
 STEPS = 3

@@ -3,17 +3,11 @@ materialisation, placements, checkpoint discovery, plan validation."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from autopar.schema.errors import PlanError  # noqa: E402
+from autopar.schema.errors import PlanError
 
 
 def test_counting_convention_counts_stage_collectives_once():

@@ -59,7 +59,7 @@ from autopar.inter_op.layers import Layer
 from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost, RECOMPUTES, axis_link, coll_time
 from autopar.schema import ClusterSpec, Constraints, PlanError
 from cost_models.communication import axis_collective_time
-from cost_models.compute import grad_accumulation_time, optimizer_step_time
+from cost_models.compute import grad_accumulation_bytes, memory_time, optimizer_step_time
 from cost_models.memory import PRECISION_POLICIES, inflight_microbatches, usable_memory
 
 INF = float("inf")
@@ -221,13 +221,11 @@ class _Tables:
 
     def accum(self, pel: Any, m: int) -> Any:
         """Per micro-batch share of adding each micro-batch's weight gradients into the
-        accumulated ones (autograd does it in every backward after the first): linear in the
-        parameter elements, `grad_accumulation_time` over m micro-batches, divided by m. The
-        gradients are accumulated unsharded (ZeRO reduces them once per step)."""
-        if m <= 1:
-            return pel * 0.0
-        unit = grad_accumulation_time(1e9, self.cluster.device, self.dtype, m) / 1e9 / m
-        return np.where(np.asarray(pel) > 0, np.asarray(pel) * unit, 0.0)
+        accumulated ones (autograd does it in every backward after the first, m - 1 of m):
+        `grad_accumulation_bytes` per parameter element. The gradients are accumulated unsharded
+        (ZeRO reduces them once per step)."""
+        share = (m - 1) / m if m > 1 else 0.0
+        return share * memory_time(np.asarray(pel) * grad_accumulation_bytes(self.dtype), self.cluster.device)
 
 
 _LINEAR: dict[tuple, tuple[float, float]] = {}
@@ -272,8 +270,7 @@ def _pack_time(cluster: ClusterSpec, nbytes: float) -> float:
     """Memory traffic of the runtime's flat buffers around the sync: ZeRO 0 copies the gradients
     into one buffer, averages it in place and copies it back (6 gradient-sized accesses); ZeRO 1
     and 2 copy the gradients in (2) and the gathered weights back out (2)."""
-    dev = cluster.device
-    return nbytes / (dev.memory_bandwidth * dev.memory_efficiency)
+    return memory_time(nbytes, cluster.device)
 
 
 def _dp_link(cluster: ClusterSpec, dp: int, tp: int):

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import math
 import operator
-import re
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
@@ -67,12 +66,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.intra_op.solution import OpChoice, ShardingSolution
+from autopar.runtime.spmd import replace_parameters, to_placements
 from autopar.schema.errors import PlanError
 
 __all__ = ["parallelize_graph", "ShardedProgram", "to_placements"]
 
 Spec = Sequence[str]
-_SHARD = re.compile(r"^S\((-?\d+)\)$")
 SPLIT_OPS = ("split", "split_with_sizes", "chunk", "unsafe_split", "tensor_split")
 # loss op -> position of its `reduction` argument (0 none, 1 mean, 2 sum)
 LOSS_REDUCTION_ARG = {"cross_entropy_loss": 3, "nll_loss": 3, "nll_loss_forward": 3, "nll_loss2d": 3,
@@ -82,25 +81,6 @@ LOSS_REDUCTION_ARG = {"cross_entropy_loss": 3, "nll_loss": 3, "nll_loss_forward"
 
 
 # ---------------------------------------------------------------------------- placements
-def to_placements(spec: Spec, ndim: int) -> tuple[Placement, ...]:
-    """("R", "S(1)", "P") -> (Replicate(), Shard(1), Partial()); a negative dim counts from the
-    end of a tensor of `ndim` dims."""
-    out: list[Placement] = []
-    for p in spec:
-        p = str(p).strip()
-        m = _SHARD.match(p)
-        if p == "R":
-            out.append(Replicate())
-        elif p == "P":
-            out.append(Partial())
-        elif m:
-            d = int(m.group(1))
-            out.append(Shard(d + ndim if d < 0 else d))
-        else:
-            raise PlanError(f"unknown placement {p!r}; use 'R', 'S(d)' or 'P'")
-    return tuple(out)
-
-
 def _target(x: DTensor, spec: Spec) -> tuple[Placement, ...]:
     """The placements `spec` asks of `x`; a partial already there stays as it is (a plan's "P"
     is any pending reduction: DTensor's masked partial of a vocab-parallel embedding included)."""
@@ -127,7 +107,6 @@ def redistribute(x: DTensor, dst: Sequence[Placement]) -> DTensor:
     DTensor allows only inside its ops; shard to shard on a CPU mesh is an all-to-all (DTensor
     gathers there; gloo has all-to-all). With no such order (a split nested inside the one that
     changes), each step gathers the nested axes first (`_nested_redistribute`)."""
-    mesh = x.device_mesh
     dst = tuple(dst)
     if tuple(x.placements) == dst:
         return x
@@ -437,30 +416,22 @@ class ShardedProgram(nn.Module):
         """Every parameter becomes a DTensor with its planned placements (Replicate when the
         plan does not name it); tied parameters stay tied; interleaved rows are permuted."""
         sol, mesh = self.solution, self.mesh
-        done: dict[int, nn.Parameter] = {}
-        for mod_name, mod in list(self.model.named_modules(remove_duplicate=False)):
-            for pname, p in list(mod._parameters.items()):
-                if p is None:
-                    continue
-                fqn = f"{mod_name}.{pname}" if mod_name else pname
-                if id(p) in done:
-                    mod._parameters[pname] = done[id(p)]
-                    continue
-                spec = sol.param_placements.get(fqn, ("R",) * mesh.ndim)
-                if len(spec) != mesh.ndim:
-                    raise PlanError(f"placement {tuple(spec)} of {fqn} has {len(spec)} entries for a "
-                                    f"{mesh.ndim}-D mesh")
-                pl = to_placements(spec, p.dim())
-                data = p.detach()
-                if fqn in sol.param_layouts:
-                    dim, chunks = sol.param_layouts[fqn]
-                    ways = _ways(pl, dim, mesh)
-                    self.layouts[fqn] = (dim, chunks, ways)
-                    data = interleave(data, dim, chunks, ways)
-                dt = distribute_tensor(data, mesh, pl, src_data_rank=None)
-                newp = nn.Parameter(dt, requires_grad=p.requires_grad)
-                done[id(p)] = newp
-                mod._parameters[pname] = newp
+
+        def make(fqn: str, p: nn.Parameter) -> nn.Parameter:
+            spec = sol.param_placements.get(fqn, ("R",) * mesh.ndim)
+            if len(spec) != mesh.ndim:
+                raise PlanError(f"placement {tuple(spec)} of {fqn} has {len(spec)} entries for a "
+                                f"{mesh.ndim}-D mesh")
+            pl = to_placements(spec, p.dim())
+            data = p.detach()
+            if fqn in sol.param_layouts:
+                dim, chunks = sol.param_layouts[fqn]
+                ways = _ways(pl, dim, mesh)
+                self.layouts[fqn] = (dim, chunks, ways)
+                data = interleave(data, dim, chunks, ways)
+            return nn.Parameter(distribute_tensor(data, mesh, pl, src_data_rank=None), requires_grad=p.requires_grad)
+
+        replace_parameters(self.model, make)
 
     # -- running ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -192,13 +192,14 @@ def _coord(devices: Sequence[int], rank: int) -> int:
     return list(devices).index(rank)
 
 
-def fsdp_sharded(plan: Plan) -> bool:
-    """Whether the plan's stages run under `fully_shard` (ZeRO-3, or a dp axis placed "S(0)")
-    with more than one data-parallel replica."""
-    if plan.dp <= 1:
+def fsdp_sharded(plan: Plan, stages: Optional[Sequence[StagePlan]] = None) -> bool:
+    """Whether `stages` (default: all the plan's) run under `fully_shard` (ZeRO-3, or a dp axis
+    placed "S(0)") with more than one data-parallel replica."""
+    stages = plan.stages if stages is None else stages
+    if not stages or stages[0].axis_size("dp") <= 1:
         return False
     return plan.zero_stage == 3 or any(
-        pl[i].startswith("S") for s in plan.stages for pl in s.placements.values()
+        pl[i].startswith("S") for s in stages for pl in s.placements.values()
         for i, k in enumerate(s.mesh_axis_names) if k == "dp")
 
 
@@ -347,10 +348,7 @@ class ParallelModel:
         self.dp_rank = sm.dp_mesh.get_local_rank() if sm.dp_mesh is not None else 0
         self.tp_rank = sm.tp_mesh.get_local_rank() if sm.tp_mesh is not None else 0
         self.dp_group = sm.dp_mesh.get_group() if sm.dp_mesh is not None and self.dp_size > 1 else None
-        zero3 = self.plan.zero_stage == 3 or any(
-            pl[i].startswith("S") for s in mine for pl in s.placements.values()
-            for i, k in enumerate(s.mesh_axis_names) if k == "dp")
-        self.zero3 = zero3 and self.dp_size > 1
+        self.zero3 = fsdp_sharded(self.plan, mine)
         self.zero12 = self.plan.zero_stage in (1, 2) and self.dp_size > 1 and not self.zero3
 
     def _tp_placements(self, s: StagePlan) -> dict[str, tuple[str, ...]]:

@@ -27,7 +27,7 @@ forward (positions, masks) are treated as replicated (`allow_implicit_replicatio
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.nn as nn
@@ -110,6 +110,20 @@ def register_extra_strategies() -> None:
         return out
 
 
+def replace_parameters(module: nn.Module, make: Callable[[str, nn.Parameter], nn.Parameter]) -> None:
+    """Replace every parameter of `module` by `make(fqn, parameter)`, once per tensor: a
+    parameter registered under several names (tied) gets one replacement, made for its first
+    name, under all of them."""
+    done: dict[int, nn.Parameter] = {}
+    for mod_name, mod in list(module.named_modules(remove_duplicate=False)):
+        for pname, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in done:
+                done[id(p)] = make(f"{mod_name}.{pname}" if mod_name else pname, p)
+            mod._parameters[pname] = done[id(p)]
+
+
 def distribute_params(module: nn.Module, mesh: DeviceMesh,
                       param_placements: dict[str, Sequence[str]], *,
                       aliases: dict[str, str] | None = None, src_data_rank: int | None = 0) -> None:
@@ -117,34 +131,26 @@ def distribute_params(module: nn.Module, mesh: DeviceMesh,
     (Replicate on every axis when not named). Tied parameters stay tied. `aliases` maps a
     parameter's name in `module` to the name the plan uses (its first name in the full model)."""
     aliases = aliases or {}
-    done: dict[int, nn.Parameter] = {}
-    for mod_name, mod in list(module.named_modules(remove_duplicate=False)):
-        for pname, p in list(mod._parameters.items()):
-            if p is None:
-                continue
-            fqn = f"{mod_name}.{pname}" if mod_name else pname
-            if id(p) in done:
-                mod._parameters[pname] = done[id(p)]
-                continue
-            if isinstance(p, DTensor):
-                done[id(p)] = p
-                continue
-            key = aliases.get(fqn, fqn)
-            pl = param_placements.get(key, param_placements.get(fqn))
-            if pl is None:
-                placements = tuple(Replicate() for _ in range(mesh.ndim))
-            else:
-                if len(pl) != mesh.ndim:
-                    raise PlanError(f"placement {tuple(pl)} of {key} has {len(pl)} entries for a "
-                                    f"{mesh.ndim}-D mesh")
-                placements = to_placements(pl, p.dim())
-            for q in placements:
-                if isinstance(q, Shard) and (q.dim >= p.dim()):
-                    raise PlanError(f"placement S({q.dim}) of {key} does not fit its shape {tuple(p.shape)}")
-            dt = distribute_tensor(p.detach(), mesh, placements, src_data_rank=src_data_rank)
-            newp = nn.Parameter(dt, requires_grad=p.requires_grad)
-            done[id(p)] = newp
-            mod._parameters[pname] = newp
+
+    def make(fqn: str, p: nn.Parameter) -> nn.Parameter:
+        if isinstance(p, DTensor):
+            return p
+        key = aliases.get(fqn, fqn)
+        pl = param_placements.get(key, param_placements.get(fqn))
+        if pl is None:
+            placements = tuple(Replicate() for _ in range(mesh.ndim))
+        else:
+            if len(pl) != mesh.ndim:
+                raise PlanError(f"placement {tuple(pl)} of {key} has {len(pl)} entries for a "
+                                f"{mesh.ndim}-D mesh")
+            placements = to_placements(pl, p.dim())
+        for q in placements:
+            if isinstance(q, Shard) and (q.dim >= p.dim()):
+                raise PlanError(f"placement S({q.dim}) of {key} does not fit its shape {tuple(p.shape)}")
+        dt = distribute_tensor(p.detach(), mesh, placements, src_data_rank=src_data_rank)
+        return nn.Parameter(dt, requires_grad=p.requires_grad)
+
+    replace_parameters(module, make)
     megatron_boundaries(module)
 
 
