@@ -53,8 +53,9 @@ def resolve_cluster(cluster: ClusterSpec | str) -> ClusterSpec:
 
 def make_provider(kind: str, graph: OpGraph, layers: list[Layer], cluster: ClusterSpec, dtype: str):
     """The per-layer cost provider: "analytic" (Megatron rules read off the graph), "ilp" (the
-    intra-op ILP per layer signature x micro-batch x tp, its tp axis kept model-parallel), or
-    "auto" (analytic for now: see below)."""
+    intra-op ILP per layer signature x micro-batch x tp, its tp axis kept model-parallel as the
+    runtime runs it: no batch or token splits there), or "auto": the ILP where OR-Tools is
+    installed and the capture has a symbolic batch, the analytic rules otherwise."""
     if kind == "analytic":
         return AnalyticProvider(graph, layers, cluster, dtype)
     if kind in ("ilp", "auto"):
@@ -64,14 +65,9 @@ def make_provider(kind: str, graph: OpGraph, layers: list[Layer], cluster: Clust
             if kind == "ilp":
                 raise PlanError("the intra-op ILP is not available in this installation") from None
             return AnalyticProvider(graph, layers, cluster, dtype)
-        if kind == "auto":
-            # The ILP keeps weights split on the tp axis (model_axes), but it may still run the
-            # ops between weight GEMMs on sequence slices (Megatron-SP: reduce-scatter, element-
-            # wise on 1/tp, all-gather) and attention's views as all-to-alls; the runtime runs
-            # those ops replicated, so the ILP's price would be optimistic (GPT 22B on 8 A100s:
-            # 1.19 s predicted against the analytic 1.31 and the published 1.42). Until the
-            # runtime executes per-op layouts (intra_op.execute) or the ILP tracks token dims,
-            # auto stays on the analytic rules.
+        if kind == "auto" and not any(o.is_batched for n in graph.nodes for o in n.outputs):
+            # without a symbolic batch (the fx fallback) the ILP cannot tell the batch dims, so
+            # it could not keep the tp axis model-parallel as the runtime runs it
             return AnalyticProvider(graph, layers, cluster, dtype)
         return IlpProvider(graph, layers, cluster, dtype)
     raise PlanError(f"unknown intra-op provider {kind!r}; one of auto, ilp, analytic")

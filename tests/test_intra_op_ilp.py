@@ -70,6 +70,28 @@ def gpt_small():
     return capture(m, (x, x))
 
 
+class _BlockFusedAttention(nn.Module):
+    """The zoo GPT's attention with q, k and v as row *blocks* of the fused weight (GPT-2's
+    c_attn, Megatron's checkpoint layout before it interleaves them): a contiguous row shard is
+    not head-aligned."""
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in self.qkv(x).split(h, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, h))
+
+
+@pytest.fixture(scope="module")
+def gpt_block_fused():
+    cfg = GPTConfig(vocab_size=1024, seq_len=128, hidden=512, layers=2, heads=8)
+    m = GPT(cfg).to("meta")
+    for blk in m.blocks:
+        blk.attn.forward = _BlockFusedAttention.forward.__get__(blk.attn)
+    x = torch.zeros(2, 128, dtype=torch.long, device="meta")
+    return capture(m, (x, x))
+
+
 MEGATRON = {"attn.qkv.weight": "S(0)", "attn.proj.weight": "S(1)", "mlp.fc.weight": "S(0)",
             "mlp.proj.weight": "S(1)"}
 
@@ -90,8 +112,21 @@ def test_gpt_block_megatron_on_8_devices(gpt_small, shape):
     assert sol.collective_counts() == {"all_reduce": 4}     # + two in backward (Megatron's f)
     attn = [n for n in nodes if g.node(n).op == "scaled_dot_product_attention"][0]
     assert sol.op_choices[attn].strategy == f"h@{tp}"
+    # the zoo's fused qkv rows are head-major: DTensor's contiguous Shard(0) is already Megatron's
+    assert sol.param_layouts == {}
+    plain = solve_graph(g, mesh(shape), nodes=nodes, interleaved_splits=False)
+    assert plain.objective == pytest.approx(sol.objective) and plain.collective_counts() == {"all_reduce": 4}
+
+
+@pytest.mark.parametrize("shape", [(8,), (1, 8)])
+def test_block_fused_qkv_needs_interleaved_rows(gpt_block_fused, shape):
+    """q, k, v as row blocks: free to split only with chunk-interleaved weight rows (recorded in
+    `param_layouts`); a contiguous shard must gather before the split."""
+    g = gpt_block_fused.at_batch(1)
+    nodes = [n.name for n in g.layer_nodes("blocks.0")]
+    sol = solve_graph(g, mesh(shape), nodes=nodes)
     assert sol.param_layouts == {"blocks.0.attn.qkv.weight": (0, 3), "blocks.0.attn.qkv.bias": (0, 3)}
-    # a contiguously sharded fused QKV weight (DTensor's Shard(0)) cannot split for free
+    assert sol.collective_counts() == {"all_reduce": 4}
     plain = solve_graph(g, mesh(shape), nodes=nodes, interleaved_splits=False)
     assert plain.param_layouts == {} and plain.objective > sol.objective
     split = next(n for n in nodes if g.node(n).op == "split")

@@ -7,9 +7,9 @@ vocabulary-parallel "S(0)" embedding / output weight on a tp stage, as the plann
 Megatron placements in the blocks), gloo on CPU. Collectives per step (the counting convention
 of autopar/runtime/counting.py), M micro-batches, measured once and pinned:
 
-* per block on a tp-2 stage fed a plain replicated activation: 4 all-gathers and 4 all-reduces
-  per micro-batch (DTensor's layouts for the fused qkv and the row-parallel projections,
-  forward and backward), as in tests/plans.py's tp layouts;
+* per block on a tp-2 stage fed a plain replicated activation: 4 all-reduces per micro-batch
+  (the row-parallel projections' outputs forward, the norms' output gradients backward), as in
+  tests/plans.py's tp layouts;
 * a vocabulary-parallel embedding on a tp-2 stage: + 1 all-reduce (its output, reduced right
   away); a vocabulary-parallel output layer: + 1 all-gather (the logits made plain for the
   loss) + 1 all-reduce (the partial gradient of its input);
@@ -36,9 +36,9 @@ M = 4
 VOCAB = {"embed.tok.weight": ("R", "S(0)"), "head.out.weight": ("R", "S(0)")}
 
 # per micro-batch tp collectives on a tp-2 stage (see the module docstring)
-BLOCK_TP2 = {"all_gather": 4, "all_reduce": 4}
-TAIL_TP2 = {"all_gather": 4 + 1, "all_reduce": 4 + 1}   # blocks.1 + vocabulary-parallel head
-HEAD_TP2 = {"all_gather": 4, "all_reduce": 1 + 4}       # vocabulary-parallel embed + blocks.0
+BLOCK_TP2 = {"all_reduce": 4}
+TAIL_TP2 = {"all_gather": 1, "all_reduce": 4 + 1}   # blocks.1 + vocabulary-parallel head
+HEAD_TP2 = {"all_reduce": 1 + 4}                    # vocabulary-parallel embed + blocks.0
 
 
 def _stage(index: int, devices: list[int], layers: list[str], blocks: range, dp: int = 1) -> StagePlan:
@@ -52,7 +52,10 @@ def _stage(index: int, devices: list[int], layers: list[str], blocks: range, dp:
 
 
 def _counts(tp: dict, p: int) -> dict:
-    return {"all_gather": M * tp["all_gather"], "all_reduce": M * tp["all_reduce"] + 1, "send_recv": 2 * M * (p - 1)}
+    c = {"all_reduce": M * tp["all_reduce"] + 1, "send_recv": 2 * M * (p - 1)}
+    if tp.get("all_gather"):
+        c["all_gather"] = M * tp["all_gather"]
+    return c
 
 
 def _zero3(stages: list[StagePlan]) -> list[StagePlan]:
@@ -89,7 +92,7 @@ def hetero_plan(layout: str) -> Plan:
         c["all_reduce"] += 2
         return _plan("gpt-tiny", st, gbs=8, mb=8 // 2 // M, m=M, collectives=c, nodes_devices=6)
     if layout == "dp2_tp1_tp2_z2":
-        c.update(all_gather=c["all_gather"] + 2, reduce_scatter=2)
+        c.update(all_gather=c.get("all_gather", 0) + 2, reduce_scatter=2)
         return _plan("gpt-tiny", st, gbs=8, mb=8 // 2 // M, m=M, zero=2, collectives=c, nodes_devices=6)
     if layout == "dp2_tp1_tp2_z3":
         # fully_shard units per stage U = 2 (its two layers; the tied weight is one name in
@@ -97,7 +100,7 @@ def hetero_plan(layout: str) -> Plan:
         # reduce_scatter U (runtime README): torch.pipelining drives the stage's FSDP root, the
         # SPMD wrapper on the tp-2 stage, syncing and resharding after the last micro-batch only
         U = 2
-        c.update(all_gather=c["all_gather"] + 2 * U * (M + 1), reduce_scatter=2 * U)
+        c.update(all_gather=c.get("all_gather", 0) + 2 * U * (M + 1), reduce_scatter=2 * U)
         return _plan("gpt-tiny", _zero3(st), gbs=8, mb=8 // 2 // M, m=M, zero=3, collectives=c, nodes_devices=6)
     raise ValueError(f"unknown layout {layout!r}")
 

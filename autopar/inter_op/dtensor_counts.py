@@ -2,8 +2,9 @@
 
 The runtime executes "tp" axes as DTensor placements and lets DTensor's sharding propagation
 choose every op's layout (`autopar.runtime.spmd`); the collectives it runs follow from those
-rules (for the zoo GPT: an all-gather of the fused qkv output before its head split, lazily
-reduced partial sums, ...), which a Megatron-style count does not reproduce. So the planner
+rules (for GPT-2's fused qkv with q, k, v as row blocks: an all-gather of its output before the
+head split; a vocabulary-parallel head's logits gathered for the loss; lazily reduced partial
+sums, ...), which a Megatron-style count does not reproduce. So the planner
 counts them the way the runtime will issue them: the model (or one pipeline stage of it) is
 copied to the meta device, its parameters distributed with the stage's tp placements over a
 fake process group of tp ranks (`torch.testing._internal.distributed.fake_pg`), and one forward

@@ -31,10 +31,11 @@ class IlpProvider(AnalyticProvider):
         super().__init__(graph, layers, cluster, dtype)
         from autopar.intra_op import solve_graph  # noqa: F401  (fail early when missing)
 
-        from autopar.intra_op import batch_dims_of
+        from autopar.intra_op import batch_dims_of, token_dims_of
 
         self.time_limit_s = time_limit_s
         self.batch_dims = batch_dims_of(graph)
+        self.token_dims = token_dims_of(graph, self.batch_dims)
         self.solve_s = 0.0
         self.solves = 0
 
@@ -53,7 +54,7 @@ class IlpProvider(AnalyticProvider):
             # whole micro-batch (no batch split on it)
             sol = solve_graph(g, mesh, dtype=self.dtype, nodes=list(layer.nodes), time_limit_s=self.time_limit_s,
                               interleaved_splits=False, cyclic_boundary=True,
-                              batch_dims=self.batch_dims, model_axes=(0,))
+                              batch_dims=self.batch_dims, token_dims=self.token_dims, model_axes=(0,))
         except PlanError as e:
             base.issues.append(f"intra-op ILP on tp={tp}: {e}")
             return base

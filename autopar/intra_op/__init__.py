@@ -17,12 +17,13 @@ import gc
 from typing import Any, Callable, Optional, Sequence
 
 from autopar.capture.graph import OpGraph
+from autopar.intra_op.dims import batch_dims_of, token_dims_of
 from autopar.intra_op.ilp import IntraOpProblem
 from autopar.intra_op.solution import Collective, OpChoice, ShardingSolution
 from autopar.schema.errors import PlanError
 from autopar.schema.mesh import LogicalMesh
 
-__all__ = ["auto_shard", "solve_graph", "batch_dims_of", "ShardingSolution", "Collective", "OpChoice",
+__all__ = ["auto_shard", "solve_graph", "batch_dims_of", "token_dims_of", "ShardingSolution", "Collective", "OpChoice",
            "IntraOpProblem"]
 
 
@@ -31,6 +32,7 @@ def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optio
                 merge: bool = True, share_layers: bool = True, backend: str = "cbc",
                 interleaved_splits: bool = True, cyclic_boundary: bool = False,
                 batch_dims: Optional[dict[str, tuple[int, ...]]] = None,
+                token_dims: Optional[dict[str, tuple[int, ...]]] = None,
                 model_axes: Sequence[int] = ()) -> ShardingSolution:
     """Shard the ops of `graph` (at a concrete batch) over `mesh`.
 
@@ -44,10 +46,11 @@ def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optio
     all-gather), as DTensor runs a contiguously sharded fused weight. `cyclic_boundary` (with
     `nodes` one layer of a stack): the tensor entering the layer comes in the layout its output
     leaves in, a reshard charged otherwise (steady state of identical layers), instead of for
-    free. `model_axes` with `batch_dims` (node name -> the dims of its output that carry the
-    batch, e.g. from the symbolic capture: `batch_dims_of(graph)`): no tensor may be split along
-    a batch dim on those mesh axes, which are then pure tensor (model) parallelism, as the
-    runtime executes a "tp" axis. Raises PlanError when nothing fits `memory_budget_bytes`.
+    free. `model_axes` with `batch_dims` and `token_dims` (node name -> the dims of its output
+    that carry the batch, or tokens: `batch_dims_of(graph)`, `token_dims_of(graph)` of the whole
+    captured graph): no tensor may be split along such a dim on those mesh axes, which are then
+    pure tensor (model) parallelism, as the runtime executes a "tp" axis (no data, sequence or
+    Ulysses parallelism on it). Raises PlanError when nothing fits `memory_budget_bytes`.
     """
     gc_was_on = gc.isenabled()
     gc.disable()     # the captured graph holds many objects; collections would dominate the build
@@ -55,7 +58,7 @@ def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optio
         prob = IntraOpProblem(graph, mesh, nodes=nodes, memory_budget_bytes=memory_budget_bytes,
                               dtype=dtype, merge=merge, share_layers=share_layers,
                               interleaved_splits=interleaved_splits, cyclic_boundary=cyclic_boundary,
-                              batch_dims=batch_dims, model_axes=tuple(model_axes))
+                              batch_dims=batch_dims, token_dims=token_dims, model_axes=tuple(model_axes))
         assign, info = prob.solve(time_limit_s=time_limit_s, backend=backend)
     finally:
         if gc_was_on:
@@ -68,20 +71,6 @@ def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optio
                             f"the least memory any choice needs is about {least / 2**30:.2f} GiB")
         raise PlanError(f"the intra-op ILP found no solution ({info['status']}) within {time_limit_s} s")
     return prob.solution(assign, info)
-
-
-def batch_dims_of(graph: OpGraph) -> dict[str, tuple[int, ...]]:
-    """For each node of a symbolic-batch capture, the dims of its first output that carry the
-    batch (a SymDim: the batch itself or a product with it, such as flattened tokens)."""
-    from autopar.capture.graph import SymDim
-
-    out: dict[str, tuple[int, ...]] = {}
-    for n in graph.nodes:
-        if n.outputs:
-            dims = tuple(d for d, x in enumerate(n.outputs[0].shape) if isinstance(x, SymDim))
-            if dims:
-                out[n.name] = dims
-    return out
 
 
 def auto_shard(model: Any, example_inputs: Sequence[Any], *, mesh: LogicalMesh,

@@ -46,11 +46,17 @@ groups. E is the set of edges between groups (a tensor produced in u, consumed i
   merged into the group of its only producer, or of its only full-size operand (a residual add
   keeps its own choice); it takes, for each of the group's strategies, its cheapest strategy
   given that layout.
-* Model axes (optional, `model_axes` with `batch_dims`): strategies that use such an axis as
-  data parallelism are removed before solving: splitting a batch dim there, or splitting an
-  activation while every parameter the op reads stays whole on that axis (token or sequence
-  parallelism over replicated weights), or a weight GEMM not splitting its weight there. The planner passes its "tp" axis, which the runtime
-  executes as tensor parallelism with every tp rank holding the whole micro-batch.
+* Model axes (optional, `model_axes` with `batch_dims`/`token_dims`): the runtime executes
+  such an axis as tensor parallelism, every rank holding the whole micro-batch and sequence, so
+  strategies it would not run are removed before solving:
+  - splitting a batch or token dim there (data parallelism, Megatron-SP's sequence slices,
+    Ulysses' all-to-alls);
+  - splitting an activation while every parameter the op reads stays whole there (token or
+    sequence parallelism over replicated weights), or a weight GEMM not splitting its weight;
+  - splitting the output of an op that reads only constants (a rotary table is computed whole);
+  - a loss on split logits (the runtime has no vocabulary-parallel cross-entropy yet);
+  and a partial sum wanted sharded there is all-reduced, then sliced (`_transition`), as the
+  runtime reduces a row-parallel output at once, instead of reduce-scattered.
 * Solvers: CBC through pywraplp by default (the LP relaxation of this formulation is nearly
   tight; CBC closes it in tenths of a second on a GPT-3 layer), HiGHS and SCIP likewise, or
   CP-SAT (integer-scaled costs). A negligible tie-break prefers split work and sharded inputs.
@@ -89,6 +95,7 @@ HEAVY_OPS = MATRIX_OPS
 OUTPUT = "__output__"
 BUCKET_BYTES = 25 * 2**20      # gradient bucket (DDP's default 25 MiB)
 MIN_SHARED_LAYER_OPS = 4       # layers smaller than this are solved per copy
+UNRUNNABLE_S = 1e3             # edge penalty: a layout the runtime would not produce (model axes)
 # op -> inputs its backward pass does not read (autograd keeps no copy): a parameter gathered
 # for them (ZeRO-3) is not gathered again for the backward pass. Other ops read every input.
 BACKWARD_SKIPS = {"linear": (2,), "addmm": (0,), "baddbmm": (0,), "embedding": (0,),
@@ -146,6 +153,7 @@ class IntraOpProblem:
                  memory_budget_bytes: Optional[float] = None, dtype: str = "fp32",
                  merge: bool = True, share_layers: bool = True, interleaved_splits: bool = True,
                  cyclic_boundary: bool = False, batch_dims: Optional[dict[str, tuple[int, ...]]] = None,
+                 token_dims: Optional[dict[str, tuple[int, ...]]] = None,
                  model_axes: tuple[int, ...] = ()) -> None:
         if graph.batch_size is None and any(o.is_batched for n in graph.nodes for o in n.outputs):
             raise ValueError("solve a graph at a concrete batch: call graph.at_batch(b) first")
@@ -159,8 +167,11 @@ class IntraOpProblem:
         self.budget = memory_budget_bytes
         self.interleaved_splits = interleaved_splits
         self.cyclic_boundary = cyclic_boundary
-        self.batch_dims = batch_dims or {}
-        self.model_axes = tuple(a for a in model_axes if self.mesh_shape[a] > 1) if batch_dims else ()
+        # dims no model axis may split: the batch and the tokens
+        self.data_dims: dict[str, tuple[int, ...]] = {
+            k: tuple(sorted(set((batch_dims or {}).get(k, ())) | set((token_dims or {}).get(k, ()))))
+            for k in set(batch_dims or {}) | set(token_dims or {})}
+        self.model_axes = tuple(a for a in model_axes if self.mesh_shape[a] > 1) if self.data_dims else ()
         self.axis_cost = tuple(b * (m - 1) / m if m > 1 else 0.0 for b, m in zip(mesh.beta, mesh.shape))
         self.warnings: list[str] = []
         self._edge_cache: dict = {}
@@ -390,8 +401,25 @@ class IntraOpProblem:
     def itemsize(self, meta: TensorMeta) -> int:
         return self.float_bytes if meta.dtype.startswith(("float", "bfloat", "complex")) else meta.itemsize
 
+    def _constant_ops(self) -> set[str]:
+        """Calls that read no model input, activation or parameter, only constants and buffers
+        (a rotary table from `arange`): the runtime computes them as plain, whole tensors."""
+        g = self.graph
+        live: set[str] = set()
+        out: set[str] = set()
+        for n in g.nodes:
+            if n.kind in ("input", "param"):
+                live.add(n.name)
+            elif n.kind == "call":
+                if any(i in live for i in n.inputs):
+                    live.add(n.name)
+                else:
+                    out.add(n.name)
+        return out
+
     def _build_nodes(self) -> None:
         g = self.graph
+        self.constant_ops = self._constant_ops() if self.model_axes else set()
         self.pnodes: dict[str, PNode] = {}
         heavy_need = math.prod(m for m in self.mesh_shape if m > 1)
         jof: dict[str, list[tuple[str, int]]] = defaultdict(list)
@@ -414,7 +442,8 @@ class IntraOpProblem:
             if name in self.outer:
                 kind = {"param": "param", "input": "input"}.get(n.kind, "boundary" if n.kind == "call" else n.kind)
                 shape = tuple(int(d) for d in n.outputs[0].shape) if n.outputs else ()
-                specs = [sp for sp in all_specs(shape, self.mesh_shape) if not self._splits_batch(name, sp)]
+                specs = [sp for sp in all_specs(shape, self.mesh_shape) if not self._splits_batch(name, sp)
+                         and (kind == "param" or all(sp[a] == REPLICATE for a in self.model_axes))]
                 if self.cycle is not None and name == self.cycle[1]:
                     sts = [Strategy(" ".join(s), [s], [s], [()]) for s in specs]
                 else:
@@ -431,6 +460,14 @@ class IntraOpProblem:
                 self.warnings.append(f"no sharding rule for op {n.op!r} ({name}); it runs replicated")
             if self.model_axes:
                 sts = [st for st in sts if not self._strategy_splits_batch(n, st)] or sts
+                if fam == "loss":
+                    # the runtime computes the loss on whole logits (no vocabulary-parallel
+                    # cross-entropy yet): a split class dim is gathered first
+                    sts = [st for st in sts if not any(
+                        sp[a] != REPLICATE for sp in st.in_specs for a in self.model_axes)] or sts
+                if name in self.constant_ops:
+                    sts = [st for st in sts if not any(
+                        sp[a] != REPLICATE for sp in st.out_specs for a in self.model_axes)] or sts
             if self.mesh.device is None and n.op in HEAVY_OPS:
                 full = [s for s in sts if s.work_div == heavy_need]
                 sts = full or sts
@@ -443,9 +480,10 @@ class IntraOpProblem:
             [()] * len(self.output_refs))], "output", 1)
 
     def _splits_batch(self, tensor: str, spec: Spec) -> bool:
-        """Whether `spec` shards one of `tensor`'s batch dims along a model axis (`model_axes`:
-        axes the runtime runs as tensor parallelism, where every rank sees the whole batch)."""
-        dims = self.batch_dims.get(tensor, ())
+        """Whether `spec` shards one of `tensor`'s batch or token dims along a model axis
+        (`model_axes`: axes the runtime runs as tensor parallelism, where every rank sees the
+        whole micro-batch and sequence)."""
+        dims = self.data_dims.get(tensor, ())
         if not dims:
             return False
         for a in self.model_axes:
@@ -652,12 +690,12 @@ class IntraOpProblem:
         shape = tuple(int(d) for d in meta.shape)
         isz = self.itemsize(meta)
         ac = self.axis_cost
-        out = [(kind, a, b, "forward", "reshard") for kind, a, b in transition(shape, isz, src, u, self.mesh_shape, ac)]
+        out = [(kind, a, b, "forward", "reshard") for kind, a, b in self._transition(shape, isz, src, u)]
         if self.rg.get(pn.name, False):
             # the gradient of a summand of a partial tensor is the whole (replicated) gradient
             gspec = tuple(PARTIAL if a in partial else REPLICATE if p == PARTIAL else p for a, p in enumerate(u))
             target = tuple(PARTIAL if a in src_gp else REPLICATE if p == PARTIAL else p for a, p in enumerate(src))
-            for kind, a, b in transition(shape, isz, gspec, target, self.mesh_shape, ac):
+            for kind, a, b in self._transition(shape, isz, gspec, target):
                 out.append((kind, a, b, "grad_sync" if is_param else "backward", "grad"))
             if is_param and reads:
                 for kind, a, b, ph, _ in list(out):
@@ -665,6 +703,18 @@ class IntraOpProblem:
                         out.append(("all_gather", a, b, "backward", "re-gather sharded param"))
         self._edge_cache[key] = out
         return out
+
+    def _transition(self, shape: tuple, isz: int, src: Spec, dst: Spec) -> tuple:
+        """`placement.transition`, except that a partial sum on a model axis that is wanted
+        sharded is all-reduced whole first (then sliced for free): the runtime reduces a
+        row-parallel output at once (`spmd.megatron_boundaries`), never by a reduce-scatter
+        into slices of the activation (Megatron-SP), which the runtime does not run."""
+        ms, ac = self.mesh_shape, self.axis_cost
+        fix = [a for a in self.model_axes if src[a] == PARTIAL and dst[a].startswith("S(")]
+        if not fix:
+            return transition(shape, isz, src, dst, ms, ac)
+        mid = tuple(REPLICATE if a in fix else p for a, p in enumerate(src))
+        return tuple(transition(shape, isz, src, mid, ms, ac)) + tuple(transition(shape, isz, mid, dst, ms, ac))
 
     def backward_reads(self, cons: str, k: int) -> bool:
         """Whether the backward pass reads input `k` of problem node `cons` (`BACKWARD_SKIPS`);
@@ -680,8 +730,33 @@ class IntraOpProblem:
                                                 for p, _, c, kk in self.actual_edges if p == cons)
         return hit
 
+    def _split_param_axes(self, cons: str, st: Strategy) -> tuple[int, ...]:
+        """Model axes along which strategy `st` of problem node `cons` reads a split parameter."""
+        pn = self.pnodes.get(cons)
+        if not self.model_axes or pn is None or pn.kind != "call":
+            return ()
+        kinds = [self.graph.node(i).kind if i in self.known else "" for i in pn.node.inputs]
+        return tuple(a for a in self.model_axes
+                     if any(kd == "param" and sp[a].startswith("S(") for kd, sp in zip(kinds, st.in_specs)))
+
+    def _unrunnable(self, prod: str, src: Spec, cons: str, k: int, st: Strategy) -> bool:
+        """Whether the edge slices a whole or partial activation on a model axis for an op that
+        reads no parameter split there. DTensor never does that (an op on replicated operands
+        gives a replicated result; only a sharded parameter makes it slice its other operand),
+        so the runtime would not run the layout (a residual add on hidden slices, say)."""
+        if not self.model_axes:
+            return False
+        pn = self.pnodes[prod]
+        if pn.kind == "param" or (pn.node is not None and pn.node.kind == "param"):
+            return False
+        u = st.in_specs[k]
+        bad = [a for a in self.model_axes if src[a] in (REPLICATE, PARTIAL) and u[a].startswith("S(")]
+        return bool(bad) and not set(bad) <= set(self._split_param_axes(cons, st))
+
     def edge_cost(self, prod: str, oidx: int, src: Spec, cons: str, k: int,
                   st: Strategy, src_gp: tuple[int, ...] = ()) -> tuple[float, float, float, float]:
+        """The edge's training time (total, forward, backward, gradient sync); the total also
+        carries `UNRUNNABLE_S` for a layout the runtime would not run (`_unrunnable`)."""
         fwd = bwd = sync = 0.0
         for kind, a, b, ph, _ in self.edge_collectives(prod, oidx, src, cons, k, st, src_gp):
             t = self.coll_time(kind, (a,), b, ph)
@@ -691,7 +766,8 @@ class IntraOpProblem:
                 bwd += t
             else:
                 sync += t
-        return fwd + bwd + sync, fwd, bwd, sync
+        pen = UNRUNNABLE_S if self._unrunnable(prod, src, cons, k, st) else 0.0
+        return fwd + bwd + sync + pen, fwd, bwd, sync
 
     def _out_spec(self, grp: Group, gi: int, member: str, oidx: int) -> tuple[Spec, tuple[int, ...]]:
         pn = self.pnodes[member]
@@ -732,7 +808,8 @@ class IntraOpProblem:
                 continue
             srcs = [self._out_spec(Gu, s, p, oidx) for s in range(Gu.size)]
             need = [(pc.strategies[Gv.choice[s][c]].in_specs[k],
-                     pc.strategies[Gv.choice[s][c]].grad_partial[k]) for s in range(Gv.size)]
+                     pc.strategies[Gv.choice[s][c]].grad_partial[k],
+                     self._split_param_axes(c, pc.strategies[Gv.choice[s][c]])) for s in range(Gv.size)]
             cu, ru = _classes(srcs)
             cv, rv = _classes(need)
             cost = [[0.0] * len(rv) for _ in ru]

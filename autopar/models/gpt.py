@@ -44,10 +44,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
-        q, k, v = self.qkv(x).split(h, dim=-1)
-        q = q.view(b, s, self.heads, h // self.heads).transpose(1, 2)
-        k = k.view(b, s, self.heads, h // self.heads).transpose(1, 2)
-        v = v.view(b, s, self.heads, h // self.heads).transpose(1, 2)
+        d = h // self.heads
+        # head-major fused rows ([q, k, v] of head 0, then of head 1, ...): a contiguous row
+        # shard of the weight holds whole heads, so tensor parallelism needs no gather here
+        q, k, v = self.qkv(x).view(b, s, self.heads, 3 * d).transpose(1, 2).split(d, dim=-1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.p if self.training else 0.0)
         return _dropout(self.proj(y.transpose(1, 2).reshape(b, s, h)), self.p, self.training)

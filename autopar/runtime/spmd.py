@@ -8,12 +8,13 @@ Partial), wraps the forward so that the inputs (this rank's local shards) become
 Activations stay DTensors between ops: DTensor's sharding propagation picks each op's output
 layout and `redistribute`s an operand where an op needs another layout (for the zoo GPT with the
 Megatron placements - qkv/fc weight "S(0)", proj weight "S(1)" on the tp axis - that is the
-all-reduce after each row-parallel projection, and an all-gather of the fused qkv output before
-its head split, because a contiguous row shard of a fused qkv weight is not head-aligned).
+all-reduce after each row-parallel projection and nothing else: its fused qkv rows are
+head-major, so a contiguous row shard holds whole heads; a model whose fused qkv keeps q, k and
+v as row blocks, GPT-2's c_attn, pays an all-gather of its output before the head split).
 torch's `parallelize_module` with ColwiseParallel/RowwiseParallel is *not* used: it hands local
 tensors to the module's own code, which breaks models whose forward reads `x.shape` to split a
-fused projection (the zoo GPT does). Keeping DTensors everywhere is correct for any placement
-the ILP may choose; the price is the extra all-gather above.
+fused projection (the zoo GPT and GPT-2 do). Keeping DTensors everywhere is correct for any
+placement the ILP may choose.
 
 DTensor reduces a partial sum lazily, where an op first needs it whole; `megatron_boundaries`
 (applied by `distribute_params`) reduces it where Megatron does instead - a row-parallel
