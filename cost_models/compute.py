@@ -380,6 +380,27 @@ def _attention_node_time(n, index: dict, device: DeviceSpec, dtype: str, shard: 
     return attention_time(shapes[0], shapes[1], shapes[2], device, dtype, shard, float(p or 0.0))
 
 
+def node_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
+              index: Optional[dict] = None) -> tuple[float, float]:
+    """(forward, backward) seconds of one captured op at a concrete batch with its work split
+    `shard` ways: the roofline with the GEMM curve, the measured backward rates, the fused
+    attention kernel's rates (`index`, name -> node, gives its inputs' shapes). Floating-point
+    bytes are rescaled to `dtype` (the capture is fp32). The analytic provider and the intra-op
+    ILP both price ops with this, so their layer costs differ only in the layouts."""
+    f = max(float(shard), 1.0)
+    tdt = n.outputs[0].dtype if n.outputs else "float32"
+    flops, nbytes = n.flops / f, n.bytes_moved * bytes_scale(tdt, dtype) / f
+    att = _attention_node_time(n, index or {}, device, dtype, f) if n.op in FUSED_ATTENTION else None
+    if att is not None:
+        fwd, bwd = att
+    else:
+        fwd = op_time(n.op, flops, nbytes, device, dtype)
+        bwd = op_backward_time(n.op, flops, nbytes, device, dtype)
+    if n.op in ("arange", "zeros", "ones", "full", "empty") or n.op == "to" and not n.inputs:
+        bwd = 0.0
+    return fwd, bwd
+
+
 def op_list_time(nodes: Iterable, device: DeviceSpec, dtype: str = "bf16", *,
                  recompute: Recompute | bool = "none", shard: Shard = 1.0,
                  index: Optional[dict] = None) -> ComputeTime:
@@ -400,17 +421,7 @@ def op_list_time(nodes: Iterable, device: DeviceSpec, dtype: str = "bf16", *,
         if n.flops <= 0 and n.bytes_moved <= 0:
             continue
         f = shard(n) if callable(shard) else shard
-        f = max(float(f), 1.0)
-        tdt = n.outputs[0].dtype if n.outputs else "float32"
-        flops, nbytes = n.flops / f, n.bytes_moved * bytes_scale(tdt, dtype) / f
-        att = _attention_node_time(n, index, device, dtype, f) if n.op in FUSED_ATTENTION else None
-        if att is not None:
-            fwd, bwd = att
-        else:
-            fwd = op_time(n.op, flops, nbytes, device, dtype)
-            bwd = op_backward_time(n.op, flops, nbytes, device, dtype)
-        if n.op in ("arange", "zeros", "ones", "full", "empty") or n.op == "to" and not n.inputs:
-            bwd = 0.0
+        fwd, bwd = node_time(n, device, dtype, f, index)
         re = fwd if rec == "full" or n.name in core else 0.0
         out.forward_s += fwd
         out.backward_s += bwd

@@ -15,8 +15,8 @@ groups. E is the set of edges between groups (a tensor produced in u, consumed i
                 Σ_a e_{uv,ab} = Σ_{j ∈ b} x_{v,j}                  ∀ (u,v), b    (edge_cols)
                 Σ_v Σ_i m_{v,i} x_{v,i} ≤ M                                      (memory)
 
-* c_{v,i} (`node_cost`): the op's forward + backward compute (`cost_models.compute.op_time` on
-  its share of the work, only when the mesh has a device; without one compute is free and a
+* c_{v,i} (`node_cost`): the op's forward + backward compute (`cost_models.compute.node_time`,
+  the inter-op cost model's per-op price, on its share of the work, only when the mesh has a device; without one compute is free and a
   matmul-family op must split its work over every mesh axis of size > 1, Alpa's convention)
   plus the collectives inside the op (vocab-parallel cross-entropy), times the number of
   identical copies; plus every edge internal to the group (a merged follower's resharding).
@@ -83,7 +83,7 @@ from autopar.intra_op.solution import Collective, OpChoice, ShardingSolution
 from autopar.intra_op.strategy import OpContext, Strategy
 from autopar.schema.mesh import LogicalMesh
 from cost_models.communication import collective_time
-from cost_models.compute import MATRIX_OPS, backward_factor, op_time
+from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, node_time
 
 FLOAT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 # bytes per device a parameter costs, relative to its weights' bytes: weights, gradients and
@@ -612,14 +612,17 @@ class IntraOpProblem:
         n = pn.node
         if self.mesh.device is None or n is None:
             return 0.0, 0.0
-        f = op_time(n.op, n.flops / st.work_div, n.bytes_moved / st.work_div, self.mesh.device, self.dtype)
+        # the inter-op cost model's per-op prices (GEMM curve, measured backward and fused
+        # attention rates, bytes at the training dtype), so the ILP and the analytic provider
+        # differ only in the layouts they choose
+        f, b = node_time(n, self.mesh.device, self.dtype, st.work_div, self.graph._index)
         if not pn.requires_grad:
             return f, 0.0
-        if n.op in HEAVY_OPS:
+        if n.op in HEAVY_OPS and n.op not in FUSED_ATTENTION:
             # one matmul per operand that needs a gradient (dX = dY W, dW = dY^T X)
             k = sum(1 for i in n.inputs[:2] if self.rg.get(i, False))
-            return f, f * max(1, k) * backward_factor(n.op) / 2.0
-        return f, backward_factor(n.op) * f
+            return f, b * min(2, max(1, k)) / 2.0
+        return f, b
 
     def node_cost(self, pn: PNode, st: Strategy) -> tuple[float, float, float, float]:
         """(total, forward, backward, grad_sync) seconds of one copy, excluding resharding."""
