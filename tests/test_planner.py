@@ -170,8 +170,9 @@ def test_memory_pressure_brings_recompute_or_sharding_and_pins_hold():
 def test_collectives_match_the_runtime(model, cluster_nodes, cons, expected):
     cl = ClusterSpec.load("cpu")
     cl = cl.model_copy(update={"devices_per_node": cluster_nodes})
-    # the Megatron layouts these counts were measured for (on a model this small the ILP, which
-    # "auto" uses on small clusters, finds replicating the tp axis cheaper than sharding it)
+    # the analytic provider's Megatron layouts these counts were measured for (the ILP, which
+    # "auto" uses, may place a tiny model's embedding otherwise: tests/test_runtime_planned.py
+    # runs its plans against their predictions)
     p = plan(model, cl, global_batch_size=8, dtype="fp32", constraints=Constraints(**cons), intra_op="analytic")
     assert p.predicted.collectives == expected
 
