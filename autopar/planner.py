@@ -65,7 +65,7 @@ def make_provider(kind: str, graph: OpGraph, layers: list[Layer], cluster: Clust
             if kind == "ilp":
                 raise PlanError("the intra-op ILP is not available in this installation") from None
             return AnalyticProvider(graph, layers, cluster, dtype)
-        if kind == "auto" and not any(o.is_batched for n in graph.nodes for o in n.outputs):
+        if kind == "auto" and not graph.is_symbolic:
             # without a symbolic batch (the fx fallback) the ILP cannot tell the batch dims, so
             # it could not keep the tp axis model-parallel as the runtime runs it
             return AnalyticProvider(graph, layers, cluster, dtype)

@@ -3,7 +3,7 @@
     python benchmarks/cost_model_accuracy.py              # every section
     python benchmarks/cost_model_accuracy.py --analytic   # the cost-model cross-check only
     python benchmarks/cost_model_accuracy.py --planner    # autopar.plan with pinned constraints only
-    python benchmarks/cost_model_accuracy.py --planner --intra-op ilp   # per-layer costs from the ILP
+    python benchmarks/cost_model_accuracy.py --planner --intra-op analytic   # Megatron rules, not the ILP
     python benchmarks/cost_model_accuracy.py --table1     # every row of Megatron's Table 1 (generalisation)
     python benchmarks/cost_model_accuracy.py --local      # plan + run a small GPT on this machine
 

@@ -271,7 +271,7 @@ def test_checkpoint_restart_and_reshard(tmp_path):
     for k in keys:
         assert torch.equal(fa[k], fb[k]), k
         # other layouts sum in another order, and Adam scales a near-zero gradient's rounding
-        # up to a step of its own: ~1e-6 absolute after two steps (parameters ~1e-2)
+        # up to a step of its own: measured 1.0e-6 on one qkv bias element (largest 5e-3)
         assert torch.allclose(fa[k], fc[k], rtol=1e-4, atol=1e-5), (k, (fa[k] - fc[k]).abs().max())
         assert torch.allclose(fa[k], fd[k], rtol=1e-4, atol=1e-5), (k, (fa[k] - fd[k]).abs().max())
     # the optimizer state is stored per parameter whatever the layout (ZeRO-2 gathers its shards)

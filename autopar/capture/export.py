@@ -511,6 +511,6 @@ def _finish(model: nn.Module, nodes: list[OpNode], params: dict[str, ParamInfo],
                 layer_types={l: layer_types[l] for l in seen}, top_modules=order,
                 capture_method=method)
     # concrete FLOPs for graphs without symbolic dims; symbolic ones get them from at_batch
-    if not any(o.is_batched for x in nodes for o in x.outputs):
+    if not g.is_symbolic:
         g = g.at_batch(_batch_of(inputs))
     return g

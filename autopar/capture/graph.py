@@ -194,6 +194,11 @@ class OpGraph:
 
     # -- totals -----------------------------------------------------------------------------
     @property
+    def is_symbolic(self) -> bool:
+        """Whether some shape still depends on the batch (a symbolic capture before `at_batch`)."""
+        return any(o.is_batched for n in self.nodes for o in n.outputs)
+
+    @property
     def num_params(self) -> int:
         """Parameters counted once (tied parameters once)."""
         return sum(p.numel for p in self.params.values())

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from autopar.capture.graph import OpGraph, SymDim, concrete
 from autopar.intra_op.placement import shard_dim
-from autopar.intra_op.strategy import OpContext
+from autopar.intra_op.strategy import OpContext, output_index
 
 Dims = dict[str, tuple[int, ...]]
 
@@ -75,8 +75,7 @@ def token_dims_of(graph: OpGraph, batch_dims: dict | None = None, *, probe: int 
             ins: list[tuple[str, int]] = []
             in_metas = []
             for k, i in enumerate(n.inputs):
-                idx = n.args[1] if (n.target == "getitem" and k == 0 and len(n.args) > 1
-                                    and isinstance(n.args[1], int)) else 0
+                idx = output_index(n, k)
                 ins.append((i, idx))
                 m = metas.get(i)
                 in_metas.append(m[idx] if m and idx < len(m) else (m[0] if m else outs[0]))

@@ -16,10 +16,11 @@ groups. E is the set of edges between groups (a tensor produced in u, consumed i
                 Σ_v Σ_i m_{v,i} x_{v,i} ≤ M                                      (memory)
 
 * c_{v,i} (`node_cost`): the op's forward + backward compute (`cost_models.compute.node_time`,
-  the inter-op cost model's per-op price, on its share of the work, only when the mesh has a device; without one compute is free and a
-  matmul-family op must split its work over every mesh axis of size > 1, Alpa's convention)
-  plus the collectives inside the op (vocab-parallel cross-entropy), times the number of
-  identical copies; plus every edge internal to the group (a merged follower's resharding).
+  the inter-op cost model's per-op price, on its share of the work, only when the mesh has a
+  device; without one compute is free and a matmul-family op must split its work over every
+  mesh axis of size > 1, Alpa's convention) plus the collectives inside the op (vocab-parallel
+  cross-entropy), times the number of identical copies; plus every edge internal to the group
+  (a merged follower's resharding).
 * A_uv / B_uv group the producer's strategies by the layout they give the tensor and the
   consumer's by the layout they need and the axes along which they leave its gradient partial,
   so an edge needs |A|·|B| variables, not |S_u|·|S_v|; an edge with one class on a side is
@@ -80,7 +81,7 @@ from autopar.capture.graph import OpGraph, OpNode, TensorMeta
 from autopar.intra_op import rules as rules_mod
 from autopar.intra_op.placement import PARTIAL, REPLICATE, Spec, all_specs, local_numel, transition
 from autopar.intra_op.solution import Collective, OpChoice, ShardingSolution
-from autopar.intra_op.strategy import OpContext, Strategy
+from autopar.intra_op.strategy import OpContext, Strategy, output_index
 from autopar.schema.mesh import LogicalMesh
 from cost_models.communication import collective_time
 from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, node_time
@@ -155,7 +156,7 @@ class IntraOpProblem:
                  cyclic_boundary: bool = False, batch_dims: Optional[dict[str, tuple[int, ...]]] = None,
                  token_dims: Optional[dict[str, tuple[int, ...]]] = None,
                  model_axes: tuple[int, ...] = ()) -> None:
-        if graph.batch_size is None and any(o.is_batched for n in graph.nodes for o in n.outputs):
+        if graph.batch_size is None and graph.is_symbolic:
             raise ValueError("solve a graph at a concrete batch: call graph.at_batch(b) first")
         t0 = time.perf_counter()
         self.graph = graph
@@ -176,6 +177,7 @@ class IntraOpProblem:
         self.warnings: list[str] = []
         self._edge_cache: dict = {}
         self._reads_cache: dict[str, bool] = {}
+        self._kinds_cache: dict[str, list[str]] = {}
         self._select(nodes)
         self._requires_grad()
         self._saved_for_backward()
@@ -330,7 +332,7 @@ class IntraOpProblem:
             n = g.node(c)
             for k, i in enumerate(n.inputs):
                 if i in self.in_set:
-                    edges.append((i, self._out_index(n, k), c, k))
+                    edges.append((i, output_index(n, k), c, k))
         for k, c in enumerate(self.output_refs):
             edges.append((c, 0, OUTPUT, k))
         if self.cycle is not None:
@@ -355,7 +357,6 @@ class IntraOpProblem:
     def _junction_strategies(self, producer: OpNode, o: int, jname: str) -> list[Strategy]:
         """Layouts worth holding a shared tensor in: any its producer gives or a consumer
         wants; gradients kept partial along axes where some consumer leaves them partial."""
-        shape = tuple(int(d) for d in producer.outputs[o].shape)
         nout = len(producer.outputs)
         specs: dict[Spec, None] = {}
         gp_axes: set[int] = set()
@@ -389,14 +390,9 @@ class IntraOpProblem:
                 metas.append(TensorMeta((), "float32"))
                 continue
             p = g.node(i)
-            idx = self._out_index(n, k)
+            idx = output_index(n, k)
             metas.append(p.outputs[idx] if idx < len(p.outputs) else (p.outputs[0] if p.outputs else TensorMeta((), "float32")))
         return OpContext(n, metas, self.mesh_shape, g, self.float_bytes, self.interleaved_splits)
-
-    def _out_index(self, consumer: OpNode, k: int) -> int:
-        if consumer.target == "getitem" and k == 0 and len(consumer.args) > 1 and isinstance(consumer.args[1], int):
-            return consumer.args[1]
-        return 0
 
     def itemsize(self, meta: TensorMeta) -> int:
         return self.float_bytes if meta.dtype.startswith(("float", "bfloat", "complex")) else meta.itemsize
@@ -443,7 +439,7 @@ class IntraOpProblem:
                 kind = {"param": "param", "input": "input"}.get(n.kind, "boundary" if n.kind == "call" else n.kind)
                 shape = tuple(int(d) for d in n.outputs[0].shape) if n.outputs else ()
                 specs = [sp for sp in all_specs(shape, self.mesh_shape) if not self._splits_batch(name, sp)
-                         and (kind == "param" or all(sp[a] == REPLICATE for a in self.model_axes))]
+                         and (kind == "param" or self._model_whole([sp]))]
                 if self.cycle is not None and name == self.cycle[1]:
                     sts = [Strategy(" ".join(s), [s], [s], [()]) for s in specs]
                 else:
@@ -463,11 +459,9 @@ class IntraOpProblem:
                 if fam == "loss":
                     # the runtime computes the loss on whole logits (no vocabulary-parallel
                     # cross-entropy yet): a split class dim is gathered first
-                    sts = [st for st in sts if not any(
-                        sp[a] != REPLICATE for sp in st.in_specs for a in self.model_axes)] or sts
+                    sts = [st for st in sts if self._model_whole(st.in_specs)] or sts
                 if name in self.constant_ops:
-                    sts = [st for st in sts if not any(
-                        sp[a] != REPLICATE for sp in st.out_specs for a in self.model_axes)] or sts
+                    sts = [st for st in sts if self._model_whole(st.out_specs)] or sts
             if self.mesh.device is None and n.op in HEAVY_OPS:
                 full = [s for s in sts if s.work_div == heavy_need]
                 sts = full or sts
@@ -497,6 +491,17 @@ class IntraOpProblem:
         n = self.graph.node(tensor) if tensor in self.known else None
         return tuple(n.outputs[0].shape) if n is not None and n.outputs else ()
 
+    def _input_kinds(self, n: OpNode) -> list[str]:
+        """The node kind ("param", "call", ...) of each input of `n` ("" outside the graph)."""
+        hit = self._kinds_cache.get(n.name)
+        if hit is None:
+            hit = self._kinds_cache[n.name] = [self.graph.node(i).kind if i in self.known else "" for i in n.inputs]
+        return hit
+
+    def _model_whole(self, specs) -> bool:
+        """Whether every layout in `specs` is replicated on every model axis."""
+        return all(sp[a] == REPLICATE for sp in specs for a in self.model_axes)
+
     def _strategy_splits_batch(self, n: OpNode, st: Strategy) -> bool:
         """Whether strategy `st` of op `n` is not model parallelism on a model axis: it splits a
         batch dim there, or it keeps every parameter it reads whole on that axis while splitting
@@ -508,7 +513,7 @@ class IntraOpProblem:
             return True
         if any(self._splits_batch(i, sp) for i, sp in zip(n.inputs, st.in_specs)):
             return True
-        kinds = [self.graph.node(i).kind if i in self.known else "" for i in n.inputs]
+        kinds = self._input_kinds(n)
         if "param" not in kinds:
             return False
         for a in self.model_axes:
@@ -521,7 +526,6 @@ class IntraOpProblem:
 
     # ------------------------------------------------------------------ groups (merging)
     def _build_groups(self, merge: bool) -> None:
-        g = self.graph
         self.groups: list[Group] = []
         for name, pn in self.pnodes.items():
             if merge and pn.kind == "call":
@@ -534,7 +538,7 @@ class IntraOpProblem:
     def _src(self, n: OpNode, k: int) -> str:
         """The problem node feeding input k of `n`: its producer, or the producer's junction."""
         i = n.inputs[k]
-        return self.junction.get((i, self._out_index(n, k)), i)
+        return self.junction.get((i, output_index(n, k)), i)
 
     def _main_operand(self, f: PNode) -> Optional[tuple[str, list[int]]]:
         """The operand a follower op is merged into (Alpa §4.2): its only producer, or for an
@@ -565,12 +569,12 @@ class IntraOpProblem:
         if i not in self.known:
             return None
         p = self.graph.node(i)
-        o = self._out_index(n, k)
+        o = output_index(n, k)
         return p.outputs[o] if o < len(p.outputs) else None
 
     def _merge(self, f: PNode, p: PNode, ks: list[int]) -> bool:
         grp = self.groups[p.group]
-        oidx = self._out_index(f.node, ks[0])
+        oidx = output_index(f.node, ks[0])
         choice = []
         for ch in grp.choice:
             pst = p.strategies[ch[p.name]]
@@ -621,7 +625,7 @@ class IntraOpProblem:
         if n.op in HEAVY_OPS and n.op not in FUSED_ATTENTION:
             # one matmul per operand that needs a gradient (dX = dY W, dW = dY^T X)
             k = sum(1 for i in n.inputs[:2] if self.rg.get(i, False))
-            return f, b * min(2, max(1, k)) / 2.0
+            return f, b * max(1, k) / 2.0
         return f, b
 
     def node_cost(self, pn: PNode, st: Strategy) -> tuple[float, float, float, float]:
@@ -692,7 +696,6 @@ class IntraOpProblem:
             return hit
         shape = tuple(int(d) for d in meta.shape)
         isz = self.itemsize(meta)
-        ac = self.axis_cost
         out = [(kind, a, b, "forward", "reshard") for kind, a, b in self._transition(shape, isz, src, u)]
         if self.rg.get(pn.name, False):
             # the gradient of a summand of a partial tensor is the whole (replicated) gradient
@@ -738,7 +741,7 @@ class IntraOpProblem:
         pn = self.pnodes.get(cons)
         if not self.model_axes or pn is None or pn.kind != "call":
             return ()
-        kinds = [self.graph.node(i).kind if i in self.known else "" for i in pn.node.inputs]
+        kinds = self._input_kinds(pn.node)
         return tuple(a for a in self.model_axes
                      if any(kd == "param" and sp[a].startswith("S(") for kd, sp in zip(kinds, st.in_specs)))
 

@@ -19,7 +19,6 @@ local shard along the other axes.
 
 from __future__ import annotations
 
-import itertools
 import math
 from functools import lru_cache
 from typing import Optional, Sequence

@@ -46,6 +46,14 @@ class Strategy:
     note: str = ""
 
 
+def output_index(consumer: OpNode, k: int) -> int:
+    """Which output of its producer input `k` of `consumer` reads: the index of a `getitem` on a
+    multi-output op, else 0."""
+    if consumer.target == "getitem" and k == 0 and len(consumer.args) > 1 and isinstance(consumer.args[1], int):
+        return consumer.args[1]
+    return 0
+
+
 @dataclass
 class OpContext:
     """What a rule sees: the node, its tensor inputs' metas (node.inputs order), the mesh."""
