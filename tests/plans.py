@@ -123,7 +123,10 @@ RECOMPUTED_PER_BLOCK = {"none": {}, "full": {"all_reduce": 1}, "selective": {}}
 
 
 def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
-    """A pinned plan for `layout` (see LAYOUTS)."""
+    """A pinned plan for `layout` (see LAYOUTS); a "_bf16" suffix makes it a bf16 plan (autocast,
+    fp32 parameters and optimizer state), with the same collectives."""
+    if layout.endswith("_bf16"):
+        return make_plan(layout[:-len("_bf16")], gbs=gbs, ref=ref).model_copy(update={"dtype": "bf16"})
     nb = 2
     L = _layers(nb)
     if layout == "single":
@@ -204,13 +207,14 @@ def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
         # pp2xtp2 with the tied embedding in two layouts on equal meshes, as the planner's ILP
         # places it: replicated on stage 0, the output weight vocabulary-parallel on stage 1
         # (its gradient summed in the full parameter's coordinates, `tied_grads.FullTiedSync`).
-        # The vocabulary-parallel head adds per micro-batch 1 all-gather (the logits made plain
-        # for the loss) and 1 all-reduce (its input's partial gradient): measured and pinned
+        # The vocabulary-parallel head adds per micro-batch 1 all-reduce (its input's partial
+        # gradient) and the vocabulary-parallel cross-entropy's 3 (max, sum of exponentials,
+        # target logit; the logits are never gathered): measured and pinned
         plan = make_plan("pp2xtp2", gbs=gbs, ref=ref)
         M = plan.num_microbatches
         plan.stages[1].placements.update({"embed.tok.weight": ("S(0)",), "head.out.weight": ("S(0)",)})
         c = dict(plan.predicted.collectives)
-        c.update(all_gather=c.get("all_gather", 0) + M, all_reduce=c["all_reduce"] + M)
+        c.update(all_reduce=c["all_reduce"] + (1 + 3) * M)
         return plan.model_copy(update={"predicted": plan.predicted.model_copy(update={"collectives": c})})
     if layout in ("pp2xtp2", "pp2xtp2_full", "pp2xtp2_selective"):
         M = 4
@@ -283,6 +287,57 @@ def spmd2d_check() -> dict:
             "grad_scale": float(ref_grad.abs().max())}
 
 
+def vocab_loss_check() -> dict:
+    """`runtime.vocab_loss` on this job's ranks (a 1-D mesh over all of them): cross-entropy of
+    class-sharded logits (with ignored rows) against one process's, its gradient, the collectives
+    it ran (CommDebugMode, forward and backward), whether torch's loss-parallel handlers are off
+    again after the backward, and the fallbacks (label smoothing; whole logits) still exact."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from autopar.runtime.spmd import allow_implicit_replication
+    from autopar.runtime.vocab_loss import VocabParallelLoss
+
+    allow_implicit_replication()   # plain targets beside DTensor logits, as in the runtime
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, 8 * dist.get_world_size(), generator=g)
+    target = torch.randint(0, logits.shape[1], (12,), generator=g)
+    target[3] = -100
+    out: dict = {}
+    for name, kw, pl in (("vocab", {}, Shard(1)), ("smoothing", {"label_smoothing": 0.1}, Shard(1)),
+                         ("whole", {}, Replicate())):
+        ref_x = logits.clone().requires_grad_(True)
+        ref = F.cross_entropy(ref_x, target, **kw)
+        ref.backward()
+        x = distribute_tensor(logits, mesh, [pl]).requires_grad_(True)
+        cm = CommDebugMode()
+        with cm, VocabParallelLoss():
+            loss = F.cross_entropy(x, target, **kw)
+        fwd = {str(k).split(".")[-1]: v for k, v in cm.get_comm_counts().items()}
+        cm = CommDebugMode()
+        with cm:
+            loss.backward()
+        bwd = {str(k).split(".")[-1]: v for k, v in cm.get_comm_counts().items()}
+        grad = x.grad.full_tensor() if isinstance(x.grad, DTensor) else x.grad
+        out[name] = {"loss": float(loss.full_tensor() if isinstance(loss, DTensor) else loss),
+                     "ref": float(ref), "grad_err": float((grad - ref_x.grad).abs().max()),
+                     "fwd": fwd, "bwd": bwd,
+                     "handlers_left": any("log_softmax" in str(op)
+                                          for op in DTensor._op_dispatcher._custom_op_handlers)}
+    # a log-softmax on vocabulary-sharded logits outside a cross-entropy keeps DTensor's own rule
+    x = distribute_tensor(logits, mesh, [Shard(1)]).requires_grad_(True)
+    ref_x = logits.clone().requires_grad_(True)
+    F.log_softmax(ref_x, -1)[:, 0].sum().backward()
+    with VocabParallelLoss():
+        F.log_softmax(x, -1)[:, 0].sum().backward()
+    out["log_softmax_grad_err"] = float((x.grad.full_tensor() - ref_x.grad).abs().max())
+    return out
+
+
 def recompute_check(layout: str) -> dict:
     """Whether `layout`'s recomputation really recomputes, on this job's ranks: over one step,
     the forward calls of every local block's attention (its qkv projection: inside both the
@@ -327,7 +382,7 @@ def recompute_check(layout: str) -> dict:
 def run_layouts_job(layouts: list[str], out_path: str, steps: int = 4, seed: int = 0) -> None:
     """Under torchrun: train each layout `steps` steps; rank 0 writes {layout: rows} as JSON.
     A layout is a name of LAYOUTS, "plan:PATH" (a plan file, e.g. the planner's), or a check:
-    "spmd2d", "build_api", "recompute_check:LAYOUT"."""
+    "spmd2d", "build_api", "vocab_loss", "recompute_check:LAYOUT"."""
     import json
     import traceback
 
@@ -341,6 +396,9 @@ def run_layouts_job(layouts: list[str], out_path: str, steps: int = 4, seed: int
         for lay in layouts:
             if lay == "spmd2d":
                 results[lay] = spmd2d_check()
+                continue
+            if lay == "vocab_loss":
+                results[lay] = vocab_loss_check()
                 continue
             if lay == "build_api":
                 results[lay] = build_api_check(steps, seed)

@@ -11,8 +11,8 @@ of autopar/runtime/counting.py), M micro-batches, measured once and pinned:
   (the row-parallel projections' outputs forward, the norms' output gradients backward), as in
   tests/plans.py's tp layouts;
 * a vocabulary-parallel embedding on a tp-2 stage: + 1 all-reduce (its output, reduced right
-  away); a vocabulary-parallel output layer: + 1 all-gather (the logits made plain for the
-  loss) + 1 all-reduce (the partial gradient of its input);
+  away); a vocabulary-parallel output layer: + 1 all-reduce (the partial gradient of its
+  input) + 3 for the vocabulary-parallel cross-entropy (the logits are never gathered);
 * pp: 2·M·(p − 1) send_recv, however many ranks each transfer reaches (a receive counts once);
   the tied embedding's gradient sync across the first and last stage: 1 all_reduce;
 * dp 2: + 1 gradient all-reduce per stage (ZeRO 0), or + 1 reduce-scatter and 1 all-gather per
@@ -37,7 +37,7 @@ VOCAB = {"embed.tok.weight": ("R", "S(0)"), "head.out.weight": ("R", "S(0)")}
 
 # per micro-batch tp collectives on a tp-2 stage (see the module docstring)
 BLOCK_TP2 = {"all_reduce": 4}
-TAIL_TP2 = {"all_gather": 1, "all_reduce": 4 + 1}   # blocks.1 + vocabulary-parallel head
+TAIL_TP2 = {"all_reduce": 4 + 1 + 3}   # blocks.1 + vocabulary-parallel head and cross-entropy
 HEAD_TP2 = {"all_reduce": 1 + 4}                    # vocabulary-parallel embed + blocks.0
 
 

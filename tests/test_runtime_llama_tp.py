@@ -9,8 +9,8 @@ collectives the plan predicts - which for these placements are Megatron's:
   row-parallel projection (o_proj, down_proj): 1 + 2 per block;
 * backward: an all-reduce of the gradient entering each block's two column-parallel groups
   (q/k/v, gate/up) and the vocabulary-parallel head's: 2 per block + 1;
-* an all-gather of the vocabulary-sharded logits for the loss (not Megatron's vocab-parallel
-  cross-entropy; DTensor has no such rule);
+* Megatron's vocabulary-parallel cross-entropy on the sharded logits (`runtime.vocab_loss`):
+  3 all-reduces of one value per row, the logits never gathered;
 * with dp, one flat gradient all-reduce per step.
 
 Launches cost ~5-10 s each on the 2-core development machine; the module runs in ~45 s."""
@@ -35,7 +35,7 @@ ROW = ("o_proj", "down_proj")
 
 def megatron_counts(blocks: int, dp: int = 1) -> dict[str, int]:
     """The collectives per step of the Megatron layout (module docstring), one micro-batch."""
-    out = {"all_reduce": (1 + 2 * blocks) + (2 * blocks + 1), "all_gather": 1}
+    out = {"all_reduce": (1 + 2 * blocks) + (2 * blocks + 1) + 3}
     if dp > 1:
         out["all_reduce"] += 1
     return out

@@ -3,9 +3,8 @@
 The runtime executes "tp" axes as DTensor placements and lets DTensor's sharding propagation
 choose every op's layout (`autopar.runtime.spmd`); the collectives it runs follow from those
 rules (for GPT-2's fused qkv with q, k, v as row blocks: an all-gather of its output before the
-head split; a vocabulary-parallel head's logits gathered for the loss; lazily reduced partial
-sums, ...), which a Megatron-style count does not reproduce. So the planner
-counts them the way the runtime will issue them: the model (or one pipeline stage of it) is
+head split; lazily reduced partial sums, ...), which a Megatron-style count does not reproduce.
+So the planner counts them the way the runtime will issue them: the model (or one pipeline stage of it) is
 copied to the meta device, its parameters distributed with the stage's tp placements over a
 fake process group of tp ranks (`torch.testing._internal.distributed.fake_pg`), and one forward
 and backward run under `CommDebugMode`, which attributes each collective to the module that
@@ -17,9 +16,10 @@ first steady-state copy.
   model's own loss inside the tp region).
 * `dtensor_stage_counts`: one pipeline stage, as the runtime runs it (`engine.StageCore` inside
   an `SPMDModule`): a plain replicated input (requiring its gradient after the first stage), a
-  plain output (made whole: e.g. a vocabulary-parallel head's logits are all-gathered) and a
-  plain output gradient. Stages of different tp degrees see exactly these boundaries, which a
-  slice of the whole-model run at one tp degree does not reproduce (mlp-tiny, stages tp 1, 2, 1:
+  plain output and a plain output gradient, except that the last stage ends with its loss:
+  a vocabulary-parallel head's logits are read in place by the vocabulary-parallel
+  cross-entropy (`runtime.vocab_loss`: three all-reduces of one value per row, no all-gather).
+  Stages of different tp degrees see exactly these boundaries, which a slice of the whole-model run at one tp degree does not reproduce (mlp-tiny, stages tp 1, 2, 1:
   the whole-model run at tp 2 counts {all_gather 2, reduce_scatter 1} for the middle layer; the
   stage alone runs {all_gather 1, all_reduce 1}).
 
@@ -48,6 +48,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from autopar.inter_op.layers import Layer
 
@@ -292,15 +293,24 @@ def dtensor_stage_counts(model: nn.Module, example_inputs: Sequence[Any], tp: in
     if index > 0 and x.is_floating_point():
         x.requires_grad_(True)   # a received activation: its gradient is sent back
 
+    last = index == num_stages - 1
+    targets = _batch_inputs(example_inputs[1:], batch, dev) if last else []
+
     def build(mesh: Any) -> Callable[[], None]:
+        from autopar.runtime.engine import stage_loss
         from autopar.runtime.spmd import SPMDModule, distribute_params
 
         distribute_params(core, mesh, {f: (p,) for f, p in placements.items()}, aliases=aliases,
                           src_data_rank=None)
-        run = SPMDModule(core, mesh, [None])
+        run = SPMDModule(core, mesh, [None], loss_output=last)
 
         def step() -> None:
-            out = run(x)   # plain: the loss (last stage) or the sent gradient is plain too
+            out = run(x)
+            if last and targets and isinstance(out, DTensor):
+                # class-sharded logits: the runtime's loss reads them in place (vocab-parallel)
+                stage_loss(family, out, *targets).backward()
+                return
+            # plain: the sent activation (its gradient comes back plain) or whole logits
             torch.autograd.backward(out, grad_tensors=torch.zeros_like(out))
         return step, lambda: _grad_layout_counts(core)
 

@@ -41,7 +41,7 @@ Where DTensor by default would run other collectives than the plan, the step run
   (DTensor's nll_loss would also all-reduce the target count in the backward pass, and its
   mse_loss backward scales gradients by the mesh size, torch 2.13);
 * a vocab-parallel cross-entropy runs under torch's `loss_parallel` handlers, forward and
-  backward;
+  backward (`runtime.vocab_loss.loss_parallel_call`, as the runtime runs it);
 * a parameter stored sharded and gathered for an op (ZeRO-3) is not kept for the backward
   pass: it is gathered again when the backward reads it (`_Regather`), as FSDP does and the
   plan counts.
@@ -67,6 +67,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autopar.intra_op.solution import OpChoice, ShardingSolution
 from autopar.runtime.spmd import replace_parameters, to_placements
+from autopar.runtime.vocab_loss import loss_parallel_call
 from autopar.schema.errors import PlanError
 
 __all__ = ["parallelize_graph", "ShardedProgram", "to_placements"]
@@ -243,29 +244,6 @@ class _ToLocal(torch.autograd.Function):
             stride[d] = stride[d + 1] * int(ctx.shape[d + 1])
         return DTensor.from_local(g.contiguous(), ctx.mesh, ctx.grad_placements, run_check=False,
                                   shape=ctx.shape, stride=tuple(stride)), None
-
-
-class _LossParallelScope(torch.autograd.Function):
-    """Identity that switches torch's vocab-parallel cross-entropy handlers on (`on=True`) or
-    off when the backward pass reaches it: placed after the loss (on) and before its logits
-    (off), the loss's backward runs under the handlers, as its forward does."""
-
-    @staticmethod
-    def forward(ctx: Any, x: DTensor, on: bool) -> DTensor:
-        ctx.on = on
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: Any) -> tuple:
-        _loss_parallel_handlers(ctx.on)
-        return g, None
-
-
-def _loss_parallel_handlers(on: bool) -> None:
-    from torch.distributed.tensor.parallel.loss import (_disable_custom_loss_ops,
-                                                        _enable_custom_loss_ops)
-
-    (_enable_custom_loss_ops if on else _disable_custom_loss_ops)()
 
 
 class _ShardLoss(torch.autograd.Function):
@@ -711,13 +689,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
                 args[pos] = 2
             else:
                 kwargs["reduction"] = 2
-        args[0] = _LossParallelScope.apply(args[0], False)
-        _loss_parallel_handlers(True)
-        try:
-            out = n.target(*args, **kwargs)
-        finally:
-            _loss_parallel_handlers(False)
-        out = _LossParallelScope.apply(out, True)
+        out = loss_parallel_call(n.target, *args, **kwargs)
         return _scaled(out, 1.0 / args[1].numel()) if mean_nd else out
 
     def _shard_loss(self, n: torch.fx.Node, args: Any, kwargs: Any, out_spec: Spec, op: str) -> DTensor:

@@ -55,7 +55,8 @@ groups. E is the set of edges between groups (a tensor produced in u, consumed i
   - splitting an activation while every parameter the op reads stays whole there (token or
     sequence parallelism over replicated weights), or a weight GEMM not splitting its weight;
   - splitting the output of an op that reads only constants (a rotary table is computed whole);
-  - a loss on split logits (the runtime has no vocabulary-parallel cross-entropy yet);
+  (a cross-entropy on vocabulary-split logits stays: the runtime runs it vocabulary-parallel,
+  `runtime.vocab_loss`, as the loss rule prices it);
   and a partial sum wanted sharded there is all-reduced, then sliced (`_transition`), as the
   runtime reduces a row-parallel output at once, instead of reduce-scattered.
 * Solvers: CBC through pywraplp by default (the LP relaxation of this formulation is nearly
@@ -456,10 +457,6 @@ class IntraOpProblem:
                 self.warnings.append(f"no sharding rule for op {n.op!r} ({name}); it runs replicated")
             if self.model_axes:
                 sts = [st for st in sts if not self._strategy_splits_batch(n, st)] or sts
-                if fam == "loss":
-                    # the runtime computes the loss on whole logits (no vocabulary-parallel
-                    # cross-entropy yet): a split class dim is gathered first
-                    sts = [st for st in sts if self._model_whole(st.in_specs)] or sts
                 if name in self.constant_ops:
                     sts = [st for st in sts if self._model_whole(st.out_specs)] or sts
             if self.mesh.device is None and n.op in HEAVY_OPS:

@@ -25,6 +25,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from autopar.runtime.tied_grads import all_gather_flat
+
 _STEP = re.compile(r"^step_(\d+)$")
 
 
@@ -74,7 +76,7 @@ def _zero12_per_param(pm, named, skip: frozenset[str] = frozenset()) -> dict:
             continue
         if v.dim() == 1 and v.numel() == S:
             full = torch.empty(S * D, dtype=v.dtype, device=v.device)
-            dist.all_gather_into_tensor(full, v.contiguous(), group=pm.dp_group)
+            all_gather_flat(full, v.contiguous(), group=pm.dp_group)
             off = 0
             for n, p in named:
                 loc = pm._local(p.data)

@@ -25,6 +25,8 @@ How each part of the plan is executed:
   wider neighbour). Interleaving still needs equal stage meshes.
 * Recompute: `torch.utils.checkpoint` (non-reentrant) around each layer ("full") or around each
   layer's attention child ("selective"; the whole layer when it has none).
+* Precision: bf16/fp16 plans run forward and loss under `torch.autocast` on the device type;
+  parameters, gradients and optimizer state stay fp32.
 """
 
 from __future__ import annotations
@@ -38,13 +40,16 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from autopar.models.registry import ModelBundle
 from autopar.runtime.materialize import canonical_names, materialize
 from autopar.runtime.pipeline_p2p import FanoutPipelineStage, replica_ranks
 from autopar.runtime.spmd import (SPMDModule, allow_implicit_replication, distribute_params,
                                   grads_to_param_layout, register_extra_strategies)
-from autopar.runtime.tied_grads import FlatTiedSync, FullTiedSync, allreduce_flat
+from autopar.runtime.tied_grads import (FlatTiedSync, FullTiedSync, all_gather_flat, allreduce_flat,
+                                        reduce_scatter_flat)
+from autopar.runtime.vocab_loss import VocabParallelLoss
 from autopar.schema.errors import PlanError
 from autopar.schema.plan import Plan, StagePlan
 
@@ -84,6 +89,22 @@ def family_of(model: nn.Module) -> Family:
     raise PlanError(f"cannot cut {type(model).__name__} into pipeline stages: autopar knows the layer "
                     f"chaining and loss of the zoo GPT and MLP; give the model a "
                     f"`pipeline_loss(output, *targets)` method, or plan it without pipelining (pp=1)")
+
+
+def stage_loss(family: Family, out: Any, *targets: Any) -> torch.Tensor:
+    """The family's loss on a last pipeline stage's output, as a plain tensor. Logits a
+    vocabulary-parallel head left sharded over the classes (a DTensor) are read in place: a
+    cross-entropy on them runs vocabulary-parallel (`vocab_loss`), with no all-gather."""
+    if not isinstance(out, DTensor):
+        return family.loss(out, *targets)
+    try:
+        with VocabParallelLoss():
+            loss = family.loss(out, *targets)
+    except Exception as e:  # noqa: BLE001 - a user's loss that cannot take a DTensor
+        raise PlanError(f"the model's pipeline loss failed on vocabulary-sharded logits (a DTensor "
+                        f"{tuple(out.shape)}, {out.placements}): {type(e).__name__}: {e}; make it "
+                        f"work on DTensors, or plan the output layer replicated") from e
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 def get_submodule(root: nn.Module, fqn: str) -> nn.Module:
@@ -297,7 +318,7 @@ class ParallelModel:
                                  if torch.cuda.is_available() and dist.get_backend() == "nccl"
                                  else torch.device("cpu"))
         self.device_type = self.device.type
-        self.autocast = (self.device_type == "cuda" and plan.dtype in ("bf16", "fp16"))
+        self.autocast = plan.dtype in ("bf16", "fp16")
         self.opt_factory = optimizer_factory or default_optimizer
         register_extra_strategies()
         self.stages = sorted(plan.stages, key=lambda s: s.index)
@@ -410,21 +431,30 @@ class ParallelModel:
         self._fsdp_root = root
 
     # -- pipeline ------------------------------------------------------------------------
-    def _stage_shapes(self, mb: int) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-        """Example (inputs, outputs) of every chunk for one micro-batch, from a meta run."""
-        ex = [x for x in self.bundle.example_inputs]
-        x = torch.empty((mb,) + tuple(ex[0].shape[1:]), dtype=ex[0].dtype, device="meta")
+    def _stage_shapes(self, mb: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Example (input, output) of every chunk for one micro-batch: shapes and dtypes from a
+        run on fake tensors of this device type (no memory), under the plan's autocast, so a
+        stage boundary that autocast makes bf16 gets bf16 send and receive buffers."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.func import functional_call
+
+        ex = self.bundle.example_inputs[0]
         fam = self.family
         out = []
         nst = len(self.stages)
-        for i, s in enumerate(self.stages):
-            ins = x
-            for j, fqn in enumerate(s.layers):
-                with torch.no_grad():
-                    x = get_submodule(self.model, fqn)(x)
-                x = fam.between(fqn, x, i == nst - 1 and j == len(s.layers) - 1)
-            out.append((ins, x))
-        return out
+        with FakeTensorMode(), torch.no_grad(), self._autocast_ctx():
+            x = torch.empty((mb,) + tuple(ex.shape[1:]), dtype=ex.dtype, device=self.device)
+            for i, s in enumerate(self.stages):
+                ins = x
+                for j, fqn in enumerate(s.layers):
+                    mod = get_submodule(self.model, fqn)
+                    state = {n: torch.empty(t.shape, dtype=t.dtype, device=self.device)
+                             for n, t in [*mod.named_parameters(), *mod.named_buffers()]}
+                    x = functional_call(mod, state, (x,))
+                    x = fam.between(fqn, x, i == nst - 1 and j == len(s.layers) - 1)
+                out.append((ins, x))
+        return [(torch.empty(a.shape, dtype=a.dtype, device="meta"), torch.empty(b.shape, dtype=b.dtype, device="meta"))
+                for a, b in out]
 
     def _build_pipeline(self) -> None:
         self.family = family_of(self.model)
@@ -458,7 +488,7 @@ class ParallelModel:
                                   aliases=self.aliases, src_data_rank=None)
             mod: nn.Module = core
             if self.tp_size > 1:
-                mod = SPMDModule(core, self.my_mesh.tp_mesh, [None])
+                mod = SPMDModule(core, self.my_mesh.tp_mesh, [None], loss_output=i == nst - 1)
             if self.zero3:
                 self._fully_shard(core, s.layers, root=mod)   # the FSDP root: what the stage holds
             self.pipe_stages.append(self._make_stage(mod, i, *shapes[i]))
@@ -517,7 +547,7 @@ class ParallelModel:
 
         M = self.plan.num_microbatches
         fam = self.family
-        loss_fn = lambda out, tgt: fam.loss(out, tgt)  # noqa: E731
+        loss_fn = lambda out, tgt: stage_loss(fam, out, tgt)  # noqa: E731
         kind = self.plan.schedule
         if kind == "interleaved_1f1b" or len(self.pipe_stages) > 1:
             if M % self.pp != 0:
@@ -720,13 +750,18 @@ class ParallelModel:
         t = t.cpu()
         return float(t[0] / t[1]) if t[1] > 0 else float("nan")
 
+    def _autocast_ctx(self) -> Any:
+        """The plan's mixed precision: autocast to bf16/fp16 (parameters and optimizer stay fp32)."""
+        if not self.autocast:
+            return _nullctx()
+        return torch.autocast(self.device_type, dtype=torch.bfloat16 if self.plan.dtype == "bf16" else torch.float16)
+
     def forward_backward(self, batch: Sequence[Any]) -> tuple[float, int]:
         """Returns (sum of micro-batch losses this rank reports, their number)."""
         local = self.local_batch(batch)
         M = self.plan.num_microbatches
         reporter_tp = self.tp_rank == 0
-        ctx = (torch.autocast(self.device_type, dtype=torch.bfloat16 if self.plan.dtype == "bf16" else torch.float16)
-               if self.autocast else _nullctx())
+        ctx = self._autocast_ctx()
         if self.pp == 1:
             allow_implicit_replication()
             total = 0.0
@@ -791,12 +826,12 @@ class ParallelModel:
         flat = torch.zeros(S * D, dtype=grads[0].dtype, device=self.device)
         torch.cat([g.reshape(-1) for g in grads], out=flat[:n])
         shard = torch.empty(S, dtype=flat.dtype, device=self.device)
-        dist.reduce_scatter_tensor(shard, flat, group=self.dp_group)
+        reduce_scatter_flat(shard, flat, group=self.dp_group)
         shard.mul_(1.0 / D)
         self.flat_shard.grad = shard
         self.optimizer.step()
         full = torch.empty(S * D, dtype=flat.dtype, device=self.device)
-        dist.all_gather_into_tensor(full, self.flat_shard.data, group=self.dp_group)
+        all_gather_flat(full, self.flat_shard.data, group=self.dp_group)
         off = 0
         with torch.no_grad():
             for p in self.params:

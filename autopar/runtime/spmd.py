@@ -35,6 +35,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
+from autopar.runtime.vocab_loss import VocabParallelLoss
 from autopar.schema.errors import PlanError
 
 _SHARD = re.compile(r"^S\((-?\d+)\)$")
@@ -263,15 +264,22 @@ def _to_plain(y: Any) -> Any:
 
 class SPMDModule(nn.Module):
     """The result of `parallelize`: `module` with DTensor parameters; forward takes this rank's
-    local input shards and returns plain tensors (the loss, equal on every rank)."""
+    local input shards and returns plain tensors (the loss, equal on every rank).
+
+    A cross-entropy on vocabulary-sharded logits inside the forward runs vocabulary-parallel
+    (`vocab_loss`). `loss_output=True` (a last pipeline stage, whose output only feeds the loss)
+    returns class-sharded logits as they are, for the loss to read in place
+    (`vocab_loss.VocabParallelLoss` around it); any other output is made plain."""
 
     def __init__(self, module: nn.Module, mesh: DeviceMesh,
-                 input_placements: Sequence[Sequence[str] | None], plain_output: bool = True) -> None:
+                 input_placements: Sequence[Sequence[str] | None], plain_output: bool = True,
+                 loss_output: bool = False) -> None:
         super().__init__()
         self.module = module
         self.mesh = mesh
         self.input_placements = list(input_placements)
         self.plain_output = plain_output
+        self.loss_output = loss_output
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         ins = []
@@ -279,8 +287,17 @@ class SPMDModule(nn.Module):
             pl = self.input_placements[i] if i < len(self.input_placements) else None
             ins.append(_to_dtensor(a, self.mesh, pl))
         allow_implicit_replication()
-        out = self.module(*ins, **kwargs)
-        return _to_plain(out) if self.plain_output else out
+        with VocabParallelLoss():
+            out = self.module(*ins, **kwargs)
+        if not self.plain_output or (self.loss_output and class_sharded_logits(out)):
+            return out
+        return _to_plain(out)
+
+
+def class_sharded_logits(out: Any) -> bool:
+    """Whether `out` is one DTensor sharded on its last (class) dim, on a 1-D mesh."""
+    return (isinstance(out, DTensor) and out.dim() >= 1 and out.device_mesh.ndim == 1
+            and out.placements[0].is_shard() and out.placements[0].dim % out.dim() == out.dim() - 1)
 
 
 def parallelize(module: nn.Module, mesh: DeviceMesh, param_placements: dict[str, tuple[str, ...]],

@@ -27,6 +27,16 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """All-gather equal 1-D shards into `out` (torch >= 2.10 names it `all_gather_single`)."""
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, shard, group=group)
+
+
+def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Sum-reduce-scatter the 1-D `full` into equal shards (`reduce_scatter_single` in new torch)."""
+    getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, full, group=group)
+
+
 def allreduce_flat(grads: list[torch.Tensor], group: dist.ProcessGroup, scale: float = 1.0) -> None:
     """All-reduce `grads` in place as one flat buffer (one collective), times `scale`."""
     if not grads:

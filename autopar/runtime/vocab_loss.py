@@ -1,0 +1,131 @@
+"""Vocabulary-parallel cross-entropy: the loss of logits sharded over the classes (a
+vocabulary-parallel output layer) computed where the shards lie, as Megatron does, instead of
+all-gathering (tokens x vocab) logits first.
+
+The arithmetic is torch's `loss_parallel` (DTensor handlers for log-softmax and NLL: per row an
+all-reduce of the max, of the sum of exponentials and of the target logit; the backward needs
+none). Its handlers are global while active and its log-softmax backward is only right when
+paired with its NLL backward, so it is not switched on for a whole forward and backward here:
+
+* `VocabParallelLoss` (a `TorchFunctionMode`, active around a stage's forward and the loss)
+  routes a `cross_entropy` call whose input is a DTensor sharded on the class dim of a 1-D mesh
+  (the tp mesh; `loss_parallel`'s "mean" needs one) to `vocab_parallel_cross_entropy`, and every
+  other call on unchanged;
+* `vocab_parallel_cross_entropy` enables the handlers for the forward of that one call, and for
+  its backward only: identity autograd nodes on its output (reached first in the backward) and
+  on its input (reached last) switch them on and off.
+
+Unsupported arguments (label smoothing, class-probability targets, the deprecated
+`size_average`/`reduce`) and logits that are whole, partial or on a larger mesh take DTensor's
+ordinary path (which gathers them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
+
+_ACTIVE: list[Any] = []   # the open `loss_parallel` context, while some loss needs its handlers
+_DEPTH = [0]
+
+
+def _enable() -> None:
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    if _DEPTH[0] == 0:
+        cm = loss_parallel()
+        cm.__enter__()
+        _ACTIVE.append(cm)
+    _DEPTH[0] += 1
+
+
+def _disable() -> None:
+    _DEPTH[0] -= 1
+    if _DEPTH[0] == 0:
+        _ACTIVE.pop().__exit__(None, None, None)
+
+
+class _DisableInBackward(torch.autograd.Function):
+    """Identity on the loss input: its backward runs after the loss's own, and ends the scope."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        _disable()
+        return g
+
+
+class _EnableInBackward(torch.autograd.Function):
+    """Identity on the loss: its backward runs before the loss's own, and opens the scope."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        _enable()
+        return g
+
+
+def class_sharded(x: Any) -> bool:
+    """Whether `x` is a DTensor sharded on its class dim (1, or 0 for 1-D) over a 1-D mesh:
+    logits `vocab_parallel_cross_entropy` takes without gathering them."""
+    if not isinstance(x, DTensor) or x.dim() == 0 or x.device_mesh.ndim != 1:
+        return False
+    cdim = 1 if x.dim() >= 2 else 0
+    p = x.placements[0]
+    return p.is_shard() and p.dim % x.dim() == cdim
+
+
+def _supported(args: tuple, kwargs: dict) -> bool:
+    names = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
+             "label_smoothing")
+    a = dict(zip(names, args), **kwargs)
+    x, t = a.get("input"), a.get("target")
+    return (class_sharded(x) and isinstance(t, torch.Tensor) and not t.is_floating_point()
+            and a.get("size_average") is None and a.get("reduce") is None
+            and float(a.get("label_smoothing", 0.0)) == 0.0
+            and (a.get("weight") is None or not isinstance(a["weight"], DTensor)
+                 or all(p.is_replicate() for p in a["weight"].placements)))
+
+
+def loss_parallel_call(fn: Any, input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """`fn(input, *args, **kwargs)` - a cross-entropy or NLL loss (functional or aten) of
+    class-sharded DTensor logits - under torch's loss-parallel handlers, in its forward and,
+    through identity nodes on its input and output, in its backward only."""
+    if input.requires_grad and torch.is_grad_enabled():
+        input = _DisableInBackward.apply(input)
+    _enable()
+    try:
+        loss = fn(input, *args, **kwargs)
+    finally:
+        _disable()
+    if loss.requires_grad:
+        loss = _EnableInBackward.apply(loss)
+    return loss
+
+
+def vocab_parallel_cross_entropy(input: torch.Tensor, target: torch.Tensor, *args: Any,
+                                 **kwargs: Any) -> torch.Tensor:
+    """`F.cross_entropy` of class-sharded DTensor logits without gathering them (arguments as
+    `F.cross_entropy`); returns a replicated DTensor, equal to the one-device loss."""
+    return loss_parallel_call(F.cross_entropy, input, target, *args, **kwargs)
+
+
+class VocabParallelLoss(TorchFunctionMode):
+    """While active, `F.cross_entropy` of class-sharded DTensor logits runs vocabulary-parallel
+    (`vocab_parallel_cross_entropy`); every other call is unchanged."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.cross_entropy and _supported(args, kwargs):
+            return vocab_parallel_cross_entropy(*args, **kwargs)
+        return func(*args, **kwargs)
