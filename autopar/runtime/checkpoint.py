@@ -71,7 +71,10 @@ def _zero12_per_param(pm, named, skip: frozenset[str] = frozenset()) -> dict:
     out: dict = {}
     st = pm.optimizer.state.get(pm.flat_shard, {})
     S, D = pm.shard_size, pm.dp_size
-    for k, v in st.items():
+    flats = [(f"optim.{{}}.{k}", v) for k, v in st.items()]
+    if pm.low is not None:   # mixed precision: the flat shard is the fp32 master of the weights
+        flats.append(("model.{}", pm.flat_shard.data))
+    for key, v in flats:
         if not isinstance(v, torch.Tensor):
             continue
         if v.dim() == 1 and v.numel() == S:
@@ -87,11 +90,11 @@ def _zero12_per_param(pm, named, skip: frozenset[str] = frozenset()) -> dict:
                 if isinstance(p.data, DTensor):
                     seg = DTensor.from_local(seg, p.data.device_mesh, p.data.placements, run_check=False,
                                              shape=p.data.shape, stride=p.data.stride())
-                out[f"optim.{n}.{k}"] = seg
+                out[key.format(n)] = seg
         else:
             for n, _ in named:
                 if n not in skip:
-                    out[f"optim.{n}.{k}"] = v.clone()
+                    out[key.format(n)] = v.clone()
     return out
 
 
@@ -126,15 +129,18 @@ def state_dict(pm, *, for_load: bool = False) -> dict:
     skip = _save_skip(pm, for_load)
     state: dict = {"step": torch.tensor(pm.steps_done, dtype=torch.int64)}
     named = pm.local_named_parameters()
-    for n, p in named:
-        if n not in skip:
-            state[f"model.{n}"] = p.data
+    masters = pm.masters.masters if pm.masters is not None else [p for _, p in named]
+    for (n, p), m in zip(named, masters):
+        # mixed precision saves the fp32 masters (ZeRO-1/2: gathered below), so a resume, in
+        # any layout or precision, continues from the exact weights
+        if n not in skip and not (pm.zero12 and pm.low is not None):
+            state[f"model.{n}"] = m.data
     if for_load:
         _ensure_optimizer_state(pm.optimizer)
     if pm.zero12:
         state.update(_zero12_per_param(pm, named, skip))
     else:
-        names = {id(p): n for n, p in named}
+        names = {id(m): n for (n, _), m in zip(named, masters)}
         for p, st in pm.optimizer.state.items():
             n = names.get(id(p))
             if n is None or n in skip:
@@ -175,15 +181,20 @@ def load(pm, path: str | Path) -> int:
     with torch.no_grad():
         dcp.load(state, checkpoint_id=str(path))
     pm.steps_done = int(state["step"])
-    if pm.zero12:  # parameters are the source of truth; refresh the flat shard from them
+    if pm.masters is not None:
+        pm.masters.refresh()
+    if pm.zero12:  # the loaded weights (fp32 masters under mixed precision) refresh the shard
         with torch.no_grad():
             _zero12_scatter_back(pm, state)
-            locs = [pm._local(p.data) for p in pm.params]
+            named = pm.local_named_parameters()
+            locs = [pm._local(state[f"model.{n}"] if pm.low is not None else p.data) for n, p in named]
             flat = torch.cat([t.reshape(-1) for t in locs])
             lo = pm.dp_rank * pm.shard_size
             seg = flat[lo:lo + pm.shard_size]
             pm.flat_shard.data.zero_()
             pm.flat_shard.data[:seg.numel()].copy_(seg)
+            for (_, p), t in zip(named, locs):
+                pm._local(p.data).copy_(t.view_as(pm._local(p.data)))
     return pm.steps_done
 
 

@@ -25,8 +25,9 @@ How each part of the plan is executed:
   wider neighbour). Interleaving still needs equal stage meshes.
 * Recompute: `torch.utils.checkpoint` (non-reentrant) around each layer ("full") or around each
   layer's attention child ("selective"; the whole layer when it has none).
-* Precision: bf16/fp16 plans run forward and loss under `torch.autocast` on the device type;
-  parameters, gradients and optimizer state stay fp32.
+* Precision (`precision`): bf16/fp16 plans keep 2-byte parameters and gradients (synced in the
+  2-byte dtype) and step fp32 masters, as the planner's memory and communication model;
+  forward and loss run under `torch.autocast` on the device type.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from torch.distributed.tensor import DTensor
 from autopar.models.registry import ModelBundle
 from autopar.runtime.materialize import canonical_names, materialize
 from autopar.runtime.pipeline_p2p import FanoutPipelineStage, replica_ranks
+from autopar.runtime.precision import MasterWeights, cast_parameters_, fsdp_policy, low_dtype
 from autopar.runtime.spmd import (SPMDModule, allow_implicit_replication, distribute_params,
                                   grads_to_param_layout, register_extra_strategies)
 from autopar.runtime.tied_grads import (FlatTiedSync, FullTiedSync, all_gather_flat, allreduce_flat,
@@ -318,7 +320,8 @@ class ParallelModel:
                                  if torch.cuda.is_available() and dist.get_backend() == "nccl"
                                  else torch.device("cpu"))
         self.device_type = self.device.type
-        self.autocast = plan.dtype in ("bf16", "fp16")
+        self.low = low_dtype(plan.dtype)      # bf16/fp16 weights and gradients, fp32 masters
+        self.autocast = self.low is not None
         self.opt_factory = optimizer_factory or default_optimizer
         register_extra_strategies()
         self.stages = sorted(plan.stages, key=lambda s: s.index)
@@ -414,6 +417,7 @@ class ParallelModel:
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.my_mesh.dp_mesh
+        mp = {"mp_policy": fsdp_policy(self.low)} if self.low is not None else {}
         # with tp, parameters are already DTensors on the sibling tp sub-mesh: FSDP2 makes them
         # 2-D (Shard on dp, the planned placement on tp)
         all_names = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
@@ -423,11 +427,11 @@ class ParallelModel:
             shared_outside = any(
                 pid in ids and not n.startswith(fqn + ".") for n, pid in all_names.items())
             if not shared_outside and ids:
-                fully_shard(mod, mesh=mesh)
+                fully_shard(mod, mesh=mesh, **mp)
         root = model if root is None else root
         if isinstance(root, SPMDModule):
             _quiet_view_output_warning()
-        fully_shard(root, mesh=mesh)
+        fully_shard(root, mesh=mesh, **mp)
         self._fsdp_root = root
 
     # -- pipeline ------------------------------------------------------------------------
@@ -448,13 +452,19 @@ class ParallelModel:
                 ins = x
                 for j, fqn in enumerate(s.layers):
                     mod = get_submodule(self.model, fqn)
-                    state = {n: torch.empty(t.shape, dtype=t.dtype, device=self.device)
-                             for n, t in [*mod.named_parameters(), *mod.named_buffers()]}
+                    state = {n: torch.empty(t.shape, dtype=self._compute_dtype(t), device=self.device)
+                             for n, t in mod.named_parameters()}
+                    state.update({n: torch.empty(t.shape, dtype=t.dtype, device=self.device)
+                                  for n, t in mod.named_buffers()})
                     x = functional_call(mod, state, (x,))
                     x = fam.between(fqn, x, i == nst - 1 and j == len(s.layers) - 1)
                 out.append((ins, x))
         return [(torch.empty(a.shape, dtype=a.dtype, device="meta"), torch.empty(b.shape, dtype=b.dtype, device="meta"))
                 for a, b in out]
+
+    def _compute_dtype(self, p: torch.Tensor) -> torch.dtype:
+        """The dtype parameter `p` computes in: the plan's low precision for floating ones."""
+        return self.low if self.low is not None and p.is_floating_point() else p.dtype
 
     def _build_pipeline(self) -> None:
         self.family = family_of(self.model)
@@ -677,11 +687,20 @@ class ParallelModel:
         return out
 
     def _build_optimizer(self) -> None:
+        """The optimizer over this rank's parameters; under mixed precision over fp32 masters
+        (`precision`): ZeRO 0 `MasterWeights`, ZeRO-1/2 the flat fp32 shard, ZeRO-3 FSDP's fp32
+        shards. The masters are taken from the fp32 initial values, then the parameters cast."""
         self.params = [p for _, p in self.local_named_parameters()]
+        self.masters: Optional[MasterWeights] = None
         if self.zero12:
             self._zero12_setup()
+        elif self.low is not None and not self.zero3:
+            self.masters = MasterWeights(self.params)
+            self.optimizer = self.opt_factory(self.masters.masters)
         else:
             self.optimizer = self.opt_factory(self.params)
+        if self.low is not None and not self.zero3:
+            cast_parameters_(self.params, self.low)
 
     def _local(self, t: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
@@ -811,7 +830,9 @@ class ParallelModel:
                                    1.0 / self.dp_size)
                 for t in self.tied:
                     t.sync()
-        if not self.zero12:
+        if self.masters is not None:
+            self.masters.step(self.optimizer)
+        elif not self.zero12:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         for p in self.params:
@@ -828,10 +849,10 @@ class ParallelModel:
         shard = torch.empty(S, dtype=flat.dtype, device=self.device)
         reduce_scatter_flat(shard, flat, group=self.dp_group)
         shard.mul_(1.0 / D)
-        self.flat_shard.grad = shard
+        self.flat_shard.grad = shard.to(self.flat_shard.dtype)   # the fp32 master shard's
         self.optimizer.step()
-        full = torch.empty(S * D, dtype=flat.dtype, device=self.device)
-        all_gather_flat(full, self.flat_shard.data, group=self.dp_group)
+        full = torch.empty(S * D, dtype=flat.dtype, device=self.device)   # the parameters' dtype
+        all_gather_flat(full, self.flat_shard.data.to(full.dtype), group=self.dp_group)
         off = 0
         with torch.no_grad():
             for p in self.params:
@@ -841,10 +862,12 @@ class ParallelModel:
         self.flat_shard.grad = None
 
     def model_state_bytes(self) -> int:
-        """Bytes of this rank's parameters and optimizer state (local shards)."""
+        """Bytes of this rank's parameters, fp32 masters (mixed precision) or flat optimizer
+        shard (ZeRO-1/2), and optimizer state (local shards)."""
         n = 0
         seen = set()
-        for p in self.params:
+        for p in self.params + (self.masters.masters if self.masters is not None else []) + (
+                [self.flat_shard] if self.zero12 else []):
             n += self._local(p.data).numel() * p.element_size()
         for st in self.optimizer.state.values():
             for v in st.values():
