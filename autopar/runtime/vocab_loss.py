@@ -49,30 +49,19 @@ def _disable() -> None:
         _ACTIVE.pop().__exit__(None, None, None)
 
 
-class _DisableInBackward(torch.autograd.Function):
-    """Identity on the loss input: its backward runs after the loss's own, and ends the scope."""
+class _ScopeInBackward(torch.autograd.Function):
+    """Identity whose backward switches the handlers on (`on=True`: placed on the loss, reached
+    before the loss's own backward) or off (placed on the loss input, reached after it)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, on: bool) -> torch.Tensor:
+        ctx.on = on
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        _disable()
-        return g
-
-
-class _EnableInBackward(torch.autograd.Function):
-    """Identity on the loss: its backward runs before the loss's own, and opens the scope."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        _enable()
-        return g
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        (_enable if ctx.on else _disable)()
+        return g, None
 
 
 def class_sharded(x: Any) -> bool:
@@ -102,14 +91,14 @@ def loss_parallel_call(fn: Any, input: torch.Tensor, *args: Any, **kwargs: Any) 
     class-sharded DTensor logits - under torch's loss-parallel handlers, in its forward and,
     through identity nodes on its input and output, in its backward only."""
     if input.requires_grad and torch.is_grad_enabled():
-        input = _DisableInBackward.apply(input)
+        input = _ScopeInBackward.apply(input, False)
     _enable()
     try:
         loss = fn(input, *args, **kwargs)
     finally:
         _disable()
     if loss.requires_grad:
-        loss = _EnableInBackward.apply(loss)
+        loss = _ScopeInBackward.apply(loss, True)
     return loss
 
 
