@@ -4,24 +4,25 @@ The runtime executes "tp" axes as DTensor placements and lets DTensor's sharding
 choose every op's layout (`autopar.runtime.spmd`); the collectives it runs follow from those
 rules (for GPT-2's fused qkv with q, k, v as row blocks: an all-gather of its output before the
 head split; lazily reduced partial sums, ...), which a Megatron-style count does not reproduce.
-So the planner counts them the way the runtime will issue them: the model (or one pipeline stage of it) is
-copied to the meta device, its parameters distributed with the stage's tp placements over a
-fake process group of tp ranks (`torch.testing._internal.distributed.fake_pg`), and one forward
-and backward run under `CommDebugMode`, which attributes each collective to the module that
-issued it. Nothing is allocated or communicated. Layers identical to their predecessor (same
-signature) are run once: the later copies pass their input through, and take the counts of the
-first steady-state copy.
+So the planner counts them the way the runtime will issue them: the model (or one pipeline stage
+of it) is copied to the meta device, its parameters distributed with the stage's tp placements
+over a fake process group of tp ranks (`torch.testing._internal.distributed.fake_pg`), and one
+forward and backward run under `CommDebugMode`, which attributes each collective to the module
+that issued it. Nothing is allocated or communicated. Layers identical to their predecessor
+(same signature) are run once: the later copies pass their input through, and take the counts of
+the first steady-state copy.
 
 * `dtensor_tp_counts`: the whole model, as the runtime runs a plan without pipelining (the
   model's own loss inside the tp region).
 * `dtensor_stage_counts`: one pipeline stage, as the runtime runs it (`engine.StageCore` inside
   an `SPMDModule`): a plain replicated input (requiring its gradient after the first stage), a
-  plain output and a plain output gradient, except that the last stage ends with its loss:
-  a vocabulary-parallel head's logits are read in place by the vocabulary-parallel
-  cross-entropy (`runtime.vocab_loss`: three all-reduces of one value per row, no all-gather).
-  Stages of different tp degrees see exactly these boundaries, which a slice of the whole-model run at one tp degree does not reproduce (mlp-tiny, stages tp 1, 2, 1:
-  the whole-model run at tp 2 counts {all_gather 2, reduce_scatter 1} for the middle layer; the
-  stage alone runs {all_gather 1, all_reduce 1}).
+  plain output and a plain output gradient, except that the last stage ends with its loss: a
+  vocabulary-parallel head's logits are read in place by the vocabulary-parallel cross-entropy
+  (`runtime.vocab_loss`: three all-reduces of one value per row, no all-gather). Stages of
+  different tp degrees see exactly these boundaries, which a slice of the whole-model run at one
+  tp degree does not reproduce (mlp-tiny, stages tp 1, 2, 1: the whole-model run at tp 2 counts
+  {all_gather 2, reduce_scatter 1} for the middle layer; the stage alone runs {all_gather 1,
+  all_reduce 1}).
 
 Recomputation: with a stage's `recompute` mode the dry run wraps the repeated blocks as the
 runtime does (`engine.apply_recompute`: non-reentrant `torch.utils.checkpoint`) and counts the

@@ -321,7 +321,6 @@ class ParallelModel:
                                  else torch.device("cpu"))
         self.device_type = self.device.type
         self.low = low_dtype(plan.dtype)      # bf16/fp16 weights and gradients, fp32 masters
-        self.autocast = self.low is not None
         self.opt_factory = optimizer_factory or default_optimizer
         register_extra_strategies()
         self.stages = sorted(plan.stages, key=lambda s: s.index)
@@ -459,8 +458,9 @@ class ParallelModel:
                     x = functional_call(mod, state, (x,))
                     x = fam.between(fqn, x, i == nst - 1 and j == len(s.layers) - 1)
                 out.append((ins, x))
-        return [(torch.empty(a.shape, dtype=a.dtype, device="meta"), torch.empty(b.shape, dtype=b.dtype, device="meta"))
-                for a, b in out]
+        def meta(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty(t.shape, dtype=t.dtype, device="meta")
+        return [(meta(a), meta(b)) for a, b in out]
 
     def _compute_dtype(self, p: torch.Tensor) -> torch.dtype:
         """The dtype parameter `p` computes in: the plan's low precision for floating ones."""
@@ -770,10 +770,10 @@ class ParallelModel:
         return float(t[0] / t[1]) if t[1] > 0 else float("nan")
 
     def _autocast_ctx(self) -> Any:
-        """The plan's mixed precision: autocast to bf16/fp16 (parameters and optimizer stay fp32)."""
-        if not self.autocast:
+        """Autocast to the plan's bf16/fp16 (norms, softmax and the loss in fp32), else nothing."""
+        if self.low is None:
             return _nullctx()
-        return torch.autocast(self.device_type, dtype=torch.bfloat16 if self.plan.dtype == "bf16" else torch.float16)
+        return torch.autocast(self.device_type, dtype=self.low)
 
     def forward_backward(self, batch: Sequence[Any]) -> tuple[float, int]:
         """Returns (sum of micro-batch losses this rank reports, their number)."""
