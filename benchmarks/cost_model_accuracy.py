@@ -266,7 +266,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--local", action="store_true",
                     help="only the measured section: plan and run a small GPT on this machine")
     ap.add_argument("--model", default="gpt-small", help="zoo model for --local (default gpt-small)")
-    ap.add_argument("--steps", type=int, default=8, help="steps per --local run (median of the last half)")
+    ap.add_argument("--steps", type=int, default=8, help="steps per --local run (best step after the first; the median of the last half beside it)")
     args = ap.parse_args(argv)
     both = not (args.analytic or args.planner or args.local or args.table1)
     header = ["case", "GPUs", "t", "p", "v", "mb", "m", "published s", "predicted s", "error", "note"]

@@ -154,8 +154,8 @@ def backward_bytes_factor(op: str) -> float:
 
 
 def measured_backward_rate(op: str, device: DeviceSpec) -> Optional[float]:
-    """FLOP/s of `op`'s backward measured by the profiler (its FLOPs counted as the forward's
-    times `backward_factor`), or None when the profile has none for `op`."""
+    """FLOP/s of `op`'s backward measured by the profiler (its FLOPs counted as the forward's:
+    the forward's FLOPs over the backward's time), or None when the profile has none for `op`."""
     return (device.op_backward_flops or {}).get(op)
 
 
@@ -176,7 +176,7 @@ def op_backward_time(op: str, flops: float, bytes_moved: float, device: DeviceSp
         return t
     rate = measured_backward_rate(op, device)
     if rate is not None and (flops > 0 or bytes_moved > 0):
-        return _roofline(flops * bf, rate, bytes_moved * bb, device)
+        return _roofline(flops, rate, bytes_moved * bb, device)   # the rate counts forward FLOPs
     return op_time(op, flops * bf, bytes_moved * bb, device, dtype)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import time
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
@@ -97,6 +98,7 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Optiona
     """
     if not isinstance(model, nn.Module):
         raise PlanError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    t0 = time.perf_counter()
     # torch.compile's wrapper: capture the module it wraps (same FQNs as the user's model)
     model = getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
     names = None
@@ -123,6 +125,7 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Optiona
             with tracker, _QuietTorch():
                 g = fn()
             g.capture_method = label
+            g.capture_time_s = time.perf_counter() - t0
             return g
         except PlanError:
             raise
@@ -136,6 +139,7 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Optiona
     try:
         g = capture_fx(wrapped, example_inputs, name, batch_dim=batch_dim)
         log.info("captured %s with torch.fx after torch.export failed: %s", name, _explain(errors[0][1]))
+        g.capture_time_s = time.perf_counter() - t0
         return g
     except PlanError:
         raise

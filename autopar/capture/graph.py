@@ -154,6 +154,7 @@ class OpGraph:
     top_modules: list[str] = field(default_factory=list)   # direct children of the root, in order
     batch_size: Optional[int] = None
     capture_method: str = "torch.export"
+    capture_time_s: float = 0.0     # how long `capture` took (the plan reports it)
     loss_is_output: bool = True
 
     def __post_init__(self) -> None:

@@ -49,7 +49,6 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from autopar.inter_op.layers import Layer
 
@@ -236,7 +235,7 @@ def dtensor_tp_counts(model: nn.Module, example_inputs: Sequence[Any], tp: int,
     _apply_recompute(m, layers, 0, len(layers), rep, recompute)
     inputs = _batch_inputs(example_inputs, batch, dev)
 
-    def build(mesh: Any) -> Callable[[], None]:
+    def build(mesh: Any) -> tuple[Callable[[], None], Callable[[], dict]]:
         from autopar.runtime.spmd import parallelize
 
         pm = parallelize(m, mesh, {f: (p,) for f, p in placements.items()},
@@ -297,13 +296,15 @@ def dtensor_stage_counts(model: nn.Module, example_inputs: Sequence[Any], tp: in
     last = index == num_stages - 1
     targets = _batch_inputs(example_inputs[1:], batch, dev) if last else []
 
-    def build(mesh: Any) -> Callable[[], None]:
+    def build(mesh: Any) -> tuple[Callable[[], None], Callable[[], dict]]:
+        from torch.distributed.tensor import DTensor
+
         from autopar.runtime.engine import stage_loss
         from autopar.runtime.spmd import SPMDModule, distribute_params
 
         distribute_params(core, mesh, {f: (p,) for f, p in placements.items()}, aliases=aliases,
                           src_data_rank=None)
-        run = SPMDModule(core, mesh, [None], loss_output=last)
+        run = SPMDModule(core, mesh, [None], loss_inside=False, loss_output=last)
 
         def step() -> None:
             out = run(x)
@@ -402,13 +403,13 @@ def _attribute(counts: dict, layers: list[Layer], rep: dict[int, int], lo: int, 
     # ops of the root module itself (the loss, a stage's plain boundaries): the last layer's
     res.fwd[hi - 1] += total_f - seen_f
     res.bwd[hi - 1] += total_b - seen_b
-    # per-step gradient layouts: each parameter with the first layer naming a module holding it;
-    # a repeated layer (run as a pass-through) takes its source's
+    # per-step gradient layouts: each parameter with the layer owning the innermost layer module
+    # holding it (not `model`, which holds every layer of a Hugging Face model); a repeated
+    # layer (run as a pass-through) takes its source's
     for pname, c in per_param.items():
-        for i in range(lo, hi):
-            if any(pname == m or pname.startswith(m + ".") for m in layers[i].modules if m):
-                res.step[i] += c
-                break
+        holders = [m for m in names if m and (pname == m or pname.startswith(m + "."))]
+        if holders:
+            res.step[owner[max(holders, key=len)]] += c
     for i, src in rep.items():
         if lo <= i < hi:
             res.step[i] = Counter(res.step[src])

@@ -29,9 +29,8 @@ class IlpProvider(AnalyticProvider):
     def __init__(self, graph: OpGraph, layers: list[Layer], cluster: ClusterSpec, dtype: str,
                  time_limit_s: float = 5.0) -> None:
         super().__init__(graph, layers, cluster, dtype)
-        from autopar.intra_op import solve_graph  # noqa: F401  (fail early when missing)
-
-        from autopar.intra_op import batch_dims_of, token_dims_of
+        # solve_graph: fail here, where "auto" falls back, when OR-Tools is missing
+        from autopar.intra_op import batch_dims_of, solve_graph, token_dims_of  # noqa: F401
 
         self.time_limit_s = time_limit_s
         self.batch_dims = batch_dims_of(graph)

@@ -45,7 +45,6 @@ What is approximated, and why (to keep a 1000-GPU search within seconds on two c
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -711,7 +710,7 @@ class Search:
                 # different tp (runtime.tied_grads.FullTiedSync): the whole parameter, zero
                 # outside each rank's shard, all-reduced over every rank holding a copy
                 info = self.graph.params.get(f)
-                full = math.prod(int(d) for d in info.shape) if info is not None else e * max(tps)
+                full = info.numel if info is not None else e * max(tps)
                 t += coll_time("all_reduce", full * tb.wgo[1], sum(stages[h].tp for h in holders), link)
         return t
 

@@ -65,6 +65,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
+from autopar.intra_op.rules.loss import REDUCTION_ARG, reduction_of
 from autopar.intra_op.solution import OpChoice, ShardingSolution
 from autopar.runtime.spmd import replace_parameters, to_placements
 from autopar.runtime.vocab_loss import loss_parallel_call
@@ -74,11 +75,6 @@ __all__ = ["parallelize_graph", "ShardedProgram", "to_placements"]
 
 Spec = Sequence[str]
 SPLIT_OPS = ("split", "split_with_sizes", "chunk", "unsafe_split", "tensor_split")
-# loss op -> position of its `reduction` argument (0 none, 1 mean, 2 sum)
-LOSS_REDUCTION_ARG = {"cross_entropy_loss": 3, "nll_loss": 3, "nll_loss_forward": 3, "nll_loss2d": 3,
-                      "mse_loss": 2, "l1_loss": 2, "smooth_l1_loss": 2, "huber_loss": 2,
-                      "soft_margin_loss": 2, "binary_cross_entropy": 3,
-                      "binary_cross_entropy_with_logits": 4}
 
 
 # ---------------------------------------------------------------------------- placements
@@ -375,16 +371,12 @@ class ShardedProgram(nn.Module):
     # -- setup ---------------------------------------------------------------------------
     def _check_names(self) -> None:
         """The program must be the one the solution was solved on: every op with a choice is a
-        node of it, of the same kind (`_mismatch`). Notes the ops without a choice, and the
-        parameters' placeholders."""
-        nodes = _program_calls(self.gm)
+        node of it, of the same kind (`_mismatch`). Notes the parameters' placeholders."""
         missing = _mismatch(self.program, self.solution)
         if missing:
             raise PlanError(f"the solution's ops do not match the model's program "
                             f"({', '.join(missing[:4])}); solve and apply with the same model and "
                             f"loss, and solve the whole graph (not a subset of its nodes)")
-        self.unplanned = [c for c, n in nodes.items() if not _no_choice_needed(n)
-                          and c not in self.solution.op_choices]
         from torch.export.graph_signature import InputKind
 
         self.param_nodes = {s.arg.name for s in self.program.graph_signature.input_specs
@@ -605,7 +597,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
             return self._local_attention(args, kwargs, n, outs)
         if choice.family == "loss" and "vocab-parallel" in choice.strategy:
             return self._vocab_parallel_loss(n, args, kwargs)
-        if choice.family == "loss" and _partial(outs[0]) and _reduction(op, n.args, n.kwargs) in (1, 2):
+        if choice.family == "loss" and _partial(outs[0]) and reduction_of(op, n.args, n.kwargs) in (1, 2):
             return self._shard_loss(n, args, kwargs, outs[0], op)
         if n.target is torch.ops.aten.view.default:
             # a view when strides allow: a program traced on meta may view a tensor that real
@@ -682,9 +674,9 @@ class _PlanInterpreter(torch.fx.Interpreter):
         mean is that sum over the number of targets (exact when none is ignored)."""
         op = _op_name(n)
         args, kwargs = list(args), dict(kwargs)
-        mean_nd = self.mesh.ndim > 1 and _reduction(op, n.args, n.kwargs) == 1
+        mean_nd = self.mesh.ndim > 1 and reduction_of(op, n.args, n.kwargs) == 1
         if mean_nd:
-            pos = LOSS_REDUCTION_ARG[op]
+            pos = REDUCTION_ARG[op]
             if len(args) > pos:
                 args[pos] = 2
             else:
@@ -698,7 +690,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
         local = n.target(*_locals(args), **_locals(kwargs))
         pl = tuple(Partial() if p == "P" else Replicate() for p in out_spec)
         devices = math.prod(self.mesh.size(a) for a, p in enumerate(out_spec) if p == "P")
-        scale = 1.0 / devices if _reduction(op, n.args, n.kwargs) == 1 else 1.0
+        scale = 1.0 / devices if reduction_of(op, n.args, n.kwargs) == 1 else 1.0
         return _ShardLoss.apply(local, self.mesh, pl, scale)
 
 
@@ -756,14 +748,6 @@ def _scaled(x: DTensor, c: float) -> DTensor:
 
 def _unsharded(spec: Spec) -> bool:
     return all(str(p) in ("R", "P") for p in spec)
-
-
-def _reduction(op: str, args: Sequence[Any], kwargs: dict) -> int:
-    pos = LOSS_REDUCTION_ARG.get(op)
-    if pos is None:
-        return 0
-    r = args[pos] if len(args) > pos else kwargs.get("reduction", 1)
-    return r if isinstance(r, int) else 1
 
 
 def _locals(v: Any) -> Any:

@@ -179,6 +179,7 @@ class IntraOpProblem:
         self._edge_cache: dict = {}
         self._reads_cache: dict[str, bool] = {}
         self._kinds_cache: dict[str, list[str]] = {}
+        self._param_axes_cache: dict[tuple[str, int], tuple[Strategy, tuple[int, ...]]] = {}
         self._select(nodes)
         self._requires_grad()
         self._saved_for_backward()
@@ -734,13 +735,19 @@ class IntraOpProblem:
         return hit
 
     def _split_param_axes(self, cons: str, st: Strategy) -> tuple[int, ...]:
-        """Model axes along which strategy `st` of problem node `cons` reads a split parameter."""
+        """Model axes along which strategy `st` of problem node `cons` reads a split parameter
+        (cached: every edge cost into `cons` asks, per strategy pair)."""
+        hit = self._param_axes_cache.get((cons, id(st)))
+        if hit is not None and hit[0] is st:
+            return hit[1]
         pn = self.pnodes.get(cons)
         if not self.model_axes or pn is None or pn.kind != "call":
             return ()
         kinds = self._input_kinds(pn.node)
-        return tuple(a for a in self.model_axes
+        axes = tuple(a for a in self.model_axes
                      if any(kd == "param" and sp[a].startswith("S(") for kd, sp in zip(kinds, st.in_specs)))
+        self._param_axes_cache[(cons, id(st))] = (st, axes)
+        return axes
 
     def _unrunnable(self, prod: str, src: Spec, cons: str, k: int, st: Strategy) -> bool:
         """Whether the edge slices a whole or partial activation on a model axis for an op that
@@ -762,13 +769,8 @@ class IntraOpProblem:
         carries `UNRUNNABLE_S` for a layout the runtime would not run (`_unrunnable`)."""
         fwd = bwd = sync = 0.0
         for kind, a, b, ph, _ in self.edge_collectives(prod, oidx, src, cons, k, st, src_gp):
-            t = self.coll_time(kind, (a,), b, ph)
-            if ph == "forward":
-                fwd += t
-            elif ph == "backward":
-                bwd += t
-            else:
-                sync += t
+            df, db, ds = by_phase(ph, self.coll_time(kind, (a,), b, ph))
+            fwd, bwd, sync = fwd + df, bwd + db, sync + ds
         pen = UNRUNNABLE_S if self._unrunnable(prod, src, cons, k, st) else 0.0
         return fwd + bwd + sync + pen, fwd, bwd, sync
 

@@ -155,7 +155,7 @@ def run(plan: Plan | str, model: str | ModelBundle, *, steps: int = 10, seed: in
     (the rows come back on rank 0, the other ranks get []).
     `env`: extra environment variables for the launched workers. `count_collectives=False`
     skips the per-step collective count (its dispatch mode costs ~10-20% of a small CPU step)."""
-    from autopar.runtime.worker import init_distributed, train, worker_entry
+    from autopar.runtime.worker import init_distributed, train
 
     p = _load(plan)
     b = _bundle(model)

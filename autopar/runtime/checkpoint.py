@@ -120,7 +120,7 @@ def _save_skip(pm, for_load: bool) -> frozenset[str]:
     layout, `ParallelModel.checkpoint_skip`); none when loading: every copy is filled."""
     if for_load:
         return frozenset()
-    return frozenset(getattr(pm, "checkpoint_skip", None) or ())
+    return frozenset(pm.checkpoint_skip)
 
 
 def state_dict(pm, *, for_load: bool = False) -> dict:
@@ -193,8 +193,9 @@ def load(pm, path: str | Path) -> int:
             seg = flat[lo:lo + pm.shard_size]
             pm.flat_shard.data.zero_()
             pm.flat_shard.data[:seg.numel()].copy_(seg)
-            for (_, p), t in zip(named, locs):
-                pm._local(p.data).copy_(t.view_as(pm._local(p.data)))
+            if pm.low is not None:   # the 2-byte parameters from the loaded masters
+                for (_, p), t in zip(named, locs):
+                    pm._local(p.data).copy_(t.view_as(pm._local(p.data)))
     return pm.steps_done
 
 

@@ -26,7 +26,8 @@ How each part of the plan is executed:
 * Recompute: `torch.utils.checkpoint` (non-reentrant) around each layer ("full") or around each
   layer's attention child ("selective"; the whole layer when it has none).
 * Precision (`precision`): bf16/fp16 plans keep 2-byte parameters and gradients (synced in the
-  2-byte dtype) and step fp32 masters, as the planner's memory and communication model;
+  2-byte dtype) and step fp32 masters, as the planner's memory and communication model
+  (ZeRO-3: FSDP's fp32 shards are the masters, gathered and reduced in the 2-byte dtype);
   forward and loss run under `torch.autocast` on the device type.
 """
 
@@ -498,7 +499,8 @@ class ParallelModel:
                                   aliases=self.aliases, src_data_rank=None)
             mod: nn.Module = core
             if self.tp_size > 1:
-                mod = SPMDModule(core, self.my_mesh.tp_mesh, [None], loss_output=i == nst - 1)
+                mod = SPMDModule(core, self.my_mesh.tp_mesh, [None], loss_inside=False,
+                                 loss_output=i == nst - 1)
             if self.zero3:
                 self._fully_shard(core, s.layers, root=mod)   # the FSDP root: what the stage holds
             self.pipe_stages.append(self._make_stage(mod, i, *shapes[i]))
@@ -605,7 +607,12 @@ class ParallelModel:
             for ranks in groups:
                 g = dist.new_group(ranks)
                 if self.rank in ranks:
-                    self.tied.append(sync(g, self._local_params(names)))
+                    extra = {}
+                    if sync is FullTiedSync and len(groups) == 1 and not self.zero3:
+                        # one group over every dp replica (a ZeRO-3 holder): this stage's
+                        # copy is the same dp-averaged tensor on each replica; count it once
+                        extra["adds"] = self.dp_rank == 0
+                    self.tied.append(sync(g, self._local_params(names), **extra))
 
     def _tied_sets(self) -> dict[tuple[int, ...], list[str]]:
         """{device-set indices holding them: canonical names} of the parameters held by more
@@ -655,7 +662,7 @@ class ParallelModel:
         """Rank groups of a `FullTiedSync` across device sets `dss` of different meshes."""
         per = [replica_ranks(self.stages[d].devices, self.stages[d].mesh_shape, self.stages[d].mesh_axis_names)
                for d in dss]
-        if fsdp_sharded(self.plan):
+        if fsdp_sharded(self.plan, [self.stages[d] for d in dss]):
             return [sorted(r for st in per for rs in st for r in rs)]
         return [sorted(r for st in per for r in st[rep]) for rep in range(len(per[0]))]
 

@@ -65,6 +65,7 @@ class MasterWeights:
         the updated masters into the parameters."""
         for p, m in zip(self.params, self.masters):
             m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None   # at most one gradient per parameter held: the master's fp32 one
         optimizer.step()
         with torch.no_grad():
             for p, m in zip(self.params, self.masters):

@@ -27,6 +27,7 @@ forward (positions, masks) are treated as replicated (`allow_implicit_replicatio
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any, Callable, Iterable, Sequence
 
@@ -35,7 +36,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from autopar.runtime.vocab_loss import VocabParallelLoss
+from autopar.runtime.vocab_loss import VocabParallelLoss, class_sharded
 from autopar.schema.errors import PlanError
 
 _SHARD = re.compile(r"^S\((-?\d+)\)$")
@@ -267,18 +268,20 @@ class SPMDModule(nn.Module):
     local input shards and returns plain tensors (the loss, equal on every rank).
 
     A cross-entropy on vocabulary-sharded logits inside the forward runs vocabulary-parallel
-    (`vocab_loss`). `loss_output=True` (a last pipeline stage, whose output only feeds the loss)
-    returns class-sharded logits as they are, for the loss to read in place
-    (`vocab_loss.VocabParallelLoss` around it); any other output is made plain."""
+    (`vocab_loss`; `loss_inside=False`, a pipeline stage, skips the function mode that routes
+    it: a stage's loss, if any, is computed outside its forward). `loss_output=True` (a last
+    pipeline stage, whose output only feeds the loss) returns class-sharded logits as they are,
+    for the loss to read in place (`engine.stage_loss`); any other output is made plain."""
 
     def __init__(self, module: nn.Module, mesh: DeviceMesh,
                  input_placements: Sequence[Sequence[str] | None], plain_output: bool = True,
-                 loss_output: bool = False) -> None:
+                 loss_inside: bool = True, loss_output: bool = False) -> None:
         super().__init__()
         self.module = module
         self.mesh = mesh
         self.input_placements = list(input_placements)
         self.plain_output = plain_output
+        self.loss_inside = loss_inside
         self.loss_output = loss_output
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -287,17 +290,11 @@ class SPMDModule(nn.Module):
             pl = self.input_placements[i] if i < len(self.input_placements) else None
             ins.append(_to_dtensor(a, self.mesh, pl))
         allow_implicit_replication()
-        with VocabParallelLoss():
+        with VocabParallelLoss() if self.loss_inside else contextlib.nullcontext():
             out = self.module(*ins, **kwargs)
-        if not self.plain_output or (self.loss_output and class_sharded_logits(out)):
+        if not self.plain_output or (self.loss_output and class_sharded(out, -1)):
             return out
         return _to_plain(out)
-
-
-def class_sharded_logits(out: Any) -> bool:
-    """Whether `out` is one DTensor sharded on its last (class) dim, on a 1-D mesh."""
-    return (isinstance(out, DTensor) and out.dim() >= 1 and out.device_mesh.ndim == 1
-            and out.placements[0].is_shard() and out.placements[0].dim % out.dim() == out.dim() - 1)
 
 
 def parallelize(module: nn.Module, mesh: DeviceMesh, param_placements: dict[str, tuple[str, ...]],

@@ -85,10 +85,12 @@ class FullTiedSync:
     the module docstring). `group` holds every rank that holds any of the copies' elements
     whose sum it must see: a data-parallel replica's ranks, or all replicas under ZeRO-3."""
 
-    def __init__(self, group: dist.ProcessGroup, params: list[nn.Parameter]) -> None:
+    def __init__(self, group: dist.ProcessGroup, params: list[nn.Parameter], adds: bool = True) -> None:
+        """`adds=False`: this rank's copy is already counted by another rank of `group` (a
+        dp-averaged, unsharded copy in a group spanning the replicas of a ZeRO-3 holder)."""
         self.group, self.params = group, params
         self.index = [element_index(p) for p in params]
-        self.adds = [holds_first_copy(p) for p in params]
+        self.adds = [adds and holds_first_copy(p) for p in params]
         self.numel = sum(p.numel() for p in params)
 
     def sync(self) -> None:

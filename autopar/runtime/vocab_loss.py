@@ -29,24 +29,24 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-_ACTIVE: list[Any] = []   # the open `loss_parallel` context, while some loss needs its handlers
-_DEPTH = [0]
+_OPEN: list[Any] = []   # one `loss_parallel` context per loss that needs its handlers now
 
 
 def _enable() -> None:
     from torch.distributed.tensor.parallel import loss_parallel
 
-    if _DEPTH[0] == 0:
+    if not _OPEN:
         cm = loss_parallel()
         cm.__enter__()
-        _ACTIVE.append(cm)
-    _DEPTH[0] += 1
+        _OPEN.append(cm)
+    else:
+        _OPEN.append(_OPEN[0])
 
 
 def _disable() -> None:
-    _DEPTH[0] -= 1
-    if _DEPTH[0] == 0:
-        _ACTIVE.pop().__exit__(None, None, None)
+    cm = _OPEN.pop()
+    if not _OPEN:
+        cm.__exit__(None, None, None)
 
 
 class _ScopeInBackward(torch.autograd.Function):
@@ -64,12 +64,13 @@ class _ScopeInBackward(torch.autograd.Function):
         return g, None
 
 
-def class_sharded(x: Any) -> bool:
-    """Whether `x` is a DTensor sharded on its class dim (1, or 0 for 1-D) over a 1-D mesh:
-    logits `vocab_parallel_cross_entropy` takes without gathering them."""
+def class_sharded(x: Any, cdim: int | None = None) -> bool:
+    """Whether `x` is a DTensor sharded on its class dim `cdim` (default: 1, or 0 for 1-D, as
+    `F.cross_entropy` reads it; -1 for logits before flattening) over a 1-D mesh: logits
+    `vocab_parallel_cross_entropy` takes without gathering them."""
     if not isinstance(x, DTensor) or x.dim() == 0 or x.device_mesh.ndim != 1:
         return False
-    cdim = 1 if x.dim() >= 2 else 0
+    cdim = (1 if x.dim() >= 2 else 0) if cdim is None else cdim % x.dim()
     p = x.placements[0]
     return p.is_shard() and p.dim % x.dim() == cdim
 

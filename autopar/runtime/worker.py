@@ -24,7 +24,6 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from autopar.schema.errors import PlanError
 from autopar.schema.plan import Plan
 
 

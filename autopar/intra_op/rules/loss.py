@@ -6,15 +6,32 @@ row's target contributes)."""
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 from autopar.intra_op.placement import REPLICATE
 from autopar.intra_op.rules import register
 from autopar.intra_op.strategy import OpContext, Strategy, dims_labels, label_strategies
 
 
-def _reduction(ctx: OpContext, pos: int, default: int = 1) -> int:
-    a = ctx.node.args
-    r = a[pos] if len(a) > pos else ctx.node.kwargs.get("reduction", default)
-    return r if isinstance(r, int) else default
+# loss op -> position of its `reduction` argument (0 none, 1 mean, 2 sum); the rules below and
+# the solution executor (`intra_op.execute`) read it
+REDUCTION_ARG = {"cross_entropy_loss": 3, "nll_loss": 3, "nll_loss_forward": 3, "nll_loss2d": 3,
+                 "mse_loss": 2, "l1_loss": 2, "smooth_l1_loss": 2, "huber_loss": 2,
+                 "soft_margin_loss": 2, "binary_cross_entropy": 3,
+                 "binary_cross_entropy_with_logits": 4, "kl_div": 2}
+
+
+def reduction_of(op: str, args: Sequence[Any], kwargs: dict) -> int:
+    """The reduction a loss call asks for (0 none, 1 mean, 2 sum); 0 for ops not in the table."""
+    pos = REDUCTION_ARG.get(op)
+    if pos is None:
+        return 0
+    r = args[pos] if len(args) > pos else kwargs.get("reduction", 1)
+    return r if isinstance(r, int) else 1
+
+
+def _reduction(ctx: OpContext) -> int:
+    return reduction_of(ctx.node.op, ctx.node.args, ctx.node.kwargs)
 
 
 def _class_loss(ctx: OpContext, vocab_parallel: bool) -> list[Strategy]:
@@ -24,7 +41,7 @@ def _class_loss(ctx: OpContext, vocab_parallel: bool) -> list[Strategy]:
     lx = ["c" if d == cdim else f"n{d}" for d in range(n)]
     lt = [l for l in lx if l != "c"]
     ins = [lx, lt] + [["c"] for _ in range(2, len(ctx.in_metas))]      # class weights
-    red = _reduction(ctx, 3)
+    red = _reduction(ctx)
     lo = [] if red != 0 else lt
     reduced = (lt if red != 0 else []) + ["c"]
 
@@ -65,9 +82,7 @@ def pointwise_loss(ctx: OpContext) -> list[Strategy]:
     out = ctx.in_shape(0)
     labels = dims_labels(len(out))
     ins = [labels if ctx.in_shape(i) == out else [None] * len(ctx.in_shape(i)) for i in range(len(ctx.in_metas))]
-    pos = {"mse_loss": 2, "l1_loss": 2, "smooth_l1_loss": 2, "huber_loss": 2, "soft_margin_loss": 2,
-           "binary_cross_entropy": 3, "binary_cross_entropy_with_logits": 4, "kl_div": 2}[ctx.node.op]
-    red = _reduction(ctx, pos)
+    red = _reduction(ctx)
     if red == 0:
         return label_strategies(ctx, ins, [labels])
     return label_strategies(ctx, ins, [[]], reduced=labels)
