@@ -1,0 +1,478 @@
+"""Tracked memory of one training step: what a rank holds, by the categories the plan predicts.
+
+`track_step(pm, batch)` runs `pm.train_step(batch)` of an `engine.ParallelModel` under torch's
+`MemTracker` (`torch.distributed._tools.mem_tracker`, a TorchDispatchMode: it sees every tensor an
+op creates, on CPU as on GPU, and keeps a live byte count per storage and category) and returns a
+`MemoryReport`: the step's peak tracked bytes, the breakdown by category at that moment, and the
+peak of each phase of the step. Bytes are tensor storages (`numel * element_size`, each storage
+once however many views or DTensors share it); allocator rounding, the caching allocator's
+reserve, and memory that bypasses the dispatcher (gloo's own buffers, Python objects) are not in
+it: on GPU `torch.cuda.max_memory_allocated` stays the figure of record.
+
+Registration. Tensors alive before the step are invisible to a dispatch mode unless registered
+(`MemTracker.track_external`); `track_step` registers everything the rank holds, each labelled:
+
+* every local module's parameters and buffers (plain, DTensor, FSDP2 sharded DTensor), with
+  gradient hooks (accumulated gradients, FSDP2's sharded gradients: it calls post-accumulate
+  hooks on the sharded parameter after its reduce-scatter);
+* FSDP2's unsharded parameter storages (`FSDPParam.all_gather_outputs`, size 0 between steps):
+  the tracker's patched `UntypedStorage.resize_` follows their allocation and freeing;
+* fp32 masters: `pm.masters.masters` (ZeRO 0 under bf16), `pm.flat_shard` (ZeRO-1/2), FSDP2's
+  fp32 sharded parameters (ZeRO-3 under bf16: FSDP's shards are the masters);
+* optimizer states; torch.pipelining's receive buffers (activations and gradients, one per
+  micro-batch, kept across steps); the step's batch.
+
+Then a sweep of the garbage collector's tensors registers, as "other", every storage on the
+device alive at the start that none of these covers (minus a `baseline()` of what the process
+held before building the model): `MemoryReport.untracked_bytes` and `untracked` say what, so
+memory the runtime keeps that this module does not know of is counted and named, not missed.
+(Seen: gloo keeping the previous step's flat all-reduce / all-gather buffer alive until its next
+collective.)
+
+Categories (`MemoryReport.detail`), and the plan category each counts in (`PLAN_CATEGORY`):
+
+==================  =================================================================  ===========
+params              module parameters as the rank holds them (bf16 copies under bf16;     weights
+                    fp32 weights or FSDP's fp32 shards under fp32)
+gathered_params     FSDP2's unsharded (all-gathered) parameters, live between a unit's      weights
+                    all-gather and its reshard
+master              fp32 masters (see above)                                               optimizer
+optimizer_state     AdamW's moments and step counters, and the optimizer step's temporaries optimizer
+gradients           parameter gradients (incl. the masters' fp32 gradients and the flat     gradients
+                    shard's gradient, from their creation)
+activations         tensors made in forward (and in recomputation during the backward)      activations
+temporaries         tensors made in the backward that are not parameter gradients           buffers
+                    (activation gradients, FSDP's unsharded gradients and reduce-scatter inputs)
+sync_buffers        tensors made during the gradient sync / update outside the optimizer    buffers
+                    step (flat all-reduce / reduce-scatter / all-gather buffers)
+pipeline_buffers    torch.pipelining's receive buffers                                      buffers
+module_buffers      module buffers (rotary tables, masks)                                  buffers
+inputs              the step's batch                                                       buffers
+other               anything else registered                                               buffers
+==================  =================================================================  ===========
+
+Phases (`MemoryReport.phases`): "forward_backward" (`pm.forward_backward`, every micro-batch and
+pipeline schedule), "grad_sync" (`pm.sync_and_update` up to the optimizer step: gradients moved
+to their layouts, dp all-reduce or reduce-scatter, tied-weight sync, fp32 gradient copies of the
+masters), "optimizer" (the optimizer step and what follows it: the masters' copy into the
+parameters, ZeRO-1/2's all-gather of the updated shard).
+
+Workarounds of MemTracker's limits, each for a reason seen on this runtime:
+
+* MemTracker raises NotImplementedError when a root module runs forward twice in a step (it
+  takes that for a second iteration); micro-batches and pipeline schedules do exactly that, so
+  a repeated root forward outside the backward is accepted here (only MemTracker's per-module
+  snapshots, unused here, skip it).
+* DTensor: MemTracker steps aside for DTensor and tracks the local ops DTensor runs, and
+  `get_untyped_storages` unwraps a DTensor into its local storage: parameters, gradients and
+  activations of tp stages count their local shards.
+* FSDP2 on CPU (gloo): unsharded parameters are resized storages, followed through the
+  patched `resize_` (registered above); what FSDP frees by dropping references is seen by the
+  weak-reference callbacks as for any tensor.
+* torch.pipelining: receive buffers are made on the first step, before tracking: registered.
+  Its p2p ops (isend/irecv) allocate nothing through the dispatcher.
+
+Cost: a Python dispatch per op (a few times a small CPU step's time); `worker.train` tracks one
+step (the second: the first allocates AdamW's state lazily, mid-step) unless told otherwise
+(`AUTOPAR_TRACK_MEMORY`, see `worker`).
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from collections.abc import Callable, Sequence
+from copy import deepcopy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _RefType
+from torch.utils.weak import WeakIdKeyDictionary
+
+PLAN_CATEGORIES = ("weights", "gradients", "optimizer", "activations", "buffers")
+PHASES = ("forward_backward", "grad_sync", "optimizer")
+
+
+class _Ref(_RefType):
+    """Labels beyond MemTracker's own (`_MemRefType`)."""
+
+    GATHERED = "gathered_params"
+    MASTER = "master"
+    SYNC = "sync_buffers"
+    PIPE = "pipeline_buffers"
+    INPUT = "inputs"
+
+
+_STICKY = frozenset({_Ref.GATHERED, _Ref.MASTER, _Ref.PIPE, _Ref.INPUT})
+_DETAIL = {
+    _MemRefType.PARAM: "params", _Ref.GATHERED: "gathered_params", _Ref.MASTER: "master",
+    _MemRefType.OPT: "optimizer_state", _MemRefType.GRAD: "gradients", _MemRefType.ACT: "activations",
+    _MemRefType.TEMP: "temporaries", _Ref.SYNC: "sync_buffers", _Ref.PIPE: "pipeline_buffers",
+    _MemRefType.BUFFER: "module_buffers", _Ref.INPUT: "inputs", _MemRefType.OTH: "other",
+}
+DETAIL_CATEGORIES = tuple(_DETAIL.values())
+PLAN_CATEGORY = {
+    "params": "weights", "gathered_params": "weights", "master": "optimizer",
+    "optimizer_state": "optimizer", "gradients": "gradients", "activations": "activations",
+    "temporaries": "buffers", "sync_buffers": "buffers", "pipeline_buffers": "buffers",
+    "module_buffers": "buffers", "inputs": "buffers", "other": "buffers",
+}
+
+
+def to_plan_categories(detail: dict[str, int]) -> dict[str, int]:
+    """Sum detail categories into the plan's (`PLAN_CATEGORIES`)."""
+    out = dict.fromkeys(PLAN_CATEGORIES, 0)
+    for k, v in detail.items():
+        out[PLAN_CATEGORY[k]] += int(v)
+    return out
+
+
+@dataclass
+class PhasePeak:
+    """The peak of one phase: total bytes and the detail categories at that moment."""
+
+    peak_bytes: int = 0
+    detail: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def categories(self) -> dict[str, int]:
+        return to_plan_categories(self.detail)
+
+    def to_dict(self) -> dict:
+        return {"peak_bytes": self.peak_bytes, "categories": self.categories, "detail": dict(self.detail)}
+
+
+@dataclass
+class MemoryReport:
+    """One step's tracked memory on this rank (bytes)."""
+
+    peak_bytes: int                       # the step's peak (tracked storages, all categories)
+    detail: dict[str, int]                # detail categories at the peak moment
+    peak_phase: str                       # the phase the peak fell in
+    phases: dict[str, PhasePeak]          # peak of each phase that ran
+    start_bytes: int                      # what the rank held when the step began
+    end_bytes: int                        # ... and when it ended
+    untracked_bytes: int = 0              # alive at the start, not registered, counted as "other"
+    untracked: list[str] = field(default_factory=list)   # the largest of them
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def categories(self) -> dict[str, int]:
+        """The peak's breakdown in the plan's categories (`PLAN_CATEGORIES`)."""
+        return to_plan_categories(self.detail)
+
+    def to_dict(self) -> dict:
+        return {"peak_bytes": self.peak_bytes, "peak_phase": self.peak_phase, "categories": self.categories,
+                "detail": dict(self.detail), "phases": {k: v.to_dict() for k, v in self.phases.items()},
+                "start_bytes": self.start_bytes, "end_bytes": self.end_bytes,
+                "untracked_bytes": self.untracked_bytes, "untracked": list(self.untracked),
+                "notes": list(self.notes)}
+
+
+class StepMemTracker(MemTracker):
+    """MemTracker with the labels and phases above (see the module docstring). Use through
+    `track_step`; `phase` is set by the wrappers `track_step` installs."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self._ref_class = [*_MemRefType, *_Ref]   # iterated for a device's snapshot keys only
+        self.device = device
+        self.phase = "forward_backward"
+        self.master_grads = False                 # inside MasterWeights.step, before optimizer.step
+        self.phase_peak: dict[str, tuple[int, dict]] = {}
+
+    # -- labels ------------------------------------------------------------------------------
+    def label(self, t: Any, ref: _RefType) -> None:
+        """Register (or relabel) the storages of tensor `t` (DTensor: its local shard)."""
+        if isinstance(t, torch.Tensor):
+            self._update_and_maybe_create_winfos(t, ref)
+
+    def _update_and_maybe_create_winfos(self, t: torch.Tensor, reftype: _RefType,
+                                        update_existing: bool = False) -> set:
+        # MemTracker relabels a module's parameters PARAM when the module first runs; keep the
+        # labels registered here (an FSDP shard that is a master, an unsharded FSDP parameter)
+        if reftype in (_MemRefType.PARAM, _MemRefType.BUFFER):
+            for st in get_untyped_storages(t):
+                w = self._WINFO.get(st, None)
+                if w is not None and w[0].reftype in _STICKY:
+                    return {w[0]}
+        return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+
+    def _track(self, reftype: _RefType, t: torch.Tensor) -> None:
+        if reftype == _MemRefType.ACT and self.phase != "forward_backward" and not self._in_opt:
+            reftype = _MemRefType.GRAD if self.master_grads else _Ref.SYNC
+        super()._track(reftype, t)
+
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            name = self._mod_tracker.get_known_fqn(module)
+            if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                return   # a root module's next micro-batch (MemTracker would raise)
+        super()._pre_fw_hook(module, inputs)
+
+    # -- peaks -------------------------------------------------------------------------------
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        super()._update_peak_stats(peak_state)
+        snap = self._curr_mem_snap.get(self.device)
+        if snap is None:
+            return
+        total = snap["Total"]
+        if total > self.phase_peak.get(self.phase, (-1, None))[0]:
+            self.phase_peak[self.phase] = (total, deepcopy(snap))
+
+    def current_bytes(self) -> int:
+        return int(self._curr_mem_snap.get(self.device, {}).get("Total", 0))
+
+    def enter_phase(self, phase: str) -> None:
+        """Switch phase; the current bytes count as the new phase's first sample."""
+        self.phase = phase
+        self._update_peak_stats(None)
+
+
+def _detail(snap: dict | None) -> dict[str, int]:
+    out = dict.fromkeys(DETAIL_CATEGORIES, 0)
+    for k, v in (snap or {}).items():
+        if k in _DETAIL:
+            out[_DETAIL[k]] += int(v)
+    return out
+
+
+def _fsdp_params(modules: Sequence[nn.Module]) -> list[Any]:
+    """FSDP2's FSDPParam objects of every fully_shard unit under `modules`."""
+    out, seen = [], set()
+    for root in modules:
+        for m in root.modules():
+            get_state = getattr(m, "_get_fsdp_state", None)
+            if get_state is None:
+                continue
+            group = getattr(get_state(), "_fsdp_param_group", None)
+            if group is None or id(group) in seen:
+                continue
+            seen.add(id(group))
+            out.extend(group.fsdp_params)
+    return out
+
+
+def _stage_modules(pm: Any) -> list[nn.Module]:
+    """Every module the rank runs: its stage cores and what wraps them (SPMD, FSDP roots)."""
+    mods = list(getattr(pm, "local_modules", []))
+    if getattr(pm, "runner", None) is not None:
+        mods.append(pm.runner)
+    for st in getattr(pm, "pipe_stages", []) or []:
+        mods.append(st.submod)
+    return mods
+
+
+def _pipeline_buffers(pm: Any) -> list[torch.Tensor]:
+    out = []
+    for st in getattr(pm, "pipe_stages", []) or []:
+        for infos in list(st.args_recv_info.values()) + list(st.grad_recv_info.values()):
+            for info in infos:
+                buf = getattr(info, "buffer", None)
+                if isinstance(buf, torch.Tensor):
+                    out.append(buf)
+    return out
+
+
+def register(mt: StepMemTracker, pm: Any, batch: Sequence[Any]) -> None:
+    """Register with `mt` everything `pm` holds before its step (see the module docstring)."""
+    mods = _stage_modules(pm)
+    for m in mods:
+        mt._track_module_params_and_buffers(m, install_grad_hooks=True)
+    for p in pm.params:   # parameters reached through no module above (none expected): hooks too
+        mt._track_module_params_and_buffers(_Holder(p), install_grad_hooks=True)
+    for fp in _fsdp_params(mods):
+        for t in fp.all_gather_outputs:
+            mt.label(t, _Ref.GATHERED)
+        if pm.low is not None:    # ZeRO-3 under bf16/fp16: FSDP's fp32 shards are the masters
+            mt.label(fp.sharded_param, _Ref.MASTER)
+    masters = getattr(pm, "masters", None)
+    if masters is not None:
+        for m in masters.masters:
+            mt.label(m, _Ref.MASTER)
+    if getattr(pm, "zero12", False):
+        mt.label(pm.flat_shard, _Ref.MASTER)
+    mt._track_optimizer_states(_MemRefType.OPT, pm.optimizer)
+    for p in _optimizer_params(pm.optimizer):
+        if p.grad is not None:
+            mt.label(p.grad, _MemRefType.GRAD)
+    for buf in _pipeline_buffers(pm):
+        mt.label(buf, _Ref.PIPE)
+    for x in batch:
+        mt.label(x, _Ref.INPUT)
+
+
+class _Holder(nn.Module):
+    def __init__(self, p: nn.Parameter) -> None:
+        super().__init__()
+        self.p = p
+
+
+def _optimizer_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def _alive_storages() -> list[tuple[torch.UntypedStorage, torch.Tensor]]:
+    """(storage, a tensor using it) of every tensor the garbage collector can see, each storage once."""
+    out: dict[int, tuple[torch.UntypedStorage, torch.Tensor]] = {}
+    with warnings.catch_warnings():   # isinstance on deprecated torch objects warns
+        warnings.simplefilter("ignore")
+        objs = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for obj in objs:
+        if obj.device.type == "meta":
+            continue
+        try:
+            sts = get_untyped_storages(obj)
+        except (AssertionError, RuntimeError, NotImplementedError):
+            continue   # a tensor subclass without storages (fake, functional): nothing to count
+        for st in sts:
+            out.setdefault(id(st), (st, obj))
+    return list(out.values())
+
+
+def baseline() -> WeakIdKeyDictionary:
+    """The storages alive now (weakly held): pass to `track_step` to leave them out of its
+    unregistered-tensor sweep (what a process held before it built the ParallelModel: other
+    models of the same job, the data)."""
+    d = WeakIdKeyDictionary()
+    for st, _ in _alive_storages():
+        d[st] = True
+    return d
+
+
+def register_unregistered(mt: StepMemTracker, device: torch.device,
+                          skip: WeakIdKeyDictionary | None = None) -> tuple[int, list[str]]:
+    """Register as "other" the storages on `device` alive now that `mt` does not track yet (and
+    `skip` does not hold); returns their bytes and a description of the largest few."""
+    found = []
+    for st, t in _alive_storages():
+        if st.device != device or st.nbytes() == 0 or mt._WINFO.get(st, None) is not None:
+            continue
+        if skip is not None and skip.get(st, None) is not None:
+            continue
+        mt.label(t, _MemRefType.OTH)
+        found.append((st.nbytes(), f"{type(t).__name__}{tuple(t.shape)} {t.dtype}"))
+    found.sort(key=lambda x: -x[0])
+    return sum(n for n, _ in found), [f"{d}: {n} B" for n, d in found[:6]]
+
+
+def track_step(pm: Any, batch: Sequence[Any], counter: Any = None, *, sweep: bool = True,
+               skip: WeakIdKeyDictionary | None = None) -> tuple[Any, MemoryReport]:
+    """Run `pm.train_step(batch, counter=counter)` under the tracker; returns its result and the
+    `MemoryReport`. Measure a step after the first (the first allocates the optimizer state
+    during its update). `sweep`: also count, as "other", the storages on the device alive at the
+    start that `register` did not cover, except those in `skip` (a `baseline()` taken before
+    the ParallelModel was built); they are listed in `MemoryReport.untracked` (a gc walk)."""
+    mt = StepMemTracker(pm.device)
+    register(mt, pm, batch)
+    untracked, udesc = register_unregistered(mt, pm.device, skip) if sweep else (0, [])
+    notes: list[str] = []
+    restore: list[Callable[[], None]] = []
+
+    def wrap(obj: Any, name: str, before: Callable[[], None], after: Callable[[], None]) -> None:
+        orig = getattr(obj, name)
+        had = name in vars(obj)
+
+        def wrapped(*a: Any, **k: Any) -> Any:
+            before()
+            try:
+                return orig(*a, **k)
+            finally:
+                after()
+
+        setattr(obj, name, wrapped)
+        restore.append(lambda: setattr(obj, name, orig) if had else delattr(obj, name))
+
+    def start_sync() -> None:
+        # the backward's parameter gradients, however they were made (FSDP's, DTensor's), and
+        # anything left in TEMP after the backward is what the sync starts from
+        for p in pm.params:
+            if p.grad is not None:
+                mt.label(p.grad, _MemRefType.GRAD)
+        mt.enter_phase("grad_sync")
+
+    wrap(pm, "forward_backward", lambda: mt.enter_phase("forward_backward"), lambda: None)
+    wrap(pm, "sync_and_update", start_sync, lambda: None)
+    masters = getattr(pm, "masters", None)
+    if masters is not None:
+        def stop_master_grads() -> None:
+            mt.master_grads = False
+
+        wrap(masters, "step", lambda: setattr(mt, "master_grads", True), stop_master_grads)
+
+    def opt_pre(opt: Any, args: Any, kwargs: Any) -> None:
+        mt.master_grads = False
+        for p in _optimizer_params(opt):
+            if p.grad is not None:
+                mt.label(p.grad, _MemRefType.GRAD)
+        mt.enter_phase("optimizer")
+
+    handle = pm.optimizer.register_step_pre_hook(opt_pre)
+    restore.append(handle.remove)
+    try:
+        with mt:
+            start = mt.current_bytes()
+            mt.enter_phase("forward_backward")
+            out = pm.train_step(batch, counter=counter)
+            end = mt.current_bytes()
+    finally:
+        for r in reversed(restore):
+            r()
+    peak_snap = mt.get_tracker_snapshot("peak").get(pm.device)
+    if peak_snap is None:
+        notes.append(f"nothing tracked on {pm.device} (tracked devices: {list(mt._peak_mem)})")
+    peak = int((peak_snap or {}).get("Total", 0))
+    phases = {ph: PhasePeak(int(v[0]), _detail(v[1])) for ph, v in mt.phase_peak.items()}
+    peak_phase = max(phases, key=lambda ph: phases[ph].peak_bytes) if phases else ""
+    if phases and phases[peak_phase].peak_bytes != peak:
+        notes.append(f"phase peaks ({ {k: v.peak_bytes for k, v in phases.items()} }) miss the step's peak {peak}")
+    if untracked:
+        notes.append(f"{untracked} B alive at the step's start outside the ParallelModel's known "
+                     f"tensors, counted as other: {udesc}")
+    return out, MemoryReport(peak_bytes=peak, detail=_detail(peak_snap), peak_phase=peak_phase,
+                             phases=phases, start_bytes=start, end_bytes=end,
+                             untracked_bytes=untracked, untracked=udesc, notes=notes)
+
+
+# -- the plan's side ---------------------------------------------------------------------------
+
+def predicted_for_rank(plan: Any, rank: int) -> dict | None:
+    """The plan's predicted memory for the device `rank`: of the plan entries (chunks) holding
+    it, the one with the largest predicted peak (each entry's prediction is the device's peak,
+    so chunks are not summed). None when the plan has no per-stage predictions. Keys:
+    `stage`, `peak_bytes`, the plan categories, `peak_phase` (when the plan gives one)."""
+    best = None
+    for s in plan.stages:
+        if rank not in s.devices or s.predicted is None:
+            continue
+        if best is None or s.predicted.peak_memory_bytes > best.predicted.peak_memory_bytes:
+            best = s
+    return None if best is None else predicted_of_stage(best)
+
+
+def predicted_of_stage(s: Any) -> dict:
+    """A stage's predicted memory as a flat dict (fields the plan may not carry default to 0 / "")."""
+    p = s.predicted
+    return {"stage": s.index, "peak_bytes": float(p.peak_memory_bytes),
+            "weights": float(getattr(p, "weights_bytes", 0.0) or 0.0),
+            "gradients": float(getattr(p, "gradients_bytes", 0.0) or 0.0),
+            "optimizer": float(getattr(p, "optimizer_bytes", 0.0) or 0.0),
+            "activations": float(getattr(p, "activations_bytes", 0.0) or 0.0),
+            "buffers": float(getattr(p, "buffers_bytes", 0.0) or 0.0),
+            "peak_phase": str(getattr(p, "peak_phase", "") or "")}
+
+
+def fullest_stage(plan: Any) -> dict | None:
+    """`predicted_of_stage` of the plan entry with the largest predicted peak."""
+    stages = [s for s in plan.stages if s.predicted is not None]
+    if not stages:
+        return None
+    return predicted_of_stage(max(stages, key=lambda s: s.predicted.peak_memory_bytes))
+
+
+def relative_error(tracked: float, predicted: float) -> float | None:
+    """(predicted - tracked) / tracked: positive when the plan overestimates."""
+    return (predicted - tracked) / tracked if tracked else None
