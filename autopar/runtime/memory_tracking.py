@@ -71,6 +71,10 @@ Workarounds of MemTracker's limits, each for a reason seen on this runtime:
   weak-reference callbacks as for any tensor.
 * torch.pipelining: receive buffers are made on the first step, before tracking: registered.
   Its p2p ops (isend/irecv) allocate nothing through the dispatcher.
+* Not worked around: after a step under MemTracker (its ModTracker: seen with ModTracker
+  alone, not with a plain dispatch mode), the ParallelModel's parameters stay alive when the
+  model is dropped (the modules are freed). A job that tracks several plans in one process
+  keeps the earlier plans' parameters; `baseline()` keeps them out of the next plan's figures.
 
 Cost: a Python dispatch per op (a few times a small CPU step's time); `worker.train` tracks one
 step (the second: the first allocates AdamW's state lazily, mid-step) unless told otherwise
