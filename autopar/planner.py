@@ -28,6 +28,7 @@ from autopar.schema import (ClusterSpec, Constraints, ModelInfo, Plan, PlanError
                             StagePlan, StagePrediction)
 from autopar.schema.plan import TRAINING_DTYPES
 from cost_models.compute import attention_core
+from cost_models.memory import usable_memory
 
 
 def resolve_model(model: Any, example_inputs: Optional[Sequence[Any]], name: Optional[str]) -> ModelBundle:
@@ -173,7 +174,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
             bubble_s=max(0.0, c.iteration_s - m * st.t_mb - st.sync_s - st.opt_s) * share,
             weights_bytes=st.weights_bytes, gradients_bytes=st.gradients_bytes,
             optimizer_bytes=st.optimizer_bytes, activations_bytes=st.activations_bytes,
-            peak_memory_bytes=st.peak_bytes)
+            buffers_bytes=st.buffers_bytes, peak_phase=st.peak_phase, peak_memory_bytes=st.peak_bytes)
         stage_plans.append(StagePlan(
             index=pos, devices=devices, mesh_shape=(c.dp, st.tp), mesh_axis_names=("dp", "tp"),
             layers=mods, recompute=st.recompute,
@@ -222,7 +223,8 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
     pred = Prediction(iteration_time_s=c.iteration_s, samples_per_s=gbs / c.iteration_s,
                       tokens_per_s=gbs * tokens / c.iteration_s,
                       tflops_per_device=flops_step / c.iteration_s / spec.num_devices / 1e12,
-                      peak_memory_bytes=peak, collectives=dict(coll), compute_s=compute,
+                      peak_memory_bytes=peak, usable_memory_bytes=usable_memory(spec.device),
+                      collectives=dict(coll), compute_s=compute,
                       communication_s=comm, bubble_s=max(0.0, c.iteration_s - compute - comm))
     from autopar import __version__
 

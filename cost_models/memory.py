@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Literal, Optional, Union
+from typing import Any, Callable, Iterable, Literal, Optional, Union
+
+import numpy as np
 
 from autopar.capture.flops import VIEW_OPS
 from autopar.schema.cluster import DeviceSpec
-from cost_models.compute import DTYPE_SIZE, MATRIX_OPS, FUSED_ATTENTION, attention_core, bytes_scale
+from cost_models.compute import MATRIX_OPS, FUSED_ATTENTION, attention_core, bytes_scale
 
 Recompute = Literal["none", "selective", "full"]
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b"]
@@ -57,6 +59,11 @@ SAVE_NOTHING = frozenset({"add", "sub", "neg", "cat", "stack", "clone", "contigu
 NORMS = frozenset({"layer_norm", "native_layer_norm", "rms_norm", "group_norm", "batch_norm",
                    "native_batch_norm", "_native_batch_norm_legit", "_fused_rms_norm"})
 DROPOUTS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout"})
+# losses: autocast runs them in fp32 on CUDA and CPU alike (torch.amp's "ops that can autocast to
+# float32" lists), so what they save and the gradient they hand back are 4-byte tensors in a
+# mixed-precision step too
+LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_nd", "mse_loss", "l1_loss", "smooth_l1_loss",
+                    "huber_loss", "kl_div", "binary_cross_entropy_with_logits"})
 
 
 # -- model states ---------------------------------------------------------------------------------
@@ -97,11 +104,20 @@ class ActivationMemory:
     """Activation bytes of one micro-batch held between forward and backward.
 
     `per_layer[fqn]` is what each repeated layer holds (key None: ops outside every layer);
-    `working_bytes` is the transient extra while one layer is recomputed for its backward."""
+    `working_bytes` is the transient extra while one layer is recomputed for its backward;
+    `loss_grad_bytes` what a loss's backward holds as the backward starts: its output's and its
+    input's gradients, fp32 and the size of its input (the logits of a language model), live
+    before any recomputation; `loss_input_bytes` that input at the training dtype (what a last
+    pipeline stage hands its loss and keeps until the backward);
+    `backward_bytes` what one op's backward holds at once: the gradient of its output and the
+    one it makes for its input, `BACKWARD_LIVE` times the largest tensor the ops make."""
 
     saved_bytes: float = 0.0
     per_layer: dict[Optional[str], float] = field(default_factory=dict)
     working_bytes: float = 0.0
+    loss_grad_bytes: float = 0.0
+    loss_input_bytes: float = 0.0
+    backward_bytes: float = 0.0
 
     @property
     def peak_bytes(self) -> float:
@@ -153,11 +169,15 @@ def saved_tensors(node, by_name: dict, dtype: str = "bf16") -> list[tuple[str, O
         return [(i, None) for i in ins] if len(node.inputs) >= 2 else []
     if op in ("embedding", "index_select", "gather", "index"):
         return [(i, None) for i in ins if by_name[i].outputs and "int" in by_name[i].outputs[0].dtype]
-    if op in ("cross_entropy_loss", "nll_loss", "nll_loss_nd", "mse_loss", "l1_loss", "smooth_l1_loss"):
+    if op in LOSSES:
         return [(i, None) for i in ins]
     if op in ("masked_fill", "where"):
         return [(i, None) for i in ins if by_name[i].outputs and by_name[i].outputs[0].dtype == "bool"]
     return [(i, None) for i in ins]
+
+
+def _floating(node) -> bool:
+    return bool(node.outputs) and node.outputs[0].dtype in ("float32", "float64", "float16", "bfloat16")
 
 
 def _bases(nodes: list, by_name: dict) -> dict[str, str]:
@@ -195,13 +215,13 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     core = attention_core(calls) if rec == "selective" else set()
     keep = None if layers is None else set(layers)
 
-    def size(name: str) -> float:
+    def size(name: str, at: Optional[str] = None) -> float:
         b = by_name[base[name]]
         if not b.outputs:
             return 0.0
         o = b.outputs[0]
         f = shard(b) if callable(shard) else shard
-        return o.nbytes * bytes_scale(o.dtype, dtype) / max(float(f), 1.0)
+        return o.nbytes * bytes_scale(o.dtype, at or dtype) / max(float(f), 1.0)
 
     def side(nbytes: float, owner) -> float:
         # masks are 1 byte/element, norm statistics and log-sum-exp stay fp32 in mixed precision
@@ -220,7 +240,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                     continue
                 if rec == "selective" and n.name in core and key in core:
                     continue
-                b = size(name)
+                b = size(name, "fp32" if n.op in LOSSES and dtype != "fp32" and _floating(by_name[key]) else None)
             else:
                 key = name
                 if rec == "selective" and n.name in core:
@@ -255,6 +275,16 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 kept_owner[key], kept_bytes[key] = n.layer, size(i)
         owner_layer, nbytes_of = kept_owner, kept_bytes
     out = ActivationMemory()
+    for n in calls:
+        if keep is not None and n.layer not in keep:
+            continue
+        if n.op not in VIEW_OPS and n.target != "getitem" and n.outputs and _floating(n):
+            out.backward_bytes = max(out.backward_bytes, BACKWARD_LIVE * size(n.name))
+        if n.op in LOSSES:
+            for i in _tensor_inputs(n, by_name)[:1]:
+                if _floating(by_name[base.get(i, i)]):
+                    out.loss_grad_bytes = max(out.loss_grad_bytes, BACKWARD_LIVE * size(i, "fp32"))
+                    out.loss_input_bytes = max(out.loss_input_bytes, size(i))
     for k, l in owner_layer.items():
         if keep is not None and l not in keep:
             continue
@@ -266,38 +296,129 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     return out
 
 
+# autograd runs an op's backward with the gradient of its output live and makes the gradient of
+# its input beside it; the largest such pair bounds what a layer's backward adds at once
+BACKWARD_LIVE = 2
+
+
 # -- schedules and peak ---------------------------------------------------------------------------
 
 def inflight_microbatches(schedule: ScheduleName | str, num_stages: int, stage: int, num_microbatches: int,
                           virtual_stages: int = 1) -> float:
     """Micro-batches whose activations stage `stage` (0-based) holds at once, in units of one
-    micro-batch through all of the stage's layers.
+    micro-batch through all of the stage's layers, its chunks taken as equal.
 
-    GPipe: all m. 1F1B: min(p - stage, m) (Narayanan et al. 2021). Interleaved 1F1B with v model
-    chunks per device (Megatron-LM's schedule): rank r runs (p - r - 1)·2 + (v - 1)·p warm-up
-    chunk-forwards then one more before its first backward, each holding 1/v of the stage's
-    layers: ((p - r - 1)·2 + (v - 1)·p + 1)/v, capped at m; for r = 0 that is p + (p - 1)/v
-    (Korthikanti et al. 2022, §4.2.3)."""
-    p, m, r, v = int(num_stages), int(num_microbatches), int(stage), max(int(virtual_stages), 1)
-    if not 0 <= r < p:
-        raise ValueError(f"stage {r} is outside 0..{p - 1}")
-    if schedule == "gpipe":
-        return float(m)
-    if schedule == "1f1b" or (schedule == "interleaved_1f1b" and v == 1):
-        return float(min(p - r, m))
-    if schedule == "interleaved_1f1b":
-        return float(min(((p - r - 1) * 2 + (v - 1) * p + 1) / v, m))
-    raise ValueError(f"unknown schedule {schedule!r}; one of gpipe, 1f1b, interleaved_1f1b")
+    Read from the order torch.distributed.pipelining runs (`cost_models.schedules`), not from a
+    closed form: GPipe m; 1F1B min(p - stage, m) (and GPipe's m where m < p, which the runtime
+    runs then); interleaved 1F1B ((p - r - 1)·2 + (v - 1)·p + 1)/v capped at m for Megatron's
+    m % p == 0 (Korthikanti et al. 2022, §4.2.3: p + (p - 1)/v for r = 0)."""
+    from cost_models.schedules import held_profile
+
+    if schedule not in ("gpipe", "1f1b", "interleaved_1f1b"):
+        raise ValueError(f"unknown schedule {schedule!r}; one of gpipe, 1f1b, interleaved_1f1b")
+    v = max(int(virtual_stages), 1)
+    prof = held_profile(schedule, num_stages, stage, num_microbatches, v)
+    return float(np.max(prof.sum(axis=1))) / v
+
+
+# -- what the runtime holds, phase by phase -------------------------------------------------------
+
+PHASES = ("forward_backward", "grad_sync", "optimizer_step")
+Phase = Literal["forward_backward", "grad_sync", "optimizer_step"]
+
+
+@dataclass(frozen=True)
+class PhaseMemory:
+    """Bytes one device holds at the peak of one phase of a training step, by category
+    (`weights`: parameters as the model holds them; `gradients`; `optimizer`: Adam moments and
+    fp32 masters; `buffers`: the runtime's transient buffers: flat communication buffers,
+    gathered ZeRO-3 layers; `activations`: saved activations and recomputation's working set)."""
+
+    phase: str
+    weights: Any
+    gradients: Any
+    optimizer: Any
+    buffers: Any
+    activations: Any = 0.0
+
+    @property
+    def total(self) -> Any:
+        return self.weights + self.gradients + self.optimizer + self.buffers + self.activations
+
+
+# AdamW's temporaries per parameter tensor it steps (torch's single-tensor AdamW, what the
+# runtime's `default_optimizer` runs): `exp_avg_sq.sqrt()` and its quotient by the bias
+# correction are live together, two fp32 tensors the size of the tensor stepped
+ADAMW_TEMPORARIES = 2
+
+
+def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, dp: int = 1, *,
+                   num_microbatches: int = 1, gathered_params: Any = 0.0,
+                   largest_tensor: Any = 0.0) -> list[PhaseMemory]:
+    """Model-state bytes per device in each phase of a step, as `autopar.runtime` keeps them
+    (activations left at 0: the caller adds them to "forward_backward"). `num_params` are the
+    device's parameter elements (after tensor and pipeline parallelism; numbers or numpy
+    arrays); `gathered_params` the elements ZeRO-3 holds unsharded at once (FSDP gathers a
+    layer and prefetches the next); `largest_tensor` the elements of the device's largest
+    parameter tensor, whose AdamW temporaries (`ADAMW_TEMPORARIES` fp32 copies) the optimizer
+    step holds (ZeRO-1/2 step one flat shard of num_params / D). Per parameter, with w, g, o the
+    policy's bytes (bf16: 2, 2, 12) and D = dp:
+
+    - ZeRO 0: w + g + o through the step; the gradient sync copies the gradients into one flat
+      buffer (+g); under mixed precision the optimizer step holds fp32 gradients (4) in place
+      of the 2-byte ones (`precision.MasterWeights`), 2 + 4 + 12 = 18.
+    - ZeRO 1 and 2: the runtime accumulates full gradients in the backward and reduce-scatters
+      them once per step (no bucketed reduce-scatter during the backward), so both hold
+      w + g + o/D in the backward; the sync moves the gradients into a flat buffer (freeing
+      each as it is copied) and reduce-scatters it (+g + g/D); the sharded step holds an fp32
+      gradient shard (4/D); the all-gather of the updated weights fills a full flat buffer
+      (+w + w/D). With fp32 training the flat fp32 shard the optimizer steps is a copy of the
+      weights: o/D + 4/D.
+    - ZeRO 3 (FSDP2, mixed precision as `fsdp_policy`): fp32 weight shards, which are also
+      the masters (counted with the optimizer state: o/D in all, as the fp32 flat shard of
+      ZeRO-1/2), fp32 gradient shards (4/D); the weights as the model sees them are the
+      gathered 2-byte layers (`gathered_params`); with several micro-batches FSDP accumulates
+      unsharded 2-byte gradients until the last one reduce-scatters (+g).
+    """
+    if policy not in PRECISION_POLICIES:
+        raise ValueError(f"unknown precision policy {policy!r}; one of {', '.join(PRECISION_POLICIES)}")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0-3, got {zero_stage}")
+    w, g, o = PRECISION_POLICIES[policy]
+    mixed = w < 4
+    D = max(int(dp), 1)
+    P = num_params
+    z = zero_stage if D > 1 else 0
+    temp = ADAMW_TEMPORARIES * 4.0 * largest_tensor
+    if z == 0:
+        fb = PhaseMemory("forward_backward", w * P, g * P, o * P, 0.0 * P)
+        out = [fb]
+        if D > 1:
+            out.append(PhaseMemory("grad_sync", w * P, g * P, o * P, g * P))
+        out.append(PhaseMemory("optimizer_step", w * P, (4.0 if mixed else g) * P, o * P, temp + 0.0 * P))
+        return out
+    if z in (1, 2):
+        opt = (o if mixed else o + 4.0) * P / D
+        return [PhaseMemory("forward_backward", w * P, g * P, opt, 0.0 * P),
+                PhaseMemory("grad_sync", w * P, 0.0 * P, opt, g * P + g * P / D),
+                PhaseMemory("optimizer_step", w * P, 4.0 * P / D, opt, ADAMW_TEMPORARIES * 4.0 * P / D),
+                PhaseMemory("grad_sync", w * P, 0.0 * P, opt, w * P + w * P / D)]
+    # ZeRO 3
+    acc = g * P if num_microbatches > 1 else 0.0 * P
+    opt = (o if mixed else o + 4.0) * P / D
+    return [PhaseMemory("forward_backward", w * gathered_params, 4.0 * P / D + acc, opt, 0.0 * P),
+            PhaseMemory("optimizer_step", 0.0 * P, 4.0 * P / D, opt, temp / D)]
 
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Peak bytes on one device, by part."""
+    """Peak bytes on one device: the phase of the step where it is reached and its parts."""
 
     model_states: ModelStates
     activations: float       # saved activations of the micro-batches in flight
-    working: float           # transient: a recomputed layer, buffers
+    working: float           # transient: a recomputed layer, the runtime's buffers
     capacity: float
+    phase: str = "forward_backward"
 
     @property
     def peak(self) -> float:
@@ -308,8 +429,12 @@ class MemoryBreakdown:
         return self.peak <= self.capacity
 
 
-# fraction of device memory usable by tensors: CUDA context (~0.5-1 GiB), the caching allocator's
-# fragmentation and NCCL buffers take the rest (PyTorch CUDA memory management notes).
+# Share of device memory a plan may fill. The rest is left to what is not a tensor of the
+# step: the CUDA context (about 0.5 GiB on A100/H100 with CUDA 12 lazy loading, PyTorch's
+# "CUDA memory management" notes), NCCL's communicator buffers (NCCL_BUFFSIZE 4 MiB per
+# channel and peer by default, NCCL docs), and the caching allocator's fragmentation, which
+# PyTorch's allocator notes put at up to tens of percent for varying shapes; 8% of 80 GB is
+# 6.4 GB. An estimate (no single published figure covers all three): `autopar show` prints it.
 USABLE_FRACTION = 0.92
 
 
@@ -321,13 +446,21 @@ def usable_memory(device: DeviceSpec) -> float:
 def peak_memory(num_params: float, activation_bytes: float, device: DeviceSpec, *,
                 schedule: ScheduleName | str = "1f1b", num_stages: int = 1, stage: int = 0,
                 num_microbatches: int = 1, virtual_stages: int = 1, policy: str = "bf16",
-                zero_stage: int = 0, dp: int = 1, working_bytes: float = 0.0) -> MemoryBreakdown:
-    """Peak bytes per device of a pipeline stage: model states of its `num_params` parameters
-    (per device, after tensor parallelism), `activation_bytes` of one micro-batch of the stage
-    times the micro-batches in flight, plus `working_bytes`; against `usable_memory(device)`."""
-    states = model_state_bytes(num_params, policy, zero_stage, dp)
+                zero_stage: int = 0, dp: int = 1, working_bytes: float = 0.0,
+                gathered_params: float = 0.0) -> MemoryBreakdown:
+    """Peak bytes per device of a pipeline stage: the largest phase of `runtime_phases` for its
+    `num_params` parameters (per device, after tensor parallelism), with `activation_bytes` of
+    one micro-batch of the stage times the micro-batches in flight plus `working_bytes` held in
+    the forward/backward phase; against `usable_memory(device)`."""
     n = inflight_microbatches(schedule, num_stages, stage, num_microbatches, virtual_stages)
-    return MemoryBreakdown(states, activation_bytes * n, working_bytes, usable_memory(device))
+    phases = runtime_phases(num_params, policy, zero_stage, dp, num_microbatches=num_microbatches,
+                            gathered_params=gathered_params)
+    acts = activation_bytes * n
+    best = max(phases, key=lambda ph: ph.total + (acts + working_bytes if ph.phase == "forward_backward" else 0))
+    on = best.phase == "forward_backward"
+    return MemoryBreakdown(ModelStates(best.weights, best.gradients, best.optimizer),
+                           acts if on else 0.0, (working_bytes if on else 0.0) + best.buffers,
+                           usable_memory(device), phase=best.phase)
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, recompute: Recompute = "none",

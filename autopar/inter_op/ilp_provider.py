@@ -17,10 +17,9 @@ from collections import Counter
 
 from autopar.capture.graph import OpGraph
 from autopar.inter_op.layers import Layer
-from autopar.inter_op.stage_cost import RECOMPUTES, AnalyticProvider, LayerCost
+from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost, fill_activations
 from autopar.schema import ClusterSpec, PlanError
 from cost_models.communication import logical_mesh
-from cost_models.memory import activation_memory
 
 
 class IlpProvider(AnalyticProvider):
@@ -98,10 +97,6 @@ class IlpProvider(AnalyticProvider):
                    if ch.output_placements and any(p.startswith("S") for p in ch.output_placements[0])}
         sub = self._subgraph(g, layer, [g.node(n) for n in layer.nodes])
         shard = lambda node: tp if node.name in sharded else 1  # noqa: E731
-        for rc in RECOMPUTES:
-            am = activation_memory(sub, self.dtype, rc, shard=shard)
-            c.act_bytes[rc] = am.saved_bytes
-            if rc == "full":
-                c.work_bytes = am.working_bytes
+        fill_activations(c, sub, self.dtype, shard)
         c.issues = list(base.issues)          # the runtime shards heads Megatron-style
         return c

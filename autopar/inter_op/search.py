@@ -45,6 +45,7 @@ What is approximated, and why (to keep a 1000-GPU search within seconds on two c
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
@@ -59,7 +60,8 @@ from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost, RECOMPUTES,
 from autopar.schema import ClusterSpec, Constraints, PlanError
 from cost_models.communication import axis_collective_time
 from cost_models.compute import grad_accumulation_bytes, memory_time, optimizer_step_time
-from cost_models.memory import PRECISION_POLICIES, inflight_microbatches, usable_memory
+from cost_models.memory import PRECISION_POLICIES, runtime_phases, usable_memory
+from cost_models.schedules import held_split
 
 INF = float("inf")
 MAX_MICROBATCH = 64
@@ -84,6 +86,8 @@ class StageResult:
     gradients_bytes: float = 0.0
     optimizer_bytes: float = 0.0
     activations_bytes: float = 0.0
+    buffers_bytes: float = 0.0        # the runtime's transient buffers at the peak
+    peak_phase: str = "forward_backward"
     peak_bytes: float = 0.0
     tp: int = 1                       # this stage's tensor-parallel degree
     devices: list[int] = field(default_factory=list)
@@ -131,6 +135,7 @@ class _Tables:
         L = len(costs)
         self.L = L
         self.dp, self.tp, self.zero = dp, tp, zero
+        self.batch_bytes = 0.0        # the rank's share of the step's batch (set by the search)
         self.cluster = cluster
         self.dtype = dtype
         pre = lambda xs: np.concatenate([[0.0], np.cumsum(xs)])  # noqa: E731
@@ -139,7 +144,16 @@ class _Tables:
         self.iter = pre([c.iter_s for c in costs])
         self.rc = {r: pre([c.rc_extra_s.get(r, 0.0) for c in costs]) for r in RECOMPUTES}
         self.act = {r: pre([c.act_bytes.get(r, 0.0) for c in costs]) for r in RECOMPUTES}
-        self.work = np.array([c.work_bytes for c in costs])
+        # transient in a layer's backward, one layer at a time: the activation gradients its
+        # ops hold (the loss's fp32 input gradient first; temporaries), or, while the layer
+        # recomputes, the whole layer (full) or what selective recomputation dropped (the
+        # attention core; activations). Recomputation runs the layer's forward before its
+        # backward frees anything, so the larger of the two, not their sum
+        self.tmp = np.array([max(c.loss_grad_bytes, c.backward_bytes) for c in costs])
+        self.rcw = {"none": np.zeros(L), "full": np.array([c.work_bytes for c in costs]),
+                    "selective": np.array([max(0.0, c.act_bytes.get("none", 0.0) - c.act_bytes.get("selective", 0.0))
+                                           for c in costs])}
+        self.work = {r: np.maximum(self.tmp, w) for r, w in self.rcw.items()}
         # parameter elements per device: every layer's own, tied ones once per stage
         users: dict[str, list[int]] = {}
         elems: dict[str, float] = {}
@@ -173,15 +187,32 @@ class _Tables:
         send_fwd = np.where(jj < L, self.p2p[np.clip(jj - 1, 0, L - 1)], 0.0)
         send_bwd = np.where(kk > 0, self.p2p[np.clip(kk - 1, 0, L - 1)], 0.0)
         self.range_p2p = send_fwd + send_bwd
+        # the activation a stage receives (its input) and sends (its output), in bytes
+        self.range_in = np.where(kk > 0, self.out[np.clip(kk - 1, 0, L - 1)], 0.0)
+        self.range_out = np.where(jj < L, self.out[np.clip(jj - 1, 0, L - 1)], 0.0)
+        # a last pipeline stage's output is what its loss reads (the logits), kept in the
+        # stage's forward cache until the backward like any stage output
+        self.range_loss_in = np.where((jj == L) & (kk > 0), costs[-1].loss_input_bytes if costs else 0.0, 0.0)
         # largest per-layer working memory in a range (full recomputation)
-        W = np.zeros((L, L + 1))
+        self.range_work = {}
+        for r, wk in self.work.items():
+            W = np.zeros((L, L + 1))
+            for a in range(L):
+                W[a, a + 1:] = np.maximum.accumulate(wk[a:])
+            self.range_work[r] = W
+        self.range_tmp = np.zeros((L, L + 1))
         for a in range(L):
-            W[a, a + 1:] = np.maximum.accumulate(self.work[a:])
-        self.range_work = W
+            self.range_tmp[a, a + 1:] = np.maximum.accumulate(self.tmp[a:])
         maxlayer = np.zeros((L, L + 1))
         for a in range(L):
             maxlayer[a, a + 1:] = np.maximum.accumulate(self.pel_layer[a:])
         self.range_maxlayer = maxlayer
+        # the largest parameter tensor per device (AdamW's temporaries are its size)
+        big = np.array([max(c.param_elems.values(), default=0.0) for c in costs])
+        maxt = np.zeros((L, L + 1))
+        for a in range(L):
+            maxt[a, a + 1:] = np.maximum.accumulate(big[a:])
+        self.range_maxtensor = maxt
 
     def ranged(self, arr: np.ndarray) -> np.ndarray:
         return arr[np.clip(self.jj, 0, self.L)] - arr[self.kk]
@@ -198,11 +229,40 @@ class _Tables:
         t1 = _dp_coll(self.cluster, "all_gather", big, self.dp, self.tp)
         return np.where(pel > 0, 2 * (t0 + (t1 - t0) * (pel * w) / big), 0.0)
 
-    def states(self, pel: np.ndarray) -> tuple:
-        w, g, o = self.wgo
-        D = self.dp
-        z = self.zero
-        return (pel * w / (D if z >= 3 else 1), pel * g / (D if z >= 2 else 1), pel * o / (D if z >= 1 else 1))
+    def phases(self, pel: Any, m: int, gathered: Any = 0.0, largest: Any = 0.0) -> list:
+        """What the runtime holds per phase of a step for `pel` parameter elements per device
+        (`cost_models.memory.runtime_phases`); `gathered`: elements ZeRO-3 holds unsharded,
+        `largest`: the largest parameter tensor's elements."""
+        return runtime_phases(pel, self.dtype, self.zero, self.dp, num_microbatches=m,
+                              gathered_params=gathered if self.zero == 3 and self.dp > 1 else 0.0,
+                              largest_tensor=largest)
+
+    def fixed_memory(self, pel: Any, m: int) -> tuple[Any, Any, Any]:
+        """For every layer range: (model states and buffers held in the forward/backward phase,
+        to which activations add; the gradients among them, which exist only after the first
+        backward; the largest total of the other phases, gradient sync and optimizer step).
+        All include the stage's pipeline receive buffers (`pipe_buffers`)."""
+        ph = self.phases(pel, m, 2 * self.range_maxlayer, self.range_maxtensor)
+        pipe = self.pipe_buffers(self.range_in, self.range_out, m) + self.batch_bytes
+        rest = ph[1].total
+        for x in ph[2:]:
+            rest = np.maximum(rest, x.total)
+        return ph[0].total + pipe, ph[0].gradients, rest + pipe
+
+    @staticmethod
+    def pipe_buffers(in_bytes: Any, out_bytes: Any, m: int) -> Any:
+        """What torch.pipelining's `PipelineStage` allocates once and keeps: a receive buffer
+        per micro-batch for the activation a stage receives and for the gradient of the one it
+        sends (`_prepare_forward_infra` / `_prepare_backward_infra`)."""
+        return m * (in_bytes + out_bytes)
+
+    @staticmethod
+    def boundary_acts(act: Any, in_bytes: Any, out_bytes: Any) -> Any:
+        """One micro-batch's activations of a pipeline chunk as the stage holds them: its
+        output stays in the stage's forward cache until the backward (the next chunk's saved
+        copy is on another stage), and its input is the receive buffer already counted by
+        `pipe_buffers` (the first op of a layer saves it)."""
+        return np.maximum(act - in_bytes, 0.0) + out_bytes
 
     def sync(self, pel: float) -> float:
         return _sync_time(self.cluster, self.dtype, self.dp, self.tp, self.zero, pel)
@@ -291,6 +351,13 @@ class Search:
         self.N = cluster.num_devices
         self.L = len(layers)
         self.budget = usable_memory(cluster.device)
+        # the batch a rank holds through its step (its data-parallel replica's rows of every
+        # input, as the runtime moves them to the device), per sample
+        batched = {n.name for n in graph.nodes if n.kind == "input" and
+                   (graph.batch_size is not None or any(o.is_batched for o in n.outputs))}
+        g1 = graph.at_batch(1) if graph.batch_size is None and batched else graph
+        self.input_bytes = sum(o.nbytes for n in g1.nodes if n.name in batched
+                               for o in n.outputs) / (graph.batch_size or 1)
         self.min_memory = INF
         self.evaluated = 0
         self.considered = 0
@@ -500,17 +567,14 @@ class Search:
             return self._evaluate_interleaved(cand, tb)
         L, p, m = self.L, cand.pp, cand.m
         pel = tb.range_pel
-        wts, grads, opts = tb.states(pel)
-        states = wts + grads + opts
-        zero3_buf = 2 * tb.range_maxlayer * tb.wgo[0] if cand.zero == 3 and cand.dp > 1 else 0.0
+        fixed = tb.fixed_memory(pel, m)
         t_common = tb.ranged(tb.base) + tb.range_p2p + tb.zero_mb(pel) + tb.accum(pel, m)
         cost = np.full((L, L + 1, 1, p + 1), INF)
         choice = np.full((L, L + 1, p + 1), -1, dtype=int)
         rcs = self.recomputes()
         for s in range(1, p + 1):
-            inflight = m if cand.schedule == "gpipe" else min(s, m)
-            cost[:, :, 0, s], choice[:, :, s] = self._best_recompute(tb, rcs, t_common, states + zero3_buf,
-                                                                     inflight)
+            cost[:, :, 0, s], choice[:, :, s] = self._best_recompute(
+                tb, rcs, t_common, fixed, held_split(cand.schedule, p, p - s, m))
         res = stage_dp(cost, [1], p, m, num_stages=p)
         if res is None:
             self._note_min_memory(cand, tb)
@@ -519,23 +583,27 @@ class Search:
         for idx, (k, j, _) in enumerate(res.stages):
             s = p - idx
             r = rcs[choice[k, j, s]]
-            inflight = m if cand.schedule == "gpipe" else min(s, m)
-            buf = float(zero3_buf[k, j]) if isinstance(zero3_buf, np.ndarray) else zero3_buf
-            stages.append(self._stage(tb, cand, [(k, j)], r, inflight, buf))
+            stages.append(self._stage(tb, cand, [(k, j)], r, held_split(cand.schedule, p, idx, m)))
         self._finish(cand, tb, stages, res.total)
         cand.costs = tb
         return True
 
-    def _best_recompute(self, tb: "_Tables", rcs: list[str], t_common: np.ndarray, fixed_mem: Any,
-                        inflight: int) -> tuple[np.ndarray, np.ndarray]:
-        """For every layer range [k, j): the fastest recomputation policy whose memory (states and
-        buffers `fixed_mem`, plus `inflight` micro-batches of activations) fits the budget, as
-        (time, index into `rcs`); INF and -1 where none fits."""
+    def _best_recompute(self, tb: "_Tables", rcs: list[str], t_common: np.ndarray, fixed_mem: tuple,
+                        held: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """For every layer range [k, j): the fastest recomputation policy whose memory fits the
+        budget, as (time, index into `rcs`); INF and -1 where none fits. `fixed_mem` is
+        `_Tables.fixed_memory`'s triple, `held` the schedule's micro-batches in flight before
+        and after the stage's first backward (`cost_models.schedules.held_split`, one chunk)."""
         L = self.L
         best_t = np.full((L, L + 1), INF)
         best_c = np.full((L, L + 1), -1, dtype=int)
+        fb, grads, rest = fixed_mem
+        pre, post = (float(np.max(h)) if h.size else None for h in held)
         for ri, r in enumerate(rcs):
-            mem = fixed_mem + tb.ranged(tb.act[r]) * inflight + (tb.range_work if r == "full" else 0.0)
+            act = tb.boundary_acts(tb.ranged(tb.act[r]), tb.range_in, tb.range_out + tb.range_loss_in)
+            mem = np.maximum(fb - grads + act * pre + tb.range_work[r], np.maximum(fb, rest))
+            if post is not None:
+                mem = np.maximum(mem, fb + act * post + tb.range_work[r])
             t = t_common + tb.ranged(tb.rc[r])
             ok = tb.valid & (mem <= self.budget) & (t < best_t)
             best_t = np.where(ok, t, best_t)
@@ -556,14 +624,15 @@ class Search:
         choice = np.full((L, L + 1, len(tps), S + 1), -1, dtype=int)
         for mi, tb in enumerate(tbs):
             pel = tb.range_pel
-            wts, grads, opts = tb.states(pel)
-            states = wts + grads + opts
-            zero3_buf = 2 * tb.range_maxlayer * tb.wgo[0] if cand.zero == 3 and D > 1 else 0.0
+            fixed = tb.fixed_memory(pel, m)
             t_common = tb.ranged(tb.base) + tb.range_p2p + tb.zero_mb(pel) + tb.accum(pel, m)
             for s_ in range(1, S + 1):
-                inflight = m if cand.schedule == "gpipe" else min(s_, m)
+                # 1F1B on the stage with s_ - 1 stages after it; the depth is not known yet:
+                # where the runtime runs GPipe instead (fewer micro-batches than stages) the
+                # stages are checked below
+                kind = "gpipe" if cand.schedule == "gpipe" or m < s_ else "1f1b"
                 cost[:, :, mi, s_], choice[:, :, mi, s_] = self._best_recompute(
-                    tb, rcs, t_common, states + zero3_buf, inflight)
+                    tb, rcs, t_common, fixed, held_split(kind, s_, 0, m))
         res = stage_dp(cost, tps, units, m)
         if res is None:
             return False
@@ -573,9 +642,10 @@ class Search:
             s_ = p - idx
             tb = tbs[mi]
             r = rcs[choice[k, j, mi, s_]]
-            inflight = m if cand.schedule == "gpipe" else min(s_, m)
-            buf = float(2 * tb.range_maxlayer[k, j] * tb.wgo[0]) if cand.zero == 3 and D > 1 else 0.0
-            stages.append(self._stage(tb, cand, [(k, j)], r, inflight, buf))
+            stages.append(self._stage(tb, cand, [(k, j)], r, held_split(cand.schedule, p, idx, m)))
+        if any(st.peak_bytes > self.budget for st in stages):
+            self.min_memory = min(self.min_memory, max(st.peak_bytes for st in stages))
+            return False
         self._fanout_sends(stages)
         ts = [st.t_mb for st in stages]
         cand.pp, cand.tp = p, stages[0].tp
@@ -604,7 +674,8 @@ class Search:
         key = (mb, tp, dp, zero)
         if key not in self._tables_cache:
             costs = self._layer_costs(mb, tp)
-            self._tables_cache[key] = _Tables(costs, self.cluster, self.dtype, dp, tp, zero, self.layers)
+            tb = self._tables_cache[key] = _Tables(costs, self.cluster, self.dtype, dp, tp, zero, self.layers)
+            tb.batch_bytes = self.input_bytes * self.gbs / dp
         return self._tables_cache[key]
 
     def _layer_costs(self, mb: int, tp: int) -> list[LayerCost]:
@@ -627,12 +698,10 @@ class Search:
             if res is None:
                 continue
             groups = [[res[c] for c in range(d, nch, p)] for d in range(p)]
-            zero3_buf = 2 * float(np.max(tb.pel_layer)) * tb.wgo[0] if cand.zero == 3 and cand.dp > 1 else 0.0
             stages = []
             fits = True
             for d, g in enumerate(groups):
-                inflight = inflight_microbatches("interleaved_1f1b", p, d, m, v)
-                st = self._stage(tb, cand, list(g), r, inflight, zero3_buf)
+                st = self._stage(tb, cand, list(g), r, held_split("interleaved_1f1b", p, d, m, v))
                 if st.peak_bytes > self.budget:
                     fits = False
                     self.min_memory = min(self.min_memory, st.peak_bytes)
@@ -650,30 +719,53 @@ class Search:
         cand.costs = tb
         return best_ok
 
-    def _stage(self, tb: _Tables, cand: Candidate, chunks: list[tuple[int, int]], r: str, inflight: float,
-               zero3_buf: float) -> StageResult:
+    def _stage(self, tb: _Tables, cand: Candidate, chunks: list[tuple[int, int]], r: str,
+               held: tuple[np.ndarray, np.ndarray]) -> StageResult:
+        """One device group's stage: its `chunks` (layer ranges, in local chunk order), its
+        recomputation `r`, `held` the schedule's chunk micro-batches in flight before and after
+        the group's first backward (`cost_models.schedules.held_split`). Its memory is the
+        largest of the runtime's phases (`cost_models.memory.runtime_phases`), the forward/
+        backward phase at its worst moment: the most activations before any gradient exists,
+        the most after, or every gradient once the activations are gone."""
         pel = 0.0
-        t = comp = act = work = 0.0
+        tmp = 0.0
+        pipe = tb.batch_bytes
+        max_layer = max(float(tb.range_maxlayer[k, j]) for k, j in chunks)
+        largest = max(float(tb.range_maxtensor[k, j]) for k, j in chunks)
+        t = comp = work = 0.0
+        chunk_act = []
         for k, j in chunks:
+            pin, pout = float(tb.range_in[k, j]), float(tb.range_out[k, j])
+            pipe += tb.pipe_buffers(pin, pout, cand.m)
             pel += float(tb.range_pel[k, j])
             t += float(tb.base[j] - tb.base[k] + tb.rc[r][j] - tb.rc[r][k] + tb.range_p2p[k, j])
             comp += float(tb.compute[j] - tb.compute[k])
             comp += sum(c.rc_extra_s.get(r, 0.0) - c.rc_comm_s.get(r, 0.0) for c in tb.costs[k:j])
-            act += float(tb.act[r][j] - tb.act[r][k])
-            if r == "full":
-                work = max(work, float(tb.range_work[k, j]))
+            kept_out = pout + float(tb.range_loss_in[k, j])
+            chunk_act.append(float(tb.boundary_acts(float(tb.act[r][j] - tb.act[r][k]), pin, kept_out)))
+            work = max(work, float(tb.range_work[r][k, j]))
+            tmp = max(tmp, float(tb.range_tmp[k, j]))
         # a parameter tied across chunks of one stage is held once
         t += float(tb.zero_mb(np.array([pel]))[0])
         acc = float(tb.accum(np.array([pel]), cand.m)[0])
         t += acc
         comp += acc
-        w, g, o = (float(x[0]) for x in tb.states(np.array([pel])))
-        v = max(1, len(chunks))
-        acts = act / v * inflight if len(chunks) > 1 else act * inflight
-        peak = w + g + o + acts + work + float(zero3_buf)
+        phases = [dataclasses.replace(ph, buffers=ph.buffers + pipe)
+                  for ph in tb.phases(pel, cand.m, 2 * max_layer, largest)]
+        fb = phases[0]
+        # the backward's transient: recomputed activations, or activation gradients (buffers)
+        rc_work, grad_tmp = (work, 0.0) if work > tmp else (0.0, work)
+        fb = dataclasses.replace(fb, buffers=fb.buffers + grad_tmp)
+        # activations: the most the schedule holds at once, chunk by chunk
+        pre, post = (float(np.max(h @ np.array(chunk_act))) if h.size else None for h in held)
+        phases.append(dataclasses.replace(fb, gradients=0.0, activations=pre + rc_work))
+        if post is not None:
+            phases.append(dataclasses.replace(fb, activations=post + rc_work))
+        top = max(phases, key=lambda ph: ph.total)
         sync = tb.sync(pel) + sum(float(tb.iter[j] - tb.iter[k]) for k, j in chunks)
         return StageResult(chunks, r, t, comp, max(0.0, t - comp), sync, tb.opt(pel, tb.param_tensors(chunks)), pel,
-                           w, g, o, acts + work, peak, tp=tb.tp, tables=tb)
+                           float(top.weights), float(top.gradients), float(top.optimizer), float(top.activations),
+                           float(top.buffers), top.phase, float(top.total), tp=tb.tp, tables=tb)
 
     def _finish(self, cand: Candidate, tb: _Tables, stages: list[StageResult], pipeline_s: float) -> None:
         if not all(st.devices for st in stages):
@@ -720,13 +812,10 @@ class Search:
         p, L = cand.pp, self.L
         r = "full" if "full" in self.recomputes() else self.recomputes()[0]
         bounds = [round(i * L / p) for i in range(p + 1)]
-        zero3_buf = 2 * tb.range_maxlayer * tb.wgo[0] if cand.zero == 3 and cand.dp > 1 else 0.0
         worst = 0.0
         for i in range(p):
             k, j = bounds[i], bounds[i + 1]
-            inflight = cand.m if cand.schedule == "gpipe" else min(p - i, cand.m)
-            st = self._stage(tb, cand, [(k, j)], r, inflight,
-                             float(zero3_buf[k, j]) if isinstance(zero3_buf, np.ndarray) else zero3_buf)
+            st = self._stage(tb, cand, [(k, j)], r, held_split(cand.schedule, p, i, cand.m))
             worst = max(worst, st.peak_bytes)
         self.min_memory = min(self.min_memory, worst)
 

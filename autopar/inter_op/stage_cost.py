@@ -48,6 +48,9 @@ class LayerCost:
     rc_comm_s: dict[str, float] = field(default_factory=dict)     # its collectives' part
     act_bytes: dict[str, float] = field(default_factory=dict)     # kept per micro-batch by policy
     work_bytes: float = 0.0                   # the recomputed block's activations, live in its backward
+    loss_grad_bytes: float = 0.0              # fp32 gradient of the loss input, live as the backward starts
+    backward_bytes: float = 0.0               # activation gradients live at once in its backward
+    loss_input_bytes: float = 0.0             # what its loss reads (a last pipeline stage's output)
     param_elems: dict[str, float] = field(default_factory=dict)   # FQN -> elements per device
     out_bytes: float = 0.0                    # activation handed to the next layer (p2p size)
     coll_fwd: Counter = field(default_factory=Counter)
@@ -64,6 +67,20 @@ class LayerCost:
 
     def time(self, recompute: str) -> float:
         return self.base_s + self.rc_extra_s.get(recompute, 0.0)
+
+
+def fill_activations(c: LayerCost, sub, dtype: str, shard) -> None:
+    """A layer's activation memory per recomputation policy (graph liveness,
+    `cost_models.memory.activation_memory` of its ops `sub`, tensors divided by `shard(node)`),
+    the working set of full recomputation and the loss gradient, into `c`."""
+    for rc in RECOMPUTES:
+        am = activation_memory(sub, dtype, rc, shard=shard)
+        c.act_bytes[rc] = am.saved_bytes
+        if rc == "full":
+            c.work_bytes = am.working_bytes
+        c.loss_grad_bytes = am.loss_grad_bytes
+        c.backward_bytes = am.backward_bytes
+        c.loss_input_bytes = am.loss_input_bytes
 
 
 def axis_link(cluster: ClusterSpec, group: int, stride: int = 1) -> LinkSpec:
@@ -266,11 +283,7 @@ class AnalyticProvider:
         # activations kept for the backward: graph liveness (cost_models.memory) on the layer's ops
         sub = self._subgraph(g, layer, nodes)
         shard = lambda node: tp if node.name in sharded_nodes else 1  # noqa: E731
-        for rc in RECOMPUTES:
-            am = activation_memory(sub, dtype, rc, shard=shard)
-            c.act_bytes[rc] = am.saved_bytes
-            if rc == "full":
-                c.work_bytes = am.working_bytes
+        fill_activations(c, sub, dtype, shard)
         for n in nodes:
             for p in n.params:
                 pl = c.placements.get(p, "R")

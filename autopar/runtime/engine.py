@@ -55,6 +55,7 @@ from autopar.runtime.tied_grads import (FlatTiedSync, FullTiedSync, all_gather_f
 from autopar.runtime.vocab_loss import VocabParallelLoss
 from autopar.schema.errors import PlanError
 from autopar.schema.plan import Plan, StagePlan
+from cost_models.schedules import torch_schedule
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -560,15 +561,15 @@ class ParallelModel:
         M = self.plan.num_microbatches
         fam = self.family
         loss_fn = lambda out, tgt: stage_loss(fam, out, tgt)  # noqa: E731
-        kind = self.plan.schedule
-        if kind == "interleaved_1f1b" or len(self.pipe_stages) > 1:
+        cls = torch_schedule(self.plan.schedule, self.pp, M, len(self.pipe_stages))
+        if cls == "ScheduleInterleaved1F1B":
             if M % self.pp != 0:
                 raise PlanError(f"interleaved 1F1B needs num_microbatches ({M}) to be a multiple of "
                                 f"the pipeline depth ({self.pp})")
             sched = ScheduleInterleaved1F1B(self.pipe_stages, n_microbatches=M, loss_fn=loss_fn)
-        elif kind == "gpipe" or M < self.pp:
-            # torch's 1F1B needs at least as many micro-batches as stages; with fewer, 1F1B
-            # degenerates to GPipe (all forwards, then all backwards): same maths, same transfers
+        elif cls == "ScheduleGPipe":
+            # also 1F1B with fewer micro-batches than stages, which torch's 1F1B refuses: it
+            # degenerates to GPipe (all forwards, then all backwards), same maths and transfers
             sched = ScheduleGPipe(self.pipe_stages[0], n_microbatches=M, loss_fn=loss_fn)
         else:
             sched = Schedule1F1B(self.pipe_stages[0], n_microbatches=M, loss_fn=loss_fn)
@@ -812,10 +813,12 @@ class ParallelModel:
             kwargs["target"] = targets[0] if len(targets) == 1 else targets
             kwargs["losses"] = losses
         with ctx:
+            # return_outputs=False: the last stage would otherwise keep every micro-batch's
+            # output (the logits) until the step ends, which no plan counts
             if is_first:
-                self.schedule.step(inputs, **kwargs)
+                self.schedule.step(inputs, return_outputs=False, **kwargs)
             else:
-                self.schedule.step(**kwargs)
+                self.schedule.step(return_outputs=False, **kwargs)
         if is_last and reporter_tp:
             return float(sum(float(l.detach()) for l in losses)), len(losses)
         return 0.0, 0
@@ -846,19 +849,31 @@ class ParallelModel:
             p.grad = None
 
     def _zero12_step(self) -> None:
-        # tied copies first (sum), then reduce-scatter over dp, sharded update, all-gather
+        """Tied copies first (sum), then reduce-scatter over dp, sharded update, all-gather.
+        Each gradient is freed as soon as it is copied into the flat buffer, and each buffer as
+        soon as it is used, so the sync holds one gradient-sized buffer at a time beside the
+        weights (`cost_models.memory.runtime_phases` counts exactly these)."""
         for t in self.tied:
             t.sync()
         D, S, n = self.dp_size, self.shard_size, self.flat_numel
-        grads = [self._local(p.grad) for p in self.params]
-        flat = torch.zeros(S * D, dtype=grads[0].dtype, device=self.device)
-        torch.cat([g.reshape(-1) for g in grads], out=flat[:n])
+        dtype = self._local(self.params[0].grad).dtype
+        flat = torch.empty(S * D, dtype=dtype, device=self.device)
+        flat[n:].zero_()
+        off = 0
+        for p in self.params:
+            g = self._local(p.grad)
+            flat[off:off + g.numel()].copy_(g.reshape(-1))
+            off += g.numel()
+            p.grad = None
         shard = torch.empty(S, dtype=flat.dtype, device=self.device)
         reduce_scatter_flat(shard, flat, group=self.dp_group)
+        del flat
         shard.mul_(1.0 / D)
         self.flat_shard.grad = shard.to(self.flat_shard.dtype)   # the fp32 master shard's
+        del shard
         self.optimizer.step()
-        full = torch.empty(S * D, dtype=flat.dtype, device=self.device)   # the parameters' dtype
+        self.flat_shard.grad = None
+        full = torch.empty(S * D, dtype=dtype, device=self.device)   # the parameters' dtype
         all_gather_flat(full, self.flat_shard.data.to(full.dtype), group=self.dp_group)
         off = 0
         with torch.no_grad():
@@ -866,7 +881,6 @@ class ParallelModel:
                 loc = self._local(p.data)
                 loc.copy_(full[off:off + loc.numel()].view_as(loc))
                 off += loc.numel()
-        self.flat_shard.grad = None
 
     def model_state_bytes(self) -> int:
         """Bytes of this rank's parameters, fp32 masters (mixed precision) or flat optimizer

@@ -42,16 +42,24 @@ class ModelInfo(_Model):
     tokens_per_sample: int = Field(default=1, ge=1)
 
 
+MemoryPhase = Literal["forward_backward", "grad_sync", "optimizer_step"]
+
+
 class StagePrediction(_Model):
-    """Per-iteration time split and per-device memory of one stage."""
+    """Per-iteration time split and per-device memory of one stage. The memory figures are
+    those at the device's peak, reached in `peak_phase` of the step; they add up to
+    `peak_memory_bytes`."""
 
     compute_s: float = Field(ge=0)
     communication_s: float = Field(ge=0)
     bubble_s: float = Field(ge=0)
     weights_bytes: float = Field(ge=0)
     gradients_bytes: float = Field(ge=0)
-    optimizer_bytes: float = Field(ge=0)
-    activations_bytes: float = Field(ge=0)
+    optimizer_bytes: float = Field(ge=0, description="optimizer moments and fp32 master weights")
+    activations_bytes: float = Field(ge=0, description="saved activations in flight, recomputation's working set")
+    buffers_bytes: float = Field(default=0, ge=0, description="the runtime's transient buffers (flat "
+                                 "communication buffers, gathered ZeRO-3 layers)")
+    peak_phase: MemoryPhase = "forward_backward"
     peak_memory_bytes: float = Field(ge=0)
 
 
@@ -113,6 +121,8 @@ class Prediction(_Model):
     tokens_per_s: float = Field(ge=0)
     tflops_per_device: float = Field(ge=0)
     peak_memory_bytes: float = Field(ge=0, description="largest per-device peak over stages")
+    usable_memory_bytes: float = Field(default=0, ge=0, description="what a plan may fill of a device: "
+                                       "its memory less the headroom kept for the allocator and runtime")
     collectives: dict[str, int] = Field(default_factory=dict, description="one step, by kind")
     compute_s: float = Field(default=0, ge=0)
     communication_s: float = Field(default=0, ge=0)
@@ -230,7 +240,21 @@ class Plan(_Model):
         coll = ", ".join(f"{k}={v}" for k, v in sorted(p.collectives.items())) or "none"
         tail = (f"predicted: {p.iteration_time_s:.4g} s/iteration, {p.samples_per_s:.4g} samples/s, "
                 f"{p.tflops_per_device:.4g} TFLOP/s per device, peak memory "
-                f"{format_bytes(p.peak_memory_bytes)}\ncollectives per step: {coll}")
+                f"{format_bytes(p.peak_memory_bytes)}")
+        if p.usable_memory_bytes:
+            cap = self.cluster.device.memory_bytes
+            tail += (f" of {format_bytes(p.usable_memory_bytes)} usable ({format_bytes(cap - p.usable_memory_bytes)}"
+                     f" of the device's {format_bytes(cap)} kept as headroom, an estimate, for the CUDA context, NCCL "
+                     f"buffers and allocator fragmentation)")
+        top = max((s for s in self.stages if s.predicted), key=lambda s: s.predicted.peak_memory_bytes, default=None)
+        if top is not None:
+            sp = top.predicted
+            parts = [("weights", sp.weights_bytes), ("gradients", sp.gradients_bytes),
+                     ("optimizer", sp.optimizer_bytes), ("activations", sp.activations_bytes),
+                     ("buffers", sp.buffers_bytes)]
+            tail += (f"\npeak memory at {sp.peak_phase.replace('_', ' ')} of stage {top.index}: "
+                     + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts if v))
+        tail += f"\ncollectives per step: {coll}"
         return f"{head}\n{table}\n{tail}"
 
 
