@@ -2,8 +2,9 @@
 
     python benchmarks/memory_accuracy.py [--json] [--only SUBSTRING] [--list]
 
-Plans come from `autopar.plan` (`autopar.planner.plan`, the model captured once) on the bundled CPU cluster profile (`cpu`, its devices per node
-set to the job's 2 or 4 processes), for the zoo's `gpt-tiny` and `mlp-tiny` (and
+Plans come from `autopar.plan` (`autopar.planner.plan`, the model captured once) on the
+bundled CPU cluster profile (`cpu`, its devices per node set to the job's 2 or 4 processes),
+for the zoo's `gpt-tiny` and `mlp-tiny` (and
 `tests.plans:gpt_tiny6`, gpt-tiny with 6 blocks, where a pipeline needs more layers: 4 stages,
 interleaving), each pinned with `autopar.Constraints` to one combination: dp / tp / pp and their
 products, ZeRO 0-3, recompute none / selective / full, schedules gpipe / 1f1b /

@@ -22,8 +22,25 @@ Recomputation (Korthikanti et al. 2022, arXiv 2205.05198):
 - "full" keeps only each layer's inputs (tensors a layer reads from outside it); ops outside the
   repeated layers keep their tensors; one layer's full activations are live again while its
   backward runs (`working_bytes`).
+  `selective_region="module"` is what autopar's runtime checkpoints instead (`engine.apply_recompute`:
+  torch.utils.checkpoint around the layer's attention child, the whole layer when it has none):
+  every tensor an op inside that module saves is dropped and re-made in its backward; the
+  module keeps only its inputs (non-reentrant checkpoint stores the function's arguments).
+`count_inputs=False`: graph inputs (the model's batch) are not activations: the runtime holds
+the step's batch whole anyway (the planner counts it as `batch_bytes`) and a micro-batch's slice
+of it is a view, so an op saving it adds nothing.
 Captures are fp32 on meta: `dtype` rescales floating-point tensors to the training dtype, so the
-figures are those of a bf16/fp16 run (masks and indices keep their size).
+figures are those of a bf16/fp16 run (masks and indices keep their size). `device_type` ("cuda",
+"cpu") applies torch.autocast's per-device op lists as autopar's runtime runs mixed precision
+(bf16 parameters under `torch.autocast(device_type)`; None: every op at `dtype`, Megatron's
+convention without autocast):
+- CUDA autocasts layer/group norm, softmax, log-softmax, exp, log, pow, rsqrt and the losses to
+  fp32 ("CUDA Ops that can autocast to float32", torch.amp docs; `KERNEL_CUDA(..., fp32)` in
+  aten/src/ATen/autocast_mode.cpp): such an op saves the fp32 copy autocast makes of its input
+  (4 bytes per element) and its fp32 output, its statistics fp32;
+- CPU's fp32 list has the losses but not layer norm or softmax ("CPU Ops that can autocast to
+  float32"): those run in the input's 2-byte dtype, and CPU's native_layer_norm returns mean and
+  rstd in that dtype too (measured: bf16 mean/rstd for a bf16 input, torch 2.13).
 """
 
 from __future__ import annotations
@@ -36,7 +53,7 @@ import numpy as np
 
 from autopar.capture.flops import VIEW_OPS
 from autopar.schema.cluster import DeviceSpec
-from cost_models.compute import MATRIX_OPS, FUSED_ATTENTION, attention_core, bytes_scale
+from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, attention_core, bytes_scale
 
 Recompute = Literal["none", "selective", "full"]
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b"]
@@ -64,6 +81,14 @@ DROPOUTS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dro
 # mixed-precision step too
 LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_nd", "mse_loss", "l1_loss", "smooth_l1_loss",
                     "huber_loss", "kl_div", "binary_cross_entropy_with_logits"})
+# ops CUDA's autocast runs in fp32 besides the losses (torch.amp docs, "CUDA Ops that can autocast
+# to float32"; `KERNEL_CUDA(op, fp32)` / `fp32_set_opt_dtype` in aten/src/ATen/autocast_mode.cpp)
+CUDA_FP32_OPS = frozenset({"layer_norm", "native_layer_norm", "group_norm", "softmax", "_softmax", "log_softmax",
+                           "_log_softmax", "exp", "log", "pow", "rsqrt", "reciprocal", "softplus", "norm",
+                           "logsumexp", "cumsum", "prod"})
+# the attention child of a layer autopar's runtime checkpoints for "selective"
+# (`autopar.runtime.engine.apply_recompute`, first of these that the layer has)
+ATTENTION_CHILDREN = ("attn", "attention", "self_attn")
 
 
 # -- model states ---------------------------------------------------------------------------------
@@ -137,7 +162,8 @@ def saved_tensors(node, by_name: dict, dtype: str = "bf16") -> list[tuple[str, O
     caller from its base), or (private key, bytes) for a tensor the op makes on the side (a dropout
     mask, norm statistics, attention log-sum-exp). See the module docstring for the rules."""
     op = node.op
-    if op in VIEW_OPS or node.target == "getitem" or op in SAVE_NOTHING:
+    if op in VIEW_OPS or node.target == "getitem" or op in SAVE_NOTHING or op == "broadcast_tensors":
+        # broadcast_tensors returns expanded views; its backward sums to the input shapes
         return []
     ins = _tensor_inputs(node, by_name)
     out = node.outputs[0] if node.outputs else None
@@ -187,8 +213,13 @@ def _bases(nodes: list, by_name: dict) -> dict[str, str]:
         if n.kind == "call" and (n.op in VIEW_OPS or n.target == "getitem") and n.inputs:
             src = n.inputs[0]
             prod = by_name.get(src)
-            if n.target == "getitem" and prod is not None and prod.kind == "call" and not (
-                    prod.op in VIEW_OPS):
+            if n.target == "getitem" and prod is not None and prod.kind == "call" and prod.op == "broadcast_tensors":
+                # output i of broadcast_tensors is an expand view of its input i
+                idx = n.args[1] if len(n.args) > 1 and isinstance(n.args[1], int) else 0
+                ins = prod.inputs
+                b = ins[idx] if idx < len(ins) else src
+                base[n.name] = base.get(b, b)
+            elif n.target == "getitem" and prod is not None and prod.kind == "call" and prod.op not in VIEW_OPS:
                 base[n.name] = n.name          # an output of a multi-output op, not a view
             else:
                 base[n.name] = base.get(src, src)
@@ -197,23 +228,64 @@ def _bases(nodes: list, by_name: dict) -> dict[str, str]:
     return base
 
 
+def _region_of(calls: list, rec: str, selective_region: str) -> dict[str, Optional[str]]:
+    """Each op -> the checkpointed region it runs in (None: not recomputed): the layer ("full"),
+    or under `selective_region="module"` the layer's attention child, or the whole layer when it
+    has none (what `engine.apply_recompute` wraps in torch.utils.checkpoint)."""
+    out: dict[str, Optional[str]] = {}
+    if rec == "full":
+        return {n.name: n.layer for n in calls}
+    if rec != "selective" or selective_region != "module":
+        return {n.name: None for n in calls}
+    paths: dict[str, set[str]] = {}
+    for n in calls:
+        if n.layer is not None:
+            paths.setdefault(n.layer, set()).add(n.module_path or "")
+    child: dict[str, str] = {}
+    for layer, ps in paths.items():
+        child[layer] = layer
+        for name in ATTENTION_CHILDREN:
+            pre = f"{layer}.{name}"
+            if any(p == pre or p.startswith(pre + ".") for p in ps):
+                child[layer] = pre
+                break
+    for n in calls:
+        if n.layer is None:
+            out[n.name] = None
+            continue
+        c = child[n.layer]
+        p = n.module_path or ""
+        out[n.name] = c if c == n.layer or p == c or p.startswith(c + ".") else None
+    return out
+
+
 def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = "none", *,
-                      layers: Optional[Iterable[Optional[str]]] = None, shard: Shard = 1.0) -> ActivationMemory:
+                      layers: Optional[Iterable[Optional[str]]] = None, shard: Shard = 1.0,
+                      selective_region: Literal["core", "module"] = "core",
+                      device_type: Optional[str] = None, count_inputs: bool = True) -> ActivationMemory:
     """Activation bytes of one micro-batch of `graph` (at a concrete batch, `graph.at_batch(b)`),
     optionally restricted to `layers` (FQNs; None names the ops outside every layer), with
     floating-point tensors at `dtype` and each tensor's bytes divided by `shard` (a number, or a
-    function of the node producing it, e.g. tensor parallelism for the tensors it splits)."""
+    function of the node producing it, e.g. tensor parallelism for the tensors it splits).
+    `selective_region`, `device_type` and `count_inputs`: see the module docstring."""
     rec = "full" if recompute is True else ("none" if recompute is False else recompute)
     if rec not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+    if selective_region not in ("core", "module"):
+        raise ValueError(f"selective_region must be core or module, got {selective_region!r}")
+    if device_type not in (None, "cuda", "cpu"):
+        raise ValueError(f"device_type must be cuda, cpu or None, got {device_type!r}")
     if graph.batch_size is None and any(o.is_batched for n in graph.nodes for o in n.outputs):
         raise ValueError("the graph has symbolic batch dimensions; call graph.at_batch(b) first")
     nodes = list(graph.nodes)
     by_name = {n.name: n for n in nodes}
     base = _bases(nodes, by_name)
     calls = [n for n in nodes if n.kind == "call"]
-    core = attention_core(calls) if rec == "selective" else set()
+    core = attention_core(calls) if rec == "selective" and selective_region == "core" else set()
+    region = _region_of(calls, rec, selective_region)
     keep = None if layers is None else set(layers)
+    mixed = dtype != "fp32"
+    cuda_fp32 = CUDA_FP32_OPS if device_type == "cuda" and mixed else frozenset()
 
     def size(name: str, at: Optional[str] = None) -> float:
         b = by_name[base[name]]
@@ -224,56 +296,79 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         return o.nbytes * bytes_scale(o.dtype, at or dtype) / max(float(f), 1.0)
 
     def side(nbytes: float, owner) -> float:
-        # masks are 1 byte/element, norm statistics and log-sum-exp stay fp32 in mixed precision
+        # masks are 1 byte/element; norm statistics and log-sum-exp fp32 (CPU's layer norm under
+        # mixed precision: the input's dtype)
         f = shard(owner) if callable(shard) else shard
+        if device_type == "cpu" and mixed and owner.op in NORMS:
+            nbytes = nbytes * bytes_scale("float32", dtype)
         return nbytes / max(float(f), 1.0)
 
-    # what every op saves, attributed to its layer (first saver wins)
-    owner_layer: dict[str, Optional[str]] = {}
-    nbytes_of: dict[str, float] = {}
-    full_layer: dict[Optional[str], float] = {}
+    def batch(key: str) -> bool:
+        # the model's own inputs: the step's batch, held whole whatever is saved
+        n = by_name[key]
+        return not count_inputs and n.kind == "input" and n.target == "placeholder"
+
+    # what every op saves: key -> (bytes, layer of its first saver, saver's region)
+    saves: list[tuple[str, float, Any]] = []     # (key, bytes, saver node)
     for n in calls:
         for name, extra in saved_tensors(n, by_name, dtype):
             if extra is None:
                 key = base.get(name, name)
-                if key not in by_name or by_name[key].kind not in ("call", "input"):
+                if key not in by_name or by_name[key].kind not in ("call", "input") or batch(key):
                     continue
                 if rec == "selective" and n.name in core and key in core:
                     continue
-                b = size(name, "fp32" if n.op in LOSSES and dtype != "fp32" and _floating(by_name[key]) else None)
+                at = None
+                if n.op in LOSSES and mixed and _floating(by_name[key]):
+                    at = "fp32"
+                elif n.op in cuda_fp32 and _floating(by_name[key]):
+                    # autocast's fp32 copy of the input (or the op's own fp32 output)
+                    at = "fp32"
+                    if key != n.name:
+                        key = key + ":fp32"
+                b = size(base.get(name, name), at)
             else:
                 key = name
                 if rec == "selective" and n.name in core:
                     continue
                 b = side(extra, n)
-            if key in owner_layer:
+            saves.append((key, b, n))
+    nbytes_of: dict[str, float] = {}
+    owner_layer: dict[str, Optional[str]] = {}
+    if rec == "none" or (rec == "selective" and selective_region == "core"):
+        for key, b, n in saves:
+            if key not in owner_layer:
+                owner_layer[key], nbytes_of[key] = n.layer, b
+        region_bytes: dict[Optional[str], float] = {}
+    else:
+        # a checkpointed region keeps its inputs; what its ops save is re-made in its backward
+        region_bytes = {}
+        seen_in: dict[Optional[str], set] = {}
+        for key, b, n in saves:
+            r = region[n.name]
+            if r is None:
+                if key not in owner_layer:
+                    owner_layer[key], nbytes_of[key] = n.layer, b
                 continue
-            owner_layer[key] = n.layer
-            nbytes_of[key] = b
-    if rec == "full":
-        # per layer: everything it saves is recomputed; it keeps only its inputs from outside
-        for k, l in owner_layer.items():
-            full_layer[l] = full_layer.get(l, 0.0) + nbytes_of[k]
-        kept_owner: dict[str, Optional[str]] = {}
-        kept_bytes: dict[str, float] = {}
-        for k, l in owner_layer.items():
-            if l is None:
-                kept_owner[k], kept_bytes[k] = None, nbytes_of[k]
+            src = key.split(":")[0]
+            inside = key.endswith(":fp32") or (src in by_name and by_name[src].kind == "call" and region.get(src) == r)
+            if (inside or src not in by_name) and key not in seen_in.setdefault(r, set()):
+                seen_in[r].add(key)
+                region_bytes[r] = region_bytes.get(r, 0.0) + b
         for n in calls:
-            if n.layer is None:
+            r = region[n.name]
+            if r is None:
                 continue
             for i in n.inputs:
                 p = by_name.get(i)
                 if p is None or p.kind not in ("call", "input"):
                     continue
                 b = base.get(i, i)
-                if by_name[b].layer == n.layer or (by_name[i].layer == n.layer):
+                if region.get(b) == r or region.get(i) == r or batch(b):
                     continue
-                key = b
-                if key in kept_owner and kept_owner[key] is not None:
+                if b in owner_layer:
                     continue
-                kept_owner[key], kept_bytes[key] = n.layer, size(i)
-        owner_layer, nbytes_of = kept_owner, kept_bytes
+                owner_layer[b], nbytes_of[b] = n.layer, size(i)
     out = ActivationMemory()
     for n in calls:
         if keep is not None and n.layer not in keep:
@@ -290,9 +385,9 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             continue
         out.per_layer[l] = out.per_layer.get(l, 0.0) + nbytes_of[k]
         out.saved_bytes += nbytes_of[k]
-    if rec == "full":
-        cand = [v for l, v in full_layer.items() if l is not None and (keep is None or l in keep)]
-        out.working_bytes = max(cand, default=0.0)
+    layer_of_region = {region[n.name]: n.layer for n in calls if region[n.name] is not None}
+    cand = [v for r, v in region_bytes.items() if keep is None or layer_of_region.get(r) in keep]
+    out.working_bytes = max(cand, default=0.0)
     return out
 
 

@@ -21,6 +21,8 @@ CASES = {
     "dp2_zero0": {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 0, "recompute": "none"},
     "dp2_zero2": {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 2, "recompute": "none"},
     "dp2_zero3": {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 3, "recompute": "none"},
+    "dp2_selective": {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 0, "recompute": "selective"},
+    "dp2_full": {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 0, "recompute": "full"},
     "pp2_1f1b": {"dp": 1, "tp": 1, "pp": 2, "schedule": "1f1b", "num_microbatches": 4, "recompute": "none"},
     "tp2": {"dp": 1, "tp": 2, "pp": 1, "recompute": "none"},
 }

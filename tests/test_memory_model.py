@@ -213,7 +213,127 @@ def test_search_rejects_what_only_the_sync_phase_overflows():
     layers = [Layer(0, "blocks.0", ["blocks.0"], [], ["l0.w"], signature="0")]
     cons = autopar.Constraints(dp=8, tp=1, pp=1, zero_stage=0)
     with pytest.raises(autopar.PlanError, match="no plan fits"):
-        Search(OpGraph(name="synthetic", nodes=[], params={}), layers, cluster, 8, "bf16", cons, provider=P([0.0])).run()
+        Search(OpGraph(name="synthetic", nodes=[], params={}), layers, cluster, 8, "bf16", cons,
+               provider=P([0.0])).run()
     cons1 = autopar.Constraints(dp=8, tp=1, pp=1, zero_stage=1)
-    best = Search(OpGraph(name="synthetic", nodes=[], params={}), layers, cluster, 8, "bf16", cons1, provider=P([0.0])).run().best
+    best = Search(OpGraph(name="synthetic", nodes=[], params={}), layers, cluster, 8, "bf16", cons1,
+                  provider=P([0.0])).run().best
     assert best.zero == 1
+
+
+# -- activation rules (issue 18): what torch saves, as autopar's runtime runs it -------------------
+
+def _gpt_tiny(b):
+    from autopar.capture import capture
+    from autopar.models.registry import build_model
+
+    bundle = build_model("gpt-tiny", device="meta")
+    return capture(bundle.model, bundle.example_inputs, name=bundle.name).at_batch(b)
+
+
+def _torch_saved_bytes(b):
+    """Bytes autograd saves for gpt-tiny's backward (bf16 parameters, CPU autocast), each storage
+    once, parameters and the batch left out."""
+    import torch
+
+    from autopar.models.registry import build_model, call_batch_fn
+
+    bundle = build_model("gpt-tiny", device="cpu")
+    m = bundle.model.to(torch.bfloat16)
+    batch = call_batch_fn(bundle.batch_fn, 0, b, 0)
+    skip = {p.untyped_storage().data_ptr() for p in m.parameters()} | {x.untyped_storage().data_ptr() for x in batch}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        sp = t.untyped_storage().data_ptr()
+        if sp not in skip:
+            saved[sp] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        m(*batch)
+    return sum(saved.values())
+
+
+def test_cpu_autocast_activations_are_what_torch_saves():
+    """CPU autocast runs layer norm in bf16 with bf16 mean/rstd (not CUDA's fp32 list); the
+    batch is the step's input buffer, not an activation: the count is autograd's (but for
+    nll_loss's 4-byte total weight)."""
+    from cost_models.memory import activation_memory
+
+    am = activation_memory(_gpt_tiny(4), "bf16", "none", device_type="cpu", count_inputs=False)
+    assert am.saved_bytes == pytest.approx(_torch_saved_bytes(4), abs=8)
+
+
+def test_cuda_autocast_norms_save_an_fp32_copy_of_their_input():
+    """CUDA's autocast runs layer_norm in fp32: it saves the fp32 copy of its 2-byte input
+    (2 extra bytes per element per norm); its statistics stay fp32."""
+    from cost_models.memory import activation_memory
+
+    g = _gpt_tiny(4)
+    plain = activation_memory(g, "bf16", "none")
+    cuda = activation_memory(g, "bf16", "none", device_type="cuda")
+    norms = [n for n in g.nodes if n.op == "layer_norm"]
+    assert cuda.saved_bytes - plain.saved_bytes == pytest.approx(sum(2 * n.outputs[0].numel for n in norms))
+    # fp32 training: no autocast, nothing changes
+    assert activation_memory(g, "fp32", "none", device_type="cuda").saved_bytes == \
+        activation_memory(g, "fp32", "none").saved_bytes
+
+
+def test_selective_module_region_drops_what_the_attention_child_saves():
+    """The runtime checkpoints each block's `attn` child: it keeps only its input (ln1's output,
+    which the qkv projection saves anyway) and re-makes q/k/v (3 s·b·h), the attention output
+    (s·b·h) and its log-sum-exp in the backward; full keeps the block's input only, and its
+    recomputation re-makes everything but that stored input."""
+    from cost_models.memory import activation_memory
+
+    b, s, h, heads = 4, 16, 32, 4
+    g = _gpt_tiny(b)
+    sbh = s * b * h * 2
+    lse = 4 * b * heads * s
+    kw = dict(device_type="cpu", count_inputs=False)
+    none = activation_memory(g, "bf16", "none", **kw)
+    sel = activation_memory(g, "bf16", "selective", selective_region="module", **kw)
+    full = activation_memory(g, "bf16", "full", **kw)
+    for layer in ("blocks.0", "blocks.1"):
+        assert none.per_layer[layer] - sel.per_layer[layer] == 4 * sbh + lse
+        assert full.per_layer[layer] == sbh
+    assert sel.working_bytes == 4 * sbh + lse
+    assert full.working_bytes == none.per_layer["blocks.0"] - sbh
+
+
+def test_broadcast_tensors_are_views():
+    """mse_loss broadcasts its operands (views): relu outputs and the prediction are saved, the
+    broadcast outputs not again."""
+    from autopar.capture import capture
+    from autopar.models.registry import build_model
+    from cost_models.memory import activation_memory
+
+    bundle = build_model("mlp-tiny", device="meta")
+    g = capture(bundle.model, bundle.example_inputs, name=bundle.name).at_batch(64)
+    am = activation_memory(g, "fp32", "none", count_inputs=False)
+    assert am.saved_bytes == 4 * 64 * (64 + 64 + 32)
+
+
+def test_backward_transient_after_later_layers_freed():
+    """A layer's backward transient counts above what the layers before it still hold: the
+    layers after it in the stage have released their saved tensors (autograd frees a node's
+    saved tensors once it ran), so a block's recomputation does not add to the head's logits."""
+    from autopar.capture.graph import OpGraph
+    from autopar.inter_op.layers import Layer
+    from autopar.inter_op.search import _Tables
+    from autopar.inter_op.stage_cost import LayerCost
+
+    cluster = autopar.ClusterSpec.load("dgx-a100-80g", num_nodes=1)
+    mk = lambda a, w, t: LayerCost(act_bytes={"none": a, "selective": a, "full": a}, work_bytes=w,  # noqa: E731
+                                   backward_bytes=t, param_elems={})
+    costs = [mk(10.0, 50.0, 1.0), mk(10.0, 50.0, 1.0), mk(40.0, 0.0, 30.0)]   # two blocks, a head
+    del OpGraph, Layer
+    tb = _Tables(costs, cluster, "bf16", 1, 1, 0, [])
+    # head's loss gradient (30) before any recomputation; block 1 recomputes (50) once the head's
+    # 40 are freed: max(30, 50 - 40, 50 - 50) = 30, of the activation-gradient kind
+    assert tb.range_work["full"][0, 3] == pytest.approx(30.0)
+    assert tb.range_work_tmp["full"][0, 3] == pytest.approx(30.0)
+    assert tb.range_work_rc["full"][0, 3] == pytest.approx(10.0)
+    # without the head, the last block's recomputation is the transient
+    assert tb.range_work["full"][0, 2] == pytest.approx(50.0)

@@ -17,7 +17,7 @@ from collections import Counter
 
 from autopar.capture.graph import OpGraph
 from autopar.inter_op.layers import Layer
-from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost, fill_activations
+from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost, autocast_device, fill_activations
 from autopar.schema import ClusterSpec, PlanError
 from cost_models.communication import logical_mesh
 
@@ -97,6 +97,6 @@ class IlpProvider(AnalyticProvider):
                    if ch.output_placements and any(p.startswith("S") for p in ch.output_placements[0])}
         sub = self._subgraph(g, layer, [g.node(n) for n in layer.nodes])
         shard = lambda node: tp if node.name in sharded else 1  # noqa: E731
-        fill_activations(c, sub, self.dtype, shard)
+        fill_activations(c, sub, self.dtype, shard, autocast_device(self.cluster))
         c.issues = list(base.issues)          # the runtime shards heads Megatron-style
         return c

@@ -56,7 +56,7 @@ import numpy as np
 from autopar.capture.graph import OpGraph
 from autopar.inter_op.dp import first_feasible, stage_dp
 from autopar.inter_op.layers import Layer
-from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost, RECOMPUTES, axis_link, coll_time
+from autopar.inter_op.stage_cost import RECOMPUTES, AnalyticProvider, LayerCost, axis_link, coll_time
 from autopar.schema import ClusterSpec, Constraints, PlanError
 from cost_models.communication import axis_collective_time
 from cost_models.compute import grad_accumulation_bytes, memory_time, optimizer_step_time
@@ -151,8 +151,8 @@ class _Tables:
         # backward frees anything, so the larger of the two, not their sum
         self.tmp = np.array([max(c.loss_grad_bytes, c.backward_bytes) for c in costs])
         self.rcw = {"none": np.zeros(L), "full": np.array([c.work_bytes for c in costs]),
-                    "selective": np.array([max(0.0, c.act_bytes.get("none", 0.0) - c.act_bytes.get("selective", 0.0))
-                                           for c in costs])}
+                    "selective": np.array([c.rc_work_bytes.get("selective", max(
+                        0.0, c.act_bytes.get("none", 0.0) - c.act_bytes.get("selective", 0.0))) for c in costs])}
         self.work = {r: np.maximum(self.tmp, w) for r, w in self.rcw.items()}
         # parameter elements per device: every layer's own, tied ones once per stage
         users: dict[str, list[int]] = {}
@@ -178,7 +178,7 @@ class _Tables:
         kk, jj = np.broadcast_arrays(k, j)
         self.kk, self.jj = kk, jj
         pel = self.pel[np.clip(jj, 0, L)] - self.pel[kk]
-        for f, e, us in self.shared:
+        for _f, e, us in self.shared:
             cnt = sum(((kk <= u) & (u < jj)).astype(float) for u in us)
             pel = pel - np.maximum(cnt - 1, 0) * e
         self.range_pel = np.where(self.valid, pel, 0.0)
@@ -193,13 +193,26 @@ class _Tables:
         # a last pipeline stage's output is what its loss reads (the logits), kept in the
         # stage's forward cache until the backward like any stage output
         self.range_loss_in = np.where((jj == L) & (kk > 0), costs[-1].loss_input_bytes if costs else 0.0, 0.0)
-        # largest per-layer working memory in a range (full recomputation)
-        self.range_work = {}
+        # the backward's transient over a range, above the range's saved activations: layer i's
+        # transient (`work`) while the layers after it in the range have already freed what they
+        # saved (autograd releases a node's saved tensors once its backward ran, unless the graph
+        # is retained: `release_variables()` in torch/csrc/autograd/engine.cpp `call_function`), so
+        # max_i (work_i - acts of layers i+1..j-1): the loss gradient of a last stage is live
+        # before any recomputation, a block's recomputation after the head freed its logits.
+        # Split by what the transient is: recomputed activations (`range_work_rc`) or activation
+        # gradients (`range_work_tmp`), each -inf where none of the range's layers has that kind
+        self.range_work, self.range_work_rc, self.range_work_tmp = {}, {}, {}
         for r, wk in self.work.items():
-            W = np.zeros((L, L + 1))
+            P = self.act[r]
+            rc_kind = self.rcw[r] > self.tmp
+            Wrc = np.full((L, L + 1), -INF)
+            Wtmp = np.full((L, L + 1), -INF)
             for a in range(L):
-                W[a, a + 1:] = np.maximum.accumulate(wk[a:])
-            self.range_work[r] = W
+                v = wk[a:] + P[a + 1:]
+                Wrc[a, a + 1:] = np.maximum.accumulate(np.where(rc_kind[a:], v, -INF)) - P[a + 1:]
+                Wtmp[a, a + 1:] = np.maximum.accumulate(np.where(rc_kind[a:], -INF, v)) - P[a + 1:]
+            self.range_work_rc[r], self.range_work_tmp[r] = Wrc, Wtmp
+            self.range_work[r] = np.maximum(np.maximum(Wrc, Wtmp), 0.0)
         self.range_tmp = np.zeros((L, L + 1))
         for a in range(L):
             self.range_tmp[a, a + 1:] = np.maximum.accumulate(self.tmp[a:])
@@ -743,8 +756,8 @@ class Search:
             comp += sum(c.rc_extra_s.get(r, 0.0) - c.rc_comm_s.get(r, 0.0) for c in tb.costs[k:j])
             kept_out = pout + float(tb.range_loss_in[k, j])
             chunk_act.append(float(tb.boundary_acts(float(tb.act[r][j] - tb.act[r][k]), pin, kept_out)))
-            work = max(work, float(tb.range_work[r][k, j]))
-            tmp = max(tmp, float(tb.range_tmp[k, j]))
+            work = max(work, float(tb.range_work_rc[r][k, j]))
+            tmp = max(tmp, float(tb.range_work_tmp[r][k, j]))
         # a parameter tied across chunks of one stage is held once
         t += float(tb.zero_mb(np.array([pel]))[0])
         acc = float(tb.accum(np.array([pel]), cand.m)[0])
@@ -754,7 +767,7 @@ class Search:
                   for ph in tb.phases(pel, cand.m, 2 * max_layer, largest)]
         fb = phases[0]
         # the backward's transient: recomputed activations, or activation gradients (buffers)
-        rc_work, grad_tmp = (work, 0.0) if work > tmp else (0.0, work)
+        rc_work, grad_tmp = (max(work, 0.0), 0.0) if work > tmp else (0.0, max(tmp, 0.0))
         fb = dataclasses.replace(fb, buffers=fb.buffers + grad_tmp)
         # activations: the most the schedule holds at once, chunk by chunk
         pre, post = (float(np.max(h @ np.array(chunk_act))) if h.size else None for h in held)
@@ -788,8 +801,8 @@ class Search:
             for k, j in st.chunks:
                 for l in range(k, j):
                     owner[l] = si
-        link = self.cluster.inter_node if (self.cluster.num_nodes > 1 and cand.dp * cand.tp >= self.cluster.devices_per_node) \
-            else self.cluster.intra_node
+        spans = self.cluster.num_nodes > 1 and cand.dp * cand.tp >= self.cluster.devices_per_node
+        link = self.cluster.inter_node if spans else self.cluster.intra_node
         for f, e, us in tb.shared:
             holders = sorted({owner[u] for u in us})
             if len(holders) < 2:

@@ -48,6 +48,7 @@ class LayerCost:
     rc_comm_s: dict[str, float] = field(default_factory=dict)     # its collectives' part
     act_bytes: dict[str, float] = field(default_factory=dict)     # kept per micro-batch by policy
     work_bytes: float = 0.0                   # the recomputed block's activations, live in its backward
+    rc_work_bytes: dict[str, float] = field(default_factory=dict)  # the recomputed region's, by policy
     loss_grad_bytes: float = 0.0              # fp32 gradient of the loss input, live as the backward starts
     backward_bytes: float = 0.0               # activation gradients live at once in its backward
     loss_input_bytes: float = 0.0             # what its loss reads (a last pipeline stage's output)
@@ -69,13 +70,25 @@ class LayerCost:
         return self.base_s + self.rc_extra_s.get(recompute, 0.0)
 
 
-def fill_activations(c: LayerCost, sub, dtype: str, shard) -> None:
+def autocast_device(cluster: ClusterSpec) -> str:
+    """The device type autopar's runtime autocasts on for `cluster` ("cpu" for a CPU profile,
+    whose device name starts with "cpu", as the bundled `cpu` profile's; "cuda" otherwise): it
+    decides which ops run in fp32 under mixed precision (`cost_models.memory`)."""
+    return "cpu" if cluster.device.name.lower().startswith("cpu") else "cuda"
+
+
+def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | None = None) -> None:
     """A layer's activation memory per recomputation policy (graph liveness,
-    `cost_models.memory.activation_memory` of its ops `sub`, tensors divided by `shard(node)`),
-    the working set of full recomputation and the loss gradient, into `c`."""
+    `cost_models.memory.activation_memory` of its ops `sub`, tensors divided by `shard(node)`,
+    under `device_type`'s autocast; the model's inputs left to the stage's batch buffer), the
+    working set of recomputation (the whole layer for "full"; for "selective" its attention
+    child, the region the runtime checkpoints) and the loss gradient, into `c`."""
+    c.rc_work_bytes = {}
     for rc in RECOMPUTES:
-        am = activation_memory(sub, dtype, rc, shard=shard)
+        am = activation_memory(sub, dtype, rc, shard=shard, selective_region="module", device_type=device_type,
+                               count_inputs=False)
         c.act_bytes[rc] = am.saved_bytes
+        c.rc_work_bytes[rc] = am.working_bytes
         if rc == "full":
             c.work_bytes = am.working_bytes
         c.loss_grad_bytes = am.loss_grad_bytes
@@ -283,7 +296,7 @@ class AnalyticProvider:
         # activations kept for the backward: graph liveness (cost_models.memory) on the layer's ops
         sub = self._subgraph(g, layer, nodes)
         shard = lambda node: tp if node.name in sharded_nodes else 1  # noqa: E731
-        fill_activations(c, sub, dtype, shard)
+        fill_activations(c, sub, dtype, shard, autocast_device(self.cluster))
         for n in nodes:
             for p in n.params:
                 pl = c.placements.get(p, "R")
