@@ -12,10 +12,20 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
-from autopar.schema import (ClusterSpec, Constraints, DeviceSpec, LinkSpec, LogicalMesh, Plan,
-                            PlanError, Prediction, StagePlan, load_plan)
-from autopar.schema.cluster import bundled_clusters
 from autopar.capture import OpGraph, capture
+from autopar.schema import (
+    ClusterSpec,
+    Constraints,
+    DeviceSpec,
+    LinkSpec,
+    LogicalMesh,
+    Plan,
+    PlanError,
+    Prediction,
+    StagePlan,
+    load_plan,
+)
+from autopar.schema.cluster import bundled_clusters
 
 __version__ = "0.1.0"
 

@@ -77,7 +77,8 @@ def plan_cmd(model_ref: str, cluster: str, nodes: Optional[int], devices_per_nod
              quiet: bool, **pins: Any) -> None:
     """Plan MODEL on CLUSTER and print the plan (or write it with -o)."""
     from autopar.capture import capture
-    from autopar.planner import plan as plan_model, resolve_model
+    from autopar.planner import plan as plan_model
+    from autopar.planner import resolve_model
 
     if global_batch_size < 1:
         raise PlanError(f"--global-batch-size must be >= 1, got {global_batch_size}")
@@ -197,7 +198,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         click.echo("autopar: aborted", err=True)
         return 130
     except click.UsageError as e:
-        hint = f" (see `autopar {e.ctx.info_name} --help`)" if e.ctx is not None and e.ctx.info_name != "autopar" else ""
+        hint = (f" (see `autopar {e.ctx.info_name} --help`)"
+                if e.ctx is not None and e.ctx.info_name != "autopar" else "")
         click.echo(f"autopar: error: {e.format_message()}{hint}", err=True)
         return 2
     except click.ClickException as e:

@@ -65,7 +65,8 @@ def compare_baselines(chosen: Plan, model: Any, cluster: ClusterSpec, *, as_json
     OpGraph when the caller has it (otherwise captured here, once for all baselines)."""
     if plan_fn is None:
         from autopar.capture import capture
-        from autopar.planner import plan as plan_with_graph, resolve_model
+        from autopar.planner import plan as plan_with_graph
+        from autopar.planner import resolve_model
 
         bundle = resolve_model(model, None, None)
         if graph is None:
@@ -87,7 +88,8 @@ def compare_baselines(chosen: Plan, model: Any, cluster: ClusterSpec, *, as_json
     for b in rows:
         if b.plan:
             p = b.plan
-            table.append([b.name, f"{p.dp}/{p.tp}/{p.pp}", str(p.zero_stage), f"{p.microbatch_size}x{p.num_microbatches}",
+            table.append([b.name, f"{p.dp}/{p.tp}/{p.pp}", str(p.zero_stage),
+                          f"{p.microbatch_size}x{p.num_microbatches}",
                           f"{b.time:.4g}", f"{p.predicted.tflops_per_device:.4g}",
                           f"{p.predicted.peak_memory_bytes / 2**30:.1f}", f"{b.time / t0:.2f}x"])
         else:

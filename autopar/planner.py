@@ -24,8 +24,7 @@ from autopar.inter_op.layers import Layer, build_layers
 from autopar.inter_op.search import Candidate, Search, SearchResult, StageResult
 from autopar.inter_op.stage_cost import AnalyticProvider
 from autopar.models import ModelBundle, build_model
-from autopar.schema import (ClusterSpec, Constraints, ModelInfo, Plan, PlanError, Prediction,
-                            StagePlan, StagePrediction)
+from autopar.schema import ClusterSpec, Constraints, ModelInfo, Plan, PlanError, Prediction, StagePlan, StagePrediction
 from autopar.schema.plan import TRAINING_DTYPES
 from cost_models.compute import attention_core
 from cost_models.memory import usable_memory

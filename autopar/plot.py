@@ -68,7 +68,7 @@ def _timeline(ax, plan: Plan, plt, Patch) -> None:
     ax.set_yticks(groups)
     stages = {tuple(s.devices): s for s in plan.stages}
     labels = []
-    for g, devs in enumerate(dict.fromkeys(tuple(s.devices) for s in sorted(plan.stages, key=lambda s: s.index))):
+    for devs in dict.fromkeys(tuple(s.devices) for s in sorted(plan.stages, key=lambda s: s.index)):
         labels.append(f"stage {stages[devs].index}: ranks {devs[0]}-{devs[-1]}" if len(devs) > 1
                       else f"stage {stages[devs].index}: rank {devs[0]}")
     ax.set_yticklabels(labels[: len(groups)])

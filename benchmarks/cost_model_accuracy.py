@@ -46,8 +46,14 @@ from autopar.capture import capture
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.schema.cluster import ClusterSpec
 from cost_models.communication import axis_collective_time
-from cost_models.compute import (FUSED_ATTENTION, MATRIX_OPS, attention_core, grad_accumulation_time,
-                                  graph_compute_time, optimizer_step_time)
+from cost_models.compute import (
+    FUSED_ATTENTION,
+    MATRIX_OPS,
+    attention_core,
+    grad_accumulation_time,
+    graph_compute_time,
+    optimizer_step_time,
+)
 
 V, S = 51200, 2048
 
@@ -262,11 +268,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--intra-op", choices=("auto", "analytic", "ilp"), default="auto",
                     help="per-layer costs of the planner sections (autopar.planner.plan's intra_op)")
     ap.add_argument("--table1", action="store_true",
-                    help="only the generalisation check: every row of Narayanan et al. 2021 Table 1 through autopar.plan")
+                    help="only the generalisation check: every row of Narayanan et al. 2021 Table 1 "
+                         "through autopar.plan")
     ap.add_argument("--local", action="store_true",
                     help="only the measured section: plan and run a small GPT on this machine")
     ap.add_argument("--model", default="gpt-small", help="zoo model for --local (default gpt-small)")
-    ap.add_argument("--steps", type=int, default=8, help="steps per --local run (best step after the first; the median of the last half beside it)")
+    ap.add_argument("--steps", type=int, default=8,
+                    help="steps per --local run (best step after the first; the median of the last half beside it)")
     args = ap.parse_args(argv)
     both = not (args.analytic or args.planner or args.local or args.table1)
     header = ["case", "GPUs", "t", "p", "v", "mb", "m", "published s", "predicted s", "error", "note"]
@@ -286,7 +294,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 pred = planner(c, cluster, args.intra_op)
                 err = pred / pub - 1
                 errs.append(err)
-                cells = [f"{pred:.2f}", f"{err:+.1%}", (c.assumed + "; " if c.assumed else "") + f"planned in {time.perf_counter() - t0:.0f}s"]
+                cells = [f"{pred:.2f}", f"{err:+.1%}",
+                         (c.assumed + "; " if c.assumed else "") + f"planned in {time.perf_counter() - t0:.0f}s"]
             except Exception as e:  # noqa: BLE001 - the planner may not support this yet
                 cells = ["n/a", "", f"{type(e).__name__}: {str(e).splitlines()[0][:70] if str(e) else ''}"]
             rows.append([c.name, str(c.gpus), str(c.t), str(c.p), str(c.v), str(c.microbatch),

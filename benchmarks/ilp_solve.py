@@ -57,7 +57,8 @@ def main() -> int:
             sol = solve_graph(g, mesh(shape), nodes=nodes, backend=args.backend)
             tot = time.perf_counter() - t0
             ok &= tot <= 2.0 and sol.gap <= 0.01
-            w = {k.removeprefix(layer + "."): v for k, v in sol.param_placements.items() if k.endswith("weight") and "norm" not in k and "ln" not in k}
+            w = {k.removeprefix(layer + "."): v for k, v in sol.param_placements.items()
+                 if k.endswith("weight") and "norm" not in k and "ln" not in k}
             row(f"{name + ' layer':12s} {str(shape):8s} {len(nodes):4d} {sol.num_groups:6d} {sol.num_variables:6d} "
                 f"{sol.num_constraints:6d} {sol.build_time_s:7.2f} {sol.solve_time_s:7.2f} {tot:7.2f} "
                 f"{sol.gap:6.2%}  {w}  {sol.collective_counts()}")
@@ -69,9 +70,9 @@ def main() -> int:
                 tot = time.perf_counter() - t0
                 if name == "gpt3-175b":
                     ok &= tot < 10 and sol.gap <= 0.01
-                row(f"{name + ' whole':12s} {str(shape):8s} {len(g.calls):4d} {sol.num_groups:6d} {sol.num_variables:6d} "
-                    f"{sol.num_constraints:6d} {sol.build_time_s:7.2f} {sol.solve_time_s:7.2f} {tot:7.2f} "
-                    f"{sol.gap:6.2%}  objective {sol.objective * 1e3:.1f} ms, params "
+                row(f"{name + ' whole':12s} {str(shape):8s} {len(g.calls):4d} {sol.num_groups:6d} "
+                    f"{sol.num_variables:6d} {sol.num_constraints:6d} {sol.build_time_s:7.2f} {sol.solve_time_s:7.2f} "
+                    f"{tot:7.2f} {sol.gap:6.2%}  objective {sol.objective * 1e3:.1f} ms, params "
                     f"{sol.param_bytes_per_device / 2**30:.1f} GiB/dev")
         # under a memory bound: bf16 mixed precision (16 B per parameter with Adam); the
         # unconstrained plan needs ~26 GiB per device, the bound forces a leaner one

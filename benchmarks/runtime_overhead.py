@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 
 def _plans(model: str, n: int, gbs: int):
-    from tests.plans import StagePlan, _layers, _plan, megatron_placements, model_info  # noqa: F401
     from autopar.models import build_model
+    from tests.plans import StagePlan, _layers, _plan, megatron_placements, model_info  # noqa: F401
 
     b = build_model(model, device="meta")
     nb = len(b.model.blocks)
@@ -88,8 +88,7 @@ def _hand(kind: str, model_ref: str, gbs: int, seed: int):
         net = fully_shard(m, mesh=mesh)
         rows = slice(r * gbs // n, (r + 1) * gbs // n)
     else:
-        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                       parallelize_module)
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         register_extra_strategies()
         allow_implicit_replication()

@@ -58,14 +58,15 @@ def main() -> None:
         p = plan(b, cl, global_batch_size=gbs, graph=g, intra_op=args.intra_op)
         t_search = time.perf_counter() - t0
         rows.append((name, f"{cl.num_devices} x {cl.device.name} ({cluster})", str(gbs), f"{t_cap:.1f}",
-                     f"{t_search:.2f}", f"{p.search['assemble_time_s']:.2f}", f"dp={p.dp} tp={p.tp} pp={p.pp} mb={p.microbatch_size} "
+                     f"{t_search:.2f}", f"{p.search['assemble_time_s']:.2f}",
+                     f"dp={p.dp} tp={p.tp} pp={p.pp} mb={p.microbatch_size} "
                      f"{p.schedule}{f' v={p.virtual_stages}' if p.virtual_stages > 1 else ''} zero={p.zero_stage} "
                      f"rc={p.stages[0].recompute}",
                      f"{p.predicted.iteration_time_s:.3g}", f"{p.predicted.tflops_per_device:.0f}",
                      str(p.search.get("evaluated")), str(p.search.get("intra_op"))))
         print(" | ".join(rows[-1]), flush=True)
-    cols = ["model", "cluster", "batch", "capture s", "search s", "of which assembly s", "plan", "iter s", "TFLOP/s/dev",
-            "evaluated", "intra-op"]
+    cols = ["model", "cluster", "batch", "capture s", "search s", "of which assembly s", "plan", "iter s",
+            "TFLOP/s/dev", "evaluated", "intra-op"]
     w = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     print()
     print("  ".join(c.ljust(x) for c, x in zip(cols, w)))

@@ -27,16 +27,22 @@ from __future__ import annotations
 import math
 import os
 import platform
-import queue as _queue
 import socket
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
-from autopar.schema.cluster import (AttentionPoint, ClusterSpec, DeviceSpec, EfficiencyPoint, LinkSpec,
-                                    MeasuredCollective, OptimizerCost)
+from autopar.schema.cluster import (
+    AttentionPoint,
+    ClusterSpec,
+    DeviceSpec,
+    EfficiencyPoint,
+    LinkSpec,
+    MeasuredCollective,
+    OptimizerCost,
+)
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
@@ -151,7 +157,7 @@ def _measure_gemm(plan: dict, dev: Any, sync, barrier, report) -> None:
             a = torch.randn(n, n, device=dev).to(getattr(torch, _DTYPES[dt]))
             b = torch.randn(n, n, device=dev).to(getattr(torch, _DTYPES[dt]))
             barrier()
-            s = _timeit(lambda: torch.mm(a, b), plan["min_time"], sync)
+            s = _timeit(lambda a=a, b=b: torch.mm(a, b), plan["min_time"], sync)
             report("gemm", (dt, n, 2.0 * n ** 3, s))
 
 
@@ -274,7 +280,7 @@ def _measure_attention(plan: dict, dev: Any, sync, barrier, report) -> None:
             heads = max(1, int(plan["attention_flops"] // per_head))
             q, k, v = (torch.randn(1, heads, seq, d, device=dev).to(getattr(torch, _DTYPES[dt])).requires_grad_()
                        for _ in range(3))
-            fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+            fn = lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
             barrier()
             with torch.no_grad():
                 tf = _timeit(fn, plan["min_time"] / 4, sync)
@@ -539,7 +545,8 @@ def _build_spec(res: dict[str, list], n: int, cuda: bool, threads: int, elapsed:
                           + ("" if cuda else f", {threads} thread(s) per process"),
             "gemm_efficiency": f"{how}: each size's torch.mm rate over the dtype's peak",
             "memory_bytes": mem_src,
-            "memory_bandwidth": f"{how}: torch copy_ of {copy_bytes / 2 / 2**20:.0f} MiB, bytes read + written per second",
+            "memory_bandwidth": (f"{how}: torch copy_ of {copy_bytes / 2 / 2**20:.0f} MiB, "
+                                 "bytes read + written per second"),
             "memory_efficiency": "1.0: memory_bandwidth is already the achieved copy bandwidth",
             "vector_flops": f"{how}: median of op_flops",
             "op_flops": f"{how}: each op on {res['vector'][0][1] if res.get('vector') else 0} fp32 "

@@ -90,7 +90,8 @@ def test_run_with_another_model_is_refused(tmp_path):
     assert autopar("plan", "--model", "gpt-tiny", "--cluster", "cpu", "-b", "8", "-o", str(plan), "-q").returncode == 0
     metrics = tmp_path / "m.jsonl"
     r = autopar("run", str(plan), "--model", "gpt-small", "--steps", "1", "--metrics", str(metrics))
-    assert r.returncode == 1 and "plan was made for gpt-tiny" in r.stderr and "re-plan with --model gpt-small" in r.stderr
+    assert (r.returncode == 1 and "plan was made for gpt-tiny" in r.stderr
+            and "re-plan with --model gpt-small" in r.stderr)
     assert len(r.stderr.strip().splitlines()) == 1 and not metrics.exists()
 
 

@@ -12,15 +12,34 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import autopar
-from autopar.schema.cluster import (AttentionPoint, ClusterSpec, DeviceSpec, LinkSpec, MeasuredCollective,
-                                    OptimizerCost)
-from cost_models.communication import (axis_collective_time, collective_time, hierarchical_time,
-                                       link_collective_time, logical_mesh, mesh_axis_collective_time)
-from cost_models.compute import (MATRIX_OPS, attention_rates, attention_time, backward_factor, gemm_efficiency,
-                                 grad_accumulation_time, graph_compute_time, op_backward_time, op_time,
-                                 optimizer_step_time)
-from cost_models.memory import (activation_memory, inflight_microbatches, korthikanti_layer_bytes,
-                                model_state_bytes, peak_memory)
+from autopar.schema.cluster import AttentionPoint, ClusterSpec, DeviceSpec, LinkSpec, MeasuredCollective, OptimizerCost
+from cost_models.communication import (
+    axis_collective_time,
+    collective_time,
+    hierarchical_time,
+    link_collective_time,
+    logical_mesh,
+    mesh_axis_collective_time,
+)
+from cost_models.compute import (
+    MATRIX_OPS,
+    attention_rates,
+    attention_time,
+    backward_factor,
+    gemm_efficiency,
+    grad_accumulation_time,
+    graph_compute_time,
+    op_backward_time,
+    op_time,
+    optimizer_step_time,
+)
+from cost_models.memory import (
+    activation_memory,
+    inflight_microbatches,
+    korthikanti_layer_bytes,
+    model_state_bytes,
+    peak_memory,
+)
 
 INTRA = LinkSpec(bandwidth=200e9, latency=2e-6)
 INTER = LinkSpec(bandwidth=25e9, latency=8e-6)
@@ -114,7 +133,8 @@ def test_measured_table_overrides_and_interpolates() -> None:
     assert link_collective_time("all_gather", 1e8, 8, link) == pytest.approx(
         collective_time("all_gather", 1e8, 8, 2e-6, 1 / 200e9))
     # another device count: the table scaled by the formula's ratio
-    ratio = collective_time("all_reduce", 1e6, 4, 2e-6, 1 / 200e9) / collective_time("all_reduce", 1e6, 8, 2e-6, 1 / 200e9)
+    ratio = (collective_time("all_reduce", 1e6, 4, 2e-6, 1 / 200e9)
+             / collective_time("all_reduce", 1e6, 8, 2e-6, 1 / 200e9))
     assert link_collective_time("all_reduce", 1e6, 4, link) == pytest.approx(1e-4 * ratio)
     c = cluster(intra=link)
     assert axis_collective_time("all_reduce", 1e7, c, list(range(8))) == pytest.approx(10 ** -3.5)
@@ -128,7 +148,8 @@ def test_more_bandwidth_never_slower(kind: str, nbytes: float, bw: float, more: 
     slow = cluster(intra=LinkSpec(bandwidth=bw, latency=1e-6), inter=LinkSpec(bandwidth=bw / 4, latency=5e-6))
     fast = cluster(intra=LinkSpec(bandwidth=bw * more, latency=1e-6),
                    inter=LinkSpec(bandwidth=bw * more / 4, latency=5e-6))
-    assert axis_collective_time(kind, nbytes, fast, group) <= axis_collective_time(kind, nbytes, slow, group) * (1 + 1e-12)
+    assert (axis_collective_time(kind, nbytes, fast, group)
+            <= axis_collective_time(kind, nbytes, slow, group) * (1 + 1e-12))
     assert axis_collective_time(kind, nbytes * 2, slow, group) >= axis_collective_time(kind, nbytes, slow, group)
 
 
@@ -258,7 +279,8 @@ def test_measured_optimizer_step_counts_tensors_and_elements() -> None:
     assert optimizer_step_time(n, dev, "fp32", param_tensors=52) == pytest.approx(52 * 20e-6 + n * 2e-9)
     assert optimizer_step_time(n, dev, "fp32", shard=2, param_tensors=1) == pytest.approx(20e-6 + n / 2 * 2e-9)
     assert optimizer_step_time(n, dev, "fp32", num_tensors=3) == pytest.approx(3 * 20e-6 + n * 2e-9)
-    assert optimizer_step_time(n, dev, "fp32", param_tensors=100) > optimizer_step_time(n, dev, "fp32", param_tensors=10)
+    assert (optimizer_step_time(n, dev, "fp32", param_tensors=100)
+            > optimizer_step_time(n, dev, "fp32", param_tensors=10))
     # SGD has no measurement: the memory-bound formula
     assert optimizer_step_time(n, dev, "fp32", "sgd") == optimizer_step_time(n, CPU, "fp32", "sgd")
 

@@ -10,7 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import autopar  # noqa: E402
-from autopar.capture import OpGraph, capture  # noqa: E402
+from autopar.capture import capture  # noqa: E402
 from autopar.models import build_model, call_batch_fn  # noqa: E402
 from autopar.models.hf import build_hf, parse_ref  # noqa: E402
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from autopar.capture import capture
-from autopar.intra_op import batch_dims_of, solve_graph, token_dims_of
 from autopar.inter_op.layers import build_layers
 from autopar.inter_op.stage_cost import AnalyticProvider
+from autopar.intra_op import batch_dims_of, solve_graph, token_dims_of
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.models.llama import Llama, LlamaConfig
 from autopar.planner import resolve_model

@@ -279,9 +279,9 @@ def results(solutions):
         try:
             mp.start_processes(_worker, args=(_free_port(), cases, zoo, d), nprocs=WORLD, join=True,
                                start_method="spawn")
-        except Exception:
+        except Exception as e:
             errs = [open(os.path.join(d, f)).read() for f in os.listdir(d) if f.endswith(".err")]
-            raise AssertionError("worker failed:\n" + "\n".join(errs[:1]))
+            raise AssertionError("worker failed:\n" + "\n".join(errs[:1])) from e
         return [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(WORLD)]
 
 

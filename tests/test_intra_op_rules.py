@@ -206,9 +206,11 @@ def test_losses():
 
 
 def test_indexing():
-    s, fam = by_name(make("gather", [(4, 8), (4, 2)], [(4, 2)], arg_layout=["T0", 1, "T1"], dtypes=["float32", "int64"]))
+    s, fam = by_name(make("gather", [(4, 8), (4, 2)], [(4, 2)], arg_layout=["T0", 1, "T1"],
+                          dtypes=["float32", "int64"]))
     assert fam == "indexing" and "d0@0" in s and "d1@0" not in s
-    s, _ = by_name(make("index_select", [(8, 16), (4,)], [(4, 16)], arg_layout=["T0", 0, "T1"], dtypes=["float32", "int64"]))
+    s, _ = by_name(make("index_select", [(8, 16), (4,)], [(4, 16)], arg_layout=["T0", 0, "T1"],
+                        dtypes=["float32", "int64"]))
     assert s["d1@0"].out_specs == [("S(1)",)] and s["i@0"].in_specs == [("R",), ("S(0)",)]
 
 

@@ -1,6 +1,5 @@
 """The ILP layer-cost provider plugged into the planner (opt-in), cross-checked with the analytic one."""
 
-import autopar
 from autopar import ClusterSpec, Constraints
 from autopar.planner import plan
 
@@ -37,9 +36,9 @@ def test_unconstrained_ilp_would_split_tokens_on_tp():
     """What the constraint above removes, at the level of one layer: without `model_axes` the
     ILP's cheapest tp=2 layer replicates the weights and splits the activations."""
     from autopar.capture import capture
-    from autopar.intra_op import batch_dims_of, solve_graph
     from autopar.inter_op.layers import build_layers
     from autopar.inter_op.stage_cost import AnalyticProvider
+    from autopar.intra_op import batch_dims_of, solve_graph
     from autopar.planner import resolve_model
     from cost_models.communication import logical_mesh
 

@@ -17,7 +17,6 @@ Launches cost ~5-10 s each on the 2-core development machine; the module runs in
 
 from __future__ import annotations
 
-
 import pytest
 
 from tests.test_runtime import close

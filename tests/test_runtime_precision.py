@@ -4,7 +4,6 @@ sent and received as bf16 (they were read as fp32 buffers once: the loss went to
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -37,7 +36,7 @@ def test_bf16_single_process_runs_under_autocast():
         b = build_model("gpt-tiny", device="meta")
         dts = []
         b.model.blocks[0].mlp.fc.register_forward_hook(
-            lambda m, a, out: dts.append(out.dtype) if type(out) is torch.Tensor else None)  # not capture's
+            lambda m, a, out, dts=dts: dts.append(out.dtype) if type(out) is torch.Tensor else None)  # not capture's
         rows = run(make_plan("single").model_copy(update={"dtype": dtype}), b, steps=1, quiet=True)
         seen[dtype] = (set(dts), b.model.blocks[0].mlp.fc.weight.dtype)
         state[dtype] = rows[-1]["measured_model_state_bytes"]

@@ -3,7 +3,6 @@ materialisation, placements, checkpoint discovery, plan validation."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

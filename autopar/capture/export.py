@@ -18,8 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from autopar.capture.graph import (OpGraph, OpNode, ParamInfo, Ref, SymDim, TensorMeta,
-                                   flatten_refs)
+from autopar.capture.graph import OpGraph, OpNode, ParamInfo, Ref, SymDim, TensorMeta, flatten_refs
 from autopar.schema.errors import PlanError
 
 log = logging.getLogger(__name__)
@@ -181,8 +180,7 @@ class _ModuleTracker:
         self.handles: list[Any] = []
 
     def __enter__(self) -> "_ModuleTracker":
-        from torch.nn.modules.module import (register_module_forward_hook,
-                                             register_module_forward_pre_hook)
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
         def pre(m: nn.Module, args: Any) -> None:
             if id(m) in self.names:

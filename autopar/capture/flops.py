@@ -33,7 +33,8 @@ LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_l
 PER_ELEMENT = {"softmax": 5, "_softmax": 5, "log_softmax": 5, "_log_softmax": 5, "layer_norm": 8,
                "native_layer_norm": 8, "rms_norm": 6, "batch_norm": 8,
                "_native_batch_norm_legit": 8, "_native_batch_norm_legit_no_training": 8,
-               "native_batch_norm": 8, "group_norm": 8, "native_group_norm": 8, "instance_norm": 8, "gelu": 18, "silu": 6, "tanh": 10, "sigmoid": 5,
+               "native_batch_norm": 8, "group_norm": 8, "native_group_norm": 8, "instance_norm": 8,
+               "gelu": 18, "silu": 6, "tanh": 10, "sigmoid": 5,
                "exp": 2, "rsqrt": 2, "pow": 2, "dropout": 2, "native_dropout": 2,
                "cross_entropy_loss": 6, "nll_loss": 1, "embedding": 0, "gather": 0, "index": 0,
                "index_select": 0, "scatter": 0, "cat": 0, "clone": 0, "contiguous": 0, "_to_copy": 0,
@@ -108,7 +109,8 @@ def _matrix_flops(node: OpNode, metas: dict[str, list[TensorMeta]]) -> float | N
         w = shp(a[1])
         if w is not None and len(w) >= 3:
             kernel = _numel(w[2:])
-            if op.startswith("conv_transpose") or (op in ("convolution", "_convolution") and len(a) > 6 and a[6] is True):
+            if op.startswith("conv_transpose") or (op in ("convolution", "_convolution") and len(a) > 6
+                                                   and a[6] is True):
                 x = shp(a[0])
                 return 2.0 * _numel(x) * (w[1]) * kernel
             return 2.0 * _numel(node.outputs[0].shape) * w[1] * kernel

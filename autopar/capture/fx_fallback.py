@@ -347,8 +347,8 @@ def _fx_once(wrapped: nn.Module, inputs: tuple, name: str) -> OpGraph:
             target, args, kwargs = aten_name(str(n.target)), conv(n.args), conv(n.kwargs)
         ins = flatten_refs(args) + flatten_refs(kwargs)
         nodes.append(OpNode(n.name, "call", target, args=args, kwargs=kwargs, inputs=ins,
-                            outputs=_meta_of(v), params=[q for q in _params_of(ins, pnode) if q in params], module_path=mpath,
-                            module_type=mtype))
+                            outputs=_meta_of(v), params=[q for q in _params_of(ins, pnode) if q in params],
+                            module_path=mpath, module_type=mtype))
 
     # -- the loss: run loss_fn on the fake output, recording its torch calls -------------------------
     assert out_node is not None

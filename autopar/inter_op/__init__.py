@@ -7,7 +7,7 @@
 - `search`: the joint search over dp/tp/pp, micro-batching, schedule, recomputation and ZeRO.
 """
 
+from autopar.inter_op.dp import DPResult, brute_force, stage_dp
 from autopar.inter_op.layers import Layer, build_layers
-from autopar.inter_op.dp import DPResult, stage_dp, brute_force
 
 __all__ = ["Layer", "build_layers", "DPResult", "stage_dp", "brute_force"]

@@ -339,7 +339,7 @@ class IntraOpProblem:
             edges.append((c, 0, OUTPUT, k))
         if self.cycle is not None:
             edges.append((self.cycle[0], 0, self.cycle[1], 0))
-        for p, o, c, k in edges:
+        for p, o, _c, _k in edges:
             uses[(p, o)] += 1
         self.junction: dict[tuple[str, int], str] = {}
         for (p, o), cnt in uses.items():
@@ -366,7 +366,7 @@ class IntraOpProblem:
         if pp is not None:
             for st in pp.strategies:
                 specs[st.out_specs[o] if o < len(st.out_specs) else st.out_specs[0]] = None
-        for p, oo, c, k in self.actual_edges:
+        for p, _oo, c, k in self.actual_edges:
             if p == jname and self.rep.get(c, c) in self.pnodes:
                 for st in self.pnodes[self.rep.get(c, c)].strategies:
                     specs[st.in_specs[k]] = None
@@ -393,7 +393,8 @@ class IntraOpProblem:
                 continue
             p = g.node(i)
             idx = output_index(n, k)
-            metas.append(p.outputs[idx] if idx < len(p.outputs) else (p.outputs[0] if p.outputs else TensorMeta((), "float32")))
+            metas.append(p.outputs[idx] if idx < len(p.outputs)
+                         else (p.outputs[0] if p.outputs else TensorMeta((), "float32")))
         return OpContext(n, metas, self.mesh_shape, g, self.float_bytes, self.interleaved_splits)
 
     def itemsize(self, meta: TensorMeta) -> int:
@@ -659,7 +660,8 @@ class IntraOpProblem:
         n = pn.node
         if pn.kind == "param":
             shape = tuple(int(d) for d in n.outputs[0].shape)
-            return local_numel(shape, st.out_specs[0], self.mesh_shape) * self.itemsize(n.outputs[0]) * self.state_factor
+            return (local_numel(shape, st.out_specs[0], self.mesh_shape) * self.itemsize(n.outputs[0])
+                    * self.state_factor)
         if pn.kind in ("boundary", "junction"):
             return 0.0
         if pn.kind == "call":
@@ -818,8 +820,8 @@ class IntraOpProblem:
             cu, ru = _classes(srcs)
             cv, rv = _classes(need)
             cost = [[0.0] * len(rv) for _ in ru]
-            for a, sa in enumerate(ru):
-                for b, sb in enumerate(rv):
+            for a in range(len(ru)):
+                for b in range(len(rv)):
                     st = pc.strategies[Gv.choice[cv.index(b)][c]]
                     src, sgp = srcs[cu.index(a)]
                     cost[a][b] = cnt * self.edge_cost(p, oidx, src, c, k, st, sgp)[0]
@@ -972,7 +974,7 @@ class IntraOpProblem:
             if pn.kind != "input" or grp.size == 1:
                 continue
             wanted = set()
-            for p, o, c, k in self.actual_edges:
+            for p, _o, c, k in self.actual_edges:
                 if self.rep.get(p, p) != grp.root:
                     continue
                 rc = self.rep.get(c, c)
@@ -1135,7 +1137,8 @@ class IntraOpProblem:
             sp = strat(o).out_specs[0]
             if n.kind == "param":
                 params[n.fqn] = sp
-                pbytes += local_numel(tuple(int(d) for d in n.outputs[0].shape), sp, self.mesh_shape) * self.itemsize(n.outputs[0])
+                pbytes += (local_numel(tuple(int(d) for d in n.outputs[0].shape), sp, self.mesh_shape)
+                           * self.itemsize(n.outputs[0]))
             elif n.kind == "input":
                 inputs[o] = sp
             elif n.kind == "call":

@@ -142,7 +142,7 @@ def label_strategies(ctx: OpContext, in_labels: Sequence[Sequence[Label]],
         if not ok:
             continue
 
-        def spec(pos: dict, is_out: bool) -> Spec:
+        def spec(pos: dict, is_out: bool, assign: dict = assign) -> Spec:
             s = []
             for a in range(ctx.ndim_mesh):
                 l = assign.get(a)

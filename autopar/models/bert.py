@@ -15,7 +15,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar.models.init import init_weights
-
 from autopar.models.registry import ZooEntry, _gen, register, token_inputs
 
 IGNORE = -100

@@ -18,7 +18,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar.models.init import init_weights
-
 from autopar.models.registry import ZooEntry, register, token_batch, token_inputs
 
 

@@ -96,10 +96,10 @@ def build(plan: Plan | str, model: str | ModelBundle | Callable[[], Any], *, see
           optimizer_factory: Optional[Callable] = None, check: bool = True):
     """This rank's ParallelModel (a collective: every rank of an initialised process group calls
     it). `model`: a model reference, a ModelBundle, or a factory returning one / (model, inputs)."""
+    import torch.distributed as dist
+
     from autopar.runtime.engine import ParallelModel
     from autopar.runtime.spmd import register_extra_strategies
-
-    import torch.distributed as dist
 
     p = _load(plan)
     if callable(model) and not isinstance(model, (str, ModelBundle)):

@@ -130,7 +130,7 @@ def state_dict(pm, *, for_load: bool = False) -> dict:
     state: dict = {"step": torch.tensor(pm.steps_done, dtype=torch.int64)}
     named = pm.local_named_parameters()
     masters = pm.masters.masters if pm.masters is not None else [p for _, p in named]
-    for (n, p), m in zip(named, masters):
+    for (n, _p), m in zip(named, masters):
         # mixed precision saves the fp32 masters (ZeRO-1/2: gathered below), so a resume, in
         # any layout or precision, continues from the exact weights
         if n not in skip and not (pm.zero12 and pm.low is not None):

@@ -48,10 +48,14 @@ from autopar.models.registry import ModelBundle
 from autopar.runtime.materialize import canonical_names, materialize
 from autopar.runtime.pipeline_p2p import FanoutPipelineStage, replica_ranks
 from autopar.runtime.precision import MasterWeights, cast_parameters_, fsdp_policy, low_dtype
-from autopar.runtime.spmd import (SPMDModule, allow_implicit_replication, distribute_params,
-                                  grads_to_param_layout, register_extra_strategies)
-from autopar.runtime.tied_grads import (FlatTiedSync, FullTiedSync, all_gather_flat, allreduce_flat,
-                                        reduce_scatter_flat)
+from autopar.runtime.spmd import (
+    SPMDModule,
+    allow_implicit_replication,
+    distribute_params,
+    grads_to_param_layout,
+    register_extra_strategies,
+)
+from autopar.runtime.tied_grads import FlatTiedSync, FullTiedSync, all_gather_flat, allreduce_flat, reduce_scatter_flat
 from autopar.runtime.vocab_loss import VocabParallelLoss
 from autopar.schema.errors import PlanError
 from autopar.schema.plan import Plan, StagePlan
@@ -291,7 +295,7 @@ def validate_plan(plan: Plan, model: nn.Module) -> dict:
             p = names.get(fqn)
             if p is None:
                 raise PlanError(f"stage {s.index} places {fqn!r}, which the model does not have")
-            for ax, q in zip(s.mesh_shape, pl):
+            for _ax, q in zip(s.mesh_shape, pl):
                 if q.startswith("S("):
                     d = int(q[2:-1])
                     if not -p.dim() <= d < p.dim():
@@ -647,7 +651,8 @@ class ParallelModel:
         for si, s in enumerate(self.stages):
             if si % self.pp in dss and any(
                     self.aliases.get(f"{fqn}.{n}", f"{fqn}.{n}") == canon
-                    for fqn in s.layers for n, _ in get_submodule(self.model, fqn).named_parameters(remove_duplicate=False)):
+                    for fqn in s.layers
+                    for n, _ in get_submodule(self.model, fqn).named_parameters(remove_duplicate=False)):
                 out.append(s)
         return out
 

@@ -14,8 +14,9 @@ the optimizer state; the second is the steady state the summary compares with th
 rows carry the second step's figure with `"memory_tracked": false`. `AUTOPAR_TRACK_MEMORY=all`
 tracks every step, `=0` none (rows then carry the process's peak RSS, as `memory_source: "rss"`
 says in the summary). A tracked step runs several times slower (a Python dispatch per op); the
-summary's time leaves tracked steps out when untracked ones remain. Test hook: `AUTOPAR_FAULT=RANK:STEP` makes that rank exit abruptly before
-that step on the first attempt (TORCHELASTIC_RESTART_COUNT 0), to exercise restarts.
+summary's time leaves tracked steps out when untracked ones remain. Test hook:
+`AUTOPAR_FAULT=RANK:STEP` makes that rank exit abruptly before that step on the first attempt
+(TORCHELASTIC_RESTART_COUNT 0), to exercise restarts.
 """
 
 from __future__ import annotations

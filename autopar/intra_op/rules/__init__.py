@@ -103,5 +103,16 @@ def _load() -> None:
     if _LOADED:
         return
     _LOADED = True
-    from autopar.intra_op.rules import (attention, creation, elementwise, embedding, indexing,  # noqa: F401
-                                        loss, matmul, norm, reduction, softmax, view)
+    from autopar.intra_op.rules import (  # noqa: F401
+        attention,
+        creation,
+        elementwise,
+        embedding,
+        indexing,
+        loss,
+        matmul,
+        norm,
+        reduction,
+        softmax,
+        view,
+    )

@@ -7,8 +7,14 @@ from __future__ import annotations
 
 from autopar.capture.graph import Ref
 from autopar.intra_op.rules import register
-from autopar.intra_op.strategy import (OpContext, Strategy, broadcast_labels, dims_labels,
-                                       label_strategies, with_partial_passthrough)
+from autopar.intra_op.strategy import (
+    OpContext,
+    Strategy,
+    broadcast_labels,
+    dims_labels,
+    label_strategies,
+    with_partial_passthrough,
+)
 
 UNARY = ("relu", "gelu", "silu", "tanh", "sigmoid", "exp", "log", "log1p", "expm1", "rsqrt", "sqrt",
          "reciprocal", "cos", "sin", "abs", "erf", "square", "sign", "floor", "ceil", "round",

@@ -12,7 +12,6 @@ from autopar.intra_op.placement import REPLICATE
 from autopar.intra_op.rules import register
 from autopar.intra_op.strategy import OpContext, Strategy, dims_labels, label_strategies
 
-
 # loss op -> position of its `reduction` argument (0 none, 1 mean, 2 sum); the rules below and
 # the solution executor (`intra_op.execute`) read it
 REDUCTION_ARG = {"cross_entropy_loss": 3, "nll_loss": 3, "nll_loss_forward": 3, "nll_loss2d": 3,

@@ -62,5 +62,7 @@ def along_dim(ctx: OpContext) -> list[Strategy]:
     outs = []
     for j in range(len(ctx.out_metas)):
         o = ctx.out_shape(j)
-        outs.append(li if len(o) == n else [l for k, l in enumerate(li) if k != dim] if len(o) == n - 1 else [None] * len(o))
+        outs.append(li if len(o) == n
+                    else [l for k, l in enumerate(li) if k != dim] if len(o) == n - 1
+                    else [None] * len(o))
     return label_strategies(ctx, [li], outs)

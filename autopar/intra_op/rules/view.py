@@ -11,8 +11,14 @@ every chunk, as Megatron lays out the fused QKV weight); the solution records it
 from __future__ import annotations
 
 from autopar.intra_op.rules import register
-from autopar.intra_op.strategy import (OpContext, Strategy, broadcast_labels, dims_labels,
-                                       label_strategies, with_partial_passthrough)
+from autopar.intra_op.strategy import (
+    OpContext,
+    Strategy,
+    broadcast_labels,
+    dims_labels,
+    label_strategies,
+    with_partial_passthrough,
+)
 
 MATMUL_PRODUCERS = ("linear", "mm", "addmm", "bmm", "baddbmm", "matmul")
 
@@ -30,18 +36,28 @@ def view_groups(ishape: tuple[int, ...], oshape: tuple[int, ...]) -> list[tuple[
         gi, gj = [], []
         pi = pj = 1
         while i < ni and ishape[i] == 1 and (j >= no or oshape[j] != 1):
-            gi.append(i); i += 1
+            gi.append(i)
+            i += 1
         while j < no and oshape[j] == 1 and (i >= ni or ishape[i] != 1):
-            gj.append(j); j += 1
+            gj.append(j)
+            j += 1
         if i < ni:
-            gi.append(i); pi = ishape[i]; i += 1
+            gi.append(i)
+            pi = ishape[i]
+            i += 1
         if j < no:
-            gj.append(j); pj = oshape[j]; j += 1
+            gj.append(j)
+            pj = oshape[j]
+            j += 1
         while pi != pj and (i < ni or j < no):
             if (pi < pj and i < ni) or j >= no:
-                pi *= ishape[i]; gi.append(i); i += 1
+                pi *= ishape[i]
+                gi.append(i)
+                i += 1
             else:
-                pj *= oshape[j]; gj.append(j); j += 1
+                pj *= oshape[j]
+                gj.append(j)
+                j += 1
         groups.append((gi, gj))
     return groups
 
