@@ -535,12 +535,14 @@ def _build_spec(res: dict[str, list], n: int, cuda: bool, threads: int, elapsed:
         mem_src = f"physical memory (os.sysconf) divided by {n} processes"
     extra, extra_sources = _measured_costs(res, how)
     device = DeviceSpec(
-        name=name, peak_flops=peaks, memory_bytes=mem, memory_bandwidth=mem_bw, gemm_efficiency=curves,
+        name=name, device_type="cuda" if cuda else "cpu", peak_flops=peaks, memory_bytes=mem,
+        memory_bandwidth=mem_bw, gemm_efficiency=curves,
         memory_efficiency=1.0, kernel_overhead_s=overhead,
         vector_flops=(sorted(res["vector"][0][0].values())[len(res["vector"][0][0]) // 2]
                       if res.get("vector") else None),
         op_flops=dict(res["vector"][0][0]) if res.get("vector") else {},
         sources={
+            "device_type": "the device the profiler ran on (torch.cuda.is_available())",
             "peak_flops": f"{how}: best rate of square torch.mm over n in {sizes} per dtype"
                           + ("" if cuda else f", {threads} thread(s) per process"),
             "gemm_efficiency": f"{how}: each size's torch.mm rate over the dtype's peak",

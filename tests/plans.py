@@ -68,7 +68,7 @@ def model_info(ref: str) -> ModelInfo:
 
 def cpu_cluster(n: int = 4) -> ClusterSpec:
     return ClusterSpec(name="cpu-test", num_nodes=1, devices_per_node=n,
-                       device=DeviceSpec(name="cpu-process", peak_flops={"fp32": 5e10},
+                       device=DeviceSpec(name="cpu-process", device_type="cpu", peak_flops={"fp32": 5e10},
                                          memory_bytes=8 * 2**30, memory_bandwidth=1e10),
                        intra_node=LinkSpec(bandwidth=2e9, latency=5e-5))
 

@@ -337,3 +337,35 @@ def test_backward_transient_after_later_layers_freed():
     assert tb.range_work_rc["full"][0, 3] == pytest.approx(10.0)
     # without the head, the last block's recomputation is the transient
     assert tb.range_work["full"][0, 2] == pytest.approx(50.0)
+
+
+def test_show_prints_headroom_and_the_peak_breakdown():
+    """`autopar show` (plan.summary) states the usable memory, the headroom kept and where the
+    peak is reached, by category; the plan file round-trips those fields."""
+    from autopar.models import build_model
+    from autopar.schema.plan import Plan
+
+    b = build_model("gpt-tiny", device="meta")
+    cluster = autopar.ClusterSpec.load("dgx-a100-80g", num_nodes=1)
+    plan = autopar.plan(b.model, cluster, example_inputs=b.example_inputs, global_batch_size=16,
+                        constraints=autopar.Constraints(dp=8, tp=1, pp=1, zero_stage=0))
+    text = plan.summary()
+    assert "73.60 GiB usable (6.40 GiB of the device's 80.00 GiB kept as headroom, an estimate" in text
+    # a tiny model at 2 samples per rank peaks in the optimizer step, where the fp32 gradients
+    # of the masters (4 bytes per parameter) replace the bf16 ones
+    n = plan.model.num_params
+    assert "peak memory at optimizer step of stage 0: weights" in text
+    assert plan.stages[0].predicted.gradients_bytes == pytest.approx(4 * n)
+    again = Plan.from_json(plan.to_json())
+    sp = again.stages[0].predicted
+    assert sp.peak_phase == plan.stages[0].predicted.peak_phase
+    assert again.predicted.usable_memory_bytes == plan.predicted.usable_memory_bytes
+    # an old plan file without the new fields still reads
+    import json
+
+    d = json.loads(plan.to_json())
+    del d["predicted"]["usable_memory_bytes"]
+    for st in d["stages"]:
+        del st["predicted"]["buffers_bytes"], st["predicted"]["peak_phase"]
+    old = Plan.model_validate(d)
+    assert old.stages[0].predicted.peak_phase == "forward_backward" and "usable" not in old.summary()

@@ -71,10 +71,9 @@ class LayerCost:
 
 
 def autocast_device(cluster: ClusterSpec) -> str:
-    """The device type autopar's runtime autocasts on for `cluster` ("cpu" for a CPU profile,
-    whose device name starts with "cpu", as the bundled `cpu` profile's; "cuda" otherwise): it
-    decides which ops run in fp32 under mixed precision (`cost_models.memory`)."""
-    return "cpu" if cluster.device.name.lower().startswith("cpu") else "cuda"
+    """The device type autopar's runtime autocasts on for `cluster` (`DeviceSpec.device_type`):
+    it decides which ops run in fp32 under mixed precision (`cost_models.memory`)."""
+    return cluster.device.device_type
 
 
 def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | None = None) -> None:

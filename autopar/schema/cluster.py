@@ -96,6 +96,9 @@ class DeviceSpec(_Strict):
         default="fused", description="how scaled_dot_product_attention runs: fused (FlashAttention-style, "
                                      "scores never stored) or unfused (scores materialised, softmax "
                                      "memory-bound, as in Megatron-LM 2021)")
+    device_type: Literal["cuda", "cpu"] = Field(
+        default="cuda", description="the torch device type the runtime trains on: it sets which ops "
+                                    "mixed precision (torch.autocast) keeps in fp32, so what they save")
     sources: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("peak_flops")
