@@ -35,6 +35,9 @@ def cases():
         ("gpt3-175b", lambda: build_model("gpt3-175b"), "dgx-a100-80g", 192, 1536),
         ("gpt-1t", lambda: _gpt_bundle("gpt-1t", GPTConfig(vocab_size=51200, seq_len=2048, hidden=25600,
                                                            layers=128, heads=160)), "dgx-a100-80g", 384, 3072),
+        # issue 18's case: Megatron's 39.1B run (Narayanan et al. 2021) planned freely
+        ("gpt-39.1b", lambda: _gpt_bundle("gpt-39.1b", GPTConfig(vocab_size=51200, seq_len=2048, hidden=8192,
+                                                                 layers=48, heads=64)), "dgx-a100-80g", 64, 1536),
         ("llama2-70b", lambda: build_model("llama2-70b"), h100, 8, 1024),
         ("gpt3-1.3b", lambda: build_model("gpt3-1.3b"), "dgx-a100-80g", 1, 512),
     ]
@@ -63,10 +66,11 @@ def main() -> None:
                      f"{p.schedule}{f' v={p.virtual_stages}' if p.virtual_stages > 1 else ''} zero={p.zero_stage} "
                      f"rc={p.stages[0].recompute}",
                      f"{p.predicted.iteration_time_s:.3g}", f"{p.predicted.tflops_per_device:.0f}",
+                     f"{p.predicted.peak_memory_bytes / 2**30:.1f} / {p.predicted.usable_memory_bytes / 2**30:.1f}",
                      str(p.search.get("evaluated")), str(p.search.get("intra_op"))))
         print(" | ".join(rows[-1]), flush=True)
     cols = ["model", "cluster", "batch", "capture s", "search s", "of which assembly s", "plan", "iter s",
-            "TFLOP/s/dev", "evaluated", "intra-op"]
+            "TFLOP/s/dev", "peak / usable GiB", "evaluated", "intra-op"]
     w = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     print()
     print("  ".join(c.ljust(x) for c, x in zip(cols, w)))

@@ -43,8 +43,8 @@ def torch_schedule(kind: str, num_stages: int, num_microbatches: int, virtual_st
     return "Schedule1F1B"
 
 
-def _actions(cls_name: TorchSchedule, p: int, m: int, v: int) -> dict[int, list]:
-    """torch's per-rank action lists (None entries are idle steps)."""
+def _rank_actions(cls_name: TorchSchedule, p: int, m: int, v: int, rank: int) -> list:
+    """torch's action list of one rank (None entries are idle steps)."""
     from torch.distributed.pipelining import schedules as S
 
     if cls_name == "ScheduleInterleaved1F1B":
@@ -53,10 +53,11 @@ def _actions(cls_name: TorchSchedule, p: int, m: int, v: int) -> dict[int, list]
             raise ValueError(f"interleaved 1F1B needs the {m} micro-batches to be a multiple of {rounds} rounds")
         ns = SimpleNamespace(n_local_stages=v, microbatches_per_round=m // rounds, pp_group_size=p,
                              _n_microbatches=m)
-        return {r: S.ScheduleInterleaved1F1B._calculate_single_rank_operations(ns, r) for r in range(p)}
+        return S.ScheduleInterleaved1F1B._calculate_single_rank_operations(ns, rank)
+    # single-stage schedules build every rank's list at once
     ns = SimpleNamespace(_num_stages=p, _n_microbatches=m)
     cls = S.ScheduleGPipe if cls_name == "ScheduleGPipe" else S.Schedule1F1B
-    return cls._get_pipeline_order(ns)
+    return cls._get_pipeline_order(ns)[rank]
 
 
 @lru_cache(maxsize=4096)
@@ -68,7 +69,7 @@ def _profile(cls_name: TorchSchedule, p: int, m: int, v: int, rank: int) -> tupl
     held = [0] * v
     parts: tuple[list, list] = ([], [])
     seen_backward = False
-    for a in _actions(cls_name, p, m, v)[rank]:
+    for a in _rank_actions(cls_name, p, m, v, rank):
         if a is None:
             continue
         local = a.stage_index // p        # chunk c of rank r is stage c * p + r
@@ -85,24 +86,44 @@ def _profile(cls_name: TorchSchedule, p: int, m: int, v: int, rank: int) -> tupl
 
 def _maximal(moments: list) -> tuple:
     """The moments no other moment dominates (the peak of a non-negative weighting is at one)."""
-    uniq = sorted(set(moments))
-    return tuple(x for x in uniq if not any(y != x and all(b >= a for a, b in zip(x, y)) for y in uniq))
+    uniq = sorted(set(moments), key=sum, reverse=True)
+    keep: list[tuple] = []
+    for x in uniq:      # a moment can only be dominated by one with at least its total
+        if not any(all(b >= a for a, b in zip(x, y)) for y in keep):
+            keep.append(x)
+    return tuple(sorted(keep))
 
 
+@lru_cache(maxsize=65536)
 def held_split(kind: str, num_stages: int, rank: int, num_microbatches: int,
                virtual_stages: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Chunk micro-batches rank `rank` holds after each of its forwards, split into the
     moments before its first backward (no weight gradient exists yet) and after it (the
     gradients accumulate from then on), each of shape (moments, virtual_stages): entry [t, c]
     is how many micro-batches of local chunk c (global stage c * num_stages + rank) it holds.
-    Only maximal moments are kept; the second part may be empty."""
-    p, m, v, r = int(num_stages), int(num_microbatches), max(int(virtual_stages), 1), int(rank)
+    Only maximal moments are kept; the second part may be empty. Cached: the arrays are
+    read-only."""
+    pre, post = _held_split(kind, int(num_stages), int(rank), int(num_microbatches), max(int(virtual_stages), 1))
+    pre.setflags(write=False)
+    post.setflags(write=False)
+    return pre, post
+
+
+def _held_split(kind: str, p: int, r: int, m: int, v: int) -> tuple[np.ndarray, np.ndarray]:
     if not 0 <= r < p:
         raise ValueError(f"stage {r} is outside 0..{p - 1}")
     if p == 1 and v == 1:
         # no pipeline: micro-batches one after another, the later ones beside the gradients
         return np.ones((1, 1)), (np.ones((1, 1)) if m > 1 else np.zeros((0, 1)))
     cls = torch_schedule(kind, p, m, v)
+    if cls == "ScheduleGPipe":
+        return np.array([[float(m)]]), np.zeros((0, 1))
+    if cls == "Schedule1F1B":
+        # torch's 1F1B (its _step_microbatches and _get_pipeline_order agree): p - r forwards
+        # before the first backward, then one forward and one backward each while forwards
+        # remain. The tests check this against torch's action lists for many p, m
+        k = float(p - r)
+        return np.array([[k]]), (np.array([[k]]) if m > p - r else np.zeros((0, 1)))
     pre, post = _profile(cls, p, m, v, r)
     return np.array(pre, dtype=float).reshape(-1, v), np.array(post, dtype=float).reshape(-1, v)
 

@@ -8,7 +8,7 @@ import pytest
 
 import autopar
 from cost_models.memory import inflight_microbatches, runtime_phases
-from cost_models.schedules import _actions, held_profile, peak_held, torch_schedule
+from cost_models.schedules import _profile, _rank_actions, held_profile, held_split, peak_held, torch_schedule
 
 
 def _simulate(kind: str, p: int, r: int, m: int, v: int, chunk_bytes) -> float:
@@ -17,7 +17,7 @@ def _simulate(kind: str, p: int, r: int, m: int, v: int, chunk_bytes) -> float:
     from torch.distributed.pipelining.schedules import _ComputationType as C
 
     held = cur = 0.0
-    for a in _actions(torch_schedule(kind, p, m, v), p, m, v)[r]:
+    for a in _rank_actions(torch_schedule(kind, p, m, v), p, m, v, r):
         if a is None:
             continue
         c = a.stage_index // p
@@ -39,6 +39,15 @@ def test_1f1b_and_gpipe_hold_what_torch_runs(p, m):
         assert inflight_microbatches("1f1b", p, r, m) == expect
         assert inflight_microbatches("gpipe", p, r, m) == m
     assert torch_schedule("1f1b", p, m) == ("ScheduleGPipe" if m < p else "Schedule1F1B")
+    # the closed forms held_split uses for torch's single-stage schedules equal a walk over
+    # torch's own action lists, before and after the first backward
+    for kind in ("1f1b", "gpipe"):
+        cls = torch_schedule(kind, p, m)
+        for r in range(p):
+            pre, post = held_split(kind, p, r, m)
+            walk_pre, walk_post = _profile(cls, p, m, 1, r)
+            assert pre.tolist() == [list(x) for x in walk_pre]
+            assert post.tolist() == [list(x) for x in walk_post]
 
 
 @pytest.mark.parametrize("p,v,m", [(2, 2, 2), (2, 8, 2), (4, 2, 8), (4, 3, 4), (8, 3, 64), (2, 4, 6)])

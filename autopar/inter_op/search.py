@@ -205,27 +205,16 @@ class _Tables:
         for r, wk in self.work.items():
             P = self.act[r]
             rc_kind = self.rcw[r] > self.tmp
-            Wrc = np.full((L, L + 1), -INF)
-            Wtmp = np.full((L, L + 1), -INF)
-            for a in range(L):
-                v = wk[a:] + P[a + 1:]
-                Wrc[a, a + 1:] = np.maximum.accumulate(np.where(rc_kind[a:], v, -INF)) - P[a + 1:]
-                Wtmp[a, a + 1:] = np.maximum.accumulate(np.where(rc_kind[a:], -INF, v)) - P[a + 1:]
+            v = wk + P[1:]
+            Wrc = _range_max(np.where(rc_kind, v, -INF)) - P[None, :]
+            Wtmp = _range_max(np.where(rc_kind, -INF, v)) - P[None, :]
             self.range_work_rc[r], self.range_work_tmp[r] = Wrc, Wtmp
             self.range_work[r] = np.maximum(np.maximum(Wrc, Wtmp), 0.0)
-        self.range_tmp = np.zeros((L, L + 1))
-        for a in range(L):
-            self.range_tmp[a, a + 1:] = np.maximum.accumulate(self.tmp[a:])
-        maxlayer = np.zeros((L, L + 1))
-        for a in range(L):
-            maxlayer[a, a + 1:] = np.maximum.accumulate(self.pel_layer[a:])
-        self.range_maxlayer = maxlayer
+        self.range_tmp = np.maximum(_range_max(self.tmp), 0.0)
+        self.range_maxlayer = np.maximum(_range_max(self.pel_layer), 0.0)
         # the largest parameter tensor per device (AdamW's temporaries are its size)
         big = np.array([max(c.param_elems.values(), default=0.0) for c in costs])
-        maxt = np.zeros((L, L + 1))
-        for a in range(L):
-            maxt[a, a + 1:] = np.maximum.accumulate(big[a:])
-        self.range_maxtensor = maxt
+        self.range_maxtensor = np.maximum(_range_max(big), 0.0)
 
     def ranged(self, arr: np.ndarray) -> np.ndarray:
         return arr[np.clip(self.jj, 0, self.L)] - arr[self.kk]
@@ -298,6 +287,16 @@ class _Tables:
         (ZeRO reduces them once per step)."""
         share = (m - 1) / m if m > 1 else 0.0
         return share * memory_time(np.asarray(pel) * grad_accumulation_bytes(self.dtype), self.cluster.device)
+
+
+def _range_max(x: np.ndarray) -> np.ndarray:
+    """out[k, j] = max(x[k:j]) for every layer range [k, j) (-inf where j <= k), shape (L, L + 1)."""
+    x = np.asarray(x, dtype=float)
+    L = len(x)
+    k = np.arange(L)[:, None]
+    i = np.arange(L)[None, :]
+    run = np.maximum.accumulate(np.where(i >= k, x[None, :], -INF), axis=1)   # run[k, i] = max x[k..i]
+    return np.concatenate([np.full((L, 1), -INF), run], axis=1)
 
 
 _LINEAR: dict[tuple, tuple[float, float]] = {}
@@ -374,6 +373,7 @@ class Search:
         self.min_memory = INF
         self.evaluated = 0
         self.considered = 0
+        self.considered_infeasible = 0    # candidates whose model states alone overflow
         self._chunk_cache: dict = {}
         self._tables_cache: dict = {}
         self._costs_cache: dict = {}
@@ -481,18 +481,26 @@ class Search:
                 rc_min = min(sum(c.rc_extra_s.get(r, 0.0) for c in costs) for r in self.recomputes())
                 ideal = m * (per_layer + rc_min) / pp
                 pel = sum(sum(c.param_elems.values()) for c in costs) / pp
-                for sched, v in self.schedules(pp, m):
-                    for z in self.zeros(dp, tp):
+                for z in self.zeros(dp, tp):
+                    # memory lower bound: the model states of an average stage, no activations
+                    states = max(ph.total for ph in runtime_phases(pel, self.dtype, z, dp, num_microbatches=m))
+                    if states > self.budget:
+                        self.min_memory = min(self.min_memory, states)
+                        self.considered_infeasible += len(self.schedules(pp, m))
+                        continue
+                    for sched, v in self.schedules(pp, m):
                         # lower bound: balanced stages, the schedule's bubble, the gradient sync
                         lb = ideal * (1 + (pp - 1) / (v * m)) + _sync_time(self.cluster, self.dtype, dp, tp, z, pel)
                         cands.append((lb, Candidate(dp, tp, pp, mb, m, sched, v, z)))
         cands.extend(self._hetero_candidates(meshes))
+        if not cands and self.considered_infeasible:
+            raise self._no_fit()
         if not cands:
             if issues:
                 raise PlanError(f"tensor parallelism cannot hold: {issues[0]}", constraint="tp")
             raise PlanError(self._why_no_candidates(meshes), constraint=self._failing_constraint())
         cands.sort(key=lambda x: (x[0], x[1].zero, x[1].v))
-        self.considered = len(cands)
+        self.considered = len(cands) + self.considered_infeasible
         best: Optional[Candidate] = None
         bar = _Progress(self.progress, len(cands))
         for i, (lb, cand) in enumerate(cands):
@@ -505,14 +513,17 @@ class Search:
                 best = cand
         bar.done()
         if best is None:
-            raise PlanError(f"no plan fits in memory: the least memory any plan needs is "
-                            f"{self.min_memory / 2**30:.2f} GiB per device, the device has "
-                            f"{self.cluster.device.memory_bytes / 2**30:.2f} GiB "
-                            f"({self.budget / 2**30:.2f} GiB usable); add devices, or allow "
-                            f"recomputation, ZeRO or more pipeline stages",
-                            min_memory_bytes=self.min_memory)
+            raise self._no_fit()
         return SearchResult(best, self.layers, self.provider, self.evaluated, self.considered,
                             time.perf_counter() - t0, self.min_memory)
+
+    def _no_fit(self) -> PlanError:
+        return PlanError(f"no plan fits in memory: the least memory any plan needs is "
+                         f"{self.min_memory / 2**30:.2f} GiB per device, the device has "
+                         f"{self.cluster.device.memory_bytes / 2**30:.2f} GiB "
+                         f"({self.budget / 2**30:.2f} GiB usable); add devices, or allow "
+                         f"recomputation, ZeRO or more pipeline stages",
+                         min_memory_bytes=self.min_memory)
 
     def _hetero_candidates(self, meshes) -> list[tuple[float, Candidate]]:
         """Candidates for Alpa's DP with a free sub-mesh per stage (stages may differ in tp),
@@ -716,8 +727,10 @@ class Search:
             for d, g in enumerate(groups):
                 st = self._stage(tb, cand, list(g), r, held_split("interleaved_1f1b", p, d, m, v))
                 if st.peak_bytes > self.budget:
+                    # the first group holds the most in flight: stop at the first that overflows
                     fits = False
                     self.min_memory = min(self.min_memory, st.peak_bytes)
+                    break
                 stages.append(st)
             if not fits:
                 continue
@@ -729,6 +742,10 @@ class Search:
                 cand.iteration_s, cand.pipeline_s, cand.tail_s, cand.stages = (
                     trial.iteration_s, trial.pipeline_s, trial.tail_s, trial.stages)
                 best_ok = True
+            # recomputation only adds time (each layer's cost grows none -> selective -> full):
+            # once a policy fits, the later ones cannot be faster
+            if list(self.recomputes()) == list(RECOMPUTES):
+                break
         cand.costs = tb
         return best_ok
 
