@@ -8,8 +8,12 @@ not the planner.
 - `cost_models.communication`: `collective_time` (alpha-beta), `link_collective_time` (measured
   tables first), `axis_collective_time` (a group of ranks on a cluster: in-node, rail, rail rings
   or hierarchical), `logical_mesh`, `mesh_axis_collective_time`.
-- `cost_models.memory`: `model_state_bytes` (precision x ZeRO), `activation_memory` (graph
-  liveness, recompute none/selective/full), `inflight_microbatches`, `peak_memory`,
-  `korthikanti_layer_bytes`.
+- `cost_models.memory`: `model_state_bytes` (precision x ZeRO, the textbook split),
+  `runtime_phases` (what autopar's runtime holds in each phase of a step: flat sync buffers,
+  fp32 master gradients, FSDP's unsharded gradients, AdamW's temporaries), `activation_memory`
+  (graph liveness, recompute none/selective/full, autocast by device type, the backward's
+  transient), `inflight_microbatches`, `peak_memory`, `korthikanti_layer_bytes`.
+- `cost_models.schedules`: the torch.pipelining schedule a plan runs (`torch_schedule`) and the
+  chunk micro-batches each rank holds, from torch's own action lists (`held_split`).
 - `cost_models.profiler`: `profile_machine` (writes a profile YAML).
 """

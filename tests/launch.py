@@ -1,6 +1,7 @@
 """Launch a test script under torch's elastic launcher (what torchrun runs), as the multi-process
 runtime tests do: `nproc` local processes, one thread each, the repository on PYTHONPATH, run
-from the repository root; the environment is restored afterwards."""
+from the repository root, memory tracking off unless asked for; the environment is restored
+afterwards."""
 
 from __future__ import annotations
 
@@ -18,8 +19,11 @@ def elastic_run(script: Path, args: list[str], nproc: int) -> None:
 
     from autopar.runtime import _free_port
 
-    env_old = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PYTHONPATH")}
+    env_old = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PYTHONPATH", "AUTOPAR_TRACK_MEMORY")}
     os.environ["OMP_NUM_THREADS"] = "1"
+    # the layout jobs check losses and collectives; the worker's per-step memory tracking (8x a
+    # step's time) is left to the memory tests, which track explicitly or through `run`
+    os.environ.setdefault("AUTOPAR_TRACK_MEMORY", "0")
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT)] + [p for p in (env_old["PYTHONPATH"] or "").split(os.pathsep) if p])
     cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
