@@ -27,8 +27,9 @@ Recomputation (Korthikanti et al. 2022, arXiv 2205.05198):
   every tensor an op inside that module saves is dropped and re-made in its backward; the
   module keeps only its inputs (non-reentrant checkpoint stores the function's arguments).
 `count_inputs=False`: graph inputs (the model's batch) are not activations: the runtime holds
-the step's batch whole anyway (the planner counts it as `batch_bytes`) and a micro-batch's slice
-of it is a view, so an op saving it adds nothing.
+the rank's rows of the step's batch through the step anyway (the planner counts them as the
+stage's `batch_bytes`) and a micro-batch's slice of them is a view, so an op saving it adds
+nothing.
 Captures are fp32 on meta: `dtype` rescales floating-point tensors to the training dtype, so the
 figures are those of a bf16/fp16 run (masks and indices keep their size). `device_type` ("cuda",
 "cpu") applies torch.autocast's per-device op lists as autopar's runtime runs mixed precision
