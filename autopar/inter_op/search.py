@@ -210,7 +210,6 @@ class _Tables:
             Wtmp = _range_max(np.where(rc_kind, -INF, v)) - P[None, :]
             self.range_work_rc[r], self.range_work_tmp[r] = Wrc, Wtmp
             self.range_work[r] = np.maximum(np.maximum(Wrc, Wtmp), 0.0)
-        self.range_tmp = np.maximum(_range_max(self.tmp), 0.0)
         self.range_maxlayer = np.maximum(_range_max(self.pel_layer), 0.0)
         # the largest parameter tensor per device (AdamW's temporaries are its size)
         big = np.array([max(c.param_elems.values(), default=0.0) for c in costs])
@@ -726,12 +725,17 @@ class Search:
             fits = True
             for d, g in enumerate(groups):
                 st = self._stage(tb, cand, list(g), r, held_split("interleaved_1f1b", p, d, m, v))
-                if st.peak_bytes > self.budget:
-                    # the first group holds the most in flight: stop at the first that overflows
-                    fits = False
-                    self.min_memory = min(self.min_memory, st.peak_bytes)
-                    break
                 stages.append(st)
+                if st.peak_bytes > self.budget:
+                    # infeasible: the rest of the groups matter only for the least memory a plan
+                    # needs (the largest group's peak), and only if this one is under it so far
+                    fits = False
+                    if st.peak_bytes < self.min_memory:
+                        peak = max([st.peak_bytes] + [
+                            self._stage(tb, cand, list(g2), r, held_split("interleaved_1f1b", p, d2, m, v)).peak_bytes
+                            for d2, g2 in enumerate(groups) if d2 > d])
+                        self.min_memory = min(self.min_memory, peak)
+                    break
             if not fits:
                 continue
             tmax = max(s.t_mb for s in stages)
@@ -742,10 +746,9 @@ class Search:
                 cand.iteration_s, cand.pipeline_s, cand.tail_s, cand.stages = (
                     trial.iteration_s, trial.pipeline_s, trial.tail_s, trial.stages)
                 best_ok = True
-            # recomputation only adds time (each layer's cost grows none -> selective -> full):
-            # once a policy fits, the later ones cannot be faster
-            if list(self.recomputes()) == list(RECOMPUTES):
-                break
+            # recomputation only adds time (each layer's cost grows none -> selective -> full,
+            # the order `recomputes` lists them in): once a policy fits, later ones are slower
+            break
         cand.costs = tb
         return best_ok
 
