@@ -145,8 +145,8 @@ def worker(out: str, plan_paths: list[str]) -> None:
             bundle = build_model(plan.model.name, device="meta")
             pm = ParallelModel(plan, bundle, seed=0)
             G = plan.global_batch_size
-            pm.train_step(call_batch_fn(bundle.batch_fn, 0, G, 0))
-            _, rep = track_step(pm, call_batch_fn(bundle.batch_fn, 1, G, 0), skip=base)
+            pm.train_step(pm.local_batch(call_batch_fn(bundle.batch_fn, 0, G, 0)))
+            _, rep = track_step(pm, pm.local_batch(call_batch_fn(bundle.batch_fn, 1, G, 0)), skip=base)
             mine = rep.to_dict()
             del pm, bundle, base
         except Exception as e:  # noqa: BLE001 - recorded per plan; the launch fails below

@@ -21,15 +21,16 @@ Recomputation (Korthikanti et al. 2022, arXiv 2205.05198):
   matmul with V) saves of its own intermediates; it keeps Q, K, V and re-runs the core;
 - "full" keeps only each layer's inputs (tensors a layer reads from outside it); ops outside the
   repeated layers keep their tensors; one layer's full activations are live again while its
-  backward runs (`working_bytes`).
+  backward runs, beside the gradients its ops make (`working_bytes`).
   `selective_region="module"` is what autopar's runtime checkpoints instead (`engine.apply_recompute`:
   torch.utils.checkpoint around the layer's attention child, the whole layer when it has none):
   every tensor an op inside that module saves is dropped and re-made in its backward; the
   module keeps only its inputs (non-reentrant checkpoint stores the function's arguments).
 `count_inputs=False`: graph inputs (the model's batch) are not activations: the runtime holds
 the rank's rows of the step's batch through the step anyway (the planner counts them as the
-stage's `batch_bytes`) and a micro-batch's slice of them is a view, so an op saving it adds
-nothing.
+stage's batch) and a micro-batch's slice of them is a view, so an op saving it adds nothing;
+except a floating input read by a matrix op under mixed precision: autocast saves the 2-byte
+copy it makes.
 Captures are fp32 on meta: `dtype` rescales floating-point tensors to the training dtype, so the
 figures are those of a bf16/fp16 run (masks and indices keep their size). `device_type` ("cuda",
 "cpu") applies torch.autocast's per-device op lists as autopar's runtime runs mixed precision
@@ -130,13 +131,21 @@ class ActivationMemory:
     """Activation bytes of one micro-batch held between forward and backward.
 
     `per_layer[fqn]` is what each repeated layer holds (key None: ops outside every layer);
-    `working_bytes` is the transient extra while one layer is recomputed for its backward;
+    `working_bytes` is the transient extra while one layer is recomputed for its backward: the
+    most, over the recomputed region's ops taken backward, of what the ops up to that one
+    re-saved plus that op's backward transient (`BACKWARD_LIVE` times its output);
     `loss_grad_bytes` what a loss's backward holds as the backward starts: its output's and its
     input's gradients, fp32 and the size of its input (the logits of a language model), live
     before any recomputation; `loss_input_bytes` that input at the training dtype (what a last
     pipeline stage hands its loss and keeps until the backward);
     `backward_bytes` what one op's backward holds at once: the gradient of its output and the
-    one it makes for its input, `BACKWARD_LIVE` times the largest tensor the ops make."""
+    one it makes for its input, `BACKWARD_LIVE` times the largest tensor the ops make;
+    `backward_over_bytes` the most the backward holds above `saved_bytes` at any moment, taken op
+    by op in reverse: the tensors still saved (autograd frees what an op saved once its backward
+    ran) plus that op's output and input gradients (a loss: its fp32 input gradient), or, where a
+    recomputed region starts its backward, the region's re-made tensors and gradients
+    (`backward_over_recompute`: the worst moment is one of those); `saved` what is saved by
+    tensor (named by the tensor owning the storage, `bases`)."""
 
     saved_bytes: float = 0.0
     per_layer: dict[Optional[str], float] = field(default_factory=dict)
@@ -144,6 +153,10 @@ class ActivationMemory:
     loss_grad_bytes: float = 0.0
     loss_input_bytes: float = 0.0
     backward_bytes: float = 0.0
+    backward_over_bytes: float = 0.0
+    backward_over_recompute: bool = False
+    saved: dict[str, float] = field(default_factory=dict)   # tensor (its storage's owner) -> bytes saved
+    bases: dict[str, str] = field(default_factory=dict)     # tensor -> the tensor owning its storage
 
     @property
     def peak_bytes(self) -> float:
@@ -315,7 +328,10 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         for name, extra in saved_tensors(n, by_name, dtype):
             if extra is None:
                 key = base.get(name, name)
-                if key not in by_name or by_name[key].kind not in ("call", "input") or batch(key):
+                if key not in by_name or by_name[key].kind not in ("call", "input"):
+                    continue
+                if batch(key) and not (mixed and n.op in MATRIX_OPS and _floating(by_name[key])):
+                    # a float input a matmul reads under autocast is saved as its 2-byte copy
                     continue
                 if rec == "selective" and n.name in core and key in core:
                     continue
@@ -336,26 +352,49 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             saves.append((key, b, n))
     nbytes_of: dict[str, float] = {}
     owner_layer: dict[str, Optional[str]] = {}
+    owner_node: dict[str, str] = {}      # the first op saving it: autograd frees it after that op's backward
+    region_peak: dict[Optional[str], float] = {}
+
+    def grads(n) -> float:
+        # op n's backward: the gradient of its output and the one it makes for its input
+        if n.op in VIEW_OPS or n.target == "getitem" or not n.outputs or not _floating(n):
+            return 0.0
+        if n.op in LOSSES:
+            fl = [i for i in _tensor_inputs(n, by_name)[:1] if _floating(by_name[base.get(i, i)])]
+            return BACKWARD_LIVE * size(fl[0], "fp32") if fl else 0.0
+        ins = [size(i) for i in _tensor_inputs(n, by_name) if _floating(by_name[base.get(i, i)])]
+        return size(n.name) + max(ins, default=size(n.name))
+
     if rec == "none" or (rec == "selective" and selective_region == "core"):
         for key, b, n in saves:
             if key not in owner_layer:
-                owner_layer[key], nbytes_of[key] = n.layer, b
+                owner_layer[key], nbytes_of[key], owner_node[key] = n.layer, b, n.name
         region_bytes: dict[Optional[str], float] = {}
     else:
         # a checkpointed region keeps its inputs; what its ops save is re-made in its backward
         region_bytes = {}
         seen_in: dict[Optional[str], set] = {}
+        saved_by: dict[str, list[tuple[str, float]]] = {}
         for key, b, n in saves:
+            saved_by.setdefault(n.name, []).append((key, b))
+        for n in calls:
             r = region[n.name]
-            if r is None:
-                if key not in owner_layer:
-                    owner_layer[key], nbytes_of[key] = n.layer, b
-                continue
-            src = key.split(":")[0]
-            inside = key.endswith(":fp32") or (src in by_name and by_name[src].kind == "call" and region.get(src) == r)
-            if (inside or src not in by_name) and key not in seen_in.setdefault(r, set()):
-                seen_in[r].add(key)
-                region_bytes[r] = region_bytes.get(r, 0.0) + b
+            for key, b in saved_by.get(n.name, ()):
+                if r is None:
+                    if key not in owner_layer:
+                        owner_layer[key], nbytes_of[key], owner_node[key] = n.layer, b, n.name
+                    continue
+                src = key.split(":")[0]
+                inside = key.endswith(":fp32") or (src in by_name and by_name[src].kind == "call"
+                                                   and region.get(src) == r)
+                if (inside or src not in by_name) and key not in seen_in.setdefault(r, set()):
+                    seen_in[r].add(key)
+                    region_bytes[r] = region_bytes.get(r, 0.0) + b
+            # the region's backward: op n's backward runs with what the ops up to n re-saved
+            # still live (autograd frees a node's saved tensors after its backward) and its
+            # output's and input's gradients beside them
+            if r is not None:
+                region_peak[r] = max(region_peak.get(r, 0.0), region_bytes.get(r, 0.0) + grads(n))
         for n in calls:
             r = region[n.name]
             if r is None:
@@ -369,7 +408,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                     continue
                 if b in owner_layer:
                     continue
-                owner_layer[b], nbytes_of[b] = n.layer, size(i)
+                owner_layer[b], nbytes_of[b], owner_node[b] = n.layer, size(i), n.name
     out = ActivationMemory()
     for n in calls:
         if keep is not None and n.layer not in keep:
@@ -386,8 +425,35 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             continue
         out.per_layer[l] = out.per_layer.get(l, 0.0) + nbytes_of[k]
         out.saved_bytes += nbytes_of[k]
+        out.saved[k] = nbytes_of[k]
+    out.bases = base
+    # the backward, op by op in reverse: what is still saved (tensors whose first saver has not
+    # run its backward) plus the op's gradients, or, entering a recomputed region, its re-made
+    # tensors and gradients (`region_peak`); the worst moment above everything saved
+    owned: dict[str, float] = {}
+    for k, nm in owner_node.items():
+        if keep is None or owner_layer[k] in keep:
+            owned[nm] = owned.get(nm, 0.0) + nbytes_of[k]
+    live = out.saved_bytes
+    entered: set = set()
+    for n in reversed(calls):
+        if keep is not None and n.layer not in keep:
+            continue
+        r = region.get(n.name) if region_bytes else None
+        if r is not None:
+            if r not in entered:
+                entered.add(r)
+                m = live + max(region_bytes.get(r, 0.0), region_peak.get(r, 0.0)) - out.saved_bytes
+                if m > out.backward_over_bytes:
+                    out.backward_over_bytes, out.backward_over_recompute = m, True
+        else:
+            m = live + grads(n) - out.saved_bytes
+            if m > out.backward_over_bytes:
+                out.backward_over_bytes, out.backward_over_recompute = m, False
+        live -= owned.get(n.name, 0.0)
     layer_of_region = {region[n.name]: n.layer for n in calls if region[n.name] is not None}
-    cand = [v for r, v in region_bytes.items() if keep is None or layer_of_region.get(r) in keep]
+    cand = [max(v, region_peak.get(r, 0.0)) for r, v in region_bytes.items()
+            if keep is None or layer_of_region.get(r) in keep]
     out.working_bytes = max(cand, default=0.0)
     return out
 

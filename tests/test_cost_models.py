@@ -413,8 +413,12 @@ def test_activations_match_korthikanti(megatron_graph, recompute: str) -> None:
     want = korthikanti_layer_bytes(S, b, H, A, recompute=recompute)
     for layer in g.layers:
         assert am.per_layer[layer] == pytest.approx(want, rel=0.05)
-    if recompute == "full":   # the recomputed layer is live again during its backward
-        assert am.working_bytes == pytest.approx(korthikanti_layer_bytes(S, b, H, A), rel=0.05)
+    if recompute == "full":
+        # the recomputed layer is live again during its backward, beside the gradients of the
+        # op whose backward runs (at most two of the largest tensor the layer makes)
+        full_layer = korthikanti_layer_bytes(S, b, H, A)
+        assert am.working_bytes >= full_layer * 0.95
+        assert am.working_bytes - full_layer <= am.backward_bytes
 
 
 def test_zoo_gpt_layer_activations(zoo_graph) -> None:

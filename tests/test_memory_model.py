@@ -293,7 +293,9 @@ def test_selective_module_region_drops_what_the_attention_child_saves():
     """The runtime checkpoints each block's `attn` child: it keeps only its input (ln1's output,
     which the qkv projection saves anyway) and re-makes q/k/v (3 s·b·h), the attention output
     (s·b·h) and its log-sum-exp in the backward; full keeps the block's input only, and its
-    recomputation re-makes everything but that stored input."""
+    recomputation re-makes everything but that stored input. The working set is the worst moment
+    of the recomputed region's backward: what it re-made and has not yet freed, plus the
+    gradients of the op running (autograd frees an op's saved tensors after its backward)."""
     from cost_models.memory import activation_memory
 
     b, s, h, heads = 4, 16, 32, 4
@@ -307,8 +309,12 @@ def test_selective_module_region_drops_what_the_attention_child_saves():
     for layer in ("blocks.0", "blocks.1"):
         assert none.per_layer[layer] - sel.per_layer[layer] == 4 * sbh + lse
         assert full.per_layer[layer] == sbh
-    assert sel.working_bytes == 4 * sbh + lse
-    assert full.working_bytes == none.per_layer["blocks.0"] - sbh
+    # selective: at the attention, all 4 s·b·h re-made and the lse, its output's gradient
+    # (s·b·h) and q/k/v's (3 s·b·h)
+    assert sel.working_bytes == 4 * sbh + lse + sbh + 3 * sbh
+    # full: at the MLP's second projection, everything re-made still saved, its output's
+    # gradient (s·b·h) and its input's (4 s·b·h)
+    assert full.working_bytes == none.per_layer["blocks.0"] - sbh + sbh + 4 * sbh
 
 
 def test_broadcast_tensors_are_views():

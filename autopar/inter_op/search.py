@@ -46,6 +46,7 @@ What is approximated, and why (to keep a 1000-GPU search within seconds on two c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 from dataclasses import dataclass, field
@@ -135,7 +136,9 @@ class _Tables:
         L = len(costs)
         self.L = L
         self.dp, self.tp, self.zero = dp, tp, zero
-        self.batch_bytes = 0.0        # the rank's share of the step's batch (set by the search)
+        # the rank's share of the step's batch, set by the search: the first input (held by the
+        # first stage) and the others (the targets, held by the last), as `ParallelModel.local_batch`
+        self.batch_first = self.batch_rest = 0.0
         self.cluster = cluster
         self.dtype = dtype
         pre = lambda xs: np.concatenate([[0.0], np.cumsum(xs)])  # noqa: E731
@@ -144,16 +147,12 @@ class _Tables:
         self.iter = pre([c.iter_s for c in costs])
         self.rc = {r: pre([c.rc_extra_s.get(r, 0.0) for c in costs]) for r in RECOMPUTES}
         self.act = {r: pre([c.act_bytes.get(r, 0.0) for c in costs]) for r in RECOMPUTES}
-        # transient in a layer's backward, one layer at a time: the activation gradients its
-        # ops hold (the loss's fp32 input gradient first; temporaries), or, while the layer
-        # recomputes, the whole layer (full) or what selective recomputation dropped (the
-        # attention core; activations). Recomputation runs the layer's forward before its
-        # backward frees anything, so the larger of the two, not their sum
-        self.tmp = np.array([max(c.loss_grad_bytes, c.backward_bytes) for c in costs])
-        self.rcw = {"none": np.zeros(L), "full": np.array([c.work_bytes for c in costs]),
-                    "selective": np.array([c.rc_work_bytes.get("selective", max(
-                        0.0, c.act_bytes.get("none", 0.0) - c.act_bytes.get("selective", 0.0))) for c in costs])}
-        self.work = {r: np.maximum(self.tmp, w) for r, w in self.rcw.items()}
+        # transient in a layer's backward above what it saved, at its worst moment (its
+        # activation gradients, the loss's fp32 input gradient, or a recomputed region's
+        # re-made tensors: `LayerCost.backward_over`), and whether that moment recomputes
+        over = {r: [c.backward_over(r) for c in costs] for r in RECOMPUTES}
+        self.work = {r: np.array([w for w, _ in v], dtype=float).reshape(L) for r, v in over.items()}
+        self.work_rc = {r: np.array([k for _, k in v], dtype=bool).reshape(L) for r, v in over.items()}
         # parameter elements per device: every layer's own, tied ones once per stage
         users: dict[str, list[int]] = {}
         elems: dict[str, float] = {}
@@ -193,6 +192,24 @@ class _Tables:
         # a last pipeline stage's output is what its loss reads (the logits), kept in the
         # stage's forward cache until the backward like any stage output
         self.range_loss_in = np.where((jj == L) & (kk > 0), costs[-1].loss_input_bytes if costs else 0.0, 0.0)
+        # one micro-batch's saved activations of a range: its layers' sum, less a tensor saved on
+        # both sides of an inner boundary (an MLP layer ending in relu saves its output, the
+        # next layer's matmul the same tensor); of its input, what its first layer saves (the
+        # receive buffer, counted by `pipe_buffers`), and of its output what the stage's forward
+        # cache keeps beyond what its last layer saved
+        prev_out = np.concatenate([[0.0], self.out[:-1]]) if L else np.zeros(0)
+        in_saved = {r: np.array([c.in_saved.get(r, prev_out[i]) if c.in_saved else prev_out[i]
+                                 for i, c in enumerate(costs)]) for r in RECOMPUTES}
+        out_saved = {r: np.array([c.out_saved.get(r, 0.0) for c in costs]) for r in RECOMPUTES}
+        self.range_act, self.range_in_saved, self.range_out_kept = {}, {}, {}
+        for r in RECOMPUTES:
+            ov = np.minimum(out_saved[r][:-1], in_saved[r][1:]) if L > 1 else np.zeros(0)
+            ovp = pre(ov)                       # ovp[i]: the inner boundaries 1..i
+            inner = ovp[np.clip(jj - 1, 0, L - 1)] - ovp[kk]
+            self.range_act[r] = np.where(self.valid, self.act[r][np.clip(jj, 0, L)] - self.act[r][kk] - inner, 0.0)
+            self.range_in_saved[r] = np.where(kk > 0, in_saved[r][kk], 0.0)
+            last = np.clip(jj - 1, 0, L - 1)
+            self.range_out_kept[r] = np.where(jj < L, np.maximum(self.out[last] - out_saved[r][last], 0.0), 0.0)
         # the backward's transient over a range, above the range's saved activations: layer i's
         # transient (`work`) while the layers after it in the range have already freed what they
         # saved (autograd releases a node's saved tensors once its backward ran, unless the graph
@@ -204,7 +221,7 @@ class _Tables:
         self.range_work, self.range_work_rc, self.range_work_tmp = {}, {}, {}
         for r, wk in self.work.items():
             P = self.act[r]
-            rc_kind = self.rcw[r] > self.tmp
+            rc_kind = self.work_rc[r]
             v = wk + P[1:]
             Wrc = _range_max(np.where(rc_kind, v, -INF)) - P[None, :]
             Wtmp = _range_max(np.where(rc_kind, -INF, v)) - P[None, :]
@@ -244,11 +261,17 @@ class _Tables:
         backward; the largest total of the other phases, gradient sync and optimizer step).
         All include the stage's pipeline receive buffers (`pipe_buffers`)."""
         ph = self.phases(pel, m, 2 * self.range_maxlayer, self.range_maxtensor)
-        pipe = self.pipe_buffers(self.range_in, self.range_out, m) + self.batch_bytes
+        pipe = self.pipe_buffers(self.range_in, self.range_out, m) + self.range_batch
         rest = ph[1].total
         for x in ph[2:]:
             rest = np.maximum(rest, x.total)
         return ph[0].total + pipe, ph[0].gradients, rest + pipe
+
+    @functools.cached_property
+    def range_batch(self) -> Any:
+        """For every layer range, the bytes of the batch its stage holds: the first input if it
+        starts the model, the other inputs (targets) if it ends it."""
+        return np.where(self.kk == 0, self.batch_first, 0.0) + np.where(self.jj == self.L, self.batch_rest, 0.0)
 
     @staticmethod
     def pipe_buffers(in_bytes: Any, out_bytes: Any, m: int) -> Any:
@@ -258,12 +281,13 @@ class _Tables:
         return m * (in_bytes + out_bytes)
 
     @staticmethod
-    def boundary_acts(act: Any, in_bytes: Any, out_bytes: Any) -> Any:
-        """One micro-batch's activations of a pipeline chunk as the stage holds them: its
-        output stays in the stage's forward cache until the backward (the next chunk's saved
-        copy is on another stage), and its input is the receive buffer already counted by
-        `pipe_buffers` (the first op of a layer saves it)."""
-        return np.maximum(act - in_bytes, 0.0) + out_bytes
+    def boundary_acts(act: Any, in_saved: Any, out_kept: Any) -> Any:
+        """One micro-batch's activations of a pipeline chunk as the stage holds them: `act`
+        (`range_act`) less what it saves of its input (`in_saved`: the receive buffer, already
+        counted by `pipe_buffers`), plus `out_kept`: its output, which stays in the stage's
+        forward cache until the backward (the next chunk's saved copy is on another stage),
+        beyond what it saved of it, and a last stage's loss input."""
+        return np.maximum(act - in_saved, 0.0) + out_kept
 
     def sync(self, pel: float) -> float:
         return _sync_time(self.cluster, self.dtype, self.dp, self.tp, self.zero, pel)
@@ -363,12 +387,14 @@ class Search:
         self.L = len(layers)
         self.budget = usable_memory(cluster.device)
         # the batch a rank holds through its step (its data-parallel replica's rows of every
-        # input, as the runtime moves them to the device), per sample
-        batched = {n.name for n in graph.nodes if n.kind == "input" and
-                   (graph.batch_size is not None or any(o.is_batched for o in n.outputs))}
+        # batched input, copied to the device: `ParallelModel.local_batch`), per sample and
+        # input, in the model's argument order (the first goes to the first pipeline stage)
+        inputs = [n for n in graph.nodes if n.kind == "input"]
+        batched = {n.name for n in inputs if graph.batch_size is not None or any(o.is_batched for o in n.outputs)}
         g1 = graph.at_batch(1) if graph.batch_size is None and batched else graph
-        self.input_bytes = sum(o.nbytes for n in g1.nodes if n.name in batched
-                               for o in n.outputs) / (graph.batch_size or 1)
+        per = {n.name: sum(o.nbytes for o in n.outputs) / (graph.batch_size or 1)
+               for n in g1.nodes if n.name in batched}
+        self.input_bytes = [per.get(n.name, 0.0) for n in inputs] or [0.0]
         self.min_memory = INF
         self.evaluated = 0
         self.considered = 0
@@ -623,7 +649,7 @@ class Search:
         fb, grads, rest = fixed_mem
         pre, post = (float(np.max(h)) if h.size else None for h in held)
         for ri, r in enumerate(rcs):
-            act = tb.boundary_acts(tb.ranged(tb.act[r]), tb.range_in, tb.range_out + tb.range_loss_in)
+            act = tb.boundary_acts(tb.range_act[r], tb.range_in_saved[r], tb.range_out_kept[r] + tb.range_loss_in)
             mem = np.maximum(fb - grads + act * pre + tb.range_work[r], np.maximum(fb, rest))
             if post is not None:
                 mem = np.maximum(mem, fb + act * post + tb.range_work[r])
@@ -698,7 +724,8 @@ class Search:
         if key not in self._tables_cache:
             costs = self._layer_costs(mb, tp)
             tb = self._tables_cache[key] = _Tables(costs, self.cluster, self.dtype, dp, tp, zero, self.layers)
-            tb.batch_bytes = self.input_bytes * self.gbs / dp
+            tb.batch_first = self.input_bytes[0] * self.gbs / dp
+            tb.batch_rest = sum(self.input_bytes[1:]) * self.gbs / dp
         return self._tables_cache[key]
 
     def _layer_costs(self, mb: int, tp: int) -> list[LayerCost]:
@@ -762,7 +789,7 @@ class Search:
         the most after, or every gradient once the activations are gone."""
         pel = 0.0
         tmp = 0.0
-        pipe = tb.batch_bytes
+        pipe = sum((tb.batch_first if k == 0 else 0.0) + (tb.batch_rest if j == tb.L else 0.0) for k, j in chunks)
         max_layer = max(float(tb.range_maxlayer[k, j]) for k, j in chunks)
         largest = max(float(tb.range_maxtensor[k, j]) for k, j in chunks)
         t = comp = work = 0.0
@@ -774,8 +801,9 @@ class Search:
             t += float(tb.base[j] - tb.base[k] + tb.rc[r][j] - tb.rc[r][k] + tb.range_p2p[k, j])
             comp += float(tb.compute[j] - tb.compute[k])
             comp += sum(c.rc_extra_s.get(r, 0.0) - c.rc_comm_s.get(r, 0.0) for c in tb.costs[k:j])
-            kept_out = pout + float(tb.range_loss_in[k, j])
-            chunk_act.append(float(tb.boundary_acts(float(tb.act[r][j] - tb.act[r][k]), pin, kept_out)))
+            kept_out = float(tb.range_out_kept[r][k, j] + tb.range_loss_in[k, j])
+            chunk_act.append(float(tb.boundary_acts(float(tb.range_act[r][k, j]), float(tb.range_in_saved[r][k, j]),
+                                                    kept_out)))
             work = max(work, float(tb.range_work_rc[r][k, j]))
             tmp = max(tmp, float(tb.range_work_tmp[r][k, j]))
         # a parameter tied across chunks of one stage is held once

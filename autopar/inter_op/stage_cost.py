@@ -51,6 +51,14 @@ class LayerCost:
     rc_work_bytes: dict[str, float] = field(default_factory=dict)  # the recomputed region's, by policy
     loss_grad_bytes: float = 0.0              # fp32 gradient of the loss input, live as the backward starts
     backward_bytes: float = 0.0               # activation gradients live at once in its backward
+    # its backward's worst moment above what it saved, by policy (`ActivationMemory.
+    # backward_over_bytes`), and whether that moment is a recomputation
+    bwd_over: dict[str, float] = field(default_factory=dict)
+    bwd_over_rc: dict[str, bool] = field(default_factory=dict)
+    # of the tensor it hands to the next layer, and of the one it receives, the bytes its own ops
+    # save (counted in act_bytes), by policy: the same tensor counted by two layers
+    out_saved: dict[str, float] = field(default_factory=dict)
+    in_saved: dict[str, float] = field(default_factory=dict)
     loss_input_bytes: float = 0.0             # what its loss reads (a last pipeline stage's output)
     param_elems: dict[str, float] = field(default_factory=dict)   # FQN -> elements per device
     out_bytes: float = 0.0                    # activation handed to the next layer (p2p size)
@@ -69,6 +77,18 @@ class LayerCost:
     def time(self, recompute: str) -> float:
         return self.base_s + self.rc_extra_s.get(recompute, 0.0)
 
+    def backward_over(self, recompute: str) -> tuple[float, bool]:
+        """Its backward's worst moment above what it saved under `recompute`, and whether that
+        moment is a recomputation: `bwd_over` where the graph gave it (`fill_activations`),
+        else the bound of its parts (the loss gradient, one op's gradients, the recomputed
+        region's tensors), taken at once."""
+        if recompute in self.bwd_over:
+            return self.bwd_over[recompute], self.bwd_over_rc.get(recompute, False)
+        tmp = max(self.loss_grad_bytes, self.backward_bytes)
+        rc = {"none": 0.0, "full": self.work_bytes}.get(recompute, self.rc_work_bytes.get(recompute, max(
+            0.0, self.act_bytes.get("none", 0.0) - self.act_bytes.get(recompute, 0.0))))
+        return max(tmp, rc), rc > tmp
+
 
 def autocast_device(cluster: ClusterSpec) -> str:
     """The device type autopar's runtime autocasts on for `cluster` (`DeviceSpec.device_type`):
@@ -76,18 +96,25 @@ def autocast_device(cluster: ClusterSpec) -> str:
     return cluster.device.device_type
 
 
-def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | None = None) -> None:
+def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | None = None, *,
+                     out_name: str | None = None, in_name: str | None = None) -> None:
     """A layer's activation memory per recomputation policy (graph liveness,
     `cost_models.memory.activation_memory` of its ops `sub`, tensors divided by `shard(node)`,
     under `device_type`'s autocast; the model's inputs left to the stage's batch buffer), the
     working set of recomputation (the whole layer for "full"; for "selective" its attention
-    child, the region the runtime checkpoints) and the loss gradient, into `c`."""
+    child, the region the runtime checkpoints) and the loss gradient, into `c`; with `out_name`
+    (the tensor the layer hands on) and `in_name` (the one it receives), how much of each its
+    ops save (`out_saved`, `in_saved`: one tensor saved on both sides of a boundary is one)."""
     c.rc_work_bytes = {}
     for rc in RECOMPUTES:
         am = activation_memory(sub, dtype, rc, shard=shard, selective_region="module", device_type=device_type,
                                count_inputs=False)
         c.act_bytes[rc] = am.saved_bytes
         c.rc_work_bytes[rc] = am.working_bytes
+        c.bwd_over[rc] = am.backward_over_bytes
+        c.bwd_over_rc[rc] = am.backward_over_recompute
+        c.out_saved[rc] = am.saved.get(am.bases.get(out_name, out_name), 0.0) if out_name else 0.0
+        c.in_saved[rc] = am.saved.get(am.bases.get(in_name, in_name), 0.0) if in_name else 0.0
         if rc == "full":
             c.work_bytes = am.working_bytes
         c.loss_grad_bytes = am.loss_grad_bytes
@@ -125,6 +152,7 @@ class AnalyticProvider:
         self._cache: dict[tuple, LayerCost] = {}
         self._graphs: dict[int, OpGraph] = {}
         self._consumers = graph.consumers()
+        self._outputs: dict[int, str | None] = {}
         self._layer_of = {n: l.index for l in layers for n in l.nodes}
 
     def graph_at(self, mb: int, layer: Layer) -> OpGraph:
@@ -145,6 +173,19 @@ class AnalyticProvider:
             sub = OpGraph(self.graph.name, nodes, self.graph.params)
             self._graphs[key] = sub.at_batch(mb) if self.graph.batch_size is None else sub
         return self._graphs[key]
+
+    def output_node(self, layer: Layer) -> str | None:
+        """The tensor `layer` hands to the next layer: its last op read outside it."""
+        if layer.index not in self._outputs:
+            mine = set(layer.nodes)
+            outs = [n for n in layer.nodes if any(u not in mine for u in self._consumers.get(n, []))]
+            self._outputs[layer.index] = outs[-1] if outs else None
+        return self._outputs[layer.index]
+
+    def boundary_names(self, layer: Layer) -> dict[str, str | None]:
+        """`out_name` and `in_name` of `fill_activations` for `layer`."""
+        prev = self.layers[layer.index - 1] if 0 < layer.index <= len(self.layers) else None
+        return {"out_name": self.output_node(layer), "in_name": self.output_node(prev) if prev else None}
 
     def cost(self, layer: Layer, mb: int, tp: int) -> LayerCost:
         key = (layer.signature, mb, tp)
@@ -295,7 +336,7 @@ class AnalyticProvider:
         # activations kept for the backward: graph liveness (cost_models.memory) on the layer's ops
         sub = self._subgraph(g, layer, nodes)
         shard = lambda node: tp if node.name in sharded_nodes else 1  # noqa: E731
-        fill_activations(c, sub, dtype, shard, autocast_device(self.cluster))
+        fill_activations(c, sub, dtype, shard, autocast_device(self.cluster), **self.boundary_names(layer))
         for n in nodes:
             for p in n.params:
                 pl = c.placements.get(p, "R")

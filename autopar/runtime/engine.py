@@ -104,7 +104,7 @@ def stage_loss(family: Family, out: Any, *targets: Any) -> torch.Tensor:
     vocabulary-parallel head left sharded over the classes (a DTensor) are read in place: a
     cross-entropy on them runs vocabulary-parallel (`vocab_loss`), with no all-gather."""
     if not isinstance(out, DTensor):
-        return family.loss(out, *targets)
+        return _compact(family.loss(out, *targets))
     try:
         with VocabParallelLoss():
             loss = family.loss(out, *targets)
@@ -112,7 +112,16 @@ def stage_loss(family: Family, out: Any, *targets: Any) -> torch.Tensor:
         raise PlanError(f"the model's pipeline loss failed on vocabulary-sharded logits (a DTensor "
                         f"{tuple(out.shape)}, {out.placements}): {type(e).__name__}: {e}; make it "
                         f"work on DTensors, or plan the output layer replicated") from e
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+    return _compact(loss.full_tensor() if isinstance(loss, DTensor) else loss)
+
+
+def _compact(loss: torch.Tensor) -> torch.Tensor:
+    """`loss`, or a copy of it where its storage is larger than its value: torch.pipelining keeps
+    every micro-batch's loss until the step ends, and some losses are a scalar view of their
+    elementwise buffer (CPU's mse_loss: 8 KiB behind a 4-byte loss, torch 2.13)."""
+    if isinstance(loss, torch.Tensor) and loss.untyped_storage().nbytes() > loss.numel() * loss.element_size():
+        return loss.clone()
+    return loss
 
 
 def get_submodule(root: nn.Module, fqn: str) -> nn.Module:
@@ -733,19 +742,32 @@ class ParallelModel:
         self.optimizer = self.opt_factory([self.flat_shard])
 
     # -- step ----------------------------------------------------------------------------
-    def local_batch(self, batch: Sequence[Any]) -> tuple:
-        """This rank's rows of the global batch (its dp replica's share)."""
+    def local_batch(self, batch: Sequence[Any]) -> "LocalBatch":
+        """This rank's share of the global `batch`, as the step keeps it: its dp replica's rows of
+        every batched input, copied onto the device (so the global batch can be dropped: a CPU
+        slice would be a view holding all of it), and in a pipeline only what the rank's stages
+        read (the first input on the first stage, the targets on the last; `None` elsewhere), as
+        the planner counts (`inter_op.search`, the batch a stage holds). Idempotent: a
+        `LocalBatch` is returned as is. Callers that keep the global batch alive through the
+        step hold it too; `worker.train` passes the local one."""
+        if isinstance(batch, LocalBatch):
+            return batch
         G = self.plan.global_batch_size
         D = self.dp_size
+        first = self.pp == 1 or any(st.is_first for st in self.pipe_stages)
+        last = self.pp == 1 or any(st.is_last for st in self.pipe_stages)
         out = []
-        for x in batch:
+        for i, x in enumerate(batch):
             if isinstance(x, torch.Tensor) and x.dim() > 0:
                 if x.shape[0] != G:
                     raise PlanError(f"the batch has {x.shape[0]} rows, the plan's global batch size is {G}")
-                rows = G // D
-                x = x[self.dp_rank * rows:(self.dp_rank + 1) * rows].to(self.device)
+                if not (first if i == 0 else last):
+                    x = None
+                else:
+                    rows = G // D
+                    x = x.narrow(0, self.dp_rank * rows, rows).to(self.device, copy=True)
             out.append(x)
-        return tuple(out)
+        return LocalBatch(out)
 
     def step(self, batch: Sequence[Any]) -> float:
         """One training iteration on the global `batch`; returns the mean loss over it (on every
@@ -912,6 +934,11 @@ class ParallelModel:
         for n, p in self.local_named_parameters():
             out[n] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
         return out
+
+
+class LocalBatch(tuple):
+    """A rank's share of a step's batch (`ParallelModel.local_batch`); `train_step` and `step`
+    take it or the global batch."""
 
 
 class _nullctx:

@@ -32,10 +32,13 @@ def low_dtype(plan_dtype: str) -> Optional[torch.dtype]:
 
 
 def fsdp_policy(dtype: torch.dtype) -> Any:
-    """FSDP2's policy for ZeRO-3 under mixed precision: gather and reduce in `dtype`."""
+    """FSDP2's policy for ZeRO-3 under mixed precision: gather and reduce in `dtype`. Forward
+    inputs are left as they come (FSDP would cast floating ones to `dtype`): autocast casts
+    what each op reads, as on the other ZeRO stages, so a float target stays fp32 for the loss
+    and no bf16 copy of the inputs is kept."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype, cast_forward_inputs=False)
 
 
 def cast_parameters_(params: Sequence[nn.Parameter], dtype: torch.dtype) -> None:

@@ -142,7 +142,9 @@ def train(plan: Plan, bundle: Any, *, steps: int, seed: int = 0, metrics_path: s
         for step in range(start, steps):
             if rank == fault_rank and step == fault_step and restart == 0:
                 os._exit(1)
-            batch = call_batch_fn(batch_fn, step, G, seed)
+            # the rank's share only: the global batch is dropped before the step, as a sharded
+            # data loader would never hold it
+            batch = pm.local_batch(call_batch_fn(batch_fn, step, G, seed))
             if counter is not None:
                 counter.reset()
             tracked = step in tracked_steps
