@@ -207,7 +207,8 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                 coll["all_gather"] += 1
             else:
                 for k, j in st.chunks:
-                    coll.update(_zero3_counts(graph, _stage_modules(layers, k, j), m, len(chunks) > 1))
+                    read = {f for lay in layers[k:j] for f in lay.params}
+                    coll.update(_zero3_counts(graph, _stage_modules(layers, k, j), m, len(chunks) > 1, read))
     if len(chunks) > 1:
         coll["send_recv"] += 2 * m * (len(chunks) - 1)
     if p > 1 and any(len({_owner(c, x) for x in us}) > 1 for _, _, us in tb.shared):
@@ -326,19 +327,23 @@ def _device_kind(spec: ClusterSpec) -> str:
     return "cpu" if "cpu" in spec.device.name.lower() or "cpu" in spec.name.lower() else "meta"
 
 
-def _fsdp_units(graph: OpGraph, modules: list[str], pipelined: bool) -> tuple[int, bool]:
+def _fsdp_units(graph: OpGraph, modules: list[str], pipelined: bool,
+                read: Optional[set[str]] = None) -> tuple[int, bool]:
     """(FSDP units, whether the root unit holds parameters) of a chunk holding `modules`, as
     the runtime's `_fully_shard` wraps it: a unit per module none of whose parameters is named
     by another module of the chunk, the root keeping the rest (tied parameters). Without
     pipelining the root is the whole model (parameters outside every module are its own); a
     pipeline chunk sees only its modules' names (a parameter tied to another chunk is one
-    name there)."""
+    name there), and holds in its root a parameter its ops read (`read`, canonical names)
+    outside its modules (a head computed as `x @ emb.weight.t()` in a traced chunk)."""
     under = lambda n, mod: n == mod or n.startswith(mod + ".")  # noqa: E731
     params = []
     for f, info in graph.params.items():
         names = [f, *info.tied]
         if pipelined:
             names = [n for n in names if any(under(n, mod) for mod in modules)]
+            if not names and read is not None and f in read:
+                names = [f"<root>.{f}"]          # under no module: the root's
         if names:
             params.append(names)
     units = [mod for mod in modules
@@ -348,18 +353,22 @@ def _fsdp_units(graph: OpGraph, modules: list[str], pipelined: bool) -> tuple[in
     return len(units), root
 
 
-def _zero3_counts(graph: OpGraph, modules: list[str], m: int, pipelined: bool) -> Counter:
+def _zero3_counts(graph: OpGraph, modules: list[str], m: int, pipelined: bool,
+                  read: Optional[set[str]] = None) -> Counter:
     """ZeRO-3's collectives per step of a chunk holding `modules` with `m` micro-batches, as
     the runtime issues them (`fully_shard`; U units with the root, `_fsdp_units`). Without
     pipelining: all_gather m·U in the forwards + m·(U − 1 if the root holds parameters, else U)
     in the backwards (the root is not resharded after its forward), reduce_scatter U (the last
     micro-batch syncs). In a pipeline, torch.pipelining drives the stage's FSDP root (gradient
-    sync and resharding after the last backward only): all_gather U·(m + 1), reduce_scatter U
-    (measured: gpt-tiny pp2 x dp2, m = 1, 2, 4, 1F1B and GPipe, and with tp stages)."""
-    n, root = _fsdp_units(graph, modules, pipelined)
+    sync and resharding after the last backward only): all_gather (U − root)·(m + 1) + root,
+    reduce_scatter U (measured: gpt-tiny pp2 x dp2, m = 1, 2, 4, 1F1B and GPipe, and with tp
+    stages; a root holding parameters: a traced user GPT's tied head, pp2 x dp2, m = 2)."""
+    n, root = _fsdp_units(graph, modules, pipelined, read)
     U = n + int(root)
     if pipelined:
-        return Counter({"all_gather": U * (m + 1), "reduce_scatter": U})
+        # the root unit is gathered once and kept to the last backward (measured: a traced
+        # chunk holding a tied head's weight outside its modules)
+        return Counter({"all_gather": n * (m + 1) + int(root), "reduce_scatter": U})
     return Counter({"all_gather": m * U + m * (U - int(root)), "reduce_scatter": U})
 
 

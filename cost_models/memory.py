@@ -355,13 +355,19 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     owner_node: dict[str, str] = {}      # the first op saving it: autograd frees it after that op's backward
     region_peak: dict[Optional[str], float] = {}
 
+    def loss_live(i: str) -> int:
+        # a loss on class-sharded logits runs vocabulary-parallel (torch's loss_parallel)
+        b = by_name[base.get(i, i)]
+        split = callable(shard) and float(shard(b)) > 1
+        return VOCAB_PARALLEL_LOSS_LIVE if split else BACKWARD_LIVE
+
     def grads(n) -> float:
         # op n's backward: the gradient of its output and the one it makes for its input
         if n.op in VIEW_OPS or n.target == "getitem" or not n.outputs or not _floating(n):
             return 0.0
         if n.op in LOSSES:
             fl = [i for i in _tensor_inputs(n, by_name)[:1] if _floating(by_name[base.get(i, i)])]
-            return BACKWARD_LIVE * size(fl[0], "fp32") if fl else 0.0
+            return loss_live(fl[0]) * size(fl[0], "fp32") if fl else 0.0
         ins = [size(i) for i in _tensor_inputs(n, by_name) if _floating(by_name[base.get(i, i)])]
         return size(n.name) + max(ins, default=size(n.name))
 
@@ -418,7 +424,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         if n.op in LOSSES:
             for i in _tensor_inputs(n, by_name)[:1]:
                 if _floating(by_name[base.get(i, i)]):
-                    out.loss_grad_bytes = max(out.loss_grad_bytes, BACKWARD_LIVE * size(i, "fp32"))
+                    out.loss_grad_bytes = max(out.loss_grad_bytes, loss_live(i) * size(i, "fp32"))
                     out.loss_input_bytes = max(out.loss_input_bytes, size(i))
     for k, l in owner_layer.items():
         if keep is not None and l not in keep:
@@ -461,6 +467,11 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
 # autograd runs an op's backward with the gradient of its output live and makes the gradient of
 # its input beside it; the largest such pair bounds what a layer's backward adds at once
 BACKWARD_LIVE = 2
+# a cross-entropy on vocabulary-sharded logits (torch's `loss_parallel`, what the runtime runs):
+# its backward (`_nll_loss_and_log_softmax_backward` in torch/distributed/tensor/parallel/loss.py,
+# torch 2.13) holds zeros_like(x), exp(x) and their sum at once, each the size of the local
+# fp32 logits, before multiplying by the output gradient
+VOCAB_PARALLEL_LOSS_LIVE = 3
 
 
 # -- schedules and peak ---------------------------------------------------------------------------

@@ -55,3 +55,40 @@ def test_unconstrained_ilp_would_split_tokens_on_tp():
     w = "blocks.1.mlp.fc.weight"
     assert free.param_placements[w] == ("R",) and tied.param_placements[w] == ("S(0)",)
     assert free.objective <= tied.objective
+
+
+def test_tied_embedding_and_output_layer_get_one_placement():
+    """gpt-tiny ties its output layer to its embedding, and the two are in different layers,
+    each solved apart by the ILP. A stage holds the weight once, so the plan must give it one
+    placement, the output layer's (a matmul reading it first): vocabulary-parallel, as Megatron
+    runs it, so the logits the plan divides by tp are what each rank holds."""
+    cl = ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": 2})
+    p = plan("gpt-tiny", cl, global_batch_size=32, intra_op="ilp", constraints=Constraints(dp=1, tp=2, pp=1))
+    pl = p.stages[0].placements
+    tp = p.stages[0].mesh_axis_names.index("tp")
+    assert pl["embed.tok.weight"][tp] == pl["head.out.weight"][tp] == "S(0)"
+
+
+def test_ilp_pins_a_parameter_placement():
+    """`solve_graph(fixed_params=...)` keeps a parameter in the given placement (what a layer
+    sharing a weight with another layer is solved with), and names the field when the placement
+    cannot hold the parameter."""
+    import pytest
+
+    from autopar.capture import capture
+    from autopar.intra_op import solve_graph
+    from autopar.models import build_model
+    from autopar.schema.errors import PlanError
+    from cost_models.communication import logical_mesh
+
+    b = build_model("gpt-tiny", device="meta")
+    g = capture(b.model, b.example_inputs).at_batch(8)
+    mesh = logical_mesh(ClusterSpec.load("dgx-a100-80g"), [0, 1], (2,))
+    free = solve_graph(g, mesh, dtype="bf16")
+    want = "R" if free.param_placements["blocks.0.mlp.fc.weight"][0] != "R" else "S(1)"
+    # blocks.1 shares blocks.0's choices (identical layers): a pin on either copy holds for both
+    pinned = solve_graph(g, mesh, dtype="bf16", fixed_params={"blocks.1.mlp.fc.weight": (want,)})
+    assert pinned.param_placements["blocks.0.mlp.fc.weight"] == (want,)
+    assert pinned.param_placements["blocks.1.mlp.fc.weight"] == (want,)
+    with pytest.raises(PlanError, match="blocks.0.mlp.fc.weight .* cannot be placed"):
+        solve_graph(g, mesh, dtype="bf16", fixed_params={"blocks.0.mlp.fc.weight": ("S(2)",)})

@@ -20,6 +20,7 @@ from autopar.inter_op.layers import Layer
 from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost, autocast_device, fill_activations
 from autopar.schema import ClusterSpec, PlanError
 from cost_models.communication import logical_mesh
+from cost_models.compute import MATRIX_OPS
 
 
 class IlpProvider(AnalyticProvider):
@@ -36,6 +37,38 @@ class IlpProvider(AnalyticProvider):
         self.token_dims = token_dims_of(graph, self.batch_dims)
         self.solve_s = 0.0
         self.solves = 0
+        self._users: dict[str, list[Layer]] | None = None
+
+    def _shared(self) -> dict[str, list[Layer]]:
+        """Parameters read by more than one layer (a tied embedding and output layer), by FQN:
+        their users, the one whose choice the others follow first (`_pins`)."""
+        if self._users is None:
+            users: dict[str, list[Layer]] = {}
+            for l in self.layers:
+                for f in set(l.params):
+                    users.setdefault(f, []).append(l)
+
+            def weight(l: Layer, f: str) -> tuple[int, int]:
+                # a matmul reading it (the output layer) before a lookup (the embedding); later first
+                ops = [self.graph.node(n).op for n in l.nodes if f in (self.graph.node(n).params or ())]
+                return (int(any(o in MATRIX_OPS for o in ops)), l.index)
+
+            self._users = {f: sorted(us, key=lambda l: weight(l, f), reverse=True)
+                           for f, us in users.items() if len(us) > 1}
+        return self._users
+
+    def _pins(self, layer: Layer, mb: int, tp: int) -> dict[str, tuple[str]]:
+        """One placement for a parameter several layers read: each layer's ILP is solved apart,
+        and a stage holds one copy of the parameter, so the layers after the first user (a
+        matmul reading it first: the output layer of a tied embedding, Megatron's vocabulary-
+        parallel choice when it pays there) take that user's choice."""
+        pins: dict[str, tuple[str]] = {}
+        for f, users in self._shared().items():
+            if layer in users and users[0] is not layer:
+                pl = self.cost(users[0], mb, tp).placements.get(f)
+                if pl is not None:
+                    pins[f] = (pl,)
+        return pins
 
     def _analyze(self, layer: Layer, mb: int, tp: int) -> LayerCost:
         base = super()._analyze(layer, mb, tp)
@@ -45,6 +78,7 @@ class IlpProvider(AnalyticProvider):
 
         g = self.graph_at(mb, layer)
         mesh = logical_mesh(self.cluster, list(range(tp)), (tp,))
+        pins = self._pins(layer, mb, tp)
         try:
             # as the runtime executes it: a contiguously sharded fused weight (no interleaved
             # rows), and the layer's input arriving as the previous identical layer leaves it
@@ -52,7 +86,8 @@ class IlpProvider(AnalyticProvider):
             # whole micro-batch (no batch split on it)
             sol = solve_graph(g, mesh, dtype=self.dtype, nodes=list(layer.nodes), time_limit_s=self.time_limit_s,
                               interleaved_splits=False, cyclic_boundary=True,
-                              batch_dims=self.batch_dims, token_dims=self.token_dims, model_axes=(0,))
+                              batch_dims=self.batch_dims, token_dims=self.token_dims, model_axes=(0,),
+                              fixed_params=pins)
         except PlanError as e:
             base.issues.append(f"intra-op ILP on tp={tp}: {e}")
             return base

@@ -227,7 +227,25 @@ class _Tables:
             Wtmp = _range_max(np.where(rc_kind, -INF, v)) - P[None, :]
             self.range_work_rc[r], self.range_work_tmp[r] = Wrc, Wtmp
             self.range_work[r] = np.maximum(np.maximum(Wrc, Wtmp), 0.0)
-        self.range_maxlayer = np.maximum(_range_max(self.pel_layer), 0.0)
+        # ZeRO-3 (FSDP2, `engine._fully_shard`): each layer module whose parameters no other
+        # module reads is a unit, gathered for its forward and again for its backward (with the
+        # next one prefetched); parameters several layers read stay with the root unit, which
+        # FSDP keeps gathered from the forward to the backward. Held at once: the root's and two
+        # units (`range_gathered`, elements)
+        shared_names = {f for f, _, _ in self.shared}
+        unit = np.zeros(L)
+        for i, c in enumerate(costs):
+            mods = layers[i].modules if i < len(layers) else []
+            groups: dict[str, float] = {}
+            for f, e in c.param_elems.items():
+                if f not in shared_names:
+                    m = next((m for m in mods if f == m or f.startswith(m + ".")), "")
+                    groups[m] = groups.get(m, 0.0) + e
+            unit[i] = max(groups.values(), default=0.0)
+        root = np.zeros_like(self.range_pel)
+        for _f, e, us in self.shared:
+            root = root + np.where(sum(((kk <= u) & (u < jj)).astype(float) for u in us) > 0, e, 0.0)
+        self.range_gathered = np.where(self.valid, 2 * np.maximum(_range_max(unit), 0.0) + root, 0.0)
         # the largest parameter tensor per device (AdamW's temporaries are its size)
         big = np.array([max(c.param_elems.values(), default=0.0) for c in costs])
         self.range_maxtensor = np.maximum(_range_max(big), 0.0)
@@ -260,7 +278,7 @@ class _Tables:
         to which activations add; the gradients among them, which exist only after the first
         backward; the largest total of the other phases, gradient sync and optimizer step).
         All include the stage's pipeline receive buffers (`pipe_buffers`)."""
-        ph = self.phases(pel, m, 2 * self.range_maxlayer, self.range_maxtensor)
+        ph = self.phases(pel, m, self.range_gathered, self.range_maxtensor)
         pipe = self.pipe_buffers(self.range_in, self.range_out, m) + self.range_batch
         rest = ph[1].total
         for x in ph[2:]:
@@ -790,7 +808,7 @@ class Search:
         pel = 0.0
         tmp = 0.0
         pipe = sum((tb.batch_first if k == 0 else 0.0) + (tb.batch_rest if j == tb.L else 0.0) for k, j in chunks)
-        max_layer = max(float(tb.range_maxlayer[k, j]) for k, j in chunks)
+        gathered = max(float(tb.range_gathered[k, j]) for k, j in chunks)
         largest = max(float(tb.range_maxtensor[k, j]) for k, j in chunks)
         t = comp = work = 0.0
         chunk_act = []
@@ -812,7 +830,7 @@ class Search:
         t += acc
         comp += acc
         phases = [dataclasses.replace(ph, buffers=ph.buffers + pipe)
-                  for ph in tb.phases(pel, cand.m, 2 * max_layer, largest)]
+                  for ph in tb.phases(pel, cand.m, gathered, largest)]
         fb = phases[0]
         # the backward's transient: recomputed activations, or activation gradients (buffers)
         rc_work, grad_tmp = (max(work, 0.0), 0.0) if work > tmp else (0.0, max(tmp, 0.0))

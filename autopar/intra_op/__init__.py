@@ -33,7 +33,8 @@ def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optio
                 interleaved_splits: bool = True, cyclic_boundary: bool = False,
                 batch_dims: Optional[dict[str, tuple[int, ...]]] = None,
                 token_dims: Optional[dict[str, tuple[int, ...]]] = None,
-                model_axes: Sequence[int] = ()) -> ShardingSolution:
+                model_axes: Sequence[int] = (),
+                fixed_params: Optional[dict[str, tuple[str, ...]]] = None) -> ShardingSolution:
     """Shard the ops of `graph` (at a concrete batch) over `mesh`.
 
     `nodes` restricts the problem to those call nodes (one layer, to cost a layer): tensors
@@ -50,7 +51,9 @@ def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optio
     that carry the batch, or tokens: `batch_dims_of(graph)`, `token_dims_of(graph)` of the whole
     captured graph): no tensor may be split along such a dim on those mesh axes, which are then
     pure tensor (model) parallelism, as the runtime executes a "tp" axis (no data, sequence or
-    Ulysses parallelism on it). Raises PlanError when nothing fits `memory_budget_bytes`.
+    Ulysses parallelism on it). `fixed_params` (parameter FQN -> its placement per mesh axis)
+    pins those parameters (one placement of a weight read by several separately solved
+    layers). Raises PlanError when nothing fits `memory_budget_bytes`.
     """
     gc_was_on = gc.isenabled()
     gc.disable()     # the captured graph holds many objects; collections would dominate the build
@@ -58,7 +61,8 @@ def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optio
         prob = IntraOpProblem(graph, mesh, nodes=nodes, memory_budget_bytes=memory_budget_bytes,
                               dtype=dtype, merge=merge, share_layers=share_layers,
                               interleaved_splits=interleaved_splits, cyclic_boundary=cyclic_boundary,
-                              batch_dims=batch_dims, token_dims=token_dims, model_axes=tuple(model_axes))
+                              batch_dims=batch_dims, token_dims=token_dims, model_axes=tuple(model_axes),
+                              fixed_params=fixed_params)
         assign, info = prob.solve(time_limit_s=time_limit_s, backend=backend)
     finally:
         if gc_was_on:

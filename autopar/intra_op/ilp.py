@@ -83,6 +83,7 @@ from autopar.intra_op import rules as rules_mod
 from autopar.intra_op.placement import PARTIAL, REPLICATE, Spec, all_specs, local_numel, transition
 from autopar.intra_op.solution import Collective, OpChoice, ShardingSolution
 from autopar.intra_op.strategy import OpContext, Strategy, output_index
+from autopar.schema.errors import PlanError
 from autopar.schema.mesh import LogicalMesh
 from cost_models.communication import collective_time
 from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, node_time
@@ -156,7 +157,7 @@ class IntraOpProblem:
                  merge: bool = True, share_layers: bool = True, interleaved_splits: bool = True,
                  cyclic_boundary: bool = False, batch_dims: Optional[dict[str, tuple[int, ...]]] = None,
                  token_dims: Optional[dict[str, tuple[int, ...]]] = None,
-                 model_axes: tuple[int, ...] = ()) -> None:
+                 model_axes: tuple[int, ...] = (), fixed_params: Optional[dict[str, tuple[str, ...]]] = None) -> None:
         if graph.batch_size is None and graph.is_symbolic:
             raise ValueError("solve a graph at a concrete batch: call graph.at_batch(b) first")
         t0 = time.perf_counter()
@@ -169,6 +170,7 @@ class IntraOpProblem:
         self.budget = memory_budget_bytes
         self.interleaved_splits = interleaved_splits
         self.cyclic_boundary = cyclic_boundary
+        self.fixed_params = dict(fixed_params or {})
         # dims no model axis may split: the batch and the tokens
         self.data_dims: dict[str, tuple[int, ...]] = {
             k: tuple(sorted(set((batch_dims or {}).get(k, ())) | set((token_dims or {}).get(k, ()))))
@@ -443,6 +445,20 @@ class IntraOpProblem:
                 shape = tuple(int(d) for d in n.outputs[0].shape) if n.outputs else ()
                 specs = [sp for sp in all_specs(shape, self.mesh_shape) if not self._splits_batch(name, sp)
                          and (kind == "param" or self._model_whole([sp]))]
+                pin = None
+                if kind == "param" and self.fixed_params:
+                    # a pin on any copy of a shared layer's parameter holds for all copies
+                    fq = [g.node(c).fqn or c for c in self.copies[name]]
+                    pins = {tuple(self.fixed_params[f]) for f in fq if f in self.fixed_params}
+                    if len(pins) > 1:
+                        raise PlanError(f"parameters {fq} of identical layers are pinned to different "
+                                        f"placements {sorted(pins)}; pin them alike")
+                    pin = pins.pop() if pins else None
+                if pin is not None:
+                    if tuple(pin) not in specs:
+                        raise PlanError(f"parameter {n.fqn or name} {shape} cannot be placed {tuple(pin)} on mesh "
+                                        f"{self.mesh_shape}; one of {sorted(specs)}")
+                    specs = [tuple(pin)]
                 if self.cycle is not None and name == self.cycle[1]:
                     sts = [Strategy(" ".join(s), [s], [s], [()]) for s in specs]
                 else:

@@ -288,7 +288,6 @@ def validate_plan(plan: Plan, model: nn.Module) -> dict:
         if v > 1 and M % pp != 0:
             raise PlanError(f"interleaved 1F1B needs num_microbatches ({M}) to be a multiple of "
                             f"the pipeline depth ({pp})")
-        family_of(model)
         aliases = canonical_names(model)
         covered = set()
         for s in stages:
@@ -477,12 +476,49 @@ class ParallelModel:
             return torch.empty(t.shape, dtype=t.dtype, device="meta")
         return [(meta(a), meta(b)) for a, b in out]
 
+    def _example_microbatch(self) -> tuple:
+        """The model's inputs at the plan's micro-batch size, on meta (what the tracer needs)."""
+        mb = self.plan.microbatch_size
+        return tuple(torch.empty((mb,) + tuple(x.shape[1:]), dtype=x.dtype, device="meta")
+                     if isinstance(x, torch.Tensor) and x.dim() > 0 else x
+                     for x in self.bundle.example_inputs)
+
+    def _graph_shapes(self, chunks: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`_stage_shapes` for traced chunks: each run on fake tensors in order, under the
+        plan's autocast; a chunk's input is the previous one's output (the first chunk's, the
+        first model input, what the schedule hands it)."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.func import functional_call
+
+        ex = self._example_microbatch()
+        out = []
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad(), self._autocast_ctx():
+            inputs = [torch.empty(x.shape, dtype=x.dtype, device=self.device) if isinstance(x, torch.Tensor) else x
+                      for x in ex]
+            act = inputs[0]
+            for gm, srcs in chunks:
+                state = {n: torch.empty(t.shape, dtype=self._compute_dtype(t), device=self.device)
+                         for n, t in gm.named_parameters(remove_duplicate=False)}
+                state.update({n: torch.empty(t.shape, dtype=t.dtype, device=self.device)
+                              for n, t in gm.named_buffers(remove_duplicate=False)})
+                args = [act if kind == "act" else inputs[k] for kind, k in srcs]
+                y = functional_call(gm, state, tuple(args), tie_weights=False)
+                out.append((act, y))
+                act = y
+
+        def meta(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty(t.shape, dtype=t.dtype, device="meta")
+        return [(meta(a), meta(b)) for a, b in out]
+
     def _compute_dtype(self, p: torch.Tensor) -> torch.dtype:
         """The dtype parameter `p` computes in: the plan's low precision for floating ones."""
         return self.low if self.low is not None and p.is_floating_point() else p.dtype
 
     def _build_pipeline(self) -> None:
-        self.family = family_of(self.model)
+        try:
+            self.family: Optional[Family] = family_of(self.model)
+        except PlanError:
+            self.family = None        # cut from the traced model (`graph_stages`)
         nst = len(self.stages)
         covered = {}
         for s in self.stages:
@@ -492,7 +528,14 @@ class ParallelModel:
         missing = [n for n in set(self.aliases.values()) if n not in covered]
         if missing:
             raise PlanError(f"the plan's stages leave parameters out: {', '.join(sorted(missing)[:5])}")
-        shapes = self._stage_shapes(self.plan.microbatch_size)
+        chunks = None
+        if self.family is None:
+            from autopar.runtime.graph_stages import split_model
+
+            chunks = split_model(self.model, self._example_microbatch(), [s.layers[0] for s in self.stages[1:]],
+                                 self.device)
+        shapes = (self._graph_shapes(chunks) if chunks is not None
+                  else self._stage_shapes(self.plan.microbatch_size))
         self.hetero = len(_mesh_kinds(self.stages)) > 1
         if self.hetero:
             self._build_replica_groups()
@@ -500,21 +543,35 @@ class ParallelModel:
             self._build_pp_groups()
         self.pipe_stages = []
         self.local_modules = []
+        self.fed_chunks = []
+        self.chunk_params: dict[int, set[str]] = {}
         for i, s in enumerate(self.stages):
+            if chunks is not None:
+                self.chunk_params[i] = {self.aliases.get(n, n) for n, _ in
+                                        chunks[i][0].named_parameters(remove_duplicate=False)}
             if self.rank not in s.devices:
                 continue
-            core = StageCore(self.model, s.layers, self.family, i == nst - 1)
+            last = i == nst - 1
+            core: nn.Module = (StageCore(self.model, s.layers, self.family, last) if chunks is None
+                               else chunks[i][0])
             for fqn in s.layers:
                 if is_repeated_block(fqn):
-                    apply_recompute(get_submodule(self.model, fqn), s.recompute)
-            materialize(core, seed=self.seed, device=self.device, aliases=self.aliases)
+                    apply_recompute(get_submodule(core, fqn), s.recompute)
+            materialize(core, seed=self.seed, device=self.device, aliases=self.aliases,
+                        template=self.model if chunks is not None else None)
             if self.tp_size > 1:
                 distribute_params(core, self.my_mesh.tp_mesh, self._tp_placements(s),
                                   aliases=self.aliases, src_data_rank=None)
             mod: nn.Module = core
             if self.tp_size > 1:
-                mod = SPMDModule(core, self.my_mesh.tp_mesh, [None], loss_inside=False,
-                                 loss_output=i == nst - 1)
+                # a traced last chunk computes the loss inside: vocabulary-parallel there
+                mod = SPMDModule(core, self.my_mesh.tp_mesh, [None], loss_inside=chunks is not None and last,
+                                 loss_output=chunks is None and last)
+            if chunks is not None:
+                from autopar.runtime.graph_stages import FedChunk
+
+                mod = FedChunk(mod, chunks[i][1])
+                self.fed_chunks.append(mod)
             if self.zero3:
                 self._fully_shard(core, s.layers, root=mod)   # the FSDP root: what the stage holds
             self.pipe_stages.append(self._make_stage(mod, i, *shapes[i]))
@@ -573,7 +630,11 @@ class ParallelModel:
 
         M = self.plan.num_microbatches
         fam = self.family
-        loss_fn = lambda out, tgt: stage_loss(fam, out, tgt)  # noqa: E731
+        if fam is None:
+            # a traced last chunk returns the loss itself
+            loss_fn = lambda out, tgt: _compact(out.full_tensor() if isinstance(out, DTensor) else out)  # noqa: E731
+        else:
+            loss_fn = lambda out, tgt: stage_loss(fam, out, tgt)  # noqa: E731
         cls = torch_schedule(self.plan.schedule, self.pp, M, len(self.pipe_stages))
         if cls == "ScheduleInterleaved1F1B":
             if M % self.pp != 0:
@@ -632,13 +693,11 @@ class ParallelModel:
         """{device-set indices holding them: canonical names} of the parameters held by more
         than one device set."""
         holders: dict[str, list[int]] = {}
-        for si, s in enumerate(self.stages):
-            for fqn in s.layers:
-                for n, _ in get_submodule(self.model, fqn).named_parameters(remove_duplicate=False):
-                    canon = self.aliases.get(f"{fqn}.{n}", f"{fqn}.{n}")
-                    ds = si % self.pp
-                    if ds not in holders.setdefault(canon, []):
-                        holders[canon].append(ds)
+        for si in range(len(self.stages)):
+            for canon in self._stage_params(si):
+                ds = si % self.pp
+                if ds not in holders.setdefault(canon, []):
+                    holders[canon].append(ds)
         bykey: dict[tuple[int, ...], list[str]] = {}
         for k, v in sorted(holders.items()):
             if len(v) > 1:
@@ -656,14 +715,15 @@ class ParallelModel:
 
     def _holders(self, dss: Sequence[int], canon: str) -> list[StagePlan]:
         """The stages on device sets `dss` holding the parameter of canonical name `canon`."""
-        out = []
-        for si, s in enumerate(self.stages):
-            if si % self.pp in dss and any(
-                    self.aliases.get(f"{fqn}.{n}", f"{fqn}.{n}") == canon
-                    for fqn in s.layers
-                    for n, _ in get_submodule(self.model, fqn).named_parameters(remove_duplicate=False)):
-                out.append(s)
-        return out
+        return [s for si, s in enumerate(self.stages) if si % self.pp in dss and canon in self._stage_params(si)]
+
+    def _stage_params(self, si: int) -> set[str]:
+        """Canonical names of the parameters chunk `si` holds: a traced chunk's own (it holds a
+        weight it reads outside the modules it runs, a tied head's), else its layers'."""
+        if si in getattr(self, "chunk_params", {}):
+            return self.chunk_params[si]
+        return {self.aliases.get(f"{fqn}.{n}", f"{fqn}.{n}") for fqn in self.stages[si].layers
+                for n, _ in get_submodule(self.model, fqn).named_parameters(remove_duplicate=False)}
 
     def _placement_of(self, s: StagePlan, canon: str) -> tuple[str, ...]:
         """Stage `s`'s placement of the parameter `canon` as `distribute_params` and FSDP read
@@ -756,12 +816,15 @@ class ParallelModel:
         D = self.dp_size
         first = self.pp == 1 or any(st.is_first for st in self.pipe_stages)
         last = self.pp == 1 or any(st.is_last for st in self.pipe_stages)
+        fed = set().union(*(f.model_inputs for f in getattr(self, "fed_chunks", [])))
         out = []
         for i, x in enumerate(batch):
             if isinstance(x, torch.Tensor) and x.dim() > 0:
                 if x.shape[0] != G:
                     raise PlanError(f"the batch has {x.shape[0]} rows, the plan's global batch size is {G}")
-                if not (first if i == 0 else last):
+                needed = (i == 0 and first) or i in fed if getattr(self, "fed_chunks", None) else (
+                    first if i == 0 else last)
+                if not needed:
                     x = None
                 else:
                     rows = G // D
@@ -836,8 +899,14 @@ class ParallelModel:
         inputs, targets = local[0], local[1:] if len(local) > 1 else ()
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {}
+        for fed in self.fed_chunks:
+            fed.start_step(local, M)
         if is_last:
-            kwargs["target"] = targets[0] if len(targets) == 1 else targets
+            if self.fed_chunks:
+                # the traced chunk reads its targets itself; the schedule only needs M of them
+                kwargs["target"] = torch.zeros(M, device=self.device)
+            else:
+                kwargs["target"] = targets[0] if len(targets) == 1 else targets
             kwargs["losses"] = losses
         with ctx:
             # return_outputs=False: the last stage would otherwise keep every micro-batch's

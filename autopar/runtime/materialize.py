@@ -52,12 +52,22 @@ def canonical_names(model: nn.Module) -> dict[str, str]:
 
 
 def materialize(module: nn.Module, *, seed: int, device: torch.device | str = "cpu",
-                aliases: dict[str, str] | None = None, prefix: str = "") -> None:
+                aliases: dict[str, str] | None = None, prefix: str = "",
+                template: nn.Module | None = None) -> None:
     """Replace every meta parameter/buffer of `module` by a real one on `device`, initialised
-    deterministically from (seed, canonical FQN). Parameters shared inside `module` stay shared."""
+    deterministically from (seed, canonical FQN). Parameters shared inside `module` stay shared.
+    `template`: the model `module`'s submodules were traced from (a traced pipeline chunk holds
+    the tracer's stand-ins, not the model's classes): the owner a value depends on (a norm's
+    weight) is looked up there under the same name."""
     aliases = aliases or {}
     made: dict[int, nn.Parameter] = {}
     for mod_name, mod in list(module.named_modules(remove_duplicate=False)):
+        owner = mod
+        if template is not None:
+            try:
+                owner = template.get_submodule(prefix + mod_name) if mod_name else template
+            except AttributeError:
+                owner = mod
         for pname, p in list(mod._parameters.items()):
             if p is None or not p.is_meta:
                 continue
@@ -66,7 +76,7 @@ def materialize(module: nn.Module, *, seed: int, device: torch.device | str = "c
                 continue
             fqn = f"{prefix}{mod_name}.{pname}" if mod_name else f"{prefix}{pname}"
             key = aliases.get(fqn, fqn)
-            val = init_value(key, tuple(p.shape), p.dtype, mod, seed).to(device)
+            val = init_value(key, tuple(p.shape), p.dtype, owner, seed).to(device)
             newp = nn.Parameter(val, requires_grad=p.requires_grad)
             made[id(p)] = newp
             mod._parameters[pname] = newp
@@ -76,7 +86,8 @@ def materialize(module: nn.Module, *, seed: int, device: torch.device | str = "c
             if not b.is_meta:
                 mod._buffers[bname] = b.to(device)
                 continue
-            known = buffer_value(b)     # computed when the model was built (autopar.models.empty)
+            tb = owner._buffers.get(bname) if owner is not mod else None
+            known = buffer_value(tb if tb is not None else b)   # computed when the model was built
             if known is not None:
                 val = known.to(device=device, dtype=b.dtype)
             elif "running_var" in bname:

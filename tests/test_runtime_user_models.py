@@ -1,0 +1,47 @@
+"""Pipelines for a model autopar knows nothing about (issue 20, "pipelines for any model"): a
+nanoGPT written as a user would (`tests.user_models`: fused qkv split in three, head computed as
+`x @ wte.weight.t()` with no output module, the loss inside `forward`) has no zoo family and no
+`pipeline_loss`; its pipeline stages are cut from the traced model (`runtime.graph_stages`).
+Each plan comes from `autopar.plan` pinned to the layout and runs on 4 gloo processes through
+`autopar.runtime.run`: losses equal to one process within 1e-4, collectives as the plan counts
+them (after the first step, which carries torch.pipelining's warm-up)."""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from autopar.planner import plan
+from autopar.runtime import run
+
+pytestmark = pytest.mark.slow
+
+REF = "tests.user_models:nanogpt"
+STEPS = 3
+LAYOUTS = {
+    "pp4_1f1b": dict(dp=1, tp=1, pp=4, schedule="1f1b", num_microbatches=4),
+    "pp2xdp2_gpipe_zero3": dict(dp=2, tp=1, pp=2, schedule="gpipe", num_microbatches=2, zero_stage=3),
+    "pp2xdp2_interleaved": dict(dp=2, tp=1, pp=2, schedule="interleaved_1f1b", virtual_stages=2,
+                                num_microbatches=2),
+}
+
+
+def _cluster(n: int) -> autopar.ClusterSpec:
+    return autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": n})
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[float]:
+    p = plan(REF, _cluster(1), global_batch_size=8, dtype="fp32")
+    return [r["loss"] for r in run(p, REF, steps=STEPS, quiet=True) if "step" in r]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_user_model_pipelines_equal_one_process(layout: str, reference: list[float]) -> None:
+    p = plan(REF, _cluster(4), global_batch_size=8, dtype="fp32", constraints=autopar.Constraints(**LAYOUTS[layout]))
+    assert p.pp == 2 if layout != "pp4_1f1b" else p.pp == 4
+    rows = [r for r in run(p, REF, steps=STEPS, quiet=True) if "step" in r]
+    got = [r["loss"] for r in rows]
+    assert len(got) == len(reference) and all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(got, reference)), \
+        (got, reference)
+    assert rows[-1]["collectives"] == p.predicted.collectives, (rows[-1]["collectives"], p.predicted.collectives)

@@ -1,0 +1,71 @@
+"""Models written independently of autopar's zoo, as a user would write them (MODULE:FACTORY
+references, `tests.user_models:nanogpt`): autopar knows nothing of their layer chaining or loss.
+
+`NanoGPT` follows nanoGPT: pre-LayerNorm blocks, one fused qkv Linear whose output is split
+into [q; k; v] blocks, a head computed as `x @ tok.weight.t()` with the embedding's weight (no
+output module), cross-entropy at the end of `forward(idx, targets)`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autopar.models.registry import token_batch
+
+VOCAB, SEQ, HIDDEN, HEADS = 128, 16, 32, 4
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, h: int, heads: int) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(h, 3 * h)
+        self.c_proj = nn.Linear(h, h)
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.c_attn(x).split(h, dim=2)
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, s, h))
+
+
+class Block(nn.Module):
+    def __init__(self, h: int, heads: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(h)
+        self.attn = SelfAttention(h, heads)
+        self.ln_2 = nn.LayerNorm(h)
+        self.mlp = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    def __init__(self, layers: int = 4, vocab: int = VOCAB, seq: int = SEQ, h: int = HIDDEN,
+                 heads: int = HEADS) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, h)
+        self.wpe = nn.Embedding(seq, h)
+        self.h = nn.ModuleList(Block(h, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(h)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        logits = self.ln_f(x) @ self.wte.weight.t()
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def nanogpt(layers: int = 4):
+    """(model on meta, example inputs, batch function): the MODULE:FACTORY contract."""
+    with torch.device("meta"):
+        model = NanoGPT(layers)
+    x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    return model, (x, x), token_batch(VOCAB, SEQ)
