@@ -21,6 +21,7 @@ STEPS = 3
 LAYOUTS = {
     "pp4_1f1b": dict(dp=1, tp=1, pp=4, schedule="1f1b", num_microbatches=4),
     "pp2xdp2_gpipe_zero3": dict(dp=2, tp=1, pp=2, schedule="gpipe", num_microbatches=2, zero_stage=3),
+    "pp2xtp2_gpipe": dict(dp=1, tp=2, pp=2, schedule="gpipe", num_microbatches=2),
     "pp2xdp2_interleaved": dict(dp=2, tp=1, pp=2, schedule="interleaved_1f1b", virtual_stages=2,
                                 num_microbatches=2),
 }
@@ -45,3 +46,41 @@ def test_user_model_pipelines_equal_one_process(layout: str, reference: list[flo
     assert len(got) == len(reference) and all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(got, reference)), \
         (got, reference)
     assert rows[-1]["collectives"] == p.predicted.collectives, (rows[-1]["collectives"], p.predicted.collectives)
+
+
+def test_a_model_passing_two_tensors_between_layers_is_refused_with_the_reason():
+    """Graph pipelines carry one activation per boundary: a model whose layers also take a
+    tensor computed before them (a mask, a rotary table) is refused, naming the chunk."""
+    import torch
+    import torch.nn as nn
+
+    from autopar.runtime.graph_stages import split_model
+    from autopar.schema.errors import PlanError
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * scale
+
+    class TwoTensors(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(Layer() for _ in range(4))
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            scale = torch.sigmoid(x.mean(dim=-1, keepdim=True))
+            for layer in self.layers:
+                x = layer(x, scale)
+            return nn.functional.mse_loss(x, y)
+
+    with torch.device("meta"):
+        m = TwoTensors()
+    ex = (torch.empty(2, 8, device="meta"), torch.empty(2, 8, device="meta"))
+    with pytest.raises(PlanError, match="pipeline chunk 1 of TwoTensors"):
+        split_model(m, ex, ["layers.2"], torch.device("cpu"))
+    # the model itself is left as it was: it traces again
+    with pytest.raises(PlanError, match="pipeline chunk 1 of TwoTensors"):
+        split_model(m, ex, ["layers.2"], torch.device("cpu"))

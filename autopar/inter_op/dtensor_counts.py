@@ -51,6 +51,7 @@ import torch
 import torch.nn as nn
 
 from autopar.inter_op.layers import Layer
+from autopar.schema.errors import PlanError
 
 _KINDS = (("all_reduce", "all_reduce"), ("all_gather", "all_gather"), ("reduce_scatter", "reduce_scatter"),
           ("all_to_all", "all_to_all"), ("broadcast", "broadcast"))
@@ -275,6 +276,12 @@ def dtensor_stage_counts(model: nn.Module, example_inputs: Sequence[Any], tp: in
         return None
     try:
         family = family_of(model)
+    except PlanError:
+        # the runtime cuts it from the traced model (`runtime.graph_stages`): so does the dry run
+        return _graph_stage_counts(model, example_inputs, tp, placements, layers, lo, hi, index=index,
+                                   num_stages=num_stages, batch=batch, device=device,
+                                   max_real_params=max_real_params, recompute=recompute)
+    try:
         x = _stage_input(model, family, example_inputs, layers, lo, batch, max_real_params)
     except Exception:  # noqa: BLE001 - a model the runtime cannot pipeline: fall back
         return None
@@ -313,6 +320,70 @@ def dtensor_stage_counts(model: nn.Module, example_inputs: Sequence[Any], tp: in
                 stage_loss(family, out, *targets).backward()
                 return
             # plain: the sent activation (its gradient comes back plain) or whole logits
+            torch.autograd.backward(out, grad_tensors=torch.zeros_like(out))
+        return step, lambda: _grad_layout_counts(core)
+
+    counts = _count_comms(tp, build)
+    if counts is None:
+        return None
+    return _attribute(counts, layers, rep, lo, hi, recompute)
+
+
+def _graph_stage_counts(model: nn.Module, example_inputs: Sequence[Any], tp: int, placements: dict[str, str],
+                        layers: list[Layer], lo: int, hi: int, *, index: int, num_stages: int,
+                        batch: Optional[int], device: str, max_real_params: int,
+                        recompute: str) -> Optional[LayerCounts]:
+    """`dtensor_stage_counts` of a chunk the runtime cuts from the traced model: the model is cut
+    at the stage's first layer and after its last (`graph_stages.split_model`, as the runtime
+    cuts it), the chunk before it run on meta for the stage's input, the stage's chunk dry-run
+    as the runtime runs it (`FedChunk` around an `SPMDModule`, the loss inside a last chunk)."""
+    from autopar.runtime.graph_stages import FedChunk, split_model
+    from autopar.runtime.materialize import canonical_names
+
+    inputs = _batch_inputs(example_inputs, batch, "meta")
+    cuts = ([layers[lo].modules[0]] if lo > 0 else []) + ([layers[hi].modules[0]] if hi < len(layers) else [])
+    try:
+        chunks = split_model(model, inputs, cuts, torch.device("meta"))
+    except PlanError:
+        return None
+    mine = 1 if lo > 0 else 0
+    x = inputs[0]
+    if mine:
+        gm0, srcs0 = chunks[0]
+        with torch.no_grad():
+            x = gm0(*[inputs[k] for _, k in srcs0])
+    gm, srcs = chunks[mine]
+    work = _working_copy(gm, device, max_real_params)
+    if work is None:
+        return None
+    core, dev = work
+    from autopar.runtime.graph_stages import retarget
+
+    retarget(core, torch.device(dev))
+    rep = _pass_through_repeats(core, layers, lo, hi)
+    if rep is None:
+        return None
+    _apply_recompute(core, layers, lo, hi, rep, recompute)
+    x = torch.zeros(x.shape, dtype=x.dtype, device=dev)
+    if index > 0 and x.is_floating_point():
+        x.requires_grad_(True)
+    last = index == num_stages - 1
+    real_inputs = _batch_inputs(example_inputs, batch, dev)
+    aliases = canonical_names(model)
+
+    def build(mesh: Any) -> tuple[Callable[[], None], Callable[[], dict]]:
+        from autopar.runtime.spmd import SPMDModule, distribute_params
+
+        distribute_params(core, mesh, {f: (p,) for f, p in placements.items()}, aliases=aliases,
+                          src_data_rank=None)
+        fed = FedChunk(SPMDModule(core, mesh, [None], loss_inside=last), srcs)
+        fed.start_step(real_inputs, 1)
+
+        def step() -> None:
+            out = fed(x)
+            if last:
+                out.backward()
+                return
             torch.autograd.backward(out, grad_tensors=torch.zeros_like(out))
         return step, lambda: _grad_layout_counts(core)
 

@@ -25,6 +25,7 @@ or rotary table computed once and read by every layer) is refused with a PlanErr
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Sequence
 
 import torch
@@ -40,12 +41,15 @@ Source = tuple[str, int]
 
 def split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Sequence[str],
                 device: torch.device) -> list[tuple[torch.fx.GraphModule, list[Source]]]:
-    """Cut `model` (on meta or materialised) before each of `first_layers` (module FQNs, in
+    """Cut `model` (on meta: it is copied) before each of `first_layers` (module FQNs, in
     order): one (GraphModule, its inputs' sources) per chunk. `example_mb`: the model's inputs
     at the micro-batch size (meta tensors do)."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     spec = {f: SplitPoint.BEGINNING for f in first_layers}
+    # the tracer patches the forward of the modules it splits before, in place: trace a copy
+    # (of a meta model: nothing allocated), so the model can be traced again
+    model = copy.deepcopy(model)
     try:
         pipe = pipeline(model, mb_args=tuple(example_mb), split_spec=spec)
     except Exception as e:  # noqa: BLE001 - the tracer's own errors, reported with the split
