@@ -84,3 +84,19 @@ def test_a_model_passing_two_tensors_between_layers_is_refused_with_the_reason()
     # the model itself is left as it was: it traces again
     with pytest.raises(PlanError, match="pipeline chunk 1 of TwoTensors"):
         split_model(m, ex, ["layers.2"], torch.device("cpu"))
+
+
+def test_a_pipeline_the_graph_cannot_carry_is_refused_before_launch():
+    """Hugging Face GPT-2 hands its blocks the hidden states and a causal mask: two tensors per
+    boundary, which graph pipelines do not carry yet. `check_plan` (what `autopar run` calls
+    before starting any process) says so in one PlanError."""
+    pytest.importorskip("transformers")
+    from autopar.models.registry import build_model
+    from autopar.runtime import check_plan
+    from autopar.schema.errors import PlanError
+
+    ref = "hf:gpt2?num_hidden_layers=4&n_embd=64&n_head=4&n_positions=64&seq_len=16&vocab_size=128"
+    p = plan(ref, _cluster(4), global_batch_size=8, dtype="fp32",
+             constraints=autopar.Constraints(dp=2, tp=1, pp=2, schedule="1f1b", num_microbatches=2))
+    with pytest.raises(PlanError, match="pipeline chunk 1 of GPT2LMHeadModel .* carry one activation"):
+        check_plan(p, build_model(ref, device="meta"), world_size=4, model_ref=ref)

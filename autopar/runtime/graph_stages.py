@@ -89,21 +89,33 @@ def split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Seque
     return out
 
 
-def retarget(gm: torch.fx.GraphModule, device: torch.device) -> None:
-    """Make a chunk traced on meta run on `device`: tensors its ops create get `device`, and the
-    tracer's metadata assertions (dtype and device as traced) go."""
-    g = gm.graph
-    for n in list(g.nodes):
-        if n.op != "call_function":
+def retarget(gm: nn.Module, device: torch.device) -> None:
+    """Make a chunk traced on meta run on `device`, in its graph and in the graphs of the
+    tracer's submodules: tensors its ops create or move get `device` (a meta device in an op's
+    arguments becomes `device`), and the tracer's metadata assertions (dtype and device as
+    traced) go."""
+    def fix(v: Any) -> Any:
+        if isinstance(v, torch.device) and v.type == "meta":
+            return device
+        if isinstance(v, (tuple, list)):
+            return type(v)(fix(x) for x in v)
+        return v
+
+    for mod in gm.modules():
+        g = getattr(mod, "graph", None)
+        if not isinstance(g, torch.fx.Graph):
             continue
-        if n.target is torch.ops.aten._assert_tensor_metadata.default:
-            g.erase_node(n)
-            continue
-        dev = n.kwargs.get("device")
-        if isinstance(dev, torch.device) and dev.type == "meta":
-            n.kwargs = {**n.kwargs, "device": device}
-    g.lint()
-    gm.recompile()
+        for n in list(g.nodes):
+            if n.op != "call_function":
+                continue
+            if n.target is torch.ops.aten._assert_tensor_metadata.default:
+                g.erase_node(n)
+                continue
+            n.args = fix(n.args)
+            n.kwargs = {k: fix(v) for k, v in n.kwargs.items()}
+        g.lint()
+        if hasattr(mod, "recompile"):
+            mod.recompile()
 
 
 class FedChunk(nn.Module):
