@@ -292,28 +292,23 @@ def dtensor_stage_counts(model: nn.Module, example_inputs: Sequence[Any], tp: in
     if work is None:
         return None
     core, dev = work
-    rep = _pass_through_repeats(core, layers, lo, hi)
-    if rep is None:
+    prep = _prepare(core, dev, x, layers, lo, hi, recompute, index)
+    if prep is None:
         return None
-    _apply_recompute(core, layers, lo, hi, rep, recompute)
-    x = torch.zeros(x.shape, dtype=x.dtype, device=dev)
-    if index > 0 and x.is_floating_point():
-        x.requires_grad_(True)   # a received activation: its gradient is sent back
+    rep, x = prep
 
     last = index == num_stages - 1
     targets = _batch_inputs(example_inputs[1:], batch, dev) if last else []
 
-    def build(mesh: Any) -> tuple[Callable[[], None], Callable[[], dict]]:
+    def step(mesh: Any) -> Callable[[], None]:
         from torch.distributed.tensor import DTensor
 
         from autopar.runtime.engine import stage_loss
-        from autopar.runtime.spmd import SPMDModule, distribute_params
+        from autopar.runtime.spmd import SPMDModule
 
-        distribute_params(core, mesh, {f: (p,) for f, p in placements.items()}, aliases=aliases,
-                          src_data_rank=None)
         run = SPMDModule(core, mesh, [None], loss_inside=False, loss_output=last)
 
-        def step() -> None:
+        def go() -> None:
             out = run(x)
             if last and targets and isinstance(out, DTensor):
                 # class-sharded logits: the runtime's loss reads them in place (vocab-parallel)
@@ -321,7 +316,37 @@ def dtensor_stage_counts(model: nn.Module, example_inputs: Sequence[Any], tp: in
                 return
             # plain: the sent activation (its gradient comes back plain) or whole logits
             torch.autograd.backward(out, grad_tensors=torch.zeros_like(out))
-        return step, lambda: _grad_layout_counts(core)
+        return go
+
+    return _dry_run_stage(core, tp, placements, aliases, step, layers, rep, lo, hi, recompute)
+
+
+def _prepare(core: nn.Module, dev: str, x: torch.Tensor, layers: list[Layer], lo: int, hi: int,
+             recompute: str, index: int) -> Optional[tuple[dict[int, int], torch.Tensor]]:
+    """A stage copy made ready for its dry run: repeated layers passing their input through,
+    recomputation as the runtime wraps it; (the repeats, the stage's input on `dev`, requiring
+    its gradient after the first stage), or None when a layer's module is not found."""
+    rep = _pass_through_repeats(core, layers, lo, hi)
+    if rep is None:
+        return None
+    _apply_recompute(core, layers, lo, hi, rep, recompute)
+    x = torch.zeros(x.shape, dtype=x.dtype, device=dev)
+    if index > 0 and x.is_floating_point():
+        x.requires_grad_(True)   # a received activation: its gradient is sent back
+    return rep, x
+
+
+def _dry_run_stage(core: nn.Module, tp: int, placements: dict[str, str], aliases: dict[str, str],
+                   step: Callable[[Any], Callable[[], None]], layers: list[Layer], rep: dict[int, int],
+                   lo: int, hi: int, recompute: str) -> Optional[LayerCounts]:
+    """Count one stage copy `core` on a fake tp mesh: its parameters distributed with
+    `placements`, `step(mesh)` the forward and backward the runtime runs; per-layer counts."""
+    def build(mesh: Any) -> tuple[Callable[[], None], Callable[[], dict]]:
+        from autopar.runtime.spmd import distribute_params
+
+        distribute_params(core, mesh, {f: (p,) for f, p in placements.items()}, aliases=aliases,
+                          src_data_rank=None)
+        return step(mesh), lambda: _grad_layout_counts(core)
 
     counts = _count_comms(tp, build)
     if counts is None:
@@ -360,37 +385,29 @@ def _graph_stage_counts(model: nn.Module, example_inputs: Sequence[Any], tp: int
     from autopar.runtime.graph_stages import retarget
 
     retarget(core, torch.device(dev))
-    rep = _pass_through_repeats(core, layers, lo, hi)
-    if rep is None:
+    prep = _prepare(core, dev, x, layers, lo, hi, recompute, index)
+    if prep is None:
         return None
-    _apply_recompute(core, layers, lo, hi, rep, recompute)
-    x = torch.zeros(x.shape, dtype=x.dtype, device=dev)
-    if index > 0 and x.is_floating_point():
-        x.requires_grad_(True)
+    rep, x = prep
     last = index == num_stages - 1
     real_inputs = _batch_inputs(example_inputs, batch, dev)
     aliases = canonical_names(model)
 
-    def build(mesh: Any) -> tuple[Callable[[], None], Callable[[], dict]]:
-        from autopar.runtime.spmd import SPMDModule, distribute_params
+    def step(mesh: Any) -> Callable[[], None]:
+        from autopar.runtime.spmd import SPMDModule
 
-        distribute_params(core, mesh, {f: (p,) for f, p in placements.items()}, aliases=aliases,
-                          src_data_rank=None)
         fed = FedChunk(SPMDModule(core, mesh, [None], loss_inside=last), srcs)
         fed.start_step(real_inputs, 1)
 
-        def step() -> None:
+        def go() -> None:
             out = fed(x)
             if last:
-                out.backward()
+                out.backward()     # the chunk's loss
                 return
             torch.autograd.backward(out, grad_tensors=torch.zeros_like(out))
-        return step, lambda: _grad_layout_counts(core)
+        return go
 
-    counts = _count_comms(tp, build)
-    if counts is None:
-        return None
-    return _attribute(counts, layers, rep, lo, hi, recompute)
+    return _dry_run_stage(core, tp, placements, aliases, step, layers, rep, lo, hi, recompute)
 
 
 def _stage_input(model: nn.Module, family: Any, example_inputs: Sequence[Any], layers: list[Layer],
