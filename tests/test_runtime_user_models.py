@@ -37,15 +37,39 @@ def reference() -> list[float]:
     return [r["loss"] for r in run(p, REF, steps=STEPS, quiet=True) if "step" in r]
 
 
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict:
+    """Every layout planned by `autopar.plan`, saved, and run in one 4-process job (the
+    runtime tests' layouts job, `tests/plans.py`): {layout: (plan, rows)}."""
+    import json
+    from pathlib import Path
+
+    from tests.launch import elastic_run
+
+    folder = tmp_path_factory.mktemp("user_plans")
+    plans = {}
+    for name, cons in LAYOUTS.items():
+        p = plan(REF, _cluster(4), global_batch_size=8, dtype="fp32", constraints=autopar.Constraints(**cons))
+        p.save(folder / f"{name}.json")
+        plans[name] = p
+    out = folder / "rows.json"
+    root = Path(__file__).resolve().parents[1]
+    elastic_run(root / "tests" / "plans.py", ["--out", str(out), "--steps", str(STEPS),
+                                               *[f"plan:{folder / f'{n}.json'}" for n in plans]], 4)
+    rows = json.loads(out.read_text())
+    return {n: (plans[n], rows[f"plan:{folder / f'{n}.json'}"]) for n in plans}
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_user_model_pipelines_equal_one_process(layout: str, reference: list[float]) -> None:
-    p = plan(REF, _cluster(4), global_batch_size=8, dtype="fp32", constraints=autopar.Constraints(**LAYOUTS[layout]))
+def test_user_model_pipelines_equal_one_process(layout: str, reference: list[float], launched: dict) -> None:
+    p, rows = launched[layout]
     assert p.pp == 2 if layout != "pp4_1f1b" else p.pp == 4
-    rows = [r for r in run(p, REF, steps=STEPS, quiet=True) if "step" in r]
-    got = [r["loss"] for r in rows]
+    assert not (isinstance(rows, dict) and "error" in rows), rows
+    steps = [r for r in rows if "step" in r]
+    got = [r["loss"] for r in steps]
     assert len(got) == len(reference) and all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(got, reference)), \
         (got, reference)
-    assert rows[-1]["collectives"] == p.predicted.collectives, (rows[-1]["collectives"], p.predicted.collectives)
+    assert steps[-1]["collectives"] == p.predicted.collectives, (steps[-1]["collectives"], p.predicted.collectives)
 
 
 def test_a_model_passing_two_tensors_between_layers_is_refused_with_the_reason():
