@@ -346,11 +346,28 @@ def _fsdp_units(graph: OpGraph, modules: list[str], pipelined: bool,
                 names = [f"<root>.{f}"]          # under no module: the root's
         if names:
             params.append(names)
+    # without pipelining, a parameter an op outside its module reads (a head computed as
+    # `x @ emb.weight.t()`) keeps its module out of the units: the runtime leaves it to the
+    # root, gathered throughout (`ParallelModel._fully_shard`)
+    outside = set() if pipelined else {f for f in graph.params if _read_outside(graph, f)}
     units = [mod for mod in modules
              if any(under(n, mod) for ns in params for n in ns)
-             and all(all(under(n, mod) for n in ns) for ns in params if any(under(n, mod) for n in ns))]
+             and all(all(under(n, mod) for n in ns) for ns in params if any(under(n, mod) for n in ns))
+             and not any(under(a, mod) for f in outside for a in [f, *graph.params[f].tied])]
     root = any(not any(all(under(n, u) for n in ns) for u in units) for ns in params)
     return len(units), root
+
+
+def _read_outside(graph: OpGraph, f: str) -> bool:
+    """Whether an op outside every module holding parameter `f` (under any of its tied names)
+    reads it."""
+    owners = [a.rsplit(".", 1)[0] if "." in a else "" for a in [f, *graph.params[f].tied]]
+    for n in graph.nodes:
+        if n.params and f in n.params:
+            p = n.module_path or ""
+            if not any(o == "" or p == o or p.startswith(o + ".") for o in owners):
+                return True
+    return False
 
 
 def _zero3_counts(graph: OpGraph, modules: list[str], m: int, pipelined: bool,

@@ -124,6 +124,57 @@ def _compact(loss: torch.Tensor) -> torch.Tensor:
     return loss
 
 
+def params_read_outside(model: nn.Module, example_inputs: Sequence[Any]) -> set[str]:
+    """Names of the parameters some code outside the module holding them reads (a head computed
+    as `x @ emb.weight.t()` in the parent's forward), from one forward of `model` on its meta
+    `example_inputs`: ZeRO-3 must not shard such a module as its own unit, whose parameters
+    FSDP frees after the module's forward (the capture's `_read_outside` in the planner counts
+    the same). A model that cannot run on meta reports nothing, with a warning."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_leaves
+
+    owner: dict[int, list[str]] = {}
+    name: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        owner.setdefault(id(p), []).append(n.rsplit(".", 1)[0] if "." in n else "")
+        name.setdefault(id(p), n)
+    stack = [""]
+    paths = {m: n for n, m in model.named_modules(remove_duplicate=False)}
+    out: set[str] = set()
+
+    class Reads(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            cur = stack[-1]
+            for a in tree_leaves((args, kwargs or {})):
+                if isinstance(a, nn.Parameter) and id(a) in owner and not any(
+                        o == "" or cur == o or cur.startswith(o + ".") for o in owner[id(a)]):
+                    out.add(name[id(a)])
+            return func(*args, **(kwargs or {}))
+
+    def enter(m: nn.Module, args: Any) -> None:
+        stack.append(paths.get(m, stack[-1]))
+
+    def leave(m: nn.Module, args: Any, out: Any) -> None:   # None: the output is kept
+        stack.pop()
+
+    pre = nn.modules.module.register_module_forward_pre_hook(enter)
+    post = nn.modules.module.register_module_forward_hook(leave)
+    try:
+        with Reads(), torch.no_grad():
+            model(*example_inputs)
+    except Exception as e:  # noqa: BLE001 - reported; the run's collective check shows the effect
+        import warnings
+
+        warnings.warn(f"autopar: could not run {type(model).__name__} on meta to find parameters read "
+                      f"outside their module ({type(e).__name__}: {e}); ZeRO-3 shards every layer module "
+                      f"as its own unit", stacklevel=2)
+        return set()
+    finally:
+        pre.remove()
+        post.remove()
+    return out
+
+
 def get_submodule(root: nn.Module, fqn: str) -> nn.Module:
     try:
         return root.get_submodule(fqn)
@@ -405,11 +456,15 @@ class ParallelModel:
         for fqn in s.layers:
             if is_repeated_block(fqn):
                 apply_recompute(get_submodule(model, fqn), s.recompute)
+        if self.zero3:
+            self._read_outside = params_read_outside(model, self._example_microbatch())
         materialize(model, seed=self.seed, device=self.device, aliases=self.aliases)
         if self.tp_size > 1:
             distribute_params(model, self.my_mesh.tp_mesh, self._tp_placements(s), aliases=self.aliases,
                               src_data_rank=None)
         if self.zero3:
+            self._read_outside = {id(p) for n, p in model.named_parameters(remove_duplicate=False)
+                                  if n in self._read_outside}
             self._fully_shard(model, s.layers)
         runner: nn.Module = model
         if self.tp_size > 1:
@@ -434,12 +489,13 @@ class ParallelModel:
         # with tp, parameters are already DTensors on the sibling tp sub-mesh: FSDP2 makes them
         # 2-D (Shard on dp, the planned placement on tp)
         all_names = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
+        read_outside = getattr(self, "_read_outside", set())
         for fqn in layers:
             mod = get_submodule(model, fqn)
             ids = {id(p) for p in mod.parameters()}
             shared_outside = any(
                 pid in ids and not n.startswith(fqn + ".") for n, pid in all_names.items())
-            if not shared_outside and ids:
+            if not shared_outside and ids and not ids & read_outside:
                 fully_shard(mod, mesh=mesh, **mp)
         root = model if root is None else root
         if isinstance(root, SPMDModule):
