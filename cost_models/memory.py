@@ -133,7 +133,7 @@ class ActivationMemory:
     `per_layer[fqn]` is what each repeated layer holds (key None: ops outside every layer);
     `working_bytes` is the transient extra while one layer is recomputed for its backward: the
     most, over the recomputed region's ops taken backward, of what the ops up to that one
-    re-saved plus that op's backward transient (`BACKWARD_LIVE` times its output);
+    re-saved plus that op's output and input gradients;
     `loss_grad_bytes` what a loss's backward holds as the backward starts: its output's and its
     input's gradients, fp32 and the size of its input (the logits of a language model), live
     before any recomputation; `loss_input_bytes` that input at the training dtype (what a last
@@ -145,7 +145,7 @@ class ActivationMemory:
     ran) plus that op's output and input gradients (a loss: its fp32 input gradient), or, where a
     recomputed region starts its backward, the region's re-made tensors and gradients
     (`backward_over_recompute`: the worst moment is one of those); `saved` what is saved by
-    tensor (named by the tensor owning the storage, `bases`)."""
+    tensor (named by the tensor owning the storage, `bases`; `saved_of` reads it by any name)."""
 
     saved_bytes: float = 0.0
     per_layer: dict[Optional[str], float] = field(default_factory=dict)
@@ -161,6 +161,10 @@ class ActivationMemory:
     @property
     def peak_bytes(self) -> float:
         return self.saved_bytes + self.working_bytes
+
+    def saved_of(self, name: Optional[str]) -> float:
+        """Bytes saved of tensor `name` (through its storage's owner; 0 for None or unsaved)."""
+        return self.saved.get(self.bases.get(name, name), 0.0) if name else 0.0
 
 
 Shard = Union[float, Callable[..., float]]
@@ -449,7 +453,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         if r is not None:
             if r not in entered:
                 entered.add(r)
-                m = live + max(region_bytes.get(r, 0.0), region_peak.get(r, 0.0)) - out.saved_bytes
+                m = live + region_peak[r] - out.saved_bytes
                 if m > out.backward_over_bytes:
                     out.backward_over_bytes, out.backward_over_recompute = m, True
         else:
@@ -458,8 +462,8 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 out.backward_over_bytes, out.backward_over_recompute = m, False
         live -= owned.get(n.name, 0.0)
     layer_of_region = {region[n.name]: n.layer for n in calls if region[n.name] is not None}
-    cand = [max(v, region_peak.get(r, 0.0)) for r, v in region_bytes.items()
-            if keep is None or layer_of_region.get(r) in keep]
+    # region_peak: what a region re-made at the end plus the last op's gradients at least
+    cand = [region_peak[r] for r in region_bytes if keep is None or layer_of_region.get(r) in keep]
     out.working_bytes = max(cand, default=0.0)
     return out
 

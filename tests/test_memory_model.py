@@ -340,8 +340,11 @@ def test_backward_transient_after_later_layers_freed():
     from autopar.inter_op.stage_cost import LayerCost
 
     cluster = autopar.ClusterSpec.load("dgx-a100-80g", num_nodes=1)
-    mk = lambda a, w, t: LayerCost(act_bytes={"none": a, "selective": a, "full": a}, work_bytes=w,  # noqa: E731
-                                   backward_bytes=t, param_elems={})
+    # a layer saving `a`, whose backward's worst moment is its recomputation `w` or its
+    # gradients `t` above that, whichever is larger (what `fill_activations` reads off a graph)
+    mk = lambda a, w, t: LayerCost(act_bytes={"none": a, "selective": a, "full": a},  # noqa: E731
+                                   bwd_over={"none": t, "selective": max(w, t), "full": max(w, t)},
+                                   bwd_over_rc={"none": False, "selective": w > t, "full": w > t}, param_elems={})
     costs = [mk(10.0, 50.0, 1.0), mk(10.0, 50.0, 1.0), mk(40.0, 0.0, 30.0)]   # two blocks, a head
     del OpGraph, Layer
     tb = _Tables(costs, cluster, "bf16", 1, 1, 0, [])

@@ -46,7 +46,6 @@ What is approximated, and why (to keep a 1000-GPU search within seconds on two c
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 import time
 from dataclasses import dataclass, field
@@ -131,14 +130,14 @@ class _Tables:
     """Per-layer cost arrays for one (micro-batch, tp, dp, zero) and stage aggregates over ranges."""
 
     def __init__(self, costs: list[LayerCost], cluster: ClusterSpec, dtype: str, dp: int, tp: int,
-                 zero: int, layers: list[Layer]) -> None:
+                 zero: int, layers: list[Layer], batch: tuple[float, float] = (0.0, 0.0)) -> None:
         self.costs = costs
         L = len(costs)
         self.L = L
         self.dp, self.tp, self.zero = dp, tp, zero
-        # the rank's share of the step's batch, set by the search: the first input (held by the
-        # first stage) and the others (the targets, held by the last), as `ParallelModel.local_batch`
-        self.batch_first = self.batch_rest = 0.0
+        # the rank's share of the step's batch: the first input (held by the first stage) and
+        # the others (the targets, held by the last), as `ParallelModel.local_batch` keeps them
+        self.batch_first, self.batch_rest = batch
         self.cluster = cluster
         self.dtype = dtype
         pre = lambda xs: np.concatenate([[0.0], np.cumsum(xs)])  # noqa: E731
@@ -150,9 +149,10 @@ class _Tables:
         # transient in a layer's backward above what it saved, at its worst moment (its
         # activation gradients, the loss's fp32 input gradient, or a recomputed region's
         # re-made tensors: `LayerCost.backward_over`), and whether that moment recomputes
-        over = {r: [c.backward_over(r) for c in costs] for r in RECOMPUTES}
-        self.work = {r: np.array([w for w, _ in v], dtype=float).reshape(L) for r, v in over.items()}
-        self.work_rc = {r: np.array([k for _, k in v], dtype=bool).reshape(L) for r, v in over.items()}
+        self.work = {r: np.array([c.bwd_over.get(r, 0.0) for c in costs], dtype=float).reshape(L)
+                     for r in RECOMPUTES}
+        self.work_rc = {r: np.array([c.bwd_over_rc.get(r, False) for c in costs], dtype=bool).reshape(L)
+                        for r in RECOMPUTES}
         # parameter elements per device: every layer's own, tied ones once per stage
         users: dict[str, list[int]] = {}
         elems: dict[str, float] = {}
@@ -177,9 +177,12 @@ class _Tables:
         kk, jj = np.broadcast_arrays(k, j)
         self.kk, self.jj = kk, jj
         pel = self.pel[np.clip(jj, 0, L)] - self.pel[kk]
+        # ZeRO-3's root unit holds the parameters several layers read (`range_gathered`)
+        root = np.zeros_like(pel)
         for _f, e, us in self.shared:
             cnt = sum(((kk <= u) & (u < jj)).astype(float) for u in us)
             pel = pel - np.maximum(cnt - 1, 0) * e
+            root = root + np.where(cnt > 0, e, 0.0)
         self.range_pel = np.where(self.valid, pel, 0.0)
         # p2p at the boundaries this stage sends over: activation forward at its end, gradient
         # backward at its start
@@ -198,8 +201,7 @@ class _Tables:
         # receive buffer, counted by `pipe_buffers`), and of its output what the stage's forward
         # cache keeps beyond what its last layer saved
         prev_out = np.concatenate([[0.0], self.out[:-1]]) if L else np.zeros(0)
-        in_saved = {r: np.array([c.in_saved.get(r, prev_out[i]) if c.in_saved else prev_out[i]
-                                 for i, c in enumerate(costs)]) for r in RECOMPUTES}
+        in_saved = {r: np.array([c.in_saved.get(r, prev_out[i]) for i, c in enumerate(costs)]) for r in RECOMPUTES}
         out_saved = {r: np.array([c.out_saved.get(r, 0.0) for c in costs]) for r in RECOMPUTES}
         self.range_act, self.range_in_saved, self.range_out_kept = {}, {}, {}
         for r in RECOMPUTES:
@@ -242,13 +244,13 @@ class _Tables:
                     m = next((m for m in mods if f == m or f.startswith(m + ".")), "")
                     groups[m] = groups.get(m, 0.0) + e
             unit[i] = max(groups.values(), default=0.0)
-        root = np.zeros_like(self.range_pel)
-        for _f, e, us in self.shared:
-            root = root + np.where(sum(((kk <= u) & (u < jj)).astype(float) for u in us) > 0, e, 0.0)
         self.range_gathered = np.where(self.valid, 2 * np.maximum(_range_max(unit), 0.0) + root, 0.0)
         # the largest parameter tensor per device (AdamW's temporaries are its size)
         big = np.array([max(c.param_elems.values(), default=0.0) for c in costs])
         self.range_maxtensor = np.maximum(_range_max(big), 0.0)
+        # the batch a range's stage holds: the first input if it starts the model, the other
+        # inputs (targets) if it ends it
+        self.range_batch = np.where(kk == 0, self.batch_first, 0.0) + np.where(jj == L, self.batch_rest, 0.0)
 
     def ranged(self, arr: np.ndarray) -> np.ndarray:
         return arr[np.clip(self.jj, 0, self.L)] - arr[self.kk]
@@ -284,12 +286,6 @@ class _Tables:
         for x in ph[2:]:
             rest = np.maximum(rest, x.total)
         return ph[0].total + pipe, ph[0].gradients, rest + pipe
-
-    @functools.cached_property
-    def range_batch(self) -> Any:
-        """For every layer range, the bytes of the batch its stage holds: the first input if it
-        starts the model, the other inputs (targets) if it ends it."""
-        return np.where(self.kk == 0, self.batch_first, 0.0) + np.where(self.jj == self.L, self.batch_rest, 0.0)
 
     @staticmethod
     def pipe_buffers(in_bytes: Any, out_bytes: Any, m: int) -> Any:
@@ -741,9 +737,8 @@ class Search:
         key = (mb, tp, dp, zero)
         if key not in self._tables_cache:
             costs = self._layer_costs(mb, tp)
-            tb = self._tables_cache[key] = _Tables(costs, self.cluster, self.dtype, dp, tp, zero, self.layers)
-            tb.batch_first = self.input_bytes[0] * self.gbs / dp
-            tb.batch_rest = sum(self.input_bytes[1:]) * self.gbs / dp
+            batch = (self.input_bytes[0] * self.gbs / dp, sum(self.input_bytes[1:]) * self.gbs / dp)
+            self._tables_cache[key] = _Tables(costs, self.cluster, self.dtype, dp, tp, zero, self.layers, batch)
         return self._tables_cache[key]
 
     def _layer_costs(self, mb: int, tp: int) -> list[LayerCost]:
@@ -807,7 +802,7 @@ class Search:
         the most after, or every gradient once the activations are gone."""
         pel = 0.0
         tmp = 0.0
-        pipe = sum((tb.batch_first if k == 0 else 0.0) + (tb.batch_rest if j == tb.L else 0.0) for k, j in chunks)
+        pipe = sum(float(tb.range_batch[k, j]) for k, j in chunks)
         gathered = max(float(tb.range_gathered[k, j]) for k, j in chunks)
         largest = max(float(tb.range_maxtensor[k, j]) for k, j in chunks)
         t = comp = work = 0.0

@@ -47,12 +47,9 @@ class LayerCost:
     rc_extra_s: dict[str, float] = field(default_factory=dict)    # extra forward by policy
     rc_comm_s: dict[str, float] = field(default_factory=dict)     # its collectives' part
     act_bytes: dict[str, float] = field(default_factory=dict)     # kept per micro-batch by policy
-    work_bytes: float = 0.0                   # the recomputed block's activations, live in its backward
-    rc_work_bytes: dict[str, float] = field(default_factory=dict)  # the recomputed region's, by policy
-    loss_grad_bytes: float = 0.0              # fp32 gradient of the loss input, live as the backward starts
-    backward_bytes: float = 0.0               # activation gradients live at once in its backward
     # its backward's worst moment above what it saved, by policy (`ActivationMemory.
-    # backward_over_bytes`), and whether that moment is a recomputation
+    # backward_over_bytes`: activation gradients, the loss's fp32 input gradient, or a recomputed
+    # region's re-made tensors), and whether that moment is a recomputation
     bwd_over: dict[str, float] = field(default_factory=dict)
     bwd_over_rc: dict[str, bool] = field(default_factory=dict)
     # of the tensor it hands to the next layer, and of the one it receives, the bytes its own ops
@@ -77,18 +74,6 @@ class LayerCost:
     def time(self, recompute: str) -> float:
         return self.base_s + self.rc_extra_s.get(recompute, 0.0)
 
-    def backward_over(self, recompute: str) -> tuple[float, bool]:
-        """Its backward's worst moment above what it saved under `recompute`, and whether that
-        moment is a recomputation: `bwd_over` where the graph gave it (`fill_activations`),
-        else the bound of its parts (the loss gradient, one op's gradients, the recomputed
-        region's tensors), taken at once."""
-        if recompute in self.bwd_over:
-            return self.bwd_over[recompute], self.bwd_over_rc.get(recompute, False)
-        tmp = max(self.loss_grad_bytes, self.backward_bytes)
-        rc = {"none": 0.0, "full": self.work_bytes}.get(recompute, self.rc_work_bytes.get(recompute, max(
-            0.0, self.act_bytes.get("none", 0.0) - self.act_bytes.get(recompute, 0.0))))
-        return max(tmp, rc), rc > tmp
-
 
 def autocast_device(cluster: ClusterSpec) -> str:
     """The device type autopar's runtime autocasts on for `cluster` (`DeviceSpec.device_type`):
@@ -100,25 +85,19 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
                      out_name: str | None = None, in_name: str | None = None) -> None:
     """A layer's activation memory per recomputation policy (graph liveness,
     `cost_models.memory.activation_memory` of its ops `sub`, tensors divided by `shard(node)`,
-    under `device_type`'s autocast; the model's inputs left to the stage's batch buffer), the
-    working set of recomputation (the whole layer for "full"; for "selective" its attention
-    child, the region the runtime checkpoints) and the loss gradient, into `c`; with `out_name`
-    (the tensor the layer hands on) and `in_name` (the one it receives), how much of each its
-    ops save (`out_saved`, `in_saved`: one tensor saved on both sides of a boundary is one)."""
-    c.rc_work_bytes = {}
+    under `device_type`'s autocast; the model's inputs left to the stage's batch buffer), its
+    backward's worst moment above that (the recomputed region, for "selective" the attention
+    child the runtime checkpoints) and what its loss reads, into `c`; with `out_name` (the
+    tensor the layer hands on) and `in_name` (the one it receives), how much of each its ops
+    save (`out_saved`, `in_saved`: one tensor saved on both sides of a boundary is one)."""
     for rc in RECOMPUTES:
         am = activation_memory(sub, dtype, rc, shard=shard, selective_region="module", device_type=device_type,
                                count_inputs=False)
         c.act_bytes[rc] = am.saved_bytes
-        c.rc_work_bytes[rc] = am.working_bytes
         c.bwd_over[rc] = am.backward_over_bytes
         c.bwd_over_rc[rc] = am.backward_over_recompute
-        c.out_saved[rc] = am.saved.get(am.bases.get(out_name, out_name), 0.0) if out_name else 0.0
-        c.in_saved[rc] = am.saved.get(am.bases.get(in_name, in_name), 0.0) if in_name else 0.0
-        if rc == "full":
-            c.work_bytes = am.working_bytes
-        c.loss_grad_bytes = am.loss_grad_bytes
-        c.backward_bytes = am.backward_bytes
+        c.out_saved[rc] = am.saved_of(out_name)
+        c.in_saved[rc] = am.saved_of(in_name)
         c.loss_input_bytes = am.loss_input_bytes
 
 
