@@ -83,6 +83,12 @@ DROPOUTS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dro
 # mixed-precision step too
 LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_nd", "mse_loss", "l1_loss", "smooth_l1_loss",
                     "huber_loss", "kl_div", "binary_cross_entropy_with_logits"})
+# losses whose reduced (0-dim) output on CPU shares the storage of the unreduced, input-sized
+# fp32 loss (torch 2.13's CPU kernels: `F.mse_loss(x, y).untyped_storage().nbytes()` is
+# x.numel() * 4, also under autocast; l1, huber, cross-entropy and nll return a 4-byte scalar).
+# Measured on CPU only: not assumed on CUDA; nor on DTensors (a tensor-parallel stage's loss
+# is a fresh scalar there, measured by `benchmarks/memory_accuracy.py`)
+LOSSES_KEEP_UNREDUCED = frozenset({"mse_loss", "smooth_l1_loss"})
 # ops CUDA's autocast runs in fp32 besides the losses (torch.amp docs, "CUDA Ops that can autocast
 # to float32"; `KERNEL_CUDA(op, fp32)` / `fp32_set_opt_dtype` in aten/src/ATen/autocast_mode.cpp)
 CUDA_FP32_OPS = frozenset({"layer_norm", "native_layer_norm", "group_norm", "softmax", "_softmax", "log_softmax",
@@ -144,7 +150,9 @@ class ActivationMemory:
     by op in reverse: the tensors still saved (autograd frees what an op saved once its backward
     ran) plus that op's output and input gradients (a loss: its fp32 input gradient), or, where a
     recomputed region starts its backward, the region's re-made tensors and gradients
-    (`backward_over_recompute`: the worst moment is one of those); `saved` what is saved by
+    (`backward_over_recompute`: the worst moment is one of those), and the loss op's moment
+    apart (`backward_over_loss`, the first of the backward) from the others'
+    (`backward_over_body`); `saved` what is saved by
     tensor (named by the tensor owning the storage, `bases`; `saved_of` reads it by any name)."""
 
     saved_bytes: float = 0.0
@@ -155,6 +163,8 @@ class ActivationMemory:
     backward_bytes: float = 0.0
     backward_over_bytes: float = 0.0
     backward_over_recompute: bool = False
+    backward_over_loss: Optional[float] = None   # the loss op's moment (None: no loss)
+    backward_over_body: float = 0.0              # the worst of the other moments
     saved: dict[str, float] = field(default_factory=dict)   # tensor (its storage's owner) -> bytes saved
     bases: dict[str, str] = field(default_factory=dict)     # tensor -> the tensor owning its storage
 
@@ -280,12 +290,15 @@ def _region_of(calls: list, rec: str, selective_region: str) -> dict[str, Option
 def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = "none", *,
                       layers: Optional[Iterable[Optional[str]]] = None, shard: Shard = 1.0,
                       selective_region: Literal["core", "module"] = "core",
-                      device_type: Optional[str] = None, count_inputs: bool = True) -> ActivationMemory:
+                      device_type: Optional[str] = None, count_inputs: bool = True,
+                      dtensor: bool = False) -> ActivationMemory:
     """Activation bytes of one micro-batch of `graph` (at a concrete batch, `graph.at_batch(b)`),
     optionally restricted to `layers` (FQNs; None names the ops outside every layer), with
     floating-point tensors at `dtype` and each tensor's bytes divided by `shard` (a number, or a
     function of the node producing it, e.g. tensor parallelism for the tensors it splits).
-    `selective_region`, `device_type` and `count_inputs`: see the module docstring."""
+    `selective_region`, `device_type` and `count_inputs`: see the module docstring; `dtensor`:
+    the ops run on DTensors (a tensor-parallel stage), which give a loss a fresh 0-dim output
+    (`LOSSES_KEEP_UNREDUCED` does not apply)."""
     rec = "full" if recompute is True else ("none" if recompute is False else recompute)
     if rec not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
@@ -419,6 +432,14 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 if b in owner_layer:
                     continue
                 owner_layer[b], nbytes_of[b], owner_node[b] = n.layer, size(i), n.name
+    if device_type == "cpu" and not dtensor:
+        # a reduced loss whose 0-dim output keeps the unreduced fp32 loss as its storage: alive
+        # as long as the loss is, through the backward (no op's backward frees it)
+        for n in calls:
+            fl = [i for i in _tensor_inputs(n, by_name)[:1] if _floating(by_name[base.get(i, i)])]
+            if n.op in LOSSES_KEEP_UNREDUCED and fl and n.outputs and n.outputs[0].numel == 1:
+                key = n.name + ":unreduced"
+                owner_layer[key], nbytes_of[key], owner_node[key] = n.layer, size(fl[0], "fp32"), ""
     out = ActivationMemory()
     for n in calls:
         if keep is not None and n.layer not in keep:
@@ -454,10 +475,15 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             if r not in entered:
                 entered.add(r)
                 m = live + region_peak[r] - out.saved_bytes
+                out.backward_over_body = max(out.backward_over_body, m)
                 if m > out.backward_over_bytes:
                     out.backward_over_bytes, out.backward_over_recompute = m, True
         else:
             m = live + grads(n) - out.saved_bytes
+            if n.op in LOSSES:
+                out.backward_over_loss = max(out.backward_over_loss or 0.0, m)
+            else:
+                out.backward_over_body = max(out.backward_over_body, m)
             if m > out.backward_over_bytes:
                 out.backward_over_bytes, out.backward_over_recompute = m, False
         live -= owned.get(n.name, 0.0)
@@ -531,12 +557,13 @@ ADAMW_TEMPORARIES = 2
 
 def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, dp: int = 1, *,
                    num_microbatches: int = 1, gathered_params: Any = 0.0,
-                   largest_tensor: Any = 0.0) -> list[PhaseMemory]:
+                   largest_tensor: Any = 0.0, prefetch_params: Any = 0.0) -> list[PhaseMemory]:
     """Model-state bytes per device in each phase of a step, as `autopar.runtime` keeps them
     (activations left at 0: the caller adds them to "forward_backward"). `num_params` are the
     device's parameter elements (after tensor and pipeline parallelism; numbers or numpy
-    arrays); `gathered_params` the elements ZeRO-3 holds unsharded at once (FSDP gathers a
-    layer and prefetches the next); `largest_tensor` the elements of the device's largest
+    arrays); `gathered_params` the elements ZeRO-3 holds as unsharded parameters at once (the
+    root unit's and the layer running), `prefetch_params` those in flat all-gather outputs
+    (FSDP2's next unit, prefetched; counted as buffers); `largest_tensor` the elements of the device's largest
     parameter tensor, whose AdamW temporaries (`ADAMW_TEMPORARIES` fp32 copies) the optimizer
     step holds (ZeRO-1/2 step one flat shard of num_params / D). Per parameter, with w, g, o the
     policy's bytes (bf16: 2, 2, 12) and D = dp:
@@ -555,7 +582,9 @@ def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, d
       the masters (counted with the optimizer state: o/D in all, as the fp32 flat shard of
       ZeRO-1/2), fp32 gradient shards (4/D); the weights as the model sees them are the
       gathered 2-byte layers (`gathered_params`); with several micro-batches FSDP accumulates
-      unsharded 2-byte gradients until the last one reduce-scatters (+g).
+      unsharded 2-byte gradients until the last one reduce-scatters: g in place of 4/D (a
+      unit's reduce-scatter, making its shard, frees its accumulated gradient, and 4/D <= g
+      for D >= 2: the most is at the last backward's start, every gradient accumulated).
     """
     if policy not in PRECISION_POLICIES:
         raise ValueError(f"unknown precision policy {policy!r}; one of {', '.join(PRECISION_POLICIES)}")
@@ -581,9 +610,15 @@ def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, d
                 PhaseMemory("optimizer_step", w * P, 4.0 * P / D, opt, ADAMW_TEMPORARIES * 4.0 * P / D),
                 PhaseMemory("grad_sync", w * P, 0.0 * P, opt, w * P + w * P / D)]
     # ZeRO 3
-    acc = g * P if num_microbatches > 1 else 0.0 * P
+    grads = g * P if num_microbatches > 1 else 4.0 * P / D
     opt = (o if mixed else o + 4.0) * P / D
-    return [PhaseMemory("forward_backward", w * gathered_params, 4.0 * P / D + acc, opt, 0.0 * P),
+    if not mixed:   # FSDP's fp32 shards are the weights (and the masters): weights, not optimizer
+        opt = o * P / D
+        return [PhaseMemory("forward_backward", w * gathered_params + 4.0 * P / D, grads, opt,
+                            w * prefetch_params + 0.0 * P),
+                PhaseMemory("optimizer_step", 4.0 * P / D, 4.0 * P / D, opt, temp / D)]
+    return [PhaseMemory("forward_backward", w * gathered_params, grads, opt,
+                        w * prefetch_params + 0.0 * P),
             PhaseMemory("optimizer_step", 0.0 * P, 4.0 * P / D, opt, temp / D)]
 
 

@@ -56,7 +56,8 @@ def _table(rec: dict) -> str:
 
 # Known misses, each a strict xfail that fails once the model is right (then drop it here).
 # None at present: the benchmark's table (`benchmarks/memory_accuracy.py`) lists what is still
-# off on the cases not pinned here (ZeRO-3 over-predicted by up to 9%, mlp-tiny pipelines).
+# off on the cases not pinned here (ZeRO-3 pipelines over-predicted by up to 5.4%, mlp-tiny
+# pipelines under-predicted by 7-10%).
 KNOWN_MISSES: dict[str, str] = {}
 
 
@@ -68,6 +69,27 @@ def test_predicted_peak_within_tolerance_of_tracked(measured, case):
     for r in rec["ranks"]:
         assert r["error"] is not None and abs(r["error"]) <= TOLERANCE, \
             f"{case}: {100 * r['error']:+.1f}% (tolerance {100 * TOLERANCE:.0f}%)\n{_table(rec)}"
+
+
+# Per category (weights, gradients, optimizer, activations, buffers) at the peak, within 5% or
+# 2 KiB (the tracker's and the plan's categories split a few small tensors differently: FSDP's
+# unsharded parameter storages vs its flat all-gather output). Known misses, strict:
+CATEGORY_MISSES = {
+    "pp2_1f1b_full": "the tracked peak falls at another moment of the recomputed backward than the "
+                     "predicted one: same total (-1.6%), activations and buffers split differently",
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=CATEGORY_MISSES[c]))
+                                  if c in CATEGORY_MISSES else c for c in CASES])
+def test_predicted_categories_within_tolerance_of_tracked(measured, case):
+    rec = measured[case]
+    assert "error" not in rec, rec.get("error")
+    for r in rec["ranks"]:
+        for cat, pred in r["predicted_categories"].items():
+            got = r["tracked_categories"][cat]
+            assert abs(pred - got) <= max(TOLERANCE * got, 2048), \
+                f"{case} rank {r['rank']} {cat}: tracked {got} predicted {pred:.0f}\n{_table(rec)}"
 
 
 def test_harness_sees_the_model_states_the_runtime_holds(measured):

@@ -119,9 +119,39 @@ def test_runtime_phases_zero3():
     psi, D = 1e9, 8
     one = _phase(runtime_phases(psi, "bf16", 3, D, num_microbatches=1, gathered_params=1e8), "forward_backward")
     assert one.total == pytest.approx(16 * psi / D + 2 * 1e8)
-    # several micro-batches: FSDP accumulates unsharded 2-byte gradients until the last one
+    # several micro-batches: FSDP accumulates unsharded 2-byte gradients until the last one,
+    # whose reduce-scatter frees each unit's as it makes its fp32 shard
     many = _phase(runtime_phases(psi, "bf16", 3, D, num_microbatches=4), "forward_backward")
-    assert many.gradients == pytest.approx(2 * psi + 4 * psi / D)
+    assert many.gradients == pytest.approx(2 * psi)
+
+
+def test_runtime_phases_zero3_counts_the_prefetched_unit_as_a_buffer():
+    psi, D = 1e9, 8
+    fb = _phase(runtime_phases(psi, "bf16", 3, D, gathered_params=3e8, prefetch_params=1e8), "forward_backward")
+    assert fb.weights == pytest.approx(2 * 3e8) and fb.buffers == pytest.approx(2 * 1e8)
+    # fp32: FSDP's fp32 shards are the weights, the optimizer holds only Adam's moments
+    fp = _phase(runtime_phases(psi, "fp32", 3, D, gathered_params=3e8), "forward_backward")
+    assert fp.weights == pytest.approx(4 * 3e8 + 4 * psi / D) and fp.optimizer == pytest.approx(8 * psi / D)
+
+
+def test_cpu_mse_loss_keeps_its_unreduced_storage():
+    """torch's CPU mse_loss returns a 0-dim tensor on the unreduced loss's storage (measured:
+    `untyped_storage().nbytes()`); the model counts it on CPU eager, not on CUDA or DTensors."""
+    import torch
+    import torch.nn.functional as F
+
+    from autopar.capture.export import capture
+    from autopar.models.mlp import MLP
+    from cost_models.memory import activation_memory
+
+    x, y = torch.randn(64, 32), torch.randn(64, 32)
+    assert F.mse_loss(x.requires_grad_(), y).untyped_storage().nbytes() == 64 * 32 * 4
+    g = capture(MLP(32, 64, 3), (x.detach(), y)).at_batch(64)
+    cpu, cuda, dt = (activation_memory(g, "fp32", device_type=d, count_inputs=False, dtensor=t)
+                     for d, t in (("cpu", False), ("cuda", False), ("cpu", True)))
+    assert cpu.saved_bytes - cuda.saved_bytes == 64 * 32 * 4
+    assert dt.saved_bytes == cuda.saved_bytes
+    assert cpu.backward_over_loss is not None and cpu.backward_over_body >= 0
 
 
 def test_runtime_phases_take_arrays():

@@ -132,6 +132,7 @@ class IlpProvider(AnalyticProvider):
                    if ch.output_placements and any(p.startswith("S") for p in ch.output_placements[0])}
         sub = self._subgraph(g, layer, [g.node(n) for n in layer.nodes])
         shard = lambda node: tp if node.name in sharded else 1  # noqa: E731
-        fill_activations(c, sub, self.dtype, shard, autocast_device(self.cluster), **self.boundary_names(layer))
+        fill_activations(c, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
+                         **self.boundary_names(layer))
         c.issues = list(base.issues)          # the runtime shards heads Megatron-style
         return c

@@ -177,7 +177,7 @@ class _Tables:
         kk, jj = np.broadcast_arrays(k, j)
         self.kk, self.jj = kk, jj
         pel = self.pel[np.clip(jj, 0, L)] - self.pel[kk]
-        # ZeRO-3's root unit holds the parameters several layers read (`range_gathered`)
+        # ZeRO-3's root unit holds the parameters several layers read (`range_root`)
         root = np.zeros_like(pel)
         for _f, e, us in self.shared:
             cnt = sum(((kk <= u) & (u < jj)).astype(float) for u in us)
@@ -230,10 +230,14 @@ class _Tables:
             self.range_work_rc[r], self.range_work_tmp[r] = Wrc, Wtmp
             self.range_work[r] = np.maximum(np.maximum(Wrc, Wtmp), 0.0)
         # ZeRO-3 (FSDP2, `engine._fully_shard`): each layer module whose parameters no other
-        # module reads is a unit, gathered for its forward and again for its backward (with the
-        # next one prefetched); parameters several layers read stay with the root unit, which
-        # FSDP keeps gathered from the forward to the backward. Held at once: the root's and two
-        # units (`range_gathered`, elements)
+        # module reads is a unit, gathered for its forward and again for its backward; parameters
+        # several layers read stay with the root unit, which FSDP keeps gathered from the forward
+        # to the backward (`range_root`). Units held at once (`range_unit`: the largest unit,
+        # elements): in a unit's forward its flat all-gather output and its unsharded parameters
+        # (FSDP2 frees the flat one at the next unit's copy-out, `wait_for_unshard`: 2 units);
+        # at the backward's start the root's pre-backward hook prefetches the first unit of the
+        # backward (1 unit, its flat output) while the loss's gradient is live; in a unit's
+        # backward its unsharded parameters and the next one prefetched (2 units).
         shared_names = {f for f, _, _ in self.shared}
         unit = np.zeros(L)
         for i, c in enumerate(costs):
@@ -244,7 +248,26 @@ class _Tables:
                     m = next((m for m in mods if f == m or f.startswith(m + ".")), "")
                     groups[m] = groups.get(m, 0.0) + e
             unit[i] = max(groups.values(), default=0.0)
-        self.range_gathered = np.where(self.valid, 2 * np.maximum(_range_max(unit), 0.0) + root, 0.0)
+        self.range_unit = np.where(self.valid, np.maximum(_range_max(unit), 0.0), 0.0)
+        self.range_root = np.where(self.valid, root, 0.0)
+        last = np.clip(jj - 1, 0, L - 1)
+        # the backward's transient at a range's loss (the first moment of a last stage's
+        # backward; -inf where the range's last layer has no loss) apart from every other
+        # moment (its other layers', and its last layer's where the loss is not its worst)
+        self.range_work_loss, self.range_work_body = {}, {}
+        self._relief: dict[str, np.ndarray] = {}
+        for r, wk in self.work.items():
+            P = self.act[r]
+            loss = np.array([c.bwd_over_loss.get(r, -INF) for c in costs], dtype=float).reshape(L)
+            body = np.array([c.bwd_over_body.get(r, c.bwd_over.get(r, 0.0)) for c in costs], dtype=float).reshape(L)
+            run = _range_max(wk + P[1:]) if L else np.zeros((0, 1))
+            inner = run[kk, np.clip(jj - 1, 0, L)] - P[np.clip(jj, 0, L)]
+            self.range_work_loss[r] = np.where(self.valid, loss[last], -INF) if L else np.zeros_like(root)
+            self.range_work_body[r] = np.maximum(inner, np.where(self.valid, body[last], -INF)) if L else inner
+        # one micro-batch's activations of a range's last layer: not yet made while the last
+        # unit's forward holds its parameters twice (ZeRO-3)
+        self.range_last_act = {r: np.where(self.valid, self.act[r][np.clip(jj, 0, L)]
+                                           - self.act[r][np.clip(jj - 1, 0, L)], 0.0) for r in RECOMPUTES}
         # the largest parameter tensor per device (AdamW's temporaries are its size)
         big = np.array([max(c.param_elems.values(), default=0.0) for c in costs])
         self.range_maxtensor = np.maximum(_range_max(big), 0.0)
@@ -267,20 +290,41 @@ class _Tables:
         t1 = _dp_coll(self.cluster, "all_gather", big, self.dp, self.tp)
         return np.where(pel > 0, 2 * (t0 + (t1 - t0) * (pel * w) / big), 0.0)
 
-    def phases(self, pel: Any, m: int, gathered: Any = 0.0, largest: Any = 0.0) -> list:
+    def phases(self, pel: Any, m: int, root: Any = 0.0, unit: Any = 0.0, largest: Any = 0.0) -> list:
         """What the runtime holds per phase of a step for `pel` parameter elements per device
-        (`cost_models.memory.runtime_phases`); `gathered`: elements ZeRO-3 holds unsharded,
+        (`cost_models.memory.runtime_phases`); under ZeRO-3 `root` and `unit` are the root
+        unit's elements and the largest layer unit's (`range_root`, `range_unit`): the root's
+        and one unit's unsharded parameters and one unit's flat all-gather output at once;
         `largest`: the largest parameter tensor's elements."""
+        z3 = self.zero == 3 and self.dp > 1
         return runtime_phases(pel, self.dtype, self.zero, self.dp, num_microbatches=m,
-                              gathered_params=gathered if self.zero == 3 and self.dp > 1 else 0.0,
-                              largest_tensor=largest)
+                              gathered_params=root + unit if z3 else 0.0,
+                              prefetch_params=unit if z3 else 0.0, largest_tensor=largest)
+
+    def relief(self, r: str) -> np.ndarray:
+        """For every range under recomputation `r`: how far the stage's worst moment around a
+        micro-batch's backward lies below the bound the phases give (every unit held, the
+        range's worst backward transient `range_work`, all its saved activations). Non-zero
+        under ZeRO-3 only: the moments are a unit's forward (two units' worth held, the range's
+        last layer not yet saved), the loss's backward (the root's parameters gathered, the
+        first unit of the backward prefetched: one unit) and any other op's backward (two
+        units). See `range_unit`."""
+        if not (self.zero == 3 and self.dp > 1):
+            return np.zeros((self.L, self.L + 1))
+        if r in self._relief:
+            return self._relief[r]
+        w = self.wgo[0]
+        refined = np.maximum(np.maximum(self.range_work_body[r], self.range_work_loss[r] - w * self.range_unit),
+                             -self.range_last_act[r])
+        self._relief[r] = np.where(self.valid, np.maximum(self.range_work[r] - refined, 0.0), 0.0)
+        return self._relief[r]
 
     def fixed_memory(self, pel: Any, m: int) -> tuple[Any, Any, Any]:
         """For every layer range: (model states and buffers held in the forward/backward phase,
         to which activations add; the gradients among them, which exist only after the first
         backward; the largest total of the other phases, gradient sync and optimizer step).
         All include the stage's pipeline receive buffers (`pipe_buffers`)."""
-        ph = self.phases(pel, m, self.range_gathered, self.range_maxtensor)
+        ph = self.phases(pel, m, self.range_root, self.range_unit, self.range_maxtensor)
         pipe = self.pipe_buffers(self.range_in, self.range_out, m) + self.range_batch
         rest = ph[1].total
         for x in ph[2:]:
@@ -664,9 +708,9 @@ class Search:
         pre, post = (float(np.max(h)) if h.size else None for h in held)
         for ri, r in enumerate(rcs):
             act = tb.boundary_acts(tb.range_act[r], tb.range_in_saved[r], tb.range_out_kept[r] + tb.range_loss_in)
-            mem = np.maximum(fb - grads + act * pre + tb.range_work[r], np.maximum(fb, rest))
+            mem = np.maximum(fb - grads + act * pre + tb.range_work[r] - tb.relief(r), np.maximum(fb, rest))
             if post is not None:
-                mem = np.maximum(mem, fb + act * post + tb.range_work[r])
+                mem = np.maximum(mem, fb + act * post + tb.range_work[r] - tb.relief(r))
             t = t_common + tb.ranged(tb.rc[r])
             ok = tb.valid & (mem <= self.budget) & (t < best_t)
             best_t = np.where(ok, t, best_t)
@@ -803,7 +847,8 @@ class Search:
         pel = 0.0
         tmp = 0.0
         pipe = sum(float(tb.range_batch[k, j]) for k, j in chunks)
-        gathered = max(float(tb.range_gathered[k, j]) for k, j in chunks)
+        root = max(float(tb.range_root[k, j]) for k, j in chunks)
+        unit = max(float(tb.range_unit[k, j]) for k, j in chunks)
         largest = max(float(tb.range_maxtensor[k, j]) for k, j in chunks)
         t = comp = work = 0.0
         chunk_act = []
@@ -825,16 +870,20 @@ class Search:
         t += acc
         comp += acc
         phases = [dataclasses.replace(ph, buffers=ph.buffers + pipe)
-                  for ph in tb.phases(pel, cand.m, gathered, largest)]
+                  for ph in tb.phases(pel, cand.m, root, unit, largest)]
         fb = phases[0]
         # the backward's transient: recomputed activations, or activation gradients (buffers)
         rc_work, grad_tmp = (max(work, 0.0), 0.0) if work > tmp else (0.0, max(tmp, 0.0))
         fb = dataclasses.replace(fb, buffers=fb.buffers + grad_tmp)
         # activations: the most the schedule holds at once, chunk by chunk
         pre, post = (float(np.max(h @ np.array(chunk_act))) if h.size else None for h in held)
-        phases.append(dataclasses.replace(fb, gradients=0.0, activations=pre + rc_work))
+        # ZeRO-3 holds fewer units at a micro-batch's worst moment than the bound (`relief`; one
+        # chunk: with several, each chunk's FSDP root keeps its own parameters)
+        relief = float(tb.relief(r)[chunks[0]]) if len(chunks) == 1 else 0.0
+        phases.append(dataclasses.replace(fb, gradients=0.0, weights=fb.weights - relief,
+                                          activations=pre + rc_work))
         if post is not None:
-            phases.append(dataclasses.replace(fb, activations=post + rc_work))
+            phases.append(dataclasses.replace(fb, weights=fb.weights - relief, activations=post + rc_work))
         top = max(phases, key=lambda ph: ph.total)
         sync = tb.sync(pel) + sum(float(tb.iter[j] - tb.iter[k]) for k, j in chunks)
         return StageResult(chunks, r, t, comp, max(0.0, t - comp), sync, tb.opt(pel, tb.param_tensors(chunks)), pel,

@@ -52,6 +52,10 @@ class LayerCost:
     # region's re-made tensors), and whether that moment is a recomputation
     bwd_over: dict[str, float] = field(default_factory=dict)
     bwd_over_rc: dict[str, bool] = field(default_factory=dict)
+    # the loss's moment among them (`backward_over_loss`; absent: no loss) and the worst of the
+    # others (`backward_over_body`), by policy
+    bwd_over_loss: dict[str, float] = field(default_factory=dict)
+    bwd_over_body: dict[str, float] = field(default_factory=dict)
     # of the tensor it hands to the next layer, and of the one it receives, the bytes its own ops
     # save (counted in act_bytes), by policy: the same tensor counted by two layers
     out_saved: dict[str, float] = field(default_factory=dict)
@@ -82,20 +86,24 @@ def autocast_device(cluster: ClusterSpec) -> str:
 
 
 def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | None = None, *,
-                     out_name: str | None = None, in_name: str | None = None) -> None:
+                     out_name: str | None = None, in_name: str | None = None, dtensor: bool = False) -> None:
     """A layer's activation memory per recomputation policy (graph liveness,
     `cost_models.memory.activation_memory` of its ops `sub`, tensors divided by `shard(node)`,
     under `device_type`'s autocast; the model's inputs left to the stage's batch buffer), its
     backward's worst moment above that (the recomputed region, for "selective" the attention
     child the runtime checkpoints) and what its loss reads, into `c`; with `out_name` (the
     tensor the layer hands on) and `in_name` (the one it receives), how much of each its ops
-    save (`out_saved`, `in_saved`: one tensor saved on both sides of a boundary is one)."""
+    save (`out_saved`, `in_saved`: one tensor saved on both sides of a boundary is one);
+    `dtensor`: the layer runs tensor-parallel, on DTensors."""
     for rc in RECOMPUTES:
         am = activation_memory(sub, dtype, rc, shard=shard, selective_region="module", device_type=device_type,
-                               count_inputs=False)
+                               count_inputs=False, dtensor=dtensor)
         c.act_bytes[rc] = am.saved_bytes
         c.bwd_over[rc] = am.backward_over_bytes
         c.bwd_over_rc[rc] = am.backward_over_recompute
+        c.bwd_over_body[rc] = am.backward_over_body
+        if am.backward_over_loss is not None:
+            c.bwd_over_loss[rc] = am.backward_over_loss
         c.out_saved[rc] = am.saved_of(out_name)
         c.in_saved[rc] = am.saved_of(in_name)
         c.loss_input_bytes = am.loss_input_bytes
@@ -315,7 +323,8 @@ class AnalyticProvider:
         # activations kept for the backward: graph liveness (cost_models.memory) on the layer's ops
         sub = self._subgraph(g, layer, nodes)
         shard = lambda node: tp if node.name in sharded_nodes else 1  # noqa: E731
-        fill_activations(c, sub, dtype, shard, autocast_device(self.cluster), **self.boundary_names(layer))
+        fill_activations(c, sub, dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
+                         **self.boundary_names(layer))
         for n in nodes:
             for p in n.params:
                 pl = c.placements.get(p, "R")
