@@ -61,12 +61,22 @@ def _table(rec: dict) -> str:
 KNOWN_MISSES: dict[str, str] = {}
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[c]))
-                                  if c in KNOWN_MISSES else c for c in CASES])
-def test_predicted_peak_within_tolerance_of_tracked(measured, case):
+def _cases(misses: dict[str, str]) -> list:
+    """Every case, those in `misses` as strict xfails with their reason."""
+    return [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=misses[c])) if c in misses else c
+            for c in CASES]
+
+
+def _ranks(measured: dict, case: str) -> list[dict]:
     rec = measured[case]
     assert "error" not in rec, rec.get("error")
-    for r in rec["ranks"]:
+    return rec["ranks"]
+
+
+@pytest.mark.parametrize("case", _cases(KNOWN_MISSES))
+def test_predicted_peak_within_tolerance_of_tracked(measured, case):
+    rec = measured[case]
+    for r in _ranks(measured, case):
         assert r["error"] is not None and abs(r["error"]) <= TOLERANCE, \
             f"{case}: {100 * r['error']:+.1f}% (tolerance {100 * TOLERANCE:.0f}%)\n{_table(rec)}"
 
@@ -80,12 +90,10 @@ CATEGORY_MISSES = {
 }
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=CATEGORY_MISSES[c]))
-                                  if c in CATEGORY_MISSES else c for c in CASES])
+@pytest.mark.parametrize("case", _cases(CATEGORY_MISSES))
 def test_predicted_categories_within_tolerance_of_tracked(measured, case):
     rec = measured[case]
-    assert "error" not in rec, rec.get("error")
-    for r in rec["ranks"]:
+    for r in _ranks(measured, case):
         for cat, pred in r["predicted_categories"].items():
             got = r["tracked_categories"][cat]
             assert abs(pred - got) <= max(TOLERANCE * got, 2048), \
