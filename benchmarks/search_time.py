@@ -45,9 +45,12 @@ def cases():
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default=None)
+    ap.add_argument("--only", default=None, help="one case, by name")
     ap.add_argument("--intra-op", default="auto")
     args = ap.parse_args()
+    names = [c[0] for c in cases()]
+    if args.only and args.only not in names:
+        ap.error(f"--only {args.only!r}: no such case; one of {', '.join(names)}")
     rows = []
     for name, build, cluster, nodes, gbs in cases():
         if args.only and args.only != name:

@@ -185,10 +185,59 @@ def _tensor_inputs(node, by_name: dict) -> list[str]:
     return [i for i in node.inputs if i in by_name and by_name[i].kind in ("call", "input")]
 
 
-def saved_tensors(node, by_name: dict, dtype: str = "bf16") -> list[tuple[str, Optional[float]]]:
+def attention_is_fused(node, device_type: Optional[str] = None) -> bool:
+    """Whether an attention node runs a fused kernel (flash / memory-efficient), not torch's
+    math path. CPU's flash kernel takes no dropout: `scaled_dot_product_attention` with
+    dropout_p > 0 runs the math path there (measured: its grad_fn is the math path's
+    `UnsafeViewBackward0`, its output in standard strides); CUDA's kernels take dropout."""
+    if device_type != "cpu" or node.op != "scaled_dot_product_attention":
+        return True
+    p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    return not (isinstance(p, (int, float)) and p > 0)
+
+
+def _math_attention_saves(node, by_name: dict, dtype: str) -> list[tuple[str, Optional[float]]]:
+    """torch's math attention (`_scaled_dot_product_attention_math`, its ops seen through a
+    dispatch mode): its batched matmuls save contiguous copies of the scaled query and key
+    (new tensors) and of the value where it is a transposed view (else the value itself), the
+    softmax its probabilities, CPU dropout its noise, the second matmul the dropped
+    probabilities (each batch x heads x queries x keys)."""
+    ins = _tensor_inputs(node, by_name)
+    if len(ins) < 3 or not node.outputs:
+        return [(i, None) for i in ins]
+    q, k, v = (by_name[i].outputs[0] for i in ins[:3])
+    out = node.outputs[0]
+    item = out.nbytes / max(out.numel, 1) * bytes_scale(out.dtype, dtype)
+    probs = math.prod(int(d) for d in out.shape[:-1]) * int(k.shape[-2])
+    value = [(node.name + ":v", v.numel * item)] if _swaps_1_2(by_name[ins[2]]) else [(ins[2], None)]
+    return [(node.name + ":q", q.numel * item), (node.name + ":k", k.numel * item),
+            (node.name + ":probs", 3 * probs * item)] + value
+
+
+def requires_grad(nodes: Iterable) -> dict[str, bool]:
+    """Which tensors autograd tracks: parameters, floating outputs of ops reading one or such a
+    tensor, and floating inputs other than the model's own (a layer subgraph's inputs made by
+    other layers' ops; `stage_cost._subgraph` makes those that need no gradient constants)."""
+    rg: dict[str, bool] = {}
+    for n in nodes:
+        if n.kind == "param":
+            rg[n.name] = True
+        elif n.kind == "input":
+            rg[n.name] = _floating(n) and n.target != "placeholder"
+        elif n.kind == "call":
+            rg[n.name] = _floating(n) and any(rg.get(i, False) for i in n.inputs)
+        else:
+            rg[n.name] = False
+    return rg
+
+
+def saved_tensors(node, by_name: dict, dtype: str = "bf16", device_type: Optional[str] = None,
+                  rg: Optional[dict[str, bool]] = None) -> list[tuple[str, Optional[float]]]:
     """What `node` saves for its backward: (tensor name, None) for a graph tensor (sized by the
     caller from its base), or (private key, bytes) for a tensor the op makes on the side (a dropout
-    mask, norm statistics, attention log-sum-exp). See the module docstring for the rules."""
+    mask, norm statistics, attention log-sum-exp). See the module docstring for the rules;
+    `device_type` picks the attention kernel (`attention_is_fused`), `rg` (`requires_grad`)
+    which operands of a product need a gradient."""
     op = node.op
     if op in VIEW_OPS or node.target == "getitem" or op in SAVE_NOTHING or op == "broadcast_tensors":
         # broadcast_tensors returns expanded views; its backward sums to the input shapes
@@ -199,6 +248,8 @@ def saved_tensors(node, by_name: dict, dtype: str = "bf16") -> list[tuple[str, O
         if op in ("addmm", "baddbmm"):
             ins = [i for i in ins if i != (node.inputs[0] if node.inputs else None)]
         return [(i, None) for i in ins]
+    if op in FUSED_ATTENTION and not attention_is_fused(node, device_type):
+        return _math_attention_saves(node, by_name, dtype)
     if op in FUSED_ATTENTION:
         extra = []
         if out is not None:
@@ -219,8 +270,18 @@ def saved_tensors(node, by_name: dict, dtype: str = "bf16") -> list[tuple[str, O
             return []
         return [(node.name + ":mask", 1.0 * out.numel)]
     if op in ("mul", "div", "true_divide", "mul_", "div_"):
-        # by a tensor (activation or parameter): each gradient needs the other operand; by a scalar: nothing
-        return [(i, None) for i in ins] if len(node.inputs) >= 2 else []
+        # by a tensor (activation or parameter): each operand's gradient needs the other (a
+        # quotient's divisor also its own); autograd saves only what a gradient it computes needs
+        # (`rg`: which tensors require one; unknown: all); by a scalar: nothing
+        if len(node.inputs) < 2:
+            return []
+        if rg is None:
+            return [(i, None) for i in ins]
+        a, b = node.inputs[0], node.inputs[1]
+        need = {b} if rg.get(a, True) else set()
+        if rg.get(b, True):
+            need |= {a, b} if op in ("div", "true_divide", "div_") else {a}
+        return [(i, None) for i in ins if i in need]
     if op in ("embedding", "index_select", "gather", "index"):
         return [(i, None) for i in ins if by_name[i].outputs and "int" in by_name[i].outputs[0].dtype]
     if op in LOSSES:
@@ -234,8 +295,15 @@ def _floating(node) -> bool:
     return bool(node.outputs) and node.outputs[0].dtype in ("float32", "float64", "float16", "bfloat16")
 
 
-def _bases(nodes: list, by_name: dict) -> dict[str, str]:
-    """Each tensor name -> the name of the tensor owning its storage (through views)."""
+CASTS = frozenset({"to", "_to_copy", "type_as"})
+
+
+def tensor_bases(nodes: list, by_name: dict, device_type: Optional[str] = None,
+                 dtype: Optional[str] = None) -> dict[str, str]:
+    """Each tensor name -> the name of the tensor owning its storage (through views, a
+    `.contiguous()` that copies nothing, `_attention_heads_back`, on `device_type`, and under
+    fp32 training (`dtype`) a cast to the dtype the tensor has: `Tensor.to` returns the tensor
+    itself, as RMSNorm's `x.to(torch.float32)` does on fp32 activations)."""
     base: dict[str, str] = {}
     for n in nodes:
         if n.kind == "call" and (n.op in VIEW_OPS or n.target == "getitem") and n.inputs:
@@ -251,9 +319,56 @@ def _bases(nodes: list, by_name: dict) -> dict[str, str]:
                 base[n.name] = n.name          # an output of a multi-output op, not a view
             else:
                 base[n.name] = base.get(src, src)
+        elif (n.kind == "call" and n.op == "contiguous" and n.inputs
+              and _attention_heads_back(n.inputs[0], by_name, device_type)):
+            base[n.name] = base.get(n.inputs[0], n.inputs[0])
+        elif (dtype == "fp32" and n.kind == "call" and n.op in CASTS and n.inputs and n.outputs
+              and n.inputs[0] in by_name and by_name[n.inputs[0]].outputs
+              and by_name[n.inputs[0]].outputs[0].dtype == n.outputs[0].dtype):
+            base[n.name] = base.get(n.inputs[0], n.inputs[0])
         else:
             base[n.name] = n.name
     return base
+
+
+# elementwise ops whose output takes the layout of their first operand (TensorIterator)
+LAYOUT_KEEPING = frozenset({"add", "sub", "mul", "div", "neg", "to", "_to_copy", "type_as"})
+
+
+def _swaps_1_2(node) -> bool:
+    """A 4-D `transpose(1, 2)` (any spelling of the two dims)."""
+    if node is None or node.kind != "call" or node.op != "transpose" or len(node.args) < 3:
+        return False
+    dims = node.args[1:3]
+    return all(isinstance(d, int) for d in dims) and {d % 4 for d in dims} == {1, 2}
+
+
+def _attention_heads_back(name: str, by_name: dict, device_type: Optional[str] = None) -> bool:
+    """Whether `name` is `transpose(1, 2)` of a fused attention's output whose query was itself
+    `transpose(1, 2)` of a [b, s, h, d] tensor (or an elementwise op of one, `LAYOUT_KEEPING`):
+    the attention kernels write their output in that [b, s, h, d] layout (CPU's flash kernel
+    follows the query's layout: measured strides (512, 8, 32, 1) for a [16, 4, 16, 8] output;
+    CUDA's flash and memory-efficient kernels allocate it [b, s, h, d] and return it
+    transposed), so `.contiguous()` after the transpose back copies nothing (torch's math path,
+    `attention_is_fused`, writes standard strides). A graph captured on meta, where attention
+    runs its math path, keeps that `contiguous` as a copy."""
+    t = by_name.get(name)
+    if not _swaps_1_2(t):
+        return False
+    att = by_name.get(t.inputs[0]) if t.inputs else None
+    while (att is not None and att.kind == "call" and att.op in ("view", "reshape", "_unsafe_view") and att.inputs
+           and att.inputs[0] in by_name and by_name[att.inputs[0]].outputs and att.outputs
+           and tuple(by_name[att.inputs[0]].outputs[0].shape) == tuple(att.outputs[0].shape)):
+        att = by_name[att.inputs[0]]         # a reshape to the same shape (Hugging Face's sdpa wrapper)
+    if (att is None or att.kind != "call" or att.op not in FUSED_ATTENTION or not att.inputs
+            or not attention_is_fused(att, device_type)):
+        return False
+    # the query, through the elementwise ops that keep their first operand's layout (rotary
+    # embeddings: q * cos + rotate_half(q) * sin)
+    q = by_name.get(att.inputs[0])
+    while q is not None and q.kind == "call" and q.op in LAYOUT_KEEPING and q.inputs:
+        q = by_name.get(q.inputs[0])
+    return _swaps_1_2(q)
 
 
 def _region_of(calls: list, rec: str, selective_region: str) -> dict[str, Optional[str]]:
@@ -310,7 +425,8 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         raise ValueError("the graph has symbolic batch dimensions; call graph.at_batch(b) first")
     nodes = list(graph.nodes)
     by_name = {n.name: n for n in nodes}
-    base = _bases(nodes, by_name)
+    base = tensor_bases(nodes, by_name, device_type, dtype)
+    rg = requires_grad(nodes)
     calls = [n for n in nodes if n.kind == "call"]
     core = attention_core(calls) if rec == "selective" and selective_region == "core" else set()
     region = _region_of(calls, rec, selective_region)
@@ -329,6 +445,10 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     def side(nbytes: float, owner) -> float:
         # masks are 1 byte/element; norm statistics and log-sum-exp fp32 (CPU's layer norm under
         # mixed precision: the input's dtype)
+        if device_type == "cpu" and owner.op in DROPOUTS:
+            # CPU's dropout keeps its scaled noise, a tensor like its input (`empty_like(x)
+            # .bernoulli_(1 - p).div_(1 - p)`, seen through a dispatch mode), not a bool mask
+            return size(owner.name)
         f = shard(owner) if callable(shard) else shard
         if device_type == "cpu" and mixed and owner.op in NORMS:
             nbytes = nbytes * bytes_scale("float32", dtype)
@@ -342,7 +462,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     # what every op saves: key -> (bytes, layer of its first saver, saver's region)
     saves: list[tuple[str, float, Any]] = []     # (key, bytes, saver node)
     for n in calls:
-        for name, extra in saved_tensors(n, by_name, dtype):
+        for name, extra in saved_tensors(n, by_name, dtype, device_type, rg):
             if extra is None:
                 key = base.get(name, name)
                 if key not in by_name or by_name[key].kind not in ("call", "input"):

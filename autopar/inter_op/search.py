@@ -46,6 +46,7 @@ What is approximated, and why (to keep a 1000-GPU search within seconds on two c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 from dataclasses import dataclass, field
@@ -229,45 +230,10 @@ class _Tables:
             Wtmp = _range_max(np.where(rc_kind, -INF, v)) - P[None, :]
             self.range_work_rc[r], self.range_work_tmp[r] = Wrc, Wtmp
             self.range_work[r] = np.maximum(np.maximum(Wrc, Wtmp), 0.0)
-        # ZeRO-3 (FSDP2, `engine._fully_shard`): each layer module whose parameters no other
-        # module reads is a unit, gathered for its forward and again for its backward; parameters
-        # several layers read stay with the root unit, which FSDP keeps gathered from the forward
-        # to the backward (`range_root`). Units held at once (`range_unit`: the largest unit,
-        # elements): in a unit's forward its flat all-gather output and its unsharded parameters
-        # (FSDP2 frees the flat one at the next unit's copy-out, `wait_for_unshard`: 2 units);
-        # at the backward's start the root's pre-backward hook prefetches the first unit of the
-        # backward (1 unit, its flat output) while the loss's gradient is live; in a unit's
-        # backward its unsharded parameters and the next one prefetched (2 units).
-        shared_names = {f for f, _, _ in self.shared}
-        unit = np.zeros(L)
-        for i, c in enumerate(costs):
-            mods = layers[i].modules if i < len(layers) else []
-            groups: dict[str, float] = {}
-            for f, e in c.param_elems.items():
-                if f not in shared_names:
-                    m = next((m for m in mods if f == m or f.startswith(m + ".")), "")
-                    groups[m] = groups.get(m, 0.0) + e
-            unit[i] = max(groups.values(), default=0.0)
-        self.range_unit = np.where(self.valid, np.maximum(_range_max(unit), 0.0), 0.0)
         self.range_root = np.where(self.valid, root, 0.0)
-        last = np.clip(jj - 1, 0, L - 1)
-        # the backward's transient at a range's loss (the first moment of a last stage's
-        # backward; -inf where the range's last layer has no loss) apart from every other
-        # moment (its other layers', and its last layer's where the loss is not its worst)
-        self.range_work_loss, self.range_work_body = {}, {}
+        self.zero3 = zero == 3 and dp > 1
+        self._layers = layers
         self._relief: dict[str, np.ndarray] = {}
-        for r, wk in self.work.items():
-            P = self.act[r]
-            loss = np.array([c.bwd_over_loss.get(r, -INF) for c in costs], dtype=float).reshape(L)
-            body = np.array([c.bwd_over_body.get(r, c.bwd_over.get(r, 0.0)) for c in costs], dtype=float).reshape(L)
-            run = _range_max(wk + P[1:]) if L else np.zeros((0, 1))
-            inner = run[kk, np.clip(jj - 1, 0, L)] - P[np.clip(jj, 0, L)]
-            self.range_work_loss[r] = np.where(self.valid, loss[last], -INF) if L else np.zeros_like(root)
-            self.range_work_body[r] = np.maximum(inner, np.where(self.valid, body[last], -INF)) if L else inner
-        # one micro-batch's activations of a range's last layer: not yet made while the last
-        # unit's forward holds its parameters twice (ZeRO-3)
-        self.range_last_act = {r: np.where(self.valid, self.act[r][np.clip(jj, 0, L)]
-                                           - self.act[r][np.clip(jj - 1, 0, L)], 0.0) for r in RECOMPUTES}
         # the largest parameter tensor per device (AdamW's temporaries are its size)
         big = np.array([max(c.param_elems.values(), default=0.0) for c in costs])
         self.range_maxtensor = np.maximum(_range_max(big), 0.0)
@@ -296,10 +262,32 @@ class _Tables:
         unit's elements and the largest layer unit's (`range_root`, `range_unit`): the root's
         and one unit's unsharded parameters and one unit's flat all-gather output at once;
         `largest`: the largest parameter tensor's elements."""
-        z3 = self.zero == 3 and self.dp > 1
         return runtime_phases(pel, self.dtype, self.zero, self.dp, num_microbatches=m,
-                              gathered_params=root + unit if z3 else 0.0,
-                              prefetch_params=unit if z3 else 0.0, largest_tensor=largest)
+                              gathered_params=root + unit if self.zero3 else 0.0,
+                              prefetch_params=unit if self.zero3 else 0.0, largest_tensor=largest)
+
+    @functools.cached_property
+    def range_unit(self) -> np.ndarray:
+        """ZeRO-3 (FSDP2, `engine._fully_shard`): each layer module whose parameters no other
+        module reads is a unit, gathered for its forward and again for its backward; parameters
+        several layers read stay with the root unit, which FSDP keeps gathered from the forward
+        to the backward (`range_root`). The largest unit of every range, elements. Held at once:
+        in a unit's forward its flat all-gather output and its unsharded parameters (FSDP2
+        frees the flat one at the next unit's copy-out, `wait_for_unshard`: 2 units); at the
+        loss's backward the first unit of the backward, prefetched by the root's pre-backward
+        hook (1 unit, its flat output); in a unit's backward its unsharded parameters and the
+        next one prefetched (2 units). Built on first use: only ZeRO-3 tables read it."""
+        shared_names = {f for f, _, _ in self.shared}
+        unit = np.zeros(self.L)
+        for i, c in enumerate(self.costs):
+            mods = self._layers[i].modules if i < len(self._layers) else []
+            groups: dict[str, float] = {}
+            for f, e in c.param_elems.items():
+                if f not in shared_names:
+                    m = next((m for m in mods if f == m or f.startswith(m + ".")), "")
+                    groups[m] = groups.get(m, 0.0) + e
+            unit[i] = max(groups.values(), default=0.0)
+        return np.where(self.valid, np.maximum(_range_max(unit), 0.0), 0.0)
 
     def relief(self, r: str) -> np.ndarray:
         """For every range under recomputation `r`: how far the stage's worst moment around a
@@ -309,13 +297,23 @@ class _Tables:
         last layer not yet saved), the loss's backward (the root's parameters gathered, the
         first unit of the backward prefetched: one unit) and any other op's backward (two
         units). See `range_unit`."""
-        if not (self.zero == 3 and self.dp > 1):
+        if not self.zero3:
             return np.zeros((self.L, self.L + 1))
         if r in self._relief:
             return self._relief[r]
-        w = self.wgo[0]
-        refined = np.maximum(np.maximum(self.range_work_body[r], self.range_work_loss[r] - w * self.range_unit),
-                             -self.range_last_act[r])
+        L, kk, jj, costs = self.L, self.kk, self.jj, self.costs
+        P = self.act[r]
+        last, end = np.clip(jj - 1, 0, L - 1), np.clip(jj, 0, L)
+        # the backward's transient at a range's loss (-inf where its last layer has none) apart
+        # from every other moment: its other layers' and its last layer's other ops'
+        loss = np.array([c.bwd_over_loss.get(r, -INF) for c in costs], dtype=float)
+        body = np.array([c.bwd_over_body.get(r, c.bwd_over.get(r, 0.0)) for c in costs], dtype=float)
+        inner = _range_max(self.work[r] + P[1:])[kk, np.clip(jj - 1, 0, L)] - P[end]
+        work_body = np.maximum(inner, body[last])
+        # a range's last layer's activations: not yet made while the last unit's forward holds
+        # its parameters twice
+        last_act = P[end] - P[np.clip(jj - 1, 0, L)]
+        refined = np.maximum(np.maximum(work_body, loss[last] - self.wgo[0] * self.range_unit), -last_act)
         self._relief[r] = np.where(self.valid, np.maximum(self.range_work[r] - refined, 0.0), 0.0)
         return self._relief[r]
 
@@ -324,7 +322,7 @@ class _Tables:
         to which activations add; the gradients among them, which exist only after the first
         backward; the largest total of the other phases, gradient sync and optimizer step).
         All include the stage's pipeline receive buffers (`pipe_buffers`)."""
-        ph = self.phases(pel, m, self.range_root, self.range_unit, self.range_maxtensor)
+        ph = self.phases(pel, m, self.range_root, self.range_unit if self.zero3 else 0.0, self.range_maxtensor)
         pipe = self.pipe_buffers(self.range_in, self.range_out, m) + self.range_batch
         rest = ph[1].total
         for x in ph[2:]:
@@ -848,7 +846,7 @@ class Search:
         tmp = 0.0
         pipe = sum(float(tb.range_batch[k, j]) for k, j in chunks)
         root = max(float(tb.range_root[k, j]) for k, j in chunks)
-        unit = max(float(tb.range_unit[k, j]) for k, j in chunks)
+        unit = max(float(tb.range_unit[k, j]) for k, j in chunks) if tb.zero3 else 0.0
         largest = max(float(tb.range_maxtensor[k, j]) for k, j in chunks)
         t = comp = work = 0.0
         chunk_act = []

@@ -30,7 +30,7 @@ from autopar.inter_op.layers import Layer
 from autopar.schema import ClusterSpec, LinkSpec
 from cost_models.communication import collective_time
 from cost_models.compute import DTYPE_SIZE, attention_core, op_list_time
-from cost_models.memory import activation_memory
+from cost_models.memory import activation_memory, requires_grad
 
 LOSS_OPS = frozenset({"cross_entropy_loss", "nll_loss", "log_softmax", "_log_softmax"})
 RECOMPUTES = ("none", "selective", "full")
@@ -197,13 +197,17 @@ class AnalyticProvider:
         mine = {n.name for n in nodes}
         ext: list[OpNode] = []
         seen: set[str] = set()
+        rg = requires_grad(g.nodes)
         for n in nodes:
             for i in n.inputs:
                 if i not in mine and i not in seen and i in g._index:
                     seen.add(i)
                     src = g.node(i)
-                    ext.append(replace(src, kind="input" if src.kind in ("call", "input") else src.kind,
-                                       layer=None, inputs=[]))
+                    # an activation needing no gradient (rotary tables, masks) is a constant here
+                    kind = src.kind
+                    if kind == "call":
+                        kind = "input" if rg.get(i, False) else "constant"
+                    ext.append(replace(src, kind=kind, layer=None, inputs=[]))
         body = [replace(n, layer=layer.name if n.name in layer.block_nodes else None) for n in nodes]
         return OpGraph(g.name, ext + body, g.params, batch_size=g.batch_size or 1)
 

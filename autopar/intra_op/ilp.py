@@ -249,22 +249,11 @@ class IntraOpProblem:
         the inter-op memory model uses): an op's output costs memory only if some consumer
         saves it (through views, their base); side tensors (norm statistics, dropout masks,
         attention log-sum-exp) are charged to the op that makes them."""
-        from autopar.capture.flops import VIEW_OPS
-        from cost_models.memory import saved_tensors
+        from cost_models.memory import saved_tensors, tensor_bases
 
         g = self.graph
         by_name = {n.name: n for n in g.nodes}
-        base: dict[str, str] = {}
-        for n in g.nodes:
-            if n.kind == "call" and (n.op in VIEW_OPS or n.target == "getitem") and n.inputs:
-                src = n.inputs[0]
-                prod = by_name.get(src)
-                if n.target == "getitem" and prod is not None and prod.kind == "call" and prod.op not in VIEW_OPS:
-                    base[n.name] = n.name
-                else:
-                    base[n.name] = base.get(src, src)
-            else:
-                base[n.name] = n.name
+        base = tensor_bases(list(g.nodes), by_name)
         self.saved: set[str] = set()
         self.side_bytes: dict[str, float] = defaultdict(float)
         dt = self.dtype if self.dtype in ("bf16", "fp16", "fp32") else "fp32"
@@ -1203,7 +1192,8 @@ class IntraOpProblem:
             solve_time_s=info.get("solve_time_s", 0.0), gap=info.get("gap", 0.0),
             num_variables=info.get("num_variables", 0), num_constraints=info.get("num_constraints", 0),
             mesh_shape=self.mesh_shape, status=info.get("status", ""), param_layouts=layouts,
-            memory_bytes_per_device=pbytes * self.state_factor + abytes, build_time_s=self.build_time_s,
+            # what the budget bounds (`_memory_row`): with the model's inputs, which `abytes` lacks
+            memory_bytes_per_device=self.memory_of(assign), build_time_s=self.build_time_s,
             num_groups=len(self.groups), warnings=list(dict.fromkeys(self.warnings)),
             activation_placements=acts, module_output_placements=mods, junctions=junctions)
 

@@ -54,7 +54,7 @@ class ShardingSolution:
     status: str = ""
     # params whose rows must be laid out chunk-interleaved (fused QKV): fqn -> (dim, chunks)
     param_layouts: dict[str, tuple[int, int]] = field(default_factory=dict)
-    memory_bytes_per_device: float = 0.0          # params with grads/optimizer state + activations
+    memory_bytes_per_device: float = 0.0          # what the budget bounds: params with state, activations, inputs
     build_time_s: float = 0.0
     num_groups: int = 0
     warnings: list[str] = field(default_factory=list)
