@@ -174,9 +174,12 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
             weights_bytes=st.weights_bytes, gradients_bytes=st.gradients_bytes,
             optimizer_bytes=st.optimizer_bytes, activations_bytes=st.activations_bytes,
             buffers_bytes=st.buffers_bytes, peak_phase=st.peak_phase, peak_memory_bytes=st.peak_bytes)
+        units = None
+        if c.zero == 3 and c.dp > 1:
+            units = zero3_units(graph, mods, len(chunks) > 1, {f for lay in layers[k:j] for f in lay.params})[0]
         stage_plans.append(StagePlan(
             index=pos, devices=devices, mesh_shape=(c.dp, st.tp), mesh_axis_names=("dp", "tp"),
-            layers=mods, recompute=st.recompute,
+            layers=mods, recompute=st.recompute, fsdp_units=units,
             placements=_placements(graph, layers, costs, k, j, mods, c.zero == 3 and c.dp > 1),
             virtual_chunk=vc, predicted=pred))
         dry = dry_counts.get(pos)
@@ -209,8 +212,12 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                 for k, j in st.chunks:
                     read = {f for lay in layers[k:j] for f in lay.params}
                     coll.update(_zero3_counts(graph, _stage_modules(layers, k, j), m, len(chunks) > 1, read))
-    if len(chunks) > 1:
-        coll["send_recv"] += 2 * m * (len(chunks) - 1)
+    # a pipeline boundary sends every tensor crossing it forward and the gradients of those
+    # that need one back, per micro-batch (one point-to-point op each, as torch.pipelining issues them)
+    for pos in range(len(chunks) - 1):
+        k, d = chunks[pos][3][1] - 1, chunks[pos][1]
+        cost = c.stages[d].tables.costs[k]
+        coll["send_recv"] += m * (max(cost.cross_tensors, 1) + max(cost.cross_grads, 1))
     if p > 1 and any(len({_owner(c, x) for x in us}) > 1 for _, _, us in tb.shared):
         coll["all_reduce"] += 1
     coll = Counter({kk: int(vv) for kk, vv in coll.items() if vv})
@@ -327,11 +334,14 @@ def _device_kind(spec: ClusterSpec) -> str:
     return "cpu" if "cpu" in spec.device.name.lower() or "cpu" in spec.name.lower() else "meta"
 
 
-def _fsdp_units(graph: OpGraph, modules: list[str], pipelined: bool,
-                read: Optional[set[str]] = None) -> tuple[int, bool]:
-    """(FSDP units, whether the root unit holds parameters) of a chunk holding `modules`, as
-    the runtime's `_fully_shard` wraps it: a unit per module none of whose parameters is named
-    by another module of the chunk, the root keeping the rest (tied parameters). Without
+def zero3_units(graph: OpGraph, modules: list[str], pipelined: bool,
+                read: Optional[set[str]] = None) -> tuple[list[str], bool]:
+    """(the modules ZeRO-3 shards as their own FSDP units, in order; whether the root unit
+    holds parameters) of a chunk holding `modules`, from the capture: a unit per module none of
+    whose parameters is named by another module of the chunk or read by an op outside it (FSDP
+    frees a unit's parameters after its forward), the root keeping the rest (tied parameters,
+    a head computed as `x @ emb.weight.t()`). The plan records the units
+    (`StagePlan.fsdp_units`) and the runtime wraps exactly them. Without
     pipelining the root is the whole model (parameters outside every module are its own); a
     pipeline chunk sees only its modules' names (a parameter tied to another chunk is one
     name there), and holds in its root a parameter its ops read (`read`, canonical names)
@@ -341,9 +351,13 @@ def _fsdp_units(graph: OpGraph, modules: list[str], pipelined: bool,
     for f, info in graph.params.items():
         names = [f, *info.tied]
         if pipelined:
-            names = [n for n in names if any(under(n, mod) for mod in modules)]
-            if not names and read is not None and f in read:
-                names = [f"<root>.{f}"]          # under no module: the root's
+            held = [n for n in names if any(under(n, mod) for mod in modules)]
+            if (held and len(names) > 1) or (not held and read is not None and f in read):
+                # a tied parameter (the traced chunk may hold its stand-in under every name, a
+                # Hugging Face `lm_head.weight` beside `wte.weight`), or one read under no
+                # module of the chunk: the root's
+                held = [f"<root>.{f}"]
+            names = held
         if names:
             params.append(names)
     # without pipelining, a parameter an op outside its module reads (a head computed as
@@ -355,7 +369,7 @@ def _fsdp_units(graph: OpGraph, modules: list[str], pipelined: bool,
              and all(all(under(n, mod) for n in ns) for ns in params if any(under(n, mod) for n in ns))
              and not any(under(a, mod) for f in outside for a in [f, *graph.params[f].tied])]
     root = any(not any(all(under(n, u) for n in ns) for u in units) for ns in params)
-    return len(units), root
+    return units, root
 
 
 def _read_outside(graph: OpGraph, f: str) -> bool:
@@ -373,14 +387,15 @@ def _read_outside(graph: OpGraph, f: str) -> bool:
 def _zero3_counts(graph: OpGraph, modules: list[str], m: int, pipelined: bool,
                   read: Optional[set[str]] = None) -> Counter:
     """ZeRO-3's collectives per step of a chunk holding `modules` with `m` micro-batches, as
-    the runtime issues them (`fully_shard`; U units with the root, `_fsdp_units`). Without
+    the runtime issues them (`fully_shard`; U units with the root, `zero3_units`). Without
     pipelining: all_gather m·U in the forwards + m·(U − 1 if the root holds parameters, else U)
     in the backwards (the root is not resharded after its forward), reduce_scatter U (the last
     micro-batch syncs). In a pipeline, torch.pipelining drives the stage's FSDP root (gradient
     sync and resharding after the last backward only): all_gather (U − root)·(m + 1) + root,
     reduce_scatter U (measured: gpt-tiny pp2 x dp2, m = 1, 2, 4, 1F1B and GPipe, and with tp
     stages; a root holding parameters: a traced user GPT's tied head, pp2 x dp2, m = 2)."""
-    n, root = _fsdp_units(graph, modules, pipelined, read)
+    units, root = zero3_units(graph, modules, pipelined, read)
+    n = len(units)
     U = n + int(root)
     if pipelined:
         # the root unit is gathered once and kept to the last backward (measured: a traced

@@ -75,42 +75,47 @@ def test_user_model_pipelines_equal_one_process(layout: str, reference: list[flo
     assert steps[-1]["collectives"] == p.predicted.collectives, (steps[-1]["collectives"], p.predicted.collectives)
 
 
-def test_a_model_passing_two_tensors_between_layers_is_refused_with_the_reason():
-    """Graph pipelines carry one activation per boundary: a model whose layers also take a
-    tensor computed before them (a mask, a rotary table) is refused, naming the chunk."""
+def test_tensors_made_before_the_first_layer_are_carried_through_every_chunk():
+    """A model whose layers also read tensors made once before them (`GatedLM`: a gate that
+    needs a gradient and a boolean mask) cut into three chunks: each boundary carries the
+    hidden states and both tensors (the middle chunk passes the gate and mask on), and the
+    chunks run one after another give the model's loss and gradients exactly."""
     import torch
-    import torch.nn as nn
 
-    from autopar.runtime.graph_stages import split_model
-    from autopar.schema.errors import PlanError
+    from autopar.runtime.graph_stages import FedChunk, split_model
+    from autopar.runtime.materialize import canonical_names, materialize
+    from tests.user_models import GatedLM
 
-    class Layer(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(8, 8)
-
-        def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-            return self.lin(x) * scale
-
-    class TwoTensors(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = nn.ModuleList(Layer() for _ in range(4))
-
-        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            scale = torch.sigmoid(x.mean(dim=-1, keepdim=True))
-            for layer in self.layers:
-                x = layer(x, scale)
-            return nn.functional.mse_loss(x, y)
-
+    torch.manual_seed(0)
+    model = GatedLM(4)
+    idx = torch.randint(1, 128, (2, 16))
+    idx[0, :3] = 0                                     # masked tokens
+    tgt = torch.randint(0, 128, (2, 16))
     with torch.device("meta"):
-        m = TwoTensors()
-    ex = (torch.empty(2, 8, device="meta"), torch.empty(2, 8, device="meta"))
-    with pytest.raises(PlanError, match="pipeline chunk 1 of TwoTensors"):
-        split_model(m, ex, ["layers.2"], torch.device("cpu"))
-    # the model itself is left as it was: it traces again
-    with pytest.raises(PlanError, match="pipeline chunk 1 of TwoTensors"):
-        split_model(m, ex, ["layers.2"], torch.device("cpu"))
+        meta = GatedLM(4)
+    ex = tuple(torch.empty(2, 16, dtype=torch.long, device="meta") for _ in range(2))
+    chunks = split_model(meta, ex, ["layers.1", "layers.3"], torch.device("cpu"))
+    assert len(chunks) == 3
+    assert [len(c.sends or []) for c in chunks] == [3, 3, 0]
+    assert sum(kind == "act" for kind, _ in chunks[1].sends) == 2     # gate and mask, passed on
+    state = model.state_dict()
+    aliases = canonical_names(model)
+    received: tuple = (idx,)
+    outs = []
+    for ch in chunks:
+        materialize(ch.module, seed=0, aliases=aliases)
+        ch.module.load_state_dict({k: v for k, v in state.items() if k in ch.module.state_dict()})
+        y = FedChunk(ch.module, ch.sources, ch.sends).run(received, lambda k: (idx, tgt)[k])
+        received = y if isinstance(y, tuple) else (y,)
+        outs.append(ch.module)
+    loss = received[0]
+    want = model(idx, tgt)
+    torch.testing.assert_close(loss, want, rtol=0, atol=0)
+    loss.backward()
+    want.backward()
+    got = {n: p.grad for m in outs for n, p in m.named_parameters()}
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-6, atol=1e-7)
 
 
 def test_a_pipeline_the_graph_cannot_carry_is_refused_before_launch():

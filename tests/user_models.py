@@ -4,6 +4,10 @@ references, `tests.user_models:nanogpt`): autopar knows nothing of their layer c
 `NanoGPT` follows nanoGPT: pre-LayerNorm blocks, one fused qkv Linear whose output is split
 into [q; k; v] blocks, a head computed as `x @ tok.weight.t()` with the embedding's weight (no
 output module), cross-entropy at the end of `forward(idx, targets)`.
+
+`GatedLM` hands each layer, besides the hidden states, two tensors made once before the first:
+a gate computed from the embeddings (floating, it needs a gradient) and a boolean mask of the
+tokens to keep (no gradient), as models passing an attention mask or rotary tables do.
 """
 
 from __future__ import annotations
@@ -69,3 +73,37 @@ def nanogpt(layers: int = 4):
         model = NanoGPT(layers)
     x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
     return model, (x, x), token_batch(VOCAB, SEQ)
+
+
+class GatedLayer(nn.Module):
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(h)
+        self.fc = nn.Linear(h, h)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(self.norm(x))) * gate * keep.unsqueeze(-1)
+
+
+class GatedLM(nn.Module):
+    def __init__(self, layers: int = 4, vocab: int = VOCAB, h: int = HIDDEN) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, h)
+        self.layers = nn.ModuleList(GatedLayer(h) for _ in range(layers))
+        self.out = nn.Linear(h, vocab)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        gate = torch.sigmoid(x.mean(dim=-1, keepdim=True))
+        keep = idx != 0
+        for layer in self.layers:
+            x = layer(x, gate, keep)
+        return F.cross_entropy(self.out(x).flatten(0, 1), targets.flatten())
+
+
+def gated_lm(layers: int = 4):
+    """`GatedLM` for the MODULE:FACTORY contract."""
+    with torch.device("meta"):
+        model = GatedLM(layers)
+    x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    return model, (x, x.clone()), token_batch(VOCAB, SEQ)

@@ -321,6 +321,13 @@ def dtensor_stage_counts(model: nn.Module, example_inputs: Sequence[Any], tp: in
     return _dry_run_stage(core, tp, placements, aliases, step, layers, rep, lo, hi, recompute)
 
 
+def _received(t: torch.Tensor, dev: str, index: int) -> torch.Tensor:
+    """A stage input received from the stage before (zeros on `dev`), requiring its gradient
+    after the first stage when floating (its gradient is sent back)."""
+    x = torch.zeros(t.shape, dtype=t.dtype, device=dev)
+    return x.requires_grad_(True) if index > 0 and x.is_floating_point() else x
+
+
 def _prepare(core: nn.Module, dev: str, x: torch.Tensor, layers: list[Layer], lo: int, hi: int,
              recompute: str, index: int) -> Optional[tuple[dict[int, int], torch.Tensor]]:
     """A stage copy made ready for its dry run: repeated layers passing their input through,
@@ -330,10 +337,7 @@ def _prepare(core: nn.Module, dev: str, x: torch.Tensor, layers: list[Layer], lo
     if rep is None:
         return None
     _apply_recompute(core, layers, lo, hi, rep, recompute)
-    x = torch.zeros(x.shape, dtype=x.dtype, device=dev)
-    if index > 0 and x.is_floating_point():
-        x.requires_grad_(True)   # a received activation: its gradient is sent back
-    return rep, x
+    return rep, _received(x, dev, index)
 
 
 def _dry_run_stage(core: nn.Module, tp: int, placements: dict[str, str], aliases: dict[str, str],
@@ -372,23 +376,25 @@ def _graph_stage_counts(model: nn.Module, example_inputs: Sequence[Any], tp: int
     except PlanError:
         return None
     mine = 1 if lo > 0 else 0
-    x = inputs[0]
+    received: tuple = (inputs[0],)
     if mine:
-        gm0, srcs0 = chunks[0]
+        c0 = chunks[0]
         with torch.no_grad():
-            x = gm0(*[inputs[k] for _, k in srcs0])
-    gm, srcs = chunks[mine]
-    work = _working_copy(gm, device, max_real_params)
+            y = FedChunk(c0.module, c0.sources, c0.sends).run(received, lambda k: inputs[k])
+        received = y if isinstance(y, tuple) else (y,)
+    ch = chunks[mine]
+    work = _working_copy(ch.module, device, max_real_params)
     if work is None:
         return None
     core, dev = work
     from autopar.runtime.graph_stages import retarget
 
     retarget(core, torch.device(dev))
-    prep = _prepare(core, dev, x, layers, lo, hi, recompute, index)
+    prep = _prepare(core, dev, received[0], layers, lo, hi, recompute, index)
     if prep is None:
         return None
     rep, x = prep
+    xs = (x, *(_received(t, dev, index) for t in received[1:]))
     last = index == num_stages - 1
     real_inputs = _batch_inputs(example_inputs, batch, dev)
     aliases = canonical_names(model)
@@ -396,15 +402,17 @@ def _graph_stage_counts(model: nn.Module, example_inputs: Sequence[Any], tp: int
     def step(mesh: Any) -> Callable[[], None]:
         from autopar.runtime.spmd import SPMDModule
 
-        fed = FedChunk(SPMDModule(core, mesh, [None], loss_inside=last), srcs)
+        fed = FedChunk(SPMDModule(core, mesh, [None], loss_inside=last), ch.sources, ch.sends)
         fed.start_step(real_inputs, 1)
 
         def go() -> None:
-            out = fed(x)
+            out = fed(*xs)
             if last:
                 out.backward()     # the chunk's loss
                 return
-            torch.autograd.backward(out, grad_tensors=torch.zeros_like(out))
+            outs = [o for o in (out if isinstance(out, tuple) else (out,))
+                    if isinstance(o, torch.Tensor) and o.requires_grad]
+            torch.autograd.backward(outs, grad_tensors=[torch.zeros_like(o) for o in outs])
         return go
 
     return _dry_run_stage(core, tp, placements, aliases, step, layers, rep, lo, hi, recompute)

@@ -60,7 +60,7 @@ def build_layers(graph: OpGraph, model: Optional[nn.Module] = None, max_layers: 
     g1 = graph.at_batch(1) if graph.batch_size is None else graph
     flops = {n.name: n.flops for n in g1.calls}
     if graph.layers:
-        groups = _block_groups(calls, graph.layers)
+        groups = _block_groups(calls, graph.layers, _ancestors(graph.layers))
     else:
         containers = set()
         if model is not None:
@@ -81,7 +81,29 @@ def build_layers(graph: OpGraph, model: Optional[nn.Module] = None, max_layers: 
     return layers
 
 
-def _block_groups(calls: list[OpNode], blocks: list[str]):
+def _ancestors(blocks: list[str]) -> set[str]:
+    """The modules holding a repeated block (`transformer`, `transformer.h` for `transformer.h.3`)."""
+    out = set()
+    for b in blocks:
+        parts = b.split(".")
+        out.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    return out
+
+
+def _outside_module(path: str, ancestors: set[str]) -> str:
+    """The module an op outside every block is cut with: the shortest prefix of its module path
+    that holds no block (`transformer.wte`, not `transformer`, whose forward runs the blocks:
+    a stage or a ZeRO-3 unit holding it would hold them all); "" for an op in the forward of a
+    block's ancestor itself (it reads no module of its own)."""
+    parts = path.split(".") if path else []
+    for i in range(1, len(parts) + 1):
+        pre = ".".join(parts[:i])
+        if pre not in ancestors:
+            return pre
+    return ""
+
+
+def _block_groups(calls: list[OpNode], blocks: list[str], ancestors: set[str]):
     order = {b: i for i, b in enumerate(blocks)}
     groups: dict[str, tuple[list[str], list[OpNode], set[str]]] = {b: ([], [], set()) for b in blocks}
     current: Optional[str] = None
@@ -90,14 +112,14 @@ def _block_groups(calls: list[OpNode], blocks: list[str]):
         if n.layer in order:
             if current is None:
                 for p in pending:
-                    _add(groups[n.layer], p, in_block=False)
+                    _add(groups[n.layer], p, in_block=False, ancestors=ancestors)
                 pending = []
             current = n.layer
-            _add(groups[current], n, in_block=True)
+            _add(groups[current], n, in_block=True, ancestors=ancestors)
         elif current is None:
             pending.append(n)
         else:
-            _add(groups[current], n, in_block=False)
+            _add(groups[current], n, in_block=False, ancestors=ancestors)
     if current is None:                         # no op inside any block (should not happen)
         groups[blocks[0]] = ([], pending, set())
     out = []
@@ -107,14 +129,14 @@ def _block_groups(calls: list[OpNode], blocks: list[str]):
     return out
 
 
-def _add(group, n: OpNode, in_block: bool) -> None:
+def _add(group, n: OpNode, in_block: bool, ancestors: set[str]) -> None:
     mods, nodes, block = group
     nodes.append(n)
     if in_block:
         block.add(n.name)
         mod = n.layer
     else:
-        mod = n.module_path.split(".")[0] if n.module_path else ""
+        mod = _outside_module(n.module_path, ancestors)
     if mod and mod not in mods:
         mods.append(mod)
 

@@ -165,9 +165,12 @@ class _Tables:
         self.pel = pre(self.pel_layer)
         self.shared = [(f, elems[f], sorted(set(u))) for f, u in users.items() if len(set(u)) > 1]
         self.out = np.array([c.out_bytes for c in costs])
+        # what a pipeline boundary after each layer sends forward, and its gradients back
+        self.cross = np.array([c.cross_bytes for c in costs])
+        self.cross_grad = np.array([c.cross_grad_bytes for c in costs])
         stage_size = dp * tp
         link = axis_link(cluster, stage_size)
-        self.p2p = np.array([coll_time("send_recv", b, 2, link) for b in self.out])
+        self.p2p = np.array([coll_time("send_recv", b, 2, link) for b in self.cross])
         self.dp_link = _dp_link(cluster, dp, tp)
         w, g, o = PRECISION_POLICIES[dtype]
         self.wgo = (w, g, o)
@@ -191,8 +194,8 @@ class _Tables:
         send_bwd = np.where(kk > 0, self.p2p[np.clip(kk - 1, 0, L - 1)], 0.0)
         self.range_p2p = send_fwd + send_bwd
         # the activation a stage receives (its input) and sends (its output), in bytes
-        self.range_in = np.where(kk > 0, self.out[np.clip(kk - 1, 0, L - 1)], 0.0)
-        self.range_out = np.where(jj < L, self.out[np.clip(jj - 1, 0, L - 1)], 0.0)
+        self.range_in = np.where(kk > 0, self.cross[np.clip(kk - 1, 0, L - 1)], 0.0)
+        self.range_out = np.where(jj < L, self.cross_grad[np.clip(jj - 1, 0, L - 1)], 0.0)
         # a last pipeline stage's output is what its loss reads (the logits), kept in the
         # stage's forward cache until the backward like any stage output
         self.range_loss_in = np.where((jj == L) & (kk > 0), costs[-1].loss_input_bytes if costs else 0.0, 0.0)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from typing import Optional
 
 from autopar.capture.graph import OpGraph, OpNode
 from autopar.inter_op.layers import Layer
@@ -62,7 +63,15 @@ class LayerCost:
     in_saved: dict[str, float] = field(default_factory=dict)
     loss_input_bytes: float = 0.0             # what its loss reads (a last pipeline stage's output)
     param_elems: dict[str, float] = field(default_factory=dict)   # FQN -> elements per device
-    out_bytes: float = 0.0                    # activation handed to the next layer (p2p size)
+    out_bytes: float = 0.0                    # activation handed to the next layer
+    # every tensor crossing the cut after this layer (made at or before it, read after it: its
+    # output, and a mask or position ids made once and read by every later layer), what a
+    # pipeline boundary there sends forward (`cross_bytes`, `cross_tensors`) and the gradients
+    # it sends back (`cross_grad_bytes`, `cross_grads`: the tensors that need one)
+    cross_bytes: float = 0.0
+    cross_grad_bytes: float = 0.0
+    cross_tensors: int = 0
+    cross_grads: int = 0
     coll_fwd: Counter = field(default_factory=Counter)
     coll_bwd: Counter = field(default_factory=Counter)
     coll_rc: Counter = field(default_factory=Counter)             # recomputed forward (full)
@@ -141,6 +150,8 @@ class AnalyticProvider:
         self._consumers = graph.consumers()
         self._outputs: dict[int, str | None] = {}
         self._layer_of = {n: l.index for l in layers for n in l.nodes}
+        self._crossing: dict[tuple[int, int], tuple[float, float, int, int]] = {}
+        self._cross_nodes: Optional[list[list[str]]] = None
 
     def graph_at(self, mb: int, layer: Layer) -> OpGraph:
         """The layer's ops and the tensors they read, at concrete batch `mb` (only these are
@@ -174,11 +185,38 @@ class AnalyticProvider:
         prev = self.layers[layer.index - 1] if 0 < layer.index <= len(self.layers) else None
         return {"out_name": self.output_node(layer), "in_name": self.output_node(prev) if prev else None}
 
+    def crossing(self, index: int, mb: int) -> tuple[float, float, int, int]:
+        """(bytes, gradient bytes, tensors, gradients) crossing the cut after layer `index` at
+        micro-batch `mb`: every tensor an op of layers <= index makes and an op of a later layer
+        reads (`LayerCost.cross_bytes`); floating ones at the training dtype."""
+        key = (index, mb)
+        if key not in self._crossing:
+            if self._cross_nodes is None:
+                self._cross_nodes = [[] for _ in self.layers]
+                for name, a in self._layer_of.items():
+                    last = max((self._layer_of.get(u, -1) for u in self._consumers.get(name, [])), default=-1)
+                    for b in range(a, last):
+                        self._cross_nodes[b].append(name)
+                self._rg = requires_grad(self.graph.nodes)
+            total = grad = 0.0
+            grads = 0
+            names = self._cross_nodes[index] if 0 <= index < len(self._cross_nodes) else []
+            for name in names:
+                o = self.graph.node(name).outputs[:1]
+                nb = sum(_float_bytes(x.at(mb) if self.graph.batch_size is None else x, self.dtype) for x in o)
+                total += nb
+                if self._rg.get(name, False):
+                    grad += nb
+                    grads += 1
+            self._crossing[key] = (total, grad, len(names), grads)
+        return self._crossing[key]
+
     def cost(self, layer: Layer, mb: int, tp: int) -> LayerCost:
         key = (layer.signature, mb, tp)
         rep = self._cache.get(key)
         if rep is None:
             rep = self._analyze(layer, mb, tp)
+            rep.cross_bytes, rep.cross_grad_bytes, rep.cross_tensors, rep.cross_grads = self.crossing(layer.index, mb)
             rep._layer = layer  # type: ignore[attr-defined]
             self._cache[key] = rep
         src: Layer = rep._layer  # type: ignore[attr-defined]
@@ -187,6 +225,7 @@ class AnalyticProvider:
         out = LayerCost(**{k: getattr(rep, k) for k in rep.__dataclass_fields__})
         out.param_elems = {src.rename_param(f, layer): v for f, v in rep.param_elems.items()}
         out.placements = {src.rename_param(f, layer): v for f, v in rep.placements.items()}
+        out.cross_bytes, out.cross_grad_bytes, out.cross_tensors, out.cross_grads = self.crossing(layer.index, mb)
         return out
 
     # -- the rules ---------------------------------------------------------------------------

@@ -124,57 +124,6 @@ def _compact(loss: torch.Tensor) -> torch.Tensor:
     return loss
 
 
-def params_read_outside(model: nn.Module, example_inputs: Sequence[Any]) -> set[str]:
-    """Names of the parameters some code outside the module holding them reads (a head computed
-    as `x @ emb.weight.t()` in the parent's forward), from one forward of `model` on its meta
-    `example_inputs`: ZeRO-3 must not shard such a module as its own unit, whose parameters
-    FSDP frees after the module's forward (the capture's `_read_outside` in the planner counts
-    the same). A model that cannot run on meta reports nothing, with a warning."""
-    from torch.overrides import TorchFunctionMode
-    from torch.utils._pytree import tree_leaves
-
-    owner: dict[int, list[str]] = {}
-    name: dict[int, str] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        owner.setdefault(id(p), []).append(n.rsplit(".", 1)[0] if "." in n else "")
-        name.setdefault(id(p), n)
-    stack = [""]
-    paths = {m: n for n, m in model.named_modules(remove_duplicate=False)}
-    out: set[str] = set()
-
-    class Reads(TorchFunctionMode):
-        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            cur = stack[-1]
-            for a in tree_leaves((args, kwargs or {})):
-                if isinstance(a, nn.Parameter) and id(a) in owner and not any(
-                        o == "" or cur == o or cur.startswith(o + ".") for o in owner[id(a)]):
-                    out.add(name[id(a)])
-            return func(*args, **(kwargs or {}))
-
-    def enter(m: nn.Module, args: Any) -> None:
-        stack.append(paths.get(m, stack[-1]))
-
-    def leave(m: nn.Module, args: Any, out: Any) -> None:   # None: the output is kept
-        stack.pop()
-
-    pre = nn.modules.module.register_module_forward_pre_hook(enter)
-    post = nn.modules.module.register_module_forward_hook(leave)
-    try:
-        with Reads(), torch.no_grad():
-            model(*example_inputs)
-    except Exception as e:  # noqa: BLE001 - reported; the run's collective check shows the effect
-        import warnings
-
-        warnings.warn(f"autopar: could not run {type(model).__name__} on meta to find parameters read "
-                      f"outside their module ({type(e).__name__}: {e}); ZeRO-3 shards every layer module "
-                      f"as its own unit", stacklevel=2)
-        return set()
-    finally:
-        pre.remove()
-        post.remove()
-    return out
-
-
 def get_submodule(root: nn.Module, fqn: str) -> nn.Module:
     try:
         return root.get_submodule(fqn)
@@ -456,16 +405,12 @@ class ParallelModel:
         for fqn in s.layers:
             if is_repeated_block(fqn):
                 apply_recompute(get_submodule(model, fqn), s.recompute)
-        if self.zero3:
-            self._read_outside = params_read_outside(model, self._example_microbatch())
         materialize(model, seed=self.seed, device=self.device, aliases=self.aliases)
         if self.tp_size > 1:
             distribute_params(model, self.my_mesh.tp_mesh, self._tp_placements(s), aliases=self.aliases,
                               src_data_rank=None)
         if self.zero3:
-            self._read_outside = {id(p) for n, p in model.named_parameters(remove_duplicate=False)
-                                  if n in self._read_outside}
-            self._fully_shard(model, s.layers)
+            self._fully_shard(model, s.fsdp_units or [])
         runner: nn.Module = model
         if self.tp_size > 1:
             runner = SPMDModule(model, self.my_mesh.tp_mesh, [None] * len(self.bundle.example_inputs))
@@ -474,29 +419,22 @@ class ParallelModel:
         self.pipe_stages = []
         self.schedule = None
 
-    def _fully_shard(self, model: nn.Module, layers: Sequence[str], root: Optional[nn.Module] = None) -> None:
-        """ZeRO-3: `fully_shard` on the dp sub-mesh for each of `layers` (modules of `model`)
-        whose parameters no other module of `model` uses, then on `root` (default `model`; a
-        module holding `model`) as the root unit, which keeps the parameters used by more than
-        one layer (tied). A pipeline stage passes the module its PipelineStage holds as `root`:
-        torch.pipelining drives FSDP (gradient sync and resharding on the last micro-batch
-        only) only when the stage's module is the FSDP root, and with tp that is the
-        SPMDModule around the stage's layers."""
+    def _fully_shard(self, model: nn.Module, units: Sequence[str], root: Optional[nn.Module] = None) -> None:
+        """ZeRO-3: `fully_shard` on the dp sub-mesh for each of the plan's `units` (modules of
+        `model`, `StagePlan.fsdp_units`: the planner chose them from which ops read which
+        parameter), then on `root` (default `model`; a module holding `model`) as the root unit,
+        which keeps the other parameters (tied, read outside their module). A pipeline stage
+        passes the module its PipelineStage holds as `root`: torch.pipelining drives FSDP
+        (gradient sync and resharding on the last micro-batch only) only when the stage's module
+        is the FSDP root, and with tp that is the SPMDModule around the stage's layers."""
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.my_mesh.dp_mesh
         mp = {"mp_policy": fsdp_policy(self.low)} if self.low is not None else {}
         # with tp, parameters are already DTensors on the sibling tp sub-mesh: FSDP2 makes them
         # 2-D (Shard on dp, the planned placement on tp)
-        all_names = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
-        read_outside = getattr(self, "_read_outside", set())
-        for fqn in layers:
-            mod = get_submodule(model, fqn)
-            ids = {id(p) for p in mod.parameters()}
-            shared_outside = any(
-                pid in ids and not n.startswith(fqn + ".") for n, pid in all_names.items())
-            if not shared_outside and ids and not ids & read_outside:
-                fully_shard(mod, mesh=mesh, **mp)
+        for fqn in units:
+            fully_shard(get_submodule(model, fqn), mesh=mesh, **mp)
         root = model if root is None else root
         if isinstance(root, SPMDModule):
             _quiet_view_output_warning()
@@ -529,7 +467,7 @@ class ParallelModel:
                     x = fam.between(fqn, x, i == nst - 1 and j == len(s.layers) - 1)
                 out.append((ins, x))
         def meta(t: torch.Tensor) -> torch.Tensor:
-            return torch.empty(t.shape, dtype=t.dtype, device="meta")
+            return torch.empty(t.shape, dtype=t.dtype, device="meta").requires_grad_(t.is_floating_point())
         return [(meta(a), meta(b)) for a, b in out]
 
     def _example_microbatch(self) -> tuple:
@@ -539,32 +477,42 @@ class ParallelModel:
                      if isinstance(x, torch.Tensor) and x.dim() > 0 else x
                      for x in self.bundle.example_inputs)
 
-    def _graph_shapes(self, chunks: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """`_stage_shapes` for traced chunks: each run on fake tensors in order, under the
-        plan's autocast; a chunk's input is the previous one's output (the first chunk's, the
-        first model input, what the schedule hands it)."""
+    def _graph_shapes(self, chunks: list) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
+        """`_stage_shapes` for traced chunks (`graph_stages.Chunk`): each run on fake tensors in
+        order, under the plan's autocast, with autograd on so every boundary tensor says whether
+        it needs a gradient; a chunk's inputs are what the previous one sends (the first
+        chunk's, the first model input, what the schedule hands it)."""
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.func import functional_call
 
+        from autopar.runtime.graph_stages import FedChunk
+
         ex = self._example_microbatch()
         out = []
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad(), self._autocast_ctx():
+        with FakeTensorMode(allow_non_fake_inputs=True), self._autocast_ctx():
             inputs = [torch.empty(x.shape, dtype=x.dtype, device=self.device) if isinstance(x, torch.Tensor) else x
                       for x in ex]
-            act = inputs[0]
-            for gm, srcs in chunks:
-                state = {n: torch.empty(t.shape, dtype=self._compute_dtype(t), device=self.device)
-                         for n, t in gm.named_parameters(remove_duplicate=False)}
+            received: tuple = (inputs[0],)
+            for ch in chunks:
+                state = {n: torch.empty(t.shape, dtype=self._compute_dtype(t), device=self.device,
+                                        requires_grad=t.is_floating_point())
+                         for n, t in ch.module.named_parameters(remove_duplicate=False)}
                 state.update({n: torch.empty(t.shape, dtype=t.dtype, device=self.device)
-                              for n, t in gm.named_buffers(remove_duplicate=False)})
-                args = [act if kind == "act" else inputs[k] for kind, k in srcs]
-                y = functional_call(gm, state, tuple(args), tie_weights=False)
-                out.append((act, y))
-                act = y
+                              for n, t in ch.module.named_buffers(remove_duplicate=False)})
+
+                class _Bound(nn.Module):
+                    def forward(self, *a: Any, gm: nn.Module = ch.module, st: dict = state) -> Any:
+                        return functional_call(gm, st, a, tie_weights=False)
+
+                y = FedChunk(_Bound(), ch.sources, ch.sends).run(received, lambda k: inputs[k])
+                sent = y if isinstance(y, tuple) else (y,)
+                out.append((received, sent))
+                received = tuple(t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+                                 for t in sent)
 
         def meta(t: torch.Tensor) -> torch.Tensor:
-            return torch.empty(t.shape, dtype=t.dtype, device="meta")
-        return [(meta(a), meta(b)) for a, b in out]
+            return torch.empty(t.shape, dtype=t.dtype, device="meta").requires_grad_(t.requires_grad)
+        return [(tuple(meta(a) for a in ins), tuple(meta(b) for b in outs)) for ins, outs in out]
 
     def _compute_dtype(self, p: torch.Tensor) -> torch.dtype:
         """The dtype parameter `p` computes in: the plan's low precision for floating ones."""
@@ -604,12 +552,12 @@ class ParallelModel:
         for i, s in enumerate(self.stages):
             if chunks is not None:
                 self.chunk_params[i] = {self.aliases.get(n, n) for n, _ in
-                                        chunks[i][0].named_parameters(remove_duplicate=False)}
+                                        chunks[i].module.named_parameters(remove_duplicate=False)}
             if self.rank not in s.devices:
                 continue
             last = i == nst - 1
             core: nn.Module = (StageCore(self.model, s.layers, self.family, last) if chunks is None
-                               else chunks[i][0])
+                               else chunks[i].module)
             for fqn in s.layers:
                 if is_repeated_block(fqn):
                     apply_recompute(get_submodule(core, fqn), s.recompute)
@@ -626,10 +574,10 @@ class ParallelModel:
             if chunks is not None:
                 from autopar.runtime.graph_stages import FedChunk
 
-                mod = FedChunk(mod, chunks[i][1])
+                mod = FedChunk(mod, chunks[i].sources, chunks[i].sends)
                 self.fed_chunks.append(mod)
             if self.zero3:
-                self._fully_shard(core, s.layers, root=mod)   # the FSDP root: what the stage holds
+                self._fully_shard(core, s.fsdp_units or [], root=mod)   # the FSDP root: what the stage holds
             self.pipe_stages.append(self._make_stage(mod, i, *shapes[i]))
             self.local_modules.append(core)
         self.runner = None
@@ -664,18 +612,28 @@ class ParallelModel:
         if self.device_type == "cuda":
             dist.all_reduce(torch.zeros(1, device=self.device), group=self.pp_group)
 
-    def _make_stage(self, mod: nn.Module, i: int, ins: torch.Tensor, outs: torch.Tensor) -> Any:
-        """The torch.pipelining stage of chunk `i` with static shapes from the meta run."""
+    def _make_stage(self, mod: nn.Module, i: int, ins: Any, outs: Any) -> Any:
+        """The torch.pipelining stage of chunk `i` with static shapes from the meta run: `ins`
+        and `outs` a tensor or a tuple of tensors (several cross a traced model's boundary);
+        a received floating tensor gets a gradient to send back unless the sender's run said it
+        needs none (`_graph_shapes`)."""
         from torch.distributed.pipelining import PipelineStage
 
         nst = len(self.stages)
-        ex_in = torch.empty(ins.shape, dtype=ins.dtype, device=self.device)
-        if ex_in.is_floating_point():
-            ex_in.requires_grad_(True)  # received activations need their gradient sent back
-        ex_out = torch.empty(outs.shape, dtype=outs.dtype, device=self.device)
-        in_grad = torch.empty_like(ex_in) if ex_in.is_floating_point() and i > 0 else None
-        out_grad = torch.empty_like(ex_out) if i < nst - 1 else None
-        meta = dict(input_args=(ex_in,), output_args=(ex_out,), input_grads=(in_grad,), output_grads=(out_grad,))
+        ins = ins if isinstance(ins, tuple) else (ins,)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+
+        def example(t: torch.Tensor, grad: bool) -> torch.Tensor:
+            x = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+            return x.requires_grad_(True) if grad else x
+
+        ex_in = tuple(example(t, t.requires_grad) for t in ins)
+        ex_out = tuple(example(t, False) for t in outs)
+        in_grad = tuple(torch.empty_like(x) if x.requires_grad and i > 0 else None for x in ex_in)
+        out_grad = tuple(torch.empty_like(x) if t.requires_grad and i < nst - 1 else None for x, t in zip(ex_out, outs))
+        for x, t in zip(ex_out, outs):
+            x.requires_grad_(t.requires_grad)
+        meta = dict(input_args=ex_in, output_args=ex_out, input_grads=in_grad, output_grads=out_grad)
         if self.hetero:
             return FanoutPipelineStage(mod, i, nst, self.device, ranks=self.replica_stage_ranks,
                                        group=self.pp_group, **meta)

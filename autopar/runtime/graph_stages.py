@@ -19,14 +19,19 @@ What torch's tracer-built stages do not do, done here (`FedChunk`):
   made on the rank's device, and the tracer's dtype/device assertions are dropped (the runtime
   runs the chunks under autocast, where they would not hold).
 
-A boundary must carry one activation tensor; a model passing several between its layers (a mask
-or rotary table computed once and read by every layer) is refused with a PlanError.
+A boundary carries every tensor a later chunk reads: a mask, position ids or rotary table
+computed once before the first layer and read by every layer travel with the activation, passed
+on by each chunk in between (`FedChunk.sends`); torch's stages send and receive tuples of
+tensors, with gradients for the ones that require them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any, Sequence
+import operator
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.fx
@@ -34,16 +39,30 @@ import torch.nn as nn
 
 from autopar.schema.errors import PlanError
 
-# a source of a chunk's input: ("act", 0) the activation received from the previous chunk;
+# a source of a chunk's input: ("act", k) the k-th tensor received from the previous chunk;
 # ("input", i) the model's i-th input (its micro-batch)
 Source = tuple[str, int]
+# what a chunk sends on: ("act", k) the k-th tensor it received, passed on; ("out", k) the k-th
+# element of its traced module's output (-1: the output itself, a single tensor)
+Send = tuple[str, int]
+
+
+@dataclass
+class Chunk:
+    """One pipeline chunk cut from the traced model: its module, where each of its module's
+    inputs comes from, and what it sends to the next chunk (None: the last chunk, whose output
+    is the loss)."""
+
+    module: torch.fx.GraphModule
+    sources: list[Source]
+    sends: Optional[list[Send]]
 
 
 def split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Sequence[str],
-                device: torch.device) -> list[tuple[torch.fx.GraphModule, list[Source]]]:
+                device: torch.device) -> list[Chunk]:
     """Cut `model` (on meta: it is copied) before each of `first_layers` (module FQNs, in
-    order): one (GraphModule, its inputs' sources) per chunk. `example_mb`: the model's inputs
-    at the micro-batch size (meta tensors do)."""
+    order): one `Chunk` per chunk. `example_mb`: the model's inputs at the micro-batch size
+    (meta tensors do)."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     spec = {f: SplitPoint.BEGINNING for f in first_layers}
@@ -51,7 +70,8 @@ def split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Seque
     # (of a meta model: nothing allocated), so the model can be traced again
     model = copy.deepcopy(model)
     try:
-        pipe = pipeline(model, mb_args=tuple(example_mb), split_spec=spec)
+        with _keeping_hop_bodies():
+            pipe = pipeline(model, mb_args=tuple(example_mb), split_spec=spec)
     except Exception as e:  # noqa: BLE001 - the tracer's own errors, reported with the split
         raise PlanError(f"cannot trace {type(model).__name__} into pipeline stages at "
                         f"{list(first_layers)}: {type(e).__name__}: {str(e)[:300]}") from e
@@ -62,31 +82,118 @@ def split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Seque
     sg = pipe.split_gm
     inputs = [n for n in sg.graph.nodes if n.op == "placeholder"]
     calls = [n for n in sg.graph.nodes if n.op == "call_module"]
-    out: list[tuple[torch.fx.GraphModule, list[Source]]] = []
+    index = {c: i for i, c in enumerate(calls)}
+    name = type(model).__name__
+
+    def value(a: Any, i: int) -> tuple[int, int]:
+        """(producing chunk, output element or -1) of chunk `i`'s argument `a`."""
+        if isinstance(a, torch.fx.Node) and a in index:
+            return index[a], -1
+        if (isinstance(a, torch.fx.Node) and a.op == "call_function" and a.target is operator.getitem
+                and a.args and a.args[0] in index and isinstance(a.args[1], int)):
+            return index[a.args[0]], a.args[1]
+        raise PlanError(f"pipeline chunk {i} of {name} reads {a}, which is neither a model input nor "
+                        f"a tensor an earlier chunk makes")
+
+    reads: list[list[Any]] = []        # per chunk: per argument, ("input", k) or a value
     for i, call in enumerate(calls):
         if call.kwargs:
-            raise PlanError(f"pipeline chunk {i} of {type(model).__name__} takes keyword inputs "
-                            f"{sorted(call.kwargs)}; graph pipelines pass positional tensors")
-        srcs: list[Source] = []
-        acts = 0
-        for a in call.args:
-            if isinstance(a, torch.fx.Node) and a.op == "placeholder":
-                srcs.append(("input", inputs.index(a)))
-                continue
-            prod = a.args[0] if isinstance(a, torch.fx.Node) and a.op == "call_function" and a.args else a
-            if not (isinstance(prod, torch.fx.Node) and i > 0 and prod is calls[i - 1] and a is prod):
-                raise PlanError(f"pipeline chunk {i} of {type(model).__name__} reads {a} from an earlier "
-                                f"chunk than the previous one, or one of several tensors it passes; graph "
-                                f"pipelines carry one activation between stages")
-            srcs.append(("act", 0))
-            acts += 1
-        if i > 0 and acts != 1:
-            raise PlanError(f"pipeline chunk {i} of {type(model).__name__} receives {acts} activations; "
-                            f"graph pipelines carry exactly one between stages")
+            raise PlanError(f"pipeline chunk {i} of {name} takes keyword inputs {sorted(call.kwargs)}; "
+                            f"graph pipelines pass positional tensors")
+        reads.append([("input", inputs.index(a)) if isinstance(a, torch.fx.Node) and a.op == "placeholder"
+                      else value(a, i) for a in call.args])
+    # carry[i]: the values chunk i receives, those made before it and read by it or later
+    carry: list[list[tuple[int, int]]] = [[] for _ in calls]
+    for i in range(1, len(calls)):
+        for r in reads[i:]:
+            for v in r:
+                if isinstance(v[0], int) and v[0] < i and v not in carry[i]:
+                    carry[i].append(v)
+    out: list[Chunk] = []
+    for i in range(len(calls)):
+        srcs: list[Source] = [v if isinstance(v[0], str) else ("act", carry[i].index(v)) for v in reads[i]]
+        sends: Optional[list[Send]] = None
+        if i + 1 < len(calls):
+            sends = [("out", v[1]) if v[0] == i else ("act", carry[i].index(v)) for v in carry[i + 1]]
+            if not sends:
+                raise PlanError(f"pipeline chunk {i + 1} of {name} reads nothing from the chunks before it")
         gm = pipe.get_stage_module(i)
         retarget(gm, device)
-        out.append((gm, srcs))
+        out.append(Chunk(gm, srcs, sends))
     return out
+
+
+@contextlib.contextmanager
+def _keeping_hop_bodies() -> Iterator[None]:
+    """torch.pipelining's tracer, while it rebuilds each chunk's module tree
+    (`_IR._outline_submodules`, torch 2.13), loses the subgraph a higher-order op of a module
+    runs (`wrap_with_set_grad_enabled` for a forward under `torch.no_grad()`, as Hugging Face's
+    rotary embedding is): the module gets a placeholder for it that its caller never fills.
+    Around the tracer, put each such subgraph back as the module's attribute, read where the op
+    reads it."""
+    import torch.distributed.pipelining._IR as ir
+
+    orig = ir._outline_submodules
+
+    def outline(graph: torch.fx.Graph) -> torch.fx.GraphModule:
+        bodies = [(n.target, _module_path(n), getattr(graph.owning_module, n.target)) for n in graph.nodes
+                  if n.op == "get_attr" and isinstance(getattr(graph.owning_module, str(n.target), None),
+                                                       torch.fx.GraphModule)]
+        new = orig(graph)
+        for name, path, body in bodies:
+            _restore_body(new, path, str(name), body)
+        return new
+
+    ir._outline_submodules = outline
+    try:
+        yield
+    finally:
+        ir._outline_submodules = orig
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else ""
+
+
+def _restore_body(root: nn.Module, path: str, name: str, body: torch.fx.GraphModule) -> None:
+    """Make the module at `path` of `root` read `body` as its attribute `name` instead of from a
+    placeholder of that name, and drop that argument (and what made it) from its callers."""
+    try:
+        mod = root.get_submodule(path) if path else root
+    except AttributeError:
+        return
+    g = getattr(mod, "graph", None)
+    if not isinstance(g, torch.fx.Graph):
+        return
+    phs = [n for n in g.nodes if n.op == "placeholder"]
+    ph = next((n for n in phs if n.target == name), None)
+    if ph is None:
+        return
+    pos = phs.index(ph)
+    setattr(mod, name, body)
+    with g.inserting_after(phs[-1]):
+        attr = g.get_attr(name)
+    ph.replace_all_uses_with(attr)
+    g.erase_node(ph)
+    g.lint()
+    for owner in root.modules():
+        og = getattr(owner, "graph", None)
+        if not isinstance(og, torch.fx.Graph) or owner is mod:
+            continue
+        for n in list(og.nodes):
+            if n.op != "call_module" or len(n.args) <= pos:
+                continue
+            try:
+                if owner.get_submodule(str(n.target)) is not mod:
+                    continue
+            except AttributeError:
+                continue
+            dropped = n.args[pos]
+            n.args = n.args[:pos] + n.args[pos + 1:]
+            if isinstance(dropped, torch.fx.Node) and not dropped.users:
+                og.erase_node(dropped)
+        og.lint()
 
 
 def retarget(gm: nn.Module, device: torch.device) -> None:
@@ -113,6 +220,13 @@ def retarget(gm: nn.Module, device: torch.device) -> None:
                 continue
             n.args = fix(n.args)
             n.kwargs = {k: fix(v) for k, v in n.kwargs.items()}
+            if n.target is torch.ops.aten.to.dtype_layout and "device" in n.kwargs and n.args:
+                # `x.to(other.device)` is traced with x's dtype as traced (the meta model's
+                # fp32): a move, not a cast, so that under autocast or bf16 weights it keeps
+                # whatever dtype x has when run
+                val = getattr(n.args[0], "meta", {}).get("val")
+                if val is not None and n.kwargs.get("dtype") == val.dtype:
+                    n.kwargs = {**n.kwargs, "dtype": None}
         g.lint()
         if hasattr(mod, "recompile"):
             mod.recompile()
@@ -120,15 +234,17 @@ def retarget(gm: nn.Module, device: torch.device) -> None:
 
 class FedChunk(nn.Module):
     """A chunk as its PipelineStage runs it: forward(*received) takes what the schedule hands
-    the stage (the previous chunk's activation; on the first chunk the micro-batch of the first
-    input) and calls `inner` with its inputs in the traced order, model inputs taken from the
-    micro-batches given to `start_step` (one forward per micro-batch, in order: every torch
-    schedule runs a chunk's forwards in micro-batch order)."""
+    the stage (the tensors the previous chunk sends; on the first chunk the micro-batch of the
+    first input), calls `inner` with its inputs in the traced order, model inputs taken from
+    the micro-batches given to `start_step` (one forward per micro-batch, in order: every torch
+    schedule runs a chunk's forwards in micro-batch order), and returns what the next chunk
+    receives (`sends`; the last chunk: the loss)."""
 
-    def __init__(self, inner: nn.Module, sources: list[Source]) -> None:
+    def __init__(self, inner: nn.Module, sources: list[Source], sends: Optional[list[Send]] = None) -> None:
         super().__init__()
         self.inner = inner
         self.sources = list(sources)
+        self.sends = None if sends is None else list(sends)
         self._mbs: dict[int, Sequence[Any]] = {}
         self._next = 0
 
@@ -152,5 +268,19 @@ class FedChunk(nn.Module):
     def forward(self, *received: Any) -> Any:
         mb = self._next
         self._next += 1
-        args = [received[k] if kind == "act" else self._mbs[k][mb] for kind, k in self.sources]
-        return self.inner(*args)
+        return self.run(received, lambda k: self._mbs[k][mb])
+
+    def run(self, received: Sequence[Any], model_input: Any) -> Any:
+        """The chunk on `received` with `model_input(k)` giving the model's k-th input."""
+        args = [received[k] if kind == "act" else model_input(k) for kind, k in self.sources]
+        y = self.inner(*args)
+        if self.sends is None:
+            return y
+        outs = tuple(_passed_on(received[k]) if kind == "act" else (y if k < 0 else y[k]) for kind, k in self.sends)
+        return outs[0] if len(outs) == 1 else outs
+
+
+def _passed_on(x: Any) -> Any:
+    """A received tensor sent on unchanged: a view, so its gradient (a later chunk's) flows
+    back through this chunk's backward to the chunk that made it."""
+    return x.view_as(x) if isinstance(x, torch.Tensor) and x.requires_grad else x

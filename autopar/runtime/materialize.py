@@ -55,12 +55,14 @@ def materialize(module: nn.Module, *, seed: int, device: torch.device | str = "c
                 aliases: dict[str, str] | None = None, prefix: str = "",
                 template: nn.Module | None = None) -> None:
     """Replace every meta parameter/buffer of `module` by a real one on `device`, initialised
-    deterministically from (seed, canonical FQN). Parameters shared inside `module` stay shared.
+    deterministically from (seed, canonical FQN). Parameters shared inside `module`, or tied in the
+    model (equal canonical names in `aliases`), are one parameter.
     `template`: the model `module`'s submodules were traced from (a traced pipeline chunk holds
     the tracer's stand-ins, not the model's classes): the owner a value depends on (a norm's
     weight) is looked up there under the same name."""
     aliases = aliases or {}
     made: dict[int, nn.Parameter] = {}
+    made_as: dict[str, nn.Parameter] = {}     # by canonical name
     for mod_name, mod in list(module.named_modules(remove_duplicate=False)):
         owner = mod
         if template is not None:
@@ -71,14 +73,16 @@ def materialize(module: nn.Module, *, seed: int, device: torch.device | str = "c
         for pname, p in list(mod._parameters.items()):
             if p is None or not p.is_meta:
                 continue
-            if id(p) in made:
-                mod._parameters[pname] = made[id(p)]
-                continue
             fqn = f"{prefix}{mod_name}.{pname}" if mod_name else f"{prefix}{pname}"
             key = aliases.get(fqn, fqn)
+            if id(p) in made or key in made_as:
+                # shared in `module`, or tied in the model under another name (a traced chunk
+                # holds a tied weight as two stand-ins): one parameter
+                mod._parameters[pname] = made[id(p)] if id(p) in made else made_as[key]
+                continue
             val = init_value(key, tuple(p.shape), p.dtype, owner, seed).to(device)
             newp = nn.Parameter(val, requires_grad=p.requires_grad)
-            made[id(p)] = newp
+            made[id(p)] = made_as[key] = newp
             mod._parameters[pname] = newp
         for bname, b in list(mod._buffers.items()):
             if b is None:

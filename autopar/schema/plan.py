@@ -19,7 +19,7 @@ from autopar.schema.cluster import ClusterSpec, validation_message
 from autopar.schema.constraints import Recompute, Schedule
 from autopar.schema.errors import PlanError
 
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2
 
 TrainingDtype = Literal["fp32", "bf16", "fp16"]
 TRAINING_DTYPES: tuple[str, ...] = get_args(TrainingDtype)
@@ -75,6 +75,9 @@ class StagePlan(_Model):
     placements: dict[str, tuple[Placement, ...]] = Field(
         default_factory=dict, description="parameter FQN -> placement per mesh axis")
     virtual_chunk: int = Field(default=0, ge=0, description="model chunk index under interleaving")
+    fsdp_units: Optional[list[str]] = Field(
+        default=None, description="ZeRO-3: the modules FSDP shards as their own units, in order (the stage's "
+        "root unit holds the other parameters); null without ZeRO-3")
     predicted: Optional[StagePrediction] = None
 
     @model_validator(mode="after")
@@ -153,6 +156,11 @@ class Plan(_Model):
         if any(d < 0 or d >= self.cluster.num_devices for d in used):
             raise ValueError(f"stage devices must be ranks in [0, {self.cluster.num_devices})")
         dp = self.stages[0].axis_size("dp")
+        if self.zero_stage == 3 and dp > 1:
+            missing = [s.index for s in self.stages if s.fsdp_units is None]
+            if missing:
+                raise ValueError(f"stage {missing[0]} has no fsdp_units, which a ZeRO-3 plan needs (plans of "
+                                 f"format_version 1 predate them); re-plan with `autopar plan`")
         if self.microbatch_size * self.num_microbatches * dp != self.global_batch_size:
             raise ValueError(f"microbatch_size ({self.microbatch_size}) x num_microbatches "
                              f"({self.num_microbatches}) x data-parallel degree ({dp}) must equal "
