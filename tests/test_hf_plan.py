@@ -50,3 +50,16 @@ def test_hf_model_through_the_cli(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "autopar plan for hf:gpt2" in r.stdout and autopar.load_plan(out).world_size == 32
+
+
+def test_tensor_parallelism_beyond_the_key_value_heads_is_refused_with_the_reason():
+    """Llama with 2 key/value heads: k_proj's 32 output features are 2 heads of 16; 4 ranks
+    cannot each take whole heads (the runtime's view of a 4-way split fails), so tp=4 pinned is
+    a PlanError naming the heads, and tp=2 plans."""
+    ref = ("hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2&num_hidden_layers=2"
+           "&num_attention_heads=4&seq_len=16&vocab_size=128")
+    cluster = autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": 4})
+    with pytest.raises(autopar.PlanError, match="tp=4 does not divide the 2 heads that model.layers.0.self_attn"):
+        plan(ref, cluster, global_batch_size=8, dtype="fp32", constraints=autopar.Constraints(dp=1, tp=4, pp=1))
+    assert plan(ref, cluster, global_batch_size=8, dtype="fp32",
+                constraints=autopar.Constraints(dp=2, tp=2, pp=1)).tp == 2

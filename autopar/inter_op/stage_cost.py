@@ -317,6 +317,16 @@ class AnalyticProvider:
                     fc += ar(sum(_float_bytes(o, dtype) for o in n.outputs))
                     cf["all_reduce"] += 1
                 out = "R"
+            elif (tp > 1 and op in ("view", "reshape", "_unsafe_view") and x == "S" and n.outputs and n.inputs
+                  and n.inputs[0] in g._index and g.node(n.inputs[0]).outputs):
+                # features split into heads, (.., H * D) -> (.., H, D): each rank takes H / tp
+                # whole heads, so tp must divide H (2 key/value heads cannot go to 4 ranks)
+                src, dst = g.node(n.inputs[0]).outputs[0].shape, n.outputs[0].shape
+                if (len(dst) == len(src) + 1 and len(src) >= 1 and dst[-1] != src[-1]
+                        and isinstance(dst[-2], int) and dst[-2] % tp):
+                    c.issues.append(f"tp={tp} does not divide the {dst[-2]} heads that {n.module_path or n.name} "
+                                    f"splits its features into")
+                sharded = True
             elif tp > 1 and op in ("scaled_dot_product_attention",) and x == "S":
                 heads = n.outputs[0].shape[1] if n.outputs and len(n.outputs[0].shape) == 4 else 1
                 if heads % tp:

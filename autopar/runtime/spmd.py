@@ -192,14 +192,11 @@ def _reduce_grad_hook(mod: nn.Module, args: Any, out: Any) -> Any:
 
 
 def _is_partial_producer(mod: nn.Module) -> bool:
-    """Whether `mod` is a layer whose output DTensor leaves as a partial sum: an embedding with
-    its vocabulary (weight dim 0) sharded, or a linear layer with its input features (weight
-    dim 1) sharded (row-parallel)."""
-    w = getattr(mod, "weight", None)
-    if not isinstance(w, DTensor):
-        return False
-    dim = 0 if isinstance(mod, nn.Embedding) else 1 if isinstance(mod, nn.Linear) else None
-    return dim is not None and any(isinstance(q, Shard) and q.dim == dim for q in w.placements)
+    """Whether `mod` may hand on a partial sum: a module holding a sharded DTensor parameter of
+    its own (a row-parallel projection whatever its class, `nn.Linear` or Hugging Face's
+    `Conv1D`; a vocabulary-parallel embedding). Its hook reduces only an output that is partial."""
+    return any(isinstance(p, DTensor) and any(isinstance(q, Shard) for q in p.placements)
+               for p in mod.parameters(recurse=False))
 
 
 def _is_norm(mod: nn.Module) -> bool:
