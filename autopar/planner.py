@@ -352,11 +352,13 @@ def zero3_units(graph: OpGraph, modules: list[str], pipelined: bool,
         names = [f, *info.tied]
         if pipelined:
             held = [n for n in names if any(under(n, mod) for mod in modules)]
-            if (held and len(names) > 1) or (not held and read is not None and f in read):
+            if held and len(names) > 1:
                 # a tied parameter (the traced chunk may hold its stand-in under every name, a
-                # Hugging Face `lm_head.weight` beside `wte.weight`), or one read under no
-                # module of the chunk: the root's
-                held = [f"<root>.{f}"]
+                # Hugging Face `lm_head.weight` beside `wte.weight`): the root's, and so is the
+                # module holding it (FSDP shards all of a unit's parameters)
+                held = held + ["<root>"]
+            elif not held and read is not None and f in read:
+                held = [f"<root>.{f}"]            # read under no module of the chunk: the root's
             names = held
         if names:
             params.append(names)

@@ -101,10 +101,14 @@ def _specs() -> list[dict]:
         add(u, 2, 32, dtype, dp=2, tp=1, pp=1, zero_stage=3, recompute="none")
         add(u, 2, 32, dtype, dp=1, tp=2, pp=1, recompute="none")
         add(u, 2, 32, dtype, dp=1, tp=1, pp=2, schedule="1f1b", num_microbatches=4, recompute="none")
-        # Hugging Face classes (tiny configs, default dropout): data parallel and ZeRO-3
+        # Hugging Face classes (tiny configs, default dropout): data parallel, ZeRO-3, tensor
+        # parallel and a pipeline cut from the traced model (position ids, a causal mask and,
+        # for Llama, rotary tables cross its boundary beside the hidden states)
         for hf in HF:
             add(hf, 2, 8, dtype, dp=2, tp=1, pp=1, zero_stage=0, recompute="none")
             add(hf, 2, 8, dtype, dp=2, tp=1, pp=1, zero_stage=3, recompute="none")
+            add(hf, 2, 8, dtype, dp=1, tp=2, pp=1, recompute="none")
+            add(hf, 2, 8, dtype, dp=1, tp=1, pp=2, schedule="1f1b", num_microbatches=4, recompute="none")
     return out
 
 

@@ -97,6 +97,14 @@ def _layers(nblocks: int) -> list[str]:
 
 def _plan(ref: str, stages: list[StagePlan], *, gbs: int, mb: int, m: int, schedule: str = "1f1b",
           v: int = 1, zero: int = 0, collectives: dict | None = None, nodes_devices: int = 4) -> Plan:
+    if zero == 3:
+        # ZeRO-3 units (`StagePlan.fsdp_units`), written out as a planner would choose them for the
+        # zoo GPT: one model, every block (the tied embedding and head stay with the root unit);
+        # a pipeline stage, each of its layer modules (it holds one name of a tied weight)
+        pipelined = len({tuple(st.devices) for st in stages}) > 1
+        for st in stages:
+            if st.fsdp_units is None:
+                st.fsdp_units = list(st.layers) if pipelined else [x for x in st.layers if x.startswith("blocks.")]
     return Plan(model=model_info(ref), cluster=cpu_cluster(nodes_devices), dtype="fp32",
                 global_batch_size=gbs, microbatch_size=mb, num_microbatches=m, schedule=schedule,
                 virtual_stages=v, zero_stage=zero, stages=stages,

@@ -302,7 +302,11 @@ def test_1f1b_with_fewer_microbatches_than_stages_counts_gpipe():
 def test_pipeline_stage_buffers_and_boundaries():
     """torch.pipelining keeps a receive buffer per micro-batch for a stage's input and for its
     output's gradient; a stage also keeps its output until the backward, and its input is
-    that receive buffer (the layer's first op saves it)."""
+    that receive buffer (the layer's first op saves it). Under 1F1B a stage warming up with two
+    or more forwards keeps one finished micro-batch's output more (`sends_kept`: the send's
+    handle torch holds until the cooldown)."""
+    from cost_models.schedules import sends_kept
+
     act, out, m = [1e9] * 8, 1e8, 8
     cons = autopar.Constraints(dp=2, tp=1, pp=4, microbatch_size=1, num_microbatches=m,
                                schedule="1f1b", recompute="none", zero_stage=0)
@@ -313,7 +317,9 @@ def test_pipeline_stage_buffers_and_boundaries():
         n_in, n_out = int(i > 0), int(i < p - 1)
         assert st.buffers_bytes == pytest.approx(m * out * (n_in + n_out))
         held = min(p - i, m)
-        assert st.activations_bytes == pytest.approx(held * (sum(act[k:j]) - n_in * out + n_out * out))
+        kept = sends_kept("1f1b", p, i, m)
+        assert kept == int(i < p - 1)
+        assert st.activations_bytes == pytest.approx(held * (sum(act[k:j]) - n_in * out + n_out * out) + kept * out)
 
 
 def test_search_rejects_what_only_the_sync_phase_overflows():

@@ -62,7 +62,7 @@ from autopar.schema import ClusterSpec, Constraints, PlanError
 from cost_models.communication import axis_collective_time
 from cost_models.compute import grad_accumulation_bytes, memory_time, optimizer_step_time
 from cost_models.memory import PRECISION_POLICIES, runtime_phases, usable_memory
-from cost_models.schedules import held_split
+from cost_models.schedules import held_split, sends_kept
 
 INF = float("inf")
 MAX_MICROBATCH = 64
@@ -166,8 +166,9 @@ class _Tables:
         self.shared = [(f, elems[f], sorted(set(u))) for f, u in users.items() if len(set(u)) > 1]
         self.out = np.array([c.out_bytes for c in costs])
         # what a pipeline boundary after each layer sends forward, and its gradients back
-        self.cross = np.array([c.cross_bytes for c in costs])
-        self.cross_grad = np.array([c.cross_grad_bytes for c in costs])
+        # (a provider that does not say what crosses: the layer's output alone)
+        self.cross = np.array([c.cross_bytes if c.cross_tensors else c.out_bytes for c in costs])
+        self.cross_grad = np.array([c.cross_grad_bytes if c.cross_tensors else c.out_bytes for c in costs])
         stage_size = dp * tp
         link = axis_link(cluster, stage_size)
         self.p2p = np.array([coll_time("send_recv", b, 2, link) for b in self.cross])
@@ -196,6 +197,8 @@ class _Tables:
         # the activation a stage receives (its input) and sends (its output), in bytes
         self.range_in = np.where(kk > 0, self.cross[np.clip(kk - 1, 0, L - 1)], 0.0)
         self.range_out = np.where(jj < L, self.cross_grad[np.clip(jj - 1, 0, L - 1)], 0.0)
+        # what a range's stage sends forward per micro-batch (`sends_kept` holds one more)
+        self.range_send = np.where(jj < L, self.cross[np.clip(jj - 1, 0, L - 1)], 0.0)
         # a last pipeline stage's output is what its loss reads (the logits), kept in the
         # stage's forward cache until the backward like any stage output
         self.range_loss_in = np.where((jj == L) & (kk > 0), costs[-1].loss_input_bytes if costs else 0.0, 0.0)
@@ -682,7 +685,8 @@ class Search:
         rcs = self.recomputes()
         for s in range(1, p + 1):
             cost[:, :, 0, s], choice[:, :, s] = self._best_recompute(
-                tb, rcs, t_common, fixed, held_split(cand.schedule, p, p - s, m))
+                tb, rcs, t_common, fixed, held_split(cand.schedule, p, p - s, m),
+                sends_kept(cand.schedule, p, p - s, m))
         res = stage_dp(cost, [1], p, m, num_stages=p)
         if res is None:
             self._note_min_memory(cand, tb)
@@ -691,17 +695,19 @@ class Search:
         for idx, (k, j, _) in enumerate(res.stages):
             s = p - idx
             r = rcs[choice[k, j, s]]
-            stages.append(self._stage(tb, cand, [(k, j)], r, held_split(cand.schedule, p, idx, m)))
+            stages.append(self._stage(tb, cand, [(k, j)], r, held_split(cand.schedule, p, idx, m),
+                                      sends_kept(cand.schedule, p, idx, m)))
         self._finish(cand, tb, stages, res.total)
         cand.costs = tb
         return True
 
     def _best_recompute(self, tb: "_Tables", rcs: list[str], t_common: np.ndarray, fixed_mem: tuple,
-                        held: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+                        held: tuple[np.ndarray, np.ndarray], kept: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """For every layer range [k, j): the fastest recomputation policy whose memory fits the
         budget, as (time, index into `rcs`); INF and -1 where none fits. `fixed_mem` is
         `_Tables.fixed_memory`'s triple, `held` the schedule's micro-batches in flight before
-        and after the stage's first backward (`cost_models.schedules.held_split`, one chunk)."""
+        and after the stage's first backward (`cost_models.schedules.held_split`, one chunk),
+        `kept` the outputs of finished micro-batches a send still holds after it (`sends_kept`)."""
         L = self.L
         best_t = np.full((L, L + 1), INF)
         best_c = np.full((L, L + 1), -1, dtype=int)
@@ -711,7 +717,7 @@ class Search:
             act = tb.boundary_acts(tb.range_act[r], tb.range_in_saved[r], tb.range_out_kept[r] + tb.range_loss_in)
             mem = np.maximum(fb - grads + act * pre + tb.range_work[r] - tb.relief(r), np.maximum(fb, rest))
             if post is not None:
-                mem = np.maximum(mem, fb + act * post + tb.range_work[r] - tb.relief(r))
+                mem = np.maximum(mem, fb + act * post + kept * tb.range_send + tb.range_work[r] - tb.relief(r))
             t = t_common + tb.ranged(tb.rc[r])
             ok = tb.valid & (mem <= self.budget) & (t < best_t)
             best_t = np.where(ok, t, best_t)
@@ -740,7 +746,7 @@ class Search:
                 # stages are checked below
                 kind = "gpipe" if cand.schedule == "gpipe" or m < s_ else "1f1b"
                 cost[:, :, mi, s_], choice[:, :, mi, s_] = self._best_recompute(
-                    tb, rcs, t_common, fixed, held_split(kind, s_, 0, m))
+                    tb, rcs, t_common, fixed, held_split(kind, s_, 0, m), sends_kept(kind, s_, 0, m))
         res = stage_dp(cost, tps, units, m)
         if res is None:
             return False
@@ -750,7 +756,8 @@ class Search:
             s_ = p - idx
             tb = tbs[mi]
             r = rcs[choice[k, j, mi, s_]]
-            stages.append(self._stage(tb, cand, [(k, j)], r, held_split(cand.schedule, p, idx, m)))
+            stages.append(self._stage(tb, cand, [(k, j)], r, held_split(cand.schedule, p, idx, m),
+                                      sends_kept(cand.schedule, p, idx, m)))
         if any(st.peak_bytes > self.budget for st in stages):
             self.min_memory = min(self.min_memory, max(st.peak_bytes for st in stages))
             return False
@@ -838,13 +845,14 @@ class Search:
         return best_ok
 
     def _stage(self, tb: _Tables, cand: Candidate, chunks: list[tuple[int, int]], r: str,
-               held: tuple[np.ndarray, np.ndarray]) -> StageResult:
+               held: tuple[np.ndarray, np.ndarray], kept: int = 0) -> StageResult:
         """One device group's stage: its `chunks` (layer ranges, in local chunk order), its
         recomputation `r`, `held` the schedule's chunk micro-batches in flight before and after
         the group's first backward (`cost_models.schedules.held_split`). Its memory is the
         largest of the runtime's phases (`cost_models.memory.runtime_phases`), the forward/
         backward phase at its worst moment: the most activations before any gradient exists,
-        the most after, or every gradient once the activations are gone."""
+        the most after, or every gradient once the activations are gone. `kept`: outputs of
+        finished micro-batches a send still holds after the first backward (`sends_kept`)."""
         pel = 0.0
         tmp = 0.0
         pipe = sum(float(tb.range_batch[k, j]) for k, j in chunks)
@@ -878,6 +886,8 @@ class Search:
         fb = dataclasses.replace(fb, buffers=fb.buffers + grad_tmp)
         # activations: the most the schedule holds at once, chunk by chunk
         pre, post = (float(np.max(h @ np.array(chunk_act))) if h.size else None for h in held)
+        if post is not None and kept:
+            post += kept * float(tb.range_send[chunks[-1]])
         # ZeRO-3 holds fewer units at a micro-batch's worst moment than the bound (`relief`; one
         # chunk: with several, each chunk's FSDP root keeps its own parameters)
         relief = float(tb.relief(r)[chunks[0]]) if len(chunks) == 1 else 0.0
@@ -939,7 +949,8 @@ class Search:
         worst = 0.0
         for i in range(p):
             k, j = bounds[i], bounds[i + 1]
-            st = self._stage(tb, cand, [(k, j)], r, held_split(cand.schedule, p, i, cand.m))
+            st = self._stage(tb, cand, [(k, j)], r, held_split(cand.schedule, p, i, cand.m),
+                             sends_kept(cand.schedule, p, i, cand.m))
             worst = max(worst, st.peak_bytes)
         self.min_memory = min(self.min_memory, worst)
 

@@ -537,7 +537,7 @@ class ParallelModel:
             from autopar.runtime.graph_stages import split_model
 
             chunks = split_model(self.model, self._example_microbatch(), [s.layers[0] for s in self.stages[1:]],
-                                 self.device)
+                                 self.device, param_dtype=self.low)
         shapes = (self._graph_shapes(chunks) if chunks is not None
                   else self._stage_shapes(self.plan.microbatch_size))
         self.hetero = len(_mesh_kinds(self.stages)) > 1

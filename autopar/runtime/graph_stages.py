@@ -59,16 +59,24 @@ class Chunk:
 
 
 def split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Sequence[str],
-                device: torch.device) -> list[Chunk]:
+                device: torch.device, param_dtype: Optional[torch.dtype] = None) -> list[Chunk]:
     """Cut `model` (on meta: it is copied) before each of `first_layers` (module FQNs, in
     order): one `Chunk` per chunk. `example_mb`: the model's inputs at the micro-batch size
-    (meta tensors do)."""
+    (meta tensors do). `param_dtype`: the dtype the runtime computes the floating parameters in
+    (bf16 under a bf16 plan): the trace is taken with them in it, so a cast the code writes as
+    `x.to(input_dtype)` (Hugging Face's RMSNorm restoring its input's dtype) is recorded to
+    that dtype, not to the meta model's fp32; the chunks' parameters keep the model's dtypes."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     spec = {f: SplitPoint.BEGINNING for f in first_layers}
     # the tracer patches the forward of the modules it splits before, in place: trace a copy
     # (of a meta model: nothing allocated), so the model can be traced again
+    dtypes = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
     model = copy.deepcopy(model)
+    if param_dtype is not None:
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(param_dtype)
     try:
         with _keeping_hop_bodies():
             pipe = pipeline(model, mb_args=tuple(example_mb), split_spec=spec)
@@ -119,6 +127,9 @@ def split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Seque
                 raise PlanError(f"pipeline chunk {i + 1} of {name} reads nothing from the chunks before it")
         gm = pipe.get_stage_module(i)
         retarget(gm, device)
+        for n, p in gm.named_parameters(remove_duplicate=False):
+            if n in dtypes and p.dtype != dtypes[n]:
+                p.data = p.data.to(dtypes[n])
         out.append(Chunk(gm, srcs, sends))
     return out
 
