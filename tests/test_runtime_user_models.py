@@ -55,6 +55,10 @@ LAYOUTS = {
     "llama_pp2xdp2_interleaved": (HF_LLAMA, dict(dp=2, tp=1, pp=2, schedule="interleaved_1f1b",
                                                  virtual_stages=2, num_microbatches=2)),
     "llama_dp4_zero3": (HF_LLAMA, dict(dp=4, tp=1, pp=1, zero_stage=3)),
+    # tp inside traced chunks: the CPU attention kernel gets the traced causal mask
+    # (`spmd.register_extra_strategies`), the rotary tables crossing need no gradient. (GPT-2's
+    # fails in the kernel's backward under DTensor: "shape [1, 1, 16, 16] is invalid", issue 20)
+    "llama_pp2xtp2_gpipe": (HF_LLAMA, dict(dp=1, tp=2, pp=2, schedule="gpipe", num_microbatches=2)),
 }
 
 

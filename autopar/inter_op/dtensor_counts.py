@@ -321,11 +321,11 @@ def dtensor_stage_counts(model: nn.Module, example_inputs: Sequence[Any], tp: in
     return _dry_run_stage(core, tp, placements, aliases, step, layers, rep, lo, hi, recompute)
 
 
-def _received(t: torch.Tensor, dev: str, index: int) -> torch.Tensor:
+def _received(t: torch.Tensor, dev: str, index: int, needs_grad: bool = True) -> torch.Tensor:
     """A stage input received from the stage before (zeros on `dev`), requiring its gradient
-    after the first stage when floating (its gradient is sent back)."""
+    after the first stage when floating and `needs_grad` (its gradient is sent back)."""
     x = torch.zeros(t.shape, dtype=t.dtype, device=dev)
-    return x.requires_grad_(True) if index > 0 and x.is_floating_point() else x
+    return x.requires_grad_(True) if index > 0 and x.is_floating_point() and needs_grad else x
 
 
 def _prepare(core: nn.Module, dev: str, x: torch.Tensor, layers: list[Layer], lo: int, hi: int,
@@ -378,9 +378,10 @@ def _graph_stage_counts(model: nn.Module, example_inputs: Sequence[Any], tp: int
     mine = 1 if lo > 0 else 0
     received: tuple = (inputs[0],)
     if mine:
+        # on meta, autograd on: which of the tensors the stage receives need a gradient (rotary
+        # tables made from buffers do not; the runtime sends back none for them)
         c0 = chunks[0]
-        with torch.no_grad():
-            y = FedChunk(c0.module, c0.sources, c0.sends).run(received, lambda k: inputs[k])
+        y = FedChunk(c0.module, c0.sources, c0.sends).run(received, lambda k: inputs[k])
         received = y if isinstance(y, tuple) else (y,)
     ch = chunks[mine]
     work = _working_copy(ch.module, device, max_real_params)
@@ -394,7 +395,9 @@ def _graph_stage_counts(model: nn.Module, example_inputs: Sequence[Any], tp: int
     if prep is None:
         return None
     rep, x = prep
-    xs = (x, *(_received(t, dev, index) for t in received[1:]))
+    if not received[0].requires_grad:
+        x = x.detach()
+    xs = (x, *(_received(t, dev, index, t.requires_grad) for t in received[1:]))
     last = index == num_stages - 1
     real_inputs = _batch_inputs(example_inputs, batch, dev)
     aliases = canonical_names(model)

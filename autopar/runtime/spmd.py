@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -96,12 +96,22 @@ def register_extra_strategies() -> None:
     if fwd is None or bwd is None:
         return
 
+    def mask(attn_mask: Any, d: Optional[int]) -> list:
+        # an attention mask (a traced model passes one where eager code said is_causal): split
+        # with q where it has that dimension, else whole on every rank
+        if attn_mask is None:
+            return []
+        shape = getattr(getattr(attn_mask, "tensor_meta", None), "shape", None)
+        if d is None or shape is None or len(shape) < 4 or shape[d] == 1:
+            return [Replicate()]
+        return [Shard(d)]
+
     @register_sharding(fwd.default)
     def _fwd(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
         out = []
         for d in (None, 0, 1):
             p = Replicate() if d is None else Shard(d)
-            out.append(([p, p], [p, p, p, None, None]))
+            out.append(([p, p], [p, p, p, None, None, *mask(attn_mask, d)]))
         return out
 
     @register_sharding(bwd.default)
@@ -109,7 +119,7 @@ def register_extra_strategies() -> None:
         out = []
         for d in (None, 0, 1):
             p = Replicate() if d is None else Shard(d)
-            out.append(([p, p, p], [p, p, p, p, p, p, None, None]))
+            out.append(([p, p, p], [p, p, p, p, p, p, None, None, *mask(attn_mask, d)]))
         return out
 
 
