@@ -156,7 +156,8 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
             chunks.append((k, d, vc, (k, j)))
     chunks.sort()
     # the tp collectives as DTensor will issue them (dry runs), per chunk position
-    dry_counts = _dry_counts(bundle, graph, spec, c, layers, chunks, loss_fn) if count_tp else {}
+    fallbacks: list[str] = []
+    dry_counts = _dry_counts(bundle, graph, spec, c, layers, chunks, loss_fn, fallbacks) if count_tp else {}
     stage_plans = []
     coll: Counter = Counter()
     extra = 0.0
@@ -246,7 +247,8 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                         "capture_time_s": round(graph.capture_time_s, 3),
                         "candidates": res.considered, "evaluated": res.evaluated,
                         "intra_op": getattr(res.provider, "name", "analytic"),
-                        "layers": len(layers)})
+                        "layers": len(layers),
+                        **({"tp_counts_fallback": "; ".join(fallbacks)} if fallbacks else {})})
 
 
 def _recomputed(dry: LayerCounts, i: int, recompute: str) -> Counter:
@@ -259,14 +261,16 @@ def _recomputed(dry: LayerCounts, i: int, recompute: str) -> Counter:
 
 
 def _dry_counts(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, c: Candidate, layers: list[Layer],
-                chunks: list[tuple[int, int, int, tuple[int, int]]], loss_fn=None) -> dict[int, LayerCounts]:
+                chunks: list[tuple[int, int, int, tuple[int, int]]], loss_fn=None,
+                fallbacks: Optional[list[str]] = None) -> dict[int, LayerCounts]:
     """{chunk position: its tp collectives per layer (DTensor dry run)} for the chunks on a tp
     mesh. Without pipelining, the whole model as one tp stage; with it, each chunk alone as the
     runtime runs it (plain tensors at its boundaries, its own tp degree: stages of different
     tp see boundaries a whole-model run does not), identical chunks run once. A chunk whose dry
     run fails takes the whole-model run at its tp degree; a position left out gets the analytic
     counts. Each run recomputes as its stage does (`StageResult.recompute`), so the counts hold
-    what the runtime's recomputation re-runs."""
+    what the runtime's recomputation re-runs. `fallbacks` collects, for the plan's `search`
+    record, which chunks were counted another way than their own dry run."""
     out: dict[int, LayerCounts] = {}
     whole: dict[tuple[int, str], Optional[LayerCounts]] = {}
     done: dict[tuple, tuple[int, Optional[LayerCounts]]] = {}
@@ -292,6 +296,9 @@ def _dry_counts(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, c: Candi
             if wkey not in whole:
                 whole[wkey] = _whole_model_counts(bundle, graph, layers, st, c.mb, dev, loss_fn)
             lc = whole[wkey]
+            if fallbacks is not None and n > 1:
+                fallbacks.append(f"chunk {pos}: its dry run failed, tp collectives "
+                                 f"{'from the whole model' if lc is not None else 'analytic'}")
         if lc is not None:
             out[pos] = lc
     return out

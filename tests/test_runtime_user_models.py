@@ -158,3 +158,16 @@ def test_tensors_made_before_the_first_layer_are_carried_through_every_chunk():
     got = {n: p.grad for m in outs for n, p in m.named_parameters()}
     for n, p in model.named_parameters():
         torch.testing.assert_close(got[n], p.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_a_chunk_counted_without_its_own_dry_run_is_said_in_the_plan():
+    """The planner counts a tp chunk's collectives by dry-running it as the runtime would; where
+    that fails (HF GPT-2's traced attention backward under DTensor) the counts come from the
+    whole model, and the plan says so in `search` and in its summary, not silently."""
+    pytest.importorskip("transformers")
+    cons = autopar.Constraints(dp=1, tp=2, pp=2, schedule="gpipe", num_microbatches=2)
+    p = plan(HF_GPT2, _cluster(4), global_batch_size=8, dtype="fp32", constraints=cons)
+    assert "chunk 0: its dry run failed" in p.search["tp_counts_fallback"]
+    assert "counted another way for chunk 0" in p.summary()
+    assert "tp_counts_fallback" not in plan(NANOGPT, _cluster(4), global_batch_size=8, dtype="fp32",
+                                            constraints=cons).search

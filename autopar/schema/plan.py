@@ -263,6 +263,8 @@ class Plan(_Model):
             tail += (f"\npeak memory at {sp.peak_phase.replace('_', ' ')} of stage {top.index}: "
                      + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts if v))
         tail += f"\ncollectives per step: {coll}"
+        if self.search.get("tp_counts_fallback"):
+            tail += f" (counted another way for {self.search['tp_counts_fallback']})"
         return f"{head}\n{table}\n{tail}"
 
 
