@@ -81,7 +81,7 @@ def allow_implicit_replication() -> None:
 
 def register_extra_strategies() -> None:
     """Sharding rules DTensor lacks on CPU: the fused CPU flash-attention kernels (batch or
-    head sharded, or replicated)."""
+    head sharded, or replicated; with a mask, only along the dims it broadcasts over)."""
     global _registered
     if _registered:
         return
@@ -96,30 +96,34 @@ def register_extra_strategies() -> None:
     if fwd is None or bwd is None:
         return
 
-    def mask(attn_mask: Any, d: Optional[int]) -> list:
-        # an attention mask (a traced model passes one where eager code said is_causal): split
-        # with q where it has that dimension, else whole on every rank
-        if attn_mask is None:
-            return []
+    def usable(attn_mask: Any, d: Optional[int]) -> bool:
+        # an attention mask (a traced model passes one where eager code said is_causal) goes
+        # with the strategy only whole: DTensor does not redistribute a keyword argument, so a
+        # split is one along a dim the mask broadcasts over (size 1)
+        if attn_mask is None or d is None:
+            return True
         shape = getattr(getattr(attn_mask, "tensor_meta", None), "shape", None)
-        if d is None or shape is None or len(shape) < 4 or shape[d] == 1:
-            return [Replicate()]
-        return [Shard(d)]
+        return shape is not None and len(shape) == 4 and shape[d] == 1
+
+    def mask(attn_mask: Any) -> list:
+        return [] if attn_mask is None else [Replicate()]
 
     @register_sharding(fwd.default)
     def _fwd(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
         out = []
         for d in (None, 0, 1):
-            p = Replicate() if d is None else Shard(d)
-            out.append(([p, p], [p, p, p, None, None, *mask(attn_mask, d)]))
+            if usable(attn_mask, d):
+                p = Replicate() if d is None else Shard(d)
+                out.append(([p, p], [p, p, p, None, None, *mask(attn_mask)]))
         return out
 
     @register_sharding(bwd.default)
     def _bwd(g, q, k, v, o, lse, dropout_p, is_causal, *, attn_mask=None, scale=None):
         out = []
         for d in (None, 0, 1):
-            p = Replicate() if d is None else Shard(d)
-            out.append(([p, p, p], [p, p, p, p, p, p, None, None, *mask(attn_mask, d)]))
+            if usable(attn_mask, d):
+                p = Replicate() if d is None else Shard(d)
+                out.append(([p, p, p], [p, p, p, p, p, p, None, None, *mask(attn_mask)]))
         return out
 
 
