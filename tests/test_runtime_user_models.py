@@ -55,6 +55,11 @@ LAYOUTS = {
     "llama_pp2xdp2_interleaved": (HF_LLAMA, dict(dp=2, tp=1, pp=2, schedule="interleaved_1f1b",
                                                  virtual_stages=2, num_microbatches=2)),
     "llama_dp4_zero3": (HF_LLAMA, dict(dp=4, tp=1, pp=1, zero_stage=3)),
+    "llama_pp4_1f1b": (HF_LLAMA, dict(dp=1, tp=1, pp=4, schedule="1f1b", num_microbatches=4)),
+    "llama_pp2xdp2_gpipe_zero3": (HF_LLAMA, dict(dp=2, tp=1, pp=2, schedule="gpipe", num_microbatches=2,
+                                                 zero_stage=3)),
+    "gpt2_pp2xdp2_interleaved": (HF_GPT2, dict(dp=2, tp=1, pp=2, schedule="interleaved_1f1b",
+                                               virtual_stages=2, num_microbatches=2)),
     # tp inside traced chunks: the CPU attention kernel gets the traced causal mask whole
     # (`spmd.register_extra_strategies`), the rotary tables crossing need no gradient
     "gpt2_pp2xtp2_gpipe": (HF_GPT2, dict(dp=1, tp=2, pp=2, schedule="gpipe", num_microbatches=2)),
