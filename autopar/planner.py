@@ -159,6 +159,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
     fallbacks: list[str] = []
     dry_counts = _dry_counts(bundle, graph, spec, c, layers, chunks, loss_fn, fallbacks) if count_tp else {}
     stage_plans = []
+    zunits: dict[tuple[int, int], tuple[list[str], bool]] = {}    # ZeRO-3 units per chunk (k, j)
     coll: Counter = Counter()
     extra = 0.0
     for pos, (_, d, vc, (k, j)) in enumerate(chunks):
@@ -177,7 +178,8 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
             buffers_bytes=st.buffers_bytes, peak_phase=st.peak_phase, peak_memory_bytes=st.peak_bytes)
         units = None
         if c.zero == 3 and c.dp > 1:
-            units = zero3_units(graph, mods, len(chunks) > 1, {f for lay in layers[k:j] for f in lay.params})[0]
+            zunits[(k, j)] = zero3_units(graph, mods, len(chunks) > 1, {f for lay in layers[k:j] for f in lay.params})
+            units = zunits[(k, j)][0]
         stage_plans.append(StagePlan(
             index=pos, devices=devices, mesh_shape=(c.dp, st.tp), mesh_axis_names=("dp", "tp"),
             layers=mods, recompute=st.recompute, fsdp_units=units,
@@ -211,8 +213,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                 coll["all_gather"] += 1
             else:
                 for k, j in st.chunks:
-                    read = {f for lay in layers[k:j] for f in lay.params}
-                    coll.update(_zero3_counts(graph, _stage_modules(layers, k, j), m, len(chunks) > 1, read))
+                    coll.update(_zero3_counts(*zunits[(k, j)], m, len(chunks) > 1))
     # a pipeline boundary sends every tensor crossing it forward and the gradients of those
     # that need one back, per micro-batch (one point-to-point op each, as torch.pipelining issues them)
     for pos in range(len(chunks) - 1):
@@ -393,17 +394,16 @@ def _read_outside(graph: OpGraph, f: str) -> bool:
     return False
 
 
-def _zero3_counts(graph: OpGraph, modules: list[str], m: int, pipelined: bool,
-                  read: Optional[set[str]] = None) -> Counter:
-    """ZeRO-3's collectives per step of a chunk holding `modules` with `m` micro-batches, as
-    the runtime issues them (`fully_shard`; U units with the root, `zero3_units`). Without
+def _zero3_counts(units: list[str], root: bool, m: int, pipelined: bool) -> Counter:
+    """ZeRO-3's collectives per step of a chunk with `m` micro-batches whose FSDP units and root
+    are `units`, `root` (`zero3_units`), as the runtime issues them (`fully_shard`; U units
+    with the root). Without
     pipelining: all_gather m·U in the forwards + m·(U − 1 if the root holds parameters, else U)
     in the backwards (the root is not resharded after its forward), reduce_scatter U (the last
     micro-batch syncs). In a pipeline, torch.pipelining drives the stage's FSDP root (gradient
     sync and resharding after the last backward only): all_gather (U − root)·(m + 1) + root,
     reduce_scatter U (measured: gpt-tiny pp2 x dp2, m = 1, 2, 4, 1F1B and GPipe, and with tp
     stages; a root holding parameters: a traced user GPT's tied head, pp2 x dp2, m = 2)."""
-    units, root = zero3_units(graph, modules, pipelined, read)
     n = len(units)
     U = n + int(root)
     if pipelined:

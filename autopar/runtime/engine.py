@@ -500,11 +500,10 @@ class ParallelModel:
                 state.update({n: torch.empty(t.shape, dtype=t.dtype, device=self.device)
                               for n, t in ch.module.named_buffers(remove_duplicate=False)})
 
-                class _Bound(nn.Module):
-                    def forward(self, *a: Any, gm: nn.Module = ch.module, st: dict = state) -> Any:
-                        return functional_call(gm, st, a, tie_weights=False)
+                def bound(*a: Any, gm: nn.Module = ch.module, st: dict = state) -> Any:
+                    return functional_call(gm, st, a, tie_weights=False)
 
-                y = FedChunk(_Bound(), ch.sources, ch.sends).run(received, lambda k: inputs[k])
+                y = FedChunk(bound, ch.sources, ch.sends).run(received, lambda k: inputs[k])
                 sent = y if isinstance(y, tuple) else (y,)
                 out.append((received, sent))
                 received = tuple(t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t

@@ -251,7 +251,7 @@ class FedChunk(nn.Module):
     schedule runs a chunk's forwards in micro-batch order), and returns what the next chunk
     receives (`sends`; the last chunk: the loss)."""
 
-    def __init__(self, inner: nn.Module, sources: list[Source], sends: Optional[list[Send]] = None) -> None:
+    def __init__(self, inner: Any, sources: list[Source], sends: Optional[list[Send]] = None) -> None:
         super().__init__()
         self.inner = inner
         self.sources = list(sources)
