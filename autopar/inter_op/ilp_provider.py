@@ -18,9 +18,11 @@ from collections import Counter
 from autopar.capture.graph import OpGraph
 from autopar.inter_op.layers import Layer
 from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost, autocast_device, fill_activations
+from autopar.intra_op.solution import ShardingSolution
 from autopar.schema import ClusterSpec, PlanError
 from cost_models.communication import logical_mesh
 from cost_models.compute import MATRIX_OPS
+from cost_models.memory import requires_grad
 
 
 class IlpProvider(AnalyticProvider):
@@ -37,7 +39,11 @@ class IlpProvider(AnalyticProvider):
         self.token_dims = token_dims_of(graph, self.batch_dims)
         self.solve_s = 0.0
         self.solves = 0
+        # (signature, micro-batch, tp) -> (the layer's solution, the layer it was solved on):
+        # the per-op layouts a plan carries (`inter_op.stage_layouts`)
+        self.solutions: dict[tuple[str, int, int], tuple[ShardingSolution, Layer]] = {}
         self._users: dict[str, list[Layer]] | None = None
+        self._rg: dict[str, bool] | None = None
 
     def _shared(self) -> dict[str, list[Layer]]:
         """Parameters read by more than one layer (a tied embedding and output layer), by FQN:
@@ -70,6 +76,14 @@ class IlpProvider(AnalyticProvider):
                     pins[f] = (pl,)
         return pins
 
+    def _grad_inputs(self, layer: Layer) -> set[str]:
+        """Tensors entering `layer` from earlier layers whose gradient the backward computes."""
+        if self._rg is None:
+            self._rg = requires_grad(self.graph.nodes)
+        mine = set(layer.nodes)
+        return {i for n in layer.nodes for i in self.graph.node(n).inputs
+                if i not in mine and self.graph.node(i).kind == "call" and self._rg.get(i, False)}
+
     def _analyze(self, layer: Layer, mb: int, tp: int) -> LayerCost:
         base = super()._analyze(layer, mb, tp)
         if tp == 1:
@@ -87,12 +101,13 @@ class IlpProvider(AnalyticProvider):
             sol = solve_graph(g, mesh, dtype=self.dtype, nodes=list(layer.nodes), time_limit_s=self.time_limit_s,
                               interleaved_splits=False, cyclic_boundary=True,
                               batch_dims=self.batch_dims, token_dims=self.token_dims, model_axes=(0,),
-                              fixed_params=pins)
+                              fixed_params=pins, grad_inputs=self._grad_inputs(layer))
         except PlanError as e:
             base.issues.append(f"intra-op ILP on tp={tp}: {e}")
             return base
         self.solves += 1
         self.solve_s += sol.solve_time_s
+        self.solutions[(layer.signature, mb, tp)] = (sol, layer)
         c = LayerCost()
         by_phase: dict[str, float] = Counter()
         c.coll_fwd, c.coll_bwd, c.coll_rc, c.coll_step = Counter(), Counter(), Counter(), Counter()

@@ -34,7 +34,8 @@ def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optio
                 batch_dims: Optional[dict[str, tuple[int, ...]]] = None,
                 token_dims: Optional[dict[str, tuple[int, ...]]] = None,
                 model_axes: Sequence[int] = (),
-                fixed_params: Optional[dict[str, tuple[str, ...]]] = None) -> ShardingSolution:
+                fixed_params: Optional[dict[str, tuple[str, ...]]] = None,
+                grad_inputs: Optional[set[str]] = None) -> ShardingSolution:
     """Shard the ops of `graph` (at a concrete batch) over `mesh`.
 
     `nodes` restricts the problem to those call nodes (one layer, to cost a layer): tensors
@@ -53,7 +54,9 @@ def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optio
     pure tensor (model) parallelism, as the runtime executes a "tp" axis (no data, sequence or
     Ulysses parallelism on it). `fixed_params` (parameter FQN -> its placement per mesh axis)
     pins those parameters (one placement of a weight read by several separately solved
-    layers). Raises PlanError when nothing fits `memory_budget_bytes`.
+    layers). `grad_inputs`: graph inputs whose gradient the backward pass computes (with
+    `nodes`, the tensors entering the layer from an earlier one: their gradients' way back is
+    costed like any activation's). Raises PlanError when nothing fits `memory_budget_bytes`.
     """
     gc_was_on = gc.isenabled()
     gc.disable()     # the captured graph holds many objects; collections would dominate the build
@@ -62,7 +65,7 @@ def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optio
                               dtype=dtype, merge=merge, share_layers=share_layers,
                               interleaved_splits=interleaved_splits, cyclic_boundary=cyclic_boundary,
                               batch_dims=batch_dims, token_dims=token_dims, model_axes=tuple(model_axes),
-                              fixed_params=fixed_params)
+                              fixed_params=fixed_params, grad_inputs=grad_inputs)
         assign, info = prob.solve(time_limit_s=time_limit_s, backend=backend)
     finally:
         if gc_was_on:

@@ -94,7 +94,7 @@ def _grad_target(src: Sequence[Placement], keep_partial: Sequence[int]) -> tuple
 
 
 # ---------------------------------------------------------------------------- redistribution
-def redistribute(x: DTensor, dst: Sequence[Placement]) -> DTensor:
+def redistribute(x: DTensor, dst: Sequence[Placement], whole: Sequence[int] = ()) -> DTensor:
     """`x` laid out `dst` (not differentiable), one mesh axis at a time as the plan's
     `placement.transition` counts it: a collective per axis that changes (a reduction, a gather,
     an all-to-all) or none (a slice; to partial). The axes go in an order where no later axis
@@ -103,10 +103,16 @@ def redistribute(x: DTensor, dst: Sequence[Placement]) -> DTensor:
     local, one device keeping the value (or each its shard, in place) and the others zeros, as
     DTensor allows only inside its ops; shard to shard on a CPU mesh is an all-to-all (DTensor
     gathers there; gloo has all-to-all). With no such order (a split nested inside the one that
-    changes), each step gathers the nested axes first (`_nested_redistribute`)."""
+    changes), each step gathers the nested axes first (`_nested_redistribute`). Along the
+    `whole` axes (a solution's `model_axes`) a partial sum wanted sharded is all-reduced whole
+    and then sliced, as the plan counts it there (no reduce-scatter into activation slices)."""
     dst = tuple(dst)
     if tuple(x.placements) == dst:
         return x
+    fix = [a for a in whole if x.placements[a].is_partial() and isinstance(dst[a], Shard)]
+    if fix:
+        mid = tuple(Replicate() if a in fix else p for a, p in enumerate(x.placements))
+        return redistribute(redistribute(x, mid), dst)
     changing = [a for a, (c, d) in enumerate(zip(x.placements, dst))
                 if c != d and not (c.is_partial() and d.is_partial())]
     order = _simple_order(tuple(x.placements), dst, changing)
@@ -208,16 +214,16 @@ class _Reshard(torch.autograd.Function):
     pass (DTensor's own redistribute always sends the gradient to the source's layout)."""
 
     @staticmethod
-    def forward(ctx: Any, x: DTensor, dst: tuple, grad_dst: tuple) -> DTensor:
-        ctx.grad_dst = grad_dst
-        out = redistribute(x, dst)
+    def forward(ctx: Any, x: DTensor, dst: tuple, grad_dst: tuple, whole: tuple = ()) -> DTensor:
+        ctx.grad_dst, ctx.whole = grad_dst, whole
+        out = redistribute(x, dst, whole)
         return out.view_as(out) if out is x else out
 
     @staticmethod
     def backward(ctx: Any, g: Any) -> tuple:
         if isinstance(g, DTensor):
-            g = redistribute(g, ctx.grad_dst)
-        return g, None, None
+            g = redistribute(g, ctx.grad_dst, ctx.whole)
+        return g, None, None, None
 
 
 class _ToLocal(torch.autograd.Function):
@@ -628,9 +634,10 @@ class _PlanInterpreter(torch.fx.Interpreter):
         if self.prog.trace is not None and tuple(x.placements) != dst:
             self.prog.trace.append((self.node_name, tuple(map(str, x.placements)),
                                     tuple(map(str, dst))))
+        whole = tuple(self.sol.model_axes)
         if not x.requires_grad:
-            return redistribute(x, dst)
-        out = _Reshard.apply(x, dst, _grad_target(x.placements, keep_partial))
+            return redistribute(x, dst, whole)
+        out = _Reshard.apply(x, dst, _grad_target(x.placements, keep_partial), whole)
         if param and any(isinstance(c, Shard) and d.is_replicate() for c, d in zip(x.placements, dst)):
             self.regather.track(out, x.detach(), dst)
         return out

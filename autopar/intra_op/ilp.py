@@ -157,7 +157,8 @@ class IntraOpProblem:
                  merge: bool = True, share_layers: bool = True, interleaved_splits: bool = True,
                  cyclic_boundary: bool = False, batch_dims: Optional[dict[str, tuple[int, ...]]] = None,
                  token_dims: Optional[dict[str, tuple[int, ...]]] = None,
-                 model_axes: tuple[int, ...] = (), fixed_params: Optional[dict[str, tuple[str, ...]]] = None) -> None:
+                 model_axes: tuple[int, ...] = (), fixed_params: Optional[dict[str, tuple[str, ...]]] = None,
+                 grad_inputs: Optional[Iterable[str]] = None) -> None:
         if graph.batch_size is None and graph.is_symbolic:
             raise ValueError("solve a graph at a concrete batch: call graph.at_batch(b) first")
         t0 = time.perf_counter()
@@ -171,6 +172,7 @@ class IntraOpProblem:
         self.interleaved_splits = interleaved_splits
         self.cyclic_boundary = cyclic_boundary
         self.fixed_params = dict(fixed_params or {})
+        self.grad_inputs = frozenset(grad_inputs or ())
         # dims no model axis may split: the batch and the tokens
         self.data_dims: dict[str, tuple[int, ...]] = {
             k: tuple(sorted(set((batch_dims or {}).get(k, ())) | set((token_dims or {}).get(k, ()))))
@@ -241,7 +243,7 @@ class IntraOpProblem:
                 is_float = bool(n.outputs) and n.outputs[0].dtype.startswith(("float", "bfloat", "complex"))
                 rg[n.name] = is_float and any(rg.get(i, False) for i in n.inputs)
             else:
-                rg[n.name] = False
+                rg[n.name] = n.name in self.grad_inputs
         self.rg = rg
 
     def _saved_for_backward(self) -> None:
@@ -1195,7 +1197,8 @@ class IntraOpProblem:
             # what the budget bounds (`_memory_row`): with the model's inputs, which `abytes` lacks
             memory_bytes_per_device=self.memory_of(assign), build_time_s=self.build_time_s,
             num_groups=len(self.groups), warnings=list(dict.fromkeys(self.warnings)),
-            activation_placements=acts, module_output_placements=mods, junctions=junctions)
+            activation_placements=acts, module_output_placements=mods, junctions=junctions,
+            model_axes=self.model_axes)
 
     def _record_interleave(self, tensor: str, dim: int, chunks: int, layouts: dict) -> None:
         """The matmul producing `tensor` (split chunk-interleaved along `dim`) reads a weight whose

@@ -67,6 +67,10 @@ class ShardingSolution:
     # the mesh axes along which their summed gradient stays partial before the one reduction);
     # an executor that follows the plan op by op (`autopar.intra_op.execute`) needs both
     junctions: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = field(default_factory=dict)
+    # mesh axes kept model-parallel (`solve_graph(model_axes=...)`): there a partial sum wanted
+    # sharded is all-reduced whole, then sliced (Megatron without sequence parallelism), and the
+    # executor runs it so
+    model_axes: tuple[int, ...] = ()
 
     def collective_counts(self, phases: Optional[tuple[str, ...]] = None) -> dict[str, int]:
         """Collectives of one step by kind; a collective over k mesh axes (of size > 1) counts k

@@ -1,0 +1,98 @@
+"""One stage's per-op layouts from the per-layer ILP solutions (issue 20, "one executor").
+
+The ILP provider solves one layer per (signature, micro-batch, tp) on a 1-D tp mesh. A stage is
+a run of layers, most of them copies of one solved layer. `stage_layouts` stitches the solutions
+of a stage's layers into the plan's `StageLayouts`: one list of op layouts per distinct layer,
+and per layer its ops under the names of the capture (which the executor,
+`autopar.intra_op.execute`, matches against the program it exports of the same model). A copy
+takes its representative's choices op by op (same signature: the same ops in the same order),
+its parameters renamed, its junctions mapped through the same correspondence.
+
+Between two layers each solution assumed the tensor entering its layer arrives in some layout
+(the one the previous copy leaves it in, for a stack of identical layers). Where the producing
+layer leaves it in another, the executor would redistribute it with collectives no solution
+counted; such a stage gets no layouts (the reason says which tensor), and the runtime runs it
+by DTensor propagation instead, as the plan records.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Optional
+
+from autopar.capture.graph import OpGraph
+from autopar.inter_op.layers import Layer
+from autopar.schema.layouts import Junction, LayerOps, OpLayout, StageLayouts
+
+__all__ = ["stage_layouts"]
+
+
+def _mapping(graph: OpGraph, rep: Layer, lay: Layer) -> dict[str, str]:
+    """Names of `rep`'s ops and the tensors they read -> those of `lay` (same signature)."""
+    out = dict(zip(rep.nodes, lay.nodes))
+    for rn, ln in zip(rep.nodes, lay.nodes):
+        for a, b in zip(graph.node(rn).inputs, graph.node(ln).inputs):
+            out.setdefault(a, b)
+    return out
+
+
+def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, j: int, mb: int,
+                  tp: int) -> tuple[Optional[StageLayouts], str]:
+    """The layouts of layers [k, j) at micro-batch `mb` on a tp mesh of `tp` (`solutions`: the
+    ILP provider's {(signature, mb, tp): (solution, layer solved)}), or (None, why not)."""
+    sigs: dict[str, int] = {}
+    sig_lists: list[list[OpLayout]] = []
+    lay_ops: list[LayerOps] = []
+    params: dict[str, tuple[str, ...]] = {}
+    inputs: dict[str, tuple[str, ...]] = {}
+    junctions: dict[str, Junction] = {}
+    produced: dict[str, tuple[str, ...]] = {}     # op -> layout of its first output
+    entering: dict[str, tuple[str, str]] = {}      # tensor from an earlier layer -> (layout, layer)
+    counts: dict[str, Counter] = {"forward": Counter(), "backward": Counter(), "grad_sync": Counter()}
+    axes: tuple[int, ...] = ()
+    for i in range(k, j):
+        lay = layers[i]
+        got = solutions.get((lay.signature, mb, tp))
+        if got is None:
+            return None, f"layer {lay.name or i} has no intra-op solution at tp={tp}"
+        sol, rep = got
+        axes = tuple(sol.model_axes)
+        names = _mapping(graph, rep, lay)
+        if lay.signature not in sigs:
+            if any(n not in sol.op_choices for n in rep.nodes):
+                return None, f"layer {rep.name or i}: the solution has no layout for some of its ops"
+            sigs[lay.signature] = len(sig_lists)
+            sig_lists.append([OpLayout(strategy=ch.strategy, family=ch.family,
+                                       inputs=[tuple(x) for x in ch.input_placements],
+                                       outputs=[tuple(x) for x in ch.output_placements])
+                              for ch in (sol.op_choices[n] for n in rep.nodes)])
+        lay_ops.append(LayerOps(name=lay.name or str(i), signature=sigs[lay.signature], ops=list(lay.nodes)))
+        for n in rep.nodes:
+            outs = sol.op_choices[n].output_placements
+            if outs:
+                produced[names[n]] = tuple(outs[0])
+        for f, pl in sol.param_placements.items():
+            f2 = rep.rename_param(f, lay)
+            if params.setdefault(f2, tuple(pl)) != tuple(pl):
+                return None, f"parameter {f2} is read in two layouts ({params[f2]} and {tuple(pl)})"
+        for key, (layout, partial) in sol.junctions.items():
+            prod, _, idx = key.rpartition("#")
+            junctions[f"{names.get(prod, prod)}#{idx}"] = Junction(layout=tuple(layout), partial_axes=tuple(partial))
+        mine = set(lay.nodes)
+        for name, pl in sol.input_placements.items():
+            n2 = names.get(name, name)
+            kind = graph.node(n2).kind
+            if kind == "input":
+                inputs.setdefault(n2, tuple(pl))
+            elif kind == "call" and n2 not in mine:
+                entering.setdefault(n2, (tuple(pl), lay.name))
+        for c in sol.collectives:
+            counts[c.phase][c.kind] += max(1, len(c.mesh_axes))
+    for name, (want, where) in entering.items():
+        have = produced.get(name)
+        if have is not None and have != want:
+            return None, (f"{name} leaves its layer laid out {have}, but {where}'s solution assumed "
+                          f"{want}: the redistribution between them is in no solution")
+    return StageLayouts(model_axes=axes, signatures=sig_lists, layers=lay_ops, inputs=inputs, params=params,
+                        junctions=junctions,
+                        collectives={ph: dict(c) for ph, c in counts.items() if c}), ""

@@ -1,0 +1,95 @@
+"""The per-op layouts of a stage's tensor-parallel axis, as solved: what `autopar run` executes.
+
+A stage's ops are those of its layers; identical layers (same signature) share one list of
+layouts, so a 96-layer model stores one block's. `StageLayouts.layers` names each layer's ops
+(the names of the captured graph, which the runtime's program of the same model carries) in the
+order of its signature's list. `solution()` expands it into the
+`autopar.intra_op.solution.ShardingSolution` the executor (`autopar.intra_op.execute`) runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Placement = str            # "R", "S(d)", "P": one entry per mesh axis of the layouts' mesh
+Layout = tuple[Placement, ...]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class OpLayout(_Model):
+    """One op's chosen strategy: the layout it reads each tensor input in, and gives its outputs."""
+
+    strategy: str
+    family: str = ""
+    inputs: list[Layout] = Field(default_factory=list)
+    outputs: list[Layout] = Field(default_factory=list)
+
+
+class LayerOps(_Model):
+    """One layer: its ops, in the order of its signature's layouts."""
+
+    name: str
+    signature: int = Field(ge=0, description="index into StageLayouts.signatures")
+    ops: list[str] = Field(description="op names of the captured graph")
+
+
+class Junction(_Model):
+    """A tensor several ops read: redistributed once to `layout`; its consumers' summed gradient
+    stays partial along `partial_axes` until one reduction."""
+
+    layout: Layout
+    partial_axes: tuple[int, ...] = ()
+
+
+class StageLayouts(_Model):
+    """The solved layouts of a stage's ops over its "tp" mesh axis (`mesh_axis`)."""
+
+    mesh_axis: str = "tp"
+    model_axes: tuple[int, ...] = Field(default=(), description="axes of the layouts' mesh kept "
+                                        "model-parallel: a partial sum wanted sharded is reduced whole")
+    signatures: list[list[OpLayout]] = Field(min_length=1)
+    layers: list[LayerOps] = Field(min_length=1)
+    inputs: dict[str, Layout] = Field(default_factory=dict, description="model inputs' layouts")
+    params: dict[str, Layout] = Field(default_factory=dict, description="parameter FQN -> layout")
+    junctions: dict[str, Junction] = Field(default_factory=dict, description="'op#output' -> junction")
+    collectives: dict[str, dict[str, int]] = Field(
+        default_factory=dict, description="per phase (forward, backward, grad_sync): collectives of one "
+        "micro-batch by kind, as the executor issues them")
+
+    @model_validator(mode="after")
+    def _check(self) -> "StageLayouts":
+        for lay in self.layers:
+            if lay.signature >= len(self.signatures):
+                raise ValueError(f"layer {lay.name!r} names signature {lay.signature}, but there are "
+                                 f"{len(self.signatures)}")
+            if len(lay.ops) != len(self.signatures[lay.signature]):
+                raise ValueError(f"layer {lay.name!r} lists {len(lay.ops)} ops for a signature of "
+                                 f"{len(self.signatures[lay.signature])} layouts")
+        return self
+
+    @property
+    def num_ops(self) -> int:
+        return sum(len(lay.ops) for lay in self.layers)
+
+    def solution(self, mesh_shape: tuple[int, ...]) -> Any:
+        """The ShardingSolution the executor runs on a mesh of `mesh_shape` (the stage's tp axis)."""
+        from autopar.intra_op.solution import OpChoice, ShardingSolution
+
+        ops = {}
+        for lay in self.layers:
+            for name, ol in zip(lay.ops, self.signatures[lay.signature]):
+                ops[name] = OpChoice(ol.strategy, [tuple(o) for o in ol.outputs], 0.0, 0.0,
+                                     [tuple(i) for i in ol.inputs], ol.family)
+        return ShardingSolution(
+            param_placements={k: tuple(v) for k, v in self.params.items()},
+            input_placements={k: tuple(v) for k, v in self.inputs.items()}, collectives=[],
+            objective=0.0, op_choices=ops, forward_s=0.0, backward_s=0.0, grad_sync_s=0.0,
+            param_bytes_per_device=0.0, activation_bytes_per_device=0.0, solve_time_s=0.0, gap=0.0,
+            num_variables=0, num_constraints=0, mesh_shape=tuple(mesh_shape), status="from plan",
+            junctions={k: (tuple(j.layout), tuple(j.partial_axes)) for k, j in self.junctions.items()},
+            model_axes=tuple(self.model_axes))
