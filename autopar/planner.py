@@ -23,8 +23,10 @@ from autopar.inter_op.dtensor_counts import LayerCounts, dtensor_stage_counts, d
 from autopar.inter_op.layers import Layer, build_layers
 from autopar.inter_op.search import Candidate, Search, SearchResult, StageResult
 from autopar.inter_op.stage_cost import AnalyticProvider
+from autopar.inter_op.stage_layouts import stage_layouts
 from autopar.models import ModelBundle, build_model
 from autopar.schema import ClusterSpec, Constraints, ModelInfo, Plan, PlanError, Prediction, StagePlan, StagePrediction
+from autopar.schema.layouts import StageLayouts
 from autopar.schema.plan import TRAINING_DTYPES
 from cost_models.compute import attention_core
 from cost_models.memory import usable_memory
@@ -155,9 +157,12 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
         for vc, (k, j) in enumerate(st.chunks):
             chunks.append((k, d, vc, (k, j)))
     chunks.sort()
-    # the tp collectives as DTensor will issue them (dry runs), per chunk position
+    # the chunks the runtime executes op by op as solved (their collectives are the solution's);
+    # the others' tp collectives as DTensor will issue them (dry runs), per chunk position
+    layouts, why_not = _op_layouts(graph, c, layers, chunks, res.provider)
     fallbacks: list[str] = []
-    dry_counts = _dry_counts(bundle, graph, spec, c, layers, chunks, loss_fn, fallbacks) if count_tp else {}
+    dry_counts = _dry_counts(bundle, graph, spec, c, layers, chunks, loss_fn, fallbacks,
+                             skip=set(layouts)) if count_tp else {}
     stage_plans = []
     zunits: dict[tuple[int, int], tuple[list[str], bool]] = {}    # ZeRO-3 units per chunk (k, j)
     coll: Counter = Counter()
@@ -184,8 +189,16 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
             index=pos, devices=devices, mesh_shape=(c.dp, st.tp), mesh_axis_names=("dp", "tp"),
             layers=mods, recompute=st.recompute, fsdp_units=units,
             placements=_placements(graph, layers, costs, k, j, mods, c.zero == 3 and c.dp > 1),
-            virtual_chunk=vc, predicted=pred))
+            virtual_chunk=vc, op_layouts=layouts.get(pos), predicted=pred))
         dry = dry_counts.get(pos)
+        lay = layouts.get(pos)
+        if lay is not None:
+            # the executor runs each micro-batch's forward and backward as solved (a parameter
+            # read in another layout than stored syncs its gradient in every backward)
+            for phase in ("forward", "backward", "grad_sync"):
+                coll.update({kk: m * vv for kk, vv in lay.collectives.get(phase, {}).items()})
+            extra += sum(_extra_flops(g1, layers[i], st.recompute) for i in range(k, j))
+            continue
         for i in range(k, j):
             lc = costs[i]
             if dry is not None:
@@ -249,7 +262,34 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                         "candidates": res.considered, "evaluated": res.evaluated,
                         "intra_op": getattr(res.provider, "name", "analytic"),
                         "layers": len(layers),
-                        **({"tp_counts_fallback": "; ".join(fallbacks)} if fallbacks else {})})
+                        **({"tp_counts_fallback": "; ".join(fallbacks)} if fallbacks else {}),
+                        **({"tp_executor": why_not} if why_not else {})})
+
+
+def _op_layouts(graph: OpGraph, c: Candidate, layers: list[Layer], chunks: list, provider: Any
+                ) -> tuple[dict[int, StageLayouts], str]:
+    """{chunk position: its solved per-op layouts} for the tp chunks the runtime executes op by
+    op (`autopar.intra_op.execute`), and why the others are not (for `plan.search`). Done so
+    far: a model not pipelined, without ZeRO-3 (FSDP's units wrap modules, which the op-by-op
+    program does not call) and without recomputation; the rest runs by DTensor propagation."""
+    tp_chunks = [pos for pos, ch in enumerate(chunks) if c.stages[ch[1]].tp > 1]
+    if not tp_chunks:
+        return {}, ""
+    solutions = getattr(provider, "solutions", None)
+    if solutions is None:
+        return {}, "runs by DTensor propagation: the analytic provider solves no per-op layouts"
+    if len(chunks) > 1:
+        return {}, "runs by DTensor propagation: pipeline chunks are not executed op by op yet"
+    if c.zero == 3 and c.dp > 1:
+        return {}, "runs by DTensor propagation: ZeRO-3 is not executed op by op yet"
+    st = c.stages[chunks[0][1]]
+    if st.recompute != "none":
+        return {}, f"runs by DTensor propagation: recompute={st.recompute} is not executed op by op yet"
+    k, j = chunks[0][3]
+    lay, why = stage_layouts(graph, layers, solutions, k, j, c.mb, st.tp)
+    if lay is None:
+        return {}, f"runs by DTensor propagation: {why}"
+    return {0: lay}, ""
 
 
 def _recomputed(dry: LayerCounts, i: int, recompute: str) -> Counter:
@@ -263,7 +303,7 @@ def _recomputed(dry: LayerCounts, i: int, recompute: str) -> Counter:
 
 def _dry_counts(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, c: Candidate, layers: list[Layer],
                 chunks: list[tuple[int, int, int, tuple[int, int]]], loss_fn=None,
-                fallbacks: Optional[list[str]] = None) -> dict[int, LayerCounts]:
+                fallbacks: Optional[list[str]] = None, skip: set[int] = frozenset()) -> dict[int, LayerCounts]:
     """{chunk position: its tp collectives per layer (DTensor dry run)} for the chunks on a tp
     mesh. Without pipelining, the whole model as one tp stage; with it, each chunk alone as the
     runtime runs it (plain tensors at its boundaries, its own tp degree: stages of different
@@ -278,7 +318,7 @@ def _dry_counts(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, c: Candi
     dev, n = _device_kind(spec), len(chunks)
     for pos, (_, d, _, (k, j)) in enumerate(chunks):
         st = c.stages[d]
-        if st.tp <= 1:
+        if st.tp <= 1 or pos in skip:
             continue
         lc = None
         if n > 1:

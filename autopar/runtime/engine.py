@@ -402,6 +402,9 @@ class ParallelModel:
     def _build_single(self) -> None:
         s = self.stages[0]
         model = self.model
+        if s.op_layouts is not None and self.tp_size > 1 and not self.zero3 and s.recompute == "none":
+            self._build_solved(s)
+            return
         for fqn in s.layers:
             if is_repeated_block(fqn):
                 apply_recompute(get_submodule(model, fqn), s.recompute)
@@ -418,6 +421,33 @@ class ParallelModel:
         self.local_modules = [model]
         self.pipe_stages = []
         self.schedule = None
+
+    def _build_solved(self, s: StagePlan) -> None:
+        """The stage run op by op as the plan solved it (`StagePlan.op_layouts`): the model's
+        program (torch.export, with its loss: the capture the planner solved, so op names match)
+        interpreted over DTensors on the tp sub-mesh, each op's inputs redistributed to the
+        layouts its strategy reads (`autopar.intra_op.execute`). Data parallelism and ZeRO-1/2
+        stay this engine's (flat gradient sync over the dp sub-mesh of the local shards)."""
+        from autopar.intra_op.execute import parallelize_graph
+
+        model = self.model
+        materialize(model, seed=self.seed, device=self.device, aliases=self.aliases)
+        example = self._real_microbatch()
+        sol = s.op_layouts.solution((self.tp_size,))
+        self.runner = parallelize_graph(model, example, sol, self.my_mesh.tp_mesh)
+        self.local_modules = [model]
+        self.pipe_stages = []
+        self.schedule = None
+
+    def _real_microbatch(self) -> tuple:
+        """One micro-batch of real inputs on this device (what torch.export traces the program with)."""
+        mb = self.plan.microbatch_size
+        if self.bundle.batch_fn is not None:
+            batch = self.bundle.batch_fn(0, mb)
+        else:
+            batch = tuple(torch.zeros((mb,) + tuple(x.shape[1:]), dtype=x.dtype)
+                          if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in self.bundle.example_inputs)
+        return tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x for x in batch)
 
     def _fully_shard(self, model: nn.Module, units: Sequence[str], root: Optional[nn.Module] = None) -> None:
         """ZeRO-3: `fully_shard` on the dp sub-mesh for each of the plan's `units` (modules of

@@ -18,8 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from autopar.schema.cluster import ClusterSpec, validation_message
 from autopar.schema.constraints import Recompute, Schedule
 from autopar.schema.errors import PlanError
+from autopar.schema.layouts import StageLayouts
 
-PLAN_FORMAT_VERSION = 2
+PLAN_FORMAT_VERSION = 3
 
 TrainingDtype = Literal["fp32", "bf16", "fp16"]
 TRAINING_DTYPES: tuple[str, ...] = get_args(TrainingDtype)
@@ -78,6 +79,10 @@ class StagePlan(_Model):
     fsdp_units: Optional[list[str]] = Field(
         default=None, description="ZeRO-3: the modules FSDP shards as their own units, in order (the stage's "
         "root unit holds the other parameters); null without ZeRO-3")
+    op_layouts: Optional[StageLayouts] = Field(
+        default=None, description="the solved layout of every op on the stage's tp axis, which `autopar run` "
+        "executes op by op; null where the stage runs by DTensor propagation (no tp, or see "
+        "Plan.search['tp_executor'])")
     predicted: Optional[StagePrediction] = None
 
     @model_validator(mode="after")
@@ -92,6 +97,9 @@ class StagePlan(_Model):
         for fqn, pl in self.placements.items():
             if len(pl) != len(self.mesh_shape):
                 raise ValueError(f"placements[{fqn!r}] needs one entry per mesh axis")
+        if self.op_layouts is not None and self.op_layouts.mesh_axis not in self.mesh_axis_names:
+            raise ValueError(f"op_layouts are for mesh axis {self.op_layouts.mesh_axis!r}, which the stage "
+                             f"does not have")
         return self
 
     def sharding_summary(self, limit: int = 8) -> str:
