@@ -21,7 +21,7 @@ import torch.nn as nn
 from autopar.capture import OpGraph, capture
 from autopar.inter_op.dtensor_counts import LayerCounts, dtensor_stage_counts, dtensor_tp_counts
 from autopar.inter_op.layers import Layer, build_layers
-from autopar.inter_op.search import Candidate, Search, SearchResult, StageResult
+from autopar.inter_op.search import Candidate, Search, SearchResult, StageResult, op_by_op
 from autopar.inter_op.stage_cost import AnalyticProvider
 from autopar.inter_op.stage_layouts import stage_layouts
 from autopar.models import ModelBundle, build_model
@@ -278,10 +278,9 @@ def _op_layouts(graph: OpGraph, c: Candidate, layers: list[Layer], chunks: list,
     solutions = getattr(provider, "solutions", None)
     if solutions is None:
         return {}, "runs by DTensor propagation: the analytic provider solves no per-op layouts"
-    if len(chunks) > 1:
-        return {}, "runs by DTensor propagation: pipeline chunks are not executed op by op yet"
-    if c.zero == 3 and c.dp > 1:
-        return {}, "runs by DTensor propagation: ZeRO-3 is not executed op by op yet"
+    if not op_by_op(c):
+        what = "pipeline chunks are" if len(chunks) > 1 else "ZeRO-3 is"
+        return {}, f"runs by DTensor propagation: {what} not executed op by op yet"
     st = c.stages[chunks[0][1]]
     if st.recompute != "none":
         return {}, f"runs by DTensor propagation: recompute={st.recompute} is not executed op by op yet"

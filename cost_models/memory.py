@@ -406,14 +406,19 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                       layers: Optional[Iterable[Optional[str]]] = None, shard: Shard = 1.0,
                       selective_region: Literal["core", "module"] = "core",
                       device_type: Optional[str] = None, count_inputs: bool = True,
-                      dtensor: bool = False) -> ActivationMemory:
+                      dtensor: bool = False,
+                      read_shard: Optional[Callable[[Any, str], Optional[tuple[float, str]]]] = None,
+                      ) -> ActivationMemory:
     """Activation bytes of one micro-batch of `graph` (at a concrete batch, `graph.at_batch(b)`),
     optionally restricted to `layers` (FQNs; None names the ops outside every layer), with
     floating-point tensors at `dtype` and each tensor's bytes divided by `shard` (a number, or a
     function of the node producing it, e.g. tensor parallelism for the tensors it splits).
     `selective_region`, `device_type` and `count_inputs`: see the module docstring; `dtensor`:
     the ops run on DTensors (a tensor-parallel stage), which give a loss a fresh 0-dim output
-    (`LOSSES_KEEP_UNREDUCED` does not apply)."""
+    (`LOSSES_KEEP_UNREDUCED` does not apply). `read_shard(op, input)`: where an op reads an input
+    redistributed to another layout than its producer gives (an executed per-op solution), that
+    copy's divisor and a name for its layout; the copy, not the producer's tensor, is what the
+    op saves (the gathered logits of a loss read whole, say). None: the producer's tensor."""
     rec = "full" if recompute is True else ("none" if recompute is False else recompute)
     if rec not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
@@ -441,6 +446,14 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         o = b.outputs[0]
         f = shard(b) if callable(shard) else shard
         return o.nbytes * bytes_scale(o.dtype, at or dtype) / max(float(f), 1.0)
+
+    def read(n, name: str, at: Optional[str] = None) -> Optional[tuple[float, str]]:
+        # (bytes, layout tag) of the copy op n reads `name` as, when it is redistributed
+        rs = read_shard(n, name) if read_shard is not None and name != n.name else None
+        if rs is None or not by_name[name].outputs:
+            return None
+        o = by_name[name].outputs[0]
+        return o.nbytes * bytes_scale(o.dtype, at or dtype) / max(float(rs[0]), 1.0), rs[1]
 
     def side(nbytes: float, owner) -> float:
         # masks are 1 byte/element; norm statistics and log-sum-exp fp32 (CPU's layer norm under
@@ -481,6 +494,9 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                     if key != n.name:
                         key = key + ":fp32"
                 b = size(base.get(name, name), at)
+                copy = read(n, name, at)
+                if copy is not None:
+                    b, key = copy[0], f"{name}@{copy[1]}"
             else:
                 key = name
                 if rec == "selective" and n.name in core:
@@ -492,11 +508,17 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     owner_node: dict[str, str] = {}      # the first op saving it: autograd frees it after that op's backward
     region_peak: dict[Optional[str], float] = {}
 
-    def loss_live(i: str) -> int:
-        # a loss on class-sharded logits runs vocabulary-parallel (torch's loss_parallel)
+    def loss_read(n, i: str) -> tuple[int, float]:
+        # (gradients live at once, fp32 bytes of the logits as the loss reads them): a loss on
+        # class-sharded logits runs vocabulary-parallel (torch's loss_parallel)
+        copy = read(n, i, "fp32")
+        if copy is not None:
+            b = by_name[i].outputs[0]
+            split = float(read_shard(n, i)[0]) > 1 and b.numel * bytes_scale(b.dtype, "fp32") > copy[0]
+            return (VOCAB_PARALLEL_LOSS_LIVE if split else BACKWARD_LIVE), copy[0]
         b = by_name[base.get(i, i)]
         split = callable(shard) and float(shard(b)) > 1
-        return VOCAB_PARALLEL_LOSS_LIVE if split else BACKWARD_LIVE
+        return (VOCAB_PARALLEL_LOSS_LIVE if split else BACKWARD_LIVE), size(i, "fp32")
 
     def grads(n) -> float:
         # op n's backward: the gradient of its output and the one it makes for its input
@@ -504,7 +526,10 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             return 0.0
         if n.op in LOSSES:
             fl = [i for i in _tensor_inputs(n, by_name)[:1] if _floating(by_name[base.get(i, i)])]
-            return loss_live(fl[0]) * size(fl[0], "fp32") if fl else 0.0
+            if not fl:
+                return 0.0
+            live, nb = loss_read(n, fl[0])
+            return live * nb
         ins = [size(i) for i in _tensor_inputs(n, by_name) if _floating(by_name[base.get(i, i)])]
         return size(n.name) + max(ins, default=size(n.name))
 
@@ -569,8 +594,10 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         if n.op in LOSSES:
             for i in _tensor_inputs(n, by_name)[:1]:
                 if _floating(by_name[base.get(i, i)]):
-                    out.loss_grad_bytes = max(out.loss_grad_bytes, loss_live(i) * size(i, "fp32"))
-                    out.loss_input_bytes = max(out.loss_input_bytes, size(i))
+                    live, nb = loss_read(n, i)
+                    copy = read(n, i)
+                    out.loss_grad_bytes = max(out.loss_grad_bytes, live * nb)
+                    out.loss_input_bytes = max(out.loss_input_bytes, copy[0] if copy else size(i))
     for k, l in owner_layer.items():
         if keep is not None and l not in keep:
             continue

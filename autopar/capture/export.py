@@ -516,3 +516,13 @@ def _finish(model: nn.Module, nodes: list[OpNode], params: dict[str, ParamInfo],
     if not g.is_symbolic:
         g = g.at_batch(_batch_of(inputs))
     return g
+
+
+def move_not_cast(n: torch.fx.Node) -> None:
+    """`x.to(other.device)` is traced as `to.dtype_layout` with x's dtype as traced (a model
+    traced in fp32): make it a move, not a cast, so that under autocast or 2-byte weights it
+    keeps whatever dtype x has when run."""
+    if n.op == "call_function" and n.target is torch.ops.aten.to.dtype_layout and "device" in n.kwargs and n.args:
+        val = getattr(n.args[0], "meta", {}).get("val")
+        if val is not None and n.kwargs.get("dtype") == val.dtype:
+            n.kwargs = {**n.kwargs, "dtype": None}

@@ -147,7 +147,42 @@ class IlpProvider(AnalyticProvider):
                    if ch.output_placements and any(p.startswith("S") for p in ch.output_placements[0])}
         sub = self._subgraph(g, layer, [g.node(n) for n in layer.nodes])
         shard = lambda node: tp if node.name in sharded else 1  # noqa: E731
-        fill_activations(c, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
-                         **self.boundary_names(layer))
+        names = self.boundary_names(layer)
+        fill_activations(c, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1, **names)
+        # as the op-by-op executor runs the solution (which a stage not pipelined does)
+        alt = LayerCost()
+        fill_activations(alt, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
+                         read_shard=_read_shard(sol, tp), **names)
+        diff = {k: getattr(alt, k)["none"] for k in ("act_bytes", "bwd_over", "bwd_over_rc", "bwd_over_body",
+                                                     "bwd_over_loss", "out_saved", "in_saved")
+                if getattr(alt, k).get("none") != getattr(c, k).get("none")}
+        if alt.loss_input_bytes != c.loss_input_bytes:
+            diff["loss_input_bytes"] = alt.loss_input_bytes
+        c.solved_acts = diff or None
         c.issues = list(base.issues)          # the runtime shards heads Megatron-style
         return c
+
+
+def _read_shard(sol: ShardingSolution, tp: int):
+    """`activation_memory`'s `read_shard` for a solution on a 1-D tp mesh: where an op reads an
+    input in another layout than its producer gives it, the executor redistributes it and the
+    op saves that copy (its divisor: tp if the copy is sharded, else 1)."""
+    def produced(name: str):
+        ch = sol.op_choices.get(name)
+        if ch is not None and ch.output_placements:
+            return tuple(ch.output_placements[0])
+        pl = sol.input_placements.get(name)
+        return tuple(pl) if pl is not None else None
+
+    def read(node, name: str):
+        ch = sol.op_choices.get(node.name)
+        if ch is None or name not in node.inputs:
+            return None
+        k = node.inputs.index(name)
+        if k >= len(ch.input_placements):
+            return None
+        want, have = tuple(ch.input_placements[k]), produced(name)
+        if have is None or want == have or "P" in want or "P" in have:
+            return None
+        return (tp if any(p.startswith("S") for p in want) else 1), ",".join(want)
+    return read

@@ -595,7 +595,8 @@ class Search:
             if best is not None and lb >= best.iteration_s:
                 break
             self.evaluated += 1
-            ok = self.evaluate(cand, None if cand.hetero_tps else self._tables(cand.mb, cand.tp, cand.dp, cand.zero))
+            ok = self.evaluate(cand, None if cand.hetero_tps else self._tables(
+                cand.mb, cand.tp, cand.dp, cand.zero, solved=op_by_op(cand)))
             if ok and (best is None or cand.iteration_s < best.iteration_s * (1 - 1e-9)):
                 best = cand
         bar.done()
@@ -785,10 +786,14 @@ class Search:
             st.t_mb += extra
             st.comm_mb += extra
 
-    def _tables(self, mb: int, tp: int, dp: int, zero: int) -> "_Tables":
-        key = (mb, tp, dp, zero)
+    def _tables(self, mb: int, tp: int, dp: int, zero: int, solved: bool = False) -> "_Tables":
+        """`solved`: the stage runs op by op as solved (`_op_by_op`), its layers' activations as
+        the executor keeps them (`LayerCost.solved_variant`)."""
+        key = (mb, tp, dp, zero, solved)
         if key not in self._tables_cache:
             costs = self._layer_costs(mb, tp)
+            if solved:
+                costs = [c.solved_variant() for c in costs]
             batch = (self.input_bytes[0] * self.gbs / dp, sum(self.input_bytes[1:]) * self.gbs / dp)
             self._tables_cache[key] = _Tables(costs, self.cluster, self.dtype, dp, tp, zero, self.layers, batch)
         return self._tables_cache[key]
@@ -1040,3 +1045,10 @@ class _Progress:
     def done(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+def op_by_op(cand: "Candidate") -> bool:
+    """Whether the runtime executes the candidate's tp stage op by op as solved (the plan then
+    carries its layouts: `planner._op_layouts`): a tp stage not pipelined, without ZeRO-3; with
+    recomputation it runs by DTensor propagation, whose "full"/"selective" figures these are."""
+    return cand.pp == 1 and cand.tp > 1 and not (cand.zero == 3 and cand.dp > 1)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Any, Optional
 
 from autopar.capture.graph import OpGraph, OpNode
 from autopar.inter_op.layers import Layer
@@ -79,6 +79,22 @@ class LayerCost:
     iter_s: float = 0.0                       # once per step: gradient sync on the tp axis (ILP)
     placements: dict[str, str] = field(default_factory=dict)      # FQN -> tp-axis placement
     issues: list[str] = field(default_factory=list)               # why this tp cannot hold
+    # the activation fields for recompute "none" as the op-by-op executor runs the layer (where
+    # an op reads a tensor redistributed, it saves that copy); set where they differ from the
+    # DTensor-propagation runtime's (`solved_variant`)
+    solved_acts: Optional[dict[str, Any]] = None
+
+    def solved_variant(self) -> "LayerCost":
+        """This cost as the executor runs the layer (itself when no field differs)."""
+        if not self.solved_acts:
+            return self
+        out = LayerCost(**{k: getattr(self, k) for k in self.__dataclass_fields__})
+        for k, v in self.solved_acts.items():
+            if k == "loss_input_bytes":
+                out.loss_input_bytes = v
+            else:
+                setattr(out, k, {**getattr(self, k), "none": v})
+        return out
 
     @property
     def base_s(self) -> float:
@@ -95,7 +111,8 @@ def autocast_device(cluster: ClusterSpec) -> str:
 
 
 def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | None = None, *,
-                     out_name: str | None = None, in_name: str | None = None, dtensor: bool = False) -> None:
+                     out_name: str | None = None, in_name: str | None = None, dtensor: bool = False,
+                     read_shard=None) -> None:
     """A layer's activation memory per recomputation policy (graph liveness,
     `cost_models.memory.activation_memory` of its ops `sub`, tensors divided by `shard(node)`,
     under `device_type`'s autocast; the model's inputs left to the stage's batch buffer), its
@@ -103,10 +120,11 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
     child the runtime checkpoints) and what its loss reads, into `c`; with `out_name` (the
     tensor the layer hands on) and `in_name` (the one it receives), how much of each its ops
     save (`out_saved`, `in_saved`: one tensor saved on both sides of a boundary is one);
-    `dtensor`: the layer runs tensor-parallel, on DTensors."""
+    `dtensor`: the layer runs tensor-parallel, on DTensors; `read_shard`: see
+    `cost_models.memory.activation_memory` (an executed per-op solution)."""
     for rc in RECOMPUTES:
         am = activation_memory(sub, dtype, rc, shard=shard, selective_region="module", device_type=device_type,
-                               count_inputs=False, dtensor=dtensor)
+                               count_inputs=False, dtensor=dtensor, read_shard=read_shard)
         c.act_bytes[rc] = am.saved_bytes
         c.bwd_over[rc] = am.backward_over_bytes
         c.bwd_over_rc[rc] = am.backward_over_recompute

@@ -65,6 +65,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
+from autopar.capture.export import _WithLoss, default_loss, move_not_cast
 from autopar.intra_op.rules.loss import REDUCTION_ARG, reduction_of
 from autopar.intra_op.solution import OpChoice, ShardingSolution
 from autopar.runtime.spmd import replace_parameters, to_placements
@@ -372,6 +373,15 @@ class ShardedProgram(nn.Module):
         self.trace: Optional[list[tuple[str, tuple[str, ...], tuple[str, ...]]]] = None
         self.layouts: dict[str, tuple[int, int, int]] = {}      # fqn -> (dim, chunks, ways)
         self._check_names()
+        # the program holds the parameters as exported (full, before sharding); the interpreter
+        # reads the model's own, so keeping them would hold a whole unsharded copy of the model
+        state = getattr(program, "_state_dict", None)
+        if isinstance(state, dict):
+            state.clear()
+        for mod in self.gm.modules():
+            if isinstance(getattr(mod, "graph", None), torch.fx.Graph):
+                for n in mod.graph.nodes:
+                    move_not_cast(n)
         self._distribute_parameters()
 
     # -- setup ---------------------------------------------------------------------------
@@ -771,14 +781,18 @@ def _flat_nodes(v: Any) -> list[Any]:
 
 # ---------------------------------------------------------------------------- entry point
 def parallelize_graph(model: nn.Module, example_inputs: Any, solution: ShardingSolution,
-                      mesh: DeviceMesh, *, loss_fn: Any = None, inputs: str = "full") -> ShardedProgram:
+                      mesh: DeviceMesh, *, loss_fn: Any = None, inputs: str = "full",
+                      param_dtype: Optional[torch.dtype] = None) -> ShardedProgram:
     """Apply `solution` to `model` on `mesh` and return a module that trains it as planned.
 
     `model` must hold real (materialised) parameters, the same values on every rank (each rank
     keeps its shards). `example_inputs` and `loss_fn` as given to `auto_shard` (the program is
     re-exported, so a solution solved on the meta-device copy of the model applies). The mesh's
     shape must be the solution's. Call it on every rank. See the module docstring for how it
-    runs and which collectives run."""
+    runs and which collectives run. `param_dtype`: the dtype the floating parameters will have
+    when the program runs (2-byte weights under mixed precision); the program is then traced
+    from a meta copy in that dtype, so that the casts the model's code makes to its weights'
+    dtype (`x.to(self.weight.dtype)`, a norm's `.to(input_dtype)`) are traced as they run."""
     if tuple(mesh.shape) != tuple(solution.mesh_shape):
         raise PlanError(f"the solution is for a mesh of shape {tuple(solution.mesh_shape)}, "
                         f"the device mesh has shape {tuple(mesh.shape)}")
@@ -787,8 +801,15 @@ def parallelize_graph(model: nn.Module, example_inputs: Any, solution: ShardingS
                         "(they are on the meta device)")
     from autopar.capture.export import export_program
 
-    program, wrapped, names = export_program(model, example_inputs, loss_fn=loss_fn)
     device = None
+    floats = [p for p in model.parameters() if p.is_floating_point()]
+    if param_dtype is not None and any(p.dtype != param_dtype for p in floats):
+        meta = _meta_copy(model, param_dtype)
+        program, _, names = export_program(meta, _to_meta(example_inputs), loss_fn=loss_fn)
+        wrapped = _WithLoss(model, loss_fn or default_loss, names)
+        return ShardedProgram(model, wrapped, program, solution, mesh, names, inputs=inputs,
+                              device=next(model.parameters()).device)
+    program, wrapped, names = export_program(model, example_inputs, loss_fn=loss_fn)
     if _mismatch(program, solution):
         # the model traces differently on the meta device, where the solution's capture ran
         # (a Hugging Face model's attention, for one): run the meta program on the real device
@@ -821,13 +842,15 @@ def _tensor_args(n: torch.fx.Node) -> list[torch.fx.Node]:
     return out
 
 
-def _meta_copy(model: nn.Module) -> nn.Module:
-    """A copy of `model` with its parameters and buffers on the meta device (no data copied)."""
+def _meta_copy(model: nn.Module, param_dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """A copy of `model` with its parameters and buffers on the meta device (no data copied),
+    its floating parameters in `param_dtype` when given."""
     import copy
 
     memo: dict[int, Any] = {}
     for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        dt = param_dtype if param_dtype is not None and p.is_floating_point() else p.dtype
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta", dtype=dt), requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
     return copy.deepcopy(model, memo)

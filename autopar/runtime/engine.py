@@ -434,7 +434,7 @@ class ParallelModel:
         materialize(model, seed=self.seed, device=self.device, aliases=self.aliases)
         example = self._real_microbatch()
         sol = s.op_layouts.solution((self.tp_size,))
-        self.runner = parallelize_graph(model, example, sol, self.my_mesh.tp_mesh)
+        self.runner = parallelize_graph(model, example, sol, self.my_mesh.tp_mesh, param_dtype=self.low)
         self.local_modules = [model]
         self.pipe_stages = []
         self.schedule = None

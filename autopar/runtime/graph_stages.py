@@ -37,6 +37,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
+from autopar.capture.export import move_not_cast
 from autopar.schema.errors import PlanError
 
 # a source of a chunk's input: ("act", k) the k-th tensor received from the previous chunk;
@@ -231,13 +232,7 @@ def retarget(gm: nn.Module, device: torch.device) -> None:
                 continue
             n.args = fix(n.args)
             n.kwargs = {k: fix(v) for k, v in n.kwargs.items()}
-            if n.target is torch.ops.aten.to.dtype_layout and "device" in n.kwargs and n.args:
-                # `x.to(other.device)` is traced with x's dtype as traced (the meta model's
-                # fp32): a move, not a cast, so that under autocast or bf16 weights it keeps
-                # whatever dtype x has when run
-                val = getattr(n.args[0], "meta", {}).get("val")
-                if val is not None and n.kwargs.get("dtype") == val.dtype:
-                    n.kwargs = {**n.kwargs, "dtype": None}
+            move_not_cast(n)
         g.lint()
         if hasattr(mod, "recompile"):
             mod.recompile()

@@ -273,6 +273,13 @@ class Plan(_Model):
         tail += f"\ncollectives per step: {coll}"
         if self.search.get("tp_counts_fallback"):
             tail += f" (counted another way for {self.search['tp_counts_fallback']})"
+        solved = [s for s in self.stages if s.op_layouts is not None]
+        if solved:
+            tail += "\ntensor parallelism executed op by op as solved: " + ", ".join(
+                f"stage {s.index} ({s.op_layouts.num_ops} ops, {len(s.op_layouts.signatures)} distinct layers)"
+                for s in solved)
+        elif self.tp > 1 and self.search.get("tp_executor"):
+            tail += f"\ntensor parallelism {self.search['tp_executor']}"
         return f"{head}\n{table}\n{tail}"
 
 
