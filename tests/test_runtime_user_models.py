@@ -27,6 +27,7 @@ _TINY = "num_hidden_layers=4&num_attention_heads=4&seq_len=16&vocab_size=128"
 HF_GPT2 = f"hf:gpt2?hidden_size=64&{_TINY}&resid_pdrop=0&embd_pdrop=0&attn_pdrop=0"
 HF_GPT2_DROPOUT = f"hf:gpt2?hidden_size=64&{_TINY}"     # its default dropout, 0.1
 HF_LLAMA = f"hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2&{_TINY}"
+HF_LLAMA_KV4 = f"hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=4&{_TINY}"
 STEPS = 3
 LAYOUTS = {
     # the head reads wte.weight outside wte: wte is left to FSDP's root unit (issue 20's
@@ -48,6 +49,11 @@ LAYOUTS = {
                                                zero_stage=3)),
     "gpt2_dp4_zero3": (HF_GPT2, dict(dp=4, tp=1, pp=1, zero_stage=3)),
     "gpt2_dp2xtp2": (HF_GPT2, dict(dp=2, tp=2, pp=1, zero_stage=0)),
+    # tp stages not pipelined run op by op as solved (`StagePlan.op_layouts`, the executor):
+    # nanoGPT's fused qkv split, and Llama's 4 KV heads over tp 4 (a `view` of a sharded
+    # activation failed under DTensor propagation)
+    "nanogpt_tp4": (NANOGPT, dict(dp=1, tp=4, pp=1)),
+    "llama_kv4_tp4": (HF_LLAMA_KV4, dict(dp=1, tp=4, pp=1)),
     # dropout after a row-parallel Conv1D: the partial sum is reduced before it (bernoulli_ in
     # place on a partial DTensor failed); random draws differ from one process, so only that it
     # trains and issues the planned collectives is checked
@@ -120,6 +126,9 @@ def test_user_model_layouts_equal_one_process(layout: str, reference: dict, laun
         want = reference[LAYOUTS[layout][0]]
         assert len(got) == len(want) and all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(got, want)), (got, want)
     assert steps[-1]["collectives"] == p.predicted.collectives, (steps[-1]["collectives"], p.predicted.collectives)
+    # a tp stage outside a pipeline, without ZeRO-3 or recomputation, runs as solved
+    solved = p.tp > 1 and p.pp == 1 and p.stages[0].recompute == "none" and not (p.zero_stage == 3 and p.dp > 1)
+    assert (p.stages[0].op_layouts is not None) == solved, p.search.get("tp_executor")
 
 
 def test_tensors_made_before_the_first_layer_are_carried_through_every_chunk():

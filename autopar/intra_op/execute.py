@@ -425,8 +425,13 @@ class ShardedProgram(nn.Module):
             args = tuple(args) + tuple(kwargs[k] for k in self.names[len(args):])
         flat = self._flat_inputs(args)
         interp = _PlanInterpreter(self)
-        with interp.regather:
-            out = interp.run(*flat)
+        try:
+            with interp.regather:
+                out = interp.run(*flat)
+        finally:
+            # what the forward made is the backward's (autograd keeps what it saves): the
+            # interpreter's references go now, not whenever a garbage collection breaks its cycles
+            interp.release()
         loss = out[0] if isinstance(out, (tuple, list)) else out
         return loss.to_local() if isinstance(loss, DTensor) else loss
 
@@ -526,6 +531,13 @@ class _PlanInterpreter(torch.fx.Interpreter):
         self.regather = parent.regather if parent else _Regather()
         self.alias_outputs: dict[torch.fx.Node, list[str]] = {}   # wrapper -> its outputs' names
         self.node_name = ""
+
+    def release(self) -> None:
+        """Drop the tensors the run holds (its environment, the junctions' redistributed values)."""
+        self.env.clear()
+        self.junction_values.clear()
+        self.alias.clear()
+        self.alias_outputs.clear()
 
     def fetch_args_kwargs_from_env(self, n: torch.fx.Node) -> tuple:
         args, kwargs = super().fetch_args_kwargs_from_env(n)

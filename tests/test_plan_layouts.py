@@ -1,0 +1,101 @@
+"""Plans carry the solved per-op layouts of a tp stage (`StagePlan.op_layouts`, issue 20 "one
+executor"): what they hold, that they survive the JSON round trip, that the plan's predicted
+collectives are theirs, and that a stage the runtime cannot yet execute op by op says why. The
+runs themselves (losses equal to one process, counted collectives equal to these) are in
+`tests/test_runtime_user_models.py`."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import autopar
+from autopar import Constraints
+from autopar.planner import plan
+from autopar.schema import Plan
+
+
+def _cpu(n: int) -> autopar.ClusterSpec:
+    return autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": n})
+
+
+def test_a_tp_plan_carries_every_op_layout_and_predicts_their_collectives():
+    p = plan("gpt-tiny", _cpu(2), global_batch_size=8, dtype="fp32",
+             constraints=Constraints(dp=1, tp=2, pp=1, recompute="none"))
+    lay = p.stages[0].op_layouts
+    assert lay is not None and "tp_executor" not in p.search
+    # every op of the capture, each layer once; the two blocks' ops are distinct names
+    from autopar.capture import capture
+    from autopar.planner import resolve_model
+
+    b = resolve_model("gpt-tiny", None, None)
+    g = capture(b.model, b.example_inputs, name=b.name)
+    ops = [o for layer in lay.layers for o in layer.ops]
+    assert len(ops) == len(set(ops)) == len(g.calls)
+    # the Megatron placements of the zoo GPT, solved
+    assert lay.params["blocks.1.attn.qkv.weight"] == ("S(0)",)
+    assert lay.params["blocks.1.attn.proj.weight"] == ("S(1)",)
+    # the predicted collectives are the layouts' per micro-batch, times the micro-batches
+    m = p.num_microbatches
+    want: Counter = Counter()
+    for phase in ("forward", "backward", "grad_sync"):
+        want.update({k: m * v for k, v in lay.collectives.get(phase, {}).items()})
+    assert p.predicted.collectives == dict(want)
+    # the JSON round trip keeps them; the ShardingSolution the executor runs has every op
+    q = Plan.from_json(p.to_json())
+    assert q.stages[0].op_layouts == lay
+    sol = q.stages[0].op_layouts.solution((2,))
+    assert set(sol.op_choices) == set(ops) and sol.mesh_shape == (2,)
+    assert "executed op by op as solved" in q.summary()
+
+
+def test_copies_of_a_layer_share_one_list_of_layouts():
+    """gpt-small's 4 blocks: the middle ones are copies, stored once (the file stays small)."""
+    p = plan("gpt-small", _cpu(2), global_batch_size=8, dtype="fp32",
+             constraints=Constraints(dp=1, tp=2, pp=1, recompute="none"))
+    lay = p.stages[0].op_layouts
+    sigs = [layer.signature for layer in lay.layers]
+    assert len(lay.layers) == 4 and len(set(sigs)) < len(sigs)
+
+
+def test_a_stage_not_executed_op_by_op_says_why():
+    p = plan("gpt-tiny", _cpu(4), global_batch_size=8, dtype="fp32",
+             constraints=Constraints(dp=1, tp=2, pp=2, schedule="1f1b", num_microbatches=2))
+    assert all(s.op_layouts is None for s in p.stages)
+    assert "pipeline" in p.search["tp_executor"]
+    assert "tensor parallelism runs by DTensor propagation" in p.summary()
+
+
+def test_gradients_of_tensors_entering_a_layer_are_costed():
+    """The per-layer ILP sees the tensor entering its layer as an input. Its gradient is still
+    computed (it needs one in the whole graph), so slicing it for an op costs an all-gather of
+    the gradient in the backward pass: with `grad_inputs` the ILP counts it."""
+    from autopar.capture import capture
+    from autopar.inter_op.ilp_provider import IlpProvider
+    from autopar.inter_op.layers import build_layers
+    from autopar.intra_op.ilp import IntraOpProblem
+    from autopar.intra_op.placement import REPLICATE
+    from autopar.planner import resolve_model
+    from cost_models.communication import logical_mesh
+
+    b = resolve_model("gpt-tiny", None, None)
+    g = capture(b.model, b.example_inputs, name=b.name)
+    layers = build_layers(g, b.model)
+    cl = _cpu(2)
+    prov = IlpProvider(g, layers, cl, "fp32")
+    lay = layers[1]
+    entering = prov._grad_inputs(lay)
+    assert entering                                   # the residual stream from block 0
+    sub = prov.graph_at(8, lay)
+    mesh = logical_mesh(cl, [0, 1], (2,))
+    found = {}
+    for grads in (set(), entering):
+        prob = IntraOpProblem(sub, mesh, nodes=list(lay.nodes), grad_inputs=grads)
+        x = next(iter(entering))
+        cons = next(n for n in lay.nodes if x in sub.node(n).inputs)
+        pn = prob.pnodes[prob.rep.get(cons, cons)]
+        k = sub.node(cons).inputs.index(x)
+        st = next(s for s in pn.strategies if s.in_specs[k][0].startswith("S("))
+        colls = prob.edge_collectives(x, 0, (REPLICATE,), pn.name, k, st)
+        found[bool(grads)] = [(kind, ph) for kind, _, _, ph, _ in colls]
+    assert ("all_gather", "backward") in found[True]
+    assert not any(ph == "backward" for _, ph in found[False])
