@@ -195,7 +195,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
         if lay is not None:
             # the executor runs each micro-batch's forward and backward as solved (a parameter
             # read in another layout than stored syncs its gradient in every backward)
-            for phase in ("forward", "backward", "grad_sync"):
+            for phase in ("forward", "backward", "grad_sync", "recompute"):
                 coll.update({kk: m * vv for kk, vv in lay.collectives.get(phase, {}).items()})
             extra += sum(_extra_flops(g1, layers[i], st.recompute) for i in range(k, j))
             continue
@@ -271,7 +271,7 @@ def _op_layouts(graph: OpGraph, c: Candidate, layers: list[Layer], chunks: list,
     """{chunk position: its solved per-op layouts} for the tp chunks the runtime executes op by
     op (`autopar.intra_op.execute`), and why the others are not (for `plan.search`). Done so
     far: a model not pipelined, without ZeRO-3 (FSDP's units wrap modules, which the op-by-op
-    program does not call) and without recomputation; the rest runs by DTensor propagation."""
+    program does not call), with no or full recomputation; the rest runs by DTensor propagation."""
     tp_chunks = [pos for pos, ch in enumerate(chunks) if c.stages[ch[1]].tp > 1]
     if not tp_chunks:
         return {}, ""
@@ -282,10 +282,8 @@ def _op_layouts(graph: OpGraph, c: Candidate, layers: list[Layer], chunks: list,
         what = "pipeline chunks are" if len(chunks) > 1 else "ZeRO-3 is"
         return {}, f"runs by DTensor propagation: {what} not executed op by op yet"
     st = c.stages[chunks[0][1]]
-    if st.recompute != "none":
-        return {}, f"runs by DTensor propagation: recompute={st.recompute} is not executed op by op yet"
     k, j = chunks[0][3]
-    lay, why = stage_layouts(graph, layers, solutions, k, j, c.mb, st.tp)
+    lay, why = stage_layouts(graph, layers, solutions, k, j, c.mb, st.tp, st.recompute)
     if lay is None:
         return {}, f"runs by DTensor propagation: {why}"
     return {0: lay}, ""

@@ -153,9 +153,12 @@ class IlpProvider(AnalyticProvider):
         alt = LayerCost()
         fill_activations(alt, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
                          read_shard=_read_shard(sol, tp), **names)
-        diff = {k: getattr(alt, k)["none"] for k in ("act_bytes", "bwd_over", "bwd_over_rc", "bwd_over_body",
-                                                     "bwd_over_loss", "out_saved", "in_saved")
-                if getattr(alt, k).get("none") != getattr(c, k).get("none")}
+        diff: dict = {}
+        for k in ("act_bytes", "bwd_over", "bwd_over_rc", "bwd_over_body", "bwd_over_loss", "out_saved", "in_saved"):
+            d = {rc: getattr(alt, k)[rc] for rc in ("none", "full")
+                 if rc in getattr(alt, k) and getattr(alt, k)[rc] != getattr(c, k).get(rc)}
+            if d:
+                diff[k] = d
         if alt.loss_input_bytes != c.loss_input_bytes:
             diff["loss_input_bytes"] = alt.loss_input_bytes
         c.solved_acts = diff or None

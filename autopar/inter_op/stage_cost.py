@@ -79,9 +79,10 @@ class LayerCost:
     iter_s: float = 0.0                       # once per step: gradient sync on the tp axis (ILP)
     placements: dict[str, str] = field(default_factory=dict)      # FQN -> tp-axis placement
     issues: list[str] = field(default_factory=list)               # why this tp cannot hold
-    # the activation fields for recompute "none" as the op-by-op executor runs the layer (where
-    # an op reads a tensor redistributed, it saves that copy); set where they differ from the
-    # DTensor-propagation runtime's (`solved_variant`)
+    # the activation fields as the op-by-op executor runs the layer (where an op reads a tensor
+    # redistributed, it saves that copy), for the recompute policies it runs ("none", "full"):
+    # field -> {policy: value}, where they differ from the DTensor-propagation runtime's
+    # (`solved_variant`)
     solved_acts: Optional[dict[str, Any]] = None
 
     def solved_variant(self) -> "LayerCost":
@@ -93,7 +94,7 @@ class LayerCost:
             if k == "loss_input_bytes":
                 out.loss_input_bytes = v
             else:
-                setattr(out, k, {**getattr(self, k), "none": v})
+                setattr(out, k, {**getattr(self, k), **v})
         return out
 
     @property

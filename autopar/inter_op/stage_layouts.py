@@ -37,9 +37,13 @@ def _mapping(graph: OpGraph, rep: Layer, lay: Layer) -> dict[str, str]:
 
 
 def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, j: int, mb: int,
-                  tp: int) -> tuple[Optional[StageLayouts], str]:
+                  tp: int, recompute: str = "none") -> tuple[Optional[StageLayouts], str]:
     """The layouts of layers [k, j) at micro-batch `mb` on a tp mesh of `tp` (`solutions`: the
-    ILP provider's {(signature, mb, tp): (solution, layer solved)}), or (None, why not)."""
+    ILP provider's {(signature, mb, tp): (solution, layer solved)}), or (None, why not). With
+    `recompute="full"` each layer's block ops (`Layer.block_nodes`) form a checkpointed region,
+    their forward collectives re-run in the backward (phase "recompute")."""
+    if recompute not in ("none", "full"):
+        return None, f"recompute={recompute} is not executed op by op yet"
     sigs: dict[str, int] = {}
     sig_lists: list[list[OpLayout]] = []
     lay_ops: list[LayerOps] = []
@@ -48,7 +52,8 @@ def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, 
     junctions: dict[str, Junction] = {}
     produced: dict[str, tuple[str, ...]] = {}     # op -> layout of its first output
     entering: dict[str, tuple[str, str]] = {}      # tensor from an earlier layer -> (layout, layer)
-    counts: dict[str, Counter] = {"forward": Counter(), "backward": Counter(), "grad_sync": Counter()}
+    counts: dict[str, Counter] = {"forward": Counter(), "backward": Counter(), "grad_sync": Counter(),
+                                  "recompute": Counter()}
     axes: tuple[int, ...] = ()
     for i in range(k, j):
         lay = layers[i]
@@ -66,7 +71,9 @@ def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, 
                                        inputs=[tuple(x) for x in ch.input_placements],
                                        outputs=[tuple(x) for x in ch.output_placements])
                               for ch in (sol.op_choices[n] for n in rep.nodes)])
-        lay_ops.append(LayerOps(name=lay.name or str(i), signature=sigs[lay.signature], ops=list(lay.nodes)))
+        redo = [x for x, n in enumerate(lay.nodes) if n in lay.block_nodes] if recompute == "full" else []
+        lay_ops.append(LayerOps(name=lay.name or str(i), signature=sigs[lay.signature], ops=list(lay.nodes),
+                                recomputed=redo))
         for n in rep.nodes:
             outs = sol.op_choices[n].output_placements
             if outs:
@@ -86,8 +93,11 @@ def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, 
                 inputs.setdefault(n2, tuple(pl))
             elif kind == "call" and n2 not in mine:
                 entering.setdefault(n2, (tuple(pl), lay.name))
+        block = {rep.nodes[x] for x in redo}
         for c in sol.collectives:
             counts[c.phase][c.kind] += max(1, len(c.mesh_axes))
+            if c.phase == "forward" and c.op in block:
+                counts["recompute"][c.kind] += max(1, len(c.mesh_axes))
     for name, (want, where) in entering.items():
         have = produced.get(name)
         if have is not None and have != want:

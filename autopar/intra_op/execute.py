@@ -272,22 +272,31 @@ class _Regather(torch.autograd.graph.saved_tensors_hooks):
     op saves that lives in the storage of a gathered parameter is packed as a recipe (the
     parameter's shard, the layout it was gathered to, the view), and unpacked by gathering the
     shard again: one all-gather per gathered parameter per backward pass, shared by the ops
-    that saved it, dropped once the last one has read it."""
+    that saved it, dropped once the last one has read it. The hooks are methods of a separate
+    state object (`_RegatherState`), so that the autograd graph holding them forms no reference
+    cycle with this context manager: the state goes when the graph does, not at a garbage
+    collection."""
 
     def __init__(self) -> None:
-        self.live: dict[int, tuple[DTensor, DTensor, tuple]] = {}    # storage -> (gathered, shard, dst)
-        self.gathered: dict[int, DTensor] = {}                       # storage -> gathered again
-        self.readers: dict[int, int] = {}
-        super().__init__(self._pack, self._unpack)
+        self.state = _RegatherState()
+        super().__init__(self.state.pack, self.state.unpack)
 
     def track(self, gathered: DTensor, shard: DTensor, dst: tuple) -> None:
-        self.live[_storage(gathered)] = (gathered, shard, dst)
+        self.state.live[_storage(gathered)] = (gathered, shard, dst)
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
-        self.live = {k: (None, sh, dst) for k, (_, sh, dst) in self.live.items()}   # free them
+        st = self.state
+        st.live = {k: (None, sh, dst) for k, (_, sh, dst) in st.live.items()}   # free them
 
-    def _pack(self, t: torch.Tensor) -> Any:
+
+class _RegatherState:
+    def __init__(self) -> None:
+        self.live: dict[int, tuple[Optional[DTensor], DTensor, tuple]] = {}   # storage -> (gathered, shard, dst)
+        self.gathered: dict[int, DTensor] = {}                                # storage -> gathered again
+        self.readers: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> Any:
         key = _storage(t)
         if key not in self.live:
             return t
@@ -297,7 +306,7 @@ class _Regather(torch.autograd.graph.saved_tensors_hooks):
         spec = (tuple(t.placements), tuple(t.shape), tuple(t.stride())) if isinstance(t, DTensor) else None
         return ("regather", key, view, spec)
 
-    def _unpack(self, packed: Any) -> torch.Tensor:
+    def unpack(self, packed: Any) -> torch.Tensor:
         if not (isinstance(packed, tuple) and len(packed) == 4 and packed[0] == "regather"):
             return packed
         _, key, (shape, stride, offset), spec = packed
@@ -356,7 +365,7 @@ class ShardedProgram(nn.Module):
 
     def __init__(self, model: nn.Module, wrapped: nn.Module, program: Any, solution: ShardingSolution,
                  mesh: DeviceMesh, names: Optional[list[str]], inputs: str = "full",
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, recompute: Sequence[Sequence[str]] = ()) -> None:
         super().__init__()
         self.run_device = device            # set: the program was traced on meta, runs here
         self.model = model
@@ -373,6 +382,7 @@ class ShardedProgram(nn.Module):
         self.trace: Optional[list[tuple[str, tuple[str, ...], tuple[str, ...]]]] = None
         self.layouts: dict[str, tuple[int, int, int]] = {}      # fqn -> (dim, chunks, ways)
         self._check_names()
+        self._recompute_spans(recompute)
         # the program holds the parameters as exported (full, before sharding); the interpreter
         # reads the model's own, so keeping them would hold a whole unsharded copy of the model
         state = getattr(program, "_state_dict", None)
@@ -397,6 +407,38 @@ class ShardedProgram(nn.Module):
 
         self.param_nodes = {s.arg.name for s in self.program.graph_signature.input_specs
                             if s.kind == InputKind.PARAMETER}
+
+    def _recompute_spans(self, regions: Sequence[Sequence[str]]) -> None:
+        """For each region (op names of the capture), the run of top-level program nodes from its
+        first op to its last: run under checkpoint and re-run in the backward (`spans`: first
+        node -> the run; `in_span`: the others)."""
+        order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
+        top: dict[str, torch.fx.Node] = {}
+        for n in self.gm.graph.nodes:
+            if n.op != "call_function":
+                continue
+            top[n.name] = n
+            i = _subgraph_index(n, self.gm)
+            if i is not None:
+                for inner in _program_calls(getattr(self.gm, str(n.args[i].target)), f"{n.name}__"):
+                    top[inner] = n
+        nodes = list(self.gm.graph.nodes)
+        self.spans: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+        self.in_span: set[torch.fx.Node] = set()
+        for names in regions:
+            ns = [top[x] for x in names if x in top]
+            if not ns:
+                continue
+            lo, hi = min(order[n] for n in ns), max(order[n] for n in ns)
+            span = nodes[lo:hi + 1]
+            # getitems reading a node of the span belong with it
+            while hi + 1 < len(nodes) and nodes[hi + 1].target is operator.getitem and nodes[hi + 1].args[0] in span:
+                hi += 1
+                span = nodes[lo:hi + 1]
+            if any(m in self.in_span or m in self.spans for m in span):
+                raise PlanError(f"recomputed regions overlap at {span[0].name}")
+            self.spans[span[0]] = span
+            self.in_span.update(span[1:])
 
     def _distribute_parameters(self) -> None:
         """Every parameter becomes a DTensor with its planned placements (Replicate when the
@@ -556,6 +598,46 @@ class _PlanInterpreter(torch.fx.Interpreter):
         return self.alias.get(n, self.prefix + n.name)
 
     def run_node(self, n: torch.fx.Node) -> Any:
+        if self.prefix == "" and self.prog.spans:
+            span = self.prog.spans.get(n)
+            if span is not None:
+                return self._run_recomputed(n, span)
+            if n in self.prog.in_span:
+                return None                 # ran with its span; what others read is in env
+        return self._run_one(n)
+
+    def _run_recomputed(self, first: torch.fx.Node, span: list[torch.fx.Node]) -> Any:
+        """A recomputed region's ops (`span`, in program order) under torch's non-reentrant
+        checkpoint: the backward re-runs all of them, their redistributions included (no early
+        stop, so the forward collectives re-run are the region's own, as the plan counts
+        them). Junction values are the region's own, so the re-run makes what the forward made."""
+        from torch.utils.checkpoint import checkpoint
+
+        inside = set(span)
+        ext: list[torch.fx.Node] = []
+        for m in span:
+            for a in m.all_input_nodes:
+                if a not in inside and a not in ext:
+                    ext.append(a)
+        outs = [m for m in span if any(u not in inside for u in m.users)]
+
+        def region(*vals: Any) -> tuple:
+            outer_env, outer_j = self.env, self.junction_values
+            self.env, self.junction_values = dict(zip(ext, vals)), {}
+            try:
+                for m in span:
+                    self.env[m] = self._run_one(m)
+                return tuple(self.env[o] for o in outs)
+            finally:
+                self.env, self.junction_values = outer_env, outer_j
+
+        res = checkpoint(region, *[self.env[a] for a in ext], use_reentrant=False, early_stop=False)
+        for o, v in zip(outs, res):
+            if o is not first:
+                self.env[o] = v
+        return res[outs.index(first)] if first in outs else None
+
+    def _run_one(self, n: torch.fx.Node) -> Any:
         self.node_name = self.name_of(n)
         if n.op == "call_function" and "_assert" in str(n.target):
             return None                     # metadata assertions: nothing to run
@@ -794,7 +876,8 @@ def _flat_nodes(v: Any) -> list[Any]:
 # ---------------------------------------------------------------------------- entry point
 def parallelize_graph(model: nn.Module, example_inputs: Any, solution: ShardingSolution,
                       mesh: DeviceMesh, *, loss_fn: Any = None, inputs: str = "full",
-                      param_dtype: Optional[torch.dtype] = None) -> ShardedProgram:
+                      param_dtype: Optional[torch.dtype] = None,
+                      recompute: Sequence[Sequence[str]] = ()) -> ShardedProgram:
     """Apply `solution` to `model` on `mesh` and return a module that trains it as planned.
 
     `model` must hold real (materialised) parameters, the same values on every rank (each rank
@@ -804,7 +887,9 @@ def parallelize_graph(model: nn.Module, example_inputs: Any, solution: ShardingS
     runs and which collectives run. `param_dtype`: the dtype the floating parameters will have
     when the program runs (2-byte weights under mixed precision); the program is then traced
     from a meta copy in that dtype, so that the casts the model's code makes to its weights'
-    dtype (`x.to(self.weight.dtype)`, a norm's `.to(input_dtype)`) are traced as they run."""
+    dtype (`x.to(self.weight.dtype)`, a norm's `.to(input_dtype)`) are traced as they run.
+    `recompute`: regions (op names) run under activation checkpointing, each re-run whole in the
+    backward."""
     if tuple(mesh.shape) != tuple(solution.mesh_shape):
         raise PlanError(f"the solution is for a mesh of shape {tuple(solution.mesh_shape)}, "
                         f"the device mesh has shape {tuple(mesh.shape)}")
@@ -820,7 +905,7 @@ def parallelize_graph(model: nn.Module, example_inputs: Any, solution: ShardingS
         program, _, names = export_program(meta, _to_meta(example_inputs), loss_fn=loss_fn)
         wrapped = _WithLoss(model, loss_fn or default_loss, names)
         return ShardedProgram(model, wrapped, program, solution, mesh, names, inputs=inputs,
-                              device=next(model.parameters()).device)
+                              device=next(model.parameters()).device, recompute=recompute)
     program, wrapped, names = export_program(model, example_inputs, loss_fn=loss_fn)
     if _mismatch(program, solution):
         # the model traces differently on the meta device, where the solution's capture ran
@@ -828,7 +913,8 @@ def parallelize_graph(model: nn.Module, example_inputs: Any, solution: ShardingS
         meta_program, _, _ = export_program(_meta_copy(model), _to_meta(example_inputs), loss_fn=loss_fn)
         if not _mismatch(meta_program, solution):
             program, device = meta_program, next(model.parameters()).device
-    return ShardedProgram(model, wrapped, program, solution, mesh, names, inputs=inputs, device=device)
+    return ShardedProgram(model, wrapped, program, solution, mesh, names, inputs=inputs, device=device,
+                          recompute=recompute)
 
 
 def _mismatch(program: Any, solution: ShardingSolution) -> list[str]:

@@ -402,7 +402,7 @@ class ParallelModel:
     def _build_single(self) -> None:
         s = self.stages[0]
         model = self.model
-        if s.op_layouts is not None and self.tp_size > 1 and not self.zero3 and s.recompute == "none":
+        if s.op_layouts is not None and self.tp_size > 1 and not self.zero3:
             self._build_solved(s)
             return
         for fqn in s.layers:
@@ -434,7 +434,8 @@ class ParallelModel:
         materialize(model, seed=self.seed, device=self.device, aliases=self.aliases)
         example = self._real_microbatch()
         sol = s.op_layouts.solution((self.tp_size,))
-        self.runner = parallelize_graph(model, example, sol, self.my_mesh.tp_mesh, param_dtype=self.low)
+        self.runner = parallelize_graph(model, example, sol, self.my_mesh.tp_mesh, param_dtype=self.low,
+                                        recompute=s.op_layouts.recompute_regions())
         self.local_modules = [model]
         self.pipe_stages = []
         self.schedule = None

@@ -36,6 +36,8 @@ class LayerOps(_Model):
     name: str
     signature: int = Field(ge=0, description="index into StageLayouts.signatures")
     ops: list[str] = Field(description="op names of the captured graph")
+    recomputed: list[int] = Field(default_factory=list, description="indices into `ops` of the ops the "
+                                  "stage's recomputation re-runs in the backward (one checkpointed region)")
 
 
 class Junction(_Model):
@@ -58,8 +60,9 @@ class StageLayouts(_Model):
     params: dict[str, Layout] = Field(default_factory=dict, description="parameter FQN -> layout")
     junctions: dict[str, Junction] = Field(default_factory=dict, description="'op#output' -> junction")
     collectives: dict[str, dict[str, int]] = Field(
-        default_factory=dict, description="per phase (forward, backward, grad_sync): collectives of one "
-        "micro-batch by kind, as the executor issues them")
+        default_factory=dict, description="per phase (forward, backward, grad_sync, and recompute: the "
+        "forward collectives the backward re-runs): collectives of one micro-batch by kind, as the executor "
+        "issues them")
 
     @model_validator(mode="after")
     def _check(self) -> "StageLayouts":
@@ -71,6 +74,10 @@ class StageLayouts(_Model):
                 raise ValueError(f"layer {lay.name!r} lists {len(lay.ops)} ops for a signature of "
                                  f"{len(self.signatures[lay.signature])} layouts")
         return self
+
+    def recompute_regions(self) -> list[list[str]]:
+        """The checkpointed regions, one per layer that recomputes: its ops' names."""
+        return [[lay.ops[i] for i in lay.recomputed] for lay in self.layers if lay.recomputed]
 
     @property
     def num_ops(self) -> int:
