@@ -76,7 +76,9 @@ def _ranks(measured: dict, case: str) -> list[dict]:
 # Known intermittent (issue 18, open): tensor parallelism executed op by op. In some launches one
 # rank (either) peaks in the forward at the loss, 139 KiB above the plan (-7.4% for tp2, -10.9%
 # with full recomputation), its peak's tensors counted as activations; the other rank, and
-# most launches on both, match the plan to the byte. Not traced to its owner yet. Checked
+# most launches on both, match the plan to the byte. Cause: the all-gather of the logits along
+# dim 1 holds its gather buffer and the concatenated result at once, for a time that depends on
+# when gloo releases the buffer; the plan does not model that forward transient yet. Checked
 # here: one rank within the tolerance, no rank over the plan by more than 12%, none over-predicted.
 INTERMITTENT = {"tp2": 0.12, "tp2_full": 0.12}
 
