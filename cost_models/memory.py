@@ -513,8 +513,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         # class-sharded logits runs vocabulary-parallel (torch's loss_parallel)
         copy = read(n, i, "fp32")
         if copy is not None:
-            b = by_name[i].outputs[0]
-            split = float(read_shard(n, i)[0]) > 1 and b.numel * bytes_scale(b.dtype, "fp32") > copy[0]
+            split = copy[0] < by_name[i].outputs[0].numel * 4      # the copy is a shard
             return (VOCAB_PARALLEL_LOSS_LIVE if split else BACKWARD_LIVE), copy[0]
         b = by_name[base.get(i, i)]
         split = callable(shard) and float(shard(b)) > 1

@@ -99,3 +99,24 @@ def test_gradients_of_tensors_entering_a_layer_are_costed():
         found[bool(grads)] = [(kind, ph) for kind, _, _, ph, _ in colls]
     assert ("all_gather", "backward") in found[True]
     assert not any(ph == "backward" for _, ph in found[False])
+
+
+def test_the_runtime_refuses_layouts_it_cannot_execute():
+    """A plan whose op_layouts sit on a stage the runtime would not run op by op (here a
+    pipeline) is refused with the fix, not run another way in silence."""
+    import pytest
+
+    from autopar.planner import resolve_model
+    from autopar.runtime.engine import validate_plan
+    from autopar.schema import PlanError
+
+    tp = plan("gpt-tiny", _cpu(2), global_batch_size=8, dtype="fp32",
+              constraints=Constraints(dp=1, tp=2, pp=1, recompute="none"))
+    pp = plan("gpt-tiny", _cpu(4), global_batch_size=8, dtype="fp32",
+              constraints=Constraints(dp=1, tp=2, pp=2, schedule="1f1b", num_microbatches=2))
+    model = resolve_model("gpt-tiny", None, None).model
+    validate_plan(tp, model)                                         # runs as solved
+    bad = pp.model_copy(deep=True)
+    bad.stages[0].op_layouts = tp.stages[0].op_layouts
+    with pytest.raises(PlanError, match="op_layouts.*re-plan"):
+        validate_plan(bad, model)

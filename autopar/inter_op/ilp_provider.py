@@ -22,7 +22,6 @@ from autopar.intra_op.solution import ShardingSolution
 from autopar.schema import ClusterSpec, PlanError
 from cost_models.communication import logical_mesh
 from cost_models.compute import MATRIX_OPS
-from cost_models.memory import requires_grad
 
 
 class IlpProvider(AnalyticProvider):
@@ -43,7 +42,6 @@ class IlpProvider(AnalyticProvider):
         # the per-op layouts a plan carries (`inter_op.stage_layouts`)
         self.solutions: dict[tuple[str, int, int], tuple[ShardingSolution, Layer]] = {}
         self._users: dict[str, list[Layer]] | None = None
-        self._rg: dict[str, bool] | None = None
 
     def _shared(self) -> dict[str, list[Layer]]:
         """Parameters read by more than one layer (a tied embedding and output layer), by FQN:
@@ -78,11 +76,9 @@ class IlpProvider(AnalyticProvider):
 
     def _grad_inputs(self, layer: Layer) -> set[str]:
         """Tensors entering `layer` from earlier layers whose gradient the backward computes."""
-        if self._rg is None:
-            self._rg = requires_grad(self.graph.nodes)
-        mine = set(layer.nodes)
+        mine, rg = set(layer.nodes), self.requires_grad
         return {i for n in layer.nodes for i in self.graph.node(n).inputs
-                if i not in mine and self.graph.node(i).kind == "call" and self._rg.get(i, False)}
+                if i not in mine and self.graph.node(i).kind == "call" and rg.get(i, False)}
 
     def _analyze(self, layer: Layer, mb: int, tp: int) -> LayerCost:
         base = super()._analyze(layer, mb, tp)
@@ -149,19 +145,14 @@ class IlpProvider(AnalyticProvider):
         shard = lambda node: tp if node.name in sharded else 1  # noqa: E731
         names = self.boundary_names(layer)
         fill_activations(c, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1, **names)
-        # as the op-by-op executor runs the solution (which a stage not pipelined does)
-        alt = LayerCost()
-        fill_activations(alt, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
-                         read_shard=_read_shard(sol, tp), **names)
-        diff: dict = {}
-        for k in ("act_bytes", "bwd_over", "bwd_over_rc", "bwd_over_body", "bwd_over_loss", "out_saved", "in_saved"):
-            d = {rc: getattr(alt, k)[rc] for rc in ("none", "full")
-                 if rc in getattr(alt, k) and getattr(alt, k)[rc] != getattr(c, k).get(rc)}
-            if d:
-                diff[k] = d
-        if alt.loss_input_bytes != c.loss_input_bytes:
-            diff["loss_input_bytes"] = alt.loss_input_bytes
-        c.solved_acts = diff or None
+        # as the op-by-op executor runs the solution (which a stage not pipelined does): differs
+        # only where some op reads an input redistributed (it saves that copy)
+        read = _read_shard(sol, tp)
+        if any(read(n, i) for n in sub.calls for i in n.inputs):
+            alt = LayerCost()
+            fill_activations(alt, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
+                             read_shard=read, **names)
+            c.solved_acts = _differing(alt, c)
         c.issues = list(base.issues)          # the runtime shards heads Megatron-style
         return c
 
@@ -189,3 +180,16 @@ def _read_shard(sol: ShardingSolution, tp: int):
             return None
         return (tp if any(p.startswith("S") for p in want) else 1), ",".join(want)
     return read
+
+
+def _differing(alt: LayerCost, c: LayerCost) -> dict | None:
+    """`LayerCost.solved_acts`: the activation fields of `alt` (the executor's) that differ from
+    `c`'s, for the recompute policies the executor runs."""
+    diff: dict = {}
+    for k in ("act_bytes", "bwd_over", "bwd_over_rc", "bwd_over_body", "bwd_over_loss", "out_saved", "in_saved"):
+        d = {rc: v for rc, v in getattr(alt, k).items() if rc in ("none", "full") and v != getattr(c, k).get(rc)}
+        if d:
+            diff[k] = d
+    if alt.loss_input_bytes != c.loss_input_bytes:
+        diff["loss_input_bytes"] = alt.loss_input_bytes
+    return diff or None

@@ -171,6 +171,14 @@ class AnalyticProvider:
         self._layer_of = {n: l.index for l in layers for n in l.nodes}
         self._crossing: dict[tuple[int, int], tuple[float, float, int, int]] = {}
         self._cross_nodes: Optional[list[list[str]]] = None
+        self._rg: Optional[dict[str, bool]] = None
+
+    @property
+    def requires_grad(self) -> dict[str, bool]:
+        """Whether each node's output needs a gradient in the whole graph (computed once)."""
+        if self._rg is None:
+            self._rg = requires_grad(self.graph.nodes)
+        return self._rg
 
     def graph_at(self, mb: int, layer: Layer) -> OpGraph:
         """The layer's ops and the tensors they read, at concrete batch `mb` (only these are
@@ -216,7 +224,6 @@ class AnalyticProvider:
                     last = max((self._layer_of.get(u, -1) for u in self._consumers.get(name, [])), default=-1)
                     for b in range(a, last):
                         self._cross_nodes[b].append(name)
-                self._rg = requires_grad(self.graph.nodes)
             total = grad = 0.0
             grads = 0
             names = self._cross_nodes[index] if 0 <= index < len(self._cross_nodes) else []
@@ -224,7 +231,7 @@ class AnalyticProvider:
                 o = self.graph.node(name).outputs[:1]
                 nb = sum(_float_bytes(x.at(mb) if self.graph.batch_size is None else x, self.dtype) for x in o)
                 total += nb
-                if self._rg.get(name, False):
+                if self.requires_grad.get(name, False):
                     grad += nb
                     grads += 1
             self._crossing[key] = (total, grad, len(names), grads)

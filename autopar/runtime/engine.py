@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from autopar.models.registry import ModelBundle
+from autopar.models.registry import ModelBundle, call_batch_fn
 from autopar.runtime.materialize import canonical_names, materialize
 from autopar.runtime.pipeline_p2p import FanoutPipelineStage, replica_ranks
 from autopar.runtime.precision import MasterWeights, cast_parameters_, fsdp_policy, low_dtype
@@ -297,6 +297,10 @@ def validate_plan(plan: Plan, model: nn.Module) -> dict:
         missing = sorted(set(aliases.values()) - covered)
         if missing:
             raise PlanError(f"the plan's stages leave parameters out: {', '.join(missing[:5])}")
+    solved = [s.index for s in stages if s.op_layouts is not None]
+    if solved and (pp > 1 or fsdp_sharded(plan, stages) or stages[0].axis_size("tp") < 2):
+        raise PlanError(f"stage {solved[0]} carries op_layouts, which the runtime executes only for a "
+                        f"tensor-parallel stage outside a pipeline and without ZeRO-3; re-plan with `autopar plan`")
     names = dict(model.named_parameters(remove_duplicate=False))
     for s in stages:
         for fqn, pl in s.placements.items():
@@ -402,7 +406,7 @@ class ParallelModel:
     def _build_single(self) -> None:
         s = self.stages[0]
         model = self.model
-        if s.op_layouts is not None and self.tp_size > 1 and not self.zero3:
+        if s.op_layouts is not None:
             self._build_solved(s)
             return
         for fqn in s.layers:
@@ -444,7 +448,7 @@ class ParallelModel:
         """One micro-batch of real inputs on this device (what torch.export traces the program with)."""
         mb = self.plan.microbatch_size
         if self.bundle.batch_fn is not None:
-            batch = self.bundle.batch_fn(0, mb)
+            batch = call_batch_fn(self.bundle.batch_fn, 0, mb, self.seed)
         else:
             batch = tuple(torch.zeros((mb,) + tuple(x.shape[1:]), dtype=x.dtype)
                           if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in self.bundle.example_inputs)
