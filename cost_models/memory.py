@@ -152,7 +152,9 @@ class ActivationMemory:
     recomputed region starts its backward, the region's re-made tensors and gradients
     (`backward_over_recompute`: the worst moment is one of those), and the loss op's moment
     apart (`backward_over_loss`, the first of the backward) from the others'
-    (`backward_over_body`); `saved` what is saved by
+    (`backward_over_body`); `forward_over_bytes` the most the forward holds above
+    `saved_bytes`: what the ops so far saved, the tensors made and still to be read, an op's
+    redistributed inputs and gather buffers (0 when restricted to `layers`); `saved` what is saved by
     tensor (named by the tensor owning the storage, `bases`; `saved_of` reads it by any name)."""
 
     saved_bytes: float = 0.0
@@ -165,6 +167,7 @@ class ActivationMemory:
     backward_over_recompute: bool = False
     backward_over_loss: Optional[float] = None   # the loss op's moment (None: no loss)
     backward_over_body: float = 0.0              # the worst of the other moments
+    forward_over_bytes: float = 0.0              # the forward's worst moment above saved_bytes
     saved: dict[str, float] = field(default_factory=dict)   # tensor (its storage's owner) -> bytes saved
     bases: dict[str, str] = field(default_factory=dict)     # tensor -> the tensor owning its storage
 
@@ -418,7 +421,9 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     (`LOSSES_KEEP_UNREDUCED` does not apply). `read_shard(op, input)`: where an op reads an input
     redistributed to another layout than its producer gives (an executed per-op solution), that
     copy's divisor and a name for its layout; the copy, not the producer's tensor, is what the
-    op saves (the gathered logits of a loss read whole, say). None: the producer's tensor."""
+    op saves (the gathered logits of a loss read whole, say); an optional third item, the
+    divisor of the buffer a gather along a dim other than the first holds beside the copy while
+    it concatenates (None: no such buffer). None: the producer's tensor."""
     rec = "full" if recompute is True else ("none" if recompute is False else recompute)
     if rec not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
@@ -439,21 +444,28 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     mixed = dtype != "fp32"
     cuda_fp32 = CUDA_FP32_OPS if device_type == "cuda" and mixed else frozenset()
 
+    upcasts = _upcasts(calls, base, LOSSES | cuda_fp32) if mixed else frozenset()
+
     def size(name: str, at: Optional[str] = None) -> float:
         b = by_name[base[name]]
         if not b.outputs:
             return 0.0
         o = b.outputs[0]
         f = shard(b) if callable(shard) else shard
+        if at is None and b.name in upcasts:
+            at = "fp32"
         return o.nbytes * bytes_scale(o.dtype, at or dtype) / max(float(f), 1.0)
 
-    def read(n, name: str, at: Optional[str] = None) -> Optional[tuple[float, str]]:
-        # (bytes, layout tag) of the copy op n reads `name` as, when it is redistributed
+    def read(n, name: str, at: Optional[str] = None) -> Optional[tuple[float, str, float]]:
+        # (bytes, layout tag, gather buffer bytes) of the copy op n reads `name` as, when it is
+        # redistributed
         rs = read_shard(n, name) if read_shard is not None and name != n.name else None
         if rs is None or not by_name[name].outputs:
             return None
         o = by_name[name].outputs[0]
-        return o.nbytes * bytes_scale(o.dtype, at or dtype) / max(float(rs[0]), 1.0), rs[1]
+        item = o.nbytes * bytes_scale(o.dtype, at or dtype)
+        buf = item / max(float(rs[2]), 1.0) if len(rs) > 2 and rs[2] else 0.0
+        return item / max(float(rs[0]), 1.0), rs[1], buf
 
     def side(nbytes: float, owner) -> float:
         # masks are 1 byte/element; norm statistics and log-sum-exp fp32 (CPU's layer norm under
@@ -596,7 +608,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                     live, nb = loss_read(n, i)
                     copy = read(n, i)
                     out.loss_grad_bytes = max(out.loss_grad_bytes, live * nb)
-                    out.loss_input_bytes = max(out.loss_input_bytes, copy[0] if copy else size(i))
+                    out.loss_input_bytes = max(out.loss_input_bytes, copy[0] if copy else size(i, dtype))
     for k, l in owner_layer.items():
         if keep is not None and l not in keep:
             continue
@@ -633,11 +645,106 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             if m > out.backward_over_bytes:
                 out.backward_over_bytes, out.backward_over_recompute = m, False
         live -= owned.get(n.name, 0.0)
+    if keep is None:
+        out.forward_over_bytes = _forward_over(calls, by_name, base, owner_node, nbytes_of, size, read,
+                                               batch, out.saved_bytes, mixed, cuda_fp32)
     layer_of_region = {region[n.name]: n.layer for n in calls if region[n.name] is not None}
     # region_peak: what a region re-made at the end plus the last op's gradients at least
     cand = [region_peak[r] for r in region_bytes if keep is None or layer_of_region.get(r) in keep]
     out.working_bytes = max(cand, default=0.0)
     return out
+
+
+def _upcasts(calls: list, base: dict, fp32_readers: frozenset) -> frozenset:
+    """Casts to float32 that stay fp32 in a mixed-precision run: those whose every reader
+    (through views) runs in fp32 anyway (`x.float()` before a loss). A capture is fp32, so
+    `to(float32)` is all it shows of both an upcast and a cast back to an input's dtype; only
+    this case is told apart."""
+    casts = {n.name for n in calls if n.op in ("to", "_to_copy") and base.get(n.name, n.name) == n.name
+             and ("float32" in n.args[1:] or n.kwargs.get("dtype") == "float32")}
+    readers: dict[str, set] = {}
+    for n in calls:
+        if n.op in VIEW_OPS or n.target == "getitem":
+            continue
+        for i in n.inputs:
+            b = base.get(i, i)
+            if b in casts:
+                readers.setdefault(b, set()).add(n.op)
+    return frozenset(c for c, ops in readers.items() if ops <= fp32_readers)
+
+
+def _forward_over(calls: list, by_name: dict, base: dict, owner_node: dict, nbytes_of: dict,
+                  size: Callable, read: Callable, batch: Callable, saved_total: float, mixed: bool,
+                  fp32_ops: frozenset) -> float:
+    """The forward's worst moment above everything saved (`ActivationMemory.forward_over_bytes`),
+    op by op in order: what the ops up to this one saved, every tensor made and not yet saved
+    whose last reader is still to run (a storage's readers through any view; a tensor no op of
+    the graph reads, what a layer hands on, at the op making it: the next layer's walk holds it
+    from its start, a pipeline stage's send buffers beyond), and what this op reads
+    redistributed (the copy, when it does not save it, and the buffer of a gather that is not
+    along the first dim, `read_shard`'s third item, at the moment of the gather: the executor
+    frees it once concatenated); a loss makes its per-element fp32 result
+    (cross-entropy's log-softmax, which it saves in place of its input) beside its input."""
+    T = len(calls)
+    if T == 0:
+        return 0.0
+    idx = {n.name: t for t, n in enumerate(calls)}
+    saved_at = np.zeros(T + 1)
+    saver: dict[str, int] = {}
+    for k, nm in owner_node.items():
+        t = idx.get(nm, idx.get(k.split(":")[0], 0))
+        saved_at[t] += nbytes_of[k]
+        saver[k] = t
+    last: dict[str, int] = {}
+    for t, n in enumerate(calls):
+        for i in n.inputs:
+            if i in by_name:
+                b = base.get(i, i)
+                last[b] = max(last.get(b, -1), t)
+    live = np.zeros(T + 1)          # difference array of the unsaved tensors' lifetimes
+    made = np.zeros(T + 1)          # of those, the outputs of each op
+    for name, nd in by_name.items():
+        if base.get(name, name) != name or not _floating(nd):
+            continue
+        if nd.kind == "call":
+            start = idx[name]
+            at = "fp32" if mixed and (nd.op in LOSSES or nd.op in fp32_ops) else None
+        elif nd.kind == "input" and not batch(name):
+            start, at = 0, None
+        else:
+            continue
+        end = last.get(name, start)
+        if name in saver:
+            end = min(end, saver[name] - 1)
+        if end >= start:
+            b = size(name, at)
+            live[start] += b
+            live[end + 1] -= b
+            if nd.kind == "call":
+                made[start] += b
+    extra = np.zeros(T)
+    gather = np.zeros(T)
+    for t, n in enumerate(calls):
+        loss = n.op in LOSSES
+        for k, i in enumerate(n.inputs):
+            if i not in by_name:
+                continue
+            r = read(n, i, "fp32" if loss and mixed else None)
+            if loss and k == 0 and _floating(by_name[base.get(i, i)]):
+                # its per-element fp32 result (cross-entropy's log-softmax) beside its input
+                extra[t] += r[0] if r is not None else size(i, "fp32")
+            if r is None:
+                continue
+            if saver.get(f"{i}@{r[1]}", T) > t:
+                extra[t] += r[0]
+            if r[2]:
+                gather[t] += r[0] + r[2]
+    held = np.cumsum(live[:T])
+    saved = np.cumsum(saved_at[:T])
+    moments = saved + held + extra
+    # before the op: its inputs gathered, its outputs not yet made, its own saves not yet made
+    before = saved - saved_at[:T] + held - made[:T] + gather
+    return float(max(moments.max() - saved_total, before.max() - saved_total, 0.0))
 
 
 # autograd runs an op's backward with the gradient of its output live and makes the gradient of

@@ -73,25 +73,11 @@ def _ranks(measured: dict, case: str) -> list[dict]:
     return rec["ranks"]
 
 
-# Known intermittent (issue 18, open): tensor parallelism executed op by op. In some launches one
-# rank (either) peaks in the forward at the loss, 139 KiB above the plan (-7.4% for tp2, -10.9%
-# with full recomputation), its peak's tensors counted as activations; the other rank, and
-# most launches on both, match the plan to the byte. Cause: the all-gather of the logits along
-# dim 1 holds its gather buffer and the concatenated result at once, for a time that depends on
-# when gloo releases the buffer; the plan does not model that forward transient yet. Checked
-# here: one rank within the tolerance, no rank over the plan by more than 12%, none over-predicted.
-INTERMITTENT = {"tp2": 0.12, "tp2_full": 0.12}
-
-
 @pytest.mark.parametrize("case", _cases(KNOWN_MISSES))
 def test_predicted_peak_within_tolerance_of_tracked(measured, case):
     rec = measured[case]
     errs = [r["error"] for r in _ranks(measured, case)]
     assert all(e is not None for e in errs), _table(rec)
-    if case in INTERMITTENT:
-        assert min(abs(e) for e in errs) <= TOLERANCE and all(-INTERMITTENT[case] <= e <= TOLERANCE for e in errs), \
-            f"{case}: {[f'{100 * e:+.1f}%' for e in errs]}\n{_table(rec)}"
-        return
     for e in errs:
         assert abs(e) <= TOLERANCE, f"{case}: {100 * e:+.1f}% (tolerance {100 * TOLERANCE:.0f}%)\n{_table(rec)}"
 
@@ -108,10 +94,7 @@ CATEGORY_MISSES = {
 @pytest.mark.parametrize("case", _cases(CATEGORY_MISSES))
 def test_predicted_categories_within_tolerance_of_tracked(measured, case):
     rec = measured[case]
-    ranks = _ranks(measured, case)
-    if case in INTERMITTENT:       # the rank(s) reading the plan's peak (see INTERMITTENT)
-        ranks = [r for r in ranks if abs(r["error"]) <= TOLERANCE]
-    for r in ranks:
+    for r in _ranks(measured, case):
         for cat, pred in r["predicted_categories"].items():
             got = r["tracked_categories"][cat]
             assert abs(pred - got) <= max(TOLERANCE * got, 2048), \

@@ -508,3 +508,42 @@ def test_show_prints_headroom_and_the_peak_breakdown():
         del st["predicted"]["buffers_bytes"], st["predicted"]["peak_phase"]
     old = Plan.model_validate(d)
     assert old.stages[0].predicted.peak_phase == "forward_backward" and "usable" not in old.summary()
+
+
+def test_forward_moment_of_a_gathered_loss_input():
+    """The forward's worst moment above what is saved: a loss reading logits gathered from a
+    vocabulary shard holds the shard, the gathered copy and the gather's buffer at once, then
+    its per-element fp32 result beside its input; `x.float()` before a loss stays fp32 in a
+    bf16 run (its shard is 4-byte)."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from autopar.capture.export import capture
+    from cost_models.memory import activation_memory
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.out = nn.Linear(16, 64, bias=False)
+
+        def forward(self, x, y):
+            return F.cross_entropy(self.out(x).float(), y)
+
+    N, V = 32, 64
+    g = capture(Head(), (torch.randn(N, 16), torch.randint(0, V, (N,))), loss_fn=lambda out: out).at_batch(N)
+    cast = next(n.name for n in g.calls if n.op == "to")
+    loss = next(n for n in g.calls if n.op == "cross_entropy_loss")
+    full = N * V * 4                                                    # fp32 logits
+    plain = activation_memory(g, "bf16", device_type="cpu", count_inputs=False)
+    assert plain.forward_over_bytes == full + 4                         # log-softmax beside the input
+    assert plain.forward_over_bytes < plain.backward_over_bytes        # the backward holds two
+    sharded = {n.name for n in g.calls if n.op in ("linear", "to")}
+    read = lambda node, name: (1, "R", 1) if node.name == loss.name and name == cast else None  # noqa: E731
+    tp = activation_memory(g, "bf16", device_type="cpu", count_inputs=False,
+                           shard=lambda n: 2 if n.name in sharded else 1, read_shard=read)
+    # the 4-byte shard, the gathered copy the loss saves, and the log-softmax; at the gather
+    # itself the buffer instead of the log-softmax (one byte-count less: the loss's output)
+    assert tp.forward_over_bytes == full // 2 + full + 4
+    # the copy saved in place of the logits: the same bytes
+    assert tp.saved_bytes == plain.saved_bytes

@@ -178,8 +178,19 @@ def _read_shard(sol: ShardingSolution, tp: int):
         want, have = tuple(ch.input_placements[k]), produced(name)
         if have is None or want == have or "P" in want or "P" in have:
             return None
-        return (tp if any(p.startswith("S") for p in want) else 1), ",".join(want)
+        return (tp if any(p.startswith("S") for p in want) else 1), ",".join(want), _gather_buffer(have, want, tp)
     return read
+
+
+def _gather_buffer(have: tuple, want: tuple, tp: int) -> float | None:
+    """The divisor of the buffer a redistribution from `have` to `want` holds beside its result:
+    DTensor gathers a shard along the first dim and, for any other dim, splits that buffer and
+    concatenates the pieces (`Shard._to_replicate_tensor`), so both are live at once. None
+    where no axis gathers along a dim other than 0."""
+    for h, w in zip(have, want):
+        if h.startswith("S(") and not w.startswith("S(") and h != "S(0)":
+            return float(tp if any(p.startswith("S") for p in want) else 1)
+    return None
 
 
 def _differing(alt: LayerCost, c: LayerCost) -> dict | None:

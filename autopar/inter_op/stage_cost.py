@@ -48,9 +48,11 @@ class LayerCost:
     rc_extra_s: dict[str, float] = field(default_factory=dict)    # extra forward by policy
     rc_comm_s: dict[str, float] = field(default_factory=dict)     # its collectives' part
     act_bytes: dict[str, float] = field(default_factory=dict)     # kept per micro-batch by policy
-    # its backward's worst moment above what it saved, by policy (`ActivationMemory.
+    # its worst moment above what it saved, by policy: of its backward (`ActivationMemory.
     # backward_over_bytes`: activation gradients, the loss's fp32 input gradient, or a recomputed
-    # region's re-made tensors), and whether that moment is a recomputation
+    # region's re-made tensors) or of its forward (`forward_over_bytes`: tensors made and still
+    # to be read, gather buffers), and whether that moment's extra is activations (a
+    # recomputation or the forward's tensors) rather than gradient buffers
     bwd_over: dict[str, float] = field(default_factory=dict)
     bwd_over_rc: dict[str, bool] = field(default_factory=dict)
     # the loss's moment among them (`backward_over_loss`; absent: no loss) and the worst of the
@@ -127,9 +129,12 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
         am = activation_memory(sub, dtype, rc, shard=shard, selective_region="module", device_type=device_type,
                                count_inputs=False, dtensor=dtensor, read_shard=read_shard)
         c.act_bytes[rc] = am.saved_bytes
-        c.bwd_over[rc] = am.backward_over_bytes
-        c.bwd_over_rc[rc] = am.backward_over_recompute
-        c.bwd_over_body[rc] = am.backward_over_body
+        # the forward's worst moment where it lies above the backward's (tensors the forward
+        # makes, counted as activations like a recomputation's)
+        fwd = am.forward_over_bytes > am.backward_over_bytes
+        c.bwd_over[rc] = am.forward_over_bytes if fwd else am.backward_over_bytes
+        c.bwd_over_rc[rc] = fwd or am.backward_over_recompute
+        c.bwd_over_body[rc] = max(am.backward_over_body, am.forward_over_bytes)
         if am.backward_over_loss is not None:
             c.bwd_over_loss[rc] = am.backward_over_loss
         c.out_saved[rc] = am.saved_of(out_name)

@@ -59,6 +59,7 @@ import operator
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -168,7 +169,38 @@ def _step(x: DTensor, axis: int, d: Placement) -> DTensor:
         return _to_partial(x, axis)
     if isinstance(c, Shard) and isinstance(d, Shard) and x.device_mesh.device_type == "cpu":
         return _all_to_all(x, axis, d)
+    if isinstance(c, Shard) and isinstance(d, Replicate) and c.dim != 0 and _even(x, c.dim):
+        return _gather(x, axis, c.dim)
     return x.redistribute(x.device_mesh, tuple(d if b == axis else p for b, p in enumerate(x.placements)))
+
+
+def _even(x: DTensor, dim: int) -> bool:
+    """Whether every device holds as much of `dim` as the others (no padded shard)."""
+    parts = math.prod(x.device_mesh.size(a) for a, p in enumerate(x.placements)
+                      if isinstance(p, Shard) and p.dim == dim)
+    return x.shape[dim] % parts == 0
+
+
+def _gather(x: DTensor, axis: int, dim: int) -> DTensor:
+    """Shard(dim) -> Replicate along `axis`, dim != 0, even shards: DTensor's steps (an
+    all-gather along dim 0 into a buffer, the pieces concatenated along `dim`), with the buffer
+    freed as soon as the concatenation has it (its storage resized to 0, as FSDP frees unsharded
+    parameters): the process group's work keeps a reference to it for as long as its thread
+    runs, so dropping ours alone leaves its memory held into the next ops for a time that
+    varies from run to run (the memory model counts the buffer at the gather only)."""
+    mesh = x.device_mesh
+    n = mesh.size(axis)
+    local = x.to_local()
+    src = local.contiguous()
+    buf = src.new_empty((n * src.shape[0],) + tuple(src.shape[1:]))
+    dist.all_gather_into_tensor(buf, src, group=mesh.get_group(axis))
+    full = torch.cat(buf.chunk(n, dim=0), dim=dim)
+    buf.untyped_storage().resize_(0)
+    if src is not local:
+        src.untyped_storage().resize_(0)
+    pl = list(x.placements)
+    pl[axis] = Replicate()
+    return DTensor.from_local(full, mesh, pl, run_check=False, shape=x.shape, stride=x.stride())
 
 
 def _all_to_all(x: DTensor, axis: int, d: Shard) -> DTensor:
