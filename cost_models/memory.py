@@ -446,7 +446,14 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
 
     upcasts = _upcasts(calls, base, LOSSES | cuda_fp32) if mixed else frozenset()
 
+    # a view an op takes of an input redistributed views the copy (`read_shard`): its storage,
+    # what anything saving the view keeps, is the copy, named "<input>@<layout>"
+    copies: dict[str, tuple[float, str]] = {}      # copy -> (bytes at `dtype`, the view making it)
+
     def size(name: str, at: Optional[str] = None) -> float:
+        if base[name] in copies:
+            nb = copies[base[name]][0]
+            return nb * bytes_scale("float32", at) / bytes_scale("float32", dtype) if at else nb
         b = by_name[base[name]]
         if not b.outputs:
             return 0.0
@@ -466,6 +473,22 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         item = o.nbytes * bytes_scale(o.dtype, at or dtype)
         buf = item / max(float(rs[2]), 1.0) if len(rs) > 2 and rs[2] else 0.0
         return item / max(float(rs[0]), 1.0), rs[1], buf
+
+    if read_shard is not None:
+        was = dict(base)
+        for n in calls:
+            src = n.inputs[0] if n.inputs else None
+            if src is None or src not in by_name:
+                continue
+            r = read(n, src) if n.op in VIEW_OPS or n.target == "getitem" else None
+            if r is not None:
+                key = f"{src}@{r[1]}"
+                if key not in copies:
+                    copies[key] = (r[0], n.name)
+                    base[key], by_name[key], region[key] = key, by_name[src], region.get(n.name)
+                base[n.name] = key
+            elif base[n.name] != n.name and base[n.name] == was.get(src, src):
+                base[n.name] = base[src]            # a view of a view of the copy
 
     def side(nbytes: float, owner) -> float:
         # masks are 1 byte/element; norm statistics and log-sum-exp fp32 (CPU's layer norm under
@@ -528,7 +551,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             split = copy[0] < by_name[i].outputs[0].numel * 4      # the copy is a shard
             return (VOCAB_PARALLEL_LOSS_LIVE if split else BACKWARD_LIVE), copy[0]
         b = by_name[base.get(i, i)]
-        split = callable(shard) and float(shard(b)) > 1
+        split = callable(shard) and float(shard(b)) > 1 and base.get(i, i) not in copies
         return (VOCAB_PARALLEL_LOSS_LIVE if split else BACKWARD_LIVE), size(i, "fp32")
 
     def grads(n) -> float:
@@ -647,7 +670,8 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         live -= owned.get(n.name, 0.0)
     if keep is None:
         out.forward_over_bytes = _forward_over(calls, by_name, base, owner_node, nbytes_of, size, read,
-                                               batch, out.saved_bytes, mixed, cuda_fp32)
+                                               batch, out.saved_bytes, mixed, cuda_fp32,
+                                               {k: v[1] for k, v in copies.items()})
     layer_of_region = {region[n.name]: n.layer for n in calls if region[n.name] is not None}
     # region_peak: what a region re-made at the end plus the last op's gradients at least
     cand = [region_peak[r] for r in region_bytes if keep is None or layer_of_region.get(r) in keep]
@@ -675,7 +699,7 @@ def _upcasts(calls: list, base: dict, fp32_readers: frozenset) -> frozenset:
 
 def _forward_over(calls: list, by_name: dict, base: dict, owner_node: dict, nbytes_of: dict,
                   size: Callable, read: Callable, batch: Callable, saved_total: float, mixed: bool,
-                  fp32_ops: frozenset) -> float:
+                  fp32_ops: frozenset, copies: dict[str, str]) -> float:
     """The forward's worst moment above everything saved (`ActivationMemory.forward_over_bytes`),
     op by op in order: what the ops up to this one saved, every tensor made and not yet saved
     whose last reader is still to run (a storage's readers through any view; a tensor no op of
@@ -706,7 +730,9 @@ def _forward_over(calls: list, by_name: dict, base: dict, owner_node: dict, nbyt
     for name, nd in by_name.items():
         if base.get(name, name) != name or not _floating(nd):
             continue
-        if nd.kind == "call":
+        if name in copies:                  # a redistributed copy, made by the view taking it
+            start, at = idx[copies[name]], None
+        elif nd.kind == "call":
             start = idx[name]
             at = "fp32" if mixed and (nd.op in LOSSES or nd.op in fp32_ops) else None
         elif nd.kind == "input" and not batch(name):
@@ -735,7 +761,7 @@ def _forward_over(calls: list, by_name: dict, base: dict, owner_node: dict, nbyt
                 extra[t] += r[0] if r is not None else size(i, "fp32")
             if r is None:
                 continue
-            if saver.get(f"{i}@{r[1]}", T) > t:
+            if saver.get(f"{i}@{r[1]}", T) > t and f"{i}@{r[1]}" not in copies:
                 extra[t] += r[0]
             if r[2]:
                 gather[t] += r[0] + r[2]

@@ -547,3 +547,37 @@ def test_forward_moment_of_a_gathered_loss_input():
     assert tp.forward_over_bytes == full // 2 + full + 4
     # the copy saved in place of the logits: the same bytes
     assert tp.saved_bytes == plain.saved_bytes
+
+
+def test_views_of_a_redistributed_input_keep_the_copy():
+    """nanoGPT's fused qkv: the projection's output sharded, its split read replicated. The
+    executor gathers it and the split's pieces view that copy, so attention saving q and k keeps
+    the whole gathered copy, not the projection's shard."""
+    import torch
+    import torch.nn as nn
+
+    from autopar.capture.export import capture
+    from cost_models.memory import activation_memory
+
+    class QK(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(16, 48, bias=False)
+
+        def forward(self, x):
+            q, k, _v = self.qkv(x).split(16, dim=-1)
+            return (q * k).sum()
+
+    N = 32
+    g = capture(QK(), (torch.randn(N, 16),), loss_fn=lambda out: out).at_batch(N)
+    proj = next(n.name for n in g.calls if n.op == "linear")
+    split = next(n.name for n in g.calls if n.op == "split")
+    shard = lambda n: 2 if n.name == proj else 1  # noqa: E731
+    kw = dict(device_type="cpu", count_inputs=False, shard=shard)
+    sharded = activation_memory(g, "bf16", **kw)
+    read = lambda node, name: (1, "R", 1) if node.name == split and name == proj else None  # noqa: E731
+    gathered = activation_memory(g, "bf16", read_shard=read, **kw)
+    x_copy = N * 16 * 2                       # the projection's input, saved as autocast's bf16 copy
+    assert sharded.saved_bytes - x_copy == N * 48 * 2 / 2
+    assert gathered.saved_bytes - x_copy == N * 48 * 2
+    assert gathered.saved_of(f"{proj}@R") == N * 48 * 2
