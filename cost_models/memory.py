@@ -204,15 +204,20 @@ def _math_attention_saves(node, by_name: dict, dtype: str) -> list[tuple[str, Op
     dispatch mode): its batched matmuls save contiguous copies of the scaled query and key
     (new tensors) and of the value where it is a transposed view (else the value itself), the
     softmax its probabilities, CPU dropout its noise, the second matmul the dropped
-    probabilities (each batch x heads x queries x keys)."""
+    probabilities (each batch x heads x queries x keys). With 2-byte inputs all of these are
+    fp32, the value a copy too: the math path upcasts them (torch's default,
+    `torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp` off; measured on CPU, torch 2.13:
+    every saved tensor of a bf16 call is float32)."""
     ins = _tensor_inputs(node, by_name)
     if len(ins) < 3 or not node.outputs:
         return [(i, None) for i in ins]
     q, k, v = (by_name[i].outputs[0] for i in ins[:3])
     out = node.outputs[0]
-    item = out.nbytes / max(out.numel, 1) * bytes_scale(out.dtype, dtype)
+    upcast = dtype != "fp32"
+    item = out.nbytes / max(out.numel, 1) * bytes_scale(out.dtype, "fp32" if upcast else dtype)
     probs = math.prod(int(d) for d in out.shape[:-1]) * int(k.shape[-2])
-    value = [(node.name + ":v", v.numel * item)] if _swaps_1_2(by_name[ins[2]]) else [(ins[2], None)]
+    copy_v = upcast or _swaps_1_2(by_name[ins[2]])
+    value = [(node.name + ":v", v.numel * item)] if copy_v else [(ins[2], None)]
     return [(node.name + ":q", q.numel * item), (node.name + ":k", k.numel * item),
             (node.name + ":probs", 3 * probs * item)] + value
 

@@ -581,3 +581,33 @@ def test_views_of_a_redistributed_input_keep_the_copy():
     assert sharded.saved_bytes - x_copy == N * 48 * 2 / 2
     assert gathered.saved_bytes - x_copy == N * 48 * 2
     assert gathered.saved_of(f"{proj}@R") == N * 48 * 2
+
+
+def test_math_attention_saves_fp32_under_bf16():
+    """sdpa with dropout on CPU runs torch's math path, which upcasts 2-byte inputs: every tensor
+    it saves (scaled q and k, probabilities, dropout noise, dropped probabilities, the value) is
+    float32. The model against torch's saved tensors of a bf16 call."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from autopar.capture.export import capture
+    from cost_models.memory import activation_memory
+
+    class Attn(nn.Module):
+        def forward(self, x):
+            return F.scaled_dot_product_attention(x * 1.0, x * 2.0, x * 3.0, dropout_p=0.1).sum()
+
+    x = torch.randn(2, 4, 16, 8)
+    g = capture(Attn(), (x,), loss_fn=lambda out: out).at_batch(2)
+    pred = activation_memory(g, "bf16", device_type="cpu").saved_bytes
+    seen: dict = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    xb = x.to(torch.bfloat16).requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        Attn()(xb)
+    assert pred == sum(seen.values())
