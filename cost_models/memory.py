@@ -427,8 +427,9 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     redistributed to another layout than its producer gives (an executed per-op solution), that
     copy's divisor and a name for its layout; the copy, not the producer's tensor, is what the
     op saves (the gathered logits of a loss read whole, say); an optional third item, the
-    divisor of the buffer a gather along a dim other than the first holds beside the copy while
-    it concatenates (None: no such buffer). None: the producer's tensor."""
+    divisor of what a gather along a dim other than the first holds beside the copy while it
+    concatenates (its buffer and its copy of the shard; None: nothing). None: the producer's
+    tensor."""
     rec = "full" if recompute is True else ("none" if recompute is False else recompute)
     if rec not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")

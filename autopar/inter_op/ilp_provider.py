@@ -183,13 +183,15 @@ def _read_shard(sol: ShardingSolution, tp: int):
 
 
 def _gather_buffer(have: tuple, want: tuple, tp: int) -> float | None:
-    """The divisor of the buffer a redistribution from `have` to `want` holds beside its result:
-    DTensor gathers a shard along the first dim and, for any other dim, splits that buffer and
-    concatenates the pieces (`Shard._to_replicate_tensor`), so both are live at once. None
-    where no axis gathers along a dim other than 0."""
+    """The divisor of what a redistribution from `have` to `want` holds beside its result: a
+    gather along a dim other than the first (`execute._gather`) copies the shard, gathers the
+    copy along dim 0 into a buffer and concatenates the buffer's pieces, so the copy (1/tp of
+    the result) and the buffer (the result's size) are live with it. None where no axis
+    gathers along a dim other than 0."""
     for h, w in zip(have, want):
         if h.startswith("S(") and not w.startswith("S(") and h != "S(0)":
-            return float(tp if any(p.startswith("S") for p in want) else 1)
+            whole = float(tp if any(p.startswith("S") for p in want) else 1)
+            return whole * tp / (tp + 1)
     return None
 
 

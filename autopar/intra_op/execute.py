@@ -183,21 +183,21 @@ def _even(x: DTensor, dim: int) -> bool:
 
 def _gather(x: DTensor, axis: int, dim: int) -> DTensor:
     """Shard(dim) -> Replicate along `axis`, dim != 0, even shards: DTensor's steps (an
-    all-gather along dim 0 into a buffer, the pieces concatenated along `dim`), with the buffer
-    freed as soon as the concatenation has it (its storage resized to 0, as FSDP frees unsharded
-    parameters): the process group's work keeps a reference to it for as long as its thread
-    runs, so dropping ours alone leaves its memory held into the next ops for a time that
-    varies from run to run (the memory model counts the buffer at the gather only)."""
+    all-gather along dim 0 into a buffer, the pieces concatenated along `dim`), on a copy of the
+    shard, with the buffer and the copy freed as soon as the concatenation has them (storages
+    resized to 0, as FSDP frees unsharded parameters): the process group's work keeps
+    references to its input and output for as long as its thread runs, so dropping ours alone
+    leaves their memory held into the next ops (the shard past its last reader) for a time
+    that varies from run to run. The memory model counts shard, copy, buffer and result at
+    the gather (`ilp_provider._gather_buffer`)."""
     mesh = x.device_mesh
     n = mesh.size(axis)
-    local = x.to_local()
-    src = local.contiguous()
+    src = x.to_local().clone(memory_format=torch.contiguous_format)
     buf = src.new_empty((n * src.shape[0],) + tuple(src.shape[1:]))
     dist.all_gather_into_tensor(buf, src, group=mesh.get_group(axis))
     full = torch.cat(buf.chunk(n, dim=0), dim=dim)
     buf.untyped_storage().resize_(0)
-    if src is not local:
-        src.untyped_storage().resize_(0)
+    src.untyped_storage().resize_(0)
     pl = list(x.placements)
     pl[axis] = Replicate()
     return DTensor.from_local(full, mesh, pl, run_check=False, shape=x.shape, stride=x.stride())
