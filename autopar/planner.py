@@ -271,7 +271,7 @@ def _op_layouts(graph: OpGraph, c: Candidate, layers: list[Layer], chunks: list,
     """{chunk position: its solved per-op layouts} for the tp chunks the runtime executes op by
     op (`autopar.intra_op.execute`), and why the others are not (for `plan.search`). Done so
     far: a model not pipelined, without ZeRO-3 (FSDP's units wrap modules, which the op-by-op
-    program does not call), with no or full recomputation; the rest runs by DTensor propagation."""
+    program does not call), with any recomputation; the rest runs by DTensor propagation."""
     tp_chunks = [pos for pos, ch in enumerate(chunks) if c.stages[ch[1]].tp > 1]
     if not tp_chunks:
         return {}, ""

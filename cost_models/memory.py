@@ -379,7 +379,7 @@ def _attention_heads_back(name: str, by_name: dict, device_type: Optional[str] =
     return _swaps_1_2(q)
 
 
-def _region_of(calls: list, rec: str, selective_region: str) -> dict[str, Optional[str]]:
+def checkpoint_region_of(calls: list, rec: str, selective_region: str) -> dict[str, Optional[str]]:
     """Each op -> the checkpointed region it runs in (None: not recomputed): the layer ("full"),
     or under `selective_region="module"` the layer's attention child, or the whole layer when it
     has none (what `engine.apply_recompute` wraps in torch.utils.checkpoint)."""
@@ -445,7 +445,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     rg = requires_grad(nodes)
     calls = [n for n in nodes if n.kind == "call"]
     core = attention_core(calls) if rec == "selective" and selective_region == "core" else set()
-    region = _region_of(calls, rec, selective_region)
+    region = checkpoint_region_of(calls, rec, selective_region)
     keep = None if layers is None else set(layers)
     mixed = dtype != "fp32"
     cuda_fp32 = CUDA_FP32_OPS if device_type == "cuda" and mixed else frozenset()

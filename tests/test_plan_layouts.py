@@ -120,3 +120,27 @@ def test_the_runtime_refuses_layouts_it_cannot_execute():
     bad.stages[0].op_layouts = tp.stages[0].op_layouts
     with pytest.raises(PlanError, match="op_layouts.*re-plan"):
         validate_plan(bad, model)
+
+
+def test_selective_recomputation_checkpoints_each_attention_child():
+    """recompute="selective" executed as solved: each block's checkpointed ops are those of its
+    attention child (what the memory model drops and the DTensor runtime would checkpoint). The
+    Megatron layout's all-reduce after the projection belongs to the residual add that reads it,
+    outside the child: nothing to re-run."""
+    from autopar.capture import capture
+    from autopar.planner import resolve_model
+
+    p = plan("gpt-tiny", _cpu(2), global_batch_size=8, dtype="fp32",
+             constraints=Constraints(dp=1, tp=2, pp=1, recompute="selective"))
+    lay = p.stages[0].op_layouts
+    assert lay is not None and p.stages[0].recompute == "selective"
+    b = resolve_model("gpt-tiny", None, None)
+    g = capture(b.model, b.example_inputs, name=b.name)
+    regions = lay.recompute_regions()
+    assert len(regions) == 2                                   # the two blocks
+    for i, ops in enumerate(regions):
+        paths = {g.node(o).module_path for o in ops}
+        assert all(x.startswith(f"blocks.{i}.attn") for x in paths), paths
+        inside = {n.name for n in g.calls if (n.module_path or "").startswith(f"blocks.{i}.attn")}
+        assert set(ops) == inside
+    assert "recompute" not in lay.collectives

@@ -50,9 +50,10 @@ LAYOUTS = {
     "gpt2_dp4_zero3": (HF_GPT2, dict(dp=4, tp=1, pp=1, zero_stage=3)),
     "gpt2_dp2xtp2": (HF_GPT2, dict(dp=2, tp=2, pp=1, zero_stage=0)),
     # tp stages not pipelined run op by op as solved (`StagePlan.op_layouts`, the executor):
-    # nanoGPT's fused qkv split, and Llama's 4 KV heads over tp 4 (a `view` of a sharded
+    # nanoGPT's fused qkv split (with selective recomputation: its attention child's ops one
+    # checkpointed region per block), and Llama's 4 KV heads over tp 4 (a `view` of a sharded
     # activation failed under DTensor propagation)
-    "nanogpt_tp4": (NANOGPT, dict(dp=1, tp=4, pp=1)),
+    "nanogpt_tp4_selective": (NANOGPT, dict(dp=1, tp=4, pp=1, recompute="selective")),
     "llama_kv4_tp4": (HF_LLAMA_KV4, dict(dp=1, tp=4, pp=1)),
     # full recomputation as solved: each block's ops one checkpointed region (the rotary
     # embedding's no_grad subgraph inside), its forward collectives re-run in the backward
@@ -129,8 +130,8 @@ def test_user_model_layouts_equal_one_process(layout: str, reference: dict, laun
         want = reference[LAYOUTS[layout][0]]
         assert len(got) == len(want) and all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(got, want)), (got, want)
     assert steps[-1]["collectives"] == p.predicted.collectives, (steps[-1]["collectives"], p.predicted.collectives)
-    # a tp stage outside a pipeline, without ZeRO-3 or selective recomputation, runs as solved
-    solved = p.tp > 1 and p.pp == 1 and p.stages[0].recompute != "selective" and not (p.zero_stage == 3 and p.dp > 1)
+    # a tp stage outside a pipeline, without ZeRO-3, runs as solved
+    solved = p.tp > 1 and p.pp == 1 and not (p.zero_stage == 3 and p.dp > 1)
     assert (p.stages[0].op_layouts is not None) == solved, p.search.get("tp_executor")
 
 

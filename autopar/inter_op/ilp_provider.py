@@ -197,10 +197,10 @@ def _gather_buffer(have: tuple, want: tuple, tp: int) -> float | None:
 
 def _differing(alt: LayerCost, c: LayerCost) -> dict | None:
     """`LayerCost.solved_acts`: the activation fields of `alt` (the executor's) that differ from
-    `c`'s, for the recompute policies the executor runs."""
+    `c`'s."""
     diff: dict = {}
     for k in ("act_bytes", "bwd_over", "bwd_over_rc", "bwd_over_body", "bwd_over_loss", "out_saved", "in_saved"):
-        d = {rc: v for rc, v in getattr(alt, k).items() if rc in ("none", "full") and v != getattr(c, k).get(rc)}
+        d = {rc: v for rc, v in getattr(alt, k).items() if v != getattr(c, k).get(rc)}
         if d:
             diff[k] = d
     if alt.loss_input_bytes != c.loss_input_bytes:

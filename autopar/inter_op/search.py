@@ -1049,6 +1049,5 @@ class _Progress:
 
 def op_by_op(cand: "Candidate") -> bool:
     """Whether the runtime executes the candidate's tp stage op by op as solved (the plan then
-    carries its layouts: `planner._op_layouts`): a tp stage not pipelined, without ZeRO-3 (with
-    selective recomputation it runs by DTensor propagation, whose figures these are)."""
+    carries its layouts: `planner._op_layouts`): a tp stage not pipelined, without ZeRO-3."""
     return cand.pp == 1 and cand.tp > 1 and not (cand.zero == 3 and cand.dp > 1)

@@ -82,7 +82,7 @@ class LayerCost:
     placements: dict[str, str] = field(default_factory=dict)      # FQN -> tp-axis placement
     issues: list[str] = field(default_factory=list)               # why this tp cannot hold
     # the activation fields as the op-by-op executor runs the layer (where an op reads a tensor
-    # redistributed, it saves that copy), for the recompute policies it runs ("none", "full"):
+    # redistributed, it saves that copy), per recompute policy:
     # field -> {policy: value}, where they differ from the DTensor-propagation runtime's
     # (`solved_variant`)
     solved_acts: Optional[dict[str, Any]] = None

@@ -23,6 +23,7 @@ from typing import Optional
 from autopar.capture.graph import OpGraph
 from autopar.inter_op.layers import Layer
 from autopar.schema.layouts import Junction, LayerOps, OpLayout, StageLayouts
+from cost_models.memory import checkpoint_region_of
 
 __all__ = ["stage_layouts"]
 
@@ -36,14 +37,28 @@ def _mapping(graph: OpGraph, rep: Layer, lay: Layer) -> dict[str, str]:
     return out
 
 
+def _recomputed(graph: OpGraph, lay: Layer, recompute: str) -> list[int]:
+    """Indices into `lay.nodes` of the ops `recompute` checkpoints (see `stage_layouts`)."""
+    if recompute == "none":
+        return []
+    block = [x for x, n in enumerate(lay.nodes) if n in lay.block_nodes]
+    if recompute == "full":
+        return block
+    region = checkpoint_region_of([graph.node(lay.nodes[x]) for x in block], "selective", "module")
+    return [x for x in block if region[lay.nodes[x]] is not None]
+
+
 def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, j: int, mb: int,
                   tp: int, recompute: str = "none") -> tuple[Optional[StageLayouts], str]:
     """The layouts of layers [k, j) at micro-batch `mb` on a tp mesh of `tp` (`solutions`: the
     ILP provider's {(signature, mb, tp): (solution, layer solved)}), or (None, why not). With
     `recompute="full"` each layer's block ops (`Layer.block_nodes`) form a checkpointed region,
-    their forward collectives re-run in the backward (phase "recompute")."""
-    if recompute not in ("none", "full"):
-        return None, f"recompute={recompute} is not executed op by op yet"
+    with "selective" those of them in the layer's attention child (the whole block when it has
+    none: what `cost_models.memory` counts with `selective_region="module"` and the DTensor
+    runtime's `engine.apply_recompute` checkpoints); their forward collectives re-run in the
+    backward (phase "recompute")."""
+    if recompute not in ("none", "selective", "full"):
+        return None, f"recompute={recompute} is not executed op by op"
     sigs: dict[str, int] = {}
     sig_lists: list[list[OpLayout]] = []
     lay_ops: list[LayerOps] = []
@@ -71,7 +86,7 @@ def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, 
                                        inputs=[tuple(x) for x in ch.input_placements],
                                        outputs=[tuple(x) for x in ch.output_placements])
                               for ch in (sol.op_choices[n] for n in rep.nodes)])
-        redo = [x for x, n in enumerate(lay.nodes) if n in lay.block_nodes] if recompute == "full" else []
+        redo = _recomputed(graph, lay, recompute)
         lay_ops.append(LayerOps(name=lay.name or str(i), signature=sigs[lay.signature], ops=list(lay.nodes),
                                 recomputed=redo))
         for n in rep.nodes:
