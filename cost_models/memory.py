@@ -428,8 +428,9 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     copy's divisor and a name for its layout; the copy, not the producer's tensor, is what the
     op saves (the gathered logits of a loss read whole, say); an optional third item, the
     divisor of what a gather along a dim other than the first holds beside the copy while it
-    concatenates (its buffer and its copy of the shard; None: nothing). None: the producer's
-    tensor."""
+    concatenates (its buffer and its copy of the shard; None: nothing); an optional fourth,
+    whether the copy is held until the last reader of the input (a junction: one
+    redistribution its readers share). None: the producer's tensor."""
     rec = "full" if recompute is True else ("none" if recompute is False else recompute)
     if rec not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
@@ -469,16 +470,16 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             at = "fp32"
         return o.nbytes * bytes_scale(o.dtype, at or dtype) / max(float(f), 1.0)
 
-    def read(n, name: str, at: Optional[str] = None) -> Optional[tuple[float, str, float]]:
-        # (bytes, layout tag, gather buffer bytes) of the copy op n reads `name` as, when it is
-        # redistributed
+    def read(n, name: str, at: Optional[str] = None) -> Optional[tuple[float, str, float, bool]]:
+        # (bytes, layout tag, gather buffer bytes, held until the last reader of `name`) of the
+        # copy op n reads `name` as, when it is redistributed
         rs = read_shard(n, name) if read_shard is not None and name != n.name else None
         if rs is None or not by_name[name].outputs:
             return None
         o = by_name[name].outputs[0]
         item = o.nbytes * bytes_scale(o.dtype, at or dtype)
         buf = item / max(float(rs[2]), 1.0) if len(rs) > 2 and rs[2] else 0.0
-        return item / max(float(rs[0]), 1.0), rs[1], buf
+        return item / max(float(rs[0]), 1.0), rs[1], buf, bool(len(rs) > 3 and rs[3])
 
     if read_shard is not None:
         was = dict(base)
@@ -544,6 +545,13 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                     continue
                 b = side(extra, n)
             saves.append((key, b, n))
+        if read_shard is not None and n.op in MATRIX_OPS:
+            # a weight the op reads redistributed (a vocabulary-sharded table gathered for a tied
+            # head): the copy is what its backward multiplies by, saved like an activation
+            for i in n.inputs:
+                copy = read(n, i) if i in by_name and by_name[i].kind == "param" else None
+                if copy is not None:
+                    saves.append((f"{i}@{copy[1]}", copy[0], n))
     nbytes_of: dict[str, float] = {}
     owner_layer: dict[str, Optional[str]] = {}
     owner_node: dict[str, str] = {}      # the first op saving it: autograd frees it after that op's backward
@@ -756,21 +764,29 @@ def _forward_over(calls: list, by_name: dict, base: dict, owner_node: dict, nbyt
                 made[start] += b
     extra = np.zeros(T)
     gather = np.zeros(T)
+    held_from: dict[str, tuple[int, float, str]] = {}   # a junction's copy: (first reader, bytes, input)
     for t, n in enumerate(calls):
         loss = n.op in LOSSES
         for k, i in enumerate(n.inputs):
             if i not in by_name:
                 continue
             r = read(n, i, "fp32" if loss and mixed else None)
+            if r is not None and r[3]:
+                held_from.setdefault(f"{i}@{r[1]}", (t, r[0], i))
             if loss and k == 0 and _floating(by_name[base.get(i, i)]):
                 # its per-element fp32 result (cross-entropy's log-softmax) beside its input
                 extra[t] += r[0] if r is not None else size(i, "fp32")
             if r is None:
                 continue
-            if saver.get(f"{i}@{r[1]}", T) > t and f"{i}@{r[1]}" not in copies:
+            if saver.get(f"{i}@{r[1]}", T) > t and f"{i}@{r[1]}" not in copies and not r[3]:
                 extra[t] += r[0]
             if r[2]:
                 gather[t] += r[0] + r[2]
+    for key, (start, b, i) in held_from.items():
+        end = min(last.get(base.get(i, i), start), saver.get(key, T) - 1)
+        if end >= start:
+            live[start] += b
+            live[end + 1] -= b
     held = np.cumsum(live[:T])
     saved = np.cumsum(saved_at[:T])
     moments = saved + held + extra

@@ -88,6 +88,13 @@ def test_predicted_peak_within_tolerance_of_tracked(measured, case):
 CATEGORY_MISSES = {
     "pp2_1f1b_full": "the tracked peak falls at another moment of the recomputed backward than the "
                      "predicted one: same total (-1.6%), activations and buffers split differently",
+    # the executor's gather of the logits (shard, its copy, buffer and result at once) and the
+    # loss's backward are predicted equal; the run holds 8 KiB more at the gather: the tied
+    # table's junction value, gathered for the embedding and kept until the head reads it (a
+    # tensor held across layers, which the per-layer model does not see)
+    "tp2": "the forward's gather moment tracked as the peak (+0.5% over the plan), the plan's is "
+           "the loss's backward: same total, activations and buffers split differently",
+    "tp2_full": "as tp2: the forward's gather moment against the loss's backward, same total",
 }
 
 

@@ -147,7 +147,7 @@ class IlpProvider(AnalyticProvider):
         fill_activations(c, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1, **names)
         # as the op-by-op executor runs the solution (which a stage not pipelined does): differs
         # only where some op reads an input redistributed (it saves that copy)
-        read = _read_shard(sol, tp)
+        read = _read_shard(sol, tp, {n.name: n.fqn for n in sub.nodes if n.kind == "param" and n.fqn})
         if any(read(n, i) for n in sub.calls for i in n.inputs):
             alt = LayerCost()
             fill_activations(alt, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
@@ -157,11 +157,19 @@ class IlpProvider(AnalyticProvider):
         return c
 
 
-def _read_shard(sol: ShardingSolution, tp: int):
+def _read_shard(sol: ShardingSolution, tp: int, params: dict[str, str] | None = None):
     """`activation_memory`'s `read_shard` for a solution on a 1-D tp mesh: where an op reads an
-    input in another layout than its producer gives it, the executor redistributes it and the
-    op saves that copy (its divisor: tp if the copy is sharded, else 1)."""
+    input in another layout than its producer gives it (or a parameter in another than it is
+    stored in: `params` maps their node names to FQNs), the executor redistributes it and the
+    op saves that copy (its divisor: tp if the copy is sharded, else 1); where the copy is the
+    tensor's junction value (one redistribution shared by its readers), the executor holds it
+    until the tensor's last reader."""
+    params = params or {}
+
     def produced(name: str):
+        if name in params:
+            pl = sol.param_placements.get(params[name])
+            return tuple(pl) if pl is not None else None
         ch = sol.op_choices.get(name)
         if ch is not None and ch.output_placements:
             return tuple(ch.output_placements[0])
@@ -178,7 +186,9 @@ def _read_shard(sol: ShardingSolution, tp: int):
         want, have = tuple(ch.input_placements[k]), produced(name)
         if have is None or want == have or "P" in want or "P" in have:
             return None
-        return (tp if any(p.startswith("S") for p in want) else 1), ",".join(want), _gather_buffer(have, want, tp)
+        j = sol.junctions.get(f"{name}#0")
+        held = j is not None and tuple(j[0]) == want      # the junction's value, kept for all readers
+        return (tp if any(p.startswith("S") for p in want) else 1), ",".join(want), _gather_buffer(have, want, tp), held
     return read
 
 

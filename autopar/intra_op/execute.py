@@ -630,6 +630,19 @@ class _PlanInterpreter(torch.fx.Interpreter):
         return self.alias.get(n, self.prefix + n.name)
 
     def run_node(self, n: torch.fx.Node) -> Any:
+        out = self._run_node(n)
+        if self.junction_values:
+            # a junction's redistributed value lives as long as its producer's last reader
+            # (a tied table gathered for the embedding is not held through the forward)
+            for v in self.user_to_last_uses.get(n, ()):
+                if v.op == "placeholder" and self.prefix:
+                    continue                # an outer tensor: the outer run owns its junction
+                pre = self.name_of(v) + "#"
+                for k in [k for k in self.junction_values if k.startswith(pre)]:
+                    del self.junction_values[k]
+        return out
+
+    def _run_node(self, n: torch.fx.Node) -> Any:
         if self.prefix == "" and self.prog.spans:
             span = self.prog.spans.get(n)
             if span is not None:
