@@ -545,13 +545,6 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                     continue
                 b = side(extra, n)
             saves.append((key, b, n))
-        if read_shard is not None and n.op in MATRIX_OPS:
-            # a weight the op reads redistributed (a vocabulary-sharded table gathered for a tied
-            # head): the copy is what its backward multiplies by, saved like an activation
-            for i in n.inputs:
-                copy = read(n, i) if i in by_name and by_name[i].kind == "param" else None
-                if copy is not None:
-                    saves.append((f"{i}@{copy[1]}", copy[0], n))
     nbytes_of: dict[str, float] = {}
     owner_layer: dict[str, Optional[str]] = {}
     owner_node: dict[str, str] = {}      # the first op saving it: autograd frees it after that op's backward

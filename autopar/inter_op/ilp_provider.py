@@ -161,7 +161,9 @@ def _read_shard(sol: ShardingSolution, tp: int, params: dict[str, str] | None = 
     """`activation_memory`'s `read_shard` for a solution on a 1-D tp mesh: where an op reads an
     input in another layout than its producer gives it (or a parameter in another than it is
     stored in: `params` maps their node names to FQNs), the executor redistributes it and the
-    op saves that copy (its divisor: tp if the copy is sharded, else 1); where the copy is the
+    op saves that copy (its divisor: tp if the copy is sharded, else 1; a parameter's copy is
+    not kept, the executor gathers it again for the backward: `execute._Regather`, so it counts
+    only while the op runs); where the copy is the
     tensor's junction value (one redistribution shared by its readers), the executor holds it
     until the tensor's last reader."""
     params = params or {}
@@ -198,11 +200,8 @@ def _gather_buffer(have: tuple, want: tuple, tp: int) -> float | None:
     copy along dim 0 into a buffer and concatenates the buffer's pieces, so the copy (1/tp of
     the result) and the buffer (the result's size) are live with it. None where no axis
     gathers along a dim other than 0."""
-    for h, w in zip(have, want):
-        if h.startswith("S(") and not w.startswith("S(") and h != "S(0)":
-            whole = float(tp if any(p.startswith("S") for p in want) else 1)
-            return whole * tp / (tp + 1)
-    return None
+    h, w = have[0], want[0]
+    return tp / (tp + 1) if h.startswith("S(") and h != "S(0)" and not w.startswith("S(") else None
 
 
 def _differing(alt: LayerCost, c: LayerCost) -> dict | None:

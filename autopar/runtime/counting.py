@@ -30,7 +30,7 @@ What the runtime's layouts issue (for planners matching the count):
   resharding after the last micro-batch only): all_gather = U·(M + 1), reduce_scatter = U.
 * tp, a stage with solved per-op layouts (`StagePlan.op_layouts`, executed op by op): the
   layouts' collectives per micro-batch (forward, backward, parameter-gradient redistributions,
-  and under full recomputation the region's forward collectives again), times M.
+  and under recomputation the checkpointed region's forward collectives again), times M.
 * tp otherwise: what DTensor's sharding propagation issues for the placements (measured, e.g. the zoo
   GPT with Megatron placements, 2 blocks: all_reduce 8 per micro-batch, no all_gather; a
   vocabulary-parallel output layer's cross-entropy adds 3 all-reduces, `vocab_loss`).
