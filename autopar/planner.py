@@ -23,7 +23,7 @@ from autopar.inter_op.dtensor_counts import LayerCounts, dtensor_stage_counts, d
 from autopar.inter_op.layers import Layer, build_layers
 from autopar.inter_op.search import Candidate, Search, SearchResult, StageResult, op_by_op
 from autopar.inter_op.stage_cost import AnalyticProvider
-from autopar.inter_op.stage_layouts import stage_layouts
+from autopar.inter_op.stage_layouts import produced_layouts, stage_layouts
 from autopar.models import ModelBundle, build_model
 from autopar.schema import ClusterSpec, Constraints, ModelInfo, Plan, PlanError, Prediction, StagePlan, StagePrediction
 from autopar.schema.layouts import StageLayouts
@@ -93,9 +93,20 @@ def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Optional[Sequen
     t1 = time.perf_counter()
     layers = build_layers(graph, bundle.model)
     provider = make_provider(intra_op, graph, layers, spec, dtype)
-    res = Search(graph, layers, spec, global_batch_size, dtype, cons, provider, progress).run()
+    res = Search(graph, layers, spec, global_batch_size, dtype, cons, provider, progress,
+                 loss_in_chunk=not _pipeline_family(bundle.model)).run()
     return assemble(bundle, graph, spec, res, global_batch_size, dtype, time.perf_counter() - t1,
                     loss_fn=loss_fn)
+
+
+def _pipeline_family(model: Any) -> bool:
+    """Whether the runtime pipelines `model` by its family (the zoo GPT and MLP, or a model
+    with `pipeline_loss`: `runtime.engine.family_of`), whose last stage hands its output to the
+    schedule's loss; else it cuts the traced model, the loss inside the last chunk."""
+    from autopar.models.gpt import GPT
+    from autopar.models.mlp import MLP
+
+    return isinstance(model, (GPT, MLP)) or callable(getattr(model, "pipeline_loss", None))
 
 
 # -- the Plan ----------------------------------------------------------------------------------
@@ -270,8 +281,10 @@ def _op_layouts(graph: OpGraph, c: Candidate, layers: list[Layer], chunks: list,
                 ) -> tuple[dict[int, StageLayouts], str]:
     """{chunk position: its solved per-op layouts} for the tp chunks the runtime executes op by
     op (`autopar.intra_op.execute`), and why the others are not (for `plan.search`). Done so
-    far: a model not pipelined, without ZeRO-3 (FSDP's units wrap modules, which the op-by-op
-    program does not call), with any recomputation; the rest runs by DTensor propagation."""
+    far: every chunk of a model, pipelined or not, when they share one tp degree, without
+    ZeRO-3 (FSDP's units wrap modules, which the op-by-op program does not call), with any
+    recomputation; the rest runs by DTensor propagation. All chunks or none: a pipeline
+    chunk hands the next one its tensors in their solved layouts."""
     tp_chunks = [pos for pos, ch in enumerate(chunks) if c.stages[ch[1]].tp > 1]
     if not tp_chunks:
         return {}, ""
@@ -279,14 +292,19 @@ def _op_layouts(graph: OpGraph, c: Candidate, layers: list[Layer], chunks: list,
     if solutions is None:
         return {}, "runs by DTensor propagation: the analytic provider solves no per-op layouts"
     if not op_by_op(c):
-        what = "pipeline chunks are" if len(chunks) > 1 else "ZeRO-3 is"
+        what = ("stages of different tensor-parallel degrees are" if len({s.tp for s in c.stages}) > 1
+                else "ZeRO-3 is")
         return {}, f"runs by DTensor propagation: {what} not executed op by op yet"
-    st = c.stages[chunks[0][1]]
-    k, j = chunks[0][3]
-    lay, why = stage_layouts(graph, layers, solutions, k, j, c.mb, st.tp, st.recompute)
-    if lay is None:
-        return {}, f"runs by DTensor propagation: {why}"
-    return {0: lay}, ""
+    out: dict[int, StageLayouts] = {}
+    earlier: dict[str, tuple[str, ...]] = {}
+    for pos, (_, d, _, (k, j)) in enumerate(chunks):
+        st = c.stages[d]
+        lay, why = stage_layouts(graph, layers, solutions, k, j, c.mb, st.tp, st.recompute, earlier)
+        if lay is None:
+            return {}, f"runs by DTensor propagation: {why}"
+        earlier.update(produced_layouts(lay))
+        out[pos] = lay
+    return out, ""
 
 
 def _recomputed(dry: LayerCounts, i: int, recompute: str) -> Counter:

@@ -59,10 +59,44 @@ def test_copies_of_a_layer_share_one_list_of_layouts():
 
 def test_a_stage_not_executed_op_by_op_says_why():
     p = plan("gpt-tiny", _cpu(4), global_batch_size=8, dtype="fp32",
-             constraints=Constraints(dp=1, tp=2, pp=2, schedule="1f1b", num_microbatches=2))
+             constraints=Constraints(dp=2, tp=2, pp=1, zero_stage=3))
     assert all(s.op_layouts is None for s in p.stages)
-    assert "pipeline" in p.search["tp_executor"]
+    assert "ZeRO-3" in p.search["tp_executor"]
     assert "tensor parallelism runs by DTensor propagation" in p.summary()
+
+
+def test_every_pipeline_chunk_carries_its_layouts_and_what_it_receives():
+    """A pipelined tp plan: each chunk's ops as solved, and the tensors a chunk receives (made
+    by an earlier chunk, read by it or a later one) in the layout their producer's solution
+    leaves them, which the readers' solutions assumed. The predicted collectives are the
+    chunks' per micro-batch times the micro-batches, plus one send per crossing tensor and
+    gradient and the sum of the tied table's gradient over its two stages."""
+    from autopar.capture import capture
+    from autopar.inter_op.stage_layouts import produced_layouts
+    from autopar.planner import resolve_model
+
+    p = plan("gpt-tiny", _cpu(4), global_batch_size=8, dtype="fp32",
+             constraints=Constraints(dp=1, tp=2, pp=2, schedule="1f1b", num_microbatches=2))
+    first, second = (s.op_layouts for s in sorted(p.stages, key=lambda s: s.index))
+    assert first is not None and second is not None and "tp_executor" not in p.search
+    assert first.receives == {}
+    b = resolve_model("gpt-tiny", None, None)
+    g = capture(b.model, b.example_inputs, name=b.name)
+    made = {o for layer in first.layers for o in layer.ops}
+    read = {a for layer in second.layers for o in layer.ops for a in g.node(o).inputs}
+    assert set(second.receives) == made & read and second.receives      # the residual stream
+    made_as = produced_layouts(first)
+    assert all(second.receives[n] == made_as[n] for n in second.receives)
+    m = p.num_microbatches
+    want: Counter = Counter()
+    for lay in (first, second):
+        for phase in ("forward", "backward", "grad_sync", "recompute"):
+            want.update({k: m * v for k, v in lay.collectives.get(phase, {}).items()})
+    want["send_recv"] += 2 * m            # the hidden states forward, their gradient back
+    want["all_reduce"] += 1               # the tied table's gradient, summed over its two stages
+    assert p.predicted.collectives == dict(want)
+    q = Plan.from_json(p.to_json())
+    assert [s.op_layouts for s in q.stages] == [s.op_layouts for s in p.stages]
 
 
 def test_gradients_of_tensors_entering_a_layer_are_costed():
@@ -102,8 +136,9 @@ def test_gradients_of_tensors_entering_a_layer_are_costed():
 
 
 def test_the_runtime_refuses_layouts_it_cannot_execute():
-    """A plan whose op_layouts sit on a stage the runtime would not run op by op (here a
-    pipeline) is refused with the fix, not run another way in silence."""
+    """A plan whose op_layouts the runtime would not run as solved (here a pipeline where one
+    chunk has them and the other not: a chunk hands the next its tensors in solved layouts) is
+    refused with the fix, not run another way in silence."""
     import pytest
 
     from autopar.planner import resolve_model
@@ -116,8 +151,9 @@ def test_the_runtime_refuses_layouts_it_cannot_execute():
               constraints=Constraints(dp=1, tp=2, pp=2, schedule="1f1b", num_microbatches=2))
     model = resolve_model("gpt-tiny", None, None).model
     validate_plan(tp, model)                                         # runs as solved
+    validate_plan(pp, model)
     bad = pp.model_copy(deep=True)
-    bad.stages[0].op_layouts = tp.stages[0].op_layouts
+    bad.stages[1].op_layouts = None
     with pytest.raises(PlanError, match="op_layouts.*re-plan"):
         validate_plan(bad, model)
 

@@ -4,7 +4,9 @@ nanoGPT written as a user would (`tests.user_models`: fused qkv split in three, 
 `pipeline_loss`; its pipeline stages are cut from the traced model (`runtime.graph_stages`).
 So are those of `GatedLM` (two tensors made before the first layer cross every boundary) and of
 Hugging Face GPT-2 and Llama (position ids, a causal mask, rotary tables), and their ZeRO-3
-units are the plan's (`StagePlan.fsdp_units`). Each plan comes from `autopar.plan` pinned to
+units are the plan's (`StagePlan.fsdp_units`). With tensor parallelism (ZeRO-3 aside) the
+stages, pipelined or not, run op by op as solved instead (`intra_op.execute`,
+`intra_op.pipeline_chunks`: the exported program cut into chunks). Each plan comes from `autopar.plan` pinned to
 the layout and runs on 4 gloo processes through `autopar.runtime.run`: losses equal to one
 process within 1e-4, collectives as the plan counts them (after the first step, which carries
 torch.pipelining's warm-up)."""
@@ -36,7 +38,9 @@ LAYOUTS = {
     "nanogpt_pp4_1f1b": (NANOGPT, dict(dp=1, tp=1, pp=4, schedule="1f1b", num_microbatches=4)),
     "nanogpt_pp2xdp2_gpipe_zero3": (NANOGPT, dict(dp=2, tp=1, pp=2, schedule="gpipe", num_microbatches=2,
                                                   zero_stage=3)),
-    "nanogpt_pp2xtp2_gpipe": (NANOGPT, dict(dp=1, tp=2, pp=2, schedule="gpipe", num_microbatches=2)),
+    # tp inside pipeline chunks runs as solved (`intra_op.pipeline_chunks`): two chunks per rank
+    "nanogpt_pp2xtp2_interleaved": (NANOGPT, dict(dp=1, tp=2, pp=2, schedule="interleaved_1f1b",
+                                                  virtual_stages=2, num_microbatches=2)),
     "nanogpt_pp2xdp2_interleaved": (NANOGPT, dict(dp=2, tp=1, pp=2, schedule="interleaved_1f1b", virtual_stages=2,
                                                   num_microbatches=2)),
     # a gate (needing a gradient) and a boolean mask made before the first layer cross every
@@ -70,8 +74,8 @@ LAYOUTS = {
                                                  zero_stage=3)),
     "gpt2_pp2xdp2_interleaved": (HF_GPT2, dict(dp=2, tp=1, pp=2, schedule="interleaved_1f1b",
                                                virtual_stages=2, num_microbatches=2)),
-    # tp inside traced chunks: the CPU attention kernel gets the traced causal mask whole
-    # (`spmd.register_extra_strategies`), the rotary tables crossing need no gradient
+    # tp inside pipeline chunks, as solved: position ids, the causal mask and the rotary tables
+    # cross the boundary in their solved layouts (the tables need no gradient)
     "gpt2_pp2xtp2_gpipe": (HF_GPT2, dict(dp=1, tp=2, pp=2, schedule="gpipe", num_microbatches=2)),
     "llama_pp2xtp2_gpipe": (HF_LLAMA, dict(dp=1, tp=2, pp=2, schedule="gpipe", num_microbatches=2)),
 }
@@ -130,9 +134,9 @@ def test_user_model_layouts_equal_one_process(layout: str, reference: dict, laun
         want = reference[LAYOUTS[layout][0]]
         assert len(got) == len(want) and all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(got, want)), (got, want)
     assert steps[-1]["collectives"] == p.predicted.collectives, (steps[-1]["collectives"], p.predicted.collectives)
-    # a tp stage outside a pipeline, without ZeRO-3, runs as solved
-    solved = p.tp > 1 and p.pp == 1 and not (p.zero_stage == 3 and p.dp > 1)
-    assert (p.stages[0].op_layouts is not None) == solved, p.search.get("tp_executor")
+    # every tp stage without ZeRO-3, pipelined or not, runs as solved
+    solved = p.tp > 1 and not (p.zero_stage == 3 and p.dp > 1)
+    assert all((s.op_layouts is not None) == solved for s in p.stages), p.search.get("tp_executor")
 
 
 def test_tensors_made_before_the_first_layer_are_carried_through_every_chunk():
@@ -184,11 +188,12 @@ def test_a_chunk_counted_without_its_own_dry_run_is_said_in_the_plan(monkeypatch
     its summary, not silently."""
     import autopar.planner as planner
 
-    cons = autopar.Constraints(dp=1, tp=2, pp=2, schedule="gpipe", num_microbatches=2)
-    assert "tp_counts_fallback" not in plan(NANOGPT, _cluster(4), global_batch_size=8, dtype="fp32",
+    # tp with ZeRO-3 runs by DTensor propagation (not op by op as solved): counted by dry runs
+    cons = autopar.Constraints(dp=2, tp=2, pp=2, schedule="gpipe", num_microbatches=2, zero_stage=3)
+    assert "tp_counts_fallback" not in plan(NANOGPT, _cluster(8), global_batch_size=8, dtype="fp32",
                                             constraints=cons).search
     monkeypatch.setattr(planner, "dtensor_stage_counts", lambda *a, **k: None)   # every chunk's run fails
-    p = plan(NANOGPT, _cluster(4), global_batch_size=8, dtype="fp32", constraints=cons)
+    p = plan(NANOGPT, _cluster(8), global_batch_size=8, dtype="fp32", constraints=cons)
     assert p.search["tp_counts_fallback"].startswith("chunk 0: its dry run failed, tp collectives from the whole")
     assert "chunk 1: its dry run failed" in p.search["tp_counts_fallback"]
     assert "counted another way for chunk 0" in p.summary()

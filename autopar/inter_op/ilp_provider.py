@@ -212,6 +212,4 @@ def _differing(alt: LayerCost, c: LayerCost) -> dict | None:
         d = {rc: v for rc, v in getattr(alt, k).items() if v != getattr(c, k).get(rc)}
         if d:
             diff[k] = d
-    if alt.loss_input_bytes != c.loss_input_bytes:
-        diff["loss_input_bytes"] = alt.loss_input_bytes
     return diff or None

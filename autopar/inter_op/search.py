@@ -440,7 +440,12 @@ def divisors(n: int) -> list[int]:
 
 class Search:
     def __init__(self, graph: OpGraph, layers: list[Layer], cluster: ClusterSpec, gbs: int, dtype: str,
-                 cons: Constraints, provider=None, progress: bool = False) -> None:
+                 cons: Constraints, provider=None, progress: bool = False, loss_in_chunk: bool = False) -> None:
+        """`loss_in_chunk`: the runtime computes the loss inside a last pipeline chunk (a model
+        cut from its trace, `runtime.graph_stages`), which then keeps no loss input; a zoo
+        family's last stage hands its output (the logits) to the schedule's loss and keeps it
+        until the backward. A chunk run op by op as solved computes its loss inside too."""
+        self.loss_in_chunk = loss_in_chunk
         self.graph, self.layers, self.cluster = graph, layers, cluster
         self.gbs, self.dtype, self.cons = gbs, dtype, cons
         self.provider = provider or AnalyticProvider(graph, layers, cluster, dtype)
@@ -794,6 +799,8 @@ class Search:
             costs = self._layer_costs(mb, tp)
             if solved:
                 costs = [c.solved_variant() for c in costs]
+            elif self.loss_in_chunk and costs and costs[-1].loss_input_bytes:
+                costs = costs[:-1] + [dataclasses.replace(costs[-1], loss_input_bytes=0.0)]
             batch = (self.input_bytes[0] * self.gbs / dp, sum(self.input_bytes[1:]) * self.gbs / dp)
             self._tables_cache[key] = _Tables(costs, self.cluster, self.dtype, dp, tp, zero, self.layers, batch)
         return self._tables_cache[key]
@@ -1048,6 +1055,7 @@ class _Progress:
 
 
 def op_by_op(cand: "Candidate") -> bool:
-    """Whether the runtime executes the candidate's tp stage op by op as solved (the plan then
-    carries its layouts: `planner._op_layouts`): a tp stage not pipelined, without ZeRO-3."""
-    return cand.pp == 1 and cand.tp > 1 and not (cand.zero == 3 and cand.dp > 1)
+    """Whether the runtime executes the candidate's tp stages op by op as solved (the plan then
+    carries their layouts: `planner._op_layouts`): every stage of one tp degree above 1,
+    pipelined or not, without ZeRO-3."""
+    return cand.tp > 1 and not cand.hetero_tps and not (cand.zero == 3 and cand.dp > 1)

@@ -88,15 +88,15 @@ class LayerCost:
     solved_acts: Optional[dict[str, Any]] = None
 
     def solved_variant(self) -> "LayerCost":
-        """This cost as the executor runs the layer (itself when no field differs)."""
-        if not self.solved_acts:
+        """This cost as the executor runs the layer (itself when nothing differs). The executor
+        computes a loss inside the program (a last pipeline chunk's output is the loss), so no
+        loss input is kept for a schedule's loss function."""
+        if not self.solved_acts and not self.loss_input_bytes:
             return self
         out = LayerCost(**{k: getattr(self, k) for k in self.__dataclass_fields__})
-        for k, v in self.solved_acts.items():
-            if k == "loss_input_bytes":
-                out.loss_input_bytes = v
-            else:
-                setattr(out, k, {**getattr(self, k), **v})
+        out.loss_input_bytes = 0.0
+        for k, v in (self.solved_acts or {}).items():
+            setattr(out, k, {**getattr(self, k), **v})
         return out
 
     @property

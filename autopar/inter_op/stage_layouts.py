@@ -25,7 +25,7 @@ from autopar.inter_op.layers import Layer
 from autopar.schema.layouts import Junction, LayerOps, OpLayout, StageLayouts
 from cost_models.memory import checkpoint_region_of
 
-__all__ = ["stage_layouts"]
+__all__ = ["stage_layouts", "produced_layouts", "crossing"]
 
 
 def _mapping(graph: OpGraph, rep: Layer, lay: Layer) -> dict[str, str]:
@@ -48,15 +48,38 @@ def _recomputed(graph: OpGraph, lay: Layer, recompute: str) -> list[int]:
     return [x for x in block if region[lay.nodes[x]] is not None]
 
 
+def produced_layouts(lay: StageLayouts) -> dict[str, tuple[str, ...]]:
+    """{op name: the layout its (first) output leaves in} of a stage's ops."""
+    out: dict[str, tuple[str, ...]] = {}
+    for lo in lay.layers:
+        for name, ol in zip(lo.ops, lay.signatures[lo.signature]):
+            if ol.outputs:
+                out[name] = tuple(ol.outputs[0])
+    return out
+
+
+def crossing(graph: OpGraph, layers: list[Layer], k: int) -> list[str]:
+    """The tensors a pipeline chunk starting at layer `k` receives: made by the ops of layers
+    before it and read by an op of it or of a later layer, in graph order."""
+    if k == 0:
+        return []
+    before = [n for lay in layers[:k] for n in lay.nodes]
+    read = {a for lay in layers[k:] for n in lay.nodes for a in graph.node(n).inputs}
+    return [n for n in before if n in read]
+
+
 def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, j: int, mb: int,
-                  tp: int, recompute: str = "none") -> tuple[Optional[StageLayouts], str]:
+                  tp: int, recompute: str = "none", earlier: Optional[dict[str, tuple[str, ...]]] = None
+                  ) -> tuple[Optional[StageLayouts], str]:
     """The layouts of layers [k, j) at micro-batch `mb` on a tp mesh of `tp` (`solutions`: the
     ILP provider's {(signature, mb, tp): (solution, layer solved)}), or (None, why not). With
     `recompute="full"` each layer's block ops (`Layer.block_nodes`) form a checkpointed region,
     with "selective" those of them in the layer's attention child (the whole block when it has
     none: what `cost_models.memory` counts with `selective_region="module"` and the DTensor
     runtime's `engine.apply_recompute` checkpoints); their forward collectives re-run in the
-    backward (phase "recompute")."""
+    backward (phase "recompute"). `earlier`: for a pipeline chunk after the first, the layouts
+    the ops of the chunks before it leave their outputs in (`produced_layouts`): a tensor this
+    chunk receives must arrive as its readers' solutions assumed, and `receives` records them."""
     if recompute not in ("none", "selective", "full"):
         return None, f"recompute={recompute} is not executed op by op"
     sigs: dict[str, int] = {}
@@ -113,11 +136,17 @@ def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, 
             counts[c.phase][c.kind] += max(1, len(c.mesh_axes))
             if c.phase == "forward" and c.op in block:
                 counts["recompute"][c.kind] += max(1, len(c.mesh_axes))
+    earlier = earlier or {}
     for name, (want, where) in entering.items():
-        have = produced.get(name)
+        have = produced.get(name, earlier.get(name))
         if have is not None and have != want:
             return None, (f"{name} leaves its layer laid out {have}, but {where}'s solution assumed "
                           f"{want}: the redistribution between them is in no solution")
+    receives: dict[str, tuple[str, ...]] = {}
+    for name in crossing(graph, layers, k):
+        if name not in earlier:
+            return None, f"{name} crosses into layer {layers[k].name or k} with no solved layout"
+        receives[name] = earlier[name]
     return StageLayouts(model_axes=axes, signatures=sig_lists, layers=lay_ops, inputs=inputs, params=params,
-                        junctions=junctions,
+                        junctions=junctions, receives=receives,
                         collectives={ph: dict(c) for ph, c in counts.items() if c}), ""

@@ -397,8 +397,10 @@ class ShardedProgram(nn.Module):
 
     def __init__(self, model: nn.Module, wrapped: nn.Module, program: Any, solution: ShardingSolution,
                  mesh: DeviceMesh, names: Optional[list[str]], inputs: str = "full",
-                 device: Optional[torch.device] = None, recompute: Sequence[Sequence[str]] = ()) -> None:
+                 device: Optional[torch.device] = None, recompute: Sequence[Sequence[str]] = (),
+                 own: Optional[set[str]] = None) -> None:
         super().__init__()
+        self.own = own                      # set: only these parameters are this rank's (a pipeline)
         self.run_device = device            # set: the program was traced on meta, runs here
         self.model = model
         self._wrapped = [wrapped]           # not a submodule: `model` already is
@@ -478,6 +480,8 @@ class ShardedProgram(nn.Module):
         sol, mesh = self.solution, self.mesh
 
         def make(fqn: str, p: nn.Parameter) -> nn.Parameter:
+            if self.own is not None and fqn not in self.own:
+                return p                    # another pipeline chunk's: stays on meta
             spec = sol.param_placements.get(fqn, ("R",) * mesh.ndim)
             if len(spec) != mesh.ndim:
                 raise PlanError(f"placement {tuple(spec)} of {fqn} has {len(spec)} entries for a "
@@ -605,6 +609,23 @@ class _PlanInterpreter(torch.fx.Interpreter):
         self.regather = parent.regather if parent else _Regather()
         self.alias_outputs: dict[torch.fx.Node, list[str]] = {}   # wrapper -> its outputs' names
         self.node_name = ""
+
+    def run_span(self, nodes: Sequence[torch.fx.Node], env: dict, keep: set) -> Any:
+        """Run `nodes` (a contiguous run of the program, a pipeline chunk) from `env` (the
+        placeholders and received tensors they read); a value is dropped after its last reader
+        unless in `keep` (what the chunk sends on). Returns the output node's value when the
+        run reaches it, else None (what to send is in `self.env`)."""
+        self.env = env
+        for node in nodes:
+            if node in self.env:
+                continue
+            self.env[node] = self.run_node(node)
+            for v in self.user_to_last_uses.get(node, ()):
+                if v not in keep:
+                    self.env.pop(v, None)
+            if node.op == "output":
+                return self.env[node]
+        return None
 
     def release(self) -> None:
         """Drop the tensors the run holds (its environment, the junctions' redistributed values)."""

@@ -81,7 +81,7 @@ def check_plan(plan: Plan, bundle: ModelBundle, *, world_size: Optional[int] = N
 
     validate_plan(plan, bundle.model)
     stages = sorted(plan.stages, key=lambda s: s.index)
-    if len(stages) > 1:
+    if len(stages) > 1 and stages[0].op_layouts is None:
         try:
             family_of(bundle.model)
         except PlanError:

@@ -298,9 +298,11 @@ def validate_plan(plan: Plan, model: nn.Module) -> dict:
         if missing:
             raise PlanError(f"the plan's stages leave parameters out: {', '.join(missing[:5])}")
     solved = [s.index for s in stages if s.op_layouts is not None]
-    if solved and (pp > 1 or fsdp_sharded(plan, stages) or stages[0].axis_size("tp") < 2):
-        raise PlanError(f"stage {solved[0]} carries op_layouts, which the runtime executes only for a "
-                        f"tensor-parallel stage outside a pipeline and without ZeRO-3; re-plan with `autopar plan`")
+    if solved and (fsdp_sharded(plan, stages) or stages[0].axis_size("tp") < 2 or len(solved) < nst
+                   or len(_mesh_kinds(stages)) > 1):
+        raise PlanError(f"stage {solved[0]} carries op_layouts, which the runtime executes only for "
+                        f"tensor-parallel stages of one mesh, every stage solved, without ZeRO-3; "
+                        f"re-plan with `autopar plan`")
     names = dict(model.named_parameters(remove_duplicate=False))
     for s in stages:
         for fqn, pl in s.placements.items():
@@ -552,7 +554,40 @@ class ParallelModel:
         """The dtype parameter `p` computes in: the plan's low precision for floating ones."""
         return self.low if self.low is not None and p.is_floating_point() else p.dtype
 
+    def _build_solved_pipeline(self) -> None:
+        """A pipeline whose chunks run op by op as solved (every stage carries `op_layouts`):
+        each of the rank's chunks a `ProgramChunk` of the model's program
+        (`autopar.intra_op.pipeline_chunks`) on the stage's tp sub-mesh, held by a torch
+        PipelineStage; only the parameters the rank's chunks read are materialised."""
+        from autopar.intra_op.pipeline_chunks import parallelize_chunks
+
+        self.family = None
+        self.hetero = False
+        self._build_pp_groups()
+        mine = [i for i, s in enumerate(self.stages) if self.rank in s.devices]
+        sol = _merged_solution([self.stages[i].op_layouts for i in mine], (self.tp_size,))
+        chunk_ops = [[op for lay in s.op_layouts.layers for op in lay.ops] for s in self.stages]
+        receives = [s.op_layouts.receives for s in self.stages]
+        chunks, params = parallelize_chunks(
+            self.model, self._real_microbatch(), sol, self.my_mesh.tp_mesh, chunk_ops, receives, mine,
+            materialize=lambda own: materialize(self.model, seed=self.seed, device=self.device,
+                                                aliases=self.aliases, only=own),
+            aliases=self.aliases, device=self.device, autocast=self._autocast_ctx,
+            compute_dtype=self._compute_dtype, param_dtype=self.low,
+            recompute=[r for i in mine for r in self.stages[i].op_layouts.recompute_regions()])
+        self.chunk_params = dict(enumerate(params))
+        self.pipe_stages, self.local_modules, self.fed_chunks = [], [], []
+        for ch in chunks:
+            self.fed_chunks.append(ch)
+            self.pipe_stages.append(self._make_stage(ch, ch.index, *ch.examples))
+            self.local_modules.append(ch.holder)
+        self.runner = None
+        self._make_schedule()
+
     def _build_pipeline(self) -> None:
+        if self.stages[0].op_layouts is not None:
+            self._build_solved_pipeline()
+            return
         try:
             self.family: Optional[Family] = family_of(self.model)
         except PlanError:
@@ -1051,6 +1086,22 @@ class ParallelModel:
         for n, p in self.local_named_parameters():
             out[n] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
         return out
+
+
+def _merged_solution(layouts: Sequence[Any], mesh_shape: tuple[int, ...]) -> Any:
+    """One ShardingSolution of several chunks' `StageLayouts` (a rank's interleaved chunks): a
+    parameter two of them read must be stored in one layout."""
+    sols = [lay.solution(mesh_shape) for lay in layouts]
+    out = sols[0]
+    for s in sols[1:]:
+        for fqn, pl in s.param_placements.items():
+            if out.param_placements.setdefault(fqn, pl) != pl:
+                raise PlanError(f"{fqn} is read in two layouts by chunks of one rank "
+                                f"({out.param_placements[fqn]} and {pl}); re-plan with `autopar plan`")
+        out.op_choices.update(s.op_choices)
+        out.input_placements.update(s.input_placements)
+        out.junctions.update(s.junctions)
+    return out
 
 
 class LocalBatch(tuple):

@@ -53,13 +53,14 @@ def canonical_names(model: nn.Module) -> dict[str, str]:
 
 def materialize(module: nn.Module, *, seed: int, device: torch.device | str = "cpu",
                 aliases: dict[str, str] | None = None, prefix: str = "",
-                template: nn.Module | None = None) -> None:
+                template: nn.Module | None = None, only: set[str] | None = None) -> None:
     """Replace every meta parameter/buffer of `module` by a real one on `device`, initialised
     deterministically from (seed, canonical FQN). Parameters shared inside `module`, or tied in the
     model (equal canonical names in `aliases`), are one parameter.
     `template`: the model `module`'s submodules were traced from (a traced pipeline chunk holds
     the tracer's stand-ins, not the model's classes): the owner a value depends on (a norm's
-    weight) is looked up there under the same name."""
+    weight) is looked up there under the same name. `only`: the canonical names of the
+    parameters to make real (a pipeline rank's); the others stay on meta."""
     aliases = aliases or {}
     made: dict[int, nn.Parameter] = {}
     made_as: dict[str, nn.Parameter] = {}     # by canonical name
@@ -75,6 +76,8 @@ def materialize(module: nn.Module, *, seed: int, device: torch.device | str = "c
                 continue
             fqn = f"{prefix}{mod_name}.{pname}" if mod_name else f"{prefix}{pname}"
             key = aliases.get(fqn, fqn)
+            if only is not None and key not in only:
+                continue
             if id(p) in made or key in made_as:
                 # shared in `module`, or tied in the model under another name (a traced chunk
                 # holds a tied weight as two stand-ins): one parameter

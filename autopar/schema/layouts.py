@@ -59,6 +59,10 @@ class StageLayouts(_Model):
     inputs: dict[str, Layout] = Field(default_factory=dict, description="model inputs' layouts")
     params: dict[str, Layout] = Field(default_factory=dict, description="parameter FQN -> layout")
     junctions: dict[str, Junction] = Field(default_factory=dict, description="'op#output' -> junction")
+    receives: dict[str, Layout] = Field(
+        default_factory=dict, description="a pipeline chunk after the first: every tensor it receives from "
+        "the chunk before (made earlier, read by it or a later chunk; the program's order), in the layout its "
+        "producer's op leaves it in, which is the layout every later reader's solution assumed")
     collectives: dict[str, dict[str, int]] = Field(
         default_factory=dict, description="per phase (forward, backward, grad_sync, and recompute: the "
         "forward collectives the backward re-runs): collectives of one micro-batch by kind, as the executor "

@@ -20,7 +20,8 @@ from autopar.schema.constraints import Recompute, Schedule
 from autopar.schema.errors import PlanError
 from autopar.schema.layouts import StageLayouts
 
-PLAN_FORMAT_VERSION = 3
+# 4: pipeline chunks carry op_layouts (`StageLayouts.receives`); 3 added op_layouts
+PLAN_FORMAT_VERSION = 4
 
 TrainingDtype = Literal["fp32", "bf16", "fp16"]
 TRAINING_DTYPES: tuple[str, ...] = get_args(TrainingDtype)
