@@ -80,30 +80,49 @@ class IlpProvider(AnalyticProvider):
         return {i for n in layer.nodes for i in self.graph.node(n).inputs
                 if i not in mine and self.graph.node(i).kind == "call" and rg.get(i, False)}
 
-    def _analyze(self, layer: Layer, mb: int, tp: int) -> LayerCost:
-        base = super()._analyze(layer, mb, tp)
-        if tp == 1:
-            return base
+    def _solve(self, layer: Layer, mb: int, tp: int, interleaved: bool) -> ShardingSolution:
         from autopar.intra_op import solve_graph
 
         g = self.graph_at(mb, layer)
         mesh = logical_mesh(self.cluster, list(range(tp)), (tp,))
-        pins = self._pins(layer, mb, tp)
+        # the layer's input arriving as the previous identical layer leaves it, and the tp axis
+        # as the runtime runs it: model parallelism, every tp rank holding the whole micro-batch
+        # (no batch split on it)
+        sol = solve_graph(g, mesh, dtype=self.dtype, nodes=list(layer.nodes), time_limit_s=self.time_limit_s,
+                          interleaved_splits=interleaved, cyclic_boundary=True,
+                          batch_dims=self.batch_dims, token_dims=self.token_dims, model_axes=(0,),
+                          fixed_params=self._pins(layer, mb, tp), grad_inputs=self._grad_inputs(layer))
+        self.solves += 1
+        self.solve_s += sol.solve_time_s
+        return sol
+
+    def _analyze(self, layer: Layer, mb: int, tp: int) -> LayerCost:
+        """Two runtimes execute a tp layer: the executor, op by op as solved, which can hold a
+        fused projection's weight rows chunk-interleaved (Megatron's QKV layout: each rank's
+        shard holds its heads of q, k and v, so the split into q, k, v blocks needs no gather);
+        and DTensor propagation (tp under ZeRO-3), which shards a weight contiguously. The
+        layer is solved for the executor first; where that solution interleaves a weight, again
+        without, for the other. The executor's cost is `LayerCost.solved`."""
+        base = super()._analyze(layer, mb, tp)
+        if tp == 1:
+            return base
         try:
-            # as the runtime executes it: a contiguously sharded fused weight (no interleaved
-            # rows), and the layer's input arriving as the previous identical layer leaves it
-            # and the tp axis as the runtime runs it: model parallelism, every tp rank holding the
-            # whole micro-batch (no batch split on it)
-            sol = solve_graph(g, mesh, dtype=self.dtype, nodes=list(layer.nodes), time_limit_s=self.time_limit_s,
-                              interleaved_splits=False, cyclic_boundary=True,
-                              batch_dims=self.batch_dims, token_dims=self.token_dims, model_axes=(0,),
-                              fixed_params=pins, grad_inputs=self._grad_inputs(layer))
+            sol = self._solve(layer, mb, tp, interleaved=True)
+            plain = self._solve(layer, mb, tp, interleaved=False) if sol.param_layouts else sol
         except PlanError as e:
             base.issues.append(f"intra-op ILP on tp={tp}: {e}")
             return base
-        self.solves += 1
-        self.solve_s += sol.solve_time_s
         self.solutions[(layer.signature, mb, tp)] = (sol, layer)
+        c = self._cost_of(plain, layer, mb, tp, base, executor=sol is plain)
+        if sol is not plain:
+            c.solved = self._cost_of(sol, layer, mb, tp, base, executor=True)
+        return c
+
+    def _cost_of(self, sol: ShardingSolution, layer: Layer, mb: int, tp: int, base: LayerCost,
+                 executor: bool) -> LayerCost:
+        """The LayerCost of running `layer` as `sol` shards it. `executor`: also as the
+        op-by-op executor keeps its activations (`solved_acts`)."""
+        g = self.graph_at(mb, layer)
         c = LayerCost()
         by_phase: dict[str, float] = Counter()
         c.coll_fwd, c.coll_bwd, c.coll_rc, c.coll_step = Counter(), Counter(), Counter(), Counter()
@@ -145,15 +164,17 @@ class IlpProvider(AnalyticProvider):
         shard = lambda node: tp if node.name in sharded else 1  # noqa: E731
         names = self.boundary_names(layer)
         fill_activations(c, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1, **names)
-        # as the op-by-op executor runs the solution (which a stage not pipelined does): differs
-        # only where some op reads an input redistributed (it saves that copy)
+        c.issues = list(base.issues)          # the runtime shards heads Megatron-style
+        if not executor:
+            return c
+        # as the op-by-op executor runs the solution: differs only where some op reads an input
+        # redistributed (it saves that copy)
         read = _read_shard(sol, tp, {n.name: n.fqn for n in sub.nodes if n.kind == "param" and n.fqn})
         if any(read(n, i) for n in sub.calls for i in n.inputs):
             alt = LayerCost()
             fill_activations(alt, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
                              read_shard=read, **names)
             c.solved_acts = _differing(alt, c)
-        c.issues = list(base.issues)          # the runtime shards heads Megatron-style
         return c
 
 

@@ -569,11 +569,18 @@ class Search:
                     issues.extend(iss)
                     continue
                 m = self.gbs // dp // mb
-                per_layer = sum(c.base_s for c in costs)
-                rc_min = min(sum(c.rc_extra_s.get(r, 0.0) for c in costs) for r in self.recomputes())
-                ideal = m * (per_layer + rc_min) / pp
-                pel = sum(sum(c.param_elems.values()) for c in costs) / pp
+                bounds: dict[bool, tuple[float, float]] = {}
                 for z in self.zeros(dp, tp):
+                    # the costs the candidate is evaluated with: the executor's where it runs op
+                    # by op as solved (a bound from the others could prune a faster plan)
+                    solved = op_by_op(Candidate(dp, tp, pp, mb, m, "1f1b", 1, z))
+                    if solved not in bounds:
+                        cs = [c.solved_variant() for c in costs] if solved else costs
+                        per_layer = sum(c.base_s for c in cs)
+                        rc_min = min(sum(c.rc_extra_s.get(r, 0.0) for c in cs) for r in self.recomputes())
+                        bounds[solved] = (m * (per_layer + rc_min) / pp,
+                                          sum(sum(c.param_elems.values()) for c in cs) / pp)
+                    ideal, pel = bounds[solved]
                     # memory lower bound: the model states of an average stage, no activations
                     states = max(ph.total for ph in runtime_phases(pel, self.dtype, z, dp, num_microbatches=m))
                     if states > self.budget:

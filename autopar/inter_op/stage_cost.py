@@ -86,11 +86,16 @@ class LayerCost:
     # field -> {policy: value}, where they differ from the DTensor-propagation runtime's
     # (`solved_variant`)
     solved_acts: Optional[dict[str, Any]] = None
+    # the whole cost as the executor runs the layer, where its solution differs from the one
+    # DTensor propagation can run (a fused weight held chunk-interleaved: `ilp_provider`)
+    solved: Optional["LayerCost"] = None
 
     def solved_variant(self) -> "LayerCost":
         """This cost as the executor runs the layer (itself when nothing differs). The executor
         computes a loss inside the program (a last pipeline chunk's output is the loss), so no
         loss input is kept for a schedule's loss function."""
+        if self.solved is not None:
+            return self.solved.solved_variant()
         if not self.solved_acts and not self.loss_input_bytes:
             return self
         out = LayerCost(**{k: getattr(self, k) for k in self.__dataclass_fields__})
@@ -247,16 +252,23 @@ class AnalyticProvider:
         rep = self._cache.get(key)
         if rep is None:
             rep = self._analyze(layer, mb, tp)
-            rep.cross_bytes, rep.cross_grad_bytes, rep.cross_tensors, rep.cross_grads = self.crossing(layer.index, mb)
+            for c in (rep, rep.solved) if rep.solved is not None else (rep,):
+                c.cross_bytes, c.cross_grad_bytes, c.cross_tensors, c.cross_grads = self.crossing(layer.index, mb)
             rep._layer = layer  # type: ignore[attr-defined]
             self._cache[key] = rep
         src: Layer = rep._layer  # type: ignore[attr-defined]
         if src.index == layer.index:
             return rep
+        return self._renamed(rep, src, layer, mb)
+
+    def _renamed(self, rep: LayerCost, src: Layer, layer: Layer, mb: int) -> LayerCost:
+        """`rep` (the cost of `src`) as the cost of `layer`, a copy of it."""
         out = LayerCost(**{k: getattr(rep, k) for k in rep.__dataclass_fields__})
         out.param_elems = {src.rename_param(f, layer): v for f, v in rep.param_elems.items()}
         out.placements = {src.rename_param(f, layer): v for f, v in rep.placements.items()}
         out.cross_bytes, out.cross_grad_bytes, out.cross_tensors, out.cross_grads = self.crossing(layer.index, mb)
+        if rep.solved is not None:
+            out.solved = self._renamed(rep.solved, src, layer, mb)
         return out
 
     # -- the rules ---------------------------------------------------------------------------

@@ -86,6 +86,7 @@ def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, 
     sig_lists: list[list[OpLayout]] = []
     lay_ops: list[LayerOps] = []
     params: dict[str, tuple[str, ...]] = {}
+    interleaved: dict[str, tuple[int, int]] = {}
     inputs: dict[str, tuple[str, ...]] = {}
     junctions: dict[str, Junction] = {}
     produced: dict[str, tuple[str, ...]] = {}     # op -> layout of its first output
@@ -120,6 +121,8 @@ def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, 
             f2 = rep.rename_param(f, lay)
             if params.setdefault(f2, tuple(pl)) != tuple(pl):
                 return None, f"parameter {f2} is read in two layouts ({params[f2]} and {tuple(pl)})"
+        for f, dc in sol.param_layouts.items():
+            interleaved[rep.rename_param(f, lay)] = tuple(dc)
         for key, (layout, partial) in sol.junctions.items():
             prod, _, idx = key.rpartition("#")
             junctions[f"{names.get(prod, prod)}#{idx}"] = Junction(layout=tuple(layout), partial_axes=tuple(partial))
@@ -148,5 +151,5 @@ def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, 
             return None, f"{name} crosses into layer {layers[k].name or k} with no solved layout"
         receives[name] = earlier[name]
     return StageLayouts(model_axes=axes, signatures=sig_lists, layers=lay_ops, inputs=inputs, params=params,
-                        junctions=junctions, receives=receives,
+                        junctions=junctions, receives=receives, param_layouts=interleaved,
                         collectives={ph: dict(c) for ph, c in counts.items() if c}), ""

@@ -1201,15 +1201,12 @@ class IntraOpProblem:
             model_axes=self.model_axes)
 
     def _record_interleave(self, tensor: str, dim: int, chunks: int, layouts: dict) -> None:
-        """The matmul producing `tensor` (split chunk-interleaved along `dim`) reads a weight whose
-        rows (its output features) must be laid out interleaved."""
-        g = self.graph
-        n = g.node(tensor)
-        if n.op in ("linear",) and dim == len(n.outputs[0].shape) - 1:
-            for p in n.inputs[1:]:
-                pn = g.node(p)
-                if pn.kind == "param":
-                    layouts[pn.fqn] = (0, chunks)
+        """The projection producing `tensor` (split chunk-interleaved along its last dim) reads
+        weights whose output features must be laid out interleaved (`rules.view.fused_weight`)."""
+        from autopar.intra_op.rules.view import fused_weight
+
+        for fqn, d in fused_weight(self.graph, tensor) or ():
+            layouts[fqn] = (d, chunks)
 
 
 def _classes(items: list) -> tuple[list[int], list]:

@@ -6,7 +6,9 @@ named `step_*` is always complete; leftovers of an interrupted save (`.tmp-*`) a
 removed. Keys are layout-independent: `model.<canonical FQN>` for parameters and
 `optim.<canonical FQN>.<state>` for the optimizer state, each the full logical tensor (a DTensor
 where the layout shards it), so a plan with another layout resumes from it (DCP reshards).
-ZeRO-1/2's flat optimizer shards are gathered and stored per parameter under the same keys.
+ZeRO-1/2's flat optimizer shards are gathered and stored per parameter under the same keys. A
+fused weight the executor holds chunk-interleaved (Megatron's QKV rows) is stored in the model's
+own row order (`runtime.interleaved`), and put back in its layout on load.
 
 A parameter tied across pipeline stages of different layouts (the embedding whole on a tp-1
 stage, vocabulary-sharded on a tp-2 one) is saved by one holder only: DCP refuses a key that one
@@ -151,6 +153,42 @@ def state_dict(pm, *, for_load: bool = False) -> dict:
     return state
 
 
+def _model_order(pm, state: dict, for_load: bool) -> tuple[dict, list]:
+    """`state` with the parameters the executor holds chunk-interleaved (`pm.interleaved`: a
+    fused QKV weight in Megatron's layout) and their optimizer state in the model's own row
+    order, contiguously sharded (`runtime.interleaved`), so the keys mean the same in every
+    layout. For a save, the reordered copies; for a load, empty ones to load into and the
+    (live tensor, copy, dim, chunks) to move back after (`_back_in_place`)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from autopar.runtime.interleaved import to_canonical
+
+    lays = getattr(pm, "interleaved", {}) or {}
+    if not lays:
+        return state, []
+    out, fixups = dict(state), []
+    for key, v in state.items():
+        parts = key.split(".")
+        fqn = ".".join(parts[1:] if parts[0] == "model" else parts[1:-1])
+        if fqn not in lays or not isinstance(v, DTensor) or v.dim() == 0:
+            continue
+        dim, chunks = lays[fqn]
+        mesh = v.device_mesh
+        local = (torch.empty_like(v.to_local()) if for_load
+                 else to_canonical(v.to_local(), dim, chunks, pm.tp_group))
+        out[key] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=v.shape, stride=v.stride())
+        fixups.append((v, out[key], dim, chunks))
+    return out, fixups
+
+
+def _back_in_place(pm, fixups: list) -> None:
+    """After a load: each loaded model-order copy back into the interleaved live tensor."""
+    from autopar.runtime.interleaved import from_canonical
+
+    for live, copy, dim, chunks in fixups:
+        live.to_local().copy_(from_canonical(copy.to_local(), dim, chunks, pm.tp_group))
+
+
 def save(pm, ckpt_dir: str | Path) -> Path:
     """Collective: save `pm` after `pm.steps_done` steps; returns the final directory."""
     import torch.distributed.checkpoint as dcp
@@ -163,7 +201,7 @@ def save(pm, ckpt_dir: str | Path) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp)
     dist.barrier()
-    dcp.save(state_dict(pm), checkpoint_id=str(tmp))
+    dcp.save(_model_order(pm, state_dict(pm), for_load=False)[0], checkpoint_id=str(tmp))
     dist.barrier()
     if dist.get_rank() == 0:
         if final.exists():
@@ -178,8 +216,10 @@ def load(pm, path: str | Path) -> int:
     import torch.distributed.checkpoint as dcp
 
     state = state_dict(pm, for_load=True)
+    ordered, fixups = _model_order(pm, state, for_load=True)
     with torch.no_grad():
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(ordered, checkpoint_id=str(path))
+        _back_in_place(pm, fixups)
     pm.steps_done = int(state["step"])
     if pm.masters is not None:
         pm.masters.refresh()

@@ -343,6 +343,8 @@ class ParallelModel:
         self.low = low_dtype(plan.dtype)      # bf16/fp16 weights and gradients, fp32 masters
         self.opt_factory = optimizer_factory or default_optimizer
         register_extra_strategies()
+        self.interleaved: dict[str, tuple[int, int]] = {}     # set by the executor's builds
+        self.tp_group = None
         self.stages = sorted(plan.stages, key=lambda s: s.index)
         self._check_plan()
         self._build_meshes()
@@ -442,9 +444,18 @@ class ParallelModel:
         sol = s.op_layouts.solution((self.tp_size,))
         self.runner = parallelize_graph(model, example, sol, self.my_mesh.tp_mesh, param_dtype=self.low,
                                         recompute=s.op_layouts.recompute_regions())
+        self._note_interleaved(self.runner.layouts)
         self.local_modules = [model]
         self.pipe_stages = []
         self.schedule = None
+
+    def _note_interleaved(self, layouts: dict[str, tuple[int, int, int]]) -> None:
+        """The parameters the executor holds chunk-interleaved over tp (`ShardedProgram.layouts`:
+        fqn -> (dim, chunks, ways)), by canonical name: `full_state` and checkpoints see them in
+        the model's row order (`runtime.interleaved`)."""
+        self.interleaved = {self.aliases.get(f, f): (dim, chunks) for f, (dim, chunks, ways) in layouts.items()
+                            if ways > 1}
+        self.tp_group = self.my_mesh.tp_mesh.get_group() if self.interleaved else None
 
     def _real_microbatch(self) -> tuple:
         """One micro-batch of real inputs on this device (what torch.export traces the program with)."""
@@ -576,6 +587,8 @@ class ParallelModel:
             compute_dtype=self._compute_dtype, param_dtype=self.low,
             recompute=[r for i in mine for r in self.stages[i].op_layouts.recompute_regions()])
         self.chunk_params = dict(enumerate(params))
+        if chunks:
+            self._note_interleaved(chunks[0].prog.layouts)
         self.pipe_stages, self.local_modules, self.fed_chunks = [], [], []
         for ch in chunks:
             self.fed_chunks.append(ch)
@@ -1082,9 +1095,14 @@ class ParallelModel:
         tests and export; every rank gets the parameters it holds."""
         from torch.distributed.tensor import DTensor
 
+        from autopar.intra_op.execute import deinterleave
+
         out = {}
         for n, p in self.local_named_parameters():
-            out[n] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+            t = (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+            if n in self.interleaved:
+                t = deinterleave(t, *self.interleaved[n], self.tp_size)
+            out[n] = t
         return out
 
 
@@ -1101,6 +1119,7 @@ def _merged_solution(layouts: Sequence[Any], mesh_shape: tuple[int, ...]) -> Any
         out.op_choices.update(s.op_choices)
         out.input_placements.update(s.input_placements)
         out.junctions.update(s.junctions)
+        out.param_layouts.update(s.param_layouts)
     return out
 
 

@@ -58,6 +58,10 @@ class StageLayouts(_Model):
     layers: list[LayerOps] = Field(min_length=1)
     inputs: dict[str, Layout] = Field(default_factory=dict, description="model inputs' layouts")
     params: dict[str, Layout] = Field(default_factory=dict, description="parameter FQN -> layout")
+    param_layouts: dict[str, tuple[int, int]] = Field(
+        default_factory=dict, description="parameter FQN -> (dim, chunks): a fused weight whose rows along "
+        "dim are `chunks` blocks (q, k, v) held chunk-interleaved, each device's shard holding its share of "
+        "every block (Megatron's QKV layout), so splitting the output into the blocks needs no gather")
     junctions: dict[str, Junction] = Field(default_factory=dict, description="'op#output' -> junction")
     receives: dict[str, Layout] = Field(
         default_factory=dict, description="a pipeline chunk after the first: every tensor it receives from "
@@ -100,6 +104,7 @@ class StageLayouts(_Model):
             param_placements={k: tuple(v) for k, v in self.params.items()},
             input_placements={k: tuple(v) for k, v in self.inputs.items()}, collectives=[],
             objective=0.0, op_choices=ops, forward_s=0.0, backward_s=0.0, grad_sync_s=0.0,
+            param_layouts={k: (int(v[0]), int(v[1])) for k, v in self.param_layouts.items()},
             param_bytes_per_device=0.0, activation_bytes_per_device=0.0, solve_time_s=0.0, gap=0.0,
             num_variables=0, num_constraints=0, mesh_shape=tuple(mesh_shape), status="from plan",
             junctions={k: (tuple(j.layout), tuple(j.partial_axes)) for k, j in self.junctions.items()},

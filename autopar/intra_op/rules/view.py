@@ -3,10 +3,10 @@ and chunk, cat/stack, slice/select, getitem.
 
 A reshape splits or merges groups of dims; only the first (non-unit) dim of a group may be
 split, and it maps to the first dim of the matching group on the other side. A split along a
-split dim is allowed when the tensor comes straight out of a matmul and every chunk divides
-evenly: the weight's rows are then laid out chunk-interleaved (each device holds its share of
-every chunk, as Megatron lays out the fused QKV weight); the solution records it in
-`param_layouts`."""
+split dim is allowed when the tensor's last dim is a projection's output features
+(`fused_weight`) and every chunk divides evenly: the weight's rows are then laid out
+chunk-interleaved (each device holds its share of every chunk, as Megatron lays out the fused
+QKV weight); the solution records it in `param_layouts`."""
 
 from __future__ import annotations
 
@@ -21,6 +21,47 @@ from autopar.intra_op.strategy import (
 )
 
 MATMUL_PRODUCERS = ("linear", "mm", "addmm", "bmm", "baddbmm", "matmul")
+_RESHAPES = ("view", "reshape", "_unsafe_view")
+_TRANSPOSES = ("t", "transpose", "numpy_T")
+
+
+def fused_weight(graph, tensor: str) -> list[tuple[str, int]] | None:
+    """The parameters whose rows make the last dim of `tensor` (a fused projection's output:
+    `linear(x, W, b)`, `addmm(b, x, W)`, `mm`/`matmul(x, W)` with `W` a weight or its
+    transpose, seen through reshapes that keep the last dim, as Hugging Face's Conv1D flattens
+    its input), as (FQN, the dim of its output features); None where the output is not a
+    projection of parameters. Laying those dims out chunk-interleaved makes a split of the
+    last dim into chunks local (`param_layouts`)."""
+    if graph is None:
+        return None
+    try:
+        n = graph.node(tensor)
+        while n.op in _RESHAPES and n.inputs:
+            src = graph.node(n.inputs[0])
+            if not (src.outputs and n.outputs and src.outputs[0].shape[-1:] == n.outputs[0].shape[-1:]):
+                return None
+            n = src
+    except KeyError:
+        return None
+
+    def param(name: str, dim: int) -> tuple[str, int] | None:
+        p = graph.node(name)
+        if p.kind == "param" and p.fqn:
+            return p.fqn, dim
+        if p.op in _TRANSPOSES and p.inputs and len(p.outputs[0].shape) == 2:
+            q = graph.node(p.inputs[0])
+            return (q.fqn, 1 - dim) if q.kind == "param" and q.fqn else None
+        return None
+
+    if n.op == "linear" and len(n.inputs) >= 2:
+        found = [param(n.inputs[1], 0)] + [param(b, 0) for b in n.inputs[2:3]]
+    elif n.op == "addmm" and len(n.inputs) == 3:
+        found = [param(n.inputs[2], 1), param(n.inputs[0], 0)]
+    elif n.op in ("mm", "matmul") and len(n.inputs) == 2 and len(graph.node(n.inputs[1]).outputs[0].shape) == 2:
+        found = [param(n.inputs[1], 1)]
+    else:
+        return None
+    return None if any(f is None for f in found) else found  # type: ignore[return-value]
 
 
 def _dim(d: int, n: int) -> int:
@@ -123,9 +164,8 @@ def split(ctx: OpContext) -> list[Strategy]:
         dim = a[1] if len(a) > 1 else ctx.node.kwargs.get("dim", 0)
     dim = _dim(dim, n)
     li = dims_labels(n)
-    prod = ctx.producer(0)
-    interleave = (ctx.interleaved_splits and op != "unbind" and prod is not None
-                  and prod.op in MATMUL_PRODUCERS)
+    interleave = (ctx.interleaved_splits and op != "unbind" and dim == n - 1
+                  and fused_weight(ctx.graph, ctx.node.inputs[0]) is not None)
     if op == "unbind":
         outs = [li[:dim] + li[dim + 1:] for _ in ctx.out_metas]
         li = li[:dim] + [None] + li[dim + 1:]
