@@ -1,6 +1,9 @@
 """Step time of an executed autopar plan vs hand-written PyTorch for the same layout, on the same
 CPU processes (gloo): data parallel (DDP), ZeRO-3 (`fully_shard`), tensor parallel
-(`parallelize_module` with ColwiseParallel/RowwiseParallel). Prints a table.
+(`parallelize_module` with ColwiseParallel/RowwiseParallel). Prints a table. The tensor-parallel
+plan is `autopar.plan`'s, pinned to tp over every process: it carries the solved per-op layouts,
+so autopar runs it op by op as solved (`intra_op.execute`), the path every tp plan outside
+ZeRO-3 takes; the hand-written side shards the zoo GPT Megatron's way.
 
     python benchmarks/runtime_overhead.py [--nproc 2] [--model gpt-small] [--batch 16] [--steps 10]
 
@@ -24,9 +27,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _plans(model: str, n: int, gbs: int):
+def _tp_plan(model: str, n: int, gbs: int, path: str) -> None:
+    """The planner's tp plan (planned once, here, and read by every worker)."""
+    import autopar
+    from autopar.planner import plan
+
+    cl = autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": n})
+    p = plan(model, cl, global_batch_size=gbs, dtype="fp32",
+             constraints=autopar.Constraints(dp=1, tp=n, pp=1, recompute="none", microbatch_size=gbs))
+    if p.stages[0].op_layouts is None:
+        raise SystemExit(f"the tp plan is not executed op by op: {p.search.get('tp_executor')}")
+    p.save(path)
+
+
+def _plans(model: str, n: int, gbs: int, tp_path: str):
     from autopar.models import build_model
-    from tests.plans import StagePlan, _layers, _plan, megatron_placements, model_info  # noqa: F401
+    from tests.plans import StagePlan, _layers, _plan
 
     b = build_model(model, device="meta")
     nb = len(b.model.blocks)
@@ -37,10 +53,9 @@ def _plans(model: str, n: int, gbs: int):
     z3 = _plan(model, [StagePlan(index=0, devices=list(range(n)), mesh_shape=(n,), mesh_axis_names=("dp",),
                                  layers=L, placements={k: ("S(0)",) for k in names})],
                gbs=gbs, mb=gbs // n, m=1, zero=3, nodes_devices=n)
-    tp = _plan(model, [StagePlan(index=0, devices=list(range(n)), mesh_shape=(n,), mesh_axis_names=("tp",),
-                                 layers=L, placements=megatron_placements(nb, ("tp",)))],
-               gbs=gbs, mb=gbs, m=1, nodes_devices=n)
-    return {"dp": dp, "zero3": z3, "tp": tp}
+    from autopar.schema.plan import load_plan
+
+    return {"dp": dp, "zero3": z3, "tp": load_plan(tp_path)}
 
 
 def _timeit(fns: dict, steps: int, warmup: int = 3) -> dict:
@@ -141,7 +156,7 @@ def worker(args) -> None:
     from autopar.runtime.worker import init_distributed
 
     init_distributed()
-    plans = _plans(args.model, dist.get_world_size(), args.batch)
+    plans = _plans(args.model, dist.get_world_size(), args.batch, args.tp_plan)
     res = {}
     for kind in ("dp", "zero3", "tp"):
         fns = {"hand": _hand(kind, args.model, args.batch, 0),
@@ -162,6 +177,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--out", default="")
+    ap.add_argument("--tp-plan", default="")
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -173,6 +189,8 @@ def main() -> None:
     from autopar.runtime import _free_port
 
     out = f"/tmp/autopar-overhead-{uuid.uuid4().hex[:6]}.json"
+    tp_path = f"/tmp/autopar-overhead-tp-{uuid.uuid4().hex[:6]}.json"
+    _tp_plan(args.model, args.nproc, args.batch, tp_path)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["PYTHONPATH"] = str(ROOT)
     cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=uuid.uuid4().hex[:8],
@@ -180,7 +198,8 @@ def main() -> None:
                        monitor_interval=0.1)
     elastic_launch(cfg, sys.executable)(str(Path(__file__).resolve()), "--worker", "--out", out,
                                         "--model", args.model, "--batch", str(args.batch),
-                                        "--steps", str(args.steps))
+                                        "--steps", str(args.steps), "--tp-plan", tp_path)
+    os.unlink(tp_path)
     res = json.loads(Path(out).read_text())
     os.unlink(out)
     print(f"{args.model}, global batch {args.batch}, {args.nproc} CPU processes (gloo), median step time")

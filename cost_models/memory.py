@@ -53,7 +53,7 @@ from typing import Any, Callable, Iterable, Literal, Optional, Union
 
 import numpy as np
 
-from autopar.capture.flops import VIEW_OPS
+from autopar.capture.flops import VIEW_OPS, is_view
 from autopar.schema.cluster import DeviceSpec
 from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, attention_core, bytes_scale
 
@@ -247,7 +247,7 @@ def saved_tensors(node, by_name: dict, dtype: str = "bf16", device_type: Optiona
     `device_type` picks the attention kernel (`attention_is_fused`), `rg` (`requires_grad`)
     which operands of a product need a gradient."""
     op = node.op
-    if op in VIEW_OPS or node.target == "getitem" or op in SAVE_NOTHING or op == "broadcast_tensors":
+    if is_view(node) or op in SAVE_NOTHING or op == "broadcast_tensors":
         # broadcast_tensors returns expanded views; its backward sums to the input shapes
         return []
     ins = _tensor_inputs(node, by_name)
@@ -314,7 +314,7 @@ def tensor_bases(nodes: list, by_name: dict, device_type: Optional[str] = None,
     itself, as RMSNorm's `x.to(torch.float32)` does on fp32 activations)."""
     base: dict[str, str] = {}
     for n in nodes:
-        if n.kind == "call" and (n.op in VIEW_OPS or n.target == "getitem") and n.inputs:
+        if n.kind == "call" and is_view(n) and n.inputs:
             src = n.inputs[0]
             prod = by_name.get(src)
             if n.target == "getitem" and prod is not None and prod.kind == "call" and prod.op == "broadcast_tensors":
@@ -487,7 +487,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             src = n.inputs[0] if n.inputs else None
             if src is None or src not in by_name:
                 continue
-            r = read(n, src) if n.op in VIEW_OPS or n.target == "getitem" else None
+            r = read(n, src) if is_view(n) else None
             if r is not None:
                 key = f"{src}@{r[1]}"
                 if key not in copies:
@@ -563,7 +563,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
 
     def grads(n) -> float:
         # op n's backward: the gradient of its output and the one it makes for its input
-        if n.op in VIEW_OPS or n.target == "getitem" or not n.outputs or not _floating(n):
+        if is_view(n) or not n.outputs or not _floating(n):
             return 0.0
         if n.op in LOSSES:
             fl = [i for i in _tensor_inputs(n, by_name)[:1] if _floating(by_name[base.get(i, i)])]
@@ -630,7 +630,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     for n in calls:
         if keep is not None and n.layer not in keep:
             continue
-        if n.op not in VIEW_OPS and n.target != "getitem" and n.outputs and _floating(n):
+        if not is_view(n) and n.outputs and _floating(n):
             out.backward_bytes = max(out.backward_bytes, BACKWARD_LIVE * size(n.name))
         if n.op in LOSSES:
             for i in _tensor_inputs(n, by_name)[:1]:
@@ -695,7 +695,7 @@ def _upcasts(calls: list, base: dict, fp32_readers: frozenset) -> frozenset:
              and ("float32" in n.args[1:] or n.kwargs.get("dtype") == "float32")}
     readers: dict[str, set] = {}
     for n in calls:
-        if n.op in VIEW_OPS or n.target == "getitem":
+        if is_view(n):
             continue
         for i in n.inputs:
             b = base.get(i, i)

@@ -611,3 +611,38 @@ def test_math_attention_saves_fp32_under_bf16():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         Attn()(xb)
     assert pred == sum(seen.values())
+
+
+def test_a_dropout_of_zero_returns_its_input():
+    """`nn.Dropout(0.0)` (Hugging Face's configs with dropout off) captures as `aten.dropout`
+    with p = 0, which ATen answers with its input: no time, no memory traffic, nothing saved;
+    torch measured: the output is the input tensor itself."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from autopar.capture.export import capture
+    from autopar.capture.flops import identity_dropout
+    from cost_models.memory import activation_memory
+
+    x = torch.randn(8, 16, requires_grad=True)
+    assert F.dropout(x, 0.0, True) is x
+
+    class Net(nn.Module):
+        def __init__(self, p: float) -> None:
+            super().__init__()
+            self.fc1, self.fc2, self.drop = nn.Linear(16, 16), nn.Linear(16, 16), nn.Dropout(p)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.mse_loss(self.fc2(self.drop(torch.relu(self.fc1(x)))), y)
+
+    data = (torch.randn(8, 16), torch.randn(8, 16))
+    g0, gp = (capture(Net(p), data).at_batch(8) for p in (0.0, 0.1))
+    drops = [n for n in g0.calls if "dropout" in n.op]
+    assert drops and all(identity_dropout(n) and n.flops == 0 and n.bytes_moved == 0 for n in drops)
+    assert not any(identity_dropout(n) for n in gp.calls)
+    m0 = activation_memory(g0, "fp32", device_type="cpu", count_inputs=False)
+    mp = activation_memory(gp, "fp32", device_type="cpu", count_inputs=False)
+    # p = 0.1 keeps its noise (8 x 16 fp32 on CPU) and fc2 saves its output, a new tensor;
+    # with p = 0 fc2 saves relu's output, which relu saves already
+    assert mp.saved_bytes - m0.saved_bytes == 2 * 8 * 16 * 4

@@ -5,6 +5,9 @@ references, `tests.user_models:nanogpt`): autopar knows nothing of their layer c
 into [q; k; v] blocks, a head computed as `x @ tok.weight.t()` with the embedding's weight (no
 output module), cross-entropy at the end of `forward(idx, targets)`.
 
+`SeparateGPT` is the same model with separate q, k and v projections and an `nn.Linear` head
+tied to the embedding.
+
 `GatedLM` hands each layer, besides the hidden states, two tensors made once before the first:
 a gate computed from the embeddings (floating, it needs a gradient) and a boolean mask of the
 tokens to keep (no gradient), as models passing an attention mask or rotary tables do.
@@ -67,6 +70,47 @@ class NanoGPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+class SeparateAttention(nn.Module):
+    """Attention with separate q, k and v projections (as Llama and most newer code write it)."""
+
+    def __init__(self, h: int, heads: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(h, h) for _ in range(4))
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = (p(x).view(b, s, self.heads, h // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, s, h))
+
+
+class SeparateBlock(Block):
+    def __init__(self, h: int, heads: int) -> None:
+        super().__init__(h, heads)
+        self.attn = SeparateAttention(h, heads)
+
+
+class SeparateGPT(NanoGPT):
+    """NanoGPT's model written another way: separate q/k/v projections and an `nn.Linear` head
+    tied to the embedding."""
+
+    def __init__(self, layers: int = 4, vocab: int = VOCAB, seq: int = SEQ, h: int = HIDDEN,
+                 heads: int = HEADS) -> None:
+        super().__init__(layers, vocab, seq, h, heads)
+        self.h = nn.ModuleList(SeparateBlock(h, heads) for _ in range(layers))
+        self.head = nn.Linear(h, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
 def nanogpt(layers: int = 4):
     """(model on meta, example inputs, batch function): the MODULE:FACTORY contract."""
     with torch.device("meta"):
@@ -107,3 +151,11 @@ def gated_lm(layers: int = 4):
         model = GatedLM(layers)
     x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
     return model, (x, x.clone()), token_batch(VOCAB, SEQ)
+
+
+def separate_gpt(layers: int = 4):
+    """`SeparateGPT` by the MODULE:FACTORY contract."""
+    with torch.device("meta"):
+        model = SeparateGPT(layers)
+    x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    return model, (x, x), token_batch(VOCAB, SEQ)

@@ -22,6 +22,27 @@ VIEW_OPS = frozenset({
     "unsafe_split",
 })
 
+# dropouts that ATen returns their input from (`at::dropout` and its feature/alpha variants
+# return `input` itself when p == 0 or not training; `native_dropout` always makes a new tensor)
+_ALIASING_DROPOUTS = frozenset({"dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"})
+
+
+def identity_dropout(node: OpNode) -> bool:
+    """A dropout with p = 0 (Hugging Face's `nn.Dropout(0.0)`) or in eval mode: it returns its
+    input, moves nothing and saves nothing."""
+    if node.op not in _ALIASING_DROPOUTS:
+        return False
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+    return (isinstance(p, (int, float)) and p == 0) or train is False
+
+
+def is_view(node: OpNode) -> bool:
+    """An op whose output aliases its input (a view, a getitem, an identity dropout): no FLOPs,
+    no memory traffic, nothing saved; its output's storage is its input's."""
+    return node.op in VIEW_OPS or node.target == "getitem" or identity_dropout(node)
+
+
 # losses reduce their input to a scalar: their work is per input element
 LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d", "mse_loss", "l1_loss",
                     "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
@@ -72,7 +93,7 @@ def attention_flops(q: tuple, k: tuple, v: tuple) -> float:
 def node_cost(node: OpNode, metas: dict[str, list[TensorMeta]]) -> tuple[float, float]:
     """(forward FLOPs, bytes moved) of `node` at the concrete shapes in `metas`."""
     op = node.op
-    if op in VIEW_OPS or node.target == "getitem":
+    if is_view(node):
         return 0.0, 0.0
     in_metas = [metas[i][0] for i in node.inputs if metas.get(i)]
     out_bytes = sum(o.nbytes for o in node.outputs)
