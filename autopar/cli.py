@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from autopar.schema import PlanError
 from autopar.schema.cluster import validation_message
+from autopar.schema.constraints import SCHEDULES
 from autopar.schema.plan import TRAINING_DTYPES
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -64,7 +65,7 @@ def _cluster(name: str, nodes: Optional[int], devices_per_node: Optional[int]):
 @click.option("--pp", type=int, help="pin the number of pipeline stages")
 @click.option("--microbatch-size", type=int)
 @click.option("--num-microbatches", type=int)
-@click.option("--schedule", type=click.Choice(["gpipe", "1f1b", "interleaved_1f1b"]))
+@click.option("--schedule", type=click.Choice(list(SCHEDULES)))
 @click.option("--virtual-stages", type=int)
 @click.option("--recompute", type=click.Choice(["none", "selective", "full"]))
 @click.option("--zero-stage", type=int)

@@ -24,10 +24,14 @@ class Event:
 
 
 def device_order(schedule: str, p: int, m: int, v: int, pos: int) -> list[tuple[str, int, int]]:
-    """The order in which pipeline position `pos` runs (kind, chunk, micro-batch)."""
-    if schedule == "gpipe":
+    """The order in which pipeline position `pos` runs (kind, chunk, micro-batch), as Megatron
+    orders it (`cost_models.schedules.held_split` reads torch's own lists for memory)."""
+    from cost_models.schedules import schedule_kind
+
+    kind = schedule_kind(schedule)
+    if kind.name == "gpipe":
         return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
-    if schedule == "1f1b" or v == 1:
+    if not kind.interleaved or v == 1:
         warm = min(p - pos - 1, m)
         order = [("F", 0, i) for i in range(warm)]
         f, b = warm, 0
@@ -99,7 +103,10 @@ def simulate(schedule: str, fwd: list[float], bwd: list[float], m: int, v: int =
 
 def plan_timeline(plan: Plan) -> list[Event]:
     """Simulated timeline of one iteration of `plan` from its per-stage predictions."""
-    m, v = plan.num_microbatches, plan.virtual_stages if plan.schedule == "interleaved_1f1b" else 1
+    from cost_models.schedules import schedule_kind
+
+    m = plan.num_microbatches
+    v = plan.virtual_stages if schedule_kind(plan.schedule).interleaved else 1
     ordered = sorted(plan.stages, key=lambda s: (s.virtual_chunk, s.index))
     fwd, bwd = [], []
     for s in ordered:

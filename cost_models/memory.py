@@ -58,7 +58,7 @@ from autopar.schema.cluster import DeviceSpec
 from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, attention_core, bytes_scale
 
 Recompute = Literal["none", "selective", "full"]
-ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+from autopar.schema.constraints import Schedule as ScheduleName  # noqa: E402 - the registry's names
 
 # bytes per parameter: (weights, gradients, optimizer states incl. fp32 master) by precision policy
 PRECISION_POLICIES: dict[str, tuple[float, float, float]] = {
@@ -809,10 +809,9 @@ def inflight_microbatches(schedule: ScheduleName | str, num_stages: int, stage: 
     closed form: GPipe m; 1F1B min(p - stage, m) (and GPipe's m where m < p, which the runtime
     runs then); interleaved 1F1B ((p - r - 1)·2 + (v - 1)·p + 1)/v capped at m for Megatron's
     m % p == 0 (Korthikanti et al. 2022, §4.2.3: p + (p - 1)/v for r = 0)."""
-    from cost_models.schedules import held_profile
+    from cost_models.schedules import held_profile, schedule_kind
 
-    if schedule not in ("gpipe", "1f1b", "interleaved_1f1b"):
-        raise ValueError(f"unknown schedule {schedule!r}; one of gpipe, 1f1b, interleaved_1f1b")
+    schedule_kind(schedule)               # a ValueError naming the choices for an unknown one
     v = max(int(virtual_stages), 1)
     prof = held_profile(schedule, num_stages, stage, num_microbatches, v)
     return float(np.max(prof.sum(axis=1))) / v

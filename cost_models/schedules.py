@@ -17,6 +17,7 @@ row per moment and one column per local chunk, before and after the rank's first
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from types import SimpleNamespace
 from typing import Literal
@@ -26,21 +27,60 @@ import numpy as np
 TorchSchedule = Literal["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B"]
 
 
+@dataclass(frozen=True)
+class ScheduleKind:
+    """One pipeline schedule as every part of autopar sees it: its plan name, whether a device
+    group holds several model chunks (virtual stages), the torch.pipelining class the runtime
+    builds, and its bubble. The search, the memory model, the timeline, the CLI, the plan's
+    schema and the runtime all read this registry (`SCHEDULES`, `schedule_kind`)."""
+
+    name: str
+    interleaved: bool                 # several chunks per device group (`virtual_stages` > 1)
+    torch_class: TorchSchedule
+    description: str
+
+    def runtime_class(self, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> TorchSchedule:
+        """The class the runtime runs: torch's 1F1B needs at least as many micro-batches as
+        stages; with fewer it degenerates to GPipe (same maths and transfers), so GPipe runs.
+        Interleaving with one chunk per group is 1F1B: torch's interleaved schedule would warm
+        up 2(p - 1 - r) forwards there (its factor 2 is for v > 1), holding twice 1F1B's
+        activations for the same order of work."""
+        if virtual_stages > 1:
+            if not self.interleaved:
+                raise ValueError(f"schedule {self.name} runs one chunk per device group, not {virtual_stages}")
+            return "ScheduleInterleaved1F1B"
+        if self.name == "gpipe" or num_microbatches < num_stages:
+            return "ScheduleGPipe"
+        return "Schedule1F1B"
+
+    def bubble_fraction(self, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> float:
+        """Idle time over busy time of a pipeline of equal stages: (p - 1) / m, divided by the
+        chunks per group when interleaved (Narayanan et al. 2021, §2.2)."""
+        v = virtual_stages if self.interleaved else 1
+        return (num_stages - 1) / (v * max(num_microbatches, 1))
+
+
+SCHEDULES: dict[str, ScheduleKind] = {k.name: k for k in (
+    ScheduleKind("gpipe", False, "ScheduleGPipe", "all forwards, then all backwards (GPipe)"),
+    ScheduleKind("1f1b", False, "Schedule1F1B", "one forward, one backward (PipeDream-Flush)"),
+    ScheduleKind("interleaved_1f1b", True, "ScheduleInterleaved1F1B",
+                 "1F1B over several model chunks per device group (Megatron's interleaving)"),
+)}
+
+
+def schedule_kind(name: str) -> ScheduleKind:
+    """The registered schedule `name`; a ValueError naming the choices otherwise."""
+    kind = SCHEDULES.get(name)
+    if kind is None:
+        raise ValueError(f"unknown schedule {name!r}; one of {', '.join(SCHEDULES)}")
+    return kind
+
+
 def torch_schedule(kind: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> TorchSchedule:
-    """The torch.pipelining schedule class the runtime runs for a plan's `kind` ("gpipe",
-    "1f1b", "interleaved_1f1b") with `num_stages` device groups, `num_microbatches` and
-    `virtual_stages` chunks per group. torch's 1F1B needs at least as many micro-batches as
-    stages; with fewer it degenerates to GPipe (same maths and transfers), so GPipe runs.
-    Interleaving with one chunk per group is 1F1B: torch's interleaved schedule would warm up
-    2(p - 1 - r) forwards there (its factor 2 is for v > 1), holding twice 1F1B's activations
-    for the same order of work."""
-    if kind not in ("gpipe", "1f1b", "interleaved_1f1b"):
-        raise ValueError(f"unknown schedule {kind!r}; one of gpipe, 1f1b, interleaved_1f1b")
-    if virtual_stages > 1:
-        return "ScheduleInterleaved1F1B"
-    if kind == "gpipe" or num_microbatches < num_stages:
-        return "ScheduleGPipe"
-    return "Schedule1F1B"
+    """The torch.pipelining schedule class the runtime runs for a plan's `kind` with
+    `num_stages` device groups, `num_microbatches` and `virtual_stages` chunks per group
+    (`ScheduleKind.runtime_class`)."""
+    return schedule_kind(kind).runtime_class(num_stages, num_microbatches, virtual_stages)
 
 
 def _rank_actions(cls_name: TorchSchedule, p: int, m: int, v: int, rank: int) -> list:

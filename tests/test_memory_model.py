@@ -646,3 +646,27 @@ def test_a_dropout_of_zero_returns_its_input():
     # p = 0.1 keeps its noise (8 x 16 fp32 on CPU) and fc2 saves its output, a new tensor;
     # with p = 0 fc2 saves relu's output, which relu saves already
     assert mp.saved_bytes - m0.saved_bytes == 2 * 8 * 16 * 4
+
+
+def test_one_registry_of_schedules():
+    """The schedules the plan's schema accepts, the CLI offers and the runtime builds are the
+    registry's (`cost_models.schedules.SCHEDULES`); the bubble is (p - 1) / (v m) for the
+    interleaved one and (p - 1) / m otherwise; an unknown name is refused naming the choices."""
+    import click
+
+    from autopar.cli import cli
+    from autopar.schema.constraints import SCHEDULES as SCHEMA_NAMES
+    from cost_models.schedules import SCHEDULES, schedule_kind
+
+    assert SCHEMA_NAMES == tuple(SCHEDULES)
+    plan_cmd = cli.commands["plan"]
+    choice = next(o for o in plan_cmd.params if o.name == "schedule").type
+    assert isinstance(choice, click.Choice) and tuple(choice.choices) == tuple(SCHEDULES)
+    assert [k.name for k in SCHEDULES.values() if k.interleaved] == ["interleaved_1f1b"]
+    assert schedule_kind("interleaved_1f1b").bubble_fraction(4, 8, 2) == pytest.approx(3 / 16)
+    assert schedule_kind("1f1b").bubble_fraction(4, 8, 2) == pytest.approx(3 / 8)
+    assert schedule_kind("gpipe").runtime_class(4, 8) == "ScheduleGPipe"
+    with pytest.raises(ValueError, match="one of gpipe, 1f1b, interleaved_1f1b"):
+        schedule_kind("zero_bubble")
+    with pytest.raises(ValueError, match="one chunk per device group"):
+        schedule_kind("1f1b").runtime_class(4, 8, 2)

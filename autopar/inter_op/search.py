@@ -62,7 +62,7 @@ from autopar.schema import ClusterSpec, Constraints, PlanError
 from cost_models.communication import axis_collective_time
 from cost_models.compute import grad_accumulation_bytes, memory_time, optimizer_step_time
 from cost_models.memory import PRECISION_POLICIES, runtime_phases, usable_memory
-from cost_models.schedules import held_split, sends_kept
+from cost_models.schedules import SCHEDULES, held_split, schedule_kind, sends_kept
 
 INF = float("inf")
 MAX_MICROBATCH = 64
@@ -527,11 +527,14 @@ class Search:
     def schedules(self, pp: int, m: int) -> list[tuple[str, int]]:
         c = self.cons
         out = []
-        scheds = [c.schedule] if c.schedule else (["1f1b", "interleaved_1f1b"] if pp > 1 else ["1f1b"])
+        # searched by default: every registered schedule but GPipe, which has 1F1B's bubble and
+        # holds every micro-batch at once
+        default = [k.name for k in SCHEDULES.values() if k.name != "gpipe"]
+        scheds = [c.schedule] if c.schedule else (default if pp > 1 else ["1f1b"])
         if c.virtual_stages is not None and c.virtual_stages > 1 and c.schedule is None:
-            scheds = ["interleaved_1f1b"]
+            scheds = [k.name for k in SCHEDULES.values() if k.interleaved]
         for s in scheds:
-            if s == "interleaved_1f1b":
+            if schedule_kind(s).interleaved:
                 vs = [c.virtual_stages] if c.virtual_stages else [v for v in (2, 3, 4, 6, 8) if pp * v <= self.L]
                 for v in vs:
                     if pp > 1 and pp * v <= self.L and m % pp == 0:
@@ -589,7 +592,8 @@ class Search:
                         continue
                     for sched, v in self.schedules(pp, m):
                         # lower bound: balanced stages, the schedule's bubble, the gradient sync
-                        lb = ideal * (1 + (pp - 1) / (v * m)) + _sync_time(self.cluster, self.dtype, dp, tp, z, pel)
+                        lb = (ideal * (1 + schedule_kind(sched).bubble_fraction(pp, m, v))
+                              + _sync_time(self.cluster, self.dtype, dp, tp, z, pel))
                         cands.append((lb, Candidate(dp, tp, pp, mb, m, sched, v, z)))
         cands.extend(self._hetero_candidates(meshes))
         if not cands and self.considered_infeasible:
@@ -631,7 +635,8 @@ class Search:
         `HETERO_MAX_UNITS` dp-replica-sized device units. Not when tp or pp is pinned, nor for
         the interleaved schedule (whose chunks go round equal device sets)."""
         c = self.cons
-        if c.tp is not None or c.pp is not None or c.schedule == "interleaved_1f1b" or (c.virtual_stages or 1) > 1:
+        if c.tp is not None or c.pp is not None or (c.schedule and schedule_kind(c.schedule).interleaved) \
+                or (c.virtual_stages or 1) > 1:
             return []
         if self.L > HETERO_MAX_LAYERS:
             return []
@@ -677,7 +682,7 @@ class Search:
             if c.num_microbatches is not None and local % c.num_microbatches:
                 return (f"{c.num_microbatches} micro-batches do not divide the {local} samples per "
                         f"data-parallel replica (global batch {self.gbs} / dp {dp})")
-            if c.schedule == "interleaved_1f1b" or (c.virtual_stages or 1) > 1:
+            if (c.schedule and schedule_kind(c.schedule).interleaved) or (c.virtual_stages or 1) > 1:
                 return (f"the interleaved schedule needs pp > 1, pp x virtual_stages <= {self.L} layers and "
                         f"the number of micro-batches divisible by pp (dp={dp}, tp={tp}, pp={pp})")
             parts.append(f"dp={dp} tp={tp} pp={pp}")
@@ -687,7 +692,7 @@ class Search:
     def evaluate(self, cand: Candidate, tb: _Tables) -> bool:
         if cand.hetero_tps:
             return self._evaluate_hetero(cand)
-        if cand.schedule == "interleaved_1f1b" and cand.v > 1:
+        if schedule_kind(cand.schedule).interleaved and cand.v > 1:
             return self._evaluate_interleaved(cand, tb)
         L, p, m = self.L, cand.pp, cand.m
         pel = tb.range_pel
@@ -835,7 +840,7 @@ class Search:
             stages = []
             fits = True
             for d, g in enumerate(groups):
-                st = self._stage(tb, cand, list(g), r, held_split("interleaved_1f1b", p, d, m, v))
+                st = self._stage(tb, cand, list(g), r, held_split(cand.schedule, p, d, m, v))
                 stages.append(st)
                 if st.peak_bytes > self.budget:
                     # infeasible: the rest of the groups matter only for the least memory a plan
@@ -843,7 +848,7 @@ class Search:
                     fits = False
                     if st.peak_bytes < self.min_memory:
                         peak = max([st.peak_bytes] + [
-                            self._stage(tb, cand, list(g2), r, held_split("interleaved_1f1b", p, d2, m, v)).peak_bytes
+                            self._stage(tb, cand, list(g2), r, held_split(cand.schedule, p, d2, m, v)).peak_bytes
                             for d2, g2 in enumerate(groups) if d2 > d])
                         self.min_memory = min(self.min_memory, peak)
                     break

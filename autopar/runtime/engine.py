@@ -59,7 +59,7 @@ from autopar.runtime.tied_grads import FlatTiedSync, FullTiedSync, all_gather_fl
 from autopar.runtime.vocab_loss import VocabParallelLoss
 from autopar.schema.errors import PlanError
 from autopar.schema.plan import Plan, StagePlan
-from cost_models.schedules import torch_schedule
+from cost_models.schedules import SCHEDULES, schedule_kind, torch_schedule
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -280,8 +280,9 @@ def validate_plan(plan: Plan, model: nn.Module) -> dict:
         v = nst // pp
         if v * pp != nst:
             raise PlanError(f"{nst} stages over {pp} device sets: not a whole number of chunks")
-        if plan.schedule != "interleaved_1f1b" and v > 1:
-            raise PlanError(f"{v} chunks per device need schedule interleaved_1f1b, not {plan.schedule}")
+        if not schedule_kind(plan.schedule).interleaved and v > 1:
+            interleaved = [k.name for k in SCHEDULES.values() if k.interleaved]
+            raise PlanError(f"{v} chunks per device need schedule {' or '.join(interleaved)}, not {plan.schedule}")
         if v > 1 and len(_mesh_kinds(stages)) > 1:
             raise PlanError("interleaved pipelines need equal stage meshes (chunks go round the device "
                             f"sets), got {sorted(_mesh_kinds(stages))}; plan them with equal stage meshes")

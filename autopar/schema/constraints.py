@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cost_models.schedules import SCHEDULES as _REGISTRY
+
+# the names of `cost_models.schedules.SCHEDULES`, the one registry of pipeline schedules (a
+# Literal for the schema's validation; checked against the registry here)
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
+assert SCHEDULES == tuple(_REGISTRY), "Schedule must name the registered schedules"
 Recompute = Literal["none", "selective", "full"]
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
 RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
 
 
