@@ -112,6 +112,21 @@ def test_plan_batch_arithmetic_is_checked(tiny_plan):
         Plan.from_json(json.dumps(d))
 
 
+def test_a_placement_is_validated_where_the_plan_is_read(tiny_plan):
+    """Placements are one validated type (`schema.placement.Placement`): a hand-edited "S(one)"
+    or "shard" is refused when the plan is read, naming the field and the forms allowed."""
+    from autopar.schema.placement import is_shard, shard, shard_dim
+
+    assert shard_dim(shard(2)) == 2 and shard_dim("R") is None and not is_shard("P")
+    d = json.loads(tiny_plan.to_json())
+    st = d["stages"][0]
+    name = next(iter(st["placements"]))
+    for bad in ("S(one)", "shard", "S(-1)"):
+        st["placements"][name] = [bad] * len(st["mesh_shape"])
+        with pytest.raises(PlanError, match=rf"field 'stages.0.placements.{name}.0'.*'S\(d\)'"):
+            Plan.from_json(json.dumps(d))
+
+
 def test_plan_schema_is_json_schema(tiny_plan):
     s = Plan.json_schema()
     assert s["type"] == "object" and "stages" in s["properties"] and "predicted" in s["properties"]

@@ -20,6 +20,7 @@ from autopar.inter_op.layers import Layer
 from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost, autocast_device, fill_activations
 from autopar.intra_op.solution import ShardingSolution
 from autopar.schema import ClusterSpec, PlanError
+from autopar.schema.placement import is_shard, shard_dim
 from cost_models.communication import logical_mesh
 from cost_models.compute import MATRIX_OPS
 
@@ -153,13 +154,13 @@ class IlpProvider(AnalyticProvider):
                 numel = 1
                 for d in self.graph.params[fqn].shape:
                     numel *= d
-                c.param_elems[fqn] = numel / (tp if pl[0].startswith("S") else 1)
+                c.param_elems[fqn] = numel / (tp if is_shard(pl[0]) else 1)
         for fqn in layer.params:
             if fqn not in c.param_elems:
                 c.placements[fqn] = base.placements.get(fqn, "R")
                 c.param_elems[fqn] = base.param_elems[fqn]
         sharded = {n for n, ch in sol.op_choices.items()
-                   if ch.output_placements and any(p.startswith("S") for p in ch.output_placements[0])}
+                   if ch.output_placements and any(map(is_shard, ch.output_placements[0]))}
         sub = self._subgraph(g, layer, [g.node(n) for n in layer.nodes])
         shard = lambda node: tp if node.name in sharded else 1  # noqa: E731
         names = self.boundary_names(layer)
@@ -211,7 +212,7 @@ def _read_shard(sol: ShardingSolution, tp: int, params: dict[str, str] | None = 
             return None
         j = sol.junctions.get(f"{name}#0")
         held = j is not None and tuple(j[0]) == want      # the junction's value, kept for all readers
-        return (tp if any(p.startswith("S") for p in want) else 1), ",".join(want), _gather_buffer(have, want, tp), held
+        return (tp if any(map(is_shard, want)) else 1), ",".join(want), _gather_buffer(have, want, tp), held
     return read
 
 
@@ -222,7 +223,7 @@ def _gather_buffer(have: tuple, want: tuple, tp: int) -> float | None:
     the result) and the buffer (the result's size) are live with it. None where no axis
     gathers along a dim other than 0."""
     h, w = have[0], want[0]
-    return tp / (tp + 1) if h.startswith("S(") and h != "S(0)" and not w.startswith("S(") else None
+    return tp / (tp + 1) if shard_dim(h) not in (None, 0) and not is_shard(w) else None
 
 
 def _differing(alt: LayerCost, c: LayerCost) -> dict | None:

@@ -29,6 +29,7 @@ from typing import Any, Optional
 from autopar.capture.graph import OpGraph, OpNode
 from autopar.inter_op.layers import Layer
 from autopar.schema import ClusterSpec, LinkSpec
+from autopar.schema.placement import is_shard
 from cost_models.communication import collective_time
 from cost_models.compute import DTYPE_SIZE, attention_core, op_list_time
 from cost_models.memory import activation_memory, requires_grad
@@ -425,5 +426,5 @@ class AnalyticProvider:
             for p in n.params:
                 pl = c.placements.get(p, "R")
                 c.placements.setdefault(p, pl)
-                c.param_elems[p] = math.prod(g.params[p].shape) / (tp if pl.startswith("S") else 1)
+                c.param_elems[p] = math.prod(g.params[p].shape) / (tp if is_shard(pl) else 1)
         return c

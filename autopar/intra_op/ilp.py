@@ -85,6 +85,7 @@ from autopar.intra_op.solution import Collective, OpChoice, ShardingSolution
 from autopar.intra_op.strategy import OpContext, Strategy, output_index
 from autopar.schema.errors import PlanError
 from autopar.schema.mesh import LogicalMesh
+from autopar.schema.placement import is_shard, shard_dim
 from cost_models.communication import collective_time
 from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, node_time
 
@@ -487,8 +488,8 @@ class IntraOpProblem:
         if not dims:
             return False
         for a in self.model_axes:
-            if a < len(spec) and spec[a].startswith("S("):
-                d = int(spec[a][2:-1])
+            d = shard_dim(spec[a]) if a < len(spec) else None
+            if d is not None:
                 if d in dims or (d < 0 and d + len(self._shape_of(tensor)) in dims):
                     return True
         return False
@@ -526,7 +527,7 @@ class IntraOpProblem:
             params = [sp[a] for k, sp in zip(kinds, st.in_specs) if k == "param" and a < len(sp)]
             acts = [sp[a] for k, sp in zip(kinds, st.in_specs) if k != "param" and a < len(sp)]
             if params and all(x == REPLICATE for x in params) and (
-                    n.op in HEAVY_OPS or any(x.startswith("S(") for x in acts)):
+                    n.op in HEAVY_OPS or any(map(is_shard, acts))):
                 return True
         return False
 
@@ -723,7 +724,7 @@ class IntraOpProblem:
         row-parallel output at once (`spmd.megatron_boundaries`), never by a reduce-scatter
         into slices of the activation (Megatron-SP), which the runtime does not run."""
         ms, ac = self.mesh_shape, self.axis_cost
-        fix = [a for a in self.model_axes if src[a] == PARTIAL and dst[a].startswith("S(")]
+        fix = [a for a in self.model_axes if src[a] == PARTIAL and is_shard(dst[a])]
         if not fix:
             return transition(shape, isz, src, dst, ms, ac)
         mid = tuple(REPLICATE if a in fix else p for a, p in enumerate(src))
@@ -754,7 +755,7 @@ class IntraOpProblem:
             return ()
         kinds = self._input_kinds(pn.node)
         axes = tuple(a for a in self.model_axes
-                     if any(kd == "param" and sp[a].startswith("S(") for kd, sp in zip(kinds, st.in_specs)))
+                     if any(kd == "param" and is_shard(sp[a]) for kd, sp in zip(kinds, st.in_specs)))
         self._param_axes_cache[(cons, id(st))] = (st, axes)
         return axes
 
@@ -769,7 +770,7 @@ class IntraOpProblem:
         if pn.kind == "param" or (pn.node is not None and pn.node.kind == "param"):
             return False
         u = st.in_specs[k]
-        bad = [a for a in self.model_axes if src[a] in (REPLICATE, PARTIAL) and u[a].startswith("S(")]
+        bad = [a for a in self.model_axes if src[a] in (REPLICATE, PARTIAL) and is_shard(u[a])]
         return bool(bad) and not set(bad) <= set(self._split_param_axes(cons, st))
 
     def edge_cost(self, prod: str, oidx: int, src: Spec, cons: str, k: int,

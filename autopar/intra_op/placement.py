@@ -23,22 +23,9 @@ import math
 from functools import lru_cache
 from typing import Optional, Sequence
 
+from autopar.schema.placement import PARTIAL, REPLICATE, shard, shard_dim  # noqa: F401 - parsed there
+
 Spec = tuple[str, ...]
-
-REPLICATE = "R"
-PARTIAL = "P"
-
-
-def shard(d: int) -> str:
-    return f"S({d})"
-
-
-@lru_cache(maxsize=None)
-def shard_dim(p: str) -> Optional[int]:
-    """The dimension of "S(d)", None for "R"/"P"."""
-    if p.startswith("S("):
-        return int(p[2:-1])
-    return None
 
 
 def replicated(ndim_mesh: int) -> Spec:

@@ -58,6 +58,7 @@ from autopar.runtime.spmd import (
 from autopar.runtime.tied_grads import FlatTiedSync, FullTiedSync, all_gather_flat, allreduce_flat, reduce_scatter_flat
 from autopar.runtime.vocab_loss import VocabParallelLoss
 from autopar.schema.errors import PlanError
+from autopar.schema.placement import is_shard, shard_dim
 from autopar.schema.plan import Plan, StagePlan
 from cost_models.schedules import SCHEDULES, schedule_kind, torch_schedule
 
@@ -237,7 +238,7 @@ def fsdp_sharded(plan: Plan, stages: Optional[Sequence[StagePlan]] = None) -> bo
     if not stages or stages[0].axis_size("dp") <= 1:
         return False
     return plan.zero_stage == 3 or any(
-        pl[i].startswith("S") for s in stages for pl in s.placements.values()
+        is_shard(pl[i]) for s in stages for pl in s.placements.values()
         for i, k in enumerate(s.mesh_axis_names) if k == "dp")
 
 
@@ -311,8 +312,8 @@ def validate_plan(plan: Plan, model: nn.Module) -> dict:
             if p is None:
                 raise PlanError(f"stage {s.index} places {fqn!r}, which the model does not have")
             for _ax, q in zip(s.mesh_shape, pl):
-                if q.startswith("S("):
-                    d = int(q[2:-1])
+                d = shard_dim(q)
+                if d is not None:
                     if not -p.dim() <= d < p.dim():
                         raise PlanError(f"placement {q} of {fqn} does not fit its shape {tuple(p.shape)}")
     return {"devsets": devsets, "chunks_per_device": nst // pp}

@@ -13,7 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Placement = str            # "R", "S(d)", "P": one entry per mesh axis of the layouts' mesh
+from autopar.schema.placement import Placement  # "R", "S(d)", "P": one per mesh axis
+
 Layout = tuple[Placement, ...]
 
 

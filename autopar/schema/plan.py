@@ -19,6 +19,7 @@ from autopar.schema.cluster import ClusterSpec, validation_message
 from autopar.schema.constraints import Recompute, Schedule
 from autopar.schema.errors import PlanError
 from autopar.schema.layouts import StageLayouts
+from autopar.schema.placement import Placement  # "R", "S(d)" or "P", validated
 
 # 4: pipeline chunks carry op_layouts (`StageLayouts.receives`); 3 added op_layouts
 PLAN_FORMAT_VERSION = 4
@@ -26,7 +27,6 @@ PLAN_FORMAT_VERSION = 4
 TrainingDtype = Literal["fp32", "bf16", "fp16"]
 TRAINING_DTYPES: tuple[str, ...] = get_args(TrainingDtype)
 
-Placement = str  # "R" (replicated), "S(d)" (sharded on tensor dim d), "P" (partial sum)
 
 
 class _Model(BaseModel):
