@@ -1,0 +1,62 @@
+"""Stage meshes: one `DeviceMesh` per distinct stage device set, and the facts about a plan's
+stages the runtime derives from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.schema.placement import is_shard
+from autopar.schema.plan import Plan, StagePlan
+
+
+def unique_axis_names(names: Sequence[str]) -> tuple[str, ...]:
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        k = seen.get(n, 0)
+        seen[n] = k + 1
+        out.append(n if k == 0 else f"{n}_{k}")
+    return tuple(out)
+
+
+@dataclass
+class StageMesh:
+    devices: tuple[int, ...]
+    mesh: DeviceMesh
+    axis_names: tuple[str, ...]          # unique names
+    kinds: tuple[str, ...]               # "dp" / "tp" per axis
+    dp_mesh: Optional[DeviceMesh] = None
+    tp_mesh: Optional[DeviceMesh] = None
+    dp_size: int = 1
+    tp_size: int = 1
+
+    def submesh(self, kind: str) -> Optional[DeviceMesh]:
+        names = tuple(n for n, k in zip(self.axis_names, self.kinds) if k == kind)
+        if not names:
+            return None
+        if len(names) == 1:
+            return self.mesh[names[0]]
+        return self.mesh[names]._flatten(f"{kind}_flat")
+
+
+def _coord(devices: Sequence[int], rank: int) -> int:
+    return list(devices).index(rank)
+
+
+def fsdp_sharded(plan: Plan, stages: Optional[Sequence[StagePlan]] = None) -> bool:
+    """Whether `stages` (default: all the plan's) run under `fully_shard` (ZeRO-3, or a dp axis
+    placed "S(0)") with more than one data-parallel replica."""
+    stages = plan.stages if stages is None else stages
+    if not stages or stages[0].axis_size("dp") <= 1:
+        return False
+    return plan.zero_stage == 3 or any(
+        is_shard(pl[i]) for s in stages for pl in s.placements.values()
+        for i, k in enumerate(s.mesh_axis_names) if k == "dp")
+
+
+def _mesh_kinds(stages: Sequence[StagePlan]) -> set[tuple[tuple[int, ...], tuple[str, ...]]]:
+    """The distinct (mesh_shape, mesh_axis_names) of `stages`."""
+    return {(tuple(s.mesh_shape), tuple(s.mesh_axis_names)) for s in stages}

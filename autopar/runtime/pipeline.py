@@ -1,0 +1,306 @@
+"""Pipeline stages of `ParallelModel` (a mixin): torch.pipelining `PipelineStage`s holding a
+rank's chunks, cut by module for a zoo family (`families.StageCore`), from the traced model
+(`graph_stages`), or, with tensor parallelism run as solved, from the exported program
+(`intra_op.pipeline_chunks`); static send/receive shapes; the pipeline groups; the schedule
+(`cost_models.schedules`)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from autopar.runtime.families import Family, StageCore, _compact, family_of, get_submodule, stage_loss
+from autopar.runtime.materialize import materialize
+from autopar.runtime.meshes import _mesh_kinds
+from autopar.runtime.pipeline_p2p import FanoutPipelineStage, replica_ranks
+from autopar.runtime.recompute import apply_recompute, is_repeated_block
+from autopar.runtime.spmd import SPMDModule, distribute_params
+from autopar.schema.errors import PlanError
+from cost_models.schedules import torch_schedule
+
+
+class PipelineStages:
+    """The pipeline part of `engine.ParallelModel` (its attributes are the engine's)."""
+
+    def _stage_shapes(self, mb: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Example (input, output) of every chunk for one micro-batch: shapes and dtypes from a
+        run on fake tensors of this device type (no memory), under the plan's autocast, so a
+        stage boundary that autocast makes bf16 gets bf16 send and receive buffers."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.func import functional_call
+
+        ex = self.bundle.example_inputs[0]
+        fam = self.family
+        out = []
+        nst = len(self.stages)
+        with FakeTensorMode(), torch.no_grad(), self._autocast_ctx():
+            x = torch.empty((mb,) + tuple(ex.shape[1:]), dtype=ex.dtype, device=self.device)
+            for i, s in enumerate(self.stages):
+                ins = x
+                for j, fqn in enumerate(s.layers):
+                    mod = get_submodule(self.model, fqn)
+                    state = {n: torch.empty(t.shape, dtype=self._compute_dtype(t), device=self.device)
+                             for n, t in mod.named_parameters()}
+                    state.update({n: torch.empty(t.shape, dtype=t.dtype, device=self.device)
+                                  for n, t in mod.named_buffers()})
+                    x = functional_call(mod, state, (x,))
+                    x = fam.between(fqn, x, i == nst - 1 and j == len(s.layers) - 1)
+                out.append((ins, x))
+        def meta(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty(t.shape, dtype=t.dtype, device="meta").requires_grad_(t.is_floating_point())
+        return [(meta(a), meta(b)) for a, b in out]
+
+    def _example_microbatch(self) -> tuple:
+        """The model's inputs at the plan's micro-batch size, on meta (what the tracer needs)."""
+        mb = self.plan.microbatch_size
+        return tuple(torch.empty((mb,) + tuple(x.shape[1:]), dtype=x.dtype, device="meta")
+                     if isinstance(x, torch.Tensor) and x.dim() > 0 else x
+                     for x in self.bundle.example_inputs)
+
+    def _graph_shapes(self, chunks: list) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
+        """`_stage_shapes` for traced chunks (`graph_stages.Chunk`): each run on fake tensors in
+        order, under the plan's autocast, with autograd on so every boundary tensor says whether
+        it needs a gradient; a chunk's inputs are what the previous one sends (the first
+        chunk's, the first model input, what the schedule hands it)."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.func import functional_call
+
+        from autopar.runtime.graph_stages import FedChunk
+
+        ex = self._example_microbatch()
+        out = []
+        with FakeTensorMode(allow_non_fake_inputs=True), self._autocast_ctx():
+            inputs = [torch.empty(x.shape, dtype=x.dtype, device=self.device) if isinstance(x, torch.Tensor) else x
+                      for x in ex]
+            received: tuple = (inputs[0],)
+            for ch in chunks:
+                state = {n: torch.empty(t.shape, dtype=self._compute_dtype(t), device=self.device,
+                                        requires_grad=t.is_floating_point())
+                         for n, t in ch.module.named_parameters(remove_duplicate=False)}
+                state.update({n: torch.empty(t.shape, dtype=t.dtype, device=self.device)
+                              for n, t in ch.module.named_buffers(remove_duplicate=False)})
+
+                def bound(*a: Any, gm: nn.Module = ch.module, st: dict = state) -> Any:
+                    return functional_call(gm, st, a, tie_weights=False)
+
+                y = FedChunk(bound, ch.sources, ch.sends).run(received, lambda k: inputs[k])
+                sent = y if isinstance(y, tuple) else (y,)
+                out.append((received, sent))
+                received = tuple(t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+                                 for t in sent)
+
+        def meta(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty(t.shape, dtype=t.dtype, device="meta").requires_grad_(t.requires_grad)
+        return [(tuple(meta(a) for a in ins), tuple(meta(b) for b in outs)) for ins, outs in out]
+
+    def _build_solved_pipeline(self) -> None:
+        """A pipeline whose chunks run op by op as solved (every stage carries `op_layouts`):
+        each of the rank's chunks a `ProgramChunk` of the model's program
+        (`autopar.intra_op.pipeline_chunks`) on the stage's tp sub-mesh, held by a torch
+        PipelineStage; only the parameters the rank's chunks read are materialised."""
+        from autopar.intra_op.pipeline_chunks import parallelize_chunks
+
+        self.family = None
+        self.hetero = False
+        self._build_pp_groups()
+        mine = [i for i, s in enumerate(self.stages) if self.rank in s.devices]
+        sol = _merged_solution([self.stages[i].op_layouts for i in mine], (self.tp_size,))
+        chunk_ops = [[op for lay in s.op_layouts.layers for op in lay.ops] for s in self.stages]
+        receives = [s.op_layouts.receives for s in self.stages]
+        chunks, params = parallelize_chunks(
+            self.model, self._real_microbatch(), sol, self.my_mesh.tp_mesh, chunk_ops, receives, mine,
+            materialize=lambda own: materialize(self.model, seed=self.seed, device=self.device,
+                                                aliases=self.aliases, only=own),
+            aliases=self.aliases, device=self.device, autocast=self._autocast_ctx,
+            compute_dtype=self._compute_dtype, param_dtype=self.low,
+            recompute=[r for i in mine for r in self.stages[i].op_layouts.recompute_regions()])
+        self.chunk_params = dict(enumerate(params))
+        if chunks:
+            self._note_interleaved(chunks[0].prog.layouts)
+        self.pipe_stages, self.local_modules, self.fed_chunks = [], [], []
+        for ch in chunks:
+            self.fed_chunks.append(ch)
+            self.pipe_stages.append(self._make_stage(ch, ch.index, *ch.examples))
+            self.local_modules.append(ch.holder)
+        self.runner = None
+        self._make_schedule()
+
+    def _build_pipeline(self) -> None:
+        if self.stages[0].op_layouts is not None:
+            self._build_solved_pipeline()
+            return
+        try:
+            self.family: Optional[Family] = family_of(self.model)
+        except PlanError:
+            self.family = None        # cut from the traced model (`graph_stages`)
+        nst = len(self.stages)
+        covered = {}
+        for s in self.stages:
+            for fqn in s.layers:
+                for n, _ in get_submodule(self.model, fqn).named_parameters(remove_duplicate=False):
+                    covered[self.aliases.get(f"{fqn}.{n}", f"{fqn}.{n}")] = True
+        missing = [n for n in set(self.aliases.values()) if n not in covered]
+        if missing:
+            raise PlanError(f"the plan's stages leave parameters out: {', '.join(sorted(missing)[:5])}")
+        chunks = None
+        if self.family is None:
+            from autopar.runtime.graph_stages import split_model
+
+            chunks = split_model(self.model, self._example_microbatch(), [s.layers[0] for s in self.stages[1:]],
+                                 self.device, param_dtype=self.low)
+        shapes = (self._graph_shapes(chunks) if chunks is not None
+                  else self._stage_shapes(self.plan.microbatch_size))
+        self.hetero = len(_mesh_kinds(self.stages)) > 1
+        if self.hetero:
+            self._build_replica_groups()
+        else:
+            self._build_pp_groups()
+        self.pipe_stages = []
+        self.local_modules = []
+        self.fed_chunks = []
+        self.chunk_params: dict[int, set[str]] = {}
+        for i, s in enumerate(self.stages):
+            if chunks is not None:
+                self.chunk_params[i] = {self.aliases.get(n, n) for n, _ in
+                                        chunks[i].module.named_parameters(remove_duplicate=False)}
+            if self.rank not in s.devices:
+                continue
+            last = i == nst - 1
+            core: nn.Module = (StageCore(self.model, s.layers, self.family, last) if chunks is None
+                               else chunks[i].module)
+            for fqn in s.layers:
+                if is_repeated_block(fqn):
+                    apply_recompute(get_submodule(core, fqn), s.recompute)
+            materialize(core, seed=self.seed, device=self.device, aliases=self.aliases,
+                        template=self.model if chunks is not None else None)
+            if self.tp_size > 1:
+                distribute_params(core, self.my_mesh.tp_mesh, self._tp_placements(s),
+                                  aliases=self.aliases, src_data_rank=None)
+            mod: nn.Module = core
+            if self.tp_size > 1:
+                # a traced last chunk computes the loss inside: vocabulary-parallel there
+                mod = SPMDModule(core, self.my_mesh.tp_mesh, [None], loss_inside=chunks is not None and last,
+                                 loss_output=chunks is None and last)
+            if chunks is not None:
+                from autopar.runtime.graph_stages import FedChunk
+
+                mod = FedChunk(mod, chunks[i].sources, chunks[i].sends)
+                self.fed_chunks.append(mod)
+            if self.zero3:
+                self._fully_shard(core, s.fsdp_units or [], root=mod)   # the FSDP root: what the stage holds
+            self.pipe_stages.append(self._make_stage(mod, i, *shapes[i]))
+            self.local_modules.append(core)
+        self.runner = None
+        self._make_schedule()
+
+    def _build_pp_groups(self) -> None:
+        """Equal stage meshes: one pipeline group per mesh coordinate, ranks in stage order."""
+        ncoord = len(self.devsets[0])
+        self.pp_group = None
+        self.pp_group_ranks: list[int] = []
+        for c in range(ncoord):
+            ranks = [ds[c] for ds in self.devsets]
+            g = dist.new_group(ranks)
+            if self.rank in ranks:
+                self.pp_group = g
+                self.pp_group_ranks = ranks
+
+    def _build_replica_groups(self) -> None:
+        """Stage meshes of different tp degrees (`pipeline_p2p`): per data-parallel replica, the
+        ranks of every stage (tp order) and one group holding them all for the point-to-point
+        ops. On NCCL the group's communicator is created here, by every member: torch.pipelining
+        would create it lazily inside a batch only some members join."""
+        per_stage = [replica_ranks(s.devices, s.mesh_shape, s.mesh_axis_names) for s in self.stages]
+        self.replica_stage_ranks: list[list[int]] = []
+        self.pp_group = None
+        for d in range(len(per_stage[0])):
+            ranks = [st[d] for st in per_stage]
+            members = sorted(r for rs in ranks for r in rs)
+            g = None if len(members) == self.world else dist.new_group(members)
+            if self.rank in members:
+                self.replica_stage_ranks, self.pp_group = ranks, g
+        if self.device_type == "cuda":
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.pp_group)
+
+    def _make_stage(self, mod: nn.Module, i: int, ins: Any, outs: Any) -> Any:
+        """The torch.pipelining stage of chunk `i` with static shapes from the meta run: `ins`
+        and `outs` a tensor or a tuple of tensors (several cross a traced model's boundary);
+        a received floating tensor gets a gradient to send back unless the sender's run said it
+        needs none (`_graph_shapes`)."""
+        from torch.distributed.pipelining import PipelineStage
+
+        nst = len(self.stages)
+        ins = ins if isinstance(ins, tuple) else (ins,)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+
+        def example(t: torch.Tensor, grad: bool) -> torch.Tensor:
+            x = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+            return x.requires_grad_(True) if grad else x
+
+        ex_in = tuple(example(t, t.requires_grad) for t in ins)
+        ex_out = tuple(example(t, False) for t in outs)
+        in_grad = tuple(torch.empty_like(x) if x.requires_grad and i > 0 else None for x in ex_in)
+        out_grad = tuple(torch.empty_like(x) if t.requires_grad and i < nst - 1 else None for x, t in zip(ex_out, outs))
+        for x, t in zip(ex_out, outs):
+            x.requires_grad_(t.requires_grad)
+        meta = dict(input_args=ex_in, output_args=ex_out, input_grads=in_grad, output_grads=out_grad)
+        if self.hetero:
+            return FanoutPipelineStage(mod, i, nst, self.device, ranks=self.replica_stage_ranks,
+                                       group=self.pp_group, **meta)
+        return PipelineStage(mod, i, nst, self.device, group=self.pp_group, **meta)
+
+    def _make_schedule(self) -> None:
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        M = self.plan.num_microbatches
+        fam = self.family
+        if fam is None:
+            # a traced last chunk returns the loss itself
+            loss_fn = lambda out, tgt: _compact(out.full_tensor() if isinstance(out, DTensor) else out)  # noqa: E731
+        else:
+            loss_fn = lambda out, tgt: stage_loss(fam, out, tgt)  # noqa: E731
+        cls = torch_schedule(self.plan.schedule, self.pp, M, len(self.pipe_stages))
+        if cls == "ScheduleInterleaved1F1B":
+            if M % self.pp != 0:
+                raise PlanError(f"interleaved 1F1B needs num_microbatches ({M}) to be a multiple of "
+                                f"the pipeline depth ({self.pp})")
+            sched = ScheduleInterleaved1F1B(self.pipe_stages, n_microbatches=M, loss_fn=loss_fn)
+        elif cls == "ScheduleGPipe":
+            # also 1F1B with fewer micro-batches than stages, which torch's 1F1B refuses: it
+            # degenerates to GPipe (all forwards, then all backwards), same maths and transfers
+            sched = ScheduleGPipe(self.pipe_stages[0], n_microbatches=M, loss_fn=loss_fn)
+        else:
+            sched = Schedule1F1B(self.pipe_stages[0], n_microbatches=M, loss_fn=loss_fn)
+        self.schedule = sched
+        if self.hetero:
+            return  # FanoutPipelineStage finds its peers itself (one stage per rank)
+        # stage i lives on group rank of devsets[i % pp][coord]
+        sorted_ranks = sorted(self.pp_group_ranks)
+        mapping = {i: sorted_ranks.index(self.pp_group_ranks[i % self.pp]) for i in range(len(self.stages))}
+        if len(self.pipe_stages) > 1 and any(mapping[i] != i % self.pp for i in mapping):
+            raise PlanError("interleaved pipelines need the stage device sets in increasing rank order "
+                            f"(got {[list(d) for d in self.devsets]}); renumber the devices of the plan")
+        sched.stage_index_to_group_rank = mapping
+        for st in self.pipe_stages:
+            st.stage_index_to_group_rank = mapping
+
+
+def _merged_solution(layouts: Sequence[Any], mesh_shape: tuple[int, ...]) -> Any:
+    """One ShardingSolution of several chunks' `StageLayouts` (a rank's interleaved chunks): a
+    parameter two of them read must be stored in one layout."""
+    sols = [lay.solution(mesh_shape) for lay in layouts]
+    out = sols[0]
+    for s in sols[1:]:
+        for fqn, pl in s.param_placements.items():
+            if out.param_placements.setdefault(fqn, pl) != pl:
+                raise PlanError(f"{fqn} is read in two layouts by chunks of one rank "
+                                f"({out.param_placements[fqn]} and {pl}); re-plan with `autopar plan`")
+        out.op_choices.update(s.op_choices)
+        out.input_placements.update(s.input_placements)
+        out.junctions.update(s.junctions)
+        out.param_layouts.update(s.param_layouts)
+    return out

@@ -1,0 +1,114 @@
+"""Parameters held by more than one pipeline stage (`ParallelModel`'s mixin): which, in which
+layouts, and the groups their gradients are summed over (`tied_grads`)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from autopar.runtime.families import get_submodule
+from autopar.runtime.meshes import _mesh_kinds, fsdp_sharded
+from autopar.runtime.pipeline_p2p import replica_ranks
+from autopar.runtime.tied_grads import FlatTiedSync, FullTiedSync
+from autopar.schema.plan import StagePlan
+
+
+class TiedParameters:
+    """The tied-parameter part of `engine.ParallelModel` (its attributes are the engine's)."""
+
+    def _build_tied_groups(self) -> None:
+        """Parameters held by more than one stage device set: their gradients are summed over a
+        group joining the copies (`tied_grads`): one per mesh coordinate when the holders hold
+        them in one layout (equal meshes and placements), else one per data-parallel replica
+        over all the holders' ranks (one over all replicas under ZeRO-3, whose replicas hold
+        different shards)."""
+        self.tied: list[FlatTiedSync | FullTiedSync] = []
+        self.checkpoint_skip: set[str] = set()
+        if self.pp == 1:
+            return
+        for dss, names in self._tied_sets().items():
+            if self._same_layout(dss, names):
+                groups = [[self.devsets[d][c] for d in dss] for c in range(len(self.devsets[dss[0]]))]
+                sync = FlatTiedSync
+            else:
+                groups = self._full_tied_groups(dss)
+                sync = FullTiedSync
+                self._mark_checkpoint_skip(dss, names)
+            for ranks in groups:
+                g = dist.new_group(ranks)
+                if self.rank in ranks:
+                    extra = {}
+                    if sync is FullTiedSync and len(groups) == 1 and not self.zero3:
+                        # one group over every dp replica (a ZeRO-3 holder): this stage's
+                        # copy is the same dp-averaged tensor on each replica; count it once
+                        extra["adds"] = self.dp_rank == 0
+                    self.tied.append(sync(g, self._local_params(names), **extra))
+
+    def _tied_sets(self) -> dict[tuple[int, ...], list[str]]:
+        """{device-set indices holding them: canonical names} of the parameters held by more
+        than one device set."""
+        holders: dict[str, list[int]] = {}
+        for si in range(len(self.stages)):
+            for canon in self._stage_params(si):
+                ds = si % self.pp
+                if ds not in holders.setdefault(canon, []):
+                    holders[canon].append(ds)
+        bykey: dict[tuple[int, ...], list[str]] = {}
+        for k, v in sorted(holders.items()):
+            if len(v) > 1:
+                bykey.setdefault(tuple(v), []).append(k)
+        return bykey
+
+    def _same_layout(self, dss: Sequence[int], names: Sequence[str]) -> bool:
+        """Whether the device sets `dss` hold the parameters `names` in one layout: equal stage
+        meshes and, for each parameter, equal placements in every holding stage (rank c of each
+        then holds the same elements). A planner may place a tied embedding replicated on one
+        stage and vocabulary-sharded on another of the same mesh."""
+        if len(_mesh_kinds([self.stages[d] for d in dss])) != 1:
+            return False
+        return all(len({self._placement_of(s, n) for s in self._holders(dss, n)}) == 1 for n in names)
+
+    def _holders(self, dss: Sequence[int], canon: str) -> list[StagePlan]:
+        """The stages on device sets `dss` holding the parameter of canonical name `canon`."""
+        return [s for si, s in enumerate(self.stages) if si % self.pp in dss and canon in self._stage_params(si)]
+
+    def _stage_params(self, si: int) -> set[str]:
+        """Canonical names of the parameters chunk `si` holds: a traced chunk's own (it holds a
+        weight it reads outside the modules it runs, a tied head's), else its layers'."""
+        if si in getattr(self, "chunk_params", {}):
+            return self.chunk_params[si]
+        return {self.aliases.get(f"{fqn}.{n}", f"{fqn}.{n}") for fqn in self.stages[si].layers
+                for n, _ in get_submodule(self.model, fqn).named_parameters(remove_duplicate=False)}
+
+    def _placement_of(self, s: StagePlan, canon: str) -> tuple[str, ...]:
+        """Stage `s`'s placement of the parameter `canon` as `distribute_params` and FSDP read
+        it: the canonical name's entry, else an alias's, else replicated."""
+        pl = s.placements.get(canon)
+        if pl is None:
+            pl = next((v for k, v in s.placements.items() if self.aliases.get(k, k) == canon), None)
+        return tuple(pl) if pl is not None else ("R",) * len(s.mesh_shape)
+
+    def _full_tied_groups(self, dss: Sequence[int]) -> list[list[int]]:
+        """Rank groups of a `FullTiedSync` across device sets `dss` of different meshes."""
+        per = [replica_ranks(self.stages[d].devices, self.stages[d].mesh_shape, self.stages[d].mesh_axis_names)
+               for d in dss]
+        if fsdp_sharded(self.plan, [self.stages[d] for d in dss]):
+            return [sorted(r for st in per for rs in st for r in rs)]
+        return [sorted(r for st in per for r in st[rep]) for rep in range(len(per[0]))]
+
+    def _mark_checkpoint_skip(self, dss: Sequence[int], names: Sequence[str]) -> None:
+        """Tied copies in different layouts are saved once, by the first holder (DCP refuses a
+        key that one rank saves whole and another sharded); every copy still loads it."""
+        if any(self.rank in self.devsets[d] for d in dss[1:]):
+            self.checkpoint_skip.update(names)
+
+    def _local_params(self, names: Sequence[str]) -> list[nn.Parameter]:
+        """This rank's parameters with canonical names in `names`, each once."""
+        params: list[nn.Parameter] = []
+        for core in self.local_modules:
+            for n, p in core.named_parameters(remove_duplicate=False):
+                if self.aliases.get(n, n) in names and all(p is not q for q in params):
+                    params.append(p)
+        return params

@@ -1,0 +1,84 @@
+"""What the runtime checks of a plan before any process group exists."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from autopar.runtime.families import get_submodule
+from autopar.runtime.materialize import canonical_names
+from autopar.runtime.meshes import _mesh_kinds, fsdp_sharded
+from autopar.schema.errors import PlanError
+from autopar.schema.placement import shard_dim
+from autopar.schema.plan import Plan
+from cost_models.schedules import SCHEDULES, schedule_kind
+
+
+def validate_plan(plan: Plan, model: nn.Module) -> dict:
+    """Check, without any process group, that the runtime can execute `plan` on `model`; raise
+    PlanError saying what cannot. Returns derived facts (device sets in stage order, chunks per
+    device set)."""
+    stages = sorted(plan.stages, key=lambda s: s.index)
+    used = sorted({d for s in stages for d in s.devices})
+    if used != list(range(len(used))):
+        raise PlanError(f"the plan's stages use devices {used}; the runtime needs ranks 0..{len(used) - 1}")
+    for s in stages:
+        for a in s.mesh_axis_names:
+            if a not in ("dp", "tp"):
+                raise PlanError(f"stage {s.index}: mesh axis {a!r} is neither 'dp' nor 'tp'")
+        for fqn in s.layers:
+            get_submodule(model, fqn)
+    devsets: list[tuple[int, ...]] = []
+    for s in stages:
+        t = tuple(s.devices)
+        if t not in devsets:
+            devsets.append(t)
+    pp = len(devsets)
+    dps = {s.axis_size("dp") for s in stages}
+    if len(dps) > 1:
+        raise PlanError(f"stages with different data-parallel degrees {sorted(dps)} are not supported")
+    nst = len(stages)
+    M = plan.num_microbatches
+    if pp > 1:
+        for i, s in enumerate(stages):
+            if tuple(s.devices) != devsets[i % pp]:
+                raise PlanError(f"stage {s.index} runs on {s.devices}, expected {list(devsets[i % pp])}: "
+                                f"chunks must go round the device sets in order (interleaving)")
+        v = nst // pp
+        if v * pp != nst:
+            raise PlanError(f"{nst} stages over {pp} device sets: not a whole number of chunks")
+        if not schedule_kind(plan.schedule).interleaved and v > 1:
+            interleaved = [k.name for k in SCHEDULES.values() if k.interleaved]
+            raise PlanError(f"{v} chunks per device need schedule {' or '.join(interleaved)}, not {plan.schedule}")
+        if v > 1 and len(_mesh_kinds(stages)) > 1:
+            raise PlanError("interleaved pipelines need equal stage meshes (chunks go round the device "
+                            f"sets), got {sorted(_mesh_kinds(stages))}; plan them with equal stage meshes")
+        if v > 1 and M % pp != 0:
+            raise PlanError(f"interleaved 1F1B needs num_microbatches ({M}) to be a multiple of "
+                            f"the pipeline depth ({pp})")
+        aliases = canonical_names(model)
+        covered = set()
+        for s in stages:
+            for fqn in s.layers:
+                for n, _ in get_submodule(model, fqn).named_parameters(remove_duplicate=False):
+                    covered.add(aliases.get(f"{fqn}.{n}", f"{fqn}.{n}"))
+        missing = sorted(set(aliases.values()) - covered)
+        if missing:
+            raise PlanError(f"the plan's stages leave parameters out: {', '.join(missing[:5])}")
+    solved = [s.index for s in stages if s.op_layouts is not None]
+    if solved and (fsdp_sharded(plan, stages) or stages[0].axis_size("tp") < 2 or len(solved) < nst
+                   or len(_mesh_kinds(stages)) > 1):
+        raise PlanError(f"stage {solved[0]} carries op_layouts, which the runtime executes only for "
+                        f"tensor-parallel stages of one mesh, every stage solved, without ZeRO-3; "
+                        f"re-plan with `autopar plan`")
+    names = dict(model.named_parameters(remove_duplicate=False))
+    for s in stages:
+        for fqn, pl in s.placements.items():
+            p = names.get(fqn)
+            if p is None:
+                raise PlanError(f"stage {s.index} places {fqn!r}, which the model does not have")
+            for _ax, q in zip(s.mesh_shape, pl):
+                d = shard_dim(q)
+                if d is not None:
+                    if not -p.dim() <= d < p.dim():
+                        raise PlanError(f"placement {q} of {fqn} does not fit its shape {tuple(p.shape)}")
+    return {"devsets": devsets, "chunks_per_device": nst // pp}

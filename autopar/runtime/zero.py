@@ -1,0 +1,97 @@
+"""ZeRO on the data-parallel axis (`ParallelModel`'s mixin): FSDP2 units for ZeRO-3, and ZeRO-1/2's
+flat reduce-scatter, sharded AdamW and all-gather of the updated parameters."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from autopar.runtime.families import get_submodule
+from autopar.runtime.precision import fsdp_policy
+from autopar.runtime.spmd import SPMDModule
+from autopar.runtime.tied_grads import all_gather_flat, reduce_scatter_flat
+
+
+def _quiet_view_output_warning() -> None:
+    """Silence FSDP's warning that an `SPMDModule` root returns a view: its plain output (the
+    local tensor of a replicated DTensor) is only sent on or fed to the loss by torch.pipelining,
+    never modified in place, which is what the warning is about."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPSPMDModule\) returned a view",
+                            category=UserWarning)
+
+
+class ZeroSharding:
+    """The ZeRO part of `engine.ParallelModel` (its attributes are the engine's)."""
+
+    def _fully_shard(self, model: nn.Module, units: Sequence[str], root: Optional[nn.Module] = None) -> None:
+        """ZeRO-3: `fully_shard` on the dp sub-mesh for each of the plan's `units` (modules of
+        `model`, `StagePlan.fsdp_units`: the planner chose them from which ops read which
+        parameter), then on `root` (default `model`; a module holding `model`) as the root unit,
+        which keeps the other parameters (tied, read outside their module). A pipeline stage
+        passes the module its PipelineStage holds as `root`: torch.pipelining drives FSDP
+        (gradient sync and resharding on the last micro-batch only) only when the stage's module
+        is the FSDP root, and with tp that is the SPMDModule around the stage's layers."""
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.my_mesh.dp_mesh
+        mp = {"mp_policy": fsdp_policy(self.low)} if self.low is not None else {}
+        # with tp, parameters are already DTensors on the sibling tp sub-mesh: FSDP2 makes them
+        # 2-D (Shard on dp, the planned placement on tp)
+        for fqn in units:
+            fully_shard(get_submodule(model, fqn), mesh=mesh, **mp)
+        root = model if root is None else root
+        if isinstance(root, SPMDModule):
+            _quiet_view_output_warning()
+        fully_shard(root, mesh=mesh, **mp)
+        self._fsdp_root = root
+
+    def _zero12_setup(self) -> None:
+        D = self.dp_size
+        locs = [self._local(p.data) for p in self.params]
+        n = sum(t.numel() for t in locs)
+        self.flat_numel = n
+        self.shard_size = math.ceil(n / D)
+        flat = torch.zeros(self.shard_size * D, dtype=locs[0].dtype, device=self.device)
+        torch.cat([t.reshape(-1) for t in locs], out=flat[:n])
+        lo = self.dp_rank * self.shard_size
+        self.flat_shard = nn.Parameter(flat[lo:lo + self.shard_size].clone())
+        self.optimizer = self.opt_factory([self.flat_shard])
+
+    def _zero12_step(self) -> None:
+        """Tied copies first (sum), then reduce-scatter over dp, sharded update, all-gather.
+        Each gradient is freed as soon as it is copied into the flat buffer, and each buffer as
+        soon as it is used, so the sync holds one gradient-sized buffer at a time beside the
+        weights (`cost_models.memory.runtime_phases` counts exactly these)."""
+        for t in self.tied:
+            t.sync()
+        D, S, n = self.dp_size, self.shard_size, self.flat_numel
+        dtype = self._local(self.params[0].grad).dtype
+        flat = torch.empty(S * D, dtype=dtype, device=self.device)
+        flat[n:].zero_()
+        off = 0
+        for p in self.params:
+            g = self._local(p.grad)
+            flat[off:off + g.numel()].copy_(g.reshape(-1))
+            off += g.numel()
+            p.grad = None
+        shard = torch.empty(S, dtype=flat.dtype, device=self.device)
+        reduce_scatter_flat(shard, flat, group=self.dp_group)
+        del flat
+        shard.mul_(1.0 / D)
+        self.flat_shard.grad = shard.to(self.flat_shard.dtype)   # the fp32 master shard's
+        del shard
+        self.optimizer.step()
+        self.flat_shard.grad = None
+        full = torch.empty(S * D, dtype=dtype, device=self.device)   # the parameters' dtype
+        all_gather_flat(full, self.flat_shard.data.to(full.dtype), group=self.dp_group)
+        off = 0
+        with torch.no_grad():
+            for p in self.params:
+                loc = self._local(p.data)
+                loc.copy_(full[off:off + loc.numel()].view_as(loc))
+                off += loc.numel()
