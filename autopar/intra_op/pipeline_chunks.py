@@ -199,13 +199,9 @@ class ProgramChunk(nn.Module):
     def start_step(self, local: Sequence[Any], num_microbatches: int) -> None:
         """This step's model inputs (the rank's rows), split into micro-batches as the schedule
         splits what it is given; the chunk's forwards then run in micro-batch order."""
-        self._mbs = {}
-        for k in self.model_inputs:
-            x = local[k] if k < len(local) else None
-            if x is None:
-                raise PlanError(f"pipeline chunk {self.index} needs model input {k}, which this rank was not given")
-            self._mbs[k] = (torch.tensor_split(x, num_microbatches) if isinstance(x, torch.Tensor) and x.dim() > 0
-                            else [x] * num_microbatches)
+        from autopar.runtime.graph_stages import step_microbatches
+
+        self._mbs = step_microbatches(local, self.model_inputs, num_microbatches, f"pipeline chunk {self.index}")
         self._next = 0
 
     def forward(self, *received: Any) -> Any:

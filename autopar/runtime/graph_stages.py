@@ -262,13 +262,7 @@ class FedChunk(nn.Module):
     def start_step(self, local: Sequence[Any], num_microbatches: int) -> None:
         """This step's model inputs (the rank's rows), split into micro-batches as the schedule
         splits what it is given."""
-        self._mbs = {}
-        for i in self.model_inputs:
-            x = local[i] if i < len(local) else None
-            if x is None:
-                raise PlanError(f"pipeline chunk needs model input {i}, which this rank was not given")
-            self._mbs[i] = (torch.tensor_split(x, num_microbatches) if isinstance(x, torch.Tensor) and x.dim() > 0
-                            else [x] * num_microbatches)
+        self._mbs = step_microbatches(local, self.model_inputs, num_microbatches, "pipeline chunk")
         self._next = 0
 
     def forward(self, *received: Any) -> Any:
@@ -284,6 +278,20 @@ class FedChunk(nn.Module):
             return y
         outs = tuple(_passed_on(received[k]) if kind == "act" else (y if k < 0 else y[k]) for kind, k in self.sends)
         return outs[0] if len(outs) == 1 else outs
+
+
+def step_microbatches(local: Sequence[Any], inputs: set[int], num_microbatches: int, who: str
+                      ) -> dict[int, Sequence[Any]]:
+    """{model input index: its micro-batches} of this step's rows `local` for the `inputs` a
+    chunk reads, split as the schedule splits what it is given (a non-tensor repeated)."""
+    out: dict[int, Sequence[Any]] = {}
+    for i in inputs:
+        x = local[i] if i < len(local) else None
+        if x is None:
+            raise PlanError(f"{who} needs model input {i}, which this rank was not given")
+        out[i] = (torch.tensor_split(x, num_microbatches) if isinstance(x, torch.Tensor) and x.dim() > 0
+                  else [x] * num_microbatches)
+    return out
 
 
 def _passed_on(x: Any) -> Any:
