@@ -292,8 +292,8 @@ def _op_layouts(graph: OpGraph, c: Candidate, layers: list[Layer], chunks: list,
     if solutions is None:
         return {}, "runs by DTensor propagation: the analytic provider solves no per-op layouts"
     if not op_by_op(c):
-        what = ("stages of different tensor-parallel degrees are" if len({s.tp for s in c.stages}) > 1
-                else "ZeRO-3 is")
+        what = ("ZeRO-3 is" if c.zero == 3 and c.dp > 1
+                else "stages of different tensor-parallel degrees (Alpa's sub-mesh choice) are")
         return {}, f"runs by DTensor propagation: {what} not executed op by op yet"
     out: dict[int, StageLayouts] = {}
     earlier: dict[str, tuple[str, ...]] = {}
