@@ -180,3 +180,34 @@ def test_selective_recomputation_checkpoints_each_attention_child():
         inside = {n.name for n in g.calls if (n.module_path or "").startswith(f"blocks.{i}.attn")}
         assert set(ops) == inside
     assert "recompute" not in lay.collectives
+
+
+def test_the_program_is_cut_where_the_plan_cuts_it():
+    """The runtime cuts the exported program at each chunk's first op (`pipeline_chunks._Spans`):
+    what a chunk receives is what the plan says it receives (`StageLayouts.receives`), shape
+    arithmetic crossing the boundary is not sent, and chunks listed out of the program's order
+    are refused with a PlanError rather than run wrong."""
+    import pytest
+    import torch
+
+    from autopar.capture.export import export_program
+    from autopar.intra_op.execute import _meta_copy, _to_meta
+    from autopar.intra_op.pipeline_chunks import _Spans
+    from autopar.planner import resolve_model
+    from autopar.schema import PlanError
+
+    p = plan("gpt-tiny", _cpu(4), global_batch_size=8, dtype="fp32",
+             constraints=Constraints(dp=1, tp=2, pp=2, schedule="1f1b", num_microbatches=2))
+    stages = sorted(p.stages, key=lambda s: s.index)
+    ops = [[o for lay in s.op_layouts.layers for o in lay.ops] for s in stages]
+    b = resolve_model("gpt-tiny", None, None)
+    ex = tuple(torch.zeros((p.microbatch_size,) + tuple(x.shape[1:]), dtype=x.dtype) for x in b.example_inputs)
+    program, _, _ = export_program(_meta_copy(b.model), _to_meta(ex))
+    gm = program.graph_module
+    values = {n: (torch.empty(0) if n.op != "placeholder" and not str(n.target).startswith("aten.sym_size")
+                  else 4) for n in gm.graph.nodes}
+    spans = _Spans(gm, ops, values)
+    assert [spans.names[n] for n in spans.receives[1]] == list(stages[1].op_layouts.receives)
+    assert all(not isinstance(v, torch.Tensor) for v in spans.constants[1].values())
+    with pytest.raises(PlanError, match="order"):
+        _Spans(gm, ops[::-1], values)
