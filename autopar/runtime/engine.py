@@ -13,9 +13,12 @@ How each part of the plan is executed:
 
 * Stage meshes: one `DeviceMesh` per distinct stage device set (`mesh_shape`,
   `mesh_axis_names`), created on every rank in stage order.
-* "tp" axes: the stage's parameters become DTensors on the tp sub-mesh with the tp entries of
-  `placements` (`spmd.distribute_params`); activations are DTensors inside the stage and plain
-  (replicated) tensors at its boundaries.
+* "tp" axes, stages with solved layouts (`op_layouts`: every tp plan but ZeRO-3 and stages of
+  different tp degrees): the model's exported program runs op by op as solved on the tp
+  sub-mesh (`intra_op.execute`; a pipeline's chunks cut from it, `intra_op.pipeline_chunks`).
+  Otherwise the stage's parameters become DTensors with the tp entries of `placements`
+  (`spmd.distribute_params`) and DTensor propagates the rest; activations are DTensors inside
+  the stage and plain (replicated) tensors at its boundaries.
 * "dp" axes: the batch is split by rows; gradients are averaged over the dp group after the
   backward in one flat all-reduce per stage (zero_stage 0), one flat reduce-scatter + sharded
   AdamW + one all-gather of the updated parameters (zero_stage 1 and 2: optimizer state, and the
