@@ -58,6 +58,12 @@ def _plans(model: str, n: int, gbs: int, tp_path: str):
     return {"dp": dp, "zero3": z3, "tp": load_plan(tp_path)}
 
 
+def _vocab_parallel(plan) -> bool:
+    """Whether the plan splits the embedding (and the output layer tied to it) over the vocabulary."""
+    pl = plan.stages[0].placements.get("embed.tok.weight")
+    return pl is not None and pl[-1] == "S(0)"
+
+
 def _timeit(fns: dict, steps: int, warmup: int = 3) -> dict:
     """Median step time of each variant, the variants interleaved step by step (the machine is
     shared: load changes hit every variant alike)."""
@@ -76,7 +82,7 @@ def _timeit(fns: dict, steps: int, warmup: int = 3) -> dict:
     return {k: statistics.median(v) for k, v in ts.items()}
 
 
-def _hand(kind: str, model_ref: str, gbs: int, seed: int):
+def _hand(kind: str, model_ref: str, gbs: int, seed: int, vocab_parallel: bool = False):
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -115,7 +121,16 @@ def _hand(kind: str, model_ref: str, gbs: int, seed: int):
             plan[f"blocks.{i}.mlp.fc"] = ColwiseParallel(use_local_output=False)
             plan[f"blocks.{i}.attn.proj"] = RowwiseParallel(use_local_output=True)
             plan[f"blocks.{i}.mlp.proj"] = RowwiseParallel(use_local_output=True)
+        if vocab_parallel:
+            # the planner's layout for the embedding and the tied output layer: split over the
+            # vocabulary, the embedding's partial output all-reduced, the logits all-gathered
+            from torch.distributed.tensor import Replicate
+
+            plan["embed.tok"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            plan["head.out"] = ColwiseParallel(output_layouts=Replicate())
         net = parallelize_module(m, mesh, plan)
+        if vocab_parallel:
+            m.head.out.weight = m.embed.tok.weight        # parallelize_module distributes each copy apart
         rows = slice(0, gbs)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3, foreach=False)
 
@@ -162,6 +177,8 @@ def worker(args) -> None:
         fns = {"hand": _hand(kind, args.model, args.batch, 0),
                "autopar": _autopar(plans[kind], args.model, 0, count=False),
                "autopar_counting": _autopar(plans[kind], args.model, 0, count=True)}
+        if kind == "tp" and _vocab_parallel(plans[kind]):
+            fns["hand_same_layout"] = _hand(kind, args.model, args.batch, 0, vocab_parallel=True)
         res[kind] = _timeit(fns, args.steps)
         dist.barrier()
     if dist.get_rank() == 0:
@@ -209,6 +226,11 @@ def main() -> None:
         h, a, c = v["hand"], v["autopar"], v["autopar_counting"]
         print(f"{k:8} {h * 1e3:11.1f} ms {a * 1e3:7.1f} ms {100 * (a / h - 1):+8.1f}% {c * 1e3:7.1f} ms "
               f"{100 * (c / h - 1):+8.1f}%   (vs {names[k]})")
+        if "hand_same_layout" in v:
+            h2 = v["hand_same_layout"]
+            print(f"{'':8} {h2 * 1e3:11.1f} ms {a * 1e3:7.1f} ms {100 * (a / h2 - 1):+8.1f}% {c * 1e3:7.1f} ms "
+                  f"{100 * (c / h2 - 1):+8.1f}%   (vs {names[k]} in the plan's layout: embedding and "
+                  f"output layer split over the vocabulary)")
 
 
 if __name__ == "__main__":
