@@ -55,10 +55,10 @@ import numpy as np
 
 from autopar.capture.flops import VIEW_OPS, is_view
 from autopar.schema.cluster import DeviceSpec
+from autopar.schema.constraints import Schedule as ScheduleName  # the registry's names
 from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, attention_core, bytes_scale
 
 Recompute = Literal["none", "selective", "full"]
-from autopar.schema.constraints import Schedule as ScheduleName  # noqa: E402 - the registry's names
 
 # bytes per parameter: (weights, gradients, optimizer states incl. fp32 master) by precision policy
 PRECISION_POLICIES: dict[str, tuple[float, float, float]] = {

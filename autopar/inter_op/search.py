@@ -131,7 +131,11 @@ class _Tables:
     """Per-layer cost arrays for one (micro-batch, tp, dp, zero) and stage aggregates over ranges."""
 
     def __init__(self, costs: list[LayerCost], cluster: ClusterSpec, dtype: str, dp: int, tp: int,
-                 zero: int, layers: list[Layer], batch: tuple[float, float] = (0.0, 0.0)) -> None:
+                 zero: int, layers: list[Layer], batch: tuple[float, float] = (0.0, 0.0),
+                 loss_input_kept: bool = True) -> None:
+        """`loss_input_kept`: a last pipeline stage hands its output (the logits) to the
+        schedule's loss and keeps it until the backward; False where the stage computes the
+        loss itself."""
         self.costs = costs
         L = len(costs)
         self.L = L
@@ -201,7 +205,8 @@ class _Tables:
         self.range_send = np.where(jj < L, self.cross[np.clip(jj - 1, 0, L - 1)], 0.0)
         # a last pipeline stage's output is what its loss reads (the logits), kept in the
         # stage's forward cache until the backward like any stage output
-        self.range_loss_in = np.where((jj == L) & (kk > 0), costs[-1].loss_input_bytes if costs else 0.0, 0.0)
+        kept = costs[-1].loss_input_bytes if costs and loss_input_kept else 0.0
+        self.range_loss_in = np.where((jj == L) & (kk > 0), kept, 0.0)
         # one micro-batch's saved activations of a range: its layers' sum, less a tensor saved on
         # both sides of an inner boundary (an MLP layer ending in relu saves its output, the
         # next layer's matmul the same tensor); of its input, what its first layer saves (the
@@ -578,7 +583,7 @@ class Search:
                     # by op as solved (a bound from the others could prune a faster plan)
                     solved = op_by_op(Candidate(dp, tp, pp, mb, m, "1f1b", 1, z))
                     if solved not in bounds:
-                        cs = [c.solved_variant() for c in costs] if solved else costs
+                        cs = self._layer_costs(mb, tp, solved)
                         per_layer = sum(c.base_s for c in cs)
                         rc_min = min(sum(c.rc_extra_s.get(r, 0.0) for c in cs) for r in self.recomputes())
                         bounds[solved] = (m * (per_layer + rc_min) / pp,
@@ -808,19 +813,21 @@ class Search:
         the executor keeps them (`LayerCost.solved_variant`)."""
         key = (mb, tp, dp, zero, solved)
         if key not in self._tables_cache:
-            costs = self._layer_costs(mb, tp)
-            if solved:
-                costs = [c.solved_variant() for c in costs]
-            elif self.loss_in_chunk and costs and costs[-1].loss_input_bytes:
-                costs = costs[:-1] + [dataclasses.replace(costs[-1], loss_input_bytes=0.0)]
+            costs = self._layer_costs(mb, tp, solved)
             batch = (self.input_bytes[0] * self.gbs / dp, sum(self.input_bytes[1:]) * self.gbs / dp)
-            self._tables_cache[key] = _Tables(costs, self.cluster, self.dtype, dp, tp, zero, self.layers, batch)
+            # the executor (`solved`) and a traced chunk compute the loss inside the last chunk,
+            # whose output is then the loss: no loss input is kept for the schedule's loss
+            self._tables_cache[key] = _Tables(costs, self.cluster, self.dtype, dp, tp, zero, self.layers, batch,
+                                              loss_input_kept=not (solved or self.loss_in_chunk))
         return self._tables_cache[key]
 
-    def _layer_costs(self, mb: int, tp: int) -> list[LayerCost]:
-        key = (mb, tp)
+    def _layer_costs(self, mb: int, tp: int, solved: bool = False) -> list[LayerCost]:
+        """The layers' costs at (mb, tp); `solved`: as the executor runs them
+        (`LayerCost.solved_variant`)."""
+        key = (mb, tp, solved)
         if key not in self._costs_cache:
-            self._costs_cache[key] = [self.provider.cost(l, mb, tp) for l in self.layers]
+            self._costs_cache[key] = ([c.solved_variant() for c in self._layer_costs(mb, tp)] if solved
+                                      else [self.provider.cost(l, mb, tp) for l in self.layers])
         return self._costs_cache[key]
 
     def _evaluate_interleaved(self, cand: Candidate, tb: _Tables) -> bool:

@@ -92,16 +92,13 @@ class LayerCost:
     solved: Optional["LayerCost"] = None
 
     def solved_variant(self) -> "LayerCost":
-        """This cost as the executor runs the layer (itself when nothing differs). The executor
-        computes a loss inside the program (a last pipeline chunk's output is the loss), so no
-        loss input is kept for a schedule's loss function."""
+        """This cost as the executor runs the layer (itself when nothing differs)."""
         if self.solved is not None:
             return self.solved.solved_variant()
-        if not self.solved_acts and not self.loss_input_bytes:
+        if not self.solved_acts:
             return self
         out = LayerCost(**{k: getattr(self, k) for k in self.__dataclass_fields__})
-        out.loss_input_bytes = 0.0
-        for k, v in (self.solved_acts or {}).items():
+        for k, v in self.solved_acts.items():
             setattr(out, k, {**getattr(self, k), **v})
         return out
 

@@ -274,11 +274,16 @@ class _ToLocal(torch.autograd.Function):
     def backward(ctx: Any, g: Any) -> tuple:
         if g is None:
             return None, None
-        stride = [1] * len(ctx.shape)
-        for d in range(len(ctx.shape) - 2, -1, -1):
-            stride[d] = stride[d + 1] * int(ctx.shape[d + 1])
         return DTensor.from_local(g.contiguous(), ctx.mesh, ctx.grad_placements, run_check=False,
-                                  shape=ctx.shape, stride=tuple(stride)), None
+                                  shape=ctx.shape, stride=contiguous_strides(ctx.shape)), None
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape` (what DTensor needs to wrap a local one)."""
+    out = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        out[d] = out[d + 1] * int(shape[d + 1])
+    return tuple(out)
 
 
 class _ShardLoss(torch.autograd.Function):

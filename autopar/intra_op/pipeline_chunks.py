@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.intra_op.execute import (
     ShardedProgram,
+    _flat_nodes,
     _grad_target,
     _meta_copy,
     _PlanInterpreter,
@@ -46,10 +47,12 @@ from autopar.intra_op.execute import (
     _subgraph_index,
     _to_meta,
     _ToLocal,
+    contiguous_strides,
     redistribute,
     to_placements,
 )
 from autopar.intra_op.solution import ShardingSolution
+from autopar.runtime.graph_stages import retarget
 from autopar.schema.errors import PlanError
 
 __all__ = ["ProgramChunk", "parallelize_chunks"]
@@ -71,13 +74,6 @@ class _FromLocal(torch.autograd.Function):
         if isinstance(g, DTensor):
             g = redistribute(g, ctx.grad_placements).to_local()
         return g, None, None, None, None, None
-
-
-def _strides(shape: Sequence[int]) -> tuple[int, ...]:
-    out = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        out[d] = out[d + 1] * int(shape[d + 1])
-    return tuple(out)
 
 
 class _Spans:
@@ -120,7 +116,7 @@ class _Spans:
                 w = n.args[0]
                 sub = getattr(gm, str(w.args[_subgraph_index(w, gm)].target))
                 out = next(x for x in sub.graph.nodes if x.op == "output")
-                inner = _flat_outputs(out.args[0])[n.args[1]]
+                inner = _flat_nodes(out.args[0])[n.args[1]]
                 if isinstance(inner, torch.fx.Node):
                     self.names[n] = f"{w.name}__{inner.name}"
         # what crosses into chunk c: tensors are sent; shape arithmetic on the micro-batch's
@@ -257,7 +253,7 @@ class ProgramChunk(nn.Module):
             raise PlanError(f"pipeline chunk {self.index} reads {name}, which crosses into it with no solved layout")
         pl = to_placements(spec, x.dim())
         shape = self.shapes[node]
-        return _FromLocal.apply(x, self.prog.mesh, pl, _grad_target(pl, ()), shape, _strides(shape))
+        return _FromLocal.apply(x, self.prog.mesh, pl, _grad_target(pl, ()), shape, contiguous_strides(shape))
 
     def _send(self, node: torch.fx.Node, v: Any, received: Sequence[Any]) -> Any:
         if node in self.recv:
@@ -344,6 +340,9 @@ def _fake_run(gm: torch.fx.GraphModule, program: Any, specs: dict, wrapped: nn.M
             vals[n] = out
             return out
 
+    # a program traced on meta: the devices its ops name become `device` (the runtime's
+    # interpreter maps them as it runs; the plain run here needs them in the graph)
+    retarget(gm, device)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode, autocast():
         flat = []
         users = iter(example_inputs)
@@ -361,7 +360,7 @@ def _fake_run(gm: torch.fx.GraphModule, program: Any, specs: dict, wrapped: nn.M
             else:
                 c = program.constants[spec.target]
                 flat.append(mode.from_tensor(c) if isinstance(c, torch.Tensor) else c)
-        _Record(_on_device(gm, device)).run(*flat)
+        _Record(gm).run(*flat)
     return vals
 
 
@@ -388,35 +387,9 @@ def _examples(ch: ProgramChunk, values: dict, example_inputs: Sequence[Any], mes
         ins = tuple(local(n, ch.recv_layouts) for n in ch.recv)
     if ch.last:
         out = next(n for n in ch.nodes if n.op == "output")
-        lv = _flat_outputs(out.args[0])[0]
+        lv = _flat_nodes(out.args[0])[0]
         v = values[lv]
         outs: tuple = (torch.empty(v.shape, dtype=v.dtype, device="meta").requires_grad_(v.requires_grad),)
     else:
         outs = tuple(local(n, ch.send_layouts) for n in ch.sends)
     return ins, outs
-
-
-def _flat_outputs(v: Any) -> list[Any]:
-    if isinstance(v, (tuple, list)):
-        return [y for x in v for y in _flat_outputs(x)]
-    return [v]
-
-
-def _on_device(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.GraphModule:
-    """`gm` with the meta device in its ops' arguments made `device` (a program traced on meta)."""
-    def fix(v: Any) -> Any:
-        if isinstance(v, torch.device) and v.type == "meta":
-            return device
-        return v
-
-    for mod in gm.modules():
-        g = getattr(mod, "graph", None)
-        if not isinstance(g, torch.fx.Graph):
-            continue
-        for n in g.nodes:
-            if n.op == "call_function" and n.target is not operator.getitem:
-                n.args = torch.fx.node.map_aggregate(n.args, fix)
-                n.kwargs = torch.fx.node.map_aggregate(n.kwargs, fix)
-        if hasattr(mod, "recompile"):
-            mod.recompile()
-    return gm
