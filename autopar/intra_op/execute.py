@@ -250,10 +250,11 @@ class _Reshard(torch.autograd.Function):
     Most reads find their tensor already in the layout the op reads (148 of 157 per gpt-small
     tp-2 step); the function still stands in the autograd graph, as the gradient may come back
     in another layout (a replicated input of a column-parallel matmul gets a partial one).
-    What it returns then is an alias (a new DTensor on the same local tensor, no dispatch)
-    rather than a DTensor view (`view_as`: DTensor's dispatch, about 100 us a read on CPU),
-    unless the program mutates tensors in place (`alias=False`): only a view shares the input's
-    version counter, which autograd needs to see such a mutation."""
+    What it returns then is an alias (a new DTensor on the local tensor detached: the same
+    storage, no DTensor dispatch) rather than a DTensor view (`view_as`: DTensor's dispatch,
+    about 100 us a read on CPU), unless the program mutates tensors in place (`alias=False`):
+    only a view shares the input's version counter, which autograd needs to see such a
+    mutation."""
 
     @staticmethod
     def forward(ctx: Any, x: DTensor, dst: tuple, grad_dst: tuple, whole: tuple = (),
@@ -262,7 +263,7 @@ class _Reshard(torch.autograd.Function):
         out = redistribute(x, dst, whole)
         if out is not x:
             return out
-        return DTensor(x._local_tensor, x._spec, requires_grad=False) if alias else x.view_as(x)
+        return DTensor(x._local_tensor.detach(), x._spec, requires_grad=False) if alias else x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, g: Any) -> tuple:
