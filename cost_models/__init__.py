@@ -14,6 +14,7 @@ not the planner.
   (graph liveness, recompute none/selective/full, autocast by device type, the backward's
   transient), `inflight_microbatches`, `peak_memory`, `korthikanti_layer_bytes`.
 - `cost_models.schedules`: the torch.pipelining schedule a plan runs (`torch_schedule`) and the
-  chunk micro-batches each rank holds, from torch's own action lists (`held_split`).
+  what each rank holds at its peak moments, from torch's own action lists and runners: chunk
+  micro-batches in flight, sends still referenced, gradients made (`held_moments`).
 - `cost_models.profiler`: `profile_machine` (writes a profile YAML).
 """

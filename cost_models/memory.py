@@ -89,6 +89,12 @@ LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_nd", "mse_loss",
 # Measured on CPU only: not assumed on CUDA; nor on DTensors (a tensor-parallel stage's loss
 # is a fresh scalar there, measured by `benchmarks/memory_accuracy.py`)
 LOSSES_KEEP_UNREDUCED = frozenset({"mse_loss", "smooth_l1_loss"})
+# losses whose backward reads their input itself (derivatives.yaml: `mse_loss_backward(grad,
+# self, target, ...)`, likewise smooth_l1, huber and BCE-with-logits): what they save is that
+# tensor. A cross-entropy saves its log-probabilities instead, a tensor of its own (counted
+# there as its input, the same size)
+LOSSES_SAVING_INPUT = frozenset({"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
+                                 "binary_cross_entropy_with_logits"})
 # ops CUDA's autocast runs in fp32 besides the losses (torch.amp docs, "CUDA Ops that can autocast
 # to float32"; `KERNEL_CUDA(op, fp32)` / `fp32_set_opt_dtype` in aten/src/ATen/autocast_mode.cpp)
 CUDA_FP32_OPS = frozenset({"layer_norm", "native_layer_norm", "group_norm", "softmax", "_softmax", "log_softmax",
@@ -143,7 +149,10 @@ class ActivationMemory:
     `loss_grad_bytes` what a loss's backward holds as the backward starts: its output's and its
     input's gradients, fp32 and the size of its input (the logits of a language model), live
     before any recomputation; `loss_input_bytes` that input at the training dtype (what a last
-    pipeline stage hands its loss and keeps until the backward);
+    pipeline stage hands its loss and keeps until the backward), `loss_input_saved` the bytes
+    of that very tensor the ops save (a loss saving its input as it is: counted once);
+    `loss_unreduced_bytes` the unreduced loss a CPU loss's 0-dim output keeps as its storage
+    (`LOSSES_KEEP_UNREDUCED`; counted in `saved_bytes`);
     `backward_bytes` what one op's backward holds at once: the gradient of its output and the
     one it makes for its input, `BACKWARD_LIVE` times the largest tensor the ops make;
     `backward_over_bytes` the most the backward holds above `saved_bytes` at any moment, taken op
@@ -162,12 +171,18 @@ class ActivationMemory:
     working_bytes: float = 0.0
     loss_grad_bytes: float = 0.0
     loss_input_bytes: float = 0.0
+    loss_input_saved: float = 0.0
+    loss_unreduced_bytes: float = 0.0
     backward_bytes: float = 0.0
     backward_over_bytes: float = 0.0
     backward_over_recompute: bool = False
     backward_over_loss: Optional[float] = None   # the loss op's moment (None: no loss)
     backward_over_body: float = 0.0              # the worst of the other moments
     forward_over_bytes: float = 0.0              # the forward's worst moment above saved_bytes
+    # the backward's worst moment in a micro-batch after the first: each op's new parameter
+    # gradients beside what `backward_over_bytes` counts, and whether it is a recomputation's
+    backward_over_accum: float = 0.0
+    backward_over_accum_recompute: bool = False
     saved: dict[str, float] = field(default_factory=dict)   # tensor (its storage's owner) -> bytes saved
     bases: dict[str, str] = field(default_factory=dict)     # tensor -> the tensor owning its storage
 
@@ -416,6 +431,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                       device_type: Optional[str] = None, count_inputs: bool = True,
                       dtensor: bool = False,
                       read_shard: Optional[Callable[[Any, str], Optional[tuple[float, str]]]] = None,
+                      param_elems: Optional[dict[str, float]] = None,
                       ) -> ActivationMemory:
     """Activation bytes of one micro-batch of `graph` (at a concrete batch, `graph.at_batch(b)`),
     optionally restricted to `layers` (FQNs; None names the ops outside every layer), with
@@ -430,7 +446,8 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     divisor of what a gather along a dim other than the first holds beside the copy while it
     concatenates (its buffer and its copy of the shard; None: nothing); an optional fourth,
     whether the copy is held until the last reader of the input (a junction: one
-    redistribution its readers share). None: the producer's tensor."""
+    redistribution its readers share). None: the producer's tensor. `param_elems`: elements
+    per device of the parameters (by node name), for `backward_over_accum`."""
     rec = "full" if recompute is True else ("none" if recompute is False else recompute)
     if rec not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
@@ -549,6 +566,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     owner_layer: dict[str, Optional[str]] = {}
     owner_node: dict[str, str] = {}      # the first op saving it: autograd frees it after that op's backward
     region_peak: dict[Optional[str], float] = {}
+    region_peak_acc: dict[Optional[str], float] = {}     # with the parameters' new gradients
 
     def loss_read(n, i: str) -> tuple[int, float]:
         # (gradients live at once, fp32 bytes of the logits as the loss reads them): a loss on
@@ -556,10 +574,19 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         copy = read(n, i, "fp32")
         if copy is not None:
             split = copy[0] < by_name[i].outputs[0].numel * 4      # the copy is a shard
-            return (VOCAB_PARALLEL_LOSS_LIVE if split else BACKWARD_LIVE), copy[0]
+            return (VOCAB_PARALLEL_LOSS_LIVE if split else _loss_live(n)), copy[0]
         b = by_name[base.get(i, i)]
         split = callable(shard) and float(shard(b)) > 1 and base.get(i, i) not in copies
-        return (VOCAB_PARALLEL_LOSS_LIVE if split else BACKWARD_LIVE), size(i, "fp32")
+        return (VOCAB_PARALLEL_LOSS_LIVE if split else _loss_live(n)), size(i, "fp32")
+
+    def new_grads(n) -> float:
+        # the gradients op n's backward makes for the parameters it reads: in a micro-batch
+        # after the first, beside the accumulated ones until AccumulateGrad adds them in (the
+        # first micro-batch's become .grad, counted as gradients)
+        if not param_elems:
+            return 0.0
+        ps = {base.get(i, i) for i in n.inputs} & param_elems.keys()
+        return sum(param_elems[q] for q in ps) * 4.0 * bytes_scale("float32", dtype)
 
     def grads(n) -> float:
         # op n's backward: the gradient of its output and the one it makes for its input
@@ -573,6 +600,16 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             return live * nb
         ins = [size(i) for i in _tensor_inputs(n, by_name) if _floating(by_name[base.get(i, i)])]
         return size(n.name) + max(ins, default=size(n.name))
+
+    def grads_acc(n) -> float:
+        # in a micro-batch after the first: the gradient of its output, the one it makes for its
+        # largest activation input and, beside them, those of the parameters it reads
+        new = new_grads(n)
+        if not new or is_view(n) or not n.outputs or not _floating(n):
+            return grads(n)
+        ins = [size(i) for i in _tensor_inputs(n, by_name)
+               if _floating(by_name[base.get(i, i)]) and base.get(i, i) not in param_elems]
+        return size(n.name) + max(ins, default=0.0) + new
 
     if rec == "none" or (rec == "selective" and selective_region == "core"):
         for key, b, n in saves:
@@ -604,6 +641,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             # output's and input's gradients beside them
             if r is not None:
                 region_peak[r] = max(region_peak.get(r, 0.0), region_bytes.get(r, 0.0) + grads(n))
+                region_peak_acc[r] = max(region_peak_acc.get(r, 0.0), region_bytes.get(r, 0.0) + grads_acc(n))
         for n in calls:
             r = region[n.name]
             if r is None:
@@ -627,6 +665,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 key = n.name + ":unreduced"
                 owner_layer[key], nbytes_of[key], owner_node[key] = n.layer, size(fl[0], "fp32"), ""
     out = ActivationMemory()
+    loss_inputs: list[str] = []      # read as they are (not a redistributed copy)
     for n in calls:
         if keep is not None and n.layer not in keep:
             continue
@@ -639,13 +678,20 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                     copy = read(n, i)
                     out.loss_grad_bytes = max(out.loss_grad_bytes, live * nb)
                     out.loss_input_bytes = max(out.loss_input_bytes, copy[0] if copy else size(i, dtype))
+                    if n.op in LOSSES_SAVING_INPUT and copy is None and not mixed:
+                        # saved as it is (under mixed precision the loss saves an fp32 copy:
+                        # autocast's, or the model's own upcast, made after the stage output)
+                        loss_inputs.append(base.get(i, i))
     for k, l in owner_layer.items():
         if keep is not None and l not in keep:
             continue
         out.per_layer[l] = out.per_layer.get(l, 0.0) + nbytes_of[k]
         out.saved_bytes += nbytes_of[k]
         out.saved[k] = nbytes_of[k]
+        if k.endswith(":unreduced"):
+            out.loss_unreduced_bytes += nbytes_of[k]
     out.bases = base
+    out.loss_input_saved = max((out.saved.get(i, 0.0) for i in loss_inputs), default=0.0)
     # the backward, op by op in reverse: what is still saved (tensors whose first saver has not
     # run its backward) plus the op's gradients, or, entering a recomputed region, its re-made
     # tensors and gradients (`region_peak`); the worst moment above everything saved
@@ -666,6 +712,9 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 out.backward_over_body = max(out.backward_over_body, m)
                 if m > out.backward_over_bytes:
                     out.backward_over_bytes, out.backward_over_recompute = m, True
+                acc = live + region_peak_acc[r] - out.saved_bytes
+                if acc > out.backward_over_accum:
+                    out.backward_over_accum, out.backward_over_accum_recompute = acc, True
         else:
             m = live + grads(n) - out.saved_bytes
             if n.op in LOSSES:
@@ -674,6 +723,9 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 out.backward_over_body = max(out.backward_over_body, m)
             if m > out.backward_over_bytes:
                 out.backward_over_bytes, out.backward_over_recompute = m, False
+            acc = m - grads(n) + grads_acc(n)
+            if acc > out.backward_over_accum:
+                out.backward_over_accum, out.backward_over_accum_recompute = acc, False
         live -= owned.get(n.name, 0.0)
     if keep is None:
         out.forward_over_bytes = _forward_over(calls, by_name, base, owner_node, nbytes_of, size, read,
@@ -684,6 +736,14 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     cand = [region_peak[r] for r in region_bytes if keep is None or layer_of_region.get(r) in keep]
     out.working_bytes = max(cand, default=0.0)
     return out
+
+
+def _loss_live(node) -> int:
+    """Input-sized fp32 gradients a loss's backward holds at once: an elementwise loss reduced to
+    a scalar makes its input's gradient alone (its output's is the scalar), a cross-entropy the
+    gradient of its log-probabilities and of its input (`BACKWARD_LIVE`)."""
+    reduced = bool(node.outputs) and node.outputs[0].numel == 1
+    return 1 if node.op in LOSSES_SAVING_INPUT and reduced else BACKWARD_LIVE
 
 
 def _upcasts(calls: list, base: dict, fp32_readers: frozenset) -> frozenset:

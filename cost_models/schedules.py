@@ -9,10 +9,12 @@ from torch's own per-rank action lists (`_get_pipeline_order` of `ScheduleGPipe`
 order the runtime executes.
 
 `torch_schedule(kind, p, m, v)` names the torch class the runtime builds for a plan (one place:
-the engine asks it too); `held_split(...)` gives, for one rank, the chunk micro-batches held
-after every forward (the moments where the held set can peak; a backward only frees), one
-row per moment and one column per local chunk, before and after the rank's first backward
-(weight gradients exist only after it).
+the engine asks it too); `held_moments(...)` gives, for one rank, what it holds at every moment
+its peak can fall on (after a forward, at a backward's start), before and after its first
+backward (weight gradients exist only after it): per local chunk, the micro-batches whose
+activations are held, the outputs and input gradients the schedule's sends still reference
+(each torch runner keeps them differently: read from its code, `_walk_1f1b`, `_walk_actions`),
+and whether the chunk's gradients exist. `held_split(...)` is its activation part.
 """
 
 from __future__ import annotations
@@ -100,28 +102,132 @@ def _rank_actions(cls_name: TorchSchedule, p: int, m: int, v: int, rank: int) ->
     return cls._get_pipeline_order(ns)[rank]
 
 
-@lru_cache(maxsize=4096)
-def _profile(cls_name: TorchSchedule, p: int, m: int, v: int, rank: int) -> tuple[tuple, tuple]:
-    """(moments before the rank's first backward, moments after it): held chunk micro-batches
-    after each forward, the dominated moments of each part dropped."""
+# what a moment vector holds, per local chunk: `ACTS` chunk micro-batches whose activations are
+# held (forward ran, backward not yet); `SENT_OUTPUTS` outputs of micro-batches whose backward
+# already ran, still referenced by a forward send; `SENT_GRADS` input gradients a backward send
+# still references; `GRADS` 1 where the chunk's weight gradients exist (a backward of it ran)
+ACTS, SENT_OUTPUTS, SENT_GRADS, GRADS = range(4)
+_ROWS = 4
+
+
+class _Walk:
+    """One rank's step as its schedule runs it: what it holds at every moment a peak can fall
+    on (after a forward; at the start of a backward, before it frees anything), split into the
+    moments before its first backward and after it. A send's tensor stays allocated while the
+    schedule references the send (its P2POp or its Work: gloo's and NCCL's works keep their
+    tensors), which each torch schedule does differently (`_walk_1f1b`, `_walk_actions`)."""
+
+    def __init__(self, v: int) -> None:
+        self.v = v
+        self.held = [0] * v
+        self.done: set[tuple[int, int]] = set()            # (chunk, mb) whose backward ran
+        self.refs: set[tuple[str, int, int]] = set()       # ("out" | "grad", chunk, mb) referenced
+        self.parts: tuple[list, list] = ([], [])
+        self.backed = False
+
+    def _moment(self) -> None:
+        out, grad = [0] * self.v, [0] * self.v
+        for what, c, i in self.refs:
+            if what == "grad":
+                grad[c] += 1
+            elif (c, i) in self.done:        # before its backward the output is an activation
+                out[c] += 1
+        made = tuple(int(any(c == d for d, _ in self.done)) for c in range(self.v))
+        self.parts[self.backed].append((tuple(self.held), tuple(out), tuple(grad), made))
+
+    def forward(self, c: int) -> None:
+        self.held[c] += 1
+        self._moment()
+
+    def backward(self, c: int, i: int) -> None:
+        self._moment()
+        self.held[c] -= 1
+        self.done.add((c, i))
+        self.backed = True
+
+    def finish(self, label: str) -> tuple[tuple, tuple]:
+        if any(self.held):
+            raise AssertionError(f"{label} ends holding {self.held}")
+        return tuple(_maximal([sum(x, ()) for x in part]) for part in self.parts)
+
+
+def _walk_actions(cls_name: TorchSchedule, p: int, m: int, v: int, rank: int, sends_kept: bool) -> _Walk:
+    """torch's action list in order. `sends_kept`: every send stays referenced until the step
+    ends (`ScheduleGPipe._step_microbatches` keeps its works in `fwd_sends_to_wait` /
+    `bwd_sends_to_wait`, waited and dropped only when the step returns, torch 2.13); otherwise
+    a send is waited and dropped in its time step (the interleaved schedule as the runtime runs
+    it, `runtime.pipeline._interleaved_class`)."""
     from torch.distributed.pipelining.schedules import _ComputationType as C
 
-    held = [0] * v
-    parts: tuple[list, list] = ([], [])
-    seen_backward = False
+    w = _Walk(v)
     for a in _rank_actions(cls_name, p, m, v, rank):
         if a is None:
             continue
-        local = a.stage_index // p        # chunk c of rank r is stage c * p + r
+        c = a.stage_index // p        # chunk c of rank r is stage c * p + r
         if a.computation_type == C.FORWARD:
-            held[local] += 1
-            parts[seen_backward].append(tuple(held))
+            w.forward(c)
+            if sends_kept and a.stage_index < p * v - 1:      # the last stage sends nothing forward
+                w.refs.add(("out", c, a.microbatch_index))
         elif a.computation_type in (C.FULL_BACKWARD, C.BACKWARD_INPUT):
-            held[local] -= 1
-            seen_backward = True
-    if any(held):
-        raise AssertionError(f"{cls_name} p={p} m={m} v={v} rank {rank} ends holding {held}")
-    return tuple(_maximal(x) for x in parts)
+            w.backward(c, a.microbatch_index)
+            if sends_kept and a.stage_index > 0:              # the first sends no gradient back
+                w.refs.add(("grad", c, a.microbatch_index))
+    return w
+
+
+def _walk_1f1b(p: int, m: int, rank: int) -> tuple[_Walk, list[tuple[str, int]]]:
+    """torch's `Schedule1F1B._step_microbatches` (torch 2.13), its variables followed: the
+    warm-up's sends stay in `send_work` until the cooldown replaces it (the next-to-last warm-up
+    output, kept through the 1F1B phase); `fwd_sends` holds the latest output and `bwd_sends`
+    the latest input gradient until the next one replaces it, so each backward after the first
+    runs beside the previous micro-batch's input gradient. Returns the walk and the order of
+    its forwards and backwards (checked against torch's action list by the tests)."""
+    w = _Walk(1)
+    order: list[tuple[str, int]] = []
+    send_work: frozenset = frozenset()
+    fwd_sends: frozenset = frozenset()
+    bwd_sends: frozenset = frozenset()
+
+    def refs() -> None:
+        w.refs = set(send_work | fwd_sends | bwd_sends)
+
+    def forward(i: int) -> None:
+        refs()
+        w.forward(0)
+        order.append(("F", i))
+
+    def backward(i: int) -> None:
+        refs()
+        w.backward(0, i)
+        order.append(("B", i))
+
+    # torch's stage gives the last stage no forward send and the first no backward send
+    out = (lambda i: frozenset({("out", 0, i)})) if rank < p - 1 else (lambda i: frozenset())
+    grad = (lambda i: frozenset({("grad", 0, i)})) if rank > 0 else (lambda i: frozenset())
+    warmup = min(m, p - rank)
+    for i in range(warmup):
+        forward(i)
+        fwd_sends = out(i)
+        if i != warmup - 1:
+            send_work = fwd_sends
+    fwd = warmup
+    bwd = 0
+    while True:
+        backward(bwd)
+        bwd_sends = grad(bwd)
+        bwd += 1
+        if fwd == m:
+            break
+        forward(fwd)
+        fwd_sends = out(fwd)
+        fwd += 1
+    send_work = bwd_sends
+    while bwd < m:
+        backward(bwd)
+        bwd_sends = grad(bwd)
+        send_work = bwd_sends
+        bwd += 1
+    return w, order
 
 
 def _maximal(moments: list) -> tuple:
@@ -135,52 +241,52 @@ def _maximal(moments: list) -> tuple:
 
 
 @lru_cache(maxsize=65536)
-def sends_kept(kind: str, num_stages: int, rank: int, num_microbatches: int, virtual_stages: int = 1) -> int:
-    """Outputs of micro-batches whose backward already ran that rank `rank` still holds after
-    its first backward, referenced by a forward send's handle. torch's `Schedule1F1B`
-    (`_step_microbatches`, torch 2.13) keeps the work of the warm-up's next-to-last forward send
-    in `send_work` until the cooldown's first backward send replaces it: a non-last stage that
-    warms up with two or more forwards keeps that micro-batch's output through the 1F1B phase
-    (measured: mlp-tiny pp2, stage 0 held one 16 KiB output more than its in-flight micro-
-    batches). GPipe waits every forward send before its backwards; the interleaved schedule is
-    not counted here (unmeasured)."""
-    cls = torch_schedule(kind, num_stages, num_microbatches, virtual_stages)
-    warmup = min(num_microbatches, num_stages - rank)
-    return int(cls == "Schedule1F1B" and rank < num_stages - 1 and warmup >= 2
-               and num_microbatches > num_stages - rank)
+def _moments(kind: str, p: int, r: int, m: int, v: int) -> tuple[tuple, tuple]:
+    if not 0 <= r < p:
+        raise ValueError(f"stage {r} is outside 0..{p - 1}")
+    if p == 1 and v == 1:
+        # no pipeline: micro-batches one after another, the later ones beside the gradients
+        return ((1, 0, 0, 0),), (((1, 0, 0, 1),) if m > 1 else ())
+    cls = torch_schedule(kind, p, m, v)
+    if cls == "Schedule1F1B":
+        w = _walk_1f1b(p, m, r)[0]
+    else:
+        w = _walk_actions(cls, p, m, v, r, sends_kept=cls == "ScheduleGPipe")
+    return w.finish(f"{cls} p={p} m={m} v={v} rank {r}")
+
+
+def held_moments(kind: str, num_stages: int, rank: int, num_microbatches: int,
+                 virtual_stages: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """What rank `rank` holds at the moments its peak can fall on, before its first backward
+    (no weight gradient exists yet) and after it: arrays of shape (moments, 4, virtual_stages),
+    entry [t, k, c] for local chunk c (global stage c * num_stages + rank): k = `ACTS` chunk
+    micro-batches whose activations are held, `SENT_OUTPUTS` outputs of finished micro-batches
+    a forward send still references, `SENT_GRADS` input gradients a backward send references,
+    `GRADS` 1 where the chunk's weight gradients exist. The bytes held at moment t are
+    `sum(moments[t] * per_chunk)` with per_chunk[k, c] the bytes of each kind (one micro-batch;
+    the chunk's gradients). Only maximal moments are kept."""
+    v = max(int(virtual_stages), 1)
+    parts = _moments(kind, int(num_stages), int(rank), int(num_microbatches), v)
+    out = tuple(np.array(part, dtype=float).reshape(-1, _ROWS, v) for part in parts)
+    for a in out:
+        a.setflags(write=False)
+    return out[0], out[1]
 
 
 def held_split(kind: str, num_stages: int, rank: int, num_microbatches: int,
                virtual_stages: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Chunk micro-batches rank `rank` holds after each of its forwards, split into the
-    moments before its first backward (no weight gradient exists yet) and after it (the
-    gradients accumulate from then on), each of shape (moments, virtual_stages): entry [t, c]
-    is how many micro-batches of local chunk c (global stage c * num_stages + rank) it holds.
-    Only maximal moments are kept; the second part may be empty. Cached: the arrays are
-    read-only."""
-    pre, post = _held_split(kind, int(num_stages), int(rank), int(num_microbatches), max(int(virtual_stages), 1))
-    pre.setflags(write=False)
-    post.setflags(write=False)
-    return pre, post
-
-
-def _held_split(kind: str, p: int, r: int, m: int, v: int) -> tuple[np.ndarray, np.ndarray]:
-    if not 0 <= r < p:
-        raise ValueError(f"stage {r} is outside 0..{p - 1}")
-    if p == 1 and v == 1:
-        # no pipeline: micro-batches one after another, the later ones beside the gradients
-        return np.ones((1, 1)), (np.ones((1, 1)) if m > 1 else np.zeros((0, 1)))
-    cls = torch_schedule(kind, p, m, v)
-    if cls == "ScheduleGPipe":
-        return np.array([[float(m)]]), np.zeros((0, 1))
-    if cls == "Schedule1F1B":
-        # torch's 1F1B (its _step_microbatches and _get_pipeline_order agree): p - r forwards
-        # before the first backward, then one forward and one backward each while forwards
-        # remain. The tests check this against torch's action lists for many p, m
-        k = float(p - r)
-        return np.array([[k]]), (np.array([[k]]) if m > p - r else np.zeros((0, 1)))
-    pre, post = _profile(cls, p, m, v, r)
-    return np.array(pre, dtype=float).reshape(-1, v), np.array(post, dtype=float).reshape(-1, v)
+    moments before its first backward and after it, each of shape (moments, virtual_stages):
+    entry [t, c] is how many micro-batches of local chunk c it holds (`held_moments`'
+    activations alone, maximal moments)."""
+    out = []
+    for part in held_moments(kind, num_stages, rank, num_microbatches, virtual_stages):
+        v = part.shape[2]
+        acts = _maximal([tuple(x) for x in part[:, ACTS, :]]) if len(part) else ()
+        a = np.array(acts, dtype=float).reshape(-1, v)
+        a.setflags(write=False)
+        out.append(a)
+    return out[0], out[1]
 
 
 def held_profile(kind: str, num_stages: int, rank: int, num_microbatches: int,

@@ -8,7 +8,19 @@ import pytest
 
 import autopar
 from cost_models.memory import inflight_microbatches, runtime_phases
-from cost_models.schedules import _profile, _rank_actions, held_profile, held_split, peak_held, torch_schedule
+from cost_models.schedules import (
+    ACTS,
+    GRADS,
+    SENT_GRADS,
+    SENT_OUTPUTS,
+    _rank_actions,
+    _walk_1f1b,
+    held_moments,
+    held_profile,
+    held_split,
+    peak_held,
+    torch_schedule,
+)
 
 
 def _simulate(kind: str, p: int, r: int, m: int, v: int, chunk_bytes) -> float:
@@ -39,15 +51,69 @@ def test_1f1b_and_gpipe_hold_what_torch_runs(p, m):
         assert inflight_microbatches("1f1b", p, r, m) == expect
         assert inflight_microbatches("gpipe", p, r, m) == m
     assert torch_schedule("1f1b", p, m) == ("ScheduleGPipe" if m < p else "Schedule1F1B")
-    # the closed forms held_split uses for torch's single-stage schedules equal a walk over
-    # torch's own action lists, before and after the first backward
+    # what held_split reads for torch's single-stage schedules equals a walk over torch's own
+    # action lists, before and after the first backward; the walk of Schedule1F1B's code runs
+    # its forwards and backwards in the order of its action list
     for kind in ("1f1b", "gpipe"):
         cls = torch_schedule(kind, p, m)
         for r in range(p):
             pre, post = held_split(kind, p, r, m)
-            walk_pre, walk_post = _profile(cls, p, m, 1, r)
-            assert pre.tolist() == [list(x) for x in walk_pre]
-            assert post.tolist() == [list(x) for x in walk_post]
+            assert pre.tolist() == [[x] for x in _walk_peaks(cls, p, r, m, before_backward=True)]
+            assert post.tolist() == [[x] for x in _walk_peaks(cls, p, r, m, before_backward=False)]
+            if cls == "Schedule1F1B":
+                # (torch's list numbers the micro-batches of ranks > 0 from 1: compare the kinds)
+                assert [w for w, _ in _walk_1f1b(p, m, r)[1]] == [w for w, _ in _action_order(cls, p, r, m)]
+
+
+def _action_order(cls, p, r, m):
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    kinds = {C.FORWARD: "F", C.FULL_BACKWARD: "B"}
+    return [(kinds[a.computation_type], a.microbatch_index) for a in _rank_actions(cls, p, m, 1, r)
+            if a is not None and a.computation_type in kinds]
+
+
+def _walk_peaks(cls, p, r, m, before_backward):
+    """The most micro-batches held after a forward or at a backward's start, before / after
+    the rank's first backward (empty where there is no such moment), from torch's action list."""
+    held, seen, out = 0, False, []
+    for what, _ in _action_order(cls, p, r, m):
+        if what == "F":
+            held += 1
+        if seen != before_backward:
+            out.append(held)
+        if what == "B":
+            held -= 1
+            seen = True
+    return [max(out)] if out else []
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 4)])
+def test_sends_keep_what_torch_schedules_reference(p, m):
+    """A send's tensor lives while the schedule references its P2POp or Work (gloo's and NCCL's
+    works keep it): torch's 1F1B keeps the previous micro-batch's input gradient through the
+    next backward (`bwd_sends`) and the warm-up's next-to-last output (`send_work`); GPipe
+    keeps every send to the end of the step."""
+    for r in range(p):
+        pre, post = held_moments("1f1b", p, r, m)
+        assert not pre[:, SENT_OUTPUTS].any() and not pre[:, SENT_GRADS].any() and not pre[:, GRADS].any()
+        # after the first backward: the warm-up's p - r in flight again, unless every forward
+        # was a warm-up one (m <= p - r)
+        assert post[:, ACTS, 0].max() == (p - r if m > p - r else m - 1) and post[:, GRADS, 0].min() == 1
+        assert post[:, SENT_GRADS, 0].max() == int(r > 0)
+        # send_work keeps warm-up output w - 2 (w = min(m, p - r) warm-ups) until the cooldown;
+        # its backward is the 1F1B phase's (w - 1)-th, followed by a forward while 2w - 2 < m
+        w = min(m, p - r)
+        assert post[:, SENT_OUTPUTS, 0].max() == (1 if r < p - 1 and w >= 2 and 2 * w - 2 < m else 0)
+        # GPipe: at the start of backward i, m - i micro-batches held and i of each send kept
+        _, gpost = held_moments("gpipe", p, r, m)
+        assert sorted(tuple(x[:, 0]) for x in gpost) == sorted(
+            (m - i, i * (r < p - 1), i * (r > 0), 1) for i in range(1, m))
+    # interleaved: the runtime runs torch's lock-step runner, which waits each send in its
+    # time step: nothing kept (torch's default runner would keep every send to the end)
+    for r in range(2):
+        _, ipost = held_moments("interleaved_1f1b", 2, r, 4, 2)
+        assert not ipost[:, SENT_GRADS].any() and not ipost[:, SENT_OUTPUTS].any()
 
 
 @pytest.mark.parametrize("p,v,m", [(2, 2, 2), (2, 8, 2), (4, 2, 8), (4, 3, 4), (8, 3, 64), (2, 4, 6)])
@@ -303,10 +369,9 @@ def test_pipeline_stage_buffers_and_boundaries():
     """torch.pipelining keeps a receive buffer per micro-batch for a stage's input and for its
     output's gradient; a stage also keeps its output until the backward, and its input is
     that receive buffer (the layer's first op saves it). Under 1F1B a stage warming up with two
-    or more forwards keeps one finished micro-batch's output more (`sends_kept`: the send's
-    handle torch holds until the cooldown)."""
-    from cost_models.schedules import sends_kept
-
+    or more forwards keeps one finished micro-batch's output more, and every stage but the
+    first the previous micro-batch's input gradient through its next backward (the sends'
+    handles torch holds: `held_moments`)."""
     act, out, m = [1e9] * 8, 1e8, 8
     cons = autopar.Constraints(dp=2, tp=1, pp=4, microbatch_size=1, num_microbatches=m,
                                schedule="1f1b", recompute="none", zero_stage=0)
@@ -315,9 +380,10 @@ def test_pipeline_stage_buffers_and_boundaries():
     for i, st in enumerate(best.stages):
         (k, j), = st.chunks
         n_in, n_out = int(i > 0), int(i < p - 1)
-        assert st.buffers_bytes == pytest.approx(m * out * (n_in + n_out))
+        assert st.buffers_bytes == pytest.approx(m * out * (n_in + n_out) + n_in * out)
         held = min(p - i, m)
-        kept = sends_kept("1f1b", p, i, m)
+        _, post = held_moments("1f1b", p, i, m)
+        kept = int(post[:, SENT_OUTPUTS, 0].max())
         assert kept == int(i < p - 1)
         assert st.activations_bytes == pytest.approx(held * (sum(act[k:j]) - n_in * out + n_out * out) + kept * out)
 

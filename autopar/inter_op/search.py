@@ -62,7 +62,7 @@ from autopar.schema import ClusterSpec, Constraints, PlanError
 from cost_models.communication import axis_collective_time
 from cost_models.compute import grad_accumulation_bytes, memory_time, optimizer_step_time
 from cost_models.memory import PRECISION_POLICIES, runtime_phases, usable_memory
-from cost_models.schedules import SCHEDULES, held_split, schedule_kind, sends_kept
+from cost_models.schedules import ACTS, GRADS, SCHEDULES, SENT_GRADS, SENT_OUTPUTS, held_moments, schedule_kind
 
 INF = float("inf")
 MAX_MICROBATCH = 64
@@ -158,6 +158,12 @@ class _Tables:
                      for r in RECOMPUTES}
         self.work_rc = {r: np.array([c.bwd_over_rc.get(r, False) for c in costs], dtype=bool).reshape(L)
                         for r in RECOMPUTES}
+        # the same in a micro-batch after the first: its backward makes new parameter gradients
+        # beside the accumulated ones (`LayerCost.bwd_over_acc`)
+        self.work_acc = {r: np.array([c.bwd_over_acc.get(r, c.bwd_over.get(r, 0.0)) for c in costs],
+                                     dtype=float).reshape(L) for r in RECOMPUTES}
+        self.work_acc_rc = {r: np.array([c.bwd_over_acc_rc.get(r, c.bwd_over_rc.get(r, False)) for c in costs],
+                                        dtype=bool).reshape(L) for r in RECOMPUTES}
         # parameter elements per device: every layer's own, tied ones once per stage
         users: dict[str, list[int]] = {}
         elems: dict[str, float] = {}
@@ -201,12 +207,19 @@ class _Tables:
         # the activation a stage receives (its input) and sends (its output), in bytes
         self.range_in = np.where(kk > 0, self.cross[np.clip(kk - 1, 0, L - 1)], 0.0)
         self.range_out = np.where(jj < L, self.cross_grad[np.clip(jj - 1, 0, L - 1)], 0.0)
-        # what a range's stage sends forward per micro-batch (`sends_kept` holds one more)
+        # what a range's stage sends per micro-batch: its output forward, its input's gradient
+        # back (a send the schedule still references keeps it: `held_moments`)
         self.range_send = np.where(jj < L, self.cross[np.clip(jj - 1, 0, L - 1)], 0.0)
+        self.range_send_grad = np.where(kk > 0, self.cross_grad[np.clip(kk - 1, 0, L - 1)], 0.0)
         # a last pipeline stage's output is what its loss reads (the logits), kept in the
-        # stage's forward cache until the backward like any stage output
-        kept = costs[-1].loss_input_bytes if costs and loss_input_kept else 0.0
-        self.range_loss_in = np.where((jj == L) & (kk > 0), kept, 0.0)
+        # stage's forward cache until the stage's backward ends (`_outputs_held`); the
+        # schedule's loss function copies a CPU loss's scalar out of its unreduced storage
+        # (`runtime.families._compact`), which is then freed. By policy
+        loss_layer = costs[-1] if costs and loss_input_kept else None
+        self.range_loss_in = {
+            r: np.where((jj == L) & (kk > 0), 0.0 if loss_layer is None else
+                        loss_layer.loss_input_bytes - loss_layer.loss_unreduced_bytes, 0.0)
+            for r in RECOMPUTES}
         # one micro-batch's saved activations of a range: its layers' sum, less a tensor saved on
         # both sides of an inner boundary (an MLP layer ending in relu saves its output, the
         # next layer's matmul the same tensor); of its input, what its first layer saves (the
@@ -232,15 +245,21 @@ class _Tables:
         # before any recomputation, a block's recomputation after the head freed its logits.
         # Split by what the transient is: recomputed activations (`range_work_rc`) or activation
         # gradients (`range_work_tmp`), each -inf where none of the range's layers has that kind
+        # (`*_acc`: in a micro-batch after the first, `work_acc`)
         self.range_work, self.range_work_rc, self.range_work_tmp = {}, {}, {}
-        for r, wk in self.work.items():
-            P = self.act[r]
-            rc_kind = self.work_rc[r]
-            v = wk + P[1:]
-            Wrc = _range_max(np.where(rc_kind, v, -INF)) - P[None, :]
-            Wtmp = _range_max(np.where(rc_kind, -INF, v)) - P[None, :]
-            self.range_work_rc[r], self.range_work_tmp[r] = Wrc, Wtmp
-            self.range_work[r] = np.maximum(np.maximum(Wrc, Wtmp), 0.0)
+        self.range_work_acc, self.range_work_rc_acc, self.range_work_tmp_acc = {}, {}, {}
+        for r in RECOMPUTES:
+            variants = ((self.work, self.work_rc, (self.range_work, self.range_work_rc, self.range_work_tmp)),
+                        (self.work_acc, self.work_acc_rc,
+                         (self.range_work_acc, self.range_work_rc_acc, self.range_work_tmp_acc)))
+            for work, kind, out in variants:
+                P = self.act[r]
+                v = work[r] + P[1:]
+                Wrc = _range_max(np.where(kind[r], v, -INF)) - P[None, :]
+                Wtmp = _range_max(np.where(kind[r], -INF, v)) - P[None, :]
+                out[1][r], out[2][r] = Wrc, Wtmp
+                out[0][r] = np.maximum(np.maximum(Wrc, Wtmp), 0.0)
+        self._outputs_held(loss_layer)
         self.range_root = np.where(self.valid, root, 0.0)
         self.zero3 = zero == 3 and dp > 1
         self._layers = layers
@@ -251,6 +270,49 @@ class _Tables:
         # the batch a range's stage holds: the first input if it starts the model, the other
         # inputs (targets) if it ends it
         self.range_batch = np.where(kk == 0, self.batch_first, 0.0) + np.where(jj == L, self.batch_rest, 0.0)
+
+    def _outputs_held(self, loss_layer: Optional[LayerCost]) -> None:
+        """A pipeline chunk's output stays in the stage's forward cache until the chunk's
+        backward ends (and a last stage's loss input, `range_loss_in`), so what the chunk's own
+        ops save of it (`out_saved`; an MSE saving its fp32 input, `loss_input_saved`) is not
+        freed by their backward as a saved activation would be: it leaves the range's
+        activations for the kept output, and every backward moment after its savers' holds it,
+        growing the range's transient there. For the last layer the moments after its savers
+        are bounded by all of its own (a loss: the ones after the loss's). Ranges [k, j): j < L
+        (a stage before the last), j = L with k > 0 (a last pipeline stage)."""
+        L = self.L
+        for r in RECOMPUTES:
+            P = self.act[r]
+            for j in range(1, L + 1):
+                if j < L:
+                    last, held, k = self.costs[j - 1], float(self.costs[j - 1].out_saved.get(r, 0.0)), np.arange(j)
+                elif loss_layer is not None and L > 1:
+                    last, held, k = loss_layer, float(loss_layer.loss_input_saved.get(r, 0.0)), np.arange(1, L)
+                else:
+                    continue
+                if held <= 0:
+                    continue
+                loss = last.bwd_over_loss.get(r, -INF)
+                if j == L:
+                    body = last.bwd_over_body.get(r, self.work[r][j - 1])
+                    acc = float(self.work_acc[r][j - 1])
+                    owns = (max(loss, body + held), max(loss, (acc if acc > loss else body) + held))
+                else:
+                    owns = (self.work[r][j - 1] + held, self.work_acc[r][j - 1] + held)
+                variants = ((self.work, self.work_rc, (self.range_work, self.range_work_rc, self.range_work_tmp)),
+                            (self.work_acc, self.work_acc_rc,
+                             (self.range_work_acc, self.range_work_rc_acc, self.range_work_tmp_acc)))
+                for (work, kind, (W, Wrc, Wtmp)), own in zip(variants, owns):
+                    v = work[r][:j] + P[1:j + 1] - P[j] + held      # layer i's moment, i < j - 1
+                    v[-1] = own
+                    for rc_kind, Wk in ((True, Wrc[r]), (False, Wtmp[r])):
+                        mask = np.where(kind[r][:j] == rc_kind, v, -INF)
+                        suffix = np.maximum.accumulate(mask[::-1])[::-1]       # max over i >= k
+                        Wk[k, j] = suffix[k]
+                    W[r][k, j] = np.maximum(np.maximum(Wrc[r][k, j], Wtmp[r][k, j]), 0.0)
+                self.range_act[r][k, j] -= held
+                if j < L:
+                    self.range_out_kept[r][k, j] += held
 
     def ranged(self, arr: np.ndarray) -> np.ndarray:
         return arr[np.clip(self.jj, 0, self.L)] - arr[self.kk]
@@ -377,6 +439,18 @@ class _Tables:
         (ZeRO reduces them once per step)."""
         share = (m - 1) / m if m > 1 else 0.0
         return share * memory_time(np.asarray(pel) * grad_accumulation_bytes(self.dtype), self.cluster.device)
+
+
+def _transient(tb: "_Tables", chunks: list[tuple[int, int]], r: str, accumulating: list[bool]) -> tuple[float, float]:
+    """A stage's backward transient above its saved activations, as (recomputed activations,
+    activation gradients): the worst of its chunks' (one runs its backward at a time), the
+    larger kind only; a chunk whose gradients exist (`accumulating`) at its later micro-batches'
+    worst moment (`range_work_acc`: new weight gradients beside the accumulated ones)."""
+    rc = tmp = 0.0
+    for (k, j), acc in zip(chunks, accumulating):
+        rc = max(rc, float((tb.range_work_rc_acc if acc else tb.range_work_rc)[r][k, j]))
+        tmp = max(tmp, float((tb.range_work_tmp_acc if acc else tb.range_work_tmp)[r][k, j]))
+    return (max(rc, 0.0), 0.0) if rc > tmp else (0.0, max(tmp, 0.0))
 
 
 def _range_max(x: np.ndarray) -> np.ndarray:
@@ -708,8 +782,7 @@ class Search:
         rcs = self.recomputes()
         for s in range(1, p + 1):
             cost[:, :, 0, s], choice[:, :, s] = self._best_recompute(
-                tb, rcs, t_common, fixed, held_split(cand.schedule, p, p - s, m),
-                sends_kept(cand.schedule, p, p - s, m))
+                tb, rcs, t_common, fixed, held_moments(cand.schedule, p, p - s, m))
         res = stage_dp(cost, [1], p, m, num_stages=p)
         if res is None:
             self._note_min_memory(cand, tb)
@@ -718,29 +791,34 @@ class Search:
         for idx, (k, j, _) in enumerate(res.stages):
             s = p - idx
             r = rcs[choice[k, j, s]]
-            stages.append(self._stage(tb, cand, [(k, j)], r, held_split(cand.schedule, p, idx, m),
-                                      sends_kept(cand.schedule, p, idx, m)))
+            stages.append(self._stage(tb, cand, [(k, j)], r, held_moments(cand.schedule, p, idx, m)))
         self._finish(cand, tb, stages, res.total)
         cand.costs = tb
         return True
 
     def _best_recompute(self, tb: "_Tables", rcs: list[str], t_common: np.ndarray, fixed_mem: tuple,
-                        held: tuple[np.ndarray, np.ndarray], kept: int = 0) -> tuple[np.ndarray, np.ndarray]:
+                        held: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """For every layer range [k, j): the fastest recomputation policy whose memory fits the
         budget, as (time, index into `rcs`); INF and -1 where none fits. `fixed_mem` is
-        `_Tables.fixed_memory`'s triple, `held` the schedule's micro-batches in flight before
-        and after the stage's first backward (`cost_models.schedules.held_split`, one chunk),
-        `kept` the outputs of finished micro-batches a send still holds after it (`sends_kept`)."""
+        `_Tables.fixed_memory`'s triple, `held` what the stage holds before and after its first
+        backward (`cost_models.schedules.held_moments`, one chunk): micro-batches in flight, and
+        outputs and input gradients its sends still reference."""
         L = self.L
         best_t = np.full((L, L + 1), INF)
         best_c = np.full((L, L + 1), -1, dtype=int)
         fb, grads, rest = fixed_mem
-        pre, post = (float(np.max(h)) if h.size else None for h in held)
+        pre, post = held
+        a_pre = float(np.max(pre[:, ACTS, 0]))
         for ri, r in enumerate(rcs):
-            act = tb.boundary_acts(tb.range_act[r], tb.range_in_saved[r], tb.range_out_kept[r] + tb.range_loss_in)
-            mem = np.maximum(fb - grads + act * pre + tb.range_work[r] - tb.relief(r), np.maximum(fb, rest))
-            if post is not None:
-                mem = np.maximum(mem, fb + act * post + kept * tb.range_send + tb.range_work[r] - tb.relief(r))
+            act = tb.boundary_acts(tb.range_act[r], tb.range_in_saved[r], tb.range_out_kept[r] + tb.range_loss_in[r])
+            relief = tb.relief(r)
+            mem = np.maximum(fb - grads + act * a_pre + tb.range_work[r] - relief, np.maximum(fb, rest))
+            # after the first backward: a micro-batch's backward makes new weight gradients
+            # beside the accumulated ones (`range_work_acc`)
+            work = tb.range_work_acc[r] - relief
+            for mo in post:
+                mem = np.maximum(mem, fb + act * mo[ACTS, 0] + tb.range_send * mo[SENT_OUTPUTS, 0]
+                                 + tb.range_send_grad * mo[SENT_GRADS, 0] + work)
             t = t_common + tb.ranged(tb.rc[r])
             ok = tb.valid & (mem <= self.budget) & (t < best_t)
             best_t = np.where(ok, t, best_t)
@@ -769,7 +847,7 @@ class Search:
                 # stages are checked below
                 kind = "gpipe" if cand.schedule == "gpipe" or m < s_ else "1f1b"
                 cost[:, :, mi, s_], choice[:, :, mi, s_] = self._best_recompute(
-                    tb, rcs, t_common, fixed, held_split(kind, s_, 0, m), sends_kept(kind, s_, 0, m))
+                    tb, rcs, t_common, fixed, held_moments(kind, s_, 0, m))
         res = stage_dp(cost, tps, units, m)
         if res is None:
             return False
@@ -779,8 +857,7 @@ class Search:
             s_ = p - idx
             tb = tbs[mi]
             r = rcs[choice[k, j, mi, s_]]
-            stages.append(self._stage(tb, cand, [(k, j)], r, held_split(cand.schedule, p, idx, m),
-                                      sends_kept(cand.schedule, p, idx, m)))
+            stages.append(self._stage(tb, cand, [(k, j)], r, held_moments(cand.schedule, p, idx, m)))
         if any(st.peak_bytes > self.budget for st in stages):
             self.min_memory = min(self.min_memory, max(st.peak_bytes for st in stages))
             return False
@@ -847,7 +924,7 @@ class Search:
             stages = []
             fits = True
             for d, g in enumerate(groups):
-                st = self._stage(tb, cand, list(g), r, held_split(cand.schedule, p, d, m, v))
+                st = self._stage(tb, cand, list(g), r, held_moments(cand.schedule, p, d, m, v))
                 stages.append(st)
                 if st.peak_bytes > self.budget:
                     # infeasible: the rest of the groups matter only for the least memory a plan
@@ -855,7 +932,7 @@ class Search:
                     fits = False
                     if st.peak_bytes < self.min_memory:
                         peak = max([st.peak_bytes] + [
-                            self._stage(tb, cand, list(g2), r, held_split(cand.schedule, p, d2, m, v)).peak_bytes
+                            self._stage(tb, cand, list(g2), r, held_moments(cand.schedule, p, d2, m, v)).peak_bytes
                             for d2, g2 in enumerate(groups) if d2 > d])
                         self.min_memory = min(self.min_memory, peak)
                     break
@@ -876,34 +953,32 @@ class Search:
         return best_ok
 
     def _stage(self, tb: _Tables, cand: Candidate, chunks: list[tuple[int, int]], r: str,
-               held: tuple[np.ndarray, np.ndarray], kept: int = 0) -> StageResult:
+               held: tuple[np.ndarray, np.ndarray]) -> StageResult:
         """One device group's stage: its `chunks` (layer ranges, in local chunk order), its
         recomputation `r`, `held` the schedule's chunk micro-batches in flight before and after
-        the group's first backward (`cost_models.schedules.held_split`). Its memory is the
+        the group's first backward (`cost_models.schedules.held_moments`: chunk micro-batches in
+        flight, and outputs and input gradients its sends still reference). Its memory is the
         largest of the runtime's phases (`cost_models.memory.runtime_phases`), the forward/
         backward phase at its worst moment: the most activations before any gradient exists,
-        the most after, or every gradient once the activations are gone. `kept`: outputs of
-        finished micro-batches a send still holds after the first backward (`sends_kept`)."""
+        the most after, or every gradient once the activations are gone."""
         pel = 0.0
-        tmp = 0.0
         pipe = sum(float(tb.range_batch[k, j]) for k, j in chunks)
         root = max(float(tb.range_root[k, j]) for k, j in chunks)
         unit = max(float(tb.range_unit[k, j]) for k, j in chunks) if tb.zero3 else 0.0
         largest = max(float(tb.range_maxtensor[k, j]) for k, j in chunks)
-        t = comp = work = 0.0
-        chunk_act = []
+        t = comp = 0.0
+        chunk_act, chunk_pel = [], []
         for k, j in chunks:
             pin, pout = float(tb.range_in[k, j]), float(tb.range_out[k, j])
             pipe += tb.pipe_buffers(pin, pout, cand.m)
             pel += float(tb.range_pel[k, j])
+            chunk_pel.append(float(tb.range_pel[k, j]))
             t += float(tb.base[j] - tb.base[k] + tb.rc[r][j] - tb.rc[r][k] + tb.range_p2p[k, j])
             comp += float(tb.compute[j] - tb.compute[k])
             comp += sum(c.rc_extra_s.get(r, 0.0) - c.rc_comm_s.get(r, 0.0) for c in tb.costs[k:j])
-            kept_out = float(tb.range_out_kept[r][k, j] + tb.range_loss_in[k, j])
+            kept_out = float(tb.range_out_kept[r][k, j] + tb.range_loss_in[r][k, j])
             chunk_act.append(float(tb.boundary_acts(float(tb.range_act[r][k, j]), float(tb.range_in_saved[r][k, j]),
                                                     kept_out)))
-            work = max(work, float(tb.range_work_rc[r][k, j]))
-            tmp = max(tmp, float(tb.range_work_tmp[r][k, j]))
         # a parameter tied across chunks of one stage is held once
         t += float(tb.zero_mb(np.array([pel]))[0])
         acc = float(tb.accum(np.array([pel]), cand.m)[0])
@@ -912,20 +987,30 @@ class Search:
         phases = [dataclasses.replace(ph, buffers=ph.buffers + pipe)
                   for ph in tb.phases(pel, cand.m, root, unit, largest)]
         fb = phases[0]
-        # the backward's transient: recomputed activations, or activation gradients (buffers)
-        rc_work, grad_tmp = (max(work, 0.0), 0.0) if work > tmp else (0.0, max(tmp, 0.0))
-        fb = dataclasses.replace(fb, buffers=fb.buffers + grad_tmp)
-        # activations: the most the schedule holds at once, chunk by chunk
-        pre, post = (float(np.max(h @ np.array(chunk_act))) if h.size else None for h in held)
-        if post is not None and kept:
-            post += kept * float(tb.range_send[chunks[-1]])
         # ZeRO-3 holds fewer units at a micro-batch's worst moment than the bound (`relief`; one
         # chunk: with several, each chunk's FSDP root keeps its own parameters)
         relief = float(tb.relief(r)[chunks[0]]) if len(chunks) == 1 else 0.0
+        acts = np.array(chunk_act)
+        # before the first backward: the most activations the schedule holds at once, chunk by
+        # chunk, and the backward's transient (no gradient exists yet)
+        rc_work, grad_tmp = _transient(tb, chunks, r, [False] * len(chunks))
+        pre = float(np.max(held[0][:, ACTS, :] @ acts))
         phases.append(dataclasses.replace(fb, gradients=0.0, weights=fb.weights - relief,
-                                          activations=pre + rc_work))
-        if post is not None:
-            phases.append(dataclasses.replace(fb, weights=fb.weights - relief, activations=post + rc_work))
+                                          activations=pre + rc_work, buffers=fb.buffers + grad_tmp))
+        if held[1].size:
+            # each moment after it: activations and the outputs sends keep (made in the forward),
+            # the input gradients they keep (made in the backward: buffers), the gradients of
+            # the chunks that ran a backward, whose next backward makes new ones beside them
+            sends = np.array([float(tb.range_send[c]) for c in chunks])
+            grads_sent = np.array([float(tb.range_send_grad[c]) for c in chunks])
+            share = np.array(chunk_pel) / pel if pel > 0 else np.zeros(len(chunks))
+            for mo in held[1]:
+                made = [bool(x) for x in mo[GRADS]]
+                rc_w, tmp_w = _transient(tb, chunks, r, made)
+                phases.append(dataclasses.replace(
+                    fb, weights=fb.weights - relief, gradients=fb.gradients * float(mo[GRADS] @ share),
+                    activations=float(mo[ACTS] @ acts + mo[SENT_OUTPUTS] @ sends) + rc_w,
+                    buffers=fb.buffers + tmp_w + float(mo[SENT_GRADS] @ grads_sent)))
         top = max(phases, key=lambda ph: ph.total)
         sync = tb.sync(pel) + sum(float(tb.iter[j] - tb.iter[k]) for k, j in chunks)
         return StageResult(chunks, r, t, comp, max(0.0, t - comp), sync, tb.opt(pel, tb.param_tensors(chunks)), pel,
@@ -980,8 +1065,7 @@ class Search:
         worst = 0.0
         for i in range(p):
             k, j = bounds[i], bounds[i + 1]
-            st = self._stage(tb, cand, [(k, j)], r, held_split(cand.schedule, p, i, cand.m),
-                             sends_kept(cand.schedule, p, i, cand.m))
+            st = self._stage(tb, cand, [(k, j)], r, held_moments(cand.schedule, p, i, cand.m))
             worst = max(worst, st.peak_bytes)
         self.min_memory = min(self.min_memory, worst)
 

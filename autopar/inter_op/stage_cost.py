@@ -60,11 +60,20 @@ class LayerCost:
     # others (`backward_over_body`), by policy
     bwd_over_loss: dict[str, float] = field(default_factory=dict)
     bwd_over_body: dict[str, float] = field(default_factory=dict)
+    # `bwd_over` in a micro-batch after the first, whose backward makes each parameter's new
+    # gradient beside the accumulated one (`ActivationMemory.backward_over_accum`), by policy
+    bwd_over_acc: dict[str, float] = field(default_factory=dict)
+    bwd_over_acc_rc: dict[str, bool] = field(default_factory=dict)
     # of the tensor it hands to the next layer, and of the one it receives, the bytes its own ops
     # save (counted in act_bytes), by policy: the same tensor counted by two layers
     out_saved: dict[str, float] = field(default_factory=dict)
     in_saved: dict[str, float] = field(default_factory=dict)
     loss_input_bytes: float = 0.0             # what its loss reads (a last pipeline stage's output)
+    # of that tensor, what its ops save (counted in act_bytes), by policy; and the unreduced loss
+    # a CPU loss's scalar keeps as its storage (in act_bytes; a pipeline's loss function copies
+    # the scalar out, `runtime.families._compact`, and the storage is freed)
+    loss_input_saved: dict[str, float] = field(default_factory=dict)
+    loss_unreduced_bytes: float = 0.0
     param_elems: dict[str, float] = field(default_factory=dict)   # FQN -> elements per device
     out_bytes: float = 0.0                    # activation handed to the next layer
     # every tensor crossing the cut after this layer (made at or before it, read after it: its
@@ -128,9 +137,11 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
     save (`out_saved`, `in_saved`: one tensor saved on both sides of a boundary is one);
     `dtensor`: the layer runs tensor-parallel, on DTensors; `read_shard`: see
     `cost_models.memory.activation_memory` (an executed per-op solution)."""
+    params = {n.name: c.param_elems[n.fqn] for n in sub.nodes
+              if n.kind == "param" and getattr(n, "fqn", None) in c.param_elems}
     for rc in RECOMPUTES:
         am = activation_memory(sub, dtype, rc, shard=shard, selective_region="module", device_type=device_type,
-                               count_inputs=False, dtensor=dtensor, read_shard=read_shard)
+                               count_inputs=False, dtensor=dtensor, read_shard=read_shard, param_elems=params)
         c.act_bytes[rc] = am.saved_bytes
         # the forward's worst moment where it lies above the backward's (tensors the forward
         # makes, counted as activations like a recomputation's)
@@ -140,9 +151,14 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
         c.bwd_over_body[rc] = max(am.backward_over_body, am.forward_over_bytes)
         if am.backward_over_loss is not None:
             c.bwd_over_loss[rc] = am.backward_over_loss
+        acc_fwd = am.forward_over_bytes > am.backward_over_accum
+        c.bwd_over_acc[rc] = am.forward_over_bytes if acc_fwd else am.backward_over_accum
+        c.bwd_over_acc_rc[rc] = acc_fwd or am.backward_over_accum_recompute
         c.out_saved[rc] = am.saved_of(out_name)
         c.in_saved[rc] = am.saved_of(in_name)
         c.loss_input_bytes = am.loss_input_bytes
+        c.loss_input_saved[rc] = am.loss_input_saved
+        c.loss_unreduced_bytes = am.loss_unreduced_bytes
 
 
 def axis_link(cluster: ClusterSpec, group: int, stride: int = 1) -> LinkSpec:
@@ -415,13 +431,13 @@ class AnalyticProvider:
         for k in block:
             c.coll_rc.update(coll_f[k])
         # activations kept for the backward: graph liveness (cost_models.memory) on the layer's ops
-        sub = self._subgraph(g, layer, nodes)
-        shard = lambda node: tp if node.name in sharded_nodes else 1  # noqa: E731
-        fill_activations(c, sub, dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
-                         **self.boundary_names(layer))
         for n in nodes:
             for p in n.params:
                 pl = c.placements.get(p, "R")
                 c.placements.setdefault(p, pl)
                 c.param_elems[p] = math.prod(g.params[p].shape) / (tp if is_shard(pl) else 1)
+        sub = self._subgraph(g, layer, nodes)
+        shard = lambda node: tp if node.name in sharded_nodes else 1  # noqa: E731
+        fill_activations(c, sub, dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
+                         **self.boundary_names(layer))
         return c

@@ -254,7 +254,7 @@ class PipelineStages:
         return PipelineStage(mod, i, nst, self.device, group=self.pp_group, **meta)
 
     def _make_schedule(self) -> None:
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
         M = self.plan.num_microbatches
         fam = self.family
@@ -268,7 +268,7 @@ class PipelineStages:
             if M % self.pp != 0:
                 raise PlanError(f"interleaved 1F1B needs num_microbatches ({M}) to be a multiple of "
                                 f"the pipeline depth ({self.pp})")
-            sched = ScheduleInterleaved1F1B(self.pipe_stages, n_microbatches=M, loss_fn=loss_fn)
+            sched = _interleaved_class()(self.pipe_stages, n_microbatches=M, loss_fn=loss_fn)
         elif cls == "ScheduleGPipe":
             # also 1F1B with fewer micro-batches than stages, which torch's 1F1B refuses: it
             # degenerates to GPipe (all forwards, then all backwards), same maths and transfers
@@ -304,3 +304,20 @@ def _merged_solution(layouts: Sequence[Any], mesh_shape: tuple[int, ...]) -> Any
         out.junctions.update(s.junctions)
         out.param_layouts.update(s.param_layouts)
     return out
+
+
+def _interleaved_class() -> type:
+    """torch's interleaved 1F1B (its order of actions), run by torch's lock-step runner
+    (`PipelineScheduleMulti._step_microbatches`): each time step's sends and receives are
+    posted together and waited in that step. The runner torch 2.13 gives the class
+    (`_PipelineScheduleRuntime._step_microbatches`) keeps every send's Work, and so the tensor
+    it sends, until the step ends: the outputs and input gradients of all the rank's chunk
+    micro-batches, gigabytes at scale (`cost_models.schedules.held_moments` counts what each
+    runner keeps)."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, ScheduleInterleaved1F1B
+
+    class Interleaved1F1B(ScheduleInterleaved1F1B):
+        _step_microbatches = PipelineScheduleMulti._step_microbatches
+
+    return Interleaved1F1B
+
