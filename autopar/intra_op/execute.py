@@ -17,7 +17,10 @@ runs that program with a torch.fx.Interpreter over DTensors:
   redistributed once to its junction's layout (`junctions`). The loss is made replicated;
 * DTensor then runs the op. Given its inputs in the planned layouts it produces the planned
   output layout without communicating, apart from the op's own reductions (a vocab-parallel
-  cross-entropy's three all-reduces).
+  cross-entropy's three all-reduces). An op whose inputs and outputs the plan replicates over
+  every mesh axis (a norm, a residual add) runs on the local tensors instead, as hand-written
+  tensor parallelism runs the layers it leaves alone: the same kernels, without DTensor's
+  dispatch; its output stays a plain tensor, read as replicated (`_PlanInterpreter.runs_local`).
 
 The backward pass is autograd over the same DTensor ops. Each redistribution's backward sends
 the gradient back to its source's layout, with partial made replicated (a backward all-reduce,
@@ -462,6 +465,7 @@ class ShardedProgram(nn.Module):
                 for n in mod.graph.nodes:
                     move_not_cast(n)
         self.mutates = _mutates(self.gm)
+        self.local_ops: dict[torch.fx.Node, bool] = {}     # `_PlanInterpreter.runs_local`, per node
         self._distribute_parameters()
 
     # -- setup ---------------------------------------------------------------------------
@@ -788,9 +792,11 @@ class _PlanInterpreter(torch.fx.Interpreter):
     def _run_planned(self, n: torch.fx.Node, choice: OpChoice) -> Any:
         """Op `n` with its inputs in the layouts `choice` reads them in."""
         specs = choice.input_placements
+        local = self.runs_local(n, choice)
+        feed_one = self._feed_local if local else self._feed
         if n.target is operator.getitem and isinstance(self.env[n.args[0]], (tuple, list)):
             src, idx = n.args[0], n.args[1]
-            return self._feed(self.env[src][idx], self.name_of(src), idx, specs[0])
+            return feed_one(self.env[src][idx], self.name_of(src), idx, specs[0])
         k = 0
 
         def feed(a: Any) -> Any:
@@ -799,14 +805,44 @@ class _PlanInterpreter(torch.fx.Interpreter):
                 return a
             v = self.env[a]
             if isinstance(v, torch.Tensor) and k < len(specs):
-                v = self._feed(v, self.name_of(a), 0, specs[k])
+                v = feed_one(v, self.name_of(a), 0, specs[k])
                 k += 1
             return v
 
         args = self.on_device(torch.fx.node.map_aggregate(n.args, feed))
         kwargs = self.on_device(torch.fx.node.map_aggregate(n.kwargs, feed))
         with self.regather.saving(_flat_nodes([args, list(kwargs.values())])):
+            if local:
+                return _run_target(n, args, kwargs)
             return self._run_op(n, choice, args, kwargs)
+
+    def runs_local(self, n: torch.fx.Node, choice: OpChoice) -> bool:
+        """Whether op `n` runs on local tensors: the plan replicates each of its inputs and
+        outputs over every mesh axis. DTensor would run the same kernel on the same local
+        tensors, behind its dispatch (50 to 100 us an op on CPU, forward and backward again);
+        gpt-small's norms and residual adds are 18 of its tp step's 120 DTensor ops forward
+        and more backward. Attention keeps its own path (`_local_attention`); random ops
+        (DTensor draws one stream for a replicated tensor on every device) and ops writing in
+        place (to a tensor a DTensor may share) stay with DTensor."""
+        local = self.prog.local_ops.get(n)
+        if local is None:
+            local = self.prog.local_ops[n] = choice.family != "attention" and not _random_or_mutating(n) \
+                and all(_replicated(s) for s in [*choice.input_placements, *choice.output_placements])
+        return local
+
+    def _feed_local(self, value: Any, producer: str, out_index: int, spec: Spec) -> Any:
+        """`value` as a plain tensor for an op run on local tensors (`runs_local`; `spec` is
+        replicated): as it is when it is one (what such an op made) and no junction asks
+        another layout or partial gradients of it, else through `_feed` and its local tensor,
+        whose gradient goes back as a replicated DTensor."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        if not isinstance(value, DTensor):
+            j = self.sol.junctions.get(f"{producer}#{out_index}")
+            if j is None or (_replicated(j[0]) and not j[1]):
+                return value
+        x = self._feed(value, producer, out_index, spec)
+        return _ToLocal.apply(x, x.placements)
 
     def _run_op(self, n: torch.fx.Node, choice: OpChoice, args: Any, kwargs: Any) -> Any:
         """Run op `n` on inputs laid out as planned: DTensor runs it, except where its default
@@ -822,11 +858,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
             return self._vocab_parallel_loss(n, args, kwargs)
         if choice.family == "loss" and _partial(outs[0]) and reduction_of(op, n.args, n.kwargs) in (1, 2):
             return self._shard_loss(n, args, kwargs, outs[0], op)
-        if n.target is torch.ops.aten.view.default:
-            # a view when strides allow: a program traced on meta may view a tensor that real
-            # kernels (attention) lay out with other strides
-            return torch.ops.aten.reshape.default(*args, **kwargs)
-        return n.target(*args, **kwargs)
+        return _run_target(n, args, kwargs)
 
     def _feed(self, value: Any, producer: str, out_index: int, spec: Spec) -> Any:
         """`value` (output `out_index` of `producer`) in layout `spec`: through its junction
@@ -950,6 +982,26 @@ def _op_name(n: torch.fx.Node) -> str:
 def _split_dim(n: torch.fx.Node, ndim: int) -> int:
     d = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
     return int(d) % ndim
+
+
+def _run_target(n: torch.fx.Node, args: Any, kwargs: Any) -> Any:
+    """Op `n`'s own target on `args`; a view as a reshape (a view when strides allow: a program
+    traced on meta may view a tensor that real kernels, attention's, lay out with other
+    strides)."""
+    if n.target is torch.ops.aten.view.default:
+        return torch.ops.aten.reshape.default(*args, **kwargs)
+    return n.target(*args, **kwargs)
+
+
+def _replicated(spec: Spec) -> bool:
+    return all(str(p) == "R" for p in spec)
+
+
+def _random_or_mutating(n: torch.fx.Node) -> bool:
+    """Whether op `n` draws random numbers or writes to an input in place."""
+    t = n.target
+    return isinstance(t, torch._ops.OpOverload) and (
+        t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags)
 
 
 def _partial(spec: Spec) -> bool:
