@@ -179,10 +179,10 @@ class ActivationMemory:
     backward_over_loss: Optional[float] = None   # the loss op's moment (None: no loss)
     backward_over_body: float = 0.0              # the worst of the other moments
     forward_over_bytes: float = 0.0              # the forward's worst moment above saved_bytes
-    # the backward's worst moment in a micro-batch after the first: each op's new parameter
-    # gradients beside what `backward_over_bytes` counts, and whether it is a recomputation's
-    backward_over_accum: float = 0.0
-    backward_over_accum_recompute: bool = False
+    # `backward_over_bytes` where `given_grad`'s gradient is no tensor of the backward's own (a
+    # receive buffer, counted elsewhere): not made by the op producing it, nor passed on as a
+    # new one by a sum
+    backward_over_given: float = 0.0
     saved: dict[str, float] = field(default_factory=dict)   # tensor (its storage's owner) -> bytes saved
     bases: dict[str, str] = field(default_factory=dict)     # tensor -> the tensor owning its storage
 
@@ -432,6 +432,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                       dtensor: bool = False,
                       read_shard: Optional[Callable[[Any, str], Optional[tuple[float, str]]]] = None,
                       param_elems: Optional[dict[str, float]] = None,
+                      given_grad: Optional[str] = None,
                       ) -> ActivationMemory:
     """Activation bytes of one micro-batch of `graph` (at a concrete batch, `graph.at_batch(b)`),
     optionally restricted to `layers` (FQNs; None names the ops outside every layer), with
@@ -447,7 +448,11 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     concatenates (its buffer and its copy of the shard; None: nothing); an optional fourth,
     whether the copy is held until the last reader of the input (a junction: one
     redistribution its readers share). None: the producer's tensor. `param_elems`: elements
-    per device of the parameters (by node name), for `backward_over_accum`."""
+    per device of the parameters (by node name): an op's backward makes their gradients beside
+    its input's (a new tensor in every micro-batch: AccumulateGrad adds it in after the first,
+    or it becomes `.grad`); `given_grad`: a
+    tensor whose gradient comes from outside (a pipeline chunk's output: the receive buffer),
+    for `backward_over_given`."""
     rec = "full" if recompute is True else ("none" if recompute is False else recompute)
     if rec not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
@@ -566,7 +571,6 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     owner_layer: dict[str, Optional[str]] = {}
     owner_node: dict[str, str] = {}      # the first op saving it: autograd frees it after that op's backward
     region_peak: dict[Optional[str], float] = {}
-    region_peak_acc: dict[Optional[str], float] = {}     # with the parameters' new gradients
 
     def loss_read(n, i: str) -> tuple[int, float]:
         # (gradients live at once, fp32 bytes of the logits as the loss reads them): a loss on
@@ -580,16 +584,15 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         return (VOCAB_PARALLEL_LOSS_LIVE if split else _loss_live(n)), size(i, "fp32")
 
     def new_grads(n) -> float:
-        # the gradients op n's backward makes for the parameters it reads: in a micro-batch
-        # after the first, beside the accumulated ones until AccumulateGrad adds them in (the
-        # first micro-batch's become .grad, counted as gradients)
+        # the gradients op n's backward makes for the parameters it reads (`param_elems`)
         if not param_elems:
             return 0.0
         ps = {base.get(i, i) for i in n.inputs} & param_elems.keys()
         return sum(param_elems[q] for q in ps) * 4.0 * bytes_scale("float32", dtype)
 
     def grads(n) -> float:
-        # op n's backward: the gradient of its output and the one it makes for its input
+        # op n's backward: the gradient of its output, the one it makes for its (largest)
+        # input, and beside them those of the parameters it reads (`new_grads`)
         if is_view(n) or not n.outputs or not _floating(n):
             return 0.0
         if n.op in LOSSES:
@@ -598,18 +601,10 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 return 0.0
             live, nb = loss_read(n, fl[0])
             return live * nb
-        ins = [size(i) for i in _tensor_inputs(n, by_name) if _floating(by_name[base.get(i, i)])]
-        return size(n.name) + max(ins, default=size(n.name))
-
-    def grads_acc(n) -> float:
-        # in a micro-batch after the first: the gradient of its output, the one it makes for its
-        # largest activation input and, beside them, those of the parameters it reads
         new = new_grads(n)
-        if not new or is_view(n) or not n.outputs or not _floating(n):
-            return grads(n)
         ins = [size(i) for i in _tensor_inputs(n, by_name)
-               if _floating(by_name[base.get(i, i)]) and base.get(i, i) not in param_elems]
-        return size(n.name) + max(ins, default=0.0) + new
+               if _floating(by_name[base.get(i, i)]) and not (new and base.get(i, i) in param_elems)]
+        return size(n.name) + max(ins, default=0.0 if new else size(n.name)) + new
 
     if rec == "none" or (rec == "selective" and selective_region == "core"):
         for key, b, n in saves:
@@ -641,7 +636,6 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             # output's and input's gradients beside them
             if r is not None:
                 region_peak[r] = max(region_peak.get(r, 0.0), region_bytes.get(r, 0.0) + grads(n))
-                region_peak_acc[r] = max(region_peak_acc.get(r, 0.0), region_bytes.get(r, 0.0) + grads_acc(n))
         for n in calls:
             r = region[n.name]
             if r is None:
@@ -699,6 +693,21 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     for k, nm in owner_node.items():
         if keep is None or owner_layer[k] in keep:
             owned[nm] = owned.get(nm, 0.0) + nbytes_of[k]
+    # the tensors whose gradient is the given one: it, and through the ops whose backward hands
+    # their output's gradient on as it is (a same-shape sum, a view), their inputs
+    given: set = set()
+    if given_grad is not None and given_grad in by_name:
+        given.add(given_grad)
+        for n in reversed(calls):
+            if n.name in given and (is_view(n) or _pass_through_sum(n, by_name)):
+                given.update(_tensor_inputs(n, by_name))
+
+    def given_share(n) -> float:
+        # what grads(n) counts of gradients that are the given one
+        if n.name not in given or is_view(n) or not n.outputs or not _floating(n) or n.op in LOSSES:
+            return 0.0
+        return size(n.name) * (2.0 if _pass_through_sum(n, by_name) else 1.0)
+
     live = out.saved_bytes
     entered: set = set()
     for n in reversed(calls):
@@ -712,9 +721,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 out.backward_over_body = max(out.backward_over_body, m)
                 if m > out.backward_over_bytes:
                     out.backward_over_bytes, out.backward_over_recompute = m, True
-                acc = live + region_peak_acc[r] - out.saved_bytes
-                if acc > out.backward_over_accum:
-                    out.backward_over_accum, out.backward_over_accum_recompute = acc, True
+                out.backward_over_given = max(out.backward_over_given, m)
         else:
             m = live + grads(n) - out.saved_bytes
             if n.op in LOSSES:
@@ -723,9 +730,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 out.backward_over_body = max(out.backward_over_body, m)
             if m > out.backward_over_bytes:
                 out.backward_over_bytes, out.backward_over_recompute = m, False
-            acc = m - grads(n) + grads_acc(n)
-            if acc > out.backward_over_accum:
-                out.backward_over_accum, out.backward_over_accum_recompute = acc, False
+            out.backward_over_given = max(out.backward_over_given, m - given_share(n))
         live -= owned.get(n.name, 0.0)
     if keep is None:
         out.forward_over_bytes = _forward_over(calls, by_name, base, owner_node, nbytes_of, size, read,
@@ -736,6 +741,16 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     cand = [region_peak[r] for r in region_bytes if keep is None or layer_of_region.get(r) in keep]
     out.working_bytes = max(cand, default=0.0)
     return out
+
+
+def _pass_through_sum(node, by_name: dict) -> bool:
+    """A sum of same-shape tensors (a residual add): its backward hands its output's gradient
+    to each input as it is, no new tensor."""
+    if node.op not in ("add", "add_") or not node.outputs:
+        return False
+    ins = _tensor_inputs(node, by_name)
+    shape = tuple(node.outputs[0].shape)
+    return len(ins) == 2 and all(by_name[i].outputs and tuple(by_name[i].outputs[0].shape) == shape for i in ins)
 
 
 def _loss_live(node) -> int:

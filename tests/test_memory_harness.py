@@ -95,11 +95,6 @@ CATEGORY_MISSES = {
     "tp2": "the forward's gather moment tracked as the peak (+0.5% over the plan), the plan's is "
            "the loss's backward: same total, activations and buffers split differently",
     "tp2_full": "as tp2: the forward's gather moment against the loss's backward, same total",
-    # a micro-batch after the first makes each weight's new gradient beside the accumulated one
-    # (counted since session 12); at stage 0's last linear the plan also counts the gradient it
-    # receives as a fresh tensor, which is the pipeline's receive buffer (counted there): 8 KiB
-    "pp2_1f1b": "stage 0's last linear: the received output gradient counted twice (as a fresh "
-                "gradient and as the receive buffer), +8 KiB buffers (+1.3% in all)",
 }
 
 

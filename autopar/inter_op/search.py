@@ -158,12 +158,6 @@ class _Tables:
                      for r in RECOMPUTES}
         self.work_rc = {r: np.array([c.bwd_over_rc.get(r, False) for c in costs], dtype=bool).reshape(L)
                         for r in RECOMPUTES}
-        # the same in a micro-batch after the first: its backward makes new parameter gradients
-        # beside the accumulated ones (`LayerCost.bwd_over_acc`)
-        self.work_acc = {r: np.array([c.bwd_over_acc.get(r, c.bwd_over.get(r, 0.0)) for c in costs],
-                                     dtype=float).reshape(L) for r in RECOMPUTES}
-        self.work_acc_rc = {r: np.array([c.bwd_over_acc_rc.get(r, c.bwd_over_rc.get(r, False)) for c in costs],
-                                        dtype=bool).reshape(L) for r in RECOMPUTES}
         # parameter elements per device: every layer's own, tied ones once per stage
         users: dict[str, list[int]] = {}
         elems: dict[str, float] = {}
@@ -245,20 +239,15 @@ class _Tables:
         # before any recomputation, a block's recomputation after the head freed its logits.
         # Split by what the transient is: recomputed activations (`range_work_rc`) or activation
         # gradients (`range_work_tmp`), each -inf where none of the range's layers has that kind
-        # (`*_acc`: in a micro-batch after the first, `work_acc`)
         self.range_work, self.range_work_rc, self.range_work_tmp = {}, {}, {}
-        self.range_work_acc, self.range_work_rc_acc, self.range_work_tmp_acc = {}, {}, {}
-        for r in RECOMPUTES:
-            variants = ((self.work, self.work_rc, (self.range_work, self.range_work_rc, self.range_work_tmp)),
-                        (self.work_acc, self.work_acc_rc,
-                         (self.range_work_acc, self.range_work_rc_acc, self.range_work_tmp_acc)))
-            for work, kind, out in variants:
-                P = self.act[r]
-                v = work[r] + P[1:]
-                Wrc = _range_max(np.where(kind[r], v, -INF)) - P[None, :]
-                Wtmp = _range_max(np.where(kind[r], -INF, v)) - P[None, :]
-                out[1][r], out[2][r] = Wrc, Wtmp
-                out[0][r] = np.maximum(np.maximum(Wrc, Wtmp), 0.0)
+        for r, wk in self.work.items():
+            P = self.act[r]
+            rc_kind = self.work_rc[r]
+            v = wk + P[1:]
+            Wrc = _range_max(np.where(rc_kind, v, -INF)) - P[None, :]
+            Wtmp = _range_max(np.where(rc_kind, -INF, v)) - P[None, :]
+            self.range_work_rc[r], self.range_work_tmp[r] = Wrc, Wtmp
+            self.range_work[r] = np.maximum(np.maximum(Wrc, Wtmp), 0.0)
         self._outputs_held(loss_layer)
         self.range_root = np.where(self.valid, root, 0.0)
         self.zero3 = zero == 3 and dp > 1
@@ -278,7 +267,8 @@ class _Tables:
         freed by their backward as a saved activation would be: it leaves the range's
         activations for the kept output, and every backward moment after its savers' holds it,
         growing the range's transient there. For the last layer the moments after its savers
-        are bounded by all of its own (a loss: the ones after the loss's). Ranges [k, j): j < L
+        are bounded by all of its own (a loss: the ones after the loss's), taken with its
+        output's gradient the receive buffer (`LayerCost.bwd_over_given`). Ranges [k, j): j < L
         (a stage before the last), j = L with k > 0 (a last pipeline stage)."""
         L = self.L
         for r in RECOMPUTES:
@@ -286,30 +276,27 @@ class _Tables:
             for j in range(1, L + 1):
                 if j < L:
                     last, held, k = self.costs[j - 1], float(self.costs[j - 1].out_saved.get(r, 0.0)), np.arange(j)
+                    # its output's gradient is the receive buffer (`pipe_buffers`), not one its
+                    # backward makes
+                    own = last.bwd_over_given.get(r, self.work[r][j - 1])
+                    if held <= 0 and own == self.work[r][j - 1]:
+                        continue
+                    own += held
                 elif loss_layer is not None and L > 1:
                     last, held, k = loss_layer, float(loss_layer.loss_input_saved.get(r, 0.0)), np.arange(1, L)
+                    if held <= 0:
+                        continue
+                    own = max(last.bwd_over_loss.get(r, -INF), last.bwd_over_body.get(r, self.work[r][j - 1]) + held)
                 else:
                     continue
-                if held <= 0:
-                    continue
-                loss = last.bwd_over_loss.get(r, -INF)
-                if j == L:
-                    body = last.bwd_over_body.get(r, self.work[r][j - 1])
-                    acc = float(self.work_acc[r][j - 1])
-                    owns = (max(loss, body + held), max(loss, (acc if acc > loss else body) + held))
-                else:
-                    owns = (self.work[r][j - 1] + held, self.work_acc[r][j - 1] + held)
-                variants = ((self.work, self.work_rc, (self.range_work, self.range_work_rc, self.range_work_tmp)),
-                            (self.work_acc, self.work_acc_rc,
-                             (self.range_work_acc, self.range_work_rc_acc, self.range_work_tmp_acc)))
-                for (work, kind, (W, Wrc, Wtmp)), own in zip(variants, owns):
-                    v = work[r][:j] + P[1:j + 1] - P[j] + held      # layer i's moment, i < j - 1
-                    v[-1] = own
-                    for rc_kind, Wk in ((True, Wrc[r]), (False, Wtmp[r])):
-                        mask = np.where(kind[r][:j] == rc_kind, v, -INF)
-                        suffix = np.maximum.accumulate(mask[::-1])[::-1]       # max over i >= k
-                        Wk[k, j] = suffix[k]
-                    W[r][k, j] = np.maximum(np.maximum(Wrc[r][k, j], Wtmp[r][k, j]), 0.0)
+                v = self.work[r][:j] + P[1:j + 1] - P[j] + held      # layer i's moment, i < j - 1
+                v[-1] = own
+                for rc_kind, W in ((True, self.range_work_rc[r]), (False, self.range_work_tmp[r])):
+                    mask = np.where(self.work_rc[r][:j] == rc_kind, v, -INF)
+                    suffix = np.maximum.accumulate(mask[::-1])[::-1]       # max over i >= k
+                    W[k, j] = suffix[k]
+                self.range_work[r][k, j] = np.maximum(np.maximum(self.range_work_rc[r][k, j],
+                                                                 self.range_work_tmp[r][k, j]), 0.0)
                 self.range_act[r][k, j] -= held
                 if j < L:
                     self.range_out_kept[r][k, j] += held
@@ -441,15 +428,12 @@ class _Tables:
         return share * memory_time(np.asarray(pel) * grad_accumulation_bytes(self.dtype), self.cluster.device)
 
 
-def _transient(tb: "_Tables", chunks: list[tuple[int, int]], r: str, accumulating: list[bool]) -> tuple[float, float]:
+def _transient(tb: "_Tables", chunks: list[tuple[int, int]], r: str) -> tuple[float, float]:
     """A stage's backward transient above its saved activations, as (recomputed activations,
     activation gradients): the worst of its chunks' (one runs its backward at a time), the
-    larger kind only; a chunk whose gradients exist (`accumulating`) at its later micro-batches'
-    worst moment (`range_work_acc`: new weight gradients beside the accumulated ones)."""
-    rc = tmp = 0.0
-    for (k, j), acc in zip(chunks, accumulating):
-        rc = max(rc, float((tb.range_work_rc_acc if acc else tb.range_work_rc)[r][k, j]))
-        tmp = max(tmp, float((tb.range_work_tmp_acc if acc else tb.range_work_tmp)[r][k, j]))
+    larger kind only."""
+    rc = max(float(tb.range_work_rc[r][k, j]) for k, j in chunks)
+    tmp = max(float(tb.range_work_tmp[r][k, j]) for k, j in chunks)
     return (max(rc, 0.0), 0.0) if rc > tmp else (0.0, max(tmp, 0.0))
 
 
@@ -811,11 +795,8 @@ class Search:
         a_pre = float(np.max(pre[:, ACTS, 0]))
         for ri, r in enumerate(rcs):
             act = tb.boundary_acts(tb.range_act[r], tb.range_in_saved[r], tb.range_out_kept[r] + tb.range_loss_in[r])
-            relief = tb.relief(r)
-            mem = np.maximum(fb - grads + act * a_pre + tb.range_work[r] - relief, np.maximum(fb, rest))
-            # after the first backward: a micro-batch's backward makes new weight gradients
-            # beside the accumulated ones (`range_work_acc`)
-            work = tb.range_work_acc[r] - relief
+            work = tb.range_work[r] - tb.relief(r)
+            mem = np.maximum(fb - grads + act * a_pre + work, np.maximum(fb, rest))
             for mo in post:
                 mem = np.maximum(mem, fb + act * mo[ACTS, 0] + tb.range_send * mo[SENT_OUTPUTS, 0]
                                  + tb.range_send_grad * mo[SENT_GRADS, 0] + work)
@@ -992,25 +973,23 @@ class Search:
         relief = float(tb.relief(r)[chunks[0]]) if len(chunks) == 1 else 0.0
         acts = np.array(chunk_act)
         # before the first backward: the most activations the schedule holds at once, chunk by
-        # chunk, and the backward's transient (no gradient exists yet)
-        rc_work, grad_tmp = _transient(tb, chunks, r, [False] * len(chunks))
+        # chunk, and the backward's transient (no gradient exists yet but those it makes)
+        rc_work, grad_tmp = _transient(tb, chunks, r)
         pre = float(np.max(held[0][:, ACTS, :] @ acts))
         phases.append(dataclasses.replace(fb, gradients=0.0, weights=fb.weights - relief,
                                           activations=pre + rc_work, buffers=fb.buffers + grad_tmp))
         if held[1].size:
             # each moment after it: activations and the outputs sends keep (made in the forward),
             # the input gradients they keep (made in the backward: buffers), the gradients of
-            # the chunks that ran a backward, whose next backward makes new ones beside them
+            # the chunks that ran a backward
             sends = np.array([float(tb.range_send[c]) for c in chunks])
             grads_sent = np.array([float(tb.range_send_grad[c]) for c in chunks])
             share = np.array(chunk_pel) / pel if pel > 0 else np.zeros(len(chunks))
             for mo in held[1]:
-                made = [bool(x) for x in mo[GRADS]]
-                rc_w, tmp_w = _transient(tb, chunks, r, made)
                 phases.append(dataclasses.replace(
                     fb, weights=fb.weights - relief, gradients=fb.gradients * float(mo[GRADS] @ share),
-                    activations=float(mo[ACTS] @ acts + mo[SENT_OUTPUTS] @ sends) + rc_w,
-                    buffers=fb.buffers + tmp_w + float(mo[SENT_GRADS] @ grads_sent)))
+                    activations=float(mo[ACTS] @ acts + mo[SENT_OUTPUTS] @ sends) + rc_work,
+                    buffers=fb.buffers + grad_tmp + float(mo[SENT_GRADS] @ grads_sent)))
         top = max(phases, key=lambda ph: ph.total)
         sync = tb.sync(pel) + sum(float(tb.iter[j] - tb.iter[k]) for k, j in chunks)
         return StageResult(chunks, r, t, comp, max(0.0, t - comp), sync, tb.opt(pel, tb.param_tensors(chunks)), pel,

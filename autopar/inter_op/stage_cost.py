@@ -60,10 +60,9 @@ class LayerCost:
     # others (`backward_over_body`), by policy
     bwd_over_loss: dict[str, float] = field(default_factory=dict)
     bwd_over_body: dict[str, float] = field(default_factory=dict)
-    # `bwd_over` in a micro-batch after the first, whose backward makes each parameter's new
-    # gradient beside the accumulated one (`ActivationMemory.backward_over_accum`), by policy
-    bwd_over_acc: dict[str, float] = field(default_factory=dict)
-    bwd_over_acc_rc: dict[str, bool] = field(default_factory=dict)
+    # `bwd_over` where the layer ends a pipeline chunk: its output's gradient is the receive
+    # buffer (`ActivationMemory.backward_over_given`), by policy
+    bwd_over_given: dict[str, float] = field(default_factory=dict)
     # of the tensor it hands to the next layer, and of the one it receives, the bytes its own ops
     # save (counted in act_bytes), by policy: the same tensor counted by two layers
     out_saved: dict[str, float] = field(default_factory=dict)
@@ -141,7 +140,8 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
               if n.kind == "param" and getattr(n, "fqn", None) in c.param_elems}
     for rc in RECOMPUTES:
         am = activation_memory(sub, dtype, rc, shard=shard, selective_region="module", device_type=device_type,
-                               count_inputs=False, dtensor=dtensor, read_shard=read_shard, param_elems=params)
+                               count_inputs=False, dtensor=dtensor, read_shard=read_shard, param_elems=params,
+                               given_grad=out_name)
         c.act_bytes[rc] = am.saved_bytes
         # the forward's worst moment where it lies above the backward's (tensors the forward
         # makes, counted as activations like a recomputation's)
@@ -151,9 +151,7 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
         c.bwd_over_body[rc] = max(am.backward_over_body, am.forward_over_bytes)
         if am.backward_over_loss is not None:
             c.bwd_over_loss[rc] = am.backward_over_loss
-        acc_fwd = am.forward_over_bytes > am.backward_over_accum
-        c.bwd_over_acc[rc] = am.forward_over_bytes if acc_fwd else am.backward_over_accum
-        c.bwd_over_acc_rc[rc] = acc_fwd or am.backward_over_accum_recompute
+        c.bwd_over_given[rc] = max(am.forward_over_bytes, am.backward_over_given)
         c.out_saved[rc] = am.saved_of(out_name)
         c.in_saved[rc] = am.saved_of(in_name)
         c.loss_input_bytes = am.loss_input_bytes
