@@ -121,6 +121,7 @@ class _Walk:
         self.v = v
         self.held = [0] * v
         self.done: set[tuple[int, int]] = set()            # (chunk, mb) whose backward ran
+        self.made = [0] * v                                # 1 once a chunk's backward ran
         self.refs: set[tuple[str, int, int]] = set()       # ("out" | "grad", chunk, mb) referenced
         self.parts: tuple[list, list] = ([], [])
         self.backed = False
@@ -132,8 +133,7 @@ class _Walk:
                 grad[c] += 1
             elif (c, i) in self.done:        # before its backward the output is an activation
                 out[c] += 1
-        made = tuple(int(any(c == d for d, _ in self.done)) for c in range(self.v))
-        self.parts[self.backed].append((tuple(self.held), tuple(out), tuple(grad), made))
+        self.parts[self.backed].append((tuple(self.held), tuple(out), tuple(grad), tuple(self.made)))
 
     def forward(self, c: int) -> None:
         self.held[c] += 1
@@ -143,6 +143,7 @@ class _Walk:
         self._moment()
         self.held[c] -= 1
         self.done.add((c, i))
+        self.made[c] = 1
         self.backed = True
 
     def finish(self, label: str) -> tuple[tuple, tuple]:
