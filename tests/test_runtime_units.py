@@ -80,3 +80,28 @@ def test_validate_plan_names_the_problem():
                       model)
     with pytest.raises(PlanError, match="need schedule interleaved_1f1b"):
         validate_plan(_plan("gpt-tiny", st, gbs=8, mb=2, m=4, schedule="1f1b", nodes_devices=2), model)
+
+
+def test_flat_sync_buffers_are_freed_even_if_the_backend_keeps_them(monkeypatch):
+    """gloo's worker thread can hold a collective's tensors after the wait returns (a rank kept
+    a step's flat all-reduce buffer into the next forward): the flat buffers' storage must be
+    freed by the runtime itself, and the gradients still get the reduced values."""
+    from autopar.runtime import tied_grads
+
+    kept = []
+
+    def all_reduce(t, group=None):      # a backend that keeps its work's tensor, as gloo may
+        kept.append(t)
+        t.mul_(2.0)
+
+    monkeypatch.setattr(tied_grads.dist, "all_reduce", all_reduce)
+    grads = [torch.ones(3, 4), torch.full((5,), 3.0)]
+    tied_grads.allreduce_flat(grads, group=None, scale=0.5)
+    assert torch.equal(grads[0], torch.ones(3, 4)) and torch.equal(grads[1], torch.full((5,), 3.0))
+    assert kept and kept[0].untyped_storage().nbytes() == 0
+
+    p = torch.nn.Parameter(torch.zeros(2, 3))
+    p.grad = torch.full((2, 3), 1.5)
+    tied_grads.FlatTiedSync(None, [p]).sync()
+    assert torch.equal(p.grad, torch.full((2, 3), 3.0))
+    assert kept[1].untyped_storage().nbytes() == 0

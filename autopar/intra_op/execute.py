@@ -74,6 +74,7 @@ from autopar.capture.export import _WithLoss, default_loss, move_not_cast
 from autopar.intra_op.rules.loss import REDUCTION_ARG, reduction_of
 from autopar.intra_op.solution import OpChoice, ShardingSolution
 from autopar.runtime.spmd import replace_parameters, to_placements
+from autopar.runtime.tied_grads import release
 from autopar.runtime.vocab_loss import loss_parallel_call
 from autopar.schema.errors import PlanError
 
@@ -200,8 +201,7 @@ def _gather(x: DTensor, axis: int, dim: int) -> DTensor:
     buf = src.new_empty((n * src.shape[0],) + tuple(src.shape[1:]))
     dist.all_gather_into_tensor(buf, src, group=mesh.get_group(axis))
     full = torch.cat(buf.chunk(n, dim=0), dim=dim)
-    buf.untyped_storage().resize_(0)
-    src.untyped_storage().resize_(0)
+    release(buf, src)
     pl = list(x.placements)
     pl[axis] = Replicate()
     return DTensor.from_local(full, mesh, pl, run_check=False, shape=x.shape, stride=x.stride())

@@ -27,7 +27,7 @@ device alive at the start that none of these covers (minus a `baseline()` of wha
 held before building the model): `MemoryReport.untracked_bytes` and `untracked` say what, so
 memory the runtime keeps that this module does not know of is counted and named, not missed.
 (Seen: gloo keeping the previous step's flat all-reduce / all-gather buffer alive until its next
-collective.)
+collective; the runtime now frees those buffers' storage itself, `tied_grads.release`.)
 
 Categories (`MemoryReport.detail`), and the plan category each counts in (`PLAN_CATEGORY`):
 

@@ -37,6 +37,17 @@ def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: dist.Proce
     getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, full, group=group)
 
 
+def release(*buffers: torch.Tensor) -> None:
+    """Free the storage of temporaries a synchronous collective used, now. The wait returns
+    when the collective is done, but the backend may still reference its tensors: gloo's worker
+    thread drops its work (and the tensors in it) only after waking the waiter, so under load a
+    rank has kept a flat gradient buffer into the next step's forward. Resizing the storage to 0
+    frees it whoever holds the tensor (NCCL recorded its stream's use: the allocator still waits
+    for it). Only for buffers nothing else reads afterwards."""
+    for b in buffers:
+        b.untyped_storage().resize_(0)
+
+
 def allreduce_flat(grads: list[torch.Tensor], group: dist.ProcessGroup, scale: float = 1.0) -> None:
     """All-reduce `grads` in place as one flat buffer (one collective), times `scale`."""
     if not grads:
@@ -49,6 +60,7 @@ def allreduce_flat(grads: list[torch.Tensor], group: dist.ProcessGroup, scale: f
     for g in grads:
         g.copy_(flat[off:off + g.numel()].view_as(g))
         off += g.numel()
+    release(flat)
 
 
 class FlatTiedSync:
@@ -110,3 +122,4 @@ class FullTiedSync:
             part = buf[off:off + p.numel()]
             g.copy_((part if idx is None else part[idx]).view_as(g))
             off += p.numel()
+        release(buf)

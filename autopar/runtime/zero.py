@@ -12,7 +12,7 @@ import torch.nn as nn
 from autopar.runtime.families import get_submodule
 from autopar.runtime.precision import fsdp_policy
 from autopar.runtime.spmd import SPMDModule
-from autopar.runtime.tied_grads import all_gather_flat, reduce_scatter_flat
+from autopar.runtime.tied_grads import all_gather_flat, reduce_scatter_flat, release
 
 
 def _quiet_view_output_warning() -> None:
@@ -81,17 +81,23 @@ class ZeroSharding:
             p.grad = None
         shard = torch.empty(S, dtype=flat.dtype, device=self.device)
         reduce_scatter_flat(shard, flat, group=self.dp_group)
-        del flat
+        release(flat)
         shard.mul_(1.0 / D)
         self.flat_shard.grad = shard.to(self.flat_shard.dtype)   # the fp32 master shard's
+        if self.flat_shard.grad is not shard:
+            release(shard)
         del shard
         self.optimizer.step()
         self.flat_shard.grad = None
         full = torch.empty(S * D, dtype=dtype, device=self.device)   # the parameters' dtype
-        all_gather_flat(full, self.flat_shard.data.to(full.dtype), group=self.dp_group)
+        mine = self.flat_shard.data.to(full.dtype)
+        all_gather_flat(full, mine, group=self.dp_group)
+        if mine.untyped_storage().data_ptr() != self.flat_shard.data.untyped_storage().data_ptr():
+            release(mine)
         off = 0
         with torch.no_grad():
             for p in self.params:
                 loc = self._local(p.data)
                 loc.copy_(full[off:off + loc.numel()].view_as(loc))
                 off += loc.numel()
+        release(full)
