@@ -1,6 +1,6 @@
 """Predicted vs tracked peak memory, per plan, rank and category (issue 18).
 
-    python benchmarks/memory_accuracy.py [--json] [--only SUBSTRING] [--list]
+    python benchmarks/memory_accuracy.py [--json] [--only SUBSTRING] [--list] [--top N]
 
 Plans come from `autopar.plan` (`autopar.planner.plan`, the model captured once) on the
 bundled CPU cluster profile (`cpu`, its devices per node set to the job's 2 or 4 processes),
@@ -165,7 +165,8 @@ def worker(out: str, plan_paths: list[str]) -> None:
             pm = ParallelModel(plan, bundle, seed=0)
             G = plan.global_batch_size
             pm.train_step(pm.local_batch(call_batch_fn(bundle.batch_fn, 0, G, 0)))
-            _, rep = track_step(pm, pm.local_batch(call_batch_fn(bundle.batch_fn, 1, G, 0)), skip=base)
+            _, rep = track_step(pm, pm.local_batch(call_batch_fn(bundle.batch_fn, 1, G, 0)), skip=base,
+                                top=int(os.environ.get("AUTOPAR_MEMORY_TOP", "0")))
             mine = rep.to_dict()
             del pm, bundle, base
         except Exception as e:  # noqa: BLE001 - recorded per plan; the launch fails below
@@ -241,7 +242,8 @@ def compare(planned: list[dict], results: dict) -> list[dict]:
                           "tracked_categories": rep["categories"], "tracked_detail": rep["detail"],
                           "predicted_categories": {c: p[c] for c in CATS} if p else None,
                           "phases": {k: v["peak_bytes"] for k, v in rep["phases"].items()},
-                          "untracked_bytes": rep["untracked_bytes"], "notes": rep["notes"]})
+                          "untracked_bytes": rep["untracked_bytes"], "notes": rep["notes"],
+                          "peak_tensors": rep.get("peak_tensors", [])})
         rec["ranks"] = ranks
         errs = [abs(x["error"]) for x in ranks if x["error"] is not None]
         rec["max_abs_error"] = max(errs) if errs else None
@@ -273,6 +275,10 @@ def print_table(recs: list[dict], skipped: list[dict]) -> None:
             ph = f"{r['tracked_phase'][:3]}/{(r['predicted_phase'] or '-')[:3]}"
             print(f"  {r['rank']:>4} {r['stage'] if r['stage'] is not None else '-':>2} {_kib(r['tracked']):>8} "
                   f"{_kib(r['predicted']):>8} {err:>7} {ph:>9}  {cats}")
+            for t in r.get("peak_tensors", []):
+                print(f"         {t['bytes'] / 1024:8.1f} KiB  {t['label']:<16} {t.get('dtype', '')}"
+                      f"{t.get('shape', '')} {t['op']} {t.get('pass', '')} {t.get('module', '')} "
+                      f"({t.get('phase', '')})")
     ok = [r for r in recs if r.get("max_abs_error") is not None]
     failed = [r for r in recs if "error" in r]
     if ok:
@@ -295,6 +301,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="one JSON record per plan")
     ap.add_argument("--only", default="", help="run the combinations whose name contains this")
     ap.add_argument("--list", action="store_true", help="list the combinations and exit")
+    ap.add_argument("--top", type=int, default=0,
+                    help="list the N largest tensors alive at each rank's tracked peak, with the op that made them")
     ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -308,6 +316,8 @@ def main() -> None:
     if a.list:
         print("\n".join(s["name"] + f"  ({s['nproc']} processes)" for s in specs))
         return
+    if a.top:
+        os.environ["AUTOPAR_MEMORY_TOP"] = str(a.top)      # read by the launched workers
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="autopar-mem-") as d:
         planned, skipped = make_plans(specs, d)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from autopar.runtime.memory_tracking import DETAIL_CATEGORIES
 from benchmarks.memory_accuracy import compare, make_plans, measure
 
 pytestmark = pytest.mark.slow
@@ -44,7 +45,12 @@ def planned(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def measured(planned) -> dict:
     specs = list(planned.values())
-    return {r["name"]: r for r in compare(specs, measure(specs))}
+    mp = pytest.MonkeyPatch()
+    mp.setenv("AUTOPAR_MEMORY_TOP", "4")     # the launched workers list their peak's largest tensors
+    try:
+        return {r["name"]: r for r in compare(specs, measure(specs))}
+    finally:
+        mp.undo()
 
 
 def _table(rec: dict) -> str:
@@ -134,6 +140,14 @@ def test_harness_sees_the_model_states_the_runtime_holds(measured):
         for r in rec["ranks"]:
             assert set(r["phases"]) == {"forward_backward", "grad_sync", "optimizer"}
             assert r["tracked"] == max(r["phases"].values())
+            # what the peak holds, largest first, each storage with the op that made it
+            top = r["peak_tensors"]
+            assert len(top) == 4 and [t["bytes"] for t in top] == sorted((t["bytes"] for t in top), reverse=True)
+            assert sum(t["bytes"] for t in top) <= r["tracked"]
+            assert all(t["label"] in DETAIL_CATEGORIES and t["op"] for t in top)
+    # gpt-tiny's largest activations are the head's logits-sized tensors, made in the forward
+    top = measured["dp2_zero0"]["ranks"][0]["peak_tensors"]
+    assert top[0]["pass"] == "forward" and top[0]["op"].startswith("aten.") and top[0]["shape"][-1] == 128
 
 
 def test_run_summary_reports_tracked_memory_beside_the_prediction(planned):

@@ -162,6 +162,7 @@ class MemoryReport:
     untracked_bytes: int = 0              # alive at the start, not registered, counted as "other"
     untracked: list[str] = field(default_factory=list)   # the largest of them
     notes: list[str] = field(default_factory=list)
+    peak_tensors: list[dict] = field(default_factory=list)   # `track_step(top=N)`: what the peak holds
 
     @property
     def categories(self) -> dict[str, int]:
@@ -173,20 +174,33 @@ class MemoryReport:
                 "detail": dict(self.detail), "phases": {k: v.to_dict() for k, v in self.phases.items()},
                 "start_bytes": self.start_bytes, "end_bytes": self.end_bytes,
                 "untracked_bytes": self.untracked_bytes, "untracked": list(self.untracked),
-                "notes": list(self.notes)}
+                "notes": list(self.notes), "peak_tensors": list(self.peak_tensors)}
 
 
 class StepMemTracker(MemTracker):
     """MemTracker with the labels and phases above (see the module docstring). Use through
     `track_step`; `phase` is set by the wrappers `track_step` installs."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, top: int = 0) -> None:
         super().__init__()
         self._ref_class = [*_MemRefType, *_Ref]   # iterated for a device's snapshot keys only
         self.device = device
         self.phase = "forward_backward"
         self.master_grads = False                 # inside MasterWeights.step, before optimizer.step
         self.phase_peak: dict[str, tuple[int, dict]] = {}
+        # `top` > 0: where each storage came from (op, shape, dtype, phase, innermost module,
+        # forward or backward) and the `top` largest storages alive at the step's peak
+        self.top = top
+        self._op = "registered"
+        self._origin: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.peak_tensors: list[dict] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self._op = str(func)
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self._op = "registered"
 
     # -- labels ------------------------------------------------------------------------------
     def label(self, t: Any, ref: _RefType) -> None:
@@ -209,6 +223,28 @@ class StepMemTracker(MemTracker):
         if reftype == _MemRefType.ACT and self.phase != "forward_backward" and not self._in_opt:
             reftype = _MemRefType.GRAD if self.master_grads else _Ref.SYNC
         super()._track(reftype, t)
+        if self.top:
+            self._note_origin(t)
+
+    def _note_origin(self, t: torch.Tensor) -> None:
+        mods = sorted(self._mod_tracker.parents - {"Global"}, key=len)
+        where = {"op": self._op, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                 "phase": self.phase, "module": mods[-1] if mods else "",
+                 "pass": "backward" if self._mod_tracker.is_bw else "forward"}
+        for st in get_untyped_storages(t):
+            if st not in self._origin:
+                self._origin[st] = where
+
+    def _peak_tensors(self) -> list[dict]:
+        """The `top` largest storages alive now on the device, with their label and origin."""
+        rows = []
+        for st, (winfo, _) in self._WINFO.items():
+            if winfo.device != self.device or winfo.mem_consumed == 0:
+                continue
+            rows.append({"bytes": int(winfo.mem_consumed), "label": _DETAIL.get(winfo.reftype, str(winfo.reftype)),
+                         **self._origin.get(st, {"op": "registered"})})
+        rows.sort(key=lambda r: -r["bytes"])
+        return rows[:self.top]
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
         if module in self.memory_tracking and not self._mod_tracker.is_bw:
@@ -224,6 +260,8 @@ class StepMemTracker(MemTracker):
         if snap is None:
             return
         total = snap["Total"]
+        if self.top and total > max((v[0] for v in self.phase_peak.values()), default=-1):
+            self.peak_tensors = self._peak_tensors()
         if total > self.phase_peak.get(self.phase, (-1, None))[0]:
             self.phase_peak[self.phase] = (total, deepcopy(snap))
 
@@ -364,13 +402,15 @@ def register_unregistered(mt: StepMemTracker, device: torch.device,
 
 
 def track_step(pm: Any, batch: Sequence[Any], counter: Any = None, *, sweep: bool = True,
-               skip: WeakIdKeyDictionary | None = None) -> tuple[Any, MemoryReport]:
+               skip: WeakIdKeyDictionary | None = None, top: int = 0) -> tuple[Any, MemoryReport]:
     """Run `pm.train_step(batch, counter=counter)` under the tracker; returns its result and the
     `MemoryReport`. Measure a step after the first (the first allocates the optimizer state
     during its update). `sweep`: also count, as "other", the storages on the device alive at the
     start that `register` did not cover, except those in `skip` (a `baseline()` taken before
-    the ParallelModel was built); they are listed in `MemoryReport.untracked` (a gc walk)."""
-    mt = StepMemTracker(pm.device)
+    the ParallelModel was built); they are listed in `MemoryReport.untracked` (a gc walk).
+    `top` > 0: `MemoryReport.peak_tensors` lists the `top` largest storages alive at the peak,
+    each with its label and the op, module, pass and phase that made it (slows the step)."""
+    mt = StepMemTracker(pm.device, top=top)
     register(mt, pm, batch)
     untracked, udesc = register_unregistered(mt, pm.device, skip) if sweep else (0, [])
     notes: list[str] = []
@@ -438,7 +478,8 @@ def track_step(pm: Any, batch: Sequence[Any], counter: Any = None, *, sweep: boo
                      f"tensors, counted as other: {udesc}")
     return out, MemoryReport(peak_bytes=peak, detail=_detail(peak_snap), peak_phase=peak_phase,
                              phases=phases, start_bytes=start, end_bytes=end,
-                             untracked_bytes=untracked, untracked=udesc, notes=notes)
+                             untracked_bytes=untracked, untracked=udesc, notes=notes,
+                             peak_tensors=mt.peak_tensors)
 
 
 # -- the plan's side ---------------------------------------------------------------------------
