@@ -37,17 +37,18 @@ __all__ = ["ClusterSpec", "Constraints", "DeviceSpec", "LinkSpec", "LogicalMesh"
 def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Sequence[Any] | None = None, *,
          global_batch_size: int, dtype: str = "bf16", constraints: Optional[Constraints] = None,
          loss_fn: Optional[Callable[[Any], Any]] = None, progress: bool = False,
-         name: Optional[str] = None) -> Plan:
+         name: Optional[str] = None, cache: Any = None) -> Plan:
     """The fastest plan for training `model` on `cluster` that fits in memory.
 
     `model` is an nn.Module (on any device, meta included) or a model reference (zoo name,
     MODULE:FACTORY, hf:NAME); dim 0 of every example input is the batch. Raises PlanError when no
-    plan fits or a constraint cannot hold.
+    plan fits or a constraint cannot hold. `cache=True` keeps the model's capture in the capture
+    cache (`autopar.capture.cache`; the CLI's default) and reads it from there next time.
     """
     from autopar.planner import plan as _plan
 
     return _plan(model, cluster, example_inputs, global_batch_size=global_batch_size, dtype=dtype,
-                 constraints=constraints, loss_fn=loss_fn, progress=progress, name=name)
+                 constraints=constraints, loss_fn=loss_fn, progress=progress, name=name, cache=cache)
 
 
 def auto_shard(model: Any, example_inputs: Sequence[Any], *, mesh: LogicalMesh,

@@ -78,9 +78,11 @@ def make_provider(kind: str, graph: OpGraph, layers: list[Layer], cluster: Clust
 def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Optional[Sequence[Any]] = None, *,
          global_batch_size: int, dtype: str = "bf16", constraints: Optional[Constraints] = None,
          loss_fn: Optional[Callable[[Any], Any]] = None, progress: bool = False,
-         name: Optional[str] = None, intra_op: str = "auto", graph: Optional[OpGraph] = None) -> Plan:
+         name: Optional[str] = None, intra_op: str = "auto", graph: Optional[OpGraph] = None,
+         cache: Any = None) -> Plan:
     """The fastest plan that fits (see the module docstring). `graph` skips the capture when
-    the caller already has the model's OpGraph."""
+    the caller already has the model's OpGraph; `cache` (True, a directory or a
+    `capture.cache.CaptureCache`) reads and writes captures there."""
     if dtype not in TRAINING_DTYPES:
         raise PlanError(f"dtype {dtype!r} is not supported; use bf16, fp16 or fp32")
     if not isinstance(global_batch_size, int) or global_batch_size < 1:
@@ -89,7 +91,7 @@ def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Optional[Sequen
     bundle = resolve_model(model, example_inputs, name)
     spec = resolve_cluster(cluster)
     if graph is None:
-        graph = capture(bundle.model, bundle.example_inputs, loss_fn=loss_fn, name=bundle.name)
+        graph = capture(bundle.model, bundle.example_inputs, loss_fn=loss_fn, name=bundle.name, cache=cache)
     t1 = time.perf_counter()
     layers = build_layers(graph, bundle.model)
     provider = make_provider(intra_op, graph, layers, spec, dtype)
@@ -270,6 +272,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                 search={"search_time_s": round(search_s, 3),
                         "assemble_time_s": round(time.perf_counter() - t_assemble, 3),
                         "capture_time_s": round(graph.capture_time_s, 3),
+                        "capture": graph.capture_method,
                         "candidates": res.considered, "evaluated": res.evaluated,
                         "intra_op": getattr(res.provider, "name", "analytic"),
                         "layers": len(layers),

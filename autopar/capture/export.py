@@ -85,7 +85,8 @@ def find_layers(model: nn.Module) -> tuple[list[str], dict[str, str]]:
 
 
 def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Optional[LossFn] = None,
-            name: Optional[str] = None, batch_dim: bool = True) -> OpGraph:
+            name: Optional[str] = None, batch_dim: bool = True, repeated: bool = True,
+            cache: Any = None) -> OpGraph:
     """Capture `model(*example_inputs)` (plus its loss) as an OpGraph.
 
     With `batch_dim`, dim 0 of every tensor input is the batch and shapes are kept symbolic in it.
@@ -93,8 +94,16 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Optiona
     loss when the inputs hold labels). `example_inputs` is a tuple of positional inputs, or a dict
     of keyword inputs (`{"input_ids": ids, "labels": ids}`). Tries torch.export (symbolic batch,
     then two batch sizes), then torch.fx.symbolic_trace; raises PlanError naming the module and
-    op when all fail.
+    op when all fail. With `repeated`, a stack of identical blocks is exported cut to 2 and 3
+    blocks and stitched to its depth (`capture.repeated`; the same graph, in a fraction of the
+    time). `cache`: a `CaptureCache`, True for the one under the user's cache directory, or
+    None/False for none (`capture.cache`).
     """
+    if cache:
+        from autopar.capture.cache import cached_capture
+
+        return cached_capture(model, example_inputs, cache=cache, loss_fn=loss_fn, name=name,
+                              batch_dim=batch_dim, repeated=repeated)
     if not isinstance(model, nn.Module):
         raise PlanError(f"expected a torch.nn.Module, got {type(model).__name__}")
     t0 = time.perf_counter()
@@ -110,6 +119,12 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Optiona
     name = name or type(model).__name__
     _prepare_hf(model)
     wrapped = _WithLoss(model, loss_fn or default_loss, names)
+    not_stitched = ""
+    if batch_dim and repeated:
+        g, not_stitched = _capture_stitched(model, wrapped, example_inputs, name)
+        if g is not None:
+            g.capture_time_s = time.perf_counter() - t0
+            return g
     errors: list[tuple[str, Exception, tuple[str, str]]] = []
     attempts: list[tuple[str, Callable[[], OpGraph]]] = []
     if batch_dim:
@@ -123,7 +138,7 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Optiona
         try:
             with tracker, _QuietTorch():
                 g = fn()
-            g.capture_method = label
+            g.capture_method = label + (f"; blocks not stitched: {not_stitched}" if not_stitched else "")
             g.capture_time_s = time.perf_counter() - t0
             return g
         except PlanError:
@@ -147,6 +162,38 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Optiona
     except Exception as e:  # noqa: BLE001
         errors.append(("torch.fx.symbolic_trace", e, ("", "")))
     raise PlanError(_failure_message(name, errors)) from None
+
+
+STITCHED = "torch.export (symbolic batch, repeated blocks stitched)"
+
+
+def _capture_stitched(model: nn.Module, wrapped: nn.Module, inputs: tuple, name: str
+                      ) -> tuple[Optional[OpGraph], str]:
+    """The graph of a model whose repeated blocks are one stack of identical modules, from
+    exports of its first 2 and 3 blocks (`capture.repeated`); else (None, why it was not
+    stitched: "" when the model has no such stack)."""
+    from autopar.capture.repeated import find_stack, stitched
+
+    stack, _ = find_stack(model, find_layers(model)[0])
+    if stack is None:
+        return None, ""
+    used: list[tuple] = []
+
+    def export_raw() -> tuple:
+        ep, ins = _export_symbolic(wrapped, inputs)
+        used.append(ins)
+        return export_nodes(wrapped, ins, ep)
+
+    try:
+        with _QuietTorch():
+            raw, why = stitched(stack, export_raw)
+    except Exception as e:  # noqa: BLE001 - the whole export runs next; the graph records why
+        log.debug("stitched capture of %s failed", name, exc_info=True)
+        return None, f"the cut model did not export ({_explain(e)})"
+    if raw is None:
+        return None, why
+    g = _finish(model, *raw, name, used[-1], method=STITCHED)
+    return g, ""
 
 
 def _failure_message(name: str, errors: list[tuple[str, Exception, tuple[str, str]]]) -> str:
@@ -355,6 +402,14 @@ def _param_groups(model: nn.Module) -> tuple[dict[str, str], dict[str, list[str]
 
 
 def _from_export(wrapped: nn.Module, inputs: tuple, name: str, ep: Any) -> OpGraph:
+    nodes, params, buffers = export_nodes(wrapped, inputs, ep)
+    return _finish(wrapped.model, nodes, params, buffers, name, inputs, method="torch.export")
+
+
+def export_nodes(wrapped: nn.Module, inputs: tuple, ep: Any = None
+                 ) -> tuple[list[OpNode], dict[str, ParamInfo], dict[str, ParamInfo]]:
+    """The OpGraph's nodes, parameters and buffers of `wrapped`'s exported program `ep`
+    (exported here at the inputs' fixed shapes when None), before layers and costs (`_finish`)."""
     from torch.export import export
     from torch.export.graph_signature import InputKind
 
@@ -486,7 +541,7 @@ def _from_export(wrapped: nn.Module, inputs: tuple, name: str, ep: Any) -> OpGra
                                 fqn=strip(getattr(spec, "target", n.name) or n.name)))
     out = emit_calls(graph_nodes, ep.graph_module, "")
     nodes.append(OpNode("output", "output", "output", args=(), inputs=flatten_refs(out)))
-    return _finish(model, nodes, params, buffers, name, inputs, method="torch.export")
+    return nodes, params, buffers
 
 
 def _finish(model: nn.Module, nodes: list[OpNode], params: dict[str, ParamInfo],

@@ -12,9 +12,10 @@ import hashlib
 import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Any, Iterator, Literal, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Literal, Optional, Sequence
 
-import networkx as nx
+if TYPE_CHECKING:
+    import networkx as nx
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1,
                "float8_e5m2": 1, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
@@ -181,7 +182,9 @@ class OpGraph:
                 out[i].append(n.name)
         return out
 
-    def to_networkx(self) -> nx.DiGraph:
+    def to_networkx(self) -> "nx.DiGraph":
+        import networkx as nx
+
         g = nx.DiGraph()
         for n in self.nodes:
             g.add_node(n.name, op=n)
