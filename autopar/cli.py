@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -21,6 +22,7 @@ from autopar.schema.cluster import validation_message
 from autopar.schema.constraints import SCHEDULES
 from autopar.schema.plan import TRAINING_DTYPES
 
+_T0 = time.perf_counter()      # when the CLI module was imported (`plan --timings`)
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
@@ -73,10 +75,16 @@ def _cluster(name: str, nodes: Optional[int], devices_per_node: Optional[int]):
 @click.option("--compare", is_flag=True, help="also show data-parallel, ZeRO-3 and Megatron baselines")
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
 @click.option("--quiet", "-q", is_flag=True, help="no progress output")
+@click.option("--timings", is_flag=True, hidden=True,
+              help="print the command's parts' wall times to stderr as JSON (benchmarks/search_time.py)")
+@click.option("--no-cache", is_flag=True,
+              help="capture the model anew, neither reading nor writing the capture cache "
+                   "($XDG_CACHE_HOME/autopar/captures, or $AUTOPAR_CACHE_DIR)")
 def plan_cmd(model_ref: str, cluster: str, nodes: Optional[int], devices_per_node: Optional[int],
              global_batch_size: int, dtype: str, output: Optional[str], compare: bool, as_json: bool,
-             quiet: bool, **pins: Any) -> None:
+             quiet: bool, no_cache: bool, timings: bool, **pins: Any) -> None:
     """Plan MODEL on CLUSTER and print the plan (or write it with -o)."""
+    t = [time.perf_counter()]
     from autopar.capture import capture
     from autopar.planner import plan as plan_model
     from autopar.planner import resolve_model
@@ -87,16 +95,27 @@ def plan_cmd(model_ref: str, cluster: str, nodes: Optional[int], devices_per_nod
         raise PlanError(f"cannot write {output}: directory {Path(output).parent} does not exist")
     cons = _constraints(**pins)
     spec = _cluster(cluster, nodes, devices_per_node)
+    t.append(time.perf_counter())
     bundle = resolve_model(model_ref, None, None)
-    graph = capture(bundle.model, bundle.example_inputs, name=bundle.name)   # shared with --compare
+    t.append(time.perf_counter())
+    # shared with --compare; a model of the same structure captured before is read from the cache
+    graph = capture(bundle.model, bundle.example_inputs, name=bundle.name, cache=not no_cache)
+    t.append(time.perf_counter())
     p = plan_model(bundle, spec, global_batch_size=global_batch_size, dtype=dtype, constraints=cons,
                    progress=not quiet, graph=graph)
+    t.append(time.perf_counter())
     if output:
         p.save(output)
     if as_json:
         click.echo(p.to_json())
     else:
         click.echo(p.summary())
+    t.append(time.perf_counter())
+    if timings:
+        parts = ("imports_s", "model_s", "capture_s", "search_s", "print_s")
+        click.echo(json.dumps({"timings": {**{k: round(b - a, 3) for k, a, b in zip(parts, t, t[1:])},
+                                           "assemble_s": p.search.get("assemble_time_s"),
+                                           "since_cli_import_s": round(t[-1] - _T0, 3)}}), err=True)
     if compare:
         from autopar.compare import compare_baselines
 
@@ -167,10 +186,10 @@ def profile_cmd(output: str, processes: Optional[int], quick: bool, quiet: bool)
 @click.option("--json", "as_json", is_flag=True)
 def models_cmd(as_json: bool) -> None:
     """List the built-in model zoo."""
-    from autopar.models import zoo
+    from autopar.models.catalogue import catalogue  # data only: no torch to import
     from autopar.schema.plan import format_count, format_table
 
-    entries = zoo()
+    entries = catalogue()
     if as_json:
         click.echo(json.dumps({n: {"family": e.family, "params": e.params, "description": e.description}
                                for n, e in entries.items()}, indent=2))

@@ -110,3 +110,38 @@ def test_factory_module_beside_the_user_resolves(tmp_path):
                 cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "autopar plan for mynet:build" in r.stdout
+
+
+def test_help_and_models_import_neither_torch_nor_the_solvers():
+    """Issue 19: `autopar --help` and `autopar models` answer without loading torch, torch.distributed
+    or OR-Tools (they took ~1.4 s when they did)."""
+    code = ("import sys; from autopar.cli import main\n"
+            "for argv in (['--help'], ['models'], ['plan', '--help']):\n"
+            "    assert main(argv) == 0\n"
+            "heavy = [m for m in ('torch', 'torch.distributed', 'ortools', 'networkx') if m in sys.modules]\n"
+            "print('HEAVY', heavy)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "HEAVY []" in r.stdout and "gpt3-175b" in r.stdout and "--no-cache" in r.stdout
+
+
+def test_plan_uses_the_capture_cache_unless_no_cache(tmp_path, monkeypatch, capsys):
+    """`autopar plan` stores the capture under $XDG_CACHE_HOME/autopar/captures and reads it back
+    (the plan says so); `--no-cache` neither reads nor writes it, and plans the same."""
+    from autopar.cli import main
+
+    monkeypatch.delenv("AUTOPAR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    store = tmp_path / "cache" / "autopar" / "captures"
+    args = ["plan", "--model", "gpt-tiny", "--cluster", "cpu", "-b", "8", "--dtype", "fp32", "--quiet", "--json"]
+    assert main([*args, "--no-cache"]) == 0
+    fresh = json.loads(capsys.readouterr().out)
+    assert not store.exists()
+    assert main(args) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert len(list(store.glob("*.json"))) == 1 and "cache" not in first["search"]["capture"]
+    assert main(args) == 0
+    warm = json.loads(capsys.readouterr().out)
+    assert warm["search"]["capture"].endswith("(from the capture cache)")
+    for p in (first, warm):
+        assert {k: v for k, v in p.items() if k != "search"} == {k: v for k, v in fresh.items() if k != "search"}

@@ -14,31 +14,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autopar.models.catalogue import catalogue
+from autopar.models.configs import BertConfig
 from autopar.models.init import init_weights
 from autopar.models.registry import ZooEntry, _gen, register, token_inputs
 
 IGNORE = -100
-
-
-@dataclass(frozen=True)
-class BertConfig:
-    vocab_size: int = 30522
-    seq_len: int = 512
-    hidden: int = 768
-    layers: int = 12
-    heads: int = 12
-    ffn_hidden: int = 3072
-    type_vocab_size: int = 2
-    norm_eps: float = 1e-12
-    mask_token: int = 103
-    mask_prob: float = 0.15
-
-    def num_params(self) -> int:
-        h, f, v = self.hidden, self.ffn_hidden, self.vocab_size
-        embed = (v + self.seq_len + self.type_vocab_size) * h + 2 * h
-        per_layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
-        head = h * h + h + 2 * h + v      # transform dense + LayerNorm + decoder bias (weight tied)
-        return embed + self.layers * per_layer + head
 
 
 class Embeddings(nn.Module):
@@ -156,15 +137,8 @@ def _bert(name: str, cfg: BertConfig, desc: str) -> ZooEntry:
                     desc, cfg.num_params())
 
 
-CONFIGS: dict[str, tuple[BertConfig, str]] = {
-    "bert-base": (BertConfig(), "BERT base (110M, s=512, MLM loss)"),
-    "bert-large": (BertConfig(hidden=1024, layers=24, heads=16, ffn_hidden=4096),
-                   "BERT large (340M, s=512, MLM loss)"),
-    "bert-tiny": (BertConfig(vocab_size=128, seq_len=16, hidden=32, layers=2, heads=4, ffn_hidden=64,
-                             mask_token=3), "tiny BERT for tests and local runs"),
-    "bert-small": (BertConfig(vocab_size=1024, seq_len=64, hidden=128, layers=4, heads=4, ffn_hidden=512),
-                   "small BERT for CPU runs"),
-}
+# the catalogue's bert models, as (config, description)
+CONFIGS = {n: (e.config, e.description) for n, e in catalogue("bert").items()}
 
 for _name, (_cfg, _desc) in CONFIGS.items():
     register(_bert(_name, _cfg, _desc))

@@ -3,30 +3,12 @@ tied input/output embeddings. forward(tokens, targets) returns the mean cross-en
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autopar.models.configs import GPTConfig
 from autopar.models.init import init_weights
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab_size: int = 50257
-    seq_len: int = 1024
-    hidden: int = 768
-    layers: int = 12
-    heads: int = 12
-    ffn_mult: int = 4
-    tie_embeddings: bool = True
-    dropout: float = 0.0      # Megatron's hidden and attention dropout (0.1 in its published runs)
-
-    def num_params(self) -> int:
-        h, l, v, s = self.hidden, self.layers, self.vocab_size, self.seq_len
-        per_layer = 4 * h * h + 4 * h + 2 * self.ffn_mult * h * h + (self.ffn_mult + 1) * h + 4 * h
-        return l * per_layer + v * h + s * h + 2 * h + (0 if self.tie_embeddings else v * h)
 
 
 def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:

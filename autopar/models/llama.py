@@ -11,37 +11,14 @@ building on the meta device).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autopar.models.catalogue import catalogue
+from autopar.models.configs import LlamaConfig
 from autopar.models.init import init_weights
 from autopar.models.registry import ZooEntry, register, token_batch, token_inputs
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    vocab_size: int = 32000
-    seq_len: int = 4096
-    hidden: int = 4096
-    layers: int = 32
-    heads: int = 32
-    kv_heads: int = 32
-    ffn_hidden: int = 11008
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    def num_params(self) -> int:
-        h, d = self.hidden, self.head_dim
-        attn = h * self.heads * d + 2 * h * self.kv_heads * d + self.heads * d * h
-        per_layer = attn + 3 * h * self.ffn_hidden + 2 * h
-        return self.layers * per_layer + 2 * self.vocab_size * h + h
 
 
 class RMSNorm(nn.Module):
@@ -153,26 +130,8 @@ def _llama(name: str, cfg: LlamaConfig, desc: str) -> ZooEntry:
                     token_batch(cfg.vocab_size, cfg.seq_len), desc, cfg.num_params())
 
 
-CONFIGS: dict[str, tuple[LlamaConfig, str]] = {
-    "llama2-7b": (LlamaConfig(hidden=4096, layers=32, heads=32, kv_heads=32, ffn_hidden=11008),
-                  "Llama 2 7B (s=4096, V=32000, MHA)"),
-    "llama2-13b": (LlamaConfig(hidden=5120, layers=40, heads=40, kv_heads=40, ffn_hidden=13824),
-                   "Llama 2 13B (s=4096, V=32000, MHA)"),
-    "llama2-70b": (LlamaConfig(hidden=8192, layers=80, heads=64, kv_heads=8, ffn_hidden=28672),
-                   "Llama 2 70B (s=4096, V=32000, GQA 8 KV heads)"),
-    "llama3-8b": (LlamaConfig(vocab_size=128256, seq_len=8192, hidden=4096, layers=32, heads=32,
-                              kv_heads=8, ffn_hidden=14336, rope_theta=500000.0),
-                  "Llama 3 8B (s=8192, V=128256, GQA 8 KV heads)"),
-    "llama3-70b": (LlamaConfig(vocab_size=128256, seq_len=8192, hidden=8192, layers=80, heads=64,
-                               kv_heads=8, ffn_hidden=28672, rope_theta=500000.0),
-                   "Llama 3 70B (s=8192, V=128256, GQA 8 KV heads)"),
-    "llama-tiny": (LlamaConfig(vocab_size=128, seq_len=16, hidden=32, layers=2, heads=4, kv_heads=2,
-                               ffn_hidden=64),
-                   "tiny Llama (GQA) for tests and local runs"),
-    "llama-small": (LlamaConfig(vocab_size=1024, seq_len=64, hidden=128, layers=4, heads=4, kv_heads=2,
-                                ffn_hidden=352),
-                    "small Llama (GQA) for CPU runs"),
-}
+# the catalogue's llama models, as (config, description)
+CONFIGS = {n: (e.config, e.description) for n, e in catalogue("llama").items()}
 
 for _name, (_cfg, _desc) in CONFIGS.items():
     register(_llama(_name, _cfg, _desc))

@@ -16,6 +16,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from autopar.models.catalogue import catalogue
+from autopar.models.configs import MLPConfig
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.models.mlp import MLP
 from autopar.schema.errors import PlanError
@@ -101,11 +103,11 @@ def _gpt(name: str, cfg: GPTConfig, desc: str) -> ZooEntry:
                     token_batch(cfg.vocab_size, cfg.seq_len), desc, cfg.num_params())
 
 
-def _mlp_entry(name: str, dim: int, hidden: int, layers: int) -> ZooEntry:
-    return ZooEntry(name, "mlp", lambda: MLP(dim, hidden, layers),
+def _mlp_entry(name: str, cfg: MLPConfig, desc: str) -> ZooEntry:
+    dim = cfg.dim
+    return ZooEntry(name, "mlp", lambda: MLP(cfg.dim, cfg.hidden, cfg.layers),
                     lambda b: (torch.zeros(b, dim, device="meta"), torch.zeros(b, dim, device="meta")),
-                    NormalBatch(dim), f"MLP {dim}->{hidden}x{layers - 1}->{dim}, MSE loss",
-                    dim * hidden * 2 + hidden * hidden * max(0, layers - 2))
+                    NormalBatch(dim), desc, cfg.num_params())
 
 
 _ZOO: dict[str, ZooEntry] = {}
@@ -115,28 +117,19 @@ def register(entry: ZooEntry) -> None:
     _ZOO[entry.name] = entry
 
 
-_GPT2 = dict(vocab_size=50257, seq_len=1024)
-_GPT3 = dict(vocab_size=51200, seq_len=2048)
-for _n, _h, _l, _a, _d in [
-    ("gpt2", 768, 12, 12, "GPT-2 small (124M)"), ("gpt2-medium", 1024, 24, 16, "GPT-2 medium (355M)"),
-    ("gpt2-large", 1280, 36, 20, "GPT-2 large (774M)"), ("gpt2-xl", 1600, 48, 25, "GPT-2 XL (1.5B)")]:
-    register(_gpt(_n, GPTConfig(hidden=_h, layers=_l, heads=_a, **_GPT2), _d))
-for _n, _h, _l, _a in [("350m", 1024, 24, 16), ("1.3b", 2048, 24, 16), ("2.7b", 2560, 32, 32),
-                       ("6.7b", 4096, 32, 32), ("13b", 5120, 40, 40), ("175b", 12288, 96, 96)]:
-    register(_gpt(f"gpt3-{_n}", GPTConfig(hidden=_h, layers=_l, heads=_a, **_GPT3),
-                  f"GPT-3 {_n.upper()} (Brown et al. 2020, s=2048, V=51200)"))
-register(_gpt("gpt-tiny", GPTConfig(vocab_size=128, seq_len=16, hidden=32, layers=2, heads=4),
-              "tiny GPT for tests and local runs"))
-register(_gpt("gpt-small", GPTConfig(vocab_size=1024, seq_len=64, hidden=128, layers=4, heads=4),
-              "small GPT for CPU runs"))
-register(_mlp_entry("mlp", 1024, 4096, 4))
-register(_mlp_entry("mlp-tiny", 32, 64, 3))
+for _e in catalogue().values():      # llama and bert register theirs when imported (`_load_families`)
+    if _e.family == "gpt":
+        register(_gpt(_e.name, _e.config, _e.description))
+    elif _e.family == "mlp":
+        register(_mlp_entry(_e.name, _e.config, _e.description))
 
 
 def zoo() -> dict[str, ZooEntry]:
-    """All built-in models by name (importing optional families that are installed)."""
+    """All built-in models by name, in the catalogue's order (importing optional families that
+    are installed), then any registered since."""
     _load_families()
-    return dict(_ZOO)
+    order = list(catalogue())
+    return dict(sorted(_ZOO.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
 
 
 def _load_families() -> None:
