@@ -137,6 +137,7 @@ class _Tables:
         schedule's loss and keeps it until the backward; False where the stage computes the
         loss itself."""
         self.costs = costs
+        self._ranged: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         L = len(costs)
         self.L = L
         self.dp, self.tp, self.zero = dp, tp, zero
@@ -302,7 +303,15 @@ class _Tables:
                     self.range_out_kept[r][k, j] += held
 
     def ranged(self, arr: np.ndarray) -> np.ndarray:
-        return arr[np.clip(self.jj, 0, self.L)] - arr[self.kk]
+        """`arr[j] - arr[k]` for every layer range [k, j) of a per-layer prefix sum `arr` (one of
+        this table's own arrays, left unchanged): kept per array, since every candidate on
+        this table asks for the same ones (read-only)."""
+        hit = self._ranged.get(id(arr))
+        if hit is None or hit[0] is not arr:
+            out = arr[np.clip(self.jj, 0, self.L)] - arr[self.kk]
+            out.setflags(write=False)
+            hit = self._ranged[id(arr)] = (arr, out)
+        return hit[1]
 
     def zero_mb(self, pel: np.ndarray) -> np.ndarray:
         """ZeRO-3 collectives per micro-batch: the weights all-gathered for the forward and again
@@ -525,11 +534,15 @@ class Search:
         per = {n.name: sum(o.nbytes for o in n.outputs) / (graph.batch_size or 1)
                for n in g1.nodes if n.name in batched}
         self.input_bytes = [per.get(n.name, 0.0) for n in inputs] or [0.0]
+        # the least memory any plan needs: only the error when no plan fits reports it, so it is
+        # followed until the first plan that fits is found (`_found`), not after
         self.min_memory = INF
+        self._found = False
         self.evaluated = 0
         self.considered = 0
         self.considered_infeasible = 0    # candidates whose model states alone overflow
         self._chunk_cache: dict = {}
+        self._held_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._tables_cache: dict = {}
         self._costs_cache: dict = {}
 
@@ -678,6 +691,7 @@ class Search:
                 cand.mb, cand.tp, cand.dp, cand.zero, solved=op_by_op(cand)))
             if ok and (best is None or cand.iteration_s < best.iteration_s * (1 - 1e-9)):
                 best = cand
+                self._found = True
         bar.done()
         if best is None:
             raise self._no_fit()
@@ -766,16 +780,17 @@ class Search:
         rcs = self.recomputes()
         for s in range(1, p + 1):
             cost[:, :, 0, s], choice[:, :, s] = self._best_recompute(
-                tb, rcs, t_common, fixed, held_moments(cand.schedule, p, p - s, m))
+                tb, rcs, t_common, fixed, self._held(cand.schedule, p, p - s, m))
         res = stage_dp(cost, [1], p, m, num_stages=p)
         if res is None:
-            self._note_min_memory(cand, tb)
+            if not self._found:
+                self._note_min_memory(cand, tb)
             return False
         stages = []
         for idx, (k, j, _) in enumerate(res.stages):
             s = p - idx
             r = rcs[choice[k, j, s]]
-            stages.append(self._stage(tb, cand, [(k, j)], r, held_moments(cand.schedule, p, idx, m)))
+            stages.append(self._stage(tb, cand, [(k, j)], r, self._held(cand.schedule, p, idx, m)))
         self._finish(cand, tb, stages, res.total)
         cand.costs = tb
         return True
@@ -828,7 +843,7 @@ class Search:
                 # stages are checked below
                 kind = "gpipe" if cand.schedule == "gpipe" or m < s_ else "1f1b"
                 cost[:, :, mi, s_], choice[:, :, mi, s_] = self._best_recompute(
-                    tb, rcs, t_common, fixed, held_moments(kind, s_, 0, m))
+                    tb, rcs, t_common, fixed, self._held(kind, s_, 0, m))
         res = stage_dp(cost, tps, units, m)
         if res is None:
             return False
@@ -838,7 +853,7 @@ class Search:
             s_ = p - idx
             tb = tbs[mi]
             r = rcs[choice[k, j, mi, s_]]
-            stages.append(self._stage(tb, cand, [(k, j)], r, held_moments(cand.schedule, p, idx, m)))
+            stages.append(self._stage(tb, cand, [(k, j)], r, self._held(cand.schedule, p, idx, m)))
         if any(st.peak_bytes > self.budget for st in stages):
             self.min_memory = min(self.min_memory, max(st.peak_bytes for st in stages))
             return False
@@ -865,6 +880,14 @@ class Search:
                 extra += (stages[i - 1].tp // st.tp - 1) * float(tb.p2p[k - 1])
             st.t_mb += extra
             st.comm_mb += extra
+
+    def _held(self, kind: str, p: int, rank: int, m: int, v: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """`cost_models.schedules.held_moments`, kept per search: candidates of one schedule, depth
+        and micro-batch count ask for the same ranks' moments again (read-only arrays)."""
+        key = (kind, p, rank, m, v)
+        if key not in self._held_cache:
+            self._held_cache[key] = held_moments(kind, p, rank, m, v)
+        return self._held_cache[key]
 
     def _tables(self, mb: int, tp: int, dp: int, zero: int, solved: bool = False) -> "_Tables":
         """`solved`: the stage runs op by op as solved (`_op_by_op`), its layers' activations as
@@ -905,15 +928,15 @@ class Search:
             stages = []
             fits = True
             for d, g in enumerate(groups):
-                st = self._stage(tb, cand, list(g), r, held_moments(cand.schedule, p, d, m, v))
+                st = self._stage(tb, cand, list(g), r, self._held(cand.schedule, p, d, m, v))
                 stages.append(st)
                 if st.peak_bytes > self.budget:
                     # infeasible: the rest of the groups matter only for the least memory a plan
                     # needs (the largest group's peak), and only if this one is under it so far
                     fits = False
-                    if st.peak_bytes < self.min_memory:
+                    if st.peak_bytes < self.min_memory and not self._found:
                         peak = max([st.peak_bytes] + [
-                            self._stage(tb, cand, list(g2), r, held_moments(cand.schedule, p, d2, m, v)).peak_bytes
+                            self._stage(tb, cand, list(g2), r, self._held(cand.schedule, p, d2, m, v)).peak_bytes
                             for d2, g2 in enumerate(groups) if d2 > d])
                         self.min_memory = min(self.min_memory, peak)
                     break
@@ -1044,7 +1067,7 @@ class Search:
         worst = 0.0
         for i in range(p):
             k, j = bounds[i], bounds[i + 1]
-            st = self._stage(tb, cand, [(k, j)], r, held_moments(cand.schedule, p, i, cand.m))
+            st = self._stage(tb, cand, [(k, j)], r, self._held(cand.schedule, p, i, cand.m))
             worst = max(worst, st.peak_bytes)
         self.min_memory = min(self.min_memory, worst)
 

@@ -1,0 +1,76 @@
+"""Issue 19: the faster capture (repeated blocks stitched, the capture cache) and search give
+the plans the planner gave before them, field for field.
+
+`EXPECTED` was recorded with the code of commit 1da767c (before issue 19's changes) by
+`python tests/test_planner_unchanged.py`: a digest of the whole plan JSON but its `search`
+record (timings) and version, and the fields a reader checks first. A change meant to change
+plans (a new cost or memory term) re-records it the same way and says so in its commit.
+"""
+
+import hashlib
+import json
+import sys
+
+import pytest
+
+from autopar.planner import plan, resolve_model
+from autopar.schema import ClusterSpec, Constraints
+
+HF_GPT2 = "hf:gpt2?hidden_size=64&num_hidden_layers=6&num_attention_heads=4&vocab_size=128&seq_len=16"
+HF_LLAMA = ("hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2&num_hidden_layers=6"
+            "&num_attention_heads=4&vocab_size=128&seq_len=16")
+
+CASES = {   # name: (model, cluster, nodes, global batch, pinned constraints)
+    "gpt3-1.3b-tp2-pp2": ("gpt3-1.3b", "dgx-a100-80g", 1, 32, {"tp": 2, "pp": 2}),
+    "gpt-small": ("gpt-small", "cpu", 1, 8, {}),
+    "hf-gpt2": (HF_GPT2, "dgx-a100-80g", 1, 16, {}),
+    "hf-llama": (HF_LLAMA, "dgx-a100-80g", 1, 16, {"tp": 2}),
+}
+
+EXPECTED = {
+    "gpt3-1.3b-tp2-pp2": {"digest": "649c654b8752b51a", "layout": (2, 2, 2, 4, 4, "interleaved_1f1b", 8, 1),
+                          "iteration_time_s": 0.4646901780539705, "peak_memory_bytes": 18756091904.0,
+                          "collectives": {"all_reduce": 405, "reduce_scatter": 2, "all_gather": 2, "send_recv": 120}},
+    "gpt-small": {"digest": "3b053d04a83e69ac", "layout": (2, 1, 1, 4, 1, "1f1b", 1, 0),
+                  "iteration_time_s": 0.015095763545627434, "peak_memory_bytes": 20557824.0,
+                  "collectives": {"all_reduce": 1}},
+    "hf-gpt2": {"digest": "2443a341a4c64aa5", "layout": (2, 2, 3, 8, 1, "1f1b", 1, 1),
+                "iteration_time_s": 0.0015570655503288344, "peak_memory_bytes": 3090048.0,
+                "collectives": {"all_reduce": 8, "all_gather": 13, "reduce_scatter": 8, "send_recv": 6}},
+    "hf-llama": {"digest": "4579ad3cc66774c1", "layout": (4, 2, 1, 4, 1, "1f1b", 1, 1),
+                 "iteration_time_s": 0.0026160170514055725, "peak_memory_bytes": 1602369.0,
+                 "collectives": {"all_reduce": 25, "all_gather": 2, "reduce_scatter": 1}},
+}
+
+
+def record(p) -> dict:
+    """The fields `EXPECTED` holds of plan `p`."""
+    d = json.loads(p.to_json())
+    d.pop("search", None)
+    d.pop("autopar_version", None)
+    return {"digest": hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16],
+            "layout": (p.dp, p.tp, p.pp, p.microbatch_size, p.num_microbatches, p.schedule, p.virtual_stages,
+                       p.zero_stage),
+            "iteration_time_s": p.predicted.iteration_time_s, "peak_memory_bytes": p.predicted.peak_memory_bytes,
+            "collectives": p.predicted.collectives}
+
+
+def make(name: str, cache=None):
+    ref, cluster, nodes, gbs, pins = CASES[name]
+    return plan(resolve_model(ref, None, None), ClusterSpec.load(cluster, num_nodes=nodes), global_batch_size=gbs,
+                constraints=Constraints(**pins), cache=cache)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_plan_equals_the_one_before_issue_19(name, tmp_path):
+    if name.startswith("hf-"):
+        pytest.importorskip("transformers")
+    got = record(make(name, cache=tmp_path))
+    want = EXPECTED[name]
+    assert {k: v for k, v in got.items() if k != "digest"} == {k: v for k, v in want.items() if k != "digest"}
+    assert got["digest"] == want["digest"], "same layout and figures, but another field of the plan changed"
+
+
+if __name__ == "__main__":      # re-record EXPECTED
+    for n in CASES:
+        print(f"    {n!r}: {record(make(n))!r},", file=sys.stdout, flush=True)
