@@ -95,20 +95,9 @@ def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Optional[Sequen
     t1 = time.perf_counter()
     layers = build_layers(graph, bundle.model)
     provider = make_provider(intra_op, graph, layers, spec, dtype)
-    res = Search(graph, layers, spec, global_batch_size, dtype, cons, provider, progress,
-                 loss_in_chunk=not _pipeline_family(bundle.model)).run()
+    res = Search(graph, layers, spec, global_batch_size, dtype, cons, provider, progress).run()
     return assemble(bundle, graph, spec, res, global_batch_size, dtype, time.perf_counter() - t1,
                     loss_fn=loss_fn)
-
-
-def _pipeline_family(model: Any) -> bool:
-    """Whether the runtime pipelines `model` by its family (the zoo GPT and MLP, or a model
-    with `pipeline_loss`: `runtime.engine.family_of`), whose last stage hands its output to the
-    schedule's loss; else it cuts the traced model, the loss inside the last chunk."""
-    from autopar.models.gpt import GPT
-    from autopar.models.mlp import MLP
-
-    return isinstance(model, (GPT, MLP)) or callable(getattr(model, "pipeline_loss", None))
 
 
 # -- the Plan ----------------------------------------------------------------------------------
@@ -346,7 +335,7 @@ def _dry_counts(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, c: Candi
                    tuple(sorted((_relative(f, layers, k, j), pl) for f, pl in pls.items())))
             if key not in done:
                 done[key] = (k, dtensor_stage_counts(bundle.model, bundle.example_inputs, st.tp, pls, layers, k, j,
-                                                     mods, index=pos, num_stages=n, batch=c.mb, device=dev,
+                                                     index=pos, num_stages=n, batch=c.mb, device=dev,
                                                      recompute=st.recompute))
             k0, lc0 = done[key]
             lc = _moved(lc0, k0, k, j - k) if lc0 is not None else None

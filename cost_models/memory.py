@@ -148,11 +148,8 @@ class ActivationMemory:
     re-saved plus that op's output and input gradients;
     `loss_grad_bytes` what a loss's backward holds as the backward starts: its output's and its
     input's gradients, fp32 and the size of its input (the logits of a language model), live
-    before any recomputation; `loss_input_bytes` that input at the training dtype (what a last
-    pipeline stage hands its loss and keeps until the backward), `loss_input_saved` the bytes
-    of that very tensor the ops save (a loss saving its input as it is: counted once);
-    `loss_unreduced_bytes` the unreduced loss a CPU loss's 0-dim output keeps as its storage
-    (`LOSSES_KEEP_UNREDUCED`; counted in `saved_bytes`);
+    before any recomputation (the unreduced loss a CPU loss's 0-dim output keeps as its
+    storage, `LOSSES_KEEP_UNREDUCED`, is counted in `saved_bytes`);
     `backward_bytes` what one op's backward holds at once: the gradient of its output and the
     one it makes for its input, `BACKWARD_LIVE` times the largest tensor the ops make;
     `backward_over_bytes` the most the backward holds above `saved_bytes` at any moment, taken op
@@ -170,9 +167,6 @@ class ActivationMemory:
     per_layer: dict[Optional[str], float] = field(default_factory=dict)
     working_bytes: float = 0.0
     loss_grad_bytes: float = 0.0
-    loss_input_bytes: float = 0.0
-    loss_input_saved: float = 0.0
-    loss_unreduced_bytes: float = 0.0
     backward_bytes: float = 0.0
     backward_over_bytes: float = 0.0
     backward_over_recompute: bool = False
@@ -659,7 +653,6 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 key = n.name + ":unreduced"
                 owner_layer[key], nbytes_of[key], owner_node[key] = n.layer, size(fl[0], "fp32"), ""
     out = ActivationMemory()
-    loss_inputs: list[str] = []      # read as they are (not a redistributed copy)
     for n in calls:
         if keep is not None and n.layer not in keep:
             continue
@@ -669,23 +662,14 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             for i in _tensor_inputs(n, by_name)[:1]:
                 if _floating(by_name[base.get(i, i)]):
                     live, nb = loss_read(n, i)
-                    copy = read(n, i)
                     out.loss_grad_bytes = max(out.loss_grad_bytes, live * nb)
-                    out.loss_input_bytes = max(out.loss_input_bytes, copy[0] if copy else size(i, dtype))
-                    if n.op in LOSSES_SAVING_INPUT and copy is None and not mixed:
-                        # saved as it is (under mixed precision the loss saves an fp32 copy:
-                        # autocast's, or the model's own upcast, made after the stage output)
-                        loss_inputs.append(base.get(i, i))
     for k, l in owner_layer.items():
         if keep is not None and l not in keep:
             continue
         out.per_layer[l] = out.per_layer.get(l, 0.0) + nbytes_of[k]
         out.saved_bytes += nbytes_of[k]
         out.saved[k] = nbytes_of[k]
-        if k.endswith(":unreduced"):
-            out.loss_unreduced_bytes += nbytes_of[k]
     out.bases = base
-    out.loss_input_saved = max((out.saved.get(i, 0.0) for i in loss_inputs), default=0.0)
     # the backward, op by op in reverse: what is still saved (tensors whose first saver has not
     # run its backward) plus the op's gradients, or, entering a recomputed region, its re-made
     # tensors and gradients (`region_peak`); the worst moment above everything saved

@@ -364,11 +364,11 @@ def recompute_check(layout: str) -> dict:
     def count(mod: torch.nn.Module, args: tuple) -> None:
         calls[0] += 1
 
-    for name, mod in b.model.named_modules():
-        if name.endswith("attn.qkv"):
-            mod.register_forward_pre_hook(count)
     pm = build(plan, b, seed=0)
-    calls[0] = 0   # building runs the layers on meta (stage shapes)
+    for local in pm.local_modules:      # the modules the rank runs (a pipeline chunk's own)
+        for name, mod in local.named_modules():
+            if name.endswith("attn.qkv"):
+                mod.register_forward_pre_hook(count)
     saved = [0]
 
     def pack(t: torch.Tensor) -> torch.Tensor:

@@ -27,22 +27,27 @@ def test_counting_convention_counts_stage_collectives_once():
 
 def test_materialize_is_layout_independent():
     from autopar.models import build_model
-    from autopar.runtime.engine import StageCore, family_of
+    from autopar.runtime.graph_stages import split_model
     from autopar.runtime.materialize import canonical_names, materialize
 
     full = build_model("gpt-tiny").model
     aliases = canonical_names(full)
     materialize(full, seed=3, aliases=aliases)
     assert full.head.out.weight is full.embed.tok.weight  # tie kept
-    part = build_model("gpt-tiny").model
-    core = StageCore(part, ["blocks.1", "head"], family_of(part), True)
-    materialize(core, seed=3, aliases=canonical_names(part))
-    got = dict(core.named_parameters())
+    b = build_model("gpt-tiny", device="meta")
+    mb = tuple(torch.empty((2, *x.shape[1:]), dtype=x.dtype, device="meta") for x in b.example_inputs)
+    first, last = split_model(b.model, mb, ["blocks.1"], torch.device("cpu"))
+    # the pipeline's last chunk, as the runtime cuts it: blocks.1 and the (tied) head
+    materialize(last.module, seed=3, aliases=canonical_names(b.model), template=b.model)
+    got = dict(last.module.named_parameters())
     assert set(got) >= {"blocks.1.attn.qkv.weight", "head.out.weight"}
     assert torch.equal(got["head.out.weight"], full.embed.tok.weight)  # tied copy, same value
     assert torch.equal(got["blocks.1.mlp.fc.weight"], full.blocks[1].mlp.fc.weight)
     assert torch.equal(got["head.ln.weight"], torch.ones(32))
-    assert part.blocks[0].attn.qkv.weight.is_meta  # other stages' layers stay on meta
+    # the first chunk holds only what it reads: the head (its weight the embedding's) is not
+    # left in it as a second name, and its layers stay on meta until materialised
+    assert not any(n.startswith("head.") for n, _ in first.module.named_parameters(remove_duplicate=False))
+    assert first.module.get_submodule("blocks.0").attn.qkv.weight.is_meta
 
 
 def test_placements_parse():

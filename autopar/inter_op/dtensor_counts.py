@@ -14,11 +14,12 @@ the first steady-state copy.
 
 * `dtensor_tp_counts`: the whole model, as the runtime runs a plan without pipelining (the
   model's own loss inside the tp region).
-* `dtensor_stage_counts`: one pipeline stage, as the runtime runs it (`engine.StageCore` inside
-  an `SPMDModule`): a plain replicated input (requiring its gradient after the first stage), a
-  plain output and a plain output gradient, except that the last stage ends with its loss: a
-  vocabulary-parallel head's logits are read in place by the vocabulary-parallel cross-entropy
-  (`runtime.vocab_loss`: three all-reduces of one value per row, no all-gather). Stages of
+* `dtensor_stage_counts`: one pipeline stage, as the runtime runs it (the chunk cut from the
+  traced model, `runtime.graph_stages`, inside an `SPMDModule`): plain replicated inputs
+  (requiring their gradient after the first stage), plain outputs and output gradients, except
+  that the last chunk ends with its loss: a vocabulary-parallel head's logits are read in place
+  by the vocabulary-parallel cross-entropy (`runtime.vocab_loss`: three all-reduces of one value
+  per row, no all-gather). Stages of
   different tp degrees see exactly these boundaries, which a slice of the whole-model run at one
   tp degree does not reproduce (mlp-tiny, stages tp 1, 2, 1: the whole-model run at tp 2 counts
   {all_gather 2, reduce_scatter 1} for the middle layer; the stage alone runs {all_gather 1,
@@ -259,66 +260,19 @@ def dtensor_tp_counts(model: nn.Module, example_inputs: Sequence[Any], tp: int,
 
 def dtensor_stage_counts(model: nn.Module, example_inputs: Sequence[Any], tp: int,
                          placements: dict[str, str], layers: list[Layer], lo: int, hi: int,
-                         modules: list[str], *, index: int, num_stages: int, batch: Optional[int] = None,
+                         *, index: int, num_stages: int, batch: Optional[int] = None,
                          device: str = "meta", max_real_params: int = 50_000_000,
                          recompute: str = "none") -> Optional[LayerCounts]:
     """Per-layer collectives (layers [lo, hi) filled) of one micro-batch of pipeline stage
-    `index` of `num_stages`, holding `modules` (the plan's `StagePlan.layers`), run on a tp mesh
-    of `tp` ranks under `placements` (FQN -> tp placement) with the stage's `recompute` mode as
-    the runtime runs it (see the module docstring). None when the model cannot be cut into
-    stages here (the caller falls back)."""
+    `index` of `num_stages`, holding layers [lo, hi), run on a tp mesh of `tp` ranks under
+    `placements` (FQN -> tp placement) with the stage's `recompute` mode as the runtime runs it
+    (see the module docstring). None when the model cannot be cut into stages here (the caller
+    falls back)."""
     if not _can_dry_run(tp):
         return None
-    try:
-        from autopar.runtime.engine import StageCore, family_of
-        from autopar.runtime.materialize import canonical_names
-    except Exception:  # noqa: BLE001 - an optional refinement
-        return None
-    try:
-        family = family_of(model)
-    except PlanError:
-        # the runtime cuts it from the traced model (`runtime.graph_stages`): so does the dry run
-        return _graph_stage_counts(model, example_inputs, tp, placements, layers, lo, hi, index=index,
-                                   num_stages=num_stages, batch=batch, device=device,
-                                   max_real_params=max_real_params, recompute=recompute)
-    try:
-        x = _stage_input(model, family, example_inputs, layers, lo, batch, max_real_params)
-    except Exception:  # noqa: BLE001 - a model the runtime cannot pipeline: fall back
-        return None
-    if x is None:
-        return None
-    aliases = canonical_names(model)
-    work = _working_copy(StageCore(model, modules, family, index == num_stages - 1), device, max_real_params)
-    if work is None:
-        return None
-    core, dev = work
-    prep = _prepare(core, dev, x, layers, lo, hi, recompute, index)
-    if prep is None:
-        return None
-    rep, x = prep
-
-    last = index == num_stages - 1
-    targets = _batch_inputs(example_inputs[1:], batch, dev) if last else []
-
-    def step(mesh: Any) -> Callable[[], None]:
-        from torch.distributed.tensor import DTensor
-
-        from autopar.runtime.engine import stage_loss
-        from autopar.runtime.spmd import SPMDModule
-
-        run = SPMDModule(core, mesh, [None], loss_inside=False, loss_output=last)
-
-        def go() -> None:
-            out = run(x)
-            if last and targets and isinstance(out, DTensor):
-                # class-sharded logits: the runtime's loss reads them in place (vocab-parallel)
-                stage_loss(family, out, *targets).backward()
-                return
-            # plain: the sent activation (its gradient comes back plain) or whole logits
-            torch.autograd.backward(out, grad_tensors=torch.zeros_like(out))
-        return go
-
-    return _dry_run_stage(core, tp, placements, aliases, step, layers, rep, lo, hi, recompute)
+    return _graph_stage_counts(model, example_inputs, tp, placements, layers, lo, hi, index=index,
+                               num_stages=num_stages, batch=batch, device=device,
+                               max_real_params=max_real_params, recompute=recompute)
 
 
 def _received(t: torch.Tensor, dev: str, index: int, needs_grad: bool = True) -> torch.Tensor:
@@ -419,35 +373,6 @@ def _graph_stage_counts(model: nn.Module, example_inputs: Sequence[Any], tp: int
         return go
 
     return _dry_run_stage(core, tp, placements, aliases, step, layers, rep, lo, hi, recompute)
-
-
-def _stage_input(model: nn.Module, family: Any, example_inputs: Sequence[Any], layers: list[Layer],
-                 lo: int, batch: Optional[int], max_real_params: int = 50_000_000) -> Optional[torch.Tensor]:
-    """The (meta) input of the stage starting at layer `lo` for a micro-batch of `batch`: the
-    first example input, run through the layers before `lo` as the runtime chains them
-    (`engine._stage_shapes`) on a meta copy of those layers. A layer identical to its
-    predecessor keeps its input's shape, so it is not run."""
-    if not example_inputs or not isinstance(example_inputs[0], torch.Tensor):
-        return None
-    x = _batch_inputs(example_inputs[:1], batch, "meta")[0]
-    if lo == 0:
-        return x
-    from autopar.runtime.engine import StageCore
-
-    done: set[str] = set()
-    run: list[str] = []
-    for i in range(lo):
-        mods = [m for m in layers[i].modules if m and m not in done]
-        done.update(mods)
-        if i > 0 and layers[i].signature == layers[i - 1].signature and len(layers[i].modules) == 1:
-            continue
-        run.extend(mods)
-    prefix = StageCore(model, run, family, False)
-    work = _working_copy(prefix, "meta", max_real_params)
-    if work is None:
-        return None
-    with torch.no_grad():
-        return work[0](x)
 
 
 def _attribute(counts: dict, layers: list[Layer], rep: dict[int, int], lo: int, hi: int,

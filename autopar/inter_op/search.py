@@ -131,11 +131,7 @@ class _Tables:
     """Per-layer cost arrays for one (micro-batch, tp, dp, zero) and stage aggregates over ranges."""
 
     def __init__(self, costs: list[LayerCost], cluster: ClusterSpec, dtype: str, dp: int, tp: int,
-                 zero: int, layers: list[Layer], batch: tuple[float, float] = (0.0, 0.0),
-                 loss_input_kept: bool = True) -> None:
-        """`loss_input_kept`: a last pipeline stage hands its output (the logits) to the
-        schedule's loss and keeps it until the backward; False where the stage computes the
-        loss itself."""
+                 zero: int, layers: list[Layer], batch: tuple[float, float] = (0.0, 0.0)) -> None:
         self.costs = costs
         self._ranged: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         L = len(costs)
@@ -206,15 +202,6 @@ class _Tables:
         # back (a send the schedule still references keeps it: `held_moments`)
         self.range_send = np.where(jj < L, self.cross[np.clip(jj - 1, 0, L - 1)], 0.0)
         self.range_send_grad = np.where(kk > 0, self.cross_grad[np.clip(kk - 1, 0, L - 1)], 0.0)
-        # a last pipeline stage's output is what its loss reads (the logits), kept in the
-        # stage's forward cache until the stage's backward ends (`_outputs_held`); the
-        # schedule's loss function copies a CPU loss's scalar out of its unreduced storage
-        # (`runtime.families._compact`), which is then freed. By policy
-        loss_layer = costs[-1] if costs and loss_input_kept else None
-        self.range_loss_in = {
-            r: np.where((jj == L) & (kk > 0), 0.0 if loss_layer is None else
-                        loss_layer.loss_input_bytes - loss_layer.loss_unreduced_bytes, 0.0)
-            for r in RECOMPUTES}
         # one micro-batch's saved activations of a range: its layers' sum, less a tensor saved on
         # both sides of an inner boundary (an MLP layer ending in relu saves its output, the
         # next layer's matmul the same tensor); of its input, what its first layer saves (the
@@ -249,7 +236,7 @@ class _Tables:
             Wtmp = _range_max(np.where(rc_kind, -INF, v)) - P[None, :]
             self.range_work_rc[r], self.range_work_tmp[r] = Wrc, Wtmp
             self.range_work[r] = np.maximum(np.maximum(Wrc, Wtmp), 0.0)
-        self._outputs_held(loss_layer)
+        self._outputs_held()
         self.range_root = np.where(self.valid, root, 0.0)
         self.zero3 = zero == 3 and dp > 1
         self._layers = layers
@@ -261,35 +248,26 @@ class _Tables:
         # inputs (targets) if it ends it
         self.range_batch = np.where(kk == 0, self.batch_first, 0.0) + np.where(jj == L, self.batch_rest, 0.0)
 
-    def _outputs_held(self, loss_layer: Optional[LayerCost]) -> None:
+    def _outputs_held(self) -> None:
         """A pipeline chunk's output stays in the stage's forward cache until the chunk's
-        backward ends (and a last stage's loss input, `range_loss_in`), so what the chunk's own
-        ops save of it (`out_saved`; an MSE saving its fp32 input, `loss_input_saved`) is not
-        freed by their backward as a saved activation would be: it leaves the range's
-        activations for the kept output, and every backward moment after its savers' holds it,
-        growing the range's transient there. For the last layer the moments after its savers
-        are bounded by all of its own (a loss: the ones after the loss's), taken with its
-        output's gradient the receive buffer (`LayerCost.bwd_over_given`). Ranges [k, j): j < L
-        (a stage before the last), j = L with k > 0 (a last pipeline stage)."""
+        backward ends, so what the chunk's own ops save of it (`out_saved`) is not freed by
+        their backward as a saved activation would be: it leaves the range's activations for
+        the kept output, and every backward moment after its savers' holds it, growing the
+        range's transient there. For the last layer the moments after its savers are bounded by
+        all of its own, taken with its output's gradient the receive buffer
+        (`LayerCost.bwd_over_given`). Ranges [k, j) with j < L (a stage before the last; the
+        last chunk computes the loss inside, `runtime.graph_stages`, and sends nothing on)."""
         L = self.L
         for r in RECOMPUTES:
             P = self.act[r]
-            for j in range(1, L + 1):
-                if j < L:
-                    last, held, k = self.costs[j - 1], float(self.costs[j - 1].out_saved.get(r, 0.0)), np.arange(j)
-                    # its output's gradient is the receive buffer (`pipe_buffers`), not one its
-                    # backward makes
-                    own = last.bwd_over_given.get(r, self.work[r][j - 1])
-                    if held <= 0 and own == self.work[r][j - 1]:
-                        continue
-                    own += held
-                elif loss_layer is not None and L > 1:
-                    last, held, k = loss_layer, float(loss_layer.loss_input_saved.get(r, 0.0)), np.arange(1, L)
-                    if held <= 0:
-                        continue
-                    own = max(last.bwd_over_loss.get(r, -INF), last.bwd_over_body.get(r, self.work[r][j - 1]) + held)
-                else:
+            for j in range(1, L):
+                last, held, k = self.costs[j - 1], float(self.costs[j - 1].out_saved.get(r, 0.0)), np.arange(j)
+                # its output's gradient is the receive buffer (`pipe_buffers`), not one its
+                # backward makes
+                own = last.bwd_over_given.get(r, self.work[r][j - 1])
+                if held <= 0 and own == self.work[r][j - 1]:
                     continue
+                own += held
                 v = self.work[r][:j] + P[1:j + 1] - P[j] + held      # layer i's moment, i < j - 1
                 v[-1] = own
                 for rc_kind, W in ((True, self.range_work_rc[r]), (False, self.range_work_tmp[r])):
@@ -299,8 +277,7 @@ class _Tables:
                 self.range_work[r][k, j] = np.maximum(np.maximum(self.range_work_rc[r][k, j],
                                                                  self.range_work_tmp[r][k, j]), 0.0)
                 self.range_act[r][k, j] -= held
-                if j < L:
-                    self.range_out_kept[r][k, j] += held
+                self.range_out_kept[r][k, j] += held
 
     def ranged(self, arr: np.ndarray) -> np.ndarray:
         """`arr[j] - arr[k]` for every layer range [k, j) of a per-layer prefix sum `arr` (one of
@@ -512,12 +489,7 @@ def divisors(n: int) -> list[int]:
 
 class Search:
     def __init__(self, graph: OpGraph, layers: list[Layer], cluster: ClusterSpec, gbs: int, dtype: str,
-                 cons: Constraints, provider=None, progress: bool = False, loss_in_chunk: bool = False) -> None:
-        """`loss_in_chunk`: the runtime computes the loss inside a last pipeline chunk (a model
-        cut from its trace, `runtime.graph_stages`), which then keeps no loss input; a zoo
-        family's last stage hands its output (the logits) to the schedule's loss and keeps it
-        until the backward. A chunk run op by op as solved computes its loss inside too."""
-        self.loss_in_chunk = loss_in_chunk
+                 cons: Constraints, provider=None, progress: bool = False) -> None:
         self.graph, self.layers, self.cluster = graph, layers, cluster
         self.gbs, self.dtype, self.cons = gbs, dtype, cons
         self.provider = provider or AnalyticProvider(graph, layers, cluster, dtype)
@@ -809,7 +781,7 @@ class Search:
         pre, post = held
         a_pre = float(np.max(pre[:, ACTS, 0]))
         for ri, r in enumerate(rcs):
-            act = tb.boundary_acts(tb.range_act[r], tb.range_in_saved[r], tb.range_out_kept[r] + tb.range_loss_in[r])
+            act = tb.boundary_acts(tb.range_act[r], tb.range_in_saved[r], tb.range_out_kept[r])
             work = tb.range_work[r] - tb.relief(r)
             mem = np.maximum(fb - grads + act * a_pre + work, np.maximum(fb, rest))
             for mo in post:
@@ -896,10 +868,9 @@ class Search:
         if key not in self._tables_cache:
             costs = self._layer_costs(mb, tp, solved)
             batch = (self.input_bytes[0] * self.gbs / dp, sum(self.input_bytes[1:]) * self.gbs / dp)
-            # the executor (`solved`) and a traced chunk compute the loss inside the last chunk,
-            # whose output is then the loss: no loss input is kept for the schedule's loss
-            self._tables_cache[key] = _Tables(costs, self.cluster, self.dtype, dp, tp, zero, self.layers, batch,
-                                              loss_input_kept=not (solved or self.loss_in_chunk))
+            # the last pipeline chunk computes the loss inside (`runtime.graph_stages`, the
+            # executor): its output is the loss, no loss input is kept for the schedule
+            self._tables_cache[key] = _Tables(costs, self.cluster, self.dtype, dp, tp, zero, self.layers, batch)
         return self._tables_cache[key]
 
     def _layer_costs(self, mb: int, tp: int, solved: bool = False) -> list[LayerCost]:
@@ -980,7 +951,7 @@ class Search:
             t += float(tb.base[j] - tb.base[k] + tb.rc[r][j] - tb.rc[r][k] + tb.range_p2p[k, j])
             comp += float(tb.compute[j] - tb.compute[k])
             comp += sum(c.rc_extra_s.get(r, 0.0) - c.rc_comm_s.get(r, 0.0) for c in tb.costs[k:j])
-            kept_out = float(tb.range_out_kept[r][k, j] + tb.range_loss_in[r][k, j])
+            kept_out = float(tb.range_out_kept[r][k, j])
             chunk_act.append(float(tb.boundary_acts(float(tb.range_act[r][k, j]), float(tb.range_in_saved[r][k, j]),
                                                     kept_out)))
         # a parameter tied across chunks of one stage is held once

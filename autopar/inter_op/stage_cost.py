@@ -67,12 +67,6 @@ class LayerCost:
     # save (counted in act_bytes), by policy: the same tensor counted by two layers
     out_saved: dict[str, float] = field(default_factory=dict)
     in_saved: dict[str, float] = field(default_factory=dict)
-    loss_input_bytes: float = 0.0             # what its loss reads (a last pipeline stage's output)
-    # of that tensor, what its ops save (counted in act_bytes), by policy; and the unreduced loss
-    # a CPU loss's scalar keeps as its storage (in act_bytes; a pipeline's loss function copies
-    # the scalar out, `runtime.families._compact`, and the storage is freed)
-    loss_input_saved: dict[str, float] = field(default_factory=dict)
-    loss_unreduced_bytes: float = 0.0
     param_elems: dict[str, float] = field(default_factory=dict)   # FQN -> elements per device
     out_bytes: float = 0.0                    # activation handed to the next layer
     # every tensor crossing the cut after this layer (made at or before it, read after it: its
@@ -154,9 +148,6 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
         c.bwd_over_given[rc] = max(am.forward_over_bytes, am.backward_over_given)
         c.out_saved[rc] = am.saved_of(out_name)
         c.in_saved[rc] = am.saved_of(in_name)
-        c.loss_input_bytes = am.loss_input_bytes
-        c.loss_input_saved[rc] = am.loss_input_saved
-        c.loss_unreduced_bytes = am.loss_unreduced_bytes
 
 
 def axis_link(cluster: ClusterSpec, group: int, stride: int = 1) -> LinkSpec:

@@ -77,22 +77,19 @@ def check_plan(plan: Plan, bundle: ModelBundle, *, world_size: Optional[int] = N
     if fp != plan.model.fingerprint:
         raise PlanError(f"plan was made for {plan.model.name} (fingerprint {plan.model.fingerprint}), "
                         f"not {ref} (fingerprint {fp}); re-plan with --model {ref}")
-    from autopar.runtime.engine import family_of, validate_plan
+    from autopar.runtime.engine import validate_plan
 
     validate_plan(plan, bundle.model)
     stages = sorted(plan.stages, key=lambda s: s.index)
     if len(stages) > 1 and stages[0].op_layouts is None:
-        try:
-            family_of(bundle.model)
-        except PlanError:
-            # cut from the traced model on every rank: trace it here once, so a model the
-            # graph pipelines cannot carry is refused before any process starts
-            from autopar.runtime.graph_stages import split_model
+        # cut from the traced model on every rank: trace it here once, so a model the graph
+        # pipelines cannot carry is refused before any process starts
+        from autopar.runtime.graph_stages import split_model
 
-            mb = plan.microbatch_size
-            ex = tuple(torch.empty((mb, *x.shape[1:]), dtype=x.dtype, device="meta")
-                       if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in bundle.example_inputs)
-            split_model(bundle.model, ex, [s.layers[0] for s in stages[1:]], torch.device("cpu"))
+        mb = plan.microbatch_size
+        ex = tuple(torch.empty((mb, *x.shape[1:]), dtype=x.dtype, device="meta")
+                   if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in bundle.example_inputs)
+        split_model(bundle.model, ex, [s.layers[0] for s in stages[1:]], torch.device("cpu"))
     need = plan.world_size
     if world_size is not None and world_size != need:
         raise PlanError(f"the plan needs {need} processes (one per device), but {world_size} "

@@ -5,9 +5,9 @@ recomputation and the optimizer. `ParallelModel.step(batch)` runs one training i
 `ParallelModel` (here: its build, the step, the optimizer and precision) composes one module
 per concern: `pipeline.PipelineStages` (stages, groups, schedule), `tied_groups.TiedParameters`
 (parameters held by several stages), `zero.ZeroSharding` (FSDP2 units, ZeRO-1/2's flat shards);
-beside them `meshes` (stage meshes), `validate` (the plan checks), `families` (zoo models cut
-by module), `recompute` (checkpointing of module-cut stages), and the executor for stages run
-op by op as solved (`autopar.intra_op.execute`, `intra_op.pipeline_chunks`).
+beside them `meshes` (stage meshes), `validate` (the plan checks), `graph_stages` (pipeline
+chunks cut from the traced model, for any model), `recompute` (checkpointing of module-cut
+stages), and the executor for stages run op by op as solved (`autopar.intra_op.execute`, `intra_op.pipeline_chunks`).
 
 How each part of the plan is executed:
 
@@ -52,7 +52,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autopar.models.registry import ModelBundle, call_batch_fn
-from autopar.runtime.families import Family, StageCore, _compact, family_of, get_submodule, stage_loss  # noqa: F401
 from autopar.runtime.materialize import canonical_names, materialize
 from autopar.runtime.meshes import StageMesh, _coord, _mesh_kinds, fsdp_sharded, unique_axis_names  # noqa: F401
 from autopar.runtime.pipeline import PipelineStages
@@ -67,7 +66,7 @@ from autopar.runtime.spmd import (
 )
 from autopar.runtime.tied_grads import allreduce_flat
 from autopar.runtime.tied_groups import TiedParameters
-from autopar.runtime.validate import validate_plan  # noqa: F401
+from autopar.runtime.validate import get_submodule, validate_plan  # noqa: F401
 from autopar.runtime.zero import ZeroSharding
 from autopar.schema.errors import PlanError
 from autopar.schema.plan import Plan, StagePlan

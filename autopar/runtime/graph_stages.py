@@ -1,14 +1,14 @@
 """Pipeline chunks cut from the traced model: pipelines for any model, its loss included.
 
-A model whose layer chaining and loss the runtime does not know (no zoo family, no
-`pipeline_loss` method: a model written by a user, a Hugging Face model) is cut by torch's own
-pipeline tracer, `torch.distributed.pipelining.pipeline(model, mb_args, split_spec)` (torch.export
-underneath), at the first layer of every stage after the first. Each chunk is a GraphModule that
-calls the model's own submodules under their original FQNs, so plan placements, recomputation,
-FSDP units and checkpoint keys address them as in the whole model, and runs the code between
-them as traced: a head written `x @ emb.weight.t()`, the loss at the end of the last chunk. A
-parameter read by two chunks (a tied embedding) is in each under its name; the runtime sums
-their gradients (`engine._build_tied_groups`).
+Every model (the zoo's, one written by a user, a Hugging Face model: the runtime knows none of
+their classes) is cut by torch's own pipeline tracer,
+`torch.distributed.pipelining.pipeline(model, mb_args, split_spec)` (torch.export underneath),
+at the first layer of every stage after the first. Each chunk is a GraphModule that calls the
+model's own submodules under their original FQNs, so plan placements, recomputation, FSDP units
+and checkpoint keys address them as in the whole model, and runs the code between them as
+traced: a head written `x @ emb.weight.t()`, the loss at the end of the last chunk. A parameter
+read by two chunks (a tied embedding) is in each under its name; the runtime sums their
+gradients (`engine._build_tied_groups`).
 
 What torch's tracer-built stages do not do, done here (`FedChunk`):
 
@@ -57,6 +57,25 @@ class Chunk:
     module: torch.fx.GraphModule
     sources: list[Source]
     sends: Optional[list[Send]]
+
+
+def _drop_unused_modules(gm: torch.fx.GraphModule) -> None:
+    """Remove the submodules `gm`'s graph never reaches. torch's tracer leaves a module holding
+    a tied parameter in a chunk that does not read it (the zoo GPT's `head`, whose weight is the
+    embedding's, in the first chunk): a second name for a parameter the chunk owns, which FSDP
+    refuses to put in two units and which the chunk would otherwise materialise and sync."""
+    used = {str(n.target) for n in gm.graph.nodes if n.op in ("call_module", "get_attr")}
+
+    def reached(fqn: str) -> bool:
+        return any(u == fqn or u.startswith(fqn + ".") or fqn.startswith(u + ".") for u in used)
+
+    gone: list[str] = []
+    for fqn, _ in list(gm.named_modules()):
+        if not fqn or reached(fqn) or any(fqn.startswith(g + ".") for g in gone):
+            continue
+        parent, _, leaf = fqn.rpartition(".")
+        delattr(gm.get_submodule(parent) if parent else gm, leaf)
+        gone.append(fqn)
 
 
 def split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Sequence[str],
@@ -127,6 +146,7 @@ def split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Seque
             if not sends:
                 raise PlanError(f"pipeline chunk {i + 1} of {name} reads nothing from the chunks before it")
         gm = pipe.get_stage_module(i)
+        _drop_unused_modules(gm)
         retarget(gm, device)
         for n, p in gm.named_parameters(remove_duplicate=False):
             if n in dtypes and p.dtype != dtypes[n]:

@@ -1,58 +1,39 @@
 """Pipeline stages of `ParallelModel` (a mixin): torch.pipelining `PipelineStage`s holding a
-rank's chunks, cut by module for a zoo family (`families.StageCore`), from the traced model
-(`graph_stages`), or, with tensor parallelism run as solved, from the exported program
-(`intra_op.pipeline_chunks`); static send/receive shapes; the pipeline groups; the schedule
-(`cost_models.schedules`)."""
+rank's chunks, cut from the traced model at the planned layer boundaries, the loss inside the
+last chunk (`graph_stages`: any model, no knowledge of its family), or, with tensor parallelism
+run as solved, from the exported program (`intra_op.pipeline_chunks`); static send/receive
+shapes; the pipeline groups; the schedule (`cost_models.schedules`)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from autopar.runtime.families import Family, StageCore, _compact, family_of, get_submodule, stage_loss
 from autopar.runtime.materialize import materialize
 from autopar.runtime.meshes import _mesh_kinds
 from autopar.runtime.pipeline_p2p import FanoutPipelineStage, replica_ranks
 from autopar.runtime.recompute import apply_recompute, is_repeated_block
 from autopar.runtime.spmd import SPMDModule, distribute_params
+from autopar.runtime.validate import get_submodule
 from autopar.schema.errors import PlanError
 from cost_models.schedules import torch_schedule
 
 
+def compact_loss(loss: torch.Tensor) -> torch.Tensor:
+    """`loss`, or a copy of it where its storage is larger than its value: torch.pipelining keeps
+    every micro-batch's loss until the step ends, and some losses are a scalar view of their
+    elementwise buffer (CPU's mse_loss: 8 KiB behind a 4-byte loss, torch 2.13)."""
+    if isinstance(loss, torch.Tensor) and loss.untyped_storage().nbytes() > loss.numel() * loss.element_size():
+        return loss.clone()
+    return loss
+
+
 class PipelineStages:
     """The pipeline part of `engine.ParallelModel` (its attributes are the engine's)."""
-
-    def _stage_shapes(self, mb: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Example (input, output) of every chunk for one micro-batch: shapes and dtypes from a
-        run on fake tensors of this device type (no memory), under the plan's autocast, so a
-        stage boundary that autocast makes bf16 gets bf16 send and receive buffers."""
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.func import functional_call
-
-        ex = self.bundle.example_inputs[0]
-        fam = self.family
-        out = []
-        nst = len(self.stages)
-        with FakeTensorMode(), torch.no_grad(), self._autocast_ctx():
-            x = torch.empty((mb,) + tuple(ex.shape[1:]), dtype=ex.dtype, device=self.device)
-            for i, s in enumerate(self.stages):
-                ins = x
-                for j, fqn in enumerate(s.layers):
-                    mod = get_submodule(self.model, fqn)
-                    state = {n: torch.empty(t.shape, dtype=self._compute_dtype(t), device=self.device)
-                             for n, t in mod.named_parameters()}
-                    state.update({n: torch.empty(t.shape, dtype=t.dtype, device=self.device)
-                                  for n, t in mod.named_buffers()})
-                    x = functional_call(mod, state, (x,))
-                    x = fam.between(fqn, x, i == nst - 1 and j == len(s.layers) - 1)
-                out.append((ins, x))
-        def meta(t: torch.Tensor) -> torch.Tensor:
-            return torch.empty(t.shape, dtype=t.dtype, device="meta").requires_grad_(t.is_floating_point())
-        return [(meta(a), meta(b)) for a, b in out]
 
     def _example_microbatch(self) -> tuple:
         """The model's inputs at the plan's micro-batch size, on meta (what the tracer needs)."""
@@ -104,7 +85,6 @@ class PipelineStages:
         PipelineStage; only the parameters the rank's chunks read are materialised."""
         from autopar.intra_op.pipeline_chunks import parallelize_chunks
 
-        self.family = None
         self.hetero = False
         self._build_pp_groups()
         mine = [i for i, s in enumerate(self.stages) if self.rank in s.devices]
@@ -133,10 +113,6 @@ class PipelineStages:
         if self.stages[0].op_layouts is not None:
             self._build_solved_pipeline()
             return
-        try:
-            self.family: Optional[Family] = family_of(self.model)
-        except PlanError:
-            self.family = None        # cut from the traced model (`graph_stages`)
         nst = len(self.stages)
         covered = {}
         for s in self.stages:
@@ -146,14 +122,11 @@ class PipelineStages:
         missing = [n for n in set(self.aliases.values()) if n not in covered]
         if missing:
             raise PlanError(f"the plan's stages leave parameters out: {', '.join(sorted(missing)[:5])}")
-        chunks = None
-        if self.family is None:
-            from autopar.runtime.graph_stages import split_model
+        from autopar.runtime.graph_stages import FedChunk, split_model
 
-            chunks = split_model(self.model, self._example_microbatch(), [s.layers[0] for s in self.stages[1:]],
-                                 self.device, param_dtype=self.low)
-        shapes = (self._graph_shapes(chunks) if chunks is not None
-                  else self._stage_shapes(self.plan.microbatch_size))
+        chunks = split_model(self.model, self._example_microbatch(), [s.layers[0] for s in self.stages[1:]],
+                             self.device, param_dtype=self.low)
+        shapes = self._graph_shapes(chunks)
         self.hetero = len(_mesh_kinds(self.stages)) > 1
         if self.hetero:
             self._build_replica_groups()
@@ -164,32 +137,25 @@ class PipelineStages:
         self.fed_chunks = []
         self.chunk_params: dict[int, set[str]] = {}
         for i, s in enumerate(self.stages):
-            if chunks is not None:
-                self.chunk_params[i] = {self.aliases.get(n, n) for n, _ in
-                                        chunks[i].module.named_parameters(remove_duplicate=False)}
+            self.chunk_params[i] = {self.aliases.get(n, n) for n, _ in
+                                    chunks[i].module.named_parameters(remove_duplicate=False)}
             if self.rank not in s.devices:
                 continue
             last = i == nst - 1
-            core: nn.Module = (StageCore(self.model, s.layers, self.family, last) if chunks is None
-                               else chunks[i].module)
+            core: nn.Module = chunks[i].module
             for fqn in s.layers:
                 if is_repeated_block(fqn):
                     apply_recompute(get_submodule(core, fqn), s.recompute)
-            materialize(core, seed=self.seed, device=self.device, aliases=self.aliases,
-                        template=self.model if chunks is not None else None)
+            materialize(core, seed=self.seed, device=self.device, aliases=self.aliases, template=self.model)
             if self.tp_size > 1:
                 distribute_params(core, self.my_mesh.tp_mesh, self._tp_placements(s),
                                   aliases=self.aliases, src_data_rank=None)
             mod: nn.Module = core
             if self.tp_size > 1:
-                # a traced last chunk computes the loss inside: vocabulary-parallel there
-                mod = SPMDModule(core, self.my_mesh.tp_mesh, [None], loss_inside=chunks is not None and last,
-                                 loss_output=chunks is None and last)
-            if chunks is not None:
-                from autopar.runtime.graph_stages import FedChunk
-
-                mod = FedChunk(mod, chunks[i].sources, chunks[i].sends)
-                self.fed_chunks.append(mod)
+                # the last chunk computes the loss inside: vocabulary-parallel there
+                mod = SPMDModule(core, self.my_mesh.tp_mesh, [None], loss_inside=last)
+            mod = FedChunk(mod, chunks[i].sources, chunks[i].sends)
+            self.fed_chunks.append(mod)
             if self.zero3:
                 self._fully_shard(core, s.fsdp_units or [], root=mod)   # the FSDP root: what the stage holds
             self.pipe_stages.append(self._make_stage(mod, i, *shapes[i]))
@@ -257,12 +223,8 @@ class PipelineStages:
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
         M = self.plan.num_microbatches
-        fam = self.family
-        if fam is None:
-            # a traced last chunk returns the loss itself
-            loss_fn = lambda out, tgt: _compact(out.full_tensor() if isinstance(out, DTensor) else out)  # noqa: E731
-        else:
-            loss_fn = lambda out, tgt: stage_loss(fam, out, tgt)  # noqa: E731
+        # the last chunk returns the loss itself
+        loss_fn = lambda out, tgt: compact_loss(out.full_tensor() if isinstance(out, DTensor) else out)  # noqa: E731
         cls = torch_schedule(self.plan.schedule, self.pp, M, len(self.pipe_stages))
         if cls == "ScheduleInterleaved1F1B":
             if M % self.pp != 0:

@@ -8,10 +8,10 @@ from typing import Sequence
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.runtime.families import get_submodule
 from autopar.runtime.meshes import _mesh_kinds, fsdp_sharded
 from autopar.runtime.pipeline_p2p import replica_ranks
 from autopar.runtime.tied_grads import FlatTiedSync, FullTiedSync
+from autopar.runtime.validate import get_submodule
 from autopar.schema.plan import StagePlan
 
 

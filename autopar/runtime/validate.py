@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from autopar.runtime.families import get_submodule
 from autopar.runtime.materialize import canonical_names
 from autopar.runtime.meshes import _mesh_kinds, fsdp_sharded
 from autopar.schema.errors import PlanError
 from autopar.schema.placement import shard_dim
 from autopar.schema.plan import Plan
 from cost_models.schedules import SCHEDULES, schedule_kind
+
+
+def get_submodule(root: nn.Module, fqn: str) -> nn.Module:
+    """The module a plan names (`StagePlan.layers`, `fsdp_units`), or a PlanError naming it."""
+    try:
+        return root.get_submodule(fqn)
+    except AttributeError:
+        raise PlanError(f"the plan names layer {fqn!r}, which the model does not have") from None
 
 
 def validate_plan(plan: Plan, model: nn.Module) -> dict:

@@ -110,12 +110,23 @@ def vocab_parallel_cross_entropy(input: torch.Tensor, target: torch.Tensor, *arg
     return loss_parallel_call(F.cross_entropy, input, target, *args, **kwargs)
 
 
+def _aten_supported(args: tuple, kwargs: dict) -> bool:
+    """`_supported` for `aten.cross_entropy_loss(self, target, weight, reduction, ignore_index,
+    label_smoothing)`, the call a traced program makes (a pipeline chunk cut from the trace)."""
+    names = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+    a = dict(zip(names, args), **kwargs)
+    return _supported((), {k: v for k, v in a.items() if k != "reduction"})
+
+
 class VocabParallelLoss(TorchFunctionMode):
-    """While active, `F.cross_entropy` of class-sharded DTensor logits runs vocabulary-parallel
-    (`vocab_parallel_cross_entropy`); every other call is unchanged."""
+    """While active, a cross-entropy of class-sharded DTensor logits (`F.cross_entropy`, or
+    `aten.cross_entropy_loss` as a traced program calls it) runs vocabulary-parallel
+    (`loss_parallel_call`); every other call is unchanged."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is F.cross_entropy and _supported(args, kwargs):
             return vocab_parallel_cross_entropy(*args, **kwargs)
+        if func is torch.ops.aten.cross_entropy_loss.default and _aten_supported(args, kwargs):
+            return loss_parallel_call(func, *args, **kwargs)
         return func(*args, **kwargs)

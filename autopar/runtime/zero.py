@@ -9,10 +9,10 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
-from autopar.runtime.families import get_submodule
 from autopar.runtime.precision import fsdp_policy
 from autopar.runtime.spmd import SPMDModule
 from autopar.runtime.tied_grads import all_gather_flat, reduce_scatter_flat, release
+from autopar.runtime.validate import get_submodule
 
 
 def _quiet_view_output_warning() -> None:
