@@ -110,3 +110,52 @@ def test_flat_sync_buffers_are_freed_even_if_the_backend_keeps_them(monkeypatch)
     tied_grads.FlatTiedSync(None, [p]).sync()
     assert torch.equal(p.grad, torch.full((2, 3), 3.0))
     assert kept[1].untyped_storage().nbytes() == 0
+
+
+def test_elementwise_optimizer_steps_local_shards_like_the_dtensors():
+    """`local_optim`: AdamW rebuilt over the DTensors' local tensors makes the same update as
+    over the DTensors (same storage: the parameters change), keeps the hyperparameters of each
+    group, hands its state out as DTensors in the parameters' layouts, and is not used for an
+    optimizer that is not element-wise or already holds state."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from autopar.runtime.local_optim import localize
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        full = [torch.randn(4, 3), torch.randn(5)]
+
+        def params():
+            return [torch.nn.Parameter(distribute_tensor(full[0].clone(), mesh, [Shard(0)])),
+                    torch.nn.Parameter(distribute_tensor(full[1].clone(), mesh, [Replicate()]))]
+
+        def groups(ps):
+            return [{"params": [ps[0]], "lr": 0.1}, {"params": [ps[1]], "lr": 0.01, "weight_decay": 0.0}]
+
+        ref, mine = params(), params()
+        opt_ref = torch.optim.AdamW(groups(ref))
+        ls = localize(torch.optim.AdamW(groups(mine)), mine)
+        assert ls is not None and [g["lr"] for g in ls.optimizer.param_groups] == [0.1, 0.01]
+        for step in range(3):
+            for a, b in zip(ref, mine):
+                g = distribute_tensor(torch.full(a.shape, 0.5 + step), mesh, a.placements)
+                a.grad, b.grad = g, g.clone()
+            opt_ref.step()
+            ls.step()
+        for a, b in zip(ref, mine):
+            assert torch.equal(a.full_tensor(), b.full_tensor())
+        view = ls.views[0]
+        st = ls.optimizer.state[view]["exp_avg"]
+        as_dt = ls.dtensor_state(view, st)
+        assert isinstance(as_dt, DTensor) and as_dt.placements == mine[0].placements
+        assert as_dt.to_local().untyped_storage().data_ptr() == st.untyped_storage().data_ptr()
+        assert not isinstance(ls.dtensor_state(view, ls.optimizer.state[view]["step"]), DTensor)
+        # not element-wise, or already stepped: the optimizer keeps its DTensors
+        assert localize(torch.optim.Adafactor(params()), mine) is None
+        assert localize(opt_ref, ref) is None
+    finally:
+        dist.destroy_process_group()

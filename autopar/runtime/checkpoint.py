@@ -143,13 +143,15 @@ def state_dict(pm, *, for_load: bool = False) -> dict:
         state.update(_zero12_per_param(pm, named, skip))
     else:
         names = {id(m): n for (n, _), m in zip(named, masters)}
+        ls = getattr(pm, "local_shards", None)     # an optimizer over the DTensors' local shards
         for p, st in pm.optimizer.state.items():
-            n = names.get(id(p))
+            n = names.get(id(ls.source_of.get(id(p), p) if ls is not None else p))
             if n is None or n in skip:
                 continue
             for k, v in st.items():
                 if isinstance(v, torch.Tensor):
-                    state[f"optim.{n}.{k}"] = v
+                    # stored in the parameter's layout, so a checkpoint reshards
+                    state[f"optim.{n}.{k}"] = ls.dtensor_state(p, v) if ls is not None else v
     return state
 
 

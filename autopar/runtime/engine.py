@@ -52,6 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autopar.models.registry import ModelBundle, call_batch_fn
+from autopar.runtime.local_optim import LocalShards, localize
 from autopar.runtime.materialize import canonical_names, materialize
 from autopar.runtime.meshes import StageMesh, _coord, _mesh_kinds, fsdp_sharded, unique_axis_names  # noqa: F401
 from autopar.runtime.pipeline import PipelineStages
@@ -259,13 +260,21 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         shards. The masters are taken from the fp32 initial values, then the parameters cast."""
         self.params = [p for _, p in self.local_named_parameters()]
         self.masters: Optional[MasterWeights] = None
+        self.local_shards: Optional[LocalShards] = None
         if self.zero12:
             self._zero12_setup()
-        elif self.low is not None and not self.zero3:
-            self.masters = MasterWeights(self.params)
-            self.optimizer = self.opt_factory(self.masters.masters)
         else:
-            self.optimizer = self.opt_factory(self.params)
+            if self.low is not None and not self.zero3:
+                self.masters = MasterWeights(self.params)
+                self.optimizer = self.opt_factory(self.masters.masters)
+            else:
+                self.optimizer = self.opt_factory(self.params)
+            if not self.zero3:
+                # an element-wise optimizer steps the DTensors' local shards (`local_optim`);
+                # FSDP2's sharded parameters (ZeRO-3) are left to FSDP
+                self.local_shards = localize(self.optimizer, self.masters.masters if self.masters else self.params)
+                if self.local_shards is not None:
+                    self.optimizer = self.local_shards.optimizer
         if self.low is not None and not self.zero3:
             cast_parameters_(self.params, self.low)
 
@@ -409,10 +418,11 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
                                    1.0 / self.dp_size)
                 for t in self.tied:
                     t.sync()
+        step = self.local_shards.step if self.local_shards is not None else self.optimizer.step
         if self.masters is not None:
-            self.masters.step(self.optimizer)
+            self.masters.step(step)
         elif not self.zero12:
-            self.optimizer.step()
+            step()
         self.optimizer.zero_grad(set_to_none=True)
         for p in self.params:
             p.grad = None

@@ -17,7 +17,7 @@ their dtype (a rotary table stays fp32).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -63,13 +63,13 @@ class MasterWeights:
         self.masters = [nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad)
                         for p in self.params]
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Step `optimizer` (built over the masters) with the parameters' gradients, then copy
-        the updated masters into the parameters."""
+    def step(self, step: Callable[[], Any]) -> None:
+        """Run `step` (an optimizer's, built over the masters) with the parameters' gradients,
+        then copy the updated masters into the parameters."""
         for p, m in zip(self.params, self.masters):
             m.grad = None if p.grad is None else p.grad.float()
             p.grad = None   # at most one gradient per parameter held: the master's fp32 one
-        optimizer.step()
+        step()
         with torch.no_grad():
             for p, m in zip(self.params, self.masters):
                 m.grad = None
