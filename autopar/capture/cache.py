@@ -276,10 +276,11 @@ def cached_capture(model: Any, example_inputs: Sequence[Any], *, cache: Any = Tr
                    name: Optional[str] = None, batch_dim: bool = True, repeated: bool = True) -> OpGraph:
     """`capture` through the cache: the stored graph of a model of the same structure, else a
     new capture, stored. `cache`: a CaptureCache, a directory, or True for the default one."""
-    from autopar.capture.export import capture
+    from autopar.capture.export import _prepare_hf, capture
 
     store = cache if isinstance(cache, CaptureCache) else CaptureCache(None if cache is True else cache)
     t0 = time.perf_counter()
+    _prepare_hf(model)      # what capture changes of a Hugging Face config, before the key reads it
     key = model_key(model, example_inputs, loss_fn=loss_fn, batch_dim=batch_dim, repeated=repeated)
     g = store.get(key)
     if g is not None:

@@ -15,6 +15,10 @@ show consistently (an op before the stack that changed, a block reading two bloc
 whose step differs) leaves `stitched` returning the reason, and `capture` exports the whole model
 and records that reason in `OpGraph.capture_method`. `tests/test_capture_repeated.py` checks the
 stitched graph equals the whole export on the zoo and Hugging Face families.
+
+What two cuts cannot show: a forward that treats blocks past the third differently by their
+index alone (`if i == 40:` in the model's loop, not a setting of the block's modules); such a
+model needs `capture(..., repeated=False)`.
 """
 
 from __future__ import annotations
