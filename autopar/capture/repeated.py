@@ -170,8 +170,8 @@ def _sanitize(s: str) -> str:
 
 class _Cut:
     """One cut capture split into placeholders, the ops before the stack, one op list per
-    block (from its first op to the next block's) and the ops after; `root` is the wrapper's
-    name of the model in module paths and FQNs."""
+    block (from its first op to the next block's first; the last block as long as the one
+    before it) and the ops after."""
 
     def __init__(self, raw: Raw, stack: Stack, k: int) -> None:
         self.nodes, self.params, self.buffers = raw
