@@ -102,6 +102,14 @@ def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Optional[Sequen
 
 # -- the Plan ----------------------------------------------------------------------------------
 
+def _recompute_modules(layers: list[Layer], k: int, j: int, recompute: str) -> Optional[list[str]]:
+    """The modules the runtime checkpoints for layers [k, j) under `recompute`
+    (`Layer.recompute_modules`, found from the captured ops); None without recomputation."""
+    if recompute == "none":
+        return None
+    return [layers[i].recompute_modules[recompute] for i in range(k, j) if recompute in layers[i].recompute_modules]
+
+
 def _stage_modules(layers: list[Layer], k: int, j: int) -> list[str]:
     out: list[str] = []
     for l in layers[k:j]:
@@ -190,6 +198,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
         stage_plans.append(StagePlan(
             index=pos, devices=devices, mesh_shape=(c.dp, st.tp), mesh_axis_names=("dp", "tp"),
             layers=mods, recompute=st.recompute, fsdp_units=units,
+            recompute_modules=_recompute_modules(layers, k, j, st.recompute),
             placements=_placements(graph, layers, costs, k, j, mods, c.zero == 3 and c.dp > 1),
             virtual_chunk=vc, op_layouts=layouts.get(pos), predicted=pred))
         dry = dry_counts.get(pos)

@@ -22,10 +22,12 @@ Recomputation (Korthikanti et al. 2022, arXiv 2205.05198):
 - "full" keeps only each layer's inputs (tensors a layer reads from outside it); ops outside the
   repeated layers keep their tensors; one layer's full activations are live again while its
   backward runs, beside the gradients its ops make (`working_bytes`).
-  `selective_region="module"` is what autopar's runtime checkpoints instead (`engine.apply_recompute`:
-  torch.utils.checkpoint around the layer's attention child, the whole layer when it has none):
-  every tensor an op inside that module saves is dropped and re-made in its backward; the
-  module keeps only its inputs (non-reentrant checkpoint stores the function's arguments).
+  `selective_region="module"` is what autopar's runtime checkpoints instead (torch.utils.checkpoint
+  around the module `checkpointed_module` finds from the ops: the one holding the attention
+  core, the whole block when the core runs in the block itself; the plan names it,
+  `StagePlan.recompute_modules`): every tensor an op inside that module saves is dropped and
+  re-made in its backward; the module keeps only its inputs (non-reentrant checkpoint stores
+  the function's arguments).
 `count_inputs=False`: graph inputs (the model's batch) are not activations: the runtime holds
 the rank's rows of the step's batch through the step anyway (the planner counts them as the
 stage's batch) and a micro-batch's slice of them is a view, so an op saving it adds nothing;
@@ -100,9 +102,6 @@ LOSSES_SAVING_INPUT = frozenset({"mse_loss", "l1_loss", "smooth_l1_loss", "huber
 CUDA_FP32_OPS = frozenset({"layer_norm", "native_layer_norm", "group_norm", "softmax", "_softmax", "log_softmax",
                            "_log_softmax", "exp", "log", "pow", "rsqrt", "reciprocal", "softplus", "norm",
                            "logsumexp", "cumsum", "prod"})
-# the attention child of a layer autopar's runtime checkpoints for "selective"
-# (`autopar.runtime.engine.apply_recompute`, first of these that the layer has)
-ATTENTION_CHILDREN = ("attn", "attention", "self_attn")
 
 
 # -- model states ---------------------------------------------------------------------------------
@@ -388,34 +387,60 @@ def _attention_heads_back(name: str, by_name: dict, device_type: Optional[str] =
     return _swaps_1_2(q)
 
 
+def _common_module(paths: Iterable[str]) -> str:
+    """The innermost module holding every one of `paths` (module FQNs; "" the root)."""
+    common: Optional[list[str]] = None
+    for p in paths:
+        parts = p.split(".") if p else []
+        if common is None:
+            common = parts
+            continue
+        k = 0
+        while k < min(len(common), len(parts)) and common[k] == parts[k]:
+            k += 1
+        common = common[:k]
+    return ".".join(common or [])
+
+
+def checkpointed_module(block: list, rec: str) -> Optional[str]:
+    """The module a repeated block's recomputation checkpoints, found from the block's ops
+    (`block`, each with its `module_path`), not from names: "full" the module holding all of
+    them (the block's own), "selective" the one holding its attention core's ops
+    (`attention_core`: `blocks.3.attn`, `model.layers.3.self_attn`), the block's when the core
+    runs in the block's own forward or it has none. None: nothing to checkpoint. The planner
+    writes it into the plan (`StagePlan.recompute_modules`) and the runtime checkpoints exactly
+    that module."""
+    if rec not in ("full", "selective") or not block:
+        return None
+    whole = _common_module(n.module_path or "" for n in block)
+    if rec == "full":
+        return whole or None
+    core = attention_core(block)
+    inner = _common_module(n.module_path or "" for n in block if n.name in core) if core else whole
+    if whole and inner != whole and not inner.startswith(whole + "."):
+        inner = whole
+    return inner or None
+
+
 def checkpoint_region_of(calls: list, rec: str, selective_region: str) -> dict[str, Optional[str]]:
     """Each op -> the checkpointed region it runs in (None: not recomputed): the layer ("full"),
-    or under `selective_region="module"` the layer's attention child, or the whole layer when it
-    has none (what `engine.apply_recompute` wraps in torch.utils.checkpoint)."""
-    out: dict[str, Optional[str]] = {}
+    or under `selective_region="module"` the ops inside the layer's `checkpointed_module` (what
+    the runtime wraps in torch.utils.checkpoint). Ops whose `layer` is None are outside every
+    repeated block."""
     if rec == "full":
         return {n.name: n.layer for n in calls}
     if rec != "selective" or selective_region != "module":
         return {n.name: None for n in calls}
-    paths: dict[str, set[str]] = {}
+    by_layer: dict[str, list] = {}
     for n in calls:
         if n.layer is not None:
-            paths.setdefault(n.layer, set()).add(n.module_path or "")
-    child: dict[str, str] = {}
-    for layer, ps in paths.items():
-        child[layer] = layer
-        for name in ATTENTION_CHILDREN:
-            pre = f"{layer}.{name}"
-            if any(p == pre or p.startswith(pre + ".") for p in ps):
-                child[layer] = pre
-                break
+            by_layer.setdefault(n.layer, []).append(n)
+    module = {layer: checkpointed_module(ns, "selective") for layer, ns in by_layer.items()}
+    out: dict[str, Optional[str]] = {}
     for n in calls:
-        if n.layer is None:
-            out[n.name] = None
-            continue
-        c = child[n.layer]
+        m = module.get(n.layer) if n.layer is not None else None
         p = n.module_path or ""
-        out[n.name] = c if c == n.layer or p == c or p.startswith(c + ".") else None
+        out[n.name] = n.layer if m is not None and (p == m or p.startswith(m + ".")) else None
     return out
 
 

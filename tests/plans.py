@@ -130,6 +130,15 @@ LAYOUTS = ["single", "dp2", "dp4", "tp2", "tp4", "dp2xtp2", "pp2xdp2", "pp2xtp2"
 RECOMPUTED_PER_BLOCK = {"none": {}, "full": {"all_reduce": 1}, "selective": {}}
 
 
+def _rc(layers: list[str], rec: str) -> "list[str] | None":
+    """The modules a hand-written plan of the zoo GPT checkpoints (`StagePlan.recompute_modules`,
+    what the planner finds from the ops): each block, or its attention under "selective"."""
+    if rec == "none":
+        return None
+    blocks = [x for x in layers if x.startswith("blocks.")]
+    return blocks if rec == "full" else [f"{b}.attn" for b in blocks]
+
+
 def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
     """A pinned plan for `layout` (see LAYOUTS); a "_bf16" suffix makes it a bf16 plan (autocast,
     fp32 parameters and optimizer state), with the same collectives."""
@@ -145,7 +154,7 @@ def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
         rec = "full" if layout == "recompute_dp4" else "none"
         m = 2 if layout == "dp4" else 1
         return _plan(ref, [StagePlan(index=0, devices=list(range(n)), mesh_shape=(n,), mesh_axis_names=("dp",),
-                                     layers=L, recompute=rec)],
+                                     layers=L, recompute=rec, recompute_modules=_rc(L, rec))],
                      gbs=gbs, mb=gbs // n // m, m=m, collectives={"all_reduce": 1}, nodes_devices=n)
     if layout == "zero3dp4":
         pl = {n: ("S(0)",) for n in _param_names(ref)}
@@ -171,7 +180,7 @@ def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
         # RECOMPUTED_PER_BLOCK); the embedding and head are never recomputed: measured and
         # pinned, 2 all-gathers more than tp4
         return _plan(ref, [StagePlan(index=0, devices=[0, 1, 2, 3], mesh_shape=(4,), mesh_axis_names=("tp",),
-                                     layers=L, recompute="selective",
+                                     layers=L, recompute="selective", recompute_modules=_rc(L, "selective"),
                                      placements=megatron_placements(nb, ("tp",)))],
                      gbs=gbs, mb=gbs, m=1, collectives={"all_reduce": 8})
     if layout == "tp4":
@@ -228,9 +237,11 @@ def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
         M = 4
         rec = layout.split("_")[1] if "_" in layout else "none"
         st = [StagePlan(index=0, devices=[0, 1], mesh_shape=(2,), mesh_axis_names=("tp",), layers=L[:2],
-                        placements=megatron_placements(nb, ("tp",), range(0, 1)), recompute=rec),
+                        placements=megatron_placements(nb, ("tp",), range(0, 1)), recompute=rec,
+                        recompute_modules=_rc(L[:2], rec)),
               StagePlan(index=1, devices=[2, 3], mesh_shape=(2,), mesh_axis_names=("tp",), layers=L[2:],
-                        placements=megatron_placements(nb, ("tp",), range(1, 2)), recompute=rec)]
+                        placements=megatron_placements(nb, ("tp",), range(1, 2)), recompute=rec,
+                        recompute_modules=_rc(L[2:], rec))]
         # measured: per micro-batch 8 all-reduces inside the two tp stages (as tp4), + 1
         # tied-embedding all-reduce; 2 transfers per micro-batch; recomputation adds
         # RECOMPUTED_PER_BLOCK for each of the nb blocks per micro-batch

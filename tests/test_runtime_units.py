@@ -159,3 +159,46 @@ def test_elementwise_optimizer_steps_local_shards_like_the_dtensors():
         assert localize(opt_ref, ref) is None
     finally:
         dist.destroy_process_group()
+
+
+def test_recompute_checkpoints_the_modules_found_from_the_ops():
+    """A model whose blocks sit in a ModuleDict under names and whose attention module is called
+    `mixer` (`tests.user_models:renamed_gpt`: nothing a runtime could find by name): the plan
+    names the modules to checkpoint, found from the captured ops, and the runtime recomputes
+    exactly them: "selective" re-runs each block's mixer in the backward and not its MLP, "full"
+    each whole block; the loss is the same under every policy."""
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.models.registry import build_model, call_batch_fn
+    from autopar.runtime import build
+
+    ref = "tests.user_models:renamed_gpt"
+    cl = autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": 1})
+    names = ("first", "second", "third")
+    want = {"none": None, "full": [f"blocks.{n}" for n in names],
+            "selective": [f"blocks.{n}.mixer" for n in names]}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        losses = {}
+        for rc, modules in want.items():
+            p = autopar.plan(ref, cl, global_batch_size=4, dtype="fp32", constraints=autopar.Constraints(recompute=rc))
+            assert p.stages[0].recompute == rc and p.stages[0].recompute_modules == modules
+            assert rc == "none" or f"stage 0: {rc} {', '.join(modules)}" in p.summary()   # `autopar show`
+            b = build_model(ref, device="meta")
+            pm = build(p, b, seed=0)
+            # the first projection inside each: checkpoint re-runs a module's own forward, so
+            # hooks on the checkpointed module itself do not fire again, those inside it do
+            calls = {"mixer.c_attn": 0, "mlp.0": 0}
+            for core in pm.local_modules:
+                for name, mod in core.named_modules():
+                    for kind in calls:
+                        if name.endswith(kind):
+                            mod.register_forward_pre_hook(
+                                lambda *_, k=kind, c=calls: c.__setitem__(k, c[k] + 1))
+            losses[rc] = pm.step(call_batch_fn(b.batch_fn, 0, 4, 0))
+            runs = {"none": (1, 1), "selective": (2, 1), "full": (2, 2)}[rc]
+            assert (calls["mixer.c_attn"], calls["mlp.0"]) == (3 * runs[0], 3 * runs[1]), (rc, calls)
+        assert losses["none"] == pytest.approx(losses["selective"], rel=1e-6) == pytest.approx(losses["full"], rel=1e-6)
+    finally:
+        dist.destroy_process_group()

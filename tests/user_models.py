@@ -159,3 +159,45 @@ def separate_gpt(layers: int = 4):
         model = SeparateGPT(layers)
     x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
     return model, (x, x), token_batch(VOCAB, SEQ)
+
+
+class MixerBlock(Block):
+    """`Block` whose attention module is called `mixer` (a name no runtime could guess)."""
+
+    def __init__(self, h: int, heads: int) -> None:
+        super().__init__(h, heads)
+        del self.attn
+        self.mixer = SelfAttention(h, heads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mixer(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class RenamedGPT(NanoGPT):
+    """NanoGPT with its blocks in a `ModuleDict` under names (`blocks.first`, ...) and the
+    attention module of each called `mixer`: recomputation must find what to checkpoint from
+    the ops, not from the names."""
+
+    NAMES = ("first", "second", "third")
+
+    def __init__(self) -> None:
+        super().__init__(layers=1)
+        del self.h
+        self.blocks = nn.ModuleDict({n: MixerBlock(HIDDEN, HEADS) for n in self.NAMES})
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks.values():
+            x = block(x)
+        logits = self.ln_f(x) @ self.wte.weight.t()
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def renamed_gpt():
+    """`RenamedGPT` by the MODULE:FACTORY contract."""
+    with torch.device("meta"):
+        model = RenamedGPT()
+    x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    return model, (x, x), token_batch(VOCAB, SEQ)

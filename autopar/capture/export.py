@@ -66,12 +66,13 @@ def _dtype(d: torch.dtype) -> str:
 
 
 def find_layers(model: nn.Module) -> tuple[list[str], dict[str, str]]:
-    """Repeated blocks: children of a ModuleList/Sequential holding >= 2 modules of one class with
-    parameters, outermost only (experts inside a block stay inside it)."""
+    """Repeated blocks: children of a ModuleList, Sequential or ModuleDict (blocks kept under
+    names) holding >= 2 modules of one class with parameters, outermost only (experts inside a
+    block stay inside it)."""
     layers: list[str] = []
     types: dict[str, str] = {}
     for name, mod in model.named_modules():
-        if not isinstance(mod, (nn.ModuleList, nn.Sequential)) or any(
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) or any(
                 name == l or name.startswith(l + ".") for l in layers):
             continue
         kids = [(n, c) for n, c in mod.named_children() if any(True for _ in c.parameters())]

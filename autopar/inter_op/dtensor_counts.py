@@ -26,7 +26,8 @@ the first steady-state copy.
   all_reduce 1}).
 
 Recomputation: with a stage's `recompute` mode the dry run wraps the repeated blocks as the
-runtime does (`engine.apply_recompute`: non-reentrant `torch.utils.checkpoint`) and counts the
+runtime does (`runtime.recompute`: non-reentrant `torch.utils.checkpoint` around the plan's
+`recompute_modules`) and counts the
 backward's re-run forward as it happens, instead of adding the block's forward collectives.
 torch's checkpoint stops recomputing once every tensor the backward needs is back, so the
 collectives after a region's last saved tensor are not re-run: for Megatron layouts the
@@ -128,20 +129,17 @@ def _pass_through_repeats(m: nn.Module, layers: list[Layer], lo: int, hi: int) -
 
 def _apply_recompute(m: nn.Module, layers: list[Layer], lo: int, hi: int, rep: dict[int, int],
                      recompute: str) -> None:
-    """Wrap the repeated blocks of layers [lo, hi) in the copy `m` for `recompute` exactly as the
-    runtime does (`engine.apply_recompute` on the modules `engine.is_repeated_block` names), so
+    """Checkpoint in the copy `m` the modules the runtime checkpoints for `recompute` in layers
+    [lo, hi) (`Layer.recompute_modules`, what the plan's `StagePlan.recompute_modules` names), so
     the dry run's backward re-runs what the runtime's re-runs. Layers passing their input
     through (`rep`) take their source's counts and stay unwrapped."""
     if recompute == "none":
         return
-    from autopar.runtime.engine import apply_recompute, is_repeated_block
+    from autopar.runtime.recompute import checkpoint_module
 
     for i in range(lo, hi):
-        if i in rep:
-            continue
-        for name in layers[i].modules:
-            if name and is_repeated_block(name):
-                apply_recompute(m.get_submodule(name), recompute)
+        if i not in rep and recompute in layers[i].recompute_modules:
+            checkpoint_module(m.get_submodule(layers[i].recompute_modules[recompute]))
 
 
 def _batch_inputs(example_inputs: Sequence[Any], batch: Optional[int], dev: str) -> list[Any]:

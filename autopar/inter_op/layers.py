@@ -15,12 +15,13 @@ A layer's `modules` are the module FQNs the runtime cuts stages at, in execution
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch.nn as nn
 
 from autopar.capture.graph import OpGraph, OpNode
+from cost_models.memory import checkpointed_module
 
 
 @dataclass
@@ -35,6 +36,9 @@ class Layer:
     block_nodes: frozenset[str] = frozenset()   # nodes inside the repeated block (recomputable)
     signature: str = ""                         # equal for identical layers (cost cache key)
     flops: float = 0.0                          # forward FLOPs at batch size 1
+    # per recomputation policy, the module the runtime checkpoints (`cost_models.memory.
+    # checkpointed_module` of the block's ops); absent where the layer has no repeated block
+    recompute_modules: dict[str, str] = field(default_factory=dict)
 
     def rename_param(self, fqn: str, other: "Layer") -> str:
         """`fqn` of this layer as the corresponding FQN of `other` (same signature)."""
@@ -77,6 +81,11 @@ def build_layers(graph: OpGraph, model: Optional[nn.Module] = None, max_layers: 
                     frozenset(n.name for n in nodes if n.name in block),
                     flops=sum(flops.get(n.name, 0.0) for n in nodes))
         lay.signature = _signature(graph, lay, nodes)
+        blk = [n for n in nodes if n.name in block]
+        for rc in ("full", "selective"):
+            m = checkpointed_module(blk, rc)
+            if m is not None:
+                lay.recompute_modules[rc] = m
         layers.append(lay)
     return layers
 

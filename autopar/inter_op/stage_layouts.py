@@ -74,9 +74,10 @@ def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, 
     """The layouts of layers [k, j) at micro-batch `mb` on a tp mesh of `tp` (`solutions`: the
     ILP provider's {(signature, mb, tp): (solution, layer solved)}), or (None, why not). With
     `recompute="full"` each layer's block ops (`Layer.block_nodes`) form a checkpointed region,
-    with "selective" those of them in the layer's attention child (the whole block when it has
-    none: what `cost_models.memory` counts with `selective_region="module"` and the DTensor
-    runtime's `engine.apply_recompute` checkpoints); their forward collectives re-run in the
+    with "selective" those of them in the module holding the block's attention core (the whole
+    block when the core runs in its own forward: `cost_models.memory.checkpointed_module`, what
+    `cost_models.memory` counts with `selective_region="module"` and a module-cut stage
+    checkpoints, `StagePlan.recompute_modules`); their forward collectives re-run in the
     backward (phase "recompute"). `earlier`: for a pipeline chunk after the first, the layouts
     the ops of the chunks before it leave their outputs in (`produced_layouts`): a tensor this
     chunk receives must arrive as its readers' solutions assumed, and `receives` records them."""

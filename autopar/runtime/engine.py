@@ -57,7 +57,7 @@ from autopar.runtime.materialize import canonical_names, materialize
 from autopar.runtime.meshes import StageMesh, _coord, _mesh_kinds, fsdp_sharded, unique_axis_names  # noqa: F401
 from autopar.runtime.pipeline import PipelineStages
 from autopar.runtime.precision import MasterWeights, cast_parameters_, low_dtype
-from autopar.runtime.recompute import apply_recompute, is_repeated_block  # noqa: F401
+from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.spmd import (
     SPMDModule,
     allow_implicit_replication,
@@ -176,9 +176,7 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         if s.op_layouts is not None:
             self._build_solved(s)
             return
-        for fqn in s.layers:
-            if is_repeated_block(fqn):
-                apply_recompute(get_submodule(model, fqn), s.recompute)
+        apply_recompute(model, s.recompute_modules)
         materialize(model, seed=self.seed, device=self.device, aliases=self.aliases)
         if self.tp_size > 1:
             distribute_params(model, self.my_mesh.tp_mesh, self._tp_placements(s), aliases=self.aliases,

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from autopar.runtime.materialize import materialize
 from autopar.runtime.meshes import _mesh_kinds
 from autopar.runtime.pipeline_p2p import FanoutPipelineStage, replica_ranks
-from autopar.runtime.recompute import apply_recompute, is_repeated_block
+from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.spmd import SPMDModule, distribute_params
 from autopar.runtime.validate import get_submodule
 from autopar.schema.errors import PlanError
@@ -143,9 +143,7 @@ class PipelineStages:
                 continue
             last = i == nst - 1
             core: nn.Module = chunks[i].module
-            for fqn in s.layers:
-                if is_repeated_block(fqn):
-                    apply_recompute(get_submodule(core, fqn), s.recompute)
+            apply_recompute(core, s.recompute_modules)
             materialize(core, seed=self.seed, device=self.device, aliases=self.aliases, template=self.model)
             if self.tp_size > 1:
                 distribute_params(core, self.my_mesh.tp_mesh, self._tp_placements(s),

@@ -1,5 +1,7 @@
-"""Recomputation of module-cut stages: `torch.utils.checkpoint` around a repeated block or its
-attention child. A stage run op by op as solved checkpoints its solved regions instead
+"""Recomputation of module-cut stages: `torch.utils.checkpoint` around each module the plan names
+(`StagePlan.recompute_modules`: the planner found them from the captured ops, the repeated
+block, or under "selective" the module holding its attention core). No module is found here by
+its name. A stage run op by op as solved checkpoints its solved regions instead
 (`intra_op.execute`)."""
 
 from __future__ import annotations
@@ -8,28 +10,23 @@ from typing import Any
 
 import torch.nn as nn
 
-
-def is_repeated_block(fqn: str) -> bool:
-    """Recomputation covers the repeated blocks (`blocks.3`), as in Megatron; the embedding and
-    head run once (checkpointing a vocab-parallel embedding would also re-materialise its
-    DTensor mask buffer, which torch refuses)."""
-    return fqn.rsplit(".", 1)[-1].isdigit()
+from autopar.runtime.validate import get_submodule
 
 
-def apply_recompute(layer: nn.Module, mode: str) -> None:
-    if mode == "none":
-        return
+def checkpoint_module(module: nn.Module) -> None:
+    """Run `module`'s forward under torch's non-reentrant activation checkpoint: only its inputs
+    are kept, what its ops save is re-made in the backward."""
     from torch.utils.checkpoint import checkpoint
 
-    target = layer
-    if mode == "selective":
-        for name in ("attn", "attention", "self_attn"):
-            if isinstance(getattr(layer, name, None), nn.Module):
-                target = getattr(layer, name)
-                break
-    orig = target.forward
+    orig = module.forward
 
     def fwd(*args: Any, **kwargs: Any) -> Any:
         return checkpoint(orig, *args, use_reentrant=False, **kwargs)
 
-    target.forward = fwd  # instance attribute: hooks (fully_shard) still run around __call__
+    module.forward = fwd  # instance attribute: hooks (fully_shard) still run around __call__
+
+
+def apply_recompute(root: nn.Module, modules: list[str] | None) -> None:
+    """Checkpoint each of `modules` (a stage's `recompute_modules`) inside `root`."""
+    for fqn in modules or ():
+        checkpoint_module(get_submodule(root, fqn))

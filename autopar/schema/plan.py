@@ -22,7 +22,7 @@ from autopar.schema.layouts import StageLayouts
 from autopar.schema.placement import Placement  # "R", "S(d)" or "P", validated
 
 # 4: pipeline chunks carry op_layouts (`StageLayouts.receives`); 3 added op_layouts
-PLAN_FORMAT_VERSION = 4
+PLAN_FORMAT_VERSION = 5
 
 TrainingDtype = Literal["fp32", "bf16", "fp16"]
 TRAINING_DTYPES: tuple[str, ...] = get_args(TrainingDtype)
@@ -65,6 +65,17 @@ class StagePrediction(_Model):
     peak_memory_bytes: float = Field(ge=0)
 
 
+def _folded(fqns: list[str]) -> str:
+    """Module FQNs with their block indices folded: `blocks.*.attn (24)`."""
+    import re
+
+    counts: dict[str, int] = {}
+    for f in fqns:
+        k = re.sub(r"\.\d+(?=\.|$)", ".*", f)
+        counts[k] = counts.get(k, 0) + 1
+    return ", ".join(f"{k} ({n})" if n > 1 else k for k, n in counts.items())
+
+
 class StagePlan(_Model):
     """One pipeline stage: its devices, logical mesh, layers and shardings."""
 
@@ -74,6 +85,10 @@ class StagePlan(_Model):
     mesh_axis_names: tuple[str, ...] = Field(min_length=1)
     layers: list[str] = Field(min_length=1, description="module FQNs of the layers, in order")
     recompute: Recompute = "none"
+    recompute_modules: Optional[list[str]] = Field(
+        default=None, description="the modules the runtime checkpoints under `recompute` (torch.utils.checkpoint, "
+        "one region each), found by the planner from the captured ops: each repeated block, or under "
+        "\"selective\" the module holding its attention core; null with recompute \"none\"")
     placements: dict[str, tuple[Placement, ...]] = Field(
         default_factory=dict, description="parameter FQN -> placement per mesh axis")
     virtual_chunk: int = Field(default=0, ge=0, description="model chunk index under interleaving")
@@ -98,6 +113,9 @@ class StagePlan(_Model):
         for fqn, pl in self.placements.items():
             if len(pl) != len(self.mesh_shape):
                 raise ValueError(f"placements[{fqn!r}] needs one entry per mesh axis")
+        if self.recompute != "none" and self.recompute_modules is None:
+            raise ValueError(f"recompute={self.recompute!r} needs recompute_modules, the modules to checkpoint "
+                             f"(plans of format_version 4 and earlier predate them); re-plan with `autopar plan`")
         if self.op_layouts is not None and self.op_layouts.mesh_axis not in self.mesh_axis_names:
             raise ValueError(f"op_layouts are for mesh axis {self.op_layouts.mesh_axis!r}, which the stage "
                              f"does not have")
@@ -254,6 +272,10 @@ class Plan(_Model):
                        if (sharding := s.sharding_summary())]
         if shard_lines:
             table += "\nsharded weights (placement per mesh axis; the rest replicated):\n" + "\n".join(shard_lines)
+        rc_lines = [f"stage {s.index}: {s.recompute} {_folded(s.recompute_modules)}" for s in self.stages
+                    if s.recompute_modules]
+        if rc_lines:
+            table += "\nrecomputed (checkpointed modules):\n" + "\n".join(rc_lines)
         coll = ", ".join(f"{k}={v}" for k, v in sorted(p.collectives.items())) or "none"
         tail = (f"predicted: {p.iteration_time_s:.4g} s/iteration, {p.samples_per_s:.4g} samples/s, "
                 f"{p.tflops_per_device:.4g} TFLOP/s per device, peak memory "
