@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from operator import ge
 from types import SimpleNamespace
 from typing import Literal
 
@@ -96,10 +97,17 @@ def _rank_actions(cls_name: TorchSchedule, p: int, m: int, v: int, rank: int) ->
         ns = SimpleNamespace(n_local_stages=v, microbatches_per_round=m // rounds, pp_group_size=p,
                              _n_microbatches=m)
         return S.ScheduleInterleaved1F1B._calculate_single_rank_operations(ns, rank)
-    # single-stage schedules build every rank's list at once
+    return _pipeline_order(cls_name, p, m)[rank]
+
+
+@lru_cache(maxsize=1024)
+def _pipeline_order(cls_name: TorchSchedule, p: int, m: int) -> dict:
+    """Every rank's action list of a single-stage schedule (torch builds them all at once)."""
+    from torch.distributed.pipelining import schedules as S
+
     ns = SimpleNamespace(_num_stages=p, _n_microbatches=m)
     cls = S.ScheduleGPipe if cls_name == "ScheduleGPipe" else S.Schedule1F1B
-    return cls._get_pipeline_order(ns)[rank]
+    return cls._get_pipeline_order(ns)
 
 
 # what a moment vector holds, per local chunk: `ACTS` chunk micro-batches whose activations are
@@ -123,17 +131,35 @@ class _Walk:
         self.done: set[tuple[int, int]] = set()            # (chunk, mb) whose backward ran
         self.made = [0] * v                                # 1 once a chunk's backward ran
         self.refs: set[tuple[str, int, int]] = set()       # ("out" | "grad", chunk, mb) referenced
+        # per chunk, what the references hold now: outputs of micro-batches whose backward ran
+        # (before it the output is an activation), and input gradients; kept as refs change
+        self.out = [0] * v
+        self.grad = [0] * v
         self.parts: tuple[list, list] = ([], [])
         self.backed = False
 
+    def _count(self, ref: tuple[str, int, int], sign: int) -> None:
+        what, c, i = ref
+        if what == "grad":
+            self.grad[c] += sign
+        elif (c, i) in self.done:
+            self.out[c] += sign
+
+    def add_ref(self, ref: tuple[str, int, int]) -> None:
+        if ref not in self.refs:
+            self.refs.add(ref)
+            self._count(ref, 1)
+
+    def set_refs(self, refs: frozenset) -> None:
+        """Replace what the schedule references (a schedule that drops its sends as it goes)."""
+        for r in self.refs - refs:
+            self._count(r, -1)
+        for r in refs - self.refs:
+            self._count(r, 1)
+        self.refs = set(refs)
+
     def _moment(self) -> None:
-        out, grad = [0] * self.v, [0] * self.v
-        for what, c, i in self.refs:
-            if what == "grad":
-                grad[c] += 1
-            elif (c, i) in self.done:        # before its backward the output is an activation
-                out[c] += 1
-        self.parts[self.backed].append((tuple(self.held), tuple(out), tuple(grad), tuple(self.made)))
+        self.parts[self.backed].append((*self.held, *self.out, *self.grad, *self.made))
 
     def forward(self, c: int) -> None:
         self.held[c] += 1
@@ -143,13 +169,15 @@ class _Walk:
         self._moment()
         self.held[c] -= 1
         self.done.add((c, i))
+        if ("out", c, i) in self.refs:
+            self.out[c] += 1
         self.made[c] = 1
         self.backed = True
 
     def finish(self, label: str) -> tuple[tuple, tuple]:
         if any(self.held):
             raise AssertionError(f"{label} ends holding {self.held}")
-        return tuple(_maximal([sum(x, ()) for x in part]) for part in self.parts)
+        return tuple(_maximal(part) for part in self.parts)
 
 
 def _walk_actions(cls_name: TorchSchedule, p: int, m: int, v: int, rank: int, sends_kept: bool) -> _Walk:
@@ -168,11 +196,11 @@ def _walk_actions(cls_name: TorchSchedule, p: int, m: int, v: int, rank: int, se
         if a.computation_type == C.FORWARD:
             w.forward(c)
             if sends_kept and a.stage_index < p * v - 1:      # the last stage sends nothing forward
-                w.refs.add(("out", c, a.microbatch_index))
+                w.add_ref(("out", c, a.microbatch_index))
         elif a.computation_type in (C.FULL_BACKWARD, C.BACKWARD_INPUT):
             w.backward(c, a.microbatch_index)
             if sends_kept and a.stage_index > 0:              # the first sends no gradient back
-                w.refs.add(("grad", c, a.microbatch_index))
+                w.add_ref(("grad", c, a.microbatch_index))
     return w
 
 
@@ -190,7 +218,7 @@ def _walk_1f1b(p: int, m: int, rank: int) -> tuple[_Walk, list[tuple[str, int]]]
     bwd_sends: frozenset = frozenset()
 
     def refs() -> None:
-        w.refs = set(send_work | fwd_sends | bwd_sends)
+        w.set_refs(send_work | fwd_sends | bwd_sends)
 
     def forward(i: int) -> None:
         refs()
@@ -236,7 +264,7 @@ def _maximal(moments: list) -> tuple:
     uniq = sorted(set(moments), key=sum, reverse=True)
     keep: list[tuple] = []
     for x in uniq:      # a moment can only be dominated by one with at least its total
-        if not any(all(b >= a for a, b in zip(x, y)) for y in keep):
+        if not any(all(map(ge, y, x)) for y in keep):
             keep.append(x)
     return tuple(sorted(keep))
 
