@@ -979,11 +979,15 @@ class Search:
             sends = np.array([float(tb.range_send[c]) for c in chunks])
             grads_sent = np.array([float(tb.range_send_grad[c]) for c in chunks])
             share = np.array(chunk_pel) / pel if pel > 0 else np.zeros(len(chunks))
-            for mo in held[1]:
-                phases.append(dataclasses.replace(
-                    fb, weights=fb.weights - relief, gradients=fb.gradients * float(mo[GRADS] @ share),
-                    activations=float(mo[ACTS] @ acts + mo[SENT_OUTPUTS] @ sends) + rc_work,
-                    buffers=fb.buffers + grad_tmp + float(mo[SENT_GRADS] @ grads_sent)))
+            post = held[1]
+            grads = fb.gradients * (post[:, GRADS, :] @ share)
+            act = post[:, ACTS, :] @ acts + post[:, SENT_OUTPUTS, :] @ sends + rc_work
+            buf = fb.buffers + grad_tmp + post[:, SENT_GRADS, :] @ grads_sent
+            w = fb.weights - relief
+            # the worst moment only (the first of equal ones), as a phase
+            i = int(np.argmax(w + grads + fb.optimizer + buf + act))
+            phases.append(dataclasses.replace(fb, weights=w, gradients=float(grads[i]), activations=float(act[i]),
+                                              buffers=float(buf[i])))
         top = max(phases, key=lambda ph: ph.total)
         sync = tb.sync(pel) + sum(float(tb.iter[j] - tb.iter[k]) for k, j in chunks)
         return StageResult(chunks, r, t, comp, max(0.0, t - comp), sync, tb.opt(pel, tb.param_tensors(chunks)), pel,
