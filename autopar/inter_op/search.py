@@ -130,8 +130,18 @@ class SearchResult:
 class _Tables:
     """Per-layer cost arrays for one (micro-batch, tp, dp, zero) and stage aggregates over ranges."""
 
+    # what depends on the layers' costs alone (not on dp, ZeRO or the batch), shared by the
+    # tables of one cost list (`like`)
+    _COST_ONLY = ("base", "compute", "iter", "rc", "act", "work", "work_rc", "pel_layer", "pel", "shared", "out",
+                  "cross", "cross_grad", "wgo", "valid", "kk", "jj", "range_pel", "range_in", "range_out",
+                  "range_send", "range_send_grad", "range_act", "range_in_saved", "range_out_kept", "range_work",
+                  "range_work_rc", "range_work_tmp", "range_root", "_layers", "range_maxtensor")
+
     def __init__(self, costs: list[LayerCost], cluster: ClusterSpec, dtype: str, dp: int, tp: int,
-                 zero: int, layers: list[Layer], batch: tuple[float, float] = (0.0, 0.0)) -> None:
+                 zero: int, layers: list[Layer], batch: tuple[float, float] = (0.0, 0.0),
+                 like: Optional["_Tables"] = None) -> None:
+        """`like`: a table of the same `costs` list (another dp or ZeRO stage), whose cost-only
+        arrays are reused as they are (read-only) instead of being built again."""
         self.costs = costs
         self._ranged: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         L = len(costs)
@@ -142,6 +152,32 @@ class _Tables:
         self.batch_first, self.batch_rest = batch
         self.cluster = cluster
         self.dtype = dtype
+        if like is not None and like.costs is costs and like.dtype == dtype:
+            for a in self._COST_ONLY:
+                setattr(self, a, getattr(like, a))
+            if "range_unit" in like.__dict__:
+                self.__dict__["range_unit"] = like.__dict__["range_unit"]
+        else:
+            self._cost_ranges(costs, layers, dtype)
+        kk, jj = self.kk, self.jj
+        stage_size = dp * tp
+        link = axis_link(cluster, stage_size)
+        self.p2p = np.array([coll_time("send_recv", b, 2, link) for b in self.cross])
+        self.dp_link = _dp_link(cluster, dp, tp)
+        # p2p at the boundaries this stage sends over: activation forward at its end, gradient
+        # backward at its start
+        send_fwd = np.where(jj < L, self.p2p[np.clip(jj - 1, 0, L - 1)], 0.0)
+        send_bwd = np.where(kk > 0, self.p2p[np.clip(kk - 1, 0, L - 1)], 0.0)
+        self.range_p2p = send_fwd + send_bwd
+        self.zero3 = zero == 3 and dp > 1
+        self._relief: dict[str, np.ndarray] = {}
+        # the batch a range's stage holds: the first input if it starts the model, the other
+        # inputs (targets) if it ends it
+        self.range_batch = np.where(kk == 0, self.batch_first, 0.0) + np.where(jj == L, self.batch_rest, 0.0)
+
+    def _cost_ranges(self, costs: list[LayerCost], layers: list[Layer], dtype: str) -> None:
+        """The arrays that depend on the layers' costs alone (`_COST_ONLY`)."""
+        L = self.L
         pre = lambda xs: np.concatenate([[0.0], np.cumsum(xs)])  # noqa: E731
         self.base = pre([c.base_s for c in costs])
         self.compute = pre([c.fwd_s + c.bwd_s for c in costs])
@@ -170,10 +206,6 @@ class _Tables:
         # (a provider that does not say what crosses: the layer's output alone)
         self.cross = np.array([c.cross_bytes if c.cross_tensors else c.out_bytes for c in costs])
         self.cross_grad = np.array([c.cross_grad_bytes if c.cross_tensors else c.out_bytes for c in costs])
-        stage_size = dp * tp
-        link = axis_link(cluster, stage_size)
-        self.p2p = np.array([coll_time("send_recv", b, 2, link) for b in self.cross])
-        self.dp_link = _dp_link(cluster, dp, tp)
         w, g, o = PRECISION_POLICIES[dtype]
         self.wgo = (w, g, o)
         # ranges
@@ -190,11 +222,6 @@ class _Tables:
             pel = pel - np.maximum(cnt - 1, 0) * e
             root = root + np.where(cnt > 0, e, 0.0)
         self.range_pel = np.where(self.valid, pel, 0.0)
-        # p2p at the boundaries this stage sends over: activation forward at its end, gradient
-        # backward at its start
-        send_fwd = np.where(jj < L, self.p2p[np.clip(jj - 1, 0, L - 1)], 0.0)
-        send_bwd = np.where(kk > 0, self.p2p[np.clip(kk - 1, 0, L - 1)], 0.0)
-        self.range_p2p = send_fwd + send_bwd
         # the activation a stage receives (its input) and sends (its output), in bytes
         self.range_in = np.where(kk > 0, self.cross[np.clip(kk - 1, 0, L - 1)], 0.0)
         self.range_out = np.where(jj < L, self.cross_grad[np.clip(jj - 1, 0, L - 1)], 0.0)
@@ -238,15 +265,10 @@ class _Tables:
             self.range_work[r] = np.maximum(np.maximum(Wrc, Wtmp), 0.0)
         self._outputs_held()
         self.range_root = np.where(self.valid, root, 0.0)
-        self.zero3 = zero == 3 and dp > 1
         self._layers = layers
-        self._relief: dict[str, np.ndarray] = {}
         # the largest parameter tensor per device (AdamW's temporaries are its size)
         big = np.array([max(c.param_elems.values(), default=0.0) for c in costs])
         self.range_maxtensor = np.maximum(_range_max(big), 0.0)
-        # the batch a range's stage holds: the first input if it starts the model, the other
-        # inputs (targets) if it ends it
-        self.range_batch = np.where(kk == 0, self.batch_first, 0.0) + np.where(jj == L, self.batch_rest, 0.0)
 
     def _outputs_held(self) -> None:
         """A pipeline chunk's output stays in the stage's forward cache until the chunk's
@@ -870,7 +892,9 @@ class Search:
             batch = (self.input_bytes[0] * self.gbs / dp, sum(self.input_bytes[1:]) * self.gbs / dp)
             # the last pipeline chunk computes the loss inside (`runtime.graph_stages`, the
             # executor): its output is the loss, no loss input is kept for the schedule
-            self._tables_cache[key] = _Tables(costs, self.cluster, self.dtype, dp, tp, zero, self.layers, batch)
+            like = next((t for t in self._tables_cache.values() if t.costs is costs), None)
+            self._tables_cache[key] = _Tables(costs, self.cluster, self.dtype, dp, tp, zero, self.layers, batch,
+                                              like=like)
         return self._tables_cache[key]
 
     def _layer_costs(self, mb: int, tp: int, solved: bool = False) -> list[LayerCost]:
