@@ -159,7 +159,12 @@ class _Walk:
         self.refs = set(refs)
 
     def _moment(self) -> None:
-        self.parts[self.backed].append((*self.held, *self.out, *self.grad, *self.made))
+        x = (*self.held, *self.out, *self.grad, *self.made)
+        part = self.parts[self.backed]
+        if part and all(map(ge, x, part[-1])):
+            part[-1] = x        # the previous moment is dominated: it cannot be a peak
+        else:
+            part.append(x)
 
     def forward(self, c: int) -> None:
         self.held[c] += 1
