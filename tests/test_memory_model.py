@@ -736,3 +736,32 @@ def test_one_registry_of_schedules():
         schedule_kind("zero_bubble")
     with pytest.raises(ValueError, match="one chunk per device group"):
         schedule_kind("1f1b").runtime_class(4, 8, 2)
+
+
+@pytest.mark.parametrize("kind,p,m,v", [("1f1b", 4, 8, 1), ("gpipe", 3, 6, 1), ("interleaved_1f1b", 2, 4, 2),
+                                        ("interleaved_1f1b", 4, 8, 3)])
+def test_held_moments_are_the_maximal_moments_of_every_moment_walked(kind, p, m, v):
+    """Against brute force: every moment a rank's walk passes through (recorded without the
+    walk's own dropping of dominated moments) is dominated by one `held_moments` returns, and
+    those are moments the walk passed through, none dominating another."""
+    from cost_models import schedules as S
+
+    class Every(S._Walk):
+        def _moment(self) -> None:
+            self.parts[self.backed].append((*self.held, *self.out, *self.grad, *self.made))
+
+    for r in range(p):
+        cls = S.torch_schedule(kind, p, m, v)
+        real = S._Walk
+        S._Walk = Every
+        try:
+            w = S._walk_1f1b(p, m, r)[0] if cls == "Schedule1F1B" else S._walk_actions(
+                cls, p, m, v, r, sends_kept=cls == "ScheduleGPipe")
+        finally:
+            S._Walk = real
+        assert type(w) is Every
+        for part, got in zip(w.parts, held_moments(kind, p, r, m, v)):
+            got = [tuple(x.reshape(-1).astype(int)) for x in got]
+            assert set(got) <= set(part)
+            assert all(any(all(g >= a for a, g in zip(x, y)) for y in got) for x in part)
+            assert not any(x != y and all(b >= a for a, b in zip(x, y)) for x in got for y in got)
