@@ -295,3 +295,25 @@ def test_compiled_module_is_unwrapped(gpt: OpGraph) -> None:
     b = build_model("gpt-tiny")
     g = capture(torch.compile(b.model), b.example_inputs)
     assert g.layers == gpt.layers and g.fingerprint() == gpt.fingerprint()
+
+
+def test_a_flop_formula_that_does_not_fit_falls_back_and_says_so():
+    """An op torch has a FLOP formula for, called with arguments the formula cannot take (here
+    `_scaled_mm` missing its scales), is counted per output element, with a warning naming the
+    op (once), not silently."""
+    import warnings
+
+    from autopar.capture import flops as F
+    from autopar.capture.graph import OpNode, Ref, TensorMeta
+
+    metas = {"a": [TensorMeta((4, 8), "float32")], "b": [TensorMeta((8, 2), "float32")]}
+    node = OpNode("s", "call", "aten._scaled_mm.default", args=(Ref("a"),), inputs=["a"],
+                  outputs=[TensorMeta((4, 2), "float32")])
+    F._FORMULA_MISSES.discard(node.op)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        flops, _ = F.node_cost(node, metas)
+        F.node_cost(node, metas)
+    assert flops == 8.0                                  # per output element
+    said = [str(x.message) for x in w if "FLOP formula" in str(x.message)]
+    assert len(said) == 1 and "_scaled_mm" in said[0]

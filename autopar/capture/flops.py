@@ -9,6 +9,7 @@ reshapes and other aliasing ops move nothing.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 from autopar.capture.graph import OpNode, Ref, TensorMeta, shapes_of
@@ -150,6 +151,16 @@ def _matrix_flops(node: OpNode, metas: dict[str, list[TensorMeta]]) -> float | N
             out = torch.Size([int(d) for d in node.outputs[0].shape]) if node.outputs else None
             return float(flop_registry[packet](*shapes_of(node.args, metas),
                                                **shapes_of(node.kwargs, metas), out_val=out))
-    except Exception:  # formula mismatch on an unusual signature: fall back to per-element
+    except Exception as e:  # noqa: BLE001 - said below, and the per-element count stands in
+        # torch's formula does not fit this call's arguments (an unusual signature): the op is
+        # counted per element instead, and the user is told once per op
+        if op not in _FORMULA_MISSES:
+            _FORMULA_MISSES.add(op)
+            warnings.warn(f"autopar.capture: torch's FLOP formula for {op} does not fit its arguments "
+                          f"({type(e).__name__}: {str(e)[:120]}); counted per output element instead",
+                          stacklevel=2)
         return None
     return None
+
+
+_FORMULA_MISSES: set[str] = set()   # ops already reported
