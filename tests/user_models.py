@@ -179,7 +179,7 @@ class RenamedGPT(NanoGPT):
     attention module of each called `mixer`: recomputation must find what to checkpoint from
     the ops, not from the names."""
 
-    NAMES = ("first", "second", "third")
+    NAMES = ("first", "second", "third", "fourth")
 
     def __init__(self) -> None:
         super().__init__(layers=1)

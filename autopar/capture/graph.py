@@ -12,7 +12,7 @@ import hashlib
 import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Iterator, Literal, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Optional, Sequence
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -45,17 +45,22 @@ def _compiled(expr: str):
 Dim = int | SymDim
 
 
+def map_nested(v: Any, kind: type, fn: Callable[[Any], Any]) -> Any:
+    """`v` with `fn` applied to every instance of `kind` in it, through tuples, lists and dicts."""
+    if isinstance(v, kind):
+        return fn(v)
+    if isinstance(v, tuple):
+        return tuple(map_nested(x, kind, fn) for x in v)
+    if isinstance(v, list):
+        return [map_nested(x, kind, fn) for x in v]
+    if isinstance(v, dict):
+        return {k: map_nested(x, kind, fn) for k, x in v.items()}
+    return v
+
+
 def concrete(v: Any, b: int) -> Any:
     """`v` with every SymDim evaluated at batch size `b` (recursing into lists/tuples/dicts)."""
-    if isinstance(v, SymDim):
-        return v.at(b)
-    if isinstance(v, tuple):
-        return tuple(concrete(x, b) for x in v)
-    if isinstance(v, list):
-        return [concrete(x, b) for x in v]
-    if isinstance(v, dict):
-        return {k: concrete(x, b) for k, x in v.items()}
-    return v
+    return map_nested(v, SymDim, lambda d: d.at(b))
 
 
 @dataclass(frozen=True)

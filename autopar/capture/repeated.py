@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 import torch.nn as nn
 
-from autopar.capture.graph import OpNode, ParamInfo, Ref
+from autopar.capture.graph import OpNode, ParamInfo, Ref, map_nested
 
 __all__ = ["Stack", "find_stack", "stitched"]
 
@@ -206,15 +206,7 @@ def _same_op(a: OpNode, b: OpNode, rename: Callable[[str], str]) -> bool:
 
 
 def _renamed(v: Any, rename: Callable[[str], str]) -> Any:
-    if isinstance(v, Ref):
-        return Ref(rename(v.name))
-    if isinstance(v, tuple):
-        return tuple(_renamed(x, rename) for x in v)
-    if isinstance(v, list):
-        return [_renamed(x, rename) for x in v]
-    if isinstance(v, dict):
-        return {k: _renamed(x, rename) for k, x in v.items()}
-    return v
+    return map_nested(v, Ref, lambda r: Ref(rename(r.name)))
 
 
 def _moved_path(path: str, src: str, dst: str) -> str:

@@ -67,7 +67,7 @@ from autopar.runtime.spmd import (
 )
 from autopar.runtime.tied_grads import allreduce_flat
 from autopar.runtime.tied_groups import TiedParameters
-from autopar.runtime.validate import get_submodule, validate_plan  # noqa: F401
+from autopar.runtime.validate import validate_plan  # noqa: F401
 from autopar.runtime.zero import ZeroSharding
 from autopar.schema.errors import PlanError
 from autopar.schema.plan import Plan, StagePlan
