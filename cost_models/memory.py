@@ -155,7 +155,8 @@ class ActivationMemory:
     by op in reverse: the tensors still saved (autograd frees what an op saved once its backward
     ran) plus that op's output and input gradients (a loss: its fp32 input gradient), or, where a
     recomputed region starts its backward, the region's re-made tensors and gradients
-    (`backward_over_recompute`: the worst moment is one of those), and the loss op's moment
+    (`backward_over_recompute`: the worst moment is one of those; `backward_over_grads`: of
+    that moment, the gradients, the rest being re-made activations), and the loss op's moment
     apart (`backward_over_loss`, the first of the backward) from the others'
     (`backward_over_body`); `forward_over_bytes` the most the forward holds above
     `saved_bytes`: what the ops so far saved, the tensors made and still to be read, an op's
@@ -169,6 +170,7 @@ class ActivationMemory:
     backward_bytes: float = 0.0
     backward_over_bytes: float = 0.0
     backward_over_recompute: bool = False
+    backward_over_grads: float = 0.0             # of backward_over_bytes, the op's gradients
     backward_over_loss: Optional[float] = None   # the loss op's moment (None: no loss)
     backward_over_body: float = 0.0              # the worst of the other moments
     forward_over_bytes: float = 0.0              # the forward's worst moment above saved_bytes
@@ -590,6 +592,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     owner_layer: dict[str, Optional[str]] = {}
     owner_node: dict[str, str] = {}      # the first op saving it: autograd frees it after that op's backward
     region_peak: dict[Optional[str], float] = {}
+    region_grads: dict[Optional[str], float] = {}   # of region_peak, the op's gradients
 
     def loss_read(n, i: str) -> tuple[int, float]:
         # (gradients live at once, fp32 bytes of the logits as the loss reads them): a loss on
@@ -654,7 +657,9 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             # still live (autograd frees a node's saved tensors after its backward) and its
             # output's and input's gradients beside them
             if r is not None:
-                region_peak[r] = max(region_peak.get(r, 0.0), region_bytes.get(r, 0.0) + grads(n))
+                here = region_bytes.get(r, 0.0) + grads(n)
+                if here > region_peak.get(r, 0.0) or r not in region_peak:
+                    region_peak[r], region_grads[r] = here, grads(n)
         for n in calls:
             r = region[n.name]
             if r is None:
@@ -730,6 +735,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 out.backward_over_body = max(out.backward_over_body, m)
                 if m > out.backward_over_bytes:
                     out.backward_over_bytes, out.backward_over_recompute = m, True
+                    out.backward_over_grads = region_grads[r]
                 out.backward_over_given = max(out.backward_over_given, m)
         else:
             m = live + grads(n) - out.saved_bytes
@@ -739,6 +745,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 out.backward_over_body = max(out.backward_over_body, m)
             if m > out.backward_over_bytes:
                 out.backward_over_bytes, out.backward_over_recompute = m, False
+                out.backward_over_grads = grads(n)
             out.backward_over_given = max(out.backward_over_given, m - given_share(n))
         live -= owned.get(n.name, 0.0)
     if keep is None:

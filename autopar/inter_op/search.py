@@ -135,7 +135,8 @@ class _Tables:
     _COST_ONLY = ("base", "compute", "iter", "rc", "act", "work", "work_rc", "pel_layer", "pel", "shared", "out",
                   "cross", "cross_grad", "wgo", "valid", "kk", "jj", "range_pel", "range_in", "range_out",
                   "range_send", "range_send_grad", "range_act", "range_in_saved", "range_out_kept", "range_work",
-                  "range_work_rc", "range_work_tmp", "range_root", "_layers", "range_maxtensor")
+                  "range_work_rc", "range_work_rc_grads", "work_grads", "range_work_tmp", "range_root", "_layers",
+                  "range_maxtensor")
 
     def __init__(self, costs: list[LayerCost], cluster: ClusterSpec, dtype: str, dp: int, tp: int,
                  zero: int, layers: list[Layer], batch: tuple[float, float] = (0.0, 0.0),
@@ -191,6 +192,9 @@ class _Tables:
                      for r in RECOMPUTES}
         self.work_rc = {r: np.array([c.bwd_over_rc.get(r, False) for c in costs], dtype=bool).reshape(L)
                         for r in RECOMPUTES}
+        # of a recomputation's moment, the gradients (`LayerCost.bwd_over_grads`)
+        self.work_grads = {r: np.array([c.bwd_over_grads.get(r, 0.0) for c in costs], dtype=float).reshape(L)
+                           for r in RECOMPUTES}
         # parameter elements per device: every layer's own, tied ones once per stage
         users: dict[str, list[int]] = {}
         elems: dict[str, float] = {}
@@ -253,8 +257,10 @@ class _Tables:
         # max_i (work_i - acts of layers i+1..j-1): the loss gradient of a last stage is live
         # before any recomputation, a block's recomputation after the head freed its logits.
         # Split by what the transient is: recomputed activations (`range_work_rc`) or activation
-        # gradients (`range_work_tmp`), each -inf where none of the range's layers has that kind
+        # gradients (`range_work_tmp`), each -inf where none of the range's layers has that kind;
+        # of the recomputed kind's moment, its gradients (`range_work_rc_grads`)
         self.range_work, self.range_work_rc, self.range_work_tmp = {}, {}, {}
+        self.range_work_rc_grads = {}
         for r, wk in self.work.items():
             P = self.act[r]
             rc_kind = self.work_rc[r]
@@ -262,6 +268,8 @@ class _Tables:
             Wrc = _range_max(np.where(rc_kind, v, -INF)) - P[None, :]
             Wtmp = _range_max(np.where(rc_kind, -INF, v)) - P[None, :]
             self.range_work_rc[r], self.range_work_tmp[r] = Wrc, Wtmp
+            at = _range_argmax(np.where(rc_kind, v, -INF))
+            self.range_work_rc_grads[r] = np.where(at >= 0, self.work_grads[r][np.maximum(at, 0)], 0.0)
             self.range_work[r] = np.maximum(np.maximum(Wrc, Wtmp), 0.0)
         self._outputs_held()
         self.range_root = np.where(self.valid, root, 0.0)
@@ -296,6 +304,9 @@ class _Tables:
                     mask = np.where(self.work_rc[r][:j] == rc_kind, v, -INF)
                     suffix = np.maximum.accumulate(mask[::-1])[::-1]       # max over i >= k
                     W[k, j] = suffix[k]
+                    if rc_kind:
+                        at = _suffix_argmax(mask)
+                        self.range_work_rc_grads[r][k, j] = self.work_grads[r][at]
                 self.range_work[r][k, j] = np.maximum(np.maximum(self.range_work_rc[r][k, j],
                                                                  self.range_work_tmp[r][k, j]), 0.0)
                 self.range_act[r][k, j] -= held
@@ -439,10 +450,14 @@ class _Tables:
 def _transient(tb: "_Tables", chunks: list[tuple[int, int]], r: str) -> tuple[float, float]:
     """A stage's backward transient above its saved activations, as (recomputed activations,
     activation gradients): the worst of its chunks' (one runs its backward at a time), the
-    larger kind only."""
-    rc = max(float(tb.range_work_rc[r][k, j]) for k, j in chunks)
+    larger kind only; a recomputation's moment holds the gradients of the op whose backward
+    runs beside what it re-made, counted as gradients (buffers) as a tracker counts them."""
+    rc, at = max((float(tb.range_work_rc[r][k, j]), (k, j)) for k, j in chunks)
     tmp = max(float(tb.range_work_tmp[r][k, j]) for k, j in chunks)
-    return (max(rc, 0.0), 0.0) if rc > tmp else (0.0, max(tmp, 0.0))
+    if rc > tmp and rc > 0:
+        g = min(float(tb.range_work_rc_grads[r][at]), rc)
+        return rc - g, g
+    return 0.0, max(tmp, 0.0)
 
 
 def _range_max(x: np.ndarray) -> np.ndarray:
@@ -453,6 +468,29 @@ def _range_max(x: np.ndarray) -> np.ndarray:
     i = np.arange(L)[None, :]
     run = np.maximum.accumulate(np.where(i >= k, x[None, :], -INF), axis=1)   # run[k, i] = max x[k..i]
     return np.concatenate([np.full((L, 1), -INF), run], axis=1)
+
+
+def _range_argmax(x: np.ndarray) -> np.ndarray:
+    """out[k, j] = the index of max(x[k:j]) (the last of equal ones; -1 where j <= k), the
+    companion of `_range_max`."""
+    x = np.asarray(x, dtype=float)
+    L = len(x)
+    k = np.arange(L)[:, None]
+    i = np.arange(L)[None, :]
+    vals = np.where(i >= k, x[None, :], -INF)
+    run = np.maximum.accumulate(vals, axis=1)
+    at = np.maximum.accumulate(np.where((i >= k) & (vals >= run), i, -1), axis=1)
+    return np.concatenate([np.full((L, 1), -1), at], axis=1)
+
+
+def _suffix_argmax(x: np.ndarray) -> np.ndarray:
+    """out[k] = the index of max(x[k:]) (the first of equal ones)."""
+    x = np.asarray(x, dtype=float)
+    n = len(x)
+    rev = x[::-1]
+    run = np.maximum.accumulate(rev)
+    last = np.maximum.accumulate(np.where(rev >= run, np.arange(n), -1))
+    return (n - 1 - last)[::-1]
 
 
 _LINEAR: dict[tuple, tuple[float, float]] = {}

@@ -56,6 +56,9 @@ class LayerCost:
     # recomputation or the forward's tensors) rather than gradient buffers
     bwd_over: dict[str, float] = field(default_factory=dict)
     bwd_over_rc: dict[str, bool] = field(default_factory=dict)
+    # of `bwd_over` where it is a recomputation's moment, the gradients its op holds (the rest
+    # are re-made activations; a tracker counts the two apart)
+    bwd_over_grads: dict[str, float] = field(default_factory=dict)
     # the loss's moment among them (`backward_over_loss`; absent: no loss) and the worst of the
     # others (`backward_over_body`), by policy
     bwd_over_loss: dict[str, float] = field(default_factory=dict)
@@ -142,6 +145,7 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
         fwd = am.forward_over_bytes > am.backward_over_bytes
         c.bwd_over[rc] = am.forward_over_bytes if fwd else am.backward_over_bytes
         c.bwd_over_rc[rc] = fwd or am.backward_over_recompute
+        c.bwd_over_grads[rc] = am.backward_over_grads if not fwd and am.backward_over_recompute else 0.0
         c.bwd_over_body[rc] = max(am.backward_over_body, am.forward_over_bytes)
         if am.backward_over_loss is not None:
             c.bwd_over_loss[rc] = am.backward_over_loss

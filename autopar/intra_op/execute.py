@@ -73,6 +73,7 @@ from torch.distributed.tensor.placement_types import Placement
 from autopar.capture.export import _WithLoss, default_loss, move_not_cast
 from autopar.intra_op.rules.loss import REDUCTION_ARG, reduction_of
 from autopar.intra_op.solution import OpChoice, ShardingSolution
+from autopar.runtime.memory_tracking import communication_buffers, now_activation
 from autopar.runtime.spmd import replace_parameters, to_placements
 from autopar.runtime.tied_grads import release
 from autopar.runtime.vocab_loss import loss_parallel_call
@@ -194,14 +195,17 @@ def _gather(x: DTensor, axis: int, dim: int) -> DTensor:
     references to its input and output for as long as its thread runs, so dropping ours alone
     leaves their memory held into the next ops (the shard past its last reader) for a time
     that varies from run to run. The memory model counts shard, copy, buffer and result at
-    the gather (`ilp_provider._gather_buffer`)."""
+    the gather (`ilp_provider._gather_buffer`), buffer and result as buffers there, which the
+    memory tracker is told (`communication_buffers`)."""
     mesh = x.device_mesh
     n = mesh.size(axis)
     src = x.to_local().clone(memory_format=torch.contiguous_format)
-    buf = src.new_empty((n * src.shape[0],) + tuple(src.shape[1:]))
-    dist.all_gather_into_tensor(buf, src, group=mesh.get_group(axis))
-    full = torch.cat(buf.chunk(n, dim=0), dim=dim)
+    with communication_buffers():
+        buf = src.new_empty((n * src.shape[0],) + tuple(src.shape[1:]))
+        dist.all_gather_into_tensor(buf, src, group=mesh.get_group(axis))
+        full = torch.cat(buf.chunk(n, dim=0), dim=dim)
     release(buf, src)
+    now_activation(full)
     pl = list(x.placements)
     pl[axis] = Replicate()
     return DTensor.from_local(full, mesh, pl, run_check=False, shape=x.shape, stride=x.stride())

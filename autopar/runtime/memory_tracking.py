@@ -45,6 +45,9 @@ temporaries         tensors made in the backward that are not parameter gradient
                     (activation gradients, FSDP's unsharded gradients and reduce-scatter inputs)
 sync_buffers        tensors made during the gradient sync / update outside the optimizer    buffers
                     step (flat all-reduce / reduce-scatter / all-gather buffers)
+comm_buffers        a forward redistribution's gather buffer and result while it runs       buffers
+                    (`communication_buffers`: the executor's `_gather`; the result is an
+                    activation once the gather is done), as the plan counts them there
 pipeline_buffers    torch.pipelining's receive buffers                                      buffers
 module_buffers      module buffers (rotary tables, masks)                                  buffers
 inputs              the step's batch                                                       buffers
@@ -83,9 +86,10 @@ step (the second: the first allocates AdamW's state lazily, mid-step) unless tol
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,6 +110,7 @@ class _Ref(_RefType):
     GATHERED = "gathered_params"
     MASTER = "master"
     SYNC = "sync_buffers"
+    COMM = "comm_buffers"
     PIPE = "pipeline_buffers"
     INPUT = "inputs"
 
@@ -114,14 +119,16 @@ _STICKY = frozenset({_Ref.GATHERED, _Ref.MASTER, _Ref.PIPE, _Ref.INPUT})
 _DETAIL = {
     _MemRefType.PARAM: "params", _Ref.GATHERED: "gathered_params", _Ref.MASTER: "master",
     _MemRefType.OPT: "optimizer_state", _MemRefType.GRAD: "gradients", _MemRefType.ACT: "activations",
-    _MemRefType.TEMP: "temporaries", _Ref.SYNC: "sync_buffers", _Ref.PIPE: "pipeline_buffers",
+    _MemRefType.TEMP: "temporaries", _Ref.SYNC: "sync_buffers", _Ref.COMM: "comm_buffers",
+    _Ref.PIPE: "pipeline_buffers",
     _MemRefType.BUFFER: "module_buffers", _Ref.INPUT: "inputs", _MemRefType.OTH: "other",
 }
 DETAIL_CATEGORIES = tuple(_DETAIL.values())
 PLAN_CATEGORY = {
     "params": "weights", "gathered_params": "weights", "master": "optimizer",
     "optimizer_state": "optimizer", "gradients": "gradients", "activations": "activations",
-    "temporaries": "buffers", "sync_buffers": "buffers", "pipeline_buffers": "buffers",
+    "temporaries": "buffers", "sync_buffers": "buffers", "comm_buffers": "buffers",
+    "pipeline_buffers": "buffers",
     "module_buffers": "buffers", "inputs": "buffers", "other": "buffers",
 }
 
@@ -186,6 +193,7 @@ class StepMemTracker(MemTracker):
         self._ref_class = [*_MemRefType, *_Ref]   # iterated for a device's snapshot keys only
         self.device = device
         self.phase = "forward_backward"
+        self.comm_depth = 0                       # inside `communication_buffers`
         self.master_grads = False                 # inside MasterWeights.step, before optimizer.step
         self.phase_peak: dict[str, tuple[int, dict]] = {}
         # `top` > 0: where each storage came from (op, shape, dtype, phase, innermost module,
@@ -222,6 +230,8 @@ class StepMemTracker(MemTracker):
     def _track(self, reftype: _RefType, t: torch.Tensor) -> None:
         if reftype == _MemRefType.ACT and self.phase != "forward_backward" and not self._in_opt:
             reftype = _MemRefType.GRAD if self.master_grads else _Ref.SYNC
+        elif reftype == _MemRefType.ACT and self.comm_depth:
+            reftype = _Ref.COMM
         super()._track(reftype, t)
         if self.top:
             self._note_origin(t)
@@ -410,6 +420,7 @@ def track_step(pm: Any, batch: Sequence[Any], counter: Any = None, *, sweep: boo
     the ParallelModel was built); they are listed in `MemoryReport.untracked` (a gc walk).
     `top` > 0: `MemoryReport.peak_tensors` lists the `top` largest storages alive at the peak,
     each with its label and the op, module, pass and phase that made it (slows the step)."""
+    global _ACTIVE
     mt = StepMemTracker(pm.device, top=top)
     register(mt, pm, batch)
     untracked, udesc = register_unregistered(mt, pm.device, skip) if sweep else (0, [])
@@ -458,11 +469,13 @@ def track_step(pm: Any, batch: Sequence[Any], counter: Any = None, *, sweep: boo
     restore.append(handle.remove)
     try:
         with mt:
+            _ACTIVE = mt
             start = mt.current_bytes()
             mt.enter_phase("forward_backward")
             out = pm.train_step(batch, counter=counter)
             end = mt.current_bytes()
     finally:
+        _ACTIVE = None
         for r in reversed(restore):
             r()
     peak_snap = mt.get_tracker_snapshot("peak").get(pm.device)
@@ -480,6 +493,36 @@ def track_step(pm: Any, batch: Sequence[Any], counter: Any = None, *, sweep: boo
                              phases=phases, start_bytes=start, end_bytes=end,
                              untracked_bytes=untracked, untracked=udesc, notes=notes,
                              peak_tensors=mt.peak_tensors)
+
+
+# -- the runtime's side: what it tells the tracker ----------------------------------------------
+
+_ACTIVE: StepMemTracker | None = None      # the tracker of the step `track_step` runs, if any
+
+
+@contextlib.contextmanager
+def communication_buffers() -> Iterator[None]:
+    """Tensors the forward makes inside are a redistribution's buffers ("comm_buffers"), not
+    activations: the plan counts a gather's buffer and result among the buffers at the moment
+    of the gather (`cost_models.memory._forward_over`). No effect when no step is tracked."""
+    mt = _ACTIVE
+    if mt is None:
+        yield
+        return
+    mt.comm_depth += 1
+    try:
+        yield
+    finally:
+        mt.comm_depth -= 1
+
+
+def now_activation(t: torch.Tensor) -> None:
+    """A redistribution's result, once made, is an activation like any other op's output (the
+    peak seen while it was made keeps it as a buffer). No effect when no step is tracked."""
+    mt = _ACTIVE
+    if mt is not None and any(mt._WINFO.get(st, (None,))[0] is not None
+                              and mt._WINFO[st][0].reftype == _Ref.COMM for st in get_untyped_storages(t)):
+        mt.label(t, _MemRefType.ACT)
 
 
 # -- the plan's side ---------------------------------------------------------------------------
