@@ -52,14 +52,21 @@ def test_hf_model_through_the_cli(tmp_path):
     assert "autopar plan for hf:gpt2" in r.stdout and autopar.load_plan(out).world_size == 32
 
 
-def test_tensor_parallelism_beyond_the_key_value_heads_is_refused_with_the_reason():
-    """Llama with 2 key/value heads: k_proj's 32 output features are 2 heads of 16; 4 ranks
-    cannot each take whole heads (the runtime's view of a 4-way split fails), so tp=4 pinned is
-    a PlanError naming the heads, and tp=2 plans."""
+def test_tensor_parallelism_beyond_the_key_value_heads_plans_where_the_executor_runs_it():
+    """Llama with 2 key/value heads: k_proj's 32 output features are 2 heads of 16, so 4 ranks
+    cannot each take whole heads. The executor runs the ILP's layout (tp=4 plans, op by op:
+    `tests/test_runtime_user_models.py` runs it against one process); DTensor's propagation,
+    which splits heads Megatron-style (tp under ZeRO-3), cannot, so tp=4 with ZeRO-3 is a
+    PlanError naming the heads and why."""
     ref = ("hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2&num_hidden_layers=2"
            "&num_attention_heads=4&seq_len=16&vocab_size=128")
-    cluster = autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": 4})
-    with pytest.raises(autopar.PlanError, match="tp=4 does not divide the 2 heads that model.layers.0.self_attn"):
-        plan(ref, cluster, global_batch_size=8, dtype="fp32", constraints=autopar.Constraints(dp=1, tp=4, pp=1))
-    assert plan(ref, cluster, global_batch_size=8, dtype="fp32",
-                constraints=autopar.Constraints(dp=2, tp=2, pp=1)).tp == 2
+    p = plan(ref, _cpu(4), global_batch_size=8, dtype="fp32", constraints=autopar.Constraints(dp=1, tp=4, pp=1))
+    assert p.tp == 4 and all(s.op_layouts is not None for s in p.stages)
+    with pytest.raises(autopar.PlanError, match="tp=4 does not divide the 2 heads that model.layers.0.self_attn"
+                                                ".*ZeRO-3 with tensor parallelism runs by DTensor propagation"):
+        plan(ref, _cpu(8), global_batch_size=8, dtype="fp32",
+             constraints=autopar.Constraints(dp=2, tp=4, pp=1, zero_stage=3))
+
+
+def _cpu(n: int) -> autopar.ClusterSpec:
+    return autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": n})

@@ -59,6 +59,9 @@ LAYOUTS = {
     # activation failed under DTensor propagation)
     "nanogpt_tp4_selective": (NANOGPT, dict(dp=1, tp=4, pp=1, recompute="selective")),
     "llama_kv4_tp4": (HF_LLAMA_KV4, dict(dp=1, tp=4, pp=1)),
+    # 2 KV heads over tp 4: the executor runs what the ILP solved (DTensor's Megatron-style head
+    # split cannot: each rank would hold half a head)
+    "llama_kv2_tp4": (HF_LLAMA, dict(dp=1, tp=4, pp=1)),
     # full recomputation as solved: each block's ops one checkpointed region (the rotary
     # embedding's no_grad subgraph inside), its forward collectives re-run in the backward
     "llama_dp2xtp2_full": (HF_LLAMA, dict(dp=2, tp=2, pp=1, zero_stage=1, recompute="full")),

@@ -165,7 +165,8 @@ class IlpProvider(AnalyticProvider):
         shard = lambda node: tp if node.name in sharded else 1  # noqa: E731
         names = self.boundary_names(layer)
         fill_activations(c, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1, **names)
-        c.issues = list(base.issues)          # the runtime shards heads Megatron-style
+        # DTensor's propagation shards heads Megatron-style; the executor runs the solution
+        c.dtensor_issues = list(base.issues)
         if not executor:
             return c
         # as the op-by-op executor runs the solution: differs only where some op reads an input

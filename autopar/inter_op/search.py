@@ -685,6 +685,12 @@ class Search:
                     # the costs the candidate is evaluated with: the executor's where it runs op
                     # by op as solved (a bound from the others could prune a faster plan)
                     solved = op_by_op(Candidate(dp, tp, pp, mb, m, "1f1b", 1, z))
+                    if not solved and tp > 1:
+                        diss = sorted({i for c in costs for i in c.dtensor_issues})
+                        if diss:
+                            issues.extend(f"{i} (ZeRO-3 with tensor parallelism runs by DTensor propagation)"
+                                          for i in diss)
+                            continue
                     if solved not in bounds:
                         cs = self._layer_costs(mb, tp, solved)
                         per_layer = sum(c.base_s for c in cs)
@@ -760,7 +766,7 @@ class Search:
             if len(tps) < 2 or self.L ** 2 * units * len(tps) * min(self.L, units) > HETERO_MAX_TABLE:
                 continue
             for mb in self.microbatches(D):
-                ok = [T for T in tps if not any(x.issues for x in self._layer_costs(mb, T))]
+                ok = [T for T in tps if not any(x.issues or x.dtensor_issues for x in self._layer_costs(mb, T))]
                 if len(ok) < 2:
                     continue
                 m = self.gbs // D // mb
