@@ -19,11 +19,17 @@ and whether the chunk's gradients exist. `held_split(...)` is its activation par
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import tempfile
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from operator import ge
+from pathlib import Path
 from types import SimpleNamespace
-from typing import Literal
+from typing import Literal, Optional
 
 import numpy as np
 
@@ -276,6 +282,16 @@ def _maximal(moments: list) -> tuple:
 
 @lru_cache(maxsize=65536)
 def _moments(kind: str, p: int, r: int, m: int, v: int) -> tuple[tuple, tuple]:
+    key = f"{kind} {p} {r} {m} {v}"
+    hit = _STORE.get(key)
+    if hit is not None:
+        return hit
+    out = _walk_moments(kind, p, r, m, v)
+    _STORE.add(key, out)
+    return out
+
+
+def _walk_moments(kind: str, p: int, r: int, m: int, v: int) -> tuple[tuple, tuple]:
     if not 0 <= r < p:
         raise ValueError(f"stage {r} is outside 0..{p - 1}")
     if p == 1 and v == 1:
@@ -287,6 +303,73 @@ def _moments(kind: str, p: int, r: int, m: int, v: int) -> tuple[tuple, tuple]:
     else:
         w = _walk_actions(cls, p, m, v, r, sends_kept=cls == "ScheduleGPipe")
     return w.finish(f"{cls} p={p} m={m} v={v} rank {r}")
+
+
+class _MomentStore:
+    """The walks' results on disk, beside the capture cache (`autopar.capture.cache.
+    default_cache_dir`): a search asks for up to a few thousand (schedule, p, rank, m, v), each a
+    walk of torch's action list (GPT-3 175B on 1536 GPUs: about 2 s of its search), and every
+    later search asks the same ones. Keyed by torch's version and this file's source (the walks
+    read torch's runners), one JSON file written whole to a temporary file and renamed into
+    place (`save`, after a search); a file that does not read back is ignored and rewritten.
+    `AUTOPAR_CACHE_DIR=""`-style empty directories and unwritable ones only cost the walks."""
+
+    def __init__(self) -> None:
+        self._data: Optional[dict[str, tuple[tuple, tuple]]] = None
+        self._new = 0
+
+    def path(self) -> Path:
+        from autopar.capture.cache import default_cache_dir
+
+        h = hashlib.sha256(torch_version().encode())
+        h.update(Path(__file__).read_bytes())
+        return default_cache_dir() / f"schedule-moments-{h.hexdigest()[:16]}.json"
+
+    def _load(self) -> dict[str, tuple[tuple, tuple]]:
+        if self._data is None:
+            self._data = {}
+            try:
+                raw = json.loads(self.path().read_text())
+                self._data = {k: tuple(tuple(tuple(x) for x in part) for part in val) for k, val in raw.items()}
+            except (OSError, ValueError, TypeError):
+                pass            # none yet, or unreadable: walked again and rewritten
+        return self._data
+
+    def get(self, key: str) -> Optional[tuple[tuple, tuple]]:
+        return self._load().get(key)
+
+    def add(self, key: str, value: tuple[tuple, tuple]) -> None:
+        self._load()[key] = value
+        self._new += 1
+
+    def save(self) -> None:
+        """Write the walks made since the last save (if any) to disk, atomically."""
+        if not self._new or self._data is None:
+            return
+        path = self.path()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".moments-", suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(self._data, f, separators=(",", ":"))
+            os.replace(tmp, path)
+            self._new = 0
+        except OSError as e:
+            warnings.warn(f"autopar: could not write the schedule cache {path}: {e}", stacklevel=2)
+
+
+_STORE = _MomentStore()
+
+
+def save_moments() -> None:
+    """Keep the schedule walks made so far on disk for later searches (`_MomentStore`)."""
+    _STORE.save()
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
 def held_moments(kind: str, num_stages: int, rank: int, num_microbatches: int,

@@ -765,3 +765,32 @@ def test_held_moments_are_the_maximal_moments_of_every_moment_walked(kind, p, m,
             assert set(got) <= set(part)
             assert all(any(all(g >= a for a, g in zip(x, y)) for y in got) for x in part)
             assert not any(x != y and all(b >= a for a, b in zip(x, y)) for x in got for y in got)
+
+
+def test_schedule_walks_kept_on_disk_read_back_equal(tmp_path, monkeypatch):
+    """The walks a search makes are saved beside the capture cache and read back by the next
+    process (`cost_models.schedules._MomentStore`): equal moments; an unreadable file is walked
+    again and rewritten."""
+    from cost_models import schedules
+
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+    cases = [("1f1b", 4, 1, 8, 1), ("gpipe", 2, 0, 4, 1), ("interleaved_1f1b", 2, 1, 4, 2)]
+    walked = {c: schedules._walk_moments(*c) for c in cases}
+    first = schedules._MomentStore()
+    monkeypatch.setattr(schedules, "_STORE", first)
+    schedules._moments.cache_clear()
+    got = {c: schedules.held_moments(*c) for c in cases}
+    schedules.save_moments()
+    (path,) = tmp_path.glob("schedule-moments-*.json")
+    second = schedules._MomentStore()              # a later process
+    for c in cases:
+        hit = second.get(" ".join(map(str, c)))
+        assert hit == walked[c]
+        assert all(np.array_equal(a, np.array(b, dtype=float).reshape(a.shape)) for a, b in zip(got[c], hit))
+    path.write_text("{not json")
+    third = schedules._MomentStore()
+    assert third.get("1f1b 4 1 8 1") is None
+    third.add("1f1b 4 1 8 1", walked[("1f1b", 4, 1, 8, 1)])
+    third.save()
+    assert schedules._MomentStore().get("1f1b 4 1 8 1") == walked[("1f1b", 4, 1, 8, 1)]
+    schedules._moments.cache_clear()

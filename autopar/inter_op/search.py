@@ -62,7 +62,16 @@ from autopar.schema import ClusterSpec, Constraints, PlanError
 from cost_models.communication import axis_collective_time
 from cost_models.compute import grad_accumulation_bytes, memory_time, optimizer_step_time
 from cost_models.memory import PRECISION_POLICIES, runtime_phases, usable_memory
-from cost_models.schedules import ACTS, GRADS, SCHEDULES, SENT_GRADS, SENT_OUTPUTS, held_moments, schedule_kind
+from cost_models.schedules import (
+    ACTS,
+    GRADS,
+    SCHEDULES,
+    SENT_GRADS,
+    SENT_OUTPUTS,
+    held_moments,
+    save_moments,
+    schedule_kind,
+)
 
 INF = float("inf")
 MAX_MICROBATCH = 64
@@ -668,6 +677,14 @@ class Search:
 
     # -- run -------------------------------------------------------------------------------------
     def run(self) -> SearchResult:
+        """The best candidate (`SearchResult`); the schedule walks it made are kept on disk for
+        the next search (`cost_models.schedules.save_moments`), found or not."""
+        try:
+            return self._run()
+        finally:
+            save_moments()
+
+    def _run(self) -> SearchResult:
         t0 = time.perf_counter()
         meshes = self.meshes()
         issues: list[str] = []
