@@ -27,7 +27,7 @@ from autopar.inter_op.stage_layouts import produced_layouts, stage_layouts
 from autopar.models import ModelBundle, build_model
 from autopar.schema import ClusterSpec, Constraints, ModelInfo, Plan, PlanError, Prediction, StagePlan, StagePrediction
 from autopar.schema.layouts import StageLayouts
-from autopar.schema.plan import TRAINING_DTYPES
+from autopar.schema.plan import TRAINING_DTYPES, PhasePrediction
 from cost_models.compute import attention_core
 from cost_models.memory import usable_memory
 
@@ -190,7 +190,12 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
             bubble_s=max(0.0, c.iteration_s - m * st.t_mb - st.sync_s - st.opt_s) * share,
             weights_bytes=st.weights_bytes, gradients_bytes=st.gradients_bytes,
             optimizer_bytes=st.optimizer_bytes, activations_bytes=st.activations_bytes,
-            buffers_bytes=st.buffers_bytes, peak_phase=st.peak_phase, peak_memory_bytes=st.peak_bytes)
+            buffers_bytes=st.buffers_bytes, peak_phase=st.peak_phase, peak_memory_bytes=st.peak_bytes,
+            phases={name: PhasePrediction(
+                weights_bytes=float(ph.weights), gradients_bytes=float(ph.gradients),
+                optimizer_bytes=float(ph.optimizer), activations_bytes=float(ph.activations),
+                buffers_bytes=float(ph.buffers), peak_memory_bytes=float(ph.total))
+                for name, ph in st.phase_peaks().items()})
         units = None
         if c.zero == 3 and c.dp > 1:
             zunits[(k, j)] = zero3_units(graph, mods, len(chunks) > 1, {f for lay in layers[k:j] for f in lay.params})

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from autopar.runtime.memory_tracking import DETAIL_CATEGORIES
-from benchmarks.memory_accuracy import category_within, compare, make_plans, measure
+from benchmarks.memory_accuracy import category_within, compare, make_plans, measure, phase_categories
 
 pytestmark = pytest.mark.slow
 
@@ -105,6 +105,26 @@ def test_predicted_categories_within_tolerance_of_tracked(measured, case):
             got = r["tracked_categories"][cat]
             assert category_within(got, pred, TOLERANCE), \
                 f"{case} rank {r['rank']} {cat}: tracked {got} predicted {pred:.0f}\n{_table(rec)}"
+
+
+# Each phase's own peak (forward/backward, gradient sync, optimizer step: `StagePrediction.phases`
+# against `MemoryReport.phases`), every category. Known misses, strict:
+PHASE_MISSES = {
+    "dp2_zero2": "ZeRO-1/2's gradient sync (not the step's peak) holds about one more bf16 flat "
+                 "gradient than predicted: buffers 151 / 92 KiB",
+    "pp2_1f1b_full": CATEGORY_MISSES["pp2_1f1b_full"],
+}
+
+
+@pytest.mark.parametrize("case", _cases(PHASE_MISSES))
+def test_every_phase_predicted_by_category(measured, case):
+    for r in _ranks(measured, case):
+        rows = phase_categories(r)
+        # no gradient sync phase without data parallelism in the plan
+        assert {ph for ph, *_ in rows} >= {"forward_backward", "optimizer"}, rows
+        for ph, cat, got, pred in rows:
+            assert category_within(got, pred, TOLERANCE), \
+                f"{case} rank {r['rank']} {ph} {cat}: tracked {got} predicted {pred:.0f}"
 
 
 def test_harness_sees_the_model_states_the_runtime_holds(measured):

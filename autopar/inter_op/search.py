@@ -102,6 +102,15 @@ class StageResult:
     tp: int = 1                       # this stage's tensor-parallel degree
     devices: list[int] = field(default_factory=list)
     tables: Optional["_Tables"] = None
+    phases: list = field(default_factory=list)   # every phase / moment costed (`PhaseMemory`)
+
+    def phase_peaks(self) -> dict[str, Any]:
+        """The largest moment of each phase (`PhaseMemory` by phase name)."""
+        out: dict[str, Any] = {}
+        for ph in self.phases:
+            if ph.phase not in out or float(ph.total) > float(out[ph.phase].total):
+                out[ph.phase] = ph
+        return out
 
 
 @dataclass
@@ -1077,7 +1086,8 @@ class Search:
         sync = tb.sync(pel) + sum(float(tb.iter[j] - tb.iter[k]) for k, j in chunks)
         return StageResult(chunks, r, t, comp, max(0.0, t - comp), sync, tb.opt(pel, tb.param_tensors(chunks)), pel,
                            float(top.weights), float(top.gradients), float(top.optimizer), float(top.activations),
-                           float(top.buffers), top.phase, float(top.total), tp=tb.tp, tables=tb)
+                           float(top.buffers), top.phase, float(top.total), tp=tb.tp, tables=tb,
+                           phases=phases)
 
     def _finish(self, cand: Candidate, tb: _Tables, stages: list[StageResult], pipeline_s: float) -> None:
         if not all(st.devices for st in stages):

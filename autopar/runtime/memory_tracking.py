@@ -37,7 +37,10 @@ params              module parameters as the rank holds them (bf16 copies under 
 gathered_params     FSDP2's unsharded (all-gathered) parameters, live between a unit's      weights
                     all-gather and its reshard
 master              fp32 masters (see above)                                               optimizer
-optimizer_state     AdamW's moments and step counters, and the optimizer step's temporaries optimizer
+optimizer_state     AdamW's moments and step counters (registered: they exist before the    optimizer
+                    tracked step)
+optimizer_temps     what the optimizer step makes (AdamW's `exp_avg_sq.sqrt()` and its      buffers
+                    quotient), as the plan counts them (`cost_models.memory.ADAMW_TEMPORARIES`)
 gradients           parameter gradients (incl. the masters' fp32 gradients and the flat     gradients
                     shard's gradient, from their creation)
 activations         tensors made in forward (and in recomputation during the backward)      activations
@@ -55,10 +58,11 @@ other               anything else registered                                    
 ==================  =================================================================  ===========
 
 Phases (`MemoryReport.phases`): "forward_backward" (`pm.forward_backward`, every micro-batch and
-pipeline schedule), "grad_sync" (`pm.sync_and_update` up to the optimizer step: gradients moved
-to their layouts, dp all-reduce or reduce-scatter, tied-weight sync, fp32 gradient copies of the
-masters), "optimizer" (the optimizer step and what follows it: the masters' copy into the
-parameters, ZeRO-1/2's all-gather of the updated shard).
+pipeline schedule), "grad_sync" (`pm.sync_and_update` up to the update: gradients moved to their
+layouts, dp all-reduce or reduce-scatter, tied-weight sync), "optimizer" (the update: the fp32
+gradient copies of the masters, the optimizer step and what follows it: the masters' copy into
+the parameters, ZeRO-1/2's all-gather of the updated shard), as the plan's phases
+(`cost_models.memory.runtime_phases`: "optimizer_step" there) divide the step.
 
 Workarounds of MemTracker's limits, each for a reason seen on this runtime:
 
@@ -111,6 +115,7 @@ class _Ref(_RefType):
     MASTER = "master"
     SYNC = "sync_buffers"
     COMM = "comm_buffers"
+    OPT_TMP = "optimizer_temps"
     PIPE = "pipeline_buffers"
     INPUT = "inputs"
 
@@ -118,7 +123,8 @@ class _Ref(_RefType):
 _STICKY = frozenset({_Ref.GATHERED, _Ref.MASTER, _Ref.PIPE, _Ref.INPUT})
 _DETAIL = {
     _MemRefType.PARAM: "params", _Ref.GATHERED: "gathered_params", _Ref.MASTER: "master",
-    _MemRefType.OPT: "optimizer_state", _MemRefType.GRAD: "gradients", _MemRefType.ACT: "activations",
+    _MemRefType.OPT: "optimizer_state", _Ref.OPT_TMP: "optimizer_temps", _MemRefType.GRAD: "gradients",
+    _MemRefType.ACT: "activations",
     _MemRefType.TEMP: "temporaries", _Ref.SYNC: "sync_buffers", _Ref.COMM: "comm_buffers",
     _Ref.PIPE: "pipeline_buffers",
     _MemRefType.BUFFER: "module_buffers", _Ref.INPUT: "inputs", _MemRefType.OTH: "other",
@@ -126,7 +132,8 @@ _DETAIL = {
 DETAIL_CATEGORIES = tuple(_DETAIL.values())
 PLAN_CATEGORY = {
     "params": "weights", "gathered_params": "weights", "master": "optimizer",
-    "optimizer_state": "optimizer", "gradients": "gradients", "activations": "activations",
+    "optimizer_state": "optimizer", "optimizer_temps": "buffers", "gradients": "gradients",
+    "activations": "activations",
     "temporaries": "buffers", "sync_buffers": "buffers", "comm_buffers": "buffers",
     "pipeline_buffers": "buffers",
     "module_buffers": "buffers", "inputs": "buffers", "other": "buffers",
@@ -232,6 +239,10 @@ class StepMemTracker(MemTracker):
             reftype = _MemRefType.GRAD if self.master_grads else _Ref.SYNC
         elif reftype == _MemRefType.ACT and self.comm_depth:
             reftype = _Ref.COMM
+        elif reftype == _MemRefType.OPT:
+            # the states exist before the tracked step (`register`): what the step makes is its
+            # temporaries
+            reftype = _Ref.OPT_TMP
         super()._track(reftype, t)
         if self.top:
             self._note_origin(t)
@@ -456,7 +467,13 @@ def track_step(pm: Any, batch: Sequence[Any], counter: Any = None, *, sweep: boo
         def stop_master_grads() -> None:
             mt.master_grads = False
 
-        wrap(masters, "step", lambda: setattr(mt, "master_grads", True), stop_master_grads)
+        def start_master_grads() -> None:
+            # the masters' fp32 gradients are made for the update: the plan's optimizer-step
+            # phase (`cost_models.memory.runtime_phases`) holds them
+            mt.master_grads = True
+            mt.enter_phase("optimizer")
+
+        wrap(masters, "step", start_master_grads, stop_master_grads)
 
     def opt_pre(opt: Any, args: Any, kwargs: Any) -> None:
         mt.master_grads = False
@@ -541,10 +558,18 @@ def predicted_for_rank(plan: Any, rank: int) -> dict | None:
     return None if best is None else predicted_of_stage(best)
 
 
+# the plan's phase names (`schema.plan.MemoryPhase`) -> the tracker's (`PHASES`)
+TRACKED_PHASE = {"forward_backward": "forward_backward", "grad_sync": "grad_sync", "optimizer_step": "optimizer"}
+
+
 def predicted_of_stage(s: Any) -> dict:
-    """A stage's predicted memory as a flat dict (fields the plan may not carry default to 0 / "")."""
+    """A stage's predicted memory as a flat dict (fields the plan may not carry default to 0 / "");
+    `phases`: each phase's peak by the tracker's phase names (plans of format_version 6 on)."""
     p = s.predicted
-    return {"stage": s.index, "peak_bytes": float(p.peak_memory_bytes),
+    phases = {TRACKED_PHASE.get(k, k): {"peak_bytes": float(v.peak_memory_bytes),
+                                         **{c: float(getattr(v, f"{c}_bytes")) for c in PLAN_CATEGORIES}}
+              for k, v in (getattr(p, "phases", None) or {}).items()}
+    return {"stage": s.index, "peak_bytes": float(p.peak_memory_bytes), "phases": phases,
             "weights": float(getattr(p, "weights_bytes", 0.0) or 0.0),
             "gradients": float(getattr(p, "gradients_bytes", 0.0) or 0.0),
             "optimizer": float(getattr(p, "optimizer_bytes", 0.0) or 0.0),

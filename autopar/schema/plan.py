@@ -22,7 +22,7 @@ from autopar.schema.layouts import StageLayouts
 from autopar.schema.placement import Placement  # "R", "S(d)" or "P", validated
 
 # 4: pipeline chunks carry op_layouts (`StageLayouts.receives`); 3 added op_layouts
-PLAN_FORMAT_VERSION = 5
+PLAN_FORMAT_VERSION = 6
 
 TrainingDtype = Literal["fp32", "bf16", "fp16"]
 TRAINING_DTYPES: tuple[str, ...] = get_args(TrainingDtype)
@@ -47,6 +47,18 @@ class ModelInfo(_Model):
 MemoryPhase = Literal["forward_backward", "grad_sync", "optimizer_step"]
 
 
+class PhasePrediction(_Model):
+    """Per-device memory at the peak of one phase of the step, by category (they add up to
+    `peak_memory_bytes`): what a tracker's per-phase peak is compared with."""
+
+    weights_bytes: float = Field(ge=0)
+    gradients_bytes: float = Field(ge=0)
+    optimizer_bytes: float = Field(ge=0)
+    activations_bytes: float = Field(ge=0)
+    buffers_bytes: float = Field(ge=0)
+    peak_memory_bytes: float = Field(ge=0)
+
+
 class StagePrediction(_Model):
     """Per-iteration time split and per-device memory of one stage. The memory figures are
     those at the device's peak, reached in `peak_phase` of the step; they add up to
@@ -63,6 +75,9 @@ class StagePrediction(_Model):
                                  "communication buffers, gathered ZeRO-3 layers)")
     peak_phase: MemoryPhase = "forward_backward"
     peak_memory_bytes: float = Field(ge=0)
+    # each phase's own peak (the one in `peak_phase` is the figures above); empty in plans of
+    # format_version 5 and earlier
+    phases: dict[MemoryPhase, PhasePrediction] = Field(default_factory=dict)
 
 
 def _folded(fqns: list[str]) -> str:
@@ -293,6 +308,10 @@ class Plan(_Model):
                      ("buffers", sp.buffers_bytes)]
             tail += (f"\npeak memory at {sp.peak_phase.replace('_', ' ')} of stage {top.index}: "
                      + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts if v))
+            others = [(k, v) for k, v in sp.phases.items() if k != sp.peak_phase]
+            if others:
+                tail += " (its other phases' peaks: " + ", ".join(
+                    f"{k.replace('_', ' ')} {format_bytes(v.peak_memory_bytes)}" for k, v in others) + ")"
         tail += f"\ncollectives per step: {coll}"
         if self.search.get("tp_counts_fallback"):
             tail += f" (counted another way for {self.search['tp_counts_fallback']})"
