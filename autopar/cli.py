@@ -102,7 +102,7 @@ def plan_cmd(model_ref: str, cluster: str, nodes: Optional[int], devices_per_nod
     graph = capture(bundle.model, bundle.example_inputs, name=bundle.name, cache=not no_cache)
     t.append(time.perf_counter())
     p = plan_model(bundle, spec, global_batch_size=global_batch_size, dtype=dtype, constraints=cons,
-                   progress=not quiet, graph=graph)
+                   progress=not quiet, graph=graph, cache=not no_cache)
     t.append(time.perf_counter())
     if output:
         p.save(output)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch.nn as nn
 
 from autopar.capture import OpGraph, capture
+from autopar.capture.cache import cache_directory
 from autopar.inter_op.dtensor_counts import LayerCounts, dtensor_stage_counts, dtensor_tp_counts
 from autopar.inter_op.layers import Layer, build_layers
 from autopar.inter_op.search import Candidate, Search, SearchResult, StageResult, op_by_op
@@ -30,6 +31,7 @@ from autopar.schema.layouts import StageLayouts
 from autopar.schema.plan import TRAINING_DTYPES, PhasePrediction
 from cost_models.compute import attention_core
 from cost_models.memory import usable_memory
+from cost_models.schedules import moments_directory
 
 
 def resolve_model(model: Any, example_inputs: Optional[Sequence[Any]], name: Optional[str]) -> ModelBundle:
@@ -82,7 +84,8 @@ def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Optional[Sequen
          cache: Any = None) -> Plan:
     """The fastest plan that fits (see the module docstring). `graph` skips the capture when
     the caller already has the model's OpGraph; `cache` (True, a directory or a
-    `capture.cache.CaptureCache`) reads and writes captures there."""
+    `capture.cache.CaptureCache`) reads and writes captures there, and the search's schedule
+    walks (`cost_models.schedules.moments_directory`)."""
     if dtype not in TRAINING_DTYPES:
         raise PlanError(f"dtype {dtype!r} is not supported; use bf16, fp16 or fp32")
     if not isinstance(global_batch_size, int) or global_batch_size < 1:
@@ -95,6 +98,7 @@ def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Optional[Sequen
     t1 = time.perf_counter()
     layers = build_layers(graph, bundle.model)
     provider = make_provider(intra_op, graph, layers, spec, dtype)
+    moments_directory(cache_directory(cache))     # the schedule walks kept beside the captures
     res = Search(graph, layers, spec, global_batch_size, dtype, cons, provider, progress).run()
     return assemble(bundle, graph, spec, res, global_batch_size, dtype, time.perf_counter() - t1,
                     loss_fn=loss_fn)

@@ -306,28 +306,41 @@ def _walk_moments(kind: str, p: int, r: int, m: int, v: int) -> tuple[tuple, tup
 
 
 class _MomentStore:
-    """The walks' results on disk, beside the capture cache (`autopar.capture.cache.
-    default_cache_dir`): a search asks for up to a few thousand (schedule, p, rank, m, v), each a
-    walk of torch's action list (GPT-3 175B on 1536 GPUs: about 2 s of its search), and every
-    later search asks the same ones. Keyed by torch's version and this file's source (the walks
-    read torch's runners), one JSON file written whole to a temporary file and renamed into
-    place (`save`, after a search); a file that does not read back is ignored and rewritten.
-    `AUTOPAR_CACHE_DIR=""`-style empty directories and unwritable ones only cost the walks."""
+    """The walks' results on disk, in the capture cache's directory when the caller uses one
+    (`use_directory`: `autopar plan` does, unless `--no-cache`): a search asks for up to a few
+    thousand (schedule, p, rank, m, v), each a walk of torch's action list (GPT-3 175B on 1536
+    GPUs: about 2 s of its search), and every later search asks the same ones. Keyed by torch's
+    version and this file's source (the walks read torch's runners), one JSON file written whole
+    to a temporary file and renamed into place (`save`, after a search); a file that does not
+    read back is ignored and rewritten; an unwritable directory only costs the walks (warned)."""
 
     def __init__(self) -> None:
         self._data: Optional[dict[str, tuple[tuple, tuple]]] = None
         self._new = 0
+        self.directory: Optional[Path] = None
+
+    def use_directory(self, directory: Optional[Path | str]) -> None:
+        """Read and write the walks under `directory` (None: memory only). Walks made so far are
+        kept and saved there too."""
+        directory = Path(directory) if directory is not None else None
+        if directory != self.directory:
+            self.directory = directory
+            mine = self._data or {}
+            self._data = None
+            if directory is not None:
+                self._new += len(mine)
+                self._load().update(mine)
 
     def path(self) -> Path:
-        from autopar.capture.cache import default_cache_dir
-
         h = hashlib.sha256(torch_version().encode())
         h.update(Path(__file__).read_bytes())
-        return default_cache_dir() / f"schedule-moments-{h.hexdigest()[:16]}.json"
+        return Path(self.directory or ".") / "schedules" / f"moments-{h.hexdigest()[:16]}.json"
 
     def _load(self) -> dict[str, tuple[tuple, tuple]]:
         if self._data is None:
             self._data = {}
+            if self.directory is None:
+                return self._data
             try:
                 raw = json.loads(self.path().read_text())
                 self._data = {k: tuple(tuple(tuple(x) for x in part) for part in val) for k, val in raw.items()}
@@ -344,7 +357,7 @@ class _MomentStore:
 
     def save(self) -> None:
         """Write the walks made since the last save (if any) to disk, atomically."""
-        if not self._new or self._data is None:
+        if not self._new or self._data is None or self.directory is None:
             return
         path = self.path()
         try:
@@ -362,8 +375,14 @@ _STORE = _MomentStore()
 
 
 def save_moments() -> None:
-    """Keep the schedule walks made so far on disk for later searches (`_MomentStore`)."""
+    """Keep the schedule walks made so far on disk for later searches (`_MomentStore`), in the
+    directory `moments_directory` set (nothing without one)."""
     _STORE.save()
+
+
+def moments_directory(directory: Optional[Path | str]) -> None:
+    """Where the schedule walks are kept across processes (`_MomentStore`); None: not on disk."""
+    _STORE.use_directory(directory)
 
 
 def torch_version() -> str:

@@ -768,12 +768,11 @@ def test_held_moments_are_the_maximal_moments_of_every_moment_walked(kind, p, m,
 
 
 def test_schedule_walks_kept_on_disk_read_back_equal(tmp_path, monkeypatch):
-    """The walks a search makes are saved beside the capture cache and read back by the next
-    process (`cost_models.schedules._MomentStore`): equal moments; an unreadable file is walked
-    again and rewritten."""
+    """The walks a search makes are saved in the capture cache's directory and read back by the
+    next process (`cost_models.schedules._MomentStore`): equal moments; an unreadable file is
+    walked again and rewritten; without a directory nothing is written."""
     from cost_models import schedules
 
-    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
     cases = [("1f1b", 4, 1, 8, 1), ("gpipe", 2, 0, 4, 1), ("interleaved_1f1b", 2, 1, 4, 2)]
     walked = {c: schedules._walk_moments(*c) for c in cases}
     first = schedules._MomentStore()
@@ -781,16 +780,23 @@ def test_schedule_walks_kept_on_disk_read_back_equal(tmp_path, monkeypatch):
     schedules._moments.cache_clear()
     got = {c: schedules.held_moments(*c) for c in cases}
     schedules.save_moments()
-    (path,) = tmp_path.glob("schedule-moments-*.json")
-    second = schedules._MomentStore()              # a later process
+    assert not list(tmp_path.iterdir())             # no directory given: memory only
+    schedules.moments_directory(tmp_path)           # the walks so far are kept there
+    schedules.save_moments()
+    (path,) = tmp_path.glob("schedules/moments-*.json")
+    second = schedules._MomentStore()               # a later process
+    second.use_directory(tmp_path)
     for c in cases:
         hit = second.get(" ".join(map(str, c)))
         assert hit == walked[c]
         assert all(np.array_equal(a, np.array(b, dtype=float).reshape(a.shape)) for a, b in zip(got[c], hit))
     path.write_text("{not json")
     third = schedules._MomentStore()
+    third.use_directory(tmp_path)
     assert third.get("1f1b 4 1 8 1") is None
     third.add("1f1b 4 1 8 1", walked[("1f1b", 4, 1, 8, 1)])
     third.save()
-    assert schedules._MomentStore().get("1f1b 4 1 8 1") == walked[("1f1b", 4, 1, 8, 1)]
+    fourth = schedules._MomentStore()
+    fourth.use_directory(tmp_path)
+    assert fourth.get("1f1b 4 1 8 1") == walked[("1f1b", 4, 1, 8, 1)]
     schedules._moments.cache_clear()

@@ -32,7 +32,8 @@ from typing import Any, Optional, Sequence
 
 from autopar.capture.graph import OpGraph, OpNode, ParamInfo, Ref, SymDim, TensorMeta
 
-__all__ = ["FORMAT", "CaptureCache", "CacheWarning", "cached_capture", "default_cache_dir", "model_key"]
+__all__ = ["FORMAT", "CaptureCache", "CacheWarning", "cache_directory", "cached_capture", "default_cache_dir",
+           "model_key"]
 
 log = logging.getLogger(__name__)
 
@@ -270,6 +271,18 @@ class CaptureCache:
                           f"continuing without it", CacheWarning, stacklevel=3)
             return None
         return p
+
+
+def cache_directory(cache: Any) -> Optional[Path]:
+    """The directory a `cache` argument names (True: the default one; a directory; a
+    CaptureCache), or None for no cache (None, False)."""
+    if isinstance(cache, CaptureCache):
+        return cache.directory
+    if cache is True:
+        return default_cache_dir()
+    if isinstance(cache, (str, Path)):
+        return Path(cache)
+    return None
 
 
 def cached_capture(model: Any, example_inputs: Sequence[Any], *, cache: Any = True, loss_fn: Any = None,
