@@ -939,9 +939,24 @@ class PhaseMemory:
 ADAMW_TEMPORARIES = 2
 
 
+# The collective library the runtime uses on a device type (`runtime.worker.init_distributed`:
+# NCCL on GPU, gloo on CPU), and whether its reduce-scatter into a tensor works on a copy of its
+# input: gloo's does (torch 2.13, torch/csrc/distributed/c10d/ProcessGroupGloo.cpp,
+# `reduce_scatter_tensor_coalesced`: the input is cloned, the clone all-reduced, this rank's
+# chunk copied out), NCCL's reduces in place into the output.
+COLLECTIVE_BACKEND = {"cpu": "gloo", "cuda": "nccl"}
+REDUCE_SCATTER_COPIES_INPUT = {"gloo": True, "nccl": False}
+
+
+def reduce_scatter_copies_input(device_type: Optional[str]) -> bool:
+    """Whether a reduce-scatter on `device_type` (its runtime backend) holds a copy of its input."""
+    return REDUCE_SCATTER_COPIES_INPUT.get(COLLECTIVE_BACKEND.get(device_type or "cuda", "nccl"), False)
+
+
 def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, dp: int = 1, *,
                    num_microbatches: int = 1, gathered_params: Any = 0.0,
-                   largest_tensor: Any = 0.0, prefetch_params: Any = 0.0) -> list[PhaseMemory]:
+                   largest_tensor: Any = 0.0, prefetch_params: Any = 0.0,
+                   rs_copies_input: bool = False) -> list[PhaseMemory]:
     """Model-state bytes per device in each phase of a step, as `autopar.runtime` keeps them
     (activations left at 0: the caller adds them to "forward_backward"). `num_params` are the
     device's parameter elements (after tensor and pipeline parallelism; numbers or numpy
@@ -958,7 +973,8 @@ def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, d
     - ZeRO 1 and 2: the runtime accumulates full gradients in the backward and reduce-scatters
       them once per step (no bucketed reduce-scatter during the backward), so both hold
       w + g + o/D in the backward; the sync moves the gradients into a flat buffer (freeing
-      each as it is copied) and reduce-scatters it (+g + g/D); the sharded step holds an fp32
+      each as it is copied) and reduce-scatters it (+g + g/D; +g more where the backend's
+      reduce-scatter copies its input, `rs_copies_input`: gloo); the sharded step holds an fp32
       gradient shard (4/D); the all-gather of the updated weights fills a full flat buffer
       (+w + w/D). With fp32 training the flat fp32 shard the optimizer steps is a copy of the
       weights: o/D + 4/D.
@@ -990,7 +1006,7 @@ def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, d
     if z in (1, 2):
         opt = (o if mixed else o + 4.0) * P / D
         return [PhaseMemory("forward_backward", w * P, g * P, opt, 0.0 * P),
-                PhaseMemory("grad_sync", w * P, 0.0 * P, opt, g * P + g * P / D),
+                PhaseMemory("grad_sync", w * P, 0.0 * P, opt, g * P * (2 if rs_copies_input else 1) + g * P / D),
                 PhaseMemory("optimizer_step", w * P, 4.0 * P / D, opt, ADAMW_TEMPORARIES * 4.0 * P / D),
                 PhaseMemory("grad_sync", w * P, 0.0 * P, opt, w * P + w * P / D)]
     # ZeRO 3

@@ -800,3 +800,16 @@ def test_schedule_walks_kept_on_disk_read_back_equal(tmp_path, monkeypatch):
     fourth.use_directory(tmp_path)
     assert fourth.get("1f1b 4 1 8 1") == walked[("1f1b", 4, 1, 8, 1)]
     schedules._moments.cache_clear()
+
+
+def test_gloo_reduce_scatter_holds_a_copy_of_its_input_nccl_does_not():
+    """ZeRO-1/2's gradient sync: gloo (the CPU runtime's backend) clones the flat gradient it
+    reduce-scatters; NCCL reduces in place. The phase holds one more flat gradient on CPU."""
+    from cost_models.memory import reduce_scatter_copies_input
+
+    assert reduce_scatter_copies_input("cpu") and not reduce_scatter_copies_input("cuda")
+    P = 1000.0
+    gpu = {ph.phase: ph for ph in runtime_phases(P, "bf16", 1, 2)}
+    cpu = {ph.phase: ph for ph in runtime_phases(P, "bf16", 1, 2, rs_copies_input=True)}
+    assert cpu["grad_sync"].buffers - gpu["grad_sync"].buffers == 2 * P      # one bf16 flat gradient
+    assert cpu["optimizer_step"].total == gpu["optimizer_step"].total

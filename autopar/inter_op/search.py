@@ -61,7 +61,7 @@ from autopar.inter_op.stage_cost import RECOMPUTES, AnalyticProvider, LayerCost,
 from autopar.schema import ClusterSpec, Constraints, PlanError
 from cost_models.communication import axis_collective_time
 from cost_models.compute import grad_accumulation_bytes, memory_time, optimizer_step_time
-from cost_models.memory import PRECISION_POLICIES, runtime_phases, usable_memory
+from cost_models.memory import PRECISION_POLICIES, reduce_scatter_copies_input, runtime_phases, usable_memory
 from cost_models.schedules import (
     ACTS,
     GRADS,
@@ -361,7 +361,8 @@ class _Tables:
         `largest`: the largest parameter tensor's elements."""
         return runtime_phases(pel, self.dtype, self.zero, self.dp, num_microbatches=m,
                               gathered_params=root + unit if self.zero3 else 0.0,
-                              prefetch_params=unit if self.zero3 else 0.0, largest_tensor=largest)
+                              prefetch_params=unit if self.zero3 else 0.0, largest_tensor=largest,
+                              rs_copies_input=reduce_scatter_copies_input(self.cluster.device.device_type))
 
     @functools.cached_property
     def range_unit(self) -> np.ndarray:
