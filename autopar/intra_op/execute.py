@@ -73,7 +73,7 @@ from torch.distributed.tensor.placement_types import Placement
 from autopar.capture.export import _WithLoss, default_loss, move_not_cast
 from autopar.intra_op.rules.loss import REDUCTION_ARG, reduction_of
 from autopar.intra_op.solution import OpChoice, ShardingSolution
-from autopar.runtime.memory_tracking import communication_buffers, now_activation
+from autopar.runtime.memory_tracking import communication_buffers, now_activation, recomputing
 from autopar.runtime.spmd import replace_parameters, to_placements
 from autopar.runtime.tied_grads import release
 from autopar.runtime.vocab_loss import loss_parallel_call
@@ -744,8 +744,9 @@ class _PlanInterpreter(torch.fx.Interpreter):
             self.env, self.junction_values = dict(zip(ext, vals)), {}
             self.regather.paused += 1       # the checkpoint's own hooks hold what the region saves
             try:
-                for m in span:
-                    self.env[m] = self._run_one(m)
+                with recomputing():
+                    for m in span:
+                        self.env[m] = self._run_one(m)
                 return tuple(self.env[o] for o in outs)
             finally:
                 self.env, self.junction_values = outer_env, outer_j

@@ -533,6 +533,23 @@ def communication_buffers() -> Iterator[None]:
         mt.comm_depth -= 1
 
 
+@contextlib.contextmanager
+def recomputing() -> Iterator[None]:
+    """A checkpointed region's ops run inside: what they make in the backward (the re-run
+    forward) is activations, as MemTracker counts a checkpointed module's re-run (`_in_ac`)
+    and the plan its recomputation's working set. For regions that are no module (the
+    executor's spans of the exported program). No effect when no step is tracked."""
+    mt = _ACTIVE
+    if mt is None or mt._in_ac:
+        yield
+        return
+    mt._in_ac = True
+    try:
+        yield
+    finally:
+        mt._in_ac = False
+
+
 def now_activation(t: torch.Tensor) -> None:
     """A redistribution's result, once made, is an activation like any other op's output (the
     peak seen while it was made keeps it as a buffer). No effect when no step is tracked."""
