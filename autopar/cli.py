@@ -78,8 +78,9 @@ def _cluster(name: str, nodes: Optional[int], devices_per_node: Optional[int]):
 @click.option("--timings", is_flag=True, hidden=True,
               help="print the command's parts' wall times to stderr as JSON (benchmarks/search_time.py)")
 @click.option("--no-cache", is_flag=True,
-              help="capture the model anew, neither reading nor writing the capture cache "
-                   "($XDG_CACHE_HOME/autopar/captures, or $AUTOPAR_CACHE_DIR)")
+              help="capture and solve anew, neither reading nor writing the cache (captures, "
+                   "per-layer intra-op solutions, schedule walks: $XDG_CACHE_HOME/autopar/captures, "
+                   "or $AUTOPAR_CACHE_DIR)")
 def plan_cmd(model_ref: str, cluster: str, nodes: Optional[int], devices_per_node: Optional[int],
              global_batch_size: int, dtype: str, output: Optional[str], compare: bool, as_json: bool,
              quiet: bool, no_cache: bool, timings: bool, **pins: Any) -> None:

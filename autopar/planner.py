@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch.nn as nn
@@ -55,11 +56,13 @@ def resolve_cluster(cluster: ClusterSpec | str) -> ClusterSpec:
     return ClusterSpec.load(cluster) if isinstance(cluster, str) else cluster
 
 
-def make_provider(kind: str, graph: OpGraph, layers: list[Layer], cluster: ClusterSpec, dtype: str):
+def make_provider(kind: str, graph: OpGraph, layers: list[Layer], cluster: ClusterSpec, dtype: str,
+                  cache_dir: Optional[Path] = None):
     """The per-layer cost provider: "analytic" (Megatron rules read off the graph), "ilp" (the
     intra-op ILP per layer signature x micro-batch x tp, its tp axis kept model-parallel as the
     runtime runs it: no batch or token splits there), or "auto": the ILP where OR-Tools is
-    installed and the capture has a symbolic batch, the analytic rules otherwise."""
+    installed and the capture has a symbolic batch, the analytic rules otherwise. `cache_dir`:
+    the ILP's per-layer solutions kept there (`inter_op.ilp_cache`)."""
     if kind == "analytic":
         return AnalyticProvider(graph, layers, cluster, dtype)
     if kind in ("ilp", "auto"):
@@ -73,7 +76,7 @@ def make_provider(kind: str, graph: OpGraph, layers: list[Layer], cluster: Clust
             # without a symbolic batch (the fx fallback) the ILP cannot tell the batch dims, so
             # it could not keep the tp axis model-parallel as the runtime runs it
             return AnalyticProvider(graph, layers, cluster, dtype)
-        return IlpProvider(graph, layers, cluster, dtype)
+        return IlpProvider(graph, layers, cluster, dtype, cache_dir=cache_dir)
     raise PlanError(f"unknown intra-op provider {kind!r}; one of auto, ilp, analytic")
 
 
@@ -97,8 +100,9 @@ def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Optional[Sequen
         graph = capture(bundle.model, bundle.example_inputs, loss_fn=loss_fn, name=bundle.name, cache=cache)
     t1 = time.perf_counter()
     layers = build_layers(graph, bundle.model)
-    provider = make_provider(intra_op, graph, layers, spec, dtype)
-    moments_directory(cache_directory(cache))     # the schedule walks kept beside the captures
+    cache_dir = cache_directory(cache)
+    provider = make_provider(intra_op, graph, layers, spec, dtype, cache_dir)
+    moments_directory(cache_dir)     # the schedule walks kept beside the captures
     res = Search(graph, layers, spec, global_batch_size, dtype, cons, provider, progress).run()
     return assemble(bundle, graph, spec, res, global_batch_size, dtype, time.perf_counter() - t1,
                     loss_fn=loss_fn)

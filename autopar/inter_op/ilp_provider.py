@@ -14,8 +14,11 @@ per-layer "individual" profiling), so this can be optimistic at layer boundaries
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
+from typing import Optional
 
 from autopar.capture.graph import OpGraph
+from autopar.inter_op.ilp_cache import IlpCache, solve_key
 from autopar.inter_op.layers import Layer
 from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost, autocast_device, fill_activations
 from autopar.intra_op.solution import ShardingSolution
@@ -29,8 +32,11 @@ class IlpProvider(AnalyticProvider):
     name = "ilp"
 
     def __init__(self, graph: OpGraph, layers: list[Layer], cluster: ClusterSpec, dtype: str,
-                 time_limit_s: float = 5.0) -> None:
+                 time_limit_s: float = 5.0, cache_dir: Optional[Path | str] = None) -> None:
+        """`cache_dir`: keep the per-layer solutions on disk there (`inter_op.ilp_cache`, a
+        capture cache directory); None: solve every time."""
         super().__init__(graph, layers, cluster, dtype)
+        self.cache = IlpCache(cache_dir) if cache_dir is not None else None
         # solve_graph: fail here, where "auto" falls back, when OR-Tools is missing
         from autopar.intra_op import batch_dims_of, solve_graph, token_dims_of  # noqa: F401
 
@@ -89,12 +95,21 @@ class IlpProvider(AnalyticProvider):
         # the layer's input arriving as the previous identical layer leaves it, and the tp axis
         # as the runtime runs it: model parallelism, every tp rank holding the whole micro-batch
         # (no batch split on it)
-        sol = solve_graph(g, mesh, dtype=self.dtype, nodes=list(layer.nodes), time_limit_s=self.time_limit_s,
-                          interleaved_splits=interleaved, cyclic_boundary=True,
-                          batch_dims=self.batch_dims, token_dims=self.token_dims, model_axes=(0,),
-                          fixed_params=self._pins(layer, mb, tp), grad_inputs=self._grad_inputs(layer))
+        options = dict(time_limit_s=self.time_limit_s, interleaved_splits=interleaved, cyclic_boundary=True,
+                       batch_dims=self.batch_dims, token_dims=self.token_dims, model_axes=(0,),
+                       fixed_params=self._pins(layer, mb, tp), grad_inputs=self._grad_inputs(layer))
+        key = None
+        if self.cache is not None:
+            key = solve_key(g, list(layer.nodes), mesh, self.dtype,
+                            {k: sorted(v) if isinstance(v, set) else v for k, v in options.items()})
+            hit = self.cache.get(key) if key is not None else None
+            if hit is not None:
+                return hit
+        sol = solve_graph(g, mesh, dtype=self.dtype, nodes=list(layer.nodes), **options)
         self.solves += 1
         self.solve_s += sol.solve_time_s
+        if key is not None and self.cache is not None and sol.status in ("OPTIMAL", "FEASIBLE"):
+            self.cache.put(key, sol)
         return sol
 
     def _analyze(self, layer: Layer, mb: int, tp: int) -> LayerCost:

@@ -81,6 +81,34 @@ class ShardingSolution:
                 c[x.kind] += max(1, len(x.mesh_axes))
         return dict(c)
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ShardingSolution":
+        """The solution `to_dict` wrote, through JSON (tuples restored; KeyError / TypeError on
+        other data)."""
+        t = lambda x: tuple(x)  # noqa: E731
+        specs = lambda xs: [tuple(x) for x in xs]  # noqa: E731
+        return cls(
+            param_placements={k: t(v) for k, v in d["param_placements"].items()},
+            input_placements={k: t(v) for k, v in d["input_placements"].items()},
+            collectives=[Collective(c["kind"], t(c["mesh_axes"]), c["bytes"], c["phase"], c["op"], c["time_s"],
+                                    c["reason"]) for c in d["collectives"]],
+            objective=d["objective"],
+            op_choices={k: OpChoice(v["strategy"], specs(v["output_placements"]), v["compute_s"],
+                                    v["communication_s"], specs(v["input_placements"]), v["family"])
+                        for k, v in d["op_choices"].items()},
+            forward_s=d["forward_s"], backward_s=d["backward_s"], grad_sync_s=d["grad_sync_s"],
+            param_bytes_per_device=d["param_bytes_per_device"],
+            activation_bytes_per_device=d["activation_bytes_per_device"], solve_time_s=d["solve_time_s"],
+            gap=d["gap"], num_variables=d["num_variables"], num_constraints=d["num_constraints"],
+            mesh_shape=t(d["mesh_shape"]), status=d["status"],
+            param_layouts={k: t(v) for k, v in d["param_layouts"].items()},
+            memory_bytes_per_device=d["memory_bytes_per_device"], build_time_s=d["build_time_s"],
+            num_groups=d["num_groups"], warnings=list(d["warnings"]),
+            activation_placements={k: t(v) for k, v in d["activation_placements"].items()},
+            module_output_placements={k: t(v) for k, v in d["module_output_placements"].items()},
+            junctions={k: (t(a), t(b)) for k, (a, b) in d["junctions"].items()},
+            model_axes=t(d["model_axes"]))
+
     def apply(self, model: Any, example_inputs: Any, mesh: Any, *, loss_fn: Any = None,
               inputs: str = "full") -> Any:
         """Run `model` (materialised, the same values on every rank) as this solution plans it on

@@ -1,0 +1,115 @@
+"""Per-layer intra-op solutions on disk (issue 19), beside the capture cache.
+
+The search solves the intra-op ILP once per (layer signature, micro-batch, tp degree, layout
+variant): about a hundred CP-SAT solves for GPT-3 175B on 1536 GPUs, 1.5 s of the command on a
+2-core machine, and the same again every time the same model is planned for a cluster of the
+same device type (another node count, batch, constraint; a capacity sweep). An entry is keyed by
+everything the solve reads: the layer's ops and the tensors they read (names, shapes, dtypes,
+FLOPs; `capture.cache.encode`), the parameters they use, the tp mesh (its links' latency and
+bandwidth and the device profile: compute is costed), the dtype, every option passed to
+`solve_graph` (pins of tied parameters, time limit, layout variant, batch and token dims), and
+the code that solves (a hash of `autopar/intra_op`, `cost_models` and this package's
+provider). A changed model, profile or solver gets another key, never a stale entry.
+
+Entries are JSON files under `<capture cache directory>/ilp/`, written to a temporary file and
+renamed into place; one that does not read back is ignored (warned) and solved again. A cached
+solution is the one the solver returned when it was stored: under load CP-SAT's time limit can
+return another layout of equal cost, so the cache also makes repeated plans identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+from autopar.capture.cache import CacheWarning, _Unencodable, encode
+from autopar.capture.graph import OpGraph
+from autopar.intra_op.solution import ShardingSolution
+
+FORMAT = 1       # the entry's JSON layout (`ShardingSolution.to_dict`); bump when it changes
+
+_CODE: Optional[str] = None
+
+
+def solver_version() -> str:
+    """A hash of the code a solve runs: autopar's version, `autopar/intra_op/**`, `cost_models/*`,
+    the provider and the graph classes."""
+    global _CODE
+    if _CODE is None:
+        from autopar import __version__
+
+        root = Path(__file__).resolve().parents[1]
+        h = hashlib.sha256(__version__.encode())
+        files = sorted((root / "intra_op").rglob("*.py")) + sorted((root.parent / "cost_models").glob("*.py"))
+        files += [root / "inter_op" / "ilp_provider.py", root / "inter_op" / "stage_cost.py",
+                  root / "capture" / "graph.py", Path(__file__)]
+        for p in files:
+            if p.exists():
+                h.update(str(p.relative_to(root.parent)).encode())
+                h.update(p.read_bytes())
+        _CODE = h.hexdigest()[:16]
+    return _CODE
+
+
+def solve_key(g: OpGraph, nodes: list[str], mesh: Any, dtype: str, options: dict[str, Any]) -> Optional[str]:
+    """The entry's key for solving `nodes` of `g` on `mesh` (a LogicalMesh) with `options` (the
+    other arguments of `solve_graph`, JSON-able); None when the graph holds an argument the
+    encoding does not store (that solve is not cached)."""
+    try:
+        enc = encode(g)
+    except _Unencodable:
+        return None
+    used = {p for n in g.nodes for p in (n.params or ())}
+    enc["params"] = [p for p in enc["params"] if p[0] in used]
+    for k in ("name", "capture_method", "capture_time_s"):
+        enc.pop(k, None)
+    blob = json.dumps({"format": FORMAT, "code": solver_version(), "graph": enc, "nodes": list(nodes),
+                       "mesh": mesh.model_dump(mode="json"), "dtype": dtype, "options": options},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+class IlpCache:
+    """Solutions under `directory` (a capture cache directory's `ilp/`)."""
+
+    def __init__(self, directory: Path | str) -> None:
+        self.directory = Path(directory) / "ilp"
+        self.hits = 0
+
+    def path(self, key: str) -> Path:
+        return self.directory / f"{key}.json"
+
+    def get(self, key: str) -> Optional[ShardingSolution]:
+        """The stored solution, or None (none stored, or unreadable: warned)."""
+        p = self.path(key)
+        try:
+            data = json.loads(p.read_text())
+            if data.get("format") != FORMAT:
+                raise ValueError(f"format {data.get('format')!r}, not {FORMAT}")
+            sol = ShardingSolution.from_dict(data["solution"])
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            warnings.warn(f"autopar: intra-op solution cache entry {p} unreadable ({e}); solving again",
+                          CacheWarning, stacklevel=3)
+            return None
+        self.hits += 1
+        return sol
+
+    def put(self, key: str, sol: ShardingSolution) -> None:
+        """Store `sol` (atomically); a directory that cannot be written costs only the cache (warned)."""
+        p = self.path(key)
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".ilp-", suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"format": FORMAT, "solution": sol.to_dict()}, f, separators=(",", ":"))
+            os.replace(tmp, p)
+        except OSError as e:
+            warnings.warn(f"autopar: could not write the intra-op solution cache {p}: {e}", CacheWarning,
+                          stacklevel=3)
