@@ -392,3 +392,36 @@ def test_unknown_ops_are_reported():
     sol = auto_shard(Odd().to("meta"), (torch.zeros(8, 8, device="meta"),), mesh=mesh((2,)))
     assert any("i0" in w for w in sol.warnings)
     assert sol.op_choices[next(n for n in sol.op_choices if "i0" in n)].family == "fallback"
+
+
+def test_sequence_parallel_puts_norms_and_residuals_on_sequence_slices():
+    """`solve_graph(sequence_parallel=True)` on a model (tp) axis, GPT-3 1.3B's block on 8 A100:
+    the norms and residual adds run on sequence slices (Megatron-SP), the row-parallel outputs
+    are reduce-scattered into them and gathered before the column-parallel GEMMs, the batch stays
+    whole, and the activations the layer keeps shrink; without it every norm is replicated."""
+    from autopar.inter_op.layers import build_layers
+    from autopar.intra_op import batch_dims_of, token_dims_of
+    from autopar.models import build_model
+    from cost_models.communication import logical_mesh
+
+    b = build_model("gpt3-1.3b", device="meta")
+    g = capture(b.model, b.example_inputs, name=b.name)
+    layer = build_layers(g, b.model)[1]
+    bd = batch_dims_of(g)
+    td = token_dims_of(g, bd)
+    mesh = logical_mesh(autopar.ClusterSpec.load("dgx-a100-80g", num_nodes=1), list(range(8)), (8,))
+    sols = {sp: solve_graph(g.at_batch(4), mesh, dtype="bf16", nodes=list(layer.nodes), batch_dims=bd,
+                            token_dims=td, model_axes=(0,), cyclic_boundary=True, sequence_parallel=sp)
+            for sp in (False, True)}
+    norms = [n for n in layer.nodes if "layer_norm" in n]
+    assert len(norms) == 2
+    assert all(sols[False].op_choices[n].output_placements[0] == ("R",) for n in norms)
+    assert all(sols[True].op_choices[n].output_placements[0] == ("S(1)",) for n in norms)
+    counts = sols[True].collective_counts(("forward",))
+    assert counts.get("reduce_scatter", 0) >= 2 and counts.get("all_gather", 0) >= 2
+    assert "all_reduce" not in counts            # the forward's all-reduces became the pair
+    for sol in sols.values():                    # the batch (dim 0) never split on the tp axis
+        assert all(ch.output_placements[0] != ("S(0)",) for n, ch in sol.op_choices.items()
+                   if n in bd and 0 in bd[n] and ch.output_placements)
+    assert sols[True].activation_bytes_per_device < 0.5 * sols[False].activation_bytes_per_device
+    assert sols[True].model_axes == () and sols[False].model_axes == (0,)

@@ -35,7 +35,7 @@ def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optio
                 token_dims: Optional[dict[str, tuple[int, ...]]] = None,
                 model_axes: Sequence[int] = (),
                 fixed_params: Optional[dict[str, tuple[str, ...]]] = None,
-                grad_inputs: Optional[set[str]] = None) -> ShardingSolution:
+                grad_inputs: Optional[set[str]] = None, sequence_parallel: bool = False) -> ShardingSolution:
     """Shard the ops of `graph` (at a concrete batch) over `mesh`.
 
     `nodes` restricts the problem to those call nodes (one layer, to cost a layer): tensors
@@ -56,7 +56,12 @@ def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optio
     pins those parameters (one placement of a weight read by several separately solved
     layers). `grad_inputs`: graph inputs whose gradient the backward pass computes (with
     `nodes`, the tensors entering the layer from an earlier one: their gradients' way back is
-    costed like any activation's). Raises PlanError when nothing fits `memory_budget_bytes`.
+    costed like any activation's). `sequence_parallel` (with `model_axes`): the token dims may
+    be split there between the weight GEMMs (Megatron-SP, Korthikanti et al. 2022: norms, dropout
+    and residual adds on sequence slices; a row-parallel output reduce-scattered into them, an
+    all-gather before the next column-parallel GEMM), the batch still whole; the solution then
+    carries no `model_axes` (the executor reduce-scatters as solved). Raises PlanError when
+    nothing fits `memory_budget_bytes`.
     """
     gc_was_on = gc.isenabled()
     gc.disable()     # the captured graph holds many objects; collections would dominate the build
@@ -65,7 +70,8 @@ def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optio
                               dtype=dtype, merge=merge, share_layers=share_layers,
                               interleaved_splits=interleaved_splits, cyclic_boundary=cyclic_boundary,
                               batch_dims=batch_dims, token_dims=token_dims, model_axes=tuple(model_axes),
-                              fixed_params=fixed_params, grad_inputs=grad_inputs)
+                              fixed_params=fixed_params, grad_inputs=grad_inputs,
+                              sequence_parallel=sequence_parallel)
         assign, info = prob.solve(time_limit_s=time_limit_s, backend=backend)
     finally:
         if gc_was_on:

@@ -58,7 +58,10 @@ groups. E is the set of edges between groups (a tensor produced in u, consumed i
   (a cross-entropy on vocabulary-split logits stays: the runtime runs it vocabulary-parallel,
   `runtime.vocab_loss`, as the loss rule prices it);
   and a partial sum wanted sharded there is all-reduced, then sliced (`_transition`), as the
-  runtime reduces a row-parallel output at once, instead of reduce-scattered.
+  runtime reduces a row-parallel output at once, instead of reduce-scattered. With
+  `sequence_parallel` (Megatron-SP) the token dims (not the batch) may be split there by ops
+  between the weight GEMMs (norms, element-wise ops over replicated weights), a partial sum is
+  reduce-scattered into them and any slicing is allowed (the executor runs what is solved).
 * Solvers: CBC through pywraplp by default (the LP relaxation of this formulation is nearly
   tight; CBC closes it in tenths of a second on a GPT-3 layer), HiGHS and SCIP likewise, or
   CP-SAT (integer-scaled costs). A negligible tie-break prefers split work and sharded inputs.
@@ -159,7 +162,7 @@ class IntraOpProblem:
                  cyclic_boundary: bool = False, batch_dims: Optional[dict[str, tuple[int, ...]]] = None,
                  token_dims: Optional[dict[str, tuple[int, ...]]] = None,
                  model_axes: tuple[int, ...] = (), fixed_params: Optional[dict[str, tuple[str, ...]]] = None,
-                 grad_inputs: Optional[Iterable[str]] = None) -> None:
+                 grad_inputs: Optional[Iterable[str]] = None, sequence_parallel: bool = False) -> None:
         if graph.batch_size is None and graph.is_symbolic:
             raise ValueError("solve a graph at a concrete batch: call graph.at_batch(b) first")
         t0 = time.perf_counter()
@@ -179,6 +182,15 @@ class IntraOpProblem:
             k: tuple(sorted(set((batch_dims or {}).get(k, ())) | set((token_dims or {}).get(k, ()))))
             for k in set(batch_dims or {}) | set(token_dims or {})}
         self.model_axes = tuple(a for a in model_axes if self.mesh_shape[a] > 1) if self.data_dims else ()
+        # Megatron-SP on the model axes: the tokens (not the batch) may be split between the
+        # weight GEMMs (norms, dropout, residual adds on sequence slices), a row-parallel
+        # output reduce-scattered into them and gathered before the next column-parallel GEMM
+        self.sequence_parallel = bool(sequence_parallel) and bool(self.model_axes)
+        if self.sequence_parallel:
+            self.data_dims = {k: tuple(d for d in v if d in set((batch_dims or {}).get(k, ())))
+                              for k, v in self.data_dims.items()}
+            self._token_dims = {k: tuple(d for d in v if d not in set((batch_dims or {}).get(k, ())))
+                                for k, v in (token_dims or {}).items()}
         self.axis_cost = tuple(b * (m - 1) / m if m > 1 else 0.0 for b, m in zip(mesh.beta, mesh.shape))
         self.warnings: list[str] = []
         self._edge_cache: dict = {}
@@ -527,9 +539,25 @@ class IntraOpProblem:
             params = [sp[a] for k, sp in zip(kinds, st.in_specs) if k == "param" and a < len(sp)]
             acts = [sp[a] for k, sp in zip(kinds, st.in_specs) if k != "param" and a < len(sp)]
             if params and all(x == REPLICATE for x in params) and (
-                    n.op in HEAVY_OPS or any(map(is_shard, acts))):
+                    n.op in HEAVY_OPS or (any(map(is_shard, acts)) and not self._sequence_sliced(n, st, a))):
                 return True
         return False
+
+    def _sequence_sliced(self, n: OpNode, st: Strategy, axis: int) -> bool:
+        """Whether `st` splits op `n`'s activations on `axis` only along their token dims
+        (Megatron-SP's norms and element-wise ops; `sequence_parallel`)."""
+        if not self.sequence_parallel:
+            return False
+        kinds = self._input_kinds(n)
+        for i, k, sp in zip(n.inputs, kinds, st.in_specs):
+            d = shard_dim(sp[axis]) if k != "param" and axis < len(sp) else None
+            if d is None:
+                continue
+            if d < 0:
+                d += len(self._shape_of(i))
+            if d not in self._token_dims.get(i, ()):
+                return False
+        return True
 
     # ------------------------------------------------------------------ groups (merging)
     def _build_groups(self, merge: bool) -> None:
@@ -724,7 +752,7 @@ class IntraOpProblem:
         row-parallel output at once (`spmd.megatron_boundaries`), never by a reduce-scatter
         into slices of the activation (Megatron-SP), which the runtime does not run."""
         ms, ac = self.mesh_shape, self.axis_cost
-        fix = [a for a in self.model_axes if src[a] == PARTIAL and is_shard(dst[a])]
+        fix = [] if self.sequence_parallel else [a for a in self.model_axes if src[a] == PARTIAL and is_shard(dst[a])]
         if not fix:
             return transition(shape, isz, src, dst, ms, ac)
         mid = tuple(REPLICATE if a in fix else p for a, p in enumerate(src))
@@ -764,8 +792,8 @@ class IntraOpProblem:
         reads no parameter split there. DTensor never does that (an op on replicated operands
         gives a replicated result; only a sharded parameter makes it slice its other operand),
         so the runtime would not run the layout (a residual add on hidden slices, say)."""
-        if not self.model_axes:
-            return False
+        if not self.model_axes or self.sequence_parallel:
+            return False        # the executor slices whatever the plan says (DTensor would not)
         pn = self.pnodes[prod]
         if pn.kind == "param" or (pn.node is not None and pn.node.kind == "param"):
             return False
@@ -1199,7 +1227,7 @@ class IntraOpProblem:
             memory_bytes_per_device=self.memory_of(assign), build_time_s=self.build_time_s,
             num_groups=len(self.groups), warnings=list(dict.fromkeys(self.warnings)),
             activation_placements=acts, module_output_placements=mods, junctions=junctions,
-            model_axes=self.model_axes)
+            model_axes=() if self.sequence_parallel else self.model_axes)
 
     def _record_interleave(self, tensor: str, dim: int, chunks: int, layouts: dict) -> None:
         """The projection producing `tensor` (split chunk-interleaved along its last dim) reads
