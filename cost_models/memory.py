@@ -972,8 +972,9 @@ def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, d
       of the 2-byte ones (`precision.MasterWeights`), 2 + 4 + 12 = 18.
     - ZeRO 1 and 2: the runtime accumulates full gradients in the backward and reduce-scatters
       them once per step (no bucketed reduce-scatter during the backward), so both hold
-      w + g + o/D in the backward; the sync moves the gradients into a flat buffer (freeing
-      each as it is copied) and reduce-scatters it (+g + g/D; +g more where the backend's
+      w + g + o/D in the backward; the sync allocates a flat buffer while every gradient is
+      alive (+g beside g), moves the gradients into it (freeing each as it is copied) and
+      reduce-scatters it (+g + g/D; +g more where the backend's
       reduce-scatter copies its input, `rs_copies_input`: gloo); the sharded step holds an fp32
       gradient shard (4/D); the all-gather of the updated weights fills a full flat buffer
       (+w + w/D). With fp32 training the flat fp32 shard the optimizer steps is a copy of the
@@ -1006,6 +1007,8 @@ def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, d
     if z in (1, 2):
         opt = (o if mixed else o + 4.0) * P / D
         return [PhaseMemory("forward_backward", w * P, g * P, opt, 0.0 * P),
+                # the flat buffer is allocated while every gradient is alive (`zero._zero12_step`)
+                PhaseMemory("grad_sync", w * P, g * P, opt, g * P),
                 PhaseMemory("grad_sync", w * P, 0.0 * P, opt, g * P * (2 if rs_copies_input else 1) + g * P / D),
                 PhaseMemory("optimizer_step", w * P, 4.0 * P / D, opt, ADAMW_TEMPORARIES * 4.0 * P / D),
                 PhaseMemory("grad_sync", w * P, 0.0 * P, opt, w * P + w * P / D)]

@@ -175,8 +175,11 @@ def test_runtime_phases_zero12_keeps_full_gradients_in_backward(zero):
     fb = _phase(ph, "forward_backward")
     assert fb.gradients == pytest.approx(2 * psi)       # no bucketed reduce-scatter in the backward
     assert fb.optimizer == pytest.approx(12 * psi / D)
-    sync = _phase(ph, "grad_sync")
-    assert sync.total == pytest.approx(2 * psi + 12 * psi / D + 2 * psi + 2 * psi / D)
+    syncs = [p.total for p in ph if p.phase == "grad_sync"]
+    # the flat buffer allocated beside every gradient; then reduce-scattered (gradients freed);
+    # then the updated shard all-gathered
+    assert syncs[0] == pytest.approx(2 * psi + 12 * psi / D + 2 * psi + 2 * psi)
+    assert syncs[1] == pytest.approx(2 * psi + 12 * psi / D + 2 * psi + 2 * psi / D)
     # fp32 training: the flat fp32 shard the optimizer steps is a copy of the weights
     assert _phase(runtime_phases(psi, "fp32", zero, D), "forward_backward").optimizer == pytest.approx(12 * psi / D)
 
@@ -813,5 +816,7 @@ def test_gloo_reduce_scatter_holds_a_copy_of_its_input_nccl_does_not():
     cpu = runtime_phases(P, "bf16", 1, 2, rs_copies_input=True)
     # the reduce-scatter (the first sync phase) holds one more bf16 flat gradient; the update and
     # the all-gather after it are the same
-    assert [c.buffers - g.buffers for c, g in zip(cpu, gpu)] == [0.0, 2 * P, 0.0, 0.0]
-    assert [c.phase for c in cpu] == ["forward_backward", "grad_sync", "optimizer_step", "grad_sync"]
+    assert [c.buffers - g.buffers for c, g in zip(cpu, gpu)] == [0.0, 0.0, 2 * P, 0.0, 0.0]
+    assert [c.phase for c in cpu] == ["forward_backward", "grad_sync", "grad_sync", "optimizer_step", "grad_sync"]
+    # the flat buffer's allocation, every gradient alive beside it, is the same on both
+    assert cpu[1].total == gpu[1].total == (2 + 2 + 2 + 12 / 2) * P

@@ -6,7 +6,8 @@ the plans the planner gave before them, field for field.
 record (timings) and version, and the fields a reader checks first. A change meant to change
 plans (a new cost or memory term) re-records it the same way and says so in its commit.
 Re-recorded since: plan format 5 (`StagePlan.recompute_modules`) and 6 (`StagePrediction.
-phases`, each phase's peak) changed the digests only; layouts, times, memory and collectives
+phases`, each phase's peak; then ZeRO-1/2's gradient-sync moments in it) changed the digests
+only; layouts, times, memory and collectives
 are those of 1da767c.
 """
 
@@ -31,16 +32,16 @@ CASES = {   # name: (model, cluster, nodes, global batch, pinned constraints)
 }
 
 EXPECTED = {
-    "gpt3-1.3b-tp2-pp2": {"digest": "940f759ed86acec1", "layout": (2, 2, 2, 4, 4, "interleaved_1f1b", 8, 1),
+    "gpt3-1.3b-tp2-pp2": {"digest": "3f999f9a94796869", "layout": (2, 2, 2, 4, 4, "interleaved_1f1b", 8, 1),
                           "iteration_time_s": 0.4646901780539705, "peak_memory_bytes": 18756091904.0,
                           "collectives": {"all_reduce": 405, "reduce_scatter": 2, "all_gather": 2, "send_recv": 120}},
     "gpt-small": {"digest": "0722aae06a16b380", "layout": (2, 1, 1, 4, 1, "1f1b", 1, 0),
                   "iteration_time_s": 0.015095763545627434, "peak_memory_bytes": 20557824.0,
                   "collectives": {"all_reduce": 1}},
-    "hf-gpt2": {"digest": "9bae953657d71ce2", "layout": (2, 2, 3, 8, 1, "1f1b", 1, 1),
+    "hf-gpt2": {"digest": "a8e6a2f5d10d46f1", "layout": (2, 2, 3, 8, 1, "1f1b", 1, 1),
                 "iteration_time_s": 0.0015570655503288344, "peak_memory_bytes": 3090048.0,
                 "collectives": {"all_reduce": 8, "all_gather": 13, "reduce_scatter": 8, "send_recv": 6}},
-    "hf-llama": {"digest": "b3ab34166ee5ccc4", "layout": (4, 2, 1, 4, 1, "1f1b", 1, 1),
+    "hf-llama": {"digest": "94aa6d9e3fd9fc5f", "layout": (4, 2, 1, 4, 1, "1f1b", 1, 1),
                  "iteration_time_s": 0.0026160170514055725, "peak_memory_bytes": 1602369.0,
                  "collectives": {"all_reduce": 25, "all_gather": 2, "reduce_scatter": 1}},
 }
