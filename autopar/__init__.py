@@ -26,12 +26,13 @@ from autopar.schema import (
     load_plan,
 )
 from autopar.schema.cluster import bundled_clusters
+from autopar.schema.sweep import SweepPoint, SweepResult
 
 __version__ = "0.1.0"
 
 __all__ = ["ClusterSpec", "Constraints", "DeviceSpec", "LinkSpec", "LogicalMesh", "Plan",
            "PlanError", "Prediction", "StagePlan", "load_plan", "plan", "auto_shard", "capture",
-           "OpGraph", "bundled_clusters", "__version__"]
+           "OpGraph", "bundled_clusters", "sweep", "SweepResult", "SweepPoint", "__version__"]
 
 
 def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Sequence[Any] | None = None, *,
@@ -60,3 +61,16 @@ def auto_shard(model: Any, example_inputs: Sequence[Any], *, mesh: LogicalMesh,
 
     return _auto_shard(model, example_inputs, mesh=mesh, memory_budget_bytes=memory_budget_bytes,
                        loss_fn=loss_fn, dtype=dtype)
+
+
+def sweep(model: Any, clusters: Sequence[Any], nodes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), *,
+          tokens: float, **kw: Any) -> SweepResult:
+    """Capacity planning: the best plan of `model` on every cluster type of `clusters` at every
+    node count of `nodes`, with the time and GPU-hours (and, given `prices`, the cost) to train
+    `tokens` tokens; `.points` holds one record per size (its plan, or the `reason` none fits),
+    `.records()` them as `autopar sweep --json` prints them. Keywords: see
+    `autopar.capacity.sweep` (seq_len, global_batch_size or tokens_per_step, prices, deadline_s,
+    dtype, example_inputs, cache, progress)."""
+    from autopar.capacity import sweep as _sweep
+
+    return _sweep(model, clusters, nodes, tokens=tokens, **kw)

@@ -1,4 +1,4 @@
-"""The `autopar` command: plan, show, run, profile, models, schema.
+"""The `autopar` command: plan, sweep, show, run, profile, models, schema.
 
 Every user mistake ends as one line on stderr (`autopar: error: ...`) and a non-zero exit code,
 never a traceback; output files are written atomically, so a failed command leaves none behind.
@@ -125,15 +125,88 @@ def plan_cmd(model_ref: str, cluster: str, nodes: Optional[int], devices_per_nod
         _echo_err(f"wrote {output}", quiet)
 
 
+@cli.command("sweep", context_settings=CONTEXT)
+@click.option("--model", "model_ref", required=True, help="zoo name, MODULE:FACTORY, or hf:NAME")
+@click.option("--clusters", required=True,
+              help="comma-separated cluster types: bundled profile names or YAML/JSON files")
+@click.option("--nodes", "nodes_text", default="1..64", show_default=True,
+              help="node counts: A..B (the powers of two from A to B), a list (1,2,4,12), or both")
+@click.option("--tokens", "tokens_text", required=True, help="the token budget to train, e.g. 1e12, 300B")
+@click.option("--seq-len", type=click.IntRange(min=1), help="rebuild a zoo model at this sequence length")
+@click.option("--global-batch-size", "-b", type=click.IntRange(min=1), help="samples per iteration")
+@click.option("--tokens-per-step", "tokens_per_step_text",
+              help="tokens per iteration, made a batch of whole samples [default: 4Mi = 4194304]")
+@click.option("--price", "price_text", help="price per GPU-hour by cluster, e.g. dgx-h100=2.5,dgx-a100-80g=1.8 "
+                                            "(cost is left out without one)")
+@click.option("--deadline", "deadline_text", help="pick the cheapest point finishing within it: 30d, 12h, 2w")
+@click.option("--dtype", type=click.Choice(TRAINING_DTYPES), default="bf16", show_default=True)
+@click.option("--plot", type=click.Path(dir_okay=False), help="draw time to train vs cost (PNG or SVG)")
+@click.option("--output", "-o", type=click.Path(dir_okay=False),
+              help="write every point with its plan (`autopar show FILE --point CLUSTER:NODES`)")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object per point instead of the table")
+@click.option("--quiet", "-q", is_flag=True, help="no progress output")
+@click.option("--no-cache", is_flag=True, help="capture the model anew (see `autopar plan --help`)")
+def sweep_cmd(model_ref: str, clusters: str, nodes_text: str, tokens_text: str, seq_len: Optional[int],
+              global_batch_size: Optional[int], tokens_per_step_text: Optional[str], price_text: Optional[str],
+              deadline_text: Optional[str], dtype: str, plot: Optional[str], output: Optional[str],
+              as_json: bool, quiet: bool, no_cache: bool) -> None:
+    """Best plan of MODEL on every cluster type and node count: step time, time to train the
+    token budget, GPU-hours and cost, with the time-vs-cost frontier marked."""
+    from autopar.capacity import parse_count, parse_duration, parse_nodes, parse_prices, sweep
+
+    if global_batch_size is not None and tokens_per_step_text is not None:
+        raise click.UsageError("give --global-batch-size or --tokens-per-step, not both")
+    for path, what in ((output, "-o"), (plot, "--plot")):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise PlanError(f"cannot write {path} ({what}): directory {Path(path).parent} does not exist")
+    if plot and Path(plot).suffix.lower() not in (".png", ".svg"):
+        raise PlanError(f"--plot needs a .png or .svg file name, got {Path(plot).name!r}")
+    if plot:
+        from autopar.sweep_plot import require_matplotlib
+
+        require_matplotlib()                 # before minutes of searching, not after
+    names = [c.strip() for c in clusters.split(",") if c.strip()]
+    res = sweep(model_ref, names, parse_nodes(nodes_text), tokens=parse_count(tokens_text, "--tokens"),
+                seq_len=seq_len, global_batch_size=global_batch_size,
+                tokens_per_step=(parse_count(tokens_per_step_text, "--tokens-per-step")
+                                 if tokens_per_step_text is not None else None),
+                prices=parse_prices(price_text),
+                deadline_s=parse_duration(deadline_text) if deadline_text else None, dtype=dtype,
+                cache=not no_cache, progress=None if quiet else (lambda msg: _echo_err(msg)))
+    if output:
+        res.save(output)
+    click.echo(json.dumps(res.records(), indent=2) if as_json else res.summary())
+    if plot:
+        from autopar.sweep_plot import plot_sweep
+
+        plot_sweep(res, plot)
+        _echo_err(f"wrote {plot}", quiet)
+    if output:
+        _echo_err(f"wrote {output} (a point's plan: autopar show {output} --point "
+                  f"{next((p.key for p in res.points if p.plan is not None), 'CLUSTER:NODES')})", quiet)
+
+
 @cli.command("show", context_settings=CONTEXT)
 @click.argument("plan_file", type=click.Path(dir_okay=False))
-@click.option("--plot", type=click.Path(dir_okay=False), help="draw timeline and memory (PNG or SVG)")
+@click.option("--point", help="of a sweep file (`autopar sweep -o`): the point CLUSTER:NODES to show, "
+                              "e.g. dgx-h100:8; without it, the sweep's table")
+@click.option("--plot", type=click.Path(dir_okay=False), help="draw timeline and memory (PNG or SVG); "
+                                                               "of a sweep file, time vs cost")
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
-def show_cmd(plan_file: str, plot: Optional[str], as_json: bool) -> None:
-    """Print a saved plan's stages, sharding, memory and predicted time."""
-    from autopar.schema import load_plan
+def show_cmd(plan_file: str, point: Optional[str], plot: Optional[str], as_json: bool) -> None:
+    """Print a saved plan's stages, sharding, memory and predicted time (or a sweep's table)."""
+    from autopar.schema.sweep import SweepResult, load_plan_or_point, read_plan_or_sweep
 
-    p = load_plan(plan_file)
+    obj = read_plan_or_sweep(plan_file)
+    if isinstance(obj, SweepResult) and point is None:
+        click.echo(json.dumps(obj.records(), indent=2) if as_json else obj.summary())
+        if plot:
+            from autopar.sweep_plot import plot_sweep
+
+            plot_sweep(obj, plot)
+            _echo_err(f"wrote {plot}")
+        return
+    p = load_plan_or_point(plan_file, point) if point is not None else obj
     click.echo(p.to_json() if as_json else p.summary())
     if plot:
         from autopar.plot import plot_plan
@@ -144,6 +217,7 @@ def show_cmd(plan_file: str, plot: Optional[str], as_json: bool) -> None:
 
 @cli.command("run", context_settings=CONTEXT)
 @click.argument("plan_file", type=click.Path(dir_okay=False))
+@click.option("--point", help="of a sweep file: the point CLUSTER:NODES to run, e.g. dgx-h100:8")
 @click.option("--model", "model_ref", required=True, help="the model the plan was made for")
 @click.option("--steps", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -151,12 +225,13 @@ def show_cmd(plan_file: str, plot: Optional[str], as_json: bool) -> None:
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False))
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--quiet", "-q", is_flag=True)
-def run_cmd(plan_file: str, model_ref: str, steps: int, seed: int, metrics: Optional[str],
-            checkpoint_dir: Optional[str], checkpoint_every: int, quiet: bool) -> None:
-    """Execute a plan on torch.distributed (launches torchrun itself when needed)."""
-    from autopar.schema import load_plan
+def run_cmd(plan_file: str, point: Optional[str], model_ref: str, steps: int, seed: int,
+            metrics: Optional[str], checkpoint_dir: Optional[str], checkpoint_every: int, quiet: bool) -> None:
+    """Execute a plan (or a sweep file's point) on torch.distributed (launches torchrun itself
+    when needed)."""
+    from autopar.schema.sweep import load_plan_or_point
 
-    p = load_plan(plan_file)
+    p = load_plan_or_point(plan_file, point)
     try:
         from autopar.runtime import run
     except ImportError as e:  # pragma: no cover - runtime always ships

@@ -80,15 +80,49 @@ def make_provider(kind: str, graph: OpGraph, layers: list[Layer], cluster: Clust
     raise PlanError(f"unknown intra-op provider {kind!r}; one of auto, ilp, analytic")
 
 
+class ProviderCache:
+    """Per-layer cost providers (and the layers they cost) shared by several plans of one
+    model: `autopar.sweep` plans it on many sizes of one cluster type. A provider's per-layer
+    costs (analytic rules or intra-op ILP solutions, keyed by layer signature, micro-batch and
+    tp) depend on the device, the node's size and link, and the dtype, not on the node count:
+    the tp axis stays inside a node (`Search.meshes`), so its mesh is the first tp ranks of
+    node 0 on any number of nodes. The key holds exactly those, so a plan made through the cache
+    equals one made without it (the graph by identity: the cache holds it, through its provider)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, tuple[list[Layer], Any]] = {}
+
+    @staticmethod
+    def key(kind: str, graph: OpGraph, spec: ClusterSpec, dtype: str, cache_dir: Optional[Path] = None) -> tuple:
+        # the whole profile but its node count (measured collective tables included), and where
+        # the provider keeps its solutions on disk
+        return (kind, dtype, id(graph), spec.model_copy(update={"num_nodes": 1}).model_dump_json(),
+                str(cache_dir) if cache_dir is not None else None)
+
+    def get(self, kind: str, graph: OpGraph, model: nn.Module, spec: ClusterSpec, dtype: str,
+            cache_dir: Optional[Path] = None) -> tuple[list[Layer], Any]:
+        """(layers, provider) for planning `graph` on `spec`: made once per key."""
+        k = self.key(kind, graph, spec, dtype, cache_dir)
+        if k not in self._entries:
+            layers = build_layers(graph, model)
+            self._entries[k] = (layers, make_provider(kind, graph, layers, spec, dtype, cache_dir))
+        return self._entries[k]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Optional[Sequence[Any]] = None, *,
          global_batch_size: int, dtype: str = "bf16", constraints: Optional[Constraints] = None,
          loss_fn: Optional[Callable[[Any], Any]] = None, progress: bool = False,
          name: Optional[str] = None, intra_op: str = "auto", graph: Optional[OpGraph] = None,
-         cache: Any = None) -> Plan:
+         cache: Any = None, providers: Optional[ProviderCache] = None) -> Plan:
     """The fastest plan that fits (see the module docstring). `graph` skips the capture when
     the caller already has the model's OpGraph; `cache` (True, a directory or a
     `capture.cache.CaptureCache`) reads and writes captures there, and the search's schedule
-    walks (`cost_models.schedules.moments_directory`)."""
+    walks (`cost_models.schedules.moments_directory`); `providers` shares the per-layer costs
+    (intra-op solutions) with other plans of the same graph on clusters of the same device
+    and node (`ProviderCache`: a sweep over node counts)."""
     if dtype not in TRAINING_DTYPES:
         raise PlanError(f"dtype {dtype!r} is not supported; use bf16, fp16 or fp32")
     if not isinstance(global_batch_size, int) or global_batch_size < 1:
@@ -99,9 +133,12 @@ def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Optional[Sequen
     if graph is None:
         graph = capture(bundle.model, bundle.example_inputs, loss_fn=loss_fn, name=bundle.name, cache=cache)
     t1 = time.perf_counter()
-    layers = build_layers(graph, bundle.model)
     cache_dir = cache_directory(cache)
-    provider = make_provider(intra_op, graph, layers, spec, dtype, cache_dir)
+    if providers is not None:
+        layers, provider = providers.get(intra_op, graph, bundle.model, spec, dtype, cache_dir)
+    else:
+        layers = build_layers(graph, bundle.model)
+        provider = make_provider(intra_op, graph, layers, spec, dtype, cache_dir)
     moments_directory(cache_dir)     # the schedule walks kept beside the captures
     res = Search(graph, layers, spec, global_batch_size, dtype, cons, provider, progress).run()
     return assemble(bundle, graph, spec, res, global_batch_size, dtype, time.perf_counter() - t1,

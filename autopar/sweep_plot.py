@@ -1,0 +1,89 @@
+"""`autopar sweep --plot` / `autopar show sweep.json --plot`: time to train against cost (or
+GPU-hours), one series per cluster type with each point labelled by its node count, the
+Pareto frontier drawn through its points and the deadline's choice circled (matplotlib, the
+`plot` extra)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from autopar.schema import PlanError
+from autopar.schema.plan import format_count
+from autopar.schema.sweep import SweepResult
+
+MARKERS = "osD^vP*X"
+
+
+def require_matplotlib() -> None:
+    """Fail with the install hint when matplotlib is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise PlanError("plotting needs matplotlib: pip install 'autopar[plot]'") from None
+
+
+def plot_sweep(res: SweepResult, path: str | Path) -> Path:
+    """Draw `res` to `path` (.png or .svg), written atomically."""
+    path = Path(path)
+    fmt = path.suffix.lower().lstrip(".")
+    if fmt not in ("png", "svg"):
+        raise PlanError(f"--plot needs a .png or .svg file name, got {path.name!r}")
+    if not path.resolve().parent.is_dir():
+        raise PlanError(f"cannot write {path}: directory {path.parent} does not exist")
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    money = res.cost_axis == "cost"
+    y_of = (lambda p: p.cost) if money else (lambda p: p.gpu_hours)
+    ok = [p for p in res.points if p.time_to_train_s is not None]
+    fig, ax = plt.subplots(figsize=(9, 6), constrained_layout=True)
+    # the time axis in days, or hours for short runs
+    unit, per = ("days", 86400.0) if max((p.time_to_train_s for p in ok), default=0) >= 2 * 86400 else ("hours", 3600.0)
+    days = lambda p: p.time_to_train_s / per  # noqa: E731
+    for i, name in enumerate(dict.fromkeys(p.cluster for p in res.points)):
+        pts = [p for p in ok if p.cluster == name]
+        if not pts:
+            continue
+        line, = ax.plot([days(p) for p in pts], [y_of(p) for p in pts], marker=MARKERS[i % len(MARKERS)],
+                        linestyle=":", label=f"{name} ({pts[0].device})")
+        for p in pts:
+            ax.annotate(f"{p.nodes}", (days(p), y_of(p)), textcoords="offset points", xytext=(5, 4),
+                        fontsize=8, color=line.get_color())
+    front = sorted((p for p in ok if p.pareto), key=lambda p: p.time_to_train_s)
+    if front:
+        ax.step([days(p) for p in front], [y_of(p) for p in front], where="post", color="black",
+                linewidth=1.2, alpha=0.7, marker="o", markersize=11, markerfacecolor="none",
+                label="Pareto frontier (time vs " + ("cost" if money else "GPU-hours") + ")")
+    chosen = [p for p in ok if p.chosen]
+    if chosen:
+        ax.scatter([days(chosen[0])], [y_of(chosen[0])], s=260, facecolors="none", edgecolors="red",
+                   linewidths=2, label=f"cheapest within the deadline: {chosen[0].key}", zorder=5)
+    if res.deadline_s is not None:
+        ax.axvline(res.deadline_s / per, color="red", linestyle="--", linewidth=1, label="deadline")
+    if ok:
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    ax.set_xlabel(f"time to train ({unit}, log)")
+    ax.set_ylabel("cost (price per GPU-hour x GPU-hours, log)" if money else "GPU-hours (log)")
+    ax.set_title(f"{res.model}: {format_count(res.tokens)} tokens, batch {res.global_batch_size} x "
+                 f"{res.seq_len} tokens, {res.dtype} (point labels: nodes)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    missing = [p.key for p in res.points if p.time_to_train_s is None]
+    if missing:
+        fig.text(0.01, 0.005, "no plan fits: " + ", ".join(missing), fontsize=7, color="gray")
+    fd, tmp = tempfile.mkstemp(dir=path.resolve().parent, prefix=f".{path.name}.", suffix=f".{fmt}")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format=fmt, dpi=100)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
