@@ -151,15 +151,16 @@ def sweep(model: Any, clusters: Sequence[str | ClusterSpec], nodes: Iterable[int
     total = len(specs) * len(sizes)
     for spec in specs:
         for n in sizes:
-            sized = _sized(spec, n)
             t = time.perf_counter()
+            p: Optional[Plan] = None
             try:
-                p: Optional[Plan] = plan(bundle, sized, global_batch_size=gbs, dtype=dtype, graph=graph,
-                                         cache=cache, providers=providers, intra_op=intra_op)
+                sized = _sized(spec, n)          # a one-node profile cannot grow: that size's reason
+                p = plan(bundle, sized, global_batch_size=gbs, dtype=dtype, graph=graph,
+                         cache=cache, providers=providers, intra_op=intra_op)
                 reason = None
             except PlanError as e:
-                p, reason = None, str(e)
-            pt = point_of(p, sized, gbs, tokens, seq, prices.get(spec.name), reason,
+                reason = str(e)
+            pt = point_of(p, spec, n, gbs, tokens, seq, prices.get(spec.name), reason,
                           time.perf_counter() - t, dtype)
             if not keep_plans:
                 pt.plan = None
@@ -174,18 +175,20 @@ def sweep(model: Any, clusters: Sequence[str | ClusterSpec], nodes: Iterable[int
     return select(res)
 
 
-def point_of(p: Optional[Plan], spec: ClusterSpec, gbs: int, tokens: float, seq: int,
+def point_of(p: Optional[Plan], spec: ClusterSpec, nodes: int, gbs: int, tokens: float, seq: int,
              price: Optional[float], reason: Optional[str], search_s: float, dtype: str) -> SweepPoint:
-    """The sweep's record of one size from its plan (None: `reason` says why there is none)."""
-    base = dict(cluster=spec.name, nodes=spec.num_nodes, devices=spec.num_devices, device=spec.device.name,
+    """The sweep's record of cluster type `spec` at `nodes` nodes from its plan (None: `reason`
+    says why there is none)."""
+    devices = nodes * spec.devices_per_node
+    base = dict(cluster=spec.name, nodes=nodes, devices=devices, device=spec.device.name,
                 global_batch_size=gbs, price_per_gpu_hour=price, search_time_s=round(search_s, 3))
     if p is None:
         return SweepPoint(**base, reason=reason or "no plan")
     it = p.predicted.iteration_time_s
     steps = math.ceil(tokens / (gbs * seq))
     ttt = steps * it
-    gpu_h = ttt * spec.num_devices / 3600.0
-    mfu = p.model.flops_per_sample * gbs / it / (spec.num_devices * spec.device.peak(dtype))
+    gpu_h = ttt * devices / 3600.0
+    mfu = p.model.flops_per_sample * gbs / it / (devices * spec.device.peak(dtype))
     return SweepPoint(**base, layout=layout(p), iteration_time_s=it, tokens_per_s=gbs * seq / it, mfu=mfu,
                       tflops_per_device=p.predicted.tflops_per_device,
                       peak_memory_bytes=p.predicted.peak_memory_bytes, steps=steps, time_to_train_s=ttt,

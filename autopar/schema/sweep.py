@@ -9,6 +9,7 @@ only the rest of `autopar.schema`.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -177,9 +178,15 @@ class SweepResult(_Model):
             raise PlanError(f"{source} is not a valid sweep file: {validation_message(e)}") from None
 
 
-def _short(reason: Optional[str], width: int = 60) -> str:
-    """The reason's first clause, for the table (the JSON and the file keep it whole)."""
-    r = (reason or "no plan").split(";")[0]
+def _short(reason: Optional[str], width: int = 64) -> str:
+    """The reason's gist, for the table (the JSON and the file keep it whole)."""
+    r = reason or "no plan"
+    m = re.match(r"no plan fits in memory: the least memory any plan needs is ([\d.]+ \w+) per device", r)
+    if m:
+        return f"does not fit: needs {m.group(1)} per device"
+    if r.startswith("no dp x tp x pp layout"):
+        return "no layout: the batch does not divide, or too few layers"
+    r = r.split(";")[0]
     return r if len(r) <= width else r[: width - 3] + "..."
 
 
@@ -189,7 +196,7 @@ def _amount(x: float) -> str:
 
 
 def _percent(x: float) -> str:
-    return f"{100 * x:.1f}%" if x >= 0.001 else f"{100 * x:.2g}%"
+    return f"{100 * x:.1f}%" if x >= 0.0005 else "<0.1%"
 
 
 def format_duration(s: float) -> str:
