@@ -106,14 +106,16 @@ def sweep(model: Any, clusters: Sequence[str | ClusterSpec], nodes: Iterable[int
           tokens_per_step: Optional[float] = None, prices: Optional[dict[str, float]] = None,
           deadline_s: Optional[float] = None, dtype: str = "bf16",
           example_inputs: Optional[Sequence[Any]] = None, cache: Any = None, intra_op: str = "auto",
-          keep_plans: bool = True, progress: Optional[Callable[[str], None]] = None) -> SweepResult:
+          keep_plans: bool = True, share_providers: bool = True,
+          progress: Optional[Callable[[str], None]] = None) -> SweepResult:
     """The best plan of `model` on every cluster type of `clusters` (bundled names, YAML/JSON
     paths or ClusterSpecs) at every node count of `nodes`, and what training `tokens` tokens
     takes there (see the module docstring). The batch: `global_batch_size` samples, or
     `tokens_per_step` tokens (default 4Mi) over the model's sequence length; `seq_len` rebuilds
     a zoo model at another sequence length. `prices`: USD (or any currency) per GPU-hour by
-    cluster name. `progress` receives a line per point. Raises PlanError for bad input; a size
-    no plan fits is a point with its `reason`."""
+    cluster name. `progress` receives a line per point. `share_providers=False` plans every
+    point from scratch (what `benchmarks/sweep_time.py` compares with). Raises PlanError for
+    bad input; a size no plan fits is a point with its `reason`."""
     from autopar import __version__
     from autopar.capture import capture
     from autopar.planner import ProviderCache, plan
@@ -156,7 +158,7 @@ def sweep(model: Any, clusters: Sequence[str | ClusterSpec], nodes: Iterable[int
             try:
                 sized = _sized(spec, n)          # a one-node profile cannot grow: that size's reason
                 p = plan(bundle, sized, global_batch_size=gbs, dtype=dtype, graph=graph,
-                         cache=cache, providers=providers, intra_op=intra_op)
+                         cache=cache, providers=providers if share_providers else None, intra_op=intra_op)
                 reason = None
             except PlanError as e:
                 reason = str(e)

@@ -207,7 +207,7 @@ def format_duration(s: float) -> str:
         return f"{s / 60:.3g} min"
     if s < 86400 * 2:
         return f"{s / 3600:.3g} h"
-    return f"{s / 86400:.3g} d"
+    return f"{s / 86400:.3g} d" if s < 1000 * 86400 else f"{s / 86400:,.0f} d"
 
 
 def read_plan_or_sweep(path: str | Path) -> Plan | SweepResult:
