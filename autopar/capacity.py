@@ -220,6 +220,9 @@ def select(res: SweepResult) -> SweepResult:
         missing = sorted({p.cluster for p in ok if p.cost is None})
         res.notes.append(f"no price for {', '.join(missing)}: the frontier and the deadline compare "
                          f"GPU-hours, not cost")
+    elif not priced and len({p.device for p in ok}) > 1:
+        res.notes.append("GPU-hours of different devices are not the same cost: give prices per GPU-hour "
+                         "(--price CLUSTER=PRICE) to compare the cluster types")
     axis = (lambda p: p.cost) if res.cost_axis == "cost" else (lambda p: p.gpu_hours)
     for p in res.points:
         p.pareto = p.chosen = False

@@ -73,10 +73,14 @@ def plot_sweep(res: SweepResult, path: str | Path) -> Path:
     ax.set_title(f"{res.model}: {format_count(res.tokens)} tokens, batch {res.global_batch_size} x "
                  f"{res.seq_len} tokens, {res.dtype} (point labels: nodes)")
     ax.grid(True, which="both", alpha=0.3)
+    missing: dict[str, list[str]] = {}
+    for p in res.points:
+        if p.time_to_train_s is None:
+            missing.setdefault(p.cluster, []).append(str(p.nodes))
+    if missing:          # a legend entry without a handle: the sizes that do not vanish silently
+        ax.plot([], [], " ", label="no plan fits:\n" + "\n".join(
+            f"  {c} at {', '.join(ns)} node{'s' if ns != ['1'] else ''}" for c, ns in missing.items()))
     ax.legend(fontsize=8)
-    missing = [p.key for p in res.points if p.time_to_train_s is None]
-    if missing:
-        fig.text(0.01, 0.005, "no plan fits: " + ", ".join(missing), fontsize=7, color="gray")
     fd, tmp = tempfile.mkstemp(dir=path.resolve().parent, prefix=f".{path.name}.", suffix=f".{fmt}")
     os.close(fd)
     try:

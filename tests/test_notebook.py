@@ -20,5 +20,6 @@ def test_quickstart_notebook_executes(tmp_path):
     assert "baselines under the same cost model" in outputs
     assert any("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
     assert (tmp_path / "quickstart_plan.png").exists()
+    assert "autopar sweep: gpt3-1.3b" in outputs and (tmp_path / "quickstart_sweep.png").exists()
     losses = [float(line.split()[3]) for line in outputs.splitlines() if line.startswith("step ")]
     assert len(losses) == 3 and all(0 < x < 10 for x in losses)
