@@ -94,7 +94,8 @@ def parse_prices(text: Optional[str]) -> dict[str, float]:
         except ValueError:
             price = -1.0
         if not eq or not name.strip() or price < 0:
-            raise PlanError(f"--price {part!r}: give CLUSTER=PRICE per GPU-hour, e.g. dgx-h100=2.5")
+            raise PlanError(f"--price {part!r}: give CLUSTER=PRICE, your price per GPU-hour, for each "
+                            f"priced cluster (comma-separated)")
         out[name.strip()] = price
     return out
 

@@ -136,8 +136,8 @@ def plan_cmd(model_ref: str, cluster: str, nodes: Optional[int], devices_per_nod
 @click.option("--global-batch-size", "-b", type=click.IntRange(min=1), help="samples per iteration")
 @click.option("--tokens-per-step", "tokens_per_step_text",
               help="tokens per iteration, made a batch of whole samples [default: 4Mi = 4194304]")
-@click.option("--price", "price_text", help="price per GPU-hour by cluster, e.g. dgx-h100=2.5,dgx-a100-80g=1.8 "
-                                            "(cost is left out without one)")
+@click.option("--price", "price_text", help="your price per GPU-hour by cluster: CLUSTER=PRICE[,CLUSTER=PRICE] "
+                                            "(none are bundled; cost is left out without one)")
 @click.option("--deadline", "deadline_text", help="pick the cheapest point finishing within it: 30d, 12h, 2w")
 @click.option("--dtype", type=click.Choice(TRAINING_DTYPES), default="bf16", show_default=True)
 @click.option("--plot", type=click.Path(dir_okay=False), help="draw time to train vs cost (PNG or SVG)")
