@@ -39,10 +39,16 @@ def plot_plan(plan: Plan, path: str | Path) -> Path:
     fig.suptitle(f"{plan.model.name} on {plan.cluster.num_devices} x {plan.cluster.device.name}: "
                  f"dp={plan.dp} tp={plan.tp} pp={plan.pp}, {plan.schedule}, "
                  f"{plan.predicted.iteration_time_s:.3g} s/iteration (predicted)")
+    return save_figure(fig, path, fmt, plt, dpi=110)
+
+
+def save_figure(fig, path: Path, fmt: str, plt, dpi: int = 100) -> Path:
+    """Write `fig` to `path` atomically (a temporary file renamed into place: the file is the
+    whole figure or untouched) and close it."""
     fd, tmp = tempfile.mkstemp(dir=path.resolve().parent, prefix=f".{path.name}.", suffix=f".{fmt}")
     os.close(fd)
     try:
-        fig.savefig(tmp, format=fmt, dpi=110)
+        fig.savefig(tmp, format=fmt, dpi=dpi)
         os.replace(tmp, path)
     finally:
         plt.close(fig)

@@ -5,10 +5,9 @@ Pareto frontier drawn through its points and the deadline's choice circled (matp
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
+from autopar.plot import save_figure
 from autopar.schema import PlanError
 from autopar.schema.plan import format_count
 from autopar.schema.sweep import SweepResult
@@ -81,13 +80,4 @@ def plot_sweep(res: SweepResult, path: str | Path) -> Path:
         ax.plot([], [], " ", label="no plan fits:\n" + "\n".join(
             f"  {c} at {', '.join(ns)} node{'s' if ns != ['1'] else ''}" for c, ns in missing.items()))
     ax.legend(fontsize=8)
-    fd, tmp = tempfile.mkstemp(dir=path.resolve().parent, prefix=f".{path.name}.", suffix=f".{fmt}")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format=fmt, dpi=100)
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    return save_figure(fig, path, fmt, plt, dpi=100)

@@ -11,7 +11,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Literal, Optional, get_args
+from typing import Any, Literal, Optional, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -239,16 +239,7 @@ class Plan(_Model):
                             f"{e.lineno}; re-create it with `autopar plan ... -o FILE`") from None
         if not isinstance(data, dict):
             raise PlanError(f"{source} is not a plan: expected a JSON object")
-        ver = data.get("format_version")
-        if not isinstance(ver, int):
-            raise PlanError(f"{source} is not an autopar plan: it has no integer format_version")
-        if ver > PLAN_FORMAT_VERSION:
-            raise PlanError(f"{source} has format_version {ver}, newer than this autopar reads "
-                            f"({PLAN_FORMAT_VERSION}); upgrade autopar or re-plan with this version")
-        try:
-            return cls.model_validate(data)
-        except ValidationError as e:
-            raise PlanError(f"{source} is not a valid plan: {validation_message(e)}") from None
+        return validate_versioned(cls, data, source, "plan", PLAN_FORMAT_VERSION, "re-plan with this version")
 
     def save(self, path: str | Path) -> None:
         """Write atomically: the file is either the whole plan or left untouched."""
@@ -352,6 +343,22 @@ def format_table(cols: list[str], rows: list[list[str]]) -> str:
     sep = "  ".join("-" * w for w in widths)
     body = ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
     return "\n".join([line, sep, *body])
+
+
+def validate_versioned(cls: Any, data: dict, source: str, what: str, newest: int, redo: str) -> Any:
+    """`cls` (a pydantic model of an autopar file kind, `what`) from `data`: refused with a
+    PlanError when it has no integer `format_version`, one newer than this autopar reads
+    (`newest`; `redo` says how to make a readable one), or fields that do not validate."""
+    ver = data.get("format_version")
+    if not isinstance(ver, int):
+        raise PlanError(f"{source} is not an autopar {what}: it has no integer format_version")
+    if ver > newest:
+        raise PlanError(f"{source} has format_version {ver}, newer than this autopar reads "
+                        f"({newest}); upgrade autopar or {redo}")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise PlanError(f"{source} is not a valid {what}: {validation_message(e)}") from None
 
 
 def write_atomic(path: Path, text: str) -> None:

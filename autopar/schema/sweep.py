@@ -13,11 +13,10 @@ import re
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from autopar.schema.cluster import validation_message
 from autopar.schema.errors import PlanError
-from autopar.schema.plan import Plan, TrainingDtype, format_count, format_table, write_atomic
+from autopar.schema.plan import Plan, TrainingDtype, format_count, format_table, validate_versioned, write_atomic
 
 SWEEP_FORMAT_VERSION = 1
 SWEEP_KIND = "autopar-sweep"
@@ -166,16 +165,8 @@ class SweepResult(_Model):
     def from_data(cls, data: Any, source: str = "sweep") -> "SweepResult":
         if not isinstance(data, dict) or data.get("kind") != SWEEP_KIND:
             raise PlanError(f"{source} is not an autopar sweep file")
-        ver = data.get("format_version")
-        if not isinstance(ver, int):
-            raise PlanError(f"{source} is not an autopar sweep file: it has no integer format_version")
-        if ver > SWEEP_FORMAT_VERSION:
-            raise PlanError(f"{source} has format_version {ver}, newer than this autopar reads "
-                            f"({SWEEP_FORMAT_VERSION}); upgrade autopar or sweep again with this version")
-        try:
-            return cls.model_validate(data)
-        except ValidationError as e:
-            raise PlanError(f"{source} is not a valid sweep file: {validation_message(e)}") from None
+        return validate_versioned(cls, data, source, "sweep file", SWEEP_FORMAT_VERSION,
+                                  "sweep again with this version")
 
 
 def _short(reason: Optional[str], width: int = 64) -> str:
