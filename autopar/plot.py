@@ -14,14 +14,20 @@ MEMORY_PARTS = (("weights_bytes", "weights"), ("gradients_bytes", "gradients"),
                 ("optimizer_bytes", "optimizer state"), ("activations_bytes", "activations"))
 
 
-def plot_plan(plan: Plan, path: str | Path) -> Path:
-    """Draw `plan` to `path` (.png or .svg), written atomically."""
+def figure_path(path: str | Path) -> tuple[Path, str]:
+    """`path` and its format (png or svg), checked before anything is drawn."""
     path = Path(path)
     fmt = path.suffix.lower().lstrip(".")
     if fmt not in ("png", "svg"):
         raise PlanError(f"--plot needs a .png or .svg file name, got {path.name!r}")
     if not path.resolve().parent.is_dir():
         raise PlanError(f"cannot write {path}: directory {path.parent} does not exist")
+    return path, fmt
+
+
+def plot_plan(plan: Plan, path: str | Path) -> Path:
+    """Draw `plan` to `path` (.png or .svg), written atomically."""
+    path, fmt = figure_path(path)
     try:
         import matplotlib
 

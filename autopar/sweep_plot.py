@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from autopar.plot import save_figure
+from autopar.plot import figure_path, save_figure
 from autopar.schema import PlanError
 from autopar.schema.plan import format_count
 from autopar.schema.sweep import SweepResult
@@ -25,12 +25,7 @@ def require_matplotlib() -> None:
 
 def plot_sweep(res: SweepResult, path: str | Path) -> Path:
     """Draw `res` to `path` (.png or .svg), written atomically."""
-    path = Path(path)
-    fmt = path.suffix.lower().lstrip(".")
-    if fmt not in ("png", "svg"):
-        raise PlanError(f"--plot needs a .png or .svg file name, got {path.name!r}")
-    if not path.resolve().parent.is_dir():
-        raise PlanError(f"cannot write {path}: directory {path.parent} does not exist")
+    path, fmt = figure_path(path)
     require_matplotlib()
     import matplotlib
 

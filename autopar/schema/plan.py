@@ -232,11 +232,7 @@ class Plan(_Model):
 
     @classmethod
     def from_json(cls, text: str, source: str = "plan") -> "Plan":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PlanError(f"{source} is not valid JSON (truncated or corrupted?): {e.msg}, line "
-                            f"{e.lineno}; re-create it with `autopar plan ... -o FILE`") from None
+        data = parse_json(text, source, "autopar plan ... -o FILE")
         if not isinstance(data, dict):
             raise PlanError(f"{source} is not a plan: expected a JSON object")
         return validate_versioned(cls, data, source, "plan", PLAN_FORMAT_VERSION, "re-plan with this version")
@@ -343,6 +339,15 @@ def format_table(cols: list[str], rows: list[list[str]]) -> str:
     sep = "  ".join("-" * w for w in widths)
     body = ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
     return "\n".join([line, sep, *body])
+
+
+def parse_json(text: str, source: str, remake: str) -> Any:
+    """`text` parsed, or a PlanError naming `source` and the command that re-creates it."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlanError(f"{source} is not valid JSON (truncated or corrupted?): {e.msg}, line "
+                        f"{e.lineno}; re-create it with `{remake}`") from None
 
 
 def validate_versioned(cls: Any, data: dict, source: str, what: str, newest: int, redo: str) -> Any:

@@ -16,7 +16,15 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from autopar.schema.errors import PlanError
-from autopar.schema.plan import Plan, TrainingDtype, format_count, format_table, validate_versioned, write_atomic
+from autopar.schema.plan import (
+    Plan,
+    TrainingDtype,
+    format_count,
+    format_table,
+    parse_json,
+    validate_versioned,
+    write_atomic,
+)
 
 SWEEP_FORMAT_VERSION = 1
 SWEEP_KIND = "autopar-sweep"
@@ -154,12 +162,7 @@ class SweepResult(_Model):
 
     @classmethod
     def from_json(cls, text: str, source: str = "sweep") -> "SweepResult":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PlanError(f"{source} is not valid JSON (truncated or corrupted?): {e.msg}, line "
-                            f"{e.lineno}; re-create it with `autopar sweep ... -o FILE`") from None
-        return cls.from_data(data, source)
+        return cls.from_data(parse_json(text, source, "autopar sweep ... -o FILE"), source)
 
     @classmethod
     def from_data(cls, data: Any, source: str = "sweep") -> "SweepResult":
