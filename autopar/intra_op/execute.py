@@ -399,9 +399,11 @@ class _RegatherState:
 
 
 def _storage(t: Any) -> int:
+    """The identity of `t`'s storage (its StorageImpl, not its data pointer: a fake tensor's
+    is 0 for every storage, `autopar verify`)."""
     if isinstance(t, DTensor):
         t = t._local_tensor
-    return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else -1
+    return t.untyped_storage()._cdata if isinstance(t, torch.Tensor) else -1
 
 
 # ---------------------------------------------------------------------------- interleaved rows

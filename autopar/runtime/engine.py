@@ -48,6 +48,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -110,7 +111,8 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         self.tp_group = None
         self.stages = sorted(plan.stages, key=lambda s: s.index)
         self._check_plan()
-        self._build_meshes()
+        with unset_fake_temporarily():   # meshes hold rank ids: real tensors even when the step is fake (verify)
+            self._build_meshes()
         self.model = bundle.model
         self.aliases = canonical_names(self.model)
         if self.pp == 1:
@@ -371,7 +373,7 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
                 with ctx:
                     loss = self.runner(*args)
                 (loss / M).backward()
-                total += float(loss.detach())
+                total += loss_value(loss)
             return (total if reporter_tp else 0.0), (M if reporter_tp else 0)
         # pipeline
         is_first = any(st.is_first for st in self.pipe_stages)
@@ -396,7 +398,7 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
             else:
                 self.schedule.step(return_outputs=False, **kwargs)
         if is_last and reporter_tp:
-            return float(sum(float(l.detach()) for l in losses)), len(losses)
+            return float(sum(loss_value(l) for l in losses)), len(losses)
         return 0.0, 0
 
     def sync_and_update(self, counter: Any = None) -> None:
@@ -455,6 +457,14 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
                 t = deinterleave(t, *self.interleaved[n], self.tp_size)
             out[n] = t
         return out
+
+
+def loss_value(loss: torch.Tensor) -> float:
+    """A micro-batch loss as a float; NaN for a fake tensor (`autopar verify` steps the program
+    on fake tensors: nothing has a value)."""
+    t = loss.detach()
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return float("nan") if isinstance(local, FakeTensor) else float(t)
 
 
 class LocalBatch(tuple):

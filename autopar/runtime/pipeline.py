@@ -236,6 +236,8 @@ class PipelineStages:
         else:
             sched = Schedule1F1B(self.pipe_stages[0], n_microbatches=M, loss_fn=loss_fn)
         self.schedule = sched
+        if dist.get_backend() == "fake":
+            _vote_static(sched)
         if self.hetero:
             return  # FanoutPipelineStage finds its peers itself (one stage per rank)
         # stage i lives on group rank of devsets[i % pp][coord]
@@ -247,6 +249,23 @@ class PipelineStages:
         sched.stage_index_to_group_rank = mapping
         for st in self.pipe_stages:
             st.stage_index_to_group_rank = mapping
+
+
+def _vote_static(sched: Any) -> None:
+    """On a fake process group (`autopar verify`: no values travel) settle torch.pipelining's
+    first-step warm-up vote without reading a received value: every stage here is built with
+    static shapes (`_make_stage`), so the vote's outcome is STATIC on every rank; a stage that
+    would need dynamic metadata inference is an error."""
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    def warmup(stages: list, has_backward: bool, p2p_done: bool) -> None:
+        for st in stages:
+            if InferenceMode.needs_dynamic(st._user_meta, has_backward):
+                raise PlanError(f"pipeline stage {st.stage_index} lacks static shapes, which a fake process "
+                                f"group cannot infer")
+            st._inference_mode = InferenceMode.STATIC
+
+    sched._warmup_p2p = warmup
 
 
 def _merged_solution(layouts: Sequence[Any], mesh_shape: tuple[int, ...]) -> Any:

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.pipelining import PipelineStage
 
 
@@ -45,13 +46,14 @@ def replica_ranks(devices: Sequence[int], mesh_shape: Sequence[int], axis_names:
     """A stage's global ranks split by data-parallel replica: `out[d]` are the ranks of dp index
     d (row-major over the "dp" axes, as the dp sub-mesh numbers them) in tp order (row-major
     over the other axes)."""
-    grid = torch.tensor(list(devices)).view(*mesh_shape)
     dp_axes = [i for i, a in enumerate(axis_names) if a == "dp"]
     tp_axes = [i for i, a in enumerate(axis_names) if a != "dp"]
     D = 1
     for i in dp_axes:
         D *= mesh_shape[i]
-    return grid.permute(*dp_axes, *tp_axes).reshape(D, -1).tolist()
+    with unset_fake_temporarily():   # rank arithmetic, real under `autopar verify`'s fake tensors too
+        grid = torch.tensor(list(devices)).view(*mesh_shape)
+        return grid.permute(*dp_axes, *tp_axes).reshape(D, -1).tolist()
 
 
 class FanoutPipelineStage(PipelineStage):

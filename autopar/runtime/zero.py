@@ -92,7 +92,7 @@ class ZeroSharding:
         full = torch.empty(S * D, dtype=dtype, device=self.device)   # the parameters' dtype
         mine = self.flat_shard.data.to(full.dtype)
         all_gather_flat(full, mine, group=self.dp_group)
-        if mine.untyped_storage().data_ptr() != self.flat_shard.data.untyped_storage().data_ptr():
+        if mine.untyped_storage()._cdata != self.flat_shard.data.untyped_storage()._cdata:   # not data_ptr: 0 when fake
             release(mine)
         off = 0
         with torch.no_grad():
