@@ -31,7 +31,7 @@ from autopar.schema.sweep import SweepPoint, SweepResult
 __version__ = "0.1.0"
 
 __all__ = ["ClusterSpec", "Constraints", "DeviceSpec", "LinkSpec", "LogicalMesh", "Plan",
-           "PlanError", "Prediction", "StagePlan", "load_plan", "plan", "auto_shard", "capture",
+           "PlanError", "Prediction", "StagePlan", "load_plan", "plan", "verify", "auto_shard", "capture",
            "OpGraph", "bundled_clusters", "sweep", "SweepResult", "SweepPoint", "__version__"]
 
 
@@ -50,6 +50,19 @@ def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Sequence[Any] |
 
     return _plan(model, cluster, example_inputs, global_batch_size=global_batch_size, dtype=dtype,
                  constraints=constraints, loss_fn=loss_fn, progress=progress, name=name, cache=cache)
+
+
+def verify(plan: Any, model: Any, *, device_memory_bytes: Optional[float] = None,
+           ranks: Optional[Sequence[int]] = None, top: int = 0, progress: bool = False) -> Any:
+    """Build every distinct kind of rank of `plan` (a Plan or a plan file) at its full world size
+    on a fake process group and fake tensors, exactly as `autopar run` builds it, and run one
+    training step: returns a `VerifyReport` (shards against the placements, collectives against
+    the plan's, tracked peak memory against the prediction and the device; `report.failures`).
+    `model`: a model reference, a ModelBundle or a factory (`autopar.runtime.verify.verify`)."""
+    from autopar.runtime.verify import verify as _verify
+
+    return _verify(plan, model, device_memory_bytes=device_memory_bytes, ranks=ranks, top=top,
+                   progress=progress)
 
 
 def auto_shard(model: Any, example_inputs: Sequence[Any], *, mesh: LogicalMesh,

@@ -1,4 +1,4 @@
-"""The `autopar` command: plan, sweep, show, run, profile, models, schema.
+"""The `autopar` command: plan, sweep, show, run, verify, profile, models, schema.
 
 Every user mistake ends as one line on stderr (`autopar: error: ...`) and a non-zero exit code,
 never a traceback; output files are written atomically, so a failed command leaves none behind.
@@ -81,9 +81,12 @@ def _cluster(name: str, nodes: Optional[int], devices_per_node: Optional[int]):
               help="capture and solve anew, neither reading nor writing the cache (captures, "
                    "per-layer intra-op solutions, schedule walks: $XDG_CACHE_HOME/autopar/captures, "
                    "or $AUTOPAR_CACHE_DIR)")
+@click.option("--verify", "then_verify", is_flag=True,
+              help="then build every kind of rank of the plan at full scale on a fake process group "
+                   "and check memory and collectives (as `autopar verify`); exit non-zero on a failure")
 def plan_cmd(model_ref: str, cluster: str, nodes: Optional[int], devices_per_node: Optional[int],
              global_batch_size: int, dtype: str, output: Optional[str], compare: bool, as_json: bool,
-             quiet: bool, no_cache: bool, timings: bool, **pins: Any) -> None:
+             quiet: bool, no_cache: bool, timings: bool, then_verify: bool, **pins: Any) -> None:
     """Plan MODEL on CLUSTER and print the plan (or write it with -o)."""
     t = [time.perf_counter()]
     from autopar.capture import capture
@@ -123,6 +126,20 @@ def plan_cmd(model_ref: str, cluster: str, nodes: Optional[int], devices_per_nod
         click.echo(compare_baselines(p, bundle, spec, as_json=as_json, graph=graph))
     if output and not as_json:
         _echo_err(f"wrote {output}", quiet)
+    if then_verify:
+        from autopar.runtime.verify import verify
+
+        report = verify(p, model_ref, check=False, progress=not quiet)
+        _verify_out(report, as_json)
+
+
+def _verify_out(report: Any, as_json: bool) -> None:
+    """Print a VerifyReport (table or JSON); a failure ends the command with its first line."""
+    click.echo(report.model_dump_json(indent=2) if as_json else report.summary())
+    if report.failures:
+        more = len(report.failures) - 1
+        raise PlanError(f"verify failed: {report.failures[0]}"
+                        + (f" (and {more} more failure{'s' if more > 1 else ''}, listed above)" if more else ""))
 
 
 @cli.command("sweep", context_settings=CONTEXT)
@@ -241,6 +258,30 @@ def run_cmd(plan_file: str, point: Optional[str], model_ref: str, steps: int, se
     if not quiet and rows and not metrics:
         for r in rows:
             click.echo(json.dumps(r))
+
+
+@cli.command("verify", context_settings=CONTEXT)
+@click.argument("plan_file", type=click.Path(dir_okay=False))
+@click.option("--model", "model_ref", required=True, help="the model the plan was made for")
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+@click.option("--device-memory", type=click.FloatRange(min=0, min_open=True), metavar="GIB",
+              help="check against this device memory (GiB) instead of the plan's device's")
+@click.option("--rank", "ranks", type=click.IntRange(min=0), multiple=True,
+              help="verify only the kind of this rank (repeatable)")
+@click.option("--top", type=click.IntRange(min=0), default=0, show_default=True,
+              help="list the N largest tensors at each rank's peak")
+@click.option("--quiet", "-q", is_flag=True, help="no progress output")
+def verify_cmd(plan_file: str, model_ref: str, as_json: bool, device_memory: Optional[float],
+               ranks: tuple[int, ...], top: int, quiet: bool) -> None:
+    """Build every kind of rank of a plan at full scale without GPUs (fake process group, fake
+    tensors), run one training step, and check shards, collectives and memory."""
+    from autopar.runtime.verify import verify
+    from autopar.schema import load_plan
+
+    p = load_plan(plan_file)
+    report = verify(p, model_ref, device_memory_bytes=device_memory * 2**30 if device_memory else None,
+                    ranks=list(ranks) or None, top=top, progress=not quiet)
+    _verify_out(report, as_json)
 
 
 @cli.command("profile", context_settings=CONTEXT)

@@ -1,0 +1,126 @@
+"""The distinct kinds of rank of a plan, found from the plan alone (no process group): what
+`autopar verify` builds once each instead of every rank.
+
+Two ranks are of one kind when they run the same stages (device set) and hold the same local
+shard of every parameter. Within a device set shards differ only where a sharded dimension does
+not divide evenly (DTensor's and FSDP2's ceil-divided chunks leave the last coordinates smaller
+or empty), so a plan usually has one kind per device set. The kind's rank is the first of them
+in the device set's order: the device set's representative (coordinate 0), whose collectives
+`runtime.counting` combines, is always one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+from typing import Sequence
+
+import torch.nn as nn
+
+from autopar.runtime.materialize import canonical_names
+from autopar.runtime.meshes import fsdp_sharded
+from autopar.schema.placement import shard_dim
+from autopar.schema.plan import Plan, StagePlan
+
+
+@dataclass
+class RankKind:
+    """One kind of rank: `rank` is built, standing for `ranks` (itself included)."""
+
+    rank: int
+    stages: list[int]
+    coordinate: dict[str, int]
+    ranks: list[int] = field(default_factory=list)
+    representative: bool = False
+
+
+def chunk_len(size: int, parts: int, index: int) -> int:
+    """The length of chunk `index` of `size` split into `parts` (DTensor's Shard and FSDP2's
+    torch.chunk: ceil-divided chunks, the last ones shorter or empty)."""
+    full = -(-size // parts)
+    start = full * index
+    return max(0, min(size, start + full) - start)
+
+
+def _coordinate(s: StagePlan, rank: int) -> list[int]:
+    i = s.devices.index(rank)
+    out = []
+    for n in reversed(s.mesh_shape):
+        out.append(i % n)
+        i //= n
+    return out[::-1]
+
+
+def _flat(coord: Sequence[int], sizes: Sequence[int]) -> int:
+    i = 0
+    for c, n in zip(coord, sizes):
+        i = i * n + c
+    return i
+
+
+def expected_shards(plan: Plan, model: nn.Module, rank: int, *,
+                    shapes: dict[str, tuple[int, ...]] | None = None,
+                    aliases: dict[str, str] | None = None) -> dict[str, tuple[int, ...]]:
+    """Canonical parameter name -> the local shard shape `rank` holds under the plan's
+    placements (`StagePlan.placements` of the rank's stages): "S(d)" on the tp axes splits
+    dimension d (several tp axes flattened, sharded only where they all agree, as the runtime
+    does), and under FSDP (ZeRO-3, or "S(0)" on a dp axis) dimension 0 of that over the dp axes."""
+    aliases = canonical_names(model) if aliases is None else aliases
+    if shapes is None:
+        shapes = {aliases.get(n, n): tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    mine = [s for s in plan.stages if rank in s.devices]
+    zero3 = fsdp_sharded(plan, mine)
+    out: dict[str, tuple[int, ...]] = {}
+    for s in mine:
+        coord = _coordinate(s, rank)
+        tp = [i for i, k in enumerate(s.mesh_axis_names) if k == "tp"]
+        dp = [i for i, k in enumerate(s.mesh_axis_names) if k == "dp"]
+        tp_size, tp_c = prod(s.mesh_shape[i] for i in tp), _flat([coord[i] for i in tp], [s.mesh_shape[i] for i in tp])
+        dp_size, dp_c = prod(s.mesh_shape[i] for i in dp), _flat([coord[i] for i in dp], [s.mesh_shape[i] for i in dp])
+        for fqn, pl in s.placements.items():
+            name = aliases.get(fqn, fqn)
+            if name not in shapes:
+                continue   # the model has no such parameter: the build reports it
+            shape = list(shapes[name])
+            sel = {pl[i] for i in tp}
+            d = shard_dim(sel.pop()) if len(sel) == 1 else None
+            if d is not None and tp_size > 1 and d < len(shape):
+                shape[d] = chunk_len(shape[d], tp_size, tp_c)
+            if zero3 and shape:
+                shape[0] = chunk_len(shape[0], dp_size, dp_c)
+            out[name] = tuple(shape)
+    return out
+
+
+def rank_kinds(plan: Plan, model: nn.Module) -> list[RankKind]:
+    """The plan's kinds of rank, in stage order (see the module docstring)."""
+    aliases = canonical_names(model)
+    shapes = {aliases.get(n, n): tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    devsets: list[tuple[int, ...]] = []
+    for s in sorted(plan.stages, key=lambda s: s.index):
+        if tuple(s.devices) not in devsets:
+            devsets.append(tuple(s.devices))
+    kinds: list[RankKind] = []
+    for ds in devsets:
+        stages = sorted(s.index for s in plan.stages if tuple(s.devices) == ds)
+        first = next(s for s in plan.stages if tuple(s.devices) == ds)
+        seen: dict[tuple, RankKind] = {}
+        for r in ds:
+            sig = tuple(sorted(expected_shards(plan, model, r, shapes=shapes, aliases=aliases).items()))
+            if sig in seen:
+                seen[sig].ranks.append(r)
+                continue
+            coord = dict(zip(_axis_labels(first.mesh_axis_names), _coordinate(first, r)))
+            seen[sig] = RankKind(rank=r, stages=stages, coordinate=coord, ranks=[r], representative=r == ds[0])
+        kinds.extend(seen.values())
+    return kinds
+
+
+def _axis_labels(names: Sequence[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        k = seen.get(n, 0)
+        seen[n] = k + 1
+        out.append(n if k == 0 else f"{n}{k}")
+    return out

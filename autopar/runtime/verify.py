@@ -1,0 +1,277 @@
+"""`autopar verify`: every distinct kind of rank of a plan built and stepped at the plan's full
+world size, in this process, with no devices.
+
+Each kind (`rank_kinds`: stage x mesh coordinate, deduplicated by the shards it holds) is built
+exactly as `autopar run` builds a rank (`engine.ParallelModel`, the one executor) on torch's fake
+process group (`init_process_group("fake")` at the plan's world size and that rank: collectives
+return at once, moving nothing) and on fake tensors (`FakeTensorMode`: shapes, dtypes and
+storages without data; the model comes from the meta device). It runs two training steps as
+`autopar run` does - every micro-batch of the schedule, backward, gradient sync, optimizer
+step; the first allocates AdamW's state - and the second under the runtime's memory tracker
+(`memory_tracking.track_step`) and collective counter (`counting.CollectiveCounter`, here by
+phase of the step). The process group is destroyed before the next kind.
+
+Checked per kind: the local shard of every parameter against the plan's placements
+(`rank_kinds.expected_shards`), the tracked peak against the device's capacity (and the plan's
+usable memory) beside the plan's prediction for the rank's stage, and, for stages run as solved,
+the forward/backward collectives against the solution's (`op_layouts.collectives`). For the plan:
+the representatives' collectives combined by `counting.combine` against
+`plan.predicted.collectives`. What the runtime does that needs values is not run here: the
+loss's value (NaN), the warm-up vote of torch.pipelining (`pipeline._vote_static`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from collections import Counter
+from typing import Any, Callable, Optional, Sequence
+
+import torch.distributed as dist
+
+from autopar.models.registry import ModelBundle, build_model, call_batch_fn, default_batch_fn
+from autopar.runtime.counting import CollectiveCounter, combine
+from autopar.runtime.rank_kinds import RankKind, expected_shards, rank_kinds
+from autopar.schema.errors import PlanError
+from autopar.schema.plan import Plan, format_bytes
+from autopar.schema.verify import RankCheck, ShardMismatch, VerifyReport
+
+# what building or stepping a rank on fake tensors raises when the plan cannot run: reported as
+# that rank's failure (and the other kinds still verified), not as a crash of the command
+BUILD_ERRORS: tuple[type[BaseException], ...] = (PlanError, RuntimeError, ValueError, TypeError, KeyError,
+                                                 IndexError, AssertionError, NotImplementedError, AttributeError)
+PHASES = ("forward_backward", "grad_sync", "optimizer")
+
+
+class PhasedCounter(CollectiveCounter):
+    """`CollectiveCounter` that also records the phase of the step each collective ran in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = PHASES[0]
+        self.phases: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        n = len(self.events)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if len(self.events) > n:
+            self.phases.append(self.phase)
+        return out
+
+    def by_phase(self) -> dict[str, dict[str, int]]:
+        """phase -> kind -> count, receives as send_recv and sends left out (`local_counts`)."""
+        out: dict[str, Counter] = {}
+        for (kind, _), ph in zip(self.events, self.phases):
+            if kind == "send_recv":
+                continue
+            out.setdefault(ph, Counter())["send_recv" if kind == "recv" else kind] += 1
+        return {ph: dict(sorted(c.items())) for ph, c in out.items()}
+
+
+def _phase_wrappers(pm: Any, counter: PhasedCounter) -> Callable[[], None]:
+    """Set `counter.phase` as the step moves on (the tracker's phases); returns the undo."""
+    undo: list[Callable[[], None]] = []
+    for name, phase in (("forward_backward", "forward_backward"), ("sync_and_update", "grad_sync")):
+        orig = getattr(pm, name)
+
+        def wrapped(*a: Any, _orig: Any = orig, _phase: str = phase, **k: Any) -> Any:
+            counter.phase = _phase
+            return _orig(*a, **k)
+
+        setattr(pm, name, wrapped)
+        undo.append(lambda _n=name: delattr(pm, _n))
+    handle = pm.optimizer.register_step_pre_hook(lambda *a: setattr(counter, "phase", "optimizer"))
+    undo.append(handle.remove)
+    return lambda: [u() for u in reversed(undo)]
+
+
+def _tp_predicted(plan: Plan, kind: RankKind) -> Optional[dict[str, int]]:
+    """The solved layouts' forward/backward collectives of the rank's chunks over one step."""
+    stages = [s for s in plan.stages if s.index in kind.stages]
+    if not stages or any(s.op_layouts is None for s in stages):
+        return None
+    total: Counter = Counter()
+    for s in stages:
+        for phase in ("forward", "backward", "recompute"):
+            for k, v in s.op_layouts.collectives.get(phase, {}).items():
+                total[k] += v * plan.num_microbatches
+    return dict(sorted((k, v) for k, v in total.items() if v))
+
+
+def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKind, *,
+                top: int = 0) -> tuple[RankCheck, list]:
+    """Build and step rank `kind.rank` on a fake process group and fake tensors (this process
+    must have no process group); returns its RankCheck and its collective events of the step
+    (for `counting.combine`)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autopar.runtime.engine import ParallelModel
+    from autopar.runtime.memory_tracking import baseline, predicted_for_rank, relative_error, track_step
+
+    t0 = time.perf_counter()
+    check = RankCheck(rank=kind.rank, stages=kind.stages, coordinate=kind.coordinate,
+                      ranks_of_kind=len(kind.ranks), representative=kind.representative)
+    pred = predicted_for_rank(plan, kind.rank)
+    if pred is not None:
+        check.predicted_peak_bytes = pred["peak_bytes"]
+        check.predicted_stage = pred["stage"]
+        check.predicted_categories = {k: pred[k] for k in ("weights", "gradients", "optimizer", "activations",
+                                                           "buffers")}
+    events: list = []
+    dist.init_process_group("fake", store=FakeStore(), rank=kind.rank, world_size=plan.world_size)
+    try:
+        bundle = make_bundle()
+        expected = expected_shards(plan, bundle.model, kind.rank)
+        skip = baseline()
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            pm = ParallelModel(plan, bundle, seed=0)
+            batch_fn = bundle.batch_fn or default_batch_fn(bundle.example_inputs)
+            batch = pm.local_batch(call_batch_fn(batch_fn, 0, plan.global_batch_size, 0))
+            pm.train_step(batch)            # allocates the optimizer's state, as `autopar run`'s first step
+            counter = PhasedCounter()
+            undo = _phase_wrappers(pm, counter)
+            try:
+                _, rep = track_step(pm, batch, counter=counter, skip=skip, top=top)
+            finally:
+                undo()
+        _check_shards(check, pm, expected)
+        events = list(counter.events)
+        check.collectives = counter.by_phase()
+        check.tp_predicted = _tp_predicted(plan, kind)
+        if check.tp_predicted is not None:
+            fb = dict(check.collectives.get("forward_backward", {}))
+            fb.pop("send_recv", None)
+            check.tp_measured = fb
+        check.tracked_peak_bytes = rep.peak_bytes
+        check.tracked_peak_phase = rep.peak_phase
+        check.tracked_categories = rep.categories
+        check.tracked_phases = {k: v.peak_bytes for k, v in rep.phases.items()}
+        check.peak_tensors = rep.peak_tensors
+        check.notes = list(rep.notes)
+        if pred is not None:
+            check.memory_error = relative_error(rep.peak_bytes, pred["peak_bytes"])
+    except BUILD_ERRORS as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        check.error = f"{type(e).__name__}: {msg}" if not isinstance(e, PlanError) else msg
+    finally:
+        dist.destroy_process_group()
+    check.time_s = time.perf_counter() - t0
+    return check, events
+
+
+def _check_shards(check: RankCheck, pm: Any, expected: dict[str, tuple[int, ...]]) -> None:
+    from torch.distributed.tensor import DTensor
+
+    built = {}
+    for name, p in pm.local_named_parameters():
+        loc = p._local_tensor if isinstance(p, DTensor) else p
+        built[name] = tuple(loc.shape)
+    check.params_checked = len(built)
+    for name in sorted(set(built) | set(expected)):
+        e, b = expected.get(name), built.get(name)
+        if e != b:
+            check.shard_mismatches.append(ShardMismatch(name=name, expected=list(e) if e is not None else None,
+                                                        built=list(b) if b is not None else None))
+
+
+def _bundle_factory(model: str | ModelBundle | Callable[[], Any]) -> Callable[[], ModelBundle]:
+    """A function making a fresh bundle per rank (the runtime materialises a bundle in place)."""
+    if isinstance(model, str):
+        return lambda: build_model(model, device="meta")
+    if isinstance(model, ModelBundle):
+        import copy
+
+        return lambda: copy.deepcopy(model)
+
+    def make() -> ModelBundle:
+        out = model()
+        if isinstance(out, ModelBundle):
+            return out
+        return ModelBundle("custom", out[0], tuple(out[1]), out[2] if len(out) > 2 else None)
+    return make
+
+
+def verify(plan: Plan | str, model: str | ModelBundle | Callable[[], Any], *,
+           device_memory_bytes: Optional[float] = None, ranks: Optional[Sequence[int]] = None,
+           top: int = 0, check: bool = True, progress: bool = False) -> VerifyReport:
+    """Build and step every kind of rank of `plan` at its full world size on a fake process group
+    and fake tensors; see the module docstring. `model`: a model reference, a ModelBundle (on
+    meta) or a factory. `device_memory_bytes`: the capacity to check against (default the plan's
+    device). `ranks`: verify only the kinds of these ranks (the plan's total collectives are
+    then compared only when every device set's representative is among them). `top` > 0: each
+    kind lists the `top` largest storages at its peak. `check`: first check the plan against the
+    model (fingerprint, as `autopar run`). Raises PlanError for bad input; a rank that fails
+    to build is a failure in the report."""
+    from autopar.runtime import _load, check_plan
+
+    t0 = time.perf_counter()
+    p = _load(plan)
+    if dist.is_initialized():
+        raise PlanError("verify needs a process without a process group (it makes a fake one per rank); "
+                        "call it before init_process_group or from another process")
+    make = _bundle_factory(model)
+    bundle = make()
+    if check:
+        check_plan(p, bundle, model_ref=model if isinstance(model, str) else None)
+    kinds = rank_kinds(p, bundle.model)
+    if ranks is not None:
+        want = set(ranks)
+        bad = sorted(want - set(range(p.world_size)))
+        if bad:
+            raise PlanError(f"rank {bad[0]} is not in the plan (ranks 0..{p.world_size - 1})")
+        kinds = [k for k in kinds if want & set(k.ranks)]
+    cap = float(device_memory_bytes) if device_memory_bytes is not None else float(p.cluster.device.memory_bytes)
+    usable = float(p.predicted.usable_memory_bytes or 0) if device_memory_bytes is None else 0.0
+    report = VerifyReport(model=p.model.name, world_size=p.world_size, device=p.cluster.device.name,
+                          capacity_bytes=cap, usable_bytes=usable,
+                          collectives_predicted={k: v for k, v in p.predicted.collectives.items() if v})
+    events: dict[int, list] = {}
+    for i, kind in enumerate(kinds):
+        if progress:
+            print(f"autopar verify: rank {kind.rank} (stage {','.join(map(str, kind.stages))}, "
+                  f"{len(kind.ranks)} ranks of its kind) [{i + 1}/{len(kinds)}]", file=sys.stderr, flush=True)
+        with warnings.catch_warnings():
+            # torch's deprecation notice of the c10d all-gather the runtime's ZeRO-1/2 path calls
+            warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated",
+                                    category=FutureWarning)
+            rc, ev = verify_rank(p, make, kind, top=top)
+        report.ranks.append(rc)
+        if rc.error is None:
+            events[kind.rank] = ev
+    _judge(p, report, kinds, events)
+    report.time_s = time.perf_counter() - t0
+    return report
+
+
+def _judge(plan: Plan, report: VerifyReport, kinds: list[RankKind], events: dict[int, list]) -> None:
+    """Fill the report's failures and warnings, and the plan's combined collectives."""
+    cap, usable = report.capacity_bytes, report.usable_bytes
+    for rc in report.ranks:
+        where = f"stage {','.join(map(str, rc.stages))} (rank {rc.rank})"
+        if rc.error is not None:
+            report.failures.append(f"{where} failed to build or step: {rc.error}")
+            continue
+        if rc.tracked_peak_bytes > cap:
+            report.failures.append(f"{where} does not fit: tracked peak {format_bytes(rc.tracked_peak_bytes)} "
+                                   f"({rc.tracked_peak_phase}) exceeds the device's {format_bytes(cap)}")
+        elif usable and rc.tracked_peak_bytes > usable:
+            report.warnings.append(f"{where}: tracked peak {format_bytes(rc.tracked_peak_bytes)} is above the "
+                                   f"plan's usable {format_bytes(usable)} (within the device's {format_bytes(cap)})")
+        if rc.shard_mismatches:
+            m = rc.shard_mismatches[0]
+            report.failures.append(f"{where}: {len(rc.shard_mismatches)} parameter shards differ from the plan, "
+                                   f"e.g. {m.name}: plan {m.expected}, built {m.built}")
+        if rc.tp_predicted is not None and rc.tp_measured != rc.tp_predicted:
+            report.failures.append(f"{where}: forward/backward collectives {rc.tp_measured} differ from the "
+                                   f"solved layouts' {rc.tp_predicted}")
+    devsets = {tuple(s.devices) for s in plan.stages}
+    reps = {ds[0] for ds in devsets}
+    if reps <= set(events):
+        measured = combine({r: events[r] for r in reps}, reps)
+        report.collectives_measured = measured
+        report.collectives_match = measured == report.collectives_predicted
+        if not report.collectives_match:
+            report.failures.append(f"collectives per step {measured} differ from the plan's "
+                                   f"{report.collectives_predicted}")
