@@ -77,6 +77,8 @@ _KIND = {
 _NAMESPACES = frozenset(("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd"))
 from torch.distributed.tensor import DTensor as _DTensor  # noqa: E402
 
+_DEVICE = torch.ops.prim.device.default
+
 
 def _group_ranks(func: Any, args: Sequence[Any], kwargs: dict) -> tuple[int, ...]:
     from torch.distributed.distributed_c10d import _resolve_process_group
@@ -110,6 +112,8 @@ class CollectiveCounter(TorchDispatchMode):
         self.enabled = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE:   # a fake tensor's device, asked at most ops (`autopar verify`): no collective
+            return func(*args, **(kwargs or {}))
         if _DTensor in types:
             return NotImplemented  # let DTensor desugar into collectives first, then see them
         kwargs = kwargs or {}

@@ -94,7 +94,6 @@ import contextlib
 import gc
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +103,7 @@ from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _RefType
 from torch.utils.weak import WeakIdKeyDictionary
 
+_DEVICE = torch.ops.prim.device.default
 PLAN_CATEGORIES = ("weights", "gradients", "optimizer", "activations", "buffers")
 PHASES = ("forward_backward", "grad_sync", "optimizer")
 
@@ -211,6 +211,10 @@ class StepMemTracker(MemTracker):
         self.peak_tensors: list[dict] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _DEVICE:
+            # a tensor's device, asked of a Python tensor subclass (a fake tensor: most of the
+            # dispatches of a fake step, `autopar verify`); it makes no tensor
+            return func(*args, **(kwargs or {}))
         self._op = str(func)
         try:
             return super().__torch_dispatch__(func, types, args, kwargs)
@@ -276,7 +280,14 @@ class StepMemTracker(MemTracker):
 
     # -- peaks -------------------------------------------------------------------------------
     def _update_peak_stats(self, peak_state: Any) -> None:
-        super()._update_peak_stats(peak_state)
+        # the device peaks only: MemTracker's own also updates per-module peaks, a walk over
+        # every module it has seen on every op (5x a fake-tensor step's time on a 10-layer
+        # Llama stage, `autopar verify`), which nothing here reads. Snapshots hold ints: copied
+        # flat, not deep-copied.
+        for dev, dev_snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < dev_snap["Total"]:
+                self._peak_mem[dev] = dev_snap["Total"]
+                self._peak_mem_snap[dev] = dict(dev_snap)
         snap = self._curr_mem_snap.get(self.device)
         if snap is None:
             return
@@ -284,7 +295,7 @@ class StepMemTracker(MemTracker):
         if self.top and total > max((v[0] for v in self.phase_peak.values()), default=-1):
             self.peak_tensors = self._peak_tensors()
         if total > self.phase_peak.get(self.phase, (-1, None))[0]:
-            self.phase_peak[self.phase] = (total, deepcopy(snap))
+            self.phase_peak[self.phase] = (total, dict(snap))
 
     def current_bytes(self) -> int:
         return int(self._curr_mem_snap.get(self.device, {}).get("Total", 0))
