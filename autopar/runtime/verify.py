@@ -22,6 +22,7 @@ loss's value (NaN), the warm-up vote of torch.pipelining (`pipeline._vote_static
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import warnings
@@ -103,7 +104,10 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
                 top: int = 0) -> tuple[RankCheck, list]:
     """Build and step rank `kind.rank` on a fake process group and fake tensors (this process
     must have no process group); returns its RankCheck and its collective events of the step
-    (for `counting.combine`)."""
+    (for `counting.combine`). Two steps, as `autopar run` tracks the second: the first
+    allocates AdamW's state in its update. (Running only that update, on zero gradients, is not
+    the same in a fresh process: its first backward held three more activation-gradient
+    temporaries at the peak, gpt-tiny tp4, +81%.)"""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -129,7 +133,7 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
             pm = ParallelModel(plan, bundle, seed=0)
             batch_fn = bundle.batch_fn or default_batch_fn(bundle.example_inputs)
             batch = pm.local_batch(call_batch_fn(batch_fn, 0, plan.global_batch_size, 0))
-            pm.train_step(batch)            # allocates the optimizer's state, as `autopar run`'s first step
+            pm.train_step(batch)            # `autopar run`'s first step: allocates the optimizer's state
             counter = PhasedCounter()
             undo = _phase_wrappers(pm, counter)
             try:
@@ -195,15 +199,17 @@ def _bundle_factory(model: str | ModelBundle | Callable[[], Any]) -> Callable[[]
 
 def verify(plan: Plan | str, model: str | ModelBundle | Callable[[], Any], *,
            device_memory_bytes: Optional[float] = None, ranks: Optional[Sequence[int]] = None,
-           top: int = 0, check: bool = True, progress: bool = False) -> VerifyReport:
+           top: int = 0, check: bool = True, jobs: Optional[int] = None,
+           progress: bool = False) -> VerifyReport:
     """Build and step every kind of rank of `plan` at its full world size on a fake process group
     and fake tensors; see the module docstring. `model`: a model reference, a ModelBundle (on
     meta) or a factory. `device_memory_bytes`: the capacity to check against (default the plan's
     device). `ranks`: verify only the kinds of these ranks (the plan's total collectives are
     then compared only when every device set's representative is among them). `top` > 0: each
     kind lists the `top` largest storages at its peak. `check`: first check the plan against the
-    model (fingerprint, as `autopar run`). Raises PlanError for bad input; a rank that fails
-    to build is a failure in the report."""
+    model (fingerprint, as `autopar run`). `jobs`: worker processes building kinds side by side (default one per core,
+    at most one per kind; a model given as a reference only, else this process). Raises
+    PlanError for bad input; a rank that fails to build is a failure in the report."""
     from autopar.runtime import _load, check_plan
 
     t0 = time.perf_counter()
@@ -228,21 +234,60 @@ def verify(plan: Plan | str, model: str | ModelBundle | Callable[[], Any], *,
                           capacity_bytes=cap, usable_bytes=usable,
                           collectives_predicted={k: v for k, v in p.predicted.collectives.items() if v})
     events: dict[int, list] = {}
-    for i, kind in enumerate(kinds):
-        if progress:
-            print(f"autopar verify: rank {kind.rank} (stage {','.join(map(str, kind.stages))}, "
-                  f"{len(kind.ranks)} ranks of its kind) [{i + 1}/{len(kinds)}]", file=sys.stderr, flush=True)
-        with warnings.catch_warnings():
-            # torch's deprecation notice of the c10d all-gather the runtime's ZeRO-1/2 path calls
-            warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated",
-                                    category=FutureWarning)
-            rc, ev = verify_rank(p, make, kind, top=top)
+    jobs = min(jobs or os.cpu_count() or 1, len(kinds))
+    if jobs > 1 and not isinstance(model, str):
+        jobs = 1   # workers rebuild the model from its reference; a bundle or factory stays here
+    results = _run_kinds(p, model, make, kinds, top=top, jobs=jobs, progress=progress)
+    for kind, (rc, ev) in zip(kinds, results):
         report.ranks.append(rc)
         if rc.error is None:
             events[kind.rank] = ev
     _judge(p, report, kinds, events)
     report.time_s = time.perf_counter() - t0
     return report
+
+
+def _run_kinds(plan: Plan, model: Any, make: Callable[[], ModelBundle], kinds: list[RankKind], *, top: int,
+               jobs: int, progress: bool) -> list[tuple[RankCheck, list]]:
+    """`verify_rank` for each kind: in this process one after the other, or over `jobs` worker
+    processes (spawned; each builds the model from its reference `model`)."""
+    def note(i: int, kind: RankKind) -> None:
+        if progress:
+            print(f"autopar verify: rank {kind.rank} (stage {','.join(map(str, kind.stages))}, "
+                  f"{len(kind.ranks)} ranks of its kind) [{i + 1}/{len(kinds)}]", file=sys.stderr, flush=True)
+
+    if jobs <= 1:
+        out = []
+        for i, kind in enumerate(kinds):
+            note(i, kind)
+            out.append(_quiet(verify_rank, plan, make, kind, top=top))
+        return out
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    text = plan.to_json(indent=None)
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futs = [pool.submit(_kind_job, text, model, kind, top) for kind in kinds]
+        out = []
+        for i, (kind, fut) in enumerate(zip(kinds, futs)):
+            rc_json, ev = fut.result()
+            note(i, kind)
+            out.append((RankCheck.model_validate_json(rc_json), ev))
+        return out
+
+
+def _kind_job(plan_json: str, model: str, kind: RankKind, top: int) -> tuple[str, list]:
+    """A worker process's task: one kind, from the plan's JSON and the model's reference."""
+    plan = Plan.from_json(plan_json)
+    rc, ev = _quiet(verify_rank, plan, _bundle_factory(model), kind, top=top)
+    return rc.model_dump_json(), ev
+
+
+def _quiet(fn: Callable[..., Any], *a: Any, **k: Any) -> Any:
+    with warnings.catch_warnings():
+        # torch's deprecation notice of the c10d all-gather the runtime's ZeRO-1/2 path calls
+        warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
+        return fn(*a, **k)
 
 
 def _judge(plan: Plan, report: VerifyReport, kinds: list[RankKind], events: dict[int, list]) -> None:
