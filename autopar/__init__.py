@@ -53,7 +53,8 @@ def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Sequence[Any] |
 
 
 def verify(plan: Any, model: Any, *, device_memory_bytes: Optional[float] = None,
-           ranks: Optional[Sequence[int]] = None, top: int = 0, progress: bool = False) -> Any:
+           ranks: Optional[Sequence[int]] = None, top: int = 0, jobs: Optional[int] = None,
+           progress: bool = False) -> Any:
     """Build every distinct kind of rank of `plan` (a Plan or a plan file) at its full world size
     on a fake process group and fake tensors, exactly as `autopar run` builds it, and run one
     training step: returns a `VerifyReport` (shards against the placements, collectives against
@@ -61,7 +62,7 @@ def verify(plan: Any, model: Any, *, device_memory_bytes: Optional[float] = None
     `model`: a model reference, a ModelBundle or a factory (`autopar.runtime.verify.verify`)."""
     from autopar.runtime.verify import verify as _verify
 
-    return _verify(plan, model, device_memory_bytes=device_memory_bytes, ranks=ranks, top=top,
+    return _verify(plan, model, device_memory_bytes=device_memory_bytes, ranks=ranks, top=top, jobs=jobs,
                    progress=progress)
 
 

@@ -129,7 +129,7 @@ def plan_cmd(model_ref: str, cluster: str, nodes: Optional[int], devices_per_nod
     if then_verify:
         from autopar.runtime.verify import verify
 
-        report = verify(p, model_ref, check=False, progress=not quiet)
+        report = verify(p, model_ref, check=False, jobs=os.cpu_count() or 1, progress=not quiet)
         _verify_out(report, as_json)
 
 
@@ -270,9 +270,10 @@ def run_cmd(plan_file: str, point: Optional[str], model_ref: str, steps: int, se
               help="verify only the kind of this rank (repeatable)")
 @click.option("--top", type=click.IntRange(min=0), default=0, show_default=True,
               help="list the N largest tensors at each rank's peak")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), help="worker processes (default: one per core)")
 @click.option("--quiet", "-q", is_flag=True, help="no progress output")
 def verify_cmd(plan_file: str, model_ref: str, as_json: bool, device_memory: Optional[float],
-               ranks: tuple[int, ...], top: int, quiet: bool) -> None:
+               ranks: tuple[int, ...], top: int, jobs: Optional[int], quiet: bool) -> None:
     """Build every kind of rank of a plan at full scale without GPUs (fake process group, fake
     tensors), run one training step, and check shards, collectives and memory."""
     from autopar.runtime.verify import verify
@@ -280,7 +281,7 @@ def verify_cmd(plan_file: str, model_ref: str, as_json: bool, device_memory: Opt
 
     p = load_plan(plan_file)
     report = verify(p, model_ref, device_memory_bytes=device_memory * 2**30 if device_memory else None,
-                    ranks=list(ranks) or None, top=top, progress=not quiet)
+                    ranks=list(ranks) or None, top=top, jobs=jobs or os.cpu_count() or 1, progress=not quiet)
     _verify_out(report, as_json)
 
 

@@ -22,7 +22,6 @@ loss's value (NaN), the warm-up vote of torch.pipelining (`pipeline._vote_static
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import warnings
@@ -207,8 +206,9 @@ def verify(plan: Plan | str, model: str | ModelBundle | Callable[[], Any], *,
     device). `ranks`: verify only the kinds of these ranks (the plan's total collectives are
     then compared only when every device set's representative is among them). `top` > 0: each
     kind lists the `top` largest storages at its peak. `check`: first check the plan against the
-    model (fingerprint, as `autopar run`). `jobs`: worker processes building kinds side by side (default one per core,
-    at most one per kind; a model given as a reference only, else this process). Raises
+    model (fingerprint, as `autopar run`). `jobs`: worker processes building kinds side by
+    side (default 1: this process; at most one per kind; a model given as a reference only).
+    Workers are spawned: a calling script needs an `if __name__ == "__main__":` guard. Raises
     PlanError for bad input; a rank that fails to build is a failure in the report."""
     from autopar.runtime import _load, check_plan
 
@@ -234,7 +234,7 @@ def verify(plan: Plan | str, model: str | ModelBundle | Callable[[], Any], *,
                           capacity_bytes=cap, usable_bytes=usable,
                           collectives_predicted={k: v for k, v in p.predicted.collectives.items() if v})
     events: dict[int, list] = {}
-    jobs = min(jobs or os.cpu_count() or 1, len(kinds))
+    jobs = min(jobs or 1, len(kinds))
     if jobs > 1 and not isinstance(model, str):
         jobs = 1   # workers rebuild the model from its reference; a bundle or factory stays here
     results = _run_kinds(p, model, make, kinds, top=top, jobs=jobs, progress=progress)

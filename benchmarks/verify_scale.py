@@ -1,0 +1,112 @@
+"""`autopar verify` at full scale: the time to build and step every kind of rank of a large plan
+on fake tensors and a fake process group, and what it finds (issue 15).
+
+    python benchmarks/verify_scale.py [--only SUBSTRING] [--jobs N] [--json] [--top N]
+
+Cases: GPT-3 175B on 128 DGX A100 nodes (`autopar plan --model gpt3-175b --cluster dgx-a100-80g
+--nodes 128 -b 1536`) and Llama 2 70B on 8 DGX H100 nodes (`--model llama2-70b --cluster
+dgx-h100 --nodes 8 -b 1024`), each planned freely (the capture cache as the CLI uses it), then
+`autopar.runtime.verify.verify` with `--jobs` worker processes (default 2). Printed per case: the
+plan's world size and rank kinds, the time to plan and to verify, per kind the tracked peak
+against the plan's predicted peak for its stage, (predicted - tracked) / tracked, and whether
+the collectives match. A difference over 10% is marked; `--top N` lists, for those kinds, the N
+largest tensors at the tracked peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CASES = [
+    {"name": "gpt3-175b", "model": "gpt3-175b", "cluster": "dgx-a100-80g", "nodes": 128, "gbs": 1536},
+    {"name": "llama2-70b", "model": "llama2-70b", "cluster": "dgx-h100", "nodes": 8, "gbs": 1024},
+]
+
+
+def run_case(case: dict, jobs: int, top: int) -> dict:
+    import autopar
+    from autopar.planner import plan
+    from autopar.runtime.verify import verify
+    from autopar.schema.plan import format_bytes
+
+    t0 = time.perf_counter()
+    cluster = autopar.ClusterSpec.load(case["cluster"], num_nodes=case["nodes"])
+    p = plan(case["model"], cluster, global_batch_size=case["gbs"], cache=True)
+    t_plan = time.perf_counter() - t0
+    rep = verify(p, case["model"], jobs=jobs, top=top, check=False, progress=True)
+    rows = []
+    for rc in rep.ranks:
+        rows.append({"rank": rc.rank, "stages": rc.stages, "ranks_of_kind": rc.ranks_of_kind,
+                     "tracked": rc.tracked_peak_bytes, "tracked_phase": rc.tracked_peak_phase,
+                     "predicted": rc.predicted_peak_bytes, "error": rc.memory_error,
+                     "tracked_categories": rc.tracked_categories, "predicted_categories": rc.predicted_categories,
+                     "build_error": rc.error, "time_s": rc.time_s, "peak_tensors": rc.peak_tensors})
+    return {"case": case["name"], "cluster": f"{case['nodes']} x {case['cluster']}",
+            "world_size": p.world_size,
+            "layout": f"dp{p.dp} tp{p.tp} pp{p.pp} {p.schedule} M={p.num_microbatches} zero={p.zero_stage}"
+                      f"{' recompute' if any(s.recompute != 'none' for s in p.stages) else ''}",
+            "kinds": len(rep.ranks), "plan_s": t_plan, "verify_s": rep.time_s,
+            "collectives_match": rep.collectives_match, "collectives": rep.collectives_measured,
+            "failures": rep.failures, "capacity": format_bytes(rep.capacity_bytes), "ranks": rows}
+
+
+def show(res: dict, top: int) -> None:
+    from autopar.schema.plan import format_bytes, format_table
+
+    print(f"\n{res['case']} on {res['cluster']} ({res['world_size']} ranks, {res['layout']}): "
+          f"{res['kinds']} rank kinds, planned in {res['plan_s']:.1f} s, verified in {res['verify_s']:.1f} s, "
+          f"collectives {'match' if res['collectives_match'] else 'DIFFER: ' + str(res['collectives'])}")
+    rows = []
+    for r in res["ranks"]:
+        err = r["error"]
+        mark = "" if err is None or abs(err) <= 0.10 else "  > 10%"
+        rows.append([",".join(map(str, r["stages"])), str(r["rank"]), str(r["ranks_of_kind"]),
+                     format_bytes(r["tracked"]) if not r["build_error"] else "FAILED", r["tracked_phase"],
+                     format_bytes(r["predicted"]) if r["predicted"] is not None else "-",
+                     (f"{err:+.1%}" if err is not None else "-") + mark, f"{r['time_s']:.0f}"])
+    print(format_table(["stage", "rank", "ranks", "tracked peak", "phase", "predicted", "pred-tracked",
+                        "time s"], rows))
+    for f in res["failures"]:
+        print(f"FAIL: {f}")
+    for r in res["ranks"]:
+        if r["error"] is not None and abs(r["error"]) > 0.10:
+            cats = ", ".join(f"{k} {format_bytes(v)} / {format_bytes(r['predicted_categories'].get(k, 0))}"
+                             for k, v in r["tracked_categories"].items())
+            print(f"  stage {r['stages']}: tracked / predicted at the peak: {cats}")
+            for t in r["peak_tensors"][:top]:
+                print(f"    {format_bytes(t['bytes'])} {t['label']} {t.get('op', '')} {t.get('shape', '')} "
+                      f"{t.get('phase', '')} {t.get('pass', '')}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default="", help="cases whose name contains this")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--top", type=int, default=0, help="largest tensors at the peak of a kind off by > 10%%")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out = []
+    for case in CASES:
+        if a.only in case["name"]:
+            res = run_case(case, a.jobs, a.top)
+            out.append(res)
+            if not a.json:
+                show(res, a.top)
+    if a.json:
+        print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""`autopar verify`: a plan's rank kinds built at a world size larger than this machine has
+processes (64 ranks, one kind at a time, fake process group and fake tensors), checked against
+the plan's shards, collectives and memory; failures as one line and a non-zero exit."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import autopar
+from autopar.runtime.rank_kinds import chunk_len, rank_kinds
+from autopar.runtime.verify import verify
+from autopar.schema import PlanError
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
+    [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+ENV.pop("AUTOPAR_DEBUG", None)
+
+
+def autopar_cli(*args):
+    """`python -m autopar ...` on this checkout's code."""
+    return subprocess.run([sys.executable, "-m", "autopar", *args], capture_output=True, text=True, env=ENV,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def plan64(tmp_path_factory):
+    """gpt-tiny on 64 A100s: dp 8 x tp 4 x pp 2, ZeRO-1, bf16 (tensor parallelism run as solved)."""
+    cluster = autopar.ClusterSpec.load("dgx-a100-80g", num_nodes=8)
+    p = autopar.plan("gpt-tiny", cluster, global_batch_size=256,
+                     constraints=autopar.Constraints(dp=8, tp=4, pp=2, zero_stage=1))
+    path = tmp_path_factory.mktemp("verify") / "plan64.json"
+    p.save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def report64(plan64):
+    return verify(plan64, "gpt-tiny", jobs=1)
+
+
+def test_chunk_len_is_torchs_chunking():
+    import torch
+
+    for size, parts in ((10, 4), (9, 4), (13, 8), (64, 6), (8, 8)):
+        sizes = [c.shape[0] for c in torch.empty(size).chunk(parts)]
+        sizes += [0] * (parts - len(sizes))
+        assert [chunk_len(size, parts, i) for i in range(parts)] == sizes
+
+
+def test_rank_kinds_of_64_ranks(plan64):
+    plan = autopar.load_plan(plan64)
+    assert plan.world_size == 64
+    from autopar.models.registry import build_model
+
+    kinds = rank_kinds(plan, build_model("gpt-tiny").model)
+    # even shards everywhere: one kind per stage, its device set's first rank standing for all 32
+    assert [(k.rank, k.stages, len(k.ranks), k.representative) for k in kinds] == [(0, [0], 32, True),
+                                                                                   (32, [1], 32, True)]
+
+
+def test_verify_64_ranks(report64):
+    r = report64
+    assert r.ok, r.failures
+    assert r.world_size == 64 and len(r.ranks) == 2
+    for rc in r.ranks:
+        assert rc.error is None
+        assert rc.params_checked > 10 and rc.shard_mismatches == []
+        assert rc.tracked_peak_bytes > 0 and rc.predicted_peak_bytes > 0 and rc.memory_error is not None
+        assert sum(rc.tracked_categories.values()) == rc.tracked_peak_bytes
+        # the solved layouts' tp collectives, micro-batch by micro-batch
+        assert rc.tp_predicted and rc.tp_measured == rc.tp_predicted
+        # ZeRO-1: reduce-scatter in the gradient sync, all-gather after the optimizer step
+        assert rc.collectives["grad_sync"]["reduce_scatter"] == 1
+        assert rc.collectives["optimizer"] == {"all_gather": 1}
+    assert r.collectives_match is True
+    assert r.collectives_measured == r.collectives_predicted
+    assert "match" in r.summary() and "64 ranks" in r.summary()
+
+
+def test_verify_uneven_zero3_shards_are_kinds(tmp_path):
+    """mlp-tiny under ZeRO-3 over 6 ranks: 64 and 32 rows split 11,...,11,9 and 6,...,6,2, so the
+    last rank is a kind of its own; FSDP's shards equal the plan's on both kinds."""
+    cluster = autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": 6})
+    p = autopar.plan("mlp-tiny", cluster, global_batch_size=48, dtype="fp32",
+                     constraints=autopar.Constraints(dp=6, tp=1, pp=1, zero_stage=3))
+    r = verify(p, "mlp-tiny", jobs=1)
+    assert [(rc.rank, rc.ranks_of_kind) for rc in r.ranks] == [(0, 5), (5, 1)]
+    assert r.ok, r.failures
+    assert all(rc.shard_mismatches == [] and rc.params_checked > 0 for rc in r.ranks)
+    assert r.collectives_match is True
+
+
+def test_verify_matches_a_real_run(tmp_path):
+    """The tracked peak on fake tensors and a fake process group equals `autopar run`'s on real
+    ones (gloo, 4 processes), rank by rank, but for the few bytes of the mesh tensors."""
+    cluster = autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": 4})
+    p = autopar.plan("gpt-tiny", cluster, global_batch_size=32,
+                     constraints=autopar.Constraints(dp=1, tp=2, pp=2, num_microbatches=2, schedule="1f1b"))
+    path = tmp_path / "plan.json"
+    p.save(path)
+    rows = autopar.runtime.run(path, "gpt-tiny", steps=2, quiet=True)
+    real = {m["rank"]: m["tracked_peak_bytes"] for m in rows[-1]["memory_per_rank"]}
+    r = verify(path, "gpt-tiny", jobs=1)
+    assert r.ok, r.failures
+    assert r.collectives_measured == rows[-1]["measured_collectives"]
+    for rc in r.ranks:
+        assert abs(rc.tracked_peak_bytes - real[rc.rank]) <= 256, (rc.rank, rc.tracked_peak_bytes, real)
+
+
+def test_a_stage_that_does_not_fit_fails_in_one_line(plan64, tmp_path):
+    # the plan hand-edited onto a device of 1 MiB: stage 1 (tracked ~1.06 MiB) cannot fit
+    data = json.loads(Path(plan64).read_text())
+    data["cluster"]["device"]["memory_bytes"] = 2**20
+    edited = tmp_path / "small.json"
+    edited.write_text(json.dumps(data))
+    res = autopar_cli("verify", str(edited), "--model", "gpt-tiny", "--quiet", "--jobs", "1")
+    assert res.returncode == 1, res.stderr
+    err = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert err[0].startswith("autopar: error: verify failed: stage 1 (rank 32) does not fit: tracked peak ")
+    assert "exceeds the device's 1.00 MiB" in err[0]
+    assert "does not fit" in res.stdout   # the table and the failure, above
+
+
+def test_device_memory_option_and_json(plan64):
+    res = autopar_cli("verify", str(plan64), "--model", "gpt-tiny", "--json", "-q", "-j", "1",
+                      "--device-memory", "0.0001")
+    assert res.returncode == 1
+    rep = json.loads(res.stdout)
+    assert rep["capacity_bytes"] == pytest.approx(0.0001 * 2**30)
+    assert len(rep["ranks"]) == 2 and any("does not fit" in f for f in rep["failures"])
+
+
+def test_edited_placement_and_collectives_are_caught(plan64):
+    plan = autopar.load_plan(plan64)
+    # the plan says replicated where the solved layouts (what runs) shard over tp
+    st = plan.stages[1]
+    st.placements = {**st.placements, "blocks.1.mlp.fc.weight": ("R", "R")}
+    pc = plan.predicted.collectives
+    plan.predicted.collectives = {**pc, "all_reduce": pc["all_reduce"] + 1}
+    r = verify(plan, "gpt-tiny", jobs=1, ranks=[0, 32], check=False)
+    assert not r.ok
+    assert any("blocks.1.mlp.fc.weight: plan [128, 32], built [32, 32]" in f for f in r.failures), r.failures
+    assert any(f.startswith("collectives per step") for f in r.failures), r.failures
+
+
+@pytest.mark.parametrize("args, message", [
+    (["verify", "missing-plan.json", "--model", "gpt-tiny"], "does not exist"),
+    (["verify", "PLAN", "--model", "mlp-tiny"], "plan was made for gpt-tiny"),
+    (["verify", "PLAN", "--model", "gpt-tiny", "--rank", "64"], "rank 64 is not in the plan"),
+])
+def test_bad_input_is_one_line(plan64, args, message):
+    res = autopar_cli(*[str(plan64) if a == "PLAN" else a for a in args])
+    assert res.returncode == 1
+    err = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1 and message in err[0] and "Traceback" not in res.stderr, res.stderr
+
+
+def test_verify_needs_a_process_without_a_group(plan64):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(PlanError, match="without a process group"):
+            verify(plan64, "gpt-tiny", jobs=1)
+    finally:
+        dist.destroy_process_group()
