@@ -60,11 +60,14 @@ def _flat(coord: Sequence[int], sizes: Sequence[int]) -> int:
 
 def expected_shards(plan: Plan, model: nn.Module, rank: int, *,
                     shapes: dict[str, tuple[int, ...]] | None = None,
-                    aliases: dict[str, str] | None = None) -> dict[str, tuple[int, ...]]:
+                    aliases: dict[str, str] | None = None,
+                    held: Sequence[str] = ()) -> dict[str, tuple[int, ...]]:
     """Canonical parameter name -> the local shard shape `rank` holds under the plan's
     placements (`StagePlan.placements` of the rank's stages): "S(d)" on the tp axes splits
     dimension d (several tp axes flattened, sharded only where they all agree, as the runtime
-    does), and under FSDP (ZeRO-3, or "S(0)" on a dp axis) dimension 0 of that over the dp axes."""
+    does), and under FSDP (ZeRO-3, or "S(0)" on a dp axis) dimension 0 of that over the dp axes.
+    `held`: canonical names the rank holds (once built); those without a placement are
+    replicated over tp, as the runtime takes a parameter the placements leave out."""
     aliases = canonical_names(model) if aliases is None else aliases
     if shapes is None:
         shapes = {aliases.get(n, n): tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
@@ -77,7 +80,11 @@ def expected_shards(plan: Plan, model: nn.Module, rank: int, *,
         dp = [i for i, k in enumerate(s.mesh_axis_names) if k == "dp"]
         tp_size, tp_c = prod(s.mesh_shape[i] for i in tp), _flat([coord[i] for i in tp], [s.mesh_shape[i] for i in tp])
         dp_size, dp_c = prod(s.mesh_shape[i] for i in dp), _flat([coord[i] for i in dp], [s.mesh_shape[i] for i in dp])
-        for fqn, pl in s.placements.items():
+        placements = dict(s.placements)
+        if s is mine[0]:
+            named = {aliases.get(f, f) for f in placements}
+            placements.update({n: ("R",) * len(s.mesh_shape) for n in held if n not in named})
+        for fqn, pl in placements.items():
             name = aliases.get(fqn, fqn)
             if name not in shapes:
                 continue   # the model has no such parameter: the build reports it

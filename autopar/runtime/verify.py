@@ -22,11 +22,12 @@ loss's value (NaN), the warm-up vote of torch.pipelining (`pipeline._vote_static
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 import warnings
 from collections import Counter
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -126,9 +127,8 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
     dist.init_process_group("fake", store=FakeStore(), rank=kind.rank, world_size=plan.world_size)
     try:
         bundle = make_bundle()
-        expected = expected_shards(plan, bundle.model, kind.rank)
         skip = baseline()
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), _real_mesh_concatenation():
             pm = ParallelModel(plan, bundle, seed=0)
             batch_fn = bundle.batch_fn or default_batch_fn(bundle.example_inputs)
             batch = pm.local_batch(call_batch_fn(batch_fn, 0, plan.global_batch_size, 0))
@@ -139,7 +139,7 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
                 _, rep = track_step(pm, batch, counter=counter, skip=skip, top=top)
             finally:
                 undo()
-        _check_shards(check, pm, expected)
+        _check_shards(check, pm, plan, bundle.model)
         events = list(counter.events)
         check.collectives = counter.by_phase()
         check.tp_predicted = _tp_predicted(plan, kind)
@@ -164,16 +164,40 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
     return check, events
 
 
-def _check_shards(check: RankCheck, pm: Any, expected: dict[str, tuple[int, ...]]) -> None:
+@contextlib.contextmanager
+def _real_mesh_concatenation() -> Iterator[None]:
+    """FSDP2 over tp DTensors joins the dp and tp meshes (`DeviceMesh._concatenate`, torch
+    2.13), which computes the rank's coordinate from the rank-id tensor with `nonzero`: under
+    fake tensors a data-dependent shape, refused. Rank ids are not the program's data: the join
+    runs outside fake mode (as the runtime builds its own meshes, `engine._build_meshes`)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    orig = DeviceMesh.__dict__["_concatenate"]
+
+    def concatenate(device_mesh_list: list) -> Any:
+        with unset_fake_temporarily():
+            return orig.__func__(device_mesh_list)
+
+    DeviceMesh._concatenate = staticmethod(concatenate)
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = orig
+
+
+def _check_shards(check: RankCheck, pm: Any, plan: Plan, model: Any) -> None:
+    """Every parameter the rank holds against the local shard the plan's placements give."""
     from torch.distributed.tensor import DTensor
 
     built = {}
     for name, p in pm.local_named_parameters():
         loc = p._local_tensor if isinstance(p, DTensor) else p
         built[name] = tuple(loc.shape)
+    expected = expected_shards(plan, model, check.rank, aliases=pm.aliases, held=sorted(built))
     check.params_checked = len(built)
-    for name in sorted(set(built) | set(expected)):
-        e, b = expected.get(name), built.get(name)
+    for name in sorted(built):
+        e, b = expected.get(name), built[name]
         if e != b:
             check.shard_mismatches.append(ShardMismatch(name=name, expected=list(e) if e is not None else None,
                                                         built=list(b) if b is not None else None))
