@@ -36,6 +36,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.fx
 import torch.nn as nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from autopar.capture.export import move_not_cast
 from autopar.schema.errors import PlanError
@@ -92,11 +93,12 @@ def split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Seque
     # the tracer patches the forward of the modules it splits before, in place: trace a copy
     # (of a meta model: nothing allocated), so the model can be traced again
     dtypes = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
-    model = copy.deepcopy(model)
-    if param_dtype is not None:
-        for p in model.parameters():
-            if p.is_floating_point():
-                p.data = p.data.to(param_dtype)
+    with unset_fake_temporarily():   # a meta model's copy (its real buffers too), under verify's fake mode
+        model = copy.deepcopy(model)
+        if param_dtype is not None:
+            for p in model.parameters():
+                if p.is_floating_point():
+                    p.data = p.data.to(param_dtype)
     try:
         with _keeping_hop_bodies():
             pipe = pipeline(model, mb_args=tuple(example_mb), split_spec=spec)
@@ -148,9 +150,10 @@ def split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Seque
         gm = pipe.get_stage_module(i)
         _drop_unused_modules(gm)
         retarget(gm, device)
-        for n, p in gm.named_parameters(remove_duplicate=False):
-            if n in dtypes and p.dtype != dtypes[n]:
-                p.data = p.data.to(dtypes[n])
+        with unset_fake_temporarily():   # the meta parameters back to the model's dtypes
+            for n, p in gm.named_parameters(remove_duplicate=False):
+                if n in dtypes and p.dtype != dtypes[n]:
+                    p.data = p.data.to(dtypes[n])
         out.append(Chunk(gm, srcs, sends))
     return out
 

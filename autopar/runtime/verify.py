@@ -124,6 +124,8 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
         check.predicted_categories = {k: pred[k] for k in ("weights", "gradients", "optimizer", "activations",
                                                            "buffers")}
     events: list = []
+    _clear_dtensor_caches()
+    _BUILT.add(_layout(plan))
     dist.init_process_group("fake", store=FakeStore(), rank=kind.rank, world_size=plan.world_size)
     try:
         bundle = make_bundle()
@@ -162,6 +164,41 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
         dist.destroy_process_group()
     check.time_s = time.perf_counter() - t0
     return check, events
+
+
+def _clear_dtensor_caches() -> None:
+    """Forget DTensor's cached redistribution plans and sharding propagation (what Python
+    holds; see `_isolated` for what it cannot reach)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
+
+    clear_redistribute_planner_cache()
+    _gen_transform_infos.cache_clear()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+
+
+def _layout(plan: Plan) -> tuple:
+    """What fixes the process groups a rank creates, and their names: the stages' device sets
+    and meshes."""
+    return tuple((tuple(s.devices), tuple(s.mesh_shape), tuple(s.mesh_axis_names))
+                 for s in sorted(plan.stages, key=lambda s: s.index))
+
+
+def _isolated(plan: Plan) -> tuple[bool, bool]:
+    """(run the kinds in another process, one process per kind). DTensor caches sharding
+    decisions (in C++ too, out of `_clear_dtensor_caches`' reach) with the meshes they were
+    made for, and a mesh of an earlier plan, kept alive by its parameters, equals a new one over
+    the same devices: a cache hit then runs the new rank's collectives on the old mesh's
+    process-group names, which the re-initialised group numbers anew (seen: every parameter of
+    a 4-rank pp2 x tp2 plan on a tp mesh whose group was the whole world, after a 2-rank tp2
+    plan in the same process). Ranks of one plan create the same groups in the same order, so
+    the names agree and its kinds can share a process; a stage with several dp or tp axes
+    flattens them into groups only its own ranks create, so then each kind gets a process."""
+    flattened = any(s.mesh_axis_names.count(k) > 1 for s in plan.stages for k in ("dp", "tp"))
+    return bool(_BUILT - {_layout(plan)}) or flattened, flattened
+
+
+_BUILT: set[tuple] = set()     # layouts of the plans whose ranks this process has built
 
 
 @contextlib.contextmanager
@@ -259,9 +296,15 @@ def verify(plan: Plan | str, model: str | ModelBundle | Callable[[], Any], *,
                           collectives_predicted={k: v for k, v in p.predicted.collectives.items() if v})
     events: dict[int, list] = {}
     jobs = min(jobs or 1, len(kinds))
-    if jobs > 1 and not isinstance(model, str):
+    elsewhere, per_kind = _isolated(p)
+    if not isinstance(model, str):
+        if elsewhere:
+            raise PlanError("this process has built the ranks of another plan; give the model as a reference "
+                            "(zoo name, MODULE:FACTORY or hf:NAME) so verify can build them in a fresh process, "
+                            "or verify from a new process")
         jobs = 1   # workers rebuild the model from its reference; a bundle or factory stays here
-    results = _run_kinds(p, model, make, kinds, top=top, jobs=jobs, progress=progress)
+    results = _run_kinds(p, model, make, kinds, top=top, jobs=jobs, progress=progress, spawn=elsewhere,
+                         per_kind=per_kind)
     for kind, (rc, ev) in zip(kinds, results):
         report.ranks.append(rc)
         if rc.error is None:
@@ -272,15 +315,16 @@ def verify(plan: Plan | str, model: str | ModelBundle | Callable[[], Any], *,
 
 
 def _run_kinds(plan: Plan, model: Any, make: Callable[[], ModelBundle], kinds: list[RankKind], *, top: int,
-               jobs: int, progress: bool) -> list[tuple[RankCheck, list]]:
+               jobs: int, progress: bool, spawn: bool = False, per_kind: bool = False) -> list[tuple[RankCheck, list]]:
     """`verify_rank` for each kind: in this process one after the other, or over `jobs` worker
-    processes (spawned; each builds the model from its reference `model`)."""
+    processes (spawned, also with `spawn`; each builds the model from its reference `model`;
+    `per_kind`: a fresh process for each kind, see `_isolated`)."""
     def note(i: int, kind: RankKind) -> None:
         if progress:
             print(f"autopar verify: rank {kind.rank} (stage {','.join(map(str, kind.stages))}, "
                   f"{len(kind.ranks)} ranks of its kind) [{i + 1}/{len(kinds)}]", file=sys.stderr, flush=True)
 
-    if jobs <= 1:
+    if jobs <= 1 and not spawn:
         out = []
         for i, kind in enumerate(kinds):
             note(i, kind)
@@ -290,7 +334,8 @@ def _run_kinds(plan: Plan, model: Any, make: Callable[[], ModelBundle], kinds: l
     from concurrent.futures import ProcessPoolExecutor
 
     text = plan.to_json(indent=None)
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                             max_tasks_per_child=1 if per_kind else None) as pool:
         futs = [pool.submit(_kind_job, text, model, kind, top) for kind in kinds]
         out = []
         for i, (kind, fut) in enumerate(zip(kinds, futs)):
