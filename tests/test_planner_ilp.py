@@ -11,8 +11,9 @@ def test_ilp_provider_plans_and_is_no_worse_per_layer():
     assert i.search["intra_op"] == "ilp" and a.search["intra_op"] == "analytic"
     assert i.tp == 2 and a.tp == 2
     # the ILP optimises the same cost model over a space holding Megatron's strategy; its
-    # layer boundaries are free, so it may only come out faster (within rounding and sync)
-    assert i.predicted.iteration_time_s <= a.predicted.iteration_time_s * 1.15
+    # layer boundaries are free, so it may only come out faster (0.98 of the analytic plan's
+    # time when written; the 1.15 allowed before contradicted this)
+    assert i.predicted.iteration_time_s <= a.predicted.iteration_time_s * (1 + 1e-9)
     params = {f for s in i.stages for f in s.placements}
     assert "blocks.0.attn.qkv.weight" in params
 
