@@ -18,7 +18,7 @@ from typing import Sequence
 import torch.nn as nn
 
 from autopar.runtime.materialize import canonical_names
-from autopar.runtime.meshes import fsdp_sharded
+from autopar.runtime.meshes import fsdp_sharded, unique_axis_names
 from autopar.schema.placement import shard_dim
 from autopar.schema.plan import Plan, StagePlan
 
@@ -117,17 +117,7 @@ def rank_kinds(plan: Plan, model: nn.Module) -> list[RankKind]:
             if sig in seen:
                 seen[sig].ranks.append(r)
                 continue
-            coord = dict(zip(_axis_labels(first.mesh_axis_names), _coordinate(first, r)))
+            coord = dict(zip(unique_axis_names(first.mesh_axis_names), _coordinate(first, r)))
             seen[sig] = RankKind(rank=r, stages=stages, coordinate=coord, ranks=[r], representative=r == ds[0])
         kinds.extend(seen.values())
     return kinds
-
-
-def _axis_labels(names: Sequence[str]) -> list[str]:
-    seen: dict[str, int] = {}
-    out = []
-    for n in names:
-        k = seen.get(n, 0)
-        seen[n] = k + 1
-        out.append(n if k == 0 else f"{n}{k}")
-    return out
