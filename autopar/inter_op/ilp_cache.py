@@ -24,6 +24,7 @@ import json
 import os
 import tempfile
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -60,12 +61,11 @@ def solve_key(g: OpGraph, nodes: list[str], mesh: Any, dtype: str, options: dict
     """The entry's key for solving `nodes` of `g` on `mesh` (a LogicalMesh) with `options` (the
     other arguments of `solve_graph`, JSON-able); None when the graph holds an argument the
     encoding does not store (that solve is not cached)."""
+    used = {p for n in g.nodes for p in (n.params or ())}
     try:
-        enc = encode(g)
+        enc = encode(replace(g, params={k: v for k, v in g.params.items() if k in used}))
     except _Unencodable:
         return None
-    used = {p for n in g.nodes for p in (n.params or ())}
-    enc["params"] = [p for p in enc["params"] if p[0] in used]
     for k in ("name", "capture_method", "capture_time_s"):
         enc.pop(k, None)
     blob = json.dumps({"format": FORMAT, "code": solver_version(), "graph": enc, "nodes": list(nodes),
