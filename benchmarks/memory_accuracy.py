@@ -1,6 +1,6 @@
 """Predicted vs tracked peak memory, per plan, rank and category (issue 18).
 
-    python benchmarks/memory_accuracy.py [--json] [--only SUBSTRING] [--list] [--top N]
+    python benchmarks/memory_accuracy.py [--json] [--only SUBSTRING] [--list] [--top N] [--timeline] [--markdown]
 
 Plans come from `autopar.plan` (`autopar.planner.plan`, the model captured once) on the
 bundled CPU cluster profile (`cpu`, its devices per node set to the job's 2 or 4 processes),
@@ -20,8 +20,11 @@ per world size for all its plans): one step untracked (AdamW allocates its state
 step's update), then the second step under `autopar.runtime.memory_tracking.track_step`. Printed
 per plan and rank: the tracked peak and the phase it fell in, the prediction of the stage the
 rank belongs to (of the chunks a rank holds, the largest: each is the device's peak), the error
-(predicted - tracked) / tracked, and per category tracked / predicted (KiB). `--json` prints
-one record per plan instead.
+(predicted - tracked) / tracked, and per category tracked / predicted (KiB): the plan predicts
+one moment, and where the run reaches its peak at several moments within 1% of each other
+(`memory_tracking.NEAR_PEAK`), the tracked categories are those of the moment nearest the
+prediction (`closest_moment`). `--json` prints one record per plan instead; `--timeline`
+prints each rank's local peaks op by op.
 
 Takes about 3-4 minutes on 2 cores.
 """
@@ -166,7 +169,8 @@ def worker(out: str, plan_paths: list[str]) -> None:
             G = plan.global_batch_size
             pm.train_step(pm.local_batch(call_batch_fn(bundle.batch_fn, 0, G, 0)))
             _, rep = track_step(pm, pm.local_batch(call_batch_fn(bundle.batch_fn, 1, G, 0)), skip=base,
-                                top=int(os.environ.get("AUTOPAR_MEMORY_TOP", "0")))
+                                top=int(os.environ.get("AUTOPAR_MEMORY_TOP", "0")),
+                                timeline=bool(os.environ.get("AUTOPAR_MEMORY_TIMELINE")))
             mine = rep.to_dict()
             del pm, bundle, base
         except Exception as e:  # noqa: BLE001 - recorded per plan; the launch fails below
@@ -234,18 +238,24 @@ def compare(planned: list[dict], results: dict) -> list[dict]:
         ranks = []
         for r, rep in enumerate(reps):
             p = predicted_for_rank(plan, r)
+            pc = {c: p[c] for c in CATS} if p else None
+            at_peak = closest_moment([rep["categories"], *rep.get("near", [])], pc)
             ranks.append({"rank": r, "stage": p["stage"] if p else None, "tracked": rep["peak_bytes"],
-                          "tracked_phases": {k: v["categories"] for k, v in rep["phases"].items()},
+                          "tracked_phases": {k: closest_moment([v["categories"], *v.get("near", [])],
+                                                               (p or {}).get("phases", {}).get(k))
+                                             for k, v in rep["phases"].items()},
+                          "near_moments": len(rep.get("near", [])),
                           "predicted_phases": p["phases"] if p else {},
                           "tracked_phase": rep["peak_phase"],
                           "predicted": p["peak_bytes"] if p else None,
                           "predicted_phase": p["peak_phase"] if p else None,
                           "error": relative_error(rep["peak_bytes"], p["peak_bytes"]) if p else None,
-                          "tracked_categories": rep["categories"], "tracked_detail": rep["detail"],
-                          "predicted_categories": {c: p[c] for c in CATS} if p else None,
+                          "tracked_categories": at_peak, "tracked_detail": rep["detail"],
+                          "predicted_categories": pc,
                           "phases": {k: v["peak_bytes"] for k, v in rep["phases"].items()},
                           "untracked_bytes": rep["untracked_bytes"], "notes": rep["notes"],
-                          "peak_tensors": rep.get("peak_tensors", [])})
+                          "peak_tensors": rep.get("peak_tensors", []),
+                          **({"timeline": rep["timeline"]} if rep.get("timeline") else {})})
         rec["ranks"] = ranks
         rec["category_misses"] = [f"rank {x['rank']} {c} {_kib(x['tracked_categories'][c])}/{_kib(v)}"
                                   for x in ranks for c, v in (x["predicted_categories"] or {}).items()
@@ -257,6 +267,18 @@ def compare(planned: list[dict], results: dict) -> list[dict]:
         rec["max_abs_error"] = max(errs) if errs else None
         recs.append(rec)
     return recs
+
+
+def closest_moment(moments: list[dict], predicted: dict | None) -> dict:
+    """Of the tracked moments at a peak (the peak's and those within `memory_tracking.NEAR_PEAK`
+    of it: `MemoryReport.near`, `PhasePeak.near`), the one whose categories are nearest the
+    predicted ones (the smallest largest miss, in multiples of each category's tolerance); the
+    peak's own when nothing is predicted. The plan predicts one moment: when the run reaches
+    its peak at several near-equal ones, it is compared with the one it describes."""
+    cats = [{c: int(m[c]) for c in CATS} for m in moments]
+    if not predicted:
+        return cats[0]
+    return min(cats, key=lambda m: max(abs(predicted[c] - m[c]) / max(0.05 * m[c], 2048) for c in CATS))
 
 
 def category_within(tracked: float, predicted: float, tolerance: float = 0.05) -> bool:
@@ -281,11 +303,46 @@ def _kib(x: float | None) -> str:
     return "-" if x is None else f"{x / 1024:.0f}"
 
 
+def print_timeline(rows: list[dict]) -> None:
+    """A rank's tracked timeline (`--timeline`), KiB: the moments that are a local peak (more
+    than the moments either side), each with its categories and the op and module there."""
+    for i, t in enumerate(rows):
+        before = rows[i - 1]["bytes"] if i else -1
+        after = rows[i + 1]["bytes"] if i + 1 < len(rows) else -1
+        if t["bytes"] > before and t["bytes"] >= after:
+            cats = " ".join(f"{c[0]}{_kib(v):>5}" for c, v in t["categories"].items())
+            print(f"         {i:5d} {_kib(t['bytes']):>7} {cats}  {t['phase'][:3]} {t['pass'][:3]} "
+                  f"{t['op']} {t['module']}")
+
+
+def print_markdown(recs: list[dict], skipped: list[dict]) -> None:
+    """The README's table: per layout, the worst rank's tracked and predicted peak (KiB) and
+    error, and whether every category matched at the peak and at each phase's peak."""
+    print("| layout | plan | worst rank: tracked / predicted KiB | error | categories at the peak | "
+          "at each phase's peak |")
+    print("|---|---|---|---|---|---|")
+    for rec in recs:
+        name = rec["name"].replace(" tp=1", "").replace(" pp=1", "").replace(" dp=1", "")
+        p = rec["plan"]
+        plan = (f"gbs {rec['gbs']}, mb {p['microbatch_size']} x {p['num_microbatches']}, {p['schedule']}, "
+                f"zero {p['zero_stage']}")
+        if "error" in rec:
+            print(f"| {name} | {plan} | failed: {rec['error'][:80]} | miss | | |")
+            continue
+        w = max(rec["ranks"], key=lambda r: abs(r["error"] or 0.0))
+        err = "-" if w["error"] is None else f"{100 * w['error']:+.1f}%"
+        print(f"| {name} | {plan} | {_kib(w['tracked'])} / {_kib(w['predicted'])} | {err} | "
+              f"{'; '.join(rec['category_misses'][:2]) or 'yes'} | {'; '.join(rec['phase_misses'][:2]) or 'yes'} |")
+    for s in skipped:
+        print(f"| {s['name']} | no plan: {s['reason'][:80]} | | miss | | |")
+
+
 def print_table(recs: list[dict], skipped: list[dict]) -> None:
     head = (f"{'rank':>4} {'st':>2} {'tracked':>8} {'pred':>8} {'err':>7} {'phase t/p':>9}  "
             + "  ".join(f"{c[:7]:>15}" for c in CATS))
     print("Peak memory per rank, KiB: tracked (MemTracker, 2nd step) vs predicted (the rank's stage); "
-          "err = (pred - tracked) / tracked; categories tracked/pred")
+          "err = (pred - tracked) / tracked; categories tracked/pred (tracked: of the moments within "
+          "1% of the peak, the one nearest the prediction)")
     for rec in recs:
         p = rec["plan"]
         print(f"\n{rec['name']}  [gbs {rec['gbs']}, mb {p['microbatch_size']} x {p['num_microbatches']}, "
@@ -301,6 +358,7 @@ def print_table(recs: list[dict], skipped: list[dict]) -> None:
             ph = f"{r['tracked_phase'][:3]}/{(r['predicted_phase'] or '-')[:3]}"
             print(f"  {r['rank']:>4} {r['stage'] if r['stage'] is not None else '-':>2} {_kib(r['tracked']):>8} "
                   f"{_kib(r['predicted']):>8} {err:>7} {ph:>9}  {cats}")
+            print_timeline(r.get("timeline", []))
             for t in r.get("peak_tensors", []):
                 print(f"         {t['bytes'] / 1024:8.1f} KiB  {t['label']:<16} {t.get('dtype', '')}"
                       f"{t.get('shape', '')} {t['op']} {t.get('pass', '')} {t.get('module', '')} "
@@ -342,6 +400,10 @@ def main() -> None:
     ap.add_argument("--list", action="store_true", help="list the combinations and exit")
     ap.add_argument("--top", type=int, default=0,
                     help="list the N largest tensors alive at each rank's tracked peak, with the op that made them")
+    ap.add_argument("--markdown", action="store_true",
+                    help="print the README's table (worst rank per layout) and the summary lines")
+    ap.add_argument("--timeline", action="store_true",
+                    help="print each rank's tracked local peaks, op by op, with their categories")
     ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -357,6 +419,8 @@ def main() -> None:
         return
     if a.top:
         os.environ["AUTOPAR_MEMORY_TOP"] = str(a.top)      # read by the launched workers
+    if a.timeline:
+        os.environ["AUTOPAR_MEMORY_TIMELINE"] = "1"
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="autopar-mem-") as d:
         planned, skipped = make_plans(specs, d)
@@ -370,7 +434,10 @@ def main() -> None:
         for s in skipped:
             print(json.dumps({"name": s["name"], "skipped": s["reason"]}))
         return
-    print_table(recs, skipped)
+    if a.markdown:
+        print_markdown(recs, skipped)
+    else:
+        print_table(recs, skipped)
     print(f"\nplanning {t1 - t0:.0f} s, runs {t2 - t1:.0f} s")
 
 

@@ -153,7 +153,8 @@ class ActivationMemory:
     one it makes for its input, `BACKWARD_LIVE` times the largest tensor the ops make;
     `backward_over_bytes` the most the backward holds above `saved_bytes` at any moment, taken op
     by op in reverse: the tensors still saved (autograd frees what an op saved once its backward
-    ran) plus that op's output and input gradients (a loss: its fp32 input gradient), or, where a
+    ran) plus the gradients alive while that op's backward runs (`_gradient_moments`: its
+    output's, those it makes, and every other not yet consumed; a loss: its fp32 gradients), or, where a
     recomputed region starts its backward, the region's re-made tensors and gradients
     (`backward_over_recompute`: the worst moment is one of those; `backward_over_grads`: of
     that moment, the gradients, the rest being re-made activations), and the loss op's moment
@@ -612,21 +613,12 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         ps = {base.get(i, i) for i in n.inputs} & param_elems.keys()
         return sum(param_elems[q] for q in ps) * 4.0 * bytes_scale("float32", dtype)
 
+    moments = _gradient_moments(calls, by_name, base, rg, copies, upcasts, shard, dtype, new_grads, loss_read,
+                                given_grad)
+
     def grads(n) -> float:
-        # op n's backward: the gradient of its output, the one it makes for its (largest)
-        # input, and beside them those of the parameters it reads (`new_grads`)
-        if is_view(n) or not n.outputs or not _floating(n):
-            return 0.0
-        if n.op in LOSSES:
-            fl = [i for i in _tensor_inputs(n, by_name)[:1] if _floating(by_name[base.get(i, i)])]
-            if not fl:
-                return 0.0
-            live, nb = loss_read(n, fl[0])
-            return live * nb
-        new = new_grads(n)
-        ins = [size(i) for i in _tensor_inputs(n, by_name)
-               if _floating(by_name[base.get(i, i)]) and not (new and base.get(i, i) in param_elems)]
-        return size(n.name) + max(ins, default=0.0 if new else size(n.name)) + new
+        # the gradients alive while op n's backward runs (`_gradient_moments`)
+        return moments.get(n.name, (0.0, 0.0))[0]
 
     if rec == "none" or (rec == "selective" and selective_region == "core"):
         for key, b, n in saves:
@@ -707,20 +699,9 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     for k, nm in owner_node.items():
         if keep is None or owner_layer[k] in keep:
             owned[nm] = owned.get(nm, 0.0) + nbytes_of[k]
-    # the tensors whose gradient is the given one: it, and through the ops whose backward hands
-    # their output's gradient on as it is (a same-shape sum, a view), their inputs
-    given: set = set()
-    if given_grad is not None and given_grad in by_name:
-        given.add(given_grad)
-        for n in reversed(calls):
-            if n.name in given and (is_view(n) or _pass_through_sum(n, by_name)):
-                given.update(_tensor_inputs(n, by_name))
-
     def given_share(n) -> float:
         # what grads(n) counts of gradients that are the given one
-        if n.name not in given or is_view(n) or not n.outputs or not _floating(n) or n.op in LOSSES:
-            return 0.0
-        return size(n.name) * (2.0 if _pass_through_sum(n, by_name) else 1.0)
+        return moments.get(n.name, (0.0, 0.0))[1]
 
     live = out.saved_bytes
     entered: set = set()
@@ -756,6 +737,125 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     # region_peak: what a region re-made at the end plus the last op's gradients at least
     cand = [region_peak[r] for r in region_bytes if keep is None or layer_of_region.get(r) in keep]
     out.working_bytes = max(cand, default=0.0)
+    return out
+
+
+# views whose backward makes the input's gradient as a new tensor from the pieces' (torch's
+# split / unbind backward: a cat or stack of the pieces' gradients)
+_MULTI_OUTPUT_VIEWS = frozenset({"split", "split_with_sizes", "chunk", "unbind", "unsafe_split"})
+
+
+def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: dict, upcasts: frozenset,
+                      shard: Any, dtype: str, new_grads: Callable, loss_read: Callable,
+                      given_grad: Optional[str]) -> dict[str, tuple[float, float]]:
+    """The backward's gradients, by liveness: for each op, the bytes of gradients alive while its
+    backward runs, and of those the given one's (`given_grad`'s, made outside: a pipeline
+    chunk's receive buffer), as {op: (bytes, given bytes)}.
+
+    Walking the ops in reverse as autograd runs them: a tensor's gradient is made by the
+    backward of its last reader (in forward order) and lives until its producer's backward has
+    run; each later reader's backward makes a gradient of it that is added in (held while it
+    is added); a tensor no op here reads (the subgraph's output) has its gradient from the
+    start. While an op's backward runs, what is alive is every such gradient, the op's output's,
+    those it makes for its inputs and for the parameters it reads (`new_grads`). Views make no
+    gradient of their own: a reshape's or a getitem's is its input's, the same storage; a
+    residual sum hands its output's to both inputs as it is; a slice's or an expand's backward
+    makes one of its input's size, a split's one (the cat of its pieces') too. A loss's backward
+    holds `loss_read`'s fp32 gradients, then hands its input's on at the training dtype."""
+    def gsize(name: str) -> float:
+        node = by_name.get(name)
+        if node is None or not node.outputs or not _floating(node):
+            return 0.0
+        o = node.outputs[0]
+        b = base.get(name, name)
+        at = "fp32" if b in upcasts else dtype
+        if b in copies:
+            src = by_name[b].outputs[0] if by_name[b].outputs else None
+            full = src.nbytes * bytes_scale(src.dtype, at) if src is not None else 0.0
+            return o.nbytes * bytes_scale(o.dtype, at) * (copies[b][0] / full if full else 1.0)
+        f = shard(by_name[b]) if callable(shard) else shard
+        return o.nbytes * bytes_scale(o.dtype, at) / max(float(f), 1.0)
+
+    def grad_in(n) -> list[str]:
+        # the inputs op n's backward makes a gradient for (parameters apart: `new_grads`)
+        return list(dict.fromkeys(i for i in _tensor_inputs(n, by_name)
+                                  if rg.get(i, False) and _floating(by_name[i])))
+
+    read_with_grad: set = set()
+    for n in calls:
+        if rg.get(n.name, False):
+            read_with_grad.update(grad_in(n))
+    owner: dict[str, list[str]] = {}      # tensor -> storages holding its gradient
+    stor: dict[str, float] = {}
+    refs: dict[str, int] = {}
+    total = 0.0
+
+    def hold(t: str, st: str, nb: float) -> None:
+        nonlocal total
+        if st not in stor:
+            stor[st], refs[st] = nb, 0
+            total += nb
+        refs[st] += 1
+        owner.setdefault(t, []).append(st)
+
+    def drop(t: str) -> None:
+        nonlocal total
+        for st in owner.pop(t, []):
+            refs[st] -= 1
+            if refs[st] == 0:
+                total -= stor.pop(st)
+                del refs[st]
+
+    def alias(src: str, t: str) -> float:
+        # src's gradient is t's storage(s); a gradient src already has is added to: held meanwhile
+        if src in owner:
+            return gsize(src)
+        for st in owner.get(t, []):
+            hold(src, st, stor[st])
+        return 0.0
+
+    out: dict[str, tuple[float, float]] = {}
+    given_st = f"g:{given_grad}"
+    for n in reversed(calls):
+        if not rg.get(n.name, False) or not n.outputs or not _floating(n):
+            drop(n.name)
+            continue
+        if n.name not in owner:
+            if n.name in read_with_grad and n.op not in LOSSES:
+                continue                 # its readers' backward hands it no gradient
+            if n.op not in LOSSES:
+                hold(n.name, f"g:{n.name}", gsize(n.name))
+        ins = grad_in(n)
+        extra = 0.0
+        born: list[tuple[str, float]] = []
+        if n.op in LOSSES:
+            fl = [i for i in ins[:1]]
+            if fl:
+                live, nb = loss_read(n, fl[0])
+                extra = live * nb
+                born = [(fl[0], gsize(fl[0]))]
+        elif is_view(n) and ins:
+            src = ins[0]
+            if n.target == "getitem" or n.op in ("alias", "detach") or (
+                    n.op not in _MULTI_OUTPUT_VIEWS and gsize(n.name) == gsize(src)):
+                extra = alias(src, n.name)
+            else:
+                extra = gsize(src)
+                born = [(src, extra)] if src not in owner else []
+        elif _pass_through_sum(n, by_name):
+            extra = sum(alias(i, n.name) for i in ins)
+        else:
+            for i in ins:
+                nb = gsize(i)
+                extra += nb
+                if i not in owner:
+                    born.append((i, nb))
+            extra += new_grads(n)
+        out[n.name] = (total + extra, stor.get(given_st, 0.0))
+        drop(n.name)
+        for i, nb in born:
+            if i not in owner:
+                hold(i, f"g:{i}", nb)
     return out
 
 

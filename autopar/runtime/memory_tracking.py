@@ -148,19 +148,34 @@ def to_plan_categories(detail: dict[str, int]) -> dict[str, int]:
     return out
 
 
+# Moments within this fraction of a peak are "at the peak" too (`PhasePeak.near`): a step often
+# reaches its peak at several moments a few bytes apart (the loss's backward, then an MLP's
+# backward freeing as much as it makes), and which of them torch reaches first says nothing of
+# the memory model; the plan predicts one moment, which should be one of them.
+NEAR_PEAK = 0.01
+
+
 @dataclass
 class PhasePeak:
-    """The peak of one phase: total bytes and the detail categories at that moment."""
+    """The peak of one phase: total bytes and the detail categories at that moment; `near`: the
+    plan categories of the other moments of the phase within `NEAR_PEAK` of its peak (distinct
+    ones, each with its bytes under "bytes")."""
 
     peak_bytes: int = 0
     detail: dict[str, int] = field(default_factory=dict)
+    near: list[dict] = field(default_factory=list)
 
     @property
     def categories(self) -> dict[str, int]:
         return to_plan_categories(self.detail)
 
+    def moments(self) -> list[dict[str, int]]:
+        """The plan categories of every moment at the peak: the peak's, then the `near` ones."""
+        return [self.categories] + [{c: m[c] for c in PLAN_CATEGORIES} for m in self.near]
+
     def to_dict(self) -> dict:
-        return {"peak_bytes": self.peak_bytes, "categories": self.categories, "detail": dict(self.detail)}
+        return {"peak_bytes": self.peak_bytes, "categories": self.categories, "detail": dict(self.detail),
+                "near": [dict(m) for m in self.near]}
 
 
 @dataclass
@@ -177,6 +192,8 @@ class MemoryReport:
     untracked: list[str] = field(default_factory=list)   # the largest of them
     notes: list[str] = field(default_factory=list)
     peak_tensors: list[dict] = field(default_factory=list)   # `track_step(top=N)`: what the peak holds
+    near: list[dict] = field(default_factory=list)           # other moments at the peak (`PhasePeak.near`)
+    timeline: list[dict] = field(default_factory=list)       # `track_step(timeline=True)`: every change
 
     @property
     def categories(self) -> dict[str, int]:
@@ -188,14 +205,16 @@ class MemoryReport:
                 "detail": dict(self.detail), "phases": {k: v.to_dict() for k, v in self.phases.items()},
                 "start_bytes": self.start_bytes, "end_bytes": self.end_bytes,
                 "untracked_bytes": self.untracked_bytes, "untracked": list(self.untracked),
-                "notes": list(self.notes), "peak_tensors": list(self.peak_tensors)}
+                "notes": list(self.notes), "peak_tensors": list(self.peak_tensors),
+                "near": [dict(m) for m in self.near],
+                **({"timeline": list(self.timeline)} if self.timeline else {})}
 
 
 class StepMemTracker(MemTracker):
     """MemTracker with the labels and phases above (see the module docstring). Use through
     `track_step`; `phase` is set by the wrappers `track_step` installs."""
 
-    def __init__(self, device: torch.device, top: int = 0) -> None:
+    def __init__(self, device: torch.device, top: int = 0, timeline: bool = False) -> None:
         super().__init__()
         self._ref_class = [*_MemRefType, *_Ref]   # iterated for a device's snapshot keys only
         self.device = device
@@ -203,12 +222,17 @@ class StepMemTracker(MemTracker):
         self.comm_depth = 0                       # inside `communication_buffers`
         self.master_grads = False                 # inside MasterWeights.step, before optimizer.step
         self.phase_peak: dict[str, tuple[int, dict]] = {}
+        # per phase, the distinct moments within NEAR_PEAK of its peak so far: categories -> bytes
+        self.phase_near: dict[str, dict[tuple, int]] = {}
         # `top` > 0: where each storage came from (op, shape, dtype, phase, innermost module,
         # forward or backward) and the `top` largest storages alive at the step's peak
         self.top = top
         self._op = "registered"
         self._origin: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.peak_tensors: list[dict] = []
+        # `timeline`: the bytes held after every op that changed them, by plan category, with
+        # the op, the innermost module and the pass (forward / backward): where a peak comes from
+        self.timeline: list[dict] | None = [] if timeline else None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is _DEVICE:
@@ -294,8 +318,21 @@ class StepMemTracker(MemTracker):
         total = snap["Total"]
         if self.top and total > max((v[0] for v in self.phase_peak.values()), default=-1):
             self.peak_tensors = self._peak_tensors()
-        if total > self.phase_peak.get(self.phase, (-1, None))[0]:
+        top = self.phase_peak.get(self.phase, (-1, None))[0]
+        if total > top:
             self.phase_peak[self.phase] = (total, dict(snap))
+        if total >= (1.0 - NEAR_PEAK) * top:
+            near = self.phase_near.setdefault(self.phase, {})
+            if total > top:
+                for k in [k for k, v in near.items() if v < (1.0 - NEAR_PEAK) * total]:
+                    del near[k]
+            cats = to_plan_categories(_detail(snap))
+            near[tuple(cats[c] for c in PLAN_CATEGORIES)] = int(total)
+        if self.timeline is not None and (not self.timeline or self.timeline[-1]["bytes"] != total):
+            mods = sorted(self._mod_tracker.parents - {"Global"}, key=len)
+            self.timeline.append({"op": self._op, "module": mods[-1] if mods else "", "phase": self.phase,
+                                  "pass": "backward" if self._mod_tracker.is_bw else "forward",
+                                  "bytes": int(total), "categories": to_plan_categories(_detail(snap))})
 
     def current_bytes(self) -> int:
         return int(self._curr_mem_snap.get(self.device, {}).get("Total", 0))
@@ -304,6 +341,13 @@ class StepMemTracker(MemTracker):
         """Switch phase; the current bytes count as the new phase's first sample."""
         self.phase = phase
         self._update_peak_stats(None)
+
+
+def _near(moments: dict[tuple, int], peak_snap: dict) -> list[dict]:
+    """A phase's moments within NEAR_PEAK of its peak (`StepMemTracker.phase_near`), less the
+    peak's own, as plan categories with their "bytes"."""
+    own = tuple(to_plan_categories(_detail(peak_snap))[c] for c in PLAN_CATEGORIES)
+    return [{**dict(zip(PLAN_CATEGORIES, k)), "bytes": v} for k, v in moments.items() if k != own]
 
 
 def _detail(snap: dict | None) -> dict[str, int]:
@@ -434,16 +478,19 @@ def register_unregistered(mt: StepMemTracker, device: torch.device,
 
 
 def track_step(pm: Any, batch: Sequence[Any], counter: Any = None, *, sweep: bool = True,
-               skip: WeakIdKeyDictionary | None = None, top: int = 0) -> tuple[Any, MemoryReport]:
+               skip: WeakIdKeyDictionary | None = None, top: int = 0,
+               timeline: bool = False) -> tuple[Any, MemoryReport]:
     """Run `pm.train_step(batch, counter=counter)` under the tracker; returns its result and the
     `MemoryReport`. Measure a step after the first (the first allocates the optimizer state
     during its update). `sweep`: also count, as "other", the storages on the device alive at the
     start that `register` did not cover, except those in `skip` (a `baseline()` taken before
     the ParallelModel was built); they are listed in `MemoryReport.untracked` (a gc walk).
     `top` > 0: `MemoryReport.peak_tensors` lists the `top` largest storages alive at the peak,
-    each with its label and the op, module, pass and phase that made it (slows the step)."""
+    each with its label and the op, module, pass and phase that made it (slows the step).
+    `timeline`: `MemoryReport.timeline` records the bytes by category after every op that
+    changed them (a list as long as the step's ops: for finding where a peak comes from)."""
     global _ACTIVE
-    mt = StepMemTracker(pm.device, top=top)
+    mt = StepMemTracker(pm.device, top=top, timeline=timeline)
     register(mt, pm, batch)
     untracked, udesc = register_unregistered(mt, pm.device, skip) if sweep else (0, [])
     notes: list[str] = []
@@ -510,17 +557,20 @@ def track_step(pm: Any, batch: Sequence[Any], counter: Any = None, *, sweep: boo
     if peak_snap is None:
         notes.append(f"nothing tracked on {pm.device} (tracked devices: {list(mt._peak_mem)})")
     peak = int((peak_snap or {}).get("Total", 0))
-    phases = {ph: PhasePeak(int(v[0]), _detail(v[1])) for ph, v in mt.phase_peak.items()}
+    phases = {ph: PhasePeak(int(v[0]), _detail(v[1]), _near(mt.phase_near.get(ph, {}), v[1]))
+              for ph, v in mt.phase_peak.items()}
     peak_phase = max(phases, key=lambda ph: phases[ph].peak_bytes) if phases else ""
     if phases and phases[peak_phase].peak_bytes != peak:
         notes.append(f"phase peaks ({ {k: v.peak_bytes for k, v in phases.items()} }) miss the step's peak {peak}")
     if untracked:
         notes.append(f"{untracked} B alive at the step's start outside the ParallelModel's known "
                      f"tensors, counted as other: {udesc}")
-    return out, MemoryReport(peak_bytes=peak, detail=_detail(peak_snap), peak_phase=peak_phase,
+    near = [m for ph in phases.values() for m in ph.near + [{**ph.categories, "bytes": ph.peak_bytes}]
+            if m["bytes"] >= (1.0 - NEAR_PEAK) * peak and m["bytes"] != peak]
+    return out, MemoryReport(peak_bytes=peak, detail=_detail(peak_snap), peak_phase=peak_phase, near=near,
                              phases=phases, start_bytes=start, end_bytes=end,
                              untracked_bytes=untracked, untracked=udesc, notes=notes,
-                             peak_tensors=mt.peak_tensors)
+                             peak_tensors=mt.peak_tensors, timeline=mt.timeline or [])
 
 
 # -- the runtime's side: what it tells the tracker ----------------------------------------------
