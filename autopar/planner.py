@@ -57,12 +57,26 @@ def resolve_cluster(cluster: ClusterSpec | str) -> ClusterSpec:
 
 
 def make_provider(kind: str, graph: OpGraph, layers: list[Layer], cluster: ClusterSpec, dtype: str,
-                  cache_dir: Optional[Path] = None):
+                  cache_dir: Optional[Path] = None, sequence_parallel: bool = False):
     """The per-layer cost provider: "analytic" (Megatron rules read off the graph), "ilp" (the
     intra-op ILP per layer signature x micro-batch x tp, its tp axis kept model-parallel as the
     runtime runs it: no batch or token splits there), or "auto": the ILP where OR-Tools is
     installed and the capture has a symbolic batch, the analytic rules otherwise. `cache_dir`:
-    the ILP's per-layer solutions kept there (`inter_op.ilp_cache`)."""
+    the ILP's per-layer solutions kept there (`inter_op.ilp_cache`). `sequence_parallel`:
+    Megatron-SP on the tp axis, which only the ILP solves (PlanError otherwise)."""
+    if sequence_parallel:
+        if kind == "analytic":
+            raise PlanError("sequence_parallel needs the intra-op ILP (intra_op='ilp' or 'auto'), not the "
+                            "analytic rules")
+        try:
+            from autopar.inter_op.ilp_provider import IlpProvider
+        except ImportError:
+            raise PlanError("sequence_parallel needs the intra-op ILP, which needs OR-Tools "
+                            "(pip install ortools)") from None
+        if not graph.is_symbolic:
+            raise PlanError("sequence_parallel needs a capture with a symbolic batch (torch.export), "
+                            "to tell the token dims from the batch")
+        return IlpProvider(graph, layers, cluster, dtype, cache_dir=cache_dir, sequence_parallel=True)
     if kind == "analytic":
         return AnalyticProvider(graph, layers, cluster, dtype)
     if kind in ("ilp", "auto"):
@@ -93,19 +107,21 @@ class ProviderCache:
         self._entries: dict[tuple, tuple[list[Layer], Any]] = {}
 
     @staticmethod
-    def key(kind: str, graph: OpGraph, spec: ClusterSpec, dtype: str, cache_dir: Optional[Path] = None) -> tuple:
+    def key(kind: str, graph: OpGraph, spec: ClusterSpec, dtype: str, cache_dir: Optional[Path] = None,
+            sequence_parallel: bool = False) -> tuple:
         # the whole profile but its node count (measured collective tables included), and where
         # the provider keeps its solutions on disk
         return (kind, dtype, id(graph), spec.model_copy(update={"num_nodes": 1}).model_dump_json(),
-                str(cache_dir) if cache_dir is not None else None)
+                str(cache_dir) if cache_dir is not None else None, bool(sequence_parallel))
 
     def get(self, kind: str, graph: OpGraph, model: nn.Module, spec: ClusterSpec, dtype: str,
-            cache_dir: Optional[Path] = None) -> tuple[list[Layer], Any]:
+            cache_dir: Optional[Path] = None, sequence_parallel: bool = False) -> tuple[list[Layer], Any]:
         """(layers, provider) for planning `graph` on `spec`: made once per key."""
-        k = self.key(kind, graph, spec, dtype, cache_dir)
+        k = self.key(kind, graph, spec, dtype, cache_dir, sequence_parallel)
         if k not in self._entries:
             layers = build_layers(graph, model)
-            self._entries[k] = (layers, make_provider(kind, graph, layers, spec, dtype, cache_dir))
+            self._entries[k] = (layers, make_provider(kind, graph, layers, spec, dtype, cache_dir,
+                                                      sequence_parallel))
         return self._entries[k]
 
     def __len__(self) -> int:
@@ -135,10 +151,11 @@ def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Optional[Sequen
     t1 = time.perf_counter()
     cache_dir = cache_directory(cache)
     if providers is not None:
-        layers, provider = providers.get(intra_op, graph, bundle.model, spec, dtype, cache_dir)
+        layers, provider = providers.get(intra_op, graph, bundle.model, spec, dtype, cache_dir,
+                                         bool(cons.sequence_parallel))
     else:
         layers = build_layers(graph, bundle.model)
-        provider = make_provider(intra_op, graph, layers, spec, dtype, cache_dir)
+        provider = make_provider(intra_op, graph, layers, spec, dtype, cache_dir, bool(cons.sequence_parallel))
     moments_directory(cache_dir)     # the schedule walks kept beside the captures
     res = Search(graph, layers, spec, global_batch_size, dtype, cons, provider, progress).run()
     return assemble(bundle, graph, spec, res, global_batch_size, dtype, time.perf_counter() - t1,
@@ -215,6 +232,9 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
     # the chunks the runtime executes op by op as solved (their collectives are the solution's);
     # the others' tp collectives as DTensor will issue them (dry runs), per chunk position
     layouts, why_not = _op_layouts(graph, c, layers, chunks, res.provider)
+    if getattr(res.provider, "sequence_parallel", False) and c.tp > 1 and why_not:
+        raise PlanError(f"sequence parallelism runs only where the executor runs the solved layouts, and "
+                        f"here it cannot: {why_not}; drop sequence_parallel or the constraint that forces this")
     fallbacks: list[str] = []
     dry_counts = _dry_counts(bundle, graph, spec, c, layers, chunks, loss_fn, fallbacks,
                              skip=set(layouts)) if count_tp else {}
@@ -316,6 +336,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
     return Plan(autopar_version=__version__, model=info, cluster=spec, dtype=dtype,
                 global_batch_size=gbs, microbatch_size=c.mb, num_microbatches=m,
                 schedule=c.schedule, virtual_stages=v, zero_stage=c.zero, stages=stage_plans,
+                sequence_parallel=bool(getattr(res.provider, "sequence_parallel", False)) and c.tp > 1,
                 predicted=pred,
                 search={"search_time_s": round(search_s, 3),
                         "assemble_time_s": round(time.perf_counter() - t_assemble, 3),

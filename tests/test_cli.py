@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from autopar.schema.plan import PLAN_FORMAT_VERSION
+
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 ENV.pop("AUTOPAR_DEBUG", None)
 
@@ -73,7 +75,7 @@ def test_bad_plan_files(tmp_path):
     text = good.read_text()
     (tmp_path / "trunc.json").write_text(text[: len(text) // 2])
     d = json.loads(text)
-    d["format_version"] = 7
+    d["format_version"] = PLAN_FORMAT_VERSION + 1
     (tmp_path / "future.json").write_text(json.dumps(d))
     for name, msg in (("trunc.json", "not valid JSON"), ("future.json", "newer than this autopar")):
         r = autopar("show", str(tmp_path / name))

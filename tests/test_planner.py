@@ -196,3 +196,11 @@ def test_gradient_accumulation_is_costed_per_microbatch():
     accum = grad_accumulation_time(n, cl.device, one.dtype, 8)
     assert st8.compute_s == pytest.approx(8 * (st1.compute_s - opt) + opt + accum, rel=0.01)
     assert accum > 0.005 * st8.compute_s
+
+
+def test_sequence_parallel_needs_the_ilp():
+    """Megatron-SP is solved by the intra-op ILP only: the analytic rules refuse it by name."""
+    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 2})
+    with pytest.raises(PlanError, match="sequence_parallel needs the intra-op ILP"):
+        plan("gpt-tiny", cl, global_batch_size=8, intra_op="analytic",
+             constraints=Constraints(tp=2, sequence_parallel=True))

@@ -9,7 +9,8 @@ Re-recorded since: plan format 5 (`StagePlan.recompute_modules`) and 6 (`StagePr
 phases`, each phase's peak; then ZeRO-1/2's gradient-sync moments in it) changed the digests
 only; layouts, times, memory and collectives are those of 1da767c, but for HF GPT-2's peak
 memory: the backward's gradients taken by liveness (`cost_models.memory._gradient_moments`,
-its tanh GELU's input read three times) put it 0.5% higher.
+its tanh GELU's input read three times) put it 0.5% higher; plan format 7
+(`Plan.sequence_parallel`) changed the digests only.
 """
 
 import hashlib
@@ -33,16 +34,16 @@ CASES = {   # name: (model, cluster, nodes, global batch, pinned constraints)
 }
 
 EXPECTED = {
-    "gpt3-1.3b-tp2-pp2": {"digest": "3f999f9a94796869", "layout": (2, 2, 2, 4, 4, "interleaved_1f1b", 8, 1),
+    "gpt3-1.3b-tp2-pp2": {"digest": "77e3dbb8507cad79", "layout": (2, 2, 2, 4, 4, "interleaved_1f1b", 8, 1),
                           "iteration_time_s": 0.4646901780539705, "peak_memory_bytes": 18756091904.0,
                           "collectives": {"all_reduce": 405, "reduce_scatter": 2, "all_gather": 2, "send_recv": 120}},
-    "gpt-small": {"digest": "0722aae06a16b380", "layout": (2, 1, 1, 4, 1, "1f1b", 1, 0),
+    "gpt-small": {"digest": "032a0971252037ac", "layout": (2, 1, 1, 4, 1, "1f1b", 1, 0),
                   "iteration_time_s": 0.015095763545627434, "peak_memory_bytes": 20557824.0,
                   "collectives": {"all_reduce": 1}},
-    "hf-gpt2": {"digest": "1140acba586fdbb4", "layout": (2, 2, 3, 8, 1, "1f1b", 1, 1),
+    "hf-gpt2": {"digest": "16bd60978017eb1d", "layout": (2, 2, 3, 8, 1, "1f1b", 1, 1),
                 "iteration_time_s": 0.0015570655503288344, "peak_memory_bytes": 3106304.0,
                 "collectives": {"all_reduce": 8, "all_gather": 13, "reduce_scatter": 8, "send_recv": 6}},
-    "hf-llama": {"digest": "94aa6d9e3fd9fc5f", "layout": (4, 2, 1, 4, 1, "1f1b", 1, 1),
+    "hf-llama": {"digest": "ad5a313fec2f7917", "layout": (4, 2, 1, 4, 1, "1f1b", 1, 1),
                  "iteration_time_s": 0.0026160170514055725, "peak_memory_bytes": 1602369.0,
                  "collectives": {"all_reduce": 25, "all_gather": 2, "reduce_scatter": 1}},
 }

@@ -32,10 +32,16 @@ class IlpProvider(AnalyticProvider):
     name = "ilp"
 
     def __init__(self, graph: OpGraph, layers: list[Layer], cluster: ClusterSpec, dtype: str,
-                 time_limit_s: float = 5.0, cache_dir: Optional[Path | str] = None) -> None:
+                 time_limit_s: float = 5.0, cache_dir: Optional[Path | str] = None,
+                 sequence_parallel: bool = False) -> None:
         """`cache_dir`: keep the per-layer solutions on disk there (`inter_op.ilp_cache`, a
-        capture cache directory); None: solve every time."""
+        capture cache directory); None: solve every time. `sequence_parallel`: Megatron-SP on
+        the tp axis (`solve_graph`'s option: norms, dropout and residual adds on sequence
+        slices, the residual stream crossing every layer boundary split along its tokens)."""
         super().__init__(graph, layers, cluster, dtype)
+        self.sequence_parallel = bool(sequence_parallel)
+        if self.sequence_parallel:
+            self.name = "ilp+sp"
         self.cache = IlpCache(cache_dir) if cache_dir is not None else None
         # solve_graph: fail here, where "auto" falls back, when OR-Tools is missing
         from autopar.intra_op import batch_dims_of, solve_graph, token_dims_of  # noqa: F401
@@ -97,7 +103,8 @@ class IlpProvider(AnalyticProvider):
         # (no batch split on it)
         options = dict(time_limit_s=self.time_limit_s, interleaved_splits=interleaved, cyclic_boundary=True,
                        batch_dims=self.batch_dims, token_dims=self.token_dims, model_axes=(0,),
-                       fixed_params=self._pins(layer, mb, tp), grad_inputs=self._grad_inputs(layer))
+                       fixed_params=self._pins(layer, mb, tp), grad_inputs=self._grad_inputs(layer),
+                       sequence_parallel=self.sequence_parallel)
         key = None
         if self.cache is not None:
             key = solve_key(g, list(layer.nodes), mesh, self.dtype,

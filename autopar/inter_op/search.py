@@ -736,7 +736,9 @@ class Search:
                         lb = (ideal * (1 + schedule_kind(sched).bubble_fraction(pp, m, v))
                               + _sync_time(self.cluster, self.dtype, dp, tp, z, pel))
                         cands.append((lb, Candidate(dp, tp, pp, mb, m, sched, v, z)))
-        cands.extend(self._hetero_candidates(meshes))
+        if not getattr(self.provider, "sequence_parallel", False):
+            # stages of different tp run by DTensor propagation, which has no sequence parallelism
+            cands.extend(self._hetero_candidates(meshes))
         if not cands and self.considered_infeasible:
             raise self._no_fit()
         if not cands:

@@ -199,6 +199,7 @@ class IntraOpProblem:
         self._param_axes_cache: dict[tuple[str, int], tuple[Strategy, tuple[int, ...]]] = {}
         self._select(nodes)
         self._requires_grad()
+        self._sequence_boundary(nodes is not None)
         self._saved_for_backward()
         self._share_layers(share_layers)
         self._junctions()
@@ -244,6 +245,40 @@ class IntraOpProblem:
             if len(entering) == 1 and len(leaving) == 1 and \
                     g.node(entering[0]).outputs[0].shape == g.node(leaving[0]).outputs[0].shape:
                 self.cycle = (leaving[0], entering[0])
+
+    def _sequence_boundary(self, one_layer: bool) -> None:
+        """Megatron-SP's convention between layers (`sequence_parallel`, solving one layer): the
+        tensors a layer hands on with a gradient (the residual stream) cross every layer
+        boundary split along their token dim on the model axes, so that separately solved
+        layers meet in one layout: such a tensor entering the layer arrives so (`sp_fixed`, its
+        only layout), and an op handing one on to a later layer produces it so (a row-parallel
+        output reduce-scattered into it; the embedding's sum likewise)."""
+        self.sp_fixed: dict[str, Spec] = {}
+        if not (self.sequence_parallel and one_layer):
+            return
+        g = self.graph
+        call_set = set(self.calls)
+        cons = g.consumers()
+        tp = math.prod(self.mesh_shape[a] for a in self.model_axes)
+        # made by an earlier layer: a call, or an input of a layer's subgraph standing for one
+        entering = [p for p in self.outer if g.node(p).kind == "call" or p in self.grad_inputs]
+        # read by a later layer's op; in a layer's own subgraph (`stage_cost.graph_at`), where
+        # those ops are absent, read by no op at all and not returned
+        returned = set(self.output_refs)
+        leaving = [c for c in self.calls if c not in returned and (
+            any(x not in call_set and g.node(x).kind == "call" for x in cons.get(c, []))
+            or not any(g.node(x).kind == "call" for x in cons.get(c, [])))]
+        for t in entering + leaving:
+            n = g.node(t)
+            dims = self._token_dims.get(t, ())
+            if not self.rg.get(t, False) or not n.outputs or not dims:
+                continue
+            shape = tuple(int(x) for x in n.outputs[0].shape)
+            d = dims[0]
+            if shape[d] % tp:
+                continue
+            self.sp_fixed[t] = tuple(f"S({d})" if a in self.model_axes else REPLICATE
+                                     for a in range(len(self.mesh_shape)))
 
     def _requires_grad(self) -> None:
         g = self.graph
@@ -458,6 +493,8 @@ class IntraOpProblem:
                         raise PlanError(f"parameters {fq} of identical layers are pinned to different "
                                         f"placements {sorted(pins)}; pin them alike")
                     pin = pins.pop() if pins else None
+                if name in self.sp_fixed:
+                    specs = [self.sp_fixed[name]]       # sequence-sliced, as the layer before leaves it
                 if pin is not None:
                     if tuple(pin) not in specs:
                         raise PlanError(f"parameter {n.fqn or name} {shape} cannot be placed {tuple(pin)} on mesh "
@@ -484,6 +521,8 @@ class IntraOpProblem:
             if self.mesh.device is None and n.op in HEAVY_OPS:
                 full = [s for s in sts if s.work_div == heavy_need]
                 sts = full or sts
+            if name in self.sp_fixed:
+                sts = [st for st in sts if st.out_specs and st.out_specs[0] == self.sp_fixed[name]] or sts
             self.pnodes[name] = PNode(name, "call", n, sts, fam, cnt, self.rg.get(name, False))
         for name, pn in self.pnodes.items():
             if pn.kind == "junction":

@@ -31,6 +31,10 @@ class Constraints(BaseModel):
     virtual_stages: Optional[int] = Field(default=None, ge=1, description="model chunks per device (interleaved)")
     recompute: Optional[Recompute] = None
     zero_stage: Optional[int] = Field(default=None, ge=0, le=3)
+    sequence_parallel: Optional[bool] = Field(
+        default=None, description="Megatron-SP on the tensor-parallel axis (norms, dropout and residual "
+        "adds on sequence slices, the residual stream split along its tokens between layers; needs the "
+        "intra-op ILP); None: off (the search does not yet weigh both)")
 
     def pinned(self) -> dict[str, object]:
         return {k: v for k, v in self.model_dump().items() if v is not None}

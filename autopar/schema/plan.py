@@ -21,8 +21,9 @@ from autopar.schema.errors import PlanError
 from autopar.schema.layouts import StageLayouts
 from autopar.schema.placement import Placement  # "R", "S(d)" or "P", validated
 
-# 4: pipeline chunks carry op_layouts (`StageLayouts.receives`); 3 added op_layouts
-PLAN_FORMAT_VERSION = 6
+# 7: `Plan.sequence_parallel`; 4: pipeline chunks carry op_layouts (`StageLayouts.receives`);
+# 3 added op_layouts
+PLAN_FORMAT_VERSION = 7
 
 TrainingDtype = Literal["fp32", "bf16", "fp16"]
 TRAINING_DTYPES: tuple[str, ...] = get_args(TrainingDtype)
@@ -188,6 +189,8 @@ class Plan(_Model):
     schedule: Schedule = "1f1b"
     virtual_stages: int = Field(default=1, ge=1)
     zero_stage: int = Field(default=0, ge=0, le=3)
+    sequence_parallel: bool = Field(default=False, description="Megatron-SP on the tp axis: the stages' "
+                                    "op_layouts split norms, dropout and residual adds along the tokens")
     stages: list[StagePlan] = Field(min_length=1)
     predicted: Prediction
     search: dict[str, float | int | str] = Field(default_factory=dict, description="search statistics")
@@ -303,6 +306,9 @@ class Plan(_Model):
         if self.search.get("tp_counts_fallback"):
             tail += f" (counted another way for {self.search['tp_counts_fallback']})"
         solved = [s for s in self.stages if s.op_layouts is not None]
+        if self.sequence_parallel:
+            tail += "\nsequence parallelism (Megatron-SP) on the tp axis: norms, dropout and residual adds on " \
+                    "sequence slices"
         if solved:
             tail += "\ntensor parallelism executed op by op as solved: " + ", ".join(
                 f"stage {s.index} ({s.op_layouts.num_ops} ops, {len(s.op_layouts.signatures)} distinct layers)"
