@@ -72,7 +72,8 @@ def _cluster(name: str, nodes: Optional[int], devices_per_node: Optional[int]):
 @click.option("--recompute", type=click.Choice(["none", "selective", "full"]))
 @click.option("--zero-stage", type=int)
 @click.option("--sequence-parallel/--no-sequence-parallel", default=None,
-              help="Megatron-SP on the tensor-parallel axis (needs the intra-op ILP); default off")
+              help="pin Megatron-SP on the tensor-parallel axis on or off (needs the intra-op ILP); "
+                   "default: the search decides")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), help="write the plan as JSON")
 @click.option("--compare", is_flag=True, help="also show data-parallel, ZeRO-3 and Megatron baselines")
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")

@@ -115,11 +115,13 @@ class ProviderCache:
                 str(cache_dir) if cache_dir is not None else None, bool(sequence_parallel))
 
     def get(self, kind: str, graph: OpGraph, model: nn.Module, spec: ClusterSpec, dtype: str,
-            cache_dir: Optional[Path] = None, sequence_parallel: bool = False) -> tuple[list[Layer], Any]:
-        """(layers, provider) for planning `graph` on `spec`: made once per key."""
+            cache_dir: Optional[Path] = None, sequence_parallel: bool = False,
+            layers: Optional[list[Layer]] = None) -> tuple[list[Layer], Any]:
+        """(layers, provider) for planning `graph` on `spec`: made once per key (`layers`:
+        those to cost, when the caller has them already)."""
         k = self.key(kind, graph, spec, dtype, cache_dir, sequence_parallel)
         if k not in self._entries:
-            layers = build_layers(graph, model)
+            layers = layers if layers is not None else build_layers(graph, model)
             self._entries[k] = (layers, make_provider(kind, graph, layers, spec, dtype, cache_dir,
                                                       sequence_parallel))
         return self._entries[k]
@@ -157,7 +159,14 @@ def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Optional[Sequen
         layers = build_layers(graph, bundle.model)
         provider = make_provider(intra_op, graph, layers, spec, dtype, cache_dir, bool(cons.sequence_parallel))
     moments_directory(cache_dir)     # the schedule walks kept beside the captures
-    res = Search(graph, layers, spec, global_batch_size, dtype, cons, provider, progress).run()
+    sp_provider = None
+    if cons.sequence_parallel is None and getattr(provider, "name", "") == "ilp":
+        # the search weighs Megatron-SP too, wherever tp > 1 (the same layers, costed with it)
+        sp_provider = (providers.get(intra_op, graph, bundle.model, spec, dtype, cache_dir, True, layers)[1]
+                       if providers is not None else
+                       make_provider(intra_op, graph, layers, spec, dtype, cache_dir, sequence_parallel=True))
+    res = Search(graph, layers, spec, global_batch_size, dtype, cons, provider, progress,
+                 sp_provider=sp_provider).run()
     return assemble(bundle, graph, spec, res, global_batch_size, dtype, time.perf_counter() - t1,
                     loss_fn=loss_fn)
 

@@ -228,7 +228,7 @@ def planner(case: Case, cluster: ClusterSpec, intra_op: str = "auto") -> float:
                          dp=case.dp, tp=case.t, pp=case.p, microbatch_size=case.microbatch,
                          schedule="interleaved_1f1b" if case.v > 1 else "1f1b",
                          virtual_stages=case.v if case.v > 1 else None, recompute="full",
-                         zero_stage=0))
+                         zero_stage=0, sequence_parallel=False))
     return plan.predicted.iteration_time_s
 
 

@@ -75,13 +75,13 @@ def _hf_gpt2() -> str:
 CASES: list[tuple[str, str, int, int, Any, list[tuple[str, Callable[[], Any]]]]] = [
     # (case, cluster, nodes, global batch, Megatron's layout, [(way, model factory)])
     ("22B (h=6144, l=48)", "dgx-a100-80g", 1, 4,
-     autopar.Constraints(tp=8, pp=1, dp=1, microbatch_size=4, recompute="full"),
+     autopar.Constraints(tp=8, pp=1, dp=1, microbatch_size=4, recompute="full", sequence_parallel=False),
      [(k, lambda k=k: _gpt(k, 6144, 48, 64)) for k in ("zoo", "nanogpt", "separate")]),
     ("39.1B (h=8192, l=48)", "dgx-a100-80g", 64, 1536,
-     autopar.Constraints(tp=8, pp=2, dp=32, microbatch_size=1),
+     autopar.Constraints(tp=8, pp=2, dp=32, microbatch_size=1, sequence_parallel=False),
      [(k, lambda k=k: _gpt(k, 8192, 48, 64)) for k in ("zoo", "nanogpt", "separate")]),
     ("GPT-2 small (124M)", "dgx-a100-80g", 1, 64,
-     autopar.Constraints(tp=4, pp=1, dp=2),
+     autopar.Constraints(tp=4, pp=1, dp=2, sequence_parallel=False),
      [("zoo", _zoo_gpt2), ("hf", _hf_gpt2)]),
 ]
 

@@ -9,7 +9,8 @@ where a pipeline needs more layers: 4 stages, interleaving), a GPT written indep
 zoo (`tests.user_models:nanogpt`) and tiny Hugging Face GPT-2 and Llama configurations (`hf:`,
 with their default dropout), each pinned with `autopar.Constraints` to one combination: dp / tp
 / pp and their products, ZeRO 0-3, recompute none / selective / full, schedules gpipe / 1f1b /
-interleaved_1f1b, bf16 and fp32. Combinations that do not plan are listed with the PlanError's
+interleaved_1f1b, Megatron-SP (`sequence_parallel`, pinned off where a combination does not name
+it), bf16 and fp32. Combinations that do not plan are listed with the PlanError's
 text and, like a plan that fails to run, counted as misses (a plan every rank fails to build
 alike is recorded and the launch goes on). The global batch is large enough that activations
 weigh as much as the model states or more (gpt-tiny: 32 sequences of 16 tokens; mlp-tiny: 256
@@ -89,6 +90,11 @@ def _specs() -> list[dict]:
             recompute="none")
         add(g, 4, 32, dtype, dp=1, tp=2, pp=2, schedule="1f1b", num_microbatches=4, recompute="none")
         add(g, 4, 32, dtype, dp=1, tp=2, pp=2, schedule="gpipe", num_microbatches=4, recompute="selective")
+        # Megatron-SP (norms and residual adds on sequence slices)
+        add(g, 2, 32, dtype, dp=1, tp=2, pp=1, recompute="none", sequence_parallel=True)
+        add(g, 4, 32, dtype, dp=2, tp=2, pp=1, zero_stage=1, recompute="full", sequence_parallel=True)
+        add(g, 4, 32, dtype, dp=1, tp=2, pp=2, schedule="1f1b", num_microbatches=4, recompute="none",
+            sequence_parallel=True)
         add(GPT6, 4, 32, dtype, dp=1, tp=1, pp=4, schedule="1f1b", num_microbatches=4, recompute="none")
         # the MLP
         m = "mlp-tiny"
@@ -132,7 +138,8 @@ def make_plans(specs: list[dict], folder: str) -> tuple[list[dict], list[dict]]:
             graphs[s["model"]] = capture(b.model, b.example_inputs, name=b.name)
         try:
             p = plan(s["model"], cluster, global_batch_size=s["gbs"], dtype=s["dtype"],
-                     constraints=autopar.Constraints(**s["constraints"]), graph=graphs[s["model"]])
+                     constraints=autopar.Constraints(**{"sequence_parallel": False, **s["constraints"]}),
+                     graph=graphs[s["model"]])
         except PlanError as e:
             skipped.append(dict(s, reason=str(e)))
             continue

@@ -34,7 +34,8 @@ def _tp_plan(model: str, n: int, gbs: int, path: str) -> None:
 
     cl = autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": n})
     p = plan(model, cl, global_batch_size=gbs, dtype="fp32",
-             constraints=autopar.Constraints(dp=1, tp=n, pp=1, recompute="none", microbatch_size=gbs))
+             constraints=autopar.Constraints(dp=1, tp=n, pp=1, recompute="none", microbatch_size=gbs,
+                                                 sequence_parallel=False))
     if p.stages[0].op_layouts is None:
         raise SystemExit(f"the tp plan is not executed op by op: {p.search.get('tp_executor')}")
     p.save(path)

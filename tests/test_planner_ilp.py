@@ -1,5 +1,7 @@
 """The ILP layer-cost provider plugged into the planner (opt-in), cross-checked with the analytic one."""
 
+import pytest
+
 from autopar import ClusterSpec, Constraints
 from autopar.planner import plan
 
@@ -93,3 +95,18 @@ def test_ilp_pins_a_parameter_placement():
     assert pinned.param_placements["blocks.1.mlp.fc.weight"] == (want,)
     with pytest.raises(PlanError, match="blocks.0.mlp.fc.weight .* cannot be placed"):
         solve_graph(g, mesh, dtype="bf16", fixed_params={"blocks.0.mlp.fc.weight": ("S(2)",)})
+
+
+def test_search_weighs_sequence_parallelism():
+    """`Constraints(sequence_parallel=None)` (the default): the search tries each tp > 1
+    candidate with and without Megatron-SP and keeps the faster; GPT-3 1.3B at tp 8 on a DGX
+    A100 gets it (its norms and residual adds on sequence slices: less time and activation
+    memory), with the time of the plan pinned to it; pinned off, it has none."""
+    cl = ClusterSpec.load("dgx-a100-80g", num_nodes=1)
+    got = {sp: plan("gpt3-1.3b", cl, global_batch_size=32, intra_op="ilp",
+                    constraints=Constraints(tp=8, pp=1, sequence_parallel=sp))
+           for sp in (None, True, False)}
+    assert got[None].sequence_parallel and got[True].sequence_parallel and not got[False].sequence_parallel
+    assert got[None].predicted.iteration_time_s == pytest.approx(got[True].predicted.iteration_time_s)
+    assert got[None].predicted.iteration_time_s < got[False].predicted.iteration_time_s
+    assert "sequence parallelism" in got[None].summary()

@@ -63,8 +63,10 @@ def record(p) -> dict:
 
 def make(name: str, cache=None):
     ref, cluster, nodes, gbs, pins = CASES[name]
+    # sequence parallelism off: the search weighs it since issue 13, which changes these plans
+    # by design (a plan that uses it is tested apart); this test is about issue 19's machinery
     return plan(resolve_model(ref, None, None), ClusterSpec.load(cluster, num_nodes=nodes), global_batch_size=gbs,
-                constraints=Constraints(**pins), cache=cache)
+                constraints=Constraints(sequence_parallel=False, **pins), cache=cache)
 
 
 @pytest.mark.parametrize("name", list(CASES))

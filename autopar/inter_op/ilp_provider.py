@@ -20,7 +20,7 @@ from typing import Optional
 from autopar.capture.graph import OpGraph
 from autopar.inter_op.ilp_cache import IlpCache, solve_key
 from autopar.inter_op.layers import Layer
-from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost, autocast_device, fill_activations
+from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost, _float_bytes, autocast_device, fill_activations
 from autopar.intra_op.solution import ShardingSolution
 from autopar.schema import ClusterSpec, PlanError
 from autopar.schema.placement import is_shard, shard_dim
@@ -55,6 +55,26 @@ class IlpProvider(AnalyticProvider):
         # the per-op layouts a plan carries (`inter_op.stage_layouts`)
         self.solutions: dict[tuple[str, int, int], tuple[ShardingSolution, Layer]] = {}
         self._users: dict[str, list[Layer]] | None = None
+
+    def crossing_at(self, index: int, mb: int, tp: int) -> tuple[float, float, int, int]:
+        """`crossing` per rank: with Megatron-SP, a tensor crossing with a gradient (the
+        residual stream) is split along its tokens over the tp ranks (the ILP's convention at
+        layer boundaries, `IntraOpProblem._sequence_boundary`), so each sends and keeps 1/tp."""
+        total, grad, n, grads = self.crossing(index, mb)
+        if not self.sequence_parallel or tp == 1:
+            return total, grad, n, grads
+        for name in self._cross_nodes[index] if 0 <= index < len(self._cross_nodes) else []:
+            node = self.graph.node(name)
+            dims = [d for d in self.token_dims.get(name, ()) if d not in self.batch_dims.get(name, ())]
+            if not self.requires_grad.get(name, False) or not dims or not node.outputs:
+                continue
+            o = node.outputs[0]
+            meta = o.at(mb) if self.graph.batch_size is None else o
+            if int(meta.shape[dims[0]]) % tp:
+                continue
+            nb = _float_bytes(meta, self.dtype) * (1 - 1 / tp)
+            total, grad = total - nb, grad - nb
+        return total, grad, n, grads
 
     def _shared(self) -> dict[str, list[Layer]]:
         """Parameters read by more than one layer (a tied embedding and output layer), by FQN:

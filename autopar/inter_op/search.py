@@ -129,9 +129,10 @@ class Candidate:
     stages: list[StageResult] = field(default_factory=list)
     costs: Optional["_Tables"] = None
     hetero_tps: tuple[int, ...] = ()  # Alpa's free sub-mesh choice: stages may differ in tp
+    sp: bool = False                  # Megatron-SP on the tp axis (`Search.sp_provider`'s costs)
 
     def key(self) -> tuple:
-        return (self.dp, self.tp, self.pp, self.mb, self.schedule, self.v, self.zero)
+        return (self.dp, self.tp, self.pp, self.mb, self.schedule, self.v, self.zero, self.sp)
 
 
 @dataclass
@@ -568,10 +569,17 @@ def divisors(n: int) -> list[int]:
 
 class Search:
     def __init__(self, graph: OpGraph, layers: list[Layer], cluster: ClusterSpec, gbs: int, dtype: str,
-                 cons: Constraints, provider=None, progress: bool = False) -> None:
+                 cons: Constraints, provider=None, progress: bool = False, sp_provider=None) -> None:
+        """`sp_provider`: the layers' costs with Megatron-SP on the tp axis (an `IlpProvider`
+        with `sequence_parallel`); given, every candidate with tp > 1 run op by op is also
+        tried with it (`Candidate.sp`) and the faster kept. `provider` itself may be such a
+        provider (SP pinned on)."""
         self.graph, self.layers, self.cluster = graph, layers, cluster
         self.gbs, self.dtype, self.cons = gbs, dtype, cons
         self.provider = provider or AnalyticProvider(graph, layers, cluster, dtype)
+        self.sp_provider = sp_provider
+        self.sp_skipped: dict[tuple[int, int], str] = {}   # (mb, tp) -> why SP cannot run there
+        self.sp_only: set[tuple[int, int]] = set()         # (mb, tp) where SP dominates (`_dominates`)
         self.progress = progress
         self.N = cluster.num_devices
         self.L = len(layers)
@@ -700,8 +708,8 @@ class Search:
         issues: list[str] = []
         cands: list[tuple[float, Candidate]] = []
         for dp, tp, pp in meshes:
-            for mb in self.microbatches(dp):
-                costs = self._layer_costs(mb, tp)
+            for mb, sp in ((b, s) for b in self.microbatches(dp) for s in self._sp_options(b, tp)):
+                costs = self._layer_costs(mb, tp, sp=sp)
                 iss = sorted({i for c in costs for i in c.issues})
                 if iss:
                     issues.extend(iss)
@@ -712,6 +720,8 @@ class Search:
                     # the costs the candidate is evaluated with: the executor's where it runs op
                     # by op as solved (a bound from the others could prune a faster plan)
                     solved = op_by_op(Candidate(dp, tp, pp, mb, m, "1f1b", 1, z))
+                    if sp and not solved:
+                        continue                # only the executor runs sequence parallelism
                     if not solved and tp > 1:
                         diss = sorted({i for c in costs for i in c.dtensor_issues})
                         if diss:
@@ -719,7 +729,7 @@ class Search:
                                           for i in diss)
                             continue
                     if solved not in bounds:
-                        cs = self._layer_costs(mb, tp, solved)
+                        cs = self._layer_costs(mb, tp, solved, sp)
                         per_layer = sum(c.base_s for c in cs)
                         rc_min = min(sum(c.rc_extra_s.get(r, 0.0) for c in cs) for r in self.recomputes())
                         bounds[solved] = (m * (per_layer + rc_min) / pp,
@@ -735,7 +745,7 @@ class Search:
                         # lower bound: balanced stages, the schedule's bubble, the gradient sync
                         lb = (ideal * (1 + schedule_kind(sched).bubble_fraction(pp, m, v))
                               + _sync_time(self.cluster, self.dtype, dp, tp, z, pel))
-                        cands.append((lb, Candidate(dp, tp, pp, mb, m, sched, v, z)))
+                        cands.append((lb, Candidate(dp, tp, pp, mb, m, sched, v, z, sp=sp)))
         if not getattr(self.provider, "sequence_parallel", False):
             # stages of different tp run by DTensor propagation, which has no sequence parallelism
             cands.extend(self._hetero_candidates(meshes))
@@ -755,15 +765,37 @@ class Search:
                 break
             self.evaluated += 1
             ok = self.evaluate(cand, None if cand.hetero_tps else self._tables(
-                cand.mb, cand.tp, cand.dp, cand.zero, solved=op_by_op(cand)))
+                cand.mb, cand.tp, cand.dp, cand.zero, solved=op_by_op(cand), sp=cand.sp))
             if ok and (best is None or cand.iteration_s < best.iteration_s * (1 - 1e-9)):
                 best = cand
                 self._found = True
         bar.done()
         if best is None:
             raise self._no_fit()
-        return SearchResult(best, self.layers, self.provider, self.evaluated, self.considered,
-                            time.perf_counter() - t0, self.min_memory)
+        return SearchResult(best, self.layers, self.sp_provider if best.sp else self.provider, self.evaluated,
+                            self.considered, time.perf_counter() - t0, self.min_memory)
+
+    def _sp_options(self, mb: int, tp: int) -> tuple[bool, ...]:
+        """Whether to try (mb, tp) without and with Megatron-SP (`sp_provider`): with, where
+        tp > 1 and its layers solved apart meet at their boundaries (`stage_layouts` over the
+        whole model; else recorded in `sp_skipped` and not tried)."""
+        if self.sp_provider is None or tp == 1:
+            return (False,)
+        key = (mb, tp)
+        if key not in self.sp_skipped:
+            from autopar.inter_op.stage_layouts import stage_layouts
+
+            costs = self._layer_costs(mb, tp, sp=True)
+            why = next(iter(sorted({i for c in costs for i in c.issues})), "")
+            if not why:
+                _, why = stage_layouts(self.graph, self.layers, self.sp_provider.solutions, 0, self.L, mb, tp)
+            self.sp_skipped[key] = why
+            if not why and _dominates(costs, self._layer_costs(mb, tp)):
+                self.sp_only.add(key)
+        if self.sp_skipped[key]:
+            return (False,)
+        # where every layer is no slower and keeps no more with it, the plain twin cannot win
+        return (True,) if key in self.sp_only else (False, True)
 
     def _no_fit(self) -> PlanError:
         return PlanError(f"no plan fits in memory: the least memory any plan needs is "
@@ -956,12 +988,12 @@ class Search:
             self._held_cache[key] = held_moments(kind, p, rank, m, v)
         return self._held_cache[key]
 
-    def _tables(self, mb: int, tp: int, dp: int, zero: int, solved: bool = False) -> "_Tables":
+    def _tables(self, mb: int, tp: int, dp: int, zero: int, solved: bool = False, sp: bool = False) -> "_Tables":
         """`solved`: the stage runs op by op as solved (`_op_by_op`), its layers' activations as
-        the executor keeps them (`LayerCost.solved_variant`)."""
-        key = (mb, tp, dp, zero, solved)
+        the executor keeps them (`LayerCost.solved_variant`); `sp`: with Megatron-SP."""
+        key = (mb, tp, dp, zero, solved, sp)
         if key not in self._tables_cache:
-            costs = self._layer_costs(mb, tp, solved)
+            costs = self._layer_costs(mb, tp, solved, sp)
             batch = (self.input_bytes[0] * self.gbs / dp, sum(self.input_bytes[1:]) * self.gbs / dp)
             # the last pipeline chunk computes the loss inside (`runtime.graph_stages`, the
             # executor): its output is the loss, no loss input is kept for the schedule
@@ -970,13 +1002,14 @@ class Search:
                                               like=like)
         return self._tables_cache[key]
 
-    def _layer_costs(self, mb: int, tp: int, solved: bool = False) -> list[LayerCost]:
+    def _layer_costs(self, mb: int, tp: int, solved: bool = False, sp: bool = False) -> list[LayerCost]:
         """The layers' costs at (mb, tp); `solved`: as the executor runs them
-        (`LayerCost.solved_variant`)."""
-        key = (mb, tp, solved)
+        (`LayerCost.solved_variant`); `sp`: with Megatron-SP (`sp_provider`)."""
+        key = (mb, tp, solved, sp)
         if key not in self._costs_cache:
-            self._costs_cache[key] = ([c.solved_variant() for c in self._layer_costs(mb, tp)] if solved
-                                      else [self.provider.cost(l, mb, tp) for l in self.layers])
+            prov = self.sp_provider if sp else self.provider
+            self._costs_cache[key] = ([c.solved_variant() for c in self._layer_costs(mb, tp, sp=sp)] if solved
+                                      else [prov.cost(l, mb, tp) for l in self.layers])
         return self._costs_cache[key]
 
     def _evaluate_interleaved(self, cand: Candidate, tb: _Tables) -> bool:
@@ -1143,6 +1176,25 @@ class Search:
             st = self._stage(tb, cand, [(k, j)], r, self._held(cand.schedule, p, i, cand.m))
             worst = max(worst, st.peak_bytes)
         self.min_memory = min(self.min_memory, worst)
+
+
+def _dominates(a: list[LayerCost], b: list[LayerCost]) -> bool:
+    """Whether layer costs `a` are, layer by layer, no worse than `b` in every term a stage's
+    time and memory are made of (compute, communication, recomputation, gradient sync, saved
+    activations, the backward's transient, what a pipeline boundary keeps, parameters), so
+    that no plan costed with `b` can beat its twin costed with `a`."""
+    def le(x: float, y: float) -> bool:
+        return x <= y * (1 + 1e-9) + 1e-12
+
+    for ca, cb in zip(a, b):
+        if not (le(ca.base_s, cb.base_s) and le(ca.iter_s, cb.iter_s)
+                and le(sum(ca.param_elems.values()), sum(cb.param_elems.values()))):
+            return False
+        for name in ("rc_extra_s", "act_bytes", "bwd_over", "out_saved", "in_saved", "bwd_over_given"):
+            da, db = getattr(ca, name), getattr(cb, name)
+            if any(not le(da.get(r, 0.0), db.get(r, 0.0)) for r in set(da) | set(db)):
+                return False
+    return True
 
 
 def balanced_chunks(cost: np.ndarray, n: int) -> Optional[list[tuple[int, int]]]:

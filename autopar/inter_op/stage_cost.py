@@ -263,23 +263,29 @@ class AnalyticProvider:
         rep = self._cache.get(key)
         if rep is None:
             rep = self._analyze(layer, mb, tp)
+            cross = self.crossing_at(layer.index, mb, tp)
             for c in (rep, rep.solved) if rep.solved is not None else (rep,):
-                c.cross_bytes, c.cross_grad_bytes, c.cross_tensors, c.cross_grads = self.crossing(layer.index, mb)
+                c.cross_bytes, c.cross_grad_bytes, c.cross_tensors, c.cross_grads = cross
             rep._layer = layer  # type: ignore[attr-defined]
             self._cache[key] = rep
         src: Layer = rep._layer  # type: ignore[attr-defined]
         if src.index == layer.index:
             return rep
-        return self._renamed(rep, src, layer, mb)
+        return self._renamed(rep, src, layer, mb, tp)
 
-    def _renamed(self, rep: LayerCost, src: Layer, layer: Layer, mb: int) -> LayerCost:
+    def crossing_at(self, index: int, mb: int, tp: int) -> tuple[float, float, int, int]:
+        """`crossing` as a rank of a `tp`-way stage holds it (here: whole on every rank)."""
+        return self.crossing(index, mb)
+
+    def _renamed(self, rep: LayerCost, src: Layer, layer: Layer, mb: int, tp: int) -> LayerCost:
         """`rep` (the cost of `src`) as the cost of `layer`, a copy of it."""
         out = LayerCost(**{k: getattr(rep, k) for k in rep.__dataclass_fields__})
         out.param_elems = {src.rename_param(f, layer): v for f, v in rep.param_elems.items()}
         out.placements = {src.rename_param(f, layer): v for f, v in rep.placements.items()}
-        out.cross_bytes, out.cross_grad_bytes, out.cross_tensors, out.cross_grads = self.crossing(layer.index, mb)
+        out.cross_bytes, out.cross_grad_bytes, out.cross_tensors, out.cross_grads = \
+            self.crossing_at(layer.index, mb, tp)
         if rep.solved is not None:
-            out.solved = self._renamed(rep.solved, src, layer, mb)
+            out.solved = self._renamed(rep.solved, src, layer, mb, tp)
         return out
 
     # -- the rules ---------------------------------------------------------------------------

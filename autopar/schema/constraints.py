@@ -34,7 +34,7 @@ class Constraints(BaseModel):
     sequence_parallel: Optional[bool] = Field(
         default=None, description="Megatron-SP on the tensor-parallel axis (norms, dropout and residual "
         "adds on sequence slices, the residual stream split along its tokens between layers; needs the "
-        "intra-op ILP); None: off (the search does not yet weigh both)")
+        "intra-op ILP); None: the search tries both where tp > 1 (with the ILP; off with the analytic rules)")
 
     def pinned(self) -> dict[str, object]:
         return {k: v for k, v in self.model_dump().items() if v is not None}
