@@ -618,7 +618,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
 
     def grads(n) -> float:
         # the gradients alive while op n's backward runs (`_gradient_moments`)
-        return moments.get(n.name, (0.0, 0.0))[0]
+        return moments.get(n.name, (0.0, 0.0, 0.0))[0]
 
     if rec == "none" or (rec == "selective" and selective_region == "core"):
         for key, b, n in saves:
@@ -632,8 +632,28 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         saved_by: dict[str, list[tuple[str, float]]] = {}
         for key, b, n in saves:
             saved_by.setdefault(n.name, []).append((key, b))
+        # the region's forward re-run in its backward: what the ops up to n re-saved, what the
+        # forward holds at n besides (tensors made and still to be read, redistributed copies:
+        # as a forward without recomputation holds them) and the gradient that started the
+        # backward of the region (alive before its last op's backward makes any)
+        plain_owner: dict[str, str] = {}
+        plain_bytes: dict[str, float] = {}
+        for key, b, n in saves:
+            if key not in plain_owner:
+                plain_owner[key], plain_bytes[key] = n.name, b
+        _, fwd_at = _forward_over(calls, by_name, base, plain_owner, plain_bytes, size, read, batch, 0.0, mixed,
+                                  cuda_fp32, {k: v[1] for k, v in copies.items()}, per_op=True)
+        entry: dict[Optional[str], float] = {}
+        for n in reversed(calls):
+            r = region[n.name]
+            if r is not None and r not in entry and n.name in moments:
+                entry[r] = moments[n.name][2]
         for n in calls:
             r = region[n.name]
+            if r is not None:
+                fwd = region_bytes.get(r, 0.0) + fwd_at.get(n.name, 0.0) + entry.get(r, 0.0)
+                if fwd > region_peak.get(r, 0.0) or r not in region_peak:
+                    region_peak[r], region_grads[r] = fwd, entry.get(r, 0.0)
             for key, b in saved_by.get(n.name, ()):
                 if r is None:
                     if key not in owner_layer:
@@ -701,7 +721,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             owned[nm] = owned.get(nm, 0.0) + nbytes_of[k]
     def given_share(n) -> float:
         # what grads(n) counts of gradients that are the given one
-        return moments.get(n.name, (0.0, 0.0))[1]
+        return moments.get(n.name, (0.0, 0.0, 0.0))[1]
 
     live = out.saved_bytes
     entered: set = set()
@@ -747,10 +767,10 @@ _MULTI_OUTPUT_VIEWS = frozenset({"split", "split_with_sizes", "chunk", "unbind",
 
 def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: dict, upcasts: frozenset,
                       shard: Any, dtype: str, new_grads: Callable, loss_read: Callable,
-                      given_grad: Optional[str]) -> dict[str, tuple[float, float]]:
+                      given_grad: Optional[str]) -> dict[str, tuple[float, float, float]]:
     """The backward's gradients, by liveness: for each op, the bytes of gradients alive while its
     backward runs, and of those the given one's (`given_grad`'s, made outside: a pipeline
-    chunk's receive buffer), as {op: (bytes, given bytes)}.
+    chunk's receive buffer), as {op: (bytes, given bytes, bytes alive before it makes any)}.
 
     Walking the ops in reverse as autograd runs them: a tensor's gradient is made by the
     backward of its last reader (in forward order) and lives until its producer's backward has
@@ -851,7 +871,7 @@ def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: 
                 if i not in owner:
                     born.append((i, nb))
             extra += new_grads(n)
-        out[n.name] = (total + extra, stor.get(given_st, 0.0))
+        out[n.name] = (total + extra, stor.get(given_st, 0.0), total)
         drop(n.name)
         for i, nb in born:
             if i not in owner:
@@ -897,7 +917,7 @@ def _upcasts(calls: list, base: dict, fp32_readers: frozenset) -> frozenset:
 
 def _forward_over(calls: list, by_name: dict, base: dict, owner_node: dict, nbytes_of: dict,
                   size: Callable, read: Callable, batch: Callable, saved_total: float, mixed: bool,
-                  fp32_ops: frozenset, copies: dict[str, str]) -> float:
+                  fp32_ops: frozenset, copies: dict[str, str], per_op: bool = False) -> Any:
     """The forward's worst moment above everything saved (`ActivationMemory.forward_over_bytes`),
     op by op in order: what the ops up to this one saved, every tensor made and not yet saved
     whose last reader is still to run (a storage's readers through any view; a tensor no op of
@@ -906,10 +926,12 @@ def _forward_over(calls: list, by_name: dict, base: dict, owner_node: dict, nbyt
     redistributed (the copy, when it does not save it, and the buffer of a gather that is not
     along the first dim, `read_shard`'s third item, at the moment of the gather: the executor
     frees it once concatenated); a loss makes its per-element fp32 result
-    (cross-entropy's log-softmax, which it saves in place of its input) beside its input."""
+    (cross-entropy's log-softmax, which it saves in place of its input) beside its input.
+    `per_op`: also {op: what the forward holds at that op beyond what the ops before it saved,
+    the most of just before it runs and just after} (a recomputed region's re-run forward)."""
     T = len(calls)
     if T == 0:
-        return 0.0
+        return (0.0, {}) if per_op else 0.0
     idx = {n.name: t for t, n in enumerate(calls)}
     saved_at = np.zeros(T + 1)
     saver: dict[str, int] = {}
@@ -976,7 +998,11 @@ def _forward_over(calls: list, by_name: dict, base: dict, owner_node: dict, nbyt
     moments = saved + held + extra
     # before the op: its inputs gathered, its outputs not yet made, its own saves not yet made
     before = saved - saved_at[:T] + held - made[:T] + gather
-    return float(max(moments.max() - saved_total, before.max() - saved_total, 0.0))
+    over = float(max(moments.max() - saved_total, before.max() - saved_total, 0.0))
+    if not per_op:
+        return over
+    prev = saved - saved_at[:T]
+    return over, {n.name: float(max(moments[t] - prev[t], before[t] - prev[t])) for t, n in enumerate(calls)}
 
 
 # autograd runs an op's backward with the gradient of its output live and makes the gradient of
