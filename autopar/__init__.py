@@ -22,34 +22,42 @@ from autopar.schema import (
     Plan,
     PlanError,
     Prediction,
+    SoftwareSpec,
     StagePlan,
     load_plan,
 )
 from autopar.schema.cluster import bundled_clusters
+from autopar.schema.software import bundled_software
 from autopar.schema.sweep import SweepPoint, SweepResult
 
 __version__ = "0.1.0"
 
 __all__ = ["ClusterSpec", "Constraints", "DeviceSpec", "LinkSpec", "LogicalMesh", "Plan",
            "PlanError", "Prediction", "StagePlan", "load_plan", "plan", "verify", "auto_shard", "capture",
-           "OpGraph", "bundled_clusters", "sweep", "SweepResult", "SweepPoint", "__version__"]
+           "OpGraph", "bundled_clusters", "SoftwareSpec", "bundled_software", "sweep", "SweepResult", "SweepPoint",
+           "__version__"]
 
 
 def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Sequence[Any] | None = None, *,
          global_batch_size: int, dtype: str = "bf16", constraints: Optional[Constraints] = None,
          loss_fn: Optional[Callable[[Any], Any]] = None, progress: bool = False,
-         name: Optional[str] = None, cache: Any = None) -> Plan:
+         name: Optional[str] = None, cache: Any = None, software: SoftwareSpec | str | None = None) -> Plan:
     """The fastest plan for training `model` on `cluster` that fits in memory.
 
     `model` is an nn.Module (on any device, meta included) or a model reference (zoo name,
     MODULE:FACTORY, hf:NAME); dim 0 of every example input is the batch. Raises PlanError when no
     plan fits or a constraint cannot hold. `cache=True` keeps the model's capture in the capture
     cache (`autopar.capture.cache`; the CLI's default) and reads it from there next time.
+    `software`: what the training software does on the cluster's hardware (attention kernel,
+    overlap of the gradient sync): a bundled preset's name (`bundled_software()`), a YAML/JSON
+    file or a `SoftwareSpec`; None: "autopar", what `autopar run` executes. The plan records it
+    (`plan.software`).
     """
     from autopar.planner import plan as _plan
 
     return _plan(model, cluster, example_inputs, global_batch_size=global_batch_size, dtype=dtype,
-                 constraints=constraints, loss_fn=loss_fn, progress=progress, name=name, cache=cache)
+                 constraints=constraints, loss_fn=loss_fn, progress=progress, name=name, cache=cache,
+                 software=software)
 
 
 def verify(plan: Any, model: Any, *, device_memory_bytes: Optional[float] = None,

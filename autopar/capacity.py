@@ -108,15 +108,17 @@ def sweep(model: Any, clusters: Sequence[str | ClusterSpec], nodes: Iterable[int
           deadline_s: Optional[float] = None, dtype: str = "bf16",
           example_inputs: Optional[Sequence[Any]] = None, cache: Any = None, intra_op: str = "auto",
           keep_plans: bool = True, share_providers: bool = True,
-          progress: Optional[Callable[[str], None]] = None) -> SweepResult:
+          progress: Optional[Callable[[str], None]] = None, software: Any = None) -> SweepResult:
     """The best plan of `model` on every cluster type of `clusters` (bundled names, YAML/JSON
     paths or ClusterSpecs) at every node count of `nodes`, and what training `tokens` tokens
     takes there (see the module docstring). The batch: `global_batch_size` samples, or
     `tokens_per_step` tokens (default 4Mi) over the model's sequence length; `seq_len` rebuilds
     a zoo model at another sequence length. `prices`: USD (or any currency) per GPU-hour by
     cluster name. `progress` receives a line per point. `share_providers=False` plans every
-    point from scratch (what `benchmarks/sweep_time.py` compares with). Raises PlanError for
-    bad input; a size no plan fits is a point with its `reason`."""
+    point from scratch (what `benchmarks/sweep_time.py` compares with). `software`: what the
+    training software does (`autopar.plan`'s; None: the default, what `autopar run` executes),
+    the same for every point. Raises PlanError for bad input; a size no plan fits is a point
+    with its `reason`."""
     from autopar import __version__
     from autopar.capture import capture
     from autopar.planner import ProviderCache, plan
@@ -133,6 +135,10 @@ def sweep(model: Any, clusters: Sequence[str | ClusterSpec], nodes: Iterable[int
     if not clusters:
         raise PlanError("no cluster to sweep; give bundled names (see hardware_profiles/) or files")
     specs = [ClusterSpec.load(c) if isinstance(c, str) else c for c in clusters]   # bad names fail here
+    if software is not None:
+        from autopar.schema.software import resolve_software
+
+        software = resolve_software(software)                                      # and here
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise PlanError(f"cluster types repeat: {', '.join(names)}")
@@ -159,7 +165,8 @@ def sweep(model: Any, clusters: Sequence[str | ClusterSpec], nodes: Iterable[int
             try:
                 sized = _sized(spec, n)          # a one-node profile cannot grow: that size's reason
                 p = plan(bundle, sized, global_batch_size=gbs, dtype=dtype, graph=graph,
-                         cache=cache, providers=providers if share_providers else None, intra_op=intra_op)
+                         cache=cache, providers=providers if share_providers else None, intra_op=intra_op,
+                         software=software)
                 reason = None
             except PlanError as e:
                 reason = str(e)

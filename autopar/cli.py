@@ -55,6 +55,19 @@ def _cluster(name: str, nodes: Optional[int], devices_per_node: Optional[int]):
     return spec
 
 
+SOFTWARE_HELP = ("what the training software does on the cluster (attention kernel, gradient-sync overlap): a "
+                 "bundled preset (autopar: what `autopar run` executes, the default; megatron-lm-2021: the "
+                 "published Megatron-LM runs' software) or a YAML/JSON file")
+
+
+def _software(name: Optional[str], spec: Any):
+    """The SoftwareSpec for `--software` (None: the default, or an old cluster file's attention
+    kernel: `software_for_cluster`); a bad name or file is a one-line error."""
+    from autopar.schema.software import software_for_cluster
+
+    return software_for_cluster(name, spec)
+
+
 @cli.command("plan", context_settings=CONTEXT)
 @click.option("--model", "model_ref", required=True, help="zoo name, MODULE:FACTORY, or hf:NAME")
 @click.option("--cluster", required=True, help="bundled profile name or a YAML/JSON file")
@@ -62,6 +75,7 @@ def _cluster(name: str, nodes: Optional[int], devices_per_node: Optional[int]):
 @click.option("--devices-per-node", type=click.IntRange(min=1), help="devices per node (overrides)")
 @click.option("--global-batch-size", "-b", type=int, required=True, help="samples per iteration")
 @click.option("--dtype", type=click.Choice(TRAINING_DTYPES), default="bf16", show_default=True)
+@click.option("--software", metavar="NAME|FILE", help=SOFTWARE_HELP)
 @click.option("--dp", type=int, help="pin the data-parallel degree")
 @click.option("--tp", type=int, help="pin the tensor-parallel degree")
 @click.option("--pp", type=int, help="pin the number of pipeline stages")
@@ -88,8 +102,8 @@ def _cluster(name: str, nodes: Optional[int], devices_per_node: Optional[int]):
               help="then build every kind of rank of the plan at full scale on a fake process group "
                    "and check memory and collectives (as `autopar verify`); exit non-zero on a failure")
 def plan_cmd(model_ref: str, cluster: str, nodes: Optional[int], devices_per_node: Optional[int],
-             global_batch_size: int, dtype: str, output: Optional[str], compare: bool, as_json: bool,
-             quiet: bool, no_cache: bool, timings: bool, then_verify: bool, **pins: Any) -> None:
+             global_batch_size: int, dtype: str, software: Optional[str], output: Optional[str], compare: bool,
+             as_json: bool, quiet: bool, no_cache: bool, timings: bool, then_verify: bool, **pins: Any) -> None:
     """Plan MODEL on CLUSTER and print the plan (or write it with -o)."""
     t = [time.perf_counter()]
     from autopar.capture import capture
@@ -102,6 +116,7 @@ def plan_cmd(model_ref: str, cluster: str, nodes: Optional[int], devices_per_nod
         raise PlanError(f"cannot write {output}: directory {Path(output).parent} does not exist")
     cons = _constraints(**pins)
     spec = _cluster(cluster, nodes, devices_per_node)
+    sw = _software(software, spec)
     t.append(time.perf_counter())
     bundle = resolve_model(model_ref, None, None)
     t.append(time.perf_counter())
@@ -109,7 +124,7 @@ def plan_cmd(model_ref: str, cluster: str, nodes: Optional[int], devices_per_nod
     graph = capture(bundle.model, bundle.example_inputs, name=bundle.name, cache=not no_cache)
     t.append(time.perf_counter())
     p = plan_model(bundle, spec, global_batch_size=global_batch_size, dtype=dtype, constraints=cons,
-                   progress=not quiet, graph=graph, cache=not no_cache)
+                   progress=not quiet, graph=graph, cache=not no_cache, software=sw)
     t.append(time.perf_counter())
     if output:
         p.save(output)
@@ -160,6 +175,7 @@ def _verify_out(report: Any, as_json: bool) -> None:
                                             "(none are bundled; cost is left out without one)")
 @click.option("--deadline", "deadline_text", help="pick the cheapest point finishing within it: 30d, 12h, 2w")
 @click.option("--dtype", type=click.Choice(TRAINING_DTYPES), default="bf16", show_default=True)
+@click.option("--software", metavar="NAME|FILE", help=SOFTWARE_HELP)
 @click.option("--plot", type=click.Path(dir_okay=False), help="draw time to train vs cost (PNG or SVG)")
 @click.option("--output", "-o", type=click.Path(dir_okay=False),
               help="write every point with its plan (`autopar show FILE --point CLUSTER:NODES`)")
@@ -168,8 +184,8 @@ def _verify_out(report: Any, as_json: bool) -> None:
 @click.option("--no-cache", is_flag=True, help="capture the model anew (see `autopar plan --help`)")
 def sweep_cmd(model_ref: str, clusters: str, nodes_text: str, tokens_text: str, seq_len: Optional[int],
               global_batch_size: Optional[int], tokens_per_step_text: Optional[str], price_text: Optional[str],
-              deadline_text: Optional[str], dtype: str, plot: Optional[str], output: Optional[str],
-              as_json: bool, quiet: bool, no_cache: bool) -> None:
+              deadline_text: Optional[str], dtype: str, software: Optional[str], plot: Optional[str],
+              output: Optional[str], as_json: bool, quiet: bool, no_cache: bool) -> None:
     """Best plan of MODEL on every cluster type and node count: step time, time to train the
     token budget, GPU-hours and cost, with the time-vs-cost frontier marked."""
     from autopar.capacity import parse_count, parse_duration, parse_nodes, parse_prices, sweep
@@ -192,7 +208,7 @@ def sweep_cmd(model_ref: str, clusters: str, nodes_text: str, tokens_text: str, 
                                  if tokens_per_step_text is not None else None),
                 prices=parse_prices(price_text),
                 deadline_s=parse_duration(deadline_text) if deadline_text else None, dtype=dtype,
-                cache=not no_cache, progress=None if quiet else (lambda msg: _echo_err(msg)))
+                cache=not no_cache, software=software, progress=None if quiet else (lambda msg: _echo_err(msg)))
     if output:
         res.save(output)
     click.echo(json.dumps(res.records(), indent=2) if as_json else res.summary())

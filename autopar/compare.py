@@ -61,8 +61,9 @@ def baselines(chosen: Plan, plan_fn: Callable[[Constraints], Plan], cluster: Clu
 
 def compare_baselines(chosen: Plan, model: Any, cluster: ClusterSpec, *, as_json: bool = False,
                       plan_fn: Optional[Callable[[Constraints], Plan]] = None, graph: Any = None) -> str:
-    """A table (or JSON) of the chosen plan and the baselines with speed-ups. `graph`: the model's
-    OpGraph when the caller has it (otherwise captured here, once for all baselines)."""
+    """A table (or JSON) of the chosen plan and the baselines with speed-ups, the baselines planned
+    for the chosen plan's software. `graph`: the model's OpGraph when the caller has it
+    (otherwise captured here, once for all baselines)."""
     if plan_fn is None:
         from autopar.capture import capture
         from autopar.planner import plan as plan_with_graph
@@ -74,7 +75,7 @@ def compare_baselines(chosen: Plan, model: Any, cluster: ClusterSpec, *, as_json
 
         def plan_fn(cons: Constraints) -> Plan:
             return plan_with_graph(bundle, cluster, global_batch_size=chosen.global_batch_size,
-                                   dtype=chosen.dtype, constraints=cons, graph=graph)
+                                   dtype=chosen.dtype, constraints=cons, graph=graph, software=chosen.software)
     rows = [Baseline("autopar (chosen)", chosen)] + baselines(chosen, plan_fn, cluster)
     t0 = chosen.predicted.iteration_time_s
     if as_json:

@@ -30,6 +30,7 @@ from autopar.models import ModelBundle, build_model
 from autopar.schema import ClusterSpec, Constraints, ModelInfo, Plan, PlanError, Prediction, StagePlan, StagePrediction
 from autopar.schema.layouts import StageLayouts
 from autopar.schema.plan import TRAINING_DTYPES, PhasePrediction
+from autopar.schema.software import SoftwareSpec, software_for_cluster
 from cost_models.compute import attention_core
 from cost_models.memory import usable_memory
 from cost_models.schedules import moments_directory
@@ -57,13 +58,16 @@ def resolve_cluster(cluster: ClusterSpec | str) -> ClusterSpec:
 
 
 def make_provider(kind: str, graph: OpGraph, layers: list[Layer], cluster: ClusterSpec, dtype: str,
-                  cache_dir: Optional[Path] = None, sequence_parallel: bool = False):
+                  cache_dir: Optional[Path] = None, software: Optional[SoftwareSpec] = None,
+                  sequence_parallel: bool = False):
     """The per-layer cost provider: "analytic" (Megatron rules read off the graph), "ilp" (the
     intra-op ILP per layer signature x micro-batch x tp, its tp axis kept model-parallel as the
     runtime runs it: no batch or token splits there), or "auto": the ILP where OR-Tools is
     installed and the capture has a symbolic batch, the analytic rules otherwise. `cache_dir`:
-    the ILP's per-layer solutions kept there (`inter_op.ilp_cache`). `sequence_parallel`:
-    Megatron-SP on the tp axis, which only the ILP solves (PlanError otherwise)."""
+    the ILP's per-layer solutions kept there (`inter_op.ilp_cache`). `software`: what the
+    training software does (`SoftwareSpec`; None: the default, what `autopar run` executes).
+    `sequence_parallel`: Megatron-SP on the tp axis, which only the ILP solves (PlanError
+    otherwise)."""
     if sequence_parallel:
         if kind == "analytic":
             raise PlanError("sequence_parallel needs the intra-op ILP (intra_op='ilp' or 'auto'), not the "
@@ -76,21 +80,22 @@ def make_provider(kind: str, graph: OpGraph, layers: list[Layer], cluster: Clust
         if not graph.is_symbolic:
             raise PlanError("sequence_parallel needs a capture with a symbolic batch (torch.export), "
                             "to tell the token dims from the batch")
-        return IlpProvider(graph, layers, cluster, dtype, cache_dir=cache_dir, sequence_parallel=True)
+        return IlpProvider(graph, layers, cluster, dtype, cache_dir=cache_dir, sequence_parallel=True,
+                           software=software)
     if kind == "analytic":
-        return AnalyticProvider(graph, layers, cluster, dtype)
+        return AnalyticProvider(graph, layers, cluster, dtype, software)
     if kind in ("ilp", "auto"):
         try:
             from autopar.inter_op.ilp_provider import IlpProvider
         except ImportError:
             if kind == "ilp":
                 raise PlanError("the intra-op ILP is not available in this installation") from None
-            return AnalyticProvider(graph, layers, cluster, dtype)
+            return AnalyticProvider(graph, layers, cluster, dtype, software)
         if kind == "auto" and not graph.is_symbolic:
             # without a symbolic batch (the fx fallback) the ILP cannot tell the batch dims, so
             # it could not keep the tp axis model-parallel as the runtime runs it
-            return AnalyticProvider(graph, layers, cluster, dtype)
-        return IlpProvider(graph, layers, cluster, dtype, cache_dir=cache_dir)
+            return AnalyticProvider(graph, layers, cluster, dtype, software)
+        return IlpProvider(graph, layers, cluster, dtype, cache_dir=cache_dir, software=software)
     raise PlanError(f"unknown intra-op provider {kind!r}; one of auto, ilp, analytic")
 
 
@@ -98,7 +103,7 @@ class ProviderCache:
     """Per-layer cost providers (and the layers they cost) shared by several plans of one
     model: `autopar.sweep` plans it on many sizes of one cluster type. A provider's per-layer
     costs (analytic rules or intra-op ILP solutions, keyed by layer signature, micro-batch and
-    tp) depend on the device, the node's size and link, and the dtype, not on the node count:
+    tp) depend on the device, the node's size and link, the dtype and the software, not on the node count:
     the tp axis stays inside a node (`Search.meshes`), so its mesh is the first tp ranks of
     node 0 on any number of nodes. The key holds exactly those, so a plan made through the cache
     equals one made without it (the graph by identity: the cache holds it, through its provider)."""
@@ -108,21 +113,22 @@ class ProviderCache:
 
     @staticmethod
     def key(kind: str, graph: OpGraph, spec: ClusterSpec, dtype: str, cache_dir: Optional[Path] = None,
-            sequence_parallel: bool = False) -> tuple:
-        # the whole profile but its node count (measured collective tables included), and where
-        # the provider keeps its solutions on disk
+            software: Optional[SoftwareSpec] = None, sequence_parallel: bool = False) -> tuple:
+        # the whole profile but its node count (measured collective tables included), the
+        # software, and where the provider keeps its solutions on disk
         return (kind, dtype, id(graph), spec.model_copy(update={"num_nodes": 1}).model_dump_json(),
+                software.model_dump_json() if software is not None else None,
                 str(cache_dir) if cache_dir is not None else None, bool(sequence_parallel))
 
     def get(self, kind: str, graph: OpGraph, model: nn.Module, spec: ClusterSpec, dtype: str,
-            cache_dir: Optional[Path] = None, sequence_parallel: bool = False,
-            layers: Optional[list[Layer]] = None) -> tuple[list[Layer], Any]:
-        """(layers, provider) for planning `graph` on `spec`: made once per key (`layers`:
-        those to cost, when the caller has them already)."""
-        k = self.key(kind, graph, spec, dtype, cache_dir, sequence_parallel)
+            cache_dir: Optional[Path] = None, software: Optional[SoftwareSpec] = None,
+            sequence_parallel: bool = False, layers: Optional[list[Layer]] = None) -> tuple[list[Layer], Any]:
+        """(layers, provider) for planning `graph` on `spec` with `software`: made once per key
+        (`layers`: those to cost, when the caller has them already)."""
+        k = self.key(kind, graph, spec, dtype, cache_dir, software, sequence_parallel)
         if k not in self._entries:
             layers = layers if layers is not None else build_layers(graph, model)
-            self._entries[k] = (layers, make_provider(kind, graph, layers, spec, dtype, cache_dir,
+            self._entries[k] = (layers, make_provider(kind, graph, layers, spec, dtype, cache_dir, software,
                                                       sequence_parallel))
         return self._entries[k]
 
@@ -134,8 +140,11 @@ def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Optional[Sequen
          global_batch_size: int, dtype: str = "bf16", constraints: Optional[Constraints] = None,
          loss_fn: Optional[Callable[[Any], Any]] = None, progress: bool = False,
          name: Optional[str] = None, intra_op: str = "auto", graph: Optional[OpGraph] = None,
-         cache: Any = None, providers: Optional[ProviderCache] = None) -> Plan:
-    """The fastest plan that fits (see the module docstring). `graph` skips the capture when
+         cache: Any = None, providers: Optional[ProviderCache] = None,
+         software: SoftwareSpec | str | None = None) -> Plan:
+    """The fastest plan that fits (see the module docstring), for `software`: what the training
+    software does on the cluster (`SoftwareSpec`, a bundled preset's name or a YAML/JSON file;
+    None: `autopar`, what `autopar run` executes), recorded in the plan. `graph` skips the capture when
     the caller already has the model's OpGraph; `cache` (True, a directory or a
     `capture.cache.CaptureCache`) reads and writes captures there, and the search's schedule
     walks (`cost_models.schedules.moments_directory`); `providers` shares the per-layer costs
@@ -148,23 +157,24 @@ def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Optional[Sequen
     cons = constraints or Constraints()
     bundle = resolve_model(model, example_inputs, name)
     spec = resolve_cluster(cluster)
+    sw = software_for_cluster(software, spec)
     if graph is None:
         graph = capture(bundle.model, bundle.example_inputs, loss_fn=loss_fn, name=bundle.name, cache=cache)
     t1 = time.perf_counter()
     cache_dir = cache_directory(cache)
     if providers is not None:
-        layers, provider = providers.get(intra_op, graph, bundle.model, spec, dtype, cache_dir,
+        layers, provider = providers.get(intra_op, graph, bundle.model, spec, dtype, cache_dir, sw,
                                          bool(cons.sequence_parallel))
     else:
         layers = build_layers(graph, bundle.model)
-        provider = make_provider(intra_op, graph, layers, spec, dtype, cache_dir, bool(cons.sequence_parallel))
+        provider = make_provider(intra_op, graph, layers, spec, dtype, cache_dir, sw, bool(cons.sequence_parallel))
     moments_directory(cache_dir)     # the schedule walks kept beside the captures
     sp_provider = None
     if cons.sequence_parallel is None and getattr(provider, "name", "") == "ilp":
         # the search weighs Megatron-SP too, wherever tp > 1 (the same layers, costed with it)
-        sp_provider = (providers.get(intra_op, graph, bundle.model, spec, dtype, cache_dir, True, layers)[1]
+        sp_provider = (providers.get(intra_op, graph, bundle.model, spec, dtype, cache_dir, sw, True, layers)[1]
                        if providers is not None else
-                       make_provider(intra_op, graph, layers, spec, dtype, cache_dir, sequence_parallel=True))
+                       make_provider(intra_op, graph, layers, spec, dtype, cache_dir, sw, sequence_parallel=True))
     res = Search(graph, layers, spec, global_batch_size, dtype, cons, provider, progress,
                  sp_provider=sp_provider).run()
     return assemble(bundle, graph, spec, res, global_batch_size, dtype, time.perf_counter() - t1,
@@ -342,7 +352,8 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
 
     info = ModelInfo(name=bundle.name, num_params=graph.num_params, fingerprint=graph.fingerprint(),
                      num_layers=max(1, len(layers)), flops_per_sample=3 * fwd1, tokens_per_sample=tokens)
-    return Plan(autopar_version=__version__, model=info, cluster=spec, dtype=dtype,
+    return Plan(autopar_version=__version__, model=info, cluster=spec,
+                software=getattr(res.provider, "software", None) or software_for_cluster(None, spec), dtype=dtype,
                 global_batch_size=gbs, microbatch_size=c.mb, num_microbatches=m,
                 schedule=c.schedule, virtual_stages=v, zero_stage=c.zero, stages=stage_plans,
                 sequence_parallel=bool(getattr(res.provider, "sequence_parallel", False)) and c.tp > 1,

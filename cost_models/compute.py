@@ -27,6 +27,9 @@ and the optimizer step's cost per parameter tensor and per element (`optimizer_s
 updates one tensor at a time runs ~10 small kernels per tensor). Profiles without them (the
 bundled GPU ones) are costed by the formulas alone.
 
+What the software does is not the device's: the attention kernel (fused or unfused) is the
+`SoftwareSpec`'s choice, passed as `attention_kernel` (default "fused", what `autopar run` runs).
+
 Graphs are captured in fp32 on the meta device; `dtype` rescales every floating-point tensor's
 bytes to the training dtype (bf16: half), so a bf16 run is assessed from an fp32 capture.
 """
@@ -38,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Literal, Optional, Sequence, Union
 
 from autopar.schema.cluster import DeviceSpec, EfficiencyPoint
+from autopar.schema.software import ATTENTION_KERNELS, AttentionKernel
 
 MATRIX_OPS = frozenset({"linear", "mm", "addmm", "bmm", "baddbmm", "matmul",
                         "scaled_dot_product_attention", "convolution", "_convolution",
@@ -314,11 +318,13 @@ def attention_core(nodes: Iterable) -> set[str]:
 
 
 def attention_time(q_shape: tuple, k_shape: tuple, v_shape: tuple, device: DeviceSpec, dtype: str = "bf16",
-                   shard: float = 1.0, dropout_p: float = 0.0) -> tuple[float, float]:
+                   shard: float = 1.0, dropout_p: float = 0.0,
+                   kernel: AttentionKernel = "fused") -> tuple[float, float]:
     """(forward, backward) seconds of one scaled-dot-product attention with the given q/k/v shapes
-    (batch and head dims first), its batch*heads divided by `shard`.
+    (batch and head dims first), its batch*heads divided by `shard`, run by the software's
+    attention `kernel` (`SoftwareSpec.attention_kernel`).
 
-    `device.attention_kernel == "fused"` (FlashAttention): one matrix op of the QK^T and PV FLOPs at
+    `kernel == "fused"` (FlashAttention): one matrix op of the QK^T and PV FLOPs at
     the GEMM curve, backward 2.5x (it recomputes the scores). "unfused" (Megatron-LM 2021, PyTorch's
     math path): QK^T and PV as batched GEMMs (roofline on their bytes: with a head dim of 64-128 they
     are close to memory-bound), a softmax (with scale and mask fused) that reads and writes the
@@ -329,7 +335,9 @@ def attention_time(q_shape: tuple, k_shape: tuple, v_shape: tuple, device: Devic
     bh = math.prod(bq) / max(shard, 1.0)
     esz = DTYPE_SIZE.get(dtype, 4)
     qk_flops, pv_flops = 2.0 * bh * sq * sk * d, 2.0 * bh * sq * sk * dv
-    if device.attention_kernel == "fused":
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"attention kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {kernel!r}")
+    if kernel == "fused":
         nbytes = esz * bh * (sq * d + sk * d + sk * dv + sq * dv)
         flops = qk_flops + pv_flops
         rates = attention_rates(device, flops / max(bh, 1e-9), dtype)
@@ -367,7 +375,8 @@ def attention_rates(device: DeviceSpec, flops_per_head: float, dtype: str) -> Op
     return None
 
 
-def _attention_node_time(n, index: dict, device: DeviceSpec, dtype: str, shard: float) -> Optional[tuple[float, float]]:
+def _attention_node_time(n, index: dict, device: DeviceSpec, dtype: str, shard: float,
+                         kernel: AttentionKernel = "fused") -> Optional[tuple[float, float]]:
     shapes = []
     for i in n.inputs[:3]:
         src = index.get(i)
@@ -377,20 +386,22 @@ def _attention_node_time(n, index: dict, device: DeviceSpec, dtype: str, shard: 
     if len(shapes) < 3 or len(shapes[0]) < 2:
         return None
     p = n.args[4] if len(n.args) > 4 and isinstance(n.args[4], (int, float)) else n.kwargs.get("dropout_p", 0.0)
-    return attention_time(shapes[0], shapes[1], shapes[2], device, dtype, shard, float(p or 0.0))
+    return attention_time(shapes[0], shapes[1], shapes[2], device, dtype, shard, float(p or 0.0), kernel)
 
 
 def node_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
-              index: Optional[dict] = None) -> tuple[float, float]:
+              index: Optional[dict] = None, attention_kernel: AttentionKernel = "fused") -> tuple[float, float]:
     """(forward, backward) seconds of one captured op at a concrete batch with its work split
-    `shard` ways: the roofline with the GEMM curve, the measured backward rates, the fused
-    attention kernel's rates (`index`, name -> node, gives its inputs' shapes). Floating-point
+    `shard` ways: the roofline with the GEMM curve, the measured backward rates, attention as the
+    software's `attention_kernel` runs it (`attention_time`; `index`, name -> node, gives its
+    inputs' shapes). Floating-point
     bytes are rescaled to `dtype` (the capture is fp32). The analytic provider and the intra-op
     ILP both price ops with this, so their layer costs differ only in the layouts."""
     f = max(float(shard), 1.0)
     tdt = n.outputs[0].dtype if n.outputs else "float32"
     flops, nbytes = n.flops / f, n.bytes_moved * bytes_scale(tdt, dtype) / f
-    att = _attention_node_time(n, index or {}, device, dtype, f) if n.op in FUSED_ATTENTION else None
+    att = (_attention_node_time(n, index or {}, device, dtype, f, attention_kernel) if n.op in FUSED_ATTENTION
+           else None)
     if att is not None:
         fwd, bwd = att
     else:
@@ -403,10 +414,11 @@ def node_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
 
 def op_list_time(nodes: Iterable, device: DeviceSpec, dtype: str = "bf16", *,
                  recompute: Recompute | bool = "none", shard: Shard = 1.0,
-                 index: Optional[dict] = None) -> ComputeTime:
+                 index: Optional[dict] = None, attention_kernel: AttentionKernel = "fused") -> ComputeTime:
     """Training compute seconds (forward + backward + recomputation) of captured ops at a concrete
-    batch. Each op's FLOPs and bytes are divided by `shard` (a number, or a function of the op
-    node giving its sharding factor, e.g. the tensor-parallel degree for the ops it splits).
+    batch, attention run by the software's `attention_kernel`. Each op's FLOPs and bytes are
+    divided by `shard` (a number, or a function of the op node giving its sharding factor, e.g.
+    the tensor-parallel degree for the ops it splits).
     Floating-point bytes are rescaled to `dtype` (see `bytes_scale`). `index` (name -> node) lets
     attention ops find their inputs' shapes when those are not in `nodes`."""
     rec = "full" if recompute is True else ("none" if recompute is False else recompute)
@@ -421,7 +433,7 @@ def op_list_time(nodes: Iterable, device: DeviceSpec, dtype: str = "bf16", *,
         if n.flops <= 0 and n.bytes_moved <= 0:
             continue
         f = shard(n) if callable(shard) else shard
-        fwd, bwd = node_time(n, device, dtype, f, index)
+        fwd, bwd = node_time(n, device, dtype, f, index, attention_kernel)
         re = fwd if rec == "full" or n.name in core else 0.0
         out.forward_s += fwd
         out.backward_s += bwd
@@ -432,10 +444,11 @@ def op_list_time(nodes: Iterable, device: DeviceSpec, dtype: str = "bf16", *,
 
 def graph_compute_time(graph, device: DeviceSpec, dtype: str = "bf16", *,
                        recompute: Recompute | bool = "none", shard: Shard = 1.0,
-                       layers: Optional[Iterable[Optional[str]]] = None) -> ComputeTime:
+                       layers: Optional[Iterable[Optional[str]]] = None,
+                       attention_kernel: AttentionKernel = "fused") -> ComputeTime:
     """Training compute seconds of one micro-batch of a captured `OpGraph` at a concrete batch
     (`graph.at_batch(b)`), optionally only the ops of `layers` (layer FQNs; None names the ops
-    outside every layer). See `op_list_time` for `recompute` and `shard`."""
+    outside every layer). See `op_list_time` for `recompute`, `shard` and `attention_kernel`."""
     if graph.batch_size is None and any(o.is_batched for n in graph.nodes for o in n.outputs):
         raise ValueError("the graph has symbolic batch dimensions; call graph.at_batch(b) first")
     nodes = graph.calls
@@ -443,4 +456,4 @@ def graph_compute_time(graph, device: DeviceSpec, dtype: str = "bf16", *,
         keep = set(layers)
         nodes = [n for n in nodes if n.layer in keep]
     return op_list_time(nodes, device, dtype, recompute=recompute, shard=shard,
-                        index={n.name: n for n in graph.nodes})
+                        index={n.name: n for n in graph.nodes}, attention_kernel=attention_kernel)

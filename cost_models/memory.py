@@ -8,7 +8,9 @@ storage, so a tensor saved twice, or through two views, counts once):
 - matrix ops (linear, mm, bmm, matmul, addmm, baddbmm, conv): their activation inputs
   (parameters are model states, not activations);
 - fused attention (scaled_dot_product_attention): q, k, v, its output and the log-sum-exp
-  (fp32, one per query row); never the s x s scores;
+  (fp32, one per query row); never the s x s scores; software that runs attention unfused
+  (`SoftwareSpec.attention_kernel`, Megatron-LM 2021) saves q, k, v, the probabilities and,
+  with dropout, its mask and output (Korthikanti et al.'s count);
 - softmax, log-softmax, tanh, sigmoid, exp, rsqrt: their output;
 - gelu, silu, pow and other non-linear unary ops: their input;
 - layer/RMS norm: their input plus mean and rstd (fp32, one per row);
@@ -58,6 +60,7 @@ import numpy as np
 from autopar.capture.flops import VIEW_OPS, is_view
 from autopar.schema.cluster import DeviceSpec
 from autopar.schema.constraints import Schedule as ScheduleName  # the registry's names
+from autopar.schema.software import AttentionKernel
 from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, attention_core, bytes_scale
 
 Recompute = Literal["none", "selective", "full"]
@@ -199,11 +202,14 @@ def _tensor_inputs(node, by_name: dict) -> list[str]:
     return [i for i in node.inputs if i in by_name and by_name[i].kind in ("call", "input")]
 
 
-def attention_is_fused(node, device_type: Optional[str] = None) -> bool:
-    """Whether an attention node runs a fused kernel (flash / memory-efficient), not torch's
-    math path. CPU's flash kernel takes no dropout: `scaled_dot_product_attention` with
+def attention_is_fused(node, device_type: Optional[str] = None, attention_kernel: AttentionKernel = "fused") -> bool:
+    """Whether an attention node runs a fused kernel (flash / memory-efficient): not when the
+    software runs attention unfused (`attention_kernel`, `SoftwareSpec`), nor on torch's math
+    path. CPU's flash kernel takes no dropout: `scaled_dot_product_attention` with
     dropout_p > 0 runs the math path there (measured: its grad_fn is the math path's
     `UnsafeViewBackward0`, its output in standard strides); CUDA's kernels take dropout."""
+    if attention_kernel == "unfused":
+        return False
     if device_type != "cpu" or node.op != "scaled_dot_product_attention":
         return True
     p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
@@ -233,6 +239,27 @@ def _math_attention_saves(node, by_name: dict, dtype: str) -> list[tuple[str, Op
             (node.name + ":probs", 3 * probs * item)] + value
 
 
+def _unfused_attention_saves(node, by_name: dict, dtype: str) -> list[tuple[str, Optional[float]]]:
+    """Attention as unfused software runs it (Megatron-LM 2021: QK^T and PV batched GEMMs around
+    a fused scale-mask-softmax, dropout on the probabilities), what Korthikanti et al. 2022 count
+    (arXiv 2205.05198, Eq. 1): Q and K (the first GEMM's inputs), the softmax output (2 bytes per
+    score at 16-bit), with dropout its mask (1 byte per score) and its output (2 bytes per
+    score), and V; b x heads x queries x keys scores, in the training dtype."""
+    ins = _tensor_inputs(node, by_name)
+    if len(ins) < 3 or not node.outputs:
+        return [(i, None) for i in ins]
+    k = by_name[ins[1]].outputs[0]
+    out = node.outputs[0]
+    item = out.nbytes / max(out.numel, 1) * bytes_scale(out.dtype, dtype)
+    scores = math.prod(int(d) for d in out.shape[:-1]) * int(k.shape[-2])
+    p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    saves: list[tuple[str, Optional[float]]] = [(i, None) for i in ins[:3]]
+    saves.append((node.name + ":probs", scores * item))
+    if isinstance(p, (int, float)) and p > 0:
+        saves += [(node.name + ":mask", 1.0 * scores), (node.name + ":dropped", scores * item)]
+    return saves
+
+
 def requires_grad(nodes: Iterable) -> dict[str, bool]:
     """Which tensors autograd tracks: parameters, floating outputs of ops reading one or such a
     tensor, and floating inputs other than the model's own (a layer subgraph's inputs made by
@@ -251,11 +278,13 @@ def requires_grad(nodes: Iterable) -> dict[str, bool]:
 
 
 def saved_tensors(node, by_name: dict, dtype: str = "bf16", device_type: Optional[str] = None,
-                  rg: Optional[dict[str, bool]] = None) -> list[tuple[str, Optional[float]]]:
+                  rg: Optional[dict[str, bool]] = None,
+                  attention_kernel: AttentionKernel = "fused") -> list[tuple[str, Optional[float]]]:
     """What `node` saves for its backward: (tensor name, None) for a graph tensor (sized by the
     caller from its base), or (private key, bytes) for a tensor the op makes on the side (a dropout
     mask, norm statistics, attention log-sum-exp). See the module docstring for the rules;
-    `device_type` picks the attention kernel (`attention_is_fused`), `rg` (`requires_grad`)
+    `attention_kernel` (the software's, `SoftwareSpec`) and `device_type` pick the attention
+    kernel (`attention_is_fused`; unfused software saves the scores), `rg` (`requires_grad`)
     which operands of a product need a gradient."""
     op = node.op
     if is_view(node) or op in SAVE_NOTHING or op == "broadcast_tensors":
@@ -267,6 +296,8 @@ def saved_tensors(node, by_name: dict, dtype: str = "bf16", device_type: Optiona
         if op in ("addmm", "baddbmm"):
             ins = [i for i in ins if i != (node.inputs[0] if node.inputs else None)]
         return [(i, None) for i in ins]
+    if op in FUSED_ATTENTION and attention_kernel == "unfused":
+        return _unfused_attention_saves(node, by_name, dtype)
     if op in FUSED_ATTENTION and not attention_is_fused(node, device_type):
         return _math_attention_saves(node, by_name, dtype)
     if op in FUSED_ATTENTION:
@@ -318,7 +349,7 @@ CASTS = frozenset({"to", "_to_copy", "type_as"})
 
 
 def tensor_bases(nodes: list, by_name: dict, device_type: Optional[str] = None,
-                 dtype: Optional[str] = None) -> dict[str, str]:
+                 dtype: Optional[str] = None, attention_kernel: AttentionKernel = "fused") -> dict[str, str]:
     """Each tensor name -> the name of the tensor owning its storage (through views, a
     `.contiguous()` that copies nothing, `_attention_heads_back`, on `device_type`, and under
     fp32 training (`dtype`) a cast to the dtype the tensor has: `Tensor.to` returns the tensor
@@ -339,7 +370,7 @@ def tensor_bases(nodes: list, by_name: dict, device_type: Optional[str] = None,
             else:
                 base[n.name] = base.get(src, src)
         elif (n.kind == "call" and n.op == "contiguous" and n.inputs
-              and _attention_heads_back(n.inputs[0], by_name, device_type)):
+              and _attention_heads_back(n.inputs[0], by_name, device_type, attention_kernel)):
             base[n.name] = base.get(n.inputs[0], n.inputs[0])
         elif (dtype == "fp32" and n.kind == "call" and n.op in CASTS and n.inputs and n.outputs
               and n.inputs[0] in by_name and by_name[n.inputs[0]].outputs
@@ -362,7 +393,8 @@ def _swaps_1_2(node) -> bool:
     return all(isinstance(d, int) for d in dims) and {d % 4 for d in dims} == {1, 2}
 
 
-def _attention_heads_back(name: str, by_name: dict, device_type: Optional[str] = None) -> bool:
+def _attention_heads_back(name: str, by_name: dict, device_type: Optional[str] = None,
+                          attention_kernel: AttentionKernel = "fused") -> bool:
     """Whether `name` is `transpose(1, 2)` of a fused attention's output whose query was itself
     `transpose(1, 2)` of a [b, s, h, d] tensor (or an elementwise op of one, `LAYOUT_KEEPING`):
     the attention kernels write their output in that [b, s, h, d] layout (CPU's flash kernel
@@ -380,7 +412,7 @@ def _attention_heads_back(name: str, by_name: dict, device_type: Optional[str] =
            and tuple(by_name[att.inputs[0]].outputs[0].shape) == tuple(att.outputs[0].shape)):
         att = by_name[att.inputs[0]]         # a reshape to the same shape (Hugging Face's sdpa wrapper)
     if (att is None or att.kind != "call" or att.op not in FUSED_ATTENTION or not att.inputs
-            or not attention_is_fused(att, device_type)):
+            or not attention_is_fused(att, device_type, attention_kernel)):
         return False
     # the query, through the elementwise ops that keep their first operand's layout (rotary
     # embeddings: q * cos + rotate_half(q) * sin)
@@ -455,6 +487,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                       read_shard: Optional[Callable[[Any, str], Optional[tuple[float, str]]]] = None,
                       param_elems: Optional[dict[str, float]] = None,
                       given_grad: Optional[str] = None,
+                      attention_kernel: AttentionKernel = "fused",
                       ) -> ActivationMemory:
     """Activation bytes of one micro-batch of `graph` (at a concrete batch, `graph.at_batch(b)`),
     optionally restricted to `layers` (FQNs; None names the ops outside every layer), with
@@ -474,7 +507,8 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     its input's (a new tensor in every micro-batch: AccumulateGrad adds it in after the first,
     or it becomes `.grad`); `given_grad`: a
     tensor whose gradient comes from outside (a pipeline chunk's output: the receive buffer),
-    for `backward_over_given`."""
+    for `backward_over_given`. `attention_kernel`: the software's (`SoftwareSpec`); "unfused"
+    saves the attention scores (`saved_tensors`)."""
     rec = "full" if recompute is True else ("none" if recompute is False else recompute)
     if rec not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
@@ -486,7 +520,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         raise ValueError("the graph has symbolic batch dimensions; call graph.at_batch(b) first")
     nodes = list(graph.nodes)
     by_name = {n.name: n for n in nodes}
-    base = tensor_bases(nodes, by_name, device_type, dtype)
+    base = tensor_bases(nodes, by_name, device_type, dtype, attention_kernel)
     rg = requires_grad(nodes)
     calls = [n for n in nodes if n.kind == "call"]
     core = attention_core(calls) if rec == "selective" and selective_region == "core" else set()
@@ -561,7 +595,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     # what every op saves: key -> (bytes, layer of its first saver, saver's region)
     saves: list[tuple[str, float, Any]] = []     # (key, bytes, saver node)
     for n in calls:
-        for name, extra in saved_tensors(n, by_name, dtype, device_type, rg):
+        for name, extra in saved_tensors(n, by_name, dtype, device_type, rg, attention_kernel):
             if extra is None:
                 key = base.get(name, name)
                 if key not in by_name or by_name[key].kind not in ("call", "input"):

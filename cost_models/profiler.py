@@ -555,8 +555,6 @@ def _build_spec(res: dict[str, list], n: int, cuda: bool, threads: int, elapsed:
                         f"elements, FLOPs per element as the capture counts them",
             "kernel_overhead_s": f"{how}: per op of a 64-op chain on a one-element tensor, forward with "
                                  f"autograd plus backward, over both passes",
-            "attention_kernel": "fused: torch's scaled_dot_product_attention runs a fused (flash) kernel "
-                                "on CUDA and on CPU",
             **extra_sources,
         },
         **extra)

@@ -192,10 +192,15 @@ def test_optimizer_and_accumulation_are_memory_bound() -> None:
 
 
 def test_unfused_attention_costs_more_than_fused() -> None:
+    """The attention kernel is the software's choice (`SoftwareSpec.attention_kernel`), not the
+    device's: the same device prices unfused attention (stored scores) above fused."""
     q = (4, 16, 2048, 128)
     fused = attention_time(q, q, q, DEV, "bf16")
-    unfused = attention_time(q, q, q, DEV.model_copy(update={"attention_kernel": "unfused"}), "bf16")
+    assert attention_time(q, q, q, DEV, "bf16", kernel="fused") == fused        # the default: autopar run's
+    unfused = attention_time(q, q, q, DEV, "bf16", kernel="unfused")
     assert unfused[0] > fused[0] and unfused[1] > fused[1]
+    with pytest.raises(ValueError, match="attention kernel"):
+        attention_time(q, q, q, DEV, "bf16", kernel="flash3")
     assert attention_time(q, q, q, DEV, "bf16", shard=4)[0] < fused[0]
 
 
@@ -299,10 +304,9 @@ def test_gpu_profiles_keep_the_formulas(name: str) -> None:
     assert op_backward_time("gelu", 1e9, 1e9, dev) == op_time("gelu", 1e9, 1.5e9, dev)
     q = (4, 16, 2048, 128)
     flops, nbytes = 4.0 * 4 * 16 * 2048 * 2048 * 128, 2 * 4 * 4 * 16 * 2048 * 128
-    fused = dev.model_copy(update={"attention_kernel": "fused"})
-    assert attention_time(q, q, q, fused, "bf16") == (
-        op_time("scaled_dot_product_attention", flops, nbytes, fused, "bf16"),
-        op_backward_time("scaled_dot_product_attention", flops, nbytes, fused, "bf16"))
+    assert attention_time(q, q, q, dev, "bf16", kernel="fused") == (
+        op_time("scaled_dot_product_attention", flops, nbytes, dev, "bf16"),
+        op_backward_time("scaled_dot_product_attention", flops, nbytes, dev, "bf16"))
 
 
 def test_cluster_file_with_measured_costs_loads(tmp_path) -> None:

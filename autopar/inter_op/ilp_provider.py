@@ -24,6 +24,7 @@ from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost, _float_byte
 from autopar.intra_op.solution import ShardingSolution
 from autopar.schema import ClusterSpec, PlanError
 from autopar.schema.placement import is_shard, shard_dim
+from autopar.schema.software import SoftwareSpec
 from cost_models.communication import logical_mesh
 from cost_models.compute import MATRIX_OPS
 
@@ -33,12 +34,13 @@ class IlpProvider(AnalyticProvider):
 
     def __init__(self, graph: OpGraph, layers: list[Layer], cluster: ClusterSpec, dtype: str,
                  time_limit_s: float = 5.0, cache_dir: Optional[Path | str] = None,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, software: SoftwareSpec | str | None = None) -> None:
         """`cache_dir`: keep the per-layer solutions on disk there (`inter_op.ilp_cache`, a
         capture cache directory); None: solve every time. `sequence_parallel`: Megatron-SP on
         the tp axis (`solve_graph`'s option: norms, dropout and residual adds on sequence
-        slices, the residual stream crossing every layer boundary split along its tokens)."""
-        super().__init__(graph, layers, cluster, dtype)
+        slices, the residual stream crossing every layer boundary split along its tokens).
+        `software`: see `AnalyticProvider`."""
+        super().__init__(graph, layers, cluster, dtype, software)
         self.sequence_parallel = bool(sequence_parallel)
         if self.sequence_parallel:
             self.name = "ilp+sp"
@@ -124,7 +126,7 @@ class IlpProvider(AnalyticProvider):
         options = dict(time_limit_s=self.time_limit_s, interleaved_splits=interleaved, cyclic_boundary=True,
                        batch_dims=self.batch_dims, token_dims=self.token_dims, model_axes=(0,),
                        fixed_params=self._pins(layer, mb, tp), grad_inputs=self._grad_inputs(layer),
-                       sequence_parallel=self.sequence_parallel)
+                       sequence_parallel=self.sequence_parallel, attention_kernel=self.software.attention_kernel)
         key = None
         if self.cache is not None:
             key = solve_key(g, list(layer.nodes), mesh, self.dtype,
@@ -206,7 +208,9 @@ class IlpProvider(AnalyticProvider):
         sub = self._subgraph(g, layer, [g.node(n) for n in layer.nodes])
         shard = lambda node: tp if node.name in sharded else 1  # noqa: E731
         names = self.boundary_names(layer)
-        fill_activations(c, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1, **names)
+        kernel = self.software.attention_kernel
+        fill_activations(c, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
+                         attention_kernel=kernel, **names)
         # DTensor's propagation shards heads Megatron-style; the executor runs the solution
         c.dtensor_issues = list(base.issues)
         if not executor:
@@ -217,7 +221,7 @@ class IlpProvider(AnalyticProvider):
         if any(read(n, i) for n in sub.calls for i in n.inputs):
             alt = LayerCost()
             fill_activations(alt, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
-                             read_shard=read, **names)
+                             read_shard=read, attention_kernel=kernel, **names)
             c.solved_acts = _differing(alt, c)
         return c
 

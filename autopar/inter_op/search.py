@@ -21,9 +21,14 @@ What is approximated, and why (to keep a 1000-GPU search within seconds on two c
   per-stage choice among a sub-mesh's logical meshes is thereby fixed per candidate, and the
   outer loop enumerates it instead.
 - The gradient sync and the optimizer step run once per iteration after the pipeline drains:
-  they add max over stages to T* (not part of the DP objective; Megatron-LM does not overlap
-  them either). The gradient of a parameter tied between the first and last stage (GPT's
-  embedding) is all-reduced between those stages.
+  they add max over stages to T* (not part of the DP objective). Whether the sync overlaps the
+  backward is the software's choice (`SoftwareSpec.grad_sync_overlap`; autopar's runtime and
+  Megatron-LM 2021 do not overlap it): with overlap, a stage's gradient reduction (ZeRO 0's
+  all-reduce, ZeRO 1/2's reduce-scatter) runs during its last micro-batch's backward and only
+  what exceeds that backward is paid (`_exposed_sync`); the all-gather of ZeRO 1/2, the flat
+  buffers' copies and ZeRO-3's per-unit collectives are paid as before. The gradient of a
+  parameter tied between the first and last stage (GPT's embedding) is all-reduced between
+  those stages.
 - Interleaved 1F1B: the layers are cut into pp * v chunks minimising the largest chunk
   (`balanced_chunks`, uniform recomputation per candidate), chunk c on stage c mod pp;
   T = m * t_max + (sum_d t_d - t_max) / v (bubble (p - 1) / (v m) of the ideal for balanced
@@ -59,6 +64,7 @@ from autopar.inter_op.dp import first_feasible, stage_dp
 from autopar.inter_op.layers import Layer
 from autopar.inter_op.stage_cost import RECOMPUTES, AnalyticProvider, LayerCost, axis_link, coll_time
 from autopar.schema import ClusterSpec, Constraints, PlanError
+from autopar.schema.software import resolve_software
 from cost_models.communication import axis_collective_time
 from cost_models.compute import grad_accumulation_bytes, memory_time, optimizer_step_time
 from cost_models.memory import PRECISION_POLICIES, reduce_scatter_copies_input, runtime_phases, usable_memory
@@ -551,6 +557,26 @@ def _sync_time(cluster: ClusterSpec, dtype: str, dp: int, tp: int, zero: int, pe
     return _dp_coll(cluster, "reduce_scatter", pel * g, dp, tp)
 
 
+def _grad_reduce_time(cluster: ClusterSpec, dtype: str, dp: int, tp: int, zero: int, pel: float) -> float:
+    """The part of `_sync_time` that reduces gradients and so may run during the backward
+    (`SoftwareSpec.grad_sync_overlap`): ZeRO 0's all-reduce, ZeRO 1/2's reduce-scatter; none for
+    ZeRO 3 (its per-unit collectives are left as costed)."""
+    _, g, _ = PRECISION_POLICIES[dtype]
+    if dp == 1 or zero == 3:
+        return 0.0
+    return _dp_coll(cluster, "all_reduce" if zero == 0 else "reduce_scatter", pel * g, dp, tp)
+
+
+def _exposed_sync(sync: float, reduce: float, window: float, overlap: bool) -> float:
+    """Seconds of a stage's per-iteration sync (`sync`, of which `reduce` reduces gradients) on
+    the critical path: all of it without overlap; with it, the reduction beyond `window` (the
+    backward of the stage's last micro-batch, during which buckets of finished gradients are
+    reduced) and the rest of the sync."""
+    if not overlap:
+        return sync
+    return sync - reduce + max(0.0, reduce - window)
+
+
 def _pack_time(cluster: ClusterSpec, nbytes: float) -> float:
     """Memory traffic of the runtime's flat buffers around the sync: ZeRO 0 copies the gradients
     into one buffer, averages it in place and copies it back (6 gradient-sized accesses); ZeRO 1
@@ -580,6 +606,9 @@ class Search:
         self.sp_provider = sp_provider
         self.sp_skipped: dict[tuple[int, int], str] = {}   # (mb, tp) -> why SP cannot run there
         self.sp_only: set[tuple[int, int]] = set()         # (mb, tp) where SP dominates (`_dominates`)
+        # the software the provider costs with (`SoftwareSpec`): also whether the gradient
+        # sync overlaps the backward
+        self.software = getattr(self.provider, "software", None) or resolve_software(None)
         self.progress = progress
         self.N = cluster.num_devices
         self.L = len(layers)
@@ -743,8 +772,10 @@ class Search:
                         continue
                     for sched, v in self.schedules(pp, m):
                         # lower bound: balanced stages, the schedule's bubble, the gradient sync
-                        lb = (ideal * (1 + schedule_kind(sched).bubble_fraction(pp, m, v))
-                              + _sync_time(self.cluster, self.dtype, dp, tp, z, pel))
+                        sync = _sync_time(self.cluster, self.dtype, dp, tp, z, pel)
+                        if self.software.grad_sync_overlap:      # the part no backward can hide
+                            sync -= _grad_reduce_time(self.cluster, self.dtype, dp, tp, z, pel)
+                        lb = ideal * (1 + schedule_kind(sched).bubble_fraction(pp, m, v)) + sync
                         cands.append((lb, Candidate(dp, tp, pp, mb, m, sched, v, z, sp=sp)))
         if not getattr(self.provider, "sequence_parallel", False):
             # stages of different tp run by DTensor propagation, which has no sequence parallelism
@@ -1119,7 +1150,12 @@ class Search:
             phases.append(dataclasses.replace(fb, weights=w, gradients=float(grads[i]), activations=float(act[i]),
                                               buffers=float(buf[i])))
         top = max(phases, key=lambda ph: ph.total)
-        sync = tb.sync(pel) + sum(float(tb.iter[j] - tb.iter[k]) for k, j in chunks)
+        # the last micro-batch's backward (with its recomputation), which an overlapped
+        # gradient reduction runs beside
+        window = sum(c.bwd_s + c.bwd_comm_s + c.rc_extra_s.get(r, 0.0) for k, j in chunks for c in tb.costs[k:j])
+        sync = (_exposed_sync(tb.sync(pel), _grad_reduce_time(self.cluster, self.dtype, tb.dp, tb.tp, tb.zero, pel),
+                              window, self.software.grad_sync_overlap)
+                + sum(float(tb.iter[j] - tb.iter[k]) for k, j in chunks))
         return StageResult(chunks, r, t, comp, max(0.0, t - comp), sync, tb.opt(pel, tb.param_tensors(chunks)), pel,
                            float(top.weights), float(top.gradients), float(top.optimizer), float(top.activations),
                            float(top.buffers), top.phase, float(top.total), tp=tb.tp, tables=tb,

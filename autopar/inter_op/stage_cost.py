@@ -30,6 +30,7 @@ from autopar.capture.graph import OpGraph, OpNode
 from autopar.inter_op.layers import Layer
 from autopar.schema import ClusterSpec, LinkSpec
 from autopar.schema.placement import is_shard
+from autopar.schema.software import SoftwareSpec, resolve_software
 from cost_models.communication import collective_time
 from cost_models.compute import DTYPE_SIZE, attention_core, op_list_time
 from cost_models.memory import activation_memory, requires_grad
@@ -127,7 +128,7 @@ def autocast_device(cluster: ClusterSpec) -> str:
 
 def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | None = None, *,
                      out_name: str | None = None, in_name: str | None = None, dtensor: bool = False,
-                     read_shard=None) -> None:
+                     read_shard=None, attention_kernel: str = "fused") -> None:
     """A layer's activation memory per recomputation policy (graph liveness,
     `cost_models.memory.activation_memory` of its ops `sub`, tensors divided by `shard(node)`,
     under `device_type`'s autocast; the model's inputs left to the stage's batch buffer), its
@@ -136,13 +137,14 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
     tensor the layer hands on) and `in_name` (the one it receives), how much of each its ops
     save (`out_saved`, `in_saved`: one tensor saved on both sides of a boundary is one);
     `dtensor`: the layer runs tensor-parallel, on DTensors; `read_shard`: see
-    `cost_models.memory.activation_memory` (an executed per-op solution)."""
+    `cost_models.memory.activation_memory` (an executed per-op solution); `attention_kernel`:
+    the software's (`SoftwareSpec`: unfused attention saves its scores)."""
     params = {n.name: c.param_elems[n.fqn] for n in sub.nodes
               if n.kind == "param" and getattr(n, "fqn", None) in c.param_elems}
     for rc in RECOMPUTES:
         am = activation_memory(sub, dtype, rc, shard=shard, selective_region="module", device_type=device_type,
                                count_inputs=False, dtensor=dtensor, read_shard=read_shard, param_elems=params,
-                               given_grad=out_name)
+                               given_grad=out_name, attention_kernel=attention_kernel)
         c.act_bytes[rc] = am.saved_bytes
         # the forward's worst moment where it lies above the backward's (tensors the forward
         # makes, counted as activations like a recomputation's)
@@ -180,11 +182,15 @@ class AnalyticProvider:
 
     name = "analytic"
 
-    def __init__(self, graph: OpGraph, layers: list[Layer], cluster: ClusterSpec, dtype: str) -> None:
+    def __init__(self, graph: OpGraph, layers: list[Layer], cluster: ClusterSpec, dtype: str,
+                 software: SoftwareSpec | str | None = None) -> None:
+        """`software`: what the training software does on `cluster` (`SoftwareSpec`, a preset
+        name; None: the default, what `autopar run` executes)."""
         self.graph = graph
         self.layers = layers
         self.cluster = cluster
         self.dtype = dtype
+        self.software = resolve_software(software)
         self._cache: dict[tuple, LayerCost] = {}
         self._graphs: dict[int, OpGraph] = {}
         self._consumers = graph.consumers()
@@ -406,7 +412,8 @@ class AnalyticProvider:
             state[n.name] = out
             if sharded:
                 sharded_nodes.add(n.name)
-            ct = op_list_time([n], dev, dtype, shard=tp if sharded else 1, index=g._index)
+            ct = op_list_time([n], dev, dtype, shard=tp if sharded else 1, index=g._index,
+                              attention_kernel=self.software.attention_kernel)
             times[n.name] = (ct.forward_s, ct.backward_s, fc, bc)
             coll_f[n.name] = cf
             c.coll_bwd.update(cb)
@@ -442,5 +449,5 @@ class AnalyticProvider:
         sub = self._subgraph(g, layer, nodes)
         shard = lambda node: tp if node.name in sharded_nodes else 1  # noqa: E731
         fill_activations(c, sub, dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
-                         **self.boundary_names(layer))
+                         attention_kernel=self.software.attention_kernel, **self.boundary_names(layer))
         return c

@@ -35,7 +35,8 @@ def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optio
                 token_dims: Optional[dict[str, tuple[int, ...]]] = None,
                 model_axes: Sequence[int] = (),
                 fixed_params: Optional[dict[str, tuple[str, ...]]] = None,
-                grad_inputs: Optional[set[str]] = None, sequence_parallel: bool = False) -> ShardingSolution:
+                grad_inputs: Optional[set[str]] = None, sequence_parallel: bool = False,
+                attention_kernel: str = "fused") -> ShardingSolution:
     """Shard the ops of `graph` (at a concrete batch) over `mesh`.
 
     `nodes` restricts the problem to those call nodes (one layer, to cost a layer): tensors
@@ -60,8 +61,10 @@ def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optio
     be split there between the weight GEMMs (Megatron-SP, Korthikanti et al. 2022: norms, dropout
     and residual adds on sequence slices; a row-parallel output reduce-scattered into them, an
     all-gather before the next column-parallel GEMM), the batch still whole; the solution then
-    carries no `model_axes` (the executor reduce-scatters as solved). Raises PlanError when
-    nothing fits `memory_budget_bytes`.
+    carries no `model_axes` (the executor reduce-scatters as solved). `attention_kernel`: how
+    the software runs attention (`SoftwareSpec.attention_kernel`; "fused", what `autopar run`
+    runs, by default): its time and what it saves. Raises PlanError when nothing fits
+    `memory_budget_bytes`.
     """
     gc_was_on = gc.isenabled()
     gc.disable()     # the captured graph holds many objects; collections would dominate the build
@@ -71,7 +74,7 @@ def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optio
                               interleaved_splits=interleaved_splits, cyclic_boundary=cyclic_boundary,
                               batch_dims=batch_dims, token_dims=token_dims, model_axes=tuple(model_axes),
                               fixed_params=fixed_params, grad_inputs=grad_inputs,
-                              sequence_parallel=sequence_parallel)
+                              sequence_parallel=sequence_parallel, attention_kernel=attention_kernel)
         assign, info = prob.solve(time_limit_s=time_limit_s, backend=backend)
     finally:
         if gc_was_on:

@@ -162,7 +162,8 @@ class IntraOpProblem:
                  cyclic_boundary: bool = False, batch_dims: Optional[dict[str, tuple[int, ...]]] = None,
                  token_dims: Optional[dict[str, tuple[int, ...]]] = None,
                  model_axes: tuple[int, ...] = (), fixed_params: Optional[dict[str, tuple[str, ...]]] = None,
-                 grad_inputs: Optional[Iterable[str]] = None, sequence_parallel: bool = False) -> None:
+                 grad_inputs: Optional[Iterable[str]] = None, sequence_parallel: bool = False,
+                 attention_kernel: str = "fused") -> None:
         if graph.batch_size is None and graph.is_symbolic:
             raise ValueError("solve a graph at a concrete batch: call graph.at_batch(b) first")
         t0 = time.perf_counter()
@@ -170,6 +171,7 @@ class IntraOpProblem:
         self.mesh = mesh
         self.mesh_shape = tuple(mesh.shape)
         self.dtype = dtype
+        self.attention_kernel = attention_kernel      # the software's (`SoftwareSpec`)
         self.float_bytes = FLOAT_BYTES.get(dtype, 4)
         self.state_factor = STATE_FACTOR.get(dtype, 4.0)
         self.budget = memory_budget_bytes
@@ -303,7 +305,7 @@ class IntraOpProblem:
 
         g = self.graph
         by_name = {n.name: n for n in g.nodes}
-        base = tensor_bases(list(g.nodes), by_name)
+        base = tensor_bases(list(g.nodes), by_name, attention_kernel=self.attention_kernel)
         self.saved: set[str] = set()
         self.side_bytes: dict[str, float] = defaultdict(float)
         dt = self.dtype if self.dtype in ("bf16", "fp16", "fp32") else "fp32"
@@ -311,7 +313,7 @@ class IntraOpProblem:
             if n.kind != "call" or not n.outputs:
                 continue
             try:
-                items = saved_tensors(n, by_name, dt)
+                items = saved_tensors(n, by_name, dt, attention_kernel=self.attention_kernel)
             except Exception:  # noqa: BLE001 - an odd op: keep its inputs, conservatively
                 items = [(i, None) for i in n.inputs if i in by_name]
             for name, nbytes in items:
@@ -693,7 +695,7 @@ class IntraOpProblem:
         # the inter-op cost model's per-op prices (GEMM curve, measured backward and fused
         # attention rates, bytes at the training dtype), so the ILP and the analytic provider
         # differ only in the layouts they choose
-        f, b = node_time(n, self.mesh.device, self.dtype, st.work_div, self.graph._index)
+        f, b = node_time(n, self.mesh.device, self.dtype, st.work_div, self.graph._index, self.attention_kernel)
         if not pn.requires_grad:
             return f, 0.0
         if n.op in HEAVY_OPS and n.op not in FUSED_ATTENTION:

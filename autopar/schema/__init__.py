@@ -6,7 +6,8 @@ from autopar.schema.constraints import Constraints
 from autopar.schema.errors import PlanError
 from autopar.schema.mesh import LogicalMesh
 from autopar.schema.plan import PLAN_FORMAT_VERSION, ModelInfo, Plan, Prediction, StagePlan, StagePrediction, load_plan
+from autopar.schema.software import SoftwareSpec
 
 __all__ = ["PlanError", "DeviceSpec", "LinkSpec", "ClusterSpec", "LogicalMesh", "Constraints",
            "Plan", "StagePlan", "StagePrediction", "Prediction", "ModelInfo",
-           "PLAN_FORMAT_VERSION", "load_plan"]
+           "PLAN_FORMAT_VERSION", "load_plan", "SoftwareSpec"]

@@ -2,20 +2,28 @@
 
 Units: FLOP/s, bytes, bytes/s (per device and direction), seconds. Every bundled figure carries
 its source in `sources` (field name -> where the number comes from).
+
+Hardware only: what the software does on it (the attention kernel, overlap of communication with
+compute) is a `autopar.schema.software.SoftwareSpec`, chosen apart and recorded in the plan.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from autopar.schema.errors import PlanError
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
+
+class SoftwareInHardwareWarning(FutureWarning):
+    """A cluster file describes software (the attention kernel) in its hardware profile."""
 
 
 class _Strict(BaseModel):
@@ -92,14 +100,47 @@ class DeviceSpec(_Strict):
     optimizer_step: Optional[OptimizerCost] = Field(
         default=None, description="measured cost of one optimizer step per parameter tensor and "
         "per element; None: memory-bound bytes per parameter over memory_bandwidth")
-    attention_kernel: Literal["fused", "unfused"] = Field(
-        default="fused", description="how scaled_dot_product_attention runs: fused (FlashAttention-style, "
-                                     "scores never stored) or unfused (scores materialised, softmax "
-                                     "memory-bound, as in Megatron-LM 2021)")
     device_type: Literal["cuda", "cpu"] = Field(
         default="cuda", description="the torch device type the runtime trains on: it sets which ops "
                                     "mixed precision (torch.autocast) keeps in fp32, so what they save")
     sources: dict[str, str] = Field(default_factory=dict)
+    # a device's `attention_kernel` from a file written before software was apart from hardware
+    # (`_software_moved`); the planner takes it as the software's when none is given
+    _legacy_attention_kernel: Optional[str] = PrivateAttr(default=None)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _software_moved(cls, data: Any, handler: Any) -> "DeviceSpec":
+        """`attention_kernel` was a device field; it is a software choice now
+        (`autopar.schema.software.SoftwareSpec`). A file that still sets it loads, with a
+        warning: its value is kept aside (`legacy_attention_kernel`) for the planner to use
+        when no software is given."""
+        legacy = None
+        if isinstance(data, dict) and "attention_kernel" in data:
+            data = dict(data)
+            legacy = data.pop("attention_kernel")
+            sources = data.get("sources")
+            if isinstance(sources, dict) and "attention_kernel" in sources:
+                data["sources"] = {k: v for k, v in sources.items() if k != "attention_kernel"}
+            if legacy not in ("fused", "unfused"):
+                raise ValueError(f"attention_kernel must be fused or unfused (got {legacy!r}); it is a "
+                                 f"software choice now: remove it from the device and pass the software "
+                                 f"(autopar plan --software NAME|FILE, autopar.plan(..., software=...))")
+            warnings.warn(f"device.attention_kernel ({legacy}) describes the software, not the hardware: "
+                          f"remove it from the cluster file and choose the software instead (autopar plan "
+                          f"--software NAME|FILE, autopar.plan(..., software=...); bundled: autopar "
+                          f"(fused, the default), megatron-lm-2021 (unfused)); until then plans of this "
+                          f"cluster given no software use attention_kernel={legacy}",
+                          SoftwareInHardwareWarning, stacklevel=2)
+        obj = handler(data)
+        if legacy is not None:
+            obj._legacy_attention_kernel = legacy
+        return obj
+
+    @property
+    def legacy_attention_kernel(self) -> Optional[str]:
+        """The `attention_kernel` an old cluster file set on this device, or None."""
+        return self._legacy_attention_kernel
 
     @field_validator("peak_flops")
     @classmethod

@@ -20,8 +20,10 @@ from autopar.schema.constraints import Recompute, Schedule
 from autopar.schema.errors import PlanError
 from autopar.schema.layouts import StageLayouts
 from autopar.schema.placement import Placement  # "R", "S(d)" or "P", validated
+from autopar.schema.software import SoftwareSpec, preset_for_attention_kernel
 
-# 7: `Plan.sequence_parallel`; 4: pipeline chunks carry op_layouts (`StageLayouts.receives`);
+# 7: the software the plan assumes (`Plan.software`; the device's attention_kernel moved there)
+# and `Plan.sequence_parallel`; 4: pipeline chunks carry op_layouts (`StageLayouts.receives`);
 # 3 added op_layouts
 PLAN_FORMAT_VERSION = 7
 
@@ -182,6 +184,8 @@ class Plan(_Model):
     autopar_version: str = ""
     model: ModelInfo
     cluster: ClusterSpec
+    software: SoftwareSpec = Field(description="what the training software does on the cluster (attention "
+                                   "kernel, overlap of the gradient sync), as the predictions assume it")
     dtype: TrainingDtype = "bf16"
     global_batch_size: int = Field(ge=1)
     microbatch_size: int = Field(ge=1)
@@ -194,6 +198,35 @@ class Plan(_Model):
     stages: list[StagePlan] = Field(min_length=1)
     predicted: Prediction
     search: dict[str, float | int | str] = Field(default_factory=dict, description="search statistics")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _software_from_device(cls, data: Any) -> Any:
+        """A plan without `software` (format_version 6 and earlier, or built without one): its
+        device's `attention_kernel`, the only software choice before software was apart from
+        hardware (the gradient sync never overlapped), becomes the preset with those choices
+        (`preset_for_attention_kernel`: fused "autopar", unfused "megatron-lm-2021"), the field
+        leaves the device, and the plan is of this format_version."""
+        if not isinstance(data, dict) or "software" in data:
+            return data
+        cluster = data.get("cluster")
+        device = cluster.get("device") if isinstance(cluster, dict) else getattr(cluster, "device", None)
+        if isinstance(device, dict):
+            kernel = device.get("attention_kernel", "fused")
+            if kernel not in ("fused", "unfused"):
+                return data                 # the device's validation names the field
+            device = {k: v for k, v in device.items() if k != "attention_kernel"}
+            if isinstance(device.get("sources"), dict):
+                device["sources"] = {k: v for k, v in device["sources"].items() if k != "attention_kernel"}
+            cluster = {**cluster, "device": device}
+        else:
+            kernel = getattr(device, "legacy_attention_kernel", None) or "fused"
+        out = {**data, "software": preset_for_attention_kernel(kernel).model_dump()}
+        if cluster is not None:
+            out["cluster"] = cluster
+        if isinstance(data.get("format_version"), int):
+            out["format_version"] = max(data["format_version"], PLAN_FORMAT_VERSION)
+        return out
 
     @model_validator(mode="after")
     def _check(self) -> "Plan":
@@ -258,7 +291,8 @@ class Plan(_Model):
                 f"dp={self.dp} tp={self.tp} pp={self.pp}  schedule={self.schedule}"
                 f"{f' (v={self.virtual_stages})' if self.virtual_stages > 1 else ''}  "
                 f"global batch={self.global_batch_size}  micro-batch={self.microbatch_size} x "
-                f"{self.num_microbatches}  zero={self.zero_stage}  dtype={self.dtype}")
+                f"{self.num_microbatches}  zero={self.zero_stage}  dtype={self.dtype}\n"
+                f"{self.software.summary()}")
         cols = ["stage", "devices", "mesh", "layers", "recompute", "compute s", "comm s", "bubble s",
                 "memory", "capacity"]
         rows = []

@@ -1,0 +1,149 @@
+"""What the software does, apart from the hardware it runs on (design.md, "Hardware apart from
+software").
+
+A hardware profile (`autopar.schema.cluster`) describes devices and links. A `SoftwareSpec`
+describes choices of the training software that change what the same hardware does with the
+same plan, and that the cost model honours:
+
+- `attention_kernel`: "fused" (FlashAttention-style, what torch's scaled_dot_product_attention
+  runs: the s x s scores are never stored, the backward recomputes them) or "unfused" (QK^T and
+  PV as batched GEMMs around a softmax that reads and writes the scores, which the backward keeps:
+  Megatron-LM 2021). Time: `cost_models.compute.attention_time`; memory:
+  `cost_models.memory.saved_tensors`.
+- `grad_sync_overlap`: whether the data-parallel gradient sync of a stage runs during the backward
+  of its last micro-batch (bucketed all-reduce as PyTorch DDP or Megatron-Core's
+  --overlap-grad-reduce do it) instead of after it. Time: `autopar.inter_op.search` (the
+  per-iteration tail).
+
+Every field changes a prediction; a choice the cost model cannot honour has no field here.
+Named presets live in `software_profiles/` (YAML, each field with its source); the default,
+`autopar`, is what `autopar run` executes. A plan records the software it was made for
+(`Plan.software`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from autopar.schema.errors import PlanError
+
+AttentionKernel = Literal["fused", "unfused"]
+ATTENTION_KERNELS: tuple[str, ...] = ("fused", "unfused")
+
+# the preset that describes what `autopar run` executes: the default of `autopar.plan`
+DEFAULT_SOFTWARE = "autopar"
+
+
+class SoftwareSpec(BaseModel):
+    """The training software a plan's predictions assume (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, description="a bundled preset's name, or the file's")
+    description: str = ""
+    attention_kernel: AttentionKernel = Field(
+        default="fused", description="fused: FlashAttention-style, scores never stored (torch SDPA); "
+        "unfused: QK^T and PV batched GEMMs around a softmax over stored scores (Megatron-LM 2021)")
+    grad_sync_overlap: bool = Field(
+        default=False, description="the data-parallel gradient sync runs during the last micro-batch's "
+        "backward (bucketed, as PyTorch DDP or Megatron-Core --overlap-grad-reduce) instead of after it")
+    sources: dict[str, str] = Field(default_factory=dict, description="field name -> where it comes from")
+
+    def summary(self) -> str:
+        """One line: the name and every choice (what `autopar show` prints)."""
+        sync = "overlaps the backward" if self.grad_sync_overlap else "after the backward"
+        return f"software: {self.name} (attention {self.attention_kernel}, dp gradient sync {sync})"
+
+    @classmethod
+    def load(cls, name_or_path: str | Path) -> "SoftwareSpec":
+        """A bundled preset by name (`bundled_software()`) or a YAML/JSON file."""
+        path = _resolve(str(name_or_path))
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise PlanError(f"cannot read software file {path}: {e.strerror}") from None
+        try:
+            data = yaml.safe_load(text) if path.suffix.lower() in (".yaml", ".yml") else json.loads(text)
+        except (yaml.YAMLError, json.JSONDecodeError) as e:
+            raise PlanError(f"software file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
+                            f"{str(e).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise PlanError(f"software file {path} must hold a mapping with name, attention_kernel, "
+                            f"grad_sync_overlap")
+        data.setdefault("name", path.stem)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            from autopar.schema.cluster import validation_message
+
+            raise PlanError(f"invalid software file {path}: {validation_message(e)}") from None
+
+
+def bundled_software_dir() -> Path:
+    import software_profiles  # data package shipped beside autopar
+
+    return Path(software_profiles.__file__).parent
+
+
+def bundled_software() -> list[str]:
+    """Names of the bundled software presets."""
+    return sorted(p.stem for p in bundled_software_dir().glob("*.yaml"))
+
+
+def resolve_software(software: "SoftwareSpec | str | None") -> SoftwareSpec:
+    """A SoftwareSpec from a preset name, a file path, a spec, or None (the default preset)."""
+    if software is None:
+        return SoftwareSpec.load(DEFAULT_SOFTWARE)
+    if isinstance(software, SoftwareSpec):
+        return software
+    if isinstance(software, (str, Path)):
+        return SoftwareSpec.load(software)
+    raise PlanError(f"software must be a preset name ({', '.join(bundled_software())}), a YAML/JSON file "
+                    f"or a SoftwareSpec, got {type(software).__name__}")
+
+
+def software_for_cluster(software: "SoftwareSpec | str | None", cluster: Any) -> SoftwareSpec:
+    """The software to plan `cluster` (a ClusterSpec) with: `software` when given
+    (`resolve_software`); else the default preset, except that a cluster file written before
+    software was apart from hardware (its device still sets `attention_kernel`, warned when it
+    loaded: `DeviceSpec.legacy_attention_kernel`) keeps the attention kernel it set."""
+    if software is not None:
+        return resolve_software(software)
+    sw = resolve_software(None)
+    legacy = getattr(cluster.device, "legacy_attention_kernel", None)
+    if legacy is None or legacy == sw.attention_kernel:
+        return sw
+    return sw.model_copy(update={
+        "name": f"{sw.name}, attention {legacy}",
+        "description": f"{sw.description}; attention_kernel={legacy} from the cluster file's device "
+                       f"(deprecated there: choose the software instead)",
+        "attention_kernel": legacy,
+        "sources": {**sw.sources, "attention_kernel": "the cluster file's device.attention_kernel (deprecated)"}})
+
+
+def preset_for_attention_kernel(kernel: str) -> SoftwareSpec:
+    """The preset whose choices are those autopar assumed before software was apart from
+    hardware, when a device's `attention_kernel` was `kernel`: no overlap of the gradient sync,
+    and that kernel ("fused": `autopar`, "unfused": `megatron-lm-2021`). Migrates old plan files."""
+    return SoftwareSpec.load(DEFAULT_SOFTWARE if kernel == "fused" else "megatron-lm-2021")
+
+
+def _resolve(name: str) -> Path:
+    """A bundled preset's file by name, else the file `name` (a name is looked up first: a
+    directory called `autopar` beside the user must not shadow the default)."""
+    p = Path(name)
+    cand = bundled_software_dir() / f"{name}.yaml"
+    if p.suffix.lower() not in (".yaml", ".yml", ".json") and "/" not in name and cand.exists():
+        return cand
+    if p.is_file():
+        return p
+    if p.suffix.lower() in (".yaml", ".yml", ".json") or "/" in name:
+        raise PlanError(f"software file {name} does not exist; give a bundled preset "
+                        f"({', '.join(bundled_software())}) or a YAML/JSON path")
+    raise PlanError(f"unknown software {name!r}; bundled: {', '.join(bundled_software())} "
+                    f"(or give a YAML/JSON file path)")
