@@ -1,0 +1,190 @@
+"""Software apart from hardware (issue 14): what the training software does (attention kernel,
+overlap of the gradient sync) is a `SoftwareSpec` chosen apart from the hardware profile,
+recorded in the plan; the default is what `autopar run` executes."""
+
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+import yaml
+
+import autopar
+from autopar.schema import ClusterSpec, Constraints, Plan, PlanError, SoftwareSpec
+from autopar.schema.cluster import SoftwareInHardwareWarning, bundled_profiles_dir
+from autopar.schema.plan import PLAN_FORMAT_VERSION
+from autopar.schema.software import DEFAULT_SOFTWARE, bundled_software, resolve_software
+from cost_models.compute import graph_compute_time
+from cost_models.memory import activation_memory
+
+
+@pytest.fixture(scope="module")
+def tiny_graph():
+    from autopar.capture import capture
+    from autopar.models import build_model
+
+    b = build_model("gpt-tiny")
+    return capture(b.model, b.example_inputs).at_batch(4)
+
+
+def test_presets_are_typed_and_sourced():
+    assert {"autopar", "megatron-lm-2021"} <= set(bundled_software())
+    for name in bundled_software():
+        sw = SoftwareSpec.load(name)
+        assert sw.name == name and sw.description
+        assert set(sw.sources) == {"attention_kernel", "grad_sync_overlap"}, "every choice names its source"
+    with pytest.raises(PlanError, match="unknown software 'flash9'; bundled: autopar, megatron-lm-2021"):
+        resolve_software("flash9")
+    with pytest.raises(Exception, match="attention_kernel"):
+        SoftwareSpec(name="x", attention_kernel="flash")
+
+
+def test_the_default_is_what_autopar_run_executes():
+    """The runtime calls torch's scaled_dot_product_attention (a fused kernel on CUDA) and
+    averages gradients after the backward (`runtime/engine.py`): the default says so."""
+    import inspect
+
+    from autopar.models import gpt
+    from autopar.runtime import engine
+
+    sw = resolve_software(None)
+    assert sw.name == DEFAULT_SOFTWARE == "autopar"
+    assert sw.attention_kernel == "fused" and "scaled_dot_product_attention" in inspect.getsource(gpt)
+    assert sw.grad_sync_overlap is False and "averaged over the dp group after the backward" in " ".join(
+        engine.__doc__.split())
+    assert SoftwareSpec.load("megatron-lm-2021").attention_kernel == "unfused"
+
+
+def test_hardware_profiles_hold_no_software():
+    for f in bundled_profiles_dir().glob("*.yaml"):
+        assert "attention_kernel" not in f.read_text(), f"{f.name} describes software"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SoftwareInHardwareWarning)
+        ClusterSpec.load("dgx-a100-80g")
+    assert "attention_kernel" not in ClusterSpec.load("dgx-a100-80g").model_dump_json()
+
+
+def test_fused_and_unfused_software_cost_differently(tiny_graph):
+    """Unfused attention stores the b x heads x s x s scores for its backward and runs its GEMMs
+    and softmax apart: more memory and more time than the fused kernel on the same device."""
+    g = tiny_graph
+    dev = ClusterSpec.load("dgx-a100-80g").device
+    t = {k: graph_compute_time(g, dev, "bf16", attention_kernel=k).total_s for k in ("fused", "unfused")}
+    assert t["unfused"] > t["fused"]
+    mem = {k: activation_memory(g, "bf16", "none", device_type="cuda", attention_kernel=k).saved_bytes
+           for k in ("fused", "unfused")}
+    att = next(n for n in g.calls if n.op == "scaled_dot_product_attention")
+    b, heads, s, _ = att.outputs[0].shape
+    layers = sum(1 for n in g.calls if n.op == "scaled_dot_product_attention")
+    # each layer keeps its probabilities (2 bytes a score at bf16) instead of output and log-sum-exp
+    assert mem["unfused"] - mem["fused"] >= layers * b * heads * s * s * 2 * 0.5
+    assert mem["unfused"] > mem["fused"]
+
+
+def test_plan_records_its_software_and_round_trips(tmp_path):
+    cl = ClusterSpec.load("dgx-a100-80g")
+    cons = Constraints(dp=2, tp=2, pp=2, microbatch_size=2, recompute="none", zero_stage=0)
+    fused = autopar.plan("gpt-tiny", cl, global_batch_size=8, constraints=cons)
+    unfused = autopar.plan("gpt-tiny", cl, global_batch_size=8, constraints=cons, software="megatron-lm-2021")
+    assert fused.software.name == "autopar" and fused.software.attention_kernel == "fused"
+    assert unfused.software == SoftwareSpec.load("megatron-lm-2021")
+    assert unfused.predicted.iteration_time_s > fused.predicted.iteration_time_s
+    assert unfused.predicted.peak_memory_bytes > fused.predicted.peak_memory_bytes
+    back = Plan.from_json(unfused.to_json())
+    assert back == unfused and back.format_version == PLAN_FORMAT_VERSION
+    unfused.save(tmp_path / "p.json")
+    assert autopar.load_plan(tmp_path / "p.json").software.name == "megatron-lm-2021"
+    line = [x for x in unfused.summary().splitlines() if x.startswith("software:")]
+    assert line == ["software: megatron-lm-2021 (attention unfused, dp gradient sync after the backward)"]
+    # a SoftwareSpec of one's own is recorded as given
+    own = SoftwareSpec(name="mine", attention_kernel="unfused", grad_sync_overlap=True)
+    assert autopar.plan("gpt-tiny", cl, global_batch_size=8, constraints=cons, software=own).software == own
+
+
+def test_overlapped_gradient_sync_hides_behind_the_backward():
+    cl = ClusterSpec.load("dgx-a100-80g")
+    cons = Constraints(dp=8, tp=1, pp=1, microbatch_size=1, recompute="none", zero_stage=0)
+    base = SoftwareSpec.load("autopar")
+    after = autopar.plan("gpt-small", cl, global_batch_size=8, constraints=cons, software=base)
+    during = autopar.plan("gpt-small", cl, global_batch_size=8, constraints=cons,
+                          software=base.model_copy(update={"name": "overlap", "grad_sync_overlap": True}))
+    assert after.stages[0].predicted.communication_s > 0
+    assert during.predicted.iteration_time_s < after.predicted.iteration_time_s
+    assert during.predicted.collectives == after.predicted.collectives      # the same collectives, hidden
+
+
+def test_old_cluster_file_with_attention_kernel_loads_with_a_warning(tmp_path):
+    data = yaml.safe_load((bundled_profiles_dir() / "dgx-a100-80g.yaml").read_text())
+    data["device"]["attention_kernel"] = "unfused"
+    data["device"]["sources"]["attention_kernel"] = "the 2021 runs"
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.warns(SoftwareInHardwareWarning, match=r"device.attention_kernel \(unfused\).*--software"):
+        cl = ClusterSpec.load(path)
+    assert cl.device.legacy_attention_kernel == "unfused" and "attention_kernel" not in cl.model_dump_json()
+    cons = Constraints(dp=8, tp=1, pp=1, microbatch_size=1)
+    p = autopar.plan("gpt-tiny", cl, global_batch_size=8, constraints=cons)
+    assert p.software.attention_kernel == "unfused" and p.software.name == "autopar, attention unfused"
+    assert autopar.plan("gpt-tiny", cl, global_batch_size=8, constraints=cons,
+                        software="autopar").software.attention_kernel == "fused"      # the choice given wins
+    data["device"]["attention_kernel"] = "flash"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(PlanError, match="field 'device'.*attention_kernel must be fused or unfused.*--software"):
+        ClusterSpec.load(path)
+
+
+def test_old_plan_file_migrates_its_device_attention_kernel():
+    """A plan of format_version 6 kept the attention kernel in its device: it loads with the
+    preset of the choices it was made with, and its device holds hardware only."""
+    p = autopar.plan("gpt-tiny", "cpu", global_batch_size=8, dtype="fp32")
+    for kernel, preset in (("unfused", "megatron-lm-2021"), ("fused", "autopar")):
+        d = json.loads(p.to_json())
+        del d["software"]
+        d["format_version"] = 6
+        d["cluster"]["device"]["attention_kernel"] = kernel
+        d["cluster"]["device"]["sources"]["attention_kernel"] = "old"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", SoftwareInHardwareWarning)      # a plan migrates silently
+            old = Plan.from_json(json.dumps(d))
+        assert old.software == SoftwareSpec.load(preset) and old.format_version == PLAN_FORMAT_VERSION
+        assert "attention_kernel" not in old.cluster.model_dump_json()
+        assert old.stages == p.stages and old.predicted == p.predicted
+
+
+def test_cli_software_option(tmp_path):
+    env_run = dict(capture_output=True, text=True, timeout=300)
+    bad = subprocess.run([sys.executable, "-m", "autopar", "plan", "--model", "gpt-tiny", "--cluster", "cpu",
+                          "-b", "8", "--software", "flash9", "-q"], **env_run)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines() == [
+        "autopar: error: unknown software 'flash9'; bundled: autopar, megatron-lm-2021 (or give a YAML/JSON "
+        "file path)"]
+    own = tmp_path / "sw.yaml"
+    own.write_text(yaml.safe_dump({"attention_kernel": "unfused"}))
+    out = tmp_path / "p.json"
+    ok = subprocess.run([sys.executable, "-m", "autopar", "plan", "--model", "gpt-tiny", "--cluster", "cpu",
+                         "-b", "8", "--dtype", "fp32", "--software", str(own), "-q", "-o", str(out)], **env_run)
+    assert ok.returncode == 0, ok.stderr
+    assert "software: sw (attention unfused, dp gradient sync after the backward)" in ok.stdout
+    assert autopar.load_plan(out).software.attention_kernel == "unfused"
+    show = subprocess.run([sys.executable, "-m", "autopar", "show", str(out)], **env_run)
+    assert "software: sw (attention unfused" in show.stdout
+
+
+def test_sweep_and_compare_plan_with_the_software(monkeypatch):
+    res = autopar.sweep("gpt-tiny", ["cpu"], [1], tokens=1e6, global_batch_size=8, dtype="fp32",
+                        software="megatron-lm-2021")
+    chosen = res.points[0].plan
+    assert chosen.software.name == "megatron-lm-2021"
+    import autopar.planner as planner
+    from autopar.compare import compare_baselines
+
+    given, real = [], planner.plan
+
+    def spy(*a, **k):
+        given.append(k.get("software"))
+        return real(*a, **k)
+    monkeypatch.setattr(planner, "plan", spy)
+    compare_baselines(chosen, "gpt-tiny", chosen.cluster)
+    assert given and all(s == chosen.software for s in given)
