@@ -60,6 +60,19 @@ SOFTWARE_HELP = ("what the training software does on the cluster (attention kern
                  "published Megatron-LM runs' software) or a YAML/JSON file")
 
 
+def _software_note(p: Any, quiet: bool = False) -> None:
+    """One line on stderr when a plan's predictions assume other software than the runtime
+    executes (`autopar run` runs the default preset's choices whatever the plan says)."""
+    from autopar.schema.software import resolve_software
+
+    runs = resolve_software(None)
+    mine = p.software.model_dump(include={"attention_kernel", "grad_sync_overlap"})
+    if mine != runs.model_dump(include={"attention_kernel", "grad_sync_overlap"}):
+        _echo_err(f"autopar: note: the plan's predictions assume software {p.software.name!r} "
+                  f"({p.software.summary().split('(', 1)[1]}; the runtime executes {runs.name!r} "
+                  f"({runs.summary().split('(', 1)[1]}, so its measurements answer to other figures", quiet)
+
+
 def _software(name: Optional[str], spec: Any):
     """The SoftwareSpec for `--software` (None: the default, or an old cluster file's attention
     kernel: `software_for_cluster`); a bad name or file is a one-line error."""
@@ -268,6 +281,7 @@ def run_cmd(plan_file: str, point: Optional[str], model_ref: str, steps: int, se
     from autopar.schema.sweep import load_plan_or_point
 
     p = load_plan_or_point(plan_file, point)
+    _software_note(p, quiet)
     try:
         from autopar.runtime import run
     except ImportError as e:  # pragma: no cover - runtime always ships
@@ -299,6 +313,7 @@ def verify_cmd(plan_file: str, model_ref: str, as_json: bool, device_memory: Opt
     from autopar.schema import load_plan
 
     p = load_plan(plan_file)
+    _software_note(p, quiet)
     report = verify(p, model_ref, device_memory_bytes=device_memory * 2**30 if device_memory else None,
                     ranks=list(ranks) or None, top=top, jobs=jobs or os.cpu_count() or 1, progress=not quiet)
     _verify_out(report, as_json)

@@ -1,6 +1,7 @@
 """Cost models shared by the ILP, the DP and the plan's predictions: compute, communication and
 memory, and the profiler that measures a machine. Knows devices, links and op descriptions,
-not the planner.
+not the planner. What the software does (the attention kernel: `SoftwareSpec`) comes in as an
+argument (`attention_kernel`), never from the device profile, which describes hardware only.
 
 - `cost_models.compute`: `op_time`, `op_backward_time`, `gemm_efficiency`, `backward_factor`,
   `attention_time`, `op_list_time` / `graph_compute_time` (training time of captured ops at a

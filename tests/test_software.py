@@ -188,3 +188,14 @@ def test_sweep_and_compare_plan_with_the_software(monkeypatch):
     monkeypatch.setattr(planner, "plan", spy)
     compare_baselines(chosen, "gpt-tiny", chosen.cluster)
     assert given and all(s == chosen.software for s in given)
+
+
+def test_run_says_when_the_plan_assumes_other_software(capsys):
+    from autopar.cli import _software_note
+
+    p = autopar.plan("gpt-tiny", "cpu", global_batch_size=8, dtype="fp32", software="megatron-lm-2021")
+    _software_note(p)
+    assert capsys.readouterr().err.startswith("autopar: note: the plan's predictions assume software "
+                                              "'megatron-lm-2021' (attention unfused")
+    _software_note(p.model_copy(update={"software": resolve_software(None)}))
+    assert capsys.readouterr().err == ""

@@ -26,7 +26,9 @@ from autopar.schema.plan import (
     write_atomic,
 )
 
-SWEEP_FORMAT_VERSION = 1
+# 2: its plans record their software (plan format 7), which an autopar reading 1 would refuse
+# field by field; files of 1 load (their plans migrate, `Plan._software_from_device`)
+SWEEP_FORMAT_VERSION = 2
 SWEEP_KIND = "autopar-sweep"
 # the fields `autopar sweep --json` prints per point (the plan stays in the file)
 RECORD_FIELDS = ("cluster", "nodes", "devices", "device", "global_batch_size", "layout",
