@@ -245,33 +245,45 @@ def test_attention_output_transposed_back_is_not_a_copy():
     assert saved["meta"] == saved["cpu"]
 
 
-def _forward_held_bytes(model, inputs) -> int:
-    """Bytes of the storages a forward makes that are still alive once it returned (what
-    autograd keeps for the backward, and the loss), seen through a dispatch mode."""
+def _storage_counter(before):
+    """A dispatch mode counting the storages the ops under it make (not those in `before`,
+    data pointers) while they are alive: `.live` (pointer -> bytes) and `.peak`, the most alive
+    at once since `.peak` was last set."""
     import weakref
 
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
-    before = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), *inputs]}
-    live: dict[int, int] = {}
-
     class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.live: dict[int, int] = {}
+            self.peak = 0
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     st = t.untyped_storage()
                     key = st.data_ptr()
-                    if key not in live and key not in before and st.nbytes():
-                        live[key] = st.nbytes()
-                        weakref.finalize(st, live.pop, key, None)
+                    if key not in self.live and key not in before and st.nbytes():
+                        self.live[key] = st.nbytes()
+                        weakref.finalize(st, self.live.pop, key, None)
+            self.peak = max(self.peak, sum(self.live.values()))
             return out
 
-    with Count():
+    return Count()
+
+
+def _forward_held_bytes(model, inputs) -> int:
+    """Bytes of the storages a forward makes that are still alive once it returned (what
+    autograd keeps for the backward, and the loss), seen through a dispatch mode."""
+    count = _storage_counter({t.untyped_storage().data_ptr()
+                              for t in [*model.parameters(), *model.buffers(), *inputs]})
+    with count:
         loss = model(*inputs)
-    held = sum(live.values())
+    held = sum(count.live.values())
     del loss
     return held
 
@@ -831,13 +843,9 @@ def test_backward_gradients_by_liveness_match_torch():
     storages of a real fp32 forward and backward (parameter gradients freed once accumulated,
     as in a later micro-batch): equal but for the loss's 4-byte scalar (the rule of one output
     and one input gradient per op gave -3.4%)."""
-    import weakref
-
     import torch
     import torch.nn.functional as F
     from torch import nn
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
 
     from autopar.capture.export import capture
     from cost_models.memory import activation_memory
@@ -861,30 +869,15 @@ def test_backward_gradients_by_liveness_match_torch():
     am = activation_memory(g, "fp32", device_type="cpu", count_inputs=False, param_elems=pel)
     for p in m.parameters():
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-    before = {t.untyped_storage().data_ptr() for t in [*m.parameters(), x, y]}
-    live: dict[int, int] = {}
-    peak = [0]
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    st = t.untyped_storage()
-                    key = st.data_ptr()
-                    if key not in live and key not in before and st.nbytes():
-                        live[key] = st.nbytes()
-                        weakref.finalize(st, live.pop, key, None)
-            peak[0] = max(peak[0], sum(live.values()))
-            return out
-
-    with Count():
+    count = _storage_counter({t.untyped_storage().data_ptr() for t in [*m.parameters(), x, y]})
+    with count:
         loss = m(x, y)
-        held = sum(live.values())
-        peak[0] = 0
+        held = sum(count.live.values())
+        count.peak = 0
         loss.backward()
     assert am.saved_bytes == held
-    assert abs(am.saved_bytes + am.backward_over_bytes - peak[0]) <= 4, (am.saved_bytes, am.backward_over_bytes, peak)
+    assert abs(am.saved_bytes + am.backward_over_bytes - count.peak) <= 4, \
+        (am.saved_bytes, am.backward_over_bytes, count.peak)
 
 
 def test_moments_at_the_peak_are_compared_with_the_one_predicted():

@@ -9,15 +9,14 @@ compute) is a `autopar.schema.software.SoftwareSpec`, chosen apart and recorded 
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from autopar.schema.errors import PlanError
+from autopar.schema.files import read_mapping
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
@@ -212,18 +211,7 @@ class ClusterSpec(_Strict):
     def load(cls, name_or_path: str | Path, num_nodes: int | None = None) -> "ClusterSpec":
         """Load a bundled profile by name (see `bundled_clusters()`) or a YAML/JSON file."""
         path = _resolve_profile(str(name_or_path))
-        try:
-            text = path.read_text()
-        except OSError as e:
-            raise PlanError(f"cannot read cluster file {path}: {e.strerror}") from None
-        try:
-            data = yaml.safe_load(text) if path.suffix.lower() in (".yaml", ".yml") else json.loads(text)
-        except (yaml.YAMLError, json.JSONDecodeError) as e:
-            raise PlanError(f"cluster file {path} is not valid {'YAML' if path.suffix != '.json' else 'JSON'}: "
-                            f"{str(e).splitlines()[0]}") from None
-        if not isinstance(data, dict):
-            raise PlanError(f"cluster file {path} must hold a mapping with num_nodes, devices_per_node, "
-                            f"device, intra_node, inter_node")
+        data = read_mapping(path, "cluster", "num_nodes, devices_per_node, device, intra_node, inter_node")
         if num_nodes is not None:
             data["num_nodes"] = num_nodes
         data.setdefault("name", path.stem)

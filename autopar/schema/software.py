@@ -23,14 +23,13 @@ Named presets live in `software_profiles/` (YAML, each field with its source); t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from autopar.schema.errors import PlanError
+from autopar.schema.files import read_mapping
 
 AttentionKernel = Literal["fused", "unfused"]
 ATTENTION_KERNELS: tuple[str, ...] = ("fused", "unfused")
@@ -63,18 +62,7 @@ class SoftwareSpec(BaseModel):
     def load(cls, name_or_path: str | Path) -> "SoftwareSpec":
         """A bundled preset by name (`bundled_software()`) or a YAML/JSON file."""
         path = _resolve(str(name_or_path))
-        try:
-            text = path.read_text()
-        except OSError as e:
-            raise PlanError(f"cannot read software file {path}: {e.strerror}") from None
-        try:
-            data = yaml.safe_load(text) if path.suffix.lower() in (".yaml", ".yml") else json.loads(text)
-        except (yaml.YAMLError, json.JSONDecodeError) as e:
-            raise PlanError(f"software file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
-                            f"{str(e).splitlines()[0]}") from None
-        if not isinstance(data, dict):
-            raise PlanError(f"software file {path} must hold a mapping with name, attention_kernel, "
-                            f"grad_sync_overlap")
+        data = read_mapping(path, "software", "name, attention_kernel, grad_sync_overlap")
         data.setdefault("name", path.stem)
         try:
             return cls.model_validate(data)
