@@ -73,3 +73,21 @@ def test_an_unreadable_entry_is_solved_again_with_a_warning(tiny, tmp_path):
     assert again.solves == 1 and again.cache.hits == first.solves - 1
     assert any(issubclass(w.category, CacheWarning) and str(victim) in str(w.message) for w in got)
     json.loads(victim.read_text())       # rewritten whole
+
+
+def test_layer_costs_are_read_back_and_keyed_by_what_they_read(tiny, tmp_path):
+    """The whole layer costs (activation memory by policy included) kept beside the solutions
+    (`ilp_cache.CostCache`): a later search reads every one back, plans the same and still has
+    the layers' solutions for the plan's layouts; another software (attention kernel) or dtype
+    misses them."""
+    b, g, layers = tiny
+    first, res1 = _search(g, layers, _cpu(), tmp_path)
+    assert first.cost_cache.hits == 0 and list((tmp_path / "layer_costs").glob("*.json"))
+    again, res2 = _search(g, layers, _cpu(), tmp_path)
+    assert again.cost_cache.hits > 0 and again.solves == 0
+    assert res2.best.iteration_s == res1.best.iteration_s
+    assert [s.peak_bytes for s in res2.best.stages] == [s.peak_bytes for s in res1.best.stages]
+    assert set(again.solutions) == set(first.solutions)
+    unfused = make_provider("ilp", g, layers, _cpu(), "fp32", tmp_path, software="megatron-lm-2021")
+    Search(g, layers, _cpu(), 8, "fp32", Constraints(dp=1, tp=2, pp=1), unfused, False).run()
+    assert unfused.cost_cache.hits == 0

@@ -48,7 +48,8 @@ def solver_version() -> str:
         h = hashlib.sha256(__version__.encode())
         files = sorted((root / "intra_op").rglob("*.py")) + sorted((root.parent / "cost_models").glob("*.py"))
         files += [root / "inter_op" / "ilp_provider.py", root / "inter_op" / "stage_cost.py",
-                  root / "capture" / "graph.py", Path(__file__)]
+                  root / "inter_op" / "layers.py", root / "capture" / "graph.py", root / "schema" / "software.py",
+                  root / "schema" / "cluster.py", Path(__file__)]
         for p in files:
             if p.exists():
                 h.update(str(p.relative_to(root.parent)).encode())
@@ -57,10 +58,10 @@ def solver_version() -> str:
     return _CODE
 
 
-def solve_key(g: OpGraph, nodes: list[str], mesh: Any, dtype: str, options: dict[str, Any]) -> Optional[str]:
-    """The entry's key for solving `nodes` of `g` on `mesh` (a LogicalMesh) with `options` (the
-    other arguments of `solve_graph`, JSON-able); None when the graph holds an argument the
-    encoding does not store (that solve is not cached)."""
+def graph_digest(g: OpGraph) -> Optional[str]:
+    """A hash of everything `g` (a layer's subgraph) holds that a cost or solve reads: its ops
+    and tensors (`capture.cache.encode`) and the parameters they use; None when it holds an
+    argument the encoding does not store (what reads it is not cached)."""
     used = {p for n in g.nodes for p in (n.params or ())}
     try:
         enc = encode(replace(g, params={k: v for k, v in g.params.items() if k in used}))
@@ -68,7 +69,19 @@ def solve_key(g: OpGraph, nodes: list[str], mesh: Any, dtype: str, options: dict
         return None
     for k in ("name", "capture_method", "capture_time_s"):
         enc.pop(k, None)
-    blob = json.dumps({"format": FORMAT, "code": solver_version(), "graph": enc, "nodes": list(nodes),
+    return hashlib.sha256(json.dumps(enc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def solve_key(g: OpGraph, nodes: list[str], mesh: Any, dtype: str, options: dict[str, Any],
+              digest: Optional[str] = None) -> Optional[str]:
+    """The entry's key for solving `nodes` of `g` on `mesh` (a LogicalMesh) with `options` (the
+    other arguments of `solve_graph`, JSON-able); None when the graph holds an argument the
+    encoding does not store (that solve is not cached). `digest`: `graph_digest(g)`, when the
+    caller has it."""
+    digest = digest or graph_digest(g)
+    if digest is None:
+        return None
+    blob = json.dumps({"format": FORMAT, "code": solver_version(), "graph": digest, "nodes": list(nodes),
                        "mesh": mesh.model_dump(mode="json"), "dtype": dtype, "options": options},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
@@ -113,3 +126,56 @@ class IlpCache:
         except OSError as e:
             warnings.warn(f"autopar: could not write the intra-op solution cache {p}: {e}", CacheWarning,
                           stacklevel=3)
+
+
+COST_FORMAT = 1   # a LayerCost entry's JSON layout (`LayerCost.to_dict`); bump when it changes
+
+
+class CostCache:
+    """A layer's whole cost (`stage_cost.LayerCost`: times, collectives, placements, activation
+    memory by recomputation policy, the executor's variant) under `directory`'s `layer_costs/`,
+    keyed like the solutions (`cost_key`): a warm plan reads them instead of re-deriving the
+    activation memory of every layer, micro-batch and tp degree from the graph."""
+
+    def __init__(self, directory: Path | str) -> None:
+        self.directory = Path(directory) / "layer_costs"
+        self.hits = 0
+
+    def get(self, key: str) -> Optional[Any]:
+        from autopar.inter_op.stage_cost import LayerCost
+
+        p = self.directory / f"{key}.json"
+        try:
+            data = json.loads(p.read_text())
+            if data.get("format") != COST_FORMAT:
+                raise ValueError(f"format {data.get('format')!r}, not {COST_FORMAT}")
+            cost = LayerCost.from_dict(data["cost"])
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            warnings.warn(f"autopar: layer cost cache entry {p} unreadable ({e}); costing again",
+                          CacheWarning, stacklevel=3)
+            return None
+        self.hits += 1
+        return cost
+
+    def put(self, key: str, cost: Any) -> None:
+        p = self.directory / f"{key}.json"
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".cost-", suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"format": COST_FORMAT, "cost": cost.to_dict()}, f, separators=(",", ":"))
+            os.replace(tmp, p)
+        except OSError as e:
+            warnings.warn(f"autopar: could not write the layer cost cache {p}: {e}", CacheWarning, stacklevel=3)
+
+
+def cost_key(digest: Optional[str], what: dict[str, Any]) -> Optional[str]:
+    """A layer cost's key: its subgraph's `graph_digest` and `what` else it reads (the layer's
+    names, micro-batch, tp, the device and links, dtype, software, options), with the code."""
+    if digest is None:
+        return None
+    blob = json.dumps({"format": COST_FORMAT, "code": solver_version(), "graph": digest, **what},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from autopar.capture.graph import OpGraph
-from autopar.inter_op.ilp_cache import IlpCache, solve_key
+from autopar.inter_op.ilp_cache import CostCache, IlpCache, cost_key, graph_digest, solve_key
 from autopar.inter_op.layers import Layer
 from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost, _float_bytes, autocast_device, fill_activations
 from autopar.intra_op.solution import ShardingSolution
@@ -45,6 +45,8 @@ class IlpProvider(AnalyticProvider):
         if self.sequence_parallel:
             self.name = "ilp+sp"
         self.cache = IlpCache(cache_dir) if cache_dir is not None else None
+        self.cost_cache = CostCache(cache_dir) if cache_dir is not None else None
+        self._digests: dict[tuple[int, int], Optional[str]] = {}     # (layer index, mb) -> graph_digest
         # solve_graph: fail here, where "auto" falls back, when OR-Tools is missing
         from autopar.intra_op import batch_dims_of, solve_graph, token_dims_of  # noqa: F401
 
@@ -130,7 +132,8 @@ class IlpProvider(AnalyticProvider):
         key = None
         if self.cache is not None:
             key = solve_key(g, list(layer.nodes), mesh, self.dtype,
-                            {k: sorted(v) if isinstance(v, set) else v for k, v in options.items()})
+                            {k: sorted(v) if isinstance(v, set) else v for k, v in options.items()},
+                            digest=self._digest(layer, mb))
             hit = self.cache.get(key) if key is not None else None
             if hit is not None:
                 return hit
@@ -141,7 +144,38 @@ class IlpProvider(AnalyticProvider):
             self.cache.put(key, sol)
         return sol
 
+    def _digest(self, layer: Layer, mb: int) -> Optional[str]:
+        """`graph_digest` of the layer's subgraph at `mb` (once per layer and micro-batch)."""
+        key = (layer.index, mb)
+        if key not in self._digests:
+            self._digests[key] = graph_digest(self.graph_at(mb, layer))
+        return self._digests[key]
+
     def _analyze(self, layer: Layer, mb: int, tp: int) -> LayerCost:
+        """`_analyze_layer`, read from the layer cost cache when the caller keeps one (on a hit
+        the layer's solution is read back too: the plan's layouts need it)."""
+        key = None
+        if self.cost_cache is not None:
+            key = cost_key(self._digest(layer, mb), {
+                "what": "ilp", "layer": [layer.name, layer.index, list(layer.nodes), sorted(layer.block_nodes),
+                                         sorted(layer.params)],
+                "boundary": self.boundary_names(layer), "mb": mb, "tp": tp, "dtype": self.dtype,
+                "cluster": self.cluster.model_copy(update={"num_nodes": min(self.cluster.num_nodes, 2)})
+                .model_dump(mode="json"),
+                "software": self.software.model_dump(mode="json"), "sp": self.sequence_parallel,
+                "time_limit_s": self.time_limit_s, "pins": self._pins(layer, mb, tp) if tp > 1 else {},
+                "grad_inputs": sorted(self._grad_inputs(layer))})
+            hit = self.cost_cache.get(key) if key is not None else None
+            if hit is not None:
+                if tp > 1 and not any("intra-op ILP" in i for i in hit.issues):
+                    self.solutions[(layer.signature, mb, tp)] = (self._solve(layer, mb, tp, interleaved=True), layer)
+                return hit
+        c = self._analyze_layer(layer, mb, tp)
+        if key is not None:
+            self.cost_cache.put(key, c)
+        return c
+
+    def _analyze_layer(self, layer: Layer, mb: int, tp: int) -> LayerCost:
         """Two runtimes execute a tp layer: the executor, op by op as solved, which can hold a
         fused projection's weight rows chunk-interleaved (Megatron's QKV layout: each rank's
         shard holds its heads of q, k and v, so the split into q, k, v blocks needs no gather);

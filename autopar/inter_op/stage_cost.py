@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional
 
 from autopar.capture.graph import OpGraph, OpNode
@@ -100,6 +100,33 @@ class LayerCost:
     # the whole cost as the executor runs the layer, where its solution differs from the one
     # DTensor propagation can run (a fused weight held chunk-interleaved: `ilp_provider`)
     solved: Optional["LayerCost"] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able: every field (`solved` nested), Counters as dicts."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "solved":
+                v = v.to_dict() if v is not None else None
+            elif isinstance(v, Counter):
+                v = dict(v)
+            out[f.name] = v
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "LayerCost":
+        """The inverse of `to_dict`."""
+        kw: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in data:
+                raise KeyError(f.name)
+            v = data[f.name]
+            if f.name == "solved":
+                v = cls.from_dict(v) if v is not None else None
+            elif f.name.startswith("coll_"):
+                v = Counter(v)
+            kw[f.name] = v
+        return cls(**kw)
 
     def solved_variant(self) -> "LayerCost":
         """This cost as the executor runs the layer (itself when nothing differs)."""
