@@ -95,12 +95,17 @@ def test_verify_uneven_zero3_shards_are_kinds(tmp_path):
     assert r.collectives_match is True
 
 
-def test_verify_matches_a_real_run(tmp_path):
+@pytest.mark.parametrize("sp", [False, True])
+def test_verify_matches_a_real_run(tmp_path, sp):
     """The tracked peak on fake tensors and a fake process group equals `autopar run`'s on real
-    ones (gloo, 4 processes), rank by rank, but for the few bytes of the mesh tensors."""
+    ones (gloo, 4 processes), rank by rank, but for the few bytes of the mesh tensors; with
+    sequence parallelism too (a pipeline boundary split along its tokens, the norms' partial
+    gradients all-reduced in every backward)."""
     cluster = autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": 4})
     p = autopar.plan("gpt-tiny", cluster, global_batch_size=32,
-                     constraints=autopar.Constraints(dp=1, tp=2, pp=2, num_microbatches=2, schedule="1f1b"))
+                     constraints=autopar.Constraints(dp=1, tp=2, pp=2, num_microbatches=2, schedule="1f1b",
+                                                     sequence_parallel=sp))
+    assert p.sequence_parallel == sp
     path = tmp_path / "plan.json"
     p.save(path)
     rows = autopar.runtime.run(path, "gpt-tiny", steps=2, quiet=True)

@@ -370,6 +370,7 @@ def _examples(ch: ProgramChunk, values: dict, example_inputs: Sequence[Any], mes
     of the run, requires_grad saying whether a gradient comes back: each boundary tensor of
     the fake run divided by its layout. The first chunk receives the first model input; the
     last sends its loss."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     def local(node: torch.fx.Node, layouts: dict[str, tuple[str, ...]]) -> torch.Tensor:
@@ -377,7 +378,10 @@ def _examples(ch: ProgramChunk, values: dict, example_inputs: Sequence[Any], mes
         shape = tuple(v.shape)
         spec = layouts.get(ch.names.get(node, node.name))
         if spec is not None:
-            shape, _ = compute_local_shape_and_global_offset(shape, mesh, to_placements(spec, len(shape)))
+            # real tensors for its offsets even under a fake mode (`autopar verify`), which has
+            # no values to read them from (a boundary split along its tokens: sequence parallelism)
+            with unset_fake_temporarily():
+                shape, _ = compute_local_shape_and_global_offset(shape, mesh, to_placements(spec, len(shape)))
         return torch.empty(shape, dtype=v.dtype, device="meta").requires_grad_(v.requires_grad)
 
     if ch.index == 0:

@@ -88,13 +88,16 @@ def _phase_wrappers(pm: Any, counter: PhasedCounter) -> Callable[[], None]:
 
 
 def _tp_predicted(plan: Plan, kind: RankKind) -> Optional[dict[str, int]]:
-    """The solved layouts' forward/backward collectives of the rank's chunks over one step."""
+    """The solved layouts' forward/backward collectives of the rank's chunks over one step: every
+    micro-batch's forward, backward and recomputation, and the moves of parameter gradients to
+    their layouts, which the executor makes in every backward (the norms' partial gradients of
+    sequence parallelism; the planner counts them the same way, `planner.assemble`)."""
     stages = [s for s in plan.stages if s.index in kind.stages]
     if not stages or any(s.op_layouts is None for s in stages):
         return None
     total: Counter = Counter()
     for s in stages:
-        for phase in ("forward", "backward", "recompute"):
+        for phase in ("forward", "backward", "grad_sync", "recompute"):
             for k, v in s.op_layouts.collectives.get(phase, {}).items():
                 total[k] += v * plan.num_microbatches
     return dict(sorted((k, v) for k, v in total.items() if v))
