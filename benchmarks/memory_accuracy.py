@@ -342,6 +342,15 @@ def print_markdown(recs: list[dict], skipped: list[dict]) -> None:
               f"{'; '.join(rec['category_misses'][:2]) or 'yes'} | {'; '.join(rec['phase_misses'][:2]) or 'yes'} |")
     for s in skipped:
         print(f"| {s['name']} | no plan: {s['reason'][:80]} | | miss | | |")
+    ok = [r for r in recs if r.get("max_abs_error") is not None]
+    total = len(recs) + len(skipped)
+    errs = sorted(r["max_abs_error"] for r in ok)
+    if errs:
+        print(f"\n{total} combinations; worst rank's |error| median {100 * errs[len(errs) // 2]:.1f}%, max "
+              f"{100 * errs[-1]:.1f}%; **{sum(e <= 0.05 for e in errs)} within 5%** (a plan that failed to run "
+              f"or did not plan counts as a miss); every category within 5% or 2 KiB at the peak: "
+              f"{sum(not r['category_misses'] for r in ok)}; at each phase's peak: "
+              f"{sum(not r['phase_misses'] for r in ok)}.")
 
 
 def print_table(recs: list[dict], skipped: list[dict]) -> None:
