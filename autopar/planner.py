@@ -384,9 +384,17 @@ def _op_layouts(graph: OpGraph, c: Candidate, layers: list[Layer], chunks: list,
     if solutions is None:
         return {}, "runs by DTensor propagation: the analytic provider solves no per-op layouts"
     if not op_by_op(c):
-        what = ("ZeRO-3 is" if c.zero == 3 and c.dp > 1
+        what = ("ZeRO-3 in a pipeline is" if c.zero == 3 and c.dp > 1
                 else "stages of different tensor-parallel degrees (Alpa's sub-mesh choice) are")
         return {}, f"runs by DTensor propagation: {what} not executed op by op yet"
+    if c.zero == 3 and c.dp > 1:
+        # each FSDP unit's ops run as one call (`runtime.zero.ZeroSharding._shard_solved`)
+        for _, _, _, (k, j) in chunks:
+            units, _ = zero3_units(graph, _stage_modules(layers, k, j), len(chunks) > 1,
+                                   {f for lay in layers[k:j] for f in lay.params})
+            why = _interleaved_units(graph, units)
+            if why:
+                return {}, f"runs by DTensor propagation: {why}"
     out: dict[int, StageLayouts] = {}
     earlier: dict[str, tuple[str, ...]] = {}
     for pos, (_, d, _, (k, j)) in enumerate(chunks):
@@ -527,6 +535,22 @@ def zero3_units(graph: OpGraph, modules: list[str], pipelined: bool,
              and not any(under(a, mod) for f in outside for a in [f, *graph.params[f].tied])]
     root = any(not any(all(under(n, u) for n in ns) for u in units) for ns in params)
     return units, root
+
+
+def _interleaved_units(graph: OpGraph, units: list[str]) -> str:
+    """Why ZeRO-3 `units` cannot each run as one contiguous run of the captured ops (the
+    executor's FSDP calls, `intra_op.execute.ShardedProgram.run_units`), or ""."""
+    under = lambda n, mod: n == mod or n.startswith(mod + ".")  # noqa: E731
+    spans = []
+    for u in units:
+        at = [i for i, n in enumerate(graph.calls) if under(n.module_path or "", u)]
+        if at:
+            spans.append((at[0], at[-1], u))
+    spans.sort()
+    for (_, hi, a), (lo, _, b) in zip(spans, spans[1:]):
+        if lo <= hi:
+            return f"the ops of ZeRO-3 units {a} and {b} interleave in the captured program"
+    return ""
 
 
 def _read_outside(graph: OpGraph, f: str) -> bool:

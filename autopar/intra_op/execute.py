@@ -472,6 +472,10 @@ class ShardedProgram(nn.Module):
                     move_not_cast(n)
         self.mutates = _mutates(self.gm)
         self.local_ops: dict[torch.fx.Node, bool] = {}     # `_PlanInterpreter.runs_local`, per node
+        # modules whose ops run as one call each (`run_units`: ZeRO-3's FSDP units)
+        self.unit_spans: dict[torch.fx.Node, tuple[str, list[torch.fx.Node]]] = {}
+        self.in_unit: set[torch.fx.Node] = set()
+        self.unit_calls: dict[str, Any] = {}
         self._distribute_parameters()
 
     # -- setup ---------------------------------------------------------------------------
@@ -487,6 +491,10 @@ class ShardedProgram(nn.Module):
 
         self.param_nodes = {s.arg.name for s in self.program.graph_signature.input_specs
                             if s.kind == InputKind.PARAMETER}
+        targets = {s.arg.name: s.target for s in self.program.graph_signature.input_specs
+                   if s.kind == InputKind.PARAMETER}
+        self.param_targets = {n: targets[n.name] for n in self.gm.graph.nodes
+                              if n.op == "placeholder" and n.name in targets}
 
     def _recompute_spans(self, regions: Sequence[Sequence[str]]) -> None:
         """For each region (op names of the capture), the run of top-level program nodes from its
@@ -519,6 +527,50 @@ class ShardedProgram(nn.Module):
                 raise PlanError(f"recomputed regions overlap at {span[0].name}")
             self.spans[span[0]] = span
             self.in_span.update(span[1:])
+
+    def run_units(self, calls: dict[str, Any]) -> None:
+        """Run the ops of each module `fqn` of the model (its nodes in the program, from the first
+        to the last, a contiguous run) as one call `calls[fqn](region, *inputs)`, which must
+        return `region(*inputs)`: `inputs` are the tensors the run reads from before it, the
+        parameters it reads are looked up on the model inside `region` (at the call's time),
+        and what it returns is what later ops read. ZeRO-3 passes FSDP2 forward methods of
+        the module (`register_fsdp_forward_method`), so each FSDP unit is gathered for its
+        ops, freed after them, gathered again for their backward and its gradients
+        reduce-scattered after it, as FSDP does for a module's forward (the runtime's
+        `zero.ZeroSharding._shard_solved`). A parameter of such a module read by an op outside
+        its run, or runs of two modules that interleave, are refused (the planner's units
+        avoid both: `planner.zero3_units`)."""
+        nodes = list(self.gm.graph.nodes)
+        order = {n: i for i, n in enumerate(nodes)}
+        spans = []
+        for fqn in calls:
+            mine = [n for n in nodes if n.op == "call_function" and _in_module(n, self.gm, fqn)]
+            if not mine:
+                raise PlanError(f"the model's program runs no op of module {fqn} (a ZeRO-3 unit of the plan)")
+            lo, hi = order[mine[0]], order[mine[-1]]
+            while hi + 1 < len(nodes) and nodes[hi + 1].target is operator.getitem and nodes[hi + 1].args[0] in mine:
+                hi += 1
+            spans.append((lo, hi, fqn))
+        spans.sort()
+        for (_, hi, a), (lo2, _, b) in zip(spans, spans[1:]):
+            if lo2 <= hi:
+                raise PlanError(f"the ops of modules {a} and {b} (ZeRO-3 units of the plan) interleave in "
+                                f"the model's program; each unit's ops must run as one contiguous run")
+        for lo, hi, fqn in spans:
+            span = nodes[lo:hi + 1]
+            inside = set(span)
+            for ph, target in self.param_targets.items():
+                if _under(target.removeprefix("model."), fqn) and any(u not in inside for u in ph.users):
+                    raise PlanError(f"parameter {target.removeprefix('model.')} of ZeRO-3 unit {fqn} is read "
+                                    f"by an op outside the unit's ops")
+            for first, rspan in self.spans.items():
+                rs = set(rspan)
+                if rs & inside and not rs <= inside:
+                    raise PlanError(f"a recomputed region starting at {first.name} crosses the ops of ZeRO-3 "
+                                    f"unit {fqn}")
+            self.unit_spans[span[0]] = (fqn, span)
+            self.in_unit.update(span[1:])
+        self.unit_calls = dict(calls)
 
     def _distribute_parameters(self) -> None:
         """Every parameter becomes a DTensor with its planned placements (Replicate when the
@@ -612,6 +664,27 @@ class ShardedProgram(nn.Module):
         return deinterleave(t.detach(), *lay) if lay else t.detach()
 
 
+def _under(name: str, module: str) -> bool:
+    return name == module or name.startswith(module + ".")
+
+
+def _in_module(n: torch.fx.Node, gm: torch.fx.GraphModule, fqn: str) -> bool:
+    """Whether top-level node `n` of the program runs inside module `fqn` of the model (the
+    `_WithLoss` wrapper's `model`): its module stack, or that of an op of the subgraph it wraps,
+    names the module."""
+    def names(m: torch.fx.Node) -> bool:
+        stack = m.meta.get("nn_module_stack") or {}
+        return any(_under(str(v[0] if isinstance(v, tuple) else v), "model." + fqn) for v in stack.values())
+
+    if names(n):
+        return True
+    i = _subgraph_index(n, gm)
+    if i is not None:
+        sub = getattr(gm, str(n.args[i].target))
+        return any(names(m) for m in sub.graph.nodes if m.op == "call_function")
+    return False
+
+
 def _program_calls(gm: torch.fx.GraphModule, prefix: str = "") -> dict[str, torch.fx.Node]:
     """The call nodes of a program by their OpGraph names, wrapped subgraphs inlined as the
     capture inlines them ("<wrapper>__<node>")."""
@@ -663,6 +736,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
         self.regather = parent.regather if parent else _Regather()
         self.alias_outputs: dict[torch.fx.Node, list[str]] = {}   # wrapper -> its outputs' names
         self.node_name = ""
+        self.in_unit = False                # inside a unit's run (`_run_unit`)
 
     def run_span(self, nodes: Sequence[torch.fx.Node], env: dict, keep: set) -> Any:
         """Run `nodes` (a contiguous run of the program, a pipeline chunk) from `env` (the
@@ -718,6 +792,12 @@ class _PlanInterpreter(torch.fx.Interpreter):
         return out
 
     def _run_node(self, n: torch.fx.Node) -> Any:
+        if self.prefix == "" and self.prog.unit_spans and not self.in_unit:
+            unit = self.prog.unit_spans.get(n)
+            if unit is not None:
+                return self._run_unit(n, *unit)
+            if n in self.prog.in_unit:
+                return None                 # ran with its unit; what others read is in env
         if self.prefix == "" and self.prog.spans:
             span = self.prog.spans.get(n)
             if span is not None:
@@ -725,6 +805,56 @@ class _PlanInterpreter(torch.fx.Interpreter):
             if n in self.prog.in_span:
                 return None                 # ran with its span; what others read is in env
         return self._run_one(n)
+
+    def _run_unit(self, first: torch.fx.Node, fqn: str, span: list[torch.fx.Node]) -> Any:
+        """A module's run of ops (`ShardedProgram.run_units`) as one call of its unit's
+        callable: the tensors it reads from before it are the call's inputs, its parameters are
+        read from the model inside the call (FSDP's unsharded ones there), a recomputed region
+        inside it runs as one (`_run_recomputed`). Values are dropped after their last reader,
+        inside the run as outside."""
+        inside = set(span)
+        ext: list[torch.fx.Node] = []
+        for m in span:
+            for a in m.all_input_nodes:
+                if a not in inside and a not in ext:
+                    ext.append(a)
+        params = [a for a in ext if a in self.prog.param_targets]
+        reads = [a for a in ext if a not in self.prog.param_targets]
+        outs = [m for m in span if any(u not in inside for u in m.users)]
+        keep = set(outs)
+        wrapped = self.prog._wrapped[0]
+
+        def region(*vals: Any) -> tuple:
+            outer_env = self.env
+            self.env = dict(zip(reads, vals))
+            for a in params:
+                self.env[a] = wrapped.get_parameter(self.prog.param_targets[a])
+            self.in_unit = True
+            try:
+                for m in span:
+                    if m in self.env:
+                        continue
+                    self.env[m] = self.run_node(m)
+                    for v in self.user_to_last_uses.get(m, ()):
+                        if v not in keep:
+                            self.env.pop(v, None)
+                return tuple(self.env[o] for o in outs)
+            finally:
+                self.env = outer_env
+                self.in_unit = False
+
+        res = self.prog.unit_calls[fqn](region, *[self.env[a] for a in reads])
+        for o, v in zip(outs, res):
+            if o is not first:
+                self.env[o] = v
+        # what is read last by an op of the run that others read (set above, so the outer run
+        # skips it, and with it the release of what it read last) goes now
+        for o in outs:
+            if o is not first:
+                for v in self.user_to_last_uses.get(o, ()):
+                    if v not in inside:
+                        self.env.pop(v, None)
+        return res[outs.index(first)] if first in outs else None
 
     def _run_recomputed(self, first: torch.fx.Node, span: list[torch.fx.Node]) -> Any:
         """A recomputed region's ops (`span`, in program order) under torch's non-reentrant

@@ -198,7 +198,9 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         program (torch.export, with its loss: the capture the planner solved, so op names match)
         interpreted over DTensors on the tp sub-mesh, each op's inputs redistributed to the
         layouts its strategy reads (`autopar.intra_op.execute`). Data parallelism and ZeRO-1/2
-        stay this engine's (flat gradient sync over the dp sub-mesh of the local shards)."""
+        stay this engine's (flat gradient sync over the dp sub-mesh of the local shards);
+        ZeRO-3 is FSDP2 over the dp sub-mesh on the executor's tp DTensors, each unit's ops one
+        FSDP forward call (`zero.ZeroSharding._shard_solved`)."""
         from autopar.intra_op.execute import parallelize_graph
 
         model = self.model
@@ -208,6 +210,8 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         self.runner = parallelize_graph(model, example, sol, self.my_mesh.tp_mesh, param_dtype=self.low,
                                         recompute=s.op_layouts.recompute_regions())
         self._note_interleaved(self.runner.layouts)
+        if self.zero3:
+            self._shard_solved(self.runner, s.fsdp_units or [])
         self.local_modules = [model]
         self.pipe_stages = []
         self.schedule = None

@@ -16,13 +16,19 @@ from autopar.runtime.validate import get_submodule
 
 
 def _quiet_view_output_warning() -> None:
-    """Silence FSDP's warning that an `SPMDModule` root returns a view: its plain output (the
-    local tensor of a replicated DTensor) is only sent on or fed to the loss by torch.pipelining,
-    never modified in place, which is what the warning is about."""
+    """Silence FSDP's warning that an `SPMDModule` or `ShardedProgram` root returns a view: its
+    plain output (the local tensor of a replicated DTensor: the loss, or what torch.pipelining
+    sends on or feeds to the loss) is never modified in place, which is what the warning is
+    about."""
     import warnings
 
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPSPMDModule\) returned a view",
-                            category=UserWarning)
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP(SPMDModule|ShardedProgram)\) "
+                            r"returned a view", category=UserWarning)
+
+
+def _run_region(module: nn.Module, region, *inputs):
+    """A unit's run of ops as a method of its module (FSDP's forward hooks run around it)."""
+    return region(*inputs)
 
 
 class ZeroSharding:
@@ -45,10 +51,35 @@ class ZeroSharding:
         for fqn in units:
             fully_shard(get_submodule(model, fqn), mesh=mesh, **mp)
         root = model if root is None else root
-        if isinstance(root, SPMDModule):
+        if isinstance(root, SPMDModule) or type(root).__name__ == "ShardedProgram":
             _quiet_view_output_warning()
         fully_shard(root, mesh=mesh, **mp)
         self._fsdp_root = root
+
+    def _shard_solved(self, prog: nn.Module, units: Sequence[str]) -> None:
+        """ZeRO-3 of a stage run op by op as solved (`intra_op.execute.ShardedProgram` `prog`):
+        the plan's units and the program as the root `fully_shard`ed on the dp sub-mesh over
+        the executor's tp DTensors (2-D parameters, as torchtitan composes FSDP2 with tp), and
+        each unit's ops run as one call of an FSDP forward method of its module
+        (`register_fsdp_forward_method`; `ShardedProgram.run_units`). The program does not call
+        the modules' forwards, so their FSDP hooks would not fire; through that method FSDP does
+        what it does around a module's forward: the unit is gathered before its ops and freed
+        after them (the root's parameters stay gathered through the forward), gathered again
+        when the gradients reach its outputs, and its gradients reduce-scattered once they
+        have all been accumulated (on the last micro-batch: `set_requires_gradient_sync`). So
+        the collectives are the module path's (`planner._zero3_counts`) and the memory FSDP's."""
+        import types
+
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        self._fully_shard(prog.model, units, root=prog)
+        calls = {}
+        for fqn in units:
+            mod = get_submodule(prog.model, fqn)
+            mod._autopar_ops = types.MethodType(_run_region, mod)
+            register_fsdp_forward_method(mod, "_autopar_ops")
+            calls[fqn] = mod._autopar_ops
+        prog.run_units(calls)
 
     def _zero12_setup(self) -> None:
         D = self.dp_size
