@@ -160,8 +160,11 @@ def _model_order(pm, state: dict, for_load: bool) -> tuple[dict, list]:
     fused QKV weight in Megatron's layout) and their optimizer state in the model's own row
     order, contiguously sharded (`runtime.interleaved`), so the keys mean the same in every
     layout. For a save, the reordered copies; for a load, empty ones to load into and the
-    (live tensor, copy, dim, chunks) to move back after (`_back_in_place`)."""
-    from torch.distributed.tensor import DTensor, Shard
+    (live tensor, copy, dim, chunks) to move back after (`_back_in_place`). Under ZeRO-3 the
+    live tensor is FSDP's 2-D DTensor (its tp shard split again over dp): the copy is laid out
+    (Replicate, Shard(dim)) on that mesh, each rank's tp shard gathered over dp for the
+    exchange (one tensor at a time on a save)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     from autopar.runtime.interleaved import to_canonical
 
@@ -176,9 +179,13 @@ def _model_order(pm, state: dict, for_load: bool) -> tuple[dict, list]:
             continue
         dim, chunks = lays[fqn]
         mesh = v.device_mesh
-        local = (torch.empty_like(v.to_local()) if for_load
-                 else to_canonical(v.to_local(), dim, chunks, pm.tp_group))
-        out[key] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=v.shape, stride=v.stride())
+        placements = [Replicate()] * (mesh.ndim - 1) + [Shard(dim)]      # FSDP's dp axis first
+        tp_local = (v.redistribute(mesh, [Replicate()] * (mesh.ndim - 1) + [v.placements[-1]]).to_local()
+                    if mesh.ndim > 1 else v.to_local())
+        local = (torch.empty_like(tp_local) if for_load
+                 else to_canonical(tp_local, dim, chunks, pm.tp_group))
+        del tp_local
+        out[key] = DTensor.from_local(local, mesh, placements, run_check=False, shape=v.shape, stride=v.stride())
         fixups.append((v, out[key], dim, chunks))
     return out, fixups
 
@@ -188,7 +195,14 @@ def _back_in_place(pm, fixups: list) -> None:
     from autopar.runtime.interleaved import from_canonical
 
     for live, copy, dim, chunks in fixups:
-        live.to_local().copy_(from_canonical(copy.to_local(), dim, chunks, pm.tp_group))
+        tp_local = from_canonical(copy.to_local(), dim, chunks, pm.tp_group)
+        if live.device_mesh.ndim > 1:
+            # FSDP's shard of this tp shard: its dim-0 chunk of the dp coordinate
+            dp = live.device_mesh.size(0)
+            pieces = torch.chunk(tp_local, dp, dim=0)
+            k = live.device_mesh.get_local_rank(0)
+            tp_local = pieces[k] if k < len(pieces) else tp_local[:0]
+        live.to_local().copy_(tp_local)
 
 
 def save(pm, ckpt_dir: str | Path) -> Path:
