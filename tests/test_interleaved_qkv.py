@@ -58,8 +58,8 @@ def test_the_projection_behind_a_split_is_found_through_reshapes():
 def test_a_tp_plan_holds_the_fused_qkv_interleaved_and_gathers_nothing():
     """nanoGPT at tp 2: every block's c_attn weight and bias interleaved in 3 chunks, and the
     plan's collectives are the Megatron ones (all-reduces only, no all-gather of the qkv
-    output). Under ZeRO-3 (run by DTensor propagation, which shards weights contiguously) the
-    plan carries no layouts and is costed with the contiguous solution."""
+    output). Under ZeRO-3 too (dp 2 x tp 2, run as solved: FSDP shards the interleaved tp shard
+    again over dp), its only all-gathers FSDP's, one per unit and pass."""
     p = plan(NANOGPT, _cpu(2), global_batch_size=8, dtype="fp32",
              constraints=autopar.Constraints(dp=1, tp=2, pp=1))
     lay = p.stages[0].op_layouts
@@ -69,7 +69,11 @@ def test_a_tp_plan_holds_the_fused_qkv_interleaved_and_gathers_nothing():
     assert "all_gather" not in p.predicted.collectives, p.predicted.collectives
     z3 = plan(NANOGPT, _cpu(4), global_batch_size=8, dtype="fp32",
               constraints=autopar.Constraints(dp=2, tp=2, pp=1, zero_stage=3))
-    assert z3.stages[0].op_layouts is None
+    from autopar.planner import _zero3_counts
+
+    st = z3.stages[0]
+    assert st.op_layouts.param_layouts == lay.param_layouts
+    assert z3.predicted.collectives["all_gather"] == _zero3_counts(st.fsdp_units, True, 1, False)["all_gather"]
 
 
 def _exchange(rank: int, n: int, port: int) -> None:
@@ -128,6 +132,45 @@ def test_a_checkpoint_of_interleaved_weights_resumes_in_another_layout(tmp_path:
     c.mkdir()
     shutil.copytree(b / "step_00000003", c / "step_00000003")
     rc = run(plans["tp"], NANOGPT, steps=steps, checkpoint_dir=str(c), quiet=True)
+    assert [r["step"] for r in rc if "step" in r] == [3]
+
+    def final(d: Path) -> dict:
+        out = d / "final.pt"
+        dcp_to_torch_save(str(d / f"step_{steps:08d}"), str(out))
+        return torch.load(out, weights_only=False)
+
+    fa, fb, fc = final(a), final(b), final(c)
+    keys = [k for k in fa if k.startswith("model.")]
+    assert "model.h.0.attn.c_attn.weight" in keys
+    for k in keys:
+        assert torch.allclose(fa[k], fb[k], rtol=1e-4, atol=1e-5), (k, (fa[k] - fb[k]).abs().max())
+        assert torch.allclose(fa[k], fc[k], rtol=1e-4, atol=1e-5), (k, (fa[k] - fc[k]).abs().max())
+
+
+@pytest.mark.slow
+def test_a_zero3_checkpoint_of_interleaved_weights_resumes_in_another_layout(tmp_path: Path):
+    """nanoGPT at dp 2 x tp 2 with ZeRO-3 (qkv interleaved, FSDP's 2-D shards) saves every 2
+    steps; a tp 2 plan resumes its step-2 checkpoint (the save's model order), and the ZeRO-3
+    plan resumes the tp run's step-3 one (a load back into the interleaved 2-D shards): both
+    end at the parameters of the uninterrupted ZeRO-3 run."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from autopar.runtime import run
+
+    steps = 4
+    z3 = plan(NANOGPT, _cpu(4), global_batch_size=8, dtype="fp32",
+              constraints=autopar.Constraints(dp=2, tp=2, pp=1, zero_stage=3))
+    tp = plan(NANOGPT, _cpu(2), global_batch_size=8, dtype="fp32", constraints=autopar.Constraints(dp=1, tp=2, pp=1))
+    assert z3.stages[0].op_layouts.param_layouts and z3.stages[0].fsdp_units
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    run(z3, NANOGPT, steps=steps, checkpoint_dir=str(a), checkpoint_every=2, quiet=True)
+    b.mkdir()
+    shutil.copytree(a / "step_00000002", b / "step_00000002")
+    rb = run(tp, NANOGPT, steps=steps, checkpoint_dir=str(b), quiet=True)
+    assert [r["step"] for r in rb if "step" in r] == [2, 3]
+    c.mkdir()
+    shutil.copytree(b / "step_00000003", c / "step_00000003")
+    rc = run(z3, NANOGPT, steps=steps, checkpoint_dir=str(c), quiet=True)
     assert [r["step"] for r in rc if "step" in r] == [3]
 
     def final(d: Path) -> dict:

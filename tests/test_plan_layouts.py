@@ -57,11 +57,31 @@ def test_copies_of_a_layer_share_one_list_of_layouts():
     assert len(lay.layers) == 4 and len(set(sigs)) < len(sigs)
 
 
-def test_a_stage_not_executed_op_by_op_says_why():
+def test_zero3_with_tp_carries_its_layouts_and_units():
+    """dp 2 x tp 2 with ZeRO-3: the stage runs op by op as solved, its FSDP units around runs of
+    the program's ops (`runtime.zero.ZeroSharding._shard_solved`); the predicted collectives
+    are the solution's per micro-batch and the units' gathers and reduce-scatters."""
+    from autopar.planner import _zero3_counts
+
     p = plan("gpt-tiny", _cpu(4), global_batch_size=8, dtype="fp32",
-             constraints=Constraints(dp=2, tp=2, pp=1, zero_stage=3))
+             constraints=Constraints(dp=2, tp=2, pp=1, zero_stage=3, num_microbatches=2))
+    st = p.stages[0]
+    assert st.op_layouts is not None and "tp_executor" not in p.search, p.search
+    assert st.fsdp_units == ["blocks.0", "blocks.1"]
+    m = p.num_microbatches
+    want: Counter = Counter()
+    for phase in ("forward", "backward", "grad_sync"):
+        want.update({k: m * v for k, v in st.op_layouts.collectives.get(phase, {}).items()})
+    want.update(_zero3_counts(st.fsdp_units, True, m, False))
+    assert p.predicted.collectives == dict(want)
+
+
+def test_a_stage_not_executed_op_by_op_says_why():
+    """ZeRO-3 with tp in a pipeline still runs by DTensor propagation, and says so."""
+    p = plan("gpt-tiny", _cpu(8), global_batch_size=8, dtype="fp32",
+             constraints=Constraints(dp=2, tp=2, pp=2, zero_stage=3, num_microbatches=2))
     assert all(s.op_layouts is None for s in p.stages)
-    assert "ZeRO-3" in p.search["tp_executor"]
+    assert "ZeRO-3 in a pipeline" in p.search["tp_executor"]
     assert "tensor parallelism runs by DTensor propagation" in p.summary()
 
 

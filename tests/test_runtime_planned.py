@@ -26,9 +26,9 @@ def test_ilp_planned_gpt_tp2_pp2_runs_as_predicted():
     assert [r["loss"] for r in steps] == pytest.approx(ref, rel=1e-4)
 
 
-def _single():
+def _single(dtype: str = "fp32"):
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 1})
-    return plan("gpt-tiny", cl, global_batch_size=8, dtype="fp32",
+    return plan("gpt-tiny", cl, global_batch_size=8, dtype=dtype,
                 constraints=Constraints(num_microbatches=2, recompute="none"))
 
 
@@ -68,3 +68,39 @@ def test_sequence_parallel_plans_run_as_predicted(model, n, pins):
                constraints=Constraints(num_microbatches=p.num_microbatches, recompute="none"))
     want = [r["loss"] for r in run(ref, model, steps=3, seed=0, quiet=True) if "step" in r]
     assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
+
+
+def test_ilp_planned_gpt_dp2_tp2_zero3_runs_as_solved(tmp_path):
+    """dp 2 x tp 2 with ZeRO-3 runs op by op as solved (`StagePlan.op_layouts`; no
+    `tp_executor` fallback in the plan): FSDP2 units on the dp axis over the executor's tp
+    DTensors, each unit's ops one FSDP call. Full recomputation in fp32 and selective in bf16
+    (fp32 masters as FSDP's shards), 2 micro-batches each, in one 4-process job: the losses of
+    one process within 1e-4, every step's collectives the plan's (the units' gathers and
+    reduce-scatters, `planner._zero3_counts`, beside the solution's tp collectives)."""
+    import json
+    from pathlib import Path
+
+    from tests.launch import elastic_run
+
+    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
+    plans = {}
+    for name, dtype, rc in (("full_fp32", "fp32", "full"), ("selective_bf16", "bf16", "selective")):
+        cons = Constraints(dp=2, tp=2, pp=1, zero_stage=3, num_microbatches=2, recompute=rc)
+        p = plan("gpt-tiny", cl, global_batch_size=8, dtype=dtype, constraints=cons, intra_op="ilp")
+        assert p.stages[0].op_layouts is not None and "tp_executor" not in p.search, p.search
+        assert p.stages[0].fsdp_units and p.stages[0].recompute == rc
+        p.save(tmp_path / f"{name}.json")
+        plans[name] = p
+    out = tmp_path / "rows.json"
+    root = Path(__file__).resolve().parents[1]
+    elastic_run(root / "tests" / "plans.py", ["--out", str(out), "--steps", "3",
+                                               *[f"plan:{tmp_path / f'{n}.json'}" for n in plans]], 4)
+    rows = json.loads(out.read_text())
+    for name, p in plans.items():
+        got = rows[f"plan:{tmp_path / f'{name}.json'}"]
+        assert isinstance(got, list), (name, got)
+        steps = [r for r in got if "step" in r]
+        assert all(r["collectives"] == p.predicted.collectives for r in steps), \
+            (name, [r["collectives"] for r in steps], p.predicted.collectives)
+        ref = [r["loss"] for r in run(_single(p.dtype), "gpt-tiny", steps=3, seed=0, quiet=True) if "step" in r]
+        assert [r["loss"] for r in steps] == pytest.approx(ref, rel=1e-4), name

@@ -4,9 +4,10 @@ nanoGPT written as a user would (`tests.user_models`: fused qkv split in three, 
 `pipeline_loss`; its pipeline stages are cut from the traced model (`runtime.graph_stages`).
 So are those of `GatedLM` (two tensors made before the first layer cross every boundary) and of
 Hugging Face GPT-2 and Llama (position ids, a causal mask, rotary tables), and their ZeRO-3
-units are the plan's (`StagePlan.fsdp_units`). With tensor parallelism (ZeRO-3 aside) the
-stages, pipelined or not, run op by op as solved instead (`intra_op.execute`,
-`intra_op.pipeline_chunks`: the exported program cut into chunks). Each plan comes from `autopar.plan` pinned to
+units are the plan's (`StagePlan.fsdp_units`). With tensor parallelism (ZeRO-3 in a pipeline
+aside) the stages, pipelined or not, run op by op as solved instead (`intra_op.execute`,
+`intra_op.pipeline_chunks`: the exported program cut into chunks; under ZeRO-3 each FSDP unit's
+ops one FSDP forward call, `runtime.zero.ZeroSharding._shard_solved`). Each plan comes from `autopar.plan` pinned to
 the layout and runs on 4 gloo processes through `autopar.runtime.run`: losses equal to one
 process within 1e-4, collectives as the plan counts them (after the first step, which carries
 torch.pipelining's warm-up)."""
@@ -65,6 +66,13 @@ LAYOUTS = {
     # full recomputation as solved: each block's ops one checkpointed region (the rotary
     # embedding's no_grad subgraph inside), its forward collectives re-run in the backward
     "llama_dp2xtp2_full": (HF_LLAMA, dict(dp=2, tp=2, pp=1, zero_stage=1, recompute="full")),
+    # tp + ZeRO-3 as solved: FSDP2 units (the plan's) over the executor's tp DTensors, each
+    # unit's ops one FSDP call; nanoGPT's and GPT-2's fused qkv held interleaved and sharded
+    # again over dp, nanoGPT's matmul head reading wte in the root unit
+    "nanogpt_dp2xtp2_zero3": (NANOGPT, dict(dp=2, tp=2, pp=1, zero_stage=3)),
+    "gpt2_dp2xtp2_zero3": (HF_GPT2, dict(dp=2, tp=2, pp=1, zero_stage=3)),
+    "llama_dp2xtp2_zero3_full": (HF_LLAMA, dict(dp=2, tp=2, pp=1, zero_stage=3, recompute="full",
+                                                num_microbatches=2)),
     # dropout after a row-parallel Conv1D: the partial sum is reduced before it (bernoulli_ in
     # place on a partial DTensor failed); random draws differ from one process, so only that it
     # trains and issues the planned collectives is checked
@@ -137,9 +145,10 @@ def test_user_model_layouts_equal_one_process(layout: str, reference: dict, laun
         want = reference[LAYOUTS[layout][0]]
         assert len(got) == len(want) and all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(got, want)), (got, want)
     assert steps[-1]["collectives"] == p.predicted.collectives, (steps[-1]["collectives"], p.predicted.collectives)
-    # every tp stage without ZeRO-3, pipelined or not, runs as solved
-    solved = p.tp > 1 and not (p.zero_stage == 3 and p.dp > 1)
+    # every tp stage, pipelined or not, runs as solved, but ZeRO-3 in a pipeline
+    solved = p.tp > 1 and not (p.zero_stage == 3 and p.dp > 1 and p.pp > 1)
     assert all((s.op_layouts is not None) == solved for s in p.stages), p.search.get("tp_executor")
+    assert ("tp_executor" in p.search) == (p.tp > 1 and not solved), p.search.get("tp_executor")
 
 
 def test_tensors_made_before_the_first_layer_are_carried_through_every_chunk():
@@ -191,7 +200,7 @@ def test_a_chunk_counted_without_its_own_dry_run_is_said_in_the_plan(monkeypatch
     its summary, not silently."""
     import autopar.planner as planner
 
-    # tp with ZeRO-3 runs by DTensor propagation (not op by op as solved): counted by dry runs
+    # tp with ZeRO-3 in a pipeline runs by DTensor propagation (not op by op as solved): counted by dry runs
     cons = autopar.Constraints(dp=2, tp=2, pp=2, schedule="gpipe", num_microbatches=2, zero_stage=3)
     assert "tp_counts_fallback" not in plan(NANOGPT, _cluster(8), global_batch_size=8, dtype="fp32",
                                             constraints=cons).search
