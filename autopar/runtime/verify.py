@@ -60,11 +60,12 @@ class PhasedCounter(CollectiveCounter):
             self.phases.append(self.phase)
         return out
 
-    def by_phase(self) -> dict[str, dict[str, int]]:
-        """phase -> kind -> count, receives as send_recv and sends left out (`local_counts`)."""
+    def by_phase(self, skip_groups: Sequence[tuple[int, ...]] = ()) -> dict[str, dict[str, int]]:
+        """phase -> kind -> count, receives as send_recv and sends left out (`local_counts`);
+        collectives of the groups `skip_groups` (their ranks) left out too."""
         out: dict[str, Counter] = {}
-        for (kind, _), ph in zip(self.events, self.phases):
-            if kind == "send_recv":
+        for (kind, ranks), ph in zip(self.events, self.phases):
+            if kind == "send_recv" or ranks in skip_groups:
                 continue
             out.setdefault(ph, Counter())["send_recv" if kind == "recv" else kind] += 1
         return {ph: dict(sorted(c.items())) for ph, c in out.items()}
@@ -149,7 +150,9 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
         check.collectives = counter.by_phase()
         check.tp_predicted = _tp_predicted(plan, kind)
         if check.tp_predicted is not None:
-            fb = dict(check.collectives.get("forward_backward", {}))
+            # on the tp group: under ZeRO-3 FSDP's gathers and reduce-scatters run on the dp one
+            fsdp = [tuple(dist.get_process_group_ranks(pm.dp_group))] if pm.zero3 and pm.dp_group is not None else []
+            fb = dict(counter.by_phase(fsdp).get("forward_backward", {}))
             fb.pop("send_recv", None)
             check.tp_measured = fb
         check.tracked_peak_bytes = rep.peak_bytes
