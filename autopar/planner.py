@@ -373,9 +373,10 @@ def _op_layouts(graph: OpGraph, c: Candidate, layers: list[Layer], chunks: list,
                 ) -> tuple[dict[int, StageLayouts], str]:
     """{chunk position: its solved per-op layouts} for the tp chunks the runtime executes op by
     op (`autopar.intra_op.execute`), and why the others are not (for `plan.search`). Done so
-    far: every chunk of a model, pipelined or not, when they share one tp degree, without
-    ZeRO-3 (FSDP's units wrap modules, which the op-by-op program does not call), with any
-    recomputation; the rest runs by DTensor propagation. All chunks or none: a pipeline
+    far: every chunk of a model, pipelined or not, when they share one tp degree, with ZeRO-3
+    (each FSDP unit's ops one call of an FSDP forward method of its module, so a unit's ops
+    must be one contiguous run of the program) and any recomputation; the rest runs by
+    DTensor propagation. All chunks or none: a pipeline
     chunk hands the next one its tensors in their solved layouts."""
     tp_chunks = [pos for pos, ch in enumerate(chunks) if c.stages[ch[1]].tp > 1]
     if not tp_chunks:
@@ -384,9 +385,8 @@ def _op_layouts(graph: OpGraph, c: Candidate, layers: list[Layer], chunks: list,
     if solutions is None:
         return {}, "runs by DTensor propagation: the analytic provider solves no per-op layouts"
     if not op_by_op(c):
-        what = ("ZeRO-3 in a pipeline is" if c.zero == 3 and c.dp > 1
-                else "stages of different tensor-parallel degrees (Alpa's sub-mesh choice) are")
-        return {}, f"runs by DTensor propagation: {what} not executed op by op yet"
+        return {}, ("runs by DTensor propagation: stages of different tensor-parallel degrees (Alpa's "
+                    "sub-mesh choice) are not executed op by op yet")
     if c.zero == 3 and c.dp > 1:
         # each FSDP unit's ops run as one call (`runtime.zero.ZeroSharding._shard_solved`)
         for _, _, _, (k, j) in chunks:

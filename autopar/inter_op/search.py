@@ -751,13 +751,6 @@ class Search:
                     solved = op_by_op(Candidate(dp, tp, pp, mb, m, "1f1b", 1, z))
                     if sp and not solved:
                         continue                # only the executor runs sequence parallelism
-                    if not solved and tp > 1:
-                        diss = sorted({i for c in costs for i in c.dtensor_issues})
-                        if diss:
-                            issues.extend(f"{i} (ZeRO-3 with tensor parallelism in a pipeline runs by DTensor "
-                                          f"propagation)"
-                                          for i in diss)
-                            continue
                     if solved not in bounds:
                         cs = self._layer_costs(mb, tp, solved, sp)
                         per_layer = sum(c.base_s for c in cs)
@@ -1324,6 +1317,6 @@ class _Progress:
 def op_by_op(cand: "Candidate") -> bool:
     """Whether the runtime executes the candidate's tp stages op by op as solved (the plan then
     carries their layouts: `planner._op_layouts`): every stage of one tp degree above 1,
-    pipelined or not, and under ZeRO-3 when not pipelined (FSDP2 units around the executor's
-    runs of ops: `runtime.zero.ZeroSharding._shard_solved`)."""
-    return cand.tp > 1 and not cand.hetero_tps and not (cand.zero == 3 and cand.dp > 1 and cand.pp > 1)
+    pipelined or not, under ZeRO-3 too (FSDP2 units around the executor's runs of ops:
+    `runtime.zero.ZeroSharding._shard_solved`)."""
+    return cand.tp > 1 and not cand.hetero_tps

@@ -89,7 +89,7 @@ class LayerCost:
     placements: dict[str, str] = field(default_factory=dict)      # FQN -> tp-axis placement
     issues: list[str] = field(default_factory=list)               # why this tp cannot hold
     # why it cannot hold where DTensor's propagation runs the layer (Megatron's head split: tp
-    # under ZeRO-3, stages of different tp degrees), though the executor runs the solved layout
+    # stages of different tp degrees), though the executor runs the solved layout
     # (2 key/value heads on 4 ranks: replicated, each rank slicing the heads its queries read)
     dtensor_issues: list[str] = field(default_factory=list)
     # the activation fields as the op-by-op executor runs the layer (where an op reads a tensor

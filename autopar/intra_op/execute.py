@@ -528,18 +528,20 @@ class ShardedProgram(nn.Module):
             self.spans[span[0]] = span
             self.in_span.update(span[1:])
 
-    def run_units(self, calls: dict[str, Any]) -> None:
+    def run_units(self, calls: dict[str, Any], running: Optional[set] = None) -> None:
         """Run the ops of each module `fqn` of the model (its nodes in the program, from the first
         to the last, a contiguous run) as one call `calls[fqn](region, *inputs)`, which must
-        return `region(*inputs)`: `inputs` are the tensors the run reads from before it, the
-        parameters it reads are looked up on the model inside `region` (at the call's time),
-        and what it returns is what later ops read. ZeRO-3 passes FSDP2 forward methods of
-        the module (`register_fsdp_forward_method`), so each FSDP unit is gathered for its
-        ops, freed after them, gathered again for their backward and its gradients
+        return `region(*inputs)`: `inputs` are the tensors the run reads from before it (other
+        modules' parameters among them), the module's own parameters are looked up on the model
+        inside `region` (at the call's time), and what it returns is what later ops read.
+        ZeRO-3 passes FSDP2 forward methods of the module (`register_fsdp_forward_method`),
+        so each FSDP unit is gathered for its ops, freed after them, gathered again for their backward and its gradients
         reduce-scattered after it, as FSDP does for a module's forward (the runtime's
         `zero.ZeroSharding._shard_solved`). A parameter of such a module read by an op outside
         its run, or runs of two modules that interleave, are refused (the planner's units
-        avoid both: `planner.zero3_units`)."""
+        avoid both: `planner.zero3_units`); `running`: the nodes this rank runs (its pipeline
+        chunks'; default all), the only readers that count (another chunk holds its own copy
+        of a tied parameter)."""
         nodes = list(self.gm.graph.nodes)
         order = {n: i for i, n in enumerate(nodes)}
         spans = []
@@ -560,7 +562,8 @@ class ShardedProgram(nn.Module):
             span = nodes[lo:hi + 1]
             inside = set(span)
             for ph, target in self.param_targets.items():
-                if _under(target.removeprefix("model."), fqn) and any(u not in inside for u in ph.users):
+                if _under(target.removeprefix("model."), fqn) and any(
+                        u not in inside and (running is None or u in running) for u in ph.users):
                     raise PlanError(f"parameter {target.removeprefix('model.')} of ZeRO-3 unit {fqn} is read "
                                     f"by an op outside the unit's ops")
             for first, rspan in self.spans.items():
@@ -818,8 +821,11 @@ class _PlanInterpreter(torch.fx.Interpreter):
             for a in m.all_input_nodes:
                 if a not in inside and a not in ext:
                     ext.append(a)
-        params = [a for a in ext if a in self.prog.param_targets]
-        reads = [a for a in ext if a not in self.prog.param_targets]
+        # the unit's own parameters are read inside the call (FSDP's gathered ones there); any
+        # other (the root unit's, gathered through the forward) is an input like a tensor
+        targets = self.prog.param_targets
+        params = [a for a in ext if a in targets and _under(targets[a].removeprefix("model."), fqn)]
+        reads = [a for a in ext if a not in params]
         outs = [m for m in span if any(u not in inside for u in m.users)]
         keep = set(outs)
         wrapped = self.prog._wrapped[0]

@@ -133,10 +133,22 @@ class _Spans:
                                 f"tensor nor a number: it cannot cross a pipeline boundary")
 
 
-def _holder(model: nn.Module, fqns: Sequence[str]) -> nn.Module:
-    """A module tree holding `model`'s parameters `fqns` (the same objects) under those names."""
+def _holder(model: nn.Module, fqns: Sequence[str], units: Sequence[str] = ()) -> nn.Module:
+    """A module tree holding `model`'s parameters `fqns` (the same objects) under those names;
+    the modules `units` (ZeRO-3's FSDP units) themselves, so that FSDP, which swaps a unit's
+    parameters on its module, swaps them where the program reads them too."""
     root = nn.Module()
+    for u in units:
+        *path, name = u.split(".")
+        mod = root
+        for part in path:
+            if part not in mod._modules:
+                mod._modules[part] = nn.Module()
+            mod = mod._modules[part]
+        mod._modules[name] = model.get_submodule(u)
     for fqn in fqns:
+        if any(fqn == u or fqn.startswith(u + ".") for u in units):
+            continue
         *path, name = fqn.split(".")
         mod, src = root, model
         for part in path:
@@ -156,7 +168,8 @@ class ProgramChunk(nn.Module):
 
     def __init__(self, prog: ShardedProgram, index: int, spans: _Spans,
                  layouts: Sequence[dict[str, tuple[str, ...]]], user_inputs: dict[torch.fx.Node, int],
-                 specs: dict[torch.fx.Node, Any], params: set[str]) -> None:
+                 specs: dict[torch.fx.Node, Any], params: set[str], param_names: dict[torch.fx.Node, str],
+                 units: Sequence[str] = ()) -> None:
         super().__init__()
         self._prog = [prog]                 # not a submodule: its model holds every chunk's parameters
         self.index = index
@@ -179,7 +192,9 @@ class ProgramChunk(nn.Module):
         if index == 0 and 0 not in self.user_inputs.values():
             raise PlanError("the first pipeline chunk does not read the model's first input")
         self.param_names = sorted(params)
-        self.holder = _holder(prog.model, self.param_names)
+        self.units = list(units)
+        self.holder = _holder(prog.model, self.param_names, self.units)
+        self._names_of = param_names        # parameter placeholder -> its name in `holder`
         self._mbs: dict[int, Sequence[Any]] = {}
         self._next = 0
 
@@ -229,7 +244,8 @@ class ProgramChunk(nn.Module):
 
         prog, spec = self.prog, self.specs[ph]
         if spec.kind == InputKind.PARAMETER:
-            return prog._wrapped[0].get_parameter(spec.target)
+            # the holder's: under ZeRO-3 FSDP swaps the root unit's parameters there
+            return self.holder.get_parameter(self._names_of[ph])
         if spec.kind == InputKind.BUFFER:
             return prog._replicated(prog._wrapped[0].get_buffer(spec.target).to(prog.run_device))
         if spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
@@ -281,14 +297,17 @@ def parallelize_chunks(model: nn.Module, example_inputs: Sequence[Any], solution
                        device: torch.device, autocast: Callable[[], Any],
                        compute_dtype: Callable[[torch.Tensor], torch.dtype],
                        param_dtype: Optional[torch.dtype] = None, loss_fn: Any = None,
-                       recompute: Sequence[Sequence[str]] = ()) -> tuple[list[ProgramChunk], list[set[str]]]:
+                       recompute: Sequence[Sequence[str]] = (),
+                       units: Optional[dict[int, Sequence[str]]] = None) -> tuple[list[ProgramChunk], list[set[str]]]:
     """The rank's pipeline chunks `mine` of `model` (on meta) run as `solution` plans (the
     merged solution of those chunks' layouts), and every chunk's parameters (canonical names).
     `chunk_ops`: every chunk's op names, in pipeline order; `receives`: every chunk's
     `StageLayouts.receives`. `materialize(names)` makes the parameters the rank's chunks read
     real on `device` (the rest stay on meta). `example_inputs`: one micro-batch of real inputs;
     `autocast()` the context the run computes under and `compute_dtype(p)` the dtype parameter
-    `p` computes in (for the boundary buffers' dtypes). Call it on every rank of the tp mesh."""
+    `p` computes in (for the boundary buffers' dtypes). `units`: per chunk of the rank, the
+    modules ZeRO-3 shards as FSDP units (their chunk's `holder` holds the modules themselves,
+    every parameter of theirs materialised). Call it on every rank of the tp mesh."""
     from torch.export.graph_signature import InputKind
 
     from autopar.capture.export import _WithLoss, default_loss, export_program
@@ -309,13 +328,19 @@ def parallelize_chunks(model: nn.Module, example_inputs: Sequence[Any], solution
 
     params = [{canon(specs[ph].target) for ph in phs if specs[ph].kind == InputKind.PARAMETER}
               for phs in spans.placeholders]
+    units = units or {}
+    for c in mine:
+        for u in units.get(c, ()):
+            params[c] |= {canon(f"model.{u}.{n}") for n, _ in model.get_submodule(u).named_parameters()}
     own = set().union(*(params[c] for c in mine))
     materialize(own)
     prog = ShardedProgram(model, wrapped, program, solution, mesh, names, device=device,
                           recompute=recompute, own=own)
     users = [ph for ph, s in specs.items() if s.kind == InputKind.USER_INPUT]
     user_inputs = {ph: k for k, ph in enumerate(users)}
-    chunks = [ProgramChunk(prog, c, spans, receives, user_inputs, specs, params[c]) for c in mine]
+    names = {ph: canon(s.target) for ph, s in specs.items() if s.kind == InputKind.PARAMETER}
+    chunks = [ProgramChunk(prog, c, spans, receives, user_inputs, specs, params[c], names, units.get(c, ()))
+              for c in mine]
     for ch in chunks:
         ch.examples = _examples(ch, values, example_inputs, mesh)
         ch.shapes = {n: torch.Size(values[n].shape) for n in ch.recv}

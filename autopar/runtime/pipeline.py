@@ -97,10 +97,13 @@ class PipelineStages:
                                                 aliases=self.aliases, only=own),
             aliases=self.aliases, device=self.device, autocast=self._autocast_ctx,
             compute_dtype=self._compute_dtype, param_dtype=self.low,
-            recompute=[r for i in mine for r in self.stages[i].op_layouts.recompute_regions()])
+            recompute=[r for i in mine for r in self.stages[i].op_layouts.recompute_regions()],
+            units={i: self.stages[i].fsdp_units or [] for i in mine} if self.zero3 else None)
         self.chunk_params = dict(enumerate(params))
         if chunks:
             self._note_interleaved(chunks[0].prog.layouts)
+        if self.zero3:
+            self._shard_solved_chunks(chunks)
         self.pipe_stages, self.local_modules, self.fed_chunks = [], [], []
         for ch in chunks:
             self.fed_chunks.append(ch)
@@ -292,11 +295,22 @@ def _interleaved_class() -> type:
     (`_PipelineScheduleRuntime._step_microbatches`) keeps every send's Work, and so the tensor
     it sends, until the step ends: the outputs and input gradients of all the rank's chunk
     micro-batches, gigabytes at scale (`cost_models.schedules.held_moments` counts what each
-    runner keeps)."""
+    runner keeps). The lock-step runner does not end an FSDP stage's step as torch's other
+    schedules do (`perform_reduce_grad` after the last backward: FSDP's post-backward, the
+    gradients reduce-scattered and resharded, then scaled): it only scales the stage's
+    gradients, which FSDP still holds unsharded and unreduced, so under ZeRO-3 no gradient
+    was synced over dp (the losses left one process's at the second step). It is done here
+    after the runner, for the stages that are FSDP roots."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, ScheduleInterleaved1F1B
 
     class Interleaved1F1B(ScheduleInterleaved1F1B):
-        _step_microbatches = PipelineScheduleMulti._step_microbatches
+        def _step_microbatches(self, *args: Any, **kwargs: Any) -> Any:
+            out = PipelineScheduleMulti._step_microbatches(self, *args, **kwargs)
+            for stage in self._stages:
+                if isinstance(stage.submod, FSDPModule):
+                    stage.perform_reduce_grad(self._n_microbatches if self.scale_grads else 1)
+            return out
 
     return Interleaved1F1B
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from autopar.runtime.materialize import canonical_names
-from autopar.runtime.meshes import _mesh_kinds, fsdp_sharded
+from autopar.runtime.meshes import _mesh_kinds
 from autopar.schema.errors import PlanError
 from autopar.schema.placement import shard_dim
 from autopar.schema.plan import Plan
@@ -72,11 +72,9 @@ def validate_plan(plan: Plan, model: nn.Module) -> dict:
         if missing:
             raise PlanError(f"the plan's stages leave parameters out: {', '.join(missing[:5])}")
     solved = [s.index for s in stages if s.op_layouts is not None]
-    if solved and ((fsdp_sharded(plan, stages) and nst > 1) or stages[0].axis_size("tp") < 2
-                   or len(solved) < nst or len(_mesh_kinds(stages)) > 1):
+    if solved and (stages[0].axis_size("tp") < 2 or len(solved) < nst or len(_mesh_kinds(stages)) > 1):
         raise PlanError(f"stage {solved[0]} carries op_layouts, which the runtime executes only for "
-                        f"tensor-parallel stages of one mesh, every stage solved, without ZeRO-3 in a "
-                        f"pipeline; re-plan with `autopar plan`")
+                        f"tensor-parallel stages of one mesh, every stage solved; re-plan with `autopar plan`")
     names = dict(model.named_parameters(remove_duplicate=False))
     for s in stages:
         for fqn, pl in s.placements.items():

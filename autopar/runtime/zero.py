@@ -22,13 +22,28 @@ def _quiet_view_output_warning() -> None:
     about."""
     import warnings
 
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP(SPMDModule|ShardedProgram)\) "
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP(SPMDModule|ShardedProgram|ProgramChunk)\) "
                             r"returned a view", category=UserWarning)
 
 
 def _run_region(module: nn.Module, region, *inputs):
     """A unit's run of ops as a method of its module (FSDP's forward hooks run around it)."""
     return region(*inputs)
+
+
+def _unit_calls(model: nn.Module, units: Sequence[str]) -> dict:
+    """{unit: its module's FSDP forward method running a run of ops} (`ShardedProgram.run_units`)."""
+    import types
+
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    calls = {}
+    for fqn in units:
+        mod = get_submodule(model, fqn)
+        mod._autopar_ops = types.MethodType(_run_region, mod)
+        register_fsdp_forward_method(mod, "_autopar_ops")
+        calls[fqn] = mod._autopar_ops
+    return calls
 
 
 class ZeroSharding:
@@ -51,7 +66,7 @@ class ZeroSharding:
         for fqn in units:
             fully_shard(get_submodule(model, fqn), mesh=mesh, **mp)
         root = model if root is None else root
-        if isinstance(root, SPMDModule) or type(root).__name__ == "ShardedProgram":
+        if isinstance(root, SPMDModule) or type(root).__name__ in ("ShardedProgram", "ProgramChunk"):
             _quiet_view_output_warning()
         fully_shard(root, mesh=mesh, **mp)
         self._fsdp_root = root
@@ -68,18 +83,21 @@ class ZeroSharding:
         when the gradients reach its outputs, and its gradients reduce-scattered once they
         have all been accumulated (on the last micro-batch: `set_requires_gradient_sync`). So
         the collectives are the module path's (`planner._zero3_counts`) and the memory FSDP's."""
-        import types
-
-        from torch.distributed.fsdp import register_fsdp_forward_method
-
         self._fully_shard(prog.model, units, root=prog)
+        prog.run_units(_unit_calls(prog.model, units))
+
+    def _shard_solved_chunks(self, chunks: Sequence[nn.Module]) -> None:
+        """ZeRO-3 of a pipeline run as solved (`intra_op.pipeline_chunks.ProgramChunk`s): each
+        chunk the FSDP root of its units (its `holder` holds the unit modules themselves and
+        the root's parameters), as the module path roots FSDP at what the PipelineStage holds
+        (torch.pipelining then drives it: gradient sync and resharding after the last
+        micro-batch); each unit's ops one FSDP call, as `_shard_solved`."""
         calls = {}
-        for fqn in units:
-            mod = get_submodule(prog.model, fqn)
-            mod._autopar_ops = types.MethodType(_run_region, mod)
-            register_fsdp_forward_method(mod, "_autopar_ops")
-            calls[fqn] = mod._autopar_ops
-        prog.run_units(calls)
+        for ch in chunks:
+            self._fully_shard(ch.holder, ch.units, root=ch)
+            calls.update(_unit_calls(ch.holder, ch.units))
+        if chunks:
+            chunks[0].prog.run_units(calls, running={n for ch in chunks for n in ch.nodes})
 
     def _zero12_setup(self) -> None:
         D = self.dp_size
