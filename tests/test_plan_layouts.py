@@ -76,12 +76,28 @@ def test_zero3_with_tp_carries_its_layouts_and_units():
     assert p.predicted.collectives == dict(want)
 
 
-def test_a_stage_not_executed_op_by_op_says_why():
-    """ZeRO-3 with tp in a pipeline still runs by DTensor propagation, and says so."""
+def test_zero3_in_a_tp_pipeline_carries_its_layouts_and_units():
+    """pp 2 x dp 2 x tp 2 with ZeRO-3: every chunk runs as solved, each the FSDP root of its
+    units; the ZeRO-3 counts are a pipeline's (torch.pipelining drives each chunk's root)."""
+    from autopar.planner import _zero3_counts
+
     p = plan("gpt-tiny", _cpu(8), global_batch_size=8, dtype="fp32",
              constraints=Constraints(dp=2, tp=2, pp=2, zero_stage=3, num_microbatches=2))
+    assert all(s.op_layouts is not None for s in p.stages) and "tp_executor" not in p.search, p.search
+    assert [s.fsdp_units for s in p.stages] == [["blocks.0"], ["blocks.1"]]
+    z = Counter()
+    for s in p.stages:
+        z.update(_zero3_counts(s.fsdp_units, True, p.num_microbatches, True))
+    assert p.predicted.collectives["reduce_scatter"] == z["reduce_scatter"]
+
+
+def test_a_stage_not_executed_op_by_op_says_why():
+    """Stages of different tp degrees (mlp-tiny, dp pinned to 1: tp 1, 2, 1) still run by
+    DTensor propagation, and say so."""
+    p = plan("mlp-tiny", _cpu(4), global_batch_size=8, dtype="fp32", constraints=Constraints(dp=1))
+    assert len({s.axis_size("tp") for s in p.stages}) > 1, [s.mesh_shape for s in p.stages]
     assert all(s.op_layouts is None for s in p.stages)
-    assert "ZeRO-3 in a pipeline" in p.search["tp_executor"]
+    assert "different tensor-parallel degrees" in p.search["tp_executor"]
     assert "tensor parallelism runs by DTensor propagation" in p.summary()
 
 

@@ -104,3 +104,48 @@ def test_ilp_planned_gpt_dp2_tp2_zero3_runs_as_solved(tmp_path):
             (name, [r["collectives"] for r in steps], p.predicted.collectives)
         ref = [r["loss"] for r in run(_single(p.dtype), "gpt-tiny", steps=3, seed=0, quiet=True) if "step" in r]
         assert [r["loss"] for r in steps] == pytest.approx(ref, rel=1e-4), name
+
+
+
+def test_ilp_planned_zero3_tp_pipelines_run_as_solved(tmp_path):
+    """pp 2 x dp 2 x tp 2 with ZeRO-3 (8 processes) runs as solved: each pipeline chunk
+    (`intra_op.pipeline_chunks.ProgramChunk`) the FSDP root of its units, driven by
+    torch.pipelining as the module path's roots are. The zoo GPT under 1F1B, nanoGPT (its
+    matmul head reading the tied wte, a unit of the first chunk, in the root of the last) under
+    GPipe, HF Llama interleaved (two chunks, two roots per rank): the losses of one process
+    within 1e-4 and, after the first step (which carries torch.pipelining's warm-up), the
+    plan's collectives."""
+    import json
+    from pathlib import Path
+
+    pytest.importorskip("transformers")
+    from tests.launch import elastic_run
+    from tests.test_runtime_user_models import HF_LLAMA, NANOGPT
+
+    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 8})
+    cases = {"gpt": ("gpt-tiny", dict(schedule="1f1b")), "nanogpt": (NANOGPT, dict(schedule="gpipe")),
+             "llama": (HF_LLAMA, dict(schedule="interleaved_1f1b", virtual_stages=2))}
+    plans = {}
+    for name, (ref, kw) in cases.items():
+        cons = Constraints(dp=2, tp=2, pp=2, zero_stage=3, num_microbatches=2, **kw)
+        p = plan(ref, cl, global_batch_size=8, dtype="fp32", constraints=cons, intra_op="ilp")
+        assert all(s.op_layouts is not None and s.fsdp_units for s in p.stages), p.search
+        assert "tp_executor" not in p.search, p.search
+        p.save(tmp_path / f"{name}.json")
+        plans[name] = p
+    out = tmp_path / "rows.json"
+    root = Path(__file__).resolve().parents[1]
+    elastic_run(root / "tests" / "plans.py", ["--out", str(out), "--steps", "3",
+                                               *[f"plan:{tmp_path / f'{n}.json'}" for n in plans]], 8)
+    rows = json.loads(out.read_text())
+    one = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 1})
+    for name, p in plans.items():
+        got = rows[f"plan:{tmp_path / f'{name}.json'}"]
+        assert isinstance(got, list), (name, got)
+        steps = [r for r in got if "step" in r]
+        assert all(r["collectives"] == p.predicted.collectives for r in steps[1:]), \
+            (name, [r["collectives"] for r in steps], p.predicted.collectives)
+        ref = cases[name][0]
+        single = plan(ref, one, global_batch_size=8, dtype="fp32")
+        want = [r["loss"] for r in run(single, ref, steps=3, seed=0, quiet=True) if "step" in r]
+        assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4), name
