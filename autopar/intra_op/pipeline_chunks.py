@@ -18,7 +18,10 @@ stands; each chunk of the rank runs its run of nodes with `_PlanInterpreter.run_
   first chunk gets the first input from the schedule.
 * Only the rank's chunks' parameters are materialised and sharded (`ShardedProgram.own`); the
   others stay on meta. A chunk's `holder` presents its parameters under their model FQNs (the
-  optimizer, checkpoints and tied-gradient groups address them so).
+  optimizer, checkpoints and tied-gradient groups address them so), and the chunk reads them
+  from it. Under ZeRO-3 each chunk is the FSDP root of its units (`units`: its holder holds
+  the unit modules themselves; the runtime's `zero.ZeroSharding._shard_solved_chunks`), each
+  unit's ops one FSDP call (`ShardedProgram.run_units`).
 * Shapes and dtypes of what crosses a boundary, for torch's static send and receive buffers,
   come from a run of the plain program on fake tensors under the plan's autocast, divided by
   the layouts (`_fake_run`, `_examples`). Shape arithmetic crossing a boundary (the sizes of a

@@ -13,11 +13,11 @@ How each part of the plan is executed:
 
 * Stage meshes: one `DeviceMesh` per distinct stage device set (`mesh_shape`,
   `mesh_axis_names`), created on every rank in stage order.
-* "tp" axes, stages with solved layouts (`op_layouts`: every tp plan but ZeRO-3 in a pipeline
-  and stages of different tp degrees): the model's exported program runs op by op as solved on
-  the tp sub-mesh (`intra_op.execute`; a pipeline's chunks cut from it,
-  `intra_op.pipeline_chunks`); under ZeRO-3 FSDP2 shards its tp DTensors over dp, each unit's
-  ops one call of an FSDP forward method of its module (`zero.ZeroSharding._shard_solved`).
+* "tp" axes, stages with solved layouts (`op_layouts`: every tp plan but stages of different
+  tp degrees): the model's exported program runs op by op as solved on the tp sub-mesh
+  (`intra_op.execute`; a pipeline's chunks cut from it, `intra_op.pipeline_chunks`); under
+  ZeRO-3 FSDP2 shards its tp DTensors over dp, each unit's ops one call of an FSDP forward
+  method of its module (`zero.ZeroSharding._shard_solved`, `_shard_solved_chunks`).
   Otherwise the stage's parameters become DTensors with the tp entries of `placements`
   (`spmd.distribute_params`) and DTensor propagates the rest; activations are DTensors inside
   the stage and plain (replicated) tensors at its boundaries.
@@ -26,7 +26,7 @@ How each part of the plan is executed:
   AdamW + one all-gather of the updated parameters (zero_stage 1 and 2: optimizer state, and the
   gradients once reduced, live sharded), or `fully_shard` on the dp sub-mesh per layer
   (zero_stage 3, or any "S(0)" on a dp axis), rooted at the module a pipeline stage holds (a
-  stage run as solved: at its program, `ShardedProgram`).
+  stage run as solved: at its program, `ShardedProgram`, or pipeline chunk, `ProgramChunk`).
 * Pipelines (more than one distinct device set): `torch.distributed.pipelining.PipelineStage`
   per chunk, holding only its layers under their original FQNs; schedule from the plan (gpipe,
   1f1b, interleaved_1f1b). The loss is computed on the last stage. Parameters tied across stages
