@@ -376,8 +376,8 @@ def _op_layouts(graph: OpGraph, c: Candidate, layers: list[Layer], chunks: list,
     far: every chunk of a model, pipelined or not, when they share one tp degree, with ZeRO-3
     (each FSDP unit's ops one call of an FSDP forward method of its module, so a unit's ops
     must be one contiguous run of the program) and any recomputation; the rest runs by
-    DTensor propagation. All chunks or none: a pipeline
-    chunk hands the next one its tensors in their solved layouts."""
+    DTensor propagation. All chunks or none: a pipeline chunk hands the next one its tensors
+    in their solved layouts."""
     tp_chunks = [pos for pos, ch in enumerate(chunks) if c.stages[ch[1]].tp > 1]
     if not tp_chunks:
         return {}, ""

@@ -73,10 +73,11 @@ def test_sequence_parallel_plans_run_as_predicted(model, n, pins):
 def test_ilp_planned_gpt_dp2_tp2_zero3_runs_as_solved(tmp_path):
     """dp 2 x tp 2 with ZeRO-3 runs op by op as solved (`StagePlan.op_layouts`; no
     `tp_executor` fallback in the plan): FSDP2 units on the dp axis over the executor's tp
-    DTensors, each unit's ops one FSDP call. Full recomputation in fp32 and selective in bf16
-    (fp32 masters as FSDP's shards), 2 micro-batches each, in one 4-process job: the losses of
-    one process within 1e-4, every step's collectives the plan's (the units' gathers and
-    reduce-scatters, `planner._zero3_counts`, beside the solution's tp collectives)."""
+    DTensors, each unit's ops one FSDP call. Full recomputation in fp32, selective in bf16
+    (fp32 masters as FSDP's shards) and sequence parallelism, 2 micro-batches each, in one
+    4-process job: the losses of one process within 1e-4, every step's collectives the plan's
+    (the units' gathers and reduce-scatters, `planner._zero3_counts`, beside the solution's tp
+    collectives)."""
     import json
     from pathlib import Path
 
@@ -84,8 +85,9 @@ def test_ilp_planned_gpt_dp2_tp2_zero3_runs_as_solved(tmp_path):
 
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
     plans = {}
-    for name, dtype, rc in (("full_fp32", "fp32", "full"), ("selective_bf16", "bf16", "selective")):
-        cons = Constraints(dp=2, tp=2, pp=1, zero_stage=3, num_microbatches=2, recompute=rc)
+    for name, dtype, rc, sp in (("full_fp32", "fp32", "full", False), ("selective_bf16", "bf16", "selective", False),
+                                ("sp_fp32", "fp32", "none", True)):
+        cons = Constraints(dp=2, tp=2, pp=1, zero_stage=3, num_microbatches=2, recompute=rc, sequence_parallel=sp)
         p = plan("gpt-tiny", cl, global_batch_size=8, dtype=dtype, constraints=cons, intra_op="ilp")
         assert p.stages[0].op_layouts is not None and "tp_executor" not in p.search, p.search
         assert p.stages[0].fsdp_units and p.stages[0].recompute == rc
