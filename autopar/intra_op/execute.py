@@ -49,6 +49,11 @@ Where DTensor by default would run other collectives than the plan, the step run
   pass: it is gathered again when the backward reads it (`_Regather`), as FSDP does and the
   plan counts.
 
+ZeRO-3 over a solution's tp mesh is FSDP2's (the runtime's): the modules FSDP shards as units
+are not called, so `ShardedProgram.run_units` runs each unit's ops (its contiguous run of the
+program) as one call of a forward method FSDP hooks, inside which the unit's parameters are
+its gathered ones (`_PlanInterpreter._run_unit`).
+
 Ops the solution has no choice for (shape arithmetic, assertions) run as DTensor runs them.
 Subgraphs of higher-order ops (a torch.no_grad region) run nested, under their names in the
 capture. A model that traces differently on the meta device, where the solution was solved,
@@ -535,9 +540,9 @@ class ShardedProgram(nn.Module):
         modules' parameters among them), the module's own parameters are looked up on the model
         inside `region` (at the call's time), and what it returns is what later ops read.
         ZeRO-3 passes FSDP2 forward methods of the module (`register_fsdp_forward_method`),
-        so each FSDP unit is gathered for its ops, freed after them, gathered again for their backward and its gradients
-        reduce-scattered after it, as FSDP does for a module's forward (the runtime's
-        `zero.ZeroSharding._shard_solved`). A parameter of such a module read by an op outside
+        so each FSDP unit is gathered for its ops, freed after them, gathered again for their
+        backward and its gradients reduce-scattered after it, as FSDP does for a module's
+        forward (the runtime's `zero.ZeroSharding._shard_solved`). A parameter of such a module read by an op outside
         its run, or runs of two modules that interleave, are refused (the planner's units
         avoid both: `planner.zero3_units`); `running`: the nodes this rank runs (its pipeline
         chunks'; default all), the only readers that count (another chunk holds its own copy
