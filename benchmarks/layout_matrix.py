@@ -11,15 +11,16 @@ nanoGPT (`tests.user_models:nanogpt`: fused qkv split into [q; k; v] blocks, the
 with one process) and Llama (separate q/k/v, 2 KV heads, rotary tables) at tiny configurations
 (`hf:`), and nanoGPT with its 4 blocks in a ModuleDict under names and its attention module
 called `mixer` (`tests.user_models:renamed_gpt`). Layouts, 4 gloo processes: dp4 with ZeRO 0-3,
-tp4, dp2 x tp2, pp2 x dp2 (1F1B), pp2 x tp2 (GPipe), pp4 with GPipe and with 1F1B, pp2 x dp2
-interleaved (2 chunks per rank; pp4 with 2 chunks each needs 8 layers), dp4 with selective and
-pp2 x dp2 with full recomputation, and the free plan (`autopar.plan` unconstrained). Each is
-planned by `autopar.plan` with the layout pinned (`autopar.Constraints`), run for `--steps`
-steps by the runtime (one 4-process launch per model), and compared with the same model planned
-for and run on one process: the largest relative difference of a step's loss (target 1e-4) and
-whether the counted collectives of every step after the first equal the plan's
-`predicted.collectives`; where the first step's differ (a pipeline's counts more transfers) the
-difference is printed beside. A layout that does not plan, or fails to run, counts as a miss.
+tp4, dp2 x tp2 (without ZeRO and with ZeRO-3), pp2 x dp2 (1F1B), pp2 x tp2 (GPipe), pp4 with
+GPipe and with 1F1B, pp2 x dp2 interleaved (2 chunks per rank; pp4 with 2 chunks each needs 8
+layers), dp4 with selective and pp2 x dp2 with full recomputation, and the free plan
+(`autopar.plan` unconstrained). Each is planned by `autopar.plan` with the layout pinned
+(`autopar.Constraints`), run for `--steps` steps by the runtime (one 4-process launch per
+model), and compared with the same model planned for and run on one process: the largest
+relative difference of a step's loss (target 1e-4) and whether the counted collectives of every
+step after the first equal the plan's `predicted.collectives`; where the first step's differ (a
+pipeline's counts more transfers) the difference is printed beside. A layout that does not
+plan, or fails to run, counts as a miss.
 Takes about 5 minutes on 2 cores.
 """
 
@@ -53,6 +54,7 @@ LAYOUTS: dict[str, dict] = {
     "dp4 zero3": dict(dp=4, tp=1, pp=1, zero_stage=3),
     "tp4": dict(dp=1, tp=4, pp=1),
     "dp2 x tp2": dict(dp=2, tp=2, pp=1, zero_stage=0),
+    "dp2 x tp2 zero3": dict(dp=2, tp=2, pp=1, zero_stage=3),
     "pp2 x dp2 1f1b": dict(dp=2, tp=1, pp=2, schedule="1f1b", num_microbatches=2),
     "pp2 x tp2 gpipe": dict(dp=1, tp=2, pp=2, schedule="gpipe", num_microbatches=2),
     "pp4 gpipe": dict(dp=1, tp=1, pp=4, schedule="gpipe", num_microbatches=4),
