@@ -66,7 +66,10 @@ class ZeroSharding:
         for fqn in units:
             fully_shard(get_submodule(model, fqn), mesh=mesh, **mp)
         root = model if root is None else root
-        if isinstance(root, SPMDModule) or type(root).__name__ in ("ShardedProgram", "ProgramChunk"):
+        from autopar.intra_op.execute import ShardedProgram
+        from autopar.intra_op.pipeline_chunks import ProgramChunk
+
+        if isinstance(root, (SPMDModule, ShardedProgram, ProgramChunk)):
             _quiet_view_output_warning()
         fully_shard(root, mesh=mesh, **mp)
         self._fsdp_root = root
