@@ -78,10 +78,7 @@ def test_ilp_planned_gpt_dp2_tp2_zero3_runs_as_solved(tmp_path):
     4-process job: the losses of one process within 1e-4, every step's collectives the plan's
     (the units' gathers and reduce-scatters, `planner._zero3_counts`, beside the solution's tp
     collectives)."""
-    import json
-    from pathlib import Path
 
-    from tests.launch import elastic_run
 
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
     plans = {}
@@ -91,15 +88,10 @@ def test_ilp_planned_gpt_dp2_tp2_zero3_runs_as_solved(tmp_path):
         p = plan("gpt-tiny", cl, global_batch_size=8, dtype=dtype, constraints=cons, intra_op="ilp")
         assert p.stages[0].op_layouts is not None and "tp_executor" not in p.search, p.search
         assert p.stages[0].fsdp_units and p.stages[0].recompute == rc
-        p.save(tmp_path / f"{name}.json")
         plans[name] = p
-    out = tmp_path / "rows.json"
-    root = Path(__file__).resolve().parents[1]
-    elastic_run(root / "tests" / "plans.py", ["--out", str(out), "--steps", "3",
-                                               *[f"plan:{tmp_path / f'{n}.json'}" for n in plans]], 4)
-    rows = json.loads(out.read_text())
+    rows = _run_in_one_job(tmp_path, plans, 4)
     for name, p in plans.items():
-        got = rows[f"plan:{tmp_path / f'{name}.json'}"]
+        got = rows[name]
         assert isinstance(got, list), (name, got)
         steps = [r for r in got if "step" in r]
         assert all(r["collectives"] == p.predicted.collectives for r in steps), \
@@ -117,11 +109,8 @@ def test_ilp_planned_zero3_tp_pipelines_run_as_solved(tmp_path):
     GPipe, HF Llama interleaved (two chunks, two roots per rank): the losses of one process
     within 1e-4 and, after the first step (which carries torch.pipelining's warm-up), the
     plan's collectives."""
-    import json
-    from pathlib import Path
 
     pytest.importorskip("transformers")
-    from tests.launch import elastic_run
     from tests.test_runtime_user_models import HF_LLAMA, NANOGPT
 
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 8})
@@ -133,16 +122,11 @@ def test_ilp_planned_zero3_tp_pipelines_run_as_solved(tmp_path):
         p = plan(ref, cl, global_batch_size=8, dtype="fp32", constraints=cons, intra_op="ilp")
         assert all(s.op_layouts is not None and s.fsdp_units for s in p.stages), p.search
         assert "tp_executor" not in p.search, p.search
-        p.save(tmp_path / f"{name}.json")
         plans[name] = p
-    out = tmp_path / "rows.json"
-    root = Path(__file__).resolve().parents[1]
-    elastic_run(root / "tests" / "plans.py", ["--out", str(out), "--steps", "3",
-                                               *[f"plan:{tmp_path / f'{n}.json'}" for n in plans]], 8)
-    rows = json.loads(out.read_text())
+    rows = _run_in_one_job(tmp_path, plans, 8)
     one = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 1})
     for name, p in plans.items():
-        got = rows[f"plan:{tmp_path / f'{name}.json'}"]
+        got = rows[name]
         assert isinstance(got, list), (name, got)
         steps = [r for r in got if "step" in r]
         assert all(r["collectives"] == p.predicted.collectives for r in steps[1:]), \
@@ -151,3 +135,21 @@ def test_ilp_planned_zero3_tp_pipelines_run_as_solved(tmp_path):
         single = plan(ref, one, global_batch_size=8, dtype="fp32")
         want = [r["loss"] for r in run(single, ref, steps=3, seed=0, quiet=True) if "step" in r]
         assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4), name
+
+
+def _run_in_one_job(tmp_path, plans: dict, nproc: int) -> dict:
+    """Every plan of `plans` (name -> Plan) run 3 steps in one launch of `nproc` processes
+    (`tests/plans.py`): name -> its rows (or the launch's error for it)."""
+    import json
+    from pathlib import Path
+
+    from tests.launch import elastic_run
+
+    for name, p in plans.items():
+        p.save(tmp_path / f"{name}.json")
+    out = tmp_path / "rows.json"
+    root = Path(__file__).resolve().parents[1]
+    elastic_run(root / "tests" / "plans.py", ["--out", str(out), "--steps", "3",
+                                               *[f"plan:{tmp_path / f'{n}.json'}" for n in plans]], nproc)
+    rows = json.loads(out.read_text())
+    return {name: rows[f"plan:{tmp_path / f'{name}.json'}"] for name in plans}

@@ -87,88 +87,87 @@ def solve_key(g: OpGraph, nodes: list[str], mesh: Any, dtype: str, options: dict
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
-class IlpCache:
-    """Solutions under `directory` (a capture cache directory's `ilp/`)."""
+class _JsonStore:
+    """Entries `<directory>/<sub>/<key>.json` holding {"format": N, <field>: value}: read back
+    with `decode`, written atomically with `encode`; an unreadable entry is warned about and
+    treated as absent, a directory that cannot be written costs only the cache (warned)."""
+
+    sub, field, format, what, redo = "", "", 0, "", ""
 
     def __init__(self, directory: Path | str) -> None:
-        self.directory = Path(directory) / "ilp"
+        self.directory = Path(directory) / self.sub
         self.hits = 0
 
     def path(self, key: str) -> Path:
         return self.directory / f"{key}.json"
 
-    def get(self, key: str) -> Optional[ShardingSolution]:
-        """The stored solution, or None (none stored, or unreadable: warned)."""
+    def decode(self, data: Any) -> Any:
+        raise NotImplementedError
+
+    def encode(self, value: Any) -> Any:
+        raise NotImplementedError
+
+    def get(self, key: str) -> Optional[Any]:
+        """The stored value, or None (none stored, or unreadable: warned)."""
         p = self.path(key)
         try:
             data = json.loads(p.read_text())
-            if data.get("format") != FORMAT:
-                raise ValueError(f"format {data.get('format')!r}, not {FORMAT}")
-            sol = ShardingSolution.from_dict(data["solution"])
+            if data.get("format") != self.format:
+                raise ValueError(f"format {data.get('format')!r}, not {self.format}")
+            value = self.decode(data[self.field])
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError) as e:
-            warnings.warn(f"autopar: intra-op solution cache entry {p} unreadable ({e}); solving again",
+            warnings.warn(f"autopar: {self.what} cache entry {p} unreadable ({e}); {self.redo}",
                           CacheWarning, stacklevel=3)
             return None
         self.hits += 1
-        return sol
+        return value
 
-    def put(self, key: str, sol: ShardingSolution) -> None:
-        """Store `sol` (atomically); a directory that cannot be written costs only the cache (warned)."""
+    def put(self, key: str, value: Any) -> None:
+        """Store `value` (atomically)."""
         p = self.path(key)
         try:
             p.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".ilp-", suffix=".tmp")
+            fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{self.sub}-", suffix=".tmp")
             with os.fdopen(fd, "w") as f:
-                json.dump({"format": FORMAT, "solution": sol.to_dict()}, f, separators=(",", ":"))
+                json.dump({"format": self.format, self.field: self.encode(value)}, f, separators=(",", ":"))
             os.replace(tmp, p)
         except OSError as e:
-            warnings.warn(f"autopar: could not write the intra-op solution cache {p}: {e}", CacheWarning,
+            warnings.warn(f"autopar: could not write the {self.what} cache {p}: {e}", CacheWarning,
                           stacklevel=3)
+
+
+class IlpCache(_JsonStore):
+    """Solutions under `directory` (a capture cache directory's `ilp/`)."""
+
+    sub, field, format, what, redo = "ilp", "solution", FORMAT, "intra-op solution", "solving again"
+
+    def decode(self, data: Any) -> ShardingSolution:
+        return ShardingSolution.from_dict(data)
+
+    def encode(self, value: ShardingSolution) -> Any:
+        return value.to_dict()
 
 
 COST_FORMAT = 1   # a LayerCost entry's JSON layout (`LayerCost.to_dict`); bump when it changes
 
 
-class CostCache:
+class CostCache(_JsonStore):
     """A layer's whole cost (`stage_cost.LayerCost`: times, collectives, placements, activation
     memory by recomputation policy, the executor's variant) under `directory`'s `layer_costs/`,
     keyed like the solutions (`cost_key`): a warm plan reads them instead of re-deriving the
     activation memory of every layer, micro-batch and tp degree from the graph."""
 
-    def __init__(self, directory: Path | str) -> None:
-        self.directory = Path(directory) / "layer_costs"
-        self.hits = 0
+    sub, field, format, what, redo = "layer_costs", "cost", COST_FORMAT, "layer cost", "costing again"
 
-    def get(self, key: str) -> Optional[Any]:
+    def decode(self, data: Any) -> Any:
         from autopar.inter_op.stage_cost import LayerCost
 
-        p = self.directory / f"{key}.json"
-        try:
-            data = json.loads(p.read_text())
-            if data.get("format") != COST_FORMAT:
-                raise ValueError(f"format {data.get('format')!r}, not {COST_FORMAT}")
-            cost = LayerCost.from_dict(data["cost"])
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            warnings.warn(f"autopar: layer cost cache entry {p} unreadable ({e}); costing again",
-                          CacheWarning, stacklevel=3)
-            return None
-        self.hits += 1
-        return cost
+        return LayerCost.from_dict(data)
 
-    def put(self, key: str, cost: Any) -> None:
-        p = self.directory / f"{key}.json"
-        try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".cost-", suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump({"format": COST_FORMAT, "cost": cost.to_dict()}, f, separators=(",", ":"))
-            os.replace(tmp, p)
-        except OSError as e:
-            warnings.warn(f"autopar: could not write the layer cost cache {p}: {e}", CacheWarning, stacklevel=3)
+    def encode(self, value: Any) -> Any:
+        return value.to_dict()
 
 
 def cost_key(digest: Optional[str], what: dict[str, Any]) -> Optional[str]:

@@ -99,6 +99,18 @@ def _target(x: DTensor, spec: Spec) -> tuple[Placement, ...]:
                  for have, w in zip(x.placements, want))
 
 
+def _span_boundary(span: Sequence[torch.fx.Node]) -> tuple[list[torch.fx.Node], list[torch.fx.Node]]:
+    """(what a run of program nodes reads from before it, in first-read order; those of its
+    nodes read after it)."""
+    inside = set(span)
+    ext: list[torch.fx.Node] = []
+    for m in span:
+        for a in m.all_input_nodes:
+            if a not in inside and a not in ext:
+                ext.append(a)
+    return ext, [m for m in span if any(u not in inside for u in m.users)]
+
+
 def _grad_target(src: Sequence[Placement], keep_partial: Sequence[int]) -> tuple[Placement, ...]:
     """Where the gradient of a tensor laid out `src` goes back to: its layout, partial made
     replicated, except along `keep_partial` (a junction's axes), where it stays partial."""
@@ -752,6 +764,11 @@ class _PlanInterpreter(torch.fx.Interpreter):
         unless in `keep` (what the chunk sends on). Returns the output node's value when the
         run reaches it, else None (what to send is in `self.env`)."""
         self.env = env
+        return self._run_nodes(nodes, keep)
+
+    def _run_nodes(self, nodes: Sequence[torch.fx.Node], keep: set) -> Any:
+        """Run `nodes` into `self.env`, each value dropped after its last reader unless in
+        `keep`; the output node's value when the run reaches it, else None."""
         for node in nodes:
             if node in self.env:
                 continue
@@ -820,18 +837,13 @@ class _PlanInterpreter(torch.fx.Interpreter):
         read from the model inside the call (FSDP's unsharded ones there), a recomputed region
         inside it runs as one (`_run_recomputed`). Values are dropped after their last reader,
         inside the run as outside."""
+        ext, outs = _span_boundary(span)
         inside = set(span)
-        ext: list[torch.fx.Node] = []
-        for m in span:
-            for a in m.all_input_nodes:
-                if a not in inside and a not in ext:
-                    ext.append(a)
         # the unit's own parameters are read inside the call (FSDP's gathered ones there); any
         # other (the root unit's, gathered through the forward) is an input like a tensor
         targets = self.prog.param_targets
         params = [a for a in ext if a in targets and _under(targets[a].removeprefix("model."), fqn)]
         reads = [a for a in ext if a not in params]
-        outs = [m for m in span if any(u not in inside for u in m.users)]
         keep = set(outs)
         wrapped = self.prog._wrapped[0]
 
@@ -842,13 +854,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
                 self.env[a] = wrapped.get_parameter(self.prog.param_targets[a])
             self.in_unit = True
             try:
-                for m in span:
-                    if m in self.env:
-                        continue
-                    self.env[m] = self.run_node(m)
-                    for v in self.user_to_last_uses.get(m, ()):
-                        if v not in keep:
-                            self.env.pop(v, None)
+                self._run_nodes(span, keep)
                 return tuple(self.env[o] for o in outs)
             finally:
                 self.env = outer_env
@@ -874,13 +880,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
         them). Junction values are the region's own, so the re-run makes what the forward made."""
         from torch.utils.checkpoint import checkpoint
 
-        inside = set(span)
-        ext: list[torch.fx.Node] = []
-        for m in span:
-            for a in m.all_input_nodes:
-                if a not in inside and a not in ext:
-                    ext.append(a)
-        outs = [m for m in span if any(u not in inside for u in m.users)]
+        ext, outs = _span_boundary(span)
 
         def region(*vals: Any) -> tuple:
             outer_env, outer_j = self.env, self.junction_values
