@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from autopar.schema import ClusterSpec, Plan, PlanError
 from autopar.schema.plan import TRAINING_DTYPES
+from autopar.schema.software import software_for_cluster
 from autopar.schema.sweep import SweepPoint, SweepResult, format_duration
 
 DEFAULT_NODES = (1, 2, 4, 8, 16, 32, 64)
@@ -159,6 +160,10 @@ def sweep(model: Any, clusters: Sequence[str | ClusterSpec], nodes: Iterable[int
     points: list[SweepPoint] = []
     total = len(specs) * len(sizes)
     for spec in specs:
+        # the software resolved on the cluster as loaded: a cluster file written before software
+        # was apart from hardware keeps its attention kernel (`_sized` re-validates a dump,
+        # which does not carry that deprecated setting)
+        sw = software_for_cluster(software, spec)
         for n in sizes:
             t = time.perf_counter()
             p: Optional[Plan] = None
@@ -166,7 +171,7 @@ def sweep(model: Any, clusters: Sequence[str | ClusterSpec], nodes: Iterable[int
                 sized = _sized(spec, n)          # a one-node profile cannot grow: that size's reason
                 p = plan(bundle, sized, global_batch_size=gbs, dtype=dtype, graph=graph,
                          cache=cache, providers=providers if share_providers else None, intra_op=intra_op,
-                         software=software)
+                         software=sw)
                 reason = None
             except PlanError as e:
                 reason = str(e)

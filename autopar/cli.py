@@ -211,7 +211,7 @@ def sweep_cmd(model_ref: str, clusters: str, nodes_text: str, tokens_text: str, 
     if plot and Path(plot).suffix.lower() not in (".png", ".svg"):
         raise PlanError(f"--plot needs a .png or .svg file name, got {Path(plot).name!r}")
     if plot:
-        from autopar.sweep_plot import require_matplotlib
+        from autopar.plot import require_matplotlib
 
         require_matplotlib()                 # before minutes of searching, not after
     names = [c.strip() for c in clusters.split(",") if c.strip()]

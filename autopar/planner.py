@@ -170,8 +170,9 @@ def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Optional[Sequen
         provider = make_provider(intra_op, graph, layers, spec, dtype, cache_dir, sw, bool(cons.sequence_parallel))
     moments_directory(cache_dir)     # the schedule walks kept beside the captures
     sp_provider = None
-    if cons.sequence_parallel is None and getattr(provider, "name", "") == "ilp":
-        # the search weighs Megatron-SP too, wherever tp > 1 (the same layers, costed with it)
+    if cons.sequence_parallel is None and getattr(provider, "sequence_parallel", None) is False:
+        # an ILP provider without SP: the search weighs Megatron-SP too, wherever tp > 1 (the
+        # same layers, costed with it); the analytic rules have no SP
         sp_provider = (providers.get(intra_op, graph, bundle.model, spec, dtype, cache_dir, sw, True, layers)[1]
                        if providers is not None else
                        make_provider(intra_op, graph, layers, spec, dtype, cache_dir, sw, sequence_parallel=True))

@@ -25,17 +25,23 @@ def figure_path(path: str | Path) -> tuple[Path, str]:
     return path, fmt
 
 
+def require_matplotlib() -> None:
+    """Fail with the install hint when matplotlib is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise PlanError("plotting needs matplotlib: pip install 'autopar[plot]'") from None
+
+
 def plot_plan(plan: Plan, path: str | Path) -> Path:
     """Draw `plan` to `path` (.png or .svg), written atomically."""
     path, fmt = figure_path(path)
-    try:
-        import matplotlib
+    require_matplotlib()
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
-    except ImportError:
-        raise PlanError("plotting needs matplotlib: pip install 'autopar[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     fig = plt.figure(figsize=(13, 8.5), constrained_layout=True)
     grid = fig.add_gridspec(2, 2, height_ratios=[1.2, 1])

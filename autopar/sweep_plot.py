@@ -7,20 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from autopar.plot import figure_path, save_figure
-from autopar.schema import PlanError
+from autopar.plot import figure_path, require_matplotlib, save_figure
 from autopar.schema.plan import format_count
 from autopar.schema.sweep import SweepResult
 
 MARKERS = "osD^vP*X"
-
-
-def require_matplotlib() -> None:
-    """Fail with the install hint when matplotlib is missing."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise PlanError("plotting needs matplotlib: pip install 'autopar[plot]'") from None
 
 
 def plot_sweep(res: SweepResult, path: str | Path) -> Path:

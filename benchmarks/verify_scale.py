@@ -105,7 +105,8 @@ def main() -> int:
                 show(res, a.top)
     if a.json:
         print(json.dumps(out, indent=2))
-    return 0
+    # a case that failed to verify is a miss: the exit status says so
+    return 1 if any(r.get("failures") for r in out) else 0
 
 
 if __name__ == "__main__":

@@ -128,6 +128,9 @@ def test_old_cluster_file_with_attention_kernel_loads_with_a_warning(tmp_path):
     assert p.software.attention_kernel == "unfused" and p.software.name == "autopar, attention unfused"
     assert autopar.plan("gpt-tiny", cl, global_batch_size=8, constraints=cons,
                         software="autopar").software.attention_kernel == "fused"      # the choice given wins
+    # a capacity sweep resizes the cluster: it keeps the old file's kernel too
+    swept = autopar.sweep("gpt-tiny", [cl], [1, 2], tokens=1e6, global_batch_size=16)
+    assert [pt.plan.software.attention_kernel for pt in swept.points if pt.plan] == ["unfused", "unfused"]
     data["device"]["attention_kernel"] = "flash"
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(PlanError, match="field 'device'.*attention_kernel must be fused or unfused.*--software"):

@@ -20,13 +20,16 @@ from typing import Optional
 from autopar.capture.graph import OpGraph
 from autopar.inter_op.ilp_cache import CostCache, IlpCache, cost_key, graph_digest, solve_key
 from autopar.inter_op.layers import Layer
-from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost, _float_bytes, autocast_device, fill_activations
+from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost, autocast_device, fill_activations, float_bytes
 from autopar.intra_op.solution import ShardingSolution
 from autopar.schema import ClusterSpec, PlanError
 from autopar.schema.placement import is_shard, shard_dim
 from autopar.schema.software import SoftwareSpec
 from cost_models.communication import logical_mesh
 from cost_models.compute import MATRIX_OPS
+
+# how a layer's cost says its ILP had no solution (so a cached cost has none to read back)
+_ILP_FAILED = "intra-op ILP on tp="
 
 
 class IlpProvider(AnalyticProvider):
@@ -76,7 +79,7 @@ class IlpProvider(AnalyticProvider):
             meta = o.at(mb) if self.graph.batch_size is None else o
             if int(meta.shape[dims[0]]) % tp:
                 continue
-            nb = _float_bytes(meta, self.dtype) * (1 - 1 / tp)
+            nb = float_bytes(meta, self.dtype) * (1 - 1 / tp)
             total, grad = total - nb, grad - nb
         return total, grad, n, grads
 
@@ -167,7 +170,7 @@ class IlpProvider(AnalyticProvider):
                 "grad_inputs": sorted(self._grad_inputs(layer))})
             hit = self.cost_cache.get(key) if key is not None else None
             if hit is not None:
-                if tp > 1 and not any("intra-op ILP" in i for i in hit.issues):
+                if tp > 1 and not any(i.startswith(_ILP_FAILED) for i in hit.issues):
                     self.solutions[(layer.signature, mb, tp)] = (self._solve(layer, mb, tp, interleaved=True), layer)
                 return hit
         c = self._analyze_layer(layer, mb, tp)
@@ -189,7 +192,7 @@ class IlpProvider(AnalyticProvider):
             sol = self._solve(layer, mb, tp, interleaved=True)
             plain = self._solve(layer, mb, tp, interleaved=False) if sol.param_layouts else sol
         except PlanError as e:
-            base.issues.append(f"intra-op ILP on tp={tp}: {e}")
+            base.issues.append(f"{_ILP_FAILED}{tp}: {e}")
             return base
         self.solutions[(layer.signature, mb, tp)] = (sol, layer)
         c = self._cost_of(plain, layer, mb, tp, base, executor=sol is plain)

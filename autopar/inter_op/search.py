@@ -567,13 +567,11 @@ def _grad_reduce_time(cluster: ClusterSpec, dtype: str, dp: int, tp: int, zero: 
     return _dp_coll(cluster, "all_reduce" if zero == 0 else "reduce_scatter", pel * g, dp, tp)
 
 
-def _exposed_sync(sync: float, reduce: float, window: float, overlap: bool) -> float:
+def _exposed_sync(sync: float, reduce: float, window: float) -> float:
     """Seconds of a stage's per-iteration sync (`sync`, of which `reduce` reduces gradients) on
-    the critical path: all of it without overlap; with it, the reduction beyond `window` (the
-    backward of the stage's last micro-batch, during which buckets of finished gradients are
-    reduced) and the rest of the sync."""
-    if not overlap:
-        return sync
+    the critical path when the reduction overlaps the backward (`SoftwareSpec.grad_sync_overlap`):
+    the reduction beyond `window` (the backward of the stage's last micro-batch, during which
+    buckets of finished gradients are reduced) and the rest of the sync."""
     return sync - reduce + max(0.0, reduce - window)
 
 
@@ -605,7 +603,6 @@ class Search:
         self.provider = provider or AnalyticProvider(graph, layers, cluster, dtype)
         self.sp_provider = sp_provider
         self.sp_skipped: dict[tuple[int, int], str] = {}   # (mb, tp) -> why SP cannot run there
-        self.sp_only: set[tuple[int, int]] = set()         # (mb, tp) where SP dominates (`_dominates`)
         # the software the provider costs with (`SoftwareSpec`): also whether the gradient
         # sync overlaps the backward
         self.software = getattr(self.provider, "software", None) or resolve_software(None)
@@ -815,12 +812,7 @@ class Search:
             if not why:
                 _, why = stage_layouts(self.graph, self.layers, self.sp_provider.solutions, 0, self.L, mb, tp)
             self.sp_skipped[key] = why
-            if not why and _dominates(costs, self._layer_costs(mb, tp)):
-                self.sp_only.add(key)
-        if self.sp_skipped[key]:
-            return (False,)
-        # where every layer is no slower and keeps no more with it, the plain twin cannot win
-        return (True,) if key in self.sp_only else (False, True)
+        return (False,) if self.sp_skipped[key] else (False, True)
 
     def _no_fit(self) -> PlanError:
         return PlanError(f"no plan fits in memory: the least memory any plan needs is "
@@ -1144,12 +1136,13 @@ class Search:
             phases.append(dataclasses.replace(fb, weights=w, gradients=float(grads[i]), activations=float(act[i]),
                                               buffers=float(buf[i])))
         top = max(phases, key=lambda ph: ph.total)
-        # the last micro-batch's backward (with its recomputation), which an overlapped
-        # gradient reduction runs beside
-        window = sum(c.bwd_s + c.bwd_comm_s + c.rc_extra_s.get(r, 0.0) for k, j in chunks for c in tb.costs[k:j])
-        sync = (_exposed_sync(tb.sync(pel), _grad_reduce_time(self.cluster, self.dtype, tb.dp, tb.tp, tb.zero, pel),
-                              window, self.software.grad_sync_overlap)
-                + sum(float(tb.iter[j] - tb.iter[k]) for k, j in chunks))
+        sync = tb.sync(pel)
+        if self.software.grad_sync_overlap:
+            # the last micro-batch's backward (with its recomputation), which an overlapped
+            # gradient reduction runs beside
+            window = sum(c.bwd_s + c.bwd_comm_s + c.rc_extra_s.get(r, 0.0) for k, j in chunks for c in tb.costs[k:j])
+            sync = _exposed_sync(sync, _grad_reduce_time(self.cluster, self.dtype, tb.dp, tb.tp, tb.zero, pel), window)
+        sync += sum(float(tb.iter[j] - tb.iter[k]) for k, j in chunks)
         return StageResult(chunks, r, t, comp, max(0.0, t - comp), sync, tb.opt(pel, tb.param_tensors(chunks)), pel,
                            float(top.weights), float(top.gradients), float(top.optimizer), float(top.activations),
                            float(top.buffers), top.phase, float(top.total), tp=tb.tp, tables=tb,
@@ -1206,25 +1199,6 @@ class Search:
             st = self._stage(tb, cand, [(k, j)], r, self._held(cand.schedule, p, i, cand.m))
             worst = max(worst, st.peak_bytes)
         self.min_memory = min(self.min_memory, worst)
-
-
-def _dominates(a: list[LayerCost], b: list[LayerCost]) -> bool:
-    """Whether layer costs `a` are, layer by layer, no worse than `b` in every term a stage's
-    time and memory are made of (compute, communication, recomputation, gradient sync, saved
-    activations, the backward's transient, what a pipeline boundary keeps, parameters), so
-    that no plan costed with `b` can beat its twin costed with `a`."""
-    def le(x: float, y: float) -> bool:
-        return x <= y * (1 + 1e-9) + 1e-12
-
-    for ca, cb in zip(a, b):
-        if not (le(ca.base_s, cb.base_s) and le(ca.iter_s, cb.iter_s)
-                and le(sum(ca.param_elems.values()), sum(cb.param_elems.values()))):
-            return False
-        for name in ("rc_extra_s", "act_bytes", "bwd_over", "out_saved", "in_saved", "bwd_over_given"):
-            da, db = getattr(ca, name), getattr(cb, name)
-            if any(not le(da.get(r, 0.0), db.get(r, 0.0)) for r in set(da) | set(db)):
-                return False
-    return True
 
 
 def balanced_chunks(cost: np.ndarray, n: int) -> Optional[list[tuple[int, int]]]:

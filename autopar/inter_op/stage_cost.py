@@ -198,7 +198,8 @@ def coll_time(kind: str, nbytes: float, n: int, link: LinkSpec) -> float:
     return collective_time(kind, nbytes, n, link.latency, 1.0 / link.bandwidth)
 
 
-def _float_bytes(o, dtype: str) -> float:
+def float_bytes(o, dtype: str) -> float:
+    """Bytes of tensor meta `o` in a `dtype` run: floating tensors at that dtype's size."""
     if o.dtype.startswith("float") or o.dtype.startswith("bfloat"):
         return o.numel * DTYPE_SIZE[dtype]
     return float(o.nbytes)
@@ -283,7 +284,7 @@ class AnalyticProvider:
             names = self._cross_nodes[index] if 0 <= index < len(self._cross_nodes) else []
             for name in names:
                 o = self.graph.node(name).outputs[:1]
-                nb = sum(_float_bytes(x.at(mb) if self.graph.batch_size is None else x, self.dtype) for x in o)
+                nb = sum(float_bytes(x.at(mb) if self.graph.batch_size is None else x, self.dtype) for x in o)
                 total += nb
                 if self.requires_grad.get(name, False):
                     grad += nb
@@ -387,7 +388,7 @@ class AnalyticProvider:
                         src = n.inputs[0]
                         if src not in grad_ar_done:
                             grad_ar_done.add(src)
-                            nb = sum(_float_bytes(o, dtype) for o in g.node(src).outputs[:1]) if src in g._index else 0
+                            nb = sum(float_bytes(o, dtype) for o in g.node(src).outputs[:1]) if src in g._index else 0
                             bc += ar(nb)
                             cb["all_reduce"] += 1
                 else:
@@ -397,7 +398,7 @@ class AnalyticProvider:
                     for p in n.params:
                         c.placements.setdefault(p, "R")
                     sharded, out = True, "R"
-                    fc += ar(sum(_float_bytes(o, dtype) for o in n.outputs))
+                    fc += ar(sum(float_bytes(o, dtype) for o in n.outputs))
                     cf["all_reduce"] += 1
             elif tp > 1 and op == "embedding" and n.params and n.name == big_emb:
                 rows = g.params[n.params[0]].shape[0]
@@ -407,7 +408,7 @@ class AnalyticProvider:
                 else:
                     c.placements[n.params[0]] = "S(0)"
                     sharded = True
-                    fc += ar(sum(_float_bytes(o, dtype) for o in n.outputs))
+                    fc += ar(sum(float_bytes(o, dtype) for o in n.outputs))
                     cf["all_reduce"] += 1
                 out = "R"
             elif (tp > 1 and op in ("view", "reshape", "_unsafe_view") and x == "S" and n.outputs and n.inputs
@@ -448,11 +449,11 @@ class AnalyticProvider:
         outs = [n for n in nodes if any(u not in mine for u in self._consumers.get(n.name, []))]
         for n in outs:
             if state.get(n.name) == "S" and n.outputs:
-                nb = sum(_float_bytes(o, dtype) for o in n.outputs)
+                nb = sum(float_bytes(o, dtype) for o in n.outputs)
                 f, b, fc, bc = times[n.name]
                 times[n.name] = (f, b, fc + coll_time("all_gather", nb, tp, link), bc)
                 coll_f[n.name]["all_gather"] += 1
-        c.out_bytes = sum(_float_bytes(o, dtype) for n in outs[-1:] for o in n.outputs[:1]) if outs else 0.0
+        c.out_bytes = sum(float_bytes(o, dtype) for n in outs[-1:] for o in n.outputs[:1]) if outs else 0.0
         block = layer.block_nodes
         core = attention_core(nodes)
         c.fwd_s = sum(t[0] for t in times.values())

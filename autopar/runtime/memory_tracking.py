@@ -223,7 +223,7 @@ class StepMemTracker(MemTracker):
         self.master_grads = False                 # inside MasterWeights.step, before optimizer.step
         self.phase_peak: dict[str, tuple[int, dict]] = {}
         # per phase, the distinct moments within NEAR_PEAK of its peak so far: categories -> bytes
-        self.phase_near: dict[str, dict[tuple, int]] = {}
+        self.phase_near: dict[str, dict[tuple, tuple[int, dict]]] = {}
         # `top` > 0: where each storage came from (op, shape, dtype, phase, innermost module,
         # forward or backward) and the `top` largest storages alive at the step's peak
         self.top = top
@@ -324,10 +324,11 @@ class StepMemTracker(MemTracker):
         if total >= (1.0 - NEAR_PEAK) * top:
             near = self.phase_near.setdefault(self.phase, {})
             if total > top:
-                for k in [k for k, v in near.items() if v < (1.0 - NEAR_PEAK) * total]:
+                for k in [k for k, v in near.items() if v[0] < (1.0 - NEAR_PEAK) * total]:
                     del near[k]
-            cats = to_plan_categories(_detail(snap))
-            near[tuple(cats[c] for c in PLAN_CATEGORIES)] = int(total)
+            # keyed by the raw snapshot (cheap: this runs on every op near the peak); turned
+            # into plan categories once, at the end (`_near`)
+            near[tuple(snap.values())] = (int(total), dict(snap))
         if self.timeline is not None and (not self.timeline or self.timeline[-1]["bytes"] != total):
             mods = sorted(self._mod_tracker.parents - {"Global"}, key=len)
             self.timeline.append({"op": self._op, "module": mods[-1] if mods else "", "phase": self.phase,
@@ -343,11 +344,17 @@ class StepMemTracker(MemTracker):
         self._update_peak_stats(None)
 
 
-def _near(moments: dict[tuple, int], peak_snap: dict) -> list[dict]:
+def _near(moments: dict[tuple, tuple[int, dict]], peak_snap: dict) -> list[dict]:
     """A phase's moments within NEAR_PEAK of its peak (`StepMemTracker.phase_near`), less the
-    peak's own, as plan categories with their "bytes"."""
-    own = tuple(to_plan_categories(_detail(peak_snap))[c] for c in PLAN_CATEGORIES)
-    return [{**dict(zip(PLAN_CATEGORIES, k)), "bytes": v} for k, v in moments.items() if k != own]
+    peak's own, as distinct plan categories with their "bytes"."""
+    own = to_plan_categories(_detail(peak_snap))
+    out: dict[tuple, dict] = {}
+    for total, snap in moments.values():
+        cats = to_plan_categories(_detail(snap))
+        key = tuple(cats[c] for c in PLAN_CATEGORIES)
+        if cats != own and key not in out:
+            out[key] = {**cats, "bytes": total}
+    return list(out.values())
 
 
 def _detail(snap: dict | None) -> dict[str, int]:

@@ -46,18 +46,22 @@ PHASES = ("forward_backward", "grad_sync", "optimizer")
 
 
 class PhasedCounter(CollectiveCounter):
-    """`CollectiveCounter` that also records the phase of the step each collective ran in."""
+    """`CollectiveCounter` that also records the phase of the step each collective ran in: the
+    phase of the memory tracker of the step (`memory_tracking.track_step`, which follows the
+    step's parts), the first outside one."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.phase = PHASES[0]
         self.phases: list[str] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from autopar.runtime import memory_tracking
+
         n = len(self.events)
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if len(self.events) > n:
-            self.phases.append(self.phase)
+            mt = memory_tracking._ACTIVE
+            self.phases.append(mt.phase if mt is not None else PHASES[0])
         return out
 
     def by_phase(self, skip_groups: Sequence[tuple[int, ...]] = ()) -> dict[str, dict[str, int]]:
@@ -69,23 +73,6 @@ class PhasedCounter(CollectiveCounter):
                 continue
             out.setdefault(ph, Counter())["send_recv" if kind == "recv" else kind] += 1
         return {ph: dict(sorted(c.items())) for ph, c in out.items()}
-
-
-def _phase_wrappers(pm: Any, counter: PhasedCounter) -> Callable[[], None]:
-    """Set `counter.phase` as the step moves on (the tracker's phases); returns the undo."""
-    undo: list[Callable[[], None]] = []
-    for name, phase in (("forward_backward", "forward_backward"), ("sync_and_update", "grad_sync")):
-        orig = getattr(pm, name)
-
-        def wrapped(*a: Any, _orig: Any = orig, _phase: str = phase, **k: Any) -> Any:
-            counter.phase = _phase
-            return _orig(*a, **k)
-
-        setattr(pm, name, wrapped)
-        undo.append(lambda _n=name: delattr(pm, _n))
-    handle = pm.optimizer.register_step_pre_hook(lambda *a: setattr(counter, "phase", "optimizer"))
-    undo.append(handle.remove)
-    return lambda: [u() for u in reversed(undo)]
 
 
 def _tp_predicted(plan: Plan, kind: RankKind) -> Optional[dict[str, int]]:
@@ -116,7 +103,13 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from autopar.runtime.engine import ParallelModel
-    from autopar.runtime.memory_tracking import baseline, predicted_for_rank, relative_error, track_step
+    from autopar.runtime.memory_tracking import (
+        PLAN_CATEGORIES,
+        baseline,
+        predicted_for_rank,
+        relative_error,
+        track_step,
+    )
 
     t0 = time.perf_counter()
     check = RankCheck(rank=kind.rank, stages=kind.stages, coordinate=kind.coordinate,
@@ -125,8 +118,7 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
     if pred is not None:
         check.predicted_peak_bytes = pred["peak_bytes"]
         check.predicted_stage = pred["stage"]
-        check.predicted_categories = {k: pred[k] for k in ("weights", "gradients", "optimizer", "activations",
-                                                           "buffers")}
+        check.predicted_categories = {k: pred[k] for k in PLAN_CATEGORIES}
     events: list = []
     _clear_dtensor_caches()
     _BUILT.add(_layout(plan))
@@ -140,11 +132,7 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
             batch = pm.local_batch(call_batch_fn(batch_fn, 0, plan.global_batch_size, 0))
             pm.train_step(batch)            # `autopar run`'s first step: allocates the optimizer's state
             counter = PhasedCounter()
-            undo = _phase_wrappers(pm, counter)
-            try:
-                _, rep = track_step(pm, batch, counter=counter, skip=skip, top=top)
-            finally:
-                undo()
+            _, rep = track_step(pm, batch, counter=counter, skip=skip, top=top)
         _check_shards(check, pm, plan, bundle.model)
         events = list(counter.events)
         check.collectives = counter.by_phase()
