@@ -184,6 +184,16 @@ class ActivationMemory:
     backward_over_given: float = 0.0
     saved: dict[str, float] = field(default_factory=dict)   # tensor (its storage's owner) -> bytes saved
     bases: dict[str, str] = field(default_factory=dict)     # tensor -> the tensor owning its storage
+    # the backward op by op, in the order it runs: (op, bytes still saved, gradients alive), the
+    # moments `backward_over_bytes` is the worst of (a recomputed region: one entry, its worst)
+    backward_moments: list[tuple[str, float, float]] = field(default_factory=list)
+    # the first backward of a step (no parameter gradient exists before it): its worst moment
+    # above `saved_bytes` with the parameter gradients its ops made so far alive (each op's
+    # becomes `.grad`), by parts: (saved activations above or below `saved_bytes`: recomputed
+    # ones, or freed ones as a negative, activation gradients, parameter gradients); the loss
+    # op's moment apart (None: no loss), since the two hold different ZeRO-3 units
+    first_body: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    first_loss: Optional[tuple[float, float, float]] = None
 
     @property
     def peak_bytes(self) -> float:
@@ -759,6 +769,19 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
 
     live = out.saved_bytes
     entered: set = set()
+    born = 0.0          # parameter gradients the ops whose backward ran made
+
+    body_seen = False
+
+    def first(acts: float, act_grads: float, param_grads: float, loss: bool = False) -> None:
+        # a moment of the first backward, by parts
+        nonlocal body_seen
+        if loss:
+            if out.first_loss is None or acts + act_grads + param_grads > sum(out.first_loss):
+                out.first_loss = (acts, act_grads, param_grads)
+        elif not body_seen or acts + act_grads + param_grads > sum(out.first_body):
+            out.first_body, body_seen = (acts, act_grads, param_grads), True
+
     for n in reversed(calls):
         if keep is not None and n.layer not in keep:
             continue
@@ -767,6 +790,8 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             if r not in entered:
                 entered.add(r)
                 m = live + region_peak[r] - out.saved_bytes
+                first(m - region_grads[r], region_grads[r], born)
+                out.backward_moments.append((n.name, live + region_peak[r] - region_grads[r], region_grads[r]))
                 out.backward_over_body = max(out.backward_over_body, m)
                 if m > out.backward_over_bytes:
                     out.backward_over_bytes, out.backward_over_recompute = m, True
@@ -774,6 +799,9 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 out.backward_over_given = max(out.backward_over_given, m)
         else:
             m = live + grads(n) - out.saved_bytes
+            mine = new_grads(n)
+            first(live - out.saved_bytes, grads(n) - mine, born + mine, n.op in LOSSES)
+            out.backward_moments.append((n.name, live, grads(n)))
             if n.op in LOSSES:
                 out.backward_over_loss = max(out.backward_over_loss or 0.0, m)
             else:
@@ -782,6 +810,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 out.backward_over_bytes, out.backward_over_recompute = m, False
                 out.backward_over_grads = grads(n)
             out.backward_over_given = max(out.backward_over_given, m - given_share(n))
+        born += new_grads(n)
         live -= owned.get(n.name, 0.0)
     if keep is None:
         out.forward_over_bytes = _forward_over(calls, by_name, base, owner_node, nbytes_of, size, read,

@@ -28,15 +28,23 @@ CASES = {
     "tp2": {"dp": 1, "tp": 2, "pp": 1, "recompute": "none"},
     "tp2_full": {"dp": 1, "tp": 2, "pp": 1, "recompute": "full"},
     "pp2_1f1b_full": {"dp": 1, "tp": 1, "pp": 2, "schedule": "1f1b", "num_microbatches": 4, "recompute": "full"},
+    # Hugging Face GPT-2 (tiny config): its tanh GELU's backward, the unsharded gradients FSDP
+    # holds until a unit's reduce-scatter, the tied embedding's gradient summed in autograd's
+    # buffer: the peak is in the last block's backward (the first backward's moments with the
+    # parameter gradients made so far, `_Tables.first_backward`)
+    "hf_gpt2_zero3": {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 3, "recompute": "none"},
 }
+# cases on another model than gpt-tiny: (model reference, global batch)
+MODELS = {"hf_gpt2_zero3": ("hf:gpt2?hidden_size=64&num_hidden_layers=2&num_attention_heads=4&seq_len=16"
+                            "&vocab_size=128", 8)}
 PSI = 30080          # gpt-tiny's parameters (the embedding tied to the output layer)
 
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory) -> dict:
     folder = str(tmp_path_factory.mktemp("plans"))
-    specs = [{"name": k, "model": "gpt-tiny", "nproc": 2, "gbs": GBS, "dtype": "bf16", "constraints": c}
-             for k, c in CASES.items()]
+    specs = [{"name": k, "model": MODELS.get(k, ("gpt-tiny",))[0], "nproc": 2, "gbs": MODELS.get(k, (0, GBS))[1],
+              "dtype": "bf16", "constraints": c} for k, c in CASES.items()]
     done, skipped = make_plans(specs, folder)
     assert not skipped, [(s["name"], s["reason"]) for s in skipped]
     return {s["name"]: s for s in done}

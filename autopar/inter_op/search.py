@@ -161,7 +161,7 @@ class _Tables:
                   "cross", "cross_grad", "wgo", "valid", "kk", "jj", "range_pel", "range_in", "range_out",
                   "range_send", "range_send_grad", "range_act", "range_in_saved", "range_out_kept", "range_work",
                   "range_work_rc", "range_work_rc_grads", "work_grads", "range_work_tmp", "range_root", "_layers",
-                  "range_maxtensor")
+                  "range_maxtensor", "_first")
 
     def __init__(self, costs: list[LayerCost], cluster: ClusterSpec, dtype: str, dp: int, tp: int,
                  zero: int, layers: list[Layer], batch: tuple[float, float] = (0.0, 0.0),
@@ -297,6 +297,7 @@ class _Tables:
             self.range_work_rc_grads[r] = np.where(at >= 0, self.work_grads[r][np.maximum(at, 0)], 0.0)
             self.range_work[r] = np.maximum(np.maximum(Wrc, Wtmp), 0.0)
         self._outputs_held()
+        self._first: dict[tuple[str, bool], tuple[np.ndarray, ...]] = {}
         self.range_root = np.where(self.valid, root, 0.0)
         self._layers = layers
         # the largest parameter tensor per device (AdamW's temporaries are its size)
@@ -336,6 +337,80 @@ class _Tables:
                                                                  self.range_work_tmp[r][k, j]), 0.0)
                 self.range_act[r][k, j] -= held
                 self.range_out_kept[r][k, j] += held
+
+    def first_backward(self, r: str, later: bool) -> tuple[np.ndarray, ...]:
+        """A range's first backward of the step (no parameter gradient before it), moment by
+        moment as `range_work` takes them, with the parameter gradients made so far alive: each
+        layer's worst moment of its own (`LayerCost.bwd_first`, its loss's apart) and, with
+        `later`, the whole gradients of the range's layers after it (their backward ran;
+        without: a ZeRO-3 unit's are reduce-scattered as it ends). Under ZeRO-3 a moment holds
+        the root's parameters and its layer's unit (the loss's: the root's alone), which decides
+        which moment is the worst. Returns (W, at, parts): W[k, j] the worst moment above the
+        range's saved activations and the forward/backward phase's model states and buffers
+        without gradients, at[k, j] its layer, parts[k, j] = (activations above or below the
+        saved ones, activation gradients, parameter gradients, weights above or below the
+        phase's) summing to W, in bytes at the training dtype. Cached per (r, later)."""
+        hit = self._first.get((r, later))
+        if hit is not None:
+            return hit
+        L, costs = self.L, self.costs
+        P = self.act[r]
+        work = self.work[r]
+
+        def fallback(i: int) -> list:
+            # a layer costed without the first backward's parts: its worst moment of any
+            g = self.work_grads[r][i]
+            return [work[i] - g, g, 0.0] if self.work_rc[r][i] else [0.0, work[i], 0.0]
+
+        body = np.array([c.bwd_first.get(r) or fallback(i) for i, c in enumerate(costs)], dtype=float).reshape(L, 3)
+        loss = np.array([c.bwd_first_loss.get(r) or [-INF, 0.0, 0.0] for c in costs], dtype=float).reshape(L, 3)
+        # the weights each moment holds above the root's: its layer's unit (ZeRO-3), less the
+        # largest unit every moment is charged by the phase (`wd`, below)
+        unit = self.wgo[0] * self.unit_layer if self.zero3 else np.zeros(L)
+        use_loss = loss.sum(axis=1) > body.sum(axis=1) + unit
+        parts = np.where(use_loss[:, None], np.concatenate([loss, np.zeros((L, 1))], axis=1),
+                         np.concatenate([body, unit[:, None]], axis=1))
+        f = parts.sum(axis=1)
+        g = self.wgo[1] if later else 0.0
+        GP = np.concatenate([[0.0], np.cumsum(self.pel_layer * g)])
+        v = f + P[1:] - GP[1:]
+        W = _range_max(v) - P[None, :] + GP[None, :]
+        at = _range_argmax(v)
+        # a chunk's output held by the stage's forward cache (`_outputs_held`)
+        for j in range(1, L):
+            last, held = costs[j - 1], float(costs[j - 1].out_saved.get(r, 0.0))
+            own = last.bwd_over_given.get(r, work[j - 1])
+            if held <= 0 and own == work[j - 1]:
+                continue
+            vv = f[:j] + P[1:j + 1] - P[j] + held + (GP[j] - GP[1:j + 1])
+            vv[-1] = own + (f[j - 1] - work[j - 1]) + held
+            W[:j, j] = np.maximum.accumulate(vv[::-1])[::-1]
+            at[:j, j] = _suffix_argmax(vv)
+        ok = at >= 0
+        i = np.maximum(at, 0)
+        later_g = np.where(ok, GP[np.clip(self.jj, 0, L)] - GP[i + 1], 0.0)
+        ag = np.where(ok, parts[i, 1], 0.0)
+        pg = np.where(ok, parts[i, 2], 0.0) + later_g
+        wd = np.where(ok, parts[i, 3] - (self.wgo[0] * self.range_unit if self.zero3 else 0.0), 0.0)
+        W = np.where(ok, W, 0.0) + wd - np.where(ok, parts[i, 3], 0.0)
+        # a parameter several layers of the range read (a tied embedding) has one gradient,
+        # summed in autograd's input buffer as each reader's backward runs and made `.grad`
+        # after its first reader's: a buffer until then, counted once
+        eb_dt = self.wgo[1]
+        for _f, e, us in self.shared:
+            inr = [(self.kk <= u) & (u < self.jj) for u in us]
+            n_in = sum(x.astype(int) for x in inr)
+            u0 = np.min(np.stack([np.where(x, u, L) for x, u in zip(inr, us)]), axis=0)
+            done = sum((x & (u > i)).astype(int) for x, u in zip(inr, us)) if later else np.zeros_like(n_in)
+            mine = (n_in >= 2) & np.isin(i, us) & (i != u0)
+            extra = np.where(done > 1, (done - 1) * e * g, 0.0) + np.where(mine & (done > 0), e * eb_dt, 0.0)
+            pending = (n_in >= 2) & (u0 <= i) & ((done > 0) | mine)
+            move = np.where(pending, np.minimum(e * eb_dt, np.maximum(pg - extra, 0.0)), 0.0)
+            W, pg = W - extra, pg - extra - move
+            ag = ag + move
+        out = (W, at, np.stack([W - ag - pg - wd, ag, pg, wd], axis=-1))
+        self._first[(r, later)] = out
+        return out
 
     def ranged(self, arr: np.ndarray) -> np.ndarray:
         """`arr[j] - arr[k]` for every layer range [k, j) of a per-layer prefix sum `arr` (one of
@@ -382,6 +457,11 @@ class _Tables:
         loss's backward the first unit of the backward, prefetched by the root's pre-backward
         hook (1 unit, its flat output); in a unit's backward its unsharded parameters and the
         next one prefetched (2 units). Built on first use: only ZeRO-3 tables read it."""
+        return np.where(self.valid, np.maximum(_range_max(self.unit_layer), 0.0), 0.0)
+
+    @functools.cached_property
+    def unit_layer(self) -> np.ndarray:
+        """Each layer's largest ZeRO-3 unit, elements (0: its parameters are the root's)."""
         shared_names = {f for f, _, _ in self.shared}
         unit = np.zeros(self.L)
         for i, c in enumerate(self.costs):
@@ -392,7 +472,12 @@ class _Tables:
                     m = next((m for m in mods if f == m or f.startswith(m + ".")), "")
                     groups[m] = groups.get(m, 0.0) + e
             unit[i] = max(groups.values(), default=0.0)
-        return np.where(self.valid, np.maximum(_range_max(unit), 0.0), 0.0)
+        return unit
+
+    def range_last_act(self, r: str) -> np.ndarray:
+        """Every range's last layer's saved activations (one micro-batch)."""
+        P, L = self.act[r], self.L
+        return np.where(self.valid, P[np.clip(self.jj, 0, L)] - P[np.clip(self.jj - 1, 0, L)], 0.0)
 
     def relief(self, r: str) -> np.ndarray:
         """For every range under recomputation `r`: how far the stage's worst moment around a
@@ -896,7 +981,7 @@ class Search:
         rcs = self.recomputes()
         for s in range(1, p + 1):
             cost[:, :, 0, s], choice[:, :, s] = self._best_recompute(
-                tb, rcs, t_common, fixed, self._held(cand.schedule, p, p - s, m))
+                tb, rcs, t_common, fixed, self._held(cand.schedule, p, p - s, m), m)
         res = stage_dp(cost, [1], p, m, num_stages=p)
         if res is None:
             if not self._found:
@@ -912,7 +997,7 @@ class Search:
         return True
 
     def _best_recompute(self, tb: "_Tables", rcs: list[str], t_common: np.ndarray, fixed_mem: tuple,
-                        held: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+                        held: tuple[np.ndarray, np.ndarray], m: int) -> tuple[np.ndarray, np.ndarray]:
         """For every layer range [k, j): the fastest recomputation policy whose memory fits the
         budget, as (time, index into `rcs`); INF and -1 where none fits. `fixed_mem` is
         `_Tables.fixed_memory`'s triple, `held` what the stage holds before and after its first
@@ -927,7 +1012,14 @@ class Search:
         for ri, r in enumerate(rcs):
             act = tb.boundary_acts(tb.range_act[r], tb.range_in_saved[r], tb.range_out_kept[r])
             work = tb.range_work[r] - tb.relief(r)
-            mem = np.maximum(fb - grads + act * a_pre + work, np.maximum(fb, rest))
+            # the first backward (`_Tables.first_backward`; ZeRO-3 with one micro-batch: with every
+            # gradient shard, a bound), and under ZeRO-3 the forward's end before it (two units
+            # gathered, the range's last layer's activations not yet saved)
+            shards = tb.zero3 and m == 1
+            first = tb.first_backward(r, not shards)[0] + (grads if shards else 0.0)
+            if tb.zero3:
+                first = np.maximum(first, -tb.range_last_act(r))
+            mem = np.maximum(fb - grads + act * a_pre + first, np.maximum(fb, rest))
             for mo in post:
                 mem = np.maximum(mem, fb + act * mo[ACTS, 0] + tb.range_send * mo[SENT_OUTPUTS, 0]
                                  + tb.range_send_grad * mo[SENT_GRADS, 0] + work)
@@ -959,7 +1051,7 @@ class Search:
                 # stages are checked below
                 kind = "gpipe" if cand.schedule == "gpipe" or m < s_ else "1f1b"
                 cost[:, :, mi, s_], choice[:, :, mi, s_] = self._best_recompute(
-                    tb, rcs, t_common, fixed, self._held(kind, s_, 0, m))
+                    tb, rcs, t_common, fixed, self._held(kind, s_, 0, m), m)
         res = stage_dp(cost, tps, units, m)
         if res is None:
             return False
@@ -1117,8 +1209,22 @@ class Search:
         # chunk, and the backward's transient (no gradient exists yet but those it makes)
         rc_work, grad_tmp = _transient(tb, chunks, r)
         pre = float(np.max(held[0][:, ACTS, :] @ acts))
-        phases.append(dataclasses.replace(fb, gradients=0.0, weights=fb.weights - relief,
-                                          activations=pre + rc_work, buffers=fb.buffers + grad_tmp))
+        # the first backward's worst moment (one chunk's at a time), by parts: the parameter
+        # gradients its ops made so far alive (ZeRO-3 with one micro-batch: each unit's are
+        # reduce-scattered into the gradient shards as it ends, `fb.gradients`, in proportion)
+        shards = tb.zero3 and cand.m == 1
+        f_w, f_at, f_parts = tb.first_backward(r, not shards)
+        k, j = max(chunks, key=lambda c: float(f_w[c]))
+        a_rc, a_g, a_p, a_w = (float(x) for x in f_parts[k, j])
+        if shards and pel > 0:
+            i = int(f_at[k, j])
+            a_p += fb.gradients * (float(tb.pel[j] - tb.pel[i + 1]) / pel if i >= 0 else 1.0)
+        phases.append(dataclasses.replace(fb, gradients=a_p, weights=fb.weights + a_w,
+                                          activations=pre + a_rc, buffers=fb.buffers + a_g))
+        if tb.zero3:
+            # the forward's end: two units gathered, the last layer's activations still to save
+            last = max(float(tb.range_last_act(r)[c]) for c in chunks)
+            phases.append(dataclasses.replace(fb, gradients=0.0, activations=max(pre - last, 0.0)))
         if held[1].size:
             # each moment after it: activations and the outputs sends keep (made in the forward),
             # the input gradients they keep (made in the backward: buffers), the gradients of

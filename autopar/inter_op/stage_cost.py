@@ -67,6 +67,12 @@ class LayerCost:
     # `bwd_over` where the layer ends a pipeline chunk: its output's gradient is the receive
     # buffer (`ActivationMemory.backward_over_given`), by policy
     bwd_over_given: dict[str, float] = field(default_factory=dict)
+    # the first backward's worst moment by parts [activations, activation gradients, parameter
+    # gradients] (`ActivationMemory.first_body`, the forward's where it lies above; the
+    # parameter gradients its ops made so far alive), and the loss op's apart (`first_loss`;
+    # absent: no loss), by policy
+    bwd_first: dict[str, list] = field(default_factory=dict)
+    bwd_first_loss: dict[str, list] = field(default_factory=dict)
     # of the tensor it hands to the next layer, and of the one it receives, the bytes its own ops
     # save (counted in act_bytes), by policy: the same tensor counted by two layers
     out_saved: dict[str, float] = field(default_factory=dict)
@@ -183,6 +189,10 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
         if am.backward_over_loss is not None:
             c.bwd_over_loss[rc] = am.backward_over_loss
         c.bwd_over_given[rc] = max(am.forward_over_bytes, am.backward_over_given)
+        body = list(am.first_body)
+        c.bwd_first[rc] = [am.forward_over_bytes, 0.0, 0.0] if am.forward_over_bytes > sum(body) else body
+        if am.first_loss is not None:
+            c.bwd_first_loss[rc] = list(am.first_loss)
         c.out_saved[rc] = am.saved_of(out_name)
         c.in_saved[rc] = am.saved_of(in_name)
 
