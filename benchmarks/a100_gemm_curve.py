@@ -7,9 +7,9 @@ measurements (no fitting to the calibration runs).
 Shape of the curve: the A100 cuBLAS fp16 matmul times of LLMCompass (Zhang et al., ISCA 2024,
 "LLMCompass: Enabling Efficient Hardware Design for Large Language Model Inference"), artifact
 file ae/figure5/ab/real_hardware/matmul_A100.csv of github.com/PrincetonUniversity/LLMCompass
-(their Figure 5a/5b): two sweeps, M x 12288 x 12288 for M = 64..32768 and 8192 x K x K for
-K = 64..32768, each time the median over repeated single launches (torch.matmul, then a
-synchronise). The construction:
+(their Figure 5a/5b; the GPU its simulator names A100_80GB, SXM or PCIe not stated): two
+sweeps, M x 12288 x 12288 for M = 64..32768 and 8192 x K x K for K = 64..32768, each time the
+median over repeated single launches (torch.matmul, then a synchronise). The construction:
 
 1. keep the shapes whose token dimension M is at least 2048: in a training GEMM M is micro-batch
    x sequence length (>= 2048 in every calibration case); M = 64..1024 are decode-like shapes;
