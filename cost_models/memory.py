@@ -1128,6 +1128,20 @@ class PhaseMemory:
 ADAMW_TEMPORARIES = 2
 
 
+def adamw_temporary_elems(sizes: Iterable[float]) -> float:
+    """Elements of the fp32 temporaries torch's single-tensor AdamW holds at its worst when it
+    steps tensors of `sizes` elements in that order: the quotient `denom` of one tensor's
+    update is a local of the loop over the parameters (torch/optim/adam.py,
+    `_single_tensor_adam`), so it lives on while the next tensor's `sqrt()` and quotient are
+    made: max over i of 2·s_i + s_(i-1) (`ADAMW_TEMPORARIES` of the tensor stepped, one of the
+    one before)."""
+    best, prev = 0.0, 0.0
+    for s in sizes:
+        best = max(best, ADAMW_TEMPORARIES * s + prev)
+        prev = s
+    return best
+
+
 # The collective library the runtime uses on a device type (`runtime.worker.init_distributed`:
 # NCCL on GPU, gloo on CPU), and whether its reduce-scatter into a tensor works on a copy of its
 # input: gloo's does (torch 2.13, torch/csrc/distributed/c10d/ProcessGroupGloo.cpp,
@@ -1144,16 +1158,16 @@ def reduce_scatter_copies_input(device_type: Optional[str]) -> bool:
 
 def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, dp: int = 1, *,
                    num_microbatches: int = 1, gathered_params: Any = 0.0,
-                   largest_tensor: Any = 0.0, prefetch_params: Any = 0.0,
+                   optimizer_temps: Any = 0.0, prefetch_params: Any = 0.0,
                    rs_copies_input: bool = False) -> list[PhaseMemory]:
     """Model-state bytes per device in each phase of a step, as `autopar.runtime` keeps them
     (activations left at 0: the caller adds them to "forward_backward"). `num_params` are the
     device's parameter elements (after tensor and pipeline parallelism; numbers or numpy
     arrays); `gathered_params` the elements ZeRO-3 holds as unsharded parameters at once (the
     root unit's and the layer running), `prefetch_params` those in flat all-gather outputs
-    (FSDP2's next unit, prefetched; counted as buffers); `largest_tensor` the elements of the device's largest
-    parameter tensor, whose AdamW temporaries (`ADAMW_TEMPORARIES` fp32 copies) the optimizer
-    step holds (ZeRO-1/2 step one flat shard of num_params / D). Per parameter, with w, g, o the
+    (FSDP2's next unit, prefetched; counted as buffers); `optimizer_temps` the elements of
+    the fp32 temporaries AdamW holds at its worst stepping the device's parameter tensors one
+    by one (`adamw_temporary_elems`; ZeRO-1/2 step one flat shard of num_params / D). Per parameter, with w, g, o the
     policy's bytes (bf16: 2, 2, 12) and D = dp:
 
     - ZeRO 0: w + g + o through the step; the gradient sync copies the gradients into one flat
@@ -1185,7 +1199,7 @@ def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, d
     D = max(int(dp), 1)
     P = num_params
     z = zero_stage if D > 1 else 0
-    temp = ADAMW_TEMPORARIES * 4.0 * largest_tensor
+    temp = 4.0 * optimizer_temps
     if z == 0:
         fb = PhaseMemory("forward_backward", w * P, g * P, o * P, 0.0 * P)
         out = [fb]

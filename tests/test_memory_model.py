@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import autopar
-from cost_models.memory import inflight_microbatches, runtime_phases
+from cost_models.memory import adamw_temporary_elems, inflight_microbatches, runtime_phases
 from cost_models.schedules import (
     ACTS,
     GRADS,
@@ -907,3 +907,51 @@ def test_moments_at_the_peak_are_compared_with_the_one_predicted():
     predicted = {"weights": 0, "gradients": 0, "optimizer": 0, "activations": 128 * 1024, "buffers": 128 * 1024}
     assert closest_moment(moments, predicted)["buffers"] == 128 * 1024
     assert closest_moment(moments, None) == moments[0]
+
+
+def _adamw_step_temporaries(sizes: list[int]) -> int:
+    """Peak bytes of the tensors torch's single-tensor AdamW allocates in one step over fp32
+    parameters of `sizes` elements, seen through a dispatch mode (outputs that are not views of
+    an input, freed when their last reference goes)."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Track(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cur = self.peak = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            ins = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0]
+                   if isinstance(a, torch.Tensor)}
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in ins and t.numel() > 1:
+                    n = t.untyped_storage().nbytes()
+                    self.cur += n
+                    self.peak = max(self.peak, self.cur)
+                    weakref.finalize(t, self._free, n)
+            return out
+
+        def _free(self, n: int) -> None:
+            self.cur -= n
+
+    params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)    # the runtime's default_optimizer
+    opt.step()
+    mode = Track()
+    with mode:
+        opt.step()
+    return mode.peak
+
+
+@pytest.mark.parametrize("sizes", [[4096], [4096, 4096], [1024, 4096, 512], [4096, 1024, 4096, 4096]])
+def test_adamw_temporaries_as_torch_holds_them(sizes):
+    """The optimizer step's temporaries: each tensor's sqrt and quotient, with the quotient of
+    the tensor stepped before still referenced by the loop (2·s_i + s_(i-1), fp32)."""
+    assert _adamw_step_temporaries(sizes) == 4 * adamw_temporary_elems(sizes)

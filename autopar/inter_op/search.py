@@ -67,7 +67,13 @@ from autopar.schema import ClusterSpec, Constraints, PlanError
 from autopar.schema.software import resolve_software
 from cost_models.communication import axis_collective_time
 from cost_models.compute import grad_accumulation_bytes, memory_time, optimizer_step_time
-from cost_models.memory import PRECISION_POLICIES, reduce_scatter_copies_input, runtime_phases, usable_memory
+from cost_models.memory import (
+    PRECISION_POLICIES,
+    adamw_temporary_elems,
+    reduce_scatter_copies_input,
+    runtime_phases,
+    usable_memory,
+)
 from cost_models.schedules import (
     ACTS,
     GRADS,
@@ -300,9 +306,15 @@ class _Tables:
         self._first: dict[tuple[str, bool], tuple[np.ndarray, ...]] = {}
         self.range_root = np.where(self.valid, root, 0.0)
         self._layers = layers
-        # the largest parameter tensor per device (AdamW's temporaries are its size)
-        big = np.array([max(c.param_elems.values(), default=0.0) for c in costs])
-        self.range_maxtensor = np.maximum(_range_max(big), 0.0)
+        # AdamW's temporaries at their worst, per device (`adamw_temporary_elems`: the tensors
+        # in the order the layers hold them, the first of a layer after the last of the one
+        # before)
+        temps, prev = [], 0.0
+        for c in costs:
+            sizes = list(c.param_elems.values())
+            temps.append(adamw_temporary_elems([prev] + sizes) if sizes else 0.0)
+            prev = sizes[-1] if sizes else prev
+        self.range_maxtensor = np.maximum(_range_max(np.array(temps)), 0.0)
 
     def _outputs_held(self) -> None:
         """A pipeline chunk's output stays in the stage's forward cache until the chunk's
@@ -440,10 +452,10 @@ class _Tables:
         (`cost_models.memory.runtime_phases`); under ZeRO-3 `root` and `unit` are the root
         unit's elements and the largest layer unit's (`range_root`, `range_unit`): the root's
         and one unit's unsharded parameters and one unit's flat all-gather output at once;
-        `largest`: the largest parameter tensor's elements."""
+        `largest`: AdamW's temporaries at their worst, elements (`range_maxtensor`)."""
         return runtime_phases(pel, self.dtype, self.zero, self.dp, num_microbatches=m,
                               gathered_params=root + unit if self.zero3 else 0.0,
-                              prefetch_params=unit if self.zero3 else 0.0, largest_tensor=largest,
+                              prefetch_params=unit if self.zero3 else 0.0, optimizer_temps=largest,
                               rs_copies_input=reduce_scatter_copies_input(self.cluster.device.device_type))
 
     @functools.cached_property
