@@ -975,7 +975,55 @@ def _upcasts(calls: list, base: dict, fp32_readers: frozenset) -> frozenset:
             b = base.get(i, i)
             if b in casts:
                 readers.setdefault(b, set()).add(n.op)
-    return frozenset(c for c, ops in readers.items() if ops <= fp32_readers)
+    out = {c for c, ops in readers.items() if ops <= fp32_readers}
+    return frozenset(out | _upcast_regions(calls, base, casts))
+
+
+# the most ops an upcast region may span (`_upcast_regions`): a norm's or a rotary table's
+UPCAST_REGION_MAX = 24
+
+
+def _upcast_regions(calls: list, base: dict, casts: set) -> set:
+    """Ops that run in fp32 between an upcast and its cast back, in a mixed-precision run:
+    model code that computes a norm or a rotary table in fp32 (`x.to(torch.float32)` ...
+    `.to(input_dtype)`, Hugging Face's RMSNorm) captures as two `to(float32)`; the first of two
+    on a path inside one module is the upcast. From each cast, its readers in its module (the
+    cast's value may also be read outside, where a fp32 capture made the two one tensor: the
+    residual stream) up to the next casts: when that region ends in a cast within
+    `UPCAST_REGION_MAX` ops and reads into no loss, the cast and the region's ops are fp32, the
+    closing casts the training dtype (and open no region of their own)."""
+    readers: dict[str, list] = {}
+    for n in calls:
+        for i in n.inputs:
+            readers.setdefault(base.get(i, i), []).append(n)
+    by_module = {n.name: n.module_path for n in calls}
+    out: set = set()
+    closers: set = set()         # casts back: they open no region
+    for c in (n.name for n in calls if n.name in casts):
+        if c in closers:
+            continue
+        mod = by_module.get(c) or ""
+        if not mod:
+            continue
+        region, closing, todo, ok = {c}, set(), [c], True
+        while todo and ok:
+            t = todo.pop()
+            for r in readers.get(t, ()):
+                rm = r.module_path or ""
+                if r.name in region or not (rm == mod or rm.startswith(mod + ".")):
+                    continue
+                if r.name in casts:
+                    closing.add(r.name)
+                    continue
+                if r.op in LOSSES or len(region) >= UPCAST_REGION_MAX:
+                    ok = False
+                    break
+                region.add(r.name)
+                todo.append(base.get(r.name, r.name))
+        if ok and closing:
+            out |= region
+            closers |= closing
+    return out
 
 
 def _forward_over(calls: list, by_name: dict, base: dict, owner_node: dict, nbytes_of: dict,

@@ -955,3 +955,48 @@ def test_adamw_temporaries_as_torch_holds_them(sizes):
     """The optimizer step's temporaries: each tensor's sqrt and quotient, with the quotient of
     the tensor stepped before still referenced by the loop (2·s_i + s_(i-1), fp32)."""
     assert _adamw_step_temporaries(sizes) == 4 * adamw_temporary_elems(sizes)
+
+
+def test_a_norm_computed_in_fp32_saves_its_upcast_at_fp32():
+    """Hugging Face's RMSNorm casts its input to float32, normalises, and casts back to the
+    input's dtype: in a bf16 run the tensor its pow and mul save is fp32, what the weight's
+    mul saves bf16. A fp32 capture shows both casts as `to(float32)`; the memory model tells
+    the upcast (the first of the two inside the module) from the cast back."""
+    import torch
+    import torch.nn as nn
+
+    from autopar.capture import capture
+    from cost_models.memory import activation_memory
+
+    class RMSNorm(nn.Module):
+        def __init__(self, h: int) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(h))
+
+        def forward(self, x):
+            dt = x.dtype
+            x = x.to(torch.float32)
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+            return self.weight * x.to(dt)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.norm, self.fc2 = nn.Linear(64, 64), RMSNorm(64), nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.fc2(self.norm(self.fc1(x))).sum()
+
+    g = capture(Net(), (torch.randn(8, 64),), name="norm").at_batch(8)
+    am = activation_memory(g, "bf16", "none", device_type="cpu", count_inputs=False)
+    by = {n.name: n for n in g.nodes}
+    casts = [n.name for n in g.nodes if n.kind == "call" and n.op in ("to", "_to_copy")]
+    assert len(casts) == 2
+    up, back = casts
+    elems = 8 * 64
+    assert am.saved_of(up) == 4 * elems            # fp32: read by pow and mul
+    mul = next(n.name for n in g.nodes if n.kind == "call" and n.op == "mul" and back in n.inputs)
+    assert am.saved_of(back) == 2 * elems          # bf16: the weight's mul reads it
+    assert by[mul].module_path.endswith("norm")
+    am32 = activation_memory(g, "fp32", "none", device_type="cpu", count_inputs=False)
+    assert am32.saved_of(up) == 4 * elems
