@@ -25,7 +25,7 @@ from autopar.inter_op.dtensor_counts import LayerCounts, dtensor_stage_counts, d
 from autopar.inter_op.layers import Layer, build_layers
 from autopar.inter_op.search import Candidate, Search, SearchResult, StageResult, op_by_op
 from autopar.inter_op.stage_cost import AnalyticProvider
-from autopar.inter_op.stage_layouts import produced_layouts, stage_layouts
+from autopar.inter_op.stage_layouts import chunk_layouts
 from autopar.models import ModelBundle, build_model
 from autopar.schema import ClusterSpec, Constraints, ModelInfo, Plan, PlanError, Prediction, StagePlan, StagePrediction
 from autopar.schema.layouts import StageLayouts
@@ -367,18 +367,30 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                         "intra_op": getattr(res.provider, "name", "analytic"),
                         "layers": len(layers),
                         **({"tp_counts_fallback": "; ".join(fallbacks)} if fallbacks else {}),
-                        **({"tp_executor": why_not} if why_not else {})})
+                        **({"tp_executor": why_not} if why_not else {}),
+                        **({"skipped": _skipped(res.skipped)} if res.skipped else {})})
+
+
+def _skipped(skipped: dict[str, str]) -> str:
+    """The search's candidates left out as the runtime cannot run them (`SearchResult.skipped`),
+    one line per reason naming where."""
+    by: dict[str, list[str]] = {}
+    for where, why in skipped.items():
+        by.setdefault(why, []).append(where)
+    return "; ".join(f"{why} ({', '.join(wheres)})" for why, wheres in by.items())
 
 
 def _op_layouts(graph: OpGraph, c: Candidate, layers: list[Layer], chunks: list, provider: Any
                 ) -> tuple[dict[int, StageLayouts], str]:
-    """{chunk position: its solved per-op layouts} for the tp chunks the runtime executes op by
-    op (`autopar.intra_op.execute`), and why the others are not (for `plan.search`). Done so
-    far: every chunk of a model, pipelined or not, when they share one tp degree, with ZeRO-3
-    (each FSDP unit's ops one call of an FSDP forward method of its module, so a unit's ops
-    must be one contiguous run of the program) and any recomputation; the rest runs by
-    DTensor propagation. All chunks or none: a pipeline chunk hands the next one its tensors
-    in their solved layouts."""
+    """{chunk position: its solved per-op layouts} for the chunks the runtime executes op by op
+    (`autopar.intra_op.execute`), and why the others are not (for `plan.search`): every chunk of
+    a model with a tp stage, pipelined or not, its stages of one tp degree or of several
+    (Alpa's sub-mesh choice: a 1-device stage's layouts are the replicated solution; tensors
+    cross between tp degrees replicated, `stage_layouts.chunk_layouts`), with ZeRO-3 (each
+    FSDP unit's ops one call of an FSDP forward method of its module, so a unit's ops must be
+    one contiguous run of the program) and any recomputation; the rest runs by DTensor
+    propagation. All chunks or none: a pipeline chunk hands the next one its tensors in their
+    solved layouts."""
     tp_chunks = [pos for pos, ch in enumerate(chunks) if c.stages[ch[1]].tp > 1]
     if not tp_chunks:
         return {}, ""
@@ -386,8 +398,7 @@ def _op_layouts(graph: OpGraph, c: Candidate, layers: list[Layer], chunks: list,
     if solutions is None:
         return {}, "runs by DTensor propagation: the analytic provider solves no per-op layouts"
     if not op_by_op(c):
-        return {}, ("runs by DTensor propagation: stages of different tensor-parallel degrees (Alpa's "
-                    "sub-mesh choice) are not executed op by op yet")
+        return {}, "runs by DTensor propagation: the candidate is not executed op by op"
     if c.zero == 3 and c.dp > 1:
         # each FSDP unit's ops run as one call (`runtime.zero.ZeroSharding._shard_solved`)
         for _, _, _, (k, j) in chunks:
@@ -396,16 +407,12 @@ def _op_layouts(graph: OpGraph, c: Candidate, layers: list[Layer], chunks: list,
             why = _interleaved_units(graph, units)
             if why:
                 return {}, f"runs by DTensor propagation: {why}"
-    out: dict[int, StageLayouts] = {}
-    earlier: dict[str, tuple[str, ...]] = {}
-    for pos, (_, d, _, (k, j)) in enumerate(chunks):
-        st = c.stages[d]
-        lay, why = stage_layouts(graph, layers, solutions, k, j, c.mb, st.tp, st.recompute, earlier)
-        if lay is None:
-            return {}, f"runs by DTensor propagation: {why}"
-        earlier.update(produced_layouts(lay))
-        out[pos] = lay
-    return out, ""
+    spans = [(k, j, c.stages[d].tp, c.stages[d].recompute) for _, d, _, (k, j) in chunks]
+    provider.solve_replicated(c.mb, [layers[i] for k, j, tp, _ in spans if tp == 1 for i in range(k, j)])
+    lays, why = chunk_layouts(graph, layers, solutions, spans, c.mb)
+    if lays is None:
+        return {}, f"runs by DTensor propagation: {why}"
+    return dict(enumerate(lays)), ""
 
 
 def _recomputed(dry: LayerCounts, i: int, recompute: str) -> Counter:

@@ -147,6 +147,15 @@ class IlpProvider(AnalyticProvider):
             self.cache.put(key, sol)
         return sol
 
+    def solve_replicated(self, mb: int, layers: list[Layer]) -> None:
+        """Record `layers`' solutions on a 1-device mesh (every op replicated) at micro-batch
+        `mb`: the layouts of a 1-device stage beside tp stages (Alpa's sub-mesh choice), which
+        the executor runs like the others. The costs at tp 1 need no solve (`_analyze_layer`)."""
+        for layer in layers:
+            key = (layer.signature, mb, 1)
+            if key not in self.solutions:
+                self.solutions[key] = (self._solve(layer, mb, 1, interleaved=False), layer)
+
     def _digest(self, layer: Layer, mb: int) -> Optional[str]:
         """`graph_digest` of the layer's subgraph at `mb` (once per layer and micro-batch)."""
         key = (layer.index, mb)

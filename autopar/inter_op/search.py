@@ -156,6 +156,9 @@ class SearchResult:
     considered: int
     seconds: float
     min_memory_bytes: float
+    # candidates the search left out because the runtime could not run them, and why
+    # ("hetero dp=1 mb=2 tp=(2, 1, 1)": reason); recorded in the plan's `search`
+    skipped: dict[str, str] = field(default_factory=dict)
 
 
 class _Tables:
@@ -700,6 +703,7 @@ class Search:
         self.provider = provider or AnalyticProvider(graph, layers, cluster, dtype)
         self.sp_provider = sp_provider
         self.sp_skipped: dict[tuple[int, int], str] = {}   # (mb, tp) -> why SP cannot run there
+        self.skipped: dict[str, str] = {}      # candidates left out as the runtime cannot run them: why
         # the software the provider costs with (`SoftwareSpec`): also whether the gradient
         # sync overlaps the backward
         self.software = getattr(self.provider, "software", None) or resolve_software(None)
@@ -866,8 +870,13 @@ class Search:
                         lb = ideal * (1 + schedule_kind(sched).bubble_fraction(pp, m, v)) + sync
                         cands.append((lb, Candidate(dp, tp, pp, mb, m, sched, v, z, sp=sp)))
         if not getattr(self.provider, "sequence_parallel", False):
-            # stages of different tp run by DTensor propagation, which has no sequence parallelism
+            # stages of different tp hand the residual stream over replicated
+            # (`stage_layouts.chunk_layouts`); Megatron-SP's would arrive split along its tokens
             cands.extend(self._hetero_candidates(meshes))
+        elif self.cons.tp is None and self.cons.pp is None:
+            self.skipped["hetero"] = ("stages of different tp degrees are not searched with sequence_parallel: "
+                                      "the residual stream would cross their boundaries split along its tokens "
+                                      "over meshes of different sizes, a re-layout the runtime does not run")
         if not cands and self.considered_infeasible:
             raise self._no_fit()
         if not cands:
@@ -892,7 +901,7 @@ class Search:
         if best is None:
             raise self._no_fit()
         return SearchResult(best, self.layers, self.sp_provider if best.sp else self.provider, self.evaluated,
-                            self.considered, time.perf_counter() - t0, self.min_memory)
+                            self.considered, time.perf_counter() - t0, self.min_memory, dict(self.skipped))
 
     def _sp_options(self, mb: int, tp: int) -> tuple[bool, ...]:
         """Whether to try (mb, tp) without and with Megatron-SP (`sp_provider`): with, where
@@ -941,7 +950,10 @@ class Search:
             if len(tps) < 2 or self.L ** 2 * units * len(tps) * min(self.L, units) > HETERO_MAX_TABLE:
                 continue
             for mb in self.microbatches(D):
-                ok = [T for T in tps if not any(x.issues or x.dtensor_issues for x in self._layer_costs(mb, T))]
+                # the executor runs what the ILP solved; DTensor propagation (analytic
+                # costs) cannot split some layers Megatron's way (`dtensor_issues`)
+                ok = [T for T in tps if not any(x.issues or (x.dtensor_issues and not self._executor)
+                                                for x in self._layer_costs(mb, T))]
                 if len(ok) < 2:
                     continue
                 m = self.gbs // D // mb
@@ -1049,7 +1061,7 @@ class Search:
         units = self.N // D
         S = min(L, units)
         tps = list(cand.hetero_tps)
-        tbs = [self._tables(cand.mb, T, D, cand.zero) for T in tps]
+        tbs = [self._tables(cand.mb, T, D, cand.zero, solved=self._executor and T > 1) for T in tps]
         rcs = self.recomputes()
         cost = np.full((L, L + 1, len(tps), S + 1), INF)
         choice = np.full((L, L + 1, len(tps), S + 1), -1, dtype=int)
@@ -1077,12 +1089,35 @@ class Search:
         if any(st.peak_bytes > self.budget for st in stages):
             self.min_memory = min(self.min_memory, max(st.peak_bytes for st in stages))
             return False
+        why = self._hetero_layouts(cand, stages)
+        if why:
+            self.skipped[f"hetero dp={D} mb={cand.mb} tp={tuple(st.tp for st in stages)}"] = why
+            return False
         self._fanout_sends(stages)
         ts = [st.t_mb for st in stages]
         cand.pp, cand.tp = p, stages[0].tp
         self._finish(cand, tbs[0], stages, sum(ts) + (m - 1) * max(ts))
         cand.costs = tbs[0]
         return True
+
+    @property
+    def _executor(self) -> bool:
+        """Whether the plan's tp stages run op by op as solved: the provider solves per-op
+        layouts (the intra-op ILP; the analytic rules run by DTensor propagation)."""
+        return getattr(self.provider, "solutions", None) is not None
+
+    def _hetero_layouts(self, cand: Candidate, stages: list[StageResult]) -> str:
+        """Why the executor cannot run stages of different tp `stages` (a tensor crossing
+        between two of them that a reader's solution wants sharded: `chunk_layouts`), or ""."""
+        if not self._executor or all(st.tp == 1 for st in stages):
+            return ""
+        from autopar.inter_op.stage_layouts import chunk_layouts
+
+        spans = [(k, j, st.tp, st.recompute) for st in stages for k, j in st.chunks]
+        self.provider.solve_replicated(cand.mb, [self.layers[i] for k, j, tp, _ in spans if tp == 1
+                                                 for i in range(k, j)])
+        _, why = chunk_layouts(self.graph, self.layers, self.provider.solutions, spans, cand.mb)
+        return why
 
     def _fanout_sends(self, stages: list[StageResult]) -> None:
         """Add the copies a stage sends beyond the one the DP charges when its neighbour has more
@@ -1407,8 +1442,11 @@ class _Progress:
 
 
 def op_by_op(cand: "Candidate") -> bool:
-    """Whether the runtime executes the candidate's tp stages op by op as solved (the plan then
-    carries their layouts: `planner._op_layouts`): every stage of one tp degree above 1,
-    pipelined or not, under ZeRO-3 too (FSDP2 units around the executor's runs of ops:
+    """Whether the runtime executes the candidate's stages op by op as solved (the plan then
+    carries their layouts: `planner._op_layouts`): every stage of a candidate with a tp stage,
+    pipelined or not, its stages of one tp degree or of several (Alpa's sub-mesh choice), under
+    ZeRO-3 too (FSDP2 units around the executor's runs of ops:
     `runtime.zero.ZeroSharding._shard_solved`)."""
-    return cand.tp > 1 and not cand.hetero_tps
+    if cand.hetero_tps:
+        return any(st.tp > 1 for st in cand.stages) if cand.stages else max(cand.hetero_tps) > 1
+    return cand.tp > 1

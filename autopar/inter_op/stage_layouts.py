@@ -13,6 +13,9 @@ Between two layers each solution assumed the tensor entering its layer arrives i
 layer leaves it in another, the executor would redistribute it with collectives no solution
 counted; such a stage gets no layouts (the reason says which tensor), and the runtime runs it
 by DTensor propagation instead, as the plan records.
+
+`chunk_layouts` stitches the chunks of a pipeline, in model order. Chunks of different tp degrees
+(Alpa's free sub-mesh per stage) hand their tensors over replicated: see its docstring.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from autopar.inter_op.layers import Layer
 from autopar.schema.layouts import Junction, LayerOps, OpLayout, StageLayouts
 from cost_models.memory import checkpoint_region_of
 
-__all__ = ["stage_layouts", "produced_layouts", "crossing"]
+__all__ = ["stage_layouts", "chunk_layouts", "produced_layouts", "crossing"]
 
 
 def _mapping(graph: OpGraph, rep: Layer, lay: Layer) -> dict[str, str]:
@@ -154,3 +157,62 @@ def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, 
     return StageLayouts(model_axes=axes, signatures=sig_lists, layers=lay_ops, inputs=inputs, params=params,
                         junctions=junctions, receives=receives, param_layouts=interleaved,
                         collectives={ph: dict(c) for ph, c in counts.items() if c}), ""
+
+
+def _replicated(layout: tuple[str, ...]) -> tuple[str, ...]:
+    return ("R",) * len(layout)
+
+
+def _handover(graph: OpGraph, layers: list[Layer], lay: StageLayouts, j: int, tp: int,
+              earlier: dict[str, tuple[str, ...]]) -> str:
+    """Make chunk `lay` (ending at layer `j`, on a tp mesh of `tp`) hand every tensor crossing
+    into the next chunk, on a mesh of another tp degree, over replicated: each one its ops leave
+    sharded (partial) is gathered (all-reduced) on its mesh first, one forward collective per
+    tensor and micro-batch, added to `lay.collectives` (the gradient comes back whole: its
+    backward slices, no collective). A tensor it only passes on goes as it came, so it must be
+    replicated already. Returns why not, or ""."""
+    produced = produced_layouts(lay)
+    fwd = lay.collectives.setdefault("forward", {})
+    for name in crossing(graph, layers, j):
+        if name not in produced:
+            have = earlier.get(name)
+            if tp > 1 and have is not None and have != _replicated(have):
+                return (f"{name} passes through layer {layers[j - 1].name or j - 1} laid out {have} into a stage "
+                        f"of another tensor-parallel degree, which receives it replicated")
+            continue
+        if tp == 1:
+            continue
+        for pl in produced[name]:
+            if pl == "P":
+                fwd["all_reduce"] = fwd.get("all_reduce", 0) + 1
+            elif pl != "R":
+                fwd["all_gather"] = fwd.get("all_gather", 0) + 1
+    return ""
+
+
+def chunk_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, spans: list[tuple[int, int, int, str]],
+                  mb: int) -> tuple[Optional[list[StageLayouts]], str]:
+    """`stage_layouts` of every pipeline chunk `spans` ((first layer, end layer, tp, recompute),
+    in model order), each given what the chunks before it leave their tensors in, or (None, why
+    not). Where two neighbours differ in tp degree (Alpa's sub-mesh choice: stages of 1 and 2
+    devices) a layout of one mesh means nothing on the other, so the tensors cross replicated:
+    the sender gathers them (`_handover`, counted in its forward collectives), every rank of
+    the receiver gets them whole (`runtime.pipeline_p2p`'s fan-out) and its `receives` say
+    "R", so its readers' solutions must have assumed them replicated (the check of
+    `stage_layouts`: a reader wanting one sharded would need a re-layout no solution costed).
+    A chunk on a 1-device mesh holds every tensor whole: its solution is the replicated one."""
+    out: list[StageLayouts] = []
+    earlier: dict[str, tuple[str, ...]] = {}
+    for c, (k, j, tp, recompute) in enumerate(spans):
+        if c > 0 and spans[c - 1][2] != tp:
+            earlier = {n: _replicated(pl) for n, pl in earlier.items()}
+        lay, why = stage_layouts(graph, layers, solutions, k, j, mb, tp, recompute, earlier)
+        if lay is None:
+            return None, why
+        if c + 1 < len(spans) and spans[c + 1][2] != tp:
+            why = _handover(graph, layers, lay, j, tp, earlier)
+            if why:
+                return None, why
+        earlier.update(produced_layouts(lay))
+        out.append(lay)
+    return out, ""

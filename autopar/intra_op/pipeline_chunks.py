@@ -12,7 +12,11 @@ stands; each chunk of the rank runs its run of nodes with `_PlanInterpreter.run_
   solution left it in (which every reader's solution assumed, the planner checks), a tensor it
   only passes on goes as it came. So a boundary costs the sends the plan counts and no
   collective; a gradient goes back in the layout the reader's resharding left it (partial made
-  replicated, as inside one program).
+  replicated, as inside one program). Between chunks of different tp degrees (meshes of
+  different sizes, joined by `runtime.pipeline_p2p`'s fan-out) every tensor crosses
+  replicated: the sender redistributes what its ops left sharded or partial (the collective
+  the plan counts in its forward, `stage_layouts.chunk_layouts`) and its gradient comes back
+  whole.
 * Model inputs a chunk reads (the targets, in the last chunk) come from the step's
   micro-batches (`start_step`), as `runtime.graph_stages.FedChunk` feeds traced chunks; the
   first chunk gets the first input from the schedule.
@@ -47,6 +51,7 @@ from autopar.intra_op.execute import (
     _meta_copy,
     _PlanInterpreter,
     _program_calls,
+    _Reshard,
     _subgraph_index,
     _to_meta,
     _ToLocal,
@@ -172,7 +177,7 @@ class ProgramChunk(nn.Module):
     def __init__(self, prog: ShardedProgram, index: int, spans: _Spans,
                  layouts: Sequence[dict[str, tuple[str, ...]]], user_inputs: dict[torch.fx.Node, int],
                  specs: dict[torch.fx.Node, Any], params: set[str], param_names: dict[torch.fx.Node, str],
-                 units: Sequence[str] = ()) -> None:
+                 units: Sequence[str] = (), handover: bool = False) -> None:
         super().__init__()
         self._prog = [prog]                 # not a submodule: its model holds every chunk's parameters
         self.index = index
@@ -190,6 +195,9 @@ class ProgramChunk(nn.Module):
         self.sends = None if self.last else spans.receives[index + 1]
         self.recv_layouts = layouts[index]
         self.send_layouts = None if self.last else layouts[index + 1]
+        # the next chunk runs on a mesh of another tp degree: what it receives is replicated
+        # (its `receives`), what this chunk made in another layout is redistributed first
+        self.handover = handover
         self.specs = specs
         self.user_inputs = {ph: user_inputs[ph] for ph in self.placeholders if ph in user_inputs}
         if index == 0 and 0 not in self.user_inputs.values():
@@ -283,6 +291,9 @@ class ProgramChunk(nn.Module):
         if not isinstance(v, DTensor):
             return v
         want = self.send_layouts.get(self._name(node))
+        if want is not None and self.handover and all(w == "R" for w in want):
+            # the gradient comes back whole: back to this chunk's layout by a slice
+            v = _Reshard.apply(v, tuple(to_placements(want, v.ndim)), _grad_target(v.placements, ()))
         if want is None or tuple(to_placements(want, v.ndim)) != tuple(v.placements):
             raise PlanError(f"pipeline chunk {self.index} sends {self._name(node)} laid out "
                             f"{tuple(map(str, v.placements))}, but the next chunk expects {want}")
@@ -301,7 +312,8 @@ def parallelize_chunks(model: nn.Module, example_inputs: Sequence[Any], solution
                        compute_dtype: Callable[[torch.Tensor], torch.dtype],
                        param_dtype: Optional[torch.dtype] = None, loss_fn: Any = None,
                        recompute: Sequence[Sequence[str]] = (),
-                       units: Optional[dict[int, Sequence[str]]] = None) -> tuple[list[ProgramChunk], list[set[str]]]:
+                       units: Optional[dict[int, Sequence[str]]] = None,
+                       handover: Sequence[int] = ()) -> tuple[list[ProgramChunk], list[set[str]]]:
     """The rank's pipeline chunks `mine` of `model` (on meta) run as `solution` plans (the
     merged solution of those chunks' layouts), and every chunk's parameters (canonical names).
     `chunk_ops`: every chunk's op names, in pipeline order; `receives`: every chunk's
@@ -310,7 +322,10 @@ def parallelize_chunks(model: nn.Module, example_inputs: Sequence[Any], solution
     `autocast()` the context the run computes under and `compute_dtype(p)` the dtype parameter
     `p` computes in (for the boundary buffers' dtypes). `units`: per chunk of the rank, the
     modules ZeRO-3 shards as FSDP units (their chunk's `holder` holds the modules themselves,
-    every parameter of theirs materialised). Call it on every rank of the tp mesh."""
+    every parameter of theirs materialised). `handover`: the chunks whose next chunk runs on a
+    mesh of another tp degree (stages of different tp: they send it replicated tensors,
+    redistributing what they made in another layout; `stage_layouts.chunk_layouts`). Call it
+    on every rank of the tp mesh."""
     from torch.export.graph_signature import InputKind
 
     from autopar.capture.export import _WithLoss, default_loss, export_program
@@ -342,8 +357,8 @@ def parallelize_chunks(model: nn.Module, example_inputs: Sequence[Any], solution
     users = [ph for ph, s in specs.items() if s.kind == InputKind.USER_INPUT]
     user_inputs = {ph: k for k, ph in enumerate(users)}
     names = {ph: canon(s.target) for ph, s in specs.items() if s.kind == InputKind.PARAMETER}
-    chunks = [ProgramChunk(prog, c, spans, receives, user_inputs, specs, params[c], names, units.get(c, ()))
-              for c in mine]
+    chunks = [ProgramChunk(prog, c, spans, receives, user_inputs, specs, params[c], names, units.get(c, ()),
+                           handover=c in handover) for c in mine]
     for ch in chunks:
         ch.examples = _examples(ch, values, example_inputs, mesh)
         ch.shapes = {n: torch.Size(values[n].shape) for n in ch.recv}

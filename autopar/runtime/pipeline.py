@@ -82,12 +82,20 @@ class PipelineStages:
         """A pipeline whose chunks run op by op as solved (every stage carries `op_layouts`):
         each of the rank's chunks a `ProgramChunk` of the model's program
         (`autopar.intra_op.pipeline_chunks`) on the stage's tp sub-mesh, held by a torch
-        PipelineStage; only the parameters the rank's chunks read are materialised."""
+        PipelineStage; only the parameters the rank's chunks read are materialised. Stages of
+        different tp degrees (Alpa's sub-mesh choice) are joined by `pipeline_p2p`'s fan-out;
+        a chunk whose successor has another tp degree hands its tensors over replicated
+        (`ProgramChunk`'s `handover`, as the plan's `chunk_layouts` solved it)."""
         from autopar.intra_op.pipeline_chunks import parallelize_chunks
 
-        self.hetero = False
-        self._build_pp_groups()
+        self.hetero = len(_mesh_kinds(self.stages)) > 1
+        if self.hetero:
+            self._build_replica_groups()
+        else:
+            self._build_pp_groups()
         mine = [i for i, s in enumerate(self.stages) if self.rank in s.devices]
+        tps = [s.axis_size("tp") for s in self.stages]
+        handover = {i for i in range(len(tps) - 1) if tps[i] != tps[i + 1]}
         sol = _merged_solution([self.stages[i].op_layouts for i in mine], (self.tp_size,))
         chunk_ops = [[op for lay in s.op_layouts.layers for op in lay.ops] for s in self.stages]
         receives = [s.op_layouts.receives for s in self.stages]
@@ -98,7 +106,8 @@ class PipelineStages:
             aliases=self.aliases, device=self.device, autocast=self._autocast_ctx,
             compute_dtype=self._compute_dtype, param_dtype=self.low,
             recompute=[r for i in mine for r in self.stages[i].op_layouts.recompute_regions()],
-            units={i: self.stages[i].fsdp_units or [] for i in mine} if self.zero3 else None)
+            units={i: self.stages[i].fsdp_units or [] for i in mine} if self.zero3 else None,
+            handover=handover)
         self.chunk_params = dict(enumerate(params))
         if chunks:
             self._note_interleaved(chunks[0].prog.layouts)

@@ -72,9 +72,9 @@ def validate_plan(plan: Plan, model: nn.Module) -> dict:
         if missing:
             raise PlanError(f"the plan's stages leave parameters out: {', '.join(missing[:5])}")
     solved = [s.index for s in stages if s.op_layouts is not None]
-    if solved and (stages[0].axis_size("tp") < 2 or len(solved) < nst or len(_mesh_kinds(stages)) > 1):
+    if solved and (max(s.axis_size("tp") for s in stages) < 2 or len(solved) < nst):
         raise PlanError(f"stage {solved[0]} carries op_layouts, which the runtime executes only for "
-                        f"tensor-parallel stages of one mesh, every stage solved; re-plan with `autopar plan`")
+                        f"plans with a tensor-parallel stage, every stage solved; re-plan with `autopar plan`")
     names = dict(model.named_parameters(remove_duplicate=False))
     for s in stages:
         for fqn, pl in s.placements.items():
