@@ -831,7 +831,8 @@ class Search:
 
     def _run(self) -> SearchResult:
         t0 = time.perf_counter()
-        meshes = self.meshes()
+        # stage_tp pinned: only its stages of (maybe) different tp degrees (`_pinned_hetero`)
+        meshes = self.meshes() if self.cons.stage_tp is None else []
         issues: list[str] = []
         cands: list[tuple[float, Candidate]] = []
         for dp, tp, pp in meshes:
@@ -869,7 +870,9 @@ class Search:
                             sync -= _grad_reduce_time(self.cluster, self.dtype, dp, tp, z, pel)
                         lb = ideal * (1 + schedule_kind(sched).bubble_fraction(pp, m, v)) + sync
                         cands.append((lb, Candidate(dp, tp, pp, mb, m, sched, v, z, sp=sp)))
-        if not getattr(self.provider, "sequence_parallel", False):
+        if self.cons.stage_tp is not None:
+            cands.extend(self._pinned_hetero())
+        elif not getattr(self.provider, "sequence_parallel", False):
             # stages of different tp hand the residual stream over replicated
             # (`stage_layouts.chunk_layouts`); Megatron-SP's would arrive split along its tokens
             cands.extend(self._hetero_candidates(meshes))
@@ -963,6 +966,52 @@ class Search:
                 for sched in ([c.schedule] if c.schedule else ["1f1b"]):
                     for z in self.zeros(D, max(ok)):
                         out.append((lb, Candidate(D, 0, 0, mb, m, sched, 1, z, hetero_tps=tuple(ok))))
+        return out
+
+    def _pinned_hetero(self) -> list[tuple[float, Candidate]]:
+        """The candidates of `Constraints.stage_tp` (every micro-batch size, ZeRO stage), each
+        evaluated by `_evaluate_hetero` with its stages' tp degrees in that order; PlanError
+        when the pin cannot hold."""
+        c, N, dpn = self.cons, self.N, self.cluster.devices_per_node
+        pin = tuple(c.stage_tp or ())
+
+        def fail(why: str) -> PlanError:
+            return PlanError(f"stage_tp={pin}: {why}", constraint="stage_tp")
+
+        if getattr(self.provider, "sequence_parallel", False):
+            raise fail("stages of different tp degrees do not run with sequence_parallel (the residual stream "
+                       "would cross their boundaries split along its tokens over meshes of different sizes)")
+        if N % sum(pin):
+            raise fail(f"{sum(pin)} devices per data-parallel replica do not divide the cluster's {N}")
+        D = N // sum(pin)
+        for name, want in (("dp", D), ("pp", len(pin))):
+            if getattr(c, name) not in (None, want):
+                raise fail(f"{name}={getattr(c, name)} contradicts it ({name} {want})")
+        if c.tp is not None and set(pin) != {c.tp}:
+            raise fail(f"tp={c.tp} contradicts it")
+        if len(pin) > self.L:
+            raise fail(f"{len(pin)} stages need at least as many layers; the model has {self.L}")
+        if (c.schedule and schedule_kind(c.schedule).interleaved) or (c.virtual_stages or 1) > 1:
+            raise fail("the interleaved schedule's chunks go round equal device sets")
+        if self.gbs % D:
+            raise fail(f"global batch {self.gbs} does not divide over dp={D} replicas")
+        bad = [T for T in pin if not (dpn % (D * T) == 0 or (D * T) % dpn == 0)]
+        if bad:
+            raise fail(f"a stage of dp x tp = {D * bad[0]} devices is neither a power-of-two slice of a "
+                       f"{dpn}-device node nor whole nodes")
+        tps = sorted(set(pin))
+        out, issues = [], []
+        for mb in self.microbatches(D):
+            iss = sorted({i for T in tps for x in self._layer_costs(mb, T)
+                          for i in x.issues + ([] if self._executor else x.dtensor_issues)})
+            if iss:
+                issues.extend(iss)
+                continue
+            for sched in ([c.schedule] if c.schedule else ["1f1b"]):
+                for z in self.zeros(D, max(tps)):
+                    out.append((0.0, Candidate(D, 0, 0, mb, self.gbs // D // mb, sched, 1, z, hetero_tps=tuple(tps))))
+        if not out:
+            raise fail(issues[0] if issues else self._why_no_candidates([(D, max(tps), len(pin))]))
         return out
 
     def _failing_constraint(self) -> str:
@@ -1060,6 +1109,7 @@ class Search:
         L, m, D = self.L, cand.m, cand.dp
         units = self.N // D
         S = min(L, units)
+        pin = self.cons.stage_tp      # the s-th stage from the end on a mesh of tp pin[-s]
         tps = list(cand.hetero_tps)
         tbs = [self._tables(cand.mb, T, D, cand.zero, solved=self._executor and T > 1) for T in tps]
         rcs = self.recomputes()
@@ -1070,13 +1120,15 @@ class Search:
             fixed = tb.fixed_memory(pel, m)
             t_common = tb.ranged(tb.base) + tb.range_p2p + tb.zero_mb(pel) + tb.accum(pel, m)
             for s_ in range(1, S + 1):
+                if pin is not None and (s_ > len(pin) or pin[len(pin) - s_] != tps[mi]):
+                    continue
                 # 1F1B on the stage with s_ - 1 stages after it; the depth is not known yet:
                 # where the runtime runs GPipe instead (fewer micro-batches than stages) the
                 # stages are checked below
                 kind = "gpipe" if cand.schedule == "gpipe" or m < s_ else "1f1b"
                 cost[:, :, mi, s_], choice[:, :, mi, s_] = self._best_recompute(
                     tb, rcs, t_common, fixed, self._held(kind, s_, 0, m), m)
-        res = stage_dp(cost, tps, units, m)
+        res = stage_dp(cost, tps, units, m, num_stages=len(pin) if pin is not None else None)
         if res is None:
             return False
         stages = []

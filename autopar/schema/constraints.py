@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cost_models.schedules import SCHEDULES as _REGISTRY
 
@@ -31,10 +31,22 @@ class Constraints(BaseModel):
     virtual_stages: Optional[int] = Field(default=None, ge=1, description="model chunks per device (interleaved)")
     recompute: Optional[Recompute] = None
     zero_stage: Optional[int] = Field(default=None, ge=0, le=3)
+    stage_tp: Optional[tuple[int, ...]] = Field(
+        default=None, min_length=1, description="the tensor-parallel degree of each pipeline stage, in "
+        "model order (Alpa's sub-mesh choice: stages may differ, e.g. (1, 1, 2)); sets pp to its length and "
+        "dp to the devices over sum(stage_tp); each stage's dp x tp devices a power-of-two slice of a node or "
+        "whole nodes; not with the interleaved schedule")
     sequence_parallel: Optional[bool] = Field(
         default=None, description="Megatron-SP on the tensor-parallel axis (norms, dropout and residual "
         "adds on sequence slices, the residual stream split along its tokens between layers; needs the "
         "intra-op ILP); None: the search tries both where tp > 1 (with the ILP; off with the analytic rules)")
+
+    @field_validator("stage_tp")
+    @classmethod
+    def _positive(cls, v: Optional[tuple[int, ...]]) -> Optional[tuple[int, ...]]:
+        if v is not None and any(t < 1 for t in v):
+            raise ValueError(f"stage_tp {v}: every degree must be at least 1")
+        return v
 
     def pinned(self) -> dict[str, object]:
         return {k: v for k, v in self.model_dump().items() if v is not None}
