@@ -91,14 +91,76 @@ def test_zero3_in_a_tp_pipeline_carries_its_layouts_and_units():
     assert p.predicted.collectives["reduce_scatter"] == z["reduce_scatter"]
 
 
-def test_a_stage_not_executed_op_by_op_says_why():
-    """Stages of different tp degrees (mlp-tiny, dp pinned to 1: tp 1, 2, 1) still run by
-    DTensor propagation, and say so."""
+def test_stages_of_different_tp_carry_layouts_solved_for_their_own_mesh():
+    """Stages of different tp degrees (mlp-tiny, dp pinned to 1: the search picks tp 2, 1, 1)
+    carry every op's layout, each stage's solved on its own mesh (the 1-device stages'
+    replicated), and hand their tensors over replicated: the tp-2 stage's column-parallel
+    output is gathered before it leaves (one forward all-gather per micro-batch in its
+    collectives), the next stage receives it "R". The predicted collectives are theirs. With
+    the analytic per-layer rules the same plan says why it runs by DTensor propagation."""
     p = plan("mlp-tiny", _cpu(4), global_batch_size=8, dtype="fp32", constraints=Constraints(dp=1))
-    assert len({s.axis_size("tp") for s in p.stages}) > 1, [s.mesh_shape for s in p.stages]
-    assert all(s.op_layouts is None for s in p.stages)
-    assert "different tensor-parallel degrees" in p.search["tp_executor"]
-    assert "tensor parallelism runs by DTensor propagation" in p.summary()
+    stages = sorted(p.stages, key=lambda s: s.index)
+    tps = [s.axis_size("tp") for s in stages]
+    assert len(set(tps)) > 1 and max(tps) == 2, tps
+    assert all(s.op_layouts is not None for s in stages) and "tp_executor" not in p.search
+    for s, tp in zip(stages, tps):
+        lay = s.op_layouts
+        pls = {pl for ops in lay.signatures for ol in ops for pl in [*ol.inputs, *ol.outputs]}
+        if tp == 1:
+            assert pls <= {("R",)}, pls
+        else:
+            assert any(pl != ("R",) for pl in pls)          # its ops split over its 2 devices
+    for a, b in zip(stages, stages[1:]):
+        if a.axis_size("tp") != b.axis_size("tp"):
+            assert b.op_layouts.receives and set(b.op_layouts.receives.values()) == {("R",)}
+    wide = stages[tps.index(2)]
+    if wide.index < len(stages) - 1:
+        assert wide.op_layouts.collectives["forward"].get("all_gather", 0) >= 1    # the handover
+    m = p.num_microbatches
+    want: Counter = Counter()
+    for s in stages:
+        for phase in ("forward", "backward", "grad_sync", "recompute"):
+            want.update({k: m * v for k, v in s.op_layouts.collectives.get(phase, {}).items()})
+    want["send_recv"] += 2 * m * (len(stages) - 1)
+    assert p.predicted.collectives == dict(want)
+    an = plan("mlp-tiny", _cpu(4), global_batch_size=8, dtype="fp32", constraints=Constraints(dp=1),
+              intra_op="analytic")
+    assert all(s.op_layouts is None for s in an.stages)
+    assert "analytic provider solves no per-op layouts" in an.search["tp_executor"]
+    assert "tensor parallelism runs by DTensor propagation" in an.summary()
+
+
+def test_a_hetero_boundary_the_readers_did_not_assume_replicated_is_refused():
+    """`chunk_layouts`: a tensor crossing between stages of different tp arrives replicated;
+    a reader whose solution assumed it sharded would need a re-layout no solution costed, so
+    the stages get no layouts, with the reason (the search then skips that split and records
+    why: `Search.skipped`)."""
+    import copy
+
+    from autopar.capture import capture
+    from autopar.inter_op.ilp_provider import IlpProvider
+    from autopar.inter_op.layers import build_layers
+    from autopar.inter_op.stage_layouts import chunk_layouts
+    from autopar.planner import resolve_model
+
+    b = resolve_model("mlp-tiny", None, None)
+    g = capture(b.model, b.example_inputs, name=b.name)
+    layers = build_layers(g, b.model)
+    prov = IlpProvider(g, layers, _cpu(4), "fp32")
+    for lay in layers:
+        prov.cost(lay, 8, 2)
+    prov.solve_replicated(8, layers)
+    spans = [(0, 1, 1, "none"), (1, 2, 2, "none"), (2, 3, 1, "none")]
+    lays, why = chunk_layouts(g, layers, prov.solutions, spans, 8)
+    assert lays is not None, why
+    assert set(lays[1].receives.values()) == {("R",)}
+    sol, rep = prov.solutions[(layers[1].signature, 8, 2)]
+    entering = next(n for n in sol.input_placements if g.node(n).kind == "call")
+    bad = copy.deepcopy(sol)
+    bad.input_placements[entering] = ("S(1)",)
+    sols = {**prov.solutions, (layers[1].signature, 8, 2): (bad, rep)}
+    lays, why = chunk_layouts(g, layers, sols, spans, 8)
+    assert lays is None and entering in why and "assumed ('S(1)',)" in why, why
 
 
 def test_every_pipeline_chunk_carries_its_layouts_and_what_it_receives():

@@ -2,6 +2,11 @@
 stage; `autopar/runtime/pipeline_p2p.py`): executed plans give the one-process losses and run
 the collectives they predict.
 
+Plans of the planner with the intra-op ILP (`test_planned_hetero_pipelines_run_as_solved`)
+carry every stage's op layouts and run op by op as solved (`intra_op.pipeline_chunks`). The
+rest of this file runs plans without op layouts (hand-pinned Megatron placements, or the
+analytic per-layer rules), which the runtime executes by DTensor propagation.
+
 Pinned plans for gpt-tiny (embed, 2 blocks, head; embedding tied to the output weight;
 vocabulary-parallel "S(0)" embedding / output weight on a tp stage, as the planner places them;
 Megatron placements in the blocks), gloo on CPU. Collectives per step (the counting convention
@@ -113,14 +118,17 @@ def run_job(layouts: list[str], out_path: str) -> None:
     import torch.distributed as dist
 
     from autopar.runtime.worker import init_distributed, train
+    from autopar.schema.plan import load_plan
 
     init_distributed()
     results: dict = {}
     try:
         for lay in layouts:
-            plan = hetero_plan(lay)
+            # "PLAN.json|MODEL": a plan file made by the planner, for model reference MODEL
+            path, _, ref = lay.partition("|")
+            plan = load_plan(path) if ref else hetero_plan(lay)
             try:
-                results[lay] = train(plan, build_model("gpt-tiny", device="meta"), steps=STEPS, quiet=True)
+                results[lay] = train(plan, build_model(ref or "gpt-tiny", device="meta"), steps=STEPS, quiet=True)
             except Exception as e:
                 results[lay] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
                 raise
@@ -183,10 +191,59 @@ def test_data_parallel_replicas_of_a_hetero_pipeline(tmp_path):
         check(res[lay], hetero_plan(lay), reference_losses(), lay)
 
 
+def test_planned_hetero_pipelines_run_as_solved(tmp_path):
+    """Plans of the planner (intra-op ILP) with stages of different tp on 4 processes, each
+    stage carrying its op layouts, run op by op as solved: the losses of 4 steps within 1e-4
+    of one process and every counted collective the plan's.
+
+    * gpt-tiny with 6 blocks, `Constraints(stage_tp=(1, 1, 2))`, 1F1B over 4 micro-batches:
+      the tied embedding on a 1-device stage and vocabulary-parallel in the tp-2 last stage
+      (its gradient summed over both, whole); the residual stream handed to the tp-2 stage;
+    * the same, `stage_tp=(2, 1, 1)`, GPipe, full recomputation: a tp-2 first stage hands its
+      output to 1-device stages, the recomputed regions re-run their collectives;
+    * mlp-tiny planned freely (dp pinned to 1): the search picks stages of tp 2, 1, 1 by
+      itself; the tp-2 stage's column-parallel output is gathered before it leaves (the
+      all-gather the plan counts)."""
+    from autopar.planner import plan as make
+    from autopar.runtime import run
+    from autopar.schema import ClusterSpec, Constraints
+    from tests.plans import GPT6_REF
+    from tests.test_runtime import reference_losses
+
+    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4, "num_nodes": 1})
+    cases = {
+        "gpt6_112": (GPT6_REF, Constraints(stage_tp=(1, 1, 2), num_microbatches=4, schedule="1f1b",
+                                           recompute="none")),
+        "gpt6_211": (GPT6_REF, Constraints(stage_tp=(2, 1, 1), num_microbatches=2, schedule="gpipe",
+                                           recompute="full")),
+        "mlp_free": ("mlp-tiny", Constraints(dp=1)),
+    }
+    plans, jobs = {}, []
+    for name, (ref, cons) in cases.items():
+        p = make(ref, cl, global_batch_size=8, dtype="fp32", constraints=cons, intra_op="ilp")
+        tps = [s.axis_size("tp") for s in sorted(p.stages, key=lambda s: s.index)]
+        assert len(set(tps)) > 1 and all(s.op_layouts is not None for s in p.stages), (name, tps, p.search)
+        if cons.stage_tp is not None:
+            assert tuple(tps) == cons.stage_tp
+        path = tmp_path / f"{name}.json"
+        p.save(path)
+        plans[name] = p
+        jobs.append(f"{path}|{ref}")
+    res = launch(jobs, 4, tmp_path)
+    one = plans["mlp_free"].model_copy(update={"stages": [StagePlan(
+        index=0, devices=[0], mesh_shape=(1,), mesh_axis_names=("dp",),
+        layers=[x for s in sorted(plans["mlp_free"].stages, key=lambda s: s.index) for x in s.layers])]})
+    refs = {"gpt6_112": reference_losses(GPT6_REF, steps=STEPS), "gpt6_211": reference_losses(GPT6_REF, steps=STEPS),
+            "mlp_free": [r["loss"] for r in run(one, "mlp-tiny", steps=STEPS, quiet=True) if "step" in r]}
+    for name, job in zip(cases, jobs):
+        check(res[job], plans[name], refs[name], name)
+    assert plans["mlp_free"].predicted.collectives.get("all_gather", 0) >= 1
+
+
 def test_planner_hetero_plan_runs(tmp_path):
     """The planner emits stages of different tp for mlp-tiny on a 4-device CPU node (dp pinned to
-    1, the analytic per-layer costs): stages of tp 1, 2 and 1. It runs, with the one-process
-    losses and the collectives the plan predicts."""
+    1, the analytic per-layer costs): stages of tp 1, 2 and 1. It runs by DTensor propagation
+    (no op layouts), with the one-process losses and the collectives the plan predicts."""
     from autopar.planner import plan as make
     from autopar.runtime import run
     from autopar.schema import ClusterSpec, Constraints

@@ -285,10 +285,12 @@ class Plan(_Model):
     def summary(self) -> str:
         """A table of the stages and the plan's totals (what `autopar show` prints)."""
         p = self.predicted
+        tps = [s.axis_size("tp") for s in sorted(self.stages, key=lambda s: s.index)]
+        tp = str(self.tp) if len(set(tps)) == 1 else ",".join(map(str, tps)) + " (per stage)"
         head = (f"autopar plan for {self.model.name} ({format_count(self.model.num_params)} params) on "
                 f"{self.cluster.num_devices} x {self.cluster.device.name} "
                 f"({self.cluster.num_nodes} node{'s' if self.cluster.num_nodes > 1 else ''})\n"
-                f"dp={self.dp} tp={self.tp} pp={self.pp}  schedule={self.schedule}"
+                f"dp={self.dp} tp={tp} pp={self.pp}  schedule={self.schedule}"
                 f"{f' (v={self.virtual_stages})' if self.virtual_stages > 1 else ''}  "
                 f"global batch={self.global_batch_size}  micro-batch={self.microbatch_size} x "
                 f"{self.num_microbatches}  zero={self.zero_stage}  dtype={self.dtype}\n"
@@ -347,8 +349,10 @@ class Plan(_Model):
             tail += "\ntensor parallelism executed op by op as solved: " + ", ".join(
                 f"stage {s.index} ({s.op_layouts.num_ops} ops, {len(s.op_layouts.signatures)} distinct layers)"
                 for s in solved)
-        elif self.tp > 1 and self.search.get("tp_executor"):
+        elif max(tps) > 1 and self.search.get("tp_executor"):
             tail += f"\ntensor parallelism {self.search['tp_executor']}"
+        if self.search.get("skipped"):
+            tail += f"\nleft out by the search (the runtime cannot run them): {self.search['skipped']}"
         return f"{head}\n{table}\n{tail}"
 
 
