@@ -46,6 +46,16 @@ def _constraints(**kw: Any):
         raise PlanError(f"invalid constraint: {validation_message(e)}") from None
 
 
+def _degrees(text: Optional[str]) -> Optional[tuple[int, ...]]:
+    """"1,1,2" -> (1, 1, 2) (`--stage-tp`); None when not given."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of integers") from None
+
+
 def _cluster(name: str, nodes: Optional[int], devices_per_node: Optional[int]):
     from autopar.schema import ClusterSpec
 
@@ -98,6 +108,9 @@ def _software(name: Optional[str], spec: Any):
 @click.option("--virtual-stages", type=int)
 @click.option("--recompute", type=click.Choice(["none", "selective", "full"]))
 @click.option("--zero-stage", type=int)
+@click.option("--stage-tp", callback=lambda ctx, param, v: _degrees(v), metavar="T1,T2,...",
+              help="pin each pipeline stage's tensor-parallel degree, in model order (stages may differ, "
+                   "Alpa's sub-mesh choice: e.g. 1,1,2)")
 @click.option("--sequence-parallel/--no-sequence-parallel", default=None,
               help="pin Megatron-SP on the tensor-parallel axis on or off (needs the intra-op ILP); "
                    "default: the search decides")

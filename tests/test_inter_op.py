@@ -128,3 +128,28 @@ def test_hetero_submesh_search_gives_valid_stages():
         assert sorted(devs) == list(range(8))          # the sub-meshes cover the node exactly
         assert c.stages[0].chunks[0][0] == 0 and c.stages[-1].chunks[-1][1] == len(layers)
         assert all(len(st.devices) == c.dp * st.tp for st in c.stages)
+
+
+def test_stage_tp_pins_each_stages_degree_in_order():
+    """`Constraints(stage_tp=...)`: the stages get those tp degrees in model order (the DP picks
+    only the layer split), dp the devices left over; a pin that cannot hold is a PlanError
+    naming `stage_tp` and why."""
+    import pytest
+
+    from autopar.planner import plan
+    from autopar.schema import ClusterSpec, Constraints, PlanError
+
+    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4, "num_nodes": 1})
+    for pin in ((1, 2, 1), (2, 1, 1), (1, 1, 2)):
+        p = plan("mlp-tiny", cl, global_batch_size=8, dtype="fp32", constraints=Constraints(stage_tp=pin),
+                 intra_op="analytic")
+        assert tuple(s.axis_size("tp") for s in sorted(p.stages, key=lambda s: s.index)) == pin
+        assert p.dp == 1 and p.pp == 3
+    for pin, extra, why in [((1, 2), {}, "do not divide the cluster's 4"),
+                            ((1, 1, 2), {"tp": 2}, "tp=2 contradicts it"),
+                            ((1, 3), {}, "neither a power-of-two slice"),
+                            ((1, 1, 2), {"schedule": "interleaved_1f1b"}, "interleaved")]:
+        with pytest.raises(PlanError, match=why) as e:
+            plan("mlp-tiny", cl, global_batch_size=8, dtype="fp32", intra_op="analytic",
+                 constraints=Constraints(stage_tp=pin, **extra))
+        assert e.value.constraint == "stage_tp"

@@ -95,6 +95,25 @@ def test_verify_uneven_zero3_shards_are_kinds(tmp_path):
     assert r.collectives_match is True
 
 
+def test_verify_data_parallel_replicas_of_stages_of_different_tp():
+    """gpt-tiny with 6 blocks, 2 data-parallel replicas of stages of tp 1, 1 and 2
+    (`Constraints(stage_tp=...)`) on 8 ranks, run as solved (every stage's op layouts), under
+    ZeRO-3 (FSDP units on each stage's dp mesh; the tied embedding summed whole over its
+    holders of both replicas): every rank kind builds and steps,
+    each stage's tp collectives are its solution's and the step's the plan's."""
+    from tests.plans import GPT6_REF
+
+    cluster = autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": 8})
+    p = autopar.plan(GPT6_REF, cluster, global_batch_size=8, dtype="fp32",
+                     constraints=autopar.Constraints(stage_tp=(1, 1, 2), num_microbatches=2, zero_stage=3))
+    assert [s.mesh_shape for s in sorted(p.stages, key=lambda s: s.index)] == [(2, 1), (2, 1), (2, 2)]
+    assert all(s.op_layouts is not None for s in p.stages)
+    r = verify(p, GPT6_REF, jobs=1)
+    assert r.ok, r.failures
+    assert r.collectives_match is True, (r.collectives_measured, r.collectives_predicted)
+    assert any(rc.tp_predicted and rc.tp_predicted == rc.tp_measured for rc in r.ranks)
+
+
 @pytest.mark.parametrize("sp", [False, True])
 def test_verify_matches_a_real_run(tmp_path, sp):
     """The tracked peak on fake tensors and a fake process group equals `autopar run`'s on real

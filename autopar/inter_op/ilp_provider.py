@@ -191,8 +191,8 @@ class IlpProvider(AnalyticProvider):
         """Two runtimes execute a tp layer: the executor, op by op as solved, which can hold a
         fused projection's weight rows chunk-interleaved (Megatron's QKV layout: each rank's
         shard holds its heads of q, k and v, so the split into q, k, v blocks needs no gather);
-        and DTensor propagation (stages of different tp degrees),
-        which shards a weight contiguously. The layer is solved for the executor first; where
+        and DTensor propagation (where the executor cannot run a plan: `planner._op_layouts`'s
+        fallback), which shards a weight contiguously. The layer is solved for the executor first; where
         that solution interleaves a weight, again without, for the other. The executor's cost is `LayerCost.solved`."""
         base = super()._analyze(layer, mb, tp)
         if tp == 1:

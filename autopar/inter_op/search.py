@@ -42,6 +42,12 @@ What is approximated, and why (to keep a 1000-GPU search within seconds on two c
   neighbour with more tp ranks sends it one copy per receiving rank (the runtime's fan-out);
   the DP costs one, the extra copies are added to the stages it picks (`_fanout_sends`). A
   parameter tied between stages of different tp is all-reduced whole over all their ranks.
+  With per-op solutions (the ILP) such stages run op by op as solved, costed so; tensors cross
+  between tp degrees replicated (`stage_layouts.chunk_layouts`: the sender's gathers are counted
+  in the plan's collectives, not in the stage times); a split the executor cannot run (a
+  receiver's solution wanting a crossing tensor sharded) is rejected and recorded
+  (`SearchResult.skipped`, the plan's `search["skipped"]`). `Constraints.stage_tp` pins every
+  stage's tp degree in order (`_pinned_hetero`).
 - Gradient accumulation: after the first micro-batch, every backward adds the weight gradients
   into the accumulated ones (read both, write the sum), a memory-bound cost per micro-batch
   in the stage time (`_Tables.accum`).
@@ -901,6 +907,13 @@ class Search:
                 best = cand
                 self._found = True
         bar.done()
+        if best is None and self.cons.stage_tp is not None and self.skipped:
+            where, why = next(iter(self.skipped.items()))
+            raise PlanError(f"stage_tp={tuple(self.cons.stage_tp)}: the runtime cannot run its best split "
+                            f"({where}): {why}", constraint="stage_tp")
+        if best is None and self.cons.stage_tp is not None and self.min_memory == INF:
+            raise PlanError(f"stage_tp={tuple(self.cons.stage_tp)}: no split of the {self.L} layers over these "
+                            f"stages fits in memory", constraint="stage_tp")
         if best is None:
             raise self._no_fit()
         return SearchResult(best, self.layers, self.sp_provider if best.sp else self.provider, self.evaluated,

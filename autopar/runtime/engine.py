@@ -13,8 +13,8 @@ How each part of the plan is executed:
 
 * Stage meshes: one `DeviceMesh` per distinct stage device set (`mesh_shape`,
   `mesh_axis_names`), created on every rank in stage order.
-* "tp" axes, stages with solved layouts (`op_layouts`: every tp plan but stages of different
-  tp degrees): the model's exported program runs op by op as solved on the tp sub-mesh
+* "tp" axes, stages with solved layouts (`op_layouts`: every plan of the ILP with a tp stage,
+  its stages of one tp degree or several): the model's exported program runs op by op as solved on the tp sub-mesh
   (`intra_op.execute`; a pipeline's chunks cut from it, `intra_op.pipeline_chunks`); under
   ZeRO-3 FSDP2 shards its tp DTensors over dp, each unit's ops one call of an FSDP forward
   method of its module (`zero.ZeroSharding._shard_solved`, `_shard_solved_chunks`).
@@ -35,7 +35,8 @@ How each part of the plan is executed:
 * Stages of different tp degrees (Alpa's free sub-mesh per stage, one dp degree):
   `pipeline_p2p.FanoutPipelineStage`; every rank of a stage runs the schedule, each receives
   every transfer once from one rank of the neighbour (so a rank may send to several ranks of a
-  wider neighbour). Interleaving still needs equal stage meshes.
+  wider neighbour); run as solved, tensors cross such a boundary replicated (the sender
+  redistributes first, `intra_op.pipeline_chunks`). Interleaving still needs equal stage meshes.
 * Recompute: `torch.utils.checkpoint` (non-reentrant) around each layer ("full") or around each
   layer's attention child ("selective"; the whole layer when it has none).
 * Precision (`precision`): bf16/fp16 plans keep 2-byte parameters and gradients (synced in the

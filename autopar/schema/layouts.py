@@ -67,7 +67,8 @@ class StageLayouts(_Model):
     receives: dict[str, Layout] = Field(
         default_factory=dict, description="a pipeline chunk after the first: every tensor it receives from "
         "the chunk before (made earlier, read by it or a later chunk; the program's order), in the layout its "
-        "producer's op leaves it in, which is the layout every later reader's solution assumed")
+        "producer's op leaves it in, which is the layout every later reader's solution assumed; replicated "
+        "after a chunk of another tp degree, which redistributes what it sends to replicated")
     collectives: dict[str, dict[str, int]] = Field(
         default_factory=dict, description="per phase (forward, backward, grad_sync, and recompute: the "
         "forward collectives the backward re-runs): collectives of one micro-batch by kind, as the executor "
