@@ -254,6 +254,15 @@ def test_the_runtime_refuses_layouts_it_cannot_execute():
     bad.stages[1].op_layouts = None
     with pytest.raises(PlanError, match="op_layouts.*re-plan"):
         validate_plan(bad, model)
+    # stages of different tp: what crosses between them arrives replicated, or the plan is refused
+    het = plan("mlp-tiny", _cpu(4), global_batch_size=8, dtype="fp32", constraints=Constraints(stage_tp=(1, 2, 1)))
+    mlp = resolve_model("mlp-tiny", None, None).model
+    validate_plan(het, mlp)
+    bad = het.model_copy(deep=True)
+    recv = bad.stages[1].op_layouts.receives
+    recv[next(iter(recv))] = ("S(1)",)
+    with pytest.raises(PlanError, match="tensors cross replicated"):
+        validate_plan(bad, mlp)
 
 
 def test_selective_recomputation_checkpoints_each_attention_child():

@@ -75,6 +75,14 @@ def validate_plan(plan: Plan, model: nn.Module) -> dict:
     if solved and (max(s.axis_size("tp") for s in stages) < 2 or len(solved) < nst):
         raise PlanError(f"stage {solved[0]} carries op_layouts, which the runtime executes only for "
                         f"plans with a tensor-parallel stage, every stage solved; re-plan with `autopar plan`")
+    for a, b in zip(stages, stages[1:]):
+        if solved and a.axis_size("tp") != b.axis_size("tp"):
+            sharded = {n: pl for n, pl in b.op_layouts.receives.items() if any(p != "R" for p in pl)}
+            if sharded:
+                n, pl = next(iter(sharded.items()))
+                raise PlanError(f"stage {b.index} (tp {b.axis_size('tp')}) receives {n} laid out {pl} from stage "
+                                f"{a.index} (tp {a.axis_size('tp')}): between stages of different tp degrees "
+                                f"tensors cross replicated; re-plan with `autopar plan`")
     names = dict(model.named_parameters(remove_duplicate=False))
     for s in stages:
         for fqn, pl in s.placements.items():
