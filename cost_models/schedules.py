@@ -14,7 +14,12 @@ its peak can fall on (after a forward, at a backward's start), before and after 
 backward (weight gradients exist only after it): per local chunk, the micro-batches whose
 activations are held, the outputs and input gradients the schedule's sends still reference
 (each torch runner keeps them differently: read from its code, `_walk_1f1b`, `_walk_actions`),
-and whether the chunk's gradients exist. `held_split(...)` is its activation part.
+whether the chunk's gradients exist, and the receive buffers alive: the runtime makes a
+chunk's receive buffer when its schedule posts the receive and drops it after that
+micro-batch's backward (`autopar.runtime.pipeline_p2p.JustInTimeStage`, as Megatron-LM's
+p2p_communication does), so how many are alive follows the same order of actions, and, for the
+lock-step runner of the interleaved schedule, its neighbours' (a receive is posted in the time
+step its sender runs). `held_split(...)` is its activation part.
 """
 
 from __future__ import annotations
@@ -119,9 +124,12 @@ def _pipeline_order(cls_name: TorchSchedule, p: int, m: int) -> dict:
 # what a moment vector holds, per local chunk: `ACTS` chunk micro-batches whose activations are
 # held (forward ran, backward not yet); `SENT_OUTPUTS` outputs of micro-batches whose backward
 # already ran, still referenced by a forward send; `SENT_GRADS` input gradients a backward send
-# still references; `GRADS` 1 where the chunk's weight gradients exist (a backward of it ran)
-ACTS, SENT_OUTPUTS, SENT_GRADS, GRADS = range(4)
-_ROWS = 4
+# still references; `GRADS` 1 where the chunk's weight gradients exist (a backward of it ran);
+# `RECV_INPUTS` receive buffers of the chunk's input alive (received, its backward not yet run:
+# the buffer is the chunk's input, which its forward keeps); `RECV_GRADS` receive buffers of the
+# gradient of the chunk's output alive (received, its backward not yet run)
+ACTS, SENT_OUTPUTS, SENT_GRADS, GRADS, RECV_INPUTS, RECV_GRADS = range(6)
+_ROWS = 6
 
 
 class _Walk:
@@ -143,6 +151,17 @@ class _Walk:
         self.grad = [0] * v
         self.parts: tuple[list, list] = ([], [])
         self.backed = False
+        # receive buffers alive, per chunk, and which (chunk, mb) they are for
+        self.rin = [0] * v
+        self.rgrad = [0] * v
+        self.recv: set[tuple[str, int, int]] = set()
+
+    def receive(self, what: str, c: int, i: int) -> None:
+        """A receive buffer made: of chunk `c`'s input ("in") or output gradient ("grad") for
+        micro-batch `i`; dropped when that micro-batch's backward of the chunk has run."""
+        if (what, c, i) not in self.recv:
+            self.recv.add((what, c, i))
+            (self.rin if what == "in" else self.rgrad)[c] += 1
 
     def _count(self, ref: tuple[str, int, int], sign: int) -> None:
         what, c, i = ref
@@ -165,7 +184,7 @@ class _Walk:
         self.refs = set(refs)
 
     def _moment(self) -> None:
-        x = (*self.held, *self.out, *self.grad, *self.made)
+        x = (*self.held, *self.out, *self.grad, *self.made, *self.rin, *self.rgrad)
         part = self.parts[self.backed]
         if part and all(map(ge, x, part[-1])):
             part[-1] = x        # the previous moment is dominated: it cannot be a peak
@@ -184,10 +203,14 @@ class _Walk:
             self.out[c] += 1
         self.made[c] = 1
         self.backed = True
+        for what, row in (("in", self.rin), ("grad", self.rgrad)):
+            if (what, c, i) in self.recv:
+                self.recv.discard((what, c, i))
+                row[c] -= 1
 
     def finish(self, label: str) -> tuple[tuple, tuple]:
-        if any(self.held):
-            raise AssertionError(f"{label} ends holding {self.held}")
+        if any(self.held) or self.recv:
+            raise AssertionError(f"{label} ends holding {self.held}, receive buffers {sorted(self.recv)}")
         return tuple(_maximal(part) for part in self.parts)
 
 
@@ -196,22 +219,50 @@ def _walk_actions(cls_name: TorchSchedule, p: int, m: int, v: int, rank: int, se
     ends (`ScheduleGPipe._step_microbatches` keeps its works in `fwd_sends_to_wait` /
     `bwd_sends_to_wait`, waited and dropped only when the step returns, torch 2.13); otherwise
     a send is waited and dropped in its time step (the interleaved schedule as the runtime runs
-    it, `runtime.pipeline._interleaved_class`)."""
+    it, `runtime.pipeline._interleaved_class`).
+
+    Receives: GPipe posts a micro-batch's receive right before its forward (or backward). The
+    lock-step runner (`PipelineScheduleMulti._step_microbatches`) posts, after the rank's own
+    action of time step t, a receive for every forward its previous rank runs at t (of the
+    stage before one of its own) and every backward its next rank runs at t (of the stage after
+    one of its own), waited in that step: the buffer exists from then on."""
     from torch.distributed.pipelining.schedules import _ComputationType as C
 
     w = _Walk(v)
-    for a in _rank_actions(cls_name, p, m, v, rank):
-        if a is None:
+    n = p * v
+    bwd = (C.FULL_BACKWARD, C.BACKWARD_INPUT)
+    lockstep = cls_name == "ScheduleInterleaved1F1B"
+    mine = _rank_actions(cls_name, p, m, v, rank)
+    if lockstep:
+        local = {c * p + rank for c in range(v)}
+        prev_ranks = sorted({(s - 1) % p for s in local if s > 0})
+        next_ranks = sorted({(s + 1) % p for s in local if s < n - 1})
+        lists = {q: _rank_actions(cls_name, p, m, v, q) for q in {*prev_ranks, *next_ranks}}
+    for t, a in enumerate(mine):
+        if a is not None:
+            c = a.stage_index // p        # chunk c of rank r is stage c * p + r
+            if a.computation_type == C.FORWARD:
+                if not lockstep and a.stage_index > 0:
+                    w.receive("in", c, a.microbatch_index)
+                w.forward(c)
+                if sends_kept and a.stage_index < n - 1:      # the last stage sends nothing forward
+                    w.add_ref(("out", c, a.microbatch_index))
+            elif a.computation_type in bwd:
+                if not lockstep and a.stage_index < n - 1:
+                    w.receive("grad", c, a.microbatch_index)
+                w.backward(c, a.microbatch_index)
+                if sends_kept and a.stage_index > 0:              # the first sends no gradient back
+                    w.add_ref(("grad", c, a.microbatch_index))
+        if not lockstep:
             continue
-        c = a.stage_index // p        # chunk c of rank r is stage c * p + r
-        if a.computation_type == C.FORWARD:
-            w.forward(c)
-            if sends_kept and a.stage_index < p * v - 1:      # the last stage sends nothing forward
-                w.add_ref(("out", c, a.microbatch_index))
-        elif a.computation_type in (C.FULL_BACKWARD, C.BACKWARD_INPUT):
-            w.backward(c, a.microbatch_index)
-            if sends_kept and a.stage_index > 0:              # the first sends no gradient back
-                w.add_ref(("grad", c, a.microbatch_index))
+        for q in prev_ranks:
+            b = lists[q][t] if t < len(lists[q]) else None
+            if b is not None and b.computation_type == C.FORWARD and b.stage_index + 1 in local:
+                w.receive("in", (b.stage_index + 1) // p, b.microbatch_index)
+        for q in next_ranks:
+            b = lists[q][t] if t < len(lists[q]) else None
+            if b is not None and b.computation_type in bwd and b.stage_index - 1 in local:
+                w.receive("grad", (b.stage_index - 1) // p, b.microbatch_index)
     return w
 
 
@@ -233,11 +284,15 @@ def _walk_1f1b(p: int, m: int, rank: int) -> tuple[_Walk, list[tuple[str, int]]]
 
     def forward(i: int) -> None:
         refs()
+        if rank > 0:                  # received right before the forward
+            w.receive("in", 0, i)
         w.forward(0)
         order.append(("F", i))
 
     def backward(i: int) -> None:
         refs()
+        if rank < p - 1:              # received right before the backward
+            w.receive("grad", 0, i)
         w.backward(0, i)
         order.append(("B", i))
 
@@ -296,7 +351,7 @@ def _walk_moments(kind: str, p: int, r: int, m: int, v: int) -> tuple[tuple, tup
         raise ValueError(f"stage {r} is outside 0..{p - 1}")
     if p == 1 and v == 1:
         # no pipeline: micro-batches one after another, the later ones beside the gradients
-        return ((1, 0, 0, 0),), (((1, 0, 0, 1),) if m > 1 else ())
+        return ((1, 0, 0, 0, 0, 0),), (((1, 0, 0, 1, 0, 0),) if m > 1 else ())
     cls = torch_schedule(kind, p, m, v)
     if cls == "Schedule1F1B":
         w = _walk_1f1b(p, m, r)[0]
@@ -394,11 +449,12 @@ def torch_version() -> str:
 def held_moments(kind: str, num_stages: int, rank: int, num_microbatches: int,
                  virtual_stages: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """What rank `rank` holds at the moments its peak can fall on, before its first backward
-    (no weight gradient exists yet) and after it: arrays of shape (moments, 4, virtual_stages),
+    (no weight gradient exists yet) and after it: arrays of shape (moments, 6, virtual_stages),
     entry [t, k, c] for local chunk c (global stage c * num_stages + rank): k = `ACTS` chunk
     micro-batches whose activations are held, `SENT_OUTPUTS` outputs of finished micro-batches
     a forward send still references, `SENT_GRADS` input gradients a backward send references,
-    `GRADS` 1 where the chunk's weight gradients exist. The bytes held at moment t are
+    `GRADS` 1 where the chunk's weight gradients exist, `RECV_INPUTS` / `RECV_GRADS` receive
+    buffers alive of the chunk's input / of its output's gradient. The bytes held at moment t are
     `sum(moments[t] * per_chunk)` with per_chunk[k, c] the bytes of each kind (one micro-batch;
     the chunk's gradients). Only maximal moments are kept."""
     v = max(int(virtual_stages), 1)

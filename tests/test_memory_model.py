@@ -11,6 +11,8 @@ from cost_models.memory import adamw_temporary_elems, inflight_microbatches, run
 from cost_models.schedules import (
     ACTS,
     GRADS,
+    RECV_GRADS,
+    RECV_INPUTS,
     SENT_GRADS,
     SENT_OUTPUTS,
     _rank_actions,
@@ -108,7 +110,7 @@ def test_sends_keep_what_torch_schedules_reference(p, m):
         # GPipe: at the start of backward i, m - i micro-batches held and i of each send kept
         _, gpost = held_moments("gpipe", p, r, m)
         assert sorted(tuple(x[:, 0]) for x in gpost) == sorted(
-            (m - i, i * (r < p - 1), i * (r > 0), 1) for i in range(1, m))
+            (m - i, i * (r < p - 1), i * (r > 0), 1, (m - i) * (r > 0), int(r < p - 1)) for i in range(1, m))
     # interleaved: the runtime runs torch's lock-step runner, which waits each send in its
     # time step: nothing kept (torch's default runner would keep every send to the end)
     for r in range(2):
@@ -381,12 +383,14 @@ def test_1f1b_with_fewer_microbatches_than_stages_counts_gpipe():
 
 
 def test_pipeline_stage_buffers_and_boundaries():
-    """torch.pipelining keeps a receive buffer per micro-batch for a stage's input and for its
-    output's gradient; a stage also keeps its output until the backward, and its input is
-    that receive buffer (the layer's first op saves it). Under 1F1B a stage warming up with two
-    or more forwards keeps one finished micro-batch's output more, and every stage but the
-    first the previous micro-batch's input gradient through its next backward (the sends'
-    handles torch holds: `held_moments`)."""
+    """The runtime receives a stage's input, and its output's gradient, into a buffer made when
+    the schedule posts the receive and dropped after that micro-batch's backward
+    (`JustInTimeStage`): under 1F1B, at a backward's start, one input buffer per micro-batch in
+    flight and the backward's output gradient. A stage also keeps its output until the
+    backward, and its input is that receive buffer (the layer's first op saves it). A stage
+    warming up with two or more forwards keeps one finished micro-batch's output more, and
+    every stage but the first the previous micro-batch's input gradient through its next
+    backward (the sends' handles torch holds: `held_moments`)."""
     act, out, m = [1e9] * 8, 1e8, 8
     cons = autopar.Constraints(dp=2, tp=1, pp=4, microbatch_size=1, num_microbatches=m,
                                schedule="1f1b", recompute="none", zero_stage=0)
@@ -395,8 +399,10 @@ def test_pipeline_stage_buffers_and_boundaries():
     for i, st in enumerate(best.stages):
         (k, j), = st.chunks
         n_in, n_out = int(i > 0), int(i < p - 1)
-        assert st.buffers_bytes == pytest.approx(m * out * (n_in + n_out) + n_in * out)
         held = min(p - i, m)
+        # in flight: `held` input buffers, the backward's output gradient, the previous
+        # micro-batch's input gradient (a send's)
+        assert st.buffers_bytes == pytest.approx(held * n_in * out + n_out * out + n_in * out)
         _, post = held_moments("1f1b", p, i, m)
         kept = int(post[:, SENT_OUTPUTS, 0].max())
         assert kept == int(i < p - 1)
@@ -764,7 +770,8 @@ def test_held_moments_are_the_maximal_moments_of_every_moment_walked(kind, p, m,
 
     class Every(S._Walk):
         def _moment(self) -> None:
-            self.parts[self.backed].append((*self.held, *self.out, *self.grad, *self.made))
+            self.parts[self.backed].append((*self.held, *self.out, *self.grad, *self.made, *self.rin,
+                                            *self.rgrad))
 
     for r in range(p):
         cls = S.torch_schedule(kind, p, m, v)
@@ -781,6 +788,41 @@ def test_held_moments_are_the_maximal_moments_of_every_moment_walked(kind, p, m,
             assert set(got) <= set(part)
             assert all(any(all(g >= a for a, g in zip(x, y)) for y in got) for x in part)
             assert not any(x != y and all(b >= a for a, b in zip(x, y)) for x in got for y in got)
+
+
+@pytest.mark.parametrize("kind,p,m,v", [("1f1b", 4, 8, 1), ("gpipe", 3, 6, 1), ("1f1b", 4, 2, 1),
+                                        ("interleaved_1f1b", 2, 4, 2), ("interleaved_1f1b", 4, 8, 3),
+                                        ("interleaved_1f1b", 8, 64, 12)])
+def test_receive_buffers_follow_the_micro_batches_in_flight(kind, p, m, v):
+    """The runtime makes a receive buffer when the schedule posts the receive and drops it after
+    the micro-batch's backward (`runtime.pipeline_p2p.JustInTimeStage`): torch's single-stage
+    runners receive right before the forward (backward), so a stage holds one input buffer per
+    micro-batch in flight and, at a backward, its output's gradient; the interleaved lock-step
+    runner receives in the time step its neighbour sends, up to one input per chunk ahead of
+    its forward. Never torch's m per chunk (GPT-3 175B's layout: 64 micro-batches, v = 12)."""
+    n = p * v
+    for r in range(p):
+        pre, post = held_moments(kind, p, r, m, v)
+        for part in (pre, post):
+            for mo in part:
+                for c in range(v):
+                    s = c * p + r
+                    rin, acts = mo[RECV_INPUTS, c], mo[ACTS, c]
+                    if s == 0:
+                        assert rin == 0
+                    elif v == 1:
+                        assert rin == acts
+                    else:
+                        assert acts <= rin <= acts + 1
+                    if s == n - 1:
+                        assert mo[RECV_GRADS, c] == 0
+                # one backward at a time reads its output's gradient
+                assert mo[RECV_GRADS].sum() <= 1
+        if v == 1 and r < p - 1:
+            # every backward's start holds its output's gradient
+            assert (post[:, RECV_GRADS, 0] == 1).all() and pre[:, RECV_GRADS, 0].max() == 1
+        if kind == "interleaved_1f1b" and m >= 64:
+            assert max(part[:, RECV_INPUTS].max() for part in (pre, post) if len(part)) < m
 
 
 def test_schedule_walks_kept_on_disk_read_back_equal(tmp_path, monkeypatch):

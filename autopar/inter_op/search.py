@@ -83,6 +83,8 @@ from cost_models.memory import (
 from cost_models.schedules import (
     ACTS,
     GRADS,
+    RECV_GRADS,
+    RECV_INPUTS,
     SCHEDULES,
     SENT_GRADS,
     SENT_OUTPUTS,
@@ -276,7 +278,7 @@ class _Tables:
         # one micro-batch's saved activations of a range: its layers' sum, less a tensor saved on
         # both sides of an inner boundary (an MLP layer ending in relu saves its output, the
         # next layer's matmul the same tensor); of its input, what its first layer saves (the
-        # receive buffer, counted by `pipe_buffers`), and of its output what the stage's forward
+        # receive buffer, counted by `recv_buffers`), and of its output what the stage's forward
         # cache keeps beyond what its last layer saved
         prev_out = np.concatenate([[0.0], self.out[:-1]]) if L else np.zeros(0)
         in_saved = {r: np.array([c.in_saved.get(r, prev_out[i]) for i, c in enumerate(costs)]) for r in RECOMPUTES}
@@ -339,7 +341,7 @@ class _Tables:
             P = self.act[r]
             for j in range(1, L):
                 last, held, k = self.costs[j - 1], float(self.costs[j - 1].out_saved.get(r, 0.0)), np.arange(j)
-                # its output's gradient is the receive buffer (`pipe_buffers`), not one its
+                # its output's gradient is the receive buffer (`recv_buffers`), not one its
                 # backward makes
                 own = last.bwd_over_given.get(r, self.work[r][j - 1])
                 if held <= 0 and own == self.work[r][j - 1]:
@@ -530,28 +532,33 @@ class _Tables:
 
     def fixed_memory(self, pel: Any, m: int) -> tuple[Any, Any, Any]:
         """For every layer range: (model states and buffers held in the forward/backward phase,
-        to which activations add; the gradients among them, which exist only after the first
-        backward; the largest total of the other phases, gradient sync and optimizer step).
-        All include the stage's pipeline receive buffers (`pipe_buffers`)."""
+        to which activations and the pipeline's receive buffers add (`recv_buffers`); the
+        gradients among them, which exist only after the first backward; the largest total of
+        the other phases, gradient sync and optimizer step, when no receive buffer is alive).
+        All include the step's batch the stage holds."""
         ph = self.phases(pel, m, self.range_root, self.range_unit if self.zero3 else 0.0, self.range_maxtensor)
-        pipe = self.pipe_buffers(self.range_in, self.range_out, m) + self.range_batch
         rest = ph[1].total
         for x in ph[2:]:
             rest = np.maximum(rest, x.total)
-        return ph[0].total + pipe, ph[0].gradients, rest + pipe
+        return ph[0].total + self.range_batch, ph[0].gradients, rest + self.range_batch
 
     @staticmethod
-    def pipe_buffers(in_bytes: Any, out_bytes: Any, m: int) -> Any:
-        """What torch.pipelining's `PipelineStage` allocates once and keeps: a receive buffer
-        per micro-batch for the activation a stage receives and for the gradient of the one it
-        sends (`_prepare_forward_infra` / `_prepare_backward_infra`)."""
-        return m * (in_bytes + out_bytes)
+    def recv_buffers(moment: np.ndarray, in_bytes: Any, out_bytes: Any) -> Any:
+        """The pipeline receive buffers alive at `moment` (one row of `held_moments`, shape
+        (6, chunks)) for chunks receiving `in_bytes` and the gradient of `out_bytes` (arrays,
+        one per chunk, or per-range arrays for one chunk). The runtime makes a buffer when the
+        schedule posts the receive and drops it after the micro-batch's backward
+        (`runtime.pipeline_p2p.JustInTimeStage`), so the count follows the schedule's order
+        (`RECV_INPUTS`, `RECV_GRADS`), not torch's m per chunk kept for good."""
+        if np.ndim(in_bytes) == 1 and moment.shape[1] == len(in_bytes):
+            return float(moment[RECV_INPUTS] @ in_bytes + moment[RECV_GRADS] @ out_bytes)
+        return moment[RECV_INPUTS, 0] * in_bytes + moment[RECV_GRADS, 0] * out_bytes
 
     @staticmethod
     def boundary_acts(act: Any, in_saved: Any, out_kept: Any) -> Any:
         """One micro-batch's activations of a pipeline chunk as the stage holds them: `act`
-        (`range_act`) less what it saves of its input (`in_saved`: the receive buffer, already
-        counted by `pipe_buffers`), plus `out_kept`: its output, which stays in the stage's
+        (`range_act`) less what it saves of its input (`in_saved`: the receive buffer, counted
+        by `recv_buffers`), plus `out_kept`: its output, which stays in the stage's
         forward cache until the backward (the next chunk's saved copy is on another stage),
         beyond what it saved of it, and a last stage's loss input."""
         return np.maximum(act - in_saved, 0.0) + out_kept
@@ -1094,7 +1101,6 @@ class Search:
         best_c = np.full((L, L + 1), -1, dtype=int)
         fb, grads, rest = fixed_mem
         pre, post = held
-        a_pre = float(np.max(pre[:, ACTS, 0]))
         for ri, r in enumerate(rcs):
             act = tb.boundary_acts(tb.range_act[r], tb.range_in_saved[r], tb.range_out_kept[r])
             work = tb.range_work[r] - tb.relief(r)
@@ -1105,10 +1111,16 @@ class Search:
             first = tb.first_backward(r, not shards)[0] + (grads if shards else 0.0)
             if tb.zero3:
                 first = np.maximum(first, -tb.range_last_act(r))
-            mem = np.maximum(fb - grads + act * a_pre + first, np.maximum(fb, rest))
+            # before it: the most activations and receive buffers of any moment (all grow
+            # until the first backward; its start is the last such moment)
+            a_pre = -INF
+            for mo in pre:
+                a_pre = np.maximum(a_pre, act * mo[ACTS, 0] + tb.recv_buffers(mo, tb.range_in, tb.range_out))
+            mem = np.maximum(fb - grads + a_pre + first, np.maximum(fb, rest))
             for mo in post:
                 mem = np.maximum(mem, fb + act * mo[ACTS, 0] + tb.range_send * mo[SENT_OUTPUTS, 0]
-                                 + tb.range_send_grad * mo[SENT_GRADS, 0] + work)
+                                 + tb.range_send_grad * mo[SENT_GRADS, 0]
+                                 + tb.recv_buffers(mo, tb.range_in, tb.range_out) + work)
             t = t_common + tb.ranged(tb.rc[r])
             ok = tb.valid & (mem <= self.budget) & (t < best_t)
             best_t = np.where(ok, t, best_t)
@@ -1288,15 +1300,17 @@ class Search:
         backward phase at its worst moment: the most activations before any gradient exists,
         the most after, or every gradient once the activations are gone."""
         pel = 0.0
-        pipe = sum(float(tb.range_batch[k, j]) for k, j in chunks)
+        batch = sum(float(tb.range_batch[k, j]) for k, j in chunks)
         root = max(float(tb.range_root[k, j]) for k, j in chunks)
         unit = max(float(tb.range_unit[k, j]) for k, j in chunks) if tb.zero3 else 0.0
         largest = max(float(tb.range_maxtensor[k, j]) for k, j in chunks)
         t = comp = 0.0
         chunk_act, chunk_pel = [], []
+        # per chunk, the receive buffer of its input and of its output's gradient (one
+        # micro-batch; how many are alive: `held`, `recv_buffers`)
+        ins = np.array([float(tb.range_in[c]) for c in chunks])
+        outs = np.array([float(tb.range_out[c]) for c in chunks])
         for k, j in chunks:
-            pin, pout = float(tb.range_in[k, j]), float(tb.range_out[k, j])
-            pipe += tb.pipe_buffers(pin, pout, cand.m)
             pel += float(tb.range_pel[k, j])
             chunk_pel.append(float(tb.range_pel[k, j]))
             t += float(tb.base[j] - tb.base[k] + tb.rc[r][j] - tb.rc[r][k] + tb.range_p2p[k, j])
@@ -1310,7 +1324,7 @@ class Search:
         acc = float(tb.accum(np.array([pel]), cand.m)[0])
         t += acc
         comp += acc
-        phases = [dataclasses.replace(ph, buffers=ph.buffers + pipe)
+        phases = [dataclasses.replace(ph, buffers=ph.buffers + batch)
                   for ph in tb.phases(pel, cand.m, root, unit, largest)]
         fb = phases[0]
         # ZeRO-3 holds fewer units at a micro-batch's worst moment than the bound (`relief`; one
@@ -1320,7 +1334,10 @@ class Search:
         # before the first backward: the most activations the schedule holds at once, chunk by
         # chunk, and the backward's transient (no gradient exists yet but those it makes)
         rc_work, grad_tmp = _transient(tb, chunks, r)
-        pre = float(np.max(held[0][:, ACTS, :] @ acts))
+        pre_recv = np.array([tb.recv_buffers(mo, ins, outs) for mo in held[0]])
+        pre_acts = held[0][:, ACTS, :] @ acts
+        i_pre = int(np.argmax(pre_acts + pre_recv))
+        pre, recv = float(pre_acts[i_pre]), float(pre_recv[i_pre])
         # the first backward's worst moment (one chunk's at a time), by parts: the parameter
         # gradients its ops made so far alive (ZeRO-3 with one micro-batch: each unit's are
         # reduce-scattered into the gradient shards as it ends, `fb.gradients`, in proportion)
@@ -1332,11 +1349,13 @@ class Search:
             i = int(f_at[k, j])
             a_p += fb.gradients * (float(tb.pel[j] - tb.pel[i + 1]) / pel if i >= 0 else 1.0)
         phases.append(dataclasses.replace(fb, gradients=a_p, weights=fb.weights + a_w,
-                                          activations=pre + a_rc, buffers=fb.buffers + a_g))
+                                          activations=pre + a_rc, buffers=fb.buffers + a_g + recv))
         if tb.zero3:
             # the forward's end: two units gathered, the last layer's activations still to save
+            # (the received inputs alive, not yet the first backward's output gradient)
             last = max(float(tb.range_last_act(r)[c]) for c in chunks)
-            phases.append(dataclasses.replace(fb, gradients=0.0, activations=max(pre - last, 0.0)))
+            phases.append(dataclasses.replace(fb, gradients=0.0, activations=max(pre - last, 0.0),
+                                              buffers=fb.buffers + float(held[0][i_pre, RECV_INPUTS] @ ins)))
         if held[1].size:
             # each moment after it: activations and the outputs sends keep (made in the forward),
             # the input gradients they keep (made in the backward: buffers), the gradients of
@@ -1347,7 +1366,8 @@ class Search:
             post = held[1]
             grads = fb.gradients * (post[:, GRADS, :] @ share)
             act = post[:, ACTS, :] @ acts + post[:, SENT_OUTPUTS, :] @ sends + rc_work
-            buf = fb.buffers + grad_tmp + post[:, SENT_GRADS, :] @ grads_sent
+            buf = (fb.buffers + grad_tmp + post[:, SENT_GRADS, :] @ grads_sent
+                   + np.array([tb.recv_buffers(mo, ins, outs) for mo in post]))
             w = fb.weights - relief
             # the worst moment only (the first of equal ones), as a phase
             i = int(np.argmax(w + grads + fb.optimizer + buf + act))

@@ -19,8 +19,10 @@ Registration. Tensors alive before the step are invisible to a dispatch mode unl
   the tracker's patched `UntypedStorage.resize_` follows their allocation and freeing;
 * fp32 masters: `pm.masters.masters` (ZeRO 0 under bf16), `pm.flat_shard` (ZeRO-1/2), FSDP2's
   fp32 sharded parameters (ZeRO-3 under bf16: FSDP's shards are the masters);
-* optimizer states; torch.pipelining's receive buffers (activations and gradients, one per
-  micro-batch, kept across steps); the step's batch.
+* optimizer states; pipeline receive buffers alive at the start (none: the runtime makes
+  them when it posts a receive and drops them after the micro-batch's backward,
+  `pipeline_p2p.JustInTimeStage`; those made in the step are labelled as they are made,
+  `pipeline_receives`); the step's batch.
 
 Then a sweep of the garbage collector's tensors registers, as "other", every storage on the
 device alive at the start that none of these covers (minus a `baseline()` of what the process
@@ -51,7 +53,7 @@ sync_buffers        tensors made during the gradient sync / update outside the o
 comm_buffers        a forward redistribution's gather buffer and result while it runs       buffers
                     (`communication_buffers`: the executor's `_gather`; the result is an
                     activation once the gather is done), as the plan counts them there
-pipeline_buffers    torch.pipelining's receive buffers                                      buffers
+pipeline_buffers    pipeline receive buffers (activations received, output gradients)       buffers
 module_buffers      module buffers (rotary tables, masks)                                  buffers
 inputs              the step's batch                                                       buffers
 other               anything else registered                                               buffers
@@ -76,8 +78,9 @@ Workarounds of MemTracker's limits, each for a reason seen on this runtime:
 * FSDP2 on CPU (gloo): unsharded parameters are resized storages, followed through the
   patched `resize_` (registered above); what FSDP frees by dropping references is seen by the
   weak-reference callbacks as for any tensor.
-* torch.pipelining: receive buffers are made on the first step, before tracking: registered.
-  Its p2p ops (isend/irecv) allocate nothing through the dispatcher.
+* torch.pipelining: receive buffers are made mid-step by the runtime's stages, labelled
+  through `pipeline_receives`. Its p2p ops (isend/irecv) allocate nothing through the
+  dispatcher.
 * Not worked around: after a step under MemTracker (its ModTracker: seen with ModTracker
   alone, not with a plain dispatch mode), the ParallelModel's parameters stay alive when the
   model is dropped (the modules are freed). A job that tracks several plans in one process
@@ -220,6 +223,7 @@ class StepMemTracker(MemTracker):
         self.device = device
         self.phase = "forward_backward"
         self.comm_depth = 0                       # inside `communication_buffers`
+        self.pipe_depth = 0                       # inside `pipeline_receives`
         self.master_grads = False                 # inside MasterWeights.step, before optimizer.step
         self.phase_peak: dict[str, tuple[int, dict]] = {}
         # per phase, the distinct moments within NEAR_PEAK of its peak so far: categories -> bytes
@@ -267,6 +271,8 @@ class StepMemTracker(MemTracker):
             reftype = _MemRefType.GRAD if self.master_grads else _Ref.SYNC
         elif reftype == _MemRefType.ACT and self.comm_depth:
             reftype = _Ref.COMM
+        elif self.pipe_depth:
+            reftype = _Ref.PIPE
         elif reftype == _MemRefType.OPT:
             # the states exist before the tracked step (`register`): what the step makes is its
             # temporaries
@@ -397,7 +403,7 @@ def _pipeline_buffers(pm: Any) -> list[torch.Tensor]:
         for infos in list(st.args_recv_info.values()) + list(st.grad_recv_info.values()):
             for info in infos:
                 buf = getattr(info, "buffer", None)
-                if isinstance(buf, torch.Tensor):
+                if isinstance(buf, torch.Tensor) and not buf.is_meta:   # meta: a placeholder
                     out.append(buf)
     return out
 
@@ -549,6 +555,7 @@ def track_step(pm: Any, batch: Sequence[Any], counter: Any = None, *, sweep: boo
 
     handle = pm.optimizer.register_step_pre_hook(opt_pre)
     restore.append(handle.remove)
+    restore.append(_hooks_released())
     try:
         with mt:
             _ACTIVE = mt
@@ -580,6 +587,42 @@ def track_step(pm: Any, batch: Sequence[Any], counter: Any = None, *, sweep: boo
                              peak_tensors=mt.peak_tensors, timeline=mt.timeline or [])
 
 
+def _hooks_released() -> Callable[[], None]:
+    """Make ModTracker's input hooks let go once they fired; returns the undo.
+
+    MemTracker's ModTracker hooks every module's inputs that need a gradient with
+    `register_multi_grad_hook` (mode "all"), whose closure holds the inputs' autograd nodes
+    (`grad_fns`) and which sits in those tensors' hook dicts, which their nodes hold: a cycle
+    through C++ that the garbage collector cannot break, never removed (torch 2.13). It keeps
+    the nodes, and through their edges the leaves they end at (AccumulateGrad holds its
+    tensor), alive to the step's end: a pipeline stage's received input (a leaf, dropped by the
+    runtime after its backward, `pipeline_p2p.JustInTimeStage`) would stay counted. Here the
+    hooks are removed once they fired, at the end of that backward (the engine's queued
+    callback: a hook dict must not change while the engine walks it)."""
+    from torch.distributed._tools import mod_tracker
+
+    orig = mod_tracker.register_multi_grad_hook
+
+    def register(tensors: Any, fn: Callable, *, mode: str = "all") -> Any:
+        if mode != "all":
+            return orig(tensors, fn, mode=mode)
+        handle: list = []
+
+        def once(grads: Any) -> None:
+            fn(grads)
+            if handle:
+                torch.autograd.Variable._execution_engine.queue_callback(handle.pop().remove)
+
+        handle.append(orig(tensors, once, mode=mode))
+        return handle[0]
+
+    mod_tracker.register_multi_grad_hook = register
+
+    def undo() -> None:
+        mod_tracker.register_multi_grad_hook = orig
+    return undo
+
+
 # -- the runtime's side: what it tells the tracker ----------------------------------------------
 
 _ACTIVE: StepMemTracker | None = None      # the tracker of the step `track_step` runs, if any
@@ -599,6 +642,22 @@ def communication_buffers() -> Iterator[None]:
         yield
     finally:
         mt.comm_depth -= 1
+
+
+@contextlib.contextmanager
+def pipeline_receives() -> Iterator[None]:
+    """Tensors made inside are pipeline receive buffers ("pipeline_buffers"): the runtime makes
+    them when the schedule posts the receive (`pipeline_p2p.JustInTimeStage`), mid-step, in the
+    forward or the backward. No effect when no step is tracked."""
+    mt = _ACTIVE
+    if mt is None:
+        yield
+        return
+    mt.pipe_depth += 1
+    try:
+        yield
+    finally:
+        mt.pipe_depth -= 1
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.runtime.materialize import materialize
 from autopar.runtime.meshes import _mesh_kinds
-from autopar.runtime.pipeline_p2p import FanoutPipelineStage, replica_ranks
+from autopar.runtime.pipeline_p2p import FanoutPipelineStage, JustInTimeStage, replica_ranks
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.spmd import SPMDModule, distribute_params
 from autopar.runtime.validate import get_submodule
@@ -24,10 +24,13 @@ from cost_models.schedules import torch_schedule
 
 
 def compact_loss(loss: torch.Tensor) -> torch.Tensor:
-    """`loss`, or a copy of it where its storage is larger than its value: torch.pipelining keeps
-    every micro-batch's loss until the step ends, and some losses are a scalar view of their
-    elementwise buffer (CPU's mse_loss: 8 KiB behind a 4-byte loss, torch 2.13)."""
-    if isinstance(loss, torch.Tensor) and loss.untyped_storage().nbytes() > loss.numel() * loss.element_size():
+    """`loss`, or a copy of it where its storage is larger than its value or it is a view:
+    torch.pipelining keeps every micro-batch's loss until the step ends, and some losses are a
+    scalar view of their elementwise buffer (CPU's mse_loss: 8 KiB behind a 4-byte loss, torch
+    2.13); a loss that is no view can be detached in place once its backward ran
+    (`pipeline_p2p.JustInTimeStage.backward_one_chunk`), which frees its graph."""
+    if isinstance(loss, torch.Tensor) and (loss._is_view() or
+                                           loss.untyped_storage().nbytes() > loss.numel() * loss.element_size()):
         return loss.clone()
     return loss
 
@@ -207,8 +210,6 @@ class PipelineStages:
         and `outs` a tensor or a tuple of tensors (several cross a traced model's boundary);
         a received floating tensor gets a gradient to send back unless the sender's run said it
         needs none (`_graph_shapes`)."""
-        from torch.distributed.pipelining import PipelineStage
-
         nst = len(self.stages)
         ins = ins if isinstance(ins, tuple) else (ins,)
         outs = outs if isinstance(outs, tuple) else (outs,)
@@ -227,7 +228,7 @@ class PipelineStages:
         if self.hetero:
             return FanoutPipelineStage(mod, i, nst, self.device, ranks=self.replica_stage_ranks,
                                        group=self.pp_group, **meta)
-        return PipelineStage(mod, i, nst, self.device, group=self.pp_group, **meta)
+        return JustInTimeStage(mod, i, nst, self.device, group=self.pp_group, **meta)
 
     def _make_schedule(self) -> None:
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe

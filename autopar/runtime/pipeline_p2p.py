@@ -19,11 +19,30 @@ Each rank receives each transfer exactly once; with equal tp degrees it is torch
 rank-to-rank pipeline. `FanoutPipelineStage` is torch's `PipelineStage` with that peer mapping:
 every point-to-point op the schedule, its warm-up vote and the metadata exchange issue goes
 through `recv_peer` / `send_peers`, so every send has exactly one matching receive.
+
+Receive buffers, just in time (`JustInTimeStage`, the base of every stage the runtime builds).
+torch's `PipelineStage` allocates, when its schedule first runs, a receive buffer for every
+micro-batch: the activation it receives (`_setup_forward_recv_info`) and the gradient of its
+output (`_create_grad_recv_info`), m of each per chunk, kept for the whole step and between
+steps. At scale that is prohibitive (GPT-3 175B as NVIDIA ran it, PP 8 with 12 chunks per GPU
+and 64 micro-batches: 64 x 12 x 2 buffers of 12.5 MB per GPU, about 19 GB). Megatron-LM makes
+each receive tensor when it posts the receive (`p2p_communication._communicate`) and drops it
+when the schedule is done with it, so a rank holds buffers for the micro-batches in flight
+only. `JustInTimeStage` does the same inside torch's classes: the per-micro-batch `_RecvInfo`s
+are built on the meta device (no memory); `get_fwd_recv_ops` / `get_bwd_recv_ops` (called by
+every torch schedule when it posts the receive) give the micro-batch's entries real buffers;
+`backward_one_chunk` drops both once the chunk's backward ran (and, on the last stage,
+detaches the micro-batch's loss, which the schedule keeps to the step's end: its graph would
+hold the received input). The activation buffer is the chunk's input, which its forward keeps
+(`fwd_cache`, autograd) until that backward anyway; the gradient buffer is read by that
+backward only. What is alive at each moment follows the
+schedule's own order (`cost_models.schedules.held_moments`: `RECV_INPUTS`, `RECV_GRADS`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -58,7 +77,82 @@ def replica_ranks(devices: Sequence[int], mesh_shape: Sequence[int], axis_names:
         return grid.permute(*dp_axes, *tp_axes).reshape(D, -1).tolist()
 
 
-class FanoutPipelineStage(PipelineStage):
+class JustInTimeStage(PipelineStage):
+    """torch's `PipelineStage` with its receive buffers made when the schedule posts the receive
+    and dropped after the micro-batch's backward (see the module docstring)."""
+
+    @contextlib.contextmanager
+    def _on_meta(self) -> Iterator[None]:
+        """torch's buffer setup runs with the stage's device set to meta: the `_RecvInfo`s get
+        placeholders (shape, dtype, no storage) that `_allocate` replaces when needed."""
+        device = self.device
+        self.device = torch.device("meta")
+        try:
+            yield
+        finally:
+            self.device = device
+
+    def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
+        with self._on_meta():
+            super()._setup_forward_recv_info(num_microbatches, has_backward)
+
+    def _create_grad_recv_info(self, act_send_info: dict) -> tuple:
+        with self._on_meta():
+            return super()._create_grad_recv_info(act_send_info)
+
+    def _allocate(self, infos: Sequence[Any]) -> None:
+        from autopar.runtime.memory_tracking import pipeline_receives
+
+        with pipeline_receives():
+            for info in infos:
+                if not info.is_root_arg and info.buffer is not None and info.buffer.is_meta:
+                    info.buffer = torch.empty_strided(info.buffer.shape, info.buffer.stride(),
+                                                      dtype=info.buffer.dtype, device=self.device)
+
+    @staticmethod
+    def _release(infos: Sequence[Any]) -> None:
+        for info in infos:
+            if not info.is_root_arg and info.buffer is not None and not info.buffer.is_meta:
+                b = info.buffer
+                info.buffer = torch.empty_strided(b.shape, b.stride(), dtype=b.dtype, device="meta")
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        self._allocate(self.args_recv_info[fwd_chunk_id])
+        return super().get_fwd_recv_ops(fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        if self.has_backward and not self.is_last:
+            self._allocate(self.grad_recv_info[bwd_chunk_id])
+        return super().get_bwd_recv_ops(bwd_chunk_id)
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        if not self.has_backward:       # no backward will come for it (forward-only schedules)
+            self._release(self.args_recv_info.get(fwd_chunk_id, ()))
+        return out
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
+                           last_backward: bool = False) -> None:
+        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                   last_backward=last_backward)
+        if full_backward:   # a split backward (zero-bubble) reads them again for its weights
+            self._release_chunk(bwd_chunk_id)
+            # the schedule keeps the loss to the step's end (`_internal_losses`); its graph's
+            # nodes, though their saved tensors are freed, hold the leaf they end at: the
+            # received input (AccumulateGrad keeps its variable). Detached, the graph goes.
+            if isinstance(loss, torch.Tensor) and loss.grad_fn is not None and not loss._is_view():
+                loss.detach_()
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        self._release_chunk(bwd_chunk_id)
+
+    def _release_chunk(self, mb: int) -> None:
+        self._release(self.args_recv_info.get(mb, ()))
+        self._release(self.grad_recv_info.get(mb, ()))
+
+
+class FanoutPipelineStage(JustInTimeStage):
     """A `PipelineStage` whose neighbour stages may hold another number of (tp) ranks; see the
     module docstring. `ranks[s]` are the global ranks of stage s in this rank's data-parallel
     replica (tp order); `group` is a process group holding all of them (the point-to-point ops
