@@ -416,6 +416,15 @@ class _Tables:
         pg = np.where(ok, parts[i, 2], 0.0) + later_g
         wd = np.where(ok, parts[i, 3] - (self.wgo[0] * self.range_unit if self.zero3 else 0.0), 0.0)
         W = np.where(ok, W, 0.0) + wd - np.where(ok, parts[i, 3], 0.0)
+        if self.zero3:
+            # FSDP2 prefetches the unit whose backward runs next (a buffer, the phase's bound is
+            # the largest unit): a layer's moment, the layer's before it in the range; the
+            # loss's, the first unit of the backward (its own layer's, or the one before)
+            before = np.where(i - 1 >= self.kk, self.unit_layer[np.maximum(i - 1, 0)], 0.0)
+            own = self.unit_layer[i]
+            pre = np.where(use_loss[i] & (own > 0), own, before)
+            bd = np.where(ok, self.wgo[0] * (pre - self.range_unit), 0.0)
+            W, ag = W + bd, ag + bd
         # a parameter several layers of the range read (a tied embedding) has one gradient,
         # summed in autograd's input buffer as each reader's backward runs and made `.grad`
         # after its first reader's: a buffer until then, counted once
