@@ -97,8 +97,11 @@ def torch_schedule(kind: str, num_stages: int, num_microbatches: int, virtual_st
     return schedule_kind(kind).runtime_class(num_stages, num_microbatches, virtual_stages)
 
 
+@lru_cache(maxsize=256)
 def _rank_actions(cls_name: TorchSchedule, p: int, m: int, v: int, rank: int) -> list:
-    """torch's action list of one rank (None entries are idle steps)."""
+    """torch's action list of one rank (None entries are idle steps; read-only: cached, since
+    the lock-step walk of a rank reads its neighbours' lists too, and torch builds an
+    interleaved rank's list in O(m v) Python)."""
     from torch.distributed.pipelining import schedules as S
 
     if cls_name == "ScheduleInterleaved1F1B":
