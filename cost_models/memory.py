@@ -184,9 +184,6 @@ class ActivationMemory:
     backward_over_given: float = 0.0
     saved: dict[str, float] = field(default_factory=dict)   # tensor (its storage's owner) -> bytes saved
     bases: dict[str, str] = field(default_factory=dict)     # tensor -> the tensor owning its storage
-    # the backward op by op, in the order it runs: (op, bytes still saved, gradients alive), the
-    # moments `backward_over_bytes` is the worst of (a recomputed region: one entry, its worst)
-    backward_moments: list[tuple[str, float, float]] = field(default_factory=list)
     # the first backward of a step (no parameter gradient exists before it): its worst moment
     # above `saved_bytes` with the parameter gradients its ops made so far alive (each op's
     # becomes `.grad`), by parts: (saved activations above or below `saved_bytes`: recomputed
@@ -791,7 +788,6 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 entered.add(r)
                 m = live + region_peak[r] - out.saved_bytes
                 first(m - region_grads[r], region_grads[r], born)
-                out.backward_moments.append((n.name, live + region_peak[r] - region_grads[r], region_grads[r]))
                 out.backward_over_body = max(out.backward_over_body, m)
                 if m > out.backward_over_bytes:
                     out.backward_over_bytes, out.backward_over_recompute = m, True
@@ -801,7 +797,6 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             m = live + grads(n) - out.saved_bytes
             mine = new_grads(n)
             first(live - out.saved_bytes, grads(n) - mine, born + mine, n.op in LOSSES)
-            out.backward_moments.append((n.name, live, grads(n)))
             if n.op in LOSSES:
                 out.backward_over_loss = max(out.backward_over_loss or 0.0, m)
             else:
