@@ -31,7 +31,7 @@ HF_GPT2 = f"hf:gpt2?hidden_size=64&{_TINY}&resid_pdrop=0&embd_pdrop=0&attn_pdrop
 HF_GPT2_DROPOUT = f"hf:gpt2?hidden_size=64&{_TINY}"     # its default dropout, 0.1
 HF_LLAMA = f"hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2&{_TINY}"
 HF_LLAMA_KV4 = f"hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=4&{_TINY}"
-STEPS = 3
+STEPS = 2    # the second step: collectives after the warm-up, on weights the first updated
 LAYOUTS = {
     # the head reads wte.weight outside wte: wte is left to FSDP's root unit (issue 20's
     # "fsdp.chunk_cat has no sharding strategy" when it was its own unit)
