@@ -49,10 +49,13 @@ def test_dp_equals_brute_force(seed):
     assert sum(ts) + (B - 1) * max(ts) == pytest.approx(dp.total, rel=1e-9)
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(16))
 def test_dp_pinned_stage_count(seed):
+    """A pinned stage count on one sub-mesh (the search's uniform pipelines, whose DP works on
+    the band of ranges each stage can take): up to one layer per stage."""
     rng = np.random.default_rng(100 + seed)
-    L, p = 6, int(rng.integers(1, 5))
+    L = int(rng.integers(1, 8))
+    p = int(rng.integers(1, L + 1))
     cost = _random_instance(rng, L, [1], p, inf_frac=0.3)
     dp = stage_dp(cost, [1], p, 8, num_stages=p)
     bf = brute_force(cost, [1], p, 8, num_stages=p)

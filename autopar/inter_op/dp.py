@@ -71,10 +71,9 @@ def stage_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, B: int,
     def run(tmax: float):
         nonlocal runs
         runs += 1
-        cm = np.where(cost <= tmax, cost, INF)
         if uniform:
-            return _run_uniform(cm, num_stages)
-        return _run_general(cm, sizes, num_devices, S, num_stages)
+            return _run_uniform(cost, num_stages, tmax)
+        return _run_general(np.where(cost <= tmax, cost, INF), sizes, num_devices, S, num_stages)
 
     unbounded = run(INF)
     if unbounded is None:
@@ -100,24 +99,36 @@ def stage_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, B: int,
     return DPResult(total, sum_t, tmax, [(k, j, m) for k, j, m, _ in stages], runs)
 
 
-def _run_uniform(cm: np.ndarray, p: int):
-    """Every stage on the one sub-mesh, exactly p stages: F_s[k] = min_j cm[k, j, s] + F_{s-1}[j]."""
-    L = cm.shape[0]
+def _run_uniform(cost: np.ndarray, p: int, tmax: float = INF):
+    """Every stage on the one sub-mesh, exactly p stages of at least one layer each, no stage
+    above `tmax`: F_s[k] = min_j cost[k, j, 0, s] + F_{s-1}[j]. The s-th stage from the end
+    can only start at k in [p - s, L - s] and end at j in [p - s + 1, L - s + 1] (the stages
+    before and after it need a layer each): each step works on that (L - p + 1)-square block
+    of the table, not all of it (64 stages of 128 layers: a quarter)."""
+    L = cost.shape[0]
+    w = L - p + 1
+    if w < 1:
+        return None
     F = np.full(L + 1, INF)
     F[L] = 0.0
     args = []
+    rows = np.arange(w)
     for s in range(1, p + 1):
-        X = cm[:, :, 0, s] + F[None, :]              # (L, L+1)
+        k0, j0 = p - s, p - s + 1
+        C = cost[k0:k0 + w, j0:j0 + w, 0, s]
+        if tmax < INF:
+            C = np.where(C <= tmax, C, INF)
+        X = C + F[None, j0:j0 + w]                     # (w, w)
         j = X.argmin(axis=1)
         Fn = np.full(L + 1, INF)
-        Fn[:L] = X[np.arange(L), j]
-        args.append(j)
+        Fn[k0:k0 + w] = X[rows, j]
+        args.append(j + j0)
         F = Fn
     if not np.isfinite(F[0]):
         return None
     stages, k = [], 0
     for s in range(p, 0, -1):
-        j = int(args[s - 1][k])
+        j = int(args[s - 1][k - (p - s)])
         stages.append((k, j, 0, s))
         k = j
     return float(F[0]), stages

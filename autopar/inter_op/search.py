@@ -214,6 +214,8 @@ class _Tables:
         self.range_p2p = send_fwd + send_bwd
         self.zero3 = zero == 3 and dp > 1
         self._relief: dict[str, np.ndarray] = {}
+        # `Search._recompute_terms`, per (recomputation, ZeRO-3 with one micro-batch)
+        self._rc_terms: dict[tuple[str, bool], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         # the batch a range's stage holds: the first input if it starts the model, the other
         # inputs (targets) if it ends it
         self.range_batch = np.where(kk == 0, self.batch_first, 0.0) + np.where(jj == L, self.batch_rest, 0.0)
@@ -554,11 +556,15 @@ class _Tables:
     @staticmethod
     def recv_buffers(moment: np.ndarray, in_bytes: Any, out_bytes: Any) -> Any:
         """The pipeline receive buffers alive at `moment` (one row of `held_moments`, shape
-        (6, chunks)) for chunks receiving `in_bytes` and the gradient of `out_bytes` (arrays,
-        one per chunk, or per-range arrays for one chunk). The runtime makes a buffer when the
+        (6, chunks); or a stack of rows, (n, 6, chunks): one value per row) for chunks
+        receiving `in_bytes` and the gradient of `out_bytes` (arrays, one per chunk, or
+        per-range arrays for one chunk). The runtime makes a buffer when the
         schedule posts the receive and drops it after the micro-batch's backward
         (`runtime.pipeline_p2p.JustInTimeStage`), so the count follows the schedule's order
         (`RECV_INPUTS`, `RECV_GRADS`), not torch's m per chunk kept for good."""
+        if moment.ndim == 3:
+            # a stack of moments (held_moments' rows), chunk arrays: one value per moment
+            return moment[:, RECV_INPUTS, :] @ in_bytes + moment[:, RECV_GRADS, :] @ out_bytes
         if np.ndim(in_bytes) == 1 and moment.shape[1] == len(in_bytes):
             return float(moment[RECV_INPUTS] @ in_bytes + moment[RECV_GRADS] @ out_bytes)
         return moment[RECV_INPUTS, 0] * in_bytes + moment[RECV_GRADS, 0] * out_bytes
@@ -1081,9 +1087,14 @@ class Search:
         cost = np.full((L, L + 1, 1, p + 1), INF)
         choice = np.full((L, L + 1, p + 1), -1, dtype=int)
         rcs = self.recomputes()
+        w = L - p + 1
         for s in range(1, p + 1):
-            cost[:, :, 0, s], choice[:, :, s] = self._best_recompute(
-                tb, rcs, t_common, fixed, self._held(cand.schedule, p, p - s, m), m)
+            # the ranges the s-th stage from the end can take when every stage has a layer:
+            # [k, j) with k >= p - s and j <= L - s + 1 (others stay INF: a w x w block, not
+            # L x (L + 1); 64 stages of GPT 1T's 128 layers: a quarter)
+            blk = (slice(p - s, p - s + w), slice(p - s + 1, p - s + 1 + w))
+            cost[blk + (0, s)], choice[blk + (s,)] = self._best_recompute(
+                tb, rcs, t_common, fixed, self._held(cand.schedule, p, p - s, m), m, blk)
         res = stage_dp(cost, [1], p, m, num_stages=p)
         if res is None:
             if not self._found:
@@ -1099,42 +1110,62 @@ class Search:
         return True
 
     def _best_recompute(self, tb: "_Tables", rcs: list[str], t_common: np.ndarray, fixed_mem: tuple,
-                        held: tuple[np.ndarray, np.ndarray], m: int) -> tuple[np.ndarray, np.ndarray]:
-        """For every layer range [k, j): the fastest recomputation policy whose memory fits the
-        budget, as (time, index into `rcs`); INF and -1 where none fits. `fixed_mem` is
-        `_Tables.fixed_memory`'s triple, `held` what the stage holds before and after its first
-        backward (`cost_models.schedules.held_moments`, one chunk): micro-batches in flight, and
-        outputs and input gradients its sends still reference."""
-        L = self.L
-        best_t = np.full((L, L + 1), INF)
-        best_c = np.full((L, L + 1), -1, dtype=int)
-        fb, grads, rest = fixed_mem
+                        held: tuple[np.ndarray, np.ndarray], m: int,
+                        block: tuple[slice, slice] = (slice(None), slice(None))) -> tuple[np.ndarray, np.ndarray]:
+        """For every layer range [k, j) in `block` (rows k, columns j of the range tables): the
+        fastest recomputation policy whose memory fits the budget, as (time, index into `rcs`);
+        INF and -1 where none fits. `fixed_mem` is `_Tables.fixed_memory`'s triple, `held` what
+        the stage holds before and after its first backward (`cost_models.schedules.
+        held_moments`, one chunk): micro-batches in flight, and outputs and input gradients its
+        sends still reference."""
+        def cut(x: Any) -> Any:
+            return x[block] if np.ndim(x) == 2 else x
+
+        fb, grads, rest = (cut(x) for x in fixed_mem)
         pre, post = held
+        valid, t_common = tb.valid[block], t_common[block]
+        r_in, r_out = tb.range_in[block], tb.range_out[block]
+        send, send_grad = tb.range_send[block], tb.range_send_grad[block]
+        best_t = np.full(valid.shape, INF)
+        best_c = np.full(valid.shape, -1, dtype=int)
+        base = np.maximum(fb, rest)
         for ri, r in enumerate(rcs):
-            act = tb.boundary_acts(tb.range_act[r], tb.range_in_saved[r], tb.range_out_kept[r])
-            work = tb.range_work[r] - tb.relief(r)
-            # the first backward (`_Tables.first_backward`; ZeRO-3 with one micro-batch: with every
-            # gradient shard, a bound), and under ZeRO-3 the forward's end before it (two units
-            # gathered, the range's last layer's activations not yet saved)
-            shards = tb.zero3 and m == 1
-            first = tb.first_backward(r, not shards)[0] + (grads if shards else 0.0)
-            if tb.zero3:
-                first = np.maximum(first, -tb.range_last_act(r))
-            # before it: the most activations and receive buffers of any moment (all grow
-            # until the first backward; its start is the last such moment)
+            act, work, first = (x[block] for x in self._recompute_terms(tb, r, m))
+            # before the first backward: the most activations and receive buffers of any
+            # moment (all grow until the first backward; its start is the last such moment)
             a_pre = -INF
             for mo in pre:
-                a_pre = np.maximum(a_pre, act * mo[ACTS, 0] + tb.recv_buffers(mo, tb.range_in, tb.range_out))
-            mem = np.maximum(fb - grads + a_pre + first, np.maximum(fb, rest))
+                a_pre = np.maximum(a_pre, act * mo[ACTS, 0] + tb.recv_buffers(mo, r_in, r_out))
+            mem = np.maximum(fb - grads + a_pre + first, base)
             for mo in post:
-                mem = np.maximum(mem, fb + act * mo[ACTS, 0] + tb.range_send * mo[SENT_OUTPUTS, 0]
-                                 + tb.range_send_grad * mo[SENT_GRADS, 0]
-                                 + tb.recv_buffers(mo, tb.range_in, tb.range_out) + work)
-            t = t_common + tb.ranged(tb.rc[r])
-            ok = tb.valid & (mem <= self.budget) & (t < best_t)
+                mem = np.maximum(mem, fb + act * mo[ACTS, 0] + send * mo[SENT_OUTPUTS, 0]
+                                 + send_grad * mo[SENT_GRADS, 0] + tb.recv_buffers(mo, r_in, r_out) + work)
+            t = t_common + tb.ranged(tb.rc[r])[block]
+            ok = valid & (mem <= self.budget) & (t < best_t)
             best_t = np.where(ok, t, best_t)
             best_c = np.where(ok, ri, best_c)
         return best_t, best_c
+
+    @staticmethod
+    def _recompute_terms(tb: "_Tables", r: str, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per layer range under recomputation `r`, what `_best_recompute` adds to the stage's
+        fixed memory, whatever the schedule: (one micro-batch's activations as the stage holds
+        them, the backward's worst transient above them, the first backward's worst moment).
+        The first backward (`_Tables.first_backward`) holds the gradients of the range's later
+        layers, whole (ZeRO-3 with one micro-batch: with every gradient shard, a bound), and
+        under ZeRO-3 the forward's end comes before it (two units gathered, the range's last
+        layer's activations not yet saved). Cached on `tb` per (r, m == 1)."""
+        shards = tb.zero3 and m == 1
+        key = (r, shards)
+        hit = tb._rc_terms.get(key)
+        if hit is None:
+            act = tb.boundary_acts(tb.range_act[r], tb.range_in_saved[r], tb.range_out_kept[r])
+            work = tb.range_work[r] - tb.relief(r)
+            first = tb.first_backward(r, not shards)[0] + (tb.fixed_memory(tb.range_pel, m)[1] if shards else 0.0)
+            if tb.zero3:
+                first = np.maximum(first, -tb.range_last_act(r))
+            hit = tb._rc_terms[key] = (act, work, first)
+        return hit
 
     def _evaluate_hetero(self, cand: Candidate) -> bool:
         """Alpa's DP with its sub-mesh choice: every stage picks its own sub-mesh of dp x T
@@ -1343,7 +1374,7 @@ class Search:
         # before the first backward: the most activations the schedule holds at once, chunk by
         # chunk, and the backward's transient (no gradient exists yet but those it makes)
         rc_work, grad_tmp = _transient(tb, chunks, r)
-        pre_recv = np.array([tb.recv_buffers(mo, ins, outs) for mo in held[0]])
+        pre_recv = tb.recv_buffers(held[0], ins, outs)
         pre_acts = held[0][:, ACTS, :] @ acts
         i_pre = int(np.argmax(pre_acts + pre_recv))
         pre, recv = float(pre_acts[i_pre]), float(pre_recv[i_pre])
@@ -1376,7 +1407,7 @@ class Search:
             grads = fb.gradients * (post[:, GRADS, :] @ share)
             act = post[:, ACTS, :] @ acts + post[:, SENT_OUTPUTS, :] @ sends + rc_work
             buf = (fb.buffers + grad_tmp + post[:, SENT_GRADS, :] @ grads_sent
-                   + np.array([tb.recv_buffers(mo, ins, outs) for mo in post]))
+                   + tb.recv_buffers(post, ins, outs))
             w = fb.weights - relief
             # the worst moment only (the first of equal ones), as a phase
             i = int(np.argmax(w + grads + fb.optimizer + buf + act))
