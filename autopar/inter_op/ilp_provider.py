@@ -13,6 +13,7 @@ per-layer "individual" profiling), so this can be optimistic at layer boundaries
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from pathlib import Path
 from typing import Optional
@@ -54,8 +55,7 @@ class IlpProvider(AnalyticProvider):
         from autopar.intra_op import batch_dims_of, solve_graph, token_dims_of  # noqa: F401
 
         self.time_limit_s = time_limit_s
-        self.batch_dims = batch_dims_of(graph)
-        self.token_dims = token_dims_of(graph, self.batch_dims)
+        self.batch_dims, self.token_dims = _graph_dims(graph)
         self.solve_s = 0.0
         self.solves = 0
         # (signature, micro-batch, tp) -> (the layer's solution, the layer it was solved on):
@@ -134,8 +134,13 @@ class IlpProvider(AnalyticProvider):
                        sequence_parallel=self.sequence_parallel, attention_kernel=self.software.attention_kernel)
         key = None
         if self.cache is not None:
+            # the batch and token dims of the layer's own tensors (the whole graph's are what
+            # it is given; only these are read): a key per layer, not per model
+            own = {n.name for n in g.nodes}
+            keyed = {**options, "batch_dims": {k: v for k, v in self.batch_dims.items() if k in own},
+                     "token_dims": {k: v for k, v in self.token_dims.items() if k in own}}
             key = solve_key(g, list(layer.nodes), mesh, self.dtype,
-                            {k: sorted(v) if isinstance(v, set) else v for k, v in options.items()},
+                            {k: sorted(v) if isinstance(v, set) else v for k, v in keyed.items()},
                             digest=self._digest(layer, mb))
             hit = self.cache.get(key) if key is not None else None
             if hit is not None:
@@ -329,3 +334,23 @@ def _differing(alt: LayerCost, c: LayerCost) -> dict | None:
         if d:
             diff[k] = d
     return diff or None
+
+
+_DIMS: dict[int, tuple[weakref.ref, dict, dict]] = {}
+
+
+def _graph_dims(graph: OpGraph) -> tuple[dict, dict]:
+    """`batch_dims_of` and `token_dims_of` of `graph`, computed once per graph object: the
+    planner builds two providers on one graph (with and without sequence parallelism), and
+    the token dims of a 96-layer graph take ~0.5 s."""
+    from autopar.intra_op import batch_dims_of, token_dims_of
+
+    hit = _DIMS.get(id(graph))
+    if hit is not None and hit[0]() is graph:
+        return hit[1], hit[2]
+    batch = batch_dims_of(graph)
+    tokens = token_dims_of(graph, batch)
+    for k in [k for k, v in _DIMS.items() if v[0]() is None]:
+        del _DIMS[k]
+    _DIMS[id(graph)] = (weakref.ref(graph), batch, tokens)
+    return batch, tokens
