@@ -183,3 +183,21 @@ def test_search_bounds_never_exceed_a_candidates_time(software):
             assert lb <= c.iteration_s * (1 + 1e-9), (c, lb, c.iteration_s)
             checked += 1
     assert checked > 50
+
+
+def test_bottleneck_bound_is_the_linear_partition_optimum():
+    """`search._bottleneck`: the least largest part over every split into at most p parts
+    (brute force), from below and within 1e-6."""
+    import itertools
+
+    from autopar.inter_op.search import _bottleneck
+
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        n = int(rng.integers(1, 8))
+        t = rng.uniform(0.0, 1.0, n) * (rng.random(n) < 0.9)
+        p = int(rng.integers(1, n + 2))
+        best = min(max(sum(t[a:b]) for a, b in zip((0, *cuts), (*cuts, n)))
+                   for k in range(min(p, n)) for cuts in itertools.combinations(range(1, n), k))
+        got = _bottleneck(t, p)
+        assert got <= best and got >= best * (1 - 1e-6) - 1e-12, (t, p, got, best)

@@ -650,6 +650,35 @@ def _suffix_argmax(x: np.ndarray) -> np.ndarray:
 _LINEAR: dict[tuple, tuple[float, float]] = {}
 
 
+def _bottleneck(t: np.ndarray, p: int) -> float:
+    """A lower bound on the largest part's sum when the non-negative times `t` are cut into at
+    most `p` contiguous parts (the linear partition problem): bisection on the answer, each
+    guess checked greedily; returns a value no part split can go below."""
+    if len(t) == 0:
+        return 0.0
+    P = np.concatenate([[0.0], np.cumsum(t)])
+    lo, hi = max(float(t.max()), float(P[-1]) / p), float(P[-1])
+
+    def fits(x: float) -> bool:
+        k, parts = 0, 0
+        while k < len(t):
+            k = max(int(np.searchsorted(P, P[k] + x, side="right")) - 1, k + 1)
+            parts += 1
+            if parts > p:
+                return False
+        return True
+
+    if fits(lo):
+        return lo * (1 - 1e-9)
+    for _ in range(30):
+        mid = 0.5 * (lo + hi)
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo * (1 - 1e-9)      # below rounding in the prefix sums
+
+
 def _dp_coll(cluster: ClusterSpec, kind: str, nbytes: float, dp: int, tp: int) -> float:
     """`kind` over one data-parallel group of the first stage (ranks 0, tp, 2 tp, ...): intra-node,
     rail or hierarchical across nodes (`cost_models.communication.axis_collective_time`). The
@@ -921,8 +950,12 @@ class Search:
                         # the average stage's parameters: each tensor once (a tied one is
                         # in two layers' lists; a stage holding both counts it once)
                         distinct = {f: e for c in cs for f, e in c.param_elems.items()}
-                        bounds[solved] = (m * (per_layer + rc_min) / pp, sum(distinct.values()) / pp)
-                    ideal, pel = bounds[solved]
+                        # the slowest stage of any split into pp stages, each layer at its
+                        # least time (its cheapest recomputation): at least this
+                        least = [c.base_s + min(c.rc_extra_s.get(r, 0.0) for r in self.recomputes()) for c in cs]
+                        bounds[solved] = (m * (per_layer + rc_min) / pp, sum(distinct.values()) / pp,
+                                          _bottleneck(np.array(least), pp))
+                    ideal, pel, slowest = bounds[solved]
                     # memory lower bound: the model states of an average stage, no activations
                     states = max(ph.total for ph in runtime_phases(pel, self.dtype, z, dp, num_microbatches=m))
                     if states > self.budget:
@@ -933,6 +966,12 @@ class Search:
                     for sched, v in self.schedules(pp, m):
                         # lower bound: balanced stages, the schedule's bubble, the step's tail
                         lb = (ideal + m * per_mb) * (1 + schedule_kind(sched).bubble_fraction(pp, m, v)) + tail
+                        if v == 1 and not schedule_kind(sched).interleaved:
+                            # the stages' times (one micro-batch each) + (m - 1) x the slowest
+                            # (`stage_dp`): the slowest is at least the average stage's (`mu`)
+                            # and the bottleneck split's
+                            mu = ideal / m + per_mb
+                            lb = max(lb, pp * mu + (m - 1) * max(mu, slowest) + tail)
                         cands.append((lb, Candidate(dp, tp, pp, mb, m, sched, v, z, sp=sp)))
         if self.cons.stage_tp is not None:
             cands.extend(self._pinned_hetero())
