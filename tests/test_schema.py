@@ -130,3 +130,14 @@ def test_a_placement_is_validated_where_the_plan_is_read(tiny_plan):
 def test_plan_schema_is_json_schema(tiny_plan):
     s = Plan.json_schema()
     assert s["type"] == "object" and "stages" in s["properties"] and "predicted" in s["properties"]
+
+
+def test_plan_summary_folds_runs_of_equal_stages():
+    """A deep pipeline's summary says what its stages share once per run of equal stages (a
+    64-stage plan's 62 equal middle stages are one line, not 62)."""
+    from autopar.schema.plan import _stage_runs
+
+    items = [(0, "a"), (1, "b"), (2, "b"), (3, "b"), (5, "b"), (6, "c")]
+    assert _stage_runs(items) == ["stage 0: a", "stages 1-3: b", "stage 5: b", "stage 6: c"]
+    assert _stage_runs(items[:2], fmt="{stages} ({text})") == ["stage 0 (a)", "stage 1 (b)"]
+    assert _stage_runs([]) == []

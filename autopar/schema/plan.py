@@ -309,12 +309,12 @@ class Plan(_Model):
                          format_bytes(sp.peak_memory_bytes) if sp else "-",
                          format_bytes(self.cluster.device.memory_bytes)])
         table = format_table(cols, rows)
-        shard_lines = [f"stage {s.index}:{sharding}" for s in self.stages
-                       if (sharding := s.sharding_summary())]
+        shard_lines = _stage_runs([(s.index, sharding) for s in self.stages if (sharding := s.sharding_summary())],
+                                  sep=":")
         if shard_lines:
             table += "\nsharded weights (placement per mesh axis; the rest replicated):\n" + "\n".join(shard_lines)
-        rc_lines = [f"stage {s.index}: {s.recompute} {_folded(s.recompute_modules)}" for s in self.stages
-                    if s.recompute_modules]
+        rc_lines = _stage_runs([(s.index, f"{s.recompute} {_folded(s.recompute_modules)}") for s in self.stages
+                                if s.recompute_modules])
         if rc_lines:
             table += "\nrecomputed (checkpointed modules):\n" + "\n".join(rc_lines)
         coll = ", ".join(f"{k}={v}" for k, v in sorted(p.collectives.items())) or "none"
@@ -346,14 +346,34 @@ class Plan(_Model):
             tail += "\nsequence parallelism (Megatron-SP) on the tp axis: norms, dropout and residual adds on " \
                     "sequence slices"
         if solved:
-            tail += "\ntensor parallelism executed op by op as solved: " + ", ".join(
-                f"stage {s.index} ({s.op_layouts.num_ops} ops, {len(s.op_layouts.signatures)} distinct layers)"
-                for s in solved)
+            tail += "\ntensor parallelism executed op by op as solved: " + ", ".join(_stage_runs(
+                [(s.index, f"{s.op_layouts.num_ops} ops, {_plural(len(s.op_layouts.signatures), 'distinct layer')}")
+                 for s in solved], fmt="{stages} ({text})"))
         elif max(tps) > 1 and self.search.get("tp_executor"):
             tail += f"\ntensor parallelism {self.search['tp_executor']}"
         if self.search.get("skipped"):
             tail += f"\nleft out by the search (the runtime cannot run them): {self.search['skipped']}"
         return f"{head}\n{table}\n{tail}"
+
+
+def _stage_runs(items: list[tuple[int, str]], sep: str = ": ", fmt: str = "") -> list[str]:
+    """One line per run of consecutive stages saying the same (`items`: (stage index, text)
+    in stage order): "stage 3: x", "stages 1-62: y" (a 64-stage plan's 62 equal middle stages
+    in one line)."""
+    out: list[str] = []
+    i = 0
+    while i < len(items):
+        j = i
+        while j + 1 < len(items) and items[j + 1][1] == items[i][1] and items[j + 1][0] == items[j][0] + 1:
+            j += 1
+        stages = f"stage {items[i][0]}" if i == j else f"stages {items[i][0]}-{items[j][0]}"
+        out.append(fmt.format(stages=stages, text=items[i][1]) if fmt else f"{stages}{sep}{items[i][1]}")
+        i = j + 1
+    return out
+
+
+def _plural(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
 
 
 def _secs(x: float) -> str:
