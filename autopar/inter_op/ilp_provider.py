@@ -128,19 +128,19 @@ class IlpProvider(AnalyticProvider):
         # the layer's input arriving as the previous identical layer leaves it, and the tp axis
         # as the runtime runs it: model parallelism, every tp rank holding the whole micro-batch
         # (no batch split on it)
+        # the batch and token dims of the layer's own tensors (the problem reads no other; the
+        # whole graph's made every problem of a 96-layer model walk them all): a key per layer,
+        # not per model
+        own = {n.name for n in g.nodes}
         options = dict(time_limit_s=self.time_limit_s, interleaved_splits=interleaved, cyclic_boundary=True,
-                       batch_dims=self.batch_dims, token_dims=self.token_dims, model_axes=(0,),
+                       batch_dims={k: v for k, v in self.batch_dims.items() if k in own},
+                       token_dims={k: v for k, v in self.token_dims.items() if k in own}, model_axes=(0,),
                        fixed_params=self._pins(layer, mb, tp), grad_inputs=self._grad_inputs(layer),
                        sequence_parallel=self.sequence_parallel, attention_kernel=self.software.attention_kernel)
         key = None
         if self.cache is not None:
-            # the batch and token dims of the layer's own tensors (the whole graph's are what
-            # it is given; only these are read): a key per layer, not per model
-            own = {n.name for n in g.nodes}
-            keyed = {**options, "batch_dims": {k: v for k, v in self.batch_dims.items() if k in own},
-                     "token_dims": {k: v for k, v in self.token_dims.items() if k in own}}
             key = solve_key(g, list(layer.nodes), mesh, self.dtype,
-                            {k: sorted(v) if isinstance(v, set) else v for k, v in keyed.items()},
+                            {k: sorted(v) if isinstance(v, set) else v for k, v in options.items()},
                             digest=self._digest(layer, mb))
             hit = self.cache.get(key) if key is not None else None
             if hit is not None:
