@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-from autopar.models.configs import BertConfig, GPTConfig, LlamaConfig, MLPConfig
+from autopar.models.configs import BertConfig, GPTConfig, LlamaConfig, MLPConfig, MoEConfig
 
-Config = Union[GPTConfig, LlamaConfig, BertConfig, MLPConfig]
+Config = Union[GPTConfig, LlamaConfig, BertConfig, MLPConfig, MoEConfig]
 
 __all__ = ["CatalogueEntry", "catalogue"]
 
@@ -16,7 +16,7 @@ __all__ = ["CatalogueEntry", "catalogue"]
 @dataclass(frozen=True)
 class CatalogueEntry:
     name: str
-    family: str          # gpt | llama | bert | mlp: the class `registry` builds it with
+    family: str          # gpt | llama | bert | mlp | moe: the class `registry` builds it with
     config: Config
     description: str
 
@@ -60,6 +60,17 @@ _ENTRIES: list[CatalogueEntry] = [
     CatalogueEntry("llama-small", "llama", LlamaConfig(vocab_size=1024, seq_len=64, hidden=128, layers=4, heads=4,
                                                        kv_heads=2, ffn_hidden=352),
                    "small Llama (GQA) for CPU runs"),
+    CatalogueEntry("deepseek-moe-16b", "moe", MoEConfig(vocab_size=102400, seq_len=4096),
+                   "DeepSeekMoE 16B (Dai et al. 2024: 64 routed experts top-6 + 2 shared, s=4096, V=102400)"),
+    CatalogueEntry("moe-tiny", "moe", MoEConfig(vocab_size=128, seq_len=16, hidden=32, layers=2, heads=4, kv_heads=2,
+                                                num_experts=8, top_k=2, expert_hidden=16, shared_experts=1,
+                                                dense_layers=0, aux_loss_coef=0.01),
+                   "tiny DeepSeek-style MoE (8 experts top-2 + 1 shared) for tests and local runs"),
+    CatalogueEntry("moe-small", "moe", MoEConfig(vocab_size=1024, seq_len=64, hidden=128, layers=4, heads=4,
+                                                 kv_heads=2, num_experts=16, top_k=4, expert_hidden=64,
+                                                 shared_experts=1, dense_layers=1, dense_hidden=352,
+                                                 aux_loss_coef=0.01),
+                   "small DeepSeek-style MoE (16 experts top-4 + 1 shared) for CPU runs"),
     CatalogueEntry("bert-base", "bert", BertConfig(), "BERT base (110M, s=512, MLM loss)"),
     CatalogueEntry("bert-large", "bert", BertConfig(hidden=1024, layers=24, heads=16, ffn_hidden=4096),
                    "BERT large (340M, s=512, MLM loss)"),

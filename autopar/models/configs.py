@@ -47,6 +47,42 @@ class LlamaConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A DeepSeek-style mixture-of-experts decoder (DeepSeekMoE, Dai et al. 2024, arXiv 2401.06066):
+    Llama attention; each MoE block has `shared_experts` always-on SwiGLU experts and
+    `num_experts` fine-grained routed ones of width `expert_hidden`, `top_k` per token; the
+    first `dense_layers` blocks have a dense SwiGLU of width `dense_hidden` instead."""
+
+    vocab_size: int = 32000
+    seq_len: int = 4096
+    hidden: int = 2048
+    layers: int = 28
+    heads: int = 16
+    kv_heads: int = 16
+    num_experts: int = 64
+    top_k: int = 6
+    expert_hidden: int = 1408
+    shared_experts: int = 2
+    dense_layers: int = 1
+    dense_hidden: int = 10944
+    aux_loss_coef: float = 0.001     # sequence-wise balance loss weight (DeepSeek-V3's alpha: 1e-4)
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def num_params(self) -> int:
+        h, d = self.hidden, self.head_dim
+        attn = h * self.heads * d + 2 * h * self.kv_heads * d + self.heads * d * h + 2 * h
+        moe = (3 * h * self.expert_hidden * (self.num_experts + self.shared_experts) + self.num_experts * h)
+        dense = 3 * h * self.dense_hidden
+        return (self.layers * attn + self.dense_layers * dense + (self.layers - self.dense_layers) * moe
+                + 2 * self.vocab_size * h + h)
+
+
+@dataclass(frozen=True)
 class BertConfig:
     vocab_size: int = 30522
     seq_len: int = 512

@@ -117,7 +117,7 @@ def register(entry: ZooEntry) -> None:
     _ZOO[entry.name] = entry
 
 
-for _e in catalogue().values():      # llama and bert register theirs when imported (`_load_families`)
+for _e in catalogue().values():      # llama, bert and moe register theirs when imported (`_load_families`)
     if _e.family == "gpt":
         register(_gpt(_e.name, _e.config, _e.description))
     elif _e.family == "mlp":
@@ -133,7 +133,7 @@ def zoo() -> dict[str, ZooEntry]:
 
 
 def _load_families() -> None:
-    for mod in ("autopar.models.llama", "autopar.models.bert"):
+    for mod in ("autopar.models.llama", "autopar.models.bert", "autopar.models.moe"):
         try:
             importlib.import_module(mod)
         except ImportError:
