@@ -96,6 +96,10 @@ class TensorMeta:
         return any(isinstance(d, SymDim) for d in self.shape)
 
 
+# grouped GEMMs of routed tokens against stacked expert weights, by op name in any namespace
+# (torch's, Hugging Face's fallback, the zoo MoE's): `OpNode.op` calls them all "grouped_mm"
+GROUPED_GEMM_OPS = frozenset({"_grouped_mm", "grouped_mm", "grouped_mm_fallback"})
+
 NodeKind = Literal["input", "param", "buffer", "constant", "call", "output"]
 
 
@@ -130,7 +134,11 @@ class OpNode:
     def op(self) -> str:
         """Short op name, e.g. "mm" for aten.mm.default."""
         parts = self.target.split(".")
-        return parts[1] if len(parts) >= 3 and parts[0] == "aten" else self.target
+        if len(parts) >= 3 and parts[0] == "aten":
+            return parts[1]
+        if len(parts) >= 2 and parts[1] in GROUPED_GEMM_OPS:
+            return "grouped_mm"       # a library's grouped GEMM (mixture-of-experts layers)
+        return self.target
 
 
 @dataclass
