@@ -22,12 +22,14 @@ import torch.nn as nn
 from autopar.capture import OpGraph, capture
 from autopar.capture.cache import cache_directory
 from autopar.inter_op.dtensor_counts import LayerCounts, dtensor_stage_counts, dtensor_tp_counts
+from autopar.inter_op.experts import EP_IMBALANCE, ExpertCosting
 from autopar.inter_op.layers import Layer, build_layers
 from autopar.inter_op.search import Candidate, Search, SearchResult, StageResult, op_by_op
 from autopar.inter_op.stage_cost import AnalyticProvider
 from autopar.inter_op.stage_layouts import chunk_layouts
 from autopar.models import ModelBundle, build_model
 from autopar.schema import ClusterSpec, Constraints, ModelInfo, Plan, PlanError, Prediction, StagePlan, StagePrediction
+from autopar.schema.experts import ExpertBlockPlan, ExpertParallelism
 from autopar.schema.layouts import StageLayouts
 from autopar.schema.plan import TRAINING_DTYPES, PhasePrediction
 from autopar.schema.software import SoftwareSpec, software_for_cluster
@@ -317,6 +319,16 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
         else:
             step_kinds = {kk for i in range(k, j) for kk in costs[i].coll_step}
             coll.update({kk: 1 for kk in step_kinds})
+    # expert parallelism: the token exchange's all-to-alls, and the expert gradients' own sync
+    # over the dp / ep ranks holding the same experts (`runtime.experts`)
+    experts = res.experts if c.ep > 1 else None
+    if experts is not None:
+        for _, d, _, (k, j) in chunks:
+            coll.update(experts.expert_collectives(range(k, j), m, c.stages[d].recompute))
+        if c.dp // c.ep > 1:
+            for st in c.stages:
+                if any(i in experts.by_layer for k, j in st.chunks for i in range(k, j)):
+                    coll.update({"all_reduce": 1} if c.zero == 0 else {"reduce_scatter": 1, "all_gather": 1})
     # dp gradient sync, once per stage (device group), as the runtime issues it
     if c.dp > 1:
         for st in c.stages:
@@ -357,6 +369,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                 software=getattr(res.provider, "software", None) or software_for_cluster(None, spec), dtype=dtype,
                 global_batch_size=gbs, microbatch_size=c.mb, num_microbatches=m,
                 schedule=c.schedule, virtual_stages=v, zero_stage=c.zero, stages=stage_plans,
+                experts=_expert_plan(experts, c, dtype) if experts is not None else None,
                 sequence_parallel=bool(getattr(res.provider, "sequence_parallel", False)) and c.tp > 1,
                 predicted=pred,
                 search={"search_time_s": round(search_s, 3),
@@ -369,6 +382,15 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                         **({"tp_counts_fallback": "; ".join(fallbacks)} if fallbacks else {}),
                         **({"tp_executor": why_not} if why_not else {}),
                         **({"skipped": _skipped(res.skipped)} if res.skipped else {})})
+
+
+def _expert_plan(experts: ExpertCosting, c: Candidate, dtype: str) -> ExpertParallelism:
+    """`Plan.experts` of a candidate with expert parallelism."""
+    blocks = [b for bs in experts.by_layer.values() for b in bs]
+    return ExpertParallelism(ep=c.ep, expert_dp=c.dp // c.ep, imbalance=EP_IMBALANCE,
+                             dispatch_bytes=experts.dispatch_bytes(blocks[0], c.mb, dtype),
+                             blocks=[ExpertBlockPlan(module=b.module, num_experts=b.num_experts, top_k=b.top_k,
+                                                     weights=list(b.weights)) for b in blocks])
 
 
 def _skipped(skipped: dict[str, str]) -> str:

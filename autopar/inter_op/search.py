@@ -67,6 +67,7 @@ import numpy as np
 
 from autopar.capture.graph import OpGraph
 from autopar.inter_op.dp import first_feasible, stage_dp
+from autopar.inter_op.experts import ExpertCosting
 from autopar.inter_op.layers import Layer
 from autopar.inter_op.stage_cost import RECOMPUTES, AnalyticProvider, LayerCost, axis_link, coll_time
 from autopar.schema import ClusterSpec, Constraints, PlanError
@@ -150,9 +151,10 @@ class Candidate:
     costs: Optional["_Tables"] = None
     hetero_tps: tuple[int, ...] = ()  # Alpa's free sub-mesh choice: stages may differ in tp
     sp: bool = False                  # Megatron-SP on the tp axis (`Search.sp_provider`'s costs)
+    ep: int = 1                       # expert parallelism: routed experts over ep dp ranks (`inter_op.experts`)
 
     def key(self) -> tuple:
-        return (self.dp, self.tp, self.pp, self.mb, self.schedule, self.v, self.zero, self.sp)
+        return (self.dp, self.tp, self.pp, self.mb, self.schedule, self.v, self.zero, self.sp, self.ep)
 
 
 @dataclass
@@ -167,6 +169,7 @@ class SearchResult:
     # candidates the search left out because the runtime could not run them, and why
     # ("hetero dp=1 mb=2 tp=(2, 1, 1)": reason); recorded in the plan's `search`
     skipped: dict[str, str] = field(default_factory=dict)
+    experts: Optional[ExpertCosting] = None     # the model's expert blocks (`inter_op.experts`)
 
 
 class _Tables:
@@ -216,6 +219,10 @@ class _Tables:
         self._relief: dict[str, np.ndarray] = {}
         # `Search._recompute_terms`, per (recomputation, ZeRO-3 with one micro-batch)
         self._rc_terms: dict[tuple[str, bool], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        # expert parallelism (`set_experts`): ep, and the expert weights' elements per layer range
+        self.ep = 1
+        self.expert_pel = np.zeros(L + 1)
+        self.range_epel = np.zeros((L, L + 1))
         # the batch a range's stage holds: the first input if it starts the model, the other
         # inputs (targets) if it ends it
         self.range_batch = np.where(kk == 0, self.batch_first, 0.0) + np.where(jj == L, self.batch_rest, 0.0)
@@ -469,16 +476,23 @@ class _Tables:
         t1 = _dp_coll(self.cluster, "all_gather", big, self.dp, self.tp)
         return np.where(pel > 0, 2 * (t0 + (t1 - t0) * (pel * w) / big), 0.0)
 
-    def phases(self, pel: Any, m: int, root: Any = 0.0, unit: Any = 0.0, largest: Any = 0.0) -> list:
+    def phases(self, pel: Any, m: int, root: Any = 0.0, unit: Any = 0.0, largest: Any = 0.0,
+               epel: Any = 0.0) -> list:
         """What the runtime holds per phase of a step for `pel` parameter elements per device
         (`cost_models.memory.runtime_phases`); under ZeRO-3 `root` and `unit` are the root
         unit's elements and the largest layer unit's (`range_root`, `range_unit`): the root's
         and one unit's unsharded parameters and one unit's flat all-gather output at once;
         `largest`: AdamW's temporaries at their worst, elements (`range_maxtensor`)."""
-        return runtime_phases(pel, self.dtype, self.zero, self.dp, num_microbatches=m,
-                              gathered_params=root + unit if self.zero3 else 0.0,
-                              prefetch_params=unit if self.zero3 else 0.0, optimizer_temps=largest,
-                              rs_copies_input=reduce_scatter_copies_input(self.cluster.device.device_type))
+        kw = dict(num_microbatches=m, gathered_params=root + unit if self.zero3 else 0.0,
+                  prefetch_params=unit if self.zero3 else 0.0, optimizer_temps=largest,
+                  rs_copies_input=reduce_scatter_copies_input(self.cluster.device.device_type))
+        out = runtime_phases(pel, self.dtype, self.zero, self.dp, **kw)
+        if self.ep > 1 and self.zero in (1, 2) and self.dp > 1:
+            # ZeRO shards an expert's optimizer state over the dp / ep ranks holding it, not over
+            # dp: as if its elements were ep times as many (the rest of the phase unchanged)
+            wide = runtime_phases(pel + (self.ep - 1) * np.asarray(epel), self.dtype, self.zero, self.dp, **kw)
+            out = [dataclasses.replace(a, optimizer=b.optimizer) for a, b in zip(out, wide)]
+        return out
 
     @functools.cached_property
     def range_unit(self) -> np.ndarray:
@@ -547,7 +561,8 @@ class _Tables:
         gradients among them, which exist only after the first backward; the largest total of
         the other phases, gradient sync and optimizer step, when no receive buffer is alive).
         All include the step's batch the stage holds."""
-        ph = self.phases(pel, m, self.range_root, self.range_unit if self.zero3 else 0.0, self.range_maxtensor)
+        ph = self.phases(pel, m, self.range_root, self.range_unit if self.zero3 else 0.0, self.range_maxtensor,
+                         self.range_epel)
         rest = ph[1].total
         for x in ph[2:]:
             rest = np.maximum(rest, x.total)
@@ -578,8 +593,21 @@ class _Tables:
         beyond what it saved of it, and a last stage's loss input."""
         return np.maximum(act - in_saved, 0.0) + out_kept
 
-    def sync(self, pel: float) -> float:
-        return _sync_time(self.cluster, self.dtype, self.dp, self.tp, self.zero, pel)
+    def set_experts(self, ep: int, expert_layer: np.ndarray) -> None:
+        """Routed experts sharded over `ep` of the dp ranks; `expert_layer`: each layer's expert
+        weight elements per device (already divided by ep)."""
+        self.ep = ep
+        self.expert_pel = np.concatenate([[0.0], np.cumsum(expert_layer)])
+        self.range_epel = np.where(self.valid, self.ranged(self.expert_pel), 0.0)
+
+    def sync(self, pel: float, epel: float = 0.0) -> float:
+        """The stage's gradient sync: `pel - epel` dense elements over dp; under expert
+        parallelism the `epel` expert elements over the dp / ep ranks holding the same experts
+        (`tp * ep` apart), a second flat collective."""
+        if self.ep <= 1:
+            return _sync_time(self.cluster, self.dtype, self.dp, self.tp, self.zero, pel)
+        return (_sync_time(self.cluster, self.dtype, self.dp, self.tp, self.zero, pel - epel)
+                + _sync_time(self.cluster, self.dtype, self.dp // self.ep, self.tp * self.ep, self.zero, epel))
 
     def opt(self, pel: float, tensors: int = 1) -> float:
         """Optimizer step of `pel` parameter elements in `tensors` parameter tensors (the runtime
@@ -788,6 +816,10 @@ class Search:
         self._held_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._tables_cache: dict = {}
         self._costs_cache: dict = {}
+        self.experts = ExpertCosting(graph, layers)
+        if (cons.ep or 1) > 1 and not self.experts:
+            raise PlanError(f"ep={cons.ep}: the model has no routed experts (no grouped GEMM over stacked expert "
+                            f"weights was captured); leave ep unset", constraint="ep")
 
     # -- the space -----------------------------------------------------------------------------
     def meshes(self) -> list[tuple[int, int, int]]:
@@ -911,14 +943,15 @@ class Search:
         if best is None:
             raise self._no_fit()
         return SearchResult(best, self.layers, self.sp_provider if best.sp else self.provider, self.evaluated,
-                            self.considered, time.perf_counter() - t0, self.min_memory, dict(self.skipped))
+                            self.considered, time.perf_counter() - t0, self.min_memory, dict(self.skipped),
+                            self.experts)
 
     def tables_for(self, cand: Candidate) -> Optional["_Tables"]:
         """The cost tables `evaluate` reads for `cand` (None for a hetero candidate: its stages'
         tables are built per tp degree)."""
         if cand.hetero_tps:
             return None
-        return self._tables(cand.mb, cand.tp, cand.dp, cand.zero, solved=op_by_op(cand), sp=cand.sp)
+        return self._tables(cand.mb, cand.tp, cand.dp, cand.zero, solved=op_by_op(cand), sp=cand.sp, ep=cand.ep)
 
     def candidates(self) -> list[tuple[float, Candidate]]:
         """Every candidate the constraints allow, with a lower bound on its iteration time, in
@@ -936,15 +969,17 @@ class Search:
                     issues.extend(iss)
                     continue
                 m = self.gbs // dp // mb
-                bounds: dict[bool, tuple[float, float]] = {}
-                for z in self.zeros(dp, tp):
+                bounds: dict[tuple[bool, int], tuple[float, float, float, float]] = {}
+                for z, ep in ((z, e) for e in self.experts.degrees(dp, self.cons.ep) for z in self.zeros(dp, tp)):
+                    if ep > 1 and z == 3:
+                        continue                # FSDP units would split an ep group's experts
                     # the costs the candidate is evaluated with: the executor's where it runs op
                     # by op as solved (a bound from the others could prune a faster plan)
                     solved = op_by_op(Candidate(dp, tp, pp, mb, m, "1f1b", 1, z))
                     if sp and not solved:
                         continue                # only the executor runs sequence parallelism
-                    if solved not in bounds:
-                        cs = self._layer_costs(mb, tp, solved, sp)
+                    if (solved, ep) not in bounds:
+                        cs = self._layer_costs(mb, tp, solved, sp, ep)
                         per_layer = sum(c.base_s for c in cs)
                         rc_min = min(sum(c.rc_extra_s.get(r, 0.0) for c in cs) for r in self.recomputes())
                         # the average stage's parameters: each tensor once (a tied one is
@@ -953,16 +988,17 @@ class Search:
                         # the slowest stage of any split into pp stages, each layer at its
                         # least time (its cheapest recomputation): at least this
                         least = [c.base_s + min(c.rc_extra_s.get(r, 0.0) for r in self.recomputes()) for c in cs]
-                        bounds[solved] = (m * (per_layer + rc_min) / pp, sum(distinct.values()) / pp,
-                                          _bottleneck(np.array(least), pp))
-                    ideal, pel, slowest = bounds[solved]
+                        bounds[(solved, ep)] = (m * (per_layer + rc_min) / pp, sum(distinct.values()) / pp,
+                                                _bottleneck(np.array(least), pp),
+                                                float(self.experts.expert_elems(cs).sum()) / pp if ep > 1 else 0.0)
+                    ideal, pel, slowest, epel = bounds[(solved, ep)]
                     # memory lower bound: the model states of an average stage, no activations
                     states = max(ph.total for ph in runtime_phases(pel, self.dtype, z, dp, num_microbatches=m))
                     if states > self.budget:
                         self.min_memory = min(self.min_memory, states)
                         self.considered_infeasible += len(self.schedules(pp, m))
                         continue
-                    per_mb, tail = self._bound_terms(dp, tp, z, m, pel)
+                    per_mb, tail = self._bound_terms(dp, tp, z, m, pel, epel)
                     for sched, v in self.schedules(pp, m):
                         # lower bound: balanced stages, the schedule's bubble, the step's tail
                         lb = (ideal + m * per_mb) * (1 + schedule_kind(sched).bubble_fraction(pp, m, v)) + tail
@@ -972,7 +1008,7 @@ class Search:
                             # and the bottleneck split's
                             mu = ideal / m + per_mb
                             lb = max(lb, pp * mu + (m - 1) * max(mu, slowest) + tail)
-                        cands.append((lb, Candidate(dp, tp, pp, mb, m, sched, v, z, sp=sp)))
+                        cands.append((lb, Candidate(dp, tp, pp, mb, m, sched, v, z, sp=sp, ep=ep)))
         if self.cons.stage_tp is not None:
             cands.extend(self._pinned_hetero())
         elif not getattr(self.provider, "sequence_parallel", False):
@@ -993,13 +1029,16 @@ class Search:
         self.considered = len(cands) + self.considered_infeasible
         return cands
 
-    def _bound_terms(self, dp: int, tp: int, zero: int, m: int, pel: float) -> tuple[float, float]:
+    def _bound_terms(self, dp: int, tp: int, zero: int, m: int, pel: float, epel: float = 0.0
+                     ) -> tuple[float, float]:
         """What every stage of `pel` parameter elements (the average stage's) adds to the layers'
         time at least, for a candidate's lower bound: (per micro-batch: ZeRO-3's two weight
         all-gathers without their latency (a stage may hold no parameter; `_Tables.zero_mb`)
         and the gradient accumulation (`_Tables.accum`); the step's tail: the gradient sync no
         backward can hide and the optimizer step of one flat tensor). Each grows with a stage's
-        parameters, so the average stage's is at most the slowest's (`_stage`, `_finish`)."""
+        parameters, so the average stage's is at most the slowest's (`_stage`, `_finish`).
+        `epel`: of them, expert weights under expert parallelism, synced over fewer ranks: left
+        out of the sync's bound."""
         per_mb = 0.0
         if zero == 3 and dp > 1:
             big = 1e9
@@ -1008,9 +1047,9 @@ class Search:
             per_mb += 2 * slope * pel * PRECISION_POLICIES[self.dtype][0]
         if m > 1:
             per_mb += (m - 1) / m * memory_time(pel * grad_accumulation_bytes(self.dtype), self.cluster.device)
-        sync = _sync_time(self.cluster, self.dtype, dp, tp, zero, pel)
+        sync = _sync_time(self.cluster, self.dtype, dp, tp, zero, pel - epel)
         if self.software.grad_sync_overlap:      # the part no backward can hide
-            sync -= _grad_reduce_time(self.cluster, self.dtype, dp, tp, zero, pel)
+            sync -= _grad_reduce_time(self.cluster, self.dtype, dp, tp, zero, pel - epel)
         opt = optimizer_step_time(pel, self.cluster.device, self.dtype, shard=dp if zero >= 1 else 1,
                                   param_tensors=1)
         return per_mb, sync + opt
@@ -1335,23 +1374,34 @@ class Search:
             self._held_cache[key] = held_moments(kind, p, rank, m, v)
         return self._held_cache[key]
 
-    def _tables(self, mb: int, tp: int, dp: int, zero: int, solved: bool = False, sp: bool = False) -> "_Tables":
+    def _tables(self, mb: int, tp: int, dp: int, zero: int, solved: bool = False, sp: bool = False,
+                ep: int = 1) -> "_Tables":
         """`solved`: the stage runs op by op as solved (`_op_by_op`), its layers' activations as
-        the executor keeps them (`LayerCost.solved_variant`); `sp`: with Megatron-SP."""
-        key = (mb, tp, dp, zero, solved, sp)
+        the executor keeps them (`LayerCost.solved_variant`); `sp`: with Megatron-SP; `ep`: the
+        routed experts over ep dp ranks (`inter_op.experts`)."""
+        key = (mb, tp, dp, zero, solved, sp, ep)
         if key not in self._tables_cache:
-            costs = self._layer_costs(mb, tp, solved, sp)
+            costs = self._layer_costs(mb, tp, solved, sp, ep)
             batch = (self.input_bytes[0] * self.gbs / dp, sum(self.input_bytes[1:]) * self.gbs / dp)
             # the last pipeline chunk computes the loss inside (`runtime.graph_stages`, the
             # executor): its output is the loss, no loss input is kept for the schedule
             like = next((t for t in self._tables_cache.values() if t.costs is costs), None)
-            self._tables_cache[key] = _Tables(costs, self.cluster, self.dtype, dp, tp, zero, self.layers, batch,
-                                              like=like)
+            tb = _Tables(costs, self.cluster, self.dtype, dp, tp, zero, self.layers, batch, like=like)
+            if ep > 1:
+                tb.set_experts(ep, self.experts.expert_elems(costs))
+            self._tables_cache[key] = tb
         return self._tables_cache[key]
 
-    def _layer_costs(self, mb: int, tp: int, solved: bool = False, sp: bool = False) -> list[LayerCost]:
+    def _layer_costs(self, mb: int, tp: int, solved: bool = False, sp: bool = False, ep: int = 1) -> list[LayerCost]:
         """The layers' costs at (mb, tp); `solved`: as the executor runs them
-        (`LayerCost.solved_variant`); `sp`: with Megatron-SP (`sp_provider`)."""
+        (`LayerCost.solved_variant`); `sp`: with Megatron-SP (`sp_provider`); `ep`: the routed
+        experts sharded over ep dp ranks (`ExpertCosting.layer_costs`)."""
+        if ep > 1:
+            key = (mb, tp, solved, sp, ep)
+            if key not in self._costs_cache:
+                self._costs_cache[key] = self.experts.layer_costs(self._layer_costs(mb, tp, solved, sp), ep, mb, tp,
+                                                                  self.cluster, self.dtype)
+            return self._costs_cache[key]
         key = (mb, tp, solved, sp)
         if key not in self._costs_cache:
             prov = self.sp_provider if sp else self.provider
@@ -1364,7 +1414,7 @@ class Search:
         nch = p * v
         best_ok = False
         for r in self.recomputes():
-            ck = (cand.mb, cand.tp, cand.dp, nch, r, cand.zero == 3)
+            ck = (cand.mb, cand.tp, cand.dp, nch, r, cand.zero == 3, cand.ep)
             res = self._chunk_cache.get(ck)
             if ck not in self._chunk_cache:
                 t = (tb.ranged(tb.base) + tb.range_p2p + tb.ranged(tb.rc[r]) + tb.zero_mb(tb.range_pel)
@@ -1392,7 +1442,8 @@ class Search:
                 continue
             tmax = max(s.t_mb for s in stages)
             pipeline = m * tmax + (sum(s.t_mb for s in stages) - tmax) / v
-            trial = Candidate(**{k: getattr(cand, k) for k in ("dp", "tp", "pp", "mb", "m", "schedule", "v", "zero")})
+            trial = Candidate(**{k: getattr(cand, k) for k in ("dp", "tp", "pp", "mb", "m", "schedule", "v", "zero",
+                                                               "sp", "ep")})
             self._finish(trial, tb, stages, pipeline)
             if not best_ok or trial.iteration_s < cand.iteration_s:
                 cand.iteration_s, cand.pipeline_s, cand.tail_s, cand.stages = (
@@ -1438,8 +1489,9 @@ class Search:
         acc = float(tb.accum(np.array([pel]), cand.m)[0])
         t += acc
         comp += acc
+        epel = sum(float(tb.range_epel[k, j]) for k, j in chunks)
         phases = [dataclasses.replace(ph, buffers=ph.buffers + batch)
-                  for ph in tb.phases(pel, cand.m, root, unit, largest)]
+                  for ph in tb.phases(pel, cand.m, root, unit, largest, epel)]
         fb = phases[0]
         # ZeRO-3 holds fewer units at a micro-batch's worst moment than the bound (`relief`; one
         # chunk: with several, each chunk's FSDP root keeps its own parameters)
@@ -1488,7 +1540,7 @@ class Search:
             phases.append(dataclasses.replace(fb, weights=w, gradients=float(grads[i]), activations=float(act[i]),
                                               buffers=float(buf[i])))
         top = max(phases, key=lambda ph: ph.total)
-        sync = tb.sync(pel)
+        sync = tb.sync(pel, epel)
         if self.software.grad_sync_overlap:
             # the last micro-batch's backward (with its recomputation), which an overlapped
             # gradient reduction runs beside

@@ -31,6 +31,10 @@ class Constraints(BaseModel):
     virtual_stages: Optional[int] = Field(default=None, ge=1, description="model chunks per device (interleaved)")
     recompute: Optional[Recompute] = None
     zero_stage: Optional[int] = Field(default=None, ge=0, le=3)
+    ep: Optional[int] = Field(default=None, ge=1, description="expert-parallel degree of a mixture-of-experts "
+                              "model: its routed experts sharded over groups of ep data-parallel ranks (ep "
+                              "divides dp and the expert count), tokens exchanged by all-to-all; None: searched "
+                              "where the model has experts (1 for a dense model)")
     stage_tp: Optional[tuple[int, ...]] = Field(
         default=None, min_length=1, description="the tensor-parallel degree of each pipeline stage, in "
         "model order (Alpa's sub-mesh choice: stages may differ, e.g. (1, 1, 2)); sets pp to its length and "

@@ -18,14 +18,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from autopar.schema.cluster import ClusterSpec, validation_message
 from autopar.schema.constraints import Recompute, Schedule
 from autopar.schema.errors import PlanError
+from autopar.schema.experts import ExpertParallelism
 from autopar.schema.layouts import StageLayouts
 from autopar.schema.placement import Placement  # "R", "S(d)" or "P", validated
 from autopar.schema.software import SoftwareSpec, preset_for_attention_kernel
 
-# 7: the software the plan assumes (`Plan.software`; the device's attention_kernel moved there)
-# and `Plan.sequence_parallel`; 4: pipeline chunks carry op_layouts (`StageLayouts.receives`);
-# 3 added op_layouts
-PLAN_FORMAT_VERSION = 7
+# 8: `Plan.experts` (expert parallelism of a mixture-of-experts model; plans of 7 and earlier
+# have none and read as such); 7: the software the plan assumes (`Plan.software`; the device's
+# attention_kernel moved there) and `Plan.sequence_parallel`; 4: pipeline chunks carry
+# op_layouts (`StageLayouts.receives`); 3 added op_layouts
+PLAN_FORMAT_VERSION = 8
 
 TrainingDtype = Literal["fp32", "bf16", "fp16"]
 TRAINING_DTYPES: tuple[str, ...] = get_args(TrainingDtype)
@@ -196,6 +198,9 @@ class Plan(_Model):
     sequence_parallel: bool = Field(default=False, description="Megatron-SP on the tp axis: the stages' "
                                     "op_layouts split norms, dropout and residual adds along the tokens")
     stages: list[StagePlan] = Field(min_length=1)
+    experts: Optional[ExpertParallelism] = Field(default=None, description="where a mixture-of-experts model's "
+                                                 "routed experts live (expert parallelism); null: replicated "
+                                                 "like the other weights, or a dense model")
     predicted: Prediction
     search: dict[str, float | int | str] = Field(default_factory=dict, description="search statistics")
 
@@ -239,6 +244,9 @@ class Plan(_Model):
             if missing:
                 raise ValueError(f"stage {missing[0]} has no fsdp_units, which a ZeRO-3 plan needs (plans of "
                                  f"format_version 1 predate them); re-plan with `autopar plan`")
+        if self.experts is not None and (dp % self.experts.ep or self.experts.expert_dp * self.experts.ep != dp):
+            raise ValueError(f"experts: ep={self.experts.ep} x expert_dp={self.experts.expert_dp} must equal the "
+                             f"data-parallel degree {dp}")
         if self.microbatch_size * self.num_microbatches * dp != self.global_batch_size:
             raise ValueError(f"microbatch_size ({self.microbatch_size}) x num_microbatches "
                              f"({self.num_microbatches}) x data-parallel degree ({dp}) must equal "
@@ -253,6 +261,10 @@ class Plan(_Model):
     @property
     def dp(self) -> int:
         return self.stages[0].axis_size("dp")
+
+    @property
+    def ep(self) -> int:
+        return self.experts.ep if self.experts is not None else 1
 
     @property
     def tp(self) -> int:
@@ -290,7 +302,8 @@ class Plan(_Model):
         head = (f"autopar plan for {self.model.name} ({format_count(self.model.num_params)} params) on "
                 f"{self.cluster.num_devices} x {self.cluster.device.name} "
                 f"({self.cluster.num_nodes} node{'s' if self.cluster.num_nodes > 1 else ''})\n"
-                f"dp={self.dp} tp={tp} pp={self.pp}  schedule={self.schedule}"
+                f"dp={self.dp}{f' (ep={self.ep})' if self.ep > 1 else ''} tp={tp} pp={self.pp}  "
+                f"schedule={self.schedule}"
                 f"{f' (v={self.virtual_stages})' if self.virtual_stages > 1 else ''}  "
                 f"global batch={self.global_batch_size}  micro-batch={self.microbatch_size} x "
                 f"{self.num_microbatches}  zero={self.zero_stage}  dtype={self.dtype}\n"
@@ -338,6 +351,8 @@ class Plan(_Model):
             if others:
                 tail += " (its other phases' peaks: " + ", ".join(
                     f"{k.replace('_', ' ')} {format_bytes(v.peak_memory_bytes)}" for k, v in others) + ")"
+        if self.experts is not None:
+            tail += "\n" + self.experts.summary()
         tail += f"\ncollectives per step: {coll}"
         if self.search.get("tp_counts_fallback"):
             tail += f" (counted another way for {self.search['tp_counts_fallback']})"

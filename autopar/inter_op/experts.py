@@ -1,0 +1,151 @@
+"""Expert parallelism in the plan search: which ep degrees to try, and a layer's cost with its
+routed experts sharded over ep data-parallel ranks.
+
+The layer costs the providers give (`stage_cost.LayerCost`, analytic or ILP) run every expert
+on every rank (the captured one-process program: each rank's T x k token-expert pairs through all
+E experts). With ep > 1 (`ep_layer_costs`), per expert block and micro-batch:
+
+* weights: the block's stacked expert weights divided by ep (their gradients and optimizer
+  state with them; `Search` averages their gradients over the dp / ep ranks that hold the same
+  experts, not over dp);
+* exchange, dropless (no capacity, no dropped token, as the one-process run): the dispatch sends
+  each rank's T x k pairs (T the micro-batch's tokens, k the top-k) of width H to the ranks
+  holding their experts, the combine returns as many: 2 all-to-alls forward, 2 backward, plus
+  one small all-to-all of the per-expert counts (the split sizes, data dependent) in the
+  forward; each costed over the ep group (consecutive dp ranks, `tp` apart) by
+  `cost_models.communication.axis_collective_time` on `imbalance` x the mean bytes;
+* expert GEMMs: E / ep groups of `imbalance` x T x k x ep / E rows each, on the profile's GEMM
+  curve (`cost_models.compute.grouped_gemm_time`), in place of E groups of T x k / E rows.
+
+`EP_IMBALANCE` is an estimate, not a measurement: the most-loaded rank of an ep group
+receives 10% more pairs than the mean. Trained with a balance loss (the zoo MoE's, Mixtral's,
+DeepSeek's), routers stay near uniform over a batch of thousands of tokens; Megatron-Core
+and torchtitan do not publish one figure for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Optional
+
+import numpy as np
+
+from autopar.capture.experts import ExpertBlock, find_expert_blocks
+from autopar.capture.graph import OpGraph
+from autopar.inter_op.layers import Layer
+from autopar.inter_op.stage_cost import LayerCost
+from autopar.schema import ClusterSpec
+from cost_models.communication import axis_collective_time
+from cost_models.compute import bytes_scale, grouped_gemm_time
+
+EP_IMBALANCE = 1.1        # an estimate (see the module docstring)
+# all-to-alls per expert block and micro-batch, as `autopar.runtime.experts` issues them
+A2A_FORWARD = 3           # the counts (split sizes), the dispatch, the combine
+A2A_BACKWARD = 2          # the combine's and the dispatch's gradients
+
+
+class ExpertCosting:
+    """A model's expert blocks by layer, and their costs under expert parallelism."""
+
+    def __init__(self, graph: OpGraph, layers: list[Layer], blocks: Optional[list[ExpertBlock]] = None) -> None:
+        self.graph = graph
+        self.blocks = find_expert_blocks(graph) if blocks is None else blocks
+        where = {l.name: i for i, l in enumerate(layers)}
+        self.by_layer: dict[int, list[ExpertBlock]] = {}
+        for b in self.blocks:
+            i = where.get(b.layer)
+            if i is None:      # a block outside the repeated layers: find the layer reading its weights
+                i = next((k for k, l in enumerate(layers) if b.weights[0] in l.params), None)
+            if i is not None:
+                self.by_layer.setdefault(i, []).append(b)
+        self.weights = {w for b in self.blocks for w in b.weights}
+        self.num_experts = min((b.num_experts for b in self.blocks), default=0)
+        self._g1 = graph.at_batch(1) if self.blocks and graph.batch_size is None else graph
+        self._cache: dict[tuple, list[LayerCost]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.by_layer)
+
+    def degrees(self, dp: int, pinned: Optional[int] = None) -> list[int]:
+        """The ep degrees to try with `dp` data-parallel ranks: divisors of dp that divide every
+        block's expert count (`pinned`: only that one, where it fits)."""
+        if not self:
+            return [1]
+        out = [e for e in range(1, dp + 1) if dp % e == 0 and all(b.num_experts % e == 0 for b in self.blocks)]
+        return [e for e in out if e == pinned] if pinned is not None else out
+
+    def dispatch_bytes(self, block: ExpertBlock, mb: int, dtype: str, imbalance: float = EP_IMBALANCE) -> float:
+        """Bytes one rank sends in `block`'s dispatch for a micro-batch of `mb` samples."""
+        elem = 4 if dtype == "fp32" else 2
+        return mb * block.pairs_per_sample * block.hidden * elem * imbalance
+
+    def layer_costs(self, costs: list[LayerCost], ep: int, mb: int, tp: int, cluster: ClusterSpec,
+                    dtype: str) -> list[LayerCost]:
+        """`costs` (the layers at (mb, tp), experts replicated) with each expert block's experts
+        sharded over `ep` ranks (the module docstring); the same list for ep = 1."""
+        if ep <= 1 or not self:
+            return costs
+        key = (id(costs), ep, mb, tp, cluster.num_nodes)
+        if key in self._cache:
+            return self._cache[key]
+        group = [i * tp for i in range(ep)]
+        dev = cluster.device
+        out = list(costs)
+        for i, blocks in self.by_layer.items():
+            # (the exchange's collectives are counted by the planner, `expert_collectives`, not
+            # here: the tp counts of a layer come from DTensor dry runs or the solved layouts)
+            c = dataclasses.replace(costs[i], param_elems=dict(costs[i].param_elems),
+                                    rc_extra_s=dict(costs[i].rc_extra_s), rc_comm_s=dict(costs[i].rc_comm_s))
+            for b in blocks:
+                for w in b.weights:
+                    if w in c.param_elems:
+                        c.param_elems[w] = c.param_elems[w] / ep
+                nbytes = self.dispatch_bytes(b, mb, dtype)
+                a2a = axis_collective_time("all_to_all", nbytes, cluster, group)
+                counts = axis_collective_time("all_to_all", 8.0 * b.num_experts, cluster, group)
+                c.fwd_comm_s += 2 * a2a + counts
+                c.bwd_comm_s += 2 * a2a
+                c.rc_extra_s["full"] = c.rc_extra_s.get("full", 0.0) + 2 * a2a + counts
+                c.rc_comm_s["full"] = c.rc_comm_s.get("full", 0.0) + 2 * a2a + counts
+                dfwd, dbwd = self._gemm_delta(b, ep, mb, dev, dtype)
+                c.fwd_s += dfwd
+                c.bwd_s += dbwd
+                c.rc_extra_s["full"] = c.rc_extra_s.get("full", 0.0) + dfwd
+            out[i] = c
+        self._cache[key] = out
+        return out
+
+    def _gemm_delta(self, b: ExpertBlock, ep: int, mb: int, dev, dtype: str) -> tuple[float, float]:
+        """(forward, backward) seconds the block's expert GEMMs change by with ep: E / ep groups
+        of imbalance x the pairs, against E groups of the rank's own pairs."""
+        dfwd = dbwd = 0.0
+        for name in b.gemms:
+            n = self._g1.node(name)
+            w = self.graph.params.get(next((f for f in b.weights if f in (self._weight_of(name),)), b.weights[0]))
+            wbytes = float(np.prod(w.shape)) * 4 if w is not None else 0.0
+            act = max(n.bytes_moved - wbytes, 0.0) * mb
+            scale = bytes_scale(n.outputs[0].dtype if n.outputs else "float32", dtype)
+            old = grouped_gemm_time(n.flops * mb, (act + wbytes) * scale, b.num_experts, dev, dtype)
+            new = grouped_gemm_time(n.flops * mb * EP_IMBALANCE, (act * EP_IMBALANCE + wbytes / ep) * scale,
+                                    b.num_experts // ep, dev, dtype)
+            dfwd += new[0] - old[0]
+            dbwd += new[1] - old[1]
+        return dfwd, dbwd
+
+    def _weight_of(self, gemm: str) -> str:
+        from autopar.capture.experts import _weight_param
+
+        n = self.graph.node(gemm)
+        return _weight_param(self.graph, n.inputs[1]) or ""
+
+    def expert_collectives(self, layers: range, m: int, recompute: str) -> Counter:
+        """The exchange's all-to-alls of `layers` in one step of `m` micro-batches (the forward's
+        again under full recomputation, which re-runs the blocks)."""
+        n = sum(len(self.by_layer.get(i, ())) for i in layers)
+        per = A2A_FORWARD + A2A_BACKWARD + (A2A_FORWARD if recompute == "full" else 0)
+        return Counter({"all_to_all": m * n * per}) if n else Counter()
+
+    def expert_elems(self, costs: list[LayerCost]) -> np.ndarray:
+        """Per layer, the expert weights' elements per device in `costs`."""
+        return np.array([sum(e for f, e in c.param_elems.items() if f in self.weights) for c in costs], dtype=float)

@@ -1,0 +1,57 @@
+"""How a plan places a mixture-of-experts model's routed experts (`Plan.experts`).
+
+Expert parallelism is a sub-axis of data parallelism (Megatron-Core's and torchtitan's layout):
+every stage's dp ranks still split the batch and hold the dense weights; consecutive groups of
+`ep` dp ranks split each expert block's experts (rank i of a group holds experts
+[i E/ep, (i+1) E/ep)), exchanging the token-expert pairs with `all_to_all_single` and split sizes
+counted at run time (dropless: no token is dropped, so the exchange's sizes vary with the
+routing); the dp/ep groups of ranks holding the same experts average their gradients (expert
+data parallelism). The stage meshes keep their ("dp", "tp") axes: ep refines the dp axis and is
+recorded here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TokenExchange = Literal["dropless_all_to_all"]
+
+
+class ExpertBlockPlan(BaseModel):
+    """One expert block: the module the runtime replaces and its stacked weights."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    module: str = Field(description="FQN of the experts module (called as (hidden, top_k_index, top_k_weights))")
+    num_experts: int = Field(ge=1)
+    top_k: int = Field(ge=1)
+    weights: list[str] = Field(min_length=1, description="parameter FQNs stacked over experts on dim 0")
+
+
+class ExpertParallelism(BaseModel):
+    """The experts' placement and what its exchange costs, per micro-batch."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ep: int = Field(ge=1, description="ranks sharing one copy of every expert (divides dp)")
+    expert_dp: int = Field(ge=1, description="copies of each expert (dp / ep): its gradients are averaged over them")
+    blocks: list[ExpertBlockPlan] = Field(min_length=1)
+    exchange: TokenExchange = "dropless_all_to_all"
+    imbalance: float = Field(ge=1.0, description="the most-loaded rank's token-expert pairs over the mean, "
+                             "costed in the exchange and the expert GEMMs (an estimate)")
+    dispatch_bytes: float = Field(ge=0, description="bytes one rank sends in one block's dispatch, per "
+                                  "micro-batch (token-expert pairs x width x element size, the imbalance "
+                                  "included; the combine returns as many)")
+
+    def summary(self) -> str:
+        """What `autopar show` prints about the experts."""
+        b = self.blocks[0]
+        per = b.num_experts // self.ep
+        return (f"experts: {len(self.blocks)} blocks of {b.num_experts} routed experts (top-{b.top_k}), ep={self.ep}: "
+                f"{per} expert{'s' if per > 1 else ''} per rank in groups of {self.ep} consecutive dp ranks, "
+                f"each expert held by {self.expert_dp} rank{'s' if self.expert_dp > 1 else ''} (expert data "
+                f"parallelism); tokens exchanged by all_to_all ({self.exchange.replace('_', ' ')}, "
+                f"{self.dispatch_bytes / 2**20:.3g} MiB sent per rank, block and micro-batch each way, "
+                f"routing imbalance {self.imbalance:g}x, an estimate)")
