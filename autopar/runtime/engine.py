@@ -57,6 +57,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autopar.models.registry import ModelBundle, call_batch_fn
+from autopar.runtime.experts import ExpertGroups, check_executable, shard_experts
 from autopar.runtime.local_optim import LocalShards, localize
 from autopar.runtime.materialize import canonical_names, materialize
 from autopar.runtime.meshes import StageMesh, _coord, _mesh_kinds, fsdp_sharded, unique_axis_names  # noqa: F401
@@ -112,6 +113,7 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         self.opt_factory = optimizer_factory or default_optimizer
         register_extra_strategies()
         self.interleaved: dict[str, tuple[int, int]] = {}     # set by the executor's builds
+        self.expert_groups: Optional[ExpertGroups] = None       # expert parallelism (`runtime.experts`)
         self.tp_group = None
         self.stages = sorted(plan.stages, key=lambda s: s.index)
         self._check_plan()
@@ -130,6 +132,7 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
     # -- plan checks ---------------------------------------------------------------------
     def _check_plan(self) -> None:
         v = validate_plan(self.plan, self.model if hasattr(self, "model") else self.bundle.model)
+        check_executable(self.plan)
         self.devsets = v["devsets"]
         self.pp = len(self.devsets)
         self.chunks_per_device = v["chunks_per_device"]
@@ -184,6 +187,8 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
             return
         apply_recompute(model, s.recompute_modules)
         materialize(model, seed=self.seed, device=self.device, aliases=self.aliases)
+        if self.plan.ep > 1:
+            self.expert_groups = shard_experts(model, self.plan, self.rank)
         if self.tp_size > 1:
             distribute_params(model, self.my_mesh.tp_mesh, self._tp_placements(s), aliases=self.aliases,
                               src_data_rank=None)
@@ -331,7 +336,7 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
     def collectives_in_compute(self) -> bool:
         """Whether forward/backward can issue collectives (DTensor tp, FSDP, pipelines); when
         not, every collective of a step is in `sync_and_update`."""
-        return self.tp_size > 1 or self.zero3 or self.pp > 1
+        return self.tp_size > 1 or self.zero3 or self.pp > 1 or self.plan.ep > 1
 
     def train_step(self, batch: Sequence[Any], counter: Any = None) -> tuple[float, int]:
         """Forward, backward, gradient sync and optimizer update; returns this rank's (sum of
@@ -421,9 +426,13 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
             if self.zero12:
                 self._zero12_step()
             else:
+                experts = self.expert_groups
+                own = {id(p) for p in experts.params} if experts is not None else set()
                 if self.dp_group is not None and not self.zero3:
-                    allreduce_flat([self._local(p.grad) for p in self.params], self.dp_group,
+                    allreduce_flat([self._local(p.grad) for p in self.params if id(p) not in own], self.dp_group,
                                    1.0 / self.dp_size)
+                if experts is not None:
+                    experts.sync(self.dp_size)
                 for t in self.tied:
                     t.sync()
         step = self.local_shards.step if self.local_shards is not None else self.optimizer.step
