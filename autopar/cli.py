@@ -108,6 +108,8 @@ def _software(name: Optional[str], spec: Any):
 @click.option("--virtual-stages", type=int)
 @click.option("--recompute", type=click.Choice(["none", "selective", "full"]))
 @click.option("--zero-stage", type=int)
+@click.option("--ep", type=int, help="pin the expert-parallel degree of a mixture-of-experts model (divides dp "
+              "and the expert count); default: searched")
 @click.option("--stage-tp", callback=lambda ctx, param, v: _degrees(v), metavar="T1,T2,...",
               help="pin each pipeline stage's tensor-parallel degree, in model order (stages may differ, "
                    "Alpa's sub-mesh choice: e.g. 1,1,2)")

@@ -820,6 +820,14 @@ class Search:
         if (cons.ep or 1) > 1 and not self.experts:
             raise PlanError(f"ep={cons.ep}: the model has no routed experts (no grouped GEMM over stacked expert "
                             f"weights was captured); leave ep unset", constraint="ep")
+        if cons.ep and self.experts:
+            bad = [b for b in self.experts.blocks if b.num_experts % cons.ep]
+            if bad:
+                raise PlanError(f"ep={cons.ep} does not divide the {bad[0].num_experts} experts of {bad[0].module}; "
+                                f"pick a divisor of the expert count", constraint="ep")
+            if cons.dp and cons.dp % cons.ep:
+                raise PlanError(f"ep={cons.ep} must divide dp={cons.dp}: the experts are sharded over groups of "
+                                f"data-parallel ranks", constraint="ep")
 
     # -- the space -----------------------------------------------------------------------------
     def meshes(self) -> list[tuple[int, int, int]]:
@@ -849,7 +857,7 @@ class Search:
                 pp = N // (tp * dp)
                 if c.pp and pp != c.pp:
                     continue
-                if pp > self.L or self.gbs % dp:
+                if pp > self.L or self.gbs % dp or (c.ep and dp % c.ep):
                     continue
                 u = dp * tp
                 if not (dpn % u == 0 or u % dpn == 0):

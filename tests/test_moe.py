@@ -1,0 +1,127 @@
+"""Mixture-of-experts (issue 17): expert blocks recognised in the captured graph (the zoo's
+DeepSeek-style MoE, Hugging Face Mixtral), expert parallelism planned with the exchange's real
+sizes, and executed on 4 gloo processes with the one-process losses and the plan's collectives."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from autopar import ClusterSpec, Constraints, Plan, PlanError
+from autopar.capture import capture
+from autopar.capture.experts import find_expert_blocks
+from autopar.inter_op.experts import EP_IMBALANCE
+from autopar.models import build_model
+from autopar.planner import plan
+from cost_models.communication import axis_collective_time
+from cost_models.compute import MATRIX_OPS
+
+_MIXTRAL = ("hf:mixtral?hidden_size=64&intermediate_size=128&num_key_value_heads=2&num_local_experts=4"
+            "&num_hidden_layers=2&num_attention_heads=4&vocab_size=128&seq_len=16")
+
+
+def _cpu(n: int) -> ClusterSpec:
+    return ClusterSpec.load("cpu").model_copy(update={"devices_per_node": n})
+
+
+def _plan(ep, n=4, **pins) -> Plan:
+    cons = dict(dp=n, tp=1, pp=1, zero_stage=0, recompute="none", num_microbatches=2)
+    cons.update(pins)
+    return plan("moe-tiny", _cpu(n), global_batch_size=8, dtype="fp32", intra_op="analytic",
+                constraints=Constraints(ep=ep, **cons))
+
+
+def test_expert_blocks_found_in_zoo_moe_and_hf_mixtral():
+    """Router top-k, grouped GEMMs over stacked (E, ., .) weights, the experts module: found
+    from the ops for both spellings (the zoo's `autopar::grouped_mm`, Hugging Face's
+    `transformers::grouped_mm_fallback`), each costed as a matrix op."""
+    pytest.importorskip("transformers")
+    for ref, module, E, k, H in (("moe-tiny", "layers.{}.mlp.experts", 8, 2, 32),
+                                 (_MIXTRAL, "model.layers.{}.mlp.experts", 4, 2, 64)):
+        b = build_model(ref, batch_size=2)
+        g = capture(b.model, b.example_inputs, name=ref)
+        blocks = find_expert_blocks(g)
+        assert [x.module for x in blocks] == [module.format(0), module.format(1)]
+        assert {(x.num_experts, x.top_k, x.hidden, x.tokens_per_sample) for x in blocks} == {(E, k, H, 16)}
+        assert [w.rpartition(".")[2] for w in blocks[0].weights] == ["gate_up_proj", "down_proj"]
+        assert all(g.node(n).op == "grouped_mm" for x in blocks for n in x.gemms) and "grouped_mm" in MATRIX_OPS
+
+
+def test_ep_plan_places_experts_and_costs_the_exchange_with_its_sizes():
+    """ep=4 on 4 ranks: 2 experts per rank; the dispatch carries micro-batch x tokens x top-k
+    rows of the hidden width (times the stated imbalance estimate); each block and micro-batch
+    adds 4 row exchanges and one count exchange to the communication, 5 all-to-alls to the
+    collectives; the expert weights leave the dp all-reduce when every rank holds its own."""
+    base, p = _plan(1), _plan(4)
+    assert base.experts is None and p.experts.ep == 4 and p.experts.expert_dp == 1
+    assert [b.module for b in p.experts.blocks] == ["layers.0.mlp.experts", "layers.1.mlp.experts"]
+    mb, m = p.microbatch_size, p.num_microbatches
+    nbytes = mb * 16 * 2 * 32 * 4 * EP_IMBALANCE
+    assert p.experts.dispatch_bytes == pytest.approx(nbytes)
+    cl = _cpu(4)
+    per_block = (4 * axis_collective_time("all_to_all", nbytes, cl, [0, 1, 2, 3])
+                 + axis_collective_time("all_to_all", 8.0 * 8, cl, [0, 1, 2, 3]))
+    added = p.stages[0].predicted.communication_s - base.stages[0].predicted.communication_s
+    # the step's comm time: the exchange, and a smaller dense gradient all-reduce
+    assert added < m * 2 * per_block and added > m * 2 * per_block - base.stages[0].predicted.communication_s
+    assert p.predicted.collectives == {"all_to_all": m * 2 * 5, "all_reduce": 1}
+    assert p.stages[0].predicted.weights_bytes < base.stages[0].predicted.weights_bytes
+    text = p.summary()
+    assert "dp=4 (ep=4)" in text and "ep=4: 2 experts per rank" in text and "an estimate" in text
+    assert _plan(2).predicted.collectives == {"all_to_all": m * 2 * 5, "all_reduce": 2}   # + expert-dp sync
+
+
+def test_ep_searched_and_plan_file_round_trips():
+    """Left free, ep is searched with dp/tp/pp; a plan with experts survives JSON, and a plan
+    of format 7 (before experts) still reads, with none."""
+    p = plan("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
+             constraints=Constraints(dp=4, tp=1, pp=1))
+    assert p.search["candidates"] > 0
+    q = _plan(2)
+    assert Plan.from_json(q.to_json()) == q
+    old = json.loads(_plan(1).to_json())
+    old["format_version"] = 7
+    old.pop("experts")
+    assert Plan.from_json(json.dumps(old)).experts is None
+
+
+def test_ep_constraint_errors_name_the_field():
+    with pytest.raises(PlanError, match="ep=2: the model has no routed experts"):
+        plan("gpt-tiny", _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
+             constraints=Constraints(ep=2))
+    with pytest.raises(PlanError, match="ep=3 does not divide the 8 experts"):
+        _plan(3, n=4, dp=None)
+    with pytest.raises(PlanError, match="ep=4 must divide dp=2"):
+        _plan(4, n=2)
+    r = subprocess.run([sys.executable, "-m", "autopar", "plan", "--model", "gpt-tiny", "--cluster", "cpu",
+                        "--devices-per-node", "2", "-b", "8", "--ep", "2", "-q", "--no-cache"],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "ep=2" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_ep4_and_ep2_dp2_train_like_one_process():
+    """4 gloo processes: ep=4 (every rank 2 of the 8 experts) and ep=2 x expert-dp 2; losses
+    equal one process (same routing: dropless) within 1e-4 and every step's counted
+    collectives (CommDebugMode) equal the plan's."""
+    from autopar.runtime import run
+
+    one = plan("moe-tiny", _cpu(1), global_batch_size=8, dtype="fp32",
+               constraints=Constraints(num_microbatches=2, recompute="none"))
+    want = [r["loss"] for r in run(one, "moe-tiny", steps=3, seed=0, quiet=True) if "step" in r]
+    for ep in (4, 2):
+        p = _plan(ep)
+        steps = [r for r in run(p, "moe-tiny", steps=3, seed=0, quiet=True) if "step" in r]
+        assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
+        assert all(r["collectives"] == p.predicted.collectives for r in steps), \
+            ([r["collectives"] for r in steps], p.predicted.collectives)
+
+
+def test_ep_with_pipeline_is_refused_by_the_runtime():
+    from autopar.runtime.experts import check_executable
+
+    p = _plan(2, dp=2, pp=2)
+    assert p.experts.ep == 2 and p.pp == 2
+    with pytest.raises(PlanError, match="pipeline stages"):
+        check_executable(p)
