@@ -39,7 +39,7 @@ class ExpertBlock:
         return self.tokens_per_sample * self.top_k
 
 
-def _weight_param(graph: OpGraph, name: str) -> str | None:
+def weight_param(graph: OpGraph, name: str) -> str | None:
     """The parameter a grouped GEMM's weight operand is a view of (following first inputs)."""
     seen = 0
     node: OpNode | None = graph.node(name)
@@ -66,7 +66,7 @@ def find_expert_blocks(graph: OpGraph) -> list[ExpertBlock]:
     for n in graph.calls:
         if n.op != "grouped_mm" or len(n.inputs) < 2:
             continue
-        fqn = _weight_param(graph, n.inputs[1])
+        fqn = weight_param(graph, n.inputs[1])
         info = graph.params.get(fqn) if fqn else None
         if info is None or len(info.shape) != 3:
             continue

@@ -31,7 +31,7 @@ from typing import Optional
 
 import numpy as np
 
-from autopar.capture.experts import ExpertBlock, find_expert_blocks
+from autopar.capture.experts import ExpertBlock, find_expert_blocks, weight_param
 from autopar.capture.graph import OpGraph
 from autopar.inter_op.layers import Layer
 from autopar.inter_op.stage_cost import LayerCost
@@ -122,8 +122,8 @@ class ExpertCosting:
         dfwd = dbwd = 0.0
         for name in b.gemms:
             n = self._g1.node(name)
-            w = self.graph.params.get(next((f for f in b.weights if f in (self._weight_of(name),)), b.weights[0]))
-            wbytes = float(np.prod(w.shape)) * 4 if w is not None else 0.0
+            w = self.graph.params.get(weight_param(self.graph, self.graph.node(name).inputs[1]) or "")
+            wbytes = float(np.prod(w.shape)) * 4 if w is not None else 0.0      # the capture is fp32
             act = max(n.bytes_moved - wbytes, 0.0) * mb
             scale = bytes_scale(n.outputs[0].dtype if n.outputs else "float32", dtype)
             old = grouped_gemm_time(n.flops * mb, (act + wbytes) * scale, b.num_experts, dev, dtype)
@@ -132,12 +132,6 @@ class ExpertCosting:
             dfwd += new[0] - old[0]
             dbwd += new[1] - old[1]
         return dfwd, dbwd
-
-    def _weight_of(self, gemm: str) -> str:
-        from autopar.capture.experts import _weight_param
-
-        n = self.graph.node(gemm)
-        return _weight_param(self.graph, n.inputs[1]) or ""
 
     def expert_collectives(self, layers: range, m: int, recompute: str) -> Counter:
         """The exchange's all-to-alls of `layers` in one step of `m` micro-batches (the forward's
