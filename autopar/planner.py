@@ -381,6 +381,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                         "layers": len(layers),
                         **({"tp_counts_fallback": "; ".join(fallbacks)} if fallbacks else {}),
                         **({"tp_executor": why_not} if why_not else {}),
+                        **({"ep_executor": _ep_executor(c)} if c.ep > 1 and _ep_executor(c) else {}),
                         **({"skipped": _skipped(res.skipped)} if res.skipped else {})})
 
 
@@ -391,6 +392,15 @@ def _expert_plan(experts: ExpertCosting, c: Candidate, dtype: str) -> ExpertPara
                              dispatch_bytes=experts.dispatch_bytes(blocks[0], c.mb, dtype),
                              blocks=[ExpertBlockPlan(module=b.module, num_experts=b.num_experts, top_k=b.top_k,
                                                      weights=list(b.weights)) for b in blocks])
+
+
+def _ep_executor(c: Candidate) -> str:
+    """Why `autopar run` does not execute a candidate's expert parallelism ("" where it does:
+    `runtime.experts.check_executable`'s conditions, which the plan schema cannot import)."""
+    why = [w for w, bad in (("pipeline stages", c.pp > 1), ("tensor parallelism", c.tp > 1),
+                            (f"ZeRO stage {c.zero}", c.zero > 0)) if bad]
+    return (f"planned, not yet executed by `autopar run` with {', '.join(why)} (it runs expert parallelism on "
+            f"one stage without tensor parallelism or ZeRO)") if why else ""
 
 
 def _skipped(skipped: dict[str, str]) -> str:

@@ -139,5 +139,7 @@ def test_ep_with_pipeline_is_refused_by_the_runtime():
 
     p = _plan(2, dp=2, pp=2)
     assert p.experts.ep == 2 and p.pp == 2
+    assert "not yet executed by `autopar run` with pipeline stages" in p.summary()
+    assert "ep_executor" not in _plan(2).search
     with pytest.raises(PlanError, match="pipeline stages"):
         check_executable(p)

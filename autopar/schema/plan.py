@@ -353,6 +353,8 @@ class Plan(_Model):
                     f"{k.replace('_', ' ')} {format_bytes(v.peak_memory_bytes)}" for k, v in others) + ")"
         if self.experts is not None:
             tail += "\n" + self.experts.summary()
+            if self.search.get("ep_executor"):
+                tail += f"; {self.search['ep_executor']}"
         tail += f"\ncollectives per step: {coll}"
         if self.search.get("tp_counts_fallback"):
             tail += f" (counted another way for {self.search['tp_counts_fallback']})"
