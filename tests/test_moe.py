@@ -100,21 +100,28 @@ def test_ep_constraint_errors_name_the_field(capsys):
 
 
 @pytest.mark.slow
-def test_ep4_and_ep2_dp2_train_like_one_process():
+def test_ep4_and_ep2_dp2_train_like_one_process(tmp_path):
     """4 gloo processes: ep=4 (every rank 2 of the 8 experts) and ep=2 x expert-dp 2; losses
     equal one process (same routing: dropless) within 1e-4 and every step's counted
-    collectives (CommDebugMode) equal the plan's."""
+    collectives (CommDebugMode) equal the plan's. The ep2 run's checkpoint (each stacked
+    expert weight and its AdamW moments saved whole) resumes on one process: its third step's
+    loss is the uninterrupted run's."""
     from autopar.runtime import run
 
     one = plan("moe-tiny", _cpu(1), global_batch_size=8, dtype="fp32",
                constraints=Constraints(num_microbatches=2, recompute="none"))
     want = [r["loss"] for r in run(one, "moe-tiny", steps=3, seed=0, quiet=True) if "step" in r]
-    for ep in (4, 2):
+    for ep, steps_n in ((4, 3), (2, 2)):
         p = _plan(ep)
-        steps = [r for r in run(p, "moe-tiny", steps=3, seed=0, quiet=True) if "step" in r]
-        assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
+        ckpt = str(tmp_path) if ep == 2 else None
+        steps = [r for r in run(p, "moe-tiny", steps=steps_n, seed=0, quiet=True, checkpoint_dir=ckpt)
+                 if "step" in r]
+        assert [r["loss"] for r in steps] == pytest.approx(want[:steps_n], rel=1e-4)
         assert all(r["collectives"] == p.predicted.collectives for r in steps), \
             ([r["collectives"] for r in steps], p.predicted.collectives)
+    resumed = [r for r in run(one, "moe-tiny", steps=3, seed=0, quiet=True, checkpoint_dir=str(tmp_path))
+               if "step" in r]
+    assert [r["step"] for r in resumed] == [2] and resumed[0]["loss"] == pytest.approx(want[2], rel=1e-4)
 
 
 @pytest.mark.slow

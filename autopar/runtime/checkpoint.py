@@ -136,7 +136,7 @@ def state_dict(pm, *, for_load: bool = False) -> dict:
         # mixed precision saves the fp32 masters (ZeRO-1/2: gathered below), so a resume, in
         # any layout or precision, continues from the exact weights
         if n not in skip and not (pm.zero12 and pm.low is not None):
-            state[f"model.{n}"] = m.data
+            state[f"model.{n}"] = _whole(pm, n, m.data)
     if for_load:
         _ensure_optimizer_state(pm.optimizer)
     if pm.zero12:
@@ -151,8 +151,18 @@ def state_dict(pm, *, for_load: bool = False) -> dict:
             for k, v in st.items():
                 if isinstance(v, torch.Tensor):
                     # stored in the parameter's layout, so a checkpoint reshards
-                    state[f"optim.{n}.{k}"] = ls.dtensor_state(p, v) if ls is not None else v
+                    state[f"optim.{n}.{k}"] = ls.dtensor_state(p, v) if ls is not None else _whole(pm, n, v)
     return state
+
+
+def _whole(pm, n: str, t: torch.Tensor) -> torch.Tensor:
+    """`t` (parameter `n`'s value or optimizer state), as the whole tensor DCP stores: an
+    expert-parallel rank's slice of stacked expert weights becomes the DTensor of the stack
+    (`runtime.experts.ExpertGroups.global_view`; scalar state such as AdamW's step stays)."""
+    eg = getattr(pm, "expert_groups", None)
+    if eg is None or n not in eg.names or t.dim() == 0:
+        return t
+    return eg.global_view(t)
 
 
 def _model_order(pm, state: dict, for_load: bool) -> tuple[dict, list]:

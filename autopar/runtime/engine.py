@@ -188,7 +188,8 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         apply_recompute(model, s.recompute_modules)
         materialize(model, seed=self.seed, device=self.device, aliases=self.aliases)
         if self.plan.ep > 1:
-            self.expert_groups = shard_experts(model, self.plan, self.rank)
+            with unset_fake_temporarily():   # the mesh holds rank ids (as `_build_meshes`)
+                self.expert_groups = shard_experts(model, self.plan, self.device_type)
         if self.tp_size > 1:
             distribute_params(model, self.my_mesh.tp_mesh, self._tp_placements(s), aliases=self.aliases,
                               src_data_rank=None)
@@ -468,7 +469,10 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         from autopar.intra_op.execute import deinterleave
 
         out = {}
+        eg = self.expert_groups
         for n, p in self.local_named_parameters():
+            if eg is not None and n in eg.names:
+                p = eg.global_view(p.detach())
             t = (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
             if n in self.interleaved:
                 t = deinterleave(t, *self.interleaved[n], self.tp_size)

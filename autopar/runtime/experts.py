@@ -19,18 +19,22 @@ per forward (dropless, as the one-process run: no capacity, no dropped token)
 The backward runs the two row exchanges reversed (`_AllToAll`), so per block and micro-batch:
 3 all-to-alls forward, 2 backward (`inter_op.experts.A2A_FORWARD`, `A2A_BACKWARD`). The expert
 gradients are averaged over the dp / ep ranks holding the same experts (`ExpertGroups.sync`),
-the dense ones over dp as before. Executed here: one pipeline stage without tensor parallelism
-or ZeRO (`check_executable`).
+the dense ones over dp as before. Checkpoints and `full_state` see each stacked weight whole
+(`ExpertGroups.global_view`: a DTensor sharded over ep), so a checkpoint resumes in any
+layout. Executed here: one pipeline stage without tensor parallelism or ZeRO
+(`check_executable`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autopar.runtime.tied_grads import allreduce_flat
 from autopar.schema.errors import PlanError
@@ -112,15 +116,25 @@ class ExpertParallelExperts(nn.Module):
 
 @dataclass
 class ExpertGroups:
-    """This rank's expert groups: `ep_group` (the ranks sharing one copy of every expert),
-    `edp_group` (the ranks holding the same experts; None when there is one copy), and the
-    local expert parameters (whose gradients `sync` averages apart from the dense ones)."""
+    """This rank's expert groups: the (expert-dp, ep) mesh over the stage's dp ranks, `ep_group`
+    (the ranks sharing one copy of every expert), `edp_group` (the ranks holding the same
+    experts; None when there is one copy), and the local expert parameters by canonical name
+    (whose gradients `sync` averages apart from the dense ones)."""
 
     ep: int
     ep_rank: int
+    mesh: DeviceMesh
     ep_group: Any
     edp_group: Optional[Any]
     params: list[nn.Parameter]
+    names: dict[str, int] = field(default_factory=dict)     # canonical FQN -> id of its parameter
+
+    def global_view(self, t: torch.Tensor) -> DTensor:
+        """A local expert slice (a parameter or its optimizer state) as the DTensor of the whole
+        stack: sharded over ep on dim 0, replicated over the expert-dp copies. Checkpoints store
+        it so (`runtime.checkpoint`: any layout resumes it) and `full_state` gathers it; shares
+        `t`'s storage, so a checkpoint load fills the live slice."""
+        return DTensor.from_local(t, self.mesh, [Replicate(), Shard(0)], run_check=False)
 
     def sync(self, dp: int) -> None:
         """Average the expert gradients as the one-process run: summed over their copies (each
@@ -133,34 +147,25 @@ class ExpertGroups:
                 g.mul_(1.0 / dp)
 
 
-def build_groups(plan: Plan, rank: int) -> tuple[Any, Optional[Any], int]:
-    """(ep group, expert-dp group or None, rank within the ep group) of `rank`: every rank
-    creates every group, in one order (`dist.new_group` is collective)."""
+def expert_mesh(plan: Plan, device_type: str) -> DeviceMesh:
+    """The (expert-dp, ep) mesh of the stage's dp ranks: ep consecutive ranks share one copy of
+    every expert. Every rank builds it (its groups are made collectively)."""
     ep = plan.experts.ep
     devs = sorted(plan.stages, key=lambda s: s.index)[0].devices   # one stage, tp = 1: dp order
-    dp = len(devs)
-    mine_ep = mine_edp = None
-    ep_rank = 0
-    for g in range(dp // ep):
-        members = devs[g * ep:(g + 1) * ep]
-        grp = dist.new_group(members)
-        if rank in members:
-            mine_ep, ep_rank = grp, members.index(rank)
-    if dp // ep > 1:
-        for i in range(ep):
-            members = devs[i::ep]
-            grp = dist.new_group(members)
-            if rank in members:
-                mine_edp = grp
-    return mine_ep, mine_edp, ep_rank
+    return DeviceMesh(device_type, torch.tensor(devs, dtype=torch.int).view(len(devs) // ep, ep),
+                      mesh_dim_names=("edp", "ep"))
 
 
-def shard_experts(model: nn.Module, plan: Plan, rank: int) -> ExpertGroups:
+def shard_experts(model: nn.Module, plan: Plan, device_type: str) -> ExpertGroups:
     """Replace each of the plan's experts modules in `model` (materialised) by an
     `ExpertParallelExperts` holding this rank's slice of its stacked weights."""
     ex = plan.experts
-    ep_group, edp_group, ep_rank = build_groups(plan, rank)
+    mesh = expert_mesh(plan, device_type)
+    ep_group = mesh.get_group("ep")
+    edp_group = mesh.get_group("edp") if mesh.size(0) > 1 else None
+    ep_rank = mesh.get_local_rank("ep")
     params: list[nn.Parameter] = []
+    names: dict[str, int] = {}
     for b in ex.blocks:
         parent_name, _, child = b.module.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -175,7 +180,8 @@ def shard_experts(model: nn.Module, plan: Plan, rank: int) -> ExpertGroups:
                                  requires_grad=full.requires_grad)
             setattr(owner, pname, local)
             params.append(local)
+            names[w] = id(local)
         if isinstance(getattr(inner, "num_experts", None), int):
             inner.num_experts = per          # Hugging Face's experts read their count from it
         setattr(parent, child, ExpertParallelExperts(inner, b.num_experts, ep_group, ex.ep))
-    return ExpertGroups(ex.ep, ep_rank, ep_group, edp_group, params)
+    return ExpertGroups(ex.ep, ep_rank, mesh, ep_group, edp_group, params, names)
