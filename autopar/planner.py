@@ -397,10 +397,10 @@ def _expert_plan(experts: ExpertCosting, c: Candidate, dtype: str) -> ExpertPara
 def _ep_executor(c: Candidate) -> str:
     """Why `autopar run` does not execute a candidate's expert parallelism ("" where it does:
     `runtime.experts.check_executable`'s conditions, which the plan schema cannot import)."""
-    why = [w for w, bad in (("pipeline stages", c.pp > 1), ("tensor parallelism", c.tp > 1),
+    why = [w for w, bad in (("interleaved chunks", c.v > 1), ("tensor parallelism", c.tp > 1),
                             (f"ZeRO stage {c.zero}", c.zero > 0)) if bad]
-    return (f"planned, not yet executed by `autopar run` with {', '.join(why)} (it runs expert parallelism on "
-            f"one stage without tensor parallelism or ZeRO)") if why else ""
+    return (f"planned, not yet executed by `autopar run` with {', '.join(why)} (it runs expert parallelism "
+            f"without tensor parallelism, ZeRO or interleaved chunks)") if why else ""
 
 
 def _skipped(skipped: dict[str, str]) -> str:

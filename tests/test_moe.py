@@ -100,8 +100,9 @@ def test_ep_constraint_errors_name_the_field(capsys):
 
 
 @pytest.mark.slow
-def test_ep4_and_ep2_dp2_train_like_one_process(tmp_path):
-    """4 gloo processes: ep=4 (every rank 2 of the 8 experts) and ep=2 x expert-dp 2; losses
+def test_ep4_ep2_dp2_and_ep2_pp2_train_like_one_process(tmp_path):
+    """4 gloo processes: ep=4 (every rank 2 of the 8 experts), ep=2 x expert-dp 2, and ep 2 in
+    each of 2 pipeline stages; losses
     equal one process (same routing: dropless) within 1e-4 and every step's counted
     collectives (CommDebugMode) equal the plan's. The ep2 run's checkpoint (each stacked
     expert weight and its AdamW moments saved whole) resumes on one process: its third step's
@@ -122,6 +123,14 @@ def test_ep4_and_ep2_dp2_train_like_one_process(tmp_path):
     resumed = [r for r in run(one, "moe-tiny", steps=3, seed=0, quiet=True, checkpoint_dir=str(tmp_path))
                if "step" in r]
     assert [r["step"] for r in resumed] == [2] and resumed[0]["loss"] == pytest.approx(want[2], rel=1e-4)
+    # ep 2 inside each of 2 pipeline stages (dp 2): the experts replaced in the traced chunks
+    # (their inputs in the traced order, `runtime.experts.argument_roles`); collectives from
+    # the second step (the first also exchanges the pipeline's shapes)
+    p = _plan(2, dp=2, pp=2, schedule="1f1b")
+    assert "ep_executor" not in p.search
+    steps = [r for r in run(p, "moe-tiny", steps=2, seed=0, quiet=True) if "step" in r]
+    assert [r["loss"] for r in steps] == pytest.approx(want[:2], rel=1e-4)
+    assert steps[1]["collectives"] == p.predicted.collectives
 
 
 @pytest.mark.slow
@@ -141,12 +150,12 @@ def test_hf_mixtral_ep2_trains_like_one_process():
     assert all(r["collectives"] == p.predicted.collectives == {"all_to_all": 10, "all_reduce": 1} for r in steps)
 
 
-def test_ep_with_pipeline_is_refused_by_the_runtime():
+def test_ep_with_zero_is_refused_by_the_runtime():
     from autopar.runtime.experts import check_executable
 
-    p = _plan(2, dp=2, pp=2)
-    assert p.experts.ep == 2 and p.pp == 2
-    assert "not yet executed by `autopar run` with pipeline stages" in p.summary()
+    p = _plan(2, zero_stage=1)
+    assert p.experts.ep == 2 and p.zero_stage == 1
+    assert "not yet executed by `autopar run` with ZeRO stage 1" in p.summary()
     assert "ep_executor" not in _plan(2).search
-    with pytest.raises(PlanError, match="pipeline stages"):
+    with pytest.raises(PlanError, match="ZeRO stage 1"):
         check_executable(p)

@@ -52,7 +52,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     bf16 on meta tensors and aligned strides on CPU): torch.export records it whole, its FLOPs
     are counted as a grouped GEMM (`capture.flops`), and CUDA bf16 runs torch's kernel."""
     if x.is_cuda and w.dtype == torch.bfloat16:
-        return torch._grouped_mm(x, w, offs=offs)
+        # a traced chunk run on a slice of the experts (expert parallelism) keeps the whole
+        # model's group count in its offsets: the groups past the weights' are empty
+        return torch._grouped_mm(x, w, offs=offs[:w.shape[0]])
     out = x.new_zeros(x.shape[0], w.shape[2])
     start = 0
     for g, end in enumerate(offs.tolist()):

@@ -57,7 +57,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autopar.models.registry import ModelBundle, call_batch_fn
-from autopar.runtime.experts import ExpertGroups, check_executable, shard_experts
+from autopar.runtime.experts import ExpertGroups, check_executable, expert_meshes, shard_experts
 from autopar.runtime.local_optim import LocalShards, localize
 from autopar.runtime.materialize import canonical_names, materialize
 from autopar.runtime.meshes import StageMesh, _coord, _mesh_kinds, fsdp_sharded, unique_axis_names  # noqa: F401
@@ -188,8 +188,7 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         apply_recompute(model, s.recompute_modules)
         materialize(model, seed=self.seed, device=self.device, aliases=self.aliases)
         if self.plan.ep > 1:
-            with unset_fake_temporarily():   # the mesh holds rank ids (as `_build_meshes`)
-                self.expert_groups = shard_experts(model, self.plan, self.device_type)
+            self._shard_experts(model)
         if self.tp_size > 1:
             distribute_params(model, self.my_mesh.tp_mesh, self._tp_placements(s), aliases=self.aliases,
                               src_data_rank=None)
@@ -202,6 +201,16 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         self.local_modules = [model]
         self.pipe_stages = []
         self.schedule = None
+
+    def _shard_experts(self, module: nn.Module) -> None:
+        """Expert parallelism (`runtime.experts`) on `module` (the model, or a pipeline chunk of
+        this rank's stage): its experts modules replaced, their slices added to `expert_groups`.
+        The meshes of every stage are built on the first call (collective)."""
+        with unset_fake_temporarily():   # the meshes hold rank ids (as `_build_meshes`)
+            if not hasattr(self, "_expert_meshes"):
+                self._expert_meshes = expert_meshes(self.plan, self.device_type)
+            mesh = self._expert_meshes[tuple(self.my_stages[0].devices)]
+            self.expert_groups = shard_experts(module, self.plan, mesh, self.expert_groups)
 
     def _build_solved(self, s: StagePlan) -> None:
         """The stage run op by op as the plan solved it (`StagePlan.op_layouts`): the model's

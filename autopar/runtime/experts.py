@@ -19,9 +19,11 @@ per forward (dropless, as the one-process run: no capacity, no dropped token)
 The backward runs the two row exchanges reversed (`_AllToAll`), so per block and micro-batch:
 3 all-to-alls forward, 2 backward (`inter_op.experts.A2A_FORWARD`, `A2A_BACKWARD`). The expert
 gradients are averaged over the dp / ep ranks holding the same experts (`ExpertGroups.sync`),
-the dense ones over dp as before. Checkpoints and `full_state` see each stacked weight whole
+the dense ones over dp as before. In a pipeline, each stage's dp ranks form its own ep groups
+and the module is replaced in the traced chunk (torch's unflattened program keeps a module per
+FQN; `argument_roles` reads the order its inputs come in). Checkpoints and `full_state` see each stacked weight whole
 (`ExpertGroups.global_view`: a DTensor sharded over ep), so a checkpoint resumes in any
-layout. Executed here: one pipeline stage without tensor parallelism or ZeRO
+layout. Executed here: without tensor parallelism, ZeRO or interleaved chunks
 (`check_executable`).
 """
 
@@ -40,18 +42,21 @@ from autopar.runtime.tied_grads import allreduce_flat
 from autopar.schema.errors import PlanError
 from autopar.schema.plan import Plan
 
+ROLES = ("hidden", "index", "weights")    # the experts interface's argument order
+
 
 def check_executable(plan: Plan) -> None:
     """PlanError unless this runtime executes the plan's expert parallelism."""
     if plan.experts is None or plan.experts.ep == 1:
         return
-    why = [w for w, bad in (("pipeline stages", plan.pp > 1), ("tensor parallelism", plan.tp > 1),
+    why = [w for w, bad in (("model chunks interleaved", plan.virtual_stages > 1),
+                            ("tensor parallelism", plan.tp > 1),
                             (f"ZeRO stage {plan.zero_stage}", plan.zero_stage > 0),
                             ("op-by-op layouts", any(s.op_layouts is not None for s in plan.stages))) if bad]
     if why:
-        raise PlanError(f"expert parallelism (ep={plan.experts.ep}) is executed on one pipeline stage without "
-                        f"tensor parallelism or ZeRO in this version; the plan has {', '.join(why)}: re-plan "
-                        f"with Constraints(pp=1, tp=1, zero_stage=0) or ep=1")
+        raise PlanError(f"expert parallelism (ep={plan.experts.ep}) is executed without tensor parallelism, ZeRO "
+                        f"or interleaved chunks in this version; the plan has {', '.join(why)}: re-plan with "
+                        f"Constraints(tp=1, zero_stage=0, virtual_stages=1) or ep=1")
 
 
 class _AllToAll(torch.autograd.Function):
@@ -78,8 +83,12 @@ class ExpertParallelExperts(nn.Module):
     E/ep)) behind the token exchange over `group` (the module docstring). Called as the module
     it replaces: (hidden (T, H), top_k_index (T, k), top_k_weights (T, k)) -> (T, H)."""
 
-    def __init__(self, inner: nn.Module, num_experts: int, group: dist.ProcessGroup, ep: int) -> None:
+    def __init__(self, inner: nn.Module, num_experts: int, group: dist.ProcessGroup, ep: int,
+                 roles: tuple[str, ...] = ROLES) -> None:
+        """`roles`: the order `inner` takes (and its caller passes) hidden, index and weights
+        (`argument_roles`: a traced pipeline chunk's module may take them in another order)."""
         super().__init__()
+        self.roles = roles
         # the inner module's parameters and children registered here under their own names,
         # so the model's parameter names stay those of the plan and the one-process model
         self._inner = (inner,)
@@ -90,7 +99,9 @@ class ExpertParallelExperts(nn.Module):
         self.num_experts, self.ep, self.group = num_experts, ep, group
         self.local = num_experts // ep
 
-    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        got_args = dict(zip(self.roles, args))
+        hidden, top_k_index, top_k_weights = (got_args[r] for r in ROLES)
         T, k = top_k_index.shape
         E, ep, L = self.num_experts, self.ep, self.local
         ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
@@ -104,8 +115,9 @@ class ExpertParallelExperts(nn.Module):
         # received: by source rank, then by local expert; grouped by local expert for the GEMMs
         local_ids = torch.repeat_interleave(torch.arange(L, device=recv.device).repeat(ep), recv)
         lid, order = torch.sort(local_ids, stable=True)
-        y = self._inner[0](got[order], lid.unsqueeze(1), torch.ones(lid.shape[0], 1, dtype=top_k_weights.dtype,
-                                                                  device=lid.device))
+        ones = torch.ones(lid.shape[0], 1, dtype=top_k_weights.dtype, device=lid.device)
+        call = {"hidden": got[order], "index": lid.unsqueeze(1), "weights": ones}
+        y = self._inner[0](*(call[r] for r in self.roles))
         back = torch.empty_like(order)
         back[order] = torch.arange(order.shape[0], device=order.device)
         out_rows = _AllToAll.apply(y[back], send_split, recv_split, self.group)
@@ -147,29 +159,63 @@ class ExpertGroups:
                 g.mul_(1.0 / dp)
 
 
-def expert_mesh(plan: Plan, device_type: str) -> DeviceMesh:
-    """The (expert-dp, ep) mesh of the stage's dp ranks: ep consecutive ranks share one copy of
-    every expert. Every rank builds it (its groups are made collectively)."""
+def argument_roles(inner: nn.Module, top_k: int) -> tuple[str, ...]:
+    """The order `inner` takes the experts interface's arguments in: its own for a module
+    written so, or, for a traced pipeline chunk's module (torch's unflattened program orders a
+    module's inputs by first use), read off its placeholders: the integer one is the index, the
+    float (T, top_k) one the weights, the other the hidden states."""
+    graph = getattr(inner, "graph", None)
+    if not isinstance(graph, torch.fx.Graph):
+        return ROLES
+    vals = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
+    roles = []
+    for v in vals:
+        if v is None or len(roles) >= 3:
+            break
+        roles.append("index" if not v.is_floating_point() else
+                     "weights" if v.dim() == 2 and v.shape[-1] == top_k else "hidden")
+    if len(vals) != 3 or sorted(roles) != sorted(ROLES):
+        raise PlanError(f"cannot tell the traced experts module's inputs apart (hidden, top-k index, top-k "
+                        f"weights) from their shapes: {[tuple(v.shape) if v is not None else None for v in vals]}")
+    return tuple(roles)
+
+
+def expert_meshes(plan: Plan, device_type: str) -> dict[tuple[int, ...], DeviceMesh]:
+    """Per stage device set, the (expert-dp, ep) mesh of its dp ranks (tp = 1: the devices in
+    dp order): ep consecutive ranks share one copy of every expert. Every rank builds every
+    stage's, in stage order (their groups are made collectively)."""
     ep = plan.experts.ep
-    devs = sorted(plan.stages, key=lambda s: s.index)[0].devices   # one stage, tp = 1: dp order
-    return DeviceMesh(device_type, torch.tensor(devs, dtype=torch.int).view(len(devs) // ep, ep),
-                      mesh_dim_names=("edp", "ep"))
+    out: dict[tuple[int, ...], DeviceMesh] = {}
+    for s in sorted(plan.stages, key=lambda s: s.index):
+        key = tuple(s.devices)
+        if key not in out:
+            out[key] = DeviceMesh(device_type, torch.tensor(s.devices, dtype=torch.int).view(len(s.devices) // ep, ep),
+                                  mesh_dim_names=("edp", "ep"))
+    return out
 
 
-def shard_experts(model: nn.Module, plan: Plan, device_type: str) -> ExpertGroups:
-    """Replace each of the plan's experts modules in `model` (materialised) by an
-    `ExpertParallelExperts` holding this rank's slice of its stacked weights."""
+def shard_experts(model: nn.Module, plan: Plan, mesh: DeviceMesh, into: Optional[ExpertGroups] = None
+                  ) -> ExpertGroups:
+    """Replace each of the plan's experts modules that `model` (materialised: the whole model,
+    or a pipeline chunk holding modules under their FQNs) has by an `ExpertParallelExperts`
+    holding this rank's slice of its stacked weights, exchanging over `mesh` (this rank's
+    stage's, `expert_meshes`); the parameters are added to `into` when given."""
     ex = plan.experts
-    mesh = expert_mesh(plan, device_type)
     ep_group = mesh.get_group("ep")
     edp_group = mesh.get_group("edp") if mesh.size(0) > 1 else None
     ep_rank = mesh.get_local_rank("ep")
-    params: list[nn.Parameter] = []
-    names: dict[str, int] = {}
+    params: list[nn.Parameter] = into.params if into is not None else []
+    names: dict[str, int] = into.names if into is not None else {}
     for b in ex.blocks:
         parent_name, _, child = b.module.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        inner = getattr(parent, child)
+        try:
+            parent = model.get_submodule(parent_name) if parent_name else model
+        except AttributeError:
+            continue                         # a block of another pipeline chunk
+        inner = getattr(parent, child, None)
+        if inner is None:
+            continue
+        roles = argument_roles(inner, b.top_k)
         per = b.num_experts // ex.ep
         for w in b.weights:
             name = w[len(b.module) + 1:]
@@ -183,5 +229,5 @@ def shard_experts(model: nn.Module, plan: Plan, device_type: str) -> ExpertGroup
             names[w] = id(local)
         if isinstance(getattr(inner, "num_experts", None), int):
             inner.num_experts = per          # Hugging Face's experts read their count from it
-        setattr(parent, child, ExpertParallelExperts(inner, b.num_experts, ep_group, ex.ep))
-    return ExpertGroups(ex.ep, ep_rank, mesh, ep_group, edp_group, params, names)
+        setattr(parent, child, ExpertParallelExperts(inner, b.num_experts, ep_group, ex.ep, roles))
+    return into if into is not None else ExpertGroups(ex.ep, ep_rank, mesh, ep_group, edp_group, params, names)

@@ -151,6 +151,8 @@ class PipelineStages:
         self.local_modules = []
         self.fed_chunks = []
         self.chunk_params: dict[int, set[str]] = {}
+        if self.plan.ep > 1:       # every stage's expert meshes, built by every rank (collective)
+            self._shard_experts(nn.Module())
         for i, s in enumerate(self.stages):
             self.chunk_params[i] = {self.aliases.get(n, n) for n, _ in
                                     chunks[i].module.named_parameters(remove_duplicate=False)}
@@ -160,6 +162,8 @@ class PipelineStages:
             core: nn.Module = chunks[i].module
             apply_recompute(core, s.recompute_modules)
             materialize(core, seed=self.seed, device=self.device, aliases=self.aliases, template=self.model)
+            if self.plan.ep > 1:
+                self._shard_experts(core)
             if self.tp_size > 1:
                 distribute_params(core, self.my_mesh.tp_mesh, self._tp_placements(s),
                                   aliases=self.aliases, src_data_rank=None)
