@@ -159,3 +159,14 @@ def test_ep_with_zero_is_refused_by_the_runtime():
     assert "ep_executor" not in _plan(2).search
     with pytest.raises(PlanError, match="ZeRO stage 1"):
         check_executable(p)
+
+
+def test_verify_steps_an_ep_plan_on_a_fake_process_group():
+    """`autopar verify` builds and steps the ep ranks on fake tensors (routing taken as even):
+    the collectives it counts are the plan's."""
+    import autopar
+
+    p = _plan(2)
+    report = autopar.verify(p, "moe-tiny")
+    text = report.summary()
+    assert "FAIL" not in text and "all_reduce=2, all_to_all=20 (plan: all_reduce=2, all_to_all=20) match" in text

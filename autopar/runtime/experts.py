@@ -35,6 +35,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -106,14 +107,27 @@ class ExpertParallelExperts(nn.Module):
         E, ep, L = self.num_experts, self.ep, self.local
         ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
         rows = hidden[perm // k]
-        counts = torch.bincount(ids, minlength=E)
-        recv = torch.empty_like(counts)
-        dist.all_to_all_single(recv, counts, group=self.group)
-        send_split = counts.view(ep, L).sum(1).tolist()
-        recv_split = recv.view(ep, L).sum(1).tolist()
+        if isinstance(ids, FakeTensor):
+            # `autopar verify` steps on fake tensors: no routing exists, so the pairs are taken
+            # as spread evenly (the same collectives, sizes of the balanced case)
+            counts = torch.zeros(E, dtype=torch.long, device=ids.device)
+            recv = torch.empty_like(counts)
+            dist.all_to_all_single(recv, counts, group=self.group)
+            even = [T * k // ep + (1 if i < T * k % ep else 0) for i in range(ep)]
+            send_split = recv_split = even
+            per = [n // L + (1 if e < n % L else 0) for n in even for e in range(L)]
+            local_ids = torch.repeat_interleave(torch.arange(L, device=ids.device).repeat(ep),
+                                                torch.tensor(per, device=ids.device), output_size=sum(per))
+        else:
+            counts = torch.bincount(ids, minlength=E)
+            recv = torch.empty_like(counts)
+            dist.all_to_all_single(recv, counts, group=self.group)
+            send_split = counts.view(ep, L).sum(1).tolist()
+            recv_split = recv.view(ep, L).sum(1).tolist()
+            # received: by source rank, then by local expert
+            local_ids = torch.repeat_interleave(torch.arange(L, device=recv.device).repeat(ep), recv)
         got = _AllToAll.apply(rows, recv_split, send_split, self.group)
-        # received: by source rank, then by local expert; grouped by local expert for the GEMMs
-        local_ids = torch.repeat_interleave(torch.arange(L, device=recv.device).repeat(ep), recv)
+        # grouped by local expert for the GEMMs
         lid, order = torch.sort(local_ids, stable=True)
         ones = torch.ones(lid.shape[0], 1, dtype=top_k_weights.dtype, device=lid.device)
         call = {"hidden": got[order], "index": lid.unsqueeze(1), "weights": ones}
