@@ -52,6 +52,12 @@ What is approximated, and why (to keep a 1000-GPU search within seconds on two c
   into the accumulated ones (read both, write the sum), a memory-bound cost per micro-batch
   in the stage time (`_Tables.accum`).
 - GPipe has 1F1B's time in this model and more memory, so it is only planned when pinned.
+- Expert parallelism (a model with routed experts, `inter_op.experts`): every ep dividing dp
+  and the expert count is a candidate of its own (`Candidate.ep`), its layers' costs with the
+  experts sharded over ep (weights, the dropless all-to-all exchange, the grouped GEMMs' sizes);
+  the expert gradients are synced over the dp / ep ranks holding the same experts (`_Tables.
+  sync`), ZeRO-1/2 shard their optimizer state over those ranks (`_Tables.phases`); not with
+  ZeRO-3.
 """
 
 from __future__ import annotations
