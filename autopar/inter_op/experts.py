@@ -26,6 +26,7 @@ and torchtitan do not publish one figure for it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
 from typing import Optional
 
@@ -61,8 +62,12 @@ class ExpertCosting:
                 self.by_layer.setdefault(i, []).append(b)
         self.weights = {w for b in self.blocks for w in b.weights}
         self.num_experts = min((b.num_experts for b in self.blocks), default=0)
-        self._g1 = graph.at_batch(1) if self.blocks and graph.batch_size is None else graph
         self._cache: dict[tuple, list[LayerCost]] = {}
+
+    @functools.cached_property
+    def _g1(self) -> OpGraph:
+        """The graph at batch 1 (per-sample FLOPs and bytes), made on the first ep > 1 costing."""
+        return self.graph.at_batch(1) if self.graph.batch_size is None else self.graph
 
     def __bool__(self) -> bool:
         return bool(self.by_layer)
