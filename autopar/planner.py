@@ -398,9 +398,9 @@ def _ep_executor(c: Candidate) -> str:
     """Why `autopar run` does not execute a candidate's expert parallelism ("" where it does:
     `runtime.experts.check_executable`'s conditions, which the plan schema cannot import)."""
     why = [w for w, bad in (("interleaved chunks", c.v > 1), ("tensor parallelism", c.tp > 1),
-                            (f"ZeRO stage {c.zero}", c.zero > 0)) if bad]
+                            (f"ZeRO stage {c.zero}", c.zero == 3)) if bad]
     return (f"planned, not yet executed by `autopar run` with {', '.join(why)} (it runs expert parallelism "
-            f"without tensor parallelism, ZeRO or interleaved chunks)") if why else ""
+            f"without tensor parallelism, ZeRO-3 or interleaved chunks)") if why else ""
 
 
 def _skipped(skipped: dict[str, str]) -> str:

@@ -101,36 +101,35 @@ def test_ep_constraint_errors_name_the_field(capsys):
 
 @pytest.mark.slow
 def test_ep4_ep2_dp2_and_ep2_pp2_train_like_one_process(tmp_path):
-    """4 gloo processes: ep=4 (every rank 2 of the 8 experts), ep=2 x expert-dp 2, and ep 2 in
-    each of 2 pipeline stages; losses
-    equal one process (same routing: dropless) within 1e-4 and every step's counted
-    collectives (CommDebugMode) equal the plan's. The ep2 run's checkpoint (each stacked
-    expert weight and its AdamW moments saved whole) resumes on one process: its third step's
-    loss is the uninterrupted run's."""
+    """4 gloo processes: ep=4 (every rank 2 of the 8 experts) under ZeRO-1, ep=2 x expert-dp 2
+    under ZeRO-2 (the expert weights' optimizer state sharded over their 2 copies), and ep 2 in
+    each of 2 pipeline stages (the experts replaced in the traced chunks, their inputs in the
+    traced order: `runtime.experts.argument_roles`); losses equal one process (same routing:
+    dropless) within 1e-4 and every step's counted collectives (CommDebugMode) equal the
+    plan's (a pipeline's from its second step: the first also exchanges the shapes). The
+    pipeline run's checkpoint (each stacked expert weight and its AdamW moments saved whole)
+    resumes on one process: its third step's loss is the uninterrupted run's."""
     from autopar.runtime import run
 
     one = plan("moe-tiny", _cpu(1), global_batch_size=8, dtype="fp32",
                constraints=Constraints(num_microbatches=2, recompute="none"))
     want = [r["loss"] for r in run(one, "moe-tiny", steps=3, seed=0, quiet=True) if "step" in r]
-    for ep, steps_n in ((4, 3), (2, 2)):
-        p = _plan(ep)
-        ckpt = str(tmp_path) if ep == 2 else None
-        steps = [r for r in run(p, "moe-tiny", steps=steps_n, seed=0, quiet=True, checkpoint_dir=ckpt)
-                 if "step" in r]
-        assert [r["loss"] for r in steps] == pytest.approx(want[:steps_n], rel=1e-4)
+    for ep, pins in ((4, {"zero_stage": 1}), (2, {"zero_stage": 2})):
+        p = _plan(ep, **pins)
+        assert "ep_executor" not in p.search
+        steps = [r for r in run(p, "moe-tiny", steps=3, seed=0, quiet=True) if "step" in r]
+        assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
         assert all(r["collectives"] == p.predicted.collectives for r in steps), \
             ([r["collectives"] for r in steps], p.predicted.collectives)
+    assert p.predicted.collectives == {"all_to_all": 20, "reduce_scatter": 2, "all_gather": 2}
+    p = _plan(2, dp=2, pp=2, schedule="1f1b")
+    steps = [r for r in run(p, "moe-tiny", steps=2, seed=0, quiet=True, checkpoint_dir=str(tmp_path))
+             if "step" in r]
+    assert [r["loss"] for r in steps] == pytest.approx(want[:2], rel=1e-4)
+    assert steps[1]["collectives"] == p.predicted.collectives
     resumed = [r for r in run(one, "moe-tiny", steps=3, seed=0, quiet=True, checkpoint_dir=str(tmp_path))
                if "step" in r]
     assert [r["step"] for r in resumed] == [2] and resumed[0]["loss"] == pytest.approx(want[2], rel=1e-4)
-    # ep 2 inside each of 2 pipeline stages (dp 2): the experts replaced in the traced chunks
-    # (their inputs in the traced order, `runtime.experts.argument_roles`); collectives from
-    # the second step (the first also exchanges the pipeline's shapes)
-    p = _plan(2, dp=2, pp=2, schedule="1f1b")
-    assert "ep_executor" not in p.search
-    steps = [r for r in run(p, "moe-tiny", steps=2, seed=0, quiet=True) if "step" in r]
-    assert [r["loss"] for r in steps] == pytest.approx(want[:2], rel=1e-4)
-    assert steps[1]["collectives"] == p.predicted.collectives
 
 
 @pytest.mark.slow
@@ -150,14 +149,14 @@ def test_hf_mixtral_ep2_trains_like_one_process():
     assert all(r["collectives"] == p.predicted.collectives == {"all_to_all": 10, "all_reduce": 1} for r in steps)
 
 
-def test_ep_with_zero_is_refused_by_the_runtime():
+def test_ep_with_tp_is_planned_but_refused_by_the_runtime():
     from autopar.runtime.experts import check_executable
 
-    p = _plan(2, zero_stage=1)
-    assert p.experts.ep == 2 and p.zero_stage == 1
-    assert "not yet executed by `autopar run` with ZeRO stage 1" in p.summary()
+    p = _plan(2, dp=2, tp=2)
+    assert p.experts.ep == 2 and p.tp == 2
+    assert "not yet executed by `autopar run` with tensor parallelism" in p.summary()
     assert "ep_executor" not in _plan(2).search
-    with pytest.raises(PlanError, match="ZeRO stage 1"):
+    with pytest.raises(PlanError, match="tensor parallelism"):
         check_executable(p)
 
 

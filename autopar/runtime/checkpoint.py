@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.runtime.tied_grads import all_gather_flat
+from autopar.schema.errors import PlanError
 
 _STEP = re.compile(r"^step_(\d+)$")
 
@@ -129,6 +130,9 @@ def state_dict(pm, *, for_load: bool = False) -> dict:
     """The DCP state of a ParallelModel (tensors alias the live ones, so a load is in place).
     For a save, the parameters in `pm.checkpoint_skip` are left out (model and optimizer keys)."""
     skip = _save_skip(pm, for_load)
+    if pm.zero12 and getattr(pm, "expert_groups", None) is not None:
+        raise PlanError("checkpoints of expert-parallel plans under ZeRO-1/2 are not supported yet (the experts' "
+                        "flat optimizer shard); run without --checkpoint-dir, or re-plan with zero_stage 0")
     state: dict = {"step": torch.tensor(pm.steps_done, dtype=torch.int64)}
     named = pm.local_named_parameters()
     masters = pm.masters.masters if pm.masters is not None else [p for _, p in named]

@@ -460,8 +460,10 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         shard (ZeRO-1/2), and optimizer state (local shards)."""
         n = 0
         seen = set()
+        eg = self.expert_groups
         for p in self.params + (self.masters.masters if self.masters is not None else []) + (
-                [self.flat_shard] if self.zero12 else []):
+                [self.flat_shard] if self.zero12 else []) + (
+                [eg.flat_shard] if eg is not None and eg.flat_shard is not None else []):
             n += self._local(p.data).numel() * p.element_size()
         for st in self.optimizer.state.values():
             for v in st.values():

@@ -23,12 +23,14 @@ the dense ones over dp as before. In a pipeline, each stage's dp ranks form its 
 and the module is replaced in the traced chunk (torch's unflattened program keeps a module per
 FQN; `argument_roles` reads the order its inputs come in). Checkpoints and `full_state` see each stacked weight whole
 (`ExpertGroups.global_view`: a DTensor sharded over ep), so a checkpoint resumes in any
-layout. Executed here: without tensor parallelism, ZeRO or interleaved chunks
-(`check_executable`).
+layout (not yet under ZeRO-1/2, whose expert shard `checkpoint` refuses). ZeRO-1/2 shard the
+expert weights' optimizer state over the ranks holding the same experts (`zero_setup`).
+Executed here: without tensor parallelism, ZeRO-3 or interleaved chunks (`check_executable`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -39,7 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from autopar.runtime.tied_grads import allreduce_flat
+from autopar.runtime.tied_grads import all_gather_flat, allreduce_flat, reduce_scatter_flat
 from autopar.schema.errors import PlanError
 from autopar.schema.plan import Plan
 
@@ -52,12 +54,12 @@ def check_executable(plan: Plan) -> None:
         return
     why = [w for w, bad in (("model chunks interleaved", plan.virtual_stages > 1),
                             ("tensor parallelism", plan.tp > 1),
-                            (f"ZeRO stage {plan.zero_stage}", plan.zero_stage > 0),
+                            (f"ZeRO stage {plan.zero_stage}", plan.zero_stage == 3),
                             ("op-by-op layouts", any(s.op_layouts is not None for s in plan.stages))) if bad]
     if why:
-        raise PlanError(f"expert parallelism (ep={plan.experts.ep}) is executed without tensor parallelism, ZeRO "
+        raise PlanError(f"expert parallelism (ep={plan.experts.ep}) is executed without tensor parallelism, ZeRO-3 "
                         f"or interleaved chunks in this version; the plan has {', '.join(why)}: re-plan with "
-                        f"Constraints(tp=1, zero_stage=0, virtual_stages=1) or ep=1")
+                        f"Constraints(tp=1, virtual_stages=1) and zero_stage 0-2, or ep=1")
 
 
 class _AllToAll(torch.autograd.Function):
@@ -154,6 +156,57 @@ class ExpertGroups:
     edp_group: Optional[Any]
     params: list[nn.Parameter]
     names: dict[str, int] = field(default_factory=dict)     # canonical FQN -> id of its parameter
+
+    flat_shard: Optional[nn.Parameter] = None     # ZeRO-1/2: this rank's shard of the expert weights
+
+    def zero_setup(self) -> nn.Parameter:
+        """ZeRO-1/2: the expert weights' flat shard over the expert-dp ranks (the whole flat
+        where each expert has one copy), the optimizer's parameter for them (made before the
+        weights are cast: under mixed precision it is their fp32 master)."""
+        D, r = self.mesh.size(0), self.mesh.get_local_rank("edp")
+        n = sum(p.numel() for p in self.params)
+        self._size = math.ceil(n / D)
+        flat = torch.zeros(self._size * D, dtype=self.params[0].dtype, device=self.params[0].device)
+        torch.cat([p.data.reshape(-1) for p in self.params], out=flat[:n])
+        self.flat_shard = nn.Parameter(flat[r * self._size:(r + 1) * self._size].clone())
+        return self.flat_shard
+
+    def zero_reduce(self, dp: int) -> None:
+        """ZeRO-1/2: the expert gradients into the flat shard's gradient: reduce-scattered over
+        the expert-dp ranks (none where there is one copy), averaged over the dp replicas of the
+        batch (as `sync`); each gradient freed once copied."""
+        D = self.mesh.size(0)
+        dtype = self.params[0].grad.dtype
+        flat = torch.zeros(self._size * D, dtype=dtype, device=self.flat_shard.device)
+        off = 0
+        for p in self.params:
+            flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
+            off += p.numel()
+            p.grad = None
+        if self.edp_group is not None:
+            shard = torch.empty(self._size, dtype=dtype, device=flat.device)
+            reduce_scatter_flat(shard, flat, group=self.edp_group)
+        else:
+            shard = flat
+        self.flat_shard.grad = (shard * (1.0 / dp)).to(self.flat_shard.dtype)
+
+    def zero_gather(self) -> None:
+        """ZeRO-1/2, after the step: the updated shards all-gathered over the expert-dp ranks
+        and copied back into the expert weights (in their dtype)."""
+        self.flat_shard.grad = None
+        D = self.mesh.size(0)
+        dtype = self.params[0].dtype
+        mine = self.flat_shard.data.to(dtype)
+        if self.edp_group is not None:
+            full = torch.empty(self._size * D, dtype=dtype, device=mine.device)
+            all_gather_flat(full, mine, group=self.edp_group)
+        else:
+            full = mine
+        off = 0
+        with torch.no_grad():
+            for p in self.params:
+                p.data.copy_(full[off:off + p.numel()].view_as(p))
+                off += p.numel()
 
     def global_view(self, t: torch.Tensor) -> DTensor:
         """A local expert slice (a parameter or its optimizer state) as the DTensor of the whole

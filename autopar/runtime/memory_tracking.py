@@ -426,6 +426,9 @@ def register(mt: StepMemTracker, pm: Any, batch: Sequence[Any]) -> None:
             mt.label(m, _Ref.MASTER)
     if getattr(pm, "zero12", False):
         mt.label(pm.flat_shard, _Ref.MASTER)
+        eg = getattr(pm, "expert_groups", None)
+        if eg is not None and eg.flat_shard is not None:     # the expert weights' own shard
+            mt.label(eg.flat_shard, _Ref.MASTER)
     mt._track_optimizer_states(_MemRefType.OPT, pm.optimizer)
     for p in _optimizer_params(pm.optimizer):
         if p.grad is not None:

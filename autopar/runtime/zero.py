@@ -103,8 +103,15 @@ class ZeroSharding:
             chunks[0].prog.run_units(calls, running={n for ch in chunks for n in ch.nodes})
 
     def _zero12_setup(self) -> None:
+        """The flat dp shard of the parameters and the optimizer over it; under expert
+        parallelism the expert weights are left out (`zero_params`): their own flat shard over
+        the ranks holding the same experts (`runtime.experts.ExpertGroups.zero_setup`) is the
+        optimizer's second parameter."""
         D = self.dp_size
-        locs = [self._local(p.data) for p in self.params]
+        experts = getattr(self, "expert_groups", None)
+        own = {id(p) for p in experts.params} if experts is not None else set()
+        self.zero_params = [p for p in self.params if id(p) not in own]
+        locs = [self._local(p.data) for p in self.zero_params]
         n = sum(t.numel() for t in locs)
         self.flat_numel = n
         self.shard_size = math.ceil(n / D)
@@ -112,7 +119,10 @@ class ZeroSharding:
         torch.cat([t.reshape(-1) for t in locs], out=flat[:n])
         lo = self.dp_rank * self.shard_size
         self.flat_shard = nn.Parameter(flat[lo:lo + self.shard_size].clone())
-        self.optimizer = self.opt_factory([self.flat_shard])
+        shards = [self.flat_shard]
+        if experts is not None:
+            shards.append(experts.zero_setup())
+        self.optimizer = self.opt_factory(shards)
 
     def _zero12_step(self) -> None:
         """Tied copies first (sum), then reduce-scatter over dp, sharded update, all-gather.
@@ -126,7 +136,7 @@ class ZeroSharding:
         flat = torch.empty(S * D, dtype=dtype, device=self.device)
         flat[n:].zero_()
         off = 0
-        for p in self.params:
+        for p in self.zero_params:
             g = self._local(p.grad)
             flat[off:off + g.numel()].copy_(g.reshape(-1))
             off += g.numel()
@@ -139,8 +149,13 @@ class ZeroSharding:
         if self.flat_shard.grad is not shard:
             release(shard)
         del shard
+        experts = getattr(self, "expert_groups", None)
+        if experts is not None:
+            experts.zero_reduce(D)
         self.optimizer.step()
         self.flat_shard.grad = None
+        if experts is not None:
+            experts.zero_gather()
         full = torch.empty(S * D, dtype=dtype, device=self.device)   # the parameters' dtype
         mine = self.flat_shard.data.to(full.dtype)
         all_gather_flat(full, mine, group=self.dp_group)
@@ -148,7 +163,7 @@ class ZeroSharding:
             release(mine)
         off = 0
         with torch.no_grad():
-            for p in self.params:
+            for p in self.zero_params:
                 loc = self._local(p.data)
                 loc.copy_(full[off:off + loc.numel()].view_as(loc))
                 off += loc.numel()
