@@ -331,8 +331,19 @@ def _walk_1f1b(p: int, m: int, rank: int) -> tuple[_Walk, list[tuple[str, int]]]
 def _maximal(moments: list) -> tuple:
     """The moments no other moment dominates (the peak of a non-negative weighting is at one)."""
     uniq = sorted(set(moments), key=sum, reverse=True)
+    if len(uniq) > 64:
+        # the same filter on arrays (a long schedule's walk has thousands of moments)
+        A = np.array(uniq)
+        K = np.empty_like(A)
+        k = 0
+        for x in A:     # a moment can only be dominated by one with at least its total
+            if k and (K[:k] >= x).all(axis=1).any():
+                continue
+            K[k] = x
+            k += 1
+        return tuple(sorted(map(tuple, K[:k].tolist())))
     keep: list[tuple] = []
-    for x in uniq:      # a moment can only be dominated by one with at least its total
+    for x in uniq:
         if not any(all(map(ge, y, x)) for y in keep):
             keep.append(x)
     return tuple(sorted(keep))
@@ -422,7 +433,7 @@ class _MomentStore:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".moments-", suffix=".tmp")
             with os.fdopen(fd, "w") as f:
-                json.dump(self._data, f, separators=(",", ":"))
+                f.write(json.dumps(self._data, separators=(",", ":")))   # the C encoder (json.dump: Python)
             os.replace(tmp, path)
             self._new = 0
         except OSError as e:

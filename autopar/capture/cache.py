@@ -261,7 +261,7 @@ class CaptureCache:
             fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=self.directory)
             try:
                 with os.fdopen(fd, "w") as f:
-                    json.dump(data, f, separators=(",", ":"))
+                    f.write(json.dumps(data, separators=(",", ":")))   # dumps: C encoder; dump streams in Python
                 os.replace(tmp, p)
             finally:
                 if os.path.exists(tmp):

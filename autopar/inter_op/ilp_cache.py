@@ -131,7 +131,8 @@ class _JsonStore:
             p.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{self.sub}-", suffix=".tmp")
             with os.fdopen(fd, "w") as f:
-                json.dump({"format": self.format, self.field: self.encode(value)}, f, separators=(",", ":"))
+                # one string: `json.dumps` runs the C encoder, `json.dump` streams through the Python one
+                f.write(json.dumps({"format": self.format, self.field: self.encode(value)}, separators=(",", ":")))
             os.replace(tmp, p)
         except OSError as e:
             warnings.warn(f"autopar: could not write the {self.what} cache {p}: {e}", CacheWarning,
