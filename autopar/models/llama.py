@@ -15,10 +15,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.models.catalogue import catalogue
 from autopar.models.configs import LlamaConfig
 from autopar.models.init import init_weights
-from autopar.models.registry import ZooEntry, register, token_batch, token_inputs
+from autopar.models.registry import register_token_family
 
 
 class RMSNorm(nn.Module):
@@ -125,13 +124,5 @@ class Llama(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def _llama(name: str, cfg: LlamaConfig, desc: str) -> ZooEntry:
-    return ZooEntry(name, "llama", lambda: Llama(cfg), token_inputs(cfg.seq_len),
-                    token_batch(cfg.vocab_size, cfg.seq_len), desc, cfg.num_params())
-
-
 # the catalogue's llama models, as (config, description)
-CONFIGS = {n: (e.config, e.description) for n, e in catalogue("llama").items()}
-
-for _name, (_cfg, _desc) in CONFIGS.items():
-    register(_llama(_name, _cfg, _desc))
+CONFIGS = register_token_family("llama", Llama)

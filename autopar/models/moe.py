@@ -27,11 +27,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.models.catalogue import catalogue
 from autopar.models.configs import MoEConfig
 from autopar.models.init import init_weights
 from autopar.models.llama import Attention, RMSNorm
-from autopar.models.registry import ZooEntry, register, token_batch, token_inputs
+from autopar.models.registry import register_token_family
 
 
 class SwiGLU(nn.Module):
@@ -205,12 +204,5 @@ class MoEModel(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) + self.cfg.aux_loss_coef * aux
 
 
-def _moe(name: str, cfg: MoEConfig, desc: str) -> ZooEntry:
-    return ZooEntry(name, "moe", lambda: MoEModel(cfg), token_inputs(cfg.seq_len),
-                    token_batch(cfg.vocab_size, cfg.seq_len), desc, cfg.num_params())
-
-
-CONFIGS = {n: (e.config, e.description) for n, e in catalogue("moe").items()}
-
-for _name, (_cfg, _desc) in CONFIGS.items():
-    register(_moe(_name, _cfg, _desc))
+# the catalogue's moe models, as (config, description)
+CONFIGS = register_token_family("moe", MoEModel)

@@ -8,6 +8,7 @@ functions depend only on the step and the seed, so every plan sees the same data
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ import torch.nn as nn
 
 from autopar.models.catalogue import catalogue
 from autopar.models.configs import MLPConfig
-from autopar.models.gpt import GPT, GPTConfig
+from autopar.models.gpt import GPT
 from autopar.models.mlp import MLP
 from autopar.schema.errors import PlanError
 
@@ -98,9 +99,15 @@ class NormalBatch:
                 torch.randn(global_batch_size, self.dim, generator=g))
 
 
-def _gpt(name: str, cfg: GPTConfig, desc: str) -> ZooEntry:
-    return ZooEntry(name, "gpt", lambda: GPT(cfg), token_inputs(cfg.seq_len),
-                    token_batch(cfg.vocab_size, cfg.seq_len), desc, cfg.num_params())
+def register_token_family(family: str, build: Callable[[Any], nn.Module]) -> dict[str, tuple[Any, str]]:
+    """Register every catalogue entry of `family` (a language model fed token ids and trained
+    on next-token targets, its config with `seq_len`, `vocab_size` and `num_params()`) as a
+    zoo model built by `build(config)`; returns {name: (config, description)}."""
+    configs = {n: (e.config, e.description) for n, e in catalogue(family).items()}
+    for name, (cfg, desc) in configs.items():
+        register(ZooEntry(name, family, functools.partial(build, cfg), token_inputs(cfg.seq_len),
+                          token_batch(cfg.vocab_size, cfg.seq_len), desc, cfg.num_params()))
+    return configs
 
 
 def _mlp_entry(name: str, cfg: MLPConfig, desc: str) -> ZooEntry:
@@ -117,11 +124,9 @@ def register(entry: ZooEntry) -> None:
     _ZOO[entry.name] = entry
 
 
-for _e in catalogue().values():      # llama, bert and moe register theirs when imported (`_load_families`)
-    if _e.family == "gpt":
-        register(_gpt(_e.name, _e.config, _e.description))
-    elif _e.family == "mlp":
-        register(_mlp_entry(_e.name, _e.config, _e.description))
+register_token_family("gpt", GPT)   # llama, bert and moe register theirs when imported (`_load_families`)
+for _e in catalogue("mlp").values():
+    register(_mlp_entry(_e.name, _e.config, _e.description))
 
 
 def zoo() -> dict[str, ZooEntry]:
