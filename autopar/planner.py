@@ -33,7 +33,6 @@ from autopar.schema.experts import ExpertBlockPlan, ExpertParallelism
 from autopar.schema.layouts import StageLayouts
 from autopar.schema.plan import TRAINING_DTYPES, PhasePrediction
 from autopar.schema.software import SoftwareSpec, software_for_cluster
-from cost_models.compute import attention_core
 from cost_models.memory import usable_memory
 from cost_models.schedules import moments_directory
 
@@ -194,6 +193,34 @@ def _recompute_modules(layers: list[Layer], k: int, j: int, recompute: str) -> O
     return [layers[i].recompute_modules[recompute] for i in range(k, j) if recompute in layers[i].recompute_modules]
 
 
+def _recompute_ops(layers: list[Layer], k: int, j: int, recompute: str) -> Optional[list[str]]:
+    """The capture's ops selective recomputation re-runs in layers [k, j) (`Layer.selective_ops`:
+    each attention core's run of ops); None under any other policy."""
+    if recompute != "selective":
+        return None
+    return [n for i in range(k, j) for n in layers[i].selective_ops]
+
+
+def _module_cut_ops(ops: Optional[list[str]], module_cut: bool, pos: int, fallback: list[int]
+                    ) -> Optional[list[str]]:
+    """A stage's `recompute_ops` as the runtime can run them: a stage run module by module
+    recomputes an attention core alone only where it is one call (`runtime.selective`); else
+    None (its `recompute_modules` checkpointed whole) and `pos` joins `fallback`."""
+    from autopar.runtime.selective import runs_as_one_call
+
+    if ops and module_cut and not runs_as_one_call(ops):
+        fallback.append(pos)
+        return None
+    return ops
+
+
+def _selective_fallback(stages: list[int]) -> str:
+    """The plan's note on stages whose selective recomputation checkpoints whole modules."""
+    return (f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}: run module by module, "
+            f"with attention cores of several calls, which a module's forward cannot cut out: the modules "
+            f"holding them are checkpointed whole (more re-run, less memory than predicted)")
+
+
 def _stage_modules(layers: list[Layer], k: int, j: int) -> list[str]:
     out: list[str] = []
     for l in layers[k:j]:
@@ -227,8 +254,7 @@ def _extra_flops(graph1: OpGraph, layer: Layer, recompute: str) -> float:
     if recompute == "full":
         return sum(graph1.node(n).flops for n in layer.block_nodes)
     if recompute == "selective":
-        nodes = [graph1.node(n) for n in layer.nodes]
-        return sum(graph1.node(n).flops for n in attention_core(nodes))
+        return sum(graph1.node(n).flops for n in layer.selective_ops)
     return 0.0
 
 
@@ -258,6 +284,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
         raise PlanError(f"sequence parallelism runs only where the executor runs the solved layouts, and "
                         f"here it cannot: {why_not}; drop sequence_parallel or the constraint that forces this")
     fallbacks: list[str] = []
+    rc_fallback: list[int] = []
     dry_counts = _dry_counts(bundle, graph, spec, c, layers, chunks, loss_fn, fallbacks,
                              skip=set(layouts)) if count_tp else {}
     stage_plans = []
@@ -291,6 +318,8 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
             index=pos, devices=devices, mesh_shape=(c.dp, st.tp), mesh_axis_names=("dp", "tp"),
             layers=mods, recompute=st.recompute, fsdp_units=units,
             recompute_modules=_recompute_modules(layers, k, j, st.recompute),
+            recompute_ops=_module_cut_ops(_recompute_ops(layers, k, j, st.recompute), layouts.get(pos) is None,
+                                          pos, rc_fallback),
             placements=_placements(graph, layers, costs, k, j, mods, c.zero == 3 and c.dp > 1),
             virtual_chunk=vc, op_layouts=layouts.get(pos), predicted=pred))
         dry = dry_counts.get(pos)
@@ -380,6 +409,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                         "intra_op": getattr(res.provider, "name", "analytic"),
                         "layers": len(layers),
                         **({"tp_counts_fallback": "; ".join(fallbacks)} if fallbacks else {}),
+                        **({"selective_fallback": _selective_fallback(rc_fallback)} if rc_fallback else {}),
                         **({"tp_executor": why_not} if why_not else {}),
                         **({"ep_executor": _ep_executor(c)} if c.ep > 1 and _ep_executor(c) else {}),
                         **({"skipped": _skipped(res.skipped)} if res.skipped else {})})

@@ -24,12 +24,15 @@ Recomputation (Korthikanti et al. 2022, arXiv 2205.05198):
 - "full" keeps only each layer's inputs (tensors a layer reads from outside it); ops outside the
   repeated layers keep their tensors; one layer's full activations are live again while its
   backward runs, beside the gradients its ops make (`working_bytes`).
-  `selective_region="module"` is what autopar's runtime checkpoints instead (torch.utils.checkpoint
-  around the module `checkpointed_module` finds from the ops: the one holding the attention
-  core, the whole block when the core runs in the block itself; the plan names it,
-  `StagePlan.recompute_modules`): every tensor an op inside that module saves is dropped and
-  re-made in its backward; the module keeps only its inputs (non-reentrant checkpoint stores
-  the function's arguments).
+  `selective_region="ops"` is what autopar's runtime executes (`selective_ops`: the ops of each
+  layer's attention core, with the few its run of ops interleaves, e.g. the mask's slicing; the
+  plan names them, `StagePlan.recompute_ops`): one checkpointed region per layer under torch's
+  selective activation checkpointing, those ops MUST_RECOMPUTE: every tensor they save is
+  dropped and re-made in the backward, the region keeps its inputs (non-reentrant checkpoint
+  stores the function's arguments: Q, K, V), the ops outside it save as without recomputation
+  (the core's output among them, which the output projection saves). With a fused attention
+  kernel the core saves little of its own (the log-sum-exp; the output is kept by its reader):
+  selective then buys almost no memory for one attention forward of time.
 `count_inputs=False`: graph inputs (the model's batch) are not activations: the runtime holds
 the rank's rows of the step's batch through the step anyway (the planner counts them as the
 stage's batch) and a micro-batch's slice of them is a view, so an op saving it adds nothing;
@@ -445,13 +448,13 @@ def _common_module(paths: Iterable[str]) -> str:
 
 
 def checkpointed_module(block: list, rec: str) -> Optional[str]:
-    """The module a repeated block's recomputation checkpoints, found from the block's ops
-    (`block`, each with its `module_path`), not from names: "full" the module holding all of
-    them (the block's own), "selective" the one holding its attention core's ops
-    (`attention_core`: `blocks.3.attn`, `model.layers.3.self_attn`), the block's when the core
-    runs in the block's own forward or it has none. None: nothing to checkpoint. The planner
-    writes it into the plan (`StagePlan.recompute_modules`) and the runtime checkpoints exactly
-    that module."""
+    """The module a repeated block's recomputation runs in, found from the block's ops (`block`,
+    each with its `module_path`), not from names: "full" the module holding all of them (the
+    block's own, which the runtime checkpoints whole), "selective" the one holding its attention
+    core's ops (`attention_core`: `blocks.3.attn`, `model.layers.3.self_attn`; the block's when
+    the core runs in the block's own forward or it has none), where a stage run module by module
+    recomputes the core (`runtime.selective`). None: nothing to recompute. The planner writes it
+    into the plan (`StagePlan.recompute_modules`)."""
     if rec not in ("full", "selective") or not block:
         return None
     whole = _common_module(n.module_path or "" for n in block)
@@ -464,31 +467,38 @@ def checkpointed_module(block: list, rec: str) -> Optional[str]:
     return inner or None
 
 
+def selective_ops(block: list) -> list[str]:
+    """The ops selective recomputation re-runs in one layer (`block`: its ops in program order):
+    its attention core (`attention_core`: the score matmul, scale and mask, softmax, dropout on
+    the probabilities and the matmul with V, or one fused attention op) and the ops the program
+    runs between the core's first op and its last (views, the mask's slicing), one contiguous
+    run that the runtime checkpoints as one region. Empty when the layer has no core."""
+    core = attention_core(block)
+    idx = [i for i, n in enumerate(block) if n.name in core]
+    if not idx:
+        return []
+    return [n.name for n in block[idx[0]:idx[-1] + 1]]
+
+
 def checkpoint_region_of(calls: list, rec: str, selective_region: str) -> dict[str, Optional[str]]:
     """Each op -> the checkpointed region it runs in (None: not recomputed): the layer ("full"),
-    or under `selective_region="module"` the ops inside the layer's `checkpointed_module` (what
-    the runtime wraps in torch.utils.checkpoint). Ops whose `layer` is None are outside every
-    repeated block."""
+    or under `selective_region="ops"` each layer's `selective_ops` (what the runtime runs under
+    torch's selective checkpoint). Ops whose `layer` is None are outside every repeated block."""
     if rec == "full":
         return {n.name: n.layer for n in calls}
-    if rec != "selective" or selective_region != "module":
+    if rec != "selective" or selective_region != "ops":
         return {n.name: None for n in calls}
     by_layer: dict[str, list] = {}
     for n in calls:
         if n.layer is not None:
             by_layer.setdefault(n.layer, []).append(n)
-    module = {layer: checkpointed_module(ns, "selective") for layer, ns in by_layer.items()}
-    out: dict[str, Optional[str]] = {}
-    for n in calls:
-        m = module.get(n.layer) if n.layer is not None else None
-        p = n.module_path or ""
-        out[n.name] = n.layer if m is not None and (p == m or p.startswith(m + ".")) else None
-    return out
+    redo = {x: layer for layer, ns in by_layer.items() for x in selective_ops(ns)}
+    return {n.name: redo.get(n.name) for n in calls}
 
 
 def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = "none", *,
                       layers: Optional[Iterable[Optional[str]]] = None, shard: Shard = 1.0,
-                      selective_region: Literal["core", "module"] = "core",
+                      selective_region: Literal["core", "ops"] = "core",
                       device_type: Optional[str] = None, count_inputs: bool = True,
                       dtensor: bool = False,
                       read_shard: Optional[Callable[[Any, str], Optional[tuple[float, str]]]] = None,
@@ -519,8 +529,8 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     rec = "full" if recompute is True else ("none" if recompute is False else recompute)
     if rec not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
-    if selective_region not in ("core", "module"):
-        raise ValueError(f"selective_region must be core or module, got {selective_region!r}")
+    if selective_region not in ("core", "ops"):
+        raise ValueError(f"selective_region must be core or ops, got {selective_region!r}")
     if device_type not in (None, "cuda", "cpu"):
         raise ValueError(f"device_type must be cuda, cpu or None, got {device_type!r}")
     if graph.batch_size is None and any(o.is_batched for n in graph.nodes for o in n.outputs):

@@ -497,13 +497,12 @@ def test_cuda_autocast_norms_save_an_fp32_copy_of_their_input():
         activation_memory(g, "fp32", "none").saved_bytes
 
 
-def test_selective_module_region_drops_what_the_attention_child_saves():
-    """The runtime checkpoints each block's `attn` child: it keeps only its input (ln1's output,
-    which the qkv projection saves anyway) and re-makes q/k/v (3 s·b·h), the attention output
-    (s·b·h) and its log-sum-exp in the backward; full keeps the block's input only, and its
-    recomputation re-makes everything but that stored input. The working set is the worst moment
-    of the recomputed region's backward: what it re-made and has not yet freed, plus the
-    gradients of the op running (autograd frees an op's saved tensors after its backward)."""
+def test_selective_region_drops_what_the_attention_core_saves():
+    """Selective recomputation re-runs each block's attention core alone (`selective_ops`: here
+    its fused sdpa): Q, K, V stay (the region's inputs, views of the qkv projection's output),
+    its output stays (the projection saves its copy); only the log-sum-exp is dropped, fp32 on
+    CPU. Its backward's worst moment: the re-made output and lse, the output's gradient (s·b·h)
+    and q/k/v's (3 s·b·h), beside the residual stream's (s·b·h)."""
     from cost_models.memory import activation_memory
 
     b, s, h, heads = 4, 16, 32, 4
@@ -512,18 +511,110 @@ def test_selective_module_region_drops_what_the_attention_child_saves():
     lse = 4 * b * heads * s
     kw = dict(device_type="cpu", count_inputs=False)
     none = activation_memory(g, "bf16", "none", **kw)
-    sel = activation_memory(g, "bf16", "selective", selective_region="module", **kw)
+    sel = activation_memory(g, "bf16", "selective", selective_region="ops", **kw)
     full = activation_memory(g, "bf16", "full", **kw)
     for layer in ("blocks.0", "blocks.1"):
-        assert none.per_layer[layer] - sel.per_layer[layer] == 4 * sbh + lse
+        assert none.per_layer[layer] - sel.per_layer[layer] == lse
         assert full.per_layer[layer] == sbh
-    # selective: at the attention, all 4 s·b·h re-made and the lse, its output's gradient
-    # (s·b·h) and q/k/v's (3 s·b·h), beside the residual stream's (s·b·h: the block input's
-    # gradient, handed on as it is by the residual sum, waits for the norm branch's)
-    assert sel.working_bytes == 4 * sbh + lse + sbh + 3 * sbh + sbh
+    assert sel.working_bytes == sbh + lse + sbh + 3 * sbh + sbh
     # full: at the MLP's second projection, everything re-made still saved, its output's
     # gradient (s·b·h, the residual stream's too) and its input's (4 s·b·h)
     assert full.working_bytes == none.per_layer["blocks.0"] - sbh + sbh + 4 * sbh
+
+
+class _UnfusedBlock:
+    """Built lazily (torch imported inside the tests): Megatron's layer with its attention core
+    spelled out (score matmul, scale, softmax, dropout on the probabilities, product with V) in
+    one method, `core`, which the selective run checkpoints as the executor checkpoints the ops
+    of `selective_ops`."""
+
+    @staticmethod
+    def model(h: int = 32, a: int = 4, layers: int = 2, vocab: int = 64, seq: int = 16):
+        import torch
+        import torch.nn as nn
+        import torch.nn.functional as F
+
+        class Block(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+                self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+                self.fc, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+                self.wrap = None
+
+            def core(self, q, k, v):
+                probs = F.dropout(torch.softmax(torch.matmul(q, k.transpose(-2, -1)) * (h // a) ** -0.5, -1), 0.1)
+                return torch.matmul(probs, v)
+
+            def forward(self, x):
+                b, s, _ = x.shape
+                q, k, v = (t.view(b, s, a, h // a).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(h, -1))
+                y = self.wrap(self.core, q, k, v) if self.wrap else self.core(q, k, v)
+                x = x + self.proj(y.transpose(1, 2).reshape(b, s, h))
+                return x + self.fc2(F.gelu(self.fc(self.ln2(x))))
+
+        class GPT(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.tok = nn.Embedding(vocab, h)
+                self.blocks = nn.ModuleList(Block() for _ in range(layers))
+                self.ln = nn.LayerNorm(h)
+
+            def forward(self, tokens, targets):
+                x = self.tok(tokens)
+                for blk in self.blocks:
+                    x = blk(x)
+                return F.cross_entropy(F.linear(self.ln(x), self.tok.weight).flatten(0, 1), targets.flatten())
+
+        return GPT
+
+
+@pytest.mark.parametrize("attention", ["fused", "unfused"])
+def test_selective_recomputation_holds_what_torch_holds(attention):
+    """What a forward under torch's selective checkpoint keeps for the backward (storages alive
+    after it, seen through a dispatch mode: the regions' inputs and what the ops outside them
+    save) is what the memory model counts for recompute="selective", within nll_loss's 8 bytes,
+    fp32 on CPU: the zoo GPT (fused sdpa) as the runtime recomputes it module by module
+    (`runtime.selective.apply_selective`), a GPT with the core spelled out as the executor runs
+    it (one region from the score matmul to the product with V). With the fused kernel that is
+    all but its log-sum-exp (selective buys almost nothing); unfused it drops the scores."""
+    import torch
+
+    from autopar.capture import capture
+    from autopar.models.registry import build_model, call_batch_fn
+    from autopar.runtime.selective import apply_selective, checkpoint_selective
+    from cost_models.memory import activation_memory, selective_ops
+
+    b = 4
+    if attention == "fused":
+        g = _gpt_tiny(b)
+        bundle = build_model("gpt-tiny", device="cpu")
+        models = {"none": bundle.model, "selective": build_model("gpt-tiny", device="cpu").model}
+        apply_selective(models["selective"], ["blocks.0.attn", "blocks.1.attn"],
+                        ["scaled_dot_product_attention", "scaled_dot_product_attention_1"])
+        batch = call_batch_fn(bundle.batch_fn, 0, b, 0)
+    else:
+        cls = _UnfusedBlock.model()
+        with torch.device("meta"):
+            meta = cls()
+        x = torch.zeros(b, 16, dtype=torch.long)
+        g = capture(meta.train(), (x.to("meta"), x.to("meta"))).at_batch(b)
+        torch.manual_seed(0)
+        models = {"none": cls(), "selective": cls()}
+        for blk in models["selective"].blocks:
+            blk.wrap = checkpoint_selective
+        batch = (torch.randint(0, 64, (b, 16)), torch.randint(0, 64, (b, 16)))
+        ops = selective_ops([n for n in g.calls if n.layer == "blocks.0"])
+        assert [g.node(o).op for o in ops if g.node(o).op != "transpose"] == ["matmul", "mul", "softmax",
+                                                                              "dropout", "matmul"]
+    held = {}
+    for rc, m in models.items():
+        pred = activation_memory(g, "fp32", rc, selective_region="ops", device_type="cpu", count_inputs=False)
+        held[rc] = _forward_held_bytes(m.train(), batch)
+        assert held[rc] == pytest.approx(pred.saved_bytes, abs=8), (rc, held[rc], pred.saved_bytes)
+    scores = 4 * b * 4 * 16 * 16
+    saved = held["none"] - held["selective"]
+    assert saved < scores / 4 if attention == "fused" else saved >= 2 * scores
 
 
 def test_broadcast_tensors_are_views():

@@ -35,7 +35,8 @@ backward, `runtime.pipeline_p2p.JustInTimeStage`) and the memory model counts th
 the schedule's order instead of m x (input + output gradient) per chunk: GPT-3 1.3B's peak 4.5%
 lower (24.65 -> 23.54 GB: 4 micro-batches x 6 chunks of buffers down to those in flight), HF
 GPT-2's digest only (its stages' phases: no receive buffer in the sync and optimizer phases);
-layouts, times and collectives unchanged.
+layouts, times and collectives unchanged. Plan format 8 (`StagePlan.recompute_ops`, selective
+recomputation of the attention core's ops): digests only (these cases recompute nothing).
 """
 
 import hashlib

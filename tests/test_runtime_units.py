@@ -164,9 +164,11 @@ def test_elementwise_optimizer_steps_local_shards_like_the_dtensors():
 def test_recompute_checkpoints_the_modules_found_from_the_ops():
     """A model whose blocks sit in a ModuleDict under names and whose attention module is called
     `mixer` (`tests.user_models:renamed_gpt`: nothing a runtime could find by name): the plan
-    names the modules to checkpoint, found from the captured ops, and the runtime recomputes
-    exactly them: "selective" re-runs each block's mixer in the backward and not its MLP, "full"
-    each whole block; the loss is the same under every policy."""
+    names what to recompute, found from the captured ops, and the runtime recomputes exactly
+    that: "selective" re-runs each block's attention core (its sdpa call, in the module holding
+    it, `mixer`) and neither its projections nor its MLP, "full" each whole block; the loss is the
+    same under every policy."""
+    import torch
     import torch.distributed as dist
 
     import autopar
@@ -186,7 +188,11 @@ def test_recompute_checkpoints_the_modules_found_from_the_ops():
         for rc, modules in want.items():
             p = autopar.plan(ref, cl, global_batch_size=4, dtype="fp32", constraints=autopar.Constraints(recompute=rc))
             assert p.stages[0].recompute == rc and p.stages[0].recompute_modules == modules
-            assert rc == "none" or f"stage 0: {rc} {', '.join(modules)}" in p.summary()   # `autopar show`
+            sdpas = ["scaled_dot_product_attention"] + [f"scaled_dot_product_attention_{i}" for i in (1, 2, 3)]
+            assert p.stages[0].recompute_ops == (sdpas if rc == "selective" else None)
+            shown = {"none": "", "full": f"full: modules {', '.join(want['full'])} checkpointed whole",
+                     "selective": "selective: ops scaled_dot_product_attention (4)"}[rc]
+            assert shown in p.summary()   # `autopar show`
             b = build_model(ref, device="meta")
             pm = build(p, b, seed=0)
             # the first projection inside each: checkpoint re-runs a module's own forward, so
@@ -198,10 +204,13 @@ def test_recompute_checkpoints_the_modules_found_from_the_ops():
                         if name.endswith(kind):
                             mod.register_forward_pre_hook(
                                 lambda *_, k=kind, c=calls: c.__setitem__(k, c[k] + 1))
-            losses[rc] = pm.step(call_batch_fn(b.batch_fn, 0, 4, 0))
-            runs = {"none": (1, 1), "selective": (2, 1), "full": (2, 2)}[rc]
+            # the attention calls, the backward's re-runs among them (the profiler sees those too)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                losses[rc] = pm.step(call_batch_fn(b.batch_fn, 0, 4, 0))
+            sdpa = sum(e.name == "aten::scaled_dot_product_attention" for e in prof.events())
+            runs = {"none": (1, 1, 1), "selective": (1, 1, 2), "full": (2, 2, 2)}[rc]
             n = len(names)
-            assert (calls["mixer.c_attn"], calls["mlp.0"]) == (n * runs[0], n * runs[1]), (rc, calls)
+            assert (calls["mixer.c_attn"], calls["mlp.0"], sdpa) == tuple(n * r for r in runs), (rc, calls, sdpa)
         assert losses["none"] == pytest.approx(losses["selective"], rel=1e-6) == pytest.approx(losses["full"], rel=1e-6)
     finally:
         dist.destroy_process_group()

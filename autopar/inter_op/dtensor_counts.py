@@ -129,17 +129,24 @@ def _pass_through_repeats(m: nn.Module, layers: list[Layer], lo: int, hi: int) -
 
 def _apply_recompute(m: nn.Module, layers: list[Layer], lo: int, hi: int, rep: dict[int, int],
                      recompute: str) -> None:
-    """Checkpoint in the copy `m` the modules the runtime checkpoints for `recompute` in layers
-    [lo, hi) (`Layer.recompute_modules`, what the plan's `StagePlan.recompute_modules` names), so
-    the dry run's backward re-runs what the runtime's re-runs. Layers passing their input
+    """Recompute in the copy `m` what the runtime recomputes for `recompute` in layers [lo, hi):
+    the modules of `Layer.recompute_modules` checkpointed whole, under "selective" the attention
+    core's call alone where it is one (`runtime.selective`), so the dry run's backward re-runs
+    what the runtime's re-runs. Layers passing their input
     through (`rep`) take their source's counts and stay unwrapped."""
     if recompute == "none":
         return
     from autopar.runtime.recompute import checkpoint_module
+    from autopar.runtime.selective import recompute_core_calls, runs_as_one_call
 
     for i in range(lo, hi):
         if i not in rep and recompute in layers[i].recompute_modules:
-            checkpoint_module(m.get_submodule(layers[i].recompute_modules[recompute]))
+            mod = m.get_submodule(layers[i].recompute_modules[recompute])
+            ops = layers[i].selective_ops
+            if recompute == "selective" and ops and runs_as_one_call(ops):
+                recompute_core_calls(mod, ops)
+            else:
+                checkpoint_module(mod)
 
 
 def _batch_inputs(example_inputs: Sequence[Any], batch: Optional[int], dev: str) -> list[Any]:

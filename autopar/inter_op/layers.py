@@ -21,7 +21,7 @@ from typing import Optional
 import torch.nn as nn
 
 from autopar.capture.graph import OpGraph, OpNode
-from cost_models.memory import checkpointed_module
+from cost_models.memory import checkpointed_module, selective_ops
 
 
 @dataclass
@@ -36,9 +36,12 @@ class Layer:
     block_nodes: frozenset[str] = frozenset()   # nodes inside the repeated block (recomputable)
     signature: str = ""                         # equal for identical layers (cost cache key)
     flops: float = 0.0                          # forward FLOPs at batch size 1
-    # per recomputation policy, the module the runtime checkpoints (`cost_models.memory.
+    # per recomputation policy, the module the recomputation runs in (`cost_models.memory.
     # checkpointed_module` of the block's ops); absent where the layer has no repeated block
     recompute_modules: dict[str, str] = field(default_factory=dict)
+    # the ops selective recomputation re-runs (`cost_models.memory.selective_ops`: the attention
+    # core's run of ops), in program order; empty without a core
+    selective_ops: list[str] = field(default_factory=list)
 
     def rename_param(self, fqn: str, other: "Layer") -> str:
         """`fqn` of this layer as the corresponding FQN of `other` (same signature)."""
@@ -86,6 +89,7 @@ def build_layers(graph: OpGraph, model: Optional[nn.Module] = None, max_layers: 
             m = checkpointed_module(blk, rc)
             if m is not None:
                 lay.recompute_modules[rc] = m
+        lay.selective_ops = selective_ops(blk)
         layers.append(lay)
     return layers
 

@@ -75,8 +75,9 @@ from autopar.capture.graph import OpGraph
 from autopar.inter_op.dp import first_feasible, stage_dp
 from autopar.inter_op.experts import ExpertCosting
 from autopar.inter_op.layers import Layer
-from autopar.inter_op.stage_cost import RECOMPUTES, AnalyticProvider, LayerCost, axis_link, coll_time
+from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost, axis_link, coll_time
 from autopar.schema import ClusterSpec, Constraints, PlanError
+from autopar.schema.constraints import RECOMPUTES
 from autopar.schema.software import resolve_software
 from cost_models.communication import axis_collective_time
 from cost_models.compute import grad_accumulation_bytes, memory_time, optimizer_step_time

@@ -29,14 +29,14 @@ from typing import Any, Optional
 from autopar.capture.graph import OpGraph, OpNode
 from autopar.inter_op.layers import Layer
 from autopar.schema import ClusterSpec, LinkSpec
+from autopar.schema.constraints import RECOMPUTES
 from autopar.schema.placement import is_shard
 from autopar.schema.software import SoftwareSpec, resolve_software
 from cost_models.communication import collective_time
-from cost_models.compute import DTYPE_SIZE, attention_core, op_list_time
+from cost_models.compute import DTYPE_SIZE, op_list_time
 from cost_models.memory import activation_memory, requires_grad
 
 LOSS_OPS = frozenset({"cross_entropy_loss", "nll_loss", "log_softmax", "_log_softmax"})
-RECOMPUTES = ("none", "selective", "full")
 
 
 @dataclass
@@ -166,16 +166,17 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
     `cost_models.memory.activation_memory` of its ops `sub`, tensors divided by `shard(node)`,
     under `device_type`'s autocast; the model's inputs left to the stage's batch buffer), its
     backward's worst moment above that (the recomputed region, for "selective" the attention
-    child the runtime checkpoints) and what its loss reads, into `c`; with `out_name` (the
-    tensor the layer hands on) and `in_name` (the one it receives), how much of each its ops
-    save (`out_saved`, `in_saved`: one tensor saved on both sides of a boundary is one);
+    core's run of ops the runtime recomputes, `cost_models.memory.selective_ops`) and what its
+    loss reads, into `c`; with `out_name` (the tensor the layer hands on) and `in_name` (the one
+    it receives), how much of each its ops save (`out_saved`, `in_saved`: one tensor saved on
+    both sides of a boundary is one);
     `dtensor`: the layer runs tensor-parallel, on DTensors; `read_shard`: see
     `cost_models.memory.activation_memory` (an executed per-op solution); `attention_kernel`:
     the software's (`SoftwareSpec`: unfused attention saves its scores)."""
     params = {n.name: c.param_elems[n.fqn] for n in sub.nodes
               if n.kind == "param" and getattr(n, "fqn", None) in c.param_elems}
     for rc in RECOMPUTES:
-        am = activation_memory(sub, dtype, rc, shard=shard, selective_region="module", device_type=device_type,
+        am = activation_memory(sub, dtype, rc, shard=shard, selective_region="ops", device_type=device_type,
                                count_inputs=False, dtensor=dtensor, read_shard=read_shard, param_elems=params,
                                given_grad=out_name, attention_kernel=attention_kernel)
         c.act_bytes[rc] = am.saved_bytes
@@ -465,7 +466,7 @@ class AnalyticProvider:
                 coll_f[n.name]["all_gather"] += 1
         c.out_bytes = sum(float_bytes(o, dtype) for n in outs[-1:] for o in n.outputs[:1]) if outs else 0.0
         block = layer.block_nodes
-        core = attention_core(nodes)
+        core = layer.selective_ops
         c.fwd_s = sum(t[0] for t in times.values())
         c.bwd_s = sum(t[1] for t in times.values())
         c.fwd_comm_s = sum(t[2] for t in times.values())
@@ -473,9 +474,9 @@ class AnalyticProvider:
         for cf in coll_f.values():
             c.coll_fwd.update(cf)
         c.rc_extra_s = {"none": 0.0,
-                        "selective": sum(times[k][0] for k in core),
+                        "selective": sum(times[k][0] + times[k][2] for k in core),
                         "full": sum(times[k][0] + times[k][2] for k in block)}
-        c.rc_comm_s = {"full": sum(times[k][2] for k in block)}
+        c.rc_comm_s = {"selective": sum(times[k][2] for k in core), "full": sum(times[k][2] for k in block)}
         for k in block:
             c.coll_rc.update(coll_f[k])
         # activations kept for the backward: graph liveness (cost_models.memory) on the layer's ops

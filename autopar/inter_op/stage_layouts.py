@@ -26,7 +26,6 @@ from typing import Optional
 from autopar.capture.graph import OpGraph
 from autopar.inter_op.layers import Layer
 from autopar.schema.layouts import Junction, LayerOps, OpLayout, StageLayouts
-from cost_models.memory import checkpoint_region_of
 
 __all__ = ["stage_layouts", "chunk_layouts", "produced_layouts", "crossing"]
 
@@ -47,8 +46,8 @@ def _recomputed(graph: OpGraph, lay: Layer, recompute: str) -> list[int]:
     block = [x for x, n in enumerate(lay.nodes) if n in lay.block_nodes]
     if recompute == "full":
         return block
-    region = checkpoint_region_of([graph.node(lay.nodes[x]) for x in block], "selective", "module")
-    return [x for x in block if region[lay.nodes[x]] is not None]
+    redo = set(lay.selective_ops)
+    return [x for x, n in enumerate(lay.nodes) if n in redo]
 
 
 def produced_layouts(lay: StageLayouts) -> dict[str, tuple[str, ...]]:
@@ -77,11 +76,10 @@ def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, 
     """The layouts of layers [k, j) at micro-batch `mb` on a tp mesh of `tp` (`solutions`: the
     ILP provider's {(signature, mb, tp): (solution, layer solved)}), or (None, why not). With
     `recompute="full"` each layer's block ops (`Layer.block_nodes`) form a checkpointed region,
-    with "selective" those of them in the module holding the block's attention core (the whole
-    block when the core runs in its own forward: `cost_models.memory.checkpointed_module`, what
-    `cost_models.memory` counts with `selective_region="module"` and a module-cut stage
-    checkpoints, `StagePlan.recompute_modules`); their forward collectives re-run in the
-    backward (phase "recompute"). `earlier`: for a pipeline chunk after the first, the layouts
+    with "selective" its attention core's run of ops (`Layer.selective_ops`, what
+    `cost_models.memory` counts with `selective_region="ops"`, the plan's
+    `StagePlan.recompute_ops`, run under torch's selective checkpoint); their forward
+    collectives re-run in the backward (phase "recompute"). `earlier`: for a pipeline chunk after the first, the layouts
     the ops of the chunks before it leave their outputs in (`produced_layouts`): a tensor this
     chunk receives must arrive as its readers' solutions assumed, and `receives` records them."""
     if recompute not in ("none", "selective", "full"):

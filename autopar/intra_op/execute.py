@@ -875,12 +875,15 @@ class _PlanInterpreter(torch.fx.Interpreter):
 
     def _run_recomputed(self, first: torch.fx.Node, span: list[torch.fx.Node]) -> Any:
         """A recomputed region's ops (`span`, in program order) under torch's non-reentrant
-        checkpoint: the backward re-runs all of them, their redistributions included (no early
-        stop, so the forward collectives re-run are the region's own, as the plan counts
-        them). Junction values are the region's own, so the re-run makes what the forward made."""
-        from torch.utils.checkpoint import checkpoint
+        checkpoint with a selective policy (`runtime.selective`: the ops of the op being run
+        MUST_RECOMPUTE, as every op of the span is): the backward re-runs all of them, their
+        redistributions included (no early stop, so the forward collectives re-run are the
+        region's own, as the plan counts them). Junction values are the region's own, so the
+        re-run makes what the forward made."""
+        from autopar.runtime.selective import checkpoint_selective
 
         ext, outs = _span_boundary(span)
+        mine = {self.name_of(m) for m in span}
 
         def region(*vals: Any) -> tuple:
             outer_env, outer_j = self.env, self.junction_values
@@ -895,7 +898,8 @@ class _PlanInterpreter(torch.fx.Interpreter):
                 self.env, self.junction_values = outer_env, outer_j
                 self.regather.paused -= 1
 
-        res = checkpoint(region, *[self.env[a] for a in ext], use_reentrant=False, early_stop=False)
+        res = checkpoint_selective(region, *[self.env[a] for a in ext], early_stop=False,
+                                   recompute=lambda: self.node_name in mine)
         for o, v in zip(outs, res):
             if o is not first:
                 self.env[o] = v

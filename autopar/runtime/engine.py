@@ -37,8 +37,9 @@ How each part of the plan is executed:
   every transfer once from one rank of the neighbour (so a rank may send to several ranks of a
   wider neighbour); run as solved, tensors cross such a boundary replicated (the sender
   redistributes first, `intra_op.pipeline_chunks`). Interleaving still needs equal stage meshes.
-* Recompute: `torch.utils.checkpoint` (non-reentrant) around each layer ("full") or around each
-  layer's attention child ("selective"; the whole layer when it has none).
+* Recompute: `torch.utils.checkpoint` (non-reentrant) around each layer ("full"); under
+  "selective" each layer's attention core alone, under torch's selective checkpoint
+  (`selective`: the plan's `recompute_ops` MUST_RECOMPUTE, the rest saved).
 * Precision (`precision`): bf16/fp16 plans keep 2-byte parameters and gradients (synced in the
   2-byte dtype) and step fp32 masters, as the planner's memory and communication model
   (ZeRO-3: FSDP's fp32 shards are the masters, gathered and reduced in the 2-byte dtype);
@@ -185,7 +186,7 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         if s.op_layouts is not None:
             self._build_solved(s)
             return
-        apply_recompute(model, s.recompute_modules)
+        apply_recompute(model, s.recompute_modules, s.recompute_ops)
         materialize(model, seed=self.seed, device=self.device, aliases=self.aliases)
         if self.plan.ep > 1:
             self._shard_experts(model)

@@ -160,7 +160,7 @@ class PipelineStages:
                 continue
             last = i == nst - 1
             core: nn.Module = chunks[i].module
-            apply_recompute(core, s.recompute_modules)
+            apply_recompute(core, s.recompute_modules, s.recompute_ops)
             materialize(core, seed=self.seed, device=self.device, aliases=self.aliases, template=self.model)
             if self.plan.ep > 1:
                 self._shard_experts(core)

@@ -1,8 +1,9 @@
 """Recomputation of module-cut stages: `torch.utils.checkpoint` around each module the plan names
 (`StagePlan.recompute_modules`: the planner found them from the captured ops, the repeated
-block, or under "selective" the module holding its attention core). No module is found here by
-its name. A stage run op by op as solved checkpoints its solved regions instead
-(`intra_op.execute`)."""
+block), or under "selective" the attention core's ops (`StagePlan.recompute_ops`) recomputed
+alone in the modules holding them (`runtime.selective`; a plan of format 7 or earlier
+checkpoints those modules whole). No module is found here by its name. A stage run op by op as
+solved checkpoints its solved regions instead (`intra_op.execute`)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,13 @@ def checkpoint_module(module: nn.Module) -> None:
     module.forward = fwd  # instance attribute: hooks (fully_shard) still run around __call__
 
 
-def apply_recompute(root: nn.Module, modules: list[str] | None) -> None:
-    """Checkpoint each of `modules` (a stage's `recompute_modules`) inside `root`."""
+def apply_recompute(root: nn.Module, modules: list[str] | None, ops: list[str] | None = None) -> None:
+    """Checkpoint each of `modules` (a stage's `recompute_modules`) inside `root`, or with `ops`
+    (its `recompute_ops`) recompute just those ops in them (`selective.apply_selective`)."""
+    if ops is not None:
+        from autopar.runtime.selective import apply_selective
+
+        apply_selective(root, modules, ops)
+        return
     for fqn in modules or ():
         checkpoint_module(get_submodule(root, fqn))

@@ -23,11 +23,13 @@ from autopar.schema.layouts import StageLayouts
 from autopar.schema.placement import Placement  # "R", "S(d)" or "P", validated
 from autopar.schema.software import SoftwareSpec, preset_for_attention_kernel
 
+# 9: `StagePlan.recompute_ops` (selective recomputation of the attention core's ops, torch's
+# selective checkpoint; a plan of 8 or earlier checkpoints its "selective" modules whole);
 # 8: `Plan.experts` (expert parallelism of a mixture-of-experts model; plans of 7 and earlier
 # have none and read as such); 7: the software the plan assumes (`Plan.software`; the device's
 # attention_kernel moved there) and `Plan.sequence_parallel`; 4: pipeline chunks carry
 # op_layouts (`StageLayouts.receives`); 3 added op_layouts
-PLAN_FORMAT_VERSION = 8
+PLAN_FORMAT_VERSION = 9
 
 TrainingDtype = Literal["fp32", "bf16", "fp16"]
 TRAINING_DTYPES: tuple[str, ...] = get_args(TrainingDtype)
@@ -96,6 +98,17 @@ def _folded(fqns: list[str]) -> str:
     return ", ".join(f"{k} ({n})" if n > 1 else k for k, n in counts.items())
 
 
+def _folded_ops(names: list[str]) -> str:
+    """Op names with their per-copy suffixes folded: `matmul (48), softmax (24)`."""
+    import re
+
+    counts: dict[str, int] = {}
+    for n in names:
+        k = re.sub(r"_\d+$", "", n)
+        counts[k] = counts.get(k, 0) + 1
+    return ", ".join(f"{k} ({n})" if n > 1 else k for k, n in counts.items())
+
+
 class StagePlan(_Model):
     """One pipeline stage: its devices, logical mesh, layers and shardings."""
 
@@ -106,9 +119,16 @@ class StagePlan(_Model):
     layers: list[str] = Field(min_length=1, description="module FQNs of the layers, in order")
     recompute: Recompute = "none"
     recompute_modules: Optional[list[str]] = Field(
-        default=None, description="the modules the runtime checkpoints under `recompute` (torch.utils.checkpoint, "
-        "one region each), found by the planner from the captured ops: each repeated block, or under "
-        "\"selective\" the module holding its attention core; null with recompute \"none\"")
+        default=None, description="the modules recomputation runs in, found by the planner from the captured "
+        "ops: under \"full\" each repeated block, checkpointed whole (torch.utils.checkpoint); under "
+        "\"selective\" the module holding each attention core, where a stage run module by module recomputes "
+        "the ops of `recompute_ops` (or, in a plan without them, format_version 7 and earlier, checkpoints the "
+        "module whole); null with recompute \"none\"")
+    recompute_ops: Optional[list[str]] = Field(
+        default=None, description="under \"selective\": the captured ops re-run in the backward (each "
+        "layer's attention core, the ops from its score matmul to its product with V or one fused attention "
+        "op), run under torch's selective activation checkpoint, these ops MUST_RECOMPUTE and every other op "
+        "saving as without recomputation; null under \"none\" and \"full\"")
     placements: dict[str, tuple[Placement, ...]] = Field(
         default_factory=dict, description="parameter FQN -> placement per mesh axis")
     virtual_chunk: int = Field(default=0, ge=0, description="model chunk index under interleaving")
@@ -133,6 +153,9 @@ class StagePlan(_Model):
         for fqn, pl in self.placements.items():
             if len(pl) != len(self.mesh_shape):
                 raise ValueError(f"placements[{fqn!r}] needs one entry per mesh axis")
+        if self.recompute_ops is not None and self.recompute != "selective":
+            raise ValueError(f"recompute_ops names the ops selective recomputation re-runs, but recompute is "
+                             f"{self.recompute!r}; drop recompute_ops or set recompute to \"selective\"")
         if self.recompute != "none" and self.recompute_modules is None:
             raise ValueError(f"recompute={self.recompute!r} needs recompute_modules, the modules to checkpoint "
                              f"(plans of format_version 4 and earlier predate them); re-plan with `autopar plan`")
@@ -153,6 +176,14 @@ class StagePlan(_Model):
                  for k, v in list(seen.items())[:limit]]
         more = f" (+{len(seen) - limit} more)" if len(seen) > limit else ""
         return "".join(f"\n  {i}" for i in items) + (f"\n  {more.strip()}" if more else "")
+
+    def recompute_summary(self) -> str:
+        """What the backward re-runs, folded: `selective: ops scaled_dot_product_attention (24)`."""
+        if self.recompute == "selective" and self.recompute_ops is not None:
+            return f"selective: ops {_folded_ops(self.recompute_ops) or 'none (no attention core)'}"
+        if self.recompute == "selective":
+            return f"selective: modules {_folded(self.recompute_modules or [])} checkpointed whole"
+        return f"{self.recompute}: modules {_folded(self.recompute_modules or [])} checkpointed whole"
 
     def axis_size(self, name: str) -> int:
         """Product of the sizes of axes called `name` (1 when there is none)."""
@@ -326,10 +357,9 @@ class Plan(_Model):
                                   sep=":")
         if shard_lines:
             table += "\nsharded weights (placement per mesh axis; the rest replicated):\n" + "\n".join(shard_lines)
-        rc_lines = _stage_runs([(s.index, f"{s.recompute} {_folded(s.recompute_modules)}") for s in self.stages
-                                if s.recompute_modules])
+        rc_lines = _stage_runs([(s.index, s.recompute_summary()) for s in self.stages if s.recompute != "none"])
         if rc_lines:
-            table += "\nrecomputed (checkpointed modules):\n" + "\n".join(rc_lines)
+            table += "\nrecomputed in the backward:\n" + "\n".join(rc_lines)
         coll = ", ".join(f"{k}={v}" for k, v in sorted(p.collectives.items())) or "none"
         tail = (f"predicted: {p.iteration_time_s:.4g} s/iteration, {p.samples_per_s:.4g} samples/s, "
                 f"{p.tflops_per_device:.4g} TFLOP/s per device, peak memory "
@@ -368,6 +398,8 @@ class Plan(_Model):
                  for s in solved], fmt="{stages} ({text})"))
         elif max(tps) > 1 and self.search.get("tp_executor"):
             tail += f"\ntensor parallelism {self.search['tp_executor']}"
+        if self.search.get("selective_fallback"):
+            tail += f"\nselective recomputation, {self.search['selective_fallback']}"
         if self.search.get("skipped"):
             tail += f"\nleft out by the search (the runtime cannot run them): {self.search['skipped']}"
         return f"{head}\n{table}\n{tail}"

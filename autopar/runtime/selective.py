@@ -1,0 +1,106 @@
+"""Selective recomputation (Korthikanti et al. 2022) as torch's selective activation checkpointing.
+
+The plan names the ops re-run in the backward (`StagePlan.recompute_ops`: each layer's attention
+core, found by the planner from the captured ops, `cost_models.memory.selective_ops`). They run
+under `torch.utils.checkpoint` with an op-level policy
+(`torch.utils.checkpoint.create_selective_checkpoint_contexts`): the named ops MUST_RECOMPUTE,
+any other op MUST_SAVE. Everything outside the region saves as without recomputation, so the
+backward keeps Q, K, V (the region's inputs) and the core's output (its reader, the output
+projection, saves it) and re-makes what the core saves of its own: with unfused attention the
+probabilities, the dropout's mask and output; with a fused kernel only its log-sum-exp.
+
+A stage run op by op as solved (`intra_op.execute`) checkpoints the run of those ops itself, the
+policy deciding by the op being run. A stage run module by module cannot cut inside a module's
+forward: there the core must be one call (`FUSED_CALLS`, a fused attention op), which a
+`TorchFunctionMode` installed on the module holding it (`StagePlan.recompute_modules`) runs under
+the selective checkpoint; the planner checkpoints the module whole where the core spans several
+calls and records that in the plan (`Plan.search["selective_fallback"]`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from autopar.runtime.validate import get_submodule
+from autopar.schema.errors import PlanError
+
+# capture op kind -> the torch function a module-cut stage intercepts to recompute it alone
+FUSED_CALLS: dict[str, Callable[..., Any]] = {"scaled_dot_product_attention": F.scaled_dot_product_attention}
+
+
+def op_kind(name: str) -> str:
+    """The kind of a captured op from its name (`scaled_dot_product_attention_3` ->
+    `scaled_dot_product_attention`): torch.export names ops by their target, copies numbered."""
+    return re.sub(r"_\d+$", "", name)
+
+
+def runs_as_one_call(ops: list[str]) -> bool:
+    """Whether each of `ops` is a call a module-cut stage recomputes alone (`FUSED_CALLS`)."""
+    return all(op_kind(o) in FUSED_CALLS for o in ops)
+
+
+def selective_context(recompute: Callable[[], bool]) -> Callable[[], tuple]:
+    """A `context_fn` for `torch.utils.checkpoint`: the op being dispatched MUST_RECOMPUTE when
+    `recompute()` holds, else MUST_SAVE (torch's selective activation checkpointing)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_RECOMPUTE if recompute() else CheckpointPolicy.MUST_SAVE
+
+    return lambda: create_selective_checkpoint_contexts(policy)
+
+
+def checkpoint_selective(fn: Callable[..., Any], *args: Any, recompute: Callable[[], bool] = lambda: True,
+                         early_stop: bool = True, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` under torch's non-reentrant checkpoint with the policy of
+    `selective_context(recompute)`."""
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=selective_context(recompute),
+                      early_stop=early_stop, **kwargs)
+
+
+class _CoreCalls(TorchFunctionMode):
+    """Runs each call of `funcs` made inside it under the selective checkpoint, all its ops
+    MUST_RECOMPUTE; every other call runs as it is."""
+
+    def __init__(self, funcs: set[Callable[..., Any]]) -> None:
+        super().__init__()
+        self.funcs = funcs
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in self.funcs:
+            return checkpoint_selective(func, *args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def recompute_core_calls(module: nn.Module, ops: list[str]) -> None:
+    """Recompute, in `module`'s forward, each call of the functions the captured `ops` are
+    (`FUSED_CALLS`) under the selective checkpoint. Refused (PlanError) for ops that are not one
+    call: a module-cut stage cannot cut a run of several calls out of a forward."""
+    if not runs_as_one_call(ops):
+        odd = sorted({op_kind(o) for o in ops} - FUSED_CALLS.keys())
+        raise PlanError(f"recompute_ops names {', '.join(odd)}, which a stage run module by module cannot "
+                        f"recompute alone (only a fused attention call: {', '.join(FUSED_CALLS)}); re-plan "
+                        f"with `autopar plan`, which checkpoints such a module whole")
+    funcs = {FUSED_CALLS[op_kind(o)] for o in ops}
+    orig = module.forward
+
+    def fwd(*args: Any, **kwargs: Any) -> Any:
+        with _CoreCalls(funcs):
+            return orig(*args, **kwargs)
+
+    module.forward = fwd  # instance attribute: hooks (fully_shard) still run around __call__
+
+
+def apply_selective(root: nn.Module, modules: list[str] | None, ops: list[str]) -> None:
+    """Recompute `ops` (a stage's `recompute_ops`) in each of `modules` (its `recompute_modules`,
+    the modules holding the attention cores) inside `root`."""
+    for fqn in modules or ():
+        recompute_core_calls(get_submodule(root, fqn), ops)
