@@ -218,7 +218,7 @@ def _selective_fallback(stages: list[int]) -> str:
     """The plan's note on stages whose selective recomputation checkpoints whole modules."""
     return (f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}: run module by module, "
             f"with attention cores of several calls, which a module's forward cannot cut out: the modules "
-            f"holding them are checkpointed whole (more re-run, less memory than predicted)")
+            f"holding them are checkpointed whole (and costed so: `Layer.selective_region`)")
 
 
 def _stage_modules(layers: list[Layer], k: int, j: int) -> list[str]:
@@ -249,10 +249,15 @@ def _placements(graph: OpGraph, layers: list[Layer], costs, k: int, j: int, modu
     return out
 
 
-def _extra_flops(graph1: OpGraph, layer: Layer, recompute: str) -> float:
-    """Forward FLOPs re-run per sample by `recompute` in `layer` (graph at batch 1)."""
+def _extra_flops(graph1: OpGraph, layer: Layer, recompute: str, tp: int) -> float:
+    """Forward FLOPs re-run per sample by `recompute` in `layer` on a stage of tp degree `tp`
+    (graph at batch 1; `Layer.selective_region`)."""
     if recompute == "full":
         return sum(graph1.node(n).flops for n in layer.block_nodes)
+    if recompute == "selective" and layer.selective_region(tp) == "module":
+        held = layer.recompute_modules.get("selective", "")
+        return sum(graph1.node(n).flops for n in layer.block_nodes
+                   if ((graph1.node(n).module_path or "") + ".").startswith(held + "."))
     if recompute == "selective":
         return sum(graph1.node(n).flops for n in layer.selective_ops)
     return 0.0
@@ -329,7 +334,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
             # read in another layout than stored syncs its gradient in every backward)
             for phase in ("forward", "backward", "grad_sync", "recompute"):
                 coll.update({kk: m * vv for kk, vv in lay.collectives.get(phase, {}).items()})
-            extra += sum(_extra_flops(g1, layers[i], st.recompute) for i in range(k, j))
+            extra += sum(_extra_flops(g1, layers[i], st.recompute, st.tp) for i in range(k, j))
             continue
         for i in range(k, j):
             lc = costs[i]
@@ -341,7 +346,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                 coll.update({kk: m * vv for kk, vv in lc.coll_bwd.items()})
                 if st.recompute == "full":
                     coll.update({kk: m * vv for kk, vv in lc.coll_rc.items()})
-            extra += _extra_flops(g1, layers[i], st.recompute)
+            extra += _extra_flops(g1, layers[i], st.recompute, st.tp)
         if dry is not None:
             for i in range(k, j):
                 coll.update(dry.step[i])

@@ -32,7 +32,9 @@ Recomputation (Korthikanti et al. 2022, arXiv 2205.05198):
   stores the function's arguments: Q, K, V), the ops outside it save as without recomputation
   (the core's output among them, which the output projection saves). With a fused attention
   kernel the core saves little of its own (the log-sum-exp; the output is kept by its reader):
-  selective then buys almost no memory for one attention forward of time.
+  selective then buys almost no memory for one attention forward of time. `selective_region=
+  "module"`: a stage run module by module whose core spans several calls, which a module's
+  forward cannot cut out, checkpoints the module holding it whole (`checkpointed_module`).
 `count_inputs=False`: graph inputs (the model's batch) are not activations: the runtime holds
 the rank's rows of the step's batch through the step anyway (the planner counts them as the
 stage's batch) and a micro-batch's slice of them is a view, so an op saving it adds nothing;
@@ -482,23 +484,34 @@ def selective_ops(block: list) -> list[str]:
 
 def checkpoint_region_of(calls: list, rec: str, selective_region: str) -> dict[str, Optional[str]]:
     """Each op -> the checkpointed region it runs in (None: not recomputed): the layer ("full"),
-    or under `selective_region="ops"` each layer's `selective_ops` (what the runtime runs under
-    torch's selective checkpoint). Ops whose `layer` is None are outside every repeated block."""
+    under `selective_region="ops"` each layer's `selective_ops` (what the runtime runs under
+    torch's selective checkpoint), under "module" the ops inside the layer's
+    `checkpointed_module` (a stage run module by module whose attention core spans several
+    calls checkpoints that module whole). Ops whose `layer` is None are outside every repeated
+    block."""
     if rec == "full":
         return {n.name: n.layer for n in calls}
-    if rec != "selective" or selective_region != "ops":
+    if rec != "selective" or selective_region not in ("ops", "module"):
         return {n.name: None for n in calls}
     by_layer: dict[str, list] = {}
     for n in calls:
         if n.layer is not None:
             by_layer.setdefault(n.layer, []).append(n)
-    redo = {x: layer for layer, ns in by_layer.items() for x in selective_ops(ns)}
-    return {n.name: redo.get(n.name) for n in calls}
+    if selective_region == "ops":
+        redo = {x: layer for layer, ns in by_layer.items() for x in selective_ops(ns)}
+        return {n.name: redo.get(n.name) for n in calls}
+    module = {layer: checkpointed_module(ns, "selective") for layer, ns in by_layer.items()}
+    out: dict[str, Optional[str]] = {}
+    for n in calls:
+        m = module.get(n.layer) if n.layer is not None else None
+        p = n.module_path or ""
+        out[n.name] = n.layer if m is not None and (p == m or p.startswith(m + ".")) else None
+    return out
 
 
 def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = "none", *,
                       layers: Optional[Iterable[Optional[str]]] = None, shard: Shard = 1.0,
-                      selective_region: Literal["core", "ops"] = "core",
+                      selective_region: Literal["core", "ops", "module"] = "core",
                       device_type: Optional[str] = None, count_inputs: bool = True,
                       dtensor: bool = False,
                       read_shard: Optional[Callable[[Any, str], Optional[tuple[float, str]]]] = None,
@@ -529,8 +542,8 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     rec = "full" if recompute is True else ("none" if recompute is False else recompute)
     if rec not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
-    if selective_region not in ("core", "ops"):
-        raise ValueError(f"selective_region must be core or ops, got {selective_region!r}")
+    if selective_region not in ("core", "ops", "module"):
+        raise ValueError(f"selective_region must be core, ops or module, got {selective_region!r}")
     if device_type not in (None, "cuda", "cpu"):
         raise ValueError(f"device_type must be cuda, cpu or None, got {device_type!r}")
     if graph.batch_size is None and any(o.is_batched for n in graph.nodes for o in n.outputs):

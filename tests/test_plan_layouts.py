@@ -289,6 +289,31 @@ def test_selective_recomputation_checkpoints_each_attention_core():
     assert "recompute" not in lay.collectives
 
 
+def test_selective_recomputation_of_an_unfused_core():
+    """An attention core of several ops (nanoGPT's eager path: scores, scale, the causal mask's
+    masked_fill, softmax, product with V): run op by op (tp) the plan recomputes
+    that run of ops alone; run module by module (no tp), where a forward cannot be cut inside,
+    the module holding it is checkpointed whole, the plan says so and costs it so (less memory
+    held than recomputing the core alone, more time)."""
+    ref = "tests.user_models:eager_gpt"
+    tp = plan(ref, _cpu(2), global_batch_size=8, dtype="fp32",
+              constraints=Constraints(dp=1, tp=2, pp=1, recompute="selective"))
+    ops = tp.stages[0].recompute_ops
+    assert tp.stages[0].op_layouts is not None and "selective_fallback" not in tp.search
+    regions = tp.stages[0].op_layouts.recompute_regions()
+    assert regions[0] == ["matmul", "mul", "masked_fill", "softmax", "matmul_1"]
+    assert [o for r in regions for o in r] == ops
+    one = _cpu(1)
+    dp = plan(ref, one, global_batch_size=8, dtype="fp32", constraints=Constraints(recompute="selective"))
+    none = plan(ref, one, global_batch_size=8, dtype="fp32", constraints=Constraints(recompute="none"))
+    st = dp.stages[0]
+    assert st.recompute_ops is None and st.recompute_modules == ["h.0.attn", "h.1.attn"]
+    assert "stage 0: run module by module" in dp.search["selective_fallback"]
+    assert "selective: modules h.*.attn (2) checkpointed whole" in dp.summary()
+    assert dp.predicted.compute_s > none.predicted.compute_s
+    assert st.predicted.activations_bytes < none.stages[0].predicted.activations_bytes
+
+
 def test_the_program_is_cut_where_the_plan_cuts_it():
     """The runtime cuts the exported program at each chunk's first op (`pipeline_chunks._Spans`):
     what a chunk receives is what the plan says it receives (`StageLayouts.receives`), shape

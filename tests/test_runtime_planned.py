@@ -26,9 +26,9 @@ def test_ilp_planned_gpt_tp2_pp2_runs_as_predicted():
     assert [r["loss"] for r in steps] == pytest.approx(ref, rel=1e-4)
 
 
-def _single(dtype: str = "fp32"):
+def _single(dtype: str = "fp32", ref: str = "gpt-tiny"):
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 1})
-    return plan("gpt-tiny", cl, global_batch_size=8, dtype=dtype,
+    return plan(ref, cl, global_batch_size=8, dtype=dtype,
                 constraints=Constraints(num_microbatches=2, recompute="none"))
 
 

@@ -201,3 +201,32 @@ def renamed_gpt():
         model = RenamedGPT()
     x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
     return model, (x, x), token_batch(VOCAB, SEQ)
+
+
+class EagerAttention(SelfAttention):
+    """nanoGPT's attention without flash: the core spelled out (scores, scale, causal mask,
+    softmax, product with V): selective recomputation re-runs that run of ops."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.c_attn(x).split(h, dim=2)
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / (h // self.heads) ** 0.5)
+        att = torch.softmax(att.masked_fill(future, float("-inf")), dim=-1)
+        return self.c_proj((att @ v).transpose(1, 2).contiguous().view(b, s, h))
+
+
+class EagerBlock(Block):
+    def __init__(self, h: int, heads: int) -> None:
+        super().__init__(h, heads)
+        self.attn = EagerAttention(h, heads)
+
+
+def eager_gpt(layers: int = 2):
+    """NanoGPT with `EagerAttention` by the MODULE:FACTORY contract."""
+    with torch.device("meta"):
+        model = NanoGPT(layers)
+        model.h = nn.ModuleList(EagerBlock(HIDDEN, HEADS) for _ in range(layers))
+    x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    return model, (x, x), token_batch(VOCAB, SEQ)

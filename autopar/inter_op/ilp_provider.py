@@ -261,7 +261,7 @@ class IlpProvider(AnalyticProvider):
         names = self.boundary_names(layer)
         kernel = self.software.attention_kernel
         fill_activations(c, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
-                         attention_kernel=kernel, **names)
+                         attention_kernel=kernel, selective_region=layer.selective_region(tp), **names)
         # DTensor's propagation shards heads Megatron-style; the executor runs the solution
         c.dtensor_issues = list(base.issues)
         if not executor:
@@ -272,7 +272,8 @@ class IlpProvider(AnalyticProvider):
         if any(read(n, i) for n in sub.calls for i in n.inputs):
             alt = LayerCost()
             fill_activations(alt, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
-                             read_shard=read, attention_kernel=kernel, **names)
+                             read_shard=read, attention_kernel=kernel, selective_region=layer.selective_region(tp),
+                             **names)
             c.solved_acts = _differing(alt, c)
         return c
 

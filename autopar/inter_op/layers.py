@@ -43,6 +43,17 @@ class Layer:
     # core's run of ops), in program order; empty without a core
     selective_ops: list[str] = field(default_factory=list)
 
+    def selective_region(self, tp: int) -> str:
+        """What "selective" recomputes of this layer at tp degree `tp` (`cost_models.memory`'s
+        `selective_region`): its `selective_ops` ("ops"), except on a stage run module by
+        module (no tp) where they are several calls, which a module's forward cannot cut out:
+        then the module holding them, whole ("module", `runtime.selective`)."""
+        from autopar.runtime.selective import runs_as_one_call
+
+        if tp > 1 or not self.selective_ops or runs_as_one_call(self.selective_ops):
+            return "ops"
+        return "module"
+
     def rename_param(self, fqn: str, other: "Layer") -> str:
         """`fqn` of this layer as the corresponding FQN of `other` (same signature)."""
         if fqn.startswith(self.name + ".") and other.name != self.name:

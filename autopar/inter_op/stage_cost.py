@@ -161,7 +161,7 @@ def autocast_device(cluster: ClusterSpec) -> str:
 
 def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | None = None, *,
                      out_name: str | None = None, in_name: str | None = None, dtensor: bool = False,
-                     read_shard=None, attention_kernel: str = "fused") -> None:
+                     read_shard=None, attention_kernel: str = "fused", selective_region: str = "ops") -> None:
     """A layer's activation memory per recomputation policy (graph liveness,
     `cost_models.memory.activation_memory` of its ops `sub`, tensors divided by `shard(node)`,
     under `device_type`'s autocast; the model's inputs left to the stage's batch buffer), its
@@ -172,11 +172,12 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
     both sides of a boundary is one);
     `dtensor`: the layer runs tensor-parallel, on DTensors; `read_shard`: see
     `cost_models.memory.activation_memory` (an executed per-op solution); `attention_kernel`:
-    the software's (`SoftwareSpec`: unfused attention saves its scores)."""
+    the software's (`SoftwareSpec`: unfused attention saves its scores); `selective_region`:
+    what "selective" recomputes (`Layer.selective_region`)."""
     params = {n.name: c.param_elems[n.fqn] for n in sub.nodes
               if n.kind == "param" and getattr(n, "fqn", None) in c.param_elems}
     for rc in RECOMPUTES:
-        am = activation_memory(sub, dtype, rc, shard=shard, selective_region="ops", device_type=device_type,
+        am = activation_memory(sub, dtype, rc, shard=shard, selective_region=selective_region, device_type=device_type,
                                count_inputs=False, dtensor=dtensor, read_shard=read_shard, param_elems=params,
                                given_grad=out_name, attention_kernel=attention_kernel)
         c.act_bytes[rc] = am.saved_bytes
@@ -466,7 +467,12 @@ class AnalyticProvider:
                 coll_f[n.name]["all_gather"] += 1
         c.out_bytes = sum(float_bytes(o, dtype) for n in outs[-1:] for o in n.outputs[:1]) if outs else 0.0
         block = layer.block_nodes
-        core = layer.selective_ops
+        region = layer.selective_region(tp)
+        if region == "ops":
+            core = layer.selective_ops
+        else:
+            held = layer.recompute_modules.get("selective", "")
+            core = [n.name for n in nodes if n.name in block and ((n.module_path or "") + ".").startswith(held + ".")]
         c.fwd_s = sum(t[0] for t in times.values())
         c.bwd_s = sum(t[1] for t in times.values())
         c.fwd_comm_s = sum(t[2] for t in times.values())
@@ -488,5 +494,6 @@ class AnalyticProvider:
         sub = self._subgraph(g, layer, nodes)
         shard = lambda node: tp if node.name in sharded_nodes else 1  # noqa: E731
         fill_activations(c, sub, dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
-                         attention_kernel=self.software.attention_kernel, **self.boundary_names(layer))
+                         attention_kernel=self.software.attention_kernel, selective_region=region,
+                         **self.boundary_names(layer))
         return c

@@ -13,8 +13,9 @@ A stage run op by op as solved (`intra_op.execute`) checkpoints the run of those
 policy deciding by the op being run. A stage run module by module cannot cut inside a module's
 forward: there the core must be one call (`FUSED_CALLS`, a fused attention op), which a
 `TorchFunctionMode` installed on the module holding it (`StagePlan.recompute_modules`) runs under
-the selective checkpoint; the planner checkpoints the module whole where the core spans several
-calls and records that in the plan (`Plan.search["selective_fallback"]`).
+the selective checkpoint; where the core spans several calls the planner checkpoints the module
+whole, costs it so (`inter_op.layers.Layer.selective_region`) and records that in the plan
+(`Plan.search["selective_fallback"]`).
 """
 
 from __future__ import annotations
