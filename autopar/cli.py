@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from autopar.schema import PlanError
 from autopar.schema.cluster import validation_message
-from autopar.schema.constraints import SCHEDULES
+from autopar.schema.constraints import RECOMPUTES, SCHEDULES
 from autopar.schema.plan import TRAINING_DTYPES
 
 _T0 = time.perf_counter()      # when the CLI module was imported (`plan --timings`)
@@ -106,7 +106,7 @@ def _software(name: Optional[str], spec: Any):
 @click.option("--num-microbatches", type=int)
 @click.option("--schedule", type=click.Choice(list(SCHEDULES)))
 @click.option("--virtual-stages", type=int)
-@click.option("--recompute", type=click.Choice(["none", "selective", "full"]))
+@click.option("--recompute", type=click.Choice(list(RECOMPUTES)))
 @click.option("--zero-stage", type=int)
 @click.option("--ep", type=int, help="pin the expert-parallel degree of a mixture-of-experts model (divides dp "
               "and the expert count); default: searched")

@@ -105,6 +105,25 @@ def test_plan_future_version_and_truncated(tiny_plan, tmp_path):
         Plan.from_json(json.dumps(d))
 
 
+def test_a_format_7_selective_plan_still_loads(tiny_plan):
+    """Plans before format 8 name no recomputed ops: a "selective" stage of one loads with its
+    modules checkpointed whole (what it ran as), and `autopar show` says so; `recompute_ops`
+    under another policy is refused naming the field and the fix."""
+    d = json.loads(tiny_plan.to_json())
+    d["format_version"] = 7
+    st = d["stages"][0]
+    st.pop("recompute_ops", None)
+    st.update(recompute="selective", recompute_modules=["blocks.0.attn", "blocks.1.attn"])
+    old = Plan.from_json(json.dumps(d))
+    assert old.stages[0].recompute_ops is None
+    assert "stage 0: selective: modules blocks.*.attn (2) checkpointed whole" in old.summary()
+    st.update(recompute="full", recompute_modules=["blocks.0", "blocks.1"],
+              recompute_ops=["scaled_dot_product_attention"])
+    with pytest.raises(PlanError, match="stages.0.*recompute_ops names the ops selective recomputation re-runs.*"
+                                        "set recompute to \"selective\""):
+        Plan.from_json(json.dumps(d))
+
+
 def test_plan_batch_arithmetic_is_checked(tiny_plan):
     d = json.loads(tiny_plan.to_json())
     d["num_microbatches"] += 1
