@@ -9,6 +9,7 @@
     python benchmarks/cost_model_accuracy.py --local      # plan + run a small GPT on this machine
     python benchmarks/cost_model_accuracy.py --h100 --lift-memory --parts   # the published H100 runs
     python benchmarks/cost_model_accuracy.py --planner --gemm-scale 0.95    # sensitivity to the GEMM curve
+    python benchmarks/cost_model_accuracy.py --planner --parts --per-layer  # the prediction per layer
 
 Cases (A100-80GB DGX nodes, GPT with V=51200, s=2048, bf16, full recomputation):
   1.7B/32 GPUs (t=1, p=1), 39.1B/512 (t=8, p=2), 22B/8 (t=8, p=1, mb=4), 175B/64 (t=8, p=8, mb=1,
@@ -301,6 +302,19 @@ def _parts(plan) -> str:
     return f"compute {p.compute_s:.2f} comm {p.communication_s:.2f} bubble {p.bubble_s:.2f}"
 
 
+def _per_layer(case: Case, cluster: ClusterSpec, made, intra_op: str, software: Optional[str]) -> str:
+    """The prediction split by planning `case` again with half its layers (same layout): the
+    difference is what a layer costs (its optimizer share included), the rest what lies outside
+    the layers. A split of the prediction, measured; nothing is fitted."""
+    import dataclasses
+
+    half = plan_case(dataclasses.replace(case, layers=case.layers // 2), cluster, intra_op, software)
+    n = case.layers - case.layers // 2
+    per = (made.predicted.iteration_time_s - half.predicted.iteration_time_s) / n
+    rest = made.predicted.iteration_time_s - case.layers * per
+    return f"; per layer {per * 1e3:.2f} ms, outside the layers {rest:.3f} s"
+
+
 def _lifted(cluster: ClusterSpec) -> ClusterSpec:
     """`cluster` with 16x the device memory: the time of a plan the memory model does not fit."""
     device = cluster.device.model_copy(update={"memory_bytes": cluster.device.memory_bytes * 16})
@@ -366,6 +380,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--parts", action="store_true",
                     help="the planner sections' notes give the prediction's parts (compute, exposed "
                          "communication, pipeline bubble) instead of the planning time")
+    ap.add_argument("--per-layer", action="store_true",
+                    help="with --parts: also plan each case with half its layers and split the prediction "
+                         "into seconds per layer (each layer's optimizer share with it) and outside the layers "
+                         "(embedding, head, loss): where a case's missing time lies")
     ap.add_argument("--gemm-scale", type=float, default=1.0, metavar="X",
                     help="multiply every GEMM efficiency of the hardware profiles by X (capped at 1): how "
                          "sensitive the predictions are to the curve's level")
@@ -401,7 +419,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 errs.append(err)
                 cells = [f"{pred:.2f}", f"{err:+.1%}",
                          (c.assumed + "; " if c.assumed else "") + f"software {sw or c.software}; "
-                         + (_parts(made) if args.parts else f"planned in {time.perf_counter() - t0:.0f}s")]
+                         + (_parts(made) if args.parts else f"planned in {time.perf_counter() - t0:.0f}s")
+                         + (_per_layer(c, cluster, made, args.intra_op, sw) if args.per_layer else "")]
             except Exception as e:  # noqa: BLE001 - the planner may not support this yet
                 misses += 1
                 why = f"{type(e).__name__}: {str(e).splitlines()[0][:70] if str(e) else ''}"
