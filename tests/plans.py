@@ -139,6 +139,17 @@ def _rc(layers: list[str], rec: str) -> "list[str] | None":
     return blocks if rec == "full" else [f"{b}.attn" for b in blocks]
 
 
+def _rc_ops(layers: list[str], rec: str) -> "list[str] | None":
+    """The ops a hand-written plan of the zoo GPT recomputes under "selective"
+    (`StagePlan.recompute_ops`): each block's fused attention call, named as the capture names
+    them. None elsewhere (and in "selective_tp4", which stands for a plan of format 7: its
+    attention modules checkpointed whole)."""
+    if rec != "selective":
+        return None
+    idx = [int(x.split(".")[1]) for x in layers if x.startswith("blocks.")]
+    return [f"scaled_dot_product_attention{f'_{i}' if i else ''}" for i in idx]
+
+
 def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
     """A pinned plan for `layout` (see LAYOUTS); a "_bf16" suffix makes it a bf16 plan (autocast,
     fp32 parameters and optimizer state), with the same collectives."""
@@ -238,10 +249,10 @@ def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
         rec = layout.split("_")[1] if "_" in layout else "none"
         st = [StagePlan(index=0, devices=[0, 1], mesh_shape=(2,), mesh_axis_names=("tp",), layers=L[:2],
                         placements=megatron_placements(nb, ("tp",), range(0, 1)), recompute=rec,
-                        recompute_modules=_rc(L[:2], rec)),
+                        recompute_modules=_rc(L[:2], rec), recompute_ops=_rc_ops(L[:2], rec)),
               StagePlan(index=1, devices=[2, 3], mesh_shape=(2,), mesh_axis_names=("tp",), layers=L[2:],
                         placements=megatron_placements(nb, ("tp",), range(1, 2)), recompute=rec,
-                        recompute_modules=_rc(L[2:], rec))]
+                        recompute_modules=_rc(L[2:], rec), recompute_ops=_rc_ops(L[2:], rec))]
         # measured: per micro-batch 8 all-reduces inside the two tp stages (as tp4), + 1
         # tied-embedding all-reduce; 2 transfers per micro-batch; recomputation adds
         # RECOMPUTED_PER_BLOCK for each of the nb blocks per micro-batch

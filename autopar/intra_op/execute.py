@@ -875,8 +875,9 @@ class _PlanInterpreter(torch.fx.Interpreter):
 
     def _run_recomputed(self, first: torch.fx.Node, span: list[torch.fx.Node]) -> Any:
         """A recomputed region's ops (`span`, in program order) under torch's non-reentrant
-        checkpoint with a selective policy (`runtime.selective`: the ops of the op being run
-        MUST_RECOMPUTE, as every op of the span is): the backward re-runs all of them, their
+        checkpoint with torch's selective policy (`runtime.selective`), which asks which op is
+        running: every op of the span (under "selective" the attention core's, `StagePlan.
+        recompute_ops`) MUST_RECOMPUTE: the backward re-runs all of them, their
         redistributions included (no early stop, so the forward collectives re-run are the
         region's own, as the plan counts them). Junction values are the region's own, so the
         re-run makes what the forward made."""
