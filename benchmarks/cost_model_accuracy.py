@@ -10,6 +10,7 @@
     python benchmarks/cost_model_accuracy.py --h100 --lift-memory --parts   # the published H100 runs
     python benchmarks/cost_model_accuracy.py --planner --gemm-scale 0.95    # sensitivity to the GEMM curve
     python benchmarks/cost_model_accuracy.py --planner --parts --per-layer  # the prediction per layer
+    python benchmarks/cost_model_accuracy.py --planner --parts --per-layer --variant recompute=none
 
 Cases (A100-80GB DGX nodes, GPT with V=51200, s=2048, bf16, full recomputation):
   1.7B/32 GPUs (t=1, p=1), 39.1B/512 (t=8, p=2), 22B/8 (t=8, p=1, mb=4), 175B/64 (t=8, p=8, mb=1,
@@ -302,6 +303,19 @@ def _parts(plan) -> str:
     return f"compute {p.compute_s:.2f} comm {p.communication_s:.2f} bubble {p.bubble_s:.2f}"
 
 
+def _variant(case: Case, fields: list[str]) -> Case:
+    """`case` with `fields` ("name=value": recompute, sequence_parallel) replaced."""
+    import dataclasses
+
+    out = {}
+    for f in fields:
+        k, _, v = f.partition("=")
+        if k not in ("recompute", "sequence_parallel"):
+            raise SystemExit(f"--variant {f}: only recompute=... and sequence_parallel=... can be replaced")
+        out[k] = v.lower() in ("1", "true", "on", "yes") if k == "sequence_parallel" else v
+    return dataclasses.replace(case, **out) if out else case
+
+
 def _per_layer(case: Case, cluster: ClusterSpec, made, intra_op: str, software: Optional[str]) -> str:
     """The prediction split by planning `case` again with half its layers (same layout): the
     difference is what a layer costs (its optimizer share included), the rest what lies outside
@@ -384,6 +398,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="with --parts: also plan each case with half its layers and split the prediction "
                          "into seconds per layer (each layer's optimizer share with it) and outside the layers "
                          "(embedding, head, loss): where a case's missing time lies")
+    ap.add_argument("--only", default="", metavar="TEXT", help="the planner sections' cases whose name contains TEXT")
+    ap.add_argument("--variant", metavar="FIELD=VALUE", action="append", default=[],
+                    help="plan every case with a field replaced (recompute=none, sequence_parallel=false): a "
+                         "variant no published run measured, for splitting a prediction; its error column "
+                         "compares with the unchanged case's published time")
     ap.add_argument("--gemm-scale", type=float, default=1.0, metavar="X",
                     help="multiply every GEMM efficiency of the hardware profiles by X (capped at 1): how "
                          "sensitive the predictions are to the curve's level")
@@ -408,7 +427,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                              H100_CASES, sw))
     for title, cases, sw in sections:
         rows, errs, misses, lifted = [], [], 0, []
+        if args.variant:
+            title += f" (variant {', '.join(args.variant)}: not the published configuration)"
         for c in cases:
+            if args.only not in c.name:
+                continue
+            c = _variant(c, args.variant)
             cluster = load_cluster(c, args.gemm_scale)
             pub = c.published_time()
             t0 = time.perf_counter()
@@ -432,7 +456,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     need = str(e).split("needs ", 1)[-1].split(" per device")[0].removeprefix("is ")
                     cells = [f"({pred:.2f})", f"miss ({pred / pub - 1:+.1%})",
                              f"no plan in memory (needs {need}); time with the bound lifted"
-                             + ("; " + _parts(made) if args.parts else "")]
+                             + ("; " + _parts(made) if args.parts else "")
+                             + (_per_layer(c, _lifted(cluster), made, args.intra_op, sw) if args.per_layer else "")]
             rows.append([c.name, str(c.gpus), str(c.t), str(c.p), str(c.v), str(c.microbatch),
                          str(c.num_microbatches), f"{pub:.2f}"] + cells)
         _table(title, rows, header)
