@@ -125,8 +125,9 @@ LAYOUTS = ["single", "dp2", "dp4", "tp2", "tp4", "dp2xtp2", "pp2xdp2", "pp2xtp2"
 
 # per block and micro-batch, the collectives recomputation re-runs in the backward (measured):
 # torch's non-reentrant checkpoint stops recomputing at the region's last saved tensor, so the
-# all-reduce of its last row-parallel output (the MLP projection for "full", the attention
-# projection for "selective"), feeding only a residual add that saves nothing, is not re-run
+# all-reduce of the MLP projection ("full"), feeding only a residual add that saves nothing, is
+# not re-run; "selective" re-runs the attention core alone (or, in a format-7 plan, the
+# attention module up to its projection), which issues none
 RECOMPUTED_PER_BLOCK = {"none": {}, "full": {"all_reduce": 1}, "selective": {}}
 
 

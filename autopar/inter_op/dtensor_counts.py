@@ -27,13 +27,14 @@ the first steady-state copy.
 
 Recomputation: with a stage's `recompute` mode the dry run wraps the repeated blocks as the
 runtime does (`runtime.recompute`: non-reentrant `torch.utils.checkpoint` around the plan's
-`recompute_modules`) and counts the
+`recompute_modules`, or the attention core alone under "selective") and counts the
 backward's re-run forward as it happens, instead of adding the block's forward collectives.
 torch's checkpoint stops recomputing once every tensor the backward needs is back, so the
 collectives after a region's last saved tensor are not re-run: for Megatron layouts the
-all-reduce of the last row-parallel output (the MLP's for "full", the attention projection's for
-"selective": the residual add after it saves nothing). Megatron's reentrant recompute re-runs
-them; the runtime does not, so neither does the prediction.
+all-reduce of the last row-parallel output (the MLP's for "full": the residual add after it saves
+nothing; Megatron's reentrant recompute re-runs it, the runtime does not, so neither does the
+prediction); "selective" re-runs the attention core alone (`runtime.selective`), which issues
+none.
 
 Counts are per micro-batch; DTensor chooses layouts by tensor size, so the dry run uses the
 plan's micro-batch size. Skipped (returns None) when a
