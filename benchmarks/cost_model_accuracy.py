@@ -298,9 +298,11 @@ def load_cluster(case: Case, gemm_scale: float = 1.0) -> ClusterSpec:
 
 
 def _parts(plan) -> str:
-    """The prediction's split as the plan records it (seconds per iteration)."""
+    """The prediction's split as the plan records it (seconds per iteration), and the most
+    activation memory a stage holds at its peak."""
     p = plan.predicted
-    return f"compute {p.compute_s:.2f} comm {p.communication_s:.2f} bubble {p.bubble_s:.2f}"
+    act = max(s.predicted.activations_bytes for s in plan.stages if s.predicted) / 2**30
+    return f"compute {p.compute_s:.2f} comm {p.communication_s:.2f} bubble {p.bubble_s:.2f}; activations {act:.2f} GiB"
 
 
 def _variant(case: Case, fields: list[str]) -> Case:
