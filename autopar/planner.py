@@ -201,24 +201,31 @@ def _recompute_ops(layers: list[Layer], k: int, j: int, recompute: str) -> Optio
     return [n for i in range(k, j) for n in layers[i].selective_ops]
 
 
-def _module_cut_ops(ops: Optional[list[str]], module_cut: bool, pos: int, fallback: list[int]
-                    ) -> Optional[list[str]]:
+def _module_cut_ops(ops: Optional[list[str]], module_cut: bool, pos: int, tp: int,
+                    fallback: list[tuple[int, int]]) -> Optional[list[str]]:
     """A stage's `recompute_ops` as the runtime can run them: a stage run module by module
     recomputes an attention core alone only where it is one call (`runtime.selective`); else
-    None (its `recompute_modules` checkpointed whole) and `pos` joins `fallback`."""
+    None (its `recompute_modules` checkpointed whole) and (`pos`, its tp degree `tp`) joins
+    `fallback`."""
     from autopar.runtime.selective import runs_as_one_call
 
     if ops and module_cut and not runs_as_one_call(ops):
-        fallback.append(pos)
+        fallback.append((pos, tp))
         return None
     return ops
 
 
-def _selective_fallback(stages: list[int]) -> str:
-    """The plan's note on stages whose selective recomputation checkpoints whole modules."""
-    return (f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}: run module by module, "
-            f"with attention cores of several calls, which a module's forward cannot cut out: the modules "
-            f"holding them are checkpointed whole (and costed so: `Layer.selective_region`)")
+def _selective_fallback(stages: list[tuple[int, int]]) -> str:
+    """The plan's note on stages whose selective recomputation checkpoints whole modules
+    ((index, tp degree) each): costed so without tp (`Layer.selective_region`); a tp stage was
+    costed as run op by op, which its layouts could not be stitched for."""
+    idx = [str(i) for i, _ in stages]
+    off = [str(i) for i, tp in stages if tp > 1]
+    return (f"stage{'s' if len(idx) > 1 else ''} {', '.join(idx)}: run module by module, with attention cores "
+            f"of several calls, which a module's forward cannot cut out: the modules holding them are "
+            f"checkpointed whole" + (f" (stage{'s' if len(off) > 1 else ''} {', '.join(off)} costed as the cores "
+                                     f"alone: more memory and less time predicted than the run's)" if off
+                                     else " (and costed so)"))
 
 
 def _stage_modules(layers: list[Layer], k: int, j: int) -> list[str]:
@@ -289,7 +296,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
         raise PlanError(f"sequence parallelism runs only where the executor runs the solved layouts, and "
                         f"here it cannot: {why_not}; drop sequence_parallel or the constraint that forces this")
     fallbacks: list[str] = []
-    rc_fallback: list[int] = []
+    rc_fallback: list[tuple[int, int]] = []
     dry_counts = _dry_counts(bundle, graph, spec, c, layers, chunks, loss_fn, fallbacks,
                              skip=set(layouts)) if count_tp else {}
     stage_plans = []
@@ -324,7 +331,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
             layers=mods, recompute=st.recompute, fsdp_units=units,
             recompute_modules=_recompute_modules(layers, k, j, st.recompute),
             recompute_ops=_module_cut_ops(_recompute_ops(layers, k, j, st.recompute), layouts.get(pos) is None,
-                                          pos, rc_fallback),
+                                          pos, st.tp, rc_fallback),
             placements=_placements(graph, layers, costs, k, j, mods, c.zero == 3 and c.dp > 1),
             virtual_chunk=vc, op_layouts=layouts.get(pos), predicted=pred))
         dry = dry_counts.get(pos)
