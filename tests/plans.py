@@ -126,7 +126,7 @@ LAYOUTS = ["single", "dp2", "dp4", "tp2", "tp4", "dp2xtp2", "pp2xdp2", "pp2xtp2"
 # per block and micro-batch, the collectives recomputation re-runs in the backward (measured):
 # torch's non-reentrant checkpoint stops recomputing at the region's last saved tensor, so the
 # all-reduce of the MLP projection ("full"), feeding only a residual add that saves nothing, is
-# not re-run; "selective" re-runs the attention core alone (or, in a format-7 plan, the
+# not re-run; "selective" re-runs the attention core alone (or, in a format-8 plan, the
 # attention module up to its projection), which issues none
 RECOMPUTED_PER_BLOCK = {"none": {}, "full": {"all_reduce": 1}, "selective": {}}
 
@@ -143,7 +143,7 @@ def _rc(layers: list[str], rec: str) -> "list[str] | None":
 def _rc_ops(layers: list[str], rec: str) -> "list[str] | None":
     """The ops a hand-written plan of the zoo GPT recomputes under "selective"
     (`StagePlan.recompute_ops`): each block's fused attention call, named as the capture names
-    them. None elsewhere (and in "selective_tp4", which stands for a plan of format 7: its
+    them. None elsewhere (and in "selective_tp4", which stands for a plan of format 8: its
     attention modules checkpointed whole)."""
     if rec != "selective":
         return None

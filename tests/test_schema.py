@@ -105,12 +105,12 @@ def test_plan_future_version_and_truncated(tiny_plan, tmp_path):
         Plan.from_json(json.dumps(d))
 
 
-def test_a_format_7_selective_plan_still_loads(tiny_plan):
-    """Plans before format 8 name no recomputed ops: a "selective" stage of one loads with its
+def test_a_format_8_selective_plan_still_loads(tiny_plan):
+    """Plans before format 9 name no recomputed ops: a "selective" stage of one loads with its
     modules checkpointed whole (what it ran as), and `autopar show` says so; `recompute_ops`
     under another policy is refused naming the field and the fix."""
     d = json.loads(tiny_plan.to_json())
-    d["format_version"] = 7
+    d["format_version"] = 8
     st = d["stages"][0]
     st.pop("recompute_ops", None)
     st.update(recompute="selective", recompute_modules=["blocks.0.attn", "blocks.1.attn"])

@@ -122,7 +122,7 @@ class StagePlan(_Model):
         default=None, description="the modules recomputation runs in, found by the planner from the captured "
         "ops: under \"full\" each repeated block, checkpointed whole (torch.utils.checkpoint); under "
         "\"selective\" the module holding each attention core, where a stage run module by module recomputes "
-        "the ops of `recompute_ops` (or, in a plan without them, format_version 7 and earlier, checkpoints the "
+        "the ops of `recompute_ops` (or, in a plan without them, format_version 8 and earlier, checkpoints the "
         "module whole); null with recompute \"none\"")
     recompute_ops: Optional[list[str]] = Field(
         default=None, description="under \"selective\": the captured ops re-run in the backward (each "
