@@ -8,6 +8,7 @@ functions depend only on the step and the seed, so every plan sees the same data
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -20,6 +21,7 @@ import torch.nn as nn
 from autopar.models.catalogue import catalogue
 from autopar.models.configs import MLPConfig
 from autopar.models.gpt import GPT
+from autopar.models.init import meta_initialisers_skipped
 from autopar.models.mlp import MLP
 from autopar.schema.errors import PlanError
 
@@ -165,7 +167,7 @@ def build_model(ref: str, *, device: str | torch.device = "meta", batch_size: in
         hint = f"; did you mean {', '.join(close)}?" if close else "; `autopar models` lists the zoo"
         raise PlanError(f"unknown model {ref!r}{hint} (or give MODULE:FACTORY or hf:NAME)")
     e = entries[ref]
-    with torch.device(device):
+    with torch.device(device), (meta_initialisers_skipped() if str(device) == "meta" else contextlib.nullcontext()):
         model = e.build()
     inputs = e.inputs(batch_size)
     if str(device) != "meta":
