@@ -194,7 +194,8 @@ def _from_factory(ref: str) -> ModelBundle:
             raise PlanError(f"module {mod_name!r} has no attribute {attr!r} (model factory {ref!r})")
     if not callable(fn):
         raise PlanError(f"{ref!r} is not callable; a factory returns (model, example_inputs[, batch_fn])")
-    out = fn()
+    with meta_initialisers_skipped():      # a factory building on meta: nothing to initialise
+        out = fn()
     if isinstance(out, ModelBundle):
         return out
     if not isinstance(out, (tuple, list)) or len(out) not in (2, 3) or not isinstance(out[0], nn.Module):
