@@ -89,24 +89,23 @@ class StagePrediction(_Model):
 
 def _folded(fqns: list[str]) -> str:
     """Module FQNs with their block indices folded: `blocks.*.attn (24)`."""
-    import re
-
-    counts: dict[str, int] = {}
-    for f in fqns:
-        k = re.sub(r"\.\d+(?=\.|$)", ".*", f)
-        counts[k] = counts.get(k, 0) + 1
-    return ", ".join(f"{k} ({n})" if n > 1 else k for k, n in counts.items())
+    return _fold_counts(fqns, r"\.\d+(?=\.|$)", ".*")
 
 
 def _folded_ops(names: list[str]) -> str:
     """Op names with their per-copy suffixes folded: `matmul (48), softmax (24)`."""
+    return _fold_counts(names, r"_\d+$", "")
+
+
+def _fold_counts(names: list[str], pattern: str, repl: str) -> str:
+    """`names` with `pattern` replaced by `repl`, each distinct result once with its count."""
     import re
 
     counts: dict[str, int] = {}
     for n in names:
-        k = re.sub(r"_\d+$", "", n)
+        k = re.sub(pattern, repl, n)
         counts[k] = counts.get(k, 0) + 1
-    return ", ".join(f"{k} ({n})" if n > 1 else k for k, n in counts.items())
+    return ", ".join(f"{k} ({c})" if c > 1 else k for k, c in counts.items())
 
 
 class StagePlan(_Model):
