@@ -460,6 +460,26 @@ def torch_version() -> str:
     return torch.__version__
 
 
+def equivalent_microbatches(kind: str, num_stages: int, rank: int, num_microbatches: int,
+                            virtual_stages: int = 1) -> int:
+    """The fewest micro-batches whose walk gives rank `rank` the same maximal moments
+    (`held_moments`) as `num_microbatches`: past the warm-up, each further micro-batch repeats
+    the steady state's moments. torch's 1F1B: max(p, 2p - 1 - 2r) (the rank's warm-up, its steady
+    state once, its cool-down); the interleaved schedule with m a multiple of p: 3p. Both found
+    by walking every m up to 80 (1F1B) and 24p (interleaved, v in 2 and 4) for p <= 4, and to 6p
+    for p <= 8 (`tests/test_cost_models.py`); GPipe holds every micro-batch at once and has no
+    shorter equivalent. A search asks for m up to thousands: the walks are O(m v) each."""
+    p, r, m, v = int(num_stages), int(rank), int(num_microbatches), max(int(virtual_stages), 1)
+    cls = torch_schedule(kind, p, m, v)
+    if cls == "Schedule1F1B":
+        m0 = max(p, 2 * p - 1 - 2 * r)
+    elif cls == "ScheduleInterleaved1F1B" and m % p == 0:
+        m0 = 3 * p
+    else:
+        return m
+    return m0 if m0 < m and torch_schedule(kind, p, m0, v) == cls else m
+
+
 def held_moments(kind: str, num_stages: int, rank: int, num_microbatches: int,
                  virtual_stages: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """What rank `rank` holds at the moments its peak can fall on, before its first backward
@@ -472,7 +492,8 @@ def held_moments(kind: str, num_stages: int, rank: int, num_microbatches: int,
     `sum(moments[t] * per_chunk)` with per_chunk[k, c] the bytes of each kind (one micro-batch;
     the chunk's gradients). Only maximal moments are kept."""
     v = max(int(virtual_stages), 1)
-    parts = _moments(kind, int(num_stages), int(rank), int(num_microbatches), v)
+    p, r = int(num_stages), int(rank)
+    parts = _moments(kind, p, r, equivalent_microbatches(kind, p, r, int(num_microbatches), v), v)
     out = tuple(np.array(part, dtype=float).reshape(-1, _ROWS, v) for part in parts)
     for a in out:
         a.setflags(write=False)

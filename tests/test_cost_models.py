@@ -486,3 +486,18 @@ def test_inflight_microbatches_by_schedule() -> None:
     assert inflight_microbatches("interleaved_1f1b", p, 0, 64, 1) == p
     peak = peak_memory(1e9, 1e9, DEV, schedule="1f1b", num_stages=4, stage=1, num_microbatches=8)
     assert peak.peak == pytest.approx(16e9 + 3e9) and peak.fits
+
+
+def test_schedule_moments_repeat_past_the_equivalent_microbatches() -> None:
+    """`held_moments` walks `equivalent_microbatches` of a long step: the full walk's maximal
+    moments equal the short one's for every rank (1F1B and interleaved, up to 8 stages)."""
+    from cost_models.schedules import _walk_moments, equivalent_microbatches
+
+    for p in (2, 3, 5, 8):
+        for r in range(p):
+            for kind, v, ms in (("1f1b", 1, (p, 2 * p, 4 * p + 3)), ("interleaved_1f1b", 2, (3 * p, 5 * p)),
+                                ("interleaved_1f1b", 4, (4 * p,)), ("gpipe", 1, (2 * p,))):
+                for m in ms:
+                    m0 = equivalent_microbatches(kind, p, r, m, v)
+                    assert m0 <= m and (kind != "gpipe" or m0 == m)
+                    assert _walk_moments(kind, p, r, m0, v) == _walk_moments(kind, p, r, m, v), (kind, p, r, m, v)
