@@ -319,9 +319,12 @@ def run_cmd(plan_file: str, point: Optional[str], model_ref: str, steps: int, se
 @click.option("--top", type=click.IntRange(min=0), default=0, show_default=True,
               help="list the N largest tensors at each rank's peak")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), help="worker processes (default: one per core)")
+@click.option("--all-microbatches", is_flag=True,
+              help="step every micro-batch of the plan (default: the fewest that reach the same schedule "
+                   "states, the same peak; collectives scaled to the plan's)")
 @click.option("--quiet", "-q", is_flag=True, help="no progress output")
 def verify_cmd(plan_file: str, model_ref: str, as_json: bool, device_memory: Optional[float],
-               ranks: tuple[int, ...], top: int, jobs: Optional[int], quiet: bool) -> None:
+               ranks: tuple[int, ...], top: int, jobs: Optional[int], all_microbatches: bool, quiet: bool) -> None:
     """Build every kind of rank of a plan at full scale without GPUs (fake process group, fake
     tensors), run one training step, and check shards, collectives and memory."""
     from autopar.runtime.verify import verify
@@ -330,7 +333,8 @@ def verify_cmd(plan_file: str, model_ref: str, as_json: bool, device_memory: Opt
     p = load_plan(plan_file)
     _software_note(p, quiet)
     report = verify(p, model_ref, device_memory_bytes=device_memory * 2**30 if device_memory else None,
-                    ranks=list(ranks) or None, top=top, jobs=jobs or os.cpu_count() or 1, progress=not quiet)
+                    ranks=list(ranks) or None, top=top, jobs=jobs or os.cpu_count() or 1, progress=not quiet,
+                    all_microbatches=all_microbatches)
     _verify_out(report, as_json)
 
 

@@ -32,7 +32,7 @@ CASES = [
 ]
 
 
-def run_case(case: dict, jobs: int, top: int) -> dict:
+def run_case(case: dict, jobs: int, top: int, all_microbatches: bool = False) -> dict:
     import autopar
     from autopar.planner import plan
     from autopar.runtime.verify import verify
@@ -42,19 +42,21 @@ def run_case(case: dict, jobs: int, top: int) -> dict:
     cluster = autopar.ClusterSpec.load(case["cluster"], num_nodes=case["nodes"])
     p = plan(case["model"], cluster, global_batch_size=case["gbs"], cache=True)
     t_plan = time.perf_counter() - t0
-    rep = verify(p, case["model"], jobs=jobs, top=top, check=False, progress=True)
+    rep = verify(p, case["model"], jobs=jobs, top=top, check=False, progress=True, all_microbatches=all_microbatches)
     rows = []
     for rc in rep.ranks:
         rows.append({"rank": rc.rank, "stages": rc.stages, "ranks_of_kind": rc.ranks_of_kind,
                      "tracked": rc.tracked_peak_bytes, "tracked_phase": rc.tracked_peak_phase,
                      "predicted": rc.predicted_peak_bytes, "error": rc.memory_error,
                      "tracked_categories": rc.tracked_categories, "predicted_categories": rc.predicted_categories,
-                     "build_error": rc.error, "time_s": rc.time_s, "peak_tensors": rc.peak_tensors})
+                     "build_error": rc.error, "time_s": rc.time_s, "peak_tensors": rc.peak_tensors,
+                     "stepped": rc.microbatches_stepped})
     return {"case": case["name"], "cluster": f"{case['nodes']} x {case['cluster']}",
             "world_size": p.world_size,
             "layout": f"dp{p.dp} tp{p.tp} pp{p.pp} {p.schedule} M={p.num_microbatches} zero={p.zero_stage}"
                       f"{' recompute' if any(s.recompute != 'none' for s in p.stages) else ''}",
-            "kinds": len(rep.ranks), "plan_s": t_plan, "verify_s": rep.time_s,
+            "kinds": len(rep.ranks), "plan_s": t_plan, "verify_s": rep.time_s, "jobs": jobs,
+            "load_before": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
             "collectives_match": rep.collectives_match, "collectives": rep.collectives_measured,
             "failures": rep.failures, "capacity": format_bytes(rep.capacity_bytes), "ranks": rows}
 
@@ -63,7 +65,8 @@ def show(res: dict, top: int) -> None:
     from autopar.schema.plan import format_bytes, format_table
 
     print(f"\n{res['case']} on {res['cluster']} ({res['world_size']} ranks, {res['layout']}): "
-          f"{res['kinds']} rank kinds, planned in {res['plan_s']:.1f} s, verified in {res['verify_s']:.1f} s, "
+          f"{res['kinds']} rank kinds, planned in {res['plan_s']:.1f} s, verified in {res['verify_s']:.1f} s "
+          f"({res['jobs']} workers, load average {res['load_before']:.1f} after planning), "
           f"collectives {'match' if res['collectives_match'] else 'DIFFER: ' + str(res['collectives'])}")
     rows = []
     for r in res["ranks"]:
@@ -72,9 +75,9 @@ def show(res: dict, top: int) -> None:
         rows.append([",".join(map(str, r["stages"])), str(r["rank"]), str(r["ranks_of_kind"]),
                      format_bytes(r["tracked"]) if not r["build_error"] else "FAILED", r["tracked_phase"],
                      format_bytes(r["predicted"]) if r["predicted"] is not None else "-",
-                     (f"{err:+.1%}" if err is not None else "-") + mark, f"{r['time_s']:.0f}"])
+                     (f"{err:+.1%}" if err is not None else "-") + mark, str(r["stepped"]), f"{r['time_s']:.0f}"])
     print(format_table(["stage", "rank", "ranks", "tracked peak", "phase", "predicted", "pred-tracked",
-                        "time s"], rows))
+                        "micro-batches stepped", "time s"], rows))
     for f in res["failures"]:
         print(f"FAIL: {f}")
     for r in res["ranks"]:
@@ -93,13 +96,15 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--top", type=int, default=0, help="largest tensors at the peak of a kind off by > 10%%")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--all-microbatches", action="store_true",
+                    help="step every micro-batch (default: the fewest reaching the same schedule states)")
     a = ap.parse_args()
     warnings.filterwarnings("ignore")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = []
     for case in CASES:
         if a.only in case["name"]:
-            res = run_case(case, a.jobs, a.top)
+            res = run_case(case, a.jobs, a.top, a.all_microbatches)
             out.append(res)
             if not a.json:
                 show(res, a.top)

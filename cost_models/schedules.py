@@ -142,8 +142,11 @@ class _Walk:
     schedule references the send (its P2POp or its Work: gloo's and NCCL's works keep their
     tensors), which each torch schedule does differently (`_walk_1f1b`, `_walk_actions`)."""
 
-    def __init__(self, v: int) -> None:
+    def __init__(self, v: int, record: bool = False) -> None:
         self.v = v
+        # `record`: every state the walk passes through, as (action, chunk, moment), in `states`
+        self.states: set[tuple] | None = set() if record else None
+        self._act: tuple[str, int] = ("", -1)
         self.held = [0] * v
         self.done: set[tuple[int, int]] = set()            # (chunk, mb) whose backward ran
         self.made = [0] * v                                # 1 once a chunk's backward ran
@@ -188,6 +191,8 @@ class _Walk:
 
     def _moment(self) -> None:
         x = (*self.held, *self.out, *self.grad, *self.made, *self.rin, *self.rgrad)
+        if self.states is not None:
+            self.states.add((*self._act, x))
         part = self.parts[self.backed]
         if part and all(map(ge, x, part[-1])):
             part[-1] = x        # the previous moment is dominated: it cannot be a peak
@@ -196,9 +201,11 @@ class _Walk:
 
     def forward(self, c: int) -> None:
         self.held[c] += 1
+        self._act = ("F", c)
         self._moment()
 
     def backward(self, c: int, i: int) -> None:
+        self._act = ("B", c)
         self._moment()
         self.held[c] -= 1
         self.done.add((c, i))
@@ -217,7 +224,8 @@ class _Walk:
         return tuple(_maximal(part) for part in self.parts)
 
 
-def _walk_actions(cls_name: TorchSchedule, p: int, m: int, v: int, rank: int, sends_kept: bool) -> _Walk:
+def _walk_actions(cls_name: TorchSchedule, p: int, m: int, v: int, rank: int, sends_kept: bool,
+                  record: bool = False) -> _Walk:
     """torch's action list in order. `sends_kept`: every send stays referenced until the step
     ends (`ScheduleGPipe._step_microbatches` keeps its works in `fwd_sends_to_wait` /
     `bwd_sends_to_wait`, waited and dropped only when the step returns, torch 2.13); otherwise
@@ -231,7 +239,7 @@ def _walk_actions(cls_name: TorchSchedule, p: int, m: int, v: int, rank: int, se
     one of its own), waited in that step: the buffer exists from then on."""
     from torch.distributed.pipelining.schedules import _ComputationType as C
 
-    w = _Walk(v)
+    w = _Walk(v, record)
     n = p * v
     bwd = (C.FULL_BACKWARD, C.BACKWARD_INPUT)
     lockstep = cls_name == "ScheduleInterleaved1F1B"
@@ -269,14 +277,14 @@ def _walk_actions(cls_name: TorchSchedule, p: int, m: int, v: int, rank: int, se
     return w
 
 
-def _walk_1f1b(p: int, m: int, rank: int) -> tuple[_Walk, list[tuple[str, int]]]:
+def _walk_1f1b(p: int, m: int, rank: int, record: bool = False) -> tuple[_Walk, list[tuple[str, int]]]:
     """torch's `Schedule1F1B._step_microbatches` (torch 2.13), its variables followed: the
     warm-up's sends stay in `send_work` until the cooldown replaces it (the next-to-last warm-up
     output, kept through the 1F1B phase); `fwd_sends` holds the latest output and `bwd_sends`
     the latest input gradient until the next one replaces it, so each backward after the first
     runs beside the previous micro-batch's input gradient. Returns the walk and the order of
     its forwards and backwards (checked against torch's action list by the tests)."""
-    w = _Walk(1)
+    w = _Walk(1, record)
     order: list[tuple[str, int]] = []
     send_work: frozenset = frozenset()
     fwd_sends: frozenset = frozenset()
@@ -366,12 +374,57 @@ def _walk_moments(kind: str, p: int, r: int, m: int, v: int) -> tuple[tuple, tup
     if p == 1 and v == 1:
         # no pipeline: micro-batches one after another, the later ones beside the gradients
         return ((1, 0, 0, 0, 0, 0),), (((1, 0, 0, 1, 0, 0),) if m > 1 else ())
+    return _walk(kind, p, r, m, v).finish(f"{torch_schedule(kind, p, m, v)} p={p} m={m} v={v} rank {r}")
+
+
+def _walk(kind: str, p: int, r: int, m: int, v: int, record: bool = False) -> _Walk:
     cls = torch_schedule(kind, p, m, v)
     if cls == "Schedule1F1B":
-        w = _walk_1f1b(p, m, r)[0]
-    else:
-        w = _walk_actions(cls, p, m, v, r, sends_kept=cls == "ScheduleGPipe")
-    return w.finish(f"{cls} p={p} m={m} v={v} rank {r}")
+        return _walk_1f1b(p, m, r, record)[0]
+    return _walk_actions(cls, p, m, v, r, sends_kept=cls == "ScheduleGPipe", record=record)
+
+
+def step_states(kind: str, num_stages: int, rank: int, num_microbatches: int,
+                virtual_stages: int = 1) -> frozenset:
+    """The states rank `rank` passes through in one step of its schedule that no other of its
+    states dominates: (action "F" / "B", local chunk, the `held_moments` vector at that moment:
+    activations held, sends referenced, gradients made, receive buffers alive, per chunk). With
+    micro-batches alike, a rank's memory at an action is a non-decreasing function of its state
+    (each entry counts tensors held), so two step lengths with the same maximal states reach the
+    same peak (`reduced_microbatches`)."""
+    v = max(int(virtual_stages), 1)
+    w = _walk(kind, int(num_stages), int(rank), int(num_microbatches), v, record=True)
+    groups: dict[tuple[str, int], list] = {}
+    for a, c, x in w.states or ():
+        groups.setdefault((a, c), []).append(x)
+    return frozenset((a, c, x) for (a, c), xs in groups.items() for x in _maximal(xs))
+
+
+# without a pipeline the runtime runs micro-batches one after another: the first (no gradient
+# yet), the middle ones (beside the gradients) and the last (ZeRO-3 syncs gradients in it) differ
+NO_PIPELINE_MICROBATCHES = 3
+
+
+def reduced_microbatches(kind: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> int:
+    """The fewest micro-batches m' <= m for which every rank of the pipeline has the same maximal
+    states in a step as with m (`step_states`; the same torch class, and for the interleaved
+    schedule a multiple of the depth, as the runtime requires): every state of the full step is
+    then at most one of the shorter step's and the reverse, so both reach the same peak, while
+    what scales with the micro-batches (transfers, per-micro-batch collectives) is m' of m.
+    `autopar verify` steps m' micro-batches. GPipe, which holds every micro-batch at once, has
+    no shorter equivalent."""
+    p, m, v = int(num_stages), int(num_microbatches), max(int(virtual_stages), 1)
+    if p == 1 and v == 1:
+        return min(m, NO_PIPELINE_MICROBATCHES)
+    cls = torch_schedule(kind, p, m, v)
+    step = p if cls == "ScheduleInterleaved1F1B" else 1
+    full = [step_states(kind, p, r, m, v) for r in range(p)]
+    for k in range(step, m, step):
+        if torch_schedule(kind, p, k, v) != cls or (cls == "ScheduleInterleaved1F1B" and m % k and k % p):
+            continue
+        if all(step_states(kind, p, r, k, v) == full[r] for r in range(p)):
+            return k
+    return m
 
 
 class _MomentStore:

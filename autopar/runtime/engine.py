@@ -410,7 +410,8 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         if is_last:
             if self.fed_chunks:
                 # the traced chunk reads its targets itself; the schedule only needs M of them
-                kwargs["target"] = torch.zeros(M, device=self.device)
+                # (one element's storage: what the step holds does not grow with M)
+                kwargs["target"] = torch.zeros(1, device=self.device).expand(M)
             else:
                 kwargs["target"] = targets[0] if len(targets) == 1 else targets
             kwargs["losses"] = losses

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from autopar.models.registry import ModelBundle, build_model, call_batch_fn, default_batch_fn
 from autopar.runtime.counting import CollectiveCounter, combine
 from autopar.runtime.rank_kinds import RankKind, expected_shards, rank_kinds
+from autopar.runtime.short_step import MicrobatchTags, ShortStepError, extrapolate, full_inputs, shortened
 from autopar.schema.errors import PlanError
 from autopar.schema.plan import Plan, format_bytes
 from autopar.schema.verify import RankCheck, ShardMismatch, VerifyReport
@@ -53,6 +54,8 @@ class PhasedCounter(CollectiveCounter):
     def __init__(self) -> None:
         super().__init__()
         self.phases: list[str] = []
+        self.microbatch = MicrobatchTags()       # the micro-batch each collective is attributed to
+        self.tags: list[Optional[int]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         from autopar.runtime import memory_tracking
@@ -62,17 +65,21 @@ class PhasedCounter(CollectiveCounter):
         if len(self.events) > n:
             mt = memory_tracking._ACTIVE
             self.phases.append(mt.phase if mt is not None else PHASES[0])
+            self.tags.append(self.microbatch.current)
         return out
 
-    def by_phase(self, skip_groups: Sequence[tuple[int, ...]] = ()) -> dict[str, dict[str, int]]:
-        """phase -> kind -> count, receives as send_recv and sends left out (`local_counts`);
-        collectives of the groups `skip_groups` (their ranks) left out too."""
-        out: dict[str, Counter] = {}
-        for (kind, ranks), ph in zip(self.events, self.phases):
-            if kind == "send_recv" or ranks in skip_groups:
-                continue
-            out.setdefault(ph, Counter())["send_recv" if kind == "recv" else kind] += 1
-        return {ph: dict(sorted(c.items())) for ph, c in out.items()}
+
+def by_phase(events: Sequence[tuple[str, tuple[int, ...], str]],
+             skip_groups: Sequence[tuple[int, ...]] = ()) -> dict[str, dict[str, int]]:
+    """phase -> kind -> count of (kind, group ranks, phase) events, receives as send_recv and
+    sends left out (`CollectiveCounter.local_counts`); collectives of the groups `skip_groups`
+    (their ranks) left out too."""
+    out: dict[str, Counter] = {}
+    for kind, ranks, ph in events:
+        if kind == "send_recv" or ranks in skip_groups:
+            continue
+        out.setdefault(ph, Counter())["send_recv" if kind == "recv" else kind] += 1
+    return {ph: dict(sorted(c.items())) for ph, c in out.items()}
 
 
 def _tp_predicted(plan: Plan, kind: RankKind) -> Optional[dict[str, int]]:
@@ -92,13 +99,15 @@ def _tp_predicted(plan: Plan, kind: RankKind) -> Optional[dict[str, int]]:
 
 
 def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKind, *,
-                top: int = 0) -> tuple[RankCheck, list]:
+                top: int = 0, all_microbatches: bool = False) -> tuple[RankCheck, list]:
     """Build and step rank `kind.rank` on a fake process group and fake tensors (this process
     must have no process group); returns its RankCheck and its collective events of the step
     (for `counting.combine`). Two steps, as `autopar run` tracks the second: the first
     allocates AdamW's state in its update. (Running only that update, on zero gradients, is not
     the same in a fresh process: its first backward held three more activation-gradient
-    temporaries at the peak, gpt-tiny tp4, +81%.)"""
+    temporaries at the peak, gpt-tiny tp4, +81%.) Each step runs the fewest micro-batches that
+    reach the plan's schedule states (`short_step`; `all_microbatches`: the plan's own number),
+    its batch and collectives put back to the plan's micro-batches."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -120,6 +129,8 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
         check.predicted_stage = pred["stage"]
         check.predicted_categories = {k: pred[k] for k in PLAN_CATEGORIES}
     events: list = []
+    run_plan, run = (plan, plan.num_microbatches) if all_microbatches else shortened(plan)
+    check.microbatches_stepped = run
     _clear_dtensor_caches()
     _BUILT.add(_layout(plan))
     dist.init_process_group("fake", store=FakeStore(), rank=kind.rank, world_size=plan.world_size)
@@ -127,30 +138,42 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
         bundle = make_bundle()
         skip = baseline()
         with FakeTensorMode(allow_non_fake_inputs=True), _real_mesh_concatenation():
-            pm = ParallelModel(plan, bundle, seed=0)
+            pm = ParallelModel(run_plan, bundle, seed=0)
             batch_fn = bundle.batch_fn or default_batch_fn(bundle.example_inputs)
-            batch = pm.local_batch(call_batch_fn(batch_fn, 0, plan.global_batch_size, 0))
+            batch = pm.local_batch(call_batch_fn(batch_fn, 0, run_plan.global_batch_size, 0))
             pm.train_step(batch)            # `autopar run`'s first step: allocates the optimizer's state
             counter = PhasedCounter()
-            _, rep = track_step(pm, batch, counter=counter, skip=skip, top=top)
+            with counter.microbatch.installed(pm):
+                _, rep = track_step(pm, batch, counter=counter, skip=skip, top=top)
         _check_shards(check, pm, plan, bundle.model)
-        events = list(counter.events)
-        check.collectives = counter.by_phase()
+        full = extrapolate(counter.events, counter.phases, counter.tags, run, plan.num_microbatches)
+        events = [(k, r) for k, r, _ in full]
+        check.collectives = by_phase(full)
         check.tp_predicted = _tp_predicted(plan, kind)
         if check.tp_predicted is not None:
             # on the tp group: under ZeRO-3 FSDP's gathers and reduce-scatters run on the dp one
             fsdp = [tuple(dist.get_process_group_ranks(pm.dp_group))] if pm.zero3 and pm.dp_group is not None else []
-            fb = dict(counter.by_phase(fsdp).get("forward_backward", {}))
+            fb = dict(by_phase(full, fsdp).get("forward_backward", {}))
             fb.pop("send_recv", None)
             check.tp_measured = fb
-        check.tracked_peak_bytes = rep.peak_bytes
+        # the batch of the plan's micro-batches, alive through the step: `run` of them were held
+        extra = full_inputs(rep.detail.get("inputs", 0), run, plan.num_microbatches)
+        check.tracked_peak_bytes = rep.peak_bytes + extra
         check.tracked_peak_phase = rep.peak_phase
-        check.tracked_categories = rep.categories
-        check.tracked_phases = {k: v.peak_bytes for k, v in rep.phases.items()}
+        check.tracked_categories = dict(rep.categories)
+        check.tracked_categories["buffers"] = check.tracked_categories.get("buffers", 0) + extra
+        check.tracked_phases = {k: v.peak_bytes + extra for k, v in rep.phases.items()}
         check.peak_tensors = rep.peak_tensors
         check.notes = list(rep.notes)
+        if run < plan.num_microbatches:
+            check.notes.insert(0, f"stepped {run} of the plan's {plan.num_microbatches} micro-batches, which pass "
+                                  f"through the same schedule states (the same peak); the batch's other "
+                                  f"{plan.num_microbatches - run} micro-batches ({format_bytes(extra)}) added to "
+                                  f"the tracked memory, the forward/backward collectives extrapolated")
         if pred is not None:
             check.memory_error = relative_error(rep.peak_bytes, pred["peak_bytes"])
+    except ShortStepError as e:
+        check.error = f"{e} (verify with all micro-batches: --all-microbatches)"
     except BUILD_ERRORS as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         check.error = f"{type(e).__name__}: {msg}" if not isinstance(e, PlanError) else msg
@@ -254,7 +277,7 @@ def _bundle_factory(model: str | ModelBundle | Callable[[], Any]) -> Callable[[]
 def verify(plan: Plan | str, model: str | ModelBundle | Callable[[], Any], *,
            device_memory_bytes: Optional[float] = None, ranks: Optional[Sequence[int]] = None,
            top: int = 0, check: bool = True, jobs: Optional[int] = None,
-           progress: bool = False) -> VerifyReport:
+           progress: bool = False, all_microbatches: bool = False) -> VerifyReport:
     """Build and step every kind of rank of `plan` at its full world size on a fake process group
     and fake tensors; see the module docstring. `model`: a model reference, a ModelBundle (on
     meta) or a factory. `device_memory_bytes`: the capacity to check against (default the plan's
@@ -263,7 +286,9 @@ def verify(plan: Plan | str, model: str | ModelBundle | Callable[[], Any], *,
     kind lists the `top` largest storages at its peak. `check`: first check the plan against the
     model (fingerprint, as `autopar run`). `jobs`: worker processes building kinds side by
     side (default 1: this process; at most one per kind; a model given as a reference only).
-    Workers are spawned: a calling script needs an `if __name__ == "__main__":` guard. Raises
+    Workers are spawned: a calling script needs an `if __name__ == "__main__":` guard.
+    `all_microbatches`: step the plan's micro-batches, not the fewest reaching the same schedule
+    states (`short_step`; the report's `microbatches_stepped` says which ran). Raises
     PlanError for bad input; a rank that fails to build is a failure in the report."""
     from autopar.runtime import _load, check_plan
 
@@ -286,7 +311,7 @@ def verify(plan: Plan | str, model: str | ModelBundle | Callable[[], Any], *,
     cap = float(device_memory_bytes) if device_memory_bytes is not None else float(p.cluster.device.memory_bytes)
     usable = float(p.predicted.usable_memory_bytes or 0) if device_memory_bytes is None else 0.0
     report = VerifyReport(model=p.model.name, world_size=p.world_size, device=p.cluster.device.name,
-                          capacity_bytes=cap, usable_bytes=usable,
+                          capacity_bytes=cap, usable_bytes=usable, microbatches=p.num_microbatches,
                           collectives_predicted={k: v for k, v in p.predicted.collectives.items() if v})
     events: dict[int, list] = {}
     jobs = min(jobs or 1, len(kinds))
@@ -298,7 +323,7 @@ def verify(plan: Plan | str, model: str | ModelBundle | Callable[[], Any], *,
                             "or verify from a new process")
         jobs = 1   # workers rebuild the model from its reference; a bundle or factory stays here
     results = _run_kinds(p, model, make, kinds, top=top, jobs=jobs, progress=progress, spawn=elsewhere,
-                         per_kind=per_kind)
+                         per_kind=per_kind, all_microbatches=all_microbatches)
     for kind, (rc, ev) in zip(kinds, results):
         report.ranks.append(rc)
         if rc.error is None:
@@ -309,7 +334,8 @@ def verify(plan: Plan | str, model: str | ModelBundle | Callable[[], Any], *,
 
 
 def _run_kinds(plan: Plan, model: Any, make: Callable[[], ModelBundle], kinds: list[RankKind], *, top: int,
-               jobs: int, progress: bool, spawn: bool = False, per_kind: bool = False) -> list[tuple[RankCheck, list]]:
+               jobs: int, progress: bool, spawn: bool = False, per_kind: bool = False,
+               all_microbatches: bool = False) -> list[tuple[RankCheck, list]]:
     """`verify_rank` for each kind: in this process one after the other, or over `jobs` worker
     processes (spawned, also with `spawn`; each builds the model from its reference `model`;
     `per_kind`: a fresh process for each kind, see `_isolated`)."""
@@ -322,7 +348,7 @@ def _run_kinds(plan: Plan, model: Any, make: Callable[[], ModelBundle], kinds: l
         out = []
         for i, kind in enumerate(kinds):
             note(i, kind)
-            out.append(_quiet(verify_rank, plan, make, kind, top=top))
+            out.append(_quiet(verify_rank, plan, make, kind, top=top, all_microbatches=all_microbatches))
         return out
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -330,7 +356,7 @@ def _run_kinds(plan: Plan, model: Any, make: Callable[[], ModelBundle], kinds: l
     text = plan.to_json(indent=None)
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
                              max_tasks_per_child=1 if per_kind else None) as pool:
-        futs = [pool.submit(_kind_job, text, model, kind, top) for kind in kinds]
+        futs = [pool.submit(_kind_job, text, model, kind, top, all_microbatches) for kind in kinds]
         out = []
         for i, (kind, fut) in enumerate(zip(kinds, futs)):
             rc_json, ev = fut.result()
@@ -339,10 +365,10 @@ def _run_kinds(plan: Plan, model: Any, make: Callable[[], ModelBundle], kinds: l
         return out
 
 
-def _kind_job(plan_json: str, model: str, kind: RankKind, top: int) -> tuple[str, list]:
+def _kind_job(plan_json: str, model: str, kind: RankKind, top: int, all_microbatches: bool) -> tuple[str, list]:
     """A worker process's task: one kind, from the plan's JSON and the model's reference."""
     plan = Plan.from_json(plan_json)
-    rc, ev = _quiet(verify_rank, plan, _bundle_factory(model), kind, top=top)
+    rc, ev = _quiet(verify_rank, plan, _bundle_factory(model), kind, top=top, all_microbatches=all_microbatches)
     return rc.model_dump_json(), ev
 
 

@@ -61,6 +61,9 @@ class RankCheck(_Model):
     predicted_stage: Optional[int] = None
     memory_error: Optional[float] = Field(default=None, description="(predicted - tracked) / tracked")
     peak_tensors: list[dict] = Field(default_factory=list, description="the largest storages at the peak")
+    microbatches_stepped: int = Field(default=0, description="micro-batches each verified step ran: fewer than "
+                                      "the plan's when a shorter step passes through the same schedule states "
+                                      "(`autopar.runtime.short_step`); memory and collectives are the plan's")
     notes: list[str] = Field(default_factory=list)
     time_s: float = 0.0
 
@@ -74,6 +77,7 @@ class VerifyReport(_Model):
     capacity_bytes: float = Field(description="device memory the tracked peaks are checked against")
     usable_bytes: float = Field(default=0, description="the plan's usable memory per device (capacity less "
                                 "the headroom the planner keeps); 0 when unknown")
+    microbatches: int = Field(default=0, description="the plan's micro-batches per step")
     ranks: list[RankCheck] = Field(default_factory=list)
     collectives_measured: Optional[dict[str, int]] = None
     collectives_predicted: dict[str, int] = Field(default_factory=dict)
@@ -105,6 +109,11 @@ class VerifyReport(_Model):
         head = (f"autopar verify: {self.model} on {self.world_size} ranks of {self.device} "
                 f"({format_bytes(self.capacity_bytes)}), {len(self.ranks)} rank kinds built at full scale "
                 f"on a fake process group in {self.time_s:.1f} s")
+        stepped = sorted({r.microbatches_stepped for r in self.ranks if r.microbatches_stepped})
+        if stepped and stepped != [self.microbatches]:
+            head += (f"; each step ran {'/'.join(map(str, stepped))} of the plan's {self.microbatches} micro-batches "
+                     f"(the same schedule states, so the same peak; the batch and the forward/backward "
+                     f"collectives scaled to {self.microbatches}; --all-microbatches runs them all)")
         lines = [head, format_table(cols, rows)]
         if self.collectives_measured is not None:
             meas = ", ".join(f"{k}={v}" for k, v in sorted(self.collectives_measured.items())) or "none"
