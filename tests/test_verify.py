@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,68 @@ def test_verify_needs_a_process_without_a_group(plan64):
             verify(plan64, "gpt-tiny", jobs=1)
     finally:
         dist.destroy_process_group()
+
+
+def test_fewest_microbatches_with_the_schedules_states():
+    """The shorter step passes through every state of the full one and no other (so the same
+    peak): 1F1B over p stages needs 2p - 1 micro-batches however many the plan has; GPipe,
+    holding every micro-batch at once, none fewer; no pipeline 3."""
+    from cost_models.schedules import reduced_microbatches, step_states
+
+    for p, m in ((2, 8), (4, 16), (4, 64), (8, 48)):
+        k = reduced_microbatches("1f1b", p, m)
+        assert k == 2 * p - 1
+        assert all(step_states("1f1b", p, r, k) == step_states("1f1b", p, r, m) for r in range(p))
+        assert any(step_states("1f1b", p, r, k - 1) != step_states("1f1b", p, r, m) for r in range(p))
+    assert reduced_microbatches("gpipe", 4, 16) == 16
+    assert reduced_microbatches("1f1b", 1, 16) == 3
+    k = reduced_microbatches("interleaved_1f1b", 2, 8, 2)
+    assert k < 8 and k % 2 == 0
+
+
+def test_collectives_extrapolate_from_the_middle_microbatches():
+    from autopar.runtime.short_step import ShortStepError, extrapolate
+
+    tp, pp = (0, 1), (0, 2)
+    # 5 micro-batches: the first gathers once more, the last reduce-scatters; 2 receives each
+    ev, ph, tags = [("all_gather", tp)], ["forward_backward"], [None]
+    for i in range(5):
+        extra = [("all_gather", tp)] if i == 0 else [("reduce_scatter", tp)] if i == 4 else []
+        for e in [("all_reduce", tp), ("all_reduce", tp), ("recv", pp), ("recv", pp)] + extra:
+            ev.append(e), ph.append("forward_backward"), tags.append(i)
+    ev.append(("all_reduce", (0, 4))), ph.append("grad_sync"), tags.append(4)
+    full = extrapolate(ev, ph, tags, 5, 20)
+    count = Counter((k, p) for k, _, p in full)
+    assert count[("all_reduce", "forward_backward")] == 40 and count[("recv", "forward_backward")] == 40
+    assert count[("all_gather", "forward_backward")] == 2 and count[("reduce_scatter", "forward_backward")] == 1
+    assert count[("all_reduce", "grad_sync")] == 1
+    tags[tags.index(2)] = 3    # micro-batch 2 one all-reduce short, 3 one more: not alike
+    with pytest.raises(ShortStepError, match="micro-batch 2 issued other collectives"):
+        extrapolate(ev, ph, tags, 5, 20)
+
+
+@pytest.mark.parametrize("layout", ["pp2_tp2", "dp2_zero3"])
+def test_shorter_step_equals_the_full_one(layout):
+    """verify steps fewer micro-batches than the plan's: its peak (per phase), its collectives
+    per phase, the solved layouts' tp collectives and the plan's total equal those of a step of
+    every micro-batch; but for the last stage's loss scalars (4 B per micro-batch left out)."""
+    if layout == "pp2_tp2":   # 1F1B, solved tp layouts: 8 micro-batches, 4 stepped
+        world, cons = 4, dict(dp=1, tp=2, pp=2, num_microbatches=8, schedule="1f1b", zero_stage=1)
+    else:                     # no pipeline, ZeRO-3: 8 micro-batches, 4 stepped
+        world, cons = 2, dict(dp=2, tp=1, pp=1, num_microbatches=8, zero_stage=3)
+    ref = "gpt-tiny"
+    cluster = autopar.ClusterSpec.load("dgx-a100-80g", num_nodes=1).model_copy(update={"devices_per_node": world})
+    p = autopar.plan(ref, cluster, global_batch_size=32, constraints=autopar.Constraints(**cons))
+    short = verify(p, ref, jobs=1, check=False)
+    full = verify(p, ref, jobs=1, check=False, all_microbatches=True)
+    assert short.ok and full.ok, (short.failures, full.failures)
+    m = p.num_microbatches
+    stepped = {rc.microbatches_stepped for rc in short.ranks}
+    assert len(stepped) == 1 and stepped.pop() < m and {rc.microbatches_stepped for rc in full.ranks} == {m}
+    assert f"of the plan's {m} micro-batches" in short.summary()
+    for s, f in zip(short.ranks, full.ranks):
+        left_out = 4 * (m - s.microbatches_stepped) if any(st == p.pp * p.virtual_stages - 1 for st in s.stages) else 0
+        assert 0 <= f.tracked_peak_bytes - s.tracked_peak_bytes <= left_out, (s.rank, s.tracked_peak_bytes,
+                                                                             f.tracked_peak_bytes)
+        assert s.collectives == f.collectives and s.tp_measured == f.tp_measured
+    assert short.collectives_measured == full.collectives_measured == short.collectives_predicted

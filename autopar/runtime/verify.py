@@ -120,7 +120,7 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
         track_step,
     )
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     check = RankCheck(rank=kind.rank, stages=kind.stages, coordinate=kind.coordinate,
                       ranks_of_kind=len(kind.ranks), representative=kind.representative)
     pred = predicted_for_rank(plan, kind.rank)
@@ -137,7 +137,7 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
     try:
         bundle = make_bundle()
         skip = baseline()
-        with FakeTensorMode(allow_non_fake_inputs=True), _real_mesh_concatenation():
+        with FakeTensorMode(allow_non_fake_inputs=True), _real_mesh_concatenation(), _device_lists(plan):
             pm = ParallelModel(run_plan, bundle, seed=0)
             batch_fn = bundle.batch_fn or default_batch_fn(bundle.example_inputs)
             batch = pm.local_batch(call_batch_fn(batch_fn, 0, run_plan.global_batch_size, 0))
@@ -180,7 +180,18 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
     finally:
         dist.destroy_process_group()
     check.time_s = time.perf_counter() - t0
+    check.cpu_s = time.process_time() - c0
     return check, events
+
+
+def _device_lists(plan: Plan) -> Any:
+    """The plan's device's autocast op lists on this CPU program: CUDA's for a GPU plan under
+    mixed precision (`device_autocast`), else nothing to change."""
+    from autopar.runtime.device_autocast import cuda_autocast_lists
+
+    if plan.cluster.device.device_type == "cuda" and plan.dtype in ("bf16", "fp16"):
+        return cuda_autocast_lists()
+    return contextlib.nullcontext()
 
 
 def _clear_dtensor_caches() -> None:

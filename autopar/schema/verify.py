@@ -66,6 +66,8 @@ class RankCheck(_Model):
                                       "(`autopar.runtime.short_step`); memory and collectives are the plan's")
     notes: list[str] = Field(default_factory=list)
     time_s: float = 0.0
+    cpu_s: float = Field(default=0.0, description="CPU seconds of the process building and stepping the kind "
+                         "(its wall time less what other processes took from it)")
 
 
 class VerifyReport(_Model):
