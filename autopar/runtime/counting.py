@@ -70,11 +70,14 @@ _KIND = {
     "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
     "reduce_scatter_tensor_coalesced": "reduce_scatter",
     "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all",
+    # DTensor's Shard(i) -> Shard(j) exchange (the executor's `_all_to_all`): one op whose kernel
+    # calls the process group itself, so no c10d op is dispatched inside it (nor on fake tensors)
+    "shard_dim_alltoall": "all_to_all",
     "broadcast_": "broadcast", "broadcast": "broadcast",
     "send": "send_recv", "recv_": "recv", "recv_any_source_": "recv",
     "gather_": "gather", "scatter_": "scatter", "reduce_": "reduce",
 }
-_NAMESPACES = frozenset(("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd"))
+_NAMESPACES = frozenset(("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "_dtensor"))
 from torch.distributed.tensor import DTensor as _DTensor  # noqa: E402
 
 _DEVICE = torch.ops.prim.device.default
