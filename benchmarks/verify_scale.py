@@ -50,7 +50,7 @@ def run_case(case: dict, jobs: int, top: int, all_microbatches: bool = False) ->
                      "predicted": rc.predicted_peak_bytes, "error": rc.memory_error,
                      "tracked_categories": rc.tracked_categories, "predicted_categories": rc.predicted_categories,
                      "build_error": rc.error, "time_s": rc.time_s, "peak_tensors": rc.peak_tensors,
-                     "stepped": rc.microbatches_stepped})
+                     "stepped": rc.microbatches_stepped, "cpu_s": rc.cpu_s})
     return {"case": case["name"], "cluster": f"{case['nodes']} x {case['cluster']}",
             "world_size": p.world_size,
             "layout": f"dp{p.dp} tp{p.tp} pp{p.pp} {p.schedule} M={p.num_microbatches} zero={p.zero_stage}"
@@ -75,9 +75,12 @@ def show(res: dict, top: int) -> None:
         rows.append([",".join(map(str, r["stages"])), str(r["rank"]), str(r["ranks_of_kind"]),
                      format_bytes(r["tracked"]) if not r["build_error"] else "FAILED", r["tracked_phase"],
                      format_bytes(r["predicted"]) if r["predicted"] is not None else "-",
-                     (f"{err:+.1%}" if err is not None else "-") + mark, str(r["stepped"]), f"{r['time_s']:.0f}"])
+                     (f"{err:+.1%}" if err is not None else "-") + mark, str(r["stepped"]), f"{r['time_s']:.0f}",
+                     f"{r['cpu_s']:.0f}"])
     print(format_table(["stage", "rank", "ranks", "tracked peak", "phase", "predicted", "pred-tracked",
-                        "micro-batches stepped", "time s"], rows))
+                        "micro-batches stepped", "time s", "cpu s"], rows))
+    cpu = sum(r["cpu_s"] for r in res["ranks"])
+    print(f"CPU time of the kinds: {cpu:.0f} s in all ({cpu / res['jobs']:.0f} s per worker)")
     for f in res["failures"]:
         print(f"FAIL: {f}")
     for r in res["ranks"]:

@@ -185,12 +185,12 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
 
 
 def _device_lists(plan: Plan) -> Any:
-    """The plan's device's autocast op lists on this CPU program: CUDA's for a GPU plan under
-    mixed precision (`device_autocast`), else nothing to change."""
-    from autopar.runtime.device_autocast import cuda_autocast_lists
+    """What the plan's device runs where this CPU program differs: for a GPU plan, CUDA's
+    autocast lists and fused RMSNorm (`cuda_program`), else nothing to change."""
+    from autopar.runtime.cuda_program import cuda_program
 
-    if plan.cluster.device.device_type == "cuda" and plan.dtype in ("bf16", "fp16"):
-        return cuda_autocast_lists()
+    if plan.cluster.device.device_type == "cuda":
+        return cuda_program()
     return contextlib.nullcontext()
 
 
