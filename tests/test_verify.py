@@ -260,3 +260,41 @@ def test_shorter_step_equals_the_full_one(layout):
                                                                              f.tracked_peak_bytes)
         assert s.collectives == f.collectives and s.tp_measured == f.tp_measured
     assert short.collectives_measured == full.collectives_measured == short.collectives_predicted
+
+
+def test_cuda_program_keeps_what_cuda_keeps():
+    """A GPU plan's ranks are stepped as CUDA runs them: RMSNorm as the fused kernel (same
+    values and gradients; keeps the input and an fp32 rstd per row, not CPU's two fp32 copies)
+    and, under autocast, CUDA's fp32 ops (layer norm, softmax) on fp32 inputs."""
+    import torch
+    import torch.nn.functional as F
+
+    from autopar.runtime.cuda_program import cuda_program
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, 32, requires_grad=True)
+    w = torch.randn(32, requires_grad=True)
+    y = F.rms_norm(x, (32,), w, 1e-5)
+    g = torch.randn_like(y)
+    want = torch.autograd.grad(y, (x, w), g)
+
+    def saved(fn):
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.nbytes) or t, lambda t: t):
+            out = fn()
+        return out, sum(sizes)
+
+    xb, wb = x.detach().bfloat16().requires_grad_(), w.detach().bfloat16().requires_grad_()
+    _, cpu_bytes = saved(lambda: F.rms_norm(xb, (32,), wb, 1e-5))
+    with cuda_program():
+        y2, cuda_bytes = saved(lambda: torch.ops.aten.rms_norm.default(x, [32], w, 1e-5))
+        _, fused_bf16 = saved(lambda: torch.ops.aten.rms_norm.default(xb, [32], wb, 1e-5))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ln = torch.ops.aten.layer_norm.default(xb, [32])
+            sm = torch.softmax(xb, -1)
+    got = torch.autograd.grad(y2, (x, w), g)
+    assert torch.allclose(y, y2, atol=1e-5) and all(torch.allclose(a, b, atol=1e-4) for a, b in zip(want, got))
+    rows = 4 * 6
+    assert fused_bf16 == xb.nbytes + wb.nbytes + 4 * rows < cpu_bytes
+    assert cuda_bytes == x.nbytes + w.nbytes + 4 * rows
+    assert ln.dtype == sm.dtype == torch.float32

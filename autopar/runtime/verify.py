@@ -9,7 +9,10 @@ storages without data; the model comes from the meta device). It runs two traini
 `autopar run` does - every micro-batch of the schedule, backward, gradient sync, optimizer
 step; the first allocates AdamW's state - and the second under the runtime's memory tracker
 (`memory_tracking.track_step`) and collective counter (`counting.CollectiveCounter`, here by
-phase of the step). The process group is destroyed before the next kind.
+phase of the step). The process group is destroyed before the next kind. Each step runs the
+fewest micro-batches reaching the plan's schedule states (`short_step`: the same peak; the
+batch and the forward/backward collectives put back to the plan's), and a GPU plan's ranks run
+CUDA's autocast lists and fused RMSNorm (`cuda_program`), which the CPU program runs otherwise.
 
 Checked per kind: the local shard of every parameter against the plan's placements
 (`rank_kinds.expected_shards`), the tracked peak against the device's capacity (and the plan's
