@@ -405,12 +405,15 @@ def step_states(kind: str, num_stages: int, rank: int, num_microbatches: int,
 NO_PIPELINE_MICROBATCHES = 3
 
 
-def reduced_microbatches(kind: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> int:
+def reduced_microbatches(kind: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1,
+                         rank: Optional[int] = None) -> int:
     """The fewest micro-batches m' <= m for which every rank of the pipeline has the same maximal
     states in a step as with m (`step_states`; the same torch class, and for the interleaved
     schedule a multiple of the depth, as the runtime requires): every state of the full step is
     then at most one of the shorter step's and the reverse, so both reach the same peak, while
     what scales with the micro-batches (transfers, per-micro-batch collectives) is m' of m.
+    `rank`: for that rank of the pipeline alone (a later stage warms up fewer micro-batches:
+    1F1B's rank r needs max(p, 2p - 1 - 2r))
     `autopar verify` steps m' micro-batches. GPipe, which holds every micro-batch at once, has
     no shorter equivalent."""
     p, m, v = int(num_stages), int(num_microbatches), max(int(virtual_stages), 1)
@@ -418,11 +421,12 @@ def reduced_microbatches(kind: str, num_stages: int, num_microbatches: int, virt
         return min(m, NO_PIPELINE_MICROBATCHES)
     cls = torch_schedule(kind, p, m, v)
     step = p if cls == "ScheduleInterleaved1F1B" else 1
-    full = [step_states(kind, p, r, m, v) for r in range(p)]
+    ranks = range(p) if rank is None else [int(rank)]
+    full = {r: step_states(kind, p, r, m, v) for r in ranks}
     for k in range(step, m, step):
         if torch_schedule(kind, p, k, v) != cls or (cls == "ScheduleInterleaved1F1B" and m % k and k % p):
             continue
-        if all(step_states(kind, p, r, k, v) == full[r] for r in range(p)):
+        if all(step_states(kind, p, r, k, v) == full[r] for r in ranks):
             return k
     return m
 

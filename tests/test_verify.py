@@ -208,6 +208,8 @@ def test_fewest_microbatches_with_the_schedules_states():
         assert k == 2 * p - 1
         assert all(step_states("1f1b", p, r, k) == step_states("1f1b", p, r, m) for r in range(p))
         assert any(step_states("1f1b", p, r, k - 1) != step_states("1f1b", p, r, m) for r in range(p))
+    # rank by rank: a later stage warms up fewer micro-batches (1F1B needs at least p)
+    assert [reduced_microbatches("1f1b", 8, 48, rank=r) for r in range(8)] == [15, 13, 11, 9, 8, 8, 8, 8]
     assert reduced_microbatches("gpipe", 4, 16) == 16
     assert reduced_microbatches("1f1b", 1, 16) == 3
     k = reduced_microbatches("interleaved_1f1b", 2, 8, 2)

@@ -4,7 +4,7 @@ A step's micro-batches are alike: a pipeline rank's memory at each action is dec
 schedule's state then (what it holds per chunk: activations, sends, receive buffers, gradients;
 `cost_models.schedules.step_states`), and the same state recurs for every micro-batch of the
 steady phase. `reduced_microbatches` finds the fewest micro-batches m' whose step has the same
-maximal states on every rank as the plan's m (1F1B over p stages: 2p - 1; GPipe and most
+maximal states on the rank as the plan's m (rank r of 1F1B over p stages: max(p, 2p - 1 - 2r); GPipe and most
 interleaved plans: none shorter; no pipeline: 3): stepping m' reaches the same peak, for a
 fraction m'/m of the work. `shortened(plan)` is the plan with m' micro-batches of the same size.
 
@@ -41,13 +41,14 @@ class ShortStepError(ValueError):
     """The shorter step's collectives do not extrapolate (its middle micro-batches differ)."""
 
 
-def shortened(plan: Any) -> tuple[Any, int]:
+def shortened(plan: Any, position: Optional[int] = None) -> tuple[Any, int]:
     """(the plan with the fewest micro-batches whose step reaches the same states, that number);
-    the plan itself when no fewer do."""
+    the plan itself when no fewer do. `position`: for the rank at that place of the pipeline
+    only (0 .. pp - 1), else for every rank."""
     m = plan.num_microbatches
     if plan.zero_stage == 3 and plan.pp > 1:
         return plan, m    # FSDP's gathers in a pipeline follow the order of the actions: all run
-    k = reduced_microbatches(plan.schedule, plan.pp, m, plan.virtual_stages)
+    k = reduced_microbatches(plan.schedule, plan.pp, m, plan.virtual_stages, rank=position)
     # at least two middle micro-batches, whose collectives are checked equal (`extrapolate`)
     k = max(k, MIN_MICROBATCHES)
     if plan.virtual_stages > 1:

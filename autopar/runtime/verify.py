@@ -132,7 +132,9 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
         check.predicted_stage = pred["stage"]
         check.predicted_categories = {k: pred[k] for k in PLAN_CATEGORIES}
     events: list = []
-    run_plan, run = (plan, plan.num_microbatches) if all_microbatches else shortened(plan)
+    # the rank's place in the pipeline: stage i runs on the pp-th device set i mod pp
+    position = min(kind.stages) % plan.pp if plan.pp > 1 and kind.stages else None
+    run_plan, run = (plan, plan.num_microbatches) if all_microbatches else shortened(plan, position)
     check.microbatches_stepped = run
     _clear_dtensor_caches()
     _BUILT.add(_layout(plan))
