@@ -1,7 +1,8 @@
 """`autopar verify` at full scale: the time to build and step every kind of rank of a large plan
 on fake tensors and a fake process group, and what it finds (issue 15).
 
-    python benchmarks/verify_scale.py [--only SUBSTRING] [--jobs N] [--json] [--top N]
+    python benchmarks/verify_scale.py [--only SUBSTRING] [--jobs N] [--json] [--top N] [--rank R ...]
+                                      [--all-microbatches]
 
 Cases: GPT-3 175B on 128 DGX A100 nodes (`autopar plan --model gpt3-175b --cluster dgx-a100-80g
 --nodes 128 -b 1536`) and Llama 2 70B on 8 DGX H100 nodes (`--model llama2-70b --cluster
@@ -32,7 +33,8 @@ CASES = [
 ]
 
 
-def run_case(case: dict, jobs: int, top: int, all_microbatches: bool = False) -> dict:
+def run_case(case: dict, jobs: int, top: int, all_microbatches: bool = False,
+             ranks: list[int] | None = None) -> dict:
     import autopar
     from autopar.planner import plan
     from autopar.runtime.verify import verify
@@ -42,7 +44,8 @@ def run_case(case: dict, jobs: int, top: int, all_microbatches: bool = False) ->
     cluster = autopar.ClusterSpec.load(case["cluster"], num_nodes=case["nodes"])
     p = plan(case["model"], cluster, global_batch_size=case["gbs"], cache=True)
     t_plan = time.perf_counter() - t0
-    rep = verify(p, case["model"], jobs=jobs, top=top, check=False, progress=True, all_microbatches=all_microbatches)
+    rep = verify(p, case["model"], jobs=jobs, top=top, check=False, progress=True, all_microbatches=all_microbatches,
+                 ranks=ranks)
     rows = []
     for rc in rep.ranks:
         rows.append({"rank": rc.rank, "stages": rc.stages, "ranks_of_kind": rc.ranks_of_kind,
@@ -99,6 +102,7 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--top", type=int, default=0, help="largest tensors at the peak of a kind off by > 10%%")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--rank", type=int, action="append", help="verify only the kinds of these ranks")
     ap.add_argument("--all-microbatches", action="store_true",
                     help="step every micro-batch (default: the fewest reaching the same schedule states)")
     a = ap.parse_args()
@@ -107,7 +111,7 @@ def main() -> int:
     out = []
     for case in CASES:
         if a.only in case["name"]:
-            res = run_case(case, a.jobs, a.top, a.all_microbatches)
+            res = run_case(case, a.jobs, a.top, a.all_microbatches, a.rank)
             out.append(res)
             if not a.json:
                 show(res, a.top)

@@ -355,16 +355,20 @@ def _run_kinds(plan: Plan, model: Any, make: Callable[[], ModelBundle], kinds: l
     """`verify_rank` for each kind: in this process one after the other, or over `jobs` worker
     processes (spawned, also with `spawn`; each builds the model from its reference `model`;
     `per_kind`: a fresh process for each kind, see `_isolated`)."""
-    def note(i: int, kind: RankKind) -> None:
+    def note(i: int, kind: RankKind, rc: RankCheck) -> None:
         if progress:
+            got = rc.error or (f"tracked peak {format_bytes(rc.tracked_peak_bytes)}"
+                               + (f", predicted {format_bytes(rc.predicted_peak_bytes)} ({rc.memory_error:+.1%})"
+                                  if rc.memory_error is not None and rc.predicted_peak_bytes is not None else "")
+                               + f", {rc.microbatches_stepped} micro-batches, {rc.cpu_s:.0f} CPU s")
             print(f"autopar verify: rank {kind.rank} (stage {','.join(map(str, kind.stages))}, "
-                  f"{len(kind.ranks)} ranks of its kind) [{i + 1}/{len(kinds)}]", file=sys.stderr, flush=True)
+                  f"{len(kind.ranks)} ranks of its kind) [{i + 1}/{len(kinds)}]: {got}", file=sys.stderr, flush=True)
 
     if jobs <= 1 and not spawn:
         out = []
         for i, kind in enumerate(kinds):
-            note(i, kind)
             out.append(_quiet(verify_rank, plan, make, kind, top=top, all_microbatches=all_microbatches))
+            note(i, kind, out[-1][0])
         return out
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -376,8 +380,8 @@ def _run_kinds(plan: Plan, model: Any, make: Callable[[], ModelBundle], kinds: l
         out = []
         for i, (kind, fut) in enumerate(zip(kinds, futs)):
             rc_json, ev = fut.result()
-            note(i, kind)
             out.append((RankCheck.model_validate_json(rc_json), ev))
+            note(i, kind, out[-1][0])
         return out
 
 
