@@ -64,13 +64,19 @@ def run_case(case: dict, jobs: int, top: int, all_microbatches: bool = False,
             "failures": rep.failures, "capacity": format_bytes(rep.capacity_bytes), "ranks": rows}
 
 
+def _collectives(res: dict) -> str:
+    if res["collectives_match"] is None:
+        return "not combined (not every stage's representative verified)"
+    return "match" if res["collectives_match"] else f"DIFFER: {res['collectives']}"
+
+
 def show(res: dict, top: int) -> None:
     from autopar.schema.plan import format_bytes, format_table
 
     print(f"\n{res['case']} on {res['cluster']} ({res['world_size']} ranks, {res['layout']}): "
           f"{res['kinds']} rank kinds, planned in {res['plan_s']:.1f} s, verified in {res['verify_s']:.1f} s "
           f"({res['jobs']} workers, load average {res['load_before']:.1f} after planning), "
-          f"collectives {'match' if res['collectives_match'] else 'DIFFER: ' + str(res['collectives'])}")
+          f"collectives {_collectives(res)}")
     rows = []
     for r in res["ranks"]:
         err = r["error"]
