@@ -237,16 +237,21 @@ def test_collectives_extrapolate_from_the_middle_microbatches():
         extrapolate(ev, ph, tags, 5, 20)
 
 
-@pytest.mark.parametrize("layout", ["pp2_tp2", "dp2_zero3"])
+@pytest.mark.parametrize("layout", ["pp2_tp2", "dp2_zero3", "interleaved"])
 def test_shorter_step_equals_the_full_one(layout):
     """verify steps fewer micro-batches than the plan's: its peak (per phase), its collectives
     per phase, the solved layouts' tp collectives and the plan's total equal those of a step of
     every micro-batch; but for the last stage's loss scalars (4 B per micro-batch left out)."""
+    from tests.plans import GPT6_REF
+
+    ref = "gpt-tiny"
     if layout == "pp2_tp2":   # 1F1B, solved tp layouts: 8 micro-batches, 4 stepped
         world, cons = 4, dict(dp=1, tp=2, pp=2, num_microbatches=8, schedule="1f1b", zero_stage=1)
-    else:                     # no pipeline, ZeRO-3: 8 micro-batches, 4 stepped
+    elif layout == "dp2_zero3":   # no pipeline, ZeRO-3: 8 micro-batches, 4 stepped
         world, cons = 2, dict(dp=2, tp=1, pp=1, num_microbatches=8, zero_stage=3)
-    ref = "gpt-tiny"
+    else:                     # interleaved, 2 chunks a device: 8 micro-batches, 6 stepped
+        world, ref = 4, GPT6_REF
+        cons = dict(dp=1, tp=2, pp=2, num_microbatches=8, schedule="interleaved_1f1b", virtual_stages=2)
     cluster = autopar.ClusterSpec.load("dgx-a100-80g", num_nodes=1).model_copy(update={"devices_per_node": world})
     p = autopar.plan(ref, cluster, global_batch_size=32, constraints=autopar.Constraints(**cons))
     short = verify(p, ref, jobs=1, check=False)
