@@ -415,7 +415,8 @@ def reduced_microbatches(kind: str, num_stages: int, num_microbatches: int, virt
     `rank`: for that rank of the pipeline alone (a later stage warms up fewer micro-batches:
     1F1B's rank r needs max(p, 2p - 1 - 2r))
     `autopar verify` steps m' micro-batches. GPipe, which holds every micro-batch at once, has
-    no shorter equivalent."""
+    no shorter equivalent. The search's walks use the closed form of the same counts
+    (`equivalent_microbatches`); this walks the states, the proof the shorter step relies on."""
     p, m, v = int(num_stages), int(num_microbatches), max(int(virtual_stages), 1)
     if p == 1 and v == 1:
         return min(m, NO_PIPELINE_MICROBATCHES)
@@ -525,7 +526,8 @@ def equivalent_microbatches(kind: str, num_stages: int, rank: int, num_microbatc
     state once, its cool-down); the interleaved schedule with m a multiple of p: 3p. Both found
     by walking every m up to 80 (1F1B) and 24p (interleaved, v in 2 and 4) for p <= 4, and to 6p
     for p <= 8 (`tests/test_cost_models.py`); GPipe holds every micro-batch at once and has no
-    shorter equivalent. A search asks for m up to thousands: the walks are O(m v) each."""
+    shorter equivalent. A search asks for m up to thousands: the walks are O(m v) each.
+    `reduced_microbatches` checks the same counts on the rank's states (verify's shorter step)."""
     p, r, m, v = int(num_stages), int(rank), int(num_microbatches), max(int(virtual_stages), 1)
     cls = torch_schedule(kind, p, m, v)
     if cls == "Schedule1F1B":

@@ -224,7 +224,7 @@ class _Tables:
         self.range_p2p = send_fwd + send_bwd
         self.zero3 = zero == 3 and dp > 1
         self._relief: dict[str, np.ndarray] = {}
-        # `Search._recompute_terms`, per (recomputation, ZeRO-3 with one micro-batch)
+        # `recompute_terms`, per (recomputation, ZeRO-3 with one micro-batch)
         self._rc_terms: dict[tuple[str, bool], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         # expert parallelism (`set_experts`): ep, and the expert weights' elements per layer range
         self.ep = 1
@@ -459,6 +459,26 @@ class _Tables:
         out = (W, at, np.stack([W - ag - pg - wd, ag, pg, wd], axis=-1))
         self._first[(r, later)] = out
         return out
+
+    def recompute_terms(self, r: str, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per layer range under recomputation `r`, what `Search._best_recompute` adds to the stage's
+        fixed memory, whatever the schedule: (one micro-batch's activations as the stage holds
+        them, the backward's worst transient above them, the first backward's worst moment).
+        The first backward (`_Tables.first_backward`) holds the gradients of the range's later
+        layers, whole (ZeRO-3 with one micro-batch: with every gradient shard, a bound), and
+        under ZeRO-3 the forward's end comes before it (two units gathered, the range's last
+        layer's activations not yet saved). Cached per (r, m == 1)."""
+        shards = self.zero3 and m == 1
+        key = (r, shards)
+        hit = self._rc_terms.get(key)
+        if hit is None:
+            act = self.boundary_acts(self.range_act[r], self.range_in_saved[r], self.range_out_kept[r])
+            work = self.range_work[r] - self.relief(r)
+            first = self.first_backward(r, not shards)[0] + (self.fixed_memory(self.range_pel, m)[1] if shards else 0.0)
+            if self.zero3:
+                first = np.maximum(first, -self.range_last_act(r))
+            hit = self._rc_terms[key] = (act, work, first)
+        return hit
 
     def ranged(self, arr: np.ndarray) -> np.ndarray:
         """`arr[j] - arr[k]` for every layer range [k, j) of a per-layer prefix sum `arr` (one of
@@ -1258,7 +1278,7 @@ class Search:
         best_c = np.full(valid.shape, -1, dtype=int)
         base = np.maximum(fb, rest)
         for ri, r in enumerate(rcs):
-            act, work, first = (x[block] for x in self._recompute_terms(tb, r, m))
+            act, work, first = (x[block] for x in tb.recompute_terms(r, m))
             # before the first backward: the most activations and receive buffers of any
             # moment (all grow until the first backward; its start is the last such moment)
             a_pre = -INF
@@ -1273,27 +1293,6 @@ class Search:
             best_t = np.where(ok, t, best_t)
             best_c = np.where(ok, ri, best_c)
         return best_t, best_c
-
-    @staticmethod
-    def _recompute_terms(tb: "_Tables", r: str, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per layer range under recomputation `r`, what `_best_recompute` adds to the stage's
-        fixed memory, whatever the schedule: (one micro-batch's activations as the stage holds
-        them, the backward's worst transient above them, the first backward's worst moment).
-        The first backward (`_Tables.first_backward`) holds the gradients of the range's later
-        layers, whole (ZeRO-3 with one micro-batch: with every gradient shard, a bound), and
-        under ZeRO-3 the forward's end comes before it (two units gathered, the range's last
-        layer's activations not yet saved). Cached on `tb` per (r, m == 1)."""
-        shards = tb.zero3 and m == 1
-        key = (r, shards)
-        hit = tb._rc_terms.get(key)
-        if hit is None:
-            act = tb.boundary_acts(tb.range_act[r], tb.range_in_saved[r], tb.range_out_kept[r])
-            work = tb.range_work[r] - tb.relief(r)
-            first = tb.first_backward(r, not shards)[0] + (tb.fixed_memory(tb.range_pel, m)[1] if shards else 0.0)
-            if tb.zero3:
-                first = np.maximum(first, -tb.range_last_act(r))
-            hit = tb._rc_terms[key] = (act, work, first)
-        return hit
 
     def _evaluate_hetero(self, cand: Candidate) -> bool:
         """Alpa's DP with its sub-mesh choice: every stage picks its own sub-mesh of dp x T
