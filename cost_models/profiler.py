@@ -290,16 +290,18 @@ def _measure_attention(plan: dict, dev: Any, sync, barrier, report) -> None:
 
 def _measure_optimizer(plan: dict, dev: Any, sync, barrier, report) -> None:
     """One step of the runtime's optimizer (`autopar.runtime.engine.default_optimizer`: AdamW,
-    foreach off, one tensor at a time) over many one-element tensors (the per-tensor cost) and
+    fused on CUDA, elsewhere one tensor at a time) over many one-element tensors (the per-tensor cost) and
     over the parameters of one GPT layer of width `opt_hidden` (the per-element cost, less their
     per-tensor cost). Reports (per-tensor s, per-element s, the layer's width)."""
     import torch
+
+    from autopar.runtime.engine import default_optimizer
 
     def step_time(sizes: list[int]) -> float:
         params = [torch.nn.Parameter(torch.randn(n, device=dev)) for n in sizes]
         for p in params:
             p.grad = torch.randn_like(p)
-        opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)
+        opt = default_optimizer(params)
         barrier()
         return _timeit(opt.step, plan["min_time"] / 4, sync)
 

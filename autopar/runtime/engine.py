@@ -83,7 +83,18 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
 def default_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """AdamW, lr 1e-3 (torch defaults otherwise). foreach off: the same kernels as one process."""
+    """AdamW, lr 1e-3 (torch defaults otherwise). On CUDA the fused kernel, one parameter group per
+    device mesh (DTensors of different meshes never meet in one kernel): GPT-3 1.3B's 292 tensors
+    step in 16.6 ms on an H100 against 41 ms one tensor at a time, with no temporaries
+    (`benchmarks/gpu_step.py optimizer`). Elsewhere one tensor at a time (foreach off): the same
+    kernels as one process, and no multi-tensor temporaries."""
+    params = list(params)
+    if params and all(p.is_cuda for p in params):
+        groups: dict[Any, list[nn.Parameter]] = {}
+        for p in params:
+            mesh = getattr(p, "device_mesh", None)
+            groups.setdefault(id(mesh) if mesh is not None else None, []).append(p)
+        return torch.optim.AdamW([{"params": g} for g in groups.values()], lr=1e-3, fused=True)
     return torch.optim.AdamW(params, lr=1e-3, foreach=False)
 
 

@@ -47,12 +47,15 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def memory_tracking_mode(device: torch.device) -> str:
-    """How `train` measures peak memory: "cuda" (max allocated) on GPU; on CPU "step" (track
-    the first two steps, the default), "all" (every step) or "off" (process RSS), from
-    AUTOPAR_TRACK_MEMORY (unset/1/step, all, 0/off)."""
-    if device.type == "cuda":
+    """How `train` measures peak memory: "cuda" (max allocated) on GPU unless AUTOPAR_TRACK_MEMORY
+    is set there (then tracked by category as on CPU, besides the allocator's figure); on CPU
+    "step" (track the first two steps, the default), "all" (every step) or "off" (process RSS),
+    from AUTOPAR_TRACK_MEMORY (unset/1/step, all, 0/off)."""
+    if device.type == "cuda" and "AUTOPAR_TRACK_MEMORY" not in os.environ:
         return "cuda"
     v = os.environ.get("AUTOPAR_TRACK_MEMORY", "step").strip().lower()
+    if device.type == "cuda" and v in ("0", "off", "false", "no", "rss"):
+        return "cuda"
     if v in ("0", "off", "false", "no", "rss"):
         return "off"
     if v == "all":
