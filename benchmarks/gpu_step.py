@@ -11,7 +11,10 @@ prediction: the median step after the first against `predicted.iteration_time_s`
     python benchmarks/gpu_step.py profile --out DIR --only NAME   # torch.profiler ops of one case
     python benchmarks/gpu_step.py optimizer --out DIR --only NAME # AdamW variants on a case's parameters
     python benchmarks/gpu_step.py gemm --out DIR                  # bf16 GEMMs, aligned against not
-    python benchmarks/gpu_step.py report --out DIR [--cluster P]  # the table; with P (e.g. a profile
+    python benchmarks/gpu_step.py report --out DIR [--metrics M] [--cluster P]  # the table (plans made
+                                                                  # where missing; M: measured summaries,
+                                                                  # e.g. benchmarks/results/h100-2026-11-25/
+                                                                  # after); with P (e.g. a profile
                                                                   # measured by `autopar profile`) the
                                                                   # same layouts re-predicted on it
 
@@ -264,10 +267,15 @@ def _repredict(out: Path, name: str, model: str, batch: int, plan: dict, cluster
     return json.loads(dest.read_text())
 
 
-def report(out: Path, cluster: str | None, only: str | None, as_json: bool) -> None:
+def report(out: Path, cluster: str | None, only: str | None, as_json: bool, metrics: Path | None = None) -> None:
+    """The table: every case's plan in DIR/plans (planned now where missing, so a report of committed
+    measurements, `--metrics`, uses today's cost model) against its measured summary."""
+    missing = [c[0] for c in _cases(only) if not (out / "plans" / f"{c[0]}.json").exists()]
+    if missing:
+        plan_cases(out, "dgx-h100", ",".join(missing))
     rows = []
     for name, model, batch, _ in _cases(only):
-        pf, mf = out / "plans" / f"{name}.json", out / "metrics" / f"{name}.jsonl"
+        pf, mf = out / "plans" / f"{name}.json", (metrics or out / "metrics") / f"{name}.jsonl"
         if not pf.exists():
             continue
         plan = json.loads(pf.read_text())
@@ -321,6 +329,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per case run")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--metrics", type=Path, help="report: the measured summaries (default DIR/metrics), e.g. "
+                    "benchmarks/results/h100-2026-11-25/after")
     a = ap.parse_args()
     if a.action == "plan":
         plan_cases(a.out, a.cluster or "dgx-h100", a.only)
@@ -335,7 +345,7 @@ def main() -> None:
         for name in (a.only or "gpt3-1.3b").split(","):
             optimizer_case(a.out, name)
     else:
-        report(a.out, a.cluster, a.only, a.json)
+        report(a.out, a.cluster, a.only, a.json, a.metrics)
 
 
 if __name__ == "__main__":

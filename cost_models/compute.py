@@ -389,6 +389,39 @@ def _attention_node_time(n, index: dict, device: DeviceSpec, dtype: str, shard: 
     return attention_time(shapes[0], shapes[1], shapes[2], device, dtype, shard, float(p or 0.0), kernel)
 
 
+def _alignment_bytes(dim: int, esz: int) -> int:
+    """Bytes of the largest power-of-two alignment of a dimension of `dim` elements of `esz` bytes."""
+    d = int(dim)
+    return esz * (d & -d) if d > 0 else esz
+
+
+def gemm_alignment_factor(n, index: Optional[dict], device: DeviceSpec, dtype: str) -> float:
+    """Fraction of its aligned rate a captured matrix op runs at on `device` given the alignment of
+    its contiguous dimensions (`DeviceSpec.gemm_alignment`): K, the last dimension of its first
+    input, and N, its output's last. An H100 runs an LM head of vocabulary 50257 (odd) at about a
+    fifth of the rate of 50304 (`benchmarks/results/h100-2026-11-25/gemm_alignment.txt`). The
+    unsharded dimensions are judged: a tensor-parallel split of an aligned N usually stays
+    aligned. 1 when the profile has no table or the shapes are unknown."""
+    table = device.gemm_alignment
+    if not table or n.op not in MATRIX_OPS or n.op in FUSED_ATTENTION or not n.outputs:
+        return 1.0
+    src = (index or {}).get(n.inputs[0]) if n.inputs else None
+    if src is None or not src.outputs or not src.outputs[0].shape or not n.outputs[0].shape:
+        return 1.0
+    try:
+        k, nn_ = int(src.outputs[0].shape[-1]), int(n.outputs[0].shape[-1])
+    except (TypeError, ValueError):   # a symbolic dimension: unknown alignment
+        return 1.0
+    esz = DTYPE_SIZE.get(dtype, 4)
+    worst = min(_alignment_bytes(k, esz), _alignment_bytes(nn_, esz))
+    pts = sorted((p.bytes, p.efficiency) for p in table)
+    eff = pts[0][1]
+    for b, e in pts:
+        if worst >= b:
+            eff = e
+    return eff
+
+
 def node_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
               index: Optional[dict] = None, attention_kernel: AttentionKernel = "fused") -> tuple[float, float]:
     """(forward, backward) seconds of one captured op at a concrete batch with its work split
@@ -411,6 +444,9 @@ def node_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
     else:
         fwd = op_time(n.op, flops, nbytes, device, dtype)
         bwd = op_backward_time(n.op, flops, nbytes, device, dtype)
+        align = gemm_alignment_factor(n, index, device, dtype)
+        if align < 1.0:
+            fwd, bwd = fwd / align, bwd / align
     if n.op in ("arange", "zeros", "ones", "full", "empty") or n.op == "to" and not n.inputs:
         bwd = 0.0
     return fwd, bwd

@@ -309,6 +309,38 @@ def test_gpu_profiles_keep_the_formulas(name: str) -> None:
         op_backward_time("scaled_dot_product_attention", flops, nbytes, dev, "bf16"))
 
 
+def test_misaligned_gemm_costs_what_the_h100_measured() -> None:
+    """A language-model head whose vocabulary is odd (GPT-2's 50257) runs at about a fifth of the
+    aligned rate on an H100 (cuBLAS's slower kernels below 16-byte alignment), one a multiple of 2
+    or 4 elements at about a third; the profile's measured table prices that, the rows M do not
+    matter, and a profile without the table (A100 here) charges nothing."""
+    import torch.nn as nn
+
+    from autopar.capture import capture
+    from cost_models.compute import gemm_alignment_factor, node_time
+
+    h100, a100 = ClusterSpec.load("dgx-h100").device, ClusterSpec.load("dgx-a100-80g").device
+
+    def head_time(vocab: int, rows: int = 64, dev=h100) -> tuple[float, float]:
+        g = capture(nn.Linear(256, vocab, bias=False), (torch.zeros(rows, 256),)).at_batch(rows)
+        index = {n.name: n for n in g.nodes}
+        (lin,) = [n for n in g.calls if n.op == "linear"]
+        return node_time(lin, dev, "bf16", 1.0, index)
+
+    aligned, odd, even2 = head_time(50304), head_time(50257), head_time(30522)
+    assert odd[0] / aligned[0] == pytest.approx(50257 / 50304 / 0.195, rel=0.02)
+    assert odd[1] / aligned[1] == pytest.approx(50257 / 50304 / 0.195, rel=0.02)
+    assert even2[0] > head_time(30528)[0] * 2.5            # 30522 = 2 x 15261: 4-byte aligned
+    assert head_time(50304, rows=63) == pytest.approx(head_time(50304, rows=64), rel=0.05)
+    assert head_time(50257, dev=a100)[0] < 1.1 * head_time(50304, dev=a100)[0]
+    assert a100.gemm_alignment is None
+    g = capture(nn.Linear(255, 512), (torch.zeros(8, 255),)).at_batch(8)      # K odd
+    index = {n.name: n for n in g.nodes}
+    (lin,) = [n for n in g.calls if n.op == "linear"]
+    assert gemm_alignment_factor(lin, index, h100, "bf16") == 0.195
+    assert gemm_alignment_factor(lin, index, h100, "fp32") == 0.345    # 4 bytes an element
+
+
 def test_cluster_file_with_measured_costs_loads(tmp_path) -> None:
     import yaml
 

@@ -66,6 +66,16 @@ class OptimizerCost(_Strict):
     per_element_s: float = Field(ge=0, description="seconds per parameter element and step")
 
 
+class AlignmentPoint(_Strict):
+    """A matrix op's efficiency when its least-aligned contiguous dimension (the reduction
+    dimension K or the output's N, not the rows M) is a multiple of `bytes` bytes and of no larger
+    power of two up to the next point, relative to the same op with every dimension aligned."""
+
+    bytes: int = Field(ge=1, description="alignment of K and N in bytes (element size x largest power of two "
+                                         "dividing the dimension)")
+    efficiency: float = Field(gt=0, le=1, description="fraction of the aligned op's rate")
+
+
 class DeviceSpec(_Strict):
     """One accelerator (or one CPU process when profiling a CPU machine)."""
 
@@ -96,6 +106,10 @@ class DeviceSpec(_Strict):
     attention_flops: Optional[dict[str, list[AttentionPoint]]] = Field(
         default=None, description="measured forward and backward rates of the fused attention kernel "
         "by dtype and size; None: fused attention runs at the GEMM efficiency curve")
+    gemm_alignment: Optional[list[AlignmentPoint]] = Field(
+        default=None, description="measured efficiency of matrix ops whose K or N is not a multiple of "
+        "the kernel's preferred alignment (cuBLAS takes slower kernels below 16 bytes), by alignment in "
+        "bytes; None: no penalty")
     optimizer_step: Optional[OptimizerCost] = Field(
         default=None, description="measured cost of one optimizer step per parameter tensor and "
         "per element; None: memory-bound bytes per parameter over memory_bandwidth")
