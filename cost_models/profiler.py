@@ -35,6 +35,7 @@ from typing import Any
 import yaml
 
 from autopar.schema.cluster import (
+    AlignmentPoint,
     AttentionPoint,
     ClusterSpec,
     DeviceSpec,
@@ -54,7 +55,7 @@ WINDOWS = 5
 def _plan(quick: bool, cuda: bool) -> dict[str, Any]:
     """What to measure: sizes and time budgets (quick mode: a few points, for tests)."""
     if cuda:
-        return dict(gemm=[256, 512, 1024, 2048, 4096, 8192], dtypes=["fp32", "bf16"],
+        return dict(gemm=[256, 512, 1024, 2048, 4096, 8192], dtypes=["fp32", "bf16"], align=4096,
                     coll=[2 ** k for k in range(10, 31, 2)], copy_bytes=1 << 30, min_time=0.05,
                     vector_elems=1 << 26, opt_hidden=2048, linear=(8192, 4096, 16384),
                     attention=[(512, 64), (1024, 64), (2048, 128), (4096, 128)], attention_flops=2.0 ** 36)
@@ -159,6 +160,28 @@ def _measure_gemm(plan: dict, dev: Any, sync, barrier, report) -> None:
             barrier()
             s = _timeit(lambda a=a, b=b: torch.mm(a, b), plan["min_time"], sync)
             report("gemm", (dt, n, 2.0 * n ** 3, s))
+    n = plan.get("align")
+    if n:
+        _measure_alignment(n, plan, dev, sync, barrier, report)
+
+
+# output widths of the alignment probe, offsets from a multiple of 8 elements: 2-byte elements
+# make them 16 (aligned), 2 (odd), 4 and 8 bytes of alignment
+_ALIGN_OFFSETS = {16: 8, 2: 1, 4: 2, 8: 4}
+
+
+def _measure_alignment(n: int, plan: dict, dev: Any, sync, barrier, report) -> None:
+    """bf16 torch.mm of (n x n) by (n x n+d) for d giving the output width each alignment
+    (`_ALIGN_OFFSETS`; cuBLAS takes slower kernels below 16 bytes): reports (bytes of alignment,
+    FLOPs, seconds); `_build_spec` turns them into `DeviceSpec.gemm_alignment`."""
+    import torch
+
+    a = torch.randn(n, n, device=dev).to(torch.bfloat16)
+    for align, d in _ALIGN_OFFSETS.items():
+        b = torch.randn(n, n + d, device=dev).to(torch.bfloat16)
+        barrier()
+        s = _timeit(lambda b=b: torch.mm(a, b), plan["min_time"], sync)
+        report("gemm_align", (align, 2.0 * n * n * (n + d), s))
 
 
 def _measure_copy(plan: dict, dev: Any, sync, barrier, report) -> None:
@@ -406,6 +429,7 @@ def profile_machine(output: Path, *, num_processes: int | None = None, quick: bo
     if n == 1:
         plan["coll"] = []         # one device: nothing to communicate with
     total_steps = (len(plan["dtypes"]) * (len(plan["gemm"]) + len(plan["attention"])) + 6
+                   + (len(_ALIGN_OFFSETS) if plan.get("align") else 0)
                    + len(KINDS) * len(plan["coll"]))
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
@@ -414,8 +438,9 @@ def profile_machine(output: Path, *, num_processes: int | None = None, quick: bo
     procs = [ctx.Process(target=_worker, args=(r, n, port, plan, threads, q), daemon=True) for r in range(n)]
     for p in procs:
         p.start()
-    results: dict[str, list] = {"gemm": [], "copy": [], "vector": [], "vector_bwd": [], "overhead": [],
-                                "attention": [], "optimizer": [], "linear": [], "coll": [], "unsupported": []}
+    results: dict[str, list] = {"gemm": [], "gemm_align": [], "copy": [], "vector": [], "vector_bwd": [],
+                                "overhead": [], "attention": [], "optimizer": [], "linear": [], "coll": [],
+                                "unsupported": []}
 
     bar = None
     if progress:
@@ -499,11 +524,20 @@ def _measured_costs(res: dict[str, list], how: str) -> tuple[dict[str, Any], dic
             f"{how}: causal torch scaled_dot_product_attention forward and backward (torch.autograd.grad) "
             f"per dtype and (sequence, head dim), FLOPs 4*b*h*s*s*d (causality not discounted), "
             f"the backward's 2.5x that")
+    if res.get("gemm_align"):
+        rates = {align: flops / sec for align, flops, sec in res["gemm_align"]}
+        if 16 in rates and len(rates) > 1:
+            fields["gemm_alignment"] = [AlignmentPoint(bytes=b, efficiency=min(1.0, r / rates[16]))
+                                        for b, r in sorted(rates.items())]
+            sources["gemm_alignment"] = (
+                f"{how}: bf16 torch.mm of 4096 x 4096 by 4096 x N with N a multiple of 8 elements, "
+                f"of 1, 2 and 4 only (16, 2, 4 and 8 bytes of alignment), each rate over the aligned one")
     if res.get("optimizer"):
         per_tensor, per_elem, h = res["optimizer"][0]
         fields["optimizer_step"] = OptimizerCost(per_tensor_s=per_tensor, per_element_s=per_elem)
         sources["optimizer_step"] = (
-            f"{how}: torch.optim.AdamW(foreach=False) step (the runtime's default optimizer) over 64 "
+            f"{how}: the runtime's AdamW step (engine.default_optimizer: fused on CUDA, else one tensor at a "
+            f"time) over 64 "
             f"one-element tensors (per tensor) and over the parameters of a GPT layer of width {h} "
             f"({sum(_layer_param_sizes(h))} elements in {len(_layer_param_sizes(h))} tensors; per element, "
             f"less their per-tensor cost)")

@@ -62,3 +62,19 @@ def test_layer_param_sizes_are_a_gpt_layer() -> None:
     h = 256
     sizes = _layer_param_sizes(h)
     assert len(sizes) == 12 and sum(sizes) == 12 * h * h + 13 * h
+
+
+def test_alignment_probe_becomes_the_profile_table() -> None:
+    """On a GPU the profiler times bf16 GEMMs whose output width is aligned to 16, 8, 4 and 2 bytes;
+    the rates over the aligned one are the profile's `gemm_alignment` (capped at 1: noise never
+    makes a ragged width faster), which the cost model then applies (CPU profiles measure none)."""
+    from cost_models.profiler import _measured_costs, _plan
+
+    f = 2.0 * 4096 ** 3
+    res = {"gemm_align": [(16, f, 1e-3), (2, f, 5e-3), (4, f, 3e-3), (8, f, 0.9e-3)]}
+    fields, sources = _measured_costs(res, "measured")
+    assert [(p.bytes, round(p.efficiency, 3)) for p in fields["gemm_alignment"]] == [
+        (2, 0.2), (4, 0.333), (8, 1.0), (16, 1.0)]
+    assert "gemm_alignment" in sources
+    assert _plan(False, cuda=True).get("align") and not _plan(False, cuda=False).get("align")
+    assert "gemm_alignment" not in _measured_costs({"gemm_align": []}, "measured")[0]
