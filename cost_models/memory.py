@@ -1189,9 +1189,19 @@ class PhaseMemory:
 
 
 # AdamW's temporaries per parameter tensor it steps (torch's single-tensor AdamW, what the
-# runtime's `default_optimizer` runs): `exp_avg_sq.sqrt()` and its quotient by the bias
+# runtime's `default_optimizer` runs off CUDA): `exp_avg_sq.sqrt()` and its quotient by the bias
 # correction are live together, two fp32 tensors the size of the tensor stepped
 ADAMW_TEMPORARIES = 2
+
+# Device types on which the runtime's `default_optimizer` runs torch's fused AdamW kernel, which
+# updates in place and makes no temporaries (measured on an H100: 0 bytes beyond its inputs,
+# benchmarks/results/h100-2026-11-25/optimizer.txt); elsewhere it steps one tensor at a time.
+FUSED_OPTIMIZER_DEVICES = frozenset({"cuda"})
+
+
+def fused_optimizer(device_type: Optional[str]) -> bool:
+    """Whether the runtime's optimizer on `device_type` is the fused kernel (no temporaries)."""
+    return (device_type or "cuda") in FUSED_OPTIMIZER_DEVICES
 
 
 def adamw_temporary_elems(sizes: Iterable[float]) -> float:
@@ -1225,7 +1235,7 @@ def reduce_scatter_copies_input(device_type: Optional[str]) -> bool:
 def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, dp: int = 1, *,
                    num_microbatches: int = 1, gathered_params: Any = 0.0,
                    optimizer_temps: Any = 0.0, prefetch_params: Any = 0.0,
-                   rs_copies_input: bool = False) -> list[PhaseMemory]:
+                   rs_copies_input: bool = False, fused_optimizer: bool = False) -> list[PhaseMemory]:
     """Model-state bytes per device in each phase of a step, as `autopar.runtime` keeps them
     (activations left at 0: the caller adds them to "forward_backward"). `num_params` are the
     device's parameter elements (after tensor and pipeline parallelism; numbers or numpy
@@ -1233,7 +1243,8 @@ def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, d
     root unit's and the layer running), `prefetch_params` those in flat all-gather outputs
     (FSDP2's next unit, prefetched; counted as buffers); `optimizer_temps` the elements of
     the fp32 temporaries AdamW holds at its worst stepping the device's parameter tensors one
-    by one (`adamw_temporary_elems`; ZeRO-1/2 step one flat shard of num_params / D). Per parameter, with w, g, o the
+    by one (`adamw_temporary_elems`; ZeRO-1/2 step one flat shard of num_params / D), none when
+    `fused_optimizer` (the runtime's AdamW on CUDA, `fused_optimizer()`). Per parameter, with w, g, o the
     policy's bytes (bf16: 2, 2, 12) and D = dp:
 
     - ZeRO 0: w + g + o through the step; the gradient sync copies the gradients into one flat
@@ -1265,7 +1276,8 @@ def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, d
     D = max(int(dp), 1)
     P = num_params
     z = zero_stage if D > 1 else 0
-    temp = 4.0 * optimizer_temps
+    temp = 0.0 if fused_optimizer else 4.0 * optimizer_temps
+    flat_temps = 0.0 if fused_optimizer else ADAMW_TEMPORARIES
     if z == 0:
         fb = PhaseMemory("forward_backward", w * P, g * P, o * P, 0.0 * P)
         out = [fb]
@@ -1279,7 +1291,7 @@ def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, d
                 # the flat buffer is allocated while every gradient is alive (`zero._zero12_step`)
                 PhaseMemory("grad_sync", w * P, g * P, opt, g * P),
                 PhaseMemory("grad_sync", w * P, 0.0 * P, opt, g * P * (2 if rs_copies_input else 1) + g * P / D),
-                PhaseMemory("optimizer_step", w * P, 4.0 * P / D, opt, ADAMW_TEMPORARIES * 4.0 * P / D),
+                PhaseMemory("optimizer_step", w * P, 4.0 * P / D, opt, flat_temps * 4.0 * P / D),
                 PhaseMemory("grad_sync", w * P, 0.0 * P, opt, w * P + w * P / D)]
     # ZeRO 3
     grads = g * P if num_microbatches > 1 else 4.0 * P / D
@@ -1338,7 +1350,7 @@ def peak_memory(num_params: float, activation_bytes: float, device: DeviceSpec, 
     the forward/backward phase; against `usable_memory(device)`."""
     n = inflight_microbatches(schedule, num_stages, stage, num_microbatches, virtual_stages)
     phases = runtime_phases(num_params, policy, zero_stage, dp, num_microbatches=num_microbatches,
-                            gathered_params=gathered_params)
+                            gathered_params=gathered_params, fused_optimizer=fused_optimizer(device.device_type))
     acts = activation_bytes * n
     best = max(phases, key=lambda ph: ph.total + (acts + working_bytes if ph.phase == "forward_backward" else 0))
     on = best.phase == "forward_backward"

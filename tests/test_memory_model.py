@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import autopar
+from autopar.runtime.engine import default_optimizer
 from cost_models.memory import adamw_temporary_elems, inflight_microbatches, runtime_phases
 from cost_models.schedules import (
     ACTS,
@@ -669,11 +670,15 @@ def test_show_prints_headroom_and_the_peak_breakdown():
                         constraints=autopar.Constraints(dp=8, tp=1, pp=1, zero_stage=0))
     text = plan.summary()
     assert "73.60 GiB usable (6.40 GiB of the device's 80.00 GiB kept as headroom, an estimate" in text
-    # a tiny model at 2 samples per rank peaks in the optimizer step, where the fp32 gradients
-    # of the masters (4 bytes per parameter) replace the bf16 ones
+    # a tiny model at 2 samples per rank: the optimizer step holds the fp32 gradients of the
+    # masters (4 bytes per parameter) in place of the bf16 ones and, fused AdamW on CUDA, no
+    # temporaries: as much as the gradient sync (the flat buffer beside the bf16 gradients)
     n = plan.model.num_params
-    assert "peak memory at optimizer step of stage 0: weights" in text
-    assert plan.stages[0].predicted.gradients_bytes == pytest.approx(4 * n)
+    phases = plan.stages[0].predicted.phases
+    assert phases["optimizer_step"].gradients_bytes == pytest.approx(4 * n)
+    assert phases["optimizer_step"].peak_memory_bytes == pytest.approx(phases["grad_sync"].peak_memory_bytes)
+    assert "peak memory at forward backward of stage 0: weights" in text
+    assert "its other phases' peaks: grad sync 529.25 KiB, optimizer step 529.25 KiB" in text
     again = Plan.from_json(plan.to_json())
     sp = again.stages[0].predicted
     assert sp.peak_phase == plan.stages[0].predicted.peak_phase
@@ -1044,7 +1049,7 @@ def test_moments_at_the_peak_are_compared_with_the_one_predicted():
     assert closest_moment(moments, None) == moments[0]
 
 
-def _adamw_step_temporaries(sizes: list[int]) -> int:
+def _adamw_step_temporaries(sizes: list[int], fused: bool = False) -> int:
     """Peak bytes of the tensors torch's single-tensor AdamW allocates in one step over fp32
     parameters of `sizes` elements, seen through a dispatch mode (outputs that are not views of
     an input, freed when their last reference goes)."""
@@ -1077,7 +1082,7 @@ def _adamw_step_temporaries(sizes: list[int]) -> int:
     params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)    # the runtime's default_optimizer
+    opt = default_optimizer(params, fused=fused)                # the runtime's optimizer
     opt.step()
     mode = Track()
     with mode:
@@ -1090,6 +1095,22 @@ def test_adamw_temporaries_as_torch_holds_them(sizes):
     """The optimizer step's temporaries: each tensor's sqrt and quotient, with the quotient of
     the tensor stepped before still referenced by the loop (2·s_i + s_(i-1), fp32)."""
     assert _adamw_step_temporaries(sizes) == 4 * adamw_temporary_elems(sizes)
+
+
+def test_fused_adamw_makes_no_temporaries_and_the_phases_say_so():
+    """On CUDA the runtime steps AdamW with the fused kernel (`default_optimizer`), which updates
+    in place: no temporaries (0 bytes beyond its inputs on an H100, and on CPU here), so a CUDA
+    device's optimizer-step phase holds none and a CPU device's the loop's."""
+    from cost_models.memory import fused_optimizer
+
+    assert _adamw_step_temporaries([4096, 1024, 4096], fused=True) == 0
+    assert fused_optimizer("cuda") and not fused_optimizer("cpu")
+    n, temps = 1e6, 3e5
+    for z, dp in ((0, 1), (1, 4), (3, 4)):
+        loop = runtime_phases(n, "bf16", z, dp, optimizer_temps=temps)[-1 if z != 1 else 3]
+        fused = runtime_phases(n, "bf16", z, dp, optimizer_temps=temps, fused_optimizer=True)[-1 if z != 1 else 3]
+        assert loop.phase == fused.phase == "optimizer_step"
+        assert fused.buffers == 0 and loop.buffers > 0
 
 
 def test_a_norm_computed_in_fp32_saves_its_upcast_at_fp32():

@@ -84,6 +84,7 @@ from cost_models.compute import grad_accumulation_bytes, memory_time, optimizer_
 from cost_models.memory import (
     PRECISION_POLICIES,
     adamw_temporary_elems,
+    fused_optimizer,
     reduce_scatter_copies_input,
     runtime_phases,
     usable_memory,
@@ -512,7 +513,8 @@ class _Tables:
         `largest`: AdamW's temporaries at their worst, elements (`range_maxtensor`)."""
         kw = dict(num_microbatches=m, gathered_params=root + unit if self.zero3 else 0.0,
                   prefetch_params=unit if self.zero3 else 0.0, optimizer_temps=largest,
-                  rs_copies_input=reduce_scatter_copies_input(self.cluster.device.device_type))
+                  rs_copies_input=reduce_scatter_copies_input(self.cluster.device.device_type),
+                  fused_optimizer=fused_optimizer(self.cluster.device.device_type))
         out = runtime_phases(pel, self.dtype, self.zero, self.dp, **kw)
         if self.ep > 1 and self.zero in (1, 2) and self.dp > 1:
             # ZeRO shards an expert's optimizer state over the dp / ep ranks holding it, not over
@@ -1028,7 +1030,9 @@ class Search:
                                                 float(self.experts.expert_elems(cs).sum()) / pp if ep > 1 else 0.0)
                     ideal, pel, slowest, epel = bounds[(solved, ep)]
                     # memory lower bound: the model states of an average stage, no activations
-                    states = max(ph.total for ph in runtime_phases(pel, self.dtype, z, dp, num_microbatches=m))
+                    states = max(ph.total for ph in runtime_phases(
+                        pel, self.dtype, z, dp, num_microbatches=m,
+                        fused_optimizer=fused_optimizer(self.cluster.device.device_type)))
                     if states > self.budget:
                         self.min_memory = min(self.min_memory, states)
                         self.considered_infeasible += len(self.schedules(pp, m))

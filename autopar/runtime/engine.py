@@ -82,14 +82,18 @@ from autopar.schema.plan import Plan, StagePlan
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
-def default_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+def default_optimizer(params: list[nn.Parameter], fused: Optional[bool] = None) -> torch.optim.Optimizer:
     """AdamW, lr 1e-3 (torch defaults otherwise). On CUDA the fused kernel, one parameter group per
     device mesh (DTensors of different meshes never meet in one kernel): GPT-3 1.3B's 292 tensors
     step in 16.6 ms on an H100 against 41 ms one tensor at a time, with no temporaries
     (`benchmarks/gpu_step.py optimizer`). Elsewhere one tensor at a time (foreach off): the same
-    kernels as one process, and no multi-tensor temporaries."""
+    kernels as one process, and no multi-tensor temporaries. `fused` forces the choice (verify
+    steps a GPU plan's program on CPU with the GPU's optimizer; the memory model follows
+    `cost_models.memory.fused_optimizer`)."""
     params = list(params)
-    if params and all(p.is_cuda for p in params):
+    if fused is None:
+        fused = bool(params) and all(p.is_cuda for p in params)
+    if fused:
         groups: dict[Any, list[nn.Parameter]] = {}
         for p in params:
             mesh = getattr(p, "device_mesh", None)

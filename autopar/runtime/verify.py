@@ -26,6 +26,7 @@ loss's value (NaN), the warm-up vote of torch.pipelining (`pipeline._vote_static
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import time
 import warnings
@@ -114,7 +115,7 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from autopar.runtime.engine import ParallelModel
+    from autopar.runtime.engine import ParallelModel, default_optimizer
     from autopar.runtime.memory_tracking import (
         PLAN_CATEGORIES,
         baseline,
@@ -122,6 +123,7 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
         relative_error,
         track_step,
     )
+    from cost_models.memory import fused_optimizer
 
     t0, c0 = time.perf_counter(), time.process_time()
     check = RankCheck(rank=kind.rank, stages=kind.stages, coordinate=kind.coordinate,
@@ -143,7 +145,9 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
         bundle = make_bundle()
         skip = baseline()
         with FakeTensorMode(allow_non_fake_inputs=True), _real_mesh_concatenation(), _device_lists(plan):
-            pm = ParallelModel(run_plan, bundle, seed=0)
+            # the optimizer the plan's device runs (fused AdamW on CUDA: no temporaries)
+            opt = functools.partial(default_optimizer, fused=fused_optimizer(plan.cluster.device.device_type))
+            pm = ParallelModel(run_plan, bundle, seed=0, optimizer_factory=opt)
             batch_fn = bundle.batch_fn or default_batch_fn(bundle.example_inputs)
             batch = pm.local_batch(call_batch_fn(batch_fn, 0, run_plan.global_batch_size, 0))
             pm.train_step(batch)            # `autopar run`'s first step: allocates the optimizer's state
