@@ -258,16 +258,10 @@ def _placements(graph: OpGraph, layers: list[Layer], costs, k: int, j: int, modu
 
 def _extra_flops(graph1: OpGraph, layer: Layer, recompute: str, tp: int) -> float:
     """Forward FLOPs re-run per sample by `recompute` in `layer` on a stage of tp degree `tp`
-    (graph at batch 1; `Layer.selective_region`)."""
+    (graph at batch 1; `Layer.recomputed_ops`)."""
     if recompute == "full":
         return sum(graph1.node(n).flops for n in layer.block_nodes)
-    if recompute == "selective" and layer.selective_region(tp) == "module":
-        held = layer.recompute_modules.get("selective", "")
-        return sum(graph1.node(n).flops for n in layer.block_nodes
-                   if ((graph1.node(n).module_path or "") + ".").startswith(held + "."))
-    if recompute == "selective":
-        return sum(graph1.node(n).flops for n in layer.selective_ops)
-    return 0.0
+    return sum(graph1.node(n).flops for n in layer.recomputed_ops(recompute, tp))
 
 
 def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: SearchResult, gbs: int,
@@ -495,7 +489,9 @@ def _recomputed(dry: LayerCounts, i: int, recompute: str) -> Counter:
     stops at the last saved tensor), else Megatron's whole re-run forward."""
     if recompute == dry.recompute or recompute == "none":
         return Counter()
-    return dry.block_fwd[i] if recompute == "full" else dry.attn_fwd[i] if recompute == "selective" else Counter()
+    if recompute == "full":
+        return dry.block_fwd[i]
+    return dry.attn_fwd[i] if recompute in ("selective", "attention") else Counter()
 
 
 def _dry_counts(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, c: Candidate, layers: list[Layer],

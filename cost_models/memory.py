@@ -35,6 +35,10 @@ Recomputation (Korthikanti et al. 2022, arXiv 2205.05198):
   selective then buys almost no memory for one attention forward of time. `selective_region=
   "module"`: a stage run module by module whose core spans several calls, which a module's
   forward cannot cut out, checkpoints the module holding it whole (`checkpointed_module`).
+- "attention" checkpoints the module holding each layer's attention core whole
+  (`checkpointed_module`: its q/k/v and output projections too): the module keeps its input,
+  every tensor its ops save is re-made in the backward (the region of "selective" with
+  `selective_region="module"`, which does not apply to "attention").
 `count_inputs=False`: graph inputs (the model's batch) are not activations: the runtime holds
 the rank's rows of the step's batch through the step anyway (the planner counts them as the
 stage's batch) and a micro-batch's slice of them is a view, so an op saving it adds nothing;
@@ -64,11 +68,10 @@ import numpy as np
 
 from autopar.capture.flops import VIEW_OPS, is_view
 from autopar.schema.cluster import DeviceSpec
+from autopar.schema.constraints import RECOMPUTES, Recompute
 from autopar.schema.constraints import Schedule as ScheduleName  # the registry's names
 from autopar.schema.software import AttentionKernel
 from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, attention_core, bytes_scale
-
-Recompute = Literal["none", "selective", "full"]
 
 # bytes per parameter: (weights, gradients, optimizer states incl. fp32 master) by precision policy
 PRECISION_POLICIES: dict[str, tuple[float, float, float]] = {
@@ -455,14 +458,17 @@ def checkpointed_module(block: list, rec: str) -> Optional[str]:
     block's own, which the runtime checkpoints whole), "selective" the one holding its attention
     core's ops (`attention_core`: `blocks.3.attn`, `model.layers.3.self_attn`; the block's when
     the core runs in the block's own forward or it has none), where a stage run module by module
-    recomputes the core (`runtime.selective`). None: nothing to recompute. The planner writes it
-    into the plan (`StagePlan.recompute_modules`)."""
-    if rec not in ("full", "selective") or not block:
+    recomputes the core (`runtime.selective`); "attention" that same module, checkpointed whole,
+    None when the block has no core. None: nothing to recompute. The planner writes it into the
+    plan (`StagePlan.recompute_modules`)."""
+    if rec not in ("full", "selective", "attention") or not block:
         return None
     whole = _common_module(n.module_path or "" for n in block)
     if rec == "full":
         return whole or None
     core = attention_core(block)
+    if rec == "attention" and not core:
+        return None
     inner = _common_module(n.module_path or "" for n in block if n.name in core) if core else whole
     if whole and inner != whole and not inner.startswith(whole + "."):
         inner = whole
@@ -487,11 +493,13 @@ def checkpoint_region_of(calls: list, rec: str, selective_region: str) -> dict[s
     under `selective_region="ops"` each layer's `selective_ops` (what the runtime runs under
     torch's selective checkpoint), under "module" the ops inside the layer's
     `checkpointed_module` (a stage run module by module whose attention core spans several
-    calls checkpoints that module whole). Ops whose `layer` is None are outside every repeated
-    block."""
+    calls checkpoints that module whole), as "attention" does on every stage. Ops whose `layer`
+    is None are outside every repeated block."""
     if rec == "full":
         return {n.name: n.layer for n in calls}
-    if rec != "selective" or selective_region not in ("ops", "module"):
+    if rec == "attention":
+        selective_region = "module"
+    elif rec != "selective" or selective_region not in ("ops", "module"):
         return {n.name: None for n in calls}
     by_layer: dict[str, list] = {}
     for n in calls:
@@ -500,7 +508,7 @@ def checkpoint_region_of(calls: list, rec: str, selective_region: str) -> dict[s
     if selective_region == "ops":
         redo = {x: layer for layer, ns in by_layer.items() for x in selective_ops(ns)}
         return {n.name: redo.get(n.name) for n in calls}
-    module = {layer: checkpointed_module(ns, "selective") for layer, ns in by_layer.items()}
+    module = {layer: checkpointed_module(ns, rec) for layer, ns in by_layer.items()}
     out: dict[str, Optional[str]] = {}
     for n in calls:
         m = module.get(n.layer) if n.layer is not None else None
@@ -540,8 +548,8 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     for `backward_over_given`. `attention_kernel`: the software's (`SoftwareSpec`); "unfused"
     saves the attention scores (`saved_tensors`)."""
     rec = "full" if recompute is True else ("none" if recompute is False else recompute)
-    if rec not in ("none", "selective", "full"):
-        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+    if rec not in RECOMPUTES:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTES)}, got {recompute!r}")
     if selective_region not in ("core", "ops", "module"):
         raise ValueError(f"selective_region must be core, ops or module, got {selective_region!r}")
     if device_type not in (None, "cuda", "cpu"):

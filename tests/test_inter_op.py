@@ -201,3 +201,41 @@ def test_bottleneck_bound_is_the_linear_partition_optimum():
                    for k in range(min(p, n)) for cuts in itertools.combinations(range(1, n), k))
         got = _bottleneck(t, p)
         assert got <= best and got >= best * (1 - 1e-6) - 1e-12, (t, p, got, best)
+
+
+def _policy_search(scale: float, recompute=None):
+    """A one-stage search over four identical synthetic layers whose activations per
+    recomputation policy are `scale` times (none 1.2, selective 1.19, attention 0.5, full 0.1)
+    of the device's usable memory, each policy's re-run forward costing more (0, 0.1, 0.4, 1 of
+    the layer's forward)."""
+    from autopar.capture.graph import OpGraph
+    from autopar.inter_op.layers import Layer
+    from autopar.inter_op.search import Search
+    from autopar.inter_op.stage_cost import LayerCost
+    from autopar.schema import ClusterSpec, Constraints
+    from cost_models.memory import usable_memory
+
+    cluster = ClusterSpec.load("dgx-a100-80g", num_nodes=1)
+    per = scale * usable_memory(cluster.device) / 4
+    act = {"none": 1.2 * per, "selective": 1.19 * per, "attention": 0.5 * per, "full": 0.1 * per}
+    extra = {"none": 0.0, "selective": 1e-4, "attention": 4e-4, "full": 1e-3}
+
+    class Provider:
+        def cost(self, layer, mb, tp):
+            return LayerCost(fwd_s=1e-3, bwd_s=2e-3, act_bytes=dict(act), rc_extra_s=dict(extra),
+                             param_elems={f"l{layer.index}.w": 1e3})
+
+    layers = [Layer(i, f"blocks.{i}", [f"blocks.{i}"], [], [f"l{i}.w"], signature="0") for i in range(4)]
+    cons = Constraints(dp=8, tp=1, pp=1, microbatch_size=1, num_microbatches=1, zero_stage=0, recompute=recompute)
+    return Search(OpGraph(name="synthetic", nodes=[], params={}), layers, cluster, 8, "bf16", cons,
+                  provider=Provider()).run().best
+
+
+def test_search_picks_attention_recompute_where_it_is_the_fastest_that_fits():
+    """Issue 13: the attention module's checkpoint is searched beside the core alone: where
+    neither "none" nor "selective" fits and it does, the stage takes it (faster than "full");
+    where "none" fits, "none"; where it does not fit either, "full". Pinned, it is what runs."""
+    assert [st.recompute for st in _policy_search(1.0).stages] == ["attention"]
+    assert [st.recompute for st in _policy_search(0.5).stages] == ["none"]
+    assert [st.recompute for st in _policy_search(2.5).stages] == ["full"]
+    assert [st.recompute for st in _policy_search(0.5, "attention").stages] == ["attention"]

@@ -618,6 +618,40 @@ def test_selective_recomputation_holds_what_torch_holds(attention):
     assert saved < scores / 4 if attention == "fused" else saved >= 2 * scores
 
 
+def test_attention_module_recomputation_holds_what_torch_holds():
+    """recompute="attention" (issue 13's intermediate policy) checkpoints the module holding each
+    attention core whole (`runtime.recompute.checkpoint_module` on `blocks.*.attn`, the plan's
+    `recompute_modules`): what a real fp32 forward keeps (the module's input, what the ops
+    outside it save) is what the memory model counts, within nll_loss's 8 bytes. With a fused
+    kernel it frees what "selective" cannot: q, k, v (views of the qkv projection's output) and
+    the core's output, 4 s·b·h per layer beyond the log-sum-exp; the module's input (the first
+    norm's output) stays, the checkpoint's argument."""
+    from autopar.inter_op.layers import build_layers
+    from autopar.models.registry import build_model, call_batch_fn
+    from autopar.runtime.recompute import apply_recompute
+    from cost_models.memory import activation_memory
+
+    b, s, h = 4, 16, 32
+    g = _gpt_tiny(b)
+    bundle = build_model("gpt-tiny", device="cpu")
+    layers = build_layers(g, bundle.model)
+    modules = [lay.recompute_modules["attention"] for lay in layers if "attention" in lay.recompute_modules]
+    assert modules == ["blocks.0.attn", "blocks.1.attn"]
+    models = {"none": bundle.model, "attention": build_model("gpt-tiny", device="cpu").model}
+    apply_recompute(models["attention"], modules)
+    batch = call_batch_fn(bundle.batch_fn, 0, b, 0)
+    held, pred = {}, {}
+    for rc, m in models.items():
+        pred[rc] = activation_memory(g, "fp32", rc, device_type="cpu", count_inputs=False)
+        held[rc] = _forward_held_bytes(m.train(), batch)
+        assert held[rc] == pytest.approx(pred[rc].saved_bytes, abs=8), (rc, held[rc], pred[rc].saved_bytes)
+    sel = activation_memory(g, "fp32", "selective", selective_region="ops", device_type="cpu", count_inputs=False)
+    sbh = s * b * h * 4
+    assert sel.saved_bytes - held["attention"] == pytest.approx(2 * 4 * sbh, abs=8)
+    assert pred["attention"].saved_bytes > activation_memory(g, "fp32", "full", device_type="cpu",
+                                                             count_inputs=False).saved_bytes
+
+
 def test_broadcast_tensors_are_views():
     """mse_loss broadcasts its operands (views): relu outputs and the prediction are saved, the
     broadcast outputs not again."""

@@ -4,7 +4,10 @@ module (no tp: the fused attention call intercepted in the module holding it) an
 solved (tp: the executor's regions), and an unfused core (nanoGPT's eager attention: a run of
 five ops) op by op under tp and, module by module, its module checkpointed whole (the plan's
 recorded fallback), in one launch: losses equal one process within 1e-4, every step's counted
-collectives the plan's (the core issues none, so none is re-run)."""
+collectives the plan's (the core issues none, so none is re-run). In the same launch
+recompute="attention" (the module holding each core checkpointed whole, projections too):
+module by module (`torch.utils.checkpoint` around `blocks.*.attn`) and op by op under tp (the
+module's ops one executor region, its forward collectives re-run)."""
 
 import pytest
 
@@ -24,6 +27,11 @@ PINS = {
     "eager_pp2xtp2": (EAGER, dict(dp=1, tp=2, pp=2, schedule="1f1b")),
     "eager_dp4": (EAGER, dict(dp=4, tp=1, pp=1)),
 }
+# recompute="attention" beside them, in the same launch
+ATTENTION = {
+    "attention_pp2xdp2": ("gpt-tiny", dict(dp=2, tp=1, pp=2, schedule="1f1b")),
+    "attention_dp2xtp2": ("gpt-tiny", dict(dp=2, tp=2, pp=1)),
+}
 
 
 def test_selective_plans_run_as_predicted(tmp_path):
@@ -41,9 +49,21 @@ def test_selective_plans_run_as_predicted(tmp_path):
             if s.op_layouts is not None:
                 assert [o for r in s.op_layouts.recompute_regions() for o in r] == s.recompute_ops
         plans[name] = p
+    for name, (ref, pins) in ATTENTION.items():
+        cons = Constraints(recompute="attention", num_microbatches=2, **pins)
+        p = plan(ref, cl, global_batch_size=8, dtype="fp32", constraints=cons, intra_op="ilp")
+        for s in p.stages:
+            assert s.recompute == "attention" and s.recompute_ops is None, (name, s)
+            assert s.recompute_modules and all(m.endswith(".attn") for m in s.recompute_modules), (name, s)
+            assert (s.op_layouts is not None) == (s.axis_size("tp") > 1), (name, p.search)
+            if s.op_layouts is not None:
+                # one region per layer: the attention module's ops, its projections among them
+                regions = s.op_layouts.recompute_regions()
+                assert len(regions) == len(s.recompute_modules) and all(len(r) > 5 for r in regions), regions
+        plans[name] = p
     rows = _run_in_one_job(tmp_path, plans, 4)
     refs = {ref: [r["loss"] for r in run(_single(ref=ref), ref, steps=3, seed=0, quiet=True) if "step" in r]
-            for ref in {r for r, _ in PINS.values()}}
+            for ref in {r for r, _ in [*PINS.values(), *ATTENTION.values()]}}
     for name, p in plans.items():
         got = rows[name]
         assert isinstance(got, list), (name, got)
@@ -51,4 +71,5 @@ def test_selective_plans_run_as_predicted(tmp_path):
         first = 1 if p.pp > 1 else 0           # a pipeline's first step exchanges shape metadata
         assert all(r["collectives"] == p.predicted.collectives for r in steps[first:]), \
             (name, [r["collectives"] for r in steps], p.predicted.collectives)
-        assert [r["loss"] for r in steps] == pytest.approx(refs[PINS[name][0]], rel=1e-4), name
+        ref = {**PINS, **ATTENTION}[name][0]
+        assert [r["loss"] for r in steps] == pytest.approx(refs[ref], rel=1e-4), name

@@ -124,6 +124,33 @@ def test_a_format_8_selective_plan_still_loads(tiny_plan):
         Plan.from_json(json.dumps(d))
 
 
+def test_an_attention_recompute_plan_round_trips_and_format_9_plans_load(tiny_plan, tmp_path):
+    """recompute="attention" (plan format 10): a stage names the modules holding its attention
+    cores, checkpointed whole; it round-trips through JSON and a file, `autopar show` prints
+    them, and `recompute_ops` beside it is refused. A format-9 plan ("selective" with its
+    recomputed ops) still loads as it was."""
+    from autopar.schema.plan import PLAN_FORMAT_VERSION
+
+    assert PLAN_FORMAT_VERSION == 10
+    d = json.loads(tiny_plan.to_json())
+    st = d["stages"][0]
+    st.pop("recompute_ops", None)
+    st.update(recompute="attention", recompute_modules=["blocks.0.attn", "blocks.1.attn"])
+    p = Plan.from_json(json.dumps(d))
+    assert p.format_version == 10 and p.stages[0].recompute == "attention"
+    assert Plan.from_json(p.to_json()) == p
+    p.save(tmp_path / "plan.json")
+    assert autopar.load_plan(tmp_path / "plan.json") == p
+    assert "stage 0: attention: modules blocks.*.attn (2) checkpointed whole" in p.summary()
+    with pytest.raises(PlanError, match="recompute_ops names the ops selective recomputation re-runs"):
+        Plan.from_json(json.dumps({**d, "stages": [{**st, "recompute_ops": ["scaled_dot_product_attention"]}]}))
+    st.update(recompute="selective", recompute_ops=["scaled_dot_product_attention", "scaled_dot_product_attention_1"])
+    d["format_version"] = 9
+    old = Plan.from_json(json.dumps(d))
+    assert old.stages[0].recompute_ops == st["recompute_ops"] and old.format_version == 9
+    assert "stage 0: selective: ops scaled_dot_product_attention (2)" in old.summary()
+
+
 def test_plan_batch_arithmetic_is_checked(tiny_plan):
     d = json.loads(tiny_plan.to_json())
     d["num_microbatches"] += 1

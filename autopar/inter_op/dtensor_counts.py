@@ -27,7 +27,8 @@ the first steady-state copy.
 
 Recomputation: with a stage's `recompute` mode the dry run wraps the repeated blocks as the
 runtime does (`runtime.recompute`: non-reentrant `torch.utils.checkpoint` around the plan's
-`recompute_modules`, or the attention core alone under "selective") and counts the
+`recompute_modules`: blocks, or attention modules under "attention"; or the attention core
+alone under "selective") and counts the
 backward's re-run forward as it happens, instead of adding the block's forward collectives.
 torch's checkpoint stops recomputing once every tensor the backward needs is back, so the
 collectives after a region's last saved tensor are not re-run: for Megatron layouts the
@@ -131,8 +132,9 @@ def _pass_through_repeats(m: nn.Module, layers: list[Layer], lo: int, hi: int) -
 def _apply_recompute(m: nn.Module, layers: list[Layer], lo: int, hi: int, rep: dict[int, int],
                      recompute: str) -> None:
     """Recompute in the copy `m` what the runtime recomputes for `recompute` in layers [lo, hi):
-    the modules of `Layer.recompute_modules` checkpointed whole, under "selective" the attention
-    core's call alone where it is one (`runtime.selective`), so the dry run's backward re-runs
+    the modules of `Layer.recompute_modules` checkpointed whole ("full", "attention"), under
+    "selective" the attention core's call alone where it is one (`runtime.selective`), so the
+    dry run's backward re-runs
     what the runtime's re-runs. Layers passing their input
     through (`rep`) take their source's counts and stay unwrapped."""
     if recompute == "none":

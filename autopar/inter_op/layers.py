@@ -42,6 +42,9 @@ class Layer:
     # the ops selective recomputation re-runs (`cost_models.memory.selective_ops`: the attention
     # core's run of ops), in program order; empty without a core
     selective_ops: list[str] = field(default_factory=list)
+    # the ops "attention" recomputation re-runs: the block's ops inside the module holding the
+    # attention core (`recompute_modules["attention"]`), in program order; empty without a core
+    attention_ops: list[str] = field(default_factory=list)
 
     def selective_region(self, tp: int) -> str:
         """What "selective" recomputes of this layer at tp degree `tp` (`cost_models.memory`'s
@@ -53,6 +56,19 @@ class Layer:
         if tp > 1 or not self.selective_ops or runs_as_one_call(self.selective_ops):
             return "ops"
         return "module"
+
+    def recomputed_ops(self, recompute: str, tp: int) -> list[str]:
+        """The ops of this layer `recompute` re-runs in the backward on a stage of tp degree
+        `tp`: the block's ("full"), the module holding the attention core's ("attention", and
+        "selective" where it falls back to that module, `selective_region`), the core's run of
+        ops ("selective"); none under "none"."""
+        if recompute == "full":
+            return [n for n in self.nodes if n in self.block_nodes]
+        if recompute == "attention" or (recompute == "selective" and self.selective_region(tp) == "module"):
+            return list(self.attention_ops)
+        if recompute == "selective":
+            return list(self.selective_ops)
+        return []
 
     def rename_param(self, fqn: str, other: "Layer") -> str:
         """`fqn` of this layer as the corresponding FQN of `other` (same signature)."""
@@ -96,13 +112,21 @@ def build_layers(graph: OpGraph, model: Optional[nn.Module] = None, max_layers: 
                     flops=sum(flops.get(n.name, 0.0) for n in nodes))
         lay.signature = _signature(graph, lay, nodes)
         blk = [n for n in nodes if n.name in block]
-        for rc in ("full", "selective"):
+        for rc in ("full", "selective", "attention"):
             m = checkpointed_module(blk, rc)
             if m is not None:
                 lay.recompute_modules[rc] = m
         lay.selective_ops = selective_ops(blk)
+        lay.attention_ops = _ops_under(blk, lay.recompute_modules.get("attention"))
         layers.append(lay)
     return layers
+
+
+def _ops_under(block: list[OpNode], module: Optional[str]) -> list[str]:
+    """The names of `block`'s ops run inside `module` (its forward or a child's); none for None."""
+    if module is None:
+        return []
+    return [n.name for n in block if ((n.module_path or "") + ".").startswith(module + ".")]
 
 
 def _ancestors(blocks: list[str]) -> set[str]:

@@ -185,7 +185,7 @@ class _Tables:
 
     # what depends on the layers' costs alone (not on dp, ZeRO or the batch), shared by the
     # tables of one cost list (`like`)
-    _COST_ONLY = ("base", "compute", "iter", "rc", "act", "work", "work_rc", "pel_layer", "pel", "shared", "out",
+    _COST_ONLY = ("base", "compute", "iter", "rc", "priced", "act", "work", "work_rc", "pel_layer", "pel", "shared", "out",
                   "cross", "cross_grad", "wgo", "valid", "kk", "jj", "range_pel", "range_in", "range_out",
                   "range_send", "range_send_grad", "range_act", "range_in_saved", "range_out_kept", "range_work",
                   "range_work_rc", "range_work_rc_grads", "work_grads", "range_work_tmp", "range_root", "_layers",
@@ -243,6 +243,9 @@ class _Tables:
         self.compute = pre([c.fwd_s + c.bwd_s for c in costs])
         self.iter = pre([c.iter_s for c in costs])
         self.rc = {r: pre([c.rc_extra_s.get(r, 0.0) for c in costs]) for r in RECOMPUTES}
+        # the policies every layer's cost prices (a cost naming none prices all alike): one a
+        # provider leaves out would read as free, saving everything
+        self.priced = frozenset(r for r in RECOMPUTES if all(r in c.act_bytes for c in costs if c.act_bytes))
         self.act = {r: pre([c.act_bytes.get(r, 0.0) for c in costs]) for r in RECOMPUTES}
         # transient in a layer's backward above what it saved, at its worst moment (its
         # activation gradients, the loss's fp32 input gradient, or a recomputed region's
@@ -1282,6 +1285,8 @@ class Search:
         best_c = np.full(valid.shape, -1, dtype=int)
         base = np.maximum(fb, rest)
         for ri, r in enumerate(rcs):
+            if r not in tb.priced:
+                continue
             act, work, first = (x[block] for x in tb.recompute_terms(r, m))
             # before the first backward: the most activations and receive buffers of any
             # moment (all grow until the first backward; its start is the last such moment)
@@ -1432,6 +1437,8 @@ class Search:
         nch = p * v
         best_ok = False
         for r in self.recomputes():
+            if r not in tb.priced:
+                continue
             ck = (cand.mb, cand.tp, cand.dp, nch, r, cand.zero == 3, cand.ep)
             res = self._chunk_cache.get(ck)
             if ck not in self._chunk_cache:
@@ -1467,8 +1474,8 @@ class Search:
                 cand.iteration_s, cand.pipeline_s, cand.tail_s, cand.stages = (
                     trial.iteration_s, trial.pipeline_s, trial.tail_s, trial.stages)
                 best_ok = True
-            # recomputation only adds time (each layer's cost grows none -> selective -> full,
-            # the order `recomputes` lists them in): once a policy fits, later ones are slower
+            # recomputation only adds time (each layer's cost grows none -> selective -> attention
+            # -> full, the order `recomputes` lists them in): once a policy fits, later ones are slower
             break
         cand.costs = tb
         return best_ok

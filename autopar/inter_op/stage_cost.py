@@ -468,21 +468,16 @@ class AnalyticProvider:
         c.out_bytes = sum(float_bytes(o, dtype) for n in outs[-1:] for o in n.outputs[:1]) if outs else 0.0
         block = layer.block_nodes
         region = layer.selective_region(tp)
-        if region == "ops":
-            core = layer.selective_ops
-        else:
-            held = layer.recompute_modules.get("selective", "")
-            core = [n.name for n in nodes if n.name in block and ((n.module_path or "") + ".").startswith(held + ".")]
         c.fwd_s = sum(t[0] for t in times.values())
         c.bwd_s = sum(t[1] for t in times.values())
         c.fwd_comm_s = sum(t[2] for t in times.values())
         c.bwd_comm_s = sum(t[3] for t in times.values())
         for cf in coll_f.values():
             c.coll_fwd.update(cf)
-        c.rc_extra_s = {"none": 0.0,
-                        "selective": sum(times[k][0] + times[k][2] for k in core),
-                        "full": sum(times[k][0] + times[k][2] for k in block)}
-        c.rc_comm_s = {"selective": sum(times[k][2] for k in core), "full": sum(times[k][2] for k in block)}
+        # the forward each policy re-runs (`Layer.recomputed_ops`), its collectives included
+        redo = {rc: (block if rc == "full" else layer.recomputed_ops(rc, tp)) for rc in RECOMPUTES if rc != "none"}
+        c.rc_extra_s = {"none": 0.0, **{rc: sum(times[k][0] + times[k][2] for k in ops) for rc, ops in redo.items()}}
+        c.rc_comm_s = {rc: sum(times[k][2] for k in ops) for rc, ops in redo.items()}
         for k in block:
             c.coll_rc.update(coll_f[k])
         # activations kept for the backward: graph liveness (cost_models.memory) on the layer's ops

@@ -25,6 +25,7 @@ from typing import Optional
 
 from autopar.capture.graph import OpGraph
 from autopar.inter_op.layers import Layer
+from autopar.schema.constraints import RECOMPUTES
 from autopar.schema.layouts import Junction, LayerOps, OpLayout, StageLayouts
 
 __all__ = ["stage_layouts", "chunk_layouts", "produced_layouts", "crossing"]
@@ -40,13 +41,10 @@ def _mapping(graph: OpGraph, rep: Layer, lay: Layer) -> dict[str, str]:
 
 
 def _recomputed(graph: OpGraph, lay: Layer, recompute: str) -> list[int]:
-    """Indices into `lay.nodes` of the ops `recompute` checkpoints (see `stage_layouts`)."""
-    if recompute == "none":
-        return []
-    block = [x for x, n in enumerate(lay.nodes) if n in lay.block_nodes]
-    if recompute == "full":
-        return block
-    redo = set(lay.selective_ops)
+    """Indices into `lay.nodes` of the ops `recompute` checkpoints (see `stage_layouts`). Run
+    op by op, a stage recomputes the attention core's ops alone whatever its tp degree (the
+    module fallback of `Layer.selective_region` is a module-cut stage's)."""
+    redo = set(lay.selective_ops if recompute == "selective" else lay.recomputed_ops(recompute, 1))
     return [x for x, n in enumerate(lay.nodes) if n in redo]
 
 
@@ -78,11 +76,12 @@ def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, 
     `recompute="full"` each layer's block ops (`Layer.block_nodes`) form a checkpointed region,
     with "selective" its attention core's run of ops (`Layer.selective_ops`, what
     `cost_models.memory` counts with `selective_region="ops"`, the plan's
-    `StagePlan.recompute_ops`, run under torch's selective checkpoint); their forward
+    `StagePlan.recompute_ops`, run under torch's selective checkpoint), with "attention" the
+    ops of the module holding that core (`Layer.attention_ops`, one contiguous run); their forward
     collectives re-run in the backward (phase "recompute"). `earlier`: for a pipeline chunk after the first, the layouts
     the ops of the chunks before it leave their outputs in (`produced_layouts`): a tensor this
     chunk receives must arrive as its readers' solutions assumed, and `receives` records them."""
-    if recompute not in ("none", "selective", "full"):
+    if recompute not in RECOMPUTES:
         return None, f"recompute={recompute} is not executed op by op"
     sigs: dict[str, int] = {}
     sig_lists: list[list[OpLayout]] = []

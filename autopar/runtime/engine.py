@@ -39,7 +39,8 @@ How each part of the plan is executed:
   redistributes first, `intra_op.pipeline_chunks`). Interleaving still needs equal stage meshes.
 * Recompute: `torch.utils.checkpoint` (non-reentrant) around each layer ("full"); under
   "selective" each layer's attention core alone, under torch's selective checkpoint
-  (`selective`: the plan's `recompute_ops` MUST_RECOMPUTE, the rest saved).
+  (`selective`: the plan's `recompute_ops` MUST_RECOMPUTE, the rest saved); under "attention"
+  the module holding each attention core (the plan's `recompute_modules`), checkpointed whole.
 * Precision (`precision`): bf16/fp16 plans keep 2-byte parameters and gradients (synced in the
   2-byte dtype) and step fp32 masters, as the planner's memory and communication model
   (ZeRO-3: FSDP's fp32 shards are the masters, gathered and reduced in the 2-byte dtype);

@@ -1,9 +1,10 @@
 """Recomputation of module-cut stages: `torch.utils.checkpoint` around each module the plan names
-(`StagePlan.recompute_modules`: the planner found them from the captured ops, the repeated
-block), or under "selective" the attention core's ops (`StagePlan.recompute_ops`) recomputed
-alone in the modules holding them (`runtime.selective`; a plan of format 8 or earlier
-checkpoints those modules whole). No module is found here by its name. A stage run op by op as
-solved checkpoints its solved regions instead (`intra_op.execute`)."""
+(`StagePlan.recompute_modules`: the planner found them from the captured ops; under "full" the
+repeated block, under "attention" the module holding its attention core), or under "selective"
+the attention core's ops (`StagePlan.recompute_ops`) recomputed alone in the modules holding
+them (`runtime.selective`; a plan of format 8 or earlier checkpoints those modules whole). No
+module is found here by its name. A stage run op by op as solved checkpoints its solved regions
+instead (`intra_op.execute`)."""
 
 from __future__ import annotations
 

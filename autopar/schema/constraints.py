@@ -13,8 +13,14 @@ from cost_models.schedules import SCHEDULES as _REGISTRY
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 assert SCHEDULES == tuple(_REGISTRY), "Schedule must name the registered schedules"
-Recompute = Literal["none", "selective", "full"]
-RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
+# recomputation policies, the one registry: "none"; "selective" the attention core's ops alone
+# (Korthikanti et al. 2022); "attention" the module holding the attention core, checkpointed
+# whole (its projections too: with a fused attention kernel the core alone frees almost
+# nothing, the module frees its projections' inputs and outputs); "full" each repeated block.
+# Listed by the forward each re-runs (none < core < its module < the block), which the search
+# relies on (`inter_op.search`: once a policy fits, later ones are slower)
+Recompute = Literal["none", "selective", "attention", "full"]
+RECOMPUTES: tuple[str, ...] = get_args(Recompute)
 
 
 class Constraints(BaseModel):

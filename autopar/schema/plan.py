@@ -23,13 +23,15 @@ from autopar.schema.layouts import StageLayouts
 from autopar.schema.placement import Placement  # "R", "S(d)" or "P", validated
 from autopar.schema.software import SoftwareSpec, preset_for_attention_kernel
 
+# 10: recompute "attention" (the module holding each attention core checkpointed whole, its
+# `recompute_modules`; a reader of 9 or earlier does not know the value);
 # 9: `StagePlan.recompute_ops` (selective recomputation of the attention core's ops, torch's
 # selective checkpoint; a plan of 8 or earlier checkpoints its "selective" modules whole);
 # 8: `Plan.experts` (expert parallelism of a mixture-of-experts model; plans of 7 and earlier
 # have none and read as such); 7: the software the plan assumes (`Plan.software`; the device's
 # attention_kernel moved there) and `Plan.sequence_parallel`; 4: pipeline chunks carry
 # op_layouts (`StageLayouts.receives`); 3 added op_layouts
-PLAN_FORMAT_VERSION = 9
+PLAN_FORMAT_VERSION = 10
 
 TrainingDtype = Literal["fp32", "bf16", "fp16"]
 TRAINING_DTYPES: tuple[str, ...] = get_args(TrainingDtype)
@@ -122,12 +124,13 @@ class StagePlan(_Model):
         "ops: under \"full\" each repeated block, checkpointed whole (torch.utils.checkpoint); under "
         "\"selective\" the module holding each attention core, where a stage run module by module recomputes "
         "the ops of `recompute_ops` (or, in a plan without them, format_version 8 and earlier, checkpoints the "
-        "module whole); null with recompute \"none\"")
+        "module whole); under \"attention\" that module, checkpointed whole (its projections too); null with "
+        "recompute \"none\"")
     recompute_ops: Optional[list[str]] = Field(
         default=None, description="under \"selective\": the captured ops re-run in the backward (each "
         "layer's attention core, the ops from its score matmul to its product with V or one fused attention "
         "op), run under torch's selective activation checkpoint, these ops MUST_RECOMPUTE and every other op "
-        "saving as without recomputation; null under \"none\" and \"full\"")
+        "saving as without recomputation; null under the other policies")
     placements: dict[str, tuple[Placement, ...]] = Field(
         default_factory=dict, description="parameter FQN -> placement per mesh axis")
     virtual_chunk: int = Field(default=0, ge=0, description="model chunk index under interleaving")
