@@ -185,8 +185,8 @@ class _Tables:
 
     # what depends on the layers' costs alone (not on dp, ZeRO or the batch), shared by the
     # tables of one cost list (`like`)
-    _COST_ONLY = ("base", "compute", "iter", "rc", "priced", "act", "work", "work_rc", "pel_layer", "pel", "shared", "out",
-                  "cross", "cross_grad", "wgo", "valid", "kk", "jj", "range_pel", "range_in", "range_out",
+    _COST_ONLY = ("base", "compute", "iter", "rc", "priced", "act", "work", "work_rc", "pel_layer", "pel", "shared",
+                  "out", "cross", "cross_grad", "wgo", "valid", "kk", "jj", "range_pel", "range_in", "range_out",
                   "range_send", "range_send_grad", "range_act", "range_in_saved", "range_out_kept", "range_work",
                   "range_work_rc", "range_work_rc_grads", "work_grads", "range_work_tmp", "range_root", "_layers",
                   "range_maxtensor", "_first")
