@@ -1367,7 +1367,8 @@ def peak_memory(num_params: float, activation_bytes: float, device: DeviceSpec, 
                            usable_memory(device), phase=best.phase)
 
 
-def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, recompute: Recompute = "none",
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1,
+                            recompute: Literal["none", "selective", "full"] = "none",
                             sequence_parallel: bool = False) -> float:
     """Korthikanti et al. 2022's closed form for one transformer layer's activations (16-bit):
     s·b·h·(34 + 5·a·s/h) without parallelism, s·b·h·(10 + 24/t + 5·a·s/(h·t)) with tensor

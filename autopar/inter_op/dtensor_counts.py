@@ -134,9 +134,8 @@ def _apply_recompute(m: nn.Module, layers: list[Layer], lo: int, hi: int, rep: d
     """Recompute in the copy `m` what the runtime recomputes for `recompute` in layers [lo, hi):
     the modules of `Layer.recompute_modules` checkpointed whole ("full", "attention"), under
     "selective" the attention core's call alone where it is one (`runtime.selective`), so the
-    dry run's backward re-runs
-    what the runtime's re-runs. Layers passing their input
-    through (`rep`) take their source's counts and stay unwrapped."""
+    dry run's backward re-runs what the runtime's re-runs. Layers passing their input through
+    (`rep`) take their source's counts and stay unwrapped."""
     if recompute == "none":
         return
     from autopar.runtime.recompute import checkpoint_module
