@@ -11,6 +11,7 @@ prediction: the median step after the first against `predicted.iteration_time_s`
     python benchmarks/gpu_step.py profile --out DIR --only NAME   # torch.profiler ops of one case
     python benchmarks/gpu_step.py optimizer --out DIR --only NAME # AdamW variants on a case's parameters
     python benchmarks/gpu_step.py gemm --out DIR                  # bf16 GEMMs, aligned against not
+    python benchmarks/gpu_step.py memory --out DIR --only NAME    # what the peak holds, tensor by tensor
     python benchmarks/gpu_step.py report --out DIR [--metrics M] [--cluster P]  # the table (plans made
                                                                   # where missing; M: measured summaries,
                                                                   # e.g. benchmarks/results/h100-2026-11-25/
@@ -205,6 +206,51 @@ def optimizer_case(out: Path, name: str) -> None:
     print("\n".join(lines), flush=True)
 
 
+def memory_case(out: Path, name: str, top: int = 400) -> None:
+    """One step tracked by category after a first (`runtime.memory_tracking.track_step`, as
+    `autopar run` tracks with AUTOPAR_TRACK_MEMORY): the categories at the peak against the plan's
+    prediction, and the `top` largest tensors alive at the peak, counted by (label, op, shape,
+    dtype), written to DIR/memory_NAME.txt: what a device holds that the memory model does not."""
+    import collections
+
+    import torch
+
+    from autopar.models.registry import build_model, call_batch_fn, default_batch_fn
+    from autopar.runtime.engine import ParallelModel
+    from autopar.runtime.memory_tracking import track_step
+    from autopar.runtime.worker import init_distributed
+    from autopar.schema.plan import Plan
+
+    case = next(c for c in CASES if c[0] == name)
+    sys.path[:0] = [str(HERE), str(HERE.parent)]
+    device = init_distributed()
+    plan = Plan.from_json((out / "plans" / f"{name}.json").read_text())
+    bundle = build_model(case[1], device="meta")
+    pm = ParallelModel(plan, bundle, seed=0)
+    batch_fn = bundle.batch_fn or default_batch_fn(bundle.example_inputs)
+    pm.train_step(pm.local_batch(call_batch_fn(batch_fn, 0, plan.global_batch_size, 0)))
+    _, rep = track_step(pm, pm.local_batch(call_batch_fn(batch_fn, 1, plan.global_batch_size, 0)), top=top)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    st = plan.stages[0].predicted
+    lines = [f"case {name} on {device.type}: tracked peak {rep.peak_bytes / GiB:.3f} GiB at {rep.peak_phase}, "
+             f"predicted {st.peak_memory_bytes / GiB:.3f} GiB at {st.peak_phase}",
+             "tracked GiB: " + ", ".join(f"{k} {v / GiB:.3f}" for k, v in rep.categories.items()),
+             f"predicted GiB: weights {st.weights_bytes / GiB:.3f}, gradients {st.gradients_bytes / GiB:.3f}, "
+             f"optimizer {st.optimizer_bytes / GiB:.3f}, activations {st.activations_bytes / GiB:.3f}, "
+             f"buffers {st.buffers_bytes / GiB:.3f}", f"the {top} largest tensors at the peak, by kind:"]
+    kinds: collections.Counter = collections.Counter()
+    size: dict = {}
+    for t in rep.peak_tensors:
+        k = (t.get("label"), t.get("op"), tuple(t.get("shape") or ()), t.get("dtype"), t.get("pass"))
+        kinds[k] += 1
+        size[k] = t.get("bytes", 0)
+    for k, n in sorted(kinds.items(), key=lambda kv: -kv[1] * size[kv[0]]):
+        lines.append(f"  {n:4d} x {size[k] / 2**20:9.2f} MiB  {k[0]:14s} {k[1]} {list(k[2])} {k[3]} {k[4]}")
+    (out / f"memory_{name}.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[:4]), flush=True)
+
+
 GEMM_SHAPES = [  # (M, K, N): a language-model head at vocabularies 50257 (GPT-2), 50304 (padded), 51200,
     # 32000 and 128256, a projection with one ragged dimension of each kind, and aligned controls
     (32768, 1024, 50257), (32768, 1024, 50304), (32768, 1024, 51200), (16384, 2048, 32000), (16384, 2048, 128256),
@@ -322,7 +368,7 @@ def report(out: Path, cluster: str | None, only: str | None, as_json: bool, metr
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("action", choices=["plan", "run", "profile", "optimizer", "gemm", "report"])
+    ap.add_argument("action", choices=["plan", "run", "profile", "optimizer", "gemm", "memory", "report"])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--cluster", help="plan: the profile planned on (default dgx-h100); report: re-predict on it")
     ap.add_argument("--only", help="comma-separated case names")
@@ -339,6 +385,9 @@ def main() -> None:
     elif a.action == "profile":
         for name in (a.only or "gpt3-1.3b-mb4-none").split(","):
             profile_case(a.out, name, steps=2)
+    elif a.action == "memory":
+        for name in (a.only or "bert-large").split(","):
+            memory_case(a.out, name)
     elif a.action == "gemm":
         gemm_alignment(a.out)
     elif a.action == "optimizer":

@@ -569,6 +569,14 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
 
     upcasts = _upcasts(calls, base, LOSSES | cuda_fp32) if mixed else frozenset()
 
+    def runs_fp32(key: str) -> bool:
+        # a tensor the mixed-precision run holds in fp32: made by an op autocast runs in fp32 (not
+        # a loss: its scalar) or an upcast that stays fp32; also where a layer reads it from the
+        # layer before (a post-norm block's input: its subgraph's input keeps the producing op)
+        src = by_name.get(key)
+        return (src is not None and src.kind in ("call", "input") and _floating(src)
+                and ((src.op in cuda_fp32 and src.op not in LOSSES) or key in upcasts))
+
     # a view an op takes of an input redistributed views the copy (`read_shard`): its storage,
     # what anything saving the view keeps, is the copy, named "<input>@<layout>"
     copies: dict[str, tuple[float, str]] = {}      # copy -> (bytes at `dtype`, the view making it)
@@ -651,6 +659,12 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                     at = "fp32"
                     if key != n.name:
                         key = key + ":fp32"
+                elif mixed and n.op in MATRIX_OPS and runs_fp32(key):
+                    # autocast casts an fp32 activation to the 2-byte dtype for each matmul that
+                    # reads it (it caches casts of parameters only): q, k and v projections of a
+                    # norm's fp32 output save three copies (BERT-large on an H100: 128 MiB a layer)
+                    at = dtype
+                    key = f"{key}:lowp@{n.name}"
                 b = size(base.get(name, name), at)
                 copy = read(n, name, at)
                 if copy is not None:
@@ -732,7 +746,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                         owner_layer[key], nbytes_of[key], owner_node[key] = n.layer, b, n.name
                     continue
                 src = key.split(":")[0]
-                inside = key.endswith(":fp32") or (src in by_name and by_name[src].kind == "call"
+                inside = key.endswith(":fp32") or ":lowp@" in key or (src in by_name and by_name[src].kind == "call"
                                                    and region.get(src) == r)
                 if (inside or src not in by_name) and key not in seen_in.setdefault(r, set()):
                     seen_in[r].add(key)

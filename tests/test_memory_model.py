@@ -1190,3 +1190,48 @@ def test_a_norm_computed_in_fp32_saves_its_upcast_at_fp32():
     assert by[mul].module_path.endswith("norm")
     am32 = activation_memory(g, "fp32", "none", device_type="cpu", count_inputs=False)
     assert am32.saved_of(up) == 4 * elems
+
+
+def test_each_matmul_saves_its_own_autocast_copy_of_an_fp32_activation():
+    """Under CUDA's autocast a layer norm's output is fp32, and autocast casts it to bf16 for each
+    matmul that reads it (it caches casts of parameters only): a post-norm block's q, k and v
+    projections save three bf16 copies (BERT-large on an H100 held 128 MiB a layer more than the
+    model counted with one: benchmarks/results/h100-2026-11-25/memory_bert-large.txt). Checked
+    against what torch saves running CUDA's program on CPU (`runtime.cuda_program`)."""
+    import torch
+    import torch.nn as nn
+
+    from autopar.capture import capture
+    from autopar.runtime.cuda_program import cuda_program
+    from cost_models.memory import activation_memory
+
+    class PostNormInput(nn.Module):
+        def __init__(self, h: int) -> None:
+            super().__init__()
+            self.ln = nn.LayerNorm(h)
+            self.q, self.k, self.v = nn.Linear(h, h), nn.Linear(h, h), nn.Linear(h, h)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.ln(x)
+            return self.q(y) + self.k(y) + self.v(y)
+
+    b, s, h = 4, 16, 64
+    g = capture(PostNormInput(h), (torch.zeros(b, s, h),)).at_batch(b)
+    pred = activation_memory(g, "bf16", "none", device_type="cuda").saved_bytes
+    model = PostNormInput(h).bfloat16()
+    x = torch.randn(b, s, h).bfloat16().requires_grad_()
+    skip = {p.data_ptr() for p in model.parameters()} | {x.data_ptr()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in skip:
+            saved[t.data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with cuda_program(), torch.autocast("cpu", dtype=torch.bfloat16), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    copies = 3 * b * s * h * 2                       # one bf16 copy per projection
+    assert sorted(saved.values()).count(b * s * h * 2) == 3
+    assert pred >= copies + b * s * h * 4            # and the norm's fp32 copy of its input
+    assert pred == pytest.approx(sum(saved.values()), rel=0.02)
