@@ -259,8 +259,6 @@ def _placements(graph: OpGraph, layers: list[Layer], costs, k: int, j: int, modu
 def _extra_flops(graph1: OpGraph, layer: Layer, recompute: str, tp: int) -> float:
     """Forward FLOPs re-run per sample by `recompute` in `layer` on a stage of tp degree `tp`
     (graph at batch 1; `Layer.recomputed_ops`)."""
-    if recompute == "full":
-        return sum(graph1.node(n).flops for n in layer.block_nodes)
     return sum(graph1.node(n).flops for n in layer.recomputed_ops(recompute, tp))
 
 

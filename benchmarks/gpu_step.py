@@ -12,6 +12,7 @@ prediction: the median step after the first against `predicted.iteration_time_s`
     python benchmarks/gpu_step.py optimizer --out DIR --only NAME # AdamW variants on a case's parameters
     python benchmarks/gpu_step.py gemm --out DIR                  # bf16 GEMMs, aligned against not
     python benchmarks/gpu_step.py memory --out DIR --only NAME    # what the peak holds, tensor by tensor
+    python benchmarks/gpu_step.py breakdown --out DIR --only NAME [--cluster P]  # predicted time by op
     python benchmarks/gpu_step.py report --out DIR [--metrics M] [--cluster P]  # the table (plans made
                                                                   # where missing; M: measured summaries,
                                                                   # e.g. benchmarks/results/h100-2026-11-25/
@@ -293,6 +294,42 @@ def gemm_alignment(out: Path) -> None:
     (out / "gemm_alignment.txt").write_text("\n".join(lines) + "\n")
 
 
+def breakdown(out: Path, name: str, cluster: str) -> None:
+    """The cost model's time for one case's step by captured op (`cost_models.compute.node_time`,
+    forward and backward, summed over the plan's micro-batches), to set beside the measured op
+    profile (`profile`): where the prediction misses. Written to DIR/breakdown_NAME.txt."""
+    import collections
+
+    from autopar.capture import capture
+    from autopar.models.registry import build_model
+    from autopar.schema.cluster import ClusterSpec
+    from autopar.schema.plan import Plan
+    from cost_models.compute import node_time
+
+    case = next(c for c in CASES if c[0] == name)
+    sys.path[:0] = [str(HERE), str(HERE.parent)]
+    plan = Plan.from_json((out / "plans" / f"{name}.json").read_text())
+    bundle = build_model(case[1], device="meta")
+    g = capture(bundle.model, bundle.example_inputs).at_batch(plan.microbatch_size)
+    index = {n.name: n for n in g.nodes}
+    dev, m = ClusterSpec.load(cluster).device, plan.num_microbatches
+    per: dict = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    for n in g.calls:
+        if n.flops > 0 or n.bytes_moved > 0:
+            f, b = node_time(n, dev, plan.dtype, 1.0, index, plan.software.attention_kernel)
+            per[n.op][0] += f * m
+            per[n.op][1] += b * m
+            per[n.op][2] += m
+    total = sum(f + b for f, b, _ in per.values())
+    lines = [f"case {name} on {Path(cluster).stem}: ops {total * 1e3:.1f} ms over {m} micro-batches "
+             f"(plan: {plan.predicted.iteration_time_s * 1e3:.1f} ms a step; recomputation, optimizer and "
+             f"gradient accumulation are not ops)", f"{'op':32s} {'fwd ms':>9s} {'bwd ms':>9s} {'calls':>6s}"]
+    for op, (f, b, c) in sorted(per.items(), key=lambda kv: -(kv[1][0] + kv[1][1])):
+        lines.append(f"{op:32s} {f * 1e3:9.2f} {b * 1e3:9.2f} {c:6d}")
+    (out / f"breakdown_{name}.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
 def _pins_of(plan: dict) -> list[str]:
     pins = ["--dp", "1", "--tp", "1", "--pp", "1", "--microbatch-size", str(plan["microbatch_size"]),
             "--schedule", plan["schedule"], "--zero-stage", str(plan["zero_stage"])]
@@ -364,11 +401,31 @@ def report(out: Path, cluster: str | None, only: str | None, as_json: bool, metr
         if cluster:
             cells += [f("repredicted_s", ".4f"), f("repredicted_error", "+.1%")]
         print("| " + " | ".join(cells) + " |")
+    print()
+    for line in _summary(rows, len(_cases(only)), cluster):
+        print(line)
+
+
+def _summary(rows: list[dict], cases: int, cluster: str | None) -> list[str]:
+    """Mean absolute errors and the cases within 10%, each out of every case asked for: a case
+    that failed to plan or run counts as a miss (it is in no mean)."""
+    def line(key: str, what: str) -> str:
+        errs = [abs(r[key]) for r in rows if key in r]
+        if not errs:
+            return f"{what}: no case measured (of {cases})"
+        return (f"{what}: mean |error| {sum(errs) / len(errs):.1%} over {len(errs)} measured, "
+                f"within 10% {sum(e <= 0.10 for e in errs)} of {cases} cases (unmeasured or failed: "
+                f"{cases - len(errs)}, misses)")
+    out = [line("time_error", "step time"), line("memory_error", "peak memory")]
+    if cluster:
+        out.append(line("repredicted_error", f"step time on {Path(cluster).stem}"))
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("action", choices=["plan", "run", "profile", "optimizer", "gemm", "memory", "report"])
+    ap.add_argument("action", choices=["plan", "run", "profile", "optimizer", "gemm", "memory", "breakdown",
+                                       "report"])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--cluster", help="plan: the profile planned on (default dgx-h100); report: re-predict on it")
     ap.add_argument("--only", help="comma-separated case names")
@@ -385,6 +442,13 @@ def main() -> None:
     elif a.action == "profile":
         for name in (a.only or "gpt3-1.3b-mb4-none").split(","):
             profile_case(a.out, name, steps=2)
+    elif a.action == "breakdown":
+        names = (a.only or "gpt3-1.3b-mb4-none").split(",")
+        missing = [n for n in names if not (a.out / "plans" / f"{n}.json").exists()]
+        if missing:
+            plan_cases(a.out, "dgx-h100", ",".join(missing))
+        for name in names:
+            breakdown(a.out, name, a.cluster or "dgx-h100")
     elif a.action == "memory":
         for name in (a.only or "bert-large").split(","):
             memory_case(a.out, name)

@@ -389,7 +389,7 @@ def _attention_node_time(n, index: dict, device: DeviceSpec, dtype: str, shard: 
     return attention_time(shapes[0], shapes[1], shapes[2], device, dtype, shard, float(p or 0.0), kernel)
 
 
-def _alignment_bytes(dim: int, esz: int) -> int:
+def alignment_bytes(dim: int, esz: int) -> int:
     """Bytes of the largest power-of-two alignment of a dimension of `dim` elements of `esz` bytes."""
     d = int(dim)
     return esz * (d & -d) if d > 0 else esz
@@ -413,7 +413,7 @@ def gemm_alignment_factor(n, index: Optional[dict], device: DeviceSpec, dtype: s
     except (TypeError, ValueError):   # a symbolic dimension: unknown alignment
         return 1.0
     esz = DTYPE_SIZE.get(dtype, 4)
-    worst = min(_alignment_bytes(k, esz), _alignment_bytes(nn_, esz))
+    worst = min(alignment_bytes(k, esz), alignment_bytes(nn_, esz))
     pts = sorted((p.bytes, p.efficiency) for p in table)
     eff = pts[0][1]
     for b, e in pts:

@@ -165,23 +165,25 @@ def _measure_gemm(plan: dict, dev: Any, sync, barrier, report) -> None:
         _measure_alignment(n, plan, dev, sync, barrier, report)
 
 
-# output widths of the alignment probe, offsets from a multiple of 8 elements: 2-byte elements
-# make them 16 (aligned), 2 (odd), 4 and 8 bytes of alignment
-_ALIGN_OFFSETS = {16: 8, 2: 1, 4: 2, 8: 4}
+# output widths of the alignment probe, n + d for n a multiple of 16: 2-byte elements aligned to
+# 16 bytes (8), 2 (1: odd), 4 (2) and 8 (4)
+_ALIGN_OFFSETS = (8, 1, 2, 4)
 
 
 def _measure_alignment(n: int, plan: dict, dev: Any, sync, barrier, report) -> None:
-    """bf16 torch.mm of (n x n) by (n x n+d) for d giving the output width each alignment
-    (`_ALIGN_OFFSETS`; cuBLAS takes slower kernels below 16 bytes): reports (bytes of alignment,
-    FLOPs, seconds); `_build_spec` turns them into `DeviceSpec.gemm_alignment`."""
+    """bf16 torch.mm of (n x n) by (n x n+d) for each offset d (`_ALIGN_OFFSETS`; cuBLAS takes
+    slower kernels below 16 bytes): reports (bytes of alignment of the width, at most 16, FLOPs,
+    seconds); `_build_spec` turns them into `DeviceSpec.gemm_alignment`."""
     import torch
 
+    from cost_models.compute import alignment_bytes
+
     a = torch.randn(n, n, device=dev).to(torch.bfloat16)
-    for align, d in _ALIGN_OFFSETS.items():
+    for d in _ALIGN_OFFSETS:
         b = torch.randn(n, n + d, device=dev).to(torch.bfloat16)
         barrier()
         s = _timeit(lambda b=b: torch.mm(a, b), plan["min_time"], sync)
-        report("gemm_align", (align, 2.0 * n * n * (n + d), s))
+        report("gemm_align", (min(alignment_bytes(n + d, 2), 16), 2.0 * n * n * (n + d), s))
 
 
 def _measure_copy(plan: dict, dev: Any, sync, barrier, report) -> None:
@@ -530,8 +532,8 @@ def _measured_costs(res: dict[str, list], how: str) -> tuple[dict[str, Any], dic
             fields["gemm_alignment"] = [AlignmentPoint(bytes=b, efficiency=min(1.0, r / rates[16]))
                                         for b, r in sorted(rates.items())]
             sources["gemm_alignment"] = (
-                f"{how}: bf16 torch.mm of 4096 x 4096 by 4096 x N with N a multiple of 8 elements, "
-                f"of 1, 2 and 4 only (16, 2, 4 and 8 bytes of alignment), each rate over the aligned one")
+                f"{how}: bf16 torch.mm of n x n by n x N, N = n + {', '.join(map(str, _ALIGN_OFFSETS))} for n a "
+                f"multiple of 16 (16, 2, 4 and 8 bytes of alignment), each rate over the aligned one")
     if res.get("optimizer"):
         per_tensor, per_elem, h = res["optimizer"][0]
         fields["optimizer_step"] = OptimizerCost(per_tensor_s=per_tensor, per_element_s=per_elem)

@@ -522,18 +522,20 @@ def equivalent_microbatches(kind: str, num_stages: int, rank: int, num_microbatc
                             virtual_stages: int = 1) -> int:
     """The fewest micro-batches whose walk gives rank `rank` the same maximal moments
     (`held_moments`) as `num_microbatches`: past the warm-up, each further micro-batch repeats
-    the steady state's moments. torch's 1F1B: max(p, 2p - 1 - 2r) (the rank's warm-up, its steady
-    state once, its cool-down), and never fewer than 2 (with one stage a second micro-batch holds
-    its activations beside the first one's gradients); the interleaved schedule with m a multiple of p: 3p. Both found
+    the steady state's moments. Without a pipeline (one stage, one chunk): the
+    `NO_PIPELINE_MICROBATCHES` kinds of micro-batch (`reduced_microbatches` says the same). torch's
+    1F1B: max(p, 2p - 1 - 2r) (the rank's warm-up, its steady state once, its cool-down); the
+    interleaved schedule with m a multiple of p: 3p. Both found
     by walking every m up to 80 (1F1B) and 24p (interleaved, v in 2 and 4) for p <= 4, and to 6p
     for p <= 8 (`tests/test_cost_models.py`); GPipe holds every micro-batch at once and has no
     shorter equivalent. A search asks for m up to thousands: the walks are O(m v) each.
     `reduced_microbatches` checks the same counts on the rank's states (verify's shorter step)."""
     p, r, m, v = int(num_stages), int(rank), int(num_microbatches), max(int(virtual_stages), 1)
+    if p == 1 and v == 1:
+        return min(m, NO_PIPELINE_MICROBATCHES)
     cls = torch_schedule(kind, p, m, v)
     if cls == "Schedule1F1B":
-        # at least 2: a second micro-batch's forward runs beside the first one's gradients
-        m0 = max(p, 2 * p - 1 - 2 * r, NO_PIPELINE_MICROBATCHES)
+        m0 = max(p, 2 * p - 1 - 2 * r)
     elif cls == "ScheduleInterleaved1F1B" and m % p == 0:
         m0 = 3 * p
     else:

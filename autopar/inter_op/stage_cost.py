@@ -475,7 +475,7 @@ class AnalyticProvider:
         for cf in coll_f.values():
             c.coll_fwd.update(cf)
         # the forward each policy re-runs (`Layer.recomputed_ops`), its collectives included
-        redo = {rc: (block if rc == "full" else layer.recomputed_ops(rc, tp)) for rc in RECOMPUTES if rc != "none"}
+        redo = {rc: layer.recomputed_ops(rc, tp) for rc in RECOMPUTES if rc != "none"}
         c.rc_extra_s = {"none": 0.0, **{rc: sum(times[k][0] + times[k][2] for k in ops) for rc, ops in redo.items()}}
         c.rc_comm_s = {rc: sum(times[k][2] for k in ops) for rc, ops in redo.items()}
         for k in block:

@@ -180,7 +180,7 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
                                   f"{plan.num_microbatches - run} micro-batches ({format_bytes(extra)}) added to "
                                   f"the tracked memory, the forward/backward collectives extrapolated")
         if pred is not None:
-            check.memory_error = relative_error(rep.peak_bytes, pred["peak_bytes"])
+            check.memory_error = relative_error(check.tracked_peak_bytes, pred["peak_bytes"])
     except ShortStepError as e:
         check.error = f"{e} (verify with all micro-batches: --all-microbatches)"
     except BUILD_ERRORS as e:

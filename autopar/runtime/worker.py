@@ -51,13 +51,10 @@ def memory_tracking_mode(device: torch.device) -> str:
     is set there (then tracked by category as on CPU, besides the allocator's figure); on CPU
     "step" (track the first two steps, the default), "all" (every step) or "off" (process RSS),
     from AUTOPAR_TRACK_MEMORY (unset/1/step, all, 0/off)."""
-    if device.type == "cuda" and "AUTOPAR_TRACK_MEMORY" not in os.environ:
-        return "cuda"
-    v = os.environ.get("AUTOPAR_TRACK_MEMORY", "step").strip().lower()
-    if device.type == "cuda" and v in ("0", "off", "false", "no", "rss"):
-        return "cuda"
+    cuda = device.type == "cuda"
+    v = os.environ.get("AUTOPAR_TRACK_MEMORY", "off" if cuda else "step").strip().lower()
     if v in ("0", "off", "false", "no", "rss"):
-        return "off"
+        return "cuda" if cuda else "off"
     if v == "all":
         return "all"
     if v in ("", "1", "step", "true", "yes", "on"):
