@@ -305,3 +305,22 @@ def test_cuda_program_keeps_what_cuda_keeps():
     assert fused_bf16 == xb.nbytes + wb.nbytes + 4 * rows < cpu_bytes
     assert cuda_bytes == x.nbytes + w.nbytes + 4 * rows
     assert ln.dtype == sm.dtype == torch.float32
+
+
+@pytest.mark.parametrize("cluster_name", ["cpu", "dgx-a100-80g"])
+def test_sequence_parallel_activations_predicted_as_tracked(cluster_name):
+    """A sequence-parallel layer receives its predecessor's output split along the tokens: the
+    norm's saved input (its fp32 copy under CUDA autocast) is a sequence shard, not the whole
+    sequence. At tp 4 the plan's activations equal what torch keeps on rank 0 (CPU kernels and
+    the CUDA program), as without sequence parallelism (was +5.7% / +10.6%: every layer but the
+    first counted its input whole)."""
+    cluster = autopar.ClusterSpec.load(cluster_name, num_nodes=1).model_copy(update={"devices_per_node": 4})
+    for sp in (False, True):
+        p = autopar.plan("gpt-small", cluster, global_batch_size=8, cache=False,
+                         constraints=autopar.Constraints(dp=1, tp=4, pp=1, microbatch_size=8, recompute="none",
+                                                         zero_stage=0, sequence_parallel=sp))
+        assert p.sequence_parallel == sp
+        rc = verify(p, "gpt-small", ranks=[0], jobs=1).ranks[0]
+        got, want = rc.tracked_categories["activations"], rc.predicted_categories["activations"]
+        assert abs(want - got) <= 0.01 * got, (sp, got, want)
+        assert abs(rc.memory_error) <= 0.01, (sp, rc.memory_error)

@@ -254,11 +254,17 @@ class IlpProvider(AnalyticProvider):
             if fqn not in c.param_elems:
                 c.placements[fqn] = base.placements.get(fqn, "R")
                 c.param_elems[fqn] = base.param_elems[fqn]
+        # tensors the solution keeps split over tp: op outputs, and the layer's inputs where they
+        # arrive split (a sequence-parallel layer receives its predecessor's sequence shard)
         sharded = {n for n, ch in sol.op_choices.items()
                    if ch.output_placements and any(map(is_shard, ch.output_placements[0]))}
+        sharded |= {n for n, pl in sol.input_placements.items() if any(map(is_shard, pl))}
         sub = self._subgraph(g, layer, [g.node(n) for n in layer.nodes])
         shard = lambda node: tp if node.name in sharded else 1  # noqa: E731
         names = self.boundary_names(layer)
+        if names["out_name"] in sharded:
+            # the output the layer hands on (and a pipeline stage's forward cache keeps) is split
+            c.out_bytes = base.out_bytes / tp
         kernel = self.software.attention_kernel
         fill_activations(c, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
                          attention_kernel=kernel, selective_region=layer.selective_region(tp), **names)
