@@ -72,6 +72,7 @@ from autopar.schema.constraints import RECOMPUTES, Recompute
 from autopar.schema.constraints import Schedule as ScheduleName  # the registry's names
 from autopar.schema.software import AttentionKernel
 from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, attention_core, bytes_scale
+from cost_models.layouts import layout_copies
 
 # bytes per parameter: (weights, gradients, optimizer states incl. fp32 master) by precision policy
 PRECISION_POLICIES: dict[str, tuple[float, float, float]] = {
@@ -365,13 +366,15 @@ CASTS = frozenset({"to", "_to_copy", "type_as"})
 
 def tensor_bases(nodes: list, by_name: dict, device_type: Optional[str] = None,
                  dtype: Optional[str] = None, attention_kernel: AttentionKernel = "fused") -> dict[str, str]:
-    """Each tensor name -> the name of the tensor owning its storage (through views, a
-    `.contiguous()` that copies nothing, `_attention_heads_back`, on `device_type`, and under
-    fp32 training (`dtype`) a cast to the dtype the tensor has: `Tensor.to` returns the tensor
-    itself, as RMSNorm's `x.to(torch.float32)` does on fp32 activations)."""
+    """Each tensor name -> the name of the tensor owning its storage (through views but the
+    reshapes that copy, and a `.contiguous()` that copies nothing, as the kernels of
+    `device_type` lay tensors out: `cost_models.layouts`; under fp32 training (`dtype`) a cast
+    to the dtype the tensor has: `Tensor.to` returns the tensor itself, as RMSNorm's
+    `x.to(torch.float32)` does on fp32 activations)."""
+    copying, aliasing = layout_copies(nodes, by_name, device_type, attention_kernel)
     base: dict[str, str] = {}
     for n in nodes:
-        if n.kind == "call" and is_view(n) and n.inputs:
+        if n.kind == "call" and is_view(n) and n.inputs and n.name not in copying:
             src = n.inputs[0]
             prod = by_name.get(src)
             if n.target == "getitem" and prod is not None and prod.kind == "call" and prod.op == "broadcast_tensors":
@@ -384,8 +387,7 @@ def tensor_bases(nodes: list, by_name: dict, device_type: Optional[str] = None,
                 base[n.name] = n.name          # an output of a multi-output op, not a view
             else:
                 base[n.name] = base.get(src, src)
-        elif (n.kind == "call" and n.op == "contiguous" and n.inputs
-              and _attention_heads_back(n.inputs[0], by_name, device_type, attention_kernel)):
+        elif n.kind == "call" and n.name in aliasing:
             base[n.name] = base.get(n.inputs[0], n.inputs[0])
         elif (dtype == "fp32" and n.kind == "call" and n.op in CASTS and n.inputs and n.outputs
               and n.inputs[0] in by_name and by_name[n.inputs[0]].outputs
@@ -396,45 +398,12 @@ def tensor_bases(nodes: list, by_name: dict, device_type: Optional[str] = None,
     return base
 
 
-# elementwise ops whose output takes the layout of their first operand (TensorIterator)
-LAYOUT_KEEPING = frozenset({"add", "sub", "mul", "div", "neg", "to", "_to_copy", "type_as"})
-
-
 def _swaps_1_2(node) -> bool:
     """A 4-D `transpose(1, 2)` (any spelling of the two dims)."""
     if node is None or node.kind != "call" or node.op != "transpose" or len(node.args) < 3:
         return False
     dims = node.args[1:3]
     return all(isinstance(d, int) for d in dims) and {d % 4 for d in dims} == {1, 2}
-
-
-def _attention_heads_back(name: str, by_name: dict, device_type: Optional[str] = None,
-                          attention_kernel: AttentionKernel = "fused") -> bool:
-    """Whether `name` is `transpose(1, 2)` of a fused attention's output whose query was itself
-    `transpose(1, 2)` of a [b, s, h, d] tensor (or an elementwise op of one, `LAYOUT_KEEPING`):
-    the attention kernels write their output in that [b, s, h, d] layout (CPU's flash kernel
-    follows the query's layout: measured strides (512, 8, 32, 1) for a [16, 4, 16, 8] output;
-    CUDA's flash and memory-efficient kernels allocate it [b, s, h, d] and return it
-    transposed), so `.contiguous()` after the transpose back copies nothing (torch's math path,
-    `attention_is_fused`, writes standard strides). A graph captured on meta, where attention
-    runs its math path, keeps that `contiguous` as a copy."""
-    t = by_name.get(name)
-    if not _swaps_1_2(t):
-        return False
-    att = by_name.get(t.inputs[0]) if t.inputs else None
-    while (att is not None and att.kind == "call" and att.op in ("view", "reshape", "_unsafe_view") and att.inputs
-           and att.inputs[0] in by_name and by_name[att.inputs[0]].outputs and att.outputs
-           and tuple(by_name[att.inputs[0]].outputs[0].shape) == tuple(att.outputs[0].shape)):
-        att = by_name[att.inputs[0]]         # a reshape to the same shape (Hugging Face's sdpa wrapper)
-    if (att is None or att.kind != "call" or att.op not in FUSED_ATTENTION or not att.inputs
-            or not attention_is_fused(att, device_type, attention_kernel)):
-        return False
-    # the query, through the elementwise ops that keep their first operand's layout (rotary
-    # embeddings: q * cos + rotate_half(q) * sin)
-    q = by_name.get(att.inputs[0])
-    while q is not None and q.kind == "call" and q.op in LAYOUT_KEEPING and q.inputs:
-        q = by_name.get(q.inputs[0])
-    return _swaps_1_2(q)
 
 
 def _common_module(paths: Iterable[str]) -> str:

@@ -77,7 +77,7 @@ ZOO = {
 # a Hugging Face Llama: its rotary embedding runs under torch.no_grad (a wrapped subgraph in the
 # program) and it traces differently on the meta device than on the CPU (the solution's capture
 # is on meta, so the executor runs the meta program on the CPU)
-HF_LLAMA = ("hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2&num_attention_heads=4"
+HF_LLAMA = ("hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=4&num_attention_heads=8"
             "&num_hidden_layers=2&vocab_size=128&seq_len=16")
 try:
     import transformers  # noqa: F401

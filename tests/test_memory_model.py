@@ -441,23 +441,23 @@ def test_search_rejects_what_only_the_sync_phase_overflows():
 
 # -- activation rules (issue 18): what torch saves, as autopar's runtime runs it -------------------
 
-def _gpt_tiny(b):
+def _gpt_tiny(b, name="gpt-tiny"):
     from autopar.capture import capture
     from autopar.models.registry import build_model
 
-    bundle = build_model("gpt-tiny", device="meta")
+    bundle = build_model(name, device="meta")
     return capture(bundle.model, bundle.example_inputs, name=bundle.name).at_batch(b)
 
 
-def _torch_saved_bytes(b):
-    """Bytes autograd saves for gpt-tiny's backward (bf16 parameters, CPU autocast), each storage
-    once, parameters and the batch left out."""
+def _torch_saved_bytes(b, name="gpt-tiny", bf16=True):
+    """Bytes autograd saves for the zoo model `name`'s backward (bf16 parameters, CPU autocast;
+    `bf16=False`: fp32), each storage once, parameters and the batch left out."""
     import torch
 
     from autopar.models.registry import build_model, call_batch_fn
 
-    bundle = build_model("gpt-tiny", device="cpu")
-    m = bundle.model.to(torch.bfloat16)
+    bundle = build_model(name, device="cpu")
+    m = bundle.model.to(torch.bfloat16) if bf16 else bundle.model
     batch = call_batch_fn(bundle.batch_fn, 0, b, 0)
     skip = {p.untyped_storage().data_ptr() for p in m.parameters()} | {x.untyped_storage().data_ptr() for x in batch}
     saved: dict[int, int] = {}
@@ -468,7 +468,8 @@ def _torch_saved_bytes(b):
             saved[sp] = t.untyped_storage().nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16,
+                                                                                   enabled=bf16):
         m(*batch)
     return sum(saved.values())
 
@@ -481,6 +482,45 @@ def test_cpu_autocast_activations_are_what_torch_saves():
 
     am = activation_memory(_gpt_tiny(4), "bf16", "none", device_type="cpu", count_inputs=False)
     assert am.saved_bytes == pytest.approx(_torch_saved_bytes(4), abs=8)
+
+
+def test_grouped_query_repeat_of_keys_and_values_is_a_copy():
+    """The zoo Llama repeats its keys and values over the query heads (`expand` + `reshape`):
+    the reshape copies (a [b, kv, rep, s, d] expand cannot be viewed as [b, kv * rep, s, d]) and
+    attention saves the copies (torch: two `_unsafe_view` storages of [b, h, s, d] a layer); the
+    attention epilogue's transpose + reshape stays a view of the fused kernel's output, which a
+    capture's fake tensors lay out contiguous. Was under by the two copies a layer (1.49 GiB of
+    a Llama-3.2-1B shape's step on an H100). The whole prediction against torch:
+    `tests/test_verify.py::test_tensor_parallel_activations_predicted_as_tracked`."""
+    from cost_models.layouts import layout_copies
+    from cost_models.memory import activation_memory
+
+    g = _gpt_tiny(4, "llama-tiny")
+    by = {n.name: n for n in g.nodes}
+    for device in ("cuda", "cpu"):
+        copying, _ = layout_copies(list(g.nodes), by, device)
+        repeats = {n.name for n in g.nodes if n.kind == "call" and n.op == "reshape" and by[n.inputs[0]].op == "expand"}
+        epilogue = {n.name for n in g.nodes if n.kind == "call" and n.op == "reshape"
+                    and by[n.inputs[0]].op == "transpose"}
+        assert len(repeats) == 2 * 2 and epilogue          # k and v of llama-tiny's two layers
+        assert copying == repeats, (device, copying)
+    am = activation_memory(g, "fp32", "none", device_type="cuda", count_inputs=False)
+    for name in repeats:
+        assert am.saved[name] == by[name].outputs[0].nbytes
+
+
+def test_attention_kernel_decides_whether_the_epilogue_copies():
+    """`out.transpose(1, 2).reshape(b, s, h * d)` after attention: a view of a fused kernel's
+    [b, s, h, d]-laid output, a copy of the math path's or unfused software's contiguous one."""
+    from cost_models.layouts import layout_copies
+
+    g = _gpt_tiny(4)
+    by = {n.name: n for n in g.nodes}
+    epilogue = {n.name for n in g.nodes if n.kind == "call" and n.op == "reshape"
+                and by[n.inputs[0]].op == "transpose"}
+    assert epilogue
+    assert not layout_copies(list(g.nodes), by, "cuda")[0] & epilogue
+    assert layout_copies(list(g.nodes), by, "cuda", attention_kernel="unfused")[0] >= epilogue
 
 
 def test_cuda_autocast_norms_save_an_fp32_copy_of_their_input():

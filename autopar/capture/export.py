@@ -309,16 +309,25 @@ def _export_dynamic(wrapped: nn.Module, inputs: tuple, name: str) -> OpGraph:
 def _export_symbolic(wrapped: nn.Module, inputs: tuple) -> tuple[Any, tuple]:
     """torch.export of `wrapped` with a symbolic batch (dim 0 of every tensor input); returns
     the program and the inputs it was traced with."""
-    from torch.export import Dim, export
+    from torch.export import Dim
 
     b0 = max(2, _batch_of(inputs))
     inputs = tuple(_with_batch(x, b0) for x in inputs)
     batch = Dim("batch", min=1, max=1 << 20)
     dyn = tuple({0: batch} if isinstance(x, torch.Tensor) and x.dim() > 0 else None for x in inputs)
-    with warnings.catch_warnings():
+    return _export(wrapped, inputs, dynamic_shapes=(dyn,)), inputs
+
+
+def _export(wrapped: nn.Module, inputs: tuple, **kwargs: Any) -> Any:
+    """torch.export (non-strict) of `wrapped` at `inputs`, warnings silenced, a Hugging Face
+    model's attention masks built as in eager mode (`models.hf.eager_attention_masks`)."""
+    from torch.export import export
+
+    from autopar.models.hf import eager_attention_masks
+
+    with warnings.catch_warnings(), eager_attention_masks():
         warnings.simplefilter("ignore")
-        ep = export(wrapped, inputs, strict=False, dynamic_shapes=(dyn,))
-    return ep, inputs
+        return export(wrapped, inputs, strict=False, **kwargs)
 
 
 def export_program(model: nn.Module, example_inputs: Sequence[Any], *,
@@ -341,11 +350,7 @@ def export_program(model: nn.Module, example_inputs: Sequence[Any], *,
         try:
             ep, _ = _export_symbolic(wrapped, tuple(example_inputs))
         except Exception:  # noqa: BLE001 - as capture does: then at a fixed batch
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                from torch.export import export
-
-                ep = export(wrapped, tuple(example_inputs), strict=False)
+            ep = _export(wrapped, tuple(example_inputs))
     return ep, wrapped, names
 
 
@@ -411,13 +416,10 @@ def export_nodes(wrapped: nn.Module, inputs: tuple, ep: Any = None
                  ) -> tuple[list[OpNode], dict[str, ParamInfo], dict[str, ParamInfo]]:
     """The OpGraph's nodes, parameters and buffers of `wrapped`'s exported program `ep`
     (exported here at the inputs' fixed shapes when None), before layers and costs (`_finish`)."""
-    from torch.export import export
     from torch.export.graph_signature import InputKind
 
     if ep is None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            ep = export(wrapped, inputs, strict=False)
+        ep = _export(wrapped, inputs)
     model = wrapped.model
     canon, tied = _param_groups(model)
     strip = lambda s: s[len("model."):] if s.startswith("model.") else ("" if s == "model" else s)  # noqa: E731

@@ -313,7 +313,7 @@ def _read_shard(sol: ShardingSolution, tp: int, params: dict[str, str] | None = 
         if k >= len(ch.input_placements):
             return None
         want, have = tuple(ch.input_placements[k]), produced(name)
-        if have is None or want == have or "P" in want or "P" in have:
+        if have is None or want == have or "P" in want:
             return None
         j = sol.junctions.get(f"{name}#0")
         held = j is not None and tuple(j[0]) == want      # the junction's value, kept for all readers

@@ -17,9 +17,10 @@ to `autopar.capture.capture` directly; its `.loss` is the loss when labels are p
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 from urllib.parse import parse_qsl
 
 import torch
@@ -234,6 +235,37 @@ def prepare_for_capture(model: nn.Module) -> None:
                     cfg._experts_implementation = "batched_mm"
                 except Exception:  # noqa: BLE001
                     pass
+
+
+@contextlib.contextmanager
+def eager_attention_masks() -> Iterator[None]:
+    """Within it, transformers builds attention masks under torch.export as it does in eager mode.
+
+    Exporting, transformers always materialises the causal mask (`masking_utils` refuses to drop
+    it while `is_torchdynamo_exporting()`, because an exported model could later be fed padded
+    batches). In eager mode, with no padding mask, it passes none and SDPA runs `is_causal=True`,
+    grouped-query attention without repeating keys and values (`use_gqa_in_sdpa`). autopar's
+    batches carry no padding, so the eager program is the one to capture: the one a data-parallel
+    run executes, and the cheaper one for the op-by-op executor (no mask tensor, no repeated
+    keys and values). A no-op when transformers is not loaded or its masking module lacks these
+    functions (another version: the mask is then captured as transformers exports it)."""
+    import sys
+
+    mu = sys.modules.get("transformers.masking_utils")
+    # what masking_utils asks: exporting (keep the mask), packed sequences (a tensor under
+    # tracing, which cannot look at the position ids' values: autopar's are not packed)
+    patches = {"is_torchdynamo_exporting": lambda: False, "find_packed_sequence_indices": lambda position_ids: None}
+    if mu is None or not all(hasattr(mu, k) for k in patches):
+        yield
+        return
+    saved = {k: getattr(mu, k) for k in patches}
+    for k, f in patches.items():
+        setattr(mu, k, f)
+    try:
+        yield
+    finally:
+        for k, f in saved.items():
+            setattr(mu, k, f)
 
 
 def build_hf(name: str, *, batch_size: int = 1, device: str | torch.device = "meta",

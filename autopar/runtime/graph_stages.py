@@ -89,6 +89,8 @@ def split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Seque
     that dtype, not to the meta model's fp32; the chunks' parameters keep the model's dtypes."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
+    from autopar.models.hf import eager_attention_masks
+
     spec = {f: SplitPoint.BEGINNING for f in first_layers}
     # the tracer patches the forward of the modules it splits before, in place: trace a copy
     # (of a meta model: nothing allocated), so the model can be traced again
@@ -100,7 +102,8 @@ def split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Seque
                 if p.is_floating_point():
                     p.data = p.data.to(param_dtype)
     try:
-        with _keeping_hop_bodies():
+        # Hugging Face attention masks as the capture builds them (`capture.export._export`)
+        with _keeping_hop_bodies(), eager_attention_masks():
             pipe = pipeline(model, mb_args=tuple(example_mb), split_spec=spec)
     except Exception as e:  # noqa: BLE001 - the tracer's own errors, reported with the split
         raise PlanError(f"cannot trace {type(model).__name__} into pipeline stages at "
