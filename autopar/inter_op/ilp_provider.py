@@ -114,12 +114,6 @@ class IlpProvider(AnalyticProvider):
                     pins[f] = (pl,)
         return pins
 
-    def _grad_inputs(self, layer: Layer) -> set[str]:
-        """Tensors entering `layer` from earlier layers whose gradient the backward computes."""
-        mine, rg = set(layer.nodes), self.requires_grad
-        return {i for n in layer.nodes for i in self.graph.node(n).inputs
-                if i not in mine and self.graph.node(i).kind == "call" and rg.get(i, False)}
-
     def _solve(self, layer: Layer, mb: int, tp: int, interleaved: bool) -> ShardingSolution:
         from autopar.intra_op import solve_graph
 

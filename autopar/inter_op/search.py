@@ -64,10 +64,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
@@ -960,13 +961,15 @@ class Search:
 
     def _run(self) -> SearchResult:
         t0 = time.perf_counter()
-        cands = self.candidates()
+        ordered = self._ordered()
         best: Optional[Candidate] = None
-        bar = _Progress(self.progress, len(cands))
-        for i, (lb, cand) in enumerate(cands):
-            bar.update(i, best)
+        bar = _Progress(self.progress, self.considered)
+        for lb, cand in ordered:
+            bar.update(self.evaluated, best)
             if best is not None and lb >= best.iteration_s:
                 break
+            if cand is None:            # a group's bound: its candidates follow, costed
+                continue
             self.evaluated += 1
             ok = self.evaluate(cand, self.tables_for(cand))
             if ok and (best is None or cand.iteration_s < best.iteration_s * (1 - 1e-9)):
@@ -986,6 +989,82 @@ class Search:
                             self.considered, time.perf_counter() - t0, self.min_memory, dict(self.skipped),
                             self.experts)
 
+    def _ordered(self) -> Iterator[tuple[float, Optional[Candidate]]]:
+        """The candidates in `candidates()`'s order (bound, then ZeRO stage, chunks, enumeration),
+        each with its bound, but a (mesh, micro-batch, SP) group's layers costed only when it is
+        reached: first `(floor, None)`, its bound from `AnalyticProvider.time_floor` (each op's
+        compute at its cheapest, no collective, no per-micro-batch or step terms: at most every
+        bound of the group), then its candidates merged in as `candidates()` bounds them. The
+        caller stops at the first bound no better than its best plan, so a group whose floor
+        is past it is never costed (GPT-3 175B on 1536 GPUs: micro-batches 1 to 64, 4 to 8 of
+        them costed), and what it evaluates, in what order, is what `candidates()` would give.
+        `considered` counts a group never costed as its candidates (its layers could have
+        shown that tp cannot hold them, or that SP cannot run there: then it has none).
+        With stage_tp pinned or routed experts (their layer costs are reshaped per ep degree)
+        every group is costed up front (`candidates()`)."""
+        if self.cons.stage_tp is not None or self.experts:
+            cands = self.candidates()
+            return iter(cands)
+        meshes = self.meshes()
+        groups: list[tuple[int, int, int, int, bool]] = []
+        heap: list[tuple[tuple, Any]] = []
+        nominal: list[int] = []
+        for dp, tp, pp in meshes:
+            for mb in self.microbatches(dp):
+                m = self.gbs // dp // mb
+                for sp in ((False, True) if self.sp_provider is not None and tp > 1 else (False,)):
+                    slots = self._group_slots(dp, tp, pp, mb, sp)
+                    scheds = self.schedules(pp, m)
+                    if not slots or not scheds:
+                        continue            # no candidate: `candidates()` adds none either
+                    gid = len(groups)
+                    groups.append((dp, tp, pp, mb, sp))
+                    nominal.append(len(slots) * len(scheds))
+                    floor = self._floor_bound(tp, pp, mb, m, scheds)
+                    heapq.heappush(heap, ((floor, -1, -1, gid, -1), gid))
+        hetero = self._extra_candidates(meshes)
+        for i, (lb, cand) in enumerate(hetero):
+            heapq.heappush(heap, ((lb, cand.zero, cand.v, len(groups), i), cand))
+        self.considered = sum(nominal) + len(hetero)
+
+        def walk() -> Iterator[tuple[float, Optional[Candidate]]]:
+            found = False
+            while heap:
+                key, item = heapq.heappop(heap)
+                if isinstance(item, Candidate):
+                    found = True
+                    yield key[0], item
+                    continue
+                yield key[0], None
+                dp, tp, pp, mb, sp = groups[item]
+                if sp and True not in self._sp_options(mb, tp):
+                    self.considered -= nominal[item]       # SP cannot run there: no candidate
+                    continue
+                got, issues = self._group_candidates(dp, tp, pp, mb, sp)
+                if issues:
+                    self.considered -= nominal[item]       # tp cannot hold its layers: no candidate
+                for i, (lb, cand) in enumerate(got):
+                    heapq.heappush(heap, ((lb, cand.zero, cand.v, item, i), cand))
+            if not found:
+                self.candidates()   # nothing to evaluate: the errors the whole enumeration gives
+        return walk()
+
+    def _floor_bound(self, tp: int, pp: int, mb: int, m: int, scheds: list[tuple[str, int]]) -> float:
+        """At most the bound `candidates()` gives any candidate of a (tp, pp, mb) group: its
+        terms with each layer at `AnalyticProvider.time_floor` and no per-micro-batch or step
+        term (ZeRO-3's gathers, accumulation, sync, optimizer: none negative)."""
+        floors = np.array([self.provider.time_floor(l, mb, tp) for l in self.layers])
+        ideal = m * float(floors.sum()) / pp
+        slowest = _bottleneck(floors, pp)
+        out = INF
+        for sched, v in scheds:
+            lb = ideal * (1 + schedule_kind(sched).bubble_fraction(pp, m, v))
+            if v == 1 and not schedule_kind(sched).interleaved:
+                mu = ideal / m
+                lb = max(lb, pp * mu + (m - 1) * max(mu, slowest))
+            out = min(out, lb)
+        return out * (1 - 1e-9)     # below the rounding of sums taken in another order
+
     def tables_for(self, cand: Candidate) -> Optional["_Tables"]:
         """The cost tables `evaluate` reads for `cand` (None for a hetero candidate: its stages'
         tables are built per tp degree)."""
@@ -996,71 +1075,19 @@ class Search:
     def candidates(self) -> list[tuple[float, Candidate]]:
         """Every candidate the constraints allow, with a lower bound on its iteration time, in
         the order the search evaluates them (bound first): the search stops at the first whose
-        bound is no better than the best plan found. PlanError when none is left."""
+        bound is no better than the best plan found. PlanError when none is left. Costs every
+        group's layers (`_ordered` costs them as the search reaches them)."""
         # stage_tp pinned: only its stages of (maybe) different tp degrees (`_pinned_hetero`)
         meshes = self.meshes() if self.cons.stage_tp is None else []
         issues: list[str] = []
         cands: list[tuple[float, Candidate]] = []
+        self.considered_infeasible = 0
         for dp, tp, pp in meshes:
             for mb, sp in ((b, s) for b in self.microbatches(dp) for s in self._sp_options(b, tp)):
-                costs = self._layer_costs(mb, tp, sp=sp)
-                iss = sorted({i for c in costs for i in c.issues})
-                if iss:
-                    issues.extend(iss)
-                    continue
-                m = self.gbs // dp // mb
-                bounds: dict[tuple[bool, int], tuple[float, float, float, float]] = {}
-                for z, ep in ((z, e) for e in self.experts.degrees(dp, self.cons.ep) for z in self.zeros(dp, tp)):
-                    if ep > 1 and z == 3:
-                        continue                # FSDP units would split an ep group's experts
-                    # the costs the candidate is evaluated with: the executor's where it runs op
-                    # by op as solved (a bound from the others could prune a faster plan)
-                    solved = op_by_op(Candidate(dp, tp, pp, mb, m, "1f1b", 1, z))
-                    if sp and not solved:
-                        continue                # only the executor runs sequence parallelism
-                    if (solved, ep) not in bounds:
-                        cs = self._layer_costs(mb, tp, solved, sp, ep)
-                        per_layer = sum(c.base_s for c in cs)
-                        rc_min = min(sum(c.rc_extra_s.get(r, 0.0) for c in cs) for r in self.recomputes())
-                        # the average stage's parameters: each tensor once (a tied one is
-                        # in two layers' lists; a stage holding both counts it once)
-                        distinct = {f: e for c in cs for f, e in c.param_elems.items()}
-                        # the slowest stage of any split into pp stages, each layer at its
-                        # least time (its cheapest recomputation): at least this
-                        least = [c.base_s + min(c.rc_extra_s.get(r, 0.0) for r in self.recomputes()) for c in cs]
-                        bounds[(solved, ep)] = (m * (per_layer + rc_min) / pp, sum(distinct.values()) / pp,
-                                                _bottleneck(np.array(least), pp),
-                                                float(self.experts.expert_elems(cs).sum()) / pp if ep > 1 else 0.0)
-                    ideal, pel, slowest, epel = bounds[(solved, ep)]
-                    # memory lower bound: the model states of an average stage, no activations
-                    states = max(ph.total for ph in runtime_phases(
-                        pel, self.dtype, z, dp, num_microbatches=m,
-                        fused_optimizer=fused_optimizer(self.cluster.device.device_type)))
-                    if states > self.budget:
-                        self.min_memory = min(self.min_memory, states)
-                        self.considered_infeasible += len(self.schedules(pp, m))
-                        continue
-                    per_mb, tail = self._bound_terms(dp, tp, z, m, pel, epel)
-                    for sched, v in self.schedules(pp, m):
-                        # lower bound: balanced stages, the schedule's bubble, the step's tail
-                        lb = (ideal + m * per_mb) * (1 + schedule_kind(sched).bubble_fraction(pp, m, v)) + tail
-                        if v == 1 and not schedule_kind(sched).interleaved:
-                            # the stages' times (one micro-batch each) + (m - 1) x the slowest
-                            # (`stage_dp`): the slowest is at least the average stage's (`mu`)
-                            # and the bottleneck split's
-                            mu = ideal / m + per_mb
-                            lb = max(lb, pp * mu + (m - 1) * max(mu, slowest) + tail)
-                        cands.append((lb, Candidate(dp, tp, pp, mb, m, sched, v, z, sp=sp, ep=ep)))
-        if self.cons.stage_tp is not None:
-            cands.extend(self._pinned_hetero())
-        elif not getattr(self.provider, "sequence_parallel", False):
-            # stages of different tp hand the residual stream over replicated
-            # (`stage_layouts.chunk_layouts`); Megatron-SP's would arrive split along its tokens
-            cands.extend(self._hetero_candidates(meshes))
-        elif self.cons.tp is None and self.cons.pp is None:
-            self.skipped["hetero"] = ("stages of different tp degrees are not searched with sequence_parallel: "
-                                      "the residual stream would cross their boundaries split along its tokens "
-                                      "over meshes of different sizes, a re-layout the runtime does not run")
+                got, iss = self._group_candidates(dp, tp, pp, mb, sp)
+                issues.extend(iss)
+                cands.extend(got)
+        cands.extend(self._extra_candidates(meshes))
         if not cands and self.considered_infeasible:
             raise self._no_fit()
         if not cands:
@@ -1070,6 +1097,85 @@ class Search:
         cands.sort(key=lambda x: (x[0], x[1].zero, x[1].v))
         self.considered = len(cands) + self.considered_infeasible
         return cands
+
+    def _extra_candidates(self, meshes) -> list[tuple[float, Candidate]]:
+        """The candidates beside the uniform meshes': stage_tp's pinned stages, else stages of
+        different tp degrees (`_hetero_candidates`) where the provider allows them."""
+        if self.cons.stage_tp is not None:
+            return self._pinned_hetero()
+        if not getattr(self.provider, "sequence_parallel", False):
+            # stages of different tp hand the residual stream over replicated
+            # (`stage_layouts.chunk_layouts`); Megatron-SP's would arrive split along its tokens
+            return self._hetero_candidates(meshes)
+        if self.cons.tp is None and self.cons.pp is None:
+            self.skipped["hetero"] = ("stages of different tp degrees are not searched with sequence_parallel: "
+                                      "the residual stream would cross their boundaries split along its tokens "
+                                      "over meshes of different sizes, a re-layout the runtime does not run")
+        return []
+
+    def _group_slots(self, dp: int, tp: int, pp: int, mb: int, sp: bool) -> list[tuple[int, int, bool]]:
+        """(ZeRO stage, ep, runs op by op as solved) of one (mesh, micro-batch, SP) group's
+        candidates, in enumeration order; each is tried with every schedule (`schedules`)."""
+        out = []
+        m = self.gbs // dp // mb
+        for z, ep in ((z, e) for e in self.experts.degrees(dp, self.cons.ep) for z in self.zeros(dp, tp)):
+            if ep > 1 and z == 3:
+                continue                # FSDP units would split an ep group's experts
+            # the costs the candidate is evaluated with: the executor's where it runs op
+            # by op as solved (a bound from the others could prune a faster plan)
+            solved = op_by_op(Candidate(dp, tp, pp, mb, m, "1f1b", 1, z))
+            if sp and not solved:
+                continue                # only the executor runs sequence parallelism
+            out.append((z, ep, solved))
+        return out
+
+    def _group_candidates(self, dp: int, tp: int, pp: int, mb: int, sp: bool
+                          ) -> tuple[list[tuple[float, Candidate]], list[str]]:
+        """One group's candidates with their lower bounds, its layers costed; or none and why
+        tp cannot hold them. Those whose model states alone overflow are counted in
+        `considered_infeasible` instead."""
+        costs = self._layer_costs(mb, tp, sp=sp)
+        iss = sorted({i for c in costs for i in c.issues})
+        if iss:
+            return [], iss
+        cands: list[tuple[float, Candidate]] = []
+        m = self.gbs // dp // mb
+        bounds: dict[tuple[bool, int], tuple[float, float, float, float]] = {}
+        for z, ep, solved in self._group_slots(dp, tp, pp, mb, sp):
+            if (solved, ep) not in bounds:
+                cs = self._layer_costs(mb, tp, solved, sp, ep)
+                per_layer = sum(c.base_s for c in cs)
+                rc_min = min(sum(c.rc_extra_s.get(r, 0.0) for c in cs) for r in self.recomputes())
+                # the average stage's parameters: each tensor once (a tied one is
+                # in two layers' lists; a stage holding both counts it once)
+                distinct = {f: e for c in cs for f, e in c.param_elems.items()}
+                # the slowest stage of any split into pp stages, each layer at its
+                # least time (its cheapest recomputation): at least this
+                least = [c.base_s + min(c.rc_extra_s.get(r, 0.0) for r in self.recomputes()) for c in cs]
+                bounds[(solved, ep)] = (m * (per_layer + rc_min) / pp, sum(distinct.values()) / pp,
+                                        _bottleneck(np.array(least), pp),
+                                        float(self.experts.expert_elems(cs).sum()) / pp if ep > 1 else 0.0)
+            ideal, pel, slowest, epel = bounds[(solved, ep)]
+            # memory lower bound: the model states of an average stage, no activations
+            states = max(ph.total for ph in runtime_phases(
+                pel, self.dtype, z, dp, num_microbatches=m,
+                fused_optimizer=fused_optimizer(self.cluster.device.device_type)))
+            if states > self.budget:
+                self.min_memory = min(self.min_memory, states)
+                self.considered_infeasible += len(self.schedules(pp, m))
+                continue
+            per_mb, tail = self._bound_terms(dp, tp, z, m, pel, epel)
+            for sched, v in self.schedules(pp, m):
+                # lower bound: balanced stages, the schedule's bubble, the step's tail
+                lb = (ideal + m * per_mb) * (1 + schedule_kind(sched).bubble_fraction(pp, m, v)) + tail
+                if v == 1 and not schedule_kind(sched).interleaved:
+                    # the stages' times (one micro-batch each) + (m - 1) x the slowest
+                    # (`stage_dp`): the slowest is at least the average stage's (`mu`)
+                    # and the bottleneck split's
+                    mu = ideal / m + per_mb
+                    lb = max(lb, pp * mu + (m - 1) * max(mu, slowest) + tail)
+                cands.append((lb, Candidate(dp, tp, pp, mb, m, sched, v, z, sp=sp, ep=ep)))
+        return cands, []
 
     def _bound_terms(self, dp: int, tp: int, zero: int, m: int, pel: float, epel: float = 0.0
                      ) -> tuple[float, float]:

@@ -232,6 +232,7 @@ class AnalyticProvider:
         self.dtype = dtype
         self.software = resolve_software(software)
         self._cache: dict[tuple, LayerCost] = {}
+        self._floors: dict[tuple, float] = {}
         self._graphs: dict[int, OpGraph] = {}
         self._consumers = graph.consumers()
         self._outputs: dict[int, str | None] = {}
@@ -265,6 +266,26 @@ class AnalyticProvider:
             sub = OpGraph(self.graph.name, nodes, self.graph.params)
             self._graphs[key] = sub.at_batch(mb) if self.graph.batch_size is None else sub
         return self._graphs[key]
+
+    def _grad_inputs(self, layer: Layer) -> set[str]:
+        """Tensors entering `layer` from earlier layers whose gradient the backward computes."""
+        mine, rg = set(layer.nodes), self.requires_grad
+        return {i for n in layer.nodes for i in self.graph.node(n).inputs
+                if i not in mine and self.graph.node(i).kind == "call" and rg.get(i, False)}
+
+    def time_floor(self, layer: Layer, mb: int, tp: int) -> float:
+        """A lower bound on `cost(layer, mb, tp).base_s` (and on its executor variant's) that
+        needs no solve: each op's compute at the cheaper of whole and split tp ways, no
+        collective (`intra_op.ilp.layer_compute_floor`). The search orders candidates by it
+        before it costs their layers (`Search._run`). Per (signature, micro-batch, tp)."""
+        from autopar.intra_op.ilp import layer_compute_floor
+
+        key = (layer.signature, mb, tp)
+        if key not in self._floors:
+            self._floors[key] = layer_compute_floor(
+                self.graph_at(mb, layer), layer.nodes, self._grad_inputs(layer), self.cluster.device, self.dtype,
+                tp, self.software.attention_kernel)
+        return self._floors[key]
 
     def output_node(self, layer: Layer) -> str | None:
         """The tensor `layer` hands to the next layer: its last op read outside it."""

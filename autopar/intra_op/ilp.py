@@ -109,6 +109,62 @@ BACKWARD_SKIPS = {"linear": (2,), "addmm": (0,), "baddbmm": (0,), "embedding": (
                   "add": (0, 1), "sub": (0, 1), "rsub": (0, 1)}
 
 
+def requires_grad_of(graph: OpGraph, grad_inputs: Iterable[str] = ()) -> dict[str, bool]:
+    """Whether each node's output needs a gradient in a (layer's) graph: a parameter as its
+    `requires_grad` says, a floating call when one of its inputs needs one, an input or
+    boundary tensor when it is one of `grad_inputs` (made with a gradient by an earlier layer)."""
+    grad_inputs = frozenset(grad_inputs)
+    rg: dict[str, bool] = {}
+    for n in graph.nodes:
+        if n.kind == "param":
+            info = graph.params.get(n.fqn or "")
+            rg[n.name] = info.requires_grad if info else True
+        elif n.kind == "call":
+            is_float = bool(n.outputs) and n.outputs[0].dtype.startswith(("float", "bfloat", "complex"))
+            rg[n.name] = is_float and any(rg.get(i, False) for i in n.inputs)
+        else:
+            rg[n.name] = n.name in grad_inputs
+    return rg
+
+
+def op_compute_time(n: OpNode, rg: dict[str, bool], requires_grad: bool, device, dtype: str, work_div: float,
+                    index: dict, attention_kernel: str = "fused") -> tuple[float, float]:
+    """(forward, backward) compute seconds of op `n` with its work split `work_div` ways, as the
+    ILP prices a strategy: the inter-op cost model's per-op prices (`node_time`: GEMM curve,
+    measured backward and fused attention rates, bytes at the training dtype), so the ILP and
+    the analytic provider differ only in the layouts they choose; no backward where the output
+    needs no gradient (`requires_grad`), and a matrix op's backward one GEMM per operand that
+    needs one (`rg`: dX = dY W, dW = dY^T X). The search's lower bound reads it too
+    (`layer_compute_floor`)."""
+    f, b = node_time(n, device, dtype, work_div, index, attention_kernel)
+    if not requires_grad:
+        return f, 0.0
+    if n.op in HEAVY_OPS and n.op not in FUSED_ATTENTION:
+        k = sum(1 for i in n.inputs[:2] if rg.get(i, False))
+        return f, b * max(1, k) / 2.0
+    return f, b
+
+
+def layer_compute_floor(graph: OpGraph, nodes: Iterable[str], grad_inputs: Iterable[str], device, dtype: str,
+                        tp: int, attention_kernel: str = "fused") -> float:
+    """A lower bound on the compute seconds (forward + backward) of ops `nodes` of `graph` (a
+    layer's subgraph at a concrete batch) on a 1-D mesh of `tp` devices, whatever layout a
+    solve picks: each op at the cheaper of its work whole and split tp ways (on one mesh axis
+    a strategy splits it 1 or tp ways, `Strategy.work_div`), priced as `op_compute_time`.
+    A solution's forward + backward is this plus its collectives; the analytic provider's,
+    which charges every op's whole backward, is at least it too. Ops with no work are left
+    out (the analytic provider skips them)."""
+    rg = requires_grad_of(graph, grad_inputs)
+    total = 0.0
+    for name in nodes:
+        n = graph.node(name)
+        if n.kind != "call" or not n.outputs or (n.flops <= 0 and n.bytes_moved <= 0):
+            continue
+        total += min(sum(op_compute_time(n, rg, rg.get(name, False), device, dtype, w, graph._index,
+                                         attention_kernel)) for w in {1, max(int(tp), 1)})
+    return total
+
+
 def by_phase(phase: str, t: float) -> tuple[float, float, float]:
     """`t` seconds as (forward, backward, grad_sync) by the collective's phase."""
     if phase == "forward":
@@ -283,18 +339,7 @@ class IntraOpProblem:
                                      for a in range(len(self.mesh_shape)))
 
     def _requires_grad(self) -> None:
-        g = self.graph
-        rg: dict[str, bool] = {}
-        for n in g.nodes:
-            if n.kind == "param":
-                info = g.params.get(n.fqn or "")
-                rg[n.name] = info.requires_grad if info else True
-            elif n.kind == "call":
-                is_float = bool(n.outputs) and n.outputs[0].dtype.startswith(("float", "bfloat", "complex"))
-                rg[n.name] = is_float and any(rg.get(i, False) for i in n.inputs)
-            else:
-                rg[n.name] = n.name in self.grad_inputs
-        self.rg = rg
+        self.rg = requires_grad_of(self.graph, self.grad_inputs)
 
     def _saved_for_backward(self) -> None:
         """Which tensors the backward pass holds (`cost_models.memory.saved_tensors`, the rules
@@ -689,20 +734,10 @@ class IntraOpProblem:
 
     def compute_time(self, pn: PNode, st: Strategy) -> tuple[float, float]:
         """(forward, backward) compute seconds of one copy of op `pn` under `st`."""
-        n = pn.node
-        if self.mesh.device is None or n is None:
+        if self.mesh.device is None or pn.node is None:
             return 0.0, 0.0
-        # the inter-op cost model's per-op prices (GEMM curve, measured backward and fused
-        # attention rates, bytes at the training dtype), so the ILP and the analytic provider
-        # differ only in the layouts they choose
-        f, b = node_time(n, self.mesh.device, self.dtype, st.work_div, self.graph._index, self.attention_kernel)
-        if not pn.requires_grad:
-            return f, 0.0
-        if n.op in HEAVY_OPS and n.op not in FUSED_ATTENTION:
-            # one matmul per operand that needs a gradient (dX = dY W, dW = dY^T X)
-            k = sum(1 for i in n.inputs[:2] if self.rg.get(i, False))
-            return f, b * max(1, k) / 2.0
-        return f, b
+        return op_compute_time(pn.node, self.rg, pn.requires_grad, self.mesh.device, self.dtype, st.work_div,
+                               self.graph._index, self.attention_kernel)
 
     def node_cost(self, pn: PNode, st: Strategy) -> tuple[float, float, float, float]:
         """(total, forward, backward, grad_sync) seconds of one copy, excluding resharding."""
