@@ -185,6 +185,69 @@ def test_search_bounds_never_exceed_a_candidates_time(software):
     assert checked > 50
 
 
+@pytest.mark.parametrize("intra_op", ["analytic", "ilp+sp"])
+def test_search_costs_groups_as_reached_and_evaluates_what_the_whole_enumeration_would(intra_op, monkeypatch):
+    """The search costs a (mesh, micro-batch, SP) group's layers only when its floor bound comes
+    up (`Search._ordered`): each layer's floor (`time_floor`: every op at its cheapest compute,
+    the ILP's own pricing) is at most its cost, as solved and as the executor runs it, and the
+    group's floor bound at most each of its candidates' bounds; the search then evaluates the
+    same candidates in the same order, counts the same candidates and picks the same plan as
+    with every group costed up front (`candidates()`), while costing fewer groups. GPT-3 1.3B
+    on one DGX A100, global batch 64: tp 1-8, micro-batches 1-64, with and without SP."""
+    from autopar.inter_op.ilp_provider import IlpProvider
+    from autopar.inter_op.search import Search
+    from autopar.inter_op.stage_cost import AnalyticProvider
+    from autopar.schema import ClusterSpec, Constraints
+
+    b = build_model("gpt3-1.3b", device="meta")
+    g = capture(b.model, b.example_inputs, name="gpt3-1.3b")
+    layers = build_layers(g, b.model)
+    cl = ClusterSpec.load("dgx-a100-80g", num_nodes=1)
+
+    def search() -> Search:
+        if intra_op == "analytic":
+            return Search(g, layers, cl, 64, "bf16", Constraints(), AnalyticProvider(g, layers, cl, "bf16"))
+        return Search(g, layers, cl, 64, "bf16", Constraints(), IlpProvider(g, layers, cl, "bf16", time_limit_s=30),
+                      sp_provider=IlpProvider(g, layers, cl, "bf16", time_limit_s=30, sequence_parallel=True))
+
+    def run(s: Search) -> tuple[list, object]:
+        seen = []
+        evaluate = s.evaluate
+
+        def record(cand, tb):
+            seen.append((cand.dp, cand.tp, cand.pp, cand.mb, cand.schedule, cand.v, cand.zero, cand.sp))
+            return evaluate(cand, tb)
+        monkeypatch.setattr(s, "evaluate", record)
+        return seen, s.run()
+
+    lazy = search()
+    order, res = run(lazy)
+    eager = search()
+    monkeypatch.setattr(eager, "_ordered", lambda: iter(eager.candidates()))
+    order_all, res_all = run(eager)
+    assert order == order_all and len(order) > 5
+    assert lazy.considered == eager.considered and lazy.evaluated == eager.evaluated
+    assert (res.best.key(), res.best.iteration_s, [st.peak_bytes for st in res.best.stages]) == \
+        (res_all.best.key(), res_all.best.iteration_s, [st.peak_bytes for st in res_all.best.stages])
+    costed = {k[:2] for k in lazy._costs_cache}
+    assert costed < {k[:2] for k in eager._costs_cache}, "every group was costed"
+
+    # the floors under the costs, and each group's floor bound under its candidates' bounds
+    checked = 0
+    for (mb, tp, _, sp), costs in eager._costs_cache.items():
+        prov = eager.sp_provider if sp else eager.provider
+        for layer, c in zip(layers, costs):
+            f = eager.provider.time_floor(layer, mb, tp)
+            assert f <= c.base_s * (1 + 1e-12) and f <= c.solved_variant().base_s * (1 + 1e-12), (layer.name, mb, tp)
+            assert prov.time_floor(layer, mb, tp) == f
+            checked += 1
+    assert checked > 100
+    for lb, c in eager.candidates():
+        if not c.hetero_tps:
+            floor = eager._floor_bound(c.tp, c.pp, c.mb, c.m, eager.schedules(c.pp, c.m))
+            assert floor <= lb, (c, floor, lb)
+
+
 def test_bottleneck_bound_is_the_linear_partition_optimum():
     """`search._bottleneck`: the least largest part over every split into at most p parts
     (brute force), from below and within 1e-6."""

@@ -1006,26 +1006,31 @@ class Search:
             cands = self.candidates()
             return iter(cands)
         meshes = self.meshes()
-        groups: list[tuple[int, int, int, int, bool]] = []
+        groups: list[tuple] = []        # ("mesh", dp, tp, pp, mb, sp) or ("hetero", dp, mb, tps)
         heap: list[tuple[tuple, Any]] = []
         nominal: list[int] = []
+
+        def add(group: tuple, count: int, floor: float) -> None:
+            heapq.heappush(heap, ((floor, -1, -1, len(groups), -1), len(groups)))
+            groups.append(group)
+            nominal.append(count)
+
         for dp, tp, pp in meshes:
             for mb in self.microbatches(dp):
                 m = self.gbs // dp // mb
                 for sp in ((False, True) if self.sp_provider is not None and tp > 1 else (False,)):
                     slots = self._group_slots(dp, tp, pp, mb, sp)
                     scheds = self.schedules(pp, m)
-                    if not slots or not scheds:
-                        continue            # no candidate: `candidates()` adds none either
-                    gid = len(groups)
-                    groups.append((dp, tp, pp, mb, sp))
-                    nominal.append(len(slots) * len(scheds))
-                    floor = self._floor_bound(tp, pp, mb, m, scheds)
-                    heapq.heappush(heap, ((floor, -1, -1, gid, -1), gid))
-        hetero = self._extra_candidates(meshes)
-        for i, (lb, cand) in enumerate(hetero):
-            heapq.heappush(heap, ((lb, cand.zero, cand.v, len(groups), i), cand))
-        self.considered = sum(nominal) + len(hetero)
+                    if slots and scheds:    # else no candidate: `candidates()` adds none either
+                        add(("mesh", dp, tp, pp, mb, sp), len(slots) * len(scheds),
+                            self._floor_bound(tp, pp, mb, m, scheds))
+        for D, mb, tps in (self._hetero_groups(meshes) if self._hetero_allowed() else []):
+            # `_hetero_group_candidates`' bound with each layer at its floor, over every tp
+            m = self.gbs // D // mb
+            work = min(sum(self.provider.time_floor(l, mb, T) for l in self.layers) * T for T in tps)
+            add(("hetero", D, mb, tps), len(self._hetero_schedules()) * len(self.zeros(D, max(tps))),
+                m * work / (self.N // D) * (1 - 1e-9))
+        self.considered = sum(nominal)
 
         def walk() -> Iterator[tuple[float, Optional[Candidate]]]:
             found = False
@@ -1036,13 +1041,17 @@ class Search:
                     yield key[0], item
                     continue
                 yield key[0], None
-                dp, tp, pp, mb, sp = groups[item]
-                if sp and True not in self._sp_options(mb, tp):
-                    self.considered -= nominal[item]       # SP cannot run there: no candidate
-                    continue
-                got, issues = self._group_candidates(dp, tp, pp, mb, sp)
-                if issues:
-                    self.considered -= nominal[item]       # tp cannot hold its layers: no candidate
+                group = groups[item]
+                if group[0] == "hetero":
+                    got = self._hetero_group_candidates(*group[1:])
+                    none = not got          # fewer than two tp degrees hold its layers
+                elif group[5] and True not in self._sp_options(group[4], group[2]):
+                    got, none = [], True    # SP cannot run there
+                else:
+                    got, issues = self._group_candidates(*group[1:])
+                    none = bool(issues)     # tp cannot hold its layers
+                if none:
+                    self.considered -= nominal[item]    # `candidates()` counts none of them
                 for i, (lb, cand) in enumerate(got):
                     heapq.heappush(heap, ((lb, cand.zero, cand.v, item, i), cand))
             if not found:
@@ -1103,15 +1112,20 @@ class Search:
         different tp degrees (`_hetero_candidates`) where the provider allows them."""
         if self.cons.stage_tp is not None:
             return self._pinned_hetero()
+        return self._hetero_candidates(meshes) if self._hetero_allowed() else []
+
+    def _hetero_allowed(self) -> bool:
+        """Whether stages of different tp degrees are searched: not with Megatron-SP pinned on
+        (recorded in `skipped` where tp and pp are free)."""
         if not getattr(self.provider, "sequence_parallel", False):
             # stages of different tp hand the residual stream over replicated
             # (`stage_layouts.chunk_layouts`); Megatron-SP's would arrive split along its tokens
-            return self._hetero_candidates(meshes)
+            return True
         if self.cons.tp is None and self.cons.pp is None:
             self.skipped["hetero"] = ("stages of different tp degrees are not searched with sequence_parallel: "
                                       "the residual stream would cross their boundaries split along its tokens "
                                       "over meshes of different sizes, a re-layout the runtime does not run")
-        return []
+        return False
 
     def _group_slots(self, dp: int, tp: int, pp: int, mb: int, sp: bool) -> list[tuple[int, int, bool]]:
         """(ZeRO stage, ep, runs op by op as solved) of one (mesh, micro-batch, SP) group's
@@ -1232,6 +1246,10 @@ class Search:
         on clusters small enough for its (stages x layers x devices) table: at most
         `HETERO_MAX_UNITS` dp-replica-sized device units. Not when tp or pp is pinned, nor for
         the interleaved schedule (whose chunks go round equal device sets)."""
+        return [x for D, mb, tps in self._hetero_groups(meshes) for x in self._hetero_group_candidates(D, mb, tps)]
+
+    def _hetero_groups(self, meshes) -> list[tuple[int, int, list[int]]]:
+        """(dp, micro-batch, tp degrees a stage may take) of `_hetero_candidates`' groups."""
         c = self.cons
         if c.tp is not None or c.pp is not None or (c.schedule and schedule_kind(c.schedule).interleaved) \
                 or (c.virtual_stages or 1) > 1:
@@ -1248,21 +1266,26 @@ class Search:
                    (dpn % (D * T) == 0 or (D * T) % dpn == 0)]
             if len(tps) < 2 or self.L ** 2 * units * len(tps) * min(self.L, units) > HETERO_MAX_TABLE:
                 continue
-            for mb in self.microbatches(D):
-                # the executor runs what the ILP solved; DTensor propagation (analytic
-                # costs) cannot split some layers Megatron's way (`dtensor_issues`)
-                ok = [T for T in tps if not any(x.issues or (x.dtensor_issues and not self._executor)
-                                                for x in self._layer_costs(mb, T))]
-                if len(ok) < 2:
-                    continue
-                m = self.gbs // D // mb
-                # heuristic bound: the least device-seconds per micro-batch spread over all units
-                work = min(sum(x.base_s for x in self._layer_costs(mb, T)) * T for T in ok)
-                lb = m * work / units
-                for sched in ([c.schedule] if c.schedule else ["1f1b"]):
-                    for z in self.zeros(D, max(ok)):
-                        out.append((lb, Candidate(D, 0, 0, mb, m, sched, 1, z, hetero_tps=tuple(ok))))
+            out.extend((D, mb, tps) for mb in self.microbatches(D))
         return out
+
+    def _hetero_schedules(self) -> list[str]:
+        return [self.cons.schedule] if self.cons.schedule else ["1f1b"]
+
+    def _hetero_group_candidates(self, D: int, mb: int, tps: list[int]) -> list[tuple[float, Candidate]]:
+        """One (dp, micro-batch) group of `_hetero_candidates`, its layers costed at every tp."""
+        # the executor runs what the ILP solved; DTensor propagation (analytic
+        # costs) cannot split some layers Megatron's way (`dtensor_issues`)
+        ok = [T for T in tps if not any(x.issues or (x.dtensor_issues and not self._executor)
+                                        for x in self._layer_costs(mb, T))]
+        if len(ok) < 2:
+            return []
+        m = self.gbs // D // mb
+        # heuristic bound: the least device-seconds per micro-batch spread over all units
+        work = min(sum(x.base_s for x in self._layer_costs(mb, T)) * T for T in ok)
+        lb = m * work / (self.N // D)
+        return [(lb, Candidate(D, 0, 0, mb, m, sched, 1, z, hetero_tps=tuple(ok)))
+                for sched in self._hetero_schedules() for z in self.zeros(D, max(ok))]
 
     def _pinned_hetero(self) -> list[tuple[float, Candidate]]:
         """The candidates of `Constraints.stage_tp` (every micro-batch size, ZeRO stage), each
