@@ -849,6 +849,7 @@ class Search:
         self._held_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._tables_cache: dict = {}
         self._costs_cache: dict = {}
+        self._floor_cache: dict[tuple[int, int], np.ndarray] = {}
         self.experts = ExpertCosting(graph, layers)
         if (cons.ep or 1) > 1 and not self.experts:
             raise PlanError(f"ep={cons.ep}: the model has no routed experts (no grouped GEMM over stacked expert "
@@ -1027,7 +1028,7 @@ class Search:
         for D, mb, tps in (self._hetero_groups(meshes) if self._hetero_allowed() else []):
             # `_hetero_group_candidates`' bound with each layer at its floor, over every tp
             m = self.gbs // D // mb
-            work = min(sum(self.provider.time_floor(l, mb, T) for l in self.layers) * T for T in tps)
+            work = min(float(self._floors(mb, T).sum()) * T for T in tps)
             add(("hetero", D, mb, tps), len(self._hetero_schedules()) * len(self.zeros(D, max(tps))),
                 m * work / (self.N // D) * (1 - 1e-9))
         self.considered = sum(nominal)
@@ -1058,13 +1059,23 @@ class Search:
                 self.candidates()   # nothing to evaluate: the errors the whole enumeration gives
         return walk()
 
+    def _floors(self, mb: int, tp: int) -> np.ndarray:
+        """`AnalyticProvider.time_floor` of every layer at (mb, tp), read-only (kept per search)."""
+        if (mb, tp) not in self._floor_cache:
+            a = np.array([self.provider.time_floor(l, mb, tp) for l in self.layers], dtype=float)
+            a.setflags(write=False)
+            self._floor_cache[(mb, tp)] = a
+        return self._floor_cache[(mb, tp)]
+
     def _floor_bound(self, tp: int, pp: int, mb: int, m: int, scheds: list[tuple[str, int]]) -> float:
         """At most the bound `candidates()` gives any candidate of a (tp, pp, mb) group: its
         terms with each layer at `AnalyticProvider.time_floor` and no per-micro-batch or step
         term (ZeRO-3's gathers, accumulation, sync, optimizer: none negative)."""
-        floors = np.array([self.provider.time_floor(l, mb, tp) for l in self.layers])
+        floors = self._floors(mb, tp)
         ideal = m * float(floors.sum()) / pp
-        slowest = _bottleneck(floors, pp)
+        # the slowest stage of a split into pp: at least the slowest layer and the average
+        # stage (`_bottleneck`'s first guess; its bisection costs more than the floor saves)
+        slowest = max(float(floors.max()), float(floors.sum()) / pp) if len(floors) else 0.0
         out = INF
         for sched, v in scheds:
             lb = ideal * (1 + schedule_kind(sched).bubble_fraction(pp, m, v))
