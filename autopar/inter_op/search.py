@@ -1060,9 +1060,11 @@ class Search:
         return walk()
 
     def _floors(self, mb: int, tp: int) -> np.ndarray:
-        """`AnalyticProvider.time_floor` of every layer at (mb, tp), read-only (kept per search)."""
+        """`AnalyticProvider.time_floor` of every layer at (mb, tp), read-only (kept per search);
+        zeros for a provider without one (its groups are all costed first)."""
         if (mb, tp) not in self._floor_cache:
-            a = np.array([self.provider.time_floor(l, mb, tp) for l in self.layers], dtype=float)
+            floor = getattr(self.provider, "time_floor", None)
+            a = np.array([floor(l, mb, tp) if floor else 0.0 for l in self.layers], dtype=float)
             a.setflags(write=False)
             self._floor_cache[(mb, tp)] = a
         return self._floor_cache[(mb, tp)]
