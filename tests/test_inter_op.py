@@ -49,6 +49,64 @@ def test_dp_equals_brute_force(seed):
     assert sum(ts) + (B - 1) * max(ts) == pytest.approx(dp.total, rel=1e-9)
 
 
+def _sweep_every_value(cost, sizes, N, B, num_stages=None):
+    """The DP's t_max sweep as it was before it skipped to the values where the least sum drops
+    (a run at every distinct stage cost from the first feasible one): the oracle of
+    `test_dp_sweep_skips_nothing_that_matters`. (total, sum, t_max, stages)."""
+    from autopar.inter_op.dp import _run_general, _run_uniform, first_feasible
+
+    L, _, M, S1 = cost.shape
+    S = min(S1 - 1, num_stages) if num_stages is not None else S1 - 1
+    uniform = M == 1 and num_stages is not None and sizes[0] * num_stages == N
+
+    def run(t):
+        if uniform:
+            return _run_uniform(cost, num_stages, t)
+        return _run_general(np.where(cost <= t, cost, np.inf), list(sizes), N, S, num_stages)
+
+    vals = np.unique(cost[np.isfinite(cost)])
+    if vals.size == 0 or run(np.inf) is None:
+        return None
+    lb = run(np.inf)[0]
+    best = None
+    for t in vals[first_feasible(vals, lambda t: run(t) is not None):]:
+        if best is not None and lb + (B - 1) * t >= best[0] * (1 - 1e-12):
+            break
+        r = run(t)
+        if r is None:
+            continue
+        tmax = max(cost[k, j, m, s] for (k, j, m, s) in r[1])
+        total = r[0] + (B - 1) * tmax
+        if best is None or total < best[0] * (1 - 1e-12):
+            best = (total, r[0], tmax, [(k, j, m) for k, j, m, _ in r[1]])
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_dp_sweep_skips_nothing_that_matters(seed):
+    """`stage_dp` runs its DP only where the least sum of stage times drops as t_max grows
+    (bisection); it returns exactly what the sweep over every distinct stage cost returned:
+    total, sum, max and the same stages (so the same plans), on random sub-mesh and pinned
+    instances with coarse costs (many ties) and fine ones, B from 1 to 64."""
+    rng = np.random.default_rng(500 + seed)
+    L = int(rng.integers(1, 12))
+    if seed % 4 == 3:
+        p = int(rng.integers(1, L + 1))
+        cost, sizes, N, ns = _random_instance(rng, L, [1], p, inf_frac=0.3), [1], p, p
+    else:
+        N = int(rng.choice([2, 4, 8]))
+        sizes = [u for u in (1, 2, 4, 8) if u <= N]
+        cost, ns = _random_instance(rng, L, sizes, min(L, N)), None
+    if seed % 2:
+        cost = np.round(cost, 1)           # coarse: many equal stage costs and sums
+    B = int(rng.choice([1, 2, 8, 64]))
+    dp = stage_dp(cost, sizes, N, B, num_stages=ns)
+    ref = _sweep_every_value(cost, sizes, N, B, ns)
+    assert (dp is None) == (ref is None)
+    if ref is not None:
+        assert (dp.total, dp.sum_t, dp.t_max, dp.stages) == ref
+
+
 @pytest.mark.parametrize("seed", range(16))
 def test_dp_pinned_stage_count(seed):
     """A pinned stage count on one sub-mesh (the search's uniform pipelines, whose DP works on

@@ -13,11 +13,18 @@ fixed t_max, F(s, k, d) = min over (j, m) with cost <= t_max of cost[k, j, m, s]
 F(0, L, 0) = 0, and T*(t_max) = min_s F(s, 0, N) + (B - 1) t_max. The enumeration starts at the
 smallest feasible t_max (binary search; feasibility is monotone in it) and stops once
 LB + (B - 1) t_max >= best, LB being the unbounded optimum of sum_i t_i (a lower bound for every
-t_max). `brute_force` enumerates every split and assignment, to check the DP on small instances.
+t_max). Between the two it runs the DP only where the least sum F drops: F(t_max) never rises
+with t_max (a min over a growing set of paths, each summed in the same order), and where it
+has not dropped since the last run, the DP returns that run's stages or ones that use a newly
+allowed stage, above the last run's t_max: the same sum with a larger max, never better. So
+the next drop is found by bisection: GPT 39.1B's sub-mesh DP, 324 runs of the sweep over every
+value, 10 drops. `brute_force` enumerates every split and assignment, to check the DP on small
+instances; `tests/test_inter_op.py` checks the result against the sweep over every value.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -66,14 +73,13 @@ def stage_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, B: int,
     if finite.size == 0:
         return None
     vals = np.unique(finite)
-    runs = 0
+    done: dict[float, Optional[tuple]] = {}
 
     def run(tmax: float):
-        nonlocal runs
-        runs += 1
-        if uniform:
-            return _run_uniform(cost, num_stages, tmax)
-        return _run_general(np.where(cost <= tmax, cost, INF), sizes, num_devices, S, num_stages)
+        if tmax not in done:
+            done[tmax] = (_run_uniform(cost, num_stages, tmax) if uniform else
+                          _run_general(np.where(cost <= tmax, cost, INF), sizes, num_devices, S, num_stages))
+        return done[tmax]
 
     unbounded = run(INF)
     if unbounded is None:
@@ -82,21 +88,34 @@ def stage_dp(cost: np.ndarray, sizes: Sequence[int], num_devices: int, B: int,
     # smallest feasible t_max
     lo = first_feasible(vals, lambda t: run(t) is not None)
     best: Optional[tuple[float, float, float, list]] = None
-    for t in vals[lo:]:
-        if best is not None and lb + (B - 1) * t >= best[0] * (1 - 1e-12):
-            break
-        r = run(t)
-        if r is None:
-            continue
+    i, r = lo, run(vals[lo])
+    while r is not None:
         sum_t, stages = r
         tmax = max(cost[k, j, m, s] for (k, j, m, s) in stages)
         total = sum_t + (B - 1) * tmax
         if best is None or total < best[0] * (1 - 1e-12):
             best = (total, sum_t, tmax, stages)
+        # the sweep stops at the first t_max with lb + (B - 1) t_max >= best (none below it
+        # can beat the best), as the loop over every value did
+        bar = best[0] * (1 - 1e-12)
+        stop = bisect.bisect_left(vals, True, lo=i + 1, key=lambda t: lb + (B - 1) * t >= bar)
+        # only a t_max at which the least sum drops can give a better plan (the module's note):
+        # the first one before `stop`, by bisection (the least sum never rises with t_max)
+        a, b, nxt = i + 1, stop, None
+        while a < b:
+            mid = (a + b) // 2
+            rm = run(vals[mid])
+            if rm is not None and rm[0] < sum_t:
+                b, nxt = mid, (mid, rm)
+            else:
+                a = mid + 1
+        if nxt is None:
+            break
+        i, r = nxt
     if best is None:
         return None
     total, sum_t, tmax, stages = best
-    return DPResult(total, sum_t, tmax, [(k, j, m) for k, j, m, _ in stages], runs)
+    return DPResult(total, sum_t, tmax, [(k, j, m) for k, j, m, _ in stages], len(done))
 
 
 def _run_uniform(cost: np.ndarray, p: int, tmax: float = INF):
