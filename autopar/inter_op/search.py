@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import heapq
 import sys
 import time
@@ -850,6 +851,7 @@ class Search:
         self._tables_cache: dict = {}
         self._costs_cache: dict = {}
         self._floor_cache: dict[tuple[int, int], np.ndarray] = {}
+        self._dp_cache: dict[tuple, Any] = {}       # `_evaluate_hetero`: table -> `stage_dp`'s result
         self.experts = ExpertCosting(graph, layers)
         if (cons.ep or 1) > 1 and not self.experts:
             raise PlanError(f"ep={cons.ep}: the model has no routed experts (no grouped GEMM over stacked expert "
@@ -1471,7 +1473,12 @@ class Search:
                 kind = "gpipe" if cand.schedule == "gpipe" or m < s_ else "1f1b"
                 cost[:, :, mi, s_], choice[:, :, mi, s_] = self._best_recompute(
                     tb, rcs, t_common, fixed, self._held(kind, s_, 0, m), m)
-        res = stage_dp(cost, tps, units, m, num_stages=len(pin) if pin is not None else None)
+        # candidates of other ZeRO stages often give the same table: the DP once per table
+        key = (hashlib.blake2b(cost.tobytes(), digest_size=16).digest(), cost.shape, tuple(tps), units, m,
+               len(pin) if pin is not None else None)
+        if key not in self._dp_cache:
+            self._dp_cache[key] = stage_dp(cost, tps, units, m, num_stages=key[-1])
+        res = self._dp_cache[key]
         if res is None:
             return False
         stages = []
