@@ -999,8 +999,9 @@ class Search:
         compute at its cheapest, no collective, no per-micro-batch or step terms: at most every
         bound of the group), then its candidates merged in as `candidates()` bounds them. The
         caller stops at the first bound no better than its best plan, so a group whose floor
-        is past it is never costed (GPT-3 175B on 1536 GPUs: micro-batches 1 to 64, 4 to 8 of
-        them costed), and what it evaluates, in what order, is what `candidates()` would give.
+        is past it is never costed (GPT-3 175B on 1536 GPUs: its groups span micro-batches 1 to
+        64, the evaluated candidates 1 to 8; 60 ILP solves instead of 216), and what it
+        evaluates, in what order, is what `candidates()` would give.
         `considered` counts a group never costed as its candidates (its layers could have
         shown that tp cannot hold them, or that SP cannot run there: then it has none).
         With stage_tp pinned or routed experts (their layer costs are reshaped per ep degree)
