@@ -111,6 +111,8 @@ LOSSES_SAVING_INPUT = frozenset({"mse_loss", "l1_loss", "smooth_l1_loss", "huber
                                  "binary_cross_entropy_with_logits"})
 # ops CUDA's autocast runs in fp32 besides the losses (torch.amp docs, "CUDA Ops that can autocast
 # to float32"; `KERNEL_CUDA(op, fp32)` / `fp32_set_opt_dtype` in aten/src/ATen/autocast_mode.cpp)
+# ops CPU runs on an fp32 copy of their input whatever the dtype (composites that upcast)
+CPU_FP32_INPUT = frozenset({"rms_norm"})
 CUDA_FP32_OPS = frozenset({"layer_norm", "native_layer_norm", "group_norm", "softmax", "_softmax", "log_softmax",
                            "_log_softmax", "exp", "log", "pow", "rsqrt", "reciprocal", "softplus", "norm",
                            "logsumexp", "cumsum", "prod"})
@@ -326,6 +328,14 @@ def saved_tensors(node, by_name: dict, dtype: str = "bf16", device_type: Optiona
         return [(node.name, None)]
     if op in SAVE_INPUT:
         return [(i, None) for i in ins[:1]]
+    if op == "rms_norm" and device_type == "cpu" and out is not None and out.shape:
+        # CPU runs rms_norm as its composite (no fused kernel): the input upcast to fp32 (a copy
+        # unless fp32, `CPU_FP32_INPUT`), the fp32 rstd per row and the fp32 normalised input the
+        # weight's product reads, all saved (a bf16 [4, 16, 32] input, seen through saved-tensor
+        # hooks: ToCopy, Rsqrt, Mul)
+        rows = math.prod(int(d) for d in out.shape[:-1])
+        return [(i, None) for i in ins[:1]] + [(node.name + ":stats", 4.0 * rows),
+                                               (node.name + ":normed", 4.0 * out.numel)]
     if op in NORMS:
         rows = math.prod(int(d) for d in out.shape[:-1]) if out is not None and out.shape else 0
         return [(i, None) for i in ins[:1]] + [(node.name + ":stats", 2 * 4.0 * rows)]
@@ -598,7 +608,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             # .bernoulli_(1 - p).div_(1 - p)`, seen through a dispatch mode), not a bool mask
             return size(owner.name)
         f = shard(owner) if callable(shard) else shard
-        if device_type == "cpu" and mixed and owner.op in NORMS:
+        if device_type == "cpu" and mixed and owner.op in NORMS and owner.op not in CPU_FP32_INPUT:
             nbytes = nbytes * bytes_scale("float32", dtype)
         return nbytes / max(float(f), 1.0)
 
@@ -623,6 +633,8 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 at = None
                 if n.op in LOSSES and mixed and _floating(by_name[key]):
                     at = "fp32"
+                elif device_type == "cpu" and mixed and n.op in CPU_FP32_INPUT and _floating(by_name[key]):
+                    at, key = "fp32", key + ":fp32"     # the op's own fp32 copy of its input
                 elif n.op in cuda_fp32 and _floating(by_name[key]):
                     # autocast's fp32 copy of the input (or the op's own fp32 output)
                     at = "fp32"
