@@ -8,6 +8,7 @@ import pytest
 from autopar import ClusterSpec, Constraints
 from autopar.planner import plan
 from autopar.runtime import run
+from tests.captured import one_process_losses, shared_plan
 
 pytestmark = pytest.mark.slow
 
@@ -113,29 +114,25 @@ def test_ilp_planned_zero3_tp_pipelines_run_as_solved(tmp_path):
     pytest.importorskip("transformers")
     from tests.test_runtime_user_models import HF_LLAMA, NANOGPT
 
-    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 8})
     cases = {"gpt": ("gpt-tiny", dict(schedule="1f1b")), "nanogpt": (NANOGPT, dict(schedule="gpipe")),
              "llama": (HF_LLAMA, dict(schedule="interleaved_1f1b", virtual_stages=2))}
     plans = {}
     for name, (ref, kw) in cases.items():
         cons = Constraints(dp=2, tp=2, pp=2, zero_stage=3, num_microbatches=2, **kw)
-        p = plan(ref, cl, global_batch_size=8, dtype="fp32", constraints=cons, intra_op="ilp")
+        p = shared_plan(ref, 8, constraints=cons, intra_op="ilp")
         assert all(s.op_layouts is not None and s.fsdp_units for s in p.stages), p.search
         assert "tp_executor" not in p.search, p.search
         plans[name] = p
     # two steps (8 processes on the suite's 2 cores): the second counts collectives after the
     # warm-up and runs on weights the first updated
     rows = _run_in_one_job(tmp_path, plans, 8, steps=2)
-    one = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 1})
     for name, p in plans.items():
         got = rows[name]
         assert isinstance(got, list), (name, got)
         steps = [r for r in got if "step" in r]
         assert all(r["collectives"] == p.predicted.collectives for r in steps[1:]), \
             (name, [r["collectives"] for r in steps], p.predicted.collectives)
-        ref = cases[name][0]
-        single = plan(ref, one, global_batch_size=8, dtype="fp32")
-        want = [r["loss"] for r in run(single, ref, steps=2, seed=0, quiet=True) if "step" in r]
+        want = one_process_losses(cases[name][0], 2)
         assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4), name
 
 

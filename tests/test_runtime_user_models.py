@@ -18,7 +18,7 @@ import pytest
 
 import autopar
 from autopar.planner import plan
-from autopar.runtime import run
+from tests.captured import one_process_losses, shared_plan
 
 pytestmark = pytest.mark.slow
 
@@ -104,17 +104,14 @@ def _cluster(n: int) -> autopar.ClusterSpec:
 def reference() -> dict[str, list[float]]:
     """Each model's losses on one process."""
     pytest.importorskip("transformers")
-    out = {}
-    for ref in sorted({r for r, _ in LAYOUTS.values()} - {HF_GPT2_DROPOUT}):
-        p = plan(ref, _cluster(1), global_batch_size=8, dtype="fp32")
-        out[ref] = [r["loss"] for r in run(p, ref, steps=STEPS, quiet=True) if "step" in r]
-    return out
+    return {ref: one_process_losses(ref, STEPS) for ref in sorted({r for r, _ in LAYOUTS.values()} - {HF_GPT2_DROPOUT})}
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict:
-    """Every layout planned by `autopar.plan`, saved, and run in one 4-process job (the
-    runtime tests' layouts job, `tests/plans.py`): {layout: (plan, rows)}."""
+    """Every layout planned by `autopar.plan` (each model captured once, its per-layer costs
+    shared: `tests.captured`), saved, and run in one 4-process job (the runtime tests' layouts
+    job, `tests/plans.py`): {layout: (plan, rows)}."""
     import json
     from pathlib import Path
 
@@ -124,7 +121,7 @@ def launched(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("user_plans")
     plans = {}
     for name, (ref, cons) in LAYOUTS.items():
-        p = plan(ref, _cluster(4), global_batch_size=8, dtype="fp32", constraints=autopar.Constraints(**cons))
+        p = shared_plan(ref, 4, constraints=autopar.Constraints(**cons))
         p.save(folder / f"{name}.json")
         plans[name] = p
     out = folder / "rows.json"
