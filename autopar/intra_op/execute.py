@@ -56,8 +56,9 @@ its gathered ones (`_PlanInterpreter._run_unit`).
 
 Ops the solution has no choice for (shape arithmetic, assertions) run as DTensor runs them.
 Subgraphs of higher-order ops (a torch.no_grad region) run nested, under their names in the
-capture. A model that traces differently on the meta device, where the solution was solved,
-runs its meta program on the real device.
+capture. The program is traced from a meta copy of the model (where the solution was solved; a
+model may trace differently on its device) and runs on the real device; the device's own
+program where the meta one does not fit.
 """
 
 from __future__ import annotations
@@ -1222,15 +1223,27 @@ def parallelize_graph(model: nn.Module, example_inputs: Any, solution: ShardingS
         wrapped = _WithLoss(model, loss_fn or default_loss, names)
         return ShardedProgram(model, wrapped, program, solution, mesh, names, inputs=inputs,
                               device=next(model.parameters()).device, recompute=recompute)
-    program, wrapped, names = export_program(model, example_inputs, loss_fn=loss_fn)
-    if _mismatch(program, solution):
-        # the model traces differently on the meta device, where the solution's capture ran
-        # (a Hugging Face model's attention, for one): run the meta program on the real device
-        meta_program, _, _ = export_program(_meta_copy(model), _to_meta(example_inputs), loss_fn=loss_fn)
-        if not _mismatch(meta_program, solution):
+    # the meta copy first: the solution was solved on the meta capture, whose program it fits
+    # even where the model traces differently on its device (a Hugging Face model's attention,
+    # for one), and one export then serves; the device's own program where the meta one does
+    # not fit or holds a tensor constant traced on meta only
+    meta_program, _, names = export_program(_meta_copy(model), _to_meta(example_inputs), loss_fn=loss_fn)
+    meta_fits = not _mismatch(meta_program, solution)
+    if meta_fits and not _meta_constants(meta_program):
+        program, device = meta_program, next(model.parameters()).device
+        wrapped = _WithLoss(model, loss_fn or default_loss, names)
+    else:
+        program, wrapped, names = export_program(model, example_inputs, loss_fn=loss_fn)
+        if meta_fits and _mismatch(program, solution):
             program, device = meta_program, next(model.parameters()).device
     return ShardedProgram(model, wrapped, program, solution, mesh, names, inputs=inputs, device=device,
                           recompute=recompute)
+
+
+def _meta_constants(program: Any) -> bool:
+    """Whether `program` lifts a tensor constant that lives on the meta device (it cannot run
+    on a real one)."""
+    return any(isinstance(c, torch.Tensor) and c.is_meta for c in program.constants.values())
 
 
 def _mismatch(program: Any, solution: ShardingSolution) -> list[str]:
