@@ -1,7 +1,9 @@
 """Hugging Face models plan on one and on four DGX A100 nodes (issue: the user's side).
 
 Real widths, fewer layers where a family is slow to capture; Llama is Llama 3 (grouped-query
-attention). Each model is captured once and planned for both cluster sizes."""
+attention). Each model is captured once and planned for both cluster sizes, as `autopar.sweep`
+plans a model on several node counts: the per-layer costs (`planner.ProviderCache`) solved for
+the first serve the second, whose plan equals one made without them."""
 
 import subprocess
 import sys
@@ -13,7 +15,7 @@ pytest.importorskip("transformers")
 import autopar  # noqa: E402
 from autopar.capture import capture  # noqa: E402
 from autopar.models import build_model  # noqa: E402
-from autopar.planner import plan  # noqa: E402
+from autopar.planner import ProviderCache, plan  # noqa: E402
 
 REFS = {
     "gpt2": "hf:gpt2",
@@ -30,9 +32,10 @@ def test_hf_family_plans_on_one_and_four_nodes(family):
     bundle = build_model(REFS[family])
     graph = capture(bundle.model, bundle.example_inputs, name=bundle.name)
     assert graph.layers, "repeated blocks must be found"
+    providers = ProviderCache()
     for nodes in (1, 4):
         cluster = autopar.ClusterSpec.load("dgx-a100-80g", num_nodes=nodes)
-        p = plan(bundle, cluster, global_batch_size=64 * nodes, graph=graph)
+        p = plan(bundle, cluster, global_batch_size=64 * nodes, graph=graph, providers=providers)
         assert p.world_size == 8 * nodes
         assert sorted(d for s in p.stages if s.virtual_chunk == 0 for d in s.devices) == list(range(8 * nodes))
         assert 0 < p.predicted.peak_memory_bytes <= cluster.device.memory_bytes
