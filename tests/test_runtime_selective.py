@@ -11,9 +11,9 @@ module's ops one executor region, its forward collectives re-run)."""
 
 import pytest
 
-from autopar import ClusterSpec, Constraints
-from autopar.planner import plan
+from autopar import Constraints
 from autopar.runtime import run
+from tests.captured import shared_plan
 from tests.test_runtime_planned import _run_in_one_job, _single
 
 pytestmark = pytest.mark.slow
@@ -35,11 +35,10 @@ ATTENTION = {
 
 
 def test_selective_plans_run_as_predicted(tmp_path):
-    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
     plans = {}
     for name, (ref, pins) in PINS.items():
         cons = Constraints(recompute="selective", num_microbatches=2, **pins)
-        p = plan(ref, cl, global_batch_size=8, dtype="fp32", constraints=cons, intra_op="ilp")
+        p = shared_plan(ref, 4, constraints=cons, intra_op="ilp")
         fallback = name == "eager_dp4"
         assert ("selective_fallback" in p.search) == fallback, (name, p.search)
         for s in p.stages:
@@ -51,7 +50,7 @@ def test_selective_plans_run_as_predicted(tmp_path):
         plans[name] = p
     for name, (ref, pins) in ATTENTION.items():
         cons = Constraints(recompute="attention", num_microbatches=2, **pins)
-        p = plan(ref, cl, global_batch_size=8, dtype="fp32", constraints=cons, intra_op="ilp")
+        p = shared_plan(ref, 4, constraints=cons, intra_op="ilp")
         for s in p.stages:
             assert s.recompute == "attention" and s.recompute_ops is None, (name, s)
             assert s.recompute_modules and all(m.endswith(".attn") for m in s.recompute_modules), (name, s)

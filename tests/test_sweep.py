@@ -12,6 +12,7 @@ import pytest
 
 import autopar
 from autopar.capacity import choose, pareto_front, parse_count, parse_duration, parse_nodes, parse_prices, select
+from autopar.capture import capture
 from autopar.planner import plan, resolve_model
 from autopar.schema import ClusterSpec, PlanError
 from autopar.schema.sweep import SweepPoint, SweepResult, load_plan_or_point
@@ -55,11 +56,13 @@ def test_every_point_is_autopar_plan(gpt13):
     res, lines = gpt13
     assert [p.key for p in res.points] == ["dgx-h100:1", "dgx-h100:2", "h100-3g:1", "h100-3g:2"]
     bundle = resolve_model("gpt3-1.3b", None, None)
+    # a capture of its own (not the sweep's), planned from scratch at every point
+    graph = capture(bundle.model, bundle.example_inputs, name=bundle.name)
     specs = {"dgx-h100": ClusterSpec.load("dgx-h100"), "h100-3g": _small_h100()}
     for p in res.points:
         spec = specs[p.cluster].model_copy(update={"num_nodes": p.nodes})
         try:
-            alone = plan(bundle, spec, global_batch_size=16)
+            alone = plan(bundle, spec, global_batch_size=16, graph=graph)
         except PlanError as e:
             assert p.plan is None and p.reason == str(e), p.key
             continue
