@@ -1,10 +1,11 @@
 """Plans of small models made the way a sweep makes them (`autopar.planner.ProviderCache`): each
 model reference built and captured once for the whole test session, its per-layer costs
 (intra-op ILP solutions) shared by every plan on a cluster of the same device and node size.
-A plan made here equals one made from scratch (the planner's promise, checked for every layout
-of `tests/test_runtime_user_models.py` when this was written); the runtime tests that plan
-dozens of pinned layouts of the same few models spend their time running them, not
-re-capturing them. The one-process losses the layouts are compared with are kept too."""
+A plan made here equals one made from scratch (the planner's promise, `tests/test_sweep.py`;
+compared field by field for every layout of `test_runtime_user_models` and
+`test_runtime_selective` when this was written); the runtime tests that plan dozens of pinned
+layouts of the same few models spend their time running them, not re-capturing them. The
+one-process losses the layouts are compared with are kept too."""
 
 from __future__ import annotations
 
