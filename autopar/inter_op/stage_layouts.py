@@ -136,9 +136,15 @@ def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, 
             elif kind == "call" and n2 not in mine:
                 entering.setdefault(n2, (tuple(pl), lay.name))
         block = {rep.nodes[x] for x in redo}
+        # a tensor made outside the recomputed region and redistributed through its junction
+        # for readers inside it: the region keeps its own junction values (`execute`'s
+        # checkpointed region), so its re-run redistributes again (Megatron-SP's all-gather of
+        # a norm's sequence shard before a recomputed attention module)
+        read_inside = {i for n in block for i in graph.node(n).inputs}
         for c in sol.collectives:
             counts[c.phase][c.kind] += max(1, len(c.mesh_axes))
-            if c.phase == "forward" and c.op in block:
+            junction_in = c.op not in block and c.op in read_inside and c.reason.endswith(f" of {c.op}")
+            if c.phase == "forward" and (c.op in block or junction_in):
                 counts["recompute"][c.kind] += max(1, len(c.mesh_axes))
     earlier = earlier or {}
     for name, (want, where) in entering.items():
