@@ -102,6 +102,9 @@ def _software(name: Optional[str], spec: Any):
 @click.option("--dp", type=int, help="pin the data-parallel degree")
 @click.option("--tp", type=int, help="pin the tensor-parallel degree")
 @click.option("--pp", type=int, help="pin the number of pipeline stages")
+@click.option("--cp", type=int, help="pin the context-parallel degree (each sequence split over cp ranks, the "
+              "attention exchanging keys and values; a power of two, 2 x cp dividing the sequence); default: "
+              "searched for long sequences or where nothing fits without it")
 @click.option("--microbatch-size", type=int)
 @click.option("--num-microbatches", type=int)
 @click.option("--schedule", type=click.Choice(list(SCHEDULES)))

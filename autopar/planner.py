@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from autopar.capture import OpGraph, capture
 from autopar.capture.cache import cache_directory
+from autopar.inter_op import context_parallel
 from autopar.inter_op.dtensor_counts import LayerCounts, dtensor_stage_counts, dtensor_tp_counts
 from autopar.inter_op.experts import EP_IMBALANCE, ExpertCosting
 from autopar.inter_op.layers import Layer, build_layers
@@ -31,6 +32,7 @@ from autopar.models import ModelBundle, build_model
 from autopar.schema import ClusterSpec, Constraints, ModelInfo, Plan, PlanError, Prediction, StagePlan, StagePrediction
 from autopar.schema.experts import ExpertBlockPlan, ExpertParallelism
 from autopar.schema.layouts import StageLayouts
+from autopar.schema.mesh_axes import stage_mesh
 from autopar.schema.plan import TRAINING_DTYPES, PhasePrediction
 from autopar.schema.software import SoftwareSpec, software_for_cluster
 from cost_models.memory import usable_memory
@@ -256,6 +258,15 @@ def _placements(graph: OpGraph, layers: list[Layer], costs, k: int, j: int, modu
     return out
 
 
+def _with_cp(placements: dict[str, tuple[str, str]], cp: int) -> dict[str, tuple[str, ...]]:
+    """`placements` (dp, tp) with the cp axis's between them where cp > 1 (`schema.mesh_axes.
+    stage_mesh`): as on the dp axis (every cp rank holds the parameters, or under ZeRO-3 its
+    shard of them over dp x cp)."""
+    if cp <= 1:
+        return placements
+    return {f: (pl[0], pl[0], pl[1]) for f, pl in placements.items()}
+
+
 def _extra_flops(graph1: OpGraph, layer: Layer, recompute: str, tp: int) -> float:
     """Forward FLOPs re-run per sample by `recompute` in `layer` on a stage of tp degree `tp`
     (graph at batch 1; `Layer.recomputed_ops`)."""
@@ -315,17 +326,22 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                 buffers_bytes=float(ph.buffers), peak_memory_bytes=float(ph.total))
                 for name, ph in st.phase_peaks().items()})
         units = None
-        if c.zero == 3 and c.dp > 1:
+        if c.zero == 3 and c.replicas > 1:
             zunits[(k, j)] = zero3_units(graph, mods, len(chunks) > 1, {f for lay in layers[k:j] for f in lay.params})
             units = zunits[(k, j)][0]
+        mesh_shape, mesh_axes = stage_mesh(c.dp, c.cp, st.tp)
         stage_plans.append(StagePlan(
-            index=pos, devices=devices, mesh_shape=(c.dp, st.tp), mesh_axis_names=("dp", "tp"),
+            index=pos, devices=devices, mesh_shape=mesh_shape, mesh_axis_names=mesh_axes,
             layers=mods, recompute=st.recompute, fsdp_units=units,
             recompute_modules=_recompute_modules(layers, k, j, st.recompute),
             recompute_ops=_module_cut_ops(_recompute_ops(layers, k, j, st.recompute), layouts.get(pos) is None,
                                           pos, st.tp, rc_fallback),
-            placements=_placements(graph, layers, costs, k, j, mods, c.zero == 3 and c.dp > 1),
+            placements=_with_cp(_placements(graph, layers, costs, k, j, mods, c.zero == 3 and c.replicas > 1), c.cp),
             virtual_chunk=vc, op_layouts=layouts.get(pos), predicted=pred))
+        if c.cp > 1:
+            # the attention's K/V exchange over the cp axis, per micro-batch
+            coll.update({kk: m * vv for kk, vv in context_parallel.collectives(graph, layers, k, j,
+                                                                               st.recompute).items()})
         dry = dry_counts.get(pos)
         lay = layouts.get(pos)
         if lay is not None:
@@ -362,8 +378,8 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
             for st in c.stages:
                 if any(i in experts.by_layer for k, j in st.chunks for i in range(k, j)):
                     coll.update({"all_reduce": 1} if c.zero == 0 else {"reduce_scatter": 1, "all_gather": 1})
-    # dp gradient sync, once per stage (device group), as the runtime issues it
-    if c.dp > 1:
+    # dp (and cp) gradient sync, once per stage (device group), as the runtime issues it
+    if c.replicas > 1:
         for st in c.stages:
             if c.zero == 0:
                 coll["all_reduce"] += 1
@@ -416,6 +432,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                         **({"selective_fallback": _selective_fallback(rc_fallback)} if rc_fallback else {}),
                         **({"tp_executor": why_not} if why_not else {}),
                         **({"ep_executor": _ep_executor(c)} if c.ep > 1 and _ep_executor(c) else {}),
+                        **({"cp_executor": _cp_executor(c)} if _cp_executor(c) else {}),
                         **({"skipped": _skipped(res.skipped)} if res.skipped else {})})
 
 
@@ -435,6 +452,15 @@ def _ep_executor(c: Candidate) -> str:
                             (f"ZeRO stage {c.zero}", c.zero == 3)) if bad]
     return (f"planned, not yet executed by `autopar run` with {', '.join(why)} (it runs expert parallelism "
             f"without tensor parallelism, ZeRO-3 or interleaved chunks)") if why else ""
+
+
+def _cp_executor(c: Candidate) -> str:
+    """Why `autopar run` does not execute a candidate's context parallelism ("" where it does:
+    `runtime.context_parallel.unexecuted_parts`); only a pinned cp is planned so."""
+    from autopar.runtime.context_parallel import unexecuted_parts
+
+    why = unexecuted_parts(c.pp, c.ep) if c.cp > 1 else []
+    return f"planned, not yet executed by `autopar run` with {', '.join(why)}" if why else ""
 
 
 def _skipped(skipped: dict[str, str]) -> str:
@@ -465,7 +491,7 @@ def _op_layouts(graph: OpGraph, c: Candidate, layers: list[Layer], chunks: list,
         return {}, "runs by DTensor propagation: the analytic provider solves no per-op layouts"
     if not op_by_op(c):
         return {}, "runs by DTensor propagation: the candidate is not executed op by op"
-    if c.zero == 3 and c.dp > 1:
+    if c.zero == 3 and c.replicas > 1:
         # each FSDP unit's ops run as one call (`runtime.zero.ZeroSharding._shard_solved`)
         for _, _, _, (k, j) in chunks:
             units, _ = zero3_units(graph, _stage_modules(layers, k, j), len(chunks) > 1,

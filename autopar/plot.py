@@ -49,7 +49,7 @@ def plot_plan(plan: Plan, path: str | Path) -> Path:
     _memory(fig.add_subplot(grid[1, 0]), plan)
     _nodes(fig.add_subplot(grid[1, 1]), plan, plt)
     fig.suptitle(f"{plan.model.name} on {plan.cluster.num_devices} x {plan.cluster.device.name}: "
-                 f"dp={plan.dp} tp={plan.tp} pp={plan.pp}, {plan.schedule}, "
+                 f"dp={plan.dp}{f' cp={plan.cp}' if plan.cp > 1 else ''} tp={plan.tp} pp={plan.pp}, {plan.schedule}, "
                  f"{plan.predicted.iteration_time_s:.3g} s/iteration (predicted)")
     return save_figure(fig, path, fmt, plt, dpi=110)
 

@@ -131,13 +131,13 @@ def test_an_attention_recompute_plan_round_trips_and_format_9_plans_load(tiny_pl
     recomputed ops) still loads as it was."""
     from autopar.schema.plan import PLAN_FORMAT_VERSION
 
-    assert PLAN_FORMAT_VERSION == 10
+    assert PLAN_FORMAT_VERSION >= 10
     d = json.loads(tiny_plan.to_json())
     st = d["stages"][0]
     st.pop("recompute_ops", None)
     st.update(recompute="attention", recompute_modules=["blocks.0.attn", "blocks.1.attn"])
     p = Plan.from_json(json.dumps(d))
-    assert p.format_version == 10 and p.stages[0].recompute == "attention"
+    assert p.format_version == PLAN_FORMAT_VERSION and p.stages[0].recompute == "attention"
     assert Plan.from_json(p.to_json()) == p
     p.save(tmp_path / "plan.json")
     assert autopar.load_plan(tmp_path / "plan.json") == p

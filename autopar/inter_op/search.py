@@ -58,6 +58,12 @@ What is approximated, and why (to keep a 1000-GPU search within seconds on two c
   the expert gradients are synced over the dp / ep ranks holding the same experts (`_Tables.
   sync`), ZeRO-1/2 shard their optimizer state over those ranks (`_Tables.phases`); not with
   ZeRO-3.
+- Context parallelism (`inter_op.context_parallel`): a candidate's cp ranks split every
+  sequence, a stage is dp x cp x tp devices, its layers costed on one cp rank, its gradient
+  sync and ZeRO shards over dp x cp (the tables' dp). Tried from `LONG_SEQUENCE` tokens on, or
+  where nothing fits without it (`context_degrees`: the search of a shorter model is the one
+  before); a cp layout the runtime does not execute (pipelined, or with expert parallelism) is
+  left out unless cp is pinned (`_executable`).
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from autopar.capture.graph import OpGraph
+from autopar.inter_op import context_parallel
 from autopar.inter_op.dp import first_feasible, stage_dp
 from autopar.inter_op.experts import ExpertCosting
 from autopar.inter_op.layers import Layer
@@ -162,9 +169,16 @@ class Candidate:
     hetero_tps: tuple[int, ...] = ()  # Alpa's free sub-mesh choice: stages may differ in tp
     sp: bool = False                  # Megatron-SP on the tp axis (`Search.sp_provider`'s costs)
     ep: int = 1                       # expert parallelism: routed experts over ep dp ranks (`inter_op.experts`)
+    cp: int = 1                       # context parallelism: each sequence over cp ranks (`inter_op.context_parallel`)
 
     def key(self) -> tuple:
-        return (self.dp, self.tp, self.pp, self.mb, self.schedule, self.v, self.zero, self.sp, self.ep)
+        return (self.dp, self.tp, self.pp, self.mb, self.schedule, self.v, self.zero, self.sp, self.ep, self.cp)
+
+    @property
+    def replicas(self) -> int:
+        """The ranks of a stage holding the same parameter shards, which sync their gradients
+        (and share ZeRO's shards): dp x cp."""
+        return self.dp * self.cp
 
 
 @dataclass
@@ -866,16 +880,21 @@ class Search:
                                 f"data-parallel ranks", constraint="ep")
 
     # -- the space -----------------------------------------------------------------------------
-    def meshes(self) -> list[tuple[int, int, int]]:
-        """(dp, tp, pp) triples allowed by the constraints and the cluster's shape."""
-        c, N, dpn = self.cons, self.N, self.cluster.devices_per_node
+    def meshes(self, cp: int = 1) -> list[tuple[int, int, int]]:
+        """(dp, tp, pp) triples allowed by the constraints and the cluster's shape, each stage
+        of dp x cp x tp devices (`cp`: the context-parallel degree)."""
+        c, dpn = self.cons, self.cluster.devices_per_node
+        N = self.N // cp
         if c.dp and c.tp and c.pp and c.dp * c.tp * c.pp != N:
-            raise PlanError(f"dp x tp x pp = {c.dp} x {c.tp} x {c.pp} = {c.dp * c.tp * c.pp} does not equal "
-                            f"the cluster's {N} devices", constraint="dp")
+            what = f"dp x cp x tp x pp = {c.dp} x {cp} x {c.tp} x {c.pp}" if cp > 1 else \
+                f"dp x tp x pp = {c.dp} x {c.tp} x {c.pp}"
+            raise PlanError(f"{what} = {c.dp * cp * c.tp * c.pp} does not equal the cluster's {self.N} devices",
+                            constraint="dp")
         for name in ("dp", "tp", "pp"):
             v = getattr(c, name)
             if v is not None and N % v:
-                raise PlanError(f"{name}={v} does not divide the cluster's {N} devices", constraint=name)
+                raise PlanError(f"{name}={v} does not divide the cluster's {N} devices"
+                                f"{f' over cp={cp}' if cp > 1 else ''}", constraint=name)
         if c.pp is not None and c.pp > self.L:
             raise PlanError(f"pp={c.pp} stages need at least {c.pp} layers; the model has {self.L} "
                             f"({', '.join(l.name for l in self.layers[:4])}{' ...' if self.L > 4 else ''})",
@@ -895,10 +914,10 @@ class Search:
                     continue
                 if pp > self.L or self.gbs % dp or (c.ep and dp % c.ep):
                     continue
-                u = dp * tp
+                u = dp * cp * tp
                 if not (dpn % u == 0 or u % dpn == 0):
                     if c.dp and c.tp and c.pp:
-                        raise PlanError(f"a stage of dp x tp = {u} devices is neither a power-of-two slice of a "
+                        raise PlanError(f"a stage of dp x cp x tp = {u} devices is neither a power-of-two slice of a "
                                         f"{dpn}-device node nor whole nodes", constraint="tp")
                     continue
                 out.append((dp, tp, pp))
@@ -964,7 +983,39 @@ class Search:
 
     def _run(self) -> SearchResult:
         t0 = time.perf_counter()
-        ordered = self._ordered()
+        first, then = self.context_degrees()
+        try:
+            best = self._walk(self._ordered(first))
+        except PlanError as e:
+            if not then or e.min_memory_bytes is None:
+                raise
+            best = None
+        if best is None and then:
+            # no plan fits without context parallelism: the degrees that split the sequence
+            before = self.considered
+            try:
+                best = self._walk(self._ordered(then))
+            except PlanError as e:
+                if e.min_memory_bytes is None:
+                    raise self._no_fit() from None
+                raise
+            self.considered += before
+        if best is None and self.cons.stage_tp is not None and self.skipped:
+            where, why = next(iter(self.skipped.items()))
+            raise PlanError(f"stage_tp={tuple(self.cons.stage_tp)}: the runtime cannot run its best split "
+                            f"({where}): {why}", constraint="stage_tp")
+        if best is None and self.cons.stage_tp is not None and self.min_memory == INF:
+            raise PlanError(f"stage_tp={tuple(self.cons.stage_tp)}: no split of the {self.L} layers over these "
+                            f"stages fits in memory", constraint="stage_tp")
+        if best is None:
+            raise self._no_fit()
+        return SearchResult(best, self.layers, self.sp_provider if best.sp else self.provider, self.evaluated,
+                            self.considered, time.perf_counter() - t0, self.min_memory, dict(self.skipped),
+                            self.experts)
+
+    def _walk(self, ordered: Iterator[tuple[float, Optional[Candidate]]]) -> Optional[Candidate]:
+        """The best candidate of `ordered` (`_ordered`) that fits (None where none does),
+        visited in the order of their bounds until a bound exceeds the best found."""
         best: Optional[Candidate] = None
         bar = _Progress(self.progress, self.considered)
         for lb, cand in ordered:
@@ -979,25 +1030,15 @@ class Search:
                 best = cand
                 self._found = True
         bar.done()
-        if best is None and self.cons.stage_tp is not None and self.skipped:
-            where, why = next(iter(self.skipped.items()))
-            raise PlanError(f"stage_tp={tuple(self.cons.stage_tp)}: the runtime cannot run its best split "
-                            f"({where}): {why}", constraint="stage_tp")
-        if best is None and self.cons.stage_tp is not None and self.min_memory == INF:
-            raise PlanError(f"stage_tp={tuple(self.cons.stage_tp)}: no split of the {self.L} layers over these "
-                            f"stages fits in memory", constraint="stage_tp")
-        if best is None:
-            raise self._no_fit()
-        return SearchResult(best, self.layers, self.sp_provider if best.sp else self.provider, self.evaluated,
-                            self.considered, time.perf_counter() - t0, self.min_memory, dict(self.skipped),
-                            self.experts)
+        return best
 
-    def _ordered(self) -> Iterator[tuple[float, Optional[Candidate]]]:
-        """The candidates in `candidates()`'s order (bound, then ZeRO stage, chunks, enumeration),
-        each with its bound, but a (mesh, micro-batch, SP) group's layers costed only when it is
-        reached: first `(floor, None)`, its bound from `AnalyticProvider.time_floor` (each op's
-        compute at its cheapest, no collective, no per-micro-batch or step terms: at most every
-        bound of the group), then its candidates merged in as `candidates()` bounds them. The
+    def _ordered(self, cps: tuple[int, ...] = (1,)) -> Iterator[tuple[float, Optional[Candidate]]]:
+        """The candidates at the context-parallel degrees `cps` in `candidates(cps)`'s order
+        (bound, then ZeRO stage, chunks, enumeration), each with its bound, but a (mesh,
+        micro-batch, SP, cp) group's layers costed only when it is reached: first
+        `(floor, None)`, its bound from `AnalyticProvider.time_floor` (each op's compute at its
+        cheapest, no collective, no per-micro-batch or step terms: at most every bound of the
+        group), then its candidates merged in as `candidates()` bounds them. The
         caller stops at the first bound no better than its best plan, so a group whose floor
         is past it is never costed (GPT-3 175B on 1536 GPUs: its groups span micro-batches 1 to
         64, the evaluated candidates 1 to 8; 60 ILP solves instead of 216), and what it
@@ -1005,12 +1046,14 @@ class Search:
         `considered` counts a group never costed as its candidates (its layers could have
         shown that tp cannot hold them, or that SP cannot run there: then it has none).
         With stage_tp pinned or routed experts (their layer costs are reshaped per ep degree)
-        every group is costed up front (`candidates()`)."""
+        every group is costed up front (`candidates()`). A cp > 1 group's floor is 0 (costed
+        first: its layers' floors on a cp rank are not scaled from cp = 1's)."""
         if self.cons.stage_tp is not None or self.experts:
-            cands = self.candidates()
+            cands = self.candidates(cps)
             return iter(cands)
-        meshes = self.meshes()
-        groups: list[tuple] = []        # ("mesh", dp, tp, pp, mb, sp) or ("hetero", dp, mb, tps)
+        by_cp = {cp: self._cp_meshes(cp) for cp in cps}
+        meshes = by_cp.get(1, [])
+        groups: list[tuple] = []        # ("mesh", dp, tp, pp, mb, sp, cp) or ("hetero", dp, mb, tps)
         heap: list[tuple[tuple, Any]] = []
         nominal: list[int] = []
 
@@ -1019,16 +1062,17 @@ class Search:
             groups.append(group)
             nominal.append(count)
 
-        for dp, tp, pp in meshes:
+        for cp, (dp, tp, pp) in ((cp, x) for cp, ms in by_cp.items() for x in ms):
             for mb in self.microbatches(dp):
                 m = self.gbs // dp // mb
                 for sp in ((False, True) if self.sp_provider is not None and tp > 1 else (False,)):
-                    slots = self._group_slots(dp, tp, pp, mb, sp)
+                    slots = self._group_slots(dp, tp, pp, mb, sp, cp)
                     scheds = self.schedules(pp, m)
                     if slots and scheds:    # else no candidate: `candidates()` adds none either
-                        add(("mesh", dp, tp, pp, mb, sp), len(slots) * len(scheds),
-                            self._floor_bound(tp, pp, mb, m, scheds))
-        for D, mb, tps in (self._hetero_groups(meshes) if self._hetero_allowed() else []):
+                        add(("mesh", dp, tp, pp, mb, sp, cp), len(slots) * len(scheds),
+                            self._floor_bound(tp, pp, mb, m, scheds, cp))
+        # stages of different tp: without context parallelism only (`candidates`)
+        for D, mb, tps in (self._hetero_groups(meshes) if 1 in cps and self._hetero_allowed() else []):
             # `_hetero_group_candidates`' bound with each layer at its floor, over every tp
             m = self.gbs // D // mb
             work = min(float(self._floors(mb, T).sum()) * T for T in tps)
@@ -1059,7 +1103,7 @@ class Search:
                 for i, (lb, cand) in enumerate(got):
                     heapq.heappush(heap, ((lb, cand.zero, cand.v, item, i), cand))
             if not found:
-                self.candidates()   # nothing to evaluate: the errors the whole enumeration gives
+                self.candidates(cps)    # nothing to evaluate: the errors the whole enumeration gives
         return walk()
 
     def _floors(self, mb: int, tp: int) -> np.ndarray:
@@ -1072,10 +1116,13 @@ class Search:
             self._floor_cache[(mb, tp)] = a
         return self._floor_cache[(mb, tp)]
 
-    def _floor_bound(self, tp: int, pp: int, mb: int, m: int, scheds: list[tuple[str, int]]) -> float:
+    def _floor_bound(self, tp: int, pp: int, mb: int, m: int, scheds: list[tuple[str, int]], cp: int = 1) -> float:
         """At most the bound `candidates()` gives any candidate of a (tp, pp, mb) group: its
         terms with each layer at `AnalyticProvider.time_floor` and no per-micro-batch or step
-        term (ZeRO-3's gathers, accumulation, sync, optimizer: none negative)."""
+        term (ZeRO-3's gathers, accumulation, sync, optimizer: none negative). 0 for cp > 1
+        (the group costed when its turn comes first)."""
+        if cp > 1:
+            return 0.0
         floors = self._floors(mb, tp)
         ideal = m * float(floors.sum()) / pp
         # the slowest stage of a split into pp: at least the slowest layer and the average
@@ -1090,35 +1137,91 @@ class Search:
             out = min(out, lb)
         return out * (1 - 1e-9)     # below the rounding of sums taken in another order
 
+    def _executable(self, cp: int, dp: int, tp: int, pp: int, ep: int) -> bool:
+        """False for a context-parallel layout the runtime does not execute
+        (`runtime.context_parallel.unexecuted_parts`) when cp is not pinned, recorded in
+        `skipped`; a pinned cp is planned all the same (the plan says it is not executed)."""
+        if cp == 1 or self.cons.cp is not None:
+            return True
+        from autopar.runtime.context_parallel import unexecuted_parts
+
+        why = unexecuted_parts(pp, ep)
+        if why:
+            self.skipped[f"cp={cp} dp={dp} tp={tp} pp={pp}"] = (
+                f"context parallelism with {', '.join(why)} is not executed by the runtime (pin cp to plan it)")
+        return not why
+
+    def context_degrees(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The context-parallel degrees the search tries first, and those it tries only where no
+        first one has a plan that fits. Pinned (`Constraints.cp`): that degree alone (PlanError
+        where the model or cluster cannot take it). Else cp = 1, and the degrees > 1 the model
+        admits (`context_parallel.degrees`) first too where its sequence is long
+        (`context_parallel.LONG_SEQUENCE`), otherwise only when nothing fits without them: a
+        search where context parallelism cannot help costs what it did without it. Not with
+        `stage_tp` (stages of different tp)."""
+        pinned = self.cons.cp
+        if pinned == 1 or (pinned is None and self.cons.stage_tp is not None):
+            return (1,), ()
+        if pinned is not None and self.cons.stage_tp is not None:
+            raise PlanError("cp cannot be combined with stage_tp (stages of different tp degrees); drop one",
+                            constraint="cp")
+        cps, why = context_parallel.degrees(self.graph, self.layers, self.N, pinned)
+        if pinned is not None:
+            if why:
+                raise PlanError(f"cp={pinned}: {why}", constraint="cp")
+            return tuple(cps), ()
+        if not cps:
+            if why and self.cons.dp is None:
+                self.skipped["cp"] = f"context parallelism not searched: {why}"
+            return (1,), ()
+        if (context_parallel.sequence_length(self.graph) or 0) >= context_parallel.LONG_SEQUENCE:
+            return (1, *cps), ()
+        return (1,), tuple(cps)
+
+    def _cp_meshes(self, cp: int) -> list[tuple[int, int, int]]:
+        """`meshes(cp)`; for an unpinned cp > 1, none where the constraints leave it no layout."""
+        if cp == 1 or self.cons.cp is not None:
+            return self.meshes(cp)
+        try:
+            return self.meshes(cp)
+        except PlanError:
+            return []
+
     def tables_for(self, cand: Candidate) -> Optional["_Tables"]:
         """The cost tables `evaluate` reads for `cand` (None for a hetero candidate: its stages'
         tables are built per tp degree)."""
         if cand.hetero_tps:
             return None
-        return self._tables(cand.mb, cand.tp, cand.dp, cand.zero, solved=op_by_op(cand), sp=cand.sp, ep=cand.ep)
+        return self._tables(cand.mb, cand.tp, cand.dp, cand.zero, solved=op_by_op(cand), sp=cand.sp, ep=cand.ep,
+                            cp=cand.cp)
 
-    def candidates(self) -> list[tuple[float, Candidate]]:
-        """Every candidate the constraints allow, with a lower bound on its iteration time, in
-        the order the search evaluates them (bound first): the search stops at the first whose
-        bound is no better than the best plan found. PlanError when none is left. Costs every
+    def candidates(self, cps: tuple[int, ...] = (1,)) -> list[tuple[float, Candidate]]:
+        """Every candidate the constraints allow at the context-parallel degrees `cps`, with a
+        lower bound on its iteration time, in the order the search evaluates them (bound first):
+        the search stops at the first whose bound is no better than the best plan found.
+        PlanError when none is left. Costs every
         group's layers (`_ordered` costs them as the search reaches them)."""
         # stage_tp pinned: only its stages of (maybe) different tp degrees (`_pinned_hetero`)
-        meshes = self.meshes() if self.cons.stage_tp is None else []
+        by_cp = {cp: self._cp_meshes(cp) for cp in cps} if self.cons.stage_tp is None else {}
+        meshes = by_cp.get(1, [])
         issues: list[str] = []
         cands: list[tuple[float, Candidate]] = []
         self.considered_infeasible = 0
-        for dp, tp, pp in meshes:
+        for cp, (dp, tp, pp) in ((cp, x) for cp, ms in by_cp.items() for x in ms):
             for mb, sp in ((b, s) for b in self.microbatches(dp) for s in self._sp_options(b, tp)):
-                got, iss = self._group_candidates(dp, tp, pp, mb, sp)
+                got, iss = self._group_candidates(dp, tp, pp, mb, sp, cp)
                 issues.extend(iss)
                 cands.extend(got)
-        cands.extend(self._extra_candidates(meshes))
+        if self.cons.stage_tp is not None or 1 in cps:
+            # stages of different tp: without context parallelism only
+            cands.extend(self._extra_candidates(meshes))
         if not cands and self.considered_infeasible:
             raise self._no_fit()
         if not cands:
             if issues:
                 raise PlanError(f"tensor parallelism cannot hold: {issues[0]}", constraint="tp")
-            raise PlanError(self._why_no_candidates(meshes), constraint=self._failing_constraint())
+            raise PlanError(self._why_no_candidates(meshes or next(iter(by_cp.values()), [])),
+                            constraint=self._failing_constraint())
         cands.sort(key=lambda x: (x[0], x[1].zero, x[1].v))
         self.considered = len(cands) + self.considered_infeasible
         return cands
@@ -1143,23 +1246,28 @@ class Search:
                                       "over meshes of different sizes, a re-layout the runtime does not run")
         return False
 
-    def _group_slots(self, dp: int, tp: int, pp: int, mb: int, sp: bool) -> list[tuple[int, int, bool]]:
-        """(ZeRO stage, ep, runs op by op as solved) of one (mesh, micro-batch, SP) group's
-        candidates, in enumeration order; each is tried with every schedule (`schedules`)."""
+    def _group_slots(self, dp: int, tp: int, pp: int, mb: int, sp: bool, cp: int = 1
+                     ) -> list[tuple[int, int, bool]]:
+        """(ZeRO stage, ep, runs op by op as solved) of one (mesh, micro-batch, SP, cp) group's
+        candidates, in enumeration order; each is tried with every schedule (`schedules`).
+        ZeRO over the dp x cp ranks; cp layouts the runtime does not execute left out
+        (`_executable`)."""
         out = []
         m = self.gbs // dp // mb
-        for z, ep in ((z, e) for e in self.experts.degrees(dp, self.cons.ep) for z in self.zeros(dp, tp)):
+        for z, ep in ((z, e) for e in self.experts.degrees(dp, self.cons.ep) for z in self.zeros(dp * cp, tp)):
             if ep > 1 and z == 3:
                 continue                # FSDP units would split an ep group's experts
+            if not self._executable(cp, dp, tp, pp, ep):
+                continue
             # the costs the candidate is evaluated with: the executor's where it runs op
             # by op as solved (a bound from the others could prune a faster plan)
-            solved = op_by_op(Candidate(dp, tp, pp, mb, m, "1f1b", 1, z))
+            solved = op_by_op(Candidate(dp, tp, pp, mb, m, "1f1b", 1, z, cp=cp))
             if sp and not solved:
                 continue                # only the executor runs sequence parallelism
             out.append((z, ep, solved))
         return out
 
-    def _group_candidates(self, dp: int, tp: int, pp: int, mb: int, sp: bool
+    def _group_candidates(self, dp: int, tp: int, pp: int, mb: int, sp: bool, cp: int = 1
                           ) -> tuple[list[tuple[float, Candidate]], list[str]]:
         """One group's candidates with their lower bounds, its layers costed; or none and why
         tp cannot hold them. Those whose model states alone overflow are counted in
@@ -1170,10 +1278,11 @@ class Search:
             return [], iss
         cands: list[tuple[float, Candidate]] = []
         m = self.gbs // dp // mb
+        reps = dp * cp          # the ranks syncing a stage's gradients (`Candidate.replicas`)
         bounds: dict[tuple[bool, int], tuple[float, float, float, float]] = {}
-        for z, ep, solved in self._group_slots(dp, tp, pp, mb, sp):
+        for z, ep, solved in self._group_slots(dp, tp, pp, mb, sp, cp):
             if (solved, ep) not in bounds:
-                cs = self._layer_costs(mb, tp, solved, sp, ep)
+                cs = self._layer_costs(mb, tp, solved, sp, ep, cp)
                 per_layer = sum(c.base_s for c in cs)
                 rc_min = min(sum(c.rc_extra_s.get(r, 0.0) for c in cs) for r in self.recomputes())
                 # the average stage's parameters: each tensor once (a tied one is
@@ -1188,13 +1297,13 @@ class Search:
             ideal, pel, slowest, epel = bounds[(solved, ep)]
             # memory lower bound: the model states of an average stage, no activations
             states = max(ph.total for ph in runtime_phases(
-                pel, self.dtype, z, dp, num_microbatches=m,
+                pel, self.dtype, z, reps, num_microbatches=m,
                 fused_optimizer=fused_optimizer(self.cluster.device.device_type)))
             if states > self.budget:
                 self.min_memory = min(self.min_memory, states)
                 self.considered_infeasible += len(self.schedules(pp, m))
                 continue
-            per_mb, tail = self._bound_terms(dp, tp, z, m, pel, epel)
+            per_mb, tail = self._bound_terms(reps, tp, z, m, pel, epel)
             for sched, v in self.schedules(pp, m):
                 # lower bound: balanced stages, the schedule's bubble, the step's tail
                 lb = (ideal + m * per_mb) * (1 + schedule_kind(sched).bubble_fraction(pp, m, v)) + tail
@@ -1204,7 +1313,7 @@ class Search:
                     # and the bottleneck split's
                     mu = ideal / m + per_mb
                     lb = max(lb, pp * mu + (m - 1) * max(mu, slowest) + tail)
-                cands.append((lb, Candidate(dp, tp, pp, mb, m, sched, v, z, sp=sp, ep=ep)))
+                cands.append((lb, Candidate(dp, tp, pp, mb, m, sched, v, z, sp=sp, ep=ep, cp=cp)))
         return cands, []
 
     def _bound_terms(self, dp: int, tp: int, zero: int, m: int, pel: float, epel: float = 0.0
@@ -1254,7 +1363,8 @@ class Search:
                          f"{self.min_memory / 2**30:.2f} GiB per device, the device has "
                          f"{self.cluster.device.memory_bytes / 2**30:.2f} GiB "
                          f"({self.budget / 2**30:.2f} GiB usable); add devices, or allow "
-                         f"recomputation, ZeRO or more pipeline stages",
+                         f"recomputation, ZeRO or more pipeline stages"
+                         f"{', or context parallelism (cp unset)' if self.cons.cp == 1 else ''}",
                          min_memory_bytes=self.min_memory)
 
     def _hetero_candidates(self, meshes) -> list[tuple[float, Candidate]]:
@@ -1548,27 +1658,39 @@ class Search:
         return self._held_cache[key]
 
     def _tables(self, mb: int, tp: int, dp: int, zero: int, solved: bool = False, sp: bool = False,
-                ep: int = 1) -> "_Tables":
+                ep: int = 1, cp: int = 1) -> "_Tables":
         """`solved`: the stage runs op by op as solved (`_op_by_op`), its layers' activations as
         the executor keeps them (`LayerCost.solved_variant`); `sp`: with Megatron-SP; `ep`: the
-        routed experts over ep dp ranks (`inter_op.experts`)."""
-        key = (mb, tp, dp, zero, solved, sp, ep)
+        routed experts over ep dp ranks (`inter_op.experts`); `cp`: each sequence over cp ranks
+        (the tables' gradient-sync group, and ZeRO's, is dp x cp)."""
+        key = (mb, tp, dp, zero, solved, sp, ep, cp)
         if key not in self._tables_cache:
-            costs = self._layer_costs(mb, tp, solved, sp, ep)
-            batch = (self.input_bytes[0] * self.gbs / dp, sum(self.input_bytes[1:]) * self.gbs / dp)
+            costs = self._layer_costs(mb, tp, solved, sp, ep, cp)
+            share = self.gbs / dp / cp
+            batch = (self.input_bytes[0] * share, sum(self.input_bytes[1:]) * share)
             # the last pipeline chunk computes the loss inside (`runtime.graph_stages`, the
             # executor): its output is the loss, no loss input is kept for the schedule
             like = next((t for t in self._tables_cache.values() if t.costs is costs), None)
-            tb = _Tables(costs, self.cluster, self.dtype, dp, tp, zero, self.layers, batch, like=like)
+            tb = _Tables(costs, self.cluster, self.dtype, dp * cp, tp, zero, self.layers, batch, like=like)
             if ep > 1:
                 tb.set_experts(ep, self.experts.expert_elems(costs))
             self._tables_cache[key] = tb
         return self._tables_cache[key]
 
-    def _layer_costs(self, mb: int, tp: int, solved: bool = False, sp: bool = False, ep: int = 1) -> list[LayerCost]:
+    def _layer_costs(self, mb: int, tp: int, solved: bool = False, sp: bool = False, ep: int = 1,
+                     cp: int = 1) -> list[LayerCost]:
         """The layers' costs at (mb, tp); `solved`: as the executor runs them
         (`LayerCost.solved_variant`); `sp`: with Megatron-SP (`sp_provider`); `ep`: the routed
-        experts sharded over ep dp ranks (`ExpertCosting.layer_costs`)."""
+        experts sharded over ep dp ranks (`ExpertCosting.layer_costs`); `cp`: on one of cp ranks
+        splitting each sequence (`context_parallel.layer_cost`)."""
+        if cp > 1:
+            key = (mb, tp, solved, sp, ep, cp)
+            if key not in self._costs_cache:
+                self._costs_cache[key] = [
+                    context_parallel.layer_cost(c, cp, context_parallel.kv_bytes(self.graph, lay, mb, self.dtype),
+                                                tp, self.cluster)
+                    for c, lay in zip(self._layer_costs(mb, tp, solved, sp, ep), self.layers)]
+            return self._costs_cache[key]
         if ep > 1:
             key = (mb, tp, solved, sp, ep)
             if key not in self._costs_cache:
@@ -1589,7 +1711,7 @@ class Search:
         for r in self.recomputes():
             if r not in tb.priced:
                 continue
-            ck = (cand.mb, cand.tp, cand.dp, nch, r, cand.zero == 3, cand.ep)
+            ck = (cand.mb, cand.tp, cand.dp, nch, r, cand.zero == 3, cand.ep, cand.cp)
             res = self._chunk_cache.get(ck)
             if ck not in self._chunk_cache:
                 t = (tb.ranged(tb.base) + tb.range_p2p + tb.ranged(tb.rc[r]) + tb.zero_mb(tb.range_pel)
@@ -1729,7 +1851,7 @@ class Search:
 
     def _finish(self, cand: Candidate, tb: _Tables, stages: list[StageResult], pipeline_s: float) -> None:
         if not all(st.devices for st in stages):
-            placed = pack_stages([cand.dp * st.tp for st in stages], self.N, self.cluster.devices_per_node)
+            placed = pack_stages([cand.replicas * st.tp for st in stages], self.N, self.cluster.devices_per_node)
             for st, devs in zip(stages, placed):
                 st.devices = devs
         tail = max(s.sync_s + s.opt_s for s in stages)
@@ -1748,7 +1870,7 @@ class Search:
             for k, j in st.chunks:
                 for l in range(k, j):
                     owner[l] = si
-        spans = self.cluster.num_nodes > 1 and cand.dp * cand.tp >= self.cluster.devices_per_node
+        spans = self.cluster.num_nodes > 1 and cand.replicas * cand.tp >= self.cluster.devices_per_node
         link = self.cluster.inter_node if spans else self.cluster.intra_node
         for f, e, us in tb.shared:
             holders = sorted({owner[u] for u in us})
@@ -1879,7 +2001,9 @@ def op_by_op(cand: "Candidate") -> bool:
     carries their layouts: `planner._op_layouts`): every stage of a candidate with a tp stage,
     pipelined or not, its stages of one tp degree or of several (Alpa's sub-mesh choice), under
     ZeRO-3 too (FSDP2 units around the executor's runs of ops:
-    `runtime.zero.ZeroSharding._shard_solved`)."""
+    `runtime.zero.ZeroSharding._shard_solved`); not with context parallelism (below)."""
     if cand.hetero_tps:
         return any(st.tp > 1 for st in cand.stages) if cand.stages else max(cand.hetero_tps) > 1
-    return cand.tp > 1
+    # context parallelism takes over the attention call, which DTensor propagation runs as a
+    # call (`runtime.context_parallel`) and the executor as one op of its program (not yet)
+    return cand.tp > 1 and cand.cp == 1

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from autopar.models.catalogue import catalogue
 from autopar.models.configs import BertConfig
 from autopar.models.init import init_weights
+from autopar.models.positions import token_positions
 from autopar.models.registry import ZooEntry, _gen, register, token_inputs
 
 IGNORE = -100
@@ -32,7 +33,7 @@ class Embeddings(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         s = tokens.shape[1]
-        pos = torch.arange(s, device=tokens.device)
+        pos = token_positions(s, tokens.device)
         types = torch.zeros(s, dtype=torch.long, device=tokens.device)
         return self.ln(self.word(tokens) + self.pos(pos) + self.token_type(types))
 

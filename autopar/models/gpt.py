@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from autopar.models.configs import GPTConfig
 from autopar.models.init import init_weights
+from autopar.models.positions import token_positions
 
 
 def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -67,7 +68,7 @@ class Embedding(nn.Module):
         self.pos = nn.Embedding(cfg.seq_len, cfg.hidden)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        pos = token_positions(tokens.shape[1], tokens.device)
         return _dropout(self.tok(tokens) + self.pos(pos), self.p, self.training)
 
 

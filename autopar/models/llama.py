@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from autopar.models.configs import LlamaConfig
 from autopar.models.init import init_weights
+from autopar.models.positions import token_positions
 from autopar.models.registry import register_token_family
 
 
@@ -37,7 +38,7 @@ def rotary_tables(seq: int, dim: int, theta: float, device: torch.device, dtype:
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables, (seq, dim), in the half-split (rotate_half) layout."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
-    t = torch.arange(seq, device=device, dtype=torch.float32)
+    t = token_positions(seq, device, torch.float32)   # a context-parallel rank's chunks: where they are
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -59,6 +59,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autopar.models.registry import ModelBundle, call_batch_fn
+from autopar.runtime import context_parallel
+from autopar.runtime.context_parallel import ContextParallel
 from autopar.runtime.experts import ExpertGroups, check_executable, expert_meshes, shard_experts
 from autopar.runtime.local_optim import LocalShards, localize
 from autopar.runtime.materialize import canonical_names, materialize
@@ -78,6 +80,7 @@ from autopar.runtime.tied_groups import TiedParameters
 from autopar.runtime.validate import validate_plan  # noqa: F401
 from autopar.runtime.zero import ZeroSharding
 from autopar.schema.errors import PlanError
+from autopar.schema.mesh_axes import GRADIENT_SYNC_KINDS
 from autopar.schema.plan import Plan, StagePlan
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -150,6 +153,7 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
     def _check_plan(self) -> None:
         v = validate_plan(self.plan, self.model if hasattr(self, "model") else self.bundle.model)
         check_executable(self.plan)
+        context_parallel.check_executable(self.plan)
         self.devsets = v["devsets"]
         self.pp = len(self.devsets)
         self.chunks_per_device = v["chunks_per_device"]
@@ -165,10 +169,12 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
             mesh = DeviceMesh(self.device_type, torch.tensor(s.devices, dtype=torch.int).view(*s.mesh_shape),
                               mesh_dim_names=names)
             sm = StageMesh(key, mesh, names, tuple(s.mesh_axis_names))
-            sm.dp_size = s.axis_size("dp")
+            # the ranks holding the same parameter shards: they sync gradients and share ZeRO's
+            # shards (data- and context-parallel ranks alike)
+            sm.dp_size = s.axis_size("dp") * s.axis_size("cp")
             sm.tp_size = s.axis_size("tp")
             if self.rank in key:
-                sm.dp_mesh = sm.submesh("dp")
+                sm.dp_mesh = sm.submesh(GRADIENT_SYNC_KINDS)
                 sm.tp_mesh = sm.submesh("tp")
             self.meshes[key] = sm
         mine = [s for s in self.stages if self.rank in s.devices]
@@ -182,6 +188,19 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         self.dp_rank = sm.dp_mesh.get_local_rank() if sm.dp_mesh is not None else 0
         self.tp_rank = sm.tp_mesh.get_local_rank() if sm.tp_mesh is not None else 0
         self.dp_group = sm.dp_mesh.get_group() if sm.dp_mesh is not None and self.dp_size > 1 else None
+        # the batch split: its rows over the dp axes alone, every sequence over the cp axes
+        # (`runtime.context_parallel`); the gradient sync above spans both
+        s0 = mine[0]
+        self.batch_split, self.batch_rank = s0.axis_size("dp"), 0
+        self.cp: Optional[ContextParallel] = None
+        if s0.axis_size("cp") > 1:
+            rows = sm.submesh("dp")
+            self.batch_rank = rows.get_local_rank() if rows is not None else 0
+            cpm = sm.submesh("cp")
+            self.cp = ContextParallel(cpm.get_group(), cpm.get_local_rank(), s0.axis_size("cp"),
+                                      self.plan.model.tokens_per_sample)
+        else:
+            self.batch_rank = self.dp_rank
         self.zero3 = fsdp_sharded(self.plan, mine)
         self.zero12 = self.plan.zero_stage in (1, 2) and self.dp_size > 1 and not self.zero3
 
@@ -202,6 +221,8 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         if s.op_layouts is not None:
             self._build_solved(s)
             return
+        if self.cp is not None:
+            self.cp.install(model)      # before recomputation wraps its modules (`ContextParallel.install`)
         apply_recompute(model, s.recompute_modules, s.recompute_ops)
         materialize(model, seed=self.seed, device=self.device, aliases=self.aliases)
         if self.plan.ep > 1:
@@ -335,7 +356,7 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         if isinstance(batch, LocalBatch):
             return batch
         G = self.plan.global_batch_size
-        D = self.dp_size
+        D = self.batch_split
         first = self.pp == 1 or any(st.is_first for st in self.pipe_stages)
         last = self.pp == 1 or any(st.is_last for st in self.pipe_stages)
         fed = set().union(*(f.model_inputs for f in getattr(self, "fed_chunks", [])))
@@ -350,7 +371,10 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
                     x = None
                 else:
                     rows = G // D
-                    x = x.narrow(0, self.dp_rank * rows, rows).to(self.device, copy=True)
+                    x = x.narrow(0, self.batch_rank * rows, rows)
+                    if self.cp is not None:
+                        x = self.cp.local_tokens(x)
+                    x = x.to(self.device, copy=True)
             out.append(x)
         return LocalBatch(out)
 
@@ -363,7 +387,7 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
     def collectives_in_compute(self) -> bool:
         """Whether forward/backward can issue collectives (DTensor tp, FSDP, pipelines); when
         not, every collective of a step is in `sync_and_update`."""
-        return self.tp_size > 1 or self.zero3 or self.pp > 1 or self.plan.ep > 1
+        return self.tp_size > 1 or self.zero3 or self.pp > 1 or self.plan.ep > 1 or self.cp is not None
 
     def train_step(self, batch: Sequence[Any], counter: Any = None) -> tuple[float, int]:
         """Forward, backward, gradient sync and optimizer update; returns this rank's (sum of
@@ -389,6 +413,10 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         t = t.cpu()
         return float(t[0] / t[1]) if t[1] > 0 else float("nan")
 
+    def _cp_ctx(self) -> Any:
+        """Context parallelism's forward and backward (`ContextParallel.active`), else nothing."""
+        return self.cp.active() if self.cp is not None else _nullctx()
+
     def _autocast_ctx(self) -> Any:
         """Autocast to the plan's bf16/fp16 (norms, softmax and the loss in fp32), else nothing."""
         if self.low is None:
@@ -410,9 +438,10 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
                 if self.zero3 and M > 1:
                     self._fsdp_root.set_requires_gradient_sync(m == M - 1)
                 args = [mb[m] for mb in mbs]
-                with ctx:
-                    loss = self.runner(*args)
-                (loss / M).backward()
+                with self._cp_ctx():
+                    with ctx:
+                        loss = self.runner(*args)
+                    (loss / M).backward()
                 total += loss_value(loss)
             return (total if reporter_tp else 0.0), (M if reporter_tp else 0)
         # pipeline

@@ -4,10 +4,12 @@ stages the runtime derives from them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 from typing import Optional, Sequence
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from autopar.schema.mesh_axes import GRADIENT_SYNC_KINDS
 from autopar.schema.placement import is_shard
 from autopar.schema.plan import Plan, StagePlan
 
@@ -27,19 +29,21 @@ class StageMesh:
     devices: tuple[int, ...]
     mesh: DeviceMesh
     axis_names: tuple[str, ...]          # unique names
-    kinds: tuple[str, ...]               # "dp" / "tp" per axis
+    kinds: tuple[str, ...]               # the kind of each axis (`schema.mesh_axes`)
     dp_mesh: Optional[DeviceMesh] = None
     tp_mesh: Optional[DeviceMesh] = None
     dp_size: int = 1
     tp_size: int = 1
 
-    def submesh(self, kind: str) -> Optional[DeviceMesh]:
-        names = tuple(n for n, k in zip(self.axis_names, self.kinds) if k == kind)
+    def submesh(self, kind: str | tuple[str, ...]) -> Optional[DeviceMesh]:
+        """The axes of `kind` (or of any of several kinds), flattened into one; None without."""
+        kinds = (kind,) if isinstance(kind, str) else kind
+        names = tuple(n for n, k in zip(self.axis_names, self.kinds) if k in kinds)
         if not names:
             return None
         if len(names) == 1:
             return self.mesh[names[0]]
-        return self.mesh[names]._flatten(f"{kind}_flat")
+        return self.mesh[names]._flatten(f"{'_'.join(kinds)}_flat")
 
 
 def _coord(devices: Sequence[int], rank: int) -> int:
@@ -48,13 +52,14 @@ def _coord(devices: Sequence[int], rank: int) -> int:
 
 def fsdp_sharded(plan: Plan, stages: Optional[Sequence[StagePlan]] = None) -> bool:
     """Whether `stages` (default: all the plan's) run under `fully_shard` (ZeRO-3, or a dp axis
-    placed "S(0)") with more than one data-parallel replica."""
+    placed "S(0)") with more than one replica of the parameters (data- and context-parallel
+    ranks alike: `GRADIENT_SYNC_KINDS`)."""
     stages = plan.stages if stages is None else stages
-    if not stages or stages[0].axis_size("dp") <= 1:
+    if not stages or prod(stages[0].axis_size(k) for k in GRADIENT_SYNC_KINDS) <= 1:
         return False
     return plan.zero_stage == 3 or any(
         is_shard(pl[i]) for s in stages for pl in s.placements.values()
-        for i, k in enumerate(s.mesh_axis_names) if k == "dp")
+        for i, k in enumerate(s.mesh_axis_names) if k in GRADIENT_SYNC_KINDS)
 
 
 def _mesh_kinds(stages: Sequence[StagePlan]) -> set[tuple[tuple[int, ...], tuple[str, ...]]]:

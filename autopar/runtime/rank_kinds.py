@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from autopar.runtime.materialize import canonical_names
 from autopar.runtime.meshes import fsdp_sharded, unique_axis_names
+from autopar.schema.mesh_axes import GRADIENT_SYNC_KINDS
 from autopar.schema.placement import shard_dim
 from autopar.schema.plan import Plan, StagePlan
 
@@ -77,7 +78,7 @@ def expected_shards(plan: Plan, model: nn.Module, rank: int, *,
     for s in mine:
         coord = _coordinate(s, rank)
         tp = [i for i, k in enumerate(s.mesh_axis_names) if k == "tp"]
-        dp = [i for i, k in enumerate(s.mesh_axis_names) if k == "dp"]
+        dp = [i for i, k in enumerate(s.mesh_axis_names) if k in GRADIENT_SYNC_KINDS]   # FSDP's shard axes
         tp_size, tp_c = prod(s.mesh_shape[i] for i in tp), _flat([coord[i] for i in tp], [s.mesh_shape[i] for i in tp])
         dp_size, dp_c = prod(s.mesh_shape[i] for i in dp), _flat([coord[i] for i in dp], [s.mesh_shape[i] for i in dp])
         placements = dict(s.placements)

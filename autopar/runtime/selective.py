@@ -20,8 +20,10 @@ whole, costs it so (`inter_op.layers.Layer.selective_region`) and records that i
 
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Any, Callable
+from contextvars import ContextVar
+from typing import Any, Callable, Iterator, Optional
 
 import torch.nn as nn
 import torch.nn.functional as F
@@ -32,6 +34,24 @@ from autopar.schema.errors import PlanError
 
 # capture op kind -> the torch function a module-cut stage intercepts to recompute it alone
 FUSED_CALLS: dict[str, Callable[..., Any]] = {"scaled_dot_product_attention": F.scaled_dot_product_attention}
+# what runs in place of a fused call where another part of the runtime takes it over
+# (context parallelism's attention over gathered keys and values): the selective region is
+# that function, so the backward's recomputation re-runs it, not the plain call
+_OVERRIDES: ContextVar[Optional[dict]] = ContextVar("autopar_fused_call_overrides", default=None)
+
+
+@contextlib.contextmanager
+def fused_call_override(func: Callable[..., Any], impl: Callable[..., Any]) -> Iterator[None]:
+    """Within it, a selectively recomputed call of `func` runs (and re-runs) `impl` instead."""
+    token = _OVERRIDES.set({**(_OVERRIDES.get() or {}), func: impl})
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
+
+
+def _override(func: Callable[..., Any]) -> Optional[Callable[..., Any]]:
+    return (_OVERRIDES.get() or {}).get(func)
 
 
 def op_kind(name: str) -> str:
@@ -77,7 +97,7 @@ class _CoreCalls(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func in self.funcs:
-            return checkpoint_selective(func, *args, **kwargs)
+            return checkpoint_selective(_override(func) or func, *args, **kwargs)
         return func(*args, **kwargs)
 
 

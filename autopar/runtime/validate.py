@@ -7,6 +7,7 @@ import torch.nn as nn
 from autopar.runtime.materialize import canonical_names
 from autopar.runtime.meshes import _mesh_kinds
 from autopar.schema.errors import PlanError
+from autopar.schema.mesh_axes import MESH_AXIS_KINDS
 from autopar.schema.placement import shard_dim
 from autopar.schema.plan import Plan
 from cost_models.schedules import SCHEDULES, schedule_kind
@@ -30,8 +31,8 @@ def validate_plan(plan: Plan, model: nn.Module) -> dict:
         raise PlanError(f"the plan's stages use devices {used}; the runtime needs ranks 0..{len(used) - 1}")
     for s in stages:
         for a in s.mesh_axis_names:
-            if a not in ("dp", "tp"):
-                raise PlanError(f"stage {s.index}: mesh axis {a!r} is neither 'dp' nor 'tp'")
+            if a not in MESH_AXIS_KINDS:
+                raise PlanError(f"stage {s.index}: mesh axis {a!r} is not one of {', '.join(MESH_AXIS_KINDS)}")
         for fqn in s.layers:
             get_submodule(model, fqn)
     devsets: list[tuple[int, ...]] = []

@@ -24,7 +24,8 @@ RECOMPUTES: tuple[str, ...] = get_args(Recompute)
 
 
 class Constraints(BaseModel):
-    """Pins parts of the plan. `dp * tp * pp` must equal the device count when all three are set."""
+    """Pins parts of the plan. `dp * cp * tp * pp` must equal the device count when all are set
+    (cp: 1 when unset and not searched)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -46,6 +47,11 @@ class Constraints(BaseModel):
         "model order (Alpa's sub-mesh choice: stages may differ, e.g. (1, 1, 2)); sets pp to its length and "
         "dp to the devices over sum(stage_tp); each stage's dp x tp devices a power-of-two slice of a node or "
         "whole nodes; not with the interleaved schedule")
+    cp: Optional[int] = Field(
+        default=None, ge=1, description="context-parallel degree: every sample's sequence split over cp ranks "
+        "(two chunks each, causal load balance), the attention all-gathering keys and values over them; a "
+        "power of two with 2 x cp dividing the sequence; None: searched where the sequence is long "
+        "(`inter_op.context_parallel.LONG_SEQUENCE`) or no plan fits without it")
     sequence_parallel: Optional[bool] = Field(
         default=None, description="Megatron-SP on the tensor-parallel axis (norms, dropout and residual "
         "adds on sequence slices, the residual stream split along its tokens between layers; needs the "

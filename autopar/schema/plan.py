@@ -1,8 +1,9 @@
 """The plan: what `autopar.plan` returns, `autopar show` prints and `autopar run` executes.
 
 Versioned JSON (`format_version`); a file written by a newer autopar is refused with a message,
-never misread. Mesh axes of a stage are named: "dp" axes split the batch (parameters replicated,
-or sharded when ZeRO is on), "tp" axes hold the tensor-parallel placements in `placements`.
+never misread. Mesh axes of a stage are named by their kind (`schema.mesh_axes`): "dp" axes split the
+batch (parameters replicated, or sharded when ZeRO is on), "cp" axes split every sequence
+(context parallelism), "tp" axes hold the tensor-parallel placements in `placements`.
 """
 
 from __future__ import annotations
@@ -20,9 +21,13 @@ from autopar.schema.constraints import Recompute, Schedule
 from autopar.schema.errors import PlanError
 from autopar.schema.experts import ExpertParallelism
 from autopar.schema.layouts import StageLayouts
+from autopar.schema.mesh_axes import MESH_AXIS_KINDS
 from autopar.schema.placement import Placement  # "R", "S(d)" or "P", validated
 from autopar.schema.software import SoftwareSpec, preset_for_attention_kernel
 
+# 11: the "cp" mesh axis kind (context parallelism, `schema.mesh_axes`; a reader of 10 or earlier
+# would take a cp rank for a data-parallel one); plans of 10 and earlier have no cp axis and read
+# as they were;
 # 10: recompute "attention" (the module holding each attention core checkpointed whole, its
 # `recompute_modules`; a reader of 9 or earlier does not know the value);
 # 9: `StagePlan.recompute_ops` (selective recomputation of the attention core's ops, torch's
@@ -31,7 +36,7 @@ from autopar.schema.software import SoftwareSpec, preset_for_attention_kernel
 # have none and read as such); 7: the software the plan assumes (`Plan.software`; the device's
 # attention_kernel moved there) and `Plan.sequence_parallel`; 4: pipeline chunks carry
 # op_layouts (`StageLayouts.receives`); 3 added op_layouts
-PLAN_FORMAT_VERSION = 10
+PLAN_FORMAT_VERSION = 11
 
 TrainingDtype = Literal["fp32", "bf16", "fp16"]
 TRAINING_DTYPES: tuple[str, ...] = get_args(TrainingDtype)
@@ -152,6 +157,10 @@ class StagePlan(_Model):
             raise ValueError(f"mesh_shape {self.mesh_shape} holds {n} devices but devices lists {len(self.devices)}")
         if len(self.mesh_axis_names) != len(self.mesh_shape):
             raise ValueError("mesh_axis_names needs one name per mesh axis")
+        bad = [a for a in self.mesh_axis_names if a not in MESH_AXIS_KINDS]
+        if bad:
+            raise ValueError(f"mesh_axis_names: {bad[0]!r} is not a mesh axis kind; one of "
+                             f"{', '.join(MESH_AXIS_KINDS)}")
         for fqn, pl in self.placements.items():
             if len(pl) != len(self.mesh_shape):
                 raise ValueError(f"placements[{fqn!r}] needs one entry per mesh axis")
@@ -272,7 +281,7 @@ class Plan(_Model):
         if any(d < 0 or d >= self.cluster.num_devices for d in used):
             raise ValueError(f"stage devices must be ranks in [0, {self.cluster.num_devices})")
         dp = self.stages[0].axis_size("dp")
-        if self.zero_stage == 3 and dp > 1:
+        if self.zero_stage == 3 and dp * self.stages[0].axis_size("cp") > 1:
             missing = [s.index for s in self.stages if s.fsdp_units is None]
             if missing:
                 raise ValueError(f"stage {missing[0]} has no fsdp_units, which a ZeRO-3 plan needs (plans of "
@@ -302,6 +311,11 @@ class Plan(_Model):
     @property
     def tp(self) -> int:
         return self.stages[0].axis_size("tp")
+
+    @property
+    def cp(self) -> int:
+        """The context-parallel degree: ranks splitting each sequence (1: none)."""
+        return self.stages[0].axis_size("cp")
 
     @property
     def world_size(self) -> int:
@@ -335,7 +349,8 @@ class Plan(_Model):
         head = (f"autopar plan for {self.model.name} ({format_count(self.model.num_params)} params) on "
                 f"{self.cluster.num_devices} x {self.cluster.device.name} "
                 f"({self.cluster.num_nodes} node{'s' if self.cluster.num_nodes > 1 else ''})\n"
-                f"dp={self.dp}{f' (ep={self.ep})' if self.ep > 1 else ''} tp={tp} pp={self.pp}  "
+                f"dp={self.dp}{f' (ep={self.ep})' if self.ep > 1 else ''}{f' cp={self.cp}' if self.cp > 1 else ''} "
+                f"tp={tp} pp={self.pp}  "
                 f"schedule={self.schedule}"
                 f"{f' (v={self.virtual_stages})' if self.virtual_stages > 1 else ''}  "
                 f"global batch={self.global_batch_size}  micro-batch={self.microbatch_size} x "
@@ -391,6 +406,12 @@ class Plan(_Model):
         if self.search.get("tp_counts_fallback"):
             tail += f" (counted another way for {self.search['tp_counts_fallback']})"
         solved = [s for s in self.stages if s.op_layouts is not None]
+        if self.cp > 1:
+            tail += (f"\ncontext parallelism over {self.cp} ranks: each sequence in {2 * self.cp} chunks, two per "
+                     f"rank (causal load balance), the attention's keys and values all-gathered over the cp axis, "
+                     f"their gradients reduce-scattered")
+            if self.search.get("cp_executor"):
+                tail += f"; {self.search['cp_executor']}"
         if self.sequence_parallel:
             tail += "\nsequence parallelism (Megatron-SP) on the tp axis: norms, dropout and residual adds on " \
                     "sequence slices"

@@ -1,0 +1,177 @@
+"""Context parallelism (a "cp" mesh axis): every sample's sequence split over cp ranks, costed.
+
+Each cp rank holds two chunks of every sequence, i and 2 cp - 1 - i (Llama 3's load balance,
+Dubey et al. 2024 section 3.3.2): a causal attention's work is then equal on every rank. Every op
+but the attention core is token-local, so a layer's cost on a cp rank is its cost at the same
+micro-batch with every token-proportional term divided by cp: compute (the attention's too,
+balanced: 1/cp of its score blocks), its tp collectives, saved activations, the tensors crossing
+a pipeline boundary. Its parameters are whole on every cp rank; their gradients are synced over
+dp and cp together (the search passes dp x cp as the sync group).
+
+The attention exchanges keys and values as Llama 3 did (all-gather based, not a ring): before
+each fused attention op the rank all-gathers the op's K and V over the cp axis, and in the
+backward reduce-scatters their gradients; a recomputed attention gathers again. The all-gather
+must finish before the kernel reads K and V, so the exchange is costed exposed (no overlap with
+the attention compute: a ring exchange would overlap, the all-gather cannot). The gathered K and
+V are what the attention op saves for its backward: (1 - 1/cp) of the full-length K and V above
+the layer's share, per layer whose core is saved; a recomputed core holds them during its
+backward only.
+
+Which sequences it applies to: models whose attention cores are torch's fused attention op
+(`scaled_dot_product_attention`, causal or without a mask), with the sequence dividing by
+2 cp (`blockers`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import fields, replace
+from typing import Optional
+
+from autopar.capture.graph import OpGraph, Ref
+from autopar.inter_op.layers import Layer
+from autopar.inter_op.stage_cost import LayerCost, axis_link, coll_time, float_bytes
+from autopar.schema.cluster import ClusterSpec
+
+ATTENTION_OP = "scaled_dot_product_attention"
+# the search tries cp > 1 unprompted only from this sequence length on (or where no plan fits
+# without it): below it the exchange and the smaller kernels cost more than the memory saves,
+# and the search time stays that of a search without context parallelism
+LONG_SEQUENCE = 16384
+# the policies whose backward holds the attention core's saved inputs from the forward; the
+# others re-run the core (and its gather) inside the backward
+_CORE_SAVED = ("none",)
+
+# the token-proportional fields of a `LayerCost` (floats, or dicts / lists of floats by policy)
+_SCALED = ("fwd_s", "bwd_s", "fwd_comm_s", "bwd_comm_s", "rc_extra_s", "rc_comm_s", "act_bytes", "bwd_over",
+           "bwd_over_grads", "bwd_over_loss", "bwd_over_body", "bwd_over_given", "bwd_first", "bwd_first_loss",
+           "out_saved", "in_saved", "out_bytes", "cross_bytes", "cross_grad_bytes")
+
+
+def attention_nodes(graph: OpGraph, layer: Layer) -> list:
+    """The layer's fused attention ops."""
+    return [n for n in (graph.node(x) for x in layer.nodes) if n.kind == "call" and n.op == ATTENTION_OP]
+
+
+def sequence_length(graph: OpGraph) -> Optional[int]:
+    """The length of the sequences the model's attention runs over (the query's dim -2 of its
+    first fused attention op); None without one."""
+    for n in graph.calls:
+        if n.op == ATTENTION_OP:
+            s = graph.node(n.inputs[0]).outputs[0].shape[-2]
+            return s if isinstance(s, int) else None
+    return None
+
+
+def blockers(graph: OpGraph, layers: list[Layer]) -> str:
+    """Why context parallelism cannot split this model's sequences ("" where it can): an
+    attention other than the fused op (its score matmuls would need the gathered keys in
+    another form), an explicit mask (its columns follow the sequence), dropout in it, or none."""
+    if sequence_length(graph) is None:
+        return "the model has no fused attention op (scaled_dot_product_attention) over a static sequence"
+    if any(n.op in ("softmax", "_softmax") for n in graph.calls):
+        return "the model's attention is not one fused attention op (a softmax was captured)"
+    for lay in layers:
+        for n in attention_nodes(graph, lay):
+            if len(n.args) > 3 and isinstance(n.args[3], Ref) or n.kwargs.get("attn_mask") is not None:
+                return f"{n.name} takes an explicit attention mask"
+            if len(n.args) > 4 and n.args[4] or n.kwargs.get("dropout_p"):
+                return f"{n.name} applies dropout to its attention weights"
+    return ""
+
+
+def degrees(graph: OpGraph, layers: list[Layer], devices: int, pinned: Optional[int]) -> tuple[list[int], str]:
+    """The cp degrees > 1 the search may try (powers of two dividing the device count whose
+    2 cp chunks divide the sequence), and why none where the model admits none. `pinned`:
+    `Constraints.cp`."""
+    why = blockers(graph, layers)
+    if why:
+        return [], why
+    s = sequence_length(graph) or 0
+    out = [c for c in (2 ** i for i in range(1, 12)) if c <= devices and devices % c == 0 and s % (2 * c) == 0]
+    if pinned is not None:
+        out = [c for c in out if c == pinned]
+        if not out:
+            return [], (f"pick a power of two dividing the {devices} devices whose 2 x cp chunks divide the "
+                        f"sequence of {s} tokens")
+    return out, ""
+
+
+def kv_bytes(graph: OpGraph, layer: Layer, mb: int, dtype: str) -> float:
+    """Bytes of the keys and values of the layer's attention ops at micro-batch `mb`, whole
+    sequence, all heads."""
+    total = 0.0
+    for n in attention_nodes(graph, layer):
+        for name in n.inputs[1:3]:
+            o = graph.node(name).outputs[0]
+            total += float_bytes(o.at(mb) if graph.batch_size is None else o, dtype)
+    return total
+
+
+def layer_cost(cost: LayerCost, cp: int, kv: float, tp: int, cluster: ClusterSpec) -> LayerCost:
+    """`cost` (one layer, one micro-batch, one tp degree, per device) on one of cp ranks: its
+    token-proportional terms over cp, plus the attention's K/V exchange over the cp axis (ranks
+    tp apart) and the gathered K/V it holds. `kv`: the layer's attention K and V bytes at the
+    micro-batch, whole (`kv_bytes`), of which a rank holds 1/tp (the heads split). Its counted
+    collectives stay the tp axis's; the plan adds the exchange's (`collectives`)."""
+    def scale(v):
+        if isinstance(v, dict):
+            return {k: scale(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [scale(x) for x in v]
+        return v / cp if isinstance(v, float | int) and not isinstance(v, bool) else v
+
+    out = replace(cost, **{f: scale(getattr(cost, f)) for f in _SCALED})
+    if cost.solved is not None:
+        out.solved = layer_cost(cost.solved, cp, kv, tp, cluster)
+    if kv <= 0:
+        return out
+    dev = kv / tp
+    link = axis_link(cluster, cp, stride=tp)
+    # K and V: one all-gather each in the forward (and a recomputation), one reduce-scatter of
+    # their gradients each in the backward
+    gather = 2 * coll_time("all_gather", dev / 2, cp, link)
+    scatter = 2 * coll_time("reduce_scatter", dev / 2, cp, link)
+    out.fwd_comm_s += gather
+    out.bwd_comm_s += scatter
+    extra = dev * (1 - 1 / cp)
+    for r in list(out.act_bytes):
+        if r in _CORE_SAVED:
+            out.act_bytes[r] = out.act_bytes[r] + extra
+        else:
+            out.rc_extra_s[r] = out.rc_extra_s.get(r, 0.0) + gather
+            out.rc_comm_s[r] = out.rc_comm_s.get(r, 0.0) + gather
+    # the full-length gradients of K and V before their reduce-scatter (a recomputed core also
+    # holds the re-gathered K and V): a moment of the layer's body (not the loss's)
+    for r in list(out.bwd_over):
+        held = extra if r in _CORE_SAVED else 2 * extra
+        if r in out.bwd_over_given:
+            out.bwd_over_given[r] += held
+        if r in out.bwd_over_body:
+            # the worst moment: the body's, now larger, or the loss's, as it was
+            out.bwd_over_body[r] += held
+            out.bwd_over[r] = max(out.bwd_over[r], out.bwd_over_body[r])
+        else:
+            out.bwd_over[r] += held
+    return out
+
+
+def collectives(graph: OpGraph, layers: list[Layer], k: int, j: int, recompute: str) -> Counter:
+    """The cp exchange's collectives of layers [k, j) per micro-batch, as the runtime issues
+    them: per attention op, K and V all-gathered in the forward (again where `recompute`
+    re-runs the core) and their gradients reduce-scattered in the backward."""
+    out: Counter = Counter()
+    for lay in layers[k:j]:
+        n = len(attention_nodes(graph, lay))
+        gathers = 2 if recompute in _CORE_SAVED else 4
+        out.update({"all_gather": gathers * n, "reduce_scatter": 2 * n})
+    return +out
+
+
+def _check_fields() -> None:
+    names = {f.name for f in fields(LayerCost)}
+    missing = [f for f in _SCALED if f not in names]
+    assert not missing, f"context_parallel._SCALED names fields LayerCost lacks: {missing}"
+
+
+_check_fields()

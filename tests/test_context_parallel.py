@@ -1,0 +1,174 @@
+"""Context parallelism in the plan (issue 13): a "cp" mesh axis splitting every sequence, costed
+and searched with dp, tp and pp; Llama 3 8B at 128K tokens on 8 and 64 H100 plans it."""
+
+import json
+
+import pytest
+import torch
+
+from autopar import ClusterSpec, Constraints, PlanError
+from autopar.capture import capture
+from autopar.models.configs import LlamaConfig
+from autopar.models.init import meta_initialisers_skipped
+from autopar.models.llama import Llama
+from autopar.models.registry import ModelBundle, TokenBatch, TokenInputs
+from autopar.planner import plan
+from autopar.schema.plan import PLAN_FORMAT_VERSION, Plan
+
+SEQ = 131072
+
+
+@pytest.fixture(scope="module")
+def llama3_8b_128k():
+    """Llama 3 8B (the zoo's llama3-8b) at a 131072-token sequence, on meta, and its capture."""
+    cfg = LlamaConfig(vocab_size=128256, seq_len=SEQ, hidden=4096, layers=32, heads=32, kv_heads=8,
+                      ffn_hidden=14336, rope_theta=500000.0)
+    with torch.device("meta"), meta_initialisers_skipped():
+        model = Llama(cfg)
+    b = ModelBundle("llama3-8b-128k", model, TokenInputs(SEQ)(1), TokenBatch(cfg.vocab_size, SEQ))
+    return b, capture(b.model, b.example_inputs, name=b.name)
+
+
+def test_llama3_8b_at_128k_tokens_on_8_and_64_h100_plans_context_parallelism(llama3_8b_128k):
+    """One node of 8 H100: without context parallelism only Megatron-SP on tp 8 with full
+    recomputation fits (with SP off nothing fits: the least needs more than the usable memory);
+    the free search takes cp > 1, faster, fitting, runnable by `autopar run` (one stage: cp
+    layouts it does not run are left out and recorded). On 64 H100 too."""
+    b, g = llama3_8b_128k
+    one = ClusterSpec.load("dgx-h100", num_nodes=1)
+    with pytest.raises(PlanError, match="no plan fits in memory") as e:
+        plan(b, one, global_batch_size=8, constraints=Constraints(cp=1, sequence_parallel=False), graph=g)
+    assert e.value.min_memory_bytes > one.device.memory_bytes * 0.9
+    p1 = plan(b, one, global_batch_size=8, constraints=Constraints(cp=1), graph=g)
+    assert p1.tp == 8 and p1.sequence_parallel and p1.stages[0].recompute == "full"
+    p = plan(b, one, global_batch_size=8, graph=g)
+    assert p.cp > 1 and p.pp == 1 and p.zero_stage < 3 and "cp_executor" not in p.search
+    assert p.predicted.peak_memory_bytes <= p.predicted.usable_memory_bytes
+    assert p.predicted.iteration_time_s < p1.predicted.iteration_time_s
+    assert "is not executed by the runtime (pin cp to plan it)" in p.search["skipped"]
+    assert p.stages[0].mesh_axis_names == ("dp", "cp", "tp") and p.stages[0].mesh_shape == (1, p.cp, p.tp)
+    # every layer's K and V gathered per micro-batch (again in its recomputation), their
+    # gradients reduce-scattered
+    m, L = p.num_microbatches, 32
+    gathers = 4 if p.stages[0].recompute in ("full", "attention") else 2
+    assert p.predicted.collectives["all_gather"] >= m * L * gathers
+    assert p.predicted.collectives["reduce_scatter"] >= m * L * 2
+    s = p.summary()
+    assert f"cp={p.cp}" in s and f"context parallelism over {p.cp} ranks" in s
+    many = plan(b, ClusterSpec.load("dgx-h100", num_nodes=8), global_batch_size=16, graph=g)
+    assert many.cp > 1 and many.predicted.peak_memory_bytes <= many.predicted.usable_memory_bytes
+
+
+def test_a_cp_plan_round_trips_and_short_sequences_search_as_before(tmp_path):
+    """A cp plan of a small Llama: its mesh (dp, cp, tp), placements per axis, format 11, the
+    exchange's collectives; JSON round trip. A 16-token model's free search tries no cp (the
+    same candidates as with cp pinned to 1); a mesh axis of an unknown kind is refused."""
+    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
+    p = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32",
+             constraints=Constraints(cp=2, dp=2, tp=1, pp=1, num_microbatches=2, recompute="none"))
+    assert p.format_version == PLAN_FORMAT_VERSION == 11 and (p.dp, p.cp, p.tp) == (2, 2, 1)
+    st = p.stages[0]
+    assert st.mesh_axis_names == ("dp", "cp", "tp") and all(len(pl) == 3 for pl in st.placements.values())
+    # 2 layers x 2 micro-batches x (K, V); one gradient all-reduce over dp x cp
+    assert p.predicted.collectives == {"all_gather": 8, "reduce_scatter": 8, "all_reduce": 1}
+    assert Plan.from_json(p.to_json()) == p
+    free = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32", constraints=Constraints(num_microbatches=2))
+    one = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32", constraints=Constraints(num_microbatches=2, cp=1))
+    assert free.cp == 1 and free.search["candidates"] == one.search["candidates"]
+    # pinned with pipeline stages: planned, said to be not executed
+    pp2 = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32", constraints=Constraints(cp=2, pp=2, tp=1))
+    assert pp2.cp == 2 and "pipeline stages" in pp2.search["cp_executor"] and "cp_executor" not in p.search
+    d = json.loads(p.to_json())
+    d["stages"][0]["mesh_axis_names"] = ["dp", "sp", "tp"]
+    with pytest.raises(PlanError, match="'sp' is not a mesh axis kind; one of dp, cp, tp"):
+        Plan.from_json(json.dumps(d))
+
+
+def test_cp_constraints_are_checked():
+    """cp must be a power of two whose 2 cp chunks divide the sequence; a model whose attention
+    is not one fused op (nanoGPT's eager softmax attention) cannot take it."""
+    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
+    with pytest.raises(PlanError, match="cp=3: pick a power of two"):
+        plan("llama-tiny", ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 3}),
+             global_batch_size=6, constraints=Constraints(cp=3))
+    with pytest.raises(PlanError, match="no fused attention op"):
+        plan("tests.user_models:eager_gpt", cl, global_batch_size=8, constraints=Constraints(cp=2))
+
+
+@pytest.mark.parametrize("pins", [dict(cp=2, dp=1, tp=2), dict(cp=4, dp=1, tp=1, zero_stage=3)])
+def test_verify_steps_a_cp_plan(pins):
+    """`autopar verify` builds and steps every kind of rank of a cp2 x tp2 plan and of a cp4
+    ZeRO-3 one (FSDP shards over the cp ranks) on a fake process group: shards as planned, the
+    counted collectives (the exchange's included) the plan's, the tracked peak within its
+    tolerance of the prediction."""
+    from autopar.runtime.verify import verify
+
+    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
+    p = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32",
+             constraints=Constraints(pp=1, num_microbatches=2, recompute="full", **pins))
+    r = verify(p, "llama-tiny", jobs=1)
+    assert r.ok, r.failures
+    assert r.collectives_match is True
+    assert all(rc.shard_mismatches == [] and rc.params_checked > 0 for rc in r.ranks)
+
+
+def test_a_model_that_makes_its_own_positions_is_refused_under_cp():
+    """Under context parallelism a rank's tokens are chunks from inside the sequence: a model
+    that does not take their positions from `token_positions` (here a plain MLP, whose forward
+    never asks) is refused after its first forward, not run with every chunk placed at 0."""
+    import torch.nn as nn
+
+    from autopar.runtime.context_parallel import ContextParallel
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    ContextParallel(None, 0, 2, 16).install(model)
+    with pytest.raises(PlanError, match="must take its token positions from autopar.models.positions"):
+        model(torch.zeros(1, 8, 8))
+
+
+@pytest.mark.parametrize("gbs,late", [(8, False), (64, False), (8, True)])
+def test_lazy_group_costing_covers_cp_groups(llama3_8b_128k, gbs, late, monkeypatch):
+    """`Search._ordered(cps)` walks the cp > 1 groups with cp = 1's (a 128K sequence: both
+    first, `context_degrees`): the search evaluates the same candidates in the same order,
+    counts the same and picks the same plan as with every group costed up front
+    (`candidates(cps)`). `late`: the sequence taken as short, cp > 1 walked only after
+    nothing fits at cp = 1 (8 H100, no SP: `_run`'s second walk)."""
+    from autopar.inter_op import context_parallel
+    from autopar.inter_op.layers import build_layers
+    from autopar.inter_op.search import Search
+    from autopar.inter_op.stage_cost import AnalyticProvider
+
+    b, g = llama3_8b_128k
+    layers = build_layers(g, b.model)
+    cl = ClusterSpec.load("dgx-h100", num_nodes=1)
+
+    def run(s: Search) -> tuple[list, object]:
+        seen = []
+        evaluate = s.evaluate
+
+        def record(cand, tb):
+            seen.append(cand.key())
+            return evaluate(cand, tb)
+        monkeypatch.setattr(s, "evaluate", record)
+        return seen, s.run()
+
+    def search() -> Search:
+        return Search(g, layers, cl, gbs, "bf16", Constraints(), AnalyticProvider(g, layers, cl, "bf16"))
+
+    if late:
+        monkeypatch.setattr(context_parallel, "LONG_SEQUENCE", 10 * SEQ)
+    lazy = search()
+    first, then = lazy.context_degrees()
+    assert (first, bool(then)) == ((1,), True) if late else len(first) > 1
+    order, res = run(lazy)
+    eager = search()
+    monkeypatch.setattr(eager, "_ordered", lambda cps=(1,): iter(eager.candidates(cps)))
+    order_all, res_all = run(eager)
+    assert order == order_all and any(k[-1] > 1 for k in order)
+    assert lazy.considered == eager.considered and lazy.evaluated == eager.evaluated
+    assert (res.best.key(), res.best.iteration_s) == (res_all.best.key(), res_all.best.iteration_s)
+    assert lazy.skipped == eager.skipped
+    if late:
+        # the cp = 1 walk first (nothing it evaluates fits), then the cp > 1 one
+        cps = [k[-1] for k in order]
+        assert res.best.cp > 1 and cps == sorted(cps, key=lambda c: c > 1) and cps[0] == 1
