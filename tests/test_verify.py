@@ -340,3 +340,18 @@ def test_recomputed_attention_regathers_its_sequence_shard():
     r = verify(p, "llama-small", jobs=1)
     assert r.ok, r.failures
     assert r.collectives_match is True, (r.collectives_measured, r.collectives_predicted)
+
+
+@pytest.mark.parametrize("recompute", ["full", "attention"])
+def test_gpu_plans_with_recomputation_verify(recompute):
+    """A GPU plan's ranks run CUDA's program (`runtime.cuda_program`: fp32 norms under autocast,
+    the fused RMSNorm); autograd re-runs a checkpoint without the forward's modes, so the
+    runtime's checkpoints re-enter it for the recomputation (was a CheckpointError: the re-run
+    made bf16 norms where the forward had saved fp32 ones)."""
+    cluster = autopar.ClusterSpec.load("dgx-a100-80g", num_nodes=1).model_copy(update={"devices_per_node": 2})
+    p = autopar.plan("llama-small", cluster, global_batch_size=8, cache=False,
+                     constraints=autopar.Constraints(dp=1, tp=2, pp=1, recompute=recompute, zero_stage=0))
+    r = verify(p, "llama-small", jobs=1)
+    assert r.ok, r.failures
+    assert r.collectives_match is True
+    assert all(abs(rc.memory_error) <= 0.01 for rc in r.ranks), [rc.memory_error for rc in r.ranks]

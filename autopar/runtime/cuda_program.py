@@ -21,6 +21,7 @@ not while the model's program is captured, `torch.compiler.is_exporting()`):
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional, Sequence
 
 import torch
@@ -72,7 +73,20 @@ class FusedRMSNorm(torch.autograd.Function):
 
 
 class cuda_program(TorchFunctionMode):
-    """While active: CUDA's autocast fp32 list (when CPU autocast is on) and its fused RMSNorm."""
+    """While active: CUDA's autocast fp32 list (when CPU autocast is on) and its fused RMSNorm.
+    Autograd runs a checkpoint's recomputation without the modes of the forward (a
+    TorchFunctionMode sees nothing inside the backward): the runtime's checkpoints enter
+    `recompute_context()` there, which re-enters this mode when one is active."""
+
+    active = 0          # how many are entered (verify steps one rank at a time in a process)
+
+    def __enter__(self) -> "cuda_program":
+        type(self).active += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        type(self).active -= 1
+        super().__exit__(*exc)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -94,3 +108,9 @@ class cuda_program(TorchFunctionMode):
         args, kwargs = tree_map(up, (args, kwargs))
         with torch.autocast("cpu", enabled=False):
             return func(*args, **kwargs)
+
+
+def recompute_context() -> contextlib.AbstractContextManager:
+    """The context a checkpoint's recomputation runs in: `cuda_program()` while one is active
+    (so the re-run makes what the forward made: fp32 norms, the fused RMSNorm), else nothing."""
+    return cuda_program() if cuda_program.active else contextlib.nullcontext()

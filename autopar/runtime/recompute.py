@@ -8,6 +8,7 @@ instead (`intra_op.execute`)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch.nn as nn
@@ -20,10 +21,13 @@ def checkpoint_module(module: nn.Module) -> None:
     are kept, what its ops save is re-made in the backward."""
     from torch.utils.checkpoint import checkpoint
 
+    from autopar.runtime.cuda_program import recompute_context
+
     orig = module.forward
 
     def fwd(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(orig, *args, use_reentrant=False, **kwargs)
+        return checkpoint(orig, *args, use_reentrant=False,
+                          context_fn=lambda: (contextlib.nullcontext(), recompute_context()), **kwargs)
 
     module.forward = fwd  # instance attribute: hooks (fully_shard) still run around __call__
 

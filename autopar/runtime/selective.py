@@ -70,10 +70,25 @@ def selective_context(recompute: Callable[[], bool]) -> Callable[[], tuple]:
     `recompute()` holds, else MUST_SAVE (torch's selective activation checkpointing)."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+    from autopar.runtime.cuda_program import recompute_context
+
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_RECOMPUTE if recompute() else CheckpointPolicy.MUST_SAVE
 
-    return lambda: create_selective_checkpoint_contexts(policy)
+    def contexts() -> tuple:
+        fwd, rc = create_selective_checkpoint_contexts(policy)
+        return fwd, _entered_together(rc, recompute_context())
+
+    return contexts
+
+
+@contextlib.contextmanager
+def _entered_together(*cms: Any) -> Any:
+    """The context managers `cms` entered in order, exited in reverse."""
+    with contextlib.ExitStack() as stack:
+        for cm in cms:
+            stack.enter_context(cm)
+        yield
 
 
 def checkpoint_selective(fn: Callable[..., Any], *args: Any, recompute: Callable[[], bool] = lambda: True,
