@@ -11,7 +11,7 @@ import pytest
 from autopar import ClusterSpec, Constraints
 from autopar.planner import plan
 from autopar.runtime import run
-from tests.test_runtime_planned import _run_in_one_job, _single
+from tests.test_runtime_planned import _run_in_one_job, _single, assert_ran_as_planned
 
 pytestmark = pytest.mark.slow
 
@@ -42,9 +42,4 @@ def test_context_parallel_plans_run_as_predicted(tmp_path):
     rows = _run_in_one_job(tmp_path, plans, 4)
     ref = [r["loss"] for r in run(_single(ref=REF), REF, steps=3, seed=0, quiet=True) if "step" in r]
     for name, p in plans.items():
-        got = rows[name]
-        assert isinstance(got, list), (name, got)
-        steps = [r for r in got if "step" in r]
-        assert all(r["collectives"] == p.predicted.collectives for r in steps), \
-            (name, [r["collectives"] for r in steps], p.predicted.collectives)
-        assert [r["loss"] for r in steps] == pytest.approx(ref, rel=1e-4), name
+        assert_ran_as_planned(name, rows[name], p, ref)

@@ -14,7 +14,7 @@ import pytest
 from autopar import Constraints
 from autopar.runtime import run
 from tests.captured import shared_plan
-from tests.test_runtime_planned import _run_in_one_job, _single
+from tests.test_runtime_planned import _run_in_one_job, _single, assert_ran_as_planned
 
 pytestmark = pytest.mark.slow
 
@@ -64,11 +64,5 @@ def test_selective_plans_run_as_predicted(tmp_path):
     refs = {ref: [r["loss"] for r in run(_single(ref=ref), ref, steps=3, seed=0, quiet=True) if "step" in r]
             for ref in {r for r, _ in [*PINS.values(), *ATTENTION.values()]}}
     for name, p in plans.items():
-        got = rows[name]
-        assert isinstance(got, list), (name, got)
-        steps = [r for r in got if "step" in r]
-        first = 1 if p.pp > 1 else 0           # a pipeline's first step exchanges shape metadata
-        assert all(r["collectives"] == p.predicted.collectives for r in steps[first:]), \
-            (name, [r["collectives"] for r in steps], p.predicted.collectives)
         ref = {**PINS, **ATTENTION}[name][0]
-        assert [r["loss"] for r in steps] == pytest.approx(refs[ref], rel=1e-4), name
+        assert_ran_as_planned(name, rows[name], p, refs[ref], first=1 if p.pp > 1 else 0)
