@@ -375,13 +375,15 @@ CASTS = frozenset({"to", "_to_copy", "type_as"})
 
 
 def tensor_bases(nodes: list, by_name: dict, device_type: Optional[str] = None,
-                 dtype: Optional[str] = None, attention_kernel: AttentionKernel = "fused") -> dict[str, str]:
+                 dtype: Optional[str] = None, attention_kernel: AttentionKernel = "fused",
+                 copies: Optional[tuple[frozenset, frozenset]] = None) -> dict[str, str]:
     """Each tensor name -> the name of the tensor owning its storage (through views but the
     reshapes that copy, and a `.contiguous()` that copies nothing, as the kernels of
     `device_type` lay tensors out: `cost_models.layouts`; under fp32 training (`dtype`) a cast
     to the dtype the tensor has: `Tensor.to` returns the tensor itself, as RMSNorm's
-    `x.to(torch.float32)` does on fp32 activations)."""
-    copying, aliasing = layout_copies(nodes, by_name, device_type, attention_kernel)
+    `x.to(torch.float32)` does on fp32 activations). `copies`: `layout_copies`' answer for these
+    nodes where the caller has it."""
+    copying, aliasing = copies if copies is not None else layout_copies(nodes, by_name, device_type, attention_kernel)
     base: dict[str, str] = {}
     for n in nodes:
         if n.kind == "call" and is_view(n) and n.inputs and n.name not in copying:
@@ -537,7 +539,13 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         raise ValueError("the graph has symbolic batch dimensions; call graph.at_batch(b) first")
     nodes = list(graph.nodes)
     by_name = {n.name: n for n in nodes}
-    base = tensor_bases(nodes, by_name, device_type, dtype, attention_kernel)
+    # the layouts depend on the graph, device and kernel alone: once per graph, not per policy
+    # (`fill_activations` asks for every recomputation policy of one layer's graph)
+    memo = graph.__dict__.setdefault("_layout_copies", {})
+    if (device_type, attention_kernel) not in memo:
+        memo[(device_type, attention_kernel)] = layout_copies(nodes, by_name, device_type, attention_kernel)
+    base = tensor_bases(nodes, by_name, device_type, dtype, attention_kernel,
+                        copies=memo[(device_type, attention_kernel)])
     rg = requires_grad(nodes)
     calls = [n for n in nodes if n.kind == "call"]
     core = attention_core(calls) if rec == "selective" and selective_region == "core" else set()
