@@ -355,3 +355,17 @@ def test_gpu_plans_with_recomputation_verify(recompute):
     assert r.ok, r.failures
     assert r.collectives_match is True
     assert all(abs(rc.memory_error) <= 0.01 for rc in r.ranks), [rc.memory_error for rc in r.ranks]
+
+
+def test_recomputed_region_frees_as_it_goes():
+    """A fully recomputed tp layer inside a pipeline stage: the executor's re-run of a checkpointed
+    region drops each value after its last reader, as the plan's memory model takes it (the
+    region kept every tensor it made until its end: stage 0 of llama-small tp2 x pp2 was 7.7%
+    over its plan on CPU kernels, 8.7% under the CUDA program)."""
+    cluster = autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": 4})
+    p = autopar.plan("llama-small", cluster, global_batch_size=8, cache=False,
+                     constraints=autopar.Constraints(dp=1, tp=2, pp=2, microbatch_size=8, num_microbatches=1,
+                                                     schedule="1f1b", recompute="full", zero_stage=0))
+    rc = verify(p, "llama-small", ranks=[0], jobs=1).ranks[0]
+    assert rc.stages == [0]
+    assert abs(rc.memory_error) <= 0.01, rc.memory_error
