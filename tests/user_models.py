@@ -153,6 +153,15 @@ def gated_lm(layers: int = 4):
     return model, (x, x.clone()), token_batch(VOCAB, SEQ)
 
 
+def wide_vocab_lm():
+    """`GatedLM` of one layer over 8192 classes: logits far larger than anything else, so a
+    tensor-parallel plan splits the output layer and its loss over the vocabulary."""
+    with torch.device("meta"):
+        model = GatedLM(1, vocab=8192)
+    x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    return model, (x, x.clone()), token_batch(8192, SEQ)
+
+
 def separate_gpt(layers: int = 4):
     """`SeparateGPT` by the MODULE:FACTORY contract."""
     with torch.device("meta"):

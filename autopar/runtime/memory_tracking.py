@@ -224,6 +224,7 @@ class StepMemTracker(MemTracker):
         self.phase = "forward_backward"
         self.comm_depth = 0                       # inside `communication_buffers`
         self.pipe_depth = 0                       # inside `pipeline_receives`
+        self.shadow_depth = 0                     # inside DTensor's shape propagation (below)
         self.master_grads = False                 # inside MasterWeights.step, before optimizer.step
         self.phase_peak: dict[str, tuple[int, dict]] = {}
         # per phase, the distinct moments within NEAR_PEAK of its peak so far: categories -> bytes
@@ -242,6 +243,11 @@ class StepMemTracker(MemTracker):
         if func is _DEVICE:
             # a tensor's device, asked of a Python tensor subclass (a fake tensor: most of the
             # dispatches of a fake step, `autopar verify`); it makes no tensor
+            return func(*args, **(kwargs or {}))
+        if self.shadow_depth:
+            # DTensor's sharding propagation running an op at the global shape on fake tensors
+            # to learn its output's metadata (`ShardingPropagator._propagate_tensor_meta_non_cached`,
+            # in the fake mode of `autopar verify` when there is one): no memory of the step
             return func(*args, **(kwargs or {}))
         self._op = str(func)
         try:
@@ -535,6 +541,19 @@ def track_step(pm: Any, batch: Sequence[Any], counter: Any = None, *, sweep: boo
         mt.enter_phase("grad_sync")
 
     wrap(pm, "forward_backward", lambda: mt.enter_phase("forward_backward"), lambda: None)
+    # torch's loss-parallel backward (`loss_parallel`'s NLL handler) propagates the global
+    # (tokens x vocabulary) gradient's metadata by running the op on fake tensors: in verify's
+    # fake mode those were counted as the step's (gpt3-2.7b tp4, mb 64: two fp32 [131072,
+    # 51200] tensors, 50 GiB of a 68 GiB tracked peak)
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    def shadow_on() -> None:
+        mt.shadow_depth += 1
+
+    def shadow_off() -> None:
+        mt.shadow_depth -= 1
+
+    wrap(ShardingPropagator, "_propagate_tensor_meta_non_cached", shadow_on, shadow_off)
     wrap(pm, "sync_and_update", start_sync, lambda: None)
     masters = getattr(pm, "masters", None)
     if masters is not None:
