@@ -35,14 +35,16 @@ CASES = [
     ("gpt3-2.7b 8xA100 tp4 full recompute ZeRO-1", "gpt3-2.7b", "dgx-a100-80g", 1, 512,
      {"dp": 2, "tp": 4, "pp": 1, "recompute": "full", "zero_stage": 1}),
     ("llama3-8b 8xH100 free", "llama3-8b", "dgx-h100", 1, 256, {}),
-    ("llama3-8b 8xH100 ZeRO-2 selective", "llama3-8b", "dgx-h100", 1, 256,
-     {"dp": 8, "tp": 1, "pp": 1, "zero_stage": 2, "recompute": "selective"}),
+    ("llama3-8b 8xH100 tp2 ZeRO-2 selective", "llama3-8b", "dgx-h100", 1, 256,
+     {"dp": 4, "tp": 2, "pp": 1, "zero_stage": 2, "recompute": "selective"}),
     ("gpt3-6.7b 16xA100 tp2 pp4 interleaved", "gpt3-6.7b", "dgx-a100-80g", 2, 512,
      {"dp": 2, "tp": 2, "pp": 4, "schedule": "interleaved_1f1b", "virtual_stages": 2}),
     ("llama2-13b 32xH100 ZeRO-3 full recompute", "llama2-13b", "dgx-h100", 4, 512,
      {"dp": 32, "tp": 1, "pp": 1, "zero_stage": 3, "recompute": "full"}),
     ("gpt3-13b 64xA100 free", "gpt3-13b", "dgx-a100-80g", 8, 1024, {}),
     ("llama3-70b 128xH100 free", "llama3-70b", "dgx-h100", 16, 1024, {}),
+    # issue 18's case: Megatron's 39.1B GPT planned freely on 64 DGX A100 nodes, batch 1536
+    ("gpt 39.1B 512xA100 free", "benchmarks.search_time:gpt_39b", "dgx-a100-80g", 64, 1536, {}),
     ("gpt3-175b 1024xA100 tp8 pp16 1F1B", "gpt3-175b", "dgx-a100-80g", 128, 1536,
      {"dp": 8, "tp": 8, "pp": 16, "schedule": "1f1b"}),
 ]
