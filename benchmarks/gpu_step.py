@@ -305,6 +305,7 @@ def breakdown(out: Path, name: str, cluster: str) -> None:
     from autopar.schema.cluster import ClusterSpec
     from autopar.schema.plan import Plan
     from cost_models.compute import node_time
+    from cost_models.layouts import graph_layout_copies
 
     case = next(c for c in CASES if c[0] == name)
     sys.path[:0] = [str(HERE), str(HERE.parent)]
@@ -314,9 +315,10 @@ def breakdown(out: Path, name: str, cluster: str) -> None:
     index = {n.name: n for n in g.nodes}
     dev, m = ClusterSpec.load(cluster).device, plan.num_microbatches
     per: dict = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    copies = graph_layout_copies(g, dev.device_type, plan.software.attention_kernel)
     for n in g.calls:
-        if n.flops > 0 or n.bytes_moved > 0:
-            f, b = node_time(n, dev, plan.dtype, 1.0, index, plan.software.attention_kernel)
+        if n.flops > 0 or n.bytes_moved > 0 or n.name in copies[0]:
+            f, b = node_time(n, dev, plan.dtype, 1.0, index, plan.software.attention_kernel, copies)
             per[n.op][0] += f * m
             per[n.op][1] += b * m
             per[n.op][2] += m

@@ -15,6 +15,23 @@ Backward, per op family:
 Recomputation adds one more forward of the recomputed ops (all of them under "full", the
 attention core under "selective", Korthikanti et al. 2022).
 
+Views are free, but a `reshape` (or `flatten`) whose input's strides allow no view copies, and a
+`.contiguous()` of a tensor already laid out contiguously copies nothing: which is which depends
+on the strides the kernels of the device type and the software's attention kernel give
+(`cost_models.layouts`, the walk the memory model reads too, once per graph). Callers pass its
+answer as `copies`. A copying reshape is ATen's `_unsafe_view(self.clone(contiguous))`
+(`reshape`'s composite): forward, one copy, its output's bytes read and written, priced as a
+`clone`/`contiguous` of them (`reshape_copy_time`). Backward (autograd, measured with torch
+2.13's profiler): `_unsafe_view`'s backward reshapes the (contiguous) gradient back, a view;
+`clone`'s passes it on; then the gradient goes back through the views the reshape read. Behind a
+transpose (`out.transpose(1, 2).reshape(b, s, h * d)` of an unfused attention's output) it
+arrives at its producer transposed, and the producer's backward copies it (a matmul's: one
+`clone`, as after an explicit `.contiguous()`): the output's bytes read and written again.
+Behind an `expand` (the grouped-query repeat `k[:, :, None].expand(...).reshape(...)`) the
+expand's backward sums it over the repeated dim: the output's bytes read, the kv-sized gradient
+written. So the backward reads the output's bytes and writes the smallest tensor of the view
+chain the reshape read.
+
 The optimizer step is memory-bound: AdamW reads and writes every parameter's master weight,
 two moments, and gradient (`optimizer_step_time`).
 
@@ -40,6 +57,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Literal, Optional, Sequence, Union
 
+from autopar.capture.flops import VIEW_OPS
 from autopar.schema.cluster import DeviceSpec, EfficiencyPoint
 from autopar.schema.software import ATTENTION_KERNELS, AttentionKernel
 
@@ -422,14 +440,52 @@ def gemm_alignment_factor(n, index: Optional[dict], device: DeviceSpec, dtype: s
     return eff
 
 
+Copies = tuple[frozenset, frozenset]
+
+
+def reshape_copy_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
+                      index: Optional[dict] = None) -> tuple[float, float]:
+    """(forward, backward) seconds of a reshape that copies (see the module docstring), its
+    bytes divided by `shard`: forward a `contiguous` copy of its output (read and written);
+    backward its gradient read and the gradient of the smallest tensor of the view chain it
+    read (`index`, name -> node: through views back to the op that made the data) written,
+    the output's size behind a transpose, a key/value head's behind an expand."""
+    if not n.outputs:
+        return 0.0, 0.0
+    out = n.outputs[0]
+    scale = bytes_scale(out.dtype, dtype) / max(float(shard), 1.0)
+    numel = src = float(out.numel)
+    index = index or {}
+    cur = index.get(n.inputs[0]) if n.inputs else None
+    for _ in range(32):
+        if cur is None or not cur.outputs:
+            break
+        src = min(src, float(cur.outputs[0].numel))
+        if cur.kind != "call" or cur.op not in VIEW_OPS or not cur.inputs:
+            break
+        cur = index.get(cur.inputs[0])
+    esz = out.nbytes / max(numel, 1.0)
+    return (op_time("contiguous", 0.0, 2.0 * numel * esz * scale, device, dtype),
+            op_time("contiguous", 0.0, (numel + src) * esz * scale, device, dtype))
+
+
 def node_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
-              index: Optional[dict] = None, attention_kernel: AttentionKernel = "fused") -> tuple[float, float]:
+              index: Optional[dict] = None, attention_kernel: AttentionKernel = "fused",
+              copies: Optional[Copies] = None) -> tuple[float, float]:
     """(forward, backward) seconds of one captured op at a concrete batch with its work split
     `shard` ways: the roofline with the GEMM curve, the measured backward rates, attention as the
     software's `attention_kernel` runs it (`attention_time`; `index`, name -> node, gives its
     inputs' shapes). Floating-point
     bytes are rescaled to `dtype` (the capture is fp32). The analytic provider and the intra-op
-    ILP both price ops with this, so their layer costs differ only in the layouts."""
+    ILP both price ops with this, so their layer costs differ only in the layouts. `copies`:
+    (reshapes that copy, `contiguous` calls that copy nothing) of the op's graph on `device`
+    (`cost_models.layouts.graph_layout_copies`); None: every view free, every `contiguous` a
+    copy."""
+    if copies is not None:
+        if n.name in copies[0]:
+            return reshape_copy_time(n, device, dtype, shard, index)
+        if n.name in copies[1]:
+            return 0.0, 0.0
     f = max(float(shard), 1.0)
     tdt = n.outputs[0].dtype if n.outputs else "float32"
     flops, nbytes = n.flops / f, n.bytes_moved * bytes_scale(tdt, dtype) / f
@@ -466,13 +522,16 @@ def grouped_gemm_time(flops: float, bytes_moved: float, groups: int, device: Dev
 
 def op_list_time(nodes: Iterable, device: DeviceSpec, dtype: str = "bf16", *,
                  recompute: Recompute | bool = "none", shard: Shard = 1.0,
-                 index: Optional[dict] = None, attention_kernel: AttentionKernel = "fused") -> ComputeTime:
+                 index: Optional[dict] = None, attention_kernel: AttentionKernel = "fused",
+                 copies: Optional[Copies] = None) -> ComputeTime:
     """Training compute seconds (forward + backward + recomputation) of captured ops at a concrete
     batch, attention run by the software's `attention_kernel`. Each op's FLOPs and bytes are
     divided by `shard` (a number, or a function of the op node giving its sharding factor, e.g.
     the tensor-parallel degree for the ops it splits).
     Floating-point bytes are rescaled to `dtype` (see `bytes_scale`). `index` (name -> node) lets
-    attention ops find their inputs' shapes when those are not in `nodes`."""
+    attention ops find their inputs' shapes when those are not in `nodes`. `copies`: see
+    `node_time` (the reshapes that copy are charged, the `contiguous` calls that copy nothing
+    are not)."""
     rec = "full" if recompute is True else ("none" if recompute is False else recompute)
     if rec not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
@@ -481,11 +540,12 @@ def op_list_time(nodes: Iterable, device: DeviceSpec, dtype: str = "bf16", *,
     nodes = [n for n in nodes if n.kind == "call"]
     core = attention_core(nodes) if rec == "selective" else set()
     out = ComputeTime()
+    copying = copies[0] if copies is not None else frozenset()
     for n in nodes:
-        if n.flops <= 0 and n.bytes_moved <= 0:
+        if n.flops <= 0 and n.bytes_moved <= 0 and n.name not in copying:
             continue
         f = shard(n) if callable(shard) else shard
-        fwd, bwd = node_time(n, device, dtype, f, index, attention_kernel)
+        fwd, bwd = node_time(n, device, dtype, f, index, attention_kernel, copies)
         re = fwd if rec == "full" or n.name in core else 0.0
         out.forward_s += fwd
         out.backward_s += bwd
@@ -500,7 +560,11 @@ def graph_compute_time(graph, device: DeviceSpec, dtype: str = "bf16", *,
                        attention_kernel: AttentionKernel = "fused") -> ComputeTime:
     """Training compute seconds of one micro-batch of a captured `OpGraph` at a concrete batch
     (`graph.at_batch(b)`), optionally only the ops of `layers` (layer FQNs; None names the ops
-    outside every layer). See `op_list_time` for `recompute`, `shard` and `attention_kernel`."""
+    outside every layer). See `op_list_time` for `recompute`, `shard` and `attention_kernel`;
+    the reshapes that copy on `device.device_type` are charged (`node_time`'s `copies`)."""
+    # layouts imports this module
+    from cost_models.layouts import graph_layout_copies
+
     if graph.batch_size is None and any(o.is_batched for n in graph.nodes for o in n.outputs):
         raise ValueError("the graph has symbolic batch dimensions; call graph.at_batch(b) first")
     nodes = graph.calls
@@ -508,4 +572,5 @@ def graph_compute_time(graph, device: DeviceSpec, dtype: str = "bf16", *,
         keep = set(layers)
         nodes = [n for n in nodes if n.layer in keep]
     return op_list_time(nodes, device, dtype, recompute=recompute, shard=shard,
-                        index={n.name: n for n in graph.nodes}, attention_kernel=attention_kernel)
+                        index={n.name: n for n in graph.nodes}, attention_kernel=attention_kernel,
+                        copies=graph_layout_copies(graph, device.device_type, attention_kernel))

@@ -187,3 +187,16 @@ def layout_copies(nodes: list, by_name: dict, device_type: Optional[str] = None,
                 continue
         strides[n.name] = contiguous_strides(shape)
     return frozenset(copying), frozenset(aliasing)
+
+
+def graph_layout_copies(graph, device_type: Optional[str] = None,
+                        attention_kernel: str = "fused") -> tuple[frozenset, frozenset]:
+    """`layout_copies` of every op of `graph` (an `OpGraph` at a concrete batch), once per graph,
+    device type and attention kernel: the walk depends on nothing else, and the memory model
+    (every recomputation policy of a layer) and the time model (every op of it) both ask."""
+    memo = graph.__dict__.setdefault("_layout_copies", {})
+    key = (device_type, attention_kernel)
+    if key not in memo:
+        nodes = list(graph.nodes)
+        memo[key] = layout_copies(nodes, {n.name: n for n in nodes}, device_type, attention_kernel)
+    return memo[key]

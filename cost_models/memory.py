@@ -72,7 +72,7 @@ from autopar.schema.constraints import RECOMPUTES, Recompute
 from autopar.schema.constraints import Schedule as ScheduleName  # the registry's names
 from autopar.schema.software import AttentionKernel
 from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, attention_core, bytes_scale
-from cost_models.layouts import layout_copies
+from cost_models.layouts import graph_layout_copies, layout_copies
 
 # bytes per parameter: (weights, gradients, optimizer states incl. fp32 master) by precision policy
 PRECISION_POLICIES: dict[str, tuple[float, float, float]] = {
@@ -541,11 +541,8 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     by_name = {n.name: n for n in nodes}
     # the layouts depend on the graph, device and kernel alone: once per graph, not per policy
     # (`fill_activations` asks for every recomputation policy of one layer's graph)
-    memo = graph.__dict__.setdefault("_layout_copies", {})
-    if (device_type, attention_kernel) not in memo:
-        memo[(device_type, attention_kernel)] = layout_copies(nodes, by_name, device_type, attention_kernel)
     base = tensor_bases(nodes, by_name, device_type, dtype, attention_kernel,
-                        copies=memo[(device_type, attention_kernel)])
+                        copies=graph_layout_copies(graph, device_type, attention_kernel))
     rg = requires_grad(nodes)
     calls = [n for n in nodes if n.kind == "call"]
     core = attention_core(calls) if rec == "selective" and selective_region == "core" else set()

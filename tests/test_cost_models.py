@@ -495,6 +495,126 @@ def test_graph_compute_time_recompute_and_shard(zoo_graph) -> None:
     assert set(one.per_layer) == {g.layers[0]} and one.total_s < none.total_s
 
 
+class Heads(nn.Module):
+    """Heads [b, h, s, d] merged back to [b, s, h * d], spelled `how`: "reshape" (the attention
+    epilogue: a transpose then a reshape, which cannot be a view of a contiguous input),
+    "contiguous" (Megatron's `.contiguous().view()`: the same copy spelled out), "view" (no
+    transpose: a view)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, x):
+        b, h, s, d = x.shape
+        y = x * 2.0
+        if self.how == "view":
+            z = y.reshape(b, s, h * d)
+        elif self.how == "contiguous":
+            z = y.transpose(1, 2).contiguous().view(b, s, h * d)
+        else:
+            z = y.transpose(1, 2).reshape(b, s, h * d)
+        return (z * 3.0).sum()
+
+
+def test_a_reshape_that_copies_costs_a_copy() -> None:
+    """A reshape whose input's strides allow no view runs `clone` + `_unsafe_view` (ATen's
+    `reshape`): its output's bytes read and written, priced as a `clone` of them, and in the
+    backward the transposed gradient copied again (measured: one `clone` in the backward of the
+    matmul that made the input, as after `.contiguous()`). A pure view stays free. So the
+    transpose + reshape costs what Megatron's `.contiguous().view()` costs, however it is spelled,
+    and the time difference from the view is the clone's, forward and backward."""
+    from autopar.capture.flops import node_cost
+    from cost_models.compute import node_time, op_list_time
+    from cost_models.layouts import graph_layout_copies
+
+    b, h, s, d = 2, 4, 64, 32
+    graphs = {how: autopar.capture(Heads(how), (torch.zeros(b, h, s, d, device="meta"),)).at_batch(b)
+              for how in ("view", "reshape", "contiguous")}
+    times = {how: graph_compute_time(g, DEV, "bf16") for how, g in graphs.items()}
+    out_bytes = b * s * h * d * 2                                   # bf16
+    clone_f = op_time("clone", 0.0, 2 * out_bytes, DEV, "bf16")
+    clone_b = op_backward_time("clone", 0.0, 2 * out_bytes, DEV, "bf16")
+    assert clone_f == pytest.approx(2 * out_bytes / (DEV.memory_bandwidth * DEV.memory_efficiency)
+                                    + DEV.kernel_overhead_s)
+    assert times["reshape"].forward_s - times["view"].forward_s == pytest.approx(clone_f)
+    assert times["reshape"].backward_s - times["view"].backward_s == pytest.approx(clone_b)
+    assert times["reshape"].total_s == pytest.approx(times["contiguous"].total_s)
+
+    g = graphs["reshape"]
+    copying, _ = graph_layout_copies(g, DEV.device_type)
+    (name,) = copying
+    n = g.node(name)
+    assert n.op == "reshape" and node_cost(n, {}) == (0.0, 0.0)    # the capture's count: a view
+    # a reshape's work is split like other element-wise ops': its bytes over the sharding
+    f, bw = node_time(n, DEV, "bf16", 1.0, g._index, copies=(copying, frozenset()))
+    f4, b4 = node_time(n, DEV, "bf16", 4.0, g._index, copies=(copying, frozenset()))
+    assert f4 - DEV.kernel_overhead_s == pytest.approx((f - DEV.kernel_overhead_s) / 4)
+    assert b4 - DEV.kernel_overhead_s == pytest.approx((bw - DEV.kernel_overhead_s) / 4)
+    # without the layouts (or read as a view) it is free, as before
+    assert node_time(n, DEV, "bf16", 1.0, g._index) == (0.0, 0.0)
+    assert op_list_time([n], DEV, "bf16", index=g._index).total_s == 0.0
+    # the memo: one walk per graph, device type and attention kernel
+    assert graph_layout_copies(g, DEV.device_type) is graph_layout_copies(g, DEV.device_type)
+
+
+def test_grouped_query_repeat_costs_a_copy_and_a_sum() -> None:
+    """Llama's repeat of keys and values over the query heads (`expand` + `reshape`, the zoo's
+    llama-tiny: 4 query heads, 2 key/value heads) copies forward; backward, the expand's
+    gradient is summed over the repeated dim (autograd: `ExpandBackward0` -> `sum`): the
+    output's gradient read, a key/value-sized one written."""
+    from autopar.capture import capture
+    from autopar.models.registry import build_model
+    from cost_models.compute import node_time
+    from cost_models.layouts import graph_layout_copies
+
+    bundle = build_model("llama-tiny", device="meta")
+    g = capture(bundle.model, bundle.example_inputs, name=bundle.name).at_batch(2)
+    copies = graph_layout_copies(g, DEV.device_type)
+    repeats = [g.node(x) for x in copies[0] if g.node(g.node(x).inputs[0]).op == "expand"]
+    assert len(repeats) == 4
+    bw = DEV.memory_bandwidth * DEV.memory_efficiency
+    for n in repeats:
+        out = n.outputs[0].numel * 2                                 # bf16
+        rep = n.outputs[0].shape[1] // g.node(n.inputs[0]).outputs[0].shape[1]
+        assert rep == 2
+        f, b = node_time(n, DEV, "bf16", 1.0, g._index, copies=copies)
+        assert f == pytest.approx(2 * out / bw + DEV.kernel_overhead_s)
+        assert b == pytest.approx((out + out / rep) / bw + DEV.kernel_overhead_s)
+    # the whole model: the repeats' time on top of the views'
+    base = graph_compute_time(g, DEV, "bf16").total_s
+    charged = sum(sum(node_time(n, DEV, "bf16", 1.0, g._index, copies=copies)) for n in repeats)
+    g2 = capture(bundle.model, bundle.example_inputs, name=bundle.name).at_batch(2)
+    g2.__dict__["_layout_copies"] = {(DEV.device_type, "fused"): (frozenset(), copies[1])}
+    assert base - graph_compute_time(g2, DEV, "bf16").total_s == pytest.approx(charged)
+
+
+class FusedEpilogue(nn.Module):
+    """Hugging Face's attention epilogue: `out.transpose(1, 2).contiguous().view(b, s, h * d)`."""
+
+    def forward(self, x):
+        b, h, s, d = x.shape
+        y = F.scaled_dot_product_attention(x, x, x)
+        return (y.transpose(1, 2).contiguous().view(b, s, h * d) * 3.0).sum()
+
+
+def test_a_contiguous_that_copies_nothing_is_free() -> None:
+    """A fused attention kernel on a GPU lays its output out [b, s, h, d], so its transpose back
+    is contiguous and `.contiguous()` returns it (`cost_models.layouts`): no time, as the memory
+    model holds no copy. After unfused attention (a contiguous [b, h, s, d] product) it copies,
+    priced as the capture counts it."""
+    from cost_models.compute import node_time
+    from cost_models.layouts import graph_layout_copies
+
+    g = autopar.capture(FusedEpilogue(), (torch.zeros(2, 4, 64, 32, device="meta"),)).at_batch(2)
+    (n,) = [n for n in g.calls if n.op == "contiguous"]
+    fused, unfused = (graph_layout_copies(g, "cuda", k) for k in ("fused", "unfused"))
+    assert fused[1] == {n.name} and not unfused[1]
+    assert node_time(n, DEV, "bf16", 1.0, g._index, "fused", fused) == (0.0, 0.0)
+    copy = node_time(n, DEV, "bf16", 1.0, g._index, "unfused", unfused)
+    assert copy == node_time(n, DEV, "bf16", 1.0, g._index) and copy[0] > 0 and copy[1] > 0
+
+
 # -- model states and schedules -------------------------------------------------------------------
 
 def test_zero_formulas() -> None:

@@ -34,6 +34,7 @@ from autopar.schema.placement import is_shard
 from autopar.schema.software import SoftwareSpec, resolve_software
 from cost_models.communication import collective_time
 from cost_models.compute import DTYPE_SIZE, op_list_time
+from cost_models.layouts import graph_layout_copies
 from cost_models.memory import activation_memory, requires_grad
 
 LOSS_OPS = frozenset({"cross_entropy_loss", "nll_loss", "log_softmax", "_log_softmax"})
@@ -375,7 +376,11 @@ class AnalyticProvider:
                         kind = "input" if rg.get(i, False) else "constant"
                     ext.append(replace(src, kind=kind, layer=None, inputs=[]))
         body = [replace(n, layer=layer.name if n.name in layer.block_nodes else None) for n in nodes]
-        return OpGraph(g.name, ext + body, g.params, batch_size=g.batch_size or 1)
+        sub = OpGraph(g.name, ext + body, g.params, batch_size=g.batch_size or 1)
+        # its ops' layouts are `g`'s (`cost_models.layouts.graph_layout_copies`; what it reads
+        # from outside is laid out as `g` lays it, not taken contiguous): one walk for both
+        sub.__dict__["_layout_copies"] = g.__dict__.setdefault("_layout_copies", {})
+        return sub
 
     def _analyze(self, layer: Layer, mb: int, tp: int) -> LayerCost:
         g = self.graph_at(mb, layer)
@@ -394,6 +399,10 @@ class AnalyticProvider:
 
         def ar(nbytes: float) -> float:
             return coll_time("all_reduce", nbytes, tp, link)
+
+        # the reshapes that copy and the `.contiguous()` calls that copy nothing on this device
+        # (`cost_models.layouts`; the memory model reads the same walk through `_subgraph`)
+        copies = graph_layout_copies(g, dev.device_type, self.software.attention_kernel)
 
         for n in nodes:
             ins = [state.get(i, "R") for i in n.inputs]
@@ -474,7 +483,7 @@ class AnalyticProvider:
             if sharded:
                 sharded_nodes.add(n.name)
             ct = op_list_time([n], dev, dtype, shard=tp if sharded else 1, index=g._index,
-                              attention_kernel=self.software.attention_kernel)
+                              attention_kernel=self.software.attention_kernel, copies=copies)
             times[n.name] = (ct.forward_s, ct.backward_s, fc, bc)
             coll_f[n.name] = cf
             c.coll_bwd.update(cb)

@@ -91,6 +91,7 @@ from autopar.schema.mesh import LogicalMesh
 from autopar.schema.placement import is_shard, shard_dim
 from cost_models.communication import collective_time
 from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, node_time
+from cost_models.layouts import graph_layout_copies
 
 FLOAT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 # bytes per device a parameter costs, relative to its weights' bytes: weights, gradients and
@@ -128,15 +129,17 @@ def requires_grad_of(graph: OpGraph, grad_inputs: Iterable[str] = ()) -> dict[st
 
 
 def op_compute_time(n: OpNode, rg: dict[str, bool], requires_grad: bool, device, dtype: str, work_div: float,
-                    index: dict, attention_kernel: str = "fused") -> tuple[float, float]:
+                    index: dict, attention_kernel: str = "fused",
+                    copies: Optional[tuple[frozenset, frozenset]] = None) -> tuple[float, float]:
     """(forward, backward) compute seconds of op `n` with its work split `work_div` ways, as the
     ILP prices a strategy: the inter-op cost model's per-op prices (`node_time`: GEMM curve,
     measured backward and fused attention rates, bytes at the training dtype), so the ILP and
     the analytic provider differ only in the layouts they choose; no backward where the output
     needs no gradient (`requires_grad`), and a matrix op's backward one GEMM per operand that
     needs one (`rg`: dX = dY W, dW = dY^T X). The search's lower bound reads it too
-    (`layer_compute_floor`)."""
-    f, b = node_time(n, device, dtype, work_div, index, attention_kernel)
+    (`layer_compute_floor`). `copies`: the graph's reshapes that copy and `contiguous` calls
+    that copy nothing on `device` (`cost_models.layouts.graph_layout_copies`; see `node_time`)."""
+    f, b = node_time(n, device, dtype, work_div, index, attention_kernel, copies)
     if not requires_grad:
         return f, 0.0
     if n.op in HEAVY_OPS and n.op not in FUSED_ATTENTION:
@@ -155,13 +158,14 @@ def layer_compute_floor(graph: OpGraph, nodes: Iterable[str], grad_inputs: Itera
     which charges every op's whole backward, is at least it too. Ops with no work are left
     out (the analytic provider skips them)."""
     rg = requires_grad_of(graph, grad_inputs)
+    copies = graph_layout_copies(graph, device.device_type, attention_kernel)
     total = 0.0
     for name in nodes:
         n = graph.node(name)
-        if n.kind != "call" or not n.outputs or (n.flops <= 0 and n.bytes_moved <= 0):
+        if n.kind != "call" or not n.outputs or (n.flops <= 0 and n.bytes_moved <= 0 and name not in copies[0]):
             continue
         total += min(sum(op_compute_time(n, rg, rg.get(name, False), device, dtype, w, graph._index,
-                                         attention_kernel)) for w in {1, max(int(tp), 1)})
+                                         attention_kernel, copies)) for w in {1, max(int(tp), 1)})
     return total
 
 
@@ -228,6 +232,8 @@ class IntraOpProblem:
         self.mesh_shape = tuple(mesh.shape)
         self.dtype = dtype
         self.attention_kernel = attention_kernel      # the software's (`SoftwareSpec`)
+        # the reshapes that copy on the mesh's device (`compute_time`, on first use)
+        self.reshape_copies: Optional[tuple[frozenset, frozenset]] = None
         self.float_bytes = FLOAT_BYTES.get(dtype, 4)
         self.state_factor = STATE_FACTOR.get(dtype, 4.0)
         self.budget = memory_budget_bytes
@@ -736,8 +742,10 @@ class IntraOpProblem:
         """(forward, backward) compute seconds of one copy of op `pn` under `st`."""
         if self.mesh.device is None or pn.node is None:
             return 0.0, 0.0
+        if self.reshape_copies is None:
+            self.reshape_copies = graph_layout_copies(self.graph, self.mesh.device.device_type, self.attention_kernel)
         return op_compute_time(pn.node, self.rg, pn.requires_grad, self.mesh.device, self.dtype, st.work_div,
-                               self.graph._index, self.attention_kernel)
+                               self.graph._index, self.attention_kernel, self.reshape_copies)
 
     def node_cost(self, pn: PNode, st: Strategy) -> tuple[float, float, float, float]:
         """(total, forward, backward, grad_sync) seconds of one copy, excluding resharding."""
