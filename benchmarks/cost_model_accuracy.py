@@ -208,11 +208,11 @@ def _one_layer_graph(case: Case, microbatch: int):
 
 def _tp_shard(t: int, g):
     """Megatron tensor parallelism (no sequence parallelism): GEMMs, the attention core and the
-    ops between the column- and row-parallel linears (q scaling, GeLU) are split t ways; layer
-    norms, residual adds and hidden dropouts are replicated; the vocabulary-parallel head and its
-    loss are split."""
+    ops between the column- and row-parallel linears (q scaling, GeLU, the copy of the attention
+    output's transpose + reshape back to [b, s, h]) are split t ways; layer norms, residual adds
+    and hidden dropouts are replicated; the vocabulary-parallel head and its loss are split."""
     core = attention_core(g.calls)
-    split = MATRIX_OPS | FUSED_ATTENTION | {"gelu", "mul", "cross_entropy_loss", "to"}
+    split = MATRIX_OPS | FUSED_ATTENTION | {"gelu", "mul", "cross_entropy_loss", "to", "reshape"}
 
     def shard(node) -> float:
         return float(t) if node.op in split or node.name in core else 1.0
