@@ -1,4 +1,4 @@
-"""The zoo's GPT and Llama plans from 8 to 1024 devices, each built and stepped at full scale by
+"""The zoo's GPT and Llama plans from 8 to 1536 devices, each built and stepped at full scale by
 `autopar verify`: tracked peak memory against the plan's predicted peak for every kind of rank,
 and the collectives (issue 15: within 10% for every stage, ZeRO-1/2/3, recomputation and
 interleaved pipelines included).
@@ -47,6 +47,7 @@ CASES = [
     ("gpt 39.1B 512xA100 free", "benchmarks.search_time:gpt_39b", "dgx-a100-80g", 64, 1536, {}),
     ("gpt3-175b 1024xA100 tp8 pp16 1F1B", "gpt3-175b", "dgx-a100-80g", 128, 1536,
      {"dp": 8, "tp": 8, "pp": 16, "schedule": "1f1b"}),
+    ("gpt3-175b 1536xA100 free", "gpt3-175b", "dgx-a100-80g", 192, 1536, {}),
 ]
 
 

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+import torch.nn as nn
 
 from autopar import ClusterSpec, Constraints, PlanError
 from autopar.capture import capture
@@ -93,6 +94,46 @@ def test_cp_constraints_are_checked():
              global_batch_size=6, constraints=Constraints(cp=3))
     with pytest.raises(PlanError, match="no fused attention op"):
         plan("tests.user_models:eager_gpt", cl, global_batch_size=8, constraints=Constraints(cp=2))
+    # dp x tp x pp holds the devices left over cp: the message names both counts
+    with pytest.raises(PlanError, match=r"^dp=4 does not divide 2, the cluster's 4 devices over cp=2$"):
+        plan("llama-tiny", cl, global_batch_size=8, constraints=Constraints(cp=2, dp=4))
+
+
+class _FeatureAttention(nn.Module):
+    """Causal fused attention over float features (batch, sequence, hidden) and the positions of
+    `token_positions`: its sequence is no input's dim 1 of token ids."""
+
+    def __init__(self, h: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.pos = nn.Embedding(16, h)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from autopar.models.positions import token_positions
+
+        b, s, h = x.shape
+        x = x + self.pos(token_positions(s, x.device))
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in self.qkv(x).split(h, -1))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return torch.nn.functional.mse_loss(self.out(o.transpose(1, 2).reshape(b, s, h)), y)
+
+
+def test_cp_needs_the_sequence_of_token_ids_the_runtime_splits():
+    """The runtime splits the sequence of the plan's tokens per sample (dim 1 of a first input
+    of token ids): a model fed float features has 1 and its cp plan would be refused at the
+    first step ("the sequence (1 tokens)"); the search neither plans a pinned cp for it nor
+    tries one, and says why."""
+    with torch.device("meta"):
+        model = _FeatureAttention()
+    x = torch.zeros(1, 16, 32, device="meta")
+    b = ModelBundle("features", model, (x, x.clone()))
+    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 2})
+    with pytest.raises(PlanError, match="cp=2: the model's first input is not a \\(batch, sequence\\) tensor of "
+                                        "token ids of the attention's 16 tokens") as e:
+        plan(b, cl, global_batch_size=4, dtype="fp32", constraints=Constraints(cp=2))
+    assert e.value.constraint == "cp"
+    p = plan(b, cl, global_batch_size=4, dtype="fp32")
+    assert p.cp == 1 and "first input is not a (batch, sequence) tensor" in p.search["skipped"]
 
 
 @pytest.mark.parametrize("pins", [dict(cp=2, dp=1, tp=2), dict(cp=4, dp=1, tp=1, zero_stage=3)])

@@ -319,3 +319,38 @@ def test_redistribute_runs_the_planned_transitions(results):
         for shape, got in res["redistribute"].items():
             assert got["wrong"] == [], (r, shape, got["wrong"][:3])
             assert got["differ"] == [], (r, shape, got["differ"][:3])
+
+
+def test_meta_program_exported_once_per_model_structure(monkeypatch):
+    """Building several ranks (verify's kinds) or plans of one model in a process exports its
+    program once: the same structure, inputs, loss, weight dtype and device reuse the program;
+    another shape, dtype or device exports anew."""
+    import importlib
+
+    capture_export = importlib.import_module("autopar.capture.export")
+    from autopar.intra_op import execute
+    from autopar.models.registry import build_model
+
+    calls = []
+    real = capture_export.export_program
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(capture_export, "export_program", counting)
+    monkeypatch.setattr(execute, "_META_PROGRAMS", type(execute._META_PROGRAMS)())
+    cpu = torch.device("cpu")
+    first = build_model("gpt-tiny")
+    p1, _ = execute.meta_program(first.model, first.example_inputs, device=cpu)
+    again = build_model("gpt-tiny")          # another instance, the same structure
+    p2, _ = execute.meta_program(again.model, again.example_inputs, device=cpu)
+    assert p2 is p1 and len(calls) == 1
+    p3, _ = execute.meta_program(again.model, again.example_inputs, param_dtype=torch.bfloat16, device=cpu)
+    assert p3 is not p1 and len(calls) == 2
+    pair = build_model("gpt-tiny", batch_size=2)   # inputs of another shape
+    p4, _ = execute.meta_program(pair.model, pair.example_inputs, device=cpu)
+    assert p4 is not p1 and len(calls) == 3
+    p5, _ = execute.meta_program(first.model, first.example_inputs, device=torch.device("meta"))
+    assert p5 is not p1 and len(calls) == 4
+    assert len(execute._META_PROGRAMS) == execute.META_PROGRAMS_KEPT

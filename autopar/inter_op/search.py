@@ -893,8 +893,9 @@ class Search:
         for name in ("dp", "tp", "pp"):
             v = getattr(c, name)
             if v is not None and N % v:
-                raise PlanError(f"{name}={v} does not divide the cluster's {N} devices"
-                                f"{f' over cp={cp}' if cp > 1 else ''}", constraint=name)
+                raise PlanError(f"{name}={v} does not divide {N}, the cluster's {self.N} devices over cp={cp}"
+                                if cp > 1 else f"{name}={v} does not divide the cluster's {N} devices",
+                                constraint=name)
         if c.pp is not None and c.pp > self.L:
             raise PlanError(f"pp={c.pp} stages need at least {c.pp} layers; the model has {self.L} "
                             f"({', '.join(l.name for l in self.layers[:4])}{' ...' if self.L > 4 else ''})",

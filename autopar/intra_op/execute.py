@@ -66,6 +66,7 @@ from __future__ import annotations
 import contextlib
 import math
 import operator
+from collections import OrderedDict
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
@@ -1231,8 +1232,8 @@ def parallelize_graph(model: nn.Module, example_inputs: Any, solution: ShardingS
     device = None
     floats = [p for p in model.parameters() if p.is_floating_point()]
     if param_dtype is not None and any(p.dtype != param_dtype for p in floats):
-        meta = _meta_copy(model, param_dtype)
-        program, _, names = export_program(meta, _to_meta(example_inputs), loss_fn=loss_fn)
+        program, names = meta_program(model, example_inputs, loss_fn=loss_fn, param_dtype=param_dtype,
+                                      device=next(model.parameters()).device)
         wrapped = _WithLoss(model, loss_fn or default_loss, names)
         return ShardedProgram(model, wrapped, program, solution, mesh, names, inputs=inputs,
                               device=next(model.parameters()).device, recompute=recompute)
@@ -1240,17 +1241,57 @@ def parallelize_graph(model: nn.Module, example_inputs: Any, solution: ShardingS
     # even where the model traces differently on its device (a Hugging Face model's attention,
     # for one), and one export then serves; the device's own program where the meta one does
     # not fit or holds a tensor constant traced on meta only
-    meta_program, _, names = export_program(_meta_copy(model), _to_meta(example_inputs), loss_fn=loss_fn)
-    meta_fits = not _mismatch(meta_program, solution)
-    if meta_fits and not _meta_constants(meta_program):
-        program, device = meta_program, next(model.parameters()).device
+    on_meta, names = meta_program(model, example_inputs, loss_fn=loss_fn, device=next(model.parameters()).device)
+    meta_fits = not _mismatch(on_meta, solution)
+    if meta_fits and not _meta_constants(on_meta):
+        program, device = on_meta, next(model.parameters()).device
         wrapped = _WithLoss(model, loss_fn or default_loss, names)
     else:
         program, wrapped, names = export_program(model, example_inputs, loss_fn=loss_fn)
         if meta_fits and _mismatch(program, solution):
-            program, device = meta_program, next(model.parameters()).device
+            program, device = on_meta, next(model.parameters()).device
     return ShardedProgram(model, wrapped, program, solution, mesh, names, inputs=inputs, device=device,
                           recompute=recompute)
+
+
+# programs exported from meta copies, by the model's structure (`capture.cache.model_key`), the
+# inputs' shapes, the loss, the weights' dtype and the device the program runs on: the last few
+_META_PROGRAMS: "OrderedDict[tuple, tuple[Any, Optional[list[str]]]]" = OrderedDict()
+META_PROGRAMS_KEPT = 2
+
+
+def meta_program(model: nn.Module, example_inputs: Any, *, loss_fn: Any = None,
+                 param_dtype: Optional[torch.dtype] = None,
+                 device: Optional[torch.device] = None) -> tuple[Any, Optional[list[str]]]:
+    """(the torch.export program of a meta copy of `model` with its loss, the keyword names of
+    dict inputs or None), floating weights in `param_dtype` when given.
+
+    Exporting is most of what building a rank's program costs (GPT-3 175B: 17 of about 40 CPU s
+    a rank kind in `autopar verify`), and a process that builds several ranks of one plan, or
+    several plans of one model (verify's workers, a test launch), exports the same program each
+    time. So the last few are kept, keyed by everything the export depends on: the model's
+    structure as the capture cache keys it (module types and settings, their classes' source,
+    parameter names, shapes, dtypes and tying), the inputs' shapes and dtypes, the loss and the
+    device the program is retargeted to. The program is shared: its users only read it (the
+    setup they do to it, `move_not_cast`, `retarget`, clearing its state dict, gives the same
+    result done again). A program that lifts tensor constants is not kept (they belong to the
+    fake-tensor mode it was traced under)."""
+    from autopar.capture.cache import model_key
+    from autopar.capture.export import export_program
+
+    meta = _meta_copy(model, param_dtype)
+    inputs = _to_meta(example_inputs)
+    key = (model_key(meta, inputs, loss_fn=loss_fn), str(device))
+    hit = _META_PROGRAMS.get(key)
+    if hit is not None:
+        _META_PROGRAMS.move_to_end(key)
+        return hit
+    program, _, names = export_program(meta, inputs, loss_fn=loss_fn)
+    if not any(isinstance(c, torch.Tensor) for c in program.constants.values()):
+        _META_PROGRAMS[key] = (program, names)
+        while len(_META_PROGRAMS) > META_PROGRAMS_KEPT:
+            _META_PROGRAMS.popitem(last=False)
+    return program, names
 
 
 def _meta_constants(program: Any) -> bool:

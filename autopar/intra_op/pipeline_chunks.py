@@ -48,14 +48,13 @@ from autopar.intra_op.execute import (
     ShardedProgram,
     _flat_nodes,
     _grad_target,
-    _meta_copy,
     _PlanInterpreter,
     _program_calls,
     _Reshard,
     _subgraph_index,
-    _to_meta,
     _ToLocal,
     contiguous_strides,
+    meta_program,
     redistribute,
     to_placements,
 )
@@ -328,12 +327,12 @@ def parallelize_chunks(model: nn.Module, example_inputs: Sequence[Any], solution
     on every rank of the tp mesh."""
     from torch.export.graph_signature import InputKind
 
-    from autopar.capture.export import _WithLoss, default_loss, export_program
+    from autopar.capture.export import _WithLoss, default_loss
 
     if tuple(mesh.shape) != tuple(solution.mesh_shape):
         raise PlanError(f"the solution is for a mesh of shape {tuple(solution.mesh_shape)}, "
                         f"the device mesh has shape {tuple(mesh.shape)}")
-    program, _, names = export_program(_meta_copy(model, param_dtype), _to_meta(example_inputs), loss_fn=loss_fn)
+    program, names = meta_program(model, example_inputs, loss_fn=loss_fn, param_dtype=param_dtype, device=device)
     gm = program.graph_module
     specs = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], program.graph_signature.input_specs))
     wrapped = _WithLoss(model, loss_fn or default_loss, names)
