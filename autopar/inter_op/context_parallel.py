@@ -66,9 +66,19 @@ def sequence_length(graph: OpGraph) -> Optional[int]:
 def blockers(graph: OpGraph, layers: list[Layer]) -> str:
     """Why context parallelism cannot split this model's sequences ("" where it can): an
     attention other than the fused op (its score matmuls would need the gathered keys in
-    another form), an explicit mask (its columns follow the sequence), dropout in it, or none."""
-    if sequence_length(graph) is None:
+    another form), an explicit mask (its columns follow the sequence), dropout in it, or none;
+    a first input that is not the attention's sequence of token ids (what the runtime splits)."""
+    s = sequence_length(graph)
+    if s is None:
         return "the model has no fused attention op (scaled_dot_product_attention) over a static sequence"
+    # the runtime splits the inputs whose dim 1 is the plan's tokens per sample (dim 1 of the
+    # first input where it is a (batch, sequence, ...) tensor of ids, else 1:
+    # `planner._tokens_per_sample`, `runtime.context_parallel.ContextParallel`): they must be the
+    # attention's sequence, or a cp plan is one the runtime refuses (float features: "1 token")
+    first = next((n.outputs[0] for n in graph.nodes if n.kind == "input" and n.outputs), None)
+    if first is None or first.dtype.startswith(("float", "bfloat")) or len(first.shape) < 2 or first.shape[1] != s:
+        return (f"the model's first input is not a (batch, sequence) tensor of token ids of the attention's {s} "
+                f"tokens, the sequence the runtime splits over the cp ranks")
     if any(n.op in ("softmax", "_softmax") for n in graph.calls):
         return "the model's attention is not one fused attention op (a softmax was captured)"
     for lay in layers:
