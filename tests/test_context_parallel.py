@@ -213,3 +213,96 @@ def test_lazy_group_costing_covers_cp_groups(llama3_8b_128k, gbs, late, monkeypa
         # the cp = 1 walk first (nothing it evaluates fits), then the cp > 1 one
         cps = [k[-1] for k in order]
         assert res.best.cp > 1 and cps == sorted(cps, key=lambda c: c > 1) and cps[0] == 1
+
+
+def _cp_attention(q, k, v, cp: int, is_causal: bool = True, saved: list | None = None, layers: int = 1):
+    """Every rank of `cp` run in this process: its tokens of q, k, v ((batch, heads, seq, dim))
+    attend through the runtime's cp mode over K and V "all-gathered" (every rank's local tensors
+    concatenated in rank order: autograd's backward then sums each rank's gradient into every
+    rank's tensor, what the reduce-scatter does). Returns the output in sequence order;
+    `saved` collects what each rank's attention saves for its backward, per layer call."""
+    from unittest import mock
+
+    import torch.nn.functional as F
+
+    from autopar.runtime import context_parallel as rcp
+
+    s = q.shape[2]
+    ranks = [rcp.ContextParallel(None, r, cp, s) for r in range(cp)]
+
+    def local(x, c):
+        return c.local_tokens(x.transpose(1, 2)).transpose(1, 2).contiguous()
+
+    ks, vs = [local(k, c) for c in ranks], [local(v, c) for c in ranks]
+    every = {id(t): ks for t in ks} | {id(t): vs for t in vs}
+
+    def gather(x, gather_dim, group):
+        return torch.cat(every[id(x)], dim=gather_dim)
+
+    outs = []
+    with mock.patch.object(rcp, "all_gather_single_autograd", gather):
+        for c in ranks:
+            with c.active(), rcp._CPAttention(c):
+                for _ in range(layers):
+                    got: list = []
+                    with torch.autograd.graph.saved_tensors_hooks(lambda t, got=got: got.append(t) or t, lambda t: t):
+                        o = F.scaled_dot_product_attention(local(q, c), ks[c.rank], vs[c.rank], is_causal=is_causal)
+                    if saved is not None:
+                        saved.append((c.rank, got))
+            outs.append(o)
+    where = torch.cat([c.positions for c in ranks]).argsort()
+    return torch.cat(outs, dim=2)[:, :, where]
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_cp_attention_equals_one_process_attention(cp, is_causal):
+    """The runtime's cp attention (causal: each rank's two query chunks against the keys up to
+    their ends, bottom-right causal; unmasked: against all keys) gives one process's attention
+    over the whole sequence, forward and gradients of q, k, v, in fp32 within 1e-5."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(cp)
+    q, k, v = (torch.randn(2, 3, 24, 8, generator=g, requires_grad=True) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    dout = torch.randn(ref.shape, generator=g)
+    want = torch.autograd.grad(ref, (q, k, v), dout)
+    out = _cp_attention(q, k, v, cp, is_causal)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_cp_attention_saves_no_mask_of_the_rank_queries_by_the_sequence():
+    """Under cp, a causal attention saves for its backward no (S/cp) x S mask (nor anything of
+    that many elements): only the rank's queries, the sequence-ordered K and V, its outputs and
+    log-sum-exps, and on CPU the two bottom-right masks of its chunk calls, (S/2cp) x (i+1)S/2cp
+    and (S/2cp) x (2cp-i)S/2cp, shared by every layer's call (the fused CUDA kernels take none).
+    A call with a `CausalBias` (how the runtime asks for the bottom-right mask off CPU) passes
+    through the cp mode as it is, and gives the same attention."""
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
+    from autopar.runtime.context_parallel import ContextParallel, _CPAttention
+
+    s, cp = 64, 4
+    c = s // (2 * cp)
+    q, k, v = (torch.randn(1, 1, s, 2, requires_grad=True) for _ in range(3))
+    saved: list = []
+    _cp_attention(q, k, v, cp, saved=saved, layers=2)
+    for rank, got in saved:
+        assert all(t.numel() < (s // cp) * s for t in got), [tuple(t.shape) for t in got]
+        masks = sorted(tuple(t.shape) for t in got if t.dim() == 2)
+        want = sorted({(c, (i + 1) * c) for i in (rank, 2 * cp - 1 - rank)} - {(c, c)})
+        assert masks == want
+    for rank in range(cp):
+        layer1, layer2 = [{t.untyped_storage().data_ptr() for t in got if t.dim() == 2}
+                          for r, got in saved if r == rank]
+        assert layer1 == layer2
+    # off CPU the chunk calls pass a CausalBias: the mode runs them as they are
+    qq, kk, vv = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 24, 4), torch.randn(1, 2, 24, 4)
+    with _CPAttention(ContextParallel(None, 0, 2, 16)):
+        out = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=causal_lower_right(8, 24))
+    mask = ContextParallel(None, 0, 2, 16).causal_mask(8, 24, torch.float32, torch.device("cpu"))
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask))

@@ -13,9 +13,24 @@ each fused attention op the rank all-gathers the op's K and V over the cp axis, 
 backward reduce-scatters their gradients; a recomputed attention gathers again. The all-gather
 must finish before the kernel reads K and V, so the exchange is costed exposed (no overlap with
 the attention compute: a ring exchange would overlap, the all-gather cannot). The gathered K and
-V are what the attention op saves for its backward: (1 - 1/cp) of the full-length K and V above
+V are what the attention saves for its backward: (1 - 1/cp) of the full-length K and V above
 the layer's share, per layer whose core is saved; a recomputed core holds them during its
 backward only.
+
+A causal attention runs as two kernel calls per rank (`runtime.context_parallel`: query chunk i
+against keys [0, (i + 1) c), chunk 2 cp - 1 - i against [0, (2 cp - i) c), each causal aligned
+to the bottom right; no mask tensor on the fused CUDA kernels, and none was ever charged here):
+their work is the causal-trimmed work, c^2 (i + 1/2) + c^2 (2 cp - i - 1/2) = 2 cp c^2 score
+entries, 1/cp of the whole causal attention's on every rank, as the 1/cp of the kernel's time
+charges it (the time model prices the whole attention at the measured causal kernel's rate).
+Their saved outputs and log-sum-exps are the rank's share of one call's (in `act_bytes` over
+cp); what the two calls add (`causal_bytes`, `layer_cost`): the rank's output concatenated from
+the two (a copy the output projection saves, where one kernel's output was read in place), K and
+V copied into sequence order in the forward (the gathered copy freed once the ordered one is
+made: one K or V above the saved ones for a moment) and, in the backward, the two calls' key
+and value gradients (S + S/2cp tokens each, where one call's were S) written back in rank order
+into one full-length buffer before the reduce-scatter (one more full-length K or V gradient at
+the worst moment), and those copies' memory time.
 
 Which sequences it applies to: models whose attention cores are torch's fused attention op
 (`scaled_dot_product_attention`, causal or without a mask), with the sequence dividing by
@@ -32,6 +47,7 @@ from autopar.capture.graph import OpGraph, Ref
 from autopar.inter_op.layers import Layer
 from autopar.inter_op.stage_cost import LayerCost, axis_link, coll_time, float_bytes
 from autopar.schema.cluster import ClusterSpec
+from cost_models.compute import memory_time
 
 ATTENTION_OP = "scaled_dot_product_attention"
 # the search tries cp > 1 unprompted only from this sequence length on (or where no plan fits
@@ -118,12 +134,35 @@ def kv_bytes(graph: OpGraph, layer: Layer, mb: int, dtype: str) -> float:
     return total
 
 
-def layer_cost(cost: LayerCost, cp: int, kv: float, tp: int, cluster: ClusterSpec) -> LayerCost:
+def is_causal(node) -> bool:
+    """Whether a captured fused attention op is causal (its `is_causal`)."""
+    return bool(node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False))
+
+
+def causal_bytes(graph: OpGraph, layer: Layer, mb: int, dtype: str) -> tuple[float, float]:
+    """(K and V bytes, output bytes) of the layer's causal attention ops at micro-batch `mb`,
+    whole sequence, all heads: what the runtime's two calls per rank copy (K and V into sequence
+    order; the two outputs into one)."""
+    kv = out = 0.0
+    for n in attention_nodes(graph, layer):
+        if not is_causal(n):
+            continue
+        for name in n.inputs[1:3]:
+            o = graph.node(name).outputs[0]
+            kv += float_bytes(o.at(mb) if graph.batch_size is None else o, dtype)
+        o = n.outputs[0]
+        out += float_bytes(o.at(mb) if graph.batch_size is None else o, dtype)
+    return kv, out
+
+
+def layer_cost(cost: LayerCost, cp: int, kv: float, tp: int, cluster: ClusterSpec,
+               causal: tuple[float, float] = (0.0, 0.0)) -> LayerCost:
     """`cost` (one layer, one micro-batch, one tp degree, per device) on one of cp ranks: its
     token-proportional terms over cp, plus the attention's K/V exchange over the cp axis (ranks
     tp apart) and the gathered K/V it holds. `kv`: the layer's attention K and V bytes at the
-    micro-batch, whole (`kv_bytes`), of which a rank holds 1/tp (the heads split). Its counted
-    collectives stay the tp axis's; the plan adds the exchange's (`collectives`)."""
+    micro-batch, whole (`kv_bytes`), of which a rank holds 1/tp (the heads split); `causal`:
+    its causal attention ops' (`causal_bytes`), run as two calls (the module docstring). Its
+    counted collectives stay the tp axis's; the plan adds the exchange's (`collectives`)."""
     def scale(v):
         if isinstance(v, dict):
             return {k: scale(x) for k, x in v.items()}
@@ -133,7 +172,7 @@ def layer_cost(cost: LayerCost, cp: int, kv: float, tp: int, cluster: ClusterSpe
 
     out = replace(cost, **{f: scale(getattr(cost, f)) for f in _SCALED})
     if cost.solved is not None:
-        out.solved = layer_cost(cost.solved, cp, kv, tp, cluster)
+        out.solved = layer_cost(cost.solved, cp, kv, tp, cluster, causal)
     if kv <= 0:
         return out
     dev = kv / tp
@@ -145,16 +184,28 @@ def layer_cost(cost: LayerCost, cp: int, kv: float, tp: int, cluster: ClusterSpe
     out.fwd_comm_s += gather
     out.bwd_comm_s += scatter
     extra = dev * (1 - 1 / cp)
+    # causal: K and V copied into sequence order and the rank's output concatenated from the two
+    # calls' (read and written) in the forward (again where the core is recomputed); in the
+    # backward the two calls' key gradients (S + S/2cp tokens) read and written back in rank
+    # order (S)
+    ckv, cout = causal[0] / tp, causal[1] / tp / cp
+    copy_fwd = memory_time(2 * ckv + 2 * cout, cluster.device) if ckv else 0.0
+    out.fwd_s += copy_fwd
+    out.bwd_s += memory_time((2 + 1 / (2 * cp)) * ckv, cluster.device) if ckv else 0.0
     for r in list(out.act_bytes):
         if r in _CORE_SAVED:
-            out.act_bytes[r] = out.act_bytes[r] + extra
+            # the concatenated output the output projection saves, beside the calls' own
+            out.act_bytes[r] = out.act_bytes[r] + extra + cout
         else:
-            out.rc_extra_s[r] = out.rc_extra_s.get(r, 0.0) + gather
+            out.rc_extra_s[r] = out.rc_extra_s.get(r, 0.0) + gather + copy_fwd
             out.rc_comm_s[r] = out.rc_comm_s.get(r, 0.0) + gather
     # the full-length gradients of K and V before their reduce-scatter (a recomputed core also
-    # holds the re-gathered K and V): a moment of the layer's body (not the loss's)
+    # holds the re-gathered K and V), and for a causal attention the two calls' gradients of K
+    # and V (S/2cp tokens more than one call's) beside the rank-order gradient of one of them
+    # (in the forward likewise one gathered K or V beside its ordered copy): a moment of the
+    # layer's body (not the loss's)
     for r in list(out.bwd_over):
-        held = extra if r in _CORE_SAVED else 2 * extra
+        held = (extra if r in _CORE_SAVED else 2 * extra) + (ckv / 2 + ckv / (2 * cp) if ckv else 0.0)
         if r in out.bwd_over_given:
             out.bwd_over_given[r] += held
         if r in out.bwd_over_body:

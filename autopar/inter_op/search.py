@@ -1689,7 +1689,8 @@ class Search:
             if key not in self._costs_cache:
                 self._costs_cache[key] = [
                     context_parallel.layer_cost(c, cp, context_parallel.kv_bytes(self.graph, lay, mb, self.dtype),
-                                                tp, self.cluster)
+                                                tp, self.cluster,
+                                                context_parallel.causal_bytes(self.graph, lay, mb, self.dtype))
                     for c, lay in zip(self._layer_costs(mb, tp, solved, sp, ep), self.layers)]
             return self._costs_cache[key]
         if ep > 1:

@@ -9,12 +9,33 @@ attention call (`F.scaled_dot_product_attention`, causal or unmasked) is taken o
 function mode entered by every module's forward (`ContextParallel.install`: a recomputation
 re-runs a checkpointed module's forward inside the backward, where no mode entered around the
 step is active): K and V are all-gathered along the sequence over the cp group with torch's
-autograd functional collective (its backward reduce-scatters their gradients), and the local
-queries attend to them under the causal mask of their global positions (under selective
-recomputation that function is the region the selective checkpoint re-runs, its gather
-included: `runtime.selective.fused_call_override`). The loss of a rank is
-its tokens' mean; parameters' gradients are averaged over dp x cp (the engine's sync group), so
-the step equals one process's on the whole batch.
+autograd functional collective (its backward reduce-scatters their gradients). Unmasked, the
+rank's queries attend to them as gathered (one call). Causal, as Llama 3 and torchtitan run it:
+K and V are put in sequence order (one copy each, `ContextParallel.key_prefixes`) and each of
+the rank's two query chunks attends to the keys up to its own end in one call, query chunk i to
+keys [0, (i + 1) c) and chunk 2 cp - 1 - i to [0, (2 cp - i) c), under a causal mask aligned to
+the bottom right (`causal_lower_right`, `_causal_lower_right`): no mask of the rank's queries by
+the sequence is made. The two outputs are concatenated in the rank's order, laid out as one
+fused kernel lays out its output (tokens outer, heads inner: the model's
+`out.transpose(1, 2).reshape(...)` stays a view of it). Under selective recomputation that
+function is the region the selective checkpoint re-runs, its gather included
+(`runtime.selective.fused_call_override`). The loss of a rank is its tokens' mean; parameters'
+gradients are averaged over dp x cp (the engine's sync group), so the step equals one process's
+on the whole batch.
+
+What runs the bottom-right causal mask (read in torch 2.13's `torch.nn.attention.bias`; the CPU
+path measured, the CUDA one not run here): on CUDA, `F.scaled_dot_product_attention` with a
+`torch.nn.attention.bias.CausalBias` (`CausalBias._dispatch`) calls the flash kernel
+(`_scaled_dot_product_flash_attention`, whose causal mask is bottom-right aligned; fp16/bf16,
+sm80 and later) or else the memory-efficient one (`_efficient_attention_forward` with
+`custom_mask_type=2`, fp32 too): no mask tensor. Where neither applies (CPU; dtypes or head
+sizes they refuse on CUDA) it materialises the (query, key) bool mask in every call, which the
+kernel converts to q's dtype and saves. `is_causal=True` means top-left alignment unless square
+(torch routes a non-square causal call away from the flash kernel for that reason). So on CPU
+the runtime passes an additive mask in q's dtype, made once per shape in a micro-batch
+(`ContextParallel.causal_mask`) and shared by every layer's call: (S / 2 cp) x (i + 1) S / 2 cp
+and (S / 2 cp) x (2 cp - i) S / 2 cp elements, not a (S / cp) x S mask per layer. A square call
+(chunk 0's) runs with `is_causal=True`, no mask on any device.
 
 torch's `context_parallel` (torch.distributed.tensor.experimental) is not used: it takes over
 the CUDA flash / efficient / cuDNN attention ops only, not the CPU kernel gloo runs reach.
@@ -29,8 +50,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.distributed.tensor import DTensor
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 from torch.overrides import TorchFunctionMode
 
 from autopar.models.positions import positions_set, reads
@@ -49,6 +72,13 @@ def chunk_positions(rank: int, cp: int, seq: int) -> torch.Tensor:
     return torch.cat([torch.arange(i * c, (i + 1) * c) for i in chunk_order(rank, cp)])
 
 
+def sequence_order(cp: int) -> list[int]:
+    """The 2 cp chunks of an all-gather of every rank's tokens (rank r's chunks r and
+    2 cp - 1 - r at places 2 r and 2 r + 1) in sequence order: entry g is the place of chunk g."""
+    place = {chunk: i for i, chunk in enumerate(x for r in range(cp) for x in chunk_order(r, cp))}
+    return [place[g] for g in range(2 * cp)]
+
+
 class ContextParallel:
     """One rank's context parallelism: its rank in the cp `group` of `size`, over sequences of
     `seq` tokens."""
@@ -61,8 +91,8 @@ class ContextParallel:
         self.positions = chunk_positions(rank, size, seq)
         self._depth = 0                 # forwards of installed modules running (`install`)
         self._checked = False           # whether a forward was seen to read the positions
-        # every rank's positions, in the order the all-gather lays their chunks out
-        self.key_positions = torch.cat([chunk_positions(r, size, seq) for r in range(size)])
+        self.order = sequence_order(size)     # the gathered chunks in sequence order
+        self._masks: dict[tuple, torch.Tensor] = {}     # `causal_mask`'s, by shape, dtype, device
 
     def local_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """`x`'s tokens (dim 1, the whole sequence) this rank holds; other tensors as they are."""
@@ -71,13 +101,34 @@ class ContextParallel:
         c = self.seq // (2 * self.size)
         return torch.cat([x.narrow(1, i * c, c) for i in chunk_order(self.rank, self.size)], dim=1)
 
+    def key_prefixes(self, x: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, ...]:
+        """`x` all-gathered over the cp ranks (dim -2: every rank's tokens in rank order) in
+        sequence order, its first `lengths[j]` tokens for each j (`_KeyPrefixes`)."""
+        return _KeyPrefixes.apply(x, self.order, lengths)
+
+    def causal_mask(self, q_len: int, kv_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The additive (q_len, kv_len) causal mask aligned to the bottom right (query r sees
+        keys up to kv_len - q_len + r), made once per shape in a micro-batch's forward and
+        backward (`active`): the kernels that take it save it by reference, so the layers share
+        one."""
+        key = (q_len, kv_len, dtype, device)
+        if key not in self._masks:
+            keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
+            self._masks[key] = torch.zeros(q_len, kv_len, dtype=dtype, device=device).masked_fill_(
+                ~keep, float("-inf"))
+        return self._masks[key]
+
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         """A forward (and its backward's recomputation) on this rank's tokens: their positions
         for the model, and (the outermost installed module's forward entering it) the attention
         over the gathered keys and values."""
-        with positions_set(self.positions):
-            yield
+        self._masks = {}
+        try:
+            with positions_set(self.positions):
+                yield
+        finally:
+            self._masks = {}
 
     def install(self, root: nn.Module) -> None:
         """Every module of `root` runs its forward under the attention mode unless an enclosing
@@ -110,6 +161,44 @@ class ContextParallel:
         return forward
 
 
+class _KeyPrefixes(torch.autograd.Function):
+    """(x, order, lengths) -> for each length L, the first L tokens (dim -2) of `x`'s chunks
+    taken in `order` (x: every rank's tokens in rank order, `order`: `sequence_order`), views of
+    one sequence-ordered copy. Its backward writes the prefixes' gradients straight back in rank
+    order, chunk by chunk (the longest one's, the others' added where they overlap, zeros past
+    it): one full-length buffer, where narrow's backward would zero-fill one per prefix and the
+    reordering's another."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, order: list[int], lengths: list[int]) -> tuple[torch.Tensor, ...]:
+        c = x.shape[-2] // len(order)
+        ctx.shape, ctx.order, ctx.lengths = x.shape, order, lengths
+        ordered = torch.cat([x.narrow(-2, place * c, c) for place in order], dim=-2)
+        return tuple(ordered.narrow(-2, 0, length) for length in lengths)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], None, None]:
+        n = len(ctx.order)
+        c = ctx.shape[-2] // n
+        live = [(g, length) for g, length in zip(grads, ctx.lengths) if g is not None]
+        if not live:
+            return None, None, None
+        out = live[0][0].new_empty(ctx.shape)
+        for chunk, place in enumerate(ctx.order):
+            dst = out.narrow(-2, place * c, c)
+            parts = [g.narrow(-2, chunk * c, c) for g, length in live if length > chunk * c]
+            if not parts:
+                dst.zero_()
+            elif len(parts) == 1:
+                dst.copy_(parts[0])
+            else:
+                torch.add(parts[0], parts[1], out=dst)
+                for p in parts[2:]:
+                    dst.add_(p)
+        return out, None, None
+
+
 class _CPAttention(TorchFunctionMode):
     """`F.scaled_dot_product_attention` on a rank's queries against every rank's K and V."""
 
@@ -119,12 +208,13 @@ class _CPAttention(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
+        if func is not F.scaled_dot_product_attention or isinstance(kwargs.get("attn_mask"), CausalBias):
+            # a chunk's call over the gathered keys (`_causal_lower_right`) runs as it is
             return func(*args, **kwargs)
         return self.attention(*args, **kwargs)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
-                   dropout_p: float = 0.0, is_causal: bool = False, **kw: Any) -> torch.Tensor:
+                  dropout_p: float = 0.0, is_causal: bool = False, **kw: Any) -> torch.Tensor:
         if attn_mask is not None or dropout_p:
             raise PlanError("context parallelism runs attention without an explicit mask or dropout; this "
                             "model's has one: re-plan with cp=1")
@@ -143,13 +233,32 @@ class _CPAttention(TorchFunctionMode):
     def _local_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                          **kw: Any) -> torch.Tensor:
         cp = self.cp
-        k = all_gather_single_autograd(k.contiguous(), gather_dim=k.dim() - 2, group=cp.group)
-        v = all_gather_single_autograd(v.contiguous(), gather_dim=v.dim() - 2, group=cp.group)
-        mask = None
-        if is_causal:
-            mask = cp.positions.to(q.device)[:, None] >= cp.key_positions.to(q.device)[None, :]
-        # the aten op, which no mode takes for the fused call (this function may run under the
-        # cp mode: inside selective recomputation's region, `runtime.selective`)
+        if not is_causal:
+            # the aten op, which no mode takes for the fused call (this function may run under
+            # the cp mode: inside selective recomputation's region, `runtime.selective`)
+            return torch.ops.aten.scaled_dot_product_attention(q, self._gathered(k), self._gathered(v), **kw)
+        c = q.shape[-2] // 2
+        chunks = chunk_order(cp.rank, cp.size)
+        lengths = [(i + 1) * c for i in chunks]
+        # each gathered copy freed once its sequence-ordered one is made
+        ks, vs = (cp.key_prefixes(self._gathered(x), lengths) for x in (k, v))
+        outs = [self._causal_lower_right(q.narrow(-2, j * c, c), ks[j], vs[j], **kw) for j in range(len(chunks))]
+        # tokens outer, heads inner, as a fused kernel lays out its output
+        return torch.cat([o.transpose(-3, -2) for o in outs], dim=-3).transpose(-3, -2)
+
+    def _gathered(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` all-gathered along the sequence (dim -2) over the cp group, in rank order."""
+        return all_gather_single_autograd(x.contiguous(), gather_dim=x.dim() - 2, group=self.cp.group)
+
+    def _causal_lower_right(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
+        """Causal attention of the last q_len of kv_len tokens (the mask aligned to the bottom
+        right) without a mask tensor where the kernel allows (see the module docstring)."""
+        q_len, kv_len = q.shape[-2], k.shape[-2]
+        if q_len == kv_len:
+            return torch.ops.aten.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
+        if q.device.type != "cpu":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q_len, kv_len), **kw)
+        mask = self.cp.causal_mask(q_len, kv_len, q.dtype, q.device)
         return torch.ops.aten.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
 
 
