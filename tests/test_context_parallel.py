@@ -70,8 +70,9 @@ def test_a_cp_plan_round_trips_and_short_sequences_search_as_before(tmp_path):
     assert p.format_version == PLAN_FORMAT_VERSION == 11 and (p.dp, p.cp, p.tp) == (2, 2, 1)
     st = p.stages[0]
     assert st.mesh_axis_names == ("dp", "cp", "tp") and all(len(pl) == 3 for pl in st.placements.values())
-    # 2 layers x 2 micro-batches x (K, V); one gradient all-reduce over dp x cp
-    assert p.predicted.collectives == {"all_gather": 8, "reduce_scatter": 8, "all_reduce": 1}
+    # 2 layers x 2 micro-batches x (K, V); per micro-batch the loss's token count all-reduced
+    # over cp; one gradient all-reduce over dp x cp
+    assert p.predicted.collectives == {"all_gather": 8, "reduce_scatter": 8, "all_reduce": 2 + 1}
     assert Plan.from_json(p.to_json()) == p
     free = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32", constraints=Constraints(num_microbatches=2))
     one = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32", constraints=Constraints(num_microbatches=2, cp=1))

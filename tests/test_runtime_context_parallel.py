@@ -4,7 +4,10 @@ reduce-scattered), positions of the whole sequence; alone (cp4, with and without
 the attention module; under ZeRO-3, FSDP over the cp ranks), with dp (cp2 x dp2, full
 recomputation: the gather re-run) and with tp (cp2 x tp2, DTensor propagation, with selective
 recomputation: the region re-run is the cp attention, gather included), in one launch: losses
-equal one process within 1e-4, every step's counted collectives the plan's."""
+equal one process within 1e-4, every step's counted collectives the plan's. BERT's masked-LM
+loss averages over the masked tokens only, as many on each rank by chance: under cp4 and
+cp2 x tp2 (its loss vocabulary-parallel) its loss equals one process's too, each rank's count
+all-reduced over the cp group once per micro-batch (in the plan's collectives)."""
 
 import pytest
 
@@ -23,6 +26,11 @@ PINS = {
     "cp2xtp2_selective": dict(cp=2, dp=1, tp=2, recompute="selective"),
     "cp4_zero3": dict(cp=4, dp=1, tp=1, recompute="full", zero_stage=3),
 }
+BERT = "bert-tiny"
+BERT_PINS = {
+    "bert_cp4": dict(cp=4, dp=1, tp=1, recompute="none"),
+    "bert_cp2xtp2": dict(cp=2, dp=1, tp=2, recompute="full"),
+}
 
 
 def test_context_parallel_plans_run_as_predicted(tmp_path):
@@ -39,7 +47,14 @@ def test_context_parallel_plans_run_as_predicted(tmp_path):
         assert p.predicted.collectives["all_gather"] == 8 * again + fsdp.get("all_gather", 0), (name, p.predicted)
         assert p.predicted.collectives["reduce_scatter"] == 8 + fsdp.get("reduce_scatter", 0), (name, p.predicted)
         plans[name] = p
+    for name, pins in BERT_PINS.items():
+        p = plan(BERT, cl, global_batch_size=8, dtype="fp32", constraints=Constraints(pp=1, num_microbatches=2, **pins))
+        assert p.cp == pins["cp"] and "cp_executor" not in p.search, (name, p.search)
+        # the loss's token count, once per micro-batch, beside the gradient all-reduce
+        assert p.predicted.collectives["all_reduce"] >= 2 + 1, (name, p.predicted)
+        plans[name] = p
     rows = _run_in_one_job(tmp_path, plans, 4)
-    ref = [r["loss"] for r in run(_single(ref=REF), REF, steps=3, seed=0, quiet=True) if "step" in r]
+    refs = {m: [r["loss"] for r in run(_single(ref=m), m, steps=3, seed=0, quiet=True) if "step" in r]
+            for m in (REF, BERT)}
     for name, p in plans.items():
-        assert_ran_as_planned(name, rows[name], p, ref)
+        assert_ran_as_planned(name, rows[name], p, refs[BERT if name in BERT_PINS else REF])

@@ -32,6 +32,11 @@ and value gradients (S + S/2cp tokens each, where one call's were S) written bac
 into one full-length buffer before the reduce-scatter (one more full-length K or V gradient at
 the worst moment), and those copies' memory time.
 
+A loss that averages over tokens (cross-entropy / NLL, mean reduction, class-index targets, no
+class weights) is made the mean over the cp group's tokens by the runtime: one all-reduce of the
+rank's count of counted tokens over the cp axis per loss call and micro-batch (`collectives`;
+its latency in the layer's forward communication, `layer_cost`).
+
 Which sequences it applies to: models whose attention cores are torch's fused attention op
 (`scaled_dot_product_attention`, causal or without a mask), with the sequence dividing by
 2 cp (`blockers`).
@@ -155,14 +160,36 @@ def causal_bytes(graph: OpGraph, layer: Layer, mb: int, dtype: str) -> tuple[flo
     return kv, out
 
 
+# the captured losses the runtime averages over the cp group's tokens (`F.cross_entropy`,
+# `F.nll_loss` as torch.export records them): (self, target, weight, reduction, ignore_index, ...)
+_TOKEN_MEAN_LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d", "nll_loss_forward"})
+
+
+def token_mean_losses(graph: OpGraph, layer: Layer) -> int:
+    """The layer's losses that average over tokens (mean reduction, class-index targets, no
+    class weights): the runtime all-reduces each one's token count over the cp group."""
+    count = 0
+    for n in (graph.node(x) for x in layer.nodes):
+        if n.kind != "call" or n.op not in _TOKEN_MEAN_LOSSES or len(n.inputs) < 2:
+            continue
+        weight = n.args[2] if len(n.args) > 2 else n.kwargs.get("weight")
+        reduction = n.args[3] if len(n.args) > 3 else n.kwargs.get("reduction", 1)
+        target = graph.node(n.inputs[1]).outputs[0]
+        if weight is None and reduction == 1 and not target.dtype.startswith(("float", "bfloat")):
+            count += 1
+    return count
+
+
 def layer_cost(cost: LayerCost, cp: int, kv: float, tp: int, cluster: ClusterSpec,
-               causal: tuple[float, float] = (0.0, 0.0)) -> LayerCost:
+               causal: tuple[float, float] = (0.0, 0.0), losses: int = 0) -> LayerCost:
     """`cost` (one layer, one micro-batch, one tp degree, per device) on one of cp ranks: its
     token-proportional terms over cp, plus the attention's K/V exchange over the cp axis (ranks
     tp apart) and the gathered K/V it holds. `kv`: the layer's attention K and V bytes at the
     micro-batch, whole (`kv_bytes`), of which a rank holds 1/tp (the heads split); `causal`:
-    its causal attention ops' (`causal_bytes`), run as two calls (the module docstring). Its
-    counted collectives stay the tp axis's; the plan adds the exchange's (`collectives`)."""
+    its causal attention ops' (`causal_bytes`), run as two calls (the module docstring);
+    `losses`: its token-mean losses (`token_mean_losses`), each one all-reduce of a count over
+    the cp axis. Its counted collectives stay the tp axis's; the plan adds the exchange's and
+    the counts' (`collectives`)."""
     def scale(v):
         if isinstance(v, dict):
             return {k: scale(x) for k, x in v.items()}
@@ -172,11 +199,12 @@ def layer_cost(cost: LayerCost, cp: int, kv: float, tp: int, cluster: ClusterSpe
 
     out = replace(cost, **{f: scale(getattr(cost, f)) for f in _SCALED})
     if cost.solved is not None:
-        out.solved = layer_cost(cost.solved, cp, kv, tp, cluster, causal)
+        out.solved = layer_cost(cost.solved, cp, kv, tp, cluster, causal, losses)
+    link = axis_link(cluster, cp, stride=tp)
+    out.fwd_comm_s += losses * coll_time("all_reduce", 8.0, cp, link)
     if kv <= 0:
         return out
     dev = kv / tp
-    link = axis_link(cluster, cp, stride=tp)
     # K and V: one all-gather each in the forward (and a recomputation), one reduce-scatter of
     # their gradients each in the backward
     gather = 2 * coll_time("all_gather", dev / 2, cp, link)
@@ -218,14 +246,15 @@ def layer_cost(cost: LayerCost, cp: int, kv: float, tp: int, cluster: ClusterSpe
 
 
 def collectives(graph: OpGraph, layers: list[Layer], k: int, j: int, recompute: str) -> Counter:
-    """The cp exchange's collectives of layers [k, j) per micro-batch, as the runtime issues
-    them: per attention op, K and V all-gathered in the forward (again where `recompute`
-    re-runs the core) and their gradients reduce-scattered in the backward."""
+    """The cp collectives of layers [k, j) per micro-batch, as the runtime issues them: per
+    attention op, K and V all-gathered in the forward (again where `recompute` re-runs the
+    core) and their gradients reduce-scattered in the backward; per token-mean loss, its count
+    all-reduced (`token_mean_losses`)."""
     out: Counter = Counter()
     for lay in layers[k:j]:
         n = len(attention_nodes(graph, lay))
         gathers = 2 if recompute in _CORE_SAVED else 4
-        out.update({"all_gather": gathers * n, "reduce_scatter": 2 * n})
+        out.update({"all_gather": gathers * n, "reduce_scatter": 2 * n, "all_reduce": token_mean_losses(graph, lay)})
     return +out
 
 

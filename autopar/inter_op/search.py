@@ -1690,7 +1690,8 @@ class Search:
                 self._costs_cache[key] = [
                     context_parallel.layer_cost(c, cp, context_parallel.kv_bytes(self.graph, lay, mb, self.dtype),
                                                 tp, self.cluster,
-                                                context_parallel.causal_bytes(self.graph, lay, mb, self.dtype))
+                                                context_parallel.causal_bytes(self.graph, lay, mb, self.dtype),
+                                                context_parallel.token_mean_losses(self.graph, lay))
                     for c, lay in zip(self._layer_costs(mb, tp, solved, sp, ep), self.layers)]
             return self._costs_cache[key]
         if ep > 1:

@@ -19,9 +19,18 @@ the sequence is made. The two outputs are concatenated in the rank's order, laid
 fused kernel lays out its output (tokens outer, heads inner: the model's
 `out.transpose(1, 2).reshape(...)` stays a view of it). Under selective recomputation that
 function is the region the selective checkpoint re-runs, its gather included
-(`runtime.selective.fused_call_override`). The loss of a rank is its tokens' mean; parameters'
-gradients are averaged over dp x cp (the engine's sync group), so the step equals one process's
-on the whole batch.
+(`runtime.selective.fused_call_override`). Parameters' gradients are averaged over dp x cp (the
+engine's sync group). A loss that is a mean over tokens (`F.cross_entropy`, `F.nll_loss`: mean
+reduction, class-index targets, no class weights), which on a rank would be the mean over its
+own tokens that count (targets other than `ignore_index`, in number unequal across ranks where
+some are ignored: BERT's masked LM), is made the cp group's mean, as Megatron does: the rank's
+count of them is all-reduced over the cp group (one all-reduce of one number per loss call, i.e.
+per micro-batch: `inter_op.context_parallel.collectives` predicts it) and the rank's loss scaled
+by count x cp / total, so the cp group's average of the gradients and of the reported losses is
+one process's on those sequences (dp replicas, as without cp, average their own means). Another
+loss stays the rank's tokens' mean: equal to one
+process's only where every rank holds as many of the tokens it averages (a mean over every
+position, as a causal LM's without ignored targets).
 
 What runs the bottom-right causal mask (read in torch 2.13's `torch.nn.attention.bias`; the CPU
 path measured, the CUDA one not run here): on CUDA, `F.scaled_dot_product_attention` with a
@@ -44,6 +53,7 @@ the CUDA flash / efficient / cuDNN attention ops only, not the CPU kernel gloo r
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -199,8 +209,25 @@ class _KeyPrefixes(torch.autograd.Function):
         return out, None, None
 
 
+# the token-mean losses made the cp group's mean (`_CPAttention._group_mean`), with their signatures
+_TOKEN_MEAN_LOSSES = {f: inspect.signature(f) for f in (F.cross_entropy, F.nll_loss)}
+
+
+def _token_mean(a: dict) -> bool:
+    """Whether a loss call's bound arguments `a` average over the tokens whose target is not
+    `ignore_index` (mean reduction, class-index targets, no class weights)."""
+    reduction = a["reduction"]
+    if a.get("size_average") is not None or a.get("reduce") is not None:
+        from torch.nn import _reduction
+
+        reduction = _reduction.legacy_get_string(a.get("size_average"), a.get("reduce"))
+    t = a["target"]
+    return reduction == "mean" and a["weight"] is None and isinstance(t, torch.Tensor) and not t.is_floating_point()
+
+
 class _CPAttention(TorchFunctionMode):
-    """`F.scaled_dot_product_attention` on a rank's queries against every rank's K and V."""
+    """`F.scaled_dot_product_attention` on a rank's queries against every rank's K and V, and a
+    token-mean loss as the mean over the cp group's tokens (the module docstring)."""
 
     def __init__(self, cp: ContextParallel) -> None:
         super().__init__()
@@ -208,10 +235,33 @@ class _CPAttention(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        if func in _TOKEN_MEAN_LOSSES:
+            return self._group_mean(func, args, kwargs)
         if func is not F.scaled_dot_product_attention or isinstance(kwargs.get("attn_mask"), CausalBias):
             # a chunk's call over the gathered keys (`_causal_lower_right`) runs as it is
             return func(*args, **kwargs)
         return self.attention(*args, **kwargs)
+
+    def _group_mean(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """The loss `func(*args, **kwargs)`, a mean over this rank's counted tokens, scaled to
+        count x cp / (the cp group's count): one all-reduce of the count over the group."""
+        out = func(*args, **kwargs)
+        bound = _TOKEN_MEAN_LOSSES[func].bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        if not _token_mean(a):
+            return out
+        t = a["target"]
+        t = t.full_tensor() if isinstance(t, DTensor) else t
+        n = (t != a["ignore_index"]).sum().to(torch.float64)
+        total = n.clone()
+        if self.cp.size > 1 and dist.is_initialized():
+            dist.all_reduce(total, group=self.cp.group)
+        local = out.to_local() if isinstance(out, DTensor) else out
+        # a rank with no counted token has a NaN mean (0 / 0): it adds nothing
+        local = torch.where(n > 0, local * (n * self.cp.size / total).to(local.dtype), torch.zeros_like(local))
+        return DTensor.from_local(local, out.device_mesh, out.placements, run_check=False) \
+            if isinstance(out, DTensor) else local
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
                   dropout_p: float = 0.0, is_causal: bool = False, **kw: Any) -> torch.Tensor:
