@@ -6,7 +6,9 @@ on fake tensors and a fake process group, and what it finds (issue 15).
 
 Cases: GPT-3 175B on 128 DGX A100 nodes (`autopar plan --model gpt3-175b --cluster dgx-a100-80g
 --nodes 128 -b 1536`) and Llama 2 70B on 8 DGX H100 nodes (`--model llama2-70b --cluster
-dgx-h100 --nodes 8 -b 1024`), each planned freely (the capture cache as the CLI uses it), then
+dgx-h100 --nodes 8 -b 1024`); and, for `--only search-table --rank 0`, the search-time table's
+Llama 3 405B on 2048 DGX H100 nodes and GPT 1T on 384 DGX A100 nodes. Each is planned freely
+(the capture cache as the CLI uses it), then
 `autopar.runtime.verify.verify` with `--jobs` worker processes (default 2). Printed per case: the
 plan's world size and rank kinds, the time to plan and to verify, per kind the tracked peak
 against the plan's predicted peak for its stage, (predicted - tracked) / tracked, and whether
@@ -30,6 +32,13 @@ sys.path.insert(0, str(ROOT))
 CASES = [
     {"name": "gpt3-175b", "model": "gpt3-175b", "cluster": "dgx-a100-80g", "nodes": 128, "gbs": 1536},
     {"name": "llama2-70b", "model": "llama2-70b", "cluster": "dgx-h100", "nodes": 8, "gbs": 1024},
+    # the search-time table's two other free plans (`benchmarks/search_time.py`'s models), run only
+    # when `--only` names them, meant with `--rank 0` (their first device set): all their kinds are 8
+    # and 32, hours of CPU on 2 cores
+    {"name": "search-table-405b", "model": "benchmarks.search_time:llama3_405b", "cluster": "dgx-h100",
+     "nodes": 2048, "gbs": 2048, "opt_in": True},
+    {"name": "search-table-1t", "model": "benchmarks.search_time:gpt_1t", "cluster": "dgx-a100-80g",
+     "nodes": 384, "gbs": 3072, "opt_in": True},
 ]
 
 
@@ -116,7 +125,7 @@ def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = []
     for case in CASES:
-        if a.only in case["name"]:
+        if a.only in case["name"] and (a.only or not case.get("opt_in")):
             res = run_case(case, a.jobs, a.top, a.all_microbatches, a.rank)
             out.append(res)
             if not a.json:
