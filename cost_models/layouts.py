@@ -200,3 +200,10 @@ def graph_layout_copies(graph, device_type: Optional[str] = None,
         nodes = list(graph.nodes)
         memo[key] = layout_copies(nodes, {n.name: n for n in nodes}, device_type, attention_kernel)
     return memo[key]
+
+
+def share_layout_walk(sub, graph) -> None:
+    """Make `sub` (a part of `graph`'s ops, with what it reads from outside as inputs) answer
+    `graph_layout_copies` with `graph`'s walk: its ops are laid out as in `graph`, what it reads
+    from outside as `graph` lays it (not taken contiguous), and one walk serves both."""
+    sub.__dict__["_layout_copies"] = graph.__dict__.setdefault("_layout_copies", {})

@@ -34,7 +34,7 @@ from autopar.schema.placement import is_shard
 from autopar.schema.software import SoftwareSpec, resolve_software
 from cost_models.communication import collective_time
 from cost_models.compute import DTYPE_SIZE, op_list_time
-from cost_models.layouts import graph_layout_copies
+from cost_models.layouts import graph_layout_copies, share_layout_walk
 from cost_models.memory import activation_memory, requires_grad
 
 LOSS_OPS = frozenset({"cross_entropy_loss", "nll_loss", "log_softmax", "_log_softmax"})
@@ -377,9 +377,7 @@ class AnalyticProvider:
                     ext.append(replace(src, kind=kind, layer=None, inputs=[]))
         body = [replace(n, layer=layer.name if n.name in layer.block_nodes else None) for n in nodes]
         sub = OpGraph(g.name, ext + body, g.params, batch_size=g.batch_size or 1)
-        # its ops' layouts are `g`'s (`cost_models.layouts.graph_layout_copies`; what it reads
-        # from outside is laid out as `g` lays it, not taken contiguous): one walk for both
-        sub.__dict__["_layout_copies"] = g.__dict__.setdefault("_layout_copies", {})
+        share_layout_walk(sub, g)      # its ops' layouts are `g`'s
         return sub
 
     def _analyze(self, layer: Layer, mb: int, tp: int) -> LayerCost:
