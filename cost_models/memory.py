@@ -552,6 +552,8 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     cuda_fp32 = CUDA_FP32_OPS if device_type == "cuda" and mixed else frozenset()
 
     upcasts = _upcasts(calls, base, LOSSES | cuda_fp32) if mixed else frozenset()
+    if mixed:
+        upcasts = _promoted_fp32(calls, by_name, base, upcasts, cuda_fp32)
 
     def runs_fp32(key: str) -> bool:
         # a tensor the mixed-precision run holds in fp32: made by an op autocast runs in fp32 (not
@@ -641,9 +643,10 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 elif device_type == "cpu" and mixed and n.op in CPU_FP32_INPUT and _floating(by_name[key]):
                     at, key = "fp32", key + ":fp32"     # the op's own fp32 copy of its input
                 elif n.op in cuda_fp32 and _floating(by_name[key]):
-                    # autocast's fp32 copy of the input (or the op's own fp32 output)
+                    # autocast's fp32 copy of the input (or the op's own fp32 output; an input
+                    # already fp32 by type promotion is not copied)
                     at = "fp32"
-                    if key != n.name:
+                    if key != n.name and key not in upcasts:
                         key = key + ":fp32"
                 elif mixed and n.op in MATRIX_OPS and runs_fp32(key):
                     # autocast casts an fp32 activation to the 2-byte dtype for each matmul that
@@ -954,9 +957,14 @@ def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: 
         elif _pass_through_sum(n, by_name):
             extra = sum(alias(i, n.name) for i in ins)
         else:
+            # an op computing in fp32 by type promotion (`_promoted_fp32`) makes a 2-byte input's
+            # gradient in fp32 first; autograd casts it to the input's dtype, both alive at once
+            wide = dtype != "fp32" and base.get(n.name, n.name) in upcasts
             for i in ins:
                 nb = gsize(i)
                 extra += nb
+                if wide and base.get(i, i) not in upcasts:
+                    extra += nb / bytes_scale("float32", dtype)
                 if i not in owner:
                     born.append((i, nb))
             extra += new_grads(n)
@@ -1003,6 +1011,41 @@ def _upcasts(calls: list, base: dict, fp32_readers: frozenset) -> frozenset:
                 readers.setdefault(b, set()).add(n.op)
     out = {c for c, ops in readers.items() if ops <= fp32_readers}
     return frozenset(out | _upcast_regions(calls, base, casts))
+
+
+def _promoted_fp32(calls: list, by_name: dict, base: dict, fp32: frozenset, fp32_ops: frozenset) -> frozenset:
+    """`fp32` (tensors a mixed-precision run holds in fp32) with what type promotion makes fp32
+    from them: an op outside autocast's lists computes in its inputs' promoted dtype, so an
+    element-wise op reading an fp32 tensor with dimensions (a 0-dim one does not promote a
+    dimensioned operand) gives fp32, as does every op of `fp32_ops` (autocast's fp32 list, the
+    losses apart: their scalar). Hugging Face GPT-2's `gelu_new` is the case: under CUDA's
+    autocast `pow` runs in fp32, so `x + 0.044715 * pow(x, 3)`, its tanh and the products after
+    it are fp32 tensors up to the next matmul (its 2-byte copy for autocast), twice the bytes
+    the training dtype gives (seen through saved-tensor hooks on `runtime.cuda_program`).
+    Matrix ops and attention (autocast's lower-precision list), casts (a capture is fp32, so a
+    cast not in `fp32` is the cast back to the training dtype) and losses end it; parameters,
+    buffers and the model's inputs start none."""
+    out = set(fp32)
+    stop = MATRIX_OPS | FUSED_ATTENTION | CASTS | LOSSES
+
+    def fp32_operand(i: str) -> bool:
+        src = by_name.get(i)
+        return (src is not None and base.get(i, i) in out and _floating(src) and bool(src.outputs)
+                and len(src.outputs[0].shape) > 0)
+
+    for n in calls:
+        if n.name in out or not _floating(n):
+            continue
+        if is_view(n):
+            # a reshape that copies keeps its input's dtype; a view shares its base's storage
+            if base.get(n.name, n.name) == n.name and n.inputs and base.get(n.inputs[0], n.inputs[0]) in out:
+                out.add(n.name)
+            continue
+        if n.op in fp32_ops and n.op not in LOSSES:
+            out.add(n.name)
+        elif n.op not in stop and any(fp32_operand(i) for i in n.inputs):
+            out.add(n.name)
+    return frozenset(out)
 
 
 # the most ops an upcast region may span (`_upcast_regions`): a norm's or a rotary table's

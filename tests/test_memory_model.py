@@ -323,6 +323,51 @@ def test_saved_activations_of_hugging_face_classes_match_torch(ref):
     assert abs(pred - held) <= 0.02 * held, (pred, held)
 
 
+@pytest.mark.parametrize("ref", [
+    "hf:gpt2?hidden_size=64&num_hidden_layers=2&num_attention_heads=4&seq_len=16&vocab_size=128",
+    "hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2&num_hidden_layers=2"
+    "&num_attention_heads=4&seq_len=16&vocab_size=128",
+])
+def test_hugging_face_classes_as_cuda_runs_them(ref):
+    """HF GPT-2 (default dropout, `gelu_new`) and Llama (RMSNorm computed in fp32) under mixed
+    precision on CUDA, against what torch saves running CUDA's program on CPU
+    (`runtime.cuda_program`: autocast's fp32 list, fused dropout and attention-with-dropout
+    kernels): within 2%. `gelu_new`'s `pow` runs in fp32, so type promotion keeps the tanh and
+    the products after it in fp32 up to the next matmul (`memory._promoted_fp32`; GPT-2 was
+    -18%), dropout saves a bool mask, attention with dropout no probabilities (verify of a GPU
+    plan of GPT-2 was -33%); an op of autocast's fp32 list reading a tensor already fp32 (the
+    RMSNorm's `pow` of its upcast) makes no copy of it (Llama was +22%)."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from autopar.capture.export import capture
+    from autopar.models.registry import build_model
+    from autopar.runtime.cuda_program import cuda_program
+    from cost_models.memory import activation_memory
+
+    mb = 4
+    meta = build_model(ref, device="meta")
+    ex = [torch.empty((mb,) + tuple(t.shape[1:]), dtype=t.dtype, device="meta") for t in meta.example_inputs]
+    g = capture(meta.model, ex, loss_fn=getattr(meta, "loss_fn", None)).at_batch(mb)
+    pred = activation_memory(g, "bf16", device_type="cuda", count_inputs=False).saved_bytes
+    real = build_model(ref, device="cpu")
+    real.model.to(torch.bfloat16).train()
+    inputs = real.batch_fn(0, mb)
+    held = {t.untyped_storage().data_ptr() for t in [*real.model.parameters(), *real.model.buffers(), *inputs]}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in held:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with cuda_program(), torch.autocast("cpu", dtype=torch.bfloat16), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        real.model(*inputs)
+    assert pred == pytest.approx(sum(saved.values()), rel=0.02)
+
+
 def test_runtime_phases_take_arrays():
     pel = np.array([[1e6, 2e6], [3e6, 4e6]])
     for z, d in itertools.product(range(4), (1, 4)):

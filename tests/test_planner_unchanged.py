@@ -62,6 +62,14 @@ per layer (forward and backward); with v=4 that is 0.4719 -> 0.4744 s, and with 
 `balanced_chunks` now cuts the layers otherwise (0.4656 -> 0.4807 s), so the search takes v=4
 (88 -> 56 sends, peak 23.57 -> 23.98 GB). gpt-small, HF GPT-2 and HF Llama are unchanged (no
 reshape of theirs copies; HF's `.contiguous()` after attention copies under unfused attention).
+Session 21: the memory model follows type promotion under CUDA's autocast (`cost_models.memory.
+_promoted_fp32`: an element-wise op reading an fp32 tensor gives fp32) and an op of autocast's
+fp32 list reading a tensor already fp32 makes no copy of it: HF GPT-2's peak 1.85 -> 2.17 MB
+(`gelu_new`'s `pow` runs in fp32, so its tanh and products are fp32 tensors), HF Llama's 1.72 ->
+1.51 MB (its RMSNorm's `pow` of the fp32 upcast was counted with a second fp32 copy); both
+checked against what torch saves running CUDA's program (test_memory_model,
+`test_hugging_face_classes_as_cuda_runs_them`: were -18% and +22%, now within 0.4%). Same
+layouts, times and collectives.
 """
 
 import hashlib
@@ -93,11 +101,11 @@ EXPECTED = {
     "gpt-small": {"digest": "486ccbf69c7d8e7e", "layout": (2, 1, 1, 4, 1, "1f1b", 1, 0),
         "iteration_time_s": 0.015095763545627434, "peak_memory_bytes": 20557824.0,
         "collectives": {"all_reduce": 1}},
-    "hf-gpt2": {"digest": "418069dd40863a86", "layout": (4, 1, 2, 4, 1, "1f1b", 1, 1),
-        "iteration_time_s": 0.001421475186373758, "peak_memory_bytes": 1848640.0,
+    "hf-gpt2": {"digest": "41a5afc229d1a6f8", "layout": (4, 1, 2, 4, 1, "1f1b", 1, 1),
+        "iteration_time_s": 0.001421475186373758, "peak_memory_bytes": 2171584.0,
         "collectives": {"reduce_scatter": 2, "all_gather": 2, "send_recv": 2, "all_reduce": 1}},
-    "hf-llama": {"digest": "a6c4957cb4031b9c", "layout": (4, 2, 1, 4, 1, "1f1b", 1, 1),
-        "iteration_time_s": 0.00253227419947838, "peak_memory_bytes": 1724224.0,
+    "hf-llama": {"digest": "2f3cabfff9b4c6eb", "layout": (4, 2, 1, 4, 1, "1f1b", 1, 1),
+        "iteration_time_s": 0.00253227419947838, "peak_memory_bytes": 1511232.0,
         "collectives": {"all_reduce": 25, "all_gather": 2, "reduce_scatter": 1}},
 }
 
