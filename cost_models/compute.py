@@ -358,7 +358,7 @@ def attention_time(q_shape: tuple, k_shape: tuple, v_shape: tuple, device: Devic
     if kernel == "fused":
         nbytes = esz * bh * (sq * d + sk * d + sk * dv + sq * dv)
         flops = qk_flops + pv_flops
-        rates = attention_rates(device, flops / max(bh, 1e-9), dtype)
+        rates = attention_rates(device, flops / max(bh, 1e-9), dtype, head_dim=d)
         if rates is not None:
             bf = backward_factor("scaled_dot_product_attention")
             return (_roofline(flops, rates[0], nbytes, device),
@@ -380,14 +380,22 @@ def attention_time(q_shape: tuple, k_shape: tuple, v_shape: tuple, device: Devic
     return fwd, bwd
 
 
-def attention_rates(device: DeviceSpec, flops_per_head: float, dtype: str) -> Optional[tuple[float, float]]:
+def attention_rates(device: DeviceSpec, flops_per_head: float, dtype: str,
+                    head_dim: Optional[int] = None) -> Optional[tuple[float, float]]:
     """(forward, backward) FLOP/s of the fused attention kernel for slices of `flops_per_head`
     forward FLOPs, from the profile's measured `attention_flops` for `dtype` (bf16<->fp16 and
     tf32->fp32 fall back to each other): linear in log(FLOPs) between measured sizes, constant
-    beyond them. None when the profile measured none (then the GEMM curve stands in)."""
+    beyond them. Where the table was measured at several head dimensions, the points of the one
+    nearest `head_dim` (in log; None: every point) are read. None when the profile measured none
+    (then the GEMM curve stands in)."""
     table = device.attention_flops or {}
     for d in _dtype_fallbacks(dtype):
-        pts = sorted((p.flops_per_head, p.forward_flops, p.backward_flops) for p in table.get(d) or [])
+        pts = table.get(d) or []
+        dims = {p.head_dim for p in pts if p.head_dim is not None}
+        if head_dim is not None and len(dims) > 1:
+            near = min(dims, key=lambda x: (abs(math.log(x / head_dim)), x))
+            pts = [p for p in pts if p.head_dim in (near, None)]
+        pts = sorted((p.flops_per_head, p.forward_flops, p.backward_flops) for p in pts)
         if pts:
             return _log_interp(pts, flops_per_head)
     return None
