@@ -8,6 +8,7 @@
     python benchmarks/cost_model_accuracy.py --table1     # every row of Megatron's Table 1 (generalisation)
     python benchmarks/cost_model_accuracy.py --local      # plan + run a small GPT on this machine
     python benchmarks/cost_model_accuracy.py --h100 --lift-memory --parts   # the published H100 runs
+    python benchmarks/cost_model_accuracy.py --flash --lift-memory --parts  # A100 runs with flash attention
     python benchmarks/cost_model_accuracy.py --planner --gemm-scale 0.95    # sensitivity to the GEMM curve
     python benchmarks/cost_model_accuracy.py --planner --parts --per-layer  # the prediction per layer
     python benchmarks/cost_model_accuracy.py --planner --parts --per-layer --variant recompute=none
@@ -41,6 +42,10 @@ Section 3 ("h100", `H100_CASES`): published DGX H100 runs of GPT-3 175B in BF16 
 Cloud Benchmarking recipe, NeMo 24.05 / Megatron-Core) with their full layout, planned with the
 `nemo-megatron-core-2024` software on the bundled dgx-h100 profile; all held out (none was looked
 at while any constant was set).
+Section 4 ("flash", `FLASH_CASES`): published A100 runs with a fused (flash) attention kernel, the
+flash-attn repository's GPT training on 8 A100 80GB (FlashAttention-2 paper Table 1; its
+training/README.md's GPT-3 and GPT-2 speeds with FlashAttention-1), planned with the
+`flash-attn-2-2023` / `flash-attn-1-2022` software; the cases marked `held_out` are reported apart.
 Micro-batch sizes the paper does not state (1.7B, 39.1B) are assumptions, printed in the table.
 Nothing here is fitted to these cases: the only inputs are the bundled dgx-a100-80g profile and
 the models' shapes.
