@@ -161,6 +161,7 @@ def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Optional[Sequen
     bundle = resolve_model(model, example_inputs, name)
     spec = resolve_cluster(cluster)
     sw = software_for_cluster(software, spec)
+    spec = sw.on_cluster(spec)     # the software's own attention kernel rates on this device, if any
     if graph is None:
         graph = capture(bundle.model, bundle.example_inputs, loss_fn=loss_fn, name=bundle.name, cache=cache)
     t1 = time.perf_counter()

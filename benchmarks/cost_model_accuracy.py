@@ -8,6 +8,7 @@
     python benchmarks/cost_model_accuracy.py --table1     # every row of Megatron's Table 1 (generalisation)
     python benchmarks/cost_model_accuracy.py --local      # plan + run a small GPT on this machine
     python benchmarks/cost_model_accuracy.py --h100 --lift-memory --parts   # the published H100 runs
+    python benchmarks/cost_model_accuracy.py --flash --lift-memory --parts  # A100 runs with flash attention
     python benchmarks/cost_model_accuracy.py --planner --gemm-scale 0.95    # sensitivity to the GEMM curve
     python benchmarks/cost_model_accuracy.py --planner --parts --per-layer  # the prediction per layer
     python benchmarks/cost_model_accuracy.py --planner --parts --per-layer --variant recompute=none
@@ -41,6 +42,10 @@ Section 3 ("h100", `H100_CASES`): published DGX H100 runs of GPT-3 175B in BF16 
 Cloud Benchmarking recipe, NeMo 24.05 / Megatron-Core) with their full layout, planned with the
 `nemo-megatron-core-2024` software on the bundled dgx-h100 profile; all held out (none was looked
 at while any constant was set).
+Section 4 ("flash", `FLASH_CASES`): published A100 runs with a fused (flash) attention kernel, the
+flash-attn repository's GPT training on 8 A100 80GB (FlashAttention-2 paper Table 1; its
+training/README.md's GPT-3 and GPT-2 speeds with FlashAttention-1), planned with the
+`flash-attn-2-2023` / `flash-attn-1-2022` software; the cases marked `held_out` are reported apart.
 Micro-batch sizes the paper does not state (1.7B, 39.1B) are assumptions, printed in the table.
 Nothing here is fitted to these cases: the only inputs are the bundled dgx-a100-80g profile and
 the models' shapes.
@@ -98,6 +103,11 @@ class Case:
     seq: int = S
     vocab: int = V
     source: str = ""                     # where the published figure is (document, table, row)
+    flop_factor: int = 96                # the FLOP count the published TFLOP/s used: Megatron's 96-factor
+    #                                      (full recomputation) or 72-factor (model FLOPs, no recomputation)
+    published_tokens_per_s: Optional[float] = None   # a throughput published in tokens/s (whole job)
+    dtype: str = "bf16"
+    held_out: bool = False               # never looked at while the model was changed (reported apart)
 
     @property
     def dp(self) -> int:
@@ -108,13 +118,17 @@ class Case:
         return self.batch // (self.dp * self.microbatch)
 
     def flops(self) -> float:
-        """Megatron's count of one iteration with full recomputation (96-factor formula)."""
-        h, l, b, s = self.hidden, self.layers, self.batch, self.seq
-        return 96 * b * s * l * h * h * (1 + s / (6 * h) + self.vocab / (16 * l * h))
+        """Megatron's count of one iteration (Narayanan et al. 2021, Section 5.1): with full
+        recomputation the 96-factor formula; `flop_factor` 72, the model FLOPs without it
+        (3/4 of that: the flash-attn papers' count, 6 * s * params + 12 * l * h * s^2 a sequence)."""
+        h, l, b, s, k = self.hidden, self.layers, self.batch, self.seq, self.flop_factor
+        return k * b * s * l * h * h * (1 + s / (6 * h) + self.vocab / (k / 6 * l * h))
 
     def published_time(self) -> float:
         if self.published_s is not None:
             return self.published_s
+        if self.published_tokens_per_s is not None:
+            return self.batch * self.seq / self.published_tokens_per_s
         return self.flops() / (self.gpus * self.published_tflops * 1e12)
 
 
@@ -157,6 +171,58 @@ H100_CASES = [Case(f"175B NeMo {n}", 96, 12288, 96, 4, 8, n, 2 * n, 1, v=12, pub
                    software="nemo-megatron-core-2024", recompute="none", sequence_parallel=True,
                    hardware="dgx-h100", zero_stage=1, vocab=50688, source=_H100_SRC.format(n))
               for n, step in [(128, 8.309), (256, 8.408), (512, 8.42), (1024, 8.453), (2048, 8.49)]]
+
+
+# Published A100 runs with a fused (flash) attention kernel: the flash-attn repository's GPT training
+# (github.com/Dao-AILab/flash-attention, training/), one DGX-class node of 8 A100 80GB SXM4 (400 W,
+# NVLink), data parallelism only, no activation checkpointing, dropout 0.1 (GPT2Config's defaults),
+# vocabulary 50257 padded to 50264 (pad_vocab_size_multiple: 8), learned positions, tied head.
+# Micro-batch and global batch: the repo's config for that model on an 80 GB GPU (datamodule.batch_size
+# for train.gpu_mem >= 80, train.global_batch_size), assumed to be what the published runs used (the
+# papers state neither); ZeRO-1 where the config takes torch's ZeroRedundancyOptimizer (gpt3l/gpt3xl/
+# 2.7B, gpt2l/gpt2xl). Published TFLOP/s count Megatron's model FLOPs (72-factor; the FA2 paper's
+# 6 * s * params + 12 * l * h * s^2 a sequence, causal attention not halved).
+_FA2_SRC = "Dao 2023 (arXiv 2307.08691), Table 1, row '{}', column FLASHATTENTION-2"
+_FA_FLASH = dict(t=1, p=1, gpus=8, recompute="none", vocab=50264, flop_factor=72)
+FLASH_CASES = [
+    # FlashAttention-2 (software flash-attn-2-2023): the paper's end-to-end runs, configs pile/gpt3xl-flash
+    # (1.3B: 16 heads of 128) and pile/gpt3-2.7B-flash-hdim128 (2k: 20 heads of 128, as training/README.md
+    # sets the 2.7B model) or pile/gpt3-2.7B-flash-8k (8k: 32 heads of 80), and their -8k variants
+    Case("FA2 1.3B 2k", 16, 2048, 24, batch=512, microbatch=8, seq=2048, published_tflops=196, zero_stage=1,
+         software="flash-attn-2-2023", source=_FA2_SRC.format("GPT3-1.3B 2k context"),
+         assumed="mb=8, gbs=512 from pile/gpt3xl-flash.yaml", **_FA_FLASH),
+    Case("FA2 1.3B 8k", 16, 2048, 24, batch=128, microbatch=4, seq=8192, published_tflops=220, zero_stage=1,
+         software="flash-attn-2-2023", source=_FA2_SRC.format("GPT3-1.3B 8k context"), held_out=True,
+         assumed="mb=4, gbs=128 from pile/gpt3xl-flash-8k.yaml", **_FA_FLASH),
+    Case("FA2 2.7B 2k", 20, 2560, 32, batch=512, microbatch=4, seq=2048, published_tflops=205, zero_stage=1,
+         software="flash-attn-2-2023", source=_FA2_SRC.format("GPT3-2.7B 2k context"),
+         assumed="20 heads (hdim 128), mb=4, gbs=512 from pile/gpt3-2.7B-flash-hdim128.yaml", **_FA_FLASH),
+    Case("FA2 2.7B 8k", 32, 2560, 32, batch=128, microbatch=4, seq=8192, published_tflops=225, zero_stage=1,
+         software="flash-attn-2-2023", source=_FA2_SRC.format("GPT3-2.7B 8k context"), held_out=True,
+         assumed="32 heads (hdim 80), mb=4, gbs=128 from pile/gpt3-2.7B-flash-8k.yaml", **_FA_FLASH),
+] + [
+    # FlashAttention-1 (software flash-attn-1-2022), GPT-3 shapes at 2k on The Pile: training/README.md,
+    # "Training speed", the table's "Through put (tokens/sec)" on 8 x A100 80GB (bf16)
+    Case(f"FA1 GPT3-{name}", a, h, l, batch=gbs, microbatch=mb, seq=2048, published_tokens_per_s=tps * 1e3,
+         zero_stage=z, software="flash-attn-1-2022", held_out=True,
+         source=f"Dao-AILab/flash-attention training/README.md, Training speed table, row GPT3-{name}",
+         assumed=f"mb={mb}, gbs={gbs} from pile/{cfg}.yaml", **_FA_FLASH)
+    for name, a, h, l, gbs, mb, z, tps, cfg in [
+        ("125M", 12, 768, 12, 256, 32, 0, 1310, "gpt3s-flash"), ("355M", 16, 1024, 24, 256, 32, 0, 503, "gpt3m-flash"),
+        ("760M", 16, 1536, 24, 256, 16, 1, 245, "gpt3l-flash"), ("1.3B", 16, 2048, 24, 512, 8, 1, 169, "gpt3xl-flash"),
+        ("2.7B", 20, 2560, 32, 512, 4, 1, 85, "gpt3-2.7B-flash-hdim128")]
+] + [
+    # FlashAttention-1, GPT-2 shapes at 1k on OpenWebText in fp16 (owt/base.yaml: precision 16): the
+    # "FlashAttention" bars of training/README.md's GPT2 figure (assets/gpt2_training_efficiency.jpg,
+    # TFLOP/s per A100 by the 72-factor count; GPT2-125M's label is hidden by the legend, left out)
+    Case(f"FA1 GPT2-{name}", a, h, l, batch=512, microbatch=mb, seq=1024, published_tflops=tf, zero_stage=z,
+         software="flash-attn-1-2022", dtype="fp16", held_out=True,
+         source=f"Dao-AILab/flash-attention training/README.md, GPT2 figure, GPT2-{name} FlashAttention bar",
+         assumed=f"mb={mb}, gbs=512 from owt/{cfg}.yaml", **_FA_FLASH)
+    for name, a, h, l, mb, z, tf, cfg in [
+        ("355M", 16, 1024, 24, 64, 0, 159, "gpt2m-flash"), ("760M", 20, 1280, 36, 32, 1, 170, "gpt2l-flash"),
+        ("1.6B", 25, 1600, 48, 16, 1, 164, "gpt2xl-flash")]
+]
 
 
 class MegatronBlock(nn.Module):
@@ -275,7 +341,7 @@ def plan_case(case: Case, cluster: ClusterSpec, intra_op: str = "auto", software
     x = torch.zeros(1, case.seq, dtype=torch.long, device="meta")
     from autopar.planner import plan as make_plan
 
-    plan = make_plan(model, cluster, (x, x), global_batch_size=case.batch, dtype="bf16", intra_op=intra_op,
+    plan = make_plan(model, cluster, (x, x), global_batch_size=case.batch, dtype=case.dtype, intra_op=intra_op,
                      software=software or case.software,
                      constraints=autopar.Constraints(
                          dp=case.dp, tp=case.t, pp=case.p, microbatch_size=case.microbatch,
@@ -389,6 +455,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="steps per --local run (best step after the first; the median of the last half beside it)")
     ap.add_argument("--h100", action="store_true",
                     help="only the published H100 runs (NeMo / Megatron-Core, GPT-3 175B BF16) through autopar.plan")
+    ap.add_argument("--flash", action="store_true",
+                    help="only the published A100 runs with a fused (flash) attention kernel (flash-attn's GPT "
+                         "training, FlashAttention-1 and -2) through autopar.plan; held-out cases reported apart")
     ap.add_argument("--lift-memory", action="store_true",
                     help="where no plan fits in memory, say how much it needs and predict the time with the "
                          "memory bound lifted (autopar's memory model is its own runtime's, not the published "
@@ -409,7 +478,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="multiply every GEMM efficiency of the hardware profiles by X (capped at 1): how "
                          "sensitive the predictions are to the curve's level")
     args = ap.parse_args(argv)
-    both = not (args.analytic or args.planner or args.local or args.table1 or args.h100)
+    both = not (args.analytic or args.planner or args.local or args.table1 or args.h100 or args.flash)
     header = ["case", "GPUs", "t", "p", "v", "mb", "m", "published s", "predicted s", "error", "note"]
 
     sections = []
@@ -427,6 +496,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         for sw in args.software or [None]:
             sections.append((f"published H100 runs (all held out), {f'software {sw}' if sw else own}",
                              H100_CASES, sw))
+    if both or args.flash:
+        for sw in args.software or [None]:
+            what = f"software {sw}" if sw else own
+            sections.append((f"published A100 runs with flash attention, looked at while the model was changed, "
+                             f"{what}", [c for c in FLASH_CASES if not c.held_out], sw))
+            sections.append((f"published A100 runs with flash attention, held out, {what}",
+                             [c for c in FLASH_CASES if c.held_out], sw))
     for title, cases, sw in sections:
         rows, errs, misses, lifted = [], [], 0, []
         if args.variant:

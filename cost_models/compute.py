@@ -337,13 +337,15 @@ def attention_core(nodes: Iterable) -> set[str]:
 
 def attention_time(q_shape: tuple, k_shape: tuple, v_shape: tuple, device: DeviceSpec, dtype: str = "bf16",
                    shard: float = 1.0, dropout_p: float = 0.0,
-                   kernel: AttentionKernel = "fused") -> tuple[float, float]:
+                   kernel: AttentionKernel = "fused", causal: bool = True) -> tuple[float, float]:
     """(forward, backward) seconds of one scaled-dot-product attention with the given q/k/v shapes
     (batch and head dims first), its batch*heads divided by `shard`, run by the software's
     attention `kernel` (`SoftwareSpec.attention_kernel`).
 
-    `kernel == "fused"` (FlashAttention): one matrix op of the QK^T and PV FLOPs at
-    the GEMM curve, backward 2.5x (it recomputes the scores). "unfused" (Megatron-LM 2021, PyTorch's
+    `kernel == "fused"` (FlashAttention): one matrix op of the QK^T and PV FLOPs at the device's
+    measured attention rates (causal kernels, `DeviceSpec.attention_flops`; a non-causal one
+    does twice the work, `NONCAUSAL_WORK`) or else the GEMM curve, backward 2.5x (it recomputes
+    the scores). "unfused" (Megatron-LM 2021, PyTorch's
     math path): QK^T and PV as batched GEMMs (roofline on their bytes: with a head dim of 64-128 they
     are close to memory-bound), a softmax (with scale and mask fused) that reads and writes the
     b*a*s*s scores, and a dropout on the probabilities when `dropout_p > 0`; backward: 2x the GEMMs,
@@ -358,7 +360,12 @@ def attention_time(q_shape: tuple, k_shape: tuple, v_shape: tuple, device: Devic
     if kernel == "fused":
         nbytes = esz * bh * (sq * d + sk * d + sk * dv + sq * dv)
         flops = qk_flops + pv_flops
-        rates = attention_rates(device, flops / max(bh, 1e-9), dtype)
+        rates = attention_rates(device, flops / max(bh, 1e-9), dtype, head_dim=d)
+        if rates is not None and not causal:
+            # the tables are causal kernels' rates on whole (undiscounted) FLOPs: a causal kernel
+            # skips the score tiles above the diagonal, about half; a full square does them all
+            # (ESTIMATE: half the causal rate, i.e. the kernel's own rate on the work it does)
+            rates = (rates[0] / NONCAUSAL_WORK, rates[1] / NONCAUSAL_WORK)
         if rates is not None:
             bf = backward_factor("scaled_dot_product_attention")
             return (_roofline(flops, rates[0], nbytes, device),
@@ -380,14 +387,28 @@ def attention_time(q_shape: tuple, k_shape: tuple, v_shape: tuple, device: Devic
     return fwd, bwd
 
 
-def attention_rates(device: DeviceSpec, flops_per_head: float, dtype: str) -> Optional[tuple[float, float]]:
+# how much more work a non-causal attention's kernel does than a causal one's on the same shapes
+# (the causal one skips the tiles above the diagonal): an ESTIMATE, the FLOP ratio; measured rates
+# of non-causal kernels would replace it
+NONCAUSAL_WORK = 2.0
+
+
+def attention_rates(device: DeviceSpec, flops_per_head: float, dtype: str,
+                    head_dim: Optional[int] = None) -> Optional[tuple[float, float]]:
     """(forward, backward) FLOP/s of the fused attention kernel for slices of `flops_per_head`
     forward FLOPs, from the profile's measured `attention_flops` for `dtype` (bf16<->fp16 and
     tf32->fp32 fall back to each other): linear in log(FLOPs) between measured sizes, constant
-    beyond them. None when the profile measured none (then the GEMM curve stands in)."""
+    beyond them. Where the table was measured at several head dimensions, the points of the one
+    nearest `head_dim` (in log; None: every point) are read. None when the profile measured none
+    (then the GEMM curve stands in)."""
     table = device.attention_flops or {}
     for d in _dtype_fallbacks(dtype):
-        pts = sorted((p.flops_per_head, p.forward_flops, p.backward_flops) for p in table.get(d) or [])
+        pts = table.get(d) or []
+        dims = {p.head_dim for p in pts if p.head_dim is not None}
+        if head_dim is not None and len(dims) > 1:
+            near = min(dims, key=lambda x: (abs(math.log(x / head_dim)), x))
+            pts = [p for p in pts if p.head_dim in (near, None)]
+        pts = sorted((p.flops_per_head, p.forward_flops, p.backward_flops) for p in pts)
         if pts:
             return _log_interp(pts, flops_per_head)
     return None
@@ -404,7 +425,16 @@ def _attention_node_time(n, index: dict, device: DeviceSpec, dtype: str, shard: 
     if len(shapes) < 3 or len(shapes[0]) < 2:
         return None
     p = n.args[4] if len(n.args) > 4 and isinstance(n.args[4], (int, float)) else n.kwargs.get("dropout_p", 0.0)
-    return attention_time(shapes[0], shapes[1], shapes[2], device, dtype, shard, float(p or 0.0), kernel)
+    return attention_time(shapes[0], shapes[1], shapes[2], device, dtype, shard, float(p or 0.0), kernel,
+                          causal=attention_is_causal(n))
+
+
+def attention_is_causal(n) -> bool:
+    """Whether an attention node runs a causal kernel: `is_causal` set and no mask tensor (a mask
+    makes the kernel compute every score tile)."""
+    flag = n.args[5] if len(n.args) > 5 else n.kwargs.get("is_causal", False)
+    mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
+    return bool(flag is True and mask is None)
 
 
 def alignment_bytes(dim: int, esz: int) -> int:

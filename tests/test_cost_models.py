@@ -278,6 +278,60 @@ def test_measured_attention_rates_interpolate_by_size() -> None:
     assert attention_time(q, q, q, dev, "bf16") == attention_time(q, q, q, CPU, "bf16")
 
 
+def test_attention_rates_read_at_the_nearest_measured_head_dim() -> None:
+    """A table measured at several head dimensions is read at the one nearest the op's (in log);
+    the A100 80GB's FlashAttention-2 table (Dao 2023, Figure 4: causal, fwd+bwd 155 TFLOP/s at
+    s = 2k, d = 128, FLOPs halved there) reads twice the printed rate, the capture's FLOP count."""
+    dev = ClusterSpec.load("dgx-a100-80g").device
+    at = 4.0 * 2048 * 2048
+    assert attention_rates(dev, at * 128, "bf16", head_dim=128) == (pytest.approx(310e12), pytest.approx(310e12))
+    assert attention_rates(dev, at * 64, "bf16", head_dim=64) == (pytest.approx(280e12), pytest.approx(280e12))
+    assert attention_rates(dev, at * 80, "bf16", head_dim=80) == attention_rates(dev, at * 80, "bf16", head_dim=64)
+    assert attention_rates(dev, at * 128, "fp16", head_dim=128) == attention_rates(dev, at * 128, "bf16", head_dim=128)
+    # the attention of one GPT-3 1.3B layer (s = 2k, 16 heads of 128): fwd + bwd = 3.5 x its FLOPs at 310
+    q = (8, 16, 2048, 128)
+    fwd, bwd = attention_time(q, q, q, dev, "bf16")
+    assert fwd + bwd == pytest.approx(3.5 * 8 * 16 * at * 128 / 310e12 + 2 * dev.kernel_overhead_s, rel=1e-6)
+
+
+def test_non_causal_attention_does_the_whole_square() -> None:
+    """The measured tables are causal kernels' rates on the capture's whole-square FLOPs; a
+    non-causal attention (an encoder's, or one given a mask tensor, which makes the kernel
+    compute every tile) does twice the work at the same shapes (`NONCAUSAL_WORK`, an estimate)."""
+    from autopar.capture.export import capture
+    from autopar.models.registry import build_model
+    from cost_models.compute import NONCAUSAL_WORK, attention_is_causal
+
+    dev = ClusterSpec.load("dgx-a100-80g").device
+    q = (8, 16, 2048, 128)
+    causal = sum(attention_time(q, q, q, dev, "bf16")) - 2 * dev.kernel_overhead_s
+    full = sum(attention_time(q, q, q, dev, "bf16", causal=False)) - 2 * dev.kernel_overhead_s
+    assert full == pytest.approx(NONCAUSAL_WORK * causal, rel=1e-6)
+    cpu_less = dev.model_copy(update={"attention_flops": None})     # the GEMM curve: no causal table
+    assert attention_time(q, q, q, cpu_less, "bf16") == attention_time(q, q, q, cpu_less, "bf16", causal=False)
+    for ref, want in [("gpt-tiny", True), ("bert-tiny", False)]:
+        b = build_model(ref, device="meta")
+        g = capture(b.model, b.example_inputs, loss_fn=getattr(b, "loss_fn", None))
+        att = [n for n in g.nodes if n.kind == "call" and n.op == "scaled_dot_product_attention"]
+        assert att and all(attention_is_causal(n) == want for n in att), ref
+
+
+def test_software_brings_its_own_attention_rates() -> None:
+    """A software preset that runs another attention kernel (flash-attn 1) carries its rates on the
+    devices it was measured on; on other devices the hardware profile's stand."""
+    from autopar.schema.software import SoftwareSpec
+
+    a100 = ClusterSpec.load("dgx-a100-80g")
+    fa1 = SoftwareSpec.load("flash-attn-1-2022")
+    mine = fa1.on_cluster(a100)
+    at = 4.0 * 2048 * 2048 * 128
+    assert attention_rates(mine.device, at, "bf16", head_dim=128) == (pytest.approx(138e12), pytest.approx(138e12))
+    assert a100.device.attention_flops != mine.device.attention_flops                # the original untouched
+    h100 = ClusterSpec.load("dgx-h100")
+    assert fa1.on_cluster(h100) is h100
+    assert SoftwareSpec.load("autopar").on_cluster(a100) is a100
+
+
 def test_measured_optimizer_step_counts_tensors_and_elements() -> None:
     dev = _measured(per_tensor=20e-6, per_element=2e-9)
     n = 1e6
@@ -292,9 +346,13 @@ def test_measured_optimizer_step_counts_tensors_and_elements() -> None:
 
 @pytest.mark.parametrize("name", ["dgx-a100-80g", "dgx-a100-40g", "dgx-h100", "hgx-h200", "p3.16xlarge"])
 def test_gpu_profiles_keep_the_formulas(name: str) -> None:
-    """Bundled GPU profiles measure none of the new fields: their predictions are the formulas'."""
+    """Bundled GPU profiles measure none of the new fields: their predictions are the formulas'
+    (but for the A100 80GB's published FlashAttention-2 rates, each with its source)."""
     dev = ClusterSpec.load(name).device
-    assert dev.op_backward_flops is None and dev.attention_flops is None and dev.optimizer_step is None
+    assert dev.op_backward_flops is None and dev.optimizer_step is None
+    assert (dev.attention_flops is None) == (name != "dgx-a100-80g")
+    if dev.attention_flops:
+        assert "2307.08691" in dev.sources["attention_flops"]
     assert dev.matmul_backward_ratio is None
     assert op_backward_time("linear", 1e12, 1e9, dev) == 2 * op_time("linear", 1e12, 1e9, dev)
     n = 1e9
@@ -304,9 +362,10 @@ def test_gpu_profiles_keep_the_formulas(name: str) -> None:
     assert op_backward_time("gelu", 1e9, 1e9, dev) == op_time("gelu", 1e9, 1.5e9, dev)
     q = (4, 16, 2048, 128)
     flops, nbytes = 4.0 * 4 * 16 * 2048 * 2048 * 128, 2 * 4 * 4 * 16 * 2048 * 128
-    assert attention_time(q, q, q, dev, "bf16", kernel="fused") == (
-        op_time("scaled_dot_product_attention", flops, nbytes, dev, "bf16"),
-        op_backward_time("scaled_dot_product_attention", flops, nbytes, dev, "bf16"))
+    if dev.attention_flops is None:
+        assert attention_time(q, q, q, dev, "bf16", kernel="fused") == (
+            op_time("scaled_dot_product_attention", flops, nbytes, dev, "bf16"),
+            op_backward_time("scaled_dot_product_attention", flops, nbytes, dev, "bf16"))
 
 
 def test_misaligned_gemm_costs_what_the_h100_measured() -> None:

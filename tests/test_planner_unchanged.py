@@ -62,6 +62,10 @@ per layer (forward and backward); with v=4 that is 0.4719 -> 0.4744 s, and with 
 `balanced_chunks` now cuts the layers otherwise (0.4656 -> 0.4807 s), so the search takes v=4
 (88 -> 56 sends, peak 23.57 -> 23.98 GB). gpt-small, HF GPT-2 and HF Llama are unchanged (no
 reshape of theirs copies; HF's `.contiguous()` after attention copies under unfused attention).
+Fused attention's published A100 rates (issue 14: `DeviceSpec.attention_flops` of dgx-a100-80g from
+the FlashAttention-2 paper's Figure 4, `AttentionPoint.head_dim`, `SoftwareSpec.attention_flops`):
+digests only (every plan carries the new fields; the A100 cases plan with megatron-lm-2021's
+unfused attention, which the rates do not touch, and gpt-small's CPU profile has none).
 Session 21: the memory model follows type promotion under CUDA's autocast (`cost_models.memory.
 _promoted_fp32`: an element-wise op reading an fp32 tensor gives fp32) and an op of autocast's
 fp32 list reading a tensor already fp32 makes no copy of it: HF GPT-2's peak 1.85 -> 2.17 MB
@@ -95,16 +99,16 @@ CASES = {   # name: (model, cluster, nodes, global batch, pinned constraints, so
 }
 
 EXPECTED = {
-    "gpt3-1.3b-tp2-pp2": {"digest": "af24badd34cf8aa9", "layout": (2, 2, 2, 4, 4, "interleaved_1f1b", 4, 1),
+    "gpt3-1.3b-tp2-pp2": {"digest": "9fd0f66673b71f82", "layout": (2, 2, 2, 4, 4, "interleaved_1f1b", 4, 1),
         "iteration_time_s": 0.474420802042918, "peak_memory_bytes": 23977089024.0,
         "collectives": {"all_reduce": 405, "reduce_scatter": 2, "all_gather": 2, "send_recv": 56}},
-    "gpt-small": {"digest": "486ccbf69c7d8e7e", "layout": (2, 1, 1, 4, 1, "1f1b", 1, 0),
+    "gpt-small": {"digest": "78c37e63d2edd2fe", "layout": (2, 1, 1, 4, 1, "1f1b", 1, 0),
         "iteration_time_s": 0.015095763545627434, "peak_memory_bytes": 20557824.0,
         "collectives": {"all_reduce": 1}},
-    "hf-gpt2": {"digest": "41a5afc229d1a6f8", "layout": (4, 1, 2, 4, 1, "1f1b", 1, 1),
+    "hf-gpt2": {"digest": "b2e40f0789e0e8ab", "layout": (4, 1, 2, 4, 1, "1f1b", 1, 1),
         "iteration_time_s": 0.001421475186373758, "peak_memory_bytes": 2171584.0,
         "collectives": {"reduce_scatter": 2, "all_gather": 2, "send_recv": 2, "all_reduce": 1}},
-    "hf-llama": {"digest": "2f3cabfff9b4c6eb", "layout": (4, 2, 1, 4, 1, "1f1b", 1, 1),
+    "hf-llama": {"digest": "210b50d8efd1a359", "layout": (4, 2, 1, 4, 1, "1f1b", 1, 1),
         "iteration_time_s": 0.00253227419947838, "peak_memory_bytes": 1511232.0,
         "collectives": {"all_reduce": 25, "all_gather": 2, "reduce_scatter": 1}},
 }

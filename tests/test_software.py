@@ -33,9 +33,10 @@ def test_presets_are_typed_and_sourced():
     for name in bundled_software():
         sw = SoftwareSpec.load(name)
         assert sw.name == name and sw.description
-        assert set(sw.sources) == {"attention_kernel", "grad_sync_overlap"}, "every choice names its source"
-    with pytest.raises(PlanError, match="unknown software 'flash9'; bundled: autopar, megatron-lm-2021, "
-                                         "nemo-megatron-core-2024"):
+        chosen = {"attention_kernel", "grad_sync_overlap"} | ({"attention_flops"} if sw.attention_flops else set())
+        assert set(sw.sources) == chosen, "every choice names its source"
+    with pytest.raises(PlanError, match="unknown software 'flash9'; bundled: autopar, flash-attn-1-2022, "
+                                         "flash-attn-2-2023, megatron-lm-2021, nemo-megatron-core-2024"):
         resolve_software("flash9")
     with pytest.raises(Exception, match="attention_kernel"):
         SoftwareSpec(name="x", attention_kernel="flash")
@@ -162,8 +163,8 @@ def test_cli_software_option(tmp_path):
                           "-b", "8", "--software", "flash9", "-q"], **env_run)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines() == [
-        "autopar: error: unknown software 'flash9'; bundled: autopar, megatron-lm-2021, nemo-megatron-core-2024 "
-        "(or give a YAML/JSON file path)"]
+        "autopar: error: unknown software 'flash9'; bundled: autopar, flash-attn-1-2022, flash-attn-2-2023, "
+        "megatron-lm-2021, nemo-megatron-core-2024 (or give a YAML/JSON file path)"]
     own = tmp_path / "sw.yaml"
     own.write_text(yaml.safe_dump({"attention_kernel": "unfused"}))
     out = tmp_path / "p.json"

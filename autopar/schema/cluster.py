@@ -54,6 +54,10 @@ class AttentionPoint(_Strict):
     flops_per_head: float = Field(gt=0)
     forward_flops: float = Field(gt=0, description="FLOP/s of the forward")
     backward_flops: float = Field(gt=0, description="FLOP/s of the backward (2.5x the forward's FLOPs)")
+    head_dim: Optional[int] = Field(
+        default=None, ge=1, description="the head dimension it was measured at; a table with several "
+        "is read at the measured head dimension nearest the op's (the kernel's tiles depend on it); "
+        "None: any")
 
 
 class OptimizerCost(_Strict):

@@ -10,6 +10,11 @@ same plan, and that the cost model honours:
   PV as batched GEMMs around a softmax that reads and writes the scores, which the backward keeps:
   Megatron-LM 2021). Time: `cost_models.compute.attention_time`; memory:
   `cost_models.memory.saved_tensors`.
+- `attention_flops`: the measured rates of the software's own fused attention kernel on named
+  devices (device name -> dtype -> points, as `DeviceSpec.attention_flops`), where it runs a
+  kernel other than the one a hardware profile measured (FlashAttention-1 where the profile holds
+  FlashAttention-2's): on a device named there they replace the profile's rates
+  (`SoftwareSpec.on_cluster`). Time: `cost_models.compute.attention_rates`.
 - `grad_sync_overlap`: whether the data-parallel gradient sync of a stage runs during the backward
   of its last micro-batch (bucketed all-reduce as PyTorch DDP or Megatron-Core's
   --overlap-grad-reduce do it) instead of after it. Time: `autopar.inter_op.search` (the
@@ -28,6 +33,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from autopar.schema.cluster import AttentionPoint
 from autopar.schema.errors import PlanError
 from autopar.schema.files import read_mapping
 
@@ -51,12 +57,26 @@ class SoftwareSpec(BaseModel):
     grad_sync_overlap: bool = Field(
         default=False, description="the data-parallel gradient sync runs during the last micro-batch's "
         "backward (bucketed, as PyTorch DDP or Megatron-Core --overlap-grad-reduce) instead of after it")
+    attention_flops: dict[str, dict[str, list[AttentionPoint]]] = Field(
+        default_factory=dict, description="the software's fused attention kernel measured on named devices "
+        "(DeviceSpec.name -> dtype -> points, as DeviceSpec.attention_flops); on a device named here they "
+        "replace the hardware profile's rates, which describe another kernel")
     sources: dict[str, str] = Field(default_factory=dict, description="field name -> where it comes from")
+
+    def on_cluster(self, cluster: Any) -> Any:
+        """`cluster` (a ClusterSpec) with its device's fused-attention rates replaced by this
+        software's own for that device (`attention_flops`), or `cluster` itself when it has none."""
+        rates = self.attention_flops.get(cluster.device.name)
+        if not rates:
+            return cluster
+        device = cluster.device.model_copy(update={"attention_flops": rates})
+        return cluster.model_copy(update={"device": device})
 
     def summary(self) -> str:
         """One line: the name and every choice (what `autopar show` prints)."""
         sync = "overlaps the backward" if self.grad_sync_overlap else "after the backward"
-        return f"software: {self.name} (attention {self.attention_kernel}, dp gradient sync {sync})"
+        own = f", its own attention rates on {', '.join(sorted(self.attention_flops))}" if self.attention_flops else ""
+        return f"software: {self.name} (attention {self.attention_kernel}{own}, dp gradient sync {sync})"
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> "SoftwareSpec":
