@@ -1,7 +1,7 @@
-"""The zoo's GPT and Llama plans from 8 to 1536 devices, each built and stepped at full scale by
-`autopar verify`: tracked peak memory against the plan's predicted peak for every kind of rank,
-and the collectives (issue 15: within 10% for every stage, ZeRO-1/2/3, recomputation and
-interleaved pipelines included).
+"""The zoo's GPT and Llama plans from 8 to 1536 devices (and Hugging Face GPT-2's on 8), each
+built and stepped at full scale by `autopar verify`: tracked peak memory against the plan's
+predicted peak for every kind of rank, and the collectives (issue 15: within 10% for every
+stage, ZeRO-1/2/3, recomputation and interleaved pipelines included).
 
     python benchmarks/verify_sweep.py [--only SUBSTRING] [--jobs N] [--json]
 
@@ -48,6 +48,10 @@ CASES = [
     ("gpt3-175b 1024xA100 tp8 pp16 1F1B", "gpt3-175b", "dgx-a100-80g", 128, 1536,
      {"dp": 8, "tp": 8, "pp": 16, "schedule": "1f1b"}),
     ("gpt3-175b 1536xA100 free", "gpt3-175b", "dgx-a100-80g", 192, 1536, {}),
+    # a model written by others: Hugging Face GPT-2 (124M, its default dropout and gelu_new)
+    ("hf gpt2 8xA100 free", "hf:gpt2", "dgx-a100-80g", 1, 256, {}),
+    ("hf gpt2 8xA100 dp2 tp2 pp2 GPipe", "hf:gpt2", "dgx-a100-80g", 1, 256,
+     {"dp": 2, "tp": 2, "pp": 2, "schedule": "gpipe"}),
 ]
 
 

@@ -106,10 +106,13 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
                 top: int = 0, all_microbatches: bool = False) -> tuple[RankCheck, list]:
     """Build and step rank `kind.rank` on a fake process group and fake tensors (this process
     must have no process group); returns its RankCheck and its collective events of the step
-    (for `counting.combine`). Two steps, as `autopar run` tracks the second: the first
-    allocates AdamW's state in its update. (Running only that update, on zero gradients, is not
-    the same in a fresh process: its first backward held three more activation-gradient
-    temporaries at the peak, gpt-tiny tp4, +81%.) Each step runs the fewest micro-batches that
+    (for `counting.combine`). `autopar run` tracks its second step, whose update finds AdamW's
+    state allocated by the first: here the first is that update alone, on zero gradients (the
+    gradient sync and the optimizer step), not a whole forward and backward. (It once tracked
+    +81% on gpt-tiny tp4 in a fresh process: DTensor's shape propagation on fake tensors, counted
+    until `memory_tracking` left it out; reports equal a full first step's on every kind of the
+    verify_sweep cases checked, gpt3-6.7b tp2 pp4 interleaved 86 -> 53 CPU s.) Each step runs
+    the fewest micro-batches that
     reach the plan's schedule states (`short_step`; `all_microbatches`: the plan's own number),
     its batch and collectives put back to the plan's micro-batches."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -150,7 +153,9 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
             pm = ParallelModel(run_plan, bundle, seed=0, optimizer_factory=opt)
             batch_fn = bundle.batch_fn or default_batch_fn(bundle.example_inputs)
             batch = pm.local_batch(call_batch_fn(batch_fn, 0, run_plan.global_batch_size, 0))
-            pm.train_step(batch)            # `autopar run`'s first step: allocates the optimizer's state
+            # `autopar run`'s first step allocates the optimizer's state in its update: only the
+            # update runs here (on zero gradients), the tracked step is the second
+            pm.sync_and_update()
             counter = PhasedCounter()
             with counter.microbatch.installed(pm):
                 _, rep = track_step(pm, batch, counter=counter, skip=skip, top=top)
