@@ -444,3 +444,28 @@ def test_hugging_face_causal_lms_take_cp_and_others_say_why():
     ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
     g = capture(raw, {"input_ids": ids, "labels": ids})
     assert "does not take its token positions" in blockers(g, build_layers(g, raw))
+
+
+def test_a_hand_edited_plan_with_op_layouts_and_cp_is_refused():
+    """The planner never gives a cp stage per-op layouts (`search.op_by_op`): the op-by-op
+    executor runs the attention as one of its ops, not as the cp attention, so each rank would
+    attend to its own chunks only. A plan edited by hand to carry them on a cp stage is refused
+    before anything runs (`validate_plan`, which `autopar run` and `autopar verify` call), the
+    message naming the stage and the fix; without the layouts it validates."""
+    from autopar.models.registry import build_model
+    from autopar.runtime.engine import validate_plan
+
+    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
+    pins = dict(dp=1, pp=1, tp=2, num_microbatches=2, recompute="none")
+    cp = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32", constraints=Constraints(cp=2, **pins))
+    tp = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32", intra_op="ilp",
+              constraints=Constraints(cp=1, **{**pins, "dp": 2}))
+    assert cp.stages[0].op_layouts is None and tp.stages[0].op_layouts is not None
+    d = json.loads(cp.to_json())
+    d["stages"][0]["op_layouts"] = json.loads(tp.to_json())["stages"][0]["op_layouts"]
+    edited = Plan.from_json(json.dumps(d))
+    model = build_model("llama-tiny").model
+    validate_plan(cp, model)
+    with pytest.raises(PlanError, match=r"stage 0 carries op_layouts .* and a cp axis of 2: the op-by-op executor "
+                                        r"does not run context parallelism's attention .* drop the stage's op_layouts"):
+        validate_plan(edited, model)
