@@ -446,6 +446,62 @@ def test_hugging_face_causal_lms_take_cp_and_others_say_why():
     assert "does not take its token positions" in blockers(g, build_layers(g, raw))
 
 
+def test_cp_gathers_the_kv_heads_the_plan_prices():
+    """The zoo Llama's grouped-query attention runs inside the kernel (`enable_gqa`), so cp
+    all-gathers K and V with their kv_heads (llama-tiny: 2 of 4 heads), not repeated to every
+    query head: the bytes one rank all-gathers in a micro-batch's forward, counted where the
+    collectives run (the runtime's counting mode, rank 0 of a fake 2-rank group), equal the cost
+    model's exchange (`kv_bytes` of every layer at the plan's micro-batch), as many gathers as
+    the plan predicts, and half of what K and V repeated to 4 heads would be."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autopar.capture import capture
+    from autopar.inter_op import context_parallel
+    from autopar.inter_op.layers import build_layers
+    from autopar.models.registry import build_model
+    from autopar.runtime.context_parallel import ContextParallel
+    from autopar.runtime.counting import _KIND, _NAMESPACES, CollectiveCounter
+
+    class Bytes(CollectiveCounter):
+        gathered = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if func.namespace in _NAMESPACES and _KIND.get(func._opname) == "all_gather":
+                self.gathered += out.numel() * out.element_size()
+            return out
+
+    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 2})
+    p = plan("llama-tiny", cl, global_batch_size=4, dtype="fp32",
+             constraints=Constraints(cp=2, dp=1, tp=1, pp=1, num_microbatches=2, recompute="none"))
+    b = build_model("llama-tiny")
+    g = capture(b.model, b.example_inputs)
+    layers = build_layers(g, b.model)
+    mb = p.microbatch_size
+    predicted = sum(context_parallel.kv_bytes(g, lay, mb, "fp32") for lay in layers)
+    cfg = b.model.layers[0].attn
+    assert (cfg.heads, cfg.kv_heads) == (4, 2)
+
+    model = build_model("llama-tiny", device="cpu").model
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        cp = ContextParallel(dist.group.WORLD, 0, 2, 16)
+        cp.install(model)
+        tokens, targets = (cp.local_tokens(x) for x in TokenBatch(128, 16)(0, mb))
+        counter = Bytes()
+        with cp.active(), counter:
+            loss = model(tokens, targets)
+        assert counter.gathered == predicted > 0
+        assert counter.local_counts()["all_gather"] == p.predicted.collectives["all_gather"] // p.num_microbatches
+        # K and V of every layer: (mb, kv_heads, 16, head_dim) each, fp32
+        assert predicted == len(model.layers) * 2 * mb * cfg.kv_heads * 16 * cfg.head_dim * 4
+        loss.backward()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_hand_edited_plan_with_op_layouts_and_cp_is_refused():
     """The planner never gives a cp stage per-op layouts (`search.op_by_op`): the op-by-op
     executor runs the attention as one of its ops, not as the cp attention, so each rank would
