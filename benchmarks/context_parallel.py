@@ -13,10 +13,11 @@ and communication, its peak memory, and beside them the hand-derived figures:
   the fused attention (the model's FlashAttention factor); full recomputation one forward of the
   blocks again. Memory-bound ops (norms, rotary, the loss) are left out: the hand figure is
   below the model's by their time.
-- the cp exchange: per layer and micro-batch, K and V (after the GQA repeat: 32 heads x 128 x s
-  x 2 bytes each), 1/tp of them per rank, all-gathered in the forward (again in a recomputation)
-  and reduce-scattered in the backward, (cp - 1)/cp of the bytes over the NVLink bus bandwidth
-  (370 GB/s) each; the tp collectives and the gradient sync are not in it.
+- the cp exchange: per layer and micro-batch, K and V (their 8 KV heads, grouped-query attention
+  running inside the kernel: 8 heads x 128 x s x 2 bytes each), 1/tp of them per rank,
+  all-gathered in the forward (again in a recomputation) and reduce-scattered in the backward,
+  (cp - 1)/cp of the bytes over the NVLink bus bandwidth (370 GB/s) each; the tp collectives
+  and the gradient sync are not in it.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def hand(p) -> tuple[float, float]:
     rc = 1.0 if p.stages[0].recompute == "full" else 0.0
     per_token = lin_fwd * (3 + rc) + att_fwd * (1 + 2.5 + rc)
     compute = p.global_batch_size * SEQ * per_token / p.cluster.num_devices / GEMM_RATE
-    kv = 2 * CFG.heads * hd * SEQ * 2 / p.tp
+    kv = 2 * CFG.kv_heads * hd * SEQ * 2 / p.tp
     exchange = L * p.num_microbatches * (2 + rc) * (p.cp - 1) / p.cp * kv / NVLINK if p.cp > 1 else 0.0
     return compute, exchange
 

@@ -307,3 +307,221 @@ def test_cp_attention_saves_no_mask_of_the_rank_queries_by_the_sequence():
         out = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=causal_lower_right(8, 24))
     mask = ContextParallel(None, 0, 2, 16).causal_mask(8, 24, torch.float32, torch.device("cpu"))
     torch.testing.assert_close(out, F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask))
+
+
+class _TokenMixer(nn.Module):
+    """A causal fused-attention LM that reads `token_positions`, with one token-mixing op of
+    `kind` between its attention and its loss: `cumsum` (a running sum over the sequence),
+    `conv` (a convolution along it), `pool` (a mean over tokens), `shift` (the targets shifted
+    inside the model), or `none`."""
+
+    def __init__(self, kind: str, vocab: int = 64, seq: int = 16, h: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.kind, self.heads = kind, heads
+        self.emb, self.pos = nn.Embedding(vocab, h), nn.Embedding(seq, h)
+        self.qkv, self.out, self.head = nn.Linear(h, 3 * h), nn.Linear(h, h), nn.Linear(h, vocab)
+        self.conv = nn.Conv1d(h, h, 3, padding=1)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        from autopar.models.positions import token_positions
+
+        b, s = idx.shape
+        x = self.emb(idx) + self.pos(token_positions(s, idx.device))
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        x = x + self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1))
+        if self.kind == "cumsum":
+            x = x.cumsum(1) / torch.arange(1, s + 1, device=x.device).view(1, s, 1)
+        elif self.kind == "conv":
+            x = self.conv(x.transpose(1, 2)).transpose(1, 2)
+        elif self.kind == "pool":
+            return F.cross_entropy(self.head(x.mean(1)), targets[:, 0])
+        logits = self.head(x)
+        if self.kind == "shift":
+            logits, targets = logits[:, :-1], targets[:, 1:]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _mixer(kind: str) -> ModelBundle:
+    with torch.device("meta"):
+        model = _TokenMixer(kind)
+    ids = torch.zeros(1, 16, dtype=torch.long, device="meta")
+    return ModelBundle(f"mixer-{kind}", model, (ids, ids.clone()), TokenBatch(64, 16))
+
+
+@pytest.mark.parametrize("kind,why", [
+    ("cumsum", r"cumsum \(cumsum\) mixes tokens along the sequence"),
+    ("conv", r"conv1d \(conv1d in conv\) mixes tokens along the sequence"),
+    ("pool", r"\(mean\) mixes tokens along the sequence"),
+    ("shift", r"\(slice\) mixes tokens along the sequence"),
+])
+def test_a_model_that_mixes_tokens_outside_attention_gets_no_cp_plan(kind, why):
+    """An op other than the fused attention that mixes tokens along the sequence (a running
+    sum, a convolution or pooling over tokens, targets shifted inside the model) would compute
+    wrong on a rank's chunks: the free search records why it left cp out (`autopar show`
+    prints it) and plans none; `Constraints(cp=2)` is a PlanError naming the op and the fix.
+    The same model without it plans cp=2."""
+    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 2})
+    b = _mixer(kind)
+    with pytest.raises(PlanError, match="cp=2: .*" + why) as e:
+        plan(b, cl, global_batch_size=4, dtype="fp32", constraints=Constraints(cp=2))
+    assert e.value.constraint == "cp"
+    p = plan(b, cl, global_batch_size=4, dtype="fp32")
+    assert p.cp == 1 and "mixes tokens along the sequence" in p.search["skipped"]
+    assert "mixes tokens along the sequence" in p.summary()
+    ok = plan(_mixer("none"), cl, global_batch_size=4, dtype="fp32", constraints=Constraints(cp=2))
+    assert ok.cp == 2
+
+
+def test_a_model_that_makes_its_own_positions_gets_no_cp_plan():
+    """nanoGPT makes its own `torch.arange` of positions (tests/user_models.py): under cp every
+    rank's chunks would be encoded at the sequence's start, which the runtime refuses at its
+    first step. The capture records that the forward never asked `token_positions`
+    (`OpGraph.reads_positions`): the free search plans no cp and says why; a pinned cp is a
+    PlanError naming the fix. Never a plan that `autopar run` refuses."""
+    from autopar.capture import capture
+    from autopar.models.registry import build_model
+
+    b = build_model("tests.user_models:nanogpt")
+    assert capture(b.model, b.example_inputs).reads_positions is False
+    assert capture(build_model("llama-tiny").model, build_model("llama-tiny").example_inputs).reads_positions
+    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 2})
+    with pytest.raises(PlanError, match="cp=2: the model does not take its token positions from "
+                                        "autopar.models.positions.token_positions .* make its forward read them"):
+        plan("tests.user_models:nanogpt", cl, global_batch_size=4, constraints=Constraints(cp=2))
+    p = plan("tests.user_models:nanogpt", cl, global_batch_size=4)
+    assert p.cp == 1 and "does not take its token positions" in p.search["skipped"]
+
+
+_HF_LLAMA = ("hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2&num_hidden_layers=2"
+             "&num_attention_heads=4&seq_len=16&vocab_size=128")
+
+
+def test_hugging_face_causal_lms_take_cp_and_others_say_why():
+    """A Hugging Face causal LM by `hf:` reads its positions from `token_positions` (passed as
+    `position_ids`) and takes next-token targets from the batch: a cp plan, whose rank's rotary
+    embedding gets its chunks' positions in the whole sequence (run in
+    tests/test_runtime_context_parallel.py). GPT-2 with its default attention dropout and BERT
+    (dropout too) are refused with the reason; a transformers model given as it is (labels
+    shifted inside it, its own positions) gets none."""
+    pytest.importorskip("transformers")
+    from autopar.models.hf import build_hf
+    from autopar.models.positions import positions_set
+    from autopar.runtime.context_parallel import chunk_positions
+
+    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 2})
+    p = plan(_HF_LLAMA, cl, global_batch_size=4, dtype="fp32", constraints=Constraints(cp=2))
+    assert p.cp == 2 and "cp_executor" not in p.search
+    with pytest.raises(PlanError, match="cp=2: .*applies dropout to its attention weights"):
+        plan("hf:gpt2?hidden_size=64&num_hidden_layers=2&num_attention_heads=4&vocab_size=128&seq_len=16", cl,
+             global_batch_size=4, dtype="fp32", constraints=Constraints(cp=2))
+    # the rank's positions reach the rotary embedding
+    b = build_hf(_HF_LLAMA[3:], device="cpu")
+    seen = []
+    b.model.model.rotary_emb.register_forward_hook(
+        lambda m, args, kw, out: seen.append(kw.get("position_ids", args[-1])), with_kwargs=True)
+    pos = chunk_positions(1, 2, 16)
+    ids, tgt = b.batch_fn(0, 2, 0)
+    assert torch.equal(tgt[:, :-1], ids[:, 1:]) and (tgt[:, -1] == -100).all()
+    with positions_set(pos):
+        b.model(ids[:, pos], tgt[:, pos])
+    assert torch.equal(seen[-1].reshape(-1), pos)
+    # transformers' own forward, labels = ids (shifted inside: a pad and a slice along the
+    # sequence), no position ids
+    import transformers
+
+    from autopar.capture import capture
+    from autopar.inter_op.context_parallel import blockers
+    from autopar.inter_op.layers import build_layers
+    from autopar.models.hf import make_config, parse_ref
+
+    name, over = parse_ref(_HF_LLAMA[3:])
+    cfg = make_config(name, **over)[1]
+    cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        raw = transformers.LlamaForCausalLM(cfg)
+    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    g = capture(raw, {"input_ids": ids, "labels": ids})
+    assert "does not take its token positions" in blockers(g, build_layers(g, raw))
+
+
+def test_cp_gathers_the_kv_heads_the_plan_prices():
+    """The zoo Llama's grouped-query attention runs inside the kernel (`enable_gqa`), so cp
+    all-gathers K and V with their kv_heads (llama-tiny: 2 of 4 heads), not repeated to every
+    query head: the bytes one rank all-gathers in a micro-batch's forward, counted where the
+    collectives run (the runtime's counting mode, rank 0 of a fake 2-rank group), equal the cost
+    model's exchange (`kv_bytes` of every layer at the plan's micro-batch), as many gathers as
+    the plan predicts, and half of what K and V repeated to 4 heads would be."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autopar.capture import capture
+    from autopar.inter_op import context_parallel
+    from autopar.inter_op.layers import build_layers
+    from autopar.models.registry import build_model
+    from autopar.runtime.context_parallel import ContextParallel
+    from autopar.runtime.counting import _KIND, _NAMESPACES, CollectiveCounter
+
+    class Bytes(CollectiveCounter):
+        gathered = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if func.namespace in _NAMESPACES and _KIND.get(func._opname) == "all_gather":
+                self.gathered += out.numel() * out.element_size()
+            return out
+
+    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 2})
+    p = plan("llama-tiny", cl, global_batch_size=4, dtype="fp32",
+             constraints=Constraints(cp=2, dp=1, tp=1, pp=1, num_microbatches=2, recompute="none"))
+    b = build_model("llama-tiny")
+    g = capture(b.model, b.example_inputs)
+    layers = build_layers(g, b.model)
+    mb = p.microbatch_size
+    predicted = sum(context_parallel.kv_bytes(g, lay, mb, "fp32") for lay in layers)
+    cfg = b.model.layers[0].attn
+    assert (cfg.heads, cfg.kv_heads) == (4, 2)
+
+    model = build_model("llama-tiny", device="cpu").model
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        cp = ContextParallel(dist.group.WORLD, 0, 2, 16)
+        cp.install(model)
+        tokens, targets = (cp.local_tokens(x) for x in TokenBatch(128, 16)(0, mb))
+        counter = Bytes()
+        with cp.active(), counter:
+            loss = model(tokens, targets)
+        assert counter.gathered == predicted > 0
+        assert counter.local_counts()["all_gather"] == p.predicted.collectives["all_gather"] // p.num_microbatches
+        # K and V of every layer: (mb, kv_heads, 16, head_dim) each, fp32
+        assert predicted == len(model.layers) * 2 * mb * cfg.kv_heads * 16 * cfg.head_dim * 4
+        loss.backward()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_hand_edited_plan_with_op_layouts_and_cp_is_refused():
+    """The planner never gives a cp stage per-op layouts (`search.op_by_op`): the op-by-op
+    executor runs the attention as one of its ops, not as the cp attention, so each rank would
+    attend to its own chunks only. A plan edited by hand to carry them on a cp stage is refused
+    before anything runs (`validate_plan`, which `autopar run` and `autopar verify` call), the
+    message naming the stage and the fix; without the layouts it validates."""
+    from autopar.models.registry import build_model
+    from autopar.runtime.engine import validate_plan
+
+    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
+    pins = dict(dp=1, pp=1, tp=2, num_microbatches=2, recompute="none")
+    cp = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32", constraints=Constraints(cp=2, **pins))
+    tp = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32", intra_op="ilp",
+              constraints=Constraints(cp=1, **{**pins, "dp": 2}))
+    assert cp.stages[0].op_layouts is None and tp.stages[0].op_layouts is not None
+    d = json.loads(cp.to_json())
+    d["stages"][0]["op_layouts"] = json.loads(tp.to_json())["stages"][0]["op_layouts"]
+    edited = Plan.from_json(json.dumps(d))
+    model = build_model("llama-tiny").model
+    validate_plan(cp, model)
+    with pytest.raises(PlanError, match=r"stage 0 carries op_layouts .* and a cp axis of 2: the op-by-op executor "
+                                        r"does not run context parallelism's attention .* drop the stage's op_layouts"):
+        validate_plan(edited, model)

@@ -618,8 +618,9 @@ def test_a_reshape_that_copies_costs_a_copy() -> None:
 
 
 def test_grouped_query_repeat_costs_a_copy_and_a_sum() -> None:
-    """Llama's repeat of keys and values over the query heads (`expand` + `reshape`, the zoo's
-    llama-tiny: 4 query heads, 2 key/value heads) copies forward; backward, the expand's
+    """Llama's repeat of keys and values over the query heads (`expand` + `reshape`, llama-tiny
+    written so: `tests.user_models:llama_repeat_kv`, 4 query heads, 2 key/value heads; the zoo's
+    runs grouped-query attention inside SDPA) copies forward; backward, the expand's
     gradient is summed over the repeated dim (autograd: `ExpandBackward0` -> `sum`): the
     output's gradient read, a key/value-sized one written."""
     from autopar.capture import capture
@@ -627,7 +628,7 @@ def test_grouped_query_repeat_costs_a_copy_and_a_sum() -> None:
     from cost_models.compute import node_time
     from cost_models.layouts import graph_layout_copies
 
-    bundle = build_model("llama-tiny", device="meta")
+    bundle = build_model("tests.user_models:llama_repeat_kv")
     g = capture(bundle.model, bundle.example_inputs, name=bundle.name).at_batch(2)
     copies = graph_layout_copies(g, DEV.device_type)
     repeats = [g.node(x) for x in copies[0] if g.node(g.node(x).inputs[0]).op == "expand"]

@@ -529,8 +529,13 @@ def test_cpu_autocast_activations_are_what_torch_saves():
     assert am.saved_bytes == pytest.approx(_torch_saved_bytes(4), abs=8)
 
 
+REPEAT_KV = "tests.user_models:llama_repeat_kv"
+
+
 def test_grouped_query_repeat_of_keys_and_values_is_a_copy():
-    """The zoo Llama repeats its keys and values over the query heads (`expand` + `reshape`):
+    """A Llama that repeats its keys and values over the query heads (`expand` + `reshape`;
+    `tests.user_models:llama_repeat_kv`, the zoo's llama-tiny written so: the zoo's own runs
+    grouped-query attention inside SDPA):
     the reshape copies (a [b, kv, rep, s, d] expand cannot be viewed as [b, kv * rep, s, d]) and
     attention saves the copies (torch: two `_unsafe_view` storages of [b, h, s, d] a layer); the
     attention epilogue's transpose + reshape stays a view of the fused kernel's output, which a
@@ -540,7 +545,7 @@ def test_grouped_query_repeat_of_keys_and_values_is_a_copy():
     from cost_models.layouts import layout_copies
     from cost_models.memory import activation_memory
 
-    g = _gpt_tiny(4, "llama-tiny")
+    g = _gpt_tiny(4, REPEAT_KV)
     by = {n.name: n for n in g.nodes}
     for device in ("cuda", "cpu"):
         copying, _ = layout_copies(list(g.nodes), by, device)
@@ -557,7 +562,7 @@ def test_grouped_query_repeat_of_keys_and_values_is_a_copy():
     # 4 bytes per row of rstd torch saves once where the model counts the statistics
     for bf16 in (False, True):
         am = activation_memory(g, "bf16" if bf16 else "fp32", "none", device_type="cpu", count_inputs=False)
-        assert am.saved_bytes == pytest.approx(_torch_saved_bytes(4, "llama-tiny", bf16=bf16), rel=0.005)
+        assert am.saved_bytes == pytest.approx(_torch_saved_bytes(4, REPEAT_KV, bf16=bf16), rel=0.005)
 
 
 def test_attention_kernel_decides_whether_the_epilogue_copies():

@@ -8,6 +8,9 @@ output module), cross-entropy at the end of `forward(idx, targets)`.
 `SeparateGPT` is the same model with separate q, k and v projections and an `nn.Linear` head
 tied to the embedding.
 
+`llama_repeat_kv` is the zoo's llama-tiny with its grouped-query attention written as much code
+writes it: K and V repeated over the query heads before SDPA.
+
 `GatedLM` hands each layer, besides the hidden states, two tensors made once before the first:
 a gate computed from the embeddings (floating, it needs a gradient) and a boolean mask of the
 tokens to keep (no gradient), as models passing an attention mask or rotary tables do.
@@ -19,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autopar.models.llama import Attention as LlamaAttention
 from autopar.models.registry import token_batch
 
 VOCAB, SEQ, HIDDEN, HEADS = 128, 16, 32, 4
@@ -239,3 +243,36 @@ def eager_gpt(layers: int = 2):
         model.h = nn.ModuleList(EagerBlock(HIDDEN, HEADS) for _ in range(layers))
     x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
     return model, (x, x), token_batch(VOCAB, SEQ)
+
+
+class RepeatKVAttention(LlamaAttention):
+    """The zoo Llama's attention as much code writes grouped-query attention: K and V repeated
+    over the query heads (`expand` + `reshape`) before SDPA, instead of SDPA's `enable_gqa`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from autopar.models.llama import rotary_tables, rotate_half
+
+        b, s, _ = x.shape
+        d = self.head_dim
+        q = self.q_proj(x).view(b, s, self.heads, d).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.kv_heads, d).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.kv_heads, d).transpose(1, 2)
+        cos, sin = rotary_tables(s, d, self.theta, x.device, q.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        rep = self.heads // self.kv_heads
+        k = k[:, :, None].expand(b, self.kv_heads, rep, s, d).reshape(b, self.heads, s, d)
+        v = v[:, :, None].expand(b, self.kv_heads, rep, s, d).reshape(b, self.heads, s, d)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, self.heads * d))
+
+
+def llama_repeat_kv():
+    """The zoo's llama-tiny (4 query heads, 2 key/value heads) on CPU with `RepeatKVAttention`."""
+    from autopar.models.registry import ModelBundle, build_model
+
+    b = build_model("llama-tiny", device="cpu")
+    for block in b.model.layers:
+        block.attn.__class__ = RepeatKVAttention
+    return ModelBundle("tests.user_models:llama_repeat_kv", b.model, b.example_inputs, b.batch_fn,
+                       "llama-tiny, K and V repeated before SDPA")

@@ -198,7 +198,8 @@ def encode(g: OpGraph) -> dict:
     return {"name": g.name, "nodes": nodes, "params": [info(p) for p in g.params.values()],
             "buffers": [info(p) for p in g.buffers.values()], "layers": g.layers, "layer_types": g.layer_types,
             "top_modules": g.top_modules, "batch_size": g.batch_size, "capture_method": g.capture_method,
-            "capture_time_s": g.capture_time_s, "loss_is_output": g.loss_is_output}
+            "capture_time_s": g.capture_time_s, "loss_is_output": g.loss_is_output,
+            "reads_positions": g.reads_positions}
 
 
 def decode(d: dict) -> OpGraph:
@@ -212,7 +213,8 @@ def decode(d: dict) -> OpGraph:
                    buffers={r[0]: info(r) for r in d["buffers"]}, layers=list(d["layers"]),
                    layer_types=dict(d["layer_types"]), top_modules=list(d["top_modules"]),
                    batch_size=d["batch_size"], capture_method=d["capture_method"],
-                   capture_time_s=float(d["capture_time_s"]), loss_is_output=bool(d["loss_is_output"]))
+                   capture_time_s=float(d["capture_time_s"]), loss_is_output=bool(d["loss_is_output"]),
+                   reads_positions=d.get("reads_positions"))
 
 
 # -- the store ----------------------------------------------------------------------------------

@@ -107,6 +107,17 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Optiona
                               batch_dim=batch_dim, repeated=repeated)
     if not isinstance(model, nn.Module):
         raise PlanError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    from autopar.models.positions import calls
+
+    before = calls()
+    g = _capture(model, example_inputs, loss_fn=loss_fn, name=name, batch_dim=batch_dim, repeated=repeated)
+    g.reads_positions = calls() > before
+    return g
+
+
+def _capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Optional[LossFn],
+             name: Optional[str], batch_dim: bool, repeated: bool) -> OpGraph:
+    """`capture` without the cache."""
     t0 = time.perf_counter()
     # torch.compile's wrapper: capture the module it wraps (same FQNs as the user's model)
     model = getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model

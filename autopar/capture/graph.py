@@ -170,6 +170,10 @@ class OpGraph:
     capture_method: str = "torch.export"
     capture_time_s: float = 0.0     # how long `capture` took (the plan reports it)
     loss_is_output: bool = True
+    # whether the captured forward asked `models.positions.token_positions` for its tokens'
+    # positions (None: not known, a graph not made by `capture`): context parallelism sets them
+    # to a rank's chunks, so a model that makes its own cannot take it (`inter_op.context_parallel`)
+    reads_positions: Optional[bool] = None
 
     def __post_init__(self) -> None:
         self._index = {n.name: n for n in self.nodes}

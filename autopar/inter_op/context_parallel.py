@@ -48,7 +48,7 @@ from collections import Counter
 from dataclasses import fields, replace
 from typing import Optional
 
-from autopar.capture.graph import OpGraph, Ref
+from autopar.capture.graph import OpGraph, OpNode, Ref
 from autopar.inter_op.layers import Layer
 from autopar.inter_op.stage_cost import LayerCost, axis_link, coll_time, float_bytes
 from autopar.schema.cluster import ClusterSpec
@@ -108,7 +108,113 @@ def blockers(graph: OpGraph, layers: list[Layer]) -> str:
                 return f"{n.name} takes an explicit attention mask"
             if len(n.args) > 4 and n.args[4] or n.kwargs.get("dropout_p"):
                 return f"{n.name} applies dropout to its attention weights"
+    if graph.reads_positions is False:
+        return ("the model does not take its token positions from autopar.models.positions.token_positions "
+                "(it makes its own, or has none), so under cp every rank's chunks would be encoded at the "
+                "sequence's start; make its forward read them (Hugging Face models: autopar's hf: references "
+                "pass them as position_ids)")
+    mixers = token_mixers(graph)
+    if mixers:
+        n = mixers[0]
+        where = f" in {n.module_path}" if n.module_path else ""
+        more = f" (and {len(mixers) - 1} more)" if len(mixers) > 1 else ""
+        return (f"{n.name} ({n.op}{where}) mixes tokens along the sequence{more}, which a rank's chunks of "
+                f"it would compute wrong (a cumulative sum, pooling or convolution over tokens, or a shift "
+                f"of the targets inside the model: shift them in the data instead)")
     return ""
+
+
+# views that may merge the sequence dim with its neighbours ((b, s, h) -> (b * s, h)) or split
+# off others: every row of a merged dim is still one token, so they are token-local as they are
+_VIEWS = frozenset({"view", "_unsafe_view", "reshape", "flatten", "unflatten", "view_as", "reshape_as",
+                    "_reshape_alias", "squeeze", "unsqueeze"})
+
+
+def token_mixers(graph: OpGraph) -> list[OpNode]:
+    """The ops other than the fused attention that would be wrong on a rank's chunks of the
+    sequence: an op reading a tensor whose dims carry tokens (followed from the model's token-id
+    inputs, as `intra_op.dims.token_dims_of` does, and through views that merge the sequence
+    with other dims) and none of whose own sharding rules (`intra_op.rules`, on a 2-way probe
+    mesh) runs it on a slice of those tokens, every token input split along a token dim, every
+    output split and nothing exchanged: a cumulative sum or a convolution along the sequence,
+    pooling over tokens (its sum partial), a shift of the targets inside the model (a pad or a
+    slice along the sequence), token mixing by a matmul over the sequence. A reduction to a
+    scalar (the loss: a mean over the rank's tokens, averaged over dp x cp as over dp; a token-
+    mean cross-entropy made the cp group's mean by the runtime) is not one. Computed once per
+    graph."""
+    memo = getattr(graph, "_cp_token_mixers", None)
+    if memo is not None:
+        return memo
+    import warnings
+
+    from autopar.capture.graph import concrete
+    from autopar.intra_op import rules as rules_mod
+    from autopar.intra_op.dims import _norm, _seed, batch_dims_of
+    from autopar.intra_op.placement import PARTIAL, shard_dim
+    from autopar.intra_op.rules.view import view_groups
+    from autopar.intra_op.strategy import OpContext, output_index
+
+    batch = batch_dims_of(graph)
+    b = graph.batch_size or 2
+    tok: dict[tuple[str, int], set[int]] = {}
+    metas: dict[str, list] = {}
+    out: list[OpNode] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for n in graph.nodes:
+            outs = [o.at(b) for o in n.outputs]
+            metas[n.name] = outs
+            if n.kind == "input":
+                for k, o in enumerate(outs):
+                    seed = _seed(tuple(o.shape), o.dtype, batch.get(n.name, ()) if k == 0 else ())
+                    if seed:
+                        tok[(n.name, k)] = seed
+                continue
+            if n.kind != "call" or not outs:
+                continue
+            keys = [(i, output_index(n, k)) for k, i in enumerate(n.inputs)]
+            in_metas = []
+            for i, idx in keys:
+                m = metas.get(i)
+                in_metas.append(m[idx] if m and idx < len(m) else (m[0] if m else outs[0]))
+            live = [(k, tok[key]) for k, key in enumerate(keys) if key in tok]
+            if not live:
+                continue
+            if n.op == ATTENTION_OP:
+                # the runtime's cp attention: its output's tokens are the query's
+                tok[(n.name, 0)] = set(tok.get(keys[0], ()))
+                continue
+            if n.op in _VIEWS and len(in_metas) >= 1 and live[0][0] == 0:
+                got = set()
+                for gi, gj in view_groups(tuple(in_metas[0].shape), tuple(outs[0].shape)):
+                    if set(gi) & live[0][1]:
+                        got |= {d for d in gj if outs[0].shape[d] != 1} or set(gj)
+                if got:
+                    tok[(n.name, 0)] = got
+                continue
+            node = replace(n, outputs=outs, args=concrete(n.args, b), kwargs=concrete(n.kwargs, b))
+            try:
+                sts, family = rules_mod.strategies(OpContext(node, in_metas, (2,), graph, 4, True))
+            except Exception:  # noqa: BLE001 - no rule understands it: it may mix tokens
+                sts, family = [], "fallback"
+            local = False
+            for st in sts if family != "fallback" else []:
+                if st.comms or any(sp and sp[0] == PARTIAL for sp in st.out_specs):
+                    continue
+                if not all(k < len(st.in_specs) and st.in_specs[k] and shard_dim(st.in_specs[k][0]) is not None
+                           and _norm(shard_dim(st.in_specs[k][0]), in_metas[k]) in dims for k, dims in live):
+                    continue
+                split = [(o, shard_dim(sp[0]) if sp else None) for o, sp in enumerate(st.out_specs)]
+                if any(d is None and o < len(outs) and outs[o].shape for o, d in split):
+                    continue
+                local = True
+                for o, d in split:
+                    if d is not None and o < len(outs):
+                        tok.setdefault((n.name, o), set()).add(_norm(d, outs[o]))
+            if not local and not all(len(o.shape) == 0 for o in outs):
+                out.append(n)
+    graph._cp_token_mixers = out
+    return out
 
 
 def degrees(graph: OpGraph, layers: list[Layer], devices: int, pinned: Optional[int]) -> tuple[list[int], str]:

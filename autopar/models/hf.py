@@ -10,7 +10,10 @@ values are written down here), and the query overrides config fields (`hidden_si
 
 The bundle's model is the transformers class itself (same module tree and FQNs, e.g.
 `transformer.h.0`, `model.layers.0`), subclassed only so that `forward(input_ids, labels)` takes
-positional token ids and returns the scalar loss, like the zoo models. `batch_fn(step, global
+positional token ids and returns the scalar loss, like the zoo models. A causal LM's labels are
+next-token targets (shifted in the batch, not in the model) and its tokens' positions are
+passed as `position_ids` from `models.positions.token_positions`: context parallelism splits
+the sequence into chunks per rank, and each rank's targets and positions are then its own. `batch_fn(step, global
 batch, seed)` draws deterministic random token batches. Any `PreTrainedModel` may also be given
 to `autopar.capture.capture` directly; its `.loss` is the loss when labels are passed.
 """
@@ -190,13 +193,30 @@ def make_config(name: str, **overrides: Any) -> tuple[str, Any, int, int]:
     return family, cfg, seq, dec_seq
 
 
+# the causal LM classes (`_FAMILIES`): next-token targets, positions they take as position_ids
+_CAUSAL_LM = ("ForCausalLM", "LMHeadModel")
+
+
 @functools.lru_cache(maxsize=None)
 def _positional_class(base: type) -> type:
     """`base` (a transformers model class) with forward(input_ids, labels) -> scalar loss."""
 
-    def forward(self: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return base.forward(self, input_ids=input_ids, labels=labels, use_cache=False,
-                            return_dict=True).loss
+    if not base.__name__.endswith(_CAUSAL_LM):
+        def forward(self: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return base.forward(self, input_ids=input_ids, labels=labels, use_cache=False,
+                                return_dict=True).loss
+    else:
+        def forward(self: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            # `labels`: each token's next token (`HFBatch`), given as `shift_labels` so that the
+            # loss shifts nothing; the tokens' positions from `token_positions` (a context-
+            # parallel rank's chunks: where they are in the whole sequence), with no packed
+            # sequences read off their jumps (`eager_attention_masks`)
+            from autopar.models.positions import token_positions
+
+            pos = token_positions(input_ids.shape[1], input_ids.device).unsqueeze(0)
+            with eager_attention_masks():
+                return base.forward(self, input_ids=input_ids, position_ids=pos, labels=labels,
+                                    shift_labels=labels, use_cache=False, return_dict=True).loss
 
     # named after the base class, importable (so picklable) as autopar.models.hf.Positional_<Base>
     return type(base.__name__, (base,), {"forward": forward, "__module__": __name__,
@@ -314,8 +334,9 @@ def build_hf(name: str, *, batch_size: int = 1, device: str | torch.device = "me
 
 @dataclass(frozen=True)
 class HFBatch:
-    """Deterministic random token batches by (step, seed): causal LMs get labels = input ids (the
-    model shifts them), BERT 15% masked positions, T5 random targets. A picklable callable."""
+    """Deterministic random token batches by (step, seed): causal LMs get labels = each token's
+    next token (shifted here, not in the model, so that a context-parallel rank's chunks carry
+    their own targets), BERT 15% masked positions, T5 random targets. A picklable callable."""
 
     family: str
     vocab: int
@@ -333,7 +354,8 @@ class HFBatch:
             return ids, labels
         if self.family == "t5":
             return ids, torch.randint(0, self.vocab, (global_batch_size, self.dec_seq), generator=g)
-        return ids, ids.clone()
+        # each token's next one, the last without (the model shifts nothing: `_positional_class`)
+        return ids, torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE)], dim=1)
 
 
 def _batch_fn(family: str, vocab: int, seq: int, dec_seq: int) -> HFBatch:

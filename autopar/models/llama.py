@@ -68,11 +68,10 @@ class Attention(nn.Module):
         cos, sin = rotary_tables(s, d, self.theta, x.device, q.dtype)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        if self.kv_heads != self.heads:   # grouped-query attention: share each K/V head
-            rep = self.heads // self.kv_heads
-            k = k[:, :, None].expand(b, self.kv_heads, rep, s, d).reshape(b, self.heads, s, d)
-            v = v[:, :, None].expand(b, self.kv_heads, rep, s, d).reshape(b, self.heads, s, d)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # grouped-query attention inside the kernel (each K/V head shared by heads / kv_heads
+        # query heads), not by repeating K and V before it: context parallelism all-gathers
+        # K and V as the attention reads them, kv_heads of them, not heads
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, self.heads * d))
 
 

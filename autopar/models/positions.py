@@ -20,11 +20,14 @@ import torch
 _POSITIONS: ContextVar[Optional[torch.Tensor]] = ContextVar("autopar_token_positions", default=None)
 # how many times a forward read the positions `positions_set` gave (`reads`)
 _READS = [0]
+# how many times a forward called `token_positions` at all, positions set or not (`calls`)
+_CALLS = [0]
 
 
 def token_positions(seq: int, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The positions of the `seq` tokens a forward holds: 0 .. seq - 1, or those set by
     `positions_set` (the same count)."""
+    _CALLS[0] += 1
     pos = _POSITIONS.get()
     if pos is None or pos.numel() != seq:
         return torch.arange(seq, device=device, dtype=dtype)
@@ -36,6 +39,12 @@ def reads() -> int:
     """How many times `token_positions` returned positions set by `positions_set` (so far, in
     this process): whether a model reads them at all."""
     return _READS[0]
+
+
+def calls() -> int:
+    """How many times `token_positions` was called (so far, in this process), positions set or
+    not: whether a captured forward asks for its positions (`capture.export.capture`)."""
+    return _CALLS[0]
 
 
 @contextlib.contextmanager
