@@ -291,6 +291,20 @@ def _forward_held_bytes(model, inputs) -> int:
     return held
 
 
+def _captured_and_built(ref: str, mb: int):
+    """Model `ref`'s graph captured on meta at micro-batch `mb`, and the model built on CPU."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from autopar.capture.export import capture
+    from autopar.models.registry import build_model
+
+    meta = build_model(ref, device="meta")
+    ex = [torch.empty((mb,) + tuple(t.shape[1:]), dtype=t.dtype, device="meta") for t in meta.example_inputs]
+    g = capture(meta.model, ex, loss_fn=getattr(meta, "loss_fn", None)).at_batch(mb)
+    return g, build_model(ref, device="cpu")
+
+
 @pytest.mark.parametrize("ref", [
     # default dropout: CPU's dropout keeps input-sized noise and sdpa runs its math path
     "hf:gpt2?hidden_size=64&num_hidden_layers=2&num_attention_heads=4&seq_len=16&vocab_size=128",
@@ -301,19 +315,13 @@ def _forward_held_bytes(model, inputs) -> int:
 def test_saved_activations_of_hugging_face_classes_match_torch(ref):
     """The planner's activation model (a graph captured on meta) against what torch's CPU
     kernels keep after a real fp32 forward in training mode: within 2%."""
-    pytest.importorskip("transformers")
     import torch
 
-    from autopar.capture.export import capture
-    from autopar.models.registry import build_model
     from cost_models.memory import activation_memory
 
     mb = 4
-    meta = build_model(ref, device="meta")
-    ex = [torch.empty((mb,) + tuple(t.shape[1:]), dtype=t.dtype, device="meta") for t in meta.example_inputs]
-    g = capture(meta.model, ex, loss_fn=getattr(meta, "loss_fn", None)).at_batch(mb)
+    g, real = _captured_and_built(ref, mb)
     pred = activation_memory(g, "fp32", device_type="cpu", count_inputs=False).saved_bytes
-    real = build_model(ref, device="cpu")
     torch.manual_seed(0)
     with torch.no_grad():
         for p in real.model.parameters():
@@ -337,20 +345,14 @@ def test_hugging_face_classes_as_cuda_runs_them(ref):
     -18%), dropout saves a bool mask, attention with dropout no probabilities (verify of a GPU
     plan of GPT-2 was -33%); an op of autocast's fp32 list reading a tensor already fp32 (the
     RMSNorm's `pow` of its upcast) makes no copy of it (Llama was +22%)."""
-    pytest.importorskip("transformers")
     import torch
 
-    from autopar.capture.export import capture
-    from autopar.models.registry import build_model
     from autopar.runtime.cuda_program import cuda_program
     from cost_models.memory import activation_memory
 
     mb = 4
-    meta = build_model(ref, device="meta")
-    ex = [torch.empty((mb,) + tuple(t.shape[1:]), dtype=t.dtype, device="meta") for t in meta.example_inputs]
-    g = capture(meta.model, ex, loss_fn=getattr(meta, "loss_fn", None)).at_batch(mb)
+    g, real = _captured_and_built(ref, mb)
     pred = activation_memory(g, "bf16", device_type="cuda", count_inputs=False).saved_bytes
-    real = build_model(ref, device="cpu")
     real.model.to(torch.bfloat16).train()
     inputs = real.batch_fn(0, mb)
     held = {t.untyped_storage().data_ptr() for t in [*real.model.parameters(), *real.model.buffers(), *inputs]}

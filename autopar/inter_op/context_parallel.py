@@ -149,37 +149,19 @@ def token_mixers(graph: OpGraph) -> list[OpNode]:
 
     from autopar.capture.graph import concrete
     from autopar.intra_op import rules as rules_mod
-    from autopar.intra_op.dims import _norm, _seed, batch_dims_of
+    from autopar.intra_op.dims import _norm, batch_dims_of, token_ops
     from autopar.intra_op.placement import PARTIAL, shard_dim
     from autopar.intra_op.rules.view import view_groups
-    from autopar.intra_op.strategy import OpContext, output_index
+    from autopar.intra_op.strategy import OpContext
 
     batch = batch_dims_of(graph)
     b = graph.batch_size or 2
     tok: dict[tuple[str, int], set[int]] = {}
-    metas: dict[str, list] = {}
     out: list[OpNode] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for n in graph.nodes:
-            outs = [o.at(b) for o in n.outputs]
-            metas[n.name] = outs
-            if n.kind == "input":
-                for k, o in enumerate(outs):
-                    seed = _seed(tuple(o.shape), o.dtype, batch.get(n.name, ()) if k == 0 else ())
-                    if seed:
-                        tok[(n.name, k)] = seed
-                continue
-            if n.kind != "call" or not outs:
-                continue
-            keys = [(i, output_index(n, k)) for k, i in enumerate(n.inputs)]
-            in_metas = []
-            for i, idx in keys:
-                m = metas.get(i)
-                in_metas.append(m[idx] if m and idx < len(m) else (m[0] if m else outs[0]))
+        for n, outs, keys, in_metas in token_ops(graph, batch, b, tok):
             live = [(k, tok[key]) for k, key in enumerate(keys) if key in tok]
-            if not live:
-                continue
             if n.op == ATTENTION_OP:
                 # the runtime's cp attention: its output's tokens are the query's
                 tok[(n.name, 0)] = set(tok.get(keys[0], ()))

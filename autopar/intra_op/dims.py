@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import replace
+from typing import Iterator
 
 from autopar.capture.graph import OpGraph, SymDim, concrete
 from autopar.intra_op.placement import shard_dim
@@ -42,6 +43,32 @@ def _seed(shape: tuple, dtype: str, batch: tuple[int, ...]) -> set[int]:
     return set()
 
 
+def token_ops(graph: OpGraph, batch: dict, b: int, tok: dict[tuple[str, int], set[int]]) -> Iterator[tuple]:
+    """The call nodes of `graph` reading a tensor with token dims, in graph order, as (node, its
+    outputs' metadata at batch `b`, its inputs as (producer, output index), their metadata).
+    `tok` ((producer, output index) -> token dims) is seeded here from the model's inputs
+    (`_seed`); the caller records each yielded node's outputs in it before the next is read."""
+    metas: dict[str, list] = {}
+    for n in graph.nodes:
+        outs = [o.at(b) for o in n.outputs]
+        metas[n.name] = outs
+        if n.kind == "input":
+            for k, o in enumerate(outs):
+                s = _seed(tuple(o.shape), o.dtype, batch.get(n.name, ()) if k == 0 else ())
+                if s:
+                    tok[(n.name, k)] = s
+            continue
+        if n.kind != "call" or not outs:
+            continue
+        ins = [(i, output_index(n, k)) for k, i in enumerate(n.inputs)]
+        in_metas = []
+        for i, idx in ins:
+            m = metas.get(i)
+            in_metas.append(m[idx] if m and idx < len(m) else (m[0] if m else outs[0]))
+        if any(key in tok for key in ins):
+            yield n, outs, ins, in_metas
+
+
 def token_dims_of(graph: OpGraph, batch_dims: dict | None = None, *, probe: int = 2) -> Dims:
     """For each node, the dims of each output that index tokens (the sequence), keyed by node
     name (first output) and "name#k" (output k > 0).
@@ -57,30 +84,10 @@ def token_dims_of(graph: OpGraph, batch_dims: dict | None = None, *, probe: int 
     batch = batch_dims if batch_dims is not None else batch_dims_of(graph)
     b = graph.batch_size or probe
     tok: dict[tuple[str, int], set[int]] = {}
-    metas: dict[str, list] = {}
     mesh = (probe,)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for n in graph.nodes:
-            outs = [o.at(b) for o in n.outputs]
-            metas[n.name] = outs
-            if n.kind == "input":
-                for k, o in enumerate(outs):
-                    s = _seed(tuple(o.shape), o.dtype, batch.get(n.name, ()) if k == 0 else ())
-                    if s:
-                        tok[(n.name, k)] = s
-                continue
-            if n.kind != "call" or not outs:
-                continue
-            ins: list[tuple[str, int]] = []
-            in_metas = []
-            for k, i in enumerate(n.inputs):
-                idx = output_index(n, k)
-                ins.append((i, idx))
-                m = metas.get(i)
-                in_metas.append(m[idx] if m and idx < len(m) else (m[0] if m else outs[0]))
-            if not any(key in tok for key in ins):
-                continue
+        for n, outs, ins, in_metas in token_ops(graph, batch, b, tok):
             node = replace(n, outputs=outs, args=concrete(n.args, b), kwargs=concrete(n.kwargs, b))
             ctx = OpContext(node, in_metas, mesh, graph, 4, True)
             try:
