@@ -6,8 +6,9 @@ plus "grad_sync".
 The solutions come from `autopar.intra_op.auto_shard`, for MLPs and for zoo transformers: a GPT
 in the Megatron regime (batch 1: weights outweigh activations), the same GPT in the
 data-parallel regime (batch 64), a Llama (GQA, RoPE, SwiGLU) at batch 1, whose plan mixes
-reduce-scatters, all-to-alls and free shard-to-partial steps, and both on a (2, 2) mesh (see
-ZOO). They are applied two ways:
+reduce-scatters, all-to-alls and free shard-to-partial steps and splits its 4 query heads over
+the 4 devices with K and V (2 heads) replicated, each device slicing its KV head (`hq@0`, K/V
+gradients partial), and both on a (2, 2) mesh (see ZOO). They are applied two ways:
 
 * `ShardingSolution.apply` (`autopar.intra_op.execute`): the exported program runs op by op,
   each op's inputs redistributed to the layouts its chosen strategy reads them in. Every case,
@@ -261,6 +262,15 @@ def test_solutions_are_the_expected_plans(solutions):
     for name, (_, _, _, (param, spec)) in ZOO.items():
         assert solutions[name].param_placements[param] == spec, name
         assert not solutions[name].warnings, name
+
+
+def test_llama_attention_splits_query_heads_over_more_devices_than_kv_heads(solutions):
+    """llama-tiny (4 query heads, 2 KV heads) on 4 devices: the attention splits its query heads
+    and reads K and V replicated (`rules.attention`), not replicated itself."""
+    sol = solutions["llama-megatron"]
+    att = [c for c in sol.op_choices.values() if c.family == "attention"]
+    assert att and all(c.strategy == "hq@0" for c in att), [c.strategy for c in att]
+    assert all(c.input_placements == [("S(1)",), ("R",), ("R",)] for c in att)
 
 
 def test_interleave_round_trip():

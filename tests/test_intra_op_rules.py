@@ -121,6 +121,38 @@ def test_attention_and_gqa():
     assert "h@0" not in by_name(gq4)[0]
 
 
+def test_gqa_query_heads_split_over_more_devices_than_kv_heads():
+    """tp above the KV heads (Megatron's answer): q and the output split by heads, K and V
+    replicated (each device slices the KV head its query heads read), their gradients partial
+    on the axis; work divided by the axis. Offered only where `h` cannot split the KV heads and
+    each device's query heads share one KV head."""
+    q, kv2, kv1 = (2, 8, 16, 4), (2, 2, 16, 4), (2, 1, 16, 4)
+    s, _ = by_name(make("scaled_dot_product_attention", [q, kv2, kv2], [q], mesh=(4,), kwargs={"enable_gqa": True}))
+    assert set(s) == {"replicate", "hq@0"}          # a batch of 2 does not split 4 ways
+    st = s["hq@0"]
+    assert st.in_specs == [("S(1)",), ("R",), ("R",)] and st.out_specs == [("S(1)",)]
+    assert st.grad_partial == [(), (0,), (0,)] and st.work_div == 4
+    # 2 KV heads over 2 devices: `h` keeps whole groups and needs no K/V reduction
+    assert "hq@0" not in by_name(make("scaled_dot_product_attention", [q, kv2, kv2], [q], mesh=(2,),
+                                      kwargs={"enable_gqa": True}))[0]
+    # multi-query attention (1 KV head) on a (2, 4) mesh: batch on one axis, query heads on the other
+    s, _ = by_name(make("scaled_dot_product_attention", [q, kv1, kv1], [q], mesh=(2, 4), kwargs={"enable_gqa": True}))
+    assert {"b0@0 hq@1", "hq@0 hq@1"} <= set(s)
+    st = s["b0@0 hq@1"]
+    assert st.in_specs == [("S(0)", "S(1)"), ("S(0)", "R"), ("S(0)", "R")] and st.grad_partial[1] == (1,)
+    # 8 query heads over 8 devices, 4 KV heads: each device's head is in one group, `h` cannot
+    s, _ = by_name(make("scaled_dot_product_attention", [q, (2, 4, 16, 4), (2, 4, 16, 4)], [q], mesh=(8,),
+                        kwargs={"enable_gqa": True}))
+    assert "hq@0" in s and "h@0" not in s
+    # 3 KV heads, 6 query heads over 2 devices: a device's 3 heads span two KV heads: left out
+    s, _ = by_name(make("scaled_dot_product_attention", [(2, 6, 16, 4), (2, 3, 16, 4), (2, 3, 16, 4)],
+                        [(2, 6, 16, 4)], mesh=(2,), kwargs={"enable_gqa": True}))
+    assert not any(n.startswith("hq") for n in s)
+    # plain attention (as many KV heads as query heads) gets no such strategy
+    s, _ = by_name(make("scaled_dot_product_attention", [q, q, q], [q], mesh=(8,)))
+    assert not any(n.startswith("hq") for n in s)
+
+
 def test_elementwise_broadcast():
     s, fam = by_name(make("add", [(4, 8, 16), (16,)], [(4, 8, 16)], target="aten.add.Tensor"))
     assert fam == "elementwise"

@@ -343,3 +343,54 @@ def test_the_program_is_cut_where_the_plan_cuts_it():
     assert all(not isinstance(v, torch.Tensor) for v in spans.constants[1].values())
     with pytest.raises(PlanError, match="order"):
         _Spans(gm, ops[::-1], values)
+
+
+def _attention_feeds(p: Plan, ref: str) -> dict[str, tuple[str, list]]:
+    """Per attention op of stage 0: (its strategy, the collectives `placement.transition` runs
+    to bring each of q, k, v from the layout its producer's solution leaves to the one the
+    attention reads)."""
+    from autopar.capture import capture
+    from autopar.intra_op.placement import transition
+    from autopar.planner import resolve_model
+
+    b = resolve_model(ref, None, None)
+    g = capture(b.model, b.example_inputs, name=b.name).at_batch(p.microbatch_size)
+    st = p.stages[0]
+    sol = st.op_layouts.solution(st.mesh_shape)
+    out = {}
+    for name, ch in sol.op_choices.items():
+        if ch.family != "attention":
+            continue
+        steps = []
+        for k, src in enumerate(g.node(name).inputs[:3]):
+            meta = g.node(src).outputs[0]
+            have = sol.op_choices[src].output_placements[0]
+            steps += [c[0] for c in transition(tuple(int(d) for d in meta.shape), 4, tuple(have),
+                                               tuple(ch.input_placements[k]), tuple(st.mesh_shape))]
+        out[name] = (ch.strategy, steps)
+    return out
+
+
+def test_gqa_over_more_devices_than_kv_heads_splits_query_heads_without_gathering():
+    """llama-small (4 query heads, 2 KV heads) at tp 4: the attention splits its query heads
+    over the 4 ranks and reads K and V replicated, each rank slicing the KV head its query head
+    reads (`rules.attention`, Megatron's layout when tp exceeds the KV heads), so nothing is
+    gathered to feed it: q arrives split as the column-parallel q_proj leaves it, K and V come
+    replicated (all-reduces of the row-parallel k/v projections' partial sums), the output
+    leaves split for the row-parallel o_proj. The dK/dV reductions are the backward's.
+
+    This is the plan of the CPU profile at micro-batch 16, the layout
+    `test_runtime_llama_tp.py` runs. At this toy size the ILP's costs are latency-bound: at
+    micro-batch 8 on A100s it prices replicated attention (an all-gather of q forward and of
+    dO backward) below the two backward all-reduces of dK and dV (0.432 against 0.450 ms per
+    layer) and keeps it; from micro-batch 16 on the CPU profile, 256 on A100s, or a Llama-3-8B
+    layer with 2 KV heads at tp 8 (micro-batch 1), the query-head split wins."""
+    p = plan("llama-small", _cpu(4), global_batch_size=16, dtype="fp32", intra_op="ilp",
+             constraints=Constraints(dp=1, tp=4, pp=1, num_microbatches=1, recompute="none"))
+    feeds = _attention_feeds(p, "llama-small")
+    assert len(feeds) == 4
+    for name, (strategy, steps) in feeds.items():
+        assert strategy == "hq@0", (name, strategy)
+        assert "all_gather" not in steps and "all_to_all" not in steps, (name, steps)
+    ch = next(c for c in p.stages[0].op_layouts.solution((4,)).op_choices.values() if c.family == "attention")
+    assert ch.input_placements == [("S(1)",), ("R",), ("R",)] and ch.output_placements == [("S(1)",)]

@@ -40,7 +40,7 @@ def megatron_counts(blocks: int, dp: int = 1) -> dict[str, int]:
     return out
 
 
-def make_plan(ref: str, devices: int, **pins):
+def make_plan(ref: str, devices: int, gbs: int = GBS, **pins):
     """The planner's plan for `ref` on `devices` CPU processes with the knobs in `pins`, with
     the analytic (Megatron) per-layer rules: these tests are about running Megatron's layout,
     vocabulary-parallel embedding included (the ILP may keep a table this small whole)."""
@@ -48,21 +48,21 @@ def make_plan(ref: str, devices: int, **pins):
     from autopar.planner import plan
 
     cluster = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": devices})
-    return plan(ref, cluster, global_batch_size=GBS, dtype="fp32", intra_op="analytic",
+    return plan(ref, cluster, global_batch_size=gbs, dtype="fp32", intra_op="analytic",
                 constraints=Constraints(num_microbatches=1, recompute="none", **pins))
 
 
-_REF: dict[str, list[float]] = {}
+_REF: dict[tuple[str, int], list[float]] = {}
 
 
-def one_process_losses(ref: str) -> list[float]:
+def one_process_losses(ref: str, gbs: int = GBS) -> list[float]:
     """Losses of the one-process plan, run in this process (same seed, same global batches)."""
     from autopar.runtime import run
 
-    if ref not in _REF:
-        rows = run(make_plan(ref, 1), ref, steps=STEPS, quiet=True)
-        _REF[ref] = [r["loss"] for r in rows if "step" in r]
-    return _REF[ref]
+    if (ref, gbs) not in _REF:
+        rows = run(make_plan(ref, 1, gbs), ref, steps=STEPS, quiet=True)
+        _REF[ref, gbs] = [r["loss"] for r in rows if "step" in r]
+    return _REF[ref, gbs]
 
 
 def assert_megatron_placements(plan) -> None:
@@ -86,7 +86,7 @@ def run_and_check(plan, ref: str) -> list[dict]:
     rows = run(plan, ref, steps=STEPS, quiet=True)
     steps = [r for r in rows if "step" in r]
     got = [r["loss"] for r in steps]
-    want = one_process_losses(ref)
+    want = one_process_losses(ref, plan.global_batch_size)
     assert close(got, want, 1e-4), (got, want)
     for r in steps:
         assert r["collectives"] == plan.predicted.collectives, (r["step"], r["collectives"],
@@ -128,3 +128,22 @@ def test_ilp_planned_llama_tp2_runs_as_predicted():
     assert p.search["intra_op"] == "ilp"
     assert_megatron_placements(p)
     run_and_check(p, ZOO)
+
+
+def test_ilp_planned_llama_tp4_over_2_kv_heads_splits_query_heads():
+    """llama-small (4 query heads, 2 KV heads) at tp 4, the ILP's plan at micro-batch 16 (where
+    its costs favour it: `test_plan_layouts.py::test_gqa_over_more_devices_than_kv_heads_
+    splits_query_heads_without_gathering`): each attention splits its query heads over the 4
+    ranks and reads K and V replicated, each rank slicing the KV head its query head reads
+    (`rules.attention`, `execute._local_attention`), no collective around it forward, dK and
+    dV reduced backward. Runs with the one-process losses and exactly the planned collectives."""
+    from autopar import ClusterSpec, Constraints
+    from autopar.planner import plan as make
+
+    cluster = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
+    p = make("llama-small", cluster, global_batch_size=16, dtype="fp32", intra_op="ilp",
+             constraints=Constraints(num_microbatches=1, recompute="none", tp=4, dp=1, pp=1))
+    st = p.stages[0]
+    att = [c for c in st.op_layouts.solution(st.mesh_shape).op_choices.values() if c.family == "attention"]
+    assert len(att) == 4 and all(c.strategy == "hq@0" for c in att), [c.strategy for c in att]
+    run_and_check(p, "llama-small")

@@ -372,12 +372,7 @@ def test_cuda_program_runs_dropout_and_attention_dropout_as_cuda_kernels():
 
 
 @pytest.mark.parametrize("model,cluster_name,tp", [
-    ("gpt-small", "cpu", 4), ("llama-small", "dgx-a100-80g", 2),
-    pytest.param("llama-small", "dgx-a100-80g", 4, marks=pytest.mark.xfail(strict=True, reason=(
-        "tp 4 over llama-small's 2 KV heads: with grouped-query attention inside SDPA (enable_gqa) the "
-        "attention cannot split its heads 4 ways and runs replicated, K and V made partial then reduced; "
-        "the memory model misses that layout by 5% of the activations (-2.5% of the total), as it did "
-        "already for Hugging Face Llama (+3.1% at the same shape)"))),
+    ("gpt-small", "cpu", 4), ("llama-small", "dgx-a100-80g", 2), ("llama-small", "dgx-a100-80g", 4),
 ])
 def test_tensor_parallel_activations_predicted_as_tracked(model, cluster_name, tp):
     """tp with and without sequence parallelism: the plan's activations equal what torch keeps
@@ -388,7 +383,12 @@ def test_tensor_parallel_activations_predicted_as_tracked(model, cluster_name, t
     into the copy it saves (was -3.5% without sequence parallelism). The Llama's grouped-query
     attention runs inside SDPA (`enable_gqa`; it repeated K and V before it, copies that
     `cost_models.layouts` priced, until cp needed to gather K and V unrepeated): tp 2 splits its
-    2 KV heads."""
+    2 KV heads. tp 4 over them: at micro-batch 8 the ILP keeps the attention replicated (the
+    query-head split, `rules.attention` hq, costs two backward all-reduces of dK and dV, which
+    at this size outweigh the quarter of the attention it saves), with K and V made by
+    row-parallel projections and all-reduced; an equal-cost layout (column-parallel k/v
+    projections, K and V all-gathered), which the solver picked before the hq strategy existed,
+    was missed by 5% of the activations and is not picked now."""
     cluster = autopar.ClusterSpec.load(cluster_name, num_nodes=1).model_copy(update={"devices_per_node": tp})
     for sp in (False, True):
         p = autopar.plan(model, cluster, global_batch_size=8, cache=False,
@@ -396,6 +396,30 @@ def test_tensor_parallel_activations_predicted_as_tracked(model, cluster_name, t
                                                          zero_stage=0, sequence_parallel=sp))
         assert p.sequence_parallel == sp
         rc = verify(p, model, ranks=[0], jobs=1).ranks[0]
+        got, want = rc.tracked_categories["activations"], rc.predicted_categories["activations"]
+        assert abs(want - got) <= 0.015 * got, (sp, got, want)
+        assert abs(rc.memory_error) <= 0.01, (sp, rc.memory_error)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "without sequence parallelism the memory model misses this layout by 1.7% of the activations "
+    "(tracked 28.43 MB, predicted 27.94; -1.2% of the total), not yet explained: among what rank 0 "
+    "keeps are 2 copies per layer of a [b, s, h/tp] slice of the replicated norm output (DTensor's "
+    "Shard slice, which the row-parallel k/v projections save), a suspect; with sequence parallelism "
+    "it is within 0.2%"))
+def test_query_head_split_activations_predicted_as_tracked():
+    """llama-small at tp 4 and micro-batch 16 on the CPU profile: every attention splits its
+    query heads, K and V replicated full-size on each rank and each rank's KV head sliced
+    (`rules.attention` hq): the plan's activations equal what torch keeps on rank 0."""
+    cluster = autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": 4})
+    for sp in (True, False):
+        p = autopar.plan("llama-small", cluster, global_batch_size=16, dtype="fp32", cache=False,
+                         constraints=autopar.Constraints(dp=1, tp=4, pp=1, microbatch_size=16, recompute="none",
+                                                         zero_stage=0, sequence_parallel=sp))
+        st = p.stages[0]
+        assert {c.strategy for c in st.op_layouts.solution(st.mesh_shape).op_choices.values()
+                if c.family == "attention"} == {"hq@0"}
+        rc = verify(p, "llama-small", ranks=[0], jobs=1).ranks[0]
         got, want = rc.tracked_categories["activations"], rc.predicted_categories["activations"]
         assert abs(want - got) <= 0.015 * got, (sp, got, want)
         assert abs(rc.memory_error) <= 0.01, (sp, rc.memory_error)

@@ -38,7 +38,9 @@ Where DTensor by default would run other collectives than the plan, the step run
 * an op passing a partial input through (a view, a cast, a scaling) runs on each summand
   (DTensor reduces first for some, expand and unsqueeze among them);
 * attention runs on each device's shard: the plan splits only batch and heads (DTensor has no
-  rule for CPU flash attention with a mask);
+  rule for CPU flash attention with a mask); with the query heads split alone (grouped-query
+  attention over more devices than KV heads) each device slices the KV heads its query heads
+  read from replicated K and V, their gradients partial;
 * a loss whose plan splits a reduced dim (the batch) is computed on each device's shard and
   summed or averaged by the all-reduce that makes it replicated, as data parallelism does
   (DTensor's nll_loss would also all-reduce the target count in the backward pass, and its
@@ -78,6 +80,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.capture.export import _WithLoss, default_loss, move_not_cast
+from autopar.intra_op.rules.attention import query_head_axes
 from autopar.intra_op.rules.loss import REDUCTION_ARG, reduction_of
 from autopar.intra_op.solution import OpChoice, ShardingSolution
 from autopar.runtime.memory_tracking import communication_buffers, now_activation, recomputing
@@ -1021,7 +1024,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
         if len(specs) == 1 and _partial(specs[0]) and _unsharded(specs[0]) and all(map(_unsharded, outs)):
             return self._partial_passthrough(n, args, kwargs)
         if choice.family == "attention":
-            return self._local_attention(args, kwargs, n, outs)
+            return self._local_attention(args, kwargs, n, outs, query_head_axes(choice.strategy))
         if choice.family == "loss" and "vocab-parallel" in choice.strategy:
             return self._vocab_parallel_loss(n, args, kwargs)
         if choice.family == "loss" and _partial(outs[0]) and reduction_of(op, n.args, n.kwargs) in (1, 2):
@@ -1081,11 +1084,27 @@ class _PlanInterpreter(torch.fx.Interpreter):
         return _on_summands(args[0], lambda t: n.target(t, *args[1:], **kwargs))
 
     def _local_attention(self, args: Any, kwargs: Any, n: torch.fx.Node,
-                         out_specs: Sequence[Spec]) -> Any:
+                         out_specs: Sequence[Spec], hq_axes: Sequence[int] = ()) -> Any:
         """Attention on each device's shard: the plan splits only batch and head dims (the
         sequence and head dims stay whole), so the shards are independent attentions. DTensor
-        has no rule for CPU flash attention with a mask."""
-        out = n.target(*_locals(args), **_locals(kwargs))
+        has no rule for CPU flash attention with a mask.
+
+        Query heads split alone (`hq_axes`, grouped-query attention with more devices than KV
+        heads): K and V come replicated over those axes, and each device attends over the KV
+        heads its query heads use (query head i reads KV head i // g), sliced locally. Their
+        gradients go back partial over `hq_axes`: each device's is zero outside its slice."""
+        if not hq_axes:
+            out = n.target(*_locals(args), **_locals(kwargs))
+        else:
+            q, k, v = args[:3]
+            lq, lk, lv = _locals(q), _kv_local(k, hq_axes), _kv_local(v, hq_axes)
+            hd = q.ndim - 3
+            hq, hkv = int(q.shape[hd]), int(k.shape[hd])
+            start = _local_offset(q, hd)
+            g = hq // hkv
+            first, last = start // g, (start + int(lq.shape[hd]) - 1) // g
+            lk, lv = (t.narrow(hd, first, last - first + 1) for t in (lk, lv))
+            out = n.target(lq, lk, lv, *_locals(args[3:]), **_locals(kwargs))
         if isinstance(out, torch.Tensor):
             return DTensor.from_local(out, self.mesh, to_placements(out_specs[0], out.dim()), run_check=False)
         return type(out)(DTensor.from_local(o, self.mesh, to_placements(sp, o.dim()), run_check=False)
@@ -1196,6 +1215,26 @@ def _locals(v: Any) -> Any:
     """DTensors replaced by their local tensors (differentiably)."""
     return torch.fx.node.map_aggregate(
         v, lambda x: _ToLocal.apply(x, _grad_target(x.placements, ())) if isinstance(x, DTensor) else x)
+
+
+def _kv_local(x: DTensor, axes: Sequence[int]) -> torch.Tensor:
+    """The local tensor of K or V (replicated over `axes`) whose gradient goes back partial
+    over `axes`: each device's slice of the KV heads gets its share."""
+    pl = tuple(Partial() if a in axes else p for a, p in enumerate(_grad_target(x.placements, ())))
+    return _ToLocal.apply(x, pl)
+
+
+def _local_offset(x: DTensor, dim: int) -> int:
+    """Where this device's shard of `x` starts along `dim`, in the global tensor (shards nest:
+    each later axis splits what the earlier ones left). From the mesh coordinate alone, so it
+    runs under fake tensors too (`autopar verify`)."""
+    mesh, coord = x.device_mesh, x.device_mesh.get_coordinate()
+    size, off = int(x.shape[dim]), 0
+    for a, p in enumerate(x.placements):
+        if isinstance(p, Shard) and p.dim == dim:
+            size = -(-size // mesh.size(a))
+            off += coord[a] * size
+    return off
 
 
 def _flat_nodes(v: Any) -> list[Any]:

@@ -8,7 +8,7 @@ unary ops, views, softmax): the ILP merges them into that operand's choice (Alpa
     embedding    embedding                                             (embedding.py)
     norm         layer_norm rms_norm native_layer_norm                 (norm.py)
     softmax      softmax _softmax log_softmax _log_softmax             (softmax.py)
-    attention    scaled_dot_product_attention (GQA too)                (attention.py)
+    attention    scaled_dot_product_attention (GQA; q heads over K/V)  (attention.py)
     elementwise  add mul div pow gelu silu relu dropout where ...      (elementwise.py)
     view         view reshape transpose permute split cat slice ...    (view.py)
     reduction    sum mean amax var ...                                 (reduction.py)
