@@ -250,16 +250,9 @@ class RepeatKVAttention(LlamaAttention):
     over the query heads (`expand` + `reshape`) before SDPA, instead of SDPA's `enable_gqa`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from autopar.models.llama import rotary_tables, rotate_half
-
         b, s, _ = x.shape
         d = self.head_dim
-        q = self.q_proj(x).view(b, s, self.heads, d).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.kv_heads, d).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.kv_heads, d).transpose(1, 2)
-        cos, sin = rotary_tables(s, d, self.theta, x.device, q.dtype)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k, v = self.rotated_qkv(x)
         rep = self.heads // self.kv_heads
         k = k[:, :, None].expand(b, self.kv_heads, rep, s, d).reshape(b, self.heads, s, d)
         v = v[:, :, None].expand(b, self.kv_heads, rep, s, d).reshape(b, self.heads, s, d)

@@ -59,15 +59,20 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def rotated_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [b, heads, s, d], k and v [b, kv_heads, s, d], rotary embedding applied to q and k."""
         b, s, _ = x.shape
         d = self.head_dim
         q = self.q_proj(x).view(b, s, self.heads, d).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.kv_heads, d).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.kv_heads, d).transpose(1, 2)
         cos, sin = rotary_tables(s, d, self.theta, x.device, q.dtype)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        d = self.head_dim
+        q, k, v = self.rotated_qkv(x)
         # grouped-query attention inside the kernel (each K/V head shared by heads / kv_heads
         # query heads), not by repeating K and V before it: context parallelism all-gathers
         # K and V as the attention reads them, kv_heads of them, not heads
