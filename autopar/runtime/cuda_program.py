@@ -38,6 +38,7 @@ import itertools
 from typing import Any, Optional, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
@@ -98,19 +99,20 @@ def _generator(seed: int, device: torch.device) -> torch.Generator:
 
 
 def _attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                    p: float, causal: bool, scale: float, r0: int, r1: int,
+                    p: float, causal: bool, scale: float, r0: int, sq: int,
                     gen: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Attention of query rows r0:r1 in fp32 or wider (SDPA's math: scores, top-left causal mask, the
-    mask added or applied, softmax with fully masked rows at zero, dropout, product with v);
-    k and v already have q's heads."""
+    """Attention of the query rows `q` (rows r0.. of a sequence of `sq` queries) in fp32 or wider
+    (SDPA's math: scores, top-left causal mask, the mask added or applied, softmax with fully
+    masked rows at zero, dropout, product with v); k and v already have q's heads."""
+    r1 = r0 + q.shape[-2]
     at = torch.promote_types(q.dtype, torch.float32)
-    s = torch.matmul(q[..., r0:r1, :].to(at), k.to(at).transpose(-2, -1)) * scale
+    s = torch.matmul(q.to(at), k.to(at).transpose(-2, -1)) * scale
     if causal:
         rows = torch.arange(r0, r1, device=s.device)[:, None]
         cols = torch.arange(s.shape[-1], device=s.device)[None, :]
         s = s.masked_fill(cols > rows, float("-inf"))
     if mask is not None:
-        m = mask[..., r0:r1, :] if mask.dim() >= 2 and mask.shape[-2] == q.shape[-2] else mask
+        m = mask[..., r0:r1, :] if mask.dim() >= 2 and mask.shape[-2] == sq else mask
         s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.to(at)
     a = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
     if p > 0:
@@ -133,9 +135,12 @@ class FusedDropoutAttention(torch.autograd.Function):
         ctx.seed = torch.initial_seed() + next(ATTENTION_CALLS)
         ctx.gen = _generator(ctx.seed, q.device)
         ctx.args = (p, causal, scale if scale is not None else q.shape[-1] ** -0.5, gqa)
-        out = torch.cat([_attention_rows(q, *_heads(q, k, v, gqa), mask, ctx.args[0], causal, ctx.args[2], r0,
-                                         min(r0 + ATTENTION_ROW_BLOCK, q.shape[-2]), ctx.gen)
-                         for r0 in range(0, q.shape[-2], ATTENTION_ROW_BLOCK)], dim=-2).to(q.dtype)
+        sq = q.shape[-2]
+        kh, vh = _heads(q, k, v, gqa)
+        out = torch.cat([_attention_rows(q[..., r0:r0 + ATTENTION_ROW_BLOCK, :], kh, vh, mask, ctx.args[0], causal,
+                                         ctx.args[2], r0, sq, ctx.gen)
+                         for r0 in range(0, sq, ATTENTION_ROW_BLOCK)], dim=-2).to(q.dtype)
+        del kh, vh
         if out.dim() == 4:
             # the kernels write [batch, queries, heads, dim] in memory: the heads' merge after
             # them (transpose, reshape) is a view, as `cost_models.layouts` says
@@ -154,14 +159,18 @@ class FusedDropoutAttention(torch.autograd.Function):
         dk = torch.zeros_like(k, dtype=at)
         dv = torch.zeros_like(v, dtype=at)
         gen = _generator(ctx.seed, q.device)
+        sq = q.shape[-2]
         with torch.enable_grad():
             kd, vd = k.detach().requires_grad_(), v.detach().requires_grad_()
-            for r0 in range(0, q.shape[-2], ATTENTION_ROW_BLOCK):
-                r1 = min(r0 + ATTENTION_ROW_BLOCK, q.shape[-2])
-                qd = q.detach().requires_grad_()
-                o = _attention_rows(qd, *_heads(qd, kd, vd, gqa), mask, p, causal, scale, r0, r1, gen)
-                gq, gk, gv = torch.autograd.grad(o, (qd, kd, vd), grad[..., r0:r1, :].to(at))
-                dq[..., r0:r1, :] = gq[..., r0:r1, :]
+            kh, vh = _heads(q, kd, vd, gqa)
+            for r0 in range(0, sq, ATTENTION_ROW_BLOCK):
+                r1 = min(r0 + ATTENTION_ROW_BLOCK, sq)
+                # the block's rows only: no query-sized gradient per block
+                qd = q[..., r0:r1, :].detach().requires_grad_()
+                o = _attention_rows(qd, kh, vh, mask, p, causal, scale, r0, sq, gen)
+                gq, gk, gv = torch.autograd.grad(o, (qd, kd, vd), grad[..., r0:r1, :].to(at),
+                                                 retain_graph=r1 < sq)
+                dq[..., r0:r1, :] = gq
                 dk += gk
                 dv += gv
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
@@ -185,7 +194,6 @@ def _fused_dropout_attention(args: Sequence[Any], kwargs: dict) -> Optional[torc
     a.update(zip(names, args))
     a.update({k: v for k, v in kwargs.items() if k in a})
     q, k, v, mask, p = a["query"], a["key"], a["value"], a["attn_mask"], a["dropout_p"]
-    from torch.distributed.tensor import DTensor
     if (not isinstance(p, (int, float)) or p <= 0 or not all(isinstance(t, torch.Tensor) for t in (q, k, v))
             or any(isinstance(t, DTensor) for t in (q, k, v, mask))
             or (isinstance(mask, torch.Tensor) and mask.requires_grad)):
