@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Literal, Optional, Union
+from typing import Any, Callable, Iterable, Literal, Optional, Sequence, Union
 
 import numpy as np
 
@@ -198,10 +198,10 @@ class ActivationMemory:
     # the first backward of a step (no parameter gradient exists before it): its worst moment
     # above `saved_bytes` with the parameter gradients its ops made so far alive (each op's
     # becomes `.grad`), by parts: (saved activations above or below `saved_bytes`: recomputed
-    # ones, or freed ones as a negative, activation gradients, parameter gradients); the loss
-    # op's moment apart (None: no loss), since the two hold different ZeRO-3 units
-    first_body: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    first_loss: Optional[tuple[float, float, float]] = None
+    # ones, or freed ones as a negative, activation gradients, parameter gradients); one per
+    # position of the op among the layer's modules (`unit_position`), since under ZeRO-3 each
+    # module is a unit of its own and a moment holds its op's unit and the one prefetched
+    first_moments: dict[float, tuple[float, float, float]] = field(default_factory=dict)
 
     @property
     def peak_bytes(self) -> float:
@@ -507,6 +507,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                       param_elems: Optional[dict[str, float]] = None,
                       given_grad: Optional[str] = None,
                       attention_kernel: AttentionKernel = "fused",
+                      modules: Sequence[str] = (),
                       ) -> ActivationMemory:
     """Activation bytes of one micro-batch of `graph` (at a concrete batch, `graph.at_batch(b)`),
     optionally restricted to `layers` (FQNs; None names the ops outside every layer), with
@@ -527,7 +528,8 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     or it becomes `.grad`); `given_grad`: a
     tensor whose gradient comes from outside (a pipeline chunk's output: the receive buffer),
     for `backward_over_given`. `attention_kernel`: the software's (`SoftwareSpec`); "unfused"
-    saves the attention scores (`saved_tensors`)."""
+    saves the attention scores (`saved_tensors`). `modules`: the layer's modules in order, by
+    which the first backward's moments are told apart (`first_moments`, `unit_position`)."""
     rec = "full" if recompute is True else ("none" if recompute is False else recompute)
     if rec not in RECOMPUTES:
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTES)}, got {recompute!r}")
@@ -802,16 +804,14 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     entered: set = set()
     born = 0.0          # parameter gradients the ops whose backward ran made
 
-    body_seen = False
+    position = unit_position(calls, modules)
 
-    def first(acts: float, act_grads: float, param_grads: float, loss: bool = False) -> None:
-        # a moment of the first backward, by parts
-        nonlocal body_seen
-        if loss:
-            if out.first_loss is None or acts + act_grads + param_grads > sum(out.first_loss):
-                out.first_loss = (acts, act_grads, param_grads)
-        elif not body_seen or acts + act_grads + param_grads > sum(out.first_body):
-            out.first_body, body_seen = (acts, act_grads, param_grads), True
+    def first(n, acts: float, act_grads: float, param_grads: float) -> None:
+        # a moment of the first backward, by parts: the worst at op n's position
+        at = position[n.name]
+        old = out.first_moments.get(at)
+        if old is None or acts + act_grads + param_grads > sum(old):
+            out.first_moments[at] = (acts, act_grads, param_grads)
 
     for n in reversed(calls):
         if keep is not None and n.layer not in keep:
@@ -821,7 +821,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             if r not in entered:
                 entered.add(r)
                 m = live + region_peak[r] - out.saved_bytes
-                first(m - region_grads[r], region_grads[r], born)
+                first(n, m - region_grads[r], region_grads[r], born)
                 out.backward_over_body = max(out.backward_over_body, m)
                 if m > out.backward_over_bytes:
                     out.backward_over_bytes, out.backward_over_recompute = m, True
@@ -830,7 +830,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         else:
             m = live + grads(n) - out.saved_bytes
             mine = new_grads(n)
-            first(live - out.saved_bytes, grads(n) - mine, born + mine, n.op in LOSSES)
+            first(n, live - out.saved_bytes, grads(n) - mine, born + mine)
             if n.op in LOSSES:
                 out.backward_over_loss = max(out.backward_over_loss or 0.0, m)
             else:
@@ -849,6 +849,27 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     # region_peak: what a region re-made at the end plus the last op's gradients at least
     cand = [region_peak[r] for r in region_bytes if keep is None or layer_of_region.get(r) in keep]
     out.working_bytes = max(cand, default=0.0)
+    return out
+
+
+def unit_position(calls: list, modules: Sequence[str]) -> dict[str, float]:
+    """Where each op of a layer lies among the layer's `modules` (its FSDP units under ZeRO-3,
+    in forward order): the index of the module holding it, or, for an op outside all of them
+    (a loss, a top-level op), the index of the last module before it plus one half (-0.5 before
+    the first). The first backward's moments are kept per position (`first_moments`): the
+    search charges each with the unit its op's module is and the one FSDP prefetches for the
+    backward next (`inter_op.search`). Without `modules` every op is at 0."""
+    if not modules:
+        return {n.name: 0.0 for n in calls}
+    out: dict[str, float] = {}
+    last = -1
+    for n in calls:
+        path = n.module_path or ""
+        at = next((i for i, m in enumerate(modules) if not m or path == m or path.startswith(m + ".")), None)
+        if at is None:
+            out[n.name] = last + 0.5
+        else:
+            out[n.name], last = float(at), at
     return out
 
 
@@ -1028,8 +1049,16 @@ def _promoted_fp32(calls: list, by_name: dict, base: dict, fp32: frozenset, fp32
     out = set(fp32)
     stop = MATRIX_OPS | FUSED_ATTENTION | CASTS | LOSSES
 
-    def fp32_operand(i: str) -> bool:
+    def fp32_operand(i: str, reader) -> bool:
         src = by_name.get(i)
+        b = by_name.get(base.get(i, i))
+        if b is not None and b.op in ("to", "_to_copy") and b.name in fp32 and b.inputs:
+            mod, rm = b.module_path or "", reader.module_path or ""
+            if mod and not (rm == mod or rm.startswith(mod + ".")):
+                # an upcast read outside its module: the fp32 capture made the cast and its
+                # input one tensor (a `to` to its own dtype returns it), and the program read
+                # the input there (the residual stream beside Hugging Face's RMSNorm)
+                return fp32_operand(b.inputs[0], reader)
         return (src is not None and base.get(i, i) in out and _floating(src) and bool(src.outputs)
                 and len(src.outputs[0].shape) > 0)
 
@@ -1043,7 +1072,7 @@ def _promoted_fp32(calls: list, by_name: dict, base: dict, fp32: frozenset, fp32
             continue
         if n.op in fp32_ops and n.op not in LOSSES:
             out.add(n.name)
-        elif n.op not in stop and any(fp32_operand(i) for i in n.inputs):
+        elif n.op not in stop and any(fp32_operand(i, n) for i in n.inputs):
             out.add(n.name)
     return frozenset(out)
 

@@ -253,7 +253,7 @@ class IlpProvider(AnalyticProvider):
         sharded = {n for n, ch in sol.op_choices.items()
                    if ch.output_placements and any(map(is_shard, ch.output_placements[0]))}
         sharded |= {n for n, pl in sol.input_placements.items() if any(map(is_shard, pl))}
-        sub = self._subgraph(g, layer, [g.node(n) for n in layer.nodes])
+        sub = self._subgraph(g, layer, [g.node(n) for n in layer.nodes], self.requires_grad)
         shard = lambda node: tp if node.name in sharded else 1  # noqa: E731
         names = self.boundary_names(layer)
         if names["out_name"] in sharded:
@@ -261,7 +261,8 @@ class IlpProvider(AnalyticProvider):
             c.out_bytes = base.out_bytes / tp
         kernel = self.software.attention_kernel
         fill_activations(c, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
-                         attention_kernel=kernel, selective_region=layer.selective_region(tp), **names)
+                         attention_kernel=kernel, selective_region=layer.selective_region(tp),
+                         modules=layer.modules, **names)
         # DTensor's propagation shards heads Megatron-style; the executor runs the solution
         c.dtensor_issues = list(base.issues)
         if not executor:
@@ -273,7 +274,7 @@ class IlpProvider(AnalyticProvider):
             alt = LayerCost()
             fill_activations(alt, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
                              read_shard=read, attention_kernel=kernel, selective_region=layer.selective_region(tp),
-                             **names)
+                             modules=layer.modules, **names)
             c.solved_acts = _differing(alt, c)
         return c
 
@@ -330,7 +331,7 @@ def _differing(alt: LayerCost, c: LayerCost) -> dict | None:
     `c`'s."""
     diff: dict = {}
     for k in ("act_bytes", "bwd_over", "bwd_over_rc", "bwd_over_grads", "bwd_over_body", "bwd_over_loss",
-              "out_saved", "in_saved", "bwd_over_given", "bwd_first", "bwd_first_loss"):
+              "out_saved", "in_saved", "bwd_over_given", "bwd_first", "bwd_first_at"):
         d = {rc: v for rc, v in getattr(alt, k).items() if v != getattr(c, k).get(rc)}
         if d:
             diff[k] = d

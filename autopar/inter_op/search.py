@@ -72,6 +72,7 @@ import dataclasses
 import functools
 import hashlib
 import heapq
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -84,7 +85,7 @@ from autopar.inter_op import context_parallel
 from autopar.inter_op.dp import first_feasible, stage_dp
 from autopar.inter_op.experts import ExpertCosting
 from autopar.inter_op.layers import Layer
-from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost, axis_link, coll_time
+from autopar.inter_op.stage_cost import MAIN_UNIT, AnalyticProvider, LayerCost, axis_link, coll_time
 from autopar.schema import ClusterSpec, Constraints, PlanError
 from autopar.schema.constraints import RECOMPUTES
 from autopar.schema.software import resolve_software
@@ -400,67 +401,85 @@ class _Tables:
     def first_backward(self, r: str, later: bool) -> tuple[np.ndarray, ...]:
         """A range's first backward of the step (no parameter gradient before it), moment by
         moment as `range_work` takes them, with the parameter gradients made so far alive: each
-        layer's worst moment of its own (`LayerCost.bwd_first`, its loss's apart) and, with
-        `later`, the whole gradients of the range's layers after it (their backward ran;
-        without: a ZeRO-3 unit's are reduce-scattered as it ends). Under ZeRO-3 a moment holds
-        the root's parameters and its layer's unit (the loss's: the root's alone), which decides
-        which moment is the worst. Returns (W, at, parts): W[k, j] the worst moment above the
-        range's saved activations and the forward/backward phase's model states and buffers
-        without gradients, at[k, j] its layer, parts[k, j] = (activations above or below the
-        saved ones, activation gradients, parameter gradients, weights above or below the
-        phase's) summing to W, in bytes at the training dtype. Cached per (r, later)."""
-        hit = self._first.get((r, later))
+        layer's worst moment of its own (`LayerCost.bwd_first`, one per position among its
+        modules) and, with `later`, the whole gradients of the range's layers after it (their
+        backward ran; without: a ZeRO-3 unit's are reduce-scattered as it ends). Under ZeRO-3
+        a moment holds the root's parameters, its op's module's unit (none for an op outside
+        the layer's modules: a loss) and the unit FSDP2 prefetches for the backward next (the
+        nearest module before it with parameters; for the layer's first, the range's layer
+        before's last unit: `_moment_units`), which decides which moment is the worst. Returns
+        (W, at, parts): W[k, j] the worst moment above the range's saved activations and the
+        forward/backward phase's model states and buffers without gradients, at[k, j] its
+        layer, parts[k, j] = (activations above or below the saved ones, activation gradients
+        and prefetched weights, parameter gradients, weights above or below the phase's)
+        summing to W, in bytes at the training dtype. Cached per (r, later, ZeRO-3 or not)."""
+        key = (r, later, self.zero3)     # `_first` is shared by the tables of every ZeRO stage
+        hit = self._first.get(key)
         if hit is not None:
             return hit
         L, costs = self.L, self.costs
         P = self.act[r]
         work = self.work[r]
-
-        def fallback(i: int) -> list:
-            # a layer costed without the first backward's parts: its worst moment of any
-            g = self.work_grads[r][i]
-            return [work[i] - g, g, 0.0] if self.work_rc[r][i] else [0.0, work[i], 0.0]
-
-        body = np.array([c.bwd_first.get(r) or fallback(i) for i, c in enumerate(costs)], dtype=float).reshape(L, 3)
-        loss = np.array([c.bwd_first_loss.get(r) or [-INF, 0.0, 0.0] for c in costs], dtype=float).reshape(L, 3)
-        # the weights each moment holds above the root's: its layer's unit (ZeRO-3), less the
-        # largest unit every moment is charged by the phase (`wd`, below)
-        unit = self.wgo[0] * self.unit_layer if self.zero3 else np.zeros(L)
-        use_loss = loss.sum(axis=1) > body.sum(axis=1) + unit
-        parts = np.where(use_loss[:, None], np.concatenate([loss, np.zeros((L, 1))], axis=1),
-                         np.concatenate([body, unit[:, None]], axis=1))
-        f = parts.sum(axis=1)
+        # each layer's worst moment by parts [activations, activation gradients, parameter
+        # gradients, its unit's weights, the prefetched unit's], where the layer before is in
+        # the range (`inside`) and where the layer starts it (`alone`: nothing before to prefetch)
+        inside, alone = np.zeros((L, 5)), np.zeros((L, 5))
+        w0 = self.wgo[0] if self.zero3 else 0.0
+        for i, c in enumerate(costs):
+            ms = c.bwd_first.get(r)
+            if ms:
+                at = c.bwd_first_at.get(r) or [MAIN_UNIT] * len(ms)
+            else:
+                # a layer costed without the first backward's parts: its worst moment of any
+                g = self.work_grads[r][i]
+                ms, at = [[work[i] - g, g, 0.0] if self.work_rc[r][i] else [0.0, work[i], 0.0]], [MAIN_UNIT]
+            before = self.last_unit[i - 1] if i > 0 else 0.0
+            for out, prev in ((inside, before), (alone, 0.0)):
+                best = -INF
+                for m, x in zip(ms, at):
+                    own, pre = self._moment_units(i, x)
+                    row = [m[0], m[1], m[2], w0 * own, w0 * (prev if pre is None else pre)]
+                    if sum(row) > best:
+                        best, out[i] = sum(row), row
+        f_in, f_out = inside.sum(axis=1), alone.sum(axis=1)
         g = self.wgo[1] if later else 0.0
         GP = np.concatenate([[0.0], np.cumsum(self.pel_layer * g)])
-        v = f + P[1:] - GP[1:]
-        W = _range_max(v) - P[None, :] + GP[None, :]
-        at = _range_argmax(v)
+        v_in, v_out = f_in + P[1:] - GP[1:], f_out + P[1:] - GP[1:]
+        # W[k, j]: layer k's moment alone, or a later one's with its layer before in the range
+        rm, ra = np.full((L, L + 1), -INF), np.full((L, L + 1), -1)
+        rm[:-1], ra[:-1] = _range_max(v_in)[1:], _range_argmax(v_in)[1:]
+        first = np.where(self.jj > self.kk, v_out[:, None], -INF)
+        W = np.maximum(first, rm) - P[None, :] + GP[None, :]
+        at = np.where((first >= rm) & (self.jj > self.kk), self.kk, ra)
         # a chunk's output held by the stage's forward cache (`_outputs_held`)
         for j in range(1, L):
             last, held = costs[j - 1], float(costs[j - 1].out_saved.get(r, 0.0))
             own = last.bwd_over_given.get(r, work[j - 1])
             if held <= 0 and own == work[j - 1]:
                 continue
-            vv = f[:j] + P[1:j + 1] - P[j] + held + (GP[j] - GP[1:j + 1])
-            vv[-1] = own + (f[j - 1] - work[j - 1]) + held
-            W[:j, j] = np.maximum.accumulate(vv[::-1])[::-1]
-            at[:j, j] = _suffix_argmax(vv)
+            rows = []
+            for f in (f_in, f_out):
+                vv = f[:j] + P[1:j + 1] - P[j] + held + (GP[j] - GP[1:j + 1])
+                vv[-1] = own + (f[j - 1] - work[j - 1]) + held
+                rows.append(vv)
+            vi, vo = rows
+            later_max = np.concatenate([np.maximum.accumulate(vi[::-1])[::-1][1:], [-INF]])
+            later_at = np.concatenate([_suffix_argmax(vi)[1:], [-1]])
+            W[:j, j] = np.maximum(vo, later_max)
+            at[:j, j] = np.where(vo >= later_max, np.arange(j), later_at)
         ok = at >= 0
         i = np.maximum(at, 0)
+        parts = np.where((i == self.kk)[..., None], alone[i], inside[i])
         later_g = np.where(ok, GP[np.clip(self.jj, 0, L)] - GP[i + 1], 0.0)
-        ag = np.where(ok, parts[i, 1], 0.0)
-        pg = np.where(ok, parts[i, 2], 0.0) + later_g
-        wd = np.where(ok, parts[i, 3] - (self.wgo[0] * self.range_unit if self.zero3 else 0.0), 0.0)
-        W = np.where(ok, W, 0.0) + wd - np.where(ok, parts[i, 3], 0.0)
-        if self.zero3:
-            # FSDP2 prefetches the unit whose backward runs next (a buffer, the phase's bound is
-            # the largest unit): a layer's moment, the layer's before it in the range; the
-            # loss's, the first unit of the backward (its own layer's, or the one before)
-            before = np.where(i - 1 >= self.kk, self.unit_layer[np.maximum(i - 1, 0)], 0.0)
-            own = self.unit_layer[i]
-            pre = np.where(use_loss[i] & (own > 0), own, before)
-            bd = np.where(ok, self.wgo[0] * (pre - self.range_unit), 0.0)
-            W, ag = W + bd, ag + bd
+        ag = np.where(ok, parts[..., 1], 0.0)
+        pg = np.where(ok, parts[..., 2], 0.0) + later_g
+        # the phase charges the largest unit gathered and another prefetched (`phases`): the
+        # moment's own unit and the prefetched one replace them (a buffer, with the gradients)
+        unit = w0 * self.range_unit if self.zero3 else 0.0
+        wd = np.where(ok, parts[..., 3] - unit, 0.0)
+        bd = np.where(ok, parts[..., 4] - unit, 0.0)
+        W = np.where(ok, W, 0.0) - np.where(ok, parts[..., 3] + parts[..., 4], 0.0) + wd + bd
+        ag = ag + bd
         # a parameter several layers of the range read (a tied embedding) has one gradient,
         # summed in autograd's input buffer as each reader's backward runs and made `.grad`
         # after its first reader's: a buffer until then, counted once
@@ -477,7 +496,7 @@ class _Tables:
             W, pg = W - extra, pg - extra - move
             ag = ag + move
         out = (W, at, np.stack([W - ag - pg - wd, ag, pg, wd], axis=-1))
-        self._first[(r, later)] = out
+        self._first[key] = out
         return out
 
     def recompute_terms(self, r: str, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -569,6 +588,43 @@ class _Tables:
                     groups[m] = groups.get(m, 0.0) + e
             unit[i] = max(groups.values(), default=0.0)
         return unit
+
+    @functools.cached_property
+    def module_units(self) -> list[list[float]]:
+        """Each layer's ZeRO-3 units by module (`Layer.modules`, in order), elements (0: a
+        module whose parameters are the root's, or that has none)."""
+        shared_names = {f for f, _, _ in self.shared}
+        out = []
+        for i, c in enumerate(self.costs):
+            mods = self._layers[i].modules if i < len(self._layers) else []
+            units = [0.0] * len(mods)
+            for f, e in c.param_elems.items():
+                if f not in shared_names:
+                    m = next((k for k, m in enumerate(mods) if f == m or f.startswith(m + ".")), None)
+                    if m is not None:
+                        units[m] += e
+            out.append(units)
+        return out
+
+    @functools.cached_property
+    def last_unit(self) -> np.ndarray:
+        """Each layer's last ZeRO-3 unit in forward order, elements: the first its backward
+        runs, which the next layer's first unit prefetches (0: none)."""
+        return np.array([next((u for u in reversed(us) if u > 0), 0.0) for us in self.module_units])
+
+    def _moment_units(self, i: int, at: float) -> tuple[float, Optional[float]]:
+        """The ZeRO-3 units a first-backward moment of layer `i` at position `at`
+        (`LayerCost.bwd_first_at`) holds, elements: (its op's module's unit, the unit FSDP2
+        prefetches for the backward next: the nearest module before it with parameters; None
+        where that is the layer before's last unit). `MAIN_UNIT`: the layer's largest unit,
+        the layer before's prefetched."""
+        units = self.module_units[i]
+        if at == MAIN_UNIT or not units:
+            return float(self.unit_layer[i]), None
+        k = int(np.floor(at))
+        own = units[k] if at == k and 0 <= k < len(units) else 0.0
+        prev = [u for u in units[:max(0, min(math.ceil(at), len(units)))] if u > 0]
+        return own, (prev[-1] if prev else None)
 
     def range_last_act(self, r: str) -> np.ndarray:
         """Every range's last layer's saved activations (one micro-batch)."""

@@ -68,12 +68,13 @@ class LayerCost:
     # `bwd_over` where the layer ends a pipeline chunk: its output's gradient is the receive
     # buffer (`ActivationMemory.backward_over_given`), by policy
     bwd_over_given: dict[str, float] = field(default_factory=dict)
-    # the first backward's worst moment by parts [activations, activation gradients, parameter
-    # gradients] (`ActivationMemory.first_body`, the forward's where it lies above; the
-    # parameter gradients its ops made so far alive), and the loss op's apart (`first_loss`;
-    # absent: no loss), by policy
+    # the first backward's worst moments by parts [activations, activation gradients, parameter
+    # gradients] (the parameter gradients its ops made so far alive), one per position among
+    # the layer's modules (`ActivationMemory.first_moments`), the positions in `bwd_first_at`
+    # (`cost_models.memory.unit_position`; `MAIN_UNIT`: the forward's worst moment where it lies
+    # above, held with the layer's largest unit), by policy
     bwd_first: dict[str, list] = field(default_factory=dict)
-    bwd_first_loss: dict[str, list] = field(default_factory=dict)
+    bwd_first_at: dict[str, list] = field(default_factory=dict)
     # of the tensor it hands to the next layer, and of the one it receives, the bytes its own ops
     # save (counted in act_bytes), by policy: the same tensor counted by two layers
     out_saved: dict[str, float] = field(default_factory=dict)
@@ -160,9 +161,15 @@ def autocast_device(cluster: ClusterSpec) -> str:
     return cluster.device.device_type
 
 
+# `LayerCost.bwd_first_at`'s position of a moment held with the layer's largest ZeRO-3 unit
+# (and the one before it prefetched), whatever op it falls in: the forward's worst
+MAIN_UNIT = -1.0
+
+
 def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | None = None, *,
                      out_name: str | None = None, in_name: str | None = None, dtensor: bool = False,
-                     read_shard=None, attention_kernel: str = "fused", selective_region: str = "ops") -> None:
+                     read_shard=None, attention_kernel: str = "fused", selective_region: str = "ops",
+                     modules: list[str] | tuple = ()) -> None:
     """A layer's activation memory per recomputation policy (graph liveness,
     `cost_models.memory.activation_memory` of its ops `sub`, tensors divided by `shard(node)`,
     under `device_type`'s autocast; the model's inputs left to the stage's batch buffer), its
@@ -174,13 +181,14 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
     `dtensor`: the layer runs tensor-parallel, on DTensors; `read_shard`: see
     `cost_models.memory.activation_memory` (an executed per-op solution); `attention_kernel`:
     the software's (`SoftwareSpec`: unfused attention saves its scores); `selective_region`:
-    what "selective" recomputes (`Layer.selective_region`)."""
+    what "selective" recomputes (`Layer.selective_region`); `modules`: the layer's, in order
+    (`Layer.modules`: the first backward's moments by position, `bwd_first`)."""
     params = {n.name: c.param_elems[n.fqn] for n in sub.nodes
               if n.kind == "param" and getattr(n, "fqn", None) in c.param_elems}
     for rc in RECOMPUTES:
         am = activation_memory(sub, dtype, rc, shard=shard, selective_region=selective_region, device_type=device_type,
                                count_inputs=False, dtensor=dtensor, read_shard=read_shard, param_elems=params,
-                               given_grad=out_name, attention_kernel=attention_kernel)
+                               given_grad=out_name, attention_kernel=attention_kernel, modules=modules)
         c.act_bytes[rc] = am.saved_bytes
         # the forward's worst moment where it lies above the backward's (tensors the forward
         # makes, counted as activations like a recomputation's)
@@ -192,10 +200,11 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
         if am.backward_over_loss is not None:
             c.bwd_over_loss[rc] = am.backward_over_loss
         c.bwd_over_given[rc] = max(am.forward_over_bytes, am.backward_over_given)
-        body = list(am.first_body)
-        c.bwd_first[rc] = [am.forward_over_bytes, 0.0, 0.0] if am.forward_over_bytes > sum(body) else body
-        if am.first_loss is not None:
-            c.bwd_first_loss[rc] = list(am.first_loss)
+        at = sorted(am.first_moments)
+        moments = [list(am.first_moments[x]) for x in at]
+        if am.forward_over_bytes > max((sum(m) for m in moments), default=0.0):
+            at, moments = at + [MAIN_UNIT], moments + [[am.forward_over_bytes, 0.0, 0.0]]
+        c.bwd_first[rc], c.bwd_first_at[rc] = moments, at
         c.out_saved[rc] = am.saved_of(out_name)
         c.in_saved[rc] = am.saved_of(in_name)
 
@@ -358,13 +367,16 @@ class AnalyticProvider:
 
     # -- the rules ---------------------------------------------------------------------------
     @staticmethod
-    def _subgraph(g: OpGraph, layer: Layer, nodes: list[OpNode]) -> OpGraph:
+    def _subgraph(g: OpGraph, layer: Layer, nodes: list[OpNode], rg: dict[str, bool] | None = None) -> OpGraph:
         """The layer's ops, with the tensors it reads from outside as inputs; ops of the block
-        carry the layer's name (what full recomputation re-runs), the others None."""
+        carry the layer's name (what full recomputation re-runs), the others None. `rg`: which
+        tensors need a gradient in the whole model (`requires_grad`; None: as `g` shows them,
+        where `graph_at` made every tensor from another layer an input that needs one: the
+        rotary tables a later layer reads would then be saved by the products that read them)."""
         mine = {n.name for n in nodes}
         ext: list[OpNode] = []
         seen: set[str] = set()
-        rg = requires_grad(g.nodes)
+        rg = requires_grad(g.nodes) if rg is None else rg
         for n in nodes:
             for i in n.inputs:
                 if i not in mine and i not in seen and i in g._index:
@@ -372,7 +384,7 @@ class AnalyticProvider:
                     src = g.node(i)
                     # an activation needing no gradient (rotary tables, masks) is a constant here
                     kind = src.kind
-                    if kind == "call":
+                    if kind == "call" or (kind == "input" and src.target != "placeholder"):
                         kind = "input" if rg.get(i, False) else "constant"
                     ext.append(replace(src, kind=kind, layer=None, inputs=[]))
         body = [replace(n, layer=layer.name if n.name in layer.block_nodes else None) for n in nodes]
@@ -514,9 +526,9 @@ class AnalyticProvider:
                 pl = c.placements.get(p, "R")
                 c.placements.setdefault(p, pl)
                 c.param_elems[p] = math.prod(g.params[p].shape) / (tp if is_shard(pl) else 1)
-        sub = self._subgraph(g, layer, nodes)
+        sub = self._subgraph(g, layer, nodes, self.requires_grad)
         shard = lambda node: tp if node.name in sharded_nodes else 1  # noqa: E731
         fill_activations(c, sub, dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
                          attention_kernel=self.software.attention_kernel, selective_region=region,
-                         **self.boundary_names(layer))
+                         modules=layer.modules, **self.boundary_names(layer))
         return c
