@@ -132,15 +132,20 @@ class Case:
         return self.flops() / (self.gpus * self.published_tflops * 1e12)
 
 
+_T1_SRC = "Narayanan et al. 2021 (arXiv 2104.04473), Table 1, row {}"
+_T5_SRC = "Korthikanti et al. 2022 (arXiv 2205.05198), Table 5, row {}"
 CASES = [
-    Case("1.7B", 24, 2304, 24, 1, 1, 32, 512, 4, published_tflops=137, assumed="mb=4 assumed"),
-    Case("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 1, published_tflops=138, assumed="mb=1 assumed"),
-    Case("22B", 64, 6144, 48, 8, 1, 8, 4, 4, published_s=1.42),
-    Case("175B", 96, 12288, 96, 8, 8, 64, 64, 1, v=3, published_s=18.13),
+    Case("1.7B", 24, 2304, 24, 1, 1, 32, 512, 4, published_tflops=137, assumed="mb=4 assumed",
+         source=_T1_SRC.format("1.7B")),
+    Case("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 1, published_tflops=138, assumed="mb=1 assumed",
+         source=_T1_SRC.format("39.1B")),
+    Case("22B", 64, 6144, 48, 8, 1, 8, 4, 4, published_s=1.42, source=_T5_SRC.format("22B, full recompute")),
+    Case("175B", 96, 12288, 96, 8, 8, 64, 64, 1, v=3, published_s=18.13,
+         source=_T5_SRC.format("175B, full recompute")),
     # Korthikanti et al. 2022, Table 5: the 22B run with sequence parallelism and selective
     # recomputation (Megatron-LM 2022: the attention kernel and gradient sync of the 2021 preset)
     Case("22B SP+sel.", 64, 6144, 48, 8, 1, 8, 4, 4, published_s=1.10, recompute="selective",
-         sequence_parallel=True),
+         sequence_parallel=True, source=_T5_SRC.format("22B, present work (SP + selective)")),
 ]
 
 
@@ -148,7 +153,8 @@ CASES = [
 # 32 to 3072 A100s, the same software and hardware as the calibration cases). The table gives no
 # micro-batch size or schedule: micro-batch 1 and 1F1B are assumed for every row (not chosen per
 # row), so these rows test how the model extrapolates, not how well it was tuned.
-TABLE1 = [Case(name, a, h, l, t, p, n, b, 1, published_tflops=tf, assumed="mb=1, 1F1B assumed")
+TABLE1 = [Case(name, a, h, l, t, p, n, b, 1, published_tflops=tf, assumed="mb=1, 1F1B assumed",
+               source=_T1_SRC.format(name))
           for name, a, h, l, t, p, n, b, tf in [
               ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137), ("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138),
               ("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142), ("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135),
