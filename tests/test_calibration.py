@@ -1,0 +1,143 @@
+"""Issue 14: the cost model's errors against published training runs, pinned.
+
+`benchmarks/cost_model_accuracy.py` prints the prediction of every published case it knows; nothing
+failed when a change made those predictions worse. This test plans a representative subset of each
+of the benchmark's case families, with the benchmark's own case definitions and planning function
+(`CASES`, `TABLE1`, `H100_CASES`, `FLASH_CASES`, `plan_case`, `analytic`; nothing copied), and
+asserts each prediction's error is within `TOLERANCE` of the error recorded in `PINNED`, and each
+family's mean |error| within the target the benchmark states where the family meets it today.
+
+Subset (running every case takes about 4 minutes here; this takes under a minute):
+- `pinned`: all five of design.md's calibration cases (Megatron-LM 2021 / Korthikanti 2022 on
+  DGX A100, software megatron-lm-2021), through `autopar.plan`;
+- `analytic`: the cost models alone on the four 2021 cases (`--analytic`);
+- `table1`: two rows of Narayanan et al. 2021 Table 1 not among the pinned cases (7.5B, 18.4B, the
+  two that the model predicts pessimistic; 1.7B and 39.1B are the pinned cases with micro-batch 1);
+- `h100`: one of the five NeMo GPT-3 175B H100 runs (512 GPUs; the five differ only in data-parallel
+  width and are within 1.2 points of each other);
+- `flash`: the FlashAttention-2 paper's 2k runs, FLASHATTENTION-2 and FLASHATTENTION columns (looked
+  at while the model changed), and two FlashAttention-1 runs of flash-attn's training/README.md (held
+  out: GPT3-125M, GPT3-1.3B); the 8k, FA1 GPT3-355M and GPT-2 runs do not fit autopar's memory model
+  (misses, README) and are not pinned.
+
+`PINNED` was recorded in session 22 by `python tests/test_calibration.py` (prints the table to
+paste). A change meant to move a prediction (a sourced cost term, a new measurement) re-records
+it the same way, says so in its commit and re-runs the README's tables; a change that moves one
+by more than `TOLERANCE` without meaning to fails here.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.cost_model_accuracy import (  # noqa: E402
+    CASES,
+    FLASH_CASES,
+    H100_CASES,
+    TABLE1,
+    analytic,
+    load_cluster,
+    plan_case,
+)
+
+# |error now - error pinned| allowed for each case, in fractions of the published time: wide enough
+# for float noise and small unrelated modelling changes, narrow enough that a change worsening a
+# published case by a few percent fails
+TOLERANCE = 0.03
+
+# (family, case name) -> predicted / published - 1, recorded in session 22
+PINNED: dict[tuple[str, str], float] = {
+    ("pinned", "1.7B"): -0.1290,
+    ("pinned", "39.1B"): -0.0554,
+    ("pinned", "22B"): -0.0612,
+    ("pinned", "175B"): -0.0437,
+    ("pinned", "22B SP+sel."): -0.1383,
+    ("analytic", "1.7B"): -0.1495,
+    ("analytic", "39.1B"): -0.0598,
+    ("analytic", "22B"): -0.0664,
+    ("analytic", "175B"): -0.0387,
+    ("table1", "7.5B"): +0.0191,
+    ("table1", "18.4B"): +0.0321,
+    ("h100", "175B NeMo 512"): -0.0177,
+    ("flash", "FA2 1.3B 2k"): -0.1305,
+    ("flash", "FA2 2.7B 2k"): -0.1015,
+    ("flash", "FA1 (T1) 1.3B 2k"): -0.0436,
+    ("flash", "FA1 (T1) 2.7B 2k"): -0.0719,
+    ("flash", "FA1 GPT3-125M"): -0.0808,
+    ("flash", "FA1 GPT3-1.3B"): -0.0300,
+}
+
+# family -> the bound on its mean |error| over the pinned subset, where the family meets the
+# benchmark's target today (`_errors_summary`: mean <= 10%; issue 14's: mean <= 5%); the flash
+# family does not (FA2 2k: 11.6%), so it has per-case pins only
+MEAN_BOUND = {"pinned": 0.10, "analytic": 0.10, "table1": 0.05, "h100": 0.05}
+
+FAMILIES = {"pinned": CASES, "analytic": CASES, "table1": TABLE1, "h100": H100_CASES, "flash": FLASH_CASES}
+
+_errors: dict[tuple[str, str], float] = {}
+
+
+def _case(family: str, name: str):
+    (case,) = [c for c in FAMILIES[family] if c.name == name]
+    return case
+
+
+def _error(family: str, name: str) -> float:
+    """predicted / published - 1 of one case, as the benchmark computes it (cached per session)."""
+    key = (family, name)
+    if key not in _errors:
+        case = _case(family, name)
+        cluster = load_cluster(case)
+        if family == "analytic":
+            pred = analytic(case, cluster)["total"]
+        else:
+            pred = plan_case(case, cluster).predicted.iteration_time_s
+        _errors[key] = pred / case.published_time() - 1
+    return _errors[key]
+
+
+def _describe(family: str, name: str) -> str:
+    case = _case(family, name)
+    published = (f"{case.published_s} s per iteration" if case.published_s is not None
+                 else f"{case.published_tokens_per_s:.0f} tokens/s" if case.published_tokens_per_s is not None
+                 else f"{case.published_tflops} TFLOP/s per GPU")
+    return (f"{family} case {name!r} (published {published} = {case.published_time():.3f} s; {case.source}; "
+            f"software {case.software}, hardware {case.hardware})")
+
+
+@pytest.mark.parametrize("family,name", list(PINNED), ids=[f"{f}:{n}" for f, n in PINNED])
+def test_case_error_pinned(family: str, name: str) -> None:
+    err, pinned = _error(family, name), PINNED[(family, name)]
+    assert abs(err - pinned) <= TOLERANCE, (
+        f"{_describe(family, name)}: predicted error {err:+.1%}, pinned {pinned:+.1%} +- {TOLERANCE:.0%}. "
+        "If the change is meant to move this prediction, re-record with `python tests/test_calibration.py` "
+        "and re-run the README's accuracy tables")
+
+
+@pytest.mark.parametrize("family", list(MEAN_BOUND))
+def test_family_mean_within_target(family: str) -> None:
+    names = [n for f, n in PINNED if f == family]
+    errs = {n: _error(family, n) for n in names}
+    mean = sum(abs(e) for e in errs.values()) / len(errs)
+    assert mean <= MEAN_BOUND[family], (
+        f"{family}: mean |error| {mean:.1%} over {', '.join(f'{n} {e:+.1%}' for n, e in errs.items())} "
+        f"exceeds the target {MEAN_BOUND[family]:.0%} it met when pinned")
+
+
+def test_pinned_names_exist() -> None:
+    """Every pinned case is one of the benchmark's, with its source named (a renamed case would
+    otherwise go unchecked)."""
+    for family, name in PINNED:
+        assert [c.name for c in FAMILIES[family]].count(name) == 1, (family, name)
+        assert _case(family, name).source, (family, name)
+
+
+if __name__ == "__main__":
+    # re-record: print PINNED with today's errors
+    for family, name in PINNED:
+        print(f'    ("{family}", "{name}"): {_error(family, name):+.4f},')
