@@ -81,11 +81,15 @@ PRECISION_POLICIES: dict[str, tuple[float, float, float]] = {
     "fp32": (4, 4, 8),    # fp32 weights + grads; Adam m and v
 }
 
+# what each op's backward reads (tools/autograd/derivatives.yaml): its result, its input, both
 SAVE_OUTPUT = frozenset({"softmax", "_softmax", "_safe_softmax", "log_softmax", "_log_softmax", "tanh",
-                         "sigmoid", "exp", "rsqrt", "sqrt", "relu"})
+                         "sigmoid", "exp", "rsqrt", "sqrt", "relu", "expm1", "exp2", "tan", "reciprocal",
+                         "erfinv"})
 SAVE_INPUT = frozenset({"gelu", "silu", "mish", "elu", "leaky_relu", "pow", "log", "sin", "cos",
-                        "abs", "hardswish", "softplus"})
-SAVE_NOTHING = frozenset({"add", "sub", "neg", "cat", "stack", "clone", "contiguous", "to", "_to_copy",
+                        "abs", "hardswish", "softplus", "log1p", "log2", "log10", "acos", "asin", "atan",
+                        "sinh", "cosh", "erf", "erfc"})
+SAVE_INPUT_AND_OUTPUT = frozenset({"cumprod", "prod", "logsumexp"})
+SAVE_NOTHING = frozenset({"add", "sub", "neg", "cat", "stack", "clone", "contiguous", "to", "_to_copy", "cumsum",
                           "copy_", "arange", "zeros", "ones", "full", "empty", "zeros_like", "ones_like",
                           "new_zeros", "new_ones", "sum", "mean", "tril", "triu", "scalar_tensor",
                           "_assert_tensor_metadata", "lift_fresh_copy", "type_as", "fill_", "detach"})
@@ -109,13 +113,25 @@ LOSSES_KEEP_UNREDUCED = frozenset({"mse_loss", "smooth_l1_loss"})
 # there as its input, the same size)
 LOSSES_SAVING_INPUT = frozenset({"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
                                  "binary_cross_entropy_with_logits"})
-# ops CUDA's autocast runs in fp32 besides the losses (torch.amp docs, "CUDA Ops that can autocast
-# to float32"; `KERNEL_CUDA(op, fp32)` / `fp32_set_opt_dtype` in aten/src/ATen/autocast_mode.cpp)
 # ops CPU runs on an fp32 copy of their input whatever the dtype (composites that upcast)
 CPU_FP32_INPUT = frozenset({"rms_norm"})
-CUDA_FP32_OPS = frozenset({"layer_norm", "native_layer_norm", "group_norm", "softmax", "_softmax", "log_softmax",
-                           "_log_softmax", "exp", "log", "pow", "rsqrt", "reciprocal", "softplus", "norm",
-                           "logsumexp", "cumsum", "prod"})
+# ops CUDA's autocast runs in fp32 besides the losses, by aten short name (torch.amp docs, "CUDA
+# Ops that can autocast to float32"; aten/src/ATen/autocast_mode.h, `AT_FORALL_FP32`): autocast
+# casts their 2-byte inputs to fp32 first (a copy, which the op saves where it saves its input),
+# and their outputs are fp32
+CUDA_FP32_OPS = frozenset({
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
+    "sinh", "tan", "pow", "softplus", "layer_norm", "native_layer_norm", "group_norm", "frobenius_norm",
+    "nuclear_norm", "cosine_similarity", "dist", "pdist", "cdist", "_cdist_forward", "renorm", "logsumexp"})
+# ops it runs with an fp32 `dtype` argument instead (`AT_FORALL_FP32_SET_OPT_DTYPE`, and `norm`'s
+# `fp32_append_dtype`): they read their 2-byte input as it is (a reduction accumulates in fp32; a
+# softmax casts it inside, a transient) and give fp32 outputs, so what they save of their input
+# is the 2-byte tensor (`prod`, `cumprod`) and only their outputs are fp32
+CUDA_FP32_DTYPE_OPS = frozenset({
+    "prod", "softmax", "_softmax", "log_softmax", "_log_softmax", "cumprod", "cumsum", "linalg_vector_norm",
+    "linalg_matrix_norm", "sum", "norm"})
+# every op whose output CUDA's autocast makes fp32 (the losses apart)
+CUDA_FP32_OUTPUT_OPS = CUDA_FP32_OPS | CUDA_FP32_DTYPE_OPS
 
 
 # -- model states ---------------------------------------------------------------------------------
@@ -328,6 +344,8 @@ def saved_tensors(node, by_name: dict, dtype: str = "bf16", device_type: Optiona
         return [(node.name, None)]
     if op in SAVE_INPUT:
         return [(i, None) for i in ins[:1]]
+    if op in SAVE_INPUT_AND_OUTPUT:
+        return [(i, None) for i in ins[:1]] + [(node.name, None)]
     if op == "rms_norm" and device_type == "cpu" and out is not None and out.shape:
         # CPU runs rms_norm as its composite (no fused kernel): the input upcast to fp32 (a copy
         # unless fp32, `CPU_FP32_INPUT`), the fp32 rstd per row and the fp32 normalised input the
@@ -551,7 +569,9 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     region = checkpoint_region_of(calls, rec, selective_region)
     keep = None if layers is None else set(layers)
     mixed = dtype != "fp32"
-    cuda_fp32 = CUDA_FP32_OPS if device_type == "cuda" and mixed else frozenset()
+    cuda_fp32 = CUDA_FP32_OUTPUT_OPS if device_type == "cuda" and mixed else frozenset()
+    # of those, the ops autocast casts the inputs of (a copy, saved where the op saves its input)
+    cuda_fp32_in = CUDA_FP32_OPS if device_type == "cuda" and mixed else frozenset()
 
     upcasts = _upcasts(calls, base, LOSSES | cuda_fp32) if mixed else frozenset()
     if mixed:
@@ -644,9 +664,10 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                     at = "fp32"
                 elif device_type == "cpu" and mixed and n.op in CPU_FP32_INPUT and _floating(by_name[key]):
                     at, key = "fp32", key + ":fp32"     # the op's own fp32 copy of its input
-                elif n.op in cuda_fp32 and _floating(by_name[key]):
+                elif n.op in cuda_fp32 and _floating(by_name[key]) and (key == n.name or n.op in cuda_fp32_in):
                     # autocast's fp32 copy of the input (or the op's own fp32 output; an input
-                    # already fp32 by type promotion is not copied)
+                    # already fp32 by type promotion is not copied; an op given an fp32 dtype
+                    # saves its input as it is)
                     at = "fp32"
                     if key != n.name and key not in upcasts:
                         key = key + ":fp32"

@@ -1416,3 +1416,47 @@ def test_each_matmul_saves_its_own_autocast_copy_of_an_fp32_activation():
     assert sorted(saved.values()).count(b * s * h * 2) == 3
     assert pred >= copies + b * s * h * 4            # and the norm's fp32 copy of its input
     assert pred == pytest.approx(sum(saved.values()), rel=0.02)
+
+
+def test_cuda_autocast_fp32_ops_and_fp32_dtype_ops_save_what_torch_saves():
+    """CUDA's autocast has two fp32 policies (aten/src/ATen/autocast_mode.h): `AT_FORALL_FP32`
+    ops (tan, expm1, log1p, ...) run on an fp32 copy of their 2-byte input, which they save
+    where they save their input; `AT_FORALL_FP32_SET_OPT_DTYPE` ops (sum, softmax, cumprod, ...)
+    are given an fp32 dtype: they read their input as it is (cumprod saves the bf16 tensor) and
+    give fp32 outputs, which the element-wise ops after them promote. The memory model against
+    what torch saves running CUDA's program on CPU (`runtime.cuda_program`)."""
+    import torch
+    import torch.nn as nn
+
+    from autopar.capture import capture
+    from autopar.runtime.cuda_program import cuda_program
+    from cost_models.memory import activation_memory
+
+    class Pointwise(nn.Module):
+        def __init__(self, h: int) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(h, h), nn.Linear(h, h)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.a(x)
+            z = torch.tan(y) + torch.expm1(y) + torch.log1p(y * y) + y.cumprod(-1) + y.sum(-1, keepdim=True)
+            return self.b(z * y.softmax(-1))
+
+    b, s, h = 4, 16, 64
+    g = capture(Pointwise(h), (torch.zeros(b, s, h),)).at_batch(b)
+    pred = activation_memory(g, "bf16", "none", device_type="cuda").saved_bytes
+    model = Pointwise(h).bfloat16()
+    x = (0.1 * torch.randn(b, s, h)).bfloat16().requires_grad_()
+    skip = {p.data_ptr() for p in model.parameters()}      # the input is counted, as saved
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in skip:
+            saved[t.data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with cuda_program(), torch.autocast("cpu", dtype=torch.bfloat16), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    assert out.dtype == torch.bfloat16
+    assert pred == pytest.approx(sum(saved.values()), rel=0.02), (pred, sorted(saved.values()))

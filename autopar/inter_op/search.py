@@ -210,10 +210,12 @@ class _Tables:
 
     def __init__(self, costs: list[LayerCost], cluster: ClusterSpec, dtype: str, dp: int, tp: int,
                  zero: int, layers: list[Layer], batch: tuple[float, float] = (0.0, 0.0),
-                 like: Optional["_Tables"] = None) -> None:
+                 like: Optional["_Tables"] = None, rooted: frozenset = frozenset()) -> None:
         """`like`: a table of the same `costs` list (another dp or ZeRO stage), whose cost-only
-        arrays are reused as they are (read-only) instead of being built again."""
+        arrays are reused as they are (read-only) instead of being built again. `rooted`: the
+        modules ZeRO-3 leaves to the root unit (`rooted_modules`)."""
         self.costs = costs
+        self.rooted = rooted
         self._ranged: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         L = len(costs)
         self.L = L
@@ -592,18 +594,22 @@ class _Tables:
     @functools.cached_property
     def module_units(self) -> list[list[float]]:
         """Each layer's ZeRO-3 units by module (`Layer.modules`, in order), elements (0: a
-        module whose parameters are the root's, or that has none)."""
+        module with no parameters, or holding one several layers read: FSDP shards all of a
+        unit's parameters, so that module's are the root's, as `planner.zero3_units` decides)."""
         shared_names = {f for f, _, _ in self.shared}
         out = []
         for i, c in enumerate(self.costs):
             mods = self._layers[i].modules if i < len(self._layers) else []
             units = [0.0] * len(mods)
+            rooted = {k for k, m in enumerate(mods) if m in self.rooted}
             for f, e in c.param_elems.items():
-                if f not in shared_names:
-                    m = next((k for k, m in enumerate(mods) if f == m or f.startswith(m + ".")), None)
-                    if m is not None:
-                        units[m] += e
-            out.append(units)
+                m = next((k for k, m in enumerate(mods) if f == m or f.startswith(m + ".")), None)
+                if m is None:
+                    continue
+                if f in shared_names:
+                    rooted.add(m)
+                units[m] += e
+            out.append([0.0 if k in rooted else u for k, u in enumerate(units)])
         return out
 
     @functools.cached_property
@@ -880,6 +886,27 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def rooted_modules(graph: OpGraph, layers: list[Layer]) -> frozenset:
+    """The layers' modules that ZeRO-3 leaves to the root unit, whose parameters stay gathered
+    from the forward to the backward (as `planner.zero3_units` decides without pipelining): a
+    module holding a parameter under one of its tied names, or one an op outside the modules
+    holding it reads (a head computed as `x @ emb.weight.t()`)."""
+    under = lambda n, mod: n == mod or n.startswith(mod + ".")  # noqa: E731
+    readers: dict[str, set[str]] = {}
+    for n in graph.nodes:
+        for f in n.params or ():
+            readers.setdefault(f, set()).add(n.module_path or "")
+    modules = [m for layer in layers for m in layer.modules]
+    out: set[str] = set()
+    for f, info in graph.params.items():
+        names = [f, *info.tied]
+        owners = [a.rsplit(".", 1)[0] if "." in a else "" for a in names]
+        outside = any(not any(o == "" or under(p, o) for o in owners) for p in readers.get(f, ()))
+        if len(names) > 1 or outside:
+            out.update(m for m in modules if any(under(n, m) for n in names))
+    return frozenset(out)
+
+
 class Search:
     def __init__(self, graph: OpGraph, layers: list[Layer], cluster: ClusterSpec, gbs: int, dtype: str,
                  cons: Constraints, provider=None, progress: bool = False, sp_provider=None) -> None:
@@ -889,6 +916,7 @@ class Search:
         provider (SP pinned on)."""
         self.graph, self.layers, self.cluster = graph, layers, cluster
         self.gbs, self.dtype, self.cons = gbs, dtype, cons
+        self._rooted: Optional[frozenset] = None
         self.provider = provider or AnalyticProvider(graph, layers, cluster, dtype)
         self.sp_provider = sp_provider
         self.sp_skipped: dict[tuple[int, int], str] = {}   # (mb, tp) -> why SP cannot run there
@@ -1714,6 +1742,13 @@ class Search:
             self._held_cache[key] = held_moments(kind, p, rank, m, v)
         return self._held_cache[key]
 
+    @property
+    def rooted_modules(self) -> frozenset:
+        """`rooted_modules` of the searched model, computed once (ZeRO-3 tables only)."""
+        if self._rooted is None:
+            self._rooted = rooted_modules(self.graph, self.layers)
+        return self._rooted
+
     def _tables(self, mb: int, tp: int, dp: int, zero: int, solved: bool = False, sp: bool = False,
                 ep: int = 1, cp: int = 1) -> "_Tables":
         """`solved`: the stage runs op by op as solved (`_op_by_op`), its layers' activations as
@@ -1728,7 +1763,8 @@ class Search:
             # the last pipeline chunk computes the loss inside (`runtime.graph_stages`, the
             # executor): its output is the loss, no loss input is kept for the schedule
             like = next((t for t in self._tables_cache.values() if t.costs is costs), None)
-            tb = _Tables(costs, self.cluster, self.dtype, dp * cp, tp, zero, self.layers, batch, like=like)
+            tb = _Tables(costs, self.cluster, self.dtype, dp * cp, tp, zero, self.layers, batch, like=like,
+                         rooted=self.rooted_modules if zero == 3 else frozenset())
             if ep > 1:
                 tb.set_experts(ep, self.experts.expert_elems(costs))
             self._tables_cache[key] = tb

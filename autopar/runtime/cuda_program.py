@@ -11,7 +11,8 @@ not while the model's program is captured, `torch.compiler.is_exporting()`):
   fp32 (saving the fp32 copy of the input and the fp32 output), CPU keeps them in the 2-byte
   dtype (`cost_models.memory`, module docstring). While CPU autocast is on, each op of CUDA's
   fp32 list (`cost_models.memory.CUDA_FP32_OPS`) runs on fp32 inputs, cast first (an
-  autograd-recorded copy, as autocast's);
+  autograd-recorded copy, as autocast's), and each op autocast gives an fp32 `dtype` instead
+  (`CUDA_FP32_DTYPE_OPS`: sum, softmax, cumsum, prod, ...) is called with it;
 * dropout: CUDA's `dropout` is the fused `native_dropout`, which saves a bool mask (1 byte per
   element) for its backward; CPU's is the composite `input * noise` that saves the scaled noise,
   a tensor like its input (`is_fused_kernel_acceptable` in aten's Dropout.cpp takes only CUDA
@@ -42,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from cost_models.memory import CUDA_FP32_OPS
+from cost_models.memory import CUDA_FP32_DTYPE_OPS, CUDA_FP32_OUTPUT_OPS
 
 __all__ = ["cuda_program", "FusedRMSNorm", "FusedDropoutAttention"]
 
@@ -241,9 +242,16 @@ class cuda_program(TorchFunctionMode):
             fused = _fused_dropout(args, kwargs)
             if fused is not None:
                 return fused
-        if name not in CUDA_FP32_OPS or not torch.is_autocast_enabled("cpu"):
+        if name not in CUDA_FP32_OUTPUT_OPS or not torch.is_autocast_enabled("cpu"):
             return func(*args, **kwargs)
         low = torch.get_autocast_dtype("cpu")
+        if name in CUDA_FP32_DTYPE_OPS:
+            # autocast's fp32_set_opt_dtype: a 2-byte input read as it is, with an fp32 dtype
+            if kwargs.get("dtype") is None and any(isinstance(x, torch.Tensor) and x.dtype == low
+                                                  for x in args[:1]):
+                with torch.autocast("cpu", enabled=False):
+                    return func(*args, **{**kwargs, "dtype": torch.float32})
+            return func(*args, **kwargs)
 
         def up(x: Any) -> Any:
             return x.to(torch.float32) if isinstance(x, torch.Tensor) and x.dtype == low else x
