@@ -40,9 +40,10 @@ upper bound (Hugging Face GPT-2's `gelu_new` saves four 4h-wide tensors where on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from autopar.capture.flops import is_view
+from autopar.schema.cluster import DeviceSpec
 
 # ATen element-wise ops (short names, `OpNode.op`) that a fusing compiler runs inside one kernel
 # with their neighbours: arithmetic, activations, comparisons and selects, casts and copies.
@@ -79,9 +80,6 @@ class FusedChains:
 
     def __contains__(self, name: str) -> bool:
         return name in self.chain_of
-
-
-NO_CHAINS = FusedChains({}, {})
 
 
 def _numel(n) -> Optional[int]:
@@ -238,7 +236,8 @@ def _leaves(name: str, group: set[str], consumers: dict, index: dict, view) -> b
     return not consumers.get(name)
 
 
-def graph_pointwise_chains(graph, device_type: Optional[str] = None, attention_kernel: str = "fused") -> FusedChains:
+def graph_pointwise_chains(graph: Any, device_type: Optional[str] = None,
+                           attention_kernel: str = "fused") -> FusedChains:
     """`pointwise_chains` of every op of `graph` (an `OpGraph` at a concrete batch), once per
     graph, device type and attention kernel (the layout walk that says which reshapes copy
     depends on them)."""
@@ -253,7 +252,7 @@ def graph_pointwise_chains(graph, device_type: Optional[str] = None, attention_k
     return memo[key]
 
 
-def chain_member_time(name: str, fused: FusedChains, device, dtype: str = "bf16",
+def chain_member_time(name: str, fused: FusedChains, device: DeviceSpec, dtype: str = "bf16",
                       shard: float = 1.0) -> tuple[float, float]:
     """(forward, backward) seconds of chain member `name`: its share of its chain's one kernel
     (forward: the boundary bytes and the chain's FLOPs at the device's vector rate, one launch;
