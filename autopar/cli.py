@@ -65,7 +65,8 @@ def _cluster(name: str, nodes: Optional[int], devices_per_node: Optional[int]):
     return spec
 
 
-SOFTWARE_HELP = ("what the training software does on the cluster (attention kernel, gradient-sync overlap): a "
+SOFTWARE_HELP = ("what the training software does on the cluster (attention kernel, element-wise fusion, "
+                 "gradient-sync overlap): a "
                  "bundled preset (autopar: what `autopar run` executes, the default; megatron-lm-2021: the "
                  "published Megatron-LM runs' software) or a YAML/JSON file")
 
@@ -76,8 +77,8 @@ def _software_note(p: Any, quiet: bool = False) -> None:
     from autopar.schema.software import resolve_software
 
     runs = resolve_software(None)
-    mine = p.software.model_dump(include={"attention_kernel", "grad_sync_overlap"})
-    if mine != runs.model_dump(include={"attention_kernel", "grad_sync_overlap"}):
+    chosen = ("attention_kernel", "pointwise_fusion", "grad_sync_overlap")
+    if any(getattr(p.software, k) != getattr(runs, k) for k in chosen):
         _echo_err(f"autopar: note: the plan's predictions assume software {p.software.name!r} "
                   f"({p.software.summary().split('(', 1)[1]}; the runtime executes {runs.name!r} "
                   f"({runs.summary().split('(', 1)[1]}, so its measurements answer to other figures", quiet)

@@ -15,8 +15,10 @@ profile):
 and Hugging Face's GPT-2 (`hf:gpt2`, Conv1D projections, dropout off so that the models are
 the same, vocabulary padded to 50304) against the zoo's GPT-2 small. Hugging Face's GPT-2 is
 not op for op the zoo's: its `gelu_new` runs as eight elementwise kernels in eager mode (pow,
-tanh, four muls, two adds) where the zoo's GELU is one, and its attention reshapes copy; those are real
-costs of running it, which the prediction includes. Each pinned to Megatron's layout for the case and
+tanh, four muls, two adds) where the zoo's GELU is one: a real cost of running it eagerly
+(`autopar run`), which the default software's prediction includes. Under software that fuses
+element-wise chains (`torch-compile-2025`: torch.compile, `SoftwareSpec.pointwise_fusion`)
+the eight run as one kernel, and the two GPT-2s are predicted alike. Each pinned to Megatron's layout for the case and
 planned freely; the table gives each prediction and its difference from the zoo model's
 (target: within 3%). 22B on 8 A100 is Megatron's t=8, micro-batch 4, full recomputation;
 39.1B on 512 A100 its t=8, p=2, micro-batch 1 (Narayanan et al. 2021). Takes several minutes on
@@ -72,24 +74,34 @@ def _hf_gpt2() -> str:
     return f"hf:gpt2?vocab_size={GPT2_VOCAB}&resid_pdrop=0&embd_pdrop=0&attn_pdrop=0"
 
 
-CASES: list[tuple[str, str, int, int, Any, list[tuple[str, Callable[[], Any]]]]] = [
-    # (case, cluster, nodes, global batch, Megatron's layout, [(way, model factory)])
+# the software of the fused GPT-2 rows: torch.compile fuses element-wise chains (`gelu_new`'s
+# eight ops run as one kernel, as the zoo's GELU is one), `SoftwareSpec.pointwise_fusion`
+FUSED = "torch-compile-2025"
+
+CASES: list[tuple[str, str, int, int, Any, list[tuple[str, Callable[[], Any]]], Optional[str]]] = [
+    # (case, cluster, nodes, global batch, Megatron's layout, [(way, model factory)], software;
+    # None: the default, what `autopar run` executes)
     ("22B (h=6144, l=48)", "dgx-a100-80g", 1, 4,
      autopar.Constraints(tp=8, pp=1, dp=1, microbatch_size=4, recompute="full", sequence_parallel=False),
-     [(k, lambda k=k: _gpt(k, 6144, 48, 64)) for k in ("zoo", "nanogpt", "separate")]),
+     [(k, lambda k=k: _gpt(k, 6144, 48, 64)) for k in ("zoo", "nanogpt", "separate")], None),
     ("39.1B (h=8192, l=48)", "dgx-a100-80g", 64, 1536,
      autopar.Constraints(tp=8, pp=2, dp=32, microbatch_size=1, sequence_parallel=False),
-     [(k, lambda k=k: _gpt(k, 8192, 48, 64)) for k in ("zoo", "nanogpt", "separate")]),
+     [(k, lambda k=k: _gpt(k, 8192, 48, 64)) for k in ("zoo", "nanogpt", "separate")], None),
     ("GPT-2 small (124M)", "dgx-a100-80g", 1, 64,
      autopar.Constraints(tp=4, pp=1, dp=2, sequence_parallel=False),
-     [("zoo", _zoo_gpt2), ("hf", _hf_gpt2)]),
+     [("zoo", _zoo_gpt2), ("hf", _hf_gpt2)], None),
+    (f"GPT-2 small (124M), {FUSED}", "dgx-a100-80g", 1, 64,
+     autopar.Constraints(tp=4, pp=1, dp=2, sequence_parallel=False),
+     [("zoo", _zoo_gpt2), ("hf", _hf_gpt2)], FUSED),
 ]
 
 
-def _plan(model: Any, cluster: autopar.ClusterSpec, gbs: int, cons: Optional[autopar.Constraints]) -> Any:
+def _plan(model: Any, cluster: autopar.ClusterSpec, gbs: int, cons: Optional[autopar.Constraints],
+          software: Optional[str] = None) -> Any:
     if isinstance(model, tuple):
-        return plan(model[0], cluster, model[1], global_batch_size=gbs, dtype="bf16", constraints=cons)
-    return plan(model, cluster, global_batch_size=gbs, dtype="bf16", constraints=cons)
+        return plan(model[0], cluster, model[1], global_batch_size=gbs, dtype="bf16", constraints=cons,
+                    software=software)
+    return plan(model, cluster, global_batch_size=gbs, dtype="bf16", constraints=cons, software=software)
 
 
 def _layout(p: Any) -> str:
@@ -107,7 +119,7 @@ def main() -> None:
     a = ap.parse_args()
     rows = []
     misses = 0
-    for case, cl_name, nodes, gbs, pinned, ways in CASES:
+    for case, cl_name, nodes, gbs, pinned, ways, software in CASES:
         if a.only not in case:
             continue
         cluster = autopar.ClusterSpec.load(cl_name, num_nodes=nodes)
@@ -119,7 +131,7 @@ def main() -> None:
                     continue
                 t0 = time.perf_counter()
                 try:
-                    p = _plan(model, cluster, gbs, cons)
+                    p = _plan(model, cluster, gbs, cons, software)
                 except autopar.PlanError as e:
                     rows.append((case, way, mode, "no plan", "", str(e)[:80], time.perf_counter() - t0))
                     misses += 1

@@ -1,11 +1,14 @@
 """Cost models shared by the ILP, the DP and the plan's predictions: compute, communication and
 memory, and the profiler that measures a machine. Knows devices, links and op descriptions,
-not the planner. What the software does (the attention kernel: `SoftwareSpec`) comes in as an
-argument (`attention_kernel`), never from the device profile, which describes hardware only.
+not the planner. What the software does (the attention kernel, element-wise fusion:
+`SoftwareSpec`) comes in as an argument (`attention_kernel`, `fusion`), never from the device
+profile, which describes hardware only.
 
 - `cost_models.compute`: `op_time`, `op_backward_time`, `gemm_efficiency`, `backward_factor`,
   `attention_time`, `op_list_time` / `graph_compute_time` (training time of captured ops at a
   batch, with sharding and recomputation), `optimizer_step_time`, `grad_accumulation_time`.
+- `cost_models.fusion`: element-wise chains priced as one kernel each, for software that fuses
+  them (`SoftwareSpec.pointwise_fusion`: torch.compile, Megatron's fused bias-GELU).
 - `cost_models.communication`: `collective_time` (alpha-beta), `link_collective_time` (measured
   tables first), `axis_collective_time` (a group of ranks on a cluster: in-node, rail, rail rings
   or hierarchical), `logical_mesh`, `mesh_axis_collective_time`.

@@ -45,7 +45,10 @@ updates one tensor at a time runs ~10 small kernels per tensor). Profiles withou
 bundled GPU ones) are costed by the formulas alone.
 
 What the software does is not the device's: the attention kernel (fused or unfused) is the
-`SoftwareSpec`'s choice, passed as `attention_kernel` (default "fused", what `autopar run` runs).
+`SoftwareSpec`'s choice, passed as `attention_kernel` (default "fused", what `autopar run` runs);
+so is whether element-wise ops run one kernel each (eager PyTorch, what `autopar run` runs) or
+a chain of them as one kernel (torch.compile, Megatron's fused bias-GELU): `fusion`, the
+graph's chains (`cost_models.fusion`, `fusion_of`), None when eager.
 
 Graphs are captured in fp32 on the meta device; `dtype` rescales every floating-point tensor's
 bytes to the training dtype (bf16: half), so a bf16 run is assessed from an fp32 capture.
@@ -59,7 +62,8 @@ from typing import Callable, Iterable, Literal, Optional, Sequence, Union
 
 from autopar.capture.flops import VIEW_OPS
 from autopar.schema.cluster import DeviceSpec, EfficiencyPoint
-from autopar.schema.software import ATTENTION_KERNELS, AttentionKernel
+from autopar.schema.software import ATTENTION_KERNELS, POINTWISE_FUSIONS, AttentionKernel, PointwiseFusion
+from cost_models.fusion import FusedChains, chain_member_time, graph_pointwise_chains
 
 MATRIX_OPS = frozenset({"linear", "mm", "addmm", "bmm", "baddbmm", "matmul",
                         "scaled_dot_product_attention", "convolution", "_convolution",
@@ -501,7 +505,7 @@ def reshape_copy_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float =
 
 def node_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
               index: Optional[dict] = None, attention_kernel: AttentionKernel = "fused",
-              copies: Optional[Copies] = None) -> tuple[float, float]:
+              copies: Optional[Copies] = None, fusion: Optional[FusedChains] = None) -> tuple[float, float]:
     """(forward, backward) seconds of one captured op at a concrete batch with its work split
     `shard` ways: the roofline with the GEMM curve, the measured backward rates, attention as the
     software's `attention_kernel` runs it (`attention_time`; `index`, name -> node, gives its
@@ -510,7 +514,11 @@ def node_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
     ILP both price ops with this, so their layer costs differ only in the layouts. `copies`:
     (reshapes that copy, `contiguous` calls that copy nothing) of the op's graph on `device`
     (`cost_models.layouts.graph_layout_copies`); None: every view free, every `contiguous` a
-    copy."""
+    copy. `fusion`: the graph's element-wise chains that the software runs as one kernel each
+    (`cost_models.fusion`, under `SoftwareSpec.pointwise_fusion == "fused"`): a member is
+    priced as its share of its chain's kernel; None: every op its own kernel (eager)."""
+    if fusion is not None and n.name in fusion:
+        return chain_member_time(n.name, fusion, device, dtype, shard)
     if copies is not None:
         if n.name in copies[0]:
             return reshape_copy_time(n, device, dtype, shard, index)
@@ -553,7 +561,7 @@ def grouped_gemm_time(flops: float, bytes_moved: float, groups: int, device: Dev
 def op_list_time(nodes: Iterable, device: DeviceSpec, dtype: str = "bf16", *,
                  recompute: Recompute | bool = "none", shard: Shard = 1.0,
                  index: Optional[dict] = None, attention_kernel: AttentionKernel = "fused",
-                 copies: Optional[Copies] = None) -> ComputeTime:
+                 copies: Optional[Copies] = None, fusion: Optional[FusedChains] = None) -> ComputeTime:
     """Training compute seconds (forward + backward + recomputation) of captured ops at a concrete
     batch, attention run by the software's `attention_kernel`. Each op's FLOPs and bytes are
     divided by `shard` (a number, or a function of the op node giving its sharding factor, e.g.
@@ -561,7 +569,7 @@ def op_list_time(nodes: Iterable, device: DeviceSpec, dtype: str = "bf16", *,
     Floating-point bytes are rescaled to `dtype` (see `bytes_scale`). `index` (name -> node) lets
     attention ops find their inputs' shapes when those are not in `nodes`. `copies`: see
     `node_time` (the reshapes that copy are charged, the `contiguous` calls that copy nothing
-    are not)."""
+    are not); `fusion`: see `node_time` (element-wise chains as one kernel each)."""
     rec = "full" if recompute is True else ("none" if recompute is False else recompute)
     if rec not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
@@ -575,7 +583,7 @@ def op_list_time(nodes: Iterable, device: DeviceSpec, dtype: str = "bf16", *,
         if n.flops <= 0 and n.bytes_moved <= 0 and n.name not in copying:
             continue
         f = shard(n) if callable(shard) else shard
-        fwd, bwd = node_time(n, device, dtype, f, index, attention_kernel, copies)
+        fwd, bwd = node_time(n, device, dtype, f, index, attention_kernel, copies, fusion)
         re = fwd if rec == "full" or n.name in core else 0.0
         out.forward_s += fwd
         out.backward_s += bwd
@@ -587,11 +595,14 @@ def op_list_time(nodes: Iterable, device: DeviceSpec, dtype: str = "bf16", *,
 def graph_compute_time(graph, device: DeviceSpec, dtype: str = "bf16", *,
                        recompute: Recompute | bool = "none", shard: Shard = 1.0,
                        layers: Optional[Iterable[Optional[str]]] = None,
-                       attention_kernel: AttentionKernel = "fused") -> ComputeTime:
+                       attention_kernel: AttentionKernel = "fused",
+                       pointwise_fusion: PointwiseFusion = "eager") -> ComputeTime:
     """Training compute seconds of one micro-batch of a captured `OpGraph` at a concrete batch
     (`graph.at_batch(b)`), optionally only the ops of `layers` (layer FQNs; None names the ops
     outside every layer). See `op_list_time` for `recompute`, `shard` and `attention_kernel`;
-    the reshapes that copy on `device.device_type` are charged (`node_time`'s `copies`)."""
+    the reshapes that copy on `device.device_type` are charged (`node_time`'s `copies`), and
+    under `pointwise_fusion == "fused"` (the software's) each element-wise chain is one kernel
+    (`cost_models.fusion`)."""
     # layouts imports this module
     from cost_models.layouts import graph_layout_copies
 
@@ -603,4 +614,17 @@ def graph_compute_time(graph, device: DeviceSpec, dtype: str = "bf16", *,
         nodes = [n for n in nodes if n.layer in keep]
     return op_list_time(nodes, device, dtype, recompute=recompute, shard=shard,
                         index={n.name: n for n in graph.nodes}, attention_kernel=attention_kernel,
-                        copies=graph_layout_copies(graph, device.device_type, attention_kernel))
+                        copies=graph_layout_copies(graph, device.device_type, attention_kernel),
+                        fusion=fusion_of(graph, device, attention_kernel, pointwise_fusion))
+
+
+def fusion_of(graph, device: DeviceSpec, attention_kernel: AttentionKernel = "fused",
+              pointwise_fusion: PointwiseFusion = "eager") -> Optional[FusedChains]:
+    """The element-wise chains `node_time` prices as one kernel each when the software fuses
+    them (`SoftwareSpec.pointwise_fusion == "fused"`: `cost_models.fusion.graph_pointwise_chains`
+    of `graph` on `device`), else None (eager: one kernel per op)."""
+    if pointwise_fusion not in POINTWISE_FUSIONS:
+        raise ValueError(f"pointwise fusion must be one of {', '.join(POINTWISE_FUSIONS)}, got {pointwise_fusion!r}")
+    if pointwise_fusion == "eager":
+        return None
+    return graph_pointwise_chains(graph, device.device_type, attention_kernel)

@@ -33,10 +33,12 @@ def test_presets_are_typed_and_sourced():
     for name in bundled_software():
         sw = SoftwareSpec.load(name)
         assert sw.name == name and sw.description
-        chosen = {"attention_kernel", "grad_sync_overlap"} | ({"attention_flops"} if sw.attention_flops else set())
+        chosen = ({"attention_kernel", "grad_sync_overlap"} | ({"attention_flops"} if sw.attention_flops else set())
+                  | ({"pointwise_fusion"} if sw.pointwise_fusion != "eager" else set()))
         assert set(sw.sources) == chosen, "every choice names its source"
     with pytest.raises(PlanError, match="unknown software 'flash9'; bundled: autopar, flash-attn-1-2022, "
-                                         "flash-attn-2-2023, megatron-lm-2021, nemo-megatron-core-2024"):
+                                         "flash-attn-2-2023, megatron-lm-2021, nemo-megatron-core-2024, "
+                                         "torch-compile-2025"):
         resolve_software("flash9")
     with pytest.raises(Exception, match="attention_kernel"):
         SoftwareSpec(name="x", attention_kernel="flash")
@@ -55,6 +57,7 @@ def test_the_default_is_what_autopar_run_executes():
     assert sw.attention_kernel == "fused" and "scaled_dot_product_attention" in inspect.getsource(gpt)
     assert sw.grad_sync_overlap is False and "averaged over the dp group after the backward" in " ".join(
         engine.__doc__.split())
+    assert sw.pointwise_fusion == "eager"       # the runtime runs the model eagerly, not compiled
     assert SoftwareSpec.load("megatron-lm-2021").attention_kernel == "unfused"
 
 
@@ -164,7 +167,7 @@ def test_cli_software_option(tmp_path):
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines() == [
         "autopar: error: unknown software 'flash9'; bundled: autopar, flash-attn-1-2022, flash-attn-2-2023, "
-        "megatron-lm-2021, nemo-megatron-core-2024 (or give a YAML/JSON file path)"]
+        "megatron-lm-2021, nemo-megatron-core-2024, torch-compile-2025 (or give a YAML/JSON file path)"]
     own = tmp_path / "sw.yaml"
     own.write_text(yaml.safe_dump({"attention_kernel": "unfused"}))
     out = tmp_path / "p.json"

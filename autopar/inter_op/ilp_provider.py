@@ -130,7 +130,8 @@ class IlpProvider(AnalyticProvider):
                        batch_dims={k: v for k, v in self.batch_dims.items() if k in own},
                        token_dims={k: v for k, v in self.token_dims.items() if k in own}, model_axes=(0,),
                        fixed_params=self._pins(layer, mb, tp), grad_inputs=self._grad_inputs(layer),
-                       sequence_parallel=self.sequence_parallel, attention_kernel=self.software.attention_kernel)
+                       sequence_parallel=self.sequence_parallel, attention_kernel=self.software.attention_kernel,
+                       pointwise_fusion=self.software.pointwise_fusion)
         key = None
         if self.cache is not None:
             key = solve_key(g, list(layer.nodes), mesh, self.dtype,

@@ -33,7 +33,7 @@ from autopar.schema.constraints import RECOMPUTES
 from autopar.schema.placement import is_shard
 from autopar.schema.software import SoftwareSpec, resolve_software
 from cost_models.communication import collective_time
-from cost_models.compute import DTYPE_SIZE, op_list_time
+from cost_models.compute import DTYPE_SIZE, fusion_of, op_list_time
 from cost_models.layouts import graph_layout_copies, share_layout_walk
 from cost_models.memory import activation_memory, requires_grad
 
@@ -294,7 +294,7 @@ class AnalyticProvider:
         if key not in self._floors:
             self._floors[key] = layer_compute_floor(
                 self.graph_at(mb, layer), layer.nodes, self._grad_inputs(layer), self.cluster.device, self.dtype,
-                tp, self.software.attention_kernel)
+                tp, self.software.attention_kernel, self.software.pointwise_fusion)
         return self._floors[key]
 
     def output_node(self, layer: Layer) -> str | None:
@@ -413,6 +413,8 @@ class AnalyticProvider:
         # the reshapes that copy and the `.contiguous()` calls that copy nothing on this device
         # (`cost_models.layouts`; the memory model reads the same walk through `_subgraph`)
         copies = graph_layout_copies(g, dev.device_type, self.software.attention_kernel)
+        # the element-wise chains the software runs as one kernel each (None: eager, one per op)
+        fusion = fusion_of(g, dev, self.software.attention_kernel, self.software.pointwise_fusion)
 
         for n in nodes:
             ins = [state.get(i, "R") for i in n.inputs]
@@ -493,7 +495,7 @@ class AnalyticProvider:
             if sharded:
                 sharded_nodes.add(n.name)
             ct = op_list_time([n], dev, dtype, shard=tp if sharded else 1, index=g._index,
-                              attention_kernel=self.software.attention_kernel, copies=copies)
+                              attention_kernel=self.software.attention_kernel, copies=copies, fusion=fusion)
             times[n.name] = (ct.forward_s, ct.backward_s, fc, bc)
             coll_f[n.name] = cf
             c.coll_bwd.update(cb)

@@ -90,7 +90,8 @@ from autopar.schema.errors import PlanError
 from autopar.schema.mesh import LogicalMesh
 from autopar.schema.placement import is_shard, shard_dim
 from cost_models.communication import collective_time
-from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, node_time
+from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, fusion_of, node_time
+from cost_models.fusion import FusedChains
 from cost_models.layouts import graph_layout_copies
 
 FLOAT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -130,7 +131,8 @@ def requires_grad_of(graph: OpGraph, grad_inputs: Iterable[str] = ()) -> dict[st
 
 def op_compute_time(n: OpNode, rg: dict[str, bool], requires_grad: bool, device, dtype: str, work_div: float,
                     index: dict, attention_kernel: str = "fused",
-                    copies: Optional[tuple[frozenset, frozenset]] = None) -> tuple[float, float]:
+                    copies: Optional[tuple[frozenset, frozenset]] = None,
+                    fusion: Optional[FusedChains] = None) -> tuple[float, float]:
     """(forward, backward) compute seconds of op `n` with its work split `work_div` ways, as the
     ILP prices a strategy: the inter-op cost model's per-op prices (`node_time`: GEMM curve,
     measured backward and fused attention rates, bytes at the training dtype), so the ILP and
@@ -138,8 +140,9 @@ def op_compute_time(n: OpNode, rg: dict[str, bool], requires_grad: bool, device,
     needs no gradient (`requires_grad`), and a matrix op's backward one GEMM per operand that
     needs one (`rg`: dX = dY W, dW = dY^T X). The search's lower bound reads it too
     (`layer_compute_floor`). `copies`: the graph's reshapes that copy and `contiguous` calls
-    that copy nothing on `device` (`cost_models.layouts.graph_layout_copies`; see `node_time`)."""
-    f, b = node_time(n, device, dtype, work_div, index, attention_kernel, copies)
+    that copy nothing on `device` (`cost_models.layouts.graph_layout_copies`; see `node_time`);
+    `fusion`: the element-wise chains fusing software runs as one kernel each (`node_time`)."""
+    f, b = node_time(n, device, dtype, work_div, index, attention_kernel, copies, fusion)
     if not requires_grad:
         return f, 0.0
     if n.op in HEAVY_OPS and n.op not in FUSED_ATTENTION:
@@ -149,23 +152,25 @@ def op_compute_time(n: OpNode, rg: dict[str, bool], requires_grad: bool, device,
 
 
 def layer_compute_floor(graph: OpGraph, nodes: Iterable[str], grad_inputs: Iterable[str], device, dtype: str,
-                        tp: int, attention_kernel: str = "fused") -> float:
+                        tp: int, attention_kernel: str = "fused", pointwise_fusion: str = "eager") -> float:
     """A lower bound on the compute seconds (forward + backward) of ops `nodes` of `graph` (a
     layer's subgraph at a concrete batch) on a 1-D mesh of `tp` devices, whatever layout a
     solve picks: each op at the cheaper of its work whole and split tp ways (on one mesh axis
     a strategy splits it 1 or tp ways, `Strategy.work_div`), priced as `op_compute_time`.
     A solution's forward + backward is this plus its collectives; the analytic provider's,
     which charges every op's whole backward, is at least it too. Ops with no work are left
-    out (the analytic provider skips them)."""
+    out (the analytic provider skips them). `pointwise_fusion`: the software's
+    (`SoftwareSpec.pointwise_fusion`; "fused": element-wise chains as one kernel each)."""
     rg = requires_grad_of(graph, grad_inputs)
     copies = graph_layout_copies(graph, device.device_type, attention_kernel)
+    fusion = fusion_of(graph, device, attention_kernel, pointwise_fusion)
     total = 0.0
     for name in nodes:
         n = graph.node(name)
         if n.kind != "call" or not n.outputs or (n.flops <= 0 and n.bytes_moved <= 0 and name not in copies[0]):
             continue
         total += min(sum(op_compute_time(n, rg, rg.get(name, False), device, dtype, w, graph._index,
-                                         attention_kernel, copies)) for w in {1, max(int(tp), 1)})
+                                         attention_kernel, copies, fusion)) for w in {1, max(int(tp), 1)})
     return total
 
 
@@ -223,7 +228,7 @@ class IntraOpProblem:
                  token_dims: Optional[dict[str, tuple[int, ...]]] = None,
                  model_axes: tuple[int, ...] = (), fixed_params: Optional[dict[str, tuple[str, ...]]] = None,
                  grad_inputs: Optional[Iterable[str]] = None, sequence_parallel: bool = False,
-                 attention_kernel: str = "fused") -> None:
+                 attention_kernel: str = "fused", pointwise_fusion: str = "eager") -> None:
         if graph.batch_size is None and graph.is_symbolic:
             raise ValueError("solve a graph at a concrete batch: call graph.at_batch(b) first")
         t0 = time.perf_counter()
@@ -232,6 +237,7 @@ class IntraOpProblem:
         self.mesh_shape = tuple(mesh.shape)
         self.dtype = dtype
         self.attention_kernel = attention_kernel      # the software's (`SoftwareSpec`)
+        self.pointwise_fusion = pointwise_fusion      # the software's: element-wise chains fused or not
         # the reshapes that copy on the mesh's device (`compute_time`, on first use)
         self.reshape_copies: Optional[tuple[frozenset, frozenset]] = None
         self.float_bytes = FLOAT_BYTES.get(dtype, 4)
@@ -745,7 +751,8 @@ class IntraOpProblem:
         if self.reshape_copies is None:
             self.reshape_copies = graph_layout_copies(self.graph, self.mesh.device.device_type, self.attention_kernel)
         return op_compute_time(pn.node, self.rg, pn.requires_grad, self.mesh.device, self.dtype, st.work_div,
-                               self.graph._index, self.attention_kernel, self.reshape_copies)
+                               self.graph._index, self.attention_kernel, self.reshape_copies,
+                               fusion_of(self.graph, self.mesh.device, self.attention_kernel, self.pointwise_fusion))
 
     def node_cost(self, pn: PNode, st: Strategy) -> tuple[float, float, float, float]:
         """(total, forward, backward, grad_sync) seconds of one copy, excluding resharding."""

@@ -15,6 +15,13 @@ same plan, and that the cost model honours:
   kernel other than the one a hardware profile measured (FlashAttention-1 where the profile holds
   FlashAttention-2's): on a device named there they replace the profile's rates
   (`SoftwareSpec.on_cluster`). Time: `cost_models.compute.attention_rates`.
+- `pointwise_fusion`: "eager" (every element-wise op its own kernel that reads its inputs from
+  memory and writes its output: eager PyTorch, what `autopar run` executes) or "fused" (a
+  maximal chain of element-wise ops between other ops runs as one kernel that reads the chain's
+  inputs once and writes what leaves it once: torch.compile's Inductor, Megatron's fused
+  bias-GELU kernels). Time: `cost_models.fusion` (through `cost_models.compute.node_time`).
+  Memory stays eager's: what eager autograd saves (an upper bound under Inductor, whose
+  partitioner recomputes element-wise ops in the backward instead of saving them).
 - `grad_sync_overlap`: whether the data-parallel gradient sync of a stage runs during the backward
   of its last micro-batch (bucketed all-reduce as PyTorch DDP or Megatron-Core's
   --overlap-grad-reduce do it) instead of after it. Time: `autopar.inter_op.search` (the
@@ -31,7 +38,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, model_serializer
 
 from autopar.schema.cluster import AttentionPoint
 from autopar.schema.errors import PlanError
@@ -39,6 +46,8 @@ from autopar.schema.files import read_mapping
 
 AttentionKernel = Literal["fused", "unfused"]
 ATTENTION_KERNELS: tuple[str, ...] = ("fused", "unfused")
+PointwiseFusion = Literal["eager", "fused"]
+POINTWISE_FUSIONS: tuple[str, ...] = ("eager", "fused")
 
 # the preset that describes what `autopar run` executes: the default of `autopar.plan`
 DEFAULT_SOFTWARE = "autopar"
@@ -54,6 +63,12 @@ class SoftwareSpec(BaseModel):
     attention_kernel: AttentionKernel = Field(
         default="fused", description="fused: FlashAttention-style, scores never stored (torch SDPA); "
         "unfused: QK^T and PV batched GEMMs around a softmax over stored scores (Megatron-LM 2021)")
+    pointwise_fusion: PointwiseFusion = Field(
+        default="eager", description="eager: every element-wise op its own kernel (eager PyTorch, what autopar "
+        "run executes); fused: a chain of element-wise ops between other ops runs as one kernel reading the "
+        "chain's inputs once and writing what leaves it once (torch.compile / Inductor, Megatron's fused "
+        "bias-GELU); time only: the activation memory stays eager autograd's (an upper bound under Inductor, "
+        "which recomputes element-wise ops in the backward)")
     grad_sync_overlap: bool = Field(
         default=False, description="the data-parallel gradient sync runs during the last micro-batch's "
         "backward (bucketed, as PyTorch DDP or Megatron-Core --overlap-grad-reduce) instead of after it")
@@ -62,6 +77,16 @@ class SoftwareSpec(BaseModel):
         "(DeviceSpec.name -> dtype -> points, as DeviceSpec.attention_flops); on a device named here they "
         "replace the hardware profile's rates, which describe another kernel")
     sources: dict[str, str] = Field(default_factory=dict, description="field name -> where it comes from")
+
+    @model_serializer(mode="wrap")
+    def _omit_eager_fusion(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The dump without `pointwise_fusion` when it is "eager", the choice every plan made
+        before the field existed: a plan file (and its digest, `tests/test_planner_unchanged.py`)
+        and a cache key for eager software are what they were; "fused" is written."""
+        out = handler(self)
+        if isinstance(out, dict) and out.get("pointwise_fusion") == "eager":
+            out.pop("pointwise_fusion")
+        return out
 
     def on_cluster(self, cluster: Any) -> Any:
         """`cluster` (a ClusterSpec) with its device's fused-attention rates replaced by this
@@ -76,13 +101,14 @@ class SoftwareSpec(BaseModel):
         """One line: the name and every choice (what `autopar show` prints)."""
         sync = "overlaps the backward" if self.grad_sync_overlap else "after the backward"
         own = f", its own attention rates on {', '.join(sorted(self.attention_flops))}" if self.attention_flops else ""
-        return f"software: {self.name} (attention {self.attention_kernel}{own}, dp gradient sync {sync})"
+        fusion = ", element-wise chains fused" if self.pointwise_fusion == "fused" else ""
+        return f"software: {self.name} (attention {self.attention_kernel}{own}{fusion}, dp gradient sync {sync})"
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> "SoftwareSpec":
         """A bundled preset by name (`bundled_software()`) or a YAML/JSON file."""
         path = _resolve(str(name_or_path))
-        data = read_mapping(path, "software", "name, attention_kernel, grad_sync_overlap")
+        data = read_mapping(path, "software", "name, attention_kernel, pointwise_fusion, grad_sync_overlap")
         data.setdefault("name", path.stem)
         try:
             return cls.model_validate(data)
