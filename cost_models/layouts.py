@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from autopar.capture.flops import VIEW_OPS, identity_dropout
+from autopar.capture.flops import VIEW_OPS, identity_dropout, identity_move
 from cost_models.compute import FUSED_ATTENTION
 
 Strides = Optional[tuple[int, ...]]
@@ -107,7 +107,8 @@ def _view_strides(node, src_shape: tuple[int, ...], src: tuple[int, ...],
     if op == "select" and len(node.args) >= 2 and isinstance(node.args[1], int):
         k = node.args[1] % nd
         return src[:k] + src[k + 1:], False
-    if op in ("alias", "detach", "lift_fresh_copy") or identity_dropout(node) or shape == src_shape:
+    if op in ("alias", "detach", "lift_fresh_copy") or identity_dropout(node) or identity_move(node) \
+            or shape == src_shape:
         return src, False
     if op in ("view", "_unsafe_view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "view_as"):
         t = torch.empty_strided(src_shape, src, device="meta")
@@ -157,7 +158,7 @@ def layout_copies(nodes: list, by_name: dict, device_type: Optional[str] = None,
             else:
                 strides[n.name] = contiguous_strides(shape)
             continue
-        if n.op in VIEW_OPS or identity_dropout(n):
+        if n.op in VIEW_OPS or identity_dropout(n) or identity_move(n):
             sp = by_name.get(src)
             ss = of(src)
             src_shape = _shape(sp) if sp is not None else None

@@ -80,6 +80,21 @@ def test_gpt2_tied_head_and_linear_flops(graphs: dict) -> None:
     assert fc.flops == 2 * 3 * 16 * 64 * 256 + 3 * 16 * 256
 
 
+def test_gpt2_device_moves_are_views_and_its_loss_upcast_is_not(graphs: dict) -> None:
+    """Hugging Face GPT-2 moves its position embeddings and labels with `.to(device)`, which
+    export records as `aten.to.dtype_layout` with their own dtype: `Tensor.to` returns the
+    tensor itself, so they move nothing and cost nothing (`capture.flops.identity_move`). Its
+    logits' `.float()` (`aten.to.dtype`) stays a cast: under mixed precision it is the loss's
+    upcast."""
+    from autopar.capture.flops import identity_move, is_view
+
+    _, g = graphs["gpt2"]
+    moves = [n for n in g.calls if n.target == "aten.to.dtype_layout"]
+    casts = [n for n in g.calls if n.target == "aten.to.dtype"]
+    assert moves and all(identity_move(n) and is_view(n) and n.bytes_moved == 0 for n in moves)
+    assert casts and not any(is_view(n) for n in casts)
+
+
 def test_llama_gqa(graphs: dict) -> None:
     _, g = graphs["llama"]
     # the rotary embedding runs under @torch.no_grad: export wraps it in a higher-order op, which

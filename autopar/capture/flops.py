@@ -38,10 +38,19 @@ def identity_dropout(node: OpNode) -> bool:
     return (isinstance(p, (int, float)) and p == 0) or train is False
 
 
+def identity_move(node: OpNode) -> bool:
+    """A `.to(device)` (export records `aten.to.dtype_layout` with the tensor's own dtype and the
+    device it is on, Hugging Face's `position_embeds.to(inputs_embeds.device)`): `Tensor.to`
+    returns the tensor itself, so it moves nothing. A `.to(dtype)` (`aten.to.dtype`) is not one:
+    in a capture (fp32) it cannot be told from an upcast a mixed-precision run makes."""
+    return (node.target == "aten.to.dtype_layout" and node.kwargs.get("device") is not None
+            and bool(node.outputs) and node.kwargs.get("dtype") == node.outputs[0].dtype)
+
+
 def is_view(node: OpNode) -> bool:
-    """An op whose output aliases its input (a view, a getitem, an identity dropout): no FLOPs,
-    no memory traffic, nothing saved; its output's storage is its input's."""
-    return node.op in VIEW_OPS or node.target == "getitem" or identity_dropout(node)
+    """An op whose output aliases its input (a view, a getitem, an identity dropout or device
+    move): no FLOPs, no memory traffic, nothing saved; its output's storage is its input's."""
+    return node.op in VIEW_OPS or node.target == "getitem" or identity_dropout(node) or identity_move(node)
 
 
 # losses reduce their input to a scalar: their work is per input element
