@@ -218,6 +218,9 @@ class ActivationMemory:
     # position of the op among the layer's modules (`unit_position`), since under ZeRO-3 each
     # module is a unit of its own and a moment holds its op's unit and the one prefetched
     first_moments: dict[float, tuple[float, float, float]] = field(default_factory=dict)
+    # of each such moment's parameter gradients, those the ops of the layer's other modules made,
+    # by their position (under ZeRO-3 a unit's are reduce-scattered as its backward ends)
+    first_born: dict[float, dict[float, float]] = field(default_factory=dict)
 
     @property
     def peak_bytes(self) -> float:
@@ -824,8 +827,8 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     live = out.saved_bytes
     entered: set = set()
     born = 0.0          # parameter gradients the ops whose backward ran made
-
     position = unit_position(calls, modules)
+    born_at: dict[float, float] = {}      # of those, by the position of the op that made them
 
     def first(n, acts: float, act_grads: float, param_grads: float) -> None:
         # a moment of the first backward, by parts: the worst at op n's position
@@ -833,6 +836,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         old = out.first_moments.get(at)
         if old is None or acts + act_grads + param_grads > sum(old):
             out.first_moments[at] = (acts, act_grads, param_grads)
+            out.first_born[at] = {p: b for p, b in born_at.items() if p != at and b > 0}
 
     for n in reversed(calls):
         if keep is not None and n.layer not in keep:
@@ -860,7 +864,10 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 out.backward_over_bytes, out.backward_over_recompute = m, False
                 out.backward_over_grads = grads(n)
             out.backward_over_given = max(out.backward_over_given, m - given_share(n))
-        born += new_grads(n)
+        made = new_grads(n)
+        born += made
+        if made:
+            born_at[position[n.name]] = born_at.get(position[n.name], 0.0) + made
         live -= owned.get(n.name, 0.0)
     if keep is None:
         out.forward_over_bytes = _forward_over(calls, by_name, base, owner_node, nbytes_of, size, read,

@@ -431,6 +431,13 @@ class _Tables:
             ms = c.bwd_first.get(r)
             if ms:
                 at = c.bwd_first_at.get(r) or [MAIN_UNIT] * len(ms)
+                born = c.bwd_first_born.get(r) or [{}] * len(ms)
+                if self.zero3 and not later:
+                    # the gradients of the layer's other modules that are units were
+                    # reduce-scattered as their backward ended: fp32 shards (4 / dp bytes per
+                    # element) in place of the whole 2- or 4-byte ones; the root's stay whole
+                    shrink = 1.0 - 4.0 / (self.wgo[1] * self.dp)
+                    ms = [[m[0], m[1], m[2] - shrink * self._units_grads(i, b)] for m, b in zip(ms, born)]
             else:
                 # a layer costed without the first backward's parts: its worst moment of any
                 g = self.work_grads[r][i]
@@ -617,6 +624,17 @@ class _Tables:
         """Each layer's last ZeRO-3 unit in forward order, elements: the first its backward
         runs, which the next layer's first unit prefetches (0: none)."""
         return np.array([next((u for u in reversed(us) if u > 0), 0.0) for us in self.module_units])
+
+    def _units_grads(self, i: int, born: dict) -> float:
+        """Of `born` (`LayerCost.bwd_first_born`: parameter gradients by the position of the
+        module that made them, layer `i`), those of modules ZeRO-3 makes units."""
+        units = self.module_units[i]
+        out = 0.0
+        for p, b in born.items():
+            x = float(p)
+            if x == int(x) and 0 <= int(x) < len(units) and units[int(x)] > 0:
+                out += b
+        return out
 
     def _moment_units(self, i: int, at: float) -> tuple[float, Optional[float]]:
         """The ZeRO-3 units a first-backward moment of layer `i` at position `at`

@@ -75,6 +75,9 @@ class LayerCost:
     # above, held with the layer's largest unit), by policy
     bwd_first: dict[str, list] = field(default_factory=dict)
     bwd_first_at: dict[str, list] = field(default_factory=dict)
+    # of each moment's parameter gradients, those made by the layer's other modules, by their
+    # position (a str key: `ActivationMemory.first_born`), by policy
+    bwd_first_born: dict[str, list] = field(default_factory=dict)
     # of the tensor it hands to the next layer, and of the one it receives, the bytes its own ops
     # save (counted in act_bytes), by policy: the same tensor counted by two layers
     out_saved: dict[str, float] = field(default_factory=dict)
@@ -202,9 +205,10 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
         c.bwd_over_given[rc] = max(am.forward_over_bytes, am.backward_over_given)
         at = sorted(am.first_moments)
         moments = [list(am.first_moments[x]) for x in at]
+        born = [{str(p): b for p, b in am.first_born.get(x, {}).items()} for x in at]
         if am.forward_over_bytes > max((sum(m) for m in moments), default=0.0):
-            at, moments = at + [MAIN_UNIT], moments + [[am.forward_over_bytes, 0.0, 0.0]]
-        c.bwd_first[rc], c.bwd_first_at[rc] = moments, at
+            at, moments, born = at + [MAIN_UNIT], moments + [[am.forward_over_bytes, 0.0, 0.0]], born + [{}]
+        c.bwd_first[rc], c.bwd_first_at[rc], c.bwd_first_born[rc] = moments, at, born
         c.out_saved[rc] = am.saved_of(out_name)
         c.in_saved[rc] = am.saved_of(in_name)
 
