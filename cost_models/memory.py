@@ -854,8 +854,9 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 out.backward_over_given = max(out.backward_over_given, m)
         else:
             m = live + grads(n) - out.saved_bytes
-            mine = new_grads(n)
-            first(n, live - out.saved_bytes, grads(n) - mine, born + mine)
+            # the weight gradients the op makes are its backward's outputs while it runs
+            # (AccumulateGrad makes them `.grad` after it): counted with its other gradients
+            first(n, live - out.saved_bytes, grads(n), born)
             if n.op in LOSSES:
                 out.backward_over_loss = max(out.backward_over_loss or 0.0, m)
             else:
