@@ -449,10 +449,9 @@ def _expert_plan(experts: ExpertCosting, c: Candidate, dtype: str) -> ExpertPara
 def _ep_executor(c: Candidate) -> str:
     """Why `autopar run` does not execute a candidate's expert parallelism ("" where it does:
     `runtime.experts.check_executable`'s conditions, which the plan schema cannot import)."""
-    why = [w for w, bad in (("interleaved chunks", c.v > 1), ("tensor parallelism", c.tp > 1),
-                            (f"ZeRO stage {c.zero}", c.zero == 3)) if bad]
+    why = [w for w, bad in (("tensor parallelism", c.tp > 1), (f"ZeRO stage {c.zero}", c.zero == 3)) if bad]
     return (f"planned, not yet executed by `autopar run` with {', '.join(why)} (it runs expert parallelism "
-            f"without tensor parallelism, ZeRO-3 or interleaved chunks)") if why else ""
+            f"without tensor parallelism or ZeRO-3)") if why else ""
 
 
 def _cp_executor(c: Candidate) -> str:

@@ -133,6 +133,31 @@ def test_ep4_ep2_dp2_and_ep2_pp2_train_like_one_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_ep2_in_interleaved_pipeline_trains_like_one_process():
+    """4 gloo processes, moe-tiny with 4 blocks (`tests.plans:moe_tiny4`): 2 pipeline ranks of 2
+    interleaved chunks each (interleaved 1F1B, v=2), ep 2 over each stage's 2 dp ranks, ZeRO-1;
+    each rank's two chunks have their experts replaced and exchange over the stage's one ep
+    group. The plan is not marked unexecuted, the losses equal one process within 1e-4 and the
+    counted collectives the plan's from the second step (the first also exchanges shapes)."""
+    from autopar.runtime import run
+    from tests.plans import MOE4_REF
+
+    one = plan(MOE4_REF, _cpu(1), global_batch_size=8, dtype="fp32",
+               constraints=Constraints(num_microbatches=2, recompute="none"))
+    want = [r["loss"] for r in run(one, MOE4_REF, steps=2, seed=0, quiet=True) if "step" in r]
+    p = plan(MOE4_REF, _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
+             constraints=Constraints(ep=2, dp=2, tp=1, pp=2, zero_stage=1, recompute="none", num_microbatches=2,
+                                     schedule="interleaved_1f1b", virtual_stages=2))
+    assert p.virtual_stages == 2 and len(p.stages) == 4 and p.experts.ep == 2 and "ep_executor" not in p.search
+    assert "not yet executed" not in p.summary()
+    # 4 blocks x 2 micro-batches x 5 exchanges; the dense and expert weights' ZeRO-1 sync per stage
+    assert p.predicted.collectives == {"all_to_all": 40, "reduce_scatter": 2, "all_gather": 2, "send_recv": 24}
+    steps = [r for r in run(p, MOE4_REF, steps=2, seed=0, quiet=True) if "step" in r]
+    assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
+    assert steps[1]["collectives"] == p.predicted.collectives
+
+
+@pytest.mark.slow
 def test_hf_mixtral_ep2_trains_like_one_process():
     """The runtime module calls Hugging Face's own experts module on its slice (its
     `num_experts` set to the local count): 2 gloo processes at ep 2, the one-process losses."""
@@ -169,3 +194,18 @@ def test_verify_steps_an_ep_plan_on_a_fake_process_group():
     report = autopar.verify(p, "moe-tiny")
     text = report.summary()
     assert "FAIL" not in text and "all_reduce=2, all_to_all=20 (plan: all_reduce=2, all_to_all=20) match" in text
+
+
+def test_verify_steps_an_interleaved_ep_pipeline():
+    """`autopar verify` on ep 2 inside an interleaved pipeline (2 chunks per rank): every
+    rank's stacked expert weights hold its E/ep experts (`rank_kinds.expected_shards`, which
+    a pipeline's chunks, built apart from the model, once failed), and the collectives are
+    the plan's."""
+    import autopar
+    from tests.plans import MOE4_REF
+
+    p = plan(MOE4_REF, _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
+             constraints=Constraints(ep=2, dp=2, tp=1, pp=2, zero_stage=1, recompute="none", num_microbatches=2,
+                                     schedule="interleaved_1f1b", virtual_stages=2))
+    text = autopar.verify(p, MOE4_REF).summary()
+    assert "FAIL" not in text and "differ" not in text and text.rstrip().endswith("ok"), text

@@ -21,11 +21,14 @@ The backward runs the two row exchanges reversed (`_AllToAll`), so per block and
 gradients are averaged over the dp / ep ranks holding the same experts (`ExpertGroups.sync`),
 the dense ones over dp as before. In a pipeline, each stage's dp ranks form its own ep groups
 and the module is replaced in the traced chunk (torch's unflattened program keeps a module per
-FQN; `argument_roles` reads the order its inputs come in). Checkpoints and `full_state` see each stacked weight whole
+FQN; `argument_roles` reads the order its inputs come in); a rank holding several interleaved
+chunks replaces the experts of each, all exchanging over its stage's groups (every chunk of a
+rank has the same device set, and the ranks of a device set run the same chunk and micro-batch
+order, so their all-to-alls pair up). Checkpoints and `full_state` see each stacked weight whole
 (`ExpertGroups.global_view`: a DTensor sharded over ep), so a checkpoint resumes in any
 layout (not yet under ZeRO-1/2, whose expert shard `checkpoint` refuses). ZeRO-1/2 shard the
 expert weights' optimizer state over the ranks holding the same experts (`zero_setup`).
-Executed here: without tensor parallelism, ZeRO-3 or interleaved chunks (`check_executable`).
+Executed here: without tensor parallelism or ZeRO-3 (`check_executable`).
 """
 
 from __future__ import annotations
@@ -52,14 +55,13 @@ def check_executable(plan: Plan) -> None:
     """PlanError unless this runtime executes the plan's expert parallelism."""
     if plan.experts is None or plan.experts.ep == 1:
         return
-    why = [w for w, bad in (("model chunks interleaved", plan.virtual_stages > 1),
-                            ("tensor parallelism", plan.tp > 1),
+    why = [w for w, bad in (("tensor parallelism", plan.tp > 1),
                             (f"ZeRO stage {plan.zero_stage}", plan.zero_stage == 3),
                             ("op-by-op layouts", any(s.op_layouts is not None for s in plan.stages))) if bad]
     if why:
-        raise PlanError(f"expert parallelism (ep={plan.experts.ep}) is executed without tensor parallelism, ZeRO-3 "
-                        f"or interleaved chunks in this version; the plan has {', '.join(why)}: re-plan with "
-                        f"Constraints(tp=1, virtual_stages=1) and zero_stage 0-2, or ep=1")
+        raise PlanError(f"expert parallelism (ep={plan.experts.ep}) is executed without tensor parallelism or "
+                        f"ZeRO-3 in this version; the plan has {', '.join(why)}: re-plan with "
+                        f"Constraints(tp=1, zero_stage=0, 1 or 2), or ep=1")
 
 
 class _AllToAll(torch.autograd.Function):
