@@ -375,7 +375,14 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
     if experts is not None:
         for _, d, _, (k, j) in chunks:
             coll.update(experts.expert_collectives(range(k, j), m, c.stages[d].recompute))
-        if c.dp // c.ep > 1:
+        if c.dp // c.ep > 1 and c.zero == 3:
+            # ZeRO-3: each experts module an FSDP unit over the ranks holding the same experts
+            # (`runtime.experts.ExpertGroups.fully_shard`), gathered and reduced as a layer unit
+            for *_, (k, j) in chunks:
+                blocks = [b.module for i in range(k, j) for b in experts.by_layer.get(i, [])]
+                if blocks:
+                    coll.update(_zero3_counts(blocks, False, m, len(chunks) > 1))
+        elif c.dp // c.ep > 1:
             for st in c.stages:
                 if any(i in experts.by_layer for k, j in st.chunks for i in range(k, j)):
                     coll.update({"all_reduce": 1} if c.zero == 0 else {"reduce_scatter": 1, "all_gather": 1})
@@ -449,9 +456,8 @@ def _expert_plan(experts: ExpertCosting, c: Candidate, dtype: str) -> ExpertPara
 def _ep_executor(c: Candidate) -> str:
     """Why `autopar run` does not execute a candidate's expert parallelism ("" where it does:
     `runtime.experts.check_executable`'s conditions, which the plan schema cannot import)."""
-    why = [w for w, bad in (("tensor parallelism", c.tp > 1), (f"ZeRO stage {c.zero}", c.zero == 3)) if bad]
-    return (f"planned, not yet executed by `autopar run` with {', '.join(why)} (it runs expert parallelism "
-            f"without tensor parallelism or ZeRO-3)") if why else ""
+    return ("planned, not yet executed by `autopar run` with tensor parallelism (it runs expert parallelism "
+            "without tensor parallelism)") if c.tp > 1 else ""
 
 
 def _cp_executor(c: Candidate) -> str:

@@ -26,9 +26,10 @@ chunks replaces the experts of each, all exchanging over its stage's groups (eve
 rank has the same device set, and the ranks of a device set run the same chunk and micro-batch
 order, so their all-to-alls pair up). Checkpoints and `full_state` see each stacked weight whole
 (`ExpertGroups.global_view`: a DTensor sharded over ep), so a checkpoint resumes in any
-layout (not yet under ZeRO-1/2, whose expert shard `checkpoint` refuses). ZeRO-1/2 shard the
-expert weights' optimizer state over the ranks holding the same experts (`zero_setup`).
-Executed here: without tensor parallelism or ZeRO-3 (`check_executable`).
+layout (not yet under ZeRO-1/2, whose expert shard `checkpoint` refuses, nor ZeRO-3). ZeRO-1/2
+shard the expert weights' optimizer state over the ranks holding the same experts
+(`zero_setup`); ZeRO-3 makes each experts module an FSDP unit over those ranks
+(`ExpertGroups.fully_shard`). Executed here: without tensor parallelism (`check_executable`).
 """
 
 from __future__ import annotations
@@ -56,12 +57,10 @@ def check_executable(plan: Plan) -> None:
     if plan.experts is None or plan.experts.ep == 1:
         return
     why = [w for w, bad in (("tensor parallelism", plan.tp > 1),
-                            (f"ZeRO stage {plan.zero_stage}", plan.zero_stage == 3),
                             ("op-by-op layouts", any(s.op_layouts is not None for s in plan.stages))) if bad]
     if why:
-        raise PlanError(f"expert parallelism (ep={plan.experts.ep}) is executed without tensor parallelism or "
-                        f"ZeRO-3 in this version; the plan has {', '.join(why)}: re-plan with "
-                        f"Constraints(tp=1, zero_stage=0, 1 or 2), or ep=1")
+        raise PlanError(f"expert parallelism (ep={plan.experts.ep}) is executed without tensor parallelism in "
+                        f"this version; the plan has {', '.join(why)}: re-plan with Constraints(tp=1), or ep=1")
 
 
 class _AllToAll(torch.autograd.Function):
@@ -99,6 +98,7 @@ class ExpertParallelExperts(nn.Module):
         self._inner = (inner,)
         for name, child in inner.named_children():
             self.add_module(name, child)
+        self._direct = [name for name, _ in inner.named_parameters(recurse=False)]
         for name, p in inner.named_parameters(recurse=False):
             self.register_parameter(name, p)
         self.num_experts, self.ep, self.group = num_experts, ep, group
@@ -135,7 +135,12 @@ class ExpertParallelExperts(nn.Module):
         lid, order = torch.sort(local_ids, stable=True)
         ones = torch.ones(lid.shape[0], 1, dtype=top_k_weights.dtype, device=lid.device)
         call = {"hidden": got[order], "index": lid.unsqueeze(1), "weights": ones}
-        y = self._inner[0](*(call[r] for r in self.roles))
+        inner = self._inner[0]
+        for name in self._direct:
+            # the parameters held here, as they are now: FSDP (ZeRO-3, `ExpertGroups.fully_shard`)
+            # swaps this module's for its gathered ones around each forward and backward
+            inner._parameters[name] = self._parameters[name]
+        y = inner(*(call[r] for r in self.roles))
         back = torch.empty_like(order)
         back[order] = torch.arange(order.shape[0], device=order.device)
         out_rows = _AllToAll.apply(y[back], send_split, recv_split, self.group)
@@ -160,6 +165,28 @@ class ExpertGroups:
     names: dict[str, int] = field(default_factory=dict)     # canonical FQN -> id of its parameter
 
     flat_shard: Optional[nn.Parameter] = None     # ZeRO-1/2: this rank's shard of the expert weights
+    fsdp: bool = False                            # ZeRO-3: FSDP shards and reduces them (`fully_shard`)
+    fsdp_params: list[nn.Parameter] = field(default_factory=list)     # ... its sharded parameters
+
+    def fully_shard(self, module: nn.Module, mp: dict) -> set[nn.Parameter]:
+        """ZeRO-3: each experts module of `module` (`ExpertParallelExperts`) an FSDP unit over
+        the expert-dp ranks (those holding the same experts), before the dense units are made
+        over dp (which then leave its parameters alone), as torchtitan shards experts. FSDP's
+        reduce-scatter averages over the expert-dp ranks; `sync` then divides by ep, making
+        the one-process average over dp (a divide factor of dp in FSDP would take NCCL's
+        PreMulSum, which gloo lacks). With one copy of each expert (ep = dp) there is nothing to shard: the
+        parameters are returned, for the dense units to ignore, and `sync` averages them.
+        Called before the parameters are read into `params` (FSDP replaces them)."""
+        from torch.distributed.fsdp import fully_shard
+
+        wrappers = [m for m in module.modules() if isinstance(m, ExpertParallelExperts)]
+        if self.mesh.size(0) == 1:
+            return {p for w in wrappers for p in w.parameters()}
+        for w in wrappers:
+            fully_shard(w, mesh=self.mesh["edp"], **mp)
+            self.fsdp_params.extend(w.parameters())
+        self.fsdp = True
+        return set()
 
     def zero_setup(self) -> nn.Parameter:
         """ZeRO-1/2: the expert weights' flat shard over the expert-dp ranks (the whole flat
@@ -220,6 +247,12 @@ class ExpertGroups:
     def sync(self, dp: int) -> None:
         """Average the expert gradients as the one-process run: summed over their copies (each
         holds the gradient of its ep group's tokens), over the dp replicas of the batch."""
+        if self.fsdp:
+            # reduce-scattered (averaged over the expert-dp ranks) by FSDP (`fully_shard`)
+            for p in self.fsdp_params:
+                if p.grad is not None:
+                    p.grad.mul_(1.0 / self.ep)
+            return
         grads = [p.grad for p in self.params if p.grad is not None]
         if self.edp_group is not None:
             allreduce_flat(grads, self.edp_group, 1.0 / dp)
