@@ -161,9 +161,10 @@ def test_ep2_in_interleaved_pipeline_trains_like_one_process():
 def test_ep_under_zero3_trains_like_one_process():
     """ZeRO-3 with expert parallelism, 4 gloo processes: ep 2 x expert-dp 2 (each experts
     module an FSDP unit over the 2 ranks holding the same experts, the dense units over the 4
-    dp ranks) and ep 2 in each of 2 pipeline stages (one copy of each expert: FSDP leaves the
-    experts alone, their gradients averaged over dp as without ZeRO). Losses equal one process
-    within 1e-4, every step's collectives the plan's (the pipeline's from its second)."""
+    dp ranks), ep 2 in each of 2 pipeline stages and ep 4 in bf16 (one copy of each expert:
+    FSDP leaves the experts alone, their gradients averaged over dp as without ZeRO; in bf16
+    with fp32 masters). Losses equal one process (of the same dtype) within 1e-4, every step's
+    collectives the plan's (the pipeline's from its second)."""
     from autopar.runtime import run
 
     one = plan("moe-tiny", _cpu(1), global_batch_size=8, dtype="fp32",
@@ -181,6 +182,15 @@ def test_ep_under_zero3_trains_like_one_process():
     steps = [r for r in run(p, "moe-tiny", steps=2, seed=0, quiet=True) if "step" in r]
     assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
     assert steps[1]["collectives"] == p.predicted.collectives
+    # bf16, ep = dp: the expert weights FSDP leaves alone are cast with fp32 masters (as ZeRO 0)
+    one = plan("moe-tiny", _cpu(1), global_batch_size=8, dtype="bf16",
+               constraints=Constraints(num_microbatches=2, recompute="none"))
+    want = [r["loss"] for r in run(one, "moe-tiny", steps=2, seed=0, quiet=True) if "step" in r]
+    p = plan("moe-tiny", _cpu(4), global_batch_size=8, dtype="bf16", intra_op="analytic",
+             constraints=Constraints(ep=4, dp=4, tp=1, pp=1, zero_stage=3, recompute="none", num_microbatches=2))
+    steps = [r for r in run(p, "moe-tiny", steps=2, seed=0, quiet=True) if "step" in r]
+    assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
+    assert all(r["collectives"] == p.predicted.collectives for r in steps)
 
 
 @pytest.mark.slow
