@@ -210,15 +210,43 @@ def test_hf_mixtral_ep2_trains_like_one_process():
     assert all(r["collectives"] == p.predicted.collectives == {"all_to_all": 10, "all_reduce": 1} for r in steps)
 
 
-def test_ep_with_tp_is_planned_but_refused_by_the_runtime():
+def test_ep_with_tp_runs_on_dtensors_path_and_is_refused_op_by_op():
+    """ep with tp is executed on DTensor's path (an `intra_op="analytic"` plan: placements, the
+    experts replicated over tp); a plan whose tp stages run op by op as the ILP solved them, or
+    ep with tp under ZeRO-3 or in pipeline stages, is marked in the plan and refused by the
+    runtime, naming tp."""
     from autopar.runtime.experts import check_executable
 
     p = _plan(2, dp=2, tp=2)
-    assert p.experts.ep == 2 and p.tp == 2
-    assert "not yet executed by `autopar run` with tensor parallelism" in p.summary()
-    assert "ep_executor" not in _plan(2).search
-    with pytest.raises(PlanError, match="tensor parallelism"):
-        check_executable(p)
+    assert p.experts.ep == 2 and p.tp == 2 and "ep_executor" not in p.search
+    check_executable(p)
+    for q in (_plan(2, dp=2, tp=2, zero_stage=3), _plan(2, n=8, dp=2, tp=2, pp=2, schedule="1f1b"),
+              plan("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32",
+                   constraints=Constraints(ep=2, dp=2, tp=2, pp=1, zero_stage=0, recompute="none",
+                                           num_microbatches=2))):
+        assert "not yet executed by `autopar run` with tensor" in q.summary(), q.search
+        with pytest.raises(PlanError, match=r"tensor parallelism .*Constraints\(tp=1\)"):
+            check_executable(q)
+
+
+@pytest.mark.slow
+def test_ep_with_tp_trains_like_one_process():
+    """4 gloo processes, ep 2 x dp 2 x tp 2 (DTensor's path, ZeRO-0 and ZeRO-1): the dense ops
+    tensor-parallel as planned, the experts replicated over tp, each tp coordinate's 2 dp ranks
+    one ep group; losses equal one process within 1e-4 and every step's collectives (the
+    DTensor dry run's tp collectives, the exchange, the dp sync) the plan's."""
+    from autopar.runtime import run
+
+    one = plan("moe-tiny", _cpu(1), global_batch_size=8, dtype="fp32",
+               constraints=Constraints(num_microbatches=2, recompute="none"))
+    want = [r["loss"] for r in run(one, "moe-tiny", steps=2, seed=0, quiet=True) if "step" in r]
+    for z in (0, 1):
+        p = _plan(2, dp=2, tp=2, zero_stage=z)
+        assert p.predicted.collectives["all_to_all"] == 20
+        steps = [r for r in run(p, "moe-tiny", steps=2, seed=0, quiet=True) if "step" in r]
+        assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
+        assert all(r["collectives"] == p.predicted.collectives for r in steps), \
+            ([r["collectives"] for r in steps], p.predicted.collectives)
 
 
 def test_verify_steps_an_ep_plan_on_a_fake_process_group():

@@ -225,11 +225,11 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
             self.cp.install(model)      # before recomputation wraps its modules (`ContextParallel.install`)
         apply_recompute(model, s.recompute_modules, s.recompute_ops)
         materialize(model, seed=self.seed, device=self.device, aliases=self.aliases)
-        if self.plan.ep > 1:
-            self._shard_experts(model)
         if self.tp_size > 1:
             distribute_params(model, self.my_mesh.tp_mesh, self._tp_placements(s), aliases=self.aliases,
                               src_data_rank=None)
+        if self.plan.ep > 1:     # after tp: the expert slices are plain tensors (`runtime.experts`)
+            self._shard_experts(model)
         if self.zero3:
             self._fully_shard(model, s.fsdp_units or [])
         runner: nn.Module = model

@@ -29,7 +29,12 @@ order, so their all-to-alls pair up). Checkpoints and `full_state` see each stac
 layout (not yet under ZeRO-1/2, whose expert shard `checkpoint` refuses, nor ZeRO-3). ZeRO-1/2
 shard the expert weights' optimizer state over the ranks holding the same experts
 (`zero_setup`); ZeRO-3 makes each experts module an FSDP unit over those ranks
-(`ExpertGroups.fully_shard`). Executed here: without tensor parallelism (`check_executable`).
+(`ExpertGroups.fully_shard`). With tensor parallelism on DTensor's path (placements, no
+`op_layouts`) the experts are replicated over tp: each tp coordinate's dp ranks form their own
+ep groups (`expert_meshes`), the block's replicated DTensor inputs are exchanged as plain
+tensors and its output handed back replicated; in one stage (in a pipeline the counted
+collectives differ from the plan's; moe-tiny with tp does not run in pipeline chunks even at
+ep 1), not with ZeRO-3, nor op by op as solved (`check_executable`).
 """
 
 from __future__ import annotations
@@ -56,11 +61,20 @@ def check_executable(plan: Plan) -> None:
     """PlanError unless this runtime executes the plan's expert parallelism."""
     if plan.experts is None or plan.experts.ep == 1:
         return
-    why = [w for w, bad in (("tensor parallelism", plan.tp > 1),
-                            ("op-by-op layouts", any(s.op_layouts is not None for s in plan.stages))) if bad]
+    tp = plan.tp > 1
+    why = [w for w, bad in (("tensor parallelism run op by op as solved (op_layouts)",
+                             tp and any(s.op_layouts is not None for s in plan.stages)),
+                            ("tensor parallelism with ZeRO-3", tp and plan.zero_stage == 3),
+                            ("tensor parallelism in pipeline stages",
+                             tp and len({tuple(s.devices) for s in plan.stages}) > 1),
+                            ("stage meshes other than (dp, tp)",
+                             tp and any(tuple(n for n, k in zip(s.mesh_axis_names, s.mesh_shape) if k > 1)
+                                        != ("dp", "tp") for s in plan.stages))) if bad]
     if why:
-        raise PlanError(f"expert parallelism (ep={plan.experts.ep}) is executed without tensor parallelism in "
-                        f"this version; the plan has {', '.join(why)}: re-plan with Constraints(tp=1), or ep=1")
+        raise PlanError(f"expert parallelism (ep={plan.experts.ep}) with tensor parallelism (tp={plan.tp}) is "
+                        f"executed on DTensor's path (a plan of `intra_op='analytic'`), experts replicated over "
+                        f"tp, in one stage without ZeRO-3; the plan has {', '.join(why)}: re-plan with "
+                        f"Constraints(tp=1), or with intra_op='analytic', pp=1 and zero_stage 0-2, or ep=1")
 
 
 class _AllToAll(torch.autograd.Function):
@@ -106,7 +120,21 @@ class ExpertParallelExperts(nn.Module):
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         got_args = dict(zip(self.roles, args))
-        hidden, top_k_index, top_k_weights = (got_args[r] for r in ROLES)
+        tp_mesh = None
+        if any(isinstance(a, DTensor) for a in args):
+            # tensor parallelism (DTensor's path): the block's inputs are replicated over tp,
+            # each tp rank exchanges over its own ep group and runs the (replicated) experts
+            # on plain tensors; the output is handed back replicated
+            tp_mesh = next(a.device_mesh for a in args if isinstance(a, DTensor))
+            got_args = {r: _replicated_local(a) for r, a in got_args.items()}
+        out = self._exchange(*(got_args[r] for r in ROLES))
+        if tp_mesh is not None:
+            out = DTensor.from_local(out, tp_mesh, [Replicate()] * tp_mesh.ndim, run_check=False)
+        return out
+
+    def _exchange(self, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The forward on plain tensors (the module docstring's steps)."""
         T, k = top_k_index.shape
         E, ep, L = self.num_experts, self.ep, self.local
         ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
@@ -147,6 +175,16 @@ class ExpertParallelExperts(nn.Module):
         out_rows = out_rows * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(out_rows.dtype)
         out = torch.zeros((T,) + tuple(hidden.shape[1:]), dtype=out_rows.dtype, device=hidden.device)
         return out.index_add(0, perm // k, out_rows).to(hidden.dtype)
+
+
+def _replicated_local(t: Any) -> Any:
+    """A DTensor input of the experts block as its local tensor, which must be the whole one
+    (replicated over tp: the experts run replicated, `check_executable`)."""
+    if not isinstance(t, DTensor):
+        return t
+    if any(not isinstance(p, Replicate) for p in t.placements):
+        t = t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim)
+    return t.to_local()
 
 
 @dataclass
@@ -242,7 +280,8 @@ class ExpertGroups:
         stack: sharded over ep on dim 0, replicated over the expert-dp copies. Checkpoints store
         it so (`runtime.checkpoint`: any layout resumes it) and `full_state` gathers it; shares
         `t`'s storage, so a checkpoint load fills the live slice."""
-        return DTensor.from_local(t, self.mesh, [Replicate(), Shard(0)], run_check=False)
+        return DTensor.from_local(t, self.mesh, [Replicate(), Shard(0)] + [Replicate()] * (self.mesh.ndim - 2),
+                                  run_check=False)
 
     def sync(self, dp: int) -> None:
         """Average the expert gradients as the one-process run: summed over their copies (each
@@ -283,16 +322,22 @@ def argument_roles(inner: nn.Module, top_k: int) -> tuple[str, ...]:
 
 
 def expert_meshes(plan: Plan, device_type: str) -> dict[tuple[int, ...], DeviceMesh]:
-    """Per stage device set, the (expert-dp, ep) mesh of its dp ranks (tp = 1: the devices in
-    dp order): ep consecutive ranks share one copy of every expert. Every rank builds every
-    stage's, in stage order (their groups are made collectively)."""
+    """Per stage device set, the (expert-dp, ep) mesh of its dp ranks (the devices in dp
+    order), with tensor parallelism the (expert-dp, ep, tp) mesh (a (dp, tp) stage mesh: each
+    tp coordinate's dp ranks form their own ep groups): ep consecutive dp ranks share one copy
+    of every expert. Every rank builds every stage's, in stage order (their groups are made
+    collectively)."""
     ep = plan.experts.ep
     out: dict[tuple[int, ...], DeviceMesh] = {}
     for s in sorted(plan.stages, key=lambda s: s.index):
         key = tuple(s.devices)
         if key not in out:
-            out[key] = DeviceMesh(device_type, torch.tensor(s.devices, dtype=torch.int).view(len(s.devices) // ep, ep),
-                                  mesh_dim_names=("edp", "ep"))
+            tp = s.axis_size("tp")
+            ids = torch.tensor(s.devices, dtype=torch.int)
+            out[key] = (DeviceMesh(device_type, ids.view(len(s.devices) // ep, ep), mesh_dim_names=("edp", "ep"))
+                        if tp == 1 else
+                        DeviceMesh(device_type, ids.view(len(s.devices) // (ep * tp), ep, tp),
+                                   mesh_dim_names=("edp", "ep", "tp")))
     return out
 
 
@@ -324,8 +369,8 @@ def shard_experts(model: nn.Module, plan: Plan, mesh: DeviceMesh, into: Optional
             owner_name, _, pname = name.rpartition(".")
             owner = inner.get_submodule(owner_name) if owner_name else inner
             full = getattr(owner, pname)
-            local = nn.Parameter(full.detach()[ep_rank * per:(ep_rank + 1) * per].clone(),
-                                 requires_grad=full.requires_grad)
+            whole = _replicated_local(full.detach())     # tp (DTensor's path): replicated, plain here
+            local = nn.Parameter(whole[ep_rank * per:(ep_rank + 1) * per].clone(), requires_grad=full.requires_grad)
             setattr(owner, pname, local)
             params.append(local)
             names[w] = id(local)
