@@ -375,7 +375,14 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
     if experts is not None:
         for _, d, _, (k, j) in chunks:
             coll.update(experts.expert_collectives(range(k, j), m, c.stages[d].recompute))
-        if c.dp // c.ep > 1:
+        if c.dp // c.ep > 1 and c.zero == 3:
+            # ZeRO-3: each experts module an FSDP unit over the ranks holding the same experts
+            # (`runtime.experts.ExpertGroups.fully_shard`), gathered and reduced as a layer unit
+            for *_, (k, j) in chunks:
+                blocks = [b.module for i in range(k, j) for b in experts.by_layer.get(i, [])]
+                if blocks:
+                    coll.update(_zero3_counts(blocks, False, m, len(chunks) > 1))
+        elif c.dp // c.ep > 1:
             for st in c.stages:
                 if any(i in experts.by_layer for k, j in st.chunks for i in range(k, j)):
                     coll.update({"all_reduce": 1} if c.zero == 0 else {"reduce_scatter": 1, "all_gather": 1})
@@ -432,7 +439,8 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                         **({"tp_counts_fallback": "; ".join(fallbacks)} if fallbacks else {}),
                         **({"selective_fallback": _selective_fallback(rc_fallback)} if rc_fallback else {}),
                         **({"tp_executor": why_not} if why_not else {}),
-                        **({"ep_executor": _ep_executor(c)} if c.ep > 1 and _ep_executor(c) else {}),
+                        **({"ep_executor": _ep_executor(c, bool(layouts))}
+                           if c.ep > 1 and _ep_executor(c, bool(layouts)) else {}),
                         **({"cp_executor": _cp_executor(c)} if _cp_executor(c) else {}),
                         **({"skipped": _skipped(res.skipped)} if res.skipped else {})})
 
@@ -446,13 +454,19 @@ def _expert_plan(experts: ExpertCosting, c: Candidate, dtype: str) -> ExpertPara
                                                      weights=list(b.weights)) for b in blocks])
 
 
-def _ep_executor(c: Candidate) -> str:
+def _ep_executor(c: Candidate, solved: bool) -> str:
     """Why `autopar run` does not execute a candidate's expert parallelism ("" where it does:
-    `runtime.experts.check_executable`'s conditions, which the plan schema cannot import)."""
-    why = [w for w, bad in (("interleaved chunks", c.v > 1), ("tensor parallelism", c.tp > 1),
-                            (f"ZeRO stage {c.zero}", c.zero == 3)) if bad]
-    return (f"planned, not yet executed by `autopar run` with {', '.join(why)} (it runs expert parallelism "
-            f"without tensor parallelism, ZeRO-3 or interleaved chunks)") if why else ""
+    `runtime.experts.check_executable`'s conditions, which the plan schema cannot import):
+    with tp only on DTensor's path (`solved`: its stages run op by op as the ILP solved them),
+    in one stage, without ZeRO-3 or cp."""
+    if c.tp == 1:
+        return ""
+    why = [w for w, bad in (("tensor parallelism run op by op as solved", solved),
+                            ("tensor parallelism and ZeRO-3", c.zero == 3),
+                            ("tensor parallelism in pipeline stages", c.pp > 1),
+                            ("tensor and context parallelism", c.cp > 1)) if bad]
+    return (f"planned, not yet executed by `autopar run` with {', '.join(why)} (it runs expert parallelism with "
+            f"tensor parallelism on DTensor's path, intra_op='analytic', in one stage without ZeRO-3)") if why else ""
 
 
 def _cp_executor(c: Candidate) -> str:

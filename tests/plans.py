@@ -51,6 +51,25 @@ def gpt_tiny6():
     return model, inputs, token_batch(_CFG6.vocab_size, _CFG6.seq_len)
 
 
+MOE4_REF = "tests.plans:moe_tiny4"
+
+
+def moe_tiny4():
+    """moe-tiny with 4 blocks (each 8 experts top-2 + 1 shared), built on meta: enough layers
+    for 2 pipeline ranks of 2 interleaved chunks each."""
+    import dataclasses
+
+    from autopar.models.catalogue import catalogue
+    from autopar.models.moe import MoEModel
+
+    cfg = dataclasses.replace(catalogue("moe")["moe-tiny"].config, layers=4)
+    with torch.device("meta"):
+        model = MoEModel(cfg)
+    inputs = (torch.zeros(1, cfg.seq_len, dtype=torch.long, device="meta"),
+              torch.zeros(1, cfg.seq_len, dtype=torch.long, device="meta"))
+    return model, inputs, token_batch(cfg.vocab_size, cfg.seq_len)
+
+
 _FP: dict[str, tuple[str, int, int]] = {}
 
 

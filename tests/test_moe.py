@@ -133,6 +133,67 @@ def test_ep4_ep2_dp2_and_ep2_pp2_train_like_one_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_ep2_in_interleaved_pipeline_trains_like_one_process():
+    """4 gloo processes, moe-tiny with 4 blocks (`tests.plans:moe_tiny4`): 2 pipeline ranks of 2
+    interleaved chunks each (interleaved 1F1B, v=2), ep 2 over each stage's 2 dp ranks, ZeRO-1;
+    each rank's two chunks have their experts replaced and exchange over the stage's one ep
+    group. The plan is not marked unexecuted, the losses equal one process within 1e-4 and the
+    counted collectives the plan's from the second step (the first also exchanges shapes)."""
+    from autopar.runtime import run
+    from tests.plans import MOE4_REF
+
+    one = plan(MOE4_REF, _cpu(1), global_batch_size=8, dtype="fp32",
+               constraints=Constraints(num_microbatches=2, recompute="none"))
+    want = [r["loss"] for r in run(one, MOE4_REF, steps=2, seed=0, quiet=True) if "step" in r]
+    p = plan(MOE4_REF, _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
+             constraints=Constraints(ep=2, dp=2, tp=1, pp=2, zero_stage=1, recompute="none", num_microbatches=2,
+                                     schedule="interleaved_1f1b", virtual_stages=2))
+    assert p.virtual_stages == 2 and len(p.stages) == 4 and p.experts.ep == 2 and "ep_executor" not in p.search
+    assert "not yet executed" not in p.summary()
+    # 4 blocks x 2 micro-batches x 5 exchanges; the dense and expert weights' ZeRO-1 sync per stage
+    assert p.predicted.collectives == {"all_to_all": 40, "reduce_scatter": 2, "all_gather": 2, "send_recv": 24}
+    steps = [r for r in run(p, MOE4_REF, steps=2, seed=0, quiet=True) if "step" in r]
+    assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
+    assert steps[1]["collectives"] == p.predicted.collectives
+
+
+@pytest.mark.slow
+def test_ep_under_zero3_trains_like_one_process():
+    """ZeRO-3 with expert parallelism, 4 gloo processes: ep 2 x expert-dp 2 (each experts
+    module an FSDP unit over the 2 ranks holding the same experts, the dense units over the 4
+    dp ranks), ep 2 in each of 2 pipeline stages and ep 4 in bf16 (one copy of each expert:
+    FSDP leaves the experts alone, their gradients averaged over dp as without ZeRO; in bf16
+    with fp32 masters). Losses equal one process (of the same dtype) within 1e-4, every step's
+    collectives the plan's (the pipeline's from its second)."""
+    from autopar.runtime import run
+
+    one = plan("moe-tiny", _cpu(1), global_batch_size=8, dtype="fp32",
+               constraints=Constraints(num_microbatches=2, recompute="none"))
+    want = [r["loss"] for r in run(one, "moe-tiny", steps=2, seed=0, quiet=True) if "step" in r]
+    p = _plan(2, zero_stage=3)
+    assert "ep_executor" not in p.search and p.experts.expert_dp == 2
+    # 2 layer units and embed/norm/head units over dp; the 2 experts units over expert-dp
+    assert p.predicted.collectives == {"all_to_all": 20, "all_gather": 28, "reduce_scatter": 7}
+    steps = [r for r in run(p, "moe-tiny", steps=2, seed=0, quiet=True) if "step" in r]
+    assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
+    assert all(r["collectives"] == p.predicted.collectives for r in steps), [r["collectives"] for r in steps]
+    p = _plan(2, dp=2, pp=2, zero_stage=3, schedule="1f1b")
+    assert "ep_executor" not in p.search and p.experts.expert_dp == 1
+    steps = [r for r in run(p, "moe-tiny", steps=2, seed=0, quiet=True) if "step" in r]
+    assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
+    assert steps[1]["collectives"] == p.predicted.collectives
+    # bf16, ep = dp: the expert weights FSDP leaves alone are cast with fp32 masters (as ZeRO 0)
+    one = plan("moe-tiny", _cpu(1), global_batch_size=8, dtype="bf16",
+               constraints=Constraints(num_microbatches=2, recompute="none"))
+    want = [r["loss"] for r in run(one, "moe-tiny", steps=2, seed=0, quiet=True) if "step" in r]
+    p = plan("moe-tiny", _cpu(4), global_batch_size=8, dtype="bf16", intra_op="analytic",
+             constraints=Constraints(ep=4, dp=4, tp=1, pp=1, zero_stage=3, recompute="none", num_microbatches=2))
+    steps = [r for r in run(p, "moe-tiny", steps=2, seed=0, quiet=True) if "step" in r]
+    assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
+    assert all(r["collectives"] == p.predicted.collectives for r in steps)
+
+
+@pytest.mark.slow
 def test_hf_mixtral_ep2_trains_like_one_process():
     """The runtime module calls Hugging Face's own experts module on its slice (its
     `num_experts` set to the local count): 2 gloo processes at ep 2, the one-process losses."""
@@ -149,15 +210,43 @@ def test_hf_mixtral_ep2_trains_like_one_process():
     assert all(r["collectives"] == p.predicted.collectives == {"all_to_all": 10, "all_reduce": 1} for r in steps)
 
 
-def test_ep_with_tp_is_planned_but_refused_by_the_runtime():
+def test_ep_with_tp_runs_on_dtensors_path_and_is_refused_op_by_op():
+    """ep with tp is executed on DTensor's path (an `intra_op="analytic"` plan: placements, the
+    experts replicated over tp); a plan whose tp stages run op by op as the ILP solved them, or
+    ep with tp under ZeRO-3 or in pipeline stages, is marked in the plan and refused by the
+    runtime, naming tp."""
     from autopar.runtime.experts import check_executable
 
     p = _plan(2, dp=2, tp=2)
-    assert p.experts.ep == 2 and p.tp == 2
-    assert "not yet executed by `autopar run` with tensor parallelism" in p.summary()
-    assert "ep_executor" not in _plan(2).search
-    with pytest.raises(PlanError, match="tensor parallelism"):
-        check_executable(p)
+    assert p.experts.ep == 2 and p.tp == 2 and "ep_executor" not in p.search
+    check_executable(p)
+    for q in (_plan(2, dp=2, tp=2, zero_stage=3), _plan(2, n=8, dp=2, tp=2, pp=2, schedule="1f1b"),
+              plan("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32",
+                   constraints=Constraints(ep=2, dp=2, tp=2, pp=1, zero_stage=0, recompute="none",
+                                           num_microbatches=2))):
+        assert "not yet executed by `autopar run` with tensor" in q.summary(), q.search
+        with pytest.raises(PlanError, match=r"tensor parallelism .*Constraints\(tp=1\)"):
+            check_executable(q)
+
+
+@pytest.mark.slow
+def test_ep_with_tp_trains_like_one_process():
+    """4 gloo processes, ep 2 x dp 2 x tp 2 (DTensor's path, ZeRO-0 and ZeRO-1): the dense ops
+    tensor-parallel as planned, the experts replicated over tp, each tp coordinate's 2 dp ranks
+    one ep group; losses equal one process within 1e-4 and every step's collectives (the
+    DTensor dry run's tp collectives, the exchange, the dp sync) the plan's."""
+    from autopar.runtime import run
+
+    one = plan("moe-tiny", _cpu(1), global_batch_size=8, dtype="fp32",
+               constraints=Constraints(num_microbatches=2, recompute="none"))
+    want = [r["loss"] for r in run(one, "moe-tiny", steps=2, seed=0, quiet=True) if "step" in r]
+    for z in (0, 1):
+        p = _plan(2, dp=2, tp=2, zero_stage=z)
+        assert p.predicted.collectives["all_to_all"] == 20
+        steps = [r for r in run(p, "moe-tiny", steps=2, seed=0, quiet=True) if "step" in r]
+        assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
+        assert all(r["collectives"] == p.predicted.collectives for r in steps), \
+            ([r["collectives"] for r in steps], p.predicted.collectives)
 
 
 def test_verify_steps_an_ep_plan_on_a_fake_process_group():
@@ -169,3 +258,21 @@ def test_verify_steps_an_ep_plan_on_a_fake_process_group():
     report = autopar.verify(p, "moe-tiny")
     text = report.summary()
     assert "FAIL" not in text and "all_reduce=2, all_to_all=20 (plan: all_reduce=2, all_to_all=20) match" in text
+    # ZeRO-3: each rank's experts FSDP-sharded over the 2 ranks holding them (the shards checked)
+    text = autopar.verify(_plan(2, zero_stage=3), "moe-tiny").summary()
+    assert "FAIL" not in text and "differ" not in text and text.rstrip().endswith("ok"), text
+
+
+def test_verify_steps_an_interleaved_ep_pipeline():
+    """`autopar verify` on ep 2 inside an interleaved pipeline (2 chunks per rank): every
+    rank's stacked expert weights hold its E/ep experts (`rank_kinds.expected_shards`, which
+    a pipeline's chunks, built apart from the model, once failed), and the collectives are
+    the plan's."""
+    import autopar
+    from tests.plans import MOE4_REF
+
+    p = plan(MOE4_REF, _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
+             constraints=Constraints(ep=2, dp=2, tp=1, pp=2, zero_stage=1, recompute="none", num_microbatches=2,
+                                     schedule="interleaved_1f1b", virtual_stages=2))
+    text = autopar.verify(p, MOE4_REF).summary()
+    assert "FAIL" not in text and "differ" not in text and text.rstrip().endswith("ok"), text

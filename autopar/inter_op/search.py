@@ -56,8 +56,10 @@ What is approximated, and why (to keep a 1000-GPU search within seconds on two c
   and the expert count is a candidate of its own (`Candidate.ep`), its layers' costs with the
   experts sharded over ep (weights, the dropless all-to-all exchange, the grouped GEMMs' sizes);
   the expert gradients are synced over the dp / ep ranks holding the same experts (`_Tables.
-  sync`), ZeRO-1/2 shard their optimizer state over those ranks (`_Tables.phases`); not with
-  ZeRO-3.
+  sync`), ZeRO-1/2 shard their optimizer state over those ranks, ZeRO-3 their weights,
+  gradients and optimizer state (`_Tables.phases`; ZeRO-3's per-micro-batch all-gathers are
+  costed over dp for the experts too, `zero_mb`: an approximation, the experts' group is
+  dp / ep ranks).
 - Context parallelism (`inter_op.context_parallel`): a candidate's cp ranks split every
   sequence, a stage is dp x cp x tp devices, its layers costed on one cp rank, its gradient
   sync and ZeRO shards over dp x cp (the tables' dp). Tried from `LONG_SEQUENCE` tokens on, or
@@ -563,11 +565,14 @@ class _Tables:
                   rs_copies_input=reduce_scatter_copies_input(self.cluster.device.device_type),
                   fused_optimizer=fused_optimizer(self.cluster.device.device_type))
         out = runtime_phases(pel, self.dtype, self.zero, self.dp, **kw)
-        if self.ep > 1 and self.zero in (1, 2) and self.dp > 1:
-            # ZeRO shards an expert's optimizer state over the dp / ep ranks holding it, not over
-            # dp: as if its elements were ep times as many (the rest of the phase unchanged)
+        if self.ep > 1 and self.zero >= 1 and self.dp > 1:
+            # ZeRO shards an expert's optimizer state (ZeRO-3: and its weights and gradients)
+            # over the dp / ep ranks holding it, not over dp: as if its elements were ep times
+            # as many (the rest of the phase unchanged)
             wide = runtime_phases(pel + (self.ep - 1) * np.asarray(epel), self.dtype, self.zero, self.dp, **kw)
-            out = [dataclasses.replace(a, optimizer=b.optimizer) for a, b in zip(out, wide)]
+            out = [dataclasses.replace(a, optimizer=b.optimizer) if self.zero < 3 else
+                   dataclasses.replace(a, optimizer=b.optimizer, weights=b.weights, gradients=b.gradients)
+                   for a, b in zip(out, wide)]
         return out
 
     @functools.cached_property
@@ -1358,8 +1363,6 @@ class Search:
         out = []
         m = self.gbs // dp // mb
         for z, ep in ((z, e) for e in self.experts.degrees(dp, self.cons.ep) for z in self.zeros(dp * cp, tp)):
-            if ep > 1 and z == 3:
-                continue                # FSDP units would split an ep group's experts
             if not self._executable(cp, dp, tp, pp, ep):
                 continue
             # the costs the candidate is evaluated with: the executor's where it runs op

@@ -130,9 +130,10 @@ def state_dict(pm, *, for_load: bool = False) -> dict:
     """The DCP state of a ParallelModel (tensors alias the live ones, so a load is in place).
     For a save, the parameters in `pm.checkpoint_skip` are left out (model and optimizer keys)."""
     skip = _save_skip(pm, for_load)
-    if pm.zero12 and getattr(pm, "expert_groups", None) is not None:
-        raise PlanError("checkpoints of expert-parallel plans under ZeRO-1/2 are not supported yet (the experts' "
-                        "flat optimizer shard); run without --checkpoint-dir, or re-plan with zero_stage 0")
+    if (pm.zero12 or pm.zero3) and getattr(pm, "expert_groups", None) is not None:
+        raise PlanError(f"checkpoints of expert-parallel plans under ZeRO-{pm.plan.zero_stage} are not supported yet "
+                        f"(the experts' own shards over the ranks holding them); run without --checkpoint-dir, or "
+                        f"re-plan with zero_stage 0")
     state: dict = {"step": torch.tensor(pm.steps_done, dtype=torch.int64)}
     named = pm.local_named_parameters()
     masters = pm.masters.masters if pm.masters is not None else [p for _, p in named]

@@ -225,11 +225,11 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
             self.cp.install(model)      # before recomputation wraps its modules (`ContextParallel.install`)
         apply_recompute(model, s.recompute_modules, s.recompute_ops)
         materialize(model, seed=self.seed, device=self.device, aliases=self.aliases)
-        if self.plan.ep > 1:
-            self._shard_experts(model)
         if self.tp_size > 1:
             distribute_params(model, self.my_mesh.tp_mesh, self._tp_placements(s), aliases=self.aliases,
                               src_data_rank=None)
+        if self.plan.ep > 1:     # after tp: the expert slices are plain tensors (`runtime.experts`)
+            self._shard_experts(model)
         if self.zero3:
             self._fully_shard(model, s.fsdp_units or [])
         runner: nn.Module = model
@@ -318,16 +318,25 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
     def _build_optimizer(self) -> None:
         """The optimizer over this rank's parameters; under mixed precision over fp32 masters
         (`precision`): ZeRO 0 `MasterWeights`, ZeRO-1/2 the flat fp32 shard, ZeRO-3 FSDP's fp32
-        shards. The masters are taken from the fp32 initial values, then the parameters cast."""
+        shards, and fp32 masters for expert weights FSDP leaves alone). The masters are taken
+        from the fp32 initial values, then the parameters cast."""
         self.params = [p for _, p in self.local_named_parameters()]
         self.masters: Optional[MasterWeights] = None
         self.local_shards: Optional[LocalShards] = None
+        eg = self.expert_groups
+        # ZeRO-3 with one copy of each expert (ep = dp): FSDP leaves the expert weights alone
+        # (`ExpertGroups.fully_shard`); under mixed precision they get fp32 masters as ZeRO 0's
+        loose = eg.params if self.zero3 and self.low is not None and eg is not None and not eg.fsdp else []
         if self.zero12:
             self._zero12_setup()
         else:
             if self.low is not None and not self.zero3:
                 self.masters = MasterWeights(self.params)
                 self.optimizer = self.opt_factory(self.masters.masters)
+            elif loose:
+                self.masters = MasterWeights(loose)
+                own = {id(p) for p in loose}
+                self.optimizer = self.opt_factory([p for p in self.params if id(p) not in own] + self.masters.masters)
             else:
                 self.optimizer = self.opt_factory(self.params)
             if not self.zero3:
@@ -338,6 +347,8 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
                     self.optimizer = self.local_shards.optimizer
         if self.low is not None and not self.zero3:
             cast_parameters_(self.params, self.low)
+        elif loose:
+            cast_parameters_(loose, self.low)
 
     def _local(self, t: torch.Tensor) -> torch.Tensor:
 

@@ -21,11 +21,20 @@ The backward runs the two row exchanges reversed (`_AllToAll`), so per block and
 gradients are averaged over the dp / ep ranks holding the same experts (`ExpertGroups.sync`),
 the dense ones over dp as before. In a pipeline, each stage's dp ranks form its own ep groups
 and the module is replaced in the traced chunk (torch's unflattened program keeps a module per
-FQN; `argument_roles` reads the order its inputs come in). Checkpoints and `full_state` see each stacked weight whole
+FQN; `argument_roles` reads the order its inputs come in); a rank holding several interleaved
+chunks replaces the experts of each, all exchanging over its stage's groups (every chunk of a
+rank has the same device set, and the ranks of a device set run the same chunk and micro-batch
+order, so their all-to-alls pair up). Checkpoints and `full_state` see each stacked weight whole
 (`ExpertGroups.global_view`: a DTensor sharded over ep), so a checkpoint resumes in any
-layout (not yet under ZeRO-1/2, whose expert shard `checkpoint` refuses). ZeRO-1/2 shard the
-expert weights' optimizer state over the ranks holding the same experts (`zero_setup`).
-Executed here: without tensor parallelism, ZeRO-3 or interleaved chunks (`check_executable`).
+layout (not yet under ZeRO-1/2, whose expert shard `checkpoint` refuses, nor ZeRO-3). ZeRO-1/2
+shard the expert weights' optimizer state over the ranks holding the same experts
+(`zero_setup`); ZeRO-3 makes each experts module an FSDP unit over those ranks
+(`ExpertGroups.fully_shard`). With tensor parallelism on DTensor's path (placements, no
+`op_layouts`) the experts are replicated over tp: each tp coordinate's dp ranks form their own
+ep groups (`expert_meshes`), the block's replicated DTensor inputs are exchanged as plain
+tensors and its output handed back replicated; in one stage (in a pipeline the counted
+collectives differ from the plan's; moe-tiny with tp does not run in pipeline chunks even at
+ep 1), not with ZeRO-3, nor op by op as solved (`check_executable`).
 """
 
 from __future__ import annotations
@@ -52,14 +61,20 @@ def check_executable(plan: Plan) -> None:
     """PlanError unless this runtime executes the plan's expert parallelism."""
     if plan.experts is None or plan.experts.ep == 1:
         return
-    why = [w for w, bad in (("model chunks interleaved", plan.virtual_stages > 1),
-                            ("tensor parallelism", plan.tp > 1),
-                            (f"ZeRO stage {plan.zero_stage}", plan.zero_stage == 3),
-                            ("op-by-op layouts", any(s.op_layouts is not None for s in plan.stages))) if bad]
+    tp = plan.tp > 1
+    why = [w for w, bad in (("tensor parallelism run op by op as solved (op_layouts)",
+                             tp and any(s.op_layouts is not None for s in plan.stages)),
+                            ("tensor parallelism with ZeRO-3", tp and plan.zero_stage == 3),
+                            ("tensor parallelism in pipeline stages",
+                             tp and len({tuple(s.devices) for s in plan.stages}) > 1),
+                            ("stage meshes other than (dp, tp)",
+                             tp and any(tuple(n for n, k in zip(s.mesh_axis_names, s.mesh_shape) if k > 1)
+                                        != ("dp", "tp") for s in plan.stages))) if bad]
     if why:
-        raise PlanError(f"expert parallelism (ep={plan.experts.ep}) is executed without tensor parallelism, ZeRO-3 "
-                        f"or interleaved chunks in this version; the plan has {', '.join(why)}: re-plan with "
-                        f"Constraints(tp=1, virtual_stages=1) and zero_stage 0-2, or ep=1")
+        raise PlanError(f"expert parallelism (ep={plan.experts.ep}) with tensor parallelism (tp={plan.tp}) is "
+                        f"executed on DTensor's path (a plan of `intra_op='analytic'`), experts replicated over "
+                        f"tp, in one stage without ZeRO-3; the plan has {', '.join(why)}: re-plan with "
+                        f"Constraints(tp=1), or with intra_op='analytic', pp=1 and zero_stage 0-2, or ep=1")
 
 
 class _AllToAll(torch.autograd.Function):
@@ -97,6 +112,7 @@ class ExpertParallelExperts(nn.Module):
         self._inner = (inner,)
         for name, child in inner.named_children():
             self.add_module(name, child)
+        self._direct = [name for name, _ in inner.named_parameters(recurse=False)]
         for name, p in inner.named_parameters(recurse=False):
             self.register_parameter(name, p)
         self.num_experts, self.ep, self.group = num_experts, ep, group
@@ -104,7 +120,21 @@ class ExpertParallelExperts(nn.Module):
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         got_args = dict(zip(self.roles, args))
-        hidden, top_k_index, top_k_weights = (got_args[r] for r in ROLES)
+        tp_mesh = None
+        if any(isinstance(a, DTensor) for a in args):
+            # tensor parallelism (DTensor's path): the block's inputs are replicated over tp,
+            # each tp rank exchanges over its own ep group and runs the (replicated) experts
+            # on plain tensors; the output is handed back replicated
+            tp_mesh = next(a.device_mesh for a in args if isinstance(a, DTensor))
+            got_args = {r: _replicated_local(a) for r, a in got_args.items()}
+        out = self._exchange(*(got_args[r] for r in ROLES))
+        if tp_mesh is not None:
+            out = DTensor.from_local(out, tp_mesh, [Replicate()] * tp_mesh.ndim, run_check=False)
+        return out
+
+    def _exchange(self, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The forward on plain tensors (the module docstring's steps)."""
         T, k = top_k_index.shape
         E, ep, L = self.num_experts, self.ep, self.local
         ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
@@ -133,13 +163,28 @@ class ExpertParallelExperts(nn.Module):
         lid, order = torch.sort(local_ids, stable=True)
         ones = torch.ones(lid.shape[0], 1, dtype=top_k_weights.dtype, device=lid.device)
         call = {"hidden": got[order], "index": lid.unsqueeze(1), "weights": ones}
-        y = self._inner[0](*(call[r] for r in self.roles))
+        inner = self._inner[0]
+        for name in self._direct:
+            # the parameters held here, as they are now: FSDP (ZeRO-3, `ExpertGroups.fully_shard`)
+            # swaps this module's for its gathered ones around each forward and backward
+            inner._parameters[name] = self._parameters[name]
+        y = inner(*(call[r] for r in self.roles))
         back = torch.empty_like(order)
         back[order] = torch.arange(order.shape[0], device=order.device)
         out_rows = _AllToAll.apply(y[back], send_split, recv_split, self.group)
         out_rows = out_rows * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(out_rows.dtype)
         out = torch.zeros((T,) + tuple(hidden.shape[1:]), dtype=out_rows.dtype, device=hidden.device)
         return out.index_add(0, perm // k, out_rows).to(hidden.dtype)
+
+
+def _replicated_local(t: Any) -> Any:
+    """A DTensor input of the experts block as its local tensor, which must be the whole one
+    (replicated over tp: the experts run replicated, `check_executable`)."""
+    if not isinstance(t, DTensor):
+        return t
+    if any(not isinstance(p, Replicate) for p in t.placements):
+        t = t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim)
+    return t.to_local()
 
 
 @dataclass
@@ -158,6 +203,28 @@ class ExpertGroups:
     names: dict[str, int] = field(default_factory=dict)     # canonical FQN -> id of its parameter
 
     flat_shard: Optional[nn.Parameter] = None     # ZeRO-1/2: this rank's shard of the expert weights
+    fsdp: bool = False                            # ZeRO-3: FSDP shards and reduces them (`fully_shard`)
+    fsdp_params: list[nn.Parameter] = field(default_factory=list)     # ... its sharded parameters
+
+    def fully_shard(self, module: nn.Module, mp: dict) -> set[nn.Parameter]:
+        """ZeRO-3: each experts module of `module` (`ExpertParallelExperts`) an FSDP unit over
+        the expert-dp ranks (those holding the same experts), before the dense units are made
+        over dp (which then leave its parameters alone), as torchtitan shards experts. FSDP's
+        reduce-scatter averages over the expert-dp ranks; `sync` then divides by ep, making
+        the one-process average over dp (a divide factor of dp in FSDP would take NCCL's
+        PreMulSum, which gloo lacks). With one copy of each expert (ep = dp) there is nothing to shard: the
+        parameters are returned, for the dense units to ignore, and `sync` averages them.
+        Called before the parameters are read into `params` (FSDP replaces them)."""
+        from torch.distributed.fsdp import fully_shard
+
+        wrappers = [m for m in module.modules() if isinstance(m, ExpertParallelExperts)]
+        if self.mesh.size(0) == 1:
+            return {p for w in wrappers for p in w.parameters()}
+        for w in wrappers:
+            fully_shard(w, mesh=self.mesh["edp"], **mp)
+            self.fsdp_params.extend(w.parameters())
+        self.fsdp = True
+        return set()
 
     def zero_setup(self) -> nn.Parameter:
         """ZeRO-1/2: the expert weights' flat shard over the expert-dp ranks (the whole flat
@@ -213,11 +280,18 @@ class ExpertGroups:
         stack: sharded over ep on dim 0, replicated over the expert-dp copies. Checkpoints store
         it so (`runtime.checkpoint`: any layout resumes it) and `full_state` gathers it; shares
         `t`'s storage, so a checkpoint load fills the live slice."""
-        return DTensor.from_local(t, self.mesh, [Replicate(), Shard(0)], run_check=False)
+        return DTensor.from_local(t, self.mesh, [Replicate(), Shard(0)] + [Replicate()] * (self.mesh.ndim - 2),
+                                  run_check=False)
 
     def sync(self, dp: int) -> None:
         """Average the expert gradients as the one-process run: summed over their copies (each
         holds the gradient of its ep group's tokens), over the dp replicas of the batch."""
+        if self.fsdp:
+            # reduce-scattered (averaged over the expert-dp ranks) by FSDP (`fully_shard`)
+            for p in self.fsdp_params:
+                if p.grad is not None:
+                    p.grad.mul_(1.0 / self.ep)
+            return
         grads = [p.grad for p in self.params if p.grad is not None]
         if self.edp_group is not None:
             allreduce_flat(grads, self.edp_group, 1.0 / dp)
@@ -248,16 +322,22 @@ def argument_roles(inner: nn.Module, top_k: int) -> tuple[str, ...]:
 
 
 def expert_meshes(plan: Plan, device_type: str) -> dict[tuple[int, ...], DeviceMesh]:
-    """Per stage device set, the (expert-dp, ep) mesh of its dp ranks (tp = 1: the devices in
-    dp order): ep consecutive ranks share one copy of every expert. Every rank builds every
-    stage's, in stage order (their groups are made collectively)."""
+    """Per stage device set, the (expert-dp, ep) mesh of its dp ranks (the devices in dp
+    order), with tensor parallelism the (expert-dp, ep, tp) mesh (a (dp, tp) stage mesh: each
+    tp coordinate's dp ranks form their own ep groups): ep consecutive dp ranks share one copy
+    of every expert. Every rank builds every stage's, in stage order (their groups are made
+    collectively)."""
     ep = plan.experts.ep
     out: dict[tuple[int, ...], DeviceMesh] = {}
     for s in sorted(plan.stages, key=lambda s: s.index):
         key = tuple(s.devices)
         if key not in out:
-            out[key] = DeviceMesh(device_type, torch.tensor(s.devices, dtype=torch.int).view(len(s.devices) // ep, ep),
-                                  mesh_dim_names=("edp", "ep"))
+            tp = s.axis_size("tp")
+            ids = torch.tensor(s.devices, dtype=torch.int)
+            out[key] = (DeviceMesh(device_type, ids.view(len(s.devices) // ep, ep), mesh_dim_names=("edp", "ep"))
+                        if tp == 1 else
+                        DeviceMesh(device_type, ids.view(len(s.devices) // (ep * tp), ep, tp),
+                                   mesh_dim_names=("edp", "ep", "tp")))
     return out
 
 
@@ -289,8 +369,8 @@ def shard_experts(model: nn.Module, plan: Plan, mesh: DeviceMesh, into: Optional
             owner_name, _, pname = name.rpartition(".")
             owner = inner.get_submodule(owner_name) if owner_name else inner
             full = getattr(owner, pname)
-            local = nn.Parameter(full.detach()[ep_rank * per:(ep_rank + 1) * per].clone(),
-                                 requires_grad=full.requires_grad)
+            whole = _replicated_local(full.detach())     # tp (DTensor's path): replicated, plain here
+            local = nn.Parameter(whole[ep_rank * per:(ep_rank + 1) * per].clone(), requires_grad=full.requires_grad)
             setattr(owner, pname, local)
             params.append(local)
             names[w] = id(local)

@@ -162,11 +162,11 @@ class PipelineStages:
             core: nn.Module = chunks[i].module
             apply_recompute(core, s.recompute_modules, s.recompute_ops)
             materialize(core, seed=self.seed, device=self.device, aliases=self.aliases, template=self.model)
-            if self.plan.ep > 1:
-                self._shard_experts(core)
             if self.tp_size > 1:
                 distribute_params(core, self.my_mesh.tp_mesh, self._tp_placements(s),
                                   aliases=self.aliases, src_data_rank=None)
+            if self.plan.ep > 1:     # after tp: the expert slices are plain tensors (`runtime.experts`)
+                self._shard_experts(core)
             mod: nn.Module = core
             if self.tp_size > 1:
                 # the last chunk computes the loss inside: vocabulary-parallel there

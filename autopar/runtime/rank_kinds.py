@@ -75,6 +75,8 @@ def expected_shards(plan: Plan, model: nn.Module, rank: int, *,
     mine = [s for s in plan.stages if rank in s.devices]
     zero3 = fsdp_sharded(plan, mine)
     out: dict[str, tuple[int, ...]] = {}
+    ep = plan.experts.ep if plan.experts is not None else 1
+    per_rank = {w: b.num_experts // ep for b in plan.experts.blocks for w in b.weights} if ep > 1 else {}
     for s in mine:
         coord = _coordinate(s, rank)
         tp = [i for i, k in enumerate(s.mesh_axis_names) if k == "tp"]
@@ -90,11 +92,17 @@ def expected_shards(plan: Plan, model: nn.Module, rank: int, *,
             if name not in shapes:
                 continue   # the model has no such parameter: the build reports it
             shape = list(shapes[name])
+            if name in per_rank and shape:
+                shape[0] = per_rank[name]
             sel = {pl[i] for i in tp}
             d = shard_dim(sel.pop()) if len(sel) == 1 else None
             if d is not None and tp_size > 1 and d < len(shape):
                 shape[d] = chunk_len(shape[d], tp_size, tp_c)
-            if zero3 and shape:
+            if zero3 and shape and name in per_rank:
+                # FSDP over the ranks holding the same experts (consecutive groups of ep dp
+                # ranks: `runtime.experts.expert_meshes`); none where each expert has one copy
+                shape[0] = chunk_len(shape[0], dp_size // ep, dp_c // ep)
+            elif zero3 and shape:
                 shape[0] = chunk_len(shape[0], dp_size, dp_c)
             out[name] = tuple(shape)
     return out

@@ -61,6 +61,13 @@ class ZeroSharding:
 
         mesh = self.my_mesh.dp_mesh
         mp = {"mp_policy": fsdp_policy(self.low)} if self.low is not None else {}
+        experts = getattr(self, "expert_groups", None)
+        if experts is not None:
+            # expert parallelism: the experts sharded over the ranks holding the same ones first
+            # (`runtime.experts.ExpertGroups.fully_shard`); with one copy each, left out
+            ignored = experts.fully_shard(model, mp)
+            if ignored:
+                mp = dict(mp, ignored_params=ignored)
         # with tp, parameters are already DTensors on the sibling tp sub-mesh: FSDP2 makes them
         # 2-D (Shard on dp, the planned placement on tp)
         for fqn in units:
