@@ -1373,6 +1373,30 @@ def test_a_norm_computed_in_fp32_saves_its_upcast_at_fp32():
     assert am32.saved_of(up) == 4 * elems
 
 
+def _saved_running_cuda_program(model, x, count_input: bool):
+    """({storage: bytes} of what autograd saves running `model` in bf16 under CUDA's program on
+    CPU (`runtime.cuda_program` inside CPU autocast), the output); the parameters not counted,
+    the input `x` (made bf16) only with `count_input`."""
+    import torch
+
+    from autopar.runtime.cuda_program import cuda_program
+
+    model = model.bfloat16()
+    x = x.bfloat16().requires_grad_()
+    skip = {p.data_ptr() for p in model.parameters()} | (set() if count_input else {x.data_ptr()})
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in skip:
+            saved[t.data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with cuda_program(), torch.autocast("cpu", dtype=torch.bfloat16), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    return saved, out
+
+
 def test_each_matmul_saves_its_own_autocast_copy_of_an_fp32_activation():
     """Under CUDA's autocast a layer norm's output is fp32, and autocast casts it to bf16 for each
     matmul that reads it (it caches casts of parameters only): a post-norm block's q, k and v
@@ -1383,7 +1407,6 @@ def test_each_matmul_saves_its_own_autocast_copy_of_an_fp32_activation():
     import torch.nn as nn
 
     from autopar.capture import capture
-    from autopar.runtime.cuda_program import cuda_program
     from cost_models.memory import activation_memory
 
     class PostNormInput(nn.Module):
@@ -1399,19 +1422,7 @@ def test_each_matmul_saves_its_own_autocast_copy_of_an_fp32_activation():
     b, s, h = 4, 16, 64
     g = capture(PostNormInput(h), (torch.zeros(b, s, h),)).at_batch(b)
     pred = activation_memory(g, "bf16", "none", device_type="cuda").saved_bytes
-    model = PostNormInput(h).bfloat16()
-    x = torch.randn(b, s, h).bfloat16().requires_grad_()
-    skip = {p.data_ptr() for p in model.parameters()} | {x.data_ptr()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.data_ptr() not in skip:
-            saved[t.data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with cuda_program(), torch.autocast("cpu", dtype=torch.bfloat16), \
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x)
+    saved, _ = _saved_running_cuda_program(PostNormInput(h), torch.randn(b, s, h), count_input=False)
     copies = 3 * b * s * h * 2                       # one bf16 copy per projection
     assert sorted(saved.values()).count(b * s * h * 2) == 3
     assert pred >= copies + b * s * h * 4            # and the norm's fp32 copy of its input
@@ -1429,7 +1440,6 @@ def test_cuda_autocast_fp32_ops_and_fp32_dtype_ops_save_what_torch_saves():
     import torch.nn as nn
 
     from autopar.capture import capture
-    from autopar.runtime.cuda_program import cuda_program
     from cost_models.memory import activation_memory
 
     class Pointwise(nn.Module):
@@ -1445,18 +1455,6 @@ def test_cuda_autocast_fp32_ops_and_fp32_dtype_ops_save_what_torch_saves():
     b, s, h = 4, 16, 64
     g = capture(Pointwise(h), (torch.zeros(b, s, h),)).at_batch(b)
     pred = activation_memory(g, "bf16", "none", device_type="cuda").saved_bytes
-    model = Pointwise(h).bfloat16()
-    x = (0.1 * torch.randn(b, s, h)).bfloat16().requires_grad_()
-    skip = {p.data_ptr() for p in model.parameters()}      # the input is counted, as saved
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.data_ptr() not in skip:
-            saved[t.data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with cuda_program(), torch.autocast("cpu", dtype=torch.bfloat16), \
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(x)
+    saved, out = _saved_running_cuda_program(Pointwise(h), 0.1 * torch.randn(b, s, h), count_input=True)
     assert out.dtype == torch.bfloat16
     assert pred == pytest.approx(sum(saved.values()), rel=0.02), (pred, sorted(saved.values()))
