@@ -496,3 +496,17 @@ def test_vocabulary_parallel_loss_shape_propagation_is_not_memory():
     assert [o.inputs[0] for o in loss] == [("S(1)",)]           # the loss runs vocabulary-parallel
     rc = verify(p, model, ranks=[0], jobs=1).ranks[0]
     assert abs(rc.memory_error) <= 0.01, (rc.memory_error, rc.tracked_categories, rc.predicted_categories)
+
+
+def test_dispatch_modes_lose_their_dynamo_guard_only_inside_verify():
+    """verify calls the fake step's dispatch modes without torch's per-call Dynamo guard, and
+    puts the guarded methods back after (a later torch.compile in the process sees them)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autopar.runtime.verify import PhasedCounter, _dispatch_without_dynamo_guard
+
+    before = {c: c.__dict__["__torch_dispatch__"] for c in (FakeTensorMode, PhasedCounter)}
+    with _dispatch_without_dynamo_guard():
+        for c, fn in before.items():
+            assert c.__dict__["__torch_dispatch__"] is fn.__wrapped__
+    assert {c: c.__dict__["__torch_dispatch__"] for c in before} == before
