@@ -77,9 +77,14 @@ def test_a_cp_plan_round_trips_and_short_sequences_search_as_before(tmp_path):
     free = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32", constraints=Constraints(num_microbatches=2))
     one = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32", constraints=Constraints(num_microbatches=2, cp=1))
     assert free.cp == 1 and free.search["candidates"] == one.search["candidates"]
-    # pinned with pipeline stages: planned, said to be not executed
-    pp2 = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32", constraints=Constraints(cp=2, pp=2, tp=1))
-    assert pp2.cp == 2 and "pipeline stages" in pp2.search["cp_executor"] and "cp_executor" not in p.search
+    # with pipeline stages: executed (`runtime.context_parallel.unexecuted_parts`), the
+    # exchange per stage and micro-batch (each stage's layer: K and V gathered, their gradients
+    # reduce-scattered), the loss's count on the last stage
+    pp2 = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32",
+               constraints=Constraints(cp=2, pp=2, tp=1, num_microbatches=2, recompute="none"))
+    assert pp2.cp == 2 and pp2.pp == 2 and "cp_executor" not in pp2.search and "cp_executor" not in p.search
+    assert pp2.predicted.collectives == {"all_gather": 8, "reduce_scatter": 8, "all_reduce": 2 + 2,
+                                         "send_recv": 4}
     d = json.loads(p.to_json())
     d["stages"][0]["mesh_axis_names"] = ["dp", "sp", "tp"]
     with pytest.raises(PlanError, match="'sp' is not a mesh axis kind; one of dp, cp, tp"):
