@@ -1834,8 +1834,9 @@ class Search:
                 continue
             tmax = max(s.t_mb for s in stages)
             pipeline = m * tmax + (sum(s.t_mb for s in stages) - tmax) / v
+            # cp too: its stages are dp x cp x tp devices (`Candidate.replicas`), placed by `_finish`
             trial = Candidate(**{k: getattr(cand, k) for k in ("dp", "tp", "pp", "mb", "m", "schedule", "v", "zero",
-                                                               "sp", "ep")})
+                                                               "sp", "ep", "cp")})
             self._finish(trial, tb, stages, pipeline)
             if not best_ok or trial.iteration_s < cand.iteration_s:
                 cand.iteration_s, cand.pipeline_s, cand.tail_s, cand.stages = (
