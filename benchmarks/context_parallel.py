@@ -3,7 +3,8 @@ context parallelism, and a hand-derived check of the predicted step (issue 13).
 
     python benchmarks/context_parallel.py
 
-Prints one row per (nodes, constraint): the plan, its predicted step time split into compute
+Prints one row per (nodes, constraint; "pp=2": the best plan with two pipeline stages, cp
+searched, to see what context parallelism inside stages gives): the plan, its predicted step time split into compute
 and communication, its peak memory, and beside them the hand-derived figures:
 
 - compute: the step's FLOPs at the profile's largest-GEMM efficiency (0.775 of 989 TFLOP/s,
@@ -12,11 +13,12 @@ and communication, its peak memory, and beside them the hand-derived figures:
   not discounted: autopar's FLOP convention, Megatron's); the backward 2x the linears and 2.5x
   the fused attention (the model's FlashAttention factor); full recomputation one forward of the
   blocks again. Memory-bound ops (norms, rotary, the loss) are left out: the hand figure is
-  below the model's by their time.
+  below the model's by their time. With pipeline stages, times the bubble 1 + (p - 1) / m.
 - the cp exchange: per layer and micro-batch, K and V (their 8 KV heads, grouped-query attention
   running inside the kernel: 8 heads x 128 x s x 2 bytes each), 1/tp of them per rank,
   all-gathered in the forward (again in a recomputation) and reduce-scattered in the backward,
-  (cp - 1)/cp of the bytes over the NVLink bus bandwidth (370 GB/s) each; the tp collectives
+  (cp - 1)/cp of the bytes over the NVLink bus bandwidth (370 GB/s) each, for the layers of the
+  rank's pipeline stage (L / pp); the tp collectives
   and the gradient sync are not in it.
 """
 
@@ -46,9 +48,12 @@ def hand(p) -> tuple[float, float]:
     lin_fwd, att_fwd = 2.0 * linear, L * 4.0 * SEQ * h
     rc = 1.0 if p.stages[0].recompute == "full" else 0.0
     per_token = lin_fwd * (3 + rc) + att_fwd * (1 + 2.5 + rc)
-    compute = p.global_batch_size * SEQ * per_token / p.cluster.num_devices / GEMM_RATE
+    # a pipeline's bubble: (p - 1) / m of the ideal time (1F1B, GPipe; v chunks: over v)
+    bubble = 1 + (p.pp - 1) / (p.num_microbatches * max(1, len(p.stages) // p.pp))
+    compute = p.global_batch_size * SEQ * per_token / p.cluster.num_devices / GEMM_RATE * bubble
     kv = 2 * CFG.kv_heads * hd * SEQ * 2 / p.tp
-    exchange = L * p.num_microbatches * (2 + rc) * (p.cp - 1) / p.cp * kv / NVLINK if p.cp > 1 else 0.0
+    # a rank exchanges for its stage's layers only
+    exchange = L / p.pp * p.num_microbatches * (2 + rc) * (p.cp - 1) / p.cp * kv / NVLINK if p.cp > 1 else 0.0
     return compute, exchange
 
 
@@ -64,7 +69,7 @@ def main() -> None:
     for nodes, gbs in ((1, 8), (8, 16)):
         spec = ClusterSpec.load("dgx-h100", num_nodes=nodes)
         for name, cons in (("cp=1, SP off", Constraints(cp=1, sequence_parallel=False)), ("cp=1", Constraints(cp=1)),
-                           ("free", Constraints())):
+                           ("free", Constraints()), ("pp=2", Constraints(pp=2))):
             try:
                 p = plan(b, spec, global_batch_size=gbs, constraints=cons, graph=g, cache=True)
             except PlanError as e:

@@ -47,6 +47,9 @@ def test_llama3_8b_at_128k_tokens_on_8_and_64_h100_plans_context_parallelism(lla
     assert p.predicted.peak_memory_bytes <= p.predicted.usable_memory_bytes
     assert p.predicted.iteration_time_s < p1.predicted.iteration_time_s
     assert "is not executed by the runtime (pin cp to plan it)" in p.search["skipped"]
+    # cp in pipeline stages is searched (tp 1: run), with tp > 1 left out and said so
+    assert "context parallelism with pipeline stages and tensor parallelism" in p.search["skipped"]
+    assert "tp=1 pp=2" not in p.search["skipped"]
     assert p.stages[0].mesh_axis_names == ("dp", "cp", "tp") and p.stages[0].mesh_shape == (1, p.cp, p.tp)
     # every layer's K and V gathered per micro-batch (again in its recomputation), their
     # gradients reduce-scattered
@@ -77,9 +80,19 @@ def test_a_cp_plan_round_trips_and_short_sequences_search_as_before(tmp_path):
     free = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32", constraints=Constraints(num_microbatches=2))
     one = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32", constraints=Constraints(num_microbatches=2, cp=1))
     assert free.cp == 1 and free.search["candidates"] == one.search["candidates"]
-    # pinned with pipeline stages: planned, said to be not executed
-    pp2 = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32", constraints=Constraints(cp=2, pp=2, tp=1))
-    assert pp2.cp == 2 and "pipeline stages" in pp2.search["cp_executor"] and "cp_executor" not in p.search
+    # with pipeline stages: executed (`runtime.context_parallel.unexecuted_parts`), the
+    # exchange per stage and micro-batch (each stage's layer: K and V gathered, their gradients
+    # reduce-scattered), the loss's count on the last stage
+    pp2 = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32",
+               constraints=Constraints(cp=2, pp=2, tp=1, num_microbatches=2, recompute="none"))
+    assert pp2.cp == 2 and pp2.pp == 2 and "cp_executor" not in pp2.search and "cp_executor" not in p.search
+    assert pp2.predicted.collectives == {"all_gather": 8, "reduce_scatter": 8, "all_reduce": 2 + 2,
+                                         "send_recv": 4}
+    # with tensor parallelism too: planned when pinned, said not to run
+    cl8 = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 8})
+    tp2 = plan("llama-tiny", cl8, global_batch_size=8, dtype="fp32",
+               constraints=Constraints(cp=2, pp=2, tp=2, dp=1, num_microbatches=2, recompute="none"))
+    assert "pipeline stages and tensor parallelism" in tp2.search["cp_executor"]
     d = json.loads(p.to_json())
     d["stages"][0]["mesh_axis_names"] = ["dp", "sp", "tp"]
     with pytest.raises(PlanError, match="'sp' is not a mesh axis kind; one of dp, cp, tp"):

@@ -64,7 +64,7 @@ What is approximated, and why (to keep a 1000-GPU search within seconds on two c
   sequence, a stage is dp x cp x tp devices, its layers costed on one cp rank, its gradient
   sync and ZeRO shards over dp x cp (the tables' dp). Tried from `LONG_SEQUENCE` tokens on, or
   where nothing fits without it (`context_degrees`: the search of a shorter model is the one
-  before); a cp layout the runtime does not execute (pipelined, or with expert parallelism) is
+  before); a cp layout the runtime does not execute (pipeline stages with tp > 1, or expert parallelism) is
   left out unless cp is pinned (`_executable`).
 """
 
@@ -1253,7 +1253,7 @@ class Search:
             return True
         from autopar.runtime.context_parallel import unexecuted_parts
 
-        why = unexecuted_parts(pp, ep)
+        why = unexecuted_parts(pp, ep, tp)
         if why:
             self.skipped[f"cp={cp} dp={dp} tp={tp} pp={pp}"] = (
                 f"context parallelism with {', '.join(why)} is not executed by the runtime (pin cp to plan it)")
@@ -1855,8 +1855,9 @@ class Search:
                 continue
             tmax = max(s.t_mb for s in stages)
             pipeline = m * tmax + (sum(s.t_mb for s in stages) - tmax) / v
+            # cp too: its stages are dp x cp x tp devices (`Candidate.replicas`), placed by `_finish`
             trial = Candidate(**{k: getattr(cand, k) for k in ("dp", "tp", "pp", "mb", "m", "schedule", "v", "zero",
-                                                               "sp", "ep")})
+                                                               "sp", "ep", "cp")})
             self._finish(trial, tb, stages, pipeline)
             if not best_ok or trial.iteration_s < cand.iteration_s:
                 cand.iteration_s, cand.pipeline_s, cand.tail_s, cand.stages = (

@@ -7,13 +7,17 @@ the step (`positions_set`): a model that takes its positions from `token_positio
 Llama rotary tables, the zoo GPT's and BERT's position embeddings) then encodes each token where it is in
 the whole sequence. A model that makes its own `arange` would place a rank's chunks at 0: the
 runtime refuses one whose forward never read them (`reads`).
+
+A trace taken for pipeline stages under context parallelism (`traced_positions`) records the
+positions as one op, `autopar::token_positions`, instead of the `arange` a trace would bake in:
+the traced chunk then asks for them when it runs, and gets the rank's (`positions_set`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from contextvars import ContextVar
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -24,10 +28,22 @@ _READS = [0]
 _CALLS = [0]
 
 
+# whether a trace records the positions as the `autopar::token_positions` op (`traced_positions`)
+_TRACED = [False]
+
+
 def token_positions(seq: int, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The positions of the `seq` tokens a forward holds: 0 .. seq - 1, or those set by
-    `positions_set` (the same count)."""
+    `positions_set` (the same count). Within `traced_positions`, one `autopar::token_positions`
+    op that a trace records and that reads them when the traced program runs."""
     _CALLS[0] += 1
+    if _TRACED[0]:
+        return _positions_op(seq, device, dtype)
+    return _current(seq, device, dtype)
+
+
+def _current(seq: int, device: torch.device, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """The positions set for `seq` tokens (`positions_set`), else 0 .. seq - 1."""
     pos = _POSITIONS.get()
     if pos is None or pos.numel() != seq:
         return torch.arange(seq, device=device, dtype=dtype)
@@ -55,3 +71,33 @@ def positions_set(positions: torch.Tensor) -> Iterator[None]:
         yield
     finally:
         _POSITIONS.reset(token)
+
+
+@torch.library.custom_op("autopar::token_positions", mutates_args=())
+def _positions_op(seq: int, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """`token_positions` as one op of a traced program: the positions set when it runs (a copy:
+    a custom op's output aliases nothing)."""
+    return _current(seq, device, dtype).clone()
+
+
+@_positions_op.register_fake
+def _(seq: int, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    return torch.empty(seq, device=device, dtype=dtype or torch.int64)
+
+
+@contextlib.contextmanager
+def traced_positions() -> Iterator[None]:
+    """Within it, `token_positions` returns the `autopar::token_positions` op: a trace (the
+    runtime's pipeline chunks under context parallelism) records it rather than an `arange` of
+    the traced length, so each rank's chunks get their own positions when they run."""
+    before = _TRACED[0]
+    _TRACED[0] = True
+    try:
+        yield
+    finally:
+        _TRACED[0] = before
+
+
+def traced_op() -> Any:
+    """The op `traced_positions` makes a trace record (to find it in a traced graph)."""
+    return torch.ops.autopar.token_positions.default

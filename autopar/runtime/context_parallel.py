@@ -58,6 +58,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -66,7 +67,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 from torch.overrides import TorchFunctionMode
 
-from autopar.models.positions import positions_set, reads
+from autopar.models.positions import positions_set, reads, traced_op
 from autopar.runtime.selective import fused_call_override
 from autopar.schema import PlanError
 
@@ -140,10 +141,13 @@ class ContextParallel:
         finally:
             self._masks = {}
 
-    def install(self, root: nn.Module) -> None:
+    def install(self, root: nn.Module, check: bool = True) -> None:
         """Every module of `root` runs its forward under the attention mode unless an enclosing
         forward already does (an instance attribute, set before recomputation wraps them, so a
-        checkpointed module's re-run forward enters it too)."""
+        checkpointed module's re-run forward enters it too). `check=False` where the caller
+        checked that the model reads its positions (`check_traced_positions`: a pipeline chunk
+        may hold no op that reads them, the zoo GPT's chunks after its embedding)."""
+        self._checked = self._checked or not check
         for mod in root.modules():
             mod.forward = self._wrapped(mod.forward)
 
@@ -211,6 +215,22 @@ class _KeyPrefixes(torch.autograd.Function):
 
 # the token-mean losses made the cp group's mean (`_CPAttention._group_mean`), with their signatures
 _TOKEN_MEAN_LOSSES = {f: inspect.signature(f) for f in (F.cross_entropy, F.nll_loss)}
+# the same losses as a traced program (a pipeline chunk, `graph_stages`) calls them: aten ops whose
+# `reduction` is an int (`torch.nn._reduction.get_enum`: 1 is the mean)
+_ATEN_LOSSES = {torch.ops.aten.cross_entropy_loss.default: ("input", "target", "weight", "reduction",
+                                                            "ignore_index", "label_smoothing"),
+                torch.ops.aten.nll_loss.default: ("input", "target", "weight", "reduction", "ignore_index")}
+_ATEN_DEFAULTS = {"weight": None, "reduction": 1, "ignore_index": -100, "label_smoothing": 0.0}
+# the fused attention as a traced program calls it, its arguments after q, k, v in order
+_ATEN_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _aten_loss_arguments(func: Any, args: tuple, kwargs: dict) -> dict:
+    """A traced loss call's arguments by name, its reduction as `F.cross_entropy` spells it."""
+    a = {**_ATEN_DEFAULTS, **dict(zip(_ATEN_LOSSES[func], args)), **kwargs}
+    a["reduction"] = {0: "none", 1: "mean", 2: "sum"}.get(a["reduction"], a["reduction"])
+    return a
 
 
 def _token_mean(a: dict) -> bool:
@@ -232,11 +252,16 @@ class _CPAttention(TorchFunctionMode):
     def __init__(self, cp: ContextParallel) -> None:
         super().__init__()
         self.cp = cp
+        self._busy = 0      # attention calls running (their own kernel calls run as they are)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if func in _TOKEN_MEAN_LOSSES:
+        if func in _TOKEN_MEAN_LOSSES or func in _ATEN_LOSSES:
             return self._group_mean(func, args, kwargs)
+        if func is _ATEN_SDPA and not self._busy:
+            # a traced program's fused attention (a pipeline chunk, `graph_stages`)
+            named = dict(zip(_SDPA_ARGS, args[3:]))
+            return self.attention(*args[:3], **named, **kwargs)
         if func is not F.scaled_dot_product_attention or isinstance(kwargs.get("attn_mask"), CausalBias):
             # a chunk's call over the gathered keys (`_causal_lower_right`) runs as it is
             return func(*args, **kwargs)
@@ -246,9 +271,12 @@ class _CPAttention(TorchFunctionMode):
         """The loss `func(*args, **kwargs)`, a mean over this rank's counted tokens, scaled to
         count x cp / (the cp group's count): one all-reduce of the count over the group."""
         out = func(*args, **kwargs)
-        bound = _TOKEN_MEAN_LOSSES[func].bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
+        if func in _ATEN_LOSSES:
+            a = _aten_loss_arguments(func, args, kwargs)
+        else:
+            bound = _TOKEN_MEAN_LOSSES[func].bind(*args, **kwargs)
+            bound.apply_defaults()
+            a = bound.arguments
         if not _token_mean(a):
             return out
         t = a["target"]
@@ -265,6 +293,14 @@ class _CPAttention(TorchFunctionMode):
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
                   dropout_p: float = 0.0, is_causal: bool = False, **kw: Any) -> torch.Tensor:
+        self._busy += 1
+        try:
+            return self._attention(q, k, v, attn_mask, dropout_p, is_causal, **kw)
+        finally:
+            self._busy -= 1
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any,
+                   dropout_p: float, is_causal: bool, **kw: Any) -> torch.Tensor:
         if attn_mask is not None or dropout_p:
             raise PlanError("context parallelism runs attention without an explicit mask or dropout; this "
                             "model's has one: re-plan with cp=1")
@@ -312,11 +348,15 @@ class _CPAttention(TorchFunctionMode):
         return torch.ops.aten.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
 
 
-def unexecuted_parts(pp: int, ep: int) -> list[str]:
+def unexecuted_parts(pp: int, ep: int, tp: int = 1) -> list[str]:
     """What of a context-parallel layout this runtime does not execute with it (empty where it
     runs): it runs it on one stage (tensor parallelism by DTensor propagation, any ZeRO stage
-    over dp x cp, any recomputation) without expert parallelism in this version."""
-    return [w for w, bad in (("pipeline stages", pp > 1), ("expert parallelism", ep > 1)) if bad]
+    over dp x cp, any recomputation) and in pipeline stages (the traced chunks, `graph_stages`,
+    their positions read when they run: with dp, under every recomputation policy), without
+    expert parallelism in this version, and in pipeline stages without tensor parallelism
+    (pp2 x cp2 x tp2 on 8 gloo processes hung in its first step, not yet found why)."""
+    return [w for w, bad in (("expert parallelism", ep > 1),
+                             ("pipeline stages and tensor parallelism", pp > 1 and tp > 1)) if bad]
 
 
 def unexecuted(plan: Any) -> str:
@@ -324,9 +364,9 @@ def unexecuted(plan: Any) -> str:
     where the plan has none: `unexecuted_parts`)."""
     if plan.cp <= 1:
         return ""
-    why = unexecuted_parts(plan.pp, plan.ep)
-    return (f"context parallelism (cp={plan.cp}) is executed on one stage without "
-            f"expert parallelism in this version; the plan has {', '.join(why)}"
+    why = unexecuted_parts(plan.pp, plan.ep, plan.tp)
+    return (f"context parallelism (cp={plan.cp}) is executed without expert parallelism, and in "
+            f"pipeline stages without tensor parallelism, in this version; the plan has {', '.join(why)}"
             ) if why else ""
 
 
@@ -334,4 +374,21 @@ def check_executable(plan: Any) -> None:
     """PlanError unless this runtime executes the plan's context parallelism (`unexecuted`)."""
     why = unexecuted(plan)
     if why:
-        raise PlanError(f"{why}: re-plan with Constraints(pp=1), or cp=1")
+        raise PlanError(f"{why}: re-plan with Constraints(ep=1) (and tp=1 or pp=1), or cp=1")
+
+
+def check_traced_positions(chunks: list[nn.Module]) -> None:
+    """PlanError unless the pipeline chunks traced under `models.positions.traced_positions`
+    (a rank's chunks of every sequence) read the tokens' positions somewhere: a model that makes
+    its own `arange` would have it baked in at the traced length, every rank's chunks placed at
+    the sequence's start."""
+    op = traced_op()
+    for root in chunks:
+        for mod in root.modules():
+            g = getattr(mod, "graph", None)
+            if isinstance(g, torch.fx.Graph) and any(n.op == "call_function" and n.target is op for n in g.nodes):
+                return
+    raise PlanError("under context parallelism the model must take its token positions from "
+                    "autopar.models.positions.token_positions (the zoo's Llama and GPT do); this one did not "
+                    "when traced into pipeline stages, so its position encodings would place every rank's "
+                    "chunks at the sequence's start: re-plan with cp=1")

@@ -6,6 +6,7 @@ shapes; the pipeline groups; the schedule (`cost_models.schedules`)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Sequence
 
 import torch
@@ -13,6 +14,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from autopar.models.positions import traced_positions
+from autopar.runtime.context_parallel import check_traced_positions
 from autopar.runtime.materialize import materialize
 from autopar.runtime.meshes import _mesh_kinds
 from autopar.runtime.pipeline_p2p import FanoutPipelineStage, JustInTimeStage, replica_ranks
@@ -39,11 +42,15 @@ class PipelineStages:
     """The pipeline part of `engine.ParallelModel` (its attributes are the engine's)."""
 
     def _example_microbatch(self) -> tuple:
-        """The model's inputs at the plan's micro-batch size, on meta (what the tracer needs)."""
+        """The model's inputs at the plan's micro-batch size, on meta (what the tracer needs):
+        under context parallelism the rank's tokens of each sequence (`ContextParallel.
+        local_tokens`), as its chunks receive them."""
         mb = self.plan.microbatch_size
-        return tuple(torch.empty((mb,) + tuple(x.shape[1:]), dtype=x.dtype, device="meta")
-                     if isinstance(x, torch.Tensor) and x.dim() > 0 else x
-                     for x in self.bundle.example_inputs)
+        out = tuple(torch.empty((mb,) + tuple(x.shape[1:]), dtype=x.dtype, device="meta")
+                    if isinstance(x, torch.Tensor) and x.dim() > 0 else x
+                    for x in self.bundle.example_inputs)
+        return out if self.cp is None else tuple(self.cp.local_tokens(x) if isinstance(x, torch.Tensor) else x
+                                                 for x in out)
 
     def _graph_shapes(self, chunks: list) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
         """`_stage_shapes` for traced chunks (`graph_stages.Chunk`): each run on fake tensors in
@@ -139,8 +146,13 @@ class PipelineStages:
             raise PlanError(f"the plan's stages leave parameters out: {', '.join(sorted(missing)[:5])}")
         from autopar.runtime.graph_stages import FedChunk, split_model
 
-        chunks = split_model(self.model, self._example_microbatch(), [s.layers[0] for s in self.stages[1:]],
-                             self.device, param_dtype=self.low)
+        # under context parallelism the chunks are traced on a rank's tokens, their positions
+        # an op that reads the rank's when it runs (`models.positions.traced_positions`)
+        with traced_positions() if self.cp is not None else contextlib.nullcontext():
+            chunks = split_model(self.model, self._example_microbatch(), [s.layers[0] for s in self.stages[1:]],
+                                 self.device, param_dtype=self.low)
+        if self.cp is not None:
+            check_traced_positions([ch.module for ch in chunks])
         shapes = self._graph_shapes(chunks)
         self.hetero = len(_mesh_kinds(self.stages)) > 1
         if self.hetero:
@@ -160,6 +172,8 @@ class PipelineStages:
                 continue
             last = i == nst - 1
             core: nn.Module = chunks[i].module
+            if self.cp is not None:     # before recomputation wraps its modules (`ContextParallel.install`)
+                self.cp.install(core, check=False)
             apply_recompute(core, s.recompute_modules, s.recompute_ops)
             materialize(core, seed=self.seed, device=self.device, aliases=self.aliases, template=self.model)
             if self.tp_size > 1:

@@ -25,6 +25,7 @@ import re
 from contextvars import ContextVar
 from typing import Any, Callable, Iterator, Optional
 
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -101,9 +102,19 @@ def checkpoint_selective(fn: Callable[..., Any], *args: Any, recompute: Callable
                       early_stop=early_stop, **kwargs)
 
 
+# a fused call as a traced program makes it (a pipeline chunk cut from the traced model,
+# `graph_stages`): the aten op, its positional arguments in the torch function's order
+_TRACED_CALLS: dict[Any, Callable[..., Any]] = {
+    torch.ops.aten.scaled_dot_product_attention.default: F.scaled_dot_product_attention}
+# the keywords of a fused call's arguments after its first three (q, k, v)
+_KEYWORDS: dict[Callable[..., Any], tuple[str, ...]] = {
+    F.scaled_dot_product_attention: ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")}
+
+
 class _CoreCalls(TorchFunctionMode):
-    """Runs each call of `funcs` made inside it under the selective checkpoint, all its ops
-    MUST_RECOMPUTE; every other call runs as it is."""
+    """Runs each call of `funcs` made inside it (or of the aten op a traced module makes of it,
+    `_TRACED_CALLS`) under the selective checkpoint, all its ops MUST_RECOMPUTE; every other
+    call runs as it is."""
 
     def __init__(self, funcs: set[Callable[..., Any]]) -> None:
         super().__init__()
@@ -111,8 +122,14 @@ class _CoreCalls(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func in self.funcs:
-            return checkpoint_selective(_override(func) or func, *args, **kwargs)
+        fused = _TRACED_CALLS.get(func, func)
+        if fused in self.funcs:
+            impl = _override(fused)
+            if impl is not None and func is not fused:
+                # the override takes the torch function's keywords: the aten op's are positional
+                kwargs = {**dict(zip(_KEYWORDS[fused], args[3:])), **kwargs}
+                args = args[:3]
+            return checkpoint_selective(impl or func, *args, **kwargs)
         return func(*args, **kwargs)
 
 
