@@ -590,18 +590,9 @@ class _Tables:
 
     @functools.cached_property
     def unit_layer(self) -> np.ndarray:
-        """Each layer's largest ZeRO-3 unit, elements (0: its parameters are the root's)."""
-        shared_names = {f for f, _, _ in self.shared}
-        unit = np.zeros(self.L)
-        for i, c in enumerate(self.costs):
-            mods = self._layers[i].modules if i < len(self._layers) else []
-            groups: dict[str, float] = {}
-            for f, e in c.param_elems.items():
-                if f not in shared_names:
-                    m = next((m for m in mods if f == m or f.startswith(m + ".")), "")
-                    groups[m] = groups.get(m, 0.0) + e
-            unit[i] = max(groups.values(), default=0.0)
-        return unit
+        """Each layer's largest ZeRO-3 unit, elements (0: its parameters are the root's):
+        the largest of its `module_units`."""
+        return np.array([max(us, default=0.0) for us in self.module_units], dtype=float).reshape(self.L)
 
     @functools.cached_property
     def module_units(self) -> list[list[float]]:
@@ -1785,7 +1776,7 @@ class Search:
             # executor): its output is the loss, no loss input is kept for the schedule
             like = next((t for t in self._tables_cache.values() if t.costs is costs), None)
             tb = _Tables(costs, self.cluster, self.dtype, dp * cp, tp, zero, self.layers, batch, like=like,
-                         rooted=self.rooted_modules if zero == 3 else frozenset())
+                         rooted=self.rooted_modules)
             if ep > 1:
                 tb.set_experts(ep, self.experts.expert_elems(costs))
             self._tables_cache[key] = tb
