@@ -173,13 +173,15 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
             # shards (data- and context-parallel ranks alike)
             sm.dp_size = s.axis_size("dp") * s.axis_size("cp")
             sm.tp_size = s.axis_size("tp")
-            # the gradient-sync axes flattened (dp x cp: a new process group) by every rank, for
-            # every stage, in one order: group creation is collective over the world, so a
-            # pipeline's stages must not each make only their own (it hung pp2 x dp2 x cp2)
-            sync = sm.submesh(GRADIENT_SYNC_KINDS) if self.pp_flatten(s) else None
+            # a flattened submesh (dp x cp, or several tp axes: a new process group) is made by
+            # every rank, for every stage, in one order: group creation is collective over the
+            # world, so a pipeline's stages must not each make only their own (it hung
+            # pp2 x dp2 x cp2, and pp2 x cp2 while a size-1 dp axis was flattened with cp)
+            sync = sm.submesh(GRADIENT_SYNC_KINDS) if sm.flattens(GRADIENT_SYNC_KINDS) else None
+            tp = sm.submesh("tp") if sm.flattens("tp") else None
             if self.rank in key:
                 sm.dp_mesh = sync if sync is not None else sm.submesh(GRADIENT_SYNC_KINDS)
-                sm.tp_mesh = sm.submesh("tp")
+                sm.tp_mesh = tp if tp is not None else sm.submesh("tp")
             self.meshes[key] = sm
         mine = [s for s in self.stages if self.rank in s.devices]
         if not mine:
@@ -207,12 +209,6 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
             self.batch_rank = self.dp_rank
         self.zero3 = fsdp_sharded(self.plan, mine)
         self.zero12 = self.plan.zero_stage in (1, 2) and self.dp_size > 1 and not self.zero3
-
-    @staticmethod
-    def pp_flatten(s: StagePlan) -> bool:
-        """Whether stage `s`'s gradient-sync axes are several of size > 1 (dp and cp), which
-        `StageMesh.submesh` flattens into a new process group."""
-        return sum(1 for k in s.mesh_axis_names if k in GRADIENT_SYNC_KINDS and s.axis_size(k) > 1) > 1
 
     def _tp_placements(self, s: StagePlan) -> dict[str, tuple[str, ...]]:
         idx = [i for i, k in enumerate(s.mesh_axis_names) if k == "tp"]

@@ -35,10 +35,26 @@ class StageMesh:
     dp_size: int = 1
     tp_size: int = 1
 
-    def submesh(self, kind: str | tuple[str, ...]) -> Optional[DeviceMesh]:
-        """The axes of `kind` (or of any of several kinds), flattened into one; None without."""
-        kinds = (kind,) if isinstance(kind, str) else kind
+    def _names(self, kinds: tuple[str, ...]) -> tuple[str, ...]:
+        """The axes of `kinds`; of several, those of size > 1 (a size-1 axis adds nothing to a
+        flattened group, and leaving it out spares a process group)."""
         names = tuple(n for n, k in zip(self.axis_names, self.kinds) if k in kinds)
+        if len(names) > 1:
+            big = tuple(n for n in names if self.mesh.size(self.axis_names.index(n)) > 1)
+            names = big or names[:1]
+        return names
+
+    def flattens(self, kind: str | tuple[str, ...]) -> bool:
+        """Whether `submesh(kind)` makes a new process group (several axes of size > 1):
+        group creation is collective over the world, so every rank, in every stage or not,
+        must ask for it in one order."""
+        return len(self._names((kind,) if isinstance(kind, str) else kind)) > 1
+
+    def submesh(self, kind: str | tuple[str, ...]) -> Optional[DeviceMesh]:
+        """The axes of `kind` (or of any of several kinds), flattened into one when several
+        have size > 1; None without."""
+        kinds = (kind,) if isinstance(kind, str) else kind
+        names = self._names(kinds)
         if not names:
             return None
         if len(names) == 1:
