@@ -300,7 +300,12 @@ def attention_core(nodes: Iterable) -> set[str]:
     """Names of the ops of each attention core (scores, softmax, dropout on probabilities, and the
     two batched matmuls around them): what selective recomputation re-runs. Found structurally:
     a softmax, the chain of ops from the score matmul up to it, and the ops from it down to the
-    matmul with V; a fused attention op is a core by itself."""
+    matmul with V; a fused attention op is a core by itself. A mixture-of-experts router's
+    softmax is no core: its chain holds the router's top-k (the softmax feeds the top-k, or
+    normalises the top-k's values), which no attention core holds; walked as a core, its chain
+    ran through the router's gate and the norm before it and on into the expert dispatch, and
+    `cost_models.memory.selective_ops` (the run of ops from the first core op to the last) then
+    spanned the attention's output projection, the router and the expert GEMMs."""
     nodes = list(nodes)
     by_name = {n.name: n for n in nodes}
     cons: dict[str, list] = {n.name: [] for n in nodes}
@@ -314,7 +319,7 @@ def attention_core(nodes: Iterable) -> set[str]:
             core.add(n.name)
         if n.op not in ("softmax", "_softmax", "_safe_softmax"):
             continue
-        core.add(n.name)
+        chain = {n.name}
         # up: to the score matmul
         cur = n
         for _ in range(8):
@@ -322,7 +327,7 @@ def attention_core(nodes: Iterable) -> set[str]:
             if not prev:
                 break
             cur = prev[0]
-            core.add(cur.name)
+            chain.add(cur.name)
             if cur.op in ("bmm", "matmul", "baddbmm"):
                 break
         # down: to the matmul with V
@@ -332,10 +337,12 @@ def attention_core(nodes: Iterable) -> set[str]:
             if not nxt:
                 break
             for c in nxt:
-                core.add(c.name)
+                chain.add(c.name)
             if any(c.op in ("bmm", "matmul") for c in nxt):
                 break
             frontier = nxt
+        if not any(by_name[x].op == "topk" for x in chain):
+            core |= chain
     return core
 
 

@@ -276,3 +276,39 @@ def test_verify_steps_an_interleaved_ep_pipeline():
                                      schedule="interleaved_1f1b", virtual_stages=2))
     text = autopar.verify(p, MOE4_REF).summary()
     assert "FAIL" not in text and "differ" not in text and text.rstrip().endswith("ok"), text
+
+
+def test_router_softmax_is_no_attention_core_so_selective_recomputes_attention_alone():
+    """A router's softmax feeds its top-k; it is no attention core (cost_models.compute.
+    attention_core). Taken for one, its chain ran from the gate's norm into the dispatch and each
+    layer's `selective_ops` (first core op to last) spanned the output projection, the router and
+    both expert GEMMs: "selective" was charged about a whole MoE layer's forward (Mixtral 8x7B
+    pinned TP1 PP4 EP8 interleaved: 3.05 -> 3.68 s at e06437c). Now the core is the fused
+    attention op alone; its recomputation is that op's forward, checked against the op priced by
+    itself, and the module holding it is the attention module, not the whole layer."""
+    pytest.importorskip("transformers")
+    from autopar.inter_op.layers import build_layers
+    from autopar.inter_op.stage_cost import AnalyticProvider
+    from cost_models.compute import FUSED_ATTENTION, attention_core, op_list_time
+
+    cl = ClusterSpec.load("dgx-h100", num_nodes=1)
+    for ref, attn in (("moe-tiny", "layers.{}.attn"), (_MIXTRAL, "model.layers.{}.self_attn")):
+        b = build_model(ref, batch_size=2)
+        g = capture(b.model, b.example_inputs, name=ref)
+        layers = [lay for lay in build_layers(g, b.model) if lay.block_nodes]
+        assert len(layers) == 2
+        pr = AnalyticProvider(g, layers, cl, "bf16")
+        for i, lay in enumerate(layers):
+            nodes = [g.node(n) for n in lay.nodes]
+            assert any(n.op == "topk" for n in nodes) and any(n.op in ("softmax", "_softmax") for n in nodes)
+            core = attention_core(nodes)
+            assert [g.node(n).op for n in core] == ["scaled_dot_product_attention"]
+            assert [g.node(n).op for n in lay.selective_ops] == ["scaled_dot_product_attention"]
+            assert lay.recompute_modules["selective"] == attn.format(i)
+            c = pr.cost(lay, 1, 1)
+            gg = pr.graph_at(1, lay)
+            sdpa = [gg.node(n) for n in lay.selective_ops]
+            assert sdpa[0].op in FUSED_ATTENTION
+            alone = op_list_time(sdpa, cl.device, "bf16", index=gg._index).forward_s
+            assert alone > 0 and c.rc_extra_s["selective"] == pytest.approx(alone, rel=1e-9)
+            assert c.rc_extra_s["selective"] < 0.5 * c.rc_extra_s["full"]
