@@ -209,6 +209,10 @@ class ActivationMemory:
     # receive buffer, counted elsewhere): not made by the op producing it, nor passed on as a
     # new one by a sum
     backward_over_given: float = 0.0
+    # whether that moment of `backward_over_given` is a recomputation's (as `backward_over_recompute`)
+    # and then its gradients (as `backward_over_grads`), the given one's left out
+    backward_over_given_recompute: bool = False
+    backward_over_given_grads: float = 0.0
     saved: dict[str, float] = field(default_factory=dict)   # tensor (its storage's owner) -> bytes saved
     bases: dict[str, str] = field(default_factory=dict)     # tensor -> the tensor owning its storage
     # the first backward of a step (no parameter gradient exists before it): its worst moment
@@ -695,6 +699,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     owner_node: dict[str, str] = {}      # the first op saving it: autograd frees it after that op's backward
     region_peak: dict[Optional[str], float] = {}
     region_grads: dict[Optional[str], float] = {}   # of region_peak, the op's gradients
+    region_given: dict[Optional[str], float] = {}   # of region_grads, the given one's (`given_share`)
 
     def loss_read(n, i: str) -> tuple[int, float]:
         # (gradients live at once, fp32 bytes of the logits as the loss reads them): a loss on
@@ -745,16 +750,19 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         _, fwd_at = _forward_over(calls, by_name, base, plain_owner, plain_bytes, size, read, batch, 0.0, mixed,
                                   cuda_fp32, {k: v[1] for k, v in copies.items()}, per_op=True)
         entry: dict[Optional[str], float] = {}
+        entry_given: dict[Optional[str], float] = {}
         for n in reversed(calls):
             r = region[n.name]
             if r is not None and r not in entry and n.name in moments:
                 entry[r] = moments[n.name][2]
+                entry_given[r] = min(moments[n.name][1], moments[n.name][2])
         for n in calls:
             r = region[n.name]
             if r is not None:
                 fwd = region_bytes.get(r, 0.0) + fwd_at.get(n.name, 0.0) + entry.get(r, 0.0)
                 if fwd > region_peak.get(r, 0.0) or r not in region_peak:
                     region_peak[r], region_grads[r] = fwd, entry.get(r, 0.0)
+                    region_given[r] = entry_given.get(r, 0.0)
             for key, b in saved_by.get(n.name, ()):
                 if r is None:
                     if key not in owner_layer:
@@ -773,6 +781,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 here = region_bytes.get(r, 0.0) + grads(n)
                 if here > region_peak.get(r, 0.0) or r not in region_peak:
                     region_peak[r], region_grads[r] = here, grads(n)
+                    region_given[r] = moments.get(n.name, (0.0, 0.0, 0.0))[1]
         for n in calls:
             r = region[n.name]
             if r is None:
@@ -851,7 +860,12 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 if m > out.backward_over_bytes:
                     out.backward_over_bytes, out.backward_over_recompute = m, True
                     out.backward_over_grads = region_grads[r]
-                out.backward_over_given = max(out.backward_over_given, m)
+                # the gradient that started the region's backward can be the given one (a
+                # pipeline chunk's receive buffer, counted elsewhere), as in a plain op's moment
+                g_in = region_given.get(r, 0.0)
+                if m - g_in > out.backward_over_given:
+                    out.backward_over_given, out.backward_over_given_recompute = m - g_in, True
+                    out.backward_over_given_grads = region_grads[r] - g_in
         else:
             m = live + grads(n) - out.saved_bytes
             # the weight gradients the op makes are its backward's outputs while it runs
@@ -864,7 +878,9 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             if m > out.backward_over_bytes:
                 out.backward_over_bytes, out.backward_over_recompute = m, False
                 out.backward_over_grads = grads(n)
-            out.backward_over_given = max(out.backward_over_given, m - given_share(n))
+            if m - given_share(n) > out.backward_over_given:
+                out.backward_over_given, out.backward_over_given_recompute = m - given_share(n), False
+                out.backward_over_given_grads = 0.0
         made = new_grads(n)
         born += made
         if made:

@@ -385,18 +385,26 @@ class _Tables:
                 # its output's gradient is the receive buffer (`recv_buffers`), not one its
                 # backward makes
                 own = last.bwd_over_given.get(r, self.work[r][j - 1])
-                if held <= 0 and own == self.work[r][j - 1]:
+                if (held <= 0 and own == self.work[r][j - 1]
+                        and last.bwd_over_given_rc.get(r, self.work_rc[r][j - 1]) == self.work_rc[r][j - 1]):
                     continue
                 own += held
                 v = self.work[r][:j] + P[1:j + 1] - P[j] + held      # layer i's moment, i < j - 1
                 v[-1] = own
+                # the last layer's moment is of its own kind there: where the output's gradient
+                # is the receive buffer, its forward's moment (activations: the tensors it makes
+                # and still reads, as a tracker labels them) can be the worst one, not the
+                # backward's (activation gradients, buffers)
+                kind, wg = self.work_rc[r][:j].copy(), self.work_grads[r][:j].copy()
+                kind[-1] = last.bwd_over_given_rc.get(r, kind[-1])
+                wg[-1] = last.bwd_over_given_grads.get(r, wg[-1])
                 for rc_kind, W in ((True, self.range_work_rc[r]), (False, self.range_work_tmp[r])):
-                    mask = np.where(self.work_rc[r][:j] == rc_kind, v, -INF)
+                    mask = np.where(kind == rc_kind, v, -INF)
                     suffix = np.maximum.accumulate(mask[::-1])[::-1]       # max over i >= k
                     W[k, j] = suffix[k]
                     if rc_kind:
                         at = _suffix_argmax(mask)
-                        self.range_work_rc_grads[r][k, j] = self.work_grads[r][at]
+                        self.range_work_rc_grads[r][k, j] = wg[at]
                 self.range_work[r][k, j] = np.maximum(np.maximum(self.range_work_rc[r][k, j],
                                                                  self.range_work_tmp[r][k, j]), 0.0)
                 self.range_act[r][k, j] -= held
@@ -462,7 +470,11 @@ class _Tables:
         first = np.where(self.jj > self.kk, v_out[:, None], -INF)
         W = np.maximum(first, rm) - P[None, :] + GP[None, :]
         at = np.where((first >= rm) & (self.jj > self.kk), self.kk, ra)
-        # a chunk's output held by the stage's forward cache (`_outputs_held`)
+        # a chunk's output held by the stage's forward cache (`_outputs_held`); its output's
+        # gradient is the receive buffer (`recv_buffers`), so the last layer's moment leaves it
+        # out of the activation gradients its backward holds (`given`, where that moment is
+        # the worst: an activation gradient, not a saved activation)
+        given = np.zeros((L, L + 1))
         for j in range(1, L):
             last, held = costs[j - 1], float(costs[j - 1].out_saved.get(r, 0.0))
             own = last.bwd_over_given.get(r, work[j - 1])
@@ -478,11 +490,13 @@ class _Tables:
             later_at = np.concatenate([_suffix_argmax(vi)[1:], [-1]])
             W[:j, j] = np.maximum(vo, later_max)
             at[:j, j] = np.where(vo >= later_max, np.arange(j), later_at)
+            given[:j, j] = np.where(at[:j, j] == j - 1, max(work[j - 1] - own, 0.0), 0.0)
         ok = at >= 0
         i = np.maximum(at, 0)
         parts = np.where((i == self.kk)[..., None], alone[i], inside[i])
         later_g = np.where(ok, GP[np.clip(self.jj, 0, L)] - GP[i + 1], 0.0)
         ag = np.where(ok, parts[..., 1], 0.0)
+        ag = ag - np.minimum(given, np.maximum(ag, 0.0))
         pg = np.where(ok, parts[..., 2], 0.0) + later_g
         # the phase charges the largest unit gathered and another prefetched (`phases`): the
         # moment's own unit and the prefetched one replace them (a buffer, with the gradients)

@@ -68,6 +68,13 @@ class LayerCost:
     # `bwd_over` where the layer ends a pipeline chunk: its output's gradient is the receive
     # buffer (`ActivationMemory.backward_over_given`), by policy
     bwd_over_given: dict[str, float] = field(default_factory=dict)
+    # of `bwd_over_given`, whether that moment's extra is activations (the forward's tensors
+    # or a recomputation, as `bwd_over_rc`): the forward's moment can be the worst there while
+    # the backward's is the worst with the output's gradient counted, by policy
+    bwd_over_given_rc: dict[str, bool] = field(default_factory=dict)
+    # of `bwd_over_given` where it is a recomputation's moment, the gradients its op holds
+    # (as `bwd_over_grads`; 0 for the forward's moment), by policy
+    bwd_over_given_grads: dict[str, float] = field(default_factory=dict)
     # the first backward's worst moments by parts [activations, activation gradients, parameter
     # gradients] (the parameter gradients its ops made so far alive), one per position among
     # the layer's modules (`ActivationMemory.first_moments`), the positions in `bwd_first_at`
@@ -203,6 +210,9 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
         if am.backward_over_loss is not None:
             c.bwd_over_loss[rc] = am.backward_over_loss
         c.bwd_over_given[rc] = max(am.forward_over_bytes, am.backward_over_given)
+        fwd_given = am.forward_over_bytes > am.backward_over_given
+        c.bwd_over_given_rc[rc] = fwd_given or am.backward_over_given_recompute
+        c.bwd_over_given_grads[rc] = 0.0 if fwd_given else am.backward_over_given_grads
         at = sorted(am.first_moments)
         moments = [list(am.first_moments[x]) for x in at]
         born = [{str(p): b for p, b in am.first_born.get(x, {}).items()} for x in at]

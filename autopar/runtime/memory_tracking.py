@@ -96,6 +96,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -687,16 +688,32 @@ def recomputing() -> Iterator[None]:
     """A checkpointed region's ops run inside: what they make in the backward (the re-run
     forward) is activations, as MemTracker counts a checkpointed module's re-run (`_in_ac`)
     and the plan its recomputation's working set. For regions that are no module (the
-    executor's spans of the exported program). No effect when no step is tracked."""
+    executor's spans of the exported program) and for checkpointed modules
+    (`runtime.recompute`, `runtime.selective`): torch's checkpoint re-runs the module's
+    `forward`, not its `__call__`, so MemTracker's own hooks see no re-run of it; they take
+    the first submodule re-run for the region (`_ac_mod`) and end it at that submodule's end,
+    so what the module's own code makes between its submodules (a block's residual sums,
+    which the re-run makes and its backward reads) was counted as backward temporaries. The
+    region is held here until the re-run ends (`_ac_mod` set to a marker no module's hook
+    matches). No effect when no step is tracked."""
     mt = _ACTIVE
     if mt is None or mt._in_ac:
         yield
         return
-    mt._in_ac = True
+    mt._in_ac, held = True, mt._ac_mod
+    mt._ac_mod = _REGION_MARK
     try:
         yield
     finally:
-        mt._in_ac = False
+        mt._in_ac, mt._ac_mod = False, held
+
+
+class _Region:
+    """What `recomputing` holds MemTracker's `_ac_mod` at: a weak reference to no module."""
+
+
+_REGION_OBJ = _Region()
+_REGION_MARK = weakref.ref(_REGION_OBJ)
 
 
 def now_activation(t: torch.Tensor) -> None:

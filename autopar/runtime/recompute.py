@@ -22,12 +22,17 @@ def checkpoint_module(module: nn.Module) -> None:
     from torch.utils.checkpoint import checkpoint
 
     from autopar.runtime.cuda_program import recompute_context
+    from autopar.runtime.memory_tracking import recomputing
+    from autopar.runtime.selective import _entered_together
 
     orig = module.forward
 
     def fwd(*args: Any, **kwargs: Any) -> Any:
+        # the re-run labelled as a recomputation for a tracked step (`memory_tracking.recomputing`)
         return checkpoint(orig, *args, use_reentrant=False,
-                          context_fn=lambda: (contextlib.nullcontext(), recompute_context()), **kwargs)
+                          context_fn=lambda: (contextlib.nullcontext(), _entered_together(recompute_context(),
+                                                                                          recomputing())),
+                          **kwargs)
 
     module.forward = fwd  # instance attribute: hooks (fully_shard) still run around __call__
 

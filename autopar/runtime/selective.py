@@ -72,13 +72,14 @@ def selective_context(recompute: Callable[[], bool]) -> Callable[[], tuple]:
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     from autopar.runtime.cuda_program import recompute_context
+    from autopar.runtime.memory_tracking import recomputing
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_RECOMPUTE if recompute() else CheckpointPolicy.MUST_SAVE
 
     def contexts() -> tuple:
         fwd, rc = create_selective_checkpoint_contexts(policy)
-        return fwd, _entered_together(rc, recompute_context())
+        return fwd, _entered_together(rc, recompute_context(), recomputing())
 
     return contexts
 
