@@ -133,3 +133,22 @@ def test_context_parallel_runs_in_pipeline_stages(tmp_path):
         # Llama's losses by ~1.3e-5 (measured, rel.): 1e-4 would not see it; run right they
         # agree to ~1e-7
         assert [r["loss"] for r in rows[name] if "step" in r] == pytest.approx(ref, rel=2e-6), name
+
+
+def test_context_parallel_runs_in_tensor_parallel_pipeline_stages(tmp_path):
+    """cp in pipeline stages with tp (issue 13): pp2 x cp2 x tp2 on 8 gloo processes, the zoo
+    Llama under 1F1B with selective recomputation (the traced attention re-run as the cp
+    attention over each tp rank's heads). It was refused while it hung: each stage's ranks
+    alone flattened the size-1 dp axis with cp into a new process group, which is collective
+    over the world (`runtime.meshes.StageMesh.flattens`). Losses equal one process within
+    2e-6, every step's counted collectives after the first the plan's (K and V gathered per
+    layer and micro-batch, again in the recomputation)."""
+    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 8})
+    p = plan(REF, cl, global_batch_size=8, dtype="fp32",
+             constraints=Constraints(num_microbatches=2, pp=2, cp=2, tp=2, dp=1, recompute="selective"))
+    assert (p.pp, p.cp, p.tp) == (2, 2, 2) and "cp_executor" not in p.search
+    assert p.predicted.collectives["all_gather"] == 16
+    rows = _run_in_one_job(tmp_path, {"pp2xcp2xtp2": p}, 8)["pp2xcp2xtp2"]
+    ref = [r["loss"] for r in run(_single(ref=REF), REF, steps=3, seed=0, quiet=True) if "step" in r]
+    assert_ran_as_planned("pp2xcp2xtp2", rows, p, ref, first=1)
+    assert [r["loss"] for r in rows if "step" in r] == pytest.approx(ref, rel=2e-6)

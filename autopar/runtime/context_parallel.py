@@ -352,11 +352,11 @@ def unexecuted_parts(pp: int, ep: int, tp: int = 1) -> list[str]:
     """What of a context-parallel layout this runtime does not execute with it (empty where it
     runs): it runs it on one stage (tensor parallelism by DTensor propagation, any ZeRO stage
     over dp x cp, any recomputation) and in pipeline stages (the traced chunks, `graph_stages`,
-    their positions read when they run: with dp, under every recomputation policy), without
-    expert parallelism in this version, and in pipeline stages without tensor parallelism
-    (pp2 x cp2 x tp2 on 8 gloo processes hung in its first step, not yet found why)."""
-    return [w for w, bad in (("expert parallelism", ep > 1),
-                             ("pipeline stages and tensor parallelism", pp > 1 and tp > 1)) if bad]
+    their positions read when they run: with dp and with tp, under every recomputation policy),
+    without expert parallelism in this version. (pp2 x cp2 x tp2 was refused while it hung: the
+    stage meshes flattened a size-1 dp axis with cp on the stage's own ranks only,
+    `runtime.meshes.StageMesh.flattens`.) `pp` and `tp` are kept for callers that name them."""
+    return [w for w, bad in (("expert parallelism", ep > 1),) if bad]
 
 
 def unexecuted(plan: Any) -> str:
@@ -365,16 +365,15 @@ def unexecuted(plan: Any) -> str:
     if plan.cp <= 1:
         return ""
     why = unexecuted_parts(plan.pp, plan.ep, plan.tp)
-    return (f"context parallelism (cp={plan.cp}) is executed without expert parallelism, and in "
-            f"pipeline stages without tensor parallelism, in this version; the plan has {', '.join(why)}"
-            ) if why else ""
+    return (f"context parallelism (cp={plan.cp}) is executed without expert parallelism in this version; "
+            f"the plan has {', '.join(why)}") if why else ""
 
 
 def check_executable(plan: Any) -> None:
     """PlanError unless this runtime executes the plan's context parallelism (`unexecuted`)."""
     why = unexecuted(plan)
     if why:
-        raise PlanError(f"{why}: re-plan with Constraints(ep=1) (and tp=1 or pp=1), or cp=1")
+        raise PlanError(f"{why}: re-plan with Constraints(ep=1), or cp=1")
 
 
 def check_traced_positions(chunks: list[nn.Module]) -> None:
