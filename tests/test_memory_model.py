@@ -1571,3 +1571,41 @@ def test_a_recomputed_chunk_end_counts_its_output_gradient_once(tmp_path):
     assert p0["stage"] == 0
     assert p0["buffers"] == 32 * 16 * 8 + 8 * 16 * 32 * 2 + 128 * 128 * 2 + 32 * 128 * 2 + 32 * 2
     assert p0["activations"] == (2 * 16.125 + 8 + 123) * 1024
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_the_recompute_budget_counts_each_gradient_once(zero):
+    """Issue 18: the search picks each stage's recomputation against the budget from
+    `_Tables.recompute_terms` (`Search._recompute_memory`), then prices the stage it chose
+    moment by moment (`Search._stage`); both must give one peak. gpt-small bf16 on 4 devices,
+    dp=2 pp=2 1F1B, one micro-batch (ZeRO-3: each unit's gradient reduce-scattered into its fp32
+    shard as its backward ends) and four (gradients accumulated whole): every recomputation,
+    both stages. Before the fix the ZeRO-3 one-micro-batch budget added every gradient shard of
+    the stage on top of the first backward's moment, which already holds its own layer's
+    finished units' shards: 0.56-1.06 MB (10-20 %) above the stage's peak."""
+    from autopar.capture import capture
+    from autopar.inter_op.layers import build_layers
+    from autopar.inter_op.search import Search
+    from autopar.models import build_model
+
+    b = build_model("gpt-small")
+    g = capture(b.model, b.example_inputs, name="gpt-small")
+    layers = build_layers(g, b.model)
+    cl = autopar.ClusterSpec.load("dgx-a100-80g", num_nodes=1).model_copy(update={"devices_per_node": 4})
+    checked = 0
+    for m in (1, 4):
+        cons = autopar.Constraints(dp=2, tp=1, pp=2, microbatch_size=1, num_microbatches=m, zero_stage=zero,
+                                   schedule="1f1b")
+        s = Search(g, layers, cl, 2 * m, "bf16", cons)
+        c = next(c for _, c in s.candidates() if not c.hetero_tps)
+        tb = s.tables_for(c)
+        assert tb.zero3 == (zero == 3)
+        fixed = tb.fixed_memory(tb.range_pel, m)
+        half = tb.L // 2
+        for r in s.recomputes():
+            for idx, (k, j) in enumerate([(0, half), (half, tb.L)]):
+                held = s._held(c.schedule, 2, idx, m)
+                budget = float(s._recompute_memory(tb, r, fixed, held, m)[k, j])
+                assert budget == pytest.approx(s._stage(tb, c, [(k, j)], r, held).peak_bytes, rel=1e-12), (m, r, idx)
+                checked += 1
+    assert checked == 16

@@ -528,9 +528,26 @@ class _Tables:
         """Per layer range under recomputation `r`, what `Search._best_recompute` adds to the stage's
         fixed memory, whatever the schedule: (one micro-batch's activations as the stage holds
         them, the backward's worst transient above them, the first backward's worst moment).
-        The first backward (`_Tables.first_backward`) holds the gradients of the range's later
-        layers, whole (ZeRO-3 with one micro-batch: with every gradient shard, a bound), and
-        under ZeRO-3 the forward's end comes before it (two units gathered, the range's last
+        `_best_recompute` takes the first backward's moment in place of the fixed memory's
+        gradients (`fixed_memory`'s second term), so `first` carries every parameter gradient
+        alive then, each tensor once, as `Search._stage` counts that moment:
+
+        - without ZeRO-3's shards (ZeRO 0-2, or ZeRO-3 with several micro-batches, whose
+          gradients accumulate unsharded): `first_backward(r, later=True)`, the moment's own
+          layer's gradients made so far and the whole gradients of the range's later layers
+          (their backward ran), nothing of the layers before it (not made yet);
+        - ZeRO-3 with one micro-batch: `first_backward(r, later=False)` holds the moment's own
+          layer's gradients, those of its finished units already as fp32 shards (4 / dp bytes
+          per element), and nothing of the later layers; their units were reduce-scattered as
+          each ended, so their fp32 shards are added here: the phase's gradient shards
+          (`fixed_memory`) in proportion to the later layers' elements (`pel[j] - pel[i + 1]`
+          of the range's, i the moment's layer), as `_stage` adds them. Before session 24
+          (issue 18) this path added every gradient shard of the range as a bound: the moment's
+          layer's finished units' shards twice (once in `first_backward`), and the shards of
+          the moment's layer's unfinished units and of the layers before it, which do not
+          exist yet, so the budget rejected recomputations the stage's own peak fits.
+
+        Under ZeRO-3 the forward's end comes before it (two units gathered, the range's last
         layer's activations not yet saved). Cached per (r, m == 1)."""
         shards = self.zero3 and m == 1
         key = (r, shards)
@@ -538,7 +555,13 @@ class _Tables:
         if hit is None:
             act = self.boundary_acts(self.range_act[r], self.range_in_saved[r], self.range_out_kept[r])
             work = self.range_work[r] - self.relief(r)
-            first = self.first_backward(r, not shards)[0] + (self.fixed_memory(self.range_pel, m)[1] if shards else 0.0)
+            first, at, _ = self.first_backward(r, not shards)
+            if shards:
+                L = self.L
+                later = self.pel[np.clip(self.jj, 0, L)] - self.pel[np.clip(at + 1, 0, L)]
+                pel = self.range_pel
+                frac = np.where(at >= 0, later / np.where(pel > 0, pel, 1.0), 1.0)
+                first = first + np.where(pel > 0, self.fixed_memory(pel, m)[1] * frac, 0.0)
             if self.zero3:
                 first = np.maximum(first, -self.range_last_act(r))
             hit = self._rc_terms[key] = (act, work, first)
@@ -1639,35 +1662,46 @@ class Search:
         the stage holds before and after its first backward (`cost_models.schedules.
         held_moments`, one chunk): micro-batches in flight, and outputs and input gradients its
         sends still reference."""
-        def cut(x: Any) -> Any:
-            return x[block] if np.ndim(x) == 2 else x
-
-        fb, grads, rest = (cut(x) for x in fixed_mem)
-        pre, post = held
         valid, t_common = tb.valid[block], t_common[block]
-        r_in, r_out = tb.range_in[block], tb.range_out[block]
-        send, send_grad = tb.range_send[block], tb.range_send_grad[block]
         best_t = np.full(valid.shape, INF)
         best_c = np.full(valid.shape, -1, dtype=int)
-        base = np.maximum(fb, rest)
         for ri, r in enumerate(rcs):
             if r not in tb.priced:
                 continue
-            act, work, first = (x[block] for x in tb.recompute_terms(r, m))
-            # before the first backward: the most activations and receive buffers of any
-            # moment (all grow until the first backward; its start is the last such moment)
-            a_pre = -INF
-            for mo in pre:
-                a_pre = np.maximum(a_pre, act * mo[ACTS, 0] + tb.recv_buffers(mo, r_in, r_out))
-            mem = np.maximum(fb - grads + a_pre + first, base)
-            for mo in post:
-                mem = np.maximum(mem, fb + act * mo[ACTS, 0] + send * mo[SENT_OUTPUTS, 0]
-                                 + send_grad * mo[SENT_GRADS, 0] + tb.recv_buffers(mo, r_in, r_out) + work)
+            mem = self._recompute_memory(tb, r, fixed_mem, held, m, block)
             t = t_common + tb.ranged(tb.rc[r])[block]
             ok = valid & (mem <= self.budget) & (t < best_t)
             best_t = np.where(ok, t, best_t)
             best_c = np.where(ok, ri, best_c)
         return best_t, best_c
+
+    @staticmethod
+    def _recompute_memory(tb: "_Tables", r: str, fixed_mem: tuple, held: tuple[np.ndarray, np.ndarray], m: int,
+                          block: tuple[slice, slice] = (slice(None), slice(None))) -> np.ndarray:
+        """The peak memory of every one-chunk stage [k, j) in `block` under recomputation `r`
+        (`_best_recompute`'s arguments): the phases' largest, with the forward/backward
+        phase at its worst moment as `_stage` takes it for the same choice (the most
+        activations before the first backward, the first backward's worst moment with the
+        gradients alive then, each moment after it)."""
+        def cut(x: Any) -> Any:
+            return x[block] if np.ndim(x) == 2 else x
+
+        fb, grads, rest = (cut(x) for x in fixed_mem)
+        pre, post = held
+        r_in, r_out = tb.range_in[block], tb.range_out[block]
+        send, send_grad = tb.range_send[block], tb.range_send_grad[block]
+        act, work, first = (x[block] for x in tb.recompute_terms(r, m))
+        # before the first backward: the most activations and receive buffers of any
+        # moment (all grow until the first backward; its start is the last such moment)
+        a_pre = -INF
+        for mo in pre:
+            a_pre = np.maximum(a_pre, act * mo[ACTS, 0] + tb.recv_buffers(mo, r_in, r_out))
+        # the first backward's moment in place of the phase's gradients (`recompute_terms`)
+        mem = np.maximum(fb - grads + a_pre + first, np.maximum(fb, rest))
+        for mo in post:
+            mem = np.maximum(mem, fb + act * mo[ACTS, 0] + send * mo[SENT_OUTPUTS, 0]
+                             + send_grad * mo[SENT_GRADS, 0] + tb.recv_buffers(mo, r_in, r_out) + work)
+        return mem
 
     def _evaluate_hetero(self, cand: Candidate) -> bool:
         """Alpa's DP with its sub-mesh choice: every stage picks its own sub-mesh of dp x T
