@@ -541,7 +541,7 @@ class _Tables:
           per element), and nothing of the later layers; their units were reduce-scattered as
           each ended, so their fp32 shards are added here: the phase's gradient shards
           (`fixed_memory`) in proportion to the later layers' elements (`pel[j] - pel[i + 1]`
-          of the range's, i the moment's layer), as `_stage` adds them. Before session 24
+          of the range's, i the moment's layer), as `_stage` adds them. Before 78730f6
           (issue 18) this path added every gradient shard of the range as a bound: the moment's
           layer's finished units' shards twice (once in `first_backward`), and the shards of
           the moment's layer's unfinished units and of the layers before it, which do not
