@@ -1,12 +1,13 @@
 """Launch a test script under torch's elastic launcher (what torchrun runs), as the multi-process
 runtime tests do: `nproc` local processes, one thread each, the repository on PYTHONPATH, run
 from the repository root, memory tracking off unless asked for; the environment is restored
-afterwards."""
+afterwards. The processes are forked from the runtime's forkserver (`autopar.runtime.processes`,
+as `autopar run` starts its workers), which imported torch and the runtime once for the whole
+test session; each runs the script as `python script args` would."""
 
 from __future__ import annotations
 
 import os
-import sys
 import uuid
 from pathlib import Path
 
@@ -18,6 +19,7 @@ def elastic_run(script: Path, args: list[str], nproc: int) -> None:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from autopar.runtime import _free_port
+    from autopar.runtime.processes import START_METHOD, in_launcher_env, launcher_args, run_script
 
     env_old = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PYTHONPATH", "AUTOPAR_TRACK_MEMORY")}
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -28,11 +30,11 @@ def elastic_run(script: Path, args: list[str], nproc: int) -> None:
         [str(ROOT)] + [p for p in (env_old["PYTHONPATH"] or "").split(os.pathsep) if p])
     cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
                        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
-                       monitor_interval=0.1)
+                       monitor_interval=0.1, start_method=START_METHOD)
     cwd = os.getcwd()
     try:
         os.chdir(ROOT)
-        elastic_launch(cfg, sys.executable)(str(script), *args)
+        elastic_launch(cfg, in_launcher_env)(*launcher_args(run_script, str(script), *args))
     finally:
         os.chdir(cwd)
         for k, v in env_old.items():
@@ -40,3 +42,14 @@ def elastic_run(script: Path, args: list[str], nproc: int) -> None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def start_processes(fn, args: tuple, nprocs: int) -> None:
+    """torch.multiprocessing's `start_processes(fn, args, nprocs)` (fn(rank, *args) in each),
+    the processes forked from the runtime's forkserver rather than spawned (no import each)."""
+    import torch.multiprocessing as mp
+
+    from autopar.runtime.processes import START_METHOD, worker_context
+
+    worker_context()
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method=START_METHOD)

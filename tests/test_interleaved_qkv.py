@@ -102,12 +102,12 @@ def test_interleaved_shards_exchange_into_the_model_row_order(n: int):
     and dim 1; 2 chunks)."""
     import socket
 
-    import torch.multiprocessing as mp
+    from tests.launch import start_processes
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_exchange, args=(n, port), nprocs=n)
+    start_processes(_exchange, (n, port), n)
 
 
 @pytest.mark.slow

@@ -29,12 +29,12 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import autopar
 from autopar.intra_op import auto_shard
 from autopar.intra_op.execute import deinterleave, interleave
 from autopar.models.mlp import MLP
+from tests.launch import start_processes
 
 WORLD = 4
 REL = 1e-4
@@ -287,8 +287,7 @@ def results(solutions):
     zoo = {name: (model, batch, shape, solutions[name]) for name, (model, batch, shape, _) in ZOO.items()}
     with tempfile.TemporaryDirectory() as d:
         try:
-            mp.start_processes(_worker, args=(_free_port(), cases, zoo, d), nprocs=WORLD, join=True,
-                               start_method="spawn")
+            start_processes(_worker, (_free_port(), cases, zoo, d), WORLD)
         except Exception as e:
             errs = [open(os.path.join(d, f)).read() for f in os.listdir(d) if f.endswith(".err")]
             raise AssertionError("worker failed:\n" + "\n".join(errs[:1])) from e

@@ -209,7 +209,7 @@ def run(plan: Plan | str, model: str | ModelBundle, *, steps: int = 10, seed: in
         else:
             _launch(p, model if isinstance(model, str) else b, n, steps, seed, mpath, checkpoint_dir,
                     checkpoint_every, quiet, max_restarts, optimizer_factory,
-                    dict(env or {}, AUTOPAR_CHECKED=p.model.fingerprint), tmpdir)
+                    dict(env or {}, AUTOPAR_CHECKED=p.model.fingerprint))
         return read_metrics(mpath)
     finally:
         if tmpdir:  # noqa: SIM102
@@ -239,16 +239,15 @@ def _run_inline(p, b, steps, seed, mpath, checkpoint_dir, checkpoint_every, quie
 
 
 def _launch(p: Plan, model: Any, n: int, steps: int, seed: int, mpath: str, checkpoint_dir, checkpoint_every,
-            quiet: bool, max_restarts: int, optimizer_factory, env: dict[str, str], tmpdir: str) -> None:
-    """torchrun's engine in this process. A model reference (and the default optimizer) runs
-    `python -m autopar.runtime.worker` in each worker, as torchrun would; a ModelBundle or an
-    optimizer factory is passed to a spawned function instead (the calling script then needs an
-    `if __name__ == "__main__":` guard, as multiprocessing's spawn re-imports it)."""
-    import sys
-
+            quiet: bool, max_restarts: int, optimizer_factory, env: dict[str, str]) -> None:
+    """torchrun's engine in this process: `n` workers forked from one server that imported torch
+    and the runtime once (`processes`), each running `worker.worker_entry`. A ModelBundle or an
+    optimizer factory is pickled to the workers (a calling script defining them needs an
+    `if __name__ == "__main__":` guard, as multiprocessing re-imports it)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from autopar.runtime.processes import START_METHOD, in_launcher_env, launcher_args
     from autopar.runtime.worker import worker_entry
 
     old = {k: os.environ.get(k) for k in list(env) + ["PYTHONPATH", "OMP_NUM_THREADS"]}
@@ -259,22 +258,11 @@ def _launch(p: Plan, model: Any, n: int, steps: int, seed: int, mpath: str, chec
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"autopar-{uuid.uuid4().hex[:8]}",
                        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-                       max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn")
+                       max_restarts=max_restarts, monitor_interval=0.1, start_method=START_METHOD)
     try:
-        if isinstance(model, str) and optimizer_factory is None:
-            plan_file = os.path.join(tmpdir, "plan.json")
-            Path(plan_file).write_text(p.to_json())
-            args = ["-m", "autopar.runtime.worker", plan_file, "--model", model, "--steps", str(steps),
-                    "--seed", str(seed), "--metrics", os.path.abspath(mpath),
-                    "--checkpoint-every", str(checkpoint_every)]
-            if checkpoint_dir:
-                args += ["--checkpoint-dir", os.path.abspath(checkpoint_dir)]
-            if quiet:
-                args.append("--quiet")
-            elastic_launch(cfg, sys.executable)(*args)
-        else:
-            elastic_launch(cfg, worker_entry)(p.to_json(indent=None), model, steps, seed, mpath, checkpoint_dir,
-                                              checkpoint_every, quiet, optimizer_factory)
+        elastic_launch(cfg, in_launcher_env)(*launcher_args(
+            worker_entry, p.to_json(indent=None), model, steps, seed, os.path.abspath(mpath),
+            os.path.abspath(checkpoint_dir) if checkpoint_dir else None, checkpoint_every, quiet, optimizer_factory))
     except ChildFailedError as e:
         def msg(f: Any) -> str:
             m = f.message

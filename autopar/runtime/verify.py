@@ -343,7 +343,8 @@ def verify(plan: Plan | str, model: str | ModelBundle | Callable[[], Any], *,
     kind lists the `top` largest storages at its peak. `check`: first check the plan against the
     model (fingerprint, as `autopar run`). `jobs`: worker processes building kinds side by
     side (default 1: this process; at most one per kind; a model given as a reference only).
-    Workers are spawned: a calling script needs an `if __name__ == "__main__":` guard.
+    Workers fork from a server that imports the calling script (`processes`): a script needs an
+    `if __name__ == "__main__":` guard.
     `all_microbatches`: step the plan's micro-batches, not the fewest reaching the same schedule
     states (`short_step`; the report's `microbatches_stepped` says which ran). Raises
     PlanError for bad input; a rank that fails to build is a failure in the report."""
@@ -394,7 +395,8 @@ def _run_kinds(plan: Plan, model: Any, make: Callable[[], ModelBundle], kinds: l
                jobs: int, progress: bool, spawn: bool = False, per_kind: bool = False,
                all_microbatches: bool = False) -> list[tuple[RankCheck, list]]:
     """`verify_rank` for each kind: in this process one after the other, or over `jobs` worker
-    processes (spawned, also with `spawn`; each builds the model from its reference `model`;
+    processes (forked from the runtime's server, `processes`, also with `spawn`; each builds the
+    model from its reference `model`;
     `per_kind`: a fresh process for each kind, see `_isolated`)."""
     def note(i: int, kind: RankKind, rc: RankCheck) -> None:
         if progress:
@@ -411,13 +413,15 @@ def _run_kinds(plan: Plan, model: Any, make: Callable[[], ModelBundle], kinds: l
             out.append(_quiet(verify_rank, plan, make, kind, top=top, all_microbatches=all_microbatches))
             note(i, kind, out[-1][0])
         return out
-    import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
+    from autopar.runtime.processes import in_launcher_env, launcher_args, worker_context
+
     text = plan.to_json(indent=None)
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=worker_context(),
                              max_tasks_per_child=1 if per_kind else None) as pool:
-        futs = [pool.submit(_kind_job, text, model, kind, top, all_microbatches) for kind in kinds]
+        futs = [pool.submit(in_launcher_env, *launcher_args(_kind_job, text, model, kind, top, all_microbatches))
+                for kind in kinds]
         out = []
         for i, (kind, fut) in enumerate(zip(kinds, futs)):
             rc_json, ev = fut.result()

@@ -310,7 +310,13 @@ def main(argv: list[str] | None = None) -> int:
 def hard_exit(code: int) -> None:
     """Leave without interpreter teardown: process groups still referenced by meshes/FSDP
     state are otherwise freed in an order that sometimes aborts gloo's threads ("terminate
-    called without an active exception") after a successful run."""
+    called without an active exception") after a successful run. A worker forked by the
+    runtime's launcher (`processes`) raises SystemExit instead: its launcher waits for it to
+    return, and it leaves through os._exit anyway."""
+    from autopar.runtime.processes import in_forked_worker
+
+    if in_forked_worker():
+        raise SystemExit(code)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

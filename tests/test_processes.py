@@ -1,0 +1,67 @@
+"""Local workers forked from the runtime's forkserver (`autopar.runtime.processes`): each sees
+the launcher's environment as it is at launch (not the server's, from when it started), torch's
+thread count from OMP_NUM_THREADS, the launcher's directory, torch's rank variables; a script's
+`hard_exit(0)` returns and another status fails the launch."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+import uuid
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from autopar.runtime import _free_port
+from autopar.runtime.processes import START_METHOD, in_launcher_env, launcher_args, run_script
+
+
+def _launch(fn, *args, nproc: int = 2) -> dict:
+    cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
+                       rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+                       monitor_interval=0.1, start_method=START_METHOD)
+    return elastic_launch(cfg, in_launcher_env)(*launcher_args(fn, *args))
+
+
+def _probe(name: str) -> tuple:
+    import torch
+
+    return (os.environ.get(name), os.environ.get("AUTOPAR_PROBE_GONE"), torch.get_num_threads(), os.getcwd(),
+            os.environ["RANK"], os.environ["WORLD_SIZE"])
+
+
+def test_workers_see_the_launchers_environment_at_launch(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPAR_PROBE_GONE", "set when the server may have started")
+    _launch(_probe, "AUTOPAR_PROBE")                         # the server is running after this
+    monkeypatch.delenv("AUTOPAR_PROBE_GONE")
+    monkeypatch.setenv("AUTOPAR_PROBE", "after")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.chdir(tmp_path)
+    got = _launch(_probe, "AUTOPAR_PROBE")
+    assert got == {r: ("after", None, 1, str(tmp_path), str(r), "2") for r in range(2)}
+
+
+def test_a_scripts_exit_status_is_its_result(tmp_path):
+    ok = tmp_path / "ok.py"
+    ok.write_text(textwrap.dedent("""
+        from autopar.runtime.worker import hard_exit
+        if __name__ == "__main__":
+            hard_exit(0)
+            raise AssertionError("hard_exit returned")
+        """))
+    assert _launch(run_script, str(ok)) == {0: None, 1: None}
+    bad = tmp_path / "bad.py"
+    bad.write_text("import sys\nsys.exit(3)\n")
+    with pytest.raises(ChildFailedError, match="exited with status 3"):
+        _launch(run_script, str(bad))
+    raising = tmp_path / "raising.py"
+    raising.write_text(textwrap.dedent("""
+        from autopar.runtime.worker import hard_exit
+        try:
+            raise ValueError("the cause")
+        finally:
+            hard_exit(1)
+        """))
+    with pytest.raises(ChildFailedError, match="the cause"):
+        _launch(run_script, str(raising))
