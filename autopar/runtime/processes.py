@@ -52,6 +52,7 @@ PRELOAD = (
     "autopar.models",
     "autopar.capture.export",
     "autopar.intra_op.execute",
+    "autopar.runtime.warmup",       # last: one tiny export on meta (first-use set-up of torch.export)
 )
 
 #: variables torch's elastic agent sets per worker (local_elastic_agent._start_workers)
