@@ -21,17 +21,14 @@ def checkpoint_module(module: nn.Module) -> None:
     are kept, what its ops save is re-made in the backward."""
     from torch.utils.checkpoint import checkpoint
 
-    from autopar.runtime.cuda_program import recompute_context
-    from autopar.runtime.memory_tracking import recomputing
-    from autopar.runtime.selective import _entered_together
+    from autopar.runtime.selective import recomputation_context
 
     orig = module.forward
 
     def fwd(*args: Any, **kwargs: Any) -> Any:
         # the re-run labelled as a recomputation for a tracked step (`memory_tracking.recomputing`)
         return checkpoint(orig, *args, use_reentrant=False,
-                          context_fn=lambda: (contextlib.nullcontext(), _entered_together(recompute_context(),
-                                                                                          recomputing())),
+                          context_fn=lambda: (contextlib.nullcontext(), recomputation_context()),
                           **kwargs)
 
     module.forward = fwd  # instance attribute: hooks (fully_shard) still run around __call__

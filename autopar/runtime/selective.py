@@ -71,24 +71,27 @@ def selective_context(recompute: Callable[[], bool]) -> Callable[[], tuple]:
     `recompute()` holds, else MUST_SAVE (torch's selective activation checkpointing)."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    from autopar.runtime.cuda_program import recompute_context
-    from autopar.runtime.memory_tracking import recomputing
-
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_RECOMPUTE if recompute() else CheckpointPolicy.MUST_SAVE
 
     def contexts() -> tuple:
         fwd, rc = create_selective_checkpoint_contexts(policy)
-        return fwd, _entered_together(rc, recompute_context(), recomputing())
+        return fwd, recomputation_context(rc)
 
     return contexts
 
 
 @contextlib.contextmanager
-def _entered_together(*cms: Any) -> Any:
-    """The context managers `cms` entered in order, exited in reverse."""
+def recomputation_context(*first: Any) -> Any:
+    """What a checkpoint's backward re-run runs under (its `context_fn`'s second context): the
+    context managers `first` (torch's selective policy), then the CUDA program's recompute
+    context and the label a tracked step files the re-run's tensors under
+    (`memory_tracking.recomputing`); exited in reverse."""
+    from autopar.runtime.cuda_program import recompute_context
+    from autopar.runtime.memory_tracking import recomputing
+
     with contextlib.ExitStack() as stack:
-        for cm in cms:
+        for cm in (*first, recompute_context(), recomputing()):
             stack.enter_context(cm)
         yield
 
