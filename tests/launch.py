@@ -8,7 +8,6 @@ test session; each runs the script as `python script args` would."""
 from __future__ import annotations
 
 import os
-import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,10 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def elastic_run(script: Path, args: list[str], nproc: int) -> None:
     """Run `python script *args` on `nproc` processes of one elastic job; raises on failure."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from autopar.runtime import _free_port
-    from autopar.runtime.processes import START_METHOD, in_launcher_env, launcher_args, run_script
+    from autopar.runtime.processes import launch, run_script
 
     env_old = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PYTHONPATH", "AUTOPAR_TRACK_MEMORY")}
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -28,13 +24,10 @@ def elastic_run(script: Path, args: list[str], nproc: int) -> None:
     os.environ.setdefault("AUTOPAR_TRACK_MEMORY", "0")
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT)] + [p for p in (env_old["PYTHONPATH"] or "").split(os.pathsep) if p])
-    cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
-                       rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
-                       monitor_interval=0.1, start_method=START_METHOD)
     cwd = os.getcwd()
     try:
         os.chdir(ROOT)
-        elastic_launch(cfg, in_launcher_env)(*launcher_args(run_script, str(script), *args))
+        launch(run_script, str(script), *args, nproc=nproc)
     finally:
         os.chdir(cwd)
         for k, v in env_old.items():

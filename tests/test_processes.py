@@ -7,21 +7,15 @@ from __future__ import annotations
 
 import os
 import textwrap
-import uuid
 
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from autopar.runtime import _free_port
-from autopar.runtime.processes import START_METHOD, in_launcher_env, launcher_args, run_script
+from autopar.runtime.processes import launch, run_script
 
 
-def _launch(fn, *args, nproc: int = 2) -> dict:
-    cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
-                       rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
-                       monitor_interval=0.1, start_method=START_METHOD)
-    return elastic_launch(cfg, in_launcher_env)(*launcher_args(fn, *args))
+def _launch(fn, *args) -> dict:
+    return launch(fn, *args, nproc=2)
 
 
 def _probe(name: str) -> tuple:

@@ -20,7 +20,6 @@ import json
 import os
 import socket
 import tempfile
-import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -245,9 +244,8 @@ def _launch(p: Plan, model: Any, n: int, steps: int, seed: int, mpath: str, chec
     optimizer factory is pickled to the workers (a calling script defining them needs an
     `if __name__ == "__main__":` guard, as multiprocessing re-imports it)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from autopar.runtime.processes import START_METHOD, in_launcher_env, launcher_args
+    from autopar.runtime.processes import launch
     from autopar.runtime.worker import worker_entry
 
     old = {k: os.environ.get(k) for k in list(env) + ["PYTHONPATH", "OMP_NUM_THREADS"]}
@@ -256,13 +254,10 @@ def _launch(p: Plan, model: Any, n: int, steps: int, seed: int, mpath: str, chec
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, n))))
     paths = [os.getcwd()] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"autopar-{uuid.uuid4().hex[:8]}",
-                       rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-                       max_restarts=max_restarts, monitor_interval=0.1, start_method=START_METHOD)
     try:
-        elastic_launch(cfg, in_launcher_env)(*launcher_args(
-            worker_entry, p.to_json(indent=None), model, steps, seed, os.path.abspath(mpath),
-            os.path.abspath(checkpoint_dir) if checkpoint_dir else None, checkpoint_every, quiet, optimizer_factory))
+        launch(worker_entry, p.to_json(indent=None), model, steps, seed, os.path.abspath(mpath),
+               os.path.abspath(checkpoint_dir) if checkpoint_dir else None, checkpoint_every, quiet, optimizer_factory,
+               nproc=n, max_restarts=max_restarts)
     except ChildFailedError as e:
         def msg(f: Any) -> str:
             m = f.message

@@ -15,9 +15,8 @@ count from OMP_NUM_THREADS, which the OpenMP runtime read once, when torch was f
 in the server. The server imports modules only: it runs no tensor operation, so it has no
 OpenMP thread pool or CUDA context for a fork to copy.
 
-    ctx = worker_context()                       # multiprocessing context (start method below)
-    elastic_launch(LaunchConfig(..., start_method=START_METHOD), in_launcher_env)(
-        *launcher_args(fn, arg1, arg2))          # fn(arg1, arg2) in each worker
+    results = launch(fn, arg1, arg2, nproc=4)    # fn(arg1, arg2) in each worker: {rank: result}
+    ProcessPoolExecutor(mp_context=worker_context()).submit(in_launcher_env, *launcher_args(fn, a))
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ import multiprocessing
 import os
 import runpy
 import sys
+import uuid
 from typing import Any, Callable
 
 #: how local workers are started (multiprocessing start method)
@@ -59,8 +59,9 @@ PRELOAD = (
 _AGENT_VARS = frozenset({
     "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
     "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-    "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS",
-})
+    "CUDA_VISIBLE_DEVICES",
+})   # not OMP_NUM_THREADS: the agent copies the launcher's, so the launcher's environment has it
+     # when it is set, and a value in the worker's environment otherwise is the server's, stale
 
 
 def worker_context() -> multiprocessing.context.BaseContext:
@@ -75,9 +76,24 @@ def worker_context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
+def launch(fn: Callable[..., Any], *args: Any, nproc: int, max_restarts: int = 0) -> dict[int, Any]:
+    """fn(*args) on `nproc` local workers of one elastic job (torchrun's engine in this process:
+    c10d rendezvous on a free local port, `max_restarts` restarts of the whole group), forked
+    from the server in this process's environment and directory as they are now: {local rank:
+    fn's result}. Raises torch's ChildFailedError when a worker fails."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from autopar.runtime import _free_port
+
+    cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"autopar-{uuid.uuid4().hex[:8]}",
+                       rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+                       max_restarts=max_restarts, monitor_interval=0.1, start_method=START_METHOD)
+    return elastic_launch(cfg, in_launcher_env)(*launcher_args(fn, *args))
+
+
 def launcher_args(fn: Callable[..., Any], *args: Any) -> tuple:
     """The arguments of `in_launcher_env` that run fn(*args) in a worker, in this process's
-    environment and working directory as they are now."""
+    environment and working directory as they are now (and the server's preload set)."""
     worker_context()
     return (dict(os.environ), os.getcwd(), fn, *args)
 

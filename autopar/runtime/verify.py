@@ -380,7 +380,7 @@ def verify(plan: Plan | str, model: str | ModelBundle | Callable[[], Any], *,
                             "(zoo name, MODULE:FACTORY or hf:NAME) so verify can build them in a fresh process, "
                             "or verify from a new process")
         jobs = 1   # workers rebuild the model from its reference; a bundle or factory stays here
-    results = _run_kinds(p, model, make, kinds, top=top, jobs=jobs, progress=progress, spawn=elsewhere,
+    results = _run_kinds(p, model, make, kinds, top=top, jobs=jobs, progress=progress, elsewhere=elsewhere,
                          per_kind=per_kind, all_microbatches=all_microbatches)
     for kind, (rc, ev) in zip(kinds, results):
         report.ranks.append(rc)
@@ -392,11 +392,11 @@ def verify(plan: Plan | str, model: str | ModelBundle | Callable[[], Any], *,
 
 
 def _run_kinds(plan: Plan, model: Any, make: Callable[[], ModelBundle], kinds: list[RankKind], *, top: int,
-               jobs: int, progress: bool, spawn: bool = False, per_kind: bool = False,
+               jobs: int, progress: bool, elsewhere: bool = False, per_kind: bool = False,
                all_microbatches: bool = False) -> list[tuple[RankCheck, list]]:
     """`verify_rank` for each kind: in this process one after the other, or over `jobs` worker
-    processes (forked from the runtime's server, `processes`, also with `spawn`; each builds the
-    model from its reference `model`;
+    processes (forked from the runtime's server, `processes`; also with `elsewhere`; each builds
+    the model from its reference `model`;
     `per_kind`: a fresh process for each kind, see `_isolated`)."""
     def note(i: int, kind: RankKind, rc: RankCheck) -> None:
         if progress:
@@ -407,7 +407,7 @@ def _run_kinds(plan: Plan, model: Any, make: Callable[[], ModelBundle], kinds: l
             print(f"autopar verify: rank {kind.rank} (stage {','.join(map(str, kind.stages))}, "
                   f"{len(kind.ranks)} ranks of its kind) [{i + 1}/{len(kinds)}]: {got}", file=sys.stderr, flush=True)
 
-    if jobs <= 1 and not spawn:
+    if jobs <= 1 and not elsewhere:
         out = []
         for i, kind in enumerate(kinds):
             out.append(_quiet(verify_rank, plan, make, kind, top=top, all_microbatches=all_microbatches))
