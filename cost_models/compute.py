@@ -485,16 +485,18 @@ Copies = tuple[frozenset, frozenset]
 
 
 def reshape_copy_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
-                      index: Optional[dict] = None) -> tuple[float, float]:
+                      index: Optional[dict] = None, fp32: Optional[frozenset] = None) -> tuple[float, float]:
     """(forward, backward) seconds of a reshape that copies (see the module docstring), its
     bytes divided by `shard`: forward a `contiguous` copy of its output (read and written);
     backward its gradient read and the gradient of the smallest tensor of the view chain it
     read (`index`, name -> node: through views back to the op that made the data) written,
-    the output's size behind a transpose, a key/value head's behind an expand."""
+    the output's size behind a transpose, a key/value head's behind an expand. `fp32`: see
+    `node_time` (a copy of a tensor the run holds in fp32 moves 4-byte elements)."""
     if not n.outputs:
         return 0.0, 0.0
     out = n.outputs[0]
-    scale = bytes_scale(out.dtype, dtype) / max(float(shard), 1.0)
+    wide = fp32 is not None and n.name in fp32 and out.dtype in _FLOATING
+    scale = (1.0 if wide else bytes_scale(out.dtype, dtype)) / max(float(shard), 1.0)
     numel = src = float(out.numel)
     index = index or {}
     cur = index.get(n.inputs[0]) if n.inputs else None
@@ -510,9 +512,40 @@ def reshape_copy_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float =
             op_time("contiguous", 0.0, (numel + src) * esz * scale, device, dtype))
 
 
+_FLOATING = ("float32", "float64", "float16", "bfloat16")
+
+
+def fp32_extra_bytes(n, index: dict, fp32: frozenset, dtype: str) -> float:
+    """The bytes op `n` moves beyond what its captured bytes at the training `dtype` give
+    (`bytes_scale`) because tensors it writes or reads are fp32 in the run (`fp32`: names,
+    `cost_models.memory.graph_fp32_tensors`): each such tensor's bytes at 4 bytes an element
+    less at `dtype`'s, as `autopar.capture.flops.node_cost` counts them (every input read once,
+    an embedding's table not: the rows it reads are its output's size). An op's fp32 output
+    (an RMSNorm's upcast region, a softmax autocast runs in fp32, a product type promotion
+    makes fp32) is written at 4 bytes, an fp32 input read at 4. Matrix ops and attention are
+    left as they are: autocast runs them on a 2-byte copy of an fp32 input (the cast kernel
+    is not priced). 0 in an fp32 run, or where the op's output is not floating (its bytes
+    already unscaled)."""
+    if not n.outputs or n.op in MATRIX_OPS or n.op in FUSED_ATTENTION:
+        return 0.0
+    s = bytes_scale(n.outputs[0].dtype, dtype)
+    if s >= 1.0:
+        return 0.0
+    extra = 0.0
+    if n.name in fp32:
+        extra += sum(o.nbytes for o in n.outputs if o.dtype in _FLOATING)
+    ins = n.inputs[1:] if n.op in ("embedding", "index_select", "gather", "index") else n.inputs
+    for i in ins:
+        src = index.get(i)
+        if i in fp32 and src is not None and src.outputs and src.outputs[0].dtype in _FLOATING:
+            extra += src.outputs[0].nbytes
+    return extra * (1.0 - s)
+
+
 def node_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
               index: Optional[dict] = None, attention_kernel: AttentionKernel = "fused",
-              copies: Optional[Copies] = None, fusion: Optional[FusedChains] = None) -> tuple[float, float]:
+              copies: Optional[Copies] = None, fusion: Optional[FusedChains] = None,
+              fp32: Optional[frozenset] = None) -> tuple[float, float]:
     """(forward, backward) seconds of one captured op at a concrete batch with its work split
     `shard` ways: the roofline with the GEMM curve, the measured backward rates, attention as the
     software's `attention_kernel` runs it (`attention_time`; `index`, name -> node, gives its
@@ -523,17 +556,22 @@ def node_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
     (`cost_models.layouts.graph_layout_copies`); None: every view free, every `contiguous` a
     copy. `fusion`: the graph's element-wise chains that the software runs as one kernel each
     (`cost_models.fusion`, under `SoftwareSpec.pointwise_fusion == "fused"`): a member is
-    priced as its share of its chain's kernel; None: every op its own kernel (eager)."""
+    priced as its share of its chain's kernel; None: every op its own kernel (eager). `fp32`:
+    the tensors a mixed-precision run holds in fp32 (`cost_models.memory.graph_fp32_tensors`,
+    the memory model's rule): what the op reads or writes of them moves 4 bytes an element,
+    not the training dtype's (`fp32_extra_bytes`); None: every floating tensor at `dtype`."""
     if fusion is not None and n.name in fusion:
         return chain_member_time(n.name, fusion, device, dtype, shard)
     if copies is not None:
         if n.name in copies[0]:
-            return reshape_copy_time(n, device, dtype, shard, index)
+            return reshape_copy_time(n, device, dtype, shard, index, fp32)
         if n.name in copies[1]:
             return 0.0, 0.0
     f = max(float(shard), 1.0)
     tdt = n.outputs[0].dtype if n.outputs else "float32"
     flops, nbytes = n.flops / f, n.bytes_moved * bytes_scale(tdt, dtype) / f
+    if fp32:
+        nbytes += fp32_extra_bytes(n, index or {}, fp32, dtype) / f
     att = (_attention_node_time(n, index or {}, device, dtype, f, attention_kernel) if n.op in FUSED_ATTENTION
            else None)
     if att is not None:
@@ -568,7 +606,8 @@ def grouped_gemm_time(flops: float, bytes_moved: float, groups: int, device: Dev
 def op_list_time(nodes: Iterable, device: DeviceSpec, dtype: str = "bf16", *,
                  recompute: Recompute | bool = "none", shard: Shard = 1.0,
                  index: Optional[dict] = None, attention_kernel: AttentionKernel = "fused",
-                 copies: Optional[Copies] = None, fusion: Optional[FusedChains] = None) -> ComputeTime:
+                 copies: Optional[Copies] = None, fusion: Optional[FusedChains] = None,
+                 fp32: Optional[frozenset] = None) -> ComputeTime:
     """Training compute seconds (forward + backward + recomputation) of captured ops at a concrete
     batch, attention run by the software's `attention_kernel`. Each op's FLOPs and bytes are
     divided by `shard` (a number, or a function of the op node giving its sharding factor, e.g.
@@ -576,7 +615,8 @@ def op_list_time(nodes: Iterable, device: DeviceSpec, dtype: str = "bf16", *,
     Floating-point bytes are rescaled to `dtype` (see `bytes_scale`). `index` (name -> node) lets
     attention ops find their inputs' shapes when those are not in `nodes`. `copies`: see
     `node_time` (the reshapes that copy are charged, the `contiguous` calls that copy nothing
-    are not); `fusion`: see `node_time` (element-wise chains as one kernel each)."""
+    are not); `fusion`: see `node_time` (element-wise chains as one kernel each); `fp32`: see
+    `node_time` (the tensors a mixed-precision run holds in fp32)."""
     rec = "full" if recompute is True else ("none" if recompute is False else recompute)
     if rec not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
@@ -590,7 +630,7 @@ def op_list_time(nodes: Iterable, device: DeviceSpec, dtype: str = "bf16", *,
         if n.flops <= 0 and n.bytes_moved <= 0 and n.name not in copying:
             continue
         f = shard(n) if callable(shard) else shard
-        fwd, bwd = node_time(n, device, dtype, f, index, attention_kernel, copies, fusion)
+        fwd, bwd = node_time(n, device, dtype, f, index, attention_kernel, copies, fusion, fp32)
         re = fwd if rec == "full" or n.name in core else 0.0
         out.forward_s += fwd
         out.backward_s += bwd
@@ -610,8 +650,9 @@ def graph_compute_time(graph, device: DeviceSpec, dtype: str = "bf16", *,
     the reshapes that copy on `device.device_type` are charged (`node_time`'s `copies`), and
     under `pointwise_fusion == "fused"` (the software's) each element-wise chain is one kernel
     (`cost_models.fusion`)."""
-    # layouts imports this module
+    # layouts and memory import this module
     from cost_models.layouts import graph_layout_copies
+    from cost_models.memory import graph_fp32_tensors
 
     if graph.batch_size is None and any(o.is_batched for n in graph.nodes for o in n.outputs):
         raise ValueError("the graph has symbolic batch dimensions; call graph.at_batch(b) first")
@@ -622,7 +663,8 @@ def graph_compute_time(graph, device: DeviceSpec, dtype: str = "bf16", *,
     return op_list_time(nodes, device, dtype, recompute=recompute, shard=shard,
                         index={n.name: n for n in graph.nodes}, attention_kernel=attention_kernel,
                         copies=graph_layout_copies(graph, device.device_type, attention_kernel),
-                        fusion=fusion_of(graph, device, attention_kernel, pointwise_fusion))
+                        fusion=fusion_of(graph, device, attention_kernel, pointwise_fusion),
+                        fp32=graph_fp32_tensors(graph, device.device_type, dtype, attention_kernel))
 
 
 def fusion_of(graph, device: DeviceSpec, attention_kernel: AttentionKernel = "fused",

@@ -580,9 +580,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     # of those, the ops autocast casts the inputs of (a copy, saved where the op saves its input)
     cuda_fp32_in = CUDA_FP32_OPS if device_type == "cuda" and mixed else frozenset()
 
-    upcasts = _upcasts(calls, base, LOSSES | cuda_fp32) if mixed else frozenset()
-    if mixed:
-        upcasts = _promoted_fp32(calls, by_name, base, upcasts, cuda_fp32)
+    upcasts = mixed_fp32(calls, by_name, base, device_type, dtype)
 
     def runs_fp32(key: str) -> bool:
         # a tensor the mixed-precision run holds in fp32: made by an op autocast runs in fp32 (not
@@ -1058,6 +1056,39 @@ def _loss_live(node) -> int:
     gradient of its log-probabilities and of its input (`BACKWARD_LIVE`)."""
     reduced = bool(node.outputs) and node.outputs[0].numel == 1
     return 1 if node.op in LOSSES_SAVING_INPUT and reduced else BACKWARD_LIVE
+
+
+def mixed_fp32(calls: list, by_name: dict, base: dict, device_type: Optional[str], dtype: str) -> frozenset:
+    """The tensors (storages: names of `base`'s values) a `dtype` run on `device_type` holds in
+    fp32 though the training dtype is narrower: upcasts that stay fp32 and the ops between an
+    upcast and its cast back (`_upcasts`), the outputs of CUDA autocast's fp32 ops
+    (`CUDA_FP32_OUTPUT_OPS`, the losses apart) and what type promotion makes fp32 from them
+    (`_promoted_fp32`). Empty in an fp32 run. The memory model sizes tensors by it, the time
+    model the bytes an op moves (`graph_fp32_tensors`)."""
+    if dtype == "fp32":
+        return frozenset()
+    cuda_fp32 = CUDA_FP32_OUTPUT_OPS if device_type == "cuda" else frozenset()
+    return _promoted_fp32(calls, by_name, base, _upcasts(calls, base, LOSSES | cuda_fp32), cuda_fp32)
+
+
+def graph_fp32_tensors(graph, device_type: Optional[str], dtype: str,
+                       attention_kernel: AttentionKernel = "fused") -> frozenset:
+    """The names of `graph`'s floating-point tensors (views included: they read their storage)
+    that a `dtype` run on `device_type` holds in fp32 (`mixed_fp32`), once per graph, device
+    type, dtype and attention kernel (`cost_models.compute.node_time` asks per op)."""
+    memo = graph.__dict__.setdefault("_fp32_tensors", {})
+    key = (device_type, dtype, attention_kernel)
+    if key not in memo:
+        if dtype == "fp32":
+            memo[key] = frozenset()
+        else:
+            nodes = list(graph.nodes)
+            by_name = {n.name: n for n in nodes}
+            base = tensor_bases(nodes, by_name, device_type, dtype, attention_kernel,
+                                copies=graph_layout_copies(graph, device_type, attention_kernel))
+            wide = mixed_fp32([n for n in nodes if n.kind == "call"], by_name, base, device_type, dtype)
+            memo[key] = frozenset(n.name for n in nodes if base.get(n.name, n.name) in wide and _floating(n))
+    return memo[key]
 
 
 def _upcasts(calls: list, base: dict, fp32_readers: frozenset) -> frozenset:

@@ -50,26 +50,40 @@ from benchmarks.cost_model_accuracy import (  # noqa: E402
 # published case by a few percent fails
 TOLERANCE = 0.03
 
-# (family, case name) -> predicted / published - 1, recorded in session 22
+# (family, case name) -> predicted / published - 1, recorded in session 22; re-recorded in session
+# 24 (issue 18) when the time model moved the tensors a mixed-precision run holds in fp32 at 4
+# bytes an element (`cost_models.compute.fp32_extra_bytes`, the memory model's rule
+# `memory.mixed_fp32`: CUDA autocast's fp32 ops' outputs, upcast regions, type promotion), where
+# it moved them at 2. Every case's prediction grew slower. Beyond the 3-point tolerance, before
+# -> after: analytic 1.7B -14.95% -> -0.98%, 39.1B -5.98% -> -1.37%, 22B -6.64% -> +0.46%, 175B
+# -3.87% -> -0.12% (`analytic` prices `_one_layer_graph`, whose attention is the math path: its
+# softmax output [b, heads, s, s] is fp32 under autocast and the dropout on it fp32 by promotion;
+# Megatron-LM's fused scale-mask-softmax, which those runs used, writes bf16, so this family's
+# gain is the graph's torch-autocast dtypes, not evidence that the model fits those runs
+# better), flash FA1 GPT3-125M -8.08% -> -3.20% (not broken down; its fp32 tensors are the
+# layer norms' outputs and the logits' fp32 upcast for the loss, large beside a 125M model's
+# GEMMs; flash-attn's training used fused norms and cross-entropy, not autocast's). Within it:
+# pinned +0.2 to +1.6 points, table1 7.5B +1.91% -> +3.18%, 18.4B +3.21% -> +4.83%, h100 +0.3,
+# the other flash cases +0.8 to +1.3. Nothing refit.
 PINNED: dict[tuple[str, str], float] = {
-    ("pinned", "1.7B"): -0.1290,
-    ("pinned", "39.1B"): -0.0554,
-    ("pinned", "22B"): -0.0612,
-    ("pinned", "175B"): -0.0437,
-    ("pinned", "22B SP+sel."): -0.1383,
-    ("analytic", "1.7B"): -0.1495,
-    ("analytic", "39.1B"): -0.0598,
-    ("analytic", "22B"): -0.0664,
-    ("analytic", "175B"): -0.0387,
-    ("table1", "7.5B"): +0.0191,
-    ("table1", "18.4B"): +0.0321,
-    ("h100", "175B NeMo 512"): -0.0177,
-    ("flash", "FA2 1.3B 2k"): -0.1305,
-    ("flash", "FA2 2.7B 2k"): -0.1015,
-    ("flash", "FA1 (T1) 1.3B 2k"): -0.0436,
-    ("flash", "FA1 (T1) 2.7B 2k"): -0.0719,
-    ("flash", "FA1 GPT3-125M"): -0.0808,
-    ("flash", "FA1 GPT3-1.3B"): -0.0300,
+    ("pinned", "1.7B"): -0.1220,
+    ("pinned", "39.1B"): -0.0424,
+    ("pinned", "22B"): -0.0452,
+    ("pinned", "175B"): -0.0329,
+    ("pinned", "22B SP+sel."): -0.1368,
+    ("analytic", "1.7B"): -0.0098,
+    ("analytic", "39.1B"): -0.0137,
+    ("analytic", "22B"): +0.0046,
+    ("analytic", "175B"): -0.0012,
+    ("table1", "7.5B"): +0.0318,
+    ("table1", "18.4B"): +0.0483,
+    ("h100", "175B NeMo 512"): -0.0148,
+    ("flash", "FA2 1.3B 2k"): -0.1180,
+    ("flash", "FA2 2.7B 2k"): -0.0923,
+    ("flash", "FA1 (T1) 1.3B 2k"): -0.0315,
+    ("flash", "FA1 (T1) 2.7B 2k"): -0.0633,
+    ("flash", "FA1 GPT3-125M"): -0.0320,
+    ("flash", "FA1 GPT3-1.3B"): -0.0178,
 }
 
 # family -> the bound on its mean |error| over the pinned subset, where the family meets the

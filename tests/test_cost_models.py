@@ -719,3 +719,49 @@ def test_schedule_moments_repeat_past_the_equivalent_microbatches() -> None:
                     m0 = equivalent_microbatches(kind, p, r, m, v)
                     assert m0 <= m and (kind != "gpipe" or m0 == m)
                     assert _walk_moments(kind, p, r, m0, v) == _walk_moments(kind, p, r, m, v), (kind, p, r, m, v)
+
+
+class _PromotedSoftmax(nn.Module):
+    def forward(self, x):
+        y = x * 2.0                       # bf16 in, bf16 out
+        p = torch.softmax(y, dim=-1)      # CUDA autocast's fp32-dtype list: bf16 in, fp32 out
+        z = p * 3.0                       # promoted by its fp32 input: fp32 in, fp32 out
+        return z.sum()
+
+
+def test_ops_promoted_to_fp32_move_four_byte_elements() -> None:
+    """Issue 18: under bf16 autocast on CUDA a softmax gives an fp32 output and the element-wise
+    op reading it computes in fp32 by type promotion (`cost_models.memory.mixed_fp32`, the rule
+    the memory model sizes tensors by); the time model priced both at 2-byte traffic. Now each
+    tensor moves at the dtype the run gives it (`fp32_extra_bytes`): by hand, N elements, the
+    achieved bandwidth `memory_bandwidth * memory_efficiency` and the kernel's overhead (every
+    op here memory-bound)."""
+    from cost_models.compute import fp32_extra_bytes, node_time
+    from cost_models.memory import graph_fp32_tensors
+
+    b, s, h = 2, 64, 1024
+    N = b * s * h
+    g = autopar.capture(_PromotedSoftmax(), (torch.zeros(b, s, h, device="meta"),)).at_batch(b)
+    assert DEV.device_type == "cuda"
+    fp32 = graph_fp32_tensors(g, DEV.device_type, "bf16")
+    ops = {n.op + ("_1" if n.name.endswith("_1") else ""): n for n in g.calls}
+    assert {ops["softmax"].name, ops["mul_1"].name} <= fp32 and ops["mul"].name not in fp32
+    bw = DEV.memory_bandwidth * DEV.memory_efficiency
+
+    def fwd(op: str) -> float:
+        return node_time(ops[op], DEV, "bf16", 1.0, g._index, fp32=fp32)[0]
+
+    assert fwd("mul") == pytest.approx((2 + 2) * N / bw + DEV.kernel_overhead_s)      # bf16 -> bf16
+    assert fwd("softmax") == pytest.approx((2 + 4) * N / bw + DEV.kernel_overhead_s)  # bf16 -> fp32
+    assert fwd("mul_1") == pytest.approx((4 + 4) * N / bw + DEV.kernel_overhead_s)    # fp32 -> fp32
+    # the backward scales the same bytes (its gradients are fp32 where the tensors are)
+    n = ops["mul_1"]
+    assert node_time(n, DEV, "bf16", 1.0, g._index, fp32=fp32)[1] == pytest.approx(
+        op_backward_time(n.op, n.flops, 8 * N, DEV, "bf16"))
+    # without the set (or in an fp32 run) every floating tensor is at the training dtype
+    assert node_time(n, DEV, "bf16", 1.0, g._index)[0] == pytest.approx(4 * N / bw + DEV.kernel_overhead_s)
+    assert graph_fp32_tensors(g, DEV.device_type, "fp32") == frozenset()
+    assert fp32_extra_bytes(n, g._index, fp32, "fp32") == 0.0
+    # the graph's time model reads it: the two fp32 ops and the sum of fp32 elements cost more
+    assert graph_compute_time(g, DEV, "bf16").forward_s == pytest.approx(
+        sum(node_time(x, DEV, "bf16", 1.0, g._index, fp32=fp32)[0] for x in g.calls))

@@ -35,7 +35,7 @@ from autopar.schema.software import SoftwareSpec, resolve_software
 from cost_models.communication import collective_time
 from cost_models.compute import DTYPE_SIZE, fusion_of, op_list_time
 from cost_models.layouts import graph_layout_copies, share_layout_walk
-from cost_models.memory import activation_memory, requires_grad
+from cost_models.memory import activation_memory, graph_fp32_tensors, requires_grad
 
 LOSS_OPS = frozenset({"cross_entropy_loss", "nll_loss", "log_softmax", "_log_softmax"})
 
@@ -429,6 +429,9 @@ class AnalyticProvider:
         copies = graph_layout_copies(g, dev.device_type, self.software.attention_kernel)
         # the element-wise chains the software runs as one kernel each (None: eager, one per op)
         fusion = fusion_of(g, dev, self.software.attention_kernel, self.software.pointwise_fusion)
+        # the tensors the run holds in fp32 (an upcast norm's, autocast's fp32 ops' outputs):
+        # their bytes at 4 bytes an element (`node_time`), as the memory model sizes them
+        fp32 = graph_fp32_tensors(g, dev.device_type, dtype, self.software.attention_kernel)
 
         for n in nodes:
             ins = [state.get(i, "R") for i in n.inputs]
@@ -509,7 +512,8 @@ class AnalyticProvider:
             if sharded:
                 sharded_nodes.add(n.name)
             ct = op_list_time([n], dev, dtype, shard=tp if sharded else 1, index=g._index,
-                              attention_kernel=self.software.attention_kernel, copies=copies, fusion=fusion)
+                              attention_kernel=self.software.attention_kernel, copies=copies, fusion=fusion,
+                              fp32=fp32)
             times[n.name] = (ct.forward_s, ct.backward_s, fc, bc)
             coll_f[n.name] = cf
             c.coll_bwd.update(cb)

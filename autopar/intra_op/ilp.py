@@ -93,6 +93,7 @@ from cost_models.communication import collective_time
 from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, fusion_of, node_time
 from cost_models.fusion import FusedChains
 from cost_models.layouts import graph_layout_copies
+from cost_models.memory import graph_fp32_tensors
 
 FLOAT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 # bytes per device a parameter costs, relative to its weights' bytes: weights, gradients and
@@ -132,7 +133,7 @@ def requires_grad_of(graph: OpGraph, grad_inputs: Iterable[str] = ()) -> dict[st
 def op_compute_time(n: OpNode, rg: dict[str, bool], requires_grad: bool, device, dtype: str, work_div: float,
                     index: dict, attention_kernel: str = "fused",
                     copies: Optional[tuple[frozenset, frozenset]] = None,
-                    fusion: Optional[FusedChains] = None) -> tuple[float, float]:
+                    fusion: Optional[FusedChains] = None, fp32: Optional[frozenset] = None) -> tuple[float, float]:
     """(forward, backward) compute seconds of op `n` with its work split `work_div` ways, as the
     ILP prices a strategy: the inter-op cost model's per-op prices (`node_time`: GEMM curve,
     measured backward and fused attention rates, bytes at the training dtype), so the ILP and
@@ -141,8 +142,9 @@ def op_compute_time(n: OpNode, rg: dict[str, bool], requires_grad: bool, device,
     needs one (`rg`: dX = dY W, dW = dY^T X). The search's lower bound reads it too
     (`layer_compute_floor`). `copies`: the graph's reshapes that copy and `contiguous` calls
     that copy nothing on `device` (`cost_models.layouts.graph_layout_copies`; see `node_time`);
-    `fusion`: the element-wise chains fusing software runs as one kernel each (`node_time`)."""
-    f, b = node_time(n, device, dtype, work_div, index, attention_kernel, copies, fusion)
+    `fusion`: the element-wise chains fusing software runs as one kernel each (`node_time`);
+    `fp32`: the tensors the run holds in fp32 (`cost_models.memory.graph_fp32_tensors`)."""
+    f, b = node_time(n, device, dtype, work_div, index, attention_kernel, copies, fusion, fp32)
     if not requires_grad:
         return f, 0.0
     if n.op in HEAVY_OPS and n.op not in FUSED_ATTENTION:
@@ -164,13 +166,14 @@ def layer_compute_floor(graph: OpGraph, nodes: Iterable[str], grad_inputs: Itera
     rg = requires_grad_of(graph, grad_inputs)
     copies = graph_layout_copies(graph, device.device_type, attention_kernel)
     fusion = fusion_of(graph, device, attention_kernel, pointwise_fusion)
+    fp32 = graph_fp32_tensors(graph, device.device_type, dtype, attention_kernel)
     total = 0.0
     for name in nodes:
         n = graph.node(name)
         if n.kind != "call" or not n.outputs or (n.flops <= 0 and n.bytes_moved <= 0 and name not in copies[0]):
             continue
         total += min(sum(op_compute_time(n, rg, rg.get(name, False), device, dtype, w, graph._index,
-                                         attention_kernel, copies, fusion)) for w in {1, max(int(tp), 1)})
+                                         attention_kernel, copies, fusion, fp32)) for w in {1, max(int(tp), 1)})
     return total
 
 
@@ -752,7 +755,9 @@ class IntraOpProblem:
             self.reshape_copies = graph_layout_copies(self.graph, self.mesh.device.device_type, self.attention_kernel)
         return op_compute_time(pn.node, self.rg, pn.requires_grad, self.mesh.device, self.dtype, st.work_div,
                                self.graph._index, self.attention_kernel, self.reshape_copies,
-                               fusion_of(self.graph, self.mesh.device, self.attention_kernel, self.pointwise_fusion))
+                               fusion_of(self.graph, self.mesh.device, self.attention_kernel, self.pointwise_fusion),
+                               graph_fp32_tensors(self.graph, self.mesh.device.device_type, self.dtype,
+                                                  self.attention_kernel))
 
     def node_cost(self, pn: PNode, st: Strategy) -> tuple[float, float, float, float]:
         """(total, forward, backward, grad_sync) seconds of one copy, excluding resharding."""
