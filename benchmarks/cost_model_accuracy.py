@@ -68,6 +68,7 @@ import torch.nn.functional as F
 from autopar.capture import capture
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.schema.cluster import ClusterSpec
+from autopar.schema.software import resolve_software
 from cost_models.communication import axis_collective_time
 from cost_models.compute import (
     FUSED_ATTENTION,
@@ -307,8 +308,12 @@ def analytic(case: Case, cluster: ClusterSpec) -> dict[str, float]:
     g = _one_layer_graph(case, case.microbatch)
     dev, t, p, v, m, dp = cluster.device, case.t, case.p, case.v, case.num_microbatches, case.dp
     shard = _tp_shard(t, g)
-    layer = graph_compute_time(g, dev, "bf16", recompute="full", shard=shard, layers=[g.layers[0]]).total_s
-    outside = graph_compute_time(g, dev, "bf16", recompute="none", shard=shard, layers=[None]).total_s
+    # the mixed precision the case's software ran (Megatron-LM's: the model cast to bf16, no autocast)
+    autocast = resolve_software(case.software).autocast
+    layer = graph_compute_time(g, dev, "bf16", recompute="full", shard=shard, layers=[g.layers[0]],
+                               autocast=autocast).total_s
+    outside = graph_compute_time(g, dev, "bf16", recompute="none", shard=shard, layers=[None],
+                                 autocast=autocast).total_s
     # TP: 6 all-reduces of s*b*h bf16 per layer (2 fwd, 2 bwd, 2 recomputed fwd); 2 more for the
     # embedding/head (forward and backward of the vocabulary-parallel parts)
     tp_group = list(range(t))

@@ -643,13 +643,14 @@ def graph_compute_time(graph, device: DeviceSpec, dtype: str = "bf16", *,
                        recompute: Recompute | bool = "none", shard: Shard = 1.0,
                        layers: Optional[Iterable[Optional[str]]] = None,
                        attention_kernel: AttentionKernel = "fused",
-                       pointwise_fusion: PointwiseFusion = "eager") -> ComputeTime:
+                       pointwise_fusion: PointwiseFusion = "eager", autocast: bool = True) -> ComputeTime:
     """Training compute seconds of one micro-batch of a captured `OpGraph` at a concrete batch
     (`graph.at_batch(b)`), optionally only the ops of `layers` (layer FQNs; None names the ops
     outside every layer). See `op_list_time` for `recompute`, `shard` and `attention_kernel`;
     the reshapes that copy on `device.device_type` are charged (`node_time`'s `copies`), and
     under `pointwise_fusion == "fused"` (the software's) each element-wise chain is one kernel
-    (`cost_models.fusion`)."""
+    (`cost_models.fusion`); `autocast`: the software's mixed precision (`SoftwareSpec.autocast`:
+    which tensors a bf16/fp16 run holds in fp32, `cost_models.memory.graph_fp32_tensors`)."""
     # layouts and memory import this module
     from cost_models.layouts import graph_layout_copies
     from cost_models.memory import graph_fp32_tensors
@@ -664,7 +665,7 @@ def graph_compute_time(graph, device: DeviceSpec, dtype: str = "bf16", *,
                         index={n.name: n for n in graph.nodes}, attention_kernel=attention_kernel,
                         copies=graph_layout_copies(graph, device.device_type, attention_kernel),
                         fusion=fusion_of(graph, device, attention_kernel, pointwise_fusion),
-                        fp32=graph_fp32_tensors(graph, device.device_type, dtype, attention_kernel))
+                        fp32=graph_fp32_tensors(graph, device.device_type, dtype, attention_kernel, autocast))
 
 
 def fusion_of(graph, device: DeviceSpec, attention_kernel: AttentionKernel = "fused",

@@ -533,6 +533,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                       given_grad: Optional[str] = None,
                       attention_kernel: AttentionKernel = "fused",
                       modules: Sequence[str] = (),
+                      autocast: bool = True,
                       ) -> ActivationMemory:
     """Activation bytes of one micro-batch of `graph` (at a concrete batch, `graph.at_batch(b)`),
     optionally restricted to `layers` (FQNs; None names the ops outside every layer), with
@@ -554,7 +555,10 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     tensor whose gradient comes from outside (a pipeline chunk's output: the receive buffer),
     for `backward_over_given`. `attention_kernel`: the software's (`SoftwareSpec`); "unfused"
     saves the attention scores (`saved_tensors`). `modules`: the layer's modules in order, by
-    which the first backward's moments are told apart (`first_moments`, `unit_position`)."""
+    which the first backward's moments are told apart (`first_moments`, `unit_position`).
+    `autocast`: a mixed-precision run under torch.autocast (`SoftwareSpec.mixed_precision`
+    "autocast", `device_type`'s fp32 list applies); False: the model cast to `dtype` ("half":
+    only its own upcasts and the loss fp32)."""
     rec = "full" if recompute is True else ("none" if recompute is False else recompute)
     if rec not in RECOMPUTES:
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTES)}, got {recompute!r}")
@@ -576,11 +580,11 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     region = checkpoint_region_of(calls, rec, selective_region)
     keep = None if layers is None else set(layers)
     mixed = dtype != "fp32"
-    cuda_fp32 = CUDA_FP32_OUTPUT_OPS if device_type == "cuda" and mixed else frozenset()
+    cuda_fp32 = CUDA_FP32_OUTPUT_OPS if device_type == "cuda" and mixed and autocast else frozenset()
     # of those, the ops autocast casts the inputs of (a copy, saved where the op saves its input)
-    cuda_fp32_in = CUDA_FP32_OPS if device_type == "cuda" and mixed else frozenset()
+    cuda_fp32_in = CUDA_FP32_OPS if device_type == "cuda" and mixed and autocast else frozenset()
 
-    upcasts = mixed_fp32(calls, by_name, base, device_type, dtype)
+    upcasts = mixed_fp32(calls, by_name, base, device_type, dtype, autocast)
 
     def runs_fp32(key: str) -> bool:
         # a tensor the mixed-precision run holds in fp32: made by an op autocast runs in fp32 (not
@@ -1058,26 +1062,29 @@ def _loss_live(node) -> int:
     return 1 if node.op in LOSSES_SAVING_INPUT and reduced else BACKWARD_LIVE
 
 
-def mixed_fp32(calls: list, by_name: dict, base: dict, device_type: Optional[str], dtype: str) -> frozenset:
+def mixed_fp32(calls: list, by_name: dict, base: dict, device_type: Optional[str], dtype: str,
+               autocast: bool = True) -> frozenset:
     """The tensors (storages: names of `base`'s values) a `dtype` run on `device_type` holds in
     fp32 though the training dtype is narrower: upcasts that stay fp32 and the ops between an
     upcast and its cast back (`_upcasts`), the outputs of CUDA autocast's fp32 ops
-    (`CUDA_FP32_OUTPUT_OPS`, the losses apart) and what type promotion makes fp32 from them
-    (`_promoted_fp32`). Empty in an fp32 run. The memory model sizes tensors by it, the time
-    model the bytes an op moves (`graph_fp32_tensors`)."""
+    (`CUDA_FP32_OUTPUT_OPS`, the losses apart; only under `autocast`: a model cast to `dtype`
+    runs them at it) and what type promotion makes fp32 from them (`_promoted_fp32`). Empty in
+    an fp32 run. The memory model sizes tensors by it, the time model the bytes an op moves
+    (`graph_fp32_tensors`)."""
     if dtype == "fp32":
         return frozenset()
-    cuda_fp32 = CUDA_FP32_OUTPUT_OPS if device_type == "cuda" else frozenset()
+    cuda_fp32 = CUDA_FP32_OUTPUT_OPS if device_type == "cuda" and autocast else frozenset()
     return _promoted_fp32(calls, by_name, base, _upcasts(calls, base, LOSSES | cuda_fp32), cuda_fp32)
 
 
 def graph_fp32_tensors(graph, device_type: Optional[str], dtype: str,
-                       attention_kernel: AttentionKernel = "fused") -> frozenset:
+                       attention_kernel: AttentionKernel = "fused", autocast: bool = True) -> frozenset:
     """The names of `graph`'s floating-point tensors (views included: they read their storage)
-    that a `dtype` run on `device_type` holds in fp32 (`mixed_fp32`), once per graph, device
-    type, dtype and attention kernel (`cost_models.compute.node_time` asks per op)."""
+    that a `dtype` run on `device_type` holds in fp32 (`mixed_fp32`; `autocast`: the software's
+    mixed precision, `SoftwareSpec.autocast`), once per graph, device type, dtype, attention
+    kernel and precision (`cost_models.compute.node_time` asks per op)."""
     memo = graph.__dict__.setdefault("_fp32_tensors", {})
-    key = (device_type, dtype, attention_kernel)
+    key = (device_type, dtype, attention_kernel, autocast)
     if key not in memo:
         if dtype == "fp32":
             memo[key] = frozenset()
@@ -1086,7 +1093,7 @@ def graph_fp32_tensors(graph, device_type: Optional[str], dtype: str,
             by_name = {n.name: n for n in nodes}
             base = tensor_bases(nodes, by_name, device_type, dtype, attention_kernel,
                                 copies=graph_layout_copies(graph, device_type, attention_kernel))
-            wide = mixed_fp32([n for n in nodes if n.kind == "call"], by_name, base, device_type, dtype)
+            wide = mixed_fp32([n for n in nodes if n.kind == "call"], by_name, base, device_type, dtype, autocast)
             memo[key] = frozenset(n.name for n in nodes if base.get(n.name, n.name) in wide and _floating(n))
     return memo[key]
 

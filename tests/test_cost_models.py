@@ -765,3 +765,33 @@ def test_ops_promoted_to_fp32_move_four_byte_elements() -> None:
     # the graph's time model reads it: the two fp32 ops and the sum of fp32 elements cost more
     assert graph_compute_time(g, DEV, "bf16").forward_s == pytest.approx(
         sum(node_time(x, DEV, "bf16", 1.0, g._index, fp32=fp32)[0] for x in g.calls))
+
+
+def test_a_model_cast_to_half_holds_no_autocast_fp32_tensors() -> None:
+    """Issue 14: software that casts the model to bf16 and runs fused kernels writing bf16
+    (`SoftwareSpec.mixed_precision == "half"`: Megatron-LM's Float16Module, NeMo) has no autocast
+    fp32 list: the softmax and the product after it move 2-byte elements, while a loss still reads
+    an explicit fp32 upcast (`x.float()`), in either precision."""
+    from cost_models.compute import node_time
+    from cost_models.memory import graph_fp32_tensors
+
+    b, s, h = 2, 64, 1024
+    N = b * s * h
+    g = autopar.capture(_PromotedSoftmax(), (torch.zeros(b, s, h, device="meta"),)).at_batch(b)
+    assert graph_fp32_tensors(g, DEV.device_type, "bf16", autocast=False) == frozenset()
+    soft = next(n for n in g.calls if n.op == "softmax")
+    half = graph_fp32_tensors(g, DEV.device_type, "bf16", autocast=False)
+    bw = DEV.memory_bandwidth * DEV.memory_efficiency
+    assert node_time(soft, DEV, "bf16", 1.0, g._index, fp32=half)[0] == pytest.approx(
+        (2 + 2) * N / bw + DEV.kernel_overhead_s)
+    assert graph_compute_time(g, DEV, "bf16", autocast=False).forward_s < graph_compute_time(
+        g, DEV, "bf16").forward_s
+
+    class Upcast(nn.Module):
+        def forward(self, x, y):
+            return F.cross_entropy(x.float(), y)
+
+    g2 = autopar.capture(Upcast(), (torch.zeros(64, 128, device="meta"),
+                                    torch.zeros(64, dtype=torch.long, device="meta"))).at_batch(64)
+    cast = {n.name for n in g2.calls if n.op in ("to", "_to_copy")}
+    assert cast and cast <= graph_fp32_tensors(g2, DEV.device_type, "bf16", autocast=False)

@@ -677,6 +677,10 @@ def test_cuda_autocast_norms_save_an_fp32_copy_of_their_input():
     # fp32 training: no autocast, nothing changes
     assert activation_memory(g, "fp32", "none", device_type="cuda").saved_bytes == \
         activation_memory(g, "fp32", "none").saved_bytes
+    # software that casts the model to bf16 (`SoftwareSpec.mixed_precision == "half"`: Megatron's
+    # fused layer norm writes bf16 and saves its bf16 input) saves what no autocast saves
+    assert activation_memory(g, "bf16", "none", device_type="cuda", autocast=False).saved_bytes == \
+        pytest.approx(plain.saved_bytes)
 
 
 def test_selective_region_drops_what_the_attention_core_saves():

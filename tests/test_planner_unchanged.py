@@ -96,16 +96,20 @@ the saved activations) and out of a recomputed region's gradients; the last laye
 moment is activations where it is the worst (`LayerCost.bwd_over_given_rc`): HF GPT-2's digest
 only (its stages' phases split their bytes by category otherwise); layouts, times, peaks and
 collectives unchanged.
-Session 24 (issue 18): the time model moves the tensors a mixed-precision run holds in fp32 at
-4 bytes an element (`cost_models.compute.fp32_extra_bytes`, by the memory model's rule
+Session 25 (issues 14, 18): the time model moves the tensors a mixed-precision run holds in fp32
+at 4 bytes an element (`cost_models.compute.fp32_extra_bytes`, by the memory model's rule
 `memory.mixed_fp32`: autocast's fp32 ops' outputs, upcast regions, type promotion), where it
-moved every floating tensor at 2: GPT-3 1.3B under megatron-lm-2021 (its fp32 layer norms'
-outputs) 0.4744 -> 0.4746 s, with which the search takes v=6 again (56 -> 88 sends, peak
-23.98 -> 23.57 GB, v=6's figure before the reshape copies); gpt-small 15.096 -> 15.122 ms (its
-loss's fp32 upcast of the logits on CPU), HF GPT-2 1.381 -> 1.385 ms (`gelu_new`'s fp32
-region), HF Llama 2.516 -> 2.526 ms (RMSNorm's fp32 region, its fp32 rotary tables); the rest
-of their layouts, peaks and collectives unchanged. The recomputation budget counting each
-gradient once (`_Tables.recompute_terms`) changes none of these plans (checked alone).
+moved every floating tensor at 2; and the software says how its run is mixed-precision
+(`SoftwareSpec.mixed_precision`): megatron-lm-2021, which three cases plan with, casts the model
+to bf16 ("half": its fused layer norm and softmax write bf16; only the model's own upcasts and
+the loss are fp32), so autocast's fp32 list no longer applies to it, in memory or time. GPT-3
+1.3B 0.47442 -> 0.47466 s (the loss's fp32 logits), peak 23.98 -> 21.80 GB (the layer norms'
+outputs and saved inputs at 2 bytes), same layout (v=4); HF GPT-2 peak 2.17 -> 1.69 MB, time
+1.3815 ms as before to 4 digits (`gelu_new`'s `pow` no longer an fp32 op: its tanh region is bf16,
+which session 21's autocast rule had made fp32); HF Llama 2.516 -> 2.526 ms (RMSNorm's explicit
+fp32 region and fp32 rotary tables, the same in either precision), same peak; gpt-small (autopar's autocast, on
+CPU) 15.096 -> 15.122 ms (its loss's fp32 upcast of the logits). Layouts and collectives
+unchanged; the digests also carry the presets' new `mixed_precision` sources.
 """
 
 import hashlib
@@ -131,16 +135,16 @@ CASES = {   # name: (model, cluster, nodes, global batch, pinned constraints, so
 }
 
 EXPECTED = {
-    "gpt3-1.3b-tp2-pp2": {"digest": "5e177f5ab3af0dec", "layout": (2, 2, 2, 4, 4, "interleaved_1f1b", 6, 1),
-        "iteration_time_s": 0.47458109222470923, "peak_memory_bytes": 23574304768.0,
-        "collectives": {"all_reduce": 405, "reduce_scatter": 2, "all_gather": 2, "send_recv": 88}},
-    "gpt-small": {"digest": "9fb63b1875816a1c", "layout": (2, 1, 1, 4, 1, "1f1b", 1, 0),
+    "gpt3-1.3b-tp2-pp2": {"digest": "dec257d8875acf16", "layout": (2, 2, 2, 4, 4, "interleaved_1f1b", 4, 1),
+        "iteration_time_s": 0.4746628067164892, "peak_memory_bytes": 21796050944.0,
+        "collectives": {"all_reduce": 405, "reduce_scatter": 2, "all_gather": 2, "send_recv": 56}},
+    "gpt-small": {"digest": "0a78201d4b9b54fa", "layout": (2, 1, 1, 4, 1, "1f1b", 1, 0),
         "iteration_time_s": 0.015121715846408718, "peak_memory_bytes": 20557824.0,
         "collectives": {"all_reduce": 1}},
-    "hf-gpt2": {"digest": "764ab78f1154edcb", "layout": (4, 1, 2, 4, 1, "1f1b", 1, 1),
-        "iteration_time_s": 0.0013854886601065571, "peak_memory_bytes": 2171584.0,
+    "hf-gpt2": {"digest": "97d0caa9c3396712", "layout": (4, 1, 2, 4, 1, "1f1b", 1, 1),
+        "iteration_time_s": 0.0013815040909694366, "peak_memory_bytes": 1688512.0,
         "collectives": {"reduce_scatter": 2, "all_gather": 2, "send_recv": 2, "all_reduce": 1}},
-    "hf-llama": {"digest": "bbce92b9a4078d81", "layout": (4, 2, 1, 4, 1, "1f1b", 1, 1),
+    "hf-llama": {"digest": "f498fb3a066c42f3", "layout": (4, 2, 1, 4, 1, "1f1b", 1, 1),
         "iteration_time_s": 0.002525530676990425, "peak_memory_bytes": 1444160.0,
         "collectives": {"all_reduce": 25, "all_gather": 2, "reduce_scatter": 1}},
 }

@@ -33,7 +33,8 @@ def test_presets_are_typed_and_sourced():
     for name in bundled_software():
         sw = SoftwareSpec.load(name)
         assert sw.name == name and sw.description
-        chosen = ({"attention_kernel", "grad_sync_overlap"} | ({"attention_flops"} if sw.attention_flops else set())
+        chosen = ({"attention_kernel", "mixed_precision", "grad_sync_overlap"}
+                  | ({"attention_flops"} if sw.attention_flops else set())
                   | ({"pointwise_fusion"} if sw.pointwise_fusion != "eager" else set()))
         assert set(sw.sources) == chosen, "every choice names its source"
     with pytest.raises(PlanError, match="unknown software 'flash9'; bundled: autopar, flash-attn-1-2022, "
@@ -50,7 +51,7 @@ def test_the_default_is_what_autopar_run_executes():
     import inspect
 
     from autopar.models import gpt
-    from autopar.runtime import engine
+    from autopar.runtime import engine, precision
 
     sw = resolve_software(None)
     assert sw.name == DEFAULT_SOFTWARE == "autopar"
@@ -58,6 +59,7 @@ def test_the_default_is_what_autopar_run_executes():
     assert sw.grad_sync_overlap is False and "averaged over the dp group after the backward" in " ".join(
         engine.__doc__.split())
     assert sw.pointwise_fusion == "eager"       # the runtime runs the model eagerly, not compiled
+    assert sw.mixed_precision == "autocast" and "torch.autocast" in " ".join(precision.__doc__.split())
     assert SoftwareSpec.load("megatron-lm-2021").attention_kernel == "unfused"
 
 
@@ -87,6 +89,25 @@ def test_fused_and_unfused_software_cost_differently(tiny_graph):
     assert mem["unfused"] > mem["fused"]
 
 
+def test_half_precision_software_holds_fewer_fp32_tensors():
+    """`mixed_precision: half` (the model cast to bf16, fused norm and softmax kernels writing
+    it: Megatron-LM's Float16Module) keeps the layer norms' outputs at 2 bytes where CUDA's
+    autocast makes them fp32: less activation memory, less element-wise traffic, on the same
+    plan; the choice is recorded, and the default's dump omits it (old plans' files unchanged)."""
+    cl = ClusterSpec.load("dgx-a100-80g")
+    cons = Constraints(dp=8, tp=1, pp=1, microbatch_size=4, recompute="none", zero_stage=0)
+    auto = SoftwareSpec(name="a")
+    half = SoftwareSpec(name="h", mixed_precision="half")
+    pa, ph = (autopar.plan("gpt-tiny", cl, global_batch_size=32, constraints=cons, software=sw)
+              for sw in (auto, half))
+    assert ph.software.mixed_precision == "half" and Plan.from_json(ph.to_json()).software == half
+    assert ph.predicted.peak_memory_bytes < pa.predicted.peak_memory_bytes
+    assert ph.predicted.iteration_time_s < pa.predicted.iteration_time_s
+    assert "mixed_precision" not in auto.model_dump() and half.model_dump()["mixed_precision"] == "half"
+    with pytest.raises(Exception, match="mixed_precision"):
+        SoftwareSpec(name="x", mixed_precision="amp")
+
+
 def test_plan_records_its_software_and_round_trips(tmp_path):
     cl = ClusterSpec.load("dgx-a100-80g")
     cons = Constraints(dp=2, tp=2, pp=2, microbatch_size=2, recompute="none", zero_stage=0)
@@ -95,13 +116,18 @@ def test_plan_records_its_software_and_round_trips(tmp_path):
     assert fused.software.name == "autopar" and fused.software.attention_kernel == "fused"
     assert unfused.software == SoftwareSpec.load("megatron-lm-2021")
     assert unfused.predicted.iteration_time_s > fused.predicted.iteration_time_s
-    assert unfused.predicted.peak_memory_bytes > fused.predicted.peak_memory_bytes
+    # the scores unfused attention stores (Megatron's software also casts the model to bf16, which
+    # keeps fewer fp32 tensors: compared with autocast's precision, the attention kernel alone differs)
+    scores = autopar.plan("gpt-tiny", cl, global_batch_size=8, constraints=cons,
+                          software=SoftwareSpec(name="u", attention_kernel="unfused"))
+    assert scores.predicted.peak_memory_bytes > fused.predicted.peak_memory_bytes
     back = Plan.from_json(unfused.to_json())
     assert back == unfused and back.format_version == PLAN_FORMAT_VERSION
     unfused.save(tmp_path / "p.json")
     assert autopar.load_plan(tmp_path / "p.json").software.name == "megatron-lm-2021"
     line = [x for x in unfused.summary().splitlines() if x.startswith("software:")]
-    assert line == ["software: megatron-lm-2021 (attention unfused, dp gradient sync after the backward)"]
+    assert line == ["software: megatron-lm-2021 (attention unfused, model cast to its 2-byte dtype (no autocast), "
+                    "dp gradient sync after the backward)"]
     # a SoftwareSpec of one's own is recorded as given
     own = SoftwareSpec(name="mine", attention_kernel="unfused", grad_sync_overlap=True)
     assert autopar.plan("gpt-tiny", cl, global_batch_size=8, constraints=cons, software=own).software == own

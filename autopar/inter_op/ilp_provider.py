@@ -131,7 +131,7 @@ class IlpProvider(AnalyticProvider):
                        token_dims={k: v for k, v in self.token_dims.items() if k in own}, model_axes=(0,),
                        fixed_params=self._pins(layer, mb, tp), grad_inputs=self._grad_inputs(layer),
                        sequence_parallel=self.sequence_parallel, attention_kernel=self.software.attention_kernel,
-                       pointwise_fusion=self.software.pointwise_fusion)
+                       pointwise_fusion=self.software.pointwise_fusion, autocast=self.software.autocast)
         key = None
         if self.cache is not None:
             key = solve_key(g, list(layer.nodes), mesh, self.dtype,
@@ -263,7 +263,7 @@ class IlpProvider(AnalyticProvider):
         kernel = self.software.attention_kernel
         fill_activations(c, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
                          attention_kernel=kernel, selective_region=layer.selective_region(tp),
-                         modules=layer.modules, **names)
+                         modules=layer.modules, autocast=self.software.autocast, **names)
         # DTensor's propagation shards heads Megatron-style; the executor runs the solution
         c.dtensor_issues = list(base.issues)
         if not executor:
@@ -275,7 +275,7 @@ class IlpProvider(AnalyticProvider):
             alt = LayerCost()
             fill_activations(alt, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
                              read_shard=read, attention_kernel=kernel, selective_region=layer.selective_region(tp),
-                             modules=layer.modules, **names)
+                             modules=layer.modules, autocast=self.software.autocast, **names)
             c.solved_acts = _differing(alt, c)
         return c
 

@@ -179,7 +179,7 @@ MAIN_UNIT = -1.0
 def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | None = None, *,
                      out_name: str | None = None, in_name: str | None = None, dtensor: bool = False,
                      read_shard=None, attention_kernel: str = "fused", selective_region: str = "ops",
-                     modules: list[str] | tuple = ()) -> None:
+                     modules: list[str] | tuple = (), autocast: bool = True) -> None:
     """A layer's activation memory per recomputation policy (graph liveness,
     `cost_models.memory.activation_memory` of its ops `sub`, tensors divided by `shard(node)`,
     under `device_type`'s autocast; the model's inputs left to the stage's batch buffer), its
@@ -192,13 +192,15 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
     `cost_models.memory.activation_memory` (an executed per-op solution); `attention_kernel`:
     the software's (`SoftwareSpec`: unfused attention saves its scores); `selective_region`:
     what "selective" recomputes (`Layer.selective_region`); `modules`: the layer's, in order
-    (`Layer.modules`: the first backward's moments by position, `bwd_first`)."""
+    (`Layer.modules`: the first backward's moments by position, `bwd_first`); `autocast`: the
+    software's mixed precision (`SoftwareSpec.autocast`; False: the model cast to `dtype`)."""
     params = {n.name: c.param_elems[n.fqn] for n in sub.nodes
               if n.kind == "param" and getattr(n, "fqn", None) in c.param_elems}
     for rc in RECOMPUTES:
         am = activation_memory(sub, dtype, rc, shard=shard, selective_region=selective_region, device_type=device_type,
                                count_inputs=False, dtensor=dtensor, read_shard=read_shard, param_elems=params,
-                               given_grad=out_name, attention_kernel=attention_kernel, modules=modules)
+                               given_grad=out_name, attention_kernel=attention_kernel, modules=modules,
+                               autocast=autocast)
         c.act_bytes[rc] = am.saved_bytes
         # the forward's worst moment where it lies above the backward's (tensors the forward
         # makes, counted as activations like a recomputation's)
@@ -308,7 +310,7 @@ class AnalyticProvider:
         if key not in self._floors:
             self._floors[key] = layer_compute_floor(
                 self.graph_at(mb, layer), layer.nodes, self._grad_inputs(layer), self.cluster.device, self.dtype,
-                tp, self.software.attention_kernel, self.software.pointwise_fusion)
+                tp, self.software.attention_kernel, self.software.pointwise_fusion, self.software.autocast)
         return self._floors[key]
 
     def output_node(self, layer: Layer) -> str | None:
@@ -431,7 +433,7 @@ class AnalyticProvider:
         fusion = fusion_of(g, dev, self.software.attention_kernel, self.software.pointwise_fusion)
         # the tensors the run holds in fp32 (an upcast norm's, autocast's fp32 ops' outputs):
         # their bytes at 4 bytes an element (`node_time`), as the memory model sizes them
-        fp32 = graph_fp32_tensors(g, dev.device_type, dtype, self.software.attention_kernel)
+        fp32 = graph_fp32_tensors(g, dev.device_type, dtype, self.software.attention_kernel, self.software.autocast)
 
         for n in nodes:
             ins = [state.get(i, "R") for i in n.inputs]
@@ -550,5 +552,5 @@ class AnalyticProvider:
         shard = lambda node: tp if node.name in sharded_nodes else 1  # noqa: E731
         fill_activations(c, sub, dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
                          attention_kernel=self.software.attention_kernel, selective_region=region,
-                         modules=layer.modules, **self.boundary_names(layer))
+                         modules=layer.modules, autocast=self.software.autocast, **self.boundary_names(layer))
         return c

@@ -36,7 +36,8 @@ def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optio
                 model_axes: Sequence[int] = (),
                 fixed_params: Optional[dict[str, tuple[str, ...]]] = None,
                 grad_inputs: Optional[set[str]] = None, sequence_parallel: bool = False,
-                attention_kernel: str = "fused", pointwise_fusion: str = "eager") -> ShardingSolution:
+                attention_kernel: str = "fused", pointwise_fusion: str = "eager",
+                autocast: bool = True) -> ShardingSolution:
     """Shard the ops of `graph` (at a concrete batch) over `mesh`.
 
     `nodes` restricts the problem to those call nodes (one layer, to cost a layer): tensors
@@ -65,7 +66,9 @@ def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optio
     the software runs attention (`SoftwareSpec.attention_kernel`; "fused", what `autopar run`
     runs, by default): its time and what it saves. `pointwise_fusion`: whether the software runs
     a chain of element-wise ops as one kernel (`SoftwareSpec.pointwise_fusion`; "eager", one
-    kernel per op, what `autopar run` runs, by default). Raises PlanError when nothing fits
+    kernel per op, what `autopar run` runs, by default). `autocast`: the software's mixed
+    precision (`SoftwareSpec.autocast`: which tensors of a bf16 run are fp32, priced at 4 bytes an
+    element). Raises PlanError when nothing fits
     `memory_budget_bytes`.
     """
     gc_was_on = gc.isenabled()
@@ -77,7 +80,7 @@ def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optio
                               batch_dims=batch_dims, token_dims=token_dims, model_axes=tuple(model_axes),
                               fixed_params=fixed_params, grad_inputs=grad_inputs,
                               sequence_parallel=sequence_parallel, attention_kernel=attention_kernel,
-                              pointwise_fusion=pointwise_fusion)
+                              pointwise_fusion=pointwise_fusion, autocast=autocast)
         assign, info = prob.solve(time_limit_s=time_limit_s, backend=backend)
     finally:
         if gc_was_on:

@@ -154,7 +154,8 @@ def op_compute_time(n: OpNode, rg: dict[str, bool], requires_grad: bool, device,
 
 
 def layer_compute_floor(graph: OpGraph, nodes: Iterable[str], grad_inputs: Iterable[str], device, dtype: str,
-                        tp: int, attention_kernel: str = "fused", pointwise_fusion: str = "eager") -> float:
+                        tp: int, attention_kernel: str = "fused", pointwise_fusion: str = "eager",
+                        autocast: bool = True) -> float:
     """A lower bound on the compute seconds (forward + backward) of ops `nodes` of `graph` (a
     layer's subgraph at a concrete batch) on a 1-D mesh of `tp` devices, whatever layout a
     solve picks: each op at the cheaper of its work whole and split tp ways (on one mesh axis
@@ -162,11 +163,12 @@ def layer_compute_floor(graph: OpGraph, nodes: Iterable[str], grad_inputs: Itera
     A solution's forward + backward is this plus its collectives; the analytic provider's,
     which charges every op's whole backward, is at least it too. Ops with no work are left
     out (the analytic provider skips them). `pointwise_fusion`: the software's
-    (`SoftwareSpec.pointwise_fusion`; "fused": element-wise chains as one kernel each)."""
+    (`SoftwareSpec.pointwise_fusion`; "fused": element-wise chains as one kernel each);
+    `autocast`: its mixed precision (`SoftwareSpec.autocast`)."""
     rg = requires_grad_of(graph, grad_inputs)
     copies = graph_layout_copies(graph, device.device_type, attention_kernel)
     fusion = fusion_of(graph, device, attention_kernel, pointwise_fusion)
-    fp32 = graph_fp32_tensors(graph, device.device_type, dtype, attention_kernel)
+    fp32 = graph_fp32_tensors(graph, device.device_type, dtype, attention_kernel, autocast)
     total = 0.0
     for name in nodes:
         n = graph.node(name)
@@ -231,7 +233,7 @@ class IntraOpProblem:
                  token_dims: Optional[dict[str, tuple[int, ...]]] = None,
                  model_axes: tuple[int, ...] = (), fixed_params: Optional[dict[str, tuple[str, ...]]] = None,
                  grad_inputs: Optional[Iterable[str]] = None, sequence_parallel: bool = False,
-                 attention_kernel: str = "fused", pointwise_fusion: str = "eager") -> None:
+                 attention_kernel: str = "fused", pointwise_fusion: str = "eager", autocast: bool = True) -> None:
         if graph.batch_size is None and graph.is_symbolic:
             raise ValueError("solve a graph at a concrete batch: call graph.at_batch(b) first")
         t0 = time.perf_counter()
@@ -241,6 +243,7 @@ class IntraOpProblem:
         self.dtype = dtype
         self.attention_kernel = attention_kernel      # the software's (`SoftwareSpec`)
         self.pointwise_fusion = pointwise_fusion      # the software's: element-wise chains fused or not
+        self.autocast = autocast                      # the software's mixed precision (`SoftwareSpec.autocast`)
         # the reshapes that copy on the mesh's device (`compute_time`, on first use)
         self.reshape_copies: Optional[tuple[frozenset, frozenset]] = None
         self.float_bytes = FLOAT_BYTES.get(dtype, 4)
@@ -757,7 +760,7 @@ class IntraOpProblem:
                                self.graph._index, self.attention_kernel, self.reshape_copies,
                                fusion_of(self.graph, self.mesh.device, self.attention_kernel, self.pointwise_fusion),
                                graph_fp32_tensors(self.graph, self.mesh.device.device_type, self.dtype,
-                                                  self.attention_kernel))
+                                                  self.attention_kernel, self.autocast))
 
     def node_cost(self, pn: PNode, st: Strategy) -> tuple[float, float, float, float]:
         """(total, forward, backward, grad_sync) seconds of one copy, excluding resharding."""

@@ -22,6 +22,16 @@ same plan, and that the cost model honours:
   bias-GELU kernels). Time: `cost_models.fusion` (through `cost_models.compute.node_time`).
   Memory stays eager's: what eager autograd saves (an upper bound under Inductor, whose
   partitioner recomputes element-wise ops in the backward instead of saving them).
+- `mixed_precision`: how a bf16/fp16 run keeps its tensors. "autocast" (torch.autocast around a
+  model whose parameters are the 2-byte dtype, what `autopar run` executes, also PyTorch
+  Lightning's and nanoGPT's): the ops on autocast's fp32 list (CUDA: layer norm, softmax, exp,
+  pow, ...) read an fp32 copy of their input and write fp32 outputs, and what type promotion makes
+  fp32 from them stays fp32 up to the next matrix op. "half" (the whole model cast to the 2-byte
+  dtype, Megatron-LM's Float16Module with its fused layer-norm and scale-mask-softmax kernels,
+  which compute in fp32 inside and write the 2-byte dtype): every op writes the training dtype,
+  except what the model's code upcasts itself (`x.float()`) and the loss (fp32 in both). Memory:
+  `cost_models.memory.activation_memory`; time: `cost_models.memory.graph_fp32_tensors` (the
+  bytes an op moves, `cost_models.compute.node_time`).
 - `grad_sync_overlap`: whether the data-parallel gradient sync of a stage runs during the backward
   of its last micro-batch (bucketed all-reduce as PyTorch DDP or Megatron-Core's
   --overlap-grad-reduce do it) instead of after it. Time: `autopar.inter_op.search` (the
@@ -48,6 +58,8 @@ AttentionKernel = Literal["fused", "unfused"]
 ATTENTION_KERNELS: tuple[str, ...] = ("fused", "unfused")
 PointwiseFusion = Literal["eager", "fused"]
 POINTWISE_FUSIONS: tuple[str, ...] = ("eager", "fused")
+MixedPrecision = Literal["autocast", "half"]
+MIXED_PRECISIONS: tuple[str, ...] = ("autocast", "half")
 
 # the preset that describes what `autopar run` executes: the default of `autopar.plan`
 DEFAULT_SOFTWARE = "autopar"
@@ -69,6 +81,11 @@ class SoftwareSpec(BaseModel):
         "chain's inputs once and writing what leaves it once (torch.compile / Inductor, Megatron's fused "
         "bias-GELU); time only: the activation memory stays eager autograd's (an upper bound under Inductor, "
         "which recomputes element-wise ops in the backward)")
+    mixed_precision: MixedPrecision = Field(
+        default="autocast", description="autocast: torch.autocast over 2-byte parameters (what autopar run "
+        "executes): autocast's fp32 ops (CUDA: layer norm, softmax, ...) write fp32 tensors; half: the model "
+        "cast to the 2-byte dtype (Megatron-LM's Float16Module, fused norm and softmax kernels writing it): only "
+        "the model's own upcasts and the loss are fp32")
     grad_sync_overlap: bool = Field(
         default=False, description="the data-parallel gradient sync runs during the last micro-batch's "
         "backward (bucketed, as PyTorch DDP or Megatron-Core --overlap-grad-reduce) instead of after it")
@@ -80,13 +97,22 @@ class SoftwareSpec(BaseModel):
 
     @model_serializer(mode="wrap")
     def _omit_eager_fusion(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """The dump without `pointwise_fusion` when it is "eager", the choice every plan made
-        before the field existed: a plan file (and its digest, `tests/test_planner_unchanged.py`)
-        and a cache key for eager software are what they were; "fused" is written."""
+        """The dump without `pointwise_fusion` when it is "eager" and without `mixed_precision`
+        when it is "autocast", the choices every plan made before the fields existed: a plan file
+        (and its digest, `tests/test_planner_unchanged.py`) and a cache key for such software are
+        what they were; the other choices are written."""
         out = handler(self)
-        if isinstance(out, dict) and out.get("pointwise_fusion") == "eager":
-            out.pop("pointwise_fusion")
+        if isinstance(out, dict):
+            for key, old in (("pointwise_fusion", "eager"), ("mixed_precision", "autocast")):
+                if out.get(key) == old:
+                    out.pop(key)
         return out
+
+    @property
+    def autocast(self) -> bool:
+        """Whether a mixed-precision run of this software runs under torch.autocast (the cost
+        model's `autocast` argument; see `mixed_precision`)."""
+        return self.mixed_precision == "autocast"
 
     def on_cluster(self, cluster: Any) -> Any:
         """`cluster` (a ClusterSpec) with its device's fused-attention rates replaced by this
@@ -102,13 +128,16 @@ class SoftwareSpec(BaseModel):
         sync = "overlaps the backward" if self.grad_sync_overlap else "after the backward"
         own = f", its own attention rates on {', '.join(sorted(self.attention_flops))}" if self.attention_flops else ""
         fusion = ", element-wise chains fused" if self.pointwise_fusion == "fused" else ""
-        return f"software: {self.name} (attention {self.attention_kernel}{own}{fusion}, dp gradient sync {sync})"
+        half = ", model cast to its 2-byte dtype (no autocast)" if not self.autocast else ""
+        return (f"software: {self.name} (attention {self.attention_kernel}{own}{fusion}{half}, "
+                f"dp gradient sync {sync})")
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> "SoftwareSpec":
         """A bundled preset by name (`bundled_software()`) or a YAML/JSON file."""
         path = _resolve(str(name_or_path))
-        data = read_mapping(path, "software", "name, attention_kernel, pointwise_fusion, grad_sync_overlap")
+        data = read_mapping(path, "software",
+                            "name, attention_kernel, pointwise_fusion, mixed_precision, grad_sync_overlap")
         data.setdefault("name", path.stem)
         try:
             return cls.model_validate(data)
