@@ -689,7 +689,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 b = size(base.get(name, name), at)
                 copy = read(n, name, at)
                 if copy is not None:
-                    b, key = copy[0], f"{name}@{copy[1]}"
+                    b, key = copy[0], _copy_key(name, copy, n.name)
             else:
                 key = name
                 if rec == "selective" and n.name in core:
@@ -1207,6 +1207,15 @@ def _upcast_regions(calls: list, base: dict, casts: set) -> set:
     return out
 
 
+def _copy_key(name: str, r: tuple, reader: str) -> str:
+    """The storage op `reader` reads tensor `name` as, redistributed (`r`: `activation_memory`'s
+    `read` result, (bytes, layout tag, gather buffer, held)): a junction's value, held for every
+    reader, is one tensor; any other redistribution is made for its reader alone (the executor
+    reshards per reader from the junction's value, `intra_op.execute._feed`: GQA's row-parallel
+    k and v projections reading one replicated norm output slice it once each)."""
+    return f"{name}@{r[1]}" if r[3] else f"{name}@{r[1]}@{reader}"
+
+
 def _forward_over(calls: list, by_name: dict, base: dict, owner_node: dict, nbytes_of: dict,
                   size: Callable, read: Callable, batch: Callable, saved_total: float, mixed: bool,
                   fp32_ops: frozenset, copies: dict[str, str], per_op: bool = False) -> Any:
@@ -1276,7 +1285,7 @@ def _forward_over(calls: list, by_name: dict, base: dict, owner_node: dict, nbyt
                 extra[t] += r[0] if r is not None else size(i, "fp32")
             if r is None:
                 continue
-            if saver.get(f"{i}@{r[1]}", T) > t and f"{i}@{r[1]}" not in copies and not r[3]:
+            if saver.get(_copy_key(i, r, n.name), T) > t and f"{i}@{r[1]}" not in copies and not r[3]:
                 extra[t] += r[0]
             if r[2]:
                 gather[t] += r[0] + r[2]

@@ -401,16 +401,13 @@ def test_tensor_parallel_activations_predicted_as_tracked(model, cluster_name, t
         assert abs(rc.memory_error) <= 0.01, (sp, rc.memory_error)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "without sequence parallelism the memory model misses this layout by 1.7% of the activations "
-    "(tracked 28.43 MB, predicted 27.94; -1.2% of the total), not yet explained: among what rank 0 "
-    "keeps are 2 copies per layer of a [b, s, h/tp] slice of the replicated norm output (DTensor's "
-    "Shard slice, which the row-parallel k/v projections save), a suspect; with sequence parallelism "
-    "it is within 0.2%"))
 def test_query_head_split_activations_predicted_as_tracked():
     """llama-small at tp 4 and micro-batch 16 on the CPU profile: every attention splits its
     query heads, K and V replicated full-size on each rank and each rank's KV head sliced
-    (`rules.attention` hq): the plan's activations equal what torch keeps on rank 0."""
+    (`rules.attention` hq): the plan's activations equal what torch keeps on rank 0. Without
+    sequence parallelism the row-parallel k and v projections each slice the replicated norm
+    output themselves (two [b, s, h/tp] copies a layer, not one shared: the executor reshards
+    per reader, `memory._copy_key`); the model counted one (-1.7% of the activations before)."""
     cluster = autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": 4})
     for sp in (True, False):
         p = autopar.plan("llama-small", cluster, global_batch_size=16, dtype="fp32", cache=False,
