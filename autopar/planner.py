@@ -439,8 +439,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                         **({"tp_counts_fallback": "; ".join(fallbacks)} if fallbacks else {}),
                         **({"selective_fallback": _selective_fallback(rc_fallback)} if rc_fallback else {}),
                         **({"tp_executor": why_not} if why_not else {}),
-                        **({"ep_executor": _ep_executor(c, bool(layouts))}
-                           if c.ep > 1 and _ep_executor(c, bool(layouts)) else {}),
+                        **({"ep_executor": _ep_executor(c)} if c.ep > 1 and _ep_executor(c) else {}),
                         **({"cp_executor": _cp_executor(c)} if _cp_executor(c) else {}),
                         **({"skipped": _skipped(res.skipped)} if res.skipped else {})})
 
@@ -454,19 +453,19 @@ def _expert_plan(experts: ExpertCosting, c: Candidate, dtype: str) -> ExpertPara
                                                      weights=list(b.weights)) for b in blocks])
 
 
-def _ep_executor(c: Candidate, solved: bool) -> str:
+def _ep_executor(c: Candidate) -> str:
     """Why `autopar run` does not execute a candidate's expert parallelism ("" where it does:
     `runtime.experts.check_executable`'s conditions, which the plan schema cannot import):
-    with tp only on DTensor's path (`solved`: its stages run op by op as the ILP solved them),
-    in one stage, without ZeRO-3 or cp."""
+    with tp in one stage, without ZeRO-3 or cp, its stage run op by op as solved (each expert
+    block's ops as the rank's token exchange, `runtime.experts.program_calls`) or by DTensor
+    propagation, the experts replicated over tp either way."""
     if c.tp == 1:
         return ""
-    why = [w for w, bad in (("tensor parallelism run op by op as solved", solved),
-                            ("tensor parallelism and ZeRO-3", c.zero == 3),
+    why = [w for w, bad in (("tensor parallelism and ZeRO-3", c.zero == 3),
                             ("tensor parallelism in pipeline stages", c.pp > 1),
                             ("tensor and context parallelism", c.cp > 1)) if bad]
     return (f"planned, not yet executed by `autopar run` with {', '.join(why)} (it runs expert parallelism with "
-            f"tensor parallelism on DTensor's path, intra_op='analytic', in one stage without ZeRO-3)") if why else ""
+            f"tensor parallelism in one stage without ZeRO-3)") if why else ""
 
 
 def _cp_executor(c: Candidate) -> str:

@@ -29,6 +29,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import autopar
 from autopar.intra_op import auto_shard
@@ -54,14 +55,34 @@ class MLPSumLoss(MLP):
         return ((x - y) ** 2).sum() / x.numel()
 
 
+class MLPInPlace(MLP):
+    """The zoo MLP halving its hidden activations in place (`x /= 2`, as Hugging Face's Mixtral
+    router normalises its top-k weights): an op writing to a tensor that needs a gradient, read
+    through the executor's `_Reshard` (autograd forbids writing to the view it returns; the
+    executor writes to a copy, `execute._written_inputs`)."""
+
+    def forward(self, x, y):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x /= 2.0
+                x = torch.relu(x)
+        return F.mse_loss(x, y)
+
+
 # (model, batch, hidden, mesh shape, expected plan): Megatron when the weights outweigh the
 # activations, data parallel when the batch does, both on a 2-D mesh whose axis 0 is 100x
 # slower (data parallel there, Megatron on the fast axis). alpha = 0: choices by bytes alone.
 CASES = {
     "megatron": (MLP, 8, 64, (4,), {"layers.0.weight": ("S(0)",), "layers.1.weight": ("S(1)",)}),
+    "megatron-in-place": (MLPInPlace, 8, 64, (4,), {"layers.0.weight": ("S(0)",), "layers.1.weight": ("S(1)",)}),
     "data-parallel": (MLPSumLoss, 256, 16, (4,), {"layers.0.weight": ("R",), "layers.1.weight": ("R",)}),
     "2d": (MLPSumLoss, 192, 64, (2, 2), {"layers.0.weight": ("R", "S(0)"), "layers.1.weight": ("R", "S(1)")}),
 }
+
+# cases DTensor propagation's path (`spmd.parallelize`) does not run: its module hooks' views
+# cannot be written in place
+EXECUTOR_ONLY = frozenset({"megatron-in-place"})
 
 # zoo transformers: (model, batch, mesh shape, a parameter and the placement the regime gives
 # it). On (2, 2) (axis 0 slow): the GPT's fused QKV split over both axes (interleaved rows,
@@ -223,7 +244,7 @@ def _worker(rank, port, cases, zoo, result_dir):
             mesh = init_device_mesh("cpu", shape)
             torch.manual_seed(0)
             x, y = torch.randn(batch, hidden), torch.randn(batch, hidden)
-            for how, run in (("executor", _run_executor), ("spmd", _run_spmd)):
+            for how, run in (("executor", _run_executor), ("spmd", _run_spmd))[:1 if name in EXECUTOR_ONLY else 2]:
                 torch.manual_seed(0)
                 ref = cls(hidden, hidden, 2)
                 torch.manual_seed(0)
@@ -309,7 +330,7 @@ def test_executor_matches_one_process_and_the_plan(solutions, results, name):
             assert got[phase] == expect[phase], (name, r, phase, got[phase], expect[phase])
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [c for c in CASES if c not in EXECUTOR_ONLY])
 def test_spmd_parallelize_matches_for_mlps(solutions, results, name):
     expect = solutions[name].collective_counts()
     for r, res in enumerate(results):

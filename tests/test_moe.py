@@ -210,20 +210,23 @@ def test_hf_mixtral_ep2_trains_like_one_process():
     assert all(r["collectives"] == p.predicted.collectives == {"all_to_all": 10, "all_reduce": 1} for r in steps)
 
 
-def test_ep_with_tp_runs_on_dtensors_path_and_is_refused_op_by_op():
-    """ep with tp is executed on DTensor's path (an `intra_op="analytic"` plan: placements, the
-    experts replicated over tp); a plan whose tp stages run op by op as the ILP solved them, or
-    ep with tp under ZeRO-3 or in pipeline stages, is marked in the plan and refused by the
-    runtime, naming tp."""
+def test_ep_with_tp_runs_in_one_stage_and_is_refused_with_zero3_or_pipelines():
+    """ep with tp is executed in one stage: on DTensor's path (an `intra_op="analytic"` plan:
+    placements, the experts replicated over tp) or op by op as the ILP solved it (each expert
+    block's ops run as the rank's token exchange, `runtime.experts.program_calls`); ep with tp
+    under ZeRO-3 or in pipeline stages is marked in the plan and refused by the runtime, naming
+    tp."""
     from autopar.runtime.experts import check_executable
 
     p = _plan(2, dp=2, tp=2)
-    assert p.experts.ep == 2 and p.tp == 2 and "ep_executor" not in p.search
-    check_executable(p)
-    for q in (_plan(2, dp=2, tp=2, zero_stage=3), _plan(2, n=8, dp=2, tp=2, pp=2, schedule="1f1b"),
-              plan("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32",
-                   constraints=Constraints(ep=2, dp=2, tp=2, pp=1, zero_stage=0, recompute="none",
-                                           num_microbatches=2))):
+    solved = plan("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32",
+                  constraints=Constraints(ep=2, dp=2, tp=2, pp=1, zero_stage=0, recompute="none",
+                                          num_microbatches=2))
+    assert solved.stages[0].op_layouts is not None
+    for q in (p, solved):
+        assert q.experts.ep == 2 and q.tp == 2 and "ep_executor" not in q.search
+        check_executable(q)
+    for q in (_plan(2, dp=2, tp=2, zero_stage=3), _plan(2, n=8, dp=2, tp=2, pp=2, schedule="1f1b")):
         assert "not yet executed by `autopar run` with tensor" in q.summary(), q.search
         with pytest.raises(PlanError, match=r"tensor parallelism .*Constraints\(tp=1\)"):
             check_executable(q)
@@ -231,17 +234,20 @@ def test_ep_with_tp_runs_on_dtensors_path_and_is_refused_op_by_op():
 
 @pytest.mark.slow
 def test_ep_with_tp_trains_like_one_process():
-    """4 gloo processes, ep 2 x dp 2 x tp 2 (DTensor's path, ZeRO-0 and ZeRO-1): the dense ops
-    tensor-parallel as planned, the experts replicated over tp, each tp coordinate's 2 dp ranks
-    one ep group; losses equal one process within 1e-4 and every step's collectives (the
-    DTensor dry run's tp collectives, the exchange, the dp sync) the plan's."""
+    """4 gloo processes, ep 2 x dp 2 x tp 2, on DTensor's path (ZeRO-0 and ZeRO-1) and op by op
+    as the ILP solved it (ZeRO-0 and ZeRO-2; the expert blocks' ops run as the token exchange):
+    the dense ops tensor-parallel as planned, the experts replicated over tp, each tp
+    coordinate's 2 dp ranks one ep group; losses equal one process within 1e-4 and every step's
+    collectives (the tp collectives, the exchange, the dp sync) the plan's."""
     from autopar.runtime import run
 
     one = plan("moe-tiny", _cpu(1), global_batch_size=8, dtype="fp32",
                constraints=Constraints(num_microbatches=2, recompute="none"))
     want = [r["loss"] for r in run(one, "moe-tiny", steps=2, seed=0, quiet=True) if "step" in r]
-    for z in (0, 1):
-        p = _plan(2, dp=2, tp=2, zero_stage=z)
+    solved = [plan("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32",
+                   constraints=Constraints(ep=2, dp=2, tp=2, pp=1, zero_stage=z, recompute="none",
+                                           num_microbatches=2)) for z in (0, 2)]
+    for p in [_plan(2, dp=2, tp=2, zero_stage=z) for z in (0, 1)] + solved:
         assert p.predicted.collectives["all_to_all"] == 20
         steps = [r for r in run(p, "moe-tiny", steps=2, seed=0, quiet=True) if "step" in r]
         assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)

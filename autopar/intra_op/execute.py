@@ -69,7 +69,7 @@ import contextlib
 import math
 import operator
 from collections import OrderedDict
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -597,6 +597,15 @@ class ShardedProgram(nn.Module):
             self.in_unit.update(span[1:])
         self.unit_calls = dict(calls)
 
+    def replace_modules(self, calls: dict[str, Callable[..., tuple]], running: Optional[set] = None) -> None:
+        """Run each module `fqn`'s ops (one contiguous run of the program, found and checked as
+        `run_units` does) as `calls[fqn](*inputs)` in their place: a module the runtime replaces
+        by one of its own that computes the same values another way (expert parallelism's token
+        exchange, `runtime.experts.program_calls`). `inputs` are the tensors the run reads from
+        before it, in program order, the module's own parameters left out (the replacement holds
+        its own); the call returns what later ops read of the run, in program order."""
+        self.run_units({fqn: (lambda region, *vals, f=f: f(*vals)) for fqn, f in calls.items()}, running)
+
     def _distribute_parameters(self) -> None:
         """Every parameter becomes a DTensor with its planned placements (Replicate when the
         plan does not name it); tied parameters stay tied; interleaved rows are permuted."""
@@ -732,6 +741,17 @@ def _mutates(gm: torch.fx.GraphModule) -> bool:
     return any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
                for mod in gm.modules() if isinstance(getattr(mod, "graph", None), torch.fx.Graph)
                for n in mod.graph.nodes if n.op == "call_function")
+
+
+def _written_inputs(n: torch.fx.Node, args: Sequence[Any]) -> list[int]:
+    """The positions of op `n`'s positional inputs that it writes in place (its schema's
+    mutable arguments: `x.div_(y)`, `x /= y` in the model's code) and that need a gradient,
+    read from program nodes."""
+    if not isinstance(n.target, torch._ops.OpOverload) or not n.target._schema.is_mutable:
+        return []
+    return [i for i, a in enumerate(n.target._schema.arguments[:len(args)])
+            if a.alias_info is not None and a.alias_info.is_write and isinstance(n.args[i], torch.fx.Node)
+            and isinstance(args[i], torch.Tensor) and args[i].requires_grad]
 
 
 def _no_choice_needed(n: torch.fx.Node) -> bool:
@@ -982,10 +1002,18 @@ class _PlanInterpreter(torch.fx.Interpreter):
 
         args = self.on_device(torch.fx.node.map_aggregate(n.args, feed))
         kwargs = self.on_device(torch.fx.node.map_aggregate(n.kwargs, feed))
+        written = _written_inputs(n, args)
+        if written:
+            # an op writing in place to a tensor that needs a gradient: what it reads may be the
+            # view `_Reshard` returns, which autograd forbids mutating; it writes to a copy, and
+            # the tensor's later readers read the result (in eager the write is visible to them)
+            args = tuple(a.clone() if i in written else a for i, a in enumerate(args))
         with self.regather.saving(_flat_nodes([args, list(kwargs.values())])):
-            if local:
-                return _run_target(n, args, kwargs)
-            return self._run_op(n, choice, args, kwargs)
+            out = _run_target(n, args, kwargs) if local else self._run_op(n, choice, args, kwargs)
+        for i in written:
+            if n.args[i] in self.env:
+                self.env[n.args[i]] = args[i]
+        return out
 
     def runs_local(self, n: torch.fx.Node, choice: OpChoice) -> bool:
         """Whether op `n` runs on local tensors: the plan replicates each of its inputs and

@@ -61,7 +61,7 @@ from torch.distributed.tensor import DTensor
 from autopar.models.registry import ModelBundle, call_batch_fn
 from autopar.runtime import context_parallel
 from autopar.runtime.context_parallel import ContextParallel
-from autopar.runtime.experts import ExpertGroups, check_executable, expert_meshes, shard_experts
+from autopar.runtime.experts import ExpertGroups, check_executable, expert_meshes, program_calls, shard_experts
 from autopar.runtime.local_optim import LocalShards, localize
 from autopar.runtime.materialize import canonical_names, materialize
 from autopar.runtime.meshes import StageMesh, _coord, _mesh_kinds, fsdp_sharded, unique_axis_names  # noqa: F401
@@ -273,6 +273,11 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         self.runner = parallelize_graph(model, example, sol, self.my_mesh.tp_mesh, param_dtype=self.low,
                                         recompute=s.op_layouts.recompute_regions())
         self._note_interleaved(self.runner.layouts)
+        if self.plan.ep > 1:
+            # expert parallelism: each expert block's ops run as this rank's token exchange over
+            # its ep group and its slice of the experts (`runtime.experts.program_calls`)
+            self._shard_experts(model)
+            self.runner.replace_modules(program_calls(model, self.plan))
         if self.zero3:
             self._shard_solved(self.runner, s.fsdp_units or [])
         self.local_modules = [model]

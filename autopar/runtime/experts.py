@@ -29,12 +29,14 @@ order, so their all-to-alls pair up). Checkpoints and `full_state` see each stac
 layout (not yet under ZeRO-1/2, whose expert shard `checkpoint` refuses, nor ZeRO-3). ZeRO-1/2
 shard the expert weights' optimizer state over the ranks holding the same experts
 (`zero_setup`); ZeRO-3 makes each experts module an FSDP unit over those ranks
-(`ExpertGroups.fully_shard`). With tensor parallelism on DTensor's path (placements, no
-`op_layouts`) the experts are replicated over tp: each tp coordinate's dp ranks form their own
-ep groups (`expert_meshes`), the block's replicated DTensor inputs are exchanged as plain
-tensors and its output handed back replicated; in one stage (in a pipeline the counted
-collectives differ from the plan's; moe-tiny with tp does not run in pipeline chunks even at
-ep 1), not with ZeRO-3, nor op by op as solved (`check_executable`).
+(`ExpertGroups.fully_shard`). With tensor parallelism the experts are replicated over tp:
+each tp coordinate's dp ranks form their own ep groups (`expert_meshes`). On DTensor's path
+(placements, no `op_layouts`) the block's replicated DTensor inputs are exchanged as plain
+tensors and its output handed back replicated; a stage run op by op as solved runs each expert
+block's ops (replicated in the solution) as one call of this module on its inputs
+(`program_calls`, `intra_op.execute.ShardedProgram.replace_modules`). Either in one stage (in a
+pipeline the counted collectives differ from the plan's; moe-tiny with tp does not run in
+pipeline chunks even at ep 1), not with ZeRO-3 (`check_executable`).
 """
 
 from __future__ import annotations
@@ -62,9 +64,7 @@ def check_executable(plan: Plan) -> None:
     if plan.experts is None or plan.experts.ep == 1:
         return
     tp = plan.tp > 1
-    why = [w for w, bad in (("tensor parallelism run op by op as solved (op_layouts)",
-                             tp and any(s.op_layouts is not None for s in plan.stages)),
-                            ("tensor parallelism with ZeRO-3", tp and plan.zero_stage == 3),
+    why = [w for w, bad in (("tensor parallelism with ZeRO-3", tp and plan.zero_stage == 3),
                             ("tensor parallelism in pipeline stages",
                              tp and len({tuple(s.devices) for s in plan.stages}) > 1),
                             ("stage meshes other than (dp, tp)",
@@ -72,9 +72,8 @@ def check_executable(plan: Plan) -> None:
                                         != ("dp", "tp") for s in plan.stages))) if bad]
     if why:
         raise PlanError(f"expert parallelism (ep={plan.experts.ep}) with tensor parallelism (tp={plan.tp}) is "
-                        f"executed on DTensor's path (a plan of `intra_op='analytic'`), experts replicated over "
-                        f"tp, in one stage without ZeRO-3; the plan has {', '.join(why)}: re-plan with "
-                        f"Constraints(tp=1), or with intra_op='analytic', pp=1 and zero_stage 0-2, or ep=1")
+                        f"executed in one stage without ZeRO-3, experts replicated over tp; the plan has "
+                        f"{', '.join(why)}: re-plan with Constraints(tp=1), or with pp=1 and zero_stage 0-2, or ep=1")
 
 
 class _AllToAll(torch.autograd.Function):
@@ -319,6 +318,42 @@ def argument_roles(inner: nn.Module, top_k: int) -> tuple[str, ...]:
         raise PlanError(f"cannot tell the traced experts module's inputs apart (hidden, top-k index, top-k "
                         f"weights) from their shapes: {[tuple(v.shape) if v is not None else None for v in vals]}")
     return tuple(roles)
+
+
+def program_calls(model: nn.Module, plan: Plan) -> dict[str, Any]:
+    """For a stage run op by op as solved (`intra_op.execute.ShardedProgram.replace_modules`):
+    per expert block of `plan` that `model` holds (its experts modules already replaced by
+    `shard_experts`), the call that runs the block's ops as this rank's `ExpertParallelExperts`:
+    the run's inputs (the hidden states, the top-k index and weights, in the program's order;
+    replicated over tp, as the solution runs every op of the block) told apart by dtype and
+    shape as `argument_roles` does, its one output the block's."""
+    out: dict[str, Any] = {}
+    for b in plan.experts.blocks:
+        try:
+            mod = model.get_submodule(b.module)
+        except AttributeError:
+            continue                        # a block of another pipeline chunk
+        if not isinstance(mod, ExpertParallelExperts):
+            continue
+
+        def call(*vals: Any, mod: ExpertParallelExperts = mod, block: Any = b) -> tuple:
+            roles = [_value_role(v, block.top_k) for v in vals]
+            if len(vals) != 3 or sorted(roles) != sorted(ROLES):
+                raise PlanError(f"cannot run the ops of {block.module} with expert parallelism: they read "
+                                f"{len(vals)} tensors from before them ({', '.join(map(str, roles))}), not the hidden "
+                                f"states, top-k index and top-k weights of the experts interface")
+            got = dict(zip(roles, vals))
+            return (mod(*(got[r] for r in mod.roles)),)
+        out[b.module] = call
+    return out
+
+
+def _value_role(v: Any, top_k: int) -> str:
+    """The experts interface's role of a tensor the block reads (as `argument_roles`)."""
+    if not isinstance(v, torch.Tensor):
+        return type(v).__name__
+    return ("index" if not v.is_floating_point() else
+            "weights" if v.dim() == 2 and v.shape[-1] == top_k else "hidden")
 
 
 def expert_meshes(plan: Plan, device_type: str) -> dict[tuple[int, ...], DeviceMesh]:
