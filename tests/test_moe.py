@@ -210,6 +210,29 @@ def test_hf_mixtral_ep2_trains_like_one_process():
     assert all(r["collectives"] == p.predicted.collectives == {"all_to_all": 10, "all_reduce": 1} for r in steps)
 
 
+@pytest.mark.slow
+def test_hf_mixtral_ep2_tp2_op_by_op_trains_like_one_process():
+    """Hugging Face's Mixtral at ep 2 x dp 2 x tp 2, its tp stage run op by op as solved (4 gloo
+    processes): its router normalises the top-k weights in place (`/=`, written to a copy,
+    `execute._written_inputs`), its experts count tokens with `histc` on integers on the meta
+    program's branch (counted as floats on CPU) and reuse token counts worked out inside the
+    block (`execute._with_numbers`); losses equal one process within 1e-4, collectives the
+    plan's."""
+    pytest.importorskip("transformers")
+    from autopar.runtime import run
+
+    p = plan(_MIXTRAL, _cpu(4), global_batch_size=8, dtype="fp32",
+             constraints=Constraints(dp=2, tp=2, pp=1, ep=2, zero_stage=0, recompute="none", num_microbatches=1))
+    assert p.stages[0].op_layouts is not None and "ep_executor" not in p.search
+    steps = [r for r in run(p, _MIXTRAL, steps=2, seed=0, quiet=True) if "step" in r]
+    one = plan(_MIXTRAL, _cpu(1), global_batch_size=8, dtype="fp32",
+               constraints=Constraints(num_microbatches=1, recompute="none"))
+    want = [r["loss"] for r in run(one, _MIXTRAL, steps=2, seed=0, quiet=True) if "step" in r]
+    assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
+    assert all(r["collectives"] == p.predicted.collectives for r in steps), \
+        ([r["collectives"] for r in steps], p.predicted.collectives)
+
+
 def test_ep_with_tp_runs_in_one_stage_and_is_refused_with_zero3_or_pipelines():
     """ep with tp is executed in one stage: on DTensor's path (an `intra_op="analytic"` plan:
     placements, the experts replicated over tp) or op by op as the ILP solved it (each expert
@@ -267,6 +290,12 @@ def test_verify_steps_an_ep_plan_on_a_fake_process_group():
     # ZeRO-3: each rank's experts FSDP-sharded over the 2 ranks holding them (the shards checked)
     text = autopar.verify(_plan(2, zero_stage=3), "moe-tiny").summary()
     assert "FAIL" not in text and "differ" not in text and text.rstrip().endswith("ok"), text
+    # ep x tp run op by op as solved: the tp layouts' collectives apart from the ep exchange's
+    solved = plan("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32",
+                  constraints=Constraints(ep=2, dp=2, tp=2, pp=1, zero_stage=1, recompute="none",
+                                          num_microbatches=2))
+    report = autopar.verify(solved, "moe-tiny")
+    assert report.ok and report.collectives_match is True, report.failures
 
 
 def test_verify_steps_an_interleaved_ep_pipeline():

@@ -498,6 +498,7 @@ class ShardedProgram(nn.Module):
         self.unit_spans: dict[torch.fx.Node, tuple[str, list[torch.fx.Node]]] = {}
         self.in_unit: set[torch.fx.Node] = set()
         self.unit_calls: dict[str, Any] = {}
+        self.replaced: set[str] = set()       # units whose call replaces their ops (`replace_modules`)
         self._distribute_parameters()
 
     # -- setup ---------------------------------------------------------------------------
@@ -603,8 +604,11 @@ class ShardedProgram(nn.Module):
         by one of its own that computes the same values another way (expert parallelism's token
         exchange, `runtime.experts.program_calls`). `inputs` are the tensors the run reads from
         before it, in program order, the module's own parameters left out (the replacement holds
-        its own); the call returns what later ops read of the run, in program order."""
+        its own); the call returns the tensors later ops read of the run, in program order (the
+        numbers they read, sizes its shape arithmetic worked out, are the program's own: it is
+        exported at fixed shapes)."""
         self.run_units({fqn: (lambda region, *vals, f=f: f(*vals)) for fqn, f in calls.items()}, running)
+        self.replaced = set(calls)
 
     def _distribute_parameters(self) -> None:
         """Every parameter becomes a DTensor with its planned placements (Replicate when the
@@ -741,6 +745,32 @@ def _mutates(gm: torch.fx.GraphModule) -> bool:
     return any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
                for mod in gm.modules() if isinstance(getattr(mod, "graph", None), torch.fx.Graph)
                for n in mod.graph.nodes if n.op == "call_function")
+
+
+def _with_numbers(fqn: str, outs: Sequence[torch.fx.Node], tensors: Sequence[Any], env: dict) -> tuple:
+    """The values later ops read of a replaced module's run (`outs`): `tensors`, what the
+    replacement returned, for those that are tensors; a number (a size its shape arithmetic
+    worked out: Hugging Face's grouped experts compute token counts that later ops reuse)
+    worked out again from the numbers it was made of (`env`: the run's values), which must not
+    need a tensor of the run."""
+    def number(n: Any) -> Any:
+        if not isinstance(n, torch.fx.Node):
+            return n
+        if n in env:
+            return env[n]
+        v = n.meta.get("val")
+        if n.op != "call_function" or isinstance(v, torch.Tensor) or n.target.__module__ not in ("_operator",
+                                                                                                  "math", "builtins"):
+            raise PlanError(f"the run of module {fqn}'s ops is replaced, but later ops read {n.name} ({n.target}) "
+                            f"of it, which cannot be worked out without it")
+        return n.target(*[number(a) for a in n.args])
+
+    numbers = {o: number(o) for o in outs if not isinstance(o.meta.get("val"), torch.Tensor)}
+    if len(outs) - len(numbers) != len(tensors):
+        raise PlanError(f"the run of module {fqn}'s ops gave {len(tensors)} tensors where later ops read "
+                        f"{', '.join(o.name for o in outs)} of it")
+    it = iter(tensors)
+    return tuple(numbers[o] if o in numbers else next(it) for o in outs)
 
 
 def _written_inputs(n: torch.fx.Node, args: Sequence[Any]) -> list[int]:
@@ -891,6 +921,8 @@ class _PlanInterpreter(torch.fx.Interpreter):
                 self.in_unit = False
 
         res = self.prog.unit_calls[fqn](region, *[self.env[a] for a in reads])
+        if fqn in self.prog.replaced:
+            res = _with_numbers(fqn, outs, res, self.env)
         for o, v in zip(outs, res):
             if o is not first:
                 self.env[o] = v
@@ -1205,7 +1237,17 @@ def _run_target(n: torch.fx.Node, args: Any, kwargs: Any) -> Any:
     strides)."""
     if n.target is torch.ops.aten.view.default:
         return torch.ops.aten.reshape.default(*args, **kwargs)
+    if n.target is torch.ops.aten.histc.default and _int_on_cpu(args[0]):
+        # CPU has no integer histc kernel; a program exported on meta can take a model's branch
+        # for other devices (Hugging Face's grouped experts: `.int()` unless on CPU or MPS).
+        # Counting integers as floats gives the same bins
+        return torch.ops.aten.histc.default(args[0].float(), *args[1:], **kwargs).to(args[0].dtype)
     return n.target(*args, **kwargs)
+
+
+def _int_on_cpu(x: Any) -> bool:
+    local = x.to_local() if isinstance(x, DTensor) else x
+    return isinstance(local, torch.Tensor) and local.device.type == "cpu" and not local.is_floating_point()
 
 
 def _replicated(spec: Spec) -> bool:

@@ -337,21 +337,21 @@ def program_calls(model: nn.Module, plan: Plan) -> dict[str, Any]:
             continue
 
         def call(*vals: Any, mod: ExpertParallelExperts = mod, block: Any = b) -> tuple:
-            roles = [_value_role(v, block.top_k) for v in vals]
-            if len(vals) != 3 or sorted(roles) != sorted(ROLES):
+            # the tensors (sizes read from before the block are numbers: its shapes follow them)
+            tensors = [v for v in vals if isinstance(v, torch.Tensor)]
+            roles = [_value_role(v, block.top_k) for v in tensors]
+            if len(tensors) != 3 or sorted(roles) != sorted(ROLES):
                 raise PlanError(f"cannot run the ops of {block.module} with expert parallelism: they read "
-                                f"{len(vals)} tensors from before them ({', '.join(map(str, roles))}), not the hidden "
+                                f"{len(tensors)} tensors from before them ({', '.join(roles)}), not the hidden "
                                 f"states, top-k index and top-k weights of the experts interface")
-            got = dict(zip(roles, vals))
+            got = dict(zip(roles, tensors))
             return (mod(*(got[r] for r in mod.roles)),)
         out[b.module] = call
     return out
 
 
-def _value_role(v: Any, top_k: int) -> str:
+def _value_role(v: torch.Tensor, top_k: int) -> str:
     """The experts interface's role of a tensor the block reads (as `argument_roles`)."""
-    if not isinstance(v, torch.Tensor):
-        return type(v).__name__
     return ("index" if not v.is_floating_point() else
             "weights" if v.dim() == 2 and v.shape[-1] == top_k else "hidden")
 

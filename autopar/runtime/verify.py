@@ -166,9 +166,12 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
         check.collectives = by_phase(full)
         check.tp_predicted = _tp_predicted(plan, kind)
         if check.tp_predicted is not None:
-            # on the tp group: under ZeRO-3 FSDP's gathers and reduce-scatters run on the dp one
-            fsdp = [tuple(dist.get_process_group_ranks(pm.dp_group))] if pm.zero3 and pm.dp_group is not None else []
-            fb = dict(by_phase(full, fsdp).get("forward_backward", {}))
+            # on the tp group: under ZeRO-3 FSDP's gathers and reduce-scatters run on the dp one,
+            # expert parallelism's token exchange on its ep group (`runtime.experts`)
+            other = [tuple(dist.get_process_group_ranks(pm.dp_group))] if pm.zero3 and pm.dp_group is not None else []
+            if pm.expert_groups is not None:
+                other.append(tuple(dist.get_process_group_ranks(pm.expert_groups.ep_group)))
+            fb = dict(by_phase(full, other).get("forward_backward", {}))
             fb.pop("send_recv", None)
             check.tp_measured = fb
         # the batch of the plan's micro-batches, alive through the step: `run` of them were held
