@@ -1374,6 +1374,31 @@ def adamw_temporary_elems(sizes: Iterable[float]) -> float:
     return best
 
 
+def holder_order(fqns: Iterable[str]) -> list[str]:
+    """The order in which a pipeline chunk run op by op as solved holds (and the optimizer steps)
+    parameters `fqns`: `intra_op.pipeline_chunks.ProgramChunk` inserts them, sorted by name,
+    into a module tree of their paths (`_holder`), whose `named_parameters()` yields each
+    module's own parameters before its submodules', the submodules in insertion order. That is
+    not the model's order: a GPT's last stage steps `blocks.1.mlp.proj.weight`, then
+    `embed.tok.weight` (its tied head), where the model holds `head.ln` between them."""
+    tree: dict = {}
+    for f in sorted(dict.fromkeys(fqns)):
+        *path, name = f.split(".")
+        node = tree
+        for part in path:
+            node = node.setdefault(("m", part), {})
+        node[("p", name)] = f
+    out: list[str] = []
+
+    def walk(node: dict) -> None:
+        out.extend(v for (kind, _), v in node.items() if kind == "p")
+        for (kind, _), v in node.items():
+            if kind == "m":
+                walk(v)
+    walk(tree)
+    return out
+
+
 # The collective library the runtime uses on a device type (`runtime.worker.init_distributed`:
 # NCCL on GPU, gloo on CPU), and whether its reduce-scatter into a tensor works on a copy of its
 # input: gloo's does (torch 2.13, torch/csrc/distributed/c10d/ProcessGroupGloo.cpp,

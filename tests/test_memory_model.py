@@ -1609,3 +1609,42 @@ def test_the_recompute_budget_counts_each_gradient_once(zero):
                 assert budget == pytest.approx(s._stage(tb, c, [(k, j)], r, held).peak_bytes, rel=1e-12), (m, r, idx)
                 checked += 1
     assert checked == 16
+
+
+def test_pipeline_chunk_steps_its_parameters_in_its_holders_order():
+    """A pipeline chunk run op by op (`ProgramChunk`) holds its parameters in a module tree built
+    from their sorted names (`pipeline_chunks._holder`), and the optimizer steps them in that
+    order, not the model's: `holder_order` is that order (a GPT's last stage steps its tied
+    embedding right after `mlp.proj.weight`), and the stage's AdamW temporaries follow it
+    (gpt-tiny tp2 x pp2's last stage: 2·2048 + 2048 elements, tracked 24 KiB; the model's
+    order gave 2·2048 + 64)."""
+    import torch
+
+    from autopar.intra_op.pipeline_chunks import _holder
+    from autopar.models.registry import build_model
+    from cost_models.memory import holder_order
+
+    model = build_model("gpt-tiny", device="meta").model
+    names = [n for n, _ in model.named_parameters()]
+    last = [n for n in names if n.startswith(("blocks.1.", "head.ln."))] + ["embed.tok.weight"]
+    for fqns in (names, last, ["b.z", "a.y.w", "a.x", "a.y.v", "ab.u", "a.b_c.d", "a.b.e"]):
+        if fqns is names or fqns is last:
+            root = model
+        else:
+            root = torch.nn.Module()
+            for f in fqns:
+                *path, leaf = f.split(".")
+                mod = root
+                for part in path:
+                    if part not in mod._modules:
+                        mod._modules[part] = torch.nn.Module()
+                    mod = mod._modules[part]
+                mod._parameters[leaf] = torch.nn.Parameter(torch.zeros(1))
+        held = [n for n, _ in _holder(root, sorted(fqns)).named_parameters()]
+        assert holder_order(fqns) == held
+    order = holder_order(last)
+    assert order.index("embed.tok.weight") == order.index("blocks.1.mlp.proj.weight") + 1
+    sizes = {"blocks.1.mlp.fc.weight": 2048, "blocks.1.mlp.fc.bias": 64, "blocks.1.mlp.proj.weight": 2048,
+             "embed.tok.weight": 2048}
+    assert adamw_temporary_elems([sizes.get(f, 32) for f in order]) == 3 * 2048
+    assert adamw_temporary_elems([sizes.get(f, 32) for f in last]) == 2 * 2048 + 64

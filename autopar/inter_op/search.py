@@ -97,6 +97,7 @@ from cost_models.memory import (
     PRECISION_POLICIES,
     adamw_temporary_elems,
     fused_optimizer,
+    holder_order,
     reduce_scatter_copies_input,
     runtime_phases,
     usable_memory,
@@ -776,6 +777,21 @@ class _Tables:
         flat = self.zero in (1, 2) and self.dp > 1
         return optimizer_step_time(pel, self.cluster.device, self.dtype, shard=self.dp if self.zero >= 1 else 1,
                                    param_tensors=1 if flat else tensors)
+
+    def chunk_temporaries(self, chunks: list[tuple[int, int]]) -> float:
+        """AdamW's temporaries at their worst, elements, for a stage whose `chunks` each run as a
+        pipeline chunk of the executor (`intra_op.pipeline_chunks.ProgramChunk`): the rank
+        steps each chunk's parameters in the order its holder keeps them (`holder_order`: by
+        name, not the model's order), the chunks one after the other, a tied one once. For
+        ZeRO 0 (ZeRO-1/2 step one flat shard; ZeRO-3's FSDP units hold their own)."""
+        sizes, seen = [], set()
+        for k, j in chunks:
+            elems = {f: e for c in self.costs[k:j] for f, e in c.param_elems.items()}
+            for f in holder_order(elems):
+                if f not in seen:
+                    seen.add(f)
+                    sizes.append(elems[f])
+        return adamw_temporary_elems(sizes)
 
     def param_tensors(self, chunks: list[tuple[int, int]]) -> int:
         """Distinct parameter tensors of the layers in `chunks` (a tied one counts once)."""
@@ -1922,6 +1938,10 @@ class Search:
         root = max(float(tb.range_root[k, j]) for k, j in chunks)
         unit = max(float(tb.range_unit[k, j]) for k, j in chunks) if tb.zero3 else 0.0
         largest = max(float(tb.range_maxtensor[k, j]) for k, j in chunks)
+        if cand.pp > 1 and op_by_op(cand) and not tb.zero3:
+            # pipeline chunks run op by op step their parameters in their holder's order (the
+            # search's bound, `range_maxtensor`, takes the model's: a few tensors' difference)
+            largest = tb.chunk_temporaries(chunks)
         t = comp = 0.0
         chunk_act, chunk_pel = [], []
         # per chunk, the receive buffer of its input and of its output's gradient (one
