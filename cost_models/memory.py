@@ -201,7 +201,9 @@ class ActivationMemory:
     backward_bytes: float = 0.0
     backward_over_bytes: float = 0.0
     backward_over_recompute: bool = False
-    backward_over_grads: float = 0.0             # of backward_over_bytes, the op's gradients
+    # of backward_over_bytes, the op's gradients (a recomputation's moment: the rest are re-made
+    # activations; a plain op's: the rest, at most 0, the activations its ops freed so far)
+    backward_over_grads: float = 0.0
     backward_over_loss: Optional[float] = None   # the loss op's moment (None: no loss)
     backward_over_body: float = 0.0              # the worst of the other moments
     forward_over_bytes: float = 0.0              # the forward's worst moment above saved_bytes
@@ -878,7 +880,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 out.backward_over_grads = grads(n)
             if m - given_share(n) > out.backward_over_given:
                 out.backward_over_given, out.backward_over_given_recompute = m - given_share(n), False
-                out.backward_over_given_grads = 0.0
+                out.backward_over_given_grads = grads(n) - given_share(n)
         made = new_grads(n)
         born += made
         if made:

@@ -322,6 +322,10 @@ def layer_cost(cost: LayerCost, cp: int, kv: float, tp: int, cluster: ClusterSpe
     # layer's body (not the loss's)
     for r in list(out.bwd_over):
         held = (extra if r in _CORE_SAVED else 2 * extra) + (ckv / 2 + ckv / (2 * cp) if ckv else 0.0)
+        if not out.bwd_over_rc.get(r, False):
+            # the moment may now be another one: its split into gradients and freed
+            # activations is not known (the whole transient counts as gradients)
+            out.bwd_over_grads.pop(r, None)
         if r in out.bwd_over_given:
             out.bwd_over_given[r] += held
         if r in out.bwd_over_body:

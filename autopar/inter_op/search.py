@@ -209,6 +209,7 @@ class _Tables:
                   "out", "cross", "cross_grad", "wgo", "valid", "kk", "jj", "range_pel", "range_in", "range_out",
                   "range_send", "range_send_grad", "range_act", "range_in_saved", "range_out_kept", "range_work",
                   "range_work_rc", "range_work_rc_grads", "work_grads", "range_work_tmp", "range_root", "_layers",
+                  "work_tmp_grads", "range_work_tmp_grads",
                   "range_maxtensor", "_first")
 
     def __init__(self, costs: list[LayerCost], cluster: ClusterSpec, dtype: str, dp: int, tp: int,
@@ -279,6 +280,10 @@ class _Tables:
         # of a recomputation's moment, the gradients (`LayerCost.bwd_over_grads`)
         self.work_grads = {r: np.array([c.bwd_over_grads.get(r, 0.0) for c in costs], dtype=float).reshape(L)
                            for r in RECOMPUTES}
+        # of a plain backward moment, its gradients; the rest (at most 0) the activations autograd
+        # freed before it (NaN: not known, the whole transient counts as gradients)
+        self.work_tmp_grads = {r: np.array([c.bwd_over_grads.get(r, np.nan) for c in costs], dtype=float).reshape(L)
+                               for r in RECOMPUTES}
         # parameter elements per device: every layer's own, tied ones once per stage
         users: dict[str, list[int]] = {}
         elems: dict[str, float] = {}
@@ -342,9 +347,12 @@ class _Tables:
         # before any recomputation, a block's recomputation after the head freed its logits.
         # Split by what the transient is: recomputed activations (`range_work_rc`) or activation
         # gradients (`range_work_tmp`), each -inf where none of the range's layers has that kind;
-        # of the recomputed kind's moment, its gradients (`range_work_rc_grads`)
+        # of the recomputed kind's moment, its gradients (`range_work_rc_grads`); of the other
+        # kind's, its gradients too (`range_work_tmp_grads`, NaN where not known): the rest of
+        # that transient, at most 0 but where a kept output is counted again, is activations
+        # (what autograd freed of the layer's and the later layers' saved tensors)
         self.range_work, self.range_work_rc, self.range_work_tmp = {}, {}, {}
-        self.range_work_rc_grads = {}
+        self.range_work_rc_grads, self.range_work_tmp_grads = {}, {}
         for r, wk in self.work.items():
             P = self.act[r]
             rc_kind = self.work_rc[r]
@@ -354,6 +362,8 @@ class _Tables:
             self.range_work_rc[r], self.range_work_tmp[r] = Wrc, Wtmp
             at = _range_argmax(np.where(rc_kind, v, -INF))
             self.range_work_rc_grads[r] = np.where(at >= 0, self.work_grads[r][np.maximum(at, 0)], 0.0)
+            at = _range_argmax(np.where(rc_kind, -INF, v))
+            self.range_work_tmp_grads[r] = np.where(at >= 0, self.work_tmp_grads[r][np.maximum(at, 0)], np.nan)
             self.range_work[r] = np.maximum(np.maximum(Wrc, Wtmp), 0.0)
         self._outputs_held()
         self._first: dict[tuple[str, bool], tuple[np.ndarray, ...]] = {}
@@ -399,13 +409,18 @@ class _Tables:
                 kind, wg = self.work_rc[r][:j].copy(), self.work_grads[r][:j].copy()
                 kind[-1] = last.bwd_over_given_rc.get(r, kind[-1])
                 wg[-1] = last.bwd_over_given_grads.get(r, wg[-1])
+                wt = self.work_tmp_grads[r][:j].copy()
+                if r in last.bwd_over_given:
+                    wt[-1] = last.bwd_over_given_grads.get(r, np.nan)
                 for rc_kind, W in ((True, self.range_work_rc[r]), (False, self.range_work_tmp[r])):
                     mask = np.where(kind == rc_kind, v, -INF)
                     suffix = np.maximum.accumulate(mask[::-1])[::-1]       # max over i >= k
                     W[k, j] = suffix[k]
+                    at = _suffix_argmax(mask)
                     if rc_kind:
-                        at = _suffix_argmax(mask)
                         self.range_work_rc_grads[r][k, j] = wg[at]
+                    else:
+                        self.range_work_tmp_grads[r][k, j] = np.where(at >= 0, wt[np.maximum(at, 0)], np.nan)
                 self.range_work[r][k, j] = np.maximum(np.maximum(self.range_work_rc[r][k, j],
                                                                  self.range_work_tmp[r][k, j]), 0.0)
                 self.range_act[r][k, j] -= held
@@ -810,12 +825,18 @@ def _transient(tb: "_Tables", chunks: list[tuple[int, int]], r: str) -> tuple[fl
     """A stage's backward transient above its saved activations, as (recomputed activations,
     activation gradients): the worst of its chunks' (one runs its backward at a time), the
     larger kind only; a recomputation's moment holds the gradients of the op whose backward
-    runs beside what it re-made, counted as gradients (buffers) as a tracker counts them."""
+    runs beside what it re-made, counted as gradients (buffers) as a tracker counts them; a
+    plain backward moment holds its op's gradients (buffers) where the saved activations
+    autograd freed before it are gone (the first item, then at most 0)."""
     rc, at = max((float(tb.range_work_rc[r][k, j]), (k, j)) for k, j in chunks)
-    tmp = max(float(tb.range_work_tmp[r][k, j]) for k, j in chunks)
+    tmp, at_tmp = max((float(tb.range_work_tmp[r][k, j]), (k, j)) for k, j in chunks)
     if rc > tmp and rc > 0:
         g = min(float(tb.range_work_rc_grads[r][at]), rc)
         return rc - g, g
+    g = float(tb.range_work_tmp_grads[r][at_tmp])
+    if tmp > 0 and not np.isnan(g):
+        # the op's gradients; what autograd freed of the saved activations before it, less
+        return tmp - g, g
     return 0.0, max(tmp, 0.0)
 
 
