@@ -719,8 +719,16 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         ps = {base.get(i, i) for i in n.inputs} & param_elems.keys()
         return sum(param_elems[q] for q in ps) * 4.0 * bytes_scale("float32", dtype)
 
+    def gathers_grad(n, i: str) -> bool:
+        # whether op n reads input i redistributed into a split layout (`read_shard`'s divisor
+        # above 1): the redistribution's backward gathers (or exchanges) the gradient into the
+        # producer's layout, a new tensor; into a whole layout (a partial sum reduced, a
+        # replicated tensor read) it hands the gradient on as it is
+        rs = read_shard(n, i) if read_shard is not None and i != n.name and i in by_name else None
+        return rs is not None and float(rs[0]) > 1
+
     moments = _gradient_moments(calls, by_name, base, rg, copies, upcasts, shard, dtype, new_grads, loss_read,
-                                given_grad)
+                                given_grad, gathers_grad)
 
     def grads(n) -> float:
         # the gradients alive while op n's backward runs (`_gradient_moments`)
@@ -925,7 +933,9 @@ _MULTI_OUTPUT_VIEWS = frozenset({"split", "split_with_sizes", "chunk", "unbind",
 
 def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: dict, upcasts: frozenset,
                       shard: Any, dtype: str, new_grads: Callable, loss_read: Callable,
-                      given_grad: Optional[str]) -> dict[str, tuple[float, float, float]]:
+                      given_grad: Optional[str],
+                      redistributed: Optional[Callable[[Any, str], bool]] = None
+                      ) -> dict[str, tuple[float, float, float]]:
     """The backward's gradients, by liveness: for each op, the bytes of gradients alive while its
     backward runs, and of those the given one's (`given_grad`'s, made outside: a pipeline
     chunk's receive buffer), as {op: (bytes, given bytes, bytes alive before it makes any)}.
@@ -939,7 +949,13 @@ def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: 
     gradient of their own: a reshape's or a getitem's is its input's, the same storage; a
     residual sum hands its output's to both inputs as it is; a slice's or an expand's backward
     makes one of its input's size, a split's one (the cat of its pieces') too. A loss's backward
-    holds `loss_read`'s fp32 gradients, then hands its input's on at the training dtype."""
+    holds `loss_read`'s fp32 gradients, then hands its input's on at the training dtype. Where
+    an op reads an input redistributed into a split layout (`redistributed(op, input)`: the
+    executor's copy, sharded), the input's gradient is a new tensor in its producer's layout,
+    which the redistribution's backward makes (a Megatron-SP row-parallel projection's output
+    read as a sequence shard by the residual add: the add hands its gradient on, the
+    all-gather of the redistribution's backward makes the projection's whole one), not the
+    reader's as it is."""
     def gsize(name: str) -> float:
         node = by_name.get(name)
         if node is None or not node.outputs or not _floating(node):
@@ -992,6 +1008,10 @@ def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: 
             hold(src, st, stor[st])
         return 0.0
 
+    def crossing(n, i: str) -> bool:
+        # whether op n reads input i redistributed: its gradient is then made anew
+        return redistributed is not None and redistributed(n, i)
+
     out: dict[str, tuple[float, float]] = {}
     given_st = f"g:{given_grad}"
     for n in reversed(calls):
@@ -1014,14 +1034,21 @@ def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: 
                 born = [(fl[0], gsize(fl[0]))]
         elif is_view(n) and ins:
             src = ins[0]
-            if n.target == "getitem" or n.op in ("alias", "detach") or (
-                    n.op not in _MULTI_OUTPUT_VIEWS and gsize(n.name) == gsize(src)):
+            if not crossing(n, src) and (n.target == "getitem" or n.op in ("alias", "detach") or (
+                    n.op not in _MULTI_OUTPUT_VIEWS and gsize(n.name) == gsize(src))):
                 extra = alias(src, n.name)
             else:
                 extra = gsize(src)
                 born = [(src, extra)] if src not in owner else []
         elif _pass_through_sum(n, by_name):
-            extra = sum(alias(i, n.name) for i in ins)
+            for i in ins:
+                if crossing(n, i):
+                    nb = gsize(i)
+                    extra += nb
+                    if i not in owner:
+                        born.append((i, nb))
+                else:
+                    extra += alias(i, n.name)
         else:
             # an op computing in fp32 by type promotion (`_promoted_fp32`) makes a 2-byte input's
             # gradient in fp32 first; autograd casts it to the input's dtype, both alive at once

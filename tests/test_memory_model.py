@@ -1783,3 +1783,68 @@ def test_a_tp_pipelines_last_chunk_frees_each_receive_buffer_after_its_backward(
         assert len(buffers) == 4 and alive == [0, 0, 0, 0]
     finally:
         dist.destroy_process_group()
+
+
+def test_a_gradient_crossing_a_redistribution_into_a_shard_is_a_new_tensor(monkeypatch):
+    """Where an op reads an input redistributed into a split layout (the executor's copy,
+    `read_shard`), the input's gradient comes from the redistribution's backward (an
+    all-gather into the producer's layout), a new tensor: a residual add hands its gradient on
+    as it is to an input read as it is made, but to one read as a sequence shard the all-gather
+    makes the producer's whole gradient (Megatron-SP's row-parallel projection before the
+    residual add). Into a whole layout (a partial sum reduced, `P -> R`) the gradient passes as
+    it is. Read off the gradients alive at each op's backward (`_gradient_moments`)."""
+    import torch
+    from torch import nn
+
+    import cost_models.memory as memory
+    from autopar.capture.export import capture
+
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(32, 32, bias=False)
+
+        def forward(self, x, y):
+            return torch.nn.functional.mse_loss(x + self.fc(x), y)
+
+    m = Residual()
+    x, y = torch.randn(64, 32), torch.randn(64, 32)
+    g = capture(m, (x, y)).at_batch(64)
+    add = next(n for n in g.nodes if n.kind == "call" and n.op == "add")
+    fc = next(n for n in g.nodes if n.kind == "call" and n.op in ("linear", "mm", "addmm"))
+    assert fc.name in add.inputs
+    seen = []
+    moments = memory._gradient_moments
+
+    def keep(*a, **k):
+        seen.append(moments(*a, **k))
+        return seen[-1]
+
+    monkeypatch.setattr(memory, "_gradient_moments", keep)
+
+    def at_add(layout):
+        def rs(n, i):
+            return layout if n.name == add.name and i == fc.name else None
+        memory.activation_memory(g, "fp32", device_type="cpu", count_inputs=False,
+                                 read_shard=rs if layout else None)
+        return seen[-1][add.name][0]
+
+    plain = at_add(None)
+    assert at_add((1, "R")) == plain
+    # fc's output gradient, [64, 32] fp32, made by the all-gather beside the add's own
+    assert at_add((2, "S(1)")) - plain == 64 * 32 * 4
+
+
+def test_a_sequence_parallel_chunks_backward_holds_the_gathered_gradient(tmp_path):
+    """gpt-tiny bf16 tp2 x pp2 1F1B with Megatron-SP, stage 0: the tracked peak is a later
+    micro-batch's backward of the MLP's row-parallel projection, holding beside the batch
+    ([32, 16] int64) and the output gradient's receive buffer (a sequence shard, [8, 8, 32]
+    bf16) the gradient the all-gather of its output's redistribution made ([8, 16, 32]), its
+    input's gradient ([128, 64]) and its weight's and bias's ([32, 64], [32]) bf16: 36 KiB of
+    buffers tracked. The model took the residual add's gradient for the projection's (24 KiB),
+    and its executor variant left out the parameter gradients each op's backward makes
+    (`LayerCost.param_elems` of the variant was empty)."""
+    for p in _pinned_stage_categories("gpt-tiny bf16 dp=1 tp=2 pp=2 schedule=1f1b num_microbatches=4 recompute=none "
+                                      "sequence_parallel=True", tmp_path)[:2]:
+        assert p["stage"] == 0
+        assert p["buffers"] == 32 * 16 * 8 + (8 * 8 * 32 + 8 * 16 * 32 + 128 * 64 + 32 * 64 + 32) * 2

@@ -272,7 +272,9 @@ class IlpProvider(AnalyticProvider):
         # redistributed (it saves that copy)
         read = _read_shard(sol, tp, {n.name: n.fqn for n in sub.nodes if n.kind == "param" and n.fqn})
         if any(read(n, i) for n in sub.calls for i in n.inputs):
-            alt = LayerCost()
+            # the parameters' elements too: each op's backward makes their gradients
+            # (`fill_activations` reads them off the cost)
+            alt = LayerCost(param_elems=dict(c.param_elems))
             fill_activations(alt, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
                              read_shard=read, attention_kernel=kernel, selective_region=layer.selective_region(tp),
                              modules=layer.modules, **names)
