@@ -1848,3 +1848,45 @@ def test_a_sequence_parallel_chunks_backward_holds_the_gathered_gradient(tmp_pat
                                       "sequence_parallel=True", tmp_path)[:2]:
         assert p["stage"] == 0
         assert p["buffers"] == 32 * 16 * 8 + (8 * 8 * 32 + 8 * 16 * 32 + 128 * 64 + 32 * 64 + 32) * 2
+
+
+def test_zero12_sync_frees_every_gradient_before_the_step():
+    """ZeRO-1/2's sync copies each gradient into the flat buffer and frees it
+    (`ZeroSharding._zero12_step`), so the reduce-scatter, the optimizer step and the all-gather
+    run without any 2-byte gradient (`runtime_phases`: none in those moments). The copy loop's
+    variable kept the last parameter's gradient alive through all of them (gpt-tiny dp2 x pp2
+    ZeRO-2's last stage: its tied embedding's, 8 KiB bf16, tracked in the gradient-sync and
+    optimizer phases where none was predicted). Rank 0 of a fake 2-rank group, one step: every
+    gradient the backward made is gone when the optimizer steps."""
+    import weakref
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autopar.models.registry import build_model, call_batch_fn
+    from autopar.runtime.engine import ParallelModel
+
+    cl = autopar.ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 2})
+    p = autopar.plan("gpt-tiny", cl, global_batch_size=8, dtype="bf16",
+                     constraints=autopar.Constraints(dp=2, tp=1, pp=1, zero_stage=2, recompute="none",
+                                                     sequence_parallel=False))
+    assert p.zero_stage == 2
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        b = build_model("gpt-tiny", device="meta")
+        pm = ParallelModel(p, b, seed=0)
+        grads, alive = [], []
+        for q in pm.params:
+            q.register_post_accumulate_grad_hook(lambda q: grads.append(weakref.ref(q.grad)))
+        step = pm.optimizer.step
+
+        def checked(*a, **k):
+            alive.append(sum(r() is not None for r in grads))
+            return step(*a, **k)
+
+        pm.optimizer.step = checked
+        pm.train_step(pm.local_batch(call_batch_fn(b.batch_fn, 0, p.global_batch_size, 0)))
+        assert grads and alive == [0]
+    finally:
+        dist.destroy_process_group()
