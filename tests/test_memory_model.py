@@ -1890,3 +1890,18 @@ def test_zero12_sync_frees_every_gradient_before_the_step():
         assert grads and alive == [0]
     finally:
         dist.destroy_process_group()
+
+
+def test_a_chunks_first_backward_leaves_its_forward_moment_out(tmp_path):
+    """gpt-tiny fp32 tp2 x pp2 GPipe, selective recomputation, stage 0: the tracked peak is the
+    first backward's start, the MLP projection's backward with every micro-batch's activations
+    saved (712 KiB), beside the batch ([32, 16] int64), the output gradient's receive buffer
+    ([8, 16, 32] fp32), the projection's input gradient ([128, 64]) and its weight's and bias's
+    ([32, 64], [32]): 60 KiB of buffers. The layer's worst moment without the given gradient
+    (`bwd_over_given`) is its forward's there (the projection's partial sums and their
+    all-reduce), which the first backward took for its own (68 KiB); it now takes the
+    backward's (`LayerCost.bwd_given_backward`)."""
+    for p in _pinned_stage_categories("gpt-tiny fp32 dp=1 tp=2 pp=2 schedule=gpipe num_microbatches=4 "
+                                      "recompute=selective", tmp_path)[:2]:
+        assert p["stage"] == 0 and p["gradients"] == 0
+        assert p["buffers"] == 32 * 16 * 8 + (8 * 16 * 32 + 128 * 64 + 32 * 64 + 32) * 4

@@ -493,7 +493,9 @@ class _Tables:
         given = np.zeros((L, L + 1))
         for j in range(1, L):
             last, held = costs[j - 1], float(costs[j - 1].out_saved.get(r, 0.0))
-            own = last.bwd_over_given.get(r, work[j - 1])
+            # the backward's moment without the given gradient (`bwd_given_backward`; the
+            # layer's `bwd_over_given` can be its forward's, not a moment of this backward)
+            own = last.bwd_given_backward.get(r, last.bwd_over_given.get(r, work[j - 1]))
             if held <= 0 and own == work[j - 1]:
                 continue
             rows = []

@@ -77,6 +77,10 @@ class LayerCost:
     # of `bwd_over_given`, the gradients its op holds beside the given one (as `bwd_over_grads`;
     # 0 for the forward's moment), by policy
     bwd_over_given_grads: dict[str, float] = field(default_factory=dict)
+    # the backward's worst moment alone without the given gradient (`ActivationMemory.
+    # backward_over_given`: `bwd_over_given` may be the forward's moment), what the first
+    # backward of a chunk ending in the layer holds above its saved activations, by policy
+    bwd_given_backward: dict[str, float] = field(default_factory=dict)
     # the first backward's worst moments by parts [activations, activation gradients, parameter
     # gradients] (the parameter gradients its ops made so far alive), one per position among
     # the layer's modules (`ActivationMemory.first_moments`), the positions in `bwd_first_at`
@@ -217,6 +221,7 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
         fwd_given = am.forward_over_bytes > am.backward_over_given
         c.bwd_over_given_rc[rc] = fwd_given or am.backward_over_given_recompute
         c.bwd_over_given_grads[rc] = 0.0 if fwd_given else am.backward_over_given_grads
+        c.bwd_given_backward[rc] = am.backward_over_given
         at = sorted(am.first_moments)
         moments = [list(am.first_moments[x]) for x in at]
         born = [{str(p): b for p, b in am.first_born.get(x, {}).items()} for x in at]
