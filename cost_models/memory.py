@@ -1293,8 +1293,10 @@ def _forward_over(calls: list, by_name: dict, base: dict, owner_node: dict, nbyt
             r = read(n, i, "fp32" if loss and mixed else None)
             if r is not None and r[3]:
                 held_from.setdefault(f"{i}@{r[1]}", (t, r[0], i))
-            if loss and k == 0 and _floating(by_name[base.get(i, i)]):
-                # its per-element fp32 result (cross-entropy's log-softmax) beside its input
+            if loss and k == 0 and _floating(by_name[base.get(i, i)]) and f"{n.name}:unreduced" not in owner_node:
+                # its per-element fp32 result (cross-entropy's log-softmax) beside its input;
+                # where that result is the storage the reduced loss keeps (CPU's mse_loss,
+                # `LOSSES_KEEP_UNREDUCED`), it is counted among the saved tensors already
                 extra[t] += r[0] if r is not None else size(i, "fp32")
             if r is None:
                 continue

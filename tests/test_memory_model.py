@@ -1944,3 +1944,77 @@ def test_each_micro_batchs_loss_is_freed_before_the_next_forward():
         assert alive == [0, 0]
     finally:
         dist.destroy_process_group()
+
+
+def test_a_loss_keeping_its_unreduced_result_adds_nothing_to_the_forward():
+    """A loss makes its per-element fp32 result beside its input (cross-entropy's
+    log-softmax); CPU's mse_loss keeps that result as the reduced loss's storage
+    (`LOSSES_KEEP_UNREDUCED`), already among the saved tensors, so the forward's moment at the
+    loss holds nothing more: saved + forward moment equal the forward's peak a dispatch mode
+    counts (the result counted twice gave 8 KiB more, mlp-tiny pp2's last stage)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from autopar.capture.export import capture
+    from cost_models.memory import activation_memory
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(64, 32, bias=False)
+
+        def forward(self, x, y):
+            return F.mse_loss(self.fc(x), y)
+
+    m = Head()
+    x, y = torch.randn(64, 64), torch.randn(64, 32)
+    g = capture(m, (x, y)).at_batch(64)
+    am = activation_memory(g, "fp32", device_type="cpu", count_inputs=False)
+    count = _storage_counter({t.untyped_storage().data_ptr() for t in [*m.parameters(), x, y]})
+    with count:
+        m(x, y)
+    assert abs(am.saved_bytes + am.forward_over_bytes - count.peak) <= 4, (am.saved_bytes, am.forward_over_bytes)
+
+
+def test_a_pipelines_last_stage_drops_each_loss_storage_after_its_backward():
+    """The schedule holds the last stage's output (the loss) until its next forward returns;
+    the stage hands it on compact (`compact_loss`: CPU's mse_loss keeps its unreduced fp32
+    loss as the 0-dim loss's storage), so that storage lives through its micro-batch's
+    backward alone (the stage's forward cache), as `LOSSES_KEEP_UNREDUCED` counts it (mlp-tiny
+    bf16 pp2's last stage held the previous micro-batch's, 8 KiB, through each forward). Rank 1
+    of a fake 2-rank group, one step."""
+    import weakref
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autopar.models.registry import build_model, call_batch_fn
+    from autopar.runtime.engine import ParallelModel
+
+    cl = autopar.ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 2})
+    p = autopar.plan("mlp-tiny", cl, global_batch_size=64, dtype="fp32",
+                     constraints=autopar.Constraints(dp=1, tp=1, pp=2, schedule="1f1b", num_microbatches=4))
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        b = build_model("mlp-tiny", device="meta")
+        pm = ParallelModel(p, b, seed=0)
+        stage = pm.pipe_stages[0]
+        assert stage.is_last
+        chunk = stage.submod
+        kept, alive = [], []
+        fwd = chunk.forward
+
+        def forward(*a, **k):
+            alive.append(sum(r() is not None for r in kept))
+            out = fwd(*a, **k)
+            assert out.untyped_storage().nbytes() > out.element_size()      # the unreduced loss
+            kept.append(weakref.ref(out.untyped_storage()))
+            return out
+
+        chunk.forward = forward
+        pm.train_step(pm.local_batch(call_batch_fn(b.batch_fn, 0, p.global_batch_size, 0)))
+        assert alive == [0, 0, 0, 0]
+    finally:
+        dist.destroy_process_group()
