@@ -2018,3 +2018,22 @@ def test_a_pipelines_last_stage_drops_each_loss_storage_after_its_backward():
         assert alive == [0, 0, 0, 0]
     finally:
         dist.destroy_process_group()
+
+
+def test_a_stage_steps_no_tensor_of_the_stage_before():
+    """AdamW's temporaries of a layer range (`_Tables.range_maxtensor`): the first tensor of a
+    layer is stepped after the last of the layer before only where both are the stage's; a
+    stage starting at that layer steps it first (mlp-tiny pp2's last stage: 2·2048 elements,
+    tracked 16 KiB; with the first stage's [64, 64] weight before it, 2·4096)."""
+    from autopar.inter_op.search import _Tables
+    from autopar.inter_op.stage_cost import LayerCost
+
+    cluster = autopar.ClusterSpec.load("cpu")
+    costs = [LayerCost(act_bytes={"none": 0.0}, param_elems={"a": 2048.0}),
+             LayerCost(act_bytes={"none": 0.0}, param_elems={"b": 4096.0}),
+             LayerCost(act_bytes={"none": 0.0}, param_elems={"c": 2048.0})]
+    tb = _Tables(costs, cluster, "fp32", 1, 1, 0, [])
+    assert tb.range_maxtensor[2, 3] == adamw_temporary_elems([2048]) == 2 * 2048
+    assert tb.range_maxtensor[1, 3] == adamw_temporary_elems([4096, 2048]) == 2 * 4096
+    assert tb.range_maxtensor[0, 2] == adamw_temporary_elems([2048, 4096]) == 2 * 4096 + 2048
+    assert tb.range_maxtensor[0, 1] == 2 * 2048

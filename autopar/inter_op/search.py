@@ -371,13 +371,19 @@ class _Tables:
         self._layers = layers
         # AdamW's temporaries at their worst, per device (`adamw_temporary_elems`: the tensors
         # in the order the layers hold them, the first of a layer after the last of the one
-        # before)
-        temps, prev = [], 0.0
+        # before, the layer's first where it starts the range: the tensor stepped before it is
+        # another stage's then)
+        temps, own, prev = [], [], 0.0
         for c in costs:
             sizes = list(c.param_elems.values())
             temps.append(adamw_temporary_elems([prev] + sizes) if sizes else 0.0)
+            own.append(adamw_temporary_elems(sizes) if sizes else 0.0)
             prev = sizes[-1] if sizes else prev
-        self.range_maxtensor = np.maximum(_range_max(np.array(temps)), 0.0)
+        later = np.full((L, L + 1), -INF)
+        if L > 1:
+            later[:-1] = _range_max(np.array(temps))[1:]          # layers k+1 .. j-1
+        first = np.array(own, dtype=float).reshape(L)[:, None]
+        self.range_maxtensor = np.where(self.valid, np.maximum(np.maximum(first, later), 0.0), 0.0)
 
     def _outputs_held(self) -> None:
         """A pipeline chunk's output stays in the stage's forward cache until the chunk's
