@@ -1741,10 +1741,11 @@ def test_a_tp_pipelines_last_chunk_frees_each_receive_buffer_after_its_backward(
     (`JustInTimeStage.backward_one_chunk`), which frees its graph and the received input that
     the graph's AccumulateGrad holds, so a receive buffer lives until its micro-batch's
     backward, as `cost_models.schedules.held_moments` counts them. A tp chunk run op by op
-    (`ProgramChunk`) returned its loss as a view (`to_local`), which the loss function copies
-    and the runtime cannot detach: the previous micro-batch's receive buffer stayed alive
+    (`ProgramChunk`) returns its loss as a view (`to_local`), which the loss function copied
+    and the runtime could not detach: the previous micro-batch's receive buffer stayed alive
     through the next forward (gpt-tiny bf16 tp2 x pp2 1F1B, last stage: buffers 156 KiB
-    tracked, 148 predicted). Rank 2 of a fake 4-rank group, one step."""
+    tracked, 148 predicted). The stage now hands the loss on compact itself
+    (`JustInTimeStage.forward_one_chunk`). Rank 2 of a fake 4-rank group, one step."""
     import weakref
 
     import torch.distributed as dist

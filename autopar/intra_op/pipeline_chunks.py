@@ -243,12 +243,7 @@ class ProgramChunk(nn.Module):
                 out = interp.run_span(self.nodes, env, keep)
                 if self.last:
                     loss = out[0] if isinstance(out, (tuple, list)) else out
-                    # no view: the schedule detaches the loss in place once its backward ran
-                    # (`pipeline_p2p.JustInTimeStage.backward_one_chunk`), which frees its graph
-                    # and with it the received input its AccumulateGrad holds; a view
-                    # (`to_local`) is cloned by the loss function instead and stays attached
-                    # while the schedule holds the chunk's output (to the next forward)
-                    return loss.to_local().clone() if isinstance(loss, DTensor) else loss
+                    return loss.to_local() if isinstance(loss, DTensor) else loss
                 return tuple(self._send(n, interp.env[n], received) for n in self.sends)
         finally:
             interp.release()
