@@ -201,7 +201,9 @@ class ActivationMemory:
     backward_bytes: float = 0.0
     backward_over_bytes: float = 0.0
     backward_over_recompute: bool = False
-    backward_over_grads: float = 0.0             # of backward_over_bytes, the op's gradients
+    # of backward_over_bytes, the op's gradients (a recomputation's moment: the rest are re-made
+    # activations; a plain op's: the rest, at most 0, the activations its ops freed so far)
+    backward_over_grads: float = 0.0
     backward_over_loss: Optional[float] = None   # the loss op's moment (None: no loss)
     backward_over_body: float = 0.0              # the worst of the other moments
     forward_over_bytes: float = 0.0              # the forward's worst moment above saved_bytes
@@ -721,8 +723,16 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         ps = {base.get(i, i) for i in n.inputs} & param_elems.keys()
         return sum(param_elems[q] for q in ps) * 4.0 * bytes_scale("float32", dtype)
 
+    def gathers_grad(n, i: str) -> bool:
+        # whether op n reads input i redistributed into a split layout (`read_shard`'s divisor
+        # above 1): the redistribution's backward gathers (or exchanges) the gradient into the
+        # producer's layout, a new tensor; into a whole layout (a partial sum reduced, a
+        # replicated tensor read) it hands the gradient on as it is
+        rs = read_shard(n, i) if read_shard is not None and i != n.name and i in by_name else None
+        return rs is not None and float(rs[0]) > 1
+
     moments = _gradient_moments(calls, by_name, base, rg, copies, upcasts, shard, dtype, new_grads, loss_read,
-                                given_grad)
+                                given_grad, gathers_grad)
 
     def grads(n) -> float:
         # the gradients alive while op n's backward runs (`_gradient_moments`)
@@ -882,7 +892,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 out.backward_over_grads = grads(n)
             if m - given_share(n) > out.backward_over_given:
                 out.backward_over_given, out.backward_over_given_recompute = m - given_share(n), False
-                out.backward_over_given_grads = 0.0
+                out.backward_over_given_grads = grads(n) - given_share(n)
         made = new_grads(n)
         born += made
         if made:
@@ -927,7 +937,9 @@ _MULTI_OUTPUT_VIEWS = frozenset({"split", "split_with_sizes", "chunk", "unbind",
 
 def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: dict, upcasts: frozenset,
                       shard: Any, dtype: str, new_grads: Callable, loss_read: Callable,
-                      given_grad: Optional[str]) -> dict[str, tuple[float, float, float]]:
+                      given_grad: Optional[str],
+                      redistributed: Optional[Callable[[Any, str], bool]] = None
+                      ) -> dict[str, tuple[float, float, float]]:
     """The backward's gradients, by liveness: for each op, the bytes of gradients alive while its
     backward runs, and of those the given one's (`given_grad`'s, made outside: a pipeline
     chunk's receive buffer), as {op: (bytes, given bytes, bytes alive before it makes any)}.
@@ -941,7 +953,13 @@ def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: 
     gradient of their own: a reshape's or a getitem's is its input's, the same storage; a
     residual sum hands its output's to both inputs as it is; a slice's or an expand's backward
     makes one of its input's size, a split's one (the cat of its pieces') too. A loss's backward
-    holds `loss_read`'s fp32 gradients, then hands its input's on at the training dtype."""
+    holds `loss_read`'s fp32 gradients, then hands its input's on at the training dtype. Where
+    an op reads an input redistributed into a split layout (`redistributed(op, input)`: the
+    executor's copy, sharded), the input's gradient is a new tensor in its producer's layout,
+    which the redistribution's backward makes (a Megatron-SP row-parallel projection's output
+    read as a sequence shard by the residual add: the add hands its gradient on, the
+    all-gather of the redistribution's backward makes the projection's whole one), not the
+    reader's as it is."""
     def gsize(name: str) -> float:
         node = by_name.get(name)
         if node is None or not node.outputs or not _floating(node):
@@ -994,6 +1012,10 @@ def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: 
             hold(src, st, stor[st])
         return 0.0
 
+    def crossing(n, i: str) -> bool:
+        # whether op n reads input i redistributed: its gradient is then made anew
+        return redistributed is not None and redistributed(n, i)
+
     out: dict[str, tuple[float, float]] = {}
     given_st = f"g:{given_grad}"
     for n in reversed(calls):
@@ -1016,14 +1038,21 @@ def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: 
                 born = [(fl[0], gsize(fl[0]))]
         elif is_view(n) and ins:
             src = ins[0]
-            if n.target == "getitem" or n.op in ("alias", "detach") or (
-                    n.op not in _MULTI_OUTPUT_VIEWS and gsize(n.name) == gsize(src)):
+            if not crossing(n, src) and (n.target == "getitem" or n.op in ("alias", "detach") or (
+                    n.op not in _MULTI_OUTPUT_VIEWS and gsize(n.name) == gsize(src))):
                 extra = alias(src, n.name)
             else:
                 extra = gsize(src)
                 born = [(src, extra)] if src not in owner else []
         elif _pass_through_sum(n, by_name):
-            extra = sum(alias(i, n.name) for i in ins)
+            for i in ins:
+                if crossing(n, i):
+                    nb = gsize(i)
+                    extra += nb
+                    if i not in owner:
+                        born.append((i, nb))
+                else:
+                    extra += alias(i, n.name)
         else:
             # an op computing in fp32 by type promotion (`_promoted_fp32`) makes a 2-byte input's
             # gradient in fp32 first; autograd casts it to the input's dtype, both alive at once
@@ -1280,8 +1309,10 @@ def _forward_over(calls: list, by_name: dict, base: dict, owner_node: dict, nbyt
             r = read(n, i, "fp32" if loss and mixed else None)
             if r is not None and r[3]:
                 held_from.setdefault(f"{i}@{r[1]}", (t, r[0], i))
-            if loss and k == 0 and _floating(by_name[base.get(i, i)]):
-                # its per-element fp32 result (cross-entropy's log-softmax) beside its input
+            if loss and k == 0 and _floating(by_name[base.get(i, i)]) and f"{n.name}:unreduced" not in owner_node:
+                # its per-element fp32 result (cross-entropy's log-softmax) beside its input;
+                # where that result is the storage the reduced loss keeps (CPU's mse_loss,
+                # `LOSSES_KEEP_UNREDUCED`), it is counted among the saved tensors already
                 extra[t] += r[0] if r is not None else size(i, "fp32")
             if r is None:
                 continue
@@ -1388,6 +1419,31 @@ def adamw_temporary_elems(sizes: Iterable[float]) -> float:
         best = max(best, ADAMW_TEMPORARIES * s + prev)
         prev = s
     return best
+
+
+def holder_order(fqns: Iterable[str]) -> list[str]:
+    """The order in which a pipeline chunk run op by op as solved holds (and the optimizer steps)
+    parameters `fqns`: `intra_op.pipeline_chunks.ProgramChunk` inserts them, sorted by name,
+    into a module tree of their paths (`_holder`), whose `named_parameters()` yields each
+    module's own parameters before its submodules', the submodules in insertion order. That is
+    not the model's order: a GPT's last stage steps `blocks.1.mlp.proj.weight`, then
+    `embed.tok.weight` (its tied head), where the model holds `head.ln` between them."""
+    tree: dict = {}
+    for f in sorted(dict.fromkeys(fqns)):
+        *path, name = f.split(".")
+        node = tree
+        for part in path:
+            node = node.setdefault(("m", part), {})
+        node[("p", name)] = f
+    out: list[str] = []
+
+    def walk(node: dict) -> None:
+        out.extend(v for (kind, _), v in node.items() if kind == "p")
+        for (kind, _), v in node.items():
+            if kind == "m":
+                walk(v)
+    walk(tree)
+    return out
 
 
 # The collective library the runtime uses on a device type (`runtime.worker.init_distributed`:

@@ -1613,3 +1613,432 @@ def test_the_recompute_budget_counts_each_gradient_once(zero):
                 assert budget == pytest.approx(s._stage(tb, c, [(k, j)], r, held).peak_bytes, rel=1e-12), (m, r, idx)
                 checked += 1
     assert checked == 16
+
+
+def test_pipeline_chunk_steps_its_parameters_in_its_holders_order():
+    """A pipeline chunk run op by op (`ProgramChunk`) holds its parameters in a module tree built
+    from their sorted names (`pipeline_chunks._holder`), and the optimizer steps them in that
+    order, not the model's: `holder_order` is that order (a GPT's last stage steps its tied
+    embedding right after `mlp.proj.weight`), and the stage's AdamW temporaries follow it
+    (gpt-tiny tp2 x pp2's last stage: 2·2048 + 2048 elements, tracked 24 KiB; the model's
+    order gave 2·2048 + 64)."""
+    import torch
+
+    from autopar.intra_op.pipeline_chunks import _holder
+    from autopar.models.registry import build_model
+    from cost_models.memory import holder_order
+
+    model = build_model("gpt-tiny", device="meta").model
+    names = [n for n, _ in model.named_parameters()]
+    last = [n for n in names if n.startswith(("blocks.1.", "head.ln."))] + ["embed.tok.weight"]
+    for fqns in (names, last, ["b.z", "a.y.w", "a.x", "a.y.v", "ab.u", "a.b_c.d", "a.b.e"]):
+        if fqns is names or fqns is last:
+            root = model
+        else:
+            root = torch.nn.Module()
+            for f in fqns:
+                *path, leaf = f.split(".")
+                mod = root
+                for part in path:
+                    if part not in mod._modules:
+                        mod._modules[part] = torch.nn.Module()
+                    mod = mod._modules[part]
+                mod._parameters[leaf] = torch.nn.Parameter(torch.zeros(1))
+        held = [n for n, _ in _holder(root, sorted(fqns)).named_parameters()]
+        assert holder_order(fqns) == held
+    order = holder_order(last)
+    assert order.index("embed.tok.weight") == order.index("blocks.1.mlp.proj.weight") + 1
+    sizes = {"blocks.1.mlp.fc.weight": 2048, "blocks.1.mlp.fc.bias": 64, "blocks.1.mlp.proj.weight": 2048,
+             "embed.tok.weight": 2048}
+    assert adamw_temporary_elems([sizes.get(f, 32) for f in order]) == 3 * 2048
+    assert adamw_temporary_elems([sizes.get(f, 32) for f in last]) == 2 * 2048 + 64
+
+
+def test_a_backward_moment_splits_freed_activations_from_gradients():
+    """At the backward's worst moment of a plain (not recomputed) op, what lies above the saved
+    activations is the op's gradients less what autograd already freed of the saved tensors
+    (a node's saved tensors go once its backward ran): `backward_over_grads` is those
+    gradients, the rest (at most 0) the freed activations. Checked against a dispatch mode that
+    counts, at torch's peak of the backward, the forward's storages still alive apart from the
+    backward's (the MLP of `test_backward_gradients_by_liveness_match_torch`); the search's
+    transient is split alike (mlp-tiny fp32 dp2: activations 40, buffers 64 KiB tracked at the
+    peak, where the whole transient as gradients gave 48 / 56)."""
+    import weakref
+
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from autopar.capture.export import capture
+    from cost_models.memory import activation_memory
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(32, 128), nn.Linear(128, 32)
+
+        def forward(self, x, y):
+            h = self.fc1(x)
+            a = 0.5 * h * (1.0 + torch.tanh(0.7978845608 * (h + 0.044715 * torch.pow(h, 3.0))))
+            return F.mse_loss(self.fc2(a), y)
+
+    class Split(TorchDispatchMode):
+        # live storages by the pass that made them; the split at the backward's peak
+        def __init__(self, before):
+            super().__init__()
+            self.before, self.live, self.backward = before, {}, False
+            self.peak, self.at_peak = 0, (0, 0)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    st = t.untyped_storage()
+                    key = st.data_ptr()
+                    if key not in self.live and key not in self.before and st.nbytes():
+                        self.live[key] = (st.nbytes(), self.backward)
+                        weakref.finalize(st, self.live.pop, key, None)
+            if self.backward:
+                fwd = sum(b for b, bw in self.live.values() if not bw)
+                bwd = sum(b for b, bw in self.live.values() if bw)
+                if fwd + bwd > self.peak:
+                    self.peak, self.at_peak = fwd + bwd, (fwd, bwd)
+            return out
+
+    b = 64
+    torch.manual_seed(0)
+    m = MLP()
+    x, y = torch.randn(b, 32), torch.randn(b, 32)
+    g = capture(m, (x, y)).at_batch(b)
+    pel = {n.name: float(m.get_parameter(n.fqn).numel()) for n in g.nodes if n.kind == "param"}
+    am = activation_memory(g, "fp32", device_type="cpu", count_inputs=False, param_elems=pel)
+    for p in m.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    split = Split({t.untyped_storage().data_ptr() for t in [*m.parameters(), x, y]})
+    with split:
+        loss = m(x, y)
+        split.backward = True
+        loss.backward()
+    acts, grads = split.at_peak
+    assert not am.backward_over_recompute
+    assert abs(am.backward_over_grads - grads) <= 4, (am.backward_over_grads, grads)
+    assert am.backward_over_bytes - am.backward_over_grads <= 0
+    assert abs(am.saved_bytes + am.backward_over_bytes - am.backward_over_grads - acts) <= 4, (am.saved_bytes, acts)
+
+
+def test_a_stages_backward_transient_frees_activations(tmp_path):
+    """mlp-tiny fp32 dp2 (micro-batches of 64 rows): the tracked peak is a later micro-batch's
+    backward of layers.2's matmul, its output's and input's gradients and its weight's (a
+    temporary AccumulateGrad adds in) beside the activations the loss's backward freed (its
+    input, [64, 32]): 40 KiB of activations, 64 of buffers (the batch, 32, and 32 of
+    gradients). The whole transient taken as gradients above every saved activation gave
+    48 / 56 at the same total."""
+    for p in _pinned_stage_categories("mlp-tiny fp32 dp=2 tp=1 pp=1 zero_stage=0", tmp_path):
+        assert (p["activations"], p["buffers"], p["peak_bytes"]) == (40 * 1024, 64 * 1024, 232 * 1024)
+
+
+def test_a_tp_pipelines_last_chunk_frees_each_receive_buffer_after_its_backward():
+    """The schedule keeps each micro-batch's loss, and holds the last chunk's output until its
+    next forward returns; the runtime detaches the loss in place once its backward ran
+    (`JustInTimeStage.backward_one_chunk`), which frees its graph and the received input that
+    the graph's AccumulateGrad holds, so a receive buffer lives until its micro-batch's
+    backward, as `cost_models.schedules.held_moments` counts them. A tp chunk run op by op
+    (`ProgramChunk`) returns its loss as a view (`to_local`), which the loss function copied
+    and the runtime could not detach: the previous micro-batch's receive buffer stayed alive
+    through the next forward (gpt-tiny bf16 tp2 x pp2 1F1B, last stage: buffers 156 KiB
+    tracked, 148 predicted). The stage now hands the loss on compact itself
+    (`JustInTimeStage.forward_one_chunk`). Rank 2 of a fake 4-rank group, one step."""
+    import weakref
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autopar.models.registry import build_model, call_batch_fn
+    from autopar.runtime.engine import ParallelModel
+
+    cl = autopar.ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
+    p = autopar.plan("gpt-tiny", cl, global_batch_size=16, dtype="fp32",
+                     constraints=autopar.Constraints(dp=1, tp=2, pp=2, schedule="1f1b", num_microbatches=4,
+                                                     recompute="none", sequence_parallel=False))
+    assert all(s.op_layouts is not None for s in p.stages)
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=2, world_size=4)
+    try:
+        b = build_model("gpt-tiny", device="meta")
+        pm = ParallelModel(p, b, seed=0)
+        stage = pm.pipe_stages[0]
+        assert stage.is_last
+        buffers, alive = [], []
+        get, fwd = stage.get_fwd_recv_ops, stage.forward_one_chunk
+
+        def get_ops(mb, *a, **k):
+            out = get(mb, *a, **k)
+            buffers.extend(weakref.ref(i.buffer) for i in stage.args_recv_info[mb]
+                           if i.buffer is not None and not i.buffer.is_meta)
+            return out
+
+        def forward(mb, *a, **k):
+            alive.append(sum(r() is not None for r in buffers[:-1]))
+            return fwd(mb, *a, **k)
+
+        stage.get_fwd_recv_ops, stage.forward_one_chunk = get_ops, forward
+        pm.train_step(pm.local_batch(call_batch_fn(b.batch_fn, 0, p.global_batch_size, 0)))
+        assert len(buffers) == 4 and alive == [0, 0, 0, 0]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_gradient_crossing_a_redistribution_into_a_shard_is_a_new_tensor(monkeypatch):
+    """Where an op reads an input redistributed into a split layout (the executor's copy,
+    `read_shard`), the input's gradient comes from the redistribution's backward (an
+    all-gather into the producer's layout), a new tensor: a residual add hands its gradient on
+    as it is to an input read as it is made, but to one read as a sequence shard the all-gather
+    makes the producer's whole gradient (Megatron-SP's row-parallel projection before the
+    residual add). Into a whole layout (a partial sum reduced, `P -> R`) the gradient passes as
+    it is. Read off the gradients alive at each op's backward (`_gradient_moments`)."""
+    import torch
+    from torch import nn
+
+    import cost_models.memory as memory
+    from autopar.capture.export import capture
+
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(32, 32, bias=False)
+
+        def forward(self, x, y):
+            return torch.nn.functional.mse_loss(x + self.fc(x), y)
+
+    m = Residual()
+    x, y = torch.randn(64, 32), torch.randn(64, 32)
+    g = capture(m, (x, y)).at_batch(64)
+    add = next(n for n in g.nodes if n.kind == "call" and n.op == "add")
+    fc = next(n for n in g.nodes if n.kind == "call" and n.op in ("linear", "mm", "addmm"))
+    assert fc.name in add.inputs
+    seen = []
+    moments = memory._gradient_moments
+
+    def keep(*a, **k):
+        seen.append(moments(*a, **k))
+        return seen[-1]
+
+    monkeypatch.setattr(memory, "_gradient_moments", keep)
+
+    def at_add(layout):
+        def rs(n, i):
+            return layout if n.name == add.name and i == fc.name else None
+        memory.activation_memory(g, "fp32", device_type="cpu", count_inputs=False,
+                                 read_shard=rs if layout else None)
+        return seen[-1][add.name][0]
+
+    plain = at_add(None)
+    assert at_add((1, "R")) == plain
+    # fc's output gradient, [64, 32] fp32, made by the all-gather beside the add's own
+    assert at_add((2, "S(1)")) - plain == 64 * 32 * 4
+
+
+def test_a_sequence_parallel_chunks_backward_holds_the_gathered_gradient(tmp_path):
+    """gpt-tiny bf16 tp2 x pp2 1F1B with Megatron-SP, stage 0: the tracked peak is a later
+    micro-batch's backward of the MLP's row-parallel projection, holding beside the batch
+    ([32, 16] int64) and the output gradient's receive buffer (a sequence shard, [8, 8, 32]
+    bf16) the gradient the all-gather of its output's redistribution made ([8, 16, 32]), its
+    input's gradient ([128, 64]) and its weight's and bias's ([32, 64], [32]) bf16: 36 KiB of
+    buffers tracked. The model took the residual add's gradient for the projection's (24 KiB),
+    and its executor variant left out the parameter gradients each op's backward makes
+    (`LayerCost.param_elems` of the variant was empty)."""
+    for p in _pinned_stage_categories("gpt-tiny bf16 dp=1 tp=2 pp=2 schedule=1f1b num_microbatches=4 recompute=none "
+                                      "sequence_parallel=True", tmp_path)[:2]:
+        assert p["stage"] == 0
+        assert p["buffers"] == 32 * 16 * 8 + (8 * 8 * 32 + 8 * 16 * 32 + 128 * 64 + 32 * 64 + 32) * 2
+
+
+def test_zero12_sync_frees_every_gradient_before_the_step():
+    """ZeRO-1/2's sync copies each gradient into the flat buffer and frees it
+    (`ZeroSharding._zero12_step`), so the reduce-scatter, the optimizer step and the all-gather
+    run without any 2-byte gradient (`runtime_phases`: none in those moments). The copy loop's
+    variable kept the last parameter's gradient alive through all of them (gpt-tiny dp2 x pp2
+    ZeRO-2's last stage: its tied embedding's, 8 KiB bf16, tracked in the gradient-sync and
+    optimizer phases where none was predicted). Rank 0 of a fake 2-rank group, one step: every
+    gradient the backward made is gone when the optimizer steps."""
+    import weakref
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autopar.models.registry import build_model, call_batch_fn
+    from autopar.runtime.engine import ParallelModel
+
+    cl = autopar.ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 2})
+    p = autopar.plan("gpt-tiny", cl, global_batch_size=8, dtype="bf16",
+                     constraints=autopar.Constraints(dp=2, tp=1, pp=1, zero_stage=2, recompute="none",
+                                                     sequence_parallel=False))
+    assert p.zero_stage == 2
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        b = build_model("gpt-tiny", device="meta")
+        pm = ParallelModel(p, b, seed=0)
+        grads, alive = [], []
+        for q in pm.params:
+            q.register_post_accumulate_grad_hook(lambda q: grads.append(weakref.ref(q.grad)))
+        step = pm.optimizer.step
+
+        def checked(*a, **k):
+            alive.append(sum(r() is not None for r in grads))
+            return step(*a, **k)
+
+        pm.optimizer.step = checked
+        pm.train_step(pm.local_batch(call_batch_fn(b.batch_fn, 0, p.global_batch_size, 0)))
+        assert grads and alive == [0]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_chunks_first_backward_leaves_its_forward_moment_out(tmp_path):
+    """gpt-tiny fp32 tp2 x pp2 GPipe, selective recomputation, stage 0: the tracked peak is the
+    first backward's start, the MLP projection's backward with every micro-batch's activations
+    saved (712 KiB), beside the batch ([32, 16] int64), the output gradient's receive buffer
+    ([8, 16, 32] fp32), the projection's input gradient ([128, 64]) and its weight's and bias's
+    ([32, 64], [32]): 60 KiB of buffers. The layer's worst moment without the given gradient
+    (`bwd_over_given`) is its forward's there (the projection's partial sums and their
+    all-reduce), which the first backward took for its own (68 KiB); it now takes the
+    backward's (`LayerCost.bwd_given_backward`)."""
+    for p in _pinned_stage_categories("gpt-tiny fp32 dp=1 tp=2 pp=2 schedule=gpipe num_microbatches=4 "
+                                      "recompute=selective", tmp_path)[:2]:
+        assert p["stage"] == 0 and p["gradients"] == 0
+        assert p["buffers"] == 32 * 16 * 8 + (8 * 16 * 32 + 128 * 64 + 32 * 64 + 32) * 4
+
+
+def test_each_micro_batchs_loss_is_freed_before_the_next_forward():
+    """Without a pipeline the runtime runs its micro-batches in a loop (`ParallelModel.
+    forward_backward`); a loss lives through its own backward (CPU's mse_loss with its
+    unreduced fp32 storage, `LOSSES_KEEP_UNREDUCED`), not through the next micro-batch's
+    forward, where the loop's variable kept it (mlp-tiny bf16 dp2: 8 KiB more activations in
+    the second forward than predicted). One process, mlp-tiny, 2 micro-batches."""
+    import weakref
+
+    import torch.distributed as dist
+
+    from autopar.models.registry import build_model, call_batch_fn
+    from autopar.runtime.engine import ParallelModel
+    from autopar.runtime.worker import init_distributed
+
+    cl = autopar.ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 1})
+    p = autopar.plan("mlp-tiny", cl, global_batch_size=64, dtype="fp32",
+                     constraints=autopar.Constraints(dp=1, tp=1, pp=1, num_microbatches=2))
+    assert p.num_microbatches == 2
+    assert not dist.is_initialized()
+    init_distributed()
+    try:
+        b = build_model("mlp-tiny", device="meta")
+        pm = ParallelModel(p, b, seed=0)
+        losses, alive = [], []
+        run = pm.runner
+
+        def runner(*a, **k):
+            alive.append(sum(r() is not None for r in losses))
+            out = run(*a, **k)
+            losses.append(weakref.ref(out.untyped_storage()))
+            return out
+
+        pm.runner = runner
+        pm.train_step(pm.local_batch(call_batch_fn(b.batch_fn, 0, p.global_batch_size, 0)))
+        assert alive == [0, 0]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_loss_keeping_its_unreduced_result_adds_nothing_to_the_forward():
+    """A loss makes its per-element fp32 result beside its input (cross-entropy's
+    log-softmax); CPU's mse_loss keeps that result as the reduced loss's storage
+    (`LOSSES_KEEP_UNREDUCED`), already among the saved tensors, so the forward's moment at the
+    loss holds nothing more: saved + forward moment equal the forward's peak a dispatch mode
+    counts (the result counted twice gave 8 KiB more, mlp-tiny pp2's last stage)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from autopar.capture.export import capture
+    from cost_models.memory import activation_memory
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(64, 32, bias=False)
+
+        def forward(self, x, y):
+            return F.mse_loss(self.fc(x), y)
+
+    m = Head()
+    x, y = torch.randn(64, 64), torch.randn(64, 32)
+    g = capture(m, (x, y)).at_batch(64)
+    am = activation_memory(g, "fp32", device_type="cpu", count_inputs=False)
+    count = _storage_counter({t.untyped_storage().data_ptr() for t in [*m.parameters(), x, y]})
+    with count:
+        m(x, y)
+    assert abs(am.saved_bytes + am.forward_over_bytes - count.peak) <= 4, (am.saved_bytes, am.forward_over_bytes)
+
+
+def test_a_pipelines_last_stage_drops_each_loss_storage_after_its_backward():
+    """The schedule holds the last stage's output (the loss) until its next forward returns;
+    the stage hands it on compact (`compact_loss`: CPU's mse_loss keeps its unreduced fp32
+    loss as the 0-dim loss's storage), so that storage lives through its micro-batch's
+    backward alone (the stage's forward cache), as `LOSSES_KEEP_UNREDUCED` counts it (mlp-tiny
+    bf16 pp2's last stage held the previous micro-batch's, 8 KiB, through each forward). Rank 1
+    of a fake 2-rank group, one step."""
+    import weakref
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autopar.models.registry import build_model, call_batch_fn
+    from autopar.runtime.engine import ParallelModel
+
+    cl = autopar.ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 2})
+    p = autopar.plan("mlp-tiny", cl, global_batch_size=64, dtype="fp32",
+                     constraints=autopar.Constraints(dp=1, tp=1, pp=2, schedule="1f1b", num_microbatches=4))
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        b = build_model("mlp-tiny", device="meta")
+        pm = ParallelModel(p, b, seed=0)
+        stage = pm.pipe_stages[0]
+        assert stage.is_last
+        chunk = stage.submod
+        kept, alive = [], []
+        fwd = chunk.forward
+
+        def forward(*a, **k):
+            alive.append(sum(r() is not None for r in kept))
+            out = fwd(*a, **k)
+            assert out.untyped_storage().nbytes() > out.element_size()      # the unreduced loss
+            kept.append(weakref.ref(out.untyped_storage()))
+            return out
+
+        chunk.forward = forward
+        pm.train_step(pm.local_batch(call_batch_fn(b.batch_fn, 0, p.global_batch_size, 0)))
+        assert alive == [0, 0, 0, 0]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_stage_steps_no_tensor_of_the_stage_before():
+    """AdamW's temporaries of a layer range (`_Tables.range_maxtensor`): the first tensor of a
+    layer is stepped after the last of the layer before only where both are the stage's; a
+    stage starting at that layer steps it first (mlp-tiny pp2's last stage: 2·2048 elements,
+    tracked 16 KiB; with the first stage's [64, 64] weight before it, 2·4096)."""
+    from autopar.inter_op.search import _Tables
+    from autopar.inter_op.stage_cost import LayerCost
+
+    cluster = autopar.ClusterSpec.load("cpu")
+    costs = [LayerCost(act_bytes={"none": 0.0}, param_elems={"a": 2048.0}),
+             LayerCost(act_bytes={"none": 0.0}, param_elems={"b": 4096.0}),
+             LayerCost(act_bytes={"none": 0.0}, param_elems={"c": 2048.0})]
+    tb = _Tables(costs, cluster, "fp32", 1, 1, 0, [])
+    assert tb.range_maxtensor[2, 3] == adamw_temporary_elems([2048]) == 2 * 2048
+    assert tb.range_maxtensor[1, 3] == adamw_temporary_elems([4096, 2048]) == 2 * 4096
+    assert tb.range_maxtensor[0, 2] == adamw_temporary_elems([2048, 4096]) == 2 * 4096 + 2048
+    assert tb.range_maxtensor[0, 1] == 2 * 2048

@@ -65,7 +65,8 @@ _CORE_SAVED = ("none",)
 
 # the token-proportional fields of a `LayerCost` (floats, or dicts / lists of floats by policy)
 _SCALED = ("fwd_s", "bwd_s", "fwd_comm_s", "bwd_comm_s", "rc_extra_s", "rc_comm_s", "act_bytes", "bwd_over",
-           "bwd_over_grads", "bwd_over_loss", "bwd_over_body", "bwd_over_given", "bwd_over_given_grads", "bwd_first",
+           "bwd_over_grads", "bwd_over_loss", "bwd_over_body", "bwd_over_given", "bwd_over_given_grads",
+           "bwd_given_backward", "bwd_first",
            "bwd_first_born", "out_saved", "in_saved", "out_bytes", "cross_bytes", "cross_grad_bytes")
 
 
@@ -322,8 +323,14 @@ def layer_cost(cost: LayerCost, cp: int, kv: float, tp: int, cluster: ClusterSpe
     # layer's body (not the loss's)
     for r in list(out.bwd_over):
         held = (extra if r in _CORE_SAVED else 2 * extra) + (ckv / 2 + ckv / (2 * cp) if ckv else 0.0)
+        if not out.bwd_over_rc.get(r, False):
+            # the moment may now be another one: its split into gradients and freed
+            # activations is not known (the whole transient counts as gradients)
+            out.bwd_over_grads.pop(r, None)
         if r in out.bwd_over_given:
             out.bwd_over_given[r] += held
+        if r in out.bwd_given_backward:
+            out.bwd_given_backward[r] += held
         if r in out.bwd_over_body:
             # the worst moment: the body's, now larger, or the loss's, as it was
             out.bwd_over_body[r] += held

@@ -272,7 +272,9 @@ class IlpProvider(AnalyticProvider):
         # redistributed (it saves that copy)
         read = _read_shard(sol, tp, {n.name: n.fqn for n in sub.nodes if n.kind == "param" and n.fqn})
         if any(read(n, i) for n in sub.calls for i in n.inputs):
-            alt = LayerCost()
+            # the parameters' elements too: each op's backward makes their gradients
+            # (`fill_activations` reads them off the cost)
+            alt = LayerCost(param_elems=dict(c.param_elems))
             fill_activations(alt, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
                              read_shard=read, attention_kernel=kernel, selective_region=layer.selective_region(tp),
                              modules=layer.modules, autocast=self.software.autocast, **names)
@@ -333,7 +335,7 @@ def _differing(alt: LayerCost, c: LayerCost) -> dict | None:
     diff: dict = {}
     for k in ("act_bytes", "bwd_over", "bwd_over_rc", "bwd_over_grads", "bwd_over_body", "bwd_over_loss",
               "out_saved", "in_saved", "bwd_over_given", "bwd_over_given_rc",
-              "bwd_over_given_grads", "bwd_first", "bwd_first_at", "bwd_first_born"):
+              "bwd_over_given_grads", "bwd_given_backward", "bwd_first", "bwd_first_at", "bwd_first_born"):
         d = {rc: v for rc, v in getattr(alt, k).items() if v != getattr(c, k).get(rc)}
         if d:
             diff[k] = d

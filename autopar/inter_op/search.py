@@ -97,6 +97,7 @@ from cost_models.memory import (
     PRECISION_POLICIES,
     adamw_temporary_elems,
     fused_optimizer,
+    holder_order,
     reduce_scatter_copies_input,
     runtime_phases,
     usable_memory,
@@ -208,6 +209,7 @@ class _Tables:
                   "out", "cross", "cross_grad", "wgo", "valid", "kk", "jj", "range_pel", "range_in", "range_out",
                   "range_send", "range_send_grad", "range_act", "range_in_saved", "range_out_kept", "range_work",
                   "range_work_rc", "range_work_rc_grads", "work_grads", "range_work_tmp", "range_root", "_layers",
+                  "work_tmp_grads", "range_work_tmp_grads",
                   "range_maxtensor", "_first")
 
     def __init__(self, costs: list[LayerCost], cluster: ClusterSpec, dtype: str, dp: int, tp: int,
@@ -278,6 +280,10 @@ class _Tables:
         # of a recomputation's moment, the gradients (`LayerCost.bwd_over_grads`)
         self.work_grads = {r: np.array([c.bwd_over_grads.get(r, 0.0) for c in costs], dtype=float).reshape(L)
                            for r in RECOMPUTES}
+        # of a plain backward moment, its gradients; the rest (at most 0) the activations autograd
+        # freed before it (NaN: not known, the whole transient counts as gradients)
+        self.work_tmp_grads = {r: np.array([c.bwd_over_grads.get(r, np.nan) for c in costs], dtype=float).reshape(L)
+                               for r in RECOMPUTES}
         # parameter elements per device: every layer's own, tied ones once per stage
         users: dict[str, list[int]] = {}
         elems: dict[str, float] = {}
@@ -341,9 +347,12 @@ class _Tables:
         # before any recomputation, a block's recomputation after the head freed its logits.
         # Split by what the transient is: recomputed activations (`range_work_rc`) or activation
         # gradients (`range_work_tmp`), each -inf where none of the range's layers has that kind;
-        # of the recomputed kind's moment, its gradients (`range_work_rc_grads`)
+        # of the recomputed kind's moment, its gradients (`range_work_rc_grads`); of the other
+        # kind's, its gradients too (`range_work_tmp_grads`, NaN where not known): the rest of
+        # that transient, at most 0 but where a kept output is counted again, is activations
+        # (what autograd freed of the layer's and the later layers' saved tensors)
         self.range_work, self.range_work_rc, self.range_work_tmp = {}, {}, {}
-        self.range_work_rc_grads = {}
+        self.range_work_rc_grads, self.range_work_tmp_grads = {}, {}
         for r, wk in self.work.items():
             P = self.act[r]
             rc_kind = self.work_rc[r]
@@ -353,6 +362,8 @@ class _Tables:
             self.range_work_rc[r], self.range_work_tmp[r] = Wrc, Wtmp
             at = _range_argmax(np.where(rc_kind, v, -INF))
             self.range_work_rc_grads[r] = np.where(at >= 0, self.work_grads[r][np.maximum(at, 0)], 0.0)
+            at = _range_argmax(np.where(rc_kind, -INF, v))
+            self.range_work_tmp_grads[r] = np.where(at >= 0, self.work_tmp_grads[r][np.maximum(at, 0)], np.nan)
             self.range_work[r] = np.maximum(np.maximum(Wrc, Wtmp), 0.0)
         self._outputs_held()
         self._first: dict[tuple[str, bool], tuple[np.ndarray, ...]] = {}
@@ -360,13 +371,19 @@ class _Tables:
         self._layers = layers
         # AdamW's temporaries at their worst, per device (`adamw_temporary_elems`: the tensors
         # in the order the layers hold them, the first of a layer after the last of the one
-        # before)
-        temps, prev = [], 0.0
+        # before, the layer's first where it starts the range: the tensor stepped before it is
+        # another stage's then)
+        temps, own, prev = [], [], 0.0
         for c in costs:
             sizes = list(c.param_elems.values())
             temps.append(adamw_temporary_elems([prev] + sizes) if sizes else 0.0)
+            own.append(adamw_temporary_elems(sizes) if sizes else 0.0)
             prev = sizes[-1] if sizes else prev
-        self.range_maxtensor = np.maximum(_range_max(np.array(temps)), 0.0)
+        later = np.full((L, L + 1), -INF)
+        if L > 1:
+            later[:-1] = _range_max(np.array(temps))[1:]          # layers k+1 .. j-1
+        first = np.array(own, dtype=float).reshape(L)[:, None]
+        self.range_maxtensor = np.where(self.valid, np.maximum(np.maximum(first, later), 0.0), 0.0)
 
     def _outputs_held(self) -> None:
         """A pipeline chunk's output stays in the stage's forward cache until the chunk's
@@ -398,13 +415,18 @@ class _Tables:
                 kind, wg = self.work_rc[r][:j].copy(), self.work_grads[r][:j].copy()
                 kind[-1] = last.bwd_over_given_rc.get(r, kind[-1])
                 wg[-1] = last.bwd_over_given_grads.get(r, wg[-1])
+                wt = self.work_tmp_grads[r][:j].copy()
+                if r in last.bwd_over_given:
+                    wt[-1] = last.bwd_over_given_grads.get(r, np.nan)
                 for rc_kind, W in ((True, self.range_work_rc[r]), (False, self.range_work_tmp[r])):
                     mask = np.where(kind == rc_kind, v, -INF)
                     suffix = np.maximum.accumulate(mask[::-1])[::-1]       # max over i >= k
                     W[k, j] = suffix[k]
+                    at = _suffix_argmax(mask)
                     if rc_kind:
-                        at = _suffix_argmax(mask)
                         self.range_work_rc_grads[r][k, j] = wg[at]
+                    else:
+                        self.range_work_tmp_grads[r][k, j] = np.where(at >= 0, wt[np.maximum(at, 0)], np.nan)
                 self.range_work[r][k, j] = np.maximum(np.maximum(self.range_work_rc[r][k, j],
                                                                  self.range_work_tmp[r][k, j]), 0.0)
                 self.range_act[r][k, j] -= held
@@ -477,7 +499,9 @@ class _Tables:
         given = np.zeros((L, L + 1))
         for j in range(1, L):
             last, held = costs[j - 1], float(costs[j - 1].out_saved.get(r, 0.0))
-            own = last.bwd_over_given.get(r, work[j - 1])
+            # the backward's moment without the given gradient (`bwd_given_backward`; the
+            # layer's `bwd_over_given` can be its forward's, not a moment of this backward)
+            own = last.bwd_given_backward.get(r, last.bwd_over_given.get(r, work[j - 1]))
             if held <= 0 and own == work[j - 1]:
                 continue
             rows = []
@@ -777,6 +801,21 @@ class _Tables:
         return optimizer_step_time(pel, self.cluster.device, self.dtype, shard=self.dp if self.zero >= 1 else 1,
                                    param_tensors=1 if flat else tensors)
 
+    def chunk_temporaries(self, chunks: list[tuple[int, int]]) -> float:
+        """AdamW's temporaries at their worst, elements, for a stage whose `chunks` each run as a
+        pipeline chunk of the executor (`intra_op.pipeline_chunks.ProgramChunk`): the rank
+        steps each chunk's parameters in the order its holder keeps them (`holder_order`: by
+        name, not the model's order), the chunks one after the other, a tied one once. For
+        ZeRO 0 (ZeRO-1/2 step one flat shard; ZeRO-3's FSDP units hold their own)."""
+        sizes, seen = [], set()
+        for k, j in chunks:
+            elems = {f: e for c in self.costs[k:j] for f, e in c.param_elems.items()}
+            for f in holder_order(elems):
+                if f not in seen:
+                    seen.add(f)
+                    sizes.append(elems[f])
+        return adamw_temporary_elems(sizes)
+
     def param_tensors(self, chunks: list[tuple[int, int]]) -> int:
         """Distinct parameter tensors of the layers in `chunks` (a tied one counts once)."""
         return len({f for k, j in chunks for c in self.costs[k:j] for f in c.param_elems})
@@ -794,12 +833,18 @@ def _transient(tb: "_Tables", chunks: list[tuple[int, int]], r: str) -> tuple[fl
     """A stage's backward transient above its saved activations, as (recomputed activations,
     activation gradients): the worst of its chunks' (one runs its backward at a time), the
     larger kind only; a recomputation's moment holds the gradients of the op whose backward
-    runs beside what it re-made, counted as gradients (buffers) as a tracker counts them."""
+    runs beside what it re-made, counted as gradients (buffers) as a tracker counts them; a
+    plain backward moment holds its op's gradients (buffers) where the saved activations
+    autograd freed before it are gone (the first item, then at most 0)."""
     rc, at = max((float(tb.range_work_rc[r][k, j]), (k, j)) for k, j in chunks)
-    tmp = max(float(tb.range_work_tmp[r][k, j]) for k, j in chunks)
+    tmp, at_tmp = max((float(tb.range_work_tmp[r][k, j]), (k, j)) for k, j in chunks)
     if rc > tmp and rc > 0:
         g = min(float(tb.range_work_rc_grads[r][at]), rc)
         return rc - g, g
+    g = float(tb.range_work_tmp_grads[r][at_tmp])
+    if tmp > 0 and not np.isnan(g):
+        # the op's gradients; what autograd freed of the saved activations before it, less
+        return tmp - g, g
     return 0.0, max(tmp, 0.0)
 
 
@@ -1922,6 +1967,10 @@ class Search:
         root = max(float(tb.range_root[k, j]) for k, j in chunks)
         unit = max(float(tb.range_unit[k, j]) for k, j in chunks) if tb.zero3 else 0.0
         largest = max(float(tb.range_maxtensor[k, j]) for k, j in chunks)
+        if cand.pp > 1 and op_by_op(cand) and not tb.zero3:
+            # pipeline chunks run op by op step their parameters in their holder's order (the
+            # search's bound, `range_maxtensor`, takes the model's: a few tensors' difference)
+            largest = tb.chunk_temporaries(chunks)
         t = comp = 0.0
         chunk_act, chunk_pel = [], []
         # per chunk, the receive buffer of its input and of its output's gradient (one

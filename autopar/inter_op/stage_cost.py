@@ -58,8 +58,10 @@ class LayerCost:
     # recomputation or the forward's tensors) rather than gradient buffers
     bwd_over: dict[str, float] = field(default_factory=dict)
     bwd_over_rc: dict[str, bool] = field(default_factory=dict)
-    # of `bwd_over` where it is a recomputation's moment, the gradients its op holds (the rest
-    # are re-made activations; a tracker counts the two apart)
+    # of `bwd_over`, the gradients its op holds: at a recomputation's moment the rest are re-made
+    # activations, at a plain backward op's the rest (at most 0) the activations autograd freed
+    # before it; 0 for the forward's moment; absent: not known (the whole extra is gradients).
+    # A tracker counts the two apart
     bwd_over_grads: dict[str, float] = field(default_factory=dict)
     # the loss's moment among them (`backward_over_loss`; absent: no loss) and the worst of the
     # others (`backward_over_body`), by policy
@@ -72,9 +74,13 @@ class LayerCost:
     # or a recomputation, as `bwd_over_rc`): the forward's moment can be the worst there while
     # the backward's is the worst with the output's gradient counted, by policy
     bwd_over_given_rc: dict[str, bool] = field(default_factory=dict)
-    # of `bwd_over_given` where it is a recomputation's moment, the gradients its op holds
-    # (as `bwd_over_grads`; 0 for the forward's moment), by policy
+    # of `bwd_over_given`, the gradients its op holds beside the given one (as `bwd_over_grads`;
+    # 0 for the forward's moment), by policy
     bwd_over_given_grads: dict[str, float] = field(default_factory=dict)
+    # the backward's worst moment alone without the given gradient (`ActivationMemory.
+    # backward_over_given`: `bwd_over_given` may be the forward's moment), what the first
+    # backward of a chunk ending in the layer holds above its saved activations, by policy
+    bwd_given_backward: dict[str, float] = field(default_factory=dict)
     # the first backward's worst moments by parts [activations, activation gradients, parameter
     # gradients] (the parameter gradients its ops made so far alive), one per position among
     # the layer's modules (`ActivationMemory.first_moments`), the positions in `bwd_first_at`
@@ -207,7 +213,9 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
         fwd = am.forward_over_bytes > am.backward_over_bytes
         c.bwd_over[rc] = am.forward_over_bytes if fwd else am.backward_over_bytes
         c.bwd_over_rc[rc] = fwd or am.backward_over_recompute
-        c.bwd_over_grads[rc] = am.backward_over_grads if not fwd and am.backward_over_recompute else 0.0
+        # of that moment, the gradients alive (a backward's: the rest are re-made activations, or
+        # the activations autograd freed so far, a negative; the forward's: none)
+        c.bwd_over_grads[rc] = 0.0 if fwd else am.backward_over_grads
         c.bwd_over_body[rc] = max(am.backward_over_body, am.forward_over_bytes)
         if am.backward_over_loss is not None:
             c.bwd_over_loss[rc] = am.backward_over_loss
@@ -215,6 +223,7 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
         fwd_given = am.forward_over_bytes > am.backward_over_given
         c.bwd_over_given_rc[rc] = fwd_given or am.backward_over_given_recompute
         c.bwd_over_given_grads[rc] = 0.0 if fwd_given else am.backward_over_given_grads
+        c.bwd_given_backward[rc] = am.backward_over_given
         at = sorted(am.first_moments)
         moments = [list(am.first_moments[x]) for x in at]
         born = [{str(p): b for p, b in am.first_born.get(x, {}).items()} for x in at]

@@ -465,6 +465,9 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
                         loss = self.runner(*args)
                     (loss / M).backward()
                 total += loss_value(loss)
+                # else the loop's variable keeps this micro-batch's loss, and the storage behind
+                # it (CPU's mse_loss: its unreduced fp32 loss), through the next forward
+                del loss
             return (total if reporter_tp else 0.0), (M if reporter_tp else 0)
         # pipeline
         is_first = any(st.is_first for st in self.pipe_stages)

@@ -127,6 +127,16 @@ class JustInTimeStage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        if self.is_last and isinstance(out, torch.Tensor) and type(out) is torch.Tensor:
+            # the loss: the schedule holds what this returns until the next forward returns,
+            # and the loss function's copy to the step's end; the stage's forward cache holds
+            # the chunk's own output until the micro-batch's backward. A loss that is a view,
+            # or one whose storage is larger than its value (CPU's mse_loss keeps its
+            # unreduced fp32 loss there), is handed on as its copy, which the backward detaches
+            # (`backward_one_chunk`): its storage is then held through the backward alone
+            from autopar.runtime.pipeline import compact_loss
+
+            out = compact_loss(out)
         if not self.has_backward:       # no backward will come for it (forward-only schedules)
             self._release(self.args_recv_info.get(fwd_chunk_id, ()))
         return out

@@ -148,6 +148,7 @@ class ZeroSharding:
             flat[off:off + g.numel()].copy_(g.reshape(-1))
             off += g.numel()
             p.grad = None
+            del g           # else the loop's variable keeps the last gradient through the step
         shard = torch.empty(S, dtype=flat.dtype, device=self.device)
         reduce_scatter_flat(shard, flat, group=self.dp_group)
         release(flat)
