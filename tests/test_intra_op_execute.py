@@ -439,3 +439,46 @@ def test_meta_program_hit_trains_as_a_miss(monkeypatch):
         p1, _ = execute.meta_program(b.model, b.example_inputs)
         assert any(isinstance(c, torch.Tensor) and c.is_meta for c in p1.constants.values())
         assert execute.meta_program(build_model(ref).model, b.example_inputs)[0] is p1
+
+
+def test_meta_constants_read_from_the_model_not_exported_again(monkeypatch):
+    """A Hugging Face Llama's meta program lifts its rotary table as a meta constant; applying
+    a solution reads it from the model (`_real_constants`) instead of exporting the model again
+    on its device, and the program's loss is the model's own, on a 1-process mesh."""
+    import importlib
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.intra_op import execute
+    from autopar.models.registry import build_model
+
+    if "hf-llama" not in ZOO:
+        pytest.skip("the [hf] extra is not installed")
+    capture_export = importlib.import_module("autopar.capture.export")
+    calls = []
+    real = capture_export.export_program
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    ref = ZOO["hf-llama"][0]
+    sol = _zoo_solution(ref, 2, (1,))
+    monkeypatch.setattr(capture_export, "export_program", counting)
+    monkeypatch.setattr(execute, "_META_PROGRAMS", type(execute._META_PROGRAMS)())
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        b = build_model(ref, device="cpu", batch_size=2)
+        want = b.model(*b.example_inputs)        # before the solution makes the weights DTensors
+        want = want.loss if hasattr(want, "loss") else want
+        prog = sol.apply(b.model, b.example_inputs, mesh)
+        assert len(calls) == 1                   # the meta copy's export only
+        held = {n: c for n, c in prog.constants.items() if isinstance(c, torch.Tensor)}
+        assert held and not any(c.is_meta for c in held.values())
+        assert all(c.is_meta for c in prog.program.constants.values() if isinstance(c, torch.Tensor))
+        got = prog(*b.example_inputs)
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+    finally:
+        dist.destroy_process_group()

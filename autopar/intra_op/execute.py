@@ -467,8 +467,12 @@ class ShardedProgram(nn.Module):
     def __init__(self, model: nn.Module, wrapped: nn.Module, program: Any, solution: ShardingSolution,
                  mesh: DeviceMesh, names: Optional[list[str]], inputs: str = "full",
                  device: Optional[torch.device] = None, recompute: Sequence[Sequence[str]] = (),
-                 own: Optional[set[str]] = None) -> None:
+                 own: Optional[set[str]] = None, constants: Optional[dict[str, Any]] = None) -> None:
         super().__init__()
+        # the program's lifted constants, those given in `constants` in their stead (a meta
+        # program's meta constants as the model holds them: `_real_constants`); the program,
+        # shared (`meta_program`), keeps its own
+        self.constants = {**program.constants, **(constants or {})}
         self.own = own                      # set: only these parameters are this rank's (a pipeline)
         self.run_device = device            # set: the program was traced on meta, runs here
         self.model = model
@@ -652,7 +656,7 @@ class ShardedProgram(nn.Module):
             elif spec.kind == InputKind.BUFFER:
                 flat.append(self._replicated(wrapped.get_buffer(spec.target)))
             elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
-                c = self.program.constants[spec.target]
+                c = self.constants[spec.target]
                 if isinstance(c, torch.Tensor) and c.is_meta:
                     raise PlanError(f"the model's program holds a tensor constant ({spec.target}) "
                                     f"traced on the meta device only; capture the model on its "
@@ -1278,20 +1282,23 @@ def parallelize_graph(model: nn.Module, example_inputs: Any, solution: ShardingS
                                       device=next(model.parameters()).device)
         wrapped = _WithLoss(model, loss_fn or default_loss, names)
         return ShardedProgram(model, wrapped, program, solution, mesh, names, inputs=inputs,
-                              device=next(model.parameters()).device, recompute=recompute)
+                              device=next(model.parameters()).device, recompute=recompute,
+                              constants=_real_constants(program, model))
     # the meta copy first: the solution was solved on the meta capture, whose program it fits
     # even where the model traces differently on its device (a Hugging Face model's attention,
-    # for one), and one export then serves; the device's own program where the meta one does
-    # not fit or holds a tensor constant traced on meta only
+    # for one), and one export then serves (a meta constant the model holds under its name,
+    # Hugging Face's rotary `inv_freq`, read from the model); the device's own program where
+    # the meta one does not fit or holds a tensor constant traced on meta only
     on_meta, names = meta_program(model, example_inputs, loss_fn=loss_fn, device=next(model.parameters()).device)
     meta_fits = not _mismatch(on_meta, solution)
-    if meta_fits and not _meta_constants(on_meta):
-        program, device = on_meta, next(model.parameters()).device
+    held = _real_constants(on_meta, model) if meta_fits else None
+    if held is not None:
         wrapped = _WithLoss(model, loss_fn or default_loss, names)
-    else:
-        program, wrapped, names = export_program(model, example_inputs, loss_fn=loss_fn)
-        if meta_fits and _mismatch(program, solution):
-            program, device = on_meta, next(model.parameters()).device
+        return ShardedProgram(model, wrapped, on_meta, solution, mesh, names, inputs=inputs,
+                              device=next(model.parameters()).device, recompute=recompute, constants=held)
+    program, wrapped, names = export_program(model, example_inputs, loss_fn=loss_fn)
+    if meta_fits and _mismatch(program, solution):
+        program, device = on_meta, next(model.parameters()).device
     return ShardedProgram(model, wrapped, program, solution, mesh, names, inputs=inputs, device=device,
                           recompute=recompute)
 
@@ -1349,6 +1356,29 @@ def meta_program(model: nn.Module, example_inputs: Any, *, loss_fn: Any = None,
         while len(_META_PROGRAMS) > META_PROGRAMS_KEPT:
             _META_PROGRAMS.popitem(last=False)
     return program, names
+
+
+def _real_constants(program: Any, model: nn.Module) -> Optional[dict[str, torch.Tensor]]:
+    """{name: the model's tensor} for each tensor constant of `program` (exported from a meta
+    copy of `model` wrapped by `_WithLoss`) that is on the meta device, each read from `model`
+    at the constant's name (an attribute the forward read, which the export lifted: a
+    non-persistent buffer, a plain tensor attribute), with its shape and dtype; None when one is
+    not held there (a tensor the forward made, `lifted_tensor_0`): the model's own export then
+    lifts it."""
+    out: dict[str, torch.Tensor] = {}
+    for name, c in program.constants.items():
+        if not (isinstance(c, torch.Tensor) and c.is_meta):
+            continue
+        path = name.removeprefix("model.") if name.startswith("model.") else None
+        owner, _, attr = (path or "").rpartition(".")
+        try:
+            t = getattr(model.get_submodule(owner), attr) if path else None
+        except AttributeError:
+            t = None
+        if not isinstance(t, torch.Tensor) or t.is_meta or t.shape != c.shape or t.dtype != c.dtype:
+            return None
+        out[name] = t
+    return out
 
 
 def _meta_constants(program: Any) -> bool:
