@@ -383,4 +383,123 @@ def test_meta_program_exported_once_per_model_structure(monkeypatch):
     assert p4 is not p1 and len(calls) == 3
     p5, _ = execute.meta_program(first.model, first.example_inputs, device=torch.device("meta"))
     assert p5 is not p1 and len(calls) == 4
-    assert len(execute._META_PROGRAMS) == execute.META_PROGRAMS_KEPT
+    assert len(execute._META_PROGRAMS) == min(4, execute.META_PROGRAMS_KEPT)
+
+
+def test_meta_program_keyed_by_config_and_inputs(monkeypatch):
+    """Two models of the same class, parameter names and shapes that differ in a config field
+    (dropout) get different programs, as do the same model's inputs of another sequence length;
+    each hit and miss is counted (`META_PROGRAM_STATS`)."""
+    import dataclasses
+
+    from autopar.intra_op import execute
+    from autopar.models.gpt import GPT
+    from autopar.models.registry import build_model
+
+    monkeypatch.setattr(execute, "_META_PROGRAMS", type(execute._META_PROGRAMS)())
+    monkeypatch.setattr(execute, "META_PROGRAM_STATS", {"hits": 0, "misses": 0})
+    b = build_model("gpt-tiny")
+    with torch.device("meta"):
+        dropped = GPT(dataclasses.replace(b.model.cfg, dropout=0.1))
+    def shapes(m):
+        return [(n, p.shape) for n, p in m.named_parameters()]
+
+    assert shapes(dropped) == shapes(b.model)
+    plain, _ = execute.meta_program(b.model, b.example_inputs)
+    other, _ = execute.meta_program(dropped, b.example_inputs)
+    assert other is not plain
+    ops = [{str(n.target) for n in p.graph.nodes if n.op == "call_function"} for p in (plain, other)]
+    assert not any("dropout" in o or "bernoulli" in o for o in ops[0])
+    assert any("dropout" in o or "bernoulli" in o for o in ops[1])
+    shorter = tuple(x[:, :8] for x in b.example_inputs)
+    short, _ = execute.meta_program(b.model, shorter)
+    assert short is not plain and all(p is not short for p in (plain, other))
+    assert execute.META_PROGRAM_STATS == {"hits": 0, "misses": 3}
+    assert execute.meta_program(dropped, b.example_inputs)[0] is other
+    assert execute.META_PROGRAM_STATS == {"hits": 1, "misses": 3}
+
+
+def test_meta_program_hit_trains_as_a_miss(monkeypatch):
+    """A solution applied with its program kept (a hit) computes the same losses and gradients
+    as with it freshly exported (a miss), over two SGD steps, on a 1-process mesh; a Hugging
+    Face Llama, whose program lifts its rotary table as a (meta) constant, is kept too."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.intra_op import execute
+    from autopar.models.registry import build_model
+
+    monkeypatch.setattr(execute, "_META_PROGRAMS", type(execute._META_PROGRAMS)())
+    monkeypatch.setattr(execute, "META_PROGRAM_STATS", {"hits": 0, "misses": 0})
+    sol = _zoo_solution("gpt-tiny", 2, (1,))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        runs = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            b = build_model("gpt-tiny", device="cpu", batch_size=2)
+            prog = sol.apply(b.model, b.example_inputs, mesh)
+            opt = torch.optim.SGD(b.model.parameters(), lr=0.1)
+            losses = []
+            for _ in range(2):
+                loss = prog(*b.example_inputs)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(float(loss.detach()))
+            runs.append((prog.program, losses, {n: p.detach().clone() for n, p in b.model.named_parameters()}))
+        assert execute.META_PROGRAM_STATS == {"hits": 1, "misses": 1}
+        assert runs[0][0] is runs[1][0]
+        assert runs[0][1] == runs[1][1]
+        assert all(torch.equal(runs[0][2][n], runs[1][2][n]) for n in runs[0][2])
+    finally:
+        dist.destroy_process_group()
+    if "hf-llama" in ZOO:
+        ref = ZOO["hf-llama"][0]
+        b = build_model(ref)
+        p1, _ = execute.meta_program(b.model, b.example_inputs)
+        assert any(isinstance(c, torch.Tensor) and c.is_meta for c in p1.constants.values())
+        assert execute.meta_program(build_model(ref).model, b.example_inputs)[0] is p1
+
+
+def test_meta_constants_read_from_the_model_not_exported_again(monkeypatch):
+    """A Hugging Face Llama's meta program lifts its rotary table as a meta constant; applying
+    a solution reads it from the model (`_real_constants`) instead of exporting the model again
+    on its device, and the program's loss is the model's own, on a 1-process mesh."""
+    import importlib
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.intra_op import execute
+    from autopar.models.registry import build_model
+
+    if "hf-llama" not in ZOO:
+        pytest.skip("the [hf] extra is not installed")
+    capture_export = importlib.import_module("autopar.capture.export")
+    calls = []
+    real = capture_export.export_program
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    ref = ZOO["hf-llama"][0]
+    sol = _zoo_solution(ref, 2, (1,))
+    monkeypatch.setattr(capture_export, "export_program", counting)
+    monkeypatch.setattr(execute, "_META_PROGRAMS", type(execute._META_PROGRAMS)())
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        b = build_model(ref, device="cpu", batch_size=2)
+        want = b.model(*b.example_inputs)        # before the solution makes the weights DTensors
+        want = want.loss if hasattr(want, "loss") else want
+        prog = sol.apply(b.model, b.example_inputs, mesh)
+        assert len(calls) == 1                   # the meta copy's export only
+        held = {n: c for n, c in prog.constants.items() if isinstance(c, torch.Tensor)}
+        assert held and not any(c.is_meta for c in held.values())
+        assert all(c.is_meta for c in prog.program.constants.values() if isinstance(c, torch.Tensor))
+        got = prog(*b.example_inputs)
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+    finally:
+        dist.destroy_process_group()

@@ -50,6 +50,56 @@ def test_materialize_is_layout_independent():
     assert first.module.get_submodule("blocks.0").attn.qkv.weight.is_meta
 
 
+
+def test_split_model_kept_per_model_cut_and_inputs(monkeypatch):
+    """`split_model` traces a model's cut once per process: another instance of the same model
+    cut the same way gets its own deep copy of the kept chunks (no module or parameter shared),
+    which train as the traced ones do (the same loss and gradients); another cut, another
+    micro-batch shape or a model differing only in a config field (dropout: the same
+    parameters) is traced anew. Hits and misses are counted (`SPLIT_STATS`)."""
+    import dataclasses
+
+    from autopar.models import build_model
+    from autopar.models.gpt import GPT
+    from autopar.runtime import graph_stages
+    from autopar.runtime.graph_stages import FedChunk, split_model
+    from autopar.runtime.materialize import canonical_names, materialize
+
+    monkeypatch.setattr(graph_stages, "_SPLITS", type(graph_stages._SPLITS)())
+    monkeypatch.setattr(graph_stages, "SPLIT_STATS", {"hits": 0, "misses": 0})
+    cpu = torch.device("cpu")
+    b = build_model("gpt-tiny", device="meta")
+    mb = tuple(torch.empty((2, *x.shape[1:]), dtype=x.dtype, device="meta") for x in b.example_inputs)
+    traced = split_model(b.model, mb, ["blocks.1"], cpu)
+    kept = split_model(build_model("gpt-tiny", device="meta").model, mb, ["blocks.1"], cpu)
+    assert graph_stages.SPLIT_STATS == {"hits": 1, "misses": 1}
+    assert [c.module.code for c in kept] == [c.module.code for c in traced]
+    assert [(c.sources, c.sends) for c in kept] == [(c.sources, c.sends) for c in traced]
+    mine = {id(t) for c in traced for t in [*c.module.parameters(), *c.module.modules()]}
+    assert not mine & {id(t) for c in kept for t in [*c.module.parameters(), *c.module.modules()]}
+    torch.manual_seed(0)
+    batch = (torch.randint(0, 128, (2, 16)), torch.randint(0, 128, (2, 16)))
+    runs = []
+    for chunks in (traced, kept):
+        received: tuple = (batch[0],)
+        for ch in chunks:
+            materialize(ch.module, seed=3, aliases=canonical_names(b.model), template=b.model)
+            y = FedChunk(ch.module, ch.sources, ch.sends).run(received, lambda k: batch[k])
+            received = y if isinstance(y, tuple) else (y,)
+        received[0].backward()
+        runs.append((float(received[0].detach()), {n: p.grad for c in chunks for n, p in c.module.named_parameters()}))
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][1].keys() == runs[1][1].keys() and all(torch.equal(g, runs[1][1][n]) for n, g in runs[0][1].items())
+    split_model(b.model, mb, ["blocks.0"], cpu)                                        # another cut
+    split_model(b.model, tuple(x[:1] for x in mb), ["blocks.1"], cpu)                  # another micro-batch
+    with torch.device("meta"):
+        dropped = GPT(dataclasses.replace(b.model.cfg, dropout=0.1))
+    drop_chunks = split_model(dropped, mb, ["blocks.1"], cpu)                          # another config
+    assert graph_stages.SPLIT_STATS == {"hits": 1, "misses": 4}
+    ops = [{str(n.target) for m in c.module.modules() if isinstance(getattr(m, "graph", None), torch.fx.Graph)
+            for n in m.graph.nodes} for c in (traced[1], drop_chunks[1])]
+    assert not any("dropout" in o for o in ops[0]) and any("dropout" in o for o in ops[1])
+
 def test_placements_parse():
     from torch.distributed.tensor import Replicate, Shard
 

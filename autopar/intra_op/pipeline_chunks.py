@@ -259,7 +259,7 @@ class ProgramChunk(nn.Module):
         if spec.kind == InputKind.BUFFER:
             return prog._replicated(prog._wrapped[0].get_buffer(spec.target).to(prog.run_device))
         if spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
-            c = prog.program.constants[spec.target]
+            c = prog.constants[spec.target]
             if isinstance(c, torch.Tensor) and c.is_meta:
                 raise PlanError(f"the model's program holds a tensor constant ({spec.target}) traced on the meta "
                                 f"device only, which a pipeline chunk cannot run")

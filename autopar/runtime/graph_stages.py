@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import operator
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
@@ -40,6 +42,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from autopar.capture.export import move_not_cast
 from autopar.schema.errors import PlanError
+
+log = logging.getLogger(__name__)
 
 # a source of a chunk's input: ("act", k) the k-th tensor received from the previous chunk;
 # ("input", i) the model's i-th input (its micro-batch)
@@ -79,6 +83,15 @@ def _drop_unused_modules(gm: torch.fx.GraphModule) -> None:
         gone.append(fqn)
 
 
+# splits already traced in this process, by the model's structure (`capture.cache.model_key`),
+# the micro-batch's shapes, the cuts, the device, the compute dtype and whether positions are
+# traced as an op (context parallelism): the last few, each handed out as a deep copy
+_SPLITS: "OrderedDict[tuple, list[Chunk]]" = OrderedDict()
+SPLITS_KEPT = 4
+#: how often `split_model` found its chunks kept ("hits") or traced them ("misses"), in this process
+SPLIT_STATS = {"hits": 0, "misses": 0}
+
+
 def split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Sequence[str],
                 device: torch.device, param_dtype: Optional[torch.dtype] = None) -> list[Chunk]:
     """Cut `model` (on meta: it is copied) before each of `first_layers` (module FQNs, in
@@ -86,7 +99,41 @@ def split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Seque
     (meta tensors do). `param_dtype`: the dtype the runtime computes the floating parameters in
     (bf16 under a bf16 plan): the trace is taken with them in it, so a cast the code writes as
     `x.to(input_dtype)` (Hugging Face's RMSNorm restoring its input's dtype) is recorded to
-    that dtype, not to the meta model's fp32; the chunks' parameters keep the model's dtypes."""
+    that dtype, not to the meta model's fp32; the chunks' parameters keep the model's dtypes.
+
+    The tracer (torch.export underneath) is most of the cost, and a process that runs several
+    plans of one model (a test launch, a sweep) cuts it the same way again: the last few splits
+    are kept, keyed by everything the trace depends on (the model's structure as the capture
+    cache keys it: module types, settings and class source, parameter names, shapes, dtypes and
+    tying; the micro-batch's shapes and dtypes; the cuts; the device; `param_dtype`; traced
+    positions), and each call gets its own deep copy of the chunks (the runtime materialises,
+    wraps and shards them in place). `SPLIT_STATS` counts hits and misses; each is logged at
+    debug level."""
+    from autopar.capture.cache import model_key
+    from autopar.models.positions import _TRACED
+
+    with unset_fake_temporarily():
+        key = (model_key(model, tuple(example_mb)), tuple(first_layers), str(device), str(param_dtype),
+               bool(_TRACED[0]))
+        kept = _SPLITS.get(key)
+        if kept is not None:
+            _SPLITS.move_to_end(key)
+            SPLIT_STATS["hits"] += 1
+            log.debug("pipeline split of %s at %s: kept", type(model).__name__, list(first_layers))
+            return copy.deepcopy(kept)
+    SPLIT_STATS["misses"] += 1
+    log.debug("pipeline split of %s at %s: tracing", type(model).__name__, list(first_layers))
+    chunks = _split_model(model, example_mb, first_layers, device, param_dtype)
+    with unset_fake_temporarily():
+        _SPLITS[key] = copy.deepcopy(chunks)
+    while len(_SPLITS) > SPLITS_KEPT:
+        _SPLITS.popitem(last=False)
+    return chunks
+
+
+def _split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Sequence[str],
+                 device: torch.device, param_dtype: Optional[torch.dtype] = None) -> list[Chunk]:
+    """`split_model`, traced."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     from autopar.models.hf import eager_attention_masks
