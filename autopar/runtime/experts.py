@@ -312,8 +312,7 @@ def argument_roles(inner: nn.Module, top_k: int) -> tuple[str, ...]:
     for v in vals:
         if v is None or len(roles) >= 3:
             break
-        roles.append("index" if not v.is_floating_point() else
-                     "weights" if v.dim() == 2 and v.shape[-1] == top_k else "hidden")
+        roles.append(_value_role(v, top_k))
     if len(vals) != 3 or sorted(roles) != sorted(ROLES):
         raise PlanError(f"cannot tell the traced experts module's inputs apart (hidden, top-k index, top-k "
                         f"weights) from their shapes: {[tuple(v.shape) if v is not None else None for v in vals]}")
@@ -337,7 +336,8 @@ def program_calls(model: nn.Module, plan: Plan) -> dict[str, Any]:
             continue
 
         def call(*vals: Any, mod: ExpertParallelExperts = mod, block: Any = b) -> tuple:
-            # the tensors (sizes read from before the block are numbers: its shapes follow them)
+            # the tensors (sizes read from before the block are numbers: its shapes follow them),
+            # told apart as `argument_roles` tells a traced module's inputs apart
             tensors = [v for v in vals if isinstance(v, torch.Tensor)]
             roles = [_value_role(v, block.top_k) for v in tensors]
             if len(tensors) != 3 or sorted(roles) != sorted(ROLES):
@@ -351,7 +351,8 @@ def program_calls(model: nn.Module, plan: Plan) -> dict[str, Any]:
 
 
 def _value_role(v: torch.Tensor, top_k: int) -> str:
-    """The experts interface's role of a tensor the block reads (as `argument_roles`)."""
+    """The experts interface's role of a tensor the block reads, from its dtype and shape: the
+    integer one is the index, a float (T, top_k) one the weights, the other the hidden states."""
     return ("index" if not v.is_floating_point() else
             "weights" if v.dim() == 2 and v.shape[-1] == top_k else "hidden")
 
