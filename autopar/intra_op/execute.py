@@ -612,8 +612,8 @@ class ShardedProgram(nn.Module):
         exchange, `runtime.experts.program_calls`). `inputs` are the tensors the run reads from
         before it, in program order, the module's own parameters left out (the replacement holds
         its own); the call returns the tensors later ops read of the run, in program order (the
-        numbers they read, sizes its shape arithmetic worked out, are the program's own: it is
-        exported at fixed shapes)."""
+        numbers they read, sizes its shape arithmetic worked out, symbolic in the batch, are
+        worked out again from the numbers before the run: `_with_numbers`)."""
         self.run_units({fqn: (lambda region, *vals, f=f: f(*vals)) for fqn, f in calls.items()}, running)
         self.replaced = set(calls)
 
@@ -1449,12 +1449,6 @@ def _real_constants(program: Any, model: nn.Module) -> Optional[dict[str, torch.
             return None
         out[name] = t
     return out
-
-
-def _meta_constants(program: Any) -> bool:
-    """Whether `program` lifts a tensor constant that lives on the meta device (it cannot run
-    on a real one)."""
-    return any(isinstance(c, torch.Tensor) and c.is_meta for c in program.constants.values())
 
 
 def _mismatch(program: Any, solution: ShardingSolution) -> list[str]:
