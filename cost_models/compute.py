@@ -524,9 +524,10 @@ def fp32_extra_bytes(n, index: dict, fp32: frozenset, dtype: str) -> float:
     (an RMSNorm's upcast region, a softmax autocast runs in fp32, a product type promotion
     makes fp32) is written at 4 bytes, an fp32 input read at 4. Matrix ops and attention are
     left as they are: autocast runs them on a 2-byte copy of an fp32 input (the cast kernel
-    is not priced). 0 in an fp32 run, or where the op's output is not floating (its bytes
-    already unscaled)."""
-    if not n.outputs or n.op in MATRIX_OPS or n.op in FUSED_ATTENTION:
+    is not priced). 0 in an fp32 run, where the op's output is not floating (its bytes
+    already unscaled), or where the op moves nothing (a view of an fp32 tensor copies none of
+    it; a view that copies is `reshape_copy_time`'s)."""
+    if not n.outputs or n.op in MATRIX_OPS or n.op in FUSED_ATTENTION or n.bytes_moved <= 0:
         return 0.0
     s = bytes_scale(n.outputs[0].dtype, dtype)
     if s >= 1.0:

@@ -726,7 +726,7 @@ class _PromotedSoftmax(nn.Module):
         y = x * 2.0                       # bf16 in, bf16 out
         p = torch.softmax(y, dim=-1)      # CUDA autocast's fp32-dtype list: bf16 in, fp32 out
         z = p * 3.0                       # promoted by its fp32 input: fp32 in, fp32 out
-        return z.sum()
+        return z.view(-1, z.shape[-1]).sum()   # a view of an fp32 tensor: moves nothing
 
 
 def test_ops_promoted_to_fp32_move_four_byte_elements() -> None:
@@ -754,6 +754,7 @@ def test_ops_promoted_to_fp32_move_four_byte_elements() -> None:
     assert fwd("mul") == pytest.approx((2 + 2) * N / bw + DEV.kernel_overhead_s)      # bf16 -> bf16
     assert fwd("softmax") == pytest.approx((2 + 4) * N / bw + DEV.kernel_overhead_s)  # bf16 -> fp32
     assert fwd("mul_1") == pytest.approx((4 + 4) * N / bw + DEV.kernel_overhead_s)    # fp32 -> fp32
+    assert ops["view"].name in fp32 and node_time(ops["view"], DEV, "bf16", 1.0, g._index, fp32=fp32) == (0.0, 0.0)
     # the backward scales the same bytes (its gradients are fp32 where the tensors are)
     n = ops["mul_1"]
     assert node_time(n, DEV, "bf16", 1.0, g._index, fp32=fp32)[1] == pytest.approx(

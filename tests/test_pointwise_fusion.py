@@ -135,12 +135,7 @@ def two_gpt2s():
     return {"zoo": (zb, capture(zoo, zb.example_inputs, name=zb.name)), "hf": captured(HF_SMALL)}
 
 
-@pytest.mark.parametrize("pinned", [
-    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
-        "session 25: since the time model prices a bf16 run's fp32 tensors at 4 bytes (1c50287), HF GPT-2 "
-        "at tp4 x dp2 under torch-compile-2025 is predicted 13.9% slower than the zoo's (compute 2.88 vs "
-        "2.36 ms, same layout); not yet traced which fp32 tensors outside the fused chains it pays for"))),
-    False], ids=["tp4xdp2", "free"])
+@pytest.mark.parametrize("pinned", [True, False], ids=["tp4xdp2", "free"])
 def test_hugging_face_gpt2_and_the_zoo_gpt2_predicted_alike_when_fused(two_gpt2s, pinned):
     """The same GPT-2 written by Hugging Face and by the zoo, on 8 A100s: under torch.compile's
     fusion within 3% of each other; eager, Hugging Face's eight-kernel `gelu_new` makes it
