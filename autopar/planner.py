@@ -164,6 +164,7 @@ def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Optional[Sequen
     spec = sw.on_cluster(spec)     # the software's own attention kernel rates on this device, if any
     if graph is None:
         graph = capture(bundle.model, bundle.example_inputs, loss_fn=loss_fn, name=bundle.name, cache=cache)
+    graph = sw.on_graph(graph)     # the software's fused kernels (a fused cross-entropy), if any
     t1 = time.perf_counter()
     cache_dir = cache_directory(cache)
     if providers is not None:

@@ -63,6 +63,7 @@ from typing import Callable, Iterable, Literal, Optional, Sequence, Union
 from autopar.capture.flops import VIEW_OPS
 from autopar.schema.cluster import DeviceSpec, EfficiencyPoint
 from autopar.schema.software import ATTENTION_KERNELS, POINTWISE_FUSIONS, AttentionKernel, PointwiseFusion
+from cost_models.fused_loss import is_fused_loss
 from cost_models.fusion import FusedChains, chain_member_time, graph_pointwise_chains
 
 MATRIX_OPS = frozenset({"linear", "mm", "addmm", "bmm", "baddbmm", "matmul",
@@ -165,7 +166,7 @@ def backward_factor(op: str) -> float:
 _BWD_BYTES = {"add": 1.0, "sub": 1.0, "embedding": 2.0, "layer_norm": 2.0, "native_layer_norm": 2.0,
               "rms_norm": 2.0, "gelu": 1.5, "silu": 1.5, "relu": 1.5, "tanh": 1.5, "sigmoid": 1.5,
               "softmax": 1.5, "_softmax": 1.5, "_safe_softmax": 1.5, "log_softmax": 1.5, "_log_softmax": 1.5,
-              "dropout": 1.5, "native_dropout": 1.5, "mul": 2.0, "div": 1.5, "cross_entropy_loss": 1.0,
+              "dropout": 1.5, "native_dropout": 1.5, "mul": 2.0, "div": 1.5, "cross_entropy_loss": 2.0,
               "to": 1.0, "_to_copy": 1.0, "clone": 1.0, "contiguous": 1.0, "arange": 0.0, "zeros": 0.0,
               "ones": 0.0, "full": 0.0, "empty": 0.0, "masked_fill": 1.0}
 
@@ -173,7 +174,11 @@ _BWD_BYTES = {"add": 1.0, "sub": 1.0, "embedding": 2.0, "layer_norm": 2.0, "nati
 def backward_bytes_factor(op: str) -> float:
     """Backward bytes relative to forward bytes: the gradient read plus the saved tensors read plus
     the input gradient written (1.5x for a unary op, 2x with a weight gradient); matrix ops are
-    costed by FLOPs instead (their bytes scale with the same 2x)."""
+    costed by FLOPs instead (their bytes scale with the same 2x). A cross-entropy: eager, its
+    forward reads the logits and writes the log-probabilities (2 tensors), its backward writes the
+    log-probabilities' gradient (nll_loss_backward's zeros) and log_softmax's backward reads it and
+    the log-probabilities and writes the logits' (4); fused, 1 read forward, 1 read and 1 write
+    backward: 2x either way."""
     if op in MATRIX_OPS:
         return backward_factor(op)
     return _BWD_BYTES.get(op, 1.5)
@@ -535,6 +540,10 @@ def fp32_extra_bytes(n, index: dict, fp32: frozenset, dtype: str) -> float:
     extra = 0.0
     if n.name in fp32:
         extra += sum(o.nbytes for o in n.outputs if o.dtype in _FLOATING)
+    if n.op == "cross_entropy_loss" and not is_fused_loss(n) and n.inputs and n.inputs[0] in index:
+        # the eager loss's log-probabilities (`node_cost`): fp32 in any mixed-precision run
+        src = index[n.inputs[0]]
+        extra += src.outputs[0].nbytes if src.outputs and src.outputs[0].dtype in _FLOATING else 0.0
     ins = n.inputs[1:] if n.op in ("embedding", "index_select", "gather", "index") else n.inputs
     for i in ins:
         src = index.get(i)

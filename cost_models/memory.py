@@ -72,6 +72,7 @@ from autopar.schema.constraints import RECOMPUTES, Recompute
 from autopar.schema.constraints import Schedule as ScheduleName  # the registry's names
 from autopar.schema.software import AttentionKernel
 from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, attention_core, bytes_scale
+from cost_models.fused_loss import is_fused_loss
 from cost_models.layouts import graph_layout_copies, layout_copies
 
 # bytes per parameter: (weights, gradients, optimizer states incl. fp32 master) by precision policy
@@ -388,6 +389,12 @@ def saved_tensors(node, by_name: dict, dtype: str = "bf16", device_type: Optiona
     if op in ("embedding", "index_select", "gather", "index"):
         return [(i, None) for i in ins if by_name[i].outputs and "int" in by_name[i].outputs[0].dtype]
     if op in LOSSES:
+        if is_fused_loss(node) and node.inputs and by_name[node.inputs[0]].outputs:
+            # a fused kernel (`cost_models.fused_loss`): the logits as given and one fp32
+            # log-sum-exp per row
+            lg = by_name[node.inputs[0]].outputs[0]
+            rows = lg.numel // max(int(lg.shape[-1]), 1) if lg.shape else 1
+            return [(i, None) for i in ins] + [(node.name + ":lse", 4.0 * rows)]
         return [(i, None) for i in ins]
     if op in ("masked_fill", "where"):
         return [(i, None) for i in ins if by_name[i].outputs and by_name[i].outputs[0].dtype == "bool"]
@@ -671,7 +678,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 if rec == "selective" and n.name in core and key in core:
                     continue
                 at = None
-                if n.op in LOSSES and mixed and _floating(by_name[key]):
+                if n.op in LOSSES and mixed and _floating(by_name[key]) and not is_fused_loss(n):
                     at = "fp32"
                 elif device_type == "cpu" and mixed and n.op in CPU_FP32_INPUT and _floating(by_name[key]):
                     at, key = "fp32", key + ":fp32"     # the op's own fp32 copy of its input
@@ -707,7 +714,10 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
 
     def loss_read(n, i: str) -> tuple[int, float]:
         # (gradients live at once, fp32 bytes of the logits as the loss reads them): a loss on
-        # class-sharded logits runs vocabulary-parallel (torch's loss_parallel)
+        # class-sharded logits runs vocabulary-parallel (torch's loss_parallel); a fused kernel
+        # writes the gradient into the logits' storage (`cost_models.fused_loss`): none beside
+        if is_fused_loss(n):
+            return 0, size(i)
         copy = read(n, i, "fp32")
         if copy is not None:
             split = copy[0] < by_name[i].outputs[0].numel * 4      # the copy is a shard

@@ -17,8 +17,8 @@ Subset (running every case takes about 4 minutes here; this takes under a minute
   width and are within 1.2 points of each other);
 - `flash`: the FlashAttention-2 paper's 2k runs, FLASHATTENTION-2 and FLASHATTENTION columns (looked
   at while the model changed), and two FlashAttention-1 runs of flash-attn's training/README.md (held
-  out: GPT3-125M, GPT3-1.3B); the 8k, FA1 GPT3-355M and GPT-2 runs do not fit autopar's memory model
-  (misses, README) and are not pinned.
+  out: GPT3-125M, GPT3-1.3B); the other runs (8k, FA1 GPT3-355M, the GPT-2 runs) are not pinned
+  (four of them do not fit autopar's memory model: misses, README).
 
 `PINNED` was recorded in session 22 by `python tests/test_calibration.py` (prints the table to
 paste). A change meant to move a prediction (a sourced cost term, a new measurement) re-records
@@ -62,25 +62,34 @@ TOLERANCE = 0.03
 # outputs under autocast, large beside a 125M model's GEMMs; flash-attn's fused dropout-add-LayerNorm
 # writes the 2-byte dtype, which no field describes: the preset's source says so). Within it: the
 # other flash cases +0.8 to +1.3 points. Nothing refit.
+# Re-recorded in session 26 (issue 14): an eager cross-entropy moves what its kernels move (the
+# log-probabilities written and read again, fp32 in a mixed-precision run: `autopar.capture.flops.
+# node_cost`, `cost_models.compute.backward_bytes_factor`), where it was priced as one read of the
+# logits each way, and the flash-attn presets run their fused cross-entropy (`SoftwareSpec.
+# loss_kernel` "fused", sourced: apex's xentropy with inplace_backward, `cost_models.fused_loss`).
+# Megatron / NeMo / Table 1 cases +0.1 to +0.4 points (the eager loss's time); beyond the
+# tolerance: flash FA1 GPT3-125M -3.20% -> -9.85% (its loss, 50k classes beside a 125M model, was
+# priced as the eager upcast and fp32 cross-entropy, about 16 bytes an element more than the fused
+# kernel moves); the other flash cases -0.5 to -0.9 points. Nothing refit.
 PINNED: dict[tuple[str, str], float] = {
-    ("pinned", "1.7B"): -0.1268,
-    ("pinned", "39.1B"): -0.0552,
-    ("pinned", "22B"): -0.0610,
-    ("pinned", "175B"): -0.0435,
-    ("pinned", "22B SP+sel."): -0.1381,
-    ("analytic", "1.7B"): -0.1473,
-    ("analytic", "39.1B"): -0.0596,
-    ("analytic", "22B"): -0.0662,
-    ("analytic", "175B"): -0.0385,
-    ("table1", "7.5B"): +0.0196,
-    ("table1", "18.4B"): +0.0323,
-    ("h100", "175B NeMo 512"): -0.0172,
-    ("flash", "FA2 1.3B 2k"): -0.1180,
-    ("flash", "FA2 2.7B 2k"): -0.0923,
-    ("flash", "FA1 (T1) 1.3B 2k"): -0.0315,
-    ("flash", "FA1 (T1) 2.7B 2k"): -0.0633,
-    ("flash", "FA1 GPT3-125M"): -0.0320,
-    ("flash", "FA1 GPT3-1.3B"): -0.0178,
+    ("pinned", "1.7B"): -0.1224,
+    ("pinned", "39.1B"): -0.0548,
+    ("pinned", "22B"): -0.0607,
+    ("pinned", "175B"): -0.0430,
+    ("pinned", "22B SP+sel."): -0.1377,
+    ("analytic", "1.7B"): -0.1430,
+    ("analytic", "39.1B"): -0.0592,
+    ("analytic", "22B"): -0.0658,
+    ("analytic", "175B"): -0.0381,
+    ("table1", "7.5B"): +0.0206,
+    ("table1", "18.4B"): +0.0327,
+    ("h100", "175B NeMo 512"): -0.0161,
+    ("flash", "FA2 1.3B 2k"): -0.1268,
+    ("flash", "FA2 2.7B 2k"): -0.0969,
+    ("flash", "FA1 (T1) 1.3B 2k"): -0.0399,
+    ("flash", "FA1 (T1) 2.7B 2k"): -0.0676,
+    ("flash", "FA1 GPT3-125M"): -0.0985,
+    ("flash", "FA1 GPT3-1.3B"): -0.0264,
 }
 
 # family -> the bound on its mean |error| over the pinned subset, where the family meets the

@@ -110,6 +110,10 @@ def node_cost(node: OpNode, metas: dict[str, list[TensorMeta]]) -> tuple[float, 
     in_bytes = sum(m.nbytes for m in in_metas)
     if op in ("embedding", "index_select", "gather", "index"):
         in_bytes = sum(m.nbytes for m in in_metas[1:]) + out_bytes   # rows actually read
+    if op == "cross_entropy_loss" and in_metas and not node.target.endswith(".fused"):
+        # eager: log_softmax writes the log-probabilities (the logits' size) that nll_loss picks
+        # from; a fused kernel (`cost_models.fused_loss`) reads the logits alone
+        in_bytes += in_metas[0].nbytes
     flops = _matrix_flops(node, metas)
     if flops is None:
         out_el = sum(o.numel for o in node.outputs)

@@ -32,6 +32,12 @@ same plan, and that the cost model honours:
   except what the model's code upcasts itself (`x.float()`) and the loss (fp32 in both). Memory:
   `cost_models.memory.activation_memory`; time: `cost_models.memory.graph_fp32_tensors` (the
   bytes an op moves, `cost_models.compute.node_time`).
+- `loss_kernel`: "eager" (the cross-entropy as the model writes it: its fp32 upcast of the
+  logits, `log_softmax` saving its fp32 output, fp32 gradients of the logits' size in the
+  backward; what `autopar run` executes) or "fused" (one kernel reading the 2-byte logits,
+  saving them and a log-sum-exp per row, writing their gradient in place: apex's xentropy as the
+  flash-attn training stack runs it, flash-attn's Triton cross-entropy). Time and memory:
+  `cost_models.fused_loss` (the captured graph rewritten as the software runs it).
 - `grad_sync_overlap`: whether the data-parallel gradient sync of a stage runs during the backward
   of its last micro-batch (bucketed all-reduce as PyTorch DDP or Megatron-Core's
   --overlap-grad-reduce do it) instead of after it. Time: `autopar.inter_op.search` (the
@@ -60,6 +66,8 @@ PointwiseFusion = Literal["eager", "fused"]
 POINTWISE_FUSIONS: tuple[str, ...] = ("eager", "fused")
 MixedPrecision = Literal["autocast", "half"]
 MIXED_PRECISIONS: tuple[str, ...] = ("autocast", "half")
+LossKernel = Literal["eager", "fused"]
+LOSS_KERNELS: tuple[str, ...] = ("eager", "fused")
 
 # the preset that describes what `autopar run` executes: the default of `autopar.plan`
 DEFAULT_SOFTWARE = "autopar"
@@ -86,6 +94,10 @@ class SoftwareSpec(BaseModel):
         "executes): autocast's fp32 ops (CUDA: layer norm, softmax, ...) write fp32 tensors; half: the model "
         "cast to the 2-byte dtype (Megatron-LM's Float16Module, fused norm and softmax kernels writing it): only "
         "the model's own upcasts and the loss are fp32")
+    loss_kernel: LossKernel = Field(
+        default="eager", description="eager: the cross-entropy as the model writes it (fp32 upcast, log_softmax "
+        "saving fp32, fp32 gradients; what autopar run executes); fused: one kernel reading the 2-byte logits, "
+        "saving them and a log-sum-exp per row, writing their gradient in place (apex xentropy, flash-attn)")
     grad_sync_overlap: bool = Field(
         default=False, description="the data-parallel gradient sync runs during the last micro-batch's "
         "backward (bucketed, as PyTorch DDP or Megatron-Core --overlap-grad-reduce) instead of after it")
@@ -97,13 +109,13 @@ class SoftwareSpec(BaseModel):
 
     @model_serializer(mode="wrap")
     def _omit_eager_fusion(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """The dump without `pointwise_fusion` when it is "eager" and without `mixed_precision`
-        when it is "autocast", the choices every plan made before the fields existed: a plan file
-        (and its digest, `tests/test_planner_unchanged.py`) and a cache key for such software are
-        what they were; the other choices are written."""
+        """The dump without `pointwise_fusion` when it is "eager", `mixed_precision` when it is
+        "autocast" and `loss_kernel` when it is "eager", the choices every plan made before the
+        fields existed: a plan file (and its digest, `tests/test_planner_unchanged.py`) and a cache
+        key for such software are what they were; the other choices are written."""
         out = handler(self)
         if isinstance(out, dict):
-            for key, old in (("pointwise_fusion", "eager"), ("mixed_precision", "autocast")):
+            for key, old in (("pointwise_fusion", "eager"), ("mixed_precision", "autocast"), ("loss_kernel", "eager")):
                 if out.get(key) == old:
                     out.pop(key)
         return out
@@ -113,6 +125,14 @@ class SoftwareSpec(BaseModel):
         """Whether a mixed-precision run of this software runs under torch.autocast (the cost
         model's `autocast` argument; see `mixed_precision`)."""
         return self.mixed_precision == "autocast"
+
+    def on_graph(self, graph: Any) -> Any:
+        """`graph` (an OpGraph) as this software runs it: its cross-entropy losses one fused kernel
+        each under `loss_kernel` "fused" (`cost_models.fused_loss.fuse_losses`), else `graph`."""
+        if self.loss_kernel != "fused":
+            return graph
+        from cost_models.fused_loss import fuse_losses
+        return fuse_losses(graph)
 
     def on_cluster(self, cluster: Any) -> Any:
         """`cluster` (a ClusterSpec) with its device's fused-attention rates replaced by this
@@ -129,7 +149,8 @@ class SoftwareSpec(BaseModel):
         own = f", its own attention rates on {', '.join(sorted(self.attention_flops))}" if self.attention_flops else ""
         fusion = ", element-wise chains fused" if self.pointwise_fusion == "fused" else ""
         half = ", model cast to its 2-byte dtype (no autocast)" if not self.autocast else ""
-        return (f"software: {self.name} (attention {self.attention_kernel}{own}{fusion}{half}, "
+        loss = ", fused cross-entropy" if self.loss_kernel == "fused" else ""
+        return (f"software: {self.name} (attention {self.attention_kernel}{own}{fusion}{half}{loss}, "
                 f"dp gradient sync {sync})")
 
     @classmethod
