@@ -423,6 +423,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
 
     info = ModelInfo(name=bundle.name, num_params=graph.num_params, fingerprint=graph.fingerprint(),
                      num_layers=max(1, len(layers)), flops_per_sample=3 * fwd1, tokens_per_sample=tokens)
+    ep_why = _ep_executor(c, all(sp.op_layouts is not None for sp in stage_plans)) if c.ep > 1 else ""
     return Plan(autopar_version=__version__, model=info, cluster=spec,
                 software=getattr(res.provider, "software", None) or software_for_cluster(None, spec), dtype=dtype,
                 global_batch_size=gbs, microbatch_size=c.mb, num_microbatches=m,
@@ -440,7 +441,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                         **({"tp_counts_fallback": "; ".join(fallbacks)} if fallbacks else {}),
                         **({"selective_fallback": _selective_fallback(rc_fallback)} if rc_fallback else {}),
                         **({"tp_executor": why_not} if why_not else {}),
-                        **({"ep_executor": _ep_executor(c)} if c.ep > 1 and _ep_executor(c) else {}),
+                        **({"ep_executor": ep_why} if ep_why else {}),
                         **({"cp_executor": _cp_executor(c)} if _cp_executor(c) else {}),
                         **({"skipped": _skipped(res.skipped)} if res.skipped else {})})
 
@@ -454,19 +455,20 @@ def _expert_plan(experts: ExpertCosting, c: Candidate, dtype: str) -> ExpertPara
                                                      weights=list(b.weights)) for b in blocks])
 
 
-def _ep_executor(c: Candidate) -> str:
+def _ep_executor(c: Candidate, solved: bool) -> str:
     """Why `autopar run` does not execute a candidate's expert parallelism ("" where it does:
     `runtime.experts.check_executable`'s conditions, which the plan schema cannot import):
-    with tp in one stage, without ZeRO-3 or cp, its stage run op by op as solved (each expert
-    block's ops as the rank's token exchange, `runtime.experts.program_calls`) or by DTensor
-    propagation, the experts replicated over tp either way."""
+    with tp in one stage without cp, its stage run op by op as solved (each expert block's ops
+    as the rank's token exchange, `runtime.experts.program_calls`, nested in its layer's FSDP
+    unit under ZeRO-3) or, without ZeRO-3, by DTensor propagation (`solved`: whether the plan
+    carries the stages' op layouts), the experts replicated over tp either way."""
     if c.tp == 1:
         return ""
-    why = [w for w, bad in (("tensor parallelism and ZeRO-3", c.zero == 3),
+    why = [w for w, bad in (("tensor parallelism and ZeRO-3 on DTensor's path", c.zero == 3 and not solved),
                             ("tensor parallelism in pipeline stages", c.pp > 1),
                             ("tensor and context parallelism", c.cp > 1)) if bad]
     return (f"planned, not yet executed by `autopar run` with {', '.join(why)} (it runs expert parallelism with "
-            f"tensor parallelism in one stage without ZeRO-3)") if why else ""
+            f"tensor parallelism in one stage, under ZeRO-3 only as solved)") if why else ""
 
 
 def _cp_executor(c: Candidate) -> str:

@@ -501,9 +501,11 @@ class ShardedProgram(nn.Module):
                     move_not_cast(n)
         self.mutates = _mutates(self.gm)
         self.local_ops: dict[torch.fx.Node, bool] = {}     # `_PlanInterpreter.runs_local`, per node
-        # modules whose ops run as one call each (`run_units`: ZeRO-3's FSDP units)
-        self.unit_spans: dict[torch.fx.Node, tuple[str, list[torch.fx.Node]]] = {}
-        self.in_unit: set[torch.fx.Node] = set()
+        # modules whose ops run as one call each (`run_units`: ZeRO-3's FSDP units; `replace_modules`:
+        # expert blocks, which may lie inside a unit): first node -> [(module, its run)], outer
+        # first; node -> the modules whose runs hold it, outer first
+        self.unit_spans: dict[torch.fx.Node, list[tuple[str, list[torch.fx.Node]]]] = {}
+        self.units_of: dict[torch.fx.Node, list[str]] = {}
         self.unit_calls: dict[str, Any] = {}
         self.replaced: set[str] = set()       # units whose call replaces their ops (`replace_modules`)
         self._distribute_parameters()
@@ -576,6 +578,8 @@ class ShardedProgram(nn.Module):
         order = {n: i for i, n in enumerate(nodes)}
         spans = []
         for fqn in calls:
+            if fqn in self.unit_calls:
+                raise PlanError(f"module {fqn}'s ops are already run as one call")
             mine = [n for n in nodes if n.op == "call_function" and _in_module(n, self.gm, fqn)]
             if not mine:
                 raise PlanError(f"the model's program runs no op of module {fqn} (a ZeRO-3 unit of the plan)")
@@ -588,6 +592,13 @@ class ShardedProgram(nn.Module):
             if lo2 <= hi:
                 raise PlanError(f"the ops of modules {a} and {b} (ZeRO-3 units of the plan) interleave in "
                                 f"the model's program; each unit's ops must run as one contiguous run")
+        # runs given before (ZeRO-3's units around the expert blocks given now): nested or apart
+        earlier = {f: (order[sp[0]], order[sp[-1]]) for lst in self.unit_spans.values() for f, sp in lst}
+        for lo, hi, fqn in spans:
+            for f, (lo2, hi2) in earlier.items():
+                if not (hi < lo2 or hi2 < lo or lo2 <= lo <= hi <= hi2 or lo <= lo2 <= hi2 <= hi):
+                    raise PlanError(f"the ops of modules {f} and {fqn} overlap in the model's program without "
+                                    f"one holding the other; each must run as one contiguous run")
         for lo, hi, fqn in spans:
             span = nodes[lo:hi + 1]
             inside = set(span)
@@ -601,9 +612,16 @@ class ShardedProgram(nn.Module):
                 if rs & inside and not rs <= inside:
                     raise PlanError(f"a recomputed region starting at {first.name} crosses the ops of ZeRO-3 "
                                     f"unit {fqn}")
-            self.unit_spans[span[0]] = (fqn, span)
-            self.in_unit.update(span[1:])
-        self.unit_calls = dict(calls)
+            self.unit_spans.setdefault(span[0], []).append((fqn, span))
+            for m in span:
+                self.units_of.setdefault(m, []).append(fqn)
+        # outer runs first: the longer of two runs holding a node holds the other
+        size = {f: len(sp) for lst in self.unit_spans.values() for f, sp in lst}
+        for lst in self.unit_spans.values():
+            lst.sort(key=lambda x: -len(x[1]))
+        for fs in self.units_of.values():
+            fs.sort(key=lambda f: -size[f])
+        self.unit_calls.update(calls)
 
     def replace_modules(self, calls: dict[str, Callable[..., tuple]], running: Optional[set] = None) -> None:
         """Run each module `fqn`'s ops (one contiguous run of the program, found and checked as
@@ -615,7 +633,7 @@ class ShardedProgram(nn.Module):
         numbers they read, sizes its shape arithmetic worked out, symbolic in the batch, are
         worked out again from the numbers before the run: `_with_numbers`)."""
         self.run_units({fqn: (lambda region, *vals, f=f: f(*vals)) for fqn, f in calls.items()}, running)
-        self.replaced = set(calls)
+        self.replaced |= set(calls)
 
     def _distribute_parameters(self) -> None:
         """Every parameter becomes a DTensor with its planned placements (Replicate when the
@@ -818,7 +836,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
         self.regather = parent.regather if parent else _Regather()
         self.alias_outputs: dict[torch.fx.Node, list[str]] = {}   # wrapper -> its outputs' names
         self.node_name = ""
-        self.in_unit = False                # inside a unit's run (`_run_unit`)
+        self.in_units: list[str] = []       # the units whose runs are running (`_run_unit`), outer first
 
     def run_span(self, nodes: Sequence[torch.fx.Node], env: dict, keep: set) -> Any:
         """Run `nodes` (a contiguous run of the program, a pipeline chunk) from `env` (the
@@ -884,12 +902,14 @@ class _PlanInterpreter(torch.fx.Interpreter):
                 del self.junction_values[k]
 
     def _run_node(self, n: torch.fx.Node) -> Any:
-        if self.prefix == "" and self.prog.unit_spans and not self.in_unit:
-            unit = self.prog.unit_spans.get(n)
-            if unit is not None:
+        if self.prefix == "" and self.prog.unit_spans:
+            # the outermost unit holding n that is not running: n starts it, or ran with it
+            owner = next((f for f in self.prog.units_of.get(n, ()) if f not in self.in_units), None)
+            if owner is not None:
+                unit = next((u for u in self.prog.unit_spans.get(n, ()) if u[0] == owner), None)
+                if unit is None:
+                    return None             # ran with its unit; what others read is in env
                 return self._run_unit(n, *unit)
-            if n in self.prog.in_unit:
-                return None                 # ran with its unit; what others read is in env
         if self.prefix == "" and self.prog.spans:
             span = self.prog.spans.get(n)
             if span is not None:
@@ -919,13 +939,13 @@ class _PlanInterpreter(torch.fx.Interpreter):
             self.env = dict(zip(reads, vals))
             for a in params:
                 self.env[a] = wrapped.get_parameter(self.prog.param_targets[a])
-            self.in_unit = True
+            self.in_units.append(fqn)
             try:
                 self._run_nodes(span, keep)
                 return tuple(self.env[o] for o in outs)
             finally:
                 self.env = outer_env
-                self.in_unit = False
+                self.in_units.pop()
 
         res = self.prog.unit_calls[fqn](region, *[self.env[a] for a in reads])
         if fqn in self.prog.replaced:

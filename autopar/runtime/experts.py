@@ -34,9 +34,10 @@ each tp coordinate's dp ranks form their own ep groups (`expert_meshes`). On DTe
 (placements, no `op_layouts`) the block's replicated DTensor inputs are exchanged as plain
 tensors and its output handed back replicated; a stage run op by op as solved runs each expert
 block's ops (replicated in the solution) as one call of this module on its inputs
-(`program_calls`, `intra_op.execute.ShardedProgram.replace_modules`). Either in one stage (in a
+(`program_calls`, `intra_op.execute.ShardedProgram.replace_modules`), under ZeRO-3 too (each
+expert block's call nested in its layer's FSDP unit's run of ops). Either in one stage (in a
 pipeline the counted collectives differ from the plan's; moe-tiny with tp does not run in
-pipeline chunks even at ep 1), not with ZeRO-3 (`check_executable`).
+pipeline chunks even at ep 1), ZeRO-3 only as solved (`check_executable`).
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ def check_executable(plan: Plan) -> None:
     if plan.experts is None or plan.experts.ep == 1:
         return
     tp = plan.tp > 1
-    why = [w for w, bad in (("tensor parallelism with ZeRO-3", tp and plan.zero_stage == 3),
+    solved = all(s.op_layouts is not None for s in plan.stages)
+    why = [w for w, bad in (("tensor parallelism with ZeRO-3 on DTensor's path (no solved op layouts)",
+                             tp and plan.zero_stage == 3 and not solved),
                             ("tensor parallelism in pipeline stages",
                              tp and len({tuple(s.devices) for s in plan.stages}) > 1),
                             ("stage meshes other than (dp, tp)",
@@ -72,8 +75,9 @@ def check_executable(plan: Plan) -> None:
                                         != ("dp", "tp") for s in plan.stages))) if bad]
     if why:
         raise PlanError(f"expert parallelism (ep={plan.experts.ep}) with tensor parallelism (tp={plan.tp}) is "
-                        f"executed in one stage without ZeRO-3, experts replicated over tp; the plan has "
-                        f"{', '.join(why)}: re-plan with Constraints(tp=1), or with pp=1 and zero_stage 0-2, or ep=1")
+                        f"executed in one stage (under ZeRO-3 only run op by op as solved), experts replicated over "
+                        f"tp; the plan has {', '.join(why)}: re-plan with Constraints(tp=1), or with pp=1 (and "
+                        f"zero_stage 0-2 or the intra-op ILP), or ep=1")
 
 
 class _AllToAll(torch.autograd.Function):
