@@ -212,6 +212,13 @@ class ProgramChunk(nn.Module):
     def prog(self) -> ShardedProgram:
         return self._prog[0]
 
+    def rehold(self) -> None:
+        """Hold the model's parameters again (`holder`) after the runtime replaced some of them
+        (expert parallelism's slices of the experts' weights, under the same names): what
+        torch's PipelineStage sees of this chunk (the gradients it scales, what the optimizer
+        and data parallelism reach) is what the chunk's run reads."""
+        self.holder = _holder(self.prog.model, self.param_names, self.units)
+
     @property
     def model_inputs(self) -> set[int]:
         """The model inputs this chunk takes from the step (the first chunk's first: from the schedule)."""

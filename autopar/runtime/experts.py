@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -68,16 +68,16 @@ def check_executable(plan: Plan) -> None:
     solved = all(s.op_layouts is not None for s in plan.stages)
     why = [w for w, bad in (("tensor parallelism with ZeRO-3 on DTensor's path (no solved op layouts)",
                              tp and plan.zero_stage == 3 and not solved),
-                            ("tensor parallelism in pipeline stages",
-                             tp and len({tuple(s.devices) for s in plan.stages}) > 1),
+                            ("tensor parallelism in pipeline stages on DTensor's path (no solved op layouts)",
+                             tp and not solved and len({tuple(s.devices) for s in plan.stages}) > 1),
                             ("stage meshes other than (dp, tp)",
                              tp and any(tuple(n for n, k in zip(s.mesh_axis_names, s.mesh_shape) if k > 1)
                                         != ("dp", "tp") for s in plan.stages))) if bad]
     if why:
         raise PlanError(f"expert parallelism (ep={plan.experts.ep}) with tensor parallelism (tp={plan.tp}) is "
-                        f"executed in one stage (under ZeRO-3 only run op by op as solved), experts replicated over "
-                        f"tp; the plan has {', '.join(why)}: re-plan with Constraints(tp=1), or with pp=1 (and "
-                        f"zero_stage 0-2 or the intra-op ILP), or ep=1")
+                        f"executed op by op as solved (on DTensor's path in one stage without ZeRO-3), experts "
+                        f"replicated over tp; the plan has {', '.join(why)}: re-plan with the intra-op ILP, "
+                        f"Constraints(tp=1), or ep=1")
 
 
 class _AllToAll(torch.autograd.Function):
@@ -323,15 +323,17 @@ def argument_roles(inner: nn.Module, top_k: int) -> tuple[str, ...]:
     return tuple(roles)
 
 
-def program_calls(model: nn.Module, plan: Plan) -> dict[str, Any]:
+def program_calls(model: nn.Module, plan: Plan, only: Optional[Callable[[str], bool]] = None) -> dict[str, Any]:
     """For a stage run op by op as solved (`intra_op.execute.ShardedProgram.replace_modules`):
     per expert block of `plan` that `model` holds (its experts modules already replaced by
     `shard_experts`), the call that runs the block's ops as this rank's `ExpertParallelExperts`:
     the run's inputs (the hidden states, the top-k index and weights, in the program's order;
     replicated over tp, as the solution runs every op of the block) told apart by dtype and
-    shape as `argument_roles` does, its one output the block's."""
+    shape as `argument_roles` does, its one output the block's. `only`: see `shard_experts`."""
     out: dict[str, Any] = {}
     for b in plan.experts.blocks:
+        if only is not None and not only(b.module):
+            continue
         try:
             mod = model.get_submodule(b.module)
         except AttributeError:
@@ -381,12 +383,14 @@ def expert_meshes(plan: Plan, device_type: str) -> dict[tuple[int, ...], DeviceM
     return out
 
 
-def shard_experts(model: nn.Module, plan: Plan, mesh: DeviceMesh, into: Optional[ExpertGroups] = None
-                  ) -> ExpertGroups:
+def shard_experts(model: nn.Module, plan: Plan, mesh: DeviceMesh, into: Optional[ExpertGroups] = None,
+                  only: Optional[Callable[[str], bool]] = None) -> ExpertGroups:
     """Replace each of the plan's experts modules that `model` (materialised: the whole model,
     or a pipeline chunk holding modules under their FQNs) has by an `ExpertParallelExperts`
     holding this rank's slice of its stacked weights, exchanging over `mesh` (this rank's
-    stage's, `expert_meshes`); the parameters are added to `into` when given."""
+    stage's, `expert_meshes`); the parameters are added to `into` when given. `only`: which
+    blocks (by module FQN) are this rank's (a solved pipeline's whole model holds every
+    stage's; default all)."""
     ex = plan.experts
     ep_group = mesh.get_group("ep")
     edp_group = mesh.get_group("edp") if mesh.size(0) > 1 else None
@@ -394,6 +398,8 @@ def shard_experts(model: nn.Module, plan: Plan, mesh: DeviceMesh, into: Optional
     params: list[nn.Parameter] = into.params if into is not None else []
     names: dict[str, int] = into.names if into is not None else {}
     for b in ex.blocks:
+        if only is not None and not only(b.module):
+            continue
         parent_name, _, child = b.module.rpartition(".")
         try:
             parent = model.get_submodule(parent_name) if parent_name else model

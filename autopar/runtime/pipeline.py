@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.models.positions import traced_positions
 from autopar.runtime.context_parallel import check_traced_positions
+from autopar.runtime.experts import program_calls
 from autopar.runtime.materialize import materialize
 from autopar.runtime.meshes import _mesh_kinds
 from autopar.runtime.pipeline_p2p import FanoutPipelineStage, JustInTimeStage, replica_ranks
@@ -121,6 +122,22 @@ class PipelineStages:
         self.chunk_params = dict(enumerate(params))
         if chunks:
             self._note_interleaved(chunks[0].prog.layouts)
+        if self.plan.ep > 1:
+            # expert parallelism: every rank builds the expert meshes (collective); each expert
+            # block of the rank's chunks runs as its token exchange (`runtime.experts`), as in
+            # one stage (`_build_solved`)
+            self._shard_experts(nn.Module())
+            layers = [f for i in mine for f in self.stages[i].layers]
+
+            def own(fqn: str) -> bool:
+                return any(fqn == f or fqn.startswith(f + ".") for f in layers)
+
+            self._shard_experts(self.model, own)
+            for ch in chunks:
+                ch.rehold()
+            if chunks:
+                chunks[0].prog.replace_modules(program_calls(self.model, self.plan, own),
+                                               running={n for ch in chunks for n in ch.nodes})
         if self.zero3:
             self._shard_solved_chunks(chunks)
         self.pipe_stages, self.local_modules, self.fed_chunks = [], [], []
