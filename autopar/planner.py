@@ -474,8 +474,8 @@ def _ep_executor(c: Candidate, solved: bool) -> str:
 
 def _cp_executor(c: Candidate) -> str:
     """Why `autopar run` does not execute a candidate's context parallelism ("" where it does:
-    `runtime.context_parallel.unexecuted_parts`); only a pinned cp is planned so."""
-    from autopar.runtime.context_parallel import unexecuted_parts
+    `inter_op.context_parallel.unexecuted_parts`); only a pinned cp is planned so."""
+    from autopar.inter_op.context_parallel import unexecuted_parts
 
     why = unexecuted_parts(c.pp, c.ep, c.tp) if c.cp > 1 else []
     return f"planned, not yet executed by `autopar run` with {', '.join(why)}" if why else ""

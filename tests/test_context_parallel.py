@@ -79,7 +79,7 @@ def test_a_cp_plan_round_trips_and_short_sequences_search_as_before(tmp_path):
     free = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32", constraints=Constraints(num_microbatches=2))
     one = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32", constraints=Constraints(num_microbatches=2, cp=1))
     assert free.cp == 1 and free.search["candidates"] == one.search["candidates"]
-    # with pipeline stages: executed (`runtime.context_parallel.unexecuted_parts`), the
+    # with pipeline stages: executed (`inter_op.context_parallel.unexecuted_parts`), the
     # exchange per stage and micro-batch (each stage's layer: K and V gathered, their gradients
     # reduce-scattered), the loss's count on the last stage
     pp2 = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32",

@@ -248,6 +248,8 @@ class _Tables:
         self.range_p2p = send_fwd + send_bwd
         self.zero3 = zero == 3 and dp > 1
         self._relief: dict[str, np.ndarray] = {}
+        self._temporaries: dict[tuple, float] = {}           # `chunk_temporaries`, per chunks
+        self._holders: dict[tuple[int, int], list] = {}       # `_holder_sizes`, per layer range
         # `recompute_terms`, per (recomputation, ZeRO-3 with one micro-batch)
         self._rc_terms: dict[tuple[str, bool], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         # expert parallelism (`set_experts`): ep, and the expert weights' elements per layer range
@@ -807,14 +809,33 @@ class _Tables:
         steps each chunk's parameters in the order its holder keeps them (`holder_order`: by
         name, not the model's order), the chunks one after the other, a tied one once. For
         ZeRO 0 (ZeRO-1/2 step one flat shard; ZeRO-3's FSDP units hold their own)."""
-        sizes, seen = [], set()
-        for k, j in chunks:
+        key = tuple(chunks)
+        if key not in self._temporaries:
+            sizes, seen = [], set()
+            for k, j in chunks:
+                for f, e in self._holder_sizes(k, j):
+                    if f not in seen:
+                        seen.add(f)
+                        sizes.append(e)
+            self._temporaries[key] = adamw_temporary_elems(sizes)
+        return self._temporaries[key]
+
+    def _holder_sizes(self, k: int, j: int) -> list[tuple[str, float]]:
+        """(name, elements) of layers [k, j)'s parameters in their holder's order
+        (`holder_order`), kept per range: the search asks for the same chunks many times. The
+        holder's order of any subset of the model's parameters is the whole model's holder
+        order restricted to it (siblings' names are contiguous in sorted order: a module name
+        holds no character below "."), so it is read off one ranking."""
+        if (k, j) not in self._holders:
             elems = {f: e for c in self.costs[k:j] for f, e in c.param_elems.items()}
-            for f in holder_order(elems):
-                if f not in seen:
-                    seen.add(f)
-                    sizes.append(elems[f])
-        return adamw_temporary_elems(sizes)
+            rank = self._holder_rank
+            self._holders[(k, j)] = [(f, elems[f]) for f in sorted(elems, key=rank.__getitem__)]
+        return self._holders[(k, j)]
+
+    @functools.cached_property
+    def _holder_rank(self) -> dict[str, int]:
+        """Each parameter's position in the whole model's holder order (`holder_order`)."""
+        return _holder_rank(tuple(f for c in self.costs for f in c.param_elems))
 
     def param_tensors(self, chunks: list[tuple[int, int]]) -> int:
         """Distinct parameter tensors of the layers in `chunks` (a tied one counts once)."""
@@ -846,6 +867,13 @@ def _transient(tb: "_Tables", chunks: list[tuple[int, int]], r: str) -> tuple[fl
         # the op's gradients; what autograd freed of the saved activations before it, less
         return tmp - g, g
     return 0.0, max(tmp, 0.0)
+
+
+@functools.lru_cache(maxsize=8)
+def _holder_rank(names: tuple[str, ...]) -> dict[str, int]:
+    """Each of `names`' position in their holder order (`holder_order`), kept per model: every
+    table of a search asks for its parameters' (the same names)."""
+    return {f: i for i, f in enumerate(holder_order(names))}
 
 
 def _range_max(x: np.ndarray) -> np.ndarray:
@@ -1320,11 +1348,11 @@ class Search:
 
     def _executable(self, cp: int, dp: int, tp: int, pp: int, ep: int) -> bool:
         """False for a context-parallel layout the runtime does not execute
-        (`runtime.context_parallel.unexecuted_parts`) when cp is not pinned, recorded in
+        (`inter_op.context_parallel.unexecuted_parts`) when cp is not pinned, recorded in
         `skipped`; a pinned cp is planned all the same (the plan says it is not executed)."""
         if cp == 1 or self.cons.cp is not None:
             return True
-        from autopar.runtime.context_parallel import unexecuted_parts
+        from autopar.inter_op.context_parallel import unexecuted_parts
 
         why = unexecuted_parts(pp, ep, tp)
         if why:

@@ -67,6 +67,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 from torch.overrides import TorchFunctionMode
 
+from autopar.inter_op.context_parallel import unexecuted_parts
 from autopar.models.positions import positions_set, reads, traced_op
 from autopar.runtime.selective import fused_call_override
 from autopar.schema import PlanError
@@ -346,17 +347,6 @@ class _CPAttention(TorchFunctionMode):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q_len, kv_len), **kw)
         mask = self.cp.causal_mask(q_len, kv_len, q.dtype, q.device)
         return torch.ops.aten.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
-
-
-def unexecuted_parts(pp: int, ep: int, tp: int = 1) -> list[str]:
-    """What of a context-parallel layout this runtime does not execute with it (empty where it
-    runs): it runs it on one stage (tensor parallelism by DTensor propagation, any ZeRO stage
-    over dp x cp, any recomputation) and in pipeline stages (the traced chunks, `graph_stages`,
-    their positions read when they run: with dp and with tp, under every recomputation policy),
-    without expert parallelism in this version. (pp2 x cp2 x tp2 was refused while it hung: the
-    stage meshes flattened a size-1 dp axis with cp on the stage's own ranks only,
-    `runtime.meshes.StageMesh.flattens`.) `pp` and `tp` are kept for callers that name them."""
-    return [w for w, bad in (("expert parallelism", ep > 1),) if bad]
 
 
 def unexecuted(plan: Any) -> str:
