@@ -233,6 +233,24 @@ def test_hf_mixtral_ep2_tp2_op_by_op_trains_like_one_process():
         ([r["collectives"] for r in steps], p.predicted.collectives)
 
 
+def test_zero3_holds_each_rank_its_own_experts_unsharded_gradients():
+    """ZeRO-3 over several micro-batches accumulates unsharded gradients until the last
+    reduce-scatters (`cost_models.memory.runtime_phases`): under expert parallelism those are the
+    rank's own experts' (1/ep of them), not every expert's, while its shards (weights, optimizer)
+    are over the dp / ep ranks holding them. At ep 2 and 4 (dp 4, 2 micro-batches) the stage's
+    gradients at its peak drop by the experts' share the rank does not hold."""
+    from autopar.capture import capture
+    from autopar.capture.experts import find_expert_blocks
+    from autopar.planner import resolve_model
+
+    b = resolve_model("moe-tiny", None, None)
+    g = capture(b.model, b.example_inputs)
+    experts = sum(g.params[w].numel for blk in find_expert_blocks(g) for w in blk.weights)
+    grads = {ep: _plan(ep, zero_stage=3).stages[0].predicted.gradients_bytes for ep in (1, 2, 4)}
+    for ep in (2, 4):      # fp32: 4 bytes an element
+        assert grads[1] - grads[ep] == pytest.approx(4 * experts * (1 - 1 / ep), rel=1e-6), (grads, experts)
+
+
 def _solved(zero_stage: int):
     return plan("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32",
                 constraints=Constraints(ep=2, dp=2, tp=2, pp=1, zero_stage=zero_stage, recompute="none",

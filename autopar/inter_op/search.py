@@ -631,10 +631,15 @@ class _Tables:
         if self.ep > 1 and self.zero >= 1 and self.dp > 1:
             # ZeRO shards an expert's optimizer state (ZeRO-3: and its weights and gradients)
             # over the dp / ep ranks holding it, not over dp: as if its elements were ep times
-            # as many (the rest of the phase unchanged)
+            # as many (the rest of the phase unchanged). Not ZeRO-3's unsharded gradients,
+            # accumulated over several micro-batches until the last one reduce-scatters: those
+            # are the rank's own experts' (`pel` as it is)
             wide = runtime_phases(pel + (self.ep - 1) * np.asarray(epel), self.dtype, self.zero, self.dp, **kw)
+            unsharded = m > 1
             out = [dataclasses.replace(a, optimizer=b.optimizer) if self.zero < 3 else
-                   dataclasses.replace(a, optimizer=b.optimizer, weights=b.weights, gradients=b.gradients)
+                   dataclasses.replace(a, optimizer=b.optimizer, weights=b.weights,
+                                       gradients=a.gradients if unsharded and a.phase == "forward_backward"
+                                       else b.gradients)
                    for a, b in zip(out, wide)]
         return out
 
