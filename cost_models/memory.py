@@ -386,8 +386,10 @@ def saved_tensors(node, by_name: dict, dtype: str = "bf16", device_type: Optiona
         if rg.get(b, True):
             need |= {a, b} if op in ("div", "true_divide", "div_") else {a}
         return [(i, None) for i in ins if i in need]
-    if op in ("embedding", "index_select", "gather", "index"):
+    if op in ("embedding", "index_select", "gather", "index") or op in INDEX_WRITES:
         return [(i, None) for i in ins if by_name[i].outputs and "int" in by_name[i].outputs[0].dtype]
+    if op in INDEX_SOURCE_WRITES:
+        return [(i, None) for i in ins if i != node.inputs[0]]
     if op in LOSSES:
         if is_fused_loss(node) and node.inputs and by_name[node.inputs[0]].outputs:
             # a fused kernel (`cost_models.fused_loss`): the logits as given and one fp32
@@ -406,6 +408,13 @@ def _floating(node) -> bool:
 
 
 CASTS = frozenset({"to", "_to_copy", "type_as"})
+# ops writing a source into a tensor at indices: their backward gathers the gradient at the
+# indices for the source and passes it on for the tensor written into, so they save neither the
+# tensor nor (scatter, scatter_add, index_put) the source: the index alone; index_add and
+# index_copy keep the source too (torch 2.13, seen through saved-tensor hooks on CPU: a
+# mixture-of-experts combine `out.index_add(0, token, y)` keeps the experts' outputs `y`, not `out`)
+INDEX_WRITES = frozenset({"scatter", "scatter_", "scatter_add", "scatter_add_", "index_put", "index_put_"})
+INDEX_SOURCE_WRITES = frozenset({"index_add", "index_add_", "index_copy", "index_copy_"})
 
 
 def tensor_bases(nodes: list, by_name: dict, device_type: Optional[str] = None,
@@ -1113,7 +1122,8 @@ def mixed_fp32(calls: list, by_name: dict, base: dict, device_type: Optional[str
     if dtype == "fp32":
         return frozenset()
     cuda_fp32 = CUDA_FP32_OUTPUT_OPS if device_type == "cuda" and autocast else frozenset()
-    return _promoted_fp32(calls, by_name, base, _upcasts(calls, base, LOSSES | cuda_fp32), cuda_fp32)
+    params = frozenset(n.name for n in by_name.values() if n.kind == "param")
+    return _promoted_fp32(calls, by_name, base, _upcasts(calls, base, LOSSES | cuda_fp32, params), cuda_fp32)
 
 
 def graph_fp32_tensors(graph, device_type: Optional[str], dtype: str,
@@ -1137,7 +1147,7 @@ def graph_fp32_tensors(graph, device_type: Optional[str], dtype: str,
     return memo[key]
 
 
-def _upcasts(calls: list, base: dict, fp32_readers: frozenset) -> frozenset:
+def _upcasts(calls: list, base: dict, fp32_readers: frozenset, params: frozenset = frozenset()) -> frozenset:
     """Casts to float32 that stay fp32 in a mixed-precision run: those whose every reader
     (through views) runs in fp32 anyway (`x.float()` before a loss). A capture is fp32, so
     `to(float32)` is all it shows of both an upcast and a cast back to an input's dtype; only
@@ -1153,7 +1163,7 @@ def _upcasts(calls: list, base: dict, fp32_readers: frozenset) -> frozenset:
             if b in casts:
                 readers.setdefault(b, set()).add(n.op)
     out = {c for c, ops in readers.items() if ops <= fp32_readers}
-    return frozenset(out | _upcast_regions(calls, base, casts))
+    return frozenset(out | _upcast_regions(calls, base, casts, params))
 
 
 def _promoted_fp32(calls: list, by_name: dict, base: dict, fp32: frozenset, fp32_ops: frozenset) -> frozenset:
@@ -1203,7 +1213,7 @@ def _promoted_fp32(calls: list, by_name: dict, base: dict, fp32: frozenset, fp32
 UPCAST_REGION_MAX = 24
 
 
-def _upcast_regions(calls: list, base: dict, casts: set) -> set:
+def _upcast_regions(calls: list, base: dict, casts: set, params: frozenset = frozenset()) -> set:
     """Ops that run in fp32 between an upcast and its cast back, in a mixed-precision run:
     model code that computes a norm or a rotary table in fp32 (`x.to(torch.float32)` ...
     `.to(input_dtype)`, Hugging Face's RMSNorm) captures as two `to(float32)`; the first of two
@@ -1211,7 +1221,10 @@ def _upcast_regions(calls: list, base: dict, casts: set) -> set:
     cast's value may also be read outside, where a fp32 capture made the two one tensor: the
     residual stream) up to the next casts: when that region ends in a cast within
     `UPCAST_REGION_MAX` ops and reads into no loss, the cast and the region's ops are fp32, the
-    closing casts the training dtype (and open no region of their own)."""
+    closing casts the training dtype (and open no region of their own). A region holding a
+    matrix op with a parameter operand (`params`: their names; through views) is none: that
+    cast is to the weight's dtype (`x.to(w.dtype)` before an expert's grouped GEMM), the
+    training dtype in the run, and numerics code upcasts no GEMM with a weight."""
     readers: dict[str, list] = {}
     for n in calls:
         for i in n.inputs:
@@ -1235,7 +1248,8 @@ def _upcast_regions(calls: list, base: dict, casts: set) -> set:
                 if r.name in casts:
                     closing.add(r.name)
                     continue
-                if r.op in LOSSES or len(region) >= UPCAST_REGION_MAX:
+                if r.op in LOSSES or len(region) >= UPCAST_REGION_MAX or (
+                        r.op in MATRIX_OPS and any(base.get(i, i) in params for i in r.inputs)):
                     ok = False
                     break
                 region.add(r.name)
