@@ -46,7 +46,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.distributed.pipelining import PipelineStage
 
 
@@ -127,7 +127,8 @@ class JustInTimeStage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-        if self.is_last and isinstance(out, torch.Tensor) and type(out) is torch.Tensor:
+        # a plain tensor, or verify's fake one (its step must hold what the run holds), not a DTensor
+        if self.is_last and (type(out) is torch.Tensor or isinstance(out, FakeTensor)):
             # the loss: the schedule holds what this returns until the next forward returns,
             # and the loss function's copy to the step's end; the stage's forward cache holds
             # the chunk's own output until the micro-batch's backward. A loss that is a view,
