@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Optional, Sequence
@@ -29,10 +30,25 @@ class SymDim:
     expr: str
 
     def at(self, b: int) -> int:
+        linear = _linear(self.expr)
+        if linear is not None:
+            return linear[0] * b + linear[1]
         return int(_compiled(self.expr)(b))
 
     def __str__(self) -> str:
         return self.expr
+
+
+_LINEAR_EXPR = re.compile(r"^(?:(\d+)\*)?b(?: \+ (\d+))?$")
+
+
+@lru_cache(maxsize=None)
+def _linear(expr: str) -> Optional[tuple[int, int]]:
+    """(a, c) of an expression "a*b + c" as sympy prints one ("b", "2048*b", "4*b + 1"), else
+    None: most of a capture's batch-dependent dimensions, read without sympy (its import and
+    lambdify are most of a warm plan's first `at_batch`)."""
+    m = _LINEAR_EXPR.match(expr)
+    return (int(m.group(1) or 1), int(m.group(2) or 0)) if m else None
 
 
 @lru_cache(maxsize=None)
