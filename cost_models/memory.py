@@ -208,6 +208,11 @@ class ActivationMemory:
     backward_over_loss: Optional[float] = None   # the loss op's moment (None: no loss)
     backward_over_body: float = 0.0              # the worst of the other moments
     forward_over_bytes: float = 0.0              # the forward's worst moment above saved_bytes
+    # the same without the output the layer hands on (`given_grad`'s tensor, where no op of the
+    # layer saves or reads it): where the layer ends a pipeline chunk, the stage counts that
+    # output once per micro-batch in flight, the one running included (its forward cache,
+    # `boundary_acts`), so its forward moments must not count it again
+    forward_over_given: float = 0.0
     # `backward_over_bytes` where `given_grad`'s gradient is no tensor of the backward's own (a
     # receive buffer, counted elsewhere): not made by the op producing it, nor passed on as a
     # new one by a sum
@@ -918,9 +923,10 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             born_at[position[n.name]] = born_at.get(position[n.name], 0.0) + made
         live -= owned.get(n.name, 0.0)
     if keep is None:
-        out.forward_over_bytes = _forward_over(calls, by_name, base, owner_node, nbytes_of, size, read,
-                                               batch, out.saved_bytes, mixed, cuda_fp32,
-                                               {k: v[1] for k, v in copies.items()})
+        fo = [_forward_over(calls, by_name, base, owner_node, nbytes_of, size, read, batch, out.saved_bytes,
+                            mixed, cuda_fp32, {k: v[1] for k, v in copies.items()}, handed=h)
+              for h in ((None, given_grad) if given_grad is not None else (None,))]
+        out.forward_over_bytes, out.forward_over_given = fo[0], fo[-1]
     layer_of_region = {region[n.name]: n.layer for n in calls if region[n.name] is not None}
     # region_peak: what a region re-made at the end plus the last op's gradients at least
     cand = [region_peak[r] for r in region_bytes if keep is None or layer_of_region.get(r) in keep]
@@ -1271,7 +1277,8 @@ def _copy_key(name: str, r: tuple, reader: str) -> str:
 
 def _forward_over(calls: list, by_name: dict, base: dict, owner_node: dict, nbytes_of: dict,
                   size: Callable, read: Callable, batch: Callable, saved_total: float, mixed: bool,
-                  fp32_ops: frozenset, copies: dict[str, str], per_op: bool = False) -> Any:
+                  fp32_ops: frozenset, copies: dict[str, str], per_op: bool = False,
+                  handed: Optional[str] = None) -> Any:
     """The forward's worst moment above everything saved (`ActivationMemory.forward_over_bytes`),
     op by op in order: what the ops up to this one saved, every tensor made and not yet saved
     whose last reader is still to run (a storage's readers through any view; a tensor no op of
@@ -1282,7 +1289,9 @@ def _forward_over(calls: list, by_name: dict, base: dict, owner_node: dict, nbyt
     frees it once concatenated); a loss makes its per-element fp32 result
     (cross-entropy's log-softmax, which it saves in place of its input) beside its input.
     `per_op`: also {op: what the forward holds at that op beyond what the ops before it saved,
-    the most of just before it runs and just after} (a recomputed region's re-run forward)."""
+    the most of just before it runs and just after} (a recomputed region's re-run forward).
+    `handed`: a tensor the caller counts itself (the output a pipeline chunk keeps), left out
+    where no op of the layer reads it (then it is held from the op making it alone)."""
     T = len(calls)
     if T == 0:
         return (0.0, {}) if per_op else 0.0
@@ -1312,6 +1321,8 @@ def _forward_over(calls: list, by_name: dict, base: dict, owner_node: dict, nbyt
         elif nd.kind == "input" and not batch(name):
             start, at = 0, None
         else:
+            continue
+        if handed is not None and name == base.get(handed, handed) and name not in last:
             continue
         end = last.get(name, start)
         if name in saver:

@@ -301,6 +301,53 @@ def test_interleave_round_trip():
     assert torch.equal(deinterleave(lay, 0, 3, 2), w)
 
 
+def test_regather_frees_a_gathered_parameter_after_its_last_forward_reader(monkeypatch):
+    """A parameter gathered for an op (`_Reshard` of a sharded parameter, `_Regather.track`) is
+    not kept by the executor: once the forward drops its last reference it is freed, before the
+    forward ends (the plan counts it while its op runs; a strong reference kept Megatron-SP's
+    tied embedding table, gathered for the lookup, to the forward's end: +17 KiB activations,
+    `benchmarks/memory_accuracy.py`). What an op saved from it is still unpacked by gathering
+    the shard again, and a later tensor that happens to get the freed storage's identity is
+    saved as itself, not as the parameter's recipe."""
+    import gc
+    import types
+    import weakref
+
+    from autopar.intra_op import execute
+
+    shard = torch.arange(6.0).reshape(3, 2)
+    regathered = []
+
+    def regather(x, dst, whole=()):       # stands in for the all-gather of the backward pass
+        regathered.append(dst)
+        return types.SimpleNamespace(_local_tensor=x.repeat(2, 1))    # read as a DTensor's
+
+    monkeypatch.setattr(execute, "redistribute", regather)
+    rg = execute._Regather()
+    with rg:
+        param = shard.clone().requires_grad_()              # the stored shard, a leaf
+        gathered = param.repeat(2, 1)                        # the gathered parameter (6 x 2)
+        rg.track(gathered, shard, ("R",))
+        x = torch.ones(4, 6, requires_grad=True)
+        with rg.saving([x, gathered]):
+            y = x @ gathered                                 # saves x and the gathered parameter
+        assert list(rg.state.readers.values()) == [1]        # packed as a recipe, not held
+        alive = weakref.ref(gathered)
+        del gathered
+        gc.collect()
+        assert alive() is None                               # freed mid-forward
+        assert rg.state.live == {}                           # and no longer followed
+        later = torch.zeros(6, 2)                            # may reuse the storage's identity
+        with rg.saving([later]):
+            pass
+        assert execute._storage(later) not in rg.state.live
+    y.sum().backward()
+    assert regathered == [("R",)]                            # gathered again for the backward
+    assert torch.equal(x.grad, shard.repeat(2, 1).sum(1).expand(4, 6))
+    assert rg.state.gathered == {}
+    assert torch.equal(param.grad, torch.full((3, 2), 8.0))
+
+
 @pytest.fixture(scope="module")
 def results(solutions):
     cases = {name: (cls, batch, hidden, shape, solutions[name])

@@ -219,8 +219,10 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
         c.bwd_over_body[rc] = max(am.backward_over_body, am.forward_over_bytes)
         if am.backward_over_loss is not None:
             c.bwd_over_loss[rc] = am.backward_over_loss
-        c.bwd_over_given[rc] = max(am.forward_over_bytes, am.backward_over_given)
-        fwd_given = am.forward_over_bytes > am.backward_over_given
+        # where the layer ends a chunk its output is the stage's (kept per micro-batch in
+        # flight): its forward's moment without it (`forward_over_given`)
+        c.bwd_over_given[rc] = max(am.forward_over_given, am.backward_over_given)
+        fwd_given = am.forward_over_given > am.backward_over_given
         c.bwd_over_given_rc[rc] = fwd_given or am.backward_over_given_recompute
         c.bwd_over_given_grads[rc] = 0.0 if fwd_given else am.backward_over_given_grads
         c.bwd_given_backward[rc] = am.backward_over_given

@@ -69,6 +69,7 @@ import contextlib
 import logging
 import math
 import operator
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -356,20 +357,30 @@ class _Regather:
     all-gather per gathered parameter per backward pass, shared by the ops that saved it,
     dropped once the last one has read it.
 
+    Nor does it keep one through the forward: it follows a gathered parameter by a weak
+    reference, so the parameter goes after its last forward reader (the interpreter drops a
+    value after its last use, a junction's after its last consumer), as FSDP reshards after a
+    unit's forward and as the plan counts it (the op that gathers it, not the rest of the
+    forward). A strong reference here kept the tied embedding table of Megatron-SP dp2 x tp2,
+    gathered for the lookup, until the forward's end (`benchmarks/memory_accuracy.py`, its
+    activations 17 KiB over the plan at the head); under full recomputation the re-run
+    forward's gathers were kept as long as the autograd graph.
+
     The saved-tensor hooks are installed only around the ops that read a gathered parameter
     (`saving`), not around the whole forward: a tensor saved under hooks is unpacked as a new
     tensor (for a DTensor, a `detach` through DTensor's dispatch), which on gpt-small's tp-2 step
     was 66 extra DTensor ops. The hooks are methods of a separate state object
     (`_RegatherState`), so that the autograd graph holding them forms no reference cycle with
-    this object: the state goes when the graph does, not at a garbage collection. Used as a
-    context manager around the forward, it frees the gathered parameters at its exit."""
+    this object: the state goes when the graph does, not at a garbage collection (the weak
+    references' callbacks reach the state weakly too). Used as a context manager around the
+    forward; at its exit it follows no parameter any more (what was packed keeps its recipe)."""
 
     def __init__(self) -> None:
         self.state = _RegatherState()
         self.paused = 0         # > 0 inside a recomputed region (see `saving`)
 
     def track(self, gathered: DTensor, shard: DTensor, dst: tuple) -> None:
-        self.state.live[_storage(gathered)] = (gathered, shard, dst)
+        self.state.track(gathered, shard, dst)
 
     def saving(self, values: Sequence[Any]) -> Any:
         """The saved-tensor hooks when one of `values` (an op's inputs) lives in a gathered
@@ -385,37 +396,52 @@ class _Regather:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        st = self.state
-        st.live = {k: (None, sh, dst) for k, (_, sh, dst) in st.live.items()}   # free them
+        self.state.live = {}
 
 
 class _RegatherState:
     def __init__(self) -> None:
-        self.live: dict[int, tuple[Optional[DTensor], DTensor, tuple]] = {}   # storage -> (gathered, shard, dst)
-        self.gathered: dict[int, DTensor] = {}                                # storage -> gathered again
+        # storage of a gathered parameter alive now -> (weak reference to it, its recipe's id);
+        # an entry goes with the parameter (its storage's identity may then be reused)
+        self.live: dict[int, tuple[weakref.ref, int]] = {}
+        self.recipes: dict[int, tuple[DTensor, tuple]] = {}     # recipe id -> (shard, dst)
+        self.gathered: dict[int, DTensor] = {}                  # recipe id -> gathered again
         self.readers: dict[int, int] = {}
 
+    def track(self, gathered: DTensor, shard: DTensor, dst: tuple) -> None:
+        key, rid = _storage(gathered), len(self.recipes)
+        self.recipes[rid] = (shard, dst)
+        me = weakref.ref(self)
+
+        def gone(ref: weakref.ref, key: int = key) -> None:
+            st = me()
+            if st is not None and st.live.get(key, (None,))[0] is ref:
+                del st.live[key]
+
+        self.live[key] = (weakref.ref(gathered, gone), rid)
+
     def pack(self, t: torch.Tensor) -> Any:
-        key = _storage(t)
-        if key not in self.live:
+        entry = self.live.get(_storage(t))
+        if entry is None:
             return t
-        self.readers[key] = self.readers.get(key, 0) + 1
+        rid = entry[1]
+        self.readers[rid] = self.readers.get(rid, 0) + 1
         loc = t._local_tensor if isinstance(t, DTensor) else t
         view = (tuple(loc.shape), tuple(loc.stride()), loc.storage_offset())
         spec = (tuple(t.placements), tuple(t.shape), tuple(t.stride())) if isinstance(t, DTensor) else None
-        return ("regather", key, view, spec)
+        return ("regather", rid, view, spec)
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if not (isinstance(packed, tuple) and len(packed) == 4 and packed[0] == "regather"):
             return packed
-        _, key, (shape, stride, offset), spec = packed
-        full = self.gathered.get(key)
+        _, rid, (shape, stride, offset), spec = packed
+        full = self.gathered.get(rid)
         if full is None:
-            _, shard, dst = self.live[key]
-            full = self.gathered[key] = redistribute(shard, dst)
-        self.readers[key] -= 1
-        if self.readers[key] == 0:
-            del self.gathered[key]
+            shard, dst = self.recipes[rid]
+            full = self.gathered[rid] = redistribute(shard, dst)
+        self.readers[rid] -= 1
+        if self.readers[rid] == 0:
+            del self.gathered[rid]
         loc = full._local_tensor.as_strided(shape, stride, offset)
         if spec is None:
             return loc

@@ -43,11 +43,12 @@ optimizer_state     AdamW's moments and step counters (registered: they exist be
                     tracked step)
 optimizer_temps     what the optimizer step makes (AdamW's `exp_avg_sq.sqrt()` and its      buffers
                     quotient), as the plan counts them (`cost_models.memory.ADAMW_TEMPORARIES`)
-gradients           parameter gradients (incl. the masters' fp32 gradients and the flat     gradients
-                    shard's gradient, from their creation)
+gradients           parameter gradients (incl. the masters' fp32 gradients, the flat        gradients
+                    shard's gradient and FSDP2's unsharded gradients, accumulated over the
+                    micro-batches until a unit's reduce-scatter; from their creation)
 activations         tensors made in forward (and in recomputation during the backward)      activations
 temporaries         tensors made in the backward that are not parameter gradients           buffers
-                    (activation gradients, FSDP's unsharded gradients and reduce-scatter inputs)
+                    (activation gradients, FSDP's reduce-scatter inputs)
 sync_buffers        tensors made during the gradient sync / update outside the optimizer    buffers
                     step (flat all-reduce / reduce-scatter / all-gather buffers)
 comm_buffers        a forward redistribution's gather buffer and result while it runs       buffers
@@ -425,6 +426,13 @@ def register(mt: StepMemTracker, pm: Any, batch: Sequence[Any]) -> None:
     for fp in _fsdp_params(mods):
         for t in fp.all_gather_outputs:
             mt.label(t, _Ref.GATHERED)
+        unsharded = getattr(fp, "_unsharded_param", None)     # made at the first all-gather
+        if unsharded is not None:
+            # its gradient is a gradient: with several micro-batches FSDP accumulates it in
+            # `.grad` until the last one's reduce-scatter (as ZeRO 0-2 accumulate theirs), and
+            # the plan counts it so (`cost_models.memory.runtime_phases`, ZeRO 3); the hooks
+            # MemTracker installs for parameters label it as made and as accumulated
+            mt._track_module_params_and_buffers(_Holder(unsharded), install_grad_hooks=True)
         if pm.low is not None:    # ZeRO-3 under bf16/fp16: FSDP's fp32 shards are the masters
             mt.label(fp.sharded_param, _Ref.MASTER)
     masters = getattr(pm, "masters", None)
