@@ -317,3 +317,14 @@ def test_a_flop_formula_that_does_not_fit_falls_back_and_says_so():
     assert flops == 8.0                                  # per output element
     said = [str(x.message) for x in w if "FLOP formula" in str(x.message)]
     assert len(said) == 1 and "_scaled_mm" in said[0]
+
+
+def test_batch_dependent_dimensions_read_without_sympy_agree_with_it():
+    """`SymDim.at` reads "a*b + c" forms directly (a warm plan's first `at_batch` spent half a
+    second in sympy); every form, linear or not, gives what sympy's lambdify gives."""
+    from autopar.capture.graph import SymDim, _compiled, _linear
+
+    for expr in ("b", "2048*b", "4*b + 1", "3*b + 17", "2*b - 1", "b**2", "b*(b + 1)/2"):
+        for b in (1, 3, 8):
+            assert SymDim(expr).at(b) == int(_compiled(expr)(b)), (expr, b)
+    assert _linear("2048*b") == (2048, 0) and _linear("4*b + 1") == (4, 1) and _linear("b**2") is None
