@@ -500,10 +500,56 @@ def test_dispatch_modes_lose_their_dynamo_guard_only_inside_verify():
     puts the guarded methods back after (a later torch.compile in the process sees them)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from autopar.runtime.verify import PhasedCounter, _dispatch_without_dynamo_guard
+    from autopar.runtime.counting import CollectiveCounter
+    from autopar.runtime.verify import _dispatch_without_dynamo_guard
 
-    before = {c: c.__dict__["__torch_dispatch__"] for c in (FakeTensorMode, PhasedCounter)}
+    before = {c: c.__dict__["__torch_dispatch__"] for c in (FakeTensorMode, CollectiveCounter)}
     with _dispatch_without_dynamo_guard():
         for c, fn in before.items():
             assert c.__dict__["__torch_dispatch__"] is fn.__wrapped__
     assert {c: c.__dict__["__torch_dispatch__"] for c in before} == before
+
+
+def _counter_fused_and_alone():
+    """(verify's report of a small plan, the same with the counter as its own mode): in a process
+    that built no other plan (else verify builds the kinds in a worker, where no patch reaches)."""
+    from autopar.runtime import verify as vmod
+
+    cluster = autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": 4})
+    p = autopar.plan("gpt-tiny", cluster, global_batch_size=32,
+                     constraints=autopar.Constraints(dp=1, tp=2, pp=2, num_microbatches=2, schedule="1f1b"))
+
+    def dump(r):
+        d = r.model_dump()
+        d.pop("time_s", None)
+        for rc in d["ranks"]:
+            rc.pop("time_s"), rc.pop("cpu_s")
+        return d
+
+    fused = dump(verify(p, "gpt-tiny", jobs=1, top=3))
+    seen = []
+    orig = vmod.PhasedCounter.__enter__
+
+    def as_mode(self):
+        seen.append(1)
+        self._entered.append(None)
+        return vmod.CollectiveCounter.__enter__(self)
+
+    vmod.PhasedCounter.__enter__ = as_mode
+    try:
+        alone = dump(verify(p, "gpt-tiny", jobs=1, top=3))
+    finally:
+        vmod.PhasedCounter.__enter__ = orig
+    assert seen and fused == alone
+    assert fused["collectives_match"] is True
+    print("same reports")
+
+
+def test_counter_riding_on_the_tracker_reports_as_a_mode_of_its_own():
+    """verify's collective counter observes the ops the step's memory tracker is handed instead
+    of being a dispatch mode above it (one Python mode less per op): the report, collectives by
+    phase, shards, tracked peaks and peak tensors included, equals the one with the counter as
+    its own mode (gpt-tiny tp2 x pp2, in a fresh process)."""
+    out = subprocess.run([sys.executable, "-c", "from tests.test_verify import _counter_fused_and_alone as f; f()"],
+                         capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
+    assert out.returncode == 0 and "same reports" in out.stdout, out.stderr[-2000:]

@@ -120,11 +120,17 @@ class CollectiveCounter(TorchDispatchMode):
         if _DTensor in types:
             return NotImplemented  # let DTensor desugar into collectives first, then see them
         kwargs = kwargs or {}
+        self.observe(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def observe(self, func: Any, args: Sequence[Any], kwargs: dict) -> None:
+        """Record op `func` when it is a collective (its kind and group ranks), before it runs:
+        what `__torch_dispatch__` does for an op on plain or fake tensors (DTensor ops are let
+        through first, their collectives seen when they run)."""
         if func.namespace in _NAMESPACES and self.enabled:
             kind = _KIND.get(func._opname)
             if kind is not None:
                 self.events.append((kind, _group_ranks(func, args, kwargs)))
-        return func(*args, **kwargs)
 
     def local_counts(self) -> dict[str, int]:
         """This rank's counts, a receive counted as one send_recv and sends not at all."""

@@ -100,15 +100,21 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
+from torch._guards import active_fake_mode
 from torch.distributed._tools.common_utils import get_untyped_storages
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _RefType
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState, _RefType
+from torch.distributed.tensor import DTensor as _DTensor
+from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
 _DEVICE = torch.ops.prim.device.default
+_WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+_SCALARS = (int, float, bool)
 PLAN_CATEGORIES = ("weights", "gradients", "optimizer", "activations", "buffers")
 PHASES = ("forward_backward", "grad_sync", "optimizer")
 
@@ -240,22 +246,63 @@ class StepMemTracker(MemTracker):
         # `timeline`: the bytes held after every op that changed them, by plan category, with
         # the op, the innermost module and the pass (forward / backward): where a peak comes from
         self.timeline: list[dict] | None = [] if timeline else None
+        # a collective counter riding on this mode (`verify.PhasedCounter`): its `observe`
+        # sees every op handed here, before the tracker's own work
+        self.counter: Any = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is _DEVICE:
             # a tensor's device, asked of a Python tensor subclass (a fake tensor: most of the
             # dispatches of a fake step, `autopar verify`); it makes no tensor
             return func(*args, **(kwargs or {}))
+        counter = self.counter
+        if counter is not None:
+            # what the counter as a mode of its own would do before handing the op on
+            if _DTensor in types:
+                return NotImplemented
+            counter.observe(func, args, kwargs or {})
         if self.shadow_depth:
             # DTensor's sharding propagation running an op at the global shape on fake tensors
             # to learn its output's metadata (`ShardingPropagator._propagate_tensor_meta_non_cached`,
             # in the fake mode of `autopar verify` when there is one): no memory of the step
             return func(*args, **(kwargs or {}))
-        self._op = str(func)
+        if not self.top and self.timeline is None:
+            return self._dispatch(func, types, args, kwargs)
+        self._op = str(func)      # read only by the origins of `top` and the timeline
         try:
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            return self._dispatch(func, types, args, kwargs)
         finally:
             self._op = "registered"
+
+    def _dispatch(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        """MemTracker's `__torch_dispatch__` (torch 2.13), the same steps with less per-op work:
+        the output's tensors tracked in order without a pytree walk when it is a tensor or a
+        flat tuple or list, and the backward flag read once."""
+        if _DTensor in types:
+            return NotImplemented
+        if func is _WAIT_TENSOR and active_fake_mode():
+            res = args[0]      # MemTracker's: wait_tensor's meta kernel makes a tensor eager does not
+        else:
+            res = func(*args, **kwargs or {})
+        if active_fake_mode() is self._fake_mode_on_entry:
+            is_bw = self._mod_tracker.is_bw
+            if self._in_opt:
+                reftype = _MemRefType.OPT
+            elif is_bw and not self._in_ac:
+                reftype = _MemRefType.TEMP
+            else:
+                reftype = _MemRefType.ACT
+            if isinstance(res, torch.Tensor):
+                self._track(reftype, res)
+            elif type(res) in (tuple, list) and all(isinstance(x, torch.Tensor) or x is None or type(x) in _SCALARS
+                                                    for x in res):
+                for x in res:
+                    if isinstance(x, torch.Tensor):
+                        self._track(reftype, x)
+            else:
+                tree_map_only(torch.Tensor, partial(self._track, reftype), res)
+            self._update_peak_stats(_ModState.PEAK_BW if is_bw else _ModState.PEAK_FW)
+        return res
 
     # -- labels ------------------------------------------------------------------------------
     def label(self, t: Any, ref: _RefType) -> None:
