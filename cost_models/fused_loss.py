@@ -21,16 +21,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from autopar.capture.flops import is_view
+from autopar.capture.flops import FUSED_LOSS_OPS, FUSED_OVERLOAD, is_fused_loss, is_view
 
-FUSED_OVERLOAD = "fused"
-FUSED_LOSS_OPS = frozenset({"cross_entropy_loss"})
+__all__ = ["fuse_losses", "is_fused_loss"]
 _CASTS = ("to", "_to_copy")
-
-
-def is_fused_loss(node: Any) -> bool:
-    """Whether `node` is a cross-entropy `fuse_losses` marked as one fused kernel."""
-    return node.op in FUSED_LOSS_OPS and node.target.endswith("." + FUSED_OVERLOAD)
 
 
 def _upcast(node: Any) -> bool:

@@ -398,17 +398,15 @@ def test_redistribute_runs_the_planned_transitions(results):
             assert got["differ"] == [], (r, shape, got["differ"][:3])
 
 
-def test_meta_program_exported_once_per_model_structure(monkeypatch):
-    """Building several ranks (verify's kinds) or plans of one model in a process exports its
-    program once: the same structure, inputs, loss, weight dtype and device reuse the program;
-    another shape, dtype or device exports anew."""
+def _count_exports(monkeypatch) -> list:
+    """A list that gets one item per `torch.export` of a model's program (`export_program`),
+    with the process's kept meta programs emptied first."""
     import importlib
 
-    capture_export = importlib.import_module("autopar.capture.export")
     from autopar.intra_op import execute
-    from autopar.models.registry import build_model
 
-    calls = []
+    capture_export = importlib.import_module("autopar.capture.export")
+    calls: list = []
     real = capture_export.export_program
 
     def counting(*a, **k):
@@ -417,6 +415,17 @@ def test_meta_program_exported_once_per_model_structure(monkeypatch):
 
     monkeypatch.setattr(capture_export, "export_program", counting)
     monkeypatch.setattr(execute, "_META_PROGRAMS", type(execute._META_PROGRAMS)())
+    return calls
+
+
+def test_meta_program_exported_once_per_model_structure(monkeypatch):
+    """Building several ranks (verify's kinds) or plans of one model in a process exports its
+    program once: the same structure, inputs, loss, weight dtype and device reuse the program;
+    another shape, dtype or device exports anew."""
+    from autopar.intra_op import execute
+    from autopar.models.registry import build_model
+
+    calls = _count_exports(monkeypatch)
     cpu = torch.device("cpu")
     first = build_model("gpt-tiny")
     p1, _ = execute.meta_program(first.model, first.example_inputs, device=cpu)
@@ -513,27 +522,15 @@ def test_meta_constants_read_from_the_model_not_exported_again(monkeypatch):
     """A Hugging Face Llama's meta program lifts its rotary table as a meta constant; applying
     a solution reads it from the model (`_real_constants`) instead of exporting the model again
     on its device, and the program's loss is the model's own, on a 1-process mesh."""
-    import importlib
-
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autopar.intra_op import execute
     from autopar.models.registry import build_model
 
     if "hf-llama" not in ZOO:
         pytest.skip("the [hf] extra is not installed")
-    capture_export = importlib.import_module("autopar.capture.export")
-    calls = []
-    real = capture_export.export_program
-
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
     ref = ZOO["hf-llama"][0]
     sol = _zoo_solution(ref, 2, (1,))
-    monkeypatch.setattr(capture_export, "export_program", counting)
-    monkeypatch.setattr(execute, "_META_PROGRAMS", type(execute._META_PROGRAMS)())
+    calls = _count_exports(monkeypatch)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))

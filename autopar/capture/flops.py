@@ -53,6 +53,17 @@ def is_view(node: OpNode) -> bool:
     return node.op in VIEW_OPS or node.target == "getitem" or identity_dropout(node) or identity_move(node)
 
 
+# software that runs a cross-entropy as one fused kernel (`SoftwareSpec.loss_kernel`) marks the
+# loss in its captured graph by this overload of its target (`cost_models.fused_loss`)
+FUSED_OVERLOAD = "fused"
+FUSED_LOSS_OPS = frozenset({"cross_entropy_loss"})
+
+
+def is_fused_loss(node: OpNode) -> bool:
+    """Whether `node` is a cross-entropy `cost_models.fused_loss.fuse_losses` marked as one kernel."""
+    return node.op in FUSED_LOSS_OPS and node.target.endswith("." + FUSED_OVERLOAD)
+
+
 # losses reduce their input to a scalar: their work is per input element
 LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d", "mse_loss", "l1_loss",
                     "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
@@ -110,7 +121,7 @@ def node_cost(node: OpNode, metas: dict[str, list[TensorMeta]]) -> tuple[float, 
     in_bytes = sum(m.nbytes for m in in_metas)
     if op in ("embedding", "index_select", "gather", "index"):
         in_bytes = sum(m.nbytes for m in in_metas[1:]) + out_bytes   # rows actually read
-    if op == "cross_entropy_loss" and in_metas and not node.target.endswith(".fused"):
+    if op == "cross_entropy_loss" and in_metas and not is_fused_loss(node):
         # eager: log_softmax writes the log-probabilities (the logits' size) that nll_loss picks
         # from; a fused kernel (`cost_models.fused_loss`) reads the logits alone
         in_bytes += in_metas[0].nbytes

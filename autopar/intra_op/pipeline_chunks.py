@@ -51,6 +51,7 @@ from autopar.intra_op.execute import (
     _PlanInterpreter,
     _program_calls,
     _Reshard,
+    _run_target,
     _subgraph_index,
     _ToLocal,
     contiguous_strides,
@@ -385,7 +386,12 @@ def _fake_run(gm: torch.fx.GraphModule, program: Any, specs: dict, wrapped: nn.M
 
     class _Record(torch.fx.Interpreter):
         def run_node(self, n: torch.fx.Node) -> Any:
-            out = super().run_node(n)
+            if n.op == "call_function":
+                # as the executor runs an op of a program exported on meta (`execute._run_target`:
+                # a model's branch for other devices, HF's integer histc, runs on CPU)
+                out = _run_target(n, *self.fetch_args_kwargs_from_env(n))
+            else:
+                out = super().run_node(n)
             vals[n] = out
             return out
 
