@@ -203,9 +203,9 @@ def test_lazy_group_costing_covers_cp_groups(llama3_8b_128k, gbs, late, monkeypa
         seen = []
         evaluate = s.evaluate
 
-        def record(cand, tb):
+        def record(cand, tb, bar=float("inf")):
             seen.append(cand.key())
-            return evaluate(cand, tb)
+            return evaluate(cand, tb, bar)
         monkeypatch.setattr(s, "evaluate", record)
         return seen, s.run()
 

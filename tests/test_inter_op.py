@@ -1,5 +1,7 @@
 """The inter-op DP against brute force, and the layers of a model."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -241,6 +243,60 @@ def test_search_bounds_never_exceed_a_candidates_time(software):
             assert lb <= c.iteration_s * (1 + 1e-9), (c, lb, c.iteration_s)
             checked += 1
     assert checked > 50
+    # an interleaved candidate's bound per recomputation policy (`Candidate.bounds`, which lets
+    # the search skip a policy that cannot beat its best plan) is at most its time under it
+    policies = checked = 0
+    for _, c in cands:
+        if not c.bounds:
+            continue
+        assert set(c.bounds) == set(s.recomputes())
+        for r, bound in c.bounds.items():
+            one = dataclasses.replace(c, bounds={})
+            s.recomputes = lambda r=r: [r]
+            if s.evaluate(one, s.tables_for(one)):
+                assert {st.recompute for st in one.stages} == {r}
+                assert bound <= one.iteration_s * (1 + 1e-9), (c, r, bound, one.iteration_s)
+                checked += 1
+            policies += 1
+        del s.recomputes
+    assert checked > 20
+
+
+def test_search_skips_a_recomputation_that_cannot_beat_its_best_plan_and_finds_the_same_plan(monkeypatch):
+    """With the best plan so far as the bar, an interleaved candidate does not try the
+    policies whose bound is past it (`Candidate.bounds`): the search picks the same plan, with
+    the same time and stages, as when every policy of every candidate is tried, in fewer stage
+    evaluations. GPT-3 6.7B on one DGX A100 (80 GB), global batch 512 (most of its interleaved
+    candidates fit only with recomputation)."""
+    from autopar.inter_op.search import Search
+    from autopar.inter_op.stage_cost import AnalyticProvider
+    from autopar.schema import ClusterSpec, Constraints
+
+    b = build_model("gpt3-6.7b", device="meta")
+    g = capture(b.model, b.example_inputs, name="gpt3-6.7b")
+    layers = build_layers(g, b.model)
+    cl = ClusterSpec.load("dgx-a100-80g", num_nodes=1)
+
+    def run(skip: bool):
+        s = Search(g, layers, cl, 512, "bf16", Constraints(), AnalyticProvider(g, layers, cl, "bf16"))
+        calls = [0]
+        stage, evaluate = s._stage, s.evaluate
+
+        def counted(*a, **k):
+            calls[0] += 1
+            return stage(*a, **k)
+        monkeypatch.setattr(s, "_stage", counted)
+        if not skip:
+            monkeypatch.setattr(s, "evaluate", lambda cand, tb, bar=float("inf"): evaluate(cand, tb))
+        best = s.run().best
+        return best, calls[0], s.evaluated
+
+    best, calls, evaluated = run(True)
+    every, calls_every, evaluated_every = run(False)
+    assert best.key() == every.key() and best.iteration_s == every.iteration_s
+    assert [(st.chunks, st.recompute) for st in best.stages] == [(st.chunks, st.recompute) for st in every.stages]
+    assert evaluated == evaluated_every
+    assert calls < calls_every, (calls, calls_every)
 
 
 @pytest.mark.parametrize("intra_op", ["analytic", "ilp+sp"])
@@ -272,9 +328,9 @@ def test_search_costs_groups_as_reached_and_evaluates_what_the_whole_enumeration
         seen = []
         evaluate = s.evaluate
 
-        def record(cand, tb):
+        def record(cand, tb, bar=float("inf")):
             seen.append((cand.dp, cand.tp, cand.pp, cand.mb, cand.schedule, cand.v, cand.zero, cand.sp))
-            return evaluate(cand, tb)
+            return evaluate(cand, tb, bar)
         monkeypatch.setattr(s, "evaluate", record)
         return seen, s.run()
 

@@ -174,6 +174,10 @@ class Candidate:
     sp: bool = False                  # Megatron-SP on the tp axis (`Search.sp_provider`'s costs)
     ep: int = 1                       # expert parallelism: routed experts over ep dp ranks (`inter_op.experts`)
     cp: int = 1                       # context parallelism: each sequence over cp ranks (`inter_op.context_parallel`)
+    # per recomputation policy, a lower bound on the iteration with every layer under it
+    # (`Search._group_candidates`; empty: none known): an interleaved evaluation skips a policy
+    # whose bound cannot beat the best plan found (`Search._evaluate_interleaved`)
+    bounds: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
 
     def key(self) -> tuple:
         return (self.dp, self.tp, self.pp, self.mb, self.schedule, self.v, self.zero, self.sp, self.ep, self.cp)
@@ -1239,7 +1243,7 @@ class Search:
             if cand is None:            # a group's bound: its candidates follow, costed
                 continue
             self.evaluated += 1
-            ok = self.evaluate(cand, self.tables_for(cand))
+            ok = self.evaluate(cand, self.tables_for(cand), INF if best is None else best.iteration_s)
             if ok and (best is None or cand.iteration_s < best.iteration_s * (1 - 1e-9)):
                 best = cand
                 self._found = True
@@ -1491,22 +1495,27 @@ class Search:
         cands: list[tuple[float, Candidate]] = []
         m = self.gbs // dp // mb
         reps = dp * cp          # the ranks syncing a stage's gradients (`Candidate.replicas`)
-        bounds: dict[tuple[bool, int], tuple[float, float, float, float]] = {}
+        # per (solved, ep): [the ideal pipeline, the average stage's parameters, the bottleneck
+        # split's slowest stage (a callable until a schedule needs it), expert elements, per
+        # recomputation policy its extra time over the cheapest's]
+        bounds: dict[tuple[bool, int], list] = {}
         for z, ep, solved in self._group_slots(dp, tp, pp, mb, sp, cp):
             if (solved, ep) not in bounds:
                 cs = self._layer_costs(mb, tp, solved, sp, ep, cp)
                 per_layer = sum(c.base_s for c in cs)
-                rc_min = min(sum(c.rc_extra_s.get(r, 0.0) for c in cs) for r in self.recomputes())
+                rc_sums = {r: sum(c.rc_extra_s.get(r, 0.0) for c in cs) for r in self.recomputes()}
+                rc_min = min(rc_sums.values())
                 # the average stage's parameters: each tensor once (a tied one is
                 # in two layers' lists; a stage holding both counts it once)
                 distinct = {f: e for c in cs for f, e in c.param_elems.items()}
                 # the slowest stage of any split into pp stages, each layer at its
                 # least time (its cheapest recomputation): at least this
-                least = [c.base_s + min(c.rc_extra_s.get(r, 0.0) for r in self.recomputes()) for c in cs]
-                bounds[(solved, ep)] = (m * (per_layer + rc_min) / pp, sum(distinct.values()) / pp,
-                                        _bottleneck(np.array(least), pp),
-                                        float(self.experts.expert_elems(cs).sum()) / pp if ep > 1 else 0.0)
-            ideal, pel, slowest, epel = bounds[(solved, ep)]
+                least = np.array([c.base_s + min(c.rc_extra_s.get(r, 0.0) for r in self.recomputes()) for c in cs])
+                bounds[(solved, ep)] = [m * (per_layer + rc_min) / pp, sum(distinct.values()) / pp,
+                                        functools.partial(_bottleneck, least, pp),
+                                        float(self.experts.expert_elems(cs).sum()) / pp if ep > 1 else 0.0,
+                                        {r: m * (rc - rc_min) / pp for r, rc in rc_sums.items()}]
+            ideal, pel, slowest, epel, rc_more = bounds[(solved, ep)]
             # memory lower bound: the model states of an average stage, no activations
             states = max(ph.total for ph in runtime_phases(
                 pel, self.dtype, z, reps, num_microbatches=m,
@@ -1524,8 +1533,15 @@ class Search:
                     # (`stage_dp`): the slowest is at least the average stage's (`mu`)
                     # and the bottleneck split's
                     mu = ideal / m + per_mb
+                    if not isinstance(slowest, float):      # worked out when a schedule needs it
+                        slowest = bounds[(solved, ep)][2] = slowest()
                     lb = max(lb, pp * mu + (m - 1) * max(mu, slowest) + tail)
-                cands.append((lb, Candidate(dp, tp, pp, mb, m, sched, v, z, sp=sp, ep=ep, cp=cp)))
+                cand = Candidate(dp, tp, pp, mb, m, sched, v, z, sp=sp, ep=ep, cp=cp)
+                if schedule_kind(sched).interleaved and v > 1:
+                    # one policy for every layer: the same bound with that policy's extra time
+                    grow = 1 + schedule_kind(sched).bubble_fraction(pp, m, v)
+                    cand.bounds = {r: lb + more * grow for r, more in rc_more.items()}
+                cands.append((lb, cand))
         return cands, []
 
     def _bound_terms(self, dp: int, tp: int, zero: int, m: int, pel: float, epel: float = 0.0
@@ -1697,11 +1713,14 @@ class Search:
         return "no micro-batching or schedule satisfies the constraints for " + ", ".join(parts)
 
     # -- one candidate ---------------------------------------------------------------------------
-    def evaluate(self, cand: Candidate, tb: _Tables) -> bool:
+    def evaluate(self, cand: Candidate, tb: _Tables, bar: float = INF) -> bool:
+        """Cost `cand` with `tb` (its group's tables): whether a plan of it fits, its time and
+        stages set on it. `bar`: the best plan's iteration so far; a recomputation policy whose
+        bound (`Candidate.bounds`) is not below it is not tried (it could not replace that plan)."""
         if cand.hetero_tps:
             return self._evaluate_hetero(cand)
         if schedule_kind(cand.schedule).interleaved and cand.v > 1:
-            return self._evaluate_interleaved(cand, tb)
+            return self._evaluate_interleaved(cand, tb, bar)
         L, p, m = self.L, cand.pp, cand.m
         pel = tb.range_pel
         fixed = tb.fixed_memory(pel, m)
@@ -1937,12 +1956,15 @@ class Search:
                                       else [prov.cost(l, mb, tp) for l in self.layers])
         return self._costs_cache[key]
 
-    def _evaluate_interleaved(self, cand: Candidate, tb: _Tables) -> bool:
+    def _evaluate_interleaved(self, cand: Candidate, tb: _Tables, bar: float = INF) -> bool:
         p, v, m = cand.pp, cand.v, cand.m
         nch = p * v
         best_ok = False
         for r in self.recomputes():
             if r not in tb.priced:
+                continue
+            if cand.bounds.get(r, 0.0) >= bar:
+                # under this policy it cannot beat the best plan: a fit would not be taken (`_walk`)
                 continue
             ck = (cand.mb, cand.tp, cand.dp, nch, r, cand.zero == 3, cand.ep, cand.cp)
             res = self._chunk_cache.get(ck)
