@@ -25,8 +25,8 @@ Derivations (gpt-tiny: embed, 2 blocks, head; tied embedding/output weight):
   dp2 x tp2 adds the dp gradient all-reduce.
 * pp: 1F1B/GPipe with M micro-batches over p stages: 2·M·(p−1) send_recv (activation forward,
   gradient backward); interleaved with v chunks per device: 2·M·(p·v−1). Tied embedding across
-  first and last stage: +1 all_reduce. (The first step of a pipeline also carries
-  torch.pipelining's one-time warm-up handshake, p−1 more sends; compare a later step.)
+  first and last stage: +1 all_reduce. (torch.pipelining's one-time warm-up vote, p−1
+  sends each way, runs at setup: `runtime.pipeline._vote_now`.)
 """
 
 from __future__ import annotations

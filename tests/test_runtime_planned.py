@@ -20,8 +20,8 @@ def test_ilp_planned_gpt_tp2_pp2_runs_as_predicted():
     assert p.search["intra_op"] == "ilp"
     rows = run(p, "gpt-tiny", steps=3, seed=0, quiet=True)
     steps = [r for r in rows if "step" in r]
-    # from the second step on (the first also exchanges the pipeline's shape metadata)
-    assert all(r["collectives"] == p.predicted.collectives for r in steps[1:]), \
+    # from the first step on: torch.pipelining's warm-up vote runs at setup (`pipeline._vote_now`)
+    assert all(r["collectives"] == p.predicted.collectives for r in steps), \
         ([r["collectives"] for r in steps], p.predicted.collectives)
     ref = [r["loss"] for r in run(_single(), "gpt-tiny", steps=3, seed=0, quiet=True) if "step" in r]
     assert [r["loss"] for r in steps] == pytest.approx(ref, rel=1e-4)

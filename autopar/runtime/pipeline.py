@@ -287,6 +287,7 @@ class PipelineStages:
         if dist.get_backend() == "fake":
             _vote_static(sched)
         if self.hetero:
+            _vote_now(sched)
             return  # FanoutPipelineStage finds its peers itself (one stage per rank)
         # stage i lives on group rank of devsets[i % pp][coord]
         sorted_ranks = sorted(self.pp_group_ranks)
@@ -297,6 +298,27 @@ class PipelineStages:
         sched.stage_index_to_group_rank = mapping
         for st in self.pipe_stages:
             st.stage_index_to_group_rank = mapping
+        _vote_now(sched)
+
+
+def _vote_now(sched: Any) -> None:
+    """Hold torch.pipelining's warm-up vote (each stage's metadata static or inferred: a send
+    and a receive between neighbouring stages each way) now, at setup, instead of inside the
+    first step, so that every step's collectives are the plan's; the step then keeps the modes
+    settled here (a switch between training and evaluation votes again, as torch does). On a
+    fake process group `_vote_static` settles it without messages."""
+    if dist.get_backend() == "fake":
+        return
+    stages = list(getattr(sched, "_stages", None) or [sched._stage])
+    first = sched._warmup_p2p
+    voted_with = sched._has_backward
+    first(stages, voted_with, False)
+
+    def settled(stages: list, has_backward: bool, p2p_done: bool) -> None:
+        if has_backward != voted_with:
+            first(stages, has_backward, p2p_done)
+
+    sched._warmup_p2p = settled
 
 
 def _vote_static(sched: Any) -> None:
