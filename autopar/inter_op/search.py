@@ -1082,6 +1082,7 @@ class Search:
         self._tables_cache: dict = {}
         self._costs_cache: dict = {}
         self._floor_cache: dict[tuple[int, int], np.ndarray] = {}
+        self._bottlenecks: dict[tuple[bytes, int], float] = {}   # `_bottleneck` per (least times, pp)
         self._dp_cache: dict[tuple, Any] = {}       # `_evaluate_hetero`: table -> `stage_dp`'s result
         self.experts = ExpertCosting(graph, layers)
         if (cons.ep or 1) > 1 and not self.experts:
@@ -1512,7 +1513,7 @@ class Search:
                 # least time (its cheapest recomputation): at least this
                 least = np.array([c.base_s + min(c.rc_extra_s.get(r, 0.0) for r in self.recomputes()) for c in cs])
                 bounds[(solved, ep)] = [m * (per_layer + rc_min) / pp, sum(distinct.values()) / pp,
-                                        functools.partial(_bottleneck, least, pp),
+                                        functools.partial(self._bottleneck, least, pp),
                                         float(self.experts.expert_elems(cs).sum()) / pp if ep > 1 else 0.0,
                                         {r: m * (rc - rc_min) / pp for r, rc in rc_sums.items()}]
             ideal, pel, slowest, epel, rc_more = bounds[(solved, ep)]
@@ -1543,6 +1544,15 @@ class Search:
                     cand.bounds = {r: lb + more * grow for r, more in rc_more.items()}
                 cands.append((lb, cand))
         return cands, []
+
+    def _bottleneck(self, least: np.ndarray, pp: int) -> float:
+        """`_bottleneck` of the layers' least times, kept per search: groups of other dp degrees
+        at one (micro-batch, tp) split the same layers."""
+        key = (least.tobytes(), pp)
+        hit = self._bottlenecks.get(key)
+        if hit is None:
+            hit = self._bottlenecks[key] = _bottleneck(least, pp)
+        return hit
 
     def _bound_terms(self, dp: int, tp: int, zero: int, m: int, pel: float, epel: float = 0.0
                      ) -> tuple[float, float]:
