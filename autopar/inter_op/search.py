@@ -210,7 +210,7 @@ class _Tables:
                   "range_send", "range_send_grad", "range_act", "range_in_saved", "range_out_kept", "range_work",
                   "range_work_rc", "range_work_rc_grads", "work_grads", "range_work_tmp", "range_root", "_layers",
                   "work_tmp_grads", "range_work_tmp_grads",
-                  "range_maxtensor", "_first")
+                  "range_maxtensor", "_first", "live")
 
     def __init__(self, costs: list[LayerCost], cluster: ClusterSpec, dtype: str, dp: int, tp: int,
                  zero: int, layers: list[Layer], batch: tuple[float, float] = (0.0, 0.0),
@@ -333,9 +333,17 @@ class _Tables:
         in_saved = {r: np.array([c.in_saved.get(r, prev_out[i]) for i, c in enumerate(costs)]) for r in RECOMPUTES}
         out_saved = {r: np.array([c.out_saved.get(r, 0.0) for c in costs]) for r in RECOMPUTES}
         self.range_act, self.range_in_saved, self.range_out_kept = {}, {}, {}
+        # `live[r][x]`: the prefix of what layers 0..x-1 keep saved at the backward moments of
+        # a range, each tensor saved on both sides of an inner boundary once, less what each
+        # keeps to the step's end (`LayerCost.kept_saved`: no op's backward frees it, a CPU
+        # mse_loss's unreduced storage): layer i's backward moment holds live[i + 1] - live[j]
+        # above (or below) the range [k, j)'s saved activations, whatever k
+        self.live = {}
         for r in RECOMPUTES:
             ov = np.minimum(out_saved[r][:-1], in_saved[r][1:]) if L > 1 else np.zeros(0)
             ovp = pre(ov)                       # ovp[i]: the inner boundaries 1..i
+            kept = pre([c.kept_saved.get(r, 0.0) for c in costs])
+            self.live[r] = self.act[r] - np.concatenate([[0.0], ovp]) - kept
             inner = ovp[np.clip(jj - 1, 0, L - 1)] - ovp[kk]
             self.range_act[r] = np.where(self.valid, self.act[r][np.clip(jj, 0, L)] - self.act[r][kk] - inner, 0.0)
             self.range_in_saved[r] = np.where(kk > 0, in_saved[r][kk], 0.0)
@@ -356,7 +364,7 @@ class _Tables:
         self.range_work, self.range_work_rc, self.range_work_tmp = {}, {}, {}
         self.range_work_rc_grads, self.range_work_tmp_grads = {}, {}
         for r, wk in self.work.items():
-            P = self.act[r]
+            P = self.live[r]
             rc_kind = self.work_rc[r]
             v = wk + P[1:]
             Wrc = _range_max(np.where(rc_kind, v, -INF)) - P[None, :]
@@ -398,7 +406,7 @@ class _Tables:
         last chunk computes the loss inside, `runtime.graph_stages`, and sends nothing on)."""
         L = self.L
         for r in RECOMPUTES:
-            P = self.act[r]
+            P = self.live[r]
             for j in range(1, L):
                 last, held, k = self.costs[j - 1], float(self.costs[j - 1].out_saved.get(r, 0.0)), np.arange(j)
                 # its output's gradient is the receive buffer (`recv_buffers`), not one its
@@ -454,7 +462,7 @@ class _Tables:
         if hit is not None:
             return hit
         L, costs = self.L, self.costs
-        P = self.act[r]
+        P = self.live[r]
         work = self.work[r]
         # each layer's worst moment by parts [activations, activation gradients, parameter
         # gradients, its unit's weights, the prefetched unit's], where the layer before is in
@@ -732,7 +740,7 @@ class _Tables:
         if r in self._relief:
             return self._relief[r]
         L, kk, jj, costs = self.L, self.kk, self.jj, self.costs
-        P = self.act[r]
+        P, A = self.live[r], self.act[r]
         last, end = np.clip(jj - 1, 0, L - 1), np.clip(jj, 0, L)
         # the backward's transient at a range's loss (-inf where its last layer has none) apart
         # from every other moment: its other layers' and its last layer's other ops'
@@ -742,7 +750,7 @@ class _Tables:
         work_body = np.maximum(inner, body[last])
         # a range's last layer's activations: not yet made while the last unit's forward holds
         # its parameters twice
-        last_act = P[end] - P[np.clip(jj - 1, 0, L)]
+        last_act = A[end] - A[np.clip(jj - 1, 0, L)]
         refined = np.maximum(np.maximum(work_body, loss[last] - self.wgo[0] * self.range_unit), -last_act)
         self._relief[r] = np.where(self.valid, np.maximum(self.range_work[r] - refined, 0.0), 0.0)
         return self._relief[r]
@@ -1077,6 +1085,7 @@ class Search:
         self._held_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._tables_cache: dict = {}
         self._costs_cache: dict = {}
+        self._agree_cache: dict[tuple[int, int, bool], bool] = {}    # `_layouts_agree`
         self._floor_cache: dict[tuple[int, int], np.ndarray] = {}
         self._dp_cache: dict[tuple, Any] = {}       # `_evaluate_hetero`: table -> `stage_dp`'s result
         self.experts = ExpertCosting(graph, layers)
@@ -1406,8 +1415,33 @@ class Search:
         tables are built per tp degree)."""
         if cand.hetero_tps:
             return None
-        return self._tables(cand.mb, cand.tp, cand.dp, cand.zero, solved=op_by_op(cand), sp=cand.sp, ep=cand.ep,
+        solved = op_by_op(cand)
+        if solved and cand.tp > 1 and not self._layouts_agree(cand.mb, cand.tp, cand.sp):
+            # the planner runs it by DTensor propagation (`planner._op_layouts`): its layers as
+            # DTensor runs them, each input arriving as the layer before leaves it
+            return self._tables(cand.mb, cand.tp, cand.dp, cand.zero, sp=cand.sp, ep=cand.ep, cp=cand.cp,
+                                dtensor=True)
+        return self._tables(cand.mb, cand.tp, cand.dp, cand.zero, solved=solved, sp=cand.sp, ep=cand.ep,
                             cp=cand.cp)
+
+    def _layouts_agree(self, mb: int, tp: int, sp: bool = False) -> bool:
+        """Whether the layers' solutions at (mb, tp) agree at every boundary: each tensor
+        entering a layer arrives as that layer's solution assumed (`stage_layouts.chunk_layouts`
+        of the whole model as one chunk; a pipeline's chunks of one tp degree hand their tensors
+        on as they leave them, so its cut changes nothing). Where not, the planner runs the
+        candidate by DTensor propagation. True without per-op solutions."""
+        prov = self.sp_provider if sp else self.provider
+        solutions = getattr(prov, "solutions", None)
+        if solutions is None or tp == 1:
+            return True
+        key = (mb, tp, sp)
+        if key not in self._agree_cache:
+            from autopar.inter_op.stage_layouts import chunk_layouts
+
+            self._layer_costs(mb, tp, sp=sp)          # the layers solved at (mb, tp)
+            lays, _ = chunk_layouts(self.graph, self.layers, solutions, [(0, self.L, tp, "none")], mb)
+            self._agree_cache[key] = lays is not None
+        return self._agree_cache[key]
 
     def candidates(self, cps: tuple[int, ...] = (1,)) -> list[tuple[float, Candidate]]:
         """Every candidate the constraints allow at the context-parallel degrees `cps`, with a
@@ -1888,14 +1922,15 @@ class Search:
         return self._rooted
 
     def _tables(self, mb: int, tp: int, dp: int, zero: int, solved: bool = False, sp: bool = False,
-                ep: int = 1, cp: int = 1) -> "_Tables":
+                ep: int = 1, cp: int = 1, dtensor: bool = False) -> "_Tables":
         """`solved`: the stage runs op by op as solved (`_op_by_op`), its layers' activations as
         the executor keeps them (`LayerCost.solved_variant`); `sp`: with Megatron-SP; `ep`: the
         routed experts over ep dp ranks (`inter_op.experts`); `cp`: each sequence over cp ranks
-        (the tables' gradient-sync group, and ZeRO's, is dp x cp)."""
-        key = (mb, tp, dp, zero, solved, sp, ep, cp)
+        (the tables' gradient-sync group, and ZeRO's, is dp x cp); `dtensor`: run by DTensor
+        propagation where the layers' solutions disagree at a boundary (`_layer_costs`)."""
+        key = (mb, tp, dp, zero, solved, sp, ep, cp, dtensor)
         if key not in self._tables_cache:
-            costs = self._layer_costs(mb, tp, solved, sp, ep, cp)
+            costs = self._layer_costs(mb, tp, solved, sp, ep, cp, dtensor)
             share = self.gbs / dp / cp
             batch = (self.input_bytes[0] * share, sum(self.input_bytes[1:]) * share)
             # the last pipeline chunk computes the loss inside (`runtime.graph_stages`, the
@@ -1909,11 +1944,37 @@ class Search:
         return self._tables_cache[key]
 
     def _layer_costs(self, mb: int, tp: int, solved: bool = False, sp: bool = False, ep: int = 1,
-                     cp: int = 1) -> list[LayerCost]:
+                     cp: int = 1, dtensor: bool = False) -> list[LayerCost]:
         """The layers' costs at (mb, tp); `solved`: as the executor runs them
         (`LayerCost.solved_variant`); `sp`: with Megatron-SP (`sp_provider`); `ep`: the routed
         experts sharded over ep dp ranks (`ExpertCosting.layer_costs`); `cp`: on one of cp ranks
-        splitting each sequence (`context_parallel.layer_cost`)."""
+        splitting each sequence (`context_parallel.layer_cost`); `dtensor`: as DTensor
+        propagation runs them, each layer's inputs arriving in the layout the layer before
+        leaves them (`stage_layouts.arrival_layouts`, the provider's `dtensor_variant`), where
+        that differs from what its solution assumed."""
+        if dtensor and not solved and tp > 1:
+            key = (mb, tp, False, sp, ep, cp, True)
+            if key not in self._costs_cache:
+                prov = self.sp_provider if sp else self.provider
+                plain = self._layer_costs(mb, tp, sp=sp)
+                solutions = getattr(prov, "solutions", None)
+                if solutions is None:
+                    self._costs_cache[key] = plain
+                else:
+                    from autopar.inter_op.stage_layouts import arrival_layouts
+
+                    arr = arrival_layouts(self.graph, self.layers, solutions, mb, tp)
+                    costs = [prov.dtensor_variant(l, mb, tp, a) for l, a in zip(self.layers, arr)]
+                    if ep > 1:
+                        costs = self.experts.layer_costs(costs, ep, mb, tp, self.cluster, self.dtype)
+                    if cp > 1:
+                        costs = [context_parallel.layer_cost(
+                            c, cp, context_parallel.kv_bytes(self.graph, lay, mb, self.dtype), tp, self.cluster,
+                            context_parallel.causal_bytes(self.graph, lay, mb, self.dtype),
+                            context_parallel.token_mean_losses(self.graph, lay))
+                            for c, lay in zip(costs, self.layers)]
+                    self._costs_cache[key] = costs
+            return self._costs_cache[key]
         if cp > 1:
             key = (mb, tp, solved, sp, ep, cp)
             if key not in self._costs_cache:
