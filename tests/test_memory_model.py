@@ -2221,3 +2221,24 @@ def test_a_chunks_handed_on_output_counts_once_in_its_forward_moment():
     c = LayerCost()
     fill_activations(c, sub, "fp32", lambda n: 1, "cpu", out_name=out)
     assert c.bwd_over_given["none"] == max(am.forward_over_given, am.backward_over_given)
+
+
+@pytest.mark.parametrize("dtype, want", [("bf16", (8, 16, 48, 20, 64)), ("fp32", (32, 28, 32, 24, 96))])
+def test_zero3_later_microbatch_backward_holds_each_ops_units(dtype, want):
+    """ZeRO-3 accumulating over 2 micro-batches (mlp-tiny dp2, mb 64 x 2): the second
+    backward's worst moment is the middle layer's matmul, holding its unit gathered, the next
+    one's flat all-gather output prefetched, the last layer's reduce-scatter input (FSDP2
+    keeps it until the next reduce-scatter), its own weight gradient beside the accumulated
+    ones, the last layer's accumulated gradient replaced by its fp32 shard; the first layer's
+    activations and the loss's kept storage (`_Tables.first_backward(accumulated="last")`).
+    Tracked (`benchmarks/memory_accuracy.py`, `--top 60`): weights, gradients, optimizer,
+    activations, buffers KiB bf16 8/16/48/20/64, fp32 32/28/32/24/96; predicted before: the
+    loss's moment, activations 36 / buffers 48 bf16, 40 / 80 fp32 (and fp32 gradients 32)."""
+    cl = autopar.ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 2})
+    p = autopar.plan("mlp-tiny", cl, global_batch_size=256, dtype=dtype,
+                     constraints=autopar.Constraints(dp=2, tp=1, pp=1, zero_stage=3, sequence_parallel=False))
+    assert p.num_microbatches == 2
+    pr = p.stages[0].predicted
+    got = tuple(getattr(pr, f"{c}_bytes") / 1024 for c in ("weights", "gradients", "optimizer", "activations",
+                                                            "buffers"))
+    assert got == want

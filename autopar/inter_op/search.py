@@ -251,7 +251,7 @@ class _Tables:
         self._temporaries: dict[tuple, float] = {}           # `chunk_temporaries`, per chunks
         self._holders: dict[tuple[int, int], list] = {}       # `_holder_sizes`, per layer range
         # `recompute_terms`, per (recomputation, ZeRO-3 with one micro-batch)
-        self._rc_terms: dict[tuple[str, bool], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._rc_terms: dict[tuple[str, bool, bool], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         # expert parallelism (`set_experts`): ep, and the expert weights' elements per layer range
         self.ep = 1
         self.expert_pel = np.zeros(L + 1)
@@ -442,7 +442,7 @@ class _Tables:
                 self.range_act[r][k, j] -= held
                 self.range_out_kept[r][k, j] += held
 
-    def first_backward(self, r: str, later: bool) -> tuple[np.ndarray, ...]:
+    def first_backward(self, r: str, later: bool, accumulated: Optional[str] = None) -> tuple[np.ndarray, ...]:
         """A range's first backward of the step (no parameter gradient before it), moment by
         moment as `range_work` takes them, with the parameter gradients made so far alive: each
         layer's worst moment of its own (`LayerCost.bwd_first`, one per position among its
@@ -456,8 +456,21 @@ class _Tables:
         forward/backward phase's model states and buffers without gradients, at[k, j] its
         layer, parts[k, j] = (activations above or below the saved ones, activation gradients
         and prefetched weights, parameter gradients, weights above or below the phase's)
-        summing to W, in bytes at the training dtype. Cached per (r, later, ZeRO-3 or not)."""
-        key = (r, later, self.zero3)     # `_first` is shared by the tables of every ZeRO stage
+        summing to W, in bytes at the training dtype. Cached per (r, later, ZeRO-3 or not).
+
+        `accumulated` (ZeRO-3 accumulating over several micro-batches): the same moments in a
+        later micro-batch's backward, every parameter gradient alive already (the phase's, the
+        caller's): the ops' own new weight gradients are temporaries added into them (in each
+        moment's activation gradients), none made beside them. "mid": a micro-batch before the
+        last; "last": the last one, where FSDP2 reduce-scatters each unit as its backward ends
+        (its accumulated gradient replaced by its fp32 shard: the parameter gradients part,
+        negative) and keeps the flat reduce-scatter input of the unit before until the next
+        one's (`foreach_reduce`'s state, torch 2.13: the unit whose backward ran just before
+        the moment's op, counted with its activation gradients)."""
+        if accumulated is not None:
+            later = False
+        # `_first` is shared by the tables of every ZeRO stage (and dp: the shards' size)
+        key = (r, later, self.zero3) if accumulated is None else (r, self.zero3, accumulated, self.dp)
         hit = self._first.get(key)
         if hit is not None:
             return hit
@@ -474,7 +487,13 @@ class _Tables:
             if ms:
                 at = c.bwd_first_at.get(r) or [MAIN_UNIT] * len(ms)
                 born = c.bwd_first_born.get(r) or [{}] * len(ms)
-                if self.zero3 and not later:
+                if accumulated == "mid":
+                    ms = [[m[0], m[1], 0.0] for m in ms]
+                elif accumulated == "last":
+                    shrink = 1.0 - 4.0 / (self.wgo[1] * self.dp)
+                    ms = [[m[0], m[1] + self.wgo[1] * self._reduced_before(i, x), -shrink * self._units_grads(i, b)]
+                          for m, b, x in zip(ms, born, at)]
+                elif self.zero3 and not later:
                     # the gradients of the layer's other modules that are units were
                     # reduce-scattered as their backward ended: fp32 shards (4 / dp bytes per
                     # element) in place of the whole 2- or 4-byte ones; the root's stay whole
@@ -495,6 +514,10 @@ class _Tables:
         f_in, f_out = inside.sum(axis=1), alone.sum(axis=1)
         g = self.wgo[1] if later else 0.0
         GP = np.concatenate([[0.0], np.cumsum(self.pel_layer * g)])
+        if accumulated == "last":
+            # the later layers' units were reduce-scattered (their root parameters' stay whole)
+            shrink = 1.0 - 4.0 / (self.wgo[1] * self.dp)
+            GP = -shrink * self.wgo[1] * np.concatenate([[0.0], np.cumsum([sum(us) for us in self.module_units])])
         v_in, v_out = f_in + P[1:] - GP[1:], f_out + P[1:] - GP[1:]
         # W[k, j]: layer k's moment alone, or a later one's with its layer before in the range
         rm, ra = np.full((L, L + 1), -INF), np.full((L, L + 1), -1)
@@ -582,13 +605,20 @@ class _Tables:
           exist yet, so the budget rejected recomputations the stage's own peak fits.
 
         Under ZeRO-3 the forward's end comes before it (two units gathered, the range's last
-        layer's activations not yet saved). Cached per (r, m == 1)."""
+        layer's activations not yet saved). The transient after the first backward: the
+        range's bound less its relief, or, ZeRO-3 with several micro-batches, the later
+        micro-batches' moments with each op's units (`first_backward`'s `accumulated`), as
+        `_stage` takes them. Cached per (r, m == 1, m > 2)."""
         shards = self.zero3 and m == 1
-        key = (r, shards)
+        key = (r, shards, m > 2)
         hit = self._rc_terms.get(key)
         if hit is None:
             act = self.boundary_acts(self.range_act[r], self.range_in_saved[r], self.range_out_kept[r])
-            work = self.range_work[r] - self.relief(r)
+            if self.zero3 and m > 1:
+                kinds = ("mid", "last") if m > 2 else ("last",)
+                work = np.max([self.first_backward(r, False, accumulated=a)[0] for a in kinds], axis=0)
+            else:
+                work = self.range_work[r] - self.relief(r)
             first, at, _ = self.first_backward(r, not shards)
             if shards:
                 L = self.L
@@ -696,6 +726,20 @@ class _Tables:
         """Each layer's last ZeRO-3 unit in forward order, elements: the first its backward
         runs, which the next layer's first unit prefetches (0: none)."""
         return np.array([next((u for u in reversed(us) if u > 0), 0.0) for us in self.module_units])
+
+    def _reduced_before(self, i: int, at: float) -> float:
+        """Elements of the ZeRO-3 unit whose backward ran just before a moment of layer `i` at
+        position `at` (`LayerCost.bwd_first_at`): the nearest module after it with parameters,
+        in the layer or, past its last, the next layer's first unit (0: none; the layer's
+        largest, `MAIN_UNIT`: the one after its largest)."""
+        units = self.module_units[i]
+        k = int(np.argmax(units)) if at == MAIN_UNIT and units else int(np.floor(at))
+        later = [u for u in units[k + 1:] if u > 0]
+        if later:
+            return float(later[0])
+        if i + 1 < self.L:
+            return float(next((u for u in self.module_units[i + 1] if u > 0), 0.0))
+        return 0.0
 
     def _units_grads(self, i: int, born: dict) -> float:
         """Of `born` (`LayerCost.bwd_first_born`: parameter gradients by the position of the
@@ -2127,14 +2171,32 @@ class Search:
             share = np.array(chunk_pel) / pel if pel > 0 else np.zeros(len(chunks))
             post = held[1]
             grads = fb.gradients * (post[:, GRADS, :] @ share)
-            act = post[:, ACTS, :] @ acts + post[:, SENT_OUTPUTS, :] @ sends + rc_work
-            buf = (fb.buffers + grad_tmp + post[:, SENT_GRADS, :] @ grads_sent
-                   + tb.recv_buffers(post, ins, outs))
-            w = fb.weights - relief
-            # the worst moment only (the first of equal ones), as a phase
-            i = int(np.argmax(w + grads + fb.optimizer + buf + act))
-            phases.append(dataclasses.replace(fb, weights=w, gradients=float(grads[i]), activations=float(act[i]),
-                                              buffers=float(buf[i])))
+            # the backward's transient, its gradients' change and the weights: the range's
+            # bound less the relief (`_transient`, `relief`), or, ZeRO-3 accumulating over
+            # micro-batches, moment by moment with the units each op holds, prefetches and has
+            # reduce-scattered (`first_backward`'s `accumulated`: a micro-batch's before the
+            # last, and the last's): the bound took no op's units, and chose the loss's moment
+            # (one unit held) over an MLP's matmul (its unit, the next prefetched, the one before's
+            # reduce-scatter input), which the run holds at its peak
+            variants = [(rc_work, grad_tmp, 0.0, -relief)]
+            if tb.zero3 and cand.m > 1 and len(chunks) == 1:
+                kinds = ("mid", "last") if cand.m > 2 else ("last",)
+                variants = [tuple(float(x) for x in tb.first_backward(r, False, accumulated=a)[2][chunks[0]])
+                            for a in kinds]
+            best = None
+            for v_rc, v_tmp, v_grads, v_w in variants:
+                act = post[:, ACTS, :] @ acts + post[:, SENT_OUTPUTS, :] @ sends + v_rc
+                buf = (fb.buffers + v_tmp + post[:, SENT_GRADS, :] @ grads_sent
+                       + tb.recv_buffers(post, ins, outs))
+                gr = grads + v_grads * (post[:, GRADS, :] @ share)
+                w = fb.weights + v_w
+                tot = w + gr + fb.optimizer + buf + act
+                # the worst moment only (the first of equal ones), as a phase
+                i = int(np.argmax(tot))
+                if best is None or float(tot[i]) > best[0]:
+                    best = (float(tot[i]), w, float(gr[i]), float(act[i]), float(buf[i]))
+            _, w, gr_i, act_i, buf_i = best
+            phases.append(dataclasses.replace(fb, weights=w, gradients=gr_i, activations=act_i, buffers=buf_i))
         top = max(phases, key=lambda ph: ph.total)
         sync = tb.sync(pel, epel)
         if self.software.grad_sync_overlap:
