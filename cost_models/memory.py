@@ -753,8 +753,11 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         return (VOCAB_PARALLEL_LOSS_LIVE if split else _loss_live(n)), size(i, "fp32")
 
     def new_grads(n) -> float:
-        # the gradients op n's backward makes for the parameters it reads (`param_elems`)
-        if not param_elems:
+        # the gradients op n's backward makes for the parameters it reads (`param_elems`),
+        # directly or through a view: the op reading the view makes the gradient, the view's
+        # backward hands it on (a transpose's is a view of it), so a view makes none (the
+        # experts' `w.transpose(1, 2)` before a grouped GEMM: once, not twice)
+        if not param_elems or is_view(n):
             return 0.0
         ps = {base.get(i, i) for i in n.inputs} & param_elems.keys()
         return sum(param_elems[q] for q in ps) * 4.0 * bytes_scale("float32", dtype)
@@ -1042,9 +1045,11 @@ def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: 
         return o.nbytes * bytes_scale(o.dtype, at) / max(float(f), 1.0)
 
     def grad_in(n) -> list[str]:
-        # the inputs op n's backward makes a gradient for (parameters apart: `new_grads`)
+        # the inputs op n's backward makes a gradient for (parameters apart: `new_grads`; a
+        # view of one too, the experts' `w.transpose(1, 2)`: its gradient is the parameter's)
         return list(dict.fromkeys(i for i in _tensor_inputs(n, by_name)
-                                  if rg.get(i, False) and _floating(by_name[i])))
+                                  if rg.get(i, False) and _floating(by_name[i])
+                                  and getattr(by_name.get(base.get(i, i)), "kind", None) != "param"))
 
     read_with_grad: set = set()
     for n in calls:
@@ -1174,7 +1179,13 @@ def mixed_fp32(calls: list, by_name: dict, base: dict, device_type: Optional[str
         return frozenset()
     cuda_fp32 = CUDA_FP32_OUTPUT_OPS if device_type == "cuda" and autocast else frozenset()
     params = frozenset(n.name for n in by_name.values() if n.kind == "param")
-    return _promoted_fp32(calls, by_name, base, _upcasts(calls, base, LOSSES | cuda_fp32, params), cuda_fp32)
+    # casts read by ops that then run in fp32 (a loss; a softmax on `x.float()`), and what
+    # promotion makes fp32 from them first: a cast reading one of those is no upcast region's
+    # opening (`_upcast_regions`' `wide`: the router's fp32 weights cast to the experts' dtype)
+    first = _upcasts(calls, base, LOSSES | cuda_fp32 | SOFTMAXES, params, regions=False)
+    wide = _promoted_fp32(calls, by_name, base, first, cuda_fp32)
+    return _promoted_fp32(calls, by_name, base, _upcasts(calls, base, LOSSES | cuda_fp32 | SOFTMAXES, params,
+                                                         wide=wide), cuda_fp32)
 
 
 def graph_fp32_tensors(graph, device_type: Optional[str], dtype: str,
@@ -1198,11 +1209,18 @@ def graph_fp32_tensors(graph, device_type: Optional[str], dtype: str,
     return memo[key]
 
 
-def _upcasts(calls: list, base: dict, fp32_readers: frozenset, params: frozenset = frozenset()) -> frozenset:
+# softmaxes: a cast every reader of which is one is an upcast (`x.float().softmax(-1)`, a MoE
+# router's: numerics code casts up before a softmax, not to the training dtype)
+SOFTMAXES = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax"})
+
+
+def _upcasts(calls: list, base: dict, fp32_readers: frozenset, params: frozenset = frozenset(),
+             regions: bool = True, wide: frozenset = frozenset()) -> frozenset:
     """Casts to float32 that stay fp32 in a mixed-precision run: those whose every reader
-    (through views) runs in fp32 anyway (`x.float()` before a loss). A capture is fp32, so
-    `to(float32)` is all it shows of both an upcast and a cast back to an input's dtype; only
-    this case is told apart."""
+    (through views) runs in fp32 anyway (`x.float()` before a loss or a softmax), and with
+    `regions` those opening an upcast region (`_upcast_regions`; `wide`: tensors held in fp32
+    already, whose casts open none). A capture is fp32, so `to(float32)` is all it shows of
+    both an upcast and a cast back to an input's dtype; only these cases are told apart."""
     casts = {n.name for n in calls if n.op in ("to", "_to_copy") and base.get(n.name, n.name) == n.name
              and ("float32" in n.args[1:] or n.kwargs.get("dtype") == "float32")}
     readers: dict[str, set] = {}
@@ -1214,7 +1232,12 @@ def _upcasts(calls: list, base: dict, fp32_readers: frozenset, params: frozenset
             if b in casts:
                 readers.setdefault(b, set()).add(n.op)
     out = {c for c, ops in readers.items() if ops <= fp32_readers}
-    return frozenset(out | _upcast_regions(calls, base, casts, params))
+    if not regions:
+        return frozenset(out)
+    by_name = {n.name: n for n in calls}
+    opening = {c for c in casts if not (by_name[c].inputs and base.get(by_name[c].inputs[0], by_name[c].inputs[0])
+                                        in wide)}
+    return frozenset(out | _upcast_regions(calls, base, casts, params, opening))
 
 
 def _promoted_fp32(calls: list, by_name: dict, base: dict, fp32: frozenset, fp32_ops: frozenset) -> frozenset:
@@ -1264,7 +1287,8 @@ def _promoted_fp32(calls: list, by_name: dict, base: dict, fp32: frozenset, fp32
 UPCAST_REGION_MAX = 24
 
 
-def _upcast_regions(calls: list, base: dict, casts: set, params: frozenset = frozenset()) -> set:
+def _upcast_regions(calls: list, base: dict, casts: set, params: frozenset = frozenset(),
+                    opening: Optional[set] = None) -> set:
     """Ops that run in fp32 between an upcast and its cast back, in a mixed-precision run:
     model code that computes a norm or a rotary table in fp32 (`x.to(torch.float32)` ...
     `.to(input_dtype)`, Hugging Face's RMSNorm) captures as two `to(float32)`; the first of two
@@ -1275,7 +1299,9 @@ def _upcast_regions(calls: list, base: dict, casts: set, params: frozenset = fro
     closing casts the training dtype (and open no region of their own). A region holding a
     matrix op with a parameter operand (`params`: their names; through views) is none: that
     cast is to the weight's dtype (`x.to(w.dtype)` before an expert's grouped GEMM), the
-    training dtype in the run, and numerics code upcasts no GEMM with a weight."""
+    training dtype in the run, and numerics code upcasts no GEMM with a weight. `opening`: the
+    casts that may open a region (None: all); a cast of a tensor already fp32 opens none (it
+    is the cast down: `w.to(y.dtype)` of a router's fp32 weights)."""
     readers: dict[str, list] = {}
     for n in calls:
         for i in n.inputs:
@@ -1284,7 +1310,7 @@ def _upcast_regions(calls: list, base: dict, casts: set, params: frozenset = fro
     out: set = set()
     closers: set = set()         # casts back: they open no region
     for c in (n.name for n in calls if n.name in casts):
-        if c in closers:
+        if c in closers or (opening is not None and c not in opening):
             continue
         mod = by_module.get(c) or ""
         if not mod:

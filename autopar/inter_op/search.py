@@ -762,9 +762,23 @@ class _Tables:
         if at == MAIN_UNIT or not units:
             return float(self.unit_layer[i]), None
         k = int(np.floor(at))
+        if i == self.L - 1 and k >= len(units) - 1 and at > k and not self.root_holds:
+            # an op after the model's last unit (the loss the root module computes): its
+            # backward runs before any unit's pre-backward hook, and the root's, which would
+            # prefetch the first unit of the backward, has nothing to run where the root holds
+            # no parameters (FSDP2 registers it with the root's parameter group; seen on
+            # mlp-tiny and moe-tiny: nothing gathered at the loss's backward)
+            return 0.0, 0.0
         own = units[k] if at == k and 0 <= k < len(units) else 0.0
         prev = [u for u in units[:max(0, min(math.ceil(at), len(units)))] if u > 0]
         return own, (prev[-1] if prev else None)
+
+    @functools.cached_property
+    def root_holds(self) -> bool:
+        """Whether ZeRO-3's root unit holds parameters of its own: some module's are the
+        root's (`rooted`, tied ones), or some parameters lie in no layer module's unit."""
+        distinct = {f: e for c in self.costs for f, e in c.param_elems.items()}
+        return bool(self.rooted) or sum(distinct.values()) > sum(sum(us) for us in self.module_units) + 0.5
 
     def range_last_act(self, r: str) -> np.ndarray:
         """Every range's last layer's saved activations (one micro-batch)."""
