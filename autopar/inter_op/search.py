@@ -666,6 +666,14 @@ class _Tables:
                   rs_copies_input=reduce_scatter_copies_input(self.cluster.device.device_type),
                   fused_optimizer=fused_optimizer(self.cluster.device.device_type))
         out = runtime_phases(pel, self.dtype, self.zero, self.dp, **kw)
+        if self.ep > 1 and self.zero == 0 and self.dp > 1:
+            # the gradient sync's flat buffer: the dense gradients' (all-reduced over dp), then,
+            # apart, the experts' over the ranks holding the same ones (none where ep = dp:
+            # one copy), each released before the next (`runtime.experts.ExpertGroups.sync`)
+            e = np.asarray(epel)
+            flat = np.maximum(pel - e, e if self.dp // self.ep > 1 else 0.0) * self.wgo[1]
+            out = [dataclasses.replace(ph, buffers=flat + 0.0 * ph.buffers) if ph.phase == "grad_sync" else ph
+                   for ph in out]
         if self.ep > 1 and self.zero >= 1 and self.dp > 1:
             # ZeRO shards an expert's optimizer state (ZeRO-3: and its weights and gradients)
             # over the dp / ep ranks holding it, not over dp: as if its elements were ep times
