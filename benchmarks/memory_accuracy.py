@@ -4,7 +4,7 @@
 
 Plans come from `autopar.plan` (`autopar.planner.plan`, the model captured once) on the
 bundled CPU cluster profile (`cpu`, its devices per node set to the job's 2 or 4 processes),
-for the zoo's `gpt-tiny` and `mlp-tiny` (and `tests.plans:gpt_tiny6`, gpt-tiny with 6 blocks,
+for the zoo's `gpt-tiny`, `mlp-tiny` and `moe-tiny` (and `tests.plans:gpt_tiny6`, gpt-tiny with 6 blocks,
 where a pipeline needs more layers: 4 stages, interleaving), a GPT written independently of the
 zoo (`tests.user_models:nanogpt`) and tiny Hugging Face GPT-2 and Llama configurations (`hf:`,
 with their default dropout), each pinned with `autopar.Constraints` to one combination: dp / tp
@@ -110,6 +110,15 @@ def _specs() -> list[dict]:
         add(u, 2, 32, dtype, dp=2, tp=1, pp=1, zero_stage=3, recompute="none")
         add(u, 2, 32, dtype, dp=1, tp=2, pp=1, recompute="none")
         add(u, 2, 32, dtype, dp=1, tp=1, pp=2, schedule="1f1b", num_microbatches=4, recompute="none")
+        # the zoo's mixture of experts (8 routed experts top-2 and a shared one per block, each
+        # expert's tokens gathered by index and combined by index_add): data parallel, ZeRO-3,
+        # and expert parallelism (each rank its slice of the experts, tokens exchanged all-to-all)
+        e = "moe-tiny"
+        add(e, 2, 16, dtype, dp=2, tp=1, pp=1, zero_stage=0, recompute="none")
+        add(e, 2, 16, dtype, dp=2, tp=1, pp=1, zero_stage=3, recompute="none")
+        add(e, 4, 16, dtype, dp=4, tp=1, pp=1, ep=4, zero_stage=0, recompute="none")
+        # two sequences a rank: the experts' backward, not the loss's, holds the peak
+        add(e, 4, 8, dtype, dp=4, tp=1, pp=1, zero_stage=3, recompute="none")
         # Hugging Face classes (tiny configs, default dropout): data parallel, ZeRO-3, tensor
         # parallel and a pipeline cut from the traced model (position ids, a causal mask and,
         # for Llama, rotary tables cross its boundary beside the hidden states)

@@ -105,8 +105,9 @@ LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_nd", "mse_loss",
 # losses whose reduced (0-dim) output on CPU shares the storage of the unreduced, input-sized
 # fp32 loss (torch 2.13's CPU kernels: `F.mse_loss(x, y).untyped_storage().nbytes()` is
 # x.numel() * 4, also under autocast; l1, huber, cross-entropy and nll return a 4-byte scalar).
-# Measured on CPU only: not assumed on CUDA; nor on DTensors (a tensor-parallel stage's loss
-# is a fresh scalar there, measured by `benchmarks/memory_accuracy.py`)
+# Measured on CPU only: not assumed on CUDA. On DTensors the local kernel's output is the loss
+# where the input is whole on the rank (replicated: the same storage, torch 2.13 on a fake
+# process group); a loss on a split input is a partial one, reduced into a fresh scalar
 LOSSES_KEEP_UNREDUCED = frozenset({"mse_loss", "smooth_l1_loss"})
 # losses whose backward reads their input itself (derivatives.yaml: `mse_loss_backward(grad,
 # self, target, ...)`, likewise smooth_l1, huber and BCE-with-logits): what they save is that
@@ -221,6 +222,9 @@ class ActivationMemory:
     # and then its gradients (as `backward_over_grads`), the given one's left out
     backward_over_given_recompute: bool = False
     backward_over_given_grads: float = 0.0
+    # of saved_bytes, what no op's backward frees: alive to the step's end (a CPU mse_loss's
+    # unreduced storage, which its 0-dim output keeps, `LOSSES_KEEP_UNREDUCED`)
+    kept_bytes: float = 0.0
     saved: dict[str, float] = field(default_factory=dict)   # tensor (its storage's owner) -> bytes saved
     bases: dict[str, str] = field(default_factory=dict)     # tensor -> the tensor owning its storage
     # the first backward of a step (no parameter gradient exists before it): its worst moment
@@ -563,16 +567,22 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     floating-point tensors at `dtype` and each tensor's bytes divided by `shard` (a number, or a
     function of the node producing it, e.g. tensor parallelism for the tensors it splits).
     `selective_region`, `device_type` and `count_inputs`: see the module docstring; `dtensor`:
-    the ops run on DTensors (a tensor-parallel stage), which give a loss a fresh 0-dim output
-    (`LOSSES_KEEP_UNREDUCED` does not apply). `read_shard(op, input)`: where an op reads an input
-    redistributed to another layout than its producer gives (an executed per-op solution), that
-    copy's divisor and a name for its layout; the copy, not the producer's tensor, is what the
-    op saves (the gathered logits of a loss read whole, say); an optional third item, the
+    the ops run on DTensors (a tensor-parallel stage), which give a loss on a split input a
+    fresh 0-dim output (`LOSSES_KEEP_UNREDUCED` applies where it reads its input whole).
+    `read_shard(op, input)`: where an op reads an input redistributed to another layout than
+    its producer gives (an executed per-op solution), that copy's divisor and a name for its
+    layout; the copy, not the producer's tensor, is what the op saves (the gathered logits of
+    a loss read whole, say); an optional third item, the
     divisor of what a gather along a dim other than the first holds beside the copy while it
     concatenates (its buffer and its copy of the shard; None: nothing); an optional fourth,
     whether the copy is held until the last reader of the input (a junction: one
-    redistribution its readers share). None: the producer's tensor. `param_elems`: elements
-    per device of the parameters (by node name): an op's backward makes their gradients beside
+    redistribution its readers share); an optional fifth, whether the redistribution runs
+    inside the op's dispatch, below autograd (DTensor propagation: `dispatch_read`): the op
+    then saves the input as it arrived, not the copy, and holds the copy (and the gather's
+    buffer) only while its forward runs, and again while its backward runs (it redistributes
+    the saved input anew: `_gradient_moments`' `regather`). None: the producer's tensor.
+    `param_elems`: elements per device of the parameters (by node name): an op's backward
+    makes their gradients beside
     its input's (a new tensor in every micro-batch: AccumulateGrad adds it in after the first,
     or it becomes `.grad`); `given_grad`: a
     tensor whose gradient comes from outside (a pipeline chunk's output: the receive buffer),
@@ -643,7 +653,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         o = by_name[name].outputs[0]
         item = o.nbytes * bytes_scale(o.dtype, at or dtype)
         buf = item / max(float(rs[2]), 1.0) if len(rs) > 2 and rs[2] else 0.0
-        return item / max(float(rs[0]), 1.0), rs[1], buf, bool(len(rs) > 3 and rs[3])
+        return item / max(float(rs[0]), 1.0), rs[1], buf, bool(len(rs) > 3 and rs[3]), bool(len(rs) > 4 and rs[4])
 
     if read_shard is not None:
         was = dict(base)
@@ -652,7 +662,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             if src is None or src not in by_name:
                 continue
             r = read(n, src) if is_view(n) else None
-            if r is not None:
+            if r is not None and not r[4]:
                 key = f"{src}@{r[1]}"
                 if key not in copies:
                     copies[key] = (r[0], n.name)
@@ -711,7 +721,9 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                     key = f"{key}:lowp@{n.name}"
                 b = size(base.get(name, name), at)
                 copy = read(n, name, at)
-                if copy is not None:
+                if copy is not None and not copy[4]:
+                    # the executor's copy; one made inside the op's dispatch (below autograd)
+                    # leaves the op saving the input as it arrived
                     b, key = copy[0], _copy_key(name, copy, n.name)
             else:
                 key = name
@@ -741,8 +753,11 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         return (VOCAB_PARALLEL_LOSS_LIVE if split else _loss_live(n)), size(i, "fp32")
 
     def new_grads(n) -> float:
-        # the gradients op n's backward makes for the parameters it reads (`param_elems`)
-        if not param_elems:
+        # the gradients op n's backward makes for the parameters it reads (`param_elems`),
+        # directly or through a view: the op reading the view makes the gradient, the view's
+        # backward hands it on (a transpose's is a view of it), so a view makes none (the
+        # experts' `w.transpose(1, 2)` before a grouped GEMM: once, not twice)
+        if not param_elems or is_view(n):
             return 0.0
         ps = {base.get(i, i) for i in n.inputs} & param_elems.keys()
         return sum(param_elems[q] for q in ps) * 4.0 * bytes_scale("float32", dtype)
@@ -755,8 +770,19 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         rs = read_shard(n, i) if read_shard is not None and i != n.name and i in by_name else None
         return rs is not None and float(rs[0]) > 1
 
+    def regather(n) -> float:
+        # what op n's backward redistributes anew of the inputs its dispatch redistributed in
+        # the forward (DTensor propagation, `read_shard`'s fifth item): the copy and the
+        # gather's buffer, made before the gradients that read them
+        tot = 0.0
+        for i in dict.fromkeys(_tensor_inputs(n, by_name)):
+            r = read(n, i)
+            if r is not None and r[4]:
+                tot += r[0] + r[2]
+        return tot
+
     moments = _gradient_moments(calls, by_name, base, rg, copies, upcasts, shard, dtype, new_grads, loss_read,
-                                given_grad, gathers_grad)
+                                given_grad, gathers_grad, regather if read_shard is not None else None)
 
     def grads(n) -> float:
         # the gradients alive while op n's backward runs (`_gradient_moments`)
@@ -832,11 +858,24 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 if b in owner_layer:
                     continue
                 owner_layer[b], nbytes_of[b], owner_node[b] = n.layer, size(i), n.name
-    if device_type == "cpu" and not dtensor:
+    def split_on_ranks(n, i: str) -> bool:
+        # whether op n reads input i split over the tp ranks (as its producer leaves it, or as
+        # a redistribution gives it)
+        r = read(n, i)
+        if r is not None:
+            return r[0] < size(i) * (1 - 1e-9)
+        f = shard(by_name[base.get(i, i)]) if callable(shard) else shard
+        return float(f) > 1
+
+    if device_type == "cpu":
         # a reduced loss whose 0-dim output keeps the unreduced fp32 loss as its storage: alive
-        # as long as the loss is, through the backward (no op's backward frees it)
+        # as long as the loss is, through the backward (no op's backward frees it). On DTensors
+        # too where the loss reads its input whole (the local kernel's output is the loss); a
+        # loss on a split input gives a partial one, reduced into a fresh scalar
         for n in calls:
             fl = [i for i in _tensor_inputs(n, by_name)[:1] if _floating(by_name[base.get(i, i)])]
+            if dtensor and fl and split_on_ranks(n, fl[0]):
+                continue
             if n.op in LOSSES_KEEP_UNREDUCED and fl and n.outputs and n.outputs[0].numel == 1:
                 key = n.name + ":unreduced"
                 owner_layer[key], nbytes_of[key], owner_node[key] = n.layer, size(fl[0], "fp32"), ""
@@ -857,6 +896,8 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         out.per_layer[l] = out.per_layer.get(l, 0.0) + nbytes_of[k]
         out.saved_bytes += nbytes_of[k]
         out.saved[k] = nbytes_of[k]
+        if not owner_node.get(k):
+            out.kept_bytes += nbytes_of[k]
     out.bases = base
     # the backward, op by op in reverse: what is still saved (tensors whose first saver has not
     # run its backward) plus the op's gradients, or, entering a recomputed region, its re-made
@@ -963,7 +1004,8 @@ _MULTI_OUTPUT_VIEWS = frozenset({"split", "split_with_sizes", "chunk", "unbind",
 def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: dict, upcasts: frozenset,
                       shard: Any, dtype: str, new_grads: Callable, loss_read: Callable,
                       given_grad: Optional[str],
-                      redistributed: Optional[Callable[[Any, str], bool]] = None
+                      redistributed: Optional[Callable[[Any, str], bool]] = None,
+                      regather: Optional[Callable[[Any], float]] = None,
                       ) -> dict[str, tuple[float, float, float]]:
     """The backward's gradients, by liveness: for each op, the bytes of gradients alive while its
     backward runs, and of those the given one's (`given_grad`'s, made outside: a pipeline
@@ -984,7 +1026,10 @@ def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: 
     which the redistribution's backward makes (a Megatron-SP row-parallel projection's output
     read as a sequence shard by the residual add: the add hands its gradient on, the
     all-gather of the redistribution's backward makes the projection's whole one), not the
-    reader's as it is."""
+    reader's as it is. `regather(op)`: what an op's backward redistributes anew before it makes
+    its gradients (an input its dispatch redistributed below autograd, DTensor propagation:
+    it saved the input as it arrived), beside the gradients alive before it makes any: the
+    op's moment is the larger of that and its gradients'."""
     def gsize(name: str) -> float:
         node = by_name.get(name)
         if node is None or not node.outputs or not _floating(node):
@@ -1000,9 +1045,11 @@ def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: 
         return o.nbytes * bytes_scale(o.dtype, at) / max(float(f), 1.0)
 
     def grad_in(n) -> list[str]:
-        # the inputs op n's backward makes a gradient for (parameters apart: `new_grads`)
+        # the inputs op n's backward makes a gradient for (parameters apart: `new_grads`; a
+        # view of one too, the experts' `w.transpose(1, 2)`: its gradient is the parameter's)
         return list(dict.fromkeys(i for i in _tensor_inputs(n, by_name)
-                                  if rg.get(i, False) and _floating(by_name[i])))
+                                  if rg.get(i, False) and _floating(by_name[i])
+                                  and getattr(by_name.get(base.get(i, i)), "kind", None) != "param"))
 
     read_with_grad: set = set()
     for n in calls:
@@ -1090,7 +1137,10 @@ def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: 
                 if i not in owner:
                     born.append((i, nb))
             extra += new_grads(n)
-        out[n.name] = (total + extra, stor.get(given_st, 0.0), total)
+        at = total + extra
+        if regather is not None:
+            at = max(at, total + regather(n))
+        out[n.name] = (at, stor.get(given_st, 0.0), total)
         drop(n.name)
         for i, nb in born:
             if i not in owner:
@@ -1129,7 +1179,13 @@ def mixed_fp32(calls: list, by_name: dict, base: dict, device_type: Optional[str
         return frozenset()
     cuda_fp32 = CUDA_FP32_OUTPUT_OPS if device_type == "cuda" and autocast else frozenset()
     params = frozenset(n.name for n in by_name.values() if n.kind == "param")
-    return _promoted_fp32(calls, by_name, base, _upcasts(calls, base, LOSSES | cuda_fp32, params), cuda_fp32)
+    # casts read by ops that then run in fp32 (a loss; a softmax on `x.float()`), and what
+    # promotion makes fp32 from them first: a cast reading one of those is no upcast region's
+    # opening (`_upcast_regions`' `wide`: the router's fp32 weights cast to the experts' dtype)
+    first = _upcasts(calls, base, LOSSES | cuda_fp32 | SOFTMAXES, params, regions=False)
+    wide = _promoted_fp32(calls, by_name, base, first, cuda_fp32)
+    return _promoted_fp32(calls, by_name, base, _upcasts(calls, base, LOSSES | cuda_fp32 | SOFTMAXES, params,
+                                                         wide=wide), cuda_fp32)
 
 
 def graph_fp32_tensors(graph, device_type: Optional[str], dtype: str,
@@ -1153,11 +1209,18 @@ def graph_fp32_tensors(graph, device_type: Optional[str], dtype: str,
     return memo[key]
 
 
-def _upcasts(calls: list, base: dict, fp32_readers: frozenset, params: frozenset = frozenset()) -> frozenset:
+# softmaxes: a cast every reader of which is one is an upcast (`x.float().softmax(-1)`, a MoE
+# router's: numerics code casts up before a softmax, not to the training dtype)
+SOFTMAXES = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax"})
+
+
+def _upcasts(calls: list, base: dict, fp32_readers: frozenset, params: frozenset = frozenset(),
+             regions: bool = True, wide: frozenset = frozenset()) -> frozenset:
     """Casts to float32 that stay fp32 in a mixed-precision run: those whose every reader
-    (through views) runs in fp32 anyway (`x.float()` before a loss). A capture is fp32, so
-    `to(float32)` is all it shows of both an upcast and a cast back to an input's dtype; only
-    this case is told apart."""
+    (through views) runs in fp32 anyway (`x.float()` before a loss or a softmax), and with
+    `regions` those opening an upcast region (`_upcast_regions`; `wide`: tensors held in fp32
+    already, whose casts open none). A capture is fp32, so `to(float32)` is all it shows of
+    both an upcast and a cast back to an input's dtype; only these cases are told apart."""
     casts = {n.name for n in calls if n.op in ("to", "_to_copy") and base.get(n.name, n.name) == n.name
              and ("float32" in n.args[1:] or n.kwargs.get("dtype") == "float32")}
     readers: dict[str, set] = {}
@@ -1169,7 +1232,12 @@ def _upcasts(calls: list, base: dict, fp32_readers: frozenset, params: frozenset
             if b in casts:
                 readers.setdefault(b, set()).add(n.op)
     out = {c for c, ops in readers.items() if ops <= fp32_readers}
-    return frozenset(out | _upcast_regions(calls, base, casts, params))
+    if not regions:
+        return frozenset(out)
+    by_name = {n.name: n for n in calls}
+    opening = {c for c in casts if not (by_name[c].inputs and base.get(by_name[c].inputs[0], by_name[c].inputs[0])
+                                        in wide)}
+    return frozenset(out | _upcast_regions(calls, base, casts, params, opening))
 
 
 def _promoted_fp32(calls: list, by_name: dict, base: dict, fp32: frozenset, fp32_ops: frozenset) -> frozenset:
@@ -1219,7 +1287,8 @@ def _promoted_fp32(calls: list, by_name: dict, base: dict, fp32: frozenset, fp32
 UPCAST_REGION_MAX = 24
 
 
-def _upcast_regions(calls: list, base: dict, casts: set, params: frozenset = frozenset()) -> set:
+def _upcast_regions(calls: list, base: dict, casts: set, params: frozenset = frozenset(),
+                    opening: Optional[set] = None) -> set:
     """Ops that run in fp32 between an upcast and its cast back, in a mixed-precision run:
     model code that computes a norm or a rotary table in fp32 (`x.to(torch.float32)` ...
     `.to(input_dtype)`, Hugging Face's RMSNorm) captures as two `to(float32)`; the first of two
@@ -1230,7 +1299,9 @@ def _upcast_regions(calls: list, base: dict, casts: set, params: frozenset = fro
     closing casts the training dtype (and open no region of their own). A region holding a
     matrix op with a parameter operand (`params`: their names; through views) is none: that
     cast is to the weight's dtype (`x.to(w.dtype)` before an expert's grouped GEMM), the
-    training dtype in the run, and numerics code upcasts no GEMM with a weight."""
+    training dtype in the run, and numerics code upcasts no GEMM with a weight. `opening`: the
+    casts that may open a region (None: all); a cast of a tensor already fp32 opens none (it
+    is the cast down: `w.to(y.dtype)` of a router's fp32 weights)."""
     readers: dict[str, list] = {}
     for n in calls:
         for i in n.inputs:
@@ -1239,7 +1310,7 @@ def _upcast_regions(calls: list, base: dict, casts: set, params: frozenset = fro
     out: set = set()
     closers: set = set()         # casts back: they open no region
     for c in (n.name for n in calls if n.name in casts):
-        if c in closers:
+        if c in closers or (opening is not None and c not in opening):
             continue
         mod = by_module.get(c) or ""
         if not mod:

@@ -67,7 +67,7 @@ _CORE_SAVED = ("none",)
 _SCALED = ("fwd_s", "bwd_s", "fwd_comm_s", "bwd_comm_s", "rc_extra_s", "rc_comm_s", "act_bytes", "bwd_over",
            "bwd_over_grads", "bwd_over_loss", "bwd_over_body", "bwd_over_given", "bwd_over_given_grads",
            "bwd_given_backward", "bwd_first",
-           "bwd_first_born", "out_saved", "in_saved", "out_bytes", "cross_bytes", "cross_grad_bytes")
+           "bwd_first_born", "out_saved", "in_saved", "kept_saved", "out_bytes", "cross_bytes", "cross_grad_bytes")
 
 
 def attention_nodes(graph: OpGraph, layer: Layer) -> list:

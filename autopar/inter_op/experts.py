@@ -39,6 +39,7 @@ from autopar.inter_op.stage_cost import LayerCost
 from autopar.schema import ClusterSpec
 from cost_models.communication import axis_collective_time
 from cost_models.compute import bytes_scale, grouped_gemm_time
+from cost_models.memory import INDEX_SOURCE_WRITES
 
 EP_IMBALANCE = 1.1        # an estimate (see the module docstring)
 # all-to-alls per expert block and micro-batch, as `autopar.runtime.experts` issues them
@@ -120,8 +121,33 @@ class ExpertCosting:
                 c.fwd_s += dfwd
                 c.bwd_s += dbwd
                 c.rc_extra_s["full"] = c.rc_extra_s.get("full", 0.0) + dfwd
+                extra = self.combine_saved(b, mb, dtype)
+                if extra:
+                    c.act_bytes = {r: v + (extra if r != "full" else 0.0) for r, v in c.act_bytes.items()}
             out[i] = c
         self._cache[key] = out
+        return out
+
+    def combine_saved(self, b: ExpertBlock, mb: int, dtype: str) -> float:
+        """Bytes the exchange adds to what the block saves for its backward, a micro-batch of
+        `mb` samples: the runtime runs the experts module itself on the rows it received
+        (`runtime.experts.ExpertParallelExperts`: unit weights, each row its own token), so the
+        module's combine runs there too, on as many rows as the rank's own pairs at the mean
+        (dropless), and saves what it saves in the one-process run (`index_add` keeps its
+        source, `cost_models.memory.INDEX_SOURCE_WRITES`), beside the combine that runs again
+        on the rows sent back. Seen on moe-tiny dp4 x ep4 (`--top`): an [pairs, H] product by
+        the unit weights per block, 16 KiB fp32."""
+        g = self._g1
+        out = 0.0
+        for n in g.nodes:
+            p = n.module_path or ""
+            inside = p == b.module or p.startswith(b.module + ".")
+            if n.kind != "call" or n.op not in INDEX_SOURCE_WRITES or not inside:
+                continue
+            src = g.node(n.inputs[2]) if len(n.inputs) > 2 else None
+            if src is not None and src.outputs:
+                o = src.outputs[0]
+                out += o.nbytes * bytes_scale(o.dtype, dtype) * mb
         return out
 
     def _gemm_delta(self, b: ExpertBlock, ep: int, mb: int, dev, dtype: str) -> tuple[float, float]:

@@ -22,6 +22,7 @@ from autopar.capture.graph import OpGraph
 from autopar.inter_op.ilp_cache import CostCache, IlpCache, cost_key, graph_digest, solve_key
 from autopar.inter_op.layers import Layer
 from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost, autocast_device, fill_activations, float_bytes
+from autopar.inter_op.stage_layouts import _mapping
 from autopar.intra_op.solution import ShardingSolution
 from autopar.schema import ClusterSpec, PlanError
 from autopar.schema.placement import is_shard, shard_dim
@@ -62,6 +63,8 @@ class IlpProvider(AnalyticProvider):
         # the per-op layouts a plan carries (`inter_op.stage_layouts`)
         self.solutions: dict[tuple[str, int, int], tuple[ShardingSolution, Layer]] = {}
         self._users: dict[str, list[Layer]] | None = None
+        self._plain: dict[tuple[str, int, int], ShardingSolution] = {}
+        self._dtensor: dict[tuple, dict | None] = {}     # `dtensor_variant`'s activation fields
 
     def crossing_at(self, index: int, mb: int, tp: int) -> tuple[float, float, int, int]:
         """`crossing` per rank: with Megatron-SP, a tensor crossing with a gradient (the
@@ -82,6 +85,63 @@ class IlpProvider(AnalyticProvider):
             nb = float_bytes(meta, self.dtype) * (1 - 1 / tp)
             total, grad = total - nb, grad - nb
         return total, grad, n, grads
+
+    def _plain_solution(self, rep: Layer, mb: int, tp: int) -> ShardingSolution:
+        """The solution DTensor propagation runs `rep` (a layer solved at (mb, tp)) with: its
+        weights sharded contiguously (`_analyze_layer`)."""
+        key = (rep.signature, mb, tp)
+        if key not in self._plain:
+            sol = self.solutions[key][0]
+            self._plain[key] = self._solve(rep, mb, tp, interleaved=False) if sol.param_layouts else sol
+        return self._plain[key]
+
+    def dtensor_variant(self, layer: Layer, mb: int, tp: int, arriving: dict[str, tuple[str, ...]]) -> LayerCost:
+        """`cost(layer, mb, tp)` as DTensor propagation runs the layer in a stage whose tensors
+        from earlier layers arrive in `arriving` (`stage_layouts.arrival_layouts`), where the
+        layer's solution assumed another layout for some (the planner then runs the stage by
+        DTensor propagation: `planner._op_layouts`): such a tensor is held as it arrived (a
+        shard where the producer leaves one) and a reader wanting another layout redistributes
+        it inside its dispatch (`dispatch_read`). Its activation fields change; the rest is
+        `cost`'s."""
+        c = self.cost(layer, mb, tp)
+        got = self.solutions.get((layer.signature, mb, tp))
+        if tp == 1 or got is None or not arriving:
+            return c
+        _, rep = got
+        plain = self._plain_solution(rep, mb, tp)
+        names = self._names(rep, layer)
+        inv = {v: k for k, v in names.items()}
+        arr = {inv.get(n, n): tuple(pl) for n, pl in arriving.items()}
+        arr = {n: pl for n, pl in arr.items() if tuple(plain.input_placements.get(n, pl)) != pl}
+        if not arr:
+            return c
+        key = (rep.signature, mb, tp, tuple(sorted(arr.items())))
+        if key not in self._dtensor:
+            g = self.graph_at(mb, rep)
+            sub = self._subgraph(g, rep, [g.node(n) for n in rep.nodes], self.requires_grad)
+            sharded = _sharded(plain)
+
+            def shard(node) -> float:
+                if node.name in arr:
+                    return tp if any(map(is_shard, arr[node.name])) else 1
+                return tp if node.name in sharded else 1
+
+            own = self.cost(rep, mb, tp)
+            alt = LayerCost(param_elems=dict(own.param_elems))
+            fill_activations(alt, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=True,
+                             read_shard=dispatch_read(plain, tp, arr), attention_kernel=self.software.attention_kernel,
+                             selective_region=rep.selective_region(tp), modules=rep.modules,
+                             autocast=self.software.autocast, **self.boundary_names(rep))
+            self._dtensor[key] = _differing(alt, own)
+        diff = self._dtensor[key]
+        out = LayerCost(**{k: getattr(c, k) for k in c.__dataclass_fields__})
+        out.solved, out.solved_acts = None, None
+        for k, v in (diff or {}).items():
+            setattr(out, k, {**getattr(c, k), **v})
+        return out
+
+    def _names(self, rep: Layer, layer: Layer) -> dict[str, str]:
+        return _mapping(self.graph, rep, layer)
 
     def _shared(self) -> dict[str, list[Layer]]:
         """Parameters read by more than one layer (a tied embedding and output layer), by FQN:
@@ -249,11 +309,7 @@ class IlpProvider(AnalyticProvider):
             if fqn not in c.param_elems:
                 c.placements[fqn] = base.placements.get(fqn, "R")
                 c.param_elems[fqn] = base.param_elems[fqn]
-        # tensors the solution keeps split over tp: op outputs, and the layer's inputs where they
-        # arrive split (a sequence-parallel layer receives its predecessor's sequence shard)
-        sharded = {n for n, ch in sol.op_choices.items()
-                   if ch.output_placements and any(map(is_shard, ch.output_placements[0]))}
-        sharded |= {n for n, pl in sol.input_placements.items() if any(map(is_shard, pl))}
+        sharded = _sharded(sol)
         sub = self._subgraph(g, layer, [g.node(n) for n in layer.nodes], self.requires_grad)
         shard = lambda node: tp if node.name in sharded else 1  # noqa: E731
         names = self.boundary_names(layer)
@@ -280,6 +336,41 @@ class IlpProvider(AnalyticProvider):
                              modules=layer.modules, autocast=self.software.autocast, **names)
             c.solved_acts = _differing(alt, c)
         return c
+
+
+def _sharded(sol: ShardingSolution) -> set[str]:
+    """The tensors `sol` keeps split over tp: op outputs, and the layer's inputs where they
+    arrive split (a sequence-parallel layer receives its predecessor's sequence shard)."""
+    sharded = {n for n, ch in sol.op_choices.items()
+               if ch.output_placements and any(map(is_shard, ch.output_placements[0]))}
+    return sharded | {n for n, pl in sol.input_placements.items() if any(map(is_shard, pl))}
+
+
+def dispatch_read(sol: ShardingSolution, tp: int, arriving: dict[str, tuple[str, ...]]):
+    """`activation_memory`'s `read_shard` for a layer run by DTensor propagation whose inputs
+    from earlier layers arrive in `arriving` (tensor -> layout: as the producing layer's
+    solution leaves it, `stage_layouts.arrival_layouts`): where an op's solution reads one in
+    another layout, DTensor redistributes it inside the op's dispatch, below autograd, so the
+    op saves the input as it arrived and holds the copy only while its forward runs; its
+    backward redistributes the saved input again (checked on gloo and on torch's fake process
+    group, torch 2.13: a column-parallel matmul reading the ReLU's Shard(1) output saves the
+    shard, all-gathers it and concatenates the pieces along dim 1 in its forward and again in
+    its backward). A gather along a dim other than the first holds its all-gather buffer (the
+    result's size) beside the concatenated copy."""
+    def read(node, name: str):
+        have = arriving.get(name)
+        ch = sol.op_choices.get(node.name)
+        if have is None or ch is None or name not in node.inputs:
+            return None
+        k = node.inputs.index(name)
+        if k >= len(ch.input_placements):
+            return None
+        want = tuple(ch.input_placements[k])
+        if want == have or "P" in want:
+            return None
+        gather = shard_dim(have[0]) not in (None, 0) and not is_shard(want[0])
+        return (tp if any(map(is_shard, want)) else 1), ",".join(want), (1.0 if gather else None), False, True
+    return read
 
 
 def _read_shard(sol: ShardingSolution, tp: int, params: dict[str, str] | None = None):
@@ -334,7 +425,7 @@ def _differing(alt: LayerCost, c: LayerCost) -> dict | None:
     `c`'s."""
     diff: dict = {}
     for k in ("act_bytes", "bwd_over", "bwd_over_rc", "bwd_over_grads", "bwd_over_body", "bwd_over_loss",
-              "out_saved", "in_saved", "bwd_over_given", "bwd_over_given_rc",
+              "out_saved", "in_saved", "kept_saved", "bwd_over_given", "bwd_over_given_rc",
               "bwd_over_given_grads", "bwd_given_backward", "bwd_first", "bwd_first_at", "bwd_first_born"):
         d = {rc: v for rc, v in getattr(alt, k).items() if v != getattr(c, k).get(rc)}
         if d:

@@ -214,7 +214,7 @@ class _Tables:
                   "range_send", "range_send_grad", "range_act", "range_in_saved", "range_out_kept", "range_work",
                   "range_work_rc", "range_work_rc_grads", "work_grads", "range_work_tmp", "range_root", "_layers",
                   "work_tmp_grads", "range_work_tmp_grads",
-                  "range_maxtensor", "_first")
+                  "range_maxtensor", "_first", "live")
 
     def __init__(self, costs: list[LayerCost], cluster: ClusterSpec, dtype: str, dp: int, tp: int,
                  zero: int, layers: list[Layer], batch: tuple[float, float] = (0.0, 0.0),
@@ -255,7 +255,7 @@ class _Tables:
         self._temporaries: dict[tuple, float] = {}           # `chunk_temporaries`, per chunks
         self._holders: dict[tuple[int, int], list] = {}       # `_holder_sizes`, per layer range
         # `recompute_terms`, per (recomputation, ZeRO-3 with one micro-batch)
-        self._rc_terms: dict[tuple[str, bool], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._rc_terms: dict[tuple[str, bool, bool], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         # expert parallelism (`set_experts`): ep, and the expert weights' elements per layer range
         self.ep = 1
         self.expert_pel = np.zeros(L + 1)
@@ -337,9 +337,17 @@ class _Tables:
         in_saved = {r: np.array([c.in_saved.get(r, prev_out[i]) for i, c in enumerate(costs)]) for r in RECOMPUTES}
         out_saved = {r: np.array([c.out_saved.get(r, 0.0) for c in costs]) for r in RECOMPUTES}
         self.range_act, self.range_in_saved, self.range_out_kept = {}, {}, {}
+        # `live[r][x]`: the prefix of what layers 0..x-1 keep saved at the backward moments of
+        # a range, each tensor saved on both sides of an inner boundary once, less what each
+        # keeps to the step's end (`LayerCost.kept_saved`: no op's backward frees it, a CPU
+        # mse_loss's unreduced storage): layer i's backward moment holds live[i + 1] - live[j]
+        # above (or below) the range [k, j)'s saved activations, whatever k
+        self.live = {}
         for r in RECOMPUTES:
             ov = np.minimum(out_saved[r][:-1], in_saved[r][1:]) if L > 1 else np.zeros(0)
             ovp = pre(ov)                       # ovp[i]: the inner boundaries 1..i
+            kept = pre([c.kept_saved.get(r, 0.0) for c in costs])
+            self.live[r] = self.act[r] - np.concatenate([[0.0], ovp]) - kept
             inner = ovp[np.clip(jj - 1, 0, L - 1)] - ovp[kk]
             self.range_act[r] = np.where(self.valid, self.act[r][np.clip(jj, 0, L)] - self.act[r][kk] - inner, 0.0)
             self.range_in_saved[r] = np.where(kk > 0, in_saved[r][kk], 0.0)
@@ -360,7 +368,7 @@ class _Tables:
         self.range_work, self.range_work_rc, self.range_work_tmp = {}, {}, {}
         self.range_work_rc_grads, self.range_work_tmp_grads = {}, {}
         for r, wk in self.work.items():
-            P = self.act[r]
+            P = self.live[r]
             rc_kind = self.work_rc[r]
             v = wk + P[1:]
             Wrc = _range_max(np.where(rc_kind, v, -INF)) - P[None, :]
@@ -402,7 +410,7 @@ class _Tables:
         last chunk computes the loss inside, `runtime.graph_stages`, and sends nothing on)."""
         L = self.L
         for r in RECOMPUTES:
-            P = self.act[r]
+            P = self.live[r]
             for j in range(1, L):
                 last, held, k = self.costs[j - 1], float(self.costs[j - 1].out_saved.get(r, 0.0)), np.arange(j)
                 # its output's gradient is the receive buffer (`recv_buffers`), not one its
@@ -438,7 +446,7 @@ class _Tables:
                 self.range_act[r][k, j] -= held
                 self.range_out_kept[r][k, j] += held
 
-    def first_backward(self, r: str, later: bool) -> tuple[np.ndarray, ...]:
+    def first_backward(self, r: str, later: bool, accumulated: Optional[str] = None) -> tuple[np.ndarray, ...]:
         """A range's first backward of the step (no parameter gradient before it), moment by
         moment as `range_work` takes them, with the parameter gradients made so far alive: each
         layer's worst moment of its own (`LayerCost.bwd_first`, one per position among its
@@ -452,13 +460,26 @@ class _Tables:
         forward/backward phase's model states and buffers without gradients, at[k, j] its
         layer, parts[k, j] = (activations above or below the saved ones, activation gradients
         and prefetched weights, parameter gradients, weights above or below the phase's)
-        summing to W, in bytes at the training dtype. Cached per (r, later, ZeRO-3 or not)."""
-        key = (r, later, self.zero3)     # `_first` is shared by the tables of every ZeRO stage
+        summing to W, in bytes at the training dtype. Cached per (r, later, ZeRO-3 or not).
+
+        `accumulated` (ZeRO-3 accumulating over several micro-batches): the same moments in a
+        later micro-batch's backward, every parameter gradient alive already (the phase's, the
+        caller's): the ops' own new weight gradients are temporaries added into them (in each
+        moment's activation gradients), none made beside them. "mid": a micro-batch before the
+        last; "last": the last one, where FSDP2 reduce-scatters each unit as its backward ends
+        (its accumulated gradient replaced by its fp32 shard: the parameter gradients part,
+        negative) and keeps the flat reduce-scatter input of the unit before until the next
+        one's (`foreach_reduce`'s state, torch 2.13: the unit whose backward ran just before
+        the moment's op, counted with its activation gradients)."""
+        if accumulated is not None:
+            later = False
+        # `_first` is shared by the tables of every ZeRO stage (and dp: the shards' size)
+        key = (r, later, self.zero3) if accumulated is None else (r, self.zero3, accumulated, self.dp)
         hit = self._first.get(key)
         if hit is not None:
             return hit
         L, costs = self.L, self.costs
-        P = self.act[r]
+        P = self.live[r]
         work = self.work[r]
         # each layer's worst moment by parts [activations, activation gradients, parameter
         # gradients, its unit's weights, the prefetched unit's], where the layer before is in
@@ -470,7 +491,13 @@ class _Tables:
             if ms:
                 at = c.bwd_first_at.get(r) or [MAIN_UNIT] * len(ms)
                 born = c.bwd_first_born.get(r) or [{}] * len(ms)
-                if self.zero3 and not later:
+                if accumulated == "mid":
+                    ms = [[m[0], m[1], 0.0] for m in ms]
+                elif accumulated == "last":
+                    shrink = 1.0 - 4.0 / (self.wgo[1] * self.dp)
+                    ms = [[m[0], m[1] + self.wgo[1] * self._reduced_before(i, x), -shrink * self._units_grads(i, b)]
+                          for m, b, x in zip(ms, born, at)]
+                elif self.zero3 and not later:
                     # the gradients of the layer's other modules that are units were
                     # reduce-scattered as their backward ended: fp32 shards (4 / dp bytes per
                     # element) in place of the whole 2- or 4-byte ones; the root's stay whole
@@ -491,6 +518,10 @@ class _Tables:
         f_in, f_out = inside.sum(axis=1), alone.sum(axis=1)
         g = self.wgo[1] if later else 0.0
         GP = np.concatenate([[0.0], np.cumsum(self.pel_layer * g)])
+        if accumulated == "last":
+            # the later layers' units were reduce-scattered (their root parameters' stay whole)
+            shrink = 1.0 - 4.0 / (self.wgo[1] * self.dp)
+            GP = -shrink * self.wgo[1] * np.concatenate([[0.0], np.cumsum([sum(us) for us in self.module_units])])
         v_in, v_out = f_in + P[1:] - GP[1:], f_out + P[1:] - GP[1:]
         # W[k, j]: layer k's moment alone, or a later one's with its layer before in the range
         rm, ra = np.full((L, L + 1), -INF), np.full((L, L + 1), -1)
@@ -578,13 +609,20 @@ class _Tables:
           exist yet, so the budget rejected recomputations the stage's own peak fits.
 
         Under ZeRO-3 the forward's end comes before it (two units gathered, the range's last
-        layer's activations not yet saved). Cached per (r, m == 1)."""
+        layer's activations not yet saved). The transient after the first backward: the
+        range's bound less its relief, or, ZeRO-3 with several micro-batches, the later
+        micro-batches' moments with each op's units (`first_backward`'s `accumulated`), as
+        `_stage` takes them. Cached per (r, m == 1, m > 2)."""
         shards = self.zero3 and m == 1
-        key = (r, shards)
+        key = (r, shards, m > 2)
         hit = self._rc_terms.get(key)
         if hit is None:
             act = self.boundary_acts(self.range_act[r], self.range_in_saved[r], self.range_out_kept[r])
-            work = self.range_work[r] - self.relief(r)
+            if self.zero3 and m > 1:
+                kinds = ("mid", "last") if m > 2 else ("last",)
+                work = np.max([self.first_backward(r, False, accumulated=a)[0] for a in kinds], axis=0)
+            else:
+                work = self.range_work[r] - self.relief(r)
             first, at, _ = self.first_backward(r, not shards)
             if shards:
                 L = self.L
@@ -632,6 +670,14 @@ class _Tables:
                   rs_copies_input=reduce_scatter_copies_input(self.cluster.device.device_type),
                   fused_optimizer=fused_optimizer(self.cluster.device.device_type))
         out = runtime_phases(pel, self.dtype, self.zero, self.dp, **kw)
+        if self.ep > 1 and self.zero == 0 and self.dp > 1:
+            # the gradient sync's flat buffer: the dense gradients' (all-reduced over dp), then,
+            # apart, the experts' over the ranks holding the same ones (none where ep = dp:
+            # one copy), each released before the next (`runtime.experts.ExpertGroups.sync`)
+            e = np.asarray(epel)
+            flat = np.maximum(pel - e, e if self.dp // self.ep > 1 else 0.0) * self.wgo[1]
+            out = [dataclasses.replace(ph, buffers=flat + 0.0 * ph.buffers) if ph.phase == "grad_sync" else ph
+                   for ph in out]
         if self.ep > 1 and self.zero >= 1 and self.dp > 1:
             # ZeRO shards an expert's optimizer state (ZeRO-3: and its weights and gradients)
             # over the dp / ep ranks holding it, not over dp: as if its elements were ep times
@@ -693,6 +739,20 @@ class _Tables:
         runs, which the next layer's first unit prefetches (0: none)."""
         return np.array([next((u for u in reversed(us) if u > 0), 0.0) for us in self.module_units])
 
+    def _reduced_before(self, i: int, at: float) -> float:
+        """Elements of the ZeRO-3 unit whose backward ran just before a moment of layer `i` at
+        position `at` (`LayerCost.bwd_first_at`): the nearest module after it with parameters,
+        in the layer or, past its last, the next layer's first unit (0: none; the layer's
+        largest, `MAIN_UNIT`: the one after its largest)."""
+        units = self.module_units[i]
+        k = int(np.argmax(units)) if at == MAIN_UNIT and units else int(np.floor(at))
+        later = [u for u in units[k + 1:] if u > 0]
+        if later:
+            return float(later[0])
+        if i + 1 < self.L:
+            return float(next((u for u in self.module_units[i + 1] if u > 0), 0.0))
+        return 0.0
+
     def _units_grads(self, i: int, born: dict) -> float:
         """Of `born` (`LayerCost.bwd_first_born`: parameter gradients by the position of the
         module that made them, layer `i`), those of modules ZeRO-3 makes units."""
@@ -714,9 +774,23 @@ class _Tables:
         if at == MAIN_UNIT or not units:
             return float(self.unit_layer[i]), None
         k = int(np.floor(at))
+        if i == self.L - 1 and k >= len(units) - 1 and at > k and not self.root_holds:
+            # an op after the model's last unit (the loss the root module computes): its
+            # backward runs before any unit's pre-backward hook, and the root's, which would
+            # prefetch the first unit of the backward, has nothing to run where the root holds
+            # no parameters (FSDP2 registers it with the root's parameter group; seen on
+            # mlp-tiny and moe-tiny: nothing gathered at the loss's backward)
+            return 0.0, 0.0
         own = units[k] if at == k and 0 <= k < len(units) else 0.0
         prev = [u for u in units[:max(0, min(math.ceil(at), len(units)))] if u > 0]
         return own, (prev[-1] if prev else None)
+
+    @functools.cached_property
+    def root_holds(self) -> bool:
+        """Whether ZeRO-3's root unit holds parameters of its own: some module's are the
+        root's (`rooted`, tied ones), or some parameters lie in no layer module's unit."""
+        distinct = {f: e for c in self.costs for f, e in c.param_elems.items()}
+        return bool(self.rooted) or sum(distinct.values()) > sum(sum(us) for us in self.module_units) + 0.5
 
     def range_last_act(self, r: str) -> np.ndarray:
         """Every range's last layer's saved activations (one micro-batch)."""
@@ -736,7 +810,7 @@ class _Tables:
         if r in self._relief:
             return self._relief[r]
         L, kk, jj, costs = self.L, self.kk, self.jj, self.costs
-        P = self.act[r]
+        P, A = self.live[r], self.act[r]
         last, end = np.clip(jj - 1, 0, L - 1), np.clip(jj, 0, L)
         # the backward's transient at a range's loss (-inf where its last layer has none) apart
         # from every other moment: its other layers' and its last layer's other ops'
@@ -746,7 +820,7 @@ class _Tables:
         work_body = np.maximum(inner, body[last])
         # a range's last layer's activations: not yet made while the last unit's forward holds
         # its parameters twice
-        last_act = P[end] - P[np.clip(jj - 1, 0, L)]
+        last_act = A[end] - A[np.clip(jj - 1, 0, L)]
         refined = np.maximum(np.maximum(work_body, loss[last] - self.wgo[0] * self.range_unit), -last_act)
         self._relief[r] = np.where(self.valid, np.maximum(self.range_work[r] - refined, 0.0), 0.0)
         return self._relief[r]
@@ -1081,6 +1155,7 @@ class Search:
         self._held_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._tables_cache: dict = {}
         self._costs_cache: dict = {}
+        self._agree_cache: dict[tuple[int, int, bool], bool] = {}    # `_layouts_agree`
         self._floor_cache: dict[tuple[int, int], np.ndarray] = {}
         self._bottlenecks: dict[tuple[bytes, int], float] = {}   # `_bottleneck` per (least times, pp)
         self._dp_cache: dict[tuple, Any] = {}       # `_evaluate_hetero`: table -> `stage_dp`'s result
@@ -1411,8 +1486,33 @@ class Search:
         tables are built per tp degree)."""
         if cand.hetero_tps:
             return None
-        return self._tables(cand.mb, cand.tp, cand.dp, cand.zero, solved=op_by_op(cand), sp=cand.sp, ep=cand.ep,
+        solved = op_by_op(cand)
+        if solved and cand.tp > 1 and not self._layouts_agree(cand.mb, cand.tp, cand.sp):
+            # the planner runs it by DTensor propagation (`planner._op_layouts`): its layers as
+            # DTensor runs them, each input arriving as the layer before leaves it
+            return self._tables(cand.mb, cand.tp, cand.dp, cand.zero, sp=cand.sp, ep=cand.ep, cp=cand.cp,
+                                dtensor=True)
+        return self._tables(cand.mb, cand.tp, cand.dp, cand.zero, solved=solved, sp=cand.sp, ep=cand.ep,
                             cp=cand.cp)
+
+    def _layouts_agree(self, mb: int, tp: int, sp: bool = False) -> bool:
+        """Whether the layers' solutions at (mb, tp) agree at every boundary: each tensor
+        entering a layer arrives as that layer's solution assumed (`stage_layouts.chunk_layouts`
+        of the whole model as one chunk; a pipeline's chunks of one tp degree hand their tensors
+        on as they leave them, so its cut changes nothing). Where not, the planner runs the
+        candidate by DTensor propagation. True without per-op solutions."""
+        prov = self.sp_provider if sp else self.provider
+        solutions = getattr(prov, "solutions", None)
+        if solutions is None or tp == 1:
+            return True
+        key = (mb, tp, sp)
+        if key not in self._agree_cache:
+            from autopar.inter_op.stage_layouts import chunk_layouts
+
+            self._layer_costs(mb, tp, sp=sp)          # the layers solved at (mb, tp)
+            lays, _ = chunk_layouts(self.graph, self.layers, solutions, [(0, self.L, tp, "none")], mb)
+            self._agree_cache[key] = lays is not None
+        return self._agree_cache[key]
 
     def candidates(self, cps: tuple[int, ...] = (1,)) -> list[tuple[float, Candidate]]:
         """Every candidate the constraints allow at the context-parallel degrees `cps`, with a
@@ -1917,14 +2017,15 @@ class Search:
         return self._rooted
 
     def _tables(self, mb: int, tp: int, dp: int, zero: int, solved: bool = False, sp: bool = False,
-                ep: int = 1, cp: int = 1) -> "_Tables":
+                ep: int = 1, cp: int = 1, dtensor: bool = False) -> "_Tables":
         """`solved`: the stage runs op by op as solved (`_op_by_op`), its layers' activations as
         the executor keeps them (`LayerCost.solved_variant`); `sp`: with Megatron-SP; `ep`: the
         routed experts over ep dp ranks (`inter_op.experts`); `cp`: each sequence over cp ranks
-        (the tables' gradient-sync group, and ZeRO's, is dp x cp)."""
-        key = (mb, tp, dp, zero, solved, sp, ep, cp)
+        (the tables' gradient-sync group, and ZeRO's, is dp x cp); `dtensor`: run by DTensor
+        propagation where the layers' solutions disagree at a boundary (`_layer_costs`)."""
+        key = (mb, tp, dp, zero, solved, sp, ep, cp, dtensor)
         if key not in self._tables_cache:
-            costs = self._layer_costs(mb, tp, solved, sp, ep, cp)
+            costs = self._layer_costs(mb, tp, solved, sp, ep, cp, dtensor)
             share = self.gbs / dp / cp
             batch = (self.input_bytes[0] * share, sum(self.input_bytes[1:]) * share)
             # the last pipeline chunk computes the loss inside (`runtime.graph_stages`, the
@@ -1938,11 +2039,37 @@ class Search:
         return self._tables_cache[key]
 
     def _layer_costs(self, mb: int, tp: int, solved: bool = False, sp: bool = False, ep: int = 1,
-                     cp: int = 1) -> list[LayerCost]:
+                     cp: int = 1, dtensor: bool = False) -> list[LayerCost]:
         """The layers' costs at (mb, tp); `solved`: as the executor runs them
         (`LayerCost.solved_variant`); `sp`: with Megatron-SP (`sp_provider`); `ep`: the routed
         experts sharded over ep dp ranks (`ExpertCosting.layer_costs`); `cp`: on one of cp ranks
-        splitting each sequence (`context_parallel.layer_cost`)."""
+        splitting each sequence (`context_parallel.layer_cost`); `dtensor`: as DTensor
+        propagation runs them, each layer's inputs arriving in the layout the layer before
+        leaves them (`stage_layouts.arrival_layouts`, the provider's `dtensor_variant`), where
+        that differs from what its solution assumed."""
+        if dtensor and not solved and tp > 1:
+            key = (mb, tp, False, sp, ep, cp, True)
+            if key not in self._costs_cache:
+                prov = self.sp_provider if sp else self.provider
+                plain = self._layer_costs(mb, tp, sp=sp)
+                solutions = getattr(prov, "solutions", None)
+                if solutions is None:
+                    self._costs_cache[key] = plain
+                else:
+                    from autopar.inter_op.stage_layouts import arrival_layouts
+
+                    arr = arrival_layouts(self.graph, self.layers, solutions, mb, tp)
+                    costs = [prov.dtensor_variant(l, mb, tp, a) for l, a in zip(self.layers, arr)]
+                    if ep > 1:
+                        costs = self.experts.layer_costs(costs, ep, mb, tp, self.cluster, self.dtype)
+                    if cp > 1:
+                        costs = [context_parallel.layer_cost(
+                            c, cp, context_parallel.kv_bytes(self.graph, lay, mb, self.dtype), tp, self.cluster,
+                            context_parallel.causal_bytes(self.graph, lay, mb, self.dtype),
+                            context_parallel.token_mean_losses(self.graph, lay))
+                            for c, lay in zip(costs, self.layers)]
+                    self._costs_cache[key] = costs
+            return self._costs_cache[key]
         if cp > 1:
             key = (mb, tp, solved, sp, ep, cp)
             if key not in self._costs_cache:
@@ -2098,14 +2225,32 @@ class Search:
             share = np.array(chunk_pel) / pel if pel > 0 else np.zeros(len(chunks))
             post = held[1]
             grads = fb.gradients * (post[:, GRADS, :] @ share)
-            act = post[:, ACTS, :] @ acts + post[:, SENT_OUTPUTS, :] @ sends + rc_work
-            buf = (fb.buffers + grad_tmp + post[:, SENT_GRADS, :] @ grads_sent
-                   + tb.recv_buffers(post, ins, outs))
-            w = fb.weights - relief
-            # the worst moment only (the first of equal ones), as a phase
-            i = int(np.argmax(w + grads + fb.optimizer + buf + act))
-            phases.append(dataclasses.replace(fb, weights=w, gradients=float(grads[i]), activations=float(act[i]),
-                                              buffers=float(buf[i])))
+            # the backward's transient, its gradients' change and the weights: the range's
+            # bound less the relief (`_transient`, `relief`), or, ZeRO-3 accumulating over
+            # micro-batches, moment by moment with the units each op holds, prefetches and has
+            # reduce-scattered (`first_backward`'s `accumulated`: a micro-batch's before the
+            # last, and the last's): the bound took no op's units, and chose the loss's moment
+            # (one unit held) over an MLP's matmul (its unit, the next prefetched, the one before's
+            # reduce-scatter input), which the run holds at its peak
+            variants = [(rc_work, grad_tmp, 0.0, -relief)]
+            if tb.zero3 and cand.m > 1 and len(chunks) == 1:
+                kinds = ("mid", "last") if cand.m > 2 else ("last",)
+                variants = [tuple(float(x) for x in tb.first_backward(r, False, accumulated=a)[2][chunks[0]])
+                            for a in kinds]
+            best = None
+            for v_rc, v_tmp, v_grads, v_w in variants:
+                act = post[:, ACTS, :] @ acts + post[:, SENT_OUTPUTS, :] @ sends + v_rc
+                buf = (fb.buffers + v_tmp + post[:, SENT_GRADS, :] @ grads_sent
+                       + tb.recv_buffers(post, ins, outs))
+                gr = grads + v_grads * (post[:, GRADS, :] @ share)
+                w = fb.weights + v_w
+                tot = w + gr + fb.optimizer + buf + act
+                # the worst moment only (the first of equal ones), as a phase
+                i = int(np.argmax(tot))
+                if best is None or float(tot[i]) > best[0]:
+                    best = (float(tot[i]), w, float(gr[i]), float(act[i]), float(buf[i]))
+            _, w, gr_i, act_i, buf_i = best
+            phases.append(dataclasses.replace(fb, weights=w, gradients=gr_i, activations=act_i, buffers=buf_i))
         top = max(phases, key=lambda ph: ph.total)
         sync = tb.sync(pel, epel)
         if self.software.grad_sync_overlap:

@@ -95,6 +95,9 @@ class LayerCost:
     # save (counted in act_bytes), by policy: the same tensor counted by two layers
     out_saved: dict[str, float] = field(default_factory=dict)
     in_saved: dict[str, float] = field(default_factory=dict)
+    # of act_bytes, what no op's backward frees (`ActivationMemory.kept_bytes`: a CPU mse_loss's
+    # unreduced storage), held by the earlier layers' backward moments too, by policy
+    kept_saved: dict[str, float] = field(default_factory=dict)
     param_elems: dict[str, float] = field(default_factory=dict)   # FQN -> elements per device
     out_bytes: float = 0.0                    # activation handed to the next layer
     # every tensor crossing the cut after this layer (made at or before it, read after it: its
@@ -234,6 +237,7 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
         c.bwd_first[rc], c.bwd_first_at[rc], c.bwd_first_born[rc] = moments, at, born
         c.out_saved[rc] = am.saved_of(out_name)
         c.in_saved[rc] = am.saved_of(in_name)
+        c.kept_saved[rc] = am.kept_bytes
 
 
 def axis_link(cluster: ClusterSpec, group: int, stride: int = 1) -> LinkSpec:
@@ -380,6 +384,12 @@ class AnalyticProvider:
     def crossing_at(self, index: int, mb: int, tp: int) -> tuple[float, float, int, int]:
         """`crossing` as a rank of a `tp`-way stage holds it (here: whole on every rank)."""
         return self.crossing(index, mb)
+
+    def dtensor_variant(self, layer: Layer, mb: int, tp: int, arriving: dict) -> LayerCost:
+        """The cost as DTensor propagation runs the layer given the layouts its inputs from
+        earlier layers arrive in (`IlpProvider.dtensor_variant`): here `cost` itself, these
+        rules hand every layer's output on replicated, as every layer assumes its input."""
+        return self.cost(layer, mb, tp)
 
     def _renamed(self, rep: LayerCost, src: Layer, layer: Layer, mb: int, tp: int) -> LayerCost:
         """`rep` (the cost of `src`) as the cost of `layer`, a copy of it."""
