@@ -33,7 +33,7 @@ import pytest
 
 from autopar.models.registry import build_model
 from autopar.schema import Plan, StagePlan
-from tests.captured import reference_losses
+from tests.captured import reference_losses as plan_losses
 from tests.plans import _layers, _plan, megatron_placements
 
 pytestmark = pytest.mark.slow
@@ -234,7 +234,7 @@ def test_planned_hetero_pipelines_run_as_solved(tmp_path):
         index=0, devices=[0], mesh_shape=(1,), mesh_axis_names=("dp",),
         layers=[x for s in sorted(plans["mlp_free"].stages, key=lambda s: s.index) for x in s.layers])]})
     refs = {"gpt6_112": reference_losses(GPT6_REF, steps=STEPS), "gpt6_211": reference_losses(GPT6_REF, steps=STEPS),
-            "mlp_free": reference_losses(one, "mlp-tiny", STEPS)}
+            "mlp_free": plan_losses(one, "mlp-tiny", STEPS)}
     for name, job in zip(cases, jobs):
         check(res[job], plans[name], refs[name], name)
     assert plans["mlp_free"].predicted.collectives.get("all_gather", 0) >= 1
@@ -256,7 +256,7 @@ def test_planner_hetero_plan_runs(tmp_path):
     layers = [x for s in sorted(plan.stages, key=lambda s: s.index) for x in s.layers]
     one = plan.model_copy(update={"stages": [StagePlan(index=0, devices=[0], mesh_shape=(1,), mesh_axis_names=("dp",),
                                                        layers=layers)]})
-    ref = reference_losses(one, "mlp-tiny", STEPS)
+    ref = plan_losses(one, "mlp-tiny", STEPS)
     steps = [r for r in rows if "step" in r]
     assert close([r["loss"] for r in steps], ref, 1e-4), (steps, ref)
     counted, planned = steps[-1]["collectives"], plan.predicted.collectives
