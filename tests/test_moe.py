@@ -28,12 +28,12 @@ def _cpu(n: int) -> ClusterSpec:
 def _plan(ep, n=4, **pins) -> Plan:
     """The analytic plan of moe-tiny on `n` CPU processes at `ep`, pinned; each is made once in
     the module (the tests only read it) and handed out as a copy."""
-    return _memo(("analytic", ep, n, tuple(sorted(pins.items()))), lambda: _plan_anew(ep, n, **pins))
-
-
-def _plan_anew(ep, n=4, **pins) -> Plan:
     cons = dict(dp=n, tp=1, pp=1, zero_stage=0, recompute="none", num_microbatches=2)
     cons.update(pins)
+    return _memo(("analytic", ep, n, tuple(sorted(cons.items()))), lambda: _plan_anew(ep, n, cons))
+
+
+def _plan_anew(ep, n: int, cons: dict) -> Plan:
     return plan("moe-tiny", _cpu(n), global_batch_size=8, dtype="fp32", intra_op="analytic",
                 constraints=Constraints(ep=ep, **cons))
 
