@@ -9,7 +9,9 @@ one-process losses the layouts are compared with are kept too."""
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import autopar
 from autopar.capture import OpGraph, capture
@@ -49,6 +51,29 @@ def one_process_losses(ref: str, steps: int) -> list[float]:
     """The losses of `steps` fp32 steps of `ref` on one process (the planner's plan for one CPU
     process, global batch 8, seed 0): what every layout of the model must reproduce."""
     if (ref, steps) not in _LOSSES:
-        p = shared_plan(ref, 1)
-        _LOSSES[ref, steps] = [r["loss"] for r in run(p, ref, steps=steps, seed=0, quiet=True) if "step" in r]
+        _LOSSES[ref, steps] = reference_losses(shared_plan(ref, 1), ref, steps)
     return _LOSSES[ref, steps]
+
+
+@contextmanager
+def untracked() -> Iterator[None]:
+    """AUTOPAR_TRACK_MEMORY=0 inside: `autopar.runtime.run` in this process (one process) or in
+    the processes it launches tracks no memory by category (a tracked step runs several times
+    slower: a Python dispatch per op; `runtime.worker.memory_tracking_mode`). For the reference
+    runs whose losses alone are compared; memory is the memory tests'."""
+    old = os.environ.get("AUTOPAR_TRACK_MEMORY")
+    os.environ["AUTOPAR_TRACK_MEMORY"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("AUTOPAR_TRACK_MEMORY", None)
+        else:
+            os.environ["AUTOPAR_TRACK_MEMORY"] = old
+
+
+def reference_losses(p: Plan, ref: Any, steps: int, **kwargs: Any) -> list[float]:
+    """The losses of `run(p, ref, steps=steps, seed=0, quiet=True, **kwargs)`, memory untracked."""
+    with untracked():
+        rows = run(p, ref, steps=steps, seed=0, quiet=True, **kwargs)
+    return [r["loss"] for r in rows if "step" in r]

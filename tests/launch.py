@@ -46,3 +46,25 @@ def start_processes(fn, args: tuple, nprocs: int) -> None:
 
     worker_context()
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method=START_METHOD)
+
+
+def run_plans(folder: Path, plans: dict, nproc: int, steps: int = 3, options: dict | None = None) -> dict:
+    """Every plan of `plans` (name -> Plan) run in one launch of `nproc` processes (the layouts
+    job, `tests/plans.py`), each `steps` steps unless `options[name]` says otherwise ({"steps":
+    N, "checkpoint_dir": DIR}, as `autopar.runtime.run` takes them): name -> its rows (or the
+    job's error for it). One launch rather than one per plan: the workers start once, and what
+    they keep between plans of one model (its exported meta program, DTensor's sharding rules)
+    is worked out once."""
+    import json
+    from urllib.parse import urlencode
+
+    folder = Path(folder)
+    args = {}
+    for name, p in plans.items():
+        p.save(folder / f"{name}.json")
+        opts = (options or {}).get(name)
+        args[name] = f"plan:{folder / f'{name}.json'}" + (f"?{urlencode(opts)}" if opts else "")
+    out = folder / "rows.json"
+    elastic_run(ROOT / "tests" / "plans.py", ["--out", str(out), "--steps", str(steps), *args.values()], nproc)
+    rows = json.loads(out.read_text())
+    return {name: rows[a] for name, a in args.items()}

@@ -431,10 +431,12 @@ def recompute_check(layout: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 def run_layouts_job(layouts: list[str], out_path: str, steps: int = 4, seed: int = 0) -> None:
     """Under torchrun: train each layout `steps` steps; rank 0 writes {layout: rows} as JSON.
-    A layout is a name of LAYOUTS, "plan:PATH" (a plan file, e.g. the planner's), or a check:
-    "spmd2d", "build_api", "vocab_loss", "recompute_check:LAYOUT"."""
+    A layout is a name of LAYOUTS, "plan:PATH" (a plan file, e.g. the planner's; "plan:PATH?
+    steps=N&checkpoint_dir=DIR" runs it N steps, checkpointing to DIR as `autopar.runtime.run`
+    does), or a check: "spmd2d", "build_api", "vocab_loss", "recompute_check:LAYOUT"."""
     import json
     import traceback
+    from urllib.parse import parse_qsl
 
     import torch.distributed as dist
 
@@ -456,10 +458,17 @@ def run_layouts_job(layouts: list[str], out_path: str, steps: int = 4, seed: int
             if lay.startswith("recompute_check:"):
                 results[lay] = recompute_check(lay.split(":", 1)[1])
                 continue
-            plan = load_plan(lay[len("plan:"):]) if lay.startswith("plan:") else make_plan(lay)
+            opts: dict = {}
+            if lay.startswith("plan:"):
+                path, _, query = lay[len("plan:"):].partition("?")
+                opts = dict(parse_qsl(query))
+                plan = load_plan(path)
+            else:
+                plan = make_plan(lay)
             bundle = build_model(plan.model.name, device="meta")
             try:
-                rows = train(plan, bundle, steps=steps, seed=seed, quiet=True)
+                rows = train(plan, bundle, steps=int(opts.get("steps", steps)), seed=seed, quiet=True,
+                             checkpoint_dir=opts.get("checkpoint_dir"))
                 results[lay] = rows
             except Exception as e:  # report, keep going with the next layout
                 results[lay] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}

@@ -24,14 +24,13 @@ _REF: dict = {}
 
 def reference_losses(ref: str = "gpt-tiny", steps: int = STEPS, dtype: str = "fp32") -> list[float]:
     """Losses of a one-process run (in this process) with the same seed, global batch and
-    precision."""
-    from autopar.runtime import run
+    precision (memory untracked)."""
+    from tests.captured import reference_losses as losses
 
     key = (ref, steps, dtype)
     if key not in _REF:
         plan = make_plan("single", ref=ref).model_copy(update={"dtype": dtype})
-        rows = run(plan, ref, steps=steps, quiet=True)
-        _REF[key] = [r["loss"] for r in rows if "step" in r]
+        _REF[key] = losses(plan, ref, steps)
     return _REF[key]
 
 

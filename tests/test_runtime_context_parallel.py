@@ -3,17 +3,18 @@ every sequence, the fused attention over K and V all-gathered on the cp axis (th
 reduce-scattered), positions of the whole sequence; alone (cp4, with and without recomputing
 the attention module; under ZeRO-3, FSDP over the cp ranks), with dp (cp2 x dp2, full
 recomputation: the gather re-run) and with tp (cp2 x tp2, DTensor propagation, with selective
-recomputation: the region re-run is the cp attention, gather included), in one launch: losses
+recomputation: the region re-run is the cp attention, gather included): losses
 equal one process within 1e-4, every step's counted collectives the plan's. BERT's masked-LM
 loss averages over the masked tokens only, as many on each rank by chance: under cp4 and
 cp2 x tp2 (its loss vocabulary-parallel) its loss equals one process's too, each rank's count
-all-reduced over the cp group once per micro-batch (in the plan's collectives)."""
+all-reduced over the cp group once per micro-batch (in the plan's collectives). Every
+4-process plan of the module runs in one launch (`launched`)."""
 
 import pytest
 
 from autopar import ClusterSpec, Constraints
 from autopar.planner import plan
-from autopar.runtime import run
+from tests.captured import reference_losses
 from tests.test_runtime_planned import _run_in_one_job, _single, assert_ran_as_planned
 
 pytestmark = pytest.mark.slow
@@ -33,12 +34,46 @@ BERT_PINS = {
 }
 
 
-def test_context_parallel_plans_run_as_predicted(tmp_path):
+_REFS: dict[str, list[float]] = {}
+
+
+def _one_process(ref: str) -> list[float]:
+    """3 steps of `ref`'s one-process plan (`_single`), memory untracked, once in the module."""
+    if ref not in _REFS:
+        _REFS[ref] = reference_losses(_single(ref=ref), ref, 3)
+    return _REFS[ref]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict:
+    """The 4-process plans of the tests below (cp alone and with dp / tp, BERT's, Hugging Face
+    Llama's, in pipeline stages), each planned as its test describes, run 3 steps in one
+    4-process job (`tests/plans.py`, memory untracked): {name: (plan, rows)}."""
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
+    plans = {name: plan(REF, cl, global_batch_size=8, dtype="fp32",
+                        constraints=Constraints(pp=1, num_microbatches=2, **pins)) for name, pins in PINS.items()}
+    plans.update({name: plan(BERT, cl, global_batch_size=8, dtype="fp32",
+                             constraints=Constraints(pp=1, num_microbatches=2, **pins))
+                  for name, pins in BERT_PINS.items()})
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        plans.update({name: plan(HF_LLAMA, cl, global_batch_size=8, dtype="fp32",
+                                 constraints=Constraints(pp=1, num_microbatches=2, **pins))
+                      for name, pins in HF_PINS.items()})
+    plans.update({name: plan(ref, cl, global_batch_size=8, dtype="fp32",
+                             constraints=Constraints(num_microbatches=2, **pins))
+                  for name, (ref, pins) in PP_PINS.items()})
+    rows = _run_in_one_job(tmp_path_factory.mktemp("cp_plans"), plans, 4)
+    return {name: (p, rows[name]) for name, p in plans.items()}
+
+
+def test_context_parallel_plans_run_as_predicted(launched):
     plans = {}
     for name, pins in PINS.items():
-        p = plan(REF, cl, global_batch_size=8, dtype="fp32",
-                 constraints=Constraints(pp=1, num_microbatches=2, **pins))
+        p = launched[name][0]
         assert p.cp == pins["cp"] and "cp_executor" not in p.search, (name, p.search)
         assert p.stages[0].mesh_axis_names == ("dp", "cp", "tp")
         # 2 layers x 2 micro-batches x (K, V), the gather again where the attention is recomputed
@@ -48,16 +83,13 @@ def test_context_parallel_plans_run_as_predicted(tmp_path):
         assert p.predicted.collectives["reduce_scatter"] == 8 + fsdp.get("reduce_scatter", 0), (name, p.predicted)
         plans[name] = p
     for name, pins in BERT_PINS.items():
-        p = plan(BERT, cl, global_batch_size=8, dtype="fp32", constraints=Constraints(pp=1, num_microbatches=2, **pins))
+        p = launched[name][0]
         assert p.cp == pins["cp"] and "cp_executor" not in p.search, (name, p.search)
         # the loss's token count, once per micro-batch, beside the gradient all-reduce
         assert p.predicted.collectives["all_reduce"] >= 2 + 1, (name, p.predicted)
         plans[name] = p
-    rows = _run_in_one_job(tmp_path, plans, 4)
-    refs = {m: [r["loss"] for r in run(_single(ref=m), m, steps=3, seed=0, quiet=True) if "step" in r]
-            for m in (REF, BERT)}
     for name, p in plans.items():
-        assert_ran_as_planned(name, rows[name], p, refs[BERT if name in BERT_PINS else REF])
+        assert_ran_as_planned(name, launched[name][1], p, _one_process(BERT if name in BERT_PINS else REF))
 
 
 HF_LLAMA = ("hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2&num_hidden_layers=2"
@@ -69,7 +101,7 @@ HF_PINS = {
 }
 
 
-def test_hugging_face_llama_runs_context_parallel_as_one_process(tmp_path):
+def test_hugging_face_llama_runs_context_parallel_as_one_process(launched):
     """A Hugging Face Llama (`hf:llama`, grouped-query attention) under context parallelism:
     its tokens' positions reach its rotary embedding as `position_ids` (each rank's chunks where
     they are in the sequence), its targets are shifted in the batch (the model shifts nothing,
@@ -79,15 +111,12 @@ def test_hugging_face_llama_runs_context_parallel_as_one_process(tmp_path):
     process's within 1e-4 (and 2e-6: below what wrong positions move them), every step's counted
     collectives the plan's."""
     pytest.importorskip("transformers")
-    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
-    plans = {}
+    plans, rows = {}, {}
     for name, pins in HF_PINS.items():
-        p = plan(HF_LLAMA, cl, global_batch_size=8, dtype="fp32",
-                 constraints=Constraints(pp=1, num_microbatches=2, **pins))
+        p, rows[name] = launched[name]
         assert p.cp == pins["cp"] and "cp_executor" not in p.search, (name, p.search)
         plans[name] = p
-    rows = _run_in_one_job(tmp_path, plans, 4)
-    ref = [r["loss"] for r in run(_single(ref=HF_LLAMA), HF_LLAMA, steps=3, seed=0, quiet=True) if "step" in r]
+    ref = _one_process(HF_LLAMA)
     for name, p in plans.items():
         assert_ran_as_planned(name, rows[name], p, ref)
         # at its initial weights (std 0.02) this model's loss moves by only ~2e-5 when every
@@ -103,7 +132,7 @@ PP_PINS = {
 }
 
 
-def test_context_parallel_runs_in_pipeline_stages(tmp_path):
+def test_context_parallel_runs_in_pipeline_stages(launched):
     """Context parallelism inside pipeline stages (issue 13): the traced chunks are cut on a
     rank's tokens, their positions an op that reads the rank's when a chunk runs
     (`models.positions.traced_positions`), their fused attention and loss (aten ops) taken over
@@ -113,21 +142,17 @@ def test_context_parallel_runs_in_pipeline_stages(tmp_path):
     recomputation (the traced attention op re-run as the cp attention, gather included):
     losses equal one process within 1e-4, every step's counted collectives (after the
     pipeline's first: torch.pipelining's shape handshake) the plan's."""
-    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
-    plans = {}
-    for name, (ref, pins) in PP_PINS.items():
-        p = plan(ref, cl, global_batch_size=8, dtype="fp32", constraints=Constraints(num_microbatches=2, **pins))
+    plans, rows = {}, {}
+    for name, (_ref, pins) in PP_PINS.items():
+        p, rows[name] = launched[name]
         assert (p.cp, p.pp) == (2, 2) and "cp_executor" not in p.search, (name, p.search)
         assert all(s.mesh_axis_names == ("dp", "cp", "tp") for s in p.stages)
         # per stage: its layer x 2 micro-batches x (K, V), again where the attention is recomputed
         again = 2 if pins["recompute"] != "none" else 1
         assert p.predicted.collectives["all_gather"] == 8 * again, (name, p.predicted)
         plans[name] = p
-    rows = _run_in_one_job(tmp_path, plans, 4)
-    refs = {m: [r["loss"] for r in run(_single(ref=m), m, steps=3, seed=0, quiet=True) if "step" in r]
-            for m in {ref for ref, _ in PP_PINS.values()}}
     for name, p in plans.items():
-        ref = refs[PP_PINS[name][0]]
+        ref = _one_process(PP_PINS[name][0])
         assert_ran_as_planned(name, rows[name], p, ref, first=1)
         # every rank's chunks placed at positions 0.. (the trace's arange baked in) moves the
         # Llama's losses by ~1.3e-5 (measured, rel.): 1e-4 would not see it; run right they
@@ -149,6 +174,6 @@ def test_context_parallel_runs_in_tensor_parallel_pipeline_stages(tmp_path):
     assert (p.pp, p.cp, p.tp) == (2, 2, 2) and "cp_executor" not in p.search
     assert p.predicted.collectives["all_gather"] == 16
     rows = _run_in_one_job(tmp_path, {"pp2xcp2xtp2": p}, 8)["pp2xcp2xtp2"]
-    ref = [r["loss"] for r in run(_single(ref=REF), REF, steps=3, seed=0, quiet=True) if "step" in r]
+    ref = _one_process(REF)
     assert_ran_as_planned("pp2xcp2xtp2", rows, p, ref, first=1)
     assert [r["loss"] for r in rows if "step" in r] == pytest.approx(ref, rel=2e-6)

@@ -33,6 +33,7 @@ import pytest
 
 from autopar.models.registry import build_model
 from autopar.schema import Plan, StagePlan
+from tests.captured import reference_losses as plan_losses
 from tests.plans import _layers, _plan, megatron_placements
 
 pytestmark = pytest.mark.slow
@@ -205,7 +206,6 @@ def test_planned_hetero_pipelines_run_as_solved(tmp_path):
       itself; the tp-2 stage's column-parallel output is gathered before it leaves (the
       all-gather the plan counts)."""
     from autopar.planner import plan as make
-    from autopar.runtime import run
     from autopar.schema import ClusterSpec, Constraints
     from tests.plans import GPT6_REF
     from tests.test_runtime import reference_losses
@@ -234,7 +234,7 @@ def test_planned_hetero_pipelines_run_as_solved(tmp_path):
         index=0, devices=[0], mesh_shape=(1,), mesh_axis_names=("dp",),
         layers=[x for s in sorted(plans["mlp_free"].stages, key=lambda s: s.index) for x in s.layers])]})
     refs = {"gpt6_112": reference_losses(GPT6_REF, steps=STEPS), "gpt6_211": reference_losses(GPT6_REF, steps=STEPS),
-            "mlp_free": [r["loss"] for r in run(one, "mlp-tiny", steps=STEPS, quiet=True) if "step" in r]}
+            "mlp_free": plan_losses(one, "mlp-tiny", STEPS)}
     for name, job in zip(cases, jobs):
         check(res[job], plans[name], refs[name], name)
     assert plans["mlp_free"].predicted.collectives.get("all_gather", 0) >= 1
@@ -256,7 +256,7 @@ def test_planner_hetero_plan_runs(tmp_path):
     layers = [x for s in sorted(plan.stages, key=lambda s: s.index) for x in s.layers]
     one = plan.model_copy(update={"stages": [StagePlan(index=0, devices=[0], mesh_shape=(1,), mesh_axis_names=("dp",),
                                                        layers=layers)]})
-    ref = [r["loss"] for r in run(one, "mlp-tiny", steps=STEPS, quiet=True) if "step" in r]
+    ref = plan_losses(one, "mlp-tiny", STEPS)
     steps = [r for r in rows if "step" in r]
     assert close([r["loss"] for r in steps], ref, 1e-4), (steps, ref)
     counted, planned = steps[-1]["collectives"], plan.predicted.collectives

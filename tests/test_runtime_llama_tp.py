@@ -13,7 +13,7 @@ collectives the plan predicts - which for these placements are Megatron's:
   3 all-reduces of one value per row, the logits never gathered;
 * with dp, one flat gradient all-reduce per step.
 
-Launches cost ~5-10 s each on the 2-core development machine; the module runs in ~45 s."""
+The module's plans run in two launches (the 2-process plans in one, the 4-process in another)."""
 
 from __future__ import annotations
 
@@ -56,13 +56,45 @@ _REF: dict[tuple[str, int], list[float]] = {}
 
 
 def one_process_losses(ref: str, gbs: int = GBS) -> list[float]:
-    """Losses of the one-process plan, run in this process (same seed, same global batches)."""
-    from autopar.runtime import run
+    """Losses of the one-process plan, run in this process (same seed, same global batches;
+    memory untracked)."""
+    from tests.captured import reference_losses
 
     if (ref, gbs) not in _REF:
-        rows = run(make_plan(ref, 1, gbs), ref, steps=STEPS, quiet=True)
-        _REF[ref, gbs] = [r["loss"] for r in rows if "step" in r]
+        _REF[ref, gbs] = reference_losses(make_plan(ref, 1, gbs), ref, STEPS)
     return _REF[ref, gbs]
+
+
+def _ilp_plan(ref: str, devices: int, gbs: int, tp: int):
+    """The default (ILP) planner's plan for `ref` on `devices` CPU processes at tp `tp`."""
+    from autopar import ClusterSpec, Constraints
+    from autopar.planner import plan as make
+
+    cluster = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": devices})
+    return make(ref, cluster, global_batch_size=gbs, dtype="fp32", intra_op="ilp",
+                constraints=Constraints(num_microbatches=1, recompute="none", tp=tp, dp=1, pp=1))
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict:
+    """Every plan of this module's tests (made as each test made it), run `STEPS` steps in two
+    jobs (`tests/plans.py`, memory untracked): the 2-process plans in one launch, the 4-process
+    ones in another. {name: (plan, rows)}."""
+    from tests.launch import run_plans
+
+    two = {"zoo_tp2": make_plan(ZOO, 2, tp=2, dp=1, pp=1), "ilp_zoo_tp2": _ilp_plan(ZOO, 2, GBS, 2)}
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        two["hf_tp2"] = make_plan(HF, 2, tp=2, dp=1, pp=1)
+    four = {"zoo_dp2_tp2": make_plan(ZOO, 4, tp=2, dp=2, pp=1), "ilp_small_tp4": _ilp_plan("llama-small", 4, 16, 4)}
+    out = {}
+    for plans, n in ((two, 2), (four, 4)):
+        rows = run_plans(tmp_path_factory.mktemp(f"llama_tp_{n}"), plans, n, steps=STEPS)
+        out.update({name: (p, rows[name]) for name, p in plans.items()})
+    return out
 
 
 def assert_megatron_placements(plan) -> None:
@@ -79,11 +111,10 @@ def assert_megatron_placements(plan) -> None:
     assert all(seen.values()), seen
 
 
-def run_and_check(plan, ref: str) -> list[dict]:
-    """Run `plan` on its processes; losses equal one process, collectives equal the plan's."""
-    from autopar.runtime import run
-
-    rows = run(plan, ref, steps=STEPS, quiet=True)
+def run_and_check(plan, ref: str, rows: list[dict]) -> list[dict]:
+    """`plan`'s rows from its run on its processes: losses equal one process, collectives equal
+    the plan's."""
+    assert isinstance(rows, list), rows
     steps = [r for r in rows if "step" in r]
     got = [r["loss"] for r in steps]
     want = one_process_losses(ref, plan.global_batch_size)
@@ -96,54 +127,44 @@ def run_and_check(plan, ref: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("ref", [ZOO, HF], ids=["zoo", "hf"])
-def test_llama_tp2_equals_one_process_with_megatron_collectives(ref):
+def test_llama_tp2_equals_one_process_with_megatron_collectives(ref, launched):
     """tp=2 (4 heads, 2 KV heads: one KV head and its two query heads per rank)."""
     if ref.startswith("hf:"):
         pytest.importorskip("transformers")
-    plan = make_plan(ref, 2, tp=2, dp=1, pp=1)
+    plan, rows = launched["hf_tp2" if ref.startswith("hf:") else "zoo_tp2"]
     assert_megatron_placements(plan)
     assert plan.predicted.collectives == megatron_counts(blocks=2)
-    run_and_check(plan, ref)
+    run_and_check(plan, ref, rows)
 
 
-def test_llama_dp2_tp2_equals_one_process():
+def test_llama_dp2_tp2_equals_one_process(launched):
     """dp2 x tp2 on 4 processes: the tp collectives of each replica plus the dp gradient sync."""
-    plan = make_plan(ZOO, 4, tp=2, dp=2, pp=1)
+    plan, rows = launched["zoo_dp2_tp2"]
     assert plan.stages[0].mesh_shape == (2, 2)
     assert_megatron_placements(plan)
     assert plan.predicted.collectives == megatron_counts(blocks=2, dp=2)
-    run_and_check(plan, ZOO)
+    run_and_check(plan, ZOO, rows)
 
 
-def test_ilp_planned_llama_tp2_runs_as_predicted():
+def test_ilp_planned_llama_tp2_runs_as_predicted(launched):
     """The default planner on a small cluster costs layers with the intra-op ILP: its tp=2 plan
     (weight GEMMs split Megatron-style, the small embedding table kept whole) runs with the
     one-process losses and exactly the collectives it predicts."""
-    from autopar import ClusterSpec, Constraints
-    from autopar.planner import plan as make
-
-    cluster = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 2})
-    p = make(ZOO, cluster, global_batch_size=GBS, dtype="fp32", intra_op="ilp",
-             constraints=Constraints(num_microbatches=1, recompute="none", tp=2, dp=1, pp=1))
+    p, rows = launched["ilp_zoo_tp2"]
     assert p.search["intra_op"] == "ilp"
     assert_megatron_placements(p)
-    run_and_check(p, ZOO)
+    run_and_check(p, ZOO, rows)
 
 
-def test_ilp_planned_llama_tp4_over_2_kv_heads_splits_query_heads():
+def test_ilp_planned_llama_tp4_over_2_kv_heads_splits_query_heads(launched):
     """llama-small (4 query heads, 2 KV heads) at tp 4, the ILP's plan at micro-batch 16 (where
     its costs favour it: `test_plan_layouts.py::test_gqa_over_more_devices_than_kv_heads_
     splits_query_heads_without_gathering`): each attention splits its query heads over the 4
     ranks and reads K and V replicated, each rank slicing the KV head its query head reads
     (`rules.attention`, `execute._local_attention`), no collective around it forward, dK and
     dV reduced backward. Runs with the one-process losses and exactly the planned collectives."""
-    from autopar import ClusterSpec, Constraints
-    from autopar.planner import plan as make
-
-    cluster = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
-    p = make("llama-small", cluster, global_batch_size=16, dtype="fp32", intra_op="ilp",
-             constraints=Constraints(num_microbatches=1, recompute="none", tp=4, dp=1, pp=1))
+    p, rows = launched["ilp_small_tp4"]
     st = p.stages[0]
     att = [c for c in st.op_layouts.solution(st.mesh_shape).op_choices.values() if c.family == "attention"]
     assert len(att) == 4 and all(c.strategy == "hq@0" for c in att), [c.strategy for c in att]
-    run_and_check(p, "llama-small")
+    run_and_check(p, "llama-small", rows)

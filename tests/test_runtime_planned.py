@@ -8,22 +8,43 @@ import pytest
 from autopar import ClusterSpec, Constraints
 from autopar.planner import plan
 from autopar.runtime import run
-from tests.captured import one_process_losses, shared_plan
+from tests.captured import one_process_losses, reference_losses, shared_plan, untracked
 
 pytestmark = pytest.mark.slow
 
+_GPT_SP = {"tp": 2, "pp": 2, "num_microbatches": 2, "schedule": "1f1b"}     # the gpt-tiny case below
 
-def test_ilp_planned_gpt_tp2_pp2_runs_as_predicted():
+
+@pytest.fixture(scope="module")
+def gpt_job(tmp_path_factory) -> dict:
+    """The 4-process plans of gpt-tiny the ILP makes in this module's tests (tp 2 x pp 2; its
+    sequence-parallel variant; dp 2 x tp 2 under ZeRO-3 with full recomputation in fp32,
+    selective in bf16 and sequence parallelism), each made as its test made it, run 3 steps in
+    one 4-process job (`tests/plans.py`; as `autopar.runtime.run` runs a plan, memory
+    untracked): {name: (plan, rows)}."""
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
-    cons = Constraints(tp=2, pp=2, dp=1, num_microbatches=2, recompute="none", schedule="1f1b")
-    p = plan("gpt-tiny", cl, global_batch_size=8, dtype="fp32", constraints=cons, intra_op="ilp")
+    plans = {"tp2_pp2": plan("gpt-tiny", cl, global_batch_size=8, dtype="fp32", intra_op="ilp",
+                             constraints=Constraints(tp=2, pp=2, dp=1, num_microbatches=2, recompute="none",
+                                                     schedule="1f1b")),
+             "sp": plan("gpt-tiny", cl, global_batch_size=8, dtype="fp32", intra_op="ilp",
+                        constraints=Constraints(sequence_parallel=True, recompute="none", **_GPT_SP))}
+    for name, dtype, rc, sp in (("full_fp32", "fp32", "full", False), ("selective_bf16", "bf16", "selective", False),
+                                ("sp_fp32", "fp32", "none", True)):
+        cons = Constraints(dp=2, tp=2, pp=1, zero_stage=3, num_microbatches=2, recompute=rc, sequence_parallel=sp)
+        plans[name] = plan("gpt-tiny", cl, global_batch_size=8, dtype=dtype, constraints=cons, intra_op="ilp")
+    rows = _run_in_one_job(tmp_path_factory.mktemp("gpt_plans"), plans, 4)
+    return {name: (p, rows[name]) for name, p in plans.items()}
+
+
+def test_ilp_planned_gpt_tp2_pp2_runs_as_predicted(gpt_job):
+    p, rows = gpt_job["tp2_pp2"]
     assert p.search["intra_op"] == "ilp"
-    rows = run(p, "gpt-tiny", steps=3, seed=0, quiet=True)
+    assert isinstance(rows, list), rows
     steps = [r for r in rows if "step" in r]
     # from the first step on: torch.pipelining's warm-up vote runs at setup (`pipeline._vote_now`)
     assert all(r["collectives"] == p.predicted.collectives for r in steps), \
         ([r["collectives"] for r in steps], p.predicted.collectives)
-    ref = [r["loss"] for r in run(_single(), "gpt-tiny", steps=3, seed=0, quiet=True) if "step" in r]
+    ref = _single_losses("fp32")
     assert [r["loss"] for r in steps] == pytest.approx(ref, rel=1e-4)
 
 
@@ -33,15 +54,25 @@ def _single(dtype: str = "fp32", ref: str = "gpt-tiny"):
                 constraints=Constraints(num_microbatches=2, recompute="none"))
 
 
+_SINGLE: dict = {}
+
+
+def _single_losses(dtype: str) -> list[float]:
+    """3 steps of `_single(dtype)` (gpt-tiny, 2 micro-batches) on one process, once in the module."""
+    if dtype not in _SINGLE:
+        _SINGLE[dtype] = reference_losses(_single(dtype), "gpt-tiny", 3)
+    return _SINGLE[dtype]
+
+
 _LLAMA = ("hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2&num_hidden_layers=2"
           "&num_attention_heads=4&seq_len=16&vocab_size=128")
 
 
 @pytest.mark.parametrize("model,n,pins", [
-    ("gpt-tiny", 4, {"tp": 2, "pp": 2, "num_microbatches": 2, "schedule": "1f1b"}),
+    ("gpt-tiny", 4, _GPT_SP),
     (_LLAMA, 2, {"tp": 2}),
 ])
-def test_sequence_parallel_plans_run_as_predicted(model, n, pins):
+def test_sequence_parallel_plans_run_as_predicted(model, n, pins, request):
     """Megatron-SP (`Constraints(sequence_parallel=True)`, issue 13): the norms and residual
     adds run on sequence slices (the zoo GPT's LayerNorm, Llama's RMSNorm written out), the
     residual stream crosses layers and pipeline chunks split along its tokens, and the executor
@@ -50,8 +81,14 @@ def test_sequence_parallel_plans_run_as_predicted(model, n, pins):
     if model.startswith("hf:"):
         pytest.importorskip("transformers")
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": n})
-    p = plan(model, cl, global_batch_size=8, dtype="fp32", intra_op="ilp",
-             constraints=Constraints(sequence_parallel=True, recompute="none", **pins))
+    if model == "gpt-tiny":     # planned as below and run in the module's one gpt-tiny job
+        p, rows = request.getfixturevalue("gpt_job")["sp"]
+    else:
+        p = plan(model, cl, global_batch_size=8, dtype="fp32", intra_op="ilp",
+                 constraints=Constraints(sequence_parallel=True, recompute="none", **pins))
+        with untracked():      # memory is the memory tests': losses and collectives are compared
+            rows = run(p, model, steps=3, seed=0, quiet=True)
+    assert isinstance(rows, list), rows
     assert p.sequence_parallel and p.tp == 2 and "tp_executor" not in p.search
     assert p.predicted.collectives.get("reduce_scatter", 0) > 0
     for st in p.stages:
@@ -60,18 +97,20 @@ def test_sequence_parallel_plans_run_as_predicted(model, n, pins):
         sig = lay.signatures[lay.layers[-1].signature]
         adds = [ol.outputs[0] for name, ol in zip(lay.layers[-1].ops, sig) if name.startswith("add")]
         assert ("S(1)",) in adds              # residual adds on sequence slices
-    rows = run(p, model, steps=3, seed=0, quiet=True)
     steps = [r for r in rows if "step" in r]
     assert all(r["collectives"] == p.predicted.collectives for r in steps[1:]), \
         ([r["collectives"] for r in steps], p.predicted.collectives)
-    one = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 1})
-    ref = plan(model, one, global_batch_size=8, dtype="fp32",
-               constraints=Constraints(num_microbatches=p.num_microbatches, recompute="none"))
-    want = [r["loss"] for r in run(ref, model, steps=3, seed=0, quiet=True) if "step" in r]
+    if model == "gpt-tiny" and p.num_microbatches == 2:
+        want = _single_losses("fp32")      # the same one-process plan as below
+    else:
+        one = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 1})
+        ref = plan(model, one, global_batch_size=8, dtype="fp32",
+                   constraints=Constraints(num_microbatches=p.num_microbatches, recompute="none"))
+        want = reference_losses(ref, model, 3)
     assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
 
 
-def test_ilp_planned_gpt_dp2_tp2_zero3_runs_as_solved(tmp_path):
+def test_ilp_planned_gpt_dp2_tp2_zero3_runs_as_solved(gpt_job):
     """dp 2 x tp 2 with ZeRO-3 runs op by op as solved (`StagePlan.op_layouts`; no
     `tp_executor` fallback in the plan): FSDP2 units on the dp axis over the executor's tp
     DTensors, each unit's ops one FSDP call. Full recomputation in fp32, selective in bf16
@@ -79,23 +118,13 @@ def test_ilp_planned_gpt_dp2_tp2_zero3_runs_as_solved(tmp_path):
     4-process job: the losses of one process within 1e-4, every step's collectives the plan's
     (the units' gathers and reduce-scatters, `planner._zero3_counts`, beside the solution's tp
     collectives)."""
-
-
-    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
-    plans = {}
-    for name, dtype, rc, sp in (("full_fp32", "fp32", "full", False), ("selective_bf16", "bf16", "selective", False),
-                                ("sp_fp32", "fp32", "none", True)):
-        cons = Constraints(dp=2, tp=2, pp=1, zero_stage=3, num_microbatches=2, recompute=rc, sequence_parallel=sp)
-        p = plan("gpt-tiny", cl, global_batch_size=8, dtype=dtype, constraints=cons, intra_op="ilp")
+    for name, dtype, rc in (("full_fp32", "fp32", "full"), ("selective_bf16", "bf16", "selective"),
+                            ("sp_fp32", "fp32", "none")):
+        p, rows = gpt_job[name]
+        assert p.dtype == dtype and p.sequence_parallel == (name == "sp_fp32")
         assert p.stages[0].op_layouts is not None and "tp_executor" not in p.search, p.search
         assert p.stages[0].fsdp_units and p.stages[0].recompute == rc
-        plans[name] = p
-    rows = _run_in_one_job(tmp_path, plans, 4)
-    refs = {dtype: [r["loss"] for r in run(_single(dtype), "gpt-tiny", steps=3, seed=0, quiet=True) if "step" in r]
-            for dtype in {p.dtype for p in plans.values()}}      # one run per dtype
-    for name, p in plans.items():
-        assert_ran_as_planned(name, rows[name], p, refs[p.dtype])
-
+        assert_ran_as_planned(name, rows, p, _single_losses(p.dtype))
 
 
 def test_ilp_planned_zero3_tp_pipelines_run_as_solved(tmp_path):
@@ -140,16 +169,6 @@ def assert_ran_as_planned(name: str, got, p, ref: list, first: int = 0) -> None:
 def _run_in_one_job(tmp_path, plans: dict, nproc: int, steps: int = 3) -> dict:
     """Every plan of `plans` (name -> Plan) run `steps` steps in one launch of `nproc` processes
     (`tests/plans.py`): name -> its rows (or the launch's error for it)."""
-    import json
-    from pathlib import Path
+    from tests.launch import run_plans
 
-    from tests.launch import elastic_run
-
-    for name, p in plans.items():
-        p.save(tmp_path / f"{name}.json")
-    out = tmp_path / "rows.json"
-    root = Path(__file__).resolve().parents[1]
-    elastic_run(root / "tests" / "plans.py", ["--out", str(out), "--steps", str(steps),
-                                               *[f"plan:{tmp_path / f'{n}.json'}" for n in plans]], nproc)
-    rows = json.loads(out.read_text())
-    return {name: rows[f"plan:{tmp_path / f'{name}.json'}"] for name in plans}
+    return run_plans(tmp_path, plans, nproc, steps=steps)

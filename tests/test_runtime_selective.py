@@ -12,8 +12,7 @@ module's ops one executor region, its forward collectives re-run)."""
 import pytest
 
 from autopar import Constraints
-from autopar.runtime import run
-from tests.captured import shared_plan
+from tests.captured import reference_losses, shared_plan
 from tests.test_runtime_planned import _run_in_one_job, _single, assert_ran_as_planned
 
 pytestmark = pytest.mark.slow
@@ -61,7 +60,7 @@ def test_selective_plans_run_as_predicted(tmp_path):
                 assert len(regions) == len(s.recompute_modules) and all(len(r) > 5 for r in regions), regions
         plans[name] = p
     rows = _run_in_one_job(tmp_path, plans, 4)
-    refs = {ref: [r["loss"] for r in run(_single(ref=ref), ref, steps=3, seed=0, quiet=True) if "step" in r]
+    refs = {ref: reference_losses(_single(ref=ref), ref, 3)
             for ref in {r for r, _ in [*PINS.values(), *ATTENTION.values()]}}
     for name, p in plans.items():
         ref = {**PINS, **ATTENTION}[name][0]
