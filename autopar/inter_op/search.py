@@ -473,8 +473,11 @@ class _Tables:
         the moment's op, counted with its activation gradients)."""
         if accumulated is not None:
             later = False
-        # `_first` is shared by the tables of every ZeRO stage (and dp: the shards' size)
-        key = (r, later, self.zero3) if accumulated is None else (r, self.zero3, accumulated, self.dp)
+        # `_first` is shared by the tables of every ZeRO stage and dp: where the result depends on
+        # dp (ZeRO-3's fp32 gradient shards, 4 / dp bytes an element) the key holds it
+        shards = self.zero3 and not later
+        key = (r, later, self.zero3, self.dp if shards else None) if accumulated is None \
+            else (r, self.zero3, accumulated, self.dp)
         hit = self._first.get(key)
         if hit is not None:
             return hit
