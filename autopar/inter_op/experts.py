@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import Counter
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -67,6 +67,9 @@ class ExpertCosting:
         # `_gemm_delta` by what it reads of a block's GEMMs: the blocks of a model's identical
         # layers give one result (DeepSeekMoE 16B: 27 layers, 4 GEMMs each, every ep and mb)
         self._deltas: dict[tuple, tuple[float, float]] = {}
+        self._devices: dict[int, Any] = {}
+        self._gemm_sigs: dict[str, tuple] = {}      # `_block_gemms`, by the block's module
+        self._combine: dict[str, list] = {}          # `combine_saved`'s sources (per sample), by block
 
     @functools.cached_property
     def _g1(self) -> OpGraph:
@@ -137,34 +140,43 @@ class ExpertCosting:
         source, `cost_models.memory.INDEX_SOURCE_WRITES`), beside the combine that runs again
         on the rows sent back. Seen on moe-tiny dp4 x ep4 (`--top`): an [pairs, H] product by
         the unit weights per block, 16 KiB fp32."""
-        g = self._g1
-        out = 0.0
-        for n in g.nodes:
-            p = n.module_path or ""
-            inside = p == b.module or p.startswith(b.module + ".")
-            if n.kind != "call" or n.op not in INDEX_SOURCE_WRITES or not inside:
-                continue
-            src = g.node(n.inputs[2]) if len(n.inputs) > 2 else None
-            if src is not None and src.outputs:
-                o = src.outputs[0]
-                out += o.nbytes * bytes_scale(o.dtype, dtype) * mb
-        return out
+        if b.module not in self._combine:
+            g = self._g1
+            per_sample = []
+            for n in g.nodes:
+                p = n.module_path or ""
+                inside = p == b.module or p.startswith(b.module + ".")
+                if n.kind != "call" or n.op not in INDEX_SOURCE_WRITES or not inside:
+                    continue
+                src = g.node(n.inputs[2]) if len(n.inputs) > 2 else None
+                if src is not None and src.outputs:
+                    per_sample.append(src.outputs[0])
+            self._combine[b.module] = per_sample
+        return sum(o.nbytes * bytes_scale(o.dtype, dtype) * mb for o in self._combine[b.module])
 
     def _gemm_delta(self, b: ExpertBlock, ep: int, mb: int, dev, dtype: str) -> tuple[float, float]:
         """(forward, backward) seconds the block's expert GEMMs change by with ep: E / ep groups
         of imbalance x the pairs, against E groups of the rank's own pairs."""
-        gemms = []
-        for name in b.gemms:
-            n = self._g1.node(name)
-            w = self.graph.params.get(weight_param(self.graph, self.graph.node(name).inputs[1]) or "")
-            wbytes = float(np.prod(w.shape)) * 4 if w is not None else 0.0      # the capture is fp32
-            gemms.append((float(n.flops), float(n.bytes_moved), wbytes, n.outputs[0].dtype if n.outputs else "float32"))
-        key = (tuple(gemms), b.num_experts, ep, mb, dev.model_dump_json() if hasattr(dev, "model_dump_json")
-               else repr(dev), dtype)
+        gemms = self._block_gemms(b)
+        key = (gemms, b.num_experts, ep, mb, id(dev), dtype)
         hit = self._deltas.get(key)
         if hit is None:
-            hit = self._deltas[key] = self._delta_of(gemms, b.num_experts, ep, mb, dev, dtype)
+            self._devices[id(dev)] = dev        # held: its id stays its own while keyed
+            hit = self._deltas[key] = self._delta_of(list(gemms), b.num_experts, ep, mb, dev, dtype)
         return hit
+
+    def _block_gemms(self, b: ExpertBlock) -> tuple[tuple[float, float, float, str], ...]:
+        """The block's expert GEMMs as `_delta_of` reads them, per sample (once per block)."""
+        if b.module not in self._gemm_sigs:
+            gemms = []
+            for name in b.gemms:
+                n = self._g1.node(name)
+                w = self.graph.params.get(weight_param(self.graph, self.graph.node(name).inputs[1]) or "")
+                wbytes = float(np.prod(w.shape)) * 4 if w is not None else 0.0      # the capture is fp32
+                gemms.append((float(n.flops), float(n.bytes_moved), wbytes,
+                              n.outputs[0].dtype if n.outputs else "float32"))
+            self._gemm_sigs[b.module] = tuple(gemms)
+        return self._gemm_sigs[b.module]
 
     @staticmethod
     def _delta_of(gemms: list[tuple[float, float, float, str]], experts: int, ep: int, mb: int, dev,

@@ -284,8 +284,6 @@ class PipelineStages:
         else:
             sched = Schedule1F1B(self.pipe_stages[0], n_microbatches=M, loss_fn=loss_fn)
         self.schedule = sched
-        if dist.get_backend() == "fake":
-            _vote_static(sched)
         if self.hetero:
             _vote_now(sched)
             return  # FanoutPipelineStage finds its peers itself (one stage per rank)
@@ -308,6 +306,7 @@ def _vote_now(sched: Any) -> None:
     settled here (a switch between training and evaluation votes again, as torch does). On a
     fake process group `_vote_static` settles it without messages."""
     if dist.get_backend() == "fake":
+        _vote_static(sched)
         return
     stages = list(getattr(sched, "_stages", None) or [sched._stage])
     first = sched._warmup_p2p
