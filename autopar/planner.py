@@ -519,7 +519,8 @@ def _op_layouts(graph: OpGraph, c: Candidate, layers: list[Layer], chunks: list,
                 return {}, f"runs by DTensor propagation: {why}"
     spans = [(k, j, c.stages[d].tp, c.stages[d].recompute) for _, d, _, (k, j) in chunks]
     provider.solve_replicated(c.mb, [layers[i] for k, j, tp, _ in spans if tp == 1 for i in range(k, j)])
-    lays, why = chunk_layouts(graph, layers, solutions, spans, c.mb)
+    entries = provider.entry_solutions(spans, c.mb) if hasattr(provider, "entry_solutions") else None
+    lays, why = chunk_layouts(graph, layers, solutions, spans, c.mb, entries)
     if lays is None:
         return {}, f"runs by DTensor propagation: {why}"
     return dict(enumerate(lays)), ""

@@ -131,36 +131,47 @@ def test_stages_of_different_tp_carry_layouts_solved_for_their_own_mesh():
 
 
 def test_a_hetero_boundary_the_readers_did_not_assume_replicated_is_refused():
-    """`chunk_layouts`: a tensor crossing between stages of different tp arrives replicated;
-    a reader whose solution assumed it sharded would need a re-layout no solution costed, so
-    the stages get no layouts, with the reason (the search then skips that split and records
-    why: `Search.skipped`)."""
-    import copy
-
+    """`chunk_layouts`: a tensor crossing between stages of different tp arrives replicated.
+    A transformer's residual stream leaves each layer replicated, so a 1-device stage before
+    a tp stage hands it on as its reader's solution assumed. An MLP's layer solved at tp 2
+    leaves its activation split over its features and the next layer's solution receives it
+    so (`IlpProvider._boundaries`); after a 1-device stage it arrives whole, a re-layout that
+    solution did not cost, so the stages get no layouts, with the reason, unless that layer is
+    solved again receiving it whole (`IlpProvider.entry_solutions`, what the planner and the
+    search pass)."""
     from autopar.capture import capture
     from autopar.inter_op.ilp_provider import IlpProvider
     from autopar.inter_op.layers import build_layers
     from autopar.inter_op.stage_layouts import chunk_layouts
     from autopar.planner import resolve_model
 
-    b = resolve_model("mlp-tiny", None, None)
-    g = capture(b.model, b.example_inputs, name=b.name)
-    layers = build_layers(g, b.model)
-    prov = IlpProvider(g, layers, _cpu(4), "fp32")
-    for lay in layers:
-        prov.cost(lay, 8, 2)
-    prov.solve_replicated(8, layers)
-    spans = [(0, 1, 1, "none"), (1, 2, 2, "none"), (2, 3, 1, "none")]
-    lays, why = chunk_layouts(g, layers, prov.solutions, spans, 8)
+    def chunks(model: str, tps: list[int]):
+        b = resolve_model(model, None, None)
+        g = capture(b.model, b.example_inputs, name=b.name)
+        layers = build_layers(g, b.model)
+        prov = IlpProvider(g, layers, _cpu(4), "fp32")
+        for lay in layers:
+            prov.cost(lay, 8, 2)
+        prov.solve_replicated(8, layers)
+        assert len(layers) == len(tps)
+        spans = [(i, i + 1, tp, "none") for i, tp in enumerate(tps)]
+        return g, layers, prov, chunk_layouts(g, layers, prov.solutions, spans, 8)
+
+    _, _, _, (lays, why) = chunks("gpt-small", [1, 2, 2, 1])
     assert lays is not None, why
     assert set(lays[1].receives.values()) == {("R",)}
-    sol, rep = prov.solutions[(layers[1].signature, 8, 2)]
+    g, layers, prov, (lays, why) = chunks("mlp-tiny", [1, 2, 1])
+    sol, _ = prov.solutions[(layers[1].signature, 8, 2)]
     entering = next(n for n in sol.input_placements if g.node(n).kind == "call")
-    bad = copy.deepcopy(sol)
-    bad.input_placements[entering] = ("S(1)",)
-    sols = {**prov.solutions, (layers[1].signature, 8, 2): (bad, rep)}
-    lays, why = chunk_layouts(g, layers, sols, spans, 8)
-    assert lays is None and entering in why and "assumed ('S(1)',)" in why, why
+    assert sol.input_placements[entering] != ("R",)
+    assert lays is None and entering in why and f"assumed {sol.input_placements[entering]}" in why, why
+    # the planner and the search solve that layer again receiving it whole (`entry_solutions`)
+    spans = [(0, 1, 1, "none"), (1, 2, 2, "none"), (2, 3, 1, "none")]
+    entries = prov.entry_solutions(spans, 8)
+    assert set(entries) == {1} and entries[1][0].input_placements[entering] == ("R",)
+    lays, why = chunk_layouts(g, layers, prov.solutions, spans, 8, entries)
+    assert lays is not None, why
+    assert lays[1].receives == {entering: ("R",)} and len(lays[1].signatures) == 1
 
 
 def test_every_pipeline_chunk_carries_its_layouts_and_what_it_receives():

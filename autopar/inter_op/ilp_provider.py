@@ -34,6 +34,14 @@ from cost_models.compute import MATRIX_OPS
 _ILP_FAILED = "intra-op ILP on tp="
 
 
+class _Reentry(Exception):
+    """`IlpProvider._boundaries` of a layer reached again while it solves the layers before it."""
+
+    def __init__(self, key: tuple[str, int, int]) -> None:
+        super().__init__(key)
+        self.key = key
+
+
 class IlpProvider(AnalyticProvider):
     name = "ilp"
 
@@ -65,6 +73,10 @@ class IlpProvider(AnalyticProvider):
         self._users: dict[str, list[Layer]] | None = None
         self._plain: dict[tuple[str, int, int], ShardingSolution] = {}
         self._dtensor: dict[tuple, dict | None] = {}     # `dtensor_variant`'s activation fields
+        self._firsts: dict[str, Layer] | None = None     # signature -> its first layer (`_first_copy`)
+        self._entries: dict[tuple[int, int, int], ShardingSolution] = {}   # `entry_solutions`
+        self._bounds: dict[tuple[str, int, int], tuple[dict, dict, set]] = {}   # `_first_boundaries`
+        self._waiting: set[tuple[str, int, int]] = set()   # layers whose `_boundaries` are being solved
 
     def crossing_at(self, index: int, mb: int, tp: int) -> tuple[float, float, int, int]:
         """`crossing` per rank: with Megatron-SP, a tensor crossing with a gradient (the
@@ -174,7 +186,36 @@ class IlpProvider(AnalyticProvider):
                     pins[f] = (pl,)
         return pins
 
-    def _solve(self, layer: Layer, mb: int, tp: int, interleaved: bool) -> ShardingSolution:
+    def entry_solutions(self, spans: list[tuple[int, int, int, str]], mb: int
+                        ) -> dict[int, tuple[ShardingSolution, Layer]]:
+        """{layer index: (its solution, itself)} for the first layer of each pipeline chunk of
+        `spans` ((first layer, end layer, tp, recompute), model order) that follows a chunk of
+        another tp degree, where the layer's own solution assumed a tensor arriving sharded:
+        between tp degrees tensors cross replicated (`stage_layouts.chunk_layouts`), so that
+        layer is solved again receiving them so (`chunk_layouts`' `entries`)."""
+        out: dict[int, tuple[ShardingSolution, Layer]] = {}
+        for c in range(1, len(spans)):
+            k, _, tp, _ = spans[c]
+            if tp == 1 or spans[c - 1][2] == tp:
+                continue
+            layer = self.layers[k]
+            arrive, _, _ = self._boundaries(layer, mb, tp)
+            if all(all(p == "R" for p in pl) for pl in arrive.values()):
+                continue
+            key = (k, mb, tp)
+            if key not in self._entries:
+                try:
+                    self._entries[key] = self._solve(layer, mb, tp, interleaved=True, replicated_entry=True)
+                except PlanError:
+                    continue
+            out[k] = (self._entries[key], layer)
+        return out
+
+    def _solve(self, layer: Layer, mb: int, tp: int, interleaved: bool,
+               replicated_entry: bool = False) -> ShardingSolution:
+        """`layer`'s solution at (mb, tp) meeting its neighbours (`_boundaries`);
+        `replicated_entry`: every tensor entering it arriving replicated instead (the first
+        layer of a pipeline chunk after one of another tp degree, `entry_solutions`)."""
         from autopar.intra_op import solve_graph
 
         g = self.graph_at(mb, layer)
@@ -186,12 +227,16 @@ class IlpProvider(AnalyticProvider):
         # whole graph's made every problem of a 96-layer model walk them all): a key per layer,
         # not per model
         own = {n.name for n in g.nodes}
+        arrive, hand_on, leaving = self._boundaries(layer, mb, tp)
+        if replicated_entry:
+            arrive = {n: ("R",) * len(pl) for n, pl in arrive.items()}
         options = dict(time_limit_s=self.time_limit_s, interleaved_splits=interleaved, cyclic_boundary=True,
                        batch_dims={k: v for k, v in self.batch_dims.items() if k in own},
                        token_dims={k: v for k, v in self.token_dims.items() if k in own}, model_axes=(0,),
                        fixed_params=self._pins(layer, mb, tp), grad_inputs=self._grad_inputs(layer),
                        sequence_parallel=self.sequence_parallel, attention_kernel=self.software.attention_kernel,
-                       pointwise_fusion=self.software.pointwise_fusion, autocast=self.software.autocast)
+                       pointwise_fusion=self.software.pointwise_fusion, autocast=self.software.autocast,
+                       fixed_inputs=arrive, fixed_outputs=hand_on, leaving=sorted(leaving))
         key = None
         if self.cache is not None:
             key = solve_key(g, list(layer.nodes), mesh, self.dtype,
@@ -206,6 +251,103 @@ class IlpProvider(AnalyticProvider):
         if key is not None and self.cache is not None and sol.status in ("OPTIMAL", "FEASIBLE"):
             self.cache.put(key, sol)
         return sol
+
+    def _boundaries(self, layer: Layer, mb: int, tp: int
+                    ) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]], set[str]]:
+        """How `layer`'s solution at (mb, tp) meets its neighbours' (`solve_graph`'s
+        `fixed_inputs`, `fixed_outputs`, `leaving`, in `layer`'s names), so that a stage's
+        layers, solved apart, hand each other their tensors as each solution assumed and the
+        executor runs no redistribution that no solution counted (`stage_layouts`):
+
+        * a tensor entering the layer arrives as the layer making it leaves it (its solution's
+          output layout): the reader pays any redistribution in this layer's solution. The
+          layers before are solved first, in model order (greedy: a layer's own choices do not
+          see what the next one would prefer; each pays for what it receives);
+        * identical layers share one solution, solved on the first copy: what the first copy
+          receives fixes the layout the copies hand each other (the output the next copy
+          receives is produced in the layout the first copy received it in);
+        * no layer hands on a partial sum on the tp axis (its reduction stays with its maker).
+
+        At tp 1 there is nothing to meet: empty."""
+        if tp == 1:
+            return {}, {}, set()
+        first = self._first_copy(layer)
+        key = (first.signature, mb, tp)
+        if key not in self._bounds:
+            self._bounds[key] = self._first_boundaries(first, mb, tp)
+        arrive, hand_on, leaving = self._bounds[key]
+        if first is layer:
+            return dict(arrive), dict(hand_on), set(leaving)
+        to_layer = _mapping(self.graph, first, layer)
+        rename = lambda n: to_layer.get(n, n)  # noqa: E731
+        return ({rename(i): pl for i, pl in arrive.items()}, {rename(n): pl for n, pl in hand_on.items()},
+                {rename(n) for n in leaving})
+
+    def _first_boundaries(self, first: Layer, mb: int, tp: int
+                          ) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]], set[str]]:
+        """`_boundaries` of the first copy of a signature, in its names (once per (mb, tp))."""
+        mine = set(first.nodes)
+        cons = self._consumers
+        leaving_first = {n for n in first.nodes
+                         if any(u not in mine and self.graph.node(u).kind == "call" for u in cons.get(n, []))}
+        key = (first.signature, mb, tp)
+        if key in self._waiting:
+            # an earlier layer's solve waits on this one (it reads a parameter this one reads
+            # first, `_pins`): this one takes its inputs as they come (unpinned)
+            raise _Reentry(key)
+        self._waiting.add(key)
+        try:
+            for prev in self.layers[:first.index]:
+                self.cost(prev, mb, tp)          # in model order: each layer's producers solved before it
+        except _Reentry as e:
+            if e.key != key:
+                raise
+            # a cycle through a tied parameter (the output layer decides the embedding's
+            # placement, whose output reaches the output layer): this layer, the first user of
+            # the parameter, is solved without its arrivals; `stage_layouts` checks the junction
+            return {}, {}, leaving_first
+        finally:
+            self._waiting.discard(key)
+        arrive: dict[str, tuple[str, ...]] = {}
+        for n in first.nodes:
+            for i in self.graph.node(n).inputs:
+                if i in mine or i in arrive or self.graph.node(i).kind != "call":
+                    continue
+                pl = self._leaves(i, mb, tp)
+                if pl is not None:
+                    arrive[i] = pl
+        hand_on: dict[str, tuple[str, ...]] = {}
+        nxt = self.layers[first.index + 1] if first.index + 1 < len(self.layers) else None
+        if nxt is not None and nxt.signature == first.signature:
+            to_next = _mapping(self.graph, first, nxt)
+            for i, pl in arrive.items():
+                j = to_next.get(i)
+                if j in mine:
+                    hand_on[j] = pl
+        return arrive, hand_on, leaving_first
+
+    def _first_copy(self, layer: Layer) -> Layer:
+        """The first layer in model order with `layer`'s signature."""
+        if self._firsts is None:
+            self._firsts = {}
+            for lay in self.layers:
+                self._firsts.setdefault(lay.signature, lay)
+        return self._firsts.get(layer.signature, layer)
+
+    def _leaves(self, name: str, mb: int, tp: int) -> Optional[tuple[str, ...]]:
+        """The layout the solution of the layer making tensor `name` leaves it in at (mb, tp)
+        (None: that layer has no solution there)."""
+        idx = self._layer_of.get(name)
+        if idx is None:
+            return None
+        lay = self.layers[idx]
+        got = self.solutions.get((lay.signature, mb, tp))
+        if got is None:
+            return None
+        sol, rep = got
+        back = {v: k for k, v in _mapping(self.graph, rep, lay).items()} if rep is not lay else {}
+        ch = sol.op_choices.get(back.get(name, name))
+        return tuple(ch.output_placements[0]) if ch is not None and ch.output_placements else None
 
     def solve_replicated(self, mb: int, layers: list[Layer]) -> None:
         """Record `layers`' solutions on a 1-device mesh (every op replicated) at micro-batch
@@ -236,6 +378,8 @@ class IlpProvider(AnalyticProvider):
                 .model_dump(mode="json"),
                 "software": self.software.model_dump(mode="json"), "sp": self.sequence_parallel,
                 "time_limit_s": self.time_limit_s, "pins": self._pins(layer, mb, tp) if tp > 1 else {},
+                "boundaries": [sorted(x.items()) if isinstance(x, dict) else sorted(x)
+                               for x in self._boundaries(layer, mb, tp)],
                 "grad_inputs": sorted(self._grad_inputs(layer))})
             hit = self.cost_cache.get(key) if key is not None else None
             if hit is not None:

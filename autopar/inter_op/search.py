@@ -1984,7 +1984,8 @@ class Search:
         spans = [(k, j, st.tp, st.recompute) for st in stages for k, j in st.chunks]
         self.provider.solve_replicated(cand.mb, [self.layers[i] for k, j, tp, _ in spans if tp == 1
                                                  for i in range(k, j)])
-        _, why = chunk_layouts(self.graph, self.layers, self.provider.solutions, spans, cand.mb)
+        _, why = chunk_layouts(self.graph, self.layers, self.provider.solutions, spans, cand.mb,
+                               self.provider.entry_solutions(spans, cand.mb))
         return why
 
     def _fanout_sends(self, stages: list[StageResult]) -> None:

@@ -304,6 +304,10 @@ class AnalyticProvider:
                     nodes.append(n)
                 elif n.name in names:
                     nodes.append(replace(n, kind="input" if n.kind == "call" else n.kind, inputs=[]))
+                elif n.kind == "output" and any(i in mine for i in n.inputs):
+                    # what the layer returns (the loss): the ILP makes it replicated, as the
+                    # executor does (a loss left a partial sum is all-reduced)
+                    nodes.append(replace(n, inputs=[i for i in n.inputs if i in mine]))
             sub = OpGraph(self.graph.name, nodes, self.graph.params)
             self._graphs[key] = sub.at_batch(mb) if self.graph.batch_size is None else sub
         return self._graphs[key]

@@ -69,8 +69,8 @@ def crossing(graph: OpGraph, layers: list[Layer], k: int) -> list[str]:
 
 
 def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, j: int, mb: int,
-                  tp: int, recompute: str = "none", earlier: Optional[dict[str, tuple[str, ...]]] = None
-                  ) -> tuple[Optional[StageLayouts], str]:
+                  tp: int, recompute: str = "none", earlier: Optional[dict[str, tuple[str, ...]]] = None,
+                  entries: Optional[dict[int, tuple]] = None) -> tuple[Optional[StageLayouts], str]:
     """The layouts of layers [k, j) at micro-batch `mb` on a tp mesh of `tp` (`solutions`: the
     ILP provider's {(signature, mb, tp): (solution, layer solved)}), or (None, why not). With
     `recompute="full"` each layer's block ops (`Layer.block_nodes`) form a checkpointed region,
@@ -80,7 +80,10 @@ def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, 
     ops of the module holding that core (`Layer.attention_ops`, one contiguous run); their forward
     collectives re-run in the backward (phase "recompute"). `earlier`: for a pipeline chunk after the first, the layouts
     the ops of the chunks before it leave their outputs in (`produced_layouts`): a tensor this
-    chunk receives must arrive as its readers' solutions assumed, and `receives` records them."""
+    chunk receives must arrive as its readers' solutions assumed, and `receives` records them.
+    `entries`: {layer index: (solution, layer)} taking the place of a layer's shared solution
+    (`IlpProvider.entry_solutions`: the first layer of a chunk after one of another tp degree,
+    solved receiving its tensors replicated); such a layer's op layouts are a signature apart."""
     if recompute not in RECOMPUTES:
         return None, f"recompute={recompute} is not executed op by op"
     sigs: dict[str, int] = {}
@@ -97,22 +100,23 @@ def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, 
     axes: tuple[int, ...] = ()
     for i in range(k, j):
         lay = layers[i]
-        got = solutions.get((lay.signature, mb, tp))
+        got = (entries or {}).get(i) or solutions.get((lay.signature, mb, tp))
         if got is None:
             return None, f"layer {lay.name or i} has no intra-op solution at tp={tp}"
         sol, rep = got
+        sig = f"{lay.signature}@{i}" if i in (entries or {}) else lay.signature
         axes = tuple(sol.model_axes)
         names = _mapping(graph, rep, lay)
-        if lay.signature not in sigs:
+        if sig not in sigs:
             if any(n not in sol.op_choices for n in rep.nodes):
                 return None, f"layer {rep.name or i}: the solution has no layout for some of its ops"
-            sigs[lay.signature] = len(sig_lists)
+            sigs[sig] = len(sig_lists)
             sig_lists.append([OpLayout(strategy=ch.strategy, family=ch.family,
                                        inputs=[tuple(x) for x in ch.input_placements],
                                        outputs=[tuple(x) for x in ch.output_placements])
                               for ch in (sol.op_choices[n] for n in rep.nodes)])
         redo = _recomputed(graph, lay, recompute)
-        lay_ops.append(LayerOps(name=lay.name or str(i), signature=sigs[lay.signature], ops=list(lay.nodes),
+        lay_ops.append(LayerOps(name=lay.name or str(i), signature=sigs[sig], ops=list(lay.nodes),
                                 recomputed=redo))
         for n in rep.nodes:
             outs = sol.op_choices[n].output_placements
@@ -194,7 +198,7 @@ def _handover(graph: OpGraph, layers: list[Layer], lay: StageLayouts, j: int, tp
 
 
 def chunk_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, spans: list[tuple[int, int, int, str]],
-                  mb: int) -> tuple[Optional[list[StageLayouts]], str]:
+                  mb: int, entries: Optional[dict[int, tuple]] = None) -> tuple[Optional[list[StageLayouts]], str]:
     """`stage_layouts` of every pipeline chunk `spans` ((first layer, end layer, tp, recompute),
     in model order), each given what the chunks before it leave their tensors in, or (None, why
     not). Where two neighbours differ in tp degree (Alpa's sub-mesh choice: stages of 1 and 2
@@ -203,13 +207,14 @@ def chunk_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, spans: l
     the receiver gets them whole (`runtime.pipeline_p2p`'s fan-out) and its `receives` say
     "R", so its readers' solutions must have assumed them replicated (the check of
     `stage_layouts`: a reader wanting one sharded would need a re-layout no solution costed).
-    A chunk on a 1-device mesh holds every tensor whole: its solution is the replicated one."""
+    A chunk on a 1-device mesh holds every tensor whole: its solution is the replicated one.
+    `entries`: see `stage_layouts`."""
     out: list[StageLayouts] = []
     earlier: dict[str, tuple[str, ...]] = {}
     for c, (k, j, tp, recompute) in enumerate(spans):
         if c > 0 and spans[c - 1][2] != tp:
             earlier = {n: _replicated(pl) for n, pl in earlier.items()}
-        lay, why = stage_layouts(graph, layers, solutions, k, j, mb, tp, recompute, earlier)
+        lay, why = stage_layouts(graph, layers, solutions, k, j, mb, tp, recompute, earlier, entries)
         if lay is None:
             return None, why
         if c + 1 < len(spans) and spans[c + 1][2] != tp:

@@ -37,7 +37,9 @@ def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optio
                 fixed_params: Optional[dict[str, tuple[str, ...]]] = None,
                 grad_inputs: Optional[set[str]] = None, sequence_parallel: bool = False,
                 attention_kernel: str = "fused", pointwise_fusion: str = "eager",
-                autocast: bool = True) -> ShardingSolution:
+                autocast: bool = True, fixed_inputs: Optional[dict[str, tuple[str, ...]]] = None,
+                fixed_outputs: Optional[dict[str, tuple[str, ...]]] = None,
+                leaving: Optional[Sequence[str]] = None) -> ShardingSolution:
     """Shard the ops of `graph` (at a concrete batch) over `mesh`.
 
     `nodes` restricts the problem to those call nodes (one layer, to cost a layer): tensors
@@ -68,8 +70,14 @@ def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optio
     a chain of element-wise ops as one kernel (`SoftwareSpec.pointwise_fusion`; "eager", one
     kernel per op, what `autopar run` runs, by default). `autocast`: the software's mixed
     precision (`SoftwareSpec.autocast`: which tensors of a bf16 run are fp32, priced at 4 bytes an
-    element). Raises PlanError when nothing fits
-    `memory_budget_bytes`.
+    element). Layer boundaries (with `nodes` one layer; a stage's layers are solved apart, and
+    the executor runs their solutions one after another, so they must meet): `fixed_inputs`
+    (tensor entering the layer -> the layout the layer making it leaves it in): each arrives
+    so, and a reader wanting another layout pays the redistribution here, where the executor
+    runs it; `fixed_outputs` (op -> layout): those ops produce their output so (the output the
+    next copy of a stack of identical layers receives, in the layout this copy received it);
+    `leaving` (ops whose output a later layer reads): none hands on a partial sum on a model
+    axis. Raises PlanError when nothing fits `memory_budget_bytes`.
     """
     gc_was_on = gc.isenabled()
     gc.disable()     # the captured graph holds many objects; collections would dominate the build
@@ -80,7 +88,8 @@ def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optio
                               batch_dims=batch_dims, token_dims=token_dims, model_axes=tuple(model_axes),
                               fixed_params=fixed_params, grad_inputs=grad_inputs,
                               sequence_parallel=sequence_parallel, attention_kernel=attention_kernel,
-                              pointwise_fusion=pointwise_fusion, autocast=autocast)
+                              pointwise_fusion=pointwise_fusion, autocast=autocast, fixed_inputs=fixed_inputs,
+                              fixed_outputs=fixed_outputs, leaving=leaving)
         assign, info = prob.solve(time_limit_s=time_limit_s, backend=backend)
     finally:
         if gc_was_on:

@@ -233,7 +233,10 @@ class IntraOpProblem:
                  token_dims: Optional[dict[str, tuple[int, ...]]] = None,
                  model_axes: tuple[int, ...] = (), fixed_params: Optional[dict[str, tuple[str, ...]]] = None,
                  grad_inputs: Optional[Iterable[str]] = None, sequence_parallel: bool = False,
-                 attention_kernel: str = "fused", pointwise_fusion: str = "eager", autocast: bool = True) -> None:
+                 attention_kernel: str = "fused", pointwise_fusion: str = "eager", autocast: bool = True,
+                 fixed_inputs: Optional[dict[str, tuple[str, ...]]] = None,
+                 fixed_outputs: Optional[dict[str, tuple[str, ...]]] = None,
+                 leaving: Optional[Iterable[str]] = None) -> None:
         if graph.batch_size is None and graph.is_symbolic:
             raise ValueError("solve a graph at a concrete batch: call graph.at_batch(b) first")
         t0 = time.perf_counter()
@@ -252,6 +255,10 @@ class IntraOpProblem:
         self.interleaved_splits = interleaved_splits
         self.cyclic_boundary = cyclic_boundary
         self.fixed_params = dict(fixed_params or {})
+        # layer boundaries (`_boundaries`)
+        self.fixed_inputs = {k: tuple(v) for k, v in (fixed_inputs or {}).items()}
+        self.fixed_outputs = {k: tuple(v) for k, v in (fixed_outputs or {}).items()}
+        self.leaving = frozenset(leaving or ())
         self.grad_inputs = frozenset(grad_inputs or ())
         # dims no model axis may split: the batch and the tokens
         self.data_dims: dict[str, tuple[int, ...]] = {
@@ -560,6 +567,8 @@ class IntraOpProblem:
                     pin = pins.pop() if pins else None
                 if name in self.sp_fixed:
                     specs = [self.sp_fixed[name]]       # sequence-sliced, as the layer before leaves it
+                if name in self.fixed_inputs:
+                    specs = [self.fixed_inputs[name]]   # as the layer that makes it leaves it
                 if pin is not None:
                     if tuple(pin) not in specs:
                         raise PlanError(f"parameter {n.fqn or name} {shape} cannot be placed {tuple(pin)} on mesh "
@@ -588,6 +597,7 @@ class IntraOpProblem:
                 sts = full or sts
             if name in self.sp_fixed:
                 sts = [st for st in sts if st.out_specs and st.out_specs[0] == self.sp_fixed[name]] or sts
+            sts = self._boundary_strategies(name, sts)
             self.pnodes[name] = PNode(name, "call", n, sts, fam, cnt, self.rg.get(name, False))
         for name, pn in self.pnodes.items():
             if pn.kind == "junction":
@@ -595,6 +605,21 @@ class IntraOpProblem:
         self.pnodes[OUTPUT] = PNode(OUTPUT, "output", None, [Strategy(
             "output", [(REPLICATE,) * len(self.mesh_shape)] * len(self.output_refs), [],
             [()] * len(self.output_refs))], "output", 1)
+
+    def _boundary_strategies(self, name: str, sts: list[Strategy]) -> list[Strategy]:
+        """The strategies of op `name` that hand its output on across the layer's end as the
+        layer boundaries require (`solve_graph`'s `fixed_outputs` and `leaving`): the pinned
+        layout for the output the next copy of a stack receives; for any other tensor a later
+        layer reads, no partial sum on a model axis (the executor would hand on unreduced
+        summands, which the next layer's solution would have to reduce: the reduction stays
+        with the op that makes it)."""
+        if name in self.fixed_outputs:
+            want = self.fixed_outputs[name]
+            return [st for st in sts if st.out_specs and st.out_specs[0] == want] or sts
+        if name in self.leaving and self.model_axes:
+            return [st for st in sts if st.out_specs and not any(
+                a < len(st.out_specs[0]) and st.out_specs[0][a] == PARTIAL for a in self.model_axes)] or sts
+        return sts
 
     def _splits_batch(self, tensor: str, spec: Spec) -> bool:
         """Whether `spec` shards one of `tensor`'s batch or token dims along a model axis
