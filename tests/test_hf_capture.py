@@ -202,3 +202,24 @@ def test_positional_model_pickles() -> None:
     batch = call_batch_fn(b.batch_fn, 0, 2, seed=0)
     b.model.eval(), m2.eval()                                      # no dropout
     assert torch.equal(m2(*batch), b.model(*batch))
+
+
+def test_attention_heads_are_checked_before_transformers_builds_the_model():
+    """A multi-head preset with its heads overridden keeps KV heads = heads (the preset's 32 KV
+    heads of a 4-head model would fail deep inside attention); KV heads that do not divide the
+    heads, or heads that do not divide the hidden size, are a PlanError naming the field."""
+    from autopar.models.hf import make_config
+
+    _, cfg, _, _ = make_config("llama", hidden_size=64, num_attention_heads=4, num_hidden_layers=2)
+    assert cfg.num_key_value_heads == 4
+    _, cfg, _, _ = make_config("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    assert cfg.num_key_value_heads == 2
+    with pytest.raises(autopar.PlanError, match="num_key_value_heads=8 does not divide num_attention_heads=4"):
+        make_config("llama-3-8b", hidden_size=64, num_attention_heads=4)
+    with pytest.raises(autopar.PlanError, match="hidden_size=66 is not a multiple of num_attention_heads=4"):
+        make_config("llama", hidden_size=66, num_attention_heads=4)
+    with pytest.raises(autopar.PlanError, match="n_embd=66 is not a multiple of n_head=4"):
+        make_config("gpt2", hidden_size=66, num_attention_heads=4)
+    m = build_model("hf:llama?num_hidden_layers=1&hidden_size=64&num_attention_heads=4&intermediate_size=128"
+                    "&seq_len=16&vocab_size=128")
+    assert capture(m.model, m.example_inputs).name

@@ -179,6 +179,7 @@ def make_config(name: str, **overrides: Any) -> tuple[str, Any, int, int]:
         if pos_key not in given and values.get(pos_key, 0) < seq:
             values[pos_key] = max(seq, 2)
     values.update(use_cache=False)
+    _check_heads(name, family, values, given)
     cfg_cls = getattr(tf, _FAMILIES[family][0])
     defaults = cfg_cls()
     vocab = int(values.get("vocab_size", getattr(defaults, "vocab_size", 0) or 0))
@@ -191,6 +192,28 @@ def make_config(name: str, **overrides: Any) -> tuple[str, Any, int, int]:
     except (TypeError, ValueError) as e:
         raise PlanError(f"hf:{name}: invalid config {values}: {e}") from None
     return family, cfg, seq, dec_seq
+
+
+def _check_heads(name: str, family: str, values: dict[str, Any], given: set[str]) -> None:
+    """Attention heads that make a model, before transformers builds it (its own error comes
+    late, as a shape mismatch inside attention): with the query heads overridden and not the
+    KV heads, a multi-head preset (KV heads = heads) keeps KV heads = heads; the KV heads must
+    divide the heads (grouped-query attention), the heads the hidden size."""
+    hkey = _GENERIC[family].get("num_attention_heads", "num_attention_heads")
+    dkey = _GENERIC[family].get("hidden_size", "hidden_size")
+    heads, hidden = values.get(hkey), values.get(dkey)
+    kv = values.get("num_key_value_heads")
+    if hkey in given and "num_key_value_heads" not in given and kv is not None and isinstance(heads, int):
+        preset_heads = resolve(name.split("?")[0])[1].get(hkey)
+        if kv == preset_heads:
+            values["num_key_value_heads"] = kv = heads
+    if isinstance(heads, int) and isinstance(kv, int) and (kv < 1 or heads % kv):
+        raise PlanError(f"hf:{name}: num_key_value_heads={kv} does not divide {hkey}={heads}; set "
+                        f"num_key_value_heads to a divisor of {heads} (e.g. ?num_key_value_heads={heads})")
+    head_dim_set = values.get("head_dim") is not None or family == "t5"
+    if isinstance(heads, int) and isinstance(hidden, int) and not head_dim_set and (heads < 1 or hidden % heads):
+        raise PlanError(f"hf:{name}: {dkey}={hidden} is not a multiple of {hkey}={heads}; choose heads that divide "
+                        f"the hidden size")
 
 
 # the causal LM classes (`_FAMILIES`): next-token targets, positions they take as position_ids
