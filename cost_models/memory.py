@@ -580,7 +580,12 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     inside the op's dispatch, below autograd (DTensor propagation: `dispatch_read`): the op
     then saves the input as it arrived, not the copy, and holds the copy (and the gather's
     buffer) only while its forward runs, and again while its backward runs (it redistributes
-    the saved input anew: `_gradient_moments`' `regather`). None: the producer's tensor.
+    the saved input anew: `_gradient_moments`' `regather`); an optional sixth, the divisor of
+    what the gradient's way back into the producer's layout holds beside the gathered result
+    (the executor's redistribution, an autograd node of its own, `execute._Reshard`: its
+    backward runs after the op's, with what the op saved freed, and a gather along a dim other
+    than the first copies the shard's gradient and gathers it into a buffer; None: nothing).
+    None: the producer's tensor.
     `param_elems`: elements per device of the parameters (by node name): an op's backward
     makes their gradients beside
     its input's (a new tensor in every micro-batch: AccumulateGrad adds it in after the first,
@@ -762,13 +767,22 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         ps = {base.get(i, i) for i in n.inputs} & param_elems.keys()
         return sum(param_elems[q] for q in ps) * 4.0 * bytes_scale("float32", dtype)
 
-    def gathers_grad(n, i: str) -> bool:
+    def gathers_grad(n, i: str) -> Any:
         # whether op n reads input i redistributed into a split layout (`read_shard`'s divisor
         # above 1): the redistribution's backward gathers (or exchanges) the gradient into the
         # producer's layout, a new tensor; into a whole layout (a partial sum reduced, a
-        # replicated tensor read) it hands the gradient on as it is
+        # replicated tensor read) it hands the gradient on as it is. Inside the op's dispatch
+        # (DTensor propagation) the op's own backward makes it: True. The executor's
+        # redistribution is an autograd node of its own (`execute._Reshard`), whose backward
+        # runs after the op's: (the copy's gradient, what the gather holds beside its result,
+        # `read_shard`'s sixth item), each a fraction of the gradient in the producer's layout
         rs = read_shard(n, i) if read_shard is not None and i != n.name and i in by_name else None
-        return rs is not None and float(rs[0]) > 1
+        if rs is None or float(rs[0]) <= 1:
+            return None
+        if (len(rs) > 4 and rs[4]) or (len(rs) > 3 and rs[3]):
+            return True      # below autograd, or a junction's value its readers share: as its readers'
+        f = max(float(shard(by_name[base.get(i, i)]) if callable(shard) else shard), 1.0)
+        return f / float(rs[0]), (f / float(rs[5]) if len(rs) > 5 and rs[5] else 0.0)
 
     def regather(n) -> float:
         # what op n's backward redistributes anew of the inputs its dispatch redistributed in
@@ -787,6 +801,12 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     def grads(n) -> float:
         # the gradients alive while op n's backward runs (`_gradient_moments`)
         return moments.get(n.name, (0.0, 0.0, 0.0))[0]
+
+    def after_grads(n) -> float:
+        # those alive while the executor's redistributions of its inputs run their backward,
+        # after op n's (0: none)
+        m = moments.get(n.name)
+        return m[3] if m is not None and len(m) > 3 else 0.0
 
     if rec == "none" or (rec == "selective" and selective_region == "core"):
         for key, b, n in saves:
@@ -820,6 +840,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 entry_given[r] = min(moments[n.name][1], moments[n.name][2])
         for n in calls:
             r = region[n.name]
+            prior = region_bytes.get(r, 0.0)      # what the ops before n re-saved
             if r is not None:
                 fwd = region_bytes.get(r, 0.0) + fwd_at.get(n.name, 0.0) + entry.get(r, 0.0)
                 if fwd > region_peak.get(r, 0.0) or r not in region_peak:
@@ -844,6 +865,11 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 if here > region_peak.get(r, 0.0) or r not in region_peak:
                     region_peak[r], region_grads[r] = here, grads(n)
                     region_given[r] = moments.get(n.name, (0.0, 0.0, 0.0))[1]
+                # the redistributions of its inputs, after its backward freed what it re-saved
+                here = prior + after_grads(n)
+                if after_grads(n) > 0 and here > region_peak[r]:
+                    region_peak[r], region_grads[r] = here, after_grads(n)
+                    region_given[r] = moments[n.name][4]
         for n in calls:
             r = region[n.name]
             if r is None:
@@ -963,6 +989,20 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         if made:
             born_at[position[n.name]] = born_at.get(position[n.name], 0.0) + made
         live -= owned.get(n.name, 0.0)
+        if r is None and after_grads(n) > 0:
+            # the executor's redistributions of op n's inputs run their backward after its
+            # own, which freed what it saved (`_gradient_moments`' fourth item)
+            g_after = after_grads(n)
+            m = live + g_after - out.saved_bytes
+            first(n, live - out.saved_bytes, g_after, born)
+            out.backward_over_body = max(out.backward_over_body, m)
+            if m > out.backward_over_bytes:
+                out.backward_over_bytes, out.backward_over_recompute = m, False
+                out.backward_over_grads = g_after
+            g_in = moments[n.name][4]
+            if m - g_in > out.backward_over_given:
+                out.backward_over_given, out.backward_over_given_recompute = m - g_in, False
+                out.backward_over_given_grads = g_after - g_in
     if keep is None:
         fo = [_forward_over(calls, by_name, base, owner_node, nbytes_of, size, read, batch, out.saved_bytes,
                             mixed, cuda_fp32, {k: v[1] for k, v in copies.items()}, handed=h)
@@ -1029,7 +1069,13 @@ def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: 
     reader's as it is. `regather(op)`: what an op's backward redistributes anew before it makes
     its gradients (an input its dispatch redistributed below autograd, DTensor propagation:
     it saved the input as it arrived), beside the gradients alive before it makes any: the
-    op's moment is the larger of that and its gradients'."""
+    op's moment is the larger of that and its gradients'. Where `redistributed` gives a tuple
+    (the executor's redistribution, `execute._Reshard`, an autograd node of its own: (its
+    copy's gradient, the gather's buffers), fractions of the input's gradient in its
+    producer's layout), op n's backward makes the copy's gradient (a sum hands its own on),
+    and the redistribution's backward, after op n's, holds it, the gathered gradient and the
+    gather's buffers: the fourth item of op n's entry, with the given gradient's share of it
+    fifth (0: no such moment)."""
     def gsize(name: str) -> float:
         node = by_name.get(name)
         if node is None or not node.outputs or not _floating(node):
@@ -1084,11 +1130,12 @@ def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: 
             hold(src, st, stor[st])
         return 0.0
 
-    def crossing(n, i: str) -> bool:
-        # whether op n reads input i redistributed: its gradient is then made anew
-        return redistributed is not None and redistributed(n, i)
+    def crossing(n, i: str) -> Any:
+        # whether op n reads input i redistributed: its gradient is then made anew (a tuple:
+        # by the redistribution's own backward, after op n's: `redistributed`)
+        return redistributed(n, i) if redistributed is not None else None
 
-    out: dict[str, tuple[float, float]] = {}
+    out: dict[str, tuple[float, ...]] = {}
     given_st = f"g:{given_grad}"
     for n in reversed(calls):
         if not rg.get(n.name, False) or not n.outputs or not _floating(n):
@@ -1102,6 +1149,12 @@ def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: 
         ins = grad_in(n)
         extra = 0.0
         born: list[tuple[str, float]] = []
+        # the executor's redistributions of inputs into split layouts (`crossing`'s tuple):
+        # their backward runs after op n's, with the copies' gradients op n made (`pending`)
+        # and, per input, the gradient it makes in the producer's layout and the gather's
+        # buffers beside it
+        pending, after = 0.0, []
+        passed = False           # a sum handed its output's gradient to such a redistribution
         if n.op in LOSSES:
             fl = [i for i in ins[:1]]
             if fl:
@@ -1110,7 +1163,11 @@ def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: 
                 born = [(fl[0], gsize(fl[0]))]
         elif is_view(n) and ins:
             src = ins[0]
-            if not crossing(n, src) and (n.target == "getitem" or n.op in ("alias", "detach") or (
+            cx = crossing(n, src)
+            if isinstance(cx, tuple):
+                extra = pending = gsize(src) * cx[0]
+                after.append((src, gsize(src), gsize(src) * cx[1]))
+            elif not cx and (n.target == "getitem" or n.op in ("alias", "detach") or (
                     n.op not in _MULTI_OUTPUT_VIEWS and gsize(n.name) == gsize(src))):
                 extra = alias(src, n.name)
             else:
@@ -1118,7 +1175,11 @@ def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: 
                 born = [(src, extra)] if src not in owner else []
         elif _pass_through_sum(n, by_name):
             for i in ins:
-                if crossing(n, i):
+                cx = crossing(n, i)
+                if isinstance(cx, tuple):
+                    passed = True
+                    after.append((i, gsize(i), gsize(i) * cx[1]))
+                elif cx:
                     nb = gsize(i)
                     extra += nb
                     if i not in owner:
@@ -1131,6 +1192,12 @@ def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: 
             wide = dtype != "fp32" and base.get(n.name, n.name) in upcasts
             for i in ins:
                 nb = gsize(i)
+                cx = crossing(n, i)
+                if isinstance(cx, tuple):
+                    extra += nb * cx[0]
+                    pending += nb * cx[0]
+                    after.append((i, nb, nb * cx[1]))
+                    continue
                 extra += nb
                 if wide and base.get(i, i) not in upcasts:
                     extra += nb / bytes_scale("float32", dtype)
@@ -1140,9 +1207,24 @@ def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: 
         at = total + extra
         if regather is not None:
             at = max(at, total + regather(n))
-        out[n.name] = (at, stor.get(given_st, 0.0), total)
+        mine = {st: stor[st] for st in owner.get(n.name, [])}
+        given_at, before = stor.get(given_st, 0.0), total
         drop(n.name)
+        after_at = after_given = 0.0
+        if after:
+            # the redistributions' backward (each a gather into the producer's layout, the
+            # gathered gradient new; with several, their results held as each ends): the
+            # parameter gradients op n made are `.grad` by then (AccumulateGrad runs first)
+            if passed:
+                pending += sum(b for st, b in mine.items() if st not in stor)
+            after_at = total + pending + sum(r for _, r, _ in after) + max(b for _, _, b in after)
+            after_given = stor.get(given_st, 0.0) + (mine.get(given_st, 0.0) if passed and given_st not in stor
+                                                     else 0.0)
+        out[n.name] = (at, given_at, before, after_at, after_given)
         for i, nb in born:
+            if i not in owner:
+                hold(i, f"g:{i}", nb)
+        for i, nb, _ in after:
             if i not in owner:
                 hold(i, f"g:{i}", nb)
     return out

@@ -43,13 +43,18 @@ CASES = {
     # the zoo MLP under ZeRO-3 with 2 micro-batches: FSDP accumulates unsharded gradients in
     # `.grad` over the first and reduce-scatters each unit's in the last one's backward
     "mlp_zero3_accum": {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 3},
+    # the zoo MLP tensor-parallel, run op by op (its layers meet at their boundaries,
+    # `IlpProvider._boundaries`): the last layer's row-parallel matmul reads the ReLU's whole
+    # output as a slice, whose gradient the executor gathers back after the matmul's backward
+    # (the shard it saved freed, the gather's copy and buffer beside the result): the peak
+    "mlp_tp2": {"dp": 1, "tp": 2, "pp": 1},
 }
 # cases on another model than gpt-tiny: (model reference, global batch)
 MODELS = {"hf_gpt2_zero3": ("hf:gpt2?hidden_size=64&num_hidden_layers=2&num_attention_heads=4&seq_len=16"
                             "&vocab_size=128", 8),
           "hf_llama_zero3": ("hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2"
                              "&num_hidden_layers=2&num_attention_heads=4&seq_len=16&vocab_size=128", 8),
-          "mlp_zero3_accum": ("mlp-tiny", 256)}
+          "mlp_zero3_accum": ("mlp-tiny", 256), "mlp_tp2": ("mlp-tiny", 256)}
 PSI = 30080          # gpt-tiny's parameters (the embedding tied to the output layer)
 
 

@@ -525,7 +525,9 @@ def _read_shard(sol: ShardingSolution, tp: int, params: dict[str, str] | None = 
     not kept, the executor gathers it again for the backward: `execute._Regather`, so it counts
     only while the op runs); where the copy is the
     tensor's junction value (one redistribution shared by its readers), the executor holds it
-    until the tensor's last reader."""
+    until the tensor's last reader. Its gradient goes back to the producer's layout in the
+    redistribution's own backward, after the op's (`execute._Reshard`): a gather along a dim
+    other than the first holds its buffers there (the sixth item, `_gather_buffer`)."""
     params = params or {}
 
     def produced(name: str):
@@ -550,7 +552,11 @@ def _read_shard(sol: ShardingSolution, tp: int, params: dict[str, str] | None = 
             return None
         j = sol.junctions.get(f"{name}#0")
         held = j is not None and tuple(j[0]) == want      # the junction's value, kept for all readers
-        return (tp if any(map(is_shard, want)) else 1), ",".join(want), _gather_buffer(have, want, tp), held
+        # the gradient goes back to the producer's layout, a partial sum's replicated
+        # (`execute._grad_target`): a gather there holds its buffers too
+        back = tuple("R" if p == "P" else p for p in have)
+        return ((tp if any(map(is_shard, want)) else 1), ",".join(want), _gather_buffer(have, want, tp), held,
+                False, _gather_buffer(want, back, tp))
     return read
 
 
