@@ -10,6 +10,7 @@
     python benchmarks/cost_model_accuracy.py --h100 --lift-memory --parts   # the published H100 runs
     python benchmarks/cost_model_accuracy.py --flash --lift-memory --parts  # A100 runs with flash attention
     python benchmarks/cost_model_accuracy.py --planner --gemm-scale 0.95    # sensitivity to the GEMM curve
+    python benchmarks/cost_model_accuracy.py --planner --profile-set device.kernel_overhead_s=2e-6  # to an estimate
     python benchmarks/cost_model_accuracy.py --planner --parts --per-layer  # the prediction per layer
     python benchmarks/cost_model_accuracy.py --planner --parts --per-layer --variant recompute=none
 
@@ -59,7 +60,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -373,16 +374,45 @@ def plan_case(case: Case, cluster: ClusterSpec, intra_op: str = "auto", software
     return plan
 
 
-def load_cluster(case: Case, gemm_scale: float = 1.0) -> ClusterSpec:
+def load_cluster(case: Case, gemm_scale: float = 1.0, profile_set: Sequence[str] = ()) -> ClusterSpec:
     """The case's bundled hardware profile on its number of nodes; every GEMM efficiency times
-    `gemm_scale` (capped at 1) when it is not 1 (the sensitivity runs of the README)."""
+    `gemm_scale` (capped at 1) when it is not 1 (the sensitivity runs of the README), and each
+    `profile_set` entry ("SECTION.FIELD=VALUE", see `set_profile_field`) applied after it."""
     cluster = ClusterSpec.load(case.hardware, num_nodes=case.gpus // 8 if case.gpus >= 8 else 1)
-    if gemm_scale == 1.0:
-        return cluster
-    curves = {d: [p.model_copy(update={"efficiency": min(1.0, p.efficiency * gemm_scale)}) for p in pts]
-              for d, pts in cluster.device.gemm_efficiency.items()}
-    device = cluster.device.model_copy(update={"gemm_efficiency": curves})
-    return cluster.model_copy(update={"device": device})
+    if gemm_scale != 1.0:
+        curves = {d: [p.model_copy(update={"efficiency": min(1.0, p.efficiency * gemm_scale)}) for p in pts]
+                  for d, pts in cluster.device.gemm_efficiency.items()}
+        device = cluster.device.model_copy(update={"gemm_efficiency": curves})
+        cluster = cluster.model_copy(update={"device": device})
+    for entry in profile_set:
+        cluster = set_profile_field(cluster, entry)
+    return cluster
+
+
+def set_profile_field(cluster: ClusterSpec, entry: str) -> ClusterSpec:
+    """`cluster` with one figure of its profile replaced: "SECTION.FIELD=VALUE", SECTION one of
+    device, intra_node, inter_node; VALUE read as YAML (`device.kernel_overhead_s=2e-6`,
+    `intra_node.measured=[]` to drop a measured table). "SECTION.FIELD*=X" multiplies a number
+    instead. Re-validated, so a value the schema refuses fails here. For the sensitivity of the
+    calibration to a figure labelled an estimate (docs/constants.md); never to fit one."""
+    import yaml
+
+    key, sep, raw = entry.partition("=")
+    if not sep or "." not in key:
+        raise SystemExit(f"--profile-set wants SECTION.FIELD=VALUE or SECTION.FIELD*=X, got {entry!r}")
+    scale = key.endswith("*")
+    section, field = key.rstrip("*").split(".", 1)
+    if section not in ("device", "intra_node", "inter_node"):
+        raise SystemExit(f"--profile-set: SECTION is device, intra_node or inter_node, got {section!r}")
+    part = getattr(cluster, section)
+    if part is None or field not in type(part).model_fields:
+        raise SystemExit(f"--profile-set: {cluster.name} has no {section}.{field}")
+    value = yaml.safe_load(raw)
+    if scale:
+        value = getattr(part, field) * float(value)
+    data = part.model_dump()
+    data[field] = value
+    return cluster.model_copy(update={section: type(part).model_validate(data)})
 
 
 def _parts(plan) -> str:
@@ -499,6 +529,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--gemm-scale", type=float, default=1.0, metavar="X",
                     help="multiply every GEMM efficiency of the hardware profiles by X (capped at 1): how "
                          "sensitive the predictions are to the curve's level")
+    ap.add_argument("--profile-set", metavar="SECTION.FIELD=VALUE", action="append", default=[],
+                    help="replace one figure of every case's hardware profile (repeatable; VALUE as YAML, "
+                         "e.g. device.kernel_overhead_s=2e-6, intra_node.measured=[]; SECTION.FIELD*=X "
+                         "multiplies it): how sensitive the predictions are to a figure labelled an "
+                         "estimate (docs/constants.md)")
     args = ap.parse_args(argv)
     both = not (args.analytic or args.planner or args.local or args.table1 or args.h100 or args.flash)
     header = ["case", "GPUs", "t", "p", "v", "mb", "m", "published s", "predicted s", "error", "note"]
@@ -533,7 +568,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             if args.only not in c.name:
                 continue
             c = _variant(c, args.variant)
-            cluster = load_cluster(c, args.gemm_scale)
+            cluster = load_cluster(c, args.gemm_scale, args.profile_set)
             pub = c.published_time()
             t0 = time.perf_counter()
             try:
@@ -571,7 +606,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for c in CASES:
             if c.sequence_parallel or c.recompute != "full":
                 continue        # the analytic cross-check models Megatron 2021's layer only
-            cluster = load_cluster(c, args.gemm_scale)
+            cluster = load_cluster(c, args.gemm_scale, args.profile_set)
             pub = c.published_time()
             r = analytic(c, cluster)
             err = r["total"] / pub - 1

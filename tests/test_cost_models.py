@@ -120,6 +120,35 @@ def test_dgx_a100_bus_bandwidths_match_nccl_tests() -> None:
     assert across == pytest.approx(192e9, rel=0.03)
 
 
+@pytest.mark.parametrize("name,nbytes,busbw", [
+    # nccl-tests all_reduce_perf -g 8 on one 8x A100 NVLink3 node (S. Bekman, ml-engineering,
+    # network/README.md, "Real network throughput"): the rows as published
+    ("dgx-a100-80g", 32 * 2**10, 1.31e9), ("dgx-a100-80g", 32 * 2**20, 138.49e9),
+    ("dgx-a100-80g", 2**30, 229.04e9), ("dgx-a100-40g", 128 * 2**20, 176.92e9),
+    # nccl-tests on 8x H200, NVLS on (ml-engineering, network/benchmarks/README.md)
+    ("hgx-h200", 32 * 2**10, 3.20e9), ("hgx-h200", 16 * 2**20, 242.45e9), ("hgx-h200", 16 * 2**30, 480.70e9),
+])
+def test_intra_node_all_reduce_reproduces_the_published_nccl_tests(name: str, nbytes: float, busbw: float) -> None:
+    """Issue 14: the bundled profiles' intra-node all-reduce, by message size, is the published
+    nccl-tests run of that device (typed here from the source, not read from the profile), and a
+    size between two published rows falls between their times."""
+    c = autopar.ClusterSpec.load(name, num_nodes=1)
+    t = axis_collective_time("all_reduce", nbytes, c, list(range(8)))
+    assert 2 * 7 / 8 * nbytes / t == pytest.approx(busbw, rel=0.01)
+    lo, hi = (axis_collective_time("all_reduce", x, c, list(range(8))) for x in (nbytes / 2, nbytes * 2))
+    assert lo <= t <= hi
+
+
+def test_h200_ring_collectives_match_nccl_tests() -> None:
+    """8x H200 at 16 GiB (ml-engineering network/README.md, SHARP section): all-gather busbw 361.4
+    GB/s, reduce-scatter 362.9 (ring); the profile prices both at its bandwidth."""
+    c = autopar.ClusterSpec.load("hgx-h200", num_nodes=1)
+    s = 16 * 2**30
+    for kind, busbw in (("all_gather", 361.4e9), ("reduce_scatter", 362.9e9)):
+        t = axis_collective_time(kind, s, c, list(range(8)))
+        assert 7 / 8 * s / t == pytest.approx(busbw, rel=0.01)
+
+
 def test_measured_table_overrides_and_interpolates() -> None:
     rows = [MeasuredCollective(kind="all_reduce", num_devices=8, bytes=1e6, seconds=1e-4),
             MeasuredCollective(kind="all_reduce", num_devices=8, bytes=1e8, seconds=1e-3)]

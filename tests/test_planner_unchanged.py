@@ -121,6 +121,15 @@ Session 26 (issue 18): a layer ending a pipeline chunk weighs its forward's mome
 output it hands on, which the stage already counts as kept per micro-batch in flight
 (`ActivationMemory.forward_over_given`): GPT-3 1.3B's peak 21.796 -> 21.779 GB (0.08%); layouts,
 times and collectives unchanged, the other cases' digests too.
+Session 27 (issue 14, every constant sourced, docs/constants.md): the DGX A100 profiles' intra-node
+link carries the published nccl-tests all-reduce table of an 8x A100 NVLink3 node (`LinkSpec.
+measured`) and its latency is the one that table's 32 KiB row gives, 3.1 us (was 3.0, an
+estimate); every profile's sources changed (digests). The 0.1 us alone (checked with the table
+removed) moves GPT-3 1.3B's interleaving from v=4 to v=6 (56 -> 88 sends): the greedy
+`balanced_chunks` cuts v=6's layers otherwise at the new latency, 0.4751 -> 0.4687 s, peak 21.78 ->
+22.34 GB (a search artefact: a slower link gives a faster plan); HF GPT-2 1.3816 -> 1.3826 ms and
+HF Llama 2.5176 -> 2.5233 ms (their all-reduces' latency); same layouts otherwise; gpt-small (CPU
+profile) unchanged.
 """
 
 import hashlib
@@ -146,17 +155,17 @@ CASES = {   # name: (model, cluster, nodes, global batch, pinned constraints, so
 }
 
 EXPECTED = {
-    "gpt3-1.3b-tp2-pp2": {"digest": "c81cf52c0c937b26", "layout": (2, 2, 2, 4, 4, "interleaved_1f1b", 4, 1),
-        "iteration_time_s": 0.4751468184271028, "peak_memory_bytes": 21779277824.0,
-        "collectives": {"all_reduce": 405, "reduce_scatter": 2, "all_gather": 2, "send_recv": 56}},
+    "gpt3-1.3b-tp2-pp2": {"digest": "79768c4b8467fa74", "layout": (2, 2, 2, 4, 4, "interleaved_1f1b", 6, 1),
+        "iteration_time_s": 0.46868966907976095, "peak_memory_bytes": 22337189888.0,
+        "collectives": {"all_reduce": 405, "reduce_scatter": 2, "all_gather": 2, "send_recv": 88}},
     "gpt-small": {"digest": "8efa77468ff85aac", "layout": (2, 1, 1, 4, 1, "1f1b", 1, 0),
         "iteration_time_s": 0.015157352217275648, "peak_memory_bytes": 20557824.0,
         "collectives": {"all_reduce": 1}},
-    "hf-gpt2": {"digest": "169799024a4bbfba", "layout": (4, 1, 2, 4, 1, "1f1b", 1, 1),
-        "iteration_time_s": 0.0013815798662918264, "peak_memory_bytes": 1688512.0,
+    "hf-gpt2": {"digest": "2707bf3d6b76c8e1", "layout": (4, 1, 2, 4, 1, "1f1b", 1, 1),
+        "iteration_time_s": 0.0013825798662918264, "peak_memory_bytes": 1688512.0,
         "collectives": {"reduce_scatter": 2, "all_gather": 2, "send_recv": 2, "all_reduce": 1}},
-    "hf-llama": {"digest": "ea49d5959020e33b", "layout": (4, 2, 1, 4, 1, "1f1b", 1, 1),
-        "iteration_time_s": 0.0025175828190439117, "peak_memory_bytes": 1444160.0,
+    "hf-llama": {"digest": "8723e0d8700358f3", "layout": (4, 2, 1, 4, 1, "1f1b", 1, 1),
+        "iteration_time_s": 0.0025232828190439108, "peak_memory_bytes": 1444160.0,
         "collectives": {"all_reduce": 25, "all_gather": 2, "reduce_scatter": 1}},
 }
 

@@ -49,3 +49,19 @@ def test_published_figures(name: str, peak: float, hbm: float) -> None:
     top = max(e for _, e in curve)
     assert all(e >= 0.9 * top for f, e in curve if f > 1e11)
     assert top < 0.9                                             # never the datasheet peak
+
+
+@pytest.mark.parametrize("name", ["dgx-a100-80g", "dgx-a100-40g", "dgx-h100", "hgx-h200"])
+def test_every_figure_is_in_the_constants_inventory(name: str) -> None:
+    """Issue 14: docs/constants.md indexes every figure of the A100 / H100 / H200 profiles with its
+    status (measured, derived, datasheet, transferred, estimate); a figure added to a profile
+    without a row there fails here."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "constants.md").read_text()
+    raw = yaml.safe_load((bundled_profiles_dir() / f"{name}.yaml").read_text())
+    for section in ("device", "intra_node", "inter_node"):
+        for key in raw.get(section, {}):
+            if key in ("name", "sources", "memory_bytes"):     # memory_bytes sets no time
+                continue
+            assert f"{section}.{key}" in doc, f"{name}: {section}.{key} is not in docs/constants.md"
