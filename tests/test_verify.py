@@ -395,14 +395,14 @@ def test_tensor_parallel_activations_predicted_as_tracked(model, cluster_name, t
     `cost_models.layouts` priced, until cp needed to gather K and V unrepeated): tp 2 splits its
     2 KV heads. tp 4 over them: at micro-batch 8 the ILP keeps the attention replicated (the
     query-head split, `rules.attention` hq, costs two backward all-reduces of dK and dV, which
-    at this size outweigh the quarter of the attention it saves), with K and V all-reduced
-    (row-parallel projections in the first and last layer; column-parallel ones handing on
-    partial sums in the stacked two, whose o_proj is column-parallel too: equal predicted time,
-    since the layers meet at their boundaries). Its query is the executor's all-gather of the
-    head-split RoPE output, laid out in standard strides: CPU's flash kernel wrote its output
-    so and the column-parallel o_proj saved the heads' merge as a copy that a GPU does not make
-    (+3.4%), until verify's CUDA program laid the query out as CUDA writes the output
-    (`cuda_program._query_as_cuda_lays_out`)."""
+    at this size outweigh the quarter of the attention it saves), with K and V made by
+    column-parallel projections and all-gathered (`ilp._merge`; before, row-parallel ones'
+    partial sums all-reduced, or column-parallel ones' read as partial sums, at equal predicted
+    time). Its query is the executor's all-gather of the head-split RoPE output, laid out in
+    standard strides: CPU's flash kernel wrote its output so, and where a column-parallel o_proj
+    read it whole (one equal-cost layout) it saved the heads' merge as a copy that a GPU does
+    not make (+3.4% of the activations), until verify's CUDA program laid the query out as
+    CUDA writes the output (`cuda_program._query_as_cuda_lays_out`)."""
     cluster = autopar.ClusterSpec.load(cluster_name, num_nodes=1).model_copy(update={"devices_per_node": tp})
     for sp in (False, True):
         p = autopar.plan(model, cluster, global_batch_size=8, cache=False,
