@@ -122,10 +122,14 @@ def _view_strides(node, src_shape: tuple[int, ...], src: tuple[int, ...],
 
 
 def layout_copies(nodes: list, by_name: dict, device_type: Optional[str] = None,
-                  attention_kernel: str = "fused") -> tuple[frozenset, frozenset]:
+                  attention_kernel: str = "fused", copied_queries: frozenset = frozenset()
+                  ) -> tuple[frozenset, frozenset]:
     """(reshapes that copy, `contiguous` calls that copy nothing) when the graph `nodes` runs on
     `device_type` (None: a GPU) with the software's `attention_kernel` ("unfused": attention's
-    output is a product's, contiguous). See the module docstring."""
+    output is a product's, contiguous). `copied_queries`: attention ops that read their query
+    as a copy in standard strides (the op-by-op executor's redistribution of it: a gather
+    concatenates), whatever the strides of the query the graph makes. See the module
+    docstring."""
     from cost_models.memory import attention_is_fused  # memory imports this module
 
     strides: dict[str, Strides] = {}
@@ -178,7 +182,10 @@ def layout_copies(nodes: list, by_name: dict, device_type: Optional[str] = None,
             strides[n.name] = contiguous_strides(shape)
             continue
         if n.op in FUSED_ATTENTION and attention_is_fused(n, device_type, attention_kernel):
-            strides[n.name] = _attention_out(n, of(src), shape, device_type)
+            q = of(src)
+            if n.name in copied_queries and src in by_name and _shape(by_name[src]) is not None:
+                q = contiguous_strides(_shape(by_name[src]))
+            strides[n.name] = _attention_out(n, q, shape, device_type)
             continue
         if n.op in LAYOUT_KEEPING:
             ss = of(src)
@@ -200,6 +207,30 @@ def graph_layout_copies(graph, device_type: Optional[str] = None,
     if key not in memo:
         nodes = list(graph.nodes)
         memo[key] = layout_copies(nodes, {n.name: n for n in nodes}, device_type, attention_kernel)
+    return memo[key]
+
+
+def executor_layout_copies(graph, device_type: Optional[str], attention_kernel: str,
+                           copied_queries: frozenset) -> tuple[frozenset, frozenset]:
+    """`graph_layout_copies` where the attention ops `copied_queries` read their query as the
+    executor's copy in standard strides (`layout_copies`): on CPU, whose flash kernel writes its
+    output as its query is laid out, the heads' merge after such an attention copies (a
+    replicated attention reading the head-split RoPE output all-gathered: llama-small tp 4 on
+    the CPU profile, [b, s, h] a layer that a column-parallel o_proj saves). What the query's
+    layout changes is taken from `graph`'s own nodes' walk, with and without it, on top of the
+    shared walk (`share_layout_walk`); once per graph and set of queries."""
+    if not copied_queries:
+        return graph_layout_copies(graph, device_type, attention_kernel)
+    memo = graph.__dict__.setdefault("_layout_copies", {})
+    key = (device_type, attention_kernel, copied_queries)
+    if key not in memo:
+        nodes = list(graph.nodes)
+        by_name = {n.name: n for n in nodes}
+        copying, aliasing = graph_layout_copies(graph, device_type, attention_kernel)
+        with_q = layout_copies(nodes, by_name, device_type, attention_kernel, copied_queries)
+        without = layout_copies(nodes, by_name, device_type, attention_kernel)
+        memo[key] = ((copying | (with_q[0] - without[0])) - (without[0] - with_q[0]),
+                     (aliasing | (with_q[1] - without[1])) - (without[1] - with_q[1]))
     return memo[key]
 
 

@@ -73,7 +73,7 @@ from autopar.schema.constraints import Schedule as ScheduleName  # the registry'
 from autopar.schema.software import AttentionKernel
 from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, attention_core, bytes_scale
 from cost_models.fused_loss import is_fused_loss
-from cost_models.layouts import graph_layout_copies, layout_copies
+from cost_models.layouts import executor_layout_copies, graph_layout_copies, layout_copies
 
 # bytes per parameter: (weights, gradients, optimizer states incl. fp32 master) by precision policy
 PRECISION_POLICIES: dict[str, tuple[float, float, float]] = {
@@ -609,9 +609,17 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     nodes = list(graph.nodes)
     by_name = {n.name: n for n in nodes}
     # the layouts depend on the graph, device and kernel alone: once per graph, not per policy
-    # (`fill_activations` asks for every recomputation policy of one layer's graph)
+    # (`fill_activations` asks for every recomputation policy of one layer's graph); and on the
+    # attentions reading their query as the executor's copy (`read_shard`), in standard strides
+    # whatever the graph's: on CPU their output follows (`layouts.executor_layout_copies`),
+    # CUDA's kernels write theirs alike whatever the query's
+    queries = frozenset(
+        n.name for n in nodes if read_shard is not None and device_type == "cpu" and n.kind == "call"
+        and n.op in FUSED_ATTENTION
+        and n.inputs and n.inputs[0] in by_name and by_name[n.inputs[0]].outputs
+        and (r := read_shard(n, n.inputs[0])) is not None and not (len(r) > 4 and r[4]))
     base = tensor_bases(nodes, by_name, device_type, dtype, attention_kernel,
-                        copies=graph_layout_copies(graph, device_type, attention_kernel))
+                        copies=executor_layout_copies(graph, device_type, attention_kernel, queries))
     rg = requires_grad(nodes)
     calls = [n for n in nodes if n.kind == "call"]
     core = attention_core(calls) if rec == "selective" and selective_region == "core" else set()

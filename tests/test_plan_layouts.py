@@ -394,8 +394,9 @@ def test_gqa_over_more_devices_than_kv_heads_splits_query_heads_without_gatherin
     `test_runtime_llama_tp.py` runs. At this toy size the ILP's costs are latency-bound: at
     micro-batch 8 on A100s it prices replicated attention (an all-gather of q forward and of
     dO backward) below the two backward all-reduces of dK and dV (0.432 against 0.450 ms per
-    layer) and keeps it; from micro-batch 16 on the CPU profile, 256 on A100s, or a Llama-3-8B
-    layer with 2 KV heads at tp 8 (micro-batch 1), the query-head split wins."""
+    layer, measured before K and V were all-gathered: `ilp._merge`) and keeps it; from
+    micro-batch 16 on the CPU profile, 256 on A100s, or a Llama-3-8B layer with 2 KV heads at
+    tp 8 (micro-batch 1), the query-head split wins."""
     p = plan("llama-small", _cpu(4), global_batch_size=16, dtype="fp32", intra_op="ilp",
              constraints=Constraints(dp=1, tp=4, pp=1, num_microbatches=1, recompute="none"))
     feeds = _attention_feeds(p, "llama-small")
@@ -405,3 +406,35 @@ def test_gqa_over_more_devices_than_kv_heads_splits_query_heads_without_gatherin
         assert "all_gather" not in steps and "all_to_all" not in steps, (name, steps)
     ch = next(c for c in p.stages[0].op_layouts.solution((4,)).op_choices.values() if c.family == "attention")
     assert ch.input_placements == [("S(1)",), ("R",), ("R",)] and ch.output_placements == [("S(1)",)]
+
+
+def test_no_op_makes_a_partial_sum_of_a_whole_or_split_tensor_to_hand_on():
+    """llama-small at tp 4, micro-batch 8 on A100s (the attention replicated, above): K and V,
+    2 KV heads over 4 devices, are made by column-parallel projections and all-gathered for
+    the attention. The ILP's merge of followers (Alpa §4.2) took for each producer layout the
+    follower's cheapest read, and a split K read as a partial sum is free there: K and V were
+    viewed as partial sums and all-reduced (twice an all-gather's bytes and latency) where the
+    reduction fell, which the merge did not see; equal in time to row-parallel projections'
+    partial sums, 1.804 ms a step against 1.730 now. A follower whose cheapest read makes a
+    partial sum keeps its own choice (`ilp._merge`)."""
+    from autopar.capture import capture
+    from autopar.planner import resolve_model
+
+    cluster = autopar.ClusterSpec.load("dgx-a100-80g", num_nodes=1).model_copy(update={"devices_per_node": 4})
+    p = plan("llama-small", cluster, global_batch_size=8, cache=False,
+             constraints=Constraints(dp=1, tp=4, pp=1, microbatch_size=8, recompute="none", zero_stage=0,
+                                     sequence_parallel=False))
+    b = resolve_model("llama-small", None, None)
+    g = capture(b.model, b.example_inputs, name=b.name)
+    st = p.stages[0]
+    sol = st.op_layouts.solution(st.mesh_shape)
+    gathered = 0
+    for name, ch in sol.op_choices.items():
+        for src, want in zip(g.node(name).inputs, ch.input_placements):
+            have = sol.op_choices[src].output_placements[0] if src in sol.op_choices else None
+            if have is None:
+                continue
+            assert "P" not in want or "P" in have, (name, src, have, want)
+            if g.node(name).op == "view" and have == ("S(2)",) and want == ("R",):
+                gathered += 1           # K or V of one layer
+    assert gathered == 2 * 4

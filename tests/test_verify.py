@@ -363,12 +363,22 @@ def test_cuda_program_runs_dropout_and_attention_dropout_as_cuda_kernels():
     assert torch.autograd.gradcheck(dropped, small)
     qb, kb, vb = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
     with cuda_program(), torch.autocast("cpu", dtype=torch.bfloat16):
-        _, math = saved(lambda: F.scaled_dot_product_attention(qb, kb, vb, None, 0.0, True, enable_gqa=True))
+        plain, math = saved(lambda: F.scaled_dot_product_attention(qb, kb, vb, None, 0.0, True, enable_gqa=True))
         out, fused = saved(lambda: F.scaled_dot_product_attention(qb, kb, vb, None, 0.1, True, enable_gqa=True))
     rows = b * h * s
     assert sum(n for _, n in fused) == qb.nbytes + kb.nbytes + vb.nbytes + out.nbytes + 4 * rows
     assert out.transpose(1, 2).is_contiguous()
     assert sum(n for _, n in math) == sum(n for _, n in fused)     # what CPU's flash kernel keeps
+    # without dropout CPU's flash kernel runs, handed the query laid out as CUDA's kernels write
+    # the output (a query in standard strides, as the executor's gathers give, would give an
+    # output so): the heads' merge after it is a view, as on CUDA; same values and gradients
+    assert qb.is_contiguous() and plain.transpose(1, 2).is_contiguous()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = F.scaled_dot_product_attention(qb, kb, vb, None, 0.0, True, enable_gqa=True)
+    g = torch.randn_like(want)
+    assert torch.equal(want, plain)
+    assert all(torch.equal(a, c) for a, c in zip(torch.autograd.grad(want, (qb, kb, vb), g),
+                                                  torch.autograd.grad(plain, (qb, kb, vb), g)))
 
 
 @pytest.mark.parametrize("model,cluster_name,tp", [
@@ -386,9 +396,13 @@ def test_tensor_parallel_activations_predicted_as_tracked(model, cluster_name, t
     2 KV heads. tp 4 over them: at micro-batch 8 the ILP keeps the attention replicated (the
     query-head split, `rules.attention` hq, costs two backward all-reduces of dK and dV, which
     at this size outweigh the quarter of the attention it saves), with K and V made by
-    row-parallel projections and all-reduced; an equal-cost layout (column-parallel k/v
-    projections, K and V all-gathered), which the solver picked before the hq strategy existed,
-    was missed by 5% of the activations and is not picked now."""
+    column-parallel projections and all-gathered (`ilp._merge`; before, row-parallel ones'
+    partial sums all-reduced, or column-parallel ones' read as partial sums, at equal predicted
+    time). Its query is the executor's all-gather of the head-split RoPE output, laid out in
+    standard strides: CPU's flash kernel wrote its output so, and where a column-parallel o_proj
+    read it whole (one equal-cost layout) it saved the heads' merge as a copy that a GPU does
+    not make (+3.4% of the activations), until verify's CUDA program laid the query out as
+    CUDA writes the output (`cuda_program._query_as_cuda_lays_out`)."""
     cluster = autopar.ClusterSpec.load(cluster_name, num_nodes=1).model_copy(update={"devices_per_node": tp})
     for sp in (False, True):
         p = autopar.plan(model, cluster, global_batch_size=8, cache=False,

@@ -46,7 +46,8 @@ groups. E is the set of edges between groups (a tensor produced in u, consumed i
 * Merging (Alpa §4.2): an op whose rule follows its operand (element-wise, views, softmax) is
   merged into the group of its only producer, or of its only full-size operand (a residual add
   keeps its own choice); it takes, for each of the group's strategies, its cheapest strategy
-  given that layout.
+  given that layout, unless that strategy reads a partial sum the layout is not (its
+  reduction falls to the ops after it, unseen here): such an op keeps its own choice.
 * Model axes (optional, `model_axes` with `batch_dims`/`token_dims`): the runtime executes
   such an axis as tensor parallelism, every rank holding the whole micro-batch and sequence, so
   strategies it would not run are removed before solving:
@@ -752,6 +753,14 @@ class IntraOpProblem:
                 key = (round(c, 15), st.in_specs[ks[0]] != sp, j)
                 if bkey is None or key < bkey:
                     best, bkey = j, key
+            if PARTIAL in f.strategies[best].in_specs[ks[0]] and PARTIAL not in sp:
+                # the follower's cheapest read makes a partial sum of a whole or split tensor
+                # (free here) and hands it on: its reduction, an all-reduce of the whole
+                # tensor, is paid where it ends, which this choice does not see. A split
+                # K or V of 2 KV heads over 4 devices (column-parallel projections) was viewed
+                # as a partial sum and all-reduced where an all-gather (half the bytes, half
+                # the latency) would do: not merged, the ILP weighs both
+                return False
             new = dict(ch)
             new[f.name] = best
             choice.append(new)

@@ -2,7 +2,7 @@
 
 Verify builds and steps ranks on CPU fake tensors (a CPU-only torch cannot fake CUDA tensors
 through autocast: its casts need a CUDA device guard), so a GPU plan's ranks would hold what the
-CPU program holds. Four differences change what a step holds, and `cuda_program()` runs them as
+CPU program holds. Five differences change what a step holds, and `cuda_program()` runs them as
 CUDA does, for the ops the executor calls (a `TorchFunctionMode`: it sees `torch.ops.aten...`
 and module code, above autograd as autocast is; backward ops are not autocast on either device;
 not while the model's program is captured, `torch.compiler.is_exporting()`):
@@ -29,7 +29,12 @@ not while the model's program is captured, `torch.compiler.is_exporting()`):
   backward keeps the input and one fp32 rstd per row; on CPU it decomposes into fp32 ops that
   keep an fp32 copy of the input and the fp32 normalised tensor (twice the input, 4 B per
   element each, under bf16). `FusedRMSNorm` keeps what the fused kernel keeps and computes the
-  same values (its backward is the kernel's formula).
+  same values (its backward is the kernel's formula);
+* attention without dropout: CPU's flash kernel writes its output as its query is laid out,
+  CUDA's kernels always [batch, queries, heads, dim] in memory, so that the heads' merge after
+  them is a view (`cost_models.layouts`). A query the executor gathered along its heads is laid
+  out in standard strides; CPU's kernel is handed it laid out as CUDA writes the output
+  (`_query_as_cuda_lays_out`).
 """
 
 from __future__ import annotations
@@ -207,6 +212,24 @@ def _fused_dropout_attention(args: Sequence[Any], kwargs: dict) -> Optional[torc
                                            bool(a["enable_gqa"]))
 
 
+def _query_as_cuda_lays_out(args: Sequence[Any], kwargs: dict) -> Sequence[Any]:
+    """`args` of an attention call without dropout (CPU's flash kernel runs it), with the query
+    laid out [batch, queries, heads, dim] in memory where it is not: CUDA's flash and
+    memory-efficient kernels write their output so whatever the query's strides, CPU's flash
+    kernel as its query is laid out (`cost_models.layouts._attention_out`). A query the
+    executor gathered along its heads (a replicated attention reading a head-split RoPE
+    output: `execute._gather` concatenates into standard strides) would give an output in
+    standard strides, whose heads' merge (transpose, reshape) copies, where on CUDA it is a
+    view: a column-parallel output projection then saved that copy, [b, s, h] a layer that a
+    GPU does not hold (llama-small tp 4: +3.3% of the activations). The kernel saves the
+    re-laid query in place of the one it was given (the same bytes); plain tensors only."""
+    q = args[0]
+    if (not isinstance(q, torch.Tensor) or isinstance(q, DTensor) or q.dim() != 4
+            or q.stride(1) < q.stride(2) or q.shape[1] == 1 or q.shape[2] == 1):
+        return args
+    return (q.transpose(1, 2).contiguous().transpose(1, 2), *args[1:])
+
+
 class cuda_program(TorchFunctionMode):
     """While active: CUDA's autocast fp32 list (when CPU autocast is on), its fused dropout,
     attention with dropout and RMSNorm.
@@ -238,6 +261,7 @@ class cuda_program(TorchFunctionMode):
             fused = _fused_dropout_attention(args, kwargs)
             if fused is not None:
                 return fused
+            args = _query_as_cuda_lays_out(args, kwargs)
         if name == "dropout" and args:
             fused = _fused_dropout(args, kwargs)
             if fused is not None:
