@@ -50,7 +50,7 @@ __all__ = ["Stack", "find_stack", "stitched"]
 
 log = logging.getLogger(__name__)
 
-MIN_BLOCKS = 5     # fewer: the two cut exports cost about what the whole one does
+MIN_BLOCKS = 5     # fewer: the cut exports cost about what the whole one does
 
 _SUFFIX = re.compile(r"^(.*)_(\d+)$")
 
