@@ -61,8 +61,9 @@ convention without autocast):
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Literal, Optional, Sequence, Union
 
 import numpy as np
 
@@ -550,6 +551,47 @@ def checkpoint_region_of(calls: list, rec: str, selective_region: str) -> dict[s
     return out
 
 
+class _PolicyFree:
+    """`activation_memory`'s parts that do not depend on the recomputation policy (the gradients'
+    moments; the forward's per-op moments without recomputation): inside `one_graph_policies`,
+    kept for the last graph asked with the same shard, read_shard and parameter objects (held
+    here, so the identities cannot be reused) and settings; outside it, made anew every call.
+    None until made."""
+
+    last: Optional["_PolicyFree"] = None
+    active = 0
+
+    def __init__(self, objs: tuple, settings: tuple) -> None:
+        self.objs, self.settings = objs, settings
+        self.moments: Optional[dict] = None
+        self.fwd_at: Optional[dict] = None
+
+    @classmethod
+    def of(cls, graph, shard, read_shard, param_elems, settings: tuple) -> "_PolicyFree":
+        objs = (graph, shard, read_shard, param_elems)
+        if not cls.active:
+            return cls(objs, settings)
+        last = cls.last
+        if last is None or last.settings != settings or any(a is not b for a, b in zip(last.objs, objs)):
+            last = cls.last = cls(objs, settings)
+        return last
+
+
+@contextmanager
+def one_graph_policies() -> Iterator[None]:
+    """Within it, `activation_memory` calls on one graph object (the same shard, read_shard and
+    param_elems objects, neither changed in between) share what does not depend on the
+    recomputation policy: for a caller asking every policy of one layer in turn
+    (`inter_op.stage_cost.fill_activations`)."""
+    _PolicyFree.active += 1
+    try:
+        yield
+    finally:
+        _PolicyFree.active -= 1
+        if not _PolicyFree.active:
+            _PolicyFree.last = None
+
+
 def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = "none", *,
                       layers: Optional[Iterable[Optional[str]]] = None, shard: Shard = 1.0,
                       selective_region: Literal["core", "ops", "module"] = "core",
@@ -803,8 +845,15 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 tot += r[0] + r[2]
         return tot
 
-    moments = _gradient_moments(calls, by_name, base, rg, copies, upcasts, shard, dtype, new_grads, loss_read,
-                                given_grad, gathers_grad, regather if read_shard is not None else None)
+    # what follows from the graph and its layouts alone, not the policy, is made once for the
+    # policies `fill_activations` asks of one layer in turn (`_PolicyFree`)
+    free = _PolicyFree.of(graph, shard, read_shard, param_elems, (dtype, device_type, attention_kernel, autocast,
+                                                                  given_grad, count_inputs, dtensor))
+    if free.moments is None:
+        free.moments = _gradient_moments(calls, by_name, base, rg, copies, upcasts, shard, dtype, new_grads,
+                                         loss_read, given_grad, gathers_grad,
+                                         regather if read_shard is not None else None)
+    moments = free.moments
 
     def grads(n) -> float:
         # the gradients alive while op n's backward runs (`_gradient_moments`)
@@ -837,8 +886,12 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         for key, b, n in saves:
             if key not in plain_owner:
                 plain_owner[key], plain_bytes[key] = n.name, b
-        _, fwd_at = _forward_over(calls, by_name, base, plain_owner, plain_bytes, size, read, batch, 0.0, mixed,
-                                  cuda_fp32, {k: v[1] for k, v in copies.items()}, per_op=True)
+        if free.fwd_at is None:
+            # the same for every policy taking this branch (what the ops save depends on the
+            # policy only for "selective" on the attention core, the branch above)
+            _, free.fwd_at = _forward_over(calls, by_name, base, plain_owner, plain_bytes, size, read, batch, 0.0,
+                                           mixed, cuda_fp32, {k: v[1] for k, v in copies.items()}, per_op=True)
+        fwd_at = free.fwd_at
         entry: dict[Optional[str], float] = {}
         entry_given: dict[Optional[str], float] = {}
         for n in reversed(calls):

@@ -194,10 +194,12 @@ class _Walk:
         if self.states is not None:
             self.states.add((*self._act, x))
         part = self.parts[self.backed]
-        if part and all(map(ge, x, part[-1])):
-            part[-1] = x        # the previous moment is dominated: it cannot be a peak
-        else:
+        if not part:
             part.append(x)
+        elif all(map(ge, x, part[-1])):
+            part[-1] = x        # the previous moment is dominated: it cannot be a peak
+        elif not all(map(ge, part[-1], x)):
+            part.append(x)      # (one the previous dominates cannot be either)
 
     def forward(self, c: int) -> None:
         self.held[c] += 1

@@ -113,3 +113,75 @@ def test_a_block_reading_two_blocks_back_is_exported_whole():
 def test_models_without_a_stack_take_the_whole_export():
     model, inputs = build_model("gpt-tiny").model, build_model("gpt-tiny").example_inputs   # 2 blocks
     assert capture(model, inputs).capture_method == "torch.export (symbolic batch)"
+
+
+def _counting_exports(monkeypatch) -> list:
+    import importlib
+
+    E = importlib.import_module("autopar.capture.export")   # the package's `capture` shadows the name
+    calls: list = []
+    orig = E._export_symbolic
+
+    def counted(*a, **k):
+        calls.append(1)
+        return orig(*a, **k)
+
+    monkeypatch.setattr(E, "_export_symbolic", counted)
+    return calls
+
+
+@pytest.mark.parametrize("case", ["gpt", "hf-llama"])
+def test_one_cut_is_exported_where_it_shows_enough(case, monkeypatch):
+    """A forward that goes once over its blocks: the model cut to 3 blocks is all that is
+    exported (the post-stack names' steps read off its graph), and the graph is the whole one."""
+    model, inputs = _build(case)
+    whole = capture(model, inputs, repeated=False)
+    calls = _counting_exports(monkeypatch)
+    g = capture(model, inputs)
+    assert g.capture_method == STITCHED and len(calls) == 1
+    _same_graph(whole, g)
+
+
+class _Scaled(nn.Module):
+    """Identical blocks; the ops after them divide by their number."""
+
+    def __init__(self, n: int = 6) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(n))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        return (self.head(x) / len(self.blocks)).sum()
+
+
+class _Sliced(_Scaled):
+    """Identical blocks, of which the forward runs the first `used`."""
+
+    def __init__(self, used: int) -> None:
+        super().__init__()
+        self.used = used
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks[:self.used]:
+            x = torch.relu(b(x))
+        return self.head(x).sum()
+
+
+@pytest.mark.parametrize("model", [_Scaled(), _Sliced(4), _Sliced(6)], ids=["len", "slice-short", "slice-all"])
+def test_a_forward_that_reads_the_number_of_blocks_gets_the_whole_graph(model, monkeypatch):
+    """`len(self.blocks)` after the loop: one cut cannot show it, two do (exported whole);
+    a slice that stops before the last block: refused after one cut; one to the end: one cut."""
+    model = model.to("meta")
+    inputs = (torch.zeros(2, 16, device="meta"),)
+    whole = capture(model, inputs, repeated=False)
+    calls = _counting_exports(monkeypatch)
+    g = capture(model, inputs)
+    _same_graph(whole, g)
+    if isinstance(model, _Sliced) and model.used == 6:
+        assert g.capture_method == STITCHED and len(calls) == 1
+    else:
+        assert "blocks not stitched" in g.capture_method
+        # len(): the cuts to 3 and 2, then the whole; the short slice: the cut to 3, the whole
+        assert len(calls) == (3 if isinstance(model, _Scaled) and not isinstance(model, _Sliced) else 2)

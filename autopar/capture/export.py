@@ -95,8 +95,8 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Optiona
     loss when the inputs hold labels). `example_inputs` is a tuple of positional inputs, or a dict
     of keyword inputs (`{"input_ids": ids, "labels": ids}`). Tries torch.export (symbolic batch,
     then two batch sizes), then torch.fx.symbolic_trace; raises PlanError naming the module and
-    op when all fail. With `repeated`, a stack of identical blocks is exported cut to 2 and 3
-    blocks and stitched to its depth (`capture.repeated`; the same graph, in a fraction of the
+    op when all fail. With `repeated`, a stack of identical blocks is exported cut to 3 blocks
+    (and 2 where needed) and stitched to its depth (`capture.repeated`; the same graph, in a fraction of the
     time). `cache`: a `CaptureCache`, True for the one under the user's cache directory, or
     None/False for none (`capture.cache`).
     """
@@ -181,9 +181,10 @@ STITCHED = "torch.export (symbolic batch, repeated blocks stitched)"
 
 def _capture_stitched(model: nn.Module, wrapped: nn.Module, inputs: tuple, name: str
                       ) -> tuple[Optional[OpGraph], str]:
-    """The graph of a model whose repeated blocks are one stack of identical modules, from
-    exports of its first 2 and 3 blocks (`capture.repeated`); else (None, why it was not
-    stitched: "" when the model has no such stack)."""
+    """The graph of a model whose repeated blocks are one stack of identical modules, from an
+    export of its first 3 blocks (and of its first 2 where that one does not show enough:
+    `capture.repeated`); else (None, why it was not stitched: "" when the model has no such
+    stack)."""
     from autopar.capture.repeated import find_stack, stitched
 
     stack, _ = find_stack(model, find_layers(model)[0])
@@ -194,7 +195,7 @@ def _capture_stitched(model: nn.Module, wrapped: nn.Module, inputs: tuple, name:
     def export_raw() -> tuple:
         ep, ins = _export_symbolic(wrapped, inputs)
         used.append(ins)
-        return export_nodes(wrapped, ins, ep)
+        return export_nodes(wrapped, ins, ep), [n.name for n in ep.graph.nodes]
 
     try:
         with _QuietTorch():

@@ -1,30 +1,44 @@
 """Capture a stack of identical blocks once and stitch it to the model's depth (issue 19).
 
 torch.export's time grows with depth: a 96-block GPT-3 175B takes ~6 s where its first three
-blocks take ~0.3 s. A model whose repeated blocks are one stack of identical modules (same class,
-parameter shapes and dtypes, settings; no tensor shared between blocks) is exported twice with
-the stack cut to its first 2 and 3 blocks, and the whole graph is written from those: block i's
-ops are the third block's, renamed, and the ops after the stack are the cut model's.
+blocks take ~0.5 s (most of it fixed: each export's first block, the rest a tenth of that
+each). A model whose repeated blocks are one stack of identical modules (same class, parameter
+shapes and dtypes, settings; no tensor shared between blocks) is exported with the stack cut to
+its first 3 blocks, and the whole graph is written from that: block i's ops are the third
+block's, renamed, and the ops after the stack are the cut model's.
 
 The result must be the graph a whole export gives, node names included (a plan names ops by
 them and the runtime matches them against its own export of the whole model): torch.fx names a
 node `base_n`, n counting the nodes of that base made before it, so every block shifts each name
 by a fixed step, read off block 2 against block 1; the ops after the stack shift by what one
-block adds, read off the 3-block capture against the 2-block one. Anything the two cuts do not
-show consistently (an op before the stack that changed, a block reading two blocks back, a name
-whose step differs) leaves `stitched` returning the reason, and `capture` exports the whole model
-and records that reason in `OpGraph.capture_method`. `tests/test_capture_repeated.py` checks the
-stitched graph equals the whole export on the zoo and Hugging Face families.
+block adds: the nodes of their base in the third block's span of the exported graph, where the
+graph's names of that base count on by one through blocks 1 and 2 (no node of it dropped or
+renamed there after it was named: then counting them is counting what the namer counted).
+While the cut model is exported its stack reports what its forward asks of it (`_Watch`): one
+pass over its blocks tells the forward nothing of their number, so the ops before and after the
+stack are the whole model's (a slice stopping before the last block, a model running fewer
+blocks than it holds, is refused). Where one cut does not show enough (the forward reads
+`len()` or a negative index, goes over the blocks twice, a name's count skips), the model cut
+to 2 blocks is exported too and
+the two cuts are compared as before: the ops before the stack must be the same in both, the ops
+after it the same read one block later, and their names' step is read off the pair. Anything
+neither shows consistently (an op before the stack that changed, a block reading two blocks
+back, a name whose step differs) leaves `stitched` returning the reason, and `capture` exports
+the whole model and records that reason in `OpGraph.capture_method`.
+`tests/test_capture_repeated.py` checks the stitched graph equals the whole export on the zoo
+and Hugging Face families, and on models that read their number of blocks.
 
-What two cuts cannot show: a forward that treats blocks past the third differently by their
-index alone (`if i == 40:` in the model's loop, not a setting of the block's modules); such a
-model needs `capture(..., repeated=False)`.
+What the cuts cannot show: a forward that treats blocks past the third differently by their
+index alone (`if i == 40:` in the model's loop, not a setting of the block's modules), or that
+learns their number other than from the stack (counting the model's parameters, keeping the
+loop's last index past it); such a model needs `capture(..., repeated=False)`.
 """
 
 from __future__ import annotations
 
+import logging
 import re
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
@@ -34,11 +48,15 @@ from autopar.capture.graph import OpNode, ParamInfo, Ref, map_nested
 
 __all__ = ["Stack", "find_stack", "stitched"]
 
-MIN_BLOCKS = 5     # fewer: the two cut exports cost about what the whole one does
+log = logging.getLogger(__name__)
+
+MIN_BLOCKS = 5     # fewer: the cut exports cost about what the whole one does
 
 _SUFFIX = re.compile(r"^(.*)_(\d+)$")
 
 Raw = tuple[list[OpNode], dict[str, ParamInfo], dict[str, ParamInfo]]
+# a cut's raw capture and the names of its exported graph's nodes, in the graph's order
+Exported = tuple[Raw, list[str]]
 
 
 class Stack:
@@ -120,19 +138,101 @@ def find_stack(model: nn.Module, layers: list[str]) -> tuple[Optional[Stack], st
     return Stack(fqn, container), ""
 
 
-def stitched(stack: Stack, export_raw: Callable[[], Raw]) -> tuple[Optional[Raw], str]:
-    """The whole model's raw capture (nodes, parameters, buffers) from exports of the model
-    with `stack` cut to 2 and 3 blocks (`export_raw` exports the model as it is at the call),
-    or (None, why not)."""
+def stitched(stack: Stack, export_raw: Callable[[], Exported]) -> tuple[Optional[Raw], str]:
+    """The whole model's raw capture (nodes, parameters, buffers) from an export of the model
+    with `stack` cut to 3 blocks, and one cut to 2 where that is not enough (`export_raw`
+    exports the model as it is at the call), or (None, why not)."""
     full = stack.module._modules
-    cut: dict[int, Raw] = {}
+    watch = _Watch(stack)
     try:
-        for k in (2, 3):
-            stack.module._modules = OrderedDict(list(full.items())[:k])
-            cut[k] = export_raw()
+        stack.module._modules = OrderedDict(list(full.items())[:3])
+        with watch:
+            raw3, names3 = export_raw()
+        if watch.refuse:
+            return None, watch.refuse
+        unsure = watch.why
+        if not unsure:
+            try:
+                return _stitch_or_refuse(stack, None, raw3, names3), ""
+            except _Unsure as e:
+                unsure = str(e)
+            except _Refused as e:
+                return None, str(e)
+        log.debug("one cut of %s does not show enough (%s): exporting it cut to 2 blocks too", stack.fqn, unsure)
+        stack.module._modules = OrderedDict(list(full.items())[:2])
+        raw2, _ = export_raw()
     finally:
         stack.module._modules = full
-    return _stitch(stack, cut[2], cut[3])
+    return _stitch(stack, raw2, raw3)
+
+
+class _Watch:
+    """While the cut model is exported, its stack notes what its forward asks of it beyond one
+    pass over its blocks in order (`why`: empty when nothing): its length, a negative index, a
+    slice other than from the first block to (at least) the last, a second pass, a membership
+    test; and in `refuse`, a slice that stops before the last block (the model runs fewer
+    blocks than it holds: no cut stitches that). The stack's class is swapped for a subclass
+    that notes them, for the export only."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.why = ""
+        self.refuse = ""          # what no cut can stitch
+        self.passes = 0
+
+    def note(self, why: str) -> None:
+        self.why = self.why or why
+
+    def __enter__(self) -> "_Watch":
+        base = type(self.stack.module)
+        watch, n = self, self.stack.n
+
+        class Watched(base):  # type: ignore[misc, valid-type]
+            def __len__(self) -> int:
+                watch.note("the forward reads the number of blocks")
+                return super().__len__()
+
+            def __iter__(self):  # noqa: ANN204
+                watch.passes += 1
+                if watch.passes > 1:
+                    watch.note("the forward goes over the blocks more than once")
+                return super().__iter__()
+
+            def __reversed__(self):  # noqa: ANN204
+                watch.note("the forward goes over the blocks backwards")
+                return super().__reversed__()
+
+            def __contains__(self, x: Any) -> bool:
+                watch.note("the forward asks whether a module is a block")
+                return super().__contains__(x)
+
+            def __getitem__(self, idx: Any) -> Any:
+                if isinstance(idx, slice):
+                    start, stop, step = idx.start, idx.stop, idx.step
+                    if isinstance(stop, int) and 0 <= stop < n and start in (None, 0) and step in (None, 1):
+                        # runs the first `stop` blocks: cut to 3 it runs 3 of them
+                        watch.refuse = watch.refuse or f"the forward runs {stop} of the {n} blocks"
+                    elif start not in (None, 0) or step not in (None, 1) or not (stop is None or
+                                                                                (isinstance(stop, int) and stop >= n)):
+                        watch.note(f"the forward takes a slice {idx} of the blocks")
+                elif not (isinstance(idx, int) and idx >= 0):
+                    watch.note(f"the forward reads block [{idx}]")
+                self.__class__ = base       # a slice is built by the container's own methods
+                try:
+                    out = base.__getitem__(self, idx)
+                finally:
+                    self.__class__ = Watched
+                if type(out) is base:       # ... and watched like the stack (all its blocks)
+                    out.__class__ = Watched
+                return out
+
+        Watched.__name__, Watched.__qualname__, Watched.__module__ = base.__name__, base.__qualname__, base.__module__
+        self.base = base
+        self.stack.module.__class__ = Watched
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stack.module.__class__ = self.base
 
 
 # -- names ------------------------------------------------------------------------------------
@@ -199,6 +299,10 @@ class _Refused(Exception):
     """Why a model's capture cannot be stitched (the whole model is exported instead)."""
 
 
+class _Unsure(_Refused):
+    """Why one cut does not show enough to stitch (the model cut to 2 blocks is exported too)."""
+
+
 def _same_op(a: OpNode, b: OpNode, rename: Callable[[str], str]) -> bool:
     return (a.kind == b.kind and a.target == b.target and a.outputs == b.outputs
             and a.module_type == b.module_type and [rename(x) for x in a.inputs] == b.inputs
@@ -216,6 +320,50 @@ def _moved_path(path: str, src: str, dst: str) -> str:
     return dst + path[len(src):] if path.startswith(src) else path
 
 
+def _base(name: str) -> tuple[str, int]:
+    """A top-level node name as torch.fx's namer made it: (base, count), `add_3` -> ("add", 3)."""
+    m = _SUFFIX.match(name)
+    return (m.group(1), int(m.group(2))) if m else (name, 0)
+
+
+def _post_steps(b: _Cut, steps: list[tuple[int, ...]], names: list[str]) -> list[tuple[int, ...]]:
+    """The count step per block of each op after the blocks, from the 3-block cut alone: the
+    nodes of the op's base in block 2's span of the exported graph (`names`, in order; from
+    block 2's first op to the first op after the blocks). That is what one more block adds to
+    the op's count where torch.fx counted every node of the base in the graph's order and none
+    was renamed or dropped since: through blocks 1 and 2 the graph's names of each base an op
+    after the blocks has count on by one (else `_Unsure`; before them a count may be skipped,
+    a dropped node of the ops before the blocks, the same in every cut, and other bases may
+    skip, a dropped `sym_size_int` say, which no name stepped here counts); and block 1's span
+    holds the same bases as block 2's (every block adds alike)."""
+    for op in b.post:
+        if "__" in op.name:
+            raise _Unsure(f"an op after the blocks has an inlined name ({op.name})")
+    bases = {_base(op.name)[0] for op in b.post}
+    pos = {nm: i for i, nm in enumerate(names)}
+    t1, t2 = b.blocks[1], b.blocks[2]
+    end = b.post[0].name if b.post else b.output.name
+    if any(x not in pos for x in (t1[0].name, t2[0].name, end)):
+        raise _Unsure("the blocks' ops are not nodes of the exported graph")
+    # blocks 1 and 2 drop no name of those bases: each counts on from the one before it
+    last: dict[str, int] = {}
+    for x, nm in enumerate(names[:pos[end]]):
+        base, k = _base(nm)
+        if base in bases:
+            if x >= pos[t1[0].name] and k != last.get(base, -1) + 1:
+                raise _Unsure(f"the exported graph's names of {base} skip a count ({nm})")
+            last[base] = k
+    span1 = Counter(_base(nm)[0] for nm in names[pos[t1[0].name]:pos[t2[0].name]])
+    span2 = Counter(_base(nm)[0] for nm in names[pos[t2[0].name]:pos[end]])
+    if span1 != span2:
+        raise _Unsure("blocks 1 and 2 add different nodes to the exported graph")
+    for x, s in zip(t2, steps):     # the template's own steps are the same counts
+        base = _parts(x.name)[0][0]
+        if base in bases and s[0] != span2[base]:
+            raise _Unsure(f"op {x.name}'s step is not what its block adds")
+    return [(span2[_base(op.name)[0]],) for op in b.post]
+
+
 def _stitch(stack: Stack, raw2: Raw, raw3: Raw) -> tuple[Optional[Raw], str]:
     try:
         return _stitch_or_refuse(stack, raw2, raw3), ""
@@ -223,21 +371,28 @@ def _stitch(stack: Stack, raw2: Raw, raw3: Raw) -> tuple[Optional[Raw], str]:
         return None, str(e)
 
 
-def _stitch_or_refuse(stack: Stack, raw2: Raw, raw3: Raw) -> Raw:
-    a, b = _Cut(raw2, stack, 2), _Cut(raw3, stack, 3)
+def _stitch_or_refuse(stack: Stack, raw2: Optional[Raw], raw3: Raw, names3: Optional[list[str]] = None) -> Raw:
+    """The whole model's raw capture from the cuts to 2 and 3 blocks; with `raw2` None, from
+    the cut to 3 alone and its exported graph's node names `names3` (raises `_Unsure` where
+    they do not show the names' steps)."""
+    a, b = (_Cut(raw2, stack, 2) if raw2 is not None else None), _Cut(raw3, stack, 3)
     n = stack.n
     # module paths and FQNs are the model's; placeholder names are the wrapper's ("p_model_...")
     mp = [stack.prefix(i) for i in range(n)]
     same = lambda x: x  # noqa: E731
-    if len(a.pre) != len(b.pre) or any(x.name != y.name or not _same_op(x, y, same) for x, y in zip(a.pre, b.pre)):
-        raise _Refused("the ops before the blocks depend on their number")
-    if [len(s) for s in b.blocks] != [len(b.blocks[0])] * 3 or [len(s) for s in a.blocks] != [len(b.blocks[0])] * 2:
+    if [len(s) for s in b.blocks] != [len(b.blocks[0])] * 3:
         raise _Refused("the blocks' op counts differ")
-    if len(a.post) != len(b.post):
-        raise _Refused("the ops after the blocks depend on their number")
     t1, t2 = b.blocks[1], b.blocks[2]
-    if any(x.name != y.name for x, y in zip(a.blocks[1], t1)):
-        raise _Refused("block 1's names depend on the blocks after it")
+    if a is not None:
+        if len(a.pre) != len(b.pre) or any(x.name != y.name or not _same_op(x, y, same)
+                                           for x, y in zip(a.pre, b.pre)):
+            raise _Refused("the ops before the blocks depend on their number")
+        if [len(s) for s in a.blocks] != [len(b.blocks[0])] * 2:
+            raise _Refused("the blocks' op counts differ")
+        if len(a.post) != len(b.post):
+            raise _Refused("the ops after the blocks depend on their number")
+        if any(x.name != y.name for x, y in zip(a.blocks[1], t1)):
+            raise _Refused("block 1's names depend on the blocks after it")
 
     # placeholders of block 2 (the template) and the name each takes in block i
     def holder_for(h: OpNode, i: int) -> tuple[str, str]:
@@ -290,12 +445,15 @@ def _stitch_or_refuse(stack: Stack, raw2: Raw, raw3: Raw) -> Raw:
             raise _Refused(f"block 1's op {y.name} is not block 2's {x.name} renamed")
 
     # the ops after the blocks: the 3-block cut's, names stepped by what each block adds
-    post_steps = []
-    for x, y in zip(a.post, b.post):
-        s = _step(x.name, y.name)
-        if s is None or x.target != y.target or x.outputs != y.outputs:
-            raise _Refused("the ops after the blocks differ between the cuts")
-        post_steps.append(s)
+    if a is None:
+        post_steps = _post_steps(b, steps, names3 or [])
+    else:
+        post_steps = []
+        for x, y in zip(a.post, b.post):
+            s = _step(x.name, y.name)
+            if s is None or x.target != y.target or x.outputs != y.outputs:
+                raise _Refused("the ops after the blocks differ between the cuts")
+            post_steps.append(s)
     post_names = {y.name: _shift(y.name, s, n - 3) for y, s in zip(b.post, post_steps)}
     last = rename_in(n - 1)
 
@@ -307,11 +465,12 @@ def _stitch_or_refuse(stack: Stack, raw2: Raw, raw3: Raw) -> Raw:
         return last(nm)
 
     # the ops after the blocks in the 2-block cut: the 3-block cut's, read one block earlier
-    a_of = {y.name: x.name for x, y in zip(a.post, b.post)}
-    a_of.update({y.name: x.name for x, y in zip(a.blocks[1], t2)})
-    for x, y in zip(a.post, b.post):
-        if not _same_op(y, x, lambda nm: a_of.get(nm, nm)):
-            raise _Refused(f"the op after the blocks {y.name} differs between the cuts")
+    if a is not None:
+        a_of = {y.name: x.name for x, y in zip(a.post, b.post)}
+        a_of.update({y.name: x.name for x, y in zip(a.blocks[1], t2)})
+        for x, y in zip(a.post, b.post):
+            if not _same_op(y, x, lambda nm: a_of.get(nm, nm)):
+                raise _Refused(f"the op after the blocks {y.name} differs between the cuts")
 
     # write the whole graph; parameters lead buffers in the export's placeholders: a block's
     # parameters follow the last parameter of block 2, its buffers its last buffer

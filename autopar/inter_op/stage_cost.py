@@ -35,7 +35,7 @@ from autopar.schema.software import SoftwareSpec, resolve_software
 from cost_models.communication import collective_time
 from cost_models.compute import DTYPE_SIZE, fusion_of, op_list_time
 from cost_models.layouts import graph_layout_copies, share_layout_walk
-from cost_models.memory import activation_memory, graph_fp32_tensors, requires_grad
+from cost_models.memory import activation_memory, graph_fp32_tensors, one_graph_policies, requires_grad
 
 LOSS_OPS = frozenset({"cross_entropy_loss", "nll_loss", "log_softmax", "_log_softmax"})
 
@@ -205,11 +205,13 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
     software's mixed precision (`SoftwareSpec.autocast`; False: the model cast to `dtype`)."""
     params = {n.name: c.param_elems[n.fqn] for n in sub.nodes
               if n.kind == "param" and getattr(n, "fqn", None) in c.param_elems}
-    for rc in RECOMPUTES:
-        am = activation_memory(sub, dtype, rc, shard=shard, selective_region=selective_region, device_type=device_type,
-                               count_inputs=False, dtensor=dtensor, read_shard=read_shard, param_elems=params,
-                               given_grad=out_name, attention_kernel=attention_kernel, modules=modules,
-                               autocast=autocast)
+    with one_graph_policies():      # the policies share what does not depend on them
+        ams = {rc: activation_memory(sub, dtype, rc, shard=shard, selective_region=selective_region,
+                                     device_type=device_type, count_inputs=False, dtensor=dtensor,
+                                     read_shard=read_shard, param_elems=params, given_grad=out_name,
+                                     attention_kernel=attention_kernel, modules=modules, autocast=autocast)
+               for rc in RECOMPUTES}
+    for rc, am in ams.items():
         c.act_bytes[rc] = am.saved_bytes
         # the forward's worst moment where it lies above the backward's (tensors the forward
         # makes, counted as activations like a recomputation's)
