@@ -162,6 +162,39 @@ def test_flat_sync_buffers_are_freed_even_if_the_backend_keeps_them(monkeypatch)
     assert kept[1].untyped_storage().nbytes() == 0
 
 
+def test_gloo_reduce_scatter_copy_is_freed_when_the_call_returns():
+    """ProcessGroupGloo's reduce-scatter clones its input and all-reduces the clone on a worker
+    thread, which drops it some time after the wait returns: the runtime's flat reduce-scatter
+    frees that copy's storage itself as the call returns (every run alike), the shard still
+    gets the reduced values. Real gloo, one process."""
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar.runtime import tied_grads
+
+    viewed = []
+
+    class Views(TorchDispatchMode):      # what the wait's copy-out reads: gloo's clone
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.split.Tensor:
+                viewed.append(args[0].untyped_storage())
+            return func(*args, **(kwargs or {}))
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        full = torch.arange(12.0)
+        out = torch.empty(12)
+        with Views():
+            tied_grads.reduce_scatter_flat(out, full, dist.group.WORLD)
+        assert torch.equal(out, torch.arange(12.0)) and torch.equal(full, torch.arange(12.0))
+        assert viewed and viewed[0].data_ptr() != full.untyped_storage().data_ptr()
+        assert all(st.nbytes() == 0 for st in viewed)
+        # the operands are left alone
+        assert full.untyped_storage().nbytes() == 48 and out.untyped_storage().nbytes() == 48
+    finally:
+        dist.destroy_process_group()
+
+
 def test_elementwise_optimizer_steps_local_shards_like_the_dtensors():
     """`local_optim`: AdamW rebuilt over the DTensors' local tensors makes the same update as
     over the DTensors (same storage: the parameters change), keeps the hyperparameters of each

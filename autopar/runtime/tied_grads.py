@@ -14,12 +14,15 @@ weight): the copies' gradients are summed, as Megatron's embedding group does.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -33,8 +36,51 @@ def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessG
 
 
 def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """Sum-reduce-scatter the 1-D `full` into equal shards (`reduce_scatter_single` in new torch)."""
-    getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, full, group=group)
+    """Sum-reduce-scatter the 1-D `full` into equal shards (`reduce_scatter_single` in new torch).
+    On gloo, the backend's own copy of `full` is freed when the call returns (`gloo_copies_released`)."""
+    with gloo_copies_released(group, out, full):
+        getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, full, group=group)
+
+
+class _BackendViews(TorchDispatchMode):
+    """The storages of the tensors the ops dispatched inside read, other than `known` ones'."""
+
+    def __init__(self, known: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.known = {t.untyped_storage().data_ptr() for t in known}
+        self.found: dict[int, torch.UntypedStorage] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for a in args:
+            if isinstance(a, torch.Tensor) and type(a) is torch.Tensor and a.device.type == "cpu":
+                st = a.untyped_storage()
+                if st.data_ptr() not in self.known and st.nbytes():
+                    self.found.setdefault(st.data_ptr(), st)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def gloo_copies_released(group: Optional[dist.ProcessGroup], *operands: torch.Tensor) -> Iterator[None]:
+    """Free, once a synchronous gloo reduce-scatter inside returned, the copy of its input it
+    made. ProcessGroupGloo's reduce-scatter (torch 2.13, `reduce_scatter_tensor_coalesced`)
+    clones its input, all-reduces the clone on a worker thread and, in the wait, copies the
+    rank's chunk out of it: the clone is referenced by the returned work (dropped with it) and
+    by the worker thread's all-reduce work, which that thread drops only some time after waking
+    the waiter (`release`). So the input-sized copy outlived the call by a time that depends on
+    the threads' scheduling, into the optimizer step in some runs (the memory harness's
+    intermittent optimizer-phase buffers of ZeRO-1/2: one flat gradient, about one run in
+    three under load). The wait's copy-out reads the clone through the dispatcher; its storage
+    (no operand's) is resized to 0 after the call, as `release` does for the runtime's own
+    buffers: the clone lives exactly as long as the collective, every run. Nothing is done for
+    another backend (NCCL reduce-scatters in place) or an asynchronous call."""
+    if not dist.is_initialized() or dist.get_backend(group) != "gloo":
+        yield
+        return
+    mode = _BackendViews(list(operands))
+    with mode:
+        yield
+    for st in mode.found.values():
+        st.resize_(0)
 
 
 def release(*buffers: torch.Tensor) -> None:

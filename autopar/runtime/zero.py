@@ -11,8 +11,28 @@ import torch.nn as nn
 
 from autopar.runtime.precision import fsdp_policy
 from autopar.runtime.spmd import SPMDModule
-from autopar.runtime.tied_grads import all_gather_flat, reduce_scatter_flat, release
+from autopar.runtime.tied_grads import all_gather_flat, gloo_copies_released, reduce_scatter_flat, release
 from autopar.runtime.validate import get_submodule
+
+
+def release_gloo_copies(module: nn.Module) -> None:
+    """Make the FSDP2 unit `module`'s gradient reduce-scatter free gloo's copy of its input as
+    the call returns (`tied_grads.gloo_copies_released`; FSDP2 calls it synchronously), instead
+    of whenever gloo's worker thread drops it: FSDP's default comm with that around it. Nothing
+    on another backend."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    class GlooReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            if async_op:
+                return super().__call__(output_tensor, input_tensor, group, op, async_op)
+            with gloo_copies_released(group, output_tensor, input_tensor):
+                return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    if groups and dist.get_backend(groups[0]._reduce_scatter_process_group) == "gloo":
+        module.set_custom_reduce_scatter(GlooReduceScatter())
 
 
 def _quiet_view_output_warning() -> None:
@@ -71,14 +91,14 @@ class ZeroSharding:
         # with tp, parameters are already DTensors on the sibling tp sub-mesh: FSDP2 makes them
         # 2-D (Shard on dp, the planned placement on tp)
         for fqn in units:
-            fully_shard(get_submodule(model, fqn), mesh=mesh, **mp)
+            release_gloo_copies(fully_shard(get_submodule(model, fqn), mesh=mesh, **mp))
         root = model if root is None else root
         from autopar.intra_op.execute import ShardedProgram
         from autopar.intra_op.pipeline_chunks import ProgramChunk
 
         if isinstance(root, (SPMDModule, ShardedProgram, ProgramChunk)):
             _quiet_view_output_warning()
-        fully_shard(root, mesh=mesh, **mp)
+        release_gloo_copies(fully_shard(root, mesh=mesh, **mp))
         self._fsdp_root = root
 
     def _shard_solved(self, prog: nn.Module, units: Sequence[str]) -> None:
