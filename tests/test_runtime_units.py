@@ -195,6 +195,43 @@ def test_gloo_reduce_scatter_copy_is_freed_when_the_call_returns():
         dist.destroy_process_group()
 
 
+def test_gloo_collective_returns_once_the_worker_thread_let_go():
+    """gloo's worker thread drops a finished work (and its tensors) only when it takes its
+    queue's lock again, after waking the waiter: a buffer dropped right after the call lived on
+    a scheduling-dependent time (FSDP2's all-gather output, milliseconds under load). Run on
+    `gloo_quiesced`'s views, the collective returns once nothing of gloo references them: the
+    caller's buffer is freed when the caller drops it. Real gloo, one process."""
+    import weakref
+
+    import torch.distributed as dist
+
+    from autopar.runtime import tied_grads
+
+    refs: list = []
+
+    def gather(o, i):
+        # the views the collective runs on: tensors of their own over the caller's storage
+        refs.extend([weakref.ref(o), weakref.ref(i), o.untyped_storage().data_ptr()])
+        tied_grads.all_gather_flat(o, i, dist.group.WORLD)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for _ in range(20):
+            refs.clear()
+            buf = torch.zeros(64)
+            part = buf.narrow(0, 0, 64)
+            part.fill_(3.0)
+            tied_grads.gloo_quiesced(gather, dist.group.WORLD, buf, part)
+            assert refs[2] == buf.untyped_storage().data_ptr()
+            assert refs[0]() is None and refs[1]() is None       # nothing holds the views now
+            assert torch.equal(buf, torch.full((64,), 3.0))
+            st = weakref.ref(buf.untyped_storage())
+            del buf, part
+            assert st() is None
+    finally:
+        dist.destroy_process_group()
+
+
 def test_elementwise_optimizer_steps_local_shards_like_the_dtensors():
     """`local_optim`: AdamW rebuilt over the DTensors' local tensors makes the same update as
     over the DTensors (same storage: the parameters change), keeps the hyperparameters of each

@@ -15,8 +15,10 @@ weight): the copies' gradients are summed, as Megatron's embedding group does.
 from __future__ import annotations
 
 import contextlib
+import time
+import weakref
 from collections.abc import Iterator
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -57,6 +59,32 @@ class _BackendViews(TorchDispatchMode):
                 if st.data_ptr() not in self.known and st.nbytes():
                     self.found.setdefault(st.data_ptr(), st)
         return func(*args, **(kwargs or {}))
+
+
+def gloo_quiesced(collective: Callable[..., Any], group: Optional[dist.ProcessGroup], *operands: torch.Tensor,
+                  timeout_s: float = 10.0) -> Any:
+    """`collective(*operands)`, a synchronous collective, run on views of `operands`; once it
+    returned, wait until gloo's worker thread has dropped its work.
+
+    The wait returns when the collective is done, but the worker thread that ran it drops its
+    work, and the tensors in it, only once it takes its queue's lock again: under load several
+    milliseconds later, a thousand small ops (`release`). A buffer its owner drops in the
+    meantime (FSDP2's flat all-gather output, after its copy-out) is freed when the thread gets
+    there, not when the owner drops it: memory held a scheduling-dependent time. The views are
+    tensors of their own that only this call and the work reference; once both let go (a weak
+    reference dies: torch keeps a tensor's Python object while C++ holds it) gloo holds nothing
+    of the operands. Waits at most `timeout_s` (the collective's result is complete either
+    way). On another backend `collective(*operands)` as it is."""
+    if not dist.is_initialized() or dist.get_backend(group) != "gloo":
+        return collective(*operands)
+    views = [t.view(t.shape) for t in operands]
+    refs = [weakref.ref(v) for v in views]
+    out = collective(*views)
+    del views
+    end = time.monotonic() + timeout_s
+    while any(r() is not None for r in refs) and time.monotonic() < end:
+        time.sleep(0)
+    return out
 
 
 @contextlib.contextmanager
