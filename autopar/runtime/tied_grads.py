@@ -45,7 +45,8 @@ def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: dist.Proce
 
 
 class _BackendViews(TorchDispatchMode):
-    """The storages of the tensors the ops dispatched inside read, other than `known` ones'."""
+    """The storages of the tensors split inside (gloo's wait: `buffer.chunk(world)[rank]`),
+    other than `known` ones' (the collective's operands)."""
 
     def __init__(self, known: list[torch.Tensor]) -> None:
         super().__init__()
@@ -53,11 +54,11 @@ class _BackendViews(TorchDispatchMode):
         self.found: dict[int, torch.UntypedStorage] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        for a in args:
-            if isinstance(a, torch.Tensor) and type(a) is torch.Tensor and a.device.type == "cpu":
-                st = a.untyped_storage()
-                if st.data_ptr() not in self.known and st.nbytes():
-                    self.found.setdefault(st.data_ptr(), st)
+        a = args[0] if args else None
+        if (func is torch.ops.aten.split.Tensor and type(a) is torch.Tensor and a.device.type == "cpu"):
+            st = a.untyped_storage()
+            if st.data_ptr() not in self.known and st.nbytes():
+                self.found.setdefault(st.data_ptr(), st)
         return func(*args, **(kwargs or {}))
 
 
