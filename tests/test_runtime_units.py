@@ -232,6 +232,31 @@ def test_gloo_collective_returns_once_the_worker_thread_let_go():
         dist.destroy_process_group()
 
 
+def test_functional_collectives_on_gloo_return_once_gloo_let_go():
+    """Tensor parallelism's functional collectives (DTensor's) under `GlooFunctionalSync`: the
+    all-reduce runs in place on a view of its own clone, the all-gather on a view of its input,
+    and the wait returns once those views died (gloo holds nothing of the operands), with the
+    results of the plain ops. Real gloo, one process."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from autopar.runtime.tied_grads import GlooFunctionalSync
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        g = dist.group.WORLD
+        x = torch.arange(6.0)
+        sync = GlooFunctionalSync()
+        with sync:
+            red = funcol.all_reduce(x, "sum", g) * 1.0          # used: the wait runs
+            assert sync.pending == {}                            # waited, and gloo let go
+            gat = funcol.all_gather_tensor(x, 0, g) * 1.0
+            assert sync.pending == {}
+        assert torch.equal(red, x) and torch.equal(gat, x) and torch.equal(x, torch.arange(6.0))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_elementwise_optimizer_steps_local_shards_like_the_dtensors():
     """`local_optim`: AdamW rebuilt over the DTensors' local tensors makes the same update as
     over the DTensors (same storage: the parameters change), keeps the hyperparameters of each

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -198,3 +199,72 @@ class FullTiedSync:
             g.copy_((part if idx is None else part[idx]).view_as(g))
             off += p.numel()
         release(buf)
+
+
+def _dead(refs: list, timeout_s: float = 10.0) -> None:
+    """Wait until every weak reference of `refs` died (at most `timeout_s`)."""
+    end = time.monotonic() + timeout_s
+    while any(r() is not None for r in refs) and time.monotonic() < end:
+        time.sleep(0)
+
+
+class GlooFunctionalSync(TorchDispatchMode):
+    """Tensor parallelism's collectives on gloo with the timing of `gloo_quiesced`: DTensor
+    issues functional collectives (`_c10d_functional`) and waits on their output
+    (`wait_tensor`); gloo's worker thread held the operands of a finished one some time after
+    that wait, so a tensor the step dropped (an all-reduced gradient autograd had consumed, an
+    all-gather's input) stayed alive a scheduling-dependent time (seen: gpt-tiny fp32 tp2's last
+    all-reduced gradient through the optimizer step on one rank, mlp-tiny tp2's backward
+    all-gathers). Under this mode an all-gather or all-to-all runs on a view of its input, an
+    all-reduce in place on a view of its own contiguous clone (the functional op's output, as
+    it makes it), and `wait_tensor` returns once those views died: gloo has let go of the work,
+    so the operands live exactly as long as the step holds them. Other backends' groups and
+    every other op pass through; a reduce-scatter too (gloo all-reduces a clone of its input
+    made inside the op, which nothing of the step sees)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: dict[int, list] = {}
+        self._gloo: dict[Any, bool] = {}
+
+    def _on_gloo(self, name: Any) -> bool:
+        hit = self._gloo.get(name)
+        if hit is None:
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            try:
+                hit = dist.get_backend(_resolve_process_group(name)) == "gloo"
+            except Exception:   # noqa: BLE001 - not a group this rank knows: left alone
+                hit = False
+            self._gloo[name] = hit
+        return hit
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if DTensor in types or _ACT in types:
+            # DTensor's and funcol's wrapper's own dispatch first: the local ops and the wait
+            # they issue come back here
+            return NotImplemented
+        if func is _FUNCOL.wait_tensor.default:
+            out = func(*args, **kwargs)
+            refs = self.pending.pop(args[0].untyped_storage().data_ptr(), None)
+            if refs:
+                _dead(refs)
+            return out
+        if func in _VIEWED_INPUT and self._on_gloo(kwargs.get("group_name", args[-1])):
+            view = args[0].view(args[0].shape)
+            out = func(view, *args[1:], **kwargs)
+            self.pending.setdefault(out.untyped_storage().data_ptr(), []).append(weakref.ref(view))
+            return out
+        if func is _FUNCOL.all_reduce.default and self._on_gloo(kwargs.get("group_name", args[-1])):
+            out = args[0].clone(memory_format=torch.contiguous_format)
+            view = out.view(out.shape)
+            _FUNCOL.all_reduce_.default(view, *args[1:], **kwargs)
+            self.pending.setdefault(out.untyped_storage().data_ptr(), []).append(weakref.ref(view))
+            return out
+        return func(*args, **kwargs)
+
+
+_FUNCOL = torch.ops._c10d_functional
+_ACT = AsyncCollectiveTensor
+_VIEWED_INPUT = (_FUNCOL.all_gather_into_tensor.default, _FUNCOL.all_to_all_single.default)
