@@ -1202,6 +1202,17 @@ def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: 
         if not rg.get(n.name, False) or not n.outputs or not _floating(n):
             drop(n.name)
             continue
+        pb = by_name.get(base.get(n.name, n.name))
+        if getattr(pb, "kind", None) == "param" and pb.outputs and n.outputs[0].numel == pb.outputs[0].numel:
+            # a view of a whole parameter (the experts' `w.transpose(1, 2)`): its gradient is the
+            # parameter's, which its reader's backward made (`new_grads`) and AccumulateGrad
+            # then makes `.grad`, one tensor; the view's backward hands it on as a view. Not a
+            # gradient of its own beside it (the grouped GEMM's weight gradient was counted
+            # twice at the transpose's moment: moe-tiny's experts, 16 KiB a block). A view of
+            # part of one (an expert's `w[e]`) is not: its backward makes a whole-size tensor
+            out[n.name] = (total, stor.get(given_st, 0.0), total)
+            drop(n.name)
+            continue
         if n.name not in owner:
             if n.name in read_with_grad and n.op not in LOSSES:
                 continue                 # its readers' backward hands it no gradient

@@ -162,6 +162,101 @@ def test_flat_sync_buffers_are_freed_even_if_the_backend_keeps_them(monkeypatch)
     assert kept[1].untyped_storage().nbytes() == 0
 
 
+def test_gloo_reduce_scatter_copy_is_freed_when_the_call_returns():
+    """ProcessGroupGloo's reduce-scatter clones its input and all-reduces the clone on a worker
+    thread, which drops it some time after the wait returns: the runtime's flat reduce-scatter
+    frees that copy's storage itself as the call returns (every run alike), the shard still
+    gets the reduced values. Real gloo, one process."""
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar.runtime import tied_grads
+
+    viewed = []
+
+    class Views(TorchDispatchMode):      # what the wait's copy-out reads: gloo's clone
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.split.Tensor:
+                viewed.append(args[0].untyped_storage())
+            return func(*args, **(kwargs or {}))
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        full = torch.arange(12.0)
+        out = torch.empty(12)
+        with Views():
+            tied_grads.reduce_scatter_flat(out, full, dist.group.WORLD)
+        assert torch.equal(out, torch.arange(12.0)) and torch.equal(full, torch.arange(12.0))
+        assert viewed and viewed[0].data_ptr() != full.untyped_storage().data_ptr()
+        assert all(st.nbytes() == 0 for st in viewed)
+        # the operands are left alone
+        assert full.untyped_storage().nbytes() == 48 and out.untyped_storage().nbytes() == 48
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gloo_collective_returns_once_the_worker_thread_let_go():
+    """gloo's worker thread drops a finished work (and its tensors) only when it takes its
+    queue's lock again, after waking the waiter: a buffer dropped right after the call lived on
+    a scheduling-dependent time (FSDP2's all-gather output, milliseconds under load). Run on
+    `gloo_quiesced`'s views, the collective returns once nothing of gloo references them: the
+    caller's buffer is freed when the caller drops it. Real gloo, one process."""
+    import weakref
+
+    import torch.distributed as dist
+
+    from autopar.runtime import tied_grads
+
+    refs: list = []
+
+    def gather(o, i):
+        # the views the collective runs on: tensors of their own over the caller's storage
+        refs.extend([weakref.ref(o), weakref.ref(i), o.untyped_storage().data_ptr()])
+        tied_grads.all_gather_flat(o, i, dist.group.WORLD)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for _ in range(20):
+            refs.clear()
+            buf = torch.zeros(64)
+            part = buf.narrow(0, 0, 64)
+            part.fill_(3.0)
+            tied_grads.gloo_quiesced(gather, dist.group.WORLD, buf, part)
+            assert refs[2] == buf.untyped_storage().data_ptr()
+            assert refs[0]() is None and refs[1]() is None       # nothing holds the views now
+            assert torch.equal(buf, torch.full((64,), 3.0))
+            st = weakref.ref(buf.untyped_storage())
+            del buf, part
+            assert st() is None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_functional_collectives_on_gloo_return_once_gloo_let_go():
+    """Tensor parallelism's functional collectives (DTensor's) under `GlooFunctionalSync`: the
+    all-reduce runs in place on a view of its own clone, the all-gather on a view of its input,
+    and the wait returns once those views died (gloo holds nothing of the operands), with the
+    results of the plain ops. Real gloo, one process."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from autopar.runtime.tied_grads import GlooFunctionalSync
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        g = dist.group.WORLD
+        x = torch.arange(6.0)
+        sync = GlooFunctionalSync()
+        with sync:
+            red = funcol.all_reduce(x, "sum", g) * 1.0          # used: the wait runs
+            assert sync.pending == {}                            # waited, and gloo let go
+            gat = funcol.all_gather_tensor(x, 0, g) * 1.0
+            assert sync.pending == {}
+        assert torch.equal(red, x) and torch.equal(gat, x) and torch.equal(x, torch.arange(6.0))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_elementwise_optimizer_steps_local_shards_like_the_dtensors():
     """`local_optim`: AdamW rebuilt over the DTensors' local tensors makes the same update as
     over the DTensors (same storage: the parameters change), keeps the hyperparameters of each

@@ -418,15 +418,26 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         `counter` (a CollectiveCounter) is active wherever collectives can run: the whole step,
         or only the gradient sync when forward/backward cannot communicate (its per-op cost then
         stays out of the compute)."""
-        if counter is not None and self.collectives_in_compute:
-            with counter:
+        with self._gloo_sync():
+            if counter is not None and self.collectives_in_compute:
+                with counter:
+                    loss_sum, n = self.forward_backward(batch)
+                    self.sync_and_update()
+            else:
                 loss_sum, n = self.forward_backward(batch)
-                self.sync_and_update()
-        else:
-            loss_sum, n = self.forward_backward(batch)
-            self.sync_and_update(counter)
+                self.sync_and_update(counter)
         self.steps_done += 1
         return loss_sum, n
+
+    def _gloo_sync(self) -> Any:
+        """Tensor parallelism on gloo: its functional collectives return once gloo let go of
+        their operands (`tied_grads.GlooFunctionalSync`), so a tensor the step drops is freed
+        then, every run alike; else nothing."""
+        if self.tp_size > 1 and dist.is_initialized() and dist.get_backend() == "gloo":
+            from autopar.runtime.tied_grads import GlooFunctionalSync
+
+            return GlooFunctionalSync()
+        return _nullctx()
 
     def reduce_loss(self, local: tuple[float, int]) -> float:
         """Mean loss over the global batch from every rank's `train_step` result (a collective)."""

@@ -224,7 +224,9 @@ class ExpertGroups:
         if self.mesh.size(0) == 1:
             return {p for w in wrappers for p in w.parameters()}
         for w in wrappers:
-            fully_shard(w, mesh=self.mesh["edp"], **mp)
+            from autopar.runtime.zero import gloo_fsdp_comms
+
+            gloo_fsdp_comms(fully_shard(w, mesh=self.mesh["edp"], **mp))
             self.fsdp_params.extend(w.parameters())
         self.fsdp = True
         return set()

@@ -14,12 +14,18 @@ weight): the copies' gradients are summed, as Megatron's embedding group does.
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -33,8 +39,78 @@ def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessG
 
 
 def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """Sum-reduce-scatter the 1-D `full` into equal shards (`reduce_scatter_single` in new torch)."""
-    getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, full, group=group)
+    """Sum-reduce-scatter the 1-D `full` into equal shards (`reduce_scatter_single` in new torch).
+    On gloo, the backend's own copy of `full` is freed when the call returns (`gloo_copies_released`)."""
+    with gloo_copies_released(group, out, full):
+        getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, full, group=group)
+
+
+class _BackendViews(TorchDispatchMode):
+    """The storages of the tensors split inside (gloo's wait: `buffer.chunk(world)[rank]`),
+    other than `known` ones' (the collective's operands)."""
+
+    def __init__(self, known: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.known = {t.untyped_storage().data_ptr() for t in known}
+        self.found: dict[int, torch.UntypedStorage] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        a = args[0] if args else None
+        if (func is torch.ops.aten.split.Tensor and type(a) is torch.Tensor and a.device.type == "cpu"):
+            st = a.untyped_storage()
+            if st.data_ptr() not in self.known and st.nbytes():
+                self.found.setdefault(st.data_ptr(), st)
+        return func(*args, **(kwargs or {}))
+
+
+def gloo_quiesced(collective: Callable[..., Any], group: Optional[dist.ProcessGroup], *operands: torch.Tensor,
+                  timeout_s: float = 10.0) -> Any:
+    """`collective(*operands)`, a synchronous collective, run on views of `operands`; once it
+    returned, wait until gloo's worker thread has dropped its work.
+
+    The wait returns when the collective is done, but the worker thread that ran it drops its
+    work, and the tensors in it, only once it takes its queue's lock again: under load several
+    milliseconds later, a thousand small ops (`release`). A buffer its owner drops in the
+    meantime (FSDP2's flat all-gather output, after its copy-out) is freed when the thread gets
+    there, not when the owner drops it: memory held a scheduling-dependent time. The views are
+    tensors of their own that only this call and the work reference; once both let go (a weak
+    reference dies: torch keeps a tensor's Python object while C++ holds it) gloo holds nothing
+    of the operands. Waits at most `timeout_s` (the collective's result is complete either
+    way). On another backend `collective(*operands)` as it is."""
+    if not dist.is_initialized() or dist.get_backend(group) != "gloo":
+        return collective(*operands)
+    views = [t.view(t.shape) for t in operands]
+    refs = [weakref.ref(v) for v in views]
+    out = collective(*views)
+    del views
+    end = time.monotonic() + timeout_s
+    while any(r() is not None for r in refs) and time.monotonic() < end:
+        time.sleep(0)
+    return out
+
+
+@contextlib.contextmanager
+def gloo_copies_released(group: Optional[dist.ProcessGroup], *operands: torch.Tensor) -> Iterator[None]:
+    """Free, once a synchronous gloo reduce-scatter inside returned, the copy of its input it
+    made. ProcessGroupGloo's reduce-scatter (torch 2.13, `reduce_scatter_tensor_coalesced`)
+    clones its input, all-reduces the clone on a worker thread and, in the wait, copies the
+    rank's chunk out of it: the clone is referenced by the returned work (dropped with it) and
+    by the worker thread's all-reduce work, which that thread drops only some time after waking
+    the waiter (`release`). So the input-sized copy outlived the call by a time that depends on
+    the threads' scheduling, into the optimizer step in some runs (the memory harness's
+    intermittent optimizer-phase buffers of ZeRO-1/2: one flat gradient, about one run in
+    three under load). The wait's copy-out reads the clone through the dispatcher; its storage
+    (no operand's) is resized to 0 after the call, as `release` does for the runtime's own
+    buffers: the clone lives exactly as long as the collective, every run. Nothing is done for
+    another backend (NCCL reduce-scatters in place) or an asynchronous call."""
+    if not dist.is_initialized() or dist.get_backend(group) != "gloo":
+        yield
+        return
+    mode = _BackendViews(list(operands))
+    with mode:
+        yield
+    for st in mode.found.values():
+        st.resize_(0)
 
 
 def release(*buffers: torch.Tensor) -> None:
@@ -123,3 +199,72 @@ class FullTiedSync:
             g.copy_((part if idx is None else part[idx]).view_as(g))
             off += p.numel()
         release(buf)
+
+
+def _dead(refs: list, timeout_s: float = 10.0) -> None:
+    """Wait until every weak reference of `refs` died (at most `timeout_s`)."""
+    end = time.monotonic() + timeout_s
+    while any(r() is not None for r in refs) and time.monotonic() < end:
+        time.sleep(0)
+
+
+class GlooFunctionalSync(TorchDispatchMode):
+    """Tensor parallelism's collectives on gloo with the timing of `gloo_quiesced`: DTensor
+    issues functional collectives (`_c10d_functional`) and waits on their output
+    (`wait_tensor`); gloo's worker thread held the operands of a finished one some time after
+    that wait, so a tensor the step dropped (an all-reduced gradient autograd had consumed, an
+    all-gather's input) stayed alive a scheduling-dependent time (seen: gpt-tiny fp32 tp2's last
+    all-reduced gradient through the optimizer step on one rank, mlp-tiny tp2's backward
+    all-gathers). Under this mode an all-gather or all-to-all runs on a view of its input, an
+    all-reduce in place on a view of its own contiguous clone (the functional op's output, as
+    it makes it), and `wait_tensor` returns once those views died: gloo has let go of the work,
+    so the operands live exactly as long as the step holds them. Other backends' groups and
+    every other op pass through; a reduce-scatter too (gloo all-reduces a clone of its input
+    made inside the op, which nothing of the step sees)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: dict[int, list] = {}
+        self._gloo: dict[Any, bool] = {}
+
+    def _on_gloo(self, name: Any) -> bool:
+        hit = self._gloo.get(name)
+        if hit is None:
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            try:
+                hit = dist.get_backend(_resolve_process_group(name)) == "gloo"
+            except Exception:   # noqa: BLE001 - not a group this rank knows: left alone
+                hit = False
+            self._gloo[name] = hit
+        return hit
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if DTensor in types or _ACT in types:
+            # DTensor's and funcol's wrapper's own dispatch first: the local ops and the wait
+            # they issue come back here
+            return NotImplemented
+        if func is _FUNCOL.wait_tensor.default:
+            out = func(*args, **kwargs)
+            refs = self.pending.pop(args[0].untyped_storage().data_ptr(), None)
+            if refs:
+                _dead(refs)
+            return out
+        if func in _VIEWED_INPUT and self._on_gloo(kwargs.get("group_name", args[-1])):
+            view = args[0].view(args[0].shape)
+            out = func(view, *args[1:], **kwargs)
+            self.pending.setdefault(out.untyped_storage().data_ptr(), []).append(weakref.ref(view))
+            return out
+        if func is _FUNCOL.all_reduce.default and self._on_gloo(kwargs.get("group_name", args[-1])):
+            out = args[0].clone(memory_format=torch.contiguous_format)
+            view = out.view(out.shape)
+            _FUNCOL.all_reduce_.default(view, *args[1:], **kwargs)
+            self.pending.setdefault(out.untyped_storage().data_ptr(), []).append(weakref.ref(view))
+            return out
+        return func(*args, **kwargs)
+
+
+_FUNCOL = torch.ops._c10d_functional
+_ACT = AsyncCollectiveTensor
+_VIEWED_INPUT = (_FUNCOL.all_gather_into_tensor.default, _FUNCOL.all_to_all_single.default)

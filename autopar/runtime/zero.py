@@ -11,8 +11,45 @@ import torch.nn as nn
 
 from autopar.runtime.precision import fsdp_policy
 from autopar.runtime.spmd import SPMDModule
-from autopar.runtime.tied_grads import all_gather_flat, reduce_scatter_flat, release
+from autopar.runtime.tied_grads import (
+    all_gather_flat,
+    gloo_copies_released,
+    gloo_quiesced,
+    reduce_scatter_flat,
+    release,
+)
 from autopar.runtime.validate import get_submodule
+
+
+def gloo_fsdp_comms(module: nn.Module) -> None:
+    """On gloo, give the FSDP2 unit `module` FSDP's default all-gather and reduce-scatter with
+    their timing made the same every run: a synchronous all-gather returns once gloo's worker
+    thread has let go of FSDP's flat buffer (`tied_grads.gloo_quiesced`: else the buffer FSDP
+    frees after its copy-out lived on until the thread got back to its queue, milliseconds
+    under load), and the reduce-scatter frees gloo's copy of its input as it returns
+    (`tied_grads.gloo_copies_released`). Asynchronous calls (none in FSDP2's default
+    unsharding) and other backends are left as FSDP makes them."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    class GlooAllGather(DefaultAllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            if async_op:
+                return super().__call__(output_tensor, input_tensor, group, async_op)
+            return gloo_quiesced(lambda out, inp: super(GlooAllGather, self).__call__(out, inp, group, async_op),
+                                 group, output_tensor, input_tensor)
+
+    class GlooReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            if async_op:
+                return super().__call__(output_tensor, input_tensor, group, op, async_op)
+            with gloo_copies_released(group, output_tensor, input_tensor):
+                return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    if groups and dist.get_backend(groups[0]._reduce_scatter_process_group) == "gloo":
+        module.set_custom_all_gather(GlooAllGather())
+        module.set_custom_reduce_scatter(GlooReduceScatter())
 
 
 def _quiet_view_output_warning() -> None:
@@ -71,14 +108,14 @@ class ZeroSharding:
         # with tp, parameters are already DTensors on the sibling tp sub-mesh: FSDP2 makes them
         # 2-D (Shard on dp, the planned placement on tp)
         for fqn in units:
-            fully_shard(get_submodule(model, fqn), mesh=mesh, **mp)
+            gloo_fsdp_comms(fully_shard(get_submodule(model, fqn), mesh=mesh, **mp))
         root = model if root is None else root
         from autopar.intra_op.execute import ShardedProgram
         from autopar.intra_op.pipeline_chunks import ProgramChunk
 
         if isinstance(root, (SPMDModule, ShardedProgram, ProgramChunk)):
             _quiet_view_output_warning()
-        fully_shard(root, mesh=mesh, **mp)
+        gloo_fsdp_comms(fully_shard(root, mesh=mesh, **mp))
         self._fsdp_root = root
 
     def _shard_solved(self, prog: nn.Module, units: Sequence[str]) -> None:
