@@ -379,6 +379,26 @@ def test_attention_reading_its_query_as_a_copy_on_cpu_writes_a_standard_output()
     assert merge.name not in executor_layout_copies(g, "cuda", "fused", frozenset({att.name}))[0]
 
 
+def _modelled_and_counted(m, x, y, b: int):
+    """(`activation_memory` of `m(x, y)` captured at batch `b`, fp32 on CPU; the bytes a real
+    forward leaves alive for the backward; the peak of the backward above what was alive
+    before it), the last two counted by `_storage_counter` over every storage but the
+    parameters' and the inputs'."""
+    from autopar.capture.export import capture
+    from cost_models.memory import activation_memory
+
+    g = capture(m, (x, y)).at_batch(b)
+    pel = {n.name: float(m.get_parameter(n.fqn).numel()) for n in g.nodes if n.kind == "param"}
+    am = activation_memory(g, "fp32", device_type="cpu", count_inputs=False, param_elems=pel)
+    count = _storage_counter({t.untyped_storage().data_ptr() for t in [*m.parameters(), x, y]})
+    with count:
+        loss = m(x, y)
+        held = sum(count.live.values())
+        count.peak = 0
+        loss.backward()
+    return am, held, count.peak
+
+
 def _storage_counter(before):
     """A dispatch mode counting the storages the ops under it make (not those in `before`,
     data pointers) while they are alive: `.live` (pointer -> bytes) and `.peak`, the most alive
@@ -1376,9 +1396,6 @@ def test_backward_gradients_by_liveness_match_torch():
     import torch.nn.functional as F
     from torch import nn
 
-    from autopar.capture.export import capture
-    from cost_models.memory import activation_memory
-
     class MLP(nn.Module):
         def __init__(self):
             super().__init__()
@@ -1393,20 +1410,12 @@ def test_backward_gradients_by_liveness_match_torch():
     torch.manual_seed(0)
     m = MLP()
     x, y = torch.randn(b, 32), torch.randn(b, 32)
-    g = capture(m, (x, y)).at_batch(b)
-    pel = {n.name: float(m.get_parameter(n.fqn).numel()) for n in g.nodes if n.kind == "param"}
-    am = activation_memory(g, "fp32", device_type="cpu", count_inputs=False, param_elems=pel)
     for p in m.parameters():
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-    count = _storage_counter({t.untyped_storage().data_ptr() for t in [*m.parameters(), x, y]})
-    with count:
-        loss = m(x, y)
-        held = sum(count.live.values())
-        count.peak = 0
-        loss.backward()
+    am, held, peak = _modelled_and_counted(m, x, y, b)
     assert am.saved_bytes == held
-    assert abs(am.saved_bytes + am.backward_over_bytes - count.peak) <= 4, \
-        (am.saved_bytes, am.backward_over_bytes, count.peak)
+    assert abs(am.saved_bytes + am.backward_over_bytes - peak) <= 4, \
+        (am.saved_bytes, am.backward_over_bytes, peak)
 
 
 def test_a_parameter_read_through_a_view_has_one_gradient():
@@ -1422,7 +1431,6 @@ def test_a_parameter_read_through_a_view_has_one_gradient():
     from torch import nn
 
     from autopar.capture.export import capture
-    from cost_models.memory import activation_memory
 
     class Transposed(nn.Module):
         def __init__(self):
@@ -1436,19 +1444,11 @@ def test_a_parameter_read_through_a_view_has_one_gradient():
     torch.manual_seed(0)
     m = Transposed()
     x, y = torch.randn(b, 16), torch.randn(b, 256)
-    g = capture(m, (x, y)).at_batch(b)
-    assert any(n.op == "transpose" and n.inputs == ["p_model_w"] for n in g.nodes)
-    pel = {n.name: float(m.get_parameter(n.fqn).numel()) for n in g.nodes if n.kind == "param"}
-    am = activation_memory(g, "fp32", device_type="cpu", count_inputs=False, param_elems=pel)
-    count = _storage_counter({t.untyped_storage().data_ptr() for t in [*m.parameters(), x, y]})
-    with count:
-        loss = m(x, y)
-        held = sum(count.live.values())
-        count.peak = 0
-        loss.backward()
+    assert any(n.op == "transpose" and n.inputs == ["p_model_w"] for n in capture(m, (x, y)).nodes)
+    am, held, peak = _modelled_and_counted(m, x, y, b)
     assert am.saved_bytes == held
     worst = am.saved_bytes + max(sum(v) for v in am.first_moments.values())
-    assert abs(worst - count.peak) <= 4, (am.first_moments, count.peak)
+    assert abs(worst - peak) <= 4, (am.first_moments, peak)
 
 
 def test_moments_at_the_peak_are_compared_with_the_one_predicted():

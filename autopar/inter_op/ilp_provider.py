@@ -7,8 +7,9 @@ axis (when it uses that axis for the batch), its parameter placements and its co
 the LayerCost. Activation memory stays the graph-liveness model of `cost_models.memory`, with
 each op's output divided by the mesh axes its chosen output placement shards. The extra forward
 of recomputation is the analytic provider's fraction of the forward applied to the ILP's
-forward. Tensors entering a layer arrive in the layout the ILP wants at no cost (Alpa's
-per-layer "individual" profiling), so this can be optimistic at layer boundaries.
+forward. Layers are solved apart and meet at their boundaries (`IlpProvider._boundaries`): a
+tensor entering a layer arrives as the layer making it leaves it, the reader paying any
+redistribution (greedy, in model order: a layer does not see what the next would prefer).
 """
 
 from __future__ import annotations
@@ -220,9 +221,10 @@ class IlpProvider(AnalyticProvider):
 
         g = self.graph_at(mb, layer)
         mesh = logical_mesh(self.cluster, list(range(tp)), (tp,))
-        # the layer's input arriving as the previous identical layer leaves it, and the tp axis
-        # as the runtime runs it: model parallelism, every tp rank holding the whole micro-batch
-        # (no batch split on it)
+        # the layer's inputs arriving as the layers before leave them (`_boundaries`; a subgraph
+        # holds no earlier op, so `cyclic_boundary` would find no cycle), and the tp axis as the
+        # runtime runs it: model parallelism, every tp rank holding the whole micro-batch (no
+        # batch split on it)
         # the batch and token dims of the layer's own tensors (the problem reads no other; the
         # whole graph's made every problem of a 96-layer model walk them all): a key per layer,
         # not per model
@@ -230,7 +232,7 @@ class IlpProvider(AnalyticProvider):
         arrive, hand_on, leaving = self._boundaries(layer, mb, tp)
         if replicated_entry:
             arrive = {n: ("R",) * len(pl) for n, pl in arrive.items()}
-        options = dict(time_limit_s=self.time_limit_s, interleaved_splits=interleaved, cyclic_boundary=True,
+        options = dict(time_limit_s=self.time_limit_s, interleaved_splits=interleaved,
                        batch_dims={k: v for k, v in self.batch_dims.items() if k in own},
                        token_dims={k: v for k, v in self.token_dims.items() if k in own}, model_axes=(0,),
                        fixed_params=self._pins(layer, mb, tp), grad_inputs=self._grad_inputs(layer),
