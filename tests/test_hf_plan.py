@@ -24,6 +24,7 @@ REFS = {
     "opt": "hf:opt-125m",
     "t5": "hf:t5-small",
     "mixtral": "hf:mixtral-8x7b?num_hidden_layers=2&seq_len=1024",
+    "qwen-moe": "hf:Qwen/Qwen1.5-MoE-A2.7B?num_hidden_layers=2&seq_len=1024",
 }
 
 

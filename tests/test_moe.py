@@ -19,6 +19,11 @@ from tests.captured import reference_losses, untracked
 
 _MIXTRAL = ("hf:mixtral?hidden_size=64&intermediate_size=128&num_key_value_heads=2&num_local_experts=4"
             "&num_hidden_layers=2&num_attention_heads=4&vocab_size=128&seq_len=16")
+# Qwen-MoE: routed experts (top-k weights not renormalised) beside a shared expert behind a
+# sigmoid gate, and Hugging Face's load-balancing loss added to the loss in place
+_QWEN = ("hf:qwen2_moe?hidden_size=64&intermediate_size=128&moe_intermediate_size=32"
+         "&shared_expert_intermediate_size=96&num_key_value_heads=2&num_experts=4&num_experts_per_tok=2"
+         "&num_hidden_layers=2&num_attention_heads=4&vocab_size=128&seq_len=16&output_router_logits=true")
 
 
 def _cpu(n: int) -> ClusterSpec:
@@ -104,6 +109,10 @@ def launched(tmp_path_factory) -> dict:
         plans["mixtral_ep2_tp2"] = _memo(("mixtral_ep2_tp2",), lambda: plan(
             _MIXTRAL, _cpu(4), global_batch_size=8, dtype="fp32",
             constraints=Constraints(dp=2, tp=2, pp=1, ep=2, zero_stage=0, recompute="none", num_microbatches=1)))
+        # test_hf_qwen_moe_ep2_tp2_op_by_op_trains_like_one_process
+        plans["qwen_ep2_tp2"] = _memo(("qwen_ep2_tp2",), lambda: plan(
+            _QWEN, _cpu(4), global_batch_size=8, dtype="fp32",
+            constraints=Constraints(dp=2, tp=2, pp=1, ep=2, zero_stage=0, recompute="none", num_microbatches=1)))
     options = {"ep4_zero1": {"steps": 3}, "ep2_zero2": {"steps": 3}, "ep2_pp2": {"checkpoint_dir": str(ckpt)}}
     rows = run_plans(folder, plans, 4, steps=2, options=options)
     out: dict = {"checkpoint": ckpt}
@@ -113,13 +122,15 @@ def launched(tmp_path_factory) -> dict:
     return out
 
 
-def test_expert_blocks_found_in_zoo_moe_and_hf_mixtral():
+def test_expert_blocks_found_in_zoo_moe_and_hf_mixtral_and_qwen_moe():
     """Router top-k, grouped GEMMs over stacked (E, ., .) weights, the experts module: found
     from the ops for both spellings (the zoo's `autopar::grouped_mm`, Hugging Face's
-    `transformers::grouped_mm_fallback`), each costed as a matrix op."""
+    `transformers::grouped_mm_fallback`), each costed as a matrix op. Qwen-MoE's shared expert
+    (a plain MLP every token runs) is not one of them."""
     pytest.importorskip("transformers")
     for ref, module, E, k, H in (("moe-tiny", "layers.{}.mlp.experts", 8, 2, 32),
-                                 (_MIXTRAL, "model.layers.{}.mlp.experts", 4, 2, 64)):
+                                 (_MIXTRAL, "model.layers.{}.mlp.experts", 4, 2, 64),
+                                 (_QWEN, "model.layers.{}.mlp.experts", 4, 2, 64)):
         b = build_model(ref, batch_size=2)
         g = capture(b.model, b.example_inputs, name=ref)
         blocks = find_expert_blocks(g)
@@ -289,6 +300,38 @@ def test_hf_mixtral_ep2_tp2_op_by_op_trains_like_one_process(launched):
     assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
     assert all(r["collectives"] == p.predicted.collectives for r in steps), \
         ([r["collectives"] for r in steps], p.predicted.collectives)
+
+
+@pytest.mark.slow
+def test_hf_qwen_moe_ep2_tp2_op_by_op_trains_like_one_process(launched):
+    """Hugging Face's Qwen-MoE with its load-balancing loss on (`output_router_logits`) at ep 2
+    x dp 2 x tp 2, run op by op as solved (4 gloo processes): the loss sums its rows with Python
+    arithmetic on sizes (no layout: the executor runs it as the program does) and adds the
+    auxiliary loss to the loss in place; losses equal one process within 1e-4, collectives the
+    plan's."""
+    pytest.importorskip("transformers")
+    p, steps = launched["qwen_ep2_tp2"]
+    assert all(s.op_layouts is not None for s in p.stages) and "ep_executor" not in p.search
+    assert "tp_executor" not in p.search
+    one = plan(_QWEN, _cpu(1), global_batch_size=8, dtype="fp32",
+               constraints=Constraints(num_microbatches=1, recompute="none"))
+    want = reference_losses(one, _QWEN, 2)
+    assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
+    assert all(r["collectives"] == p.predicted.collectives for r in steps), \
+        ([r["collectives"] for r in steps], p.predicted.collectives)
+
+
+def test_qwen_moe_preset_is_the_published_checkpoint():
+    """`hf:Qwen/Qwen1.5-MoE-A2.7B` is the checkpoint's config (60 experts top-4, one shared
+    expert; 14.3B parameters in all, as its model card states), planned with experts placed
+    over an ep axis on 2 DGX H100 nodes."""
+    pytest.importorskip("transformers")
+    b = build_model("hf:Qwen/Qwen1.5-MoE-A2.7B", batch_size=1)
+    assert round(sum(p.numel() for p in b.model.parameters()) / 1e9, 1) == 14.3
+    p = plan("hf:Qwen/Qwen1.5-MoE-A2.7B?num_hidden_layers=2&seq_len=1024", ClusterSpec.load("dgx-h100", num_nodes=2),
+             global_batch_size=64, constraints=Constraints(ep=4))
+    assert p.experts is not None and p.ep == 4
+    assert "60 routed experts (top-4), ep=4: 15 experts per rank" in p.summary()
 
 
 def test_zero3_holds_each_rank_its_own_experts_unsharded_gradients():

@@ -101,8 +101,8 @@ def blockers(graph: OpGraph, layers: list[Layer]) -> str:
     if first is None or first.dtype.startswith(("float", "bfloat")) or len(first.shape) < 2 or first.shape[1] != s:
         return (f"the model's first input is not a (batch, sequence) tensor of token ids of the attention's {s} "
                 f"tokens, the sequence the runtime splits over the cp ranks")
-    if any(n.op in ("softmax", "_softmax") for n in graph.calls):
-        return "the model's attention is not one fused attention op (a softmax was captured)"
+    if any(_softmax_over(graph, n, s) for n in graph.calls):
+        return "the model's attention is not one fused attention op (a softmax over the sequence was captured)"
     for lay in layers:
         for n in attention_nodes(graph, lay):
             if len(n.args) > 3 and isinstance(n.args[3], Ref) or n.kwargs.get("attn_mask") is not None:
@@ -129,6 +129,18 @@ def blockers(graph: OpGraph, layers: list[Layer]) -> str:
 # off others: every row of a merged dim is still one token, so they are token-local as they are
 _VIEWS = frozenset({"view", "_unsafe_view", "reshape", "flatten", "unflatten", "view_as", "reshape_as",
                     "_reshape_alias", "squeeze", "unsqueeze"})
+
+
+def _softmax_over(graph: OpGraph, n: OpNode, s: int) -> bool:
+    """Whether `n` is a softmax along a dim of the sequence's length `s` (attention's scores,
+    written out); a router's softmax over experts is token-local and runs on a rank's chunks."""
+    if n.op not in ("softmax", "_softmax") or not n.inputs:
+        return False
+    shape = graph.node(n.inputs[0]).outputs[0].shape
+    dim = n.args[1] if len(n.args) > 1 and isinstance(n.args[1], int) else n.kwargs.get("dim", -1)
+    if not isinstance(dim, int) or not shape:
+        return True          # cannot tell: refuse as before
+    return shape[dim] == s
 
 
 def token_mixers(graph: OpGraph) -> list[OpNode]:

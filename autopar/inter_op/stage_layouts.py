@@ -45,7 +45,14 @@ def _recomputed(graph: OpGraph, lay: Layer, recompute: str) -> list[int]:
     op by op, a stage recomputes the attention core's ops alone whatever its tp degree (the
     module fallback of `Layer.selective_region` is a module-cut stage's)."""
     redo = set(lay.selective_ops if recompute == "selective" else lay.recomputed_ops(recompute, 1))
-    return [x for x, n in enumerate(lay.nodes) if n in redo]
+    return [x for x, n in enumerate(_tensor_ops(graph, lay.nodes)) if n in redo]
+
+
+def _tensor_ops(graph: OpGraph, nodes: list[str]) -> list[str]:
+    """The ops of `nodes` that make a tensor: those the ILP lays out (`ilp._select`). Arithmetic
+    on sizes (`sym_float`, a Python `add` of two numbers: Hugging Face's load-balancing loss
+    counts its rows so) has no layout; the executor runs it as the program does."""
+    return [n for n in nodes if graph.node(n).outputs]
 
 
 def produced_layouts(lay: StageLayouts) -> dict[str, tuple[str, ...]]:
@@ -107,18 +114,19 @@ def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, 
         sig = f"{lay.signature}@{i}" if i in (entries or {}) else lay.signature
         axes = tuple(sol.model_axes)
         names = _mapping(graph, rep, lay)
+        rep_ops = _tensor_ops(graph, rep.nodes)
         if sig not in sigs:
-            if any(n not in sol.op_choices for n in rep.nodes):
+            if any(n not in sol.op_choices for n in rep_ops):
                 return None, f"layer {rep.name or i}: the solution has no layout for some of its ops"
             sigs[sig] = len(sig_lists)
             sig_lists.append([OpLayout(strategy=ch.strategy, family=ch.family,
                                        inputs=[tuple(x) for x in ch.input_placements],
                                        outputs=[tuple(x) for x in ch.output_placements])
-                              for ch in (sol.op_choices[n] for n in rep.nodes)])
+                              for ch in (sol.op_choices[n] for n in rep_ops)])
         redo = _recomputed(graph, lay, recompute)
-        lay_ops.append(LayerOps(name=lay.name or str(i), signature=sigs[sig], ops=list(lay.nodes),
+        lay_ops.append(LayerOps(name=lay.name or str(i), signature=sigs[sig], ops=_tensor_ops(graph, lay.nodes),
                                 recomputed=redo))
-        for n in rep.nodes:
+        for n in rep_ops:
             outs = sol.op_choices[n].output_placements
             if outs:
                 produced[names[n]] = tuple(outs[0])
@@ -139,7 +147,7 @@ def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, 
                 inputs.setdefault(n2, tuple(pl))
             elif kind == "call" and n2 not in mine:
                 entering.setdefault(n2, (tuple(pl), lay.name))
-        block = {rep.nodes[x] for x in redo}
+        block = {rep_ops[x] for x in redo}
         # a tensor made outside the recomputed region and redistributed through its junction
         # for readers inside it: the region keeps its own junction values (`execute`'s
         # checkpointed region), so its re-run redistributes again (Megatron-SP's all-gather of

@@ -2,8 +2,9 @@
 classes: no download, no weights, on the meta device by default.
 
 A reference is `hf:NAME` or `hf:NAME?key=value&key=value`, where NAME is a family (`gpt2`, `llama`,
-`bert`, `opt`, `t5`, `mixtral`) or a known checkpoint name (`gpt2-medium`, `meta-llama/Llama-2-7b-hf`,
-`bert-base-uncased`, `facebook/opt-1.3b`, `t5-base`, `mistralai/Mixtral-8x7B-v0.1`, ...: their config
+`bert`, `opt`, `t5`, `mixtral`, `qwen2_moe`) or a known checkpoint name (`gpt2-medium`,
+`meta-llama/Llama-2-7b-hf`, `bert-base-uncased`, `facebook/opt-1.3b`, `t5-base`,
+`mistralai/Mixtral-8x7B-v0.1`, `Qwen/Qwen1.5-MoE-A2.7B`, ...: their config
 values are written down here), and the query overrides config fields (`hidden_size=256`,
 `num_hidden_layers=2`; the generic names work for every family) or the input shape
 (`seq_len=128`, and for T5 `decoder_seq_len=64`).
@@ -42,6 +43,7 @@ _FAMILIES: dict[str, tuple[str, str, str]] = {
     "opt": ("OPTConfig", "OPTForCausalLM", "opt-125m"),
     "t5": ("T5Config", "T5ForConditionalGeneration", "t5-small"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", "mixtral-8x7b"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "qwen1.5-moe-a2.7b"),
 }
 
 _LLAMA2 = dict(vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5)
@@ -83,12 +85,21 @@ PRESETS: dict[str, tuple[str, dict[str, Any], int]] = {
                                      num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
                                      num_experts_per_tok=2, vocab_size=32000,
                                      max_position_embeddings=32768, rope_theta=1e6), 4096),
+    # Qwen/Qwen1.5-MoE-A2.7B: 60 routed experts top-4 (weights not renormalised) and one shared
+    # expert behind a sigmoid gate in every layer
+    "qwen1.5-moe-a2.7b": ("qwen2_moe", dict(hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
+                                            shared_expert_intermediate_size=5632, num_hidden_layers=24,
+                                            num_attention_heads=16, num_key_value_heads=16, num_experts=60,
+                                            num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1,
+                                            vocab_size=151936, max_position_embeddings=8192, rope_theta=1e6,
+                                            rms_norm_eps=1e-6, tie_word_embeddings=False), 8192),
 }
 _ALIASES = {"gpt2-small": "gpt2", "llama2-7b": "llama-2-7b", "llama-2-7b-hf": "llama-2-7b",
             "llama-2-13b-hf": "llama-2-13b", "llama-2-70b-hf": "llama-2-70b",
             "meta-llama-3-8b": "llama-3-8b", "meta-llama-3-70b": "llama-3-70b", "llama3-8b": "llama-3-8b",
             "bert-base": "bert-base-uncased", "bert-base-cased": "bert-base-uncased",
             "bert-large": "bert-large-uncased", "mixtral-8x7b-v0.1": "mixtral-8x7b",
+            "qwen-moe": "qwen1.5-moe-a2.7b", "qwen2-moe": "qwen1.5-moe-a2.7b",
             "google-t5/t5-small": "t5-small"}
 
 # generic override names -> the family's own field, where the config class lacks an alias
@@ -98,7 +109,7 @@ _GENERIC = {"t5": {"num_hidden_layers": "num_layers", "hidden_size": "d_model",
                      "num_attention_heads": "n_head", "max_position_embeddings": "n_positions",
                      "intermediate_size": "n_inner"},
             "opt": {"intermediate_size": "ffn_dim"},
-            "bert": {}, "llama": {}, "mixtral": {}}
+            "bert": {}, "llama": {}, "mixtral": {}, "qwen2_moe": {}}
 
 
 def _transformers() -> Any:

@@ -51,12 +51,14 @@ def _disable() -> None:
 
 class _ScopeInBackward(torch.autograd.Function):
     """Identity whose backward switches the handlers on (`on=True`: placed on the loss, reached
-    before the loss's own backward) or off (placed on the loss input, reached after it)."""
+    before the loss's own backward) or off (placed on the loss input, reached after it). On the
+    loss it returns a copy (a scalar): a model may add to its loss in place (Hugging Face's MoE
+    classes: `loss += coef * aux_loss`), which autograd forbids on a custom Function's view."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, on: bool) -> torch.Tensor:
         ctx.on = on
-        return x.view_as(x)
+        return x.clone() if on else x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple:
