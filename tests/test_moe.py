@@ -109,6 +109,11 @@ def launched(tmp_path_factory) -> dict:
         plans["mixtral_ep2_tp2"] = _memo(("mixtral_ep2_tp2",), lambda: plan(
             _MIXTRAL, _cpu(4), global_batch_size=8, dtype="fp32",
             constraints=Constraints(dp=2, tp=2, pp=1, ep=2, zero_stage=0, recompute="none", num_microbatches=1)))
+        # test_hf_mixtral_under_context_parallelism_trains_like_one_process
+        plans["mixtral_cp2_dp2"] = _memo(("mixtral_cp2_dp2",), lambda: plan(
+            _MIXTRAL, _cpu(4), global_batch_size=4, dtype="fp32", intra_op="analytic",
+            constraints=Constraints(dp=2, cp=2, tp=1, pp=1, ep=1, zero_stage=0, recompute="none",
+                                    num_microbatches=1)))
         # test_hf_qwen_moe_ep2_tp2_op_by_op_trains_like_one_process
         plans["qwen_ep2_tp2"] = _memo(("qwen_ep2_tp2",), lambda: plan(
             _QWEN, _cpu(4), global_batch_size=8, dtype="fp32",
@@ -319,6 +324,26 @@ def test_hf_qwen_moe_ep2_tp2_op_by_op_trains_like_one_process(launched):
     assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
     assert all(r["collectives"] == p.predicted.collectives for r in steps), \
         ([r["collectives"] for r in steps], p.predicted.collectives)
+
+
+@pytest.mark.slow
+def test_hf_mixtral_under_context_parallelism_trains_like_one_process(launched):
+    """A dropless expert block runs on a cp rank's chunks of the sequence as on the whole (its
+    sort of token-expert pairs by expert is undone before it returns each token its result), so
+    context parallelism plans Mixtral (ep 1: experts replicated) where a router's softmax and the
+    dispatch's sort once refused it: dp 2 x cp 2 on 4 gloo processes, the one-process losses and
+    the plan's collectives. A model whose loss pools routing over a sequence (the zoo MoE's
+    sequence-wise balance loss) stays refused, naming the op."""
+    pytest.importorskip("transformers")
+    p, steps = launched["mixtral_cp2_dp2"]
+    assert p.cp == 2 and "cp_executor" not in p.search
+    one = plan(_MIXTRAL, _cpu(1), global_batch_size=4, dtype="fp32",
+               constraints=Constraints(num_microbatches=1, recompute="none"))
+    want = reference_losses(one, _MIXTRAL, 2)
+    assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
+    assert all(r["collectives"] == p.predicted.collectives for r in steps)
+    with pytest.raises(PlanError, match=r"scatter \(scatter in layers\.0\.mlp\) mixes tokens along the sequence"):
+        _plan(1, dp=2, cp=2)
 
 
 def test_qwen_moe_preset_is_the_published_checkpoint():

@@ -160,6 +160,7 @@ def token_mixers(graph: OpGraph) -> list[OpNode]:
         return memo
     import warnings
 
+    from autopar.capture.experts import find_expert_blocks
     from autopar.capture.graph import concrete
     from autopar.intra_op import rules as rules_mod
     from autopar.intra_op.dims import _norm, batch_dims_of, token_ops
@@ -171,6 +172,7 @@ def token_mixers(graph: OpGraph) -> list[OpNode]:
     b = graph.batch_size or 2
     tok: dict[tuple[str, int], set[int]] = {}
     out: list[OpNode] = []
+    experts = tuple(x.module for x in find_expert_blocks(graph))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for n, outs, keys, in_metas in token_ops(graph, batch, b, tok):
@@ -178,6 +180,16 @@ def token_mixers(graph: OpGraph) -> list[OpNode]:
             if n.op == ATTENTION_OP:
                 # the runtime's cp attention: its output's tokens are the query's
                 tok[(n.name, 0)] = set(tok.get(keys[0], ()))
+                continue
+            if experts and any(n.module_path == m or n.module_path.startswith(m + ".") for m in experts):
+                # a dropless expert block sorts the rank's token-expert pairs by expert and back:
+                # its rows are tokens' (each one token's), whatever order they pass in, and what
+                # it returns is each token's own result, so the block runs on a rank's chunks
+                # as on the whole sequence (a capacity factor, which drops tokens by their
+                # order in the batch, would not)
+                for o, meta in enumerate(outs):
+                    if meta.shape and not isinstance(meta.shape[0], int):
+                        tok[(n.name, o)] = {0}
                 continue
             if n.op in _VIEWS and len(in_metas) >= 1 and live[0][0] == 0:
                 got = set()
