@@ -376,14 +376,17 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
     if experts is not None:
         for _, d, _, (k, j) in chunks:
             coll.update(experts.expert_collectives(range(k, j), m, c.stages[d].recompute))
-        if c.dp // c.ep > 1 and c.zero == 3:
+        # the ranks holding the same experts: the stage's dp x cp ranks (each a replica of the
+        # tokens' sync group, `runtime.experts.expert_meshes`) over ep
+        copies = c.dp * c.cp // c.ep
+        if copies > 1 and c.zero == 3:
             # ZeRO-3: each experts module an FSDP unit over the ranks holding the same experts
             # (`runtime.experts.ExpertGroups.fully_shard`), gathered and reduced as a layer unit
             for *_, (k, j) in chunks:
                 blocks = [b.module for i in range(k, j) for b in experts.by_layer.get(i, [])]
                 if blocks:
                     coll.update(_zero3_counts(blocks, False, m, len(chunks) > 1))
-        elif c.dp // c.ep > 1:
+        elif copies > 1:
             for st in c.stages:
                 if any(i in experts.by_layer for k, j in st.chunks for i in range(k, j)):
                     coll.update({"all_reduce": 1} if c.zero == 0 else {"reduce_scatter": 1, "all_gather": 1})

@@ -114,6 +114,10 @@ def launched(tmp_path_factory) -> dict:
             _MIXTRAL, _cpu(4), global_batch_size=4, dtype="fp32", intra_op="analytic",
             constraints=Constraints(dp=2, cp=2, tp=1, pp=1, ep=1, zero_stage=0, recompute="none",
                                     num_microbatches=1)))
+        plans["mixtral_ep2_cp2_zero1"] = _memo(("mixtral_ep2_cp2_zero1",), lambda: plan(
+            _MIXTRAL, _cpu(4), global_batch_size=4, dtype="fp32", intra_op="analytic",
+            constraints=Constraints(dp=2, cp=2, tp=1, pp=1, ep=2, zero_stage=1, recompute="none",
+                                    num_microbatches=1)))
         # test_hf_qwen_moe_ep2_tp2_op_by_op_trains_like_one_process
         plans["qwen_ep2_tp2"] = _memo(("qwen_ep2_tp2",), lambda: plan(
             _QWEN, _cpu(4), global_batch_size=8, dtype="fp32",
@@ -330,18 +334,31 @@ def test_hf_qwen_moe_ep2_tp2_op_by_op_trains_like_one_process(launched):
 def test_hf_mixtral_under_context_parallelism_trains_like_one_process(launched):
     """A dropless expert block runs on a cp rank's chunks of the sequence as on the whole (its
     sort of token-expert pairs by expert is undone before it returns each token its result), so
-    context parallelism plans Mixtral (ep 1: experts replicated) where a router's softmax and the
-    dispatch's sort once refused it: dp 2 x cp 2 on 4 gloo processes, the one-process losses and
-    the plan's collectives. A model whose loss pools routing over a sequence (the zoo MoE's
+    context parallelism plans Mixtral where a router's softmax and the dispatch's sort once
+    refused it: dp 2 x cp 2 (experts replicated) and ep 2 x dp 2 x cp 2 under ZeRO-1 on 4 gloo
+    processes, the one-process losses and the plan's collectives. A model whose loss pools routing over a sequence (the zoo MoE's
     sequence-wise balance loss) stays refused, naming the op."""
     pytest.importorskip("transformers")
-    p, steps = launched["mixtral_cp2_dp2"]
-    assert p.cp == 2 and "cp_executor" not in p.search
     one = plan(_MIXTRAL, _cpu(1), global_batch_size=4, dtype="fp32",
                constraints=Constraints(num_microbatches=1, recompute="none"))
     want = reference_losses(one, _MIXTRAL, 2)
-    assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
-    assert all(r["collectives"] == p.predicted.collectives for r in steps)
+    for name in ("mixtral_cp2_dp2", "mixtral_ep2_cp2_zero1"):
+        p, steps = launched[name]
+        assert p.cp == 2 and "cp_executor" not in p.search, (name, p.search)
+        assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4), name
+        assert all(r["collectives"] == p.predicted.collectives for r in steps), name
+    # ep x cp: ep groups of 2 consecutive ranks of the stage's dp x cp ones; the experts' flat
+    # ZeRO-1 shard over the 2 ranks holding the same experts: its reduce-scatter and all-gather
+    # beside the dense ones', the 5 all-to-alls per block and micro-batch
+    p = launched["mixtral_ep2_cp2_zero1"][0]
+    assert p.ep == 2 and p.predicted.collectives["all_to_all"] == 10
+    assert p.predicted.collectives["reduce_scatter"] == 4 + 2 and p.predicted.collectives["all_gather"] == 4 + 2
+    # not yet executed: ep x cp with tp or in pipeline stages
+    for pins in (dict(dp=2, cp=2, tp=2), dict(dp=2, cp=2, pp=2)):
+        q = plan(_MIXTRAL, _cpu(8), global_batch_size=4, dtype="fp32", intra_op="analytic",
+                 constraints=Constraints(ep=2, zero_stage=0, recompute="none", num_microbatches=2,
+                                         **{"tp": 1, "pp": 1, **pins}))
+        assert "expert parallelism" in q.search["cp_executor"], pins
     with pytest.raises(PlanError, match=r"scatter \(scatter in layers\.0\.mlp\) mixes tokens along the sequence"):
         _plan(1, dp=2, cp=2)
 

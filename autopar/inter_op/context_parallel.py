@@ -393,7 +393,9 @@ def unexecuted_parts(pp: int, ep: int, tp: int = 1) -> list[str]:
     parallelism by DTensor propagation, any ZeRO stage over dp x cp, any recomputation) and in
     pipeline stages (the traced chunks, `graph_stages`,
     their positions read when they run: with dp and with tp, under every recomputation policy),
-    without expert parallelism in this version. (pp2 x cp2 x tp2 was refused while it hung: the
-    stage meshes flattened a size-1 dp axis with cp on the stage's own ranks only,
-    `runtime.meshes.StageMesh.flattens`.) `pp` and `tp` are kept for callers that name them."""
-    return [w for w, bad in (("expert parallelism", ep > 1),) if bad]
+    and with expert parallelism in one stage without tp (the ep groups are consecutive ranks of
+    the stage's dp x cp ranks, `runtime.experts.expert_meshes`; not yet with tp or in pipeline
+    stages). (pp2 x cp2 x tp2 was refused while it hung: the stage meshes flattened a size-1 dp
+    axis with cp on the stage's own ranks only, `runtime.meshes.StageMesh.flattens`.)"""
+    return [w for w, bad in (("expert parallelism with tensor parallelism", ep > 1 and tp > 1),
+                             ("expert parallelism in pipeline stages", ep > 1 and pp > 1)) if bad]
