@@ -336,8 +336,9 @@ def test_hf_mixtral_under_context_parallelism_trains_like_one_process(launched):
     sort of token-expert pairs by expert is undone before it returns each token its result), so
     context parallelism plans Mixtral where a router's softmax and the dispatch's sort once
     refused it: dp 2 x cp 2 (experts replicated) and ep 2 x dp 2 x cp 2 under ZeRO-1 on 4 gloo
-    processes, the one-process losses and the plan's collectives. A model whose loss pools routing over a sequence (the zoo MoE's
-    sequence-wise balance loss) stays refused, naming the op."""
+    processes, the one-process losses and the plan's collectives. A model whose loss pools
+    routing over a sequence (the zoo MoE's sequence-wise balance loss) stays refused, naming the
+    op."""
     pytest.importorskip("transformers")
     one = plan(_MIXTRAL, _cpu(1), global_batch_size=4, dtype="fp32",
                constraints=Constraints(num_microbatches=1, recompute="none"))
