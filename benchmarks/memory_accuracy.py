@@ -117,6 +117,8 @@ def _specs() -> list[dict]:
         add(e, 2, 16, dtype, dp=2, tp=1, pp=1, zero_stage=0, recompute="none")
         add(e, 2, 16, dtype, dp=2, tp=1, pp=1, zero_stage=3, recompute="none")
         add(e, 4, 16, dtype, dp=4, tp=1, pp=1, ep=4, zero_stage=0, recompute="none")
+        # ZeRO-1 with two copies of each expert: the dense and the expert flat buffers apart
+        add(e, 4, 16, dtype, dp=4, tp=1, pp=1, ep=2, zero_stage=1, recompute="none")
         # two sequences a rank: the experts' backward, not the loss's, holds the peak
         add(e, 4, 8, dtype, dp=4, tp=1, pp=1, zero_stage=3, recompute="none")
         # Hugging Face classes (tiny configs, default dropout): data parallel, ZeRO-3, tensor

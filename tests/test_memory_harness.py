@@ -48,13 +48,17 @@ CASES = {
     # output as a slice, whose gradient the executor gathers back after the matmul's backward
     # (the shard it saved freed, the gather's copy and buffer beside the result): the peak
     "mlp_tp2": {"dp": 1, "tp": 2, "pp": 1},
+    # the zoo MoE at ep 2 under ZeRO-1 (one copy of each expert): the dense gradients' flat
+    # buffer over dp while the experts' stay alive, then the experts' own flat (their shard),
+    # AdamW stepping the two flat shards in turn (`_Tables._expert_zero12_sync`)
+    "moe_ep2_zero1": {"dp": 2, "tp": 1, "pp": 1, "ep": 2, "zero_stage": 1, "recompute": "none"},
 }
 # cases on another model than gpt-tiny: (model reference, global batch)
 MODELS = {"hf_gpt2_zero3": ("hf:gpt2?hidden_size=64&num_hidden_layers=2&num_attention_heads=4&seq_len=16"
                             "&vocab_size=128", 8),
           "hf_llama_zero3": ("hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2"
                              "&num_hidden_layers=2&num_attention_heads=4&seq_len=16&vocab_size=128", 8),
-          "mlp_zero3_accum": ("mlp-tiny", 256), "mlp_tp2": ("mlp-tiny", 256)}
+          "mlp_zero3_accum": ("mlp-tiny", 256), "mlp_tp2": ("mlp-tiny", 256), "moe_ep2_zero1": ("moe-tiny", 16)}
 PSI = 30080          # gpt-tiny's parameters (the embedding tied to the output layer)
 
 

@@ -94,6 +94,7 @@ from autopar.schema.software import resolve_software
 from cost_models.communication import axis_collective_time
 from cost_models.compute import grad_accumulation_bytes, memory_time, optimizer_step_time
 from cost_models.memory import (
+    ADAMW_TEMPORARIES,
     PRECISION_POLICIES,
     adamw_temporary_elems,
     fused_optimizer,
@@ -694,7 +695,55 @@ class _Tables:
                                        gradients=a.gradients if unsharded and a.phase == "forward_backward"
                                        else b.gradients)
                    for a, b in zip(out, wide)]
+        if self.ep > 1 and self.zero in (1, 2) and self.dp > 1:
+            out = self._expert_zero12_sync(out, pel, np.asarray(epel), kw)
         return out
+
+    def _expert_zero12_sync(self, out: list, pel: Any, e: Any, kw: dict) -> list:
+        """ZeRO-1/2's gradient sync under expert parallelism, as `runtime.zero._zero12_step`
+        runs it: the dense gradients' flat buffer over dp first, while the experts' gradients
+        stay alive, then the experts' own flat buffer over the ranks holding the same experts
+        (`ExpertGroups.zero_reduce`: none where each expert has one copy, the flat itself
+        the shard) while the dense fp32 gradient shard waits for the step, then the updated
+        experts' all-gather (`zero_gather`) before the dense one. Each sync moment of
+        `runtime_phases` for the dense elements alone, and for the experts' over their copies,
+        with what the other part holds then; the other phases as they were."""
+        w, g, _ = self.wgo
+        d = pel - e
+        copies = self.dp // self.ep
+        dense = [ph for ph in runtime_phases(d, self.dtype, self.zero, self.dp, **kw) if ph.phase == "grad_sync"]
+        moments = [dataclasses.replace(ph, weights=ph.weights + w * e,
+                                       gradients=ph.gradients + g * e) for ph in dense[:2]]
+        shard_d = 4.0 * d / self.dp            # the dense fp32 gradient shard, kept for the step
+        if copies > 1:
+            ex = [ph for ph in runtime_phases(e, self.dtype, self.zero, copies, **kw) if ph.phase == "grad_sync"]
+            moments += [dataclasses.replace(ph, weights=ph.weights + w * d, buffers=ph.buffers + shard_d)
+                        for ph in ex[:2]]
+            # the experts' gather after the step, before the dense one
+            gather = [dataclasses.replace(ex[2], weights=ex[2].weights + w * d)]
+        else:
+            gather = []
+            # one copy: the flat buffer (the gradients' dtype) beside the gradients, then its
+            # average (`shard * (1 / dp)`, a temporary in the gradients' dtype) cast to fp32 as
+            # the shard's gradient (one tensor with the temporary in an fp32 run)
+            moments.append(dataclasses.replace(dense[0], weights=w * pel, gradients=g * e,
+                                               buffers=g * e + shard_d))
+            moments.append(dataclasses.replace(dense[0], weights=w * pel, gradients=0.0 * e,
+                                               buffers=2 * g * e + (4.0 * e if g < 4 else 0.0) + shard_d))
+        gather.append(dataclasses.replace(dense[2], weights=dense[2].weights + w * e))
+        opt = next(ph.optimizer for ph in out if ph.phase == "grad_sync")
+        fb = [ph for ph in out if ph.phase == "forward_backward"]
+        # the step: both fp32 gradient shards, the dense one over dp and the experts' over their
+        # copies, and AdamW's temporaries stepping the dense flat shard, then the experts'
+        # (`adamw_temporary_elems`: the first's quotient alive through the second's)
+        sd, se = d / self.dp, e * self.ep / self.dp
+        temps = 0.0 * sd if kw["fused_optimizer"] else \
+            4.0 * np.maximum(ADAMW_TEMPORARIES * sd, ADAMW_TEMPORARIES * se + sd)
+        step = [dataclasses.replace(ph, gradients=4.0 * (sd + se), buffers=temps)
+                for ph in out if ph.phase == "optimizer_step"]
+        # the gathers follow the update: the tracker's optimizer phase (`runtime.memory_tracking`)
+        return fb + [dataclasses.replace(ph, optimizer=opt) for ph in moments] + step + \
+            [dataclasses.replace(ph, optimizer=opt, phase="optimizer_step") for ph in gather]
 
     @functools.cached_property
     def range_unit(self) -> np.ndarray:

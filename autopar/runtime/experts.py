@@ -53,7 +53,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from autopar.runtime.tied_grads import all_gather_flat, allreduce_flat, reduce_scatter_flat
+from autopar.runtime.tied_grads import all_gather_flat, allreduce_flat, reduce_scatter_flat, release
 from autopar.schema.errors import PlanError
 from autopar.schema.plan import Plan
 
@@ -258,9 +258,11 @@ class ExpertGroups:
         if self.edp_group is not None:
             shard = torch.empty(self._size, dtype=dtype, device=flat.device)
             reduce_scatter_flat(shard, flat, group=self.edp_group)
+            release(flat)          # gloo's thread may still hold it (`tied_grads.release`)
         else:
             shard = flat
         self.flat_shard.grad = (shard * (1.0 / dp)).to(self.flat_shard.dtype)
+        release(shard)
 
     def zero_gather(self) -> None:
         """ZeRO-1/2, after the step: the updated shards all-gathered over the expert-dp ranks
@@ -279,6 +281,12 @@ class ExpertGroups:
             for p in self.params:
                 p.data.copy_(full[off:off + p.numel()].view_as(p))
                 off += p.numel()
+        # the gathered buffer and a cast copy of the shard, not the shard itself (fp32: `mine`
+        # is it), freed now whoever holds them (gloo's thread, `tied_grads.release`)
+        shard_storage = self.flat_shard.data.untyped_storage()._cdata   # not data_ptr: 0 when fake
+        for t in (full, mine):
+            if t.untyped_storage()._cdata != shard_storage:
+                release(t)
 
     def global_view(self, t: torch.Tensor) -> DTensor:
         """A local expert slice (a parameter or its optimizer state) as the DTensor of the whole
