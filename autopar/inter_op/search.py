@@ -2420,9 +2420,10 @@ def op_by_op(cand: "Candidate") -> bool:
     carries their layouts: `planner._op_layouts`): every stage of a candidate with a tp stage,
     pipelined or not, its stages of one tp degree or of several (Alpa's sub-mesh choice), under
     ZeRO-3 too (FSDP2 units around the executor's runs of ops:
-    `runtime.zero.ZeroSharding._shard_solved`); not with context parallelism (below)."""
+    `runtime.zero.ZeroSharding._shard_solved`); with context parallelism in one stage (below)."""
     if cand.hetero_tps:
         return any(st.tp > 1 for st in cand.stages) if cand.stages else max(cand.hetero_tps) > 1
-    # context parallelism takes over the attention call, which DTensor propagation runs as a
-    # call (`runtime.context_parallel`) and the executor as one op of its program (not yet)
-    return cand.tp > 1 and cand.cp == 1
+    # context parallelism: one stage runs the program of a rank's tokens, its attention op the cp
+    # attention (`runtime.context_parallel.ProgramContext`); the executor's pipeline chunks do
+    # not run it yet, so a cp pipeline's tp runs by DTensor propagation
+    return cand.tp > 1 and (cand.cp == 1 or cand.pp == 1)

@@ -270,9 +270,15 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         model = self.model
         materialize(model, seed=self.seed, device=self.device, aliases=self.aliases)
         example = self._real_microbatch()
+        context = None
+        if self.cp is not None:
+            # context parallelism: the program of this rank's tokens, its attention over every cp
+            # rank's keys and values (`context_parallel.ProgramContext`)
+            example = tuple(self.cp.local_tokens(x) if isinstance(x, torch.Tensor) else x for x in example)
+            context = self.cp.program()
         sol = s.op_layouts.solution((self.tp_size,))
         self.runner = parallelize_graph(model, example, sol, self.my_mesh.tp_mesh, param_dtype=self.low,
-                                        recompute=s.op_layouts.recompute_regions())
+                                        recompute=s.op_layouts.recompute_regions(), context=context)
         self._note_interleaved(self.runner.layouts)
         if self.plan.ep > 1:
             # expert parallelism: each expert block's ops run as this rank's token exchange over
