@@ -73,16 +73,6 @@ def validate_plan(plan: Plan, model: nn.Module) -> dict:
         if missing:
             raise PlanError(f"the plan's stages leave parameters out: {', '.join(missing[:5])}")
     solved = [s.index for s in stages if s.op_layouts is not None]
-    with_cp = [s for s in stages if s.op_layouts is not None and s.axis_size("cp") > 1]
-    if with_cp and nst > 1:
-        # one stage runs its program of the rank's tokens with the cp attention
-        # (`context_parallel.ProgramContext`); pipeline chunks cut from the program do not yet
-        s = with_cp[0]
-        raise PlanError(f"stage {s.index} carries op_layouts (per-op layouts executed op by op) and a cp axis of "
-                        f"{s.axis_size('cp')} in a pipeline: the executor's pipeline chunks do not run context "
-                        f"parallelism's attention yet (each rank would attend to its own chunks only); drop the "
-                        f"stages' op_layouts (tp then runs by DTensor propagation, as the planner plans cp in "
-                        f"pipelines) or re-plan with `autopar plan`")
     if solved and (max(s.axis_size("tp") for s in stages) < 2 or len(solved) < nst):
         raise PlanError(f"stage {solved[0]} carries op_layouts, which the runtime executes only for "
                         f"plans with a tensor-parallel stage, every stage solved; re-plan with `autopar plan`")
