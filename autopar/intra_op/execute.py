@@ -40,7 +40,9 @@ Where DTensor by default would run other collectives than the plan, the step run
 * attention runs on each device's shard: the plan splits only batch and heads (DTensor has no
   rule for CPU flash attention with a mask); with the query heads split alone (grouped-query
   attention over more devices than KV heads) each device slices the KV heads its query heads
-  read from replicated K and V, their gradients partial;
+  read from replicated K and V, their gradients partial; under context parallelism
+  (`parallelize_graph(context=)`: a program of a cp rank's tokens) that local attention is the
+  cp attention, K and V gathered over the cp ranks, and a token-mean loss the cp group's mean;
 * a loss whose plan splits a reduced dim (the batch) is computed on each device's shard and
   summed or averaged by the all-reduce that makes it replicated, as data parallelism does
   (DTensor's nll_loss would also all-reduce the target count in the backward pass, and its

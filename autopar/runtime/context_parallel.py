@@ -46,6 +46,11 @@ the runtime passes an additive mask in q's dtype, made once per shape in a micro
 and (S / 2 cp) x (2 cp - i) S / 2 cp elements, not a (S / cp) x S mask per layer. A square call
 (chunk 0's) runs with `is_causal=True`, no mask on any device.
 
+A stage run op by op as solved (tensor parallelism with `op_layouts`: `autopar.intra_op.execute`)
+does not call the modules' forwards: its program is exported at the rank's tokens, positions an
+op read when it runs, and the executor hands its attention op (on each tp rank's heads) and its
+loss to `ProgramContext`, which runs them as above.
+
 torch's `context_parallel` (torch.distributed.tensor.experimental) is not used: it takes over
 the CUDA flash / efficient / cuDNN attention ops only, not the CPU kernel gloo runs reach.
 """
@@ -383,6 +388,12 @@ class ProgramContext:
         other losses as they are."""
         if target not in _ATEN_LOSSES:
             return out
+        t = args[1] if len(args) > 1 else kwargs.get("target")
+        if isinstance(t, DTensor) and any(p.is_shard() for p in t.placements):
+            # a loss over a batch split by the solution (`execute._shard_loss`): each tp rank's
+            # mean over its rows' tokens, summed; made the cp group's mean over those rows
+            t = t.to_local()
+            args, kwargs = ((args[0], t, *args[2:]), kwargs) if len(args) > 1 else (args, {**kwargs, "target": t})
         return self._mode._group_mean(target, args, kwargs, out)
 
     def check(self, program: Any) -> None:
