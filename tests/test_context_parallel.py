@@ -167,17 +167,20 @@ def test_cp_needs_the_sequence_of_token_ids_the_runtime_splits():
     assert p.cp == 1 and "first input is not a (batch, sequence) tensor" in p.search["skipped"]
 
 
-@pytest.mark.parametrize("pins", [dict(cp=2, dp=1, tp=2), dict(cp=4, dp=1, tp=1, zero_stage=3)])
+@pytest.mark.parametrize("pins", [dict(cp=2, dp=1, tp=2, pp=1), dict(cp=4, dp=1, tp=1, pp=1, zero_stage=3),
+                                  dict(cp=2, dp=1, tp=2, pp=2)])
 def test_verify_steps_a_cp_plan(pins):
-    """`autopar verify` builds and steps every kind of rank of a cp2 x tp2 plan and of a cp4
-    ZeRO-3 one (FSDP shards over the cp ranks) on a fake process group: shards as planned, the
-    counted collectives (the exchange's included) the plan's, the tracked peak within its
-    tolerance of the prediction."""
+    """`autopar verify` builds and steps every kind of rank of a cp2 x tp2 plan (run op by op
+    as solved, in one stage and in pp2 chunks) and of a cp4 ZeRO-3 one (FSDP shards over the
+    cp ranks) on a fake process group: shards as planned, the counted collectives (the
+    exchange's included; the tp group's the solved layouts') the plan's, the tracked peak
+    within its tolerance of the prediction."""
     from autopar.runtime.verify import verify
 
-    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
+    n = pins["cp"] * pins["dp"] * pins["tp"] * pins["pp"]
+    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": n})
     p = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32",
-             constraints=Constraints(pp=1, num_microbatches=2, recompute="full", **pins))
+             constraints=Constraints(num_microbatches=2, recompute="full", **pins))
     r = verify(p, "llama-tiny", jobs=1)
     assert r.ok, r.failures
     assert r.collectives_match is True
