@@ -2,8 +2,8 @@
 every sequence, the fused attention over K and V all-gathered on the cp axis (their gradients
 reduce-scattered), positions of the whole sequence; alone (cp4, with and without recomputing
 the attention module; under ZeRO-3, FSDP over the cp ranks), with dp (cp2 x dp2, full
-recomputation: the gather re-run) and with tp (cp2 x tp2, DTensor propagation, with selective
-recomputation: the region re-run is the cp attention, gather included): losses
+recomputation: the gather re-run) and with tp (cp2 x tp2, op by op as solved, issue 20: with selective
+recomputation the region re-run is the cp attention, gather included): losses
 equal one process within 1e-4, every step's counted collectives the plan's. BERT's masked-LM
 loss averages over the masked tokens only, as many on each rank by chance: under cp4 and
 cp2 x tp2 (its loss vocabulary-parallel) its loss equals one process's too, each rank's count

@@ -1487,12 +1487,12 @@ def meta_program(model: nn.Module, example_inputs: Any, *, loss_fn: Any = None,
     from autopar.capture.cache import model_key
     from autopar.capture.export import export_program
 
-    from autopar.models.positions import _TRACED
+    from autopar.models.positions import tracing
 
     meta = _meta_copy(model, param_dtype)
     inputs = _to_meta(example_inputs)
     # positions traced as the op that reads them when the program runs (context parallelism)
-    key = (model_key(meta, inputs, loss_fn=loss_fn), str(device), _TRACED[0])
+    key = (model_key(meta, inputs, loss_fn=loss_fn), str(device), tracing())
     hit = _META_PROGRAMS.get(key)
     if hit is not None:
         _META_PROGRAMS.move_to_end(key)
