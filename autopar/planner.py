@@ -501,7 +501,10 @@ def _op_layouts(graph: OpGraph, c: Candidate, layers: list[Layer], chunks: list,
     (Alpa's sub-mesh choice: a 1-device stage's layouts are the replicated solution; tensors
     cross between tp degrees replicated, `stage_layouts.chunk_layouts`), with ZeRO-3 (each
     FSDP unit's ops one call of an FSDP forward method of its module, so a unit's ops must be
-    one contiguous run of the program) and any recomputation; the rest runs by DTensor
+    one contiguous run of the program), with context parallelism (the program of a cp rank's
+    tokens, its attention the cp attention: `runtime.context_parallel.ProgramContext`; the
+    exchange counted beside the solution's collectives in `assemble`) and any recomputation;
+    the rest runs by DTensor
     propagation. All chunks or none: a pipeline chunk hands the next one its tensors in their
     solved layouts."""
     tp_chunks = [pos for pos, ch in enumerate(chunks) if c.stages[ch[1]].tp > 1]

@@ -2,6 +2,7 @@
 and searched with dp, tp and pp; Llama 3 8B at 128K tokens on 8 and 64 H100 plans it."""
 
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -62,6 +63,17 @@ def test_llama3_8b_at_128k_tokens_on_8_and_64_h100_plans_context_parallelism(lla
     assert many.cp > 1 and many.predicted.peak_memory_bytes <= many.predicted.usable_memory_bytes
 
 
+def solved_counts(p) -> Counter:
+    """The collectives a plan's stages run op by op as solved, per step (their `op_layouts`'
+    per-micro-batch counts, every phase, times the micro-batches), as `planner.assemble` adds
+    them to `predicted.collectives`."""
+    out: Counter = Counter()
+    for s in p.stages:
+        for phase in ("forward", "backward", "grad_sync", "recompute"):
+            out.update({k: p.num_microbatches * v for k, v in s.op_layouts.collectives.get(phase, {}).items()})
+    return out
+
+
 def test_a_cp_plan_round_trips_and_short_sequences_search_as_before(tmp_path):
     """A cp plan of a small Llama: its mesh (dp, cp, tp), placements per axis, format 11, the
     exchange's collectives; JSON round trip. A 16-token model's free search tries no cp (the
@@ -87,14 +99,17 @@ def test_a_cp_plan_round_trips_and_short_sequences_search_as_before(tmp_path):
     assert pp2.cp == 2 and pp2.pp == 2 and "cp_executor" not in pp2.search and "cp_executor" not in p.search
     assert pp2.predicted.collectives == {"all_gather": 8, "reduce_scatter": 8, "all_reduce": 2 + 2,
                                          "send_recv": 4}
-    # with tensor parallelism too: planned and executed (the exchange as without tp, tp's
-    # all-reduces beside it)
+    # with tensor parallelism too: planned and executed op by op as solved (issue 20: every
+    # stage carries its layouts, no DTensor propagation), the exchange as without tp beside the
+    # solution's collectives
     cl8 = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 8})
     tp2 = plan("llama-tiny", cl8, global_batch_size=8, dtype="fp32",
                constraints=Constraints(cp=2, pp=2, tp=2, dp=1, num_microbatches=2, recompute="none"))
-    assert "cp_executor" not in tp2.search
+    assert "cp_executor" not in tp2.search and "tp_executor" not in tp2.search
+    assert all(s.op_layouts is not None for s in tp2.stages)
     assert {k: tp2.predicted.collectives[k] for k in ("all_gather", "reduce_scatter", "send_recv")} == {
-        "all_gather": 8, "reduce_scatter": 8, "send_recv": 4}
+        "all_gather": 8 + solved_counts(tp2)["all_gather"], "reduce_scatter": 8 + solved_counts(tp2)["reduce_scatter"],
+        "send_recv": 4}
     d = json.loads(p.to_json())
     d["stages"][0]["mesh_axis_names"] = ["dp", "sp", "tp"]
     with pytest.raises(PlanError, match="'sp' is not a mesh axis kind; one of dp, cp, tp"):
@@ -152,17 +167,20 @@ def test_cp_needs_the_sequence_of_token_ids_the_runtime_splits():
     assert p.cp == 1 and "first input is not a (batch, sequence) tensor" in p.search["skipped"]
 
 
-@pytest.mark.parametrize("pins", [dict(cp=2, dp=1, tp=2), dict(cp=4, dp=1, tp=1, zero_stage=3)])
+@pytest.mark.parametrize("pins", [dict(cp=2, dp=1, tp=2, pp=1), dict(cp=4, dp=1, tp=1, pp=1, zero_stage=3),
+                                  dict(cp=2, dp=1, tp=2, pp=2)])
 def test_verify_steps_a_cp_plan(pins):
-    """`autopar verify` builds and steps every kind of rank of a cp2 x tp2 plan and of a cp4
-    ZeRO-3 one (FSDP shards over the cp ranks) on a fake process group: shards as planned, the
-    counted collectives (the exchange's included) the plan's, the tracked peak within its
-    tolerance of the prediction."""
+    """`autopar verify` builds and steps every kind of rank of a cp2 x tp2 plan (run op by op
+    as solved, in one stage and in pp2 chunks) and of a cp4 ZeRO-3 one (FSDP shards over the
+    cp ranks) on a fake process group: shards as planned, the counted collectives (the
+    exchange's included; the tp group's the solved layouts') the plan's, the tracked peak
+    within its tolerance of the prediction."""
     from autopar.runtime.verify import verify
 
-    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
+    n = pins["cp"] * pins["dp"] * pins["tp"] * pins["pp"]
+    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": n})
     p = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32",
-             constraints=Constraints(pp=1, num_microbatches=2, recompute="full", **pins))
+             constraints=Constraints(num_microbatches=2, recompute="full", **pins))
     r = verify(p, "llama-tiny", jobs=1)
     assert r.ok, r.failures
     assert r.collectives_match is True
@@ -517,26 +535,33 @@ def test_cp_gathers_the_kv_heads_the_plan_prices():
         dist.destroy_process_group()
 
 
-def test_a_hand_edited_plan_with_op_layouts_and_cp_is_refused():
-    """The planner never gives a cp stage per-op layouts (`search.op_by_op`): the op-by-op
-    executor runs the attention as one of its ops, not as the cp attention, so each rank would
-    attend to its own chunks only. A plan edited by hand to carry them on a cp stage is refused
-    before anything runs (`validate_plan`, which `autopar run` and `autopar verify` call), the
-    message naming the stage and the fix; without the layouts it validates."""
+def test_cp_x_tp_plans_carry_their_op_layouts_and_count_no_dry_run(monkeypatch):
+    """Issue 20: a cp x tp stage runs op by op as solved (`search.op_by_op`), in one stage and
+    in a pipeline: every stage carries its per-op layouts, `plan.search` records no
+    `tp_executor` fallback, and the predicted collectives are cp's exchange
+    (`inter_op.context_parallel.collectives`) beside the solution's, with no DTensor dry run
+    (`planner._dry_counts` runs none: the layouts' chunks are skipped). The plans validate
+    (`validate_plan`, which `autopar run` and `autopar verify` call)."""
+    from autopar import planner
     from autopar.models.registry import build_model
     from autopar.runtime.engine import validate_plan
 
-    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
-    pins = dict(dp=1, pp=1, tp=2, num_microbatches=2, recompute="none")
-    cp = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32", constraints=Constraints(cp=2, **pins))
-    tp = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32", intra_op="ilp",
-              constraints=Constraints(cp=1, **{**pins, "dp": 2}))
-    assert cp.stages[0].op_layouts is None and tp.stages[0].op_layouts is not None
-    d = json.loads(cp.to_json())
-    d["stages"][0]["op_layouts"] = json.loads(tp.to_json())["stages"][0]["op_layouts"]
-    edited = Plan.from_json(json.dumps(d))
+    dry = []
+    real = planner._dry_counts
+    monkeypatch.setattr(planner, "_dry_counts", lambda *a, **k: dry.append(k.get("skip")) or real(*a, **k))
     model = build_model("llama-tiny").model
-    validate_plan(cp, model)
-    with pytest.raises(PlanError, match=r"stage 0 carries op_layouts .* and a cp axis of 2: the op-by-op executor "
-                                        r"does not run context parallelism's attention .* drop the stage's op_layouts"):
-        validate_plan(edited, model)
+    for n, pins in ((4, dict(pp=1, recompute="selective")), (8, dict(pp=2, recompute="none"))):
+        cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": n})
+        p = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32",
+                 constraints=Constraints(cp=2, tp=2, dp=1, num_microbatches=2, **pins))
+        assert (p.cp, p.tp, p.pp) == (2, 2, pins["pp"])
+        assert all(s.op_layouts is not None for s in p.stages)
+        assert "tp_executor" not in p.search and "cp_executor" not in p.search and "tp_counts_fallback" not in p.search
+        validate_plan(p, model)
+        # K and V gathered per layer and micro-batch (again under selective recomputation),
+        # their gradients reduce-scattered; the solution's collectives beside them
+        again = 2 if pins["recompute"] != "none" else 1
+        solved = solved_counts(p)
+        assert p.predicted.collectives["all_gather"] == 8 * again + solved["all_gather"]
+        assert p.predicted.collectives["reduce_scatter"] == 8 + solved["reduce_scatter"]
+    assert dry and all(skip == set(range(len(skip))) for skip in dry)      # every chunk solved: none dry-run

@@ -2,8 +2,8 @@
 every sequence, the fused attention over K and V all-gathered on the cp axis (their gradients
 reduce-scattered), positions of the whole sequence; alone (cp4, with and without recomputing
 the attention module; under ZeRO-3, FSDP over the cp ranks), with dp (cp2 x dp2, full
-recomputation: the gather re-run) and with tp (cp2 x tp2, DTensor propagation, with selective
-recomputation: the region re-run is the cp attention, gather included): losses
+recomputation: the gather re-run) and with tp (cp2 x tp2, op by op as solved, issue 20: with selective
+recomputation the region re-run is the cp attention, gather included): losses
 equal one process within 1e-4, every step's counted collectives the plan's. BERT's masked-LM
 loss averages over the masked tokens only, as many on each rank by chance: under cp4 and
 cp2 x tp2 (its loss vocabulary-parallel) its loss equals one process's too, each rank's count
@@ -15,6 +15,7 @@ import pytest
 from autopar import ClusterSpec, Constraints
 from autopar.planner import plan
 from tests.captured import reference_losses
+from tests.test_context_parallel import solved_counts
 from tests.test_runtime_planned import _run_in_one_job, _single, assert_ran_as_planned
 
 pytestmark = pytest.mark.slow
@@ -26,6 +27,12 @@ PINS = {
     "cp2xdp2_full": dict(cp=2, dp=2, tp=1, recompute="full"),
     "cp2xtp2_selective": dict(cp=2, dp=1, tp=2, recompute="selective"),
     "cp4_zero3": dict(cp=4, dp=1, tp=1, recompute="full", zero_stage=3),
+}
+# cp x tp run op by op as solved (issue 20): the zoo GPT and Llama, with recomputation and ZeRO
+SOLVED_PINS = {
+    "gpt_cp2xtp2": ("gpt-tiny", dict(cp=2, dp=1, tp=2, recompute="none")),
+    "gpt_cp2xtp2_full_zero3": ("gpt-tiny", dict(cp=2, dp=1, tp=2, recompute="full", zero_stage=3)),
+    "cp2xtp2_full_zero1": (REF, dict(cp=2, dp=1, tp=2, recompute="full", zero_stage=1)),
 }
 BERT = "bert-tiny"
 BERT_PINS = {
@@ -52,6 +59,9 @@ def launched(tmp_path_factory) -> dict:
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
     plans = {name: plan(REF, cl, global_batch_size=8, dtype="fp32",
                         constraints=Constraints(pp=1, num_microbatches=2, **pins)) for name, pins in PINS.items()}
+    plans.update({name: plan(ref, cl, global_batch_size=8, dtype="fp32",
+                             constraints=Constraints(pp=1, num_microbatches=2, **pins))
+                  for name, (ref, pins) in SOLVED_PINS.items()})
     plans.update({name: plan(BERT, cl, global_batch_size=8, dtype="fp32",
                              constraints=Constraints(pp=1, num_microbatches=2, **pins))
                   for name, pins in BERT_PINS.items()})
@@ -63,6 +73,9 @@ def launched(tmp_path_factory) -> dict:
         plans.update({name: plan(HF_LLAMA, cl, global_batch_size=8, dtype="fp32",
                                  constraints=Constraints(pp=1, num_microbatches=2, **pins))
                       for name, pins in HF_PINS.items()})
+        plans["hf_gpt2_cp2xtp2"] = plan(HF_GPT2, cl, global_batch_size=8, dtype="fp32",
+                                        constraints=Constraints(pp=1, num_microbatches=2, cp=2, dp=1, tp=2,
+                                                                recompute="selective"))
     plans.update({name: plan(ref, cl, global_batch_size=8, dtype="fp32",
                              constraints=Constraints(num_microbatches=2, **pins))
                   for name, (ref, pins) in PP_PINS.items()})
@@ -79,8 +92,13 @@ def test_context_parallel_plans_run_as_predicted(launched):
         # 2 layers x 2 micro-batches x (K, V), the gather again where the attention is recomputed
         again = 2 if pins["recompute"] != "none" else 1
         fsdp = {"all_gather": 20, "reduce_scatter": 5} if pins.get("zero_stage") == 3 else {}
-        assert p.predicted.collectives["all_gather"] == 8 * again + fsdp.get("all_gather", 0), (name, p.predicted)
-        assert p.predicted.collectives["reduce_scatter"] == 8 + fsdp.get("reduce_scatter", 0), (name, p.predicted)
+        # a tp stage runs op by op as solved (issue 20): the solution's collectives beside
+        solved = solved_counts(p) if pins["tp"] > 1 else {}
+        assert (p.stages[0].op_layouts is not None) == (pins["tp"] > 1) and "tp_executor" not in p.search
+        assert p.predicted.collectives["all_gather"] == 8 * again + fsdp.get("all_gather", 0) + \
+            solved.get("all_gather", 0), (name, p.predicted)
+        assert p.predicted.collectives["reduce_scatter"] == 8 + fsdp.get("reduce_scatter", 0) + \
+            solved.get("reduce_scatter", 0), (name, p.predicted)
         plans[name] = p
     for name, pins in BERT_PINS.items():
         p = launched[name][0]
@@ -90,6 +108,22 @@ def test_context_parallel_plans_run_as_predicted(launched):
         plans[name] = p
     for name, p in plans.items():
         assert_ran_as_planned(name, launched[name][1], p, _one_process(BERT if name in BERT_PINS else REF))
+
+
+def test_cp_x_tp_runs_op_by_op_as_solved(launched):
+    """Context x tensor parallelism run by the executor (issue 20): the program exported at a
+    rank's tokens, positions read when it runs, the attention op the cp attention over its
+    tp-local heads (`runtime.context_parallel.ProgramContext`). cp2 x tp2 on 4 gloo processes,
+    the zoo GPT (alone; full recomputation under ZeRO-3, FSDP over the cp ranks) and Llama
+    (full recomputation, ZeRO-1): every stage carries its layouts, no fallback recorded,
+    losses equal one process within 1e-4 (2e-6: wrong positions move the Llama's ~1e-5), every
+    step's counted collectives the plan's (the exchange and the solution's, no dry run)."""
+    for name, (ref, pins) in SOLVED_PINS.items():
+        p, rows = launched[name]
+        assert (p.cp, p.tp) == (2, 2) and p.stages[0].op_layouts is not None, name
+        assert "tp_executor" not in p.search and "cp_executor" not in p.search, (name, p.search)
+        assert_ran_as_planned(name, rows, p, _one_process(ref))
+        assert [r["loss"] for r in rows if "step" in r] == pytest.approx(_one_process(ref), rel=2e-6), name
 
 
 HF_LLAMA = ("hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2&num_hidden_layers=2"
@@ -123,6 +157,24 @@ def test_hugging_face_llama_runs_context_parallel_as_one_process(launched):
         # rank's chunks are placed at positions 0.. (measured): 1e-4 would not see wrong
         # positions; run right, the losses agree to ~1e-7 in fp32
         assert [r["loss"] for r in rows[name] if "step" in r] == pytest.approx(ref, rel=2e-6), name
+
+
+# GPT-2 without attention dropout (its default 0.1 leaves cp out: the cp attention takes none);
+# its fused Conv1D QKV held chunk-interleaved by the executor
+HF_GPT2 = ("hf:gpt2?hidden_size=64&num_hidden_layers=2&num_attention_heads=4&vocab_size=128&seq_len=16"
+           "&attn_pdrop=0&resid_pdrop=0&embd_pdrop=0")
+
+
+def test_hugging_face_gpt2_runs_cp_x_tp_op_by_op(launched):
+    """A Hugging Face GPT-2 (its positions as `position_ids`, fused Conv1D QKV) under cp2 x tp2
+    with selective recomputation, run op by op as solved (issue 20): losses equal one
+    process's within 2e-6, every step's counted collectives the plan's."""
+    pytest.importorskip("transformers")
+    p, rows = launched["hf_gpt2_cp2xtp2"]
+    assert (p.cp, p.tp) == (2, 2) and p.stages[0].op_layouts is not None and "tp_executor" not in p.search
+    ref = _one_process(HF_GPT2)
+    assert_ran_as_planned("hf_gpt2_cp2xtp2", rows, p, ref)
+    assert [r["loss"] for r in rows if "step" in r] == pytest.approx(ref, rel=2e-6)
 
 
 PP_PINS = {
@@ -161,19 +213,31 @@ def test_context_parallel_runs_in_pipeline_stages(launched):
 
 
 def test_context_parallel_runs_in_tensor_parallel_pipeline_stages(tmp_path):
-    """cp in pipeline stages with tp (issue 13): pp2 x cp2 x tp2 on 8 gloo processes, the zoo
-    Llama under 1F1B with selective recomputation (the traced attention re-run as the cp
-    attention over each tp rank's heads). It was refused while it hung: each stage's ranks
+    """cp in pipeline stages with tp (issue 13), run op by op as solved (issue 20: the
+    executor's chunks cut from the program of a rank's tokens, each chunk's attention op the
+    cp attention over its tp rank's heads): pp2 x cp2 x tp2 on 8 gloo processes, the zoo
+    Llama under 1F1B with selective recomputation (the attention re-run, its gather included)
+    and the zoo GPT under GPipe with full recomputation and ZeRO-3; and dp2 x cp2 x tp2 (the
+    GPT, full recomputation). pp2 x cp2 x tp2 was refused while it hung: each stage's ranks
     alone flattened the size-1 dp axis with cp into a new process group, which is collective
     over the world (`runtime.meshes.StageMesh.flattens`). Losses equal one process within
-    2e-6, every step's counted collectives after the first the plan's (K and V gathered per
-    layer and micro-batch, again in the recomputation)."""
+    2e-6, every step's counted collectives (after a pipeline's first) the plan's (K and V
+    gathered per layer and micro-batch, again in the recomputation, beside the solution's)."""
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 8})
     p = plan(REF, cl, global_batch_size=8, dtype="fp32",
              constraints=Constraints(num_microbatches=2, pp=2, cp=2, tp=2, dp=1, recompute="selective"))
     assert (p.pp, p.cp, p.tp) == (2, 2, 2) and "cp_executor" not in p.search
-    assert p.predicted.collectives["all_gather"] == 16
-    rows = _run_in_one_job(tmp_path, {"pp2xcp2xtp2": p}, 8)["pp2xcp2xtp2"]
-    ref = _one_process(REF)
-    assert_ran_as_planned("pp2xcp2xtp2", rows, p, ref, first=1)
-    assert [r["loss"] for r in rows if "step" in r] == pytest.approx(ref, rel=2e-6)
+    # run op by op as solved (issue 20): the exchange beside the solution's collectives
+    assert all(s.op_layouts is not None for s in p.stages) and "tp_executor" not in p.search
+    assert p.predicted.collectives["all_gather"] == 16 + solved_counts(p)["all_gather"]
+    plans = {"pp2xcp2xtp2": (REF, p)}
+    for name, pins in (("gpt_pp2xcp2xtp2_zero3", dict(pp=2, dp=1, recompute="full", schedule="gpipe", zero_stage=3)),
+                       ("gpt_dp2xcp2xtp2_full", dict(pp=1, dp=2, recompute="full"))):
+        q = plan("gpt-tiny", cl, global_batch_size=8, dtype="fp32",
+                 constraints=Constraints(num_microbatches=2, cp=2, tp=2, **pins))
+        assert all(s.op_layouts is not None for s in q.stages) and "tp_executor" not in q.search, name
+        plans[name] = ("gpt-tiny", q)
+    rows = _run_in_one_job(tmp_path, {name: q for name, (_, q) in plans.items()}, 8)
+    for name, (ref, q) in plans.items():
+        assert_ran_as_planned(name, rows[name], q, _one_process(ref), first=1 if q.pp > 1 else 0)
+        assert [r["loss"] for r in rows[name] if "step" in r] == pytest.approx(_one_process(ref), rel=2e-6), name

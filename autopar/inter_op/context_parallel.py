@@ -390,7 +390,8 @@ def unexecuted_parts(pp: int, ep: int, tp: int = 1) -> list[str]:
     """What of a context-parallel layout `autopar run` (`runtime.context_parallel`) does not
     execute with it (empty where it runs; here, not there, so that the planner asks without
     importing the runtime and torch's attention modules): it runs it on one stage (tensor
-    parallelism by DTensor propagation, any ZeRO stage over dp x cp, any recomputation) and in
+    parallelism op by op as solved, `runtime.context_parallel.ProgramContext`, or by DTensor
+    propagation for plans without op layouts; any ZeRO stage over dp x cp, any recomputation) and in
     pipeline stages (the traced chunks, `graph_stages`,
     their positions read when they run: with dp and with tp, under every recomputation policy),
     and with expert parallelism in one stage without tp (the ep groups are consecutive ranks of

@@ -2469,9 +2469,9 @@ def op_by_op(cand: "Candidate") -> bool:
     carries their layouts: `planner._op_layouts`): every stage of a candidate with a tp stage,
     pipelined or not, its stages of one tp degree or of several (Alpa's sub-mesh choice), under
     ZeRO-3 too (FSDP2 units around the executor's runs of ops:
-    `runtime.zero.ZeroSharding._shard_solved`); not with context parallelism (below)."""
+    `runtime.zero.ZeroSharding._shard_solved`), with context parallelism too (below)."""
     if cand.hetero_tps:
         return any(st.tp > 1 for st in cand.stages) if cand.stages else max(cand.hetero_tps) > 1
-    # context parallelism takes over the attention call, which DTensor propagation runs as a
-    # call (`runtime.context_parallel`) and the executor as one op of its program (not yet)
-    return cand.tp > 1 and cand.cp == 1
+    # context parallelism: the program (or its pipeline chunks) of a rank's tokens, its
+    # attention ops the cp attention (`runtime.context_parallel.ProgramContext`)
+    return cand.tp > 1

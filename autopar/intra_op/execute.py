@@ -40,7 +40,9 @@ Where DTensor by default would run other collectives than the plan, the step run
 * attention runs on each device's shard: the plan splits only batch and heads (DTensor has no
   rule for CPU flash attention with a mask); with the query heads split alone (grouped-query
   attention over more devices than KV heads) each device slices the KV heads its query heads
-  read from replicated K and V, their gradients partial;
+  read from replicated K and V, their gradients partial; under context parallelism
+  (`parallelize_graph(context=)`: a program of a cp rank's tokens) that local attention is the
+  cp attention, K and V gathered over the cp ranks, and a token-mean loss the cp group's mean;
 * a loss whose plan splits a reduced dim (the batch) is computed on each device's shard and
   summed or averaged by the all-reduce that makes it replicated, as data parallelism does
   (DTensor's nll_loss would also all-reduce the target count in the backward pass, and its
@@ -489,6 +491,10 @@ class ShardedProgram(nn.Module):
     rank. `parameters()` are the model's, as DTensors in their planned placements (gradients
     land in the same placements). `full_parameters()` / `full_gradients()` gather them, in the
     model's own row order."""
+
+    # context parallelism (`runtime.context_parallel.ProgramContext`): the program holds a cp
+    # rank's tokens; its attention ops and token-mean losses run through it (`parallelize_graph`)
+    context: Any = None
 
     def __init__(self, model: nn.Module, wrapped: nn.Module, program: Any, solution: ShardingSolution,
                  mesh: DeviceMesh, names: Optional[list[str]], inputs: str = "full",
@@ -1095,6 +1101,8 @@ class _PlanInterpreter(torch.fx.Interpreter):
             args = tuple(a.clone() if i in written else a for i, a in enumerate(args))
         with self.regather.saving(_flat_nodes([args, list(kwargs.values())])):
             out = _run_target(n, args, kwargs) if local else self._run_op(n, choice, args, kwargs)
+        if choice.family == "loss" and self.prog.context is not None:
+            out = self.prog.context.loss(n.target, args, kwargs, out)     # the cp group's mean
         for i in written:
             if n.args[i] in self.env:
                 self.env[n.args[i]] = args[i]
@@ -1206,8 +1214,10 @@ class _PlanInterpreter(torch.fx.Interpreter):
         heads): K and V come replicated over those axes, and each device attends over the KV
         heads its query heads use (query head i reads KV head i // g), sliced locally. Their
         gradients go back partial over `hq_axes`: each device's is zero outside its slice."""
+        cp = self.prog.context
+        attend = n.target if cp is None else (lambda *a, **k: cp.attention(n.target, a, k))
         if not hq_axes:
-            out = n.target(*_locals(args), **_locals(kwargs))
+            out = attend(*_locals(args), **_locals(kwargs))
         else:
             q, k, v = args[:3]
             lq, lk, lv = _locals(q), _kv_local(k, hq_axes), _kv_local(v, hq_axes)
@@ -1217,7 +1227,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
             g = hq // hkv
             first, last = start // g, (start + int(lq.shape[hd]) - 1) // g
             lk, lv = (t.narrow(hd, first, last - first + 1) for t in (lk, lv))
-            out = n.target(lq, lk, lv, *_locals(args[3:]), **_locals(kwargs))
+            out = attend(lq, lk, lv, *_locals(args[3:]), **_locals(kwargs))
         if isinstance(out, torch.Tensor):
             return DTensor.from_local(out, self.mesh, to_placements(out_specs[0], out.dim()), run_check=False)
         return type(out)(DTensor.from_local(o, self.mesh, to_placements(sp, o.dim()), run_check=False)
@@ -1276,6 +1286,8 @@ def _op_name(n: torch.fx.Node) -> str:
         return "getitem"
     s = str(n.target)
     parts = s.split(".")
+    if s == "autopar.token_positions.default":
+        return "arange"         # the capture's op for it (`positions_named_as_captured`)
     return parts[1] if len(parts) >= 3 and parts[0] == "aten" else s
 
 
@@ -1370,7 +1382,7 @@ def _flat_nodes(v: Any) -> list[Any]:
 def parallelize_graph(model: nn.Module, example_inputs: Any, solution: ShardingSolution,
                       mesh: DeviceMesh, *, loss_fn: Any = None, inputs: str = "full",
                       param_dtype: Optional[torch.dtype] = None,
-                      recompute: Sequence[Sequence[str]] = ()) -> ShardedProgram:
+                      recompute: Sequence[Sequence[str]] = (), context: Any = None) -> ShardedProgram:
     """Apply `solution` to `model` on `mesh` and return a module that trains it as planned.
 
     `model` must hold real (materialised) parameters, the same values on every rank (each rank
@@ -1382,7 +1394,27 @@ def parallelize_graph(model: nn.Module, example_inputs: Any, solution: ShardingS
     from a meta copy in that dtype, so that the casts the model's code makes to its weights'
     dtype (`x.to(self.weight.dtype)`, a norm's `.to(input_dtype)`) are traced as they run.
     `recompute`: regions (op names) run under activation checkpointing, each re-run whole in the
-    backward."""
+    backward. `context`: context parallelism (`runtime.context_parallel.ProgramContext`):
+    `example_inputs` are a cp rank's tokens, the program is exported with the token positions
+    read when it runs (`models.positions.traced_positions`, its nodes named as the capture's:
+    `positions_named_as_captured`), its attention and token-mean loss run through `context`."""
+    if context is None:
+        return _parallelize_graph(model, example_inputs, solution, mesh, loss_fn=loss_fn, inputs=inputs,
+                                  param_dtype=param_dtype, recompute=recompute)
+    from autopar.models.positions import traced_positions
+
+    with traced_positions():
+        prog = _parallelize_graph(model, example_inputs, solution, mesh, loss_fn=loss_fn, inputs=inputs,
+                                  param_dtype=param_dtype, recompute=recompute)
+    context.check(prog.program)
+    prog.context = context
+    return prog
+
+
+def _parallelize_graph(model: nn.Module, example_inputs: Any, solution: ShardingSolution,
+                       mesh: DeviceMesh, *, loss_fn: Any = None, inputs: str = "full",
+                       param_dtype: Optional[torch.dtype] = None,
+                       recompute: Sequence[Sequence[str]] = ()) -> ShardedProgram:
     if tuple(mesh.shape) != tuple(solution.mesh_shape):
         raise PlanError(f"the solution is for a mesh of shape {tuple(solution.mesh_shape)}, "
                         f"the device mesh has shape {tuple(mesh.shape)}")
@@ -1413,6 +1445,7 @@ def parallelize_graph(model: nn.Module, example_inputs: Any, solution: ShardingS
         return ShardedProgram(model, wrapped, on_meta, solution, mesh, names, inputs=inputs,
                               device=next(model.parameters()).device, recompute=recompute, constants=held)
     program, wrapped, names = export_program(model, example_inputs, loss_fn=loss_fn)
+    positions_named_as_captured(program)
     if meta_fits and _mismatch(program, solution):
         program, device = on_meta, next(model.parameters()).device
     return ShardedProgram(model, wrapped, program, solution, mesh, names, inputs=inputs, device=device,
@@ -1454,9 +1487,12 @@ def meta_program(model: nn.Module, example_inputs: Any, *, loss_fn: Any = None,
     from autopar.capture.cache import model_key
     from autopar.capture.export import export_program
 
+    from autopar.models.positions import tracing
+
     meta = _meta_copy(model, param_dtype)
     inputs = _to_meta(example_inputs)
-    key = (model_key(meta, inputs, loss_fn=loss_fn), str(device))
+    # positions traced as the op that reads them when the program runs (context parallelism)
+    key = (model_key(meta, inputs, loss_fn=loss_fn), str(device), tracing())
     hit = _META_PROGRAMS.get(key)
     if hit is not None:
         _META_PROGRAMS.move_to_end(key)
@@ -1466,12 +1502,42 @@ def meta_program(model: nn.Module, example_inputs: Any, *, loss_fn: Any = None,
     META_PROGRAM_STATS["misses"] += 1
     log.debug("meta program of %s: exporting (key %s)", type(model).__name__, key[0][:12])
     program, _, names = export_program(meta, inputs, loss_fn=loss_fn)
+    positions_named_as_captured(program)
     if all(c.is_meta and not isinstance(c, FakeTensor) for c in program.constants.values()
            if isinstance(c, torch.Tensor)):
         _META_PROGRAMS[key] = (program, names)
         while len(_META_PROGRAMS) > META_PROGRAMS_KEPT:
             _META_PROGRAMS.popitem(last=False)
     return program, names
+
+
+def positions_named_as_captured(program: Any) -> None:
+    """Name `program`'s token-positions ops (`autopar::token_positions`, traced under
+    `models.positions.traced_positions`) and its `arange`s as a capture without them names them
+    (the capture a plan is solved on records each positions op as an `arange`): in each graph,
+    in order, `arange`, `arange_1`, ... (torch.export's own naming, one counter per name), so
+    that the ops the solution names are the nodes of this program. Idempotent; nothing to do in
+    a program without positions ops."""
+    from autopar.models.positions import traced_op
+
+    op = traced_op()
+    for mod in program.graph_module.modules():
+        g = getattr(mod, "graph", None)
+        if not isinstance(g, torch.fx.Graph):
+            continue
+        nodes = [n for n in g.nodes if n.op == "call_function" and (
+            n.target is op or getattr(getattr(n.target, "_overloadpacket", None), "__name__", "") == "arange")]
+        if not any(n.target is op for n in nodes):
+            continue
+        ns = g._graph_namespace
+        olds = {n.name for n in nodes}
+        finals = {"arange" if i == 0 else f"arange_{i}" for i in range(len(nodes))}
+        for i, n in enumerate(nodes):
+            n.name = "arange" if i == 0 else f"arange_{i}"
+            ns._obj_to_name[n] = n.name
+        ns._used_names.difference_update(olds - finals)
+        ns._used_names.update(finals)
+        mod.recompile()
 
 
 def _real_constants(program: Any, model: nn.Module) -> Optional[dict[str, torch.Tensor]]:

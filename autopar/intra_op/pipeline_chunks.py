@@ -320,7 +320,8 @@ def parallelize_chunks(model: nn.Module, example_inputs: Sequence[Any], solution
                        param_dtype: Optional[torch.dtype] = None, loss_fn: Any = None,
                        recompute: Sequence[Sequence[str]] = (),
                        units: Optional[dict[int, Sequence[str]]] = None,
-                       handover: Sequence[int] = ()) -> tuple[list[ProgramChunk], list[set[str]]]:
+                       handover: Sequence[int] = (), context: Any = None
+                       ) -> tuple[list[ProgramChunk], list[set[str]]]:
     """The rank's pipeline chunks `mine` of `model` (on meta) run as `solution` plans (the
     merged solution of those chunks' layouts), and every chunk's parameters (canonical names).
     `chunk_ops`: every chunk's op names, in pipeline order; `receives`: every chunk's
@@ -331,7 +332,9 @@ def parallelize_chunks(model: nn.Module, example_inputs: Sequence[Any], solution
     modules ZeRO-3 shards as FSDP units (their chunk's `holder` holds the modules themselves,
     every parameter of theirs materialised). `handover`: the chunks whose next chunk runs on a
     mesh of another tp degree (stages of different tp: they send it replicated tensors,
-    redistributing what they made in another layout; `stage_layouts.chunk_layouts`). Call it
+    redistributing what they made in another layout; `stage_layouts.chunk_layouts`).
+    `context`: context parallelism, as `execute.parallelize_graph` takes it (`example_inputs`
+    a cp rank's tokens; the positions an op of the program, read when a chunk runs). Call it
     on every rank of the tp mesh."""
     from torch.export.graph_signature import InputKind
 
@@ -340,7 +343,16 @@ def parallelize_chunks(model: nn.Module, example_inputs: Sequence[Any], solution
     if tuple(mesh.shape) != tuple(solution.mesh_shape):
         raise PlanError(f"the solution is for a mesh of shape {tuple(solution.mesh_shape)}, "
                         f"the device mesh has shape {tuple(mesh.shape)}")
-    program, names = meta_program(model, example_inputs, loss_fn=loss_fn, param_dtype=param_dtype, device=device)
+    if context is not None:
+        from autopar.models.positions import traced_positions
+
+        with traced_positions():
+            program, names = meta_program(model, example_inputs, loss_fn=loss_fn, param_dtype=param_dtype,
+                                          device=device)
+        context.check(program)
+    else:
+        program, names = meta_program(model, example_inputs, loss_fn=loss_fn, param_dtype=param_dtype,
+                                      device=device)
     gm = program.graph_module
     specs = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], program.graph_signature.input_specs))
     wrapped = _WithLoss(model, loss_fn or default_loss, names)
@@ -361,6 +373,7 @@ def parallelize_chunks(model: nn.Module, example_inputs: Sequence[Any], solution
     materialize(own)
     prog = ShardedProgram(model, wrapped, program, solution, mesh, names, device=device,
                           recompute=recompute, own=own)
+    prog.context = context
     users = [ph for ph, s in specs.items() if s.kind == InputKind.USER_INPUT]
     user_inputs = {ph: k for k, ph in enumerate(users)}
     names = {ph: canon(s.target) for ph, s in specs.items() if s.kind == InputKind.PARAMETER}

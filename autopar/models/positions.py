@@ -98,6 +98,11 @@ def traced_positions() -> Iterator[None]:
         _TRACED[0] = before
 
 
+def tracing() -> bool:
+    """Whether `token_positions` returns the traced op now (within `traced_positions`)."""
+    return _TRACED[0]
+
+
 def traced_op() -> Any:
     """The op `traced_positions` makes a trace record (to find it in a traced graph)."""
     return torch.ops.autopar.token_positions.default

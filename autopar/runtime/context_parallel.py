@@ -46,6 +46,11 @@ the runtime passes an additive mask in q's dtype, made once per shape in a micro
 and (S / 2 cp) x (2 cp - i) S / 2 cp elements, not a (S / cp) x S mask per layer. A square call
 (chunk 0's) runs with `is_causal=True`, no mask on any device.
 
+A stage run op by op as solved (tensor parallelism with `op_layouts`: `autopar.intra_op.execute`)
+does not call the modules' forwards: its program is exported at the rank's tokens, positions an
+op read when it runs, and the executor hands its attention op (on each tp rank's heads) and its
+loss to `ProgramContext`, which runs them as above.
+
 torch's `context_parallel` (torch.distributed.tensor.experimental) is not used: it takes over
 the CUDA flash / efficient / cuDNN attention ops only, not the CPU kernel gloo runs reach.
 """
@@ -141,6 +146,11 @@ class ContextParallel:
                 yield
         finally:
             self._masks = {}
+
+    def program(self) -> "ProgramContext":
+        """What the op-by-op executor (`autopar.intra_op.execute`) needs to run a program of this
+        rank's tokens under this context parallelism (`ProgramContext`)."""
+        return ProgramContext(self)
 
     def install(self, root: nn.Module, check: bool = True) -> None:
         """Every module of `root` runs its forward under the attention mode unless an enclosing
@@ -268,10 +278,11 @@ class _CPAttention(TorchFunctionMode):
             return func(*args, **kwargs)
         return self.attention(*args, **kwargs)
 
-    def _group_mean(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """The loss `func(*args, **kwargs)`, a mean over this rank's counted tokens, scaled to
-        count x cp / (the cp group's count): one all-reduce of the count over the group."""
-        out = func(*args, **kwargs)
+    def _group_mean(self, func: Any, args: tuple, kwargs: dict, out: Any = None) -> Any:
+        """The loss `func(*args, **kwargs)` (`out` where already computed), a mean over this
+        rank's counted tokens, scaled to count x cp / (the cp group's count): one all-reduce of
+        the count over the group."""
+        out = func(*args, **kwargs) if out is None else out
         if func in _ATEN_LOSSES:
             a = _aten_loss_arguments(func, args, kwargs)
         else:
@@ -347,6 +358,55 @@ class _CPAttention(TorchFunctionMode):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q_len, kv_len), **kw)
         mask = self.cp.causal_mask(q_len, kv_len, q.dtype, q.device)
         return torch.ops.aten.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+
+
+class ProgramContext:
+    """Context parallelism for the op-by-op executor (`autopar.intra_op.execute`, a stage with
+    solved per-op layouts): the program it runs is exported at this rank's tokens (the
+    micro-batch's S / cp of every sequence, `ContextParallel.local_tokens`) with the positions
+    recorded as the `autopar::token_positions` op (`models.positions.traced_positions`: read
+    when the program runs, the rank's, `ContextParallel.active`, as the traced pipeline chunks
+    read theirs), its nodes named as the capture the plan was solved on names them
+    (`execute.positions_named_as_captured`). Every op but attention is token-local and runs as
+    solved; the executor hands the fused attention op, on its tp-local heads, to `attention`
+    (K and V all-gathered over the cp group, `_CPAttention`), and a token-mean loss's output to
+    `loss` (the cp group's mean: one all-reduce of the rank's count)."""
+
+    def __init__(self, cp: ContextParallel) -> None:
+        self.cp = cp
+        self._mode = _CPAttention(cp)
+
+    def attention(self, target: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The fused attention op `target` (aten's `scaled_dot_product_attention` as exported)
+        on local tensors: the rank's queries against every cp rank's keys and values."""
+        if target is not _ATEN_SDPA:
+            raise PlanError(f"context parallelism runs the fused attention op, not {target}; re-plan with cp=1")
+        return self._mode.attention(*args[:3], **dict(zip(_SDPA_ARGS, args[3:])), **kwargs)
+
+    def loss(self, target: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+        """`out` of loss op `target`: a token-mean loss made the cp group's mean (`_group_mean`),
+        other losses as they are."""
+        if target not in _ATEN_LOSSES:
+            return out
+        t = args[1] if len(args) > 1 else kwargs.get("target")
+        if isinstance(t, DTensor) and any(p.is_shard() for p in t.placements):
+            # a loss over a batch split by the solution (`execute._shard_loss`): each tp rank's
+            # mean over its rows' tokens, summed; made the cp group's mean over those rows
+            t = t.to_local()
+            args, kwargs = ((args[0], t, *args[2:]), kwargs) if len(args) > 1 else (args, {**kwargs, "target": t})
+        return self._mode._group_mean(target, args, kwargs, out)
+
+    def check(self, program: Any) -> None:
+        """PlanError unless `program` reads the tokens' positions (`check_traced_positions`)."""
+        op = traced_op()
+        for mod in program.graph_module.modules():
+            g = getattr(mod, "graph", None)
+            if isinstance(g, torch.fx.Graph) and any(n.op == "call_function" and n.target is op for n in g.nodes):
+                return
+        raise PlanError("under context parallelism the model must take its token positions from "
+                        "autopar.models.positions.token_positions (the zoo's Llama and GPT do); this one did not "
+                        "when exported for the executor, so its position encodings would place every rank's "
+                        "chunks at the sequence's start: re-plan with cp=1")
 
 
 def unexecuted(plan: Any) -> str:

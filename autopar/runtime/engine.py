@@ -270,9 +270,12 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         model = self.model
         materialize(model, seed=self.seed, device=self.device, aliases=self.aliases)
         example = self._real_microbatch()
+        # context parallelism: the program of this rank's tokens, its attention over every cp
+        # rank's keys and values (`context_parallel.ProgramContext`)
+        context = self.cp.program() if self.cp is not None else None
         sol = s.op_layouts.solution((self.tp_size,))
         self.runner = parallelize_graph(model, example, sol, self.my_mesh.tp_mesh, param_dtype=self.low,
-                                        recompute=s.op_layouts.recompute_regions())
+                                        recompute=s.op_layouts.recompute_regions(), context=context)
         self._note_interleaved(self.runner.layouts)
         if self.plan.ep > 1:
             # expert parallelism: each expert block's ops run as this rank's token exchange over
@@ -294,13 +297,16 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         self.tp_group = self.my_mesh.tp_mesh.get_group() if self.interleaved else None
 
     def _real_microbatch(self) -> tuple:
-        """One micro-batch of real inputs on this device (what torch.export traces the program with)."""
+        """One micro-batch of real inputs on this device (what torch.export traces the program
+        with); under context parallelism this rank's tokens of it."""
         mb = self.plan.microbatch_size
         if self.bundle.batch_fn is not None:
             batch = call_batch_fn(self.bundle.batch_fn, 0, mb, self.seed)
         else:
             batch = tuple(torch.zeros((mb,) + tuple(x.shape[1:]), dtype=x.dtype)
                           if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in self.bundle.example_inputs)
+        if self.cp is not None:
+            batch = tuple(self.cp.local_tokens(x) if isinstance(x, torch.Tensor) else x for x in batch)
         return tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x for x in batch)
 
 
@@ -497,7 +503,11 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
             else:
                 kwargs["target"] = targets[0] if len(targets) == 1 else targets
             kwargs["losses"] = losses
-        with ctx:
+        # the executor's chunks under context parallelism: the rank's positions for the step,
+        # backward recomputation included (`context_parallel.ProgramContext`); the traced
+        # module chunks set them in each forward (`ContextParallel.install`)
+        cp_ctx = self._cp_ctx() if self.runner is None and self.stages[0].op_layouts is not None else _nullctx()
+        with ctx, cp_ctx:
             # return_outputs=False: the last stage would otherwise keep every micro-batch's
             # output (the logits) until the step ends, which no plan counts
             if is_first:

@@ -118,7 +118,7 @@ class PipelineStages:
             compute_dtype=self._compute_dtype, param_dtype=self.low,
             recompute=[r for i in mine for r in self.stages[i].op_layouts.recompute_regions()],
             units={i: self.stages[i].fsdp_units or [] for i in mine} if self.zero3 else None,
-            handover=handover)
+            handover=handover, context=self.cp.program() if self.cp is not None else None)
         self.chunk_params = dict(enumerate(params))
         if chunks:
             self._note_interleaved(chunks[0].prog.layouts)

@@ -73,16 +73,6 @@ def validate_plan(plan: Plan, model: nn.Module) -> dict:
         if missing:
             raise PlanError(f"the plan's stages leave parameters out: {', '.join(missing[:5])}")
     solved = [s.index for s in stages if s.op_layouts is not None]
-    with_cp = [s for s in stages if s.op_layouts is not None and s.axis_size("cp") > 1]
-    if with_cp:
-        # the op-by-op executor runs the solved program's attention as one of its ops: the cp
-        # attention (K and V gathered over the cp ranks, `runtime.context_parallel`) is taken
-        # over in the model's eager forward only, so each rank would attend to its own chunks
-        s = with_cp[0]
-        raise PlanError(f"stage {s.index} carries op_layouts (per-op layouts executed op by op) and a cp axis of "
-                        f"{s.axis_size('cp')}: the op-by-op executor does not run context parallelism's attention "
-                        f"(each rank would attend to its own chunks only); drop the stage's op_layouts (tp then "
-                        f"runs by DTensor propagation, as the planner plans cp) or re-plan with `autopar plan`")
     if solved and (max(s.axis_size("tp") for s in stages) < 2 or len(solved) < nst):
         raise PlanError(f"stage {solved[0]} carries op_layouts, which the runtime executes only for "
                         f"plans with a tensor-parallel stage, every stage solved; re-plan with `autopar plan`")

@@ -196,10 +196,14 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
         check.tp_predicted = _tp_predicted(plan, kind)
         if check.tp_predicted is not None:
             # on the tp group: under ZeRO-3 FSDP's gathers and reduce-scatters run on the dp one,
-            # expert parallelism's token exchange on its ep group (`runtime.experts`)
+            # expert parallelism's token exchange on its ep group (`runtime.experts`), context
+            # parallelism's on its cp group
             other = [tuple(dist.get_process_group_ranks(pm.dp_group))] if pm.zero3 and pm.dp_group is not None else []
             if pm.expert_groups is not None:
                 other.append(tuple(dist.get_process_group_ranks(pm.expert_groups.ep_group)))
+            if pm.cp is not None:
+                # context parallelism's exchange and loss count on its cp group (`runtime.context_parallel`)
+                other.append(tuple(dist.get_process_group_ranks(pm.cp.group)))
             fb = dict(by_phase(full, other).get("forward_backward", {}))
             fb.pop("send_recv", None)
             check.tp_measured = fb
