@@ -116,6 +116,20 @@ def test_fake_cuda_program_without_a_gpu():
     assert len(batch) == 2 and not any(isinstance(b, int) for b in batch)
 
 
+def test_verify_of_a_gpu_plan_traces_the_cuda_program():
+    """While `cuda_program` is active (verify of a GPU plan, ranks on CPU fake tensors) the
+    program for a CPU-held model is traced for CUDA: the model's CUDA branch, kept apart from
+    the CPU one."""
+    from autopar.runtime.cuda_program import cuda_program
+
+    model, inputs = _data()
+    with cuda_program():
+        p, _ = execute.meta_program(model, inputs, device=torch.device("cpu"))
+    assert p.autopar_traced_device == torch.device("cuda", 0)
+    assert [n.args[1] for n in p.graph.nodes if n.target is torch.ops.aten.mul.Tensor] == [3.0]
+    assert execute.meta_program(model, inputs, device=torch.device("cpu"))[0] is not p
+
+
 def test_tp2_executor_runs_the_cpu_branch_as_one_process():
     """tp2 on 2 gloo processes: the executor's loss and gradients are one process's CPU run's
     (the meta branch would scale by 3 instead of 2)."""
