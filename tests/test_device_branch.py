@@ -19,8 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import autopar
-from autopar.intra_op import auto_shard
-from autopar.intra_op import execute
+from autopar.intra_op import auto_shard, execute
 from tests.launch import start_processes
 
 WORLD = 2

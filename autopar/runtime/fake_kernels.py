@@ -45,7 +45,7 @@ def _grouped_mm_cpu(fake_mode: Any, func: Any, mat_a: torch.Tensor, mat_b: torch
     for name, m in (("mat_a", mat_a), ("mat_b", mat_b)):     # the CPU kernel's stride check
         lead = m.stride(-2) if m.stride(-1) == 1 else m.stride(-1)
         torch._check(lead * m.element_size() % 16 == 0,
-                     lambda: f"grouped_mm: {name}'s strides should be multiples of 16 bytes")
+                     lambda name=name: f"grouped_mm: {name}'s strides should be multiples of 16 bytes")
     with fake_mode:
         return torch.empty(_grouped_mm_out_shape(mat_a, mat_b, offs), dtype=out_dtype or mat_a.dtype,
                            device=mat_a.device)
