@@ -520,7 +520,7 @@ def test_meta_program_hit_trains_as_a_miss(monkeypatch):
 
 def test_meta_constants_read_from_the_model_not_exported_again(monkeypatch):
     """A Hugging Face Llama's meta program lifts its rotary table as a meta constant; applying
-    a solution reads it from the model (`_real_constants`) instead of exporting the model again
+    a solution reads it from the model (`_real_constants`) instead of exporting the model itself
     on its device, and the program's loss is the model's own, on a 1-process mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -539,7 +539,10 @@ def test_meta_constants_read_from_the_model_not_exported_again(monkeypatch):
         want = b.model(*b.example_inputs)        # before the solution makes the weights DTensors
         want = want.loss if hasattr(want, "loss") else want
         prog = sol.apply(b.model, b.example_inputs, mesh)
-        assert len(calls) == 1                   # the meta copy's export only
+        # the data-less copy's exports only, not the model's own: traced for the CPU (which does
+        # not fit the solution solved on the meta capture: attention's `contiguous` differs),
+        # then on meta (`execute.fitting_program`)
+        assert len(calls) == 2
         held = {n: c for n, c in prog.constants.items() if isinstance(c, torch.Tensor)}
         assert held and not any(c.is_meta for c in held.values())
         assert all(c.is_meta for c in prog.program.constants.values() if isinstance(c, torch.Tensor))

@@ -309,6 +309,10 @@ def _with_batch(x: Any, b: int) -> Any:
         return x
     if x.device.type == "meta":
         return torch.empty((b,) + tuple(x.shape[1:]), dtype=x.dtype, device="meta")
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(x, FakeTensor):   # a fake input of another device (`execute.meta_program`): no kernel runs
+        return FakeTensor(x.fake_mode, torch.empty((b,) + tuple(x.shape[1:]), dtype=x.dtype, device="meta"), x.device)
     reps = [b // x.shape[0] + 1] + [1] * (x.dim() - 1) if x.shape[0] else None
     return x.repeat(*reps)[:b].contiguous() if reps else x.new_zeros((b,) + tuple(x.shape[1:]))
 

@@ -507,6 +507,9 @@ class ShardedProgram(nn.Module):
         self.constants = {**program.constants, **(constants or {})}
         self.own = own                      # set: only these parameters are this rank's (a pipeline)
         self.run_device = device            # set: the program was traced on meta, runs here
+        # the device `meta_program` traced the program for (None: meta, or the model's own
+        # export), whose name in the graph means `run_device` too
+        self.traced_device = getattr(program, "autopar_traced_device", None)
         self.model = model
         self._wrapped = [wrapped]           # not a submodule: `model` already is
         self.program = program
@@ -907,9 +910,8 @@ class _PlanInterpreter(torch.fx.Interpreter):
         """Devices of a program traced on meta made the real one."""
         if self.prog.run_device is None:
             return v
-        real = self.prog.run_device
-        return torch.fx.node.map_aggregate(
-            v, lambda x: real if isinstance(x, torch.device) and x.type == "meta" else x)
+        real, traced = self.prog.run_device, self.prog.traced_device
+        return torch.fx.node.map_aggregate(v, lambda x: real if _traced_for(x, traced) else x)
 
     def name_of(self, n: torch.fx.Node) -> str:
         """The OpGraph name of the tensor node `n` stands for."""
@@ -1291,6 +1293,17 @@ def _op_name(n: torch.fx.Node) -> str:
     return parts[1] if len(parts) >= 3 and parts[0] == "aten" else s
 
 
+def _traced_for(x: Any, traced: Optional[torch.device]) -> bool:
+    """`x` is a device a program names for the device it runs on: meta, or the device it was
+    traced for (`meta_program`; a CUDA program's `cuda:0` on a rank's `cuda:3`, or on the CPU in
+    `autopar verify`)."""
+    if not isinstance(x, torch.device):
+        return False
+    if x.type == "meta":
+        return True
+    return traced is not None and x.type == traced.type and (x.index is None or x.index == traced.index)
+
+
 def _split_dim(n: torch.fx.Node, ndim: int) -> int:
     d = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
     return int(d) % ndim
@@ -1303,9 +1316,11 @@ def _run_target(n: torch.fx.Node, args: Any, kwargs: Any) -> Any:
     if n.target is torch.ops.aten.view.default:
         return torch.ops.aten.reshape.default(*args, **kwargs)
     if n.target is torch.ops.aten.histc.default and _int_on_cpu(args[0]):
-        # CPU has no integer histc kernel; a program exported on meta can take a model's branch
-        # for other devices (Hugging Face's grouped experts: `.int()` unless on CPU or MPS).
-        # Counting integers as floats gives the same bins
+        # CPU has no integer histc kernel; a program traced for CUDA (verify of a GPU plan) or
+        # on meta can take a model's branch for other devices (Hugging Face's grouped experts:
+        # `.int()` unless on CPU or MPS). Still live on the CPU: an HF model's CPU program does
+        # not fit its solution (attention's `contiguous`, `fitting_program`), so the meta one
+        # runs. Counting integers as floats gives the same bins
         return torch.ops.aten.histc.default(args[0].float(), *args[1:], **kwargs).to(args[0].dtype)
     return n.target(*args, **kwargs)
 
@@ -1426,18 +1441,20 @@ def _parallelize_graph(model: nn.Module, example_inputs: Any, solution: Sharding
     device = None
     floats = [p for p in model.parameters() if p.is_floating_point()]
     if param_dtype is not None and any(p.dtype != param_dtype for p in floats):
-        program, names = meta_program(model, example_inputs, loss_fn=loss_fn, param_dtype=param_dtype,
-                                      device=next(model.parameters()).device)
+        program, names = fitting_program(model, example_inputs, solution, loss_fn=loss_fn, param_dtype=param_dtype,
+                                         device=next(model.parameters()).device)
         wrapped = _WithLoss(model, loss_fn or default_loss, names)
         return ShardedProgram(model, wrapped, program, solution, mesh, names, inputs=inputs,
                               device=next(model.parameters()).device, recompute=recompute,
                               constants=_real_constants(program, model))
-    # the meta copy first: the solution was solved on the meta capture, whose program it fits
-    # even where the model traces differently on its device (a Hugging Face model's attention,
-    # for one), and one export then serves (a meta constant the model holds under its name,
-    # Hugging Face's rotary `inv_freq`, read from the model); the device's own program where
-    # the meta one does not fit or holds a tensor constant traced on meta only
-    on_meta, names = meta_program(model, example_inputs, loss_fn=loss_fn, device=next(model.parameters()).device)
+    # the data-less copy first, traced for the device (`meta_program`), or on meta where that
+    # does not fit the solution (`fitting_program`): the solution was solved on the meta
+    # capture, whose program it fits even where the model traces differently on its device (a
+    # Hugging Face model's attention, for one), and one export then serves (a data-less constant
+    # the model holds under its name, Hugging Face's rotary `inv_freq`, read from the model);
+    # the model's own program where neither fits or one holds a tensor constant it traced only
+    on_meta, names = fitting_program(model, example_inputs, solution, loss_fn=loss_fn,
+                                     device=next(model.parameters()).device)
     meta_fits = not _mismatch(on_meta, solution)
     held = _real_constants(on_meta, model) if meta_fits else None
     if held is not None:
@@ -1461,38 +1478,63 @@ META_PROGRAMS_KEPT = 8
 META_PROGRAM_STATS = {"hits": 0, "misses": 0}
 
 
+def fitting_program(model: nn.Module, example_inputs: Any, solution: ShardingSolution, *, loss_fn: Any = None,
+                    param_dtype: Optional[torch.dtype] = None,
+                    device: Optional[torch.device] = None) -> tuple[Any, Optional[list[str]]]:
+    """`meta_program` traced for `device`, or traced on meta where the device's program does not
+    fit `solution` (`_mismatch`: the model traces into other ops there than on the meta device
+    the planner's capture ran on, so the solution names ops the device's program lacks)."""
+    program, names = meta_program(model, example_inputs, loss_fn=loss_fn, param_dtype=param_dtype, device=device)
+    if getattr(program, "autopar_traced_device", None) is not None:
+        bad = _mismatch(program, solution)
+        if bad:
+            log.info("the program %s traces for %s does not fit the solution (%s): running the one "
+                     "traced on meta", type(model).__name__, device, ", ".join(bad[:3]))
+            program, names = meta_program(model, example_inputs, loss_fn=loss_fn, param_dtype=param_dtype,
+                                          device=device, trace=False)
+    return program, names
+
+
 def meta_program(model: nn.Module, example_inputs: Any, *, loss_fn: Any = None,
                  param_dtype: Optional[torch.dtype] = None,
-                 device: Optional[torch.device] = None) -> tuple[Any, Optional[list[str]]]:
-    """(the torch.export program of a meta copy of `model` with its loss, the keyword names of
-    dict inputs or None), floating weights in `param_dtype` when given.
+                 device: Optional[torch.device] = None, trace: bool = True) -> tuple[Any, Optional[list[str]]]:
+    """(the torch.export program of a data-less copy of `model` with its loss, the keyword names
+    of dict inputs or None), floating weights in `param_dtype` when given.
+
+    The program is the one the model runs on `device` (`trace_device`): on CPU the copy's
+    weights and inputs are fake tensors on the CPU (a `FakeTensorMode` of the export's own, no
+    data), so a model that branches on its device (`x.device.type == "cpu"`, `x.is_cuda`,
+    Hugging Face's experts choosing their histogram dtype by device) is traced along the branch
+    that runs there, not the meta device's; on a CUDA device as CUDA runs it, where a fake CUDA
+    tensor can be traced (`_fake_copy`); elsewhere, or when the device's trace fails, on the meta
+    device as before. The program records the device it was traced for
+    (`program.autopar_traced_device`, None for meta), which `retarget` and the interpreter map
+    to the device it runs on. `trace=False`: on meta, whatever the device.
 
     Exporting is most of what building a rank's program costs (GPT-3 175B: 17 of about 40 CPU s
     a rank kind in `autopar verify`), and a process that builds several ranks of one plan, or
     several plans of one model (verify's workers, a test launch), exports the same program each
     time. So the last few are kept, keyed by everything the export depends on: the model's
     structure as the capture cache keys it (module types and settings, their classes' source,
-    parameter names, shapes, dtypes and tying), the inputs' shapes and dtypes, the loss and the
-    device the program is retargeted to. The program is shared: its users only read it (the
-    setup they do to it, `move_not_cast`, `retarget`, clearing its state dict, gives the same
-    result done again). A program that lifts tensor constants is not kept (they belong to the
-    fake-tensor mode it was traced under, or hold a value the key does not cover); one whose
-    tensor constants are all plain meta tensors (a meta copy's non-persistent buffer, Hugging
-    Face's rotary `inv_freq`: no data) is. A test launch of 26 plans of
+    parameter names, shapes, dtypes and tying), the inputs' shapes and dtypes, the loss, the
+    device the program is retargeted to and the device it is traced for. The program is shared:
+    its users only read it (the setup they do to it, `move_not_cast`, `retarget`, clearing its
+    state dict, gives the same result done again). A program that lifts tensor constants is not
+    kept (they belong to the fake-tensor mode it was traced under, or hold a value the key does
+    not cover); one whose tensor constants are all the copy's own data-less tensors (a
+    non-persistent buffer, Hugging Face's rotary `inv_freq`) is. A test launch of 26 plans of
     four models on 4 ranks exported 11 of its 12 meta programs per rank with 2 kept and
     constants left out (about 1.5 CPU s each); `META_PROGRAM_STATS` counts hits and misses, and
     each is logged at debug level."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     from autopar.capture.cache import model_key
     from autopar.capture.export import export_program
-
     from autopar.models.positions import tracing
 
     meta = _meta_copy(model, param_dtype)
     inputs = _to_meta(example_inputs)
+    traced = trace_device(device) if trace else None
     # positions traced as the op that reads them when the program runs (context parallelism)
-    key = (model_key(meta, inputs, loss_fn=loss_fn), str(device), tracing())
+    key = (model_key(meta, inputs, loss_fn=loss_fn), str(device), str(traced), tracing())
     hit = _META_PROGRAMS.get(key)
     if hit is not None:
         _META_PROGRAMS.move_to_end(key)
@@ -1500,11 +1542,22 @@ def meta_program(model: nn.Module, example_inputs: Any, *, loss_fn: Any = None,
         log.debug("meta program of %s: kept (key %s)", type(model).__name__, key[0][:12])
         return hit
     META_PROGRAM_STATS["misses"] += 1
-    log.debug("meta program of %s: exporting (key %s)", type(model).__name__, key[0][:12])
-    program, _, names = export_program(meta, inputs, loss_fn=loss_fn)
+    log.debug("meta program of %s: exporting for %s (key %s)", type(model).__name__, traced or "meta", key[0][:12])
+    program = None
+    if traced is not None:
+        try:
+            copy_, fake_inputs, own = _fake_copy(meta, inputs, traced)
+            program, _, names = export_program(copy_, fake_inputs, loss_fn=loss_fn)
+        except Exception as e:  # noqa: BLE001 - a model that cannot be traced there: on meta
+            log.debug("exporting %s for %s failed (%s: %s); exporting on meta", type(model).__name__,
+                      traced, type(e).__name__, e)
+            program = None
+    if program is None:
+        traced, own = None, set()
+        program, _, names = export_program(meta, inputs, loss_fn=loss_fn)
+    program.autopar_traced_device = traced
     positions_named_as_captured(program)
-    if all(c.is_meta and not isinstance(c, FakeTensor) for c in program.constants.values()
-           if isinstance(c, torch.Tensor)):
+    if all(_dataless(c, own) for c in program.constants.values() if isinstance(c, torch.Tensor)):
         _META_PROGRAMS[key] = (program, names)
         while len(_META_PROGRAMS) > META_PROGRAMS_KEPT:
             _META_PROGRAMS.popitem(last=False)
@@ -1540,6 +1593,84 @@ def positions_named_as_captured(program: Any) -> None:
         mod.recompile()
 
 
+def trace_device(device: Optional[torch.device]) -> Optional[torch.device]:
+    """The device `meta_program` traces a program for, to run on `device`: a CPU, or a CUDA
+    device (one with an index: fake CUDA tensors are made without a GPU, but tracing one needs
+    autograd's device guard, which a CPU-only torch lacks for weights requiring gradients, so
+    there they are traced not requiring them), also for the CPU while `cuda_program` is active
+    (verify of a GPU plan); None (the meta device) for other devices."""
+    from autopar.runtime.cuda_program import cuda_program
+
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cpu" and cuda_program.active:
+        # `autopar verify` of a GPU plan, which runs a CUDA rank's program on CPU fake tensors
+        return torch.device("cuda", 0)
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type == "cuda":
+        return torch.device("cuda", device.index if device.index is not None else 0)
+    return None
+
+
+def _fake_copy(meta: nn.Module, inputs: Any, device: torch.device) -> tuple[nn.Module, Any, set[int]]:
+    """(`meta` (a `_meta_copy`) with every parameter and buffer a fake tensor on `device`,
+    `inputs` (meta tensors) likewise, the ids of those fake tensors), all of one
+    `FakeTensorMode`, which torch.export then traces under: nothing is allocated, and the model
+    sees tensors of `device`. On a CUDA device without CUDA, no weight requires a gradient (see
+    `trace_device`)."""
+    import copy
+
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    grads = device.type != "cuda" or torch.cuda.is_available()
+    own: set[int] = set()
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        f = FakeTensor(mode, torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"), device)
+        own.add(id(f))
+        return f
+
+    memo: dict[int, Any] = {}
+    for p in meta.parameters():
+        memo[id(p)] = nn.Parameter(fake(p), requires_grad=p.requires_grad and grads)
+        own.add(id(memo[id(p)]))
+    for b in meta.buffers():
+        memo[id(b)] = fake(b)
+
+    def fake_inputs(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return fake(v)
+        if isinstance(v, dict):
+            return {k: fake_inputs(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return type(v)(fake_inputs(x) for x in v)
+        return v
+
+    return copy.deepcopy(meta, memo), fake_inputs(inputs), own
+
+
+def _dataless(c: torch.Tensor, own: set[int]) -> bool:
+    """A program constant that holds no data and no other trace's state: a plain meta tensor
+    (a meta copy's buffer or attribute), or a fake tensor of the copy's own (`_fake_copy`)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(c, FakeTensor):
+        return id(c) in own
+    return c.is_meta
+
+
+def _placeholder_constant(c: Any) -> bool:
+    """A constant of a program `meta_program` exported that stands for a tensor of the model
+    (meta, or fake on the traced device): the model's own tensor must be read in its stead."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(c, torch.Tensor) and (c.is_meta or isinstance(c, FakeTensor))
+
+
 def _real_constants(program: Any, model: nn.Module) -> Optional[dict[str, torch.Tensor]]:
     """{name: the model's tensor} for each tensor constant of `program` (exported from a meta
     copy of `model` wrapped by `_WithLoss`) that is on the meta device, each read from `model`
@@ -1549,7 +1680,7 @@ def _real_constants(program: Any, model: nn.Module) -> Optional[dict[str, torch.
     lifts it."""
     out: dict[str, torch.Tensor] = {}
     for name, c in program.constants.items():
-        if not (isinstance(c, torch.Tensor) and c.is_meta):
+        if not _placeholder_constant(c):
             continue
         path = name.removeprefix("model.") if name.startswith("model.") else None
         owner, _, attr = (path or "").rpartition(".")

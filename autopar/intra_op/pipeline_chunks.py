@@ -55,7 +55,7 @@ from autopar.intra_op.execute import (
     _subgraph_index,
     _ToLocal,
     contiguous_strides,
-    meta_program,
+    fitting_program,
     redistribute,
     to_placements,
 )
@@ -347,12 +347,12 @@ def parallelize_chunks(model: nn.Module, example_inputs: Sequence[Any], solution
         from autopar.models.positions import traced_positions
 
         with traced_positions():
-            program, names = meta_program(model, example_inputs, loss_fn=loss_fn, param_dtype=param_dtype,
-                                          device=device)
+            program, names = fitting_program(model, example_inputs, solution, loss_fn=loss_fn,
+                                             param_dtype=param_dtype, device=device)
         context.check(program)
     else:
-        program, names = meta_program(model, example_inputs, loss_fn=loss_fn, param_dtype=param_dtype,
-                                      device=device)
+        program, names = fitting_program(model, example_inputs, solution, loss_fn=loss_fn, param_dtype=param_dtype,
+                                         device=device)
     gm = program.graph_module
     specs = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], program.graph_signature.input_specs))
     wrapped = _WithLoss(model, loss_fn or default_loss, names)
@@ -410,7 +410,7 @@ def _fake_run(gm: torch.fx.GraphModule, program: Any, specs: dict, wrapped: nn.M
 
     # a program traced on meta: the devices its ops name become `device` (the runtime's
     # interpreter maps them as it runs; the plain run here needs them in the graph)
-    retarget(gm, device)
+    retarget(gm, device, getattr(program, "autopar_traced_device", None))
     with FakeTensorMode(allow_non_fake_inputs=True) as mode, autocast():
         flat = []
         users = iter(example_inputs)

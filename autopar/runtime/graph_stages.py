@@ -281,13 +281,14 @@ def _restore_body(root: nn.Module, path: str, name: str, body: torch.fx.GraphMod
         og.lint()
 
 
-def retarget(gm: nn.Module, device: torch.device) -> None:
-    """Make a chunk traced on meta run on `device`, in its graph and in the graphs of the
-    tracer's submodules: tensors its ops create or move get `device` (a meta device in an op's
-    arguments becomes `device`), and the tracer's metadata assertions (dtype and device as
-    traced) go."""
+def retarget(gm: nn.Module, device: torch.device, traced: Optional[torch.device] = None) -> None:
+    """Make a chunk traced on meta (or for the device `traced`) run on `device`, in its graph
+    and in the graphs of the tracer's submodules: tensors its ops create or move get `device` (a
+    meta device, or `traced`, in an op's arguments becomes `device`), and the tracer's metadata
+    assertions (dtype and device as traced) go."""
     def fix(v: Any) -> Any:
-        if isinstance(v, torch.device) and v.type == "meta":
+        if isinstance(v, torch.device) and (v.type == "meta" or traced is not None and v.type == traced.type
+                                            and v.index in (None, traced.index)):
             return device
         if isinstance(v, (tuple, list)):
             return type(v)(fix(x) for x in v)

@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch.distributed as dist
 
 from autopar.models.registry import ModelBundle, build_model, call_batch_fn, default_batch_fn
+from autopar.runtime import fake_kernels
 from autopar.runtime.counting import CollectiveCounter, combine
 from autopar.runtime.rank_kinds import RankKind, expected_shards, rank_kinds
 from autopar.runtime.short_step import MicrobatchTags, ShortStepError, extrapolate, full_inputs, shortened
@@ -174,6 +175,7 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
     _BUILT.add(_layout(plan))
     dist.init_process_group("fake", store=FakeStore(), rank=kind.rank, world_size=plan.world_size)
     try:
+        fake_kernels.install()          # the CPU kernels torch's fake ones misstate (fp32 grouped GEMMs)
         bundle = make_bundle()
         skip = baseline()
         with FakeTensorMode(allow_non_fake_inputs=True), _real_mesh_concatenation(), _device_lists(plan), \
