@@ -118,7 +118,7 @@ def test_cp_x_tp_runs_op_by_op_as_solved(launched):
     (full recomputation, ZeRO-1): every stage carries its layouts, no fallback recorded,
     losses equal one process within 1e-4 (2e-6: wrong positions move the Llama's ~1e-5), every
     step's counted collectives the plan's (the exchange and the solution's, no dry run)."""
-    for name, (ref, pins) in SOLVED_PINS.items():
+    for name, (ref, _pins) in SOLVED_PINS.items():
         p, rows = launched[name]
         assert (p.cp, p.tp) == (2, 2) and p.stages[0].op_layouts is not None, name
         assert "tp_executor" not in p.search and "cp_executor" not in p.search, (name, p.search)
