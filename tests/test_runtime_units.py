@@ -234,26 +234,44 @@ def test_gloo_collective_returns_once_the_worker_thread_let_go():
 
 def test_functional_collectives_on_gloo_return_once_gloo_let_go():
     """Tensor parallelism's functional collectives (DTensor's) under `GlooFunctionalSync`: the
-    all-reduce runs in place on a view of its own clone, the all-gather on a view of its input,
-    and the wait returns once those views died (gloo holds nothing of the operands), with the
-    results of the plain ops. Real gloo, one process."""
+    all-reduce runs in place on a view of its own clone, the all-gather and all-to-all on views
+    of their operands, each returning once gloo let go of them (the view is dead when the op
+    returns), with the results of the plain ops; on exit torch's own kernels are back (an
+    asynchronous all-reduce, waited on through its `AsyncCollectiveTensor`). Real gloo, one
+    process."""
+    import weakref
+
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
+    from autopar.runtime import tied_grads
     from autopar.runtime.tied_grads import GlooFunctionalSync
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    views: list = []
+    real = tied_grads._settled
+
+    def settled(run, *vs):
+        views.extend(weakref.ref(v) for v in vs)
+        real(run, *vs)
+
+    tied_grads._settled = settled
     try:
         g = dist.group.WORLD
         x = torch.arange(6.0)
-        sync = GlooFunctionalSync()
-        with sync:
-            red = funcol.all_reduce(x, "sum", g) * 1.0          # used: the wait runs
-            assert sync.pending == {}                            # waited, and gloo let go
+        with GlooFunctionalSync():
+            with GlooFunctionalSync():                             # nested: one registration
+                red = funcol.all_reduce(x, "sum", g) * 1.0
+            assert len(views) == 1 and views[0]() is None          # gloo let go as it returned
             gat = funcol.all_gather_tensor(x, 0, g) * 1.0
-            assert sync.pending == {}
-        assert torch.equal(red, x) and torch.equal(gat, x) and torch.equal(x, torch.arange(6.0))
+            a2a = funcol.all_to_all_single(x, None, None, g) * 1.0
+            assert len(views) == 4 and all(v() is None for v in views)
+        assert torch.equal(red, x) and torch.equal(gat, x) and torch.equal(a2a, x)
+        assert torch.equal(x, torch.arange(6.0))
+        views.clear()
+        assert torch.equal(funcol.all_reduce(x, "sum", g) * 1.0, x) and views == []   # torch's kernel
     finally:
+        tied_grads._settled = real
         dist.destroy_process_group()
 
 
