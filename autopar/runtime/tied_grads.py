@@ -216,11 +216,13 @@ class GlooFunctionalSync:
     all-reduced gradient through the optimizer step on one rank, mlp-tiny tp2's backward
     all-gathers). While this context is entered, the CPU kernels of the functional all-reduce,
     all-gather and all-to-all are replaced (a `torch.library` IMPL registration, removed on
-    exit, torch's own kernels back): on a gloo group each runs synchronously, an all-gather or
-    all-to-all on a view of its input, an all-reduce in place on a view of its own contiguous
-    clone (the output, as torch's kernel makes it), and returns once those views died (gloo has
-    let go of the work; the later `wait_tensor` finds nothing left to wait for), so the
-    operands live exactly as long as the step holds them. Another backend's group gets torch's
+    exit, torch's own kernels back): on a gloo group each runs synchronously on views of its
+    operands (the later `wait_tensor` finds nothing left to wait for), an all-reduce in place
+    on its own contiguous clone (the output, as torch's kernel makes it). An all-gather's or
+    all-to-all's input (the step's tensor) is waited for until gloo let go of its view; an
+    output gloo still holds after one yield to its thread is returned as a copy, the storage
+    gloo holds emptied (`_unheld`: no wait). So the operands live exactly as long as the step
+    holds them. Another backend's group gets torch's
     own behaviour (the functional in-place or out variant, the work registered for its wait). A
     reduce-scatter is left alone (gloo all-reduces a clone of its input made inside the op,
     which nothing of the step sees).
@@ -269,39 +271,63 @@ def _gloo_group(name: str) -> Optional[dist.ProcessGroup]:
     return hit or None
 
 
+def _let_go(ref: weakref.ref) -> bool:
+    """Whether gloo let go of the view `ref` follows, after one yield to its worker thread."""
+    if ref() is None:
+        return True
+    time.sleep(0)
+    return ref() is None
+
+
+def _unheld(out: torch.Tensor, ref: weakref.ref) -> torch.Tensor:
+    """A collective's finished output `out` (a tensor of the kernel's own), of which gloo may
+    still hold the view `ref` follows: `out` itself when gloo let go, else a copy of it, the
+    storage gloo holds emptied (`release`): the result lives as long as the step holds it, and
+    nobody waits for gloo's thread (that wait, at every collective, cost a loaded machine's
+    scheduling latency each time)."""
+    if _let_go(ref):
+        return out
+    fresh = torch.empty_like(out)
+    fresh.copy_(out)
+    out.untyped_storage().resize_(0)
+    return fresh
+
+
 def _settled(run: Callable[..., Any], *views: torch.Tensor) -> None:
     """`run(*views)` (a synchronous collective on `views`), returning once gloo let go of them."""
     refs = [weakref.ref(v) for v in views]
     run(*views)
     del views
-    _dead(refs)
+    if not all(_let_go(r) for r in refs):
+        _dead(refs)
 
 
 def _sync_all_reduce(inp: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
     out = inp.clone(memory_format=torch.contiguous_format)
-    pg = _gloo_group(group_name)
-    if pg is None:
+    if _gloo_group(group_name) is None:
         return _FUNCOL.all_reduce_.default(out, reduce_op, group_name)
-
-    def run(v: torch.Tensor) -> None:
-        _FUNCOL.all_reduce_.default(v, reduce_op, group_name)
-        _FUNCOL.wait_tensor.default(v)
-
-    _settled(run, out.view(out.shape))
-    return out
+    view = out.view(out.shape)
+    ref = weakref.ref(view)
+    _FUNCOL.all_reduce_.default(view, reduce_op, group_name)
+    _FUNCOL.wait_tensor.default(view)
+    del view
+    return _unheld(out, ref)
 
 
 def _sync_all_gather(inp: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
     out = inp.new_empty((inp.shape[0] * group_size, *inp.shape[1:]) if inp.dim() else (group_size,))
     if _gloo_group(group_name) is None:
         return _FUNCOL.all_gather_into_tensor_out.default(inp, group_size, group_name, out=out)
+    view = out.view(out.shape)
+    ref = weakref.ref(view)
 
-    def run(v: torch.Tensor, o: torch.Tensor) -> None:
-        _FUNCOL.all_gather_into_tensor_out.default(v, group_size, group_name, out=o)
-        _FUNCOL.wait_tensor.default(o)
+    def run(v: torch.Tensor) -> None:
+        _FUNCOL.all_gather_into_tensor_out.default(v, group_size, group_name, out=view)
+        _FUNCOL.wait_tensor.default(view)
 
-    _settled(run, inp.view(inp.shape), out.view(out.shape))
-    return out
+    _settled(run, inp.view(inp.shape))    # the step's input: waited for
+    del view
+    return _unheld(out, ref)
 
 
 def _sync_all_to_all(inp: torch.Tensor, output_split_sizes: list, input_split_sizes: list,
@@ -318,13 +344,16 @@ def _sync_all_to_all(inp: torch.Tensor, output_split_sizes: list, input_split_si
                                       async_op=True)
         torch._C._distributed_c10d._register_work(out, work)
         return out
+    view = out.view(out.shape)
+    ref = weakref.ref(view)
 
     def run(v: torch.Tensor) -> None:
-        dist.all_to_all_single(out, v, list(output_split_sizes) or None, list(input_split_sizes) or None,
+        dist.all_to_all_single(view, v, list(output_split_sizes) or None, list(input_split_sizes) or None,
                                group=pg)
 
     _settled(run, inp.contiguous().view(inp.shape))
-    return out
+    del view
+    return _unheld(out, ref)
 
 
 _FUNCOL = torch.ops._c10d_functional
