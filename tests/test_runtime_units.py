@@ -233,27 +233,53 @@ def test_gloo_collective_returns_once_the_worker_thread_let_go():
 
 
 def test_functional_collectives_on_gloo_return_once_gloo_let_go():
-    """Tensor parallelism's functional collectives (DTensor's) under `GlooFunctionalSync`: the
-    all-reduce runs in place on a view of its own clone, the all-gather on a view of its input,
-    and the wait returns once those views died (gloo holds nothing of the operands), with the
-    results of the plain ops. Real gloo, one process."""
+    """Tensor parallelism's functional collectives (DTensor's) under `GlooFunctionalSync`: each
+    runs synchronously on views of its operands and returns with gloo holding nothing of the
+    step's tensors: an all-gather's or all-to-all's input view is dead, and the output is
+    either one gloo let go of or a copy, the storage gloo still holds emptied; the results are
+    the plain ops'. On exit torch's own kernels are back (an asynchronous all-reduce, waited on
+    through its `AsyncCollectiveTensor`). Real gloo, one process."""
+    import weakref
+
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
+    from autopar.runtime import tied_grads
     from autopar.runtime.tied_grads import GlooFunctionalSync
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    inputs: list = []
+    outputs: list = []
+    real_settled, real_unheld = tied_grads._settled, tied_grads._unheld
+
+    def settled(run, *vs):
+        inputs.extend(weakref.ref(v) for v in vs)
+        real_settled(run, *vs)
+
+    def unheld(out, ref):
+        res = real_unheld(out, ref)
+        outputs.append((ref, out, res))
+        return res
+
+    tied_grads._settled, tied_grads._unheld = settled, unheld
     try:
         g = dist.group.WORLD
         x = torch.arange(6.0)
-        sync = GlooFunctionalSync()
-        with sync:
-            red = funcol.all_reduce(x, "sum", g) * 1.0          # used: the wait runs
-            assert sync.pending == {}                            # waited, and gloo let go
+        with GlooFunctionalSync():
+            with GlooFunctionalSync():                             # nested: one registration
+                red = funcol.all_reduce(x, "sum", g) * 1.0
             gat = funcol.all_gather_tensor(x, 0, g) * 1.0
-            assert sync.pending == {}
-        assert torch.equal(red, x) and torch.equal(gat, x) and torch.equal(x, torch.arange(6.0))
+            a2a = funcol.all_to_all_single(x, None, None, g) * 1.0
+        assert len(inputs) == 2 and all(r() is None for r in inputs)      # inputs let go
+        assert len(outputs) == 3
+        for ref, out, res in outputs:
+            assert res is out and ref() is None or res is not out and out.untyped_storage().nbytes() == 0
+        assert torch.equal(red, x) and torch.equal(gat, x) and torch.equal(a2a, x)
+        assert torch.equal(x, torch.arange(6.0))
+        outputs.clear()
+        assert torch.equal(funcol.all_reduce(x, "sum", g) * 1.0, x) and outputs == []   # torch's kernel
     finally:
+        tied_grads._settled, tied_grads._unheld = real_settled, real_unheld
         dist.destroy_process_group()
 
 

@@ -23,7 +23,6 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -208,63 +207,153 @@ def _dead(refs: list, timeout_s: float = 10.0) -> None:
         time.sleep(0)
 
 
-class GlooFunctionalSync(TorchDispatchMode):
+class GlooFunctionalSync:
     """Tensor parallelism's collectives on gloo with the timing of `gloo_quiesced`: DTensor
     issues functional collectives (`_c10d_functional`) and waits on their output
     (`wait_tensor`); gloo's worker thread held the operands of a finished one some time after
     that wait, so a tensor the step dropped (an all-reduced gradient autograd had consumed, an
     all-gather's input) stayed alive a scheduling-dependent time (seen: gpt-tiny fp32 tp2's last
     all-reduced gradient through the optimizer step on one rank, mlp-tiny tp2's backward
-    all-gathers). Under this mode an all-gather or all-to-all runs on a view of its input, an
-    all-reduce in place on a view of its own contiguous clone (the functional op's output, as
-    it makes it), and `wait_tensor` returns once those views died: gloo has let go of the work,
-    so the operands live exactly as long as the step holds them. Other backends' groups and
-    every other op pass through; a reduce-scatter too (gloo all-reduces a clone of its input
-    made inside the op, which nothing of the step sees)."""
+    all-gathers). While this context is entered, the CPU kernels of the functional all-reduce,
+    all-gather and all-to-all are replaced (a `torch.library` IMPL registration, removed on
+    exit, torch's own kernels back): on a gloo group each runs synchronously on views of its
+    operands (the later `wait_tensor` finds nothing left to wait for), an all-reduce in place
+    on its own contiguous clone (the output, as torch's kernel makes it). An all-gather's or
+    all-to-all's input (the step's tensor) is waited for until gloo let go of its view; an
+    output gloo still holds after one yield to its thread is returned as a copy, the storage
+    gloo holds emptied (`_unheld`: no wait). So the operands live exactly as long as the step
+    holds them. Another backend's group gets torch's
+    own behaviour (the functional in-place or out variant, the work registered for its wait). A
+    reduce-scatter is left alone (gloo all-reduces a clone of its input made inside the op,
+    which nothing of the step sees).
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.pending: dict[int, list] = {}
-        self._gloo: dict[Any, bool] = {}
+    Only the collectives pay for this (a Python call each): the TorchDispatchMode this was until
+    session 30 saw every op of the step, a Python dispatch per op that made gpt-small's tp step
+    14-18% slower (`benchmarks/runtime_overhead.py`)."""
 
-    def _on_gloo(self, name: Any) -> bool:
-        hit = self._gloo.get(name)
-        if hit is None:
-            from torch.distributed.distributed_c10d import _resolve_process_group
+    _depth = 0
+    _lib: Any = None
 
-            try:
-                hit = dist.get_backend(_resolve_process_group(name)) == "gloo"
-            except Exception:   # noqa: BLE001 - not a group this rank knows: left alone
-                hit = False
-            self._gloo[name] = hit
-        return hit
+    def __enter__(self) -> "GlooFunctionalSync":
+        cls = GlooFunctionalSync
+        if cls._depth == 0:
+            lib = torch.library.Library("_c10d_functional", "IMPL")
+            lib.impl("all_reduce", _sync_all_reduce, "CPU")
+            lib.impl("all_gather_into_tensor", _sync_all_gather, "CPU")
+            lib.impl("all_to_all_single", _sync_all_to_all, "CPU")
+            cls._lib = lib
+        cls._depth += 1
+        return self
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if DTensor in types or _ACT in types:
-            # DTensor's and funcol's wrapper's own dispatch first: the local ops and the wait
-            # they issue come back here
-            return NotImplemented
-        if func is _FUNCOL.wait_tensor.default:
-            out = func(*args, **kwargs)
-            refs = self.pending.pop(args[0].untyped_storage().data_ptr(), None)
-            if refs:
-                _dead(refs)
-            return out
-        if func in _VIEWED_INPUT and self._on_gloo(kwargs.get("group_name", args[-1])):
-            view = args[0].view(args[0].shape)
-            out = func(view, *args[1:], **kwargs)
-            self.pending.setdefault(out.untyped_storage().data_ptr(), []).append(weakref.ref(view))
-            return out
-        if func is _FUNCOL.all_reduce.default and self._on_gloo(kwargs.get("group_name", args[-1])):
-            out = args[0].clone(memory_format=torch.contiguous_format)
-            view = out.view(out.shape)
-            _FUNCOL.all_reduce_.default(view, *args[1:], **kwargs)
-            self.pending.setdefault(out.untyped_storage().data_ptr(), []).append(weakref.ref(view))
-            return out
-        return func(*args, **kwargs)
+    def __exit__(self, *exc: Any) -> None:
+        cls = GlooFunctionalSync
+        cls._depth -= 1
+        if cls._depth == 0:
+            cls._lib._destroy()
+            cls._lib = None
+
+
+_GLOO_GROUPS: dict[str, Any] = {}
+
+
+def _gloo_group(name: str) -> Optional[dist.ProcessGroup]:
+    """The process group named `name` when its backend is gloo, else None (cached by name)."""
+    hit = _GLOO_GROUPS.get(name)
+    if hit is None:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        try:
+            pg = _resolve_process_group(name)
+            hit = pg if dist.get_backend(pg) == "gloo" else False
+        except Exception:   # noqa: BLE001 - not a group this rank knows: torch's behaviour
+            hit = False
+        _GLOO_GROUPS[name] = hit
+    return hit or None
+
+
+def _let_go(ref: weakref.ref) -> bool:
+    """Whether gloo let go of the view `ref` follows, after one yield to its worker thread."""
+    if ref() is None:
+        return True
+    time.sleep(0)
+    return ref() is None
+
+
+def _unheld(out: torch.Tensor, ref: weakref.ref) -> torch.Tensor:
+    """A collective's finished output `out` (a tensor of the kernel's own), of which gloo may
+    still hold the view `ref` follows: `out` itself when gloo let go, else a copy of it, the
+    storage gloo holds emptied (`release`): the result lives as long as the step holds it, and
+    nobody waits for gloo's thread (that wait, at every collective, cost a loaded machine's
+    scheduling latency each time)."""
+    if _let_go(ref):
+        return out
+    fresh = torch.empty_like(out)
+    fresh.copy_(out)
+    out.untyped_storage().resize_(0)
+    return fresh
+
+
+def _settled(run: Callable[..., Any], *views: torch.Tensor) -> None:
+    """`run(*views)` (a synchronous collective on `views`), returning once gloo let go of them."""
+    refs = [weakref.ref(v) for v in views]
+    run(*views)
+    del views
+    if not all(_let_go(r) for r in refs):
+        _dead(refs)
+
+
+def _sync_all_reduce(inp: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
+    out = inp.clone(memory_format=torch.contiguous_format)
+    if _gloo_group(group_name) is None:
+        return _FUNCOL.all_reduce_.default(out, reduce_op, group_name)
+    view = out.view(out.shape)
+    ref = weakref.ref(view)
+    _FUNCOL.all_reduce_.default(view, reduce_op, group_name)
+    _FUNCOL.wait_tensor.default(view)
+    del view
+    return _unheld(out, ref)
+
+
+def _sync_all_gather(inp: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    out = inp.new_empty((inp.shape[0] * group_size, *inp.shape[1:]) if inp.dim() else (group_size,))
+    if _gloo_group(group_name) is None:
+        return _FUNCOL.all_gather_into_tensor_out.default(inp, group_size, group_name, out=out)
+    view = out.view(out.shape)
+    ref = weakref.ref(view)
+
+    def run(v: torch.Tensor) -> None:
+        _FUNCOL.all_gather_into_tensor_out.default(v, group_size, group_name, out=view)
+        _FUNCOL.wait_tensor.default(view)
+
+    _settled(run, inp.view(inp.shape))    # the step's input: waited for
+    del view
+    return _unheld(out, ref)
+
+
+def _sync_all_to_all(inp: torch.Tensor, output_split_sizes: list, input_split_sizes: list,
+                     group_name: str) -> torch.Tensor:
+    n = (sum(output_split_sizes) if output_split_sizes
+         else inp.shape[0])   # no splits: equal chunks, the input's size
+    out = inp.new_empty((n, *inp.shape[1:]))
+    pg = _gloo_group(group_name)
+    if pg is None:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        work = dist.all_to_all_single(out, inp.contiguous(), list(output_split_sizes) or None,
+                                      list(input_split_sizes) or None, group=_resolve_process_group(group_name),
+                                      async_op=True)
+        torch._C._distributed_c10d._register_work(out, work)
+        return out
+    view = out.view(out.shape)
+    ref = weakref.ref(view)
+
+    def run(v: torch.Tensor) -> None:
+        dist.all_to_all_single(view, v, list(output_split_sizes) or None, list(input_split_sizes) or None,
+                               group=pg)
+
+    _settled(run, inp.contiguous().view(inp.shape))
+    del view
+    return _unheld(out, ref)
 
 
 _FUNCOL = torch.ops._c10d_functional
-_ACT = AsyncCollectiveTensor
-_VIEWED_INPUT = (_FUNCOL.all_gather_into_tensor.default, _FUNCOL.all_to_all_single.default)

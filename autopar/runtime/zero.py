@@ -14,7 +14,6 @@ from autopar.runtime.spmd import SPMDModule
 from autopar.runtime.tied_grads import (
     all_gather_flat,
     gloo_copies_released,
-    gloo_quiesced,
     reduce_scatter_flat,
     release,
 )
@@ -23,12 +22,18 @@ from autopar.runtime.validate import get_submodule
 
 def gloo_fsdp_comms(module: nn.Module) -> None:
     """On gloo, give the FSDP2 unit `module` FSDP's default all-gather and reduce-scatter with
-    their timing made the same every run: a synchronous all-gather returns once gloo's worker
-    thread has let go of FSDP's flat buffer (`tied_grads.gloo_quiesced`: else the buffer FSDP
-    frees after its copy-out lived on until the thread got back to its queue, milliseconds
-    under load), and the reduce-scatter frees gloo's copy of its input as it returns
+    their timing made the same every run: gloo's worker thread lets go of FSDP's flat
+    all-gather buffer once that unit's copy-out returned (`wait_for_unshard`, the all-gather's
+    views followed as `tied_grads.gloo_quiesced` does: else the buffer FSDP frees after its
+    copy-out lived on until the thread got back to its queue, milliseconds under load), and the
+    reduce-scatter frees gloo's copy of its input as it returns
     (`tied_grads.gloo_copies_released`). Asynchronous calls (none in FSDP2's default
-    unsharding) and other backends are left as FSDP makes them."""
+    unsharding) and other backends are left as FSDP makes them.
+
+    The wait for gloo's thread comes after the copy-out, not as the all-gather returns (until
+    session 30): the buffer is FSDP's through the copy-out either way, so nothing is freed at
+    another moment, and the copy-out gives the thread the time it needs (a wait right after the
+    call paid the thread's scheduling latency at every all-gather, most under load)."""
     import torch.distributed as dist
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
@@ -36,8 +41,11 @@ def gloo_fsdp_comms(module: nn.Module) -> None:
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             if async_op:
                 return super().__call__(output_tensor, input_tensor, group, async_op)
-            return gloo_quiesced(lambda out, inp: super(GlooAllGather, self).__call__(out, inp, group, async_op),
-                                 group, output_tensor, input_tensor)
+            # a pending all-gather not yet settled by a copy-out (none in FSDP's order) first
+            _PENDING_GATHERS.settle()
+            return _PENDING_GATHERS.issue(
+                lambda out, inp: super(GlooAllGather, self).__call__(out, inp, group, async_op),
+                output_tensor, input_tensor)
 
     class GlooReduceScatter(DefaultReduceScatter):
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
@@ -50,6 +58,43 @@ def gloo_fsdp_comms(module: nn.Module) -> None:
     if groups and dist.get_backend(groups[0]._reduce_scatter_process_group) == "gloo":
         module.set_custom_all_gather(GlooAllGather())
         module.set_custom_reduce_scatter(GlooReduceScatter())
+        for g in groups:
+            g.wait_for_unshard = _settling(g.wait_for_unshard)
+
+
+class _PendingGathers:
+    """Weak references to the views FSDP's synchronous gloo all-gathers ran on, until a
+    copy-out ends (`settle`: wait until gloo let go of them)."""
+
+    def __init__(self) -> None:
+        self.refs: list = []
+
+    def issue(self, collective, *operands: torch.Tensor):
+        import weakref
+
+        views = [t.view(t.shape) for t in operands]
+        self.refs.extend(weakref.ref(v) for v in views)
+        return collective(*views)
+
+    def settle(self) -> None:
+        if self.refs:
+            from autopar.runtime.tied_grads import _dead
+
+            _dead(self.refs)
+            self.refs = []
+
+
+_PENDING_GATHERS = _PendingGathers()
+
+
+def _settling(wait_for_unshard):
+    """FSDP's `wait_for_unshard` (the copy-out), returning once gloo let go of the all-gather."""
+    def wrapped(*a, **k):
+        try:
+            return wait_for_unshard(*a, **k)
+        finally:
+            _PENDING_GATHERS.settle()
+    return wrapped
 
 
 def _quiet_view_output_warning() -> None:
