@@ -114,6 +114,11 @@ def launched(tmp_path_factory) -> dict:
             _MIXTRAL, _cpu(4), global_batch_size=4, dtype="fp32", intra_op="analytic",
             constraints=Constraints(dp=2, cp=2, tp=1, pp=1, ep=1, zero_stage=0, recompute="none",
                                     num_microbatches=1)))
+        # test_hf_mixtral_in_traced_pipeline_chunks_trains_like_one_process
+        plans["mixtral_pp2_dp2"] = _memo(("mixtral_pp2_dp2",), lambda: plan(
+            _MIXTRAL, _cpu(4), global_batch_size=4, dtype="fp32", intra_op="analytic",
+            constraints=Constraints(dp=2, tp=1, pp=2, ep=1, zero_stage=0, recompute="none",
+                                    num_microbatches=2, schedule="1f1b")))
         plans["mixtral_ep2_cp2_zero1"] = _memo(("mixtral_ep2_cp2_zero1",), lambda: plan(
             _MIXTRAL, _cpu(4), global_batch_size=4, dtype="fp32", intra_op="analytic",
             constraints=Constraints(dp=2, cp=2, tp=1, pp=1, ep=2, zero_stage=1, recompute="none",
@@ -362,6 +367,22 @@ def test_hf_mixtral_under_context_parallelism_trains_like_one_process(launched):
         assert "expert parallelism" in q.search["cp_executor"], pins
     with pytest.raises(PlanError, match=r"scatter \(scatter in layers\.0\.mlp\) mixes tokens along the sequence"):
         _plan(1, dp=2, cp=2)
+
+
+@pytest.mark.slow
+def test_hf_mixtral_in_traced_pipeline_chunks_trains_like_one_process(launched):
+    """Hugging Face's Mixtral cut into traced pipeline chunks (pp 2 x dp 2, 1F1B): the trace,
+    taken on meta, holds its experts' integer `histc` (their branch for devices other than the
+    CPU), which CPU has no kernel for: the chunk counts the integers as floats
+    (`graph_stages.retarget`, `execute.histc_any_dtype`). The one-process losses, the plan's
+    collectives after the first step (torch.pipelining's shape handshake)."""
+    pytest.importorskip("transformers")
+    p, steps = launched["mixtral_pp2_dp2"]
+    one = plan(_MIXTRAL, _cpu(1), global_batch_size=4, dtype="fp32",
+               constraints=Constraints(num_microbatches=2, recompute="none"))
+    want = reference_losses(one, _MIXTRAL, 2)
+    assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
+    assert all(r["collectives"] == p.predicted.collectives for r in steps[1:])
 
 
 def test_qwen_moe_preset_is_the_published_checkpoint():

@@ -1325,6 +1325,15 @@ def _run_target(n: torch.fx.Node, args: Any, kwargs: Any) -> Any:
     return n.target(*args, **kwargs)
 
 
+def histc_any_dtype(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """`aten.histc` of `x`, an integer tensor on the CPU included (no CPU kernel takes one: a
+    program traced on meta or for CUDA takes a model's integer branch, Hugging Face's experts'
+    `.int()` unless on CPU): counted as floats, the same bins, returned in `x`'s dtype."""
+    if _int_on_cpu(x):
+        return torch.ops.aten.histc.default(x.float(), *args, **kwargs).to(x.dtype)
+    return torch.ops.aten.histc.default(x, *args, **kwargs)
+
+
 def _int_on_cpu(x: Any) -> bool:
     local = x.to_local() if isinstance(x, DTensor) else x
     return isinstance(local, torch.Tensor) and local.device.type == "cpu" and not local.is_floating_point()

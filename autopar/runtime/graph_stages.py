@@ -41,6 +41,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from autopar.capture.export import move_not_cast
+from autopar.intra_op.execute import histc_any_dtype
 from autopar.schema.errors import PlanError
 
 log = logging.getLogger(__name__)
@@ -307,6 +308,10 @@ def retarget(gm: nn.Module, device: torch.device, traced: Optional[torch.device]
             n.args = fix(n.args)
             n.kwargs = {k: fix(v) for k, v in n.kwargs.items()}
             move_not_cast(n)
+            if n.target is torch.ops.aten.histc.default and device.type == "cpu":
+                # a model's branch for other devices (Hugging Face's experts count tokens with
+                # an integer histc unless on CPU) traced on meta: CPU has no integer kernel
+                n.target = histc_any_dtype
         g.lint()
         if hasattr(mod, "recompile"):
             mod.recompile()

@@ -318,15 +318,15 @@ def _sync_all_gather(inp: torch.Tensor, group_size: int, group_name: str) -> tor
     out = inp.new_empty((inp.shape[0] * group_size, *inp.shape[1:]) if inp.dim() else (group_size,))
     if _gloo_group(group_name) is None:
         return _FUNCOL.all_gather_into_tensor_out.default(inp, group_size, group_name, out=out)
-    view = out.view(out.shape)
-    ref = weakref.ref(view)
+    box = [out.view(out.shape)]     # the view gloo gets, dropped after (a list: `run` reads it)
+    ref = weakref.ref(box[0])
 
     def run(v: torch.Tensor) -> None:
-        _FUNCOL.all_gather_into_tensor_out.default(v, group_size, group_name, out=view)
-        _FUNCOL.wait_tensor.default(view)
+        _FUNCOL.all_gather_into_tensor_out.default(v, group_size, group_name, out=box[0])
+        _FUNCOL.wait_tensor.default(box[0])
 
     _settled(run, inp.view(inp.shape))    # the step's input: waited for
-    del view
+    box.clear()
     return _unheld(out, ref)
 
 
@@ -344,15 +344,15 @@ def _sync_all_to_all(inp: torch.Tensor, output_split_sizes: list, input_split_si
                                       async_op=True)
         torch._C._distributed_c10d._register_work(out, work)
         return out
-    view = out.view(out.shape)
-    ref = weakref.ref(view)
+    box = [out.view(out.shape)]
+    ref = weakref.ref(box[0])
 
     def run(v: torch.Tensor) -> None:
-        dist.all_to_all_single(view, v, list(output_split_sizes) or None, list(input_split_sizes) or None,
+        dist.all_to_all_single(box[0], v, list(output_split_sizes) or None, list(input_split_sizes) or None,
                                group=pg)
 
     _settled(run, inp.contiguous().view(inp.shape))
-    del view
+    box.clear()
     return _unheld(out, ref)
 
 
