@@ -904,6 +904,17 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         fwd_at = free.fwd_at
         entry: dict[Optional[str], float] = {}
         entry_given: dict[Optional[str], float] = {}
+        # the re-run starts when the region's backward first unpacks a saved tensor (torch's
+        # non-reentrant checkpoint): the backward of the region's last op that saves one. Ops
+        # after it that save nothing (a residual add handing the stream on, the executor's
+        # redistributions of its inputs, `execute._Reshard`) run their backward before, and
+        # the gradients they make (a gather back into the producer's layout) are alive through
+        # the re-run forward
+        for n in reversed(calls):
+            r = region[n.name]
+            if r is not None and r not in entry and n.name in moments and saved_by.get(n.name):
+                entry[r] = moments[n.name][2]
+                entry_given[r] = min(moments[n.name][1], moments[n.name][2])
         for n in reversed(calls):
             r = region[n.name]
             if r is not None and r not in entry and n.name in moments:
