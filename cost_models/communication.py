@@ -24,6 +24,11 @@ Over a cluster:
 Measured tables (`LinkSpec.measured`: kind, num_devices, bytes, seconds) override the formulas:
 linear interpolation in log-log between measured sizes, the measured bandwidth of the largest
 size beyond it, the smallest time below it; other device counts are scaled by the formula's ratio.
+A kind without rows of its own keeps the formula (an all-reduce's table says nothing of the ring
+collectives where the switch reduces: 8x H200's NVLS all-reduce runs at 480 GB/s, its ring
+all-gather and reduce-scatter at 361). A logical mesh axis whose groups all lie inside one
+node carries the intra-node link (`LogicalMesh.links`), so the intra-op ILP times its collectives
+from the same tables.
 Intra-node tables describe groups inside one node; inter-node tables describe groups of whole
 nodes (every device of each node taking part), the way nccl-tests is run across nodes.
 """
@@ -217,14 +222,18 @@ def logical_mesh(cluster: ClusterSpec, devices: Sequence[int], shape: tuple[int,
     latency and 1/bandwidth of the slowest link any of its groups crosses, and the mesh carries
     `cluster.device` so compute is costed."""
     shape = tuple(int(s) for s in shape)
-    alphas, betas = [], []
+    alphas, betas, measured = [], [], []
     for ax in range(len(shape)):
         groups = axis_groups(devices, shape, ax)
         links = [slowest_link(cluster, grp) for grp in groups] if shape[ax] > 1 else [cluster.intra_node]
         worst = min(links, key=lambda l: l.bandwidth)
         alphas.append(max(l.latency for l in links))
         betas.append(1.0 / worst.bandwidth)
-    return LogicalMesh(shape=shape, alpha=tuple(alphas), beta=tuple(betas), device=cluster.device)
+        # every group inside one node: the intra-node link's measured timings time the axis
+        inside = shape[ax] > 1 and all(len(_nodes_of(cluster, grp)) == 1 for grp in groups)
+        measured.append(cluster.intra_node if inside and cluster.intra_node.measured else None)
+    return LogicalMesh(shape=shape, alpha=tuple(alphas), beta=tuple(betas), device=cluster.device,
+                       links=tuple(measured) if any(m is not None for m in measured) else None)
 
 
 def mesh_axis_collective_time(kind: str, nbytes: float, cluster: ClusterSpec, devices: Sequence[int],

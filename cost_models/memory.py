@@ -716,15 +716,25 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             src = n.inputs[0] if n.inputs else None
             if src is None or src not in by_name:
                 continue
-            r = read(n, src) if is_view(n) else None
+            viewed, maker, prod = src, n, by_name[src]
+            if n.target == "getitem" and prod.kind == "call" and prod.op == "broadcast_tensors":
+                # output i of broadcast_tensors is an expand view of its input i (`tensor_bases`),
+                # which the op reads, and so views, as the executor redistributed it (mlp-tiny
+                # tp2's column-parallel last linear: its Shard(1) output gathered for the loss)
+                idx = n.args[1] if len(n.args) > 1 and isinstance(n.args[1], int) else 0
+                viewed = prod.inputs[idx] if idx < len(prod.inputs) else src
+                maker = prod
+                r = read(prod, viewed) if viewed in by_name else None
+            else:
+                r = read(n, src) if is_view(n) else None
             if r is not None and not r[4]:
-                key = f"{src}@{r[1]}"
+                key = f"{viewed}@{r[1]}"
                 if key not in copies:
-                    copies[key] = (r[0], n.name)
-                    base[key], by_name[key], region[key] = key, by_name[src], region.get(n.name)
+                    copies[key] = (r[0], maker.name)
+                    base[key], by_name[key], region[key] = key, by_name[viewed], region.get(maker.name)
                 base[n.name] = key
-            elif base[n.name] != n.name and base[n.name] == was.get(src, src):
-                base[n.name] = base[src]            # a view of a view of the copy
+            elif base[n.name] != n.name and base[n.name] == was.get(viewed, viewed):
+                base[n.name] = base[viewed]            # a view of a view of the copy
 
     def side(nbytes: float, owner) -> float:
         # masks are 1 byte/element; norm statistics and log-sum-exp fp32 (CPU's layer norm under
@@ -894,6 +904,17 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         fwd_at = free.fwd_at
         entry: dict[Optional[str], float] = {}
         entry_given: dict[Optional[str], float] = {}
+        # the re-run starts when the region's backward first unpacks a saved tensor (torch's
+        # non-reentrant checkpoint): the backward of the region's last op that saves one. Ops
+        # after it that save nothing (a residual add handing the stream on, the executor's
+        # redistributions of its inputs, `execute._Reshard`) run their backward before, and
+        # the gradients they make (a gather back into the producer's layout) are alive through
+        # the re-run forward
+        for n in reversed(calls):
+            r = region[n.name]
+            if r is not None and r not in entry and n.name in moments and saved_by.get(n.name):
+                entry[r] = moments[n.name][2]
+                entry_given[r] = min(moments[n.name][1], moments[n.name][2])
         for n in reversed(calls):
             r = region[n.name]
             if r is not None and r not in entry and n.name in moments:
@@ -951,7 +972,13 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         r = read(n, i)
         if r is not None:
             return r[0] < size(i) * (1 - 1e-9)
-        f = shard(by_name[base.get(i, i)]) if callable(shard) else shard
+        b = base.get(i, i)
+        if b in copies:
+            # a view of the executor's copy (a redistribution an earlier op read it as): split
+            # where that copy is
+            o = by_name[b].outputs[0]
+            return copies[b][0] < o.nbytes * bytes_scale(o.dtype, dtype) * (1 - 1e-9)
+        f = shard(by_name[b]) if callable(shard) else shard
         return float(f) > 1
 
     if device_type == "cpu":

@@ -1678,7 +1678,7 @@ def test_cuda_autocast_fp32_ops_and_fp32_dtype_ops_save_what_torch_saves():
 
 def _pinned_stage_categories(name: str, tmp_path) -> list[dict]:
     """The plan `benchmarks/memory_accuracy.py` makes for the combination `name` (as `--list`
-    prints it): per rank, the predicted categories of its stage."""
+    prints it): per rank, the predicted categories of its stage and its `placements`."""
     from autopar.runtime.memory_tracking import predicted_for_rank
     from autopar.schema.plan import load_plan
     from benchmarks.memory_accuracy import _specs, make_plans
@@ -1688,7 +1688,9 @@ def _pinned_stage_categories(name: str, tmp_path) -> list[dict]:
     done, skipped = make_plans(spec, str(tmp_path))
     assert not skipped, skipped
     plan = load_plan(done[0]["path"])
-    return [predicted_for_rank(plan, r) for r in range(spec[0]["nproc"])]
+    # with the rank's stage's placements, for tests that count by hand the layout they assume
+    return [dict(q, placements=dict(plan.stages[q["stage"]].placements))
+            for q in (predicted_for_rank(plan, r) for r in range(spec[0]["nproc"]))]
 
 
 def test_a_chunks_output_gradient_is_the_receive_buffer_not_a_freed_activation(tmp_path):
@@ -2064,47 +2066,84 @@ def test_a_gradient_crossing_a_redistribution_into_a_shard_is_a_new_tensor(monke
 
 
 def test_an_mlp_run_op_by_op_gathers_its_shards_gradient_after_the_readers_backward(tmp_path):
-    """mlp-tiny tp2 (32 -> 64 -> 64 -> 32, micro-batches of [64, 32], 4 of them) runs op by op:
-    layer 0 leaves the ReLU's output split S(1), layer 1's row-parallel matmul reads it so and
-    all-reduces its output before the ReLU, layer 2's row-parallel matmul reads that ReLU's
-    whole output as a slice (the executor's `_Reshard`: a copy of the shard, which the matmul
-    saves). Tracked (`benchmarks/memory_accuracy.py --top 30 --timeline`, both ranks, every
-    micro-batch after the first) the peak is the slice's backward, after the matmul's: the
-    matmul has freed the shard it saved and its weight's gradient is `.grad`; the gradient
+    """mlp-tiny fp32 tp2 (32 -> 64 -> 64 -> 32, micro-batches of [64, 32], 4 of them) runs op
+    by op: layer 0 leaves the ReLU's output split S(1), layer 1's row-parallel matmul reads it
+    so and all-reduces its output before the ReLU, layer 2's row-parallel matmul reads that
+    ReLU's whole output as a slice (the executor's `_Reshard`: a copy of the shard, which the
+    matmul saves). Tracked (`benchmarks/memory_accuracy.py --top 30 --timeline`, both ranks,
+    every micro-batch after the first) the peak is the slice's backward, after the matmul's:
+    the matmul has freed the shard it saved and its weight's gradient is `.grad`; the gradient
     comes back to the ReLU's layout by `execute._gather` (the shard's gradient, a copy of it,
     the all-gather buffer and the concatenated result). The model put the gathered gradient in
     the matmul's own moment, with the saved shard and without the gather's buffers
-    (activations 24/36, buffers 88/72 KiB tracked/predicted bf16; 32/40, 112/92 fp32).
+    (activations 32/40, buffers 112/92 KiB tracked/predicted).
     By hand, as the run holds them: buffers the batch (x and y, each the global batch's
-    [256, 32] fp32 storage) and the gather's four tensors; activations x's 2-byte copy
-    (bf16: layer 0's matmul saves it), the first ReLU's output shard, the second ReLU's whole
-    output and mse_loss's unreduced fp32 storage (CPU, kept by its 0-dim output)."""
-    for dtype, item in (("bf16", 2), ("fp32", 4)):
-        name = f"mlp-tiny {dtype} dp=1 tp=2 pp=1"
-        (tmp_path / dtype).mkdir()
-        for p in _pinned_stage_categories(name, tmp_path / dtype):
-            batch = 2 * 256 * 32 * 4
-            gather = (64 * 32 + 64 * 32 + 128 * 32 + 64 * 64) * item
-            assert p["buffers"] == batch + gather, (name, p)
-            cast = 64 * 32 * item if dtype == "bf16" else 0
-            assert p["activations"] == cast + (64 * 32 + 64 * 64) * item + 64 * 32 * 4, (name, p)
-            params = (32 * 64 + 64 * 64 + 64 * 32) // 2
-            assert p["weights"] == params * item and p["gradients"] == params * item, (name, p)
+    [256, 32] fp32 storage) and the gather's four tensors; activations the first ReLU's output
+    shard, the second ReLU's whole output and mse_loss's unreduced fp32 storage (CPU, kept by
+    its 0-dim output). (bf16 ran this layout too until the ILP timed the tp axis from the CPU
+    profile's measured gloo tables, session 28: `test_an_mlp_gathers_a_column_parallel_output_
+    for_its_loss`.)"""
+    name, item = "mlp-tiny fp32 dp=1 tp=2 pp=1", 4
+    for p in _pinned_stage_categories(name, tmp_path):
+        assert p["placements"]["layers.2.weight"] == ("R", "S(1)"), p["placements"]     # row-parallel
+        batch = 2 * 256 * 32 * 4
+        gather = (64 * 32 + 64 * 32 + 128 * 32 + 64 * 64) * item
+        assert p["buffers"] == batch + gather, (name, p)
+        assert p["activations"] == (64 * 32 + 64 * 64) * item + 64 * 32 * 4, (name, p)
+        params = (32 * 64 + 64 * 64 + 64 * 32) // 2
+        assert p["weights"] == params * item and p["gradients"] == params * item, (name, p)
+
+
+def test_an_mlp_gathers_a_column_parallel_output_for_its_loss(tmp_path):
+    """mlp-tiny bf16 tp2 as the ILP lays it out since it times the tp axis from the CPU
+    profile's measured gloo tables (session 28): layer 0 column-parallel (ReLU output S(1)),
+    layer 1 row-parallel (its output all-reduced before the ReLU, whole), layer 2
+    column-parallel: its [64, 32] output leaves the matmul split S(1) and the executor gathers
+    it whole for the loss (`execute._gather` along dim 1, read by `broadcast_tensors`, whose
+    outputs are expand views of that copy); the loss's backward hands the matmul a slice of the
+    gradient, and its input gradient is a partial sum, all-reduced. The model counted the
+    loss's saved input as the producer's shard and, taking the copy for a split tensor, left
+    out mse_loss's unreduced storage (activations 24/20, buffers 80/76 KiB tracked/predicted).
+    Tracked (`benchmarks/memory_accuracy.py --only "mlp-tiny bf16 dp=1 tp=2" --timeline`, both
+    ranks, every micro-batch after the first) the peak, 168 KiB, is reached at the loss's
+    backward (mse_loss_backward) and again a few ops later (the threshold's backward); the
+    model's moment is the first. By hand, as the run holds them there:
+    buffers the batch (x and y, each the global batch's [256, 32] fp32 storage) and the loss's
+    input gradient ([64, 32] fp32, autocast runs the loss in fp32);
+    activations x's bf16 copy (layer 0's matmul saves it, [64, 32]), the first ReLU's output
+    shard ([64, 32] bf16), the second ReLU's whole output ([64, 64] bf16, layer 2's matmul
+    reads it whole), the loss's fp32 copy of the gathered output (autocast's, [64, 32]) and
+    mse_loss's unreduced fp32 storage ([64, 32], CPU, kept by its 0-dim output)."""
+    name = "mlp-tiny bf16 dp=1 tp=2 pp=1"
+    for p in _pinned_stage_categories(name, tmp_path):
+        pl = p["placements"]
+        assert pl["layers.1.weight"] == ("R", "S(1)") and pl["layers.2.weight"] == ("R", "S(0)"), pl
+        assert p["buffers"] == 2 * 256 * 32 * 4 + 64 * 32 * 4, (name, p)
+        assert p["activations"] == (64 * 32 + 64 * 32 + 64 * 64) * 2 + 2 * 64 * 32 * 4, (name, p)
+        params = (32 * 64 + 64 * 64 + 64 * 32) // 2
+        assert p["weights"] == params * 2 and p["gradients"] == params * 2, (name, p)
 
 
 def test_a_sequence_parallel_chunks_backward_holds_the_gathered_gradient(tmp_path):
     """gpt-tiny bf16 tp2 x pp2 1F1B with Megatron-SP, stage 0: the tracked peak is a later
     micro-batch's backward of the MLP's row-parallel projection, holding beside the batch
     ([32, 16] int64) and the output gradient's receive buffer (a sequence shard, [8, 8, 32]
-    bf16) the gradient the all-gather of its output's redistribution made ([8, 16, 32]), its
-    input's gradient ([128, 64]) and its weight's and bias's ([32, 64], [32]) bf16: 36 KiB of
-    buffers tracked. The model took the residual add's gradient for the projection's (24 KiB),
-    and its executor variant left out the parameter gradients each op's backward makes
-    (`LayerCost.param_elems` of the variant was empty)."""
+    bf16) the gradients the all-gathers of the block's last add made, its input's gradient
+    ([128, 64]) and its weight's and bias's ([32, 64], [32]) bf16. The model took the residual
+    add's gradient for the projection's, and its executor variant left out the parameter
+    gradients each op's backward makes (`LayerCost.param_elems` of the variant was empty).
+    Re-counted in session 28, when the ILP began timing the tp axis from the CPU profile's
+    measured gloo tables: the block keeps its residual stream and norms replicated inside
+    (junctions R) and only the last add, handing the stream on, reads the projection's
+    partial sum reduce-scattered and the residual replicated as a slice, both into the token
+    shard of the boundary (`IntraOpProblem._sequence_boundary`); their gradients go back
+    gathered to their producers' layouts: two [8, 16, 32] all-gathers (the projection's output
+    and the residual's), not one as under the earlier layout (36 -> 44 KiB of buffers tracked,
+    predicted alike; `benchmarks/memory_accuracy.py --top 40`: two `aten.cat` [8, 16, 32])."""
     for p in _pinned_stage_categories("gpt-tiny bf16 dp=1 tp=2 pp=2 schedule=1f1b num_microbatches=4 recompute=none "
                                       "sequence_parallel=True", tmp_path)[:2]:
         assert p["stage"] == 0
-        assert p["buffers"] == 32 * 16 * 8 + (8 * 8 * 32 + 8 * 16 * 32 + 128 * 64 + 32 * 64 + 32) * 2
+        assert p["buffers"] == 32 * 16 * 8 + (8 * 8 * 32 + 2 * 8 * 16 * 32 + 128 * 64 + 32 * 64 + 32) * 2
 
 
 def test_zero12_sync_frees_every_gradient_before_the_step():

@@ -90,7 +90,7 @@ from autopar.intra_op.strategy import OpContext, Strategy, output_index
 from autopar.schema.errors import PlanError
 from autopar.schema.mesh import LogicalMesh
 from autopar.schema.placement import is_shard, shard_dim
-from cost_models.communication import collective_time
+from cost_models.communication import collective_time, measured_time
 from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, fusion_of, node_time
 from cost_models.fusion import FusedChains
 from cost_models.layouts import graph_layout_copies
@@ -771,12 +771,19 @@ class IntraOpProblem:
 
     # ------------------------------------------------------------------ costs
     def coll_time(self, kind: str, axes: tuple[int, ...], nbytes: float, phase: str = "forward") -> float:
-        """Seconds of a collective; over several axes, one ring over all their devices at the
-        slowest axis' alpha and beta. Gradient synchronisation is bucketed (DDP/FSDP fuse the
+        """Seconds of a collective: on one axis whose link carries measured timings, the
+        table's (`cost_models.communication.measured_time`); over several axes, one ring over all
+        their devices at the slowest axis' alpha and beta. Gradient synchronisation is bucketed (DDP/FSDP fuse the
         gradients of many parameters into one collective), so a gradient pays bandwidth only;
         the solution adds one latency per bucket (`BUCKET_BYTES`)."""
         if len(axes) == 1:
             n, alpha, beta = self.mesh_shape[axes[0]], self.mesh.alpha[axes[0]], self.mesh.beta[axes[0]]
+            link = self.mesh.links[axes[0]] if self.mesh.links is not None else None
+            if link is not None:
+                # the axis' link measured (`LogicalMesh.links`): its table, latency included
+                t = measured_time(kind, nbytes, n, link)
+                if t is not None:
+                    return t
         else:
             n = math.prod(self.mesh_shape[a] for a in axes)
             alpha, beta = max(self.mesh.alpha[a] for a in axes), max(self.mesh.beta[a] for a in axes)

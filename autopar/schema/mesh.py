@@ -7,7 +7,7 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from autopar.schema.cluster import DeviceSpec
+from autopar.schema.cluster import DeviceSpec, LinkSpec
 
 
 class LogicalMesh(BaseModel):
@@ -21,6 +21,9 @@ class LogicalMesh(BaseModel):
     alpha: tuple[float, ...]
     beta: tuple[float, ...]
     device: Optional[DeviceSpec] = None
+    # per axis, the link class its collectives run on where that class carries measured timings
+    # (`LinkSpec.measured`, `cost_models.communication.measured_time`), else None: alpha-beta
+    links: Optional[tuple[Optional[LinkSpec], ...]] = None
 
     @model_validator(mode="after")
     def _check(self) -> "LogicalMesh":
@@ -29,6 +32,8 @@ class LogicalMesh(BaseModel):
         if len(self.alpha) != len(self.shape) or len(self.beta) != len(self.shape):
             raise ValueError(f"alpha and beta need one value per mesh axis ({len(self.shape)}), "
                              f"got {len(self.alpha)} and {len(self.beta)}")
+        if self.links is not None and len(self.links) != len(self.shape):
+            raise ValueError(f"links need one entry per mesh axis ({len(self.shape)}), got {len(self.links)}")
         if any(a < 0 for a in self.alpha) or any(b < 0 for b in self.beta):
             raise ValueError("alpha and beta must be >= 0")
         return self
