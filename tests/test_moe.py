@@ -308,12 +308,7 @@ def test_hf_mixtral_ep2_tp2_op_by_op_trains_like_one_process(launched):
     pytest.importorskip("transformers")
     p, steps = launched["mixtral_ep2_tp2"]
     assert p.stages[0].op_layouts is not None and "ep_executor" not in p.search
-    one = plan(_MIXTRAL, _cpu(1), global_batch_size=8, dtype="fp32",
-               constraints=Constraints(num_microbatches=1, recompute="none"))
-    want = reference_losses(one, _MIXTRAL, 2)
-    assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
-    assert all(r["collectives"] == p.predicted.collectives for r in steps), \
-        ([r["collectives"] for r in steps], p.predicted.collectives)
+    _assert_one_process_losses_and_plan_collectives(_MIXTRAL, p, steps)
 
 
 @pytest.mark.slow
@@ -327,9 +322,15 @@ def test_hf_qwen_moe_ep2_tp2_op_by_op_trains_like_one_process(launched):
     p, steps = launched["qwen_ep2_tp2"]
     assert all(s.op_layouts is not None for s in p.stages) and "ep_executor" not in p.search
     assert "tp_executor" not in p.search
-    one = plan(_QWEN, _cpu(1), global_batch_size=8, dtype="fp32",
+    _assert_one_process_losses_and_plan_collectives(_QWEN, p, steps)
+
+
+def _assert_one_process_losses_and_plan_collectives(ref: str, p: Plan, steps: list) -> None:
+    """`steps` (2 steps of `p`, global batch 8) have the losses of `ref` on one process (one
+    micro-batch) within 1e-4 and each counted the plan's collectives."""
+    one = plan(ref, _cpu(1), global_batch_size=8, dtype="fp32",
                constraints=Constraints(num_microbatches=1, recompute="none"))
-    want = reference_losses(one, _QWEN, 2)
+    want = reference_losses(one, ref, 2)
     assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
     assert all(r["collectives"] == p.predicted.collectives for r in steps), \
         ([r["collectives"] for r in steps], p.predicted.collectives)

@@ -398,15 +398,7 @@ class ProgramContext:
 
     def check(self, program: Any) -> None:
         """PlanError unless `program` reads the tokens' positions (`check_traced_positions`)."""
-        op = traced_op()
-        for mod in program.graph_module.modules():
-            g = getattr(mod, "graph", None)
-            if isinstance(g, torch.fx.Graph) and any(n.op == "call_function" and n.target is op for n in g.nodes):
-                return
-        raise PlanError("under context parallelism the model must take its token positions from "
-                        "autopar.models.positions.token_positions (the zoo's Llama and GPT do); this one did not "
-                        "when exported for the executor, so its position encodings would place every rank's "
-                        "chunks at the sequence's start: re-plan with cp=1")
+        check_traced_positions([program.graph_module], "exported for the executor")
 
 
 def unexecuted(plan: Any) -> str:
@@ -415,8 +407,8 @@ def unexecuted(plan: Any) -> str:
     if plan.cp <= 1:
         return ""
     why = unexecuted_parts(plan.pp, plan.ep, plan.tp)
-    return (f"context parallelism (cp={plan.cp}) is executed without expert parallelism in this version; "
-            f"the plan has {', '.join(why)}") if why else ""
+    return (f"context parallelism (cp={plan.cp}) is executed with expert parallelism only in one stage "
+            f"without tensor parallelism in this version; the plan has {', '.join(why)}") if why else ""
 
 
 def check_executable(plan: Any) -> None:
@@ -426,11 +418,12 @@ def check_executable(plan: Any) -> None:
         raise PlanError(f"{why}: re-plan with Constraints(ep=1), or cp=1")
 
 
-def check_traced_positions(chunks: list[nn.Module]) -> None:
-    """PlanError unless the pipeline chunks traced under `models.positions.traced_positions`
-    (a rank's chunks of every sequence) read the tokens' positions somewhere: a model that makes
-    its own `arange` would have it baked in at the traced length, every rank's chunks placed at
-    the sequence's start."""
+def check_traced_positions(chunks: list[nn.Module], how: str = "traced into pipeline stages") -> None:
+    """PlanError unless the pipeline chunks (or the executor's program) traced under
+    `models.positions.traced_positions` (a rank's chunks of every sequence) read the tokens'
+    positions somewhere: a model that makes its own `arange` would have it baked in at the
+    traced length, every rank's chunks placed at the sequence's start. `how`: how the model was
+    traced, for the message."""
     op = traced_op()
     for root in chunks:
         for mod in root.modules():
@@ -438,6 +431,6 @@ def check_traced_positions(chunks: list[nn.Module]) -> None:
             if isinstance(g, torch.fx.Graph) and any(n.op == "call_function" and n.target is op for n in g.nodes):
                 return
     raise PlanError("under context parallelism the model must take its token positions from "
-                    "autopar.models.positions.token_positions (the zoo's Llama and GPT do); this one did not "
-                    "when traced into pipeline stages, so its position encodings would place every rank's "
+                    f"autopar.models.positions.token_positions (the zoo's Llama and GPT do); this one did not "
+                    f"when {how}, so its position encodings would place every rank's "
                     "chunks at the sequence's start: re-plan with cp=1")
