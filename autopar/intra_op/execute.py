@@ -1315,13 +1315,12 @@ def _run_target(n: torch.fx.Node, args: Any, kwargs: Any) -> Any:
     strides)."""
     if n.target is torch.ops.aten.view.default:
         return torch.ops.aten.reshape.default(*args, **kwargs)
-    if n.target is torch.ops.aten.histc.default and _int_on_cpu(args[0]):
-        # CPU has no integer histc kernel; a program traced for CUDA (verify of a GPU plan) or
-        # on meta can take a model's branch for other devices (Hugging Face's grouped experts:
-        # `.int()` unless on CPU or MPS). Still live on the CPU: an HF model's CPU program does
-        # not fit its solution (attention's `contiguous`, `fitting_program`), so the meta one
-        # runs. Counting integers as floats gives the same bins
-        return torch.ops.aten.histc.default(args[0].float(), *args[1:], **kwargs).to(args[0].dtype)
+    if n.target is torch.ops.aten.histc.default:
+        # a program traced for CUDA (verify of a GPU plan) or on meta can take a model's
+        # integer branch (Hugging Face's grouped experts: `.int()` unless on CPU or MPS); still
+        # live on the CPU: an HF model's CPU program does not fit its solution (attention's
+        # `contiguous`, `fitting_program`), so the meta one runs
+        return histc_any_dtype(*args, **kwargs)
     return n.target(*args, **kwargs)
 
 
