@@ -348,11 +348,11 @@ def parallelize_chunks(model: nn.Module, example_inputs: Sequence[Any], solution
 
         with traced_positions():
             program, names = fitting_program(model, example_inputs, solution, loss_fn=loss_fn,
-                                             param_dtype=param_dtype, device=device)
+                                             param_dtype=param_dtype, device=device, whole=False)
         context.check(program)
     else:
         program, names = fitting_program(model, example_inputs, solution, loss_fn=loss_fn, param_dtype=param_dtype,
-                                         device=device)
+                                         device=device, whole=False)
     gm = program.graph_module
     specs = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], program.graph_signature.input_specs))
     wrapped = _WithLoss(model, loss_fn or default_loss, names)

@@ -1,0 +1,99 @@
+"""The program a rank traces for its device is matched to the solution solved on the planner's
+meta capture (`intra_op.program_match`, issue 20).
+
+Hugging Face attention's `.transpose(1, 2).contiguous()` is an op on the meta device (its
+attention kernel writes heads-major) and none on the CPU (CPU's kernel writes as the query is
+laid out), and torch.export's op numbers shift after it; the device's program used to be thrown
+away for the meta one (a second export per worker). A difference that computes something still
+makes the rank run the meta program, and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar.intra_op import auto_shard, execute
+from autopar.intra_op.program_match import match_names
+
+HF_LLAMA = ("hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2&num_hidden_layers=2"
+            "&num_attention_heads=4&seq_len=16&vocab_size=128")
+
+
+def test_hugging_face_llama_runs_the_program_traced_for_the_cpu():
+    pytest.importorskip("transformers")
+    from autopar.models.registry import build_model
+    from autopar.planner import plan
+
+    cl = autopar.ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 2})
+    p = plan(HF_LLAMA, cl, global_batch_size=2, dtype="fp32",
+             constraints=autopar.Constraints(dp=1, tp=2, pp=1, recompute="none"))
+    sol = p.stages[0].op_layouts.solution((2,))
+    b = build_model(HF_LLAMA, device="cpu", batch_size=2)
+    meta, _ = execute.meta_program(b.model, b.example_inputs, device=torch.device("cpu"), trace=False)
+    contiguous = [k for k in execute._program_calls(meta.graph_module) if k.startswith("contiguous")]
+    assert len(contiguous) == 2                  # one per layer, after attention, on meta only
+
+    program, _ = execute.fitting_program(b.model, b.example_inputs, sol, device=torch.device("cpu"))
+    assert program.autopar_traced_device == torch.device("cpu")
+    calls = execute._program_calls(program.graph_module)
+    assert not any(k.startswith("contiguous") for k in calls)
+    # every other op of the solution is in the device's program under the capture's name, with
+    # the same kind of op and the same tensor inputs (the attention's output reads on as a view)
+    missing = set(sol.op_choices) - set(calls)
+    assert missing == set(contiguous)
+    assert execute._mismatch(program, sol) == []
+    for name in sol.op_choices.keys() - missing:
+        assert calls[name].target == execute._program_calls(meta.graph_module)[name].target
+
+
+class DeviceOps(nn.Module):
+    """A model computing a tanh on the CPU only (`cpu_tanh`), or everywhere but on the CPU."""
+
+    def __init__(self, cpu_tanh: bool) -> None:
+        super().__init__()
+        self.cpu_tanh = cpu_tanh
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if (h.device.type == "cpu") == self.cpu_tanh:
+            h = torch.tanh(h)
+        return ((self.fc2(h) - y) ** 2).mean()
+
+
+def _programs(cpu_tanh: bool, caplog):
+    torch.manual_seed(0)
+    model, inputs = DeviceOps(cpu_tanh), (torch.randn(4, 8), torch.randn(4, 8))
+    with torch.device("meta"):
+        meta_model = DeviceOps(cpu_tanh)
+    mesh = autopar.LogicalMesh(shape=(2,), alpha=(1e-5,), beta=(1 / 25e9,))
+    sol = auto_shard(meta_model, tuple(torch.empty(4, 8, device="meta") for _ in range(2)), mesh=mesh)
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        program, _ = execute.fitting_program(model, inputs, sol, device=torch.device("cpu"))
+    return program, sol
+
+
+def test_an_op_only_the_device_computes_runs_unplanned_and_is_said(caplog):
+    """The CPU's branch is what the model computes on the CPU: it runs, its extra op laid out by
+    DTensor's propagation, and the log says which op the plan did not solve."""
+    program, sol = _programs(True, caplog)
+    assert program.autopar_traced_device == torch.device("cpu")
+    assert "tanh" not in sol.op_choices and "tanh" in execute._program_calls(program.graph_module)
+    assert "run unplanned" in caplog.text and "tanh" in caplog.text
+
+
+def test_a_solved_op_the_device_program_lacks_runs_the_meta_program_and_says_so(caplog):
+    """The plan solved a tanh the CPU's program does not compute, and it is no layout change: the
+    rank runs the program the planner captured, and the log says so, naming the op."""
+    program, sol = _programs(False, caplog)
+    assert "tanh" in sol.op_choices
+    cpu, _ = execute.meta_program(DeviceOps(False), (torch.randn(4, 8), torch.randn(4, 8)), device=torch.device("cpu"))
+    assert "tanh" in match_names(cpu, sol)
+    assert program.autopar_traced_device is None
+    assert "does not fit the plan's solution" in caplog.text and "tanh" in caplog.text
