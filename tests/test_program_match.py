@@ -97,3 +97,25 @@ def test_a_solved_op_the_device_program_lacks_runs_the_meta_program_and_says_so(
     assert "tanh" in match_names(cpu, sol)
     assert program.autopar_traced_device is None
     assert "does not fit the plan's solution" in caplog.text and "tanh" in caplog.text
+
+
+def test_a_pipeline_rank_runs_the_program_traced_for_the_cpu():
+    """A pipeline rank's chunks are part of the program: it is matched against every chunk's op
+    choices (in pipeline order), so the later chunks' ops keep the capture's names too."""
+    pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from autopar.models.registry import build_model
+    from autopar.planner import plan
+
+    cl = autopar.ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
+    p = plan(HF_LLAMA, cl, global_batch_size=4, dtype="fp32",
+             constraints=autopar.Constraints(dp=1, tp=2, pp=2, num_microbatches=2, recompute="none"))
+    every = SimpleNamespace(op_choices={k: c for s in p.stages for k, c in s.op_layouts.solution((2,)).op_choices.items()})
+    b = build_model(HF_LLAMA, device="cpu", batch_size=2)
+    program, _ = execute.fitting_program(b.model, b.example_inputs, p.stages[0].op_layouts.solution((2,)),
+                                         device=torch.device("cpu"), whole=every)
+    assert program.autopar_traced_device == torch.device("cpu")
+    calls = execute._program_calls(program.graph_module)
+    last = [op for lay in p.stages[-1].op_layouts.layers for op in lay.ops]
+    assert all(op in calls for op in last if not op.startswith("contiguous"))

@@ -1488,31 +1488,29 @@ META_PROGRAM_STATS = {"hits": 0, "misses": 0}
 
 def fitting_program(model: nn.Module, example_inputs: Any, solution: ShardingSolution, *, loss_fn: Any = None,
                     param_dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None,
-                    whole: bool = True) -> tuple[Any, Optional[list[str]]]:
+                    whole: Any = None) -> tuple[Any, Optional[list[str]]]:
     """`meta_program` traced for `device`, its ops renamed as the planner's capture names them
     (`program_match.match_names`), or traced on meta where the device's program does not fit
     `solution` even so (`_mismatch`: the model traces into other ops there than on the meta
     device the planner's capture ran on, so the solution names ops the device's program lacks).
-    `whole`: the solution is the whole program's (not a pipeline rank's chunks): only then are
-    the device program's ops renamed, and an op of it the solution has no choice for runs
-    unplanned, which is logged."""
+    `whole`: where `solution` is part of the program's (a pipeline rank's chunks), the op choices
+    of all of it (anything with `op_choices`, every chunk's in pipeline order), which the
+    program is matched against; an op of the program it has no choice for runs unplanned, which
+    is logged."""
     from autopar.intra_op.program_match import match_names, unplanned_ops
 
+    full = solution if whole is None else whole
     program, names = meta_program(model, example_inputs, loss_fn=loss_fn, param_dtype=param_dtype, device=device)
     if getattr(program, "autopar_traced_device", None) is not None:
-        bad = _mismatch(program, solution, absent_layouts=whole)
-        if bad and whole:
-            # renamed only against a whole program's solution: a pipeline rank's chunks are part
-            # of the program, and the other chunks' ops would keep the device trace's names
-            bad = match_names(program, solution) or _mismatch(program, solution)
+        bad = _mismatch(program, full) and (match_names(program, full) or _mismatch(program, full))
         if bad:
             log.warning("the program %s traces for %s does not fit the plan's solution (%s): running the "
                         "one traced on the meta device, as the planner captured it", type(model).__name__,
                         device, ", ".join(bad[:3]))
             program, names = meta_program(model, example_inputs, loss_fn=loss_fn, param_dtype=param_dtype,
                                           device=device, trace=False)
-        elif whole:
-            extra = unplanned_ops(program, solution)
+        else:
+            extra = unplanned_ops(program, full)
             if extra:
                 log.warning("%s traces for %s into ops the planner's capture on the meta device lacks (%s): "
                             "they run unplanned, laid out by DTensor's propagation", type(model).__name__,
@@ -1719,11 +1717,10 @@ def _real_constants(program: Any, model: nn.Module) -> Optional[dict[str, torch.
     return out
 
 
-def _mismatch(program: Any, solution: ShardingSolution, absent_layouts: bool = True) -> list[str]:
+def _mismatch(program: Any, solution: ShardingSolution) -> list[str]:
     """Ops the solution has a choice for that the program lacks, or holds as another kind of op
-    (another rule family, another number of tensor inputs). `absent_layouts`: a solved layout
-    change the program lacks is no mismatch (`program_match`); not for a pipeline rank's chunks,
-    whose program's later names are not matched (torch.export's numbers may shift after it)."""
+    (another rule family, another number of tensor inputs); a solved layout change the program
+    lacks is none (`program_match`)."""
     from autopar.intra_op import rules
     from autopar.intra_op.program_match import IDENTITY_WHERE_CONTIGUOUS, _kind
 
@@ -1731,7 +1728,7 @@ def _mismatch(program: Any, solution: ShardingSolution, absent_layouts: bool = T
     bad = []
     for name, ch in solution.op_choices.items():
         n = nodes.get(name)
-        if n is None and absent_layouts and _kind(name).rpartition("__")[2] in IDENTITY_WHERE_CONTIGUOUS:
+        if n is None and _kind(name).rpartition("__")[2] in IDENTITY_WHERE_CONTIGUOUS:
             continue            # a layout change the device's kernels make unnecessary (`program_match`)
         rule = rules.rule_for(_op_name(n)) if n is not None else None
         if n is None or (rule.family if rule else "fallback") != ch.family \

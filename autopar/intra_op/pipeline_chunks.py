@@ -320,7 +320,7 @@ def parallelize_chunks(model: nn.Module, example_inputs: Sequence[Any], solution
                        param_dtype: Optional[torch.dtype] = None, loss_fn: Any = None,
                        recompute: Sequence[Sequence[str]] = (),
                        units: Optional[dict[int, Sequence[str]]] = None,
-                       handover: Sequence[int] = (), context: Any = None
+                       handover: Sequence[int] = (), context: Any = None, every: Any = None
                        ) -> tuple[list[ProgramChunk], list[set[str]]]:
     """The rank's pipeline chunks `mine` of `model` (on meta) run as `solution` plans (the
     merged solution of those chunks' layouts), and every chunk's parameters (canonical names).
@@ -335,7 +335,9 @@ def parallelize_chunks(model: nn.Module, example_inputs: Sequence[Any], solution
     redistributing what they made in another layout; `stage_layouts.chunk_layouts`).
     `context`: context parallelism, as `execute.parallelize_graph` takes it (`example_inputs`
     a cp rank's tokens; the positions an op of the program, read when a chunk runs). Call it
-    on every rank of the tp mesh."""
+    on every rank of the tp mesh. `every`: every chunk's op choices (`op_choices`, in pipeline
+    order), which the program traced for `device` is matched against (`fitting_program`); the
+    rank's own where not given."""
     from torch.export.graph_signature import InputKind
 
     from autopar.capture.export import _WithLoss, default_loss
@@ -348,11 +350,11 @@ def parallelize_chunks(model: nn.Module, example_inputs: Sequence[Any], solution
 
         with traced_positions():
             program, names = fitting_program(model, example_inputs, solution, loss_fn=loss_fn,
-                                             param_dtype=param_dtype, device=device, whole=False)
+                                             param_dtype=param_dtype, device=device, whole=every)
         context.check(program)
     else:
         program, names = fitting_program(model, example_inputs, solution, loss_fn=loss_fn, param_dtype=param_dtype,
-                                         device=device, whole=False)
+                                         device=device, whole=every)
     gm = program.graph_module
     specs = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], program.graph_signature.input_specs))
     wrapped = _WithLoss(model, loss_fn or default_loss, names)

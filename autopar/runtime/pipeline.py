@@ -7,6 +7,7 @@ shapes; the pipeline groups; the schedule (`cost_models.schedules`)."""
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 import torch
@@ -109,6 +110,10 @@ class PipelineStages:
         handover = {i for i in range(len(tps) - 1) if tps[i] != tps[i + 1]}
         sol = _merged_solution([self.stages[i].op_layouts for i in mine], (self.tp_size,))
         chunk_ops = [[op for lay in s.op_layouts.layers for op in lay.ops] for s in self.stages]
+        # every chunk's op choices, in pipeline order: what the program traced for this device is
+        # matched against (`execute.fitting_program`)
+        every = SimpleNamespace(op_choices={k: c for s in self.stages
+                                            for k, c in s.op_layouts.solution((s.axis_size("tp"),)).op_choices.items()})
         receives = [s.op_layouts.receives for s in self.stages]
         chunks, params = parallelize_chunks(
             self.model, self._real_microbatch(), sol, self.my_mesh.tp_mesh, chunk_ops, receives, mine,
@@ -118,7 +123,7 @@ class PipelineStages:
             compute_dtype=self._compute_dtype, param_dtype=self.low,
             recompute=[r for i in mine for r in self.stages[i].op_layouts.recompute_regions()],
             units={i: self.stages[i].fsdp_units or [] for i in mine} if self.zero3 else None,
-            handover=handover, context=self.cp.program() if self.cp is not None else None)
+            handover=handover, context=self.cp.program() if self.cp is not None else None, every=every)
         self.chunk_params = dict(enumerate(params))
         if chunks:
             self._note_interleaved(chunks[0].prog.layouts)
