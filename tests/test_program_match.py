@@ -111,7 +111,8 @@ def test_a_pipeline_rank_runs_the_program_traced_for_the_cpu():
     cl = autopar.ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
     p = plan(HF_LLAMA, cl, global_batch_size=4, dtype="fp32",
              constraints=autopar.Constraints(dp=1, tp=2, pp=2, num_microbatches=2, recompute="none"))
-    every = SimpleNamespace(op_choices={k: c for s in p.stages for k, c in s.op_layouts.solution((2,)).op_choices.items()})
+    every = SimpleNamespace(op_choices={k: c for s in p.stages
+                                        for k, c in s.op_layouts.solution((2,)).op_choices.items()})
     b = build_model(HF_LLAMA, device="cpu", batch_size=2)
     program, _ = execute.fitting_program(b.model, b.example_inputs, p.stages[0].op_layouts.solution((2,)),
                                          device=torch.device("cpu"), whole=every)
@@ -119,3 +120,20 @@ def test_a_pipeline_rank_runs_the_program_traced_for_the_cpu():
     calls = execute._program_calls(program.graph_module)
     last = [op for lay in p.stages[-1].op_layouts.layers for op in lay.ops]
     assert all(op in calls for op in last if not op.startswith("contiguous"))
+
+
+def test_verify_says_when_a_rank_ran_the_program_traced_on_meta():
+    """verify of a GPU plan traces each rank's program for CUDA on fake tensors; where that
+    trace fails (a CPU-only torch cannot copy a fake CUDA tensor: Hugging Face attention's
+    `contiguous`), the rank runs the meta program, and its report says so and why."""
+    pytest.importorskip("transformers")
+    from autopar.planner import plan
+    from autopar.runtime.verify import verify
+
+    ref = "hf:gpt2?hidden_size=64&num_hidden_layers=2&num_attention_heads=4&seq_len=16&vocab_size=128"
+    p = plan(ref, autopar.ClusterSpec.load("dgx-h100", num_nodes=1), global_batch_size=8, dtype="bf16",
+             constraints=autopar.Constraints(dp=4, tp=2, pp=1, recompute="none", zero_stage=0))
+    r = verify(p, ref, jobs=1)
+    assert r.ok, r.failures
+    notes = [n for rc in r.ranks for n in rc.notes if "traced on the meta device" in n]
+    assert notes and "GPT2LMHeadModel" in notes[0] and "cuda" in notes[0]

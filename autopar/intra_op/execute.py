@@ -1566,19 +1566,22 @@ def meta_program(model: nn.Module, example_inputs: Any, *, loss_fn: Any = None,
         return hit
     META_PROGRAM_STATS["misses"] += 1
     log.debug("meta program of %s: exporting for %s (key %s)", type(model).__name__, traced or "meta", key[0][:12])
-    program = None
+    program, why = None, None
     if traced is not None:
         try:
             copy_, fake_inputs, own = _fake_copy(meta, inputs, traced)
             program, _, names = export_program(copy_, fake_inputs, loss_fn=loss_fn)
-        except Exception as e:  # noqa: BLE001 - a model that cannot be traced there: on meta
-            log.debug("exporting %s for %s failed (%s: %s); exporting on meta", type(model).__name__,
-                      traced, type(e).__name__, e)
+        except Exception as e:  # noqa: BLE001 - a model that cannot be traced there: on meta, said
+            why = f"tracing {type(model).__name__} for {traced} failed ({type(e).__name__}: {str(e)[:200]})"
+            _warn_once(f"{why}; its program is traced on the meta device, as the planner captured it, and runs "
+                       f"on {device}: a branch the model takes by device is the meta device's")
             program = None
+    fallback = why if program is None and traced is not None else None
     if program is None:
         traced, own = None, set()
         program, _, names = export_program(meta, inputs, loss_fn=loss_fn)
     program.autopar_traced_device = traced
+    program.autopar_trace_fallback = fallback
     positions_named_as_captured(program)
     if all(_dataless(c, own) for c in program.constants.values() if isinstance(c, torch.Tensor)):
         _META_PROGRAMS[key] = (program, names)
@@ -1614,6 +1617,16 @@ def positions_named_as_captured(program: Any) -> None:
         ns._used_names.difference_update(olds - finals)
         ns._used_names.update(finals)
         mod.recompile()
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """Log `message` as a warning once in this process (a verify worker builds many ranks)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        log.warning(message)
 
 
 def trace_device(device: Optional[torch.device]) -> Optional[torch.device]:

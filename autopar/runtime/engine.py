@@ -288,6 +288,20 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         self.pipe_stages = []
         self.schedule = None
 
+    def programs_traced_on_meta(self) -> list[str]:
+        """Why this rank's solved programs were traced on the meta device rather than for the
+        device the rank computes on (`execute.meta_program`, `fitting_program`): a model
+        branching on its device then runs the meta device's branch. Empty where each was traced
+        for its device, or nothing runs op by op."""
+        progs = [self.runner.program] if getattr(self.runner, "program", None) is not None else []
+        progs += [ch.prog.program for ch in getattr(self, "fed_chunks", [])]
+        out = []
+        for prog in progs:
+            if getattr(prog, "autopar_traced_device", None) is None:
+                out.append(getattr(prog, "autopar_trace_fallback", None)
+                           or "its program for the device does not fit the plan's solution (see the log)")
+        return sorted(set(out))
+
     def _note_interleaved(self, layouts: dict[str, tuple[int, int, int]]) -> None:
         """The parameters the executor holds chunk-interleaved over tp (`ShardedProgram.layouts`:
         fqn -> (dim, chunks, ways)), by canonical name: `full_state` and checkpoints see them in

@@ -218,6 +218,7 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
         check.tracked_phases = {k: v.peak_bytes + extra for k, v in rep.phases.items()}
         check.peak_tensors = rep.peak_tensors
         check.notes = list(rep.notes)
+        check.notes += [f"ran the program traced on the meta device: {why}" for why in pm.programs_traced_on_meta()]
         if run < plan.num_microbatches:
             check.notes.insert(0, f"stepped {run} of the plan's {plan.num_microbatches} micro-batches, which pass "
                                   f"through the same schedule states (the same peak); the batch's other "
