@@ -416,3 +416,43 @@ def test_search_picks_attention_recompute_where_it_is_the_fastest_that_fits():
     assert [st.recompute for st in _policy_search(0.5).stages] == ["none"]
     assert [st.recompute for st in _policy_search(2.5).stages] == ["full"]
     assert [st.recompute for st in _policy_search(0.5, "attention").stages] == ["attention"]
+
+
+def test_the_first_layer_after_a_tp_change_is_priced_by_the_solution_it_runs(monkeypatch):
+    """Between stages of different tp degrees tensors cross replicated, so the first layer of
+    the later stage runs its entry solution (`IlpProvider.entry_solutions`), not the one the
+    DP's tables priced (its inputs arriving as its tp-2 predecessor leaves them). `mlp` (layers
+    of distinct widths) with stages of tp 1, 2, 1: the prediction moves by exactly the entry
+    solution's forward + backward less the ordinary one's, in the stage's micro-batch time."""
+    from autopar.inter_op import search as search_mod
+    from autopar.planner import plan
+    from autopar.schema import ClusterSpec, Constraints
+
+    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4, "num_nodes": 1})
+    cons = Constraints(stage_tp=(1, 2, 1), num_microbatches=4, schedule="1f1b", recompute="none")
+    seen = []
+    real = search_mod.Search._entry_prices
+
+    def spy(self, cand, stages):
+        before = [st.t_mb for st in stages]
+        real(self, cand, stages)
+        spans = [(k, j, st.tp, st.recompute) for st in stages for k, j in st.chunks]
+        deltas = {}
+        for k, (entry, layer) in self.provider.entry_solutions(spans, cand.mb).items():
+            ordinary = self.provider.solutions[(layer.signature, cand.mb, 2)][0]
+            deltas[k] = entry.forward_s + entry.backward_s - ordinary.forward_s - ordinary.backward_s
+        seen.append((before, [st.t_mb for st in stages], [st.chunks[0][0] for st in stages], deltas))
+
+    monkeypatch.setattr(search_mod.Search, "_entry_prices", spy)
+    p = plan("mlp", cl, global_batch_size=8, dtype="fp32", constraints=cons, intra_op="ilp")
+    assert [s.axis_size("tp") for s in sorted(p.stages, key=lambda s: s.index)] == [1, 2, 1]
+    priced = [x for x in seen if x[3]]
+    assert priced, "the tp-2 stage's first layer has an entry solution"
+    for before, after, firsts, deltas in priced:
+        for b, a, k in zip(before, after, firsts):
+            assert a == pytest.approx(b + deltas.get(k, 0.0), rel=1e-9, abs=1e-12)
+    assert any(abs(d) > 0 for x in priced for d in x[3].values())
+
+    monkeypatch.setattr(search_mod.Search, "_entry_prices", lambda self, cand, stages: None)
+    unpriced = plan("mlp", cl, global_batch_size=8, dtype="fp32", constraints=cons, intra_op="ilp")
+    assert p.predicted.iteration_time_s != unpriced.predicted.iteration_time_s

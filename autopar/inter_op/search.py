@@ -2011,6 +2011,7 @@ class Search:
             self.skipped[f"hetero dp={D} mb={cand.mb} tp={tuple(st.tp for st in stages)}"] = why
             return False
         self._fanout_sends(stages)
+        self._entry_prices(cand, stages)
         ts = [st.t_mb for st in stages]
         cand.pp, cand.tp = p, stages[0].tp
         self._finish(cand, tbs[0], stages, sum(ts) + (m - 1) * max(ts))
@@ -2036,6 +2037,38 @@ class Search:
         _, why = chunk_layouts(self.graph, self.layers, self.provider.solutions, spans, cand.mb,
                                self.provider.entry_solutions(spans, cand.mb))
         return why
+
+    def _entry_prices(self, cand: Candidate, stages: list[StageResult]) -> None:
+        """Price the first layer of a chunk after one of another tp degree as it runs: tensors
+        cross between tp degrees replicated, so that layer runs its entry solution
+        (`IlpProvider.entry_solutions`, which `_hetero_layouts` solved and the plan carries),
+        not the solution the DP's tables priced it by (its inputs arriving as the layer before
+        on its own tp degree leaves them). Its forward and backward times replace the others'
+        (the forward twice under full recomputation); like `_fanout_sends`, applied to the
+        stages the DP picked."""
+        if not self._executor or all(st.tp == 1 for st in stages):
+            return
+        spans = [(k, j, st.tp, st.recompute) for st in stages for k, j in st.chunks]
+        entries = self.provider.entry_solutions(spans, cand.mb)
+        if not entries:
+            return
+
+        def comm(sol: Any) -> float:
+            return sum(x.time_s for x in sol.collectives if x.phase in ("forward", "backward"))
+
+        for st in stages:
+            for k, _ in st.chunks:
+                if k not in entries:
+                    continue
+                entry, layer = entries[k]
+                ordinary = self.provider.solutions[(layer.signature, cand.mb, st.tp)][0]
+                again = 1.0 if st.recompute == "full" else 0.0
+                d_fwd = entry.forward_s - ordinary.forward_s
+                d_bwd = entry.backward_s - ordinary.backward_s
+                d_comm = comm(entry) - comm(ordinary)
+                st.t_mb += d_fwd * (1.0 + again) + d_bwd
+                st.comm_mb += d_comm
+                st.compute_mb += d_fwd * (1.0 + again) + d_bwd - d_comm
 
     def _fanout_sends(self, stages: list[StageResult]) -> None:
         """Add the copies a stage sends beyond the one the DP charges when its neighbour has more
