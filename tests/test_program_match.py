@@ -122,18 +122,85 @@ def test_a_pipeline_rank_runs_the_program_traced_for_the_cpu():
     assert all(op in calls for op in last if not op.startswith("contiguous"))
 
 
+class CudaSyncMLP(nn.Module):
+    """An MLP that synchronises the GPU when it runs on one: a CPU-only torch cannot trace that
+    for CUDA ("Torch not compiled with CUDA enabled")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        return ((self.fc2(torch.relu(self.fc1(x))) - y) ** 2).mean()
+
+
+def cuda_sync_mlp():
+    """(model on meta, example inputs, batch function): `autopar`'s MODULE:FACTORY contract."""
+    with torch.device("meta"):
+        model = CudaSyncMLP()
+    x = torch.zeros(4, 16, device="meta")
+
+    def batch(step: int, batch_size: int):
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(batch_size, 16, generator=g), torch.randn(batch_size, 16, generator=g)
+
+    return model, (x, x), batch
+
+
+def _gpu_plan(ref: str, **kw):
+    from autopar.planner import plan
+
+    return plan(ref, autopar.ClusterSpec.load("dgx-h100", num_nodes=1), global_batch_size=8, dtype="bf16",
+                constraints=autopar.Constraints(pp=1, recompute="none", zero_stage=0, **kw))
+
+
 def test_verify_says_when_a_rank_ran_the_program_traced_on_meta():
     """verify of a GPU plan traces each rank's program for CUDA on fake tensors; where that
-    trace fails (a CPU-only torch cannot copy a fake CUDA tensor: Hugging Face attention's
-    `contiguous`), the rank runs the meta program, and its report says so and why."""
-    pytest.importorskip("transformers")
-    from autopar.planner import plan
+    trace fails, the rank runs the meta program, and its report says so and why."""
     from autopar.runtime.verify import verify
 
-    ref = "hf:gpt2?hidden_size=64&num_hidden_layers=2&num_attention_heads=4&seq_len=16&vocab_size=128"
-    p = plan(ref, autopar.ClusterSpec.load("dgx-h100", num_nodes=1), global_batch_size=8, dtype="bf16",
-             constraints=autopar.Constraints(dp=4, tp=2, pp=1, recompute="none", zero_stage=0))
+    ref = "tests.test_program_match:cuda_sync_mlp"
+    p = _gpu_plan(ref, dp=4, tp=2)
     r = verify(p, ref, jobs=1)
     assert r.ok, r.failures
     notes = [n for rc in r.ranks for n in rc.notes if "traced on the meta device" in n]
-    assert notes and "GPT2LMHeadModel" in notes[0] and "cuda" in notes[0]
+    assert notes and "CudaSyncMLP" in notes[0] and "cuda" in notes[0]
+
+
+def test_hugging_face_gpt2_gpu_ranks_run_the_program_traced_for_cuda():
+    """A CPU-only torch traces Hugging Face GPT-2 for CUDA (`fake_cuda.CudaMethods`: its
+    attention's `.contiguous()` and the logits' slice as the ops they call), and the program fits
+    the plan's solution: verify runs it, with no note of the meta program."""
+    pytest.importorskip("transformers")
+    from autopar.runtime.cuda_program import cuda_program
+    from autopar.runtime.verify import verify
+
+    ref = "hf:gpt2?hidden_size=64&num_hidden_layers=2&num_attention_heads=4&seq_len=16&vocab_size=128"
+    p = _gpu_plan(ref, dp=1, tp=8)
+    from autopar.models.registry import build_model
+
+    b = build_model(ref, device="meta", batch_size=1)
+    with cuda_program():
+        program, _ = execute.fitting_program(b.model, b.example_inputs, p.stages[0].op_layouts.solution((8,)),
+                                             device=torch.device("cpu"), param_dtype=torch.bfloat16)
+    assert program.autopar_traced_device == torch.device("cuda", 0)
+    r = verify(p, ref, jobs=1)
+    assert r.ok, r.failures
+    assert not [n for rc in r.ranks for n in rc.notes if "traced on the meta device" in n]
+
+
+@pytest.mark.parametrize("index", [
+    (slice(None), slice(-3, None), slice(None)), (Ellipsis, 1), (None, 0), (slice(0, None),),
+    (slice(None), slice(None, None, 2)), 2, (slice(1, 3), None, Ellipsis, -1)])
+def test_basic_index_is_torchs_indexing(index):
+    """`fake_cuda.basic_index` computes what `x[index]` does (values, shape and strides), an
+    index that selects everything as an alias."""
+    from autopar.intra_op.fake_cuda import basic_index
+
+    x = torch.arange(4 * 5 * 6, dtype=torch.float32).reshape(4, 5, 6)
+    got, want = basic_index(x, index), x[index]
+    assert got.shape == want.shape and got.stride() == want.stride() and torch.equal(got, want)
+    assert basic_index(x, (torch.tensor([0, 1]),)) is NotImplemented

@@ -84,6 +84,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.capture.export import _WithLoss, default_loss, move_not_cast
+from autopar.intra_op import fake_cuda
 from autopar.intra_op.rules.attention import query_head_axes
 from autopar.intra_op.rules.loss import REDUCTION_ARG, reduction_of
 from autopar.intra_op.solution import OpChoice, ShardingSolution
@@ -1506,7 +1507,7 @@ def fitting_program(model: nn.Module, example_inputs: Any, solution: ShardingSol
         if bad:
             log.warning("the program %s traces for %s does not fit the plan's solution (%s): running the "
                         "one traced on the meta device, as the planner captured it", type(model).__name__,
-                        device, ", ".join(bad[:3]))
+                        program.autopar_traced_device, ", ".join(bad[:3]))
             program, names = meta_program(model, example_inputs, loss_fn=loss_fn, param_dtype=param_dtype,
                                           device=device, trace=False)
         else:
@@ -1514,7 +1515,7 @@ def fitting_program(model: nn.Module, example_inputs: Any, solution: ShardingSol
             if extra:
                 log.warning("%s traces for %s into ops the planner's capture on the meta device lacks (%s): "
                             "they run unplanned, laid out by DTensor's propagation", type(model).__name__,
-                            device, ", ".join(extra[:3]))
+                            program.autopar_traced_device, ", ".join(extra[:3]))
     return program, names
 
 
@@ -1570,7 +1571,8 @@ def meta_program(model: nn.Module, example_inputs: Any, *, loss_fn: Any = None,
     if traced is not None:
         try:
             copy_, fake_inputs, own = _fake_copy(meta, inputs, traced)
-            program, _, names = export_program(copy_, fake_inputs, loss_fn=loss_fn)
+            with fake_cuda.CudaMethods() if fake_cuda.needed(traced) else contextlib.nullcontext():
+                program, _, names = export_program(copy_, fake_inputs, loss_fn=loss_fn)
         except Exception as e:  # noqa: BLE001 - a model that cannot be traced there: on meta, said
             why = f"tracing {type(model).__name__} for {traced} failed ({type(e).__name__}: {str(e)[:200]})"
             _warn_once(f"{why}; its program is traced on the meta device, as the planner captured it, and runs "
@@ -1735,13 +1737,13 @@ def _mismatch(program: Any, solution: ShardingSolution) -> list[str]:
     (another rule family, another number of tensor inputs); a solved layout change the program
     lacks is none (`program_match`)."""
     from autopar.intra_op import rules
-    from autopar.intra_op.program_match import IDENTITY_WHERE_CONTIGUOUS, _kind
+    from autopar.intra_op.program_match import _kind, computes_nothing
 
     nodes = _program_calls(program.graph_module)
     bad = []
     for name, ch in solution.op_choices.items():
         n = nodes.get(name)
-        if n is None and _kind(name).rpartition("__")[2] in IDENTITY_WHERE_CONTIGUOUS:
+        if n is None and computes_nothing(_kind(name), ch.family):
             continue            # a layout change the device's kernels make unnecessary (`program_match`)
         rule = rules.rule_for(_op_name(n)) if n is not None else None
         if n is None or (rule.family if rule else "fallback") != ch.family \

@@ -9,16 +9,18 @@ already, and which it is depends on the kernel before it (the meta device's atte
 output heads-major, CPU's and CUDA's kernels as the query is laid out; Hugging Face attention's
 `.transpose(1, 2).contiguous()` is one op on meta and none on CPU). torch.export numbers the ops
 of one kind in the order it traces them, so the names after such a difference differ too.
+Hugging Face's mask code traces an `expand` nothing reads on meta and none for CUDA.
 
 `match_names` aligns the device program's tensor ops with the solution's (`difflib` over each
 op's kind and family, in program order: the solution keeps the capture's order) and renames the
 program's ops to the capture's names. It accepts a difference only where it computes nothing:
-a solution op that the device program lacks must be a `contiguous` (a layout change the device
-does not need; its readers read its input, laid out as the solution lays out its output, since
-`contiguous` keeps its input's placement), and the ops both have must agree in kind, family
-and number of tensor inputs. Anything else is returned as a mismatch, and the caller runs the meta program.
-An op only the device's program has (a branch the device takes) runs unplanned, by DTensor's
-propagation; `unplanned_ops` names them for the caller to say so.
+a solution op that the device program lacks must be a view or a `contiguous`/`alias` (a layout
+change the device does not need; its readers read its input, laid out as the solution lays out
+its output, since those keep their input's placement), and the ops both have must agree in
+kind, family and number of tensor inputs. Anything else is returned as a mismatch, and the
+caller runs the meta program. An op only the device's program has (a branch the device takes)
+runs unplanned, by DTensor's propagation; `unplanned_ops` names them for the caller to say so
+(one holding a name the solution gives another op is renamed `<kind>_device_<n>`).
 """
 
 from __future__ import annotations
@@ -29,11 +31,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["match_names", "unplanned_ops", "IDENTITY_WHERE_CONTIGUOUS"]
+__all__ = ["match_names", "unplanned_ops", "computes_nothing", "IDENTITY_WHERE_CONTIGUOUS"]
 
-# ops that compute nothing where their input is already laid out as they return it: the ones a
-# device's trace may leave out that the meta device's keeps
-IDENTITY_WHERE_CONTIGUOUS = frozenset({"contiguous"})
+# ops that compute nothing where their input is already laid out as they return it (and views,
+# which never compute): the ones a device's trace may leave out that the meta device's keeps
+IDENTITY_WHERE_CONTIGUOUS = frozenset({"contiguous", "alias"})
+
+
+def computes_nothing(kind: str, family: str) -> bool:
+    """Whether a solved op of `kind` (an export node name's op kind) and rule `family` may be
+    absent from the device's program: a view, or a copy made only where a layout needs it."""
+    return family == "view" or kind.rpartition("__")[2] in IDENTITY_WHERE_CONTIGUOUS
 
 _NUMBERED = re.compile(r"_\d+$")
 
@@ -80,11 +88,15 @@ def match_names(program: Any, solution: Any) -> list[str]:
             rename.update({names[i]: wanted[j] for i, j in zip(range(i1, i2), range(j1, j2))})
             continue
         # the solution's ops the program lacks: only layout changes the device does not need
-        bad += [wanted[j] for j in range(j1, j2) if theirs[j][0].rpartition("__")[2] not in IDENTITY_WHERE_CONTIGUOUS]
+        bad += [wanted[j] for j in range(j1, j2) if not computes_nothing(theirs[j][0], theirs[j][1])]
         # the program's ops without a counterpart run unplanned (`unplanned_ops`), as where the
-        # names agree; matched around, they keep their own names
+        # names agree; matched around, they keep their own names unless the solution's ops take them
     if bad:
         return bad
+    taken_by_solution = set(rename.values())
+    for k, old in enumerate(o for o in names if o not in rename and o in taken_by_solution):
+        prefix, _, _ = old.rpartition("__")
+        rename[old] = f"{prefix + '__' if prefix else ''}{_kind(old).rpartition('__')[2]}_device_{k}"
     signature = _signature_names(program)
     moved = {old: new for old, new in rename.items() if old != new}
     if any(old in signature or new in signature for old, new in moved.items()):

@@ -294,7 +294,7 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         branching on its device then runs the meta device's branch. Empty where each was traced
         for its device, or nothing runs op by op."""
         progs = [self.runner.program] if getattr(self.runner, "program", None) is not None else []
-        progs += [ch.prog.program for ch in getattr(self, "fed_chunks", [])]
+        progs += [ch.prog.program for ch in getattr(self, "fed_chunks", []) if getattr(ch, "prog", None) is not None]
         out = []
         for prog in progs:
             if getattr(prog, "autopar_traced_device", None) is None:
