@@ -105,9 +105,24 @@ SPLIT_OPS = ("split", "split_with_sizes", "chunk", "unsafe_split", "tensor_split
 def _target(x: DTensor, spec: Spec) -> tuple[Placement, ...]:
     """The placements `spec` asks of `x`; a partial already there stays as it is (a plan's "P"
     is any pending reduction: DTensor's masked partial of a vocab-parallel embedding included)."""
-    want = to_placements(spec, x.ndim)
-    return tuple(have if w.is_partial() and have.is_partial() else w
-                 for have, w in zip(x.placements, want))
+    want = _placements_of(spec, x.ndim)
+    have = x.placements
+    if have == want:
+        return want
+    return tuple(h if w.is_partial() and h.is_partial() else w for h, w in zip(have, want))
+
+
+def _placements_of(spec: Spec, ndim: int) -> tuple[Placement, ...]:
+    """`to_placements(spec, ndim)`, remembered: a few distinct specs per program, asked at every
+    read of every op (the executor's hot path), each a parse of the spec's strings otherwise."""
+    key = (tuple(spec), ndim)
+    out = _PLACEMENTS.get(key)
+    if out is None:
+        out = _PLACEMENTS[key] = to_placements(spec, ndim)
+    return out
+
+
+_PLACEMENTS: dict[tuple, tuple[Placement, ...]] = {}
 
 
 def _span_boundary(span: Sequence[torch.fx.Node]) -> tuple[list[torch.fx.Node], list[torch.fx.Node]]:
@@ -125,6 +140,8 @@ def _span_boundary(span: Sequence[torch.fx.Node]) -> tuple[list[torch.fx.Node], 
 def _grad_target(src: Sequence[Placement], keep_partial: Sequence[int]) -> tuple[Placement, ...]:
     """Where the gradient of a tensor laid out `src` goes back to: its layout, partial made
     replicated, except along `keep_partial` (a junction's axes), where it stays partial."""
+    if not keep_partial and not any(p.is_partial() for p in src):
+        return tuple(src)
     return tuple(Partial() if a in keep_partial else Replicate() if p.is_partial() else p
                  for a, p in enumerate(src))
 
@@ -384,13 +401,16 @@ class _Regather:
     def track(self, gathered: DTensor, shard: DTensor, dst: tuple) -> None:
         self.state.track(gathered, shard, dst)
 
-    def saving(self, values: Sequence[Any]) -> Any:
-        """The saved-tensor hooks when one of `values` (an op's inputs) lives in a gathered
-        parameter's storage, else a null context. Never inside a recomputed region: there
-        torch's checkpoint holds what the ops save with hooks of its own, which ours, pushed
-        on top, would displace (the region gathers its parameters again when it is re-run)."""
+    def saving(self, args: Sequence[Any], kwargs: Optional[dict] = None) -> Any:
+        """The saved-tensor hooks when one of an op's inputs (`args`, `kwargs`) lives in a
+        gathered parameter's storage, else a null context (the inputs looked at only when some
+        parameter is gathered now). Never inside a recomputed region: there torch's checkpoint
+        holds what the ops save with hooks of its own, which ours, pushed on top, would displace
+        (the region gathers its parameters again when it is re-run)."""
         live = self.state.live
-        if live and not self.paused and any(_storage(v) in live for v in values if isinstance(v, torch.Tensor)):
+        if live and not self.paused and any(
+                _storage(v) in live for v in _flat_nodes([args, list((kwargs or {}).values())])
+                if isinstance(v, torch.Tensor)):
             return torch.autograd.graph.saved_tensors_hooks(self.state.pack, self.state.unpack)
         return contextlib.nullcontext()
 
@@ -536,6 +556,8 @@ class ShardedProgram(nn.Module):
                     move_not_cast(n)
         self.mutates = _mutates(self.gm)
         self.local_ops: dict[torch.fx.Node, bool] = {}     # `_PlanInterpreter.runs_local`, per node
+        self.device_args: dict[torch.fx.Node, bool] = {}   # `_names_device`, per node
+        self._op_names: dict[torch.fx.Node, str] = {}      # `op_name`, per node
         # modules whose ops run as one call each (`run_units`: ZeRO-3's FSDP units; `replace_modules`:
         # expert blocks, which may lie inside a unit): first node -> [(module, its run)], outer
         # first; node -> the modules whose runs hold it, outer first
@@ -544,6 +566,13 @@ class ShardedProgram(nn.Module):
         self.unit_calls: dict[str, Any] = {}
         self.replaced: set[str] = set()       # units whose call replaces their ops (`replace_modules`)
         self._distribute_parameters()
+
+    def op_name(self, n: torch.fx.Node) -> str:
+        """`_op_name(n)`, remembered (a string made of the op's name at every run otherwise)."""
+        name = self._op_names.get(n)
+        if name is None:
+            name = self._op_names[n] = _op_name(n)
+        return name
 
     # -- setup ---------------------------------------------------------------------------
     def _check_names(self) -> None:
@@ -906,9 +935,10 @@ class _PlanInterpreter(torch.fx.Interpreter):
         args, kwargs = super().fetch_args_kwargs_from_env(n)
         return self.on_device(args), self.on_device(kwargs)
 
-    def on_device(self, v: Any) -> Any:
-        """Devices of a program traced on meta made the real one."""
-        if self.prog.run_device is None:
+    def on_device(self, v: Any, n: Optional[torch.fx.Node] = None) -> Any:
+        """Devices of a program traced on meta made the real one (`n`: the node whose arguments
+        `v` are, when it names no device: `v` as it is)."""
+        if self.prog.run_device is None or (n is not None and not _names_device(n, self.prog.device_args)):
             return v
         real, traced = self.prog.run_device, self.prog.traced_device
         return torch.fx.node.map_aggregate(v, lambda x: real if _traced_for(x, traced) else x)
@@ -1039,10 +1069,12 @@ class _PlanInterpreter(torch.fx.Interpreter):
 
     def _run_one(self, n: torch.fx.Node) -> Any:
         self.node_name = self.name_of(n)
-        if n.op == "call_function" and "_assert" in str(n.target):
+        if n.op == "call_function" and "_assert" in self.prog.op_name(n):
             return None                     # metadata assertions: nothing to run
-        choice = self.sol.op_choices.get(self.name_of(n)) if n.op == "call_function" else None
+        choice = self.sol.op_choices.get(self.node_name) if n.op == "call_function" else None
         if choice is not None:
+            if not _PRESERVE_META():
+                return self._run_planned(n, choice)     # `_set_current_node` would set nothing
             with self._set_current_node(n):
                 return self._run_planned(n, choice)
         if n.op == "call_function" and _subgraph_index(n, self.module) is not None:
@@ -1077,31 +1109,37 @@ class _PlanInterpreter(torch.fx.Interpreter):
         """Op `n` with its inputs in the layouts `choice` reads them in."""
         specs = choice.input_placements
         local = self.runs_local(n, choice)
-        feed_one = self._feed_local if local else self._feed
-        if n.target is operator.getitem and isinstance(self.env[n.args[0]], (tuple, list)):
+        if local:
+            feed_one = self._feed_local
+        elif choice.family == "attention" and not query_head_axes(choice.strategy):
+            feed_one = self._feed_own_grad     # `_local_attention` sets its inputs' gradients' layout
+        else:
+            feed_one = self._feed
+        env = self.env
+        if n.target is operator.getitem and isinstance(env[n.args[0]], (tuple, list)):
             src, idx = n.args[0], n.args[1]
-            return feed_one(self.env[src][idx], self.name_of(src), idx, specs[0])
+            return feed_one(env[src][idx], self.name_of(src), idx, specs[0])
         k = 0
 
         def feed(a: Any) -> Any:
             nonlocal k
             if not isinstance(a, torch.fx.Node):
                 return a
-            v = self.env[a]
+            v = env[a]
             if isinstance(v, torch.Tensor) and k < len(specs):
                 v = feed_one(v, self.name_of(a), 0, specs[k])
                 k += 1
             return v
 
-        args = self.on_device(torch.fx.node.map_aggregate(n.args, feed))
-        kwargs = self.on_device(torch.fx.node.map_aggregate(n.kwargs, feed))
+        args = self.on_device(torch.fx.node.map_aggregate(n.args, feed), n)
+        kwargs = self.on_device(torch.fx.node.map_aggregate(n.kwargs, feed), n) if n.kwargs else {}
         written = _written_inputs(n, args)
         if written:
             # an op writing in place to a tensor that needs a gradient: what it reads may be the
             # view `_Reshard` returns, which autograd forbids mutating; it writes to a copy, and
             # the tensor's later readers read the result (in eager the write is visible to them)
             args = tuple(a.clone() if i in written else a for i, a in enumerate(args))
-        with self.regather.saving(_flat_nodes([args, list(kwargs.values())])):
+        with self.regather.saving(args, kwargs):
             out = _run_target(n, args, kwargs) if local else self._run_op(n, choice, args, kwargs)
         if choice.family == "loss" and self.prog.context is not None:
             out = self.prog.context.loss(n.target, args, kwargs, out)     # the cp group's mean
@@ -1135,13 +1173,26 @@ class _PlanInterpreter(torch.fx.Interpreter):
             j = self.sol.junctions.get(f"{producer}#{out_index}")
             if j is None or (_replicated(j[0]) and not j[1]):
                 return value
-        x = self._feed(value, producer, out_index, spec)
+        x = self._feed_own_grad(value, producer, out_index, spec)
         return _ToLocal.apply(x, x.placements)
+
+    def _feed_own_grad(self, value: Any, producer: str, out_index: int, spec: Spec) -> Any:
+        """`_feed` for an op run on local tensors that it reads through `_ToLocal` with their
+        gradients laid out as its inputs (`_grad_target` of their layout: an op run locally, or
+        attention, `_local_attention`): a DTensor already in the layout asked, partial nowhere,
+        read without a junction, is read as it is, since its `_Reshard` would redistribute
+        nothing forward and, its gradient arriving in its own layout, nothing backward (121 of
+        gpt-small tp-2's 130 reads per step are such no-ops, 42 of them of this kind)."""
+        if isinstance(value, DTensor) and value.placements == _placements_of(spec, value.ndim) \
+                and not any(p.is_partial() for p in value.placements) \
+                and f"{producer}#{out_index}" not in self.sol.junctions:
+            return value
+        return self._feed(value, producer, out_index, spec)
 
     def _run_op(self, n: torch.fx.Node, choice: OpChoice, args: Any, kwargs: Any) -> Any:
         """Run op `n` on inputs laid out as planned: DTensor runs it, except where its default
         would communicate differently from the plan (see the module docstring)."""
-        op, specs, outs = _op_name(n), choice.input_placements, choice.output_placements
+        op, specs, outs = self.prog.op_name(n), choice.input_placements, choice.output_placements
         if op in SPLIT_OPS and self._splits_sharded_dim(n, args[0]):
             return self._local_split(n, args[0])
         if len(specs) == 1 and _partial(specs[0]) and _unsharded(specs[0]) and all(map(_unsharded, outs)):
@@ -1340,6 +1391,34 @@ def _int_on_cpu(x: Any) -> bool:
 
 def _replicated(spec: Spec) -> bool:
     return all(str(p) == "R" for p in spec)
+
+
+def _PRESERVE_META() -> bool:
+    """Whether fx keeps node metadata for ops run now (`fx.traceback.preserve_node_meta`), the
+    only case where the Interpreter's `_set_current_node` sets anything."""
+    return torch.fx.traceback.should_preserve_node_meta
+
+
+def _names_device(n: torch.fx.Node, memo: dict) -> bool:
+    """Whether op `n`'s arguments may hold a device (a constant, or what an argument node
+    computes that is no tensor or number), remembered per node in `memo`."""
+    hit = memo.get(n)
+    if hit is None:
+        def maybe(a: Any) -> bool:
+            if isinstance(a, torch.fx.Node):
+                return not isinstance(a.meta.get("val"), (torch.Tensor, torch.SymInt, torch.SymFloat, int, float,
+                                                          bool))
+            return isinstance(a, torch.device)
+        hit = memo[n] = any(maybe(a) for a in _flat_args(n.args) + _flat_args(list(n.kwargs.values())))
+    return hit
+
+
+def _flat_args(v: Any) -> list[Any]:
+    if isinstance(v, (tuple, list)):
+        return [y for x in v for y in _flat_args(x)]
+    if isinstance(v, dict):
+        return [y for x in v.values() for y in _flat_args(x)]
+    return [v]
 
 
 def _random_or_mutating(n: torch.fx.Node) -> bool:
