@@ -557,6 +557,7 @@ class ShardedProgram(nn.Module):
         self.mutates = _mutates(self.gm)
         self.local_ops: dict[torch.fx.Node, bool] = {}     # `_PlanInterpreter.runs_local`, per node
         self.device_args: dict[torch.fx.Node, bool] = {}   # `_names_device`, per node
+        self.shard_ops: dict[torch.fx.Node, bool] = {}     # `_PlanInterpreter.runs_on_shards`, per node
         self._op_names: dict[torch.fx.Node, str] = {}      # `op_name`, per node
         # modules whose ops run as one call each (`run_units`: ZeRO-3's FSDP units; `replace_modules`:
         # expert blocks, which may lie inside a unit): first node -> [(module, its run)], outer
@@ -1111,6 +1112,9 @@ class _PlanInterpreter(torch.fx.Interpreter):
         local = self.runs_local(n, choice)
         if local:
             feed_one = self._feed_local
+        elif self.runs_on_shards(n, choice):
+            return self._run_on_shards(n, self._feed_own_grad(self.env[n.args[0]], self.name_of(n.args[0]), 0,
+                                                              choice.input_placements[0]))
         elif choice.family == "attention" and not query_head_axes(choice.strategy):
             feed_one = self._feed_own_grad     # `_local_attention` sets its inputs' gradients' layout
         else:
@@ -1161,6 +1165,42 @@ class _PlanInterpreter(torch.fx.Interpreter):
             local = self.prog.local_ops[n] = choice.family != "attention" and not _random_or_mutating(n) \
                 and all(_replicated(s) for s in [*choice.input_placements, *choice.output_placements])
         return local
+
+    def runs_on_shards(self, n: torch.fx.Node, choice: OpChoice) -> bool:
+        """Whether op `n` runs on each device's shard as DTensor would run it, without DTensor's
+        dispatch (`_run_on_shards`): an element-wise op (torch's `pointwise` tag) of one tensor,
+        its first argument, the other arguments numbers, that the plan lays out sharded (not
+        only replicated: `runs_local`), partial nowhere, its output as its input. The shards'
+        results are the result's shards, and each shard's gradient the gradient's shard:
+        DTensor communicates nothing for it either way (gpt-small's GELUs)."""
+        hit = self.prog.shard_ops.get(n)
+        if hit is None:
+            t = n.target
+            specs, outs = choice.input_placements, choice.output_placements
+            hit = self.prog.shard_ops[n] = (
+                isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
+                and not _random_or_mutating(n) and choice.family not in ("attention", "loss")
+                and len(specs) == 1 and len(outs) == 1 and tuple(map(str, specs[0])) == tuple(map(str, outs[0]))
+                and not _partial(specs[0]) and not _replicated(specs[0])
+                and len(n.args) >= 1 and isinstance(n.args[0], torch.fx.Node)
+                and all(isinstance(a, (int, float, bool, str)) for a in [*n.args[1:], *n.kwargs.values()])
+                and isinstance(n.args[0].meta.get("val"), torch.Tensor)
+                and isinstance(n.meta.get("val"), torch.Tensor)
+                and tuple(n.meta["val"].shape) == tuple(n.args[0].meta["val"].shape))
+        return hit
+
+    def _run_on_shards(self, n: torch.fx.Node, x: Any) -> Any:
+        """Op `n` (`runs_on_shards`) on this device's shard of `x`, its gradient coming back in
+        `x`'s layout; the result laid out as `x`."""
+        with self.regather.saving((x,)):
+            if not isinstance(x, DTensor):
+                return _run_target(n, (x, *n.args[1:]), dict(n.kwargs))
+            local = _ToLocal.apply(x, x.placements)
+            out = _run_target(n, (local, *n.args[1:]), dict(n.kwargs))
+        if out.stride() != local.stride():      # as DTensor would lay it out: from the shard's strides
+            return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False)
+        return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False, shape=x.shape,
+                                  stride=x.stride())
 
     def _feed_local(self, value: Any, producer: str, out_index: int, spec: Spec) -> Any:
         """`value` as a plain tensor for an op run on local tensors (`runs_local`; `spec` is
