@@ -21,6 +21,8 @@ runs that program with a torch.fx.Interpreter over DTensors:
   every mesh axis (a norm, a residual add) runs on the local tensors instead, as hand-written
   tensor parallelism runs the layers it leaves alone: the same kernels, without DTensor's
   dispatch; its output stays a plain tensor, read as replicated (`_PlanInterpreter.runs_local`).
+  An element-wise op of one tensor laid out sharded, its output likewise, runs on the device's
+  shard (`_PlanInterpreter.runs_on_shards`), as DTensor would run it without communicating.
 
 The backward pass is autograd over the same DTensor ops. Each redistribution's backward sends
 the gradient back to its source's layout, with partial made replicated (a backward all-reduce,
@@ -1074,7 +1076,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
             return None                     # metadata assertions: nothing to run
         choice = self.sol.op_choices.get(self.node_name) if n.op == "call_function" else None
         if choice is not None:
-            if not _PRESERVE_META():
+            if not _preserving_meta():
                 return self._run_planned(n, choice)     # `_set_current_node` would set nothing
             with self._set_current_node(n):
                 return self._run_planned(n, choice)
@@ -1433,7 +1435,7 @@ def _replicated(spec: Spec) -> bool:
     return all(str(p) == "R" for p in spec)
 
 
-def _PRESERVE_META() -> bool:
+def _preserving_meta() -> bool:
     """Whether fx keeps node metadata for ops run now (`fx.traceback.preserve_node_meta`), the
     only case where the Interpreter's `_set_current_node` sets anything."""
     return torch.fx.traceback.should_preserve_node_meta
