@@ -3,7 +3,10 @@ CPU processes (gloo): data parallel (DDP), ZeRO-3 (`fully_shard`), tensor parall
 (`parallelize_module` with ColwiseParallel/RowwiseParallel). Prints a table. The tensor-parallel
 plan is `autopar.plan`'s, pinned to tp over every process: it carries the solved per-op layouts,
 so autopar runs it op by op as solved (`intra_op.execute`), the path every tp plan outside
-ZeRO-3 takes; the hand-written side shards the zoo GPT Megatron's way.
+ZeRO-3 takes; the hand-written side shards the zoo GPT Megatron's way, and (when the plan splits
+the embedding and the tied output layer over the vocabulary) as the plan does too: the logits
+all-gathered for the loss, or left split for torch's `loss_parallel` cross-entropy (the plan's
+own loss: three all-reduces of one value per row instead of the logits' all-gather).
 
     python benchmarks/runtime_overhead.py [--nproc 2] [--model gpt-small] [--batch 16] [--steps 10]
 
@@ -90,7 +93,8 @@ def _timeit(fns: dict, steps: int, warmup: int = 3) -> dict:
     return out
 
 
-def _hand(kind: str, model_ref: str, gbs: int, seed: int, vocab_parallel: bool = False):
+def _hand(kind: str, model_ref: str, gbs: int, seed: int, vocab_parallel: bool = False,
+          parallel_loss: bool = False):
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -135,7 +139,10 @@ def _hand(kind: str, model_ref: str, gbs: int, seed: int, vocab_parallel: bool =
             from torch.distributed.tensor import Replicate
 
             plan["embed.tok"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-            plan["head.out"] = ColwiseParallel(output_layouts=Replicate())
+            # the logits all-gathered, or (`parallel_loss`, as the plan runs its loss) left split over
+            # the vocabulary for torch's `loss_parallel` cross-entropy
+            plan["head.out"] = ColwiseParallel(use_local_output=False) if parallel_loss else \
+                ColwiseParallel(output_layouts=Replicate())
         net = parallelize_module(m, mesh, plan)
         if vocab_parallel:
             m.head.out.weight = m.embed.tok.weight        # parallelize_module distributes each copy apart
@@ -143,11 +150,16 @@ def _hand(kind: str, model_ref: str, gbs: int, seed: int, vocab_parallel: bool =
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3, foreach=False)
 
     def step(s: int) -> None:
+        import contextlib
+
+        from torch.distributed.tensor.parallel import loss_parallel
+
         tok, tgt = b.batch_fn(s, gbs, seed)
-        loss = net(tok[rows], tgt[rows])
-        if hasattr(loss, "full_tensor"):
-            loss = loss.full_tensor()
-        loss.backward()
+        with loss_parallel() if parallel_loss else contextlib.nullcontext():
+            loss = net(tok[rows], tgt[rows])
+            if hasattr(loss, "full_tensor"):
+                loss = loss.full_tensor()
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -187,6 +199,8 @@ def worker(args) -> None:
                "autopar_counting": _autopar(plans[kind], args.model, 0, count=True)}
         if kind == "tp" and _vocab_parallel(plans[kind]):
             fns["hand_same_layout"] = _hand(kind, args.model, args.batch, 0, vocab_parallel=True)
+            fns["hand_parallel_loss"] = _hand(kind, args.model, args.batch, 0, vocab_parallel=True,
+                                              parallel_loss=True)
         res[kind] = _timeit(fns, args.steps)
         dist.barrier()
     if dist.get_rank() == 0:
@@ -245,6 +259,11 @@ def main() -> None:
                 print(f"{'':8} {h2 * 1e3:11.1f} ms {a * 1e3:7.1f} ms {100 * (a / h2 - 1):+8.1f}% {c * 1e3:7.1f} ms "
                       f"{100 * (c / h2 - 1):+8.1f}%   (vs {names[k]} in the plan's layout: embedding and "
                       f"output layer split over the vocabulary)")
+            if "hand_parallel_loss" in v:
+                h3 = v["hand_parallel_loss"]
+                print(f"{'':8} {h3 * 1e3:11.1f} ms {a * 1e3:7.1f} ms {100 * (a / h3 - 1):+8.1f}% {c * 1e3:7.1f} ms "
+                      f"{100 * (c / h3 - 1):+8.1f}%   (the same, its cross-entropy vocabulary-parallel as the "
+                      f"plan's: torch's loss_parallel)")
 
 if __name__ == "__main__":
     main()

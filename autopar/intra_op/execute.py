@@ -21,6 +21,8 @@ runs that program with a torch.fx.Interpreter over DTensors:
   every mesh axis (a norm, a residual add) runs on the local tensors instead, as hand-written
   tensor parallelism runs the layers it leaves alone: the same kernels, without DTensor's
   dispatch; its output stays a plain tensor, read as replicated (`_PlanInterpreter.runs_local`).
+  An element-wise op of one tensor laid out sharded, its output likewise, runs on the device's
+  shard (`_PlanInterpreter.runs_on_shards`), as DTensor would run it without communicating.
 
 The backward pass is autograd over the same DTensor ops. Each redistribution's backward sends
 the gradient back to its source's layout, with partial made replicated (a backward all-reduce,
@@ -106,9 +108,24 @@ SPLIT_OPS = ("split", "split_with_sizes", "chunk", "unsafe_split", "tensor_split
 def _target(x: DTensor, spec: Spec) -> tuple[Placement, ...]:
     """The placements `spec` asks of `x`; a partial already there stays as it is (a plan's "P"
     is any pending reduction: DTensor's masked partial of a vocab-parallel embedding included)."""
-    want = to_placements(spec, x.ndim)
-    return tuple(have if w.is_partial() and have.is_partial() else w
-                 for have, w in zip(x.placements, want))
+    want = _placements_of(spec, x.ndim)
+    have = x.placements
+    if have == want:
+        return want
+    return tuple(h if w.is_partial() and h.is_partial() else w for h, w in zip(have, want))
+
+
+def _placements_of(spec: Spec, ndim: int) -> tuple[Placement, ...]:
+    """`to_placements(spec, ndim)`, remembered: a few distinct specs per program, asked at every
+    read of every op (the executor's hot path), each a parse of the spec's strings otherwise."""
+    key = (tuple(spec), ndim)
+    out = _PLACEMENTS.get(key)
+    if out is None:
+        out = _PLACEMENTS[key] = to_placements(spec, ndim)
+    return out
+
+
+_PLACEMENTS: dict[tuple, tuple[Placement, ...]] = {}
 
 
 def _span_boundary(span: Sequence[torch.fx.Node]) -> tuple[list[torch.fx.Node], list[torch.fx.Node]]:
@@ -126,6 +143,8 @@ def _span_boundary(span: Sequence[torch.fx.Node]) -> tuple[list[torch.fx.Node], 
 def _grad_target(src: Sequence[Placement], keep_partial: Sequence[int]) -> tuple[Placement, ...]:
     """Where the gradient of a tensor laid out `src` goes back to: its layout, partial made
     replicated, except along `keep_partial` (a junction's axes), where it stays partial."""
+    if not keep_partial and not any(p.is_partial() for p in src):
+        return tuple(src)
     return tuple(Partial() if a in keep_partial else Replicate() if p.is_partial() else p
                  for a, p in enumerate(src))
 
@@ -385,13 +404,16 @@ class _Regather:
     def track(self, gathered: DTensor, shard: DTensor, dst: tuple) -> None:
         self.state.track(gathered, shard, dst)
 
-    def saving(self, values: Sequence[Any]) -> Any:
-        """The saved-tensor hooks when one of `values` (an op's inputs) lives in a gathered
-        parameter's storage, else a null context. Never inside a recomputed region: there
-        torch's checkpoint holds what the ops save with hooks of its own, which ours, pushed
-        on top, would displace (the region gathers its parameters again when it is re-run)."""
+    def saving(self, args: Sequence[Any], kwargs: Optional[dict] = None) -> Any:
+        """The saved-tensor hooks when one of an op's inputs (`args`, `kwargs`) lives in a
+        gathered parameter's storage, else a null context (the inputs looked at only when some
+        parameter is gathered now). Never inside a recomputed region: there torch's checkpoint
+        holds what the ops save with hooks of its own, which ours, pushed on top, would displace
+        (the region gathers its parameters again when it is re-run)."""
         live = self.state.live
-        if live and not self.paused and any(_storage(v) in live for v in values if isinstance(v, torch.Tensor)):
+        if live and not self.paused and any(
+                _storage(v) in live for v in _flat_nodes([args, list((kwargs or {}).values())])
+                if isinstance(v, torch.Tensor)):
             return torch.autograd.graph.saved_tensors_hooks(self.state.pack, self.state.unpack)
         return contextlib.nullcontext()
 
@@ -537,6 +559,9 @@ class ShardedProgram(nn.Module):
                     move_not_cast(n)
         self.mutates = _mutates(self.gm)
         self.local_ops: dict[torch.fx.Node, bool] = {}     # `_PlanInterpreter.runs_local`, per node
+        self.device_args: dict[torch.fx.Node, bool] = {}   # `_names_device`, per node
+        self.shard_ops: dict[torch.fx.Node, bool] = {}     # `_PlanInterpreter.runs_on_shards`, per node
+        self._op_names: dict[torch.fx.Node, str] = {}      # `op_name`, per node
         # modules whose ops run as one call each (`run_units`: ZeRO-3's FSDP units; `replace_modules`:
         # expert blocks, which may lie inside a unit): first node -> [(module, its run)], outer
         # first; node -> the modules whose runs hold it, outer first
@@ -545,6 +570,13 @@ class ShardedProgram(nn.Module):
         self.unit_calls: dict[str, Any] = {}
         self.replaced: set[str] = set()       # units whose call replaces their ops (`replace_modules`)
         self._distribute_parameters()
+
+    def op_name(self, n: torch.fx.Node) -> str:
+        """`_op_name(n)`, remembered (a string made of the op's name at every run otherwise)."""
+        name = self._op_names.get(n)
+        if name is None:
+            name = self._op_names[n] = _op_name(n)
+        return name
 
     # -- setup ---------------------------------------------------------------------------
     def _check_names(self) -> None:
@@ -907,9 +939,10 @@ class _PlanInterpreter(torch.fx.Interpreter):
         args, kwargs = super().fetch_args_kwargs_from_env(n)
         return self.on_device(args), self.on_device(kwargs)
 
-    def on_device(self, v: Any) -> Any:
-        """Devices of a program traced on meta made the real one."""
-        if self.prog.run_device is None:
+    def on_device(self, v: Any, n: Optional[torch.fx.Node] = None) -> Any:
+        """Devices of a program traced on meta made the real one (`n`: the node whose arguments
+        `v` are, when it names no device: `v` as it is)."""
+        if self.prog.run_device is None or (n is not None and not _names_device(n, self.prog.device_args)):
             return v
         real, traced = self.prog.run_device, self.prog.traced_device
         return torch.fx.node.map_aggregate(v, lambda x: real if _traced_for(x, traced) else x)
@@ -1040,10 +1073,12 @@ class _PlanInterpreter(torch.fx.Interpreter):
 
     def _run_one(self, n: torch.fx.Node) -> Any:
         self.node_name = self.name_of(n)
-        if n.op == "call_function" and "_assert" in str(n.target):
+        if n.op == "call_function" and "_assert" in self.prog.op_name(n):
             return None                     # metadata assertions: nothing to run
-        choice = self.sol.op_choices.get(self.name_of(n)) if n.op == "call_function" else None
+        choice = self.sol.op_choices.get(self.node_name) if n.op == "call_function" else None
         if choice is not None:
+            if not _preserving_meta():
+                return self._run_planned(n, choice)     # `_set_current_node` would set nothing
             with self._set_current_node(n):
                 return self._run_planned(n, choice)
         if n.op == "call_function" and _subgraph_index(n, self.module) is not None:
@@ -1078,31 +1113,40 @@ class _PlanInterpreter(torch.fx.Interpreter):
         """Op `n` with its inputs in the layouts `choice` reads them in."""
         specs = choice.input_placements
         local = self.runs_local(n, choice)
-        feed_one = self._feed_local if local else self._feed
-        if n.target is operator.getitem and isinstance(self.env[n.args[0]], (tuple, list)):
+        if local:
+            feed_one = self._feed_local
+        elif self.runs_on_shards(n, choice):
+            return self._run_on_shards(n, self._feed_own_grad(self.env[n.args[0]], self.name_of(n.args[0]), 0,
+                                                              choice.input_placements[0]))
+        elif choice.family == "attention" and not query_head_axes(choice.strategy):
+            feed_one = self._feed_own_grad     # `_local_attention` sets its inputs' gradients' layout
+        else:
+            feed_one = self._feed
+        env = self.env
+        if n.target is operator.getitem and isinstance(env[n.args[0]], (tuple, list)):
             src, idx = n.args[0], n.args[1]
-            return feed_one(self.env[src][idx], self.name_of(src), idx, specs[0])
+            return feed_one(env[src][idx], self.name_of(src), idx, specs[0])
         k = 0
 
         def feed(a: Any) -> Any:
             nonlocal k
             if not isinstance(a, torch.fx.Node):
                 return a
-            v = self.env[a]
+            v = env[a]
             if isinstance(v, torch.Tensor) and k < len(specs):
                 v = feed_one(v, self.name_of(a), 0, specs[k])
                 k += 1
             return v
 
-        args = self.on_device(torch.fx.node.map_aggregate(n.args, feed))
-        kwargs = self.on_device(torch.fx.node.map_aggregate(n.kwargs, feed))
+        args = self.on_device(torch.fx.node.map_aggregate(n.args, feed), n)
+        kwargs = self.on_device(torch.fx.node.map_aggregate(n.kwargs, feed), n) if n.kwargs else {}
         written = _written_inputs(n, args)
         if written:
             # an op writing in place to a tensor that needs a gradient: what it reads may be the
             # view `_Reshard` returns, which autograd forbids mutating; it writes to a copy, and
             # the tensor's later readers read the result (in eager the write is visible to them)
             args = tuple(a.clone() if i in written else a for i, a in enumerate(args))
-        with self.regather.saving(_flat_nodes([args, list(kwargs.values())])):
+        with self.regather.saving(args, kwargs):
             out = _run_target(n, args, kwargs) if local else self._run_op(n, choice, args, kwargs)
         if choice.family == "loss" and self.prog.context is not None:
             out = self.prog.context.loss(n.target, args, kwargs, out)     # the cp group's mean
@@ -1125,6 +1169,42 @@ class _PlanInterpreter(torch.fx.Interpreter):
                 and all(_replicated(s) for s in [*choice.input_placements, *choice.output_placements])
         return local
 
+    def runs_on_shards(self, n: torch.fx.Node, choice: OpChoice) -> bool:
+        """Whether op `n` runs on each device's shard as DTensor would run it, without DTensor's
+        dispatch (`_run_on_shards`): an element-wise op (torch's `pointwise` tag) of one tensor,
+        its first argument, the other arguments numbers, that the plan lays out sharded (not
+        only replicated: `runs_local`), partial nowhere, its output as its input. The shards'
+        results are the result's shards, and each shard's gradient the gradient's shard:
+        DTensor communicates nothing for it either way (gpt-small's GELUs)."""
+        hit = self.prog.shard_ops.get(n)
+        if hit is None:
+            t = n.target
+            specs, outs = choice.input_placements, choice.output_placements
+            hit = self.prog.shard_ops[n] = (
+                isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
+                and not _random_or_mutating(n) and choice.family not in ("attention", "loss")
+                and len(specs) == 1 and len(outs) == 1 and tuple(map(str, specs[0])) == tuple(map(str, outs[0]))
+                and not _partial(specs[0]) and not _replicated(specs[0])
+                and len(n.args) >= 1 and isinstance(n.args[0], torch.fx.Node)
+                and all(isinstance(a, (int, float, bool, str)) for a in [*n.args[1:], *n.kwargs.values()])
+                and isinstance(n.args[0].meta.get("val"), torch.Tensor)
+                and isinstance(n.meta.get("val"), torch.Tensor)
+                and tuple(n.meta["val"].shape) == tuple(n.args[0].meta["val"].shape))
+        return hit
+
+    def _run_on_shards(self, n: torch.fx.Node, x: Any) -> Any:
+        """Op `n` (`runs_on_shards`) on this device's shard of `x`, its gradient coming back in
+        `x`'s layout; the result laid out as `x`."""
+        with self.regather.saving((x,)):
+            if not isinstance(x, DTensor):
+                return _run_target(n, (x, *n.args[1:]), dict(n.kwargs))
+            local = _ToLocal.apply(x, x.placements)
+            out = _run_target(n, (local, *n.args[1:]), dict(n.kwargs))
+        if out.stride() != local.stride():      # as DTensor would lay it out: from the shard's strides
+            return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False)
+        return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False, shape=x.shape,
+                                  stride=x.stride())
+
     def _feed_local(self, value: Any, producer: str, out_index: int, spec: Spec) -> Any:
         """`value` as a plain tensor for an op run on local tensors (`runs_local`; `spec` is
         replicated): as it is when it is one (what such an op made) and no junction asks
@@ -1136,13 +1216,26 @@ class _PlanInterpreter(torch.fx.Interpreter):
             j = self.sol.junctions.get(f"{producer}#{out_index}")
             if j is None or (_replicated(j[0]) and not j[1]):
                 return value
-        x = self._feed(value, producer, out_index, spec)
+        x = self._feed_own_grad(value, producer, out_index, spec)
         return _ToLocal.apply(x, x.placements)
+
+    def _feed_own_grad(self, value: Any, producer: str, out_index: int, spec: Spec) -> Any:
+        """`_feed` for an op run on local tensors that it reads through `_ToLocal` with their
+        gradients laid out as its inputs (`_grad_target` of their layout: an op run locally, or
+        attention, `_local_attention`): a DTensor already in the layout asked, partial nowhere,
+        read without a junction, is read as it is, since its `_Reshard` would redistribute
+        nothing forward and, its gradient arriving in its own layout, nothing backward (121 of
+        gpt-small tp-2's 130 reads per step are such no-ops, 42 of them of this kind)."""
+        if isinstance(value, DTensor) and value.placements == _placements_of(spec, value.ndim) \
+                and not any(p.is_partial() for p in value.placements) \
+                and f"{producer}#{out_index}" not in self.sol.junctions:
+            return value
+        return self._feed(value, producer, out_index, spec)
 
     def _run_op(self, n: torch.fx.Node, choice: OpChoice, args: Any, kwargs: Any) -> Any:
         """Run op `n` on inputs laid out as planned: DTensor runs it, except where its default
         would communicate differently from the plan (see the module docstring)."""
-        op, specs, outs = _op_name(n), choice.input_placements, choice.output_placements
+        op, specs, outs = self.prog.op_name(n), choice.input_placements, choice.output_placements
         if op in SPLIT_OPS and self._splits_sharded_dim(n, args[0]):
             return self._local_split(n, args[0])
         if len(specs) == 1 and _partial(specs[0]) and _unsharded(specs[0]) and all(map(_unsharded, outs)):
@@ -1341,6 +1434,34 @@ def _int_on_cpu(x: Any) -> bool:
 
 def _replicated(spec: Spec) -> bool:
     return all(str(p) == "R" for p in spec)
+
+
+def _preserving_meta() -> bool:
+    """Whether fx keeps node metadata for ops run now (`fx.traceback.preserve_node_meta`), the
+    only case where the Interpreter's `_set_current_node` sets anything."""
+    return torch.fx.traceback.should_preserve_node_meta
+
+
+def _names_device(n: torch.fx.Node, memo: dict) -> bool:
+    """Whether op `n`'s arguments may hold a device (a constant, or what an argument node
+    computes that is no tensor or number), remembered per node in `memo`."""
+    hit = memo.get(n)
+    if hit is None:
+        def maybe(a: Any) -> bool:
+            if isinstance(a, torch.fx.Node):
+                return not isinstance(a.meta.get("val"), (torch.Tensor, torch.SymInt, torch.SymFloat, int, float,
+                                                          bool))
+            return isinstance(a, torch.device)
+        hit = memo[n] = any(maybe(a) for a in _flat_args(n.args) + _flat_args(list(n.kwargs.values())))
+    return hit
+
+
+def _flat_args(v: Any) -> list[Any]:
+    if isinstance(v, (tuple, list)):
+        return [y for x in v for y in _flat_args(x)]
+    if isinstance(v, dict):
+        return [y for x in v.values() for y in _flat_args(x)]
+    return [v]
 
 
 def _random_or_mutating(n: torch.fx.Node) -> bool:
