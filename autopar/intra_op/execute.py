@@ -1619,7 +1619,7 @@ def fitting_program(model: nn.Module, example_inputs: Any, solution: ShardingSol
     of all of it (anything with `op_choices`, every chunk's in pipeline order), which the
     program is matched against; an op of the program it has no choice for runs unplanned, which
     is logged."""
-    from autopar.intra_op.program_match import match_names, unplanned_ops
+    from autopar.intra_op.program_match import match_names, pass_through, unplanned_ops
 
     full = solution if whole is None else whole
     program, names = meta_program(model, example_inputs, loss_fn=loss_fn, param_dtype=param_dtype, device=device)
@@ -1629,9 +1629,15 @@ def fitting_program(model: nn.Module, example_inputs: Any, solution: ShardingSol
             log.warning("the program %s traces for %s does not fit the plan's solution (%s): running the "
                         "one traced on the meta device, as the planner captured it", type(model).__name__,
                         program.autopar_traced_device, ", ".join(bad[:3]))
+            traced = program.autopar_traced_device
             program, names = meta_program(model, example_inputs, loss_fn=loss_fn, param_dtype=param_dtype,
                                           device=device, trace=False)
+            # said where the rank reports (verify's notes); the meta program is shared by every
+            # rank of this model and device in the process, which match alike
+            program.autopar_trace_fallback = (f"its program traced for {traced} does not fit the plan's "
+                                              f"solution ({', '.join(bad[:3])})")
         else:
+            pass_through(program, solution, full)
             extra = unplanned_ops(program, full)
             if extra:
                 log.warning("%s traces for %s into ops the planner's capture on the meta device lacks (%s): "

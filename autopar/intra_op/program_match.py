@@ -18,9 +18,12 @@ a solution op that the device program lacks must be a view or a `contiguous`/`al
 change the device does not need; its readers read its input, laid out as the solution lays out
 its output, since those keep their input's placement), and the ops both have must agree in
 kind, family and number of tensor inputs. Anything else is returned as a mismatch, and the
-caller runs the meta program. An op only the device's program has (a branch the device takes)
-runs unplanned, by DTensor's propagation; `unplanned_ops` names them for the caller to say so
-(one holding a name the solution gives another op is renamed `<kind>_device_<n>`).
+caller runs the meta program. An op only the device's program has that computes nothing (a
+copy its kernels' layouts need) passes its input on as its maker's choice leaves it
+(`pass_through`: the solution's collectives stay the ones that run); any other (a branch the
+device takes) runs unplanned, by DTensor's propagation, and `unplanned_ops` names them for the
+caller to say so (one holding a name the solution gives another op is renamed
+`<kind>_device_<n>`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["match_names", "unplanned_ops", "computes_nothing", "IDENTITY_WHERE_CONTIGUOUS"]
+__all__ = ["match_names", "pass_through", "unplanned_ops", "computes_nothing", "IDENTITY_WHERE_CONTIGUOUS"]
 
 # ops that compute nothing where their input is already laid out as they return it (and views,
 # which never compute): the ones a device's trace may leave out that the meta device's keeps
@@ -52,6 +55,42 @@ def _kind(name: str) -> str:
     prefix, _, last = name.rpartition("__")
     kind = _NUMBERED.sub("", last)
     return f"{_NUMBERED.sub('', prefix)}__{kind}" if prefix else kind
+
+
+def pass_through(program: Any, solution: Any, full: Any = None) -> list[str]:
+    """Plan the device program's ops the solution has no choice for that compute nothing (a
+    `contiguous`, `alias` or view the device's trace makes and the capture's did not: Hugging
+    Face attention's `reshape(...).contiguous()` for CUDA) as passing their one tensor input on
+    in the layout its maker's choice leaves it: a choice added to `solution` (and to `full`, the
+    whole program's, where `solution` is part of it), so that their readers read what the
+    solution expects and the executor runs no redistribution that no solution counted. Returns
+    the names so planned."""
+    from autopar.intra_op import rules
+    from autopar.intra_op.execute import _no_choice_needed, _op_name, _program_calls, _tensor_args
+    from autopar.intra_op.solution import OpChoice
+
+    full = solution if full is None else full
+    calls = _program_calls(program.graph_module)
+    name_of = {n: k for k, n in calls.items()}
+    planned = []
+    for name, n in calls.items():
+        if _no_choice_needed(n) or name in full.op_choices:
+            continue
+        rule = rules.rule_for(_op_name(n))
+        family = rule.family if rule else ""
+        args = _tensor_args(n)
+        if not computes_nothing(_op_name(n), family) or len(args) != 1:
+            continue
+        maker = full.op_choices.get(name_of.get(args[0], ""))
+        if maker is None or not maker.output_placements:
+            continue
+        pl = tuple(maker.output_placements[0])
+        choice = OpChoice("pass-through", [pl], 0.0, 0.0, [pl], family)
+        full.op_choices[name] = choice
+        if solution is not full:
+            solution.op_choices[name] = choice
+        planned.append(name)
+    return planned
 
 
 def unplanned_ops(program: Any, solution: Any) -> list[str]:
