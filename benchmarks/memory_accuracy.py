@@ -96,6 +96,16 @@ def _specs() -> list[dict]:
         add(g, 4, 32, dtype, dp=1, tp=2, pp=2, schedule="1f1b", num_microbatches=4, recompute="none",
             sequence_parallel=True)
         add(GPT6, 4, 32, dtype, dp=1, tp=1, pp=4, schedule="1f1b", num_microbatches=4, recompute="none")
+        # context parallelism (each sequence over the cp ranks, keys and values exchanged in
+        # attention): alone, with full recomputation, with dp and ZeRO-1, with tp (op by op as
+        # solved) and in a pipeline
+        add(g, 2, 32, dtype, dp=1, tp=1, pp=1, cp=2, recompute="none")
+        add(g, 2, 32, dtype, dp=1, tp=1, pp=1, cp=2, recompute="full")
+        add(g, 4, 32, dtype, dp=2, tp=1, pp=1, cp=2, zero_stage=1, recompute="none")
+        add(g, 4, 32, dtype, dp=1, tp=2, pp=1, cp=2, recompute="none")
+        add(g, 4, 32, dtype, dp=1, tp=1, pp=2, cp=2, schedule="1f1b", num_microbatches=4, recompute="none")
+        # separate K and V projections (nothing keeps the rank's own K and V once gathered)
+        add("llama-tiny", 2, 32, dtype, dp=1, tp=1, pp=1, cp=2, recompute="none")
         # the MLP
         m = "mlp-tiny"
         add(m, 2, 256, dtype, dp=2, tp=1, pp=1, zero_stage=0)

@@ -565,3 +565,21 @@ def test_cp_x_tp_plans_carry_their_op_layouts_and_count_no_dry_run(monkeypatch):
         assert p.predicted.collectives["all_gather"] == 8 * again + solved["all_gather"]
         assert p.predicted.collectives["reduce_scatter"] == 8 + solved["reduce_scatter"]
     assert dry and all(skip == set(range(len(skip))) for skip in dry)      # every chunk solved: none dry-run
+
+
+def test_the_ranks_own_keys_and_values_stay_where_the_query_keeps_their_storage():
+    """Under cp the attention saves the gathered K and V; the rank's own K and V are freed unless
+    a saved tensor shares their storage: a fused qkv projection's output, of which the saved query
+    is a view (the zoo GPT), keeps them; separate projections (Llama, a GPT written with separate
+    q/k/v) do not (`kept_kv_bytes`; pinned against torch in tests/test_memory_harness.py `cp2`)."""
+    from autopar.capture import capture
+    from autopar.inter_op import context_parallel as cpm
+    from autopar.inter_op.layers import build_layers
+    from autopar.models import build_model
+
+    for ref, kept in (("gpt-tiny", True), ("llama-tiny", False), ("tests.user_models:separate_gpt", False)):
+        b = build_model(ref)
+        g = capture(b.model, b.example_inputs)
+        lay = next(lay for lay in build_layers(g) if cpm.attention_nodes(g, lay))
+        kv = cpm.kv_bytes(g, lay, 4, "bf16")
+        assert kv > 0 and cpm.kept_kv_bytes(g, lay, 4, "bf16") == (kv if kept else 0.0), ref

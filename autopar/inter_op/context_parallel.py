@@ -252,6 +252,31 @@ def kv_bytes(graph: OpGraph, layer: Layer, mb: int, dtype: str) -> float:
     return total
 
 
+def kept_kv_bytes(graph: OpGraph, layer: Layer, mb: int, dtype: str) -> float:
+    """Bytes (whole sequence, all heads) of the layer's attention K and V whose storage the
+    query's keeps alive: under cp the attention saves the gathered K and V, new tensors, and the
+    rank's own K and V are freed unless they are views of a tensor something else saves, as a
+    fused qkv projection's output is (the query, a view of it, is saved by the attention). Then
+    the rank's share of them stays beside the gathered copies."""
+    from cost_models.memory import tensor_bases
+
+    nodes = [graph.node(x) for x in layer.nodes]
+    by_name = {n.name: n for n in nodes}
+    for n in nodes:
+        for i in n.inputs:
+            if i not in by_name:
+                by_name[i] = graph.node(i)
+    base = tensor_bases(nodes, by_name)
+    total = 0.0
+    for n in attention_nodes(graph, layer):
+        q = base.get(n.inputs[0], n.inputs[0])
+        for name in n.inputs[1:3]:
+            if base.get(name, name) == q:
+                o = graph.node(name).outputs[0]
+                total += float_bytes(o.at(mb) if graph.batch_size is None else o, dtype)
+    return total
+
+
 def is_causal(node) -> bool:
     """Whether a captured fused attention op is causal (its `is_causal`)."""
     return bool(node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False))
@@ -294,14 +319,16 @@ def token_mean_losses(graph: OpGraph, layer: Layer) -> int:
 
 
 def layer_cost(cost: LayerCost, cp: int, kv: float, tp: int, cluster: ClusterSpec,
-               causal: tuple[float, float] = (0.0, 0.0), losses: int = 0) -> LayerCost:
+               causal: tuple[float, float] = (0.0, 0.0), losses: int = 0, kept: float = 0.0) -> LayerCost:
     """`cost` (one layer, one micro-batch, one tp degree, per device) on one of cp ranks: its
     token-proportional terms over cp, plus the attention's K/V exchange over the cp axis (ranks
     tp apart) and the gathered K/V it holds. `kv`: the layer's attention K and V bytes at the
     micro-batch, whole (`kv_bytes`), of which a rank holds 1/tp (the heads split); `causal`:
     its causal attention ops' (`causal_bytes`), run as two calls (the module docstring);
     `losses`: its token-mean losses (`token_mean_losses`), each one all-reduce of a count over
-    the cp axis. Its counted collectives stay the tp axis's; the plan adds the exchange's and
+    the cp axis; `kept`: its K and V bytes (whole) whose storage the query's keeps alive
+    (`kept_kv_bytes`): the rank's share of them stays beside the gathered ones it saves. Its
+    counted collectives stay the tp axis's; the plan adds the exchange's and
     the counts' (`collectives`)."""
     def scale(v):
         if isinstance(v, dict):
@@ -312,7 +339,7 @@ def layer_cost(cost: LayerCost, cp: int, kv: float, tp: int, cluster: ClusterSpe
 
     out = replace(cost, **{f: scale(getattr(cost, f)) for f in _SCALED})
     if cost.solved is not None:
-        out.solved = layer_cost(cost.solved, cp, kv, tp, cluster, causal, losses)
+        out.solved = layer_cost(cost.solved, cp, kv, tp, cluster, causal, losses, kept)
     link = axis_link(cluster, cp, stride=tp)
     out.fwd_comm_s += losses * coll_time("all_reduce", 8.0, cp, link)
     if kv <= 0:
@@ -336,7 +363,7 @@ def layer_cost(cost: LayerCost, cp: int, kv: float, tp: int, cluster: ClusterSpe
     for r in list(out.act_bytes):
         if r in _CORE_SAVED:
             # the concatenated output the output projection saves, beside the calls' own
-            out.act_bytes[r] = out.act_bytes[r] + extra + cout
+            out.act_bytes[r] = out.act_bytes[r] + extra + cout + kept / tp / cp
         else:
             out.rc_extra_s[r] = out.rc_extra_s.get(r, 0.0) + gather + copy_fwd
             out.rc_comm_s[r] = out.rc_comm_s.get(r, 0.0) + gather

@@ -2124,6 +2124,15 @@ class Search:
             self._tables_cache[key] = tb
         return self._tables_cache[key]
 
+    def _cp_cost(self, c: LayerCost, lay: Layer, mb: int, tp: int, cp: int) -> LayerCost:
+        """`c` on one of cp ranks (`context_parallel.layer_cost`, with the layer's K/V bytes, its
+        causal calls' copies, its token-mean losses and the K/V its query's storage keeps)."""
+        g, dt = self.graph, self.dtype
+        return context_parallel.layer_cost(c, cp, context_parallel.kv_bytes(g, lay, mb, dt), tp, self.cluster,
+                                           context_parallel.causal_bytes(g, lay, mb, dt),
+                                           context_parallel.token_mean_losses(g, lay),
+                                           kept=context_parallel.kept_kv_bytes(g, lay, mb, dt))
+
     def _layer_costs(self, mb: int, tp: int, solved: bool = False, sp: bool = False, ep: int = 1,
                      cp: int = 1, dtensor: bool = False) -> list[LayerCost]:
         """The layers' costs at (mb, tp); `solved`: as the executor runs them
@@ -2149,22 +2158,14 @@ class Search:
                     if ep > 1:
                         costs = self.experts.layer_costs(costs, ep, mb, tp, self.cluster, self.dtype)
                     if cp > 1:
-                        costs = [context_parallel.layer_cost(
-                            c, cp, context_parallel.kv_bytes(self.graph, lay, mb, self.dtype), tp, self.cluster,
-                            context_parallel.causal_bytes(self.graph, lay, mb, self.dtype),
-                            context_parallel.token_mean_losses(self.graph, lay))
-                            for c, lay in zip(costs, self.layers)]
+                        costs = [self._cp_cost(c, lay, mb, tp, cp) for c, lay in zip(costs, self.layers)]
                     self._costs_cache[key] = costs
             return self._costs_cache[key]
         if cp > 1:
             key = (mb, tp, solved, sp, ep, cp)
             if key not in self._costs_cache:
-                self._costs_cache[key] = [
-                    context_parallel.layer_cost(c, cp, context_parallel.kv_bytes(self.graph, lay, mb, self.dtype),
-                                                tp, self.cluster,
-                                                context_parallel.causal_bytes(self.graph, lay, mb, self.dtype),
-                                                context_parallel.token_mean_losses(self.graph, lay))
-                    for c, lay in zip(self._layer_costs(mb, tp, solved, sp, ep), self.layers)]
+                self._costs_cache[key] = [self._cp_cost(c, lay, mb, tp, cp)
+                                          for c, lay in zip(self._layer_costs(mb, tp, solved, sp, ep), self.layers)]
             return self._costs_cache[key]
         if ep > 1:
             key = (mb, tp, solved, sp, ep)
