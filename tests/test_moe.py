@@ -119,6 +119,10 @@ def launched(tmp_path_factory) -> dict:
             _MIXTRAL, _cpu(4), global_batch_size=4, dtype="fp32", intra_op="analytic",
             constraints=Constraints(dp=2, tp=1, pp=2, ep=1, zero_stage=0, recompute="none",
                                     num_microbatches=2, schedule="1f1b")))
+        plans["mixtral_ep2_pp2_dp2"] = _memo(("mixtral_ep2_pp2_dp2",), lambda: plan(
+            _MIXTRAL, _cpu(4), global_batch_size=4, dtype="fp32", intra_op="analytic",
+            constraints=Constraints(dp=2, tp=1, pp=2, ep=2, zero_stage=0, recompute="none",
+                                    num_microbatches=2, schedule="1f1b")))
         plans["mixtral_ep2_cp2_zero1"] = _memo(("mixtral_ep2_cp2_zero1",), lambda: plan(
             _MIXTRAL, _cpu(4), global_batch_size=4, dtype="fp32", intra_op="analytic",
             constraints=Constraints(dp=2, cp=2, tp=1, pp=1, ep=2, zero_stage=1, recompute="none",
@@ -376,14 +380,25 @@ def test_hf_mixtral_in_traced_pipeline_chunks_trains_like_one_process(launched):
     taken on meta, holds its experts' integer `histc` (their branch for devices other than the
     CPU), which CPU has no kernel for: the chunk counts the integers as floats
     (`graph_stages.retarget`, `execute.histc_any_dtype`). The one-process losses, the plan's
-    collectives after the first step (torch.pipelining's shape handshake)."""
+    collectives after the first step (torch.pipelining's shape handshake).
+
+    With expert parallelism (ep 2 x pp 2 x dp 2), each chunk's experts module, traced with the
+    one-process pair count, expert count and token count baked into its ops, runs as the
+    model's own code behind the token exchange on the rank's data-dependent rows of its local
+    experts (`runtime.experts.eager_experts`): the same losses, the plan's collectives (the
+    2 x 5 all-to-alls per micro-batch, 2 micro-batches) on every step."""
     pytest.importorskip("transformers")
-    p, steps = launched["mixtral_pp2_dp2"]
     one = plan(_MIXTRAL, _cpu(1), global_batch_size=4, dtype="fp32",
                constraints=Constraints(num_microbatches=2, recompute="none"))
     want = reference_losses(one, _MIXTRAL, 2)
+    p, steps = launched["mixtral_pp2_dp2"]
     assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
     assert all(r["collectives"] == p.predicted.collectives for r in steps[1:])
+    p, steps = launched["mixtral_ep2_pp2_dp2"]
+    assert p.ep == 2 and p.pp == 2 and "ep_executor" not in p.search
+    assert p.predicted.collectives["all_to_all"] == 20
+    assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
+    assert all(r["collectives"] == p.predicted.collectives for r in steps)
 
 
 def test_qwen_moe_preset_is_the_published_checkpoint():
