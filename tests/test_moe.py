@@ -127,6 +127,8 @@ def launched(tmp_path_factory) -> dict:
             _MIXTRAL, _cpu(4), global_batch_size=4, dtype="fp32", intra_op="analytic",
             constraints=Constraints(dp=2, cp=2, tp=1, pp=1, ep=2, zero_stage=1, recompute="none",
                                     num_microbatches=1)))
+        # test_hf_mixtral_bf16_program_runs_the_bf16_grouped_gemm_as_solved
+        plans["mixtral_tp2_bf16"] = _mixtral_bf16(1)
         # test_hf_qwen_moe_ep2_tp2_op_by_op_trains_like_one_process
         plans["qwen_ep2_tp2"] = _memo(("qwen_ep2_tp2",), lambda: plan(
             _QWEN, _cpu(4), global_batch_size=8, dtype="fp32",
@@ -327,6 +329,53 @@ def test_hf_qwen_moe_ep2_tp2_op_by_op_trains_like_one_process(launched):
     assert all(s.op_layouts is not None for s in p.stages) and "ep_executor" not in p.search
     assert "tp_executor" not in p.search
     _assert_one_process_losses_and_plan_collectives(_QWEN, p, steps)
+
+
+def _mixtral_bf16(ep: int) -> Plan:
+    """Tiny HF Mixtral in bf16 at ep x dp 2 x tp 2 on 4 CPU processes, solved op by op (made once)."""
+    return _memo(("mixtral_bf16", ep), lambda: plan(
+        _MIXTRAL, _cpu(4), global_batch_size=8, dtype="bf16",
+        constraints=Constraints(dp=2, tp=2, pp=1, ep=ep, zero_stage=0, recompute="none", num_microbatches=1)))
+
+
+def test_hf_mixtral_bf16_program_fits_the_fp32_capture_and_verifies():
+    """Hugging Face's experts pick their grouped GEMM by dtype: `transformers::grouped_mm_fallback`
+    on the fp32 weights the planner captures, `aten._grouped_mm` on the bf16 ones the runtime's
+    program is traced with. The program's grouped GEMMs take the solution's names
+    (`intra_op.grouped_names`), so it runs the bf16 kernel as solved where it once failed
+    "the solution's ops do not match"; `autopar verify` of the bf16 tp 2 plan steps every
+    rank with the plan's collectives (the dp 2 x tp 2 plan the launched job trains)."""
+    pytest.importorskip("transformers")
+    import torch
+
+    import autopar
+    from autopar.intra_op.execute import _mismatch, _program_calls, fitting_program
+
+    p = _mixtral_bf16(1)
+    sol = p.stages[0].op_layouts.solution((2,))
+    assert {"grouped_mm_fallback", "grouped_mm_fallback_3"} <= set(sol.op_choices)
+    b = build_model(_MIXTRAL, batch_size=2)
+    prog, _ = fitting_program(b.model, b.example_inputs, sol, param_dtype=torch.bfloat16, device=torch.device("cpu"))
+    assert _mismatch(prog, sol) == []
+    calls = _program_calls(prog.graph_module)
+    assert [str(calls[f"grouped_mm_fallback{s}"].target) for s in ("", "_1", "_2", "_3")] == \
+        ["aten._grouped_mm.default"] * 4
+    report = autopar.verify(p, _MIXTRAL)
+    assert report.ok and report.collectives_match is True, report.failures
+
+
+@pytest.mark.slow
+def test_hf_mixtral_bf16_program_runs_the_bf16_grouped_gemm_as_solved(launched):
+    """The bf16 tp 2 x dp 2 plan of tiny HF Mixtral trains on 4 gloo processes, its experts'
+    `aten._grouped_mm` run under the fp32 capture's names: the one-process bf16 losses within
+    1e-4, the plan's collectives."""
+    pytest.importorskip("transformers")
+    p, steps = launched["mixtral_tp2_bf16"]
+    assert p.stages[0].op_layouts is not None
+    one = plan(_MIXTRAL, _cpu(1), global_batch_size=8, dtype="bf16",
+               constraints=Constraints(num_microbatches=1, recompute="none"))
+    assert [r["loss"] for r in steps] == pytest.approx(reference_losses(one, _MIXTRAL, 2), rel=1e-4)
+    assert all(r["collectives"] == p.predicted.collectives for r in steps)
 
 
 def _assert_one_process_losses_and_plan_collectives(ref: str, p: Plan, steps: list) -> None:

@@ -1492,7 +1492,11 @@ def fitting_program(model: nn.Module, example_inputs: Any, solution: ShardingSol
     """`meta_program` traced for `device`, or traced on meta where the device's program does not
     fit `solution` (`_mismatch`: the model traces into other ops there than on the meta device
     the planner's capture ran on, so the solution names ops the device's program lacks)."""
+    from autopar.intra_op.grouped_names import grouped_gemms_named_as_solved
+
     program, names = meta_program(model, example_inputs, loss_fn=loss_fn, param_dtype=param_dtype, device=device)
+    # a grouped GEMM of another spelling in the run's dtype (`grouped_names`) takes the solution's name
+    grouped_gemms_named_as_solved(program, solution, _program_calls(program.graph_module))
     if getattr(program, "autopar_traced_device", None) is not None:
         bad = _mismatch(program, solution)
         if bad:
@@ -1500,6 +1504,7 @@ def fitting_program(model: nn.Module, example_inputs: Any, solution: ShardingSol
                      "traced on meta", type(model).__name__, device, ", ".join(bad[:3]))
             program, names = meta_program(model, example_inputs, loss_fn=loss_fn, param_dtype=param_dtype,
                                           device=device, trace=False)
+            grouped_gemms_named_as_solved(program, solution, _program_calls(program.graph_module))
     return program, names
 
 

@@ -21,7 +21,9 @@ The backward runs the two row exchanges reversed (`_AllToAll`), so per block and
 gradients are averaged over the dp / ep ranks holding the same experts (`ExpertGroups.sync`),
 the dense ones over dp as before. In a pipeline, each stage's dp ranks form its own ep groups
 and the module is replaced in the traced chunk (torch's unflattened program keeps a module per
-FQN; `argument_roles` reads the order its inputs come in); a rank holding several interleaved
+FQN; `argument_roles` reads the order its inputs come in), the model's own experts module
+running behind the exchange in place of the traced one, whose ops hold the one-process row
+counts (`eager_experts`); a rank holding several interleaved
 chunks replaces the experts of each, all exchanging over its stage's groups (every chunk of a
 rank has the same device set, and the ranks of a device set run the same chunk and micro-batch
 order, so their all-to-alls pair up). Checkpoints and `full_state` see each stacked weight whole
