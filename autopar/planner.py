@@ -480,7 +480,7 @@ def _cp_executor(c: Candidate) -> str:
     `inter_op.context_parallel.unexecuted_parts`); only a pinned cp is planned so."""
     from autopar.inter_op.context_parallel import unexecuted_parts
 
-    why = unexecuted_parts(c.pp, c.ep, c.tp) if c.cp > 1 else []
+    why = unexecuted_parts(c.ep, c.tp) if c.cp > 1 else []
     return f"planned, not yet executed by `autopar run` with {', '.join(why)}" if why else ""
 
 
