@@ -413,11 +413,20 @@ def test_hf_mixtral_under_context_parallelism_trains_like_one_process(launched):
     p = launched["mixtral_ep2_cp2_zero1"][0]
     assert p.ep == 2 and p.predicted.collectives["all_to_all"] == 10
     assert p.predicted.collectives["reduce_scatter"] == 4 + 2 and p.predicted.collectives["all_gather"] == 4 + 2
-    # not yet executed: ep x cp with tp (in pipeline stages: `test_hf_mixtral_ep_cp_pp_trains_like_one_process`)
+    # not yet executed (in pipeline stages and op by op: `test_hf_mixtral_ep_cp_with_pp_or_tp_trains_like_one_process`):
+    # ep x cp x tp on DTensor's path, marked in the plan and refused naming it, and in pipeline stages
+    from autopar.runtime.experts import check_executable
+
     q = plan(_MIXTRAL, _cpu(8), global_batch_size=4, dtype="fp32", intra_op="analytic",
              constraints=Constraints(ep=2, dp=2, cp=2, tp=2, pp=1, zero_stage=0, recompute="none",
+                                     num_microbatches=1))
+    assert "tensor and context parallelism on DTensor's path" in q.search["ep_executor"]
+    with pytest.raises(PlanError, match=r"context parallelism on DTensor's path .*re-plan with the intra-op ILP"):
+        check_executable(q)
+    q = plan(_MIXTRAL, _cpu(16), global_batch_size=4, dtype="fp32", intra_op="analytic",
+             constraints=Constraints(ep=2, dp=2, cp=2, tp=2, pp=2, zero_stage=0, recompute="none",
                                      num_microbatches=2))
-    assert "expert parallelism with tensor parallelism" in q.search["cp_executor"]
+    assert "expert parallelism with tensor parallelism in pipeline stages" in q.search["cp_executor"]
     with pytest.raises(PlanError, match=r"scatter \(scatter in layers\.0\.mlp\) mixes tokens along the sequence"):
         _plan(1, dp=2, cp=2)
 
@@ -450,26 +459,34 @@ def test_hf_mixtral_in_traced_pipeline_chunks_trains_like_one_process(launched):
 
 
 @pytest.mark.slow
-def test_hf_mixtral_ep_cp_pp_trains_like_one_process(tmp_path):
-    """Expert and context parallelism in pipeline stages: HF Mixtral at ep 2 x dp 2 x cp 2 x pp 2
-    (8 gloo processes; ep must divide dp, so no smaller layout has all three). Each stage's ep
-    groups are consecutive ranks of its dp x cp ones, and each chunk, traced at a rank's tokens,
-    runs its experts as the model's code behind the exchange (`runtime.experts.eager_experts`):
-    the one-process losses within 1e-4, the plan's collectives on every step."""
+def test_hf_mixtral_ep_cp_with_pp_or_tp_trains_like_one_process(tmp_path):
+    """Expert and context parallelism in pipeline stages and with tensor parallelism: HF Mixtral
+    at ep 2 x dp 2 x cp 2 x pp 2 and, op by op as the ILP solved it, at ep 2 x dp 2 x cp 2 x tp 2
+    (one 8-process gloo job; ep must divide dp, so no smaller layout has ep, cp and pp or tp).
+    Each stage's ep groups are consecutive ranks of its dp x cp ones (per tp coordinate with
+    tp). In the pipeline each chunk, traced at a rank's tokens, runs its experts as the model's
+    code behind the exchange (`runtime.experts.eager_experts`); with tp the expert blocks' ops
+    run as the exchange (`program_calls`) beside the cp attention (`ProgramContext`). The
+    one-process losses within 1e-4, the plan's collectives on every step."""
     pytest.importorskip("transformers")
     from tests.launch import run_plans
 
-    p = plan(_MIXTRAL, _cpu(8), global_batch_size=4, dtype="fp32", intra_op="analytic",
-             constraints=Constraints(ep=2, dp=2, cp=2, tp=1, pp=2, zero_stage=0, recompute="none",
-                                     num_microbatches=2, schedule="1f1b"))
-    assert p.ep == p.cp == p.pp == 2 and "cp_executor" not in p.search and "ep_executor" not in p.search
-    rows = run_plans(tmp_path, {"ep_cp_pp": p}, 8, steps=2)["ep_cp_pp"]
-    assert isinstance(rows, list), rows
-    steps = [r for r in rows if "step" in r]
-    one = plan(_MIXTRAL, _cpu(1), global_batch_size=4, dtype="fp32",
-               constraints=Constraints(num_microbatches=2, recompute="none"))
-    assert [r["loss"] for r in steps] == pytest.approx(reference_losses(one, _MIXTRAL, 2), rel=1e-4)
-    assert all(r["collectives"] == p.predicted.collectives for r in steps), [r["collectives"] for r in steps]
+    common = dict(ep=2, dp=2, cp=2, zero_stage=0, recompute="none")
+    plans = {"pp": plan(_MIXTRAL, _cpu(8), global_batch_size=4, dtype="fp32", intra_op="analytic",
+                        constraints=Constraints(tp=1, pp=2, num_microbatches=2, schedule="1f1b", **common)),
+             "tp": plan(_MIXTRAL, _cpu(8), global_batch_size=4, dtype="fp32",
+                        constraints=Constraints(tp=2, pp=1, num_microbatches=1, **common))}
+    assert plans["tp"].stages[0].op_layouts is not None
+    rows = run_plans(tmp_path, plans, 8, steps=2)
+    for name, p in plans.items():
+        assert p.ep == p.cp == 2 and "cp_executor" not in p.search and "ep_executor" not in p.search, p.search
+        assert isinstance(rows[name], list), rows[name]
+        steps = [r for r in rows[name] if "step" in r]
+        one = plan(_MIXTRAL, _cpu(1), global_batch_size=4, dtype="fp32",
+                   constraints=Constraints(num_microbatches=p.num_microbatches, recompute="none"))
+        assert [r["loss"] for r in steps] == pytest.approx(reference_losses(one, _MIXTRAL, 2), rel=1e-4), name
+        assert all(r["collectives"] == p.predicted.collectives for r in steps), \
+            (name, [r["collectives"] for r in steps], p.predicted.collectives)
 
 
 def test_qwen_moe_preset_is_the_published_checkpoint():

@@ -73,14 +73,18 @@ def check_executable(plan: Plan) -> None:
                              tp and plan.zero_stage == 3 and not solved),
                             ("tensor parallelism in pipeline stages on DTensor's path (no solved op layouts)",
                              tp and not solved and len({tuple(s.devices) for s in plan.stages}) > 1),
-                            ("stage meshes other than (dp, tp)",
+                            ("context parallelism on DTensor's path (no solved op layouts)",
+                             tp and plan.cp > 1 and not solved),
+                            ("context parallelism in pipeline stages",
+                             tp and plan.cp > 1 and len({tuple(s.devices) for s in plan.stages}) > 1),
+                            ("stage meshes other than (dp, tp) or (dp, cp, tp)",
                              tp and any(tuple(n for n, k in zip(s.mesh_axis_names, s.mesh_shape) if k > 1)
-                                        != ("dp", "tp") for s in plan.stages))) if bad]
+                                        not in (("dp", "tp"), ("dp", "cp", "tp")) for s in plan.stages))) if bad]
     if why:
         raise PlanError(f"expert parallelism (ep={plan.experts.ep}) with tensor parallelism (tp={plan.tp}) is "
-                        f"executed op by op as solved (on DTensor's path in one stage without ZeRO-3), experts "
-                        f"replicated over tp; the plan has {', '.join(why)}: re-plan with the intra-op ILP, "
-                        f"Constraints(tp=1), or ep=1")
+                        f"executed op by op as solved (with cp in one stage), or on DTensor's path in one "
+                        f"stage without ZeRO-3 or cp, experts replicated over tp; the plan has {', '.join(why)}: "
+                        f"re-plan with the intra-op ILP, Constraints(tp=1), or ep=1")
 
 
 class _AllToAll(torch.autograd.Function):
