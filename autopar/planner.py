@@ -461,18 +461,20 @@ def _expert_plan(experts: ExpertCosting, c: Candidate, dtype: str) -> ExpertPara
 def _ep_executor(c: Candidate, solved: bool) -> str:
     """Why `autopar run` does not execute a candidate's expert parallelism ("" where it does:
     `runtime.experts.check_executable`'s conditions, which the plan schema cannot import):
-    with tp and without cp, its stages run op by op as solved (each expert block's ops as the
-    rank's token exchange, `runtime.experts.program_calls`, nested in its layer's FSDP unit
-    under ZeRO-3; in pipeline chunks too) or, in one stage without ZeRO-3, by DTensor
+    with tp, its stages run op by op as solved (each expert block's ops as the rank's token
+    exchange, `runtime.experts.program_calls`, nested in its layer's FSDP unit under ZeRO-3; in
+    pipeline chunks too, without cp) or, in one stage without ZeRO-3 or cp, by DTensor
     propagation (`solved`: whether the plan carries the stages' op layouts), the experts
     replicated over tp either way."""
     if c.tp == 1:
         return ""
     why = [w for w, bad in (("tensor parallelism and ZeRO-3 on DTensor's path", c.zero == 3 and not solved),
                             ("tensor parallelism in pipeline stages on DTensor's path", c.pp > 1 and not solved),
-                            ("tensor and context parallelism", c.cp > 1)) if bad]
+                            ("tensor and context parallelism on DTensor's path", c.cp > 1 and not solved),
+                            ("tensor and context parallelism in pipeline stages", c.cp > 1 and c.pp > 1)) if bad]
     return (f"planned, not yet executed by `autopar run` with {', '.join(why)} (it runs expert parallelism with "
-            f"tensor parallelism op by op as solved, or in one stage without ZeRO-3)") if why else ""
+            f"tensor parallelism op by op as solved, with cp in one stage, or in one stage without ZeRO-3 "
+            f"or cp)") if why else ""
 
 
 def _cp_executor(c: Candidate) -> str:
@@ -480,7 +482,7 @@ def _cp_executor(c: Candidate) -> str:
     `inter_op.context_parallel.unexecuted_parts`); only a pinned cp is planned so."""
     from autopar.inter_op.context_parallel import unexecuted_parts
 
-    why = unexecuted_parts(c.pp, c.ep, c.tp) if c.cp > 1 else []
+    why = unexecuted_parts(c.ep, c.tp, c.pp) if c.cp > 1 else []
     return f"planned, not yet executed by `autopar run` with {', '.join(why)}" if why else ""
 
 

@@ -119,10 +119,16 @@ def launched(tmp_path_factory) -> dict:
             _MIXTRAL, _cpu(4), global_batch_size=4, dtype="fp32", intra_op="analytic",
             constraints=Constraints(dp=2, tp=1, pp=2, ep=1, zero_stage=0, recompute="none",
                                     num_microbatches=2, schedule="1f1b")))
+        plans["mixtral_ep2_pp2_dp2"] = _memo(("mixtral_ep2_pp2_dp2",), lambda: plan(
+            _MIXTRAL, _cpu(4), global_batch_size=4, dtype="fp32", intra_op="analytic",
+            constraints=Constraints(dp=2, tp=1, pp=2, ep=2, zero_stage=0, recompute="none",
+                                    num_microbatches=2, schedule="1f1b")))
         plans["mixtral_ep2_cp2_zero1"] = _memo(("mixtral_ep2_cp2_zero1",), lambda: plan(
             _MIXTRAL, _cpu(4), global_batch_size=4, dtype="fp32", intra_op="analytic",
             constraints=Constraints(dp=2, cp=2, tp=1, pp=1, ep=2, zero_stage=1, recompute="none",
                                     num_microbatches=1)))
+        # test_hf_mixtral_bf16_program_runs_the_bf16_grouped_gemm_as_solved
+        plans["mixtral_tp2_bf16"] = _mixtral_bf16(1)
         # test_hf_qwen_moe_ep2_tp2_op_by_op_trains_like_one_process
         plans["qwen_ep2_tp2"] = _memo(("qwen_ep2_tp2",), lambda: plan(
             _QWEN, _cpu(4), global_batch_size=8, dtype="fp32",
@@ -325,6 +331,53 @@ def test_hf_qwen_moe_ep2_tp2_op_by_op_trains_like_one_process(launched):
     _assert_one_process_losses_and_plan_collectives(_QWEN, p, steps)
 
 
+def _mixtral_bf16(ep: int) -> Plan:
+    """Tiny HF Mixtral in bf16 at ep x dp 2 x tp 2 on 4 CPU processes, solved op by op (made once)."""
+    return _memo(("mixtral_bf16", ep), lambda: plan(
+        _MIXTRAL, _cpu(4), global_batch_size=8, dtype="bf16",
+        constraints=Constraints(dp=2, tp=2, pp=1, ep=ep, zero_stage=0, recompute="none", num_microbatches=1)))
+
+
+def test_hf_mixtral_bf16_program_fits_the_fp32_capture_and_verifies():
+    """Hugging Face's experts pick their grouped GEMM by dtype: `transformers::grouped_mm_fallback`
+    on the fp32 weights the planner captures, `aten._grouped_mm` on the bf16 ones the runtime's
+    program is traced with. The program's grouped GEMMs take the solution's names
+    (`intra_op.grouped_names`), so it runs the bf16 kernel as solved where it once failed
+    "the solution's ops do not match"; `autopar verify` of the bf16 tp 2 plan steps every
+    rank with the plan's collectives (the dp 2 x tp 2 plan the launched job trains)."""
+    pytest.importorskip("transformers")
+    import torch
+
+    import autopar
+    from autopar.intra_op.execute import _mismatch, _program_calls, fitting_program
+
+    p = _mixtral_bf16(1)
+    sol = p.stages[0].op_layouts.solution((2,))
+    assert {"grouped_mm_fallback", "grouped_mm_fallback_3"} <= set(sol.op_choices)
+    b = build_model(_MIXTRAL, batch_size=2)
+    prog, _ = fitting_program(b.model, b.example_inputs, sol, param_dtype=torch.bfloat16, device=torch.device("cpu"))
+    assert _mismatch(prog, sol) == []
+    calls = _program_calls(prog.graph_module)
+    assert [str(calls[f"grouped_mm_fallback{s}"].target) for s in ("", "_1", "_2", "_3")] == \
+        ["aten._grouped_mm.default"] * 4
+    report = autopar.verify(p, _MIXTRAL)
+    assert report.ok and report.collectives_match is True, report.failures
+
+
+@pytest.mark.slow
+def test_hf_mixtral_bf16_program_runs_the_bf16_grouped_gemm_as_solved(launched):
+    """The bf16 tp 2 x dp 2 plan of tiny HF Mixtral trains on 4 gloo processes, its experts'
+    `aten._grouped_mm` run under the fp32 capture's names: the one-process bf16 losses within
+    1e-4, the plan's collectives."""
+    pytest.importorskip("transformers")
+    p, steps = launched["mixtral_tp2_bf16"]
+    assert p.stages[0].op_layouts is not None
+    one = plan(_MIXTRAL, _cpu(1), global_batch_size=8, dtype="bf16",
+               constraints=Constraints(num_microbatches=1, recompute="none"))
+    assert [r["loss"] for r in steps] == pytest.approx(reference_losses(one, _MIXTRAL, 2), rel=1e-4)
+    assert all(r["collectives"] == p.predicted.collectives for r in steps)
+
+
 def _assert_one_process_losses_and_plan_collectives(ref: str, p: Plan, steps: list) -> None:
     """`steps` (2 steps of `p`, global batch 8) have the losses of `ref` on one process (one
     micro-batch) within 1e-4 and each counted the plan's collectives."""
@@ -360,12 +413,20 @@ def test_hf_mixtral_under_context_parallelism_trains_like_one_process(launched):
     p = launched["mixtral_ep2_cp2_zero1"][0]
     assert p.ep == 2 and p.predicted.collectives["all_to_all"] == 10
     assert p.predicted.collectives["reduce_scatter"] == 4 + 2 and p.predicted.collectives["all_gather"] == 4 + 2
-    # not yet executed: ep x cp with tp or in pipeline stages
-    for pins in (dict(dp=2, cp=2, tp=2), dict(dp=2, cp=2, pp=2)):
-        q = plan(_MIXTRAL, _cpu(8), global_batch_size=4, dtype="fp32", intra_op="analytic",
-                 constraints=Constraints(ep=2, zero_stage=0, recompute="none", num_microbatches=2,
-                                         **{"tp": 1, "pp": 1, **pins}))
-        assert "expert parallelism" in q.search["cp_executor"], pins
+    # not yet executed (in pipeline stages and op by op: `test_hf_mixtral_ep_cp_with_pp_or_tp_trains_like_one_process`):
+    # ep x cp x tp on DTensor's path, marked in the plan and refused naming it, and in pipeline stages
+    from autopar.runtime.experts import check_executable
+
+    q = plan(_MIXTRAL, _cpu(8), global_batch_size=4, dtype="fp32", intra_op="analytic",
+             constraints=Constraints(ep=2, dp=2, cp=2, tp=2, pp=1, zero_stage=0, recompute="none",
+                                     num_microbatches=1))
+    assert "tensor and context parallelism on DTensor's path" in q.search["ep_executor"]
+    with pytest.raises(PlanError, match=r"context parallelism on DTensor's path .*re-plan with the intra-op ILP"):
+        check_executable(q)
+    q = plan(_MIXTRAL, _cpu(16), global_batch_size=4, dtype="fp32", intra_op="analytic",
+             constraints=Constraints(ep=2, dp=2, cp=2, tp=2, pp=2, zero_stage=0, recompute="none",
+                                     num_microbatches=2))
+    assert "expert parallelism with tensor parallelism in pipeline stages" in q.search["cp_executor"]
     with pytest.raises(PlanError, match=r"scatter \(scatter in layers\.0\.mlp\) mixes tokens along the sequence"):
         _plan(1, dp=2, cp=2)
 
@@ -376,14 +437,56 @@ def test_hf_mixtral_in_traced_pipeline_chunks_trains_like_one_process(launched):
     taken on meta, holds its experts' integer `histc` (their branch for devices other than the
     CPU), which CPU has no kernel for: the chunk counts the integers as floats
     (`graph_stages.retarget`, `execute.histc_any_dtype`). The one-process losses, the plan's
-    collectives after the first step (torch.pipelining's shape handshake)."""
+    collectives after the first step (torch.pipelining's shape handshake).
+
+    With expert parallelism (ep 2 x pp 2 x dp 2), each chunk's experts module, traced with the
+    one-process pair count, expert count and token count baked into its ops, runs as the
+    model's own code behind the token exchange on the rank's data-dependent rows of its local
+    experts (`runtime.experts.eager_experts`): the same losses, the plan's collectives (the
+    2 x 5 all-to-alls per micro-batch, 2 micro-batches) on every step."""
     pytest.importorskip("transformers")
-    p, steps = launched["mixtral_pp2_dp2"]
     one = plan(_MIXTRAL, _cpu(1), global_batch_size=4, dtype="fp32",
                constraints=Constraints(num_microbatches=2, recompute="none"))
     want = reference_losses(one, _MIXTRAL, 2)
+    p, steps = launched["mixtral_pp2_dp2"]
     assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
     assert all(r["collectives"] == p.predicted.collectives for r in steps[1:])
+    p, steps = launched["mixtral_ep2_pp2_dp2"]
+    assert p.ep == 2 and p.pp == 2 and "ep_executor" not in p.search
+    assert p.predicted.collectives["all_to_all"] == 20
+    assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
+    assert all(r["collectives"] == p.predicted.collectives for r in steps)
+
+
+@pytest.mark.slow
+def test_hf_mixtral_ep_cp_with_pp_or_tp_trains_like_one_process(tmp_path):
+    """Expert and context parallelism in pipeline stages and with tensor parallelism: HF Mixtral
+    at ep 2 x dp 2 x cp 2 x pp 2 and, op by op as the ILP solved it, at ep 2 x dp 2 x cp 2 x tp 2
+    (one 8-process gloo job; ep must divide dp, so no smaller layout has ep, cp and pp or tp).
+    Each stage's ep groups are consecutive ranks of its dp x cp ones (per tp coordinate with
+    tp). In the pipeline each chunk, traced at a rank's tokens, runs its experts as the model's
+    code behind the exchange (`runtime.experts.eager_experts`); with tp the expert blocks' ops
+    run as the exchange (`program_calls`) beside the cp attention (`ProgramContext`). The
+    one-process losses within 1e-4, the plan's collectives on every step."""
+    pytest.importorskip("transformers")
+    from tests.launch import run_plans
+
+    common = dict(ep=2, dp=2, cp=2, zero_stage=0, recompute="none")
+    plans = {"pp": plan(_MIXTRAL, _cpu(8), global_batch_size=4, dtype="fp32", intra_op="analytic",
+                        constraints=Constraints(tp=1, pp=2, num_microbatches=2, schedule="1f1b", **common)),
+             "tp": plan(_MIXTRAL, _cpu(8), global_batch_size=4, dtype="fp32",
+                        constraints=Constraints(tp=2, pp=1, num_microbatches=1, **common))}
+    assert plans["tp"].stages[0].op_layouts is not None
+    rows = run_plans(tmp_path, plans, 8, steps=2)
+    for name, p in plans.items():
+        assert p.ep == p.cp == 2 and "cp_executor" not in p.search and "ep_executor" not in p.search, p.search
+        assert isinstance(rows[name], list), rows[name]
+        steps = [r for r in rows[name] if "step" in r]
+        one = plan(_MIXTRAL, _cpu(1), global_batch_size=4, dtype="fp32",
+                   constraints=Constraints(num_microbatches=p.num_microbatches, recompute="none"))
+        assert [r["loss"] for r in steps] == pytest.approx(reference_losses(one, _MIXTRAL, 2), rel=1e-4), name
+        assert all(r["collectives"] == p.predicted.collectives for r in steps), \
+            (name, [r["collectives"] for r in steps], p.predicted.collectives)
 
 
 def test_qwen_moe_preset_is_the_published_checkpoint():

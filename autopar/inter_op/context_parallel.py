@@ -413,7 +413,7 @@ def _check_fields() -> None:
 _check_fields()
 
 
-def unexecuted_parts(pp: int, ep: int, tp: int = 1) -> list[str]:
+def unexecuted_parts(ep: int, tp: int = 1, pp: int = 1) -> list[str]:
     """What of a context-parallel layout `autopar run` (`runtime.context_parallel`) does not
     execute with it (empty where it runs; here, not there, so that the planner asks without
     importing the runtime and torch's attention modules): it runs it on one stage (tensor
@@ -421,9 +421,11 @@ def unexecuted_parts(pp: int, ep: int, tp: int = 1) -> list[str]:
     propagation for plans without op layouts; any ZeRO stage over dp x cp, any recomputation) and in
     pipeline stages (the traced chunks, `graph_stages`,
     their positions read when they run: with dp and with tp, under every recomputation policy),
-    and with expert parallelism in one stage without tp (the ep groups are consecutive ranks of
-    the stage's dp x cp ranks, `runtime.experts.expert_meshes`; not yet with tp or in pipeline
-    stages). (pp2 x cp2 x tp2 was refused while it hung: the stage meshes flattened a size-1 dp
+    and with expert parallelism (the ep groups are consecutive ranks of the stage's dp x cp
+    ranks, `runtime.experts.expert_meshes`): without tp in one stage or in pipeline stages (a
+    traced chunk's experts run as the model's code, `runtime.experts.eager_experts`), with tp
+    in one stage, op by op as solved (`runtime.experts.check_executable` refuses DTensor's
+    path, `planner._ep_executor` marks it); not yet with tp in pipeline stages.
+    (pp2 x cp2 x tp2 was refused while it hung: the stage meshes flattened a size-1 dp
     axis with cp on the stage's own ranks only, `runtime.meshes.StageMesh.flattens`.)"""
-    return [w for w, bad in (("expert parallelism with tensor parallelism", ep > 1 and tp > 1),
-                             ("expert parallelism in pipeline stages", ep > 1 and pp > 1)) if bad]
+    return ["expert parallelism with tensor parallelism in pipeline stages"] if ep > 1 and tp > 1 and pp > 1 else []

@@ -64,7 +64,7 @@ What is approximated, and why (to keep a 1000-GPU search within seconds on two c
   sequence, a stage is dp x cp x tp devices, its layers costed on one cp rank, its gradient
   sync and ZeRO shards over dp x cp (the tables' dp). Tried from `LONG_SEQUENCE` tokens on, or
   where nothing fits without it (`context_degrees`: the search of a shorter model is the one
-  before); a cp layout the runtime does not execute (pipeline stages with tp > 1, or expert parallelism) is
+  before); a cp layout the runtime does not execute (expert and tensor parallelism in pipeline stages) is
   left out unless cp is pinned (`_executable`).
 """
 
@@ -1491,7 +1491,7 @@ class Search:
             return True
         from autopar.inter_op.context_parallel import unexecuted_parts
 
-        why = unexecuted_parts(pp, ep, tp)
+        why = unexecuted_parts(ep, tp, pp)
         if why:
             self.skipped[f"cp={cp} dp={dp} tp={tp} pp={pp}"] = (
                 f"context parallelism with {', '.join(why)} is not executed by the runtime (pin cp to plan it)")

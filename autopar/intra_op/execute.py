@@ -1619,10 +1619,13 @@ def fitting_program(model: nn.Module, example_inputs: Any, solution: ShardingSol
     of all of it (anything with `op_choices`, every chunk's in pipeline order), which the
     program is matched against; an op of the program it has no choice for runs unplanned, which
     is logged."""
+    from autopar.intra_op.grouped_names import grouped_gemms_named_as_solved
     from autopar.intra_op.program_match import match_names, pass_through, unplanned_ops
 
     full = solution if whole is None else whole
     program, names = meta_program(model, example_inputs, loss_fn=loss_fn, param_dtype=param_dtype, device=device)
+    # a grouped GEMM of another spelling in the run's dtype (`grouped_names`) takes the solution's name
+    grouped_gemms_named_as_solved(program, full, _program_calls(program.graph_module))
     if getattr(program, "autopar_traced_device", None) is not None:
         bad = _mismatch(program, full) and (match_names(program, full) or _mismatch(program, full))
         if bad:
@@ -1636,6 +1639,7 @@ def fitting_program(model: nn.Module, example_inputs: Any, solution: ShardingSol
             # rank of this model and device in the process, which match alike
             program.autopar_trace_fallback = (f"its program traced for {traced} does not fit the plan's "
                                               f"solution ({', '.join(bad[:3])})")
+            grouped_gemms_named_as_solved(program, full, _program_calls(program.graph_module))
         else:
             pass_through(program, solution, full)
             extra = unplanned_ops(program, full)

@@ -406,9 +406,9 @@ def unexecuted(plan: Any) -> str:
     where the plan has none: `unexecuted_parts`)."""
     if plan.cp <= 1:
         return ""
-    why = unexecuted_parts(plan.pp, plan.ep, plan.tp)
-    return (f"context parallelism (cp={plan.cp}) is executed with expert parallelism only in one stage "
-            f"without tensor parallelism in this version; the plan has {', '.join(why)}") if why else ""
+    why = unexecuted_parts(plan.ep, plan.tp, plan.pp)
+    return (f"context parallelism (cp={plan.cp}) is executed with expert and tensor parallelism only in "
+            f"one stage in this version; the plan has {', '.join(why)}") if why else ""
 
 
 def check_executable(plan: Any) -> None:

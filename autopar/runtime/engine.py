@@ -246,16 +246,18 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         self.pipe_stages = []
         self.schedule = None
 
-    def _shard_experts(self, module: nn.Module, only: Optional[Callable[[str], bool]] = None) -> None:
+    def _shard_experts(self, module: nn.Module, only: Optional[Callable[[str], bool]] = None,
+                       template: Optional[nn.Module] = None) -> None:
         """Expert parallelism (`runtime.experts`) on `module` (the model, or a pipeline chunk of
         this rank's stage): its experts modules replaced, their slices added to `expert_groups`
-        (`only`: the blocks that are this rank's, `shard_experts`). The meshes of every stage
+        (`only`: the blocks that are this rank's; `template`: the model on meta, whose experts
+        modules run in a traced chunk's place, `shard_experts`). The meshes of every stage
         are built on the first call (collective)."""
         with unset_fake_temporarily():   # the meshes hold rank ids (as `_build_meshes`)
             if not hasattr(self, "_expert_meshes"):
                 self._expert_meshes = expert_meshes(self.plan, self.device_type)
             mesh = self._expert_meshes[tuple(self.my_stages[0].devices)]
-            self.expert_groups = shard_experts(module, self.plan, mesh, self.expert_groups, only)
+            self.expert_groups = shard_experts(module, self.plan, mesh, self.expert_groups, only, template)
 
     def _build_solved(self, s: StagePlan) -> None:
         """The stage run op by op as the plan solved it (`StagePlan.op_layouts`): the model's

@@ -21,7 +21,9 @@ The backward runs the two row exchanges reversed (`_AllToAll`), so per block and
 gradients are averaged over the dp / ep ranks holding the same experts (`ExpertGroups.sync`),
 the dense ones over dp as before. In a pipeline, each stage's dp ranks form its own ep groups
 and the module is replaced in the traced chunk (torch's unflattened program keeps a module per
-FQN; `argument_roles` reads the order its inputs come in); a rank holding several interleaved
+FQN; `argument_roles` reads the order its inputs come in), the model's own experts module
+running behind the exchange in place of the traced one, whose ops hold the one-process row
+counts (`eager_experts`); a rank holding several interleaved
 chunks replaces the experts of each, all exchanging over its stage's groups (every chunk of a
 rank has the same device set, and the ranks of a device set run the same chunk and micro-batch
 order, so their all-to-alls pair up). Checkpoints and `full_state` see each stacked weight whole
@@ -42,6 +44,7 @@ pipeline chunks even at ep 1), ZeRO-3 only as solved (`check_executable`).
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -49,7 +52,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -70,14 +73,18 @@ def check_executable(plan: Plan) -> None:
                              tp and plan.zero_stage == 3 and not solved),
                             ("tensor parallelism in pipeline stages on DTensor's path (no solved op layouts)",
                              tp and not solved and len({tuple(s.devices) for s in plan.stages}) > 1),
-                            ("stage meshes other than (dp, tp)",
+                            ("context parallelism on DTensor's path (no solved op layouts)",
+                             tp and plan.cp > 1 and not solved),
+                            ("context parallelism in pipeline stages",
+                             tp and plan.cp > 1 and len({tuple(s.devices) for s in plan.stages}) > 1),
+                            ("stage meshes other than (dp, tp) or (dp, cp, tp)",
                              tp and any(tuple(n for n, k in zip(s.mesh_axis_names, s.mesh_shape) if k > 1)
-                                        != ("dp", "tp") for s in plan.stages))) if bad]
+                                        not in (("dp", "tp"), ("dp", "cp", "tp")) for s in plan.stages))) if bad]
     if why:
         raise PlanError(f"expert parallelism (ep={plan.experts.ep}) with tensor parallelism (tp={plan.tp}) is "
-                        f"executed op by op as solved (on DTensor's path in one stage without ZeRO-3), experts "
-                        f"replicated over tp; the plan has {', '.join(why)}: re-plan with the intra-op ILP, "
-                        f"Constraints(tp=1), or ep=1")
+                        f"executed op by op as solved (with cp in one stage), or on DTensor's path in one "
+                        f"stage without ZeRO-3 or cp, experts replicated over tp; the plan has {', '.join(why)}: "
+                        f"re-plan with the intra-op ILP, Constraints(tp=1), or ep=1")
 
 
 class _AllToAll(torch.autograd.Function):
@@ -105,11 +112,14 @@ class ExpertParallelExperts(nn.Module):
     it replaces: (hidden (T, H), top_k_index (T, k), top_k_weights (T, k)) -> (T, H)."""
 
     def __init__(self, inner: nn.Module, num_experts: int, group: dist.ProcessGroup, ep: int,
-                 roles: tuple[str, ...] = ROLES) -> None:
-        """`roles`: the order `inner` takes (and its caller passes) hidden, index and weights
-        (`argument_roles`: a traced pipeline chunk's module may take them in another order)."""
+                 roles: tuple[str, ...] = ROLES, inner_roles: Optional[tuple[str, ...]] = None) -> None:
+        """`roles`: the order the caller passes hidden, index and weights in (`argument_roles`:
+        a traced pipeline chunk calls its module with them in another order); `inner_roles`:
+        the order `inner` takes them in (default `roles`; the interface's own for the eager
+        module that replaces a traced one, `eager_experts`)."""
         super().__init__()
         self.roles = roles
+        self.inner_roles = roles if inner_roles is None else inner_roles
         # the inner module's parameters and children registered here under their own names,
         # so the model's parameter names stay those of the plan and the one-process model
         self._inner = (inner,)
@@ -171,7 +181,7 @@ class ExpertParallelExperts(nn.Module):
             # the parameters held here, as they are now: FSDP (ZeRO-3, `ExpertGroups.fully_shard`)
             # swaps this module's for its gathered ones around each forward and backward
             inner._parameters[name] = self._parameters[name]
-        y = inner(*(call[r] for r in self.roles))
+        y = inner(*(call[r] for r in self.inner_roles))
         back = torch.empty_like(order)
         back[order] = torch.arange(order.shape[0], device=order.device)
         out_rows = _AllToAll.apply(y[back], send_split, recv_split, self.group)
@@ -393,14 +403,47 @@ def expert_meshes(plan: Plan, device_type: str) -> dict[tuple[int, ...], DeviceM
     return out
 
 
+def eager_experts(traced: nn.Module, template: nn.Module, fqn: str) -> nn.Module:
+    """The model's own experts module at `fqn` of `template` (the model on meta), holding the
+    parameters and buffers of `traced`, a traced pipeline chunk's module of it, in their place.
+
+    A chunk is traced once, on meta, at the micro-batch's shapes: its experts module has the
+    pair count, the expert count and the token count of the one-process run baked into its ops
+    (Hugging Face's grouped-GEMM path: `arange(pairs)`, `histc(bins=E)`, a view to (T, k, H)).
+    Behind the token exchange it runs on a data-dependent number of rows of the rank's local
+    experts, which only the model's code, run eagerly, does."""
+    with unset_fake_temporarily():       # a meta module's copy, under verify's fake mode too
+        eager = copy.deepcopy(template.get_submodule(fqn))
+    for kind in ("parameters", "buffers"):
+        mine = dict(getattr(eager, f"named_{kind}")(remove_duplicate=False))
+        got = dict(getattr(traced, f"named_{kind}")(remove_duplicate=False))
+        if kind == "parameters" and set(mine) != set(got):
+            raise PlanError(f"the traced pipeline chunk's experts module {fqn} holds parameters "
+                            f"{sorted(got)}, the model's {sorted(mine)}: cannot run it eagerly")
+        for name, t in got.items():
+            if name not in mine:
+                continue
+            owner_name, _, leaf = name.rpartition(".")
+            owner = eager.get_submodule(owner_name) if owner_name else eager
+            if kind == "parameters":
+                owner._parameters[leaf] = t
+            else:
+                owner._buffers[leaf] = t
+    eager.train(traced.training)
+    return eager
+
+
 def shard_experts(model: nn.Module, plan: Plan, mesh: DeviceMesh, into: Optional[ExpertGroups] = None,
-                  only: Optional[Callable[[str], bool]] = None) -> ExpertGroups:
+                  only: Optional[Callable[[str], bool]] = None, template: Optional[nn.Module] = None
+                  ) -> ExpertGroups:
     """Replace each of the plan's experts modules that `model` (materialised: the whole model,
     or a pipeline chunk holding modules under their FQNs) has by an `ExpertParallelExperts`
     holding this rank's slice of its stacked weights, exchanging over `mesh` (this rank's
     stage's, `expert_meshes`); the parameters are added to `into` when given. `only`: which
     blocks (by module FQN) are this rank's (a solved pipeline's whole model holds every
-    stage's; default all)."""
+    stage's; default all). `template`: the model on meta, for a traced pipeline chunk: its
+    experts modules run as the model's own code (`eager_experts`), called in the chunk's
+    argument order."""
     ex = plan.experts
     ep_group = mesh.get_group("ep")
     edp_group = mesh.get_group("edp") if mesh.size(0) > 1 else None
@@ -419,6 +462,9 @@ def shard_experts(model: nn.Module, plan: Plan, mesh: DeviceMesh, into: Optional
         if inner is None:
             continue
         roles = argument_roles(inner, b.top_k)
+        inner_roles = None
+        if template is not None and isinstance(getattr(inner, "graph", None), torch.fx.Graph):
+            inner, inner_roles = eager_experts(inner, template, b.module), ROLES
         per = b.num_experts // ex.ep
         for w in b.weights:
             name = w[len(b.module) + 1:]
@@ -432,5 +478,5 @@ def shard_experts(model: nn.Module, plan: Plan, mesh: DeviceMesh, into: Optional
             names[w] = id(local)
         if isinstance(getattr(inner, "num_experts", None), int):
             inner.num_experts = per          # Hugging Face's experts read their count from it
-        setattr(parent, child, ExpertParallelExperts(inner, b.num_experts, ep_group, ex.ep, roles))
+        setattr(parent, child, ExpertParallelExperts(inner, b.num_experts, ep_group, ex.ep, roles, inner_roles))
     return into if into is not None else ExpertGroups(ex.ep, ep_rank, mesh, ep_group, edp_group, params, names)

@@ -201,8 +201,10 @@ class PipelineStages:
             if self.tp_size > 1:
                 distribute_params(core, self.my_mesh.tp_mesh, self._tp_placements(s),
                                   aliases=self.aliases, src_data_rank=None)
-            if self.plan.ep > 1:     # after tp: the expert slices are plain tensors (`runtime.experts`)
-                self._shard_experts(core)
+            if self.plan.ep > 1:
+                # after tp: the expert slices are plain tensors; each experts module runs as the
+                # model's own code, its traced one baked at the one-process shapes (`runtime.experts`)
+                self._shard_experts(core, template=self.model)
             mod: nn.Module = core
             if self.tp_size > 1:
                 # the last chunk computes the loss inside: vocabulary-parallel there
