@@ -94,7 +94,7 @@ from cost_models.communication import collective_time, measured_time
 from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, fusion_of, node_time
 from cost_models.fusion import FusedChains
 from cost_models.layouts import graph_layout_copies
-from cost_models.memory import graph_fp32_tensors
+from cost_models.memory import CUDA_FP32_OPS, graph_fp32_tensors
 
 FLOAT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 # bytes per device a parameter costs, relative to its weights' bytes: weights, gradients and
@@ -248,6 +248,9 @@ class IntraOpProblem:
         self.attention_kernel = attention_kernel      # the software's (`SoftwareSpec`)
         self.pointwise_fusion = pointwise_fusion      # the software's: element-wise chains fused or not
         self.autocast = autocast                      # the software's mixed precision (`SoftwareSpec.autocast`)
+        # ops whose backward reads an fp32 copy of a 2-byte input, not the input (`backward_reads`)
+        self.cast_reads = CUDA_FP32_OPS if (autocast and FLOAT_BYTES.get(dtype, 4) == 2 and mesh.device is not None
+                                            and mesh.device.device_type == "cuda") else frozenset()
         # the reshapes that copy on the mesh's device (`compute_time`, on first use)
         self.reshape_copies: Optional[tuple[frozenset, frozenset]] = None
         self.float_bytes = FLOAT_BYTES.get(dtype, 4)
@@ -899,13 +902,20 @@ class IntraOpProblem:
         return tuple(transition(shape, isz, src, mid, ms, ac)) + tuple(transition(shape, isz, mid, dst, ms, ac))
 
     def backward_reads(self, cons: str, k: int) -> bool:
-        """Whether the backward pass reads input `k` of problem node `cons` (`BACKWARD_SKIPS`);
-        for a junction, whether it does for any of the junction's consumers."""
+        """Whether the backward pass reads input `k` of problem node `cons` as it arrived
+        (`BACKWARD_SKIPS`); for a junction, whether it does for any of the junction's consumers.
+        An op of CUDA autocast's fp32 list in a 2-byte run (a layer norm) saves the fp32 copy
+        autocast makes of its input, not the input: a parameter gathered for it is not gathered
+        again for the backward (the executor re-gathers what lives in the gathered storage,
+        `execute._Regather`; HF GPT-2 tp2 on dgx-a100-80g, its 50 norm weights and biases stored
+        sharded over tp: 50 all-gathers a micro-batch fewer than the plan said, counted by
+        `autopar verify`)."""
         pn = self.pnodes.get(cons)
         if pn is None or pn.kind == "output":
             return False
         if pn.kind != "junction":
-            return pn.node is None or k not in BACKWARD_SKIPS.get(pn.node.op, ())
+            return pn.node is None or (k not in BACKWARD_SKIPS.get(pn.node.op, ())
+                                       and pn.node.op not in self.cast_reads)
         hit = self._reads_cache.get(cons)
         if hit is None:
             hit = self._reads_cache[cons] = any(self.backward_reads(self.rep.get(c, c), kk)
