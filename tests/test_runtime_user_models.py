@@ -15,6 +15,7 @@ torch.pipelining's warm-up)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import autopar
 from autopar.planner import plan
@@ -29,6 +30,7 @@ _TINY = "num_hidden_layers=4&num_attention_heads=4&seq_len=16&vocab_size=128"
 # (none) and the losses can be compared with one process
 HF_GPT2 = f"hf:gpt2?hidden_size=64&{_TINY}&resid_pdrop=0&embd_pdrop=0&attn_pdrop=0"
 HF_GPT2_DROPOUT = f"hf:gpt2?hidden_size=64&{_TINY}"     # its default dropout, 0.1
+FALCON = "tests.user_models:falcon"
 HF_LLAMA = f"hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2&{_TINY}"
 HF_LLAMA_KV4 = f"hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=4&{_TINY}"
 STEPS = 2    # the second step: collectives after the warm-up, on weights the first updated
@@ -93,6 +95,14 @@ LAYOUTS = {
     # cross the boundary in their solved layouts (the tables need no gradient)
     "gpt2_pp2xtp2_gpipe": (HF_GPT2, dict(dp=1, tp=2, pp=2, schedule="gpipe", num_microbatches=2)),
     "llama_pp2xtp2_gpipe": (HF_LLAMA, dict(dp=1, tp=2, pp=2, schedule="gpipe", num_microbatches=2)),
+    # Hugging Face Falcon wrapped by a user: its index lists (`fused_qkv[..., [-2], :]`) are
+    # tensor constants the forward makes, valueless in a trace on meta (`graph_stages.
+    # _lifted_values`) and copied by `lift_fresh_copy` in the device program (`program_match.
+    # pass_through`); its causal mask crosses the boundaries expanded over the batch, which
+    # gloo's send refuses (`graph_stages.contiguous_send`)
+    "falcon_pp2xdp2_gpipe": (FALCON, dict(dp=2, tp=1, pp=2, schedule="gpipe", num_microbatches=2)),
+    "falcon_pp2xtp2_1f1b": (FALCON, dict(dp=1, tp=2, pp=2, schedule="1f1b", num_microbatches=2)),
+    "falcon_dp2xtp2": (FALCON, dict(dp=2, tp=2, pp=1, zero_stage=1)),
 }
 
 
@@ -192,6 +202,49 @@ def test_tensors_made_before_the_first_layer_are_carried_through_every_chunk():
     got = {n: p.grad for m in outs for n, p in m.named_parameters()}
     for n, p in model.named_parameters():
         torch.testing.assert_close(got[n], p.grad, rtol=1e-6, atol=1e-7)
+
+
+class _PickLM(torch.nn.Module):
+    """Each layer reads the last two features of its input by an index list (a tensor constant
+    its forward makes, as Falcon's split of its fused qkv does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(128, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.out = torch.nn.Linear(8, 128)
+
+    def forward(self, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for layer in self.layers:
+            x = layer(x) + x[..., [-2, -1]].sum(-1, keepdim=True)
+        return torch.nn.functional.cross_entropy(self.out(x).flatten(0, 1), tgt.flatten())
+
+
+def test_a_chunk_reads_the_values_of_the_constants_the_forward_makes():
+    """Traced on the meta device, an index list the forward makes is a constant with no value,
+    which materialising would zero (the chunk reading feature 0 where the model reads -2: a
+    wrong loss, no error); the chunks get the values the program traced for the CPU holds."""
+    from autopar.runtime.graph_stages import FedChunk, split_model
+    from autopar.runtime.materialize import canonical_names, materialize
+
+    torch.manual_seed(0)
+    model = _PickLM()
+    with torch.device("meta"):
+        meta = _PickLM()
+    ex = tuple(torch.empty(2, 16, dtype=torch.long, device="meta") for _ in range(2))
+    chunks = split_model(meta, ex, ["layers.1"], torch.device("cpu"))
+    consts = [b for ch in chunks for n, b in ch.module.named_buffers() if "lifted_tensor" in n]
+    assert consts and all(not b.is_meta and b.tolist() == [-2, -1] for b in consts)
+    idx, tgt = torch.randint(0, 128, (2, 16)), torch.randint(0, 128, (2, 16))
+    state, aliases = model.state_dict(), canonical_names(model)
+    received: tuple = (idx,)
+    for ch in chunks:
+        materialize(ch.module, seed=0, aliases=aliases)
+        ch.module.load_state_dict({k: v for k, v in state.items() if k in ch.module.state_dict()}, strict=False)
+        y = FedChunk(ch.module, ch.sources, ch.sends).run(received, lambda k: (idx, tgt)[k])
+        received = y if isinstance(y, tuple) else (y,)
+    torch.testing.assert_close(received[0], model(idx, tgt), rtol=0, atol=0)
 
 
 def test_a_chunk_counted_without_its_own_dry_run_is_said_in_the_plan(monkeypatch):

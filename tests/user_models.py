@@ -269,3 +269,34 @@ def llama_repeat_kv():
         block.attn.__class__ = RepeatKVAttention
     return ModelBundle("tests.user_models:llama_repeat_kv", b.model, b.example_inputs, b.batch_fn,
                        "llama-tiny, K and V repeated before SDPA")
+
+
+class HFCausalLM(nn.Module):
+    """A Hugging Face causal LM wrapped as a user would: built from its config, called with
+    keyword arguments, the loss read off its output (its FQNs under `m.`)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        import transformers
+
+        self.m = transformers.AutoModelForCausalLM.from_config(config)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.m(input_ids=ids, labels=labels, use_cache=False).loss
+
+
+def falcon():
+    """Hugging Face's Falcon (not an `hf:` family of autopar's) at 4 layers, hidden 64:
+    multi-query attention whose fused qkv is split with `fused_qkv[..., [-2], :]` (an index list,
+    a tensor constant the forward makes), parallel attention and MLP, rotary positions, and the
+    causal mask expanded over the batch."""
+    import transformers
+
+    cfg = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                    max_position_embeddings=64, new_decoder_architecture=False, multi_query=True,
+                                    parallel_attn=True, alibi=False, hidden_dropout=0.0, attention_dropout=0.0)
+    cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = HFCausalLM(cfg)
+    x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    return model, (x, x.clone()), token_batch(VOCAB, SEQ)

@@ -60,7 +60,7 @@ from autopar.intra_op.execute import (
     to_placements,
 )
 from autopar.intra_op.solution import ShardingSolution
-from autopar.runtime.graph_stages import retarget
+from autopar.runtime.graph_stages import contiguous_send, retarget
 from autopar.schema.errors import PlanError
 
 __all__ = ["ProgramChunk", "parallelize_chunks"]
@@ -296,7 +296,7 @@ class ProgramChunk(nn.Module):
             x = received[self.recv.index(node)]
             return x.view_as(x) if isinstance(x, torch.Tensor) and x.requires_grad else x
         if not isinstance(v, DTensor):
-            return v
+            return contiguous_send(v)
         want = self.send_layouts.get(self._name(node))
         if want is not None and self.handover and all(w == "R" for w in want):
             # the gradient comes back whole: back to this chunk's layout by a slice
@@ -304,7 +304,7 @@ class ProgramChunk(nn.Module):
         if want is None or tuple(to_placements(want, v.ndim)) != tuple(v.placements):
             raise PlanError(f"pipeline chunk {self.index} sends {self._name(node)} laid out "
                             f"{tuple(map(str, v.placements))}, but the next chunk expects {want}")
-        return _ToLocal.apply(v, _grad_target(v.placements, ()))
+        return contiguous_send(_ToLocal.apply(v, _grad_target(v.placements, ())))
 
     def _name(self, node: torch.fx.Node) -> str:
         return self.names.get(node, node.name)

@@ -39,6 +39,9 @@ __all__ = ["match_names", "pass_through", "unplanned_ops", "computes_nothing", "
 # ops that compute nothing where their input is already laid out as they return it (and views,
 # which never compute): the ones a device's trace may leave out that the meta device's keeps
 IDENTITY_WHERE_CONTIGUOUS = frozenset({"contiguous", "alias"})
+# the copy torch.export makes of a tensor constant the forward builds from Python data (an index
+# list, `torch.tensor(...)`), which a trace on the meta device may record without it
+CONSTANT_COPIES = frozenset({"lift_fresh_copy"})
 
 
 def computes_nothing(kind: str, family: str) -> bool:
@@ -61,7 +64,9 @@ def pass_through(program: Any, solution: Any, full: Any = None) -> list[str]:
     """Plan the device program's ops the solution has no choice for that compute nothing (a
     `contiguous`, `alias` or view the device's trace makes and the capture's did not: Hugging
     Face attention's `reshape(...).contiguous()` for CUDA) as passing their one tensor input on
-    in the layout its maker's choice leaves it: a choice added to `solution` (and to `full`, the
+    in the layout its maker's choice leaves it (and the copy of a constant the forward builds
+    from Python data, `lift_fresh_copy`: Falcon's index lists, replicated, as every rank makes
+    it): a choice added to `solution` (and to `full`, the
     whole program's, where `solution` is part of it), so that their readers read what the
     solution expects and the executor runs no redistribution that no solution counted. Returns
     the names so planned."""
@@ -79,18 +84,34 @@ def pass_through(program: Any, solution: Any, full: Any = None) -> list[str]:
         rule = rules.rule_for(_op_name(n))
         family = rule.family if rule else ""
         args = _tensor_args(n)
-        if not computes_nothing(_op_name(n), family) or len(args) != 1:
+        if len(args) != 1:
             continue
-        maker = full.op_choices.get(name_of.get(args[0], ""))
-        if maker is None or not maker.output_placements:
-            continue
-        pl = tuple(maker.output_placements[0])
+        if _op_name(n).rpartition("__")[2] in CONSTANT_COPIES:
+            # a tensor the forward makes from Python data, the same on every rank
+            pl = _replicated(full)
+            if pl is None:
+                continue
+        else:
+            if not computes_nothing(_op_name(n), family):
+                continue
+            maker = full.op_choices.get(name_of.get(args[0], ""))
+            if maker is None or not maker.output_placements:
+                continue
+            pl = tuple(maker.output_placements[0])
         choice = OpChoice("pass-through", [pl], 0.0, 0.0, [pl], family)
         full.op_choices[name] = choice
         if solution is not full:
             solution.op_choices[name] = choice
         planned.append(name)
     return planned
+
+
+def _replicated(solution: Any) -> tuple[str, ...] | None:
+    """Replicated over the solution's mesh (its layouts' length), or None for an empty one."""
+    for ch in solution.op_choices.values():
+        if ch.output_placements:
+            return ("R",) * len(ch.output_placements[0])
+    return None
 
 
 def unplanned_ops(program: Any, solution: Any) -> list[str]:

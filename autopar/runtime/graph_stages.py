@@ -31,6 +31,7 @@ import contextlib
 import copy
 import logging
 import operator
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
@@ -143,6 +144,7 @@ def _split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Sequ
     # the tracer patches the forward of the modules it splits before, in place: trace a copy
     # (of a meta model: nothing allocated), so the model can be traced again
     dtypes = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
+    original = model
     with unset_fake_temporarily():   # a meta model's copy (its real buffers too), under verify's fake mode
         model = copy.deepcopy(model)
         if param_dtype is not None:
@@ -206,7 +208,48 @@ def _split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Sequ
                 if n in dtypes and p.dtype != dtypes[n]:
                     p.data = p.data.to(dtypes[n])
         out.append(Chunk(gm, srcs, sends))
+    _lifted_values(out, original, example_mb, device, param_dtype)
     return out
+
+
+_LIFTED = re.compile(r"lifted_tensor_\d+")
+
+
+def _lifted_values(chunks: list[Chunk], model: nn.Module, example_mb: Sequence[Any], device: torch.device,
+                   param_dtype: Optional[torch.dtype]) -> None:
+    """Give the chunks' lifted tensor constants their values. A tensor the forward makes from
+    Python data (Falcon's `fused_qkv[..., [-2], :]`: the index list becomes a tensor on the
+    indexed tensor's device) is traced on the meta device with no value, and materialising
+    would zero it: the chunk would read row 0 where the model reads row -2, a wrong loss and no
+    error. The program the executor traces for `device` (fake tensors there:
+    `intra_op.execute.meta_program`) holds them with their values, under the same names (the
+    same trace order); they are copied in. Where that trace fails, a PlanError names them."""
+    lost = [(ch.module, n) for ch in chunks for n, b in ch.module.named_buffers()
+            if b.is_meta and _LIFTED.fullmatch(n.rsplit(".", 1)[-1])]
+    if not lost:
+        return
+    from autopar.intra_op.execute import meta_program
+
+    with unset_fake_temporarily():
+        program, _ = meta_program(model, tuple(example_mb), param_dtype=param_dtype, device=device)
+    held = {k.split(".", 1)[1] if k.startswith("model.") else k: v for k, v in program.constants.items()
+            if isinstance(v, torch.Tensor) and not v.is_meta and type(v) is torch.Tensor}
+    missing = [n for _, n in lost if n not in held]
+    if missing:
+        raise PlanError(f"the pipeline chunks of {type(model).__name__} read tensors its forward makes from "
+                        f"Python data ({', '.join(missing[:4])}), which a trace on the meta device leaves without "
+                        f"values, and tracing it for {device} did not give them "
+                        f"({getattr(program, 'autopar_trace_fallback', None) or 'no such constant'})")
+    for gm, n in lost:
+        path, _, leaf = n.rpartition(".")
+        owner = gm.get_submodule(path) if path else gm
+        want = owner._buffers[leaf]
+        value = held[n]
+        if tuple(value.shape) != tuple(want.shape) or value.dtype != want.dtype:
+            raise PlanError(f"the pipeline chunks of {type(model).__name__}: constant {n} is "
+                            f"{tuple(want.shape)} {want.dtype} in the split but {tuple(value.shape)} {value.dtype} "
+                            f"in the program traced for {device}")
+        owner._buffers[leaf] = value.detach().clone().to(device if device.type != "meta" else "cpu")
 
 
 @contextlib.contextmanager
@@ -355,7 +398,8 @@ class FedChunk(nn.Module):
         y = self.inner(*args)
         if self.sends is None:
             return y
-        outs = tuple(_passed_on(received[k]) if kind == "act" else (y if k < 0 else y[k]) for kind, k in self.sends)
+        outs = tuple(_passed_on(received[k]) if kind == "act" else contiguous_send(y if k < 0 else y[k])
+                     for kind, k in self.sends)
         return outs[0] if len(outs) == 1 else outs
 
 
@@ -371,6 +415,15 @@ def step_microbatches(local: Sequence[Any], inputs: set[int], num_microbatches: 
         out[i] = (torch.tensor_split(x, num_microbatches) if isinstance(x, torch.Tensor) and x.dim() > 0
                   else [x] * num_microbatches)
     return out
+
+
+def contiguous_send(x: Any) -> Any:
+    """A tensor the chunk makes for the next one, contiguous: torch's send (gloo's and NCCL's)
+    takes contiguous tensors only, and the receiver's buffer is a contiguous tensor of its
+    shape. Falcon's causal mask crosses every boundary expanded over the batch (stride 0 along
+    it: gloo's send refused it, "input tensor has to be contiguous"); a copy where a tensor is
+    such a view, nothing otherwise."""
+    return x.contiguous() if isinstance(x, torch.Tensor) and not x.is_contiguous() else x
 
 
 def _passed_on(x: Any) -> Any:
