@@ -204,6 +204,35 @@ def test_tensors_made_before_the_first_layer_are_carried_through_every_chunk():
         torch.testing.assert_close(got[n], p.grad, rtol=1e-6, atol=1e-7)
 
 
+def test_an_empty_tensor_changes_layout_without_a_collective():
+    """Phi-3 at tp 4: each head's unrotated rest is empty (the whole head rotates), and the
+    solution leaves it partial before the concatenation reads it whole. A collective of 0 bytes
+    costs the ILP nothing and is not in the plan; the executor lays an empty tensor out anew
+    without one (it issued 3 all-reduces a step beyond the plan's 17)."""
+    pytest.importorskip("transformers")
+    from autopar.runtime.verify import verify
+
+    ref = "tests.user_models:phi3"
+    p = shared_plan(ref, 4, constraints=autopar.Constraints(dp=1, tp=4, pp=1))
+    r = verify(p, ref, jobs=1)
+    assert r.ok and r.collectives_match, r.failures
+
+
+def test_a_device_program_numbered_otherwise_is_matched_before_it_is_cut():
+    """GPTBigCode's CPU program lacks four of the capture's five `contiguous` ops, and export
+    names the one it keeps (the loss's) `contiguous`, the first layer's name in the capture:
+    taken by name, it sat in the first pipeline chunk's ops and the cut failed ("runs among
+    another chunk's ops"). Matched op by op first, the pp 2 x tp 2 ranks build and count the
+    plan's collectives."""
+    pytest.importorskip("transformers")
+    from autopar.runtime.verify import verify
+
+    ref = "tests.user_models:bigcode"
+    p = shared_plan(ref, 4, constraints=autopar.Constraints(dp=1, tp=2, pp=2, schedule="1f1b", num_microbatches=2))
+    r = verify(p, ref, jobs=1)
+    assert r.ok and r.collectives_match, r.failures
+
+
 class _PickLM(torch.nn.Module):
     """Each layer reads the last two features of its input by an index list (a tensor constant
     its forward makes, as Falcon's split of its fused qkv does)."""

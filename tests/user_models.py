@@ -300,3 +300,37 @@ def falcon():
         model = HFCausalLM(cfg)
     x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
     return model, (x, x.clone()), token_batch(VOCAB, SEQ)
+
+
+def phi3():
+    """Hugging Face's Phi-3 at 4 layers, hidden 64: fused qkv and gate/up projections, and a
+    rotary embedding that splits each head into its rotated part and the rest, empty here (the
+    whole head rotates)."""
+    import transformers
+
+    cfg = transformers.Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, pad_token_id=0,
+                                  bos_token_id=1, eos_token_id=2)
+    cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = HFCausalLM(cfg)
+    x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    return model, (x, x.clone()), token_batch(VOCAB, SEQ)
+
+
+def bigcode():
+    """Hugging Face's GPTBigCode (StarCoder's architecture) at 4 layers, hidden 64, multi-query
+    attention. Its CPU program keeps one `contiguous` of the five the capture on meta records
+    (the loss's), and torch.export names it `contiguous`, as the capture names the first
+    layer's."""
+    import transformers
+
+    cfg = transformers.GPTBigCodeConfig(vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=64,
+                                        multi_query=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                        bos_token_id=1, eos_token_id=2)
+    cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = HFCausalLM(cfg)
+    x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    return model, (x, x.clone()), token_batch(VOCAB, SEQ)

@@ -165,6 +165,8 @@ def redistribute(x: DTensor, dst: Sequence[Placement], whole: Sequence[int] = ()
     dst = tuple(dst)
     if tuple(x.placements) == dst:
         return x
+    if x.numel() == 0:
+        return _empty_as(x, dst)
     fix = [a for a in whole if x.placements[a].is_partial() and isinstance(dst[a], Shard)]
     if fix:
         mid = tuple(Replicate() if a in fix else p for a, p in enumerate(x.placements))
@@ -177,6 +179,20 @@ def redistribute(x: DTensor, dst: Sequence[Placement], whole: Sequence[int] = ()
     for a in order:
         x = _step(x, a, dst[a])
     return x
+
+
+def _empty_as(x: DTensor, dst: tuple) -> DTensor:
+    """An empty tensor laid out `dst`: every layout of it holds nothing, so no collective (the
+    plan counts none: a collective of 0 bytes costs the ILP nothing and is left out of its
+    list). Phi-3's rotary embedding splits each head into the rotated part and the rest, which
+    is empty when the whole head rotates; its concatenation read the empty rest, left partial
+    by the solution, and all-reduced it, 3 all-reduces a step the plan did not say."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, _ = compute_local_shape_and_global_offset(x.shape, x.device_mesh, dst)
+    local = x._local_tensor.new_empty(shape)
+    return DTensor.from_local(local, x.device_mesh, dst, run_check=False, shape=x.shape,
+                              stride=contiguous_strides(x.shape))
 
 
 def _nested_redistribute(x: DTensor, dst: tuple, changing: list[int]) -> DTensor:
@@ -1627,7 +1643,8 @@ def fitting_program(model: nn.Module, example_inputs: Any, solution: ShardingSol
     # a grouped GEMM of another spelling in the run's dtype (`grouped_names`) takes the solution's name
     grouped_gemms_named_as_solved(program, full, _program_calls(program.graph_module))
     if getattr(program, "autopar_traced_device", None) is not None:
-        bad = _mismatch(program, full) and (match_names(program, full) or _mismatch(program, full))
+        bad = _mismatch(program, full, named_by_export=True) and (match_names(program, full)
+                                                                   or _mismatch(program, full))
         if bad:
             log.warning("the program %s traces for %s does not fit the plan's solution (%s): running the "
                         "one traced on the meta device, as the planner captured it", type(model).__name__,
@@ -1863,18 +1880,25 @@ def _real_constants(program: Any, model: nn.Module) -> Optional[dict[str, torch.
     return out
 
 
-def _mismatch(program: Any, solution: ShardingSolution) -> list[str]:
+def _mismatch(program: Any, solution: ShardingSolution, named_by_export: bool = False) -> list[str]:
     """Ops the solution has a choice for that the program lacks, or holds as another kind of op
     (another rule family, another number of tensor inputs); a solved layout change the program
-    lacks is none (`program_match`)."""
+    lacks is none (`program_match`), unless `named_by_export` (the program's names are still
+    torch.export's) and the program holds an op of its kind: export numbers the ops of a kind in
+    order, so one left out shifts the names of the later ones (GPTBigCode on the CPU keeps one
+    `contiguous` of five, its loss's, named `contiguous` as the first layer's is: matched by
+    name, it ran as that layer's and sat in the wrong pipeline chunk)."""
     from autopar.intra_op import rules
     from autopar.intra_op.program_match import _kind, computes_nothing
 
     nodes = _program_calls(program.graph_module)
+    kinds = {_kind(k) for k in nodes} if named_by_export else set()
     bad = []
     for name, ch in solution.op_choices.items():
         n = nodes.get(name)
         if n is None and computes_nothing(_kind(name), ch.family):
+            if _kind(name) in kinds:
+                bad.append(name)
             continue            # a layout change the device's kernels make unnecessary (`program_match`)
         rule = rules.rule_for(_op_name(n)) if n is not None else None
         if n is None or (rule.family if rule else "fallback") != ch.family \
