@@ -485,3 +485,8 @@ def test_grad_sync_on_a_measured_link_is_priced_by_bucket_without_a_second_laten
     assert sol.grad_sync_s == pytest.approx(101.9e-6, rel=1e-9)
     assert sol.grad_sync_s == pytest.approx(measured_time("all_reduce", total, 8, lm.links[0]), rel=1e-9)
     # (before: each 1 MiB gradient at the table's 101.9 us, plus 14 x 3.1 us: 247.2 us)
+    # per gradient: under a bucket, its share of a full bucket's time; over one, a bucket of its own
+    prob = IntraOpProblem(capture(m, ex).at_batch(8192), lm)
+    full = measured_time("all_reduce", BUCKET_BYTES, 8, lm.links[0])
+    assert prob.coll_time("all_reduce", (0,), 2**20, "grad_sync") == pytest.approx(full / 25, rel=1e-12)
+    assert prob.coll_time("all_reduce", (0,), 64 * 2**20, "grad_sync") == pytest.approx(684.6e-6, rel=1e-12)

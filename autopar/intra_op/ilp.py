@@ -117,8 +117,8 @@ BACKWARD_SKIPS = {"linear": (2,), "addmm": (0,), "baddbmm": (0,), "embedding": (
 def bucket_rate(kind: str, n: int, link: LinkSpec) -> float:
     """Seconds per byte of a gradient bucketed for `kind` over `n` devices on a link with a
     measured table: the table's time for one full bucket (`BUCKET_BYTES`, its latency
-    included) over the bucket's bytes. DDP and FSDP reduce gradients in such buckets, so a
-    parameter's gradient takes its share of one, not a collective of its own size."""
+    included) over the bucket's bytes. DDP reduces gradients smaller than a bucket together, so
+    such a gradient takes its share of one, not a collective of its own size."""
     t = measured_time(kind, BUCKET_BYTES, n, link)
     return (t or 0.0) / BUCKET_BYTES
 
@@ -789,10 +789,11 @@ class IntraOpProblem:
         if len(axes) == 1:
             n, alpha, beta = self.mesh_shape[axes[0]], self.mesh.alpha[axes[0]], self.mesh.beta[axes[0]]
             link = self.measured_link(kind, axes)
-            if link is not None and phase == "grad_sync":
-                # a gradient travels in a full bucket (`BUCKET_BYTES`): its share of the table's
-                # time for one, latency included (`solution` adds no alpha on such an axis and
-                # prices a last, partial bucket at its own size)
+            if link is not None and phase == "grad_sync" and 0 < nbytes < BUCKET_BYTES:
+                # a gradient smaller than a bucket (`BUCKET_BYTES`) travels in one with others: its
+                # share of the table's time for a full one, latency included (`solution` adds no
+                # alpha on such an axis and prices the last, partly filled bucket at its own size);
+                # a larger one is a bucket of its own (DDP), timed below at its size
                 return nbytes * bucket_rate(kind, n, link)
             if link is not None:
                 # the axis' link measured (`LogicalMesh.links`): its table, latency included
@@ -1371,13 +1372,15 @@ class IntraOpProblem:
         buckets: dict[tuple, float] = defaultdict(float)
         for c in colls:
             if c.phase == "grad_sync":
+                if self.measured_link(c.kind, c.mesh_axes) is not None and c.bytes >= BUCKET_BYTES:
+                    continue          # a bucket of its own, timed by the table (latency included)
                 buckets[(c.kind, c.mesh_axes)] += c.bytes
         for (kind, axes), nbytes in buckets.items():
             n = math.prod(self.mesh_shape[a] for a in axes)
             link = self.measured_link(kind, axes)
             if link is not None:
-                # the table's times hold the latency: the gradients were priced at a full
-                # bucket's rate (`coll_time`); the last bucket, partly filled, takes its own time
+                # the table's times hold the latency: the gradients that share buckets were priced
+                # at a full bucket's rate (`coll_time`); the last, partly filled, takes its own time
                 tail = nbytes - BUCKET_BYTES * math.floor(nbytes / BUCKET_BYTES)
                 if tail > 0:
                     sync += max(0.0, measured_time(kind, tail, n, link) - tail * bucket_rate(kind, n, link))
