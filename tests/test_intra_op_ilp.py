@@ -457,3 +457,36 @@ def test_sequence_parallel_layers_solved_apart_meet_at_their_boundaries():
     assert [v for k, v in outs.items() if k.startswith("add")][-1] == ("S(1)",)
     assert lay.collectives["forward"].get("reduce_scatter", 0) > 0
     assert got[True][0] < got[False][0] and got[True][1] < 0.6 * got[False][1]
+
+
+def test_grad_sync_on_a_measured_link_is_priced_by_bucket_without_a_second_latency():
+    """Session 31: on a mesh axis whose link carries a measured all-reduce table (the DGX A100
+    node's nccl-tests rows, `LogicalMesh.links`), a data-parallel gradient was priced as a
+    collective of its own size from the table (whose times hold the latency; the smallest row,
+    43.8 us at 32 KiB, for each small gradient) and the solution then added one alpha-beta latency
+    per 25 MiB bucket on top. DDP reduces gradients in buckets: the sync is the table's time for
+    the buckets the gradients fill, each latency once."""
+    from autopar.intra_op.ilp import BUCKET_BYTES
+    from autopar.schema.cluster import ClusterSpec
+    from cost_models.communication import logical_mesh, measured_time
+
+    cluster = ClusterSpec.load("dgx-a100-80g", num_nodes=1)
+    lm = logical_mesh(cluster, list(range(8)), (8,))
+    assert lm.links is not None and lm.links[0].measured
+    m, ex = mlp_graph(8192, 512)
+    sol = autopar.auto_shard(m, ex, mesh=lm)
+    sync = [c for c in sol.collectives if c.phase == "grad_sync"]
+    assert sol.input_placements["args_0"] == ("S(0)",) and len(sync) == 2
+    assert all(c.kind == "all_reduce" and c.bytes == 512 * 512 * 4 for c in sync)
+    # hand-derived: 2 MiB of gradients fill one bucket, part-full; the table (kept non-decreasing
+    # in size) reads 101.9 us from 1 MiB to 2 MiB over 8 GPUs (hardware_profiles/dgx-a100-80g.yaml)
+    total = 2 * 512 * 512 * 4
+    assert total < BUCKET_BYTES
+    assert sol.grad_sync_s == pytest.approx(101.9e-6, rel=1e-9)
+    assert sol.grad_sync_s == pytest.approx(measured_time("all_reduce", total, 8, lm.links[0]), rel=1e-9)
+    # (before: each 1 MiB gradient at the table's 101.9 us, plus 14 x 3.1 us: 247.2 us)
+    # per gradient: under a bucket, its share of a full bucket's time; over one, a bucket of its own
+    prob = IntraOpProblem(capture(m, ex).at_batch(8192), lm)
+    full = measured_time("all_reduce", BUCKET_BYTES, 8, lm.links[0])
+    assert prob.coll_time("all_reduce", (0,), 2**20, "grad_sync") == pytest.approx(full / 25, rel=1e-12)
+    assert prob.coll_time("all_reduce", (0,), 64 * 2**20, "grad_sync") == pytest.approx(684.6e-6, rel=1e-12)

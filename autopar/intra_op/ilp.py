@@ -87,6 +87,7 @@ from autopar.intra_op import rules as rules_mod
 from autopar.intra_op.placement import PARTIAL, REPLICATE, Spec, all_specs, local_numel, transition
 from autopar.intra_op.solution import Collective, OpChoice, ShardingSolution
 from autopar.intra_op.strategy import OpContext, Strategy, output_index
+from autopar.schema.cluster import LinkSpec
 from autopar.schema.errors import PlanError
 from autopar.schema.mesh import LogicalMesh
 from autopar.schema.placement import is_shard, shard_dim
@@ -111,6 +112,15 @@ UNRUNNABLE_S = 1e3             # edge penalty: a layout the runtime would not pr
 # for them (ZeRO-3) is not gathered again for the backward pass. Other ops read every input.
 BACKWARD_SKIPS = {"linear": (2,), "addmm": (0,), "baddbmm": (0,), "embedding": (0,),
                   "add": (0, 1), "sub": (0, 1), "rsub": (0, 1)}
+
+
+def bucket_rate(kind: str, n: int, link: LinkSpec) -> float:
+    """Seconds per byte of a gradient bucketed for `kind` over `n` devices on a link with a
+    measured table: the table's time for one full bucket (`BUCKET_BYTES`, its latency
+    included) over the bucket's bytes. DDP reduces gradients smaller than a bucket together, so
+    such a gradient takes its share of one, not a collective of its own size."""
+    t = measured_time(kind, BUCKET_BYTES, n, link)
+    return (t or 0.0) / BUCKET_BYTES
 
 
 def requires_grad_of(graph: OpGraph, grad_inputs: Iterable[str] = ()) -> dict[str, bool]:
@@ -781,18 +791,31 @@ class IntraOpProblem:
         the solution adds one latency per bucket (`BUCKET_BYTES`)."""
         if len(axes) == 1:
             n, alpha, beta = self.mesh_shape[axes[0]], self.mesh.alpha[axes[0]], self.mesh.beta[axes[0]]
-            link = self.mesh.links[axes[0]] if self.mesh.links is not None else None
+            link = self.measured_link(kind, axes)
+            if link is not None and phase == "grad_sync" and 0 < nbytes < BUCKET_BYTES:
+                # a gradient smaller than a bucket (`BUCKET_BYTES`) travels in one with others: its
+                # share of the table's time for a full one, latency included (`solution` adds no
+                # alpha on such an axis and prices the last, partly filled bucket at its own size);
+                # a larger one is a bucket of its own (DDP), timed below at its size
+                return nbytes * bucket_rate(kind, n, link)
             if link is not None:
                 # the axis' link measured (`LogicalMesh.links`): its table, latency included
                 t = measured_time(kind, nbytes, n, link)
-                if t is not None:
-                    return t
+                return t if t is not None else 0.0
         else:
             n = math.prod(self.mesh_shape[a] for a in axes)
             alpha, beta = max(self.mesh.alpha[a] for a in axes), max(self.mesh.beta[a] for a in axes)
         if phase == "grad_sync":
             alpha = 0.0
         return collective_time(kind, nbytes, n, alpha, beta)
+
+    def measured_link(self, kind: str, axes: tuple[int, ...]) -> Optional[LinkSpec]:
+        """The link whose measured table times `kind` on `axes` (one axis whose link carries
+        rows of that kind, `LogicalMesh.links`), else None: the alpha-beta formula."""
+        if len(axes) != 1 or self.mesh.links is None or self.mesh_shape[axes[0]] <= 1:
+            return None
+        link = self.mesh.links[axes[0]]
+        return link if link is not None and any(m.kind == kind for m in link.measured) else None
 
     def compute_time(self, pn: PNode, st: Strategy) -> tuple[float, float]:
         """(forward, backward) compute seconds of one copy of op `pn` under `st`."""
@@ -1359,9 +1382,19 @@ class IntraOpProblem:
         buckets: dict[tuple, float] = defaultdict(float)
         for c in colls:
             if c.phase == "grad_sync":
+                if self.measured_link(c.kind, c.mesh_axes) is not None and c.bytes >= BUCKET_BYTES:
+                    continue          # a bucket of its own, timed by the table (latency included)
                 buckets[(c.kind, c.mesh_axes)] += c.bytes
         for (kind, axes), nbytes in buckets.items():
             n = math.prod(self.mesh_shape[a] for a in axes)
+            link = self.measured_link(kind, axes)
+            if link is not None:
+                # the table's times hold the latency: the gradients that share buckets were priced
+                # at a full bucket's rate (`coll_time`); the last, partly filled, takes its own time
+                tail = nbytes - BUCKET_BYTES * math.floor(nbytes / BUCKET_BYTES)
+                if tail > 0:
+                    sync += max(0.0, measured_time(kind, tail, n, link) - tail * bucket_rate(kind, n, link))
+                continue
             alpha = max(self.mesh.alpha[a] for a in axes)
             steps = 2 * (n - 1) if kind == "all_reduce" else (n - 1)
             sync += steps * alpha * max(1, math.ceil(nbytes / BUCKET_BYTES))
