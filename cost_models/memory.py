@@ -238,6 +238,15 @@ class ActivationMemory:
     # of each such moment's parameter gradients, those the ops of the layer's other modules made,
     # by their position (under ZeRO-3 a unit's are reduce-scattered as its backward ends)
     first_born: dict[float, dict[float, float]] = field(default_factory=dict)
+    # each recomputed region holding a fused attention op: its worst moments (above
+    # `saved_bytes`, as `backward_over_bytes`) by where they fall against the attention's
+    # backward, "post" (before it: the attention's re-saved tensors alive, the region's later
+    # ops' backward and the attention's own forward), "at" (its backward) and "pre" (after it:
+    # they are freed), each [moment, its gradients, of those the given one], with the region's
+    # moment's `position` (`unit_position`) and the parameter gradients made before it
+    # (`param_grads`): context parallelism adds the gathered keys and values to the first two
+    # kinds alone (`inter_op.context_parallel.layer_cost`)
+    attention_regions: list[dict] = field(default_factory=list)
 
     @property
     def peak_bytes(self) -> float:
@@ -801,6 +810,10 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     owner_node: dict[str, str] = {}      # the first op saving it: autograd frees it after that op's backward
     region_peak: dict[Optional[str], float] = {}
     region_grads: dict[Optional[str], float] = {}   # of region_peak, the op's gradients
+    # of a region holding a fused attention op, its worst moments before that op's backward
+    # ("post": ops after it in the forward, and its own forward), at it ("at") and after it
+    # ("pre"): (value as region_peak, its gradients, of those the given one)
+    region_att: dict[Optional[str], dict[str, tuple[float, float, float]]] = {}
     region_given: dict[Optional[str], float] = {}   # of region_grads, the given one's (`given_share`)
 
     def loss_read(n, i: str) -> tuple[int, float]:
@@ -920,11 +933,29 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             if r is not None and r not in entry and n.name in moments:
                 entry[r] = moments[n.name][2]
                 entry_given[r] = min(moments[n.name][1], moments[n.name][2])
-        for n in calls:
+        # the region's moments by where they fall against its first fused attention op (forward
+        # order), for context parallelism (`attention_regions`)
+        att_at: dict[Optional[str], int] = {}
+        for i, n in enumerate(calls):
+            if region[n.name] is not None and n.op in FUSED_ATTENTION:
+                att_at.setdefault(region[n.name], i)
+
+        def bucket(r, i: int, val: float, g: float, given: float, fwd: bool = False) -> None:
+            if r not in att_at:
+                return
+            k = "pre" if i < att_at[r] else ("at" if i == att_at[r] and not fwd else "post")
+            old = region_att.setdefault(r, {}).get(k)
+            if old is None or val > old[0]:
+                region_att[r][k] = (val, g, given)
+
+        for i, n in enumerate(calls):
             r = region[n.name]
             prior = region_bytes.get(r, 0.0)      # what the ops before n re-saved
             if r is not None:
                 fwd = region_bytes.get(r, 0.0) + fwd_at.get(n.name, 0.0) + entry.get(r, 0.0)
+                # the attention's own forward moment counts with the ops after it: its
+                # gathered K and V are made (`bucket`'s fwd)
+                bucket(r, i, fwd, entry.get(r, 0.0), entry_given.get(r, 0.0), fwd=True)
                 if fwd > region_peak.get(r, 0.0) or r not in region_peak:
                     region_peak[r], region_grads[r] = fwd, entry.get(r, 0.0)
                     region_given[r] = entry_given.get(r, 0.0)
@@ -944,11 +975,14 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             # output's and input's gradients beside them
             if r is not None:
                 here = region_bytes.get(r, 0.0) + grads(n)
+                bucket(r, i, here, grads(n), moments.get(n.name, (0.0, 0.0, 0.0))[1])
                 if here > region_peak.get(r, 0.0) or r not in region_peak:
                     region_peak[r], region_grads[r] = here, grads(n)
                     region_given[r] = moments.get(n.name, (0.0, 0.0, 0.0))[1]
                 # the redistributions of its inputs, after its backward freed what it re-saved
                 here = prior + after_grads(n)
+                if after_grads(n) > 0:
+                    bucket(r, i, here, after_grads(n), moments[n.name][4])
                 if after_grads(n) > 0 and here > region_peak[r]:
                     region_peak[r], region_grads[r] = here, after_grads(n)
                     region_given[r] = moments[n.name][4]
@@ -1047,6 +1081,10 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 entered.add(r)
                 m = live + region_peak[r] - out.saved_bytes
                 first(n, m - region_grads[r], region_grads[r], born)
+                if r in region_att:
+                    out.attention_regions.append({
+                        "position": position[n.name], "param_grads": born,
+                        **{k: [live + v[0] - out.saved_bytes, v[1], v[2]] for k, v in region_att[r].items()}})
                 out.backward_over_body = max(out.backward_over_body, m)
                 if m > out.backward_over_bytes:
                     out.backward_over_bytes, out.backward_over_recompute = m, True
