@@ -383,8 +383,11 @@ def layer_cost(cost: LayerCost, cp: int, kv: float, tp: int, cluster: ClusterSpe
         if r in _CORE_SAVED or r not in out.bwd_over:
             continue
         _recomputed_attention(out, r, regions, cp, saves, grads)
+    for r, mo in cost.attention_moments.items():
+        if r in _CORE_SAVED and r in out.bwd_over:
+            _saved_attention(out, r, mo, cp, saves, grads, ckv / 2, cout)
     for r in list(out.bwd_over):
-        if r not in _CORE_SAVED and r in cost.rc_attention:
+        if r in cost.rc_attention if r not in _CORE_SAVED else r in cost.attention_moments:
             continue
         held = (extra if r in _CORE_SAVED else 2 * extra) + (ckv / 2 + ckv / (2 * cp) if ckv else 0.0)
         if not out.bwd_over_rc.get(r, False):
@@ -402,6 +405,45 @@ def layer_cost(cost: LayerCost, cp: int, kv: float, tp: int, cluster: ClusterSpe
         else:
             out.bwd_over[r] += held
     return out
+
+
+def _saved_attention(out: LayerCost, r: str, mo: dict, cp: int, saves: float, grads: float, copy: float,
+                     cout: float) -> None:
+    """Under a policy that keeps the attention core's saved tensors (`out`: the layer's cost on
+    one cp rank, its token-proportional fields already over cp), its backward's moments
+    (`LayerCost.attention_moments`) with the attention's cp tensors where they are alive: the
+    full-length K and V gradients (`grads`) at its backward; its saves above its share
+    (`saves`, in `act_bytes`) freed after it; nothing before it (the block's later ops: the MLP's
+    backward, where the saves are counted in `act_bytes` already). The forward's moments
+    likewise by where they fall (`copy`: one gathered K or V, causal, beside its ordered copy
+    at the attention; `cout`: the concatenated output, made after it)."""
+    add = {"post": (0.0, 0.0), "at": (grads, grads), "pre": (-saves, 0.0), "loss": (0.0, 0.0)}
+    plain = [(k, v[0] / cp + add[k][0], v[1] / cp + add[k][1], v[2] / cp + add[k][0], v[3] / cp + add[k][1])
+             for k, v in mo.items() if k in add]
+    if not plain:
+        return
+    # the forward: before the attention its saves above its share are not yet made (they are
+    # counted in `act_bytes`); at it one gathered K or V beside its ordered copy (causal: `copy`),
+    # the concatenated output not yet made; after it as without cp; none below 0
+    fa = {"forward_pre": -saves, "forward_at": copy - cout, "forward_post": 0.0}
+    fw = [(v[0] / cp + fa[k], v[1] / cp + fa[k]) for k, v in mo.items() if k in fa]
+    fwd, fwd_given = (max([0.0] + [f[i] for f in fw]) for i in (0, 1))
+    body = [p for p in plain if p[0] != "loss"]
+    if r in out.bwd_over_body:
+        out.bwd_over_body[r] = max([p[1] for p in body] + [fwd])
+    _, val, g, *_ = max(plain, key=lambda p: p[1])
+    if fwd > val:
+        out.bwd_over[r], out.bwd_over_rc[r], out.bwd_over_grads[r] = fwd, True, 0.0
+    else:
+        out.bwd_over[r], out.bwd_over_rc[r], out.bwd_over_grads[r] = val, False, g
+    *_, gv, gg = max(plain, key=lambda p: p[3])
+    if r in out.bwd_given_backward:
+        out.bwd_given_backward[r] = gv
+    if r in out.bwd_over_given:
+        if fwd_given > gv:
+            out.bwd_over_given[r], out.bwd_over_given_rc[r], out.bwd_over_given_grads[r] = fwd_given, True, 0.0
+        else:
+            out.bwd_over_given[r], out.bwd_over_given_rc[r], out.bwd_over_given_grads[r] = gv, False, gg
 
 
 def _recomputed_attention(out: LayerCost, r: str, regions: list, cp: int, saves: float, grads: float) -> None:
