@@ -238,6 +238,27 @@ class ActivationMemory:
     # of each such moment's parameter gradients, those the ops of the layer's other modules made,
     # by their position (under ZeRO-3 a unit's are reduce-scattered as its backward ends)
     first_born: dict[float, dict[float, float]] = field(default_factory=dict)
+    # each recomputed region holding a fused attention op: its worst moments (above
+    # `saved_bytes`, as `backward_over_bytes`) by where they fall against the attention's
+    # backward, "post" (before it: the attention's re-saved tensors alive, the region's later
+    # ops' backward and the attention's own forward), "at" (its backward) and "pre" (after it:
+    # they are freed), each [moment, its gradients, of those the given one], with the region's
+    # moment's `position` (`unit_position`) and the parameter gradients made before it
+    # (`param_grads`): context parallelism adds the gathered keys and values to the first two
+    # kinds alone (`inter_op.context_parallel.layer_cost`)
+    attention_regions: list[dict] = field(default_factory=list)
+    # the backward's moments outside recomputed regions, in a layer with a fused attention op,
+    # by where they fall against it: "post" (the ops after it in the forward, whose backward
+    # runs before its), "at" (its backward), "pre" (after its backward: what it saved freed),
+    # "loss" (a loss op's); each [worst moment, its gradients, worst moment without the given
+    # gradient (as `backward_over_given`), its gradients]: context parallelism adds the full-
+    # length K and V gradients at "at" and takes the gathered K and V off "pre"
+    attention_moments: dict[str, list[float]] = field(default_factory=dict)
+    # the forward's worst moments by where they fall against that attention op ("pre", "at",
+    # "post"), each [above `saved_bytes`, the same without the given output
+    # (`forward_over_given`)]: under context parallelism its saves above its share are not yet
+    # made before it, its gathered K or V is copied into sequence order at it
+    forward_attention: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def peak_bytes(self) -> float:
@@ -801,6 +822,10 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     owner_node: dict[str, str] = {}      # the first op saving it: autograd frees it after that op's backward
     region_peak: dict[Optional[str], float] = {}
     region_grads: dict[Optional[str], float] = {}   # of region_peak, the op's gradients
+    # of a region holding a fused attention op, its worst moments before that op's backward
+    # ("post": ops after it in the forward, and its own forward), at it ("at") and after it
+    # ("pre"): (value as region_peak, its gradients, of those the given one)
+    region_att: dict[Optional[str], dict[str, tuple[float, float, float]]] = {}
     region_given: dict[Optional[str], float] = {}   # of region_grads, the given one's (`given_share`)
 
     def loss_read(n, i: str) -> tuple[int, float]:
@@ -920,11 +945,29 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             if r is not None and r not in entry and n.name in moments:
                 entry[r] = moments[n.name][2]
                 entry_given[r] = min(moments[n.name][1], moments[n.name][2])
-        for n in calls:
+        # the region's moments by where they fall against its first fused attention op (forward
+        # order), for context parallelism (`attention_regions`)
+        att_at: dict[Optional[str], int] = {}
+        for i, n in enumerate(calls):
+            if region[n.name] is not None and n.op in FUSED_ATTENTION:
+                att_at.setdefault(region[n.name], i)
+
+        def bucket(r, i: int, val: float, g: float, given: float, fwd: bool = False) -> None:
+            if r not in att_at:
+                return
+            k = "pre" if i < att_at[r] else ("at" if i == att_at[r] and not fwd else "post")
+            old = region_att.setdefault(r, {}).get(k)
+            if old is None or val > old[0]:
+                region_att[r][k] = (val, g, given)
+
+        for i, n in enumerate(calls):
             r = region[n.name]
             prior = region_bytes.get(r, 0.0)      # what the ops before n re-saved
             if r is not None:
                 fwd = region_bytes.get(r, 0.0) + fwd_at.get(n.name, 0.0) + entry.get(r, 0.0)
+                # the attention's own forward moment counts with the ops after it: its
+                # gathered K and V are made (`bucket`'s fwd)
+                bucket(r, i, fwd, entry.get(r, 0.0), entry_given.get(r, 0.0), fwd=True)
                 if fwd > region_peak.get(r, 0.0) or r not in region_peak:
                     region_peak[r], region_grads[r] = fwd, entry.get(r, 0.0)
                     region_given[r] = entry_given.get(r, 0.0)
@@ -944,11 +987,14 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             # output's and input's gradients beside them
             if r is not None:
                 here = region_bytes.get(r, 0.0) + grads(n)
+                bucket(r, i, here, grads(n), moments.get(n.name, (0.0, 0.0, 0.0))[1])
                 if here > region_peak.get(r, 0.0) or r not in region_peak:
                     region_peak[r], region_grads[r] = here, grads(n)
                     region_given[r] = moments.get(n.name, (0.0, 0.0, 0.0))[1]
                 # the redistributions of its inputs, after its backward freed what it re-saved
                 here = prior + after_grads(n)
+                if after_grads(n) > 0:
+                    bucket(r, i, here, after_grads(n), moments[n.name][4])
                 if after_grads(n) > 0 and here > region_peak[r]:
                     region_peak[r], region_grads[r] = here, after_grads(n)
                     region_given[r] = moments[n.name][4]
@@ -1038,6 +1084,26 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             out.first_moments[at] = (acts, act_grads, param_grads)
             out.first_born[at] = {p: b for p, b in born_at.items() if p != at and b > 0}
 
+    # the plain backward's moments by where they fall against the layer's first fused attention
+    # op (`attention_moments`)
+    att_first = next((i for i, n in enumerate(calls) if n.op in FUSED_ATTENTION
+                      and (keep is None or n.layer in keep)), None)
+    index = {n.name: i for i, n in enumerate(calls)}
+
+    def plain(n, m: float, g: float, g_in: float) -> None:
+        if att_first is None:
+            return
+        i = index[n.name]
+        k = "loss" if n.op in LOSSES else "pre" if i < att_first else "at" if i == att_first else "post"
+        old = out.attention_moments.get(k)
+        if old is None:
+            out.attention_moments[k] = [m, g, m - g_in, g - g_in]
+            return
+        if m > old[0]:
+            old[0], old[1] = m, g
+        if m - g_in > old[2]:
+            old[2], old[3] = m - g_in, g - g_in
+
     for n in reversed(calls):
         if keep is not None and n.layer not in keep:
             continue
@@ -1047,6 +1113,10 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 entered.add(r)
                 m = live + region_peak[r] - out.saved_bytes
                 first(n, m - region_grads[r], region_grads[r], born)
+                if r in region_att:
+                    out.attention_regions.append({
+                        "position": position[n.name], "param_grads": born,
+                        **{k: [live + v[0] - out.saved_bytes, v[1], v[2]] for k, v in region_att[r].items()}})
                 out.backward_over_body = max(out.backward_over_body, m)
                 if m > out.backward_over_bytes:
                     out.backward_over_bytes, out.backward_over_recompute = m, True
@@ -1062,6 +1132,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             # the weight gradients the op makes are its backward's outputs while it runs
             # (AccumulateGrad makes them `.grad` after it): counted with its other gradients
             first(n, live - out.saved_bytes, grads(n), born)
+            plain(n, m, grads(n), given_share(n))
             if n.op in LOSSES:
                 out.backward_over_loss = max(out.backward_over_loss or 0.0, m)
             else:
@@ -1083,6 +1154,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             g_after = after_grads(n)
             m = live + g_after - out.saved_bytes
             first(n, live - out.saved_bytes, g_after, born)
+            plain(n, m, g_after, moments[n.name][4])
             out.backward_over_body = max(out.backward_over_body, m)
             if m > out.backward_over_bytes:
                 out.backward_over_bytes, out.backward_over_recompute = m, False
@@ -1093,8 +1165,11 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 out.backward_over_given_grads = g_after - g_in
     if keep is None:
         fo = [_forward_over(calls, by_name, base, owner_node, nbytes_of, size, read, batch, out.saved_bytes,
-                            mixed, cuda_fp32, {k: v[1] for k, v in copies.items()}, handed=h)
+                            mixed, cuda_fp32, {k: v[1] for k, v in copies.items()}, handed=h, split_at=att_first)
               for h in ((None, given_grad) if given_grad is not None else (None,))]
+        if att_first is not None:
+            out.forward_attention = {k: [v, fo[-1][1].get(k, v)] for k, v in fo[0][1].items()}
+            fo = [f[0] for f in fo]
         out.forward_over_bytes, out.forward_over_given = fo[0], fo[-1]
     layer_of_region = {region[n.name]: n.layer for n in calls if region[n.name] is not None}
     # region_peak: what a region re-made at the end plus the last op's gradients at least
@@ -1530,7 +1605,7 @@ def _copy_key(name: str, r: tuple, reader: str) -> str:
 def _forward_over(calls: list, by_name: dict, base: dict, owner_node: dict, nbytes_of: dict,
                   size: Callable, read: Callable, batch: Callable, saved_total: float, mixed: bool,
                   fp32_ops: frozenset, copies: dict[str, str], per_op: bool = False,
-                  handed: Optional[str] = None) -> Any:
+                  handed: Optional[str] = None, split_at: Optional[int] = None) -> Any:
     """The forward's worst moment above everything saved (`ActivationMemory.forward_over_bytes`),
     op by op in order: what the ops up to this one saved, every tensor made and not yet saved
     whose last reader is still to run (a storage's readers through any view; a tensor no op of
@@ -1543,10 +1618,13 @@ def _forward_over(calls: list, by_name: dict, base: dict, owner_node: dict, nbyt
     `per_op`: also {op: what the forward holds at that op beyond what the ops before it saved,
     the most of just before it runs and just after} (a recomputed region's re-run forward).
     `handed`: a tensor the caller counts itself (the output a pipeline chunk keeps), left out
-    where no op of the layer reads it (then it is held from the op making it alone)."""
+    where no op of the layer reads it (then it is held from the op making it alone).
+    `split_at`: the index of an op (a fused attention) in `calls`: also the worst moments
+    before it ("pre"), at it ("at") and after it ("post"), above everything saved, unfloored
+    (`ActivationMemory.forward_attention`)."""
     T = len(calls)
     if T == 0:
-        return (0.0, {}) if per_op else 0.0
+        return (0.0, {}) if per_op or split_at is not None else 0.0
     idx = {n.name: t for t, n in enumerate(calls)}
     saved_at = np.zeros(T + 1)
     saver: dict[str, int] = {}
@@ -1618,6 +1696,10 @@ def _forward_over(calls: list, by_name: dict, base: dict, owner_node: dict, nbyt
     # before the op: its inputs gathered, its outputs not yet made, its own saves not yet made
     before = saved - saved_at[:T] + held - made[:T] + gather
     over = float(max(moments.max() - saved_total, before.max() - saved_total, 0.0))
+    if split_at is not None:
+        each = np.maximum(moments, before) - saved_total
+        parts = {"pre": each[:split_at], "at": each[split_at:split_at + 1], "post": each[split_at + 1:]}
+        return over, {k: float(v.max()) for k, v in parts.items() if v.size}
     if not per_op:
         return over
     prev = saved - saved_at[:T]

@@ -56,7 +56,23 @@ CASES = {
     # tensors, while the rank's own K and V stay alive inside the fused qkv projection's output
     # the query is a view of (`context_parallel.kept_kv_bytes`): was -4.2%, activations 845/781 KiB
     "cp2": {"dp": 1, "tp": 1, "pp": 1, "cp": 2, "recompute": "none"},
+    # cp with full recomputation, fp32: the tracked peak is in block 0's recomputed backward, at
+    # its MLP's, with the re-gathered K and V and the concatenated attention output alive (the
+    # re-run attention saved them); they were missing at that moment, the full-length K and V
+    # gradients added instead to the layer's worst moment (they live at the attention's
+    # backward alone): was -13.2%, activations 680/520 KiB (`context_parallel.
+    # _recomputed_attention`, `ActivationMemory.attention_regions`)
+    "cp2_full_fp32": {"dp": 1, "tp": 1, "pp": 1, "cp": 2, "recompute": "full"},
+    # pp2 x cp2, 1F1B, fp32, 4 processes: stage 0's peak is a backward moment of its MLP, where
+    # the full-length K and V gradients (and the causal calls' copies) of the attention's
+    # backward were counted, as activations: was +4.6%, activations 364/404 KiB
+    # (`context_parallel._saved_attention`, `ActivationMemory.attention_moments`)
+    "pp2_cp2_fp32": {"dp": 1, "tp": 1, "pp": 2, "cp": 2, "schedule": "1f1b", "num_microbatches": 4,
+                     "recompute": "none"},
 }
+# cases in another dtype than bf16, and on 4 processes
+DTYPES = {"cp2_full_fp32": "fp32", "pp2_cp2_fp32": "fp32"}
+NPROC = {"pp2_cp2_fp32": 4}
 # cases on another model than gpt-tiny: (model reference, global batch)
 MODELS = {"hf_gpt2_zero3": ("hf:gpt2?hidden_size=64&num_hidden_layers=2&num_attention_heads=4&seq_len=16"
                             "&vocab_size=128", 8),
@@ -69,8 +85,9 @@ PSI = 30080          # gpt-tiny's parameters (the embedding tied to the output l
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory) -> dict:
     folder = str(tmp_path_factory.mktemp("plans"))
-    specs = [{"name": k, "model": MODELS.get(k, ("gpt-tiny",))[0], "nproc": 2, "gbs": MODELS.get(k, (0, GBS))[1],
-              "dtype": "bf16", "constraints": c} for k, c in CASES.items()]
+    specs = [{"name": k, "model": MODELS.get(k, ("gpt-tiny",))[0], "nproc": NPROC.get(k, 2),
+              "gbs": MODELS.get(k, (0, GBS))[1], "dtype": DTYPES.get(k, "bf16"), "constraints": c}
+             for k, c in CASES.items()]
     done, skipped = make_plans(specs, folder)
     assert not skipped, [(s["name"], s["reason"]) for s in skipped]
     return {s["name"]: s for s in done}
@@ -121,10 +138,24 @@ def test_predicted_peak_within_tolerance_of_tracked(measured, case):
         assert abs(e) <= TOLERANCE, f"{case}: {100 * e:+.1f}% (tolerance {100 * TOLERANCE:.0f}%)\n{_table(rec)}"
 
 
+def test_cp_peaks_with_recomputation_and_in_a_pipeline_are_torchs(measured):
+    """The two context-parallel layouts the model missed most, each rank's predicted peak
+    against torch's tracked one, within 1.5% (was -13.2% and +4.6%), and the activations at the
+    peak within 2% (were 680/520 and 364/404 KiB)."""
+    for case in ("cp2_full_fp32", "pp2_cp2_fp32"):
+        rec = measured[case]
+        for r in _ranks(measured, case):
+            assert abs(r["error"]) <= 0.015, f"{case}: {100 * r['error']:+.1f}%\n{_table(rec)}"
+            got, pred = r["tracked_categories"]["activations"], r["predicted_categories"]["activations"]
+            assert abs(pred - got) <= 0.02 * got, f"{case} rank {r['rank']}: activations {got} / {pred:.0f}"
+
+
 # Per category (weights, gradients, optimizer, activations, buffers) at the peak, within 5% or
 # 2 KiB (the tracker's and the plan's categories split a few small tensors differently: FSDP's
 # unsharded parameter storages vs its flat all-gather output). Known misses, strict: none.
-CATEGORY_MISSES: dict[str, str] = {}
+CATEGORY_MISSES: dict[str, str] = {
+    "pp2_cp2_fp32": "stage 0's buffers at the peak 58/50 KiB (its MLP's backward temporaries; the "
+                    "total within 1.2%), as before session 31's cp fixes"}
 # (pp2_1f1b_full was one until the recomputed block's backward counted its output's gradient,
 # the receive buffer, once, and the tracker labelled the block's re-made residual sums as the
 # recomputation's activations: `memory_tracking.recomputing`; mlp_zero3_accum until a later
@@ -145,7 +176,7 @@ def test_predicted_categories_within_tolerance_of_tracked(measured, case):
 
 # Each phase's own peak (forward/backward, gradient sync, optimizer step: `StagePrediction.phases`
 # against `MemoryReport.phases`), every category. Known misses, strict:
-PHASE_MISSES: dict[str, str] = {}
+PHASE_MISSES: dict[str, str] = {"pp2_cp2_fp32": CATEGORY_MISSES["pp2_cp2_fp32"]}
 
 
 # Every phase of every plan is compared by category. Two were left out, each for gloo's timing:

@@ -367,12 +367,28 @@ def layer_cost(cost: LayerCost, cp: int, kv: float, tp: int, cluster: ClusterSpe
         else:
             out.rc_extra_s[r] = out.rc_extra_s.get(r, 0.0) + gather + copy_fwd
             out.rc_comm_s[r] = out.rc_comm_s.get(r, 0.0) + gather
-    # the full-length gradients of K and V before their reduce-scatter (a recomputed core also
-    # holds the re-gathered K and V), and for a causal attention the two calls' gradients of K
-    # and V (S/2cp tokens more than one call's) beside the rank-order gradient of one of them
-    # (in the forward likewise one gathered K or V beside its ordered copy): a moment of the
-    # layer's body (not the loss's)
+    # parameter gradients are whole on every cp rank: the first backward's moments keep theirs
+    for r, ms in cost.bwd_first.items():
+        out.bwd_first[r] = [[m[0] / cp, m[1] / cp, *m[2:]] for m in ms]
+    out.bwd_first_born = cost.bwd_first_born
+    # what the attention saves above its share (the gathered K and V, the rank's own where the
+    # query's storage keeps them, the concatenated output), and what its backward holds above
+    # its share besides (the full-length gradients of K and V before their reduce-scatter and,
+    # causal, the two calls' gradients of K and V, S/2cp tokens more than one call's, beside
+    # the rank-order gradient of one of them; in the forward likewise one gathered K or V
+    # beside its ordered copy)
+    saves = extra + cout + kept / tp / cp
+    grads = extra + (ckv / 2 + ckv / (2 * cp) if ckv else 0.0)
+    for r, regions in cost.rc_attention.items():
+        if r in _CORE_SAVED or r not in out.bwd_over:
+            continue
+        _recomputed_attention(out, r, regions, cp, saves, grads)
+    for r, mo in cost.attention_moments.items():
+        if r in _CORE_SAVED and r in out.bwd_over:
+            _saved_attention(out, r, mo, cp, saves, grads, ckv / 2, cout)
     for r in list(out.bwd_over):
+        if r in cost.rc_attention if r not in _CORE_SAVED else r in cost.attention_moments:
+            continue
         held = (extra if r in _CORE_SAVED else 2 * extra) + (ckv / 2 + ckv / (2 * cp) if ckv else 0.0)
         if not out.bwd_over_rc.get(r, False):
             # the moment may now be another one: its split into gradients and freed
@@ -389,6 +405,83 @@ def layer_cost(cost: LayerCost, cp: int, kv: float, tp: int, cluster: ClusterSpe
         else:
             out.bwd_over[r] += held
     return out
+
+
+def _saved_attention(out: LayerCost, r: str, mo: dict, cp: int, saves: float, grads: float, copy: float,
+                     cout: float) -> None:
+    """Under a policy that keeps the attention core's saved tensors (`out`: the layer's cost on
+    one cp rank, its token-proportional fields already over cp), its backward's moments
+    (`LayerCost.attention_moments`) with the attention's cp tensors where they are alive: the
+    full-length K and V gradients (`grads`) at its backward; its saves above its share
+    (`saves`, in `act_bytes`) freed after it; nothing before it (the block's later ops: the MLP's
+    backward, where the saves are counted in `act_bytes` already). The forward's moments
+    likewise by where they fall (`copy`: one gathered K or V, causal, beside its ordered copy
+    at the attention; `cout`: the concatenated output, made after it)."""
+    add = {"post": (0.0, 0.0), "at": (grads, grads), "pre": (-saves, 0.0), "loss": (0.0, 0.0)}
+    plain = [(k, v[0] / cp + add[k][0], v[1] / cp + add[k][1], v[2] / cp + add[k][0], v[3] / cp + add[k][1])
+             for k, v in mo.items() if k in add]
+    if not plain:
+        return
+    # the forward: before the attention its saves above its share are not yet made (they are
+    # counted in `act_bytes`); at it one gathered K or V beside its ordered copy (causal: `copy`),
+    # the concatenated output not yet made; after it as without cp; none below 0
+    fa = {"forward_pre": -saves, "forward_at": copy - cout, "forward_post": 0.0}
+    fw = [(v[0] / cp + fa[k], v[1] / cp + fa[k]) for k, v in mo.items() if k in fa]
+    fwd, fwd_given = (max([0.0] + [f[i] for f in fw]) for i in (0, 1))
+    body = [p for p in plain if p[0] != "loss"]
+    if r in out.bwd_over_body:
+        out.bwd_over_body[r] = max([p[1] for p in body] + [fwd])
+    _, val, g, *_ = max(plain, key=lambda p: p[1])
+    if fwd > val:
+        out.bwd_over[r], out.bwd_over_rc[r], out.bwd_over_grads[r] = fwd, True, 0.0
+    else:
+        out.bwd_over[r], out.bwd_over_rc[r], out.bwd_over_grads[r] = val, False, g
+    *_, gv, gg = max(plain, key=lambda p: p[3])
+    if r in out.bwd_given_backward:
+        out.bwd_given_backward[r] = gv
+    if r in out.bwd_over_given:
+        if fwd_given > gv:
+            out.bwd_over_given[r], out.bwd_over_given_rc[r], out.bwd_over_given_grads[r] = fwd_given, True, 0.0
+        else:
+            out.bwd_over_given[r], out.bwd_over_given_rc[r], out.bwd_over_given_grads[r] = gv, False, gg
+
+
+def _recomputed_attention(out: LayerCost, r: str, regions: list, cp: int, saves: float, grads: float) -> None:
+    """Under a policy that re-runs the attention core (`out`: the layer's cost on one cp rank,
+    its token-proportional fields already over cp), the recomputed regions' moments
+    (`LayerCost.rc_attention`) with the attention's cp tensors where they are alive: its saves
+    above its share (`saves`: the re-gathered K and V, the concatenated output) at every moment
+    before its backward (the block's later ops' backward: the worst moment of a recomputed
+    transformer block, in its MLP), and at its backward those and the full-length K and V
+    gradients (`grads`); none after it. Each moment stays where it was if larger (the forward's,
+    the loss's), else the region's takes its place, in the worst moment, the body's, the given
+    one's and the first backward's at the region's position."""
+    for reg in regions:
+        kinds = []
+        for k, add_acts, add_grads in (("pre", 0.0, 0.0), ("at", saves, grads), ("post", saves, 0.0)):
+            if k in reg:
+                m, g, given = reg[k]
+                kinds.append((m / cp + add_acts + add_grads, g / cp + add_grads, given / cp))
+        if not kinds:
+            continue
+        val, g, given = max(kinds)
+        if val > out.bwd_over[r]:
+            out.bwd_over[r], out.bwd_over_rc[r], out.bwd_over_grads[r] = val, True, g
+        if r in out.bwd_over_body:
+            out.bwd_over_body[r] = max(out.bwd_over_body[r], val)
+        gv = max(v - gi for v, _, gi in kinds)
+        gk = max(kinds, key=lambda x: x[0] - x[2])
+        if r in out.bwd_over_given and gv > out.bwd_over_given[r]:
+            out.bwd_over_given[r], out.bwd_over_given_rc[r] = gv, True
+            out.bwd_over_given_grads[r] = gk[1] - gk[2]
+        if r in out.bwd_given_backward:
+            out.bwd_given_backward[r] = max(out.bwd_given_backward[r], gv)
+        ats, ms = out.bwd_first_at.get(r), out.bwd_first.get(r)
+        if ats and ms and reg["position"] in ats:
+            i = ats.index(reg["position"])
+            cand = [val - g, g, reg["param_grads"]]
+            if sum(cand) > sum(ms[i][:3]):
+                out.bwd_first[r] = [*ms[:i], cand + list(ms[i][3:]), *ms[i + 1:]]
 
 
 def collectives(graph: OpGraph, layers: list[Layer], k: int, j: int, recompute: str) -> Counter:

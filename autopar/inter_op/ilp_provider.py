@@ -578,7 +578,8 @@ def _differing(alt: LayerCost, c: LayerCost) -> dict | None:
     diff: dict = {}
     for k in ("act_bytes", "bwd_over", "bwd_over_rc", "bwd_over_grads", "bwd_over_body", "bwd_over_loss",
               "out_saved", "in_saved", "kept_saved", "bwd_over_given", "bwd_over_given_rc",
-              "bwd_over_given_grads", "bwd_given_backward", "bwd_first", "bwd_first_at", "bwd_first_born"):
+              "bwd_over_given_grads", "bwd_given_backward", "bwd_first", "bwd_first_at", "bwd_first_born",
+              "rc_attention", "attention_moments"):
         d = {rc: v for rc, v in getattr(alt, k).items() if v != getattr(c, k).get(rc)}
         if d:
             diff[k] = d

@@ -91,6 +91,14 @@ class LayerCost:
     # of each moment's parameter gradients, those made by the layer's other modules, by their
     # position (a str key: `ActivationMemory.first_born`), by policy
     bwd_first_born: dict[str, list] = field(default_factory=dict)
+    # the recomputed regions holding a fused attention op, their moments by where they fall
+    # against its backward (`ActivationMemory.attention_regions`), by policy: what context
+    # parallelism adds to each kind (`context_parallel.layer_cost`)
+    rc_attention: dict[str, list] = field(default_factory=dict)
+    # the same for the backward's moments outside recomputed regions
+    # (`ActivationMemory.attention_moments`) and the forward's ("forward_pre", "forward_at",
+    # "forward_post": `ActivationMemory.forward_attention`), by policy
+    attention_moments: dict[str, dict] = field(default_factory=dict)
     # of the tensor it hands to the next layer, and of the one it receives, the bytes its own ops
     # save (counted in act_bytes), by policy: the same tensor counted by two layers
     out_saved: dict[str, float] = field(default_factory=dict)
@@ -237,6 +245,11 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
         if am.forward_over_bytes > max((sum(m) for m in moments), default=0.0):
             at, moments, born = at + [MAIN_UNIT], moments + [[am.forward_over_bytes, 0.0, 0.0]], born + [{}]
         c.bwd_first[rc], c.bwd_first_at[rc], c.bwd_first_born[rc] = moments, at, born
+        if am.attention_regions:
+            c.rc_attention[rc] = am.attention_regions
+        if am.attention_moments:
+            c.attention_moments[rc] = {**am.attention_moments,
+                                       **{f"forward_{k}": v for k, v in am.forward_attention.items()}}
         c.out_saved[rc] = am.saved_of(out_name)
         c.in_saved[rc] = am.saved_of(in_name)
         c.kept_saved[rc] = am.kept_bytes
