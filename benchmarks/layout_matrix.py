@@ -14,7 +14,10 @@ called `mixer` (`tests.user_models:renamed_gpt`). Layouts, 4 gloo processes: dp4
 tp4, dp2 x tp2 (without ZeRO and with ZeRO-3), pp2 x dp2 (1F1B), pp2 x tp2 (GPipe), pp4 with
 GPipe and with 1F1B, pp2 x dp2 interleaved (2 chunks per rank; pp4 with 2 chunks each needs 8
 layers), dp4 with selective and pp2 x dp2 with full recomputation, and the free plan
-(`autopar.plan` unconstrained). Each is planned by `autopar.plan` with the layout pinned
+(`autopar.plan` unconstrained). `--architectures`: the same layouts of 16 Hugging Face
+architectures autopar has no `hf:` family for (`tests/hf_architectures.py`: Falcon, GPTBigCode,
+GPT-J, GPT-NeoX, Phi, Phi-3, BLOOM, Gemma, Qwen-2/3, Mistral, OLMo, StableLM, StarCoder-2,
+Cohere), each wrapped as a user would. Each is planned by `autopar.plan` with the layout pinned
 (`autopar.Constraints`), run for `--steps` steps by the runtime (one 4-process launch per
 model), and compared with the same model planned for and run on one process: the largest
 relative difference of a step's loss (target 1e-4) and whether the counted collectives of every
@@ -47,6 +50,11 @@ MODELS = {
     "hf-llama": f"hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2&{_TINY}",
     "renamed": "tests.user_models:renamed_gpt",
 }
+# Hugging Face architectures without an `hf:` family, wrapped by a user (`--architectures`)
+ARCHITECTURE_MODELS = {f"hf-{name}": f"tests.hf_architectures:{name}"
+                       for name in ("falcon", "falcon_new", "bigcode", "gptj", "neox", "phi", "phi3", "bloom",
+                                    "gemma", "qwen2", "qwen3", "mistral", "olmo", "stablelm", "starcoder2",
+                                    "cohere")}
 LAYOUTS: dict[str, dict] = {
     "dp4 zero0": dict(dp=4, tp=1, pp=1, zero_stage=0),
     "dp4 zero1": dict(dp=4, tp=1, pp=1, zero_stage=1),
@@ -218,6 +226,9 @@ def main() -> None:
     ap.add_argument("--only", default="", help="the (model, layout) pairs whose 'model layout' contains this")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="one JSON record per layout")
+    ap.add_argument("--architectures", action="store_true",
+                    help="the 16 Hugging Face architectures of tests/hf_architectures.py instead of the six "
+                         "models (about 30 minutes)")
     ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -228,8 +239,9 @@ def main() -> None:
 
             hard_exit(0 if sys.exc_info()[0] is None else 1)
     t0 = time.perf_counter()
-    pairs = [(m, lay) for m in MODELS for lay in LAYOUTS if a.only in f"{m} {lay}"]
-    models = {m: MODELS[m] for m in dict.fromkeys(m for m, _ in pairs)}
+    pool = ARCHITECTURE_MODELS if a.architectures else MODELS
+    pairs = [(m, lay) for m in pool for lay in LAYOUTS if a.only in f"{m} {lay}"]
+    models = {m: pool[m] for m in dict.fromkeys(m for m, _ in pairs)}
     with tempfile.TemporaryDirectory(prefix="autopar-matrix-") as d:
         planned, failed = [], []
         for m, ref in models.items():

@@ -30,7 +30,7 @@ _TINY = "num_hidden_layers=4&num_attention_heads=4&seq_len=16&vocab_size=128"
 # (none) and the losses can be compared with one process
 HF_GPT2 = f"hf:gpt2?hidden_size=64&{_TINY}&resid_pdrop=0&embd_pdrop=0&attn_pdrop=0"
 HF_GPT2_DROPOUT = f"hf:gpt2?hidden_size=64&{_TINY}"     # its default dropout, 0.1
-FALCON = "tests.user_models:falcon"
+FALCON = "tests.hf_architectures:falcon"
 HF_LLAMA = f"hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2&{_TINY}"
 HF_LLAMA_KV4 = f"hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=4&{_TINY}"
 STEPS = 2    # the second step: collectives after the warm-up, on weights the first updated
@@ -212,7 +212,7 @@ def test_an_empty_tensor_changes_layout_without_a_collective():
     pytest.importorskip("transformers")
     from autopar.runtime.verify import verify
 
-    ref = "tests.user_models:phi3"
+    ref = "tests.hf_architectures:phi3"
     p = shared_plan(ref, 4, constraints=autopar.Constraints(dp=1, tp=4, pp=1))
     r = verify(p, ref, jobs=1)
     assert r.ok and r.collectives_match, r.failures
@@ -227,7 +227,7 @@ def test_a_device_program_numbered_otherwise_is_matched_before_it_is_cut():
     pytest.importorskip("transformers")
     from autopar.runtime.verify import verify
 
-    ref = "tests.user_models:bigcode"
+    ref = "tests.hf_architectures:bigcode"
     p = shared_plan(ref, 4, constraints=autopar.Constraints(dp=1, tp=2, pp=2, schedule="1f1b", num_microbatches=2))
     r = verify(p, ref, jobs=1)
     assert r.ok and r.collectives_match, r.failures
