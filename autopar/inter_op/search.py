@@ -1673,7 +1673,7 @@ class Search:
 
         if self.cons.expert_tp is not None:
             return True
-        why = etp_unexecuted(pp, cp, zero, solved)
+        why = etp_unexecuted(pp, cp, zero, solved and self._executor)
         if why:
             self.skipped[f"expert_tp={tp} dp={dp} tp={tp} pp={pp} zero={zero}"] = (
                 f"expert tensor parallelism with {', '.join(why)} is not executed by the runtime (pin expert_tp "
