@@ -100,6 +100,8 @@ def launched(tmp_path_factory) -> dict:
         # test_ep_with_tp_trains_like_one_process
         **{f"tp_analytic_zero{z}": _plan(2, dp=2, tp=2, zero_stage=z) for z in (0, 1)},
         **{f"tp_solved_zero{z}": _solved(z) for z in (0, 2, 3)},
+        # test_expert_tp_trains_like_one_process
+        **{f"etp_zero{z}": _etp(z) for z in (0, 1)},
     }
     try:
         import transformers  # noqa: F401
@@ -133,6 +135,9 @@ def launched(tmp_path_factory) -> dict:
         plans["qwen_ep2_tp2"] = _memo(("qwen_ep2_tp2",), lambda: plan(
             _QWEN, _cpu(4), global_batch_size=8, dtype="fp32",
             constraints=Constraints(dp=2, tp=2, pp=1, ep=2, zero_stage=0, recompute="none", num_microbatches=1)))
+        # test_expert_tp_trains_like_one_process
+        plans["mixtral_etp2"] = _etp(0, ref=_MIXTRAL)
+        plans["qwen_etp2"] = _etp(0, ref=_QWEN)
     options = {"ep4_zero1": {"steps": 3}, "ep2_zero2": {"steps": 3}, "ep2_pp2": {"checkpoint_dir": str(ckpt)}}
     rows = run_plans(folder, plans, 4, steps=2, options=options)
     out: dict = {"checkpoint": ckpt}
@@ -801,3 +806,26 @@ def test_expert_tp_errors_and_refusals_name_the_field():
         assert "expert tensor parallelism (expert_tp=2) planned, not yet executed" in q.search["ep_executor"]
         with pytest.raises(PlanError, match=rf"expert_tp=2.*{why}.*Constraints\(expert_tp=1\)"):
             check_executable(q)
+
+
+@pytest.mark.slow
+def test_expert_tp_trains_like_one_process(launched):
+    """4 gloo processes, ep 2 x dp 2 x tp 2 with expert_tp=2, op by op as the ILP solved it:
+    each rank holds half of each of its 4 (moe-tiny; 2 of Mixtral's and Qwen-MoE's 4) experts
+    (gate/up rows of both halves, down columns), runs the rows its ep group sends it through
+    them and all-reduces the experts' output over tp (forward) and their input's gradient
+    (backward). moe-tiny under ZeRO 0 and 1, Hugging Face's Mixtral and Qwen-MoE (its shared
+    expert beside, dense) under ZeRO 0: losses equal one process within 1e-4 and every step's
+    collectives the plan's (with the ETP all-reduces: 2 per block and micro-batch)."""
+    want = _one_process_losses(2)
+    for name in ("etp_zero0", "etp_zero1"):
+        p, steps = launched[name]
+        assert p.experts.expert_tp == 2 and p.stages[0].op_layouts is not None
+        assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4), name
+        assert all(r["collectives"] == p.predicted.collectives for r in steps), \
+            (name, [r["collectives"] for r in steps], p.predicted.collectives)
+    pytest.importorskip("transformers")
+    for name, ref in (("mixtral_etp2", _MIXTRAL), ("qwen_etp2", _QWEN)):
+        p, steps = launched[name]
+        assert p.experts.expert_tp == 2 and "ep_executor" not in p.search
+        _assert_one_process_losses_and_plan_collectives(ref, p, steps)
