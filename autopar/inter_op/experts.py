@@ -33,8 +33,9 @@ projection's input rows, `capture.experts.tp_split`) and runs every pair it rece
   links (`axis_collective_time` over ranks 0..tp-1, tp the innermost axis); once more in the
   forward under full recomputation.
 
-The activations the experts save are not divided by etp (an over-estimate of ETP's peak: the
-gate/up outputs a rank keeps are 1/etp of the replicated ones).
+* activations: what the block's ops save for the backward from the input projections' outputs
+  to the output projection's input (the gate/up products, the activation, their product:
+  `split_saved`) 1/etp of it.
 
 `EP_IMBALANCE` is an estimate, not a measurement: the most-loaded rank of an ep group
 receives 10% more pairs than the mean. Trained with a balance loss (the zoo MoE's, Mixtral's,
@@ -58,7 +59,7 @@ from autopar.inter_op.stage_cost import LayerCost
 from autopar.schema import ClusterSpec
 from cost_models.communication import axis_collective_time
 from cost_models.compute import bytes_scale, grouped_gemm_time
-from cost_models.memory import INDEX_SOURCE_WRITES
+from cost_models.memory import INDEX_SOURCE_WRITES, saved_tensors, tensor_bases
 
 EP_IMBALANCE = 1.1        # an estimate (see the module docstring)
 # all-to-alls per expert block and micro-batch, as `autopar.runtime.experts` issues them
@@ -92,6 +93,7 @@ class ExpertCosting:
         self._devices: dict[int, Any] = {}
         self._gemm_sigs: dict[str, tuple] = {}      # `_block_gemms`, by the block's module
         self._combine: dict[str, list] = {}          # `combine_saved`'s sources (per sample), by block
+        self._split: dict[str, list] = {}            # `split_saved`'s tensors (per sample), by block
 
     @functools.cached_property
     def _g1(self) -> OpGraph:
@@ -170,6 +172,8 @@ class ExpertCosting:
                 c.bwd_s += dbwd
                 c.rc_extra_s["full"] = c.rc_extra_s.get("full", 0.0) + dfwd
                 extra = self.combine_saved(b, mb, dtype)
+                if etp > 1:
+                    extra -= self.split_saved(b, mb, dtype) * (1 - 1 / etp)
                 if extra:
                     c.act_bytes = {r: v + (extra if r != "full" else 0.0) for r, v in c.act_bytes.items()}
             out[i] = c
@@ -198,6 +202,32 @@ class ExpertCosting:
                     per_sample.append(src.outputs[0])
             self._combine[b.module] = per_sample
         return sum(o.nbytes * bytes_scale(o.dtype, dtype) * mb for o in self._combine[b.module])
+
+    def split_saved(self, b: ExpertBlock, mb: int, dtype: str) -> float:
+        """Bytes of what `b`'s ops save for their backward that expert tensor parallelism splits
+        over tp, a micro-batch of `mb` samples: the tensors from the input projections' outputs
+        up to the output projection's input (each read by ops of the block that derive from
+        them), by storage (a chunk of the fused gate/up output is a view of it), as
+        `cost_models.memory.saved_tensors` says each op keeps them."""
+        if b.module not in self._split:
+            g = self._g1
+            by_name = {n.name: n for n in g.nodes}
+            inside = [n for n in g.nodes if n.kind == "call" and (
+                (n.module_path or "") == b.module or (n.module_path or "").startswith(b.module + "."))]
+            split = set(b.gemms[:-1])
+            for n in inside:
+                if n.name not in b.gemms and any(i in split for i in n.inputs):
+                    split.add(n.name)
+            base = tensor_bases(inside, by_name, dtype=dtype)
+            kept: dict[str, Any] = {}
+            for n in inside:
+                for name, nbytes in saved_tensors(n, by_name, dtype):
+                    if nbytes is None and name in split:
+                        owner = by_name.get(base.get(name, name))
+                        if owner is not None and owner.outputs:
+                            kept[owner.name] = owner.outputs[0]
+            self._split[b.module] = list(kept.values())
+        return sum(o.nbytes * bytes_scale(o.dtype, dtype) * mb for o in self._split[b.module])
 
     def _gemm_delta(self, b: ExpertBlock, ep: int, mb: int, dev, dtype: str, etp: int = 1) -> tuple[float, float]:
         """(forward, backward) seconds the block's expert GEMMs change by with ep: E / ep groups
