@@ -762,6 +762,12 @@ def test_expert_tp_plan_records_the_split_and_search_chooses_by_time_under_memor
     assert [b.tp_split for b in etp.experts.blocks] == [[(1, 2), (2, 1)]] * 2
     assert "each expert tensor-parallel over tp=2 (expert_tp" in etp.summary() and "ep_executor" not in etp.search
     assert Plan.from_json(etp.to_json()) == etp
+    old = json.loads(rep.to_json())       # format 11, before expert_tp: read as replicated over tp
+    old["format_version"] = 11
+    old["experts"].pop("expert_tp")
+    for b in old["experts"]["blocks"]:
+        b.pop("tp_split")
+    assert Plan.from_json(json.dumps(old)).experts.expert_tp == 1
     added = {k: etp.predicted.collectives.get(k, 0) - rep.predicted.collectives.get(k, 0)
              for k in set(etp.predicted.collectives) | set(rep.predicted.collectives)}
     assert {k: v for k, v in added.items() if v} == {"all_reduce": 2 * 2 * 2}
