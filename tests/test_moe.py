@@ -754,7 +754,8 @@ def test_expert_tp_plan_records_the_split_and_search_chooses_by_time_under_memor
     plan counts one all-reduce per block and micro-batch forward and one backward on top of the
     replicated plan's. Left free, the search takes the faster of expert_tp 1 and 2 (on the CPU
     profile the tiny experts' all-reduces cost more than their halved GEMMs save: 1), and
-    expert_tp 2 where only it fits the memory."""
+    expert_tp 2 where only it fits the memory. `autopar verify` checks the plan's shards and
+    collectives."""
     from cost_models.memory import USABLE_FRACTION
 
     rep, etp = _etp(0, etp=1), _etp(0)
@@ -768,6 +769,13 @@ def test_expert_tp_plan_records_the_split_and_search_chooses_by_time_under_memor
     for b in old["experts"]["blocks"]:
         b.pop("tp_split")
     assert Plan.from_json(json.dumps(old)).experts.expert_tp == 1
+    # `autopar verify`: each rank's expert slices the plan's (E/ep experts, half of each split
+    # dim), the ETP all-reduces counted apart from the solved layouts' tp collectives
+    import autopar
+
+    for q in (etp, _etp(1)):
+        report = autopar.verify(q, "moe-tiny")
+        assert report.ok and report.collectives_match is True, report.failures
     added = {k: etp.predicted.collectives.get(k, 0) - rep.predicted.collectives.get(k, 0)
              for k in set(etp.predicted.collectives) | set(rep.predicted.collectives)}
     assert {k: v for k, v in added.items() if v} == {"all_reduce": 2 * 2 * 2}

@@ -95,9 +95,11 @@ def expected_shards(plan: Plan, model: nn.Module, rank: int, *,
                 continue   # the model has no such parameter: the build reports it
             shape = list(shapes[name])
             if name in per_rank and shape:
-                shape[0] = per_rank[name]
-                if name in etp_split and tp_size > 1:       # expert tensor parallelism: 1/tp of its dim
+                if name in etp_split and tp_size > 1 and shape[0] != per_rank[name]:
+                    # expert tensor parallelism: 1/tp of its split dim (a shape read off the
+                    # whole stack; one with E/ep experts is a built rank's slice, already split)
                     shape[etp_split[name]] //= tp_size
+                shape[0] = per_rank[name]
             sel = {pl[i] for i in tp}
             d = shard_dim(sel.pop()) if len(sel) == 1 else None
             if d is not None and tp_size > 1 and d < len(shape):
