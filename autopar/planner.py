@@ -433,7 +433,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
         if etp_why:
             ep_why = "; ".join(w for w in (ep_why, f"expert tensor parallelism (expert_tp={c.etp}) planned, not "
                                            f"yet executed by `autopar run` with {', '.join(etp_why)} (it runs "
-                                           f"op by op as solved in one stage, without cp, under ZeRO 0 or 1)")
+                                           f"op by op as solved in one stage, without cp)")
                                if w)
     return Plan(autopar_version=__version__, model=info, cluster=spec,
                 software=getattr(res.provider, "software", None) or software_for_cluster(None, spec), dtype=dtype,
@@ -472,10 +472,10 @@ def etp_unexecuted(pp: int, cp: int, zero: int, solved: bool) -> list[str]:
     """What of a layout with expert tensor parallelism the runtime does not execute (empty where
     it does: `runtime.experts.check_executable`'s conditions, which the search cannot import):
     it runs op by op as solved (each expert block's ops as the rank's exchange and its tp slice
-    of the experts), in one stage, without cp, under ZeRO 0 or 1."""
+    of the experts), in one stage, without cp, under any ZeRO stage (`zero`: kept for the
+    callers, every stage runs)."""
     return [w for w, bad in (("DTensor's path (no solved op layouts)", not solved),
-                             ("pipeline stages", pp > 1), ("context parallelism", cp > 1),
-                             (f"ZeRO-{zero}", zero > 1)) if bad]
+                             ("pipeline stages", pp > 1), ("context parallelism", cp > 1)) if bad]
 
 
 def _ep_executor(c: Candidate, solved: bool) -> str:

@@ -49,9 +49,11 @@ every tp rank of its ep group's tp coordinate, so the model's experts module run
 the rank's slices and its output, partial sums over tp, is all-reduced over the stage's tp group
 (`_ReduceFromTP`), the gradient of its input likewise in the backward (`_CopyToTP`): per block
 and micro-batch one all-reduce forward, one backward (`inter_op.experts.ETP_FORWARD`,
-`ETP_BACKWARD`). Executed op by op as solved in one stage without cp, under ZeRO 0 or 1
-(`check_executable`); checkpoints and `full_state` of such plans are refused (a stacked
-weight's whole view would interleave the tp slices of a fused gate/up projection).
+`ETP_BACKWARD`). Executed op by op as solved in one stage without cp, under any ZeRO stage
+(`check_executable`; ZeRO-1/2's expert shard and ZeRO-3's expert FSDP units over the ranks
+holding the same experts, as without ETP, hold the rank's tp slices); checkpoints and
+`full_state` of such plans are refused (a stacked weight's whole view would interleave the tp
+slices of a fused gate/up projection).
 """
 
 from __future__ import annotations
@@ -84,11 +86,10 @@ def check_executable(plan: Plan) -> None:
         solved = all(s.op_layouts is not None for s in plan.stages)
         why = [w for w, bad in (("DTensor's path (no solved op layouts)", not solved),
                                 ("pipeline stages", len({tuple(s.devices) for s in plan.stages}) > 1),
-                                ("context parallelism", plan.cp > 1),
-                                (f"ZeRO-{plan.zero_stage}", plan.zero_stage > 1)) if bad]
+                                ("context parallelism", plan.cp > 1)) if bad]
         if why:
             raise PlanError(f"expert tensor parallelism (expert_tp={etp}) is executed op by op as solved, in one "
-                            f"stage without cp, under ZeRO 0 or 1; the plan has {', '.join(why)}: re-plan with "
+                            f"stage without cp; the plan has {', '.join(why)}: re-plan with "
                             f"Constraints(expert_tp=1) (the experts replicated over tp) or within those")
     tp = plan.tp > 1
     solved = all(s.op_layouts is not None for s in plan.stages)

@@ -217,6 +217,10 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
             other = [tuple(dist.get_process_group_ranks(pm.dp_group))] if pm.zero3 and pm.dp_group is not None else []
             if pm.expert_groups is not None:
                 other.append(tuple(dist.get_process_group_ranks(pm.expert_groups.ep_group)))
+                if pm.expert_groups.edp_group is not None:
+                    # the experts' own gradient sync, ZeRO shard or FSDP units over the ranks
+                    # holding the same experts (`ExpertGroups`)
+                    other.append(tuple(dist.get_process_group_ranks(pm.expert_groups.edp_group)))
             if pm.cp is not None:
                 # context parallelism's exchange and loss count on its cp group (`runtime.context_parallel`)
                 other.append(tuple(dist.get_process_group_ranks(pm.cp.group)))
