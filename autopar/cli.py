@@ -136,6 +136,8 @@ def _long_lived() -> None:
 @click.option("--zero-stage", type=int)
 @click.option("--ep", type=int, help="pin the expert-parallel degree of a mixture-of-experts model (divides dp "
               "and the expert count); default: searched")
+@click.option("--expert-tp", type=int, help="pin expert tensor parallelism with ep > 1: 1, the experts replicated "
+              "over tp; tp, each expert split over the tp ranks; default: searched")
 @click.option("--stage-tp", callback=lambda ctx, param, v: _degrees(v), metavar="T1,T2,...",
               help="pin each pipeline stage's tensor-parallel degree, in model order (stages may differ, "
                    "Alpa's sub-mesh choice: e.g. 1,1,2)")

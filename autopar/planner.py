@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from autopar.capture import OpGraph, capture
 from autopar.capture.cache import cache_directory
+from autopar.capture.experts import tp_split
 from autopar.inter_op import context_parallel
 from autopar.inter_op.dtensor_counts import LayerCounts, dtensor_stage_counts, dtensor_tp_counts
 from autopar.inter_op.experts import EP_IMBALANCE, ExpertCosting
@@ -375,7 +376,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
     experts = res.experts if c.ep > 1 else None
     if experts is not None:
         for _, d, _, (k, j) in chunks:
-            coll.update(experts.expert_collectives(range(k, j), m, c.stages[d].recompute))
+            coll.update(experts.expert_collectives(range(k, j), m, c.stages[d].recompute, c.etp))
         # the ranks holding the same experts: the stage's dp x cp ranks (each a replica of the
         # tokens' sync group, `runtime.experts.expert_meshes`) over ep
         copies = c.dp * c.cp // c.ep
@@ -427,6 +428,13 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
     info = ModelInfo(name=bundle.name, num_params=graph.num_params, fingerprint=graph.fingerprint(),
                      num_layers=max(1, len(layers)), flops_per_sample=3 * fwd1, tokens_per_sample=tokens)
     ep_why = _ep_executor(c, all(sp.op_layouts is not None for sp in stage_plans)) if c.ep > 1 else ""
+    if c.etp > 1:
+        etp_why = etp_unexecuted(c.pp, c.cp, c.zero, all(sp.op_layouts is not None for sp in stage_plans))
+        if etp_why:
+            ep_why = "; ".join(w for w in (ep_why, f"expert tensor parallelism (expert_tp={c.etp}) planned, not "
+                                           f"yet executed by `autopar run` with {', '.join(etp_why)} (it runs "
+                                           f"op by op as solved in one stage, without cp)")
+                               if w)
     return Plan(autopar_version=__version__, model=info, cluster=spec,
                 software=getattr(res.provider, "software", None) or software_for_cluster(None, spec), dtype=dtype,
                 global_batch_size=gbs, microbatch_size=c.mb, num_microbatches=m,
@@ -452,10 +460,22 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
 def _expert_plan(experts: ExpertCosting, c: Candidate, dtype: str) -> ExpertParallelism:
     """`Plan.experts` of a candidate with expert parallelism."""
     blocks = [b for bs in experts.by_layer.values() for b in bs]
-    return ExpertParallelism(ep=c.ep, expert_dp=c.dp // c.ep, imbalance=EP_IMBALANCE,
+    return ExpertParallelism(ep=c.ep, expert_dp=c.dp // c.ep, imbalance=EP_IMBALANCE, expert_tp=c.etp,
                              dispatch_bytes=experts.dispatch_bytes(blocks[0], c.mb, dtype),
                              blocks=[ExpertBlockPlan(module=b.module, num_experts=b.num_experts, top_k=b.top_k,
-                                                     weights=list(b.weights)) for b in blocks])
+                                                     weights=list(b.weights),
+                                                     tp_split=list(tp_split(experts.graph, b)) if c.etp > 1 else [])
+                                     for b in blocks])
+
+
+def etp_unexecuted(pp: int, cp: int, zero: int, solved: bool) -> list[str]:
+    """What of a layout with expert tensor parallelism the runtime does not execute (empty where
+    it does: `runtime.experts.check_executable`'s conditions, which the search cannot import):
+    it runs op by op as solved (each expert block's ops as the rank's exchange and its tp slice
+    of the experts), in one stage, without cp, under any ZeRO stage (`zero`: kept for the
+    callers, every stage runs)."""
+    return [w for w, bad in (("DTensor's path (no solved op layouts)", not solved),
+                             ("pipeline stages", pp > 1), ("context parallelism", cp > 1)) if bad]
 
 
 def _ep_executor(c: Candidate, solved: bool) -> str:

@@ -81,7 +81,7 @@ def test_a_cp_plan_round_trips_and_short_sequences_search_as_before(tmp_path):
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
     p = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32",
              constraints=Constraints(cp=2, dp=2, tp=1, pp=1, num_microbatches=2, recompute="none"))
-    assert p.format_version == PLAN_FORMAT_VERSION == 11 and (p.dp, p.cp, p.tp) == (2, 2, 1)
+    assert p.format_version == PLAN_FORMAT_VERSION >= 11 and (p.dp, p.cp, p.tp) == (2, 2, 1)
     st = p.stages[0]
     assert st.mesh_axis_names == ("dp", "cp", "tp") and all(len(pl) == 3 for pl in st.placements.values())
     # 2 layers x 2 micro-batches x (K, V); per micro-batch the loss's token count all-reduced

@@ -100,6 +100,8 @@ def launched(tmp_path_factory) -> dict:
         # test_ep_with_tp_trains_like_one_process
         **{f"tp_analytic_zero{z}": _plan(2, dp=2, tp=2, zero_stage=z) for z in (0, 1)},
         **{f"tp_solved_zero{z}": _solved(z) for z in (0, 2, 3)},
+        # test_expert_tp_trains_like_one_process
+        **{f"etp_zero{z}": _etp(z) for z in (0, 1)},
     }
     try:
         import transformers  # noqa: F401
@@ -133,6 +135,9 @@ def launched(tmp_path_factory) -> dict:
         plans["qwen_ep2_tp2"] = _memo(("qwen_ep2_tp2",), lambda: plan(
             _QWEN, _cpu(4), global_batch_size=8, dtype="fp32",
             constraints=Constraints(dp=2, tp=2, pp=1, ep=2, zero_stage=0, recompute="none", num_microbatches=1)))
+        # test_expert_tp_trains_like_one_process
+        plans["mixtral_etp2"] = _etp(0, ref=_MIXTRAL)
+        plans["qwen_etp2"] = _etp(0, ref=_QWEN)
     options = {"ep4_zero1": {"steps": 3}, "ep2_zero2": {"steps": 3}, "ep2_pp2": {"checkpoint_dir": str(ckpt)}}
     rows = run_plans(folder, plans, 4, steps=2, options=options)
     out: dict = {"checkpoint": ckpt}
@@ -477,6 +482,10 @@ def test_hf_mixtral_ep_cp_with_pp_or_tp_trains_like_one_process(tmp_path):
              "tp": plan(_MIXTRAL, _cpu(8), global_batch_size=4, dtype="fp32",
                         constraints=Constraints(tp=2, pp=1, num_microbatches=1, **common))}
     assert plans["tp"].stages[0].op_layouts is not None
+    import autopar
+
+    report = autopar.verify(plans["etp_edp2_zero3"], "moe-tiny")
+    assert report.ok and report.collectives_match is True, report.failures
     rows = run_plans(tmp_path, plans, 8, steps=2)
     for name, p in plans.items():
         assert p.ep == p.cp == 2 and "cp_executor" not in p.search and "ep_executor" not in p.search, p.search
@@ -672,3 +681,196 @@ def test_router_softmax_is_no_attention_core_so_selective_recomputes_attention_a
             alone = op_list_time(sdpa, cl.device, "bf16", index=gg._index).forward_s
             assert alone > 0 and c.rc_extra_s["selective"] == pytest.approx(alone, rel=1e-9)
             assert c.rc_extra_s["selective"] < 0.5 * c.rc_extra_s["full"]
+
+
+# -- expert tensor parallelism (ETP) -----------------------------------------------------------
+
+def _etp(zero_stage: int, etp=2, ref: str = "moe-tiny", **pins) -> Plan:
+    """ep 2 x dp 2 x tp 2 on 4 CPU processes as the ILP solves it, expert_tp pinned (made once)."""
+    mb = 2 if ref == "moe-tiny" else 1
+    cons = dict(ep=2, dp=2, tp=2, pp=1, zero_stage=zero_stage, recompute="none", num_microbatches=mb,
+                expert_tp=etp)
+    cons.update(pins)
+    n = cons["dp"] * cons["tp"] * cons["pp"]
+    return _memo(("etp", ref, n, tuple(sorted(cons.items()))), lambda: plan(
+        ref, _cpu(n), global_batch_size=8, dtype="fp32", constraints=Constraints(**cons)))
+
+
+def test_expert_tp_costs_weights_gemms_and_the_tp_all_reduce_by_hand():
+    """ETP's cost terms for moe-tiny (8 experts, hidden 32, expert width 16, top-2, 16 tokens
+    per sample) at micro-batch 2, ep 2, tp 2, against figures worked out by hand: each rank holds
+    1/(ep x tp) of each stacked weight; the experts' output all-reduced over the 2 tp ranks in
+    the forward and their input gradient in the backward, each 2 x 16 x 2 rows x 32 x 4 B x the
+    imbalance (once more in a full recomputation's forward); each grouped GEMM 1/tp of its FLOPs
+    and of its split operand's bytes (gate/up: its output; down: its input), E/ep = 4 groups."""
+    from autopar.inter_op.experts import ETP_BACKWARD, ETP_FORWARD, ExpertCosting
+    from autopar.inter_op.layers import build_layers
+    from autopar.inter_op.stage_cost import AnalyticProvider
+    from cost_models.compute import grouped_gemm_time
+
+    b = build_model("moe-tiny", batch_size=2)
+    g = capture(b.model, b.example_inputs, name="moe-tiny")
+    layers = build_layers(g, b.model)
+    cl, mb, tp, ep = _cpu(4), 2, 2, 2
+    pr = AnalyticProvider(g, layers, cl, "fp32")
+    costs = [pr.cost(lay, mb, tp) for lay in layers]
+    ec = ExpertCosting(g, layers)
+    assert ec.tp_degrees(2) == [1, 2] and ec.tp_degrees(2, pinned=2) == [2] and ec.tp_degrees(32) == [1]
+    one = ec.layer_costs(costs, ep, mb, tp, cl, "fp32", etp=1)
+    two = ec.layer_costs(costs, ep, mb, tp, cl, "fp32", etp=2)
+    rows = mb * 16 * 2
+    ar = axis_collective_time("all_reduce", rows * 32 * 4 * EP_IMBALANCE, cl, [0, 1])
+    dev = cl.device
+
+    def gemm(flops, x, y, w, split_out, etp):
+        # (input rows' bytes x, output's y, weight's w) per micro-batch, the imbalance on the rows
+        if etp == 1:
+            return grouped_gemm_time(flops * EP_IMBALANCE, (x + y) * EP_IMBALANCE + w / ep, 4, dev, "fp32")
+        x, y = (x, y / etp) if split_out else (x / etp, y)
+        return grouped_gemm_time(flops * EP_IMBALANCE / etp, (x + y) * EP_IMBALANCE + w / (ep * etp), 4, dev, "fp32")
+
+    def gemms(etp):
+        up = gemm(2 * rows * 32 * 32, rows * 32 * 4, rows * 32 * 4, 8 * 32 * 32 * 4, True, etp)
+        down = gemm(2 * rows * 16 * 32, rows * 16 * 4, rows * 32 * 4, 8 * 32 * 16 * 4, False, etp)
+        return up[0] + down[0], up[1] + down[1]
+
+    (f1, b1), (f2, b2) = gemms(1), gemms(2)
+    blocks = sorted(ec.by_layer)
+    assert len(blocks) == 2
+    for i in blocks:
+        pre = ec.by_layer[i][0].module
+        assert one[i].param_elems[f"{pre}.gate_up_proj"] == 8 * 32 * 32 / 2
+        assert two[i].param_elems[f"{pre}.gate_up_proj"] == 8 * 32 * 32 / 4
+        assert two[i].param_elems[f"{pre}.down_proj"] == 8 * 32 * 16 / 4
+        assert two[i].fwd_comm_s - one[i].fwd_comm_s == pytest.approx(ETP_FORWARD * ar, rel=1e-9)
+        assert two[i].bwd_comm_s - one[i].bwd_comm_s == pytest.approx(ETP_BACKWARD * ar, rel=1e-9)
+        assert two[i].rc_comm_s["full"] - one[i].rc_comm_s["full"] == pytest.approx(ar, rel=1e-9)
+        assert two[i].fwd_s - one[i].fwd_s == pytest.approx(f2 - f1, rel=1e-6)
+        assert two[i].bwd_s - one[i].bwd_s == pytest.approx(b2 - b1, rel=1e-6)
+    assert f2 < f1 and b2 < b1
+    # the expert weights' optimizer state and gradients follow param_elems: a quarter per rank
+    assert ec.expert_elems(two).sum() == pytest.approx(ec.expert_elems(one).sum() / 2)
+
+
+def test_expert_tp_plan_records_the_split_and_search_chooses_by_time_under_memory():
+    """Pinned, expert_tp=2 is in the plan (each block's (dim, pieces) per weight: gate/up's rows
+    in two halves, down's columns), `autopar show` says it, the plan file round-trips, and the
+    plan counts one all-reduce per block and micro-batch forward and one backward on top of the
+    replicated plan's. Left free, the search takes the faster of expert_tp 1 and 2 (on the CPU
+    profile the tiny experts' all-reduces cost more than their halved GEMMs save: 1), and
+    expert_tp 2 where only it fits the memory. `autopar verify` checks the plan's shards and
+    collectives."""
+    from cost_models.memory import USABLE_FRACTION
+
+    rep, etp = _etp(0, etp=1), _etp(0)
+    assert rep.experts.expert_tp == 1 and etp.experts.expert_tp == 2
+    assert [b.tp_split for b in etp.experts.blocks] == [[(1, 2), (2, 1)]] * 2
+    assert "each expert tensor-parallel over tp=2 (expert_tp" in etp.summary() and "ep_executor" not in etp.search
+    assert Plan.from_json(etp.to_json()) == etp
+    old = json.loads(rep.to_json())       # format 11, before expert_tp: read as replicated over tp
+    old["format_version"] = 11
+    old["experts"].pop("expert_tp")
+    for b in old["experts"]["blocks"]:
+        b.pop("tp_split")
+    assert Plan.from_json(json.dumps(old)).experts.expert_tp == 1
+    # `autopar verify`: each rank's expert slices the plan's (E/ep experts, half of each split
+    # dim), the ETP all-reduces counted apart from the solved layouts' tp collectives
+    import autopar
+
+    for q in (etp, _etp(1)):
+        report = autopar.verify(q, "moe-tiny")
+        assert report.ok and report.collectives_match is True, report.failures
+    added = {k: etp.predicted.collectives.get(k, 0) - rep.predicted.collectives.get(k, 0)
+             for k in set(etp.predicted.collectives) | set(rep.predicted.collectives)}
+    assert {k: v for k, v in added.items() if v} == {"all_reduce": 2 * 2 * 2}
+    assert etp.predicted.peak_memory_bytes < rep.predicted.peak_memory_bytes
+    assert etp.predicted.iteration_time_s > rep.predicted.iteration_time_s
+    free = _etp(0, etp=None)
+    assert free.experts.expert_tp == 1 and free.predicted.iteration_time_s == rep.predicted.iteration_time_s
+    cl = _cpu(4)
+    usable = (rep.predicted.peak_memory_bytes + etp.predicted.peak_memory_bytes) / 2
+    cl = cl.model_copy(update={"device": cl.device.model_copy(update={"memory_bytes": int(usable / USABLE_FRACTION)})})
+    tight = plan("moe-tiny", cl, global_batch_size=8, dtype="fp32",
+                 constraints=Constraints(ep=2, dp=2, tp=2, pp=1, zero_stage=0, recompute="none", num_microbatches=2))
+    assert tight.experts.expert_tp == 2
+    assert tight.predicted.iteration_time_s == pytest.approx(etp.predicted.iteration_time_s)
+
+
+def test_expert_tp_errors_and_refusals_name_the_field():
+    """A bad `expert_tp` pin is a PlanError naming the field; plans with expert tensor
+    parallelism the runtime does not execute yet (DTensor's path, pipeline stages) are planned
+    when pinned, marked in the plan, and refused by `autopar run` naming
+    expert_tp."""
+    from autopar.runtime.experts import check_executable
+
+    for pins, msg in ((dict(tp=2, expert_tp=4), "expert_tp=4 must be 1 or tp=2"),
+                      (dict(ep=1, expert_tp=2), "expert_tp=2 needs expert parallelism")):
+        cons = dict(ep=2, dp=2, tp=2, pp=1, zero_stage=0, recompute="none", num_microbatches=2)
+        cons.update(pins)
+        with pytest.raises(PlanError, match=msg) as e:
+            plan("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
+                 constraints=Constraints(**cons))
+        assert e.value.constraint == "expert_tp"
+    with pytest.raises(PlanError, match="expert_tp=2: the model has no routed experts"):
+        plan("gpt-tiny", _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
+             constraints=Constraints(tp=2, expert_tp=2))
+    for z in range(4):
+        check_executable(_etp(z))
+    analytic = plan("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
+                    constraints=Constraints(ep=2, dp=2, tp=2, pp=1, zero_stage=0, recompute="none",
+                                            num_microbatches=2, expert_tp=2))
+    piped = _etp(1, pp=2, schedule="1f1b")
+    for q, why in ((piped, "pipeline stages"), (analytic, "DTensor's path")):
+        assert q.experts.expert_tp == 2
+        assert "expert tensor parallelism (expert_tp=2) planned, not yet executed" in q.search["ep_executor"]
+        with pytest.raises(PlanError, match=rf"expert_tp=2.*{why}.*Constraints\(expert_tp=1\)"):
+            check_executable(q)
+
+
+@pytest.mark.slow
+def test_expert_tp_trains_like_one_process(launched):
+    """4 gloo processes, ep 2 x dp 2 x tp 2 with expert_tp=2, op by op as the ILP solved it:
+    each rank holds half of each of its 4 (moe-tiny; 2 of Mixtral's and Qwen-MoE's 4) experts
+    (gate/up rows of both halves, down columns), runs the rows its ep group sends it through
+    them and all-reduces the experts' output over tp (forward) and their input's gradient
+    (backward). moe-tiny under ZeRO 0 and 1, Hugging Face's Mixtral and Qwen-MoE (its shared
+    expert beside, dense) under ZeRO 0: losses equal one process within 1e-4 and every step's
+    collectives the plan's (with the ETP all-reduces: 2 per block and micro-batch)."""
+    want = _one_process_losses(2)
+    for name in ("etp_zero0", "etp_zero1"):
+        p, steps = launched[name]
+        assert p.experts.expert_tp == 2 and p.stages[0].op_layouts is not None
+        assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4), name
+        assert all(r["collectives"] == p.predicted.collectives for r in steps), \
+            (name, [r["collectives"] for r in steps], p.predicted.collectives)
+    pytest.importorskip("transformers")
+    for name, ref in (("mixtral_etp2", _MIXTRAL), ("qwen_etp2", _QWEN)):
+        p, steps = launched[name]
+        assert p.experts.expert_tp == 2 and "ep_executor" not in p.search
+        _assert_one_process_losses_and_plan_collectives(ref, p, steps)
+
+
+@pytest.mark.slow
+def test_expert_tp_with_expert_data_parallelism_trains_like_one_process(tmp_path):
+    """8 gloo processes, ep 2 x dp 4 x tp 2 with expert_tp=2 (each expert's tp halves held by 2
+    ranks: expert data parallelism 2), ZeRO 1, 2 and 3 (the experts' flat shard, or their FSDP
+    units, over the ranks holding the same slices); `autopar verify` of the ZeRO-3 plan counts
+    the same collectives: losses equal one process within 1e-4 and
+    every step's collectives the plan's."""
+    from tests.launch import run_plans
+
+    plans = {f"etp_edp2_zero{z}": _etp(z, dp=4, num_microbatches=1) for z in (1, 2, 3)}
+    import autopar
+
+    report = autopar.verify(plans["etp_edp2_zero3"], "moe-tiny")
+    assert report.ok and report.collectives_match is True, report.failures
+    rows = run_plans(tmp_path, plans, 8, steps=2)
+    one = plan("moe-tiny", _cpu(1), global_batch_size=8, dtype="fp32",
+               constraints=Constraints(num_microbatches=1, recompute="none"))
+    want = reference_losses(one, "moe-tiny", 2)
+    for name, p in plans.items():
+        assert p.experts.expert_tp == 2 and p.experts.expert_dp == 2 and "ep_executor" not in p.search
+        steps = [r for r in rows[name] if "step" in r]
+        assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4), name
+        assert all(r["collectives"] == p.predicted.collectives for r in steps), \
+            (name, [r["collectives"] for r in steps], p.predicted.collectives)

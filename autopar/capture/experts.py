@@ -39,6 +39,59 @@ class ExpertBlock:
         return self.tokens_per_sample * self.top_k
 
 
+def tp_split(graph: OpGraph, block: ExpertBlock) -> tuple[tuple[int, int], ...]:
+    """How expert tensor parallelism splits each of `block`'s stacked weights over tp: (dim,
+    pieces) per weight. The block's last grouped GEMM is its output projection (row-parallel:
+    its contraction dim K split), the ones before it input projections (column-parallel: their
+    output dim N split); a GEMM sees its weight as (E, K, N), the parameter as stored through
+    transposes of its last two dims (Hugging Face's and the zoo's (E, N, K), nn.Linear's layout).
+    `pieces`: an input projection whose N is twice the output projection's K is a fused gate/up
+    projection, chunked in two after its GEMM: each half is split (so the rank's gate and up
+    columns pair up), 2; else 1. Empty where a weight is reached through other ops or read by
+    GEMMs of both kinds, or the widths are not such multiples (the experts then stay replicated)."""
+    split: dict[str, tuple[int, int]] = {}
+    last = len(block.gemms) - 1
+    widths = {}
+    for i, name in enumerate(block.gemms):
+        n = graph.node(name)
+        node = graph.node(n.inputs[1]) if len(n.inputs) > 1 else None
+        swaps = 0
+        while node is not None and node.kind != "param" and node.op == "transpose":
+            if sorted(a % 3 for a in node.args[1:3] if isinstance(a, int)) != [1, 2]:
+                return ()
+            swaps += 1
+            node = graph.node(node.inputs[0]) if node.inputs else None
+        fqn = node.fqn if node is not None and node.kind == "param" else (
+            node.params[0] if node is not None and node.op == "transpose" and node.params else None)
+        if fqn is None or fqn not in block.weights:
+            return ()
+        view_dim = 1 if i == last else 2            # K of the output projection, N of the others
+        dim = (3 - view_dim) if swaps % 2 else view_dim
+        if split.get(fqn, (dim,))[0] != dim:
+            return ()
+        split[fqn] = (dim,)
+        widths[fqn] = int(graph.params[fqn].shape[dim])
+    if set(split) != set(block.weights) or last < 1:
+        return ()
+    k_out = widths[weight_param(graph, graph.node(block.gemms[last]).inputs[1])]
+    out = []
+    for w in block.weights:
+        n = widths[w]
+        if n % k_out or n // k_out > 2:
+            return ()
+        out.append((split[w][0], n // k_out))
+    return tuple(out)
+
+
+def tp_width(graph: OpGraph, block: ExpertBlock) -> int:
+    """The width expert tensor parallelism splits (each piece of `tp_split`'s dims; 0 where it
+    cannot): tp must divide it."""
+    split = tp_split(graph, block)
+    if not split:
+        return 0
+    return min(int(graph.params[w].shape[d]) // k for w, (d, k) in zip(block.weights, split))
+
+
 def weight_param(graph: OpGraph, name: str) -> str | None:
     """The parameter a grouped GEMM's weight operand is a view of (following first inputs)."""
     seen = 0

@@ -17,6 +17,26 @@ E experts). With ep > 1 (`ep_layer_costs`), per expert block and micro-batch:
 * expert GEMMs: E / ep groups of `imbalance` x T x k x ep / E rows each, on the profile's GEMM
   curve (`cost_models.compute.grouped_gemm_time`), in place of E groups of T x k / E rows.
 
+With expert tensor parallelism (`etp` = tp, Megatron-Core's ETP; `etp` 1: the experts
+replicated over tp, as the tp layer costs have them, the grouped GEMMs having no tp rule), each
+rank holds 1/etp of every expert it holds (the input projections' output columns, the output
+projection's input rows, `capture.experts.tp_split`) and runs every pair it receives through it:
+
+* weights (their gradients and optimizer state with them) divided by ep x etp;
+* expert GEMMs: 1/etp of the FLOPs; the up projections' outputs and the down projection's
+  inputs 1/etp of the bytes, their other activation operand whole (the received rows are
+  replicated over tp: each tp rank exchanges the same rows over its own ep group);
+* the collective ETP adds: the experts' output (the received rows, width H) all-reduced over
+  the tp group in the forward (the down projection is row-parallel: partial sums), and the
+  gradient of their input the same in the backward (the column-parallel input projections'
+  partial input gradients), each `imbalance` x T x k x H elements, costed on the tp group's
+  links (`axis_collective_time` over ranks 0..tp-1, tp the innermost axis); once more in the
+  forward under full recomputation.
+
+* activations: what the block's ops save for the backward from the input projections' outputs
+  to the output projection's input (the gate/up products, the activation, their product:
+  `split_saved`) 1/etp of it.
+
 `EP_IMBALANCE` is an estimate, not a measurement: the most-loaded rank of an ep group
 receives 10% more pairs than the mean. Trained with a balance loss (the zoo MoE's, Mixtral's,
 DeepSeek's), routers stay near uniform over a batch of thousands of tokens; Megatron-Core
@@ -32,19 +52,22 @@ from typing import Any, Optional
 
 import numpy as np
 
-from autopar.capture.experts import ExpertBlock, find_expert_blocks, weight_param
+from autopar.capture.experts import ExpertBlock, find_expert_blocks, tp_width, weight_param
 from autopar.capture.graph import OpGraph
 from autopar.inter_op.layers import Layer
 from autopar.inter_op.stage_cost import LayerCost
 from autopar.schema import ClusterSpec
 from cost_models.communication import axis_collective_time
 from cost_models.compute import bytes_scale, grouped_gemm_time
-from cost_models.memory import INDEX_SOURCE_WRITES
+from cost_models.memory import INDEX_SOURCE_WRITES, saved_tensors, tensor_bases
 
 EP_IMBALANCE = 1.1        # an estimate (see the module docstring)
 # all-to-alls per expert block and micro-batch, as `autopar.runtime.experts` issues them
 A2A_FORWARD = 3           # the counts (split sizes), the dispatch, the combine
 A2A_BACKWARD = 2          # the combine's and the dispatch's gradients
+# expert tensor parallelism: all-reduces over tp per expert block and micro-batch
+ETP_FORWARD = 1           # the experts' output (row-parallel down projection's partial sums)
+ETP_BACKWARD = 1          # the gradient of the experts' input (column-parallel up projections')
 
 
 class ExpertCosting:
@@ -70,6 +93,7 @@ class ExpertCosting:
         self._devices: dict[int, Any] = {}
         self._gemm_sigs: dict[str, tuple] = {}      # `_block_gemms`, by the block's module
         self._combine: dict[str, list] = {}          # `combine_saved`'s sources (per sample), by block
+        self._split: dict[str, list] = {}            # `split_saved`'s tensors (per sample), by block
 
     @functools.cached_property
     def _g1(self) -> OpGraph:
@@ -87,18 +111,35 @@ class ExpertCosting:
         out = [e for e in range(1, dp + 1) if dp % e == 0 and all(b.num_experts % e == 0 for b in self.blocks)]
         return [e for e in out if e == pinned] if pinned is not None else out
 
+    def tp_degrees(self, tp: int, pinned: Optional[int] = None) -> list[int]:
+        """The expert tensor-parallel degrees to try at `tp` (with ep > 1): 1 (the experts
+        replicated over tp) and tp where every block's split width divides by it
+        (`capture.experts.tp_width`); `pinned`: only that one, where it fits."""
+        out = [1]
+        if tp > 1 and self and all((w := tp_width(self.graph, b)) and w % tp == 0 for b in self.blocks):
+            out.append(tp)
+        return [e for e in out if e == pinned] if pinned is not None else out
+
+    def etp_comm_s(self, block: ExpertBlock, mb: int, etp: int, cluster: ClusterSpec, dtype: str) -> float:
+        """Seconds of one of ETP's all-reduces over the tp group (ranks 0..etp-1): the received
+        rows' width-H output (forward) or input gradient (backward), `dispatch_bytes` of them."""
+        if etp <= 1:
+            return 0.0
+        return axis_collective_time("all_reduce", self.dispatch_bytes(block, mb, dtype), cluster, list(range(etp)))
+
     def dispatch_bytes(self, block: ExpertBlock, mb: int, dtype: str, imbalance: float = EP_IMBALANCE) -> float:
         """Bytes one rank sends in `block`'s dispatch for a micro-batch of `mb` samples."""
         elem = 4 if dtype == "fp32" else 2
         return mb * block.pairs_per_sample * block.hidden * elem * imbalance
 
     def layer_costs(self, costs: list[LayerCost], ep: int, mb: int, tp: int, cluster: ClusterSpec,
-                    dtype: str) -> list[LayerCost]:
+                    dtype: str, etp: int = 1) -> list[LayerCost]:
         """`costs` (the layers at (mb, tp), experts replicated) with each expert block's experts
-        sharded over `ep` ranks (the module docstring); the same list for ep = 1."""
+        sharded over `ep` ranks, and with `etp` > 1 each split over the tp ranks (the module
+        docstring); the same list for ep = 1."""
         if ep <= 1 or not self:
             return costs
-        key = (id(costs), ep, mb, tp, cluster.num_nodes)
+        key = (id(costs), ep, mb, tp, cluster.num_nodes, etp)
         if key in self._cache:
             return self._cache[key]
         group = [i * tp for i in range(ep)]
@@ -112,7 +153,7 @@ class ExpertCosting:
             for b in blocks:
                 for w in b.weights:
                     if w in c.param_elems:
-                        c.param_elems[w] = c.param_elems[w] / ep
+                        c.param_elems[w] = c.param_elems[w] / ep if etp == 1 else c.param_elems[w] / (ep * etp)
                 nbytes = self.dispatch_bytes(b, mb, dtype)
                 a2a = axis_collective_time("all_to_all", nbytes, cluster, group)
                 counts = axis_collective_time("all_to_all", 8.0 * b.num_experts, cluster, group)
@@ -120,11 +161,19 @@ class ExpertCosting:
                 c.bwd_comm_s += 2 * a2a
                 c.rc_extra_s["full"] = c.rc_extra_s.get("full", 0.0) + 2 * a2a + counts
                 c.rc_comm_s["full"] = c.rc_comm_s.get("full", 0.0) + 2 * a2a + counts
-                dfwd, dbwd = self._gemm_delta(b, ep, mb, dev, dtype)
+                if etp > 1:
+                    ar = self.etp_comm_s(b, mb, etp, cluster, dtype)
+                    c.fwd_comm_s += ETP_FORWARD * ar
+                    c.bwd_comm_s += ETP_BACKWARD * ar
+                    c.rc_extra_s["full"] = c.rc_extra_s.get("full", 0.0) + ETP_FORWARD * ar
+                    c.rc_comm_s["full"] = c.rc_comm_s.get("full", 0.0) + ETP_FORWARD * ar
+                dfwd, dbwd = self._gemm_delta(b, ep, mb, dev, dtype, etp)
                 c.fwd_s += dfwd
                 c.bwd_s += dbwd
                 c.rc_extra_s["full"] = c.rc_extra_s.get("full", 0.0) + dfwd
                 extra = self.combine_saved(b, mb, dtype)
+                if etp > 1:
+                    extra -= self.split_saved(b, mb, dtype) * (1 - 1 / etp)
                 if extra:
                     c.act_bytes = {r: v + (extra if r != "full" else 0.0) for r, v in c.act_bytes.items()}
             out[i] = c
@@ -154,52 +203,99 @@ class ExpertCosting:
             self._combine[b.module] = per_sample
         return sum(o.nbytes * bytes_scale(o.dtype, dtype) * mb for o in self._combine[b.module])
 
-    def _gemm_delta(self, b: ExpertBlock, ep: int, mb: int, dev, dtype: str) -> tuple[float, float]:
+    def split_saved(self, b: ExpertBlock, mb: int, dtype: str) -> float:
+        """Bytes of what `b`'s ops save for their backward that expert tensor parallelism splits
+        over tp, a micro-batch of `mb` samples: the tensors from the input projections' outputs
+        up to the output projection's input (each read by ops of the block that derive from
+        them), by storage (a chunk of the fused gate/up output is a view of it), as
+        `cost_models.memory.saved_tensors` says each op keeps them."""
+        if b.module not in self._split:
+            g = self._g1
+            by_name = {n.name: n for n in g.nodes}
+            inside = [n for n in g.nodes if n.kind == "call" and (
+                (n.module_path or "") == b.module or (n.module_path or "").startswith(b.module + "."))]
+            split = set(b.gemms[:-1])
+            for n in inside:
+                if n.name not in b.gemms and any(i in split for i in n.inputs):
+                    split.add(n.name)
+            base = tensor_bases(inside, by_name, dtype=dtype)
+            kept: dict[str, Any] = {}
+            for n in inside:
+                for name, nbytes in saved_tensors(n, by_name, dtype):
+                    if nbytes is None and name in split:
+                        owner = by_name.get(base.get(name, name))
+                        if owner is not None and owner.outputs:
+                            kept[owner.name] = owner.outputs[0]
+            self._split[b.module] = list(kept.values())
+        return sum(o.nbytes * bytes_scale(o.dtype, dtype) * mb for o in self._split[b.module])
+
+    def _gemm_delta(self, b: ExpertBlock, ep: int, mb: int, dev, dtype: str, etp: int = 1) -> tuple[float, float]:
         """(forward, backward) seconds the block's expert GEMMs change by with ep: E / ep groups
-        of imbalance x the pairs, against E groups of the rank's own pairs."""
+        of imbalance x the pairs (each GEMM 1/etp of its FLOPs with expert tensor parallelism),
+        against E groups of the rank's own pairs."""
         gemms = self._block_gemms(b)
-        key = (gemms, b.num_experts, ep, mb, id(dev), dtype)
+        key = (gemms, b.num_experts, ep, mb, id(dev), dtype, etp)
         hit = self._deltas.get(key)
         if hit is None:
             self._devices[id(dev)] = dev        # held: its id stays its own while keyed
-            hit = self._deltas[key] = self._delta_of(list(gemms), b.num_experts, ep, mb, dev, dtype)
+            hit = self._deltas[key] = self._delta_of(list(gemms), b.num_experts, ep, mb, dev, dtype, etp)
         return hit
 
-    def _block_gemms(self, b: ExpertBlock) -> tuple[tuple[float, float, float, str], ...]:
-        """The block's expert GEMMs as `_delta_of` reads them, per sample (once per block)."""
+    def _block_gemms(self, b: ExpertBlock) -> tuple[tuple[float, float, float, str, float, bool], ...]:
+        """The block's expert GEMMs as `_delta_of` reads them, per sample (once per block): (FLOPs,
+        bytes moved, weight bytes, output dtype, output bytes, whether it is the output projection
+        (the block's last GEMM: row-parallel under ETP, the others column-parallel,
+        `capture.experts.tp_split`))."""
         if b.module not in self._gemm_sigs:
             gemms = []
-            for name in b.gemms:
+            for i, name in enumerate(b.gemms):
                 n = self._g1.node(name)
                 w = self.graph.params.get(weight_param(self.graph, self.graph.node(name).inputs[1]) or "")
                 wbytes = float(np.prod(w.shape)) * 4 if w is not None else 0.0      # the capture is fp32
+                out = n.outputs[0] if n.outputs else None
                 gemms.append((float(n.flops), float(n.bytes_moved), wbytes,
-                              n.outputs[0].dtype if n.outputs else "float32"))
+                              out.dtype if out is not None else "float32",
+                              float(out.nbytes) if out is not None else 0.0,
+                              i == len(b.gemms) - 1))
             self._gemm_sigs[b.module] = tuple(gemms)
         return self._gemm_sigs[b.module]
 
     @staticmethod
-    def _delta_of(gemms: list[tuple[float, float, float, str]], experts: int, ep: int, mb: int, dev,
-                  dtype: str) -> tuple[float, float]:
-        """`_gemm_delta` of GEMMs given as (flops, bytes moved, weight bytes, output dtype), each
-        for one sample."""
+    def _delta_of(gemms: list[tuple[float, float, float, str, float, bool]], experts: int, ep: int, mb: int, dev,
+                  dtype: str, etp: int = 1) -> tuple[float, float]:
+        """`_gemm_delta` of GEMMs given as `_block_gemms` gives them, each for one sample."""
         dfwd = dbwd = 0.0
-        for flops, moved, wbytes, out_dtype in gemms:
+        for flops, moved, wbytes, out_dtype, out_bytes, down in gemms:
             act = max(moved - wbytes, 0.0) * mb
             scale = bytes_scale(out_dtype, dtype)
             old = grouped_gemm_time(flops * mb, (act + wbytes) * scale, experts, dev, dtype)
-            new = grouped_gemm_time(flops * mb * EP_IMBALANCE, (act * EP_IMBALANCE + wbytes / ep) * scale,
-                                    experts // ep, dev, dtype)
+            if etp == 1:
+                new = grouped_gemm_time(flops * mb * EP_IMBALANCE, (act * EP_IMBALANCE + wbytes / ep) * scale,
+                                        experts // ep, dev, dtype)
+            else:
+                # the split operand: an output projection's input rows, an input projection's
+                # output columns; the other activation operand whole
+                a_out = min(out_bytes * mb, act)
+                a_in = act - a_out
+                split, whole = (a_in, a_out) if down else (a_out, a_in)
+                new = grouped_gemm_time(flops * mb * EP_IMBALANCE / etp,
+                                        ((split / etp + whole) * EP_IMBALANCE + wbytes / (ep * etp)) * scale,
+                                        experts // ep, dev, dtype)
             dfwd += new[0] - old[0]
             dbwd += new[1] - old[1]
         return dfwd, dbwd
 
-    def expert_collectives(self, layers: range, m: int, recompute: str) -> Counter:
+    def expert_collectives(self, layers: range, m: int, recompute: str, etp: int = 1) -> Counter:
         """The exchange's all-to-alls of `layers` in one step of `m` micro-batches (the forward's
-        again under full recomputation, which re-runs the blocks)."""
+        again under full recomputation, which re-runs the blocks), and with expert tensor
+        parallelism its all-reduces over tp."""
         n = sum(len(self.by_layer.get(i, ())) for i in layers)
-        per = A2A_FORWARD + A2A_BACKWARD + (A2A_FORWARD if recompute == "full" else 0)
-        return Counter({"all_to_all": m * n * per}) if n else Counter()
+        full = recompute == "full"
+        per = A2A_FORWARD + A2A_BACKWARD + (A2A_FORWARD if full else 0)
+        out = Counter({"all_to_all": m * n * per}) if n else Counter()
+        if n and etp > 1:
+            out["all_reduce"] += m * n * (ETP_FORWARD + ETP_BACKWARD + (ETP_FORWARD if full else 0))
+        return out
 
     def expert_elems(self, costs: list[LayerCost]) -> np.ndarray:
         """Per layer, the expert weights' elements per device in `costs`."""

@@ -175,13 +175,15 @@ class Candidate:
     sp: bool = False                  # Megatron-SP on the tp axis (`Search.sp_provider`'s costs)
     ep: int = 1                       # expert parallelism: routed experts over ep dp ranks (`inter_op.experts`)
     cp: int = 1                       # context parallelism: each sequence over cp ranks (`inter_op.context_parallel`)
+    etp: int = 1                      # expert tensor parallelism: each expert over tp (ep > 1, `inter_op.experts`)
     # per recomputation policy, a lower bound on the iteration with every layer under it
     # (`Search._group_candidates`; empty: none known): an interleaved evaluation skips a policy
     # whose bound cannot beat the best plan found (`Search._evaluate_interleaved`)
     bounds: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
 
     def key(self) -> tuple:
-        return (self.dp, self.tp, self.pp, self.mb, self.schedule, self.v, self.zero, self.sp, self.ep, self.cp)
+        return (self.dp, self.tp, self.pp, self.mb, self.schedule, self.v, self.zero, self.sp, self.ep, self.cp,
+                self.etp)
 
     @property
     def replicas(self) -> int:
@@ -1223,6 +1225,26 @@ class Search:
             if cons.dp and cons.dp % cons.ep:
                 raise PlanError(f"ep={cons.ep} must divide dp={cons.dp}: the experts are sharded over groups of "
                                 f"data-parallel ranks", constraint="ep")
+        if (cons.expert_tp or 1) > 1:
+            if not self.experts:
+                raise PlanError(f"expert_tp={cons.expert_tp}: the model has no routed experts; leave expert_tp "
+                                f"unset", constraint="expert_tp")
+            if cons.ep == 1:
+                raise PlanError(f"expert_tp={cons.expert_tp} needs expert parallelism (ep > 1; ep=1 runs the "
+                                f"experts replicated over tp); leave ep unset or pin expert_tp=1",
+                                constraint="expert_tp")
+            if cons.tp is not None and cons.expert_tp != cons.tp:
+                raise PlanError(f"expert_tp={cons.expert_tp} must be 1 or tp={cons.tp}: the experts are split over "
+                                f"the stage's tensor-parallel ranks", constraint="expert_tp")
+            if cons.stage_tp is not None:
+                raise PlanError(f"expert_tp={cons.expert_tp} with stage_tp: stages of several tp degrees are not "
+                                f"planned with expert tensor parallelism; leave one unset", constraint="expert_tp")
+            bad = [b for b in self.experts.blocks if cons.expert_tp not in self.experts.tp_degrees(cons.expert_tp)]
+            if bad:
+                raise PlanError(f"expert_tp={cons.expert_tp}: the expert weights of {bad[0].module} cannot be split "
+                                f"over {cons.expert_tp} ranks (each expert's hidden dim must divide by it, and the "
+                                f"weights be (E, hidden, width) or (E, width, hidden)); pin expert_tp=1",
+                                constraint="expert_tp")
 
     # -- the space -----------------------------------------------------------------------------
     def meshes(self, cp: int = 1) -> list[tuple[int, int, int]]:
@@ -1543,9 +1565,9 @@ class Search:
             # the planner runs it by DTensor propagation (`planner._op_layouts`): its layers as
             # DTensor runs them, each input arriving as the layer before leaves it
             return self._tables(cand.mb, cand.tp, cand.dp, cand.zero, sp=cand.sp, ep=cand.ep, cp=cand.cp,
-                                dtensor=True)
+                                dtensor=True, etp=cand.etp)
         return self._tables(cand.mb, cand.tp, cand.dp, cand.zero, solved=solved, sp=cand.sp, ep=cand.ep,
-                            cp=cand.cp)
+                            cp=cand.cp, etp=cand.etp)
 
     def _layouts_agree(self, mb: int, tp: int, sp: bool = False) -> bool:
         """Whether the layers' solutions at (mb, tp) agree at every boundary: each tensor
@@ -1618,11 +1640,12 @@ class Search:
         return False
 
     def _group_slots(self, dp: int, tp: int, pp: int, mb: int, sp: bool, cp: int = 1
-                     ) -> list[tuple[int, int, bool]]:
-        """(ZeRO stage, ep, runs op by op as solved) of one (mesh, micro-batch, SP, cp) group's
-        candidates, in enumeration order; each is tried with every schedule (`schedules`).
-        ZeRO over the dp x cp ranks; cp layouts the runtime does not execute left out
-        (`_executable`)."""
+                     ) -> list[tuple[int, int, int, bool]]:
+        """(ZeRO stage, ep, expert tp, runs op by op as solved) of one (mesh, micro-batch, SP,
+        cp) group's candidates, in enumeration order; each is tried with every schedule
+        (`schedules`). ZeRO over the dp x cp ranks; cp layouts the runtime does not execute left
+        out (`_executable`), and expert tensor parallelism where it does not execute it unless
+        pinned (`_etp_executable`)."""
         out = []
         m = self.gbs // dp // mb
         for z, ep in ((z, e) for e in self.experts.degrees(dp, self.cons.ep) for z in self.zeros(dp * cp, tp)):
@@ -1633,8 +1656,29 @@ class Search:
             solved = op_by_op(Candidate(dp, tp, pp, mb, m, "1f1b", 1, z, cp=cp))
             if sp and not solved:
                 continue                # only the executor runs sequence parallelism
-            out.append((z, ep, solved))
+            etps = self.experts.tp_degrees(tp, self.cons.expert_tp) if ep > 1 else [1]
+            if ep == 1 and (self.cons.expert_tp or 1) > 1:
+                continue
+            for etp in etps:
+                if etp > 1 and not self._etp_executable(dp, tp, pp, cp, z, solved):
+                    continue
+                out.append((z, ep, etp, solved))
         return out
+
+    def _etp_executable(self, dp: int, tp: int, pp: int, cp: int, zero: int, solved: bool) -> bool:
+        """False for expert tensor parallelism the runtime does not execute
+        (`planner.etp_unexecuted`) when expert_tp is not pinned, recorded in `skipped`; pinned,
+        it is planned all the same (the plan says it is not executed)."""
+        from autopar.planner import etp_unexecuted
+
+        if self.cons.expert_tp is not None:
+            return True
+        why = etp_unexecuted(pp, cp, zero, solved and self._executor)
+        if why:
+            self.skipped[f"expert_tp={tp} dp={dp} tp={tp} pp={pp} zero={zero}"] = (
+                f"expert tensor parallelism with {', '.join(why)} is not executed by the runtime (pin expert_tp "
+                f"to plan it)")
+        return not why
 
     def _group_candidates(self, dp: int, tp: int, pp: int, mb: int, sp: bool, cp: int = 1
                           ) -> tuple[list[tuple[float, Candidate]], list[str]]:
@@ -1648,13 +1692,13 @@ class Search:
         cands: list[tuple[float, Candidate]] = []
         m = self.gbs // dp // mb
         reps = dp * cp          # the ranks syncing a stage's gradients (`Candidate.replicas`)
-        # per (solved, ep): [the ideal pipeline, the average stage's parameters, the bottleneck
+        # per (solved, ep, etp): [the ideal pipeline, the average stage's parameters, the bottleneck
         # split's slowest stage (a callable until a schedule needs it), expert elements, per
         # recomputation policy its extra time over the cheapest's]
         bounds: dict[tuple[bool, int], list] = {}
-        for z, ep, solved in self._group_slots(dp, tp, pp, mb, sp, cp):
-            if (solved, ep) not in bounds:
-                cs = self._layer_costs(mb, tp, solved, sp, ep, cp)
+        for z, ep, etp, solved in self._group_slots(dp, tp, pp, mb, sp, cp):
+            if (solved, ep, etp) not in bounds:
+                cs = self._layer_costs(mb, tp, solved, sp, ep, cp, etp=etp)
                 per_layer = sum(c.base_s for c in cs)
                 rc_sums = {r: sum(c.rc_extra_s.get(r, 0.0) for c in cs) for r in self.recomputes()}
                 rc_min = min(rc_sums.values())
@@ -1664,11 +1708,11 @@ class Search:
                 # the slowest stage of any split into pp stages, each layer at its
                 # least time (its cheapest recomputation): at least this
                 least = np.array([c.base_s + min(c.rc_extra_s.get(r, 0.0) for r in self.recomputes()) for c in cs])
-                bounds[(solved, ep)] = [m * (per_layer + rc_min) / pp, sum(distinct.values()) / pp,
+                bounds[(solved, ep, etp)] = [m * (per_layer + rc_min) / pp, sum(distinct.values()) / pp,
                                         functools.partial(self._bottleneck, least, pp),
                                         float(self.experts.expert_elems(cs).sum()) / pp if ep > 1 else 0.0,
                                         {r: m * (rc - rc_min) / pp for r, rc in rc_sums.items()}]
-            ideal, pel, slowest, epel, rc_more = bounds[(solved, ep)]
+            ideal, pel, slowest, epel, rc_more = bounds[(solved, ep, etp)]
             # memory lower bound: the model states of an average stage, no activations
             states = max(ph.total for ph in runtime_phases(
                 pel, self.dtype, z, reps, num_microbatches=m,
@@ -1687,9 +1731,9 @@ class Search:
                     # and the bottleneck split's
                     mu = ideal / m + per_mb
                     if not isinstance(slowest, float):      # worked out when a schedule needs it
-                        slowest = bounds[(solved, ep)][2] = slowest()
+                        slowest = bounds[(solved, ep, etp)][2] = slowest()
                     lb = max(lb, pp * mu + (m - 1) * max(mu, slowest) + tail)
-                cand = Candidate(dp, tp, pp, mb, m, sched, v, z, sp=sp, ep=ep, cp=cp)
+                cand = Candidate(dp, tp, pp, mb, m, sched, v, z, sp=sp, ep=ep, cp=cp, etp=etp)
                 if schedule_kind(sched).interleaved and v > 1:
                     # one policy for every layer: the same bound with that policy's extra time
                     grow = 1 + schedule_kind(sched).bubble_fraction(pp, m, v)
@@ -2103,15 +2147,15 @@ class Search:
         return self._rooted
 
     def _tables(self, mb: int, tp: int, dp: int, zero: int, solved: bool = False, sp: bool = False,
-                ep: int = 1, cp: int = 1, dtensor: bool = False) -> "_Tables":
+                ep: int = 1, cp: int = 1, dtensor: bool = False, etp: int = 1) -> "_Tables":
         """`solved`: the stage runs op by op as solved (`_op_by_op`), its layers' activations as
         the executor keeps them (`LayerCost.solved_variant`); `sp`: with Megatron-SP; `ep`: the
         routed experts over ep dp ranks (`inter_op.experts`); `cp`: each sequence over cp ranks
         (the tables' gradient-sync group, and ZeRO's, is dp x cp); `dtensor`: run by DTensor
         propagation where the layers' solutions disagree at a boundary (`_layer_costs`)."""
-        key = (mb, tp, dp, zero, solved, sp, ep, cp, dtensor)
+        key = (mb, tp, dp, zero, solved, sp, ep, cp, dtensor, etp)
         if key not in self._tables_cache:
-            costs = self._layer_costs(mb, tp, solved, sp, ep, cp, dtensor)
+            costs = self._layer_costs(mb, tp, solved, sp, ep, cp, dtensor, etp)
             share = self.gbs / dp / cp
             batch = (self.input_bytes[0] * share, sum(self.input_bytes[1:]) * share)
             # the last pipeline chunk computes the loss inside (`runtime.graph_stages`, the
@@ -2134,7 +2178,7 @@ class Search:
                                            kept=context_parallel.kept_kv_bytes(g, lay, mb, dt))
 
     def _layer_costs(self, mb: int, tp: int, solved: bool = False, sp: bool = False, ep: int = 1,
-                     cp: int = 1, dtensor: bool = False) -> list[LayerCost]:
+                     cp: int = 1, dtensor: bool = False, etp: int = 1) -> list[LayerCost]:
         """The layers' costs at (mb, tp); `solved`: as the executor runs them
         (`LayerCost.solved_variant`); `sp`: with Megatron-SP (`sp_provider`); `ep`: the routed
         experts sharded over ep dp ranks (`ExpertCosting.layer_costs`); `cp`: on one of cp ranks
@@ -2143,7 +2187,7 @@ class Search:
         leaves them (`stage_layouts.arrival_layouts`, the provider's `dtensor_variant`), where
         that differs from what its solution assumed."""
         if dtensor and not solved and tp > 1:
-            key = (mb, tp, False, sp, ep, cp, True)
+            key = (mb, tp, False, sp, ep, cp, True, etp)
             if key not in self._costs_cache:
                 prov = self.sp_provider if sp else self.provider
                 plain = self._layer_costs(mb, tp, sp=sp)
@@ -2156,22 +2200,22 @@ class Search:
                     arr = arrival_layouts(self.graph, self.layers, solutions, mb, tp)
                     costs = [prov.dtensor_variant(l, mb, tp, a) for l, a in zip(self.layers, arr)]
                     if ep > 1:
-                        costs = self.experts.layer_costs(costs, ep, mb, tp, self.cluster, self.dtype)
+                        costs = self.experts.layer_costs(costs, ep, mb, tp, self.cluster, self.dtype, etp)
                     if cp > 1:
                         costs = [self._cp_cost(c, lay, mb, tp, cp) for c, lay in zip(costs, self.layers)]
                     self._costs_cache[key] = costs
             return self._costs_cache[key]
         if cp > 1:
-            key = (mb, tp, solved, sp, ep, cp)
+            key = (mb, tp, solved, sp, ep, cp, etp)
             if key not in self._costs_cache:
-                self._costs_cache[key] = [self._cp_cost(c, lay, mb, tp, cp)
-                                          for c, lay in zip(self._layer_costs(mb, tp, solved, sp, ep), self.layers)]
+                self._costs_cache[key] = [self._cp_cost(c, lay, mb, tp, cp) for c, lay in
+                                          zip(self._layer_costs(mb, tp, solved, sp, ep, etp=etp), self.layers)]
             return self._costs_cache[key]
         if ep > 1:
-            key = (mb, tp, solved, sp, ep)
+            key = (mb, tp, solved, sp, ep) if etp == 1 else (mb, tp, solved, sp, ep, etp)
             if key not in self._costs_cache:
                 self._costs_cache[key] = self.experts.layer_costs(self._layer_costs(mb, tp, solved, sp), ep, mb, tp,
-                                                                  self.cluster, self.dtype)
+                                                                  self.cluster, self.dtype, etp)
             return self._costs_cache[key]
         key = (mb, tp, solved, sp)
         if key not in self._costs_cache:
@@ -2190,7 +2234,7 @@ class Search:
             if cand.bounds.get(r, 0.0) >= bar:
                 # under this policy it cannot beat the best plan: a fit would not be taken (`_walk`)
                 continue
-            ck = (cand.mb, cand.tp, cand.dp, nch, r, cand.zero == 3, cand.ep, cand.cp)
+            ck = (cand.mb, cand.tp, cand.dp, nch, r, cand.zero == 3, cand.ep, cand.cp, cand.etp)
             res = self._chunk_cache.get(ck)
             if ck not in self._chunk_cache:
                 t = (tb.ranged(tb.base) + tb.range_p2p + tb.ranged(tb.rc[r]) + tb.zero_mb(tb.range_pel)
@@ -2220,7 +2264,7 @@ class Search:
             pipeline = m * tmax + (sum(s.t_mb for s in stages) - tmax) / v
             # cp too: its stages are dp x cp x tp devices (`Candidate.replicas`), placed by `_finish`
             trial = Candidate(**{k: getattr(cand, k) for k in ("dp", "tp", "pp", "mb", "m", "schedule", "v", "zero",
-                                                               "sp", "ep", "cp")})
+                                                               "sp", "ep", "cp", "etp")})
             self._finish(trial, tb, stages, pipeline)
             if not best_ok or trial.iteration_s < cand.iteration_s:
                 cand.iteration_s, cand.pipeline_s, cand.tail_s, cand.stages = (

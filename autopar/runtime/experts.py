@@ -40,6 +40,20 @@ block's ops (replicated in the solution) as one call of this module on its input
 expert block's call nested in its layer's FSDP unit's run of ops). Either in one stage (in a
 pipeline the counted collectives differ from the plan's; moe-tiny with tp does not run in
 pipeline chunks even at ep 1), ZeRO-3 only as solved (`check_executable`).
+
+Expert tensor parallelism (`Plan.experts.expert_tp` = tp, Megatron-Core's ETP): each rank keeps
+1/tp of each of its experts (`shard_experts`: the input projections' output columns, a fused
+gate/up projection's halves split apart so a rank's gate and up columns pair up, the output
+projection's input rows; `ExpertBlockPlan.tp_split`); the rows a rank receives are the same on
+every tp rank of its ep group's tp coordinate, so the model's experts module runs on them with
+the rank's slices and its output, partial sums over tp, is all-reduced over the stage's tp group
+(`_ReduceFromTP`), the gradient of its input likewise in the backward (`_CopyToTP`): per block
+and micro-batch one all-reduce forward, one backward (`inter_op.experts.ETP_FORWARD`,
+`ETP_BACKWARD`). Executed op by op as solved in one stage without cp, under any ZeRO stage
+(`check_executable`; ZeRO-1/2's expert shard and ZeRO-3's expert FSDP units over the ranks
+holding the same experts, as without ETP, hold the rank's tp slices); checkpoints and
+`full_state` of such plans are refused (a stacked weight's whole view would interleave the tp
+slices of a fused gate/up projection).
 """
 
 from __future__ import annotations
@@ -67,6 +81,16 @@ def check_executable(plan: Plan) -> None:
     """PlanError unless this runtime executes the plan's expert parallelism."""
     if plan.experts is None or plan.experts.ep == 1:
         return
+    etp = plan.experts.expert_tp
+    if etp > 1:
+        solved = all(s.op_layouts is not None for s in plan.stages)
+        why = [w for w, bad in (("DTensor's path (no solved op layouts)", not solved),
+                                ("pipeline stages", len({tuple(s.devices) for s in plan.stages}) > 1),
+                                ("context parallelism", plan.cp > 1)) if bad]
+        if why:
+            raise PlanError(f"expert tensor parallelism (expert_tp={etp}) is executed op by op as solved, in one "
+                            f"stage without cp; the plan has {', '.join(why)}: re-plan with "
+                            f"Constraints(expert_tp=1) (the experts replicated over tp) or within those")
     tp = plan.tp > 1
     solved = all(s.op_layouts is not None for s in plan.stages)
     why = [w for w, bad in (("tensor parallelism with ZeRO-3 on DTensor's path (no solved op layouts)",
@@ -106,15 +130,50 @@ class _AllToAll(torch.autograd.Function):
         return g, None, None, None
 
 
+class _CopyToTP(torch.autograd.Function):
+    """The experts' input under expert tensor parallelism: as it is in the forward (replicated
+    over tp), its gradient all-reduced over tp in the backward (each rank's column-parallel
+    input projections give a partial one)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        g = grad.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """The experts' output under expert tensor parallelism: the row-parallel output projection's
+    partial sums all-reduced over tp in the forward; the gradient as it is (replicated)."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        out = y.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return grad, None
+
+
 class ExpertParallelExperts(nn.Module):
     """The model's experts module (`inner`, holding this rank's experts [rank E/ep, (rank+1)
     E/ep)) behind the token exchange over `group` (the module docstring). Called as the module
     it replaces: (hidden (T, H), top_k_index (T, k), top_k_weights (T, k)) -> (T, H)."""
 
     def __init__(self, inner: nn.Module, num_experts: int, group: dist.ProcessGroup, ep: int,
-                 roles: tuple[str, ...] = ROLES, inner_roles: Optional[tuple[str, ...]] = None) -> None:
-        """`roles`: the order the caller passes hidden, index and weights in (`argument_roles`:
-        a traced pipeline chunk calls its module with them in another order); `inner_roles`:
+                 roles: tuple[str, ...] = ROLES, inner_roles: Optional[tuple[str, ...]] = None,
+                 tp_group: Optional[dist.ProcessGroup] = None) -> None:
+        """`tp_group`: expert tensor parallelism's group (`inner` holds this rank's tp slices of
+        its experts; None: replicated over tp). `roles`: the order the caller passes hidden,
+        index and weights in (`argument_roles`: a traced pipeline chunk calls its module with
+        them in another order); `inner_roles`:
         the order `inner` takes them in (default `roles`; the interface's own for the eager
         module that replaces a traced one, `eager_experts`)."""
         super().__init__()
@@ -130,6 +189,7 @@ class ExpertParallelExperts(nn.Module):
             self.register_parameter(name, p)
         self.num_experts, self.ep, self.group = num_experts, ep, group
         self.local = num_experts // ep
+        self.tp_group = tp_group
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         got_args = dict(zip(self.roles, args))
@@ -175,13 +235,18 @@ class ExpertParallelExperts(nn.Module):
         # grouped by local expert for the GEMMs
         lid, order = torch.sort(local_ids, stable=True)
         ones = torch.ones(lid.shape[0], 1, dtype=top_k_weights.dtype, device=lid.device)
-        call = {"hidden": got[order], "index": lid.unsqueeze(1), "weights": ones}
+        x = got[order]
+        if self.tp_group is not None:
+            x = _CopyToTP.apply(x, self.tp_group)
+        call = {"hidden": x, "index": lid.unsqueeze(1), "weights": ones}
         inner = self._inner[0]
         for name in self._direct:
             # the parameters held here, as they are now: FSDP (ZeRO-3, `ExpertGroups.fully_shard`)
             # swaps this module's for its gathered ones around each forward and backward
             inner._parameters[name] = self._parameters[name]
         y = inner(*(call[r] for r in self.inner_roles))
+        if self.tp_group is not None:
+            y = _ReduceFromTP.apply(y, self.tp_group)
         back = torch.empty_like(order)
         back[order] = torch.arange(order.shape[0], device=order.device)
         out_rows = _AllToAll.apply(y[back], send_split, recv_split, self.group)
@@ -218,6 +283,7 @@ class ExpertGroups:
     flat_shard: Optional[nn.Parameter] = None     # ZeRO-1/2: this rank's shard of the expert weights
     fsdp: bool = False                            # ZeRO-3: FSDP shards and reduces them (`fully_shard`)
     fsdp_params: list[nn.Parameter] = field(default_factory=list)     # ... its sharded parameters
+    etp: int = 1                                  # expert tensor parallelism: each expert over tp
 
     def fully_shard(self, module: nn.Module, mp: dict) -> set[nn.Parameter]:
         """ZeRO-3: each experts module of `module` (`ExpertParallelExperts`) an FSDP unit over
@@ -303,6 +369,11 @@ class ExpertGroups:
         stack: sharded over ep on dim 0, replicated over the expert-dp copies. Checkpoints store
         it so (`runtime.checkpoint`: any layout resumes it) and `full_state` gathers it; shares
         `t`'s storage, so a checkpoint load fills the live slice."""
+        if self.etp > 1:
+            raise PlanError(f"checkpoints and full_state of plans with expert tensor parallelism "
+                            f"(expert_tp={self.etp}) are not supported yet (a fused gate/up weight's tp slices "
+                            f"interleave in its whole view); run without --checkpoint-dir, or re-plan with "
+                            f"Constraints(expert_tp=1)")
         return DTensor.from_local(t, self.mesh, [Replicate(), Shard(0)] + [Replicate()] * (self.mesh.ndim - 2),
                                   run_check=False)
 
@@ -448,6 +519,9 @@ def shard_experts(model: nn.Module, plan: Plan, mesh: DeviceMesh, into: Optional
     ep_group = mesh.get_group("ep")
     edp_group = mesh.get_group("edp") if mesh.size(0) > 1 else None
     ep_rank = mesh.get_local_rank("ep")
+    etp = ex.expert_tp
+    tp_group = mesh.get_group("tp") if etp > 1 else None
+    tp_rank = mesh.get_local_rank("tp") if etp > 1 else 0
     params: list[nn.Parameter] = into.params if into is not None else []
     names: dict[str, int] = into.names if into is not None else {}
     for b in ex.blocks:
@@ -466,17 +540,32 @@ def shard_experts(model: nn.Module, plan: Plan, mesh: DeviceMesh, into: Optional
         if template is not None and isinstance(getattr(inner, "graph", None), torch.fx.Graph):
             inner, inner_roles = eager_experts(inner, template, b.module), ROLES
         per = b.num_experts // ex.ep
-        for w in b.weights:
+        for wi, w in enumerate(b.weights):
             name = w[len(b.module) + 1:]
             owner_name, _, pname = name.rpartition(".")
             owner = inner.get_submodule(owner_name) if owner_name else inner
             full = getattr(owner, pname)
             whole = _replicated_local(full.detach())     # tp (DTensor's path): replicated, plain here
-            local = nn.Parameter(whole[ep_rank * per:(ep_rank + 1) * per].clone(), requires_grad=full.requires_grad)
+            mine = whole[ep_rank * per:(ep_rank + 1) * per]
+            if etp > 1:
+                mine = _tp_slice(mine, *b.tp_split[wi], etp, tp_rank)
+            local = nn.Parameter(mine.clone(), requires_grad=full.requires_grad)
             setattr(owner, pname, local)
             params.append(local)
             names[w] = id(local)
         if isinstance(getattr(inner, "num_experts", None), int):
             inner.num_experts = per          # Hugging Face's experts read their count from it
-        setattr(parent, child, ExpertParallelExperts(inner, b.num_experts, ep_group, ex.ep, roles, inner_roles))
-    return into if into is not None else ExpertGroups(ex.ep, ep_rank, mesh, ep_group, edp_group, params, names)
+        setattr(parent, child, ExpertParallelExperts(inner, b.num_experts, ep_group, ex.ep, roles, inner_roles,
+                                                     tp_group))
+    return into if into is not None else ExpertGroups(ex.ep, ep_rank, mesh, ep_group, edp_group, params, names,
+                                                      etp=etp)
+
+
+def _tp_slice(t: torch.Tensor, dim: int, pieces: int, tp: int, rank: int) -> torch.Tensor:
+    """Expert tensor parallelism's slice of a stacked expert weight for tp rank `rank`: `dim`
+    cut into `pieces` equal parts (a fused gate/up projection's halves), each part's `rank`-th
+    of `tp` slices, concatenated (so the rank's gate and up columns pair up when its GEMM's
+    output is chunked in two)."""
+    parts = t.chunk(pieces, dim=dim)
+    width = parts[0].shape[dim] // tp
+    return torch.cat([p.narrow(dim, rank * width, width) for p in parts], dim=dim)

@@ -77,6 +77,8 @@ def expected_shards(plan: Plan, model: nn.Module, rank: int, *,
     out: dict[str, tuple[int, ...]] = {}
     ep = plan.experts.ep if plan.experts is not None else 1
     per_rank = {w: b.num_experts // ep for b in plan.experts.blocks for w in b.weights} if ep > 1 else {}
+    etp_split = ({w: d for b in plan.experts.blocks for w, (d, _) in zip(b.weights, b.tp_split)}
+                 if ep > 1 and plan.experts.expert_tp > 1 else {})
     for s in mine:
         coord = _coordinate(s, rank)
         tp = [i for i, k in enumerate(s.mesh_axis_names) if k == "tp"]
@@ -93,6 +95,10 @@ def expected_shards(plan: Plan, model: nn.Module, rank: int, *,
                 continue   # the model has no such parameter: the build reports it
             shape = list(shapes[name])
             if name in per_rank and shape:
+                if name in etp_split and tp_size > 1 and shape[0] != per_rank[name]:
+                    # expert tensor parallelism: 1/tp of its split dim (a shape read off the
+                    # whole stack; one with E/ep experts is a built rank's slice, already split)
+                    shape[etp_split[name]] //= tp_size
                 shape[0] = per_rank[name]
             sel = {pl[i] for i in tp}
             d = shard_dim(sel.pop()) if len(sel) == 1 else None

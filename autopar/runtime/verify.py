@@ -132,6 +132,20 @@ def _tp_predicted(plan: Plan, kind: RankKind) -> Optional[dict[str, int]]:
     return dict(sorted((k, v) for k, v in total.items() if v))
 
 
+def _etp_all_reduces(plan: Plan, kind: RankKind) -> int:
+    """Expert tensor parallelism's all-reduces over tp in one step of the rank's stages
+    (`inter_op.experts.ExpertCosting.expert_collectives`: per block and micro-batch one forward,
+    one backward, the forward's again under full recomputation); 0 without it."""
+    if plan.experts is None or plan.experts.ep == 1 or plan.experts.expert_tp == 1:
+        return 0
+    from autopar.inter_op.experts import ETP_BACKWARD, ETP_FORWARD
+
+    stages = [s for s in plan.stages if s.index in kind.stages]
+    full = any(s.recompute == "full" for s in stages)
+    per = ETP_FORWARD + ETP_BACKWARD + (ETP_FORWARD if full else 0)
+    return per * len(plan.experts.blocks) * plan.num_microbatches
+
+
 def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKind, *,
                 top: int = 0, all_microbatches: bool = False) -> tuple[RankCheck, list]:
     """Build and step rank `kind.rank` on a fake process group and fake tensors (this process
@@ -203,11 +217,22 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
             other = [tuple(dist.get_process_group_ranks(pm.dp_group))] if pm.zero3 and pm.dp_group is not None else []
             if pm.expert_groups is not None:
                 other.append(tuple(dist.get_process_group_ranks(pm.expert_groups.ep_group)))
+                if pm.expert_groups.edp_group is not None:
+                    # the experts' own gradient sync, ZeRO shard or FSDP units over the ranks
+                    # holding the same experts (`ExpertGroups`)
+                    other.append(tuple(dist.get_process_group_ranks(pm.expert_groups.edp_group)))
             if pm.cp is not None:
                 # context parallelism's exchange and loss count on its cp group (`runtime.context_parallel`)
                 other.append(tuple(dist.get_process_group_ranks(pm.cp.group)))
             fb = dict(by_phase(full, other).get("forward_backward", {}))
             fb.pop("send_recv", None)
+            etp = _etp_all_reduces(plan, kind)
+            if etp and fb.get("all_reduce", 0) >= etp:
+                # expert tensor parallelism's all-reduces run on the tp group beside the solved
+                # layouts' (`runtime.experts`: the experts' output and their input's gradient)
+                fb["all_reduce"] -= etp
+                if not fb["all_reduce"]:
+                    fb.pop("all_reduce")
             check.tp_measured = fb
         # the batch of the plan's micro-batches, alive through the step: `run` of them were held
         extra = full_inputs(rep.detail.get("inputs", 0), run, plan.num_microbatches)

@@ -42,6 +42,11 @@ class Constraints(BaseModel):
                               "model: its routed experts sharded over groups of ep data-parallel ranks (ep "
                               "divides dp and the expert count), tokens exchanged by all-to-all; None: searched "
                               "where the model has experts (1 for a dense model)")
+    expert_tp: Optional[int] = Field(default=None, ge=1, description="expert tensor parallelism of a mixture-of-"
+                                     "experts model with ep > 1: 1, its experts replicated over tp; tp, each "
+                                     "expert's projections split over the tp ranks (Megatron-Core's ETP; the "
+                                     "expert weights' hidden dim divisible by tp); None: searched (both where "
+                                     "tp > 1 and the dims divide)")
     stage_tp: Optional[tuple[int, ...]] = Field(
         default=None, min_length=1, description="the tensor-parallel degree of each pipeline stage, in "
         "model order (Alpa's sub-mesh choice: stages may differ, e.g. (1, 1, 2)); sets pp to its length and "

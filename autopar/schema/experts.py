@@ -8,6 +8,13 @@ counted at run time (dropless: no token is dropped, so the exchange's sizes vary
 routing); the dp/ep groups of ranks holding the same experts average their gradients (expert
 data parallelism). The stage meshes keep their ("dp", "tp") axes: ep refines the dp axis and is
 recorded here.
+
+With tensor parallelism the experts are replicated over tp (`expert_tp` 1: each tp coordinate's
+dp ranks form their own ep groups) or split over it (`expert_tp` = tp, Megatron-Core's expert
+tensor parallelism): each expert's input projection column-parallel and its output projection
+row-parallel over the stage's tp ranks (the dim of each stacked weight that is not the token
+width, `ExpertBlockPlan.tp_split`), the experts' output all-reduced over tp in the forward and
+the gradient of their (replicated) input in the backward.
 """
 
 from __future__ import annotations
@@ -28,6 +35,11 @@ class ExpertBlockPlan(BaseModel):
     num_experts: int = Field(ge=1)
     top_k: int = Field(ge=1)
     weights: list[str] = Field(min_length=1, description="parameter FQNs stacked over experts on dim 0")
+    tp_split: list[tuple[int, int]] = Field(
+        default_factory=list, description="per weight, (dim, pieces): how expert tensor parallelism splits "
+        "it over tp: the dim that is not the token width, cut into `pieces` equal parts (2 for a fused "
+        "gate/up projection, whose halves are each split) and each part split over the tp ranks; empty where "
+        "the weights' dims do not allow it (the experts then stay replicated over tp)")
 
 
 class ExpertParallelism(BaseModel):
@@ -44,14 +56,21 @@ class ExpertParallelism(BaseModel):
     dispatch_bytes: float = Field(ge=0, description="bytes one rank sends in one block's dispatch, per "
                                   "micro-batch (token-expert pairs x width x element size, the imbalance "
                                   "included; the combine returns as many)")
+    expert_tp: int = Field(default=1, ge=1, description="expert tensor parallelism: 1, the experts replicated "
+                           "over tp; tp, each expert's projections split over the stage's tp ranks (input "
+                           "projections column-parallel, output projection row-parallel), its output "
+                           "all-reduced over tp (forward) and its input's gradient (backward)")
 
     def summary(self) -> str:
         """What `autopar show` prints about the experts."""
         b = self.blocks[0]
         per = b.num_experts // self.ep
+        etp = (f"; each expert tensor-parallel over tp={self.expert_tp} (expert_tp: gate/up projections "
+               f"column-parallel, down projection row-parallel, the output all-reduced over tp)"
+               if self.expert_tp > 1 else "")
         return (f"experts: {len(self.blocks)} blocks of {b.num_experts} routed experts (top-{b.top_k}), ep={self.ep}: "
                 f"{per} expert{'s' if per > 1 else ''} per rank in groups of {self.ep} consecutive dp ranks, "
                 f"each expert held by {self.expert_dp} rank{'s' if self.expert_dp > 1 else ''} (expert data "
                 f"parallelism); tokens exchanged by all_to_all ({self.exchange.replace('_', ' ')}, "
                 f"{self.dispatch_bytes / 2**20:.3g} MiB sent per rank, block and micro-batch each way, "
-                f"routing imbalance {self.imbalance:g}x, an estimate)")
+                f"routing imbalance {self.imbalance:g}x, an estimate){etp}")

@@ -25,6 +25,9 @@ from autopar.schema.mesh_axes import MESH_AXIS_KINDS
 from autopar.schema.placement import Placement  # "R", "S(d)" or "P", validated
 from autopar.schema.software import SoftwareSpec, preset_for_attention_kernel
 
+# 12: `Plan.experts.expert_tp` (expert tensor parallelism, each expert split over tp, and the
+# blocks' `tp_split`; a reader of 11 or earlier would run the experts replicated over tp);
+# plans of 11 and earlier have none and read as expert_tp 1;
 # 11: the "cp" mesh axis kind (context parallelism, `schema.mesh_axes`; a reader of 10 or earlier
 # would take a cp rank for a data-parallel one); plans of 10 and earlier have no cp axis and read
 # as they were;
@@ -36,7 +39,7 @@ from autopar.schema.software import SoftwareSpec, preset_for_attention_kernel
 # have none and read as such); 7: the software the plan assumes (`Plan.software`; the device's
 # attention_kernel moved there) and `Plan.sequence_parallel`; 4: pipeline chunks carry
 # op_layouts (`StageLayouts.receives`); 3 added op_layouts
-PLAN_FORMAT_VERSION = 11
+PLAN_FORMAT_VERSION = 12
 
 TrainingDtype = Literal["fp32", "bf16", "fp16"]
 TRAINING_DTYPES: tuple[str, ...] = get_args(TrainingDtype)
@@ -289,6 +292,15 @@ class Plan(_Model):
         if self.experts is not None and (dp % self.experts.ep or self.experts.expert_dp * self.experts.ep != dp):
             raise ValueError(f"experts: ep={self.experts.ep} x expert_dp={self.experts.expert_dp} must equal the "
                              f"data-parallel degree {dp}")
+        if self.experts is not None and self.experts.expert_tp > 1:
+            tps = {s.axis_size("tp") for s in self.stages}
+            if tps != {self.experts.expert_tp}:
+                raise ValueError(f"experts: expert_tp={self.experts.expert_tp} must be 1 or the stages' tensor-"
+                                 f"parallel degree ({sorted(tps)})")
+            bad = [b.module for b in self.experts.blocks if len(b.tp_split) != len(b.weights)]
+            if bad:
+                raise ValueError(f"experts: expert_tp={self.experts.expert_tp} needs every block's tp_split "
+                                 f"(one (dim, pieces) per weight); {bad[0]} has none")
         if self.microbatch_size * self.num_microbatches * dp != self.global_batch_size:
             raise ValueError(f"microbatch_size ({self.microbatch_size}) x num_microbatches "
                              f"({self.num_microbatches}) x data-parallel degree ({dp}) must equal "
