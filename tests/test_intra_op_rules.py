@@ -209,6 +209,30 @@ def test_views():
     assert any(st.out_specs[0] == ("S(2)",) for st in s.values())
 
 
+def test_repeats():
+    """`repeat` keeps the layout of a dim repeated once (a tiled or new dim is whole);
+    `repeat_interleave` by a number keeps every dim's, the repeated one included: each device's
+    rows repeated are its share of the result (checked on real tensors)."""
+    import torch
+
+    s, fam = by_name(make("repeat", [(4, 8)], [(4, 16)], extra_args=([1, 2],)))
+    assert fam == "view"
+    ins = {st.in_specs[0] for st in s.values()}
+    assert ("S(0)",) in ins and ("S(1)",) not in ins
+    s, _ = by_name(make("repeat", [(4, 8)], [(3, 4, 8)], extra_args=([3, 1, 1],)))
+    assert any(st.in_specs[0] == ("S(0)",) and st.out_specs[0] == ("S(1)",) for st in s.values())
+    assert not any(st.out_specs[0] == ("S(0)",) for st in s.values())
+    s, _ = by_name(make("repeat_interleave", [(4, 8)], [(4, 16)], extra_args=(2, 1),
+                        target="aten.repeat_interleave.self_int"))
+    assert any(st.in_specs[0] == ("S(1)",) and st.out_specs[0] == ("S(1)",) for st in s.values())
+    x = torch.arange(32.0).view(4, 8)
+    shards = [c.repeat_interleave(2, 1) for c in x.chunk(2, 1)]
+    assert torch.equal(torch.cat(shards, 1), x.repeat_interleave(2, 1))
+    s, _ = by_name(make("repeat_interleave", [(4, 8)], [(64,)], extra_args=(2,),
+                        target="aten.repeat_interleave.self_int"))          # flattened: nothing split
+    assert all(st.in_specs[0] == ("R",) for st in s.values())
+
+
 def test_reductions():
     s, fam = by_name(make("sum", [(4, 8)], [(4,)], extra_args=([1],), target="aten.sum.dim_IntList"))
     assert fam == "reduction"

@@ -223,3 +223,36 @@ def slice_(ctx: OpContext) -> list[Strategy]:
         if ctx.out_shape(0)[dim] != x[dim]:
             li[dim] = lo[dim] = None
     return _follow(ctx, li, lo)
+
+
+@register("repeat", "tile", family="view", follow=True)
+def repeat(ctx: OpContext) -> list[Strategy]:
+    """`x.repeat(sizes)` tiles `x`: a dim repeated once keeps its layout (each device tiles its
+    shard alike); a tiled dim, or one the sizes add in front, is whole (a shard of the tiling
+    is not the tiling of a shard)."""
+    x = ctx.in_shape(0)
+    out = ctx.out_shape(0)
+    a = ctx.node.args
+    sizes = list(a[1] if len(a) > 1 else ctx.node.kwargs.get("repeats" if ctx.node.op == "repeat" else "dims"))
+    lead = len(out) - len(x)
+    if ctx.node.op == "tile" and len(sizes) < len(out):
+        sizes = [1] * (len(out) - len(sizes)) + sizes      # tile pads the repeats in front
+    li = dims_labels(len(x))
+    lo = [None] * lead + [li[i] if int(sizes[lead + i]) == 1 else None for i in range(len(x))]
+    li = [li[i] if int(sizes[lead + i]) == 1 else None for i in range(len(x))]
+    return _follow(ctx, li, lo)
+
+
+@register("repeat_interleave", family="view", follow=True)
+def repeat_interleave(ctx: OpContext) -> list[Strategy]:
+    """`x.repeat_interleave(r, dim)` with a whole number `r`: every dim keeps its layout, the
+    repeated one included (a device's rows, each repeated r times, are its share of the result);
+    repeats given as a tensor, or no dim (the flattened tensor), leave nothing split."""
+    x = ctx.in_shape(0)
+    a = ctx.node.args
+    reps = a[1] if len(a) > 1 else ctx.node.kwargs.get("repeats")
+    dim = a[2] if len(a) > 2 else ctx.node.kwargs.get("dim")
+    if not isinstance(reps, int) or dim is None or len(ctx.in_metas) != 1:
+        return label_strategies(ctx, [[None] * len(x) for _ in ctx.in_metas], [[None] * len(ctx.out_shape(0))])
+    li = dims_labels(len(x))
+    return _follow(ctx, li, list(li))
