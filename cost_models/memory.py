@@ -1578,7 +1578,7 @@ def _upcast_regions(calls: list, base: dict, casts: set, params: frozenset = fro
                 rm = r.module_path or ""
                 if r.name in region or not (rm == mod or rm.startswith(mod + ".")):
                     continue
-                if r.name in casts:
+                if r.name in casts or _casts_back(r, region, c, base):
                     closing.add(r.name)
                     continue
                 if r.op in LOSSES or len(region) >= UPCAST_REGION_MAX or (
@@ -1591,6 +1591,17 @@ def _upcast_regions(calls: list, base: dict, casts: set, params: frozenset = fro
             out |= region
             closers |= closing
     return out
+
+
+def _casts_back(node, region: set, opening: str, base: dict) -> bool:
+    """Whether `node` casts a tensor of an upcast region back to the training dtype by another
+    tensor's dtype: `y.type_as(x)` whose `x` is outside the region (a tensor of the training
+    dtype) or is the region's opening cast, which an fp32 capture records in place of the `x`
+    it upcast (Gemma's RMSNorm: `self._norm(x.float()) * (1 + w.float())).type_as(x)`)."""
+    if node.op != "type_as" or len(node.inputs) < 2:
+        return False
+    ref = base.get(node.inputs[1], node.inputs[1])
+    return ref == opening or ref not in region
 
 
 def _copy_key(name: str, r: tuple, reader: str) -> str:
