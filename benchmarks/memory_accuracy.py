@@ -142,6 +142,27 @@ def _specs() -> list[dict]:
     return out
 
 
+ARCHITECTURES = ("falcon", "falcon_new", "bigcode", "gptj", "neox", "phi", "phi3", "bloom", "gemma", "qwen2", "qwen3",
+                 "mistral", "olmo", "stablelm", "starcoder2", "cohere")
+
+
+def _architecture_specs() -> list[dict]:
+    """`--architectures`: Hugging Face architectures autopar has no `hf:` family for, wrapped as
+    a user would (`tests/hf_architectures.py`), each at dp 2 with ZeRO-3, tp 2, pp 2 under 1F1B
+    and tp 2 with full recomputation, bf16 and fp32, on 2 processes."""
+    out: list[dict] = []
+    for dtype in ("bf16", "fp32"):
+        for name in ARCHITECTURES:
+            m = f"tests.hf_architectures:{name}"
+            for cons in (dict(dp=2, tp=1, pp=1, zero_stage=3, recompute="none"),
+                         dict(dp=1, tp=2, pp=1, recompute="none"),
+                         dict(dp=1, tp=1, pp=2, schedule="1f1b", num_microbatches=4, recompute="none"),
+                         dict(dp=1, tp=2, pp=1, recompute="full")):
+                out.append({"name": f"{name} {dtype} " + " ".join(f"{k}={v}" for k, v in cons.items()), "model": m,
+                            "nproc": 2, "gbs": 32, "dtype": dtype, "constraints": cons})
+    return out
+
+
 def make_plans(specs: list[dict], folder: str) -> tuple[list[dict], list[dict]]:
     """Plan every spec into `folder`; returns (planned: spec + "path", skipped: spec + "reason")."""
     import autopar
@@ -441,6 +462,9 @@ def main() -> None:
                     help="print the README's table (worst rank per layout) and the summary lines")
     ap.add_argument("--timeline", action="store_true",
                     help="print each rank's tracked local peaks, op by op, with their categories")
+    ap.add_argument("--architectures", action="store_true",
+                    help="instead of the zoo's combinations: 16 Hugging Face architectures written by others "
+                         "(tests/hf_architectures.py), 4 layouts each in bf16 and fp32 (about 7 minutes)")
     ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -450,7 +474,7 @@ def main() -> None:
             from autopar.runtime.worker import hard_exit
 
             hard_exit(0 if sys.exc_info()[0] is None else 1)
-    specs = [s for s in _specs() if a.only in s["name"]]
+    specs = [s for s in (_architecture_specs() if a.architectures else _specs()) if a.only in s["name"]]
     if a.list:
         print("\n".join(s["name"] + f"  ({s['nproc']} processes)" for s in specs))
         return
