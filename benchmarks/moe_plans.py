@@ -47,6 +47,13 @@ class Published:
     assumed: str
 
 
+_MZ = ("github.com/yanring/Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md, 'Performance Results' (256 H100, "
+       "NVLink 4, InfiniBand 8x50 GB/s), row ")
+_MZ_FLOPS = "Megatron's 'Per GPU TF' (model FLOPs, active parameters, no recomputation counted)"
+_MZ_NORM = ("recompute 'norm, act' (Megatron's output-discarding recomputation of the layer norms and the expert "
+            "activation) has no autopar equivalent: pinned 'none' (keeps those outputs, slightly more memory, no "
+            "recompute time)")
+
 # Every case was looked at after the cost model's constants were set (none is set here): all held out.
 PUBLISHED = [
     Published("Mixtral 8x7B, Megatron-Core v0.9", "hf:mixtral-8x7b?seq_len=4096", 256, "dgx-h100", 8,
@@ -70,6 +77,31 @@ PUBLISHED = [
               "reduce-scatter overlapped); activation_checkpointing: true taken as full per-layer "
               "recompute; the run's fake balanced gate is even routing (autopar charges its stated 10% "
               "imbalance)"),
+    Published("Qwen3-235B-A22B, MCore DeepEP, cross-node EP32", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100",
+              32, "nemo-megatron-core-2024",
+              dict(tp=2, pp=8, virtual_stages=4, dp=16, ep=32, expert_tp=1, microbatch_size=1, num_microbatches=128,
+                   schedule="interleaved_1f1b", recompute="none"),
+              19.7, 245.0, _MZ_FLOPS, _MZ + "1 (TP2 EP32 PP8 VPP4 DP16 EDP1 ETP1, MBS1 GBS2048 GA128)",
+              "EP32 spans TP2 x DP16 (Megatron's MoE parallel folding); " + _MZ_NORM),
+    Published("Qwen3-235B-A22B, MCore DeepEP, intra-node EP8 FSDP", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100",
+              32, "nemo-megatron-core-2024",
+              dict(tp=2, pp=1, dp=128, ep=8, expert_tp=1, microbatch_size=4, num_microbatches=4, zero_stage=3,
+                   recompute="full"),
+              17.6, 276.0, _MZ_FLOPS, _MZ + "3 (TP2 EP8 PP1 EDP32 DP128 FSDP on, MBS4 GBS2048 GA4, full recompute)",
+              "Megatron FSDP taken as ZeRO-3; experts' tp replicas (ETP1 under TP2) as autopar's expert_tp=1"),
+    Published("Qwen3-235B-A22B, MCore all-to-all, PP32", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100", 32,
+              "nemo-megatron-core-2024",
+              dict(tp=2, pp=32, virtual_stages=3, dp=4, ep=8, expert_tp=1, microbatch_size=1, num_microbatches=512,
+                   schedule="interleaved_1f1b", recompute="none"),
+              24.2, 200.0, _MZ_FLOPS, _MZ + "4 (A2A dispatcher, TP2 EP8 PP32 VPP3 DP4 EDP1 ETP1, MBS1 GA512)",
+              "EP8 spans TP2 x DP4 (folding); 94 layers over 96 chunks (uneven, as Megatron splits them); " + _MZ_NORM),
+    Published("Qwen3-235B-A22B, MCore DeepEP, TP4 EP8 PP8", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100", 32,
+              "nemo-megatron-core-2024",
+              dict(tp=4, pp=8, virtual_stages=4, dp=8, ep=8, expert_tp=1, microbatch_size=1, num_microbatches=256,
+                   schedule="interleaved_1f1b", recompute="none"),
+              29.0, 167.0, _MZ_FLOPS, _MZ + "5 (TP4 EP8 PP8 VPP4 EDP4 ETP1 DP8, MBS1 GA256, no recompute)",
+              "Megatron's EDP4 reuses the TP4 ranks as expert data parallelism; autopar's expert_tp=1 replicates the "
+              "experts over tp"),
 ]
 
 

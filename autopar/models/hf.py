@@ -101,6 +101,12 @@ PRESETS: dict[str, tuple[str, dict[str, Any], int]] = {
                                         head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
                                         decoder_sparse_step=1, vocab_size=151936, max_position_embeddings=40960,
                                         rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False), 4096),
+    # Qwen/Qwen3-235B-A22B: the same layer at hidden 4096, 94 layers, 64/4 heads, experts of 1536
+    "qwen3-235b-a22b": ("qwen3_moe", dict(hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+                                          num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
+                                          head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                                          decoder_sparse_step=1, vocab_size=151936, max_position_embeddings=40960,
+                                          rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False), 4096),
 }
 _ALIASES = {"gpt2-small": "gpt2", "llama2-7b": "llama-2-7b", "llama-2-7b-hf": "llama-2-7b",
             "llama-2-13b-hf": "llama-2-13b", "llama-2-70b-hf": "llama-2-70b",
