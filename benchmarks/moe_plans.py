@@ -4,15 +4,16 @@ s=4096, global batch 1024) planned freely on 1 to 16 nodes, the search choosing 
 dp/tp/pp; and Mixtral pinned to the layout of Megatron-Core's published Mixtral run, against
 its figure.
 
-    python benchmarks/moe_plans.py [--nodes 1,2,4,8,16] [--only mixtral|deepseek]
+    python benchmarks/moe_plans.py [--nodes 1,2,4,8,16] [--only mixtral|deepseek] [--published]
 
-Published (the comparison row): NVIDIA's Megatron-Core MoE guide, "468 TFLOPS for Mixtral 8X7B
-bf16 training" with MCore v0.9 on H100
-(https://docs.nvidia.com/megatron-core/developer-guide/latest/api-guide/moe.html). The page
-does not give the layout; TP1 PP4 EP8 on 64 GPUs, micro-batch 1, global batch 256, s=4096 is
-the configuration of a third-party reproduction script quoting that figure, an assumption
-here. autopar's TFLOP/s count the captured FLOPs (routed tokens through their top-k experts
-only), as Megatron's MoE formula counts active parameters.
+Published (`PUBLISHED`, each with its source, FLOP convention and assumptions; `--published`
+plans only them): MoE training runs in bf16 on GPUs autopar has a profile for, of models it
+captures, each planned pinned to its published layout with the software preset of the run: the
+Megatron-Core MoE guide's Mixtral 8x7B (468 TFLOP/s; layout from a third-party script, an
+assumption), NeMo AutoModel's Qwen3-30B-A3B on 8 H100 and four Qwen3-235B-A22B layouts of
+NVIDIA's Megatron MoE model zoo on 256 H100. A run that does not plan is printed as a miss with
+its reason. autopar's TFLOP/s count the captured FLOPs (routed tokens through their top-k
+experts only, recomputation included).
 """
 
 from __future__ import annotations
