@@ -2,9 +2,9 @@
 classes: no download, no weights, on the meta device by default.
 
 A reference is `hf:NAME` or `hf:NAME?key=value&key=value`, where NAME is a family (`gpt2`, `llama`,
-`bert`, `opt`, `t5`, `mixtral`, `qwen2_moe`) or a known checkpoint name (`gpt2-medium`,
+`bert`, `opt`, `t5`, `mixtral`, `qwen2_moe`, `qwen3_moe`) or a known checkpoint name (`gpt2-medium`,
 `meta-llama/Llama-2-7b-hf`, `bert-base-uncased`, `facebook/opt-1.3b`, `t5-base`,
-`mistralai/Mixtral-8x7B-v0.1`, `Qwen/Qwen1.5-MoE-A2.7B`, ...: their config
+`mistralai/Mixtral-8x7B-v0.1`, `Qwen/Qwen1.5-MoE-A2.7B`, `Qwen/Qwen3-30B-A3B`, ...: their config
 values are written down here), and the query overrides config fields (`hidden_size=256`,
 `num_hidden_layers=2`; the generic names work for every family) or the input shape
 (`seq_len=128`, and for T5 `decoder_seq_len=64`).
@@ -44,6 +44,7 @@ _FAMILIES: dict[str, tuple[str, str, str]] = {
     "t5": ("T5Config", "T5ForConditionalGeneration", "t5-small"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", "mixtral-8x7b"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "qwen1.5-moe-a2.7b"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "qwen3-30b-a3b"),
 }
 
 _LLAMA2 = dict(vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5)
@@ -93,6 +94,19 @@ PRESETS: dict[str, tuple[str, dict[str, Any], int]] = {
                                             num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1,
                                             vocab_size=151936, max_position_embeddings=8192, rope_theta=1e6,
                                             rms_norm_eps=1e-6, tie_word_embeddings=False), 8192),
+    # Qwen/Qwen3-30B-A3B: 128 routed experts top-8 (weights renormalised), no shared expert, GQA
+    # 32/4 heads of 128 (q/k RMSNorm), every layer sparse
+    "qwen3-30b-a3b": ("qwen3_moe", dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                                        head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                                        decoder_sparse_step=1, vocab_size=151936, max_position_embeddings=40960,
+                                        rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False), 4096),
+    # Qwen/Qwen3-235B-A22B: the same layer at hidden 4096, 94 layers, 64/4 heads, experts of 1536
+    "qwen3-235b-a22b": ("qwen3_moe", dict(hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+                                          num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
+                                          head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                                          decoder_sparse_step=1, vocab_size=151936, max_position_embeddings=40960,
+                                          rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False), 4096),
 }
 _ALIASES = {"gpt2-small": "gpt2", "llama2-7b": "llama-2-7b", "llama-2-7b-hf": "llama-2-7b",
             "llama-2-13b-hf": "llama-2-13b", "llama-2-70b-hf": "llama-2-70b",
@@ -100,6 +114,7 @@ _ALIASES = {"gpt2-small": "gpt2", "llama2-7b": "llama-2-7b", "llama-2-7b-hf": "l
             "bert-base": "bert-base-uncased", "bert-base-cased": "bert-base-uncased",
             "bert-large": "bert-large-uncased", "mixtral-8x7b-v0.1": "mixtral-8x7b",
             "qwen-moe": "qwen1.5-moe-a2.7b", "qwen2-moe": "qwen1.5-moe-a2.7b",
+            "qwen3-moe": "qwen3-30b-a3b",
             "google-t5/t5-small": "t5-small"}
 
 # generic override names -> the family's own field, where the config class lacks an alias
@@ -109,7 +124,7 @@ _GENERIC = {"t5": {"num_hidden_layers": "num_layers", "hidden_size": "d_model",
                      "num_attention_heads": "n_head", "max_position_embeddings": "n_positions",
                      "intermediate_size": "n_inner"},
             "opt": {"intermediate_size": "ffn_dim"},
-            "bert": {}, "llama": {}, "mixtral": {}, "qwen2_moe": {}}
+            "bert": {}, "llama": {}, "mixtral": {}, "qwen2_moe": {}, "qwen3_moe": {}}
 
 
 def _transformers() -> Any:

@@ -1,0 +1,63 @@
+"""The published MoE runs of `benchmarks/moe_plans.py --published` (issue 17): each case's layout
+is a valid pin, its model resolves to the checkpoint's public config, and a Hugging Face
+Qwen3-MoE (the family those runs train) is captured with its experts recognised and planned at
+the ep it is pinned to. Timings are the benchmark's, not asserted here."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from autopar import ClusterSpec, Constraints
+from autopar.capture import capture
+from autopar.capture.experts import find_expert_blocks
+from autopar.models import build_model
+from autopar.planner import plan
+
+
+def _bench():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "moe_plans.py"
+    spec = importlib.util.spec_from_file_location("moe_plans", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["moe_plans"] = mod       # its dataclass looks its module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_each_published_case_is_a_valid_pin_on_its_gpu_count():
+    """dp x tp x pp of every pinned layout is the run's GPU count (8 per DGX node) and each pin
+    is a valid `Constraints`; every case names its source and what was assumed."""
+    for case in _bench().PUBLISHED:
+        c = Constraints(**case.pins)
+        assert c.dp * (c.tp or 1) * (c.pp or 1) == 8 * case.nodes, case.name
+        assert case.source and case.assumed and case.flops_rule
+        assert case.seconds is not None or case.tflops is not None
+
+
+def test_qwen3_presets_have_the_checkpoints_parameter_counts():
+    """Qwen/Qwen3-30B-A3B (30.5B parameters, model card) and Qwen3-235B-A22B (235B) as built
+    from the presets, on the meta device."""
+    pytest.importorskip("transformers")
+    for ref, total in (("hf:qwen3-30b-a3b", 30.5e9), ("hf:Qwen/Qwen3-235B-A22B", 235e9)):
+        b = build_model(ref, batch_size=1)
+        n = sum(p.numel() for p in b.model.parameters())
+        assert abs(n - total) / total < 0.01, (ref, n)
+
+
+def test_hf_qwen3_moe_experts_found_and_planned_at_the_pinned_ep():
+    """A tiny Qwen3-MoE: both layers' expert blocks found (top-8 of 16 experts), and a plan pinned
+    to dp 4 x ep 4 on 4 ranks places 4 experts per rank."""
+    pytest.importorskip("transformers")
+    ref = ("hf:qwen3_moe?hidden_size=64&intermediate_size=128&moe_intermediate_size=32&head_dim=16"
+           "&num_key_value_heads=2&num_experts=16&num_experts_per_tok=8&num_hidden_layers=2"
+           "&num_attention_heads=4&vocab_size=128&seq_len=16")
+    b = build_model(ref, batch_size=2)
+    g = capture(b.model, b.example_inputs, name=ref)
+    blocks = find_expert_blocks(g)
+    assert [x.module for x in blocks] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert {(x.num_experts, x.top_k, x.hidden) for x in blocks} == {(16, 8, 64)}
+    cpu = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
+    p = plan(ref, cpu, global_batch_size=8, dtype="fp32", graph=g,
+             constraints=Constraints(dp=4, tp=1, pp=1, ep=4, zero_stage=0, recompute="none", num_microbatches=1))
+    assert p.experts.ep == 4 and p.dp == 4
