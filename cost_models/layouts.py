@@ -181,7 +181,7 @@ def layout_copies(nodes: list, by_name: dict, device_type: Optional[str] = None,
                 aliasing.add(n.name)
             strides[n.name] = contiguous_strides(shape)
             continue
-        if n.op in FUSED_ATTENTION and attention_is_fused(n, device_type, attention_kernel):
+        if n.op in FUSED_ATTENTION and attention_is_fused(n, device_type, attention_kernel, by_name):
             q = of(src)
             if n.name in copied_queries and src in by_name and _shape(by_name[src]) is not None:
                 q = contiguous_strides(_shape(by_name[src]))

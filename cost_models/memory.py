@@ -7,15 +7,18 @@ backward. Rules per op family (what PyTorch's autograd formulas save; views shar
 storage, so a tensor saved twice, or through two views, counts once):
 - matrix ops (linear, mm, bmm, matmul, addmm, baddbmm, conv): their activation inputs
   (parameters are model states, not activations);
-- fused attention (scaled_dot_product_attention): q, k, v, its output and the log-sum-exp
-  (fp32, one per query row); never the s x s scores; software that runs attention unfused
+- fused attention (scaled_dot_product_attention): q, k, v, a mask given as a tensor, its output
+  and the log-sum-exp (fp32, one per query row); never the s x s scores; torch's math path
+  where no fused kernel takes the call (`attention_is_fused`: CPU dropout, a key/value with
+  fewer heads than the query without enable_gqa) saves copies of q, k and v at the query's
+  heads and the probabilities (`_math_attention_saves`); software that runs attention unfused
   (`SoftwareSpec.attention_kernel`, Megatron-LM 2021) saves q, k, v, the probabilities and,
   with dropout, its mask and output (Korthikanti et al.'s count);
 - softmax, log-softmax, tanh, sigmoid, exp, rsqrt: their output;
 - gelu, silu, pow and other non-linear unary ops: their input;
 - layer/RMS norm: their input plus mean and rstd (fp32, one per row);
 - dropout: its mask (1 byte per element);
-- mul/div by a tensor: its activation operands; add, sub, casts, copies, concatenation, views: nothing;
+- mul/div by a tensor: its activation operands; add, sub (in place too), casts, copies, concatenation, views: nothing;
 - embedding: its indices; cross-entropy: its logits and targets;
 - anything else: all its activation inputs (conservative).
 Recomputation (Korthikanti et al. 2022, arXiv 2205.05198):
@@ -91,7 +94,8 @@ SAVE_INPUT = frozenset({"gelu", "silu", "mish", "elu", "leaky_relu", "pow", "log
                         "abs", "hardswish", "softplus", "log1p", "log2", "log10", "acos", "asin", "atan",
                         "sinh", "cosh", "erf", "erfc"})
 SAVE_INPUT_AND_OUTPUT = frozenset({"cumprod", "prod", "logsumexp"})
-SAVE_NOTHING = frozenset({"add", "sub", "neg", "cat", "stack", "clone", "contiguous", "to", "_to_copy", "cumsum",
+SAVE_NOTHING = frozenset({"add", "sub", "neg", "add_", "sub_", "neg_", "cat", "stack", "clone", "contiguous", "to",
+                          "_to_copy", "cumsum",
                           "copy_", "arange", "zeros", "ones", "full", "empty", "zeros_like", "ones_like",
                           "new_zeros", "new_ones", "sum", "mean", "tril", "triu", "scalar_tensor",
                           "_assert_tensor_metadata", "lift_fresh_copy", "type_as", "fill_", "detach"})
@@ -277,13 +281,41 @@ def _tensor_inputs(node, by_name: dict) -> list[str]:
     return [i for i in node.inputs if i in by_name and by_name[i].kind in ("call", "input")]
 
 
-def attention_is_fused(node, device_type: Optional[str] = None, attention_kernel: AttentionKernel = "fused") -> bool:
+def _heads_differ(node, by_name: Optional[dict]) -> bool:
+    """Whether a `scaled_dot_product_attention` call's key or value has another head count than
+    its query (multi-query attention passing one K/V head for torch to broadcast) without
+    `enable_gqa`."""
+    if by_name is None or node.op != "scaled_dot_product_attention" or len(node.inputs) < 3:
+        return False
+    gqa = node.args[7] if len(node.args) > 7 else node.kwargs.get("enable_gqa", False)
+    if gqa is True:
+        return False
+    shapes = []
+    for i in node.inputs[:3]:
+        n = by_name.get(i)
+        if n is None or not n.outputs or len(n.outputs[0].shape) != 4:
+            return False
+        shapes.append(n.outputs[0].shape)
+    return not (shapes[0][-3] == shapes[1][-3] == shapes[2][-3])
+
+
+def attention_is_fused(node, device_type: Optional[str] = None, attention_kernel: AttentionKernel = "fused",
+                       by_name: Optional[dict] = None) -> bool:
     """Whether an attention node runs a fused kernel (flash / memory-efficient): not when the
     software runs attention unfused (`attention_kernel`, `SoftwareSpec`), nor on torch's math
     path. CPU's flash kernel takes no dropout: `scaled_dot_product_attention` with
     dropout_p > 0 runs the math path there (measured: its grad_fn is the math path's
-    `UnsafeViewBackward0`, its output in standard strides); CUDA's kernels take dropout."""
+    `UnsafeViewBackward0`, its output in standard strides); CUDA's kernels take dropout.
+    Nor where the key or value has fewer heads than the query without `enable_gqa` (`by_name`
+    gives the shapes; Falcon's multi-query attention passes one K/V head to 4 query heads):
+    the fused kernels take equal head counts or grouped query attention asked for
+    (`check_batch_size_and_num_heads_dense` in aten/src/ATen/native/transformers/
+    sdp_utils_cpp.h, shared by the CPU and CUDA backends); torch broadcasts the head on its
+    math path (measured on CPU, torch 2.13: a [2, 4, 16, 8] query with a 1-head key and value,
+    fp32 and bf16, has the math path's grad_fn; with enable_gqa=True the flash kernel's)."""
     if attention_kernel == "unfused":
+        return False
+    if _heads_differ(node, by_name):
         return False
     if device_type != "cpu" or node.op != "scaled_dot_product_attention":
         return True
@@ -294,12 +326,16 @@ def attention_is_fused(node, device_type: Optional[str] = None, attention_kernel
 def _math_attention_saves(node, by_name: dict, dtype: str) -> list[tuple[str, Optional[float]]]:
     """torch's math attention (`_scaled_dot_product_attention_math`, its ops seen through a
     dispatch mode): its batched matmuls save contiguous copies of the scaled query and key
-    (new tensors) and of the value where it is a transposed view (else the value itself), the
-    softmax its probabilities, CPU dropout its noise, the second matmul the dropped
-    probabilities (each batch x heads x queries x keys). With 2-byte inputs all of these are
-    fp32, the value a copy too: the math path upcasts them (torch's default,
-    `torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp` off; measured on CPU, torch 2.13:
-    every saved tensor of a bf16 call is float32)."""
+    (new tensors) and of the value where it is a transposed view or has fewer heads than the
+    query (else the value itself), the softmax its probabilities (which the second matmul
+    saves too, the same storage), and with dropout CPU dropout's noise and the dropped
+    probabilities the second matmul saves instead (each batch x heads x queries x keys). A key
+    or value with fewer heads than the query is broadcast to the query's heads before its
+    matmul flattens them: its copy has the query's batch and heads (measured on CPU, torch 2.13:
+    a [2, 4, 16, 8] query with a [2, 1, 16, 8] key and value saves [8, 8, 16] and [8, 16, 8]
+    copies). With 2-byte inputs all of these are fp32, the value a copy too: the math path
+    upcasts them (torch's default, `torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp`
+    off; measured on CPU, torch 2.13: every saved tensor of a bf16 call is float32)."""
     ins = _tensor_inputs(node, by_name)
     if len(ins) < 3 or not node.outputs:
         return [(i, None) for i in ins]
@@ -307,11 +343,19 @@ def _math_attention_saves(node, by_name: dict, dtype: str) -> list[tuple[str, Op
     out = node.outputs[0]
     upcast = dtype != "fp32"
     item = out.nbytes / max(out.numel, 1) * bytes_scale(out.dtype, "fp32" if upcast else dtype)
-    probs = math.prod(int(d) for d in out.shape[:-1]) * int(k.shape[-2])
-    copy_v = upcast or _swaps_1_2(by_name[ins[2]])
-    value = [(node.name + ":v", v.numel * item)] if copy_v else [(ins[2], None)]
-    return [(node.name + ":q", q.numel * item), (node.name + ":k", k.numel * item),
-            (node.name + ":probs", 3 * probs * item)] + value
+    heads = math.prod(int(d) for d in out.shape[:-2])    # the query's batch x heads
+    probs = heads * int(out.shape[-2]) * int(k.shape[-2])
+    p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    dropout = isinstance(p, (int, float)) and p > 0
+    broadcast = _heads_differ(node, by_name)
+
+    def copied(t) -> float:
+        return (heads * int(t.shape[-2]) * int(t.shape[-1]) if broadcast else t.numel) * item
+
+    copy_v = upcast or broadcast or _swaps_1_2(by_name[ins[2]])
+    value = [(node.name + ":v", copied(v))] if copy_v else [(ins[2], None)]
+    return [(node.name + ":q", q.numel * item), (node.name + ":k", copied(k)),
+            (node.name + ":probs", (3 if dropout else 1) * probs * item)] + value
 
 
 def _unfused_attention_saves(node, by_name: dict, dtype: str) -> list[tuple[str, Optional[float]]]:
@@ -373,14 +417,18 @@ def saved_tensors(node, by_name: dict, dtype: str = "bf16", device_type: Optiona
         return [(i, None) for i in ins]
     if op in FUSED_ATTENTION and attention_kernel == "unfused":
         return _unfused_attention_saves(node, by_name, dtype)
-    if op in FUSED_ATTENTION and not attention_is_fused(node, device_type):
+    if op in FUSED_ATTENTION and not attention_is_fused(node, device_type, by_name=by_name):
         return _math_attention_saves(node, by_name, dtype)
     if op in FUSED_ATTENTION:
         extra = []
         if out is not None:
             rows = math.prod(int(d) for d in out.shape[:-1])
             extra = [(node.name + ":lse", 4.0 * rows)]
-        return [(i, None) for i in ins[:3]] + [(node.name, None)] + extra
+        # an attention mask given as a tensor is saved too (CPU's flash kernel, measured: a
+        # [2, 1, 16, 16] mask among its saved tensors; CUDA's memory-efficient kernel saves it
+        # as its bias)
+        mask = node.inputs[3:4] if len(node.inputs) > 3 and node.inputs[3] in ins else []
+        return [(i, None) for i in ins[:3] + mask] + [(node.name, None)] + extra
     if op in SAVE_OUTPUT:
         return [(node.name, None)]
     if op in SAVE_INPUT:
