@@ -453,7 +453,13 @@ def _captured_and_built(ref: str, mb: int):
     meta = build_model(ref, device="meta")
     ex = [torch.empty((mb,) + tuple(t.shape[1:]), dtype=t.dtype, device="meta") for t in meta.example_inputs]
     g = capture(meta.model, ex, loss_fn=getattr(meta, "loss_fn", None)).at_batch(mb)
-    return g, build_model(ref, device="cpu")
+    real = build_model(ref, device="cpu")
+    if any(p.is_meta for p in real.model.parameters()):
+        # a factory builds on meta whatever the device: made real as the runtime makes it
+        from autopar.runtime.materialize import materialize
+
+        materialize(real.model, seed=0)
+    return g, real
 
 
 @pytest.mark.parametrize("ref", [
@@ -462,6 +468,10 @@ def _captured_and_built(ref: str, mb: int):
     # rotary embeddings (products by tables needing no gradient), RMSNorm's fp32 casts, GQA
     "hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2&num_hidden_layers=2"
     "&num_attention_heads=4&seq_len=16&vocab_size=128",
+    # Falcon: multi-query attention (one K/V head for torch to broadcast: sdpa's math path),
+    # `x @ self.weight.T` projections (`numpy_T`, a view of the weight) and `output += residual`
+    # (an in-place add saves nothing): modelled 1779968 bytes against torch's 1053764 before
+    "tests.user_models:falcon",
 ])
 def test_saved_activations_of_hugging_face_classes_match_torch(ref):
     """The planner's activation model (a graph captured on meta) against what torch's CPU
@@ -1203,6 +1213,47 @@ def test_math_attention_saves_fp32_under_bf16():
     xb = x.to(torch.bfloat16).requires_grad_()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         Attn()(xb)
+    assert pred == sum(seen.values())
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_attention_with_fewer_key_heads_saves_what_torch_saves(dtype, gqa):
+    """Multi-query attention handing sdpa one K/V head for 4 query heads (Falcon's): without
+    enable_gqa no fused kernel takes it and torch's math path broadcasts K and V, saving copies
+    of them at the query's heads beside the scaled query and the probabilities (fp32 under
+    bf16); with enable_gqa CPU's flash kernel runs and saves K and V as given, the mask, its
+    output and log-sum-exp. The model against torch's saved tensors of the same call."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from autopar.capture.export import capture
+    from cost_models.memory import activation_memory, attention_is_fused
+
+    class Attn(nn.Module):
+        def forward(self, x):
+            mask = torch.zeros(x.shape[0], 1, x.shape[2], x.shape[2], dtype=x.dtype, device=x.device)
+            kv = x[:, :1]
+            return F.scaled_dot_product_attention(x * 1.0, kv * 2.0, kv * 3.0, attn_mask=mask,
+                                                  enable_gqa=gqa).sum()
+
+    x = torch.randn(2, 4, 16, 8)
+    g = capture(Attn(), (x,), loss_fn=lambda out: out).at_batch(2)
+    by = {n.name: n for n in g.nodes}
+    sdpa = next(n for n in g.nodes if n.op == "scaled_dot_product_attention")
+    assert attention_is_fused(sdpa, "cpu", by_name=by) == gqa
+    pred = activation_memory(g, dtype, device_type="cpu").saved_bytes
+    seen: dict = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    xr = x.to(torch.bfloat16 if dtype == "bf16" else torch.float32).requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = Attn()(xr)
+    assert (type(out.grad_fn.next_functions[0][0]).__name__.startswith("ScaledDotProductFlash")) == gqa
     assert pred == sum(seen.values())
 
 
