@@ -1252,6 +1252,28 @@ def unit_position(calls: list, modules: Sequence[str]) -> dict[str, float]:
 _MULTI_OUTPUT_VIEWS = frozenset({"split", "split_with_sizes", "chunk", "unbind", "unsafe_split"})
 
 
+def _backward_temporaries(n, by_name: dict, rg: dict, gsize: Callable[[str], float]) -> float:
+    """Bytes an op's backward formula holds beside the gradients it makes (torch's
+    tools/autograd/derivatives.yaml and FunctionsManual.cpp; C++ temporaries live to the end of
+    the expression): `pow` by a scalar, `grad * (exponent * self.pow(exponent - 1))`, two of its
+    input's size (`pow_backward`); `mul` with an operand broadcast to the output that needs a
+    gradient (a norm's per-row statistic or its weight), `(grad * other).sum_to_size(...)`:
+    one of its output's size (`mul_tensor_backward`, then the reduction; measured on CPU,
+    torch 2.13: a [8, 16, 64] fp32 `x.pow(2)` backward peaks 2 x 32 KiB above its gradients,
+    `a * a.sum(-1, keepdim=True)` 32 KiB)."""
+    ins = _tensor_inputs(n, by_name)
+    if n.op == "pow" and len(ins) == 1 and len(n.args) > 1 and isinstance(n.args[1], (int, float)):
+        return 0.0 if n.args[1] == 0 or not rg.get(ins[0], False) else 2 * gsize(ins[0])
+    if n.op in ("mul", "mul_") and n.outputs and len(n.inputs) > 1:
+        numel = n.outputs[0].numel
+        for i in n.inputs[:2]:
+            src = by_name.get(i)
+            if (src is not None and src.outputs and rg.get(i, False) and _floating(src)
+                    and src.outputs[0].numel < numel):
+                return gsize(n.name)
+    return 0.0
+
+
 def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: dict, upcasts: frozenset,
                       shard: Any, dtype: str, new_grads: Callable, loss_read: Callable,
                       given_grad: Optional[str],
@@ -1426,6 +1448,7 @@ def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: 
                 if i not in owner:
                     born.append((i, nb))
             extra += new_grads(n)
+            extra += _backward_temporaries(n, by_name, rg, gsize)
         at = total + extra
         if regather is not None:
             at = max(at, total + regather(n))
