@@ -75,7 +75,7 @@ from autopar.schema.cluster import DeviceSpec
 from autopar.schema.constraints import RECOMPUTES, Recompute
 from autopar.schema.constraints import Schedule as ScheduleName  # the registry's names
 from autopar.schema.software import AttentionKernel
-from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, attention_core, bytes_scale
+from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, attention_core, attention_heads_broadcast, bytes_scale
 from cost_models.fused_loss import is_fused_loss
 from cost_models.layouts import executor_layout_copies, graph_layout_copies, layout_copies
 
@@ -281,24 +281,6 @@ def _tensor_inputs(node, by_name: dict) -> list[str]:
     return [i for i in node.inputs if i in by_name and by_name[i].kind in ("call", "input")]
 
 
-def _heads_differ(node, by_name: Optional[dict]) -> bool:
-    """Whether a `scaled_dot_product_attention` call's key or value has another head count than
-    its query (multi-query attention passing one K/V head for torch to broadcast) without
-    `enable_gqa`."""
-    if by_name is None or node.op != "scaled_dot_product_attention" or len(node.inputs) < 3:
-        return False
-    gqa = node.args[7] if len(node.args) > 7 else node.kwargs.get("enable_gqa", False)
-    if gqa is True:
-        return False
-    shapes = []
-    for i in node.inputs[:3]:
-        n = by_name.get(i)
-        if n is None or not n.outputs or len(n.outputs[0].shape) != 4:
-            return False
-        shapes.append(n.outputs[0].shape)
-    return not (shapes[0][-3] == shapes[1][-3] == shapes[2][-3])
-
-
 def attention_is_fused(node, device_type: Optional[str] = None, attention_kernel: AttentionKernel = "fused",
                        by_name: Optional[dict] = None) -> bool:
     """Whether an attention node runs a fused kernel (flash / memory-efficient): not when the
@@ -315,7 +297,7 @@ def attention_is_fused(node, device_type: Optional[str] = None, attention_kernel
     fp32 and bf16, has the math path's grad_fn; with enable_gqa=True the flash kernel's)."""
     if attention_kernel == "unfused":
         return False
-    if _heads_differ(node, by_name):
+    if attention_heads_broadcast(node, by_name):
         return False
     if device_type != "cpu" or node.op != "scaled_dot_product_attention":
         return True
@@ -347,7 +329,7 @@ def _math_attention_saves(node, by_name: dict, dtype: str) -> list[tuple[str, Op
     probs = heads * int(out.shape[-2]) * int(k.shape[-2])
     p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
     dropout = isinstance(p, (int, float)) and p > 0
-    broadcast = _heads_differ(node, by_name)
+    broadcast = attention_heads_broadcast(node, by_name)
 
     def copied(t) -> float:
         return (heads * int(t.shape[-2]) * int(t.shape[-1]) if broadcast else t.numel) * item
