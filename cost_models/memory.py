@@ -63,6 +63,7 @@ convention without autocast):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -1234,6 +1235,31 @@ def unit_position(calls: list, modules: Sequence[str]) -> dict[str, float]:
 _MULTI_OUTPUT_VIEWS = frozenset({"split", "split_with_sizes", "chunk", "unbind", "unsafe_split"})
 
 
+def _reading_upcast_inputs(calls: list, by_name: dict, base: dict, upcasts: frozenset) -> list:
+    """`calls` with each read of an upcast from outside the upcast's module read as the cast's
+    input: a fp32 capture made `x.to(torch.float32)` and `x` one tensor (a `to` to its own
+    dtype returns it), so the residual add after Hugging Face's RMSNorm reads the cast in the
+    graph, while the mixed-precision program reads the 2-byte residual stream there (as
+    `_promoted_fp32` reads it). For the backward's gradients: the add hands its gradient to
+    the stream itself, and the norm's own readers make the cast's fp32 gradient, a tensor of
+    its own until the cast's backward adds it in (taken as the stream's, it was added in at
+    once: Phi-3's RMSNorm backward 128 KiB under torch at tp 2, full recomputation)."""
+    if not upcasts:
+        return calls
+    out = []
+    for n in calls:
+        ins = list(n.inputs)
+        for k, i in enumerate(ins):
+            b = by_name.get(base.get(i, i))
+            if b is None or b.op not in ("to", "_to_copy") or b.name not in upcasts or not b.inputs:
+                continue
+            mod, rm = b.module_path or "", n.module_path or ""
+            if mod and not (rm == mod or rm.startswith(mod + ".")):
+                ins[k] = b.inputs[0]
+        out.append(n if ins == list(n.inputs) else dataclasses.replace(n, inputs=ins))
+    return out
+
+
 def _backward_temporaries(n, by_name: dict, rg: dict, gsize: Callable[[str], float]) -> float:
     """Bytes an op's backward formula holds beside the gradients it makes (torch's
     tools/autograd/derivatives.yaml and FunctionsManual.cpp; C++ temporaries live to the end of
@@ -1291,6 +1317,9 @@ def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: 
     and the redistribution's backward, after op n's, holds it, the gathered gradient and the
     gather's buffers: the fourth item of op n's entry, with the given gradient's share of it
     fifth (0: no such moment)."""
+    calls = _reading_upcast_inputs(calls, by_name, base, upcasts)
+    by_name = {**by_name, **{n.name: n for n in calls}}
+
     def gsize(name: str) -> float:
         node = by_name.get(name)
         if node is None or not node.outputs or not _floating(node):
