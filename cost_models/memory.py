@@ -858,6 +858,10 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     # ("pre"): (value as region_peak, its gradients, of those the given one)
     region_att: dict[Optional[str], dict[str, tuple[float, float, float]]] = {}
     region_given: dict[Optional[str], float] = {}   # of region_grads, the given one's (`given_share`)
+    # each region's moments as (bytes as region_peak, their activation gradients, the forward
+    # index after which the region's ops have made their parameter gradients by then): the
+    # first backward's moment adds those (`first`)
+    region_moments: dict[Optional[str], list[tuple[float, float, float]]] = {}
 
     def loss_read(n, i: str) -> tuple[int, float]:
         # (gradients live at once, fp32 bytes of the logits as the loss reads them): a loss on
@@ -999,6 +1003,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 # the attention's own forward moment counts with the ops after it: its
                 # gathered K and V are made (`bucket`'s fwd)
                 bucket(r, i, fwd, entry.get(r, 0.0), entry_given.get(r, 0.0), fwd=True)
+                region_moments.setdefault(r, []).append((fwd, entry.get(r, 0.0), math.inf))
                 if fwd > region_peak.get(r, 0.0) or r not in region_peak:
                     region_peak[r], region_grads[r] = fwd, entry.get(r, 0.0)
                     region_given[r] = entry_given.get(r, 0.0)
@@ -1019,6 +1024,8 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             if r is not None:
                 here = region_bytes.get(r, 0.0) + grads(n)
                 bucket(r, i, here, grads(n), moments.get(n.name, (0.0, 0.0, 0.0))[1])
+                # op n's own parameter gradients are among its gradients (`new_grads`)
+                region_moments.setdefault(r, []).append((here, grads(n), i))
                 if here > region_peak.get(r, 0.0) or r not in region_peak:
                     region_peak[r], region_grads[r] = here, grads(n)
                     region_given[r] = moments.get(n.name, (0.0, 0.0, 0.0))[1]
@@ -1026,6 +1033,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 here = prior + after_grads(n)
                 if after_grads(n) > 0:
                     bucket(r, i, here, after_grads(n), moments[n.name][4])
+                    region_moments.setdefault(r, []).append((here, after_grads(n), i - 1))
                 if after_grads(n) > 0 and here > region_peak[r]:
                     region_peak[r], region_grads[r] = here, after_grads(n)
                     region_given[r] = moments[n.name][4]
@@ -1120,6 +1128,10 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     att_first = next((i for i, n in enumerate(calls) if n.op in FUSED_ATTENTION
                       and (keep is None or n.layer in keep)), None)
     index = {n.name: i for i, n in enumerate(calls)}
+    region_calls: dict[Optional[str], list] = {}
+    for c in calls:
+        if region.get(c.name) is not None:
+            region_calls.setdefault(region[c.name], []).append(c)
 
     def plain(n, m: float, g: float, g_in: float) -> None:
         if att_first is None:
@@ -1143,7 +1155,12 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             if r not in entered:
                 entered.add(r)
                 m = live + region_peak[r] - out.saved_bytes
-                first(n, m - region_grads[r], region_grads[r], born)
+                # the first backward: the parameter gradients the region's ops made before
+                # each of its moments count with it (a recomputed layer's MLP weights' at its
+                # norm's backward)
+                for val, g, after_i in region_moments.get(r, ()):
+                    made_in = sum(new_grads(c) for c in region_calls.get(r, ()) if index[c.name] > after_i)
+                    first(n, live + val - out.saved_bytes - g, g, born + made_in)
                 if r in region_att:
                     out.attention_regions.append({
                         "position": position[n.name], "param_grads": born,
