@@ -430,6 +430,26 @@ def attention_rates(device: DeviceSpec, flops_per_head: float, dtype: str,
     return None
 
 
+def attention_heads_broadcast(node, by_name: Optional[dict]) -> bool:
+    """Whether a `scaled_dot_product_attention` call's key or value has another head count than
+    its query (multi-query attention passing one K/V head for torch to broadcast) without
+    `enable_gqa`: no fused kernel takes it (`check_batch_size_and_num_heads_dense`,
+    aten/src/ATen/native/transformers/sdp_utils_cpp.h); torch's math path broadcasts the head
+    (`cost_models.memory.attention_is_fused`)."""
+    if by_name is None or node.op != "scaled_dot_product_attention" or len(node.inputs) < 3:
+        return False
+    gqa = node.args[7] if len(node.args) > 7 else node.kwargs.get("enable_gqa", False)
+    if gqa is True:
+        return False
+    shapes = []
+    for i in node.inputs[:3]:
+        n = by_name.get(i)
+        if n is None or not n.outputs or len(n.outputs[0].shape) != 4:
+            return False
+        shapes.append(n.outputs[0].shape)
+    return not (shapes[0][-3] == shapes[1][-3] == shapes[2][-3])
+
+
 def _attention_node_time(n, index: dict, device: DeviceSpec, dtype: str, shard: float,
                          kernel: AttentionKernel = "fused") -> Optional[tuple[float, float]]:
     shapes = []
@@ -441,6 +461,8 @@ def _attention_node_time(n, index: dict, device: DeviceSpec, dtype: str, shard: 
     if len(shapes) < 3 or len(shapes[0]) < 2:
         return None
     p = n.args[4] if len(n.args) > 4 and isinstance(n.args[4], (int, float)) else n.kwargs.get("dropout_p", 0.0)
+    if attention_heads_broadcast(n, index):
+        kernel = "unfused"          # torch's math path: batched GEMMs around a softmax
     return attention_time(shapes[0], shapes[1], shapes[2], device, dtype, shard, float(p or 0.0), kernel,
                           causal=attention_is_causal(n))
 

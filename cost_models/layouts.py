@@ -86,13 +86,16 @@ def _view_strides(node, src_shape: tuple[int, ...], src: tuple[int, ...],
     """(strides of the view op's output, whether it copied) from its input's layout."""
     op = node.op
     nd = len(src_shape)
-    if op == "transpose" and len(node.args) >= 3 and all(isinstance(a, int) for a in node.args[1:3]):
+    if op in ("transpose", "swapaxes", "swapdims") and len(node.args) >= 3 \
+            and all(isinstance(a, int) for a in node.args[1:3]):
         a, b = (x % nd for x in node.args[1:3])
         st = list(src)
         st[a], st[b] = st[b], st[a]
         return tuple(st), False
     if op == "t" and nd == 2:
         return (src[1], src[0]), False
+    if op == "numpy_T":                 # `x.T`: every dim reversed
+        return tuple(reversed(src)), False
     if op == "permute" and len(node.args) >= 2 and isinstance(node.args[1], (list, tuple)):
         return tuple(src[int(d) % nd] for d in node.args[1]), False
     if op in ("expand", "expand_as"):
@@ -181,7 +184,7 @@ def layout_copies(nodes: list, by_name: dict, device_type: Optional[str] = None,
                 aliasing.add(n.name)
             strides[n.name] = contiguous_strides(shape)
             continue
-        if n.op in FUSED_ATTENTION and attention_is_fused(n, device_type, attention_kernel):
+        if n.op in FUSED_ATTENTION and attention_is_fused(n, device_type, attention_kernel, by_name):
             q = of(src)
             if n.name in copied_queries and src in by_name and _shape(by_name[src]) is not None:
                 q = contiguous_strides(_shape(by_name[src]))

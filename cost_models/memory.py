@@ -7,15 +7,18 @@ backward. Rules per op family (what PyTorch's autograd formulas save; views shar
 storage, so a tensor saved twice, or through two views, counts once):
 - matrix ops (linear, mm, bmm, matmul, addmm, baddbmm, conv): their activation inputs
   (parameters are model states, not activations);
-- fused attention (scaled_dot_product_attention): q, k, v, its output and the log-sum-exp
-  (fp32, one per query row); never the s x s scores; software that runs attention unfused
+- fused attention (scaled_dot_product_attention): q, k, v, a mask given as a tensor, its output
+  and the log-sum-exp (fp32, one per query row); never the s x s scores; torch's math path
+  where no fused kernel takes the call (`attention_is_fused`: CPU dropout, a key/value with
+  fewer heads than the query without enable_gqa) saves copies of q, k and v at the query's
+  heads and the probabilities (`_math_attention_saves`); software that runs attention unfused
   (`SoftwareSpec.attention_kernel`, Megatron-LM 2021) saves q, k, v, the probabilities and,
   with dropout, its mask and output (Korthikanti et al.'s count);
 - softmax, log-softmax, tanh, sigmoid, exp, rsqrt: their output;
 - gelu, silu, pow and other non-linear unary ops: their input;
 - layer/RMS norm: their input plus mean and rstd (fp32, one per row);
 - dropout: its mask (1 byte per element);
-- mul/div by a tensor: its activation operands; add, sub, casts, copies, concatenation, views: nothing;
+- mul/div by a tensor: its activation operands; add, sub (in place too), casts, copies, concatenation, views: nothing;
 - embedding: its indices; cross-entropy: its logits and targets;
 - anything else: all its activation inputs (conservative).
 Recomputation (Korthikanti et al. 2022, arXiv 2205.05198):
@@ -60,6 +63,7 @@ convention without autocast):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -72,7 +76,7 @@ from autopar.schema.cluster import DeviceSpec
 from autopar.schema.constraints import RECOMPUTES, Recompute
 from autopar.schema.constraints import Schedule as ScheduleName  # the registry's names
 from autopar.schema.software import AttentionKernel
-from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, attention_core, bytes_scale
+from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, attention_core, attention_heads_broadcast, bytes_scale
 from cost_models.fused_loss import is_fused_loss
 from cost_models.layouts import executor_layout_copies, graph_layout_copies, layout_copies
 
@@ -91,7 +95,8 @@ SAVE_INPUT = frozenset({"gelu", "silu", "mish", "elu", "leaky_relu", "pow", "log
                         "abs", "hardswish", "softplus", "log1p", "log2", "log10", "acos", "asin", "atan",
                         "sinh", "cosh", "erf", "erfc"})
 SAVE_INPUT_AND_OUTPUT = frozenset({"cumprod", "prod", "logsumexp"})
-SAVE_NOTHING = frozenset({"add", "sub", "neg", "cat", "stack", "clone", "contiguous", "to", "_to_copy", "cumsum",
+SAVE_NOTHING = frozenset({"add", "sub", "neg", "add_", "sub_", "neg_", "cat", "stack", "clone", "contiguous", "to",
+                          "_to_copy", "cumsum",
                           "copy_", "arange", "zeros", "ones", "full", "empty", "zeros_like", "ones_like",
                           "new_zeros", "new_ones", "sum", "mean", "tril", "triu", "scalar_tensor",
                           "_assert_tensor_metadata", "lift_fresh_copy", "type_as", "fill_", "detach"})
@@ -277,13 +282,23 @@ def _tensor_inputs(node, by_name: dict) -> list[str]:
     return [i for i in node.inputs if i in by_name and by_name[i].kind in ("call", "input")]
 
 
-def attention_is_fused(node, device_type: Optional[str] = None, attention_kernel: AttentionKernel = "fused") -> bool:
+def attention_is_fused(node, device_type: Optional[str] = None, attention_kernel: AttentionKernel = "fused",
+                       by_name: Optional[dict] = None) -> bool:
     """Whether an attention node runs a fused kernel (flash / memory-efficient): not when the
     software runs attention unfused (`attention_kernel`, `SoftwareSpec`), nor on torch's math
     path. CPU's flash kernel takes no dropout: `scaled_dot_product_attention` with
     dropout_p > 0 runs the math path there (measured: its grad_fn is the math path's
-    `UnsafeViewBackward0`, its output in standard strides); CUDA's kernels take dropout."""
+    `UnsafeViewBackward0`, its output in standard strides); CUDA's kernels take dropout.
+    Nor where the key or value has fewer heads than the query without `enable_gqa` (`by_name`
+    gives the shapes; Falcon's multi-query attention passes one K/V head to 4 query heads):
+    the fused kernels take equal head counts or grouped query attention asked for
+    (`check_batch_size_and_num_heads_dense` in aten/src/ATen/native/transformers/
+    sdp_utils_cpp.h, shared by the CPU and CUDA backends); torch broadcasts the head on its
+    math path (measured on CPU, torch 2.13: a [2, 4, 16, 8] query with a 1-head key and value,
+    fp32 and bf16, has the math path's grad_fn; with enable_gqa=True the flash kernel's)."""
     if attention_kernel == "unfused":
+        return False
+    if attention_heads_broadcast(node, by_name):
         return False
     if device_type != "cpu" or node.op != "scaled_dot_product_attention":
         return True
@@ -294,12 +309,16 @@ def attention_is_fused(node, device_type: Optional[str] = None, attention_kernel
 def _math_attention_saves(node, by_name: dict, dtype: str) -> list[tuple[str, Optional[float]]]:
     """torch's math attention (`_scaled_dot_product_attention_math`, its ops seen through a
     dispatch mode): its batched matmuls save contiguous copies of the scaled query and key
-    (new tensors) and of the value where it is a transposed view (else the value itself), the
-    softmax its probabilities, CPU dropout its noise, the second matmul the dropped
-    probabilities (each batch x heads x queries x keys). With 2-byte inputs all of these are
-    fp32, the value a copy too: the math path upcasts them (torch's default,
-    `torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp` off; measured on CPU, torch 2.13:
-    every saved tensor of a bf16 call is float32)."""
+    (new tensors) and of the value where it is a transposed view or has fewer heads than the
+    query (else the value itself), the softmax its probabilities (which the second matmul
+    saves too, the same storage), and with dropout CPU dropout's noise and the dropped
+    probabilities the second matmul saves instead (each batch x heads x queries x keys). A key
+    or value with fewer heads than the query is broadcast to the query's heads before its
+    matmul flattens them: its copy has the query's batch and heads (measured on CPU, torch 2.13:
+    a [2, 4, 16, 8] query with a [2, 1, 16, 8] key and value saves [8, 8, 16] and [8, 16, 8]
+    copies). With 2-byte inputs all of these are fp32, the value a copy too: the math path
+    upcasts them (torch's default, `torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp`
+    off; measured on CPU, torch 2.13: every saved tensor of a bf16 call is float32)."""
     ins = _tensor_inputs(node, by_name)
     if len(ins) < 3 or not node.outputs:
         return [(i, None) for i in ins]
@@ -307,11 +326,19 @@ def _math_attention_saves(node, by_name: dict, dtype: str) -> list[tuple[str, Op
     out = node.outputs[0]
     upcast = dtype != "fp32"
     item = out.nbytes / max(out.numel, 1) * bytes_scale(out.dtype, "fp32" if upcast else dtype)
-    probs = math.prod(int(d) for d in out.shape[:-1]) * int(k.shape[-2])
-    copy_v = upcast or _swaps_1_2(by_name[ins[2]])
-    value = [(node.name + ":v", v.numel * item)] if copy_v else [(ins[2], None)]
-    return [(node.name + ":q", q.numel * item), (node.name + ":k", k.numel * item),
-            (node.name + ":probs", 3 * probs * item)] + value
+    heads = math.prod(int(d) for d in out.shape[:-2])    # the query's batch x heads
+    probs = heads * int(out.shape[-2]) * int(k.shape[-2])
+    p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    dropout = isinstance(p, (int, float)) and p > 0
+    broadcast = attention_heads_broadcast(node, by_name)
+
+    def copied(t) -> float:
+        return (heads * int(t.shape[-2]) * int(t.shape[-1]) if broadcast else t.numel) * item
+
+    copy_v = upcast or broadcast or _swaps_1_2(by_name[ins[2]])
+    value = [(node.name + ":v", copied(v))] if copy_v else [(ins[2], None)]
+    return [(node.name + ":q", q.numel * item), (node.name + ":k", copied(k)),
+            (node.name + ":probs", (3 if dropout else 1) * probs * item)] + value
 
 
 def _unfused_attention_saves(node, by_name: dict, dtype: str) -> list[tuple[str, Optional[float]]]:
@@ -373,14 +400,18 @@ def saved_tensors(node, by_name: dict, dtype: str = "bf16", device_type: Optiona
         return [(i, None) for i in ins]
     if op in FUSED_ATTENTION and attention_kernel == "unfused":
         return _unfused_attention_saves(node, by_name, dtype)
-    if op in FUSED_ATTENTION and not attention_is_fused(node, device_type):
+    if op in FUSED_ATTENTION and not attention_is_fused(node, device_type, by_name=by_name):
         return _math_attention_saves(node, by_name, dtype)
     if op in FUSED_ATTENTION:
         extra = []
         if out is not None:
             rows = math.prod(int(d) for d in out.shape[:-1])
             extra = [(node.name + ":lse", 4.0 * rows)]
-        return [(i, None) for i in ins[:3]] + [(node.name, None)] + extra
+        # an attention mask given as a tensor is saved too (CPU's flash kernel, measured: a
+        # [2, 1, 16, 16] mask among its saved tensors; CUDA's memory-efficient kernel saves it
+        # as its bias)
+        mask = node.inputs[3:4] if len(node.inputs) > 3 and node.inputs[3] in ins else []
+        return [(i, None) for i in ins[:3] + mask] + [(node.name, None)] + extra
     if op in SAVE_OUTPUT:
         return [(node.name, None)]
     if op in SAVE_INPUT:
@@ -827,6 +858,10 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     # ("pre"): (value as region_peak, its gradients, of those the given one)
     region_att: dict[Optional[str], dict[str, tuple[float, float, float]]] = {}
     region_given: dict[Optional[str], float] = {}   # of region_grads, the given one's (`given_share`)
+    # each region's moments as (bytes as region_peak, their activation gradients, the forward
+    # index after which the region's ops have made their parameter gradients by then): the
+    # first backward's moment adds those (`first`)
+    region_moments: dict[Optional[str], list[tuple[float, float, float]]] = {}
 
     def loss_read(n, i: str) -> tuple[int, float]:
         # (gradients live at once, fp32 bytes of the logits as the loss reads them): a loss on
@@ -968,6 +1003,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 # the attention's own forward moment counts with the ops after it: its
                 # gathered K and V are made (`bucket`'s fwd)
                 bucket(r, i, fwd, entry.get(r, 0.0), entry_given.get(r, 0.0), fwd=True)
+                region_moments.setdefault(r, []).append((fwd, entry.get(r, 0.0), math.inf))
                 if fwd > region_peak.get(r, 0.0) or r not in region_peak:
                     region_peak[r], region_grads[r] = fwd, entry.get(r, 0.0)
                     region_given[r] = entry_given.get(r, 0.0)
@@ -988,6 +1024,8 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             if r is not None:
                 here = region_bytes.get(r, 0.0) + grads(n)
                 bucket(r, i, here, grads(n), moments.get(n.name, (0.0, 0.0, 0.0))[1])
+                # op n's own parameter gradients are among its gradients (`new_grads`)
+                region_moments.setdefault(r, []).append((here, grads(n), i))
                 if here > region_peak.get(r, 0.0) or r not in region_peak:
                     region_peak[r], region_grads[r] = here, grads(n)
                     region_given[r] = moments.get(n.name, (0.0, 0.0, 0.0))[1]
@@ -995,6 +1033,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 here = prior + after_grads(n)
                 if after_grads(n) > 0:
                     bucket(r, i, here, after_grads(n), moments[n.name][4])
+                    region_moments.setdefault(r, []).append((here, after_grads(n), i - 1))
                 if after_grads(n) > 0 and here > region_peak[r]:
                     region_peak[r], region_grads[r] = here, after_grads(n)
                     region_given[r] = moments[n.name][4]
@@ -1089,6 +1128,10 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     att_first = next((i for i, n in enumerate(calls) if n.op in FUSED_ATTENTION
                       and (keep is None or n.layer in keep)), None)
     index = {n.name: i for i, n in enumerate(calls)}
+    region_calls: dict[Optional[str], list] = {}
+    for c in calls:
+        if region.get(c.name) is not None:
+            region_calls.setdefault(region[c.name], []).append(c)
 
     def plain(n, m: float, g: float, g_in: float) -> None:
         if att_first is None:
@@ -1112,7 +1155,12 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             if r not in entered:
                 entered.add(r)
                 m = live + region_peak[r] - out.saved_bytes
-                first(n, m - region_grads[r], region_grads[r], born)
+                # the first backward: the parameter gradients the region's ops made before
+                # each of its moments count with it (a recomputed layer's MLP weights' at its
+                # norm's backward)
+                for val, g, after_i in region_moments.get(r, ()):
+                    made_in = sum(new_grads(c) for c in region_calls.get(r, ()) if index[c.name] > after_i)
+                    first(n, live + val - out.saved_bytes - g, g, born + made_in)
                 if r in region_att:
                     out.attention_regions.append({
                         "position": position[n.name], "param_grads": born,
@@ -1204,6 +1252,53 @@ def unit_position(calls: list, modules: Sequence[str]) -> dict[str, float]:
 _MULTI_OUTPUT_VIEWS = frozenset({"split", "split_with_sizes", "chunk", "unbind", "unsafe_split"})
 
 
+def _reading_upcast_inputs(calls: list, by_name: dict, base: dict, upcasts: frozenset) -> list:
+    """`calls` with each read of an upcast from outside the upcast's module read as the cast's
+    input: a fp32 capture made `x.to(torch.float32)` and `x` one tensor (a `to` to its own
+    dtype returns it), so the residual add after Hugging Face's RMSNorm reads the cast in the
+    graph, while the mixed-precision program reads the 2-byte residual stream there (as
+    `_promoted_fp32` reads it). For the backward's gradients: the add hands its gradient to
+    the stream itself, and the norm's own readers make the cast's fp32 gradient, a tensor of
+    its own until the cast's backward adds it in (taken as the stream's, it was added in at
+    once: Phi-3's RMSNorm backward 128 KiB under torch at tp 2, full recomputation)."""
+    if not upcasts:
+        return calls
+    out = []
+    for n in calls:
+        ins = list(n.inputs)
+        for k, i in enumerate(ins):
+            b = by_name.get(base.get(i, i))
+            if b is None or b.op not in ("to", "_to_copy") or b.name not in upcasts or not b.inputs:
+                continue
+            mod, rm = b.module_path or "", n.module_path or ""
+            if mod and not (rm == mod or rm.startswith(mod + ".")):
+                ins[k] = b.inputs[0]
+        out.append(n if ins == list(n.inputs) else dataclasses.replace(n, inputs=ins))
+    return out
+
+
+def _backward_temporaries(n, by_name: dict, rg: dict, gsize: Callable[[str], float]) -> float:
+    """Bytes an op's backward formula holds beside the gradients it makes (torch's
+    tools/autograd/derivatives.yaml and FunctionsManual.cpp; C++ temporaries live to the end of
+    the expression): `pow` by a scalar, `grad * (exponent * self.pow(exponent - 1))`, two of its
+    input's size (`pow_backward`); `mul` with an operand broadcast to the output that needs a
+    gradient (a norm's per-row statistic or its weight), `(grad * other).sum_to_size(...)`:
+    one of its output's size (`mul_tensor_backward`, then the reduction; measured on CPU,
+    torch 2.13: a [8, 16, 64] fp32 `x.pow(2)` backward peaks 2 x 32 KiB above its gradients,
+    `a * a.sum(-1, keepdim=True)` 32 KiB)."""
+    ins = _tensor_inputs(n, by_name)
+    if n.op == "pow" and len(ins) == 1 and len(n.args) > 1 and isinstance(n.args[1], (int, float)):
+        return 0.0 if n.args[1] == 0 or not rg.get(ins[0], False) else 2 * gsize(ins[0])
+    if n.op in ("mul", "mul_") and n.outputs and len(n.inputs) > 1:
+        numel = n.outputs[0].numel
+        for i in n.inputs[:2]:
+            src = by_name.get(i)
+            if (src is not None and src.outputs and rg.get(i, False) and _floating(src)
+                    and src.outputs[0].numel < numel):
+                return gsize(n.name)
+    return 0.0
+
+
 def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: dict, upcasts: frozenset,
                       shard: Any, dtype: str, new_grads: Callable, loss_read: Callable,
                       given_grad: Optional[str],
@@ -1239,6 +1334,9 @@ def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: 
     and the redistribution's backward, after op n's, holds it, the gathered gradient and the
     gather's buffers: the fourth item of op n's entry, with the given gradient's share of it
     fifth (0: no such moment)."""
+    calls = _reading_upcast_inputs(calls, by_name, base, upcasts)
+    by_name = {**by_name, **{n.name: n for n in calls}}
+
     def gsize(name: str) -> float:
         node = by_name.get(name)
         if node is None or not node.outputs or not _floating(node):
@@ -1378,6 +1476,7 @@ def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: 
                 if i not in owner:
                     born.append((i, nb))
             extra += new_grads(n)
+            extra += _backward_temporaries(n, by_name, rg, gsize)
         at = total + extra
         if regather is not None:
             at = max(at, total + regather(n))

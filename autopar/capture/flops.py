@@ -20,7 +20,7 @@ VIEW_OPS = frozenset({
     "unsqueeze", "squeeze", "flatten", "unflatten", "split", "split_with_sizes", "chunk",
     "unbind", "slice", "select", "narrow", "alias", "detach", "lift_fresh_copy", "view_as",
     "as_strided", "getitem", "sym_size", "sym_numel", "_assert_tensor_metadata", "movedim",
-    "unsafe_split",
+    "unsafe_split", "numpy_T", "swapaxes", "swapdims",
 })
 
 # dropouts that ATen returns their input from (`at::dropout` and its feature/alpha variants

@@ -405,6 +405,17 @@ class StepMemTracker(MemTracker):
         self._update_peak_stats(None)
 
 
+def step_near(phases: dict[str, PhasePeak], peak: int, own: dict[str, int]) -> list[dict]:
+    """The step's moments within NEAR_PEAK of its `peak` bytes, from every phase's peak and
+    near moments, but the peak's own (`own`: its plan categories). Another moment of the same
+    total is kept: a backward reaching the peak twice, the second time with more weight
+    gradients and fewer activations (Falcon with full recomputation at tp 2, a layer's mm and
+    then its gelu_backward, 4359440 B both), is at the peak too."""
+    return [m for ph in phases.values() for m in ph.near + [{**ph.categories, "bytes": ph.peak_bytes}]
+            if m["bytes"] >= (1.0 - NEAR_PEAK) * peak
+            and not (m["bytes"] == peak and {c: m[c] for c in PLAN_CATEGORIES} == own)]
+
+
 def _near(moments: dict[tuple, tuple[int, dict]], peak_snap: dict) -> list[dict]:
     """A phase's moments within NEAR_PEAK of its peak (`StepMemTracker.phase_near`), less the
     peak's own, as distinct plan categories with their "bytes"."""
@@ -657,8 +668,7 @@ def track_step(pm: Any, batch: Sequence[Any], counter: Any = None, *, sweep: boo
     if untracked:
         notes.append(f"{untracked} B alive at the step's start outside the ParallelModel's known "
                      f"tensors, counted as other: {udesc}")
-    near = [m for ph in phases.values() for m in ph.near + [{**ph.categories, "bytes": ph.peak_bytes}]
-            if m["bytes"] >= (1.0 - NEAR_PEAK) * peak and m["bytes"] != peak]
+    near = step_near(phases, peak, to_plan_categories(_detail(peak_snap)))
     return out, MemoryReport(peak_bytes=peak, detail=_detail(peak_snap), peak_phase=peak_phase, near=near,
                              phases=phases, start_bytes=start, end_bytes=end,
                              untracked_bytes=untracked, untracked=udesc, notes=notes,
