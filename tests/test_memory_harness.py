@@ -89,7 +89,7 @@ MODELS = {"hf_gpt2_zero3": ("hf:gpt2?hidden_size=64&num_hidden_layers=2&num_atte
                             "&vocab_size=128", 8),
           "hf_llama_zero3": ("hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2"
                              "&num_hidden_layers=2&num_attention_heads=4&seq_len=16&vocab_size=128", 8),
-          "falcon_tp2": ("tests.user_models:falcon", GBS), "phi3_tp2_full": ("tests.user_models:phi3", GBS),
+          "falcon_tp2": ("tests.hf_architectures:falcon", GBS), "phi3_tp2_full": ("tests.hf_architectures:phi3", GBS),
           "mlp_zero3_accum": ("mlp-tiny", 256), "mlp_tp2": ("mlp-tiny", 256), "moe_ep2_zero1": ("moe-tiny", 16)}
 PSI = 30080          # gpt-tiny's parameters (the embedding tied to the output layer)
 

@@ -471,7 +471,7 @@ def _captured_and_built(ref: str, mb: int):
     # Falcon: multi-query attention (one K/V head for torch to broadcast: sdpa's math path),
     # `x @ self.weight.T` projections (`numpy_T`, a view of the weight) and `output += residual`
     # (an in-place add saves nothing): modelled 1779968 bytes against torch's 1053764 before
-    "tests.user_models:falcon",
+    "tests.hf_architectures:falcon",
 ])
 def test_saved_activations_of_hugging_face_classes_match_torch(ref):
     """The planner's activation model (a graph captured on meta) against what torch's CPU
