@@ -239,13 +239,14 @@ def test_lazy_group_costing_covers_cp_groups(llama3_8b_128k, gbs, late, monkeypa
     eager = search()
     monkeypatch.setattr(eager, "_ordered", lambda cps=(1,): iter(eager.candidates(cps)))
     order_all, res_all = run(eager)
-    assert order == order_all and any(k[-1] > 1 for k in order)
+    at = ("dp", "tp", "pp", "mb", "schedule", "v", "zero", "sp", "ep", "cp").index("cp")   # `Candidate.key`
+    assert order == order_all and any(k[at] > 1 for k in order)
     assert lazy.considered == eager.considered and lazy.evaluated == eager.evaluated
     assert (res.best.key(), res.best.iteration_s) == (res_all.best.key(), res_all.best.iteration_s)
     assert lazy.skipped == eager.skipped
     if late:
         # the cp = 1 walk first (nothing it evaluates fits), then the cp > 1 one
-        cps = [k[-1] for k in order]
+        cps = [k[at] for k in order]
         assert res.best.cp > 1 and cps == sorted(cps, key=lambda c: c > 1) and cps[0] == 1
 
 

@@ -482,10 +482,6 @@ def test_hf_mixtral_ep_cp_with_pp_or_tp_trains_like_one_process(tmp_path):
              "tp": plan(_MIXTRAL, _cpu(8), global_batch_size=4, dtype="fp32",
                         constraints=Constraints(tp=2, pp=1, num_microbatches=1, **common))}
     assert plans["tp"].stages[0].op_layouts is not None
-    import autopar
-
-    report = autopar.verify(plans["etp_edp2_zero3"], "moe-tiny")
-    assert report.ok and report.collectives_match is True, report.failures
     rows = run_plans(tmp_path, plans, 8, steps=2)
     for name, p in plans.items():
         assert p.ep == p.cp == 2 and "cp_executor" not in p.search and "ep_executor" not in p.search, p.search
