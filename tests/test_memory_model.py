@@ -1658,6 +1658,32 @@ def test_fused_adamw_makes_no_temporaries_and_the_phases_say_so():
         assert fused.buffers == 0 and loop.buffers > 0
 
 
+def _norm_net(norm):
+    """A norm between two linears (64 wide), its output summed."""
+    import torch.nn as nn
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.norm, self.fc2 = nn.Linear(64, 64), norm, nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.fc2(self.norm(self.fc1(x))).sum()
+
+    return Net()
+
+
+def _norm_between_linears(norm, name: str):
+    """(the capture of `_norm_net(norm)` at a batch of 8, its bf16 activation memory on CPU)."""
+    import torch
+
+    from autopar.capture import capture
+    from cost_models.memory import activation_memory
+
+    g = capture(_norm_net(norm), (torch.randn(8, 64),), name=name).at_batch(8)
+    return g, activation_memory(g, "bf16", "none", device_type="cpu", count_inputs=False)
+
+
 def test_a_norm_computed_in_fp32_saves_its_upcast_at_fp32():
     """Hugging Face's RMSNorm casts its input to float32, normalises, and casts back to the
     input's dtype: in a bf16 run the tensor its pow and mul save is fp32, what the weight's
@@ -1666,7 +1692,6 @@ def test_a_norm_computed_in_fp32_saves_its_upcast_at_fp32():
     import torch
     import torch.nn as nn
 
-    from autopar.capture import capture
     from cost_models.memory import activation_memory
 
     class RMSNorm(nn.Module):
@@ -1680,16 +1705,7 @@ def test_a_norm_computed_in_fp32_saves_its_upcast_at_fp32():
             x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
             return self.weight * x.to(dt)
 
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc1, self.norm, self.fc2 = nn.Linear(64, 64), RMSNorm(64), nn.Linear(64, 64)
-
-        def forward(self, x):
-            return self.fc2(self.norm(self.fc1(x))).sum()
-
-    g = capture(Net(), (torch.randn(8, 64),), name="norm").at_batch(8)
-    am = activation_memory(g, "bf16", "none", device_type="cpu", count_inputs=False)
+    g, am = _norm_between_linears(RMSNorm(64), "norm")
     by = {n.name: n for n in g.nodes}
     casts = [n.name for n in g.nodes if n.kind == "call" and n.op in ("to", "_to_copy")]
     assert len(casts) == 2
@@ -1713,8 +1729,6 @@ def test_a_norm_cast_back_by_type_as_closes_its_fp32_region():
     import torch
     import torch.nn as nn
 
-    from autopar.capture import capture
-    from cost_models.memory import activation_memory
 
     class GemmaNorm(nn.Module):
         def __init__(self, h: int) -> None:
@@ -1726,17 +1740,8 @@ def test_a_norm_cast_back_by_type_as_closes_its_fp32_region():
             y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
             return (y * (1.0 + self.weight.float())).type_as(x)
 
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc1, self.norm, self.fc2 = nn.Linear(64, 64), GemmaNorm(64), nn.Linear(64, 64)
-
-        def forward(self, x):
-            return self.fc2(self.norm(self.fc1(x))).sum()
-
-    g = capture(Net(), (torch.randn(8, 64),), name="gemma_norm").at_batch(8)
-    am = activation_memory(g, "bf16", "none", device_type="cpu", count_inputs=False)
-    net = Net().bfloat16()
+    g, am = _norm_between_linears(GemmaNorm(64), "gemma_norm")
+    net = _norm_net(GemmaNorm(64)).bfloat16()
     x = torch.randn(8, 64, dtype=torch.bfloat16, requires_grad=True)
     skip = {p.data_ptr() for p in net.parameters()} | {x.data_ptr()}
     saved: dict[int, int] = {}
