@@ -50,11 +50,16 @@ MODELS = {
     "hf-llama": f"hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2&{_TINY}",
     "renamed": "tests.user_models:renamed_gpt",
 }
-# Hugging Face architectures without an `hf:` family, wrapped by a user (`--architectures`)
-ARCHITECTURE_MODELS = {f"hf-{name}": f"tests.hf_architectures:{name}"
-                       for name in ("falcon", "falcon_new", "bigcode", "gptj", "neox", "phi", "phi3", "bloom",
-                                    "gemma", "qwen2", "qwen3", "mistral", "olmo", "stablelm", "starcoder2",
-                                    "cohere")}
+
+
+def _architecture_models() -> dict[str, str]:
+    """`--architectures`: the Hugging Face architectures without an `hf:` family, wrapped by a
+    user (`tests.hf_architectures.ARCHITECTURES`)."""
+    from tests.hf_architectures import ARCHITECTURES
+
+    return {f"hf-{name}": f"tests.hf_architectures:{name}" for name in ARCHITECTURES}
+
+
 LAYOUTS: dict[str, dict] = {
     "dp4 zero0": dict(dp=4, tp=1, pp=1, zero_stage=0),
     "dp4 zero1": dict(dp=4, tp=1, pp=1, zero_stage=1),
@@ -239,7 +244,7 @@ def main() -> None:
 
             hard_exit(0 if sys.exc_info()[0] is None else 1)
     t0 = time.perf_counter()
-    pool = ARCHITECTURE_MODELS if a.architectures else MODELS
+    pool = _architecture_models() if a.architectures else MODELS
     pairs = [(m, lay) for m in pool for lay in LAYOUTS if a.only in f"{m} {lay}"]
     models = {m: pool[m] for m in dict.fromkeys(m for m, _ in pairs)}
     with tempfile.TemporaryDirectory(prefix="autopar-matrix-") as d:

@@ -142,14 +142,12 @@ def _specs() -> list[dict]:
     return out
 
 
-ARCHITECTURES = ("falcon", "falcon_new", "bigcode", "gptj", "neox", "phi", "phi3", "bloom", "gemma", "qwen2", "qwen3",
-                 "mistral", "olmo", "stablelm", "starcoder2", "cohere")
-
-
 def _architecture_specs() -> list[dict]:
     """`--architectures`: Hugging Face architectures autopar has no `hf:` family for, wrapped as
     a user would (`tests/hf_architectures.py`), each at dp 2 with ZeRO-3, tp 2, pp 2 under 1F1B
     and tp 2 with full recomputation, bf16 and fp32, on 2 processes."""
+    from tests.hf_architectures import ARCHITECTURES
+
     out: list[dict] = []
     for dtype in ("bf16", "fp32"):
         for name in ARCHITECTURES:
