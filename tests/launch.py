@@ -55,7 +55,6 @@ def run_plans(folder: Path, plans: dict, nproc: int, steps: int = 3, options: di
     job's error for it). One launch rather than one per plan: the workers start once, and what
     they keep between plans of one model (its exported meta program, DTensor's sharding rules)
     is worked out once."""
-    import json
     from urllib.parse import urlencode
 
     folder = Path(folder)
@@ -64,7 +63,50 @@ def run_plans(folder: Path, plans: dict, nproc: int, steps: int = 3, options: di
         p.save(folder / f"{name}.json")
         opts = (options or {}).get(name)
         args[name] = f"plan:{folder / f'{name}.json'}" + (f"?{urlencode(opts)}" if opts else "")
-    out = folder / "rows.json"
-    elastic_run(ROOT / "tests" / "plans.py", ["--out", str(out), "--steps", str(steps), *args.values()], nproc)
-    rows = json.loads(out.read_text())
+    rows = layouts_job(list(args.values()), folder / "rows.json", nproc, steps)
     return {name: rows[a] for name, a in args.items()}
+
+
+def layouts_job(entries: list[str], out: Path, nproc: int, steps: int) -> dict:
+    """`entries` (layouts job arguments: a layout name, "plan:PATH", a check) run in turn by
+    `tests/plans.py` on `nproc` processes: {entry: its rows, or {"error": ...}}. A layout that
+    fails may leave the ranks in different collectives, so the job ends there; the entries after
+    it run in a new job, so one failing layout fails its own test, not every later one's. The
+    failure is reported from the ranks' error files (the earliest written), or as the
+    job's error where none did (a rank killed)."""
+    import json
+
+    out = Path(out)
+    rows: dict = {}
+    remaining = list(entries)
+    while remaining:
+        for f in out.parent.glob(f"{out.name}*"):
+            f.unlink()
+        try:
+            elastic_run(ROOT / "tests" / "plans.py", ["--out", str(out), "--steps", str(steps), *remaining], nproc)
+            failed = None
+        except Exception as e:   # the job died: find which entry, report it, go on after it
+            failed = f"{type(e).__name__}: {e}"
+        rows.update(json.loads(out.read_text()) if out.exists() else {})
+        left = [a for a in remaining if a not in rows]
+        if failed is None:
+            for a in left:
+                rows[a] = {"error": "the layouts job ended without running it"}
+            break
+        # earliest first: the rank that failed writes before those its failure broke
+        errs = [json.loads(f.read_text()) for f in sorted(out.parent.glob(f"{out.name}.err*"),
+                                                         key=lambda f: f.stat().st_mtime_ns)]
+        if left and not any(e.get("layout") == left[0] for e in errs) and len(left) == len(remaining):
+            # nothing ran and no rank says why (the job failed to start): no point retrying
+            for a in left:
+                rows[a] = {"error": f"the layouts job failed before running it: {failed}"}
+            break
+        first: set = set()
+        for e in errs:
+            if e.get("layout") is not None and e["layout"] not in first:
+                first.add(e["layout"])
+                rows[e["layout"]] = {k: v for k, v in e.items() if k != "layout"}
+        if not first and left:
+            rows[left[0]] = {"error": f"the layouts job died during it: {failed}"}
+        remaining = [a for a in left if a not in rows]
+    return rows

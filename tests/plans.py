@@ -433,8 +433,10 @@ def run_layouts_job(layouts: list[str], out_path: str, steps: int = 4, seed: int
     """Under torchrun: train each layout `steps` steps; rank 0 writes {layout: rows} as JSON.
     A layout is a name of LAYOUTS, "plan:PATH" (a plan file, e.g. the planner's; "plan:PATH?
     steps=N&checkpoint_dir=DIR" runs it N steps, checkpointing to DIR as `autopar.runtime.run`
-    does), or a check: "spmd2d", "build_api", "vocab_loss", "recompute_check:LAYOUT"."""
+    does), or a check: "spmd2d", "build_api", "vocab_loss", "recompute_check:LAYOUT",
+    "fail_on_rank:R" (rank R raises: the harness's own test)."""
     import json
+    import os
     import traceback
     from urllib.parse import parse_qsl
 
@@ -444,40 +446,59 @@ def run_layouts_job(layouts: list[str], out_path: str, steps: int = 4, seed: int
 
     init_distributed()
     results: dict = {}
+
+    def write_results() -> None:
+        # after every layout, so a job that dies in a later one keeps what ran (`tests.launch.
+        # layouts_job` relaunches the rest); written whole, then renamed
+        if dist.get_rank() == 0:
+            tmp = f"{out_path}.part"
+            with open(tmp, "w") as f:
+                json.dump(results, f)
+            os.replace(tmp, out_path)
+
+    def one(lay: str) -> object:
+        if lay == "spmd2d":
+            return spmd2d_check()
+        if lay == "vocab_loss":
+            return vocab_loss_check()
+        if lay == "build_api":
+            return build_api_check(steps, seed)
+        if lay.startswith("fail_on_rank:"):     # the harness's own test: one rank fails
+            if dist.get_rank() == int(lay.split(":", 1)[1]):
+                raise RuntimeError("this rank fails, as asked")
+            dist.barrier()
+            return []
+        if lay.startswith("recompute_check:"):
+            return recompute_check(lay.split(":", 1)[1])
+        opts: dict = {}
+        if lay.startswith("plan:"):
+            path, _, query = lay[len("plan:"):].partition("?")
+            opts = dict(parse_qsl(query))
+            plan = load_plan(path)
+        else:
+            plan = make_plan(lay)
+        bundle = build_model(plan.model.name, device="meta")
+        rows = train(plan, bundle, steps=int(opts.get("steps", steps)), seed=seed, quiet=True,
+                     checkpoint_dir=opts.get("checkpoint_dir"))
+        dist.barrier()
+        return rows
+
     try:
         for lay in layouts:
-            if lay == "spmd2d":
-                results[lay] = spmd2d_check()
-                continue
-            if lay == "vocab_loss":
-                results[lay] = vocab_loss_check()
-                continue
-            if lay == "build_api":
-                results[lay] = build_api_check(steps, seed)
-                continue
-            if lay.startswith("recompute_check:"):
-                results[lay] = recompute_check(lay.split(":", 1)[1])
-                continue
-            opts: dict = {}
-            if lay.startswith("plan:"):
-                path, _, query = lay[len("plan:"):].partition("?")
-                opts = dict(parse_qsl(query))
-                plan = load_plan(path)
-            else:
-                plan = make_plan(lay)
-            bundle = build_model(plan.model.name, device="meta")
             try:
-                rows = train(plan, bundle, steps=int(opts.get("steps", steps)), seed=seed, quiet=True,
-                             checkpoint_dir=opts.get("checkpoint_dir"))
-                results[lay] = rows
-            except Exception as e:  # report, keep going with the next layout
-                results[lay] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+                results[lay] = one(lay)
+            except Exception as e:
+                # the ranks may stand in different collectives now: each writes its error for
+                # `tests.launch.layouts_job`, which reports it as this layout's rows and runs
+                # the layouts after it in a new job
+                err = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+                results[lay] = err
+                with open(f"{out_path}.err{dist.get_rank()}", "w") as f:
+                    json.dump({"layout": lay, **err}, f)
                 raise
-            dist.barrier()
+            write_results()
     finally:
-        if dist.get_rank() == 0:
-            with open(out_path, "w") as f:
-                json.dump(results, f)
+        write_results()
         dist.destroy_process_group()
 
 

@@ -40,11 +40,9 @@ def close(a: list[float], b: list[float], rel: float) -> bool:
 
 def launch_layouts(layouts: list[str], tmp_path: Path, nproc: int = 4) -> dict:
     """One torchrun job (elastic launcher) running every layout in turn (tests/plans.py)."""
-    from tests.launch import elastic_run
+    from tests.launch import layouts_job
 
-    out = tmp_path / "layouts.json"
-    elastic_run(ROOT / "tests" / "plans.py", ["--out", str(out), "--steps", str(STEPS), *layouts], nproc)
-    return json.loads(out.read_text())
+    return layouts_job(layouts, tmp_path / "layouts.json", nproc, STEPS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,3 +282,11 @@ def test_checkpoint_restart_and_reshard(tmp_path):
     assert okeys and set(okeys) == {k for k in fd if k.startswith("optim.")}
     for k in okeys:
         assert torch.allclose(fa[k], fd[k], rtol=1e-4, atol=1e-8), k
+
+
+def test_a_layout_failing_on_one_rank_fails_alone(tmp_path):
+    """The layouts job (`tests.launch.layouts_job`): a layout failing on one rank is reported
+    with that rank's error, and the layouts after it still run (in a new job)."""
+    rows = launch_layouts(["fail_on_rank:1", "dp2"], tmp_path, nproc=2)
+    assert "this rank fails, as asked" in rows["fail_on_rank:1"]["error"], rows["fail_on_rank:1"]
+    assert close([r["loss"] for r in rows["dp2"] if "step" in r], reference_losses(), 1e-5), rows["dp2"]

@@ -122,10 +122,8 @@ def launched(tmp_path_factory) -> dict:
     """Every layout planned by `autopar.plan` (each model captured once, its per-layer costs
     shared: `tests.captured`), saved, and run in one 4-process job (the runtime tests' layouts
     job, `tests/plans.py`): {layout: (plan, rows)}."""
-    import json
-    from pathlib import Path
 
-    from tests.launch import elastic_run
+    from tests.launch import layouts_job
 
     pytest.importorskip("transformers")
     folder = tmp_path_factory.mktemp("user_plans")
@@ -134,11 +132,7 @@ def launched(tmp_path_factory) -> dict:
         p = shared_plan(ref, 4, constraints=autopar.Constraints(**cons))
         p.save(folder / f"{name}.json")
         plans[name] = p
-    out = folder / "rows.json"
-    root = Path(__file__).resolve().parents[1]
-    elastic_run(root / "tests" / "plans.py", ["--out", str(out), "--steps", str(STEPS),
-                                               *[f"plan:{folder / f'{n}.json'}" for n in plans]], 4)
-    rows = json.loads(out.read_text())
+    rows = layouts_job([f"plan:{folder / f'{n}.json'}" for n in plans], folder / "rows.json", 4, STEPS)
     return {n: (plans[n], rows[f"plan:{folder / f'{n}.json'}"]) for n in plans}
 
 
