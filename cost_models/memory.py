@@ -1724,7 +1724,8 @@ def _forward_over(calls: list, by_name: dict, base: dict, owner_node: dict, nbyt
     redistributed (the copy, when it does not save it, and the buffer of a gather that is not
     along the first dim, `read_shard`'s third item, at the moment of the gather: the executor
     frees it once concatenated); a loss makes its per-element fp32 result
-    (cross-entropy's log-softmax, which it saves in place of its input) beside its input.
+    (cross-entropy's log-softmax, which it saves in place of its input) beside its input, a
+    fused one (`cost_models.fused_loss`) only its per-row results.
     `per_op`: also {op: what the forward holds at that op beyond what the ops before it saved,
     the most of just before it runs and just after} (a recomputed region's re-run forward).
     `handed`: a tensor the caller counts itself (the output a pipeline chunk keeps), left out
@@ -1784,10 +1785,14 @@ def _forward_over(calls: list, by_name: dict, base: dict, owner_node: dict, nbyt
             r = read(n, i, "fp32" if loss and mixed else None)
             if r is not None and r[3]:
                 held_from.setdefault(f"{i}@{r[1]}", (t, r[0], i))
-            if loss and k == 0 and _floating(by_name[base.get(i, i)]) and f"{n.name}:unreduced" not in owner_node:
+            if (loss and k == 0 and _floating(by_name[base.get(i, i)]) and f"{n.name}:unreduced" not in owner_node
+                    and not is_fused_loss(n)):
                 # its per-element fp32 result (cross-entropy's log-softmax) beside its input;
                 # where that result is the storage the reduced loss keeps (CPU's mse_loss,
-                # `LOSSES_KEEP_UNREDUCED`), it is counted among the saved tensors already
+                # `LOSSES_KEEP_UNREDUCED`), it is counted among the saved tensors already; a
+                # fused kernel (`cost_models.fused_loss`) makes none: its forward writes one fp32
+                # loss and one log-sum-exp per row (flash-attn csrc/xentropy/xentropy_kernel.cu,
+                # host_softmax_xentropy: `losses`, `max_log_sum_exp`, each `empty_like(labels)`)
                 extra[t] += r[0] if r is not None else size(i, "fp32")
             if r is None:
                 continue
