@@ -20,7 +20,10 @@ storage, so a tensor saved twice, or through two views, counts once):
 - dropout: its mask (1 byte per element);
 - mul/div by a tensor: its activation operands; add, sub (in place too), casts, copies, concatenation, views: nothing;
 - embedding: its indices; cross-entropy: its logits and targets;
-- anything else: all its activation inputs (conservative).
+- anything else: all its activation inputs (conservative);
+- the ops of a custom autograd Function's forward (Hugging Face BLOOM's GELU, a straight-through
+  estimator): nothing each, the call what its forward saves for its own backward (its input,
+  for BLOOM), as the runtime runs the Function on every path (`capture.functions`).
 Recomputation (Korthikanti et al. 2022, arXiv 2205.05198):
 - "selective" drops what the attention core (scores, softmax, dropout on probabilities, the
   matmul with V) saves of its own intermediates; it keeps Q, K, V and re-runs the core;
@@ -388,6 +391,11 @@ def saved_tensors(node, by_name: dict, dtype: str = "bf16", device_type: Optiona
     `attention_kernel` (the software's, `SoftwareSpec`) and `device_type` pick the attention
     kernel (`attention_is_fused`; unfused software saves the scores), `rg` (`requires_grad`)
     which operands of a product need a gradient."""
+    if getattr(node, "function", None) is not None:
+        # an op of a custom autograd Function's forward: autograd saves nothing of its ops (the
+        # forward runs without it); the Function saves what it asks (`ctx.save_for_backward`,
+        # tensors kept on ctx), listed on the call's first op (`capture.functions`)
+        return [(t, None) for t in getattr(node, "function_saves", ()) if t in by_name]
     op = node.op
     if is_view(node) or op in SAVE_NOTHING or op == "broadcast_tensors":
         # broadcast_tensors returns expanded views; its backward sums to the input shapes

@@ -138,6 +138,7 @@ def _split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Sequ
     """`split_model`, traced."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
+    from autopar.capture.functions import fold, marking_functions
     from autopar.models.hf import eager_attention_masks
 
     spec = {f: SplitPoint.BEGINNING for f in first_layers}
@@ -153,7 +154,8 @@ def _split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Sequ
                     p.data = p.data.to(param_dtype)
     try:
         # Hugging Face attention masks as the capture builds them (`capture.export._export`)
-        with _keeping_hop_bodies(), eager_attention_masks():
+        # custom autograd Functions' ops marked as theirs, folded below (`capture.functions`)
+        with _keeping_hop_bodies(), eager_attention_masks(), marking_functions():
             pipe = pipeline(model, mb_args=tuple(example_mb), split_spec=spec)
     except Exception as e:  # noqa: BLE001 - the tracer's own errors, reported with the split
         raise PlanError(f"cannot trace {type(model).__name__} into pipeline stages at "
@@ -201,6 +203,7 @@ def _split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Sequ
             if not sends:
                 raise PlanError(f"pipeline chunk {i + 1} of {name} reads nothing from the chunks before it")
         gm = pipe.get_stage_module(i)
+        fold(gm)            # each custom Function call runs as `Function.apply`: its own backward
         _drop_unused_modules(gm)
         retarget(gm, device)
         with unset_fake_temporarily():   # the meta parameters back to the model's dtypes
