@@ -1406,7 +1406,40 @@ def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: 
 
     out: dict[str, tuple[float, ...]] = {}
     given_st = f"g:{given_grad}"
+    # custom autograd Functions (`capture.functions`): a call's backward is one step, the
+    # Function's, at its first op: its other ops make no gradients, theirs pass to it
+    fn_first: dict[str, Any] = {}
+    fn_ops: dict[str, list] = {}
+    for n in calls:
+        key = getattr(n, "function", None)
+        if key is not None:
+            fn_first.setdefault(key, n)
+            fn_ops.setdefault(key, []).append(n)
     for n in reversed(calls):
+        key = getattr(n, "function", None)
+        if key is not None and fn_first[key] is not n:
+            for st in owner.pop(n.name, []):
+                owner.setdefault(fn_first[key].name, []).append(st)
+            out[n.name] = (total, stor.get(given_st, 0.0), total)
+            continue
+        if key is not None and owner.get(n.name):
+            # the call's first op: its backward holds the gradients of the call's outputs (passed
+            # to it above), makes its arguments' (the most it holds at once measured on meta:
+            # `OpNode.function_work`, in its first argument's size) and its parameters'
+            inside = {m.name for m in fn_ops[key]}
+            args = list(dict.fromkeys(i for m in fn_ops[key] for i in _tensor_inputs(m, by_name) if i not in inside))
+            ins = [i for i in args if rg.get(i, False) and _floating(by_name[i])
+                   and getattr(by_name.get(base.get(i, i)), "kind", None) != "param"]
+            made = sum(gsize(i) for i in ins)
+            work = getattr(n, "function_work", 0.0) * (gsize(args[0]) if args and _floating(by_name[args[0]]) else 0.0)
+            at = total + max(made, work) + sum(new_grads(m) for m in fn_ops[key])
+            given_at, before = stor.get(given_st, 0.0), total
+            drop(n.name)
+            out[n.name] = (at, given_at, before, 0.0, 0.0)
+            for i in ins:
+                if i not in owner:
+                    hold(i, f"g:{i}", gsize(i))
+            continue
         if not rg.get(n.name, False) or not n.outputs or not _floating(n):
             drop(n.name)
             continue

@@ -436,7 +436,7 @@ def export_nodes(wrapped: nn.Module, inputs: tuple, ep: Any = None
     (exported here at the inputs' fixed shapes when None), before layers and costs (`_finish`)."""
     from torch.export.graph_signature import InputKind
 
-    from autopar.capture.functions import function_saves, mark_of
+    from autopar.capture.functions import function_calls, mark_of
 
     if ep is None:
         ep = _export(wrapped, inputs)
@@ -492,7 +492,7 @@ def export_nodes(wrapped: nn.Module, inputs: tuple, ep: Any = None
     buffers: dict[str, ParamInfo] = {}
     placeholder_param: dict[str, str] = {}
     # custom autograd Functions' calls: the tensors each saves, given to its first op emitted
-    fn_saves = function_saves(ep.graph_module)
+    fn_calls = function_calls(ep.graph_module)
     getitem = __import__("operator").getitem
 
     def emit_calls(graph_nodes: Any, owner: nn.Module, prefix: str) -> Any:
@@ -537,12 +537,12 @@ def export_nodes(wrapped: nn.Module, inputs: tuple, ep: Any = None
             mtype = str(mtype).rsplit(".", 1)[-1]
             target = "getitem" if n.target is getitem else str(n.target)
             mark = mark_of(n)
-            saves = fn_saves.pop(mark.key, []) if mark is not None else []
+            saves, work = fn_calls.pop(mark.key, ([], 0.0)) if mark is not None else ([], 0.0)
             nodes.append(OpNode(
                 names.get(n, n.name), "call", target, args=args, kwargs=kwargs, inputs=ins,
                 outputs=meta_of(val), params=[placeholder_param[i] for i in ins if i in placeholder_param],
                 module_path=mod_path, module_type=mtype, function=mark.key if mark is not None else None,
-                function_saves=[names.get(x, x.name) for x in saves]))
+                function_saves=[names.get(x, x.name) for x in saves], function_work=work))
         return None
 
     graph_nodes = list(ep.graph_module.graph.nodes)

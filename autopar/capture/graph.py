@@ -146,6 +146,9 @@ class OpNode:
     # counts in place of what its ops would save (`capture.functions`)
     function: Optional[str] = None
     function_saves: list[str] = field(default_factory=list)
+    # on the call's first op: the most its backward holds at once, in units of its first tensor
+    # argument's size (`capture.functions.backward_work`)
+    function_work: float = 0.0
 
     @property
     def out(self) -> Optional[TensorMeta]:
