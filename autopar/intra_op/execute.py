@@ -60,6 +60,12 @@ are not called, so `ShardedProgram.run_units` runs each unit's ops (its contiguo
 program) as one call of a forward method FSDP hooks, inside which the unit's parameters are
 its gathered ones (`_PlanInterpreter._run_unit`).
 
+A custom `torch.autograd.Function`'s call (a straight-through estimator, Hugging Face BLOOM's
+GELU) is traced as its forward's ops, which the solution lays out like any other; the program
+runs the call as the user's `Function.apply` at its first op instead (`capture.functions`),
+on its arguments as they are (DTensor propagates their layouts through the forward's ops), so
+that its backward is the Function's own, not autograd through the traced ops.
+
 Ops the solution has no choice for (shape arithmetic, assertions) run as DTensor runs them.
 Subgraphs of higher-order ops (a torch.no_grad region) run nested, under their names in the
 capture. The program is traced from a meta copy of the model (where the solution was solved; a

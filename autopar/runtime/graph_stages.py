@@ -17,7 +17,10 @@ What torch's tracer-built stages do not do, done here (`FedChunk`):
   first stage only);
 * the trace was taken on the meta device: tensors the forward creates (`arange` positions) are
   made on the rank's device, and the tracer's dtype/device assertions are dropped (the runtime
-  runs the chunks under autocast, where they would not hold).
+  runs the chunks under autocast, where they would not hold);
+* a custom `torch.autograd.Function`'s call, which the tracer records as its forward's ops, is
+  folded back into one node calling `Function.apply` (`capture.functions.fold`): the chunk
+  runs the user's backward, not autograd through the traced ops.
 
 A boundary carries every tensor a later chunk reads: a mask, position ids or rotary table
 computed once before the first layer and read by every layer travel with the activation, passed
