@@ -126,14 +126,12 @@ def _marked_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
             out = call(cls, *args)
     finally:
         _STATE.depth -= 1
-    region: list[torch.fx.Node] = []
-    seen = last is None
-    for n in graph.nodes:
-        if seen:
+    region: list[torch.fx.Node] = []       # the nodes traced since the call began
+    n = last.next if last is not None else next(iter(graph.nodes), None)
+    while n is not None and n.op != "root":
+        if n.op == "call_function":
             region.append(n)
-        elif n is last:
-            seen = True
-    region = [n for n in region if n.op == "call_function"]
+        n = n.next
     if not region:
         return out
     key = f"{cls.__name__}#{_STATE.count}"
@@ -394,8 +392,11 @@ def backward_work(r: Region) -> float:
                 got = torch.autograd.grad(outs, ins, grads, allow_unused=True)
             del got
         return live.peak / max(first.numel() * first.element_size(), 1)
-    except Exception:  # noqa: BLE001 - a Function that does not run on meta: its ops' figures stand
-        log.debug("custom autograd Function %s: backward not measured on meta", r.key, exc_info=True)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        # a Function that does not run on meta tensors: its backward is taken to hold only the
+        # gradients it makes (logged)
+        log.info("custom autograd Function %s: its backward could not be measured on meta; its "
+                 "working memory is taken as its gradients'", r.key, exc_info=True)
         return 0.0
 
 
