@@ -20,7 +20,10 @@ storage, so a tensor saved twice, or through two views, counts once):
 - dropout: its mask (1 byte per element);
 - mul/div by a tensor: its activation operands; add, sub (in place too), casts, copies, concatenation, views: nothing;
 - embedding: its indices; cross-entropy: its logits and targets;
-- anything else: all its activation inputs (conservative).
+- anything else: all its activation inputs (conservative);
+- the ops of a custom autograd Function's forward (Hugging Face BLOOM's GELU, a straight-through
+  estimator): nothing each, the call what its forward saves for its own backward (its input,
+  for BLOOM), as the runtime runs the Function on every path (`capture.functions`).
 Recomputation (Korthikanti et al. 2022, arXiv 2205.05198):
 - "selective" drops what the attention core (scores, softmax, dropout on probabilities, the
   matmul with V) saves of its own intermediates; it keeps Q, K, V and re-runs the core;
@@ -388,6 +391,11 @@ def saved_tensors(node, by_name: dict, dtype: str = "bf16", device_type: Optiona
     `attention_kernel` (the software's, `SoftwareSpec`) and `device_type` pick the attention
     kernel (`attention_is_fused`; unfused software saves the scores), `rg` (`requires_grad`)
     which operands of a product need a gradient."""
+    if getattr(node, "function", None) is not None:
+        # an op of a custom autograd Function's forward: autograd saves nothing of its ops (the
+        # forward runs without it); the Function saves what it asks (`ctx.save_for_backward`,
+        # tensors kept on ctx), listed on the call's first op (`capture.functions`)
+        return [(t, None) for t in getattr(node, "function_saves", ()) if t in by_name]
     op = node.op
     if is_view(node) or op in SAVE_NOTHING or op == "broadcast_tensors":
         # broadcast_tensors returns expanded views; its backward sums to the input shapes
@@ -1398,7 +1406,40 @@ def _gradient_moments(calls: list, by_name: dict, base: dict, rg: dict, copies: 
 
     out: dict[str, tuple[float, ...]] = {}
     given_st = f"g:{given_grad}"
+    # custom autograd Functions (`capture.functions`): a call's backward is one step, the
+    # Function's, at its first op: its other ops make no gradients, theirs pass to it
+    fn_first: dict[str, Any] = {}
+    fn_ops: dict[str, list] = {}
+    for n in calls:
+        key = getattr(n, "function", None)
+        if key is not None:
+            fn_first.setdefault(key, n)
+            fn_ops.setdefault(key, []).append(n)
     for n in reversed(calls):
+        key = getattr(n, "function", None)
+        if key is not None and fn_first[key] is not n:
+            for st in owner.pop(n.name, []):
+                owner.setdefault(fn_first[key].name, []).append(st)
+            out[n.name] = (total, stor.get(given_st, 0.0), total)
+            continue
+        if key is not None and owner.get(n.name):
+            # the call's first op: its backward holds the gradients of the call's outputs (passed
+            # to it above), makes its arguments' (the most it holds at once measured on meta:
+            # `OpNode.function_work`, in its first argument's size) and its parameters'
+            inside = {m.name for m in fn_ops[key]}
+            args = list(dict.fromkeys(i for m in fn_ops[key] for i in _tensor_inputs(m, by_name) if i not in inside))
+            ins = [i for i in args if rg.get(i, False) and _floating(by_name[i])
+                   and getattr(by_name.get(base.get(i, i)), "kind", None) != "param"]
+            made = sum(gsize(i) for i in ins)
+            work = getattr(n, "function_work", 0.0) * (gsize(args[0]) if args and _floating(by_name[args[0]]) else 0.0)
+            at = total + max(made, work) + sum(new_grads(m) for m in fn_ops[key])
+            given_at, before = stor.get(given_st, 0.0), total
+            drop(n.name)
+            out[n.name] = (at, given_at, before, 0.0, 0.0)
+            for i in ins:
+                if i not in owner:
+                    hold(i, f"g:{i}", gsize(i))
+            continue
         if not rg.get(n.name, False) or not n.outputs or not _floating(n):
             drop(n.name)
             continue

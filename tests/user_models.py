@@ -270,3 +270,55 @@ def llama_repeat_kv():
     return ModelBundle("tests.user_models:llama_repeat_kv", b.model, b.example_inputs, b.batch_fn,
                        "llama-tiny, K and V repeated before SDPA")
 
+
+
+class RoundSTE(torch.autograd.Function):
+    """A straight-through estimator: rounds in the forward, passes the gradient through unchanged
+    in the backward (autograd through `round` would give zero). Saves nothing."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return torch.round(x * 4.0) / 4.0
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return g
+
+
+class SquashSTE(torch.autograd.Function):
+    """`tanh` in the forward with a backward of its own choosing (the derivative of x/(1+|x|),
+    not tanh's): saves its input, as Hugging Face BLOOM's `GeLUFunction` does."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(x)
+        return torch.tanh(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        (x,) = ctx.saved_tensors
+        return g / (1 + x.abs()) ** 2
+
+
+class STEBlock(Block):
+    """`Block` whose MLP's activation is `RoundSTE` then `SquashSTE`: custom autograd Functions,
+    whose backward is not the autograd of their forward's ops."""
+
+    def __init__(self, h: int, heads: int) -> None:
+        super().__init__(h, heads)
+        self.mlp = nn.Sequential(nn.Linear(h, 4 * h), nn.Linear(4 * h, h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        up = SquashSTE.apply(RoundSTE.apply(self.mlp[0](self.ln_2(x))))
+        return x + self.mlp[1](up)
+
+
+def ste_gpt(layers: int = 4):
+    """NanoGPT with `STEBlock`s (custom autograd Functions in every MLP) by the MODULE:FACTORY
+    contract."""
+    with torch.device("meta"):
+        model = NanoGPT(layers)
+        model.h = nn.ModuleList(STEBlock(HIDDEN, HEADS) for _ in range(layers))
+    x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    return model, (x, x), token_batch(VOCAB, SEQ)

@@ -193,7 +193,8 @@ def _meta(m: TensorMeta) -> list:
 def encode(g: OpGraph) -> dict:
     """`g` as JSON-able data (raises `_Unencodable` for an argument it cannot store)."""
     nodes = [[n.name, n.kind, n.target, _enc(n.args), _enc(n.kwargs), n.inputs, [_meta(o) for o in n.outputs],
-              n.flops, n.bytes_moved, n.params, n.fqn, n.module_path, n.module_type, n.layer] for n in g.nodes]
+              n.flops, n.bytes_moved, n.params, n.fqn, n.module_path, n.module_type, n.layer, n.function,
+              n.function_saves, n.function_work] for n in g.nodes]
     info = lambda p: [p.fqn, list(p.shape), p.dtype, p.tied, p.requires_grad]  # noqa: E731
     return {"name": g.name, "nodes": nodes, "params": [info(p) for p in g.params.values()],
             "buffers": [info(p) for p in g.buffers.values()], "layers": g.layers, "layer_types": g.layer_types,
@@ -206,8 +207,10 @@ def decode(d: dict) -> OpGraph:
     """The OpGraph `encode` wrote (raises KeyError, TypeError or ValueError on other data)."""
     nodes = [OpNode(name, kind, target, args=_dec(args), kwargs=_dec(kwargs), inputs=list(inputs),
                     outputs=[TensorMeta(_dec(s), dt) for s, dt in outs], flops=float(fl), bytes_moved=float(by),
-                    params=list(ps), fqn=fqn, module_path=mp, module_type=mt, layer=layer)
-             for name, kind, target, args, kwargs, inputs, outs, fl, by, ps, fqn, mp, mt, layer in d["nodes"]]
+                    params=list(ps), fqn=fqn, module_path=mp, module_type=mt, layer=layer, function=fn,
+                    function_saves=list(fs), function_work=float(fw))
+             for name, kind, target, args, kwargs, inputs, outs, fl, by, ps, fqn, mp, mt, layer, fn, fs, fw
+             in d["nodes"]]
     info = lambda r: ParamInfo(r[0], tuple(r[1]), r[2], list(r[3]), bool(r[4]))  # noqa: E731
     return OpGraph(name=d["name"], nodes=nodes, params={r[0]: info(r) for r in d["params"]},
                    buffers={r[0]: info(r) for r in d["buffers"]}, layers=list(d["layers"]),

@@ -339,9 +339,11 @@ def _export(wrapped: nn.Module, inputs: tuple, **kwargs: Any) -> Any:
     model's attention masks built as in eager mode (`models.hf.eager_attention_masks`)."""
     from torch.export import export
 
+    from autopar.capture.functions import marking_functions
     from autopar.models.hf import eager_attention_masks
 
-    with warnings.catch_warnings(), eager_attention_masks():
+    # custom autograd Functions' ops are marked as theirs (`capture.functions`)
+    with warnings.catch_warnings(), eager_attention_masks(), marking_functions():
         warnings.simplefilter("ignore")
         return export(wrapped, inputs, strict=False, **kwargs)
 
@@ -434,6 +436,8 @@ def export_nodes(wrapped: nn.Module, inputs: tuple, ep: Any = None
     (exported here at the inputs' fixed shapes when None), before layers and costs (`_finish`)."""
     from torch.export.graph_signature import InputKind
 
+    from autopar.capture.functions import function_calls, mark_of
+
     if ep is None:
         ep = _export(wrapped, inputs)
     model = wrapped.model
@@ -487,6 +491,8 @@ def export_nodes(wrapped: nn.Module, inputs: tuple, ep: Any = None
     params: dict[str, ParamInfo] = {}
     buffers: dict[str, ParamInfo] = {}
     placeholder_param: dict[str, str] = {}
+    # custom autograd Functions' calls: the tensors each saves, given to its first op emitted
+    fn_calls = function_calls(ep.graph_module)
     getitem = __import__("operator").getitem
 
     def emit_calls(graph_nodes: Any, owner: nn.Module, prefix: str) -> Any:
@@ -530,10 +536,13 @@ def export_nodes(wrapped: nn.Module, inputs: tuple, ep: Any = None
             mtype = (stack[-1][1] if stack and isinstance(stack[-1], tuple) else "")
             mtype = str(mtype).rsplit(".", 1)[-1]
             target = "getitem" if n.target is getitem else str(n.target)
+            mark = mark_of(n)
+            saves, work = fn_calls.pop(mark.key, ([], 0.0)) if mark is not None else ([], 0.0)
             nodes.append(OpNode(
                 names.get(n, n.name), "call", target, args=args, kwargs=kwargs, inputs=ins,
                 outputs=meta_of(val), params=[placeholder_param[i] for i in ins if i in placeholder_param],
-                module_path=mod_path, module_type=mtype))
+                module_path=mod_path, module_type=mtype, function=mark.key if mark is not None else None,
+                function_saves=[names.get(x, x.name) for x in saves], function_work=work))
         return None
 
     graph_nodes = list(ep.graph_module.graph.nodes)
@@ -567,6 +576,9 @@ def _finish(model: nn.Module, nodes: list[OpNode], params: dict[str, ParamInfo],
             buffers: dict[str, ParamInfo], name: str, inputs: tuple, method: str) -> OpGraph:
     """Assign layers (repeated blocks) and top-level module order; concrete FLOPs when no dim is
     symbolic."""
+    from autopar.capture.functions import renumber
+
+    renumber(nodes)
     layers, layer_types = find_layers(model)
     top = [n for n, _ in model.named_children()]
     for x in nodes:

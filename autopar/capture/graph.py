@@ -141,6 +141,14 @@ class OpNode:
     module_path: str = ""             # innermost module FQN ("" at the top)
     module_type: str = ""             # class name of that module
     layer: Optional[str] = None       # FQN of the repeated block holding it (e.g. "blocks.3")
+    # an op of a custom autograd Function's forward: the call's key ("GeLUFunction#3"); on the
+    # call's first op, the tensors the Function saves for its backward, which the memory model
+    # counts in place of what its ops would save (`capture.functions`)
+    function: Optional[str] = None
+    function_saves: list[str] = field(default_factory=list)
+    # on the call's first op: the most its backward holds at once, in units of its first tensor
+    # argument's size (`capture.functions.backward_work`)
+    function_work: float = 0.0
 
     @property
     def out(self) -> Optional[TensorMeta]:

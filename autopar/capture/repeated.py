@@ -501,11 +501,13 @@ def _stitch_or_refuse(stack: Stack, raw2: Optional[Raw], raw3: Raw, names3: Opti
             out.append(replace(
                 op, name=block_name(x, i), args=_renamed(op.args, ren), kwargs=_renamed(op.kwargs, ren),
                 inputs=[ren(v) for v in op.inputs], outputs=list(op.outputs),
+                function_saves=[ren(v) for v in op.function_saves],
                 params=[mp[i] + p[len(mp[2]):] if p.startswith(mp[2]) else p for p in op.params],
                 module_path=_moved_path(op.module_path, mp[2], mp[i])))
     for op in b.post:
         out.append(replace(op, name=post_names[op.name], args=_renamed(op.args, rename_post),
-                           kwargs=_renamed(op.kwargs, rename_post), inputs=[rename_post(v) for v in op.inputs]))
+                           kwargs=_renamed(op.kwargs, rename_post), inputs=[rename_post(v) for v in op.inputs],
+                           function_saves=[rename_post(v) for v in op.function_saves]))
     out.append(replace(b.output, inputs=[rename_post(v) for v in b.output.inputs],
                        args=_renamed(b.output.args, rename_post)))
 

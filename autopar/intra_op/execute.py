@@ -60,6 +60,12 @@ are not called, so `ShardedProgram.run_units` runs each unit's ops (its contiguo
 program) as one call of a forward method FSDP hooks, inside which the unit's parameters are
 its gathered ones (`_PlanInterpreter._run_unit`).
 
+A custom `torch.autograd.Function`'s call (a straight-through estimator, Hugging Face BLOOM's
+GELU) is traced as its forward's ops, which the solution lays out like any other; the program
+runs the call as the user's `Function.apply` at its first op instead (`capture.functions`),
+on its arguments as they are (DTensor propagates their layouts through the forward's ops), so
+that its backward is the Function's own, not autograd through the traced ops.
+
 Ops the solution has no choice for (shape arithmetic, assertions) run as DTensor runs them.
 Subgraphs of higher-order ops (a torch.no_grad region) run nested, under their names in the
 capture. The program is traced from a meta copy of the model (where the solution was solved; a
@@ -86,6 +92,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.capture.export import _WithLoss, default_loss, move_not_cast
+from autopar.capture.functions import regions as function_regions
 from autopar.intra_op import fake_cuda
 from autopar.intra_op.rules.attention import query_head_axes
 from autopar.intra_op.rules.loss import REDUCTION_ARG, reduction_of
@@ -585,6 +592,15 @@ class ShardedProgram(nn.Module):
         self.units_of: dict[torch.fx.Node, list[str]] = {}
         self.unit_calls: dict[str, Any] = {}
         self.replaced: set[str] = set()       # units whose call replaces their ops (`replace_modules`)
+        # custom autograd Functions' calls (`capture.functions`): run as `Function.apply` at their
+        # first op, so that the backward is the user's; first op -> the call, and all their ops
+        self.fn_first: dict[torch.fx.Node, Any] = {}
+        self.fn_inside: set[torch.fx.Node] = set()
+        for mod in self.gm.modules():
+            if isinstance(getattr(mod, "graph", None), torch.fx.Graph):
+                for r in function_regions(mod.graph):
+                    self.fn_first[r.nodes[0]] = r
+                    self.fn_inside.update(r.nodes[1:])
         self._distribute_parameters()
 
     def op_name(self, n: torch.fx.Node) -> str:
@@ -1089,6 +1105,12 @@ class _PlanInterpreter(torch.fx.Interpreter):
 
     def _run_one(self, n: torch.fx.Node) -> Any:
         self.node_name = self.name_of(n)
+        if self.prog.fn_first:
+            call = self.prog.fn_first.get(n)
+            if call is not None:
+                return self._run_function(n, call)
+            if n in self.prog.fn_inside:
+                return self.env.get(n)      # ran with its call; its value, if an output, is in env
         if n.op == "call_function" and "_assert" in self.prog.op_name(n):
             return None                     # metadata assertions: nothing to run
         choice = self.sol.op_choices.get(self.node_name) if n.op == "call_function" else None
@@ -1106,6 +1128,23 @@ class _PlanInterpreter(torch.fx.Interpreter):
                     if isinstance(a, torch.fx.Node) else a for a in _flat_nodes(n.args[0])]
             return tuple(outs)
         return super().run_node(n)
+
+    def _run_function(self, first: torch.fx.Node, call: Any) -> Any:
+        """A custom autograd Function's call (`capture.functions.Region`) run as the user's
+        `Function.apply` on its arguments as they are: its forward's ops run under DTensor's
+        propagation (plain tensors, read as replicated, become DTensors where another argument
+        is one), its backward is the Function's own. Its outputs go to env under its output
+        ops; the value of `first` is returned."""
+        args = [self.env[a] if isinstance(a, torch.fx.Node) else a for a in call.args]
+        if any(isinstance(a, DTensor) for a in args):
+            args = [self.prog._replicated(a) if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a
+                    for a in args]
+        with self.regather.saving(args):
+            out = call.fn.apply(*args)
+        outs = (out,) if call.single else tuple(out)
+        for k, node in call.outputs.items():
+            self.env[node] = outs[k]
+        return self.env.get(first)
 
     def _run_wrapped(self, n: torch.fx.Node) -> Any:
         """A higher-order op wrapping a subgraph: its subgraph, nested, under its context."""

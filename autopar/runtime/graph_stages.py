@@ -17,7 +17,10 @@ What torch's tracer-built stages do not do, done here (`FedChunk`):
   first stage only);
 * the trace was taken on the meta device: tensors the forward creates (`arange` positions) are
   made on the rank's device, and the tracer's dtype/device assertions are dropped (the runtime
-  runs the chunks under autocast, where they would not hold).
+  runs the chunks under autocast, where they would not hold);
+* a custom `torch.autograd.Function`'s call, which the tracer records as its forward's ops, is
+  folded back into one node calling `Function.apply` (`capture.functions.fold`): the chunk
+  runs the user's backward, not autograd through the traced ops.
 
 A boundary carries every tensor a later chunk reads: a mask, position ids or rotary table
 computed once before the first layer and read by every layer travel with the activation, passed
@@ -138,6 +141,7 @@ def _split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Sequ
     """`split_model`, traced."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
+    from autopar.capture.functions import fold, marking_functions
     from autopar.models.hf import eager_attention_masks
 
     spec = {f: SplitPoint.BEGINNING for f in first_layers}
@@ -153,7 +157,8 @@ def _split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Sequ
                     p.data = p.data.to(param_dtype)
     try:
         # Hugging Face attention masks as the capture builds them (`capture.export._export`)
-        with _keeping_hop_bodies(), eager_attention_masks():
+        # custom autograd Functions' ops marked as theirs, folded below (`capture.functions`)
+        with _keeping_hop_bodies(), eager_attention_masks(), marking_functions():
             pipe = pipeline(model, mb_args=tuple(example_mb), split_spec=spec)
     except Exception as e:  # noqa: BLE001 - the tracer's own errors, reported with the split
         raise PlanError(f"cannot trace {type(model).__name__} into pipeline stages at "
@@ -201,6 +206,7 @@ def _split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Sequ
             if not sends:
                 raise PlanError(f"pipeline chunk {i + 1} of {name} reads nothing from the chunks before it")
         gm = pipe.get_stage_module(i)
+        fold(gm)            # each custom Function call runs as `Function.apply`: its own backward
         _drop_unused_modules(gm)
         retarget(gm, device)
         with unset_fake_temporarily():   # the meta parameters back to the model's dtypes
