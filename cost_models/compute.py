@@ -42,7 +42,10 @@ over forward time (`matmul_backward_ratio`, instead of 2), the fused attention k
 forward and backward rates by size (`attention_flops`; on a CPU it runs far below the GEMM rate),
 and the optimizer step's cost per parameter tensor and per element (`optimizer_step`; a step that
 updates one tensor at a time runs ~10 small kernels per tensor). Profiles without them (the
-bundled GPU ones) are costed by the formulas alone.
+bundled GPU ones) are costed by the formulas alone. A GPU profile may carry published kernel
+speeds instead: the fused attention kernel's (`attention_flops`) and, for software that runs
+attention unfused, the speed of its batched GEMMs and softmax together (`unfused_attention_flops`,
+`attention_time`).
 
 What the software does is not the device's: the attention kernel (fused or unfused) is the
 `SoftwareSpec`'s choice, passed as `attention_kernel` (default "fused", what `autopar run` runs);
@@ -367,9 +370,10 @@ def attention_time(q_shape: tuple, k_shape: tuple, v_shape: tuple, device: Devic
     b*a*s*s scores, and a dropout on the probabilities when `dropout_p > 0`; backward: 2x the GEMMs,
     1.5x the bytes of softmax and dropout. Where the profile measured the unfused core
     (`DeviceSpec.unfused_attention_flops`: the GEMMs and softmax forward + backward) its measured
-    time replaces the roofline's (`unfused_attention_score_time`), split between forward and
-    backward in the roofline's proportion; the dropout stays the roofline's (the measurement ran
-    none)."""
+    time replaces the roofline's (`unfused_attention_score_time`; the roofline's where that is
+    more, as for slices far smaller than measured, where fixed per-kernel costs dominate), split
+    between forward and backward in the roofline's proportion; the dropout stays the roofline's
+    (the measurement ran none)."""
     *bq, sq, d = (int(x) for x in q_shape)
     sk, dv = int(k_shape[-2]), int(v_shape[-1])
     bh = math.prod(bq) / max(shard, 1.0)
@@ -403,8 +407,10 @@ def attention_time(q_shape: tuple, k_shape: tuple, v_shape: tuple, device: Devic
     per_score = unfused_attention_score_time(device, sq, sk, (d + dv) / 2, dtype)
     if per_score is not None:
         # measured: the GEMMs and softmax forward + backward as the device ran them, split between
-        # forward and backward as the roofline above splits them (ESTIMATE: the source gives the sum)
-        core = bh * sq * sk * per_score
+        # forward and backward as the roofline above splits them (ESTIMATE: the source gives the
+        # sum); never below the roofline, which bounds it from below (far below the measured
+        # sizes the kernels' fixed overheads, which the per-score time leaves out, dominate)
+        core = max(bh * sq * sk * per_score, fwd + bwd)
         fwd, bwd = core * fwd / (fwd + bwd), core * bwd / (fwd + bwd)
     if dropout_p > 0:
         drop_bytes = 2 * scores + scores / esz            # read, write, 1-byte mask
