@@ -112,19 +112,20 @@ TOLERANCE = 0.03
 # roofline priced its GEMMs and softmax 1.4-1.7x faster than the A100 ran them. Beyond the
 # tolerance: pinned 1.7B -14.90% -> -1.70%, 39.1B -2.17% -> +1.69%, 22B -2.00% -> +3.34%, 22B
 # SP+sel. -13.73% -> -6.99% (175B -0.69% -> +2.14% within it); Table 1's 7.5B -10.79% -> -3.70%
-# and 18.4B -7.16% -> -2.56%. The analytic cross-check (its attention spelled out as separate ops,
-# priced by the roofline), H100 and flash families (fused attention) are unchanged. Nothing refit:
-# every rate is a printed bar of the figure.
+# and 18.4B -7.16% -> -2.56%. The analytic cross-check prices its spelled-out core (two matmuls and
+# a softmax) the same way (`benchmarks.cost_model_accuracy._measured_core`): 1.7B -16.96% ->
+# -3.75%, 39.1B -2.58% -> +1.28%, 22B -2.46% -> +2.87%, 175B -0.02% -> +2.80%. H100 and flash
+# families (fused attention) unchanged. Nothing refit: every rate is a printed bar of the figure.
 PINNED: dict[tuple[str, str], float] = {
     ("pinned", "1.7B"): -0.0170,
     ("pinned", "39.1B"): +0.0169,
     ("pinned", "22B"): +0.0334,
     ("pinned", "175B"): +0.0214,
     ("pinned", "22B SP+sel."): -0.0699,
-    ("analytic", "1.7B"): -0.1696,
-    ("analytic", "39.1B"): -0.0258,
-    ("analytic", "22B"): -0.0246,
-    ("analytic", "175B"): -0.0002,
+    ("analytic", "1.7B"): -0.0375,
+    ("analytic", "39.1B"): +0.0128,
+    ("analytic", "22B"): +0.0287,
+    ("analytic", "175B"): +0.0280,
     ("table1", "7.5B"): -0.0370,
     ("table1", "18.4B"): -0.0256,
     ("h100", "175B NeMo 512"): -0.0161,
@@ -140,9 +141,9 @@ PINNED: dict[tuple[str, str], float] = {
 # benchmark's target today (`_errors_summary`: mean <= 10%; issue 14's: mean <= 5%); the flash
 # family does not (FA2 2k: 11.6%), so it has per-case pins only; table1's two rows, 11.4% under
 # micro-batch 1 (session 28), are 9.0% as the authors' script ran them (session 31); with the
-# unfused attention core's measured A100 speed (session 32) pinned and table1 meet issue 14's 5%
-# (3.2% and 3.1%)
-MEAN_BOUND = {"pinned": 0.05, "analytic": 0.10, "table1": 0.05, "h100": 0.05}
+# unfused attention core's measured A100 speed (session 32) pinned, analytic and table1 meet issue
+# 14's 5% (3.2%, 2.7% and 3.1%)
+MEAN_BOUND = {"pinned": 0.05, "analytic": 0.05, "table1": 0.05, "h100": 0.05}
 
 FAMILIES = {"pinned": CASES, "analytic": CASES, "table1": TABLE1, "h100": H100_CASES, "flash": FLASH_CASES}
 
