@@ -35,7 +35,9 @@ Section 2 ("analytic"): the cost models alone. One transformer layer (and the em
 loss) captured from `MegatronGPT` below: the zoo's GPT architecture as the published runs trained it,
 with dropout 0.1 (attention probabilities, both residual branches) and unfused attention spelled
 out as its ops (so this section is the megatron-lm-2021 software by construction; the zoo's GPT
-calls SDPA, which the planner section costs with the software's `attention_kernel`); per
+calls SDPA, which the planner section costs with the software's `attention_kernel`; the core's two
+matmuls and softmax are priced as `attention_time` prices an unfused core, at the profile's measured
+`unfused_attention_flops` where it has them, `_measured_core`); per
 micro-batch, the layer's forward, backward and recompute
 time with matrix ops (and the ops between the column- and row-parallel GEMMs) divided by t, the
 Megatron TP all-reduces (2 forward, 2 backward, 2 in the recomputed forward, s*b*h*2 bytes each),
@@ -80,9 +82,12 @@ from cost_models.communication import axis_collective_time
 from cost_models.compute import (
     FUSED_ATTENTION,
     MATRIX_OPS,
+    ComputeTime,
     attention_core,
+    attention_time,
     grad_accumulation_time,
     graph_compute_time,
+    op_list_time,
     optimizer_step_time,
 )
 
@@ -325,6 +330,29 @@ def _tp_shard(t: int, g):
     return shard
 
 
+def _measured_core(g, case: Case, dev, shard, autocast: bool, layer_t: ComputeTime) -> ComputeTime:
+    """`layer_t` (the first layer's compute, full recomputation) with its spelled-out attention
+    core's two matmuls and softmax priced as `attention_time` prices an unfused core, the device's
+    measured speed (`DeviceSpec.unfused_attention_flops`) where the profile has one, as the
+    planner prices the zoo GPT's under the megatron-lm-2021 software; their dropout and the
+    query scaling keep their own prices. Unchanged on a profile without that table."""
+    if not dev.unfused_attention_flops:
+        return layer_t
+    from cost_models.layouts import graph_layout_copies
+    from cost_models.memory import graph_fp32_tensors
+
+    nodes = [n for n in g.calls if n.layer == g.layers[0]]
+    core = attention_core(nodes)
+    ops = [n for n in nodes if n.name in core and n.op in ("matmul", "bmm", "baddbmm", "softmax", "_softmax")]
+    spelled = op_list_time(ops, dev, "bf16", recompute="full", shard=shard, index={n.name: n for n in g.nodes},
+                           copies=graph_layout_copies(g, dev.device_type),
+                           fp32=graph_fp32_tensors(g, dev.device_type, "bf16", "fused", autocast))
+    q = (case.microbatch, case.heads, case.seq, case.hidden // case.heads)
+    fwd, bwd = attention_time(q, q, q, dev, "bf16", shard=case.t, kernel="unfused")
+    return ComputeTime(layer_t.forward_s - spelled.forward_s + fwd, layer_t.backward_s - spelled.backward_s + bwd,
+                       layer_t.recompute_s - spelled.recompute_s + fwd)
+
+
 def analytic(case: Case, cluster: ClusterSpec) -> dict[str, float]:
     """Predicted seconds per iteration of `case` from the cost models alone, with its parts."""
     g = _one_layer_graph(case, case.microbatch)
@@ -334,6 +362,7 @@ def analytic(case: Case, cluster: ClusterSpec) -> dict[str, float]:
     autocast = resolve_software(case.software).autocast
     layer_t = graph_compute_time(g, dev, "bf16", recompute="full", shard=shard, layers=[g.layers[0]],
                                  autocast=autocast)
+    layer_t = _measured_core(g, case, dev, shard, autocast, layer_t)
     layer = layer_t.total_s
     outside = graph_compute_time(g, dev, "bf16", recompute="none", shard=shard, layers=[None],
                                  autocast=autocast).total_s

@@ -42,7 +42,10 @@ over forward time (`matmul_backward_ratio`, instead of 2), the fused attention k
 forward and backward rates by size (`attention_flops`; on a CPU it runs far below the GEMM rate),
 and the optimizer step's cost per parameter tensor and per element (`optimizer_step`; a step that
 updates one tensor at a time runs ~10 small kernels per tensor). Profiles without them (the
-bundled GPU ones) are costed by the formulas alone.
+bundled GPU ones) are costed by the formulas alone. A GPU profile may carry published kernel
+speeds instead: the fused attention kernel's (`attention_flops`) and, for software that runs
+attention unfused, the speed of its batched GEMMs and softmax together (`unfused_attention_flops`,
+`attention_time`).
 
 What the software does is not the device's: the attention kernel (fused or unfused) is the
 `SoftwareSpec`'s choice, passed as `attention_kernel` (default "fused", what `autopar run` runs);
@@ -365,7 +368,12 @@ def attention_time(q_shape: tuple, k_shape: tuple, v_shape: tuple, device: Devic
     math path): QK^T and PV as batched GEMMs (roofline on their bytes: with a head dim of 64-128 they
     are close to memory-bound), a softmax (with scale and mask fused) that reads and writes the
     b*a*s*s scores, and a dropout on the probabilities when `dropout_p > 0`; backward: 2x the GEMMs,
-    1.5x the bytes of softmax and dropout."""
+    1.5x the bytes of softmax and dropout. Where the profile measured the unfused core
+    (`DeviceSpec.unfused_attention_flops`: the GEMMs and softmax forward + backward) its measured
+    time replaces the roofline's (`unfused_attention_score_time`; the roofline's where that is
+    more, as for slices far smaller than measured, where fixed per-kernel costs dominate), split
+    between forward and backward in the roofline's proportion; the dropout stays the roofline's
+    (the measurement ran none)."""
     *bq, sq, d = (int(x) for x in q_shape)
     sk, dv = int(k_shape[-2]), int(v_shape[-1])
     bh = math.prod(bq) / max(shard, 1.0)
@@ -396,11 +404,54 @@ def attention_time(q_shape: tuple, k_shape: tuple, v_shape: tuple, device: Devic
     bwd = (op_backward_time("bmm", qk_flops, qk_bytes, device, dtype)
            + op_backward_time("bmm", pv_flops, pv_bytes, device, dtype)
            + op_backward_time("softmax", 5 * scores / esz, 2 * scores, device, dtype))
+    per_score = unfused_attention_score_time(device, sq, sk, (d + dv) / 2, dtype)
+    if per_score is not None:
+        # measured: the GEMMs and softmax forward + backward as the device ran them, split between
+        # forward and backward as the roofline above splits them (ESTIMATE: the source gives the
+        # sum); never below the roofline, which bounds it from below (far below the measured
+        # sizes the kernels' fixed overheads, which the per-score time leaves out, dominate)
+        core = max(bh * sq * sk * per_score, fwd + bwd)
+        fwd, bwd = core * fwd / (fwd + bwd), core * bwd / (fwd + bwd)
     if dropout_p > 0:
         drop_bytes = 2 * scores + scores / esz            # read, write, 1-byte mask
         fwd += op_time("dropout", 2 * scores / esz, drop_bytes, device, dtype)
         bwd += op_backward_time("dropout", 2 * scores / esz, drop_bytes, device, dtype)
     return fwd, bwd
+
+
+# FLOPs per score element and unit of head dimension by which the unfused-attention speeds are
+# published: 4 s^2 d forward per (batch, head) slice (QK^T and PV, 2 s^2 d each), the backward
+# 2.5x that, forward + backward 3.5x (Dao 2023's count, benchmarks/benchmark_flash_attention.py)
+UNFUSED_FWD_BWD_FLOPS_PER_SCORE = 3.5 * 4
+
+
+def unfused_attention_score_time(device: DeviceSpec, seq_q: int, seq_k: int, head_dim: float,
+                                 dtype: str) -> Optional[float]:
+    """Seconds of forward + backward of the unfused attention core (QK^T, softmax, PV and their
+    backward) per score element, i.e. per (batch, head) slice and query-key pair, from the profile's
+    measured `unfused_attention_flops` for `dtype` (bf16<->fp16, tf32->fp32 stand in for each other);
+    None when the profile measured none (then the roofline prices its ops).
+
+    A point's time per score element is `UNFUSED_FWD_BWD_FLOPS_PER_SCORE * d / rate`; per measured
+    head dimension it is read at sqrt(seq_q * seq_k), linear in log(s) between measured lengths and
+    constant beyond them; across head dimensions it is linear in d (the score traffic is the same at
+    every d, the GEMM FLOPs grow with d), between the two measured dimensions around `head_dim`
+    or, outside them, along the line through the two nearest."""
+    table = device.unfused_attention_flops or {}
+    pts = next((table[d] for d in _dtype_fallbacks(dtype) if table.get(d)), None)
+    if not pts:
+        return None
+    s = math.sqrt(seq_q * seq_k)
+    by_dim: dict[int, list[tuple[float, float]]] = {}
+    for p in pts:
+        by_dim.setdefault(p.head_dim, []).append((p.seq, UNFUSED_FWD_BWD_FLOPS_PER_SCORE * p.head_dim / p.flops))
+    per_dim = sorted((hd, _log_interp(sorted(v), s)[0]) for hd, v in by_dim.items())
+    if len(per_dim) == 1:
+        return per_dim[0][1]
+    lo = max([p for p in per_dim[:-1] if p[0] <= head_dim] or [per_dim[0]])
+    hi = per_dim[per_dim.index(lo) + 1]
+    t = lo[1] + (head_dim - lo[0]) * (hi[1] - lo[1]) / (hi[0] - lo[0])
+    return t if t > 0 else min(lo, hi, key=lambda p: abs(p[0] - head_dim))[1]
 
 
 # how much more work a non-causal attention's kernel does than a causal one's on the same shapes

@@ -105,18 +105,29 @@ TOLERANCE = 0.03
 # once (it was the table's time for its own size, 43.8 us at least, plus a latency per bucket):
 # 22B SP+sel. -13.01% -> -13.73% (its layer norms' 12 KiB gradients all-reduced over tp). Nothing
 # refit: the configuration is the published runs', the prices the profile's table.
+# Re-recorded in session 32 (issue 14): the DGX A100 80GB profile carries the published A100 speed
+# of attention run unfused (`DeviceSpec.unfused_attention_flops`: Dao 2023, Figure 4 (a) and (b),
+# the "Pytorch" bars, baddbmm / softmax / bmm forward + backward by head dimension and length), and
+# `cost_models.compute.attention_time` prices Megatron-LM 2021's attention core from it where the
+# roofline priced its GEMMs and softmax 1.4-1.7x faster than the A100 ran them. Beyond the
+# tolerance: pinned 1.7B -14.90% -> -1.70%, 39.1B -2.17% -> +1.69%, 22B -2.00% -> +3.34%, 22B
+# SP+sel. -13.73% -> -6.99% (175B -0.69% -> +2.14% within it); Table 1's 7.5B -10.79% -> -3.70%
+# and 18.4B -7.16% -> -2.56%. The analytic cross-check prices its spelled-out core (two matmuls and
+# a softmax) the same way (`benchmarks.cost_model_accuracy._measured_core`): 1.7B -16.96% ->
+# -3.75%, 39.1B -2.58% -> +1.28%, 22B -2.46% -> +2.87%, 175B -0.02% -> +2.80%. H100 and flash
+# families (fused attention) unchanged. Nothing refit: every rate is a printed bar of the figure.
 PINNED: dict[tuple[str, str], float] = {
-    ("pinned", "1.7B"): -0.1490,
-    ("pinned", "39.1B"): -0.0217,
-    ("pinned", "22B"): -0.0200,
-    ("pinned", "175B"): -0.0069,
-    ("pinned", "22B SP+sel."): -0.1373,
-    ("analytic", "1.7B"): -0.1696,
-    ("analytic", "39.1B"): -0.0258,
-    ("analytic", "22B"): -0.0246,
-    ("analytic", "175B"): -0.0002,
-    ("table1", "7.5B"): -0.1079,
-    ("table1", "18.4B"): -0.0716,
+    ("pinned", "1.7B"): -0.0170,
+    ("pinned", "39.1B"): +0.0169,
+    ("pinned", "22B"): +0.0334,
+    ("pinned", "175B"): +0.0214,
+    ("pinned", "22B SP+sel."): -0.0699,
+    ("analytic", "1.7B"): -0.0375,
+    ("analytic", "39.1B"): +0.0128,
+    ("analytic", "22B"): +0.0287,
+    ("analytic", "175B"): +0.0280,
+    ("table1", "7.5B"): -0.0370,
+    ("table1", "18.4B"): -0.0256,
     ("h100", "175B NeMo 512"): -0.0161,
     ("flash", "FA2 1.3B 2k"): -0.1268,
     ("flash", "FA2 2.7B 2k"): -0.0969,
@@ -129,8 +140,10 @@ PINNED: dict[tuple[str, str], float] = {
 # family -> the bound on its mean |error| over the pinned subset, where the family meets the
 # benchmark's target today (`_errors_summary`: mean <= 10%; issue 14's: mean <= 5%); the flash
 # family does not (FA2 2k: 11.6%), so it has per-case pins only; table1's two rows, 11.4% under
-# micro-batch 1 (session 28), are 9.0% as the authors' script ran them (session 31)
-MEAN_BOUND = {"pinned": 0.10, "analytic": 0.10, "table1": 0.10, "h100": 0.05}
+# micro-batch 1 (session 28), are 9.0% as the authors' script ran them (session 31); with the
+# unfused attention core's measured A100 speed (session 32) pinned, analytic and table1 meet issue
+# 14's 5% (3.2%, 2.7% and 3.1%)
+MEAN_BOUND = {"pinned": 0.05, "analytic": 0.05, "table1": 0.05, "h100": 0.05}
 
 FAMILIES = {"pinned": CASES, "analytic": CASES, "table1": TABLE1, "h100": H100_CASES, "flash": FLASH_CASES}
 

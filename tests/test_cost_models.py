@@ -323,6 +323,40 @@ def test_attention_rates_read_at_the_nearest_measured_head_dim() -> None:
     assert fwd + bwd == pytest.approx(3.5 * 8 * 16 * at * 128 / 310e12 + 2 * dev.kernel_overhead_s, rel=1e-6)
 
 
+def test_unfused_attention_core_reads_the_published_pytorch_bars() -> None:
+    """Megatron-LM 2021's unfused attention core (baddbmm, softmax, bmm and their backward) on an
+    A100 80GB costs what PyTorch's standard attention took there: Dao 2023 (arXiv 2307.08691),
+    Figure 4 (a) and (b), "Pytorch" bars, no causal mask, fwd + bwd, FLOPs 3.5 x 4 s^2 d per head.
+    At the figure's own shapes (hidden 2048, 16k tokens, dropout 0) the priced time is the bar's;
+    between its head dimensions it is linear in d; the attention dropout the benchmark ran without
+    is added on top, and a profile without the table keeps the roofline."""
+    dev = ClusterSpec.load("dgx-a100-80g").device
+    # (head dim, batch, sequence) -> TFLOP/s as printed: (a) d = 64, (b) d = 128
+    bars = {(64, 8, 2048): 43, (128, 8, 2048): 76, (64, 32, 512): 36, (128, 2, 8192): 86, (128, 16, 1024): 67}
+    for (d, b, s), tflops in bars.items():
+        q = (b, 2048 // d, s, d)
+        fwd, bwd = attention_time(q, q, q, dev, "bf16", kernel="unfused")
+        assert fwd + bwd == pytest.approx(3.5 * 4 * b * (2048 // d) * s * s * d / (tflops * 1e12), rel=1e-9)
+        assert attention_time(q, q, q, dev, "fp16", kernel="unfused") == (fwd, bwd)
+        assert 0 < fwd < bwd
+    # head dim 96 (Table 1's 1.7B: 24 heads of 96): the mean of the two bars' seconds per score
+    per64, per128 = 3.5 * 4 * 64 / 43e12, 3.5 * 4 * 128 / 76e12
+    q = (16, 24, 2048, 96)
+    fwd, bwd = attention_time(q, q, q, dev, "bf16", kernel="unfused")
+    assert fwd + bwd == pytest.approx(16 * 24 * 2048 ** 2 * (per64 + per128) / 2, rel=1e-9)
+    dropped = attention_time(q, q, q, dev, "bf16", kernel="unfused", dropout_p=0.1)
+    assert dropped[0] > fwd and dropped[1] > bwd
+    # the roofline it replaces priced these kernels faster than the A100 ran them
+    roofline = dev.model_copy(update={"unfused_attention_flops": None})
+    assert sum(attention_time(q, q, q, roofline, "bf16", kernel="unfused")) < 0.7 * (fwd + bwd)
+    # far below the measured sizes (a 32-token toy) fixed per-kernel costs dominate: the roofline
+    tiny = (1, 2, 32, 16)
+    assert attention_time(tiny, tiny, tiny, dev, "bf16", kernel="unfused") == \
+        attention_time(tiny, tiny, tiny, roofline, "bf16", kernel="unfused")
+    # the fused kernel is untouched by the unfused table
+    assert attention_time(q, q, q, dev, "bf16") == attention_time(q, q, q, roofline, "bf16")
+
+
 def test_non_causal_attention_does_the_whole_square() -> None:
     """The measured tables are causal kernels' rates on the capture's whole-square FLOPs; a
     non-causal attention (an encoder's, or one given a mask tensor, which makes the kernel

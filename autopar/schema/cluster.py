@@ -60,6 +60,18 @@ class AttentionPoint(_Strict):
         "None: any")
 
 
+class UnfusedAttentionPoint(_Strict):
+    """Measured speed of attention run unfused (QK^T and PV as batched GEMMs around a softmax
+    that reads and writes the b*a*s*s scores: PyTorch's standard attention, Megatron-LM 2021) at one
+    shape, forward + backward together, as published: `flops` is FLOP/s counted as the source
+    counts them, 4 * s^2 * d forward FLOPs per (batch, head) slice and 3.5x that for forward +
+    backward, the whole s x s square (no causal mask)."""
+
+    head_dim: int = Field(ge=1, description="head dimension d it was measured at")
+    seq: int = Field(ge=1, description="sequence length s (queries = keys)")
+    flops: float = Field(gt=0, description="FLOP/s of forward + backward, 3.5 * 4 * s^2 * d per slice")
+
+
 class OptimizerCost(_Strict):
     """Measured seconds of one optimizer step as the runtime runs it (one tensor at a time):
     a fixed cost per parameter tensor (the per-tensor kernels and their dispatch) plus a cost
@@ -110,6 +122,10 @@ class DeviceSpec(_Strict):
     attention_flops: Optional[dict[str, list[AttentionPoint]]] = Field(
         default=None, description="measured forward and backward rates of the fused attention kernel "
         "by dtype and size; None: fused attention runs at the GEMM efficiency curve")
+    unfused_attention_flops: Optional[dict[str, list[UnfusedAttentionPoint]]] = Field(
+        default=None, description="measured forward + backward speed of attention run unfused (batched "
+        "QK^T and PV GEMMs around a softmax over the materialised scores) by dtype, head dimension and "
+        "sequence length; None: its GEMMs and softmax priced by the roofline (GEMM curve, memory bandwidth)")
     gemm_alignment: Optional[list[AlignmentPoint]] = Field(
         default=None, description="measured efficiency of matrix ops whose K or N is not a multiple of "
         "the kernel's preferred alignment (cuBLAS takes slower kernels below 16 bytes), by alignment in "
