@@ -72,6 +72,14 @@ def validate_plan(plan: Plan, model: nn.Module) -> dict:
         missing = sorted(set(aliases.values()) - covered)
         if missing:
             raise PlanError(f"the plan's stages leave parameters out: {', '.join(missing[:5])}")
+    refused = plan.search.get("tp_executor") if isinstance(plan.search, dict) else None
+    for s in stages:
+        if s.axis_size("tp") > 1 and s.op_layouts is None and refused:
+            # the planner could not solve the stage's per-op layouts; tensor parallelism runs
+            # only op by op as solved (`autopar.intra_op.execute`), so it says why and the fix
+            raise PlanError(f"stage {s.index} is tensor-parallel (tp {s.axis_size('tp')}) but the plan carries no "
+                            f"per-op layouts (op_layouts), which `autopar run` executes tensor parallelism by: "
+                            f"the planner's tensor parallelism {refused}")
     solved = [s.index for s in stages if s.op_layouts is not None]
     if solved and (max(s.axis_size("tp") for s in stages) < 2 or len(solved) < nst):
         raise PlanError(f"stage {solved[0]} carries op_layouts, which the runtime executes only for "
