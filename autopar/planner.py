@@ -480,18 +480,14 @@ def _ep_executor(c: Candidate, solved: bool) -> str:
     `runtime.experts.check_executable`'s conditions, which the plan schema cannot import):
     with tp, its stages run op by op as solved (each expert block's ops as the rank's token
     exchange, `runtime.experts.program_calls`, nested in its layer's FSDP unit under ZeRO-3; in
-    pipeline chunks too, without cp) or, in one stage without ZeRO-3 or cp, by DTensor
-    propagation (`solved`: whether the plan carries the stages' op layouts), the experts
-    replicated over tp either way."""
-    if c.tp == 1:
+    pipeline chunks too, without cp), the experts replicated over tp. `solved`: whether the plan
+    carries the stages' op layouts (a tp plan without them is refused as a whole:
+    `plan.search["tp_executor"]`)."""
+    if c.tp == 1 or not solved:
         return ""
-    why = [w for w, bad in (("tensor parallelism and ZeRO-3 on DTensor's path", c.zero == 3 and not solved),
-                            ("tensor parallelism in pipeline stages on DTensor's path", c.pp > 1 and not solved),
-                            ("tensor and context parallelism on DTensor's path", c.cp > 1 and not solved),
-                            ("tensor and context parallelism in pipeline stages", c.cp > 1 and c.pp > 1)) if bad]
+    why = [w for w, bad in (("tensor and context parallelism in pipeline stages", c.cp > 1 and c.pp > 1),) if bad]
     return (f"planned, not yet executed by `autopar run` with {', '.join(why)} (it runs expert parallelism with "
-            f"tensor parallelism op by op as solved, with cp in one stage, or in one stage without ZeRO-3 "
-            f"or cp)") if why else ""
+            f"tensor parallelism op by op as solved, with cp in one stage)") if why else ""
 
 
 def _cp_executor(c: Candidate) -> str:
