@@ -83,6 +83,18 @@ def test_tp_plan_without_ortools_is_refused(monkeypatch):
         validate_plan(p, build_model("gpt-tiny", device="meta").model)
 
 
+def test_tp_plan_written_by_hand_is_refused():
+    """A tp plan naming parameter placements alone (no per-op layouts, no planner record) is
+    refused before any process starts: placements do not say how each op runs."""
+    from autopar.models.registry import build_model
+
+    p = _analytic("gpt-tiny", 2, dp=1, tp=2, pp=1)
+    bare = p.model_copy(update={"stages": [s.model_copy(update={"op_layouts": None}) for s in p.stages],
+                                "search": {}})
+    with pytest.raises(PlanError, match=r"stage 0 is tensor-parallel \(tp 2\).*re-plan with `autopar plan`"):
+        validate_plan(bare, build_model("gpt-tiny", device="meta").model)
+
+
 class _Twice(nn.Module):
     """A module called again after another's ops: `a`'s run of ops holds `b`'s."""
 

@@ -79,7 +79,7 @@ def validate_plan(plan: Plan, model: nn.Module) -> dict:
             # 20, one executor): a plan the planner could not solve says why, a plan written by
             # hand (parameter placements alone) is re-planned
             why = (f"the planner's tensor parallelism {refused}" if refused else
-                   "make the plan with `autopar plan` (placements alone do not say how each op runs)")
+                   "re-plan with `autopar plan` (placements alone do not say how each op runs)")
             raise PlanError(f"stage {s.index} is tensor-parallel (tp {s.axis_size('tp')}) but the plan carries no "
                             f"per-op layouts (op_layouts), which `autopar run` executes tensor parallelism by: {why}")
     solved = [s.index for s in stages if s.op_layouts is not None]
