@@ -6,8 +6,9 @@ where they cannot (OR-Tools missing, a torch.fx capture) the plan says why and `
 refuses it, naming the fix. ZeRO-3 units whose ops interleave are left to the root unit
 (`planner.contiguous_units`), so that the executor runs each unit's ops as one call.
 
-The multi-process check (a user-written model's analytic tp plan on 2 gloo processes) is
-marked slow; the zoo's and Hugging Face's analytic tp plans run in tests/test_runtime_llama_tp.py.
+The multi-process checks (a user-written GPT's analytic dp 2 x tp 2 plan, and ZeRO-3 on a model
+reusing a layer module, in one 4-process launch) are marked slow; the zoo's and Hugging Face's
+analytic tp plans run in tests/test_runtime_llama_tp.py.
 """
 
 from __future__ import annotations
@@ -117,43 +118,54 @@ def test_interleaving_zero3_units_go_to_the_root():
     assert contiguous_units(g, ["b"]) == (["b"], [])
 
 
-@pytest.mark.slow
-def test_user_model_analytic_tp_plan_runs_as_solved(tmp_path):
-    """A user-written GPT (nanoGPT-style: fused qkv split into [q; k; v] blocks, a head computed
-    as `x @ wte.weight.t()`) planned by the analytic rules at tp 2 runs op by op on 2 gloo
-    processes: the one-process losses within 1e-4, exactly the planned collectives."""
-    from tests.captured import one_process_losses
+
+
+
+REUSED = "tests.user_models:reused_lm"
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict:
+    """The analytic plans of the slow tests below, run 2 steps in one 4-process job:
+    {name: (plan, rows)}."""
     from tests.launch import run_plans
+
+    plans = {"nanogpt_dp2xtp2": _analytic(NANOGPT, 4, dp=2, tp=2, pp=1),
+             "reused_zero3": _analytic(REUSED, 4, dp=2, tp=2, pp=1, zero_stage=3)}
+    rows = run_plans(tmp_path_factory.mktemp("one_executor"), plans, 4, steps=2)
+    return {name: (p, rows[name]) for name, p in plans.items()}
+
+
+def _check(p, rows, ref: str) -> None:
+    """The one-process losses within 1e-4, every step's collectives the plan's."""
+    from tests.captured import one_process_losses
     from tests.test_runtime import close
 
-    p = _analytic(NANOGPT, 2, dp=1, tp=2, pp=1)
-    assert all(s.op_layouts is not None for s in p.stages), p.search
-    rows = run_plans(tmp_path, {"tp2": p}, 2, steps=2)["tp2"]
     assert isinstance(rows, list), rows
     steps = [r for r in rows if "step" in r]
-    want = one_process_losses(NANOGPT, 2)
+    want = one_process_losses(ref, 2)
     assert close([r["loss"] for r in steps], want, 1e-4), (steps, want)
     assert all(r["collectives"] == p.predicted.collectives for r in steps), (steps, p.predicted.collectives)
     assert rows[-1]["collectives_match"] is True
 
 
 @pytest.mark.slow
-def test_interleaving_units_plan_runs_as_solved(tmp_path):
-    """A layer module called again after another's ops (`tests.user_models:reused_lm`), dp 2 x
-    tp 2 under ZeRO-3 on 4 gloo processes: the interleaving unit goes to the root (the plan
-    says so), and the plan runs op by op with the one-process losses within 1e-4 and exactly
-    its collectives (it ran by DTensor propagation before issue 20's one executor)."""
-    from tests.captured import one_process_losses
-    from tests.launch import run_plans
-    from tests.test_runtime import close
+def test_user_model_analytic_tp_plan_runs_as_solved(launched):
+    """A user-written GPT (nanoGPT-style: fused qkv split into [q; k; v] blocks, a head computed
+    as `x @ wte.weight.t()`) planned by the analytic rules at dp 2 x tp 2 runs op by op on 4
+    gloo processes: the one-process losses within 1e-4, exactly the planned collectives."""
+    p, rows = launched["nanogpt_dp2xtp2"]
+    assert all(s.op_layouts is not None for s in p.stages), p.search
+    _check(p, rows, NANOGPT)
 
-    ref = "tests.user_models:reused_lm"
-    p = _analytic(ref, 4, dp=2, tp=2, pp=1, zero_stage=3)
+
+@pytest.mark.slow
+def test_interleaving_units_plan_runs_as_solved(launched):
+    """A layer module called again after another's ops (`tests.user_models:reused_lm`), dp 2 x
+    tp 2 under ZeRO-3: the interleaving unit goes to the root (the plan says so), and the plan
+    runs op by op with the one-process losses and exactly its collectives (it ran by DTensor
+    propagation before issue 20's one executor)."""
+    p, rows = launched["reused_zero3"]
     assert p.stages[0].op_layouts is not None and p.stages[0].fsdp_units == ["emb", "layers.0", "layers.2", "out"]
     assert p.search["zero3_units"].startswith("layers.1 left to the ZeRO-3 root unit")
-    rows = run_plans(tmp_path, {"z3": p}, 4, steps=2)["z3"]
-    assert isinstance(rows, list), rows
-    steps = [r for r in rows if "step" in r]
-    want = one_process_losses(ref, 2)
-    assert close([r["loss"] for r in steps], want, 1e-4), (steps, want)
-    assert all(r["collectives"] == p.predicted.collectives for r in steps), (steps, p.predicted.collectives)
+    _check(p, rows, REUSED)
