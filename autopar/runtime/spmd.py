@@ -19,8 +19,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autopar.schema.errors import PlanError
 
@@ -124,12 +123,6 @@ def replace_parameters(module: nn.Module, make: Callable[[str, nn.Parameter], nn
             if id(p) not in done:
                 done[id(p)] = make(f"{mod_name}.{pname}" if mod_name else pname, p)
             mod._parameters[pname] = done[id(p)]
-
-
-def local_shard_rows(x: torch.Tensor, mesh: DeviceMesh, placements: Sequence[str]) -> torch.Tensor:
-    """This rank's local shard of a full tensor `x` under `placements` (helper for callers that
-    hold the full input and want to feed `parallelize`d modules)."""
-    return distribute_tensor(x, mesh, to_placements(placements, x.dim()), src_data_rank=None).to_local()
 
 
 def grads_to_param_layout(params: Iterable[nn.Parameter]) -> None:
