@@ -23,10 +23,10 @@ from autopar.capture import OpGraph, capture
 from autopar.capture.cache import cache_directory
 from autopar.capture.experts import tp_split
 from autopar.inter_op import context_parallel
-from autopar.inter_op.dtensor_counts import LayerCounts, dtensor_stage_counts, dtensor_tp_counts
 from autopar.inter_op.experts import EP_IMBALANCE, ExpertCosting
 from autopar.inter_op.layers import Layer, build_layers
-from autopar.inter_op.search import Candidate, Search, SearchResult, StageResult, op_by_op
+from autopar.inter_op.pinned_layouts import NO_EXPORT, PINNED_NOTE, analytic_pins, fx_captured, pinned_provider
+from autopar.inter_op.search import Candidate, Search, SearchResult, op_by_op
 from autopar.inter_op.stage_cost import AnalyticProvider
 from autopar.inter_op.stage_layouts import chunk_layouts
 from autopar.models import ModelBundle, build_model
@@ -184,8 +184,7 @@ def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Optional[Sequen
                        make_provider(intra_op, graph, layers, spec, dtype, cache_dir, sw, sequence_parallel=True))
     res = Search(graph, layers, spec, global_batch_size, dtype, cons, provider, progress,
                  sp_provider=sp_provider).run()
-    return assemble(bundle, graph, spec, res, global_batch_size, dtype, time.perf_counter() - t1,
-                    loss_fn=loss_fn)
+    return assemble(bundle, graph, spec, res, global_batch_size, dtype, time.perf_counter() - t1)
 
 
 # -- the Plan ----------------------------------------------------------------------------------
@@ -277,11 +276,11 @@ def _extra_flops(graph1: OpGraph, layer: Layer, recompute: str, tp: int) -> floa
 
 
 def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: SearchResult, gbs: int,
-             dtype: str, search_s: float, loss_fn=None, count_tp: bool = True) -> Plan:
-    """The Plan of the search's best candidate. With `count_tp`, the tensor-parallel
-    collectives are counted by DTensor dry runs (`inter_op.dtensor_counts`: each pipeline chunk
-    as the runtime runs it) so that `predicted.collectives` is what the runtime will issue; else
-    Megatron-style counts."""
+             dtype: str, search_s: float) -> Plan:
+    """The Plan of the search's best candidate. Every tp chunk carries its solved per-op
+    layouts (`_op_layouts`), so `predicted.collectives` is what the executor issues: the
+    solution's; a tp plan `autopar run` refuses (`plan.search["tp_executor"]`) counts the
+    provider's per-layer collectives."""
     t_assemble = time.perf_counter()
     c: Candidate = res.best
     layers = res.layers
@@ -301,10 +300,8 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
     if getattr(res.provider, "sequence_parallel", False) and c.tp > 1 and why_not:
         raise PlanError(f"sequence parallelism runs only where the executor runs the solved layouts, and "
                         f"here it cannot: {why_not}; drop sequence_parallel or the constraint that forces this")
-    fallbacks: list[str] = []
+    units_left: list[str] = []     # ZeRO-3 units left to the root (`contiguous_units`)
     rc_fallback: list[tuple[int, int]] = []
-    dry_counts = _dry_counts(bundle, graph, spec, c, layers, chunks, loss_fn, fallbacks,
-                             skip=set(layouts)) if count_tp else {}
     stage_plans = []
     zunits: dict[tuple[int, int], tuple[list[str], bool]] = {}    # ZeRO-3 units per chunk (k, j)
     coll: Counter = Counter()
@@ -330,8 +327,13 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                 for name, ph in st.phase_peaks().items()})
         units = None
         if c.zero == 3 and c.replicas > 1:
-            zunits[(k, j)] = zero3_units(graph, mods, len(chunks) > 1, {f for lay in layers[k:j] for f in lay.params})
-            units = zunits[(k, j)][0]
+            units, root = zero3_units(graph, mods, len(chunks) > 1, {f for lay in layers[k:j] for f in lay.params})
+            if layouts:
+                # run op by op, each unit's ops are one call: interleaving units go to the root
+                units, left = contiguous_units(graph, units)
+                root = root or bool(left)
+                units_left.extend(left)
+            zunits[(k, j)] = (units, root)
         mesh_shape, mesh_axes = stage_mesh(c.dp, c.cp, st.tp)
         stage_plans.append(StagePlan(
             index=pos, devices=devices, mesh_shape=mesh_shape, mesh_axis_names=mesh_axes,
@@ -345,7 +347,6 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
             # the attention's K/V exchange over the cp axis, per micro-batch
             coll.update({kk: m * vv for kk, vv in context_parallel.collectives(graph, layers, k, j,
                                                                                st.recompute).items()})
-        dry = dry_counts.get(pos)
         lay = layouts.get(pos)
         if lay is not None:
             # the executor runs each micro-batch's forward and backward as solved (a parameter
@@ -354,23 +355,17 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                 coll.update({kk: m * vv for kk, vv in lay.collectives.get(phase, {}).items()})
             extra += sum(_extra_flops(g1, layers[i], st.recompute, st.tp) for i in range(k, j))
             continue
+        # no tp, or a tp stage `autopar run` refuses (`plan.search["tp_executor"]`): the
+        # provider's per-layer counts
         for i in range(k, j):
             lc = costs[i]
-            if dry is not None:
-                per_mb = dry.fwd[i] + dry.bwd[i] + _recomputed(dry, i, st.recompute)
-                coll.update({kk: m * vv for kk, vv in per_mb.items()})
-            else:
-                coll.update({kk: m * vv for kk, vv in lc.coll_fwd.items()})
-                coll.update({kk: m * vv for kk, vv in lc.coll_bwd.items()})
-                if st.recompute == "full":
-                    coll.update({kk: m * vv for kk, vv in lc.coll_rc.items()})
+            coll.update({kk: m * vv for kk, vv in lc.coll_fwd.items()})
+            coll.update({kk: m * vv for kk, vv in lc.coll_bwd.items()})
+            if st.recompute == "full":
+                coll.update({kk: m * vv for kk, vv in lc.coll_rc.items()})
             extra += _extra_flops(g1, layers[i], st.recompute, st.tp)
-        if dry is not None:
-            for i in range(k, j):
-                coll.update(dry.step[i])
-        else:
-            step_kinds = {kk for i in range(k, j) for kk in costs[i].coll_step}
-            coll.update({kk: 1 for kk in step_kinds})
+        step_kinds = {kk for i in range(k, j) for kk in costs[i].coll_step}
+        coll.update({kk: 1 for kk in step_kinds})
     # expert parallelism: the token exchange's all-to-alls, and the expert gradients' own sync
     # over the dp / ep ranks holding the same experts (`runtime.experts`)
     experts = res.experts if c.ep > 1 else None
@@ -449,9 +444,11 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                         "candidates": res.considered, "evaluated": res.evaluated,
                         "intra_op": getattr(res.provider, "name", "analytic"),
                         "layers": len(layers),
-                        **({"tp_counts_fallback": "; ".join(fallbacks)} if fallbacks else {}),
                         **({"selective_fallback": _selective_fallback(rc_fallback)} if rc_fallback else {}),
                         **({"tp_executor": why_not} if why_not else {}),
+                        **({"zero3_units": _units_left_note(units_left)} if units_left else {}),
+                        **({"op_layouts": PINNED_NOTE} if layouts and getattr(res.provider, "solutions", None) is None
+                           else {}),
                         **({"ep_executor": ep_why} if ep_why else {}),
                         **({"cp_executor": _cp_executor(c)} if _cp_executor(c) else {}),
                         **({"skipped": _skipped(res.skipped)} if res.skipped else {})})
@@ -483,18 +480,14 @@ def _ep_executor(c: Candidate, solved: bool) -> str:
     `runtime.experts.check_executable`'s conditions, which the plan schema cannot import):
     with tp, its stages run op by op as solved (each expert block's ops as the rank's token
     exchange, `runtime.experts.program_calls`, nested in its layer's FSDP unit under ZeRO-3; in
-    pipeline chunks too, without cp) or, in one stage without ZeRO-3 or cp, by DTensor
-    propagation (`solved`: whether the plan carries the stages' op layouts), the experts
-    replicated over tp either way."""
-    if c.tp == 1:
+    pipeline chunks too, without cp), the experts replicated over tp. `solved`: whether the plan
+    carries the stages' op layouts (a tp plan without them is refused as a whole:
+    `plan.search["tp_executor"]`)."""
+    if c.tp == 1 or not solved:
         return ""
-    why = [w for w, bad in (("tensor parallelism and ZeRO-3 on DTensor's path", c.zero == 3 and not solved),
-                            ("tensor parallelism in pipeline stages on DTensor's path", c.pp > 1 and not solved),
-                            ("tensor and context parallelism on DTensor's path", c.cp > 1 and not solved),
-                            ("tensor and context parallelism in pipeline stages", c.cp > 1 and c.pp > 1)) if bad]
+    why = [w for w, bad in (("tensor and context parallelism in pipeline stages", c.cp > 1 and c.pp > 1),) if bad]
     return (f"planned, not yet executed by `autopar run` with {', '.join(why)} (it runs expert parallelism with "
-            f"tensor parallelism op by op as solved, with cp in one stage, or in one stage without ZeRO-3 "
-            f"or cp)") if why else ""
+            f"tensor parallelism op by op as solved, with cp in one stage)") if why else ""
 
 
 def _cp_executor(c: Candidate) -> str:
@@ -517,133 +510,52 @@ def _skipped(skipped: dict[str, str]) -> str:
 
 def _op_layouts(graph: OpGraph, c: Candidate, layers: list[Layer], chunks: list, provider: Any
                 ) -> tuple[dict[int, StageLayouts], str]:
-    """{chunk position: its solved per-op layouts} for the chunks the runtime executes op by op
-    (`autopar.intra_op.execute`), and why the others are not (for `plan.search`): every chunk of
-    a model with a tp stage, pipelined or not, its stages of one tp degree or of several
-    (Alpa's sub-mesh choice: a 1-device stage's layouts are the replicated solution; tensors
-    cross between tp degrees replicated, `stage_layouts.chunk_layouts`), with ZeRO-3 (each
-    FSDP unit's ops one call of an FSDP forward method of its module, so a unit's ops must be
-    one contiguous run of the program), with context parallelism (the program of a cp rank's
-    tokens, its attention the cp attention: `runtime.context_parallel.ProgramContext`; the
-    exchange counted beside the solution's collectives in `assemble`) and any recomputation;
-    the rest runs by DTensor
-    propagation. All chunks or none: a pipeline chunk hands the next one its tensors in their
-    solved layouts."""
+    """{chunk position: its solved per-op layouts} for every chunk of a candidate with a tp
+    stage, and, where there are none, why (`plan.search["tp_executor"]`, which `autopar run`
+    names as it refuses the plan). `autopar run` executes tensor parallelism only op by op as
+    solved (`autopar.intra_op.execute`; issue 20, one executor): pipelined or not, its stages
+    of one tp degree or of several (Alpa's sub-mesh choice: a 1-device stage's layouts are the
+    replicated solution; tensors cross between tp degrees replicated, `stage_layouts.
+    chunk_layouts`), with ZeRO-3 (each FSDP unit's ops one call of an FSDP forward method of
+    its module; units whose ops interleave are left to the root, `contiguous_units`), with
+    context parallelism (the program of a cp rank's tokens, its attention the cp attention:
+    `runtime.context_parallel.ProgramContext`; the exchange counted beside the solution's
+    collectives in `assemble`) and any recomputation. Plans of the analytic rules are solved
+    here with the rules' parameter placements pinned (`inter_op.pinned_layouts`). All chunks
+    or none: a pipeline chunk hands the next one its tensors in their solved layouts. None
+    where the ILP cannot run (OR-Tools missing, a torch.fx capture) or the layers' solutions
+    do not meet at a boundary."""
     tp_chunks = [pos for pos, ch in enumerate(chunks) if c.stages[ch[1]].tp > 1]
     if not tp_chunks:
         return {}, ""
-    solutions = getattr(provider, "solutions", None)
-    if solutions is None:
-        return {}, "runs by DTensor propagation: the analytic provider solves no per-op layouts"
+    if fx_captured(graph):
+        return {}, NO_EXPORT
+    if getattr(provider, "solutions", None) is None:
+        # the analytic rules: the ILP solves the chosen layers with their placements pinned
+        # (`inter_op.pinned_layouts`), or the plan records why `autopar run` refuses it
+        spans = [(k, j, c.stages[d].tp) for _, d, _, (k, j) in chunks]
+        pins = analytic_pins(layers, spans, lambda x: c.stages[chunks[x][1]].tables.costs)
+        provider, why = pinned_provider(graph, layers, provider, pins)
+        if provider is None:
+            return {}, why
+        try:
+            for k, j, tp in spans:
+                for i in range(k, j):
+                    if tp > 1:
+                        provider.cost(layers[i], c.mb, tp)
+        except PlanError as e:
+            return {}, (f"not executed: the intra-op ILP found no per-op layouts holding the analytic rules' "
+                        f"parameter placements ({e}); re-plan with intra_op='ilp'")
+    solutions = provider.solutions
     if not op_by_op(c):
-        return {}, "runs by DTensor propagation: the candidate is not executed op by op"
-    if c.zero == 3 and c.replicas > 1:
-        # each FSDP unit's ops run as one call (`runtime.zero.ZeroSharding._shard_solved`)
-        for _, _, _, (k, j) in chunks:
-            units, _ = zero3_units(graph, _stage_modules(layers, k, j), len(chunks) > 1,
-                                   {f for lay in layers[k:j] for f in lay.params})
-            why = _interleaved_units(graph, units)
-            if why:
-                return {}, f"runs by DTensor propagation: {why}"
+        raise PlanError("internal: a candidate with a tp stage that the search does not execute op by op")
     spans = [(k, j, c.stages[d].tp, c.stages[d].recompute) for _, d, _, (k, j) in chunks]
     provider.solve_replicated(c.mb, [layers[i] for k, j, tp, _ in spans if tp == 1 for i in range(k, j)])
     entries = provider.entry_solutions(spans, c.mb) if hasattr(provider, "entry_solutions") else None
     lays, why = chunk_layouts(graph, layers, solutions, spans, c.mb, entries)
     if lays is None:
-        return {}, f"runs by DTensor propagation: {why}"
+        return {}, f"not executed: {why}; re-plan with other constraints (another tp degree or pipeline cut)"
     return dict(enumerate(lays)), ""
-
-
-def _recomputed(dry: LayerCounts, i: int, recompute: str) -> Counter:
-    """Collectives of layer `i` re-run by `recompute` beyond `dry`'s counts: none when the dry
-    run ran with that mode (its backward already holds what torch's checkpoint re-runs, which
-    stops at the last saved tensor), else Megatron's whole re-run forward."""
-    if recompute == dry.recompute or recompute == "none":
-        return Counter()
-    if recompute == "full":
-        return dry.block_fwd[i]
-    return dry.attn_fwd[i] if recompute in ("selective", "attention") else Counter()
-
-
-def _dry_counts(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, c: Candidate, layers: list[Layer],
-                chunks: list[tuple[int, int, int, tuple[int, int]]], loss_fn=None,
-                fallbacks: Optional[list[str]] = None, skip: set[int] = frozenset()) -> dict[int, LayerCounts]:
-    """{chunk position: its tp collectives per layer (DTensor dry run)} for the chunks on a tp
-    mesh. Without pipelining, the whole model as one tp stage; with it, each chunk alone as the
-    runtime runs it (plain tensors at its boundaries, its own tp degree: stages of different
-    tp see boundaries a whole-model run does not), identical chunks run once. A chunk whose dry
-    run fails takes the whole-model run at its tp degree; a position left out gets the analytic
-    counts. Each run recomputes as its stage does (`StageResult.recompute`), so the counts hold
-    what the runtime's recomputation re-runs. `fallbacks` collects, for the plan's `search`
-    record, which chunks were counted another way than their own dry run."""
-    out: dict[int, LayerCounts] = {}
-    whole: dict[tuple[int, str], Optional[LayerCounts]] = {}
-    done: dict[tuple, tuple[int, Optional[LayerCounts]]] = {}
-    dev, n = _device_kind(spec), len(chunks)
-    for pos, (_, d, _, (k, j)) in enumerate(chunks):
-        st = c.stages[d]
-        if st.tp <= 1 or pos in skip:
-            continue
-        lc = None
-        if n > 1:
-            mods = _stage_modules(layers, k, j)
-            pls = {f: pl[1] for f, pl in _placements(graph, layers, st.tables.costs, k, j, mods, False).items()}
-            key = (st.tp, st.recompute, pos == 0, pos == n - 1, tuple(l.signature for l in layers[k:j]),
-                   tuple(sorted((_relative(f, layers, k, j), pl) for f, pl in pls.items())))
-            if key not in done:
-                done[key] = (k, dtensor_stage_counts(bundle.model, bundle.example_inputs, st.tp, pls, layers, k, j,
-                                                     index=pos, num_stages=n, batch=c.mb, device=dev,
-                                                     recompute=st.recompute))
-            k0, lc0 = done[key]
-            lc = _moved(lc0, k0, k, j - k) if lc0 is not None else None
-        if lc is None:
-            wkey = (st.tp, st.recompute)
-            if wkey not in whole:
-                whole[wkey] = _whole_model_counts(bundle, graph, layers, st, c.mb, dev, loss_fn)
-            lc = whole[wkey]
-            if fallbacks is not None and n > 1:
-                fallbacks.append(f"chunk {pos}: its dry run failed, tp collectives "
-                                 f"{'from the whole model' if lc is not None else 'analytic'}")
-        if lc is not None:
-            out[pos] = lc
-    return out
-
-
-def _whole_model_counts(bundle: ModelBundle, graph: OpGraph, layers: list[Layer], st: StageResult, mb: int,
-                        dev: str, loss_fn=None) -> Optional[LayerCounts]:
-    """The dry run of the whole model at stage `st`'s tp degree with its per-layer placements
-    and recompute mode."""
-    allmods = _stage_modules(layers, 0, len(layers))
-    pls = {f: pl[1] for f, pl in _placements(graph, layers, st.tables.costs, 0, len(layers), allmods,
-                                              False).items()}
-    return dtensor_tp_counts(bundle.model, bundle.example_inputs, st.tp, pls, layers, loss_fn, batch=mb,
-                             device=dev, recompute=st.recompute)
-
-
-def _relative(fqn: str, layers: list[Layer], k: int, j: int) -> str:
-    """`fqn` with the name of the layer of [k, j) holding it replaced by its offset in the range
-    (identical chunks at different depths then give equal keys)."""
-    for i in range(k, j):
-        name = layers[i].name
-        if name and fqn.startswith(name + "."):
-            return f"#{i - k}{fqn[len(name):]}"
-    return fqn
-
-
-def _moved(lc: LayerCounts, src: int, dst: int, n: int) -> LayerCounts:
-    """`lc`'s counts of layers [src, src + n) as those of [dst, dst + n)."""
-    if src == dst:
-        return lc
-    out = LayerCounts(len(lc.fwd), lc.recompute)
-    for off in range(n):
-        for name in ("fwd", "bwd", "block_fwd", "attn_fwd", "step"):
-            getattr(out, name)[dst + off] = getattr(lc, name)[src + off]
-    return out
-
-
-def _device_kind(spec: ClusterSpec) -> str:
-    """"cpu" for clusters of CPU processes (the runtime's gloo path), else "meta"."""
-    return "cpu" if "cpu" in spec.device.name.lower() or "cpu" in spec.name.lower() else "meta"
 
 
 def zero3_units(graph: OpGraph, modules: list[str], pipelined: bool,
@@ -686,9 +598,13 @@ def zero3_units(graph: OpGraph, modules: list[str], pipelined: bool,
     return units, root
 
 
-def _interleaved_units(graph: OpGraph, units: list[str]) -> str:
-    """Why ZeRO-3 `units` cannot each run as one contiguous run of the captured ops (the
-    executor's FSDP calls, `intra_op.execute.ShardedProgram.run_units`), or ""."""
+def contiguous_units(graph: OpGraph, units: list[str]) -> tuple[list[str], list[str]]:
+    """(the ZeRO-3 `units` kept, those left to the root unit): the executor runs each unit's
+    ops as one contiguous call (`intra_op.execute.ShardedProgram.run_units`), so of units whose
+    runs of captured ops overlap (a module called again after another's ops, one module's ops
+    inside another's run) the first in program order is kept and the others join the root,
+    gathered through the step; their ops then run inside the kept unit's call, as the root's
+    do. A unit with no captured op is kept (the runtime names it)."""
     under = lambda n, mod: n == mod or n.startswith(mod + ".")  # noqa: E731
     spans = []
     for u in units:
@@ -696,10 +612,20 @@ def _interleaved_units(graph: OpGraph, units: list[str]) -> str:
         if at:
             spans.append((at[0], at[-1], u))
     spans.sort()
-    for (_, hi, a), (lo, _, b) in zip(spans, spans[1:]):
+    left, hi = [], -1
+    for lo, h, u in spans:
         if lo <= hi:
-            return f"the ops of ZeRO-3 units {a} and {b} interleave in the captured program"
-    return ""
+            left.append(u)
+        else:
+            hi = h
+    return [u for u in units if u not in left], left
+
+
+def _units_left_note(left: list[str]) -> str:
+    """`plan.search["zero3_units"]`: which modules `contiguous_units` left to the root."""
+    return (f"{', '.join(left[:5])}{' ...' if len(left) > 5 else ''} left to the ZeRO-3 root unit (gathered "
+            f"through the step): their ops interleave with another unit's in the captured program, and each "
+            f"unit's ops run as one call; the predicted memory counts them sharded as units")
 
 
 def _read_outside(graph: OpGraph, f: str) -> bool:

@@ -15,14 +15,14 @@ Derivations (gpt-tiny: embed, 2 blocks, head; tied embedding/output weight):
 * ZeRO-3 dp4 (`fully_shard` per block; embed+head share the tied weight so they stay in the
   root unit): all_gather = 3 units in forward + 2 blocks re-gathered in backward (the root is
   not resharded after forward) = 5; reduce_scatter = 3 (one per unit).
-* tp (DTensor, Megatron placements qkv/fc "S(0)", proj "S(1)"): per block the runtime measures
-  forward: an all-reduce after each row-parallel proj (2; the fused qkv rows are head-major, so
-  a contiguous row shard holds whole heads and nothing is gathered); backward: an all-reduce of
-  the gradient at each LayerNorm's output (the input of the column-parallel qkv / fc;
-  `spmd.megatron_boundaries`). tp over 2 blocks measures all_reduce 8 per step (no
-  all-gathers); these are the runtime's measured counts, written
-  down once and pinned, so a change in the runtime's or DTensor's behaviour fails the test.
-  dp2 x tp2 adds the dp gradient all-reduce.
+* tp layouts (tp2, tp4, dp2xtp2, selective_tp4, zero3dp2xtp2, pp2xtp2 and its recomputing
+  variants, pp2xtp2_vocab) are the planner's own plans at those pins (`PLANNED`): `autopar run`
+  executes tensor parallelism only op by op as solved (issue 20, one executor), which a plan
+  written by hand, naming parameter placements alone, does not say. The analytic rules' plans
+  (Megatron's placements, the activations' layouts solved with them pinned) but pp2xtp2_vocab,
+  the ILP's (its tied embedding placed as the ILP places it); their collectives are the
+  plan's prediction (the solution's). Each is made once per source tree and kept in a file
+  (`_planned`), so that every process of a job runs the same plan.
 * pp: 1F1B/GPipe with M micro-batches over p stages: 2·M·(p−1) send_recv (activation forward,
   gradient backward); interleaved with v chunks per device: 2·M·(p·v−1). Tied embedding across
   first and last stage: +1 all_reduce. (torch.pipelining's one-time warm-up vote, p−1
@@ -132,22 +132,9 @@ def _plan(ref: str, stages: list[StagePlan], *, gbs: int, mb: int, m: int, sched
                                      collectives=dict(collectives or {})))
 
 
-# measured per-step collectives of the tp layouts (see module docstring), by tp stage shape
-TP_COLLECTIVES = {
-    # filled from the runtime's own count; see test_runtime_layouts
-    "tp": {"all_reduce": 8},
-}
-
 LAYOUTS = ["single", "dp2", "dp4", "tp2", "tp4", "dp2xtp2", "pp2xdp2", "pp2xtp2", "pp4v2", "zero3dp4",
            "zero2dp2", "zero2dp4", "recompute_dp4", "selective_tp4", "pp2xdp2z2", "pp2xdp2z3", "zero3dp2xtp2",
            "pp2xtp2_full", "pp2xtp2_selective", "pp2xtp2_vocab"]
-
-# per block and micro-batch, the collectives recomputation re-runs in the backward (measured):
-# torch's non-reentrant checkpoint stops recomputing at the region's last saved tensor, so the
-# all-reduce of the MLP projection ("full"), feeding only a residual add that saves nothing, is
-# not re-run; "selective" re-runs the attention core alone (or, in a format-8 plan, the
-# attention module up to its projection), which issues none
-RECOMPUTED_PER_BLOCK = {"none": {}, "full": {"all_reduce": 1}, "selective": {}}
 
 
 def _rc(layers: list[str], rec: str) -> "list[str] | None":
@@ -159,15 +146,70 @@ def _rc(layers: list[str], rec: str) -> "list[str] | None":
     return blocks if rec == "full" else [f"{b}.attn" for b in blocks]
 
 
-def _rc_ops(layers: list[str], rec: str) -> "list[str] | None":
-    """The ops a hand-written plan of the zoo GPT recomputes under "selective"
-    (`StagePlan.recompute_ops`): each block's fused attention call, named as the capture names
-    them. None elsewhere (and in "selective_tp4", which stands for a plan of format 8: its
-    attention modules checkpointed whole)."""
-    if rec != "selective":
-        return None
-    idx = [int(x.split(".")[1]) for x in layers if x.startswith("blocks.")]
-    return [f"scaled_dot_product_attention{f'_{i}' if i else ''}" for i in idx]
+_TP = dict(num_microbatches=1, recompute="none", zero_stage=0)
+_PP2XTP2 = dict(dp=1, tp=2, pp=2, num_microbatches=4, schedule="gpipe", zero_stage=0)
+# layout: (devices, constraints, intra_op): the tp layouts, planned (module docstring)
+PLANNED = {
+    "tp2": (2, dict(_TP, dp=1, tp=2, pp=1), "analytic"),
+    "tp4": (4, dict(_TP, dp=1, tp=4, pp=1), "analytic"),
+    "selective_tp4": (4, dict(_TP, dp=1, tp=4, pp=1, recompute="selective"), "analytic"),
+    "dp2xtp2": (4, dict(_TP, dp=2, tp=2, pp=1), "analytic"),
+    "zero3dp2xtp2": (4, dict(_TP, dp=2, tp=2, pp=1, zero_stage=3), "analytic"),
+    "pp2xtp2": (4, dict(_PP2XTP2, recompute="none"), "analytic"),
+    "pp2xtp2_full": (4, dict(_PP2XTP2, recompute="full"), "analytic"),
+    "pp2xtp2_selective": (4, dict(_PP2XTP2, recompute="selective"), "analytic"),
+    "pp2xtp2_vocab": (4, dict(_PP2XTP2, recompute="none"), "ilp"),
+}
+
+
+def _source_digest() -> str:
+    """A digest of the sources a plan depends on (the planner, cost models, profiles)."""
+    import hashlib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for d in ("autopar", "cost_models", "hardware_profiles", "software_profiles"):
+        for f in sorted((root / d).rglob("*")):
+            if f.is_file() and f.suffix in (".py", ".yaml", ".yml", ".json"):
+                h.update(str(f.relative_to(root)).encode())
+                h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _planned(layout: str, gbs: int, ref: str) -> Plan:
+    """The planner's plan of `PLANNED[layout]` for `ref` at global batch `gbs` (`planned`)."""
+    devices, cons, intra_op = PLANNED[layout]
+    return planned(layout, ref, devices, cons, intra_op, gbs)
+
+
+def planned(name: str, ref: str, devices: int, cons: dict, intra_op: str, gbs: int = 8) -> Plan:
+    """The planner's fp32 plan for `ref` on `devices` CPU processes at `cons` (Constraints'
+    keywords), made once per source tree and kept in a file under `name`: every process of a
+    job (each asks for it) and the test that checks the job's rows read the same plan (the ILP
+    may break a tie another way in another process)."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from autopar.planner import plan as make
+    from autopar.schema import Constraints
+
+    folder = Path(tempfile.gettempdir()) / f"autopar-test-plans-{_source_digest()}"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}-{gbs}-{ref.replace(':', '_').replace('/', '_')}.json"
+    if not path.exists():
+        cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": devices, "num_nodes": 1})
+        p = make(ref, cl, global_batch_size=gbs, dtype="fp32", intra_op=intra_op, constraints=Constraints(**cons))
+        tmp = folder / f".{path.name}.{os.getpid()}"
+        p.save(tmp)
+        try:
+            os.link(tmp, path)           # the first plan written is every process's
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    return load_plan(path)
 
 
 def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
@@ -175,6 +217,8 @@ def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
     fp32 parameters and optimizer state), with the same collectives."""
     if layout.endswith("_bf16"):
         return make_plan(layout[:-len("_bf16")], gbs=gbs, ref=ref).model_copy(update={"dtype": "bf16"})
+    if layout in PLANNED:
+        return _planned(layout, gbs, ref)
     nb = 2
     L = _layers(nb)
     if layout == "single":
@@ -201,37 +245,6 @@ def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
         return _plan(ref, [StagePlan(index=0, devices=[0, 1, 2, 3], mesh_shape=(4,), mesh_axis_names=("dp",),
                                      layers=L)],
                      gbs=gbs, mb=gbs // 4, m=1, zero=2, collectives={"all_gather": 1, "reduce_scatter": 1})
-    if layout == "tp2":
-        return _plan(ref, [StagePlan(index=0, devices=[0, 1], mesh_shape=(2,), mesh_axis_names=("tp",),
-                                     layers=L, placements=megatron_placements(nb, ("tp",)))],
-                     gbs=gbs, mb=gbs, m=1, collectives=dict(TP_COLLECTIVES["tp"]), nodes_devices=2)
-    if layout == "selective_tp4":
-        # recomputing attention re-runs its forward collectives in the backward up to its last
-        # saved tensor (the qkv output all-gather of each block, not the proj all-reduce:
-        # RECOMPUTED_PER_BLOCK); the embedding and head are never recomputed: measured and
-        # pinned, 2 all-gathers more than tp4
-        return _plan(ref, [StagePlan(index=0, devices=[0, 1, 2, 3], mesh_shape=(4,), mesh_axis_names=("tp",),
-                                     layers=L, recompute="selective", recompute_modules=_rc(L, "selective"),
-                                     placements=megatron_placements(nb, ("tp",)))],
-                     gbs=gbs, mb=gbs, m=1, collectives={"all_reduce": 8})
-    if layout == "tp4":
-        return _plan(ref, [StagePlan(index=0, devices=[0, 1, 2, 3], mesh_shape=(4,), mesh_axis_names=("tp",),
-                                     layers=L, placements=megatron_placements(nb, ("tp",)))],
-                     gbs=gbs, mb=gbs, m=1, collectives=dict(TP_COLLECTIVES["tp"]))
-    if layout == "zero3dp2xtp2":
-        pl = megatron_placements(nb, ("dp", "tp"))
-        pl = {n: ("S(0)", pl.get(n, ("R", "R"))[1]) for n in _param_names(ref)}
-        return _plan(ref, [StagePlan(index=0, devices=[0, 1, 2, 3], mesh_shape=(2, 2), mesh_axis_names=("dp", "tp"),
-                                     layers=L, placements=pl)],
-                     gbs=gbs, mb=gbs // 2, m=1, zero=3,
-                     # tp's 8 all-reduces + ZeRO-3's 5 all-gathers, 3 reduce-scatters
-                     collectives={"all_gather": 5, "all_reduce": 8, "reduce_scatter": 3})
-    if layout == "dp2xtp2":
-        c = dict(TP_COLLECTIVES["tp"])
-        c["all_reduce"] = c.get("all_reduce", 0) + 1
-        return _plan(ref, [StagePlan(index=0, devices=[0, 1, 2, 3], mesh_shape=(2, 2), mesh_axis_names=("dp", "tp"),
-                                     layers=L, placements=megatron_placements(nb, ("dp", "tp")))],
-                     gbs=gbs, mb=gbs // 2, m=1, collectives=c)
     if layout == "pp2xdp2":
         M = 4
         st = [StagePlan(index=0, devices=[0, 1], mesh_shape=(2,), mesh_axis_names=("dp",), layers=L[:2]),
@@ -251,36 +264,6 @@ def make_plan(layout: str, *, gbs: int = 8, ref: str = "gpt-tiny") -> Plan:
         c = ({"all_gather": 2, "reduce_scatter": 2, "all_reduce": 1, "send_recv": 2 * M} if z == 2 else
              {"all_gather": 12, "reduce_scatter": 4, "all_reduce": 1, "send_recv": 2 * M})
         return _plan(ref, st, gbs=gbs, mb=gbs // 2 // M, m=M, schedule="1f1b", zero=z, collectives=c)
-    if layout == "pp2xtp2_vocab":
-        # pp2xtp2 with the tied embedding in two layouts on equal meshes, as the planner's ILP
-        # places it: replicated on stage 0, the output weight vocabulary-parallel on stage 1
-        # (its gradient summed in the full parameter's coordinates, `tied_grads.FullTiedSync`).
-        # The vocabulary-parallel head adds per micro-batch 1 all-reduce (its input's partial
-        # gradient) and the vocabulary-parallel cross-entropy's 3 (max, sum of exponentials,
-        # target logit; the logits are never gathered): measured and pinned
-        plan = make_plan("pp2xtp2", gbs=gbs, ref=ref)
-        M = plan.num_microbatches
-        plan.stages[1].placements.update({"embed.tok.weight": ("S(0)",), "head.out.weight": ("S(0)",)})
-        c = dict(plan.predicted.collectives)
-        c.update(all_reduce=c["all_reduce"] + (1 + 3) * M)
-        return plan.model_copy(update={"predicted": plan.predicted.model_copy(update={"collectives": c})})
-    if layout in ("pp2xtp2", "pp2xtp2_full", "pp2xtp2_selective"):
-        M = 4
-        rec = layout.split("_")[1] if "_" in layout else "none"
-        st = [StagePlan(index=0, devices=[0, 1], mesh_shape=(2,), mesh_axis_names=("tp",), layers=L[:2],
-                        placements=megatron_placements(nb, ("tp",), range(0, 1)), recompute=rec,
-                        recompute_modules=_rc(L[:2], rec), recompute_ops=_rc_ops(L[:2], rec)),
-              StagePlan(index=1, devices=[2, 3], mesh_shape=(2,), mesh_axis_names=("tp",), layers=L[2:],
-                        placements=megatron_placements(nb, ("tp",), range(1, 2)), recompute=rec,
-                        recompute_modules=_rc(L[2:], rec), recompute_ops=_rc_ops(L[2:], rec))]
-        # measured: per micro-batch 8 all-reduces inside the two tp stages (as tp4), + 1
-        # tied-embedding all-reduce; 2 transfers per micro-batch; recomputation adds
-        # RECOMPUTED_PER_BLOCK for each of the nb blocks per micro-batch
-        extra = RECOMPUTED_PER_BLOCK[rec]
-        c = {"all_reduce": (8 + nb * extra.get("all_reduce", 0)) * M + 1, "send_recv": 2 * M}
-        if extra.get("all_gather"):
-            c["all_gather"] = nb * extra["all_gather"] * M
-        return _plan(ref, st, gbs=gbs, mb=gbs // M, m=M, schedule="gpipe", collectives=c)
     if layout == "pp4v2":
         ref = GPT6_REF
         L6 = _layers(6)
@@ -307,34 +290,6 @@ def build_api_check(steps: int, seed: int) -> dict:
     pm = build(plan, "gpt-tiny", seed=seed)
     losses = [pm.step(call_batch_fn(b.batch_fn, s, plan.global_batch_size, seed)) for s in range(steps)]
     return {"losses": losses}
-
-
-def spmd2d_check() -> dict:
-    """`autopar.runtime.spmd.parallelize` on a (dp 2, tp 2) mesh with Megatron placements and
-    batch-sharded inputs: forward loss and a backward vs one process on the full batch."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from autopar.runtime.materialize import canonical_names, materialize
-    from autopar.runtime.spmd import grads_to_param_layout, local_shard_rows, parallelize
-
-    b = build_model("gpt-tiny", device="meta")
-    materialize(b.model, seed=0, aliases=canonical_names(b.model))
-    tok, tgt = b.batch_fn(0, 8, 0)
-    ref = b.model(tok, tgt)
-    ref.backward()
-    ref_grad = b.model.blocks[0].mlp.fc.weight.grad.clone()
-    m = build_model("gpt-tiny", device="meta").model
-    materialize(m, seed=0, aliases=canonical_names(m))
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    pm = parallelize(m, mesh, megatron_placements(2, ("dp", "tp")), [("S(0)", "R"), ("S(0)", "R")])
-    loss = pm(local_shard_rows(tok, mesh, ("S(0)", "R")), local_shard_rows(tgt, mesh, ("S(0)", "R")))
-    loss.backward()
-    grads_to_param_layout(m.parameters())
-    g = m.blocks[0].mlp.fc.weight.grad.full_tensor()
-    dist.barrier()
-    return {"loss": float(loss), "ref": float(ref), "grad_err": float((g - ref_grad).abs().max()),
-            "grad_scale": float(ref_grad.abs().max())}
 
 
 def vocab_loss_check() -> dict:
@@ -390,11 +345,13 @@ def vocab_loss_check() -> dict:
 
 def recompute_check(layout: str) -> dict:
     """Whether `layout`'s recomputation really recomputes, on this job's ranks: over one step,
-    the forward calls of every local block's attention (its qkv projection: inside both the
-    "full" and the "selective" region) and the bytes autograd keeps saved for the backward
-    outside checkpointed regions (a checkpoint keeps only its inputs). Returns {"calls": per
-    rank, "saved_bytes": per rank, "microbatches": M}."""
+    the forward attention ops the rank runs (each block's attention core: inside both the
+    "full" and the "selective" region; a tp stage runs its program op by op, so the ops are
+    counted, not module calls) and the bytes autograd keeps saved for the backward outside
+    checkpointed regions (a checkpoint keeps only its inputs). Returns {"calls": per rank,
+    "saved_bytes": per rank, "microbatches": M}."""
     import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     from autopar.models.registry import call_batch_fn
     from autopar.runtime import build
@@ -403,14 +360,14 @@ def recompute_check(layout: str) -> dict:
     b = build_model(plan.model.name, device="meta")
     calls = [0]
 
-    def count(mod: torch.nn.Module, args: tuple) -> None:
-        calls[0] += 1
+    class Attention(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.name()
+            if "scaled_dot_product" in name and "backward" not in name:
+                calls[0] += 1
+            return func(*args, **(kwargs or {}))
 
     pm = build(plan, b, seed=0)
-    for local in pm.local_modules:      # the modules the rank runs (a pipeline chunk's own)
-        for name, mod in local.named_modules():
-            if name.endswith("attn.qkv"):
-                mod.register_forward_pre_hook(count)
     saved = [0]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -418,7 +375,7 @@ def recompute_check(layout: str) -> dict:
         saved[0] += loc.numel() * loc.element_size()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), Attention():
         pm.step(call_batch_fn(b.batch_fn, 0, plan.global_batch_size, 0))
     out: list = [None] * dist.get_world_size()
     dist.all_gather_object(out, (calls[0], saved[0]))
@@ -433,7 +390,7 @@ def run_layouts_job(layouts: list[str], out_path: str, steps: int = 4, seed: int
     """Under torchrun: train each layout `steps` steps; rank 0 writes {layout: rows} as JSON.
     A layout is a name of LAYOUTS, "plan:PATH" (a plan file, e.g. the planner's; "plan:PATH?
     steps=N&checkpoint_dir=DIR" runs it N steps, checkpointing to DIR as `autopar.runtime.run`
-    does), or a check: "spmd2d", "build_api", "vocab_loss", "recompute_check:LAYOUT",
+    does), or a check: "build_api", "vocab_loss", "recompute_check:LAYOUT",
     "fail_on_rank:R" (rank R raises: the harness's own test)."""
     import json
     import os
@@ -457,8 +414,6 @@ def run_layouts_job(layouts: list[str], out_path: str, steps: int = 4, seed: int
             os.replace(tmp, out_path)
 
     def one(lay: str) -> object:
-        if lay == "spmd2d":
-            return spmd2d_check()
         if lay == "vocab_loss":
             return vocab_loss_check()
         if lay == "build_api":

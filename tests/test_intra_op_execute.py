@@ -8,15 +8,11 @@ in the Megatron regime (batch 1: weights outweigh activations), the same GPT in 
 data-parallel regime (batch 64), a Llama (GQA, RoPE, SwiGLU) at batch 1, whose plan mixes
 reduce-scatters, all-to-alls and free shard-to-partial steps and splits its 4 query heads over
 the 4 devices with K and V (2 heads) replicated, each device slicing its KV head (`hq@0`, K/V
-gradients partial), and both on a (2, 2) mesh (see ZOO). They are applied two ways:
-
-* `ShardingSolution.apply` (`autopar.intra_op.execute`): the exported program runs op by op,
-  each op's inputs redistributed to the layouts its chosen strategy reads them in. Every case,
-  counts forward and backward.
-* `autopar.runtime.spmd.parallelize`, the runtime's: parameters as DTensors, module outputs
-  redistributed to the plan's layouts (`module_output_placements`), the rest left to DTensor's
-  own propagation. For the MLPs its counts are the solution's as well, gradient synchronisation
-  being `grads_to_param_layout`.
+gradients partial), and both on a (2, 2) mesh (see ZOO). They are applied by
+`ShardingSolution.apply` (`autopar.intra_op.execute`, the runtime's one executor): the exported
+program runs op by op, each op's inputs redistributed to the layouts its chosen strategy reads
+them in. Every case, counts forward and backward. (DTensor propagation with the solution's
+parameter placements, once compared here, is no longer a runtime path: issue 20.)
 """
 
 from __future__ import annotations
@@ -43,7 +39,7 @@ REL = 1e-4
 
 class MLPSumLoss(MLP):
     """The zoo MLP with its mean-squared error written as sum / numel: a batch-split loss is
-    then a Partial(sum). (Under spmd.parallelize, DTensor's mse_loss over a batch split gives
+    then a Partial(sum). (Under DTensor propagation, mse_loss over a batch split gives
     Partial(avg), whose backward scales the gradients by the mesh size in torch 2.13; the
     executor computes a split loss itself and takes either.)"""
 
@@ -79,10 +75,6 @@ CASES = {
     "data-parallel": (MLPSumLoss, 256, 16, (4,), {"layers.0.weight": ("R",), "layers.1.weight": ("R",)}),
     "2d": (MLPSumLoss, 192, 64, (2, 2), {"layers.0.weight": ("R", "S(0)"), "layers.1.weight": ("R", "S(1)")}),
 }
-
-# cases DTensor propagation's path (`spmd.parallelize`) does not run: its module hooks' views
-# cannot be written in place
-EXECUTOR_ONLY = frozenset({"megatron-in-place"})
 
 # zoo transformers: (model, batch, mesh shape, a parameter and the placement the regime gives
 # it). On (2, 2) (axis 0 slow): the GPT's fused QKV split over both axes (interleaved rows,
@@ -173,29 +165,6 @@ def _run_executor(mesh, model, ref_model, inputs, sol):
     return out
 
 
-def _run_spmd(mesh, model, ref_model, inputs, sol):
-    """One step with spmd.parallelize (module outputs follow the plan): loss, error, counts."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.debug import CommDebugMode
-
-    from autopar.runtime.spmd import grads_to_param_layout, local_shard_rows, parallelize
-
-    loss_ref = ref_model(*inputs)
-    loss_ref.backward()
-    specs = [sol.input_placements[k] for k in ("args_0", "args_1")]
-    sp = parallelize(model, mesh, sol.param_placements, specs, output_placements=sol.module_output_placements)
-    xs = [local_shard_rows(t, mesh, pl) for t, pl in zip(inputs, specs)]
-    with CommDebugMode() as comm:
-        loss = sp(*xs)
-        loss.backward()
-        grads_to_param_layout(model.parameters())
-    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
-             for n, p in model.named_parameters()}
-    ref = {n: p.grad for n, p in ref_model.named_parameters()}
-    return {"loss": (float(loss.detach()), float(loss_ref.detach())), "grad_err": _rel_err(grads, ref),
-            "counts": _counts(comm)}
-
-
 def _zoo_inputs(name, batch):
     from autopar.models import build_model
 
@@ -244,11 +213,10 @@ def _worker(rank, port, cases, zoo, result_dir):
             mesh = init_device_mesh("cpu", shape)
             torch.manual_seed(0)
             x, y = torch.randn(batch, hidden), torch.randn(batch, hidden)
-            for how, run in (("executor", _run_executor), ("spmd", _run_spmd))[:1 if name in EXECUTOR_ONLY else 2]:
-                torch.manual_seed(0)
-                ref = cls(hidden, hidden, 2)
-                torch.manual_seed(0)
-                out[(how, name)] = run(mesh, cls(hidden, hidden, 2), ref, (x, y), sol)
+            torch.manual_seed(0)
+            ref = cls(hidden, hidden, 2)
+            torch.manual_seed(0)
+            out[("executor", name)] = _run_executor(mesh, cls(hidden, hidden, 2), ref, (x, y), sol)
         for name, (model_name, batch, shape, sol) in zoo.items():
             mesh = init_device_mesh("cpu", shape)
             ref, inputs = _zoo_inputs(model_name, batch)
@@ -375,17 +343,6 @@ def test_executor_matches_one_process_and_the_plan(solutions, results, name):
         assert got["next_loss"][0] == pytest.approx(got["next_loss"][1], rel=REL), (name, r)
         for phase in ("forward", "backward"):
             assert got[phase] == expect[phase], (name, r, phase, got[phase], expect[phase])
-
-
-@pytest.mark.parametrize("name", [c for c in CASES if c not in EXECUTOR_ONLY])
-def test_spmd_parallelize_matches_for_mlps(solutions, results, name):
-    expect = solutions[name].collective_counts()
-    for r, res in enumerate(results):
-        got = res[("spmd", name)]
-        loss, loss_ref = got["loss"]
-        assert loss == pytest.approx(loss_ref, rel=REL), (name, r)
-        assert got["grad_err"] < REL, (name, r, got["grad_err"])
-        assert got["counts"] == expect, (name, r, got["counts"], expect)
 
 
 def test_redistribute_runs_the_planned_transitions(results):

@@ -419,15 +419,15 @@ def test_hf_mixtral_under_context_parallelism_trains_like_one_process(launched):
     assert p.ep == 2 and p.predicted.collectives["all_to_all"] == 10
     assert p.predicted.collectives["reduce_scatter"] == 4 + 2 and p.predicted.collectives["all_gather"] == 4 + 2
     # not yet executed (in pipeline stages and op by op: `test_hf_mixtral_ep_cp_with_pp_or_tp_trains_like_one_process`):
-    # ep x cp x tp on DTensor's path, marked in the plan and refused naming it, and in pipeline stages
+    # ep x cp x tp of the analytic rules runs op by op (its layouts solved with its placements
+    # pinned: issue 20, one executor); in pipeline stages it is marked and refused
     from autopar.runtime.experts import check_executable
 
     q = plan(_MIXTRAL, _cpu(8), global_batch_size=4, dtype="fp32", intra_op="analytic",
              constraints=Constraints(ep=2, dp=2, cp=2, tp=2, pp=1, zero_stage=0, recompute="none",
                                      num_microbatches=1))
-    assert "tensor and context parallelism on DTensor's path" in q.search["ep_executor"]
-    with pytest.raises(PlanError, match=r"context parallelism on DTensor's path .*re-plan with the intra-op ILP"):
-        check_executable(q)
+    assert q.stages[0].op_layouts is not None and "ep_executor" not in q.search, q.search
+    check_executable(q)
     q = plan(_MIXTRAL, _cpu(16), global_batch_size=4, dtype="fp32", intra_op="analytic",
              constraints=Constraints(ep=2, dp=2, cp=2, tp=2, pp=2, zero_stage=0, recompute="none",
                                      num_microbatches=2))
@@ -537,30 +537,28 @@ def _solved_anew(zero_stage: int) -> Plan:
 
 
 def test_ep_with_tp_runs_in_one_stage_and_is_refused_in_pipelines():
-    """ep with tp is executed in one stage: on DTensor's path (an `intra_op="analytic"` plan:
-    placements, the experts replicated over tp) or op by op as the ILP solved it (each expert
-    block's ops run as the rank's token exchange, `runtime.experts.program_calls`), under ZeRO-3
-    only so (the exchange's call nested in its layer's FSDP unit); ep with tp in pipeline stages,
-    or under ZeRO-3 on DTensor's path, is marked in the plan and refused by the runtime, naming
-    tp."""
+    """ep with tp is executed in one stage op by op as solved (each expert block's ops run as
+    the rank's token exchange, `runtime.experts.program_calls`; under ZeRO-3 the exchange's
+    call nested in its layer's FSDP unit), an `intra_op="analytic"` plan too (its layouts
+    solved with its placements pinned, the experts replicated over tp: issue 20, one
+    executor), in pipeline stages too (its chunks cut from the solved program)."""
     from autopar.runtime.experts import check_executable
 
-    p = _plan(2, dp=2, tp=2)
-    solved = [_solved(z) for z in (0, 3)]
-    for q in [p] + solved:
+    solved = [_plan(2, dp=2, tp=2), _plan(2, dp=2, tp=2, zero_stage=3)] + [_solved(z) for z in (0, 3)]
+    for q in solved:
         assert q.experts.ep == 2 and q.tp == 2 and "ep_executor" not in q.search
         check_executable(q)
     assert all(q.stages[0].op_layouts is not None for q in solved)
-    for q in (_plan(2, dp=2, tp=2, zero_stage=3), _plan(2, n=8, dp=2, tp=2, pp=2, schedule="1f1b")):
-        assert "not yet executed by `autopar run` with tensor" in q.summary(), q.search
-        with pytest.raises(PlanError, match=r"tensor parallelism .*Constraints\(tp=1\)"):
-            check_executable(q)
+    piped = _plan(2, n=8, dp=2, tp=2, pp=2, schedule="1f1b")
+    assert all(s.op_layouts is not None for s in piped.stages) and "ep_executor" not in piped.search
+    check_executable(piped)
 
 
 @pytest.mark.slow
 def test_ep_with_tp_trains_like_one_process(launched):
-    """4 gloo processes, ep 2 x dp 2 x tp 2, on DTensor's path (ZeRO-0 and ZeRO-1) and op by op
-    as the ILP solved it (ZeRO-0, 2 and 3; the expert blocks' ops run as the token exchange,
+    """4 gloo processes, ep 2 x dp 2 x tp 2, op by op as solved: the analytic rules' plans
+    (ZeRO-0 and ZeRO-1, their layouts solved with their placements pinned) and the ILP's
+    (ZeRO-0, 2 and 3; the expert blocks' ops run as the token exchange,
     under ZeRO-3 inside their layer's FSDP unit):
     the dense ops tensor-parallel as planned, the experts replicated over tp, each tp
     coordinate's 2 dp ranks one ep group; losses equal one process within 1e-4 and every step's
@@ -794,7 +792,7 @@ def test_expert_tp_plan_records_the_split_and_search_chooses_by_time_under_memor
 
 def test_expert_tp_errors_and_refusals_name_the_field():
     """A bad `expert_tp` pin is a PlanError naming the field; plans with expert tensor
-    parallelism the runtime does not execute yet (DTensor's path, pipeline stages) are planned
+    parallelism the runtime does not execute yet (pipeline stages) are planned
     when pinned, marked in the plan, and refused by `autopar run` naming
     expert_tp."""
     from autopar.runtime.experts import check_executable
@@ -815,8 +813,11 @@ def test_expert_tp_errors_and_refusals_name_the_field():
     analytic = plan("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
                     constraints=Constraints(ep=2, dp=2, tp=2, pp=1, zero_stage=0, recompute="none",
                                             num_microbatches=2, expert_tp=2))
+    # the analytic plan runs op by op like the ILP's (its layouts solved with its placements pinned)
+    assert analytic.stages[0].op_layouts is not None and "ep_executor" not in analytic.search
+    check_executable(analytic)
     piped = _etp(1, pp=2, schedule="1f1b")
-    for q, why in ((piped, "pipeline stages"), (analytic, "DTensor's path")):
+    for q, why in ((piped, "pipeline stages"),):
         assert q.experts.expert_tp == 2
         assert "expert tensor parallelism (expert_tp=2) planned, not yet executed" in q.search["ep_executor"]
         with pytest.raises(PlanError, match=rf"expert_tp=2.*{why}.*Constraints\(expert_tp=1\)"):

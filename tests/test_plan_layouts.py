@@ -97,7 +97,8 @@ def test_stages_of_different_tp_carry_layouts_solved_for_their_own_mesh():
     replicated), and hand their tensors over replicated: the tp-2 stage's column-parallel
     output is gathered before it leaves (one forward all-gather per micro-batch in its
     collectives), the next stage receives it "R". The predicted collectives are theirs. With
-    the analytic per-layer rules the same plan says why it runs by DTensor propagation."""
+    the analytic per-layer rules the same plan carries layouts too, solved with the rules'
+    placements pinned."""
     p = plan("mlp-tiny", _cpu(4), global_batch_size=8, dtype="fp32", constraints=Constraints(dp=1))
     stages = sorted(p.stages, key=lambda s: s.index)
     tps = [s.axis_size("tp") for s in stages]
@@ -125,9 +126,9 @@ def test_stages_of_different_tp_carry_layouts_solved_for_their_own_mesh():
     assert p.predicted.collectives == dict(want)
     an = plan("mlp-tiny", _cpu(4), global_batch_size=8, dtype="fp32", constraints=Constraints(dp=1),
               intra_op="analytic")
-    assert all(s.op_layouts is None for s in an.stages)
-    assert "analytic provider solves no per-op layouts" in an.search["tp_executor"]
-    assert "tensor parallelism runs by DTensor propagation" in an.summary()
+    # solved with the rules' placements pinned (issue 20: one executor)
+    assert all(s.op_layouts is not None for s in an.stages) and "tp_executor" not in an.search
+    assert "placements pinned" in an.search["op_layouts"]
 
 
 def test_a_hetero_boundary_the_readers_did_not_assume_replicated_is_refused():

@@ -158,23 +158,18 @@ def test_memory_pressure_brings_recompute_or_sharding_and_pins_hold():
 
 
 @pytest.mark.parametrize("model,cluster_nodes,cons,expected", [
-    # each expected count was measured with `autopar run ... --steps 2` (steady-state step) on CPU
-    ("gpt-tiny", 2, dict(tp=2, recompute="none"), {"all_reduce": 13}),
+    # each expected count was measured with `autopar run ... --steps 2` (steady-state step) on CPU.
+    # tp plans run op by op as solved (issue 20), their collectives the solution's: the runtime
+    # tests run the planner's tp plans against their predictions (tests/plans.py `PLANNED`,
+    # tests/test_runtime_llama_tp.py, tests/test_one_executor.py)
     ("gpt-small", 2, dict(dp=2, zero_stage=3, num_microbatches=2), {"all_gather": 18, "reduce_scatter": 5}),
     ("gpt-small", 2, dict(dp=2, zero_stage=1, num_microbatches=2), {"all_gather": 1, "reduce_scatter": 1}),
     ("gpt-small", 2, dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, num_microbatches=4,
                           recompute="selective", zero_stage=0), {"all_reduce": 1, "send_recv": 24}),
-    ("gpt-small", 4, dict(tp=2, pp=2, dp=1, num_microbatches=2, recompute="none", schedule="1f1b"),
-     {"all_reduce": 43, "send_recv": 4}),
-    ("gpt-small", 4, dict(tp=2, pp=2, dp=1, num_microbatches=4, recompute="none", schedule="interleaved_1f1b",
-                          virtual_stages=2), {"all_reduce": 85, "send_recv": 24}),
-], ids=["tp2", "zero3", "zero1", "interleaved", "tp2xpp2", "tp2xpp2-interleaved"])
+], ids=["zero3", "zero1", "interleaved"])
 def test_collectives_match_the_runtime(model, cluster_nodes, cons, expected):
     cl = ClusterSpec.load("cpu")
     cl = cl.model_copy(update={"devices_per_node": cluster_nodes})
-    # the analytic provider's Megatron layouts these counts were measured for (the ILP, which
-    # "auto" uses, may place a tiny model's embedding otherwise: tests/test_runtime_planned.py
-    # runs its plans against their predictions)
     p = plan(model, cl, global_batch_size=8, dtype="fp32", constraints=Constraints(**cons), intra_op="analytic")
     assert p.predicted.collectives == expected
 

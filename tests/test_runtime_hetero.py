@@ -2,26 +2,13 @@
 stage; `autopar/runtime/pipeline_p2p.py`): executed plans give the one-process losses and run
 the collectives they predict.
 
-Plans of the planner with the intra-op ILP (`test_planned_hetero_pipelines_run_as_solved`)
-carry every stage's op layouts and run op by op as solved (`intra_op.pipeline_chunks`). The
-rest of this file runs plans without op layouts (hand-pinned Megatron placements, or the
-analytic per-layer rules), which the runtime executes by DTensor propagation.
-
-Pinned plans for gpt-tiny (embed, 2 blocks, head; embedding tied to the output weight;
-vocabulary-parallel "S(0)" embedding / output weight on a tp stage, as the planner places them;
-Megatron placements in the blocks), gloo on CPU. Collectives per step (the counting convention
-of autopar/runtime/counting.py), M micro-batches, measured once and pinned:
-
-* per block on a tp-2 stage fed a plain replicated activation: 4 all-reduces per micro-batch
-  (the row-parallel projections' outputs forward, the norms' output gradients backward), as in
-  tests/plans.py's tp layouts;
-* a vocabulary-parallel embedding on a tp-2 stage: + 1 all-reduce (its output, reduced right
-  away); a vocabulary-parallel output layer: + 1 all-reduce (the partial gradient of its
-  input) + 3 for the vocabulary-parallel cross-entropy (the logits are never gathered);
-* pp: 2·M·(p − 1) send_recv, however many ranks each transfer reaches (a receive counts once);
-  the tied embedding's gradient sync across the first and last stage: 1 all_reduce;
-* dp 2: + 1 gradient all-reduce per stage (ZeRO 0), or + 1 reduce-scatter and 1 all-gather per
-  stage (ZeRO 2); ZeRO-3: see `hetero_plan("dp2_tp1_tp2_z3")`.
+Every plan here is the planner's and carries every stage's op layouts: `autopar run` executes
+tensor parallelism only op by op as solved (issue 20, one executor; `intra_op.pipeline_chunks`).
+`hetero_plan`'s are the analytic rules' (Megatron's placements, the activations' layouts solved
+with them pinned: `inter_op.pinned_layouts`) at pinned stage tp degrees;
+`test_planned_hetero_pipelines_run_as_solved`'s the ILP's. Collectives: the plan's prediction
+(the solutions'), beside pp's 2·M·(p − 1) send_recv (a receive counts once, however many ranks
+a transfer reaches) and the tied embedding's gradient sync across the first and last stage.
 """
 
 from __future__ import annotations
@@ -34,81 +21,33 @@ import pytest
 from autopar.models.registry import build_model
 from autopar.schema import Plan, StagePlan
 from tests.captured import reference_losses as plan_losses
-from tests.plans import _layers, _plan, megatron_placements
+from tests.plans import GPT6_REF, planned
 
 pytestmark = pytest.mark.slow
 STEPS = 4
 M = 4
-VOCAB = {"embed.tok.weight": ("R", "S(0)"), "head.out.weight": ("R", "S(0)")}
-
-# per micro-batch tp collectives on a tp-2 stage (see the module docstring)
-BLOCK_TP2 = {"all_reduce": 4}
-TAIL_TP2 = {"all_reduce": 4 + 1 + 3}   # blocks.1 + vocabulary-parallel head and cross-entropy
-HEAD_TP2 = {"all_reduce": 1 + 4}                    # vocabulary-parallel embed + blocks.0
-
-
-def _stage(index: int, devices: list[int], layers: list[str], blocks: range, dp: int = 1) -> StagePlan:
-    tp = len(devices) // dp
-    pl = {}
-    if tp > 1:
-        pl = megatron_placements(2, ("dp", "tp"), blocks)
-        pl.update({k: v for k, v in VOCAB.items() if k.split(".")[0] in {x.split(".")[0] for x in layers}})
-    return StagePlan(index=index, devices=devices, mesh_shape=(dp, tp), mesh_axis_names=("dp", "tp"),
-                     layers=layers, placements=pl)
-
-
-def _counts(tp: dict, p: int) -> dict:
-    c = {"all_reduce": M * tp["all_reduce"] + 1, "send_recv": 2 * M * (p - 1)}
-    if tp.get("all_gather"):
-        c["all_gather"] = M * tp["all_gather"]
-    return c
-
-
-def _zero3(stages: list[StagePlan]) -> list[StagePlan]:
-    """Every parameter of each stage "S(0)" on dp (ZeRO-3), its tp placement kept."""
-    names = [n for n, _ in build_model("gpt-tiny", device="meta").model.named_parameters(remove_duplicate=False)]
-    for st in stages:
-        tops = {x.split(".")[0] for x in st.layers}
-        st.placements = {n: ("S(0)", st.placements.get(n, ("R", "R"))[1]) for n in names if n.split(".")[0] in tops}
-    return stages
+# layout: (devices, constraints): stage tp degrees pinned, M micro-batches (`hetero_plan`)
+HETERO = {
+    "tp1_tp2": (4, dict(stage_tp=(1, 1, 2), dp=1, schedule="1f1b")),
+    "tp2_tp1": (4, dict(stage_tp=(2, 1, 1), dp=1, schedule="1f1b")),
+    "tp1_tp2_tp1": (4, dict(stage_tp=(1, 2, 1), dp=1, schedule="gpipe")),
+    "dp2_tp1_tp2": (8, dict(stage_tp=(1, 1, 2), dp=2, schedule="1f1b", zero_stage=0)),
+    "dp2_tp1_tp2_z2": (8, dict(stage_tp=(1, 1, 2), dp=2, schedule="1f1b", zero_stage=2)),
+    "dp2_tp1_tp2_z3": (8, dict(stage_tp=(1, 1, 2), dp=2, schedule="1f1b", zero_stage=3)),
+}
 
 
 def hetero_plan(layout: str) -> Plan:
-    """A pinned plan (see the module docstring for its collectives):
-
-    * "tp1_tp2": stage 0 alone on rank 2, stage 1 tp 2 on ranks 0, 1 (as the planner packs
-      them), 1F1B; "tp2_tp1": the reverse;
-    * "tp1_tp2_tp1": 4 processes, the tp-2 stage in the middle, GPipe;
-    * "dp2_tp1_tp2" (ZeRO 0), "dp2_tp1_tp2_z2", "dp2_tp1_tp2_z3": 6 processes, 2 replicas of
-      tp1_tp2."""
-    L = _layers(2)
-    if layout == "tp1_tp2":
-        st = [_stage(0, [2], L[:2], range(0)), _stage(1, [0, 1], L[2:], range(1, 2))]
-        return _plan("gpt-tiny", st, gbs=8, mb=8 // M, m=M, collectives=_counts(TAIL_TP2, 2), nodes_devices=3)
-    if layout == "tp2_tp1":
-        st = [_stage(0, [0, 1], L[:2], range(0, 1)), _stage(1, [2], L[2:], range(0))]
-        return _plan("gpt-tiny", st, gbs=8, mb=8 // M, m=M, collectives=_counts(HEAD_TP2, 2), nodes_devices=3)
-    if layout == "tp1_tp2_tp1":
-        st = [_stage(0, [3], L[:1], range(0)), _stage(1, [0, 1], L[1:3], range(0, 2)), _stage(2, [2], L[3:], range(0))]
-        c = _counts({k: 2 * v for k, v in BLOCK_TP2.items()}, 3)
-        return _plan("gpt-tiny", st, gbs=8, mb=8 // M, m=M, schedule="gpipe", collectives=c)
-    st = [_stage(0, [4, 5], L[:2], range(0), dp=2), _stage(1, [0, 1, 2, 3], L[2:], range(1, 2), dp=2)]
-    c = _counts(TAIL_TP2, 2)
-    if layout == "dp2_tp1_tp2":
-        c["all_reduce"] += 2
-        return _plan("gpt-tiny", st, gbs=8, mb=8 // 2 // M, m=M, collectives=c, nodes_devices=6)
-    if layout == "dp2_tp1_tp2_z2":
-        c.update(all_gather=c.get("all_gather", 0) + 2, reduce_scatter=2)
-        return _plan("gpt-tiny", st, gbs=8, mb=8 // 2 // M, m=M, zero=2, collectives=c, nodes_devices=6)
-    if layout == "dp2_tp1_tp2_z3":
-        # fully_shard units per stage U = 2 (its two layers; the tied weight is one name in
-        # each stage, so no root unit holds parameters). Per stage all_gather U·(M + 1),
-        # reduce_scatter U (runtime README): torch.pipelining drives the stage's FSDP root, the
-        # SPMD wrapper on the tp-2 stage, syncing and resharding after the last micro-batch only
-        U = 2
-        c.update(all_gather=c.get("all_gather", 0) + 2 * U * (M + 1), reduce_scatter=2 * U)
-        return _plan("gpt-tiny", _zero3(st), gbs=8, mb=8 // 2 // M, m=M, zero=3, collectives=c, nodes_devices=6)
-    raise ValueError(f"unknown layout {layout!r}")
+    """The analytic rules' plan of gpt-tiny with 6 blocks (`GPT6_REF`: 3 stages need as many
+    layers) at `HETERO[layout]`'s stage tp degrees (two stages alone then one on 2 ranks, the
+    reverse, a tp-2 stage between two alone; 2 replicas of the first under ZeRO 0, 2, 3), `M`
+    micro-batches, no recomputation: one file per layout that every process reads
+    (`tests.plans.planned`)."""
+    devices, cons = HETERO[layout]
+    p = planned(f"hetero-{layout}", GPT6_REF, devices,
+                dict(cons, num_microbatches=M, recompute="none"), "analytic")
+    assert [s.axis_size("tp") for s in sorted(p.stages, key=lambda s: s.index)] == list(cons["stage_tp"])
+    return p
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,7 +68,7 @@ def run_job(layouts: list[str], out_path: str) -> None:
             path, _, ref = lay.partition("|")
             plan = load_plan(path) if ref else hetero_plan(lay)
             try:
-                results[lay] = train(plan, build_model(ref or "gpt-tiny", device="meta"), steps=STEPS, quiet=True)
+                results[lay] = train(plan, build_model(ref or GPT6_REF, device="meta"), steps=STEPS, quiet=True)
             except Exception as e:
                 results[lay] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
                 raise
@@ -162,14 +101,14 @@ def check(rows: list[dict] | dict, plan: Plan, ref: list[float], name: str) -> N
 
 # ---------------------------------------------------------------------------------------------
 def test_stages_of_different_tp_equal_one_process(tmp_path):
-    """3 processes, 1F1B: tp 1 -> tp 2 (stage 0 on the highest rank) and tp 2 -> tp 1: the losses
-    of 4 steps within 1e-4 of one process, the counted collectives as planned."""
+    """4 processes, 1F1B: tp 1 -> tp 1 -> tp 2 and tp 2 -> tp 1 -> tp 1: the losses of 4 steps
+    within 1e-4 of one process, the counted collectives as planned."""
     from tests.test_runtime import reference_losses
 
     layouts = ["tp1_tp2", "tp2_tp1"]
-    res = launch(layouts, 3, tmp_path)
+    res = launch(layouts, 4, tmp_path)
     for lay in layouts:
-        check(res[lay], hetero_plan(lay), reference_losses(), lay)
+        check(res[lay], hetero_plan(lay), reference_losses(GPT6_REF), lay)
 
 
 def test_wide_stage_between_narrow_ones(tmp_path):
@@ -178,18 +117,18 @@ def test_wide_stage_between_narrow_ones(tmp_path):
     from tests.test_runtime import reference_losses
 
     res = launch(["tp1_tp2_tp1"], 4, tmp_path)
-    check(res["tp1_tp2_tp1"], hetero_plan("tp1_tp2_tp1"), reference_losses(), "tp1_tp2_tp1")
+    check(res["tp1_tp2_tp1"], hetero_plan("tp1_tp2_tp1"), reference_losses(GPT6_REF), "tp1_tp2_tp1")
 
 
 def test_data_parallel_replicas_of_a_hetero_pipeline(tmp_path):
-    """6 processes: two dp replicas of tp 1 -> tp 2, with ZeRO 0, 2 and 3 (each replica its own
+    """8 processes: two dp replicas of tp 1 -> tp 1 -> tp 2, with ZeRO 0, 2 and 3 (each replica its own
     point-to-point group; the tied gradient summed per replica, over both under ZeRO-3)."""
     from tests.test_runtime import reference_losses
 
     layouts = ["dp2_tp1_tp2", "dp2_tp1_tp2_z2", "dp2_tp1_tp2_z3"]
-    res = launch(layouts, 6, tmp_path)
+    res = launch(layouts, 8, tmp_path)
     for lay in layouts:
-        check(res[lay], hetero_plan(lay), reference_losses(), lay)
+        check(res[lay], hetero_plan(lay), reference_losses(GPT6_REF), lay)
 
 
 def test_planned_hetero_pipelines_run_as_solved(tmp_path):
@@ -242,8 +181,9 @@ def test_planned_hetero_pipelines_run_as_solved(tmp_path):
 
 def test_planner_hetero_plan_runs(tmp_path):
     """The planner emits stages of different tp for mlp-tiny on a 4-device CPU node (dp pinned to
-    1, the analytic per-layer costs): stages of tp 1, 2 and 1. It runs by DTensor propagation
-    (no op layouts), with the one-process losses and the collectives the plan predicts."""
+    1, the analytic per-layer costs): stages of tp 1, 2 and 1. It runs op by op as solved (its
+    layouts solved with the rules' placements pinned), with the one-process losses and the
+    collectives the plan predicts."""
     from autopar.planner import plan as make
     from autopar.runtime import run
     from autopar.schema import ClusterSpec, Constraints
@@ -261,8 +201,7 @@ def test_planner_hetero_plan_runs(tmp_path):
     assert close([r["loss"] for r in steps], ref, 1e-4), (steps, ref)
     counted, planned = steps[-1]["collectives"], plan.predicted.collectives
     assert counted.get("send_recv") == planned.get("send_recv") == 2 * plan.num_microbatches * (plan.pp - 1)
-    # the planner counts each tp stage by a DTensor dry run of that stage alone, fed and
-    # returning plain tensors as the runtime runs it (`dtensor_counts.dtensor_stage_counts`)
+    assert all(s.op_layouts is not None for s in plan.stages)
     assert counted == planned, (counted, planned)
     assert rows[-1]["collectives_match"] is True
 
@@ -278,15 +217,16 @@ def test_checkpoint_of_a_hetero_pipeline(tmp_path):
     from tests.test_runtime import close, reference_losses
 
     a = tmp_path / "a"
-    run(hetero_plan("tp1_tp2"), "gpt-tiny", steps=2, checkpoint_dir=str(a), checkpoint_every=2, quiet=True)
+    run(hetero_plan("tp1_tp2"), GPT6_REF, steps=2, checkpoint_dir=str(a), checkpoint_every=2, quiet=True)
     keys = set(FileSystemReader(str(a / "step_00000002")).read_metadata().state_dict_metadata)
-    names = {n for n, _ in build_model("gpt-tiny", device="meta").model.named_parameters()}
+    names = {n for n, _ in build_model(GPT6_REF, device="meta").model.named_parameters()}
     assert {k[len("model."):] for k in keys if k.startswith("model.")} == names, keys
     assert {f"optim.{n}.exp_avg" for n in names} <= keys, keys
-    rows = run(make_plan("dp2"), "gpt-tiny", steps=3, checkpoint_dir=str(a), quiet=True)
+    rows = run(make_plan("dp2", ref=GPT6_REF), GPT6_REF, steps=3, checkpoint_dir=str(a), quiet=True)
     steps = [r for r in rows if "step" in r]
     assert [r["step"] for r in steps] == [2]
-    assert close([steps[0]["loss"]], reference_losses(steps=3)[2:], 1e-4), (steps, reference_losses(steps=3))
+    want = reference_losses(GPT6_REF, steps=3)
+    assert close([steps[0]["loss"]], want[2:], 1e-4), (steps, want)
 
 
 def test_every_send_has_one_receive():
@@ -311,10 +251,14 @@ def test_interleaving_needs_equal_stage_meshes():
     from autopar.models.registry import build_model as build
     from autopar.runtime.engine import validate_plan
     from autopar.schema.errors import PlanError
+    from tests.plans import _layers, _plan
+
+    def _stage(index: int, devices: list[int], layers: list[str]) -> StagePlan:
+        return StagePlan(index=index, devices=devices, mesh_shape=(1, len(devices)), mesh_axis_names=("dp", "tp"),
+                         layers=layers)
 
     L = _layers(2)
-    st = [_stage(0, [0], L[:1], range(0)), _stage(1, [1, 2], L[1:2], range(0, 1)),
-          _stage(2, [0], L[2:3], range(0)), _stage(3, [1, 2], L[3:], range(0))]
+    st = [_stage(0, [0], L[:1]), _stage(1, [1, 2], L[1:2]), _stage(2, [0], L[2:3]), _stage(3, [1, 2], L[3:])]
     for i in (2, 3):
         st[i].virtual_chunk = 1
     plan = _plan("gpt-tiny", st, gbs=8, mb=2, m=4, schedule="interleaved_1f1b", v=2, nodes_devices=3)

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 import autopar
-from autopar.planner import plan
 from tests.captured import one_process_losses, shared_plan
 
 pytestmark = pytest.mark.slow
@@ -268,21 +267,3 @@ def test_a_chunk_reads_the_values_of_the_constants_the_forward_makes():
         y = FedChunk(ch.module, ch.sources, ch.sends).run(received, lambda k: (idx, tgt)[k])
         received = y if isinstance(y, tuple) else (y,)
     torch.testing.assert_close(received[0], model(idx, tgt), rtol=0, atol=0)
-
-
-def test_a_chunk_counted_without_its_own_dry_run_is_said_in_the_plan(monkeypatch):
-    """The planner counts a tp chunk's collectives by dry-running it as the runtime would; where
-    that fails the counts come from the whole model, and the plan says so in `search` and in
-    its summary, not silently."""
-    import autopar.planner as planner
-
-    # the analytic provider solves no per-op layouts: its tp chunks run by DTensor propagation,
-    # counted by dry runs
-    cons = autopar.Constraints(dp=2, tp=2, pp=2, schedule="gpipe", num_microbatches=2, zero_stage=3)
-    assert "tp_counts_fallback" not in plan(NANOGPT, _cluster(8), global_batch_size=8, dtype="fp32",
-                                            constraints=cons, intra_op="analytic").search
-    monkeypatch.setattr(planner, "dtensor_stage_counts", lambda *a, **k: None)   # every chunk's run fails
-    p = plan(NANOGPT, _cluster(8), global_batch_size=8, dtype="fp32", constraints=cons, intra_op="analytic")
-    assert p.search["tp_counts_fallback"].startswith("chunk 0: its dry run failed, tp collectives from the whole")
-    assert "chunk 1: its dry run failed" in p.search["tp_counts_fallback"]
-    assert "counted another way for chunk 0" in p.summary()

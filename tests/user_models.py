@@ -322,3 +322,29 @@ def ste_gpt(layers: int = 4):
         model.h = nn.ModuleList(STEBlock(HIDDEN, HEADS) for _ in range(layers))
     x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
     return model, (x, x), token_batch(VOCAB, SEQ)
+
+
+class ReusedLM(nn.Module):
+    """A layer module called twice, before and after another (weight sharing across depth, as
+    ALBERT-style models do): under ZeRO-3 the first layer's run of ops holds the second's."""
+
+    def __init__(self, vocab: int = VOCAB, h: int = HIDDEN) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, h)
+        self.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(h), nn.Linear(h, 2 * h), nn.GELU(),
+                                                  nn.Linear(2 * h, h)) for _ in range(3))
+        self.out = nn.Linear(h, vocab)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for i in (0, 1, 0, 2):
+            x = x + self.layers[i](x)
+        return F.cross_entropy(self.out(x).flatten(0, 1), targets.flatten())
+
+
+def reused_lm():
+    """`ReusedLM` by the MODULE:FACTORY contract."""
+    with torch.device("meta"):
+        model = ReusedLM()
+    x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    return model, (x, x.clone()), token_batch(VOCAB, SEQ)

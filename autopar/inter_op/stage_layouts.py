@@ -11,8 +11,8 @@ its parameters renamed, its junctions mapped through the same correspondence.
 Between two layers each solution assumed the tensor entering its layer arrives in some layout
 (the one the previous copy leaves it in, for a stack of identical layers). Where the producing
 layer leaves it in another, the executor would redistribute it with collectives no solution
-counted; such a stage gets no layouts (the reason says which tensor), and the runtime runs it
-by DTensor propagation instead, as the plan records.
+counted; such a stage gets no layouts (the reason says which tensor), the plan records it
+(`plan.search["tp_executor"]`) and `autopar run` refuses it (issue 20: one executor).
 
 `chunk_layouts` stitches the chunks of a pipeline, in model order. Chunks of different tp degrees
 (Alpa's free sub-mesh per stage) hand their tensors over replicated: see its docstring.

@@ -914,8 +914,8 @@ class IntraOpProblem:
 
     def _transition(self, shape: tuple, isz: int, src: Spec, dst: Spec) -> tuple:
         """`placement.transition`, except that a partial sum on a model axis that is wanted
-        sharded is all-reduced whole first (then sliced for free): the runtime reduces a
-        row-parallel output at once (`spmd.megatron_boundaries`), never by a reduce-scatter
+        sharded is all-reduced whole first (then sliced for free): the executor reduces a
+        row-parallel output at once, as Megatron without sequence parallelism, never by a reduce-scatter
         into slices of the activation (Megatron-SP), which the runtime does not run."""
         ms, ac = self.mesh_shape, self.axis_cost
         fix = [] if self.sequence_parallel else [a for a in self.model_axes if src[a] == PARTIAL and is_shard(dst[a])]

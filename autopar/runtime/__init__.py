@@ -29,7 +29,7 @@ from autopar.models.registry import ModelBundle, build_model
 from autopar.schema.errors import PlanError
 from autopar.schema.plan import Plan, load_plan
 
-__all__ = ["run", "build", "check_plan", "ParallelModel", "parallelize"]
+__all__ = ["run", "build", "check_plan", "ParallelModel"]
 
 
 def __getattr__(name: str) -> Any:  # lazy: keep `import autopar.runtime` light
@@ -37,10 +37,6 @@ def __getattr__(name: str) -> Any:  # lazy: keep `import autopar.runtime` light
         from autopar.runtime.engine import ParallelModel
 
         return ParallelModel
-    if name == "parallelize":
-        from autopar.runtime.spmd import parallelize
-
-        return parallelize
     raise AttributeError(name)
 
 

@@ -26,22 +26,15 @@ What the runtime's layouts issue (for planners matching the count):
   layer of the stage shares, + the stage root when it holds parameters directly (tied ones).
   Without pipelining: all_gather = M·U (forward) + M·(U − 1 if the root holds parameters, else
   U) (backward; the root is not resharded after forward); reduce_scatter = U. In a pipeline
-  (torch.pipelining drives the stage's FSDP root, the SPMD wrapper with tp: gradient sync and
+  (torch.pipelining drives the stage's FSDP root, a program chunk with tp: gradient sync and
   resharding after the last micro-batch only): all_gather = U·(M + 1), reduce_scatter = U.
 * tp, a stage with solved per-op layouts (`StagePlan.op_layouts`, executed op by op): the
   layouts' collectives per micro-batch (forward, backward, parameter-gradient redistributions,
   and under recomputation the checkpointed region's forward collectives again), times M.
-* tp otherwise: what DTensor's sharding propagation issues for the placements (measured, e.g. the zoo
-  GPT with Megatron placements, 2 blocks: all_reduce 8 per micro-batch, no all_gather; a
-  vocabulary-parallel output layer's cross-entropy adds 3 all-reduces, `vocab_loss`).
+  A tp stage without them is refused (`runtime.validate`; issue 20, one executor).
 * pp: send_recv = 2·M·(chunks − 1); +1 all_reduce when a tied parameter spans stages.
-* recompute re-runs the forward collectives of the recomputed region in the backward, up to
-  the region's last tensor saved for the backward: torch's non-reentrant checkpoint stops
-  recomputing there (its early stop), so a collective whose output only feeds ops that save
-  nothing (a block's last row-parallel all-reduce, before the residual add) is not re-run.
-  Megatron-style tp (the zoo GPT), per block and micro-batch: "full" re-runs 1 all-reduce of
-  the forward's 2, "selective" none (the planner's DTensor dry runs recompute as the runtime
-  does: `autopar.inter_op.dtensor_counts`).
+* recompute re-runs the forward collectives of the recomputed region in the backward: a tp
+  stage's checkpointed regions re-run whole (`op_layouts.collectives["recompute"]`).
 
 Measured: every rank counts what it issues (a TorchDispatchMode that sees c10d and functional
 collectives, DTensor's included); `global_counts` combines them: only one representative rank

@@ -13,14 +13,14 @@ How each part of the plan is executed:
 
 * Stage meshes: one `DeviceMesh` per distinct stage device set (`mesh_shape`,
   `mesh_axis_names`), created on every rank in stage order.
-* "tp" axes, stages with solved layouts (`op_layouts`: every plan of the ILP with a tp stage,
-  its stages of one tp degree or several): the model's exported program runs op by op as solved on the tp sub-mesh
-  (`intra_op.execute`; a pipeline's chunks cut from it, `intra_op.pipeline_chunks`); under
-  ZeRO-3 FSDP2 shards its tp DTensors over dp, each unit's ops one call of an FSDP forward
-  method of its module (`zero.ZeroSharding._shard_solved`, `_shard_solved_chunks`).
-  Otherwise the stage's parameters become DTensors with the tp entries of `placements`
-  (`spmd.distribute_params`) and DTensor propagates the rest; activations are DTensors inside
-  the stage and plain (replicated) tensors at its boundaries.
+* "tp" axes: one executor (issue 20). Every tp stage carries its solved per-op layouts
+  (`op_layouts`: the planner's, from the intra-op ILP, or for the analytic rules solved with
+  their placements pinned, `inter_op.pinned_layouts`; stages of one tp degree or several): the
+  model's exported program runs op by op as solved on the tp sub-mesh (`intra_op.execute`; a
+  pipeline's chunks cut from it, `intra_op.pipeline_chunks`); under ZeRO-3 FSDP2 shards its
+  tp DTensors over dp, each unit's ops one call of an FSDP forward method of its module
+  (`zero.ZeroSharding._shard_solved`, `_shard_solved_chunks`). A tp stage without layouts is
+  refused (`validate`); nothing here knows a model class or matches a module's name.
 * "dp" axes: the batch is split by rows; gradients are averaged over the dp group after the
   backward in one flat all-reduce per stage (zero_stage 0), one flat reduce-scatter + sharded
   AdamW + one all-gather of the updated parameters (zero_stage 1 and 2: optimizer state, and the
@@ -68,13 +68,7 @@ from autopar.runtime.meshes import StageMesh, _coord, _mesh_kinds, fsdp_sharded,
 from autopar.runtime.pipeline import PipelineStages
 from autopar.runtime.precision import MasterWeights, cast_parameters_, low_dtype
 from autopar.runtime.recompute import apply_recompute
-from autopar.runtime.spmd import (
-    SPMDModule,
-    allow_implicit_replication,
-    distribute_params,
-    grads_to_param_layout,
-    register_extra_strategies,
-)
+from autopar.runtime.spmd import allow_implicit_replication, grads_to_param_layout, register_extra_strategies
 from autopar.runtime.tied_grads import allreduce_flat
 from autopar.runtime.tied_groups import TiedParameters
 from autopar.runtime.validate import validate_plan  # noqa: F401
@@ -210,16 +204,6 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         self.zero3 = fsdp_sharded(self.plan, mine)
         self.zero12 = self.plan.zero_stage in (1, 2) and self.dp_size > 1 and not self.zero3
 
-    def _tp_placements(self, s: StagePlan) -> dict[str, tuple[str, ...]]:
-        idx = [i for i, k in enumerate(s.mesh_axis_names) if k == "tp"]
-        out = {}
-        for fqn, pl in s.placements.items():
-            sel = tuple(pl[i] for i in idx)
-            if len(idx) > 1:  # flattened tp axes: sharded only if every tp axis agrees
-                sel = (sel[0],) if len(set(sel)) == 1 else ("R",)
-            out[fqn] = sel
-        return out
-
     # -- single stage (no pipeline) ------------------------------------------------------
     def _build_single(self) -> None:
         s = self.stages[0]
@@ -231,17 +215,11 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
             self.cp.install(model)      # before recomputation wraps its modules (`ContextParallel.install`)
         apply_recompute(model, s.recompute_modules, s.recompute_ops)
         materialize(model, seed=self.seed, device=self.device, aliases=self.aliases)
-        if self.tp_size > 1:
-            distribute_params(model, self.my_mesh.tp_mesh, self._tp_placements(s), aliases=self.aliases,
-                              src_data_rank=None)
-        if self.plan.ep > 1:     # after tp: the expert slices are plain tensors (`runtime.experts`)
+        if self.plan.ep > 1:
             self._shard_experts(model)
         if self.zero3:
             self._fully_shard(model, s.fsdp_units or [])
-        runner: nn.Module = model
-        if self.tp_size > 1:
-            runner = SPMDModule(model, self.my_mesh.tp_mesh, [None] * len(self.bundle.example_inputs))
-        self.runner = runner
+        self.runner = model
         self.local_modules = [model]
         self.pipe_stages = []
         self.schedule = None

@@ -32,10 +32,9 @@ layout (not yet under ZeRO-1/2, whose expert shard `checkpoint` refuses, nor ZeR
 shard the expert weights' optimizer state over the ranks holding the same experts
 (`zero_setup`); ZeRO-3 makes each experts module an FSDP unit over those ranks
 (`ExpertGroups.fully_shard`). With tensor parallelism the experts are replicated over tp:
-each tp coordinate's dp ranks form their own ep groups (`expert_meshes`). On DTensor's path
-(placements, no `op_layouts`) the block's replicated DTensor inputs are exchanged as plain
-tensors and its output handed back replicated; a stage run op by op as solved runs each expert
-block's ops (replicated in the solution) as one call of this module on its inputs
+each tp coordinate's dp ranks form their own ep groups (`expert_meshes`). A stage run op by op
+as solved (every tp stage: issue 20, one executor) runs each expert block's ops (replicated in
+the solution) as one call of this module on its inputs
 (`program_calls`, `intra_op.execute.ShardedProgram.replace_modules`), under ZeRO-3 too (each
 expert block's call nested in its layer's FSDP unit's run of ops). Either in one stage (in a
 pipeline the counted collectives differ from the plan's; moe-tiny with tp does not run in
@@ -84,31 +83,24 @@ def check_executable(plan: Plan) -> None:
     etp = plan.experts.expert_tp
     if etp > 1:
         solved = all(s.op_layouts is not None for s in plan.stages)
-        why = [w for w, bad in (("DTensor's path (no solved op layouts)", not solved),
+        why = [w for w, bad in (("no per-op layouts", not solved),
                                 ("pipeline stages", len({tuple(s.devices) for s in plan.stages}) > 1),
                                 ("context parallelism", plan.cp > 1)) if bad]
         if why:
             raise PlanError(f"expert tensor parallelism (expert_tp={etp}) is executed op by op as solved, in one "
                             f"stage without cp; the plan has {', '.join(why)}: re-plan with "
                             f"Constraints(expert_tp=1) (the experts replicated over tp) or within those")
+    # a tp plan without per-op layouts is refused as a whole (`runtime.validate`: one executor)
     tp = plan.tp > 1
-    solved = all(s.op_layouts is not None for s in plan.stages)
-    why = [w for w, bad in (("tensor parallelism with ZeRO-3 on DTensor's path (no solved op layouts)",
-                             tp and plan.zero_stage == 3 and not solved),
-                            ("tensor parallelism in pipeline stages on DTensor's path (no solved op layouts)",
-                             tp and not solved and len({tuple(s.devices) for s in plan.stages}) > 1),
-                            ("context parallelism on DTensor's path (no solved op layouts)",
-                             tp and plan.cp > 1 and not solved),
-                            ("context parallelism in pipeline stages",
+    why = [w for w, bad in (("context parallelism in pipeline stages",
                              tp and plan.cp > 1 and len({tuple(s.devices) for s in plan.stages}) > 1),
                             ("stage meshes other than (dp, tp) or (dp, cp, tp)",
                              tp and any(tuple(n for n, k in zip(s.mesh_axis_names, s.mesh_shape) if k > 1)
                                         not in (("dp", "tp"), ("dp", "cp", "tp")) for s in plan.stages))) if bad]
     if why:
         raise PlanError(f"expert parallelism (ep={plan.experts.ep}) with tensor parallelism (tp={plan.tp}) is "
-                        f"executed op by op as solved (with cp in one stage), or on DTensor's path in one "
-                        f"stage without ZeRO-3 or cp, experts replicated over tp; the plan has {', '.join(why)}: "
-                        f"re-plan with the intra-op ILP, Constraints(tp=1), or ep=1")
+                        f"executed op by op as solved (with cp in one stage), experts replicated over tp; the "
+                        f"plan has {', '.join(why)}: re-plan with Constraints(tp=1), or ep=1")
 
 
 class _AllToAll(torch.autograd.Function):

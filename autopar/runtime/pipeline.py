@@ -22,7 +22,6 @@ from autopar.runtime.materialize import materialize
 from autopar.runtime.meshes import _mesh_kinds
 from autopar.runtime.pipeline_p2p import FanoutPipelineStage, JustInTimeStage, replica_ranks
 from autopar.runtime.recompute import apply_recompute
-from autopar.runtime.spmd import SPMDModule, distribute_params
 from autopar.runtime.validate import get_submodule
 from autopar.schema.errors import PlanError
 from cost_models.schedules import torch_schedule
@@ -157,7 +156,6 @@ class PipelineStages:
         if self.stages[0].op_layouts is not None:
             self._build_solved_pipeline()
             return
-        nst = len(self.stages)
         covered = {}
         for s in self.stages:
             for fqn in s.layers:
@@ -192,24 +190,16 @@ class PipelineStages:
                                     chunks[i].module.named_parameters(remove_duplicate=False)}
             if self.rank not in s.devices:
                 continue
-            last = i == nst - 1
             core: nn.Module = chunks[i].module
             if self.cp is not None:     # before recomputation wraps its modules (`ContextParallel.install`)
                 self.cp.install(core, check=False)
             apply_recompute(core, s.recompute_modules, s.recompute_ops)
             materialize(core, seed=self.seed, device=self.device, aliases=self.aliases, template=self.model)
-            if self.tp_size > 1:
-                distribute_params(core, self.my_mesh.tp_mesh, self._tp_placements(s),
-                                  aliases=self.aliases, src_data_rank=None)
             if self.plan.ep > 1:
-                # after tp: the expert slices are plain tensors; each experts module runs as the
-                # model's own code, its traced one baked at the one-process shapes (`runtime.experts`)
+                # each experts module runs as the model's own code, its traced one baked at the
+                # one-process shapes (`runtime.experts`)
                 self._shard_experts(core, template=self.model)
-            mod: nn.Module = core
-            if self.tp_size > 1:
-                # the last chunk computes the loss inside: vocabulary-parallel there
-                mod = SPMDModule(core, self.my_mesh.tp_mesh, [None], loss_inside=last)
-            mod = FedChunk(mod, chunks[i].sources, chunks[i].sends)
+            mod = FedChunk(core, chunks[i].sources, chunks[i].sends)
             self.fed_chunks.append(mod)
             if self.zero3:
                 self._fully_shard(core, s.fsdp_units or [], root=mod)   # the FSDP root: what the stage holds

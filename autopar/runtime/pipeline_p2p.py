@@ -2,8 +2,8 @@
 stage: e.g. stage 0 on 1 device, stage 1 on 2 devices with tp 2).
 
 At a stage boundary the activation is a plain tensor, replicated over the sending stage's tp
-ranks (`SPMDModule` returns full tensors; a chunk run as solved redistributes what it sends to
-replicated, `intra_op.pipeline_chunks.ProgramChunk.handover`), and so is the input gradient a
+ranks (a chunk run as solved redistributes what it sends to replicated,
+`intra_op.pipeline_chunks.ProgramChunk.handover`), and so is the input gradient a
 tp stage hands back (the gradient of a Replicate input is all-reduced before it leaves the
 stage). So any
 rank of a stage can stand for the whole stage. Within one data-parallel replica, stage s holds

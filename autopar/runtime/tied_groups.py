@@ -83,7 +83,7 @@ class TiedParameters:
                 for n, _ in get_submodule(self.model, fqn).named_parameters(remove_duplicate=False)}
 
     def _placement_of(self, s: StagePlan, canon: str) -> tuple[str, ...]:
-        """Stage `s`'s placement of the parameter `canon` as `distribute_params` and FSDP read
+        """Stage `s`'s placement of the parameter `canon` as the plan records it and FSDP reads
         it: the canonical name's entry, else an alias's, else replicated."""
         pl = s.placements.get(canon)
         if pl is None:

@@ -72,6 +72,16 @@ def validate_plan(plan: Plan, model: nn.Module) -> dict:
         missing = sorted(set(aliases.values()) - covered)
         if missing:
             raise PlanError(f"the plan's stages leave parameters out: {', '.join(missing[:5])}")
+    refused = plan.search.get("tp_executor") if isinstance(plan.search, dict) else None
+    for s in stages:
+        if s.axis_size("tp") > 1 and s.op_layouts is None:
+            # tensor parallelism runs only op by op as solved (`autopar.intra_op.execute`; issue
+            # 20, one executor): a plan the planner could not solve says why, a plan written by
+            # hand (parameter placements alone) is re-planned
+            why = (f"the planner's tensor parallelism {refused}" if refused else
+                   "re-plan with `autopar plan` (placements alone do not say how each op runs)")
+            raise PlanError(f"stage {s.index} is tensor-parallel (tp {s.axis_size('tp')}) but the plan carries no "
+                            f"per-op layouts (op_layouts), which `autopar run` executes tensor parallelism by: {why}")
     solved = [s.index for s in stages if s.op_layouts is not None]
     if solved and (max(s.axis_size("tp") for s in stages) < 2 or len(solved) < nst):
         raise PlanError(f"stage {solved[0]} carries op_layouts, which the runtime executes only for "

@@ -10,7 +10,6 @@ import torch
 import torch.nn as nn
 
 from autopar.runtime.precision import fsdp_policy
-from autopar.runtime.spmd import SPMDModule
 from autopar.runtime.tied_grads import (
     all_gather_flat,
     gloo_copies_released,
@@ -98,13 +97,13 @@ def _settling(wait_for_unshard):
 
 
 def _quiet_view_output_warning() -> None:
-    """Silence FSDP's warning that an `SPMDModule` or `ShardedProgram` root returns a view: its
+    """Silence FSDP's warning that a `ShardedProgram` or `ProgramChunk` root returns a view: its
     plain output (the local tensor of a replicated DTensor: the loss, or what torch.pipelining
     sends on or feeds to the loss) is never modified in place, which is what the warning is
     about."""
     import warnings
 
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP(SPMDModule|ShardedProgram|ProgramChunk)\) "
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP(ShardedProgram|ProgramChunk)\) "
                             r"returned a view", category=UserWarning)
 
 
@@ -138,7 +137,7 @@ class ZeroSharding:
         which keeps the other parameters (tied, read outside their module). A pipeline stage
         passes the module its PipelineStage holds as `root`: torch.pipelining drives FSDP
         (gradient sync and resharding on the last micro-batch only) only when the stage's module
-        is the FSDP root, and with tp that is the SPMDModule around the stage's layers."""
+        is the FSDP root (a tp stage runs op by op: `_shard_solved`)."""
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.my_mesh.dp_mesh
@@ -158,7 +157,7 @@ class ZeroSharding:
         from autopar.intra_op.execute import ShardedProgram
         from autopar.intra_op.pipeline_chunks import ProgramChunk
 
-        if isinstance(root, (SPMDModule, ShardedProgram, ProgramChunk)):
+        if isinstance(root, (ShardedProgram, ProgramChunk)):
             _quiet_view_output_warning()
         gloo_fsdp_comms(fully_shard(root, mesh=mesh, **mp))
         self._fsdp_root = root

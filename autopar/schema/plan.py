@@ -147,8 +147,8 @@ class StagePlan(_Model):
         "root unit holds the other parameters); null without ZeRO-3")
     op_layouts: Optional[StageLayouts] = Field(
         default=None, description="the solved layout of every op on the stage's tp axis, which `autopar run` "
-        "executes op by op; null where the stage runs by DTensor propagation (no tp, or see "
-        "Plan.search['tp_executor'])")
+        "executes op by op; null without tp (a tp stage without them is refused by `autopar run`: "
+        "Plan.search['tp_executor'] says why the planner made none)")
     predicted: Optional[StagePrediction] = None
 
     @model_validator(mode="after")
@@ -431,8 +431,12 @@ class Plan(_Model):
             tail += "\ntensor parallelism executed op by op as solved: " + ", ".join(_stage_runs(
                 [(s.index, f"{s.op_layouts.num_ops} ops, {_plural(len(s.op_layouts.signatures), 'distinct layer')}")
                  for s in solved], fmt="{stages} ({text})"))
+            if self.search.get("op_layouts"):
+                tail += f" ({self.search['op_layouts']})"
         elif max(tps) > 1 and self.search.get("tp_executor"):
             tail += f"\ntensor parallelism {self.search['tp_executor']}"
+        if self.search.get("zero3_units"):
+            tail += f"\nZeRO-3 units: {self.search['zero3_units']}"
         if self.search.get("selective_fallback"):
             tail += f"\nselective recomputation, {self.search['selective_fallback']}"
         if self.search.get("skipped"):

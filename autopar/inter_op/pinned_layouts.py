@@ -1,0 +1,103 @@
+"""Per-op layouts for plans of the analytic per-layer rules (issue 20, "one executor").
+
+The analytic provider (`stage_cost.AnalyticProvider`) costs a tp layer by Megatron's rules and
+solves no op: it gives each parameter a placement (column-parallel "S(0)", row-parallel "S(1)",
+a vocabulary-parallel embedding) and nothing about the activations. `autopar run` executes tp
+stages only op by op as solved (`autopar.intra_op.execute`), so at plan assembly the chosen
+candidate's layers are solved by the intra-op ILP with every parameter pinned to the placement
+the analytic rules gave it (`solve_graph`'s `fixed_params`): the ILP picks the activations'
+layouts the pinned weights imply (Megatron's, where the rules are Megatron's), and the plan
+carries them as `StagePlan.op_layouts` like any ILP plan.
+
+What the plan predicts: its iteration time and memory stay the analytic provider's (the search
+chose the candidate on them); its collectives are the solution's, which is what the executor
+issues (`planner.assemble`). `plan.search["op_layouts"]` says so.
+
+Where this cannot be done the plan carries no layouts, `plan.search["tp_executor"]` says why,
+and `autopar run` refuses it (`runtime.validate`) naming the fix:
+
+* OR-Tools missing: the ILP cannot solve (install it: `pip install ortools`);
+* a capture by the torch.fx fallback (`capture.fx_fallback`): torch.export failed on the model,
+  and the executor runs the model's exported program (this holds for the ILP's plans too:
+  `planner._op_layouts` refuses any tp plan of such a capture, `NO_EXPORT`);
+* a capture without a symbolic batch: the ILP cannot tell the batch dims (`NO_BATCH`).
+The search still plans such models on every tp degree: a plan is also a prediction, and the
+analytic rules predict tp as Megatron runs it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from autopar.capture.graph import OpGraph
+from autopar.inter_op.layers import Layer
+from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost
+
+PINNED_NOTE = ("solved at assembly by the intra-op ILP with the analytic rules' parameter placements pinned; "
+               "iteration time and memory are the analytic rules' prediction, the collectives the solution's")
+NO_EXPORT = ("not executed: the model was captured by the torch.fx fallback (torch.export failed), so "
+             "there is no exported program for `autopar run` to execute op by op; make torch.export "
+             "succeed on the model (see the capture's warning) and re-plan")
+NO_BATCH = ("not executed: the capture has no symbolic batch dimension, which the intra-op ILP needs to tell "
+            "the batch dims from the model's (to keep the tp axis model-parallel, as the executor runs it); "
+            "give the model inputs with a leading batch dimension and re-plan")
+NO_ORTOOLS = ("not executed: the plan's tp stages need per-op layouts, which the intra-op ILP solves, and "
+              "OR-Tools is not installed; pip install ortools and re-plan")
+
+
+def fx_captured(graph: OpGraph) -> bool:
+    """Whether `graph` comes from the torch.fx fallback (torch.export failed on the model, so
+    the executor, which exports it, cannot run it either)."""
+    return (graph.capture_method or "").startswith("torch.fx")
+
+
+def pinned_provider(graph: OpGraph, layers: list[Layer], analytic: AnalyticProvider,
+                    pins: dict[int, dict[str, str]]) -> tuple[Optional[Any], str]:
+    """(an ILP provider solving `layers` with each parameter pinned per tp degree as `pins`
+    says ({tp: {fqn: placement}}), "") or (None, why not: `NO_BATCH`, `NO_ORTOOLS`)."""
+    if not graph.is_symbolic:
+        return None, NO_BATCH
+    try:
+        from autopar.inter_op.ilp_provider import IlpProvider
+    except ImportError:
+        return None, NO_ORTOOLS
+
+    class PinnedIlpProvider(IlpProvider):
+        """The ILP provider with every parameter pinned (`_pins`), solving for the layouts
+        alone: its costs are the analytic ones (the plan's prediction), its `solutions` the
+        per-op layouts."""
+
+        name = "analytic+pinned-ilp"
+
+        def _pins(self, layer: Layer, mb: int, tp: int) -> dict[str, tuple[str]]:
+            at = pins.get(tp, {})
+            return {f: (at[f],) for f in set(layer.params) if f in at}
+
+        def _analyze_layer(self, layer: Layer, mb: int, tp: int) -> LayerCost:
+            base = AnalyticProvider._analyze(self, layer, mb, tp)
+            if tp > 1:
+                # solved here (not caught): a pin the ILP cannot hold is the planner's error
+                self.solutions[(layer.signature, mb, tp)] = (self._solve(layer, mb, tp, interleaved=True), layer)
+            return base
+
+    try:
+        prov = PinnedIlpProvider(graph, layers, analytic.cluster, analytic.dtype, software=analytic.software)
+    except ImportError:
+        return None, NO_ORTOOLS
+    return prov, ""
+
+
+def analytic_pins(layers: list[Layer], spans: list[tuple[int, int, int]], costs_of) -> dict[int, dict[str, str]]:
+    """{tp: {fqn: the analytic placement}} of the parameters of `spans` ((first layer, end
+    layer, tp), tp > 1), read off each span's per-layer costs (`costs_of(span index)[i]`), the
+    first layer naming a parameter deciding it (as `planner._placements` records it)."""
+    out: dict[int, dict[str, str]] = {}
+    for x, (k, j, tp) in enumerate(spans):
+        if tp <= 1:
+            continue
+        costs = costs_of(x)
+        at = out.setdefault(tp, {})
+        for i in range(k, j):
+            for f, pl in costs[i].placements.items():
+                at.setdefault(f, pl)
+    return out

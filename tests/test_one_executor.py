@@ -1,0 +1,171 @@
+"""Issue 20, one executor: every tp plan the planner makes runs op by op as solved.
+
+Plans of the analytic per-layer rules carry per-op layouts solved with the rules' parameter
+placements pinned (`inter_op.pinned_layouts`) and run through the executor like the ILP's;
+where they cannot (OR-Tools missing, a torch.fx capture) the plan says why and `autopar run`
+refuses it, naming the fix. ZeRO-3 units whose ops interleave are left to the root unit
+(`planner.contiguous_units`), so that the executor runs each unit's ops as one call.
+
+The multi-process checks (a user-written GPT's analytic dp 2 x tp 2 plan, and ZeRO-3 on a model
+reusing a layer module, in one 4-process launch) are marked slow; the zoo's and Hugging Face's
+analytic tp plans run in tests/test_runtime_llama_tp.py.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autopar
+from autopar.inter_op.pinned_layouts import NO_EXPORT, NO_ORTOOLS
+from autopar.planner import contiguous_units, plan
+from autopar.runtime.validate import validate_plan
+from autopar.schema import Constraints, PlanError
+
+NANOGPT = "tests.user_models:nanogpt"
+
+
+def _cpu(n: int) -> autopar.ClusterSpec:
+    return autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": n})
+
+
+def _analytic(ref, n: int, **pins):
+    return plan(ref, _cpu(n), global_batch_size=8, dtype="fp32", intra_op="analytic",
+                constraints=Constraints(num_microbatches=1, recompute="none", **pins))
+
+
+def test_analytic_plan_carries_layouts_with_its_placements():
+    """An analytic tp plan carries every stage's per-op layouts, its weights laid out where the
+    rules put them (the plan's `placements` on the tp axis), and predicts the solution's
+    collectives; the plan says how the layouts were made."""
+    p = _analytic("gpt-tiny", 2, dp=1, tp=2, pp=1)
+    st = p.stages[0]
+    assert st.op_layouts is not None and "tp_executor" not in p.search
+    assert "analytic rules' parameter placements pinned" in p.search["op_layouts"]
+    tp = st.mesh_axis_names.index("tp")
+    solved = st.op_layouts.solution((2,)).param_placements
+    assert {f: pl[0] for f, pl in solved.items()} == {f: st.placements[f][tp] for f in solved}
+    assert any(pl[tp] == "S(1)" for pl in st.placements.values())        # row-parallel projections
+    want = {k: v for k, v in st.op_layouts.collectives.get("forward", {}).items()}
+    for k, v in st.op_layouts.collectives.get("backward", {}).items():
+        want[k] = want.get(k, 0) + v
+    assert p.predicted.collectives == want
+
+
+def test_fx_captured_tp_plan_is_refused():
+    """A model only the torch.fx fallback captures has no exported program to execute: its tp
+    plan records why, and the runtime refuses it before any process starts."""
+    from autopar.capture.export import _WithLoss, default_loss
+    from autopar.capture.fx_fallback import capture_fx
+    from autopar.models.registry import build_model
+
+    b = build_model("gpt-tiny")
+    g = capture_fx(_WithLoss(b.model, default_loss), b.example_inputs, "gpt-tiny")
+    p = plan("gpt-tiny", _cpu(2), global_batch_size=8, dtype="fp32", graph=g,
+             constraints=Constraints(num_microbatches=1, dp=1, tp=2, pp=1))
+    assert p.search["tp_executor"] == NO_EXPORT
+    assert all(s.op_layouts is None for s in p.stages)
+    with pytest.raises(PlanError, match=r"stage 0 is tensor-parallel \(tp 2\).*torch\.fx fallback"):
+        validate_plan(p, build_model("gpt-tiny", device="meta").model)
+
+
+def test_tp_plan_without_ortools_is_refused(monkeypatch):
+    """Without OR-Tools nothing solves the per-op layouts: the plan says so, and the runtime
+    refuses it with the fix (install OR-Tools, re-plan)."""
+    from autopar.models.registry import build_model
+
+    monkeypatch.setitem(sys.modules, "autopar.inter_op.ilp_provider", None)   # its import fails
+    p = _analytic("gpt-tiny", 2, dp=1, tp=2, pp=1)
+    assert p.search["tp_executor"] == NO_ORTOOLS
+    with pytest.raises(PlanError, match=r"tensor-parallel.*pip install ortools and re-plan"):
+        validate_plan(p, build_model("gpt-tiny", device="meta").model)
+
+
+def test_tp_plan_written_by_hand_is_refused():
+    """A tp plan naming parameter placements alone (no per-op layouts, no planner record) is
+    refused before any process starts: placements do not say how each op runs."""
+    from autopar.models.registry import build_model
+
+    p = _analytic("gpt-tiny", 2, dp=1, tp=2, pp=1)
+    bare = p.model_copy(update={"stages": [s.model_copy(update={"op_layouts": None}) for s in p.stages],
+                                "search": {}})
+    with pytest.raises(PlanError, match=r"stage 0 is tensor-parallel \(tp 2\).*re-plan with `autopar plan`"):
+        validate_plan(bare, build_model("gpt-tiny", device="meta").model)
+
+
+class _Twice(nn.Module):
+    """A module called again after another's ops: `a`'s run of ops holds `b`'s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(self.b(self.a(x))).square().mean()
+
+
+def test_interleaving_zero3_units_go_to_the_root():
+    """`contiguous_units`: of units whose runs of ops overlap, the first is kept and the other
+    left to the root unit (the executor runs each unit's ops as one call)."""
+    from autopar.capture import capture
+
+    g = capture(_Twice(), (torch.randn(4, 8),))
+    assert contiguous_units(g, ["a", "b"]) == (["a"], ["b"])
+    assert contiguous_units(g, ["b"]) == (["b"], [])
+
+
+
+
+
+REUSED = "tests.user_models:reused_lm"
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict:
+    """The analytic plans of the slow tests below, run 2 steps in one 4-process job:
+    {name: (plan, rows)}."""
+    from tests.launch import run_plans
+
+    plans = {"nanogpt_dp2xtp2": _analytic(NANOGPT, 4, dp=2, tp=2, pp=1),
+             "reused_zero3": _analytic(REUSED, 4, dp=2, tp=2, pp=1, zero_stage=3)}
+    rows = run_plans(tmp_path_factory.mktemp("one_executor"), plans, 4, steps=2)
+    return {name: (p, rows[name]) for name, p in plans.items()}
+
+
+def _check(p, rows, ref: str) -> None:
+    """The one-process losses within 1e-4, every step's collectives the plan's."""
+    from tests.captured import one_process_losses
+    from tests.test_runtime import close
+
+    assert isinstance(rows, list), rows
+    steps = [r for r in rows if "step" in r]
+    want = one_process_losses(ref, 2)
+    assert close([r["loss"] for r in steps], want, 1e-4), (steps, want)
+    assert all(r["collectives"] == p.predicted.collectives for r in steps), (steps, p.predicted.collectives)
+    assert rows[-1]["collectives_match"] is True
+
+
+@pytest.mark.slow
+def test_user_model_analytic_tp_plan_runs_as_solved(launched):
+    """A user-written GPT (nanoGPT-style: fused qkv split into [q; k; v] blocks, a head computed
+    as `x @ wte.weight.t()`) planned by the analytic rules at dp 2 x tp 2 runs op by op on 4
+    gloo processes: the one-process losses within 1e-4, exactly the planned collectives."""
+    p, rows = launched["nanogpt_dp2xtp2"]
+    assert all(s.op_layouts is not None for s in p.stages), p.search
+    _check(p, rows, NANOGPT)
+
+
+@pytest.mark.slow
+def test_interleaving_units_plan_runs_as_solved(launched):
+    """A layer module called again after another's ops (`tests.user_models:reused_lm`), dp 2 x
+    tp 2 under ZeRO-3: the interleaving unit goes to the root (the plan says so), and the plan
+    runs op by op with the one-process losses and exactly its collectives (it ran by DTensor
+    propagation before issue 20's one executor)."""
+    p, rows = launched["reused_zero3"]
+    assert p.stages[0].op_layouts is not None and p.stages[0].fsdp_units == ["emb", "layers.0", "layers.2", "out"]
+    assert p.search["zero3_units"].startswith("layers.1 left to the ZeRO-3 root unit")
+    _check(p, rows, REUSED)
