@@ -124,3 +124,18 @@ def test_folded_constraint_errors_name_the_field():
     with pytest.raises(PlanError, match="expert_dp=2: the model has no routed experts"):
         plan("gpt-tiny", _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
              constraints=Constraints(expert_dp=2))
+
+
+def test_verify_checks_folded_plans():
+    """`autopar verify` builds and steps every rank of a folded plan (ep 4 over tp 2 x dp 2, and
+    ep 2 x expert_dp 2 under ZeRO-1, whose ep groups are the tp pairs) on its fake process group:
+    the collectives the plan's, the tp layouts' apart from folding's all-gathers and exchange."""
+    import autopar
+
+    for pins in (dict(ep=4), dict(ep=2, expert_dp=2, zero_stage=1)):
+        cons = dict(dp=2, tp=2, pp=1, zero_stage=0, recompute="none", num_microbatches=2, expert_tp=1)
+        cons.update(pins)
+        p = plan("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32", constraints=Constraints(**cons))
+        assert p.experts.folded and p.stages[0].op_layouts is not None
+        report = autopar.verify(p, "moe-tiny")
+        assert report.ok and report.collectives_match is True, (pins, report.failures)
