@@ -59,7 +59,10 @@ What is approximated, and why (to keep a 1000-GPU search within seconds on two c
   sync`), ZeRO-1/2 shard their optimizer state over those ranks, ZeRO-3 their weights,
   gradients and optimizer state (`_Tables.phases`; ZeRO-3's per-micro-batch all-gathers are
   costed over dp for the experts too, `zero_mb`: an approximation, the experts' group is
-  dp / ep ranks).
+  dp / ep ranks). With tp > 1, the experts folded over the stage's dp x tp ranks (Megatron-Core's
+  MoE parallel folding, `Candidate.fold`): every ep dividing dp x tp and the expert count, the
+  gradients synced over dp x tp / ep copies (ep apart, `_Tables.set_experts`); tried where the
+  runtime executes it (`_fold_executable`) or where ep / expert_dp pin it.
 - Context parallelism (`inter_op.context_parallel`): a candidate's cp ranks split every
   sequence, a stage is dp x cp x tp devices, its layers costed on one cp rank, its gradient
   sync and ZeRO shards over dp x cp (the tables' dp). Tried from `LONG_SEQUENCE` tokens on, or
