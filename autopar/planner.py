@@ -433,8 +433,8 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
         if fold_why:
             ep_why = "; ".join(w for w in (ep_why, f"experts folded over dp x tp (ep={c.ep}, expert_dp="
                                            f"{c.expert_copies}) planned, not yet executed by `autopar run` with "
-                                           f"{', '.join(fold_why)} (it runs folded experts op by op as solved, in "
-                                           f"one stage, without cp or ZeRO-3)") if w)
+                                           f"{', '.join(fold_why)} (it runs folded experts op by op as solved, "
+                                           f"without cp)") if w)
     if c.etp > 1:
         etp_why = etp_unexecuted(c.pp, c.cp, c.zero, all(sp.op_layouts is not None for sp in stage_plans))
         if etp_why:
@@ -490,10 +490,10 @@ def fold_unexecuted(pp: int, cp: int, zero: int, solved: bool) -> list[str]:
     """What of a layout with the experts folded over dp x tp the runtime does not execute (empty
     where it does: `runtime.experts.check_executable`'s conditions): it runs op by op as solved
     (each expert block's ops as the rank's share of the tokens, its exchange over the folded ep
-    group and the all-gather over tp), in one stage, without cp, under ZeRO 0-2."""
+    group and the all-gather over tp), without cp, in one stage or pipeline stages, under any ZeRO
+    stage (`pp`, `zero`: kept for the callers)."""
     return [w for w, bad in (("DTensor's path (no solved op layouts)", not solved),
-                             ("pipeline stages", pp > 1), ("context parallelism", cp > 1),
-                             ("ZeRO-3", zero == 3)) if bad]
+                             ("context parallelism", cp > 1)) if bad]
 
 
 def _ep_executor(c: Candidate, solved: bool) -> str:

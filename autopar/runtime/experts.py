@@ -63,8 +63,11 @@ tokens (`_SplitToTP`), exchanges them over its folded ep group and all-gathers t
 output over tp (`_GatherFromTP`); in the backward the gradients of its inputs (hidden states and
 top-k weights, one buffer) are all-gathered over tp: per block and micro-batch one all-gather
 forward, one backward (`inter_op.experts.FOLD_FORWARD`, `FOLD_BACKWARD`). The expert gradients
-are averaged over the ranks ep apart holding the same experts, as without folding. Executed op
-by op as solved in one stage without cp, under ZeRO 0-2 (`check_executable`).
+are averaged over the ranks ep apart holding the same experts, as without folding (ZeRO-1/2's
+flat shard and ZeRO-3's FSDP units over them). Executed op by op as solved without cp, in one
+stage or in pipeline stages (each stage's folded groups; interleaved too: the tp ranks of a
+device set run the same chunk and micro-batch order, so their all-gathers pair up), under any
+ZeRO stage (`check_executable`).
 """
 
 from __future__ import annotations
@@ -95,16 +98,15 @@ def check_executable(plan: Plan) -> None:
     if plan.experts.folded:
         solved = all(s.op_layouts is not None for s in plan.stages)
         why = [w for w, bad in (("DTensor's path (no solved op layouts)", not solved),
-                                ("pipeline stages", len({tuple(s.devices) for s in plan.stages}) > 1),
-                                ("context parallelism", plan.cp > 1), ("ZeRO-3", plan.zero_stage == 3),
+                                ("context parallelism", plan.cp > 1),
                                 ("stage meshes other than (dp, tp)",
                                  any(tuple(n for n, k in zip(s.mesh_axis_names, s.mesh_shape) if k > 1)
                                      not in (("dp", "tp"), ("tp",)) for s in plan.stages))) if bad]
         if why:
             raise PlanError(f"experts folded over dp x tp (ep={plan.experts.ep}, expert_dp={plan.experts.expert_dp}) "
-                            f"are executed op by op as solved, in one stage without cp, under ZeRO 0-2; the plan "
-                            f"has {', '.join(why)}: re-plan with Constraints(expert_dp=dp // ep) and an ep "
-                            f"dividing dp (not folded), or within those")
+                            f"are executed op by op as solved, without cp; the plan has {', '.join(why)}: re-plan "
+                            f"with Constraints(expert_dp=dp // ep) and an ep dividing dp (not folded), or within "
+                            f"those")
         return
     etp = plan.experts.expert_tp
     if etp > 1:
