@@ -128,11 +128,12 @@ def test_folded_constraint_errors_name_the_field():
 
 def test_verify_checks_folded_plans():
     """`autopar verify` builds and steps every rank of a folded plan (ep 4 over tp 2 x dp 2, and
-    ep 2 x expert_dp 2 under ZeRO-1, whose ep groups are the tp pairs) on its fake process group:
-    the collectives the plan's, the tp layouts' apart from folding's all-gathers and exchange."""
+    ep 2 x expert_dp 2 under ZeRO-1 and ZeRO-3, whose ep groups are the tp pairs) on its fake
+    process group: the collectives the plan's, the tp layouts' apart from folding's all-gathers and
+    exchange, and under ZeRO-3 each rank's shard of its experts over their folded copies."""
     import autopar
 
-    for pins in (dict(ep=4), dict(ep=2, expert_dp=2, zero_stage=1)):
+    for pins in (dict(ep=4), dict(ep=2, expert_dp=2, zero_stage=1), dict(ep=2, expert_dp=2, zero_stage=3)):
         cons = dict(dp=2, tp=2, pp=1, zero_stage=0, recompute="none", num_microbatches=2, expert_tp=1)
         cons.update(pins)
         p = plan("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32", constraints=Constraints(**cons))
