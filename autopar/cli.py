@@ -135,7 +135,10 @@ def _long_lived() -> None:
 @click.option("--recompute", type=click.Choice(list(RECOMPUTES)))
 @click.option("--zero-stage", type=int)
 @click.option("--ep", type=int, help="pin the expert-parallel degree of a mixture-of-experts model (divides dp "
-              "and the expert count); default: searched")
+              "and the expert count, or dp x tp folded: see --expert-dp); default: searched")
+@click.option("--expert-dp", type=int, help="pin the copies of each expert: dp / ep, or dp x tp / ep for the expert "
+              "mesh folded over the stage's dp x tp ranks (Megatron-Core's MoE parallel folding, EDP); default: "
+              "searched")
 @click.option("--expert-tp", type=int, help="pin expert tensor parallelism with ep > 1: 1, the experts replicated "
               "over tp; tp, each expert split over the tp ranks; default: searched")
 @click.option("--stage-tp", callback=lambda ctx, param, v: _degrees(v), metavar="T1,T2,...",

@@ -371,10 +371,10 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
     experts = res.experts if c.ep > 1 else None
     if experts is not None:
         for _, d, _, (k, j) in chunks:
-            coll.update(experts.expert_collectives(range(k, j), m, c.stages[d].recompute, c.etp))
+            coll.update(experts.expert_collectives(range(k, j), m, c.stages[d].recompute, c.etp, c.fold))
         # the ranks holding the same experts: the stage's dp x cp ranks (each a replica of the
-        # tokens' sync group, `runtime.experts.expert_meshes`) over ep
-        copies = c.dp * c.cp // c.ep
+        # tokens' sync group, `runtime.experts.expert_meshes`) over ep; folded, its dp x tp ranks
+        copies = c.expert_copies
         if copies > 1 and c.zero == 3:
             # ZeRO-3: each experts module an FSDP unit over the ranks holding the same experts
             # (`runtime.experts.ExpertGroups.fully_shard`), gathered and reduced as a layer unit
@@ -423,6 +423,13 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
     info = ModelInfo(name=bundle.name, num_params=graph.num_params, fingerprint=graph.fingerprint(),
                      num_layers=max(1, len(layers)), flops_per_sample=3 * fwd1, tokens_per_sample=tokens)
     ep_why = _ep_executor(c, all(sp.op_layouts is not None for sp in stage_plans)) if c.ep > 1 else ""
+    if c.fold:
+        fold_why = fold_unexecuted(c.pp, c.cp, c.zero, all(sp.op_layouts is not None for sp in stage_plans))
+        if fold_why:
+            ep_why = "; ".join(w for w in (ep_why, f"experts folded over dp x tp (ep={c.ep}, expert_dp="
+                                           f"{c.expert_copies}) planned, not yet executed by `autopar run` with "
+                                           f"{', '.join(fold_why)} (it runs folded experts op by op as solved, "
+                                           f"without cp)") if w)
     if c.etp > 1:
         etp_why = etp_unexecuted(c.pp, c.cp, c.zero, all(sp.op_layouts is not None for sp in stage_plans))
         if etp_why:
@@ -457,8 +464,9 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
 def _expert_plan(experts: ExpertCosting, c: Candidate, dtype: str) -> ExpertParallelism:
     """`Plan.experts` of a candidate with expert parallelism."""
     blocks = [b for bs in experts.by_layer.values() for b in bs]
-    return ExpertParallelism(ep=c.ep, expert_dp=c.dp // c.ep, imbalance=EP_IMBALANCE, expert_tp=c.etp,
-                             dispatch_bytes=experts.dispatch_bytes(blocks[0], c.mb, dtype),
+    return ExpertParallelism(ep=c.ep, expert_dp=c.expert_copies if c.fold else c.dp // c.ep,
+                             imbalance=EP_IMBALANCE, expert_tp=c.etp, folded=c.fold,
+                             dispatch_bytes=experts.dispatch_bytes(blocks[0], c.mb, dtype) / (c.tp if c.fold else 1),
                              blocks=[ExpertBlockPlan(module=b.module, num_experts=b.num_experts, top_k=b.top_k,
                                                      weights=list(b.weights),
                                                      tp_split=list(tp_split(experts.graph, b)) if c.etp > 1 else [])
@@ -473,6 +481,16 @@ def etp_unexecuted(pp: int, cp: int, zero: int, solved: bool) -> list[str]:
     callers, every stage runs)."""
     return [w for w, bad in (("DTensor's path (no solved op layouts)", not solved),
                              ("pipeline stages", pp > 1), ("context parallelism", cp > 1)) if bad]
+
+
+def fold_unexecuted(pp: int, cp: int, zero: int, solved: bool) -> list[str]:
+    """What of a layout with the experts folded over dp x tp the runtime does not execute (empty
+    where it does: `runtime.experts.check_executable`'s conditions): it runs op by op as solved
+    (each expert block's ops as the rank's share of the tokens, its exchange over the folded ep
+    group and the all-gather over tp), without cp, in one stage or pipeline stages, under any ZeRO
+    stage (`pp`, `zero`: kept for the callers)."""
+    return [w for w, bad in (("DTensor's path (no solved op layouts)", not solved),
+                             ("context parallelism", cp > 1)) if bad]
 
 
 def _ep_executor(c: Candidate, solved: bool) -> str:

@@ -80,29 +80,34 @@ PUBLISHED = [
               "imbalance)"),
     Published("Qwen3-235B-A22B, MCore DeepEP, cross-node EP32", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100",
               32, "nemo-megatron-core-2024",
-              dict(tp=2, pp=8, virtual_stages=4, dp=16, ep=32, expert_tp=1, microbatch_size=1, num_microbatches=128,
+              dict(tp=2, pp=8, virtual_stages=4, dp=16, ep=32, expert_dp=1, expert_tp=1, microbatch_size=1,
+                   num_microbatches=128,
                    schedule="interleaved_1f1b", recompute="none"),
               19.7, 245.0, _MZ_FLOPS, _MZ + "1 (TP2 EP32 PP8 VPP4 DP16 EDP1 ETP1, MBS1 GBS2048 GA128)",
-              "EP32 spans TP2 x DP16 (Megatron's MoE parallel folding); " + _MZ_NORM),
+              "EP32 spans TP2 x DP16 (Megatron's MoE parallel folding, autopar's folded experts); " + _MZ_NORM),
     Published("Qwen3-235B-A22B, MCore DeepEP, intra-node EP8 FSDP", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100",
               32, "nemo-megatron-core-2024",
-              dict(tp=2, pp=1, dp=128, ep=8, expert_tp=1, microbatch_size=4, num_microbatches=4, zero_stage=3,
-                   recompute="full"),
+              dict(tp=2, pp=1, dp=128, ep=8, expert_dp=32, expert_tp=1, microbatch_size=4, num_microbatches=4,
+                   zero_stage=3, recompute="full"),
               17.6, 276.0, _MZ_FLOPS, _MZ + "3 (TP2 EP8 PP1 EDP32 DP128 FSDP on, MBS4 GBS2048 GA4, full recompute)",
-              "Megatron FSDP taken as ZeRO-3; experts' tp replicas (ETP1 under TP2) as autopar's expert_tp=1"),
+              "Megatron FSDP taken as ZeRO-3; EDP32 = TP2 x DP128 / EP8: the expert mesh folded over the tp and dp "
+              "ranks (autopar's folded experts, expert_tp=1)"),
     Published("Qwen3-235B-A22B, MCore all-to-all, PP32", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100", 32,
               "nemo-megatron-core-2024",
-              dict(tp=2, pp=32, virtual_stages=3, dp=4, ep=8, expert_tp=1, microbatch_size=1, num_microbatches=512,
+              dict(tp=2, pp=32, virtual_stages=3, dp=4, ep=8, expert_dp=1, expert_tp=1, microbatch_size=1,
+                   num_microbatches=512,
                    schedule="interleaved_1f1b", recompute="none"),
               24.2, 200.0, _MZ_FLOPS, _MZ + "4 (A2A dispatcher, TP2 EP8 PP32 VPP3 DP4 EDP1 ETP1, MBS1 GA512)",
-              "EP8 spans TP2 x DP4 (folding); 94 layers over 96 chunks (uneven, as Megatron splits them); " + _MZ_NORM),
+              "EP8 spans TP2 x DP4 (folding, autopar's folded experts); 94 layers over 96 chunks (uneven, as "
+              "Megatron splits them); " + _MZ_NORM),
     Published("Qwen3-235B-A22B, MCore DeepEP, TP4 EP8 PP8", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100", 32,
               "nemo-megatron-core-2024",
-              dict(tp=4, pp=8, virtual_stages=4, dp=8, ep=8, expert_tp=1, microbatch_size=1, num_microbatches=256,
+              dict(tp=4, pp=8, virtual_stages=4, dp=8, ep=8, expert_dp=4, expert_tp=1, microbatch_size=1,
+                   num_microbatches=256,
                    schedule="interleaved_1f1b", recompute="none"),
               29.0, 167.0, _MZ_FLOPS, _MZ + "5 (TP4 EP8 PP8 VPP4 EDP4 ETP1 DP8, MBS1 GA256, no recompute)",
-              "Megatron's EDP4 reuses the TP4 ranks as expert data parallelism; autopar's expert_tp=1 replicates the "
-              "experts over tp"),
+              "Megatron's EDP4 = TP4 x DP8 / EP8 reuses the tp ranks as expert data parallelism: autopar's folded "
+              "experts (expert_dp=4, expert_tp=1)"),
 ]
 
 
@@ -163,11 +168,13 @@ def published() -> None:
                          _fig(case.seconds, None, "s"), _fig(case.tflops, None, ""), f"miss: {str(e)[:80]}"])
             continue
         s, tf = p.predicted.iteration_time_s, p.predicted.tflops_per_device
-        rows.append([case.name, case.profile, str(case.nodes), f"{p.dp}/{p.ep}/{p.tp}/{p.pp}",
+        fold = f" edp{p.experts.expert_dp}{' folded' if p.experts.folded else ''}" if p.experts else ""
+        rows.append([case.name, case.profile, str(case.nodes), f"{p.dp}/{p.ep}/{p.tp}/{p.pp}{fold}",
                      f"{p.microbatch_size}x{p.num_microbatches}",
                      p.schedule + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""), str(p.zero_stage),
                      p.stages[0].recompute, f"{p.predicted.peak_memory_bytes / 2**30:.1f}",
-                     f"{time.perf_counter() - t:.1f}", _fig(case.seconds, s, "s"), _fig(case.tflops, tf, ""), ""])
+                     f"{time.perf_counter() - t:.1f}", _fig(case.seconds, s, "s"), _fig(case.tflops, tf, ""),
+                     p.search.get("ep_executor", "")[:80]])
         print(format_table(PUB_HEAD, rows[-1:]), flush=True)
     print(format_table(PUB_HEAD, rows))
     for case in PUBLISHED:
@@ -187,7 +194,7 @@ HEAD = ["model", "nodes", "dp/ep/tp/pp", "mb x m", "schedule", "zero", "recomput
         "peak GiB", "search s", "pinned", "published TFLOP/s (error)"]
 PUB_HEAD = ["published run", "profile", "nodes", "dp/ep/tp/pp", "mb x m", "schedule", "zero", "recompute",
             "peak GiB", "plan s", "s/iter predicted / published (error)", "TFLOP/s/GPU predicted / published (error)",
-            "miss"]
+            "miss / not executed"]
 
 if __name__ == "__main__":
     main()

@@ -102,6 +102,11 @@ def launched(tmp_path_factory) -> dict:
         **{f"tp_solved_zero{z}": _solved(z) for z in (0, 2, 3)},
         # test_expert_tp_trains_like_one_process
         **{f"etp_zero{z}": _etp(z) for z in (0, 1)},
+        # test_folded_experts_train_like_one_process
+        "fold_ep4_zero0": _folded(0, ep=4),
+        "fold_ep2_zero1": _folded(1, ep=2, expert_dp=2),
+        "fold_ep2_zero3": _folded(3, ep=2, expert_dp=2),
+        "fold_interleaved": _folded(1, ref=MOE4_REF, dp=1, pp=2, ep=2, schedule="interleaved_1f1b", virtual_stages=2),
     }
     try:
         import transformers  # noqa: F401
@@ -137,6 +142,8 @@ def launched(tmp_path_factory) -> dict:
             constraints=Constraints(dp=2, tp=2, pp=1, ep=2, zero_stage=0, recompute="none", num_microbatches=1)))
         # test_expert_tp_trains_like_one_process
         plans["mixtral_etp2"] = _etp(0, ref=_MIXTRAL)
+        # test_folded_experts_train_like_one_process
+        plans["mixtral_fold_ep4"] = _folded(0, ep=4, ref=_MIXTRAL, num_microbatches=1)
         plans["qwen_etp2"] = _etp(0, ref=_QWEN)
     options = {"ep4_zero1": {"steps": 3}, "ep2_zero2": {"steps": 3}, "ep2_pp2": {"checkpoint_dir": str(ckpt)}}
     rows = run_plans(folder, plans, 4, steps=2, options=options)
@@ -688,6 +695,42 @@ def _etp(zero_stage: int, etp=2, ref: str = "moe-tiny", **pins) -> Plan:
     n = cons["dp"] * cons["tp"] * cons["pp"]
     return _memo(("etp", ref, n, tuple(sorted(cons.items()))), lambda: plan(
         ref, _cpu(n), global_batch_size=8, dtype="fp32", constraints=Constraints(**cons)))
+
+
+def _folded(zero_stage: int, ref: str = "moe-tiny", **pins) -> Plan:
+    """tp 2 x dp 2 on 4 CPU processes as the ILP solves it, the experts folded over the 4 ranks
+    (Megatron-Core's MoE parallel folding: ep 4, or ep 2 with expert_dp 2), made once."""
+    cons = dict(dp=2, tp=2, pp=1, zero_stage=zero_stage, recompute="none", num_microbatches=2, expert_tp=1)
+    cons.update(pins)
+    return _memo(("folded", ref, tuple(sorted(cons.items()))), lambda: plan(
+        ref, _cpu(4), global_batch_size=8, dtype="fp32", constraints=Constraints(**cons)))
+
+
+@pytest.mark.slow
+def test_folded_experts_train_like_one_process(launched):
+    """4 gloo processes, tp 2 x dp 2 dense with the experts folded over all 4 ranks (their own
+    mesh): moe-tiny at ep 4 (ep above dp: each rank 2 of the 8 experts, ZeRO 0) and at ep 2 x
+    expert_dp 2 (the ep groups are the tp pairs, each expert held by 2 ranks of different dp;
+    ZeRO-1: the experts' flat shard over them; ZeRO-3: their FSDP units), HF Mixtral at ep 4 (one
+    expert per rank); and a 4-block moe-tiny at tp 2 x pp 2, interleaved (2 chunks per rank),
+    ep 2 (above dp 1) in each stage: each tp rank runs half of the block's tokens through the
+    exchange, the output all-gathered over tp. Losses equal one process within 1e-4 and every
+    step's collectives the plan's (the all-gathers 2 per block and micro-batch)."""
+    from tests.plans import MOE4_REF
+
+    want = _one_process_losses(2)
+    for name, (ep, edp) in (("fold_ep4_zero0", (4, 1)), ("fold_ep2_zero1", (2, 2)), ("fold_ep2_zero3", (2, 2)),
+                            ("fold_interleaved", (2, 1))):
+        p, steps = launched[name]
+        assert p.experts.folded and (p.experts.ep, p.experts.expert_dp) == (ep, edp) and "ep_executor" not in p.search
+        assert [r["loss"] for r in steps] == pytest.approx(
+            want if name != "fold_interleaved" else _one_process_losses(2, MOE4_REF), rel=1e-4), name
+        assert all(r["collectives"] == p.predicted.collectives for r in steps), \
+            (name, [r["collectives"] for r in steps], p.predicted.collectives)
+    pytest.importorskip("transformers")
+    p, steps = launched["mixtral_fold_ep4"]
+    assert p.experts.folded and p.experts.ep == 4 and "ep_executor" not in p.search
+    _assert_one_process_losses_and_plan_collectives(_MIXTRAL, p, steps)
 
 
 def test_expert_tp_costs_weights_gemms_and_the_tp_all_reduce_by_hand():

@@ -35,6 +35,19 @@ def test_each_published_case_is_a_valid_pin_on_its_gpu_count():
         assert case.seconds is not None or case.tflops is not None
 
 
+def test_published_expert_data_parallelism_is_megatrons_folded_edp():
+    """Where a source gives EDP with ETP1 under TP > 1 (Megatron-Core's MoE parallel folding),
+    the pin's expert_dp is it and ep x expert_dp = dp x tp: the expert mesh over the dense tp and
+    dp ranks (autopar's folded experts), not dp / ep."""
+    folded = [c for c in _bench().PUBLISHED if c.pins.get("expert_dp") is not None]
+    assert len(folded) == 4
+    for case in folded:
+        p = case.pins
+        assert p["tp"] > 1 and p["expert_tp"] == 1, case.name
+        assert p["ep"] * p["expert_dp"] == p["dp"] * p["tp"], case.name
+        assert f"EDP{p['expert_dp']}" in case.source, case.name
+
+
 def test_qwen3_presets_have_the_checkpoints_parameter_counts():
     """Qwen/Qwen3-30B-A3B (30.5B parameters, model card) and Qwen3-235B-A22B (235B) as built
     from the presets, on the meta device."""

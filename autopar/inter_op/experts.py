@@ -37,6 +37,25 @@ projection's input rows, `capture.experts.tp_split`) and runs every pair it rece
   to the output projection's input (the gate/up products, the activation, their product:
   `split_saved`) 1/etp of it.
 
+Folded (`fold`, Megatron-Core's MoE parallel folding, arXiv 2504.14960; with tp > 1 and the
+experts not split over tp): the expert mesh (expert_dp, ep) lies over the stage's dp x tp ranks,
+ep consecutive ranks (tp innermost) sharing one copy of every expert, so ep may exceed dp. Each tp
+rank takes 1/tp of the block's tokens (the dense layers hold them replicated over tp):
+
+* weights (their gradients and optimizer state with them) divided by ep, copies dp x tp / ep
+  (`Search` syncs them over those ranks, ep apart);
+* exchange: each rank's T x k / tp pairs, over ep consecutive ranks of the stage;
+* expert GEMMs: E / ep groups of `imbalance` x T x k / tp x ep / E rows each;
+* the collectives folding adds: the block's output (T x H) all-gathered over the tp group in the
+  forward, the gradients of its inputs (the hidden states and the top-k weights, T x (H + k))
+  all-gathered in the backward (`FOLD_FORWARD`, `FOLD_BACKWARD`; once more in the forward under
+  full recomputation);
+* activations: what the block's ops save for the backward (`block_saved`) 1/tp of it, the
+  exchange's combine (`combine_saved`) on the rank's 1/tp of the pairs.
+
+The block's other ops (sort, gather, weighted sum) run on 1/tp of the tokens too; their time,
+small beside the GEMMs and the exchange, is left as the replicated layer costs have it.
+
 `EP_IMBALANCE` is an estimate, not a measurement: the most-loaded rank of an ep group
 receives 10% more pairs than the mean. Trained with a balance loss (the zoo MoE's, Mixtral's,
 DeepSeek's), routers stay near uniform over a batch of thousands of tokens; Megatron-Core
@@ -68,6 +87,9 @@ A2A_BACKWARD = 2          # the combine's and the dispatch's gradients
 # expert tensor parallelism: all-reduces over tp per expert block and micro-batch
 ETP_FORWARD = 1           # the experts' output (row-parallel down projection's partial sums)
 ETP_BACKWARD = 1          # the gradient of the experts' input (column-parallel up projections')
+# MoE parallel folding: all-gathers over tp per expert block and micro-batch
+FOLD_FORWARD = 1          # the block's output, each tp rank's 1/tp of the tokens
+FOLD_BACKWARD = 1         # the gradients of its inputs (hidden states and top-k weights, one buffer)
 
 
 class ExpertCosting:
@@ -94,6 +116,7 @@ class ExpertCosting:
         self._gemm_sigs: dict[str, tuple] = {}      # `_block_gemms`, by the block's module
         self._combine: dict[str, list] = {}          # `combine_saved`'s sources (per sample), by block
         self._split: dict[str, list] = {}            # `split_saved`'s tensors (per sample), by block
+        self._saved: dict[str, list] = {}            # `block_saved`'s tensors (per sample), by block
 
     @functools.cached_property
     def _g1(self) -> OpGraph:
@@ -110,6 +133,26 @@ class ExpertCosting:
             return [1]
         out = [e for e in range(1, dp + 1) if dp % e == 0 and all(b.num_experts % e == 0 for b in self.blocks)]
         return [e for e in out if e == pinned] if pinned is not None else out
+
+    def fold_degrees(self, dp: int, tp: int, pinned: Optional[int] = None) -> list[int]:
+        """The ep degrees to try folded over a stage's dp x tp ranks (tp > 1): the divisors > 1
+        of dp x tp that divide every block's expert count (`pinned`: only that one, where it fits)."""
+        if not self or tp <= 1:
+            return []
+        n = dp * tp
+        out = [e for e in range(2, n + 1) if n % e == 0 and all(b.num_experts % e == 0 for b in self.blocks)]
+        return [e for e in out if e == pinned] if pinned is not None else out
+
+    def fold_comm_s(self, block: ExpertBlock, mb: int, tp: int, cluster: ClusterSpec, dtype: str
+                    ) -> tuple[float, float]:
+        """Seconds of folding's all-gathers over the tp group (ranks 0..tp-1) for a micro-batch
+        of `mb` samples: (forward: the block's output, T x H; backward: its inputs' gradients,
+        T x (H + k))."""
+        elem = 4 if dtype == "fp32" else 2
+        rows = mb * block.tokens_per_sample
+        group = list(range(tp))
+        return (axis_collective_time("all_gather", rows * block.hidden * elem, cluster, group),
+                axis_collective_time("all_gather", rows * (block.hidden + block.top_k) * elem, cluster, group))
 
     def tp_degrees(self, tp: int, pinned: Optional[int] = None) -> list[int]:
         """The expert tensor-parallel degrees to try at `tp` (with ep > 1): 1 (the experts
@@ -133,16 +176,19 @@ class ExpertCosting:
         return mb * block.pairs_per_sample * block.hidden * elem * imbalance
 
     def layer_costs(self, costs: list[LayerCost], ep: int, mb: int, tp: int, cluster: ClusterSpec,
-                    dtype: str, etp: int = 1) -> list[LayerCost]:
+                    dtype: str, etp: int = 1, fold: bool = False) -> list[LayerCost]:
         """`costs` (the layers at (mb, tp), experts replicated) with each expert block's experts
-        sharded over `ep` ranks, and with `etp` > 1 each split over the tp ranks (the module
-        docstring); the same list for ep = 1."""
+        sharded over `ep` ranks, and with `etp` > 1 each split over the tp ranks, or `fold`ed
+        over the stage's dp x tp ranks (the module docstring); the same list for ep = 1."""
         if ep <= 1 or not self:
             return costs
-        key = (id(costs), ep, mb, tp, cluster.num_nodes, etp)
+        fold = fold and tp > 1
+        key = (id(costs), ep, mb, tp, cluster.num_nodes, etp, fold)
         if key in self._cache:
             return self._cache[key]
-        group = [i * tp for i in range(ep)]
+        # the ep group: consecutive ranks of the stage folded (tp innermost), else dp ranks tp apart
+        group = list(range(ep)) if fold else [i * tp for i in range(ep)]
+        share = 1.0 / tp if fold else 1.0        # the block's tokens a rank runs
         dev = cluster.device
         out = list(costs)
         for i, blocks in self.by_layer.items():
@@ -154,7 +200,7 @@ class ExpertCosting:
                 for w in b.weights:
                     if w in c.param_elems:
                         c.param_elems[w] = c.param_elems[w] / ep if etp == 1 else c.param_elems[w] / (ep * etp)
-                nbytes = self.dispatch_bytes(b, mb, dtype)
+                nbytes = self.dispatch_bytes(b, mb, dtype) * share
                 a2a = axis_collective_time("all_to_all", nbytes, cluster, group)
                 counts = axis_collective_time("all_to_all", 8.0 * b.num_experts, cluster, group)
                 c.fwd_comm_s += 2 * a2a + counts
@@ -167,13 +213,21 @@ class ExpertCosting:
                     c.bwd_comm_s += ETP_BACKWARD * ar
                     c.rc_extra_s["full"] = c.rc_extra_s.get("full", 0.0) + ETP_FORWARD * ar
                     c.rc_comm_s["full"] = c.rc_comm_s.get("full", 0.0) + ETP_FORWARD * ar
-                dfwd, dbwd = self._gemm_delta(b, ep, mb, dev, dtype, etp)
+                if fold:
+                    agf, agb = self.fold_comm_s(b, mb, tp, cluster, dtype)
+                    c.fwd_comm_s += FOLD_FORWARD * agf
+                    c.bwd_comm_s += FOLD_BACKWARD * agb
+                    c.rc_extra_s["full"] = c.rc_extra_s.get("full", 0.0) + FOLD_FORWARD * agf
+                    c.rc_comm_s["full"] = c.rc_comm_s.get("full", 0.0) + FOLD_FORWARD * agf
+                dfwd, dbwd = self._gemm_delta(b, ep, mb, dev, dtype, etp, share)
                 c.fwd_s += dfwd
                 c.bwd_s += dbwd
                 c.rc_extra_s["full"] = c.rc_extra_s.get("full", 0.0) + dfwd
-                extra = self.combine_saved(b, mb, dtype)
+                extra = self.combine_saved(b, mb, dtype) * share
                 if etp > 1:
                     extra -= self.split_saved(b, mb, dtype) * (1 - 1 / etp)
+                if fold:
+                    extra -= self.block_saved(b, mb, dtype) * (1 - share)
                 if extra:
                     c.act_bytes = {r: v + (extra if r != "full" else 0.0) for r, v in c.act_bytes.items()}
             out[i] = c
@@ -229,16 +283,41 @@ class ExpertCosting:
             self._split[b.module] = list(kept.values())
         return sum(o.nbytes * bytes_scale(o.dtype, dtype) * mb for o in self._split[b.module])
 
-    def _gemm_delta(self, b: ExpertBlock, ep: int, mb: int, dev, dtype: str, etp: int = 1) -> tuple[float, float]:
+    def block_saved(self, b: ExpertBlock, mb: int, dtype: str) -> float:
+        """Bytes of everything `b`'s ops save for their backward, a micro-batch of `mb` samples
+        (graph tensors by storage, as `split_saved` counts them, and what ops keep on the side):
+        what folding runs on 1/tp of the tokens."""
+        if b.module not in self._saved:
+            g = self._g1
+            by_name = {n.name: n for n in g.nodes}
+            inside = [n for n in g.nodes if n.kind == "call" and (
+                (n.module_path or "") == b.module or (n.module_path or "").startswith(b.module + "."))]
+            base = tensor_bases(inside, by_name, dtype=dtype)
+            kept: dict[str, Any] = {}
+            side = 0.0
+            for n in inside:
+                for name, nbytes in saved_tensors(n, by_name, dtype):
+                    if nbytes is not None:
+                        side += nbytes
+                        continue
+                    owner = by_name.get(base.get(name, name))
+                    if owner is not None and owner.outputs and owner.kind == "call":
+                        kept[owner.name] = owner.outputs[0]
+            self._saved[b.module] = (list(kept.values()), side)
+        kept, side = self._saved[b.module]
+        return sum(o.nbytes * bytes_scale(o.dtype, dtype) * mb for o in kept) + side * mb
+
+    def _gemm_delta(self, b: ExpertBlock, ep: int, mb: int, dev, dtype: str, etp: int = 1,
+                    share: float = 1.0) -> tuple[float, float]:
         """(forward, backward) seconds the block's expert GEMMs change by with ep: E / ep groups
-        of imbalance x the pairs (each GEMM 1/etp of its FLOPs with expert tensor parallelism),
-        against E groups of the rank's own pairs."""
+        of imbalance x the pairs (each GEMM 1/etp of its FLOPs with expert tensor parallelism;
+        `share` of them folded), against E groups of the rank's own pairs."""
         gemms = self._block_gemms(b)
-        key = (gemms, b.num_experts, ep, mb, id(dev), dtype, etp)
+        key = (gemms, b.num_experts, ep, mb, id(dev), dtype, etp, share)
         hit = self._deltas.get(key)
         if hit is None:
             self._devices[id(dev)] = dev        # held: its id stays its own while keyed
-            hit = self._deltas[key] = self._delta_of(list(gemms), b.num_experts, ep, mb, dev, dtype, etp)
+            hit = self._deltas[key] = self._delta_of(list(gemms), b.num_experts, ep, mb, dev, dtype, etp, share)
         return hit
 
     def _block_gemms(self, b: ExpertBlock) -> tuple[tuple[float, float, float, str, float, bool], ...]:
@@ -262,7 +341,7 @@ class ExpertCosting:
 
     @staticmethod
     def _delta_of(gemms: list[tuple[float, float, float, str, float, bool]], experts: int, ep: int, mb: int, dev,
-                  dtype: str, etp: int = 1) -> tuple[float, float]:
+                  dtype: str, etp: int = 1, share: float = 1.0) -> tuple[float, float]:
         """`_gemm_delta` of GEMMs given as `_block_gemms` gives them, each for one sample."""
         dfwd = dbwd = 0.0
         for flops, moved, wbytes, out_dtype, out_bytes, down in gemms:
@@ -270,8 +349,8 @@ class ExpertCosting:
             scale = bytes_scale(out_dtype, dtype)
             old = grouped_gemm_time(flops * mb, (act + wbytes) * scale, experts, dev, dtype)
             if etp == 1:
-                new = grouped_gemm_time(flops * mb * EP_IMBALANCE, (act * EP_IMBALANCE + wbytes / ep) * scale,
-                                        experts // ep, dev, dtype)
+                new = grouped_gemm_time(flops * mb * EP_IMBALANCE * share,
+                                        (act * EP_IMBALANCE * share + wbytes / ep) * scale, experts // ep, dev, dtype)
             else:
                 # the split operand: an output projection's input rows, an input projection's
                 # output columns; the other activation operand whole
@@ -285,16 +364,19 @@ class ExpertCosting:
             dbwd += new[1] - old[1]
         return dfwd, dbwd
 
-    def expert_collectives(self, layers: range, m: int, recompute: str, etp: int = 1) -> Counter:
+    def expert_collectives(self, layers: range, m: int, recompute: str, etp: int = 1, fold: bool = False
+                           ) -> Counter:
         """The exchange's all-to-alls of `layers` in one step of `m` micro-batches (the forward's
-        again under full recomputation, which re-runs the blocks), and with expert tensor
-        parallelism its all-reduces over tp."""
+        again under full recomputation, which re-runs the blocks), with expert tensor
+        parallelism its all-reduces over tp, folded its all-gathers over tp."""
         n = sum(len(self.by_layer.get(i, ())) for i in layers)
         full = recompute == "full"
         per = A2A_FORWARD + A2A_BACKWARD + (A2A_FORWARD if full else 0)
         out = Counter({"all_to_all": m * n * per}) if n else Counter()
         if n and etp > 1:
             out["all_reduce"] += m * n * (ETP_FORWARD + ETP_BACKWARD + (ETP_FORWARD if full else 0))
+        if n and fold:
+            out["all_gather"] += m * n * (FOLD_FORWARD + FOLD_BACKWARD + (FOLD_FORWARD if full else 0))
         return out
 
     def expert_elems(self, costs: list[LayerCost]) -> np.ndarray:

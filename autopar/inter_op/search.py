@@ -59,7 +59,10 @@ What is approximated, and why (to keep a 1000-GPU search within seconds on two c
   sync`), ZeRO-1/2 shard their optimizer state over those ranks, ZeRO-3 their weights,
   gradients and optimizer state (`_Tables.phases`; ZeRO-3's per-micro-batch all-gathers are
   costed over dp for the experts too, `zero_mb`: an approximation, the experts' group is
-  dp / ep ranks).
+  dp / ep ranks). With tp > 1, the experts folded over the stage's dp x tp ranks (Megatron-Core's
+  MoE parallel folding, `Candidate.fold`): every ep dividing dp x tp and the expert count, the
+  gradients synced over dp x tp / ep copies (ep apart, `_Tables.set_experts`); tried where the
+  runtime executes it (`_fold_executable`) or where ep / expert_dp pin it.
 - Context parallelism (`inter_op.context_parallel`): a candidate's cp ranks split every
   sequence, a stage is dp x cp x tp devices, its layers costed on one cp rank, its gradient
   sync and ZeRO shards over dp x cp (the tables' dp). Tried from `LONG_SEQUENCE` tokens on, or
@@ -176,6 +179,7 @@ class Candidate:
     ep: int = 1                       # expert parallelism: routed experts over ep dp ranks (`inter_op.experts`)
     cp: int = 1                       # context parallelism: each sequence over cp ranks (`inter_op.context_parallel`)
     etp: int = 1                      # expert tensor parallelism: each expert over tp (ep > 1, `inter_op.experts`)
+    fold: bool = False                # MoE parallel folding: experts over ep of the dp x tp ranks (`inter_op.experts`)
     # per recomputation policy, a lower bound on the iteration with every layer under it
     # (`Search._group_candidates`; empty: none known): an interleaved evaluation skips a policy
     # whose bound cannot beat the best plan found (`Search._evaluate_interleaved`)
@@ -183,7 +187,13 @@ class Candidate:
 
     def key(self) -> tuple:
         return (self.dp, self.tp, self.pp, self.mb, self.schedule, self.v, self.zero, self.sp, self.ep, self.cp,
-                self.etp)
+                self.etp, self.fold)
+
+    @property
+    def expert_copies(self) -> int:
+        """The ranks of a stage holding the same experts (expert data parallelism): dp x cp / ep,
+        folded dp x tp / ep."""
+        return self.dp * self.tp // self.ep if self.fold else self.dp * self.cp // self.ep
 
     @property
     def replicas(self) -> int:
@@ -681,7 +691,7 @@ class _Tables:
             # apart, the experts' over the ranks holding the same ones (none where ep = dp:
             # one copy), each released before the next (`runtime.experts.ExpertGroups.sync`)
             e = np.asarray(epel)
-            flat = np.maximum(pel - e, e if self.dp // self.ep > 1 else 0.0) * self.wgo[1]
+            flat = np.maximum(pel - e, e if self.ecopies > 1 else 0.0) * self.wgo[1]
             out = [dataclasses.replace(ph, buffers=flat + 0.0 * ph.buffers) if ph.phase == "grad_sync" else ph
                    for ph in out]
         if self.ep > 1 and self.zero >= 1 and self.dp > 1:
@@ -690,7 +700,8 @@ class _Tables:
             # as many (the rest of the phase unchanged). Not ZeRO-3's unsharded gradients,
             # accumulated over several micro-batches until the last one reduce-scatters: those
             # are the rank's own experts' (`pel` as it is)
-            wide = runtime_phases(pel + (self.ep - 1) * np.asarray(epel), self.dtype, self.zero, self.dp, **kw)
+            wide = runtime_phases(pel + (self.dp / self.ecopies - 1) * np.asarray(epel), self.dtype, self.zero,
+                                  self.dp, **kw)
             unsharded = m > 1
             out = [dataclasses.replace(a, optimizer=b.optimizer) if self.zero < 3 else
                    dataclasses.replace(a, optimizer=b.optimizer, weights=b.weights,
@@ -712,7 +723,7 @@ class _Tables:
         with what the other part holds then; the other phases as they were."""
         w, g, _ = self.wgo
         d = pel - e
-        copies = self.dp // self.ep
+        copies = self.ecopies
         dense = [ph for ph in runtime_phases(d, self.dtype, self.zero, self.dp, **kw) if ph.phase == "grad_sync"]
         moments = [dataclasses.replace(ph, weights=ph.weights + w * e,
                                        gradients=ph.gradients + g * e) for ph in dense[:2]]
@@ -738,7 +749,7 @@ class _Tables:
         # the step: both fp32 gradient shards, the dense one over dp and the experts' over their
         # copies, and AdamW's temporaries stepping the dense flat shard, then the experts'
         # (`adamw_temporary_elems`: the first's quotient alive through the second's)
-        sd, se = d / self.dp, e * self.ep / self.dp
+        sd, se = d / self.dp, e / copies
         temps = 0.0 * sd if kw["fused_optimizer"] else \
             4.0 * np.maximum(ADAMW_TEMPORARIES * sd, ADAMW_TEMPORARIES * se + sd)
         step = [dataclasses.replace(ph, gradients=4.0 * (sd + se), buffers=temps)
@@ -917,10 +928,15 @@ class _Tables:
         beyond what it saved of it, and a last stage's loss input."""
         return np.maximum(act - in_saved, 0.0) + out_kept
 
-    def set_experts(self, ep: int, expert_layer: np.ndarray) -> None:
+    def set_experts(self, ep: int, expert_layer: np.ndarray, copies: Optional[int] = None,
+                    stride: Optional[int] = None) -> None:
         """Routed experts sharded over `ep` of the dp ranks; `expert_layer`: each layer's expert
-        weight elements per device (already divided by ep)."""
+        weight elements per device (already divided by ep); `copies`: the ranks holding the same
+        experts (default dp / ep), `stride` apart in the stage's rank order (default tp x ep;
+        folded: dp x tp / ep ranks, ep apart)."""
         self.ep = ep
+        self.ecopies = copies if copies is not None else self.dp // ep
+        self.estride = stride if stride is not None else self.tp * ep
         self.expert_pel = np.concatenate([[0.0], np.cumsum(expert_layer)])
         self.range_epel = np.where(self.valid, self.ranged(self.expert_pel), 0.0)
 
@@ -931,7 +947,7 @@ class _Tables:
         if self.ep <= 1:
             return _sync_time(self.cluster, self.dtype, self.dp, self.tp, self.zero, pel)
         return (_sync_time(self.cluster, self.dtype, self.dp, self.tp, self.zero, pel - epel)
-                + _sync_time(self.cluster, self.dtype, self.dp // self.ep, self.tp * self.ep, self.zero, epel))
+                + _sync_time(self.cluster, self.dtype, self.ecopies, self.estride, self.zero, epel))
 
     def opt(self, pel: float, tensors: int = 1) -> float:
         """Optimizer step of `pel` parameter elements in `tensors` parameter tensors (the runtime
@@ -1222,9 +1238,18 @@ class Search:
             if bad:
                 raise PlanError(f"ep={cons.ep} does not divide the {bad[0].num_experts} experts of {bad[0].module}; "
                                 f"pick a divisor of the expert count", constraint="ep")
-            if cons.dp and cons.dp % cons.ep:
-                raise PlanError(f"ep={cons.ep} must divide dp={cons.dp}: the experts are sharded over groups of "
-                                f"data-parallel ranks", constraint="ep")
+            if cons.dp and cons.dp % cons.ep and (cons.tp == 1 or (cons.tp and (cons.dp * cons.tp) % cons.ep)):
+                raise PlanError(f"ep={cons.ep} must divide dp={cons.dp} (the experts sharded over groups of data-"
+                                f"parallel ranks) or, folded over the stage's dp x tp ranks (Megatron-Core's MoE "
+                                f"parallel folding, tp > 1), dp x tp={cons.dp * (cons.tp or 1)}", constraint="ep")
+        if cons.expert_dp is not None:
+            if not self.experts:
+                raise PlanError(f"expert_dp={cons.expert_dp}: the model has no routed experts; leave expert_dp "
+                                f"unset", constraint="expert_dp")
+            if cons.dp and cons.ep and cons.expert_dp * cons.ep not in (cons.dp, cons.dp * (cons.tp or 0)):
+                raise PlanError(f"expert_dp={cons.expert_dp} x ep={cons.ep} must equal dp={cons.dp} (the experts "
+                                f"replicated over tp or split over it) or dp x tp (folded over the stage's ranks)",
+                                constraint="expert_dp")
         if (cons.expert_tp or 1) > 1:
             if not self.experts:
                 raise PlanError(f"expert_tp={cons.expert_tp}: the model has no routed experts; leave expert_tp "
@@ -1280,7 +1305,7 @@ class Search:
                 pp = N // (tp * dp)
                 if c.pp and pp != c.pp:
                     continue
-                if pp > self.L or self.gbs % dp or (c.ep and dp % c.ep):
+                if pp > self.L or self.gbs % dp or (c.ep and dp % c.ep and (tp == 1 or (dp * tp) % c.ep)):
                     continue
                 u = dp * cp * tp
                 if not (dpn % u == 0 or u % dpn == 0):
@@ -1565,9 +1590,9 @@ class Search:
             # the planner runs it by DTensor propagation (`planner._op_layouts`): its layers as
             # DTensor runs them, each input arriving as the layer before leaves it
             return self._tables(cand.mb, cand.tp, cand.dp, cand.zero, sp=cand.sp, ep=cand.ep, cp=cand.cp,
-                                dtensor=True, etp=cand.etp)
+                                dtensor=True, etp=cand.etp, fold=cand.fold)
         return self._tables(cand.mb, cand.tp, cand.dp, cand.zero, solved=solved, sp=cand.sp, ep=cand.ep,
-                            cp=cand.cp, etp=cand.etp)
+                            cp=cand.cp, etp=cand.etp, fold=cand.fold)
 
     def _layouts_agree(self, mb: int, tp: int, sp: bool = False) -> bool:
         """Whether the layers' solutions at (mb, tp) agree at every boundary: each tensor
@@ -1640,15 +1665,18 @@ class Search:
         return False
 
     def _group_slots(self, dp: int, tp: int, pp: int, mb: int, sp: bool, cp: int = 1
-                     ) -> list[tuple[int, int, int, bool]]:
-        """(ZeRO stage, ep, expert tp, runs op by op as solved) of one (mesh, micro-batch, SP,
-        cp) group's candidates, in enumeration order; each is tried with every schedule
+                     ) -> list[tuple[int, int, int, bool, bool]]:
+        """(ZeRO stage, ep, expert tp, runs op by op as solved, folded) of one (mesh, micro-batch,
+        SP, cp) group's candidates, in enumeration order; each is tried with every schedule
         (`schedules`). ZeRO over the dp x cp ranks; cp layouts the runtime does not execute left
-        out (`_executable`), and expert tensor parallelism where it does not execute it unless
-        pinned (`_etp_executable`)."""
+        out (`_executable`), and expert tensor parallelism and folding where it does not execute
+        them unless pinned (`_etp_executable`, `_fold_executable`)."""
         out = []
         m = self.gbs // dp // mb
+        edp = self.cons.expert_dp
         for z, ep in ((z, e) for e in self.experts.degrees(dp, self.cons.ep) for z in self.zeros(dp * cp, tp)):
+            if edp is not None and ep > 1 and edp != dp * cp // ep:
+                continue
             if not self._executable(cp, dp, tp, pp, ep):
                 continue
             # the costs the candidate is evaluated with: the executor's where it runs op
@@ -1662,8 +1690,35 @@ class Search:
             for etp in etps:
                 if etp > 1 and not self._etp_executable(dp, tp, pp, cp, z, solved):
                     continue
-                out.append((z, ep, etp, solved))
+                out.append((z, ep, etp, solved, False))
+        if cp > 1 or (self.cons.expert_tp or 1) > 1:
+            return out
+        for z, ep in ((z, e) for e in self.experts.fold_degrees(dp, tp, self.cons.ep) for z in self.zeros(dp, tp)):
+            if edp is not None and edp != dp * tp // ep:
+                continue
+            solved = op_by_op(Candidate(dp, tp, pp, mb, m, "1f1b", 1, z))
+            if sp and not solved:
+                continue
+            if not self._fold_executable(dp, tp, pp, z, ep, solved):
+                continue
+            out.append((z, ep, 1, solved, True))
         return out
+
+    def _fold_executable(self, dp: int, tp: int, pp: int, zero: int, ep: int, solved: bool) -> bool:
+        """False for a folded expert layout the runtime does not execute (`planner.fold_unexecuted`)
+        unless folding is pinned (an ep not dividing dp, or expert_dp = dp x tp / ep), recorded in
+        `skipped`; pinned, it is planned all the same (the plan says it is not executed)."""
+        from autopar.planner import fold_unexecuted
+
+        c = self.cons
+        if c.expert_dp is not None or (c.ep is not None and dp % c.ep):
+            return True
+        why = fold_unexecuted(pp, 1, zero, solved and self._executor)
+        if why:
+            self.skipped[f"folded ep={ep} dp={dp} tp={tp} pp={pp} zero={zero}"] = (
+                f"experts folded over dp x tp with {', '.join(why)} are not executed by the runtime (pin ep "
+                f"and expert_dp to plan it)")
+        return not why
 
     def _etp_executable(self, dp: int, tp: int, pp: int, cp: int, zero: int, solved: bool) -> bool:
         """False for expert tensor parallelism the runtime does not execute
@@ -1695,10 +1750,11 @@ class Search:
         # per (solved, ep, etp): [the ideal pipeline, the average stage's parameters, the bottleneck
         # split's slowest stage (a callable until a schedule needs it), expert elements, per
         # recomputation policy its extra time over the cheapest's]
-        bounds: dict[tuple[bool, int], list] = {}
-        for z, ep, etp, solved in self._group_slots(dp, tp, pp, mb, sp, cp):
-            if (solved, ep, etp) not in bounds:
-                cs = self._layer_costs(mb, tp, solved, sp, ep, cp, etp=etp)
+        bounds: dict[tuple, list] = {}
+        for z, ep, etp, solved, fold in self._group_slots(dp, tp, pp, mb, sp, cp):
+            bk = (solved, ep, etp, fold)
+            if bk not in bounds:
+                cs = self._layer_costs(mb, tp, solved, sp, ep, cp, etp=etp, fold=fold)
                 per_layer = sum(c.base_s for c in cs)
                 rc_sums = {r: sum(c.rc_extra_s.get(r, 0.0) for c in cs) for r in self.recomputes()}
                 rc_min = min(rc_sums.values())
@@ -1708,11 +1764,11 @@ class Search:
                 # the slowest stage of any split into pp stages, each layer at its
                 # least time (its cheapest recomputation): at least this
                 least = np.array([c.base_s + min(c.rc_extra_s.get(r, 0.0) for r in self.recomputes()) for c in cs])
-                bounds[(solved, ep, etp)] = [m * (per_layer + rc_min) / pp, sum(distinct.values()) / pp,
+                bounds[bk] = [m * (per_layer + rc_min) / pp, sum(distinct.values()) / pp,
                                         functools.partial(self._bottleneck, least, pp),
                                         float(self.experts.expert_elems(cs).sum()) / pp if ep > 1 else 0.0,
                                         {r: m * (rc - rc_min) / pp for r, rc in rc_sums.items()}]
-            ideal, pel, slowest, epel, rc_more = bounds[(solved, ep, etp)]
+            ideal, pel, slowest, epel, rc_more = bounds[bk]
             # memory lower bound: the model states of an average stage, no activations
             states = max(ph.total for ph in runtime_phases(
                 pel, self.dtype, z, reps, num_microbatches=m,
@@ -1731,9 +1787,9 @@ class Search:
                     # and the bottleneck split's
                     mu = ideal / m + per_mb
                     if not isinstance(slowest, float):      # worked out when a schedule needs it
-                        slowest = bounds[(solved, ep, etp)][2] = slowest()
+                        slowest = bounds[bk][2] = slowest()
                     lb = max(lb, pp * mu + (m - 1) * max(mu, slowest) + tail)
-                cand = Candidate(dp, tp, pp, mb, m, sched, v, z, sp=sp, ep=ep, cp=cp, etp=etp)
+                cand = Candidate(dp, tp, pp, mb, m, sched, v, z, sp=sp, ep=ep, cp=cp, etp=etp, fold=fold)
                 if schedule_kind(sched).interleaved and v > 1:
                     # one policy for every layer: the same bound with that policy's extra time
                     grow = 1 + schedule_kind(sched).bubble_fraction(pp, m, v)
@@ -2147,15 +2203,15 @@ class Search:
         return self._rooted
 
     def _tables(self, mb: int, tp: int, dp: int, zero: int, solved: bool = False, sp: bool = False,
-                ep: int = 1, cp: int = 1, dtensor: bool = False, etp: int = 1) -> "_Tables":
+                ep: int = 1, cp: int = 1, dtensor: bool = False, etp: int = 1, fold: bool = False) -> "_Tables":
         """`solved`: the stage runs op by op as solved (`_op_by_op`), its layers' activations as
         the executor keeps them (`LayerCost.solved_variant`); `sp`: with Megatron-SP; `ep`: the
         routed experts over ep dp ranks (`inter_op.experts`); `cp`: each sequence over cp ranks
         (the tables' gradient-sync group, and ZeRO's, is dp x cp); `dtensor`: run by DTensor
         propagation where the layers' solutions disagree at a boundary (`_layer_costs`)."""
-        key = (mb, tp, dp, zero, solved, sp, ep, cp, dtensor, etp)
+        key = (mb, tp, dp, zero, solved, sp, ep, cp, dtensor, etp, fold)
         if key not in self._tables_cache:
-            costs = self._layer_costs(mb, tp, solved, sp, ep, cp, dtensor, etp)
+            costs = self._layer_costs(mb, tp, solved, sp, ep, cp, dtensor, etp, fold)
             share = self.gbs / dp / cp
             batch = (self.input_bytes[0] * share, sum(self.input_bytes[1:]) * share)
             # the last pipeline chunk computes the loss inside (`runtime.graph_stages`, the
@@ -2164,7 +2220,10 @@ class Search:
             tb = _Tables(costs, self.cluster, self.dtype, dp * cp, tp, zero, self.layers, batch, like=like,
                          rooted=self.rooted_modules)
             if ep > 1:
-                tb.set_experts(ep, self.experts.expert_elems(costs))
+                if fold:
+                    tb.set_experts(ep, self.experts.expert_elems(costs), copies=dp * tp // ep, stride=ep)
+                else:
+                    tb.set_experts(ep, self.experts.expert_elems(costs))
             self._tables_cache[key] = tb
         return self._tables_cache[key]
 
@@ -2178,7 +2237,7 @@ class Search:
                                            kept=context_parallel.kept_kv_bytes(g, lay, mb, dt))
 
     def _layer_costs(self, mb: int, tp: int, solved: bool = False, sp: bool = False, ep: int = 1,
-                     cp: int = 1, dtensor: bool = False, etp: int = 1) -> list[LayerCost]:
+                     cp: int = 1, dtensor: bool = False, etp: int = 1, fold: bool = False) -> list[LayerCost]:
         """The layers' costs at (mb, tp); `solved`: as the executor runs them
         (`LayerCost.solved_variant`); `sp`: with Megatron-SP (`sp_provider`); `ep`: the routed
         experts sharded over ep dp ranks (`ExpertCosting.layer_costs`); `cp`: on one of cp ranks
@@ -2187,7 +2246,7 @@ class Search:
         leaves them (`stage_layouts.arrival_layouts`, the provider's `dtensor_variant`), where
         that differs from what its solution assumed."""
         if dtensor and not solved and tp > 1:
-            key = (mb, tp, False, sp, ep, cp, True, etp)
+            key = (mb, tp, False, sp, ep, cp, True, etp, fold)
             if key not in self._costs_cache:
                 prov = self.sp_provider if sp else self.provider
                 plain = self._layer_costs(mb, tp, sp=sp)
@@ -2200,22 +2259,23 @@ class Search:
                     arr = arrival_layouts(self.graph, self.layers, solutions, mb, tp)
                     costs = [prov.dtensor_variant(l, mb, tp, a) for l, a in zip(self.layers, arr)]
                     if ep > 1:
-                        costs = self.experts.layer_costs(costs, ep, mb, tp, self.cluster, self.dtype, etp)
+                        costs = self.experts.layer_costs(costs, ep, mb, tp, self.cluster, self.dtype, etp, fold)
                     if cp > 1:
                         costs = [self._cp_cost(c, lay, mb, tp, cp) for c, lay in zip(costs, self.layers)]
                     self._costs_cache[key] = costs
             return self._costs_cache[key]
         if cp > 1:
-            key = (mb, tp, solved, sp, ep, cp, etp)
+            key = (mb, tp, solved, sp, ep, cp, etp, fold)
             if key not in self._costs_cache:
                 self._costs_cache[key] = [self._cp_cost(c, lay, mb, tp, cp) for c, lay in
-                                          zip(self._layer_costs(mb, tp, solved, sp, ep, etp=etp), self.layers)]
+                                          zip(self._layer_costs(mb, tp, solved, sp, ep, etp=etp, fold=fold),
+                                              self.layers)]
             return self._costs_cache[key]
         if ep > 1:
-            key = (mb, tp, solved, sp, ep) if etp == 1 else (mb, tp, solved, sp, ep, etp)
+            key = ((mb, tp, solved, sp, ep) if etp == 1 and not fold else (mb, tp, solved, sp, ep, etp, fold))
             if key not in self._costs_cache:
                 self._costs_cache[key] = self.experts.layer_costs(self._layer_costs(mb, tp, solved, sp), ep, mb, tp,
-                                                                  self.cluster, self.dtype, etp)
+                                                                  self.cluster, self.dtype, etp, fold)
             return self._costs_cache[key]
         key = (mb, tp, solved, sp)
         if key not in self._costs_cache:
@@ -2234,7 +2294,7 @@ class Search:
             if cand.bounds.get(r, 0.0) >= bar:
                 # under this policy it cannot beat the best plan: a fit would not be taken (`_walk`)
                 continue
-            ck = (cand.mb, cand.tp, cand.dp, nch, r, cand.zero == 3, cand.ep, cand.cp, cand.etp)
+            ck = (cand.mb, cand.tp, cand.dp, nch, r, cand.zero == 3, cand.ep, cand.cp, cand.etp, cand.fold)
             res = self._chunk_cache.get(ck)
             if ck not in self._chunk_cache:
                 t = (tb.ranged(tb.base) + tb.range_p2p + tb.ranged(tb.rc[r]) + tb.zero_mb(tb.range_pel)
@@ -2264,7 +2324,7 @@ class Search:
             pipeline = m * tmax + (sum(s.t_mb for s in stages) - tmax) / v
             # cp too: its stages are dp x cp x tp devices (`Candidate.replicas`), placed by `_finish`
             trial = Candidate(**{k: getattr(cand, k) for k in ("dp", "tp", "pp", "mb", "m", "schedule", "v", "zero",
-                                                               "sp", "ep", "cp", "etp")})
+                                                               "sp", "ep", "cp", "etp", "fold")})
             self._finish(trial, tb, stages, pipeline)
             if not best_ok or trial.iteration_s < cand.iteration_s:
                 cand.iteration_s, cand.pipeline_s, cand.tail_s, cand.stages = (

@@ -53,6 +53,20 @@ and micro-batch one all-reduce forward, one backward (`inter_op.experts.ETP_FORW
 holding the same experts, as without ETP, hold the rank's tp slices); checkpoints and
 `full_state` of such plans are refused (a stacked weight's whole view would interleave the tp
 slices of a fused gate/up projection).
+
+Folded (`Plan.experts.folded`, Megatron-Core's MoE parallel folding): the expert mesh
+(expert-dp, ep) lies over all the stage's dp x tp ranks in device order (tp innermost), apart
+from the dense (dp, tp) mesh (`expert_meshes`), so ep may exceed dp. The block's inputs arrive
+replicated over tp (the solution runs its ops replicated); each tp rank takes its 1/tp of the
+tokens (`_SplitToTP`), exchanges them over its folded ep group and all-gathers the block's
+output over tp (`_GatherFromTP`); in the backward the gradients of its inputs (hidden states and
+top-k weights, one buffer) are all-gathered over tp: per block and micro-batch one all-gather
+forward, one backward (`inter_op.experts.FOLD_FORWARD`, `FOLD_BACKWARD`). The expert gradients
+are averaged over the ranks ep apart holding the same experts, as without folding (ZeRO-1/2's
+flat shard and ZeRO-3's FSDP units over them). Executed op by op as solved without cp, in one
+stage or in pipeline stages (each stage's folded groups; interleaved too: the tp ranks of a
+device set run the same chunk and micro-batch order, so their all-gathers pair up), under any
+ZeRO stage (`check_executable`).
 """
 
 from __future__ import annotations
@@ -79,6 +93,19 @@ ROLES = ("hidden", "index", "weights")    # the experts interface's argument ord
 def check_executable(plan: Plan) -> None:
     """PlanError unless this runtime executes the plan's expert parallelism."""
     if plan.experts is None or plan.experts.ep == 1:
+        return
+    if plan.experts.folded:
+        solved = all(s.op_layouts is not None for s in plan.stages)
+        why = [w for w, bad in (("DTensor's path (no solved op layouts)", not solved),
+                                ("context parallelism", plan.cp > 1),
+                                ("stage meshes other than (dp, tp)",
+                                 any(tuple(n for n, k in zip(s.mesh_axis_names, s.mesh_shape) if k > 1)
+                                     not in (("dp", "tp"), ("tp",)) for s in plan.stages))) if bad]
+        if why:
+            raise PlanError(f"experts folded over dp x tp (ep={plan.experts.ep}, expert_dp={plan.experts.expert_dp}) "
+                            f"are executed op by op as solved, without cp; the plan has {', '.join(why)}: re-plan "
+                            f"with Constraints(expert_dp=dp // ep) and an ep dividing dp (not folded), or within "
+                            f"those")
         return
     etp = plan.experts.expert_tp
     if etp > 1:
@@ -154,6 +181,50 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+class _SplitToTP(torch.autograd.Function):
+    """Folding: this tp rank's 1/tp of the block's tokens (hidden states and top-k weights,
+    replicated over tp); in the backward the slices' gradients all-gathered over tp into the
+    whole ones (one buffer of both, in the wider dtype)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weights: torch.Tensor, group: dist.ProcessGroup, size: int,
+                rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = hidden.shape[0] // size
+        ctx.group, ctx.size, ctx.width, ctx.k = group, size, hidden.shape[1], weights.shape[1]
+        ctx.dtypes = (hidden.dtype, weights.dtype)
+        return hidden[rank * n:(rank + 1) * n].clone(), weights[rank * n:(rank + 1) * n].clone()
+
+    @staticmethod
+    def backward(ctx: Any, gh: Optional[torch.Tensor], gw: Optional[torch.Tensor]) -> tuple:
+        dt = torch.promote_types(*ctx.dtypes)
+        n = (gh if gh is not None else gw).shape[0]
+        dev = (gh if gh is not None else gw).device
+        gh = gh if gh is not None else torch.zeros(n, ctx.width, dtype=dt, device=dev)
+        gw = gw if gw is not None else torch.zeros(n, ctx.k, dtype=dt, device=dev)
+        mine = torch.cat([gh.to(dt), gw.to(dt)], dim=1).contiguous()
+        full = mine.new_empty((n * ctx.size,) + tuple(mine.shape[1:]))
+        all_gather_flat(full.view(-1), mine.view(-1), group=ctx.group)
+        return (full[:, :ctx.width].to(ctx.dtypes[0]).contiguous(),
+                full[:, ctx.width:].to(ctx.dtypes[1]).contiguous(), None, None, None)
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """Folding: the block's output of this tp rank's tokens all-gathered over tp (replicated
+    again, as the solution has it); the gradient's own rows in the backward (replicated)."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, group: dist.ProcessGroup, size: int, rank: int) -> torch.Tensor:
+        ctx.rank, ctx.n = rank, y.shape[0]
+        mine = y.contiguous()
+        full = mine.new_empty((mine.shape[0] * size,) + tuple(mine.shape[1:]))
+        all_gather_flat(full.view(-1), mine.view(-1), group=group)
+        return full
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return grad[ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n].contiguous(), None, None, None
+
+
 class ExpertParallelExperts(nn.Module):
     """The model's experts module (`inner`, holding this rank's experts [rank E/ep, (rank+1)
     E/ep)) behind the token exchange over `group` (the module docstring). Called as the module
@@ -161,9 +232,12 @@ class ExpertParallelExperts(nn.Module):
 
     def __init__(self, inner: nn.Module, num_experts: int, group: dist.ProcessGroup, ep: int,
                  roles: tuple[str, ...] = ROLES, inner_roles: Optional[tuple[str, ...]] = None,
-                 tp_group: Optional[dist.ProcessGroup] = None) -> None:
+                 tp_group: Optional[dist.ProcessGroup] = None,
+                 fold: Optional[tuple[dist.ProcessGroup, int, int]] = None) -> None:
         """`tp_group`: expert tensor parallelism's group (`inner` holds this rank's tp slices of
-        its experts; None: replicated over tp). `roles`: the order the caller passes hidden,
+        its experts; None: replicated over tp). `fold`: (the tp group, its size, this rank's
+        place in it) where the experts are folded over dp x tp (each tp rank runs 1/tp of the
+        tokens). `roles`: the order the caller passes hidden,
         index and weights in (`argument_roles`: a traced pipeline chunk calls its module with
         them in another order); `inner_roles`:
         the order `inner` takes them in (default `roles`; the interface's own for the eager
@@ -182,6 +256,7 @@ class ExpertParallelExperts(nn.Module):
         self.num_experts, self.ep, self.group = num_experts, ep, group
         self.local = num_experts // ep
         self.tp_group = tp_group
+        self.fold = fold
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         got_args = dict(zip(self.roles, args))
@@ -192,10 +267,24 @@ class ExpertParallelExperts(nn.Module):
             # on plain tensors; the output is handed back replicated
             tp_mesh = next(a.device_mesh for a in args if isinstance(a, DTensor))
             got_args = {r: _replicated_local(a) for r, a in got_args.items()}
-        out = self._exchange(*(got_args[r] for r in ROLES))
+        out = (self._folded(*(got_args[r] for r in ROLES)) if self.fold is not None
+               else self._exchange(*(got_args[r] for r in ROLES)))
         if tp_mesh is not None:
             out = DTensor.from_local(out, tp_mesh, [Replicate()] * tp_mesh.ndim, run_check=False)
         return out
+
+    def _folded(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Folding: this tp rank's 1/tp of the tokens through the exchange, the output
+        all-gathered over tp (the module docstring)."""
+        group, size, rank = self.fold
+        T = hidden.shape[0]
+        if T % size:
+            raise PlanError(f"experts folded over tp={size}: the block's {T} tokens do not divide by tp; re-plan "
+                            f"with a micro-batch whose tokens do, or Constraints(expert_dp=dp // ep)")
+        n = T // size
+        h, w = _SplitToTP.apply(hidden, top_k_weights, group, size, rank)
+        out = self._exchange(h, top_k_index[rank * n:(rank + 1) * n], w)
+        return _GatherFromTP.apply(out, group, size, rank)
 
     def _exchange(self, hidden: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -459,6 +548,13 @@ def expert_meshes(plan: Plan, device_type: str) -> dict[tuple[int, ...], DeviceM
         if key not in out:
             tp = s.axis_size("tp")
             ids = torch.tensor(s.devices, dtype=torch.int)
+            if plan.experts.folded:
+                # the expert mesh over all the stage's ranks (tp innermost), and the dense tp
+                # groups the folded blocks split their tokens over (`ExpertParallelExperts._folded`)
+                out[key] = DeviceMesh(device_type, ids.view(len(s.devices) // ep, ep), mesh_dim_names=("edp", "ep"))
+                out[key].fold_tp = DeviceMesh(device_type, ids.view(len(s.devices) // tp, tp),
+                                              mesh_dim_names=("dp", "tp"))
+                continue
             out[key] = (DeviceMesh(device_type, ids.view(len(s.devices) // ep, ep), mesh_dim_names=("edp", "ep"))
                         if tp == 1 else
                         DeviceMesh(device_type, ids.view(len(s.devices) // (ep * tp), ep, tp),
@@ -514,6 +610,9 @@ def shard_experts(model: nn.Module, plan: Plan, mesh: DeviceMesh, into: Optional
     etp = ex.expert_tp
     tp_group = mesh.get_group("tp") if etp > 1 else None
     tp_rank = mesh.get_local_rank("tp") if etp > 1 else 0
+    fold = None
+    if ex.folded and getattr(mesh, "fold_tp", None) is not None and mesh.fold_tp.size(1) > 1:
+        fold = (mesh.fold_tp.get_group("tp"), mesh.fold_tp.size(1), mesh.fold_tp.get_local_rank("tp"))
     params: list[nn.Parameter] = into.params if into is not None else []
     names: dict[str, int] = into.names if into is not None else {}
     for b in ex.blocks:
@@ -548,7 +647,7 @@ def shard_experts(model: nn.Module, plan: Plan, mesh: DeviceMesh, into: Optional
         if isinstance(getattr(inner, "num_experts", None), int):
             inner.num_experts = per          # Hugging Face's experts read their count from it
         setattr(parent, child, ExpertParallelExperts(inner, b.num_experts, ep_group, ex.ep, roles, inner_roles,
-                                                     tp_group))
+                                                     tp_group, fold))
     return into if into is not None else ExpertGroups(ex.ep, ep_rank, mesh, ep_group, edp_group, params, names,
                                                       etp=etp)
 

@@ -104,7 +104,11 @@ def expected_shards(plan: Plan, model: nn.Module, rank: int, *,
             d = shard_dim(sel.pop()) if len(sel) == 1 else None
             if d is not None and tp_size > 1 and d < len(shape):
                 shape[d] = chunk_len(shape[d], tp_size, tp_c)
-            if zero3 and shape and name in per_rank:
+            if zero3 and shape and name in per_rank and plan.experts.folded:
+                # folded: FSDP over the ranks ep apart in the stage's dp x tp order (tp
+                # innermost: `runtime.experts.expert_meshes`)
+                shape[0] = chunk_len(shape[0], dp_size * tp_size // ep, (dp_c * tp_size + tp_c) // ep)
+            elif zero3 and shape and name in per_rank:
                 # FSDP over the ranks holding the same experts (consecutive groups of ep dp
                 # ranks: `runtime.experts.expert_meshes`); none where each expert has one copy
                 shape[0] = chunk_len(shape[0], dp_size // ep, dp_c // ep)

@@ -132,18 +132,31 @@ def _tp_predicted(plan: Plan, kind: RankKind) -> Optional[dict[str, int]]:
     return dict(sorted((k, v) for k, v in total.items() if v))
 
 
-def _etp_all_reduces(plan: Plan, kind: RankKind) -> int:
-    """Expert tensor parallelism's all-reduces over tp in one step of the rank's stages
-    (`inter_op.experts.ExpertCosting.expert_collectives`: per block and micro-batch one forward,
-    one backward, the forward's again under full recomputation); 0 without it."""
-    if plan.experts is None or plan.experts.ep == 1 or plan.experts.expert_tp == 1:
-        return 0
-    from autopar.inter_op.experts import ETP_BACKWARD, ETP_FORWARD
+def _expert_tp_counts(plan: Plan, kind: RankKind) -> Counter:
+    """The experts' collectives in one step of the rank's stages that run beside the solved
+    layouts' and are counted with them (`inter_op.experts.ExpertCosting.expert_collectives`: per
+    block and micro-batch one forward, one backward, the forward's again under full
+    recomputation): expert tensor parallelism's all-reduces over tp; folded, the all-gathers over
+    tp and the exchange's all-to-alls (its ep group may be a tp group: not told apart by ranks)."""
+    ex = plan.experts
+    if ex is None or ex.ep == 1 or (ex.expert_tp == 1 and not ex.folded):
+        return Counter()
+    from autopar.inter_op.experts import (
+        A2A_BACKWARD,
+        A2A_FORWARD,
+        ETP_BACKWARD,
+        ETP_FORWARD,
+        FOLD_BACKWARD,
+        FOLD_FORWARD,
+    )
 
     stages = [s for s in plan.stages if s.index in kind.stages]
     full = any(s.recompute == "full" for s in stages)
-    per = ETP_FORWARD + ETP_BACKWARD + (ETP_FORWARD if full else 0)
-    return per * len(plan.experts.blocks) * plan.num_microbatches
+    n = len(ex.blocks) * plan.num_microbatches
+    if ex.folded:
+        return Counter({"all_gather": n * (FOLD_FORWARD + FOLD_BACKWARD + (FOLD_FORWARD if full else 0)),
+                        "all_to_all": n * (A2A_FORWARD + A2A_BACKWARD + (A2A_FORWARD if full else 0))})
+    return Counter({"all_reduce": n * (ETP_FORWARD + ETP_BACKWARD + (ETP_FORWARD if full else 0))})
 
 
 def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKind, *,
@@ -215,7 +228,7 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
             # expert parallelism's token exchange on its ep group (`runtime.experts`), context
             # parallelism's on its cp group
             other = [tuple(dist.get_process_group_ranks(pm.dp_group))] if pm.zero3 and pm.dp_group is not None else []
-            if pm.expert_groups is not None:
+            if pm.expert_groups is not None and not plan.experts.folded:
                 other.append(tuple(dist.get_process_group_ranks(pm.expert_groups.ep_group)))
                 if pm.expert_groups.edp_group is not None:
                     # the experts' own gradient sync, ZeRO shard or FSDP units over the ranks
@@ -226,13 +239,14 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
                 other.append(tuple(dist.get_process_group_ranks(pm.cp.group)))
             fb = dict(by_phase(full, other).get("forward_backward", {}))
             fb.pop("send_recv", None)
-            etp = _etp_all_reduces(plan, kind)
-            if etp and fb.get("all_reduce", 0) >= etp:
+            for k, n in _expert_tp_counts(plan, kind).items():
                 # expert tensor parallelism's all-reduces run on the tp group beside the solved
-                # layouts' (`runtime.experts`: the experts' output and their input's gradient)
-                fb["all_reduce"] -= etp
-                if not fb["all_reduce"]:
-                    fb.pop("all_reduce")
+                # layouts' (`runtime.experts`: the experts' output and their input's gradient),
+                # folding's all-gathers too, and its exchange on ep groups that may be tp groups
+                if fb.get(k, 0) >= n:
+                    fb[k] -= n
+                    if not fb[k]:
+                        fb.pop(k)
             check.tp_measured = fb
         # the batch of the plan's micro-batches, alive through the step: `run` of them were held
         extra = full_inputs(rep.detail.get("inputs", 0), run, plan.num_microbatches)

@@ -40,13 +40,20 @@ class Constraints(BaseModel):
     zero_stage: Optional[int] = Field(default=None, ge=0, le=3)
     ep: Optional[int] = Field(default=None, ge=1, description="expert-parallel degree of a mixture-of-experts "
                               "model: its routed experts sharded over groups of ep data-parallel ranks (ep "
-                              "divides dp and the expert count), tokens exchanged by all-to-all; None: searched "
+                              "divides dp and the expert count; or, folded, over ep of the stage's dp x tp ranks, "
+                              "ep dividing dp x tp: see expert_dp), tokens exchanged by all-to-all; None: searched "
                               "where the model has experts (1 for a dense model)")
     expert_tp: Optional[int] = Field(default=None, ge=1, description="expert tensor parallelism of a mixture-of-"
                                      "experts model with ep > 1: 1, its experts replicated over tp; tp, each "
                                      "expert's projections split over the tp ranks (Megatron-Core's ETP; the "
                                      "expert weights' hidden dim divisible by tp); None: searched (both where "
                                      "tp > 1 and the dims divide)")
+    expert_dp: Optional[int] = Field(default=None, ge=1, description="copies of each expert (expert data "
+                                     "parallelism) of a mixture-of-experts model: dp / ep, the experts replicated "
+                                     "over tp or split over it (expert_tp), or dp x tp / ep, the expert mesh folded "
+                                     "over the stage's dp x tp ranks (Megatron-Core's MoE parallel folding, "
+                                     "expert_tp 1; what Megatron calls EDP); None: searched. An ep above dp "
+                                     "(dividing dp x tp) is folded")
     stage_tp: Optional[tuple[int, ...]] = Field(
         default=None, min_length=1, description="the tensor-parallel degree of each pipeline stage, in "
         "model order (Alpa's sub-mesh choice: stages may differ, e.g. (1, 1, 2)); sets pp to its length and "

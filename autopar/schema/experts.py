@@ -15,6 +15,15 @@ tensor parallelism): each expert's input projection column-parallel and its outp
 row-parallel over the stage's tp ranks (the dim of each stacked weight that is not the token
 width, `ExpertBlockPlan.tp_split`), the experts' output all-reduced over tp in the forward and
 the gradient of their (replicated) input in the backward.
+
+Folded (`folded`, Megatron-Core's MoE parallel folding, Liu et al. 2025, arXiv 2504.14960): the
+expert layers get their own mesh over the stage's ranks, (expert_dp, ep) with ep x expert_dp =
+dp x tp, independent of the dense (dp, tp) one: ep consecutive ranks of the stage (in its device
+order, tp innermost) share one copy of every expert, so ep may exceed dp (drawn across the tp and
+dp ranks), and the ranks ep apart hold the same experts (expert data parallelism over the tp
+ranks too). The experts are not split over tp (expert_tp 1); each tp rank takes 1/tp of the
+block's tokens (replicated over tp in the dense layers), exchanges them over its ep group, and
+the block's output is all-gathered over tp (the gradient of its inputs likewise in the backward).
 """
 
 from __future__ import annotations
@@ -47,8 +56,9 @@ class ExpertParallelism(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    ep: int = Field(ge=1, description="ranks sharing one copy of every expert (divides dp)")
-    expert_dp: int = Field(ge=1, description="copies of each expert (dp / ep): its gradients are averaged over them")
+    ep: int = Field(ge=1, description="ranks sharing one copy of every expert (divides dp; folded: divides dp x tp)")
+    expert_dp: int = Field(ge=1, description="copies of each expert (dp / ep; folded: dp x tp / ep): its "
+                           "gradients are averaged over them")
     blocks: list[ExpertBlockPlan] = Field(min_length=1)
     exchange: TokenExchange = "dropless_all_to_all"
     imbalance: float = Field(ge=1.0, description="the most-loaded rank's token-expert pairs over the mean, "
@@ -60,6 +70,10 @@ class ExpertParallelism(BaseModel):
                            "over tp; tp, each expert's projections split over the stage's tp ranks (input "
                            "projections column-parallel, output projection row-parallel), its output "
                            "all-reduced over tp (forward) and its input's gradient (backward)")
+    folded: bool = Field(default=False, description="MoE parallel folding: the expert mesh (expert_dp, ep) "
+                         "over the stage's dp x tp ranks (ep consecutive ranks, tp innermost), each tp rank taking "
+                         "1/tp of the block's tokens, the block's output all-gathered over tp (its inputs' "
+                         "gradient in the backward); expert_tp 1")
 
     def summary(self) -> str:
         """What `autopar show` prints about the experts."""
@@ -68,8 +82,11 @@ class ExpertParallelism(BaseModel):
         etp = (f"; each expert tensor-parallel over tp={self.expert_tp} (expert_tp: gate/up projections "
                f"column-parallel, down projection row-parallel, the output all-reduced over tp)"
                if self.expert_tp > 1 else "")
+        where = ("consecutive ranks of the stage's dp x tp ranks (folded: the expert mesh apart from the dense "
+                 "one, each tp rank taking 1/tp of the tokens, the output all-gathered over tp)" if self.folded
+                 else "consecutive dp ranks")
         return (f"experts: {len(self.blocks)} blocks of {b.num_experts} routed experts (top-{b.top_k}), ep={self.ep}: "
-                f"{per} expert{'s' if per > 1 else ''} per rank in groups of {self.ep} consecutive dp ranks, "
+                f"{per} expert{'s' if per > 1 else ''} per rank in groups of {self.ep} {where}, "
                 f"each expert held by {self.expert_dp} rank{'s' if self.expert_dp > 1 else ''} (expert data "
                 f"parallelism); tokens exchanged by all_to_all ({self.exchange.replace('_', ' ')}, "
                 f"{self.dispatch_bytes / 2**20:.3g} MiB sent per rank, block and micro-batch each way, "

@@ -25,6 +25,9 @@ from autopar.schema.mesh_axes import MESH_AXIS_KINDS
 from autopar.schema.placement import Placement  # "R", "S(d)" or "P", validated
 from autopar.schema.software import SoftwareSpec, preset_for_attention_kernel
 
+# 13: `Plan.experts.folded` (MoE parallel folding: the expert mesh over the stage's dp x tp
+# ranks, ep may exceed dp; a reader of 12 or earlier would take ep for a sub-axis of dp); plans
+# of 12 and earlier have none and read as not folded;
 # 12: `Plan.experts.expert_tp` (expert tensor parallelism, each expert split over tp, and the
 # blocks' `tp_split`; a reader of 11 or earlier would run the experts replicated over tp);
 # plans of 11 and earlier have none and read as expert_tp 1;
@@ -39,7 +42,7 @@ from autopar.schema.software import SoftwareSpec, preset_for_attention_kernel
 # have none and read as such); 7: the software the plan assumes (`Plan.software`; the device's
 # attention_kernel moved there) and `Plan.sequence_parallel`; 4: pipeline chunks carry
 # op_layouts (`StageLayouts.receives`); 3 added op_layouts
-PLAN_FORMAT_VERSION = 12
+PLAN_FORMAT_VERSION = 13
 
 TrainingDtype = Literal["fp32", "bf16", "fp16"]
 TRAINING_DTYPES: tuple[str, ...] = get_args(TrainingDtype)
@@ -289,7 +292,12 @@ class Plan(_Model):
             if missing:
                 raise ValueError(f"stage {missing[0]} has no fsdp_units, which a ZeRO-3 plan needs (plans of "
                                  f"format_version 1 predate them); re-plan with `autopar plan`")
-        if self.experts is not None and (dp % self.experts.ep or self.experts.expert_dp * self.experts.ep != dp):
+        if self.experts is not None and self.experts.folded:
+            ranks = dp * self.stages[0].axis_size("tp")
+            if self.experts.expert_dp * self.experts.ep != ranks or self.experts.expert_tp != 1:
+                raise ValueError(f"experts (folded): ep={self.experts.ep} x expert_dp={self.experts.expert_dp} must "
+                                 f"equal the stage's dp x tp = {ranks} ranks, with expert_tp 1")
+        elif self.experts is not None and (dp % self.experts.ep or self.experts.expert_dp * self.experts.ep != dp):
             raise ValueError(f"experts: ep={self.experts.ep} x expert_dp={self.experts.expert_dp} must equal the "
                              f"data-parallel degree {dp}")
         if self.experts is not None and self.experts.expert_tp > 1:
