@@ -38,8 +38,10 @@ constants, is refused (the cp attention runs causal or unmasked attention only).
 
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.fx
@@ -51,6 +53,8 @@ _ARANGES = {"default": ("end",), "start": ("start", "end"), "start_step": ("star
             "start_out": ("start", "end", "step"), "out": ("end",)}
 _SDPA = "scaled_dot_product_attention"
 _BIG = 2 ** 62
+# the whole sequence's length while a program of a cp rank's tokens is traced (`whole_sequence`)
+_WHOLE: ContextVar[Optional[int]] = ContextVar("autopar_whole_sequence", default=None)
 
 
 @dataclass
@@ -378,3 +382,56 @@ def reads_positions(root: nn.Module) -> bool:
 
     op = traced_op()
     return any(n.op == "call_function" and n.target is op for _, _, g in _graphs(root) for n in g.nodes)
+
+
+@contextlib.contextmanager
+def whole_sequence(s: int) -> Iterator[None]:
+    """Within it, a program traced at a cp rank's tokens (`intra_op.execute.meta_program`)
+    whose model makes its own positions is compared with its trace at the whole sequence's `s`
+    tokens and rewritten (`adopt`)."""
+    token = _WHOLE.set(s)
+    try:
+        yield
+    finally:
+        _WHOLE.reset(token)
+
+
+def whole_length() -> Optional[int]:
+    """The whole sequence's length set by `whole_sequence`, else None."""
+    return _WHOLE.get()
+
+
+def widened(inputs: Any, l: int, s: int) -> Any:
+    """`inputs` with every tensor of `l` tokens (dim 1) made one of `s` (zeros: for tracing)."""
+    if isinstance(inputs, dict):
+        return {k: widened(v, l, s) for k, v in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(widened(v, l, s) for v in inputs)
+    if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] == l:
+        return inputs.new_zeros((inputs.shape[0], s, *inputs.shape[2:]))
+    return inputs
+
+
+def tokens_of(inputs: Any) -> Optional[int]:
+    """The tokens a sequence of the first (batch, sequence, ...) tensor of `inputs` holds."""
+    vals = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+    return next((int(x.shape[1]) for x in vals if isinstance(x, torch.Tensor) and x.dim() >= 2), None)
+
+
+def adopt(traced: nn.Module, trace_whole: Callable[[int], nn.Module], l: int, s: int,
+          inputs: dict[str, int]) -> dict[int, tuple[int, Any]]:
+    """Make program `traced` (at `l` tokens a sequence) take the rank's positions where its
+    model makes its own (`find`, against `trace_whole(s)`, the same program at `s` tokens;
+    `rewrite`): the input shifts the runtime must then do on the whole sequence. Nothing where
+    it holds the positions op already (the model reads `token_positions`, or was adopted)."""
+    if reads_positions(traced):
+        return dict(getattr(traced, "autopar_input_shifts", {}))
+    found = find(traced, trace_whole(s), l, s, inputs)
+    if not found.positions:
+        raise PlanError("under context parallelism the model must take its token positions from "
+                        "autopar.models.positions.token_positions, or make them as an arange of the sequence's "
+                        f"length; this one has none that follows the sequence ({l} tokens traced against {s}), "
+                        "so its position encodings cannot be set for a rank's chunks: re-plan with cp=1")
+    rewrite(traced, found, l)
+    traced.autopar_input_shifts = dict(found.shifts)
+    return dict(found.shifts)

@@ -109,7 +109,10 @@ def blockers(graph: OpGraph, layers: list[Layer]) -> str:
                 return f"{n.name} takes an explicit attention mask"
             if len(n.args) > 4 and n.args[4] or n.kwargs.get("dropout_p"):
                 return f"{n.name} applies dropout to its attention weights"
-    if graph.reads_positions is False:
+    if graph.reads_positions is False and graph.own_positions:
+        return ("the model does not take its token positions from autopar.models.positions.token_positions "
+                f"and its own cannot be set for a rank's chunks: {graph.own_positions}")
+    if graph.reads_positions is False and graph.own_positions is None:
         return ("the model does not take its token positions from autopar.models.positions.token_positions "
                 "(it makes its own, or has none), so under cp every rank's chunks would be encoded at the "
                 "sequence's start; make its forward read them (Hugging Face models: autopar's hf: references "
@@ -170,6 +173,7 @@ def token_mixers(graph: OpGraph) -> list[OpNode]:
 
     batch = batch_dims_of(graph)
     b = graph.batch_size or 2
+    shifted = input_shifts(graph) if graph.reads_positions is False and graph.own_positions == "" else set()
     tok: dict[tuple[str, int], set[int]] = {}
     out: list[OpNode] = []
     experts = tuple(x.module for x in find_expert_blocks(graph))
@@ -177,6 +181,13 @@ def token_mixers(graph: OpGraph) -> list[OpNode]:
         warnings.simplefilter("ignore")
         for n, outs, keys, in_metas in token_ops(graph, batch, b, tok):
             live = [(k, tok[key]) for k, key in enumerate(keys) if key in tok]
+            if n.name in shifted:
+                # a shift of a model input the runtime does on the whole sequence instead
+                # (`capture.own_positions`): its slice is the input's tokens
+                for o, meta in enumerate(outs):
+                    if len(meta.shape) >= 2:
+                        tok[(n.name, o)] = {len(meta.shape) - 1}
+                continue
             if n.op == ATTENTION_OP:
                 # the runtime's cp attention: its output's tokens are the query's
                 tok[(n.name, 0)] = set(tok.get(keys[0], ()))
@@ -221,6 +232,25 @@ def token_mixers(graph: OpGraph) -> list[OpNode]:
             if not local and not all(len(o.shape) == 0 for o in outs):
                 out.append(n)
     graph._cp_token_mixers = out
+    return out
+
+
+def input_shifts(graph: OpGraph) -> set[str]:
+    """The ops of the model's shifts of its inputs along the sequence (`pad(x, [0, k])` read
+    through `[..., k:]`: Hugging Face's loss shifting its labels), which the runtime takes out
+    of a model that makes its own positions and does on the whole sequence before the split
+    (`capture.own_positions`, `runtime.context_parallel.ContextParallel.split_input`)."""
+    inputs = {n.name for n in graph.nodes if n.kind == "input"}
+    out: set[str] = set()
+    for n in graph.calls:
+        if n.op not in ("pad", "constant_pad_nd") or not n.inputs or n.inputs[0] not in inputs:
+            continue
+        pad = n.args[1] if len(n.args) > 1 else n.kwargs.get("pad")
+        if not isinstance(pad, (list, tuple)) or len(pad) != 2 or pad[0] != 0 or not isinstance(pad[1], int):
+            continue
+        users = [u for u in graph.calls if n.name in u.inputs]
+        if users and all(u.op == "slice" and len(u.args) > 2 and u.args[2] == pad[1] for u in users):
+            out |= {n.name, *(u.name for u in users)}
     return out
 
 

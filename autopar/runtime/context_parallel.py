@@ -110,6 +110,9 @@ class ContextParallel:
         self._checked = False           # whether a forward was seen to read the positions
         self.order = sequence_order(size)     # the gathered chunks in sequence order
         self._masks: dict[tuple, torch.Tensor] = {}     # `causal_mask`'s, by shape, dtype, device
+        # model inputs the model shifts along the sequence itself, shifted here on the whole
+        # sequence before the split (`capture.own_positions`): input index -> (places, fill)
+        self.shifts: dict[int, tuple[int, Any]] = {}
 
     def local_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """`x`'s tokens (dim 1, the whole sequence) this rank holds; other tensors as they are."""
@@ -117,6 +120,26 @@ class ContextParallel:
             return x
         c = self.seq // (2 * self.size)
         return torch.cat([x.narrow(1, i * c, c) for i in chunk_order(self.rank, self.size)], dim=1)
+
+    def split_input(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Model input `i` (a batch of whole sequences) as this rank holds it: shifted first
+        where the model shifts it along the sequence itself (`shifts`: taken out of the program
+        it runs, `capture.own_positions`), so that each chunk's last token reads the next
+        chunk's first, then its tokens (`local_tokens`)."""
+        if i in self.shifts and x.dim() >= 2 and x.shape[1] == self.seq:
+            k, fill = self.shifts[i]
+            tail = torch.full((x.shape[0], k, *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
+            x = torch.cat([x.narrow(1, k, self.seq - k), tail], dim=1)
+        return self.local_tokens(x)
+
+    def adopt_positions(self, traced: nn.Module, trace_whole: Callable[[int], nn.Module],
+                        inputs: dict[str, int]) -> None:
+        """Program `traced` (a rank's tokens) made to take the rank's positions where the model
+        makes its own (`capture.own_positions.adopt`, against `trace_whole(seq)`, its trace at
+        the whole sequence), the inputs it shifts itself noted (`split_input`)."""
+        from autopar.capture.own_positions import adopt
+
+        self.shifts.update(adopt(traced, trace_whole, self.seq // self.size, self.seq, inputs))
 
     def key_prefixes(self, x: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, ...]:
         """`x` all-gathered over the cp ranks (dim -2: every rank's tokens in rank order) in

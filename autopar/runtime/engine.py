@@ -106,6 +106,17 @@ def default_optimizer(params: list[nn.Parameter], fused: Optional[bool] = None) 
     return torch.optim.AdamW(params, lr=1e-3, foreach=False)
 
 
+class _InputsReordered(nn.Module):
+    """`inner` fed the model inputs it reads, in its order (`order`: their indices)."""
+
+    def __init__(self, inner: nn.Module, order: list[int]) -> None:
+        super().__init__()
+        self.inner, self.order = inner, order
+
+    def forward(self, *inputs: Any) -> Any:
+        return self.inner(*(inputs[i] for i in self.order))
+
+
 class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
     """One rank's share of a planned training job. Every rank of the job builds one (a
     collective). `step(batch)` takes the global batch and returns the loss (mean over it).
@@ -227,10 +238,13 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         if s.op_layouts is not None:
             self._build_solved(s)
             return
+        order: Optional[list[int]] = None
         if self.cp is not None:
+            model, order = self._own_positions_program(model)
             self.cp.install(model)      # before recomputation wraps its modules (`ContextParallel.install`)
         apply_recompute(model, s.recompute_modules, s.recompute_ops)
-        materialize(model, seed=self.seed, device=self.device, aliases=self.aliases)
+        materialize(model, seed=self.seed, device=self.device, aliases=self.aliases,
+                    template=self.model if model is not self.model else None)
         if self.tp_size > 1:
             distribute_params(model, self.my_mesh.tp_mesh, self._tp_placements(s), aliases=self.aliases,
                               src_data_rank=None)
@@ -241,10 +255,54 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         runner: nn.Module = model
         if self.tp_size > 1:
             runner = SPMDModule(model, self.my_mesh.tp_mesh, [None] * len(self.bundle.example_inputs))
+        if order is not None:
+            runner = _InputsReordered(runner, order)
         self.runner = runner
         self.local_modules = [model]
         self.pipe_stages = []
         self.schedule = None
+
+    def _own_positions_program(self, model: nn.Module) -> tuple[nn.Module, Optional[list[int]]]:
+        """(the module a context-parallel stage runs, the model inputs its forward takes in
+        order or None for all of them as given): the model itself where its forward reads its
+        positions from `models.positions.token_positions` (a forward on meta tells); else, a
+        model that makes its own (a Hugging Face model wrapped by its user), its program traced
+        at the rank's tokens as one chunk (`graph_stages.split_model`: a GraphModule calling
+        the model's submodules under their FQNs, so recomputation, FSDP units and checkpoints
+        address it as the model) with its positions `arange`s the op that reads the rank's and
+        the inputs it shifts itself shifted on the whole sequence
+        (`ContextParallel.adopt_positions`). Expert parallelism there is refused."""
+        from autopar.capture.own_positions import reads_positions, widened
+        from autopar.models.positions import traced_positions
+        from autopar.runtime.graph_stages import split_model
+
+        local = self._example_microbatch()
+        try:
+            with traced_positions():
+                chunk = split_model(model, local, [], self.device, param_dtype=self.low)[0]
+        except PlanError:
+            # not traceable: its own forward runs, refused at the first one where it reads no
+            # positions (`ContextParallel.install`)
+            return model, None
+        if reads_positions(chunk.module):
+            return model, None
+        if self.plan.ep > 1:
+            raise PlanError("context parallelism with expert parallelism needs a model that takes its token "
+                            "positions from autopar.models.positions.token_positions; this one makes its own: "
+                            "re-plan with ep=1 or cp=1")
+        if any(kind != "input" for kind, _ in chunk.sources):
+            raise PlanError(f"the traced program of {type(model).__name__} reads {chunk.sources}, not the model's "
+                            f"inputs alone: re-plan with cp=1")
+        holders = [n.name for n in chunk.module.graph.nodes if n.op == "placeholder"]
+        size = self.cp.seq // self.cp.size
+
+        def whole(s: int) -> nn.Module:
+            with traced_positions():
+                return split_model(model, widened(local, size, s), [], self.device, param_dtype=self.low)[0].module
+
+        self.cp.adopt_positions(chunk.module, whole, {h: i for h, (_, i) in zip(holders, chunk.sources)})
+        order = [i for _, i in chunk.sources]
+        return chunk.module, (None if order == list(range(len(local))) else order)
 
     def _shard_experts(self, module: nn.Module, only: Optional[Callable[[str], bool]] = None,
                        template: Optional[nn.Module] = None) -> None:
@@ -418,7 +476,7 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
                     rows = G // D
                     x = x.narrow(0, self.batch_rank * rows, rows)
                     if self.cp is not None:
-                        x = self.cp.local_tokens(x)
+                        x = self.cp.split_input(i, x)
                     x = x.to(self.device, copy=True)
             out.append(x)
         return LocalBatch(out)
