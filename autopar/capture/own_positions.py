@@ -334,7 +334,7 @@ def _is_causal(mask: torch.Tensor, s: int) -> bool:
 def rewrite(traced: nn.Module, found: OwnPositions, l: int) -> None:
     """`traced` (in place) as context parallelism runs it: each positions `arange` the
     `autopar::token_positions` op of `l` tokens (the rank's positions when it runs), each input
-    shift's slices read the input itself (shifted on the whole sequence by the runtime), each
+    shift's slices' users read the input itself (shifted on the whole sequence by the runtime), each
     causal-masked attention `is_causal=True` without its mask. Idempotent."""
     from autopar.models.positions import traced_op
 
@@ -351,11 +351,10 @@ def rewrite(traced: nn.Module, found: OwnPositions, l: int) -> None:
                 n.kwargs = {"device": n.kwargs.get("device") or torch.device("cpu"), "dtype": dtype}
                 changed = True
             elif ("shift", path, n.name) in want and n.op == "call_function" and n.target is not op:
-                x = n.args[0]
+                # its slices' users read the input (the pad and slices stay, unread: a plan's
+                # solution names them)
                 for u in list(n.users):
-                    u.replace_all_uses_with(x)
-                    g.erase_node(u)
-                g.erase_node(n)
+                    u.replace_all_uses_with(n.args[0])
                 changed = True
             elif ("mask", path, n.name) in want and _packet(n) == _SDPA:
                 args = list(n.args)
@@ -370,7 +369,6 @@ def rewrite(traced: nn.Module, found: OwnPositions, l: int) -> None:
                 n.args, n.kwargs = tuple(args), kwargs
                 changed = True
         if changed:
-            g.eliminate_dead_code()
             g.lint()
             if hasattr(mod, "recompile"):
                 mod.recompile()
@@ -385,7 +383,7 @@ def reads_positions(root: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def whole_sequence(s: int) -> Iterator[None]:
+def whole_sequence(s: Optional[int]) -> Iterator[None]:
     """Within it, a program traced at a cp rank's tokens (`intra_op.execute.meta_program`)
     whose model makes its own positions is compared with its trace at the whole sequence's `s`
     tokens and rewritten (`adopt`)."""
