@@ -422,14 +422,29 @@ def adopt(traced: nn.Module, trace_whole: Callable[[int], nn.Module], l: int, s:
     model makes its own (`find`, against `trace_whole(s)`, the same program at `s` tokens;
     `rewrite`): the input shifts the runtime must then do on the whole sequence. Nothing where
     it holds the positions op already (the model reads `token_positions`, or was adopted)."""
-    if reads_positions(traced):
-        return dict(getattr(traced, "autopar_input_shifts", {}))
-    found = find(traced, trace_whole(s), l, s, inputs)
-    if not found.positions:
+    return adopt_chunks([traced], lambda length: [trace_whole(length)], l, s, [inputs])
+
+
+def adopt_chunks(traced: list[nn.Module], trace_whole: Callable[[int], list[nn.Module]], l: int, s: int,
+                 inputs: list[dict[str, int]]) -> dict[int, tuple[int, Any]]:
+    """`adopt` for a program cut into chunks (pipeline stages, in order; `trace_whole(s)`: the
+    same cut at `s` tokens; `inputs`: each chunk's placeholders that are model inputs): the
+    positions may be made in one chunk and read in later ones."""
+    if any(reads_positions(t) for t in traced):
+        shifts: dict[int, tuple[int, Any]] = {}
+        for t in traced:
+            shifts.update(getattr(t, "autopar_input_shifts", {}))
+        return shifts
+    wholes = trace_whole(s)
+    founds = [find(t, w, l, s, ins) for t, w, ins in zip(traced, wholes, inputs)]
+    if not any(f.positions for f in founds):
         raise PlanError("under context parallelism the model must take its token positions from "
                         "autopar.models.positions.token_positions, or make them as an arange of the sequence's "
                         f"length; this one has none that follows the sequence ({l} tokens traced against {s}), "
                         "so its position encodings cannot be set for a rank's chunks: re-plan with cp=1")
-    rewrite(traced, found, l)
-    traced.autopar_input_shifts = dict(found.shifts)
-    return dict(found.shifts)
+    shifts = {}
+    for t, f in zip(traced, founds):
+        rewrite(t, f, l)
+        t.autopar_input_shifts = dict(f.shifts)
+        shifts.update(f.shifts)
+    return shifts

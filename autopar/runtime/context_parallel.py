@@ -141,6 +141,22 @@ class ContextParallel:
 
         self.shifts.update(adopt(traced, trace_whole, self.seq // self.size, self.seq, inputs))
 
+    def adopt_chunks(self, chunks: list, split: Callable[[tuple], list], example: tuple) -> None:
+        """`adopt_positions` for traced pipeline chunks (`graph_stages.Chunk`s cut from the
+        model at a rank's tokens `example`; `split(inputs)`: the same cut at other inputs)."""
+        from autopar.capture.own_positions import adopt_chunks, widened
+        from autopar.models.positions import traced_positions
+
+        l = self.seq // self.size
+
+        def whole(s: int) -> list[nn.Module]:
+            with traced_positions():
+                return [ch.module for ch in split(widened(example, l, s))]
+
+        inputs = [{h.name: i for h, (kind, i) in zip([n for n in ch.module.graph.nodes if n.op == "placeholder"],
+                                                     ch.sources) if kind == "input"} for ch in chunks]
+        self.shifts.update(adopt_chunks([ch.module for ch in chunks], whole, l, self.seq, inputs))
+
     def key_prefixes(self, x: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, ...]:
         """`x` all-gathered over the cp ranks (dim -2: every rank's tokens in rank order) in
         sequence order, its first `lengths[j]` tokens for each j (`_KeyPrefixes`)."""
