@@ -38,8 +38,11 @@ rank's count of counted tokens over the cp axis per loss call and micro-batch (`
 its latency in the layer's forward communication, `layer_cost`).
 
 Which sequences it applies to: models whose attention cores are torch's fused attention op
-(`scaled_dot_product_attention`, causal or without a mask), with the sequence dividing by
-2 cp (`blockers`).
+(`scaled_dot_product_attention`, causal or without a mask, or with a mask computed from the
+positions alone that is the causal one), with the sequence dividing by 2 cp, that take their
+positions from `models.positions.token_positions` or make them as an `arange` that follows the
+sequence length, found at capture by two traces (`capture.own_positions`; the runtime then
+runs the model's traced program with that `arange` made the rank's positions) (`blockers`).
 """
 
 from __future__ import annotations

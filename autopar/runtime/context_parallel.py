@@ -4,7 +4,11 @@ Each of the cp ranks holds two of the 2 cp equal chunks of every sample, i and 2
 (Llama 3's causal load balance, Dubey et al. 2024 section 3.3.2), taken from its data-parallel
 rows (`ContextParallel.local_tokens`). Every op but attention is token-local and runs as is on
 the rank's tokens; the model reads their positions in the whole sequence through
-`models.positions.token_positions` (set for the step by `ContextParallel.active`). Each fused
+`models.positions.token_positions` (set for the step by `ContextParallel.active`); a model that
+makes its own (a Hugging Face model wrapped by its user) runs as its program traced at the
+rank's tokens, its positions `arange`s made the op that reads them and a shift of its labels
+inside it done on the whole sequence before the split (`capture.own_positions`,
+`ContextParallel.adopt_positions`, `split_input`). Each fused
 attention call (`F.scaled_dot_product_attention`, causal or unmasked) is taken over by a torch
 function mode entered by every module's forward (`ContextParallel.install`: a recomputation
 re-runs a checkpointed module's forward inside the backward, where no mode entered around the
@@ -217,9 +221,10 @@ class ContextParallel:
             if not self._checked:
                 if reads() == before:
                     raise PlanError("under context parallelism the model must take its token positions from "
-                                    "autopar.models.positions.token_positions (the zoo's Llama and GPT do); this "
-                                    "one did not, so its position encodings would place every rank's chunks at "
-                                    "the sequence's start: re-plan with cp=1")
+                                    "autopar.models.positions.token_positions (the zoo's Llama and GPT do) or "
+                                    "make them as an arange in a program the pipeline tracer can trace (a Hugging "
+                                    "Face model does); this one did neither, so its position encodings would "
+                                    "place every rank's chunks at the sequence's start: re-plan with cp=1")
                 self._checked = True
             return out
         return forward
