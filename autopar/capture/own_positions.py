@@ -189,25 +189,40 @@ def _tail_slice(u: torch.fx.Node, k: int, ndim: int, l: int) -> bool:
         and step == 1
 
 
+def _caller(mods: dict[str, nn.Module], path: str) -> Optional[tuple[str, torch.fx.Node]]:
+    """(the path of the nearest enclosing module whose graph calls module `path`, that call:
+    its target relative to it, `h.0` where `h` is a container), None where not one call."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        parent, rel = ".".join(parts[:i]), ".".join(parts[i:])
+        pg = getattr(mods.get(parent), "graph", None)
+        calls = [c for c in pg.nodes if c.op == "call_module" and c.target == rel] \
+            if isinstance(pg, torch.fx.Graph) else []
+        if calls:
+            return (parent, calls[0]) if len(calls) == 1 and not calls[0].kwargs else None
+    return None
+
+
+def _argument(mods: dict[str, nn.Module], path: str, x: torch.fx.Node) -> Optional[tuple[str, Any]]:
+    """(caller's path, the value its call passes) for placeholder `x` of module `path`'s graph."""
+    up = _caller(mods, path)
+    holders = [p for p in x.graph.nodes if p.op == "placeholder"]
+    if up is None or x not in holders:
+        return None
+    j = holders.index(x)
+    return up[0], (up[1].args[j] if j < len(up[1].args) else None)
+
+
 def _input_index(root: nn.Module, path: str, x: torch.fx.Node, inputs: dict[str, int]) -> Optional[int]:
     """The model input a placeholder of the graph of module `path` (of `root`) is, following the
     call_module arguments of an unflattened program up to the root; None where it is not one."""
-    if path == "":
-        return inputs.get(x.name)
     mods = dict(root.named_modules(remove_duplicate=False))
-    parent, _, attr = path.rpartition(".")
-    pg = getattr(mods.get(parent), "graph", None)
-    if not isinstance(pg, torch.fx.Graph):
-        return None
-    calls = [c for c in pg.nodes if c.op == "call_module" and c.target == attr]
-    holders = [p for p in x.graph.nodes if p.op == "placeholder"]
-    if len(calls) != 1 or calls[0].kwargs or x not in holders:
-        return None
-    j = holders.index(x)
-    arg = calls[0].args[j] if j < len(calls[0].args) else None
-    if not isinstance(arg, torch.fx.Node) or arg.op != "placeholder":
-        return None
-    return _input_index(root, parent, arg, inputs)
+    while path:
+        got = _argument(mods, path, x)
+        if got is None or not isinstance(got[1], torch.fx.Node) or got[1].op != "placeholder":
+            return None
+        path, x = got
+    return inputs.get(x.name)
 
 
 def _find_masks(traced: nn.Module, whole: nn.Module, found: OwnPositions, s: int) -> None:
@@ -244,18 +259,10 @@ def _resolve(root: nn.Module, path: str, node: Optional[torch.fx.Node]) -> Optio
     unflattened submodule followed to its caller's argument (None where not one call's)."""
     mods = dict(root.named_modules(remove_duplicate=False))
     while node is not None and node.op == "placeholder" and path:
-        parent, _, attr = path.rpartition(".")
-        pg = getattr(mods.get(parent), "graph", None)
-        if not isinstance(pg, torch.fx.Graph):
+        got = _argument(mods, path, node)
+        if got is None:
             return None
-        calls = [c for c in pg.nodes if c.op == "call_module" and c.target == attr]
-        holders = [p for p in node.graph.nodes if p.op == "placeholder"]
-        if len(calls) != 1 or calls[0].kwargs or node not in holders:
-            return None
-        j = holders.index(node)
-        arg = calls[0].args[j] if j < len(calls[0].args) else None
-        node = arg if isinstance(arg, torch.fx.Node) else None
-        path = parent
+        path, node = got[0], (got[1] if isinstance(got[1], torch.fx.Node) else None)
     return (path, node) if node is not None else None
 
 
