@@ -275,6 +275,8 @@ def _from_positions(path: str, mask: torch.fx.Node, positions: set) -> bool:
         if n in seen:
             continue
         seen.add(n)
+        if n.op == "call_function" and n.target is torch.ops.aten.sym_size.int and n.args[1:] == (0,):
+            continue        # the batch size (an expand to it), not the inputs' values
         if n.op in ("placeholder", "get_attr", "call_module", "call_method"):
             return False
         if n.op == "call_function" and _arange(n) is not None and (path, n.name) not in positions \
@@ -294,8 +296,9 @@ def _evaluate(node: torch.fx.Node) -> Optional[torch.Tensor]:
         if n in seen:
             return
         seen.add(n)
-        for i in n.all_input_nodes:
-            visit(i)
+        if n.target is not torch.ops.aten.sym_size.int:
+            for i in n.all_input_nodes:
+                visit(i)
         order.append(n)
 
     visit(node)
@@ -316,6 +319,9 @@ def _evaluate(node: torch.fx.Node) -> Optional[torch.Tensor]:
             return None
         if n.target is torch.ops.aten._assert_tensor_metadata.default:
             env[n] = None
+            continue
+        if n.target is torch.ops.aten.sym_size.int:
+            env[n] = 1      # the batch (`_from_positions`): the mask broadcasts over it
             continue
         try:
             env[n] = n.target(*fix(n.args), **{k: fix(v) for k, v in n.kwargs.items()})

@@ -106,9 +106,12 @@ def blockers(graph: OpGraph, layers: list[Layer]) -> str:
                 f"tokens, the sequence the runtime splits over the cp ranks")
     if any(_softmax_over(graph, n, s) for n in graph.calls):
         return "the model's attention is not one fused attention op (a softmax over the sequence was captured)"
+    # a model that makes its own positions: its masks were found to be the causal one of them
+    # (`capture.own_positions`), which the runtime runs as causal attention
+    own = graph.reads_positions is False and graph.own_positions == ""
     for lay in layers:
         for n in attention_nodes(graph, lay):
-            if len(n.args) > 3 and isinstance(n.args[3], Ref) or n.kwargs.get("attn_mask") is not None:
+            if (len(n.args) > 3 and isinstance(n.args[3], Ref) or n.kwargs.get("attn_mask") is not None) and not own:
                 return f"{n.name} takes an explicit attention mask"
             if len(n.args) > 4 and n.args[4] or n.kwargs.get("dropout_p"):
                 return f"{n.name} applies dropout to its attention weights"
