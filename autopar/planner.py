@@ -453,7 +453,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                         **({"selective_fallback": _selective_fallback(rc_fallback)} if rc_fallback else {}),
                         **({"tp_executor": why_not} if why_not else {}),
                         **({"ep_executor": ep_why} if ep_why else {}),
-                        **({"cp_executor": _cp_executor(c)} if _cp_executor(c) else {}),
+                        **({"cp_executor": _cp_executor(c, graph)} if _cp_executor(c, graph) else {}),
                         **({"skipped": _skipped(res.skipped)} if res.skipped else {})})
 
 
@@ -497,12 +497,12 @@ def _ep_executor(c: Candidate, solved: bool) -> str:
             f"or cp)") if why else ""
 
 
-def _cp_executor(c: Candidate) -> str:
+def _cp_executor(c: Candidate, graph: OpGraph) -> str:
     """Why `autopar run` does not execute a candidate's context parallelism ("" where it does:
     `inter_op.context_parallel.unexecuted_parts`); only a pinned cp is planned so."""
     from autopar.inter_op.context_parallel import unexecuted_parts
 
-    why = unexecuted_parts(c.ep, c.tp, c.pp) if c.cp > 1 else []
+    why = unexecuted_parts(c.ep, c.tp, c.pp, graph.reads_positions is False) if c.cp > 1 else []
     return f"planned, not yet executed by `autopar run` with {', '.join(why)}" if why else ""
 
 

@@ -542,7 +542,7 @@ def _check_fields() -> None:
 _check_fields()
 
 
-def unexecuted_parts(ep: int, tp: int = 1, pp: int = 1) -> list[str]:
+def unexecuted_parts(ep: int, tp: int = 1, pp: int = 1, own_positions: bool = False) -> list[str]:
     """What of a context-parallel layout `autopar run` (`runtime.context_parallel`) does not
     execute with it (empty where it runs; here, not there, so that the planner asks without
     importing the runtime and torch's attention modules): it runs it on one stage (tensor
@@ -556,5 +556,10 @@ def unexecuted_parts(ep: int, tp: int = 1, pp: int = 1) -> list[str]:
     in one stage, op by op as solved (`runtime.experts.check_executable` refuses DTensor's
     path, `planner._ep_executor` marks it); not yet with tp in pipeline stages.
     (pp2 x cp2 x tp2 was refused while it hung: the stage meshes flattened a size-1 dp
-    axis with cp on the stage's own ranks only, `runtime.meshes.StageMesh.flattens`.)"""
-    return ["expert parallelism with tensor parallelism in pipeline stages"] if ep > 1 and tp > 1 and pp > 1 else []
+    axis with cp on the stage's own ranks only, `runtime.meshes.StageMesh.flattens`.)
+    `own_positions`: the model makes its own positions (`capture.own_positions`), run in one
+    stage without tp as its traced program, whose experts are not sharded there yet."""
+    out = ["expert parallelism with tensor parallelism in pipeline stages"] if ep > 1 and tp > 1 and pp > 1 else []
+    if own_positions and ep > 1 and tp == 1 and pp == 1:
+        out.append("expert parallelism in one stage without tp for a model that makes its own positions")
+    return out
