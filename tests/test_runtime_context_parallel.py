@@ -56,8 +56,8 @@ def _one_process(ref: str) -> list[float]:
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict:
     """The 4-process plans of the tests below (cp alone and with dp / tp, BERT's, Hugging Face
-    Llama's, models that make their own positions, in pipeline stages), each planned as its test describes, run 3 steps in one
-    4-process job (`tests/plans.py`, memory untracked): {name: (plan, rows)}."""
+    Llama's, models that make their own positions, in pipeline stages), each planned as its
+    test describes, run 3 steps in one 4-process job (`tests/plans.py`, memory untracked): {name: (plan, rows)}."""
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
     plans = {name: plan(REF, cl, global_batch_size=8, dtype="fp32",
                         constraints=Constraints(pp=1, num_microbatches=2, **pins)) for name, pins in PINS.items()}

@@ -49,6 +49,7 @@ How each part of the plan is executed:
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -82,6 +83,8 @@ from autopar.runtime.zero import ZeroSharding
 from autopar.schema.errors import PlanError
 from autopar.schema.mesh_axes import GRADIENT_SYNC_KINDS
 from autopar.schema.plan import Plan, StagePlan
+
+log = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -241,7 +244,9 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         order: Optional[list[int]] = None
         if self.cp is not None:
             model, order = self._own_positions_program(model)
-            self.cp.install(model)      # before recomputation wraps its modules (`ContextParallel.install`)
+            # before recomputation wraps its modules (`ContextParallel.install`); a traced program
+            # holds the positions op (`adopt_positions` checked: its fake kernel reads none)
+            self.cp.install(model, check=model is self.model)
         apply_recompute(model, s.recompute_modules, s.recompute_ops)
         materialize(model, seed=self.seed, device=self.device, aliases=self.aliases,
                     template=self.model if model is not self.model else None)
@@ -280,9 +285,11 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         try:
             with traced_positions():
                 chunk = split_model(model, local, [], self.device, param_dtype=self.low)[0]
-        except PlanError:
+        except PlanError as e:
             # not traceable: its own forward runs, refused at the first one where it reads no
             # positions (`ContextParallel.install`)
+            log.info("context parallelism: %s could not be traced at a rank's tokens (%s); its own forward "
+                     "runs", type(model).__name__, e)
             return model, None
         if reads_positions(chunk.module):
             return model, None
