@@ -6,8 +6,10 @@ Plans come from `autopar.plan` (`autopar.planner.plan`, the model captured once)
 bundled CPU cluster profile (`cpu`, its devices per node set to the job's 2 or 4 processes),
 for the zoo's `gpt-tiny`, `mlp-tiny` and `moe-tiny` (and `tests.plans:gpt_tiny6`, gpt-tiny with 6 blocks,
 where a pipeline needs more layers: 4 stages, interleaving), a GPT written independently of the
-zoo (`tests.user_models:nanogpt`) and tiny Hugging Face GPT-2 and Llama configurations (`hf:`,
-with their default dropout), each pinned with `autopar.Constraints` to one combination: dp / tp
+zoo (`tests.user_models:nanogpt`), tiny Hugging Face GPT-2 and Llama configurations (`hf:`,
+with their default dropout) and a Hugging Face Mistral wrapped by a user
+(`tests.hf_architectures:mistral`, under context parallelism: its own positions), each
+pinned with `autopar.Constraints` to one combination: dp / tp
 / pp and their products, ZeRO 0-3, recompute none / selective / full, schedules gpipe / 1f1b /
 interleaved_1f1b, Megatron-SP (`sequence_parallel`, pinned off where a combination does not name
 it), bf16 and fp32. Combinations that do not plan are listed with the PlanError's
