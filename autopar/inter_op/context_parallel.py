@@ -194,6 +194,11 @@ def token_mixers(graph: OpGraph) -> list[OpNode]:
                     if len(meta.shape) >= 2:
                         tok[(n.name, o)] = {len(meta.shape) - 1}
                 continue
+            if n.op == "index" and live and all(k == 0 for k, _ in live) and _index_after(n, live[0][1]):
+                # indices along later dims only (Falcon's multi-query split of its fused qkv by
+                # index lists): each token's row indexed alike, its dims kept in place
+                tok[(n.name, 0)] = set(live[0][1])
+                continue
             if n.op == ATTENTION_OP:
                 # the runtime's cp attention: its output's tokens are the query's
                 tok[(n.name, 0)] = set(tok.get(keys[0], ()))
@@ -239,6 +244,15 @@ def token_mixers(graph: OpGraph) -> list[OpNode]:
                 out.append(n)
     graph._cp_token_mixers = out
     return out
+
+
+def _index_after(n: OpNode, dims: set[int]) -> bool:
+    """Whether `aten.index` node `n` indexes its input along dims after every one of `dims`
+    only (None in their places), so those dims stay where they are in its output."""
+    idx = n.args[1] if len(n.args) > 1 else n.kwargs.get("indices")
+    if not isinstance(idx, (list, tuple)) or not dims or min(dims) < 0:
+        return False
+    return all(i >= len(idx) or idx[i] is None for i in range(max(dims) + 1))
 
 
 def input_shifts(graph: OpGraph) -> set[str]:
