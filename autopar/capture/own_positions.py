@@ -53,6 +53,8 @@ _ARANGES = {"default": ("end",), "start": ("start", "end"), "start_step": ("star
             "start_out": ("start", "end", "step"), "out": ("end",)}
 _SDPA = "scaled_dot_product_attention"
 _BIG = 2 ** 62
+# node meta key of a fused attention whose explicit mask is the causal one (`rewrite`)
+CAUSAL_MASK = "autopar_causal_mask"
 # the whole sequence's length while a program of a cp rank's tokens is traced (`whole_sequence`)
 _WHOLE: ContextVar[Optional[int]] = ContextVar("autopar_whole_sequence", default=None)
 
@@ -344,11 +346,13 @@ def _is_causal(mask: torch.Tensor, s: int) -> bool:
         bool(((mask == 0) == keep).all() and (mask[..., ~keep] <= torch.finfo(mask.dtype).min).all())
 
 
-def rewrite(traced: nn.Module, found: OwnPositions, l: int) -> None:
+def rewrite(traced: nn.Module, found: OwnPositions, l: int, drop_masks: bool = True) -> None:
     """`traced` (in place) as context parallelism runs it: each positions `arange` the
     `autopar::token_positions` op of `l` tokens (the rank's positions when it runs), each input
     shift's slices' users read the input itself (shifted on the whole sequence by the runtime), each
-    causal-masked attention `is_causal=True` without its mask. Idempotent."""
+    causal-masked attention `is_causal=True` without its mask (`drop_masks=False`: the mask
+    stays an argument, the node marked `CAUSAL_MASK` in its meta, for a program run op by op as
+    solved, whose solution reads the mask as an input: `causal_call` there). Idempotent."""
     from autopar.models.positions import traced_op
 
     op = traced_op()
@@ -369,6 +373,8 @@ def rewrite(traced: nn.Module, found: OwnPositions, l: int) -> None:
                 for u in list(n.users):
                     u.replace_all_uses_with(n.args[0])
                 changed = True
+            elif ("mask", path, n.name) in want and _packet(n) == _SDPA and not drop_masks:
+                n.meta[CAUSAL_MASK] = True
             elif ("mask", path, n.name) in want and _packet(n) == _SDPA:
                 args = list(n.args)
                 kwargs = dict(n.kwargs)
@@ -385,6 +391,21 @@ def rewrite(traced: nn.Module, found: OwnPositions, l: int) -> None:
             g.lint()
             if hasattr(mod, "recompile"):
                 mod.recompile()
+
+
+def causal_call(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments of a fused attention call marked `CAUSAL_MASK`, as causal attention
+    without its mask (`rewrite`)."""
+    a = list(args)
+    k = dict(kwargs)
+    if len(a) > 3:
+        a[3] = None
+    k.pop("attn_mask", None)
+    if len(a) > 5:
+        a[5] = True
+    else:
+        k["is_causal"] = True
+    return tuple(a), k
 
 
 def reads_positions(root: nn.Module) -> bool:
@@ -430,16 +451,16 @@ def tokens_of(inputs: Any) -> Optional[int]:
 
 
 def adopt(traced: nn.Module, trace_whole: Callable[[int], nn.Module], l: int, s: int,
-          inputs: dict[str, int]) -> dict[int, tuple[int, Any]]:
+          inputs: dict[str, int], drop_masks: bool = True) -> dict[int, tuple[int, Any]]:
     """Make program `traced` (at `l` tokens a sequence) take the rank's positions where its
     model makes its own (`find`, against `trace_whole(s)`, the same program at `s` tokens;
     `rewrite`): the input shifts the runtime must then do on the whole sequence. Nothing where
     it holds the positions op already (the model reads `token_positions`, or was adopted)."""
-    return adopt_chunks([traced], lambda length: [trace_whole(length)], l, s, [inputs])
+    return adopt_chunks([traced], lambda length: [trace_whole(length)], l, s, [inputs], drop_masks)
 
 
 def adopt_chunks(traced: list[nn.Module], trace_whole: Callable[[int], list[nn.Module]], l: int, s: int,
-                 inputs: list[dict[str, int]]) -> dict[int, tuple[int, Any]]:
+                 inputs: list[dict[str, int]], drop_masks: bool = True) -> dict[int, tuple[int, Any]]:
     """`adopt` for a program cut into chunks (pipeline stages, in order; `trace_whole(s)`: the
     same cut at `s` tokens; `inputs`: each chunk's placeholders that are model inputs): the
     positions may be made in one chunk and read in later ones."""
@@ -457,7 +478,7 @@ def adopt_chunks(traced: list[nn.Module], trace_whole: Callable[[int], list[nn.M
                         "so its position encodings cannot be set for a rank's chunks: re-plan with cp=1")
     shifts = {}
     for t, f in zip(traced, founds):
-        rewrite(t, f, l)
+        rewrite(t, f, l, drop_masks)
         t.autopar_input_shifts = dict(f.shifts)
         shifts.update(f.shifts)
     return shifts

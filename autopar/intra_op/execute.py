@@ -86,6 +86,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.capture.export import _WithLoss, default_loss, move_not_cast
+from autopar.capture.own_positions import CAUSAL_MASK, causal_call
 from autopar.intra_op import fake_cuda
 from autopar.intra_op.rules.attention import query_head_axes
 from autopar.intra_op.rules.loss import REDUCTION_ARG, reduction_of
@@ -1328,6 +1329,9 @@ class _PlanInterpreter(torch.fx.Interpreter):
         gradients go back partial over `hq_axes`: each device's is zero outside its slice."""
         cp = self.prog.context
         attend = n.target if cp is None else (lambda *a, **k: cp.attention(n.target, a, k))
+        if cp is not None and n.meta.get(CAUSAL_MASK):
+            # its explicit mask is the causal one of the positions (`capture.own_positions`)
+            attend = lambda *a, **k: cp.attention(n.target, *causal_call(a, k))  # noqa: E731
         if not hq_axes:
             out = attend(*_locals(args), **_locals(kwargs))
         else:
@@ -1763,7 +1767,10 @@ def adopt_positions(program: Any, trace: Callable[[Any], Any], example_inputs: A
         with whole_sequence(None):
             return trace(widened(example_inputs, l, length)).graph_module
 
-    adopt(program.graph_module, whole, l, s, {n: i for i, n in enumerate(program.graph_signature.user_inputs)})
+    # a causal mask stays an argument (the solution reads it), the cp attention drops it
+    # (`_local_attention`)
+    adopt(program.graph_module, whole, l, s, {n: i for i, n in enumerate(program.graph_signature.user_inputs)},
+          drop_masks=False)
 
 
 def positions_named_as_captured(program: Any) -> None:
