@@ -190,6 +190,8 @@ OWN_PINS = {
     "own_mistral_cp2xtp2": ("tests.hf_architectures:mistral", dict(cp=2, dp=1, tp=2, recompute="none")),
     "own_neox_cp4": ("tests.hf_architectures:neox", dict(cp=4, dp=1, tp=1, recompute="none")),
     "own_bigcode_cp4": ("tests.hf_architectures:bigcode", dict(cp=4, dp=1, tp=1, recompute="none")),
+    # Falcon builds an explicit mask from its positions under tracing: found causal, run as such
+    "own_falcon_cp2xtp2": ("tests.hf_architectures:falcon", dict(cp=2, dp=1, tp=2, recompute="none")),
 }
 
 
@@ -202,7 +204,9 @@ def test_models_that_make_their_own_positions_run_context_parallel_as_one_proces
     positions, the labels shifted on the whole sequence before the split. Mistral (rotary,
     grouped KV heads) under cp2 x dp2 with full recomputation and cp2 x tp2 op by op as solved,
     GPT-NeoX (partial rotary, parallel residual) and GPTBigCode (learned position embeddings,
-    multi-query attention) under cp4, on 4 gloo processes: losses equal one process within
+    multi-query attention) under cp4, Falcon (an explicit mask `k_pos <= q_pos` built from its
+    positions, found to be the causal one and run as causal cp attention) under cp2 x tp2, on
+    4 gloo processes: losses equal one process within
     1e-4 (and 2e-6: positions placed at 0 on every rank move them by ~1e-5, a label shift on
     the rank's chunks far more), every step's counted collectives the plan's."""
     pytest.importorskip("transformers")
