@@ -457,7 +457,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                         **({"op_layouts": PINNED_NOTE} if layouts and getattr(res.provider, "solutions", None) is None
                            else {}),
                         **({"ep_executor": ep_why} if ep_why else {}),
-                        **({"cp_executor": _cp_executor(c)} if _cp_executor(c) else {}),
+                        **({"cp_executor": _cp_executor(c, graph)} if _cp_executor(c, graph) else {}),
                         **({"skipped": _skipped(res.skipped)} if res.skipped else {})})
 
 
@@ -508,12 +508,12 @@ def _ep_executor(c: Candidate, solved: bool) -> str:
             f"tensor parallelism op by op as solved, with cp in one stage)") if why else ""
 
 
-def _cp_executor(c: Candidate) -> str:
+def _cp_executor(c: Candidate, graph: OpGraph) -> str:
     """Why `autopar run` does not execute a candidate's context parallelism ("" where it does:
     `inter_op.context_parallel.unexecuted_parts`); only a pinned cp is planned so."""
     from autopar.inter_op.context_parallel import unexecuted_parts
 
-    why = unexecuted_parts(c.ep, c.tp, c.pp) if c.cp > 1 else []
+    why = unexecuted_parts(c.ep, c.tp, c.pp, graph.reads_positions is False) if c.cp > 1 else []
     return f"planned, not yet executed by `autopar run` with {', '.join(why)}" if why else ""
 
 

@@ -6,8 +6,10 @@ Plans come from `autopar.plan` (`autopar.planner.plan`, the model captured once)
 bundled CPU cluster profile (`cpu`, its devices per node set to the job's 2 or 4 processes),
 for the zoo's `gpt-tiny`, `mlp-tiny` and `moe-tiny` (and `tests.plans:gpt_tiny6`, gpt-tiny with 6 blocks,
 where a pipeline needs more layers: 4 stages, interleaving), a GPT written independently of the
-zoo (`tests.user_models:nanogpt`) and tiny Hugging Face GPT-2 and Llama configurations (`hf:`,
-with their default dropout), each pinned with `autopar.Constraints` to one combination: dp / tp
+zoo (`tests.user_models:nanogpt`), tiny Hugging Face GPT-2 and Llama configurations (`hf:`,
+with their default dropout) and a Hugging Face Mistral wrapped by a user
+(`tests.hf_architectures:mistral`, under context parallelism: its own positions), each
+pinned with `autopar.Constraints` to one combination: dp / tp
 / pp and their products, ZeRO 0-3, recompute none / selective / full, schedules gpipe / 1f1b /
 interleaved_1f1b, Megatron-SP (`sequence_parallel`, pinned off where a combination does not name
 it), bf16 and fp32. Combinations that do not plan are listed with the PlanError's
@@ -46,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 GPT6 = "tests.plans:gpt_tiny6"
 NANOGPT = "tests.user_models:nanogpt"
+MISTRAL = "tests.hf_architectures:mistral"
 _TINY = "num_hidden_layers=2&num_attention_heads=4&seq_len=16&vocab_size=128"
 HF = (f"hf:gpt2?hidden_size=64&{_TINY}",
       f"hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2&{_TINY}")
@@ -106,6 +109,12 @@ def _specs() -> list[dict]:
         add(g, 4, 32, dtype, dp=1, tp=1, pp=2, cp=2, schedule="1f1b", num_microbatches=4, recompute="none")
         # separate K and V projections (nothing keeps the rank's own K and V once gathered)
         add("llama-tiny", 2, 32, dtype, dp=1, tp=1, pp=1, cp=2, recompute="none")
+        # models that make their own positions (`capture.own_positions`: run as their program
+        # traced at a rank's tokens): nanoGPT (learned positions) and a Hugging Face Mistral
+        # wrapped by a user (rotary, labels shifted inside), alone and with tp (op by op)
+        add(NANOGPT, 2, 32, dtype, dp=1, tp=1, pp=1, cp=2, recompute="none")
+        add(MISTRAL, 2, 8, dtype, dp=1, tp=1, pp=1, cp=2, recompute="none")
+        add(MISTRAL, 4, 8, dtype, dp=1, tp=2, pp=1, cp=2, recompute="none")
         # the MLP
         m = "mlp-tiny"
         add(m, 2, 256, dtype, dp=2, tp=1, pp=1, zero_stage=0)

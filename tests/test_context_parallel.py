@@ -167,21 +167,27 @@ def test_cp_needs_the_sequence_of_token_ids_the_runtime_splits():
     assert p.cp == 1 and "first input is not a (batch, sequence) tensor" in p.search["skipped"]
 
 
-@pytest.mark.parametrize("pins", [dict(cp=2, dp=1, tp=2, pp=1), dict(cp=4, dp=1, tp=1, pp=1, zero_stage=3),
-                                  dict(cp=2, dp=1, tp=2, pp=2)])
-def test_verify_steps_a_cp_plan(pins):
+@pytest.mark.parametrize("ref,pins", [("llama-tiny", dict(cp=2, dp=1, tp=2, pp=1)),
+                                      ("llama-tiny", dict(cp=4, dp=1, tp=1, pp=1, zero_stage=3)),
+                                      ("llama-tiny", dict(cp=2, dp=1, tp=2, pp=2)),
+                                      ("tests.hf_architectures:mistral", dict(cp=4, dp=1, tp=1, pp=1, zero_stage=3))])
+def test_verify_steps_a_cp_plan(ref, pins):
     """`autopar verify` builds and steps every kind of rank of a cp2 x tp2 plan (run op by op
     as solved, in one stage and in pp2 chunks) and of a cp4 ZeRO-3 one (FSDP shards over the
     cp ranks) on a fake process group: shards as planned, the counted collectives (the
     exchange's included; the tp group's the solved layouts') the plan's, the tracked peak
-    within its tolerance of the prediction."""
+    within its tolerance of the prediction. A Hugging Face Mistral wrapped by a user (its own
+    positions: run as its traced program, `capture.own_positions`) under cp4 ZeRO-3 too, whose
+    positions op reads nothing on fake tensors (its fake kernel runs)."""
     from autopar.runtime.verify import verify
 
+    if ref.startswith("tests.hf_"):
+        pytest.importorskip("transformers")
     n = pins["cp"] * pins["dp"] * pins["tp"] * pins["pp"]
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": n})
-    p = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32",
+    p = plan(ref, cl, global_batch_size=8, dtype="fp32",
              constraints=Constraints(num_microbatches=2, recompute="full", **pins))
-    r = verify(p, "llama-tiny", jobs=1)
+    r = verify(p, ref, jobs=1)
     assert r.ok, r.failures
     assert r.collectives_match is True
     assert all(rc.shard_mismatches == [] and rc.params_checked > 0 for rc in r.ranks)
@@ -408,24 +414,33 @@ def test_a_model_that_mixes_tokens_outside_attention_gets_no_cp_plan(kind, why):
     assert ok.cp == 2
 
 
-def test_a_model_that_makes_its_own_positions_gets_no_cp_plan():
-    """nanoGPT makes its own `torch.arange` of positions (tests/user_models.py): under cp every
-    rank's chunks would be encoded at the sequence's start, which the runtime refuses at its
-    first step. The capture records that the forward never asked `token_positions`
-    (`OpGraph.reads_positions`): the free search plans no cp and says why; a pinned cp is a
-    PlanError naming the fix. Never a plan that `autopar run` refuses."""
+def test_a_model_that_makes_its_own_positions_takes_cp_where_they_follow_the_sequence():
+    """nanoGPT makes its own `torch.arange` of positions (tests/user_models.py): the capture
+    records that the forward never asked `token_positions` (`OpGraph.reads_positions`) and
+    finds that arange, of the sequence's length at two lengths, as the positions
+    (`OpGraph.own_positions`, `capture.own_positions`): a cp plan (run in
+    tests/test_runtime_context_parallel.py). A model whose own aranges follow the sequence
+    otherwise (positions 1 .. t) gets none: the free search plans no cp and says why; a pinned
+    cp is a PlanError naming the op. Never a plan that `autopar run` refuses."""
     from autopar.capture import capture
-    from autopar.models.registry import build_model
+    from autopar.models.registry import ModelBundle, build_model, token_batch
+    from tests.test_own_positions import OwnPositions
 
     b = build_model("tests.user_models:nanogpt")
-    assert capture(b.model, b.example_inputs).reads_positions is False
+    g = capture(b.model, b.example_inputs)
+    assert g.reads_positions is False and g.own_positions == ""
     assert capture(build_model("llama-tiny").model, build_model("llama-tiny").example_inputs).reads_positions
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 2})
+    p = plan("tests.user_models:nanogpt", cl, global_batch_size=4, constraints=Constraints(cp=2), graph=g)
+    assert p.cp == 2 and "cp_executor" not in p.search
+    ids = torch.zeros(1, 16, dtype=torch.long)
+    off = ModelBundle("off_by_one", OwnPositions(start=1), (ids, ids), token_batch(32, 16))
     with pytest.raises(PlanError, match="cp=2: the model does not take its token positions from "
-                                        "autopar.models.positions.token_positions .* make its forward read them"):
-        plan("tests.user_models:nanogpt", cl, global_batch_size=4, constraints=Constraints(cp=2))
-    p = plan("tests.user_models:nanogpt", cl, global_batch_size=4)
-    assert p.cp == 1 and "does not take its token positions" in p.search["skipped"]
+                                        "autopar.models.positions.token_positions and its own cannot be set .*"
+                                        "arange whose length follows the sequence"):
+        plan(off, cl, global_batch_size=4, constraints=Constraints(cp=2))
+    p = plan(off, cl, global_batch_size=4)
+    assert p.cp == 1 and "arange whose length follows the sequence" in p.search["skipped"]
 
 
 _HF_LLAMA = ("hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2&num_hidden_layers=2"
@@ -438,7 +453,7 @@ def test_hugging_face_causal_lms_take_cp_and_others_say_why():
     embedding gets its chunks' positions in the whole sequence (run in
     tests/test_runtime_context_parallel.py). GPT-2 with its default attention dropout and BERT
     (dropout too) are refused with the reason; a transformers model given as it is (labels
-    shifted inside it, its own positions) gets none."""
+    shifted inside it, its own positions) takes cp too (found at capture)."""
     pytest.importorskip("transformers")
     from autopar.models.hf import build_hf
     from autopar.models.positions import positions_set
@@ -477,7 +492,10 @@ def test_hugging_face_causal_lms_take_cp_and_others_say_why():
         raw = transformers.LlamaForCausalLM(cfg)
     ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
     g = capture(raw, {"input_ids": ids, "labels": ids})
-    assert "does not take its token positions" in blockers(g, build_layers(g, raw))
+    # found: its positions' arange (made the rank's by the runtime) and its labels' shift (done
+    # on the whole sequence before the split): a cp plan (`capture.own_positions`)
+    assert g.reads_positions is False and g.own_positions == ""
+    assert blockers(g, build_layers(g, raw)) == ""
 
 
 def test_cp_gathers_the_kv_heads_the_plan_prices():

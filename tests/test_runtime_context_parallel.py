@@ -7,8 +7,10 @@ recomputation the region re-run is the cp attention, gather included): losses
 equal one process within 1e-4, every step's counted collectives the plan's. BERT's masked-LM
 loss averages over the masked tokens only, as many on each rank by chance: under cp4 and
 cp2 x tp2 (its loss vocabulary-parallel) its loss equals one process's too, each rank's count
-all-reduced over the cp group once per micro-batch (in the plan's collectives). Every
-4-process plan of the module runs in one launch (`launched`)."""
+all-reduced over the cp group once per micro-batch (in the plan's collectives). Models that
+make their own positions (Hugging Face causal LMs wrapped by a user: their `arange` made the
+rank's positions, their labels' shift done before the split) too. Every 4-process plan of the
+module runs in one launch (`launched`)."""
 
 import pytest
 
@@ -54,8 +56,8 @@ def _one_process(ref: str) -> list[float]:
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict:
     """The 4-process plans of the tests below (cp alone and with dp / tp, BERT's, Hugging Face
-    Llama's, in pipeline stages), each planned as its test describes, run 3 steps in one
-    4-process job (`tests/plans.py`, memory untracked): {name: (plan, rows)}."""
+    Llama's, models that make their own positions, in pipeline stages), each planned as its
+    test describes, run 3 steps in one 4-process job (`tests/plans.py`, memory untracked): {name: (plan, rows)}."""
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
     plans = {name: plan(REF, cl, global_batch_size=8, dtype="fp32",
                         constraints=Constraints(pp=1, num_microbatches=2, **pins)) for name, pins in PINS.items()}
@@ -76,6 +78,9 @@ def launched(tmp_path_factory) -> dict:
         plans["hf_gpt2_cp2xtp2"] = plan(HF_GPT2, cl, global_batch_size=8, dtype="fp32",
                                         constraints=Constraints(pp=1, num_microbatches=2, cp=2, dp=1, tp=2,
                                                                 recompute="selective"))
+        plans.update({name: plan(ref, cl, global_batch_size=8, dtype="fp32",
+                                 constraints=Constraints(pp=1, num_microbatches=2, **pins))
+                      for name, (ref, pins) in OWN_PINS.items()})
     plans.update({name: plan(ref, cl, global_batch_size=8, dtype="fp32",
                              constraints=Constraints(num_microbatches=2, **pins))
                   for name, (ref, pins) in PP_PINS.items()
@@ -176,6 +181,41 @@ def test_hugging_face_gpt2_runs_cp_x_tp_op_by_op(launched):
     ref = _one_process(HF_GPT2)
     assert_ran_as_planned("hf_gpt2_cp2xtp2", rows, p, ref)
     assert [r["loss"] for r in rows if "step" in r] == pytest.approx(ref, rel=2e-6)
+
+
+# Hugging Face causal LMs wrapped by a user (tests/hf_architectures.py): their own positions'
+# arange, the labels shifted inside the model (`capture.own_positions`)
+OWN_PINS = {
+    "own_mistral_cp2xdp2_full": ("tests.hf_architectures:mistral", dict(cp=2, dp=2, tp=1, recompute="full")),
+    "own_mistral_cp2xtp2": ("tests.hf_architectures:mistral", dict(cp=2, dp=1, tp=2, recompute="none")),
+    "own_neox_cp4": ("tests.hf_architectures:neox", dict(cp=4, dp=1, tp=1, recompute="none")),
+    "own_bigcode_cp4": ("tests.hf_architectures:bigcode", dict(cp=4, dp=1, tp=1, recompute="none")),
+    # Falcon builds an explicit mask from its positions under tracing: found causal, run as such
+    "own_falcon_cp2xtp2": ("tests.hf_architectures:falcon", dict(cp=2, dp=1, tp=2, recompute="none")),
+}
+
+
+def test_models_that_make_their_own_positions_run_context_parallel_as_one_process(launched):
+    """Hugging Face causal LMs as a user wraps them (`tests.hf_architectures`: transformers'
+    own forward, which makes its positions with `torch.arange` and shifts its labels inside):
+    the capture finds the positions' arange (of the sequence's length at two lengths) and the
+    shift (`capture.own_positions`), so the plan says cp is executed; the runtime runs the
+    model's program traced at a rank's tokens, that arange made the op that reads the rank's
+    positions, the labels shifted on the whole sequence before the split. Mistral (rotary,
+    grouped KV heads) under cp2 x dp2 with full recomputation and cp2 x tp2 op by op as solved,
+    GPT-NeoX (partial rotary, parallel residual) and GPTBigCode (learned position embeddings,
+    multi-query attention) under cp4, Falcon (an explicit mask `k_pos <= q_pos` built from its
+    positions, found to be the causal one and run as causal cp attention) under cp2 x tp2, on
+    4 gloo processes: losses equal one process within
+    1e-4 (and 2e-6: positions placed at 0 on every rank move them by ~1e-5, a label shift on
+    the rank's chunks far more), every step's counted collectives the plan's."""
+    pytest.importorskip("transformers")
+    for name, (ref, pins) in OWN_PINS.items():
+        p, rows = launched[name]
+        assert p.cp == pins["cp"] and "cp_executor" not in p.search, (name, p.search)
+        assert (p.stages[0].op_layouts is not None) == (pins["tp"] > 1) and "tp_executor" not in p.search
+        assert_ran_as_planned(name, rows, p, _one_process(ref))
+        assert [r["loss"] for r in rows if "step" in r] == pytest.approx(_one_process(ref), rel=2e-6), name
 
 
 PP_PINS = {

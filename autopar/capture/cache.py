@@ -200,7 +200,7 @@ def encode(g: OpGraph) -> dict:
             "buffers": [info(p) for p in g.buffers.values()], "layers": g.layers, "layer_types": g.layer_types,
             "top_modules": g.top_modules, "batch_size": g.batch_size, "capture_method": g.capture_method,
             "capture_time_s": g.capture_time_s, "loss_is_output": g.loss_is_output,
-            "reads_positions": g.reads_positions}
+            "reads_positions": g.reads_positions, "own_positions": g.own_positions}
 
 
 def decode(d: dict) -> OpGraph:
@@ -217,7 +217,7 @@ def decode(d: dict) -> OpGraph:
                    layer_types=dict(d["layer_types"]), top_modules=list(d["top_modules"]),
                    batch_size=d["batch_size"], capture_method=d["capture_method"],
                    capture_time_s=float(d["capture_time_s"]), loss_is_output=bool(d["loss_is_output"]),
-                   reads_positions=d.get("reads_positions"))
+                   reads_positions=d.get("reads_positions"), own_positions=d.get("own_positions"))
 
 
 # -- the store ----------------------------------------------------------------------------------

@@ -112,7 +112,34 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Optiona
     before = calls()
     g = _capture(model, example_inputs, loss_fn=loss_fn, name=name, batch_dim=batch_dim, repeated=repeated)
     g.reads_positions = calls() > before
+    if not g.reads_positions:
+        g.own_positions = _own_positions(model, example_inputs, loss_fn, g)
     return g
+
+
+def _own_positions(model: nn.Module, example_inputs: Any, loss_fn: Optional[LossFn], g: OpGraph) -> Optional[str]:
+    """For a model that does not read `token_positions`: "" where its program has token
+    positions the runtime can set for a cp rank's chunks (`capture.own_positions.find`, the
+    program at the example's S tokens against S / 2, as a cp2 rank traces it), else why not;
+    None where context parallelism is out anyway (no fused attention op, no token ids)."""
+    from autopar.capture.own_positions import find, tokens_of, widened
+    from autopar.inter_op.context_parallel import sequence_length
+
+    s = sequence_length(g)
+    if not isinstance(example_inputs, (tuple, list, dict)) or s is None or tokens_of(example_inputs) != s or s % 4:
+        return None
+    half = widened(example_inputs, s, s // 2)
+    try:
+        local, _, _ = export_program(model, half, loss_fn=loss_fn)
+        whole, _, _ = export_program(model, example_inputs, loss_fn=loss_fn)
+    except Exception as e:  # noqa: BLE001 - the capture succeeded another way: say why cp cannot
+        return f"the model's program could not be traced at {s // 2} tokens to find its positions ({type(e).__name__})"
+    try:
+        found = find(local.graph_module, whole.graph_module, s // 2, s,
+                     {n: i for i, n in enumerate(local.graph_signature.user_inputs)})
+    except PlanError as e:
+        return str(e).removesuffix(": re-plan with cp=1")
+    return "" if found.positions else "it has no arange that follows the sequence length (no positions found)"
 
 
 def _capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Optional[LossFn],

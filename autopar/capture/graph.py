@@ -198,6 +198,10 @@ class OpGraph:
     # positions (None: not known, a graph not made by `capture`): context parallelism sets them
     # to a rank's chunks, so a model that makes its own cannot take it (`inter_op.context_parallel`)
     reads_positions: Optional[bool] = None
+    # where it does not (a model that makes its own positions): "" where they were found as
+    # `arange`s that follow the sequence length, which the runtime makes the rank's under context
+    # parallelism, else why not (`capture.own_positions`; None: not looked for)
+    own_positions: Optional[str] = None
 
     def __post_init__(self) -> None:
         self._index = {n.name: n for n in self.nodes}

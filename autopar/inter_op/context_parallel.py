@@ -38,8 +38,11 @@ rank's count of counted tokens over the cp axis per loss call and micro-batch (`
 its latency in the layer's forward communication, `layer_cost`).
 
 Which sequences it applies to: models whose attention cores are torch's fused attention op
-(`scaled_dot_product_attention`, causal or without a mask), with the sequence dividing by
-2 cp (`blockers`).
+(`scaled_dot_product_attention`, causal or without a mask, or with a mask computed from the
+positions alone that is the causal one), with the sequence dividing by 2 cp, that take their
+positions from `models.positions.token_positions` or make them as an `arange` that follows the
+sequence length, found at capture by two traces (`capture.own_positions`; the runtime then
+runs the model's traced program with that `arange` made the rank's positions) (`blockers`).
 """
 
 from __future__ import annotations
@@ -103,13 +106,19 @@ def blockers(graph: OpGraph, layers: list[Layer]) -> str:
                 f"tokens, the sequence the runtime splits over the cp ranks")
     if any(_softmax_over(graph, n, s) for n in graph.calls):
         return "the model's attention is not one fused attention op (a softmax over the sequence was captured)"
+    # a model that makes its own positions: its masks were found to be the causal one of them
+    # (`capture.own_positions`), which the runtime runs as causal attention
+    own = graph.reads_positions is False and graph.own_positions == ""
     for lay in layers:
         for n in attention_nodes(graph, lay):
-            if len(n.args) > 3 and isinstance(n.args[3], Ref) or n.kwargs.get("attn_mask") is not None:
+            if (len(n.args) > 3 and isinstance(n.args[3], Ref) or n.kwargs.get("attn_mask") is not None) and not own:
                 return f"{n.name} takes an explicit attention mask"
             if len(n.args) > 4 and n.args[4] or n.kwargs.get("dropout_p"):
                 return f"{n.name} applies dropout to its attention weights"
-    if graph.reads_positions is False:
+    if graph.reads_positions is False and graph.own_positions:
+        return ("the model does not take its token positions from autopar.models.positions.token_positions "
+                f"and its own cannot be set for a rank's chunks: {graph.own_positions}")
+    if graph.reads_positions is False and graph.own_positions is None:
         return ("the model does not take its token positions from autopar.models.positions.token_positions "
                 "(it makes its own, or has none), so under cp every rank's chunks would be encoded at the "
                 "sequence's start; make its forward read them (Hugging Face models: autopar's hf: references "
@@ -170,6 +179,7 @@ def token_mixers(graph: OpGraph) -> list[OpNode]:
 
     batch = batch_dims_of(graph)
     b = graph.batch_size or 2
+    shifted = input_shifts(graph) if graph.reads_positions is False and graph.own_positions == "" else set()
     tok: dict[tuple[str, int], set[int]] = {}
     out: list[OpNode] = []
     experts = tuple(x.module for x in find_expert_blocks(graph))
@@ -177,6 +187,18 @@ def token_mixers(graph: OpGraph) -> list[OpNode]:
         warnings.simplefilter("ignore")
         for n, outs, keys, in_metas in token_ops(graph, batch, b, tok):
             live = [(k, tok[key]) for k, key in enumerate(keys) if key in tok]
+            if n.name in shifted:
+                # a shift of a model input the runtime does on the whole sequence instead
+                # (`capture.own_positions`): its slice is the input's tokens
+                for o, meta in enumerate(outs):
+                    if len(meta.shape) >= 2:
+                        tok[(n.name, o)] = {len(meta.shape) - 1}
+                continue
+            if n.op == "index" and live and all(k == 0 for k, _ in live) and _index_after(n, live[0][1]):
+                # indices along later dims only (Falcon's multi-query split of its fused qkv by
+                # index lists): each token's row indexed alike, its dims kept in place
+                tok[(n.name, 0)] = set(live[0][1])
+                continue
             if n.op == ATTENTION_OP:
                 # the runtime's cp attention: its output's tokens are the query's
                 tok[(n.name, 0)] = set(tok.get(keys[0], ()))
@@ -221,6 +243,34 @@ def token_mixers(graph: OpGraph) -> list[OpNode]:
             if not local and not all(len(o.shape) == 0 for o in outs):
                 out.append(n)
     graph._cp_token_mixers = out
+    return out
+
+
+def _index_after(n: OpNode, dims: set[int]) -> bool:
+    """Whether `aten.index` node `n` indexes its input along dims after every one of `dims`
+    only (None in their places), so those dims stay where they are in its output."""
+    idx = n.args[1] if len(n.args) > 1 else n.kwargs.get("indices")
+    if not isinstance(idx, (list, tuple)) or not dims or min(dims) < 0:
+        return False
+    return all(i >= len(idx) or idx[i] is None for i in range(max(dims) + 1))
+
+
+def input_shifts(graph: OpGraph) -> set[str]:
+    """The ops of the model's shifts of its inputs along the sequence (`pad(x, [0, k])` read
+    through `[..., k:]`: Hugging Face's loss shifting its labels), which the runtime takes out
+    of a model that makes its own positions and does on the whole sequence before the split
+    (`capture.own_positions`, `runtime.context_parallel.ContextParallel.split_input`)."""
+    inputs = {n.name for n in graph.nodes if n.kind == "input"}
+    out: set[str] = set()
+    for n in graph.calls:
+        if n.op not in ("pad", "constant_pad_nd") or not n.inputs or n.inputs[0] not in inputs:
+            continue
+        pad = n.args[1] if len(n.args) > 1 else n.kwargs.get("pad")
+        if not isinstance(pad, (list, tuple)) or len(pad) != 2 or pad[0] != 0 or not isinstance(pad[1], int):
+            continue
+        users = [u for u in graph.calls if n.name in u.inputs]
+        if users and all(u.op == "slice" and len(u.args) > 2 and u.args[2] == pad[1] for u in users):
+            out |= {n.name, *(u.name for u in users)}
     return out
 
 
@@ -506,7 +556,7 @@ def _check_fields() -> None:
 _check_fields()
 
 
-def unexecuted_parts(ep: int, tp: int = 1, pp: int = 1) -> list[str]:
+def unexecuted_parts(ep: int, tp: int = 1, pp: int = 1, own_positions: bool = False) -> list[str]:
     """What of a context-parallel layout `autopar run` (`runtime.context_parallel`) does not
     execute with it (empty where it runs; here, not there, so that the planner asks without
     importing the runtime and torch's attention modules): it runs it on one stage (tensor
@@ -520,5 +570,10 @@ def unexecuted_parts(ep: int, tp: int = 1, pp: int = 1) -> list[str]:
     in one stage, op by op as solved (`runtime.experts.check_executable` refuses DTensor's
     path, `planner._ep_executor` marks it); not yet with tp in pipeline stages.
     (pp2 x cp2 x tp2 was refused while it hung: the stage meshes flattened a size-1 dp
-    axis with cp on the stage's own ranks only, `runtime.meshes.StageMesh.flattens`.)"""
-    return ["expert parallelism with tensor parallelism in pipeline stages"] if ep > 1 and tp > 1 and pp > 1 else []
+    axis with cp on the stage's own ranks only, `runtime.meshes.StageMesh.flattens`.)
+    `own_positions`: the model makes its own positions (`capture.own_positions`), run in one
+    stage without tp as its traced program, whose experts are not sharded there yet."""
+    out = ["expert parallelism with tensor parallelism in pipeline stages"] if ep > 1 and tp > 1 and pp > 1 else []
+    if own_positions and ep > 1 and tp == 1 and pp == 1:
+        out.append("expert parallelism in one stage without tp for a model that makes its own positions")
+    return out

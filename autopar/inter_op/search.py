@@ -1538,7 +1538,7 @@ class Search:
             return True
         from autopar.inter_op.context_parallel import unexecuted_parts
 
-        why = unexecuted_parts(ep, tp, pp)
+        why = unexecuted_parts(ep, tp, pp, self.graph.reads_positions is False)
         if why:
             self.skipped[f"cp={cp} dp={dp} tp={tp} pp={pp}"] = (
                 f"context parallelism with {', '.join(why)} is not executed by the runtime (pin cp to plan it)")

@@ -93,6 +93,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autopar.capture.export import _WithLoss, default_loss, move_not_cast
 from autopar.capture.functions import regions as function_regions
+from autopar.capture.own_positions import CAUSAL_MASK, causal_call
 from autopar.intra_op import fake_cuda
 from autopar.intra_op.rules.attention import query_head_axes
 from autopar.intra_op.rules.loss import REDUCTION_ARG, reduction_of
@@ -1367,6 +1368,9 @@ class _PlanInterpreter(torch.fx.Interpreter):
         gradients go back partial over `hq_axes`: each device's is zero outside its slice."""
         cp = self.prog.context
         attend = n.target if cp is None else (lambda *a, **k: cp.attention(n.target, a, k))
+        if cp is not None and n.meta.get(CAUSAL_MASK):
+            # its explicit mask is the causal one of the positions (`capture.own_positions`)
+            attend = lambda *a, **k: cp.attention(n.target, *causal_call(a, k))  # noqa: E731
         if not hq_axes:
             out = attend(*_locals(args), **_locals(kwargs))
         else:
@@ -1601,12 +1605,15 @@ def parallelize_graph(model: nn.Module, example_inputs: Any, solution: ShardingS
     if context is None:
         return _parallelize_graph(model, example_inputs, solution, mesh, loss_fn=loss_fn, inputs=inputs,
                                   param_dtype=param_dtype, recompute=recompute)
+    from autopar.capture.own_positions import whole_sequence
     from autopar.models.positions import traced_positions
 
-    with traced_positions():
+    # a model that makes its own positions: its aranges of them made the op (`adopt_positions`)
+    with traced_positions(), whole_sequence(context.cp.seq):
         prog = _parallelize_graph(model, example_inputs, solution, mesh, loss_fn=loss_fn, inputs=inputs,
                                   param_dtype=param_dtype, recompute=recompute)
     context.check(prog.program)
+    context.cp.shifts.update(getattr(prog.program.graph_module, "autopar_input_shifts", {}))
     prog.context = context
     return prog
 
@@ -1647,6 +1654,7 @@ def _parallelize_graph(model: nn.Module, example_inputs: Any, solution: Sharding
         return ShardedProgram(model, wrapped, on_meta, solution, mesh, names, inputs=inputs,
                               device=next(model.parameters()).device, recompute=recompute, constants=held)
     program, wrapped, names = export_program(model, example_inputs, loss_fn=loss_fn)
+    adopt_positions(program, lambda ins: export_program(model, ins, loss_fn=loss_fn)[0], example_inputs)
     positions_named_as_captured(program)
     if meta_fits and _mismatch(program, solution):
         program, device = on_meta, next(model.parameters()).device
@@ -1739,13 +1747,14 @@ def meta_program(model: nn.Module, example_inputs: Any, *, loss_fn: Any = None,
     each is logged at debug level."""
     from autopar.capture.cache import model_key
     from autopar.capture.export import export_program
+    from autopar.capture.own_positions import whole_length
     from autopar.models.positions import tracing
 
     meta = _meta_copy(model, param_dtype)
     inputs = _to_meta(example_inputs)
     traced = trace_device(device) if trace else None
     # positions traced as the op that reads them when the program runs (context parallelism)
-    key = (model_key(meta, inputs, loss_fn=loss_fn), str(device), str(traced), tracing())
+    key = (model_key(meta, inputs, loss_fn=loss_fn), str(device), str(traced), tracing(), whole_length())
     hit = _META_PROGRAMS.get(key)
     if hit is not None:
         _META_PROGRAMS.move_to_end(key)
@@ -1771,12 +1780,36 @@ def meta_program(model: nn.Module, example_inputs: Any, *, loss_fn: Any = None,
         program, _, names = export_program(meta, inputs, loss_fn=loss_fn)
     program.autopar_traced_device = traced
     program.autopar_trace_fallback = fallback
+    adopt_positions(program, lambda ins: meta_program(model, ins, loss_fn=loss_fn, param_dtype=param_dtype,
+                                                      device=device, trace=trace)[0], inputs)
     positions_named_as_captured(program)
     if all(_dataless(c, own) for c in program.constants.values() if isinstance(c, torch.Tensor)):
         _META_PROGRAMS[key] = (program, names)
         while len(_META_PROGRAMS) > META_PROGRAMS_KEPT:
             _META_PROGRAMS.popitem(last=False)
     return program, names
+
+
+def adopt_positions(program: Any, trace: Callable[[Any], Any], example_inputs: Any) -> None:
+    """Under `capture.own_positions.whole_sequence` (the program of a cp rank's tokens), make
+    `program` (exported at `example_inputs`) take the rank's positions where its model makes
+    its own, by comparison with `trace(inputs)`, the same export at the whole sequence
+    (`capture.own_positions.adopt`; the input shifts it took out on
+    `program.graph_module.autopar_input_shifts`). Nothing elsewhere."""
+    from autopar.capture.own_positions import adopt, tokens_of, whole_length, whole_sequence, widened
+
+    s, l = whole_length(), tokens_of(example_inputs)
+    if s is None or l is None or l == s:
+        return
+
+    def whole(length: int) -> nn.Module:
+        with whole_sequence(None):
+            return trace(widened(example_inputs, l, length)).graph_module
+
+    # a causal mask stays an argument (the solution reads it), the cp attention drops it
+    # (`_local_attention`)
+    adopt(program.graph_module, whole, l, s, {n: i for i, n in enumerate(program.graph_signature.user_inputs)},
+          drop_masks=False)
 
 
 def positions_named_as_captured(program: Any) -> None:

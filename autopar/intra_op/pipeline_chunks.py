@@ -346,12 +346,16 @@ def parallelize_chunks(model: nn.Module, example_inputs: Sequence[Any], solution
         raise PlanError(f"the solution is for a mesh of shape {tuple(solution.mesh_shape)}, "
                         f"the device mesh has shape {tuple(mesh.shape)}")
     if context is not None:
+        from autopar.capture.own_positions import whole_sequence
         from autopar.models.positions import traced_positions
 
-        with traced_positions():
+        # a model that makes its own positions: its aranges of them made the op
+        # (`execute.adopt_positions`), the inputs it shifts shifted on the whole sequence
+        with traced_positions(), whole_sequence(context.cp.seq):
             program, names = fitting_program(model, example_inputs, solution, loss_fn=loss_fn,
                                              param_dtype=param_dtype, device=device, whole=every)
         context.check(program)
+        context.cp.shifts.update(getattr(program.graph_module, "autopar_input_shifts", {}))
     else:
         program, names = fitting_program(model, example_inputs, solution, loss_fn=loss_fn, param_dtype=param_dtype,
                                          device=device, whole=every)

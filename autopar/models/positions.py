@@ -5,8 +5,11 @@ Without context parallelism a sample's tokens are at 0 .. s - 1: `token_position
 chunks of every sequence (`runtime.context_parallel`), and their positions are set here for
 the step (`positions_set`): a model that takes its positions from `token_positions` (the zoo's
 Llama rotary tables, the zoo GPT's and BERT's position embeddings) then encodes each token where it is in
-the whole sequence. A model that makes its own `arange` would place a rank's chunks at 0: the
-runtime refuses one whose forward never read them (`reads`).
+the whole sequence. A model that makes its own `arange` (a Hugging Face model wrapped by its
+user) would place a rank's chunks at 0: the runtime runs such a model as its traced program,
+its `arange`s of the positions found by how they follow the sequence length and made the
+`autopar::token_positions` op below (`capture.own_positions`); it refuses one whose forward
+never read them and that cannot be traced (`reads`).
 
 A trace taken for pipeline stages under context parallelism (`traced_positions`) records the
 positions as one op, `autopar::token_positions`, instead of the `arange` a trace would bake in:

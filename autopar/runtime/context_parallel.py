@@ -4,7 +4,11 @@ Each of the cp ranks holds two of the 2 cp equal chunks of every sample, i and 2
 (Llama 3's causal load balance, Dubey et al. 2024 section 3.3.2), taken from its data-parallel
 rows (`ContextParallel.local_tokens`). Every op but attention is token-local and runs as is on
 the rank's tokens; the model reads their positions in the whole sequence through
-`models.positions.token_positions` (set for the step by `ContextParallel.active`). Each fused
+`models.positions.token_positions` (set for the step by `ContextParallel.active`); a model that
+makes its own (a Hugging Face model wrapped by its user) runs as its program traced at the
+rank's tokens, its positions `arange`s made the op that reads them and a shift of its labels
+inside it done on the whole sequence before the split (`capture.own_positions`,
+`ContextParallel.adopt_positions`, `split_input`). Each fused
 attention call (`F.scaled_dot_product_attention`, causal or unmasked) is taken over by a torch
 function mode entered by every module's forward (`ContextParallel.install`: a recomputation
 re-runs a checkpointed module's forward inside the backward, where no mode entered around the
@@ -110,6 +114,9 @@ class ContextParallel:
         self._checked = False           # whether a forward was seen to read the positions
         self.order = sequence_order(size)     # the gathered chunks in sequence order
         self._masks: dict[tuple, torch.Tensor] = {}     # `causal_mask`'s, by shape, dtype, device
+        # model inputs the model shifts along the sequence itself, shifted here on the whole
+        # sequence before the split (`capture.own_positions`): input index -> (places, fill)
+        self.shifts: dict[int, tuple[int, Any]] = {}
 
     def local_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """`x`'s tokens (dim 1, the whole sequence) this rank holds; other tensors as they are."""
@@ -117,6 +124,42 @@ class ContextParallel:
             return x
         c = self.seq // (2 * self.size)
         return torch.cat([x.narrow(1, i * c, c) for i in chunk_order(self.rank, self.size)], dim=1)
+
+    def split_input(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Model input `i` (a batch of whole sequences) as this rank holds it: shifted first
+        where the model shifts it along the sequence itself (`shifts`: taken out of the program
+        it runs, `capture.own_positions`), so that each chunk's last token reads the next
+        chunk's first, then its tokens (`local_tokens`)."""
+        if i in self.shifts and x.dim() >= 2 and x.shape[1] == self.seq:
+            k, fill = self.shifts[i]
+            tail = torch.full((x.shape[0], k, *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
+            x = torch.cat([x.narrow(1, k, self.seq - k), tail], dim=1)
+        return self.local_tokens(x)
+
+    def adopt_positions(self, traced: nn.Module, trace_whole: Callable[[int], nn.Module],
+                        inputs: dict[str, int]) -> None:
+        """Program `traced` (a rank's tokens) made to take the rank's positions where the model
+        makes its own (`capture.own_positions.adopt`, against `trace_whole(seq)`, its trace at
+        the whole sequence), the inputs it shifts itself noted (`split_input`)."""
+        from autopar.capture.own_positions import adopt
+
+        self.shifts.update(adopt(traced, trace_whole, self.seq // self.size, self.seq, inputs))
+
+    def adopt_chunks(self, chunks: list, split: Callable[[tuple], list], example: tuple) -> None:
+        """`adopt_positions` for traced pipeline chunks (`graph_stages.Chunk`s cut from the
+        model at a rank's tokens `example`; `split(inputs)`: the same cut at other inputs)."""
+        from autopar.capture.own_positions import adopt_chunks, widened
+        from autopar.models.positions import traced_positions
+
+        l = self.seq // self.size
+
+        def whole(s: int) -> list[nn.Module]:
+            with traced_positions():
+                return [ch.module for ch in split(widened(example, l, s))]
+
+        inputs = [{h.name: i for h, (kind, i) in zip([n for n in ch.module.graph.nodes if n.op == "placeholder"],
+                                                     ch.sources) if kind == "input"} for ch in chunks]
+        self.shifts.update(adopt_chunks([ch.module for ch in chunks], whole, l, self.seq, inputs))
 
     def key_prefixes(self, x: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, ...]:
         """`x` all-gathered over the cp ranks (dim -2: every rank's tokens in rank order) in
@@ -178,9 +221,10 @@ class ContextParallel:
             if not self._checked:
                 if reads() == before:
                     raise PlanError("under context parallelism the model must take its token positions from "
-                                    "autopar.models.positions.token_positions (the zoo's Llama and GPT do); this "
-                                    "one did not, so its position encodings would place every rank's chunks at "
-                                    "the sequence's start: re-plan with cp=1")
+                                    "autopar.models.positions.token_positions (the zoo's Llama and GPT do) or "
+                                    "make them as an arange in a program the pipeline tracer can trace (a Hugging "
+                                    "Face model does); this one did neither, so its position encodings would "
+                                    "place every rank's chunks at the sequence's start: re-plan with cp=1")
                 self._checked = True
             return out
         return forward

@@ -49,6 +49,7 @@ How each part of the plan is executed:
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -77,6 +78,8 @@ from autopar.schema.errors import PlanError
 from autopar.schema.mesh_axes import GRADIENT_SYNC_KINDS
 from autopar.schema.plan import Plan, StagePlan
 
+log = logging.getLogger(__name__)
+
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
@@ -98,6 +101,17 @@ def default_optimizer(params: list[nn.Parameter], fused: Optional[bool] = None) 
             groups.setdefault(id(mesh) if mesh is not None else None, []).append(p)
         return torch.optim.AdamW([{"params": g} for g in groups.values()], lr=1e-3, fused=True)
     return torch.optim.AdamW(params, lr=1e-3, foreach=False)
+
+
+class _InputsReordered(nn.Module):
+    """`inner` fed the model inputs it reads, in its order (`order`: their indices)."""
+
+    def __init__(self, inner: nn.Module, order: list[int]) -> None:
+        super().__init__()
+        self.inner, self.order = inner, order
+
+    def forward(self, *inputs: Any) -> Any:
+        return self.inner(*(inputs[i] for i in self.order))
 
 
 class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
@@ -211,18 +225,70 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         if s.op_layouts is not None:
             self._build_solved(s)
             return
+        order: Optional[list[int]] = None
         if self.cp is not None:
-            self.cp.install(model)      # before recomputation wraps its modules (`ContextParallel.install`)
+            model, order = self._own_positions_program(model)
+            # before recomputation wraps its modules (`ContextParallel.install`); a traced program
+            # holds the positions op (`adopt_positions` checked: its fake kernel reads none)
+            self.cp.install(model, check=model is self.model)
         apply_recompute(model, s.recompute_modules, s.recompute_ops)
-        materialize(model, seed=self.seed, device=self.device, aliases=self.aliases)
+        materialize(model, seed=self.seed, device=self.device, aliases=self.aliases,
+                    template=self.model if model is not self.model else None)
         if self.plan.ep > 1:
             self._shard_experts(model)
         if self.zero3:
             self._fully_shard(model, s.fsdp_units or [])
-        self.runner = model
+        runner: nn.Module = model
+        if order is not None:
+            runner = _InputsReordered(runner, order)
+        self.runner = runner
         self.local_modules = [model]
         self.pipe_stages = []
         self.schedule = None
+
+    def _own_positions_program(self, model: nn.Module) -> tuple[nn.Module, Optional[list[int]]]:
+        """(the module a context-parallel stage runs, the model inputs its forward takes in
+        order or None for all of them as given): the model itself where its forward reads its
+        positions from `models.positions.token_positions` (a forward on meta tells); else, a
+        model that makes its own (a Hugging Face model wrapped by its user), its program traced
+        at the rank's tokens as one chunk (`graph_stages.split_model`: a GraphModule calling
+        the model's submodules under their FQNs, so recomputation, FSDP units and checkpoints
+        address it as the model) with its positions `arange`s the op that reads the rank's and
+        the inputs it shifts itself shifted on the whole sequence
+        (`ContextParallel.adopt_positions`). Expert parallelism there is refused."""
+        from autopar.capture.own_positions import reads_positions, widened
+        from autopar.models.positions import traced_positions
+        from autopar.runtime.graph_stages import split_model
+
+        local = self._example_microbatch()
+        try:
+            with traced_positions():
+                chunk = split_model(model, local, [], self.device, param_dtype=self.low)[0]
+        except PlanError as e:
+            # not traceable: its own forward runs, refused at the first one where it reads no
+            # positions (`ContextParallel.install`)
+            log.info("context parallelism: %s could not be traced at a rank's tokens (%s); its own forward "
+                     "runs", type(model).__name__, e)
+            return model, None
+        if reads_positions(chunk.module):
+            return model, None
+        if self.plan.ep > 1:
+            raise PlanError("context parallelism with expert parallelism needs a model that takes its token "
+                            "positions from autopar.models.positions.token_positions; this one makes its own: "
+                            "re-plan with ep=1 or cp=1")
+        if any(kind != "input" for kind, _ in chunk.sources):
+            raise PlanError(f"the traced program of {type(model).__name__} reads {chunk.sources}, not the model's "
+                            f"inputs alone: re-plan with cp=1")
+        holders = [n.name for n in chunk.module.graph.nodes if n.op == "placeholder"]
+        size = self.cp.seq // self.cp.size
+
+        def whole(s: int) -> nn.Module:
+            with traced_positions():
+                return split_model(model, widened(local, size, s), [], self.device, param_dtype=self.low)[0].module
+
+        self.cp.adopt_positions(chunk.module, whole, {h: i for h, (_, i) in zip(holders, chunk.sources)})
+        order = [i for _, i in chunk.sources]
+        return chunk.module, (None if order == list(range(len(local))) else order)
 
     def _shard_experts(self, module: nn.Module, only: Optional[Callable[[str], bool]] = None,
                        template: Optional[nn.Module] = None) -> None:
@@ -396,7 +462,7 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
                     rows = G // D
                     x = x.narrow(0, self.batch_rank * rows, rows)
                     if self.cp is not None:
-                        x = self.cp.local_tokens(x)
+                        x = self.cp.split_input(i, x)
                     x = x.to(self.device, copy=True)
             out.append(x)
         return LocalBatch(out)

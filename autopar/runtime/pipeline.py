@@ -168,10 +168,14 @@ class PipelineStages:
 
         # under context parallelism the chunks are traced on a rank's tokens, their positions
         # an op that reads the rank's when it runs (`models.positions.traced_positions`)
+        cuts = [s.layers[0] for s in self.stages[1:]]
         with traced_positions() if self.cp is not None else contextlib.nullcontext():
-            chunks = split_model(self.model, self._example_microbatch(), [s.layers[0] for s in self.stages[1:]],
-                                 self.device, param_dtype=self.low)
+            chunks = split_model(self.model, self._example_microbatch(), cuts, self.device, param_dtype=self.low)
         if self.cp is not None:
+            # a model that makes its own positions: its aranges of them made the op, its input
+            # shifts done on the whole sequence (`ContextParallel.adopt_chunks`)
+            self.cp.adopt_chunks(chunks, lambda ins: split_model(self.model, ins, cuts, self.device,
+                                                                 param_dtype=self.low), self._example_microbatch())
             check_traced_positions([ch.module for ch in chunks])
         shapes = self._graph_shapes(chunks)
         self.hetero = len(_mesh_kinds(self.stages)) > 1
