@@ -60,6 +60,13 @@ def _architecture_models() -> dict[str, str]:
     return {f"hf-{name}": f"tests.hf_architectures:{name}" for name in ARCHITECTURES}
 
 
+def _other_task_models() -> dict[str, str]:
+    """`--other-tasks`: Hugging Face models that are not causal LMs (`tests.hf_other_tasks`)."""
+    from tests.hf_other_tasks import NAMES
+
+    return {f"hf-{name}": f"tests.hf_other_tasks:{name}" for name in NAMES}
+
+
 LAYOUTS: dict[str, dict] = {
     "dp4 zero0": dict(dp=4, tp=1, pp=1, zero_stage=0),
     "dp4 zero1": dict(dp=4, tp=1, pp=1, zero_stage=1),
@@ -234,6 +241,9 @@ def main() -> None:
     ap.add_argument("--architectures", action="store_true",
                     help="the 16 Hugging Face architectures of tests/hf_architectures.py instead of the six "
                          "models (about 30 minutes)")
+    ap.add_argument("--other-tasks", action="store_true",
+                    help="Hugging Face models that are not causal LMs (BERT masked LM, T5, ViT: "
+                         "tests/hf_other_tasks.py) instead of the six models")
     ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -244,7 +254,7 @@ def main() -> None:
 
             hard_exit(0 if sys.exc_info()[0] is None else 1)
     t0 = time.perf_counter()
-    pool = _architecture_models() if a.architectures else MODELS
+    pool = _architecture_models() if a.architectures else _other_task_models() if a.other_tasks else MODELS
     pairs = [(m, lay) for m in pool for lay in LAYOUTS if a.only in f"{m} {lay}"]
     models = {m: pool[m] for m in dict.fromkeys(m for m, _ in pairs)}
     with tempfile.TemporaryDirectory(prefix="autopar-matrix-") as d:
