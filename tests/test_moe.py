@@ -104,7 +104,6 @@ def launched(tmp_path_factory) -> dict:
         **{f"etp_zero{z}": _etp(z) for z in (0, 1)},
         # test_folded_experts_train_like_one_process
         "fold_ep4_zero0": _folded(0, ep=4),
-        "fold_ep2_zero1": _folded(1, ep=2, expert_dp=2),
         "fold_ep2_zero3": _folded(3, ep=2, expert_dp=2),
         "fold_interleaved": _folded(1, ref=MOE4_REF, dp=1, pp=2, ep=2, schedule="interleaved_1f1b", virtual_stages=2),
     }
@@ -711,7 +710,7 @@ def test_folded_experts_train_like_one_process(launched):
     """4 gloo processes, tp 2 x dp 2 dense with the experts folded over all 4 ranks (their own
     mesh): moe-tiny at ep 4 (ep above dp: each rank 2 of the 8 experts, ZeRO 0) and at ep 2 x
     expert_dp 2 (the ep groups are the tp pairs, each expert held by 2 ranks of different dp;
-    ZeRO-1: the experts' flat shard over them; ZeRO-3: their FSDP units), HF Mixtral at ep 4 (one
+    ZeRO-3: their FSDP units; ZeRO-1 checked by hand, left out for the suite's time), HF Mixtral at ep 4 (one
     expert per rank); and a 4-block moe-tiny at tp 2 x pp 2, interleaved (2 chunks per rank),
     ep 2 (above dp 1) in each stage: each tp rank runs half of the block's tokens through the
     exchange, the output all-gathered over tp. Losses equal one process within 1e-4 and every
@@ -719,7 +718,7 @@ def test_folded_experts_train_like_one_process(launched):
     from tests.plans import MOE4_REF
 
     want = _one_process_losses(2)
-    for name, (ep, edp) in (("fold_ep4_zero0", (4, 1)), ("fold_ep2_zero1", (2, 2)), ("fold_ep2_zero3", (2, 2)),
+    for name, (ep, edp) in (("fold_ep4_zero0", (4, 1)), ("fold_ep2_zero3", (2, 2)),
                             ("fold_interleaved", (2, 1))):
         p, steps = launched[name]
         assert p.experts.folded and (p.experts.ep, p.experts.expert_dp) == (ep, edp) and "ep_executor" not in p.search

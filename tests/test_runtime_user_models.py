@@ -43,8 +43,6 @@ LAYOUTS = {
     # tp inside pipeline chunks runs as solved (`intra_op.pipeline_chunks`): two chunks per rank
     "nanogpt_pp2xtp2_interleaved": (NANOGPT, dict(dp=1, tp=2, pp=2, schedule="interleaved_1f1b",
                                                   virtual_stages=2, num_microbatches=2)),
-    "nanogpt_pp2xdp2_interleaved": (NANOGPT, dict(dp=2, tp=1, pp=2, schedule="interleaved_1f1b", virtual_stages=2,
-                                                  num_microbatches=2)),
     # a gate (needing a gradient) and a boolean mask made before the first layer cross every
     # boundary beside the hidden states
     "gated_pp4_1f1b": (GATED, dict(dp=1, tp=1, pp=4, schedule="1f1b", num_microbatches=4)),
@@ -88,8 +86,6 @@ LAYOUTS = {
     "llama_pp4_1f1b": (HF_LLAMA, dict(dp=1, tp=1, pp=4, schedule="1f1b", num_microbatches=4)),
     "llama_pp2xdp2_gpipe_zero3": (HF_LLAMA, dict(dp=2, tp=1, pp=2, schedule="gpipe", num_microbatches=2,
                                                  zero_stage=3)),
-    "gpt2_pp2xdp2_interleaved": (HF_GPT2, dict(dp=2, tp=1, pp=2, schedule="interleaved_1f1b",
-                                               virtual_stages=2, num_microbatches=2)),
     # tp inside pipeline chunks, as solved: position ids, the causal mask and the rotary tables
     # cross the boundary in their solved layouts (the tables need no gradient)
     "gpt2_pp2xtp2_gpipe": (HF_GPT2, dict(dp=1, tp=2, pp=2, schedule="gpipe", num_microbatches=2)),
@@ -98,10 +94,9 @@ LAYOUTS = {
     # tensor constants the forward makes, valueless in a trace on meta (`graph_stages.
     # _lifted_values`) and copied by `lift_fresh_copy` in the device program (`program_match.
     # pass_through`); its causal mask crosses the boundaries expanded over the batch, which
-    # gloo's send refuses (`graph_stages.contiguous_send`)
-    "falcon_pp2xdp2_gpipe": (FALCON, dict(dp=2, tp=1, pp=2, schedule="gpipe", num_microbatches=2)),
+    # gloo's send refuses (`graph_stages.contiguous_send`). Its other layouts (and every layout
+    # of the 16 architectures): `benchmarks/layout_matrix.py --architectures`
     "falcon_pp2xtp2_1f1b": (FALCON, dict(dp=1, tp=2, pp=2, schedule="1f1b", num_microbatches=2)),
-    "falcon_dp2xtp2": (FALCON, dict(dp=2, tp=2, pp=1, zero_stage=1)),
 }
 
 
