@@ -25,7 +25,14 @@ from autopar.capture.experts import tp_split
 from autopar.inter_op import context_parallel
 from autopar.inter_op.experts import EP_IMBALANCE, ExpertCosting
 from autopar.inter_op.layers import Layer, build_layers
-from autopar.inter_op.pinned_layouts import NO_EXPORT, PINNED_NOTE, analytic_pins, fx_captured, pinned_provider
+from autopar.inter_op.pinned_layouts import (
+    NO_EXPORT,
+    PINNED_NOTE,
+    analytic_pins,
+    fx_captured,
+    pinned_provider,
+    tp_unexecutable,
+)
 from autopar.inter_op.search import Candidate, Search, SearchResult, op_by_op
 from autopar.inter_op.stage_cost import AnalyticProvider
 from autopar.inter_op.stage_layouts import chunk_layouts
@@ -166,6 +173,11 @@ def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Optional[Sequen
     if graph is None:
         graph = capture(bundle.model, bundle.example_inputs, loss_fn=loss_fn, name=bundle.name, cache=cache)
     graph = sw.on_graph(graph)     # the software's fused kernels (a fused cross-entropy), if any
+    no_tp = tp_unexecutable(graph) if cons.tp is None else ""
+    if no_tp:
+        # no tp plan of this capture can run (`autopar run` executes tp only op by op as
+        # solved): a free search keeps tp at 1; a pinned tp still plans, and says why it is refused
+        cons = cons.model_copy(update={"tp": 1})
     t1 = time.perf_counter()
     cache_dir = cache_directory(cache)
     if providers is not None:
@@ -184,7 +196,10 @@ def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Optional[Sequen
                        make_provider(intra_op, graph, layers, spec, dtype, cache_dir, sw, sequence_parallel=True))
     res = Search(graph, layers, spec, global_batch_size, dtype, cons, provider, progress,
                  sp_provider=sp_provider).run()
-    return assemble(bundle, graph, spec, res, global_batch_size, dtype, time.perf_counter() - t1)
+    p = assemble(bundle, graph, spec, res, global_batch_size, dtype, time.perf_counter() - t1)
+    if no_tp:
+        p.search["tp_free"] = "kept at 1 by the search: every tp plan would be " + no_tp
+    return p
 
 
 # -- the Plan ----------------------------------------------------------------------------------

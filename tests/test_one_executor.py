@@ -72,6 +72,20 @@ def test_fx_captured_tp_plan_is_refused():
         validate_plan(p, build_model("gpt-tiny", device="meta").model)
 
 
+def test_free_search_of_an_fx_capture_keeps_tp_at_one():
+    """Left free, the search does not return a tp plan `autopar run` would refuse: a torch.fx
+    capture's plan keeps tp at 1 and says why."""
+    from autopar.capture.export import _WithLoss, default_loss
+    from autopar.capture.fx_fallback import capture_fx
+    from autopar.models.registry import build_model
+
+    b = build_model("gpt-tiny")
+    g = capture_fx(_WithLoss(b.model, default_loss), b.example_inputs, "gpt-tiny")
+    p = plan("gpt-tiny", _cpu(4), global_batch_size=8, dtype="fp32", graph=g)
+    assert p.tp == 1 and "tp_executor" not in p.search
+    assert p.search["tp_free"].endswith(NO_EXPORT)
+
+
 def test_tp_plan_without_ortools_is_refused(monkeypatch):
     """Without OR-Tools nothing solves the per-op layouts: the plan says so, and the runtime
     refuses it with the fix (install OR-Tools, re-plan)."""

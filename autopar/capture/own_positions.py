@@ -376,16 +376,7 @@ def rewrite(traced: nn.Module, found: OwnPositions, l: int, drop_masks: bool = T
             elif ("mask", path, n.name) in want and _packet(n) == _SDPA and not drop_masks:
                 n.meta[CAUSAL_MASK] = True
             elif ("mask", path, n.name) in want and _packet(n) == _SDPA:
-                args = list(n.args)
-                kwargs = dict(n.kwargs)
-                if len(args) > 3:
-                    args[3] = None
-                kwargs.pop("attn_mask", None)
-                if len(args) > 5:
-                    args[5] = True
-                else:
-                    kwargs["is_causal"] = True
-                n.args, n.kwargs = tuple(args), kwargs
+                n.args, n.kwargs = causal_call(n.args, n.kwargs)
                 changed = True
         if changed:
             g.lint()

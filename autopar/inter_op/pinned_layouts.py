@@ -51,6 +51,21 @@ def fx_captured(graph: OpGraph) -> bool:
     return (graph.capture_method or "").startswith("torch.fx")
 
 
+def tp_unexecutable(graph: OpGraph) -> str:
+    """Why no tp plan of `graph` can get per-op layouts, whatever the search chooses (`NO_EXPORT`,
+    `NO_BATCH`, `NO_ORTOOLS`), or "": known before the search, so that a free search keeps tp at
+    1 rather than return a plan `autopar run` refuses (`planner.plan`)."""
+    if fx_captured(graph):
+        return NO_EXPORT
+    if not graph.is_symbolic:
+        return NO_BATCH
+    try:
+        import ortools  # noqa: F401
+    except ImportError:
+        return NO_ORTOOLS
+    return ""
+
+
 def pinned_provider(graph: OpGraph, layers: list[Layer], analytic: AnalyticProvider,
                     pins: dict[int, dict[str, str]]) -> tuple[Optional[Any], str]:
     """(an ILP provider solving `layers` with each parameter pinned per tp degree as `pins`
