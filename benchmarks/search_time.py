@@ -13,6 +13,13 @@ PATH instead (a checkout of an earlier commit, put first on PYTHONPATH; cold onl
 empty cache directory; no `--timings`: its parts come from the plan's `search` record). Targets (issue 19): GPT-3 175B
 on 1536 A100 at most 5 s warm and 8 s cold; Llama 3 405B on 16384 H100 and GPT 1T on 3072 A100
 at most 10 s.
+
+`--features` (issue 13: what sequence parallelism, context parallelism and the recomputation
+choice each add to the search): each case warm, planned freely and then with one choice pinned
+away (`--no-sequence-parallel`, `--cp 1`, `--recompute` pinned to the free plan's), the median
+CPU time of `--repeat` runs of each (what a shared machine's load inflates least), the candidates the search
+enumerated and evaluated, and the plan it chose; the difference from the free row is what that
+choice's search costs.
 """
 
 from __future__ import annotations
@@ -62,6 +69,16 @@ def llama3_405b() -> ModelBundle:
     return ModelBundle("llama3-405b", m, token_inputs(cfg.seq_len)(1))
 
 
+def llama3_8b_128k() -> ModelBundle:
+    """Llama 3 8B at a 131072-token sequence (Meta 2024: h=4096, 32 layers, 32 heads, 8 KV heads,
+    FFN 14336; the long-context stage's length), where the search tries context parallelism."""
+    cfg = LlamaConfig(vocab_size=128256, seq_len=131072, hidden=4096, layers=32, heads=32, kv_heads=8,
+                      ffn_hidden=14336, rope_theta=500000.0)
+    with torch.device("meta"):
+        m = Llama(cfg)
+    return ModelBundle("llama3-8b-128k", m, token_inputs(cfg.seq_len)(1))
+
+
 # name: (model reference, cluster, nodes, global batch)
 CASES = {
     "gpt3-175b": ("gpt3-175b", "dgx-a100-80g", 192, 1536),
@@ -70,16 +87,17 @@ CASES = {
     "gpt-39.1b": ("benchmarks.search_time:gpt_39b", "dgx-a100-80g", 64, 1536),
     "llama2-70b": ("llama2-70b", "dgx-h100", 8, 1024),
     "gpt3-1.3b": ("gpt3-1.3b", "dgx-a100-80g", 1, 512),
+    "llama3-8b-128k": ("benchmarks.search_time:llama3_8b_128k", "dgx-h100", 8, 16),
 }
 
 
-def run_cli(case: str, cache_dir: str | None, before: str | None) -> dict:
+def run_cli(case: str, cache_dir: str | None, before: str | None, extra: tuple[str, ...] = ()) -> dict:
     """One fresh `autopar plan` process: its wall clock, its parts and the plan's key fields."""
     ref, cluster, nodes, gbs = CASES[case]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("AUTOPAR_DEBUG", None)
     cmd = [sys.executable, "-m", "autopar", "plan", "--model", ref, "--cluster", cluster, "--nodes", str(nodes),
-           "-b", str(gbs), "--json", "--quiet"]
+           "-b", str(gbs), "--json", "--quiet", *extra]
     if before:
         # the older code first; this file's factories as a top-level module (an older checkout
         # has its own benchmarks/search_time.py)
@@ -107,13 +125,43 @@ def run_cli(case: str, cache_dir: str | None, before: str | None) -> dict:
                  "assemble_s": s["assemble_time_s"]}
     known = sum(parts.get(k, 0.0) for k in ("imports_s", "model_s", "capture_s", "search_s", "print_s"))
     st = p["stages"]
-    layout = (f"dp{st[0]['mesh_shape'][0]} tp{st[0]['mesh_shape'][1]} pp{len({tuple(x['devices']) for x in st})}, "
+    shape = dict(zip(st[0].get("mesh_axis_names", ["dp", "tp"]), st[0]["mesh_shape"]))
+    layout = (f"dp{shape.get('dp', 1)}{' cp' + str(shape['cp']) if shape.get('cp', 1) > 1 else ''} "
+              f"tp{shape.get('tp', 1)}{' SP' if p.get('sequence_parallel') else ''} "
+              f"pp{len({tuple(x['devices']) for x in st})}, "
               f"mb {p['microbatch_size']}, {p['schedule']}"
               f"{' v=' + str(p['virtual_stages']) if p['virtual_stages'] > 1 else ''}, ZeRO-{p['zero_stage']}"
               f"{', ' + st[0]['recompute'] + ' recompute' if st[0]['recompute'] != 'none' else ''}")
     return {"wall_s": wall, "cpu_s": cpu, **parts, "rest_s": wall - known if "imports_s" in parts else None,
             "plan": layout, "iteration_s": p["predicted"]["iteration_time_s"],
-            "peak_gib": p["predicted"]["peak_memory_bytes"] / 2**30, "capture": s.get("capture", "")}
+            "peak_gib": p["predicted"]["peak_memory_bytes"] / 2**30, "capture": s.get("capture", ""),
+            "candidates": s.get("candidates"), "evaluated": s.get("evaluated"), "recompute": st[0]["recompute"]}
+
+
+def features(names: list[str], repeat: int) -> None:
+    """Each case warm: free, then SP, cp and the recomputation choice each pinned away; the median
+    CPU time of `repeat` runs of each."""
+    cols = ["model", "GPUs", "search", "CPU s", "CPU vs free s", "candidates", "evaluated", "plan", "iter s"]
+    rows = []
+    for name in names:
+        with tempfile.TemporaryDirectory() as d:
+            first = run_cli(name, d, None)              # cold: fills the capture cache
+            pins = {"free": (), "SP pinned off": ("--no-sequence-parallel",), "cp pinned to 1": ("--cp", "1"),
+                    f"recompute pinned ({first['recompute']})": ("--recompute", first["recompute"])}
+            runs = {label: [run_cli(name, d, None, extra) for _ in range(repeat)] for label, extra in pins.items()}
+        free_cpu = statistics.median(r["cpu_s"] for r in runs["free"])
+        for label, rs in runs.items():
+            r, cpu = rs[0], statistics.median(x["cpu_s"] for x in rs)
+            row = [name, str(CASES[name][2] * 8), label, f"{cpu:.2f}",
+                   "" if label == "free" else f"{cpu - free_cpu:+.2f}", str(r["candidates"]),
+                   str(r["evaluated"]), r["plan"], f"{r['iteration_s']:.3g}"]
+            rows.append(row)
+            print(" | ".join(row), flush=True)
+    print()
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
 
 
 def _median(rows: list[dict], key: str) -> float | None:
@@ -132,6 +180,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--before", default=None, help="time the autopar checkout at this path instead")
     ap.add_argument("--json", action="store_true", help="one JSON record per run")
+    ap.add_argument("--features", action="store_true",
+                    help="what SP, cp and the recomputation choice each add to the search (warm, CPU time)")
     args = ap.parse_args()
     names = args.only.split(",") if args.only else ["gpt3-175b", "gpt-1t", "llama3-405b"]
     for n in names:
@@ -139,6 +189,9 @@ def main() -> None:
             ap.error(f"--only {n!r}: no such case; one of {', '.join(CASES)}")
     print(f"# {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start, torch {torch.__version__}, "
           f"{'code at ' + args.before if args.before else 'this checkout'}", flush=True)
+    if args.features:
+        features(names, args.repeat)
+        return
     table = []
     for name in names:
         runs: dict[str, list[dict]] = {"cold": [], "warm": []}
