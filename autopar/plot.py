@@ -49,9 +49,20 @@ def plot_plan(plan: Plan, path: str | Path) -> Path:
     _memory(fig.add_subplot(grid[1, 0]), plan)
     _nodes(fig.add_subplot(grid[1, 1]), plan, plt)
     fig.suptitle(f"{plan.model.name} on {plan.cluster.num_devices} x {plan.cluster.device.name}: "
-                 f"dp={plan.dp}{f' cp={plan.cp}' if plan.cp > 1 else ''} tp={plan.tp} pp={plan.pp}, {plan.schedule}, "
-                 f"{plan.predicted.iteration_time_s:.3g} s/iteration (predicted)")
+                 f"dp={plan.dp}{f' cp={plan.cp}' if plan.cp > 1 else ''} tp={plan.tp}"
+                 f"{' (sequence parallel)' if plan.sequence_parallel else ''} pp={plan.pp}, {plan.schedule}, "
+                 f"{_recompute(plan)}{plan.predicted.iteration_time_s:.3g} s/iteration (predicted)")
     return save_figure(fig, path, fmt, plt, dpi=110)
+
+
+def _recompute(plan: Plan) -> str:
+    """The stages' recomputation for the title: one policy, or each stage's; empty for none."""
+    kinds = [st.recompute for st in plan.stages]
+    if set(kinds) == {"none"}:
+        return ""
+    if len(set(kinds)) == 1:
+        return f"recompute {kinds[0]}, "
+    return "recompute " + "/".join(kinds) + " by stage, "
 
 
 def save_figure(fig, path: Path, fmt: str, plt, dpi: int = 100) -> Path:

@@ -50,3 +50,20 @@ def test_show_plot_png_and_svg(tmp_path):
         assert label in text
     bad = run("show", str(plan), "--plot", str(tmp_path / "t.bmp"))
     assert bad.returncode == 1 and ".png or .svg" in bad.stderr and not (tmp_path / "t.bmp").exists()
+
+
+def test_plot_title_names_sequence_parallelism_and_recomputation(tmp_path):
+    """The figure says how the plan trades memory for time, as `autopar show` does."""
+    from autopar import ClusterSpec, Constraints
+    from autopar.models.registry import build_model
+    from autopar.planner import plan as make_plan
+    from autopar.plot import plot_plan
+
+    p = make_plan(build_model("gpt-tiny"), ClusterSpec.load("cpu"), global_batch_size=8,
+                  constraints=Constraints(recompute="full"))
+    text = plot_plan(p, tmp_path / "f.svg").read_text()
+    assert "recompute full" in text
+    sp = p.model_copy(update={"sequence_parallel": True})
+    assert "(sequence parallel)" in plot_plan(sp, tmp_path / "g.svg").read_text()
+    none = p.model_copy(update={"stages": [s.model_copy(update={"recompute": "none"}) for s in p.stages]})
+    assert "recompute" not in plot_plan(none, tmp_path / "h.svg").read_text()
