@@ -70,3 +70,35 @@ def test_a_plan_prices_the_casts_and_fp32_states(zero, states):
     assert b.activations_bytes - a.activations_bytes == pytest.approx(2 * P)
     assert high.predicted.peak_memory_bytes - low.predicted.peak_memory_bytes == pytest.approx((2 + states) * P)
     assert high.predicted.iteration_time_s > low.predicted.iteration_time_s
+
+
+def test_saved_casts_by_recomputation_and_tied_weights():
+    """A layer's matrix ops save the casts of its own weights unless the layer is recomputed in
+    full (its forward then saves nothing); a weight two layers read (the tied embedding and head)
+    is cast once, by the last of them, and counted there."""
+    from autopar.inter_op.search import _Tables
+    from autopar.inter_op.stage_cost import LayerCost
+
+    cluster = ClusterSpec.load("dgx-a100-80g")
+    policies = ("none", "selective", "attention", "full")
+    costs = [LayerCost(act_bytes={r: 10.0 for r in policies}, param_elems={"wte": 100.0}),
+             LayerCost(act_bytes={r: 10.0 for r in policies}, param_elems={"w1": 50.0, "w2": 25.0}),
+             LayerCost(act_bytes={r: 10.0 for r in policies}, param_elems={"wte": 100.0, "ln": 1.0})]
+    plain = _Tables(costs, cluster, "bf16", 1, 1, 0, [])
+    cast = _Tables(costs, cluster, "bf16", 1, 1, 0, [], policy="fp32", cast_bytes=12.0, cast_saved=2.0)
+    for r in ("none", "selective", "attention"):
+        assert list(cast.act[r] - plain.act[r]) == [0.0, 0.0, 2 * 75.0, 2 * (75.0 + 101.0)]
+    assert list(cast.act["full"]) == list(plain.act["full"])
+    assert cast.wgo == (4, 4, 8) and plain.wgo == (2, 2, 12)
+    # every micro-batch's casts, plus the fp32 accumulation in m - 1 of m
+    m, pel = 4, 1e9
+    got = float(cast.accum(pel, m) - plain.accum(pel, m))
+    assert got == pytest.approx(memory_time(pel * 12, cluster.device) + 0.75 * memory_time(pel * 6, cluster.device))
+
+
+def test_a_plan_with_fp32_parameters_round_trips():
+    cl = ClusterSpec.load("dgx-a100-80g")
+    cons = Constraints(dp=8, tp=1, pp=1, microbatch_size=1, recompute="none", zero_stage=1)
+    plan = autopar.plan("gpt-tiny", cl, global_batch_size=8, constraints=cons, software="flash-attn-2-2023")
+    back = autopar.Plan.from_json(plan.to_json())
+    assert back == plan and back.software.param_dtype == "fp32"
