@@ -67,7 +67,7 @@ def _cluster(name: str, nodes: Optional[int], devices_per_node: Optional[int]):
 
 
 SOFTWARE_HELP = ("what the training software does on the cluster (attention kernel, element-wise fusion, "
-                 "gradient-sync overlap): a "
+                 "mixed precision, loss kernel, parameter dtype, gradient-sync overlap): a "
                  "bundled preset (autopar: what `autopar run` executes, the default; megatron-lm-2021: the "
                  "published Megatron-LM runs' software) or a YAML/JSON file")
 
