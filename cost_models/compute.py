@@ -256,6 +256,27 @@ def grad_accumulation_bytes(policy: str = "bf16") -> float:
     return 3.0 * DTYPE_SIZE.get(policy, 4)
 
 
+def param_cast_bytes(param_dtype: str, dtype: str) -> float:
+    """Bytes per parameter element one micro-batch moves casting parameters kept in fp32 for a
+    2-byte `dtype` run under autocast (`SoftwareSpec.param_dtype` "fp32"); 0 when they are kept in
+    the training dtype or the run is fp32.
+
+    Forward: each weight is cast to the 2-byte dtype where a matrix op reads it, once per
+    micro-batch (the fused dense / MLP of flash-attn call `weight.to(torch.get_autocast_gpu_dtype())`
+    inside their autograd functions, flash_attn/ops/fused_dense.py; autocast's own weight-cast
+    cache lives only as long as the autocast region, one training step of Lightning's
+    `precision: bf16`): 4 bytes read, 2 written. Backward: the matrix op hands back a 2-byte weight
+    gradient, and autograd's engine casts every gradient to its input's dtype before accumulating
+    it (`validate_outputs`, torch/csrc/autograd/engine.cpp): 2 read, 4 written. 12 bytes in all;
+    the fp32 accumulation that follows is `grad_accumulation_bytes("fp32")`. Every parameter is
+    counted as cast (layer norms' and embeddings' are not: under 0.1% of a GPT's and, tied, its
+    embedding is cast for the head)."""
+    if param_dtype != "fp32" or DTYPE_SIZE.get(dtype, 4) >= 4:
+        return 0.0
+    low = DTYPE_SIZE[dtype]
+    return (4.0 + low) + (low + 4.0)
+
+
 def grad_accumulation_time(num_params: float, device: DeviceSpec, policy: str = "bf16",
                            num_microbatches: int = 1, shard: float = 1.0) -> float:
     """Seconds spent adding each micro-batch's weight gradients into the accumulated gradients over

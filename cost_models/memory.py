@@ -79,7 +79,14 @@ from autopar.schema.cluster import DeviceSpec
 from autopar.schema.constraints import RECOMPUTES, Recompute
 from autopar.schema.constraints import Schedule as ScheduleName  # the registry's names
 from autopar.schema.software import AttentionKernel
-from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, attention_core, attention_heads_broadcast, bytes_scale
+from cost_models.compute import (
+    DTYPE_SIZE,
+    FUSED_ATTENTION,
+    MATRIX_OPS,
+    attention_core,
+    attention_heads_broadcast,
+    bytes_scale,
+)
 from cost_models.fused_loss import is_fused_loss
 from cost_models.layouts import executor_layout_copies, graph_layout_copies, layout_copies
 
@@ -158,6 +165,19 @@ class ModelStates:
     @property
     def total(self) -> float:
         return self.weights + self.gradients + self.optimizer
+
+
+def param_cast_saved_bytes(param_dtype: str, dtype: str) -> float:
+    """Bytes per parameter element one micro-batch's forward saves for its backward as the 2-byte
+    casts of weights kept in fp32 (`SoftwareSpec.param_dtype` "fp32", a 2-byte `dtype` under
+    autocast): a matrix op saves the weight it multiplied by, the cast (flash-attn's FusedDenseFunc
+    `ctx.save_for_backward(x, weight)` after `weight.to(dtype)`, FusedMLPFunc its `weight1`,
+    `weight2`; torch's linear under autocast its cast input), alive until the op's backward; 0
+    with parameters in the training dtype (the saved weight is the parameter itself). A layer
+    recomputed in full saves none."""
+    if param_dtype != "fp32" or DTYPE_SIZE.get(dtype, 4) >= 4:
+        return 0.0
+    return float(DTYPE_SIZE[dtype])
 
 
 def model_state_bytes(num_params: float, policy: str = "bf16", zero_stage: int = 0, dp: int = 1) -> ModelStates:

@@ -116,6 +116,16 @@ TOLERANCE = 0.03
 # a softmax) the same way (`benchmarks.cost_model_accuracy._measured_core`): 1.7B -16.96% ->
 # -3.75%, 39.1B -2.58% -> +1.28%, 22B -2.46% -> +2.87%, 175B -0.02% -> +2.80%. H100 and flash
 # families (fused attention) unchanged. Nothing refit: every rate is a printed bar of the figure.
+# Re-recorded in session 33 (issue 14): the flash-attn presets keep fp32 parameters under autocast
+# (`SoftwareSpec.param_dtype` "fp32": PyTorch Lightning's precision bf16 over a model it never casts;
+# flash_attn/ops/fused_dense.py casts each weight per forward), so every micro-batch pays the
+# weights' casts and their gradients' casts back (12 bytes a parameter, `cost_models.compute.
+# param_cast_bytes`) and accumulates gradients in fp32 (12 bytes a parameter where it was 6), and
+# the sync moves fp32 gradients. Beyond the tolerance: flash FA2 2.7B 2k -9.69% -> -5.64% and FA1
+# (T1) 2.7B 2k -6.76% -> -3.02% (16 micro-batches of 2.7B parameters: about 0.46 s); within it: FA2
+# 1.3B 2k -12.68% -> -10.69%, FA1 (T1) 1.3B 2k -3.99% -> -2.07%, FA1 GPT3-125M -9.85% -> -9.41%,
+# FA1 GPT3-1.3B -2.64% -> -0.69%. The other families unchanged (their software keeps 2-byte
+# parameters). Nothing refit: bytes counted from the kernels' source, priced at the profile's HBM rate.
 PINNED: dict[tuple[str, str], float] = {
     ("pinned", "1.7B"): -0.0170,
     ("pinned", "39.1B"): +0.0169,
@@ -129,20 +139,20 @@ PINNED: dict[tuple[str, str], float] = {
     ("table1", "7.5B"): -0.0370,
     ("table1", "18.4B"): -0.0256,
     ("h100", "175B NeMo 512"): -0.0161,
-    ("flash", "FA2 1.3B 2k"): -0.1268,
-    ("flash", "FA2 2.7B 2k"): -0.0969,
-    ("flash", "FA1 (T1) 1.3B 2k"): -0.0399,
-    ("flash", "FA1 (T1) 2.7B 2k"): -0.0676,
-    ("flash", "FA1 GPT3-125M"): -0.0985,
-    ("flash", "FA1 GPT3-1.3B"): -0.0264,
+    ("flash", "FA2 1.3B 2k"): -0.1069,
+    ("flash", "FA2 2.7B 2k"): -0.0564,
+    ("flash", "FA1 (T1) 1.3B 2k"): -0.0207,
+    ("flash", "FA1 (T1) 2.7B 2k"): -0.0302,
+    ("flash", "FA1 GPT3-125M"): -0.0941,
+    ("flash", "FA1 GPT3-1.3B"): -0.0069,
 }
 
 # family -> the bound on its mean |error| over the pinned subset, where the family meets the
 # benchmark's target today (`_errors_summary`: mean <= 10%; issue 14's: mean <= 5%); the flash
-# family does not (FA2 2k: 11.6%), so it has per-case pins only; table1's two rows, 11.4% under
-# micro-batch 1 (session 28), are 9.0% as the authors' script ran them (session 31); with the
-# unfused attention core's measured A100 speed (session 32) pinned, analytic and table1 meet issue
-# 14's 5% (3.2%, 2.7% and 3.1%)
+# family does not (its six pinned cases: 5.3% in session 33), so it has per-case pins only;
+# table1's two rows, 11.4% under micro-batch 1 (session 28), are 9.0% as the authors' script ran
+# them (session 31); with the unfused attention core's measured A100 speed (session 32) pinned,
+# analytic and table1 meet issue 14's 5% (3.2%, 2.7% and 3.1%)
 MEAN_BOUND = {"pinned": 0.05, "analytic": 0.05, "table1": 0.05, "h100": 0.05}
 
 FAMILIES = {"pinned": CASES, "analytic": CASES, "table1": TABLE1, "h100": H100_CASES, "flash": FLASH_CASES}

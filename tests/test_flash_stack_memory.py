@@ -24,8 +24,9 @@ what autopar's model prices for the eager ops (autocast's fp32 copy of each Laye
 stands where the fused kernel keeps the fp32 residual; the dropout masks, the 2-byte copies the
 projections save, GELU's input and output). So no software field describes the fused
 dropout-add-LayerNorm or MLP: a field must change a prediction (`autopar.schema.software`). The
-weights' 2-byte copies (the stack keeps fp32 parameters under autocast) are not activations in
-the model, which takes the parameters as 2-byte model states: left out here and in the model.
+weights' 2-byte copies (the stack keeps fp32 parameters under autocast) are left out here: the
+layer's ops save no parameter; the planner adds them per micro-batch where the software keeps fp32
+parameters (`SoftwareSpec.param_dtype`, `tests/test_fp32_params.py`).
 """
 
 import pytest

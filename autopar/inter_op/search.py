@@ -223,7 +223,7 @@ class _Tables:
     # what depends on the layers' costs alone (not on dp, ZeRO or the batch), shared by the
     # tables of one cost list (`like`)
     _COST_ONLY = ("base", "compute", "iter", "rc", "priced", "act", "work", "work_rc", "pel_layer", "pel", "shared",
-                  "out", "cross", "cross_grad", "wgo", "valid", "kk", "jj", "range_pel", "range_in", "range_out",
+                  "out", "cross", "cross_grad", "valid", "kk", "jj", "range_pel", "range_in", "range_out",
                   "range_send", "range_send_grad", "range_act", "range_in_saved", "range_out_kept", "range_work",
                   "range_work_rc", "range_work_rc_grads", "work_grads", "range_work_tmp", "range_root", "_layers",
                   "work_tmp_grads", "range_work_tmp_grads",
@@ -231,10 +231,17 @@ class _Tables:
 
     def __init__(self, costs: list[LayerCost], cluster: ClusterSpec, dtype: str, dp: int, tp: int,
                  zero: int, layers: list[Layer], batch: tuple[float, float] = (0.0, 0.0),
-                 like: Optional["_Tables"] = None, rooted: frozenset = frozenset()) -> None:
+                 like: Optional["_Tables"] = None, rooted: frozenset = frozenset(), policy: Optional[str] = None,
+                 cast_bytes: float = 0.0, cast_saved: float = 0.0) -> None:
         """`like`: a table of the same `costs` list (another dp or ZeRO stage), whose cost-only
         arrays are reused as they are (read-only) instead of being built again. `rooted`: the
-        modules ZeRO-3 leaves to the root unit (`rooted_modules`)."""
+        modules ZeRO-3 leaves to the root unit (`rooted_modules`). `policy`: the precision policy
+        of the model states, gradient accumulation and sync (`SoftwareSpec.state_policy`; default
+        `dtype`); `cast_bytes`, `cast_saved`: bytes per parameter element a micro-batch moves
+        casting fp32 parameters and saves of the casts (`SoftwareSpec.param_cast_bytes`,
+        `param_cast_saved_bytes`; 0 with parameters in the training dtype)."""
+        self.policy = policy or dtype
+        self.cast_bytes, self.cast_saved = cast_bytes, cast_saved
         self.costs = costs
         self.rooted = rooted
         self._ranged: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -246,13 +253,14 @@ class _Tables:
         self.batch_first, self.batch_rest = batch
         self.cluster = cluster
         self.dtype = dtype
-        if like is not None and like.costs is costs and like.dtype == dtype:
+        if like is not None and like.costs is costs and like.dtype == dtype and like.cast_saved == cast_saved:
             for a in self._COST_ONLY:
                 setattr(self, a, getattr(like, a))
             if "range_unit" in like.__dict__:
                 self.__dict__["range_unit"] = like.__dict__["range_unit"]
         else:
             self._cost_ranges(costs, layers, dtype)
+        self.wgo = PRECISION_POLICIES[self.policy]
         kk, jj = self.kk, self.jj
         stage_size = dp * tp
         link = axis_link(cluster, stage_size)
@@ -288,7 +296,12 @@ class _Tables:
         # the policies every layer's cost prices (a cost naming none prices all alike): one a
         # provider leaves out would read as free, saving everything
         self.priced = frozenset(r for r in RECOMPUTES if all(r in c.act_bytes for c in costs if c.act_bytes))
-        self.act = {r: pre([c.act_bytes.get(r, 0.0) for c in costs]) for r in RECOMPUTES}
+        # with fp32 parameters, each layer's matrix ops save their weights' 2-byte casts
+        # (`cast_saved` a parameter element; a tied one with its last user, the head, which casts
+        # it: an embedding lookup reads the fp32 table); a layer recomputed in full saves none
+        cast = self._cast_elems(costs) * self.cast_saved
+        self.act = {r: pre([c.act_bytes.get(r, 0.0) + (0.0 if r == "full" else x) for c, x in zip(costs, cast)])
+                    for r in RECOMPUTES}
         # transient in a layer's backward above what it saved, at its worst moment (its
         # activation gradients, the loss's fp32 input gradient, or a recomputed region's
         # re-made tensors: `LayerCost.backward_over`), and whether that moment recomputes
@@ -318,8 +331,6 @@ class _Tables:
         # (a provider that does not say what crosses: the layer's output alone)
         self.cross = np.array([c.cross_bytes if c.cross_tensors else c.out_bytes for c in costs])
         self.cross_grad = np.array([c.cross_grad_bytes if c.cross_tensors else c.out_bytes for c in costs])
-        w, g, o = PRECISION_POLICIES[dtype]
-        self.wgo = (w, g, o)
         # ranges
         k = np.arange(L)[:, None]
         j = np.arange(L + 1)[None, :]
@@ -411,6 +422,19 @@ class _Tables:
             later[:-1] = _range_max(np.array(temps))[1:]          # layers k+1 .. j-1
         first = np.array(own, dtype=float).reshape(L)[:, None]
         self.range_maxtensor = np.where(self.valid, np.maximum(np.maximum(first, later), 0.0), 0.0)
+
+    @staticmethod
+    def _cast_elems(costs: list[LayerCost]) -> np.ndarray:
+        """Parameter elements each layer casts per micro-batch: its own, a tensor several layers
+        read counted once, with the last of them."""
+        last: dict[str, tuple[int, float]] = {}
+        for i, c in enumerate(costs):
+            for f, e in c.param_elems.items():
+                last[f] = (i, e)
+        out = np.zeros(len(costs))
+        for i, e in last.values():
+            out[i] += e
+        return out
 
     def _outputs_held(self) -> None:
         """A pipeline chunk's output stays in the stage's forward cache until the chunk's
@@ -685,7 +709,7 @@ class _Tables:
                   prefetch_params=unit if self.zero3 else 0.0, optimizer_temps=largest,
                   rs_copies_input=reduce_scatter_copies_input(self.cluster.device.device_type),
                   fused_optimizer=fused_optimizer(self.cluster.device.device_type))
-        out = runtime_phases(pel, self.dtype, self.zero, self.dp, **kw)
+        out = runtime_phases(pel, self.policy, self.zero, self.dp, **kw)
         if self.ep > 1 and self.zero == 0 and self.dp > 1:
             # the gradient sync's flat buffer: the dense gradients' (all-reduced over dp), then,
             # apart, the experts' over the ranks holding the same ones (none where ep = dp:
@@ -700,7 +724,7 @@ class _Tables:
             # as many (the rest of the phase unchanged). Not ZeRO-3's unsharded gradients,
             # accumulated over several micro-batches until the last one reduce-scatters: those
             # are the rank's own experts' (`pel` as it is)
-            wide = runtime_phases(pel + (self.dp / self.ecopies - 1) * np.asarray(epel), self.dtype, self.zero,
+            wide = runtime_phases(pel + (self.dp / self.ecopies - 1) * np.asarray(epel), self.policy, self.zero,
                                   self.dp, **kw)
             unsharded = m > 1
             out = [dataclasses.replace(a, optimizer=b.optimizer) if self.zero < 3 else
@@ -724,12 +748,12 @@ class _Tables:
         w, g, _ = self.wgo
         d = pel - e
         copies = self.ecopies
-        dense = [ph for ph in runtime_phases(d, self.dtype, self.zero, self.dp, **kw) if ph.phase == "grad_sync"]
+        dense = [ph for ph in runtime_phases(d, self.policy, self.zero, self.dp, **kw) if ph.phase == "grad_sync"]
         moments = [dataclasses.replace(ph, weights=ph.weights + w * e,
                                        gradients=ph.gradients + g * e) for ph in dense[:2]]
         shard_d = 4.0 * d / self.dp            # the dense fp32 gradient shard, kept for the step
         if copies > 1:
-            ex = [ph for ph in runtime_phases(e, self.dtype, self.zero, copies, **kw) if ph.phase == "grad_sync"]
+            ex = [ph for ph in runtime_phases(e, self.policy, self.zero, copies, **kw) if ph.phase == "grad_sync"]
             moments += [dataclasses.replace(ph, weights=ph.weights + w * d, buffers=ph.buffers + shard_d)
                         for ph in ex[:2]]
             # the experts' gather after the step, before the dense one
@@ -945,15 +969,15 @@ class _Tables:
         parallelism the `epel` expert elements over the dp / ep ranks holding the same experts
         (`tp * ep` apart), a second flat collective."""
         if self.ep <= 1:
-            return _sync_time(self.cluster, self.dtype, self.dp, self.tp, self.zero, pel)
-        return (_sync_time(self.cluster, self.dtype, self.dp, self.tp, self.zero, pel - epel)
-                + _sync_time(self.cluster, self.dtype, self.ecopies, self.estride, self.zero, epel))
+            return _sync_time(self.cluster, self.policy, self.dp, self.tp, self.zero, pel)
+        return (_sync_time(self.cluster, self.policy, self.dp, self.tp, self.zero, pel - epel)
+                + _sync_time(self.cluster, self.policy, self.ecopies, self.estride, self.zero, epel))
 
     def opt(self, pel: float, tensors: int = 1) -> float:
         """Optimizer step of `pel` parameter elements in `tensors` parameter tensors (the runtime
         updates one tensor at a time; ZeRO-1/2 update one flat shard)."""
         flat = self.zero in (1, 2) and self.dp > 1
-        return optimizer_step_time(pel, self.cluster.device, self.dtype, shard=self.dp if self.zero >= 1 else 1,
+        return optimizer_step_time(pel, self.cluster.device, self.policy, shard=self.dp if self.zero >= 1 else 1,
                                    param_tensors=1 if flat else tensors)
 
     def chunk_temporaries(self, chunks: list[tuple[int, int]]) -> float:
@@ -998,9 +1022,13 @@ class _Tables:
         """Per micro-batch share of adding each micro-batch's weight gradients into the
         accumulated ones (autograd does it in every backward after the first, m - 1 of m):
         `grad_accumulation_bytes` per parameter element. The gradients are accumulated unsharded
-        (ZeRO reduces them once per step)."""
+        (ZeRO reduces them once per step). With fp32 parameters also every micro-batch's casts of
+        the weights and of their gradients (`cast_bytes` a parameter element)."""
         share = (m - 1) / m if m > 1 else 0.0
-        return share * memory_time(np.asarray(pel) * grad_accumulation_bytes(self.dtype), self.cluster.device)
+        t = share * memory_time(np.asarray(pel) * grad_accumulation_bytes(self.policy), self.cluster.device)
+        if self.cast_bytes:
+            t = t + memory_time(np.asarray(pel) * self.cast_bytes, self.cluster.device)
+        return t
 
 
 def _transient(tb: "_Tables", chunks: list[tuple[int, int]], r: str) -> tuple[float, float]:
@@ -1201,6 +1229,9 @@ class Search:
         # the software the provider costs with (`SoftwareSpec`): also whether the gradient
         # sync overlaps the backward
         self.software = getattr(self.provider, "software", None) or resolve_software(None)
+        # the precision of the model states, gradient accumulation and sync: fp32 where the
+        # software keeps fp32 parameters under autocast (`SoftwareSpec.param_dtype`)
+        self.policy = self.software.state_policy(dtype)
         self.progress = progress
         self.N = cluster.num_devices
         self.L = len(layers)
@@ -1771,7 +1802,7 @@ class Search:
             ideal, pel, slowest, epel, rc_more = bounds[bk]
             # memory lower bound: the model states of an average stage, no activations
             states = max(ph.total for ph in runtime_phases(
-                pel, self.dtype, z, reps, num_microbatches=m,
+                pel, self.policy, z, reps, num_microbatches=m,
                 fused_optimizer=fused_optimizer(self.cluster.device.device_type)))
             if states > self.budget:
                 self.min_memory = min(self.min_memory, states)
@@ -1821,13 +1852,16 @@ class Search:
             big = 1e9
             slope = (_dp_coll(self.cluster, "all_gather", big, dp, tp)
                      - _dp_coll(self.cluster, "all_gather", 1.0, dp, tp)) / big
-            per_mb += 2 * slope * pel * PRECISION_POLICIES[self.dtype][0]
+            per_mb += 2 * slope * pel * PRECISION_POLICIES[self.policy][0]
         if m > 1:
-            per_mb += (m - 1) / m * memory_time(pel * grad_accumulation_bytes(self.dtype), self.cluster.device)
-        sync = _sync_time(self.cluster, self.dtype, dp, tp, zero, pel - epel)
+            per_mb += (m - 1) / m * memory_time(pel * grad_accumulation_bytes(self.policy), self.cluster.device)
+        cast = self.software.param_cast_bytes(self.dtype)   # fp32 parameters' casts, every micro-batch
+        if cast:
+            per_mb += memory_time(pel * cast, self.cluster.device)
+        sync = _sync_time(self.cluster, self.policy, dp, tp, zero, pel - epel)
         if self.software.grad_sync_overlap:      # the part no backward can hide
-            sync -= _grad_reduce_time(self.cluster, self.dtype, dp, tp, zero, pel - epel)
-        opt = optimizer_step_time(pel, self.cluster.device, self.dtype, shard=dp if zero >= 1 else 1,
+            sync -= _grad_reduce_time(self.cluster, self.policy, dp, tp, zero, pel - epel)
+        opt = optimizer_step_time(pel, self.cluster.device, self.policy, shard=dp if zero >= 1 else 1,
                                   param_tensors=1)
         return per_mb, sync + opt
 
@@ -2218,7 +2252,9 @@ class Search:
             # executor): its output is the loss, no loss input is kept for the schedule
             like = next((t for t in self._tables_cache.values() if t.costs is costs), None)
             tb = _Tables(costs, self.cluster, self.dtype, dp * cp, tp, zero, self.layers, batch, like=like,
-                         rooted=self.rooted_modules)
+                         rooted=self.rooted_modules, policy=self.policy,
+                         cast_bytes=self.software.param_cast_bytes(self.dtype),
+                         cast_saved=self.software.param_cast_saved_bytes(self.dtype))
             if ep > 1:
                 if fold:
                     tb.set_experts(ep, self.experts.expert_elems(costs), copies=dp * tp // ep, stride=ep)
@@ -2448,7 +2484,7 @@ class Search:
             # the last micro-batch's backward (with its recomputation), which an overlapped
             # gradient reduction runs beside
             window = sum(c.bwd_s + c.bwd_comm_s + c.rc_extra_s.get(r, 0.0) for k, j in chunks for c in tb.costs[k:j])
-            sync = _exposed_sync(sync, _grad_reduce_time(self.cluster, self.dtype, tb.dp, tb.tp, tb.zero, pel), window)
+            sync = _exposed_sync(sync, _grad_reduce_time(self.cluster, self.policy, tb.dp, tb.tp, tb.zero, pel), window)
         sync += sum(float(tb.iter[j] - tb.iter[k]) for k, j in chunks)
         return StageResult(chunks, r, t, comp, max(0.0, t - comp), sync, tb.opt(pel, tb.param_tensors(chunks)), pel,
                            float(top.weights), float(top.gradients), float(top.optimizer), float(top.activations),

@@ -38,6 +38,17 @@ same plan, and that the cost model honours:
   saving them and a log-sum-exp per row, writing their gradient in place: apex's xentropy as the
   flash-attn training stack runs it, flash-attn's Triton cross-entropy). Time and memory:
   `cost_models.fused_loss` (the captured graph rewritten as the software runs it).
+- `param_dtype`: the dtype a mixed-precision run keeps its parameters in. "training" (the
+  2-byte training dtype, fp32 masters in the optimizer: what `autopar run` executes, also
+  Megatron-LM) or "fp32" (the parameters stay fp32 under autocast: PyTorch Lightning's
+  `precision: bf16` / `16`, torch AMP's recipe). fp32 parameters cost every micro-batch a cast of
+  each weight to the 2-byte dtype in the forward and of its gradient back to fp32 in the backward
+  (`cost_models.compute.param_cast_bytes`), which the matrix ops save for the backward (2 bytes a
+  parameter per micro-batch in flight, `param_cast_saved_bytes`); gradients are accumulated,
+  all-reduced and (ZeRO) gathered at 4 bytes, and the optimizer steps the fp32 parameters
+  themselves (model states 4 + 4 + 8 bytes a parameter: `state_policy`). Time:
+  `autopar.inter_op.search` (`_Tables.accum`, the sync); memory: `_Tables.phases`, the
+  activations.
 - `grad_sync_overlap`: whether the data-parallel gradient sync of a stage runs during the backward
   of its last micro-batch (bucketed all-reduce as PyTorch DDP or Megatron-Core's
   --overlap-grad-reduce do it) instead of after it. Time: `autopar.inter_op.search` (the
@@ -54,7 +65,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from autopar.schema.cluster import AttentionPoint
 from autopar.schema.errors import PlanError
@@ -68,6 +87,8 @@ MixedPrecision = Literal["autocast", "half"]
 MIXED_PRECISIONS: tuple[str, ...] = ("autocast", "half")
 LossKernel = Literal["eager", "fused"]
 LOSS_KERNELS: tuple[str, ...] = ("eager", "fused")
+ParamDtype = Literal["training", "fp32"]
+PARAM_DTYPES: tuple[str, ...] = ("training", "fp32")
 
 # the preset that describes what `autopar run` executes: the default of `autopar.plan`
 DEFAULT_SOFTWARE = "autopar"
@@ -98,6 +119,12 @@ class SoftwareSpec(BaseModel):
         default="eager", description="eager: the cross-entropy as the model writes it (fp32 upcast, log_softmax "
         "saving fp32, fp32 gradients; what autopar run executes); fused: one kernel reading the 2-byte logits, "
         "saving them and a log-sum-exp per row, writing their gradient in place (apex xentropy, flash-attn)")
+    param_dtype: ParamDtype = Field(
+        default="training", description="training: a mixed-precision run keeps its parameters in the 2-byte "
+        "training dtype, fp32 masters in the optimizer (what autopar run executes, Megatron-LM); fp32: the "
+        "parameters stay fp32 under autocast (PyTorch Lightning's precision bf16/16): every micro-batch casts "
+        "each weight to the 2-byte dtype (saved for the backward) and its gradient back, gradients accumulate "
+        "and sync at 4 bytes, the optimizer steps the fp32 parameters (needs mixed_precision autocast)")
     grad_sync_overlap: bool = Field(
         default=False, description="the data-parallel gradient sync runs during the last micro-batch's "
         "backward (bucketed, as PyTorch DDP or Megatron-Core --overlap-grad-reduce) instead of after it")
@@ -107,15 +134,26 @@ class SoftwareSpec(BaseModel):
         "replace the hardware profile's rates, which describe another kernel")
     sources: dict[str, str] = Field(default_factory=dict, description="field name -> where it comes from")
 
+    @model_validator(mode="after")
+    def _fp32_params_need_autocast(self) -> "SoftwareSpec":
+        """fp32 parameters are autocast's recipe: a model cast to its 2-byte dtype ("half") has none."""
+        if self.param_dtype == "fp32" and self.mixed_precision != "autocast":
+            raise ValueError("param_dtype 'fp32' needs mixed_precision 'autocast' (a model cast to its 2-byte "
+                             "dtype keeps no fp32 parameters); set param_dtype: training or mixed_precision: "
+                             "autocast")
+        return self
+
     @model_serializer(mode="wrap")
     def _omit_eager_fusion(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         """The dump without `pointwise_fusion` when it is "eager", `mixed_precision` when it is
-        "autocast" and `loss_kernel` when it is "eager", the choices every plan made before the
-        fields existed: a plan file (and its digest, `tests/test_planner_unchanged.py`) and a cache
-        key for such software are what they were; the other choices are written."""
+        "autocast", `loss_kernel` when it is "eager" and `param_dtype` when it is "training", the
+        choices every plan made before the fields existed: a plan file (and its digest,
+        `tests/test_planner_unchanged.py`) and a cache key for such software are what they were;
+        the other choices are written."""
         out = handler(self)
         if isinstance(out, dict):
-            for key, old in (("pointwise_fusion", "eager"), ("mixed_precision", "autocast"), ("loss_kernel", "eager")):
+            for key, old in (("pointwise_fusion", "eager"), ("mixed_precision", "autocast"), ("loss_kernel", "eager"),
+                             ("param_dtype", "training")):
                 if out.get(key) == old:
                     out.pop(key)
         return out
@@ -125,6 +163,26 @@ class SoftwareSpec(BaseModel):
         """Whether a mixed-precision run of this software runs under torch.autocast (the cost
         model's `autocast` argument; see `mixed_precision`)."""
         return self.mixed_precision == "autocast"
+
+    def state_policy(self, dtype: str) -> str:
+        """The precision policy of a `dtype` run's model states, gradient accumulation and sync
+        (`cost_models.memory.PRECISION_POLICIES`): "fp32" where the parameters stay fp32
+        (`param_dtype`: 4-byte weights and gradients, Adam's two moments, no master copy), else
+        `dtype` itself."""
+        return "fp32" if self.param_dtype == "fp32" else dtype
+
+    def param_cast_bytes(self, dtype: str) -> float:
+        """Bytes per parameter element one micro-batch moves casting fp32 parameters for a
+        `dtype` run (`cost_models.compute.param_cast_bytes`); 0 with parameters in `dtype`."""
+        from cost_models.compute import param_cast_bytes
+        return param_cast_bytes(self.param_dtype, dtype)
+
+    def param_cast_saved_bytes(self, dtype: str) -> float:
+        """Bytes per parameter element a micro-batch's forward saves for its backward as the
+        weights' 2-byte casts (`cost_models.memory.param_cast_saved_bytes`); 0 with parameters
+        in `dtype`."""
+        from cost_models.memory import param_cast_saved_bytes
+        return param_cast_saved_bytes(self.param_dtype, dtype)
 
     def on_graph(self, graph: Any) -> Any:
         """`graph` (an OpGraph) as this software runs it: its cross-entropy losses one fused kernel
@@ -150,7 +208,8 @@ class SoftwareSpec(BaseModel):
         fusion = ", element-wise chains fused" if self.pointwise_fusion == "fused" else ""
         half = ", model cast to its 2-byte dtype (no autocast)" if not self.autocast else ""
         loss = ", fused cross-entropy" if self.loss_kernel == "fused" else ""
-        return (f"software: {self.name} (attention {self.attention_kernel}{own}{fusion}{half}{loss}, "
+        fp32 = ", fp32 parameters under autocast" if self.param_dtype == "fp32" else ""
+        return (f"software: {self.name} (attention {self.attention_kernel}{own}{fusion}{half}{loss}{fp32}, "
                 f"dp gradient sync {sync})")
 
     @classmethod
@@ -158,7 +217,7 @@ class SoftwareSpec(BaseModel):
         """A bundled preset by name (`bundled_software()`) or a YAML/JSON file."""
         path = _resolve(str(name_or_path))
         data = read_mapping(path, "software",
-                            "name, attention_kernel, pointwise_fusion, mixed_precision, grad_sync_overlap")
+                            "name, attention_kernel, pointwise_fusion, mixed_precision, param_dtype, grad_sync_overlap")
         data.setdefault("name", path.stem)
         try:
             return cls.model_validate(data)
