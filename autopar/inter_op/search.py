@@ -63,6 +63,12 @@ What is approximated, and why (to keep a 1000-GPU search within seconds on two c
   MoE parallel folding, `Candidate.fold`): every ep dividing dp x tp and the expert count, the
   gradients synced over dp x tp / ep copies (ep apart, `_Tables.set_experts`); tried where the
   runtime executes it (`_fold_executable`) or where ep / expert_dp pin it.
+- ZeRO-3's gradient sync (`Candidate.rs_each`, `Plan.zero3_grad_sync`): accumulated unsharded
+  over the micro-batches and reduce-scattered in the last one's backward, or, where that does
+  not fit (or pinned), reduce-scattered in every micro-batch's backward (FSDP2's default; what
+  Megatron-FSDP and the distributed optimizer do to hold 4 / dp bytes of gradient a parameter):
+  the fp32 shards held, m reduce-scatters per step (`_Tables.zero_mb`) and none at its end. One
+  stage only (torch.pipelining syncs a stage's gradients after its last micro-batch).
 - Context parallelism (`inter_op.context_parallel`): a candidate's cp ranks split every
   sequence, a stage is dp x cp x tp devices, its layers costed on one cp rank, its gradient
   sync and ZeRO shards over dp x cp (the tables' dp). Tried from `LONG_SEQUENCE` tokens on, or
