@@ -333,6 +333,9 @@ def test_zero3_reduce_scatter_every_microbatch_planned_where_accumulating_does_n
     tight = plan("moe-tiny", small, global_batch_size=8, dtype="fp32", intra_op="analytic",
                  constraints=Constraints(**cons))
     assert tight.zero3_grad_sync == "microbatch"
+    with pytest.raises(PlanError, match=r"zero3_grad_sync unset"):
+        plan("moe-tiny", small, global_batch_size=8, dtype="fp32", intra_op="analytic",
+             constraints=Constraints(**cons, zero3_grad_sync="step"))
     assert Plan.model_validate_json(tight.model_dump_json()) == tight
     for bad in (dict(pp=2, zero_stage=3, dp=2), dict(zero_stage=1)):
         with pytest.raises(PlanError, match="zero3_grad_sync") as e:

@@ -1142,6 +1142,10 @@ def _dp_coll(cluster: ClusterSpec, kind: str, nbytes: float, dp: int, tp: int) -
     return max(0.0, a + b * nbytes)
 
 
+# `_no_fit`'s hint where the pins keep ZeRO-3's gradients unsharded until the step's end
+_EACH_HINT = ", or ZeRO-3 reducing every micro-batch (zero3_grad_sync unset)"
+
+
 def _sync_time(cluster: ClusterSpec, dtype: str, dp: int, tp: int, zero: int, pel: float) -> float:
     """Per-iteration gradient sync of one stage over dp, as the runtime does it: one flat
     all-reduce (ZeRO 0), one reduce-scatter + one all-gather of the updated weights (ZeRO 1
@@ -1899,7 +1903,8 @@ class Search:
                          f"{self.cluster.device.memory_bytes / 2**30:.2f} GiB "
                          f"({self.budget / 2**30:.2f} GiB usable); add devices, or allow "
                          f"recomputation, ZeRO or more pipeline stages"
-                         f"{', or context parallelism (cp unset)' if self.cons.cp == 1 else ''}",
+                         f"{', or context parallelism (cp unset)' if self.cons.cp == 1 else ''}"
+                         f"{_EACH_HINT if self.cons.zero3_grad_sync == 'step' else ''}",
                          min_memory_bytes=self.min_memory)
 
     def _hetero_candidates(self, meshes) -> list[tuple[float, Candidate]]:
