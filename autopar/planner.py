@@ -396,7 +396,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
             for *_, (k, j) in chunks:
                 blocks = [b.module for i in range(k, j) for b in experts.by_layer.get(i, [])]
                 if blocks:
-                    coll.update(_zero3_counts(blocks, False, m, len(chunks) > 1))
+                    coll.update(_zero3_counts(blocks, False, m, len(chunks) > 1, c.rs_each))
         elif copies > 1:
             for st in c.stages:
                 if any(i in experts.by_layer for k, j in st.chunks for i in range(k, j)):
@@ -411,7 +411,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                 coll["all_gather"] += 1
             else:
                 for k, j in st.chunks:
-                    coll.update(_zero3_counts(*zunits[(k, j)], m, len(chunks) > 1))
+                    coll.update(_zero3_counts(*zunits[(k, j)], m, len(chunks) > 1, c.rs_each))
     # a pipeline boundary sends every tensor crossing it forward and the gradients of those
     # that need one back, per micro-batch (one point-to-point op each, as torch.pipelining issues them)
     for pos in range(len(chunks) - 1):
@@ -456,6 +456,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                 software=getattr(res.provider, "software", None) or software_for_cluster(None, spec), dtype=dtype,
                 global_batch_size=gbs, microbatch_size=c.mb, num_microbatches=m,
                 schedule=c.schedule, virtual_stages=v, zero_stage=c.zero, stages=stage_plans,
+                zero3_grad_sync="microbatch" if c.rs_each else "step",
                 experts=_expert_plan(experts, c, dtype) if experts is not None else None,
                 sequence_parallel=bool(getattr(res.provider, "sequence_parallel", False)) and c.tp > 1,
                 predicted=pred,
@@ -673,7 +674,7 @@ def _read_outside(graph: OpGraph, f: str) -> bool:
     return False
 
 
-def _zero3_counts(units: list[str], root: bool, m: int, pipelined: bool) -> Counter:
+def _zero3_counts(units: list[str], root: bool, m: int, pipelined: bool, every_microbatch: bool = False) -> Counter:
     """ZeRO-3's collectives per step of a chunk with `m` micro-batches whose FSDP units and root
     are `units`, `root` (`zero3_units`), as the runtime issues them (`fully_shard`; U units
     with the root). Without
@@ -682,14 +683,15 @@ def _zero3_counts(units: list[str], root: bool, m: int, pipelined: bool) -> Coun
     micro-batch syncs). In a pipeline, torch.pipelining drives the stage's FSDP root (gradient
     sync and resharding after the last backward only): all_gather (U − root)·(m + 1) + root,
     reduce_scatter U (measured: gpt-tiny pp2 x dp2, m = 1, 2, 4, 1F1B and GPipe, and with tp
-    stages; a root holding parameters: a traced user GPT's tied head, pp2 x dp2, m = 2)."""
+    stages; a root holding parameters: a traced user GPT's tied head, pp2 x dp2, m = 2).
+    `every_microbatch` (`Plan.zero3_grad_sync` "microbatch", no pipeline): reduce_scatter m·U."""
     n = len(units)
     U = n + int(root)
     if pipelined:
         # the root unit is gathered once and kept to the last backward (measured: a traced
         # chunk holding a tied head's weight outside its modules)
         return Counter({"all_gather": n * (m + 1) + int(root), "reduce_scatter": U})
-    return Counter({"all_gather": m * U + m * (U - int(root)), "reduce_scatter": U})
+    return Counter({"all_gather": m * U + m * (U - int(root)), "reduce_scatter": m * U if every_microbatch else U})
 
 
 def _owner(c: Candidate, layer: int) -> int:

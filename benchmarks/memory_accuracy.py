@@ -119,6 +119,8 @@ def _specs() -> list[dict]:
         m = "mlp-tiny"
         add(m, 2, 256, dtype, dp=2, tp=1, pp=1, zero_stage=0)
         add(m, 2, 256, dtype, dp=2, tp=1, pp=1, zero_stage=3)
+        # ZeRO-3 reduce-scattering every micro-batch's gradients (fp32 shards accumulated)
+        add(m, 2, 256, dtype, dp=2, tp=1, pp=1, zero_stage=3, num_microbatches=4, zero3_grad_sync="microbatch")
         add(m, 2, 256, dtype, dp=1, tp=2, pp=1)
         add(m, 2, 256, dtype, dp=1, tp=1, pp=2, schedule="1f1b", num_microbatches=4)
         add(m, 4, 256, dtype, dp=2, tp=2, pp=1, zero_stage=0)
@@ -140,6 +142,10 @@ def _specs() -> list[dict]:
         add(e, 4, 16, dtype, dp=4, tp=1, pp=1, ep=2, zero_stage=1, recompute="none")
         # two sequences a rank: the experts' backward, not the loss's, holds the peak
         add(e, 4, 8, dtype, dp=4, tp=1, pp=1, zero_stage=3, recompute="none")
+        # the same, two copies of each expert (their FSDP units over 2 ranks), every
+        # micro-batch's gradients reduce-scattered
+        add(e, 4, 16, dtype, dp=4, tp=1, pp=1, ep=2, zero_stage=3, num_microbatches=2, zero3_grad_sync="microbatch",
+            recompute="none")
         # Hugging Face classes (tiny configs, default dropout): data parallel, ZeRO-3, tensor
         # parallel and a pipeline cut from the traced model (position ids, a causal mask and,
         # for Llama, rotary tables cross its boundary beside the hidden states)

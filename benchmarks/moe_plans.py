@@ -7,7 +7,8 @@ its figure.
     python benchmarks/moe_plans.py [--nodes 1,2,4,8,16] [--only mixtral|deepseek] [--published]
 
 Published (`PUBLISHED`, each with its source, FLOP convention and assumptions; `--published`
-plans only them): MoE training runs in bf16 on GPUs autopar has a profile for, of models it
+plans only them; "rs/mb" after the ZeRO stage: ZeRO-3's gradients reduce-scattered every
+micro-batch, `Plan.zero3_grad_sync`): MoE training runs in bf16 on GPUs autopar has a profile for, of models it
 captures, each planned pinned to its published layout with the software preset of the run: the
 Megatron-Core MoE guide's Mixtral 8x7B (468 TFLOP/s; layout from a third-party script, an
 assumption), NeMo AutoModel's Qwen3-30B-A3B on 8 H100 and four Qwen3-235B-A22B layouts of
@@ -90,8 +91,9 @@ PUBLISHED = [
               dict(tp=2, pp=1, dp=128, ep=8, expert_dp=32, expert_tp=1, microbatch_size=4, num_microbatches=4,
                    zero_stage=3, recompute="full"),
               17.6, 276.0, _MZ_FLOPS, _MZ + "3 (TP2 EP8 PP1 EDP32 DP128 FSDP on, MBS4 GBS2048 GA4, full recompute)",
-              "Megatron FSDP taken as ZeRO-3; EDP32 = TP2 x DP128 / EP8: the expert mesh folded over the tp and dp "
-              "ranks (autopar's folded experts, expert_tp=1)"),
+              "Megatron FSDP taken as ZeRO-3 (when it reduce-scatters the gradients, every micro-batch or at the "
+              "step's end, left to the search: `zero3_grad_sync`); EDP32 = TP2 x DP128 / EP8: the expert mesh "
+              "folded over the tp and dp ranks (autopar's folded experts, expert_tp=1)"),
     Published("Qwen3-235B-A22B, MCore all-to-all, PP32", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100", 32,
               "nemo-megatron-core-2024",
               dict(tp=2, pp=32, virtual_stages=3, dp=4, ep=8, expert_dp=1, expert_tp=1, microbatch_size=1,
@@ -171,7 +173,8 @@ def published() -> None:
         fold = f" edp{p.experts.expert_dp}{' folded' if p.experts.folded else ''}" if p.experts else ""
         rows.append([case.name, case.profile, str(case.nodes), f"{p.dp}/{p.ep}/{p.tp}/{p.pp}{fold}",
                      f"{p.microbatch_size}x{p.num_microbatches}",
-                     p.schedule + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""), str(p.zero_stage),
+                     p.schedule + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""),
+                     str(p.zero_stage) + (" rs/mb" if p.zero3_grad_sync == "microbatch" else ""),
                      p.stages[0].recompute, f"{p.predicted.peak_memory_bytes / 2**30:.1f}",
                      f"{time.perf_counter() - t:.1f}", _fig(case.seconds, s, "s"), _fig(case.tflops, tf, ""),
                      p.search.get("ep_executor", "")[:80]])

@@ -2008,7 +2008,8 @@ def reduce_scatter_copies_input(device_type: Optional[str]) -> bool:
 def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, dp: int = 1, *,
                    num_microbatches: int = 1, gathered_params: Any = 0.0,
                    optimizer_temps: Any = 0.0, prefetch_params: Any = 0.0,
-                   rs_copies_input: bool = False, fused_optimizer: bool = False) -> list[PhaseMemory]:
+                   rs_copies_input: bool = False, fused_optimizer: bool = False,
+                   reduce_every_microbatch: bool = False) -> list[PhaseMemory]:
     """Model-state bytes per device in each phase of a step, as `autopar.runtime` keeps them
     (activations left at 0: the caller adds them to "forward_backward"). `num_params` are the
     device's parameter elements (after tensor and pipeline parallelism; numbers or numpy
@@ -2038,7 +2039,10 @@ def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, d
       gathered 2-byte layers (`gathered_params`); with several micro-batches FSDP accumulates
       unsharded 2-byte gradients until the last one reduce-scatters: g in place of 4/D (a
       unit's reduce-scatter, making its shard, frees its accumulated gradient, and 4/D <= g
-      for D >= 2: the most is at the last backward's start, every gradient accumulated).
+      for D >= 2: the most is at the last backward's start, every gradient accumulated);
+      with `reduce_every_microbatch` (`Plan.zero3_grad_sync` "microbatch") each micro-batch's
+      backward reduce-scatters every unit as it ends and adds the result into the fp32 shard:
+      4/D whatever the micro-batches, as with one.
     """
     if policy not in PRECISION_POLICIES:
         raise ValueError(f"unknown precision policy {policy!r}; one of {', '.join(PRECISION_POLICIES)}")
@@ -2067,7 +2071,7 @@ def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, d
                 PhaseMemory("optimizer_step", w * P, 4.0 * P / D, opt, flat_temps * 4.0 * P / D),
                 PhaseMemory("grad_sync", w * P, 0.0 * P, opt, w * P + w * P / D)]
     # ZeRO 3
-    grads = g * P if num_microbatches > 1 else 4.0 * P / D
+    grads = g * P if num_microbatches > 1 and not reduce_every_microbatch else 4.0 * P / D
     opt = (o if mixed else o + 4.0) * P / D
     if not mixed:   # FSDP's fp32 shards are the weights (and the masters): weights, not optimizer
         opt = o * P / D

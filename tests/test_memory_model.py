@@ -197,6 +197,17 @@ def test_runtime_phases_zero3():
     assert many.gradients == pytest.approx(2 * psi)
 
 
+def test_runtime_phases_zero3_reducing_every_microbatch_holds_the_fp32_shards():
+    """`Plan.zero3_grad_sync` "microbatch": each backward reduce-scatters, the fp32 shards (4/D
+    bytes a parameter) accumulate in place of the unsharded 2-byte gradients, however many
+    micro-batches."""
+    psi, D = 1e9, 8
+    for m in (1, 4):
+        fb = _phase(runtime_phases(psi, "bf16", 3, D, num_microbatches=m, reduce_every_microbatch=True),
+                    "forward_backward")
+        assert fb.gradients == pytest.approx(4 * psi / D)
+
+
 def test_runtime_phases_zero3_counts_the_prefetched_unit_as_a_buffer():
     psi, D = 1e9, 8
     fb = _phase(runtime_phases(psi, "bf16", 3, D, gathered_params=3e8, prefetch_params=1e8), "forward_backward")

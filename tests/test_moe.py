@@ -94,6 +94,8 @@ def launched(tmp_path_factory) -> dict:
         # test_ep_under_zero3_trains_like_one_process
         "zero3_ep2": _plan(2, zero_stage=3),
         "zero3_ep2_pp2": _plan(2, dp=2, pp=2, zero_stage=3, schedule="1f1b"),
+        # test_zero3_reduce_scatter_every_microbatch_trains_like_one_process
+        "zero3_ep2_each": _plan(2, zero_stage=3, zero3_grad_sync="microbatch"),
         "zero3_ep4_bf16": _memo(("zero3_ep4_bf16",), lambda: plan(
             "moe-tiny", _cpu(4), global_batch_size=8, dtype="bf16", intra_op="analytic",
             constraints=Constraints(ep=4, dp=4, tp=1, pp=1, zero_stage=3, recompute="none", num_microbatches=2))),
@@ -294,6 +296,52 @@ def test_ep_under_zero3_trains_like_one_process(launched):
     p, steps = launched["zero3_ep4_bf16"]
     assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
     assert all(r["collectives"] == p.predicted.collectives for r in steps)
+
+
+@pytest.mark.slow
+def test_zero3_reduce_scatter_every_microbatch_trains_like_one_process(launched):
+    """ZeRO-3 reduce-scattering every micro-batch's gradients (`Plan.zero3_grad_sync`
+    "microbatch", FSDP2 adding each into the fp32 shard), ep 2 x expert-dp 2, 2 micro-batches, 4
+    gloo processes: the one-process losses within 1e-4 and every step's collectives the plan's,
+    twice the reduce-scatters of the plan syncing once."""
+    want = _one_process_losses(2)
+    p, steps = launched["zero3_ep2_each"]
+    assert p.zero3_grad_sync == "microbatch"
+    once = _plan(2, zero_stage=3)
+    assert p.predicted.collectives["reduce_scatter"] == 2 * once.predicted.collectives["reduce_scatter"]
+    assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
+    assert all(r["collectives"] == p.predicted.collectives for r in steps), [r["collectives"] for r in steps]
+
+
+def test_zero3_reduce_scatter_every_microbatch_planned_where_accumulating_does_not_fit():
+    """Reducing every micro-batch holds fp32 gradient shards (4 / dp bytes a parameter) in place
+    of the unsharded accumulated ones: less memory. Left to the search, the plan accumulates
+    where that fits and reduces every micro-batch where only that fits; pinned with a pipeline
+    or without ZeRO-3 it is refused, naming the field."""
+    once, each = _plan(2, zero_stage=3), _plan(2, zero_stage=3, zero3_grad_sync="microbatch")
+    g1, ge = once.stages[0].predicted.gradients_bytes, each.stages[0].predicted.gradients_bytes
+    assert ge < g1 and each.predicted.peak_memory_bytes < once.predicted.peak_memory_bytes
+    assert "every micro-batch" in each.summary()
+    from cost_models.memory import USABLE_FRACTION
+    between = (once.predicted.peak_memory_bytes + each.predicted.peak_memory_bytes) / 2 / USABLE_FRACTION
+    small = _cpu(4)
+    small = small.model_copy(update={"device": small.device.model_copy(update={"memory_bytes": between})})
+    cons = dict(dp=4, tp=1, pp=1, zero_stage=3, recompute="none", num_microbatches=2, ep=2)
+    roomy = plan("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
+                 constraints=Constraints(**cons))
+    assert roomy.zero3_grad_sync == "step"
+    tight = plan("moe-tiny", small, global_batch_size=8, dtype="fp32", intra_op="analytic",
+                 constraints=Constraints(**cons))
+    assert tight.zero3_grad_sync == "microbatch"
+    with pytest.raises(PlanError, match=r"zero3_grad_sync unset"):
+        plan("moe-tiny", small, global_batch_size=8, dtype="fp32", intra_op="analytic",
+             constraints=Constraints(**cons, zero3_grad_sync="step"))
+    assert Plan.model_validate_json(tight.model_dump_json()) == tight
+    for bad in (dict(pp=2, zero_stage=3, dp=2), dict(zero_stage=1)):
+        with pytest.raises(PlanError, match="zero3_grad_sync") as e:
+            plan("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
+                 constraints=Constraints(**{**cons, **bad, "zero3_grad_sync": "microbatch"}))
+        assert e.value.constraint == "zero3_grad_sync"
 
 
 @pytest.mark.slow

@@ -63,6 +63,12 @@ What is approximated, and why (to keep a 1000-GPU search within seconds on two c
   MoE parallel folding, `Candidate.fold`): every ep dividing dp x tp and the expert count, the
   gradients synced over dp x tp / ep copies (ep apart, `_Tables.set_experts`); tried where the
   runtime executes it (`_fold_executable`) or where ep / expert_dp pin it.
+- ZeRO-3's gradient sync (`Candidate.rs_each`, `Plan.zero3_grad_sync`): accumulated unsharded
+  over the micro-batches and reduce-scattered in the last one's backward, or, where that does
+  not fit (or pinned), reduce-scattered in every micro-batch's backward (FSDP2's default; what
+  Megatron-FSDP and the distributed optimizer do to hold 4 / dp bytes of gradient a parameter):
+  the fp32 shards held, m reduce-scatters per step (`_Tables.zero_mb`) and none at its end. One
+  stage only (torch.pipelining syncs a stage's gradients after its last micro-batch).
 - Context parallelism (`inter_op.context_parallel`): a candidate's cp ranks split every
   sequence, a stage is dp x cp x tp devices, its layers costed on one cp rank, its gradient
   sync and ZeRO shards over dp x cp (the tables' dp). Tried from `LONG_SEQUENCE` tokens on, or
@@ -180,6 +186,7 @@ class Candidate:
     cp: int = 1                       # context parallelism: each sequence over cp ranks (`inter_op.context_parallel`)
     etp: int = 1                      # expert tensor parallelism: each expert over tp (ep > 1, `inter_op.experts`)
     fold: bool = False                # MoE parallel folding: experts over ep of the dp x tp ranks (`inter_op.experts`)
+    rs_each: bool = False             # ZeRO-3 reduce-scatters every micro-batch (`Plan.zero3_grad_sync`)
     # per recomputation policy, a lower bound on the iteration with every layer under it
     # (`Search._group_candidates`; empty: none known): an interleaved evaluation skips a policy
     # whose bound cannot beat the best plan found (`Search._evaluate_interleaved`)
@@ -187,7 +194,7 @@ class Candidate:
 
     def key(self) -> tuple:
         return (self.dp, self.tp, self.pp, self.mb, self.schedule, self.v, self.zero, self.sp, self.ep, self.cp,
-                self.etp, self.fold)
+                self.etp, self.fold, self.rs_each)
 
     @property
     def expert_copies(self) -> int:
@@ -272,6 +279,10 @@ class _Tables:
         send_bwd = np.where(kk > 0, self.p2p[np.clip(kk - 1, 0, L - 1)], 0.0)
         self.range_p2p = send_fwd + send_bwd
         self.zero3 = zero == 3 and dp > 1
+        # ZeRO-3 reduce-scatters every micro-batch's gradients (`Plan.zero3_grad_sync`
+        # "microbatch", set by `Search._tables`): each backward holds its units' gradients as one
+        # micro-batch's does, their fp32 shards accumulated; one reduce-scatter per micro-batch
+        self.rs_each = False
         self._relief: dict[str, np.ndarray] = {}
         self._temporaries: dict[tuple, float] = {}           # `chunk_temporaries`, per chunks
         self._holders: dict[tuple[int, int], list] = {}       # `_holder_sizes`, per layer range
@@ -652,13 +663,14 @@ class _Tables:
         layer's activations not yet saved). The transient after the first backward: the
         range's bound less its relief, or, ZeRO-3 with several micro-batches, the later
         micro-batches' moments with each op's units (`first_backward`'s `accumulated`), as
-        `_stage` takes them. Cached per (r, m == 1, m > 2)."""
-        shards = self.zero3 and m == 1
-        key = (r, shards, m > 2)
+        `_stage` takes them. Reducing every micro-batch (`rs_each`): as with one micro-batch, but
+        in a later one every gradient shard is alive. Cached per (r, shards, m > 2, m > 1)."""
+        shards = self.zero3 and (m == 1 or self.rs_each)
+        key = (r, shards, m > 2, m > 1)
         hit = self._rc_terms.get(key)
         if hit is None:
             act = self.boundary_acts(self.range_act[r], self.range_in_saved[r], self.range_out_kept[r])
-            if self.zero3 and m > 1:
+            if self.zero3 and m > 1 and not self.rs_each:
                 kinds = ("mid", "last") if m > 2 else ("last",)
                 work = np.max([self.first_backward(r, False, accumulated=a)[0] for a in kinds], axis=0)
             else:
@@ -669,6 +681,10 @@ class _Tables:
                 later = self.pel[np.clip(self.jj, 0, L)] - self.pel[np.clip(at + 1, 0, L)]
                 pel = self.range_pel
                 frac = np.where(at >= 0, later / np.where(pel > 0, pel, 1.0), 1.0)
+                if m > 1:
+                    # reduce-scattered every micro-batch: in a later one every shard is alive
+                    # (the earlier micro-batches' sums), the worst case
+                    frac = np.ones_like(frac)
                 first = first + np.where(pel > 0, self.fixed_memory(pel, m)[1] * frac, 0.0)
             if self.zero3:
                 first = np.maximum(first, -self.range_last_act(r))
@@ -696,7 +712,14 @@ class _Tables:
         big = 1e9
         t0 = _dp_coll(self.cluster, "all_gather", 1.0, self.dp, self.tp)
         t1 = _dp_coll(self.cluster, "all_gather", big, self.dp, self.tp)
-        return np.where(pel > 0, 2 * (t0 + (t1 - t0) * (pel * w) / big), 0.0)
+        out = np.where(pel > 0, 2 * (t0 + (t1 - t0) * (pel * w) / big), 0.0)
+        if self.rs_each:
+            # the gradients reduce-scattered in every micro-batch's backward (the step's sync
+            # has none left, `sync`)
+            r0 = _dp_coll(self.cluster, "reduce_scatter", 1.0, self.dp, self.tp)
+            r1 = _dp_coll(self.cluster, "reduce_scatter", big, self.dp, self.tp)
+            out = out + np.where(pel > 0, r0 + (r1 - r0) * (pel * g) / big, 0.0)
+        return out
 
     def phases(self, pel: Any, m: int, root: Any = 0.0, unit: Any = 0.0, largest: Any = 0.0,
                epel: Any = 0.0) -> list:
@@ -707,6 +730,7 @@ class _Tables:
         `largest`: AdamW's temporaries at their worst, elements (`range_maxtensor`)."""
         kw = dict(num_microbatches=m, gathered_params=root + unit if self.zero3 else 0.0,
                   prefetch_params=unit if self.zero3 else 0.0, optimizer_temps=largest,
+                  reduce_every_microbatch=self.rs_each,
                   rs_copies_input=reduce_scatter_copies_input(self.cluster.device.device_type),
                   fused_optimizer=fused_optimizer(self.cluster.device.device_type))
         out = runtime_phases(pel, self.policy, self.zero, self.dp, **kw)
@@ -726,7 +750,7 @@ class _Tables:
             # are the rank's own experts' (`pel` as it is)
             wide = runtime_phases(pel + (self.dp / self.ecopies - 1) * np.asarray(epel), self.policy, self.zero,
                                   self.dp, **kw)
-            unsharded = m > 1
+            unsharded = m > 1 and not self.rs_each
             out = [dataclasses.replace(a, optimizer=b.optimizer) if self.zero < 3 else
                    dataclasses.replace(a, optimizer=b.optimizer, weights=b.weights,
                                        gradients=a.gradients if unsharded and a.phase == "forward_backward"
@@ -967,7 +991,10 @@ class _Tables:
     def sync(self, pel: float, epel: float = 0.0) -> float:
         """The stage's gradient sync: `pel - epel` dense elements over dp; under expert
         parallelism the `epel` expert elements over the dp / ep ranks holding the same experts
-        (`tp * ep` apart), a second flat collective."""
+        (`tp * ep` apart), a second flat collective. None left under ZeRO-3 reducing every
+        micro-batch (`rs_each`: `zero_mb` has them)."""
+        if self.rs_each:
+            return 0.0
         if self.ep <= 1:
             return _sync_time(self.cluster, self.policy, self.dp, self.tp, self.zero, pel)
         return (_sync_time(self.cluster, self.policy, self.dp, self.tp, self.zero, pel - epel)
@@ -1025,6 +1052,8 @@ class _Tables:
         (ZeRO reduces them once per step). With fp32 parameters also every micro-batch's casts of
         the weights and of their gradients (`cast_bytes` a parameter element)."""
         share = (m - 1) / m if m > 1 else 0.0
+        if self.rs_each:
+            share /= self.dp          # into the fp32 shards, 1 / dp of them
         t = share * memory_time(np.asarray(pel) * grad_accumulation_bytes(self.policy), self.cluster.device)
         if self.cast_bytes:
             t = t + memory_time(np.asarray(pel) * self.cast_bytes, self.cluster.device)
@@ -1139,6 +1168,10 @@ def _dp_coll(cluster: ClusterSpec, kind: str, nbytes: float, dp: int, tp: int) -
         _LINEAR[key] = (t1 - slope * 1e6, slope)
     a, b = _LINEAR[key]
     return max(0.0, a + b * nbytes)
+
+
+# `_no_fit`'s hint where the pins keep ZeRO-3's gradients unsharded until the step's end
+_EACH_HINT = ", or ZeRO-3 reducing every micro-batch (zero3_grad_sync unset)"
 
 
 def _sync_time(cluster: ClusterSpec, dtype: str, dp: int, tp: int, zero: int, pel: float) -> float:
@@ -1319,6 +1352,11 @@ class Search:
                 raise PlanError(f"{name}={v} does not divide {N}, the cluster's {self.N} devices over cp={cp}"
                                 if cp > 1 else f"{name}={v} does not divide the cluster's {N} devices",
                                 constraint=name)
+        if c.zero3_grad_sync == "microbatch" and (c.zero_stage != 3 or c.pp != 1):
+            raise PlanError(f"zero3_grad_sync=\"microbatch\" (ZeRO-3's gradients reduce-scattered every micro-batch) "
+                            f"needs zero_stage=3 and pp=1 pinned (got zero_stage={c.zero_stage}, pp={c.pp}): "
+                            f"torch.pipelining syncs a stage's gradients after its last micro-batch",
+                            constraint="zero3_grad_sync")
         if c.pp is not None and c.pp > self.L:
             raise PlanError(f"pp={c.pp} stages need at least {c.pp} layers; the model has {self.L} "
                             f"({', '.join(l.name for l in self.layers[:4])}{' ...' if self.L > 4 else ''})",
@@ -1449,7 +1487,15 @@ class Search:
             if cand is None:            # a group's bound: its candidates follow, costed
                 continue
             self.evaluated += 1
+            grad_sync = self.cons.zero3_grad_sync
+            each = cand.zero == 3 and cand.pp == 1 and cand.m > 1 and cand.replicas > 1 and not cand.hetero_tps
+            cand.rs_each = each and grad_sync == "microbatch"
             ok = self.evaluate(cand, self.tables_for(cand), INF if best is None else best.iteration_s)
+            if not ok and each and grad_sync is None:
+                # unsharded gradients accumulated over the micro-batches do not fit: reduce-scatter
+                # them every micro-batch (more collectives, 4 / dp bytes a parameter held)
+                cand.rs_each = True
+                ok = self.evaluate(cand, self.tables_for(cand), INF if best is None else best.iteration_s)
             if ok and (best is None or cand.iteration_s < best.iteration_s * (1 - 1e-9)):
                 best = cand
                 self._found = True
@@ -1621,9 +1667,9 @@ class Search:
             # the planner runs it by DTensor propagation (`planner._op_layouts`): its layers as
             # DTensor runs them, each input arriving as the layer before leaves it
             return self._tables(cand.mb, cand.tp, cand.dp, cand.zero, sp=cand.sp, ep=cand.ep, cp=cand.cp,
-                                dtensor=True, etp=cand.etp, fold=cand.fold)
+                                dtensor=True, etp=cand.etp, fold=cand.fold, rs_each=cand.rs_each)
         return self._tables(cand.mb, cand.tp, cand.dp, cand.zero, solved=solved, sp=cand.sp, ep=cand.ep,
-                            cp=cand.cp, etp=cand.etp, fold=cand.fold)
+                            cp=cand.cp, etp=cand.etp, fold=cand.fold, rs_each=cand.rs_each)
 
     def _layouts_agree(self, mb: int, tp: int, sp: bool = False) -> bool:
         """Whether the layers' solutions at (mb, tp) agree at every boundary: each tensor
@@ -1854,7 +1900,10 @@ class Search:
                      - _dp_coll(self.cluster, "all_gather", 1.0, dp, tp)) / big
             per_mb += 2 * slope * pel * PRECISION_POLICIES[self.policy][0]
         if m > 1:
-            per_mb += (m - 1) / m * memory_time(pel * grad_accumulation_bytes(self.policy), self.cluster.device)
+            acc = (m - 1) / m * memory_time(pel * grad_accumulation_bytes(self.policy), self.cluster.device)
+            if zero == 3 and dp > 1 and self.cons.zero3_grad_sync != "step":
+                acc /= dp      # reduced every micro-batch, into the shards (`_Tables.accum`): at least that
+            per_mb += acc
         cast = self.software.param_cast_bytes(self.dtype)   # fp32 parameters' casts, every micro-batch
         if cast:
             per_mb += memory_time(pel * cast, self.cluster.device)
@@ -1888,7 +1937,8 @@ class Search:
                          f"{self.cluster.device.memory_bytes / 2**30:.2f} GiB "
                          f"({self.budget / 2**30:.2f} GiB usable); add devices, or allow "
                          f"recomputation, ZeRO or more pipeline stages"
-                         f"{', or context parallelism (cp unset)' if self.cons.cp == 1 else ''}",
+                         f"{', or context parallelism (cp unset)' if self.cons.cp == 1 else ''}"
+                         f"{_EACH_HINT if self.cons.zero3_grad_sync == 'step' else ''}",
                          min_memory_bytes=self.min_memory)
 
     def _hetero_candidates(self, meshes) -> list[tuple[float, Candidate]]:
@@ -2237,13 +2287,15 @@ class Search:
         return self._rooted
 
     def _tables(self, mb: int, tp: int, dp: int, zero: int, solved: bool = False, sp: bool = False,
-                ep: int = 1, cp: int = 1, dtensor: bool = False, etp: int = 1, fold: bool = False) -> "_Tables":
+                ep: int = 1, cp: int = 1, dtensor: bool = False, etp: int = 1, fold: bool = False,
+                rs_each: bool = False) -> "_Tables":
         """`solved`: the stage runs op by op as solved (`_op_by_op`), its layers' activations as
         the executor keeps them (`LayerCost.solved_variant`); `sp`: with Megatron-SP; `ep`: the
         routed experts over ep dp ranks (`inter_op.experts`); `cp`: each sequence over cp ranks
         (the tables' gradient-sync group, and ZeRO's, is dp x cp); `dtensor`: run by DTensor
-        propagation where the layers' solutions disagree at a boundary (`_layer_costs`)."""
-        key = (mb, tp, dp, zero, solved, sp, ep, cp, dtensor, etp, fold)
+        propagation where the layers' solutions disagree at a boundary (`_layer_costs`); `rs_each`:
+        ZeRO-3 reduce-scatters the gradients in every micro-batch's backward (`_Tables.rs_each`)."""
+        key = (mb, tp, dp, zero, solved, sp, ep, cp, dtensor, etp, fold, rs_each)
         if key not in self._tables_cache:
             costs = self._layer_costs(mb, tp, solved, sp, ep, cp, dtensor, etp, fold)
             share = self.gbs / dp / cp
@@ -2255,6 +2307,7 @@ class Search:
                          rooted=self.rooted_modules, policy=self.policy,
                          cast_bytes=self.software.param_cast_bytes(self.dtype),
                          cast_saved=self.software.param_cast_saved_bytes(self.dtype))
+            tb.rs_each = rs_each and tb.zero3
             if ep > 1:
                 if fold:
                     tb.set_experts(ep, self.experts.expert_elems(costs), copies=dp * tp // ep, stride=ep)
@@ -2428,13 +2481,14 @@ class Search:
         # the first backward's worst moment (one chunk's at a time), by parts: the parameter
         # gradients its ops made so far alive (ZeRO-3 with one micro-batch: each unit's are
         # reduce-scattered into the gradient shards as it ends, `fb.gradients`, in proportion)
-        shards = tb.zero3 and cand.m == 1
+        # reduced every micro-batch (`rs_each`), a later one's moment: every shard alive
+        shards = tb.zero3 and (cand.m == 1 or tb.rs_each)
         f_w, f_at, f_parts = tb.first_backward(r, not shards)
         k, j = max(chunks, key=lambda c: float(f_w[c]))
         a_rc, a_g, a_p, a_w = (float(x) for x in f_parts[k, j])
         if shards and pel > 0:
             i = int(f_at[k, j])
-            a_p += fb.gradients * (float(tb.pel[j] - tb.pel[i + 1]) / pel if i >= 0 else 1.0)
+            a_p += fb.gradients * (float(tb.pel[j] - tb.pel[i + 1]) / pel if i >= 0 and cand.m == 1 else 1.0)
         phases.append(dataclasses.replace(fb, gradients=a_p, weights=fb.weights + a_w,
                                           activations=pre + a_rc, buffers=fb.buffers + a_g + recv))
         if tb.zero3:
@@ -2460,7 +2514,7 @@ class Search:
             # (one unit held) over an MLP's matmul (its unit, the next prefetched, the one before's
             # reduce-scatter input), which the run holds at its peak
             variants = [(rc_work, grad_tmp, 0.0, -relief)]
-            if tb.zero3 and cand.m > 1 and len(chunks) == 1:
+            if tb.zero3 and cand.m > 1 and not tb.rs_each and len(chunks) == 1:
                 kinds = ("mid", "last") if cand.m > 2 else ("last",)
                 variants = [tuple(float(x) for x in tb.first_backward(r, False, accumulated=a)[2][chunks[0]])
                             for a in kinds]

@@ -25,7 +25,8 @@ What the runtime's layouts issue (for planners matching the count):
 * zero_stage 3 (`fully_shard`): U units per stage = the stage's layers whose parameters no other
   layer of the stage shares, + the stage root when it holds parameters directly (tied ones).
   Without pipelining: all_gather = M·U (forward) + M·(U − 1 if the root holds parameters, else
-  U) (backward; the root is not resharded after forward); reduce_scatter = U. In a pipeline
+  U) (backward; the root is not resharded after forward); reduce_scatter = U, or M·U where
+  the plan reduce-scatters every micro-batch (`Plan.zero3_grad_sync` "microbatch"). In a pipeline
   (torch.pipelining drives the stage's FSDP root, a program chunk with tp: gradient sync and
   resharding after the last micro-batch only): all_gather = U·(M + 1), reduce_scatter = U.
 * tp, a stage with solved per-op layouts (`StagePlan.op_layouts`, executed op by op): the

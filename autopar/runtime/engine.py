@@ -536,7 +536,11 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
                    for x in local]
             for m in range(M):
                 if self.zero3 and M > 1:
-                    self._fsdp_root.set_requires_gradient_sync(m == M - 1)
+                    # "step": the gradients accumulate unsharded and the last micro-batch's
+                    # backward reduce-scatters them; "microbatch": every backward does, FSDP2
+                    # adding each result into the fp32 gradient shard (`Plan.zero3_grad_sync`)
+                    every = self.plan.zero3_grad_sync == "microbatch"
+                    self._fsdp_root.set_requires_gradient_sync(every or m == M - 1)
                 args = [mb[m] for mb in mbs]
                 with self._cp_ctx():
                     with ctx:

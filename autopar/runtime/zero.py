@@ -172,7 +172,8 @@ class ZeroSharding:
         what it does around a module's forward: the unit is gathered before its ops and freed
         after them (the root's parameters stay gathered through the forward), gathered again
         when the gradients reach its outputs, and its gradients reduce-scattered once they
-        have all been accumulated (on the last micro-batch: `set_requires_gradient_sync`). So
+        have all been accumulated (on the last micro-batch: `set_requires_gradient_sync`; on
+        every one under `Plan.zero3_grad_sync` "microbatch", each added into the shard). So
         the collectives are the module path's (`planner._zero3_counts`) and the memory FSDP's."""
         self._fully_shard(prog.model, units, root=prog)
         prog.run_units(_unit_calls(prog.model, units))

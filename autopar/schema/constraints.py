@@ -21,6 +21,8 @@ assert SCHEDULES == tuple(_REGISTRY), "Schedule must name the registered schedul
 # relies on (`inter_op.search`: once a policy fits, later ones are slower)
 Recompute = Literal["none", "selective", "attention", "full"]
 RECOMPUTES: tuple[str, ...] = get_args(Recompute)
+# when ZeRO-3 reduce-scatters gradients of a step of several micro-batches (`Plan.zero3_grad_sync`)
+Zero3GradSync = Literal["step", "microbatch"]
 
 
 class Constraints(BaseModel):
@@ -38,6 +40,14 @@ class Constraints(BaseModel):
     virtual_stages: Optional[int] = Field(default=None, ge=1, description="model chunks per device (interleaved)")
     recompute: Optional[Recompute] = None
     zero_stage: Optional[int] = Field(default=None, ge=0, le=3)
+    zero3_grad_sync: Optional[Zero3GradSync] = Field(
+        default=None, description="when ZeRO-3 reduce-scatters the gradients of a step of several micro-batches: "
+        "\"step\", once, in the last micro-batch's backward (the others accumulate unsharded gradients: "
+        "fewer collectives, a whole gradient per parameter held); \"microbatch\", in every micro-batch's "
+        "backward, each unit's gradient reduce-scattered as its backward ends and its fp32 shard accumulated "
+        "(Megatron-FSDP's and the distributed optimizer's way: m reduce-scatters, 4 / dp bytes a parameter); "
+        "None: \"step\", or \"microbatch\" where that does not fit (one pipeline stage only: "
+        "torch.pipelining syncs after the last micro-batch)")
     ep: Optional[int] = Field(default=None, ge=1, description="expert-parallel degree of a mixture-of-experts "
                               "model: its routed experts sharded over groups of ep data-parallel ranks (ep "
                               "divides dp and the expert count; or, folded, over ep of the stage's dp x tp ranks, "

@@ -17,7 +17,7 @@ from typing import Any, Literal, Optional, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from autopar.schema.cluster import ClusterSpec, validation_message
-from autopar.schema.constraints import Recompute, Schedule
+from autopar.schema.constraints import Recompute, Schedule, Zero3GradSync
 from autopar.schema.errors import PlanError
 from autopar.schema.experts import ExpertParallelism
 from autopar.schema.layouts import StageLayouts
@@ -25,6 +25,9 @@ from autopar.schema.mesh_axes import MESH_AXIS_KINDS
 from autopar.schema.placement import Placement  # "R", "S(d)" or "P", validated
 from autopar.schema.software import SoftwareSpec, preset_for_attention_kernel
 
+# 14: `Plan.zero3_grad_sync` (ZeRO-3's gradients reduce-scattered in every micro-batch's
+# backward; a reader of 13 or earlier would hold them unsharded until the last one); plans of 13
+# and earlier have none and read as "step";
 # 13: `Plan.experts.folded` (MoE parallel folding: the expert mesh over the stage's dp x tp
 # ranks, ep may exceed dp; a reader of 12 or earlier would take ep for a sub-axis of dp); plans
 # of 12 and earlier have none and read as not folded;
@@ -42,7 +45,7 @@ from autopar.schema.software import SoftwareSpec, preset_for_attention_kernel
 # have none and read as such); 7: the software the plan assumes (`Plan.software`; the device's
 # attention_kernel moved there) and `Plan.sequence_parallel`; 4: pipeline chunks carry
 # op_layouts (`StageLayouts.receives`); 3 added op_layouts
-PLAN_FORMAT_VERSION = 13
+PLAN_FORMAT_VERSION = 14
 
 TrainingDtype = Literal["fp32", "bf16", "fp16"]
 TRAINING_DTYPES: tuple[str, ...] = get_args(TrainingDtype)
@@ -243,6 +246,11 @@ class Plan(_Model):
     schedule: Schedule = "1f1b"
     virtual_stages: int = Field(default=1, ge=1)
     zero_stage: int = Field(default=0, ge=0, le=3)
+    zero3_grad_sync: Zero3GradSync = Field(
+        default="step", description="under ZeRO-3 with several micro-batches: \"step\", the gradients "
+        "accumulated unsharded and reduce-scattered in the last micro-batch's backward; \"microbatch\", "
+        "reduce-scattered in every micro-batch's backward (each unit as its backward ends), their fp32 shards "
+        "accumulated (one pipeline stage)")
     sequence_parallel: bool = Field(default=False, description="Megatron-SP on the tp axis: the stages' "
                                     "op_layouts split norms, dropout and residual adds along the tokens")
     stages: list[StagePlan] = Field(min_length=1)
@@ -292,6 +300,10 @@ class Plan(_Model):
             if missing:
                 raise ValueError(f"stage {missing[0]} has no fsdp_units, which a ZeRO-3 plan needs (plans of "
                                  f"format_version 1 predate them); re-plan with `autopar plan`")
+        if self.zero3_grad_sync == "microbatch" and (self.zero_stage != 3 or self.pp > 1):
+            raise ValueError(f"zero3_grad_sync=\"microbatch\" needs zero_stage 3 and one pipeline stage (torch."
+                             f"pipelining syncs a stage's gradients after its last micro-batch); this plan has "
+                             f"zero_stage {self.zero_stage} and pp {self.pp}: set zero3_grad_sync to \"step\"")
         if self.experts is not None and self.experts.folded:
             ranks = dp * self.stages[0].axis_size("tp")
             if self.experts.expert_dp * self.experts.ep != ranks or self.experts.expert_tp != 1:
@@ -374,7 +386,9 @@ class Plan(_Model):
                 f"schedule={self.schedule}"
                 f"{f' (v={self.virtual_stages})' if self.virtual_stages > 1 else ''}  "
                 f"global batch={self.global_batch_size}  micro-batch={self.microbatch_size} x "
-                f"{self.num_microbatches}  zero={self.zero_stage}  dtype={self.dtype}\n"
+                f"{self.num_microbatches}  zero={self.zero_stage}"
+                f"{' (gradients reduce-scattered every micro-batch)' if self.zero3_grad_sync == 'microbatch' else ''}"
+                f"  dtype={self.dtype}\n"
                 f"{self.software.summary()}")
         cols = ["stage", "devices", "mesh", "layers", "recompute", "compute s", "comm s", "bubble s",
                 "memory", "capacity"]
