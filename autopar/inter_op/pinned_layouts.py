@@ -92,7 +92,7 @@ def pinned_provider(graph: OpGraph, layers: list[Layer], analytic: AnalyticProvi
             base = AnalyticProvider._analyze(self, layer, mb, tp)
             if tp > 1:
                 # solved here (not caught): a pin the ILP cannot hold is the planner's error
-                self.solutions[(layer.signature, mb, tp)] = (self._solve(layer, mb, tp, interleaved=True), layer)
+                self.solutions[(layer.signature, mb, tp)] = (self._solve(layer, mb, tp), layer)
             return base
 
     try:

@@ -123,30 +123,10 @@ class LayerCost:
     iter_s: float = 0.0                       # once per step: gradient sync on the tp axis (ILP)
     placements: dict[str, str] = field(default_factory=dict)      # FQN -> tp-axis placement
     issues: list[str] = field(default_factory=list)               # why this tp cannot hold
-    # why it cannot hold where DTensor's propagation runs the layer (Megatron's head split: tp
-    # stages of different tp degrees), though the executor runs the solved layout
-    # (2 key/value heads on 4 ranks: replicated, each rank slicing the heads its queries read)
-    dtensor_issues: list[str] = field(default_factory=list)
-    # the activation fields as the op-by-op executor runs the layer (where an op reads a tensor
-    # redistributed, it saves that copy), per recompute policy:
-    # field -> {policy: value}, where they differ from the DTensor-propagation runtime's
-    # (`solved_variant`)
-    solved_acts: Optional[dict[str, Any]] = None
-    # the whole cost as the executor runs the layer, where its solution differs from the one
-    # DTensor propagation can run (a fused weight held chunk-interleaved: `ilp_provider`)
-    solved: Optional["LayerCost"] = None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able: every field (`solved` nested), Counters as dicts."""
-        out: dict[str, Any] = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.name == "solved":
-                v = v.to_dict() if v is not None else None
-            elif isinstance(v, Counter):
-                v = dict(v)
-            out[f.name] = v
-        return out
+        """JSON-able: every field, Counters as dicts."""
+        return {f.name: dict(v) if isinstance(v := getattr(self, f.name), Counter) else v for f in fields(self)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "LayerCost":
@@ -156,23 +136,8 @@ class LayerCost:
             if f.name not in data:
                 raise KeyError(f.name)
             v = data[f.name]
-            if f.name == "solved":
-                v = cls.from_dict(v) if v is not None else None
-            elif f.name.startswith("coll_"):
-                v = Counter(v)
-            kw[f.name] = v
+            kw[f.name] = Counter(v) if f.name.startswith("coll_") else v
         return cls(**kw)
-
-    def solved_variant(self) -> "LayerCost":
-        """This cost as the executor runs the layer (itself when nothing differs)."""
-        if self.solved is not None:
-            return self.solved.solved_variant()
-        if not self.solved_acts:
-            return self
-        out = LayerCost(**{k: getattr(self, k) for k in self.__dataclass_fields__})
-        for k, v in self.solved_acts.items():
-            setattr(out, k, {**getattr(self, k), **v})
-        return out
 
     @property
     def base_s(self) -> float:
@@ -391,8 +356,7 @@ class AnalyticProvider:
         if rep is None:
             rep = self._analyze(layer, mb, tp)
             cross = self.crossing_at(layer.index, mb, tp)
-            for c in (rep, rep.solved) if rep.solved is not None else (rep,):
-                c.cross_bytes, c.cross_grad_bytes, c.cross_tensors, c.cross_grads = cross
+            rep.cross_bytes, rep.cross_grad_bytes, rep.cross_tensors, rep.cross_grads = cross
             rep._layer = layer  # type: ignore[attr-defined]
             self._cache[key] = rep
         src: Layer = rep._layer  # type: ignore[attr-defined]
@@ -404,12 +368,6 @@ class AnalyticProvider:
         """`crossing` as a rank of a `tp`-way stage holds it (here: whole on every rank)."""
         return self.crossing(index, mb)
 
-    def dtensor_variant(self, layer: Layer, mb: int, tp: int, arriving: dict) -> LayerCost:
-        """The cost as DTensor propagation runs the layer given the layouts its inputs from
-        earlier layers arrive in (`IlpProvider.dtensor_variant`): here `cost` itself, these
-        rules hand every layer's output on replicated, as every layer assumes its input."""
-        return self.cost(layer, mb, tp)
-
     def _renamed(self, rep: LayerCost, src: Layer, layer: Layer, mb: int, tp: int) -> LayerCost:
         """`rep` (the cost of `src`) as the cost of `layer`, a copy of it."""
         out = LayerCost(**{k: getattr(rep, k) for k in rep.__dataclass_fields__})
@@ -417,8 +375,6 @@ class AnalyticProvider:
         out.placements = {src.rename_param(f, layer): v for f, v in rep.placements.items()}
         out.cross_bytes, out.cross_grad_bytes, out.cross_tensors, out.cross_grads = \
             self.crossing_at(layer.index, mb, tp)
-        if rep.solved is not None:
-            out.solved = self._renamed(rep.solved, src, layer, mb, tp)
         return out
 
     # -- the rules ---------------------------------------------------------------------------
