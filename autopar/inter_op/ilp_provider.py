@@ -131,6 +131,11 @@ class IlpProvider(AnalyticProvider):
                     pins[f] = (pl,)
         return pins
 
+    def _fixed_ops(self, layer: Layer, mb: int, tp: int) -> dict[str, str]:
+        """{op: the strategy it must take} in `layer`'s solve (`solve_graph`'s `fixed_ops`):
+        none here, the ILP chooses every op's."""
+        return {}
+
     def entry_solutions(self, spans: list[tuple[int, int, int, str]], mb: int
                         ) -> dict[int, tuple[ShardingSolution, Layer]]:
         """{layer index: (its solution, itself)} for the first layer of each pipeline chunk of
@@ -182,7 +187,8 @@ class IlpProvider(AnalyticProvider):
                        fixed_params=self._pins(layer, mb, tp), grad_inputs=self._grad_inputs(layer),
                        sequence_parallel=self.sequence_parallel, attention_kernel=self.software.attention_kernel,
                        pointwise_fusion=self.software.pointwise_fusion, autocast=self.software.autocast,
-                       fixed_inputs=arrive, fixed_outputs=hand_on, leaving=sorted(leaving))
+                       fixed_inputs=arrive, fixed_outputs=hand_on, leaving=sorted(leaving),
+                       fixed_ops=self._fixed_ops(layer, mb, tp))
         key = None
         if self.cache is not None:
             key = solve_key(g, list(layer.nodes), mesh, self.dtype,

@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 from autopar.capture.graph import OpGraph, OpNode
 from autopar.inter_op.layers import Layer
+from autopar.inter_op.stage_layouts import _mapping
 from autopar.schema import ClusterSpec, LinkSpec
 from autopar.schema.constraints import RECOMPUTES
 from autopar.schema.placement import is_shard
@@ -260,6 +261,9 @@ class AnalyticProvider:
         self._layer_of = {n: l.index for l in layers for n in l.nodes}
         self._crossing: dict[tuple[int, int], tuple[float, float, int, int]] = {}
         self._cross_nodes: Optional[list[list[str]]] = None
+        # (signature, micro-batch, tp) -> (the layer analysed, {op: "embedding" | "loss"}): the
+        # ops these rules run vocabulary-parallel (`vocab_parallel_ops`)
+        self._vocab: dict[tuple, tuple[Layer, dict[str, str]]] = {}
         self._rg: Optional[dict[str, bool]] = None
 
     @property
@@ -364,6 +368,23 @@ class AnalyticProvider:
             return rep
         return self._renamed(rep, src, layer, mb, tp)
 
+    def vocab_parallel_ops(self, layer: Layer, mb: int, tp: int) -> dict[str, str]:
+        """{op of `layer`: "embedding" or "loss"}: the ops these rules run vocabulary-parallel
+        at (mb, tp), Megatron's way (the largest embedding table's rows split, its output
+        all-reduced; a loss on vocabulary-split logits reduced by three all-reduces of one
+        value per row, the logits never gathered). The plan's executor runs them so
+        (`inter_op.pinned_layouts`), as these rules price them."""
+        if tp == 1:
+            return {}
+        key = (layer.signature, mb, tp)
+        if key not in self._vocab:
+            AnalyticProvider._analyze(self, layer, mb, tp)
+        rep, ops = self._vocab[key]
+        if rep is layer:
+            return dict(ops)
+        names = _mapping(self.graph, rep, layer)
+        return {names.get(n, n): kind for n, kind in ops.items()}
+
     def crossing_at(self, index: int, mb: int, tp: int) -> tuple[float, float, int, int]:
         """`crossing` as a rank of a `tp`-way stage holds it (here: whole on every rank)."""
         return self.crossing(index, mb)
@@ -415,6 +436,8 @@ class AnalyticProvider:
         emb = [n for n in nodes if n.op == "embedding" and n.params]
         big_emb = max(emb, key=lambda n: math.prod(g.params[n.params[0]].shape)).name if emb else None
         grad_ar_done: set[str] = set()
+        vocab: dict[str, str] = {}
+        self._vocab[(layer.signature, mb, tp)] = (layer, vocab)
         times: dict[str, tuple[float, float, float, float]] = {}   # fwd, bwd, fwd comm, bwd comm
         coll_f: dict[str, Counter] = {}
         sharded_nodes: set[str] = set()
@@ -477,6 +500,7 @@ class AnalyticProvider:
                 else:
                     c.placements[n.params[0]] = "S(0)"
                     sharded = True
+                    vocab[n.name] = "embedding"
                     fc += ar(sum(float_bytes(o, dtype) for o in n.outputs))
                     cf["all_reduce"] += 1
                 out = "R"
@@ -502,6 +526,7 @@ class AnalyticProvider:
                 fc += 3 * ar(nb)
                 cf["all_reduce"] += 3
                 sharded, out = True, "R"
+                vocab[n.name] = "loss"
             else:
                 sharded = out == "S"
                 for p in n.params:
