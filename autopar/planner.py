@@ -309,8 +309,8 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
         for vc, (k, j) in enumerate(st.chunks):
             chunks.append((k, d, vc, (k, j)))
     chunks.sort()
-    # the chunks the runtime executes op by op as solved (their collectives are the solution's);
-    # the others' tp collectives as DTensor will issue them (dry runs), per chunk position
+    # the chunks the runtime executes op by op as solved (their collectives are the solution's),
+    # per chunk position
     layouts, why_not = _op_layouts(graph, c, layers, chunks, res.provider)
     if getattr(res.provider, "sequence_parallel", False) and c.tp > 1 and why_not:
         raise PlanError(f"sequence parallelism runs only where the executor runs the solved layouts, and "

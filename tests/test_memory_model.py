@@ -259,93 +259,24 @@ def test_cpu_mse_loss_keeps_its_unreduced_storage():
     assert cpu.backward_over_loss is not None and cpu.backward_over_body >= 0
 
 
-def test_dtensor_path_reader_saves_the_shard_and_gathers_it_in_its_backward_again():
-    """A layer run by DTensor propagation reading its input in another layout than the layer
-    before leaves it (mlp-tiny tp2 with its layers solved apart, each receiving its input
-    whole, as before `IlpProvider._boundaries`: the ReLU's Shard(1) output into the next
-    column-parallel matmul, whose solution assumed it replicated): DTensor redistributes it
-    inside the matmul's dispatch, below autograd, so the matmul saves the shard as it arrived
-    (one tensor with the ReLU's) and all-gathers it (plus a cat, gathering dim 1) again in its
-    backward. Checked on torch's fake process group with saved-tensor hooks, then the model
-    (`IlpProvider.dtensor_variant`, `stage_layouts.arrival_layouts`): the layer saves the
-    16 KiB [64, 64] fp32 input as its 8 KiB shard, and its backward's worst moment holds the
-    output's gradient (8 KiB) beside the regathered all-gather buffer and concatenation (16
-    KiB each). Before: 16 KiB saved, the gather in no moment."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from autopar.capture import capture
-    from autopar.inter_op.layers import build_layers
-    from autopar.inter_op.stage_layouts import arrival_layouts
-    from autopar.models.registry import build_model
-    from autopar.planner import make_provider
-
-    assert not dist.is_initialized()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        mesh = init_device_mesh("cpu", (2,))
-        x = DTensor.from_local(torch.randn(64, 32), mesh, [Shard(1)]).requires_grad_()
-        w = distribute_tensor(torch.randn(64, 64), mesh, [Shard(0)]).requires_grad_()
-        saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-            torch.nn.functional.linear(x, w)
-        local = [t.to_local() if isinstance(t, DTensor) else t for t in saved]
-        # the shard itself, no gathered [64, 64] copy
-        assert any(t.untyped_storage().data_ptr() == x.to_local().untyped_storage().data_ptr() for t in local)
-        assert all(t.numel() != 64 * 64 for t in local)
-    finally:
-        dist.destroy_process_group()
-
-    b = build_model("mlp-tiny", device="meta")
-    g = capture(b.model, b.example_inputs, name=b.name)
-    spec = autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": 2})
-    layers = build_layers(g, b.model)
-    prov = make_provider("ilp", g, layers, spec, "fp32")
-    plain = [prov.cost(lay, 64, 2) for lay in layers]
-    # the layers after the first solved receiving their inputs whole (`entry_solutions`' solve):
-    # the first leaves the ReLU's output split, which the second's solution assumed whole
-    for lay in layers[1:]:
-        prov.solutions[(lay.signature, 64, 2)] = (prov._solve(lay, 64, 2, interleaved=True, replicated_entry=True),
-                                                  lay)
-    assert prov.solutions[(layers[1].signature, 64, 2)][0].input_placements["relu"] == ("R",)
-    arr = arrival_layouts(g, layers, prov.solutions, 64, 2)
-    assert arr[1] == {"relu": ("S(1)",)} and arr[2] == {"relu_1": ("S(1)",)}
-    dt = [prov.dtensor_variant(lay, 64, 2, a) for lay, a in zip(layers, arr)]
-    kib = 1024
-    assert dt[1].in_saved["none"] == 8 * kib
-    assert dt[1].act_bytes["none"] == 16 * kib            # the shard and the layer's own ReLU output
-    assert dt[1].bwd_over_grads["none"] == (8 + 16 + 16) * kib
-    # the next layer reads its input sharded as it arrives: no gather, the shard saved
-    assert dt[2].in_saved["none"] == 8 * kib
-    assert dt[0] is plain[0]
-
-
-def test_dtensor_path_plan_counts_a_boundary_tensor_once_and_the_kept_loss_at_every_moment(monkeypatch):
+def test_tp_layers_whose_solutions_disagree_are_left_out_of_a_free_search(monkeypatch):
     """mlp-tiny fp32 tp2 with its layers solved apart, each receiving its inputs whole (as
-    before `IlpProvider._boundaries`, which now makes them meet and the plan run op by op),
-    ran by DTensor propagation (its layers' solutions disagree at a boundary,
-    `planner._op_layouts`; now refused by `autopar run`): the search costs it so
-    (`Search._layouts_agree`), each
-    backward moment of a range holding a tensor saved on both sides of an inner boundary once
-    and the loss's unreduced storage kept to the step's end (`_Tables.live`). The peak is the
-    middle layer's backward regather: 16 KiB of activations (the first ReLU's shard and the
-    loss's storage) and 40 KiB of temporaries beside the 64 KiB batch, as tracked
-    (`benchmarks/memory_accuracy.py`, mlp-tiny fp32 dp=1 tp=2: was 32 / 28 predicted against
-    16 / 40 tracked)."""
+    before `IlpProvider._boundaries`): the first leaves the ReLU's output split where the
+    second's solution assumed it whole, so no tp2 plan gets per-op layouts and `autopar run`
+    would refuse it (issue 20, one executor; DTensor propagation, which ran such plans, is
+    gone). A free search leaves such candidates out and says why (`Search.evaluate`); with
+    tp pinned the plan is made, priced by its layers' solutions, and says why it is refused."""
     from autopar.inter_op.ilp_provider import IlpProvider
 
     monkeypatch.setattr(IlpProvider, "_boundaries", lambda self, layer, mb, tp: ({}, {}, set()))
     cl = autopar.ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 2})
+    with pytest.raises(autopar.PlanError, match="disagree at a boundary") as e:
+        autopar.plan("mlp-tiny", cl, global_batch_size=256, dtype="fp32",
+                     constraints=autopar.Constraints(dp=1, pp=1, sequence_parallel=False))
+    assert e.value.constraint == "tp"
     p = autopar.plan("mlp-tiny", cl, global_batch_size=256, dtype="fp32",
                      constraints=autopar.Constraints(dp=1, tp=2, pp=1, sequence_parallel=False))
-    # `autopar run` refuses it now (issue 20, one executor); the search still costs it
-    assert p.stages[0].op_layouts is None and p.search["tp_executor"].startswith("not executed: ")
-    pr = p.stages[0].predicted
-    assert pr.activations_bytes == 16 * 1024
-    assert pr.buffers_bytes == (64 + 40) * 1024
+    assert p.stages[0].op_layouts is None and p.search["tp_executor"].startswith("not executed: relu leaves")
 
 
 def test_attention_output_transposed_back_is_not_a_copy():

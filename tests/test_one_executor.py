@@ -55,6 +55,37 @@ def test_analytic_plan_carries_layouts_with_its_placements():
     assert p.predicted.collectives == want
 
 
+def test_analytic_plan_runs_the_vocabulary_parallel_embedding_and_loss_it_prices():
+    """The analytic rules price Megatron's vocabulary-parallel embedding (its output
+    all-reduced) and cross-entropy (three all-reduces of one value per row, the logits never
+    gathered); the pinned solve holds those ops so (`AnalyticProvider.vocab_parallel_ops`,
+    `solve_graph`'s `fixed_ops`), where the ILP alone gathered the table and the logits on the
+    CPU profile (9 all-reduces and 2 all-gathers a step). llama-tiny tp2 (2 blocks): Megatron's
+    1 + 2 x 2 forward, 2 x 2 + 1 backward and 3 loss all-reduces. The run counts them:
+    tests/test_runtime_llama_tp.py."""
+    p = _analytic("llama-tiny", 2, dp=1, tp=2, pp=1)
+    st = p.stages[0]
+    choices = {n: c.strategy for n, c in st.op_layouts.solution((2,)).op_choices.items()
+               if c.family in ("embedding", "loss")}
+    assert choices == {"embedding": "v@0", "cross_entropy_loss": "c@0 (vocab-parallel)"}
+    assert p.predicted.collectives == {"all_reduce": 5 + 5 + 3}
+
+
+def test_fixed_op_strategy_the_op_cannot_take_is_an_error():
+    """`solve_graph`'s `fixed_ops` names a strategy the op does not have: PlanError naming the
+    op and the strategies it has."""
+    from autopar.capture import capture
+    from autopar.intra_op import solve_graph
+    from autopar.models.registry import build_model
+    from cost_models.communication import logical_mesh
+
+    b = build_model("llama-tiny", device="meta")
+    g = capture(b.model, b.example_inputs, name=b.name).at_batch(2)
+    mesh = logical_mesh(_cpu(2), [0, 1], (2,))
+    with pytest.raises(PlanError, match=r"op embedding \(embedding\) cannot take strategy 'x@0'.*v@0"):
+        solve_graph(g, mesh, fixed_ops={"embedding": "x@0"}, time_limit_s=5)
+
+
 def test_fx_captured_tp_plan_is_refused():
     """A model only the torch.fx fallback captures has no exported program to execute: its tp
     plan records why, and the runtime refuses it before any process starts."""

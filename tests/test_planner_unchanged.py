@@ -27,7 +27,7 @@ before; AdamW's temporaries as the loop keeps them (`adamw_temporary_elems`): gp
 optimizer-step phase (digest only); a norm computed in fp32 between an upcast and its cast back
 (`memory._upcast_regions`, Hugging Face's RMSNorm): HF Llama's peak 6.6% higher, same layout.
 HF GPT-2's plan has stages of different tp degrees (tp 2, 1, 1); since they run op by op as
-solved (issue 20), its tp stage is costed as the executor runs it (`LayerCost.solved_variant`:
+solved (issue 20), its tp stage is costed as the executor runs it (the solution's cost:
 0.4% faster) and its collectives are its solution's instead of a DTensor dry run's (the layout
 and the peak memory are unchanged). Re-recorded when the runtime's pipeline receive buffers
 became just in time (made when the schedule posts the receive, dropped after the micro-batch's

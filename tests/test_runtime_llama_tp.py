@@ -6,7 +6,9 @@ Megatron does (q/k/v/gate/up column-parallel, o/down row-parallel) and issue exa
 collectives the plan predicts. Plans of the analytic (Megatron) rules run op by op like the
 ILP's (issue 20, one executor): the planner solves their activations' layouts with the weights
 pinned where the rules place them (`inter_op.pinned_layouts`), and their collectives are that
-solution's; Megatron's own, for reference (what the DTensor path, removed, issued):
+solution's, and Megatron's (the rules' vocabulary-parallel embedding and loss held so:
+`AnalyticProvider.vocab_parallel_ops`; the ILP alone gathered the table and the logits here,
+9 all-reduces and 2 all-gathers against the 13 all-reduces the rules priced):
 
 * forward: an all-reduce of the vocabulary-parallel embedding's output and one after each
   row-parallel projection (o_proj, down_proj): 1 + 2 per block;
@@ -106,6 +108,11 @@ def assert_megatron_placements(plan) -> None:
     assert all(seen.values()), seen
 
 
+def megatron_collectives(blocks: int, dp: int = 1) -> dict[str, int]:
+    """Megatron's collectives a step (module docstring) for `blocks` blocks, one micro-batch."""
+    return {"all_reduce": (1 + 2 * blocks) + (2 * blocks + 1) + 3 + (1 if dp > 1 else 0)}
+
+
 def run_and_check(plan, ref: str, rows: list[dict]) -> list[dict]:
     """`plan`'s rows from its run on its processes: losses equal one process, collectives equal
     the plan's."""
@@ -129,6 +136,8 @@ def test_llama_tp2_analytic_plan_runs_as_solved(ref, launched):
     plan, rows = launched["hf_tp2" if ref.startswith("hf:") else "zoo_tp2"]
     assert_megatron_placements(plan)
     assert plan.stages[0].op_layouts is not None and "pinned" in plan.search["op_layouts"]
+    # the collectives the rules priced, counted in the run
+    assert plan.predicted.collectives == megatron_collectives(2)
     run_and_check(plan, ref, rows)
 
 
@@ -137,6 +146,7 @@ def test_llama_dp2_tp2_equals_one_process(launched):
     plan, rows = launched["zoo_dp2_tp2"]
     assert plan.stages[0].mesh_shape == (2, 2)
     assert_megatron_placements(plan)
+    assert plan.predicted.collectives == megatron_collectives(2, dp=2)
     run_and_check(plan, ZOO, rows)
 
 

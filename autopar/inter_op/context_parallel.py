@@ -388,8 +388,6 @@ def layer_cost(cost: LayerCost, cp: int, kv: float, tp: int, cluster: ClusterSpe
         return v / cp if isinstance(v, float | int) and not isinstance(v, bool) else v
 
     out = replace(cost, **{f: scale(getattr(cost, f)) for f in _SCALED})
-    if cost.solved is not None:
-        out.solved = layer_cost(cost.solved, cp, kv, tp, cluster, causal, losses, kept)
     link = axis_link(cluster, cp, stride=tp)
     out.fwd_comm_s += losses * coll_time("all_reduce", 8.0, cp, link)
     if kv <= 0:
@@ -560,9 +558,8 @@ def unexecuted_parts(ep: int, tp: int = 1, pp: int = 1, own_positions: bool = Fa
     """What of a context-parallel layout `autopar run` (`runtime.context_parallel`) does not
     execute with it (empty where it runs; here, not there, so that the planner asks without
     importing the runtime and torch's attention modules): it runs it on one stage (tensor
-    parallelism op by op as solved, `runtime.context_parallel.ProgramContext`, or by DTensor
-    propagation for plans without op layouts; any ZeRO stage over dp x cp, any recomputation) and in
-    pipeline stages (the traced chunks, `graph_stages`,
+    parallelism op by op as solved, `runtime.context_parallel.ProgramContext`; any ZeRO stage
+    over dp x cp, any recomputation) and in pipeline stages (the traced chunks, `graph_stages`,
     their positions read when they run: with dp and with tp, under every recomputation policy),
     and with expert parallelism (the ep groups are consecutive ranks of the stage's dp x cp
     ranks, `runtime.experts.expert_meshes`): without tp in one stage or in pipeline stages (a

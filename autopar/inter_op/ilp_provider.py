@@ -72,8 +72,6 @@ class IlpProvider(AnalyticProvider):
         # the per-op layouts a plan carries (`inter_op.stage_layouts`)
         self.solutions: dict[tuple[str, int, int], tuple[ShardingSolution, Layer]] = {}
         self._users: dict[str, list[Layer]] | None = None
-        self._plain: dict[tuple[str, int, int], ShardingSolution] = {}
-        self._dtensor: dict[tuple, dict | None] = {}     # `dtensor_variant`'s activation fields
         self._firsts: dict[str, Layer] | None = None     # signature -> its first layer (`_first_copy`)
         self._entries: dict[tuple[int, int, int], ShardingSolution] = {}   # `entry_solutions`
         self._bounds: dict[tuple[str, int, int], tuple[dict, dict, set]] = {}   # `_first_boundaries`
@@ -98,60 +96,6 @@ class IlpProvider(AnalyticProvider):
             nb = float_bytes(meta, self.dtype) * (1 - 1 / tp)
             total, grad = total - nb, grad - nb
         return total, grad, n, grads
-
-    def _plain_solution(self, rep: Layer, mb: int, tp: int) -> ShardingSolution:
-        """The solution DTensor propagation runs `rep` (a layer solved at (mb, tp)) with: its
-        weights sharded contiguously (`_analyze_layer`)."""
-        key = (rep.signature, mb, tp)
-        if key not in self._plain:
-            sol = self.solutions[key][0]
-            self._plain[key] = self._solve(rep, mb, tp, interleaved=False) if sol.param_layouts else sol
-        return self._plain[key]
-
-    def dtensor_variant(self, layer: Layer, mb: int, tp: int, arriving: dict[str, tuple[str, ...]]) -> LayerCost:
-        """`cost(layer, mb, tp)` as DTensor propagation runs the layer in a stage whose tensors
-        from earlier layers arrive in `arriving` (`stage_layouts.arrival_layouts`), where the
-        layer's solution assumed another layout for some (the planner then runs the stage by
-        DTensor propagation: `planner._op_layouts`): such a tensor is held as it arrived (a
-        shard where the producer leaves one) and a reader wanting another layout redistributes
-        it inside its dispatch (`dispatch_read`). Its activation fields change; the rest is
-        `cost`'s."""
-        c = self.cost(layer, mb, tp)
-        got = self.solutions.get((layer.signature, mb, tp))
-        if tp == 1 or got is None or not arriving:
-            return c
-        _, rep = got
-        plain = self._plain_solution(rep, mb, tp)
-        names = self._names(rep, layer)
-        inv = {v: k for k, v in names.items()}
-        arr = {inv.get(n, n): tuple(pl) for n, pl in arriving.items()}
-        arr = {n: pl for n, pl in arr.items() if tuple(plain.input_placements.get(n, pl)) != pl}
-        if not arr:
-            return c
-        key = (rep.signature, mb, tp, tuple(sorted(arr.items())))
-        if key not in self._dtensor:
-            g = self.graph_at(mb, rep)
-            sub = self._subgraph(g, rep, [g.node(n) for n in rep.nodes], self.requires_grad)
-            sharded = _sharded(plain)
-
-            def shard(node) -> float:
-                if node.name in arr:
-                    return tp if any(map(is_shard, arr[node.name])) else 1
-                return tp if node.name in sharded else 1
-
-            own = self.cost(rep, mb, tp)
-            alt = LayerCost(param_elems=dict(own.param_elems))
-            fill_activations(alt, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=True,
-                             read_shard=dispatch_read(plain, tp, arr), attention_kernel=self.software.attention_kernel,
-                             selective_region=rep.selective_region(tp), modules=rep.modules,
-                             autocast=self.software.autocast, **self.boundary_names(rep))
-            self._dtensor[key] = _differing(alt, own)
-        diff = self._dtensor[key]
-        out = LayerCost(**{k: getattr(c, k) for k in c.__dataclass_fields__})
-        out.solved, out.solved_acts = None, None
-        for k, v in (diff or {}).items():
-            setattr(out, k, {**getattr(c, k), **v})
-        return out
 
     def _names(self, rep: Layer, layer: Layer) -> dict[str, str]:
         return _mapping(self.graph, rep, layer)
@@ -187,6 +131,11 @@ class IlpProvider(AnalyticProvider):
                     pins[f] = (pl,)
         return pins
 
+    def _fixed_ops(self, layer: Layer, mb: int, tp: int) -> dict[str, str]:
+        """{op: the strategy it must take} in `layer`'s solve (`solve_graph`'s `fixed_ops`):
+        none here, the ILP chooses every op's."""
+        return {}
+
     def entry_solutions(self, spans: list[tuple[int, int, int, str]], mb: int
                         ) -> dict[int, tuple[ShardingSolution, Layer]]:
         """{layer index: (its solution, itself)} for the first layer of each pipeline chunk of
@@ -206,15 +155,15 @@ class IlpProvider(AnalyticProvider):
             key = (k, mb, tp)
             if key not in self._entries:
                 try:
-                    self._entries[key] = self._solve(layer, mb, tp, interleaved=True, replicated_entry=True)
+                    self._entries[key] = self._solve(layer, mb, tp, replicated_entry=True)
                 except PlanError:
                     continue
             out[k] = (self._entries[key], layer)
         return out
 
-    def _solve(self, layer: Layer, mb: int, tp: int, interleaved: bool,
-               replicated_entry: bool = False) -> ShardingSolution:
-        """`layer`'s solution at (mb, tp) meeting its neighbours (`_boundaries`);
+    def _solve(self, layer: Layer, mb: int, tp: int, replicated_entry: bool = False) -> ShardingSolution:
+        """`layer`'s solution at (mb, tp) meeting its neighbours (`_boundaries`), a fused
+        weight's rows free to be split chunk-interleaved (`solve_graph`'s `interleaved_splits`);
         `replicated_entry`: every tensor entering it arriving replicated instead (the first
         layer of a pipeline chunk after one of another tp degree, `entry_solutions`)."""
         from autopar.intra_op import solve_graph
@@ -232,13 +181,14 @@ class IlpProvider(AnalyticProvider):
         arrive, hand_on, leaving = self._boundaries(layer, mb, tp)
         if replicated_entry:
             arrive = {n: ("R",) * len(pl) for n, pl in arrive.items()}
-        options = dict(time_limit_s=self.time_limit_s, interleaved_splits=interleaved,
+        options = dict(time_limit_s=self.time_limit_s, interleaved_splits=tp > 1,
                        batch_dims={k: v for k, v in self.batch_dims.items() if k in own},
                        token_dims={k: v for k, v in self.token_dims.items() if k in own}, model_axes=(0,),
                        fixed_params=self._pins(layer, mb, tp), grad_inputs=self._grad_inputs(layer),
                        sequence_parallel=self.sequence_parallel, attention_kernel=self.software.attention_kernel,
                        pointwise_fusion=self.software.pointwise_fusion, autocast=self.software.autocast,
-                       fixed_inputs=arrive, fixed_outputs=hand_on, leaving=sorted(leaving))
+                       fixed_inputs=arrive, fixed_outputs=hand_on, leaving=sorted(leaving),
+                       fixed_ops=self._fixed_ops(layer, mb, tp))
         key = None
         if self.cache is not None:
             key = solve_key(g, list(layer.nodes), mesh, self.dtype,
@@ -358,7 +308,7 @@ class IlpProvider(AnalyticProvider):
         for layer in layers:
             key = (layer.signature, mb, 1)
             if key not in self.solutions:
-                self.solutions[key] = (self._solve(layer, mb, 1, interleaved=False), layer)
+                self.solutions[key] = (self._solve(layer, mb, 1), layer)
 
     def _digest(self, layer: Layer, mb: int) -> Optional[str]:
         """`graph_digest` of the layer's subgraph at `mb` (once per layer and micro-batch)."""
@@ -386,7 +336,7 @@ class IlpProvider(AnalyticProvider):
             hit = self.cost_cache.get(key) if key is not None else None
             if hit is not None:
                 if tp > 1 and not any(i.startswith(_ILP_FAILED) for i in hit.issues):
-                    self.solutions[(layer.signature, mb, tp)] = (self._solve(layer, mb, tp, interleaved=True), layer)
+                    self.solutions[(layer.signature, mb, tp)] = (self._solve(layer, mb, tp), layer)
                 return hit
         c = self._analyze_layer(layer, mb, tp)
         if key is not None:
@@ -394,31 +344,25 @@ class IlpProvider(AnalyticProvider):
         return c
 
     def _analyze_layer(self, layer: Layer, mb: int, tp: int) -> LayerCost:
-        """Two runtimes execute a tp layer: the executor, op by op as solved, which can hold a
-        fused projection's weight rows chunk-interleaved (Megatron's QKV layout: each rank's
-        shard holds its heads of q, k and v, so the split into q, k, v blocks needs no gather);
-        and DTensor propagation (where the executor cannot run a plan: `planner._op_layouts`'s
-        fallback), which shards a weight contiguously. The layer is solved for the executor first; where
-        that solution interleaves a weight, again without, for the other. The executor's cost is `LayerCost.solved`."""
+        """The layer as the executor runs it, op by op as solved (`autopar.intra_op.execute`,
+        the one runtime of tp stages): a fused projection's weight rows may be held
+        chunk-interleaved (Megatron's QKV layout: each rank's shard holds its heads of q, k and
+        v, so the split into q, k, v blocks needs no gather)."""
         base = super()._analyze(layer, mb, tp)
         if tp == 1:
             return base
         try:
-            sol = self._solve(layer, mb, tp, interleaved=True)
-            plain = self._solve(layer, mb, tp, interleaved=False) if sol.param_layouts else sol
+            sol = self._solve(layer, mb, tp)
         except PlanError as e:
             base.issues.append(f"{_ILP_FAILED}{tp}: {e}")
             return base
         self.solutions[(layer.signature, mb, tp)] = (sol, layer)
-        c = self._cost_of(plain, layer, mb, tp, base, executor=sol is plain)
-        if sol is not plain:
-            c.solved = self._cost_of(sol, layer, mb, tp, base, executor=True)
-        return c
+        return self._cost_of(sol, layer, mb, tp, base)
 
-    def _cost_of(self, sol: ShardingSolution, layer: Layer, mb: int, tp: int, base: LayerCost,
-                 executor: bool) -> LayerCost:
-        """The LayerCost of running `layer` as `sol` shards it. `executor`: also as the
-        op-by-op executor keeps its activations (`solved_acts`)."""
+    def _cost_of(self, sol: ShardingSolution, layer: Layer, mb: int, tp: int, base: LayerCost) -> LayerCost:
+        """The LayerCost of running `layer` as `sol` shards it, op by op: its time and
+        collectives the solution's, its activations as the executor keeps them (where an op
+        reads a tensor redistributed, it saves that copy: `_read_shard`)."""
         g = self.graph_at(mb, layer)
         c = LayerCost()
         by_phase: dict[str, float] = Counter()
@@ -462,25 +406,14 @@ class IlpProvider(AnalyticProvider):
         if names["out_name"] in sharded:
             # the output the layer hands on (and a pipeline stage's forward cache keeps) is split
             c.out_bytes = base.out_bytes / tp
-        kernel = self.software.attention_kernel
-        fill_activations(c, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
-                         attention_kernel=kernel, selective_region=layer.selective_region(tp),
-                         modules=layer.modules, autocast=self.software.autocast, **names)
-        # DTensor's propagation shards heads Megatron-style; the executor runs the solution
-        c.dtensor_issues = list(base.issues)
-        if not executor:
-            return c
-        # as the op-by-op executor runs the solution: differs only where some op reads an input
-        # redistributed (it saves that copy)
         read = _read_shard(sol, tp, {n.name: n.fqn for n in sub.nodes if n.kind == "param" and n.fqn})
-        if any(read(n, i) for n in sub.calls for i in n.inputs):
-            # the parameters' elements too: each op's backward makes their gradients
-            # (`fill_activations` reads them off the cost)
-            alt = LayerCost(param_elems=dict(c.param_elems))
-            fill_activations(alt, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
-                             read_shard=read, attention_kernel=kernel, selective_region=layer.selective_region(tp),
-                             modules=layer.modules, autocast=self.software.autocast, **names)
-            c.solved_acts = _differing(alt, c)
+        if not any(read(n, i) for n in sub.calls for i in n.inputs):
+            read = None
+        # the parameters' elements are set: each op's backward makes their gradients
+        # (`fill_activations` reads them off the cost)
+        fill_activations(c, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1, read_shard=read,
+                         attention_kernel=self.software.attention_kernel, selective_region=layer.selective_region(tp),
+                         modules=layer.modules, autocast=self.software.autocast, **names)
         return c
 
 
@@ -490,33 +423,6 @@ def _sharded(sol: ShardingSolution) -> set[str]:
     sharded = {n for n, ch in sol.op_choices.items()
                if ch.output_placements and any(map(is_shard, ch.output_placements[0]))}
     return sharded | {n for n, pl in sol.input_placements.items() if any(map(is_shard, pl))}
-
-
-def dispatch_read(sol: ShardingSolution, tp: int, arriving: dict[str, tuple[str, ...]]):
-    """`activation_memory`'s `read_shard` for a layer run by DTensor propagation whose inputs
-    from earlier layers arrive in `arriving` (tensor -> layout: as the producing layer's
-    solution leaves it, `stage_layouts.arrival_layouts`): where an op's solution reads one in
-    another layout, DTensor redistributes it inside the op's dispatch, below autograd, so the
-    op saves the input as it arrived and holds the copy only while its forward runs; its
-    backward redistributes the saved input again (checked on gloo and on torch's fake process
-    group, torch 2.13: a column-parallel matmul reading the ReLU's Shard(1) output saves the
-    shard, all-gathers it and concatenates the pieces along dim 1 in its forward and again in
-    its backward). A gather along a dim other than the first holds its all-gather buffer (the
-    result's size) beside the concatenated copy."""
-    def read(node, name: str):
-        have = arriving.get(name)
-        ch = sol.op_choices.get(node.name)
-        if have is None or ch is None or name not in node.inputs:
-            return None
-        k = node.inputs.index(name)
-        if k >= len(ch.input_placements):
-            return None
-        want = tuple(ch.input_placements[k])
-        if want == have or "P" in want:
-            return None
-        gather = shard_dim(have[0]) not in (None, 0) and not is_shard(want[0])
-        return (tp if any(map(is_shard, want)) else 1), ",".join(want), (1.0 if gather else None), False, True
-    return read
 
 
 def _read_shard(sol: ShardingSolution, tp: int, params: dict[str, str] | None = None):
@@ -570,20 +476,6 @@ def _gather_buffer(have: tuple, want: tuple, tp: int) -> float | None:
     gathers along a dim other than 0."""
     h, w = have[0], want[0]
     return tp / (tp + 1) if shard_dim(h) not in (None, 0) and not is_shard(w) else None
-
-
-def _differing(alt: LayerCost, c: LayerCost) -> dict | None:
-    """`LayerCost.solved_acts`: the activation fields of `alt` (the executor's) that differ from
-    `c`'s."""
-    diff: dict = {}
-    for k in ("act_bytes", "bwd_over", "bwd_over_rc", "bwd_over_grads", "bwd_over_body", "bwd_over_loss",
-              "out_saved", "in_saved", "kept_saved", "bwd_over_given", "bwd_over_given_rc",
-              "bwd_over_given_grads", "bwd_given_backward", "bwd_first", "bwd_first_at", "bwd_first_born",
-              "rc_attention", "attention_moments"):
-        d = {rc: v for rc, v in getattr(alt, k).items() if v != getattr(c, k).get(rc)}
-        if d:
-            diff[k] = d
-    return diff or None
 
 
 _DIMS: dict[int, tuple[weakref.ref, dict, dict]] = {}

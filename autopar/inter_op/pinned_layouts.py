@@ -5,9 +5,16 @@ solves no op: it gives each parameter a placement (column-parallel "S(0)", row-p
 a vocabulary-parallel embedding) and nothing about the activations. `autopar run` executes tp
 stages only op by op as solved (`autopar.intra_op.execute`), so at plan assembly the chosen
 candidate's layers are solved by the intra-op ILP with every parameter pinned to the placement
-the analytic rules gave it (`solve_graph`'s `fixed_params`): the ILP picks the activations'
-layouts the pinned weights imply (Megatron's, where the rules are Megatron's), and the plan
-carries them as `StagePlan.op_layouts` like any ILP plan.
+the analytic rules gave it (`solve_graph`'s `fixed_params`), and the ops the rules run
+vocabulary-parallel held to Megatron's strategies (`fixed_ops`,
+`AnalyticProvider.vocab_parallel_ops`: the largest embedding's rows split and its output
+all-reduced; a cross-entropy on vocabulary-split logits by three all-reduces of one value per
+row). The ILP picks the other activations' layouts the pinned weights imply (Megatron's, where
+the rules are Megatron's), and the plan carries them as `StagePlan.op_layouts` like any ILP
+plan. Without the op pins the ILP gathered the table and the logits where the cluster's
+collective latency made that cheaper (llama-tiny tp2 on the CPU profile: 9 all-reduces and 2
+all-gathers a step against Megatron's 13 all-reduces), running another layout than the one
+the rules priced.
 
 What the plan predicts: its iteration time and memory stay the analytic provider's (the search
 chose the candidate on them); its collectives are the solution's, which is what the executor
@@ -88,11 +95,21 @@ def pinned_provider(graph: OpGraph, layers: list[Layer], analytic: AnalyticProvi
             at = pins.get(tp, {})
             return {f: (at[f],) for f in set(layer.params) if f in at}
 
+        def _fixed_ops(self, layer: Layer, mb: int, tp: int) -> dict[str, str]:
+            # the ops the analytic rules run vocabulary-parallel, and price so, run so
+            out = {}
+            for n, kind in self.vocab_parallel_ops(layer, mb, tp).items():
+                if kind == "embedding":
+                    out[n] = "v@0"
+                elif self.graph.node(n).op == "cross_entropy_loss":
+                    out[n] = "c@0 (vocab-parallel)"
+            return out
+
         def _analyze_layer(self, layer: Layer, mb: int, tp: int) -> LayerCost:
             base = AnalyticProvider._analyze(self, layer, mb, tp)
             if tp > 1:
                 # solved here (not caught): a pin the ILP cannot hold is the planner's error
-                self.solutions[(layer.signature, mb, tp)] = (self._solve(layer, mb, tp, interleaved=True), layer)
+                self.solutions[(layer.signature, mb, tp)] = (self._solve(layer, mb, tp), layer)
             return base
 
     try:

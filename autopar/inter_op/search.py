@@ -1466,6 +1466,10 @@ class Search:
             where, why = next(iter(self.skipped.items()))
             raise PlanError(f"stage_tp={tuple(self.cons.stage_tp)}: the runtime cannot run its best split "
                             f"({where}): {why}", constraint="stage_tp")
+        disagree = [f"{where}: {why}" for where, why in self.skipped.items() if why == LAYOUTS_DISAGREE]
+        if best is None and self.min_memory == INF and disagree:
+            # every candidate left out as `evaluate` found no per-op layouts for it
+            raise PlanError(f"no plan the runtime executes: {disagree[0]}", constraint="tp")
         if best is None and self.cons.stage_tp is not None and self.min_memory == INF:
             raise PlanError(f"stage_tp={tuple(self.cons.stage_tp)}: no split of the {self.L} layers over these "
                             f"stages fits in memory", constraint="stage_tp")
@@ -1662,21 +1666,16 @@ class Search:
         tables are built per tp degree)."""
         if cand.hetero_tps:
             return None
-        solved = op_by_op(cand)
-        if solved and cand.tp > 1 and not self._layouts_agree(cand.mb, cand.tp, cand.sp):
-            # the planner runs it by DTensor propagation (`planner._op_layouts`): its layers as
-            # DTensor runs them, each input arriving as the layer before leaves it
-            return self._tables(cand.mb, cand.tp, cand.dp, cand.zero, sp=cand.sp, ep=cand.ep, cp=cand.cp,
-                                dtensor=True, etp=cand.etp, fold=cand.fold, rs_each=cand.rs_each)
-        return self._tables(cand.mb, cand.tp, cand.dp, cand.zero, solved=solved, sp=cand.sp, ep=cand.ep,
-                            cp=cand.cp, etp=cand.etp, fold=cand.fold, rs_each=cand.rs_each)
+        return self._tables(cand.mb, cand.tp, cand.dp, cand.zero, sp=cand.sp, ep=cand.ep, cp=cand.cp,
+                            etp=cand.etp, fold=cand.fold, rs_each=cand.rs_each)
 
     def _layouts_agree(self, mb: int, tp: int, sp: bool = False) -> bool:
         """Whether the layers' solutions at (mb, tp) agree at every boundary: each tensor
         entering a layer arrives as that layer's solution assumed (`stage_layouts.chunk_layouts`
         of the whole model as one chunk; a pipeline's chunks of one tp degree hand their tensors
-        on as they leave them, so its cut changes nothing). Where not, the planner runs the
-        candidate by DTensor propagation. True without per-op solutions."""
+        on as they leave them, so its cut changes nothing). Where not, the plan gets no per-op
+        layouts and `autopar run` refuses it (`planner._op_layouts`): a free search leaves the
+        candidate out (`evaluate`). True without per-op solutions."""
         prov = self.sp_provider if sp else self.provider
         solutions = getattr(prov, "solutions", None)
         if solutions is None or tp == 1:
@@ -1831,7 +1830,7 @@ class Search:
         for z, ep, etp, solved, fold in self._group_slots(dp, tp, pp, mb, sp, cp):
             bk = (solved, ep, etp, fold)
             if bk not in bounds:
-                cs = self._layer_costs(mb, tp, solved, sp, ep, cp, etp=etp, fold=fold)
+                cs = self._layer_costs(mb, tp, sp, ep, cp, etp=etp, fold=fold)
                 per_layer = sum(c.base_s for c in cs)
                 rc_sums = {r: sum(c.rc_extra_s.get(r, 0.0) for c in cs) for r in self.recomputes()}
                 rc_min = min(rc_sums.values())
@@ -1974,10 +1973,7 @@ class Search:
 
     def _hetero_group_candidates(self, D: int, mb: int, tps: list[int]) -> list[tuple[float, Candidate]]:
         """One (dp, micro-batch) group of `_hetero_candidates`, its layers costed at every tp."""
-        # the executor runs what the ILP solved; DTensor propagation (analytic
-        # costs) cannot split some layers Megatron's way (`dtensor_issues`)
-        ok = [T for T in tps if not any(x.issues or (x.dtensor_issues and not self._executor)
-                                        for x in self._layer_costs(mb, T))]
+        ok = [T for T in tps if not any(x.issues for x in self._layer_costs(mb, T))]
         if len(ok) < 2:
             return []
         m = self.gbs // D // mb
@@ -2021,8 +2017,7 @@ class Search:
         tps = sorted(set(pin))
         out, issues = [], []
         for mb in self.microbatches(D):
-            iss = sorted({i for T in tps for x in self._layer_costs(mb, T)
-                          for i in x.issues + ([] if self._executor else x.dtensor_issues)})
+            iss = sorted({i for T in tps for x in self._layer_costs(mb, T) for i in x.issues})
             if iss:
                 issues.extend(iss)
                 continue
@@ -2065,6 +2060,11 @@ class Search:
         bound (`Candidate.bounds`) is not below it is not tried (it could not replace that plan)."""
         if cand.hetero_tps:
             return self._evaluate_hetero(cand)
+        if cand.tp > 1 and self.cons.tp is None and not self._layouts_agree(cand.mb, cand.tp, cand.sp):
+            # no per-op layouts: `autopar run` would refuse the plan (a pinned tp still plans it,
+            # priced by its layers' solutions, and the plan says why: `plan.search["tp_executor"]`)
+            self.skipped[f"tp={cand.tp} mb={cand.mb}{' sp' if cand.sp else ''}"] = LAYOUTS_DISAGREE
+            return False
         if schedule_kind(cand.schedule).interleaved and cand.v > 1:
             return self._evaluate_interleaved(cand, tb, bar)
         L, p, m = self.L, cand.pp, cand.m
@@ -2155,7 +2155,7 @@ class Search:
         S = min(L, units)
         pin = self.cons.stage_tp      # the s-th stage from the end on a mesh of tp pin[-s]
         tps = list(cand.hetero_tps)
-        tbs = [self._tables(cand.mb, T, D, cand.zero, solved=self._executor and T > 1) for T in tps]
+        tbs = [self._tables(cand.mb, T, D, cand.zero) for T in tps]
         rcs = self.recomputes()
         cost = np.full((L, L + 1, len(tps), S + 1), INF)
         choice = np.full((L, L + 1, len(tps), S + 1), -1, dtype=int)
@@ -2204,8 +2204,9 @@ class Search:
 
     @property
     def _executor(self) -> bool:
-        """Whether the plan's tp stages run op by op as solved: the provider solves per-op
-        layouts (the intra-op ILP; the analytic rules run by DTensor propagation)."""
+        """Whether the provider solves the per-op layouts the plan's tp stages run (the intra-op
+        ILP); the analytic rules' plans are solved at assembly, their placements pinned
+        (`inter_op.pinned_layouts`)."""
         return getattr(self.provider, "solutions", None) is not None
 
     def _hetero_layouts(self, cand: Candidate, stages: list[StageResult]) -> str:
@@ -2286,18 +2287,15 @@ class Search:
             self._rooted = rooted_modules(self.graph, self.layers)
         return self._rooted
 
-    def _tables(self, mb: int, tp: int, dp: int, zero: int, solved: bool = False, sp: bool = False,
-                ep: int = 1, cp: int = 1, dtensor: bool = False, etp: int = 1, fold: bool = False,
-                rs_each: bool = False) -> "_Tables":
-        """`solved`: the stage runs op by op as solved (`_op_by_op`), its layers' activations as
-        the executor keeps them (`LayerCost.solved_variant`); `sp`: with Megatron-SP; `ep`: the
-        routed experts over ep dp ranks (`inter_op.experts`); `cp`: each sequence over cp ranks
-        (the tables' gradient-sync group, and ZeRO's, is dp x cp); `dtensor`: run by DTensor
-        propagation where the layers' solutions disagree at a boundary (`_layer_costs`); `rs_each`:
-        ZeRO-3 reduce-scatters the gradients in every micro-batch's backward (`_Tables.rs_each`)."""
-        key = (mb, tp, dp, zero, solved, sp, ep, cp, dtensor, etp, fold, rs_each)
+    def _tables(self, mb: int, tp: int, dp: int, zero: int, sp: bool = False,
+                ep: int = 1, cp: int = 1, etp: int = 1, fold: bool = False, rs_each: bool = False) -> "_Tables":
+        """`sp`: with Megatron-SP; `ep`: the routed experts over ep dp ranks
+        (`inter_op.experts`); `cp`: each sequence over cp ranks (the tables' gradient-sync
+        group, and ZeRO's, is dp x cp); `rs_each`: ZeRO-3 reduce-scatters the gradients in every
+        micro-batch's backward (`_Tables.rs_each`)."""
+        key = (mb, tp, dp, zero, sp, ep, cp, etp, fold, rs_each)
         if key not in self._tables_cache:
-            costs = self._layer_costs(mb, tp, solved, sp, ep, cp, dtensor, etp, fold)
+            costs = self._layer_costs(mb, tp, sp, ep, cp, etp, fold)
             share = self.gbs / dp / cp
             batch = (self.input_bytes[0] * share, sum(self.input_bytes[1:]) * share)
             # the last pipeline chunk computes the loss inside (`runtime.graph_stages`, the
@@ -2325,52 +2323,28 @@ class Search:
                                            context_parallel.token_mean_losses(g, lay),
                                            kept=context_parallel.kept_kv_bytes(g, lay, mb, dt))
 
-    def _layer_costs(self, mb: int, tp: int, solved: bool = False, sp: bool = False, ep: int = 1,
-                     cp: int = 1, dtensor: bool = False, etp: int = 1, fold: bool = False) -> list[LayerCost]:
-        """The layers' costs at (mb, tp); `solved`: as the executor runs them
-        (`LayerCost.solved_variant`); `sp`: with Megatron-SP (`sp_provider`); `ep`: the routed
-        experts sharded over ep dp ranks (`ExpertCosting.layer_costs`); `cp`: on one of cp ranks
-        splitting each sequence (`context_parallel.layer_cost`); `dtensor`: as DTensor
-        propagation runs them, each layer's inputs arriving in the layout the layer before
-        leaves them (`stage_layouts.arrival_layouts`, the provider's `dtensor_variant`), where
-        that differs from what its solution assumed."""
-        if dtensor and not solved and tp > 1:
-            key = (mb, tp, False, sp, ep, cp, True, etp, fold)
-            if key not in self._costs_cache:
-                prov = self.sp_provider if sp else self.provider
-                plain = self._layer_costs(mb, tp, sp=sp)
-                solutions = getattr(prov, "solutions", None)
-                if solutions is None:
-                    self._costs_cache[key] = plain
-                else:
-                    from autopar.inter_op.stage_layouts import arrival_layouts
-
-                    arr = arrival_layouts(self.graph, self.layers, solutions, mb, tp)
-                    costs = [prov.dtensor_variant(l, mb, tp, a) for l, a in zip(self.layers, arr)]
-                    if ep > 1:
-                        costs = self.experts.layer_costs(costs, ep, mb, tp, self.cluster, self.dtype, etp, fold)
-                    if cp > 1:
-                        costs = [self._cp_cost(c, lay, mb, tp, cp) for c, lay in zip(costs, self.layers)]
-                    self._costs_cache[key] = costs
-            return self._costs_cache[key]
+    def _layer_costs(self, mb: int, tp: int, sp: bool = False, ep: int = 1, cp: int = 1, etp: int = 1,
+                     fold: bool = False) -> list[LayerCost]:
+        """The layers' costs at (mb, tp), as the runtime runs them (a tp layer op by op as its
+        solution says, the provider's `cost`); `sp`: with Megatron-SP (`sp_provider`); `ep`:
+        the routed experts sharded over ep dp ranks (`ExpertCosting.layer_costs`); `cp`: on one
+        of cp ranks splitting each sequence (`context_parallel.layer_cost`)."""
         if cp > 1:
-            key = (mb, tp, solved, sp, ep, cp, etp, fold)
+            key = (mb, tp, sp, ep, cp, etp, fold)
             if key not in self._costs_cache:
                 self._costs_cache[key] = [self._cp_cost(c, lay, mb, tp, cp) for c, lay in
-                                          zip(self._layer_costs(mb, tp, solved, sp, ep, etp=etp, fold=fold),
-                                              self.layers)]
+                                          zip(self._layer_costs(mb, tp, sp, ep, etp=etp, fold=fold), self.layers)]
             return self._costs_cache[key]
         if ep > 1:
-            key = ((mb, tp, solved, sp, ep) if etp == 1 and not fold else (mb, tp, solved, sp, ep, etp, fold))
+            key = ((mb, tp, sp, ep) if etp == 1 and not fold else (mb, tp, sp, ep, etp, fold))
             if key not in self._costs_cache:
-                self._costs_cache[key] = self.experts.layer_costs(self._layer_costs(mb, tp, solved, sp), ep, mb, tp,
+                self._costs_cache[key] = self.experts.layer_costs(self._layer_costs(mb, tp, sp), ep, mb, tp,
                                                                   self.cluster, self.dtype, etp, fold)
             return self._costs_cache[key]
-        key = (mb, tp, solved, sp)
+        key = (mb, tp, sp)
         if key not in self._costs_cache:
             prov = self.sp_provider if sp else self.provider
-            self._costs_cache[key] = ([c.solved_variant() for c in self._layer_costs(mb, tp, sp=sp)] if solved
-                                      else [prov.cost(l, mb, tp) for l in self.layers])
+            self._costs_cache[key] = [prov.cost(l, mb, tp) for l in self.layers]
         return self._costs_cache[key]
 
     def _evaluate_interleaved(self, cand: Candidate, tb: _Tables, bar: float = INF) -> bool:
@@ -2690,6 +2664,11 @@ class _Progress:
     def done(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+# why `evaluate` leaves a candidate out of a free search (`_layouts_agree`)
+LAYOUTS_DISAGREE = ("its layers' per-op solutions disagree at a boundary, so the executor cannot run them "
+                    "(pin tp to plan it anyway)")
 
 
 def op_by_op(cand: "Candidate") -> bool:

@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 from autopar.capture.graph import OpGraph, OpNode
 from autopar.inter_op.layers import Layer
+from autopar.inter_op.stage_layouts import _mapping
 from autopar.schema import ClusterSpec, LinkSpec
 from autopar.schema.constraints import RECOMPUTES
 from autopar.schema.placement import is_shard
@@ -123,30 +124,10 @@ class LayerCost:
     iter_s: float = 0.0                       # once per step: gradient sync on the tp axis (ILP)
     placements: dict[str, str] = field(default_factory=dict)      # FQN -> tp-axis placement
     issues: list[str] = field(default_factory=list)               # why this tp cannot hold
-    # why it cannot hold where DTensor's propagation runs the layer (Megatron's head split: tp
-    # stages of different tp degrees), though the executor runs the solved layout
-    # (2 key/value heads on 4 ranks: replicated, each rank slicing the heads its queries read)
-    dtensor_issues: list[str] = field(default_factory=list)
-    # the activation fields as the op-by-op executor runs the layer (where an op reads a tensor
-    # redistributed, it saves that copy), per recompute policy:
-    # field -> {policy: value}, where they differ from the DTensor-propagation runtime's
-    # (`solved_variant`)
-    solved_acts: Optional[dict[str, Any]] = None
-    # the whole cost as the executor runs the layer, where its solution differs from the one
-    # DTensor propagation can run (a fused weight held chunk-interleaved: `ilp_provider`)
-    solved: Optional["LayerCost"] = None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able: every field (`solved` nested), Counters as dicts."""
-        out: dict[str, Any] = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.name == "solved":
-                v = v.to_dict() if v is not None else None
-            elif isinstance(v, Counter):
-                v = dict(v)
-            out[f.name] = v
-        return out
+        """JSON-able: every field, Counters as dicts."""
+        return {f.name: dict(v) if isinstance(v := getattr(self, f.name), Counter) else v for f in fields(self)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "LayerCost":
@@ -156,23 +137,8 @@ class LayerCost:
             if f.name not in data:
                 raise KeyError(f.name)
             v = data[f.name]
-            if f.name == "solved":
-                v = cls.from_dict(v) if v is not None else None
-            elif f.name.startswith("coll_"):
-                v = Counter(v)
-            kw[f.name] = v
+            kw[f.name] = Counter(v) if f.name.startswith("coll_") else v
         return cls(**kw)
-
-    def solved_variant(self) -> "LayerCost":
-        """This cost as the executor runs the layer (itself when nothing differs)."""
-        if self.solved is not None:
-            return self.solved.solved_variant()
-        if not self.solved_acts:
-            return self
-        out = LayerCost(**{k: getattr(self, k) for k in self.__dataclass_fields__})
-        for k, v in self.solved_acts.items():
-            setattr(out, k, {**getattr(self, k), **v})
-        return out
 
     @property
     def base_s(self) -> float:
@@ -295,6 +261,9 @@ class AnalyticProvider:
         self._layer_of = {n: l.index for l in layers for n in l.nodes}
         self._crossing: dict[tuple[int, int], tuple[float, float, int, int]] = {}
         self._cross_nodes: Optional[list[list[str]]] = None
+        # (signature, micro-batch, tp) -> (the layer analysed, {op: "embedding" | "loss"}): the
+        # ops these rules run vocabulary-parallel (`vocab_parallel_ops`)
+        self._vocab: dict[tuple, tuple[Layer, dict[str, str]]] = {}
         self._rg: Optional[dict[str, bool]] = None
 
     @property
@@ -391,8 +360,7 @@ class AnalyticProvider:
         if rep is None:
             rep = self._analyze(layer, mb, tp)
             cross = self.crossing_at(layer.index, mb, tp)
-            for c in (rep, rep.solved) if rep.solved is not None else (rep,):
-                c.cross_bytes, c.cross_grad_bytes, c.cross_tensors, c.cross_grads = cross
+            rep.cross_bytes, rep.cross_grad_bytes, rep.cross_tensors, rep.cross_grads = cross
             rep._layer = layer  # type: ignore[attr-defined]
             self._cache[key] = rep
         src: Layer = rep._layer  # type: ignore[attr-defined]
@@ -400,15 +368,26 @@ class AnalyticProvider:
             return rep
         return self._renamed(rep, src, layer, mb, tp)
 
+    def vocab_parallel_ops(self, layer: Layer, mb: int, tp: int) -> dict[str, str]:
+        """{op of `layer`: "embedding" or "loss"}: the ops these rules run vocabulary-parallel
+        at (mb, tp), Megatron's way (the largest embedding table's rows split, its output
+        all-reduced; a loss on vocabulary-split logits reduced by three all-reduces of one
+        value per row, the logits never gathered). The plan's executor runs them so
+        (`inter_op.pinned_layouts`), as these rules price them."""
+        if tp == 1:
+            return {}
+        key = (layer.signature, mb, tp)
+        if key not in self._vocab:
+            AnalyticProvider._analyze(self, layer, mb, tp)
+        rep, ops = self._vocab[key]
+        if rep is layer:
+            return dict(ops)
+        names = _mapping(self.graph, rep, layer)
+        return {names.get(n, n): kind for n, kind in ops.items()}
+
     def crossing_at(self, index: int, mb: int, tp: int) -> tuple[float, float, int, int]:
         """`crossing` as a rank of a `tp`-way stage holds it (here: whole on every rank)."""
         return self.crossing(index, mb)
-
-    def dtensor_variant(self, layer: Layer, mb: int, tp: int, arriving: dict) -> LayerCost:
-        """The cost as DTensor propagation runs the layer given the layouts its inputs from
-        earlier layers arrive in (`IlpProvider.dtensor_variant`): here `cost` itself, these
-        rules hand every layer's output on replicated, as every layer assumes its input."""
-        return self.cost(layer, mb, tp)
 
     def _renamed(self, rep: LayerCost, src: Layer, layer: Layer, mb: int, tp: int) -> LayerCost:
         """`rep` (the cost of `src`) as the cost of `layer`, a copy of it."""
@@ -417,8 +396,6 @@ class AnalyticProvider:
         out.placements = {src.rename_param(f, layer): v for f, v in rep.placements.items()}
         out.cross_bytes, out.cross_grad_bytes, out.cross_tensors, out.cross_grads = \
             self.crossing_at(layer.index, mb, tp)
-        if rep.solved is not None:
-            out.solved = self._renamed(rep.solved, src, layer, mb, tp)
         return out
 
     # -- the rules ---------------------------------------------------------------------------
@@ -459,6 +436,8 @@ class AnalyticProvider:
         emb = [n for n in nodes if n.op == "embedding" and n.params]
         big_emb = max(emb, key=lambda n: math.prod(g.params[n.params[0]].shape)).name if emb else None
         grad_ar_done: set[str] = set()
+        vocab: dict[str, str] = {}
+        self._vocab[(layer.signature, mb, tp)] = (layer, vocab)
         times: dict[str, tuple[float, float, float, float]] = {}   # fwd, bwd, fwd comm, bwd comm
         coll_f: dict[str, Counter] = {}
         sharded_nodes: set[str] = set()
@@ -521,6 +500,7 @@ class AnalyticProvider:
                 else:
                     c.placements[n.params[0]] = "S(0)"
                     sharded = True
+                    vocab[n.name] = "embedding"
                     fc += ar(sum(float_bytes(o, dtype) for o in n.outputs))
                     cf["all_reduce"] += 1
                 out = "R"
@@ -546,6 +526,7 @@ class AnalyticProvider:
                 fc += 3 * ar(nb)
                 cf["all_reduce"] += 3
                 sharded, out = True, "R"
+                vocab[n.name] = "loss"
             else:
                 sharded = out == "S"
                 for p in n.params:

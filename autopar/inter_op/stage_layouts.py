@@ -28,7 +28,7 @@ from autopar.inter_op.layers import Layer
 from autopar.schema.constraints import RECOMPUTES
 from autopar.schema.layouts import Junction, LayerOps, OpLayout, StageLayouts
 
-__all__ = ["stage_layouts", "chunk_layouts", "produced_layouts", "crossing", "arrival_layouts"]
+__all__ = ["stage_layouts", "chunk_layouts", "produced_layouts", "crossing"]
 
 
 def _mapping(graph: OpGraph, rep: Layer, lay: Layer) -> dict[str, str]:
@@ -232,28 +232,3 @@ def chunk_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, spans: l
         earlier.update(produced_layouts(lay))
         out.append(lay)
     return out, ""
-
-
-def arrival_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, mb: int, tp: int
-                    ) -> list[dict[str, tuple[str, ...]]]:
-    """Per layer, the tensors its ops read from earlier layers and the layout each arrives in
-    where the stage runs by DTensor propagation (no `stage_layouts`): the one the producing
-    layer's solution leaves it in, whatever the reading layer's solution assumed (DTensor
-    redistributes it inside the reading op's dispatch, `ilp_provider.dispatch_read`). A layer
-    without a solution at (`mb`, `tp`) has none listed, nor its outputs."""
-    produced: dict[str, tuple[str, ...]] = {}
-    out: list[dict[str, tuple[str, ...]]] = []
-    for lay in layers:
-        got = solutions.get((lay.signature, mb, tp))
-        mine = set(lay.nodes)
-        out.append({i: produced[i] for n in lay.nodes for i in graph.node(n).inputs
-                    if i not in mine and i in produced})
-        if got is None:
-            continue
-        sol, rep = got
-        names = _mapping(graph, rep, lay)
-        for n in rep.nodes:
-            ch = sol.op_choices.get(n)
-            if ch is not None and ch.output_placements:
-                produced[names[n]] = tuple(ch.output_placements[0])
-    return out

@@ -39,7 +39,8 @@ def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optio
                 attention_kernel: str = "fused", pointwise_fusion: str = "eager",
                 autocast: bool = True, fixed_inputs: Optional[dict[str, tuple[str, ...]]] = None,
                 fixed_outputs: Optional[dict[str, tuple[str, ...]]] = None,
-                leaving: Optional[Sequence[str]] = None) -> ShardingSolution:
+                leaving: Optional[Sequence[str]] = None,
+                fixed_ops: Optional[dict[str, str]] = None) -> ShardingSolution:
     """Shard the ops of `graph` (at a concrete batch) over `mesh`.
 
     `nodes` restricts the problem to those call nodes (one layer, to cost a layer): tensors
@@ -77,7 +78,10 @@ def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optio
     runs it; `fixed_outputs` (op -> layout): those ops produce their output so (the output the
     next copy of a stack of identical layers receives, in the layout this copy received it);
     `leaving` (ops whose output a later layer reads): none hands on a partial sum on a model
-    axis. Raises PlanError when nothing fits `memory_budget_bytes`.
+    axis. `fixed_ops` (op -> one of its strategies' names, e.g. "c@0 (vocab-parallel)"): those
+    ops run so (a plan of the analytic rules runs Megatron's vocabulary-parallel embedding and
+    loss as the rules price them, `inter_op.pinned_layouts`); PlanError where an op has no
+    such strategy. Raises PlanError when nothing fits `memory_budget_bytes`.
     """
     gc_was_on = gc.isenabled()
     gc.disable()     # the captured graph holds many objects; collections would dominate the build
@@ -89,7 +93,7 @@ def solve_graph(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: Optio
                               fixed_params=fixed_params, grad_inputs=grad_inputs,
                               sequence_parallel=sequence_parallel, attention_kernel=attention_kernel,
                               pointwise_fusion=pointwise_fusion, autocast=autocast, fixed_inputs=fixed_inputs,
-                              fixed_outputs=fixed_outputs, leaving=leaving)
+                              fixed_outputs=fixed_outputs, leaving=leaving, fixed_ops=fixed_ops)
         assign, info = prob.solve(time_limit_s=time_limit_s, backend=backend)
     finally:
         if gc_was_on:

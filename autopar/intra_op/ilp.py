@@ -247,7 +247,7 @@ class IntraOpProblem:
                  attention_kernel: str = "fused", pointwise_fusion: str = "eager", autocast: bool = True,
                  fixed_inputs: Optional[dict[str, tuple[str, ...]]] = None,
                  fixed_outputs: Optional[dict[str, tuple[str, ...]]] = None,
-                 leaving: Optional[Iterable[str]] = None) -> None:
+                 leaving: Optional[Iterable[str]] = None, fixed_ops: Optional[dict[str, str]] = None) -> None:
         if graph.batch_size is None and graph.is_symbolic:
             raise ValueError("solve a graph at a concrete batch: call graph.at_batch(b) first")
         t0 = time.perf_counter()
@@ -273,6 +273,7 @@ class IntraOpProblem:
         self.fixed_inputs = {k: tuple(v) for k, v in (fixed_inputs or {}).items()}
         self.fixed_outputs = {k: tuple(v) for k, v in (fixed_outputs or {}).items()}
         self.leaving = frozenset(leaving or ())
+        self.fixed_ops = dict(fixed_ops or {})      # op -> the name of the strategy it must take
         self.grad_inputs = frozenset(grad_inputs or ())
         # dims no model axis may split: the batch and the tokens
         self.data_dims: dict[str, tuple[int, ...]] = {
@@ -612,6 +613,12 @@ class IntraOpProblem:
             if name in self.sp_fixed:
                 sts = [st for st in sts if st.out_specs and st.out_specs[0] == self.sp_fixed[name]] or sts
             sts = self._boundary_strategies(name, sts)
+            if name in self.fixed_ops:
+                want = [st for st in sts if st.name == self.fixed_ops[name]]
+                if not want:
+                    raise PlanError(f"op {name} ({n.op}) cannot take strategy {self.fixed_ops[name]!r} here; "
+                                    f"one of {[st.name for st in sts]}")
+                sts = want
             self.pnodes[name] = PNode(name, "call", n, sts, fam, cnt, self.rg.get(name, False))
         for name, pn in self.pnodes.items():
             if pn.kind == "junction":
