@@ -152,6 +152,10 @@ time) and gpt-small (CPU profile, no table) keep their times, layouts, peaks and
 Plan format 13 (`Plan.experts.folded`, MoE parallel folding): digests only (with
 format_version set back to 12, gpt-small's digest is the one recorded before; the same layouts,
 times, peaks and collectives for all four; these models have no experts).
+Session 33 (`Junction.readers`: a junction of a tensor that other layers make or read is its
+layer's own, keyed 'op#output@layer'): digests only, for the two plans with tp stages (their
+residual streams' junctions keyed by the reading block); the same layouts, times, peaks and
+collectives.
 """
 
 import hashlib
@@ -177,7 +181,7 @@ CASES = {   # name: (model, cluster, nodes, global batch, pinned constraints, so
 }
 
 EXPECTED = {
-    "gpt3-1.3b-tp2-pp2": {"digest": "cd17d0ebbb98cb4d", "layout": (2, 2, 2, 4, 4, "interleaved_1f1b", 6, 1),
+    "gpt3-1.3b-tp2-pp2": {"digest": "b102b365c6637fc7", "layout": (2, 2, 2, 4, 4, "interleaved_1f1b", 6, 1),
         "iteration_time_s": 0.553367098202065, "peak_memory_bytes": 21309384704.0,
         "collectives": {"all_reduce": 405, "reduce_scatter": 2, "all_gather": 2, "send_recv": 88}},
     "gpt-small": {"digest": "78e81662f49a5099", "layout": (2, 1, 1, 4, 1, "1f1b", 1, 0),
@@ -186,7 +190,7 @@ EXPECTED = {
     "hf-gpt2": {"digest": "c4d4b6820121b1d2", "layout": (4, 1, 2, 4, 1, "1f1b", 1, 1),
         "iteration_time_s": 0.0013825798662918264, "peak_memory_bytes": 1688512.0,
         "collectives": {"reduce_scatter": 2, "all_gather": 2, "send_recv": 2, "all_reduce": 1}},
-    "hf-llama": {"digest": "be694afce1990cf6", "layout": (4, 2, 1, 4, 1, "1f1b", 1, 1),
+    "hf-llama": {"digest": "94bcda2965885d0a", "layout": (4, 2, 1, 4, 1, "1f1b", 1, 1),
         "iteration_time_s": 0.0025246015741084617, "peak_memory_bytes": 1444160.0,
         "collectives": {"all_reduce": 25, "all_gather": 2, "reduce_scatter": 1}},
 }

@@ -9,7 +9,10 @@ each op's output divided by the mesh axes its chosen output placement shards. Th
 of recomputation is the analytic provider's fraction of the forward applied to the ILP's
 forward. Layers are solved apart and meet at their boundaries (`IlpProvider._boundaries`): a
 tensor entering a layer arrives as the layer making it leaves it, the reader paying any
-redistribution (greedy, in model order: a layer does not see what the next would prefer).
+redistribution (greedy, in model order: a layer does not see what the next would prefer). The
+first user of a tied parameter (an output layer reading the embedding's weight), whose choice
+the layers before it follow, is solved once without its arrivals to break that cycle, and again
+with them and its choice pinned (`_settle`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,13 @@ Between two layers each solution assumed the tensor entering its layer arrives i
 (the one the previous copy leaves it in, for a stack of identical layers). Where the producing
 layer leaves it in another, the executor would redistribute it with collectives no solution
 counted; such a stage gets no layouts (the reason says which tensor), the plan records it
-(`plan.search["tp_executor"]`) and `autopar run` refuses it (issue 20: one executor).
+(`plan.search["tp_executor"]`) and `autopar run` refuses it (issue 20: one executor). A tensor
+read by layers that do not follow its maker (an encoder's output read by every decoder block)
+arrives as its maker leaves it too (`IlpProvider._boundaries` fixes it for every reading
+layer). Each reading layer's solution has its own junction for such a tensor (its own
+redistribution, its readers' gradients reduced once per layer), and the executor keeps them
+apart (`Junction.readers`, `_layer_readers`), so the collectives that run are the sum of the
+layers' solutions', and a junction's value is held as long as its layer's solution counts it.
 
 `chunk_layouts` stitches the chunks of a pipeline, in model order. Chunks of different tp degrees
 (Alpa's free sub-mesh per stage) hand their tensors over replicated: see its docstring.
