@@ -155,6 +155,10 @@ times, peaks and collectives for all four; these models have no experts).
 Plan format 14 (`Plan.zero3_grad_sync`, ZeRO-3's gradients reduce-scattered every micro-batch):
 digests only (every plan carries the field, "step" in all four; the same layouts, times, peaks
 and collectives).
+Session 33, after format 14 (`Junction.readers`: a junction of a tensor that other layers make or read is its
+layer's own, keyed 'op#output@layer'): digests only, for the two plans with tp stages (their
+residual streams' junctions keyed by the reading block); the same layouts, times, peaks and
+collectives.
 """
 
 import hashlib
@@ -180,7 +184,7 @@ CASES = {   # name: (model, cluster, nodes, global batch, pinned constraints, so
 }
 
 EXPECTED = {
-    "gpt3-1.3b-tp2-pp2": {"digest": "210f9193afea4d93", "layout": (2, 2, 2, 4, 4, "interleaved_1f1b", 6, 1),
+    "gpt3-1.3b-tp2-pp2": {"digest": "8b8ba6cec0c87554", "layout": (2, 2, 2, 4, 4, "interleaved_1f1b", 6, 1),
         "iteration_time_s": 0.553367098202065, "peak_memory_bytes": 21309384704.0,
         "collectives": {"all_reduce": 405, "reduce_scatter": 2, "all_gather": 2, "send_recv": 88}},
     "gpt-small": {"digest": "ad90006fd440d752", "layout": (2, 1, 1, 4, 1, "1f1b", 1, 0),
@@ -189,7 +193,7 @@ EXPECTED = {
     "hf-gpt2": {"digest": "83b3725febf2c0f5", "layout": (4, 1, 2, 4, 1, "1f1b", 1, 1),
         "iteration_time_s": 0.0013825798662918264, "peak_memory_bytes": 1688512.0,
         "collectives": {"reduce_scatter": 2, "all_gather": 2, "send_recv": 2, "all_reduce": 1}},
-    "hf-llama": {"digest": "79382f01f03d17ac", "layout": (4, 2, 1, 4, 1, "1f1b", 1, 1),
+    "hf-llama": {"digest": "3f4492f19bd93a21", "layout": (4, 2, 1, 4, 1, "1f1b", 1, 1),
         "iteration_time_s": 0.0025246015741084617, "peak_memory_bytes": 1444160.0,
         "collectives": {"all_reduce": 25, "all_gather": 2, "reduce_scatter": 1}},
 }

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 
 NANOGPT = "tests.user_models:nanogpt"
 GATED = "tests.user_models:gated_lm"
+ENCDEC = "tests.user_models:encoder_decoder_lm"
 _TINY = "num_hidden_layers=4&num_attention_heads=4&seq_len=16&vocab_size=128"
 # Hugging Face's classes at tiny sizes; GPT-2's dropout off so that every layout draws the same
 # (none) and the losses can be compared with one process
@@ -53,6 +54,10 @@ LAYOUTS = {
                                                zero_stage=3)),
     "gpt2_dp4_zero3": (HF_GPT2, dict(dp=4, tp=1, pp=1, zero_stage=3)),
     "gpt2_dp2xtp2": (HF_GPT2, dict(dp=2, tp=2, pp=1, zero_stage=0)),
+    # an encoder's output read by every decoder block (layers that do not follow the one making
+    # it): each block's solution reads it through its own junction, its gradient reduced once
+    # per block; the last layer, deciding the tied head's layout, solved again with its arrivals
+    "encdec_dp2xtp2": (ENCDEC, dict(dp=2, tp=2, pp=1, zero_stage=0)),
     # tp stages not pipelined run op by op as solved (`StagePlan.op_layouts`, the executor):
     # nanoGPT's fused qkv split (with selective recomputation: its attention child's ops one
     # checkpointed region per block), and Llama's 4 KV heads over tp 4 (a `view` of a sharded

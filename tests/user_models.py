@@ -348,3 +348,59 @@ def reused_lm():
         model = ReusedLM()
     x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
     return model, (x, x.clone()), token_batch(VOCAB, SEQ)
+
+
+class CrossBlock(Block):
+    """A decoder block: causal self-attention, then attention over the encoder's output
+    (`memory`, read by every decoder block: tensors made in one layer and read by layers that
+    do not follow it) through separate key and value projections, then the MLP."""
+
+    def __init__(self, h: int, heads: int) -> None:
+        super().__init__(h, heads)
+        self.ln_x = nn.LayerNorm(h)
+        self.q = nn.Linear(h, h)
+        self.k = nn.Linear(h, h)
+        self.v = nn.Linear(h, h)
+        self.o = nn.Linear(h, h)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        x = x + self.attn(self.ln_1(x))
+        q, k, v = (t.view(b, s, self.attn.heads, h // self.attn.heads).transpose(1, 2)
+                   for t in (self.q(self.ln_x(x)), self.k(memory), self.v(memory)))
+        y = F.scaled_dot_product_attention(q, k, v)
+        x = x + self.o(y.transpose(1, 2).contiguous().view(b, s, h))
+        return x + self.mlp(self.ln_2(x))
+
+
+class EncoderDecoderLM(nn.Module):
+    """One encoder block and decoder blocks that each attend over its output, as T5 or the
+    original Transformer do (written by a user: the head is the embedding's weight,
+    `x @ wte.weight.t()`, so the last layer decides that weight's layout)."""
+
+    def __init__(self, decoder_layers: int = 3, vocab: int = VOCAB, seq: int = SEQ, h: int = HIDDEN,
+                 heads: int = HEADS) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, h)
+        self.wpe = nn.Embedding(seq, h)
+        self.encoder = Block(h, heads)
+        self.ln_m = nn.LayerNorm(h)
+        self.decoder = nn.ModuleList(CrossBlock(h, heads) for _ in range(decoder_layers))
+        self.ln_f = nn.LayerNorm(h)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        memory = self.ln_m(self.encoder(x))
+        for block in self.decoder:
+            x = block(x, memory)
+        logits = self.ln_f(x) @ self.wte.weight.t()
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def encoder_decoder_lm(decoder_layers: int = 3):
+    """`EncoderDecoderLM` by the MODULE:FACTORY contract."""
+    with torch.device("meta"):
+        model = EncoderDecoderLM(decoder_layers)
+    x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    return model, (x, x.clone()), token_batch(VOCAB, SEQ)

@@ -9,7 +9,10 @@ each op's output divided by the mesh axes its chosen output placement shards. Th
 of recomputation is the analytic provider's fraction of the forward applied to the ILP's
 forward. Layers are solved apart and meet at their boundaries (`IlpProvider._boundaries`): a
 tensor entering a layer arrives as the layer making it leaves it, the reader paying any
-redistribution (greedy, in model order: a layer does not see what the next would prefer).
+redistribution (greedy, in model order: a layer does not see what the next would prefer). The
+first user of a tied parameter (an output layer reading the embedding's weight), whose choice
+the layers before it follow, is solved once without its arrivals to break that cycle, and again
+with them and its choice pinned (`_settle`).
 """
 
 from __future__ import annotations
@@ -76,6 +79,11 @@ class IlpProvider(AnalyticProvider):
         self._entries: dict[tuple[int, int, int], ShardingSolution] = {}   # `entry_solutions`
         self._bounds: dict[tuple[str, int, int], tuple[dict, dict, set]] = {}   # `_first_boundaries`
         self._waiting: set[tuple[str, int, int]] = set()   # layers whose `_boundaries` are being solved
+        # layers solved without their arrivals to break a cycle through a tied parameter
+        # (`_first_boundaries`), solved again with them once `cost` returns to its caller (`_settle`)
+        self._provisional: dict[tuple[str, int, int], Layer] = {}
+        self._self_pins: dict[tuple[str, int, int], dict[str, tuple[str]]] = {}   # `_settle`
+        self._depth = 0                                   # nesting of `cost` calls
 
     def crossing_at(self, index: int, mb: int, tp: int) -> tuple[float, float, int, int]:
         """`crossing` per rank: with Megatron-SP, a tensor crossing with a gradient (the
@@ -96,6 +104,53 @@ class IlpProvider(AnalyticProvider):
             nb = float_bytes(meta, self.dtype) * (1 - 1 / tp)
             total, grad = total - nb, grad - nb
         return total, grad, n, grads
+
+    def cost(self, layer: Layer, mb: int, tp: int) -> LayerCost:
+        """`AnalyticProvider.cost`; a layer solved provisionally inside it (a tied-parameter
+        cycle, `_first_boundaries`) is solved again with its arrivals before it returns to a
+        caller outside the provider (`_settle`), so no caller sees a provisional solution."""
+        self._depth += 1
+        try:
+            c = super().cost(layer, mb, tp)
+        finally:
+            self._depth -= 1
+        if self._depth == 0 and self._provisional:
+            self._settle()
+            c = super().cost(layer, mb, tp)
+        return c
+
+    def _settle(self) -> None:
+        """Solve again each layer solved provisionally without its arrivals (the first user of
+        a tied parameter whose choice the layers before it follow: `_pins`), now that those
+        layers are solved: with the tensors entering it fixed as they leave their makers (an
+        output layer reading the encoder's output, a decoder block reading a bias made by the
+        block before it), and its tied parameters pinned where its provisional solution put
+        them (the layers before it pinned theirs to that). Without this its solution could
+        assume a tensor arriving in a layout its maker does not leave it in, a redistribution
+        no solution counts (`stage_layouts` refuses such a stage). Kept provisional where the
+        ILP finds no solution so."""
+        self._depth += 1
+        try:
+            while self._provisional:
+                key, layer = self._provisional.popitem()
+                old, got = self._cache.get(key), self.solutions.get(key)
+                if old is None or got is None:
+                    continue
+                shared = self._shared()
+                self._self_pins[key] = {f: (pl,) for f, pl in old.placements.items()
+                                        if f in shared and shared[f][0].signature == layer.signature}
+                self._bounds.pop(key, None)
+                bounds = self._boundaries(layer, *key[1:])
+                if not bounds[0]:
+                    continue
+                del self._cache[key]
+                del self.solutions[key]
+                AnalyticProvider.cost(self, layer, *key[1:])
+                if key not in self.solutions:
+                    # no solution holding the arrivals and the pins: keep the provisional one
+                    self._cache[key], self.solutions[key] = old, got
+        finally:
+            self._depth -= 1
 
     def _names(self, rep: Layer, layer: Layer) -> dict[str, str]:
         return _mapping(self.graph, rep, layer)
@@ -129,6 +184,7 @@ class IlpProvider(AnalyticProvider):
                 pl = self.cost(users[0], mb, tp).placements.get(f)
                 if pl is not None:
                     pins[f] = (pl,)
+        pins.update(self._self_pins.get((layer.signature, mb, tp), {}))
         return pins
 
     def _fixed_ops(self, layer: Layer, mb: int, tp: int) -> dict[str, str]:
@@ -256,7 +312,9 @@ class IlpProvider(AnalyticProvider):
                 raise
             # a cycle through a tied parameter (the output layer decides the embedding's
             # placement, whose output reaches the output layer): this layer, the first user of
-            # the parameter, is solved without its arrivals; `stage_layouts` checks the junction
+            # the parameter, is solved without its arrivals, to decide the parameter's placement,
+            # and again with them once the layers before it are solved (`_settle`)
+            self._provisional[key] = first
             return {}, {}, leaving_first
         finally:
             self._waiting.discard(key)

@@ -12,7 +12,13 @@ Between two layers each solution assumed the tensor entering its layer arrives i
 (the one the previous copy leaves it in, for a stack of identical layers). Where the producing
 layer leaves it in another, the executor would redistribute it with collectives no solution
 counted; such a stage gets no layouts (the reason says which tensor), the plan records it
-(`plan.search["tp_executor"]`) and `autopar run` refuses it (issue 20: one executor).
+(`plan.search["tp_executor"]`) and `autopar run` refuses it (issue 20: one executor). A tensor
+read by layers that do not follow its maker (an encoder's output read by every decoder block)
+arrives as its maker leaves it too (`IlpProvider._boundaries` fixes it for every reading
+layer). Each reading layer's solution has its own junction for such a tensor (its own
+redistribution, its readers' gradients reduced once per layer), and the executor keeps them
+apart (`Junction.readers`, `_layer_readers`), so the collectives that run are the sum of the
+layers' solutions', and a junction's value is held as long as its layer's solution counts it.
 
 `chunk_layouts` stitches the chunks of a pipeline, in model order. Chunks of different tp degrees
 (Alpa's free sub-mesh per stage) hand their tensors over replicated: see its docstring.
@@ -53,6 +59,31 @@ def _tensor_ops(graph: OpGraph, nodes: list[str]) -> list[str]:
     on sizes (`sym_float`, a Python `add` of two numbers: Hugging Face's load-balancing loss
     counts its rows so) has no layout; the executor runs it as the program does."""
     return [n for n in nodes if graph.node(n).outputs]
+
+
+def _layers_touching(graph: OpGraph, layers: list[Layer]) -> dict[str, set[int]]:
+    """{tensor: the indices into `layers` of the layers making or reading it}."""
+    out: dict[str, set[int]] = {}
+    for x, lay in enumerate(layers):
+        for n in lay.nodes:
+            out.setdefault(n, set()).add(x)
+            for i in graph.node(n).inputs:
+                out.setdefault(i, set()).add(x)
+    return out
+
+
+def _layer_readers(graph: OpGraph, touching: dict[str, set[int]], name: str, lay: Layer) -> Optional[list[str]]:
+    """The ops of `lay` reading tensor `name`, where other layers make or read it too (an
+    encoder's output read by every decoder block's cross-attention, a bias one block makes and
+    the next reads; `touching`: `_layers_touching`), else None. Each layer's solution then has
+    its own junction for the tensor (its own redistribution, its readers' gradients summed and
+    reduced once per layer, its value held until its last reader in the layer: what the
+    solution counts), which the executor keeps apart from the other layers'
+    (`ShardingSolution.junction_readers`); a layer whose solution has no junction for it reads
+    it as it arrives."""
+    if len(touching.get(name, ())) < 2:
+        return None
+    return [n for n in _tensor_ops(graph, lay.nodes) if name in graph.node(n).inputs]
 
 
 def produced_layouts(lay: StageLayouts) -> dict[str, tuple[str, ...]]:
@@ -105,6 +136,7 @@ def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, 
     counts: dict[str, Counter] = {"forward": Counter(), "backward": Counter(), "grad_sync": Counter(),
                                   "recompute": Counter()}
     axes: tuple[int, ...] = ()
+    touching = _layers_touching(graph, layers)
     for i in range(k, j):
         lay = layers[i]
         got = (entries or {}).get(i) or solutions.get((lay.signature, mb, tp))
@@ -136,10 +168,16 @@ def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, 
                 return None, f"parameter {f2} is read in two layouts ({params[f2]} and {tuple(pl)})"
         for f, dc in sol.param_layouts.items():
             interleaved[rep.rename_param(f, lay)] = tuple(dc)
+        mine = set(lay.nodes)
         for key, (layout, partial) in sol.junctions.items():
             prod, _, idx = key.rpartition("#")
-            junctions[f"{names.get(prod, prod)}#{idx}"] = Junction(layout=tuple(layout), partial_axes=tuple(partial))
-        mine = set(lay.nodes)
+            prod = names.get(prod, prod)
+            readers = _layer_readers(graph, touching, prod, lay) if graph.node(prod).kind == "call" else None
+            if readers is None:
+                junctions[f"{prod}#{idx}"] = Junction(layout=tuple(layout), partial_axes=tuple(partial))
+            else:
+                junctions[f"{prod}#{idx}@{lay.name or i}"] = Junction(layout=tuple(layout), partial_axes=tuple(partial),
+                                                                    readers=readers)
         for name, pl in sol.input_placements.items():
             n2 = names.get(name, name)
             kind = graph.node(n2).kind

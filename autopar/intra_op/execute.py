@@ -1001,6 +1001,8 @@ class _PlanInterpreter(torch.fx.Interpreter):
             pre = self.name_of(v) + "#"
             for k in [k for k in self.junction_values if k.startswith(pre)]:
                 del self.junction_values[k]
+        for k in self.sol.junctions_done(self.name_of(n)):
+            self.junction_values.pop(k, None)      # a layer's own junction, after its last reader there
 
     def _run_node(self, n: torch.fx.Node) -> Any:
         if self.prefix == "" and self.prog.unit_spans:
@@ -1269,7 +1271,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
         if not isinstance(value, torch.Tensor):
             return value
         if not isinstance(value, DTensor):
-            j = self.sol.junctions.get(f"{producer}#{out_index}")
+            j = self.sol.junctions.get(self.sol.junction_of(self.node_name, f"{producer}#{out_index}"))
             if j is None or (_replicated(j[0]) and not j[1]):
                 return value
         x = self._feed_own_grad(value, producer, out_index, spec)
@@ -1284,7 +1286,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
         gpt-small tp-2's 130 reads per step are such no-ops, 42 of them of this kind)."""
         if isinstance(value, DTensor) and value.placements == _placements_of(spec, value.ndim) \
                 and not any(p.is_partial() for p in value.placements) \
-                and f"{producer}#{out_index}" not in self.sol.junctions:
+                and self.sol.junction_of(self.node_name, f"{producer}#{out_index}") not in self.sol.junctions:
             return value
         return self._feed(value, producer, out_index, spec)
 
@@ -1310,7 +1312,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
         if not isinstance(value, torch.Tensor):
             return value
         x = value if isinstance(value, DTensor) else self.prog._replicated(value)
-        key = f"{producer}#{out_index}"
+        key = self.sol.junction_of(self.node_name, f"{producer}#{out_index}")
         j = self.sol.junctions.get(key)
         param = producer in self.prog.param_nodes
         if j is None:

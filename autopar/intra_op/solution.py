@@ -67,6 +67,11 @@ class ShardingSolution:
     # the mesh axes along which their summed gradient stays partial before the one reduction);
     # an executor that follows the plan op by op (`autopar.intra_op.execute`) needs both
     junctions: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = field(default_factory=dict)
+    # a junction of one layer's readers ("producer#output@layer" -> those ops, in program order):
+    # a stage stitched from per-layer solutions (`inter_op.stage_layouts`), where a tensor several
+    # layers read has a junction in each layer's solution, each its own value and reduction;
+    # the tensor's other readers read it without one. Empty for a solution of one graph
+    junction_readers: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # mesh axes kept model-parallel (`solve_graph(model_axes=...)`): there a partial sum wanted
     # sharded is all-reduced whole, then sliced (Megatron without sequence parallelism), and the
     # executor runs it so
@@ -107,6 +112,7 @@ class ShardingSolution:
             activation_placements={k: t(v) for k, v in d["activation_placements"].items()},
             module_output_placements={k: t(v) for k, v in d["module_output_placements"].items()},
             junctions={k: (t(a), t(b)) for k, (a, b) in d["junctions"].items()},
+            junction_readers={k: t(v) for k, v in d.get("junction_readers", {}).items()},
             model_axes=t(d["model_axes"]))
 
     def apply(self, model: Any, example_inputs: Any, mesh: Any, *, loss_fn: Any = None,
@@ -136,6 +142,31 @@ class ShardingSolution:
                 lines.append(f"  {c.phase:9s} {c.kind} over axes {c.mesh_axes}: {c.bytes:.0f} B, "
                              f"{c.time_s * 1e6:.2f} us  ({c.reason})")
         return "\n".join(lines)
+
+    def junction_of(self, reader: str, key: str) -> str:
+        """The junction through which op `reader` reads tensor `key` ("producer#output"): its
+        layer's own where the tensor has one per reading layer (`junction_readers`), else `key`
+        (absent from `junctions` where the tensor has none, or none for this reader's layer)."""
+        if not self.junction_readers:
+            return key
+        by = self.__dict__.get("_junction_by")
+        if by is None:
+            by = self.__dict__["_junction_by"] = {(r, k.rsplit("@", 1)[0]): k
+                                                  for k, rs in self.junction_readers.items() for r in rs}
+        return by.get((reader, key), key)
+
+    def junctions_done(self, reader: str) -> list[str]:
+        """The per-layer junctions (`junction_readers`) whose last reader is op `reader`: their
+        values are dropped after it runs, as the layer's solution counts them held."""
+        if not self.junction_readers:
+            return []
+        last = self.__dict__.get("_junction_last")
+        if last is None:
+            last = self.__dict__["_junction_last"] = {}
+            for k, rs in self.junction_readers.items():
+                if rs:
+                    last.setdefault(rs[-1], []).append(k)
+        return last.get(reader, [])
 
     def to_dict(self) -> dict:
         """Plain JSON-able data (tuples become lists)."""

@@ -351,6 +351,7 @@ def _merged_solution(layouts: Sequence[Any], mesh_shape: tuple[int, ...]) -> Any
         out.op_choices.update(s.op_choices)
         out.input_placements.update(s.input_placements)
         out.junctions.update(s.junctions)
+        out.junction_readers.update(s.junction_readers)
         out.param_layouts.update(s.param_layouts)
     return out
 

@@ -47,6 +47,9 @@ class Junction(_Model):
 
     layout: Layout
     partial_axes: tuple[int, ...] = ()
+    readers: list[str] = Field(default_factory=list, description="the ops of one layer reading the tensor "
+                               "through this junction (key 'op#output@layer'): a tensor several layers read has "
+                               "one junction per layer's solution; empty: every reader of the tensor")
 
 
 class StageLayouts(_Model):
@@ -110,4 +113,5 @@ class StageLayouts(_Model):
             param_bytes_per_device=0.0, activation_bytes_per_device=0.0, solve_time_s=0.0, gap=0.0,
             num_variables=0, num_constraints=0, mesh_shape=tuple(mesh_shape), status="from plan",
             junctions={k: (tuple(j.layout), tuple(j.partial_axes)) for k, j in self.junctions.items()},
+            junction_readers={k: tuple(j.readers) for k, j in self.junctions.items() if j.readers},
             model_axes=tuple(self.model_axes))
