@@ -265,7 +265,7 @@ def _tied_names_resolved() -> Iterator[None]:
     (`id_to_fqns`), so for a tied parameter (an embedding also the head's weight) which name
     depends on the string hash seed, and a name whose module the chunk does not hold fails
     the trace ("Attribute 'shared' not found in model": a chunk reading the embedding's
-    weight outside the embedding module, one process in two). Around the tracer, each
+    weight outside the embedding module, for 4 of 6 hash seeds tried). Around the tracer, each
     chunk's top-level `_sink_params` gets the names ordered those the chunk can resolve
     first, then by name: every process traces the same chunks."""
     import torch.distributed.pipelining._IR as ir
