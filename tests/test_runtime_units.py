@@ -157,9 +157,59 @@ def test_flat_sync_buffers_are_freed_even_if_the_backend_keeps_them(monkeypatch)
 
     p = torch.nn.Parameter(torch.zeros(2, 3))
     p.grad = torch.full((2, 3), 1.5)
-    tied_grads.FlatTiedSync(None, [p]).sync()
+    tied_grads.FlatTiedSync(None, [("w", [p])]).sync()
     assert torch.equal(p.grad, torch.full((2, 3), 3.0))
     assert kept[1].untyped_storage().nbytes() == 0
+
+
+def test_a_ranks_copies_of_a_tied_parameter_are_summed_before_the_group_sums_them(monkeypatch):
+    """An interleaved rank may hold two copies of one tied weight (two of its chunks read it,
+    each materialising its own): it puts their sum in the flat buffer once, so every rank of
+    the group all-reduces a buffer of the same size, and every copy gets the group's total.
+    Copies on one rank only are summed without a collective."""
+    from autopar.runtime import tied_grads
+
+    sizes = []
+
+    def all_reduce(t, group=None):      # a group of two ranks whose other rank holds the same
+        sizes.append(t.numel())
+        t.mul_(2.0)
+
+    monkeypatch.setattr(tied_grads.dist, "all_reduce", all_reduce)
+
+    def param(v: float, shape=(2, 3)) -> torch.nn.Parameter:
+        p = torch.nn.Parameter(torch.zeros(shape))
+        p.grad = torch.full(shape, v)
+        return p
+
+    a1, a2, b = param(1.0), param(2.0), param(5.0, (4,))
+    sync = tied_grads.FlatTiedSync(None, [("z.b", [b]), ("emb.weight", [a1, a2])], ranks=[0, 2])
+    assert sync.signature() == [("emb.weight", 6), ("z.b", 4)]      # by name, one entry per parameter
+    sync.sync()
+    assert sizes == [10]
+    assert torch.equal(a1.grad, torch.full((2, 3), 6.0)) and torch.equal(a2.grad, a1.grad)
+    assert torch.equal(b.grad, torch.full((4,), 10.0))
+
+    c1, c2, c3 = param(1.0), param(2.0), param(4.0)
+    tied_grads.LocalTiedSum([("w", [c1, c2, c3])]).sync()
+    assert sizes == [10]                                              # no collective
+    assert all(torch.equal(c.grad, torch.full((2, 3), 7.0)) for c in (c1, c2, c3))
+
+
+def test_tied_groups_whose_ranks_lay_out_different_buffers_are_refused_at_setup():
+    """Ranks of one tied-gradient group that would all-reduce flat buffers of different sizes
+    (gloo aborts every process: "Received data size doesn't match expected size") are a
+    PlanError naming the weight and the ranks, found from one all-gather at setup."""
+    from autopar.runtime.tied_grads import check_agreement
+
+    good = [[(0, [0, 2], [("shared.weight", 8192)])], [], [(0, [0, 2], [("shared.weight", 8192)])], []]
+    check_agreement(0, good[0], good)
+    bad = [[(0, [0, 2], [("shared.weight", 8192)])], [], [(0, [0, 2], [("shared.weight", 16384)])], []]
+    with pytest.raises(PlanError, match=r"shared\.weight.*ranks \[0, 2\].*rank 0 holds 8192.*rank 2 16384"):
+        check_agreement(0, bad[0], bad)
+    missing = [[(0, [0, 2], [("shared.weight", 8192)])], [], [], []]
+    with pytest.raises(PlanError, match=r"ranks \[0, 2\].*rank 2 does not join"):
+        check_agreement(0, missing[0], missing)
 
 
 def test_gloo_reduce_scatter_copy_is_freed_when_the_call_returns():

@@ -2,7 +2,8 @@
 nanoGPT written as a user would (`tests.user_models`: fused qkv split in three, head computed as
 `x @ wte.weight.t()` with no output module, the loss inside `forward`) has no zoo family and no
 `pipeline_loss`; its pipeline stages are cut from the traced model (`runtime.graph_stages`).
-So are those of `GatedLM` (two tensors made before the first layer cross every boundary) and of
+So are those of `GatedLM` (two tensors made before the first layer cross every boundary), of
+`SharedEmbeddingSeq2Seq` (one embedding read by the encoder, the decoder and the head) and of
 Hugging Face GPT-2 and Llama (position ids, a causal mask, rotary tables), and their ZeRO-3
 units are the plan's (`StagePlan.fsdp_units`). With tensor parallelism the stages, pipelined
 or not, run op by op as solved instead (`intra_op.execute`,
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.slow
 NANOGPT = "tests.user_models:nanogpt"
 GATED = "tests.user_models:gated_lm"
 ENCDEC = "tests.user_models:encoder_decoder_lm"
+SEQ2SEQ = "tests.user_models:shared_seq2seq"
 _TINY = "num_hidden_layers=4&num_attention_heads=4&seq_len=16&vocab_size=128"
 # Hugging Face's classes at tiny sizes; GPT-2's dropout off so that every layout draws the same
 # (none) and the losses can be compared with one process
@@ -102,6 +104,16 @@ LAYOUTS = {
     # gloo's send refuses (`graph_stages.contiguous_send`). Its other layouts (and every layout
     # of the 16 architectures): `benchmarks/layout_matrix.py --architectures`
     "falcon_pp2xtp2_1f1b": (FALCON, dict(dp=1, tp=2, pp=2, schedule="1f1b", num_microbatches=2)),
+    # an embedding read by the encoder, the decoder and the tied head (as T5's): interleaved,
+    # the decoder's read and the head fall on one rank's two chunks, two copies of the weight
+    # that rank sums before the tied group's all-reduce (gloo aborted every rank on buffers of
+    # different sizes before); under ZeRO-3 each copy in its own chunk's FSDP root
+    "seq2seq_pp2xdp2_interleaved": (SEQ2SEQ, dict(dp=2, tp=1, pp=2, schedule="interleaved_1f1b",
+                                                  virtual_stages=2, num_microbatches=2)),
+    "seq2seq_pp2xdp2_interleaved_zero3": (SEQ2SEQ, dict(dp=2, tp=1, pp=2, schedule="interleaved_1f1b",
+                                                        virtual_stages=2, num_microbatches=2, zero_stage=3)),
+    "seq2seq_pp2xdp2_1f1b_zero1": (SEQ2SEQ, dict(dp=2, tp=1, pp=2, schedule="1f1b", num_microbatches=2,
+                                                 zero_stage=1)),
 }
 
 

@@ -404,3 +404,56 @@ def encoder_decoder_lm(decoder_layers: int = 3):
         model = EncoderDecoderLM(decoder_layers)
     x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
     return model, (x, x.clone()), token_batch(VOCAB, SEQ)
+
+
+class Seq2SeqLayer(nn.Module):
+    """A residual MLP layer."""
+
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(h)
+        self.fc = nn.Linear(h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(F.gelu(self.norm(x)))
+
+
+class CrossLayer(Seq2SeqLayer):
+    """A decoder layer that also reads the encoder's output, as a cross-attention would."""
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        return super().forward(x + memory)
+
+
+class SharedEmbeddingSeq2Seq(nn.Module):
+    """An encoder-decoder whose one embedding is read three times, as T5's is: by the encoder
+    (the source tokens), by the decoder (the targets shifted right: it starts in the middle of
+    the model) and as the head's weight. Planned pp 2 with 2 chunks per rank, the encoder's
+    and the decoder's embeddings fall on different ranks and the decoder's embedding and the
+    head on one rank's two chunks: that rank holds two copies of the tied weight."""
+
+    def __init__(self, layers: int = 2, vocab: int = VOCAB, h: int = HIDDEN) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(vocab, h)
+        self.encoder = nn.ModuleList(Seq2SeqLayer(h) for _ in range(layers))
+        self.decoder = nn.ModuleList(CrossLayer(h) for _ in range(layers))
+        self.head = nn.Linear(h, vocab, bias=False)
+        self.head.weight = self.shared.weight
+
+    def forward(self, src: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.shared(src)
+        for layer in self.encoder:
+            x = layer(x)
+        # the decoder's inputs, the targets shifted right, embedded with the same weight
+        y = F.embedding(F.pad(targets[:, :-1], (1, 0)), self.shared.weight)
+        for layer in self.decoder:
+            y = layer(y, x)
+        return F.cross_entropy(self.head(y).flatten(0, 1).float(), targets.flatten())
+
+
+def shared_seq2seq(layers: int = 2):
+    """`SharedEmbeddingSeq2Seq` by the MODULE:FACTORY contract."""
+    with torch.device("meta"):
+        model = SharedEmbeddingSeq2Seq(layers)
+    x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    return model, (x, x.clone()), token_batch(VOCAB, SEQ)

@@ -158,7 +158,7 @@ def _split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Sequ
     try:
         # Hugging Face attention masks as the capture builds them (`capture.export._export`)
         # custom autograd Functions' ops marked as theirs, folded below (`capture.functions`)
-        with _keeping_hop_bodies(), eager_attention_masks(), marking_functions():
+        with _keeping_hop_bodies(), _tied_names_resolved(), eager_attention_masks(), marking_functions():
             pipe = pipeline(model, mb_args=tuple(example_mb), split_spec=spec)
     except Exception as e:  # noqa: BLE001 - the tracer's own errors, reported with the split
         raise PlanError(f"cannot trace {type(model).__name__} into pipeline stages at "
@@ -256,6 +256,41 @@ def _lifted_values(chunks: list[Chunk], model: nn.Module, example_mb: Sequence[A
                             f"{tuple(want.shape)} {want.dtype} in the split but {tuple(value.shape)} {value.dtype} "
                             f"in the program traced for {device}")
         owner._buffers[leaf] = value.detach().clone().to(device if device.type != "meta" else "cpu")
+
+
+@contextlib.contextmanager
+def _tied_names_resolved() -> Iterator[None]:
+    """torch.pipelining's tracer (torch 2.13, `_IR._from_traced`) hands each chunk a parameter
+    it reads under one of the parameter's names: the first of a list made from a set
+    (`id_to_fqns`), so for a tied parameter (an embedding also the head's weight) which name
+    depends on the string hash seed, and a name whose module the chunk does not hold fails
+    the trace ("Attribute 'shared' not found in model": a chunk reading the embedding's
+    weight outside the embedding module, for 4 of 6 hash seeds tried). Around the tracer, each
+    chunk's top-level `_sink_params` gets the names ordered those the chunk can resolve
+    first, then by name: every process traces the same chunks."""
+    import torch.distributed.pipelining._IR as ir
+
+    orig = ir._sink_params
+
+    def resolves(module: nn.Module, fqn: str) -> bool:
+        obj: Any = module
+        for atom in fqn.split("."):
+            obj = getattr(obj, atom, None)
+            if obj is None:
+                return False
+        return True
+
+    def sink(module: nn.Module, inputs_to_state: dict, scope: list, *rest: Any) -> Any:
+        if not scope:
+            inputs_to_state = {k: sorted(v, key=lambda f: (not resolves(module, f), f))
+                               for k, v in inputs_to_state.items()}
+        return orig(module, inputs_to_state, scope, *rest)
+
+    ir._sink_params = sink
+    try:
+        yield
+    finally:
+        ir._sink_params = orig
 
 
 @contextlib.contextmanager

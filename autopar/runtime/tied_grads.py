@@ -1,6 +1,15 @@
-"""Gradient sync of parameters held by more than one pipeline stage (GPT's embedding and output
-weight): the copies' gradients are summed, as Megatron's embedding group does.
+"""Gradient sync of parameters held by more than one pipeline chunk (GPT's embedding and output
+weight; T5's shared embedding read by the encoder, the decoder and the head): the copies'
+gradients are summed, as Megatron's embedding group does.
 
+A rank may hold several copies of one parameter (interleaved schedules: two of its chunks read
+it, each chunk materialising its own): its copies are first summed on the rank, so that every
+rank of a group contributes one entry per parameter, and the group's sum is copied back into
+each copy. Entries are ordered by canonical name, so every rank of a group lays out the same
+flat buffer (`TiedEntry`; `check_agreement` compares them across the group at setup).
+
+* `LocalTiedSum`: copies on one device set only (several chunks of one rank): summed on the
+  rank, no collective.
 * `FlatTiedSync`: the stages hold the parameter in the same layout (equal stage meshes): rank c
   of one stage and rank c of the other hold the same elements; one flat all-reduce over the
   pair (a group per mesh coordinate).
@@ -18,13 +27,15 @@ import contextlib
 import time
 import weakref
 from collections.abc import Iterator
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from autopar.schema.errors import PlanError
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -138,14 +149,78 @@ def allreduce_flat(grads: list[torch.Tensor], group: dist.ProcessGroup, scale: f
     release(flat)
 
 
-class FlatTiedSync:
-    """Copies in the same layout: sum the local gradients over `group` (one flat all-reduce)."""
+# one tied parameter on this rank: (canonical name, its copies here: one per chunk materialising it)
+TiedEntry = tuple[str, list[nn.Parameter]]
 
-    def __init__(self, group: dist.ProcessGroup, params: list[nn.Parameter]) -> None:
-        self.group, self.params = group, params
+
+def _summed(copies: Sequence[nn.Parameter]) -> torch.Tensor:
+    """The sum of the local gradients of a parameter's copies on this rank (the gradient itself
+    for one copy)."""
+    g = local(copies[0].grad)
+    for p in copies[1:]:
+        g = g + local(p.grad)
+    return g
+
+
+def _spread(copies: Sequence[nn.Parameter], total: torch.Tensor) -> None:
+    """Every copy's local gradient set to `total` (a copy's own gradient is left as it is)."""
+    for p in copies:
+        g = local(p.grad)
+        if g is not total:
+            g.copy_(total)
+
+
+def _check_copies(entries: Sequence[TiedEntry]) -> None:
+    """A rank's copies of one parameter must have equal local shapes (one layout per rank)."""
+    for name, copies in entries:
+        shapes = {tuple(local(p).shape) for p in copies}
+        if len(shapes) > 1:
+            raise PlanError(f"tied parameter {name} is held by chunks of one rank in different local shapes "
+                            f"{sorted(shapes)}; re-plan with `autopar plan`")
+
+
+class LocalTiedSum:
+    """Copies on one rank only (several chunks of one device set read the parameter): their
+    gradients summed in place, no collective."""
+
+    def __init__(self, entries: Sequence[TiedEntry]) -> None:
+        _check_copies(entries)
+        self.entries = [(n, list(c)) for n, c in sorted(entries, key=lambda e: e[0]) if len(c) > 1]
+        self.group, self.ranks = None, []
+
+    def signature(self) -> list[tuple[str, int]]:
+        return []
 
     def sync(self) -> None:
-        allreduce_flat([local(p.grad) for p in self.params], self.group)
+        for _, copies in self.entries:
+            _spread(copies, _summed(copies))
+
+
+class FlatTiedSync:
+    """Copies in the same layout: sum the local gradients over `group` (one flat all-reduce);
+    a rank's several copies of one parameter are summed first and all get the total."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], entries: Sequence[TiedEntry],
+                 ranks: Sequence[int] = ()) -> None:
+        """`entries`: (canonical name, this rank's copies); `ranks`: the group's global ranks
+        (for `check_agreement`'s message)."""
+        _check_copies(entries)
+        self.group, self.ranks = group, list(ranks)
+        self.entries = [(n, list(c)) for n, c in sorted(entries, key=lambda e: e[0])]
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for _, c in self.entries for p in c]
+
+    def signature(self) -> list[tuple[str, int]]:
+        """(name, elements this rank puts in the flat buffer) per entry, in buffer order."""
+        return [(n, local(c[0]).numel()) for n, c in self.entries]
+
+    def sync(self) -> None:
+        sums = [_summed(c) for _, c in self.entries]
+        allreduce_flat(sums, self.group)
+        for (_, c), total in zip(self.entries, sums):
+            _spread(c, total)
 
 
 def element_index(p: torch.Tensor) -> Optional[torch.Tensor]:
@@ -172,32 +247,78 @@ class FullTiedSync:
     the module docstring). `group` holds every rank that holds any of the copies' elements
     whose sum it must see: a data-parallel replica's ranks, or all replicas under ZeRO-3."""
 
-    def __init__(self, group: dist.ProcessGroup, params: list[nn.Parameter], adds: bool = True) -> None:
+    def __init__(self, group: dist.ProcessGroup, entries: Sequence[TiedEntry], adds: bool = True,
+                 ranks: Sequence[int] = ()) -> None:
         """`adds=False`: this rank's copy is already counted by another rank of `group` (a
         dp-averaged, unsharded copy in a group spanning the replicas of a ZeRO-3 holder)."""
-        self.group, self.params = group, params
-        self.index = [element_index(p) for p in params]
-        self.adds = [adds and holds_first_copy(p) for p in params]
-        self.numel = sum(p.numel() for p in params)
+        _check_copies(entries)
+        self.group, self.ranks = group, list(ranks)
+        self.entries = [(n, list(c)) for n, c in sorted(entries, key=lambda e: e[0])]
+        self.index = [[element_index(p) for p in c] for _, c in self.entries]
+        self.adds = [[adds and holds_first_copy(p) for p in c] for _, c in self.entries]
+        self.numel = sum(c[0].numel() for _, c in self.entries)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for _, c in self.entries for p in c]
+
+    def signature(self) -> list[tuple[str, int]]:
+        """(name, full elements in the buffer) per entry, in buffer order."""
+        return [(n, c[0].numel()) for n, c in self.entries]
 
     def sync(self) -> None:
-        grads = [local(p.grad) for p in self.params]
-        buf = torch.zeros(self.numel, dtype=grads[0].dtype, device=grads[0].device)
+        first = local(self.entries[0][1][0].grad)
+        buf = torch.zeros(self.numel, dtype=first.dtype, device=first.device)
         off = 0
-        for p, g, idx, add in zip(self.params, grads, self.index, self.adds):
-            if add:
-                if idx is None:
-                    buf[off:off + p.numel()] = g.reshape(-1)
-                else:
-                    buf.index_copy_(0, idx + off, g.reshape(-1).to(buf.dtype))
-            off += p.numel()
+        for (_, copies), idxs, adds in zip(self.entries, self.index, self.adds):
+            n = copies[0].numel()
+            for p, idx, add in zip(copies, idxs, adds):
+                if add:
+                    g = local(p.grad).reshape(-1).to(buf.dtype)
+                    if idx is None:
+                        buf[off:off + n] += g
+                    else:
+                        buf.index_add_(0, idx + off, g)
+            off += n
         dist.all_reduce(buf, group=self.group)
         off = 0
-        for p, g, idx in zip(self.params, grads, self.index):
-            part = buf[off:off + p.numel()]
-            g.copy_((part if idx is None else part[idx]).view_as(g))
-            off += p.numel()
+        for (_, copies), idxs in zip(self.entries, self.index):
+            part = buf[off:off + copies[0].numel()]
+            for p, idx in zip(copies, idxs):
+                g = local(p.grad)
+                g.copy_((part if idx is None else part[idx]).view_as(g))
+            off += copies[0].numel()
         release(buf)
+
+
+Signature = list[tuple[str, int]]      # (canonical name, elements in the flat buffer) per entry
+
+
+def check_agreement(rank: int, mine: Sequence[tuple[Any, Sequence[int], Signature]],
+                    everyone: Sequence[Sequence[tuple[Any, Sequence[int], Signature]]]) -> None:
+    """Raise PlanError unless every rank of each of rank `rank`'s tied groups lays out the same
+    flat buffer. `mine`: (key, group ranks, signature) of this rank's syncs; `everyone[r]`: rank
+    r's. A flat all-reduce of buffers of different sizes hangs or aborts every rank (gloo:
+    "Received data size doesn't match expected size"); found at setup it names the weight and
+    the ranks instead."""
+    for key, ranks, sig in mine:
+        sig = [tuple(e) for e in sig]
+        for r in ranks:
+            theirs = {k: [tuple(e) for e in s] for k, _, s in everyone[r]}
+            other = theirs.get(key)
+            if other == sig:
+                continue
+            if other is None:
+                raise PlanError(f"the tied-gradient group over ranks {list(ranks)} (parameters "
+                                f"{', '.join(n for n, _ in sig)}): rank {r} does not join it, rank {rank} does; "
+                                f"the ranks' plans or models differ. Re-plan with `autopar plan`")
+            a, b = dict(sig), dict(other)
+            name = next((n for n in sorted(set(a) | set(b)) if a.get(n) != b.get(n)), sig[0][0] if sig else "?")
+            raise PlanError(f"tied parameter {name} would be summed over ranks {list(ranks)} in flat buffers "
+                            f"that differ: rank {rank} holds {a.get(name, 'nothing')} elements of it "
+                            f"({sum(n for _, n in sig)} in all), rank {r} {b.get(name, 'nothing')} "
+                            f"({sum(n for _, n in other)} in all); the all-reduce would abort every rank. "
+                            f"Re-plan with `autopar plan`, or report the model")
 
 
 def _dead(refs: list, timeout_s: float = 10.0) -> None:

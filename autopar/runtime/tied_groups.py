@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from autopar.runtime.meshes import _mesh_kinds, fsdp_sharded
 from autopar.runtime.pipeline_p2p import replica_ranks
-from autopar.runtime.tied_grads import FlatTiedSync, FullTiedSync
+from autopar.runtime.tied_grads import FlatTiedSync, FullTiedSync, LocalTiedSum, TiedEntry, check_agreement
 from autopar.runtime.validate import get_submodule
 from autopar.schema.plan import StagePlan
 
@@ -19,16 +19,28 @@ class TiedParameters:
     """The tied-parameter part of `engine.ParallelModel` (its attributes are the engine's)."""
 
     def _build_tied_groups(self) -> None:
-        """Parameters held by more than one stage device set: their gradients are summed over a
-        group joining the copies (`tied_grads`): one per mesh coordinate when the holders hold
-        them in one layout (equal meshes and placements), else one per data-parallel replica
-        over all the holders' ranks (one over all replicas under ZeRO-3, whose replicas hold
-        different shards)."""
-        self.tied: list[FlatTiedSync | FullTiedSync] = []
+        """Parameters held by more than one chunk: their gradients are summed over a group
+        joining the copies (`tied_grads`): one per mesh coordinate when the holders hold them in
+        one layout (equal meshes and placements), else one per data-parallel replica over all
+        the holders' ranks (one over all replicas under ZeRO-3, whose replicas hold different
+        shards). A rank holding several copies (several of its chunks read the parameter: any
+        schedule with more than one chunk per rank) sums them first; copies on one device set
+        only are summed on the rank, no collective. Every group's ranks are checked to lay out
+        the same flat buffer (`_check_tied_agreement`) before any step runs."""
+        self.tied: list[LocalTiedSum | FlatTiedSync | FullTiedSync] = []
         self.checkpoint_skip: set[str] = set()
         if self.pp == 1:
             return
-        for dss, names in self._tied_sets().items():
+        mine: list[tuple[int, list[int], list[tuple[str, int]]]] = []
+        crossing = False
+        for k, (dss, names) in enumerate(self._tied_sets().items()):
+            if len(dss) == 1:
+                if self.rank in self.devsets[dss[0]]:
+                    summed = LocalTiedSum(self._local_copies(names))
+                    if summed.entries:
+                        self.tied.append(summed)
+                continue
+            crossing = True
             if self._same_layout(dss, names):
                 groups = [[self.devsets[d][c] for d in dss] for c in range(len(self.devsets[dss[0]]))]
                 sync = FlatTiedSync
@@ -44,21 +56,36 @@ class TiedParameters:
                         # one group over every dp replica (a ZeRO-3 holder): this stage's
                         # copy is the same dp-averaged tensor on each replica; count it once
                         extra["adds"] = self.dp_rank == 0
-                    self.tied.append(sync(g, self._local_params(names), **extra))
+                    t = sync(g, self._local_copies(names), ranks=ranks, **extra)
+                    self.tied.append(t)
+                    mine.append((k, list(ranks), t.signature()))
+        if crossing:
+            self._check_tied_agreement(mine)
+
+    def _check_tied_agreement(self, mine: list[tuple[int, list[int], list[tuple[str, int]]]]) -> None:
+        """One all-gather of every rank's tied groups and flat-buffer layouts (names, elements),
+        at setup: a group whose ranks would all-reduce buffers of different sizes (a hang, or
+        gloo aborting every process) is a PlanError naming the weight and the ranks. Skipped on
+        a fake process group (`autopar verify`), where nothing travels."""
+        if dist.get_backend() == "fake":
+            return
+        everyone: list = [None] * self.world
+        dist.all_gather_object(everyone, mine)
+        check_agreement(self.rank, mine, everyone)
 
     def _tied_sets(self) -> dict[tuple[int, ...], list[str]]:
-        """{device-set indices holding them: canonical names} of the parameters held by more
-        than one device set."""
-        holders: dict[str, list[int]] = {}
+        """{device-set indices holding them (sorted): canonical names} of the parameters held by
+        more than one chunk, on several device sets or on one (several chunks of one rank)."""
+        holders: dict[str, set[int]] = {}
+        chunks: dict[str, int] = {}
         for si in range(len(self.stages)):
             for canon in self._stage_params(si):
-                ds = si % self.pp
-                if ds not in holders.setdefault(canon, []):
-                    holders[canon].append(ds)
+                holders.setdefault(canon, set()).add(si % self.pp)
+                chunks[canon] = chunks.get(canon, 0) + 1
         bykey: dict[tuple[int, ...], list[str]] = {}
-        for k, v in sorted(holders.items()):
-            if len(v) > 1:
-                bykey.setdefault(tuple(v), []).append(k)
+        for k in sorted(holders):
+            if chunks[k] > 1:
+                bykey.setdefault(tuple(sorted(holders[k])), []).append(k)
         return bykey
 
     def _same_layout(self, dss: Sequence[int], names: Sequence[str]) -> bool:
@@ -104,11 +131,18 @@ class TiedParameters:
         if any(self.rank in self.devsets[d] for d in dss[1:]):
             self.checkpoint_skip.update(names)
 
-    def _local_params(self, names: Sequence[str]) -> list[nn.Parameter]:
-        """This rank's parameters with canonical names in `names`, each once."""
-        params: list[nn.Parameter] = []
+    def _local_copies(self, names: Sequence[str]) -> list[TiedEntry]:
+        """(canonical name, this rank's copies of it) for each of `names` this rank holds: a
+        traced chunk materialises its own copy of every parameter it reads, so a rank running
+        two chunks that read one holds two; a parameter under several names in one chunk is
+        one copy."""
+        copies: dict[str, list[nn.Parameter]] = {}
+        want = set(names)
         for core in self.local_modules:
             for n, p in core.named_parameters(remove_duplicate=False):
-                if self.aliases.get(n, n) in names and all(p is not q for q in params):
-                    params.append(p)
-        return params
+                canon = self.aliases.get(n, n)
+                if canon in want:
+                    held = copies.setdefault(canon, [])
+                    if all(p is not q for q in held):
+                        held.append(p)
+        return [(n, copies[n]) for n in sorted(copies)]
