@@ -63,10 +63,12 @@ _LOSSES: dict = {}
 
 def _one_process_losses(steps: int, ref: str = "moe-tiny", dtype: str = "fp32") -> list[float]:
     """The losses of `_one(ref, dtype)` run `steps` steps (seed 0, memory untracked), once in the
-    module."""
-    if (steps, ref, dtype) not in _LOSSES:
-        _LOSSES[steps, ref, dtype] = reference_losses(_one(ref, dtype), ref, steps)
-    return _LOSSES[steps, ref, dtype]
+    module: fewer steps are the first ones of a longer run made already (the same batches, no
+    schedule)."""
+    have = _LOSSES.get((ref, dtype), [])
+    if len(have) < steps:
+        _LOSSES[ref, dtype] = have = reference_losses(_one(ref, dtype), ref, steps)
+    return have[:steps]
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +76,8 @@ def launched(tmp_path_factory) -> dict:
     """Every 4-process plan of the training tests below, run in one 4-process job (the runtime
     tests' layouts job, `tests/plans.py`; as `autopar.runtime.run` would run each, memory
     tracking off): {name: (plan, its step rows)}; "checkpoint" -> the ep 2 x pp 2 run's
-    checkpoint directory. Each plan runs the steps its test compares (2, or 3)."""
+    checkpoint directory. Each plan runs 2 steps (the second: after the pipeline's warm-up, on
+    weights the first update changed)."""
     from tests.launch import run_plans
     from tests.plans import MOE4_REF
 
@@ -144,7 +147,7 @@ def launched(tmp_path_factory) -> dict:
         # test_folded_experts_train_like_one_process
         plans["mixtral_fold_ep4"] = _folded(0, ep=4, ref=_MIXTRAL, num_microbatches=1)
         plans["qwen_etp2"] = _etp(0, ref=_QWEN)
-    options = {"ep4_zero1": {"steps": 3}, "ep2_zero2": {"steps": 3}, "ep2_pp2": {"checkpoint_dir": str(ckpt)}}
+    options = {"ep2_pp2": {"checkpoint_dir": str(ckpt)}}
     rows = run_plans(folder, plans, 4, steps=2, options=options)
     out: dict = {"checkpoint": ckpt}
     for name, p in plans.items():
@@ -235,11 +238,11 @@ def test_ep4_ep2_dp2_and_ep2_pp2_train_like_one_process(launched):
     resumes on one process: its third step's loss is the uninterrupted run's."""
     from autopar.runtime import run
 
-    want = _one_process_losses(3)
+    want = _one_process_losses(3)      # the third for the resumed run
     for name in ("ep4_zero1", "ep2_zero2"):
         p, steps = launched[name]
         assert "ep_executor" not in p.search
-        assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
+        assert [r["loss"] for r in steps] == pytest.approx(want[:2], rel=1e-4)
         assert all(r["collectives"] == p.predicted.collectives for r in steps), \
             ([r["collectives"] for r in steps], p.predicted.collectives)
     assert p.predicted.collectives == {"all_to_all": 20, "reduce_scatter": 2, "all_gather": 2}
