@@ -21,10 +21,11 @@ if "AUTOPAR_CACHE_DIR" not in os.environ:
 # workers finish together.
 SLOWEST_FIRST = (
     "test_moe.py", "test_runtime_user_models.py", "test_runtime.py", "test_verify.py", "test_runtime_planned.py",
-    "test_runtime_context_parallel.py", "test_runtime_llama_tp.py", "test_hf_plan.py", "test_runtime_hetero.py",
-    "test_planner.py", "test_interleaved_qkv.py", "test_sweep.py", "test_context_parallel.py", "test_notebook.py",
-    "test_memory_model.py", "test_pointwise_fusion.py", "test_runtime_precision.py", "test_intra_op_execute.py",
-    "test_memory_harness.py", "test_planner_unchanged.py", "test_cli.py", "test_runtime_selective.py",
+    "test_runtime_context_parallel.py", "test_moe_8proc.py", "test_runtime_llama_tp.py", "test_hf_plan.py",
+    "test_runtime_hetero.py", "test_planner.py", "test_interleaved_qkv.py", "test_sweep.py",
+    "test_context_parallel.py", "test_notebook.py", "test_memory_model.py", "test_pointwise_fusion.py",
+    "test_runtime_precision.py", "test_intra_op_execute.py", "test_memory_harness.py", "test_planner_unchanged.py",
+    "test_cli.py", "test_runtime_selective.py",
 )
 
 

@@ -70,6 +70,12 @@ def moe_tiny4():
     return model, inputs, token_batch(cfg.vocab_size, cfg.seq_len)
 
 
+def large_step_sgd(params):
+    """Plain SGD with a large step (an optimizer a layouts job can name: "optimizer=tests.plans:
+    large_step_sgd"): an expert weight left out of the update moves the next loss."""
+    return torch.optim.SGD(params, lr=0.5)
+
+
 _FP: dict[str, tuple[str, int, int]] = {}
 
 
@@ -389,11 +395,15 @@ def recompute_check(layout: str) -> dict:
 def run_layouts_job(layouts: list[str], out_path: str, steps: int = 4, seed: int = 0) -> None:
     """Under torchrun: train each layout `steps` steps; rank 0 writes {layout: rows} as JSON.
     A layout is a name of LAYOUTS, "plan:PATH" (a plan file, e.g. the planner's; "plan:PATH?
-    steps=N&checkpoint_dir=DIR" runs it N steps, checkpointing to DIR as `autopar.runtime.run`
-    does), or a check: "build_api", "vocab_loss", "recompute_check:LAYOUT",
-    "fail_on_rank:R" (rank R raises: the harness's own test)."""
+    steps=N&checkpoint_dir=DIR&optimizer=MODULE:NAME" runs it N steps, checkpointing to DIR,
+    with the optimizer `MODULE.NAME(params)` makes, as `autopar.runtime.run` does), or a check:
+    "build_api", "vocab_loss", "recompute_check:LAYOUT",
+    "fail_on_rank:R" (rank R raises: the harness's own test). With AUTOPAR_LAYOUT_TIMES set to
+    a file, rank 0 appends each layout's seconds to it (which layouts a job's time goes to)."""
+    import importlib
     import json
     import os
+    import time
     import traceback
     from urllib.parse import parse_qsl
 
@@ -433,13 +443,18 @@ def run_layouts_job(layouts: list[str], out_path: str, steps: int = 4, seed: int
         else:
             plan = make_plan(lay)
         bundle = build_model(plan.model.name, device="meta")
+        optimizer = None
+        if "optimizer" in opts:
+            module, _, name = opts["optimizer"].partition(":")
+            optimizer = getattr(importlib.import_module(module), name)
         rows = train(plan, bundle, steps=int(opts.get("steps", steps)), seed=seed, quiet=True,
-                     checkpoint_dir=opts.get("checkpoint_dir"))
+                     checkpoint_dir=opts.get("checkpoint_dir"), optimizer_factory=optimizer)
         dist.barrier()
         return rows
 
     try:
         for lay in layouts:
+            t0 = time.perf_counter()
             try:
                 results[lay] = one(lay)
             except Exception as e:
@@ -452,6 +467,9 @@ def run_layouts_job(layouts: list[str], out_path: str, steps: int = 4, seed: int
                     json.dump({"layout": lay, **err}, f)
                 raise
             write_results()
+            if os.environ.get("AUTOPAR_LAYOUT_TIMES") and dist.get_rank() == 0:
+                with open(os.environ["AUTOPAR_LAYOUT_TIMES"], "a") as f:
+                    f.write(f"{time.perf_counter() - t0:8.1f} s  {dist.get_world_size()}p  {lay}\n")
     finally:
         write_results()
         dist.destroy_process_group()

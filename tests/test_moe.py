@@ -63,10 +63,12 @@ _LOSSES: dict = {}
 
 def _one_process_losses(steps: int, ref: str = "moe-tiny", dtype: str = "fp32") -> list[float]:
     """The losses of `_one(ref, dtype)` run `steps` steps (seed 0, memory untracked), once in the
-    module."""
-    if (steps, ref, dtype) not in _LOSSES:
-        _LOSSES[steps, ref, dtype] = reference_losses(_one(ref, dtype), ref, steps)
-    return _LOSSES[steps, ref, dtype]
+    module: fewer steps are the first ones of a longer run made already (the same batches, no
+    schedule)."""
+    have = _LOSSES.get((ref, dtype), [])
+    if len(have) < steps:
+        _LOSSES[ref, dtype] = have = reference_losses(_one(ref, dtype), ref, steps)
+    return have[:steps]
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +76,8 @@ def launched(tmp_path_factory) -> dict:
     """Every 4-process plan of the training tests below, run in one 4-process job (the runtime
     tests' layouts job, `tests/plans.py`; as `autopar.runtime.run` would run each, memory
     tracking off): {name: (plan, its step rows)}; "checkpoint" -> the ep 2 x pp 2 run's
-    checkpoint directory. Each plan runs the steps its test compares (2, or 3)."""
+    checkpoint directory. Each plan runs 2 steps (the second: after the pipeline's warm-up, on
+    weights the first update changed)."""
     from tests.launch import run_plans
     from tests.plans import MOE4_REF
 
@@ -146,7 +149,7 @@ def launched(tmp_path_factory) -> dict:
         # test_folded_experts_train_like_one_process
         plans["mixtral_fold_ep4"] = _folded(0, ep=4, ref=_MIXTRAL, num_microbatches=1)
         plans["qwen_etp2"] = _etp(0, ref=_QWEN)
-    options = {"ep4_zero1": {"steps": 3}, "ep2_zero2": {"steps": 3}, "ep2_pp2": {"checkpoint_dir": str(ckpt)}}
+    options = {"ep2_pp2": {"checkpoint_dir": str(ckpt)}}
     rows = run_plans(folder, plans, 4, steps=2, options=options)
     out: dict = {"checkpoint": ckpt}
     for name, p in plans.items():
@@ -237,11 +240,11 @@ def test_ep4_ep2_dp2_and_ep2_pp2_train_like_one_process(launched):
     resumes on one process: its third step's loss is the uninterrupted run's."""
     from autopar.runtime import run
 
-    want = _one_process_losses(3)
+    want = _one_process_losses(3)      # the third for the resumed run
     for name in ("ep4_zero1", "ep2_zero2"):
         p, steps = launched[name]
         assert "ep_executor" not in p.search
-        assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
+        assert [r["loss"] for r in steps] == pytest.approx(want[:2], rel=1e-4)
         assert all(r["collectives"] == p.predicted.collectives for r in steps), \
             ([r["collectives"] for r in steps], p.predicted.collectives)
     assert p.predicted.collectives == {"all_to_all": 20, "reduce_scatter": 2, "all_gather": 2}
@@ -472,7 +475,8 @@ def test_hf_mixtral_under_context_parallelism_trains_like_one_process(launched):
     p = launched["mixtral_ep2_cp2_zero1"][0]
     assert p.ep == 2 and p.predicted.collectives["all_to_all"] == 10
     assert p.predicted.collectives["reduce_scatter"] == 4 + 2 and p.predicted.collectives["all_gather"] == 4 + 2
-    # not yet executed (in pipeline stages and op by op: `test_hf_mixtral_ep_cp_with_pp_or_tp_trains_like_one_process`):
+    # not yet executed (in pipeline stages and op by op: `tests/test_moe_8proc.py`'s
+    # `test_hf_mixtral_ep_cp_with_pp_or_tp_trains_like_one_process`):
     # ep x cp x tp of the analytic rules runs op by op (its layouts solved with its placements
     # pinned: issue 20, one executor); in pipeline stages it is marked and refused
     from autopar.runtime.experts import check_executable
@@ -515,37 +519,6 @@ def test_hf_mixtral_in_traced_pipeline_chunks_trains_like_one_process(launched):
     assert p.predicted.collectives["all_to_all"] == 20
     assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
     assert all(r["collectives"] == p.predicted.collectives for r in steps)
-
-
-@pytest.mark.slow
-def test_hf_mixtral_ep_cp_with_pp_or_tp_trains_like_one_process(tmp_path):
-    """Expert and context parallelism in pipeline stages and with tensor parallelism: HF Mixtral
-    at ep 2 x dp 2 x cp 2 x pp 2 and, op by op as the ILP solved it, at ep 2 x dp 2 x cp 2 x tp 2
-    (one 8-process gloo job; ep must divide dp, so no smaller layout has ep, cp and pp or tp).
-    Each stage's ep groups are consecutive ranks of its dp x cp ones (per tp coordinate with
-    tp). In the pipeline each chunk, traced at a rank's tokens, runs its experts as the model's
-    code behind the exchange (`runtime.experts.eager_experts`); with tp the expert blocks' ops
-    run as the exchange (`program_calls`) beside the cp attention (`ProgramContext`). The
-    one-process losses within 1e-4, the plan's collectives on every step."""
-    pytest.importorskip("transformers")
-    from tests.launch import run_plans
-
-    common = dict(ep=2, dp=2, cp=2, zero_stage=0, recompute="none")
-    plans = {"pp": plan(_MIXTRAL, _cpu(8), global_batch_size=4, dtype="fp32", intra_op="analytic",
-                        constraints=Constraints(tp=1, pp=2, num_microbatches=2, schedule="1f1b", **common)),
-             "tp": plan(_MIXTRAL, _cpu(8), global_batch_size=4, dtype="fp32",
-                        constraints=Constraints(tp=2, pp=1, num_microbatches=1, **common))}
-    assert plans["tp"].stages[0].op_layouts is not None
-    rows = run_plans(tmp_path, plans, 8, steps=2)
-    for name, p in plans.items():
-        assert p.ep == p.cp == 2 and "cp_executor" not in p.search and "ep_executor" not in p.search, p.search
-        assert isinstance(rows[name], list), rows[name]
-        steps = [r for r in rows[name] if "step" in r]
-        one = plan(_MIXTRAL, _cpu(1), global_batch_size=4, dtype="fp32",
-                   constraints=Constraints(num_microbatches=p.num_microbatches, recompute="none"))
-        assert [r["loss"] for r in steps] == pytest.approx(reference_losses(one, _MIXTRAL, 2), rel=1e-4), name
-        assert all(r["collectives"] == p.predicted.collectives for r in steps), \
-            (name, [r["collectives"] for r in steps], p.predicted.collectives)
 
 
 def test_qwen_moe_preset_is_the_published_checkpoint():
@@ -624,37 +597,6 @@ def test_ep_with_tp_trains_like_one_process(launched):
         assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4), name
         assert all(r["collectives"] == p.predicted.collectives for r in steps), \
             (name, [r["collectives"] for r in steps], p.predicted.collectives)
-
-
-def _sgd(params):
-    """Plain SGD with a large step: an expert weight left out of the update moves the next loss."""
-    import torch
-
-    return torch.optim.SGD(params, lr=0.5)
-
-
-@pytest.mark.slow
-def test_ep_with_tp_trains_in_pipeline_stages_like_one_process():
-    """8 gloo processes, ep 2 x dp 2 x tp 2 x pp 2 (1F1B, ZeRO-1), each stage run op by op as
-    the ILP solved it: each pipeline chunk's expert block runs as the rank's token exchange;
-    losses equal one process within 1e-4 under SGD with a large step (an expert weight left out
-    of the first step's update would move the second step's loss), and from the second step
-    (the first also exchanges the pipeline's shape metadata) every step's collectives the
-    plan's. Two steps (8 processes on the suite's 2 cores): the second is the one both checks
-    need."""
-    from autopar.runtime import run
-
-    want = reference_losses(_one(), "moe-tiny", 2, optimizer_factory=_sgd)
-    p = plan("moe-tiny", _cpu(8), global_batch_size=8, dtype="fp32",
-             constraints=Constraints(ep=2, dp=2, tp=2, pp=2, zero_stage=1, recompute="none", num_microbatches=2,
-                                     schedule="1f1b"))
-    assert all(s.op_layouts is not None for s in p.stages) and "ep_executor" not in p.search
-    with untracked():      # memory is the memory tests': losses and collectives are compared
-        steps = [r for r in run(p, "moe-tiny", steps=2, seed=0, quiet=True, optimizer_factory=_sgd) if "step" in r]
-    assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
-    assert p.predicted.collectives["all_to_all"] == 20
-    assert all(r["collectives"] == p.predicted.collectives for r in steps[1:]), \
-        ([r["collectives"] for r in steps], p.predicted.collectives)
 
 
 def test_verify_steps_an_ep_plan_on_a_fake_process_group():
@@ -935,29 +877,3 @@ def test_expert_tp_trains_like_one_process(launched):
         p, steps = launched[name]
         assert p.experts.expert_tp == 2 and "ep_executor" not in p.search
         _assert_one_process_losses_and_plan_collectives(ref, p, steps)
-
-
-@pytest.mark.slow
-def test_expert_tp_with_expert_data_parallelism_trains_like_one_process(tmp_path):
-    """8 gloo processes, ep 2 x dp 4 x tp 2 with expert_tp=2 (each expert's tp halves held by 2
-    ranks: expert data parallelism 2), ZeRO 1, 2 and 3 (the experts' flat shard, or their FSDP
-    units, over the ranks holding the same slices); `autopar verify` of the ZeRO-3 plan counts
-    the same collectives: losses equal one process within 1e-4 and
-    every step's collectives the plan's."""
-    from tests.launch import run_plans
-
-    plans = {f"etp_edp2_zero{z}": _etp(z, dp=4, num_microbatches=1) for z in (1, 2, 3)}
-    import autopar
-
-    report = autopar.verify(plans["etp_edp2_zero3"], "moe-tiny")
-    assert report.ok and report.collectives_match is True, report.failures
-    rows = run_plans(tmp_path, plans, 8, steps=2)
-    one = plan("moe-tiny", _cpu(1), global_batch_size=8, dtype="fp32",
-               constraints=Constraints(num_microbatches=1, recompute="none"))
-    want = reference_losses(one, "moe-tiny", 2)
-    for name, p in plans.items():
-        assert p.experts.expert_tp == 2 and p.experts.expert_dp == 2 and "ep_executor" not in p.search
-        steps = [r for r in rows[name] if "step" in r]
-        assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4), name
-        assert all(r["collectives"] == p.predicted.collectives for r in steps), \
-            (name, [r["collectives"] for r in steps], p.predicted.collectives)

@@ -18,7 +18,7 @@ from autopar import ClusterSpec, Constraints
 from autopar.planner import plan
 from tests.captured import reference_losses
 from tests.test_context_parallel import solved_counts
-from tests.test_runtime_planned import _run_in_one_job, _single, assert_ran_as_planned
+from tests.test_runtime_planned import STEPS, _run_in_one_job, _single, assert_ran_as_planned
 
 pytestmark = pytest.mark.slow
 
@@ -47,9 +47,9 @@ _REFS: dict[str, list[float]] = {}
 
 
 def _one_process(ref: str) -> list[float]:
-    """3 steps of `ref`'s one-process plan (`_single`), memory untracked, once in the module."""
+    """`STEPS` steps of `ref`'s one-process plan (`_single`), memory untracked, once in the module."""
     if ref not in _REFS:
-        _REFS[ref] = reference_losses(_single(ref=ref), ref, 3)
+        _REFS[ref] = reference_losses(_single(ref=ref), ref, STEPS)
     return _REFS[ref]
 
 
@@ -57,7 +57,8 @@ def _one_process(ref: str) -> list[float]:
 def launched(tmp_path_factory) -> dict:
     """The 4-process plans of the tests below (cp alone and with dp / tp, BERT's, Hugging Face
     Llama's, models that make their own positions, in pipeline stages), each planned as its
-    test describes, run 3 steps in one 4-process job (`tests/plans.py`, memory untracked): {name: (plan, rows)}."""
+    test describes, run `STEPS` (2) steps in one 4-process job (`tests/plans.py`, memory
+    untracked): {name: (plan, rows)}."""
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
     plans = {name: plan(REF, cl, global_batch_size=8, dtype="fp32",
                         constraints=Constraints(pp=1, num_microbatches=2, **pins)) for name, pins in PINS.items()}

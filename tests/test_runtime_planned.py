@@ -11,6 +11,10 @@ from autopar.runtime import run
 from tests.captured import one_process_losses, reference_losses, shared_plan, untracked
 
 pytestmark = pytest.mark.slow
+# steps each layout runs (and its one-process reference): the second is the first after the
+# pipeline's warm-up and on weights the first update changed (the optimizer's state made),
+# what the collectives and losses checks need; more steps repeat the same checks
+STEPS = 2
 
 _GPT_SP = {"tp": 2, "pp": 2, "num_microbatches": 2, "schedule": "1f1b"}     # the gpt-tiny case below
 
@@ -29,7 +33,7 @@ def _formula_links(cl: ClusterSpec) -> ClusterSpec:
 def gpt_job(tmp_path_factory) -> dict:
     """The 4-process plans of gpt-tiny the ILP makes in this module's tests (tp 2 x pp 2; its
     sequence-parallel variant; dp 2 x tp 2 under ZeRO-3 with full recomputation in fp32,
-    selective in bf16 and sequence parallelism), each made as its test made it, run 3 steps in
+    selective in bf16 and sequence parallelism), each made as its test made it, run `STEPS` steps in
     one 4-process job (`tests/plans.py`; as `autopar.runtime.run` runs a plan, memory
     untracked): {name: (plan, rows)}."""
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
@@ -68,9 +72,9 @@ _SINGLE: dict = {}
 
 
 def _single_losses(dtype: str) -> list[float]:
-    """3 steps of `_single(dtype)` (gpt-tiny, 2 micro-batches) on one process, once in the module."""
+    """`STEPS` steps of `_single(dtype)` (gpt-tiny, 2 micro-batches) on one process, once in the module."""
     if dtype not in _SINGLE:
-        _SINGLE[dtype] = reference_losses(_single(dtype), "gpt-tiny", 3)
+        _SINGLE[dtype] = reference_losses(_single(dtype), "gpt-tiny", STEPS)
     return _SINGLE[dtype]
 
 
@@ -97,7 +101,7 @@ def test_sequence_parallel_plans_run_as_predicted(model, n, pins, request):
         p = plan(model, cl, global_batch_size=8, dtype="fp32", intra_op="ilp",
                  constraints=Constraints(sequence_parallel=True, recompute="none", **pins))
         with untracked():      # memory is the memory tests': losses and collectives are compared
-            rows = run(p, model, steps=3, seed=0, quiet=True)
+            rows = run(p, model, steps=STEPS, seed=0, quiet=True)
     assert isinstance(rows, list), rows
     assert p.sequence_parallel and p.tp == 2 and "tp_executor" not in p.search
     assert p.predicted.collectives.get("reduce_scatter", 0) > 0
@@ -116,7 +120,7 @@ def test_sequence_parallel_plans_run_as_predicted(model, n, pins, request):
         one = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 1})
         ref = plan(model, one, global_batch_size=8, dtype="fp32",
                    constraints=Constraints(num_microbatches=p.num_microbatches, recompute="none"))
-        want = reference_losses(ref, model, 3)
+        want = reference_losses(ref, model, STEPS)
     assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
 
 
@@ -176,7 +180,7 @@ def assert_ran_as_planned(name: str, got, p, ref: list, first: int = 0) -> None:
     assert [r["loss"] for r in steps] == pytest.approx(ref, rel=1e-4), name
 
 
-def _run_in_one_job(tmp_path, plans: dict, nproc: int, steps: int = 3) -> dict:
+def _run_in_one_job(tmp_path, plans: dict, nproc: int, steps: int = STEPS) -> dict:
     """Every plan of `plans` (name -> Plan) run `steps` steps in one launch of `nproc` processes
     (`tests/plans.py`): name -> its rows (or the launch's error for it)."""
     from tests.launch import run_plans

@@ -13,7 +13,7 @@ import pytest
 
 from autopar import Constraints
 from tests.captured import reference_losses, shared_plan
-from tests.test_runtime_planned import _run_in_one_job, _single, assert_ran_as_planned
+from tests.test_runtime_planned import STEPS, _run_in_one_job, _single, assert_ran_as_planned
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,7 @@ def test_selective_plans_run_as_predicted(tmp_path):
                 assert len(regions) == len(s.recompute_modules) and all(len(r) > 5 for r in regions), regions
         plans[name] = p
     rows = _run_in_one_job(tmp_path, plans, 4)
-    refs = {ref: reference_losses(_single(ref=ref), ref, 3)
+    refs = {ref: reference_losses(_single(ref=ref), ref, STEPS)
             for ref in {r for r, _ in [*PINS.values(), *ATTENTION.values()]}}
     for name, p in plans.items():
         ref = {**PINS, **ATTENTION}[name][0]

@@ -283,9 +283,10 @@ def test_gloo_collective_returns_once_the_worker_thread_let_go():
 
 
 def test_functional_collectives_on_gloo_return_once_gloo_let_go():
-    """Tensor parallelism's functional collectives (DTensor's) under `GlooFunctionalSync`: each
+    """Tensor and context parallelism's functional collectives (DTensor's; cp's K/V all-gather
+    and its backward's reduce-scatter) under `GlooFunctionalSync`: each
     runs synchronously on views of its operands and returns with gloo holding nothing of the
-    step's tensors: an all-gather's or all-to-all's input view is dead, and the output is
+    step's tensors: an all-gather's, reduce-scatter's or all-to-all's input view is dead, and the output is
     either one gloo let go of or a copy, the storage gloo still holds emptied; the results are
     the plain ops'. On exit torch's own kernels are back (an asynchronous all-reduce, waited on
     through its `AsyncCollectiveTensor`). Real gloo, one process."""
@@ -320,11 +321,12 @@ def test_functional_collectives_on_gloo_return_once_gloo_let_go():
                 red = funcol.all_reduce(x, "sum", g) * 1.0
             gat = funcol.all_gather_tensor(x, 0, g) * 1.0
             a2a = funcol.all_to_all_single(x, None, None, g) * 1.0
-        assert len(inputs) == 2 and all(r() is None for r in inputs)      # inputs let go
-        assert len(outputs) == 3
+            rs = funcol.reduce_scatter_tensor(x, "sum", 0, g) * 1.0
+        assert len(inputs) == 3 and all(r() is None for r in inputs)      # inputs let go
+        assert len(outputs) == 4
         for ref, out, res in outputs:
             assert res is out and ref() is None or res is not out and out.untyped_storage().nbytes() == 0
-        assert torch.equal(red, x) and torch.equal(gat, x) and torch.equal(a2a, x)
+        assert torch.equal(red, x) and torch.equal(gat, x) and torch.equal(a2a, x) and torch.equal(rs, x)
         assert torch.equal(x, torch.arange(6.0))
         outputs.clear()
         assert torch.equal(funcol.all_reduce(x, "sum", g) * 1.0, x) and outputs == []   # torch's kernel

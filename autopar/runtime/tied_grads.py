@@ -339,14 +339,15 @@ class GlooFunctionalSync:
     all-gather and all-to-all are replaced (a `torch.library` IMPL registration, removed on
     exit, torch's own kernels back): on a gloo group each runs synchronously on views of its
     operands (the later `wait_tensor` finds nothing left to wait for), an all-reduce in place
-    on its own contiguous clone (the output, as torch's kernel makes it). An all-gather's or
-    all-to-all's input (the step's tensor) is waited for until gloo let go of its view; an
-    output gloo still holds after one yield to its thread is returned as a copy, the storage
-    gloo holds emptied (`_unheld`: no wait). So the operands live exactly as long as the step
-    holds them. Another backend's group gets torch's
-    own behaviour (the functional in-place or out variant, the work registered for its wait). A
-    reduce-scatter is left alone (gloo all-reduces a clone of its input made inside the op,
-    which nothing of the step sees).
+    on its own contiguous clone (the output, as torch's kernel makes it). An all-gather's,
+    reduce-scatter's or all-to-all's input (the step's tensor) is waited for until gloo let go
+    of its view; an output gloo still holds after one yield to its thread is returned as a
+    copy, the storage gloo holds emptied (`_unheld`: no wait). So the operands live exactly as
+    long as the step holds them. Another backend's group gets torch's
+    own behaviour (the functional in-place or out variant, the work registered for its wait).
+    The reduce-scatter's own clone of its input (gloo all-reduces it, made inside the op) is
+    no tensor of the step; its input and output are (context parallelism's K/V gradients, the
+    all-gather's backward).
 
     Only the collectives pay for this (a Python call each): the TorchDispatchMode this was until
     session 30 saw every op of the step, a Python dispatch per op that made gpt-small's tp step
@@ -361,6 +362,7 @@ class GlooFunctionalSync:
             lib = torch.library.Library("_c10d_functional", "IMPL")
             lib.impl("all_reduce", _sync_all_reduce, "CPU")
             lib.impl("all_gather_into_tensor", _sync_all_gather, "CPU")
+            lib.impl("reduce_scatter_tensor", _sync_reduce_scatter, "CPU")
             lib.impl("all_to_all_single", _sync_all_to_all, "CPU")
             cls._lib = lib
         cls._depth += 1
@@ -444,6 +446,22 @@ def _sync_all_gather(inp: torch.Tensor, group_size: int, group_name: str) -> tor
 
     def run(v: torch.Tensor) -> None:
         _FUNCOL.all_gather_into_tensor_out.default(v, group_size, group_name, out=box[0])
+        _FUNCOL.wait_tensor.default(box[0])
+
+    _settled(run, inp.view(inp.shape))    # the step's input: waited for
+    box.clear()
+    return _unheld(out, ref)
+
+
+def _sync_reduce_scatter(inp: torch.Tensor, reduce_op: str, group_size: int, group_name: str) -> torch.Tensor:
+    out = inp.new_empty((inp.shape[0] // group_size, *inp.shape[1:]))
+    if _gloo_group(group_name) is None:
+        return _FUNCOL.reduce_scatter_tensor_out.default(inp, reduce_op, group_size, group_name, out=out)
+    box = [out.view(out.shape)]
+    ref = weakref.ref(box[0])
+
+    def run(v: torch.Tensor) -> None:
+        _FUNCOL.reduce_scatter_tensor_out.default(v, reduce_op, group_size, group_name, out=box[0])
         _FUNCOL.wait_tensor.default(box[0])
 
     _settled(run, inp.view(inp.shape))    # the step's input: waited for
