@@ -1,4 +1,5 @@
-"""The zoo's GPT and Llama plans from 8 to 1536 devices (and Hugging Face GPT-2's on 8), each
+"""The zoo's GPT and Llama plans from 8 to 1536 devices (and Hugging Face GPT-2's on 8; context- and
+expert-parallel plans: Llama 3 8B at 131072 tokens, DeepSeekMoE 16B, HF Mixtral 8x7B), each
 built and stepped at full scale by `autopar verify`: tracked peak memory against the plan's
 predicted peak for every kind of rank, and the collectives (issue 15: within 10% for every
 stage, ZeRO-1/2/3, recomputation and interleaved pipelines included).
@@ -52,6 +53,13 @@ CASES = [
     ("hf gpt2 8xA100 free", "hf:gpt2", "dgx-a100-80g", 1, 256, {}),
     ("hf gpt2 8xA100 dp2 tp2 pp2 GPipe", "hf:gpt2", "dgx-a100-80g", 1, 256,
      {"dp": 2, "tp": 2, "pp": 2, "schedule": "gpipe"}),
+    # what the search emits since: context parallelism (Llama 3 8B at 131072 tokens, the free plans
+    # of benchmarks/context_parallel.py) and expert parallelism (benchmarks/moe_plans.py's free plans)
+    ("llama3-8b 131072 tokens 8xH100 free (cp)", "benchmarks.search_time:llama3_8b_128k", "dgx-h100", 1, 16, {}),
+    ("llama3-8b 131072 tokens 64xH100 free (cp)", "benchmarks.search_time:llama3_8b_128k", "dgx-h100", 8, 16, {}),
+    ("deepseek-moe-16b 8xH100 free (ep)", "deepseek-moe-16b", "dgx-h100", 1, 1024, {}),
+    ("deepseek-moe-16b 16xH100 free (ep)", "deepseek-moe-16b", "dgx-h100", 2, 1024, {}),
+    ("hf mixtral-8x7b 16xH100 free (ep)", "hf:mixtral-8x7b?seq_len=4096", "dgx-h100", 2, 256, {}),
 ]
 
 
@@ -71,8 +79,10 @@ def run_case(case: tuple, jobs: int) -> dict:
     t_plan = time.perf_counter() - t0
     rep = verify(p, model, jobs=jobs, check=False)
     errors = [rc.memory_error for rc in rep.ranks if rc.memory_error is not None]
+    folded = " folded" if p.experts is not None and p.experts.folded else ""
     return {"case": name, "world_size": p.world_size,
-            "layout": (f"dp{p.dp} tp{p.tp} pp{p.pp} {p.schedule}"
+            "layout": (f"dp{p.dp}{f' ep{p.ep}' if p.ep > 1 else ''}{folded}"
+                       f"{f' cp{p.cp}' if p.cp > 1 else ''} tp{p.tp} pp{p.pp} {p.schedule}"
                        f"{f' v{p.virtual_stages}' if p.virtual_stages > 1 else ''} mb {p.microbatch_size}x"
                        f"{p.num_microbatches} zero {p.zero_stage}"
                        f"{''.join(sorted({f' {s.recompute}' for s in p.stages if s.recompute != 'none'}))}"

@@ -1,6 +1,7 @@
 """Context parallelism in the plan (issue 13): a "cp" mesh axis splitting every sequence, costed
 and searched with dp, tp and pp; Llama 3 8B at 128K tokens on 8 and 64 H100 plans it."""
 
+import contextlib
 import json
 from collections import Counter
 
@@ -596,3 +597,24 @@ def test_the_ranks_own_keys_and_values_stay_where_the_query_keeps_their_storage(
         lay = next(lay for lay in build_layers(g) if cpm.attention_nodes(g, lay))
         kv = cpm.kv_bytes(g, lay, 4, "bf16")
         assert kv > 0 and cpm.kept_kv_bytes(g, lay, 4, "bf16") == (kv if kept else 0.0), ref
+
+
+def test_a_gpu_plans_cp_rank_holds_no_causal_mask_under_verify():
+    """`autopar verify` of a GPU plan runs CUDA's program on CPU fake tensors: CUDA's flash
+    kernel takes cp's bottom-right causal mask without a tensor, so the rank holds none (CPU's
+    (S / 2 cp) x S additive mask held 2 GiB more than predicted on Llama 3 8B at 131072 tokens
+    on cp 8, 4 GiB on dp2 cp4 tp4 pp2); the CPU program (`autopar run` on gloo) still makes it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autopar.runtime.context_parallel import ContextParallel, _CPAttention
+    from autopar.runtime.cuda_program import cuda_program
+
+    for as_cuda in (True, False):
+        cp = ContextParallel(None, 0, 2, 16)
+        with FakeTensorMode():
+            q = torch.randn(1, 2, 4, 8, dtype=torch.bfloat16)
+            k, v = (torch.randn(1, 2, 16, 8, dtype=torch.bfloat16) for _ in range(2))
+            with cuda_program() if as_cuda else contextlib.nullcontext():
+                out = _CPAttention(cp)._causal_lower_right(q, k, v)
+        assert out.shape == q.shape
+        assert (len(cp._masks) == 0) is as_cuda

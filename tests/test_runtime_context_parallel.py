@@ -292,3 +292,43 @@ def test_context_parallel_runs_in_tensor_parallel_pipeline_stages(tmp_path):
     for name, (ref, q) in plans.items():
         assert_ran_as_planned(name, rows[name], q, _one_process(ref), first=1 if q.pp > 1 else 0)
         assert [r["loss"] for r in rows[name] if "step" in r] == pytest.approx(_one_process(ref), rel=2e-6), name
+
+
+def test_a_rank_outside_a_dp_x_cp_x_tp_stage_makes_its_flattened_groups_as_its_ranks_do(monkeypatch):
+    """A pipeline of dp2 x cp2 x tp2 stages (Llama 3 8B at 131072 tokens on 64 H100 plans dp2 cp4
+    tp4 pp2): every rank makes each stage's flattened dp x cp gradient-sync groups (group
+    creation is collective over the world), and the ranks of the other stage failed to build
+    (torch's layout-based DeviceMesh: a rank outside a mesh cannot slice two of its three axes,
+    "...it needs to contain the local rank"). On the fake process group of `autopar verify`:
+    a rank outside the stage now makes the same groups, in the same order, as one inside it."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.device_mesh as dm
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autopar.runtime.meshes import StageMesh
+
+    made: list[list[int]] = []
+    real = dm.new_group
+    monkeypatch.setattr(dm, "new_group", lambda *a, **k: made.append(list(k["ranks"])) or real(*a, **k))
+    names = ("dp", "cp", "tp")
+    devices = tuple(range(8, 16))                  # the second stage of a 16-rank world
+    seen = {}
+    for rank in (0, 9):                            # outside the stage; inside it
+        assert not dist.is_initialized()
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=16)
+        try:
+            mesh = DeviceMesh("cpu", torch.tensor(devices).view(2, 2, 2), mesh_dim_names=names)
+            sm = StageMesh(devices, mesh, names, names)
+            assert sm.flattens(("dp", "cp"))
+            made.clear()
+            sub = sm.submesh(("dp", "cp"), member=rank in devices)
+            seen[rank] = list(made)
+            if rank in devices:
+                assert sub is not None and sub.size() == 4 and rank in sub.mesh.tolist()
+            else:
+                assert sub is None
+        finally:
+            dist.destroy_process_group()
+    assert seen[0] == seen[9] == [[8, 10, 12, 14], [9, 11, 13, 15]]

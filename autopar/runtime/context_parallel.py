@@ -400,8 +400,24 @@ class _CPAttention(TorchFunctionMode):
             return torch.ops.aten.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
         if q.device.type != "cpu":
             return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q_len, kv_len), **kw)
+        if _as_cuda_on_fake(q):
+            # `autopar verify` of a GPU plan: CUDA's flash kernel takes the bottom-right mask
+            # without a tensor and saves what CPU's flash kernel saves (the output and the
+            # log-sum-exp); on fake tensors no value is computed, so the mask is left out rather
+            # than held as CPU's (S / 2 cp) x S additive mask (2 GiB of Llama 3 8B at 131072
+            # tokens on cp 8, 4 GiB at cp 4, which the memory model rightly does not count)
+            return torch.ops.aten.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
         mask = self.cp.causal_mask(q_len, kv_len, q.dtype, q.device)
         return torch.ops.aten.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+
+
+def _as_cuda_on_fake(q: torch.Tensor) -> bool:
+    """Whether `q` is a fake tensor of a rank run as CUDA runs it (`cuda_program`, verify)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from autopar.runtime.cuda_program import cuda_program
+
+    return bool(cuda_program.active) and isinstance(q, FakeTensor)
 
 
 class ProgramContext:

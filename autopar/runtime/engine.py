@@ -185,9 +185,10 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
             # every rank, for every stage, in one order: group creation is collective over the
             # world, so a pipeline's stages must not each make only their own (it hung
             # pp2 x dp2 x cp2, and pp2 x cp2 while a size-1 dp axis was flattened with cp)
-            sync = sm.submesh(GRADIENT_SYNC_KINDS) if sm.flattens(GRADIENT_SYNC_KINDS) else None
-            tp = sm.submesh("tp") if sm.flattens("tp") else None
-            if self.rank in key:
+            member = self.rank in key
+            sync = sm.submesh(GRADIENT_SYNC_KINDS, member) if sm.flattens(GRADIENT_SYNC_KINDS) else None
+            tp = sm.submesh("tp", member) if sm.flattens("tp") else None
+            if member:
                 sm.dp_mesh = sync if sync is not None else sm.submesh(GRADIENT_SYNC_KINDS)
                 sm.tp_mesh = tp if tp is not None else sm.submesh("tp")
             self.meshes[key] = sm

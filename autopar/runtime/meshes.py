@@ -50,16 +50,38 @@ class StageMesh:
         must ask for it in one order."""
         return len(self._names((kind,) if isinstance(kind, str) else kind)) > 1
 
-    def submesh(self, kind: str | tuple[str, ...]) -> Optional[DeviceMesh]:
+    def submesh(self, kind: str | tuple[str, ...], member: bool = True) -> Optional[DeviceMesh]:
         """The axes of `kind` (or of any of several kinds), flattened into one when several
-        have size > 1; None without."""
+        have size > 1; None without. `member=False` (a rank outside the stage): only take part
+        in the flattened axis's process-group creation, which is collective over the world,
+        and return None."""
         kinds = (kind,) if isinstance(kind, str) else kind
         names = self._names(kinds)
         if not names:
             return None
+        flat = f"{'_'.join(kinds)}_flat"
         if len(names) == 1:
-            return self.mesh[names[0]]
-        return self.mesh[names]._flatten(f"{'_'.join(kinds)}_flat")
+            return self.mesh[names[0]] if member else None
+        if not member:
+            _flat_groups_elsewhere(self.mesh, names, flat)
+            return None
+        return self.mesh[names]._flatten(flat)
+
+
+def _flat_groups_elsewhere(mesh: DeviceMesh, names: tuple[str, ...], flat: str) -> None:
+    """On a rank outside `mesh`, the process groups that `mesh[names]._flatten(flat)` makes on
+    its ranks, made in the same order. Since torch's layout-based DeviceMesh (2.9+) a rank
+    outside a mesh cannot slice some of its axes (the slice's `mesh` tensor needs the local
+    rank: "...it needs to contain the local rank"), so it makes the groups without a mesh,
+    by the call `_flatten` makes (`DeviceMesh._init_one_process_group` on the collapsed
+    layout of the slice). Older torch slices such a mesh, as before."""
+    if not hasattr(mesh, "_layout") or not hasattr(DeviceMesh, "_init_one_process_group"):
+        mesh[names]._flatten(flat)
+        return
+    from torch.distributed._mesh_layout import _MeshLayout
+
+    layout = _MeshLayout([mesh._get_slice_mesh_layout(names).collapse()])
+    DeviceMesh._init_one_process_group(layout[0], mesh._rank_map, flat, (None, None))
 
 
 def _coord(devices: Sequence[int], rank: int) -> int:
