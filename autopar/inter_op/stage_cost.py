@@ -148,6 +148,26 @@ class LayerCost:
         return self.base_s + self.rc_extra_s.get(recompute, 0.0)
 
 
+def linear_like(g: OpGraph, n: OpNode) -> Optional[tuple[str, str, int, int, str, str]]:
+    """(input, weight fqn, output features, input features, the weight's column-parallel
+    placement, its row-parallel one) of a linear layer the analytic rules shard, or None:
+    `linear` (weight (out, in): column S(0), row S(1)) and Hugging Face's Conv1D, captured as
+    `addmm(bias, x, weight)` with the weight held (in, out) (GPT-2's projections: column S(1),
+    row S(0)). A bias splits with the output features in the column-parallel case."""
+    weights = [p for p in n.params if len(g.params[p].shape) == 2] if n.params else []
+    if not weights or not n.inputs:
+        return None
+    if n.op == "linear":
+        o_f, i_f = g.params[weights[0]].shape
+        return n.inputs[0], weights[0], o_f, i_f, "S(0)", "S(1)"
+    if n.op == "addmm" and len(n.inputs) == 3 and n.inputs[2] in g._index:
+        wn = g.node(n.inputs[2])
+        if wn.kind == "param" and wn.fqn in weights:
+            i_f, o_f = g.params[wn.fqn].shape
+            return n.inputs[1], wn.fqn, o_f, i_f, "S(1)", "S(0)"
+    return None
+
+
 def autocast_device(cluster: ClusterSpec) -> str:
     """The device type autopar's runtime autocasts on for `cluster` (`DeviceSpec.device_type`):
     it decides which ops run in fp32 under mixed precision (`cost_models.memory`)."""
@@ -463,10 +483,10 @@ class AnalyticProvider:
             cb = Counter()
             sharded = False
             out = "S" if "S" in ins else "R"
-            weights = [p for p in n.params if len(g.params[p].shape) == 2] if n.params else []
-            if tp > 1 and op == "linear" and weights:
-                w = weights[0]
-                o_f, i_f = g.params[w].shape
+            lin = linear_like(g, n) if tp > 1 else None
+            if lin is not None:
+                src, w, o_f, i_f, col_w, row_w = lin
+                x = state.get(src, "R")
                 if x == "R":
                     if o_f % tp:
                         c.issues.append(f"tp={tp} does not divide the {o_f} output features of {n.module_path or w}")
@@ -474,10 +494,9 @@ class AnalyticProvider:
                         for p in n.params:
                             c.placements.setdefault(p, "R")
                     else:
-                        for p in n.params:
-                            c.placements[p] = "S(0)"
+                        for p in n.params:      # the bias too: split with the output features
+                            c.placements[p] = col_w if p == w else "S(0)"
                         sharded, out = True, "S"
-                        src = n.inputs[0]
                         if src not in grad_ar_done:
                             grad_ar_done.add(src)
                             nb = sum(float_bytes(o, dtype) for o in g.node(src).outputs[:1]) if src in g._index else 0
@@ -486,7 +505,7 @@ class AnalyticProvider:
                 else:
                     if i_f % tp:
                         c.issues.append(f"tp={tp} does not divide the {i_f} input features of {n.module_path or w}")
-                    c.placements[w] = "S(1)"
+                    c.placements[w] = row_w
                     for p in n.params:
                         c.placements.setdefault(p, "R")
                     sharded, out = True, "R"
