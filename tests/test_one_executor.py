@@ -71,6 +71,37 @@ def test_analytic_plan_runs_the_vocabulary_parallel_embedding_and_loss_it_prices
     assert p.predicted.collectives == {"all_reduce": 5 + 5 + 3}
 
 
+HF_GPT2 = "hf:gpt2?hidden_size=64&num_hidden_layers=2&num_attention_heads=4&vocab_size=128&seq_len=16"
+
+
+def test_hf_gpt2_conv1d_analytic_plan_runs_megatrons_collectives():
+    """Hugging Face GPT-2's projections are Conv1D (`addmm(bias, x, weight)`, the weight held
+    (in, out)): the analytic rules shard them as Megatron's linears (c_attn and c_fc column-
+    parallel, their weight's output dim 1 and bias split; c_proj row-parallel, weight dim 0),
+    and the pinned solve runs that layout, so the run issues the collectives the rules priced.
+    Before, the rules left the blocks replicated and the solve ran 13 all-reduces and 12
+    gradient all-gathers a step the rules' time never priced. A rank stepped on a fake process
+    group (`autopar verify`) counts Megatron's 1 + 2 x 2 forward, 2 x 2 + 1 backward and 3 loss
+    all-reduces, as the plan predicts."""
+    pytest.importorskip("transformers")
+    from autopar.runtime.verify import verify
+
+    p = _analytic(HF_GPT2, 2, dp=1, tp=2, pp=1)
+    st = p.stages[0]
+    tp = st.mesh_axis_names.index("tp")
+    for i in range(2):
+        h = f"transformer.h.{i}."
+        got = {f[len(h):]: pl[tp] for f, pl in st.placements.items() if f.startswith(h) and "ln_" not in f}
+        assert got == {"attn.c_attn.weight": "S(1)", "attn.c_attn.bias": "S(0)",
+                       "attn.c_proj.weight": "S(0)", "attn.c_proj.bias": "R",
+                       "mlp.c_fc.weight": "S(1)", "mlp.c_fc.bias": "S(0)",
+                       "mlp.c_proj.weight": "S(0)", "mlp.c_proj.bias": "R"}
+    assert p.predicted.collectives == {"all_reduce": 5 + 5 + 3}
+    r = verify(p, HF_GPT2, jobs=1)
+    assert r.ok, r.failures
+    assert r.collectives_measured == p.predicted.collectives
+
+
 def test_fixed_op_strategy_the_op_cannot_take_is_an_error():
     """`solve_graph`'s `fixed_ops` names a strategy the op does not have: PlanError naming the
     op and the strategies it has."""

@@ -151,9 +151,12 @@ class LayerCost:
 def linear_like(g: OpGraph, n: OpNode) -> Optional[tuple[str, str, int, int, str, str]]:
     """(input, weight fqn, output features, input features, the weight's column-parallel
     placement, its row-parallel one) of a linear layer the analytic rules shard, or None:
-    `linear` (weight (out, in): column S(0), row S(1)) and Hugging Face's Conv1D, captured as
+    `linear` (weight (out, in): column S(0), row S(1)), Hugging Face's Conv1D, captured as
     `addmm(bias, x, weight)` with the weight held (in, out) (GPT-2's projections: column S(1),
-    row S(0)). A bias splits with the output features in the column-parallel case."""
+    row S(0)), and a matmul by a parameter or its transpose (`_matmul_weight`). A bias splits
+    with the output features in the column-parallel case."""
+    if n.op in ("matmul", "mm") and not n.params:
+        return _matmul_weight(g, n)
     weights = [p for p in n.params if len(g.params[p].shape) == 2] if n.params else []
     if not weights or not n.inputs:
         return None
@@ -165,6 +168,25 @@ def linear_like(g: OpGraph, n: OpNode) -> Optional[tuple[str, str, int, int, str
         if wn.kind == "param" and wn.fqn in weights:
             i_f, o_f = g.params[wn.fqn].shape
             return n.inputs[1], wn.fqn, o_f, i_f, "S(1)", "S(0)"
+    return None
+
+
+def _matmul_weight(g: OpGraph, n: OpNode) -> Optional[tuple[str, str, int, int, str, str]]:
+    """`linear_like` of `x @ w.t()` (a tied output layer written as nanoGPT's `x @ wte.weight.t()`:
+    the weight (out, in)) and `x @ w` (the weight (in, out))."""
+    if len(n.inputs) != 2 or n.inputs[1] not in g._index:
+        return None
+    wn = g.node(n.inputs[1])
+    if not wn.outputs or len(wn.outputs[0].shape) != 2:
+        return None
+    if wn.kind == "param" and wn.fqn in g.params:
+        i_f, o_f = g.params[wn.fqn].shape
+        return n.inputs[0], wn.fqn, o_f, i_f, "S(1)", "S(0)"
+    if wn.op in ("t", "transpose", "permute") and wn.inputs and wn.inputs[0] in g._index:
+        pn = g.node(wn.inputs[0])
+        if pn.kind == "param" and pn.fqn in g.params and len(g.params[pn.fqn].shape) == 2:
+            o_f, i_f = g.params[pn.fqn].shape
+            return n.inputs[0], pn.fqn, o_f, i_f, "S(0)", "S(1)"
     return None
 
 
@@ -494,8 +516,10 @@ class AnalyticProvider:
                         for p in n.params:
                             c.placements.setdefault(p, "R")
                     else:
+                        c.placements[w] = col_w
                         for p in n.params:      # the bias too: split with the output features
-                            c.placements[p] = col_w if p == w else "S(0)"
+                            if p != w:
+                                c.placements[p] = "S(0)"
                         sharded, out = True, "S"
                         if src not in grad_ar_done:
                             grad_ar_done.add(src)
