@@ -72,20 +72,17 @@ def test_analytic_plan_runs_the_vocabulary_parallel_embedding_and_loss_it_prices
 
 
 HF_GPT2 = "hf:gpt2?hidden_size=64&num_hidden_layers=2&num_attention_heads=4&vocab_size=128&seq_len=16"
+HF_LLAMA = ("hf:llama?hidden_size=32&intermediate_size=64&num_hidden_layers=2&num_attention_heads=4"
+            "&num_key_value_heads=2&vocab_size=128&seq_len=16")
 
 
-def test_hf_gpt2_conv1d_analytic_plan_runs_megatrons_collectives():
+def test_hf_gpt2_conv1d_is_sharded_as_megatrons_linears():
     """Hugging Face GPT-2's projections are Conv1D (`addmm(bias, x, weight)`, the weight held
     (in, out)): the analytic rules shard them as Megatron's linears (c_attn and c_fc column-
-    parallel, their weight's output dim 1 and bias split; c_proj row-parallel, weight dim 0),
-    and the pinned solve runs that layout, so the run issues the collectives the rules priced.
-    Before, the rules left the blocks replicated and the solve ran 13 all-reduces and 12
-    gradient all-gathers a step the rules' time never priced. A rank stepped on a fake process
-    group (`autopar verify`) counts Megatron's 1 + 2 x 2 forward, 2 x 2 + 1 backward and 3 loss
-    all-reduces, as the plan predicts."""
+    parallel, their weight's output dim 1 and bias split; c_proj row-parallel, weight dim 0).
+    Before, the rules left the blocks replicated and the pinned solve ran 13 all-reduces and
+    12 gradient all-gathers a step that the rules' time never priced."""
     pytest.importorskip("transformers")
-    from autopar.runtime.verify import verify
-
     p = _analytic(HF_GPT2, 2, dp=1, tp=2, pp=1)
     st = p.stages[0]
     tp = st.mesh_axis_names.index("tp")
@@ -96,8 +93,23 @@ def test_hf_gpt2_conv1d_analytic_plan_runs_megatrons_collectives():
                        "attn.c_proj.weight": "S(0)", "attn.c_proj.bias": "R",
                        "mlp.c_fc.weight": "S(1)", "mlp.c_fc.bias": "S(0)",
                        "mlp.c_proj.weight": "S(0)", "mlp.c_proj.bias": "R"}
-    assert p.predicted.collectives == {"all_reduce": 5 + 5 + 3}
-    r = verify(p, HF_GPT2, jobs=1)
+
+
+@pytest.mark.parametrize("ref,blocks", [(HF_GPT2, 2), (HF_LLAMA, 2), (NANOGPT, 4)])
+def test_models_written_by_others_run_the_collectives_the_rules_price(ref, blocks):
+    """The analytic tp2 plan of a model autopar's zoo did not write runs Megatron's layout, the
+    collectives its time priced and no others: 1 + 2 per block forward (vocabulary-parallel
+    embedding, row-parallel outputs), 2 per block + 1 backward (column-parallel inputs, the
+    output layer's), 3 for the vocabulary-parallel loss. A rank stepped on a fake process group
+    (`autopar verify`) counts what the plan predicts. nanoGPT's tied head `x @ wte.weight.t()`
+    was priced replicated while the solve gathered the table for it (1 all-gather a step)."""
+    if ref.startswith("hf:"):
+        pytest.importorskip("transformers")
+    from autopar.runtime.verify import verify
+
+    p = _analytic(ref, 2, dp=1, tp=2, pp=1)
+    assert p.predicted.collectives == {"all_reduce": (1 + 2 * blocks) + (2 * blocks + 1) + 3}
+    r = verify(p, ref, jobs=1)
     assert r.ok, r.failures
     assert r.collectives_measured == p.predicted.collectives
 
