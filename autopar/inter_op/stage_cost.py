@@ -8,6 +8,8 @@ device and the placements of its parameters on the tp axis. Providers make them:
   parallelism derived from the graph. A `linear` whose input is replicated is column-parallel
   (weight S(0), output sharded, an all-reduce of its input's gradient in the backward); one whose
   input is sharded is row-parallel (weight S(1), an all-reduce of its output in the forward);
+  Hugging Face's Conv1D (`addmm`, weight (in, out)) and a matmul by a parameter or its
+  transpose (a tied head `x @ wte.weight.t()`) are linears too (`linear_like`);
   the largest embedding table is vocab-parallel (S(0), forward all-reduce); attention on sharded
   q/k/v splits its heads; a cross-entropy over vocab-sharded logits costs Megatron's three small
   all-reduces. Sharded ops cost flops/tp, replicated ones (layer norms, residual adds) full.
