@@ -109,9 +109,26 @@ def test_models_written_by_others_run_the_collectives_the_rules_price(ref, block
 
     p = _analytic(ref, 2, dp=1, tp=2, pp=1)
     assert p.predicted.collectives == {"all_reduce": (1 + 2 * blocks) + (2 * blocks + 1) + 3}
+    assert "op_layouts_gap" not in p.search
     r = verify(p, ref, jobs=1)
     assert r.ok, r.failures
     assert r.collectives_measured == p.predicted.collectives
+
+
+def test_a_layout_the_rules_did_not_price_is_told(monkeypatch):
+    """Where the pinned solution runs other collectives than the analytic rules priced (here the
+    rules made blind to Conv1D, as they were: HF GPT-2's blocks priced replicated, the solve
+    syncing their gradients by all-gathers), the plan says so beside its prediction."""
+    pytest.importorskip("transformers")
+    from autopar.inter_op import stage_cost
+
+    real = stage_cost.linear_like
+    monkeypatch.setattr(stage_cost, "linear_like", lambda g, n: None if n.op == "addmm" else real(g, n))
+    p = _analytic(HF_GPT2, 2, dp=1, tp=2, pp=1)
+    gap = p.search["op_layouts_gap"]
+    # priced: the vocabulary-parallel embedding, the head's input gradient, the loss's three
+    assert gap.startswith("the analytic rules priced 5 all_reduce a step, the solved layouts run "
+                          "12 all_gather, 13 all_reduce: the predicted iteration time does not price")
 
 
 def test_fixed_op_strategy_the_op_cannot_take_is_an_error():
