@@ -30,6 +30,7 @@ from autopar.inter_op.pinned_layouts import (
     PINNED_NOTE,
     analytic_pins,
     fx_captured,
+    pinned_gap,
     pinned_provider,
     tp_unexecutable,
 )
@@ -320,6 +321,12 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
     stage_plans = []
     zunits: dict[tuple[int, int], tuple[list[str], bool]] = {}    # ZeRO-3 units per chunk (k, j)
     coll: Counter = Counter()
+    # an analytic plan's layouts solved with its placements pinned: the collectives its time
+    # priced against those the solution runs (recomputation's aside), told apart in
+    # `plan.search["op_layouts_gap"]` where they differ
+    pinned = bool(layouts) and getattr(res.provider, "solutions", None) is None
+    priced: Counter = Counter()
+    ran: Counter = Counter()
     extra = 0.0
     for pos, (_, d, vc, (k, j)) in enumerate(chunks):
         st = c.stages[d]
@@ -368,6 +375,12 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
             # read in another layout than stored syncs its gradient in every backward)
             for phase in ("forward", "backward", "grad_sync", "recompute"):
                 coll.update({kk: m * vv for kk, vv in lay.collectives.get(phase, {}).items()})
+            if pinned:
+                for phase in ("forward", "backward", "grad_sync"):
+                    ran.update({kk: m * vv for kk, vv in lay.collectives.get(phase, {}).items()})
+                for i in range(k, j):
+                    priced.update({kk: m * vv for kk, vv in costs[i].coll_fwd.items()})
+                    priced.update({kk: m * vv for kk, vv in costs[i].coll_bwd.items()})
             extra += sum(_extra_flops(g1, layers[i], st.recompute, st.tp) for i in range(k, j))
             continue
         # no tp, or a tp stage `autopar run` refuses (`plan.search["tp_executor"]`): the
@@ -470,8 +483,8 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                         **({"selective_fallback": _selective_fallback(rc_fallback)} if rc_fallback else {}),
                         **({"tp_executor": why_not} if why_not else {}),
                         **({"zero3_units": _units_left_note(units_left)} if units_left else {}),
-                        **({"op_layouts": PINNED_NOTE} if layouts and getattr(res.provider, "solutions", None) is None
-                           else {}),
+                        **({"op_layouts": PINNED_NOTE} if pinned else {}),
+                        **({"op_layouts_gap": pinned_gap(priced, ran)} if pinned and +priced != +ran else {}),
                         **({"ep_executor": ep_why} if ep_why else {}),
                         **({"cp_executor": _cp_executor(c, graph)} if _cp_executor(c, graph) else {}),
                         **({"skipped": _skipped(res.skipped)} if res.skipped else {})})

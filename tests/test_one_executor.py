@@ -71,6 +71,66 @@ def test_analytic_plan_runs_the_vocabulary_parallel_embedding_and_loss_it_prices
     assert p.predicted.collectives == {"all_reduce": 5 + 5 + 3}
 
 
+HF_GPT2 = "hf:gpt2?hidden_size=64&num_hidden_layers=2&num_attention_heads=4&vocab_size=128&seq_len=16"
+HF_LLAMA = ("hf:llama?hidden_size=32&intermediate_size=64&num_hidden_layers=2&num_attention_heads=4"
+            "&num_key_value_heads=2&vocab_size=128&seq_len=16")
+
+
+def test_hf_gpt2_conv1d_is_sharded_as_megatrons_linears():
+    """Hugging Face GPT-2's projections are Conv1D (`addmm(bias, x, weight)`, the weight held
+    (in, out)): the analytic rules shard them as Megatron's linears (c_attn and c_fc column-
+    parallel, their weight's output dim 1 and bias split; c_proj row-parallel, weight dim 0).
+    Before, the rules left the blocks replicated and the pinned solve ran 13 all-reduces and
+    12 gradient all-gathers a step that the rules' time never priced."""
+    pytest.importorskip("transformers")
+    p = _analytic(HF_GPT2, 2, dp=1, tp=2, pp=1)
+    st = p.stages[0]
+    tp = st.mesh_axis_names.index("tp")
+    for i in range(2):
+        h = f"transformer.h.{i}."
+        got = {f[len(h):]: pl[tp] for f, pl in st.placements.items() if f.startswith(h) and "ln_" not in f}
+        assert got == {"attn.c_attn.weight": "S(1)", "attn.c_attn.bias": "S(0)",
+                       "attn.c_proj.weight": "S(0)", "attn.c_proj.bias": "R",
+                       "mlp.c_fc.weight": "S(1)", "mlp.c_fc.bias": "S(0)",
+                       "mlp.c_proj.weight": "S(0)", "mlp.c_proj.bias": "R"}
+
+
+@pytest.mark.parametrize("ref,blocks", [(HF_GPT2, 2), (HF_LLAMA, 2), (NANOGPT, 4)])
+def test_models_written_by_others_run_the_collectives_the_rules_price(ref, blocks):
+    """The analytic tp2 plan of a model autopar's zoo did not write runs Megatron's layout, the
+    collectives its time priced and no others: 1 + 2 per block forward (vocabulary-parallel
+    embedding, row-parallel outputs), 2 per block + 1 backward (column-parallel inputs, the
+    output layer's), 3 for the vocabulary-parallel loss. A rank stepped on a fake process group
+    (`autopar verify`) counts what the plan predicts. nanoGPT's tied head `x @ wte.weight.t()`
+    was priced replicated while the solve gathered the table for it (1 all-gather a step)."""
+    if ref.startswith("hf:"):
+        pytest.importorskip("transformers")
+    from autopar.runtime.verify import verify
+
+    p = _analytic(ref, 2, dp=1, tp=2, pp=1)
+    assert p.predicted.collectives == {"all_reduce": (1 + 2 * blocks) + (2 * blocks + 1) + 3}
+    assert "op_layouts_gap" not in p.search
+    r = verify(p, ref, jobs=1)
+    assert r.ok, r.failures
+    assert r.collectives_measured == p.predicted.collectives
+
+
+def test_a_layout_the_rules_did_not_price_is_told(monkeypatch):
+    """Where the pinned solution runs other collectives than the analytic rules priced (here the
+    rules made blind to Conv1D, as they were: HF GPT-2's blocks priced replicated, the solve
+    syncing their gradients by all-gathers), the plan says so beside its prediction."""
+    pytest.importorskip("transformers")
+    from autopar.inter_op import stage_cost
+
+    real = stage_cost.linear_like
+    monkeypatch.setattr(stage_cost, "linear_like", lambda g, n: None if n.op == "addmm" else real(g, n))
+    p = _analytic(HF_GPT2, 2, dp=1, tp=2, pp=1)
+    gap = p.search["op_layouts_gap"]
+    # priced: the vocabulary-parallel embedding, the head's input gradient, the loss's three
+    assert gap.startswith("the analytic rules priced 5 all_reduce a step, the solved layouts run "
+                          "12 all_gather, 13 all_reduce: the predicted iteration time does not price")
+
+
 def test_fixed_op_strategy_the_op_cannot_take_is_an_error():
     """`solve_graph`'s `fixed_ops` names a strategy the op does not have: PlanError naming the
     op and the strategies it has."""

@@ -33,6 +33,9 @@ ZOO = "llama-tiny"   # 2 blocks, 4 heads, 2 KV heads (GQA), hidden 32, vocab 128
 HF = ("hf:llama?hidden_size=32&intermediate_size=64&num_hidden_layers=2&num_attention_heads=4"
       "&num_key_value_heads=2&vocab_size=128&seq_len=16")
 
+HF_GPT2 = ("hf:gpt2?hidden_size=64&num_hidden_layers=2&num_attention_heads=4&vocab_size=128&seq_len=16"
+           "&resid_pdrop=0&embd_pdrop=0&attn_pdrop=0")   # no dropout: the losses equal one process
+
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
 
@@ -86,6 +89,7 @@ def launched(tmp_path_factory) -> dict:
         pass
     else:
         two["hf_tp2"] = make_plan(HF, 2, tp=2, dp=1, pp=1)
+        two["hf_gpt2_tp2"] = make_plan(HF_GPT2, 2, tp=2, dp=1, pp=1)
     four = {"zoo_dp2_tp2": make_plan(ZOO, 4, tp=2, dp=2, pp=1), "ilp_small_tp4": _ilp_plan("llama-small", 4, 16, 4)}
     out = {}
     for plans, n in ((two, 2), (four, 4)):
@@ -172,3 +176,14 @@ def test_ilp_planned_llama_tp4_over_2_kv_heads_splits_query_heads(launched):
     att = [c for c in st.op_layouts.solution(st.mesh_shape).op_choices.values() if c.family == "attention"]
     assert len(att) == 4 and all(c.strategy == "hq@0" for c in att), [c.strategy for c in att]
     run_and_check(p, "llama-small", rows)
+
+
+def test_hf_gpt2_tp2_analytic_plan_runs_megatrons_collectives(launched):
+    """Hugging Face GPT-2 (Conv1D projections, a fused c_attn held chunk-interleaved) at
+    analytic tp 2 trains with the one-process losses and Megatron's all-reduces, the
+    collectives its time priced (before: 12 gradient all-gathers a step more, unpriced)."""
+    pytest.importorskip("transformers")
+    plan, rows = launched["hf_gpt2_tp2"]
+    assert plan.predicted.collectives == megatron_collectives(2)
+    assert "op_layouts_gap" not in plan.search
+    run_and_check(plan, HF_GPT2, rows)

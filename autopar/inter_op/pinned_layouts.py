@@ -52,6 +52,17 @@ NO_ORTOOLS = ("not executed: the plan's tp stages need per-op layouts, which the
               "OR-Tools is not installed; pip install ortools and re-plan")
 
 
+def pinned_gap(priced: dict[str, int], ran: dict[str, int]) -> str:
+    """What `plan.search["op_layouts_gap"]` says where the collectives the analytic rules priced
+    (`priced`, per step) differ from those the pinned solution runs (`ran`): the predicted
+    iteration time prices the first, `predicted.collectives` counts the second."""
+    def fmt(c: dict[str, int]) -> str:
+        return ", ".join(f"{v} {k}" for k, v in sorted(c.items()) if v) or "none"
+    return (f"the analytic rules priced {fmt(priced)} a step, the solved layouts run {fmt(ran)}: the "
+            f"predicted iteration time does not price the difference (an op the rules do not shard as "
+            f"Megatron's layout; intra_op='ilp' prices what it runs)")
+
+
 def fx_captured(graph: OpGraph) -> bool:
     """Whether `graph` comes from the torch.fx fallback (torch.export failed on the model, so
     the executor, which exports it, cannot run it either)."""

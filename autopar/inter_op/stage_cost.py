@@ -8,6 +8,8 @@ device and the placements of its parameters on the tp axis. Providers make them:
   parallelism derived from the graph. A `linear` whose input is replicated is column-parallel
   (weight S(0), output sharded, an all-reduce of its input's gradient in the backward); one whose
   input is sharded is row-parallel (weight S(1), an all-reduce of its output in the forward);
+  Hugging Face's Conv1D (`addmm`, weight (in, out)) and a matmul by a parameter or its
+  transpose (a tied head `x @ wte.weight.t()`) are linears too (`linear_like`);
   the largest embedding table is vocab-parallel (S(0), forward all-reduce); attention on sharded
   q/k/v splits its heads; a cross-entropy over vocab-sharded logits costs Megatron's three small
   all-reduces. Sharded ops cost flops/tp, replicated ones (layer norms, residual adds) full.
@@ -146,6 +148,48 @@ class LayerCost:
 
     def time(self, recompute: str) -> float:
         return self.base_s + self.rc_extra_s.get(recompute, 0.0)
+
+
+def linear_like(g: OpGraph, n: OpNode) -> Optional[tuple[str, str, int, int, str, str]]:
+    """(input, weight fqn, output features, input features, the weight's column-parallel
+    placement, its row-parallel one) of a linear layer the analytic rules shard, or None:
+    `linear` (weight (out, in): column S(0), row S(1)), Hugging Face's Conv1D, captured as
+    `addmm(bias, x, weight)` with the weight held (in, out) (GPT-2's projections: column S(1),
+    row S(0)), and a matmul by a parameter or its transpose (`_matmul_weight`). A bias splits
+    with the output features in the column-parallel case."""
+    if n.op in ("matmul", "mm") and not n.params:
+        return _matmul_weight(g, n)
+    weights = [p for p in n.params if len(g.params[p].shape) == 2] if n.params else []
+    if not weights or not n.inputs:
+        return None
+    if n.op == "linear":
+        o_f, i_f = g.params[weights[0]].shape
+        return n.inputs[0], weights[0], o_f, i_f, "S(0)", "S(1)"
+    if n.op == "addmm" and len(n.inputs) == 3 and n.inputs[2] in g._index:
+        wn = g.node(n.inputs[2])
+        if wn.kind == "param" and wn.fqn in weights:
+            i_f, o_f = g.params[wn.fqn].shape
+            return n.inputs[1], wn.fqn, o_f, i_f, "S(1)", "S(0)"
+    return None
+
+
+def _matmul_weight(g: OpGraph, n: OpNode) -> Optional[tuple[str, str, int, int, str, str]]:
+    """`linear_like` of `x @ w.t()` (a tied output layer written as nanoGPT's `x @ wte.weight.t()`:
+    the weight (out, in)) and `x @ w` (the weight (in, out))."""
+    if len(n.inputs) != 2 or n.inputs[1] not in g._index:
+        return None
+    wn = g.node(n.inputs[1])
+    if not wn.outputs or len(wn.outputs[0].shape) != 2:
+        return None
+    if wn.kind == "param" and wn.fqn in g.params:
+        i_f, o_f = g.params[wn.fqn].shape
+        return n.inputs[0], wn.fqn, o_f, i_f, "S(1)", "S(0)"
+    if wn.op in ("t", "transpose", "permute") and wn.inputs and wn.inputs[0] in g._index:
+        pn = g.node(wn.inputs[0])
+        if pn.kind == "param" and pn.fqn in g.params and len(g.params[pn.fqn].shape) == 2:
+            o_f, i_f = g.params[pn.fqn].shape
+            return n.inputs[0], pn.fqn, o_f, i_f, "S(0)", "S(1)"
+    return None
 
 
 def autocast_device(cluster: ClusterSpec) -> str:
@@ -463,10 +507,10 @@ class AnalyticProvider:
             cb = Counter()
             sharded = False
             out = "S" if "S" in ins else "R"
-            weights = [p for p in n.params if len(g.params[p].shape) == 2] if n.params else []
-            if tp > 1 and op == "linear" and weights:
-                w = weights[0]
-                o_f, i_f = g.params[w].shape
+            lin = linear_like(g, n) if tp > 1 else None
+            if lin is not None:
+                src, w, o_f, i_f, col_w, row_w = lin
+                x = state.get(src, "R")
                 if x == "R":
                     if o_f % tp:
                         c.issues.append(f"tp={tp} does not divide the {o_f} output features of {n.module_path or w}")
@@ -474,10 +518,11 @@ class AnalyticProvider:
                         for p in n.params:
                             c.placements.setdefault(p, "R")
                     else:
-                        for p in n.params:
-                            c.placements[p] = "S(0)"
+                        c.placements[w] = col_w
+                        for p in n.params:      # the bias too: split with the output features
+                            if p != w:
+                                c.placements[p] = "S(0)"
                         sharded, out = True, "S"
-                        src = n.inputs[0]
                         if src not in grad_ar_done:
                             grad_ar_done.add(src)
                             nb = sum(float_bytes(o, dtype) for o in g.node(src).outputs[:1]) if src in g._index else 0
@@ -486,7 +531,7 @@ class AnalyticProvider:
                 else:
                     if i_f % tp:
                         c.issues.append(f"tp={tp} does not divide the {i_f} input features of {n.module_path or w}")
-                    c.placements[w] = "S(1)"
+                    c.placements[w] = row_w
                     for p in n.params:
                         c.placements.setdefault(p, "R")
                     sharded, out = True, "R"
