@@ -457,3 +457,51 @@ def shared_seq2seq(layers: int = 2):
         model = SharedEmbeddingSeq2Seq(layers)
     x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
     return model, (x, x.clone()), token_batch(VOCAB, SEQ)
+
+
+class _Stack(nn.Module):
+    """A T5-style stack: its own name for the shared embedding, layers, a final norm outside
+    the layer list."""
+
+    def __init__(self, embed: nn.Embedding, layers: nn.ModuleList, h: int) -> None:
+        super().__init__()
+        self.embed_tokens = embed
+        self.block = layers
+        self.final_norm = nn.LayerNorm(h)
+
+
+class AliasedEmbeddingSeq2Seq(nn.Module):
+    """An encoder-decoder holding ONE embedding module under three attribute names, as Hugging
+    Face T5 does (`shared`, `encoder.embed_tokens`, `decoder.embed_tokens` are one module), each
+    stack calling it as a module (from different pipeline chunks) and ending in a final norm
+    outside its layer list; the head is tied to the embedding. A second tied weight, `gain`
+    (a scale read by the encoder's first layer's input and by the head's input), is held by
+    other stages than the embedding under pp >= 3."""
+
+    def __init__(self, layers: int = 2, vocab: int = VOCAB, h: int = HIDDEN) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(vocab, h)
+        self.encoder = _Stack(self.shared, nn.ModuleList(Seq2SeqLayer(h) for _ in range(layers)), h)
+        self.decoder = _Stack(self.shared, nn.ModuleList(CrossLayer(h) for _ in range(layers)), h)
+        self.gain = nn.Parameter(torch.ones(h))
+        self.head = nn.Linear(h, vocab, bias=False)
+        self.head.weight = self.shared.weight
+
+    def forward(self, src: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.encoder.embed_tokens(src) * self.gain
+        for layer in self.encoder.block:
+            x = layer(x)
+        x = self.encoder.final_norm(x)
+        y = self.decoder.embed_tokens(F.pad(targets[:, :-1], (1, 0)))
+        for layer in self.decoder.block:
+            y = layer(y, x)
+        y = self.decoder.final_norm(y) * self.gain
+        return F.cross_entropy(self.head(y).flatten(0, 1).float(), targets.flatten())
+
+
+def aliased_seq2seq(layers: int = 2):
+    """`AliasedEmbeddingSeq2Seq` by the MODULE:FACTORY contract."""
+    with torch.device("meta"):
+        model = AliasedEmbeddingSeq2Seq(layers)
+    x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    return model, (x, x.clone()), token_batch(VOCAB, SEQ)

@@ -151,6 +151,7 @@ def _split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Sequ
     original = model
     with unset_fake_temporarily():   # a meta model's copy (its real buffers too), under verify's fake mode
         model = copy.deepcopy(model)
+        _unshare_modules(model)
         if param_dtype is not None:
             for p in model.parameters():
                 if p.is_floating_point():
@@ -218,6 +219,33 @@ def _split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Sequ
     return out
 
 
+def _unshare_modules(root: nn.Module) -> None:
+    """Give every module registered under several names (Hugging Face T5's one embedding as
+    `shared`, `encoder.embed_tokens` and `decoder.embed_tokens`) an object of its own at each
+    name after the first, holding the same parameters and buffers: a tied parameter under
+    several names, which the chunks and the runtime handle (`tied_groups`). A module object
+    under two names makes torch's tracer record the calls inside a split module by their
+    relative names (its `_ModuleStackTracer` proxies shared modules, and the split point's
+    patched forward is bound to the module, not the proxy), and the cut failed: "Child module
+    'norm' is not a descendant of parent module 'decoder.block.0'"."""
+    seen = {id(root)}
+
+    def visit(mod: nn.Module) -> None:
+        for name, child in list(mod._modules.items()):
+            if child is None:
+                continue
+            if id(child) in seen:
+                twin = copy.copy(child)
+                twin._parameters = dict(child._parameters)
+                twin._buffers = dict(child._buffers)
+                twin._modules = dict(child._modules)
+                mod._modules[name] = child = twin
+            seen.add(id(child))
+            visit(child)
+
+    visit(root)
+
+
 _LIFTED = re.compile(r"lifted_tensor_\d+")
 
 
@@ -268,9 +296,12 @@ def _tied_names_resolved() -> Iterator[None]:
     weight outside the embedding module, for 4 of 6 hash seeds tried). Around the tracer, each
     chunk's top-level `_sink_params` gets the names ordered those the chunk can resolve
     first, then by name: every process traces the same chunks."""
+    import sys
+
     import torch.distributed.pipelining._IR as ir
 
-    orig = ir._sink_params
+    uf = sys.modules[ir._sink_params.__module__]   # torch.export.unflatten (the name is also a function)
+    orig = uf._sink_params
 
     def resolves(module: nn.Module, fqn: str) -> bool:
         obj: Any = module
@@ -280,17 +311,30 @@ def _tied_names_resolved() -> Iterator[None]:
                 return False
         return True
 
+    def within(scope: list, fqn: str) -> Optional[str]:
+        """`fqn` relative to `scope` (a repeated call's "name@1" read as "name"), or None."""
+        atoms, plain = fqn.split("."), [x.split("@")[0] for x in scope]
+        return ".".join(atoms[len(plain):]) if atoms[:len(plain)] == plain else None
+
     def sink(module: nn.Module, inputs_to_state: dict, scope: list, *rest: Any) -> Any:
         if not scope:
             inputs_to_state = {k: sorted(v, key=lambda f: (not resolves(module, f), f))
                                for k, v in inputs_to_state.items()}
+        else:
+            # a module called a second time ("shared@1") holds no parameters of its own: a
+            # tied name under its scope would be read from it and fail ("'InterpreterModule'
+            # object has no attribute 'weight'"); without such a name the caller passes it
+            inputs_to_state = {k: [f for f in v if (r := within(scope, f)) is None or resolves(module, r)]
+                               for k, v in inputs_to_state.items()}
         return orig(module, inputs_to_state, scope, *rest)
 
     ir._sink_params = sink
+    uf._sink_params = sink
     try:
         yield
     finally:
         ir._sink_params = orig
+        uf._sink_params = orig
 
 
 @contextlib.contextmanager
