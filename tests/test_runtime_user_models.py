@@ -27,6 +27,8 @@ NANOGPT = "tests.user_models:nanogpt"
 GATED = "tests.user_models:gated_lm"
 ENCDEC = "tests.user_models:encoder_decoder_lm"
 SEQ2SEQ = "tests.user_models:shared_seq2seq"
+ALIASED = "tests.user_models:aliased_seq2seq"
+DIRECT = "tests.user_models:direct_seq2seq"
 _TINY = "num_hidden_layers=4&num_attention_heads=4&seq_len=16&vocab_size=128"
 # Hugging Face's classes at tiny sizes; GPT-2's dropout off so that every layout draws the same
 # (none) and the losses can be compared with one process
@@ -114,6 +116,15 @@ LAYOUTS = {
                                                         virtual_stages=2, num_microbatches=2, zero_stage=3)),
     "seq2seq_pp2xdp2_1f1b_zero1": (SEQ2SEQ, dict(dp=2, tp=1, pp=2, schedule="1f1b", num_microbatches=2,
                                                  zero_stage=1)),
+    # T5's one embedding module under three names (`shared`, `encoder.embed_tokens`,
+    # `decoder.embed_tokens`; the tracer failed: "Child module 'norm' is not a descendant of
+    # parent module"), final norms outside the layer lists, and a second tied weight held by
+    # other stages: the embedding by stages 0, 1 and 3, the gain by 0 and 3, one tied all-reduce
+    # per set of holders (2; the plan counted 1 before)
+    "aliased_pp4_1f1b": (ALIASED, dict(dp=1, tp=1, pp=4, schedule="1f1b", num_microbatches=4)),
+    # the same embedding module called by stages 0 and 1 itself ("'InterpreterModule' object has
+    # no attribute 'weight'" in the tracer, its second call's module)
+    "direct_pp4_1f1b": (DIRECT, dict(dp=1, tp=1, pp=4, schedule="1f1b", num_microbatches=4)),
 }
 
 

@@ -470,38 +470,59 @@ class _Stack(nn.Module):
         self.final_norm = nn.LayerNorm(h)
 
 
+class Scale(nn.Module):
+    """x * weight (a learnt per-feature gain)."""
+
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
 class AliasedEmbeddingSeq2Seq(nn.Module):
     """An encoder-decoder holding ONE embedding module under three attribute names, as Hugging
     Face T5 does (`shared`, `encoder.embed_tokens`, `decoder.embed_tokens` are one module), each
     stack calling it as a module (from different pipeline chunks) and ending in a final norm
-    outside its layer list; the head is tied to the embedding. A second tied weight, `gain`
-    (a scale read by the encoder's first layer's input and by the head's input), is held by
-    other stages than the embedding under pp >= 3."""
+    outside its layer list; the head is tied to the embedding. A second tied weight, the
+    gain of `in_scale` and `out_scale` (after the encoder's embedding, before the head), is held by
+    other stages than the embedding under pp >= 3. `direct`: both stacks call `shared` itself
+    (one module called from two pipeline chunks)."""
 
-    def __init__(self, layers: int = 2, vocab: int = VOCAB, h: int = HIDDEN) -> None:
+    def __init__(self, layers: int = 2, vocab: int = VOCAB, h: int = HIDDEN, direct: bool = False) -> None:
         super().__init__()
+        self.direct = direct
         self.shared = nn.Embedding(vocab, h)
         self.encoder = _Stack(self.shared, nn.ModuleList(Seq2SeqLayer(h) for _ in range(layers)), h)
         self.decoder = _Stack(self.shared, nn.ModuleList(CrossLayer(h) for _ in range(layers)), h)
-        self.gain = nn.Parameter(torch.ones(h))
+        self.in_scale = Scale(h)
+        self.out_scale = Scale(h)
+        self.out_scale.weight = self.in_scale.weight
         self.head = nn.Linear(h, vocab, bias=False)
         self.head.weight = self.shared.weight
 
     def forward(self, src: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.encoder.embed_tokens(src) * self.gain
+        x = (self.shared if self.direct else self.encoder.embed_tokens)(src)
+        x = self.in_scale(x)
         for layer in self.encoder.block:
             x = layer(x)
         x = self.encoder.final_norm(x)
-        y = self.decoder.embed_tokens(F.pad(targets[:, :-1], (1, 0)))
+        y = (self.shared if self.direct else self.decoder.embed_tokens)(F.pad(targets[:, :-1], (1, 0)))
         for layer in self.decoder.block:
             y = layer(y, x)
-        y = self.decoder.final_norm(y) * self.gain
+        y = self.out_scale(self.decoder.final_norm(y))
         return F.cross_entropy(self.head(y).flatten(0, 1).float(), targets.flatten())
 
 
-def aliased_seq2seq(layers: int = 2):
+def aliased_seq2seq(layers: int = 2, direct: bool = False):
     """`AliasedEmbeddingSeq2Seq` by the MODULE:FACTORY contract."""
     with torch.device("meta"):
-        model = AliasedEmbeddingSeq2Seq(layers)
+        model = AliasedEmbeddingSeq2Seq(layers, direct=direct)
     x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
     return model, (x, x.clone()), token_batch(VOCAB, SEQ)
+
+
+def direct_seq2seq(layers: int = 2):
+    """`AliasedEmbeddingSeq2Seq` whose stacks both call `shared` itself."""
+    return aliased_seq2seq(layers, direct=True)
