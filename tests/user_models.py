@@ -18,6 +18,8 @@ tokens to keep (no gradient), as models passing an attention mask or rotary tabl
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -463,9 +465,10 @@ class _Stack(nn.Module):
     """A T5-style stack: its own name for the shared embedding, layers, a final norm outside
     the layer list."""
 
-    def __init__(self, embed: nn.Embedding, layers: nn.ModuleList, h: int) -> None:
+    def __init__(self, embed: Optional[nn.Embedding], layers: nn.ModuleList, h: int) -> None:
         super().__init__()
-        self.embed_tokens = embed
+        if embed is not None:
+            self.embed_tokens = embed
         self.block = layers
         self.final_norm = nn.LayerNorm(h)
 
@@ -487,15 +490,16 @@ class AliasedEmbeddingSeq2Seq(nn.Module):
     stack calling it as a module (from different pipeline chunks) and ending in a final norm
     outside its layer list; the head is tied to the embedding. A second tied weight, the
     gain of `in_scale` and `out_scale` (after the encoder's embedding, before the head), is held by
-    other stages than the embedding under pp >= 3. `direct`: both stacks call `shared` itself
-    (one module called from two pipeline chunks)."""
+    other stages than the embedding under pp >= 3. `direct`: the stacks hold no second name for it and
+    both call `shared` itself (one module called from two pipeline chunks)."""
 
     def __init__(self, layers: int = 2, vocab: int = VOCAB, h: int = HIDDEN, direct: bool = False) -> None:
         super().__init__()
         self.direct = direct
         self.shared = nn.Embedding(vocab, h)
-        self.encoder = _Stack(self.shared, nn.ModuleList(Seq2SeqLayer(h) for _ in range(layers)), h)
-        self.decoder = _Stack(self.shared, nn.ModuleList(CrossLayer(h) for _ in range(layers)), h)
+        embed = None if direct else self.shared
+        self.encoder = _Stack(embed, nn.ModuleList(Seq2SeqLayer(h) for _ in range(layers)), h)
+        self.decoder = _Stack(embed, nn.ModuleList(CrossLayer(h) for _ in range(layers)), h)
         self.in_scale = Scale(h)
         self.out_scale = Scale(h)
         self.out_scale.weight = self.in_scale.weight
