@@ -491,9 +491,11 @@ class AliasedEmbeddingSeq2Seq(nn.Module):
     outside its layer list; the head is tied to the embedding. A second tied weight, the
     gain of `in_scale` and `out_scale` (after the encoder's embedding, before the head), is held by
     other stages than the embedding under pp >= 3. `direct`: the stacks hold no second name for it and
-    both call `shared` itself (one module called from two pipeline chunks)."""
+    both call `shared` itself (one module called from two pipeline chunks); `tied_head`: the
+    head's weight is the embedding's."""
 
-    def __init__(self, layers: int = 2, vocab: int = VOCAB, h: int = HIDDEN, direct: bool = False) -> None:
+    def __init__(self, layers: int = 2, vocab: int = VOCAB, h: int = HIDDEN, direct: bool = False,
+                 tied_head: bool = True) -> None:
         super().__init__()
         self.direct = direct
         self.shared = nn.Embedding(vocab, h)
@@ -504,7 +506,8 @@ class AliasedEmbeddingSeq2Seq(nn.Module):
         self.out_scale = Scale(h)
         self.out_scale.weight = self.in_scale.weight
         self.head = nn.Linear(h, vocab, bias=False)
-        self.head.weight = self.shared.weight
+        if tied_head:
+            self.head.weight = self.shared.weight
 
     def forward(self, src: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = (self.shared if self.direct else self.encoder.embed_tokens)(src)
@@ -519,10 +522,10 @@ class AliasedEmbeddingSeq2Seq(nn.Module):
         return F.cross_entropy(self.head(y).flatten(0, 1).float(), targets.flatten())
 
 
-def aliased_seq2seq(layers: int = 2, direct: bool = False):
+def aliased_seq2seq(layers: int = 2, direct: bool = False, tied_head: bool = True):
     """`AliasedEmbeddingSeq2Seq` by the MODULE:FACTORY contract."""
     with torch.device("meta"):
-        model = AliasedEmbeddingSeq2Seq(layers, direct=direct)
+        model = AliasedEmbeddingSeq2Seq(layers, direct=direct, tied_head=tied_head)
     x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
     return model, (x, x.clone()), token_batch(VOCAB, SEQ)
 
@@ -530,3 +533,8 @@ def aliased_seq2seq(layers: int = 2, direct: bool = False):
 def direct_seq2seq(layers: int = 2):
     """`AliasedEmbeddingSeq2Seq` whose stacks both call `shared` itself."""
     return aliased_seq2seq(layers, direct=True)
+
+
+def untied_seq2seq(layers: int = 2):
+    """`direct_seq2seq` with a head of its own: the embedding is tied only by being called twice."""
+    return aliased_seq2seq(layers, direct=True, tied_head=False)

@@ -88,6 +88,51 @@ def _drop_unused_modules(gm: torch.fx.GraphModule) -> None:
         gone.append(fqn)
 
 
+_CALL = re.compile(r"(.+)@\d+")
+
+
+def _plain_call_names(gm: torch.fx.GraphModule) -> None:
+    """A module the forward calls more than once gets, from torch's tracer, one module per
+    call after the first ("shared@1"), holding the first's parameters under that name. In the
+    chunk holding the first call too they are the same tensors; in a chunk holding only a
+    later call (an embedding called by the encoder's chunk and again by the decoder's) the
+    name matches no parameter of the model: the copy was neither loaded nor synced with the
+    others (a wrong loss, no error). There the module takes its own name back, so the chunk
+    holds the parameter under the model's name, a tied copy like any other."""
+    renamed = True
+    while renamed:
+        renamed = False
+        for path, mod in list(gm.named_modules()):
+            for name in list(mod._modules):
+                m = _CALL.fullmatch(name)
+                if m is None or m.group(1) in mod._modules:
+                    continue
+                plain = m.group(1)
+                mod._modules = OrderedDict((plain if k == name else k, v) for k, v in mod._modules.items())
+                _retarget_graphs(gm, path, name, plain)
+                renamed = True
+                break
+            if renamed:
+                break
+
+
+def _retarget_graphs(gm: nn.Module, parent: str, old: str, new: str) -> None:
+    """Rename child `old` of the module at `parent` to `new` in every graph above or at it
+    (their call_module / get_attr targets are relative to their own module)."""
+    for path, mod in gm.named_modules():
+        g = getattr(mod, "graph", None)
+        if not isinstance(g, torch.fx.Graph) or not (path == parent or not path or parent.startswith(path + ".")):
+            continue
+        rel = (parent[len(path):].lstrip(".") + "." if parent != path else "") + old
+        rel = rel.lstrip(".")
+        for n in g.nodes:
+            t = str(n.target)
+            if n.op in ("call_module", "get_attr") and (t == rel or t.startswith(rel + ".")):
+                n.target = rel[:-len(old)] + new + t[len(rel):]
+        if hasattr(mod, "recompile"):
+            mod.recompile()
+
+
 # splits already traced in this process, by the model's structure (`capture.cache.model_key`),
 # the micro-batch's shapes, the cuts, the device, the compute dtype and whether positions are
 # traced as an op (context parallelism): the last few, each handed out as a deep copy
@@ -209,6 +254,7 @@ def _split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Sequ
         gm = pipe.get_stage_module(i)
         fold(gm)            # each custom Function call runs as `Function.apply`: its own backward
         _drop_unused_modules(gm)
+        _plain_call_names(gm)
         retarget(gm, device)
         with unset_fake_temporarily():   # the meta parameters back to the model's dtypes
             for n, p in gm.named_parameters(remove_duplicate=False):
