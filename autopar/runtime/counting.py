@@ -14,7 +14,8 @@ broadcast, send_recv):
   (replicated) tensor (`autopar.runtime.pipeline_p2p`): still one transfer - it is counted where
   it is received, once per receiving stage.
 * A collective whose group spans stages (the gradient sync of a parameter tied between the first
-  and the last stage) counts once.
+  and the last stage) counts once; parameters held by one set of stages share it, another set
+  of holders has its own.
 * Coalesced calls count once. Collectives outside the step (initialisation, metrics, checkpoint)
   are not counted.
 

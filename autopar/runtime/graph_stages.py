@@ -22,6 +22,11 @@ What torch's tracer-built stages do not do, done here (`FedChunk`):
   folded back into one node calling `Function.apply` (`capture.functions.fold`): the chunk
   runs the user's backward, not autograd through the traced ops.
 
+What the tracer gets wrong, set right around it: a module registered under several names (T5's
+embedding) gets an object per name before the trace (`_unshare_modules`); a module called from
+two chunks holds its parameters under the model's names in each (`_plain_call_names`); a tied
+parameter is named so that each chunk resolves it (`_tied_names_resolved`).
+
 A boundary carries every tensor a later chunk reads: a mask, position ids or rotary table
 computed once before the first layer and read by every layer travel with the activation, passed
 on by each chunk in between (`FedChunk.sends`); torch's stages send and receive tuples of
