@@ -113,7 +113,7 @@ def _plain_call_names(gm: torch.fx.GraphModule) -> None:
                 if m is None or m.group(1) in mod._modules:
                     continue
                 plain = m.group(1)
-                mod._modules = OrderedDict((plain if k == name else k, v) for k, v in mod._modules.items())
+                mod._modules[plain] = mod._modules.pop(name)
                 _retarget_graphs(gm, path, name, plain)
                 renamed = True
                 break
@@ -130,11 +130,15 @@ def _retarget_graphs(gm: nn.Module, parent: str, old: str, new: str) -> None:
             continue
         rel = (parent[len(path):].lstrip(".") + "." if parent != path else "") + old
         rel = rel.lstrip(".")
-        for n in g.nodes:
-            t = str(n.target)
-            if n.op in ("call_module", "get_attr") and (t == rel or t.startswith(rel + ".")):
-                n.target = rel[:-len(old)] + new + t[len(rel):]
-        if hasattr(mod, "recompile"):
+        hits = [n for n in g.nodes if n.op in ("call_module", "get_attr")
+                and (str(n.target) == rel or str(n.target).startswith(rel + "."))]
+        for n in hits:
+            n.target = rel[:-len(old)] + new + str(n.target)[len(rel):]
+        if hits and callable(getattr(mod, "finalize", None)):
+            # an InterpreterModule's graph is owned by the GraphModule it built from its
+            # attributes then (the old name's): built again (`Graph.lint`, deep copies look there)
+            mod.finalize()
+        elif hits and hasattr(mod, "recompile"):
             mod.recompile()
 
 
