@@ -431,8 +431,12 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
         k, d = chunks[pos][3][1] - 1, chunks[pos][1]
         cost = c.stages[d].tables.costs[k]
         coll["send_recv"] += m * (max(cost.cross_tensors, 1) + max(cost.cross_grads, 1))
-    if p > 1 and any(len({_owner(c, x) for x in us}) > 1 for _, _, us in tb.shared):
-        coll["all_reduce"] += 1
+    if p > 1:
+        # tied parameters' gradient sync (`runtime.tied_groups`): one flat all-reduce per set of
+        # stages holding some of them (an embedding read by stages 0, 1 and 2 and a weight read
+        # by stages 0 and 2: two)
+        holders = {frozenset(_owner(c, x) for x in us) for _, _, us in tb.shared}
+        coll["all_reduce"] += sum(len(h) > 1 for h in holders)
     coll = Counter({kk: int(vv) for kk, vv in coll.items() if vv})
     tokens = _tokens_per_sample(bundle)
     flops_step = gbs * (3 * fwd1 + extra)

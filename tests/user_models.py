@@ -18,6 +18,8 @@ tokens to keep (no gradient), as models passing an attention mask or rotary tabl
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -457,3 +459,82 @@ def shared_seq2seq(layers: int = 2):
         model = SharedEmbeddingSeq2Seq(layers)
     x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
     return model, (x, x.clone()), token_batch(VOCAB, SEQ)
+
+
+class _Stack(nn.Module):
+    """A T5-style stack: its own name for the shared embedding, layers, a final norm outside
+    the layer list."""
+
+    def __init__(self, embed: Optional[nn.Embedding], layers: nn.ModuleList, h: int) -> None:
+        super().__init__()
+        if embed is not None:
+            self.embed_tokens = embed
+        self.block = layers
+        self.final_norm = nn.LayerNorm(h)
+
+
+class Scale(nn.Module):
+    """x * weight (a learnt per-feature gain)."""
+
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+class AliasedEmbeddingSeq2Seq(nn.Module):
+    """An encoder-decoder holding ONE embedding module under three attribute names, as Hugging
+    Face T5 does (`shared`, `encoder.embed_tokens`, `decoder.embed_tokens` are one module), each
+    stack calling it as a module (from different pipeline chunks) and ending in a final norm
+    outside its layer list; the head is tied to the embedding. A second tied weight, the
+    gain of `in_scale` and `out_scale` (after the encoder's embedding, before the head), is held by
+    other stages than the embedding under pp >= 3. `direct`: the stacks hold no second name for it and
+    both call `shared` itself (one module called from two pipeline chunks); `tied_head`: the
+    head's weight is the embedding's."""
+
+    def __init__(self, layers: int = 2, vocab: int = VOCAB, h: int = HIDDEN, direct: bool = False,
+                 tied_head: bool = True) -> None:
+        super().__init__()
+        self.direct = direct
+        self.shared = nn.Embedding(vocab, h)
+        embed = None if direct else self.shared
+        self.encoder = _Stack(embed, nn.ModuleList(Seq2SeqLayer(h) for _ in range(layers)), h)
+        self.decoder = _Stack(embed, nn.ModuleList(CrossLayer(h) for _ in range(layers)), h)
+        self.in_scale = Scale(h)
+        self.out_scale = Scale(h)
+        self.out_scale.weight = self.in_scale.weight
+        self.head = nn.Linear(h, vocab, bias=False)
+        if tied_head:
+            self.head.weight = self.shared.weight
+
+    def forward(self, src: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = (self.shared if self.direct else self.encoder.embed_tokens)(src)
+        x = self.in_scale(x)
+        for layer in self.encoder.block:
+            x = layer(x)
+        x = self.encoder.final_norm(x)
+        y = (self.shared if self.direct else self.decoder.embed_tokens)(F.pad(targets[:, :-1], (1, 0)))
+        for layer in self.decoder.block:
+            y = layer(y, x)
+        y = self.out_scale(self.decoder.final_norm(y))
+        return F.cross_entropy(self.head(y).flatten(0, 1).float(), targets.flatten())
+
+
+def aliased_seq2seq(layers: int = 2, direct: bool = False, tied_head: bool = True):
+    """`AliasedEmbeddingSeq2Seq` by the MODULE:FACTORY contract."""
+    with torch.device("meta"):
+        model = AliasedEmbeddingSeq2Seq(layers, direct=direct, tied_head=tied_head)
+    x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    return model, (x, x.clone()), token_batch(VOCAB, SEQ)
+
+
+def direct_seq2seq(layers: int = 2):
+    """`AliasedEmbeddingSeq2Seq` whose stacks both call `shared` itself."""
+    return aliased_seq2seq(layers, direct=True)
+
+
+def untied_seq2seq(layers: int = 2):
+    """`direct_seq2seq` with a head of its own: the embedding is tied only by being called twice."""
+    return aliased_seq2seq(layers, direct=True, tied_head=False)

@@ -14,7 +14,8 @@ broadcast, send_recv):
   (replicated) tensor (`autopar.runtime.pipeline_p2p`): still one transfer - it is counted where
   it is received, once per receiving stage.
 * A collective whose group spans stages (the gradient sync of a parameter tied between the first
-  and the last stage) counts once.
+  and the last stage) counts once; parameters held by one set of stages share it, another set
+  of holders has its own.
 * Coalesced calls count once. Collectives outside the step (initialisation, metrics, checkpoint)
   are not counted.
 
@@ -33,7 +34,8 @@ What the runtime's layouts issue (for planners matching the count):
   layouts' collectives per micro-batch (forward, backward, parameter-gradient redistributions,
   and under recomputation the checkpointed region's forward collectives again), times M.
   A tp stage without them is refused (`runtime.validate`; issue 20, one executor).
-* pp: send_recv = 2·M·(chunks − 1); +1 all_reduce when a tied parameter spans stages.
+* pp: send_recv = 2·M·(chunks − 1); +1 all_reduce per set of stages holding tied parameters
+  (parameters held by the same stages share one flat buffer).
 * recompute re-runs the forward collectives of the recomputed region in the backward: a tp
   stage's checkpointed regions re-run whole (`op_layouts.collectives["recompute"]`).
 

@@ -22,6 +22,11 @@ What torch's tracer-built stages do not do, done here (`FedChunk`):
   folded back into one node calling `Function.apply` (`capture.functions.fold`): the chunk
   runs the user's backward, not autograd through the traced ops.
 
+What the tracer gets wrong, set right around it: a module registered under several names (T5's
+embedding) gets an object per name before the trace (`_unshare_modules`); a module called from
+two chunks holds its parameters under the model's names in each (`_plain_call_names`); a tied
+parameter is named so that each chunk resolves it (`_tied_names_resolved`).
+
 A boundary carries every tensor a later chunk reads: a mask, position ids or rotary table
 computed once before the first layer and read by every layer travel with the activation, passed
 on by each chunk in between (`FedChunk.sends`); torch's stages send and receive tuples of
@@ -88,6 +93,55 @@ def _drop_unused_modules(gm: torch.fx.GraphModule) -> None:
         gone.append(fqn)
 
 
+_CALL = re.compile(r"(.+)@\d+")
+
+
+def _plain_call_names(gm: torch.fx.GraphModule) -> None:
+    """A module the forward calls more than once gets, from torch's tracer, one module per
+    call after the first ("shared@1"), holding the first's parameters under that name. In the
+    chunk holding the first call too they are the same tensors; in a chunk holding only a
+    later call (an embedding called by the encoder's chunk and again by the decoder's) the
+    name matches no parameter of the model: the copy was neither loaded nor synced with the
+    others (a wrong loss, no error). There the module takes its own name back, so the chunk
+    holds the parameter under the model's name, a tied copy like any other."""
+    renamed = True
+    while renamed:
+        renamed = False
+        for path, mod in list(gm.named_modules()):
+            for name in list(mod._modules):
+                m = _CALL.fullmatch(name)
+                if m is None or m.group(1) in mod._modules:
+                    continue
+                plain = m.group(1)
+                mod._modules[plain] = mod._modules.pop(name)
+                _retarget_graphs(gm, path, name, plain)
+                renamed = True
+                break
+            if renamed:
+                break
+
+
+def _retarget_graphs(gm: nn.Module, parent: str, old: str, new: str) -> None:
+    """Rename child `old` of the module at `parent` to `new` in every graph above or at it
+    (their call_module / get_attr targets are relative to their own module)."""
+    for path, mod in gm.named_modules():
+        g = getattr(mod, "graph", None)
+        if not isinstance(g, torch.fx.Graph) or not (path == parent or not path or parent.startswith(path + ".")):
+            continue
+        rel = (parent[len(path):].lstrip(".") + "." if parent != path else "") + old
+        rel = rel.lstrip(".")
+        hits = [n for n in g.nodes if n.op in ("call_module", "get_attr")
+                and (str(n.target) == rel or str(n.target).startswith(rel + "."))]
+        for n in hits:
+            n.target = rel[:-len(old)] + new + str(n.target)[len(rel):]
+        if hits and callable(getattr(mod, "finalize", None)):
+            # an InterpreterModule's graph is owned by the GraphModule it built from its
+            # attributes then (the old name's): built again (`Graph.lint`, deep copies look there)
+            mod.finalize()
+        elif hits and hasattr(mod, "recompile"):
+            mod.recompile()
+
+
 # splits already traced in this process, by the model's structure (`capture.cache.model_key`),
 # the micro-batch's shapes, the cuts, the device, the compute dtype and whether positions are
 # traced as an op (context parallelism): the last few, each handed out as a deep copy
@@ -151,6 +205,7 @@ def _split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Sequ
     original = model
     with unset_fake_temporarily():   # a meta model's copy (its real buffers too), under verify's fake mode
         model = copy.deepcopy(model)
+        _unshare_modules(model)
         if param_dtype is not None:
             for p in model.parameters():
                 if p.is_floating_point():
@@ -208,6 +263,7 @@ def _split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Sequ
         gm = pipe.get_stage_module(i)
         fold(gm)            # each custom Function call runs as `Function.apply`: its own backward
         _drop_unused_modules(gm)
+        _plain_call_names(gm)
         retarget(gm, device)
         with unset_fake_temporarily():   # the meta parameters back to the model's dtypes
             for n, p in gm.named_parameters(remove_duplicate=False):
@@ -216,6 +272,33 @@ def _split_model(model: nn.Module, example_mb: Sequence[Any], first_layers: Sequ
         out.append(Chunk(gm, srcs, sends))
     _lifted_values(out, original, example_mb, device, param_dtype)
     return out
+
+
+def _unshare_modules(root: nn.Module) -> None:
+    """Give every module registered under several names (Hugging Face T5's one embedding as
+    `shared`, `encoder.embed_tokens` and `decoder.embed_tokens`) an object of its own at each
+    name after the first, holding the same parameters and buffers: a tied parameter under
+    several names, which the chunks and the runtime handle (`tied_groups`). A module object
+    under two names makes torch's tracer record the calls inside a split module by their
+    relative names (its `_ModuleStackTracer` proxies shared modules, and the split point's
+    patched forward is bound to the module, not the proxy), and the cut failed: "Child module
+    'norm' is not a descendant of parent module 'decoder.block.0'"."""
+    seen = {id(root)}
+
+    def visit(mod: nn.Module) -> None:
+        for name, child in list(mod._modules.items()):
+            if child is None:
+                continue
+            if id(child) in seen:
+                twin = copy.copy(child)
+                twin._parameters = dict(child._parameters)
+                twin._buffers = dict(child._buffers)
+                twin._modules = dict(child._modules)
+                mod._modules[name] = child = twin
+            seen.add(id(child))
+            visit(child)
+
+    visit(root)
 
 
 _LIFTED = re.compile(r"lifted_tensor_\d+")
@@ -268,9 +351,12 @@ def _tied_names_resolved() -> Iterator[None]:
     weight outside the embedding module, for 4 of 6 hash seeds tried). Around the tracer, each
     chunk's top-level `_sink_params` gets the names ordered those the chunk can resolve
     first, then by name: every process traces the same chunks."""
+    import sys
+
     import torch.distributed.pipelining._IR as ir
 
-    orig = ir._sink_params
+    uf = sys.modules[ir._sink_params.__module__]   # torch.export.unflatten (the name is also a function)
+    orig = uf._sink_params
 
     def resolves(module: nn.Module, fqn: str) -> bool:
         obj: Any = module
@@ -280,17 +366,30 @@ def _tied_names_resolved() -> Iterator[None]:
                 return False
         return True
 
+    def within(scope: list, fqn: str) -> Optional[str]:
+        """`fqn` relative to `scope` (a repeated call's "name@1" read as "name"), or None."""
+        atoms, plain = fqn.split("."), [x.split("@")[0] for x in scope]
+        return ".".join(atoms[len(plain):]) if atoms[:len(plain)] == plain else None
+
     def sink(module: nn.Module, inputs_to_state: dict, scope: list, *rest: Any) -> Any:
         if not scope:
             inputs_to_state = {k: sorted(v, key=lambda f: (not resolves(module, f), f))
                                for k, v in inputs_to_state.items()}
+        else:
+            # a module called a second time ("shared@1") holds no parameters of its own: a
+            # tied name under its scope would be read from it and fail ("'InterpreterModule'
+            # object has no attribute 'weight'"); without such a name the caller passes it
+            inputs_to_state = {k: [f for f in v if (r := within(scope, f)) is None or resolves(module, r)]
+                               for k, v in inputs_to_state.items()}
         return orig(module, inputs_to_state, scope, *rest)
 
     ir._sink_params = sink
+    uf._sink_params = sink
     try:
         yield
     finally:
         ir._sink_params = orig
+        uf._sink_params = orig
 
 
 @contextlib.contextmanager
