@@ -45,13 +45,14 @@ def test_llama3_8b_at_128k_tokens_on_8_and_64_h100_plans_context_parallelism(lla
     p1 = plan(b, one, global_batch_size=8, constraints=Constraints(cp=1), graph=g)
     assert p1.tp == 8 and p1.sequence_parallel and p1.stages[0].recompute == "full"
     p = plan(b, one, global_batch_size=8, graph=g)
-    assert p.cp > 1 and p.pp == 1 and p.zero_stage < 3 and "cp_executor" not in p.search
+    # (since session 33 dp2 x cp4 under ZeRO-3 reducing every micro-batch, 0.7% faster than cp8 at ZeRO-1)
+    assert p.cp > 1 and p.pp == 1 and "cp_executor" not in p.search
     assert p.predicted.peak_memory_bytes <= p.predicted.usable_memory_bytes
     assert p.predicted.iteration_time_s < p1.predicted.iteration_time_s
     # cp in pipeline stages is searched, with tp too (`tests/test_runtime_context_parallel.py`
     # runs pp2 x cp2 x tp2): no cp layout is left out as one the runtime does not execute
     assert "not executed by the runtime" not in p.search.get("skipped", "")
-    assert p.stages[0].mesh_axis_names == ("dp", "cp", "tp") and p.stages[0].mesh_shape == (1, p.cp, p.tp)
+    assert p.stages[0].mesh_axis_names == ("dp", "cp", "tp") and p.stages[0].mesh_shape == (p.dp, p.cp, p.tp)
     # every layer's K and V gathered per micro-batch (again in its recomputation), their
     # gradients reduce-scattered
     m, L = p.num_microbatches, 32

@@ -40,11 +40,12 @@ def close(a: list[float], b: list[float], rel: float) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b))
 
 
-def launch_layouts(layouts: list[str], tmp_path: Path, nproc: int = 4) -> dict:
-    """One torchrun job (elastic launcher) running every layout in turn (tests/plans.py)."""
+def launch_layouts(layouts: list[str], tmp_path: Path, nproc: int = 4, steps: int = STEPS) -> dict:
+    """One torchrun job (elastic launcher) running every layout in turn (tests/plans.py),
+    `steps` steps each."""
     from tests.launch import layouts_job
 
-    return layouts_job(layouts, tmp_path / "layouts.json", nproc, STEPS)
+    return layouts_job(layouts, tmp_path / "layouts.json", nproc, steps)
 
 
 # ---------------------------------------------------------------------------------------------
