@@ -274,8 +274,7 @@ def test_a_chunk_reads_the_values_of_the_constants_the_forward_makes():
     """Traced on the meta device, an index list the forward makes is a constant with no value,
     which materialising would zero (the chunk reading feature 0 where the model reads -2: a
     wrong loss, no error); the chunks get the values the program traced for the CPU holds."""
-    from autopar.runtime.graph_stages import FedChunk, split_model
-    from autopar.runtime.materialize import canonical_names, materialize
+    from autopar.runtime.graph_stages import split_model
 
     torch.manual_seed(0)
     model = _PickLM()
@@ -286,13 +285,7 @@ def test_a_chunk_reads_the_values_of_the_constants_the_forward_makes():
     consts = [b for ch in chunks for n, b in ch.module.named_buffers() if "lifted_tensor" in n]
     assert consts and all(not b.is_meta and b.tolist() == [-2, -1] for b in consts)
     idx, tgt = torch.randint(0, 128, (2, 16)), torch.randint(0, 128, (2, 16))
-    state, aliases = model.state_dict(), canonical_names(model)
-    received: tuple = (idx,)
-    for ch in chunks:
-        materialize(ch.module, seed=0, aliases=aliases)
-        ch.module.load_state_dict({k: v for k, v in state.items() if k in ch.module.state_dict()}, strict=False)
-        y = FedChunk(ch.module, ch.sources, ch.sends).run(received, lambda k: (idx, tgt)[k])
-        received = y if isinstance(y, tuple) else (y,)
+    received = _run_chunks(model, chunks, idx, tgt)
     torch.testing.assert_close(received[0], model(idx, tgt), rtol=0, atol=0)
 
 
@@ -305,8 +298,8 @@ def test_an_embedding_under_several_names_or_called_twice_is_cut_into_chunks(dir
     'weight'"; untied, the second chunk held it as "shared@1.weight", a name the model lacks):
     cut into three chunks, run one after another, they give the model's loss, and the
     gradients of each weight's copies, summed, are the model's."""
-    from autopar.runtime.graph_stages import FedChunk, split_model
-    from autopar.runtime.materialize import canonical_names, materialize
+    from autopar.runtime.graph_stages import split_model
+    from autopar.runtime.materialize import canonical_names
     from tests.user_models import AliasedEmbeddingSeq2Seq
 
     torch.manual_seed(0)
@@ -316,13 +309,8 @@ def test_an_embedding_under_several_names_or_called_twice_is_cut_into_chunks(dir
     ex = tuple(torch.empty(2, 16, dtype=torch.long, device="meta") for _ in range(2))
     chunks = split_model(meta, ex, ["encoder.block.1", "decoder.block.0"], torch.device("cpu"))
     idx, tgt = torch.randint(0, 128, (2, 16)), torch.randint(0, 128, (2, 16))
-    state, aliases = model.state_dict(), canonical_names(model)
-    received: tuple = (idx,)
-    for ch in chunks:
-        materialize(ch.module, seed=0, aliases=aliases)
-        ch.module.load_state_dict({k: v for k, v in state.items() if k in ch.module.state_dict()}, strict=False)
-        y = FedChunk(ch.module, ch.sources, ch.sends).run(received, lambda k: (idx, tgt)[k])
-        received = y if isinstance(y, tuple) else (y,)
+    received = _run_chunks(model, chunks, idx, tgt)
+    aliases = canonical_names(model)
     loss, want = received[0], model(idx, tgt)
     torch.testing.assert_close(loss, want, rtol=0, atol=0)
     loss.backward()
@@ -338,3 +326,19 @@ def test_an_embedding_under_several_names_or_called_twice_is_cut_into_chunks(dir
     assert holders[aliases.get("in_scale.weight", "in_scale.weight")] == {0, 2}
     for n, p in model.named_parameters():
         torch.testing.assert_close(got[aliases.get(n, n)], p.grad, rtol=1e-6, atol=1e-6)
+
+
+def _run_chunks(model, chunks, idx, tgt) -> tuple:
+    """`chunks` (cut from a meta copy of `model`) run one after another on `model`'s weights:
+    the last chunk's outputs."""
+    from autopar.runtime.graph_stages import FedChunk
+    from autopar.runtime.materialize import canonical_names, materialize
+
+    state, aliases = model.state_dict(), canonical_names(model)
+    received: tuple = (idx,)
+    for ch in chunks:
+        materialize(ch.module, seed=0, aliases=aliases)
+        ch.module.load_state_dict({k: v for k, v in state.items() if k in ch.module.state_dict()}, strict=False)
+        y = FedChunk(ch.module, ch.sources, ch.sends).run(received, lambda k: (idx, tgt)[k])
+        received = y if isinstance(y, tuple) else (y,)
+    return received
