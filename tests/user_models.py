@@ -117,6 +117,15 @@ class SeparateGPT(NanoGPT):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+
+def _two_token_inputs(cls, *args, **kwargs):
+    """`cls(*args, **kwargs)` built on meta by the MODULE:FACTORY contract, for a model taking
+    (token ids, targets) as two separate tensors."""
+    with torch.device("meta"):
+        model = cls(*args, **kwargs)
+    x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    return model, (x, x.clone()), token_batch(VOCAB, SEQ)
+
 def nanogpt(layers: int = 4):
     """(model on meta, example inputs, batch function): the MODULE:FACTORY contract."""
     with torch.device("meta"):
@@ -153,10 +162,7 @@ class GatedLM(nn.Module):
 
 def gated_lm(layers: int = 4):
     """`GatedLM` for the MODULE:FACTORY contract."""
-    with torch.device("meta"):
-        model = GatedLM(layers)
-    x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
-    return model, (x, x.clone()), token_batch(VOCAB, SEQ)
+    return _two_token_inputs(GatedLM, layers)
 
 
 def wide_vocab_lm():
@@ -346,10 +352,7 @@ class ReusedLM(nn.Module):
 
 def reused_lm():
     """`ReusedLM` by the MODULE:FACTORY contract."""
-    with torch.device("meta"):
-        model = ReusedLM()
-    x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
-    return model, (x, x.clone()), token_batch(VOCAB, SEQ)
+    return _two_token_inputs(ReusedLM)
 
 
 class CrossBlock(Block):
@@ -402,10 +405,7 @@ class EncoderDecoderLM(nn.Module):
 
 def encoder_decoder_lm(decoder_layers: int = 3):
     """`EncoderDecoderLM` by the MODULE:FACTORY contract."""
-    with torch.device("meta"):
-        model = EncoderDecoderLM(decoder_layers)
-    x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
-    return model, (x, x.clone()), token_batch(VOCAB, SEQ)
+    return _two_token_inputs(EncoderDecoderLM, decoder_layers)
 
 
 class Seq2SeqLayer(nn.Module):
@@ -455,10 +455,7 @@ class SharedEmbeddingSeq2Seq(nn.Module):
 
 def shared_seq2seq(layers: int = 2):
     """`SharedEmbeddingSeq2Seq` by the MODULE:FACTORY contract."""
-    with torch.device("meta"):
-        model = SharedEmbeddingSeq2Seq(layers)
-    x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
-    return model, (x, x.clone()), token_batch(VOCAB, SEQ)
+    return _two_token_inputs(SharedEmbeddingSeq2Seq, layers)
 
 
 class _Stack(nn.Module):
@@ -524,10 +521,7 @@ class AliasedEmbeddingSeq2Seq(nn.Module):
 
 def aliased_seq2seq(layers: int = 2, direct: bool = False, tied_head: bool = True):
     """`AliasedEmbeddingSeq2Seq` by the MODULE:FACTORY contract."""
-    with torch.device("meta"):
-        model = AliasedEmbeddingSeq2Seq(layers, direct=direct, tied_head=tied_head)
-    x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
-    return model, (x, x.clone()), token_batch(VOCAB, SEQ)
+    return _two_token_inputs(AliasedEmbeddingSeq2Seq, layers, direct=direct, tied_head=tied_head)
 
 
 def direct_seq2seq(layers: int = 2):
