@@ -11,6 +11,10 @@ if "AUTOPAR_CACHE_DIR" not in os.environ:
     os.environ["AUTOPAR_CACHE_DIR"] = _cache      # inherited by the CLI subprocesses the tests start
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
+# `autopar run` counts the collectives of its first two steps by default; the tests check every
+# step's against the plan (a later step issuing other collectives is a defect too)
+os.environ.setdefault("AUTOPAR_COUNT_COLLECTIVES", "all")
+
 
 # -- the order files run in -------------------------------------------------------------------
 # `-n 2 --dist loadfile` hands each file to a worker as the worker frees up. xdist's default

@@ -286,3 +286,30 @@ def test_a_layout_failing_on_one_rank_fails_alone(tmp_path):
     rows = launch_layouts(["fail_on_rank:1", "dp2"], tmp_path, nproc=2)
     assert "this rank fails, as asked" in rows["fail_on_rank:1"]["error"], rows["fail_on_rank:1"]
     assert close([r["loss"] for r in rows["dp2"] if "step" in r], reference_losses(), 1e-5), rows["dp2"]
+
+
+def test_collectives_counted_in_the_first_two_steps_by_default(monkeypatch):
+    """`autopar run` counts collectives (a dispatch mode over every op) in the first two steps
+    unless AUTOPAR_COUNT_COLLECTIVES says otherwise; the measured median step leaves counted
+    steps out, the comparison takes the last counted step's count."""
+    from autopar.runtime.worker import collective_counting_mode, summarize
+
+    monkeypatch.delenv("AUTOPAR_COUNT_COLLECTIVES", raising=False)
+    assert collective_counting_mode() == "step"
+    for v, want in (("all", "all"), ("0", "off"), ("1", "step")):
+        monkeypatch.setenv("AUTOPAR_COUNT_COLLECTIVES", v)
+        assert collective_counting_mode() == want
+    monkeypatch.setenv("AUTOPAR_COUNT_COLLECTIVES", "sometimes")
+    with pytest.raises(ValueError, match="AUTOPAR_COUNT_COLLECTIVES='sometimes'"):
+        collective_counting_mode()
+    plan = make_plan("dp2")
+    rows = [{"step": 0, "loss": 1.0, "time_s": 9.0, "peak_memory_bytes": 1, "collectives": {"all_reduce": 2}},
+            {"step": 1, "loss": 1.0, "time_s": 5.0, "peak_memory_bytes": 1, "collectives": {"all_reduce": 1}},
+            {"step": 2, "loss": 1.0, "time_s": 1.0, "peak_memory_bytes": 1},
+            {"step": 3, "loss": 1.0, "time_s": 3.0, "peak_memory_bytes": 1}]
+    s = summarize(plan, rows)
+    assert s["measured_time_s"] == 2.0          # steps 2 and 3: the uncounted ones
+    assert s["measured_collectives"] == {"all_reduce": 1} and s["collectives_match"] is True
+    # with every step counted, the median is over the steps after the first, as before
+    s = summarize(plan, [dict(r, collectives={"all_reduce": 1}) for r in rows])
+    assert s["measured_time_s"] == 3.0 and s["collectives_match"] is True

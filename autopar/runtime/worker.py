@@ -62,6 +62,23 @@ def memory_tracking_mode(device: torch.device) -> str:
     raise ValueError(f"AUTOPAR_TRACK_MEMORY={v!r}: use 1 (the first two steps), all, or 0 (off)")
 
 
+def collective_counting_mode() -> str:
+    """Which steps `train` counts the collectives of (a dispatch mode that sees every op: 10 to
+    25% of a small CPU step): "step" (the first two, the default: a pipeline's first step may
+    issue transfers its later steps do not, the second is the steady step the plan counts), "all"
+    (every step) or "off", from AUTOPAR_COUNT_COLLECTIVES (unset/1/step, all, 0/off). Counted
+    steps, like memory-tracked ones, are left out of the measured median step time when others
+    remain (`summarize`)."""
+    v = os.environ.get("AUTOPAR_COUNT_COLLECTIVES", "step").strip().lower()
+    if v in ("0", "off", "false", "no"):
+        return "off"
+    if v == "all":
+        return "all"
+    if v in ("", "1", "step", "true", "yes", "on"):
+        return "step"
+    raise ValueError(f"AUTOPAR_COUNT_COLLECTIVES={v!r}: use 1 (the first two steps), all, or 0 (off)")
+
+
 def init_distributed() -> torch.device:
     """Initialise the default process group from torchrun's environment (NCCL on GPU, gloo on
     CPU) and return this process's device."""
@@ -130,9 +147,10 @@ def train(plan: Plan, bundle: Any, *, steps: int, seed: int = 0, metrics_path: s
     fault_rank, fault_step = (int(x) for x in fault.split(":")) if fault else (-1, -1)
     batch_fn = bundle.batch_fn or default_batch_fn(bundle.example_inputs)
     G = plan.global_batch_size
-    if os.environ.get("AUTOPAR_COUNT_COLLECTIVES") == "0":
-        count_collectives = False
-    counter = CollectiveCounter() if count_collectives else None
+    count_mode = collective_counting_mode() if count_collectives else "off"
+    counter = CollectiveCounter() if count_mode != "off" else None
+    counted_steps = (set(range(start, steps)) if count_mode == "all" else
+                     {start, start + 1} if count_mode == "step" else set())
     rows: list[dict] = []
     tracked_steps = (set(range(start, steps)) if mem_mode == "all" else
                      {start, start + 1} if mem_mode == "step" else set())
@@ -145,14 +163,15 @@ def train(plan: Plan, bundle: Any, *, steps: int, seed: int = 0, metrics_path: s
             # the rank's share only: the global batch is dropped before the step, as a sharded
             # data loader would never hold it
             batch = pm.local_batch(call_batch_fn(batch_fn, step, G, seed))
-            if counter is not None:
-                counter.reset()
+            counting = counter if step in counted_steps else None
+            if counting is not None:
+                counting.reset()
             tracked = step in tracked_steps
             t0 = time.perf_counter()
             if tracked:
-                local, rep = track_step(pm, batch, counter=counter, skip=base)
+                local, rep = track_step(pm, batch, counter=counting, skip=base)
             else:
-                local = pm.train_step(batch, counter=counter)
+                local = pm.train_step(batch, counter=counting)
             if pm.device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
@@ -173,9 +192,9 @@ def train(plan: Plan, bundle: Any, *, steps: int, seed: int = 0, metrics_path: s
             tm = tm.cpu()
             if tracked:
                 last_mem = int(tm[1])
-            coll = global_counts(counter, pm.representatives) if counter is not None else {}
-            row = {"step": step, "loss": loss, "time_s": float(tm[0]), "peak_memory_bytes": int(tm[1]),
-                   "collectives": coll}
+            row = {"step": step, "loss": loss, "time_s": float(tm[0]), "peak_memory_bytes": int(tm[1])}
+            if counting is not None:        # only counted steps carry a count
+                row["collectives"] = global_counts(counting, pm.representatives)
             if mem_mode in ("step", "all"):
                 row["memory_tracked"] = tracked
             rows.append(row)
@@ -206,14 +225,15 @@ def summarize(plan: Plan, rows: list[dict], counted: bool = True,
               memory_reports: list[dict] | None = None, memory_source: str = "") -> dict:
     """The comparison line: measured vs predicted time, memory and collectives.
 
-    Time: the median over the steps after the first, leaving out memory-tracked steps when
-    untracked ones remain. Memory: the largest step peak over ranks (`peak_memory_bytes` of the
+    Time: the median over the steps after the first, leaving out memory-tracked steps and
+    steps whose collectives were counted when others remain (both instrument every op).
+    Collectives: the last counted step's. Memory: the largest step peak over ranks (`peak_memory_bytes` of the
     rows: tracked ones when tracking ran); with `memory_reports` (every rank's
     `MemoryReport.to_dict()` of the last tracked step) also `measured_memory` (the fullest
     rank's peak by category and phase), `predicted_memory` (the plan's fullest stage, by
     category) and `memory_per_rank` (each rank against the stage it belongs to)."""
     steps = [r for r in rows if "step" in r]
-    untracked = [r for r in steps if not r.get("memory_tracked")]
+    untracked = [r for r in steps if not r.get("memory_tracked") and "collectives" not in r]
     later = [r for r in untracked if r is not steps[0]] if steps else []
     timed = later or [r for r in steps[1:]] or steps
     times = [r["time_s"] for r in timed]
@@ -221,7 +241,7 @@ def summarize(plan: Plan, rows: list[dict], counted: bool = True,
     pred = plan.predicted
     mem_rows = [r for r in steps if r.get("memory_tracked")] or steps
     mem = max((r["peak_memory_bytes"] for r in mem_rows), default=0)
-    coll = steps[-1]["collectives"] if steps else {}
+    coll = next((r["collectives"] for r in reversed(steps) if "collectives" in r), {})
     out = {"summary": True, "steps": len(steps),
            "measured_time_s": meas_t, "predicted_time_s": pred.iteration_time_s,
            "time_ratio": (meas_t / pred.iteration_time_s) if pred.iteration_time_s else None,
