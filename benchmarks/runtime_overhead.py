@@ -180,7 +180,8 @@ def _autopar(plan, model_ref: str, seed: int, count: bool):
         batch = call_batch_fn(b.batch_fn, s, plan.global_batch_size, seed)
         if counter is not None:
             counter.reset()
-        pm.train_step(batch, counter=counter)
+        # as `autopar run` runs the steps of its median (memory not tracked there)
+        pm.train_step(batch, counter=counter, exact_memory=False)
 
     return step
 

@@ -479,13 +479,16 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         not, every collective of a step is in `sync_and_update`."""
         return self.tp_size > 1 or self.zero3 or self.pp > 1 or self.plan.ep > 1 or self.cp is not None
 
-    def train_step(self, batch: Sequence[Any], counter: Any = None) -> tuple[float, int]:
+    def train_step(self, batch: Sequence[Any], counter: Any = None, exact_memory: bool = True) -> tuple[float, int]:
         """Forward, backward, gradient sync and optimizer update; returns this rank's (sum of
         reported micro-batch losses, their number). No communication beyond the plan's.
         `counter` (a CollectiveCounter) is active wherever collectives can run: the whole step,
         or only the gradient sync when forward/backward cannot communicate (its per-op cost then
-        stays out of the compute)."""
-        with self._gloo_sync():
+        stays out of the compute). `exact_memory=False` (a step whose memory nobody measures)
+        lets gloo's worker thread drop a finished collective's operands when it gets to it
+        (`_gloo_sync`: a yield to that thread per collective, on a loaded machine several
+        milliseconds a step)."""
+        with self._gloo_sync() if exact_memory else _nullctx():
             if counter is not None and self.collectives_in_compute:
                 with counter:
                     loss_sum, n = self.forward_backward(batch)

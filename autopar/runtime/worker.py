@@ -171,7 +171,9 @@ def train(plan: Plan, bundle: Any, *, steps: int, seed: int = 0, metrics_path: s
             if tracked:
                 local, rep = track_step(pm, batch, counter=counting, skip=base)
             else:
-                local = pm.train_step(batch, counter=counting)
+                # a step whose memory is not tracked (mode "step": after the first two) does
+                # not wait for gloo's thread to let go of collectives' operands
+                local = pm.train_step(batch, counter=counting, exact_memory=mem_mode != "step")
             if pm.device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
