@@ -53,6 +53,9 @@ Section 4 ("flash", `FLASH_CASES`): published A100 runs with a fused (flash) att
 flash-attn repository's GPT training on 8 A100 80GB (FlashAttention-2 paper Table 1; its
 training/README.md's GPT-3 and GPT-2 speeds with FlashAttention-1), planned with the
 `flash-attn-2-2023` / `flash-attn-1-2022` software; the cases marked `held_out` are reported apart.
+Where a run's config states a micro-batch that cannot fit (the 2.7B 8k rows), the planner picks it
+(`Case.microbatch_free`, `mb*` in the table). `--usable-fraction X` plans against X of each device's
+memory instead of the 0.92 estimate (`cost_models.memory.USABLE_FRACTION`), for sensitivity.
 The micro-batch sizes, DDP implementation and interleaving of the Narayanan et al. 2021 rows are
 those of the authors' script for the paper (Megatron-LM examples/sc21/run_table_1.sh), printed in
 the table; the paper does not state them.
@@ -217,7 +220,8 @@ H100_CASES = [Case(f"175B NeMo {n}", 96, 12288, 96, 4, 8, n, 2 * n, 1, v=12, pub
 # vocabulary 50257 padded to 50264 (pad_vocab_size_multiple: 8), learned positions, tied head.
 # Micro-batch and global batch: the repo's config for that model on an 80 GB GPU (datamodule.batch_size
 # for train.gpu_mem >= 80, train.global_batch_size), assumed to be what the published runs used (the
-# papers state neither); ZeRO-1 where the config takes torch's ZeroRedundancyOptimizer (gpt3l/gpt3xl/
+# papers state neither; not for the 2.7B 8k rows, whose config's cannot fit: below); ZeRO-1
+# where the config takes torch's ZeroRedundancyOptimizer (gpt3l/gpt3xl/
 # 2.7B, gpt2l/gpt2xl). Published TFLOP/s count Megatron's model FLOPs (72-factor; the FA2 paper's
 # 6 * s * params + 12 * l * h * s^2 a sequence, causal attention not halved).
 _FA2_SRC = "Dao 2023 (arXiv 2307.08691), Table 1, row '{}', column FLASHATTENTION-2"
