@@ -2123,8 +2123,9 @@ class MemoryBreakdown:
 # channel and peer by default, NCCL docs), and the caching allocator's fragmentation, which
 # PyTorch's allocator notes put at up to tens of percent for varying shapes; 8% of 80 GB is
 # 6.4 GB. An estimate (no single published figure covers all three): `autopar show` prints it.
-# What CUDA itself reports of an A100 80GB is 98.9% of 80 GiB ("Total global mem: 81049 MB", ECC
-# on: github.com/ekondis/mixbench issue 47), so the estimate's share is the margin beyond that.
+# What CUDA itself reports of an A100 80GB (PCIe, ECC on; the SXM4 has the same HBM2e) is 98.9%
+# of 80 GiB ("Total global mem: 81049 MB": github.com/ekondis/mixbench issue 47), so the
+# estimate's share is the margin beyond that.
 # Sensitivity: flash-attn's GPT3-1.3B 8k configuration, which trained on 80 GB A100s, plans from
 # 0.933 (`python benchmarks/cost_model_accuracy.py --flash --usable-fraction X`; README, session 34).
 USABLE_FRACTION = 0.92
