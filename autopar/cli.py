@@ -67,7 +67,7 @@ def _cluster(name: str, nodes: Optional[int], devices_per_node: Optional[int]):
 
 
 SOFTWARE_HELP = ("what the training software does on the cluster (attention kernel, element-wise fusion, "
-                 "mixed precision, loss kernel, parameter dtype, gradient-sync overlap): a "
+                 "mixed precision, loss kernel, parameter dtype, ZeRO optimizer, gradient-sync overlap): a "
                  "bundled preset (autopar: what `autopar run` executes, the default; megatron-lm-2021: the "
                  "published Megatron-LM runs' software) or a YAML/JSON file")
 
@@ -79,7 +79,7 @@ def _software_note(p: Any, quiet: bool = False) -> None:
 
     runs = resolve_software(None)
     chosen = ("attention_kernel", "pointwise_fusion", "mixed_precision", "loss_kernel", "param_dtype",
-              "grad_sync_overlap")
+              "zero_optimizer", "grad_sync_overlap")
     if any(getattr(p.software, k) != getattr(runs, k) for k in chosen):
         _echo_err(f"autopar: note: the plan's predictions assume software {p.software.name!r} "
                   f"({p.software.summary().split('(', 1)[1]}; the runtime executes {runs.name!r} "

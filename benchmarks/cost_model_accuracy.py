@@ -53,6 +53,9 @@ Section 4 ("flash", `FLASH_CASES`): published A100 runs with a fused (flash) att
 flash-attn repository's GPT training on 8 A100 80GB (FlashAttention-2 paper Table 1; its
 training/README.md's GPT-3 and GPT-2 speeds with FlashAttention-1), planned with the
 `flash-attn-2-2023` / `flash-attn-1-2022` software; the cases marked `held_out` are reported apart.
+Where a run's config states a micro-batch that cannot fit (the 2.7B 8k rows), the planner picks it
+(`Case.microbatch_free`, `mb*` in the table). `--usable-fraction X` plans against X of each device's
+memory instead of the 0.92 estimate (`cost_models.memory.USABLE_FRACTION`), for sensitivity.
 The micro-batch sizes, DDP implementation and interleaving of the Narayanan et al. 2021 rows are
 those of the authors' script for the paper (Megatron-LM examples/sc21/run_table_1.sh), printed in
 the table; the paper does not state them.
@@ -122,6 +125,9 @@ class Case:
     published_tokens_per_s: Optional[float] = None   # a throughput published in tokens/s (whole job)
     dtype: str = "bf16"
     held_out: bool = False               # never looked at while the model was changed (reported apart)
+    # the published micro-batch is unknown (the run's config states one that cannot fit, see
+    # `_FA2_T1`): the planner picks it, the rest of the layout pinned; `microbatch` is the config's
+    microbatch_free: bool = False
 
     @property
     def dp(self) -> int:
@@ -214,7 +220,8 @@ H100_CASES = [Case(f"175B NeMo {n}", 96, 12288, 96, 4, 8, n, 2 * n, 1, v=12, pub
 # vocabulary 50257 padded to 50264 (pad_vocab_size_multiple: 8), learned positions, tied head.
 # Micro-batch and global batch: the repo's config for that model on an 80 GB GPU (datamodule.batch_size
 # for train.gpu_mem >= 80, train.global_batch_size), assumed to be what the published runs used (the
-# papers state neither); ZeRO-1 where the config takes torch's ZeroRedundancyOptimizer (gpt3l/gpt3xl/
+# papers state neither; not for the 2.7B 8k rows, whose config's cannot fit: below); ZeRO-1
+# where the config takes torch's ZeroRedundancyOptimizer (gpt3l/gpt3xl/
 # 2.7B, gpt2l/gpt2xl). Published TFLOP/s count Megatron's model FLOPs (72-factor; the FA2 paper's
 # 6 * s * params + 12 * l * h * s^2 a sequence, causal attention not halved).
 _FA2_SRC = "Dao 2023 (arXiv 2307.08691), Table 1, row '{}', column FLASHATTENTION-2"
@@ -232,9 +239,21 @@ _FA2_T1 = [
     Case("FA2 2.7B 2k", 20, 2560, 32, batch=512, microbatch=4, seq=2048, published_tflops=205, zero_stage=1,
          software="flash-attn-2-2023", source=_FA2_SRC.format("GPT3-2.7B 2k context"),
          assumed="20 heads (hdim 128), mb=4, gbs=512 from pile/gpt3-2.7B-flash-hdim128.yaml", **_FA_FLASH),
+    # The 2.7B 8k config's micro-batch (datamodule.batch_size 4 at train.gpu_mem >= 80, the 2k
+    # config's line unchanged) cannot be what ran: what the stack saves for the backward, counted
+    # from its kernels (tests/test_flash_stack_memory.py: 38 bytes an element of b*s*h a layer,
+    # mlp_checkpoint_lvl 0 as the config sets it, no activation checkpointing anywhere in
+    # training/), is 4 * 8192 * 2560 * 38 * 32 = 102 GB of activations beside 24 GB of fp32
+    # weights, gradients and sharded moments: 126.6 GiB of an 80 GiB device. Nor were the
+    # configs' 8k batch lines all run: pile/gpt3-2.7B-flash-hdim128-rotary-8k.yaml states 8 for the
+    # same model at 8k. training/README.md ("Gradient accumulation": "to adjust device batch size
+    # to fit into GPU memory ... set datamodule.batch_size") is the repo's way to fit, and the FA2
+    # paper states no micro-batch: the planner picks it (`microbatch_free`), the layout pinned.
     Case("FA2 2.7B 8k", 32, 2560, 32, batch=128, microbatch=4, seq=8192, published_tflops=225, zero_stage=1,
          software="flash-attn-2-2023", source=_FA2_SRC.format("GPT3-2.7B 8k context"), held_out=True,
-         assumed="32 heads (hdim 80), mb=4, gbs=128 from pile/gpt3-2.7B-flash-8k.yaml", **_FA_FLASH),
+         microbatch_free=True,
+         assumed="32 heads (hdim 80), gbs=128 from pile/gpt3-2.7B-flash-8k.yaml; its mb=4 cannot fit (126.6 GiB): "
+                 "mb the planner's", **_FA_FLASH),
 ]
 FLASH_CASES = _FA2_T1 + [
     # The same paper's FLASHATTENTION column (the same four runs with the FlashAttention-1 kernel, software
@@ -423,7 +442,8 @@ def plan_case(case: Case, cluster: ClusterSpec, intra_op: str = "auto", software
     plan = make_plan(model, cluster, (x, x), global_batch_size=case.batch, dtype=case.dtype, intra_op=intra_op,
                      software=software or case.software,
                      constraints=autopar.Constraints(
-                         dp=case.dp, tp=case.t, pp=case.p, microbatch_size=case.microbatch,
+                         dp=case.dp, tp=case.t, pp=case.p,
+                         microbatch_size=None if case.microbatch_free else case.microbatch,
                          schedule="interleaved_1f1b" if case.v > 1 else "1f1b",
                          virtual_stages=case.v if case.v > 1 else None, recompute=case.recompute,
                          zero_stage=case.zero_stage, sequence_parallel=case.sequence_parallel))
@@ -590,7 +610,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "e.g. device.kernel_overhead_s=2e-6, intra_node.measured=[]; SECTION.FIELD*=X "
                          "multiplies it): how sensitive the predictions are to a figure labelled an "
                          "estimate (docs/constants.md)")
+    ap.add_argument("--usable-fraction", type=float, default=None, metavar="X",
+                    help="plan against X of each device's memory instead of cost_models.memory.USABLE_FRACTION "
+                         "(0.92, an estimate): how sensitive the fit of the published configurations is to it")
     args = ap.parse_args(argv)
+    if args.usable_fraction is not None:
+        import cost_models.memory as _memory
+
+        if not 0 < args.usable_fraction <= 1:
+            raise SystemExit(f"--usable-fraction wants a share in (0, 1], got {args.usable_fraction}")
+        _memory.USABLE_FRACTION = args.usable_fraction
     both = not (args.analytic or args.planner or args.local or args.table1 or args.h100 or args.flash)
     header = ["case", "GPUs", "t", "p", "v", "mb", "m", "published s", "predicted s", "error", "note"]
 
@@ -627,6 +656,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             cluster = load_cluster(c, args.gemm_scale, args.profile_set)
             pub = c.published_time()
             t0 = time.perf_counter()
+            made = None
             try:
                 made = plan_case(c, cluster, args.intra_op, sw)
                 pred = made.predicted.iteration_time_s
@@ -640,6 +670,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 misses += 1
                 why = f"{type(e).__name__}: {str(e).splitlines()[0][:70] if str(e) else ''}"
                 cells = ["n/a", "miss", why]
+                made = None
                 if args.lift_memory and "no plan fits in memory" in str(e):
                     made = plan_case(c, _lifted(cluster), args.intra_op, sw)
                     pred = made.predicted.iteration_time_s
@@ -649,9 +680,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                              f"no plan in memory (needs {need}); time with the bound lifted"
                              + ("; " + _parts(made) if args.parts else "")
                              + (_per_layer(c, _lifted(cluster), made, args.intra_op, sw) if args.per_layer else "")]
-            rows.append([c.name, str(c.gpus), str(c.t), str(c.p), str(c.v), str(c.microbatch),
-                         str(c.num_microbatches), f"{pub:.2f}"] + cells)
+            mb, m = ((made.microbatch_size, made.num_microbatches) if c.microbatch_free and made is not None
+                     else (c.microbatch, c.num_microbatches))
+            free = "*" if c.microbatch_free else ""
+            rows.append([c.name, str(c.gpus), str(c.t), str(c.p), str(c.v), f"{mb}{free}", str(m), f"{pub:.2f}"]
+                        + cells)
         _table(title, rows, header)
+        if any(c.microbatch_free and args.only in c.name for c in cases):
+            print("mb*: the published micro-batch is unknown (the config's cannot fit): the planner's choice")
         print(_errors_summary(errs, misses))
         if lifted:
             print(f"time alone, memory bound lifted, over {len(errs) + len(lifted)} cases: "

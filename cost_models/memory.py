@@ -2009,7 +2009,8 @@ def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, d
                    num_microbatches: int = 1, gathered_params: Any = 0.0,
                    optimizer_temps: Any = 0.0, prefetch_params: Any = 0.0,
                    rs_copies_input: bool = False, fused_optimizer: bool = False,
-                   reduce_every_microbatch: bool = False) -> list[PhaseMemory]:
+                   reduce_every_microbatch: bool = False,
+                   zero_optimizer: str = "flat") -> list[PhaseMemory]:
     """Model-state bytes per device in each phase of a step, as `autopar.runtime` keeps them
     (activations left at 0: the caller adds them to "forward_backward"). `num_params` are the
     device's parameter elements (after tensor and pipeline parallelism; numbers or numpy
@@ -2043,6 +2044,16 @@ def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, d
       with `reduce_every_microbatch` (`Plan.zero3_grad_sync` "microbatch") each micro-batch's
       backward reduce-scatters every unit as it ends and adds the result into the fp32 shard:
       4/D whatever the micro-batches, as with one.
+
+    `zero_optimizer` "zero_redundancy" (`SoftwareSpec.zero_optimizer`: torch's
+    ZeroRedundancyOptimizer under DDP, ZeRO 1 only): DDP all-reduces the gradients in its buckets,
+    which are the gradients themselves (`gradient_as_bucket_view`), and each rank's optimizer
+    steps its partition's parameter tensors in place and broadcasts them: w + g + o/D in every
+    phase, no flat buffer, no fp32 shard copied from fp32 weights (torch/distributed/optim/
+    zero_redundancy_optimizer.py: the local optimizer is built over `_partition_parameters()
+    [rank]`, the parameters themselves); the step holds AdamW's temporaries over the shard
+    (`ADAMW_TEMPORARIES` fp32 copies of it: the flash-attn configs name torch.optim.AdamW, not
+    its fused kernel).
     """
     if policy not in PRECISION_POLICIES:
         raise ValueError(f"unknown precision policy {policy!r}; one of {', '.join(PRECISION_POLICIES)}")
@@ -2062,6 +2073,10 @@ def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, d
             out.append(PhaseMemory("grad_sync", w * P, g * P, o * P, g * P))
         out.append(PhaseMemory("optimizer_step", w * P, (4.0 if mixed else g) * P, o * P, temp + 0.0 * P))
         return out
+    if z == 1 and zero_optimizer == "zero_redundancy":
+        opt = o * P / D
+        return [PhaseMemory("forward_backward", w * P, g * P, opt, 0.0 * P),
+                PhaseMemory("optimizer_step", w * P, g * P, opt, ADAMW_TEMPORARIES * 4.0 * P / D)]
     if z in (1, 2):
         opt = (o if mixed else o + 4.0) * P / D
         return [PhaseMemory("forward_backward", w * P, g * P, opt, 0.0 * P),
@@ -2108,6 +2123,11 @@ class MemoryBreakdown:
 # channel and peer by default, NCCL docs), and the caching allocator's fragmentation, which
 # PyTorch's allocator notes put at up to tens of percent for varying shapes; 8% of 80 GB is
 # 6.4 GB. An estimate (no single published figure covers all three): `autopar show` prints it.
+# What CUDA itself reports of an A100 80GB (PCIe, ECC on; the SXM4 has the same HBM2e) is 98.9%
+# of 80 GiB ("Total global mem: 81049 MB": github.com/ekondis/mixbench issue 47), so the
+# estimate's share is the margin beyond that.
+# Sensitivity: flash-attn's GPT3-1.3B 8k configuration, which trained on 80 GB A100s, plans from
+# 0.933 (`python benchmarks/cost_model_accuracy.py --flash --usable-fraction X`; README, session 34).
 USABLE_FRACTION = 0.92
 
 

@@ -17,8 +17,10 @@ Subset (running every case takes about 4 minutes here; this takes under a minute
   width and are within 1.2 points of each other);
 - `flash`: the FlashAttention-2 paper's 2k runs, FLASHATTENTION-2 and FLASHATTENTION columns (looked
   at while the model changed), and two FlashAttention-1 runs of flash-attn's training/README.md (held
-  out: GPT3-125M, GPT3-1.3B); the other runs (8k, FA1 GPT3-355M, the GPT-2 runs) are not pinned
-  (four of them do not fit autopar's memory model: misses, README).
+  out: GPT3-125M, GPT3-1.3B) and, since session 34, the FA2 paper's GPT3-2.7B 8k run (held out; the
+  planner picks its micro-batch, its config's cannot fit: `Case.microbatch_free`); the other runs
+  (1.3B 8k, FA1 GPT3-355M, the GPT-2 runs) are not pinned (the 1.3B 8k rows do not fit autopar's
+  usable memory: misses, README).
 
 `PINNED` was recorded in session 22 by `python tests/test_calibration.py` (prints the table to
 paste). A change meant to move a prediction (a sourced cost term, a new measurement) re-records
@@ -126,6 +128,8 @@ TOLERANCE = 0.03
 # 1.3B 2k -12.68% -> -10.69%, FA1 (T1) 1.3B 2k -3.99% -> -2.07%, FA1 GPT3-125M -9.85% -> -9.41%,
 # FA1 GPT3-1.3B -2.64% -> -0.69%. The other families unchanged (their software keeps 2-byte
 # parameters). Nothing refit: bytes counted from the kernels' source, priced at the profile's HBM rate.
+# Session 34 (issue 14): no pinned error moved (`SoftwareSpec.zero_optimizer` changes memory only);
+# added flash FA2 2.7B 8k, which now plans (micro-batch 1 of the planner's choosing) at -3.04%.
 PINNED: dict[tuple[str, str], float] = {
     ("pinned", "1.7B"): -0.0170,
     ("pinned", "39.1B"): +0.0169,
@@ -145,6 +149,7 @@ PINNED: dict[tuple[str, str], float] = {
     ("flash", "FA1 (T1) 2.7B 2k"): -0.0302,
     ("flash", "FA1 GPT3-125M"): -0.0941,
     ("flash", "FA1 GPT3-1.3B"): -0.0069,
+    ("flash", "FA2 2.7B 8k"): -0.0304,
 }
 
 # family -> the bound on its mean |error| over the pinned subset, where the family meets the

@@ -72,6 +72,27 @@ def test_a_plan_prices_the_casts_and_fp32_states(zero, states):
     assert high.predicted.iteration_time_s > low.predicted.iteration_time_s
 
 
+def test_torch_zero_redundancy_optimizer_shards_only_the_moments():
+    """The flash-attn stack's ZeRO-1 is torch's ZeroRedundancyOptimizer under DDP
+    (`SoftwareSpec.zero_optimizer` "zero_redundancy"): each rank's AdamW steps its partition of
+    the fp32 parameters themselves, so a plan holds 8 / dp bytes a parameter of optimizer state,
+    not autopar's flat fp32 shard beside them (12 / dp); weights, gradients and activations are
+    the same plan's. Default software and plan files keep the field out (digests unchanged)."""
+    cl = ClusterSpec.load("dgx-a100-80g")
+    cons = Constraints(dp=8, tp=1, pp=1, microbatch_size=1, recompute="none", zero_stage=1)
+    flat = SoftwareSpec.load("autopar").model_copy(update={"name": "fp32-params", "param_dtype": "fp32"})
+    torch_zero = flat.model_copy(update={"name": "fp32-zero-redundancy", "zero_optimizer": "zero_redundancy"})
+    a = autopar.plan("gpt-tiny", cl, global_batch_size=32, constraints=cons, software=flat).stages[0].predicted
+    b = autopar.plan("gpt-tiny", cl, global_batch_size=32, constraints=cons, software=torch_zero).stages[0].predicted
+    P = sum(p.numel() for p in build_model("gpt-tiny").model.parameters())
+    assert a.optimizer_bytes == pytest.approx(12 * P / 8) and b.optimizer_bytes == pytest.approx(8 * P / 8)
+    assert (b.weights_bytes, b.gradients_bytes, b.activations_bytes) == (a.weights_bytes, a.gradients_bytes,
+                                                                         a.activations_bytes)
+    for name in ("flash-attn-2-2023", "flash-attn-1-2022"):
+        assert SoftwareSpec.load(name).zero_optimizer == "zero_redundancy"
+    assert "zero_optimizer" not in SoftwareSpec.load("autopar").model_dump()
+
+
 def test_saved_casts_by_recomputation_and_tied_weights():
     """A layer's matrix ops save the casts of its own weights unless the layer is recomputed in
     full (its forward then saves nothing); a weight two layers read (the tied embedding and head)

@@ -187,6 +187,20 @@ def test_runtime_phases_zero12_keeps_full_gradients_in_backward(zero):
     assert _phase(runtime_phases(psi, "fp32", zero, D), "forward_backward").optimizer == pytest.approx(12 * psi / D)
 
 
+def test_runtime_phases_torch_zero_redundancy_optimizer():
+    """torch's ZeroRedundancyOptimizer under DDP (flash-attn's ZeRO-1): the fp32 parameters are
+    stepped in place, only AdamW's moments sharded; DDP's buckets are the gradients, so no phase
+    holds a flat buffer, and the step adds AdamW's temporaries over the shard."""
+    psi, D = 1e9, 8
+    ph = runtime_phases(psi, "fp32", 1, D, zero_optimizer="zero_redundancy")
+    assert [p.phase for p in ph] == ["forward_backward", "optimizer_step"]
+    fb, step = ph
+    assert (fb.weights, fb.gradients, fb.optimizer, fb.buffers) == pytest.approx((4 * psi, 4 * psi, 8 * psi / D, 0))
+    assert step.total == pytest.approx(fb.total + 2 * 4 * psi / D)
+    # ZeRO-2 and the default ZeRO-1 are the runtime's own, whatever the software's optimizer
+    assert runtime_phases(psi, "fp32", 2, D, zero_optimizer="zero_redundancy") == runtime_phases(psi, "fp32", 2, D)
+
+
 def test_runtime_phases_zero3():
     psi, D = 1e9, 8
     one = _phase(runtime_phases(psi, "bf16", 3, D, num_microbatches=1, gathered_params=1e8), "forward_backward")

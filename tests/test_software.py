@@ -37,7 +37,8 @@ def test_presets_are_typed_and_sourced():
                   | ({"attention_flops"} if sw.attention_flops else set())
                   | ({"pointwise_fusion"} if sw.pointwise_fusion != "eager" else set())
                   | ({"loss_kernel"} if sw.loss_kernel != "eager" else set())
-                  | ({"param_dtype"} if sw.param_dtype != "training" else set()))
+                  | ({"param_dtype"} if sw.param_dtype != "training" else set())
+                  | ({"zero_optimizer"} if sw.zero_optimizer != "flat" else set()))
         assert set(sw.sources) == chosen, "every choice names its source"
     with pytest.raises(PlanError, match="unknown software 'flash9'; bundled: autopar, flash-attn-1-2022, "
                                          "flash-attn-2-2023, megatron-lm-2021, megatron-lm-2021-torch-ddp, "

@@ -239,15 +239,17 @@ class _Tables:
     def __init__(self, costs: list[LayerCost], cluster: ClusterSpec, dtype: str, dp: int, tp: int,
                  zero: int, layers: list[Layer], batch: tuple[float, float] = (0.0, 0.0),
                  like: Optional["_Tables"] = None, rooted: frozenset = frozenset(), policy: Optional[str] = None,
-                 cast_bytes: float = 0.0, cast_saved: float = 0.0) -> None:
+                 cast_bytes: float = 0.0, cast_saved: float = 0.0, zero_optimizer: str = "flat") -> None:
         """`like`: a table of the same `costs` list (another dp or ZeRO stage), whose cost-only
         arrays are reused as they are (read-only) instead of being built again. `rooted`: the
         modules ZeRO-3 leaves to the root unit (`rooted_modules`). `policy`: the precision policy
         of the model states, gradient accumulation and sync (`SoftwareSpec.state_policy`; default
         `dtype`); `cast_bytes`, `cast_saved`: bytes per parameter element a micro-batch moves
         casting fp32 parameters and saves of the casts (`SoftwareSpec.param_cast_bytes`,
-        `param_cast_saved_bytes`; 0 with parameters in the training dtype)."""
+        `param_cast_saved_bytes`; 0 with parameters in the training dtype); `zero_optimizer`: how
+        ZeRO-1 shards the optimizer (`SoftwareSpec.zero_optimizer`, `runtime_phases`)."""
         self.policy = policy or dtype
+        self.zero_optimizer = zero_optimizer
         self.cast_bytes, self.cast_saved = cast_bytes, cast_saved
         self.costs = costs
         self.rooted = rooted
@@ -732,7 +734,8 @@ class _Tables:
                   prefetch_params=unit if self.zero3 else 0.0, optimizer_temps=largest,
                   reduce_every_microbatch=self.rs_each,
                   rs_copies_input=reduce_scatter_copies_input(self.cluster.device.device_type),
-                  fused_optimizer=fused_optimizer(self.cluster.device.device_type))
+                  fused_optimizer=fused_optimizer(self.cluster.device.device_type),
+                  zero_optimizer=self.zero_optimizer)
         out = runtime_phases(pel, self.policy, self.zero, self.dp, **kw)
         if self.ep > 1 and self.zero == 0 and self.dp > 1:
             # the gradient sync's flat buffer: the dense gradients' (all-reduced over dp), then,
@@ -1848,7 +1851,8 @@ class Search:
             # memory lower bound: the model states of an average stage, no activations
             states = max(ph.total for ph in runtime_phases(
                 pel, self.policy, z, reps, num_microbatches=m,
-                fused_optimizer=fused_optimizer(self.cluster.device.device_type)))
+                fused_optimizer=fused_optimizer(self.cluster.device.device_type),
+                zero_optimizer=self.software.zero_optimizer))
             if states > self.budget:
                 self.min_memory = min(self.min_memory, states)
                 self.considered_infeasible += len(self.schedules(pp, m))
@@ -2304,7 +2308,8 @@ class Search:
             tb = _Tables(costs, self.cluster, self.dtype, dp * cp, tp, zero, self.layers, batch, like=like,
                          rooted=self.rooted_modules, policy=self.policy,
                          cast_bytes=self.software.param_cast_bytes(self.dtype),
-                         cast_saved=self.software.param_cast_saved_bytes(self.dtype))
+                         cast_saved=self.software.param_cast_saved_bytes(self.dtype),
+                         zero_optimizer=self.software.zero_optimizer)
             tb.rs_each = rs_each and tb.zero3
             if ep > 1:
                 if fold:

@@ -49,6 +49,13 @@ same plan, and that the cost model honours:
   themselves (model states 4 + 4 + 8 bytes a parameter: `state_policy`). Time:
   `autopar.inter_op.search` (`_Tables.accum`, the sync); memory: `_Tables.phases`, the
   activations.
+- `zero_optimizer`: how a ZeRO-1 run shards its optimizer. "flat" (what `autopar run` executes:
+  the gradients reduce-scattered out of one flat buffer, each rank stepping one flat fp32 shard,
+  with fp32 parameters a copy of them, and all-gathering the weights) or "zero_redundancy"
+  (torch's ZeroRedundancyOptimizer under DDP, the flash-attn training stack: DDP all-reduces the
+  gradients in its buckets, which are the gradients, and each rank's optimizer steps its
+  partition's parameter tensors in place and broadcasts them: only the optimizer's moments are
+  sharded, no flat buffer, no fp32 copy). Memory: `cost_models.memory.runtime_phases`.
 - `grad_sync_overlap`: whether the data-parallel gradient sync of a stage runs during the backward
   of its last micro-batch (bucketed all-reduce as PyTorch DDP or Megatron-Core's
   --overlap-grad-reduce do it) instead of after it. Time: `autopar.inter_op.search` (the
@@ -89,6 +96,8 @@ LossKernel = Literal["eager", "fused"]
 LOSS_KERNELS: tuple[str, ...] = ("eager", "fused")
 ParamDtype = Literal["training", "fp32"]
 PARAM_DTYPES: tuple[str, ...] = ("training", "fp32")
+ZeroOptimizer = Literal["flat", "zero_redundancy"]
+ZERO_OPTIMIZERS: tuple[str, ...] = ("flat", "zero_redundancy")
 
 # the preset that describes what `autopar run` executes: the default of `autopar.plan`
 DEFAULT_SOFTWARE = "autopar"
@@ -125,6 +134,11 @@ class SoftwareSpec(BaseModel):
         "parameters stay fp32 under autocast (PyTorch Lightning's precision bf16/16): every micro-batch casts "
         "each weight to the 2-byte dtype (saved for the backward) and its gradient back, gradients accumulate "
         "and sync at 4 bytes, the optimizer steps the fp32 parameters (needs mixed_precision autocast)")
+    zero_optimizer: ZeroOptimizer = Field(
+        default="flat", description="flat: ZeRO-1 reduce-scatters the gradients out of one flat buffer and "
+        "steps one flat fp32 shard (with fp32 parameters a copy of them; what autopar run executes); "
+        "zero_redundancy: torch's ZeroRedundancyOptimizer under DDP, each rank stepping its partition's "
+        "parameter tensors in place (only the moments sharded, no flat buffer or copy)")
     grad_sync_overlap: bool = Field(
         default=False, description="the data-parallel gradient sync runs during the last micro-batch's "
         "backward (bucketed, as PyTorch DDP or Megatron-Core --overlap-grad-reduce) instead of after it")
@@ -146,14 +160,15 @@ class SoftwareSpec(BaseModel):
     @model_serializer(mode="wrap")
     def _omit_eager_fusion(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         """The dump without `pointwise_fusion` when it is "eager", `mixed_precision` when it is
-        "autocast", `loss_kernel` when it is "eager" and `param_dtype` when it is "training", the
+        "autocast", `loss_kernel` when it is "eager", `param_dtype` when it is "training" and
+        `zero_optimizer` when it is "flat", the
         choices every plan made before the fields existed: a plan file (and its digest,
         `tests/test_planner_unchanged.py`) and a cache key for such software are what they were;
         the other choices are written."""
         out = handler(self)
         if isinstance(out, dict):
             for key, old in (("pointwise_fusion", "eager"), ("mixed_precision", "autocast"), ("loss_kernel", "eager"),
-                             ("param_dtype", "training")):
+                             ("param_dtype", "training"), ("zero_optimizer", "flat")):
                 if out.get(key) == old:
                     out.pop(key)
         return out
@@ -209,7 +224,8 @@ class SoftwareSpec(BaseModel):
         half = ", model cast to its 2-byte dtype (no autocast)" if not self.autocast else ""
         loss = ", fused cross-entropy" if self.loss_kernel == "fused" else ""
         fp32 = ", fp32 parameters under autocast" if self.param_dtype == "fp32" else ""
-        return (f"software: {self.name} (attention {self.attention_kernel}{own}{fusion}{half}{loss}{fp32}, "
+        zro = ", torch ZeroRedundancyOptimizer" if self.zero_optimizer == "zero_redundancy" else ""
+        return (f"software: {self.name} (attention {self.attention_kernel}{own}{fusion}{half}{loss}{fp32}{zro}, "
                 f"dp gradient sync {sync})")
 
     @classmethod
@@ -217,7 +233,8 @@ class SoftwareSpec(BaseModel):
         """A bundled preset by name (`bundled_software()`) or a YAML/JSON file."""
         path = _resolve(str(name_or_path))
         data = read_mapping(path, "software",
-                            "name, attention_kernel, pointwise_fusion, mixed_precision, param_dtype, grad_sync_overlap")
+                            "name, attention_kernel, pointwise_fusion, mixed_precision, param_dtype, zero_optimizer, "
+                            "grad_sync_overlap")
         data.setdefault("name", path.stem)
         try:
             return cls.model_validate(data)
