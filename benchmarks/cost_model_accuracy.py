@@ -249,8 +249,10 @@ _FA2_T1 = [
     # same model at 8k. training/README.md ("Gradient accumulation": "to adjust device batch size
     # to fit into GPU memory ... set datamodule.batch_size") is the repo's way to fit, and the FA2
     # paper states no micro-batch: the planner picks it (`microbatch_free`), the layout pinned.
+    # Looked at since session 34 (no longer held out): the rule was chosen with this row's and its
+    # FlashAttention-1 twin's errors at micro-batch 1, 2 and 4 in view.
     Case("FA2 2.7B 8k", 32, 2560, 32, batch=128, microbatch=4, seq=8192, published_tflops=225, zero_stage=1,
-         software="flash-attn-2-2023", source=_FA2_SRC.format("GPT3-2.7B 8k context"), held_out=True,
+         software="flash-attn-2-2023", source=_FA2_SRC.format("GPT3-2.7B 8k context"), held_out=False,
          microbatch_free=True,
          assumed="32 heads (hdim 80), gbs=128 from pile/gpt3-2.7B-flash-8k.yaml; its mb=4 cannot fit (126.6 GiB): "
                  "mb the planner's", **_FA_FLASH),
@@ -262,7 +264,7 @@ FLASH_CASES = _FA2_T1 + [
     # the 2k rows looked at while the FA2 gap was traced, the 8k rows held out; no constant changed)
     dataclasses.replace(c, name=c.name.replace("FA2", "FA1 (T1)"), published_tflops=tf, software="flash-attn-1-2022",
                         source=c.source.replace("column FLASHATTENTION-2", "column FLASHATTENTION"),
-                        held_out="8k" in c.name)
+                        held_out="8k" in c.name and "2.7B" not in c.name)     # 2.7B 8k: above
     for c, tf in zip(_FA2_T1, (189, 170, 189, 175))
 ] + [
     # FlashAttention-1 (software flash-attn-1-2022), GPT-3 shapes at 2k on The Pile: training/README.md,
