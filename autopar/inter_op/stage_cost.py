@@ -469,6 +469,51 @@ class AnalyticProvider:
         share_layout_walk(sub, g)      # its ops' layouts are `g`'s
         return sub
 
+    def _replicated_reads(self, g: OpGraph, n: OpNode, ins: list[str], tp: int, link: LinkSpec,
+                          summed: set[str], cf: Counter, cb: Counter) -> tuple[str, float, float]:
+        """(`n`'s output layout, forward and backward collective seconds) for an op the rules
+        would run sharded (an input "S") that also reads a replicated tensor needing a gradient
+        (what the executor runs, and Megatron's layout would give):
+
+        * broadcast along the split features (a gate of shape (.., 1), a scalar weight): the op
+          stays sharded and the tensor's gradient on each rank is a partial sum over its share of
+          the features, all-reduced in the backward (once per tensor and layer: its readers'
+          gradients are summed first), as Megatron all-reduces a replicated weight's gradient
+          where the activations it scales are split;
+        * as large as the features (a residual stream added to a sharded branch): slicing it would
+          leave its gradient split, to be gathered in the backward besides the gradient its other
+          readers give whole; Megatron keeps such a tensor whole and gathers the sharded operand
+          instead (a column-parallel linear with no row-parallel partner gathers its output), so
+          the sharded inputs are all-gathered in the forward and the op runs replicated.
+
+        The split is taken to be the last (features) dim, where a column-parallel linear puts it."""
+        shape = n.outputs[0].shape if n.outputs else ()
+        rg = self.requires_grad
+        broadcast, whole = [], []
+        for i, lay in zip(n.inputs, ins):
+            if lay != "R" or i not in g._index or not g.node(i).outputs or not rg.get(i, False):
+                continue
+            ishape = g.node(i).outputs[0].shape
+            if shape and shape[-1] != 1 and (not ishape or ishape[-1] == 1):
+                broadcast.append(i)
+            else:
+                whole.append(i)
+        dtype = self.dtype
+        if whole:
+            f_s = 0.0
+            for i, lay in zip(n.inputs, ins):
+                if lay == "S":
+                    f_s += coll_time("all_gather", sum(float_bytes(o, dtype) for o in g.node(i).outputs[:1]), tp, link)
+                    cf["all_gather"] += 1
+            return "R", f_s, 0.0
+        b_s = 0.0
+        for i in broadcast:
+            if i not in summed:
+                summed.add(i)
+                b_s += coll_time("all_reduce", sum(float_bytes(o, dtype) for o in g.node(i).outputs[:1]), tp, link)
+                cb["all_reduce"] += 1
+        return "S", 0.0, b_s
+
     def _analyze(self, layer: Layer, mb: int, tp: int) -> LayerCost:
         g = self.graph_at(mb, layer)
         dev, dtype = self.cluster.device, self.dtype
@@ -573,6 +618,10 @@ class AnalyticProvider:
                 sharded, out = True, "R"
                 vocab[n.name] = "loss"
             else:
+                if out == "S" and tp > 1:
+                    out, f_s, b_s = self._replicated_reads(g, n, ins, tp, link, grad_ar_done, cf, cb)
+                    fc += f_s
+                    bc += b_s
                 sharded = out == "S"
                 for p in n.params:
                     c.placements.setdefault(p, "R")
