@@ -29,8 +29,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional
 
 from autopar.capture.graph import OpGraph, OpNode
-from autopar.inter_op.layers import Layer
-from autopar.inter_op.stage_layouts import _mapping
+from autopar.inter_op.layers import Layer, op_name_mapping
 from autopar.schema import ClusterSpec, LinkSpec
 from autopar.schema.constraints import RECOMPUTES
 from autopar.schema.placement import is_shard
@@ -426,7 +425,7 @@ class AnalyticProvider:
         rep, ops = self._vocab[key]
         if rep is layer:
             return dict(ops)
-        names = _mapping(self.graph, rep, layer)
+        names = op_name_mapping(self.graph, rep, layer)
         return {names.get(n, n): kind for n, kind in ops.items()}
 
     def crossing_at(self, index: int, mb: int, tp: int) -> tuple[float, float, int, int]:
