@@ -14,6 +14,7 @@ analytic tp plans run in tests/test_runtime_llama_tp.py.
 from __future__ import annotations
 
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -227,6 +228,7 @@ def test_interleaving_zero3_units_go_to_the_root():
 
 
 REUSED = "tests.user_models:reused_lm"
+GATED = "tests.user_models:gated_lm"
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +238,8 @@ def launched(tmp_path_factory) -> dict:
     from tests.launch import run_plans
 
     plans = {"nanogpt_dp2xtp2": _analytic(NANOGPT, 4, dp=2, tp=2, pp=1),
-             "reused_zero3": _analytic(REUSED, 4, dp=2, tp=2, pp=1, zero_stage=3)}
+             "reused_zero3": _analytic(REUSED, 4, dp=2, tp=2, pp=1, zero_stage=3),
+             "gated_dp2xtp2": _analytic(GATED, 4, dp=2, tp=2, pp=1)}
     rows = run_plans(tmp_path_factory.mktemp("one_executor"), plans, 4, steps=2)
     return {name: (p, rows[name]) for name, p in plans.items()}
 
@@ -274,3 +277,22 @@ def test_interleaving_units_plan_runs_as_solved(launched):
     assert p.stages[0].op_layouts is not None and p.stages[0].fsdp_units == ["emb", "layers.0", "layers.2", "out"]
     assert p.search["zero3_units"].startswith("layers.1 left to the ZeRO-3 root unit")
     _check(p, rows, REUSED)
+
+
+@pytest.mark.slow
+def test_replicated_tensors_read_by_sharded_ops_are_priced_as_run(launched):
+    """`GatedLM` at dp 2 x tp 2 by the analytic rules: each layer's lone column-parallel linear
+    feeds sharded element-wise ops that read a replicated gate (shape (.., 1), needing a
+    gradient) and end in a residual add. The rules price what the solved layouts run (they
+    priced 6 all-reduces and 3 all-gathers, the layouts ran 10 and 5: `op_layouts_gap`): per
+    layer the linear's input gradient and the gate's partial gradient all-reduced, the sharded
+    branch gathered before the residual add (the residual stream kept whole); the vocabulary-
+    parallel embedding, the head's input gradient and the loss's three. The run issues exactly
+    those, with the one-process losses."""
+    p, rows = launched["gated_dp2xtp2"]
+    assert "op_layouts_gap" not in p.search, p.search["op_layouts_gap"]
+    layers = 4
+    solved = p.stages[0].op_layouts.collectives      # tp's, one micro-batch (the plan's m = 1)
+    tp = Counter(solved.get("forward", {})) + Counter(solved.get("backward", {}))
+    assert tp == {"all_reduce": 1 + 2 * layers + 1 + 3, "all_gather": layers}, solved
+    _check(p, rows, GATED)

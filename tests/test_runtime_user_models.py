@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow
 
 NANOGPT = "tests.user_models:nanogpt"
 GATED = "tests.user_models:gated_lm"
+TOP_GAIN = "tests.user_models:top_gain_lm"
 ENCDEC = "tests.user_models:encoder_decoder_lm"
 SEQ2SEQ = "tests.user_models:shared_seq2seq"
 ALIASED = "tests.user_models:aliased_seq2seq"
@@ -52,6 +53,11 @@ LAYOUTS = {
     # a gate (needing a gradient) and a boolean mask made before the first layer cross every
     # boundary beside the hidden states
     "gated_pp4_1f1b": (GATED, dict(dp=1, tp=1, pp=4, schedule="1f1b", num_microbatches=4)),
+    # parameters read in the model's own forward, held by no submodule: a gain read by the first
+    # and the last stage (held by both, one tied all-reduce), a logit scale by the last alone.
+    # Held by no stage's modules, they were left out ("the plan's stages leave parameters out:
+    # gain"); a stage holds what its placements name (`validate.stage_parameters`)
+    "topgain_pp4_1f1b": (TOP_GAIN, dict(dp=1, tp=1, pp=4, schedule="1f1b", num_microbatches=4)),
     # Hugging Face: position ids, a causal mask and (Llama) rotary tables cross the boundaries;
     # GPT-2's lm_head is tied to wte; ZeRO-3 units come from the plan
     "gpt2_pp4_1f1b": (HF_GPT2, dict(dp=1, tp=1, pp=4, schedule="1f1b", num_microbatches=4)),

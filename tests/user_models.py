@@ -532,3 +532,31 @@ def direct_seq2seq(layers: int = 2):
 def untied_seq2seq(layers: int = 2):
     """`direct_seq2seq` with a head of its own: the embedding is tied only by being called twice."""
     return aliased_seq2seq(layers, direct=True, tied_head=False)
+
+
+class TopGainLM(nn.Module):
+    """Parameters read only in the model's own forward, held by no submodule: `gain`, read after
+    the embedding and again before the head (by the first and the last pipeline stage: a weight
+    two stages share), and `log_scale`, read by the head's logits only (by the last stage). Both
+    enter as `1 + gain` and `exp(log_scale)` (as Gemma's norms and CLIP's logit scale do), so
+    the zero autopar initialises a vector or scalar with is the identity."""
+
+    def __init__(self, layers: int = 4, vocab: int = VOCAB, h: int = HIDDEN) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, h)
+        self.gain = nn.Parameter(torch.zeros(h))
+        self.layers = nn.ModuleList(Seq2SeqLayer(h) for _ in range(layers))
+        self.out = nn.Linear(h, vocab)
+        self.log_scale = nn.Parameter(torch.zeros(()))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx) * (1 + self.gain)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.out(x * (1 + self.gain)) * self.log_scale.exp()
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def top_gain_lm(layers: int = 4):
+    """`TopGainLM` by the MODULE:FACTORY contract."""
+    return _two_token_inputs(TopGainLM, layers)

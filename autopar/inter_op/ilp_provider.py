@@ -24,9 +24,8 @@ from typing import Optional
 
 from autopar.capture.graph import OpGraph
 from autopar.inter_op.ilp_cache import CostCache, IlpCache, cost_key, graph_digest, solve_key
-from autopar.inter_op.layers import Layer
+from autopar.inter_op.layers import Layer, op_name_mapping
 from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost, autocast_device, fill_activations, float_bytes
-from autopar.inter_op.stage_layouts import _mapping
 from autopar.intra_op.solution import ShardingSolution
 from autopar.schema import ClusterSpec, PlanError
 from autopar.schema.placement import is_shard, shard_dim
@@ -153,7 +152,7 @@ class IlpProvider(AnalyticProvider):
             self._depth -= 1
 
     def _names(self, rep: Layer, layer: Layer) -> dict[str, str]:
-        return _mapping(self.graph, rep, layer)
+        return op_name_mapping(self.graph, rep, layer)
 
     def _shared(self) -> dict[str, list[Layer]]:
         """Parameters read by more than one layer (a tied embedding and output layer), by FQN:
@@ -286,7 +285,7 @@ class IlpProvider(AnalyticProvider):
         arrive, hand_on, leaving = self._bounds[key]
         if first is layer:
             return dict(arrive), dict(hand_on), set(leaving)
-        to_layer = _mapping(self.graph, first, layer)
+        to_layer = op_name_mapping(self.graph, first, layer)
         rename = lambda n: to_layer.get(n, n)  # noqa: E731
         return ({rename(i): pl for i, pl in arrive.items()}, {rename(n): pl for n, pl in hand_on.items()},
                 {rename(n) for n in leaving})
@@ -329,7 +328,7 @@ class IlpProvider(AnalyticProvider):
         hand_on: dict[str, tuple[str, ...]] = {}
         nxt = self.layers[first.index + 1] if first.index + 1 < len(self.layers) else None
         if nxt is not None and nxt.signature == first.signature:
-            to_next = _mapping(self.graph, first, nxt)
+            to_next = op_name_mapping(self.graph, first, nxt)
             for i, pl in arrive.items():
                 j = to_next.get(i)
                 if j in mine:
@@ -355,7 +354,7 @@ class IlpProvider(AnalyticProvider):
         if got is None:
             return None
         sol, rep = got
-        back = {v: k for k, v in _mapping(self.graph, rep, lay).items()} if rep is not lay else {}
+        back = {v: k for k, v in op_name_mapping(self.graph, rep, lay).items()} if rep is not lay else {}
         ch = sol.op_choices.get(back.get(name, name))
         return tuple(ch.output_placements[0]) if ch is not None and ch.output_placements else None
 

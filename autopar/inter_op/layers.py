@@ -77,6 +77,17 @@ class Layer:
         return fqn
 
 
+def op_name_mapping(graph: OpGraph, rep: Layer, lay: Layer) -> dict[str, str]:
+    """Names of `rep`'s ops and of the tensors they read -> those of `lay`, a layer of the same
+    signature: how a cost or solution worked out once for `rep` is read for `lay` (the
+    providers' per-signature caches, the per-signature layouts of `stage_layouts`)."""
+    out = dict(zip(rep.nodes, lay.nodes))
+    for rn, ln in zip(rep.nodes, lay.nodes):
+        for a, b in zip(graph.node(rn).inputs, graph.node(ln).inputs):
+            out.setdefault(a, b)
+    return out
+
+
 def _top(path: str, containers: set[str]) -> str:
     """The top-level unit of a module path: the root's child, or a container's element."""
     if not path:

@@ -13,6 +13,11 @@ device and the placements of its parameters on the tp axis. Providers make them:
   the largest embedding table is vocab-parallel (S(0), forward all-reduce); attention on sharded
   q/k/v splits its heads; a cross-entropy over vocab-sharded logits costs Megatron's three small
   all-reduces. Sharded ops cost flops/tp, replicated ones (layer norms, residual adds) full.
+  An element-wise op of a column-parallel linear's split features that also reads a replicated
+  tensor needing a gradient pays for it as the executor runs it: a tensor broadcast along the
+  features (a gate of shape (.., 1)) has its partial gradient all-reduced in the backward; one as
+  large as the features (a residual stream) stays whole and the split operand is gathered
+  first; a norm over split features gathers them (`_replicated_reads`).
   A layer must hand a replicated activation to the next one (an all-gather otherwise).
 - `IlpProvider`: the intra-op ILP (`autopar.intra_op.solve_graph`) on the layer's ops over a
   1-D tp mesh; see that class.
@@ -29,18 +34,20 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional
 
 from autopar.capture.graph import OpGraph, OpNode
-from autopar.inter_op.layers import Layer
-from autopar.inter_op.stage_layouts import _mapping
+from autopar.inter_op.layers import Layer, op_name_mapping
 from autopar.schema import ClusterSpec, LinkSpec
 from autopar.schema.constraints import RECOMPUTES
 from autopar.schema.placement import is_shard
 from autopar.schema.software import SoftwareSpec, resolve_software
 from cost_models.communication import collective_time
 from cost_models.compute import DTYPE_SIZE, fusion_of, op_list_time
+from cost_models.fusion import POINTWISE_OPS
 from cost_models.layouts import graph_layout_copies, share_layout_walk
 from cost_models.memory import activation_memory, graph_fp32_tensors, one_graph_policies, requires_grad
 
 LOSS_OPS = frozenset({"cross_entropy_loss", "nll_loss", "log_softmax", "_log_softmax"})
+# norms over the last dim: run on features split over tp, they need them whole (`_replicated_reads`)
+FEATURE_NORMS = frozenset({"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"})
 
 
 @dataclass
@@ -426,7 +433,7 @@ class AnalyticProvider:
         rep, ops = self._vocab[key]
         if rep is layer:
             return dict(ops)
-        names = _mapping(self.graph, rep, layer)
+        names = op_name_mapping(self.graph, rep, layer)
         return {names.get(n, n): kind for n, kind in ops.items()}
 
     def crossing_at(self, index: int, mb: int, tp: int) -> tuple[float, float, int, int]:
@@ -469,6 +476,69 @@ class AnalyticProvider:
         share_layout_walk(sub, g)      # its ops' layouts are `g`'s
         return sub
 
+    @staticmethod
+    def _feature_split(g: OpGraph, n: OpNode, ins: list[str], features: set[str]) -> bool:
+        """Whether `n` is an element-wise op whose sharded inputs are all split along the
+        output's last dim as a column-parallel linear splits its output features (`features`:
+        those outputs, and element-wise ops of them). Elsewhere the rules' "sharded" says
+        nothing of which dim (heads, an expert router's scores), and an op keeps "sharded in,
+        sharded out"."""
+        if (n.op not in POINTWISE_OPS and n.op not in FEATURE_NORMS) or not n.outputs or not n.outputs[0].shape:
+            return False
+        split = [i for i, lay in zip(n.inputs, ins) if lay == "S"]
+        last = n.outputs[0].shape[-1]
+        return bool(split) and all(i in features and g.node(i).outputs and g.node(i).outputs[0].shape
+                                   and g.node(i).outputs[0].shape[-1] == last for i in split)
+
+    def _replicated_reads(self, g: OpGraph, n: OpNode, ins: list[str], tp: int, link: LinkSpec,
+                          summed: set[str], cf: Counter, cb: Counter) -> tuple[str, float, float]:
+        """(`n`'s output layout, forward and backward collective seconds) for an op the rules
+        would run sharded (an input "S") that also reads a replicated tensor needing a gradient
+        (what the executor runs, and Megatron's layout would give):
+
+        * broadcast along the split features (a gate of shape (.., 1), a scalar weight): the op
+          stays sharded and the tensor's gradient on each rank is a partial sum over its share of
+          the features, all-reduced in the backward (once per tensor and layer: its readers'
+          gradients are summed first), as Megatron all-reduces a replicated weight's gradient
+          where the activations it scales are split;
+        * as large as the features (a residual stream added to a sharded branch): slicing it would
+          leave its gradient split, to be gathered in the backward besides the gradient its other
+          readers give whole; Megatron keeps such a tensor whole and gathers the sharded operand
+          instead (a column-parallel linear with no row-parallel partner gathers its output), so
+          the sharded inputs are all-gathered in the forward and the op runs replicated.
+
+        A norm over the split features (BERT's head: a column-parallel dense, GELU, then a
+        LayerNorm) needs them whole: they are gathered, its weight and bias read whole.
+
+        For an element-wise op or a norm of a column-parallel linear's split features
+        (`_feature_split`)."""
+        shape = n.outputs[0].shape
+        rg = self.requires_grad
+        broadcast, whole = [], []
+        for i, lay in zip(n.inputs, ins):
+            if lay != "R" or i not in g._index or not g.node(i).outputs or not rg.get(i, False):
+                continue
+            ishape = g.node(i).outputs[0].shape
+            if shape and shape[-1] != 1 and (not ishape or ishape[-1] == 1):
+                broadcast.append(i)
+            else:
+                whole.append(i)
+        dtype = self.dtype
+        if whole or n.op in FEATURE_NORMS:
+            f_s = 0.0
+            for i, lay in zip(n.inputs, ins):
+                if lay == "S":
+                    f_s += coll_time("all_gather", sum(float_bytes(o, dtype) for o in g.node(i).outputs[:1]), tp, link)
+                    cf["all_gather"] += 1
+            return "R", f_s, 0.0
+        b_s = 0.0
+        for i in broadcast:
+            if i not in summed:
+                summed.add(i)
+                b_s += coll_time("all_reduce", sum(float_bytes(o, dtype) for o in g.node(i).outputs[:1]), tp, link)
+                cb["all_reduce"] += 1
+        return "S", 0.0, b_s
+
     def _analyze(self, layer: Layer, mb: int, tp: int) -> LayerCost:
         g = self.graph_at(mb, layer)
         dev, dtype = self.cluster.device, self.dtype
@@ -485,6 +555,9 @@ class AnalyticProvider:
         times: dict[str, tuple[float, float, float, float]] = {}   # fwd, bwd, fwd comm, bwd comm
         coll_f: dict[str, Counter] = {}
         sharded_nodes: set[str] = set()
+        # outputs split along their last dim as a column-parallel linear splits its output features,
+        # and element-wise ops of them (`_replicated_reads`)
+        features: set[str] = set()
 
         def ar(nbytes: float) -> float:
             return coll_time("all_reduce", nbytes, tp, link)
@@ -523,6 +596,7 @@ class AnalyticProvider:
                             if p != w:
                                 c.placements[p] = "S(0)"
                         sharded, out = True, "S"
+                        features.add(n.name)
                         if src not in grad_ar_done:
                             grad_ar_done.add(src)
                             nb = sum(float_bytes(o, dtype) for o in g.node(src).outputs[:1]) if src in g._index else 0
@@ -573,6 +647,11 @@ class AnalyticProvider:
                 sharded, out = True, "R"
                 vocab[n.name] = "loss"
             else:
+                if out == "S" and tp > 1 and self._feature_split(g, n, ins, features):
+                    features.add(n.name)
+                    out, f_s, b_s = self._replicated_reads(g, n, ins, tp, link, grad_ar_done, cf, cb)
+                    fc += f_s
+                    bc += b_s
                 sharded = out == "S"
                 for p in n.params:
                     c.placements.setdefault(p, "R")

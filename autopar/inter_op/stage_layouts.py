@@ -30,20 +30,11 @@ from collections import Counter
 from typing import Optional
 
 from autopar.capture.graph import OpGraph
-from autopar.inter_op.layers import Layer
+from autopar.inter_op.layers import Layer, op_name_mapping
 from autopar.schema.constraints import RECOMPUTES
 from autopar.schema.layouts import Junction, LayerOps, OpLayout, StageLayouts
 
 __all__ = ["stage_layouts", "chunk_layouts", "produced_layouts", "crossing"]
-
-
-def _mapping(graph: OpGraph, rep: Layer, lay: Layer) -> dict[str, str]:
-    """Names of `rep`'s ops and the tensors they read -> those of `lay` (same signature)."""
-    out = dict(zip(rep.nodes, lay.nodes))
-    for rn, ln in zip(rep.nodes, lay.nodes):
-        for a, b in zip(graph.node(rn).inputs, graph.node(ln).inputs):
-            out.setdefault(a, b)
-    return out
 
 
 def _recomputed(graph: OpGraph, lay: Layer, recompute: str) -> list[int]:
@@ -145,7 +136,7 @@ def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, 
         sol, rep = got
         sig = f"{lay.signature}@{i}" if i in (entries or {}) else lay.signature
         axes = tuple(sol.model_axes)
-        names = _mapping(graph, rep, lay)
+        names = op_name_mapping(graph, rep, lay)
         rep_ops = _tensor_ops(graph, rep.nodes)
         if sig not in sigs:
             if any(n not in sol.op_choices for n in rep_ops):

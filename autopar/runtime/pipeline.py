@@ -22,7 +22,7 @@ from autopar.runtime.materialize import materialize
 from autopar.runtime.meshes import _mesh_kinds
 from autopar.runtime.pipeline_p2p import FanoutPipelineStage, JustInTimeStage, replica_ranks
 from autopar.runtime.recompute import apply_recompute
-from autopar.runtime.validate import get_submodule
+from autopar.runtime.validate import check_covered
 from autopar.schema.errors import PlanError
 from cost_models.schedules import torch_schedule
 
@@ -156,14 +156,7 @@ class PipelineStages:
         if self.stages[0].op_layouts is not None:
             self._build_solved_pipeline()
             return
-        covered = {}
-        for s in self.stages:
-            for fqn in s.layers:
-                for n, _ in get_submodule(self.model, fqn).named_parameters(remove_duplicate=False):
-                    covered[self.aliases.get(f"{fqn}.{n}", f"{fqn}.{n}")] = True
-        missing = [n for n in set(self.aliases.values()) if n not in covered]
-        if missing:
-            raise PlanError(f"the plan's stages leave parameters out: {', '.join(sorted(missing)[:5])}")
+        check_covered(self.model, self.stages, self.aliases)
         from autopar.runtime.graph_stages import FedChunk, split_model
 
         # under context parallelism the chunks are traced on a rank's tokens, their positions

@@ -11,7 +11,7 @@ import torch.nn as nn
 from autopar.runtime.meshes import _mesh_kinds, fsdp_sharded
 from autopar.runtime.pipeline_p2p import replica_ranks
 from autopar.runtime.tied_grads import FlatTiedSync, FullTiedSync, LocalTiedSum, TiedEntry, check_agreement
-from autopar.runtime.validate import get_submodule
+from autopar.runtime.validate import stage_parameters
 from autopar.schema.plan import StagePlan
 
 
@@ -103,11 +103,11 @@ class TiedParameters:
 
     def _stage_params(self, si: int) -> set[str]:
         """Canonical names of the parameters chunk `si` holds: a traced chunk's own (it holds a
-        weight it reads outside the modules it runs, a tied head's), else its layers'."""
+        weight it reads outside the modules it runs, a tied head's), else the plan's
+        (`validate.stage_parameters`)."""
         if si in getattr(self, "chunk_params", {}):
             return self.chunk_params[si]
-        return {self.aliases.get(f"{fqn}.{n}", f"{fqn}.{n}") for fqn in self.stages[si].layers
-                for n, _ in get_submodule(self.model, fqn).named_parameters(remove_duplicate=False)}
+        return stage_parameters(self.model, self.stages[si], self.aliases)
 
     def _placement_of(self, s: StagePlan, canon: str) -> tuple[str, ...]:
         """Stage `s`'s placement of the parameter `canon` as the plan records it and FSDP reads

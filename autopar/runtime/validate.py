@@ -9,7 +9,7 @@ from autopar.runtime.meshes import _mesh_kinds
 from autopar.schema.errors import PlanError
 from autopar.schema.mesh_axes import MESH_AXIS_KINDS
 from autopar.schema.placement import shard_dim
-from autopar.schema.plan import Plan
+from autopar.schema.plan import Plan, StagePlan
 from cost_models.schedules import SCHEDULES, schedule_kind
 
 
@@ -19,6 +19,26 @@ def get_submodule(root: nn.Module, fqn: str) -> nn.Module:
         return root.get_submodule(fqn)
     except AttributeError:
         raise PlanError(f"the plan names layer {fqn!r}, which the model does not have") from None
+
+
+def stage_parameters(model: nn.Module, stage: StagePlan, aliases: dict[str, str]) -> set[str]:
+    """Canonical names of the parameters `stage` holds: those under the modules it runs
+    (`layers`) and those its placements name, which the planner gives it for every parameter its
+    ops read (`planner._placements`), held by no module of the stage or by none at all (a gain
+    read in the model's own forward, a tied head written `x @ emb.weight.t()`). A parameter
+    several stages read is held by each, its gradients summed (`tied_groups`)."""
+    held = {aliases.get(f"{fqn}.{n}", f"{fqn}.{n}") for fqn in stage.layers
+            for n, _ in get_submodule(model, fqn).named_parameters(remove_duplicate=False)}
+    return held | {aliases.get(f, f) for f in stage.placements}
+
+
+def check_covered(model: nn.Module, stages: list[StagePlan], aliases: dict[str, str]) -> None:
+    """A PlanError naming the model's parameters no stage holds (`stage_parameters`)."""
+    covered = set().union(*(stage_parameters(model, s, aliases) for s in stages))
+    missing = sorted(set(aliases.values()) - covered)
+    if missing:
+        raise PlanError(f"the plan's stages leave parameters out: {', '.join(missing[:5])}; place each in the "
+                        f"stages whose ops read it (their `placements`), or re-plan with `autopar plan`")
 
 
 def validate_plan(plan: Plan, model: nn.Module) -> dict:
@@ -63,15 +83,7 @@ def validate_plan(plan: Plan, model: nn.Module) -> dict:
         if v > 1 and M % pp != 0:
             raise PlanError(f"interleaved 1F1B needs num_microbatches ({M}) to be a multiple of "
                             f"the pipeline depth ({pp})")
-        aliases = canonical_names(model)
-        covered = set()
-        for s in stages:
-            for fqn in s.layers:
-                for n, _ in get_submodule(model, fqn).named_parameters(remove_duplicate=False):
-                    covered.add(aliases.get(f"{fqn}.{n}", f"{fqn}.{n}"))
-        missing = sorted(set(aliases.values()) - covered)
-        if missing:
-            raise PlanError(f"the plan's stages leave parameters out: {', '.join(missing[:5])}")
+        check_covered(model, stages, canonical_names(model))
     refused = plan.search.get("tp_executor") if isinstance(plan.search, dict) else None
     for s in stages:
         if s.axis_size("tp") > 1 and s.op_layouts is None:
