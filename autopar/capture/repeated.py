@@ -36,11 +36,12 @@ loop's last index past it); such a model needs `capture(..., repeated=False)`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from collections import Counter, OrderedDict
 from dataclasses import replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch.nn as nn
 
@@ -136,6 +137,17 @@ def find_stack(model: nn.Module, layers: list[str]) -> tuple[Optional[Stack], st
     if isinstance(types, (list, tuple)) and len(set(types)) > 1:
         return None, "the blocks differ by configuration (config.layer_types)"
     return Stack(fqn, container), ""
+
+
+@contextlib.contextmanager
+def cut_to(stack: Stack, k: int) -> Iterator[None]:
+    """The model with `stack` cut to its first `k` blocks, inside the block."""
+    full = stack.module._modules
+    stack.module._modules = OrderedDict(list(full.items())[:k])
+    try:
+        yield
+    finally:
+        stack.module._modules = full
 
 
 def stitched(stack: Stack, export_raw: Callable[[], Exported]) -> tuple[Optional[Raw], str]:
