@@ -91,6 +91,7 @@ def run_case(case: tuple, jobs: int) -> dict:
             "cpu_s": sum(rc.cpu_s for rc in rep.ranks),
             "errors": errors, "worst": max(errors, key=abs) if errors else None,
             "built": all(rc.error is None for rc in rep.ranks), "collectives_match": rep.collectives_match,
+            "collectives": rep.collectives_measured, "collectives_planned": rep.collectives_predicted,
             "failures": rep.failures,
             "kinds_off": [{"stages": rc.stages, "error": rc.memory_error, "tracked": rc.tracked_categories,
                            "predicted": rc.predicted_categories}

@@ -140,3 +140,32 @@ def test_verify_checks_folded_plans():
         assert p.experts.folded and p.stages[0].op_layouts is not None
         report = autopar.verify(p, "moe-tiny")
         assert report.ok and report.collectives_match is True, (pins, report.failures)
+
+
+# Hugging Face Mixtral at its own width (hidden 4096, 32 heads, 8 KV heads), few small experts and
+# a small vocabulary: wide enough that on H100s Megatron-SP pays and the ILP would lay the
+# block's elementwise ops on hidden slices if left free
+_MIXTRAL_WIDE = ("hf:mixtral?hidden_size=4096&intermediate_size=1024&num_key_value_heads=8&num_local_experts=4"
+                 "&num_hidden_layers=2&num_attention_heads=32&vocab_size=1024&seq_len=4096")
+
+
+def test_verify_counts_folded_hf_mixtral_under_sp_in_a_pipeline_as_planned():
+    """HF Mixtral folded (ep 2 over tp 2, dp 1) with sequence parallelism in 2 pipeline stages on
+    H100s, verified on its fake process group: each stage's forward/backward collectives and the
+    step's equal the plan's. The executor runs an expert block's ops as one call reading its inputs
+    replicated over tp, so the ILP keeps them replicated (`IlpProvider._expert_ops`): left free
+    under SP it ran the routing-weight product on hidden slices and counted an all-reduce of the
+    top-k weights' partial gradient per block and micro-batch that no rank issues (Mixtral 8x7B on
+    16 H100: 8192 planned, 6144 run); and each stage's check counts the folded all-gathers and
+    all-to-alls of its own blocks, not every block of the model."""
+    pytest.importorskip("transformers")
+    import autopar
+
+    cl = ClusterSpec.load("dgx-h100").model_copy(update={"devices_per_node": 4})
+    p = plan(_MIXTRAL_WIDE, cl, global_batch_size=2, constraints=Constraints(
+        dp=1, tp=2, pp=2, ep=2, expert_tp=1, zero_stage=1, recompute="none", num_microbatches=2,
+        schedule="1f1b", sequence_parallel=True))
+    assert p.experts.folded and p.sequence_parallel and all(s.op_layouts is not None for s in p.stages)
+    report = autopar.verify(p, _MIXTRAL_WIDE)
+    assert report.collectives_match is True, report.failures
+    assert report.ok and all(rc.tp_measured == rc.tp_predicted for rc in report.ranks), report.failures

@@ -83,6 +83,7 @@ class IlpProvider(AnalyticProvider):
         self._provisional: dict[tuple[str, int, int], Layer] = {}
         self._self_pins: dict[tuple[str, int, int], dict[str, tuple[str]]] = {}   # `_settle`
         self._depth = 0                                   # nesting of `cost` calls
+        self._expert_modules: Optional[tuple[str, ...]] = None    # `_expert_ops`
 
     def crossing_at(self, index: int, mb: int, tp: int) -> tuple[float, float, int, int]:
         """`crossing` per rank: with Megatron-SP, a tensor crossing with a gradient (the
@@ -187,9 +188,37 @@ class IlpProvider(AnalyticProvider):
         return pins
 
     def _fixed_ops(self, layer: Layer, mb: int, tp: int) -> dict[str, str]:
-        """{op: the strategy it must take} in `layer`'s solve (`solve_graph`'s `fixed_ops`):
-        none here, the ILP chooses every op's."""
-        return {}
+        """{op: the strategy it must take} in `layer`'s solve (`solve_graph`'s `fixed_ops`): the
+        ops of an expert block replicated over tp (`_expert_ops`); the ILP chooses every other's."""
+        return self._expert_ops(layer) if tp > 1 else {}
+
+    def _expert_ops(self, layer: Layer) -> dict[str, str]:
+        """{op: "replicate"} for the ops of `layer` inside an expert block's module
+        (`capture.experts.find_expert_blocks`). With expert parallelism the executor runs those
+        ops as one call of `runtime.experts.ExpertParallelExperts`, which reads its inputs
+        replicated over tp and hands its output on replicated: its only tp collectives are the
+        redistributions of the block's inputs and output, which the ILP counts on the edges into
+        and out of the block when the block's ops are replicated. Left free, under
+        Megatron-SP (where slicing an activation along its hidden dim is not penalised,
+        `IntraOpProblem._unrunnable`) the ILP ran the routing-weight product on hidden slices:
+        its partial gradient of the top-k weights was one all-reduce per block and micro-batch
+        that no rank issued (HF Mixtral 8x7B folded over dp4 x tp2, SP: 8192 all-reduces
+        planned, 6144 run). The solutions are shared by every ep degree (ep 1 runs the ops as
+        solved, replicated as well)."""
+        if self._expert_modules is None:
+            from autopar.capture.experts import find_expert_blocks
+
+            self._expert_modules = tuple(b.module for b in find_expert_blocks(self.graph))
+        if not self._expert_modules:
+            return {}
+        out = {}
+        for name in layer.nodes:
+            n = self.graph.node(name)
+            path = n.module_path or ""
+            if n.kind == "call" and n.outputs and any(path == m or path.startswith(m + ".")
+                                                      for m in self._expert_modules):
+                out[name] = "replicate"
+        return out
 
     def entry_solutions(self, spans: list[tuple[int, int, int, str]], mb: int
                         ) -> dict[int, tuple[ShardingSolution, Layer]]:
@@ -389,7 +418,8 @@ class IlpProvider(AnalyticProvider):
                 "time_limit_s": self.time_limit_s, "pins": self._pins(layer, mb, tp) if tp > 1 else {},
                 "boundaries": [sorted(x.items()) if isinstance(x, dict) else sorted(x)
                                for x in self._boundaries(layer, mb, tp)],
-                "grad_inputs": sorted(self._grad_inputs(layer))})
+                "grad_inputs": sorted(self._grad_inputs(layer)),
+                "fixed_ops": sorted(self._fixed_ops(layer, mb, tp).items())})
             hit = self.cost_cache.get(key) if key is not None else None
             if hit is not None:
                 if tp > 1 and not any(i.startswith(_ILP_FAILED) for i in hit.issues):

@@ -107,8 +107,9 @@ def pinned_provider(graph: OpGraph, layers: list[Layer], analytic: AnalyticProvi
             return {f: (at[f],) for f in set(layer.params) if f in at}
 
         def _fixed_ops(self, layer: Layer, mb: int, tp: int) -> dict[str, str]:
-            # the ops the analytic rules run vocabulary-parallel, and price so, run so
-            out = {}
+            # the ops the analytic rules run vocabulary-parallel, and price so, run so (and the
+            # expert blocks' ops replicated, `IlpProvider._expert_ops`)
+            out = super()._fixed_ops(layer, mb, tp)
             for n, kind in self.vocab_parallel_ops(layer, mb, tp).items():
                 if kind == "embedding":
                     out[n] = "v@0"

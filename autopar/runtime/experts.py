@@ -34,7 +34,8 @@ shard the expert weights' optimizer state over the ranks holding the same expert
 (`ExpertGroups.fully_shard`). With tensor parallelism the experts are replicated over tp:
 each tp coordinate's dp ranks form their own ep groups (`expert_meshes`). A stage run op by op
 as solved (every tp stage: issue 20, one executor) runs each expert block's ops (replicated in
-the solution) as one call of this module on its inputs
+the solution: the ILP keeps them so, `inter_op.ilp_provider.IlpProvider._expert_ops`) as one
+call of this module on its inputs
 (`program_calls`, `intra_op.execute.ShardedProgram.replace_modules`), under ZeRO-3 too (each
 expert block's call nested in its layer's FSDP unit's run of ops). Either in one stage (in a
 pipeline the counted collectives differ from the plan's; moe-tiny with tp does not run in

@@ -150,13 +150,24 @@ def _expert_tp_counts(plan: Plan, kind: RankKind) -> Counter:
         FOLD_FORWARD,
     )
 
-    stages = [s for s in plan.stages if s.index in kind.stages]
-    full = any(s.recompute == "full" for s in stages)
-    n = len(ex.blocks) * plan.num_microbatches
-    if ex.folded:
-        return Counter({"all_gather": n * (FOLD_FORWARD + FOLD_BACKWARD + (FOLD_FORWARD if full else 0)),
-                        "all_to_all": n * (A2A_FORWARD + A2A_BACKWARD + (A2A_FORWARD if full else 0))})
-    return Counter({"all_reduce": n * (ETP_FORWARD + ETP_BACKWARD + (ETP_FORWARD if full else 0))})
+    out: Counter = Counter()
+    for s in plan.stages:
+        if s.index not in kind.stages:
+            continue
+        # the blocks of this stage (a pipeline stage holds some of the model's), per micro-batch
+        n = plan.num_microbatches * sum(any(_under(b.module, lay) for lay in s.layers) for b in ex.blocks)
+        again = s.recompute == "full"          # the forward's again in the backward
+        if ex.folded:
+            out["all_gather"] += n * (FOLD_FORWARD + FOLD_BACKWARD + (FOLD_FORWARD if again else 0))
+            out["all_to_all"] += n * (A2A_FORWARD + A2A_BACKWARD + (A2A_FORWARD if again else 0))
+        else:
+            out["all_reduce"] += n * (ETP_FORWARD + ETP_BACKWARD + (ETP_FORWARD if again else 0))
+    return +out
+
+
+def _under(fqn: str, prefix: str) -> bool:
+    """Whether module `fqn` is `prefix` or lies inside it."""
+    return fqn == prefix or fqn.startswith(prefix + ".")
 
 
 def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKind, *,
