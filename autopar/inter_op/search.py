@@ -285,6 +285,9 @@ class _Tables:
         # "microbatch", set by `Search._tables`): each backward holds its units' gradients as one
         # micro-batch's does, their fp32 shards accumulated; one reduce-scatter per micro-batch
         self.rs_each = False
+        # ZeRO-3's collectives on their own streams beside the compute (`SoftwareSpec.
+        # zero3_overlap`, set by `Search._tables`): a micro-batch pays what exceeds its compute
+        self.zero3_overlap = False
         self._relief: dict[str, np.ndarray] = {}
         self._temporaries: dict[tuple, float] = {}           # `chunk_temporaries`, per chunks
         self._holders: dict[tuple[int, int], list] = {}       # `_holder_sizes`, per layer range
@@ -1091,9 +1094,23 @@ class _Tables:
         return np.concatenate([[0.0], np.cumsum([sum(u > 0 for u in us) for us in self.module_units])])
 
     def range_zero_mb(self) -> np.ndarray:
-        """`zero_mb` of every layer range (each as one stage's chunk)."""
-        return self.zero_mb(self.range_pel, self.range_epel, np.where(self.valid, self.ranged(self.layer_units), 0.0),
-                            self.range_eunits)
+        """`zero_mb` of every layer range (each as one stage's chunk), as much of it as the
+        micro-batch waits for (`exposed_zero`)."""
+        z = self.zero_mb(self.range_pel, self.range_epel, np.where(self.valid, self.ranged(self.layer_units), 0.0),
+                         self.range_eunits)
+        return self.exposed_zero(z, self.ranged(self.compute))
+
+    def exposed_zero(self, zero: Any, window: Any) -> Any:
+        """Of a micro-batch's ZeRO-3 collectives (`zero_mb`), the seconds it waits for: all of
+        them, or with `zero3_overlap` (`SoftwareSpec.zero3_overlap`: the next unit's all-gather
+        prefetched on its own stream while a unit computes, reduce-scatters beside the next
+        unit's backward) what exceeds `window`, the micro-batch's forward and backward compute
+        (its recomputation and its layers' own collectives not counted as cover). An
+        assumption, labelled: the gather of the step's first unit, which nothing precedes, and
+        the compute the collectives' kernels slow are not charged."""
+        if not self.zero3_overlap:
+            return zero
+        return np.maximum(np.asarray(zero) - np.asarray(window), 0.0)
 
 
 def _accumulated_elems(pel: Any, dp: int, sharded: bool, epel: Any = 0.0, ecopies: int = 1) -> Any:
@@ -1951,7 +1968,8 @@ class Search:
                      copies: int = 1, stride: int = 1) -> tuple[float, float]:
         """What every stage of `pel` parameter elements (the average stage's) adds to the layers'
         time at least, for a candidate's lower bound: (per micro-batch: ZeRO-3's two weight
-        all-gathers without their latency (a stage may hold no parameter; `_Tables.zero_mb`)
+        all-gathers without their latency (a stage may hold no parameter; `_Tables.zero_mb`;
+        none where they run beside the compute, `SoftwareSpec.zero3_overlap`)
         and the gradient accumulation (`_Tables.accum`); the step's tail: the gradient sync no
         backward can hide and the optimizer step of one flat tensor). Each grows with a stage's
         parameters, so the average stage's is at most the slowest's (`_stage`, `_finish`).
@@ -1960,7 +1978,7 @@ class Search:
         all-gathers priced there, their sync left out of the bound."""
         per_mb = 0.0
         w = PRECISION_POLICIES[self.policy][0]
-        if zero == 3 and dp > 1:
+        if zero == 3 and dp > 1 and not self.software.zero3_overlap:     # else it may hide entirely
             per_mb += 2 * _dp_affine(self.cluster, "all_gather", dp, tp)[1] * (pel - epel) * w
             if copies > 1:
                 per_mb += 2 * _dp_affine(self.cluster, "all_gather", copies, stride)[1] * epel * w
@@ -2371,6 +2389,7 @@ class Search:
                          cast_bytes=self.software.param_cast_bytes(self.dtype),
                          cast_saved=self.software.param_cast_saved_bytes(self.dtype))
             tb.rs_each = rs_each and tb.zero3
+            tb.zero3_overlap = self.software.zero3_overlap
             if ep > 1:
                 blocks = np.array([len(self.experts.by_layer.get(i, ())) for i in range(self.L)], dtype=float)
                 if fold:
@@ -2502,7 +2521,8 @@ class Search:
         epel = sum(float(tb.range_epel[k, j]) for k, j in chunks)
         units = sum(float(tb.layer_units[j] - tb.layer_units[k]) for k, j in chunks)
         eunits = sum(float(tb.range_eunits[k, j]) for k, j in chunks)
-        t += float(tb.zero_mb(pel, epel, units, eunits))
+        window = sum(float(tb.compute[j] - tb.compute[k]) for k, j in chunks)
+        t += float(tb.exposed_zero(tb.zero_mb(pel, epel, units, eunits), window))
         acc = float(tb.accum(pel, cand.m, epel))
         t += acc
         comp += acc
