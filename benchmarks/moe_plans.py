@@ -172,7 +172,8 @@ def published() -> None:
         software = SoftwareSpec.load(case.software)
         if case.software_update:
             named = ", ".join(f"{k}={v}" for k, v in case.software_update.items())
-            software = software.model_copy(update={**case.software_update, "name": f"{software.name} ({named})"})
+            software = SoftwareSpec.model_validate({**software.model_dump(), **case.software_update,
+                                                    "name": f"{software.name} ({named})"})
         try:
             p = plan(bundle, ClusterSpec.load(case.profile, num_nodes=case.nodes), global_batch_size=case.global_batch,
                      graph=graph, cache=True, constraints=Constraints(**case.pins), software=software)
