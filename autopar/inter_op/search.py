@@ -288,6 +288,7 @@ class _Tables:
         # ZeRO-3's collectives on their own streams beside the compute (`SoftwareSpec.
         # zero3_overlap`, set by `Search._tables`): a micro-batch pays what exceeds its compute
         self.zero3_overlap = False
+        self._zero_ranges: Optional[np.ndarray] = None      # `range_zero_mb`, once made
         self._relief: dict[str, np.ndarray] = {}
         self._temporaries: dict[tuple, float] = {}           # `chunk_temporaries`, per chunks
         self._holders: dict[tuple[int, int], list] = {}       # `_holder_sizes`, per layer range
@@ -1095,10 +1096,14 @@ class _Tables:
 
     def range_zero_mb(self) -> np.ndarray:
         """`zero_mb` of every layer range (each as one stage's chunk), as much of it as the
-        micro-batch waits for (`exposed_zero`)."""
-        z = self.zero_mb(self.range_pel, self.range_epel, np.where(self.valid, self.ranged(self.layer_units), 0.0),
-                         self.range_eunits)
-        return self.exposed_zero(z, self.ranged(self.compute))
+        micro-batch waits for (`exposed_zero`). Kept once made: every candidate on this table asks
+        for it, after `Search._tables` set what it reads (read-only)."""
+        if self._zero_ranges is None:
+            z = self.zero_mb(self.range_pel, self.range_epel,
+                             np.where(self.valid, self.ranged(self.layer_units), 0.0), self.range_eunits)
+            self._zero_ranges = np.asarray(self.exposed_zero(z, self.ranged(self.compute)))
+            self._zero_ranges.setflags(write=False)
+        return self._zero_ranges
 
     def exposed_zero(self, zero: Any, window: Any) -> Any:
         """Of a micro-batch's ZeRO-3 collectives (`zero_mb`), the seconds it waits for: all of
