@@ -37,8 +37,9 @@ What is approximated, and why (to keep a 1000-GPU search within seconds on two c
 - ZeRO 1 and 2 cost the same communication (one reduce-scatter + one all-gather per stage and
   step, as the runtime issues them); ZeRO 2's memory counts sharded gradients (design.md).
   ZeRO 3 (FSDP per layer) all-gathers each unit's weights for every micro-batch's forward and
-  backward, each collective's latency once per unit (`_Tables.zero_mb`). In a pipeline the
-  runtime gathers a unit m + 1 times a step, not 2m (`planner._zero3_counts`): priced as 2m.
+  backward, in a pipeline m + 1 times a step (`_zero3_gathers`, as `planner._zero3_counts`
+  counts them), each collective's latency once per unit (`_Tables.zero_mb`; Alpa's free
+  sub-mesh choice prices 2 a micro-batch whatever its stage count).
 - Stages of different tp (Alpa's free sub-mesh choice, small clusters): a stage feeding a
   neighbour with more tp ranks sends it one copy per receiving rank (the runtime's fan-out);
   the DP costs one, the extra copies are added to the stages it picks (`_fanout_sends`). A
@@ -288,7 +289,7 @@ class _Tables:
         # ZeRO-3's collectives on their own streams beside the compute (`SoftwareSpec.
         # zero3_overlap`, set by `Search._tables`): a micro-batch pays what exceeds its compute
         self.zero3_overlap = False
-        self._zero_ranges: Optional[np.ndarray] = None      # `range_zero_mb`, once made
+        self._zero_ranges: dict[float, np.ndarray] = {}     # `range_zero_mb`, per gathers
         self._relief: dict[str, np.ndarray] = {}
         self._temporaries: dict[tuple, float] = {}           # `chunk_temporaries`, per chunks
         self._holders: dict[tuple[int, int], list] = {}       # `_holder_sizes`, per layer range
@@ -710,7 +711,7 @@ class _Tables:
             hit = self._ranged[id(arr)] = (arr, out)
         return hit[1]
 
-    def zero_mb(self, pel: Any, epel: Any = 0.0, units: Any = 0.0, eunits: Any = 0.0) -> Any:
+    def zero_mb(self, pel: Any, epel: Any = 0.0, units: Any = 0.0, eunits: Any = 0.0, gathers: float = 2.0) -> Any:
         """ZeRO-3 collectives per micro-batch of `pel` parameter elements per device (of which
         `epel` expert weights), as the runtime issues them (`runtime.zero.ZeroSharding.
         _fully_shard`): each of the `units` dense FSDP units all-gathered over dp for the forward
@@ -721,22 +722,24 @@ class _Tables:
         copy (FSDP leaves them alone). With `rs_each` every unit's gradients are also
         reduce-scattered over the same group in every micro-batch's backward (the step's sync
         has none left, `sync`). Each collective is the cluster's affine model (`_dp_coll`): its
-        intercept once per unit, its slope times the bytes."""
+        intercept once per unit, its slope times the bytes. `gathers`: all-gathers of a unit per
+        micro-batch, 2 in one stage; in a pipeline (torch.pipelining drives the stage's FSDP root,
+        resharding after the last backward only) a unit is gathered m + 1 times a step
+        (`_zero3_gathers`, `planner._zero3_counts`)."""
         w, g, _ = self.wgo
         if self.dp == 1 or self.zero < 3:
             return np.zeros_like(np.asarray(pel, dtype=float))
         pel, epel = np.asarray(pel, dtype=float), np.asarray(epel, dtype=float)
-        kinds = ("all_gather", "all_gather") + (("reduce_scatter",) if self.rs_each else ())
-        sizes = (w, w, g)
+        kinds = (("all_gather", w, gathers),) + ((("reduce_scatter", g, 1.0),) if self.rs_each else ())
         out = np.zeros_like(pel)
         groups = [(pel - epel, units, self.dp, self.tp)]
         if self.ep > 1:
             groups.append((epel, eunits, self.ecopies, self.estride))
         for elems, n, size, stride in groups:
-            for kind, b in zip(kinds, sizes):
+            for kind, b, times in kinds:
                 a, slope = _dp_affine(self.cluster, kind, size, stride)
                 # a stage's parameters outside every unit are its root unit's: one at least
-                out = out + np.where(elems > 0, a * np.maximum(n, 1.0) + slope * elems * b, 0.0)
+                out = out + times * np.where(elems > 0, a * np.maximum(n, 1.0) + slope * elems * b, 0.0)
         return out
 
     def phases(self, pel: Any, m: int, root: Any = 0.0, unit: Any = 0.0, largest: Any = 0.0,
@@ -1094,16 +1097,18 @@ class _Tables:
         each one collective of each kind per pass, `zero_mb`)."""
         return np.concatenate([[0.0], np.cumsum([sum(u > 0 for u in us) for us in self.module_units])])
 
-    def range_zero_mb(self) -> np.ndarray:
-        """`zero_mb` of every layer range (each as one stage's chunk), as much of it as the
-        micro-batch waits for (`exposed_zero`). Kept once made: every candidate on this table asks
-        for it, after `Search._tables` set what it reads (read-only)."""
-        if self._zero_ranges is None:
-            z = self.zero_mb(self.range_pel, self.range_epel,
-                             np.where(self.valid, self.ranged(self.layer_units), 0.0), self.range_eunits)
-            self._zero_ranges = np.asarray(self.exposed_zero(z, self.ranged(self.compute)))
-            self._zero_ranges.setflags(write=False)
-        return self._zero_ranges
+    def range_zero_mb(self, gathers: float = 2.0) -> np.ndarray:
+        """`zero_mb` of every layer range (each as one stage's chunk; `gathers` a unit's
+        all-gathers per micro-batch), as much of it as the micro-batch waits for
+        (`exposed_zero`). Kept per `gathers` once made: the candidates on this table ask for the
+        same, after `Search._tables` set what it reads (read-only)."""
+        hit = self._zero_ranges.get(gathers)
+        if hit is None:
+            z = self.zero_mb(self.range_pel, self.range_epel, np.where(self.valid, self.ranged(self.layer_units), 0.0),
+                             self.range_eunits, gathers)
+            hit = self._zero_ranges[gathers] = np.asarray(self.exposed_zero(z, self.ranged(self.compute)))
+            hit.setflags(write=False)
+        return hit
 
     def exposed_zero(self, zero: Any, window: Any) -> Any:
         """Of a micro-batch's ZeRO-3 collectives (`zero_mb`), the seconds it waits for: all of
@@ -1246,6 +1251,14 @@ def _dp_coll(cluster: ClusterSpec, kind: str, nbytes: float, dp: int, tp: int) -
         _LINEAR[key] = (t1 - slope * 1e6, slope)
     a, b = _LINEAR[key]
     return max(0.0, a + b * nbytes)
+
+
+def _zero3_gathers(pp: int, m: int) -> float:
+    """All-gathers of a ZeRO-3 unit per micro-batch as the runtime issues them
+    (`planner._zero3_counts`): 2 in one stage (gathered for the forward, again for the
+    backward); in a pipeline m + 1 a step of m micro-batches (one per forward, one for all the
+    backwards: torch.pipelining reshards after the last)."""
+    return 2.0 if pp <= 1 else (m + 1) / m
 
 
 def _dp_affine(cluster: ClusterSpec, kind: str, dp: int, tp: int) -> tuple[float, float]:
@@ -1940,7 +1953,7 @@ class Search:
                 self.considered_infeasible += len(self.schedules(pp, m))
                 continue
             copies, stride = (dp * tp // ep, ep) if fold else (reps // ep, tp * ep)
-            per_mb, tail = self._bound_terms(reps, tp, z, m, pel, epel, copies if ep > 1 else 1, stride)
+            per_mb, tail = self._bound_terms(reps, tp, z, m, pel, epel, copies if ep > 1 else 1, stride, pp)
             for sched, v in self.schedules(pp, m):
                 # lower bound: balanced stages, the schedule's bubble, the step's tail
                 lb = (ideal + m * per_mb) * (1 + schedule_kind(sched).bubble_fraction(pp, m, v)) + tail
@@ -1970,7 +1983,7 @@ class Search:
         return hit
 
     def _bound_terms(self, dp: int, tp: int, zero: int, m: int, pel: float, epel: float = 0.0,
-                     copies: int = 1, stride: int = 1) -> tuple[float, float]:
+                     copies: int = 1, stride: int = 1, pp: int = 1) -> tuple[float, float]:
         """What every stage of `pel` parameter elements (the average stage's) adds to the layers'
         time at least, for a candidate's lower bound: (per micro-batch: ZeRO-3's two weight
         all-gathers without their latency (a stage may hold no parameter; `_Tables.zero_mb`;
@@ -1984,9 +1997,9 @@ class Search:
         per_mb = 0.0
         w = PRECISION_POLICIES[self.policy][0]
         if zero == 3 and dp > 1 and not self.software.zero3_overlap:     # else it may hide entirely
-            per_mb += 2 * _dp_affine(self.cluster, "all_gather", dp, tp)[1] * (pel - epel) * w
+            per_mb += _zero3_gathers(pp, m) * _dp_affine(self.cluster, "all_gather", dp, tp)[1] * (pel - epel) * w
             if copies > 1:
-                per_mb += 2 * _dp_affine(self.cluster, "all_gather", copies, stride)[1] * epel * w
+                per_mb += _zero3_gathers(pp, m) * _dp_affine(self.cluster, "all_gather", copies, stride)[1] * epel * w
         if m > 1:
             # reduced every micro-batch, into the shards (`_Tables.accum`): at least that
             each = zero == 3 and dp > 1 and self.cons.zero3_grad_sync != "step"
@@ -2158,7 +2171,8 @@ class Search:
         L, p, m = self.L, cand.pp, cand.m
         pel = tb.range_pel
         fixed = tb.fixed_memory(pel, m)
-        t_common = tb.ranged(tb.base) + tb.range_p2p + tb.range_zero_mb() + tb.accum(pel, m, tb.range_epel)
+        t_common = (tb.ranged(tb.base) + tb.range_p2p + tb.range_zero_mb(_zero3_gathers(p, m))
+                    + tb.accum(pel, m, tb.range_epel))
         cost = np.full((L, L + 1, 1, p + 1), INF)
         choice = np.full((L, L + 1, p + 1), -1, dtype=int)
         rcs = self.recomputes()
@@ -2450,7 +2464,7 @@ class Search:
             ck = (cand.mb, cand.tp, cand.dp, nch, r, cand.zero == 3, cand.ep, cand.cp, cand.etp, cand.fold)
             res = self._chunk_cache.get(ck)
             if ck not in self._chunk_cache:
-                t = (tb.ranged(tb.base) + tb.range_p2p + tb.ranged(tb.rc[r]) + tb.range_zero_mb()
+                t = (tb.ranged(tb.base) + tb.range_p2p + tb.ranged(tb.rc[r]) + tb.range_zero_mb(_zero3_gathers(p, m))
                      + tb.accum(tb.range_pel, m, tb.range_epel))
                 res = self._chunk_cache[ck] = balanced_chunks(np.where(tb.valid, t, INF), nch)
             if res is None:
@@ -2527,7 +2541,7 @@ class Search:
         units = sum(float(tb.layer_units[j] - tb.layer_units[k]) for k, j in chunks)
         eunits = sum(float(tb.range_eunits[k, j]) for k, j in chunks)
         window = sum(float(tb.compute[j] - tb.compute[k]) for k, j in chunks)
-        t += float(tb.exposed_zero(tb.zero_mb(pel, epel, units, eunits), window))
+        t += float(tb.exposed_zero(tb.zero_mb(pel, epel, units, eunits, _zero3_gathers(cand.pp, cand.m)), window))
         acc = float(tb.accum(pel, cand.m, epel))
         t += acc
         comp += acc
