@@ -316,6 +316,56 @@ def test_zero3_reduce_scatter_every_microbatch_trains_like_one_process(launched)
     assert all(r["collectives"] == p.predicted.collectives for r in steps), [r["collectives"] for r in steps]
 
 
+@pytest.mark.parametrize("layout", ["ep2_of_dp4", "folded_ep2_of_dp2_tp2"])
+def test_zero3_expert_units_priced_over_the_runtimes_expert_dp_groups(layout):
+    """Under ZeRO-3 the runtime makes each experts module an FSDP unit of its own over the ranks
+    holding the same experts (`runtime.experts.ExpertGroups.fully_shard` on `expert_meshes`'
+    "edp" groups), apart from the dense units over dp. The search prices those units'
+    per-micro-batch all-gathers and reduce-scatters over the same ranks (`_Tables.zero_mb`: a
+    group of `ecopies` ranks `estride` apart) and charges one collective per unit: rank 0's
+    "edp" group as the runtime builds it (on a fake process group) is the search's, and the
+    search's unit counts are the plan's (its FSDP units, its expert blocks). Not over dp, as
+    priced until session 34 (Qwen3-235B EP8 FSDP: its expert units over 32 ranks one per node,
+    not 128 four per node). The plans are the launched tests' (ZeRO-3 at ep 2 x dp 2, and
+    folded over dp 2 x tp 2)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autopar.inter_op import search as search_mod
+    from autopar.inter_op.layers import build_layers
+    from autopar.inter_op.stage_cost import AnalyticProvider
+    from autopar.runtime.experts import expert_meshes
+
+    p = (_plan(2, zero_stage=3, zero3_grad_sync="microbatch") if layout == "ep2_of_dp4"
+         else _folded(3, ep=2, expert_dp=2))
+    b = build_model("moe-tiny", device="meta")
+    g = capture(b.model, b.example_inputs, name="moe-tiny", cache=True)
+    layers = build_layers(g, b.model)
+    cl = _cpu(4)
+    s = search_mod.Search(g, layers, cl, 8, "fp32", Constraints(), AnalyticProvider(g, layers, cl, "fp32"))
+    cand = search_mod.Candidate(p.dp, p.tp, 1, p.microbatch_size, p.num_microbatches, p.schedule, 1, 3,
+                                ep=p.experts.ep, fold=p.experts.folded, rs_each=p.zero3_grad_sync == "microbatch")
+    tb = s.tables_for(cand)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        edp = expert_meshes(p, "cpu")[tuple(p.stages[0].devices)]["edp"].mesh.flatten().tolist()
+    finally:
+        dist.destroy_process_group()
+    assert p.experts.expert_dp == tb.ecopies == len(edp) > 1
+    assert [i * tb.estride for i in range(tb.ecopies)] == edp
+    L = tb.L
+    assert tb.range_eunits[0, L] == len(p.experts.blocks)
+    assert tb.layer_units[L] == len(p.stages[0].fsdp_units)
+    # the experts' part of a micro-batch: their all-gathers (forward, backward) and, reducing
+    # every micro-batch, reduce-scatters over that group, one intercept per unit, their bytes
+    e = float(tb.range_epel[0, L])
+    n = len(p.experts.blocks)
+    kinds = ("all_gather", "all_gather") + (("reduce_scatter",) if cand.rs_each else ())
+    want = sum(n * search_mod._dp_affine(cl, kind, len(edp), tb.estride)[0]
+               + search_mod._dp_affine(cl, kind, len(edp), tb.estride)[1] * e * 4 for kind in kinds)
+    assert float(tb.zero_mb(e, e, 0.0, n)) == pytest.approx(want, rel=1e-9)
+
+
 def test_zero3_reduce_scatter_every_microbatch_planned_where_accumulating_does_not_fit():
     """Reducing every micro-batch holds fp32 gradient shards (4 / dp bytes a parameter) in place
     of the unsharded accumulated ones: less memory. Left to the search, the plan accumulates

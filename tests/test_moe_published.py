@@ -27,8 +27,14 @@ def _bench():
 
 def test_each_published_case_is_a_valid_pin_on_its_gpu_count():
     """dp x tp x pp of every pinned layout is the run's GPU count (8 per DGX node) and each pin
-    is a valid `Constraints`; every case names its source and what was assumed."""
+    is a valid `Constraints`; every case names its source and what was assumed, and the fields
+    of its software preset it changes are `SoftwareSpec` fields with valid values."""
+    from autopar.schema.software import SoftwareSpec
+
     for case in _bench().PUBLISHED:
+        base = SoftwareSpec.load(case.software)
+        changed = SoftwareSpec.model_validate({**base.model_dump(), **case.software_update})
+        assert all(getattr(changed, k) == v for k, v in case.software_update.items()), case.name
         c = Constraints(**case.pins)
         assert c.dp * (c.tp or 1) * (c.pp or 1) == 8 * case.nodes, case.name
         assert case.source and case.assumed and case.flops_rule

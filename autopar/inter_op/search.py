@@ -36,8 +36,10 @@ What is approximated, and why (to keep a 1000-GPU search within seconds on two c
   sums of v non-adjacent chunks, which its additive recurrence cannot express.
 - ZeRO 1 and 2 cost the same communication (one reduce-scatter + one all-gather per stage and
   step, as the runtime issues them); ZeRO 2's memory counts sharded gradients (design.md).
-  ZeRO 3 (FSDP per layer) all-gathers the weights per micro-batch, and is only searched with
-  tp = 1 (what the runtime runs).
+  ZeRO 3 (FSDP per layer) all-gathers each unit's weights for every micro-batch's forward and
+  backward, in a pipeline m + 1 times a step (`_zero3_gathers`, as `planner._zero3_counts`
+  counts them), each collective's latency once per unit (`_Tables.zero_mb`; Alpa's free
+  sub-mesh choice prices 2 a micro-batch whatever its stage count).
 - Stages of different tp (Alpa's free sub-mesh choice, small clusters): a stage feeding a
   neighbour with more tp ranks sends it one copy per receiving rank (the runtime's fan-out);
   the DP costs one, the extra copies are added to the stages it picks (`_fanout_sends`). A
@@ -57,10 +59,11 @@ What is approximated, and why (to keep a 1000-GPU search within seconds on two c
   experts sharded over ep (weights, the dropless all-to-all exchange, the grouped GEMMs' sizes);
   the expert gradients are synced over the dp / ep ranks holding the same experts (`_Tables.
   sync`), ZeRO-1/2 shard their optimizer state over those ranks, ZeRO-3 their weights,
-  gradients and optimizer state (`_Tables.phases`; ZeRO-3's per-micro-batch all-gathers are
-  costed over dp for the experts too, `zero_mb`: an approximation, the experts' group is
-  dp / ep ranks). With tp > 1, the experts folded over the stage's dp x tp ranks (Megatron-Core's
-  MoE parallel folding, `Candidate.fold`): every ep dividing dp x tp and the expert count, the
+  gradients and optimizer state (`_Tables.phases`), each experts module an FSDP unit of its
+  own whose per-micro-batch all-gathers (and reduce-scatters, `rs_each`) run over those ranks
+  (`_Tables.zero_mb`, as `runtime.experts.ExpertGroups.fully_shard` makes them). With tp > 1,
+  the experts folded over the stage's dp x tp ranks (Megatron-Core's MoE parallel folding,
+  `Candidate.fold`): every ep dividing dp x tp and the expert count, the
   gradients synced over dp x tp / ep copies (ep apart, `_Tables.set_experts`); tried where the
   runtime executes it (`_fold_executable`) or where ep / expert_dp pin it.
 - ZeRO-3's gradient sync (`Candidate.rs_each`, `Plan.zero3_grad_sync`): accumulated unsharded
@@ -285,6 +288,10 @@ class _Tables:
         # "microbatch", set by `Search._tables`): each backward holds its units' gradients as one
         # micro-batch's does, their fp32 shards accumulated; one reduce-scatter per micro-batch
         self.rs_each = False
+        # ZeRO-3's collectives on their own streams beside the compute (`SoftwareSpec.
+        # zero3_overlap`, set by `Search._tables`): a micro-batch pays what exceeds its compute
+        self.zero3_overlap = False
+        self._zero_ranges: dict[float, np.ndarray] = {}     # `range_zero_mb`, per gathers
         self._relief: dict[str, np.ndarray] = {}
         self._temporaries: dict[tuple, float] = {}           # `chunk_temporaries`, per chunks
         self._holders: dict[tuple[int, int], list] = {}       # `_holder_sizes`, per layer range
@@ -292,8 +299,10 @@ class _Tables:
         self._rc_terms: dict[tuple[str, bool, bool], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         # expert parallelism (`set_experts`): ep, and the expert weights' elements per layer range
         self.ep = 1
+        self.ecopies, self.estride = 1, 1
         self.expert_pel = np.zeros(L + 1)
         self.range_epel = np.zeros((L, L + 1))
+        self.range_eunits = np.zeros((L, L + 1))      # experts modules (ZeRO-3 units of their own)
         # the batch a range's stage holds: the first input if it starts the model, the other
         # inputs (targets) if it ends it
         self.range_batch = np.where(kk == 0, self.batch_first, 0.0) + np.where(jj == L, self.batch_rest, 0.0)
@@ -704,23 +713,35 @@ class _Tables:
             hit = self._ranged[id(arr)] = (arr, out)
         return hit[1]
 
-    def zero_mb(self, pel: np.ndarray) -> np.ndarray:
-        """ZeRO-3 collectives per micro-batch: the weights all-gathered for the forward and again
-        for the backward (FSDP reshards after the forward); linear in the bytes between two
-        evaluations of the cluster's collective model."""
+    def zero_mb(self, pel: Any, epel: Any = 0.0, units: Any = 0.0, eunits: Any = 0.0, gathers: float = 2.0) -> Any:
+        """ZeRO-3 collectives per micro-batch of `pel` parameter elements per device (of which
+        `epel` expert weights), as the runtime issues them (`runtime.zero.ZeroSharding.
+        _fully_shard`): each of the `units` dense FSDP units all-gathered over dp for the forward
+        and again for the backward (FSDP reshards after the forward), the dense elements'
+        bytes; under expert parallelism each of the `eunits` experts modules an FSDP unit of its
+        own over the ranks holding the same experts (`runtime.experts.ExpertGroups.fully_shard`:
+        `ecopies` ranks, `estride` apart), its elements' bytes, none where each expert has one
+        copy (FSDP leaves them alone). With `rs_each` every unit's gradients are also
+        reduce-scattered over the same group in every micro-batch's backward (the step's sync
+        has none left, `sync`). Each collective is the cluster's affine model (`_dp_coll`): its
+        intercept once per unit, its slope times the bytes. `gathers`: all-gathers of a unit per
+        micro-batch, 2 in one stage; in a pipeline (torch.pipelining drives the stage's FSDP root,
+        resharding after the last backward only) a unit is gathered m + 1 times a step
+        (`_zero3_gathers`, `planner._zero3_counts`)."""
         w, g, _ = self.wgo
         if self.dp == 1 or self.zero < 3:
-            return np.zeros_like(pel)
-        big = 1e9
-        t0 = _dp_coll(self.cluster, "all_gather", 1.0, self.dp, self.tp)
-        t1 = _dp_coll(self.cluster, "all_gather", big, self.dp, self.tp)
-        out = np.where(pel > 0, 2 * (t0 + (t1 - t0) * (pel * w) / big), 0.0)
-        if self.rs_each:
-            # the gradients reduce-scattered in every micro-batch's backward (the step's sync
-            # has none left, `sync`)
-            r0 = _dp_coll(self.cluster, "reduce_scatter", 1.0, self.dp, self.tp)
-            r1 = _dp_coll(self.cluster, "reduce_scatter", big, self.dp, self.tp)
-            out = out + np.where(pel > 0, r0 + (r1 - r0) * (pel * g) / big, 0.0)
+            return np.zeros_like(np.asarray(pel, dtype=float))
+        pel, epel = np.asarray(pel, dtype=float), np.asarray(epel, dtype=float)
+        kinds = (("all_gather", w, gathers),) + ((("reduce_scatter", g, 1.0),) if self.rs_each else ())
+        out = np.zeros_like(pel)
+        groups = [(pel - epel, units, self.dp, self.tp)]
+        if self.ep > 1:
+            groups.append((epel, eunits, self.ecopies, self.estride))
+        for elems, n, size, stride in groups:
+            for kind, b, times in kinds:
+                a, slope = _dp_affine(self.cluster, kind, size, stride)
+                # a stage's parameters outside every unit are its root unit's: one at least
+                out = out + times * np.where(elems > 0, a * np.maximum(n, 1.0) + slope * elems * b, 0.0)
         return out
 
     def phases(self, pel: Any, m: int, root: Any = 0.0, unit: Any = 0.0, largest: Any = 0.0,
@@ -980,16 +1001,21 @@ class _Tables:
         return np.maximum(act - in_saved, 0.0) + out_kept
 
     def set_experts(self, ep: int, expert_layer: np.ndarray, copies: Optional[int] = None,
-                    stride: Optional[int] = None) -> None:
+                    stride: Optional[int] = None, blocks: Optional[np.ndarray] = None) -> None:
         """Routed experts sharded over `ep` of the dp ranks; `expert_layer`: each layer's expert
         weight elements per device (already divided by ep); `copies`: the ranks holding the same
         experts (default dp / ep), `stride` apart in the stage's rank order (default tp x ep;
-        folded: dp x tp / ep ranks, ep apart)."""
+        folded: dp x tp / ep ranks, ep apart), as `runtime.experts.expert_meshes` lays out its
+        "edp" groups; `blocks`: each layer's experts modules (default one where it has expert
+        weights), ZeRO-3 units of their own over those ranks (`zero_mb`)."""
         self.ep = ep
         self.ecopies = copies if copies is not None else self.dp // ep
         self.estride = stride if stride is not None else self.tp * ep
         self.expert_pel = np.concatenate([[0.0], np.cumsum(expert_layer)])
         self.range_epel = np.where(self.valid, self.ranged(self.expert_pel), 0.0)
+        n = (np.asarray(expert_layer) > 0).astype(float) if blocks is None else np.asarray(blocks, dtype=float)
+        self.expert_blocks = np.concatenate([[0.0], np.cumsum(n)])
+        self.range_eunits = np.where(self.valid, self.ranged(self.expert_blocks), 0.0)
 
     def sync(self, pel: float, epel: float = 0.0) -> float:
         """The stage's gradient sync: `pel - epel` dense elements over dp; under expert
@@ -1048,19 +1074,76 @@ class _Tables:
         """Distinct parameter tensors of the layers in `chunks` (a tied one counts once)."""
         return len({f for k, j in chunks for c in self.costs[k:j] for f in c.param_elems})
 
-    def accum(self, pel: Any, m: int) -> Any:
+    def accum(self, pel: Any, m: int, epel: Any = 0.0) -> Any:
         """Per micro-batch share of adding each micro-batch's weight gradients into the
-        accumulated ones (autograd does it in every backward after the first, m - 1 of m):
-        `grad_accumulation_bytes` per parameter element. The gradients are accumulated unsharded
-        (ZeRO reduces them once per step). With fp32 parameters also every micro-batch's casts of
+        accumulated ones (`_accum_time`; the fp32 shards under `rs_each`: `_accumulated_elems`,
+        `epel` of `pel` expert weights). With fp32 parameters also every micro-batch's casts of
         the weights and of their gradients (`cast_bytes` a parameter element)."""
-        share = (m - 1) / m if m > 1 else 0.0
-        if self.rs_each:
-            share /= self.dp          # into the fp32 shards, 1 / dp of them
-        t = share * memory_time(np.asarray(pel) * grad_accumulation_bytes(self.policy), self.cluster.device)
+        elems = _accumulated_elems(pel, self.dp, self.rs_each, epel, self.ecopies)
+        t = _accum_time(elems, m, self.policy, self.cluster.device)
         if self.cast_bytes:
             t = t + memory_time(np.asarray(pel) * self.cast_bytes, self.cluster.device)
         return t
+
+    def grad_reduce(self, pel: float, epel: float = 0.0) -> float:
+        """`_grad_reduce_time` of the stage's sync (what an overlapped sync runs beside the last
+        backward): the dense gradients over dp, the experts' over the ranks holding the same
+        experts (`sync`)."""
+        t = _grad_reduce_time(self.cluster, self.policy, self.dp, self.tp, self.zero, pel - epel)
+        if self.ep > 1:
+            t += _grad_reduce_time(self.cluster, self.policy, self.ecopies, self.estride, self.zero, epel)
+        return t
+
+    @functools.cached_property
+    def layer_units(self) -> np.ndarray:
+        """Prefix sum of each layer's dense ZeRO-3 units (`module_units` holding parameters:
+        each one collective of each kind per pass, `zero_mb`)."""
+        return np.concatenate([[0.0], np.cumsum([sum(u > 0 for u in us) for us in self.module_units])])
+
+    def range_zero_mb(self, gathers: float = 2.0) -> np.ndarray:
+        """`zero_mb` of every layer range (each as one stage's chunk; `gathers` a unit's
+        all-gathers per micro-batch), as much of it as the micro-batch waits for
+        (`exposed_zero`). Kept per `gathers` once made: the candidates on this table ask for the
+        same, after `Search._tables` set what it reads (read-only)."""
+        hit = self._zero_ranges.get(gathers)
+        if hit is None:
+            z = self.zero_mb(self.range_pel, self.range_epel, np.where(self.valid, self.ranged(self.layer_units), 0.0),
+                             self.range_eunits, gathers)
+            hit = self._zero_ranges[gathers] = np.asarray(self.exposed_zero(z, self.ranged(self.compute)))
+            hit.setflags(write=False)
+        return hit
+
+    def exposed_zero(self, zero: Any, window: Any) -> Any:
+        """Of a micro-batch's ZeRO-3 collectives (`zero_mb`), the seconds it waits for: all of
+        them, or with `zero3_overlap` (`SoftwareSpec.zero3_overlap`: the next unit's all-gather
+        prefetched on its own stream while a unit computes, reduce-scatters beside the next
+        unit's backward) what exceeds `window`, the micro-batch's forward and backward compute
+        (its recomputation and its layers' own collectives not counted as cover). An
+        assumption, labelled: the gather of the step's first unit, which nothing precedes, and
+        the compute the collectives' kernels slow are not charged."""
+        if not self.zero3_overlap:
+            return zero
+        return np.maximum(np.asarray(zero) - np.asarray(window), 0.0)
+
+
+def _accumulated_elems(pel: Any, dp: int, sharded: bool, epel: Any = 0.0, ecopies: int = 1) -> Any:
+    """The gradient elements every backward after a step's first adds its weight gradients
+    into: all `pel` of them (accumulated unsharded, reduced once a step), or where ZeRO-3
+    reduce-scatters every micro-batch (`sharded`, `Plan.zero3_grad_sync` "microbatch") the
+    rank's fp32 shards: 1 / dp of the dense ones, 1 / `ecopies` of the `epel` expert weights'
+    (their FSDP units over the ranks holding the same experts; whole where each has one copy)."""
+    if not sharded:
+        return pel
+    pel, epel = np.asarray(pel, dtype=float), np.asarray(epel, dtype=float)
+    return (pel - epel) / dp + epel / max(ecopies, 1)
+
+
+def _accum_time(elems: Any, m: int, policy: str, device: Any) -> Any:
+    """Per micro-batch share of adding each micro-batch's weight gradients into the accumulated
+    `elems` (autograd does it in every backward after the first, m - 1 of m):
+    `grad_accumulation_bytes` per element."""
+    share = (m - 1) / m if m > 1 else 0.0
+    return share * memory_time(np.asarray(elems) * grad_accumulation_bytes(policy), device)
 
 
 def _transient(tb: "_Tables", chunks: list[tuple[int, int]], r: str) -> tuple[float, float]:
@@ -1171,6 +1254,22 @@ def _dp_coll(cluster: ClusterSpec, kind: str, nbytes: float, dp: int, tp: int) -
         _LINEAR[key] = (t1 - slope * 1e6, slope)
     a, b = _LINEAR[key]
     return max(0.0, a + b * nbytes)
+
+
+def _zero3_gathers(pp: int, m: int) -> float:
+    """All-gathers of a ZeRO-3 unit per micro-batch as the runtime issues them
+    (`planner._zero3_counts`): 2 in one stage (gathered for the forward, again for the
+    backward); in a pipeline m + 1 a step of m micro-batches (one per forward, one for all the
+    backwards: torch.pipelining reshards after the last)."""
+    return 2.0 if pp <= 1 else (m + 1) / m
+
+
+def _dp_affine(cluster: ClusterSpec, kind: str, dp: int, tp: int) -> tuple[float, float]:
+    """`_dp_coll` of `kind` over one group of `dp` ranks `tp` apart as (intercept, seconds per
+    byte): a 1-byte collective's time, and the slope between it and a 1 GB one's."""
+    big = 1e9
+    t0 = _dp_coll(cluster, kind, 1.0, dp, tp)
+    return t0, (_dp_coll(cluster, kind, big, dp, tp) - t0) / big
 
 
 # `_no_fit`'s hint where the pins keep ZeRO-3's gradients unsharded until the step's end
@@ -1857,7 +1956,8 @@ class Search:
                 self.min_memory = min(self.min_memory, states)
                 self.considered_infeasible += len(self.schedules(pp, m))
                 continue
-            per_mb, tail = self._bound_terms(reps, tp, z, m, pel, epel)
+            copies, stride = (dp * tp // ep, ep) if fold else (reps // ep, tp * ep)
+            per_mb, tail = self._bound_terms(reps, tp, z, m, pel, epel, copies if ep > 1 else 1, stride, pp)
             for sched, v in self.schedules(pp, m):
                 # lower bound: balanced stages, the schedule's bubble, the step's tail
                 lb = (ideal + m * per_mb) * (1 + schedule_kind(sched).bubble_fraction(pp, m, v)) + tail
@@ -1886,27 +1986,28 @@ class Search:
             hit = self._bottlenecks[key] = _bottleneck(least, pp)
         return hit
 
-    def _bound_terms(self, dp: int, tp: int, zero: int, m: int, pel: float, epel: float = 0.0
-                     ) -> tuple[float, float]:
+    def _bound_terms(self, dp: int, tp: int, zero: int, m: int, pel: float, epel: float = 0.0,
+                     copies: int = 1, stride: int = 1, pp: int = 1) -> tuple[float, float]:
         """What every stage of `pel` parameter elements (the average stage's) adds to the layers'
         time at least, for a candidate's lower bound: (per micro-batch: ZeRO-3's two weight
-        all-gathers without their latency (a stage may hold no parameter; `_Tables.zero_mb`)
+        all-gathers without their latency (a stage may hold no parameter; `_Tables.zero_mb`;
+        none where they run beside the compute, `SoftwareSpec.zero3_overlap`)
         and the gradient accumulation (`_Tables.accum`); the step's tail: the gradient sync no
         backward can hide and the optimizer step of one flat tensor). Each grows with a stage's
         parameters, so the average stage's is at most the slowest's (`_stage`, `_finish`).
-        `epel`: of them, expert weights under expert parallelism, synced over fewer ranks: left
-        out of the sync's bound."""
+        `epel`: of them, expert weights under expert parallelism, gathered and synced over the
+        `copies` ranks holding the same experts, `stride` apart (`_Tables.set_experts`): their
+        all-gathers priced there, their sync left out of the bound."""
         per_mb = 0.0
-        if zero == 3 and dp > 1:
-            big = 1e9
-            slope = (_dp_coll(self.cluster, "all_gather", big, dp, tp)
-                     - _dp_coll(self.cluster, "all_gather", 1.0, dp, tp)) / big
-            per_mb += 2 * slope * pel * PRECISION_POLICIES[self.policy][0]
+        w = PRECISION_POLICIES[self.policy][0]
+        if zero == 3 and dp > 1 and not self.software.zero3_overlap:     # else it may hide entirely
+            per_mb += _zero3_gathers(pp, m) * _dp_affine(self.cluster, "all_gather", dp, tp)[1] * (pel - epel) * w
+            if copies > 1:
+                per_mb += _zero3_gathers(pp, m) * _dp_affine(self.cluster, "all_gather", copies, stride)[1] * epel * w
         if m > 1:
-            acc = (m - 1) / m * memory_time(pel * grad_accumulation_bytes(self.policy), self.cluster.device)
-            if zero == 3 and dp > 1 and self.cons.zero3_grad_sync != "step":
-                acc /= dp      # reduced every micro-batch, into the shards (`_Tables.accum`): at least that
-            per_mb += acc
+            # reduced every micro-batch, into the shards (`_Tables.accum`): at least that
+            each = zero == 3 and dp > 1 and self.cons.zero3_grad_sync != "step"
+            per_mb += _accum_time(_accumulated_elems(pel, dp, each, epel, copies), m, self.policy, self.cluster.device)
         cast = self.software.param_cast_bytes(self.dtype)   # fp32 parameters' casts, every micro-batch
         if cast:
             per_mb += memory_time(pel * cast, self.cluster.device)
@@ -2074,7 +2175,8 @@ class Search:
         L, p, m = self.L, cand.pp, cand.m
         pel = tb.range_pel
         fixed = tb.fixed_memory(pel, m)
-        t_common = tb.ranged(tb.base) + tb.range_p2p + tb.zero_mb(pel) + tb.accum(pel, m)
+        t_common = (tb.ranged(tb.base) + tb.range_p2p + tb.range_zero_mb(_zero3_gathers(p, m))
+                    + tb.accum(pel, m, tb.range_epel))
         cost = np.full((L, L + 1, 1, p + 1), INF)
         choice = np.full((L, L + 1, p + 1), -1, dtype=int)
         rcs = self.recomputes()
@@ -2166,7 +2268,7 @@ class Search:
         for mi, tb in enumerate(tbs):
             pel = tb.range_pel
             fixed = tb.fixed_memory(pel, m)
-            t_common = tb.ranged(tb.base) + tb.range_p2p + tb.zero_mb(pel) + tb.accum(pel, m)
+            t_common = tb.ranged(tb.base) + tb.range_p2p + tb.range_zero_mb() + tb.accum(pel, m, tb.range_epel)
             for s_ in range(1, S + 1):
                 if pin is not None and (s_ > len(pin) or pin[len(pin) - s_] != tps[mi]):
                     continue
@@ -2311,11 +2413,13 @@ class Search:
                          cast_saved=self.software.param_cast_saved_bytes(self.dtype),
                          zero_optimizer=self.software.zero_optimizer)
             tb.rs_each = rs_each and tb.zero3
+            tb.zero3_overlap = self.software.zero3_overlap
             if ep > 1:
+                blocks = np.array([len(self.experts.by_layer.get(i, ())) for i in range(self.L)], dtype=float)
                 if fold:
-                    tb.set_experts(ep, self.experts.expert_elems(costs), copies=dp * tp // ep, stride=ep)
+                    tb.set_experts(ep, self.experts.expert_elems(costs), copies=dp * tp // ep, stride=ep, blocks=blocks)
                 else:
-                    tb.set_experts(ep, self.experts.expert_elems(costs))
+                    tb.set_experts(ep, self.experts.expert_elems(costs), blocks=blocks)
             self._tables_cache[key] = tb
         return self._tables_cache[key]
 
@@ -2365,8 +2469,8 @@ class Search:
             ck = (cand.mb, cand.tp, cand.dp, nch, r, cand.zero == 3, cand.ep, cand.cp, cand.etp, cand.fold)
             res = self._chunk_cache.get(ck)
             if ck not in self._chunk_cache:
-                t = (tb.ranged(tb.base) + tb.range_p2p + tb.ranged(tb.rc[r]) + tb.zero_mb(tb.range_pel)
-                     + tb.accum(tb.range_pel, m))
+                t = (tb.ranged(tb.base) + tb.range_p2p + tb.ranged(tb.rc[r]) + tb.range_zero_mb(_zero3_gathers(p, m))
+                     + tb.accum(tb.range_pel, m, tb.range_epel))
                 res = self._chunk_cache[ck] = balanced_chunks(np.where(tb.valid, t, INF), nch)
             if res is None:
                 continue
@@ -2438,11 +2542,14 @@ class Search:
             chunk_act.append(float(tb.boundary_acts(float(tb.range_act[r][k, j]), float(tb.range_in_saved[r][k, j]),
                                                     kept_out)))
         # a parameter tied across chunks of one stage is held once
-        t += float(tb.zero_mb(np.array([pel]))[0])
-        acc = float(tb.accum(np.array([pel]), cand.m)[0])
+        epel = sum(float(tb.range_epel[k, j]) for k, j in chunks)
+        units = sum(float(tb.layer_units[j] - tb.layer_units[k]) for k, j in chunks)
+        eunits = sum(float(tb.range_eunits[k, j]) for k, j in chunks)
+        window = sum(float(tb.compute[j] - tb.compute[k]) for k, j in chunks)
+        t += float(tb.exposed_zero(tb.zero_mb(pel, epel, units, eunits, _zero3_gathers(cand.pp, cand.m)), window))
+        acc = float(tb.accum(pel, cand.m, epel))
         t += acc
         comp += acc
-        epel = sum(float(tb.range_epel[k, j]) for k, j in chunks)
         phases = [dataclasses.replace(ph, buffers=ph.buffers + batch)
                   for ph in tb.phases(pel, cand.m, root, unit, largest, epel)]
         fb = phases[0]
@@ -2517,7 +2624,7 @@ class Search:
             # the last micro-batch's backward (with its recomputation), which an overlapped
             # gradient reduction runs beside
             window = sum(c.bwd_s + c.bwd_comm_s + c.rc_extra_s.get(r, 0.0) for k, j in chunks for c in tb.costs[k:j])
-            sync = _exposed_sync(sync, _grad_reduce_time(self.cluster, self.policy, tb.dp, tb.tp, tb.zero, pel), window)
+            sync = _exposed_sync(sync, tb.grad_reduce(pel, epel), window)
         sync += sum(float(tb.iter[j] - tb.iter[k]) for k, j in chunks)
         return StageResult(chunks, r, t, comp, max(0.0, t - comp), sync, tb.opt(pel, tb.param_tensors(chunks)), pel,
                            float(top.weights), float(top.gradients), float(top.optimizer), float(top.activations),

@@ -60,6 +60,12 @@ same plan, and that the cost model honours:
   of its last micro-batch (bucketed all-reduce as PyTorch DDP or Megatron-Core's
   --overlap-grad-reduce do it) instead of after it. Time: `autopar.inter_op.search` (the
   per-iteration tail).
+- `zero3_overlap`: whether ZeRO-3's per-unit all-gathers and reduce-scatters run on their own
+  streams beside the compute (the next unit's gather prefetched while a unit computes, a unit's
+  gradients reduce-scattered while the next one's backward runs: PyTorch FSDP2 on NCCL,
+  Megatron-FSDP with --overlap-param-gather and --overlap-grad-reduce) instead of between the
+  units' kernels. Time: `autopar.inter_op.search` (`_Tables.exposed_zero`: a micro-batch pays
+  the part of its ZeRO-3 collectives beyond its forward and backward compute).
 
 Every field changes a prediction; a choice the cost model cannot honour has no field here.
 Named presets live in `software_profiles/` (YAML, each field with its source); the default,
@@ -142,6 +148,10 @@ class SoftwareSpec(BaseModel):
     grad_sync_overlap: bool = Field(
         default=False, description="the data-parallel gradient sync runs during the last micro-batch's "
         "backward (bucketed, as PyTorch DDP or Megatron-Core --overlap-grad-reduce) instead of after it")
+    zero3_overlap: bool = Field(
+        default=False, description="ZeRO-3's per-unit all-gathers and reduce-scatters run on their own streams "
+        "beside the compute (prefetched gathers, asynchronous reduce-scatters: FSDP2 on NCCL, Megatron-FSDP with "
+        "--overlap-param-gather / --overlap-grad-reduce): a micro-batch pays what exceeds its compute")
     attention_flops: dict[str, dict[str, list[AttentionPoint]]] = Field(
         default_factory=dict, description="the software's fused attention kernel measured on named devices "
         "(DeviceSpec.name -> dtype -> points, as DeviceSpec.attention_flops); on a device named here they "
@@ -164,11 +174,11 @@ class SoftwareSpec(BaseModel):
         `zero_optimizer` when it is "flat", the
         choices every plan made before the fields existed: a plan file (and its digest,
         `tests/test_planner_unchanged.py`) and a cache key for such software are what they were;
-        the other choices are written."""
+        the other choices are written; likewise `zero3_overlap` when False."""
         out = handler(self)
         if isinstance(out, dict):
             for key, old in (("pointwise_fusion", "eager"), ("mixed_precision", "autocast"), ("loss_kernel", "eager"),
-                             ("param_dtype", "training"), ("zero_optimizer", "flat")):
+                             ("param_dtype", "training"), ("zero_optimizer", "flat"), ("zero3_overlap", False)):
                 if out.get(key) == old:
                     out.pop(key)
         return out
@@ -225,8 +235,9 @@ class SoftwareSpec(BaseModel):
         loss = ", fused cross-entropy" if self.loss_kernel == "fused" else ""
         fp32 = ", fp32 parameters under autocast" if self.param_dtype == "fp32" else ""
         zro = ", torch ZeroRedundancyOptimizer" if self.zero_optimizer == "zero_redundancy" else ""
+        zero3 = ", ZeRO-3 collectives beside the compute" if self.zero3_overlap else ""
         return (f"software: {self.name} (attention {self.attention_kernel}{own}{fusion}{half}{loss}{fp32}{zro}, "
-                f"dp gradient sync {sync})")
+                f"dp gradient sync {sync}{zero3})")
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> "SoftwareSpec":
@@ -234,7 +245,7 @@ class SoftwareSpec(BaseModel):
         path = _resolve(str(name_or_path))
         data = read_mapping(path, "software",
                             "name, attention_kernel, pointwise_fusion, mixed_precision, param_dtype, zero_optimizer, "
-                            "grad_sync_overlap")
+                            "grad_sync_overlap, zero3_overlap")
         data.setdefault("name", path.stem)
         try:
             return cls.model_validate(data)
