@@ -291,6 +291,7 @@ class _Tables:
         # expert parallelism (`set_experts`): ep, and the expert weights' elements per layer range
         self.ep = 1
         self.expert_pel = np.zeros(L + 1)
+        self.expert_units = np.zeros(L)
         self.range_epel = np.zeros((L, L + 1))
         # the batch a range's stage holds: the first input if it starts the model, the other
         # inputs (targets) if it ends it
@@ -526,6 +527,7 @@ class _Tables:
         shards = self.zero3 and not later
         key = (r, later, self.zero3, self.dp if shards else None) if accumulated is None \
             else (r, self.zero3, accumulated, self.dp)
+        key = key + (float(self.expert_units.sum()),)
         hit = self._first.get(key)
         if hit is not None:
             return hit
@@ -558,7 +560,9 @@ class _Tables:
                 # a layer costed without the first backward's parts: its worst moment of any
                 g = self.work_grads[r][i]
                 ms, at = [[work[i] - g, g, 0.0] if self.work_rc[r][i] else [0.0, work[i], 0.0]], [MAIN_UNIT]
-            before = self.last_unit[i - 1] if i > 0 else 0.0
+            # the layer before's last unit, prefetched: less the experts modules in it that are
+            # FSDP units of their own (`expert_units`), which its pre-backward prefetches later
+            before = max(self.last_unit[i - 1] - self.expert_units[i - 1], 0.0) if i > 0 else 0.0
             for out, prev in ((inside, before), (alone, 0.0)):
                 best = -INF
                 for m, x in zip(ms, at):
@@ -986,6 +990,15 @@ class _Tables:
         self.ecopies = copies if copies is not None else self.dp // ep
         self.estride = stride if stride is not None else self.tp * ep
         self.expert_pel = np.concatenate([[0.0], np.cumsum(expert_layer)])
+        # ZeRO-3 with several copies of each expert: each experts module is an FSDP unit of its
+        # own over those copies, nested in its layer's (`runtime.experts.ExpertGroups.fully_shard`).
+        # FSDP2 prefetches for the backward in the reverse of the units' post-forward order, the
+        # nested one's before its layer's: a layer's pre-backward prefetches its own experts, the
+        # experts' the layer before's dense unit, so while the experts' backward runs (their
+        # weights and their layer's gathered) the layer before's experts are not (seen on
+        # moe-tiny dp4 x ep2: its dense unit's flat all-gather output alone, 10 KiB)
+        self.expert_units = (np.asarray(expert_layer, dtype=float).reshape(self.L) if self.zero3 and self.ecopies > 1
+                             else np.zeros(self.L))
         self.range_epel = np.where(self.valid, self.ranged(self.expert_pel), 0.0)
 
     def sync(self, pel: float, epel: float = 0.0) -> float:
@@ -2492,6 +2505,13 @@ class Search:
                 kinds = ("mid", "last") if cand.m > 2 else ("last",)
                 variants = [tuple(float(x) for x in tb.first_backward(r, False, accumulated=a)[2][chunks[0]])
                             for a in kinds]
+            elif shards and cand.m > 1 and len(chunks) == 1:
+                # reduce-scattering every micro-batch's gradients (`rs_each`): a later
+                # micro-batch's backward is the first's, moment by moment with each op's units
+                # (each unit's gradients reduce-scattered as its backward ends, added into the
+                # fp32 shards `grads` holds): the bound (every unit gathered and one prefetched
+                # beside the loss's gradients) is a moment no op holds (moe-tiny dp4 x ep2: +9.5%)
+                variants = [tuple(float(x) for x in f_parts[chunks[0]])]
             best = None
             for v_rc, v_tmp, v_grads, v_w in variants:
                 act = post[:, ACTS, :] @ acts + post[:, SENT_OUTPUTS, :] @ sends + v_rc
