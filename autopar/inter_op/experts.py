@@ -422,6 +422,11 @@ class ExpertCosting:
             out["all_gather"] += m * n * (FOLD_FORWARD + FOLD_BACKWARD + (FOLD_FORWARD if full else 0))
         return out
 
+    def expert_largest(self, costs: list[LayerCost]) -> np.ndarray:
+        """Per layer, the largest expert weight's elements per device in `costs`."""
+        return np.array([max((e for f, e in c.param_elems.items() if f in self.weights), default=0.0) for c in costs],
+                        dtype=float)
+
     def expert_elems(self, costs: list[LayerCost]) -> np.ndarray:
         """Per layer, the expert weights' elements per device in `costs`."""
         return np.array([sum(e for f, e in c.param_elems.items() if f in self.weights) for c in costs], dtype=float)

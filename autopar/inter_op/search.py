@@ -292,6 +292,7 @@ class _Tables:
         self.ep = 1
         self.expert_pel = np.zeros(L + 1)
         self.expert_units = np.zeros(L)
+        self.range_expert_temps = np.zeros((L, L + 1))
         self.range_epel = np.zeros((L, L + 1))
         # the batch a range's stage holds: the first input if it starts the model, the other
         # inputs (targets) if it ends it
@@ -948,8 +949,8 @@ class _Tables:
         gradients among them, which exist only after the first backward; the largest total of
         the other phases, gradient sync and optimizer step, when no receive buffer is alive).
         All include the step's batch the stage holds."""
-        ph = self.phases(pel, m, self.range_root, self.range_unit if self.zero3 else 0.0, self.range_maxtensor,
-                         self.range_epel)
+        ph = self.phases(pel, m, self.range_root, self.range_unit if self.zero3 else 0.0,
+                         np.maximum(self.range_maxtensor, self.range_expert_temps), self.range_epel)
         rest = ph[1].total
         for x in ph[2:]:
             rest = np.maximum(rest, x.total)
@@ -981,7 +982,7 @@ class _Tables:
         return np.maximum(act - in_saved, 0.0) + out_kept
 
     def set_experts(self, ep: int, expert_layer: np.ndarray, copies: Optional[int] = None,
-                    stride: Optional[int] = None) -> None:
+                    stride: Optional[int] = None, largest: Optional[np.ndarray] = None) -> None:
         """Routed experts sharded over `ep` of the dp ranks; `expert_layer`: each layer's expert
         weight elements per device (already divided by ep); `copies`: the ranks holding the same
         experts (default dp / ep), `stride` apart in the stage's rank order (default tp x ep;
@@ -999,6 +1000,12 @@ class _Tables:
         # moe-tiny dp4 x ep2: its dense unit's flat all-gather output alone, 10 KiB)
         self.expert_units = (np.asarray(expert_layer, dtype=float).reshape(self.L) if self.zero3 and self.ecopies > 1
                              else np.zeros(self.L))
+        if self.zero3 and largest is not None:
+            # ZeRO-3 shards an expert tensor over its copies, not over dp: AdamW steps a shard
+            # dp / copies times the dense model's (`runtime_phases` divides the temporaries by
+            # dp), seen on moe-tiny dp4 x ep2: a gate/up shard's two fp32 temporaries, 16 KiB
+            big = np.asarray(largest, dtype=float).reshape(self.L) * ADAMW_TEMPORARIES * self.dp / self.ecopies
+            self.range_expert_temps = np.where(self.valid, np.maximum(_range_max(big), 0.0), 0.0)
         self.range_epel = np.where(self.valid, self.ranged(self.expert_pel), 0.0)
 
     def sync(self, pel: float, epel: float = 0.0) -> float:
@@ -2321,9 +2328,10 @@ class Search:
             tb.rs_each = rs_each and tb.zero3
             if ep > 1:
                 if fold:
-                    tb.set_experts(ep, self.experts.expert_elems(costs), copies=dp * tp // ep, stride=ep)
+                    tb.set_experts(ep, self.experts.expert_elems(costs), copies=dp * tp // ep, stride=ep,
+                                   largest=self.experts.expert_largest(costs))
                 else:
-                    tb.set_experts(ep, self.experts.expert_elems(costs))
+                    tb.set_experts(ep, self.experts.expert_elems(costs), largest=self.experts.expert_largest(costs))
             self._tables_cache[key] = tb
         return self._tables_cache[key]
 
@@ -2425,7 +2433,7 @@ class Search:
         batch = sum(float(tb.range_batch[k, j]) for k, j in chunks)
         root = max(float(tb.range_root[k, j]) for k, j in chunks)
         unit = max(float(tb.range_unit[k, j]) for k, j in chunks) if tb.zero3 else 0.0
-        largest = max(float(tb.range_maxtensor[k, j]) for k, j in chunks)
+        largest = max(max(float(tb.range_maxtensor[k, j]), float(tb.range_expert_temps[k, j])) for k, j in chunks)
         if cand.pp > 1 and op_by_op(cand) and not tb.zero3:
             # pipeline chunks run op by op step their parameters in their holder's order (the
             # search's bound, `range_maxtensor`, takes the model's: a few tensors' difference)
