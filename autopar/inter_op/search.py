@@ -520,7 +520,11 @@ class _Tables:
         (its accumulated gradient replaced by its fp32 shard: the parameter gradients part,
         negative) and keeps the flat reduce-scatter input of the unit before until the next
         one's (`foreach_reduce`'s state, torch 2.13: the unit whose backward ran just before
-        the moment's op, counted with its activation gradients)."""
+        the moment's op, counted with its activation gradients). "each" (`rs_each`: every
+        micro-batch reduce-scattered): a later micro-batch's moments, the ops' new weight
+        gradients made beside the fp32 shards (the caller's), each unit's gone as it is
+        reduce-scattered and added into its shard, the unit before's flat reduce-scatter input
+        kept as in "last"."""
         if accumulated is not None:
             later = False
         # `_first` is shared by the tables of every ZeRO stage and dp: where the result depends on
@@ -550,6 +554,12 @@ class _Tables:
                 elif accumulated == "last":
                     shrink = 1.0 - 4.0 / (self.wgo[1] * self.dp)
                     ms = [[m[0], m[1] + self.wgo[1] * self._reduced_before(i, x), -shrink * self._units_grads(i, b)]
+                          for m, b, x in zip(ms, born, at)]
+                elif accumulated == "each":
+                    # each unit's new gradients reduce-scattered as its backward ends and added
+                    # into the fp32 shards (the phase's): gone but the flat reduce-scatter input
+                    # of the unit before, which FSDP keeps until the next one's
+                    ms = [[m[0], m[1] + self.wgo[1] * self._reduced_before(i, x), m[2] - self._units_grads(i, b)]
                           for m, b, x in zip(ms, born, at)]
                 elif self.zero3 and not later:
                     # the gradients of the layer's other modules that are units were
@@ -2513,13 +2523,13 @@ class Search:
                 kinds = ("mid", "last") if cand.m > 2 else ("last",)
                 variants = [tuple(float(x) for x in tb.first_backward(r, False, accumulated=a)[2][chunks[0]])
                             for a in kinds]
-            elif shards and cand.m > 1 and len(chunks) == 1:
+            elif tb.rs_each and cand.m > 1 and len(chunks) == 1:
                 # reduce-scattering every micro-batch's gradients (`rs_each`): a later
                 # micro-batch's backward is the first's, moment by moment with each op's units
                 # (each unit's gradients reduce-scattered as its backward ends, added into the
                 # fp32 shards `grads` holds): the bound (every unit gathered and one prefetched
                 # beside the loss's gradients) is a moment no op holds (moe-tiny dp4 x ep2: +9.5%)
-                variants = [tuple(float(x) for x in f_parts[chunks[0]])]
+                variants = [tuple(float(x) for x in tb.first_backward(r, False, accumulated="each")[2][chunks[0]])]
             best = None
             for v_rc, v_tmp, v_grads, v_w in variants:
                 act = post[:, ACTS, :] @ acts + post[:, SENT_OUTPUTS, :] @ sends + v_rc
