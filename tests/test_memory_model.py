@@ -2534,10 +2534,13 @@ def test_expert_parallel_stage_keeps_the_inner_combine_and_syncs_dense_gradients
     received (`runtime.experts.ExpertParallelExperts`, unit weights), so the module's combine
     (`index_add`, which saves its source) runs there too: an [T·k, H] fp32 tensor more per
     block (4·16·2 x 32 x 4 B = 16 KiB, `ExpertCosting.combine_saved`), seen at the tracked peak
-    (`--top`: the product by the unit weights, 16 KiB a block); and the gradient sync's flat
-    buffer holds the dense gradients alone (each rank holds the only copy of its experts: no
-    expert sync), 18080 fp32 elements beside the 1 KiB batch. Tracked activations 435-464 KiB
-    by rank (routing), buffers in the sync 72 KiB; predicted before 413 and 96."""
+    (`--top`: the product by the unit weights, 16 KiB a block), with its integer indices: the
+    module's row gather and combine keep theirs on the received rows too, beside the exchange's
+    two permutations of them (4 int64 per pair, 4 KiB a block, `row_index_saved`); and the
+    gradient sync's flat buffer holds the dense gradients alone (each rank holds the only copy
+    of its experts: no expert sync), 18080 fp32 elements beside the 1 KiB batch. Tracked
+    activations 435-464 KiB by rank (routing), buffers in the sync 72 KiB; predicted before 413
+    and 96, now 453 and 72."""
     from autopar.capture import capture
     from autopar.inter_op.experts import ExpertCosting
     from autopar.inter_op.layers import build_layers
@@ -2546,14 +2549,16 @@ def test_expert_parallel_stage_keeps_the_inner_combine_and_syncs_dense_gradients
     b = build_model("moe-tiny", device="meta")
     g = capture(b.model, b.example_inputs, name=b.name)
     ec = ExpertCosting(g, build_layers(g, b.model))
-    assert [ec.combine_saved(blk, 4, "fp32") for blk in ec.blocks] == [4 * 16 * 2 * 32 * 4] * 2
-    assert ec.combine_saved(ec.blocks[0], 4, "bf16") == 4 * 16 * 2 * 32 * 2
+    pairs = 4 * 16 * 2
+    assert [ec.row_index_saved(blk) for blk in ec.blocks] == [2 * 16 * 2 * 8] * 2     # hidden[perm // k], index_add
+    assert [ec.combine_saved(blk, 4, "fp32") for blk in ec.blocks] == [pairs * 32 * 4 + 4 * pairs * 8] * 2
+    assert ec.combine_saved(ec.blocks[0], 4, "bf16") == pairs * 32 * 2 + 4 * pairs * 8
     cl = autopar.ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
     cons = dict(dp=4, tp=1, pp=1, zero_stage=0, recompute="none", sequence_parallel=False)
     one, four = (autopar.plan("moe-tiny", cl, global_batch_size=16, dtype="fp32",
                               constraints=autopar.Constraints(ep=e, **cons)) for e in (1, 4))
     a1, a4 = (x.stages[0].predicted.activations_bytes for x in (one, four))
-    assert a4 - a1 == 2 * 16 * 1024
+    assert a4 - a1 == 2 * (16 + 4) * 1024
     dense = sum(p.numel for f, p in g.params.items() if ".experts." not in f)
     assert dense == 18080
     assert four.stages[0].predicted.phases["grad_sync"].buffers_bytes == 4 * dense + 1024

@@ -115,6 +115,7 @@ class ExpertCosting:
         self._devices: dict[int, Any] = {}
         self._gemm_sigs: dict[str, tuple] = {}      # `_block_gemms`, by the block's module
         self._combine: dict[str, list] = {}          # `combine_saved`'s sources (per sample), by block
+        self._row_index: dict[str, float] = {}       # `row_index_saved` (per sample), by block
         self._split: dict[str, list] = {}            # `split_saved`'s tensors (per sample), by block
         self._saved: dict[str, list] = {}            # `block_saved`'s tensors (per sample), by block
 
@@ -242,7 +243,15 @@ class ExpertCosting:
         (dropless), and saves what it saves in the one-process run (`index_add` keeps its
         source, `cost_models.memory.INDEX_SOURCE_WRITES`), beside the combine that runs again
         on the rows sent back. Seen on moe-tiny dp4 x ep4 (`--top`): an [pairs, H] product by
-        the unit weights per block, 16 KiB fp32."""
+        the unit weights per block, 16 KiB fp32.
+
+        Its integer indices likewise (`row_index_saved`): the module's gathers and scatters of
+        width-H rows keep their index tensors on the received rows as on the rank's own pairs
+        (its gather of the routing weights does not: the unit weights need no gradient), and
+        the exchange keeps its own two permutations of the received rows (`order`, grouping
+        them by local expert, and `back`, undoing it: int64, one per row), each saved by the
+        index op reading it. Seen on moe-tiny dp4 x ep2 ZeRO-3 (`--top`): 4 int64 tensors of
+        the received rows per block beyond the one-process run's, 2 KiB at 64 rows."""
         if b.module not in self._combine:
             g = self._g1
             per_sample = []
@@ -255,7 +264,41 @@ class ExpertCosting:
                 if src is not None and src.outputs:
                     per_sample.append(src.outputs[0])
             self._combine[b.module] = per_sample
-        return sum(o.nbytes * bytes_scale(o.dtype, dtype) * mb for o in self._combine[b.module])
+        out = sum(o.nbytes * bytes_scale(o.dtype, dtype) * mb for o in self._combine[b.module])
+        return out + (self.row_index_saved(b) + 2 * 8 * b.pairs_per_sample) * mb
+
+    def row_index_saved(self, b: ExpertBlock) -> float:
+        """Bytes per sample of the integer indices `b`'s gathers and scatters of width-H rows
+        save for their backward (`hidden[perm // k]`'s and `out.index_add(0, perm // k, y)`'s:
+        an index op reading a tensor of `b.hidden` columns, an `INDEX_SOURCE_WRITES` op
+        writing one), each tensor once."""
+        if b.module not in self._row_index:
+            g = self._g1
+            by_name = {n.name: n for n in g.nodes}
+            kept: dict[str, Any] = {}
+
+            def wide(name: str) -> bool:
+                x = by_name.get(name)
+                # rows: two dims or more, the last H wide (the routing weights' flat view is not)
+                return x is not None and bool(x.outputs) and len(x.outputs[0].shape) >= 2 and \
+                    x.outputs[0].shape[-1] == b.hidden
+
+            for n in g.nodes:
+                p = n.module_path or ""
+                if n.kind != "call" or not (p == b.module or p.startswith(b.module + ".")):
+                    continue
+                if n.op in ("index", "index_select") and n.inputs and wide(n.inputs[0]):
+                    idx = n.inputs[1:]
+                elif n.op in INDEX_SOURCE_WRITES and len(n.inputs) > 2 and wide(n.inputs[2]):
+                    idx = n.inputs[1:2]
+                else:
+                    continue
+                for i in idx:
+                    x = by_name.get(i)
+                    if x is not None and x.outputs and not x.outputs[0].dtype.startswith(("float", "bfloat")):
+                        kept[i] = x.outputs[0]
+            self._row_index[b.module] = float(sum(o.nbytes for o in kept.values()))
+        return self._row_index[b.module]
 
     def split_saved(self, b: ExpertBlock, mb: int, dtype: str) -> float:
         """Bytes of what `b`'s ops save for their backward that expert tensor parallelism splits
@@ -378,6 +421,11 @@ class ExpertCosting:
         if n and fold:
             out["all_gather"] += m * n * (FOLD_FORWARD + FOLD_BACKWARD + (FOLD_FORWARD if full else 0))
         return out
+
+    def expert_largest(self, costs: list[LayerCost]) -> np.ndarray:
+        """Per layer, the largest expert weight's elements per device in `costs`."""
+        return np.array([max((e for f, e in c.param_elems.items() if f in self.weights), default=0.0) for c in costs],
+                        dtype=float)
 
     def expert_elems(self, costs: list[LayerCost]) -> np.ndarray:
         """Per layer, the expert weights' elements per device in `costs`."""

@@ -301,6 +301,8 @@ class _Tables:
         self.ep = 1
         self.ecopies, self.estride = 1, 1
         self.expert_pel = np.zeros(L + 1)
+        self.expert_units = np.zeros(L)
+        self.range_expert_temps = np.zeros((L, L + 1))
         self.range_epel = np.zeros((L, L + 1))
         self.range_eunits = np.zeros((L, L + 1))      # experts modules (ZeRO-3 units of their own)
         # the batch a range's stage holds: the first input if it starts the model, the other
@@ -529,7 +531,11 @@ class _Tables:
         (its accumulated gradient replaced by its fp32 shard: the parameter gradients part,
         negative) and keeps the flat reduce-scatter input of the unit before until the next
         one's (`foreach_reduce`'s state, torch 2.13: the unit whose backward ran just before
-        the moment's op, counted with its activation gradients)."""
+        the moment's op, counted with its activation gradients). "each" (`rs_each`: every
+        micro-batch reduce-scattered): a later micro-batch's moments, the ops' new weight
+        gradients made beside the fp32 shards (the caller's), each unit's gone as it is
+        reduce-scattered and added into its shard, the unit before's flat reduce-scatter input
+        kept as in "last"."""
         if accumulated is not None:
             later = False
         # `_first` is shared by the tables of every ZeRO stage and dp: where the result depends on
@@ -537,6 +543,7 @@ class _Tables:
         shards = self.zero3 and not later
         key = (r, later, self.zero3, self.dp if shards else None) if accumulated is None \
             else (r, self.zero3, accumulated, self.dp)
+        key = key + (float(self.expert_units.sum()),)
         hit = self._first.get(key)
         if hit is not None:
             return hit
@@ -559,6 +566,12 @@ class _Tables:
                     shrink = 1.0 - 4.0 / (self.wgo[1] * self.dp)
                     ms = [[m[0], m[1] + self.wgo[1] * self._reduced_before(i, x), -shrink * self._units_grads(i, b)]
                           for m, b, x in zip(ms, born, at)]
+                elif accumulated == "each":
+                    # each unit's new gradients reduce-scattered as its backward ends and added
+                    # into the fp32 shards (the phase's): gone but the flat reduce-scatter input
+                    # of the unit before, which FSDP keeps until the next one's
+                    ms = [[m[0], m[1] + self.wgo[1] * self._reduced_before(i, x), m[2] - self._units_grads(i, b)]
+                          for m, b, x in zip(ms, born, at)]
                 elif self.zero3 and not later:
                     # the gradients of the layer's other modules that are units were
                     # reduce-scattered as their backward ended: fp32 shards (4 / dp bytes per
@@ -569,7 +582,9 @@ class _Tables:
                 # a layer costed without the first backward's parts: its worst moment of any
                 g = self.work_grads[r][i]
                 ms, at = [[work[i] - g, g, 0.0] if self.work_rc[r][i] else [0.0, work[i], 0.0]], [MAIN_UNIT]
-            before = self.last_unit[i - 1] if i > 0 else 0.0
+            # the layer before's last unit, prefetched: less the experts modules in it that are
+            # FSDP units of their own (`expert_units`), which its pre-backward prefetches later
+            before = max(self.last_unit[i - 1] - self.expert_units[i - 1], 0.0) if i > 0 else 0.0
             for out, prev in ((inside, before), (alone, 0.0)):
                 best = -INF
                 for m, x in zip(ms, at):
@@ -968,8 +983,8 @@ class _Tables:
         gradients among them, which exist only after the first backward; the largest total of
         the other phases, gradient sync and optimizer step, when no receive buffer is alive).
         All include the step's batch the stage holds."""
-        ph = self.phases(pel, m, self.range_root, self.range_unit if self.zero3 else 0.0, self.range_maxtensor,
-                         self.range_epel)
+        ph = self.phases(pel, m, self.range_root, self.range_unit if self.zero3 else 0.0,
+                         np.maximum(self.range_maxtensor, self.range_expert_temps), self.range_epel)
         rest = ph[1].total
         for x in ph[2:]:
             rest = np.maximum(rest, x.total)
@@ -1001,7 +1016,8 @@ class _Tables:
         return np.maximum(act - in_saved, 0.0) + out_kept
 
     def set_experts(self, ep: int, expert_layer: np.ndarray, copies: Optional[int] = None,
-                    stride: Optional[int] = None, blocks: Optional[np.ndarray] = None) -> None:
+                    stride: Optional[int] = None, blocks: Optional[np.ndarray] = None,
+                    largest: Optional[np.ndarray] = None) -> None:
         """Routed experts sharded over `ep` of the dp ranks; `expert_layer`: each layer's expert
         weight elements per device (already divided by ep); `copies`: the ranks holding the same
         experts (default dp / ep), `stride` apart in the stage's rank order (default tp x ep;
@@ -1012,6 +1028,21 @@ class _Tables:
         self.ecopies = copies if copies is not None else self.dp // ep
         self.estride = stride if stride is not None else self.tp * ep
         self.expert_pel = np.concatenate([[0.0], np.cumsum(expert_layer)])
+        # ZeRO-3 with several copies of each expert: each experts module is an FSDP unit of its
+        # own over those copies, nested in its layer's (`runtime.experts.ExpertGroups.fully_shard`).
+        # FSDP2 prefetches for the backward in the reverse of the units' post-forward order, the
+        # nested one's before its layer's: a layer's pre-backward prefetches its own experts, the
+        # experts' the layer before's dense unit, so while the experts' backward runs (their
+        # weights and their layer's gathered) the layer before's experts are not (seen on
+        # moe-tiny dp4 x ep2: its dense unit's flat all-gather output alone, 10 KiB)
+        self.expert_units = (np.asarray(expert_layer, dtype=float).reshape(self.L) if self.zero3 and self.ecopies > 1
+                             else np.zeros(self.L))
+        if self.zero3 and largest is not None:
+            # ZeRO-3 shards an expert tensor over its copies, not over dp: AdamW steps a shard
+            # dp / copies times the dense model's (`runtime_phases` divides the temporaries by
+            # dp), seen on moe-tiny dp4 x ep2: a gate/up shard's two fp32 temporaries, 16 KiB
+            big = np.asarray(largest, dtype=float).reshape(self.L) * ADAMW_TEMPORARIES * self.dp / self.ecopies
+            self.range_expert_temps = np.where(self.valid, np.maximum(_range_max(big), 0.0), 0.0)
         self.range_epel = np.where(self.valid, self.ranged(self.expert_pel), 0.0)
         n = (np.asarray(expert_layer) > 0).astype(float) if blocks is None else np.asarray(blocks, dtype=float)
         self.expert_blocks = np.concatenate([[0.0], np.cumsum(n)])
@@ -2417,9 +2448,11 @@ class Search:
             if ep > 1:
                 blocks = np.array([len(self.experts.by_layer.get(i, ())) for i in range(self.L)], dtype=float)
                 if fold:
-                    tb.set_experts(ep, self.experts.expert_elems(costs), copies=dp * tp // ep, stride=ep, blocks=blocks)
+                    tb.set_experts(ep, self.experts.expert_elems(costs), copies=dp * tp // ep, stride=ep, blocks=blocks,
+                                   largest=self.experts.expert_largest(costs))
                 else:
-                    tb.set_experts(ep, self.experts.expert_elems(costs), blocks=blocks)
+                    tb.set_experts(ep, self.experts.expert_elems(costs), blocks=blocks,
+                                   largest=self.experts.expert_largest(costs))
             self._tables_cache[key] = tb
         return self._tables_cache[key]
 
@@ -2521,7 +2554,7 @@ class Search:
         batch = sum(float(tb.range_batch[k, j]) for k, j in chunks)
         root = max(float(tb.range_root[k, j]) for k, j in chunks)
         unit = max(float(tb.range_unit[k, j]) for k, j in chunks) if tb.zero3 else 0.0
-        largest = max(float(tb.range_maxtensor[k, j]) for k, j in chunks)
+        largest = max(max(float(tb.range_maxtensor[k, j]), float(tb.range_expert_temps[k, j])) for k, j in chunks)
         if cand.pp > 1 and op_by_op(cand) and not tb.zero3:
             # pipeline chunks run op by op step their parameters in their holder's order (the
             # search's bound, `range_maxtensor`, takes the model's: a few tensors' difference)
@@ -2604,6 +2637,13 @@ class Search:
                 kinds = ("mid", "last") if cand.m > 2 else ("last",)
                 variants = [tuple(float(x) for x in tb.first_backward(r, False, accumulated=a)[2][chunks[0]])
                             for a in kinds]
+            elif tb.rs_each and cand.m > 1 and len(chunks) == 1:
+                # reduce-scattering every micro-batch's gradients (`rs_each`): a later
+                # micro-batch's backward is the first's, moment by moment with each op's units
+                # (each unit's gradients reduce-scattered as its backward ends, added into the
+                # fp32 shards `grads` holds): the bound (every unit gathered and one prefetched
+                # beside the loss's gradients) is a moment no op holds (moe-tiny dp4 x ep2: +9.5%)
+                variants = [tuple(float(x) for x in tb.first_backward(r, False, accumulated="each")[2][chunks[0]])]
             best = None
             for v_rc, v_tmp, v_grads, v_w in variants:
                 act = post[:, ACTS, :] @ acts + post[:, SENT_OUTPUTS, :] @ sends + v_rc
