@@ -1193,6 +1193,11 @@ def _sync_time(cluster: ClusterSpec, dtype: str, dp: int, tp: int, zero: int, pe
     return _dp_coll(cluster, "reduce_scatter", pel * g, dp, tp)
 
 
+def _layer_scalars(graph: OpGraph, layers: list[Layer]) -> list[list[str]]:
+    """Per layer, the 0-D parameters it reads (`planner.is_scalar`)."""
+    return [[f for f in lay.params if f in graph.params and len(graph.params[f].shape) == 0] for lay in layers]
+
+
 def _grad_reduce_time(cluster: ClusterSpec, dtype: str, dp: int, tp: int, zero: int, pel: float) -> float:
     """The part of `_sync_time` that reduces gradients and so may run during the backward
     (`SoftwareSpec.grad_sync_overlap`): ZeRO 0's all-reduce, ZeRO 1/2's reduce-scatter; none for
@@ -1257,6 +1262,8 @@ class Search:
         provider (SP pinned on)."""
         self.graph, self.layers, self.cluster = graph, layers, cluster
         self.gbs, self.dtype, self.cons = gbs, dtype, cons
+        # the 0-D parameters each layer reads (ZeRO-3 keeps them replicated: `_scalar_sync`)
+        self._scalars = _layer_scalars(graph, layers)
         self._rooted: Optional[frozenset] = None
         self.provider = provider or AnalyticProvider(graph, layers, cluster, dtype)
         self.sp_provider = sp_provider
@@ -2519,6 +2526,7 @@ class Search:
             window = sum(c.bwd_s + c.bwd_comm_s + c.rc_extra_s.get(r, 0.0) for k, j in chunks for c in tb.costs[k:j])
             sync = _exposed_sync(sync, _grad_reduce_time(self.cluster, self.policy, tb.dp, tb.tp, tb.zero, pel), window)
         sync += sum(float(tb.iter[j] - tb.iter[k]) for k, j in chunks)
+        sync += self._scalar_sync(tb, chunks)
         return StageResult(chunks, r, t, comp, max(0.0, t - comp), sync, tb.opt(pel, tb.param_tensors(chunks)), pel,
                            float(top.weights), float(top.gradients), float(top.optimizer), float(top.activations),
                            float(top.buffers), top.phase, float(top.total), tp=tb.tp, tables=tb,
@@ -2535,6 +2543,18 @@ class Search:
         cand.pipeline_s = pipeline_s
         cand.tail_s = tail
         cand.iteration_s = pipeline_s + tail
+
+    def _scalar_sync(self, tb: _Tables, chunks: list[tuple[int, int]]) -> float:
+        """ZeRO-3's sync of the stage's 0-D parameters, which FSDP cannot shard: replicated over
+        dp, their gradients averaged in one flat all-reduce per step (`runtime.zero`; counted by
+        `planner.assemble`), with its copies in and out (`_pack_time`)."""
+        if not tb.zero3:
+            return 0.0
+        n = len({f for k, j in chunks for i in range(k, j) for f in self._scalars[i]})
+        if not n:
+            return 0.0
+        g = tb.wgo[1]
+        return _dp_coll(self.cluster, "all_reduce", n * g, tb.dp, tb.tp) + _pack_time(self.cluster, n * g * 6)
 
     def _tied_sync(self, cand: Candidate, tb: _Tables, stages: list[StageResult]) -> float:
         if cand.pp == 1:
