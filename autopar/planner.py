@@ -259,11 +259,16 @@ def _stage_modules(layers: list[Layer], k: int, j: int) -> list[str]:
 
 def _placements(graph: OpGraph, layers: list[Layer], costs, k: int, j: int, modules: list[str],
                 zero3: bool) -> dict[str, tuple[str, str]]:
-    dp_pl = "S(0)" if zero3 else "R"
+    """{parameter: (dp placement, tp placement)} of the stage of layers k..j. ZeRO-3 shards
+    every parameter on the dp axis ("S(0)") but the 0-D ones (`is_scalar`: nothing to split;
+    FSDP leaves them out, `runtime.zero`), which stay replicated ("R")."""
+    def dp_pl(fqn: str) -> str:
+        return "S(0)" if zero3 and not is_scalar(graph, fqn) else "R"
+
     out: dict[str, tuple[str, str]] = {}
     for i in range(k, j):
         for fqn, pl in costs[i].placements.items():
-            out.setdefault(fqn, (dp_pl, pl))
+            out.setdefault(fqn, (dp_pl(fqn), pl))
     # tied aliases and parameters under the stage's modules that no op reads
     under = lambda f: any(f == m or f.startswith(m + ".") for m in modules)  # noqa: E731
     for fqn, info in graph.params.items():
@@ -272,8 +277,15 @@ def _placements(graph: OpGraph, layers: list[Layer], costs, k: int, j: int, modu
                 if under(alias):
                     out.setdefault(alias, out[fqn])
         elif under(fqn) and not any(fqn in p.params for p in layers):
-            out[fqn] = (dp_pl, "R")
+            out[fqn] = (dp_pl(fqn), "R")
     return out
+
+
+def is_scalar(graph: OpGraph, fqn: str) -> bool:
+    """Whether parameter `fqn` is 0-D (a logit scale): ZeRO-3 keeps it replicated over dp and
+    all-reduces its gradient once per step (`runtime.zero`)."""
+    info = graph.params.get(fqn)
+    return info is not None and len(info.shape) == 0
 
 
 def _with_cp(placements: dict[str, tuple[str, str]], cp: int) -> dict[str, tuple[str, ...]]:
@@ -416,7 +428,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                     coll.update({"all_reduce": 1} if c.zero == 0 else {"reduce_scatter": 1, "all_gather": 1})
     # dp (and cp) gradient sync, once per stage (device group), as the runtime issues it
     if c.replicas > 1:
-        for st in c.stages:
+        for d, st in enumerate(c.stages):
             if c.zero == 0:
                 coll["all_reduce"] += 1
             elif c.zero in (1, 2):
@@ -425,6 +437,11 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
             else:
                 for k, j in st.chunks:
                     coll.update(_zero3_counts(*zunits[(k, j)], m, len(chunks) > 1, c.rs_each))
+                # the 0-D parameters FSDP leaves out, replicated: one flat all-reduce of the
+                # device group's (`runtime.engine.ParallelModel.sync_and_update`)
+                if any(is_scalar(graph, f) for pos, ch in enumerate(chunks) if ch[1] == d
+                       for f in stage_plans[pos].placements):
+                    coll["all_reduce"] += 1
     # a pipeline boundary sends every tensor crossing it forward and the gradients of those
     # that need one back, per micro-batch (one point-to-point op each, as torch.pipelining issues them)
     for pos in range(len(chunks) - 1):

@@ -58,6 +58,12 @@ LAYOUTS = {
     # Held by no stage's modules, they were left out ("the plan's stages leave parameters out:
     # gain"); a stage holds what its placements name (`validate.stage_parameters`)
     "topgain_pp4_1f1b": (TOP_GAIN, dict(dp=1, tp=1, pp=4, schedule="1f1b", num_microbatches=4)),
+    # its logit scale is 0-D, which FSDP2 cannot shard: ZeRO-3 keeps it replicated over dp
+    # ("R"; the plan placed it "S(0)", refused by `autopar run`) and averages its gradient in one
+    # flat all-reduce per step, counted by the plan (with the tied gain's, pipelined)
+    "topgain_dp4_zero3": (TOP_GAIN, dict(dp=4, tp=1, pp=1, zero_stage=3)),
+    "topgain_pp2xdp2_gpipe_zero3": (TOP_GAIN, dict(dp=2, tp=1, pp=2, schedule="gpipe", num_microbatches=2,
+                                                   zero_stage=3)),
     # Hugging Face: position ids, a causal mask and (Llama) rotary tables cross the boundaries;
     # GPT-2's lm_head is tied to wte; ZeRO-3 units come from the plan
     "gpt2_pp4_1f1b": (HF_GPT2, dict(dp=1, tp=1, pp=4, schedule="1f1b", num_microbatches=4)),
@@ -185,6 +191,18 @@ def test_user_model_layouts_equal_one_process(layout: str, reference: dict, laun
     # every tp stage, pipelined or not, under any ZeRO stage, runs as solved
     assert all((s.op_layouts is not None) == (p.tp > 1) for s in p.stages), p.search.get("tp_executor")
     assert "tp_executor" not in p.search, p.search["tp_executor"]
+
+
+def test_zero3_keeps_a_scalar_parameter_replicated(launched: dict) -> None:
+    """A 0-D parameter (`TopGainLM.log_scale`) under ZeRO-3: every other parameter sharded over
+    dp, the scalar replicated ("R": FSDP2 cannot shard it; `autopar run` refused the "S(0)" the
+    plan gave it), on the stage that reads it; the runs above match one process with its
+    gradient's all-reduce counted."""
+    for name in ("topgain_dp4_zero3", "topgain_pp2xdp2_gpipe_zero3"):
+        p, _ = launched[name]
+        pls = {f: pl for s in p.stages for f, pl in s.placements.items()}
+        assert pls["log_scale"][0] == "R", pls["log_scale"]
+        assert all(pl[0] == "S(0)" for f, pl in pls.items() if f != "log_scale"), pls
 
 
 def test_tensors_made_before_the_first_layer_are_carried_through_every_chunk():

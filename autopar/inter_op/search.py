@@ -760,12 +760,13 @@ class _Tables:
         return out
 
     def phases(self, pel: Any, m: int, root: Any = 0.0, unit: Any = 0.0, largest: Any = 0.0,
-               epel: Any = 0.0) -> list:
+               epel: Any = 0.0, spel: float = 0.0) -> list:
         """What the runtime holds per phase of a step for `pel` parameter elements per device
         (`cost_models.memory.runtime_phases`); under ZeRO-3 `root` and `unit` are the root
         unit's elements and the largest layer unit's (`range_root`, `range_unit`): the root's
         and one unit's unsharded parameters and one unit's flat all-gather output at once;
-        `largest`: AdamW's temporaries at their worst, elements (`range_maxtensor`)."""
+        `largest`: AdamW's temporaries at their worst, elements (`range_maxtensor`); `spel`:
+        of `pel`, 0-D parameters, which ZeRO-3 holds whole (`Search._scalar_sync`)."""
         kw = dict(num_microbatches=m, gathered_params=root + unit if self.zero3 else 0.0,
                   prefetch_params=unit if self.zero3 else 0.0, optimizer_temps=largest,
                   reduce_every_microbatch=self.rs_each,
@@ -797,6 +798,19 @@ class _Tables:
                    for a, b in zip(out, wide)]
         if self.ep > 1 and self.zero in (1, 2) and self.dp > 1:
             out = self._expert_zero12_sync(out, pel, np.asarray(epel), kw)
+        if self.zero3 and spel:
+            # ZeRO-3's 0-D parameters, replicated over dp (FSDP cannot shard them): their
+            # weights, gradients and optimizer state whole on every rank, as if dp times as many
+            # elements were sharded (not the unsharded gradients accumulated over micro-batches,
+            # whole already)
+            base = runtime_phases(pel, self.policy, self.zero, self.dp, **kw)
+            wide = runtime_phases(pel + (self.dp - 1) * spel, self.policy, self.zero, self.dp, **kw)
+            unsharded = m > 1 and not self.rs_each
+            out = [dataclasses.replace(
+                ph, weights=ph.weights + b.weights - a.weights, optimizer=ph.optimizer + b.optimizer - a.optimizer,
+                gradients=ph.gradients if unsharded and ph.phase == "forward_backward"
+                else ph.gradients + b.gradients - a.gradients)
+                for ph, a, b in zip(out, base, wide)]
         return out
 
     def _expert_zero12_sync(self, out: list, pel: Any, e: Any, kw: dict) -> list:
@@ -1323,6 +1337,11 @@ def _sync_time(cluster: ClusterSpec, dtype: str, dp: int, tp: int, zero: int, pe
     return _dp_coll(cluster, "reduce_scatter", pel * g, dp, tp)
 
 
+def _layer_scalars(graph: OpGraph, layers: list[Layer]) -> list[list[str]]:
+    """Per layer, the 0-D parameters it reads (`planner.is_scalar`)."""
+    return [[f for f in lay.params if f in graph.params and len(graph.params[f].shape) == 0] for lay in layers]
+
+
 def _grad_reduce_time(cluster: ClusterSpec, dtype: str, dp: int, tp: int, zero: int, pel: float) -> float:
     """The part of `_sync_time` that reduces gradients and so may run during the backward
     (`SoftwareSpec.grad_sync_overlap`): ZeRO 0's all-reduce, ZeRO 1/2's reduce-scatter; none for
@@ -1387,6 +1406,8 @@ class Search:
         provider (SP pinned on)."""
         self.graph, self.layers, self.cluster = graph, layers, cluster
         self.gbs, self.dtype, self.cons = gbs, dtype, cons
+        # the 0-D parameters each layer reads (ZeRO-3 keeps them replicated: `_scalar_sync`)
+        self._scalars = _layer_scalars(graph, layers)
         self._rooted: Optional[frozenset] = None
         self.provider = provider or AnalyticProvider(graph, layers, cluster, dtype)
         self.sp_provider = sp_provider
@@ -2583,8 +2604,9 @@ class Search:
         acc = float(tb.accum(pel, cand.m, epel))
         t += acc
         comp += acc
+        spel = float(self._scalar_count(chunks)) if tb.zero3 else 0.0
         phases = [dataclasses.replace(ph, buffers=ph.buffers + batch)
-                  for ph in tb.phases(pel, cand.m, root, unit, largest, epel)]
+                  for ph in tb.phases(pel, cand.m, root, unit, largest, epel, spel)]
         fb = phases[0]
         # ZeRO-3 holds fewer units at a micro-batch's worst moment than the bound (`relief`; one
         # chunk: with several, each chunk's FSDP root keeps its own parameters)
@@ -2666,6 +2688,7 @@ class Search:
             window = sum(c.bwd_s + c.bwd_comm_s + c.rc_extra_s.get(r, 0.0) for k, j in chunks for c in tb.costs[k:j])
             sync = _exposed_sync(sync, tb.grad_reduce(pel, epel), window)
         sync += sum(float(tb.iter[j] - tb.iter[k]) for k, j in chunks)
+        sync += self._scalar_sync(tb, chunks)
         return StageResult(chunks, r, t, comp, max(0.0, t - comp), sync, tb.opt(pel, tb.param_tensors(chunks)), pel,
                            float(top.weights), float(top.gradients), float(top.optimizer), float(top.activations),
                            float(top.buffers), top.phase, float(top.total), tp=tb.tp, tables=tb,
@@ -2682,6 +2705,22 @@ class Search:
         cand.pipeline_s = pipeline_s
         cand.tail_s = tail
         cand.iteration_s = pipeline_s + tail
+
+    def _scalar_count(self, chunks: list[tuple[int, int]]) -> int:
+        """How many 0-D parameters the layers of `chunks` read (`_layer_scalars`)."""
+        return len({f for k, j in chunks for i in range(k, j) for f in self._scalars[i]})
+
+    def _scalar_sync(self, tb: _Tables, chunks: list[tuple[int, int]]) -> float:
+        """ZeRO-3's sync of the stage's 0-D parameters, which FSDP cannot shard: replicated over
+        dp, their gradients averaged in one flat all-reduce per step (`runtime.zero`; counted by
+        `planner.assemble`), with its copies in and out (`_pack_time`)."""
+        if not tb.zero3:
+            return 0.0
+        n = self._scalar_count(chunks)
+        if not n:
+            return 0.0
+        g = tb.wgo[1]
+        return _dp_coll(self.cluster, "all_reduce", n * g, tb.dp, tb.tp) + _pack_time(self.cluster, n * g * 6)
 
     def _tied_sync(self, cand: Candidate, tb: _Tables, stages: list[StageResult]) -> float:
         if cand.pp == 1:

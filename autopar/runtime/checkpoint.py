@@ -136,7 +136,10 @@ def state_dict(pm, *, for_load: bool = False) -> dict:
                         f"re-plan with zero_stage 0")
     state: dict = {"step": torch.tensor(pm.steps_done, dtype=torch.int64)}
     named = pm.local_named_parameters()
-    masters = pm.masters.masters if pm.masters is not None else [p for _, p in named]
+    # a parameter's fp32 master where it has one (ZeRO 0 all, ZeRO-3 those FSDP leaves out:
+    # 0-D ones), else itself
+    own = dict(zip(map(id, pm.masters.params), pm.masters.masters)) if pm.masters is not None else {}
+    masters = [own.get(id(p), p) for _, p in named]
     for (n, _p), m in zip(named, masters):
         # mixed precision saves the fp32 masters (ZeRO-1/2: gathered below), so a resume, in
         # any layout or precision, continues from the exact weights

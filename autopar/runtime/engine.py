@@ -142,6 +142,7 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         register_extra_strategies()
         self.interleaved: dict[str, tuple[int, int]] = {}     # set by the executor's builds
         self.expert_groups: Optional[ExpertGroups] = None       # expert parallelism (`runtime.experts`)
+        self.fsdp_scalars: list[nn.Parameter] = []             # ZeRO-3's 0-D parameters (`zero`)
         self.tp_group = None
         self.stages = sorted(plan.stages, key=lambda s: s.index)
         self._check_plan()
@@ -405,7 +406,10 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         eg = self.expert_groups
         # ZeRO-3 with one copy of each expert (ep = dp): FSDP leaves the expert weights alone
         # (`ExpertGroups.fully_shard`); under mixed precision they get fp32 masters as ZeRO 0's
-        loose = eg.params if self.zero3 and self.low is not None and eg is not None and not eg.fsdp else []
+        loose = list(eg.params) if self.zero3 and self.low is not None and eg is not None and not eg.fsdp else []
+        # ZeRO-3's 0-D parameters, which FSDP leaves alone too (`zero.ZeroSharding._fully_shard`)
+        if self.zero3 and self.low is not None:
+            loose += self.fsdp_scalars
         if self.zero12:
             self._zero12_setup()
         else:
@@ -605,6 +609,11 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
                 own = {id(p) for p in experts.params} if experts is not None else set()
                 if self.dp_group is not None and not self.zero3:
                     allreduce_flat([self._local(p.grad) for p in self.params if id(p) not in own], self.dp_group,
+                                   1.0 / self.dp_size)
+                elif self.dp_group is not None and self.fsdp_scalars:
+                    # ZeRO-3's 0-D parameters, replicated over dp: averaged as ZeRO 0's (one flat
+                    # all-reduce per step; `planner.assemble` counts it)
+                    allreduce_flat([self._local(p.grad) for p in self.fsdp_scalars], self.dp_group,
                                    1.0 / self.dp_size)
                 if experts is not None:
                     experts.sync(self.dp_size)

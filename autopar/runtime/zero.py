@@ -127,8 +127,24 @@ def _unit_calls(model: nn.Module, units: Sequence[str]) -> dict:
     return calls
 
 
+def scalar_params(*modules: nn.Module) -> list[nn.Parameter]:
+    """The 0-D parameters of `modules`, each once (FSDP2 cannot shard a scalar: ZeRO-3 leaves
+    them replicated over dp, `ZeroSharding._fully_shard`)."""
+    out, seen = [], set()
+    for mod in modules:
+        for p in mod.parameters():
+            if p.dim() == 0 and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
 class ZeroSharding:
-    """The ZeRO part of `engine.ParallelModel` (its attributes are the engine's)."""
+    """The ZeRO part of `engine.ParallelModel` (its attributes are the engine's).
+    `fsdp_scalars`: the 0-D parameters ZeRO-3 left out of `fully_shard` (replicated over dp,
+    their gradients all-reduced by `sync_and_update`)."""
+
+    fsdp_scalars: list[nn.Parameter]
 
     def _fully_shard(self, model: nn.Module, units: Sequence[str], root: Optional[nn.Module] = None) -> None:
         """ZeRO-3: `fully_shard` on the dp sub-mesh for each of the plan's `units` (modules of
@@ -143,17 +159,26 @@ class ZeroSharding:
         mesh = self.my_mesh.dp_mesh
         mp = {"mp_policy": fsdp_policy(self.low)} if self.low is not None else {}
         experts = getattr(self, "expert_groups", None)
+        ignored: set[nn.Parameter] = set()
         if experts is not None:
             # expert parallelism: the experts sharded over the ranks holding the same ones first
             # (`runtime.experts.ExpertGroups.fully_shard`); with one copy each, left out
-            ignored = experts.fully_shard(model, mp)
-            if ignored:
-                mp = dict(mp, ignored_params=ignored)
+            ignored |= experts.fully_shard(model, mp)
+        root = model if root is None else root
+        # 0-D parameters (a logit scale): FSDP2 shards none (nothing to split on dim 0), the
+        # plan keeps them replicated over dp ("R", `planner._placements`), and
+        # `sync_and_update` averages their gradients over dp in one flat all-reduce
+        scalars = scalar_params(root, model)
+        if scalars:
+            ignored |= set(scalars)
+            seen = {id(p) for p in self.fsdp_scalars}
+            self.fsdp_scalars.extend(p for p in scalars if id(p) not in seen)
+        if ignored:
+            mp = dict(mp, ignored_params=ignored)
         # with tp, parameters are already DTensors on the sibling tp sub-mesh: FSDP2 makes them
         # 2-D (Shard on dp, the planned placement on tp)
         for fqn in units:
             gloo_fsdp_comms(fully_shard(get_submodule(model, fqn), mesh=mesh, **mp))
-        root = model if root is None else root
         from autopar.intra_op.execute import ShardedProgram
         from autopar.intra_op.pipeline_chunks import ProgramChunk
 
