@@ -221,7 +221,8 @@ def compare(planned: list[dict], failed: list[dict], results: dict, refs: dict) 
         rows = results[s["path"]]
         rec = {k: s[k] for k in ("model", "ref", "layout")}
         p = load_plan(s["path"])
-        rec["plan"] = (f"dp{p.dp} tp{p.tp} pp{p.pp}" + (f" {p.schedule}" if p.pp > 1 else "")
+        rec["plan"] = (f"dp{p.dp}" + (f" cp{p.cp}" if p.cp > 1 else "") + f" tp{p.tp} pp{p.pp}"
+                       + (f" {p.schedule}" if p.pp > 1 else "")
                        + f" z{p.zero_stage} mb {p.microbatch_size} x {p.num_microbatches}")
         if isinstance(rows, dict):
             rec["error"] = rows["error"]
