@@ -16,7 +16,7 @@ import pytest
 
 from autopar import ClusterSpec, Constraints
 from autopar.planner import plan
-from tests.captured import reference_losses
+from tests.captured import reference_losses, shared_plan
 from tests.test_context_parallel import solved_counts
 from tests.test_runtime_planned import STEPS, _run_in_one_job, _single, assert_ran_as_planned
 
@@ -58,8 +58,13 @@ def launched(tmp_path_factory) -> dict:
     """The 4-process plans of the tests below (cp alone and with dp / tp, BERT's, Hugging Face
     Llama's, models that make their own positions, in pipeline stages), each planned as its
     test describes, run `STEPS` (2) steps in one 4-process job (`tests/plans.py`, memory
-    untracked): {name: (plan, rows)}."""
+    untracked): {name: (plan, rows)}. Each model is captured once and its per-layer costs
+    shared by its layouts (`tests.captured.shared_plan`: the plan `autopar.plan` makes)."""
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
+
+    def plan(ref: str, cl: ClusterSpec, **kwargs):
+        return shared_plan(ref, cl.devices_per_node, **kwargs)
+
     plans = {name: plan(REF, cl, global_batch_size=8, dtype="fp32",
                         constraints=Constraints(pp=1, num_microbatches=2, **pins)) for name, pins in PINS.items()}
     plans.update({name: plan(ref, cl, global_batch_size=8, dtype="fp32",
