@@ -2,6 +2,8 @@
 counted collectives against the plan (issue 20, "one executor").
 
     python benchmarks/layout_matrix.py [--only SUBSTRING] [--steps 3] [--json]
+                                       [--architectures | --other-tasks | --user-models]
+                                       [--context-parallel]
 
 Models (4 blocks unless said, fp32): the zoo's GPT (`tests.plans:gpt_tiny6`, gpt-tiny with 6
 blocks; its output layer's weight is the embedding's: one weight shared by two modules),
@@ -17,13 +19,18 @@ layers), dp4 with selective and pp2 x dp2 with full recomputation, and the free 
 (`autopar.plan` unconstrained). `--architectures`: the same layouts of 16 Hugging Face
 architectures autopar has no `hf:` family for (`tests/hf_architectures.py`: Falcon, GPTBigCode,
 GPT-J, GPT-NeoX, Phi, Phi-3, BLOOM, Gemma, Qwen-2/3, Mistral, OLMo, StableLM, StarCoder-2,
-Cohere), each wrapped as a user would. Each is planned by `autopar.plan` with the layout pinned
-(`autopar.Constraints`), run for `--steps` steps by the runtime (one 4-process launch per
-model), and compared with the same model planned for and run on one process: the largest
-relative difference of a step's loss (target 1e-4) and whether the counted collectives of every
-step after the first equal the plan's `predicted.collectives`; where the first step's differ (a
-pipeline's counts more transfers) the difference is printed beside. A layout that does not
-plan, or fails to run, counts as a miss.
+Cohere), each wrapped as a user would. `--user-models`: every layout of
+`tests/test_runtime_user_models.py` (models written by others: nanoGPT, GatedLM, an
+encoder-decoder, T5-like seq2seq models with shared or aliased embeddings, GPT-2, Llama,
+Falcon), those the suite runs and those moved out of its job because another layout of the
+suite runs their path (`MATRIX_LAYOUTS`); `--context-parallel`: the context-parallel layouts
+moved out of `tests/test_runtime_context_parallel.py`'s job (its `MATRIX_LAYOUTS`). Each is
+planned by `autopar.plan` with the layout pinned (`autopar.Constraints`), run for `--steps`
+steps by the runtime (one 4-process launch per model), and compared with the same model planned
+for and run on one process: the largest relative difference of a step's loss (target 1e-4) and
+whether the counted collectives of every step after the first equal the plan's
+`predicted.collectives`; where the first step's differ (a pipeline's counts more transfers) the
+difference is printed beside. A layout that does not plan, or fails to run, counts as a miss.
 Takes about 5 minutes on 2 cores.
 """
 
@@ -96,26 +103,52 @@ def _cluster(n: int):
     return autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": n})
 
 
-def _plans(models: dict[str, str], layouts: dict[str, dict], folder: str) -> tuple[list[dict], list[dict]]:
-    """Plan every (model, layout); returns (planned specs with their plan path, those that did not plan)."""
+def _plans(specs: list[tuple[str, str, str, dict]], folder: str) -> tuple[list[dict], list[dict]]:
+    """Plan every (model name, reference, layout name, constraints); returns (planned specs with
+    their plan path, those that did not plan)."""
     import autopar
     from autopar.planner import plan
     from autopar.schema import PlanError
 
     done, failed = [], []
-    for mname, ref in models.items():
-        for lname, cons in layouts.items():
-            spec = {"model": mname, "ref": ref, "layout": lname}
-            try:
-                p = plan(ref, _cluster(NPROC), global_batch_size=GBS, dtype="fp32",
-                         constraints=autopar.Constraints(**cons))
-            except PlanError as e:
-                failed.append({**spec, "error": f"did not plan: {e}"})
-                continue
-            path = os.path.join(folder, f"{mname}-{lname.replace(' ', '_')}.json")
-            p.save(path)
-            done.append({**spec, "path": path})
+    for mname, ref, lname, cons in specs:
+        spec = {"model": mname, "ref": ref, "layout": lname}
+        try:
+            p = plan(ref, _cluster(NPROC), global_batch_size=GBS, dtype="fp32",
+                     constraints=autopar.Constraints(**cons))
+        except PlanError as e:
+            failed.append({**spec, "error": f"did not plan: {e}"})
+            continue
+        path = os.path.join(folder, f"{mname}-{lname.replace(' ', '_')}.json")
+        p.save(path)
+        done.append({**spec, "path": path})
     return done, failed
+
+
+def _short_name(ref: str, taken: set[str]) -> str:
+    """A model's name in the table: "hf-llama" for "hf:llama?...", "mistral" for
+    "tests.hf_architectures:mistral", numbered where another reference has it already."""
+    base = f"hf-{ref[3:].split('?')[0]}" if ref.startswith("hf:") else ref.split(":")[-1]
+    name, i = base, 2
+    while name in taken:
+        name, i = f"{base}-{i}", i + 1
+    return name
+
+
+def _test_module_specs(module: str, suite: bool) -> list[tuple[str, str, str, dict]]:
+    """The layouts `tests/<module>.py` moved out of its 4-process job because another layout of
+    the suite runs their path (its `MATRIX_LAYOUTS`: {name: (model, constraints)}), with its
+    `LAYOUTS` of the same form where `suite`; GPT-2 with dropout left out (its losses cannot
+    equal one process's)."""
+    import importlib
+
+    mod = importlib.import_module(f"tests.{module}")
+    layouts = {**(mod.LAYOUTS if suite else {}), **mod.MATRIX_LAYOUTS}
+    names: dict[str, str] = {}
+    for ref, _ in layouts.values():
+        names.setdefault(ref, _short_name(ref, set(names.values())))
+    return [(names[ref], ref, lname, cons) for lname, (ref, cons) in layouts.items()
+            if ref != getattr(mod, "HF_GPT2_DROPOUT", None)]
 
 
 def _references(models: dict[str, str], steps: int) -> dict[str, list[float]]:
@@ -188,7 +221,8 @@ def compare(planned: list[dict], failed: list[dict], results: dict, refs: dict) 
         rows = results[s["path"]]
         rec = {k: s[k] for k in ("model", "ref", "layout")}
         p = load_plan(s["path"])
-        rec["plan"] = (f"dp{p.dp} tp{p.tp} pp{p.pp}" + (f" {p.schedule}" if p.pp > 1 else "")
+        rec["plan"] = (f"dp{p.dp}" + (f" cp{p.cp}" if p.cp > 1 else "") + f" tp{p.tp} pp{p.pp}"
+                       + (f" {p.schedule}" if p.pp > 1 else "")
                        + f" z{p.zero_stage} mb {p.microbatch_size} x {p.num_microbatches}")
         if isinstance(rows, dict):
             rec["error"] = rows["error"]
@@ -246,6 +280,12 @@ def main() -> None:
     ap.add_argument("--other-tasks", action="store_true",
                     help="Hugging Face models that are not causal LMs (BERT masked LM, T5, ViT: "
                          "tests/hf_other_tasks.py) instead of the six models")
+    ap.add_argument("--user-models", action="store_true",
+                    help="every layout of tests/test_runtime_user_models.py (models written by others: the "
+                         "suite's and those moved out of its job) instead of the six models (about 4 minutes)")
+    ap.add_argument("--context-parallel", action="store_true",
+                    help="the context-parallel layouts moved out of tests/test_runtime_context_parallel.py's "
+                         "job (another layout there runs their path) instead of the six models")
     ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
     os.environ.setdefault("AUTOPAR_COUNT_COLLECTIVES", "all")     # check every step's, not the first two
@@ -257,16 +297,16 @@ def main() -> None:
 
             hard_exit(0 if sys.exc_info()[0] is None else 1)
     t0 = time.perf_counter()
-    pool = _architecture_models() if a.architectures else _other_task_models() if a.other_tasks else MODELS
-    pairs = [(m, lay) for m in pool for lay in LAYOUTS if a.only in f"{m} {lay}"]
-    models = {m: pool[m] for m in dict.fromkeys(m for m, _ in pairs)}
+    if a.user_models or a.context_parallel:
+        specs = [sp for sp in _test_module_specs("test_runtime_user_models", suite=True) * a.user_models
+                 + _test_module_specs("test_runtime_context_parallel", suite=False) * a.context_parallel
+                 if a.only in f"{sp[0]} {sp[2]}"]
+    else:
+        pool = _architecture_models() if a.architectures else _other_task_models() if a.other_tasks else MODELS
+        specs = [(m, pool[m], lay, LAYOUTS[lay]) for m in pool for lay in LAYOUTS if a.only in f"{m} {lay}"]
+    models = {m: ref for m, ref, _, _ in specs}
     with tempfile.TemporaryDirectory(prefix="autopar-matrix-") as d:
-        planned, failed = [], []
-        for m, ref in models.items():
-            lays = {lay: LAYOUTS[lay] for mm, lay in pairs if mm == m}
-            got, bad = _plans({m: ref}, lays, d)
-            planned += got
-            failed += bad
+        planned, failed = _plans(specs, d)
         refs = _references(models, a.steps)
         results = measure(planned, a.steps)
         recs = compare(planned, failed, results, refs)

@@ -16,7 +16,7 @@ import pytest
 
 from autopar import ClusterSpec, Constraints
 from autopar.planner import plan
-from tests.captured import reference_losses
+from tests.captured import reference_losses, shared_plan
 from tests.test_context_parallel import solved_counts
 from tests.test_runtime_planned import STEPS, _run_in_one_job, _single, assert_ran_as_planned
 
@@ -58,8 +58,13 @@ def launched(tmp_path_factory) -> dict:
     """The 4-process plans of the tests below (cp alone and with dp / tp, BERT's, Hugging Face
     Llama's, models that make their own positions, in pipeline stages), each planned as its
     test describes, run `STEPS` (2) steps in one 4-process job (`tests/plans.py`, memory
-    untracked): {name: (plan, rows)}."""
+    untracked): {name: (plan, rows)}. Each model is captured once and its per-layer costs
+    shared by its layouts (`tests.captured.shared_plan`: the plan `autopar.plan` makes)."""
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
+
+    def plan(ref: str, cl: ClusterSpec, **kwargs):
+        return shared_plan(ref, cl.devices_per_node, **kwargs)
+
     plans = {name: plan(REF, cl, global_batch_size=8, dtype="fp32",
                         constraints=Constraints(pp=1, num_microbatches=2, **pins)) for name, pins in PINS.items()}
     plans.update({name: plan(ref, cl, global_batch_size=8, dtype="fp32",
@@ -137,8 +142,6 @@ HF_LLAMA = ("hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2
             "&num_attention_heads=4&seq_len=16&vocab_size=128")
 HF_PINS = {
     "hf_cp4": dict(cp=4, dp=1, tp=1, recompute="none"),
-    "hf_cp2xdp2_full": dict(cp=2, dp=2, tp=1, recompute="full"),
-    "hf_cp2xtp2": dict(cp=2, dp=1, tp=2, recompute="none"),
 }
 
 
@@ -147,9 +150,9 @@ def test_hugging_face_llama_runs_context_parallel_as_one_process(launched):
     its tokens' positions reach its rotary embedding as `position_ids` (each rank's chunks where
     they are in the sequence), its targets are shifted in the batch (the model shifts nothing,
     so each rank's chunks carry theirs), its SDPA calls (`enable_gqa`, no mask: transformers
-    reads no packed sequences off the chunks' position jumps) run as the cp attention. cp4,
-    cp2 x dp2 with full recomputation and cp2 x tp2 on 4 gloo processes: losses equal one
-    process's within 1e-4 (and 2e-6: below what wrong positions move them), every step's counted
+    reads no packed sequences off the chunks' position jumps) run as the cp attention. cp4 on 4
+    gloo processes (its cp2 x dp2 and cp2 x tp2: `MATRIX_LAYOUTS`): losses equal one process's
+    within 1e-4 (and 2e-6: below what wrong positions move them), every step's counted
     collectives the plan's."""
     pytest.importorskip("transformers")
     plans, rows = {}, {}
@@ -187,9 +190,7 @@ def test_hugging_face_gpt2_runs_cp_x_tp_op_by_op(launched):
 # Hugging Face causal LMs wrapped by a user (tests/hf_architectures.py): their own positions'
 # arange, the labels shifted inside the model (`capture.own_positions`)
 OWN_PINS = {
-    "own_mistral_cp2xdp2_full": ("tests.hf_architectures:mistral", dict(cp=2, dp=2, tp=1, recompute="full")),
     "own_mistral_cp2xtp2": ("tests.hf_architectures:mistral", dict(cp=2, dp=1, tp=2, recompute="none")),
-    "own_neox_cp4": ("tests.hf_architectures:neox", dict(cp=4, dp=1, tp=1, recompute="none")),
     "own_bigcode_cp4": ("tests.hf_architectures:bigcode", dict(cp=4, dp=1, tp=1, recompute="none")),
     # Falcon builds an explicit mask from its positions under tracing: found causal, run as such
     "own_falcon_cp2xtp2": ("tests.hf_architectures:falcon", dict(cp=2, dp=1, tp=2, recompute="none")),
@@ -203,9 +204,9 @@ def test_models_that_make_their_own_positions_run_context_parallel_as_one_proces
     shift (`capture.own_positions`), so the plan says cp is executed; the runtime runs the
     model's program traced at a rank's tokens, that arange made the op that reads the rank's
     positions, the labels shifted on the whole sequence before the split. Mistral (rotary,
-    grouped KV heads) under cp2 x dp2 with full recomputation and cp2 x tp2 op by op as solved,
-    GPT-NeoX (partial rotary, parallel residual) and GPTBigCode (learned position embeddings,
-    multi-query attention) under cp4, Falcon (an explicit mask `k_pos <= q_pos` built from its
+    grouped KV heads) under cp2 x tp2 op by op as solved, GPTBigCode (learned position
+    embeddings, multi-query attention) under cp4 (Mistral's cp2 x dp2 and GPT-NeoX's cp4:
+    `MATRIX_LAYOUTS`), Falcon (an explicit mask `k_pos <= q_pos` built from its
     positions, found to be the causal one and run as causal cp attention) under cp2 x tp2, on
     4 gloo processes: losses equal one process within
     1e-4 (and 2e-6: positions placed at 0 on every rank move them by ~1e-5, a label shift on
@@ -220,7 +221,6 @@ def test_models_that_make_their_own_positions_run_context_parallel_as_one_proces
 
 
 PP_PINS = {
-    "pp2xcp2_1f1b": (REF, dict(pp=2, cp=2, dp=1, tp=1, recompute="none", schedule="1f1b")),
     "pp2xcp2_gpipe_full": (REF, dict(pp=2, cp=2, dp=1, tp=1, recompute="full", schedule="gpipe")),
     "gpt_pp2xcp2_selective": ("gpt-tiny", dict(pp=2, cp=2, dp=1, tp=1, recompute="selective", schedule="1f1b")),
     # interleaved 1F1B: each rank 2 chunks of a 6-block GPT, each chunk's positions its rank's
@@ -231,13 +231,33 @@ PP_PINS = {
 }
 BLOCKS = {"tests.plans:gpt_tiny6": 6}      # attention layers of the models above (else 2)
 
+# Layouts whose path a layout above runs: out of the suite's 4-process job to keep the suite in
+# its time budget (session 34), run by `python benchmarks/layout_matrix.py --context-parallel`
+# ({name: (model, constraints)}; global batch 8, fp32, as above).
+MATRIX_LAYOUTS = {
+    # Hugging Face Llama's positions as `position_ids`: hf_cp4; cp x dp with the gather re-run
+    # in a full recomputation: cp2xdp2_full
+    "hf_cp2xdp2_full": (HF_LLAMA, dict(cp=2, dp=2, tp=1, pp=1, recompute="full", num_microbatches=2)),
+    # cp x tp op by op on a rotary model with grouped KV heads: own_mistral_cp2xtp2, cp2xtp2_full_zero1
+    "hf_cp2xtp2": (HF_LLAMA, dict(cp=2, dp=1, tp=2, pp=1, recompute="none", num_microbatches=2)),
+    # a model's own positions' arange feeding rotary tables: own_mistral_cp2xtp2; cp x dp with
+    # full recomputation: cp2xdp2_full
+    "own_mistral_cp2xdp2_full": ("tests.hf_architectures:mistral",
+                                 dict(cp=2, dp=2, tp=1, pp=1, recompute="full", num_microbatches=2)),
+    "own_neox_cp4": ("tests.hf_architectures:neox", dict(cp=4, dp=1, tp=1, pp=1, recompute="none",
+                                                         num_microbatches=2)),
+    # the zoo Llama's chunks at a rank's tokens: pp2xcp2_gpipe_full; 1F1B with cp:
+    # gpt_pp2xcp2_selective, hf_pp2xcp2_1f1b
+    "pp2xcp2_1f1b": (REF, dict(pp=2, cp=2, dp=1, tp=1, recompute="none", schedule="1f1b", num_microbatches=2)),
+}
+
 
 def test_context_parallel_runs_in_pipeline_stages(launched):
     """Context parallelism inside pipeline stages (issue 13): the traced chunks are cut on a
     rank's tokens, their positions an op that reads the rank's when a chunk runs
     (`models.positions.traced_positions`), their fused attention and loss (aten ops) taken over
-    as in the model's eager forward. pp2 x cp2 on 4 gloo processes: the zoo Llama under 1F1B
-    and under GPipe with full recomputation (the gather re-run), the zoo GPT (positions read
+    as in the model's eager forward. pp2 x cp2 on 4 gloo processes: the zoo Llama under GPipe
+    with full recomputation (the gather re-run; its 1F1B: `MATRIX_LAYOUTS`), the zoo GPT (positions read
     in its first chunk only, a tied embedding across the stages) under 1F1B with selective
     recomputation (the traced attention op re-run as the cp attention, gather included), a
     6-block GPT under interleaved 1F1B (2 chunks a rank) and a Hugging Face Llama under 1F1B:

@@ -40,18 +40,23 @@ FALCON = "tests.hf_architectures:falcon"
 HF_LLAMA = f"hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2&{_TINY}"
 HF_LLAMA_KV4 = f"hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=4&{_TINY}"
 STEPS = 2    # the second step: collectives after the warm-up, on weights the first updated
+# The suite's layouts: each guards a path no other layout of the suite runs (said beside it).
+# Layouts whose path another one here (or another test file) already runs are in
+# `MATRIX_LAYOUTS` below, run by `python benchmarks/layout_matrix.py --user-models` with these.
 LAYOUTS = {
-    # the head reads wte.weight outside wte: wte is left to FSDP's root unit (issue 20's
-    # "fsdp.chunk_cat has no sharding strategy" when it was its own unit)
+    # ZeRO-3 without tp or pp on a traced model: the head reads wte.weight outside wte, so wte
+    # is left to FSDP's root unit (issue 20's "fsdp.chunk_cat has no sharding strategy" when it
+    # was its own unit)
     "nanogpt_dp4_zero3": (NANOGPT, dict(dp=4, tp=1, pp=1, zero_stage=3)),
-    "nanogpt_pp4_1f1b": (NANOGPT, dict(dp=1, tp=1, pp=4, schedule="1f1b", num_microbatches=4)),
+    # a traced pipeline under ZeRO-3 (units from the plan, `StagePlan.fsdp_units`), the matmul
+    # head's wte tied across the first and last stages
     "nanogpt_pp2xdp2_gpipe_zero3": (NANOGPT, dict(dp=2, tp=1, pp=2, schedule="gpipe", num_microbatches=2,
                                                   zero_stage=3)),
     # tp inside pipeline chunks runs as solved (`intra_op.pipeline_chunks`): two chunks per rank
     "nanogpt_pp2xtp2_interleaved": (NANOGPT, dict(dp=1, tp=2, pp=2, schedule="interleaved_1f1b",
                                                   virtual_stages=2, num_microbatches=2)),
     # a gate (needing a gradient) and a boolean mask made before the first layer cross every
-    # boundary beside the hidden states
+    # boundary beside the hidden states; 1F1B over 4 stages
     "gated_pp4_1f1b": (GATED, dict(dp=1, tp=1, pp=4, schedule="1f1b", num_microbatches=4)),
     # parameters read in the model's own forward, held by no submodule: a gain read by the first
     # and the last stage (held by both, one tied all-reduce), a logit scale by the last alone.
@@ -64,53 +69,41 @@ LAYOUTS = {
     "topgain_dp4_zero3": (TOP_GAIN, dict(dp=4, tp=1, pp=1, zero_stage=3)),
     "topgain_pp2xdp2_gpipe_zero3": (TOP_GAIN, dict(dp=2, tp=1, pp=2, schedule="gpipe", num_microbatches=2,
                                                    zero_stage=3)),
-    # Hugging Face: position ids, a causal mask and (Llama) rotary tables cross the boundaries;
-    # GPT-2's lm_head is tied to wte; ZeRO-3 units come from the plan
-    "gpt2_pp4_1f1b": (HF_GPT2, dict(dp=1, tp=1, pp=4, schedule="1f1b", num_microbatches=4)),
+    # Hugging Face in traced chunks: position ids and a causal mask cross the boundary, GPT-2's
+    # lm_head is tied to wte across the stages, ZeRO-3 units come from the plan
     "gpt2_pp2xdp2_gpipe_zero3": (HF_GPT2, dict(dp=2, tp=1, pp=2, schedule="gpipe", num_microbatches=2,
                                                zero_stage=3)),
-    "gpt2_dp4_zero3": (HF_GPT2, dict(dp=4, tp=1, pp=1, zero_stage=3)),
-    "gpt2_dp2xtp2": (HF_GPT2, dict(dp=2, tp=2, pp=1, zero_stage=0)),
     # an encoder's output read by every decoder block (layers that do not follow the one making
     # it): each block's solution reads it through its own junction, its gradient reduced once
     # per block; the last layer, deciding the tied head's layout, solved again with its arrivals
     "encdec_dp2xtp2": (ENCDEC, dict(dp=2, tp=2, pp=1, zero_stage=0)),
     # tp stages not pipelined run op by op as solved (`StagePlan.op_layouts`, the executor):
     # nanoGPT's fused qkv split (with selective recomputation: its attention child's ops one
-    # checkpointed region per block), and Llama's 4 KV heads over tp 4 (a `view` of a sharded
-    # activation failed under DTensor propagation)
+    # checkpointed region per block)
     "nanogpt_tp4_selective": (NANOGPT, dict(dp=1, tp=4, pp=1, recompute="selective")),
-    "llama_kv4_tp4": (HF_LLAMA_KV4, dict(dp=1, tp=4, pp=1)),
     # 2 KV heads over tp 4: the executor runs what the ILP solved (DTensor's Megatron-style head
     # split cannot: each rank would hold half a head)
     "llama_kv2_tp4": (HF_LLAMA, dict(dp=1, tp=4, pp=1)),
-    # full recomputation as solved: each block's ops one checkpointed region (the rotary
-    # embedding's no_grad subgraph inside), its forward collectives re-run in the backward
-    "llama_dp2xtp2_full": (HF_LLAMA, dict(dp=2, tp=2, pp=1, zero_stage=1, recompute="full")),
     # tp + ZeRO-3 as solved: FSDP2 units (the plan's) over the executor's tp DTensors, each
     # unit's ops one FSDP call; nanoGPT's and GPT-2's fused qkv held interleaved and sharded
     # again over dp, nanoGPT's matmul head reading wte in the root unit
     "nanogpt_dp2xtp2_zero3": (NANOGPT, dict(dp=2, tp=2, pp=1, zero_stage=3)),
     "gpt2_dp2xtp2_zero3": (HF_GPT2, dict(dp=2, tp=2, pp=1, zero_stage=3)),
+    # full recomputation as solved, under ZeRO-3: each block's ops one checkpointed region (the
+    # rotary embedding's no_grad subgraph inside), its forward collectives re-run in the backward
     "llama_dp2xtp2_zero3_full": (HF_LLAMA, dict(dp=2, tp=2, pp=1, zero_stage=3, recompute="full",
                                                 num_microbatches=2)),
     # dropout after a row-parallel Conv1D: the partial sum is reduced before it (bernoulli_ in
     # place on a partial DTensor failed); random draws differ from one process, so only that it
     # trains and issues the planned collectives is checked
     "gpt2dropout_tp4": (HF_GPT2_DROPOUT, dict(dp=1, tp=4, pp=1)),
-    "llama_pp2xdp2_interleaved": (HF_LLAMA, dict(dp=2, tp=1, pp=2, schedule="interleaved_1f1b",
-                                                 virtual_stages=2, num_microbatches=2)),
-    "llama_dp4_zero3": (HF_LLAMA, dict(dp=4, tp=1, pp=1, zero_stage=3)),
     # torch's lock-step interleaved runner reduces no FSDP gradient itself (`pipeline.
-    # _interleaved_class` does, after it): ZeRO-3 synced nothing over dp before
+    # _interleaved_class` does, after it): ZeRO-3 synced nothing over dp before; Llama's rotary
+    # tables cross the boundaries
     "llama_pp2xdp2_interleaved_zero3": (HF_LLAMA, dict(dp=2, tp=1, pp=2, schedule="interleaved_1f1b",
                                                        virtual_stages=2, num_microbatches=2, zero_stage=3)),
-    "llama_pp4_1f1b": (HF_LLAMA, dict(dp=1, tp=1, pp=4, schedule="1f1b", num_microbatches=4)),
-    "llama_pp2xdp2_gpipe_zero3": (HF_LLAMA, dict(dp=2, tp=1, pp=2, schedule="gpipe", num_microbatches=2,
-                                                 zero_stage=3)),
     # tp inside pipeline chunks, as solved: position ids, the causal mask and the rotary tables
     # cross the boundary in their solved layouts (the tables need no gradient)
-    "gpt2_pp2xtp2_gpipe": (HF_GPT2, dict(dp=1, tp=2, pp=2, schedule="gpipe", num_microbatches=2)),
     "llama_pp2xtp2_gpipe": (HF_LLAMA, dict(dp=1, tp=2, pp=2, schedule="gpipe", num_microbatches=2)),
     # Hugging Face Falcon wrapped by a user: its index lists (`fused_qkv[..., [-2], :]`) are
     # tensor constants the forward makes, valueless in a trace on meta (`graph_stages.
@@ -141,6 +134,38 @@ LAYOUTS = {
     # ... with a head of its own: the second call's module ("shared@1" from the tracer) held
     # the weight under a name the model lacks, neither loaded nor synced (a wrong loss)
     "untied_pp4_1f1b": (UNTIED, dict(dp=1, tp=1, pp=4, schedule="1f1b", num_microbatches=4)),
+}
+# Layouts whose path a layout above (or another test file, named) runs: out of the suite's
+# 4-process job to keep the suite in its time budget (session 34), run by `python
+# benchmarks/layout_matrix.py --user-models` (every layout of this module, about 4 minutes).
+MATRIX_LAYOUTS = {
+    # pp4 1F1B of traced chunks: gated_pp4_1f1b, aliased_pp4_1f1b; nanoGPT's wte tied across
+    # the stages: nanogpt_pp2xdp2_gpipe_zero3
+    "nanogpt_pp4_1f1b": (NANOGPT, dict(dp=1, tp=1, pp=4, schedule="1f1b", num_microbatches=4)),
+    # GPT-2's position ids, causal mask and tied lm_head across the stages: gpt2_pp2xdp2_gpipe_zero3
+    "gpt2_pp4_1f1b": (HF_GPT2, dict(dp=1, tp=1, pp=4, schedule="1f1b", num_microbatches=4)),
+    # ZeRO-3 units of a traced model: nanogpt_dp4_zero3, gpt2_dp2xtp2_zero3
+    "gpt2_dp4_zero3": (HF_GPT2, dict(dp=4, tp=1, pp=1, zero_stage=3)),
+    "llama_dp4_zero3": (HF_LLAMA, dict(dp=4, tp=1, pp=1, zero_stage=3)),
+    # GPT-2's fused Conv1D qkv run as solved with dp: gpt2_dp2xtp2_zero3 (and
+    # tests/test_runtime_llama_tp.py's hf_gpt2_tp2, tests/test_interleaved_qkv.py)
+    "gpt2_dp2xtp2": (HF_GPT2, dict(dp=2, tp=2, pp=1, zero_stage=0)),
+    # Llama's 4 KV heads over tp 4 (a `view` of a sharded activation failed under DTensor
+    # propagation): the executor runs it since issue 20, as tests/test_intra_op_execute.py's
+    # hf-llama case (4 KV heads, tp 4) does
+    "llama_kv4_tp4": (HF_LLAMA_KV4, dict(dp=1, tp=4, pp=1)),
+    # full recomputation as solved: llama_dp2xtp2_zero3_full; ZeRO-1 with the executor:
+    # tests/test_runtime_context_parallel.py's cp2xtp2_full_zero1
+    "llama_dp2xtp2_full": (HF_LLAMA, dict(dp=2, tp=2, pp=1, zero_stage=1, recompute="full")),
+    # interleaved 1F1B with dp: seq2seq_pp2xdp2_interleaved, llama_pp2xdp2_interleaved_zero3
+    "llama_pp2xdp2_interleaved": (HF_LLAMA, dict(dp=2, tp=1, pp=2, schedule="interleaved_1f1b",
+                                                 virtual_stages=2, num_microbatches=2)),
+    # Llama's rotary tables across the boundaries: llama_pp2xdp2_interleaved_zero3, llama_pp2xtp2_gpipe
+    "llama_pp4_1f1b": (HF_LLAMA, dict(dp=1, tp=1, pp=4, schedule="1f1b", num_microbatches=4)),
+    "llama_pp2xdp2_gpipe_zero3": (HF_LLAMA, dict(dp=2, tp=1, pp=2, schedule="gpipe", num_microbatches=2,
+                                                 zero_stage=3)),
+    # tp in pipeline chunks with a causal mask crossing: llama_pp2xtp2_gpipe, falcon_pp2xtp2_1f1b
+    "gpt2_pp2xtp2_gpipe": (HF_GPT2, dict(dp=1, tp=2, pp=2, schedule="gpipe", num_microbatches=2)),
 }
 
 
