@@ -70,7 +70,7 @@ from autopar.runtime.pipeline import PipelineStages
 from autopar.runtime.precision import MasterWeights, cast_parameters_, low_dtype
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.spmd import allow_implicit_replication, grads_to_param_layout, register_extra_strategies
-from autopar.runtime.tied_grads import allreduce_flat
+from autopar.runtime.tied_grads import allreduce_flat, gloo_memory_exact
 from autopar.runtime.tied_groups import TiedParameters
 from autopar.runtime.validate import validate_plan  # noqa: F401
 from autopar.runtime.zero import ZeroSharding
@@ -490,9 +490,9 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         or only the gradient sync when forward/backward cannot communicate (its per-op cost then
         stays out of the compute). `exact_memory=False` (a step whose memory nobody measures)
         lets gloo's worker thread drop a finished collective's operands when it gets to it
-        (`_gloo_sync`: a yield to that thread per collective, on a loaded machine several
-        milliseconds a step)."""
-        with self._gloo_sync() if exact_memory else _nullctx():
+        (`_gloo_sync`, `tied_grads.gloo_memory_exact`: a yield to that thread per collective, on
+        a loaded machine several milliseconds a step)."""
+        with self._gloo_sync() if exact_memory else gloo_memory_exact(False):
             if counter is not None and self.collectives_in_compute:
                 with counter:
                     loss_sum, n = self.forward_backward(batch)

@@ -73,6 +73,29 @@ class _BackendViews(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+_EXACT_MEMORY = True
+
+
+@contextlib.contextmanager
+def gloo_memory_exact(on: bool) -> Iterator[None]:
+    """Inside, whether the gloo collectives wait until gloo's worker thread let go of their
+    operands (`gloo_quiesced`, `_settled`, `zero.gloo_fsdp_comms`): what makes tracked memory
+    the same every run, at a scheduling latency per collective. Off for a step whose memory
+    nobody measures (`ParallelModel.train_step(exact_memory=False)`): the results are the same,
+    only when gloo frees its references differs."""
+    global _EXACT_MEMORY
+    old, _EXACT_MEMORY = _EXACT_MEMORY, on
+    try:
+        yield
+    finally:
+        _EXACT_MEMORY = old
+
+
+def exact_gloo_memory() -> bool:
+    """Whether gloo collectives wait for gloo's thread to let go (`gloo_memory_exact`)."""
+    return _EXACT_MEMORY
+
+
 def gloo_quiesced(collective: Callable[..., Any], group: Optional[dist.ProcessGroup], *operands: torch.Tensor,
                   timeout_s: float = 10.0) -> Any:
     """`collective(*operands)`, a synchronous collective, run on views of `operands`; once it
@@ -87,7 +110,7 @@ def gloo_quiesced(collective: Callable[..., Any], group: Optional[dist.ProcessGr
     reference dies: torch keeps a tensor's Python object while C++ holds it) gloo holds nothing
     of the operands. Waits at most `timeout_s` (the collective's result is complete either
     way). On another backend `collective(*operands)` as it is."""
-    if not dist.is_initialized() or dist.get_backend(group) != "gloo":
+    if not _EXACT_MEMORY or not dist.is_initialized() or dist.get_backend(group) != "gloo":
         return collective(*operands)
     views = [t.view(t.shape) for t in operands]
     refs = [weakref.ref(v) for v in views]
@@ -418,6 +441,9 @@ def _unheld(out: torch.Tensor, ref: weakref.ref) -> torch.Tensor:
 
 def _settled(run: Callable[..., Any], *views: torch.Tensor) -> None:
     """`run(*views)` (a synchronous collective on `views`), returning once gloo let go of them."""
+    if not _EXACT_MEMORY:
+        run(*views)
+        return
     refs = [weakref.ref(v) for v in views]
     run(*views)
     del views

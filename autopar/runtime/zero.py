@@ -12,6 +12,7 @@ import torch.nn as nn
 from autopar.runtime.precision import fsdp_policy
 from autopar.runtime.tied_grads import (
     all_gather_flat,
+    exact_gloo_memory,
     gloo_copies_released,
     reduce_scatter_flat,
     release,
@@ -38,7 +39,7 @@ def gloo_fsdp_comms(module: nn.Module) -> None:
 
     class GlooAllGather(DefaultAllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            if async_op:
+            if async_op or not exact_gloo_memory():
                 return super().__call__(output_tensor, input_tensor, group, async_op)
             # a pending all-gather not yet settled by a copy-out (none in FSDP's order) first
             _PENDING_GATHERS.settle()
@@ -48,7 +49,7 @@ def gloo_fsdp_comms(module: nn.Module) -> None:
 
     class GlooReduceScatter(DefaultReduceScatter):
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            if async_op:
+            if async_op or not exact_gloo_memory():
                 return super().__call__(output_tensor, input_tensor, group, op, async_op)
             with gloo_copies_released(group, output_tensor, input_tensor):
                 return super().__call__(output_tensor, input_tensor, group, op, async_op)
