@@ -34,7 +34,7 @@ from autopar.inter_op.pinned_layouts import (
     pinned_provider,
     tp_unexecutable,
 )
-from autopar.inter_op.search import Candidate, Search, SearchResult, op_by_op
+from autopar.inter_op.search import Candidate, Search, SearchResult, is_scalar, op_by_op
 from autopar.inter_op.stage_cost import AnalyticProvider
 from autopar.inter_op.stage_layouts import chunk_layouts
 from autopar.models import ModelBundle, build_model
@@ -279,13 +279,6 @@ def _placements(graph: OpGraph, layers: list[Layer], costs, k: int, j: int, modu
         elif under(fqn) and not any(fqn in p.params for p in layers):
             out[fqn] = (dp_pl(fqn), "R")
     return out
-
-
-def is_scalar(graph: OpGraph, fqn: str) -> bool:
-    """Whether parameter `fqn` is 0-D (a logit scale): ZeRO-3 keeps it replicated over dp and
-    all-reduces its gradient once per step (`runtime.zero`)."""
-    info = graph.params.get(fqn)
-    return info is not None and len(info.shape) == 0
 
 
 def _with_cp(placements: dict[str, tuple[str, str]], cp: int) -> dict[str, tuple[str, ...]]:

@@ -1337,9 +1337,16 @@ def _sync_time(cluster: ClusterSpec, dtype: str, dp: int, tp: int, zero: int, pe
     return _dp_coll(cluster, "reduce_scatter", pel * g, dp, tp)
 
 
+def is_scalar(graph: OpGraph, fqn: str) -> bool:
+    """Whether parameter `fqn` is 0-D (a logit scale): ZeRO-3 keeps it replicated over dp and
+    all-reduces its gradient once per step (`runtime.zero`; `planner._placements` places it)."""
+    info = graph.params.get(fqn)
+    return info is not None and len(info.shape) == 0
+
+
 def _layer_scalars(graph: OpGraph, layers: list[Layer]) -> list[list[str]]:
-    """Per layer, the 0-D parameters it reads (`planner.is_scalar`)."""
-    return [[f for f in lay.params if f in graph.params and len(graph.params[f].shape) == 0] for lay in layers]
+    """Per layer, the 0-D parameters it reads (`is_scalar`)."""
+    return [[f for f in lay.params if is_scalar(graph, f)] for lay in layers]
 
 
 def _grad_reduce_time(cluster: ClusterSpec, dtype: str, dp: int, tp: int, zero: int, pel: float) -> float:
@@ -1408,6 +1415,7 @@ class Search:
         self.gbs, self.dtype, self.cons = gbs, dtype, cons
         # the 0-D parameters each layer reads (ZeRO-3 keeps them replicated: `_scalar_sync`)
         self._scalars = _layer_scalars(graph, layers)
+        self._any_scalar = any(self._scalars)
         self._rooted: Optional[frozenset] = None
         self.provider = provider or AnalyticProvider(graph, layers, cluster, dtype)
         self.sp_provider = sp_provider
@@ -2708,6 +2716,8 @@ class Search:
 
     def _scalar_count(self, chunks: list[tuple[int, int]]) -> int:
         """How many 0-D parameters the layers of `chunks` read (`_layer_scalars`)."""
+        if not self._any_scalar:
+            return 0                # most models: no walk over the layers per candidate
         return len({f for k, j in chunks for i in range(k, j) for f in self._scalars[i]})
 
     def _scalar_sync(self, tb: _Tables, chunks: list[tuple[int, int]]) -> float:
