@@ -39,6 +39,7 @@ from autopar.inter_op.stage_cost import AnalyticProvider
 from autopar.inter_op.stage_layouts import chunk_layouts
 from autopar.models import ModelBundle, build_model
 from autopar.schema import ClusterSpec, Constraints, ModelInfo, Plan, PlanError, Prediction, StagePlan, StagePrediction
+from autopar.schema.constraints import SPLIT_SLOTS
 from autopar.schema.experts import ExpertBlockPlan, ExpertParallelism
 from autopar.schema.layouts import StageLayouts
 from autopar.schema.mesh_axes import stage_mesh
@@ -125,21 +126,24 @@ class ProviderCache:
 
     @staticmethod
     def key(kind: str, graph: OpGraph, spec: ClusterSpec, dtype: str, cache_dir: Optional[Path] = None,
-            software: Optional[SoftwareSpec] = None, sequence_parallel: bool = False) -> tuple:
+            software: Optional[SoftwareSpec] = None, sequence_parallel: bool = False,
+            account: tuple[str, ...] = ()) -> tuple:
         # the whole profile but its node count (measured collective tables included), the
-        # software, and where the provider keeps its solutions on disk
+        # software, where the provider keeps its solutions on disk, and the layer slots
         return (kind, dtype, id(graph), spec.model_copy(update={"num_nodes": 1}).model_dump_json(),
                 software.model_dump_json() if software is not None else None,
-                str(cache_dir) if cache_dir is not None else None, bool(sequence_parallel))
+                str(cache_dir) if cache_dir is not None else None, bool(sequence_parallel), tuple(account))
 
     def get(self, kind: str, graph: OpGraph, model: nn.Module, spec: ClusterSpec, dtype: str,
             cache_dir: Optional[Path] = None, software: Optional[SoftwareSpec] = None,
-            sequence_parallel: bool = False, layers: Optional[list[Layer]] = None) -> tuple[list[Layer], Any]:
+            sequence_parallel: bool = False, layers: Optional[list[Layer]] = None,
+            account: tuple[str, ...] = (), strict: bool = False) -> tuple[list[Layer], Any]:
         """(layers, provider) for planning `graph` on `spec` with `software`: made once per key
-        (`layers`: those to cost, when the caller has them already)."""
-        k = self.key(kind, graph, spec, dtype, cache_dir, software, sequence_parallel)
+        (`layers`: those to cost, when the caller has them already; `account`: the layer slots
+        of `split_slots`)."""
+        k = self.key(kind, graph, spec, dtype, cache_dir, software, sequence_parallel, account) + (strict,)
         if k not in self._entries:
-            layers = layers if layers is not None else build_layers(graph, model)
+            layers = layers if layers is not None else build_layers(graph, model, account=account, strict=strict)
             self._entries[k] = (layers, make_provider(kind, graph, layers, spec, dtype, cache_dir, software,
                                                       sequence_parallel))
         return self._entries[k]
@@ -181,26 +185,49 @@ def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Optional[Sequen
         cons = cons.model_copy(update={"tp": 1})
     t1 = time.perf_counter()
     cache_dir = cache_directory(cache)
+    account, why_slots = split_slots(cons, graph)
     if providers is not None:
         layers, provider = providers.get(intra_op, graph, bundle.model, spec, dtype, cache_dir, sw,
-                                         bool(cons.sequence_parallel))
+                                         bool(cons.sequence_parallel), account=account,
+                                         strict=cons.account_in_split is not None)
     else:
-        layers = build_layers(graph, bundle.model)
+        layers = build_layers(graph, bundle.model, account=account, strict=cons.account_in_split is not None)
         provider = make_provider(intra_op, graph, layers, spec, dtype, cache_dir, sw, bool(cons.sequence_parallel))
     moments_directory(cache_dir)     # the schedule walks kept beside the captures
     sp_provider = None
     if cons.sequence_parallel is None and getattr(provider, "sequence_parallel", None) is False:
         # an ILP provider without SP: the search weighs Megatron-SP too, wherever tp > 1 (the
         # same layers, costed with it); the analytic rules have no SP
-        sp_provider = (providers.get(intra_op, graph, bundle.model, spec, dtype, cache_dir, sw, True, layers)[1]
+        sp_provider = (providers.get(intra_op, graph, bundle.model, spec, dtype, cache_dir, sw, True, layers,
+                                     account)[1]
                        if providers is not None else
                        make_provider(intra_op, graph, layers, spec, dtype, cache_dir, sw, sequence_parallel=True))
     res = Search(graph, layers, spec, global_batch_size, dtype, cons, provider, progress,
                  sp_provider=sp_provider).run()
     p = assemble(bundle, graph, spec, res, global_batch_size, dtype, time.perf_counter() - t1)
+    if why_slots:
+        p.search["account_in_split"] = why_slots
     if no_tp:
         p.search["tp_free"] = "kept at 1 by the search: every tp plan would be " + no_tp
     return p
+
+
+def split_slots(cons: Constraints, graph: OpGraph) -> tuple[tuple[str, ...], str]:
+    """The layer slots of `Constraints.account_in_split` the search cuts chunks over, and, where
+    the planner chose them, why (for `plan.search`): as pinned; else both ("embedding",
+    "loss") where the pinned pp x virtual_stages chunks exceed the model's repeated blocks
+    (each joined to the first or last block would leave fewer layers than chunks: Megatron's
+    Qwen3-235B PP32 VPP3 over 94 blocks + 2 = 96), else none (a free search keeps them
+    joined: trying both would double the search)."""
+    if cons.account_in_split is not None:
+        return tuple(cons.account_in_split), ""
+    pp = cons.pp or (len(cons.stage_tp) if cons.stage_tp else None)
+    chunks = (pp or 1) * (cons.virtual_stages or 1)
+    if pp and graph.layers and chunks > len(graph.layers):
+        return SPLIT_SLOTS, (f"the embedding and the loss each a layer slot of its own (where the model has a "
+                             f"module for it): pp x virtual_stages = {chunks} chunks over "
+                             f"{len(graph.layers)} repeated blocks")
+    return (), ""
 
 
 # -- the Plan ----------------------------------------------------------------------------------

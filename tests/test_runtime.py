@@ -111,7 +111,8 @@ def gpt_job(tmp_path_factory) -> tuple[dict, list[str]]:
     tmp = tmp_path_factory.mktemp("gpt_layouts")
     planned = {rc: _planned_recompute_pipeline(tmp, rc) for rc in ("full", "selective")}
     recompute = ["pp2xtp2_full", "pp2xtp2_selective"] + [f"plan:{p}" for p in planned.values()]
-    return launch_layouts(_LAYOUTS + ["build_api"] + recompute + _RECOMPUTE_CHECKS, tmp), recompute
+    uneven = [f"plan:{_planned_uneven_pipeline(tmp)}"]
+    return launch_layouts(_LAYOUTS + ["build_api"] + recompute + _RECOMPUTE_CHECKS + uneven, tmp), recompute
 
 
 def test_layouts_equal_one_process_and_count_collectives(gpt_job):
@@ -150,6 +151,41 @@ def _planned_recompute_pipeline(tmp_path: Path, recompute: str) -> Path:
     path = tmp_path / f"planned_{recompute}.json"
     p.save(path)
     return path
+
+
+def _planned_uneven_pipeline(tmp_path: Path) -> Path:
+    """The planner's gpt-tiny plan pinned to dp 2 x pp 2 with 2 interleaved chunks a rank: 4
+    chunks over 2 blocks, so the embedding and the loss take a layer slot each
+    (`Constraints.account_in_split`, Megatron's --account-for-embedding/loss-in-pipeline-split):
+    rank group 0 holds the embedding alone and blocks.1, group 1 blocks.0 and the head + loss."""
+    from autopar.planner import plan as make
+    from autopar.schema import ClusterSpec, Constraints
+
+    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4, "num_nodes": 1})
+    p = make("gpt-tiny", cl, global_batch_size=8, dtype="fp32", intra_op="analytic",
+             constraints=Constraints(dp=2, tp=1, pp=2, virtual_stages=2, schedule="interleaved_1f1b",
+                                     num_microbatches=2))
+    assert [s.layers for s in p.stages] == [["embed"], ["blocks.0"], ["blocks.1"], ["head"]], p.stages
+    assert "account_in_split" in p.search
+    path = tmp_path / "planned_uneven.json"
+    p.save(path)
+    return path
+
+
+def test_uneven_interleaved_chunks(gpt_job):
+    """The planner's dp2 x pp2 x v2 plan whose first chunk holds only the embedding and last
+    only the head and loss (`_planned_uneven_pipeline`): losses within 1e-4 of one process, the
+    collectives it predicts."""
+    [lay] = [k for k in gpt_job[0] if k.startswith("plan:") and k.endswith("planned_uneven.json")]
+    rows = gpt_job[0][lay]
+    assert isinstance(rows, list), rows
+    from autopar.schema.plan import load_plan
+
+    steps = [r for r in rows if "step" in r]
+    assert close([r["loss"] for r in steps], reference_losses(), 1e-4), steps
+    planned = load_plan(lay[5:]).predicted.collectives
+    assert steps[-1]["collectives"] == planned, (steps[-1]["collectives"], planned)
+    assert rows[-1]["collectives_match"] is True
 
 
 def test_recompute_in_a_pipeline(gpt_job):

@@ -21,6 +21,8 @@ from typing import Optional
 import torch.nn as nn
 
 from autopar.capture.graph import OpGraph, OpNode
+from autopar.schema.constraints import SPLIT_SLOTS
+from autopar.schema.errors import PlanError
 from cost_models.memory import checkpointed_module, selective_ops
 
 
@@ -99,13 +101,23 @@ def _top(path: str, containers: set[str]) -> str:
 
 
 def build_layers(graph: OpGraph, model: Optional[nn.Module] = None, max_layers: int = 16,
-                 delta: float = 0.5) -> list[Layer]:
-    """The layers of `graph` in execution order (see the module docstring)."""
+                 delta: float = 0.5, account: tuple[str, ...] = (), strict: bool = True) -> list[Layer]:
+    """The layers of `graph` in execution order (see the module docstring); `account`: the
+    `SPLIT_SLOTS` that are layers of their own (PlanError where the model has no such part,
+    or, not `strict`, that part left with its block)."""
     calls = graph.calls
     g1 = graph.at_batch(1) if graph.batch_size is None else graph
     flops = {n.name: n.flops for n in g1.calls}
+    bad = [a for a in account if a not in SPLIT_SLOTS]
+    if bad:
+        raise PlanError(f"account_in_split: {bad[0]!r} is not a layer slot; one of {', '.join(SPLIT_SLOTS)}",
+                        constraint="account_in_split")
+    if account and not graph.layers:
+        raise PlanError(f"account_in_split={tuple(account)}: the model has no repeated blocks, so no embedding "
+                        f"or loss outside them to give a layer slot of its own; drop account_in_split",
+                        constraint="account_in_split")
     if graph.layers:
-        groups = _block_groups(calls, graph.layers, _ancestors(graph.layers))
+        groups = _block_groups(calls, graph.layers, _ancestors(graph.layers), tuple(account), strict)
     else:
         containers = set()
         if model is not None:
@@ -162,29 +174,51 @@ def _outside_module(path: str, ancestors: set[str]) -> str:
     return ""
 
 
-def _block_groups(calls: list[OpNode], blocks: list[str], ancestors: set[str]):
+def _block_groups(calls: list[OpNode], blocks: list[str], ancestors: set[str], account: tuple[str, ...] = (),
+                  strict: bool = True):
     order = {b: i for i, b in enumerate(blocks)}
     groups: dict[str, tuple[list[str], list[OpNode], set[str]]] = {b: ([], [], set()) for b in blocks}
+    inside = [i for i, n in enumerate(calls) if n.layer in order]
+    if not inside:                              # no op inside any block (should not happen)
+        groups[blocks[0]] = ([], list(calls), set())
+        return [(b, groups[b][0] or [b], groups[b][1], groups[b][2]) for b in blocks]
+    first, last = inside[0], inside[-1]
+    # the ops before the first block ("embedding") and after the last ("loss"), each its own
+    # layer where `account` names it (and it holds a module to cut at), else with its block
+    parts: dict[str, tuple[list[str], list[OpNode], set[str]]] = {}
+    for slot, ops in (("embedding", calls[:first]), ("loss", calls[last + 1:])):
+        part: tuple[list[str], list[OpNode], set[str]] = ([], [], set())
+        for n in ops:
+            _add(part, n, in_block=False, ancestors=ancestors)
+        if slot in account and part[0]:
+            parts[slot] = part
+        elif slot in account and strict:
+            where = "before the first" if slot == "embedding" else "after the last"
+            raise PlanError(f"account_in_split names {slot!r}, but no module runs {where} repeated block "
+                            f"({blocks[0] if slot == 'embedding' else blocks[-1]}) for a pipeline chunk to hold; "
+                            f"drop {slot!r} from account_in_split", constraint="account_in_split")
     current: Optional[str] = None
-    pending: list[OpNode] = []                  # outside-block ops before the first block
-    for n in calls:
-        if n.layer in order:
-            if current is None:
-                for p in pending:
-                    _add(groups[n.layer], p, in_block=False, ancestors=ancestors)
-                pending = []
+    for i, n in enumerate(calls):
+        if i < first:
+            if "embedding" not in parts:
+                _add(groups[calls[first].layer], n, in_block=False, ancestors=ancestors)
+        elif n.layer in order:
             current = n.layer
             _add(groups[current], n, in_block=True, ancestors=ancestors)
-        elif current is None:
-            pending.append(n)
+        elif i > last and "loss" in parts:
+            continue
         else:
             _add(groups[current], n, in_block=False, ancestors=ancestors)
-    if current is None:                         # no op inside any block (should not happen)
-        groups[blocks[0]] = ([], pending, set())
     out = []
+    if "embedding" in parts:
+        mods, nodes, block = parts["embedding"]
+        out.append((mods[0], mods, nodes, block))
     for b in blocks:
         mods, nodes, block = groups[b]
         out.append((b, mods or [b], nodes, block))       # modules in order of first use
+    if "loss" in parts:
+        mods, nodes, block = parts["loss"]
+        out.append((mods[0], mods, nodes, block))
     return out
 
 

@@ -1520,7 +1520,7 @@ class Search:
                             f"torch.pipelining syncs a stage's gradients after its last micro-batch",
                             constraint="zero3_grad_sync")
         if c.pp is not None and c.pp > self.L:
-            raise PlanError(f"pp={c.pp} stages need at least {c.pp} layers; the model has {self.L} "
+            raise PlanError(f"pp={c.pp} stages need at least {c.pp} layers; the model has {self.slots_text()} "
                             f"({', '.join(l.name for l in self.layers[:4])}{' ...' if self.L > 4 else ''})",
                             constraint="pp")
         if c.dp is not None and self.gbs % c.dp:
@@ -2201,6 +2201,19 @@ class Search:
             return "schedule" if c.schedule else "virtual_stages"
         return "global_batch_size"
 
+    def slots_text(self) -> str:
+        """The model's layers as pipeline chunks can hold them (error messages): how many,
+        and whether the embedding and the loss take a slot of their own (`account_in_split`)."""
+        own = [lay.name for lay in self.layers if not lay.block_nodes]
+        if not self.graph.layers:
+            return f"{self.L} layers"
+        if own:
+            return (f"{self.L} layer slots ({self.L - len(own)} repeated blocks, {' and '.join(own)} each in a "
+                    f"slot of its own)")
+        return (f"{self.L} layers (the embedding joined to the first block, the loss to the last; "
+                f"Constraints(account_in_split=(\"embedding\", \"loss\")) gives each a slot of its own: up to "
+                f"{self.L + 2})")
+
     def _why_no_candidates(self, meshes) -> str:
         c = self.cons
         parts = []
@@ -2213,6 +2226,9 @@ class Search:
                 return (f"{c.num_microbatches} micro-batches do not divide the {local} samples per "
                         f"data-parallel replica (global batch {self.gbs} / dp {dp})")
             if (c.schedule and schedule_kind(c.schedule).interleaved) or (c.virtual_stages or 1) > 1:
+                if c.virtual_stages and pp * c.virtual_stages > self.L:
+                    return (f"pp x virtual_stages = {pp} x {c.virtual_stages} = {pp * c.virtual_stages} chunks need "
+                            f"as many layers; the model has {self.slots_text()}")
                 return (f"the interleaved schedule needs pp > 1, pp x virtual_stages <= {self.L} layers and "
                         f"the number of micro-batches divisible by pp (dp={dp}, tp={tp}, pp={pp})")
             parts.append(f"dp={dp} tp={tp} pp={pp}")

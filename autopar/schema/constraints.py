@@ -21,6 +21,13 @@ assert SCHEDULES == tuple(_REGISTRY), "Schedule must name the registered schedul
 # relies on (`inter_op.search`: once a policy fits, later ones are slower)
 Recompute = Literal["none", "selective", "attention", "full"]
 RECOMPUTES: tuple[str, ...] = get_args(Recompute)
+# the parts of a model outside its repeated blocks that can take a pipeline layer slot of their
+# own (Megatron-Core's --account-for-embedding-in-pipeline-split and
+# --account-for-loss-in-pipeline-split, megatron/core/transformer/transformer_block.py
+# `get_num_layers_to_build`): "embedding", the ops before the first block; "loss", the ops after
+# the last (final norm, output layer, loss). The one registry (`inter_op.layers.build_layers`)
+SplitSlot = Literal["embedding", "loss"]
+SPLIT_SLOTS: tuple[str, ...] = get_args(SplitSlot)
 # when ZeRO-3 reduce-scatters gradients of a step of several micro-batches (`Plan.zero3_grad_sync`)
 Zero3GradSync = Literal["step", "microbatch"]
 
@@ -64,6 +71,14 @@ class Constraints(BaseModel):
                                      "over the stage's dp x tp ranks (Megatron-Core's MoE parallel folding, "
                                      "expert_tp 1; what Megatron calls EDP); None: searched. An ep above dp "
                                      "(dividing dp x tp) is folded")
+    account_in_split: Optional[tuple[SplitSlot, ...]] = Field(
+        default=None, description="the parts outside the repeated blocks cut into pipeline chunks as layer "
+        "slots of their own: \"embedding\" (the ops before the first block) and/or \"loss\" (the ops after the "
+        "last: final norm, output layer, loss), as Megatron-Core's --account-for-embedding-in-pipeline-split / "
+        "--account-for-loss-in-pipeline-split: a chunk may then hold the embedding or the loss alone, and a "
+        "model of L blocks has up to L + 2 slots for pp x virtual_stages chunks; () joins them to the first and "
+        "last block; None: both where the pinned pp x virtual_stages exceeds the blocks, else none (a free "
+        "search does not try them)")
     stage_tp: Optional[tuple[int, ...]] = Field(
         default=None, min_length=1, description="the tensor-parallel degree of each pipeline stage, in "
         "model order (Alpa's sub-mesh choice: stages may differ, e.g. (1, 1, 2)); sets pp to its length and "
@@ -78,6 +93,13 @@ class Constraints(BaseModel):
         default=None, description="Megatron-SP on the tensor-parallel axis (norms, dropout and residual "
         "adds on sequence slices, the residual stream split along its tokens between layers; needs the "
         "intra-op ILP); None: the search tries both where tp > 1 (with the ILP; off with the analytic rules)")
+
+    @field_validator("account_in_split")
+    @classmethod
+    def _distinct(cls, v: Optional[tuple[str, ...]]) -> Optional[tuple[str, ...]]:
+        if v is not None and len(set(v)) != len(v):
+            raise ValueError(f"account_in_split {v}: name each of {', '.join(SPLIT_SLOTS)} at most once")
+        return v
 
     @field_validator("stage_tp")
     @classmethod
