@@ -212,6 +212,23 @@ def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Optional[Sequen
     return p
 
 
+def _chunk_share(st: Any, chunk: tuple[int, int]) -> float:
+    """The share of device group `st`'s per-micro-batch time (a `StageResult`) that its chunk
+    `chunk` (a layer range) takes: the chunk's layers' time, recomputation and boundary transfers
+    (`StageResult.t_mb`'s per-chunk terms) over its chunks' sum; equal shares where those are
+    all 0."""
+    if len(st.chunks) == 1:
+        return 1.0
+    tb, r = st.tables, st.recompute
+
+    def t(c: tuple[int, int]) -> float:
+        k, j = c
+        return max(0.0, float(tb.base[j] - tb.base[k] + tb.rc[r][j] - tb.rc[r][k] + tb.range_p2p[k, j]))
+
+    total = sum(t(c) for c in st.chunks)
+    return t(chunk) / total if total > 0 else 1.0 / len(st.chunks)
+
+
 def split_slots(cons: Constraints, graph: OpGraph) -> tuple[tuple[str, ...], str]:
     """The layer slots of `Constraints.account_in_split` the search cuts chunks over, and, where
     the planner chose them, why (for `plan.search`): as pinned; else both ("embedding",
@@ -366,7 +383,9 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
         devices = st.devices
         costs = st.tables.costs
         first_chunk = vc == 0
-        share = 1.0 / len(st.chunks)
+        # the chunk's part of its device group's time: its own layers' (an embedding-only chunk
+        # beside a chunk of blocks is a sliver of the group's compute, `_chunk_share`)
+        share = _chunk_share(st, (k, j))
         pred = StagePrediction(
             compute_s=m * st.compute_mb * share + (st.opt_s if first_chunk else 0.0),
             communication_s=m * st.comm_mb * share + (st.sync_s if first_chunk else 0.0),

@@ -4,7 +4,7 @@ s=4096, global batch 1024) planned freely on 1 to 16 nodes, the search choosing 
 dp/tp/pp; and Mixtral pinned to the layout of Megatron-Core's published Mixtral run, against
 its figure.
 
-    python benchmarks/moe_plans.py [--nodes 1,2,4,8,16] [--only mixtral|deepseek] [--published]
+    python benchmarks/moe_plans.py [--nodes 1,2,4,8,16] [--only mixtral|deepseek] [--published [--case TEXT]]
 
 Published (`PUBLISHED`, each with its source, FLOP convention and assumptions; `--published`
 plans only them; "rs/mb" after the ZeRO stage: ZeRO-3's gradients reduce-scattered every
@@ -104,11 +104,15 @@ PUBLISHED = [
     Published("Qwen3-235B-A22B, MCore all-to-all, PP32", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100", 32,
               "nemo-megatron-core-2024",
               dict(tp=2, pp=32, virtual_stages=3, dp=4, ep=8, expert_dp=1, expert_tp=1, microbatch_size=1,
-                   num_microbatches=512,
+                   num_microbatches=512, account_in_split=("embedding", "loss"),
                    schedule="interleaved_1f1b", recompute="none"),
               24.2, 200.0, _MZ_FLOPS, _MZ + "4 (A2A dispatcher, TP2 EP8 PP32 VPP3 DP4 EDP1 ETP1, MBS1 GA512)",
-              "EP8 spans TP2 x DP4 (folding, autopar's folded experts); 94 layers over 96 chunks (uneven, as "
-              "Megatron splits them); " + _MZ_NORM),
+              "EP8 spans TP2 x DP4 (folding, autopar's folded experts); the embedding and the loss each a "
+              "layer slot of its own (the zoo's model_configs/benchmarking/Qwen3-235B-A22B.yaml lines 27-28 "
+              "set --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split; "
+              "runtime_configs/benchmarking/runtime.conf line 13 counts 96 layers, so 96 / 32 / 3 = 1 slot a "
+              "chunk: the first chunk the embedding alone, the last the loss alone), searched as "
+              "`account_in_split`; " + _MZ_NORM),
     Published("Qwen3-235B-A22B, MCore DeepEP, TP4 EP8 PP8", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100", 32,
               "nemo-megatron-core-2024",
               dict(tp=4, pp=8, virtual_stages=4, dp=8, ep=8, expert_dp=4, expert_tp=1, microbatch_size=1,
@@ -133,9 +137,10 @@ def main() -> None:
     ap.add_argument("--nodes", default="1,2,4,8,16")
     ap.add_argument("--only", choices=list(MODELS))
     ap.add_argument("--published", action="store_true", help="only the published runs, pinned")
+    ap.add_argument("--case", help="with --published: only the runs whose name contains TEXT (e.g. PP32)")
     args = ap.parse_args()
     if args.published:
-        published()
+        published(args.case)
         return
     nodes = [int(x) for x in args.nodes.split(",")]
     rows = []
@@ -162,10 +167,15 @@ def main() -> None:
         published()
 
 
-def published() -> None:
-    """Each published run planned pinned to its layout, with the software it used."""
+def published(case_filter: str | None = None) -> None:
+    """Each published run planned pinned to its layout, with the software it used (those whose
+    name contains `case_filter`, where given)."""
     rows = []
-    for case in PUBLISHED:
+    cases = [c for c in PUBLISHED if not case_filter or case_filter.lower() in c.name.lower()]
+    if not cases:
+        raise SystemExit(f"--case {case_filter!r} names no published run; one of: "
+                         + "; ".join(c.name for c in PUBLISHED))
+    for case in cases:
         bundle = resolve_model(case.model, None, None)
         graph = capture(bundle.model, bundle.example_inputs, name=bundle.name, cache=True)
         t = time.perf_counter()
@@ -192,7 +202,7 @@ def published() -> None:
                      p.search.get("ep_executor", "")[:80]])
         print(format_table(PUB_HEAD, rows[-1:]), flush=True)
     print(format_table(PUB_HEAD, rows))
-    for case in PUBLISHED:
+    for case in cases:
         print(f"- {case.name}: {case.source}. FLOPs: {case.flops_rule}. Assumed: {case.assumed}.")
 
 
