@@ -57,6 +57,14 @@ def _degrees(text: Optional[str]) -> Optional[tuple[int, ...]]:
         raise click.BadParameter(f"{text!r} is not a comma-separated list of integers") from None
 
 
+def _slots(text: Optional[str]) -> Optional[tuple[str, ...]]:
+    """"embedding,loss" -> ("embedding", "loss") (`--account-in-split`), "none" -> (); None when
+    not given (the names are checked by `Constraints`)."""
+    if text is None:
+        return None
+    return () if text.strip() == "none" else tuple(x.strip() for x in text.split(",") if x.strip())
+
+
 def _cluster(name: str, nodes: Optional[int], devices_per_node: Optional[int]):
     from autopar.schema import ClusterSpec
 
@@ -145,6 +153,10 @@ def _long_lived() -> None:
 @click.option("--stage-tp", callback=lambda ctx, param, v: _degrees(v), metavar="T1,T2,...",
               help="pin each pipeline stage's tensor-parallel degree, in model order (stages may differ, "
                    "Alpa's sub-mesh choice: e.g. 1,1,2)")
+@click.option("--account-in-split", callback=lambda ctx, param, v: _slots(v), metavar="embedding,loss",
+              help="give the embedding and/or the loss a pipeline layer slot of their own (a chunk may hold "
+                   "one alone; Megatron's --account-for-embedding/loss-in-pipeline-split); \"none\" joins them to "
+                   "the first and last block; default: both where the pinned pp x virtual stages exceed the blocks")
 @click.option("--sequence-parallel/--no-sequence-parallel", default=None,
               help="pin Megatron-SP on the tensor-parallel axis on or off (needs the intra-op ILP); "
                    "default: the search decides")

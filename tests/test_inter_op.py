@@ -136,6 +136,42 @@ def test_gpt_layers_join_embedding_and_head():
     assert "embed.tok.weight" in layers[0].params and "embed.tok.weight" in layers[-1].params
 
 
+def test_embedding_and_loss_as_layer_slots_of_their_own():
+    """`Constraints.account_in_split` (Megatron's --account-for-embedding/loss-in-pipeline-split):
+    the ops before the first block and after the last are layers of their own; the planner
+    takes both where the pinned chunks exceed the blocks and cuts a chunk of the embedding
+    alone; more chunks than slots, a slot the model lacks: PlanErrors naming the field."""
+    from autopar.planner import plan
+    from autopar.schema import ClusterSpec, Constraints, PlanError
+
+    b = build_model("gpt-tiny")
+    g = capture(b.model, b.example_inputs, name="gpt-tiny")
+    layers = build_layers(g, b.model, account=("embedding", "loss"))
+    assert [lay.modules for lay in layers] == [["embed"], ["blocks.0"], ["blocks.1"], ["head"]]
+    assert sum(len(lay.nodes) for lay in layers) == len(g.calls)
+    assert [lay.name for lay in build_layers(g, b.model, account=("loss",))] == ["blocks.0", "blocks.1", "head"]
+    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4, "num_nodes": 1})
+
+    def make(**pins):
+        return plan("gpt-tiny", cl, global_batch_size=8, dtype="fp32", intra_op="analytic",
+                    constraints=Constraints(**pins))
+
+    p = make(pp=2, virtual_stages=2, schedule="interleaved_1f1b", num_microbatches=2)
+    assert [s.layers for s in p.stages] == [["embed"], ["blocks.0"], ["blocks.1"], ["head"]]
+    assert "account_in_split" in p.search
+    # each chunk reports its own layers' share of its device group's time: the embedding's part
+    # of the group's bubble is below that of blocks.1, the group's other chunk
+    assert p.stages[0].predicted.bubble_s < p.stages[2].predicted.bubble_s
+    assert "account_in_split" not in make(pp=2).search     # free of the slots where the blocks suffice
+    with pytest.raises(PlanError, match=r"6 chunks need as many layers; the model has 4 layer slots"):
+        make(pp=2, virtual_stages=3, schedule="interleaved_1f1b")
+    with pytest.raises(PlanError, match=r"account_in_split=\(\"embedding\", \"loss\"\)\) gives each"):
+        make(pp=2, virtual_stages=2, schedule="interleaved_1f1b", account_in_split=())
+    m = _Plain()
+    with pytest.raises(PlanError, match="no repeated blocks"):
+        build_layers(capture(m, (torch.randn(4, 64),)), m, account=("embedding",))
+
+
 class _Plain(nn.Module):
     def __init__(self):
         super().__init__()
