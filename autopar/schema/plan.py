@@ -201,6 +201,9 @@ class StagePlan(_Model):
         """What the backward re-runs, folded: `selective: ops scaled_dot_product_attention (24)`."""
         if self.recompute == "selective" and self.recompute_ops is not None:
             return f"selective: ops {_folded_ops(self.recompute_ops) or 'none (no attention core)'}"
+        if not self.recompute_modules:
+            # a chunk of no repeated block (the embedding or the loss alone: `account_in_split`)
+            return f"{self.recompute}: nothing to recompute (no repeated block in this chunk)"
         if self.recompute == "selective":
             return f"selective: modules {_folded(self.recompute_modules or [])} checkpointed whole"
         return f"{self.recompute}: modules {_folded(self.recompute_modules or [])} checkpointed whole"
