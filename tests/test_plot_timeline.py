@@ -25,9 +25,9 @@ def test_simulated_bubble_matches_formula(schedule, v, p, m):
 def test_interleaved_time_with_uneven_chunks(p, v, m, emb, loss):
     """The search's interleaved pipeline time (`inter_op.search.interleaved_time`) with uneven
     chunks, the first one holding the embedding alone and the last the loss alone (a layer's
-    time 1, `emb` and `loss` theirs; Megatron's Qwen3-235B PP32 VPP3 is the first case, the loss
-    chunk priced at about its head's FLOPs over a layer's), against the event simulation of
-    Megatron's order: within 2%."""
+    time 1, `emb` and `loss` theirs; the first case is Megatron's Qwen3-235B PP32 VPP3 with the
+    loss chunk at about its output layer's FLOPs over a layer's active ones, an upper end: the
+    plan prices it at 1.2 layers), against the event simulation of Megatron's order: within 2%."""
     from autopar.inter_op.search import interleaved_time
 
     chunk = [1.0] * (p * v)
