@@ -2171,7 +2171,7 @@ class Search:
         if c.tp is not None and set(pin) != {c.tp}:
             raise fail(f"tp={c.tp} contradicts it")
         if len(pin) > self.L:
-            raise fail(f"{len(pin)} stages need at least as many layers; the model has {self.L}")
+            raise fail(f"{len(pin)} stages need at least as many layers; the model has {self.slots_text()}")
         if (c.schedule and schedule_kind(c.schedule).interleaved) or (c.virtual_stages or 1) > 1:
             raise fail("the interleaved schedule's chunks go round equal device sets")
         if self.gbs % D:
