@@ -613,7 +613,17 @@ ACTIVATION_OPS = frozenset({"silu", "gelu", "relu", "sigmoid", "tanh", "mish", "
 ACT_CONTINUE_OPS = frozenset({"mul", "to", "_to_copy", "add", "type_as"})
 
 
-def norm_act_regions(block: list) -> list[list[str]]:
+@dataclass(frozen=True)
+class DiscardRegion:
+    """One region "norm_act" recomputes (`norm_act_regions`): a norm module's ops ("norm", its
+    `module`) or an expert activation's ("act", `module` the experts module holding it)."""
+
+    kind: Literal["norm", "act"]
+    module: str
+    ops: tuple[str, ...]
+
+
+def norm_act_regions(block: list) -> list[DiscardRegion]:
     """The runs of ops "norm_act" recomputes in one repeated block (`block`: its ops in program
     order, each with its `module_path`), as Megatron-Core's `--recompute-granularity selective
     --recompute-modules layernorm moe_act` does (megatron/core/transformer/transformer_layer.py,
@@ -628,7 +638,7 @@ def norm_act_regions(block: list) -> list[list[str]]:
     module holding grouped GEMMs (the routed experts), each activation (`ACTIVATION_OPS`) of a
     GEMM's output (through views) with the element-wise ops after it (`ACT_CONTINUE_OPS`)
     that read what it made, up to the op of another kind reading it (the output projection).
-    Each region's ops in program order; their module is `n.module_path` of the first."""
+    The regions in program order, each's ops in program order."""
     whole = _common_module(n.module_path or "" for n in block)
     by_name = {n.name: n for n in block}
     children: dict[str, list] = {}
@@ -636,10 +646,10 @@ def norm_act_regions(block: list) -> list[list[str]]:
         p = n.module_path or ""
         if whole and p.startswith(whole + "."):
             children.setdefault(whole + "." + p[len(whole) + 1:].split(".")[0], []).append(n)
-    starts: dict[int, list[str]] = {}
-    for ns in children.values():
+    starts: dict[int, DiscardRegion] = {}
+    for mod, ns in children.items():
         if any(n.op in NORM_OPS for n in ns) and not any(n.op in MATRIX_OPS for n in ns):
-            starts[block.index(ns[0])] = [n.name for n in ns]
+            starts[block.index(ns[0])] = DiscardRegion("norm", mod, tuple(n.name for n in ns))
     gemm_mods = {n.module_path or "" for n in block if n.op == "grouped_mm"} - {""}
 
     def from_gemm(name: str) -> bool:
@@ -654,7 +664,7 @@ def norm_act_regions(block: list) -> list[list[str]]:
 
     for i, n in enumerate(block):
         mod = scope(n) if n.op in ACTIVATION_OPS and n.inputs and from_gemm(n.inputs[0]) else None
-        if mod is None or any(n.name in r for r in starts.values()):
+        if mod is None or any(n.name in r.ops for r in starts.values()):
             continue
         run, made = [n.name], {n.name}
         for x in block[i + 1:]:
@@ -664,7 +674,7 @@ def norm_act_regions(block: list) -> list[list[str]]:
                 break
             run.append(x.name)
             made.add(x.name)
-        starts[i] = run
+        starts[i] = DiscardRegion("act", mod, tuple(run))
     return [starts[k] for k in sorted(starts)]
 
 
@@ -678,7 +688,7 @@ def norm_act_region_of(calls: list) -> dict[str, Optional[str]]:
     out: dict[str, Optional[str]] = {n.name: None for n in calls}
     for layer, ns in by_layer.items():
         for k, reg in enumerate(norm_act_regions(ns)):
-            for x in reg:
+            for x in reg.ops:
                 out[x] = f"{layer}#{k}"
     return out
 

@@ -2522,7 +2522,9 @@ class Search:
         p, v, m = cand.pp, cand.v, cand.m
         nch = p * v
         best_ok = False
-        for r in self.recomputes():
+        # the policies by the forward they re-run over the whole model, the cheapest first
+        # (stable: the registry's order where equal)
+        for r in sorted(self.recomputes(), key=lambda r: float(tb.rc[r][-1])):
             if r not in tb.priced:
                 continue
             if cand.bounds.get(r, 0.0) >= bar:
@@ -2564,8 +2566,8 @@ class Search:
                 cand.iteration_s, cand.pipeline_s, cand.tail_s, cand.stages = (
                     trial.iteration_s, trial.pipeline_s, trial.tail_s, trial.stages)
                 best_ok = True
-            # recomputation only adds time (each layer's cost grows none -> selective -> attention
-            # -> full, the order `recomputes` lists them in): once a policy fits, later ones are slower
+            # recomputation only adds time, so once a policy fits, the ones after it (re-running
+            # more forward) are slower
             break
         cand.costs = tb
         return best_ok
