@@ -1088,8 +1088,9 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             with_inputs.extend(by_saver.get(n.name, ()))
         saves = with_inputs
         last_saver: dict[str, Any] = {}
+        own = {key for key, _, n in saves if key == n.name}      # saved by the op making it: kept
         for key, b, n in saves:
-            r = discard.get(key) if (":" not in key and "@" not in key and key != n.name) else None
+            r = discard.get(key) if (":" not in key and "@" not in key and key not in own) else None
             if r is None:
                 continue
             if key not in discarded:
