@@ -1596,6 +1596,15 @@ class Search:
     def recomputes(self) -> list[str]:
         return [self.cons.recompute] if self.cons.recompute else list(RECOMPUTES)
 
+    def _runs(self, r: str, tb: "_Tables") -> bool:
+        """Whether the search weighs policy `r` on stages of `tb`: "norm_act" runs module by
+        module only (`runtime.discard`; a tp stage's executor refuses it, `stage_layouts`), so
+        on a tp stage it is weighed only when pinned (the plan then says it is not executed,
+        `Plan.search["tp_executor"]`), and never with Megatron-SP, which only the executor runs."""
+        if r != "norm_act" or tb.tp == 1:
+            return True
+        return self.cons.recompute == "norm_act" and not getattr(tb, "sp", False)
+
     # -- run -------------------------------------------------------------------------------------
     def run(self) -> SearchResult:
         """The best candidate (`SearchResult`); the schedule walks it made are kept on disk for
@@ -2275,7 +2284,7 @@ class Search:
         best_t = np.full(valid.shape, INF)
         best_c = np.full(valid.shape, -1, dtype=int)
         for ri, r in enumerate(rcs):
-            if r not in tb.priced:
+            if r not in tb.priced or not self._runs(r, tb):
                 continue
             mem = self._recompute_memory(tb, r, fixed_mem, held, m, block)
             t = t_common + tb.ranged(tb.rc[r])[block]
@@ -2474,6 +2483,7 @@ class Search:
                          zero_optimizer=self.software.zero_optimizer)
             tb.rs_each = rs_each and tb.zero3
             tb.zero3_overlap = self.software.zero3_overlap
+            tb.sp = sp
             if ep > 1:
                 blocks = np.array([len(self.experts.by_layer.get(i, ())) for i in range(self.L)], dtype=float)
                 if fold:
@@ -2525,7 +2535,7 @@ class Search:
         # the policies by the forward they re-run over the whole model, the cheapest first
         # (stable: the registry's order where equal)
         for r in sorted(self.recomputes(), key=lambda r: float(tb.rc[r][-1])):
-            if r not in tb.priced:
+            if r not in tb.priced or not self._runs(r, tb):
                 continue
             if cand.bounds.get(r, 0.0) >= bar:
                 # under this policy it cannot beat the best plan: a fit would not be taken (`_walk`)
