@@ -4,7 +4,7 @@ s=4096, global batch 1024) planned freely on 1 to 16 nodes, the search choosing 
 dp/tp/pp; and Mixtral pinned to the layout of Megatron-Core's published Mixtral run, against
 its figure.
 
-    python benchmarks/moe_plans.py [--nodes 1,2,4,8,16] [--only mixtral|deepseek] [--published]
+    python benchmarks/moe_plans.py [--nodes 1,2,4,8,16] [--only mixtral|deepseek] [--published [--case TEXT]]
 
 Published (`PUBLISHED`, each with its source, FLOP convention and assumptions; `--published`
 plans only them; "rs/mb" after the ZeRO stage: ZeRO-3's gradients reduce-scattered every
@@ -133,9 +133,10 @@ def main() -> None:
     ap.add_argument("--nodes", default="1,2,4,8,16")
     ap.add_argument("--only", choices=list(MODELS))
     ap.add_argument("--published", action="store_true", help="only the published runs, pinned")
+    ap.add_argument("--case", help="with --published: only the runs whose name holds this text (e.g. EP32)")
     args = ap.parse_args()
     if args.published:
-        published()
+        published(args.case)
         return
     nodes = [int(x) for x in args.nodes.split(",")]
     rows = []
@@ -162,10 +163,12 @@ def main() -> None:
         published()
 
 
-def published() -> None:
-    """Each published run planned pinned to its layout, with the software it used."""
+def published(only: str | None = None) -> None:
+    """Each published run (whose name holds `only`, if given) planned pinned to its layout, with
+    the software it used."""
     rows = []
-    for case in PUBLISHED:
+    cases = [c for c in PUBLISHED if only is None or only in c.name]
+    for case in cases:
         bundle = resolve_model(case.model, None, None)
         graph = capture(bundle.model, bundle.example_inputs, name=bundle.name, cache=True)
         t = time.perf_counter()
@@ -192,7 +195,7 @@ def published() -> None:
                      p.search.get("ep_executor", "")[:80]])
         print(format_table(PUB_HEAD, rows[-1:]), flush=True)
     print(format_table(PUB_HEAD, rows))
-    for case in PUBLISHED:
+    for case in cases:
         print(f"- {case.name}: {case.source}. FLOPs: {case.flops_rule}. Assumed: {case.assumed}.")
 
 

@@ -1599,11 +1599,9 @@ class Search:
     def _runs(self, r: str, tb: "_Tables") -> bool:
         """Whether the search weighs policy `r` on stages of `tb`: "norm_act" runs module by
         module only (`runtime.discard`; a tp stage's executor refuses it, `stage_layouts`), so
-        on a tp stage it is weighed only when pinned (the plan then says it is not executed,
-        `Plan.search["tp_executor"]`), and never with Megatron-SP, which only the executor runs."""
-        if r != "norm_act" or tb.tp == 1:
-            return True
-        return self.cons.recompute == "norm_act" and not getattr(tb, "sp", False)
+        on a tp stage it is weighed only when pinned: a prediction `autopar run` refuses (the
+        plan says why, `Plan.search["tp_executor"]`)."""
+        return r != "norm_act" or tb.tp == 1 or self.cons.recompute == "norm_act"
 
     # -- run -------------------------------------------------------------------------------------
     def run(self) -> SearchResult:
@@ -2483,7 +2481,6 @@ class Search:
                          zero_optimizer=self.software.zero_optimizer)
             tb.rs_each = rs_each and tb.zero3
             tb.zero3_overlap = self.software.zero3_overlap
-            tb.sp = sp
             if ep > 1:
                 blocks = np.array([len(self.experts.by_layer.get(i, ())) for i in range(self.L)], dtype=float)
                 if fold:

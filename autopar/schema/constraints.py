@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cost_models.schedules import SCHEDULES as _REGISTRY
 
@@ -88,13 +88,6 @@ class Constraints(BaseModel):
         if v is not None and any(t < 1 for t in v):
             raise ValueError(f"stage_tp {v}: every degree must be at least 1")
         return v
-
-    @model_validator(mode="after")
-    def _norm_act_without_sp(self) -> "Constraints":
-        if self.recompute == "norm_act" and self.sequence_parallel:
-            raise ValueError("recompute=\"norm_act\" runs module by module (stages without tp), and "
-                             "sequence_parallel only op by op on tp stages: drop one of them")
-        return self
 
     def pinned(self) -> dict[str, object]:
         return {k: v for k, v in self.model_dump().items() if v is not None}
