@@ -500,3 +500,23 @@ def test_search_takes_norm_act_where_it_is_the_fastest_that_fits(pins):
     assert {st.recompute for st in _policies_search(act_sel, dearer, **pins).stages} == {"selective"}
     assert {st.recompute for st in _policies_search(act_sel, dearer, recompute="norm_act", **pins).stages} == \
         {"norm_act"}
+
+
+def test_norm_act_pinned_on_a_tp_stage_is_a_prediction_the_runtime_refuses():
+    """Issue 17: the executor of tp stages does not run "norm_act" (`runtime.discard` matches plain
+    tensors' storages), so pinned with tp (Megatron-SP or not) the plan is made, says why it is
+    not executed, and `autopar run`'s validation refuses it with that reason (unpinned, the
+    search weighs it on stages without tp only: `Search._runs`)."""
+    from autopar.models.registry import build_model
+    from autopar.planner import plan
+    from autopar.runtime.validate import validate_plan
+    from autopar.schema import ClusterSpec, Constraints, PlanError
+
+    cpu = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 2})
+    for sp in (False, True):
+        p = plan("gpt-tiny", cpu, global_batch_size=8, dtype="fp32", intra_op="ilp",
+                 constraints=Constraints(recompute="norm_act", tp=2, sequence_parallel=sp))
+        assert p.sequence_parallel == sp and p.stages[0].recompute == "norm_act" and p.stages[0].op_layouts is None
+        assert "recompute=norm_act is executed module by module only" in p.search["tp_executor"]
+        with pytest.raises(PlanError, match="norm_act is executed module by module only"):
+            validate_plan(p, build_model("gpt-tiny", device="meta").model)
