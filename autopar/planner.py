@@ -254,7 +254,17 @@ def _recompute_modules(layers: list[Layer], k: int, j: int, recompute: str) -> O
     (`Layer.recompute_modules`, found from the captured ops); None without recomputation."""
     if recompute == "none":
         return None
+    if recompute == "norm_act":
+        return [r.module for i in range(k, j) for r in layers[i].discard_regions if r.kind == "norm"]
     return [layers[i].recompute_modules[recompute] for i in range(k, j) if recompute in layers[i].recompute_modules]
+
+
+def _recompute_acts(layers: list[Layer], k: int, j: int, recompute: str) -> Optional[list[str]]:
+    """Under "norm_act" the experts modules of layers [k, j) whose activations it recomputes
+    (`Layer.discard_regions`), each once; None under the other policies."""
+    if recompute != "norm_act":
+        return None
+    return list(dict.fromkeys(r.module for i in range(k, j) for r in layers[i].discard_regions if r.kind == "act"))
 
 
 def _recompute_ops(layers: list[Layer], k: int, j: int, recompute: str) -> Optional[list[str]]:
@@ -362,7 +372,10 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
     # the chunks the runtime executes op by op as solved (their collectives are the solution's),
     # per chunk position
     layouts, why_not = _op_layouts(graph, c, layers, chunks, res.provider)
-    if getattr(res.provider, "sequence_parallel", False) and c.tp > 1 and why_not:
+    # a pinned "norm_act" on tp stages is a prediction the executor does not run (`Search._runs`):
+    # with Megatron-SP too, the plan saying why (`search["tp_executor"]`)
+    pinned_norm_act = all(st.recompute == "norm_act" for st in c.stages if st.tp > 1)
+    if getattr(res.provider, "sequence_parallel", False) and c.tp > 1 and why_not and not pinned_norm_act:
         raise PlanError(f"sequence parallelism runs only where the executor runs the solved layouts, and "
                         f"here it cannot: {why_not}; drop sequence_parallel or the constraint that forces this")
     units_left: list[str] = []     # ZeRO-3 units left to the root (`contiguous_units`)
@@ -412,6 +425,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
             index=pos, devices=devices, mesh_shape=mesh_shape, mesh_axis_names=mesh_axes,
             layers=mods, recompute=st.recompute, fsdp_units=units,
             recompute_modules=_recompute_modules(layers, k, j, st.recompute),
+            recompute_acts=_recompute_acts(layers, k, j, st.recompute),
             recompute_ops=_module_cut_ops(_recompute_ops(layers, k, j, st.recompute), layouts.get(pos) is None,
                                           pos, st.tp, rc_fallback),
             placements=_with_cp(_placements(graph, layers, costs, k, j, mods, c.zero == 3 and c.replicas > 1), c.cp),

@@ -602,6 +602,97 @@ def selective_ops(block: list) -> list[str]:
     return [n.name for n in block[idx[0]:idx[-1] + 1]]
 
 
+# what marks a module as a normalization for "norm_act" (`norm_act_regions`): a fused norm op,
+# or the reciprocal square root of an RMSNorm spelled out (Hugging Face's)
+NORM_OPS = frozenset({"layer_norm", "native_layer_norm", "rms_norm", "group_norm", "rsqrt"})
+# an activation a routed expert's output-discarding recomputation starts at, and the
+# element-wise ops it runs on through (a gated unit's product, a cast) until an op of another
+# kind reads what it made (the output projection's grouped GEMM); the runtime's rule alike
+# (`runtime.discard`)
+ACTIVATION_OPS = frozenset({"silu", "gelu", "relu", "sigmoid", "tanh", "mish", "elu", "leaky_relu", "hardswish"})
+ACT_CONTINUE_OPS = frozenset({"mul", "to", "_to_copy", "add", "type_as"})
+
+
+@dataclass(frozen=True)
+class DiscardRegion:
+    """One region "norm_act" recomputes (`norm_act_regions`): a norm module's ops ("norm", its
+    `module`) or an expert activation's ("act", `module` the experts module holding it)."""
+
+    kind: Literal["norm", "act"]
+    module: str
+    ops: tuple[str, ...]
+
+
+def norm_act_regions(block: list) -> list[DiscardRegion]:
+    """The runs of ops "norm_act" recomputes in one repeated block (`block`: its ops in program
+    order, each with its `module_path`), as Megatron-Core's `--recompute-granularity selective
+    --recompute-modules layernorm moe_act` does (megatron/core/transformer/transformer_layer.py,
+    `TransformerLayer._forward_attention` / `_forward_pre_mlp_layernorm`: the input and pre-MLP
+    layer norms under `tensor_parallel.CheckpointWithoutOutput`; moe/experts.py,
+    `TEGroupedMLP.forward`: the activation of the grouped experts; random.py,
+    `CheckpointWithoutOutput`: the function runs without saving, keeps its inputs, and its
+    output is freed once the next module's forward saved it, `discard_output_and_register_
+    recompute`, re-made by a hook on that module's output gradient): each norm module of the
+    block (a direct child holding a `NORM_OPS` op and no matrix op; a norm inside attention,
+    Qwen3's q/k norms, is not one: Megatron's "layernorm" is those two), all its ops; and in a
+    module holding grouped GEMMs (the routed experts), each activation (`ACTIVATION_OPS`) of a
+    GEMM's output (through views) with the element-wise ops after it (`ACT_CONTINUE_OPS`)
+    that read what it made, up to the op of another kind reading it (the output projection).
+    The regions in program order, each's ops in program order."""
+    whole = _common_module(n.module_path or "" for n in block)
+    by_name = {n.name: n for n in block}
+    children: dict[str, list] = {}
+    for n in block:
+        p = n.module_path or ""
+        if whole and p.startswith(whole + "."):
+            children.setdefault(whole + "." + p[len(whole) + 1:].split(".")[0], []).append(n)
+    starts: dict[int, DiscardRegion] = {}
+    for mod, ns in children.items():
+        if any(n.op in NORM_OPS for n in ns) and not any(n.op in MATRIX_OPS for n in ns):
+            starts[block.index(ns[0])] = DiscardRegion("norm", mod, tuple(n.name for n in ns))
+    gemm_mods = {n.module_path or "" for n in block if n.op == "grouped_mm"} - {""}
+
+    def from_gemm(name: str) -> bool:
+        x = by_name.get(name)
+        while x is not None and is_view(x) and x.inputs:
+            x = by_name.get(x.inputs[0])
+        return x is not None and x.op == "grouped_mm"
+
+    def scope(n: Any) -> Optional[str]:
+        p = n.module_path or ""
+        return next((m for m in gemm_mods if p == m or p.startswith(m + ".")), None)
+
+    for i, n in enumerate(block):
+        mod = scope(n) if n.op in ACTIVATION_OPS and n.inputs and from_gemm(n.inputs[0]) else None
+        if mod is None or any(n.name in r.ops for r in starts.values()):
+            continue
+        run, made = [n.name], {n.name}
+        for x in block[i + 1:]:
+            if scope(x) != mod or not any(a in made for a in x.inputs):
+                continue
+            if x.op not in ACT_CONTINUE_OPS:
+                break
+            run.append(x.name)
+            made.add(x.name)
+        starts[i] = DiscardRegion("act", mod, tuple(run))
+    return [starts[k] for k in sorted(starts)]
+
+
+def norm_act_region_of(calls: list) -> dict[str, Optional[str]]:
+    """Each op -> the "norm_act" region it runs in (`norm_act_regions` of its layer's ops; the
+    region named "<layer>#<index>"), None outside every one."""
+    by_layer: dict[str, list] = {}
+    for n in calls:
+        if n.layer is not None:
+            by_layer.setdefault(n.layer, []).append(n)
+    out: dict[str, Optional[str]] = {n.name: None for n in calls}
+    for layer, ns in by_layer.items():
+        for k, reg in enumerate(norm_act_regions(ns)):
+            for x in reg.ops:
+                out[x] = f"{layer}#{k}"
+    return out
+
+
 def checkpoint_region_of(calls: list, rec: str, selective_region: str) -> dict[str, Optional[str]]:
     """Each op -> the checkpointed region it runs in (None: not recomputed): the layer ("full"),
     under `selective_region="ops"` each layer's `selective_ops` (what the runtime runs under
@@ -746,6 +837,8 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     calls = [n for n in nodes if n.kind == "call"]
     core = attention_core(calls) if rec == "selective" and selective_region == "core" else set()
     region = checkpoint_region_of(calls, rec, selective_region)
+    # "norm_act": the regions whose outputs are discarded and re-made (`norm_act_regions`)
+    discard = norm_act_region_of(calls) if rec == "norm_act" else {}
     keep = None if layers is None else set(layers)
     mixed = dtype != "fp32"
     cuda_fp32 = CUDA_FP32_OUTPUT_OPS if device_type == "cuda" and mixed and autocast else frozenset()
@@ -963,9 +1056,52 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         m = moments.get(n.name)
         return m[3] if m is not None and len(m) > 3 else 0.0
 
-    if rec == "none" or (rec == "selective" and selective_region == "core"):
+    # "norm_act" (`runtime.discard`): a tensor a region made, saved by an op after it (or by a
+    # later op of the region), is freed and re-made in the backward: not held, it comes back at
+    # the backward of its last saver (the region re-run then) until its first saver's frees it;
+    # an op saving its own output keeps it (saved before the runtime knows it), as an op's
+    # copies made inside its call (":fp32", ":lowp@"); the region keeps its inputs from outside
+    # (every tensor its ops read, for the re-run) until its first op's backward
+    discarded: dict[str, tuple[float, str, str, Optional[str]]] = {}   # key -> (bytes, first saver, region, layer)
+    remade_at: dict[str, float] = {}        # op -> bytes its backward re-makes first
+    if discard:
+        order = {n.name: i for i, n in enumerate(calls)}
+        first_of: dict[str, Any] = {}
+        for n in calls:
+            if discard.get(n.name) is not None:
+                first_of.setdefault(discard[n.name], n)
+        by_saver: dict[str, list[tuple[str, float, Any]]] = {}
+        for item in saves:
+            by_saver.setdefault(item[2].name, []).append(item)
+        with_inputs: list[tuple[str, float, Any]] = []
+        for n in calls:
+            r = discard.get(n.name)
+            if r is not None and first_of[r] is n:
+                for m in calls:
+                    if discard.get(m.name) != r:
+                        continue
+                    for i in _tensor_inputs(m, by_name):
+                        k = base.get(i, i)
+                        if (k in by_name and by_name[k].kind in ("call", "input") and discard.get(k) != r
+                                and _floating(by_name[k]) and not batch(k)):
+                            with_inputs.append((k, size(i), n))
+            with_inputs.extend(by_saver.get(n.name, ()))
+        saves = with_inputs
+        last_saver: dict[str, Any] = {}
+        own = {key for key, _, n in saves if key == n.name}      # saved by the op making it: kept
         for key, b, n in saves:
-            if key not in owner_layer:
+            r = discard.get(key) if (":" not in key and "@" not in key and key not in own) else None
+            if r is None:
+                continue
+            if key not in discarded:
+                discarded[key] = (b, n.name, r, n.layer)
+            if r not in last_saver or order[n.name] > order[last_saver[r].name]:
+                last_saver[r] = n
+        for r, n in last_saver.items():
+            remade_at[n.name] = remade_at.get(n.name, 0.0) + sum(v[0] for v in discarded.values() if v[2] == r)
+    if rec in ("none", "norm_act") or (rec == "selective" and selective_region == "core"):
+        for key, b, n in saves:
+            if key not in owner_layer and key not in discarded:
                 owner_layer[key], nbytes_of[key], owner_node[key] = n.layer, b, n.name
         region_bytes: dict[Optional[str], float] = {}
     else:
@@ -1133,6 +1269,9 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     for k, nm in owner_node.items():
         if keep is None or owner_layer[k] in keep:
             owned[nm] = owned.get(nm, 0.0) + nbytes_of[k]
+    for b, nm, _, l in discarded.values():
+        if keep is None or l in keep:
+            owned[nm] = owned.get(nm, 0.0) + b
     def given_share(n) -> float:
         # what grads(n) counts of gradients that are the given one
         return moments.get(n.name, (0.0, 0.0, 0.0))[1]
@@ -1204,6 +1343,8 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                     out.backward_over_given, out.backward_over_given_recompute = m - g_in, True
                     out.backward_over_given_grads = region_grads[r] - g_in
         else:
+            # a "norm_act" region re-made for this op's backward (`remade_at`)
+            live += remade_at.get(n.name, 0.0)
             m = live + grads(n) - out.saved_bytes
             # the weight gradients the op makes are its backward's outputs while it runs
             # (AccumulateGrad makes them `.grad` after it): counted with its other gradients

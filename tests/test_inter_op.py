@@ -492,3 +492,67 @@ def test_the_first_layer_after_a_tp_change_is_priced_by_the_solution_it_runs(mon
     monkeypatch.setattr(search_mod.Search, "_entry_prices", lambda self, cand, stages: None)
     unpriced = plan("mlp", cl, global_batch_size=8, dtype="fp32", constraints=cons, intra_op="ilp")
     assert p.predicted.iteration_time_s != unpriced.predicted.iteration_time_s
+
+
+def _policies_search(act: dict, extra: dict, **pins):
+    """`_policy_search`'s synthetic model with every policy priced (`act` per policy as a share of
+    the device's usable memory over the four layers, `extra` each policy's re-run forward in s),
+    pinned to `pins` on 8 devices."""
+    from autopar.capture.graph import OpGraph
+    from autopar.inter_op.layers import Layer
+    from autopar.inter_op.search import Search
+    from autopar.inter_op.stage_cost import LayerCost
+    from autopar.schema import ClusterSpec, Constraints
+    from cost_models.memory import usable_memory
+
+    cluster = ClusterSpec.load("dgx-a100-80g", num_nodes=1)
+    per = usable_memory(cluster.device) / 4
+
+    class Provider:
+        def cost(self, layer, mb, tp):
+            return LayerCost(fwd_s=1e-3, bwd_s=2e-3, act_bytes={r: a * per for r, a in act.items()},
+                             rc_extra_s=dict(extra), param_elems={f"l{layer.index}.w": 1e3})
+
+    layers = [Layer(i, f"blocks.{i}", [f"blocks.{i}"], [], [f"l{i}.w"], signature="0") for i in range(4)]
+    cons = Constraints(tp=1, microbatch_size=1, zero_stage=0, **pins)
+    return Search(OpGraph(name="synthetic", nodes=[], params={}), layers, cluster, 8, "bf16", cons,
+                  provider=Provider()).run().best
+
+
+@pytest.mark.parametrize("pins", [dict(dp=8, pp=1, num_microbatches=1),
+                                  dict(dp=4, pp=2, virtual_stages=2, schedule="interleaved_1f1b",
+                                       num_microbatches=2)])
+def test_search_takes_norm_act_where_it_is_the_fastest_that_fits(pins):
+    """Issue 17: "norm_act" (the norms' and expert activations' outputs discarded and re-made) is
+    searched beside the other policies: taken where "none" does not fit and it is the fastest
+    policy that does; where the attention core's re-run costs less and fits too, that one, in
+    the interleaved schedule's search as well (it tries the policies by their re-run time, not
+    in the registry's order, where "norm_act" comes before "selective")."""
+    cheap = {"none": 0.0, "norm_act": 5e-5, "selective": 1e-4, "attention": 4e-4, "full": 1e-3}
+    act = {"none": 1.2, "norm_act": 0.6, "selective": 1.19, "attention": 0.5, "full": 0.1}
+    assert {st.recompute for st in _policies_search(act, cheap, **pins).stages} == {"norm_act"}
+    dearer = {**cheap, "norm_act": 2e-4}
+    act_sel = {**act, "selective": 0.9}
+    assert {st.recompute for st in _policies_search(act_sel, dearer, **pins).stages} == {"selective"}
+    assert {st.recompute for st in _policies_search(act_sel, dearer, recompute="norm_act", **pins).stages} == \
+        {"norm_act"}
+
+
+def test_norm_act_pinned_on_a_tp_stage_is_a_prediction_the_runtime_refuses():
+    """Issue 17: the executor of tp stages does not run "norm_act" (`runtime.discard` matches plain
+    tensors' storages), so pinned with tp (Megatron-SP or not) the plan is made, says why it is
+    not executed, and `autopar run`'s validation refuses it with that reason (unpinned, the
+    search weighs it on stages without tp only: `Search._runs`)."""
+    from autopar.models.registry import build_model
+    from autopar.planner import plan
+    from autopar.runtime.validate import validate_plan
+    from autopar.schema import ClusterSpec, Constraints, PlanError
+
+    cpu = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 2})
+    for sp in (False, True):
+        p = plan("gpt-tiny", cpu, global_batch_size=8, dtype="fp32", intra_op="ilp",
+                 constraints=Constraints(recompute="norm_act", tp=2, sequence_parallel=sp))
+        assert p.sequence_parallel == sp and p.stages[0].recompute == "norm_act" and p.stages[0].op_layouts is None
+        assert "recompute=norm_act is executed module by module only" in p.search["tp_executor"]
+        with pytest.raises(PlanError, match="norm_act is executed module by module only"):
+            validate_plan(p, build_model("gpt-tiny", device="meta").model)

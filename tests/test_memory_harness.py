@@ -56,6 +56,11 @@ CASES = {
     # buffer over dp while the experts' stay alive, then the experts' own flat (their shard),
     # AdamW stepping the two flat shards in turn (`_Tables._expert_zero12_sync`)
     "moe_ep2_zero1": {"dp": 2, "tp": 1, "pp": 1, "ep": 2, "zero_stage": 1, "recompute": "none"},
+    # the same with "norm_act" (issue 17, `runtime.discard`): the norms' and the experts' SiLU
+    # product's outputs freed once saved, re-made in the backward (session 35: within 0.3% on
+    # both ranks, activations tracked/predicted 555.6/555.2 and 552.5/555.2 KiB, 32 KiB under
+    # "none"'s)
+    "moe_ep2_norm_act": {"dp": 2, "tp": 1, "pp": 1, "ep": 2, "zero_stage": 1, "recompute": "norm_act"},
     # the zoo MoE at dp 4 x ep 2 under ZeRO-3 (each experts module an FSDP unit over its 2
     # copies, nested in its layer's), 2 micro-batches each reduce-scattered: the peak is the
     # second micro-batch's loss (forward or backward, within 1%), nothing gathered: was -5.3%
@@ -114,6 +119,7 @@ MODELS = {"hf_gpt2_zero3": ("hf:gpt2?hidden_size=64&num_hidden_layers=2&num_atte
           "bloom_tp2_fp32": ("tests.hf_architectures:bloom", GBS),
           "mlp_zero3_accum": ("mlp-tiny", 256),
           "mlp_zero3_each": ("mlp-tiny", 256), "mlp_tp2": ("mlp-tiny", 256), "moe_ep2_zero1": ("moe-tiny", 16),
+          "moe_ep2_norm_act": ("moe-tiny", 16),
           "moe_ep2_zero3_each": ("moe-tiny", 16)}
 PSI = 30080          # gpt-tiny's parameters (the embedding tied to the output layer)
 

@@ -1957,7 +1957,9 @@ def test_the_recompute_budget_counts_each_gradient_once(zero):
                 budget = float(s._recompute_memory(tb, r, fixed, held, m)[k, j])
                 assert budget == pytest.approx(s._stage(tb, c, [(k, j)], r, held).peak_bytes, rel=1e-12), (m, r, idx)
                 checked += 1
-    assert checked == 16
+    from autopar.schema.constraints import RECOMPUTES
+
+    assert checked == 2 * 2 * len(RECOMPUTES)      # every policy, norm_act (issue 17) among them
 
 
 def test_pipeline_chunk_steps_its_parameters_in_its_holders_order():
@@ -2562,3 +2564,56 @@ def test_expert_parallel_stage_keeps_the_inner_combine_and_syncs_dense_gradients
     dense = sum(p.numel for f, p in g.params.items() if ".experts." not in f)
     assert dense == 18080
     assert four.stages[0].predicted.phases["grad_sync"].buffers_bytes == 4 * dense + 1024
+
+
+_QWEN3_MOE = ("hf:qwen3_moe?hidden_size=64&intermediate_size=128&moe_intermediate_size=32&head_dim=16"
+              "&num_key_value_heads=2&num_experts=16&num_experts_per_tok=8&num_hidden_layers=2"
+              "&num_attention_heads=4&vocab_size=128&seq_len=16")
+
+
+@pytest.mark.parametrize("ref", ["moe-tiny", "gpt-tiny", _QWEN3_MOE])
+def test_norm_act_recomputation_holds_what_torch_holds(ref):
+    """recompute="norm_act" (issue 17, Megatron-Core's `--recompute-modules layernorm moe_act`):
+    the regions are found from the captured ops (each block's two norm modules, not Qwen3's q/k
+    norms inside attention; the routed experts' SiLU product), `runtime.discard` frees their
+    outputs once saved, and what a real fp32 forward then keeps is what the memory model counts:
+    the drop from "none" equal within 8 bytes, the gradients those of the plain model (the
+    re-made outputs are the forward's). Qwen3's RMSNorm spelled out in 8 ops (fp32 upcast, pow,
+    mean, rsqrt, ...) keeps only its input (and rsqrt's output, which rsqrt saves itself)."""
+    import torch
+
+    from autopar.inter_op.layers import build_layers
+    from autopar.models.registry import build_model, call_batch_fn
+    from autopar.runtime.discard import apply_discard
+    from cost_models.memory import activation_memory
+
+    if ref.startswith("hf:"):
+        pytest.importorskip("transformers")
+    b = 2
+    meta = build_model(ref, device="meta", batch_size=b)
+    from autopar.capture import capture
+
+    g = capture(meta.model, meta.example_inputs, name=ref).at_batch(b)
+    layers = build_layers(g, meta.model)
+    norms = [r.module for lay in layers for r in lay.discard_regions if r.kind == "norm"]
+    acts = list(dict.fromkeys(r.module for lay in layers for r in lay.discard_regions if r.kind == "act"))
+    assert len(norms) == 4 and all(not m.split(".")[-2].endswith("attn") for m in norms), norms
+    assert len(acts) == (0 if ref == "gpt-tiny" else 2), acts
+    models = {}
+    for rc in ("none", "norm_act"):
+        torch.manual_seed(0)
+        models[rc] = build_model(ref, device="cpu", batch_size=b).model
+    models["norm_act"].load_state_dict(models["none"].state_dict())
+    apply_discard(models["norm_act"], norms, acts)
+    batch = call_batch_fn(build_model(ref, device="cpu", batch_size=b).batch_fn, 0, b, 0)
+    held = {rc: _forward_held_bytes(m.train(), batch) for rc, m in models.items()}
+    pred = {rc: activation_memory(g, "fp32", rc, device_type="cpu", count_inputs=False).saved_bytes
+            for rc in models}
+    assert held["none"] - held["norm_act"] > 0
+    assert held["none"] - held["norm_act"] == pytest.approx(pred["none"] - pred["norm_act"], abs=8), (held, pred)
+    losses = {rc: m(*batch) for rc, m in models.items()}
+    for loss in losses.values():
+        loss.backward()
+    assert losses["norm_act"].item() == losses["none"].item()
+    for (n, p0), p1 in zip(models["none"].named_parameters(), models["norm_act"].parameters()):
+        assert (p0.grad is None) == (p1.grad is None) and (p0.grad is None or torch.equal(p0.grad, p1.grad)), n

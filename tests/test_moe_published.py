@@ -41,6 +41,15 @@ def test_each_published_case_is_a_valid_pin_on_its_gpu_count():
         assert case.seconds is not None or case.tflops is not None
 
 
+def test_published_norm_act_rows_pin_norm_act():
+    """The zoo's rows run with recompute "norm, act" (`--recompute-modules moe_act layernorm`,
+    Megatron-Core's output-discarding recomputation, issue 17) pin autopar's "norm_act", the
+    same policy: rows 1 and 4."""
+    rows = [c for c in _bench().PUBLISHED if "'norm, act'" in c.assumed]
+    assert [c.source.rsplit("row ", 1)[-1][:1] for c in rows] == ["1", "4"]
+    assert all(c.pins["recompute"] == "norm_act" for c in rows)
+
+
 def test_published_expert_data_parallelism_is_megatrons_folded_edp():
     """Where a source gives EDP with ETP1 under TP > 1 (Megatron-Core's MoE parallel folding),
     the pin's expert_dp is it and ep x expert_dp = dp x tp: the expert mesh over the dense tp and

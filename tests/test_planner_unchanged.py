@@ -163,6 +163,11 @@ Issue 17 (uneven pipeline chunks): an interleaved plan's chunk reports its own l
 its device group's compute, communication and bubble (`planner._chunk_share`) instead of 1/v:
 GPT-3 1.3B's digest only (with the share set back to 1/v, the digest recorded before); layout,
 time, peak and collectives unchanged, the other cases too.
+Plan format 15 (recompute "norm_act", `StagePlan.recompute_acts`, issue 17; searched beside the
+other policies): digests only (with format_version set back to 14 and the new null field
+dropped, each plan's digest is the one recorded before; none of the four takes "norm_act": the
+same layouts, times, peaks and collectives). Merged with the uneven-chunk change: GPT-3 1.3B
+digest 57f911cd (both changes; each alone was recorded as above).
 """
 
 import hashlib
@@ -188,16 +193,16 @@ CASES = {   # name: (model, cluster, nodes, global batch, pinned constraints, so
 }
 
 EXPECTED = {
-    "gpt3-1.3b-tp2-pp2": {"digest": "c057893e55b5329b", "layout": (2, 2, 2, 4, 4, "interleaved_1f1b", 6, 1),
+    "gpt3-1.3b-tp2-pp2": {"digest": "57f911cd0c931dfa", "layout": (2, 2, 2, 4, 4, "interleaved_1f1b", 6, 1),
         "iteration_time_s": 0.553367098202065, "peak_memory_bytes": 21309384704.0,
         "collectives": {"all_reduce": 405, "reduce_scatter": 2, "all_gather": 2, "send_recv": 88}},
-    "gpt-small": {"digest": "ad90006fd440d752", "layout": (2, 1, 1, 4, 1, "1f1b", 1, 0),
+    "gpt-small": {"digest": "4c744caa65d327c5", "layout": (2, 1, 1, 4, 1, "1f1b", 1, 0),
         "iteration_time_s": 0.015157352217275648, "peak_memory_bytes": 20557824.0,
         "collectives": {"all_reduce": 1}},
-    "hf-gpt2": {"digest": "83b3725febf2c0f5", "layout": (4, 1, 2, 4, 1, "1f1b", 1, 1),
+    "hf-gpt2": {"digest": "37cf72f3ecbf8a02", "layout": (4, 1, 2, 4, 1, "1f1b", 1, 1),
         "iteration_time_s": 0.0013825798662918264, "peak_memory_bytes": 1688512.0,
         "collectives": {"reduce_scatter": 2, "all_gather": 2, "send_recv": 2, "all_reduce": 1}},
-    "hf-llama": {"digest": "3f4492f19bd93a21", "layout": (4, 2, 1, 4, 1, "1f1b", 1, 1),
+    "hf-llama": {"digest": "b22d1c7c5fc40816", "layout": (4, 2, 1, 4, 1, "1f1b", 1, 1),
         "iteration_time_s": 0.0025246015741084617, "peak_memory_bytes": 1444160.0,
         "collectives": {"all_reduce": 25, "all_gather": 2, "reduce_scatter": 1}},
 }

@@ -7,7 +7,11 @@ recorded fallback), in one launch: losses equal one process within 1e-4, every s
 collectives the plan's (the core issues none, so none is re-run). In the same launch
 recompute="attention" (the module holding each core checkpointed whole, projections too):
 module by module (`torch.utils.checkpoint` around `blocks.*.attn`) and op by op under tp (the
-module's ops one executor region, its forward collectives re-run)."""
+module's ops one executor region, its forward collectives re-run). And recompute="norm_act"
+(issue 17: Megatron-Core's output-discarding recomputation of the norms and the routed experts'
+activation, `runtime.discard`), module by module: pp2 x dp2 (pipeline chunks cut from the
+traced model, their aten ops recorded) and the zoo MoE at dp 4 x ep 2 (the experts' SiLU product
+discarded and re-made)."""
 
 import pytest
 
@@ -30,6 +34,11 @@ PINS = {
 ATTENTION = {
     "attention_pp2xdp2": ("gpt-tiny", dict(dp=2, tp=1, pp=2, schedule="1f1b")),
     "attention_dp2xtp2": ("gpt-tiny", dict(dp=2, tp=2, pp=1)),
+}
+# recompute="norm_act" beside them, in the same launch
+NORM_ACT = {
+    "norm_act_pp2xdp2": ("gpt-tiny", dict(dp=2, tp=1, pp=2, schedule="1f1b")),
+    "norm_act_moe_dp4_ep2": ("moe-tiny", dict(dp=4, tp=1, pp=1, ep=2)),
 }
 
 
@@ -59,9 +68,17 @@ def test_selective_plans_run_as_predicted(tmp_path):
                 regions = s.op_layouts.recompute_regions()
                 assert len(regions) == len(s.recompute_modules) and all(len(r) > 5 for r in regions), regions
         plans[name] = p
+    for name, (ref, pins) in NORM_ACT.items():
+        p = shared_plan(ref, 4, constraints=Constraints(recompute="norm_act", num_microbatches=2, **pins))
+        for s in p.stages:
+            assert s.recompute == "norm_act" and s.op_layouts is None, (name, s)
+            assert s.recompute_modules and all(m.rsplit(".", 1)[-1].startswith(("ln", "attn_norm", "mlp_norm"))
+                                               for m in s.recompute_modules), (name, s)
+            assert s.recompute_acts == (["layers.0.mlp.experts", "layers.1.mlp.experts"] if p.ep > 1 else []), s
+        plans[name] = p
     rows = _run_in_one_job(tmp_path, plans, 4)
     refs = {ref: reference_losses(_single(ref=ref), ref, STEPS)
-            for ref in {r for r, _ in [*PINS.values(), *ATTENTION.values()]}}
+            for ref in {r for r, _ in [*PINS.values(), *ATTENTION.values(), *NORM_ACT.values()]}}
     for name, p in plans.items():
-        ref = {**PINS, **ATTENTION}[name][0]
+        ref = {**PINS, **ATTENTION, **NORM_ACT}[name][0]
         assert_ran_as_planned(name, rows[name], p, refs[ref], first=1 if p.pp > 1 else 0)

@@ -151,6 +151,40 @@ def test_an_attention_recompute_plan_round_trips_and_format_9_plans_load(tiny_pl
     assert "stage 0: selective: ops scaled_dot_product_attention (2)" in old.summary()
 
 
+def test_a_norm_act_plan_round_trips_and_format_14_plans_load(tiny_plan, tmp_path):
+    """recompute="norm_act" (plan format 15, issue 17): a stage names its norm modules
+    (`recompute_modules`) and the experts modules whose activation it recomputes
+    (`recompute_acts`); it round-trips through JSON and a file, `autopar show` prints both, and
+    the fields are checked against the policy with messages naming the fix. A format-14 plan
+    still loads as it was."""
+    from autopar.schema.plan import PLAN_FORMAT_VERSION
+
+    assert PLAN_FORMAT_VERSION == 15
+    d = json.loads(tiny_plan.to_json())
+    st = d["stages"][0]
+    st.pop("recompute_ops", None)
+    st.update(recompute="norm_act", recompute_modules=["blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln1", "blocks.1.ln2"],
+              recompute_acts=["blocks.0.mlp.experts", "blocks.1.mlp.experts"])
+    p = Plan.from_json(json.dumps(d))
+    assert p.stages[0].recompute == "norm_act" and p.stages[0].recompute_acts == st["recompute_acts"]
+    assert Plan.from_json(p.to_json()) == p
+    p.save(tmp_path / "plan.json")
+    assert autopar.load_plan(tmp_path / "plan.json") == p
+    assert ("stage 0: norm_act: outputs discarded and re-made: norms blocks.*.ln1 (2), blocks.*.ln2 (2); "
+            "activations in blocks.*.mlp.experts (2)") in p.summary()
+    with pytest.raises(PlanError, match="norm_act.*needs recompute_acts"):
+        Plan.from_json(json.dumps({**d, "stages": [{**st, "recompute_acts": None}]}))
+    with pytest.raises(PlanError, match="recompute_acts names the experts modules.*recompute is 'full'"):
+        Plan.from_json(json.dumps({**d, "stages": [{**st, "recompute": "full"}]}))
+    with pytest.raises(PlanError, match="recompute"):
+        Plan.from_json(json.dumps({**d, "stages": [{**st, "recompute": "norm_and_act"}]}))
+    st.update(recompute="full", recompute_modules=["blocks.0", "blocks.1"])
+    st.pop("recompute_acts")
+    d["format_version"] = 14
+    old = Plan.from_json(json.dumps(d))
+    assert old.format_version == 14 and old.stages[0].recompute == "full" and old.stages[0].recompute_acts is None
+
+
 def test_plan_batch_arithmetic_is_checked(tiny_plan):
     d = json.loads(tiny_plan.to_json())
     d["num_microbatches"] += 1

@@ -64,7 +64,7 @@ ATTENTION_OP = "scaled_dot_product_attention"
 LONG_SEQUENCE = 16384
 # the policies whose backward holds the attention core's saved inputs from the forward; the
 # others re-run the core (and its gather) inside the backward
-_CORE_SAVED = ("none",)
+_CORE_SAVED = ("none", "norm_act")
 
 # the token-proportional fields of a `LayerCost` (floats, or dicts / lists of floats by policy)
 _SCALED = ("fwd_s", "bwd_s", "fwd_comm_s", "bwd_comm_s", "rc_extra_s", "rc_comm_s", "act_bytes", "bwd_over",

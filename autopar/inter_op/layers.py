@@ -23,7 +23,7 @@ import torch.nn as nn
 from autopar.capture.graph import OpGraph, OpNode
 from autopar.schema.constraints import SPLIT_SLOTS
 from autopar.schema.errors import PlanError
-from cost_models.memory import checkpointed_module, selective_ops
+from cost_models.memory import DiscardRegion, checkpointed_module, norm_act_regions, selective_ops
 
 
 @dataclass
@@ -47,6 +47,9 @@ class Layer:
     # the ops "attention" recomputation re-runs: the block's ops inside the module holding the
     # attention core (`recompute_modules["attention"]`), in program order; empty without a core
     attention_ops: list[str] = field(default_factory=list)
+    # the regions "norm_act" recomputes (`cost_models.memory.norm_act_regions`: the block's norm
+    # modules, the routed experts' activations), in program order; empty without a block
+    discard_regions: list[DiscardRegion] = field(default_factory=list)
 
     def selective_region(self, tp: int) -> str:
         """What "selective" recomputes of this layer at tp degree `tp` (`cost_models.memory`'s
@@ -63,13 +66,15 @@ class Layer:
         """The ops of this layer `recompute` re-runs in the backward on a stage of tp degree
         `tp`: the block's ("full"), the module holding the attention core's ("attention", and
         "selective" where it falls back to that module, `selective_region`), the core's run of
-        ops ("selective"); none under "none"."""
+        ops ("selective"), the norms' and expert activations' ("norm_act"); none under "none"."""
         if recompute == "full":
             return [n for n in self.nodes if n in self.block_nodes]
         if recompute == "attention" or (recompute == "selective" and self.selective_region(tp) == "module"):
             return list(self.attention_ops)
         if recompute == "selective":
             return list(self.selective_ops)
+        if recompute == "norm_act":
+            return [n for r in self.discard_regions for n in r.ops]
         return []
 
     def rename_param(self, fqn: str, other: "Layer") -> str:
@@ -141,6 +146,7 @@ def build_layers(graph: OpGraph, model: Optional[nn.Module] = None, max_layers: 
                 lay.recompute_modules[rc] = m
         lay.selective_ops = selective_ops(blk)
         lay.attention_ops = _ops_under(blk, lay.recompute_modules.get("attention"))
+        lay.discard_regions = norm_act_regions(blk)
         layers.append(lay)
     return layers
 

@@ -1597,6 +1597,13 @@ class Search:
     def recomputes(self) -> list[str]:
         return [self.cons.recompute] if self.cons.recompute else list(RECOMPUTES)
 
+    def _runs(self, r: str, tb: "_Tables") -> bool:
+        """Whether the search weighs policy `r` on stages of `tb`: "norm_act" runs module by
+        module only (`runtime.discard`; a tp stage's executor refuses it, `stage_layouts`), so
+        on a tp stage it is weighed only when pinned: a prediction `autopar run` refuses (the
+        plan says why, `Plan.search["tp_executor"]`)."""
+        return r != "norm_act" or tb.tp == 1 or self.cons.recompute == "norm_act"
+
     # -- run -------------------------------------------------------------------------------------
     def run(self) -> SearchResult:
         """The best candidate (`SearchResult`); the schedule walks it made are kept on disk for
@@ -2292,7 +2299,7 @@ class Search:
         best_t = np.full(valid.shape, INF)
         best_c = np.full(valid.shape, -1, dtype=int)
         for ri, r in enumerate(rcs):
-            if r not in tb.priced:
+            if r not in tb.priced or not self._runs(r, tb):
                 continue
             mem = self._recompute_memory(tb, r, fixed_mem, held, m, block)
             t = t_common + tb.ranged(tb.rc[r])[block]
@@ -2539,8 +2546,10 @@ class Search:
         p, v, m = cand.pp, cand.v, cand.m
         nch = p * v
         best_ok = False
-        for r in self.recomputes():
-            if r not in tb.priced:
+        # the policies by the forward they re-run over the whole model, the cheapest first
+        # (stable: the registry's order where equal)
+        for r in sorted(self.recomputes(), key=lambda r: float(tb.rc[r][-1])):
+            if r not in tb.priced or not self._runs(r, tb):
                 continue
             if cand.bounds.get(r, 0.0) >= bar:
                 # under this policy it cannot beat the best plan: a fit would not be taken (`_walk`)
@@ -2580,8 +2589,8 @@ class Search:
                 cand.iteration_s, cand.pipeline_s, cand.tail_s, cand.stages = (
                     trial.iteration_s, trial.pipeline_s, trial.tail_s, trial.stages)
                 best_ok = True
-            # recomputation only adds time (each layer's cost grows none -> selective -> attention
-            # -> full, the order `recomputes` lists them in): once a policy fits, later ones are slower
+            # recomputation only adds time, so once a policy fits, the ones after it (re-running
+            # more forward) are slower
             break
         cand.costs = tb
         return best_ok

@@ -115,6 +115,10 @@ def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, 
     solved receiving its tensors replicated); such a layer's op layouts are a signature apart."""
     if recompute not in RECOMPUTES:
         return None, f"recompute={recompute} is not executed op by op"
+    if recompute == "norm_act" and tp > 1:
+        # the runtime's saved-tensor references (`runtime.discard`) match plain tensors' storages,
+        # not the DTensors a tp stage's ops save
+        return None, "recompute=norm_act is executed module by module only (stages without tp)"
     sigs: dict[str, int] = {}
     sig_lists: list[list[OpLayout]] = []
     lay_ops: list[LayerOps] = []

@@ -40,7 +40,9 @@ How each part of the plan is executed:
 * Recompute: `torch.utils.checkpoint` (non-reentrant) around each layer ("full"); under
   "selective" each layer's attention core alone, under torch's selective checkpoint
   (`selective`: the plan's `recompute_ops` MUST_RECOMPUTE, the rest saved); under "attention"
-  the module holding each attention core (the plan's `recompute_modules`), checkpointed whole.
+  the module holding each attention core (the plan's `recompute_modules`), checkpointed whole;
+  under "norm_act" the norms' and expert activations' outputs freed once saved and re-made in
+  the backward (`discard`, Megatron-Core's output-discarding recomputation).
 * Precision (`precision`): bf16/fp16 plans keep 2-byte parameters and gradients (synced in the
   2-byte dtype) and step fp32 masters, as the planner's memory and communication model
   (ZeRO-3: FSDP's fp32 shards are the masters, gathered and reduced in the 2-byte dtype);
@@ -68,7 +70,7 @@ from autopar.runtime.materialize import canonical_names, materialize
 from autopar.runtime.meshes import StageMesh, _coord, _mesh_kinds, fsdp_sharded, unique_axis_names  # noqa: F401
 from autopar.runtime.pipeline import PipelineStages
 from autopar.runtime.precision import MasterWeights, cast_parameters_, low_dtype
-from autopar.runtime.recompute import apply_recompute
+from autopar.runtime.recompute import apply_stage_recompute
 from autopar.runtime.spmd import allow_implicit_replication, grads_to_param_layout, register_extra_strategies
 from autopar.runtime.tied_grads import allreduce_flat, gloo_memory_exact
 from autopar.runtime.tied_groups import TiedParameters
@@ -233,7 +235,7 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
             # before recomputation wraps its modules (`ContextParallel.install`); a traced program
             # holds the positions op (`adopt_positions` checked: its fake kernel reads none)
             self.cp.install(model, check=model is self.model)
-        apply_recompute(model, s.recompute_modules, s.recompute_ops)
+        apply_stage_recompute(model, s)
         materialize(model, seed=self.seed, device=self.device, aliases=self.aliases,
                     template=self.model if model is not self.model else None)
         if self.plan.ep > 1:

@@ -21,7 +21,7 @@ from autopar.runtime.experts import program_calls
 from autopar.runtime.materialize import materialize
 from autopar.runtime.meshes import _mesh_kinds
 from autopar.runtime.pipeline_p2p import FanoutPipelineStage, JustInTimeStage, replica_ranks
-from autopar.runtime.recompute import apply_recompute
+from autopar.runtime.recompute import apply_stage_recompute
 from autopar.runtime.validate import check_covered
 from autopar.schema.errors import PlanError
 from cost_models.schedules import torch_schedule
@@ -190,7 +190,7 @@ class PipelineStages:
             core: nn.Module = chunks[i].module
             if self.cp is not None:     # before recomputation wraps its modules (`ContextParallel.install`)
                 self.cp.install(core, check=False)
-            apply_recompute(core, s.recompute_modules, s.recompute_ops)
+            apply_stage_recompute(core, s)
             materialize(core, seed=self.seed, device=self.device, aliases=self.aliases, template=self.model)
             if self.plan.ep > 1:
                 # each experts module runs as the model's own code, its traced one baked at the

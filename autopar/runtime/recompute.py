@@ -2,8 +2,9 @@
 (`StagePlan.recompute_modules`: the planner found them from the captured ops; under "full" the
 repeated block, under "attention" the module holding its attention core), or under "selective"
 the attention core's ops (`StagePlan.recompute_ops`) recomputed alone in the modules holding
-them (`runtime.selective`; a plan of format 8 or earlier checkpoints those modules whole). No
-module is found here by its name. A stage run op by op as solved checkpoints its solved regions
+them (`runtime.selective`; a plan of format 8 or earlier checkpoints those modules whole); under
+"norm_act" the norm modules and the experts modules' activations with their outputs discarded
+(`runtime.discard`). No module is found here by its name. A stage run op by op as solved checkpoints its solved regions
 instead (`intra_op.execute`)."""
 
 from __future__ import annotations
@@ -44,3 +45,13 @@ def apply_recompute(root: nn.Module, modules: list[str] | None, ops: list[str] |
         return
     for fqn in modules or ():
         checkpoint_module(get_submodule(root, fqn))
+
+
+def apply_stage_recompute(root: nn.Module, stage: Any) -> None:
+    """The recomputation of `stage` (a `StagePlan`) in `root`, its module tree."""
+    if stage.recompute == "norm_act":
+        from autopar.runtime.discard import apply_discard
+
+        apply_discard(root, stage.recompute_modules, stage.recompute_acts)
+        return
+    apply_recompute(root, stage.recompute_modules, stage.recompute_ops)

@@ -13,13 +13,16 @@ from cost_models.schedules import SCHEDULES as _REGISTRY
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 assert SCHEDULES == tuple(_REGISTRY), "Schedule must name the registered schedules"
-# recomputation policies, the one registry: "none"; "selective" the attention core's ops alone
-# (Korthikanti et al. 2022); "attention" the module holding the attention core, checkpointed
-# whole (its projections too: with a fused attention kernel the core alone frees almost
-# nothing, the module frees its projections' inputs and outputs); "full" each repeated block.
-# Listed by the forward each re-runs (none < core < its module < the block), which the search
-# relies on (`inter_op.search`: once a policy fits, later ones are slower)
-Recompute = Literal["none", "selective", "attention", "full"]
+# recomputation policies, the one registry: "none"; "norm_act" Megatron-Core's output-discarding
+# recomputation of each block's norms and the routed experts' activation (`--recompute-modules
+# layernorm moe_act`: their outputs freed once the next op saved them, re-made in the backward,
+# `cost_models.memory.norm_act_regions`, `runtime.discard`); "selective" the attention core's
+# ops alone (Korthikanti et al. 2022); "attention" the module holding the attention core,
+# checkpointed whole (its projections too: with a fused attention kernel the core alone frees
+# almost nothing, the module frees its projections' inputs and outputs); "full" each repeated
+# block. Listed by the forward each usually re-runs (element-wise ops < core < its module < the
+# block); the search takes the fastest that fits, whatever the order (`inter_op.search`)
+Recompute = Literal["none", "norm_act", "selective", "attention", "full"]
 RECOMPUTES: tuple[str, ...] = get_args(Recompute)
 # the parts of a model outside its repeated blocks that can take a pipeline layer slot of their
 # own (Megatron-Core's --account-for-embedding-in-pipeline-split and

@@ -25,6 +25,9 @@ from autopar.schema.mesh_axes import MESH_AXIS_KINDS
 from autopar.schema.placement import Placement  # "R", "S(d)" or "P", validated
 from autopar.schema.software import SoftwareSpec, preset_for_attention_kernel
 
+# 15: recompute "norm_act" (Megatron-Core's output-discarding recomputation of the norms and the
+# routed experts' activation) and `StagePlan.recompute_acts`; a reader of 14 or earlier does not
+# know the value; plans of 14 and earlier read as they were;
 # 14: `Plan.zero3_grad_sync` (ZeRO-3's gradients reduce-scattered in every micro-batch's
 # backward; a reader of 13 or earlier would hold them unsharded until the last one); plans of 13
 # and earlier have none and read as "step";
@@ -45,7 +48,7 @@ from autopar.schema.software import SoftwareSpec, preset_for_attention_kernel
 # have none and read as such); 7: the software the plan assumes (`Plan.software`; the device's
 # attention_kernel moved there) and `Plan.sequence_parallel`; 4: pipeline chunks carry
 # op_layouts (`StageLayouts.receives`); 3 added op_layouts
-PLAN_FORMAT_VERSION = 14
+PLAN_FORMAT_VERSION = 15
 
 TrainingDtype = Literal["fp32", "bf16", "fp16"]
 TRAINING_DTYPES: tuple[str, ...] = get_args(TrainingDtype)
@@ -138,8 +141,14 @@ class StagePlan(_Model):
         "ops: under \"full\" each repeated block, checkpointed whole (torch.utils.checkpoint); under "
         "\"selective\" the module holding each attention core, where a stage run module by module recomputes "
         "the ops of `recompute_ops` (or, in a plan without them, format_version 8 and earlier, checkpoints the "
-        "module whole); under \"attention\" that module, checkpointed whole (its projections too); null with "
-        "recompute \"none\"")
+        "module whole); under \"attention\" that module, checkpointed whole (its projections too); under "
+        "\"norm_act\" each block's norm modules, whose outputs are freed once read and re-made in the backward "
+        "(Megatron-Core's output-discarding recomputation, `runtime.discard`); null with recompute \"none\"")
+    recompute_acts: Optional[list[str]] = Field(
+        default=None, description="under \"norm_act\": the experts modules whose activation (from the activation "
+        "call through the element-wise ops after it, up to the output projection) is freed once read and re-made "
+        "in the backward, Megatron-Core's \"moe_act\"; empty for a model without routed experts; null under "
+        "the other policies")
     recompute_ops: Optional[list[str]] = Field(
         default=None, description="under \"selective\": the captured ops re-run in the backward (each "
         "layer's attention core, the ops from its score matmul to its product with V or one fused attention "
@@ -176,6 +185,13 @@ class StagePlan(_Model):
         if self.recompute_ops is not None and self.recompute != "selective":
             raise ValueError(f"recompute_ops names the ops selective recomputation re-runs, but recompute is "
                              f"{self.recompute!r}; drop recompute_ops or set recompute to \"selective\"")
+        if self.recompute_acts is not None and self.recompute != "norm_act":
+            raise ValueError(f"recompute_acts names the experts modules \"norm_act\" recomputes the activation of, "
+                             f"but recompute is {self.recompute!r}; drop recompute_acts or set recompute to "
+                             f"\"norm_act\"")
+        if self.recompute == "norm_act" and self.recompute_acts is None:
+            raise ValueError("recompute=\"norm_act\" needs recompute_acts, the experts modules whose activation "
+                             "it recomputes ([] for a model without routed experts); re-plan with `autopar plan`")
         if self.recompute != "none" and self.recompute_modules is None:
             raise ValueError(f"recompute={self.recompute!r} needs recompute_modules, the modules to checkpoint "
                              f"(plans of format_version 4 and earlier predate them); re-plan with `autopar plan`")
@@ -206,6 +222,10 @@ class StagePlan(_Model):
             return f"{self.recompute}: nothing to recompute (no repeated block in this chunk)"
         if self.recompute == "selective":
             return f"selective: modules {_folded(self.recompute_modules or [])} checkpointed whole"
+        if self.recompute == "norm_act":
+            acts = f"; activations in {_folded(self.recompute_acts)}" if self.recompute_acts else ""
+            return (f"norm_act: outputs discarded and re-made: norms {_folded(self.recompute_modules or []) or 'none'}"
+                    f"{acts}")
         return f"{self.recompute}: modules {_folded(self.recompute_modules or [])} checkpointed whole"
 
     def axis_size(self, name: str) -> int:
