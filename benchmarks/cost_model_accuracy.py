@@ -54,8 +54,10 @@ flash-attn repository's GPT training on 8 A100 80GB (FlashAttention-2 paper Tabl
 training/README.md's GPT-3 and GPT-2 speeds with FlashAttention-1), planned with the
 `flash-attn-2-2023` / `flash-attn-1-2022` software; the cases marked `held_out` are reported apart.
 Where a run's config states a micro-batch that cannot fit (the 2.7B 8k rows), the planner picks it
-(`Case.microbatch_free`, `mb*` in the table). `--usable-fraction X` plans against X of each device's
-memory instead of the 0.92 estimate (`cost_models.memory.USABLE_FRACTION`), for sensitivity.
+(`Case.microbatch_free`, `mb*` in the table). What a plan may fill of a device is
+`cost_models.memory.usable_memory_terms` (CUDA's reported memory less the software's context,
+workspaces, NCCL buffers and allocator fragmentation); `--fragmentation X` replaces the last (an
+estimate), `--usable-fraction X` plans against a flat X of each device's memory, for sensitivity.
 The micro-batch sizes, DDP implementation and interleaving of the Narayanan et al. 2021 rows are
 those of the authors' script for the paper (Megatron-LM examples/sc21/run_table_1.sh), printed in
 the table; the paper does not state them.
@@ -426,6 +428,10 @@ def planner(case: Case, cluster: ClusterSpec, intra_op: str = "auto", software: 
     return plan_case(case, cluster, intra_op, software).predicted.iteration_time_s
 
 
+# SoftwareSpec fields every case's software is planned with (--usable-fraction, --fragmentation)
+SOFTWARE_SET: dict = {}
+
+
 def plan_case(case: Case, cluster: ClusterSpec, intra_op: str = "auto", software: Optional[str] = None):
     """`autopar.plan` of `case` with its published configuration pinned (see `planner`)."""
     import autopar
@@ -442,7 +448,7 @@ def plan_case(case: Case, cluster: ClusterSpec, intra_op: str = "auto", software
     from autopar.planner import plan as make_plan
 
     plan = make_plan(model, cluster, (x, x), global_batch_size=case.batch, dtype=case.dtype, intra_op=intra_op,
-                     software=software or case.software,
+                     software=_software(software or case.software),
                      constraints=autopar.Constraints(
                          dp=case.dp, tp=case.t, pp=case.p,
                          microbatch_size=None if case.microbatch_free else case.microbatch,
@@ -450,6 +456,14 @@ def plan_case(case: Case, cluster: ClusterSpec, intra_op: str = "auto", software
                          virtual_stages=case.v if case.v > 1 else None, recompute=case.recompute,
                          zero_stage=case.zero_stage, sequence_parallel=case.sequence_parallel))
     return plan
+
+
+def _software(name: str):
+    """The software preset `name`, with `SOFTWARE_SET`'s fields replaced when any (validated)."""
+    sw = resolve_software(name)
+    if not SOFTWARE_SET:
+        return sw
+    return type(sw).model_validate({**sw.model_dump(), **SOFTWARE_SET})
 
 
 def load_cluster(case: Case, gemm_scale: float = 1.0, profile_set: Sequence[str] = ()) -> ClusterSpec:
@@ -529,7 +543,9 @@ def _per_layer(case: Case, cluster: ClusterSpec, made, intra_op: str, software: 
 
 def _lifted(cluster: ClusterSpec) -> ClusterSpec:
     """`cluster` with 16x the device memory: the time of a plan the memory model does not fit."""
-    device = cluster.device.model_copy(update={"memory_bytes": cluster.device.memory_bytes * 16})
+    d = cluster.device
+    device = d.model_copy(update={"memory_bytes": d.memory_bytes * 16, "addressable_memory_bytes":
+                                  d.addressable_memory_bytes * 16 if d.addressable_memory_bytes else None})
     return cluster.model_copy(update={"device": device})
 
 
@@ -613,15 +629,22 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "multiplies it): how sensitive the predictions are to a figure labelled an "
                          "estimate (docs/constants.md)")
     ap.add_argument("--usable-fraction", type=float, default=None, metavar="X",
-                    help="plan against X of each device's memory instead of cost_models.memory.USABLE_FRACTION "
-                         "(0.92, an estimate): how sensitive the fit of the published configurations is to it")
+                    help="plan against a flat X of each device's memory (SoftwareSpec.usable_fraction) instead "
+                         "of what the memory terms leave (cost_models.memory.usable_memory_terms): how sensitive "
+                         "the fit of the published configurations is to them")
+    ap.add_argument("--fragmentation", type=float, default=None, metavar="X",
+                    help="plan with the caching allocator's fragmentation at X (SoftwareSpec."
+                         "allocator_fragmentation, 0.06, an estimate) in every case's software")
     args = ap.parse_args(argv)
+    SOFTWARE_SET.clear()
     if args.usable_fraction is not None:
-        import cost_models.memory as _memory
-
         if not 0 < args.usable_fraction <= 1:
             raise SystemExit(f"--usable-fraction wants a share in (0, 1], got {args.usable_fraction}")
-        _memory.USABLE_FRACTION = args.usable_fraction
+        SOFTWARE_SET["usable_fraction"] = args.usable_fraction
+    if args.fragmentation is not None:
+        if not 0 <= args.fragmentation < 1:
+            raise SystemExit(f"--fragmentation wants a share in [0, 1), got {args.fragmentation}")
+        SOFTWARE_SET["allocator_fragmentation"] = args.fragmentation
     both = not (args.analytic or args.planner or args.local or args.table1 or args.h100 or args.flash)
     header = ["case", "GPUs", "t", "p", "v", "mb", "m", "published s", "predicted s", "error", "note"]
 

@@ -76,7 +76,7 @@ Named presets live in `software_profiles/` (YAML, each field with its source); t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 from pydantic import (
     BaseModel,
@@ -104,6 +104,12 @@ ParamDtype = Literal["training", "fp32"]
 PARAM_DTYPES: tuple[str, ...] = ("training", "fp32")
 ZeroOptimizer = Literal["flat", "zero_redundancy"]
 ZERO_OPTIMIZERS: tuple[str, ...] = ("flat", "zero_redundancy")
+
+# the memory a plan may not fill, per software stack (`cost_models.memory.usable_memory`); omitted
+# from a dump at their defaults
+MEMORY_TERM_FIELDS: tuple[str, ...] = ("cuda_context_bytes", "library_workspace_bytes",
+                                       "collective_buffer_bytes_per_channel", "allocator_fragmentation",
+                                       "usable_fraction")
 
 # the preset that describes what `autopar run` executes: the default of `autopar.plan`
 DEFAULT_SOFTWARE = "autopar"
@@ -152,6 +158,23 @@ class SoftwareSpec(BaseModel):
         default=False, description="ZeRO-3's per-unit all-gathers and reduce-scatters run on their own streams "
         "beside the compute (prefetched gathers, asynchronous reduce-scatters: FSDP2 on NCCL, Megatron-FSDP with "
         "--overlap-param-gather / --overlap-grad-reduce): a micro-batch pays what exceeds its compute")
+    # what a plan may not fill of a device, per process of this stack (`cost_models.memory.
+    # usable_memory_terms`; the device's own terms are DeviceSpec's): sources in autopar.yaml
+    cuda_context_bytes: float = Field(
+        default=287047680.0, ge=0, description="device memory each process's CUDA context and loaded "
+        "kernels take outside the allocator (CUDA devices only)")
+    library_workspace_bytes: float = Field(
+        default=33554432.0, ge=0, description="the math libraries' workspaces outside the tensors a plan "
+        "counts (cuBLAS/cuBLASLt, CUDA devices only)")
+    collective_buffer_bytes_per_channel: float = Field(
+        default=10485760.0, ge=0, description="device memory one NCCL channel's buffers take for a "
+        "communicator (its protocols' FIFOs as allocated); times the device's collective_channels")
+    allocator_fragmentation: float = Field(
+        default=0.06, ge=0, lt=1, description="share of the memory the caching allocator holds that no "
+        "tensor uses at the peak (fragmentation): a plan may fill the rest")
+    usable_fraction: Optional[float] = Field(
+        default=None, gt=0, le=1, description="when set, a plan may fill this share of the device's "
+        "memory_bytes instead of what the terms above leave (an override, for sensitivity)")
     attention_flops: dict[str, dict[str, list[AttentionPoint]]] = Field(
         default_factory=dict, description="the software's fused attention kernel measured on named devices "
         "(DeviceSpec.name -> dtype -> points, as DeviceSpec.attention_flops); on a device named here they "
@@ -171,14 +194,15 @@ class SoftwareSpec(BaseModel):
     def _omit_eager_fusion(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         """The dump without `pointwise_fusion` when it is "eager", `mixed_precision` when it is
         "autocast", `loss_kernel` when it is "eager", `param_dtype` when it is "training" and
-        `zero_optimizer` when it is "flat", the
+        `zero_optimizer` when it is "flat", the memory terms (`MEMORY_TERM_FIELDS`) at their defaults, the
         choices every plan made before the fields existed: a plan file (and its digest,
         `tests/test_planner_unchanged.py`) and a cache key for such software are what they were;
         the other choices are written; likewise `zero3_overlap` when False."""
         out = handler(self)
         if isinstance(out, dict):
             for key, old in (("pointwise_fusion", "eager"), ("mixed_precision", "autocast"), ("loss_kernel", "eager"),
-                             ("param_dtype", "training"), ("zero_optimizer", "flat"), ("zero3_overlap", False)):
+                             ("param_dtype", "training"), ("zero_optimizer", "flat"), ("zero3_overlap", False),
+                             *((k, type(self).model_fields[k].default) for k in MEMORY_TERM_FIELDS)):
                 if out.get(key) == old:
                     out.pop(key)
         return out
@@ -236,8 +260,9 @@ class SoftwareSpec(BaseModel):
         fp32 = ", fp32 parameters under autocast" if self.param_dtype == "fp32" else ""
         zro = ", torch ZeroRedundancyOptimizer" if self.zero_optimizer == "zero_redundancy" else ""
         zero3 = ", ZeRO-3 collectives beside the compute" if self.zero3_overlap else ""
+        flat = f", plans fill {self.usable_fraction:g} of device memory (override)" if self.usable_fraction else ""
         return (f"software: {self.name} (attention {self.attention_kernel}{own}{fusion}{half}{loss}{fp32}{zro}, "
-                f"dp gradient sync {sync}{zero3})")
+                f"dp gradient sync {sync}{zero3}{flat})")
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> "SoftwareSpec":
