@@ -159,6 +159,11 @@ Session 33, after format 14 (`Junction.readers`: a junction of a tensor that oth
 layer's own, keyed 'op#output@layer'): digests only, for the two plans with tp stages (their
 residual streams' junctions keyed by the reading block); the same layouts, times, peaks and
 collectives.
+Issue 14, session 35: the usable memory is term by term (`cost_models.memory.usable_memory_terms`:
+CUDA's reported memory less context, workspaces, NCCL buffers and fragmentation, in place of a flat
+92%): every plan records its new `usable_memory_bytes` (A100 80GB 73.60 -> 73.90 GiB; the CPU
+profile 0.92 -> 0.94 of its memory) and the devices' new fields: digests only (layouts, times,
+memory and collectives unchanged; no case's memory bound binds).
 """
 
 import hashlib
@@ -184,16 +189,16 @@ CASES = {   # name: (model, cluster, nodes, global batch, pinned constraints, so
 }
 
 EXPECTED = {
-    "gpt3-1.3b-tp2-pp2": {"digest": "8b8ba6cec0c87554", "layout": (2, 2, 2, 4, 4, "interleaved_1f1b", 6, 1),
+    "gpt3-1.3b-tp2-pp2": {"digest": "3e91dfe843a9fae0", "layout": (2, 2, 2, 4, 4, "interleaved_1f1b", 6, 1),
         "iteration_time_s": 0.553367098202065, "peak_memory_bytes": 21309384704.0,
         "collectives": {"all_reduce": 405, "reduce_scatter": 2, "all_gather": 2, "send_recv": 88}},
-    "gpt-small": {"digest": "ad90006fd440d752", "layout": (2, 1, 1, 4, 1, "1f1b", 1, 0),
+    "gpt-small": {"digest": "faa700f3f8243c40", "layout": (2, 1, 1, 4, 1, "1f1b", 1, 0),
         "iteration_time_s": 0.015157352217275648, "peak_memory_bytes": 20557824.0,
         "collectives": {"all_reduce": 1}},
-    "hf-gpt2": {"digest": "83b3725febf2c0f5", "layout": (4, 1, 2, 4, 1, "1f1b", 1, 1),
+    "hf-gpt2": {"digest": "08107fe1cf24b0a7", "layout": (4, 1, 2, 4, 1, "1f1b", 1, 1),
         "iteration_time_s": 0.0013825798662918264, "peak_memory_bytes": 1688512.0,
         "collectives": {"reduce_scatter": 2, "all_gather": 2, "send_recv": 2, "all_reduce": 1}},
-    "hf-llama": {"digest": "3f4492f19bd93a21", "layout": (4, 2, 1, 4, 1, "1f1b", 1, 1),
+    "hf-llama": {"digest": "50327ca8da5384af", "layout": (4, 2, 1, 4, 1, "1f1b", 1, 1),
         "iteration_time_s": 0.0025246015741084617, "peak_memory_bytes": 1444160.0,
         "collectives": {"all_reduce": 25, "all_gather": 2, "reduce_scatter": 1}},
 }

@@ -122,6 +122,10 @@ class DeviceSpec(_Strict):
     attention_flops: Optional[dict[str, list[AttentionPoint]]] = Field(
         default=None, description="measured forward and backward rates of the fused attention kernel "
         "by dtype and size; None: fused attention runs at the GEMM efficiency curve")
+    attention_head_dims: Optional[list[int]] = Field(
+        default=None, description="the head dimensions the fused attention kernel of attention_flops is "
+        "compiled for (ascending): a head dimension between two runs the next one up, at its time (the "
+        "kernel computes the padded width); None: every head dimension its own kernel")
     unfused_attention_flops: Optional[dict[str, list[UnfusedAttentionPoint]]] = Field(
         default=None, description="measured forward + backward speed of attention run unfused (batched "
         "QK^T and PV GEMMs around a softmax over the materialised scores) by dtype, head dimension and "

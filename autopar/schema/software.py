@@ -179,6 +179,10 @@ class SoftwareSpec(BaseModel):
         default_factory=dict, description="the software's fused attention kernel measured on named devices "
         "(DeviceSpec.name -> dtype -> points, as DeviceSpec.attention_flops); on a device named here they "
         "replace the hardware profile's rates, which describe another kernel")
+    attention_head_dims: list[int] = Field(
+        default_factory=list, description="the head dimensions this software's own fused attention kernel "
+        "(attention_flops) is compiled for; with its rates they replace the device's "
+        "(DeviceSpec.attention_head_dims)")
     sources: dict[str, str] = Field(default_factory=dict, description="field name -> where it comes from")
 
     @model_validator(mode="after")
@@ -202,6 +206,7 @@ class SoftwareSpec(BaseModel):
         if isinstance(out, dict):
             for key, old in (("pointwise_fusion", "eager"), ("mixed_precision", "autocast"), ("loss_kernel", "eager"),
                              ("param_dtype", "training"), ("zero_optimizer", "flat"), ("zero3_overlap", False),
+                             ("attention_head_dims", []),
                              *((k, type(self).model_fields[k].default) for k in MEMORY_TERM_FIELDS)):
                 if out.get(key) == old:
                     out.pop(key)
@@ -247,7 +252,8 @@ class SoftwareSpec(BaseModel):
         rates = self.attention_flops.get(cluster.device.name)
         if not rates:
             return cluster
-        device = cluster.device.model_copy(update={"attention_flops": rates})
+        device = cluster.device.model_copy(update={"attention_flops": rates,
+                                                   "attention_head_dims": list(self.attention_head_dims) or None})
         return cluster.model_copy(update={"device": device})
 
     def summary(self) -> str:
