@@ -14,7 +14,7 @@ import autopar
 from autopar.schema import ClusterSpec, Constraints, Plan, PlanError, SoftwareSpec
 from autopar.schema.cluster import SoftwareInHardwareWarning, bundled_profiles_dir
 from autopar.schema.plan import PLAN_FORMAT_VERSION
-from autopar.schema.software import DEFAULT_SOFTWARE, bundled_software, resolve_software
+from autopar.schema.software import DEFAULT_SOFTWARE, MEMORY_TERM_FIELDS, bundled_software, resolve_software
 from cost_models.compute import graph_compute_time
 from cost_models.memory import activation_memory
 
@@ -38,7 +38,9 @@ def test_presets_are_typed_and_sourced():
                   | ({"pointwise_fusion"} if sw.pointwise_fusion != "eager" else set())
                   | ({"loss_kernel"} if sw.loss_kernel != "eager" else set())
                   | ({"param_dtype"} if sw.param_dtype != "training" else set())
-                  | ({"zero_optimizer"} if sw.zero_optimizer != "flat" else set()))
+                  | ({"zero_optimizer"} if sw.zero_optimizer != "flat" else set())
+                  | ({"attention_head_dims"} if sw.attention_head_dims else set())
+                  | {k for k in MEMORY_TERM_FIELDS if getattr(sw, k) != SoftwareSpec.model_fields[k].default})
         assert set(sw.sources) == chosen, "every choice names its source"
     with pytest.raises(PlanError, match="unknown software 'flash9'; bundled: autopar, flash-attn-1-2022, "
                                          "flash-attn-2-2023, megatron-lm-2021, megatron-lm-2021-torch-ddp, "

@@ -111,6 +111,32 @@ MEMORY_TERM_FIELDS: tuple[str, ...] = ("cuda_context_bytes", "library_workspace_
                                        "collective_buffer_bytes_per_channel", "allocator_fragmentation",
                                        "usable_fraction")
 
+# where the memory terms' defaults come from (every preset takes them; `usable_memory_terms`)
+MEMORY_TERM_SOURCES: dict[str, str] = {
+    "cuda_context_bytes": (
+        "SoftwareSpec's default, every preset: 287,047,680 bytes, a CUDA context with torch's kernels loaded "
+        "lazily (CUDA_MODULE_LOADING=LAZY, which torch sets since 1.13; eager loading: 666,632,192), measured "
+        "in the pull request that made it torch's default (github.com/pytorch/pytorch pull 86509); lazy "
+        "loading is also CUDA's own default since 12.2 (CUDA C++ Programming Guide, 'Lazy Loading')"),
+    "library_workspace_bytes": (
+        "SoftwareSpec's default, every preset: 32 MiB, the cuBLAS workspace cuBLAS recommends for Hopper (4 "
+        "MiB before; cuBLAS docs, cublasSetWorkspace), one handle: the larger, counted on every GPU"),
+    "collective_buffer_bytes_per_channel": (
+        "SoftwareSpec's default, every preset: NCCL's default FIFOs per channel and connection, SIMPLE 4 MiB "
+        "(DEFAULT_BUFFSIZE), LL128 4,915,200 B and LL 524,288 B (DEFAULT_LL128_BUFFSIZE, DEFAULT_LL_BUFFSIZE, "
+        "src/init.cc), 9,633,792 B, allocated in 2 MiB granules: 10 MiB (the 10485760-byte buffers of NCCL's "
+        "ALLOC log, github.com/NVIDIA/nccl issue 1685); one ring connection a channel on one communicator "
+        "(sjeaugey, nccl issue 864: ring uses two connections whatever the scale, memory linear in channels)"),
+    "allocator_fragmentation": (
+        "ESTIMATE, SoftwareSpec's default, every preset: 0.06 of what the caching allocator holds is held by "
+        "no tensor at the peak. Not sourced: the share of reserved memory no tensor held in published "
+        "Megatron-LM memory logs spans 1% to 28% (41291 of 41854 MB reserved, mid-step, NVIDIA/Megatron-LM "
+        "issue 965; max 5670 of 6406, pull 5662; max 12606 of 17482, issue 60, V100, 2020); GMLake (ASPLOS "
+        "2024) reports 15% on average under recomputation, offloading and LoRA on A100 80GB, which these runs "
+        "do not use. 0.06 keeps what the flat 92% left for it (8% less CUDA's own 1.1% and the terms above). "
+        "Sensitivity: README, 'usable memory'"),
+}
+
 # the preset that describes what `autopar run` executes: the default of `autopar.plan`
 DEFAULT_SOFTWARE = "autopar"
 
@@ -159,7 +185,7 @@ class SoftwareSpec(BaseModel):
         "beside the compute (prefetched gathers, asynchronous reduce-scatters: FSDP2 on NCCL, Megatron-FSDP with "
         "--overlap-param-gather / --overlap-grad-reduce): a micro-batch pays what exceeds its compute")
     # what a plan may not fill of a device, per process of this stack (`cost_models.memory.
-    # usable_memory_terms`; the device's own terms are DeviceSpec's): sources in autopar.yaml
+    # usable_memory_terms`; the device's own terms are DeviceSpec's): sources in MEMORY_TERM_SOURCES
     cuda_context_bytes: float = Field(
         default=287047680.0, ge=0, description="device memory each process's CUDA context and loaded "
         "kernels take outside the allocator (CUDA devices only)")
