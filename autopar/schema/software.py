@@ -114,27 +114,30 @@ MEMORY_TERM_FIELDS: tuple[str, ...] = ("cuda_context_bytes", "library_workspace_
 # where the memory terms' defaults come from (every preset takes them; `usable_memory_terms`)
 MEMORY_TERM_SOURCES: dict[str, str] = {
     "cuda_context_bytes": (
-        "SoftwareSpec's default, every preset: 287,047,680 bytes, a CUDA context with torch's kernels loaded "
-        "lazily (CUDA_MODULE_LOADING=LAZY, which torch sets since 1.13; eager loading: 666,632,192), measured "
-        "in the pull request that made it torch's default (github.com/pytorch/pytorch pull 86509); lazy "
-        "loading is also CUDA's own default since 12.2 (CUDA C++ Programming Guide, 'Lazy Loading')"),
+        "SoftwareSpec's default (the autopar stack): 0.76 GiB, what the device had in use beyond the caching "
+        "allocator's reserve in each of the 5 cases autopar ran on one H100 80GB (torch 2.11+cu130, one process, "
+        "no NCCL): 52.31 - 51.55, 60.00 - 59.24, 71.93 - 71.17, 52.72 - 51.96, 76.75 - 75.99 GiB "
+        "(benchmarks/results/h100-2026-11-25/profiles/*.txt, first lines); transferred to other devices (the "
+        "context's per-thread local memory scales with the SM count: an estimate there). The flash-attn "
+        "presets (torch 1.13) set their own"),
     "library_workspace_bytes": (
         "SoftwareSpec's default, every preset: 32 MiB, the cuBLAS workspace cuBLAS recommends for Hopper (4 "
-        "MiB before; cuBLAS docs, cublasSetWorkspace), one handle: the larger, counted on every GPU"),
+        "MiB before; cuBLAS docs, cublasSetWorkspace), one handle: the larger, counted on every GPU (torch "
+        "takes it from its caching allocator: beside the plan's tensors)"),
     "collective_buffer_bytes_per_channel": (
         "SoftwareSpec's default, every preset: NCCL's default FIFOs per channel and connection, SIMPLE 4 MiB "
         "(DEFAULT_BUFFSIZE), LL128 4,915,200 B and LL 524,288 B (DEFAULT_LL128_BUFFSIZE, DEFAULT_LL_BUFFSIZE, "
         "src/init.cc), 9,633,792 B, allocated in 2 MiB granules: 10 MiB (the 10485760-byte buffers of NCCL's "
         "ALLOC log, github.com/NVIDIA/nccl issue 1685); one ring connection a channel on one communicator "
-        "(sjeaugey, nccl issue 864: ring uses two connections whatever the scale, memory linear in channels)"),
+        "(sjeaugey, nccl issue 864: ring uses two connections whatever the scale, memory linear in channels); "
+        "a layout's further process groups (tp, pp) are not counted"),
     "allocator_fragmentation": (
-        "ESTIMATE, SoftwareSpec's default, every preset: 0.06 of what the caching allocator holds is held by "
-        "no tensor at the peak. Not sourced: the share of reserved memory no tensor held in published "
-        "Megatron-LM memory logs spans 1% to 28% (41291 of 41854 MB reserved, mid-step, NVIDIA/Megatron-LM "
-        "issue 965; max 5670 of 6406, pull 5662; max 12606 of 17482, issue 60, V100, 2020); GMLake (ASPLOS "
-        "2024) reports 15% on average under recomputation, offloading and LoRA on A100 80GB, which these runs "
-        "do not use. 0.06 keeps what the flat 92% left for it (8% less CUDA's own 1.1% and the terms above). "
-        "Sensitivity: README, 'usable memory'"),
+        "SoftwareSpec's default, every preset: 0.05, the median share of the caching allocator's reserve that "
+        "no tensor held at the peak in the 5 cases autopar ran on one H100 80GB (max reserved against max "
+        "allocated: 1.21 of 51.55, 2.95 of 59.24, 4.12 of 71.17, 1.25 of 51.96, 5.94 of 75.99 GiB: 2.3% to "
+        "7.8%, the most at the fullest plans; benchmarks/results/h100-2026-11-25/profiles/*.txt). Measured "
+        "for autopar's runtime on that device; for other stacks and devices an estimate. Sensitivity: "
+        "README, 'usable memory'"),
 }
 
 # the preset that describes what `autopar run` executes: the default of `autopar.plan`
@@ -187,8 +190,8 @@ class SoftwareSpec(BaseModel):
     # what a plan may not fill of a device, per process of this stack (`cost_models.memory.
     # usable_memory_terms`; the device's own terms are DeviceSpec's): sources in MEMORY_TERM_SOURCES
     cuda_context_bytes: float = Field(
-        default=287047680.0, ge=0, description="device memory each process's CUDA context and loaded "
-        "kernels take outside the allocator (CUDA devices only)")
+        default=816043786.0, ge=0, description="device memory each process's CUDA context and loaded "
+        "kernels take outside the caching allocator (CUDA devices only)")
     library_workspace_bytes: float = Field(
         default=33554432.0, ge=0, description="the math libraries' workspaces outside the tensors a plan "
         "counts (cuBLAS/cuBLASLt, CUDA devices only)")
@@ -196,7 +199,7 @@ class SoftwareSpec(BaseModel):
         default=10485760.0, ge=0, description="device memory one NCCL channel's buffers take for a "
         "communicator (its protocols' FIFOs as allocated); times the device's collective_channels")
     allocator_fragmentation: float = Field(
-        default=0.06, ge=0, lt=1, description="share of the memory the caching allocator holds that no "
+        default=0.05, ge=0, lt=1, description="share of the memory the caching allocator holds that no "
         "tensor uses at the peak (fragmentation): a plan may fill the rest")
     usable_fraction: Optional[float] = Field(
         default=None, gt=0, le=1, description="when set, a plan may fill this share of the device's "
