@@ -305,7 +305,7 @@ class SoftwareSpec(BaseModel):
         path = _resolve(str(name_or_path))
         data = read_mapping(path, "software",
                             "name, attention_kernel, pointwise_fusion, mixed_precision, param_dtype, zero_optimizer, "
-                            "grad_sync_overlap, zero3_overlap")
+                            "grad_sync_overlap, zero3_overlap, allocator_fragmentation, usable_fraction")
         data.setdefault("name", path.stem)
         try:
             return cls.model_validate(data)
