@@ -517,7 +517,8 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
     pred = Prediction(iteration_time_s=c.iteration_s, samples_per_s=gbs / c.iteration_s,
                       tokens_per_s=gbs * tokens / c.iteration_s,
                       tflops_per_device=flops_step / c.iteration_s / spec.num_devices / 1e12,
-                      peak_memory_bytes=peak, usable_memory_bytes=usable_memory(spec.device),
+                      peak_memory_bytes=peak, usable_memory_bytes=usable_memory(
+                          spec.device, getattr(res.provider, "software", None) or software_for_cluster(None, spec)),
                       collectives=dict(coll), compute_s=compute,
                       communication_s=comm, bubble_s=max(0.0, c.iteration_s - compute - comm))
     from autopar import __version__

@@ -54,8 +54,10 @@ flash-attn repository's GPT training on 8 A100 80GB (FlashAttention-2 paper Tabl
 training/README.md's GPT-3 and GPT-2 speeds with FlashAttention-1), planned with the
 `flash-attn-2-2023` / `flash-attn-1-2022` software; the cases marked `held_out` are reported apart.
 Where a run's config states a micro-batch that cannot fit (the 2.7B 8k rows), the planner picks it
-(`Case.microbatch_free`, `mb*` in the table). `--usable-fraction X` plans against X of each device's
-memory instead of the 0.92 estimate (`cost_models.memory.USABLE_FRACTION`), for sensitivity.
+(`Case.microbatch_free`, `mb*` in the table). What a plan may fill of a device is
+`cost_models.memory.usable_memory_terms` (CUDA's reported memory less the software's context,
+workspaces, NCCL buffers and allocator fragmentation); `--fragmentation X` replaces the last (an
+estimate), `--usable-fraction X` plans against a flat X of each device's memory, for sensitivity.
 The micro-batch sizes, DDP implementation and interleaving of the Narayanan et al. 2021 rows are
 those of the authors' script for the paper (Megatron-LM examples/sc21/run_table_1.sh), printed in
 the table; the paper does not state them.
@@ -128,6 +130,11 @@ class Case:
     # the published micro-batch is unknown (the run's config states one that cannot fit, see
     # `_FA2_T1`): the planner picks it, the rest of the layout pinned; `microbatch` is the config's
     microbatch_free: bool = False
+    # the published TFLOP/s scale Megatron's whole 96-factor formula by flop_factor / 96, its LM-head
+    # term too (flash-attn's training/README.md: "the formula from the Megatron-LM paper (Section
+    # 5.1), except we scale by 3/4"); False: the head counted whole, 6 * s * V * h a sequence (the
+    # 96-factor formula itself, and the FA2 paper's 6 * s * params + 12 * l * h * s^2)
+    head_scaled: bool = False
 
     @property
     def dp(self) -> int:
@@ -142,7 +149,8 @@ class Case:
         recomputation the 96-factor formula; `flop_factor` 72, the model FLOPs without it
         (3/4 of that: the flash-attn papers' count, 6 * s * params + 12 * l * h * s^2 a sequence)."""
         h, l, b, s, k = self.hidden, self.layers, self.batch, self.seq, self.flop_factor
-        return k * b * s * l * h * h * (1 + s / (6 * h) + self.vocab / (k / 6 * l * h))
+        head = 16 if self.head_scaled else k / 6
+        return k * b * s * l * h * h * (1 + s / (6 * h) + self.vocab / (head * l * h))
 
     def published_time(self) -> float:
         if self.published_s is not None:
@@ -251,11 +259,16 @@ _FA2_T1 = [
     # paper states no micro-batch: the planner picks it (`microbatch_free`), the layout pinned.
     # Looked at since session 34 (no longer held out): the rule was chosen with this row's and its
     # FlashAttention-1 twin's errors at micro-batch 1, 2 and 4 in view.
-    Case("FA2 2.7B 8k", 32, 2560, 32, batch=128, microbatch=4, seq=8192, published_tflops=225, zero_stage=1,
+    # Heads: 20 of 128, as the 2k row (session 35; 32 of 80, the 8k config's, before): training/README.md,
+    # "For the GPT3-2.7B model, we set head dimension to 128 (instead of 80) for better efficiency" (d = 80
+    # runs FlashAttention-1's 128-wide kernel: `SoftwareSpec.attention_head_dims`). Chosen after the
+    # 80-wide layout's FA1 twin was seen at +23.4% (the kernels' rates put FA1 -> FA2 at 8.2 s saved
+    # against 3.98 published; 4.3 s at 128).
+    Case("FA2 2.7B 8k", 20, 2560, 32, batch=128, microbatch=4, seq=8192, published_tflops=225, zero_stage=1,
          software="flash-attn-2-2023", source=_FA2_SRC.format("GPT3-2.7B 8k context"), held_out=False,
          microbatch_free=True,
-         assumed="32 heads (hdim 80), gbs=128 from pile/gpt3-2.7B-flash-8k.yaml; its mb=4 cannot fit (126.6 GiB): "
-                 "mb the planner's", **_FA_FLASH),
+         assumed="20 heads (hdim 128, training/README.md), gbs=128 from pile/gpt3-2.7B-flash-8k.yaml; its mb=4 "
+                 "cannot fit (126.6 GiB): mb the planner's", **_FA_FLASH),
 ]
 FLASH_CASES = _FA2_T1 + [
     # The same paper's FLASHATTENTION column (the same four runs with the FlashAttention-1 kernel, software
@@ -280,9 +293,10 @@ FLASH_CASES = _FA2_T1 + [
 ] + [
     # FlashAttention-1, GPT-2 shapes at 1k on OpenWebText in fp16 (owt/base.yaml: precision 16): the
     # "FlashAttention" bars of training/README.md's GPT2 figure (assets/gpt2_training_efficiency.jpg,
-    # TFLOP/s per A100 by the 72-factor count; GPT2-125M's label is hidden by the legend, left out)
+    # TFLOP/s per A100 by the README's count, 3/4 of Megatron's formula, the head's term scaled too:
+    # `head_scaled`, session 35; GPT2-125M's label is hidden by the legend, left out)
     Case(f"FA1 GPT2-{name}", a, h, l, batch=512, microbatch=mb, seq=1024, published_tflops=tf, zero_stage=z,
-         software="flash-attn-1-2022", dtype="fp16", held_out=True,
+         software="flash-attn-1-2022", dtype="fp16", held_out=True, head_scaled=True,
          source=f"Dao-AILab/flash-attention training/README.md, GPT2 figure, GPT2-{name} FlashAttention bar",
          assumed=f"mb={mb}, gbs=512 from owt/{cfg}.yaml", **_FA_FLASH)
     for name, a, h, l, mb, z, tf, cfg in [
@@ -426,6 +440,10 @@ def planner(case: Case, cluster: ClusterSpec, intra_op: str = "auto", software: 
     return plan_case(case, cluster, intra_op, software).predicted.iteration_time_s
 
 
+# SoftwareSpec fields every case's software is planned with (--usable-fraction, --fragmentation)
+SOFTWARE_SET: dict = {}
+
+
 def plan_case(case: Case, cluster: ClusterSpec, intra_op: str = "auto", software: Optional[str] = None):
     """`autopar.plan` of `case` with its published configuration pinned (see `planner`)."""
     import autopar
@@ -442,7 +460,7 @@ def plan_case(case: Case, cluster: ClusterSpec, intra_op: str = "auto", software
     from autopar.planner import plan as make_plan
 
     plan = make_plan(model, cluster, (x, x), global_batch_size=case.batch, dtype=case.dtype, intra_op=intra_op,
-                     software=software or case.software,
+                     software=_software(software or case.software),
                      constraints=autopar.Constraints(
                          dp=case.dp, tp=case.t, pp=case.p,
                          microbatch_size=None if case.microbatch_free else case.microbatch,
@@ -450,6 +468,14 @@ def plan_case(case: Case, cluster: ClusterSpec, intra_op: str = "auto", software
                          virtual_stages=case.v if case.v > 1 else None, recompute=case.recompute,
                          zero_stage=case.zero_stage, sequence_parallel=case.sequence_parallel))
     return plan
+
+
+def _software(name: str):
+    """The software preset `name`, with `SOFTWARE_SET`'s fields replaced when any (validated)."""
+    sw = resolve_software(name)
+    if not SOFTWARE_SET:
+        return sw
+    return type(sw).model_validate({**sw.model_dump(), **SOFTWARE_SET})
 
 
 def load_cluster(case: Case, gemm_scale: float = 1.0, profile_set: Sequence[str] = ()) -> ClusterSpec:
@@ -529,7 +555,9 @@ def _per_layer(case: Case, cluster: ClusterSpec, made, intra_op: str, software: 
 
 def _lifted(cluster: ClusterSpec) -> ClusterSpec:
     """`cluster` with 16x the device memory: the time of a plan the memory model does not fit."""
-    device = cluster.device.model_copy(update={"memory_bytes": cluster.device.memory_bytes * 16})
+    d = cluster.device
+    device = d.model_copy(update={"memory_bytes": d.memory_bytes * 16, "addressable_memory_bytes":
+                                  d.addressable_memory_bytes * 16 if d.addressable_memory_bytes else None})
     return cluster.model_copy(update={"device": device})
 
 
@@ -613,15 +641,22 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "multiplies it): how sensitive the predictions are to a figure labelled an "
                          "estimate (docs/constants.md)")
     ap.add_argument("--usable-fraction", type=float, default=None, metavar="X",
-                    help="plan against X of each device's memory instead of cost_models.memory.USABLE_FRACTION "
-                         "(0.92, an estimate): how sensitive the fit of the published configurations is to it")
+                    help="plan against a flat X of each device's memory (SoftwareSpec.usable_fraction) instead "
+                         "of what the memory terms leave (cost_models.memory.usable_memory_terms): how sensitive "
+                         "the fit of the published configurations is to them")
+    ap.add_argument("--fragmentation", type=float, default=None, metavar="X",
+                    help="plan with the caching allocator's fragmentation at X (SoftwareSpec."
+                         "allocator_fragmentation, 0.06, an estimate) in every case's software")
     args = ap.parse_args(argv)
+    SOFTWARE_SET.clear()
     if args.usable_fraction is not None:
-        import cost_models.memory as _memory
-
         if not 0 < args.usable_fraction <= 1:
             raise SystemExit(f"--usable-fraction wants a share in (0, 1], got {args.usable_fraction}")
-        _memory.USABLE_FRACTION = args.usable_fraction
+        SOFTWARE_SET["usable_fraction"] = args.usable_fraction
+    if args.fragmentation is not None:
+        if not 0 <= args.fragmentation < 1:
+            raise SystemExit(f"--fragmentation wants a share in [0, 1), got {args.fragmentation}")
+        SOFTWARE_SET["allocator_fragmentation"] = args.fragmentation
     both = not (args.analytic or args.planner or args.local or args.table1 or args.h100 or args.flash)
     header = ["case", "GPUs", "t", "p", "v", "mb", "m", "published s", "predicted s", "error", "note"]
 

@@ -405,7 +405,13 @@ def attention_time(q_shape: tuple, k_shape: tuple, v_shape: tuple, device: Devic
     if kernel == "fused":
         nbytes = esz * bh * (sq * d + sk * d + sk * dv + sq * dv)
         flops = qk_flops + pv_flops
-        rates = attention_rates(device, flops / max(bh, 1e-9), dtype, head_dim=d)
+        # the kernel compiled for the next head dimension up computes the padded width: its rate at
+        # that width, on the FLOPs of the op's own (`DeviceSpec.attention_head_dims`)
+        width = max(d, dv)
+        padded = kernel_head_dim(device, width)
+        rates = attention_rates(device, flops / max(bh, 1e-9) * padded / width, dtype, head_dim=padded)
+        if rates is not None and padded != width:
+            rates = (rates[0] * width / padded, rates[1] * width / padded)
         if rates is not None and not causal:
             # the tables are causal kernels' rates on whole (undiscounted) FLOPs: a causal kernel
             # skips the score tiles above the diagonal, about half; a full square does them all
@@ -479,6 +485,14 @@ def unfused_attention_score_time(device: DeviceSpec, seq_q: int, seq_k: int, hea
 # (the causal one skips the tiles above the diagonal): an ESTIMATE, the FLOP ratio; measured rates
 # of non-causal kernels would replace it
 NONCAUSAL_WORK = 2.0
+
+
+def kernel_head_dim(device: DeviceSpec, head_dim: int) -> int:
+    """The head dimension the device's fused attention kernel runs `head_dim` at: the smallest of
+    its compiled ones (`DeviceSpec.attention_head_dims`) not below it; `head_dim` itself when the
+    device lists none or it is above them all."""
+    dims = sorted(device.attention_head_dims or ())
+    return next((x for x in dims if x >= head_dim), int(head_dim))
 
 
 def attention_rates(device: DeviceSpec, flops_per_head: float, dtype: str,

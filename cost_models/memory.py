@@ -2258,34 +2258,80 @@ class MemoryBreakdown:
         return self.peak <= self.capacity
 
 
-# Share of device memory a plan may fill. The rest is left to what is not a tensor of the
-# step: the CUDA context (about 0.5 GiB on A100/H100 with CUDA 12 lazy loading, PyTorch's
-# "CUDA memory management" notes), NCCL's communicator buffers (NCCL_BUFFSIZE 4 MiB per
-# channel and peer by default, NCCL docs), and the caching allocator's fragmentation, which
-# PyTorch's allocator notes put at up to tens of percent for varying shapes; 8% of 80 GB is
-# 6.4 GB. An estimate (no single published figure covers all three): `autopar show` prints it.
-# What CUDA itself reports of an A100 80GB (PCIe, ECC on; the SXM4 has the same HBM2e) is 98.9%
-# of 80 GiB ("Total global mem: 81049 MB": github.com/ekondis/mixbench issue 47), so the
-# estimate's share is the margin beyond that.
-# Sensitivity: flash-attn's GPT3-1.3B 8k configuration, which trained on 80 GB A100s, plans from
-# 0.933 (`python benchmarks/cost_model_accuracy.py --flash --usable-fraction X`; README, session 34).
-USABLE_FRACTION = 0.92
+# What a plan may fill of a device (issue 14: was a flat 92%, an estimate). Hardware terms, per
+# device (`DeviceSpec`): what CUDA reports as the device's memory (`addressable_memory_bytes`) and
+# the NCCL channels its node's topology gets (`collective_channels`). Software terms, per stack
+# (`SoftwareSpec`, each sourced in software_profiles/autopar.yaml): the CUDA context with its loaded
+# kernels, the math libraries' workspaces, NCCL's buffers per channel, and the caching allocator's
+# fragmentation (an estimate). `SoftwareSpec.usable_fraction` overrides them all with a flat share.
 
 
-def usable_memory(device: DeviceSpec) -> float:
-    """Bytes of `device` memory a plan may fill (`USABLE_FRACTION` of its capacity)."""
-    return device.memory_bytes * USABLE_FRACTION
+@dataclass(frozen=True)
+class UsableMemory:
+    """The bytes a plan may fill of a device, term by term (`usable_memory_terms`)."""
+
+    capacity: float          # DeviceSpec.memory_bytes
+    addressable: float       # what CUDA reports (DeviceSpec.addressable_memory_bytes), else capacity
+    context: float           # the CUDA context and its kernels (CUDA devices)
+    workspace: float         # cuBLAS/cuBLASLt workspaces (CUDA devices)
+    collective: float        # NCCL's buffers: channels x bytes a channel, one communicator
+    fragmentation: float     # the allocator's share held by no tensor at the peak
+    usable: float
+    override: Optional[float] = None   # SoftwareSpec.usable_fraction, when set
+
+    def summary(self) -> str:
+        """One line: the terms in GiB."""
+        g = 2 ** 30
+        if self.override is not None:
+            return f"{self.usable / g:.2f} GiB usable: {self.override:g} of {self.capacity / g:.2f} GiB (override)"
+        return (f"{self.usable / g:.2f} GiB usable of {self.capacity / g:.2f} GiB: the device reports "
+                f"{self.addressable / g:.2f}, less context {self.context / g:.2f}, library workspaces "
+                f"{self.workspace / g:.2f}, NCCL buffers {self.collective / g:.2f}, fragmentation "
+                f"{self.fragmentation / g:.2f}")
+
+
+def _default_software():
+    from autopar.schema.software import resolve_software
+
+    return resolve_software(None)
+
+
+def usable_memory_terms(device: DeviceSpec, software=None) -> UsableMemory:
+    """What a plan may fill of `device` under `software` (a SoftwareSpec; None: the default
+    preset), term by term: the memory CUDA reports for the device, less (CUDA devices) one
+    process's CUDA context and library workspaces and one communicator's NCCL buffers
+    (`device.collective_channels` x `software.collective_buffer_bytes_per_channel`), the rest
+    times 1 - `software.allocator_fragmentation`. `software.usable_fraction`, when set, is the
+    share of `device.memory_bytes` instead."""
+    sw = software if software is not None else _default_software()
+    cap = float(device.memory_bytes)
+    if sw.usable_fraction is not None:
+        u = cap * sw.usable_fraction
+        return UsableMemory(cap, cap, 0.0, 0.0, 0.0, 0.0, u, override=sw.usable_fraction)
+    addr = float(device.addressable_memory_bytes or cap)
+    cuda = device.device_type == "cuda"
+    ctx = sw.cuda_context_bytes if cuda else 0.0
+    ws = sw.library_workspace_bytes if cuda else 0.0
+    coll = (device.collective_channels or 0) * sw.collective_buffer_bytes_per_channel if cuda else 0.0
+    pool = max(addr - ctx - ws - coll, 0.0)
+    frag = pool * sw.allocator_fragmentation
+    return UsableMemory(cap, addr, ctx, ws, coll, frag, pool - frag)
+
+
+def usable_memory(device: DeviceSpec, software=None) -> float:
+    """Bytes of `device` memory a plan may fill under `software` (`usable_memory_terms`)."""
+    return usable_memory_terms(device, software).usable
 
 
 def peak_memory(num_params: float, activation_bytes: float, device: DeviceSpec, *,
                 schedule: ScheduleName | str = "1f1b", num_stages: int = 1, stage: int = 0,
                 num_microbatches: int = 1, virtual_stages: int = 1, policy: str = "bf16",
                 zero_stage: int = 0, dp: int = 1, working_bytes: float = 0.0,
-                gathered_params: float = 0.0) -> MemoryBreakdown:
+                gathered_params: float = 0.0, software=None) -> MemoryBreakdown:
     """Peak bytes per device of a pipeline stage: the largest phase of `runtime_phases` for its
     `num_params` parameters (per device, after tensor parallelism), with `activation_bytes` of
     one micro-batch of the stage times the micro-batches in flight plus `working_bytes` held in
-    the forward/backward phase; against `usable_memory(device)`."""
+    the forward/backward phase; against `usable_memory(device, software)`."""
     n = inflight_microbatches(schedule, num_stages, stage, num_microbatches, virtual_stages)
     phases = runtime_phases(num_params, policy, zero_stage, dp, num_microbatches=num_microbatches,
                             gathered_params=gathered_params, fused_optimizer=fused_optimizer(device.device_type))
@@ -2294,7 +2340,7 @@ def peak_memory(num_params: float, activation_bytes: float, device: DeviceSpec, 
     on = best.phase == "forward_backward"
     return MemoryBreakdown(ModelStates(best.weights, best.gradients, best.optimizer),
                            acts if on else 0.0, (working_bytes if on else 0.0) + best.buffers,
-                           usable_memory(device), phase=best.phase)
+                           usable_memory(device, software), phase=best.phase)
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1,

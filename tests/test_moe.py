@@ -375,9 +375,10 @@ def test_zero3_reduce_scatter_every_microbatch_planned_where_accumulating_does_n
     g1, ge = once.stages[0].predicted.gradients_bytes, each.stages[0].predicted.gradients_bytes
     assert ge < g1 and each.predicted.peak_memory_bytes < once.predicted.peak_memory_bytes
     assert "every micro-batch" in each.summary()
-    from cost_models.memory import USABLE_FRACTION
-    between = (once.predicted.peak_memory_bytes + each.predicted.peak_memory_bytes) / 2 / USABLE_FRACTION
+    from cost_models.memory import usable_memory
     small = _cpu(4)
+    share = usable_memory(small.device) / small.device.memory_bytes   # a CPU: the allocator's share only
+    between = (once.predicted.peak_memory_bytes + each.predicted.peak_memory_bytes) / 2 / share
     small = small.model_copy(update={"device": small.device.model_copy(update={"memory_bytes": between})})
     cons = dict(dp=4, tp=1, pp=1, zero_stage=3, recompute="none", num_microbatches=2, ep=2)
     roomy = plan("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
@@ -836,7 +837,7 @@ def test_expert_tp_plan_records_the_split_and_search_chooses_by_time_under_memor
     profile the tiny experts' all-reduces cost more than their halved GEMMs save: 1), and
     expert_tp 2 where only it fits the memory. `autopar verify` checks the plan's shards and
     collectives."""
-    from cost_models.memory import USABLE_FRACTION
+    from cost_models.memory import usable_memory
 
     rep, etp = _etp(0, etp=1), _etp(0)
     assert rep.experts.expert_tp == 1 and etp.experts.expert_tp == 2
@@ -865,7 +866,8 @@ def test_expert_tp_plan_records_the_split_and_search_chooses_by_time_under_memor
     assert free.experts.expert_tp == 1 and free.predicted.iteration_time_s == rep.predicted.iteration_time_s
     cl = _cpu(4)
     usable = (rep.predicted.peak_memory_bytes + etp.predicted.peak_memory_bytes) / 2
-    cl = cl.model_copy(update={"device": cl.device.model_copy(update={"memory_bytes": int(usable / USABLE_FRACTION)})})
+    share = usable_memory(cl.device) / cl.device.memory_bytes          # a CPU: the allocator's share only
+    cl = cl.model_copy(update={"device": cl.device.model_copy(update={"memory_bytes": int(usable / share)})})
     tight = plan("moe-tiny", cl, global_batch_size=8, dtype="fp32",
                  constraints=Constraints(ep=2, dp=2, tp=2, pp=1, zero_stage=0, recompute="none", num_microbatches=2))
     assert tight.experts.expert_tp == 2

@@ -14,7 +14,7 @@ import autopar
 from autopar.schema import ClusterSpec, Constraints, Plan, PlanError, SoftwareSpec
 from autopar.schema.cluster import SoftwareInHardwareWarning, bundled_profiles_dir
 from autopar.schema.plan import PLAN_FORMAT_VERSION
-from autopar.schema.software import DEFAULT_SOFTWARE, bundled_software, resolve_software
+from autopar.schema.software import DEFAULT_SOFTWARE, MEMORY_TERM_FIELDS, bundled_software, resolve_software
 from cost_models.compute import graph_compute_time
 from cost_models.memory import activation_memory
 
@@ -38,7 +38,9 @@ def test_presets_are_typed_and_sourced():
                   | ({"pointwise_fusion"} if sw.pointwise_fusion != "eager" else set())
                   | ({"loss_kernel"} if sw.loss_kernel != "eager" else set())
                   | ({"param_dtype"} if sw.param_dtype != "training" else set())
-                  | ({"zero_optimizer"} if sw.zero_optimizer != "flat" else set()))
+                  | ({"zero_optimizer"} if sw.zero_optimizer != "flat" else set())
+                  | ({"attention_head_dims"} if sw.attention_head_dims else set())
+                  | {k for k in MEMORY_TERM_FIELDS if getattr(sw, k) != SoftwareSpec.model_fields[k].default})
         assert set(sw.sources) == chosen, "every choice names its source"
     with pytest.raises(PlanError, match="unknown software 'flash9'; bundled: autopar, flash-attn-1-2022, "
                                          "flash-attn-2-2023, megatron-lm-2021, megatron-lm-2021-torch-ddp, "
@@ -238,3 +240,61 @@ def test_run_says_when_the_plan_assumes_other_software(capsys):
                                               "'megatron-lm-2021' (attention unfused")
     _software_note(p.model_copy(update={"software": resolve_software(None)}))
     assert capsys.readouterr().err == ""
+
+
+def test_usable_memory_is_the_devices_less_the_softwares_terms(tmp_path):
+    """Issue 14, session 35: what a plan may fill is what CUDA reports for the device, less one
+    process's context, workspaces and one communicator's NCCL buffers (per channel the device's
+    node gets), times 1 - the allocator's fragmentation; a flat `usable_fraction` overrides it; a
+    CPU has no CUDA terms. Each term where it belongs: the device's in the hardware profile, the
+    stack's in the software."""
+    from cost_models.memory import usable_memory, usable_memory_terms
+
+    a100 = ClusterSpec.load("dgx-a100-80g").device
+    sw = resolve_software(None)
+    t = usable_memory_terms(a100, sw)
+    assert t.addressable == a100.addressable_memory_bytes == 81049 * 2**20
+    assert t.collective == 24 * 10 * 2**20 == a100.collective_channels * sw.collective_buffer_bytes_per_channel
+    pool = t.addressable - sw.cuda_context_bytes - sw.library_workspace_bytes - t.collective
+    assert t.usable == pytest.approx(pool * (1 - sw.allocator_fragmentation)) == usable_memory(a100)
+    assert 74 * 2**30 < t.usable < 74.5 * 2**30 and "NCCL buffers 0.23" in t.summary()
+    flash = resolve_software("flash-attn-2-2023")        # torch 1.13's lazy-loaded context
+    assert usable_memory(a100, flash) - usable_memory(a100) == pytest.approx(
+        (sw.cuda_context_bytes - flash.cuda_context_bytes) * (1 - sw.allocator_fragmentation))
+    flat = sw.model_copy(update={"usable_fraction": 0.92})
+    assert usable_memory(a100, flat) == a100.memory_bytes * 0.92
+    cpu = ClusterSpec.load("cpu").device
+    assert usable_memory(cpu) == pytest.approx(cpu.memory_bytes * (1 - sw.allocator_fragmentation))
+    # a software file sets them; the plan records what it may fill; a bad share names the field
+    f = tmp_path / "sw.yaml"
+    f.write_text("name: sw\nallocator_fragmentation: 0.2\n")
+    p = autopar.plan("gpt-tiny", "cpu", global_batch_size=8, dtype="fp32", software=str(f))
+    assert p.predicted.usable_memory_bytes == pytest.approx(cpu.memory_bytes * 0.8)
+    f.write_text("name: sw\nusable_fraction: 1.5\n")
+    with pytest.raises(PlanError, match="usable_fraction"):
+        SoftwareSpec.load(f)
+
+
+def test_fused_attention_runs_at_its_kernels_head_dimension():
+    """Issue 14, session 35: FlashAttention-2 runs a head dimension on the kernel compiled for the
+    next multiple of 32 (static_switch.h), FlashAttention-1 any d <= 128 on its 128-wide kernel
+    (fmha_api.cpp): the op takes that kernel's time, its FLOPs its own."""
+    from cost_models.compute import attention_time, kernel_head_dim
+
+    cl = ClusterSpec.load("dgx-a100-80g")
+    fa2 = resolve_software("flash-attn-2-2023").on_cluster(cl).device
+    fa1 = resolve_software("flash-attn-1-2022").on_cluster(cl).device
+    assert [kernel_head_dim(fa2, d) for d in (64, 80, 96, 128)] == [64, 96, 96, 128]
+    assert [kernel_head_dim(fa1, d) for d in (64, 80, 96, 128)] == [64, 128, 128, 128]
+
+    def t(dev, heads, d):
+        shape = (16, heads, 2048, d)
+        return sum(attention_time(shape, shape, shape, dev, "bf16"))
+    # FA1: 16 heads of 96 cost what 16 heads of 128 cost (hidden 1536 vs 2048)
+    assert t(fa1, 16, 96) == pytest.approx(t(fa1, 16, 128), rel=1e-6)
+    # FA2 compiles a 96-wide kernel: 16 heads of 96 cost about 3/4 of 16 of 128 (the d = 128 table,
+    # read at the smaller slice's FLOPs: a little slower a FLOP), not all of it
+    assert 0.75 * t(fa2, 16, 128) < t(fa2, 16, 96) < 0.8 * t(fa2, 16, 128)
+    # a device with no list keeps the old reading (the nearest measured head dimension)
+    bare = cl.device.model_copy(update={"attention_head_dims": None})
+    assert kernel_head_dim(bare, 80) == 80

@@ -1431,7 +1431,7 @@ class Search:
         self.progress = progress
         self.N = cluster.num_devices
         self.L = len(layers)
-        self.budget = usable_memory(cluster.device)
+        self.budget = usable_memory(cluster.device, self.software)
         # the batch a rank holds through its step (its data-parallel replica's rows of every
         # batched input, copied to the device: `ParallelModel.local_batch`), per sample and
         # input, in the model's argument order (the first goes to the first pipeline stage)

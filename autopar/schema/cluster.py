@@ -122,6 +122,10 @@ class DeviceSpec(_Strict):
     attention_flops: Optional[dict[str, list[AttentionPoint]]] = Field(
         default=None, description="measured forward and backward rates of the fused attention kernel "
         "by dtype and size; None: fused attention runs at the GEMM efficiency curve")
+    attention_head_dims: Optional[list[int]] = Field(
+        default=None, description="the head dimensions the fused attention kernel of attention_flops is "
+        "compiled for (ascending): a head dimension between two runs the next one up, at its time (the "
+        "kernel computes the padded width); None: every head dimension its own kernel")
     unfused_attention_flops: Optional[dict[str, list[UnfusedAttentionPoint]]] = Field(
         default=None, description="measured forward + backward speed of attention run unfused (batched "
         "QK^T and PV GEMMs around a softmax over the materialised scores) by dtype, head dimension and "
@@ -133,6 +137,14 @@ class DeviceSpec(_Strict):
     optimizer_step: Optional[OptimizerCost] = Field(
         default=None, description="measured cost of one optimizer step per parameter tensor and "
         "per element; None: memory-bound bytes per parameter over memory_bandwidth")
+    addressable_memory_bytes: Optional[float] = Field(
+        default=None, gt=0, description="the memory CUDA reports for the device (cudaMemGetInfo's total, "
+        "torch's 'total capacity'): memory_bytes less what the driver keeps; None: memory_bytes. The "
+        "software's per-process terms and fragmentation come off it (`cost_models.memory.usable_memory`)")
+    collective_channels: Optional[int] = Field(
+        default=None, ge=1, description="channels NCCL builds for a collective among the node's devices "
+        "(its ring count on this topology); each holds the software's collective_buffer_bytes_per_channel "
+        "on every device; None: no collective buffers counted")
     device_type: Literal["cuda", "cpu"] = Field(
         default="cuda", description="the torch device type the runtime trains on: it sets which ops "
                                     "mixed precision (torch.autocast) keeps in fp32, so what they save")

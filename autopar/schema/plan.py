@@ -441,8 +441,9 @@ class Plan(_Model):
         if p.usable_memory_bytes:
             cap = self.cluster.device.memory_bytes
             tail += (f" of {format_bytes(p.usable_memory_bytes)} usable ({format_bytes(cap - p.usable_memory_bytes)}"
-                     f" of the device's {format_bytes(cap)} kept as headroom, an estimate, for what is not a "
-                     f"tensor of the step: the device context, communication buffers, allocator fragmentation)")
+                     f" of the device's {format_bytes(cap)} kept as headroom for what is not a tensor of the "
+                     f"step: what the driver keeps, the CUDA context, library workspaces, NCCL buffers, allocator "
+                     f"fragmentation; cost_models.memory.usable_memory_terms)")
         top = max((s for s in self.stages if s.predicted), key=lambda s: s.predicted.peak_memory_bytes, default=None)
         if top is not None:
             sp = top.predicted

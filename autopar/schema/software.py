@@ -76,7 +76,7 @@ Named presets live in `software_profiles/` (YAML, each field with its source); t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 from pydantic import (
     BaseModel,
@@ -104,6 +104,41 @@ ParamDtype = Literal["training", "fp32"]
 PARAM_DTYPES: tuple[str, ...] = ("training", "fp32")
 ZeroOptimizer = Literal["flat", "zero_redundancy"]
 ZERO_OPTIMIZERS: tuple[str, ...] = ("flat", "zero_redundancy")
+
+# the memory a plan may not fill, per software stack (`cost_models.memory.usable_memory`); omitted
+# from a dump at their defaults
+MEMORY_TERM_FIELDS: tuple[str, ...] = ("cuda_context_bytes", "library_workspace_bytes",
+                                       "collective_buffer_bytes_per_channel", "allocator_fragmentation",
+                                       "usable_fraction")
+
+# where the memory terms' defaults come from (every preset takes them; `usable_memory_terms`)
+MEMORY_TERM_SOURCES: dict[str, str] = {
+    "cuda_context_bytes": (
+        "SoftwareSpec's default (the autopar stack): 0.76 GiB, what the device had in use beyond the caching "
+        "allocator's reserve in each of the 5 cases autopar ran on one H100 80GB (torch 2.11+cu130, one process, "
+        "no NCCL): 52.31 - 51.55, 60.00 - 59.24, 71.93 - 71.17, 52.72 - 51.96, 76.75 - 75.99 GiB "
+        "(benchmarks/results/h100-2026-11-25/profiles/*.txt, first lines); transferred to other devices (the "
+        "context's per-thread local memory scales with the SM count: an estimate there). The flash-attn "
+        "presets (torch 1.13) set their own"),
+    "library_workspace_bytes": (
+        "SoftwareSpec's default, every preset: 32 MiB, the cuBLAS workspace cuBLAS recommends for Hopper (4 "
+        "MiB before; cuBLAS docs, cublasSetWorkspace), one handle: the larger, counted on every GPU (torch "
+        "takes it from its caching allocator: beside the plan's tensors)"),
+    "collective_buffer_bytes_per_channel": (
+        "SoftwareSpec's default, every preset: NCCL's default FIFOs per channel and connection, SIMPLE 4 MiB "
+        "(DEFAULT_BUFFSIZE), LL128 4,915,200 B and LL 524,288 B (DEFAULT_LL128_BUFFSIZE, DEFAULT_LL_BUFFSIZE, "
+        "src/init.cc), 9,633,792 B, allocated in 2 MiB granules: 10 MiB (the 10485760-byte buffers of NCCL's "
+        "ALLOC log, github.com/NVIDIA/nccl issue 1685); one ring connection a channel on one communicator "
+        "(sjeaugey, nccl issue 864: ring uses two connections whatever the scale, memory linear in channels); "
+        "a layout's further process groups (tp, pp) are not counted"),
+    "allocator_fragmentation": (
+        "SoftwareSpec's default, every preset: 0.05, the median share of the caching allocator's reserve that "
+        "no tensor held at the peak in the 5 cases autopar ran on one H100 80GB (max reserved against max "
+        "allocated: 1.21 of 51.55, 2.95 of 59.24, 4.12 of 71.17, 1.25 of 51.96, 5.94 of 75.99 GiB: 2.3% to "
+        "7.8%, the most at the fullest plans; benchmarks/results/h100-2026-11-25/profiles/*.txt). Measured "
+        "for autopar's runtime on that device; for other stacks and devices an estimate. Sensitivity: "
+        "README, 'usable memory'"),
+}
 
 # the preset that describes what `autopar run` executes: the default of `autopar.plan`
 DEFAULT_SOFTWARE = "autopar"
@@ -152,10 +187,31 @@ class SoftwareSpec(BaseModel):
         default=False, description="ZeRO-3's per-unit all-gathers and reduce-scatters run on their own streams "
         "beside the compute (prefetched gathers, asynchronous reduce-scatters: FSDP2 on NCCL, Megatron-FSDP with "
         "--overlap-param-gather / --overlap-grad-reduce): a micro-batch pays what exceeds its compute")
+    # what a plan may not fill of a device, per process of this stack (`cost_models.memory.
+    # usable_memory_terms`; the device's own terms are DeviceSpec's): sources in MEMORY_TERM_SOURCES
+    cuda_context_bytes: float = Field(
+        default=816043786.0, ge=0, description="device memory each process's CUDA context and loaded "
+        "kernels take outside the caching allocator (CUDA devices only)")
+    library_workspace_bytes: float = Field(
+        default=33554432.0, ge=0, description="the math libraries' workspaces outside the tensors a plan "
+        "counts (cuBLAS/cuBLASLt, CUDA devices only)")
+    collective_buffer_bytes_per_channel: float = Field(
+        default=10485760.0, ge=0, description="device memory one NCCL channel's buffers take for a "
+        "communicator (its protocols' FIFOs as allocated); times the device's collective_channels")
+    allocator_fragmentation: float = Field(
+        default=0.05, ge=0, lt=1, description="share of the memory the caching allocator holds that no "
+        "tensor uses at the peak (fragmentation): a plan may fill the rest")
+    usable_fraction: Optional[float] = Field(
+        default=None, gt=0, le=1, description="when set, a plan may fill this share of the device's "
+        "memory_bytes instead of what the terms above leave (an override, for sensitivity)")
     attention_flops: dict[str, dict[str, list[AttentionPoint]]] = Field(
         default_factory=dict, description="the software's fused attention kernel measured on named devices "
         "(DeviceSpec.name -> dtype -> points, as DeviceSpec.attention_flops); on a device named here they "
         "replace the hardware profile's rates, which describe another kernel")
+    attention_head_dims: list[int] = Field(
+        default_factory=list, description="the head dimensions this software's own fused attention kernel "
+        "(attention_flops) is compiled for; with its rates they replace the device's "
+        "(DeviceSpec.attention_head_dims)")
     sources: dict[str, str] = Field(default_factory=dict, description="field name -> where it comes from")
 
     @model_validator(mode="after")
@@ -171,14 +227,16 @@ class SoftwareSpec(BaseModel):
     def _omit_eager_fusion(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         """The dump without `pointwise_fusion` when it is "eager", `mixed_precision` when it is
         "autocast", `loss_kernel` when it is "eager", `param_dtype` when it is "training" and
-        `zero_optimizer` when it is "flat", the
+        `zero_optimizer` when it is "flat", the memory terms (`MEMORY_TERM_FIELDS`) at their defaults, the
         choices every plan made before the fields existed: a plan file (and its digest,
         `tests/test_planner_unchanged.py`) and a cache key for such software are what they were;
         the other choices are written; likewise `zero3_overlap` when False."""
         out = handler(self)
         if isinstance(out, dict):
             for key, old in (("pointwise_fusion", "eager"), ("mixed_precision", "autocast"), ("loss_kernel", "eager"),
-                             ("param_dtype", "training"), ("zero_optimizer", "flat"), ("zero3_overlap", False)):
+                             ("param_dtype", "training"), ("zero_optimizer", "flat"), ("zero3_overlap", False),
+                             ("attention_head_dims", []),
+                             *((k, type(self).model_fields[k].default) for k in MEMORY_TERM_FIELDS)):
                 if out.get(key) == old:
                     out.pop(key)
         return out
@@ -223,7 +281,8 @@ class SoftwareSpec(BaseModel):
         rates = self.attention_flops.get(cluster.device.name)
         if not rates:
             return cluster
-        device = cluster.device.model_copy(update={"attention_flops": rates})
+        device = cluster.device.model_copy(update={"attention_flops": rates,
+                                                   "attention_head_dims": list(self.attention_head_dims) or None})
         return cluster.model_copy(update={"device": device})
 
     def summary(self) -> str:
@@ -236,8 +295,9 @@ class SoftwareSpec(BaseModel):
         fp32 = ", fp32 parameters under autocast" if self.param_dtype == "fp32" else ""
         zro = ", torch ZeroRedundancyOptimizer" if self.zero_optimizer == "zero_redundancy" else ""
         zero3 = ", ZeRO-3 collectives beside the compute" if self.zero3_overlap else ""
+        flat = f", plans fill {self.usable_fraction:g} of device memory (override)" if self.usable_fraction else ""
         return (f"software: {self.name} (attention {self.attention_kernel}{own}{fusion}{half}{loss}{fp32}{zro}, "
-                f"dp gradient sync {sync}{zero3})")
+                f"dp gradient sync {sync}{zero3}{flat})")
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> "SoftwareSpec":
@@ -245,7 +305,7 @@ class SoftwareSpec(BaseModel):
         path = _resolve(str(name_or_path))
         data = read_mapping(path, "software",
                             "name, attention_kernel, pointwise_fusion, mixed_precision, param_dtype, zero_optimizer, "
-                            "grad_sync_overlap, zero3_overlap")
+                            "grad_sync_overlap, zero3_overlap, allocator_fragmentation, usable_fraction")
         data.setdefault("name", path.stem)
         try:
             return cls.model_validate(data)
