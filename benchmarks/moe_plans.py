@@ -4,7 +4,7 @@ s=4096, global batch 1024) planned freely on 1 to 16 nodes, the search choosing 
 dp/tp/pp; and Mixtral pinned to the layout of Megatron-Core's published Mixtral run, against
 its figure.
 
-    python benchmarks/moe_plans.py [--nodes 1,2,4,8,16] [--only mixtral|deepseek] [--published]
+    python benchmarks/moe_plans.py [--nodes 1,2,4,8,16] [--only mixtral|deepseek] [--published [--case NAME]]
 
 Published (`PUBLISHED`, each with its source, FLOP convention and assumptions; `--published`
 plans only them; "rs/mb" after the ZeRO stage: ZeRO-3's gradients reduce-scattered every
@@ -69,7 +69,7 @@ PUBLISHED = [
               "the whole layout (TP1 PP4 EP8, dp 16, 64 GPUs, mb 1, batch 256, s 4096) is a third-party "
               "reproduction script's; schedule, recompute and ZeRO left to the search"),
     Published("Qwen3-30B-A3B, NeMo AutoModel", "hf:qwen3-30b-a3b?seq_len=4096", 512, "dgx-h100", 1,
-              "nemo-megatron-core-2024",
+              "nemo-automodel-2025",
               dict(tp=1, pp=1, dp=8, ep=8, microbatch_size=4, num_microbatches=16, zero_stage=3, recompute="full"),
               21.773, 277.0,
               "AutoModel's 'Model TFLOPs' (its own formula; the same run is listed at 327 in a later "
@@ -77,11 +77,13 @@ PUBLISHED = [
               "github.com/NVIDIA-NeMo/Automodel docs/performance-summary.md (2025-10-02), 'Pre-Training "
               "Performance, System: DGX-H100, Precision: BF16', row 'Qwen3 MoE 30B'; layout from "
               "examples/benchmark/configs/qwen3_moe_30b_te_deepep.yaml",
-              "software: AutoModel is PyTorch FSDP2 with Transformer Engine attention/linear/RMSNorm and "
-              "DeepEP, planned as nemo-megatron-core-2024 (fused attention, bf16 model, gradient "
-              "reduce-scatter overlapped); activation_checkpointing: true taken as full per-layer "
-              "recompute; the run's fake balanced gate is even routing (autopar charges its stated 10% "
-              "imbalance)"),
+              "software: the nemo-automodel-2025 preset (software_profiles/, each field from AutoModel's "
+              "config and code at 8d9bfb90e) with the config's fake_balanced_gate: true (expert_routing "
+              "fake_balanced: moe/layers.py FakeBalancedGate, token t to experts 8t..8t+7 mod 128, so one "
+              "rank of 16 experts each); activation_checkpointing: true is moe/parallelizer.py apply_ac, "
+              "checkpoint_wrapper around every block: full per-layer recompute; FSDP2 as ZeRO-3 (the "
+              "experts, ep 8 over the 8 GPUs, are left out of FSDP: no expert data parallelism)",
+              software_update={"expert_routing": "fake_balanced"}),
     Published("Qwen3-235B-A22B, MCore DeepEP, cross-node EP32", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100",
               32, "nemo-megatron-core-2024",
               dict(tp=2, pp=8, virtual_stages=4, dp=16, ep=32, expert_dp=1, expert_tp=1, microbatch_size=1,
@@ -133,9 +135,10 @@ def main() -> None:
     ap.add_argument("--nodes", default="1,2,4,8,16")
     ap.add_argument("--only", choices=list(MODELS))
     ap.add_argument("--published", action="store_true", help="only the published runs, pinned")
+    ap.add_argument("--case", help="with --published: only the runs whose name contains this (case-insensitive)")
     args = ap.parse_args()
     if args.published:
-        published()
+        published(args.case)
         return
     nodes = [int(x) for x in args.nodes.split(",")]
     rows = []
@@ -162,10 +165,14 @@ def main() -> None:
         published()
 
 
-def published() -> None:
-    """Each published run planned pinned to its layout, with the software it used."""
+def published(only: str | None = None) -> None:
+    """Each published run planned pinned to its layout, with the software it used (`only`: the
+    runs whose name contains it)."""
     rows = []
-    for case in PUBLISHED:
+    cases = [c for c in PUBLISHED if not only or only.lower() in c.name.lower()]
+    if not cases:
+        raise SystemExit(f"--case {only!r} names no published run; runs: {'; '.join(c.name for c in PUBLISHED)}")
+    for case in cases:
         bundle = resolve_model(case.model, None, None)
         graph = capture(bundle.model, bundle.example_inputs, name=bundle.name, cache=True)
         t = time.perf_counter()
@@ -192,7 +199,7 @@ def published() -> None:
                      p.search.get("ep_executor", "")[:80]])
         print(format_table(PUB_HEAD, rows[-1:]), flush=True)
     print(format_table(PUB_HEAD, rows))
-    for case in PUBLISHED:
+    for case in cases:
         print(f"- {case.name}: {case.source}. FLOPs: {case.flops_rule}. Assumed: {case.assumed}.")
 
 

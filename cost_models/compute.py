@@ -66,7 +66,7 @@ from typing import Callable, Iterable, Literal, Optional, Sequence, Union
 from autopar.capture.flops import VIEW_OPS
 from autopar.schema.cluster import DeviceSpec, EfficiencyPoint
 from autopar.schema.software import ATTENTION_KERNELS, POINTWISE_FUSIONS, AttentionKernel, PointwiseFusion
-from cost_models.fused_loss import is_fused_loss
+from cost_models.fused_loss import is_fused_loss, is_half_loss
 from cost_models.fusion import FusedChains, chain_member_time, graph_pointwise_chains
 
 MATRIX_OPS = frozenset({"linear", "mm", "addmm", "bmm", "baddbmm", "matmul",
@@ -634,7 +634,8 @@ def fp32_extra_bytes(n, index: dict, fp32: frozenset, dtype: str) -> float:
     extra = 0.0
     if n.name in fp32:
         extra += sum(o.nbytes for o in n.outputs if o.dtype in _FLOATING)
-    if n.op == "cross_entropy_loss" and not is_fused_loss(n) and n.inputs and n.inputs[0] in index:
+    if n.op == "cross_entropy_loss" and not is_fused_loss(n) and not is_half_loss(n) and n.inputs \
+            and n.inputs[0] in index:
         # the eager loss's log-probabilities (`node_cost`): fp32 in any mixed-precision run
         src = index[n.inputs[0]]
         extra += src.outputs[0].nbytes if src.outputs and src.outputs[0].dtype in _FLOATING else 0.0
