@@ -509,8 +509,10 @@ def _expert_plan(experts: ExpertCosting, c: Candidate, dtype: str) -> ExpertPara
     blocks = [b for bs in experts.by_layer.values() for b in bs]
     return ExpertParallelism(ep=c.ep, expert_dp=c.expert_copies if c.fold else c.dp // c.ep,
                              imbalance=experts.imbalance, expert_tp=c.etp, folded=c.fold,
-                             exchange="deduplicated_all_to_all" if experts.dispatch == "ranks" else "dropless_all_to_all",
-                             dispatch_bytes=experts.dispatch_bytes(blocks[0], c.mb, dtype, c.ep) / (c.tp if c.fold else 1),
+                             exchange=("deduplicated_all_to_all" if experts.dispatch == "ranks"
+                                       else "dropless_all_to_all"),
+                             dispatch_bytes=(experts.dispatch_bytes(blocks[0], c.mb, dtype, c.ep)
+                                             / (c.tp if c.fold else 1)),
                              blocks=[ExpertBlockPlan(module=b.module, num_experts=b.num_experts, top_k=b.top_k,
                                                      weights=list(b.weights),
                                                      tp_split=list(tp_split(experts.graph, b)) if c.etp > 1 else [])

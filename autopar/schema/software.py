@@ -19,7 +19,11 @@ same plan, and that the cost model honours:
   memory and writes its output: eager PyTorch, what `autopar run` executes) or "fused" (a
   maximal chain of element-wise ops between other ops runs as one kernel that reads the chain's
   inputs once and writes what leaves it once: torch.compile's Inductor, Megatron's fused
-  bias-GELU kernels). Time: `cost_models.fusion` (through `cost_models.compute.node_time`).
+  bias-GELU kernels) or "norm_moe" (only the modules the software's libraries fuse: each
+  RMSNorm / LayerNorm module one kernel (Transformer Engine's RMSNorm), and an expert block's
+  gathers into expert order, activation, weighting and sum back as fused kernels moving the
+  group's boundary (Megatron-Core's fused permutation and weighted SwiGLU); every other
+  element-wise op eager). Time: `cost_models.fusion` (through `cost_models.compute.node_time`).
   Memory stays eager's: what eager autograd saves (an upper bound under Inductor, whose
   partitioner recomputes element-wise ops in the backward instead of saving them).
 - `mixed_precision`: how a bf16/fp16 run keeps its tensors. "autocast" (torch.autocast around a
@@ -109,8 +113,8 @@ from autopar.schema.files import read_mapping
 
 AttentionKernel = Literal["fused", "unfused"]
 ATTENTION_KERNELS: tuple[str, ...] = ("fused", "unfused")
-PointwiseFusion = Literal["eager", "fused"]
-POINTWISE_FUSIONS: tuple[str, ...] = ("eager", "fused")
+PointwiseFusion = Literal["eager", "fused", "norm_moe"]
+POINTWISE_FUSIONS: tuple[str, ...] = ("eager", "fused", "norm_moe")
 MixedPrecision = Literal["autocast", "half"]
 MIXED_PRECISIONS: tuple[str, ...] = ("autocast", "half")
 LossKernel = Literal["eager", "fused", "half"]
@@ -142,8 +146,9 @@ class SoftwareSpec(BaseModel):
         default="eager", description="eager: every element-wise op its own kernel (eager PyTorch, what autopar "
         "run executes); fused: a chain of element-wise ops between other ops runs as one kernel reading the "
         "chain's inputs once and writing what leaves it once (torch.compile / Inductor, Megatron's fused "
-        "bias-GELU); time only: the activation memory stays eager autograd's (an upper bound under Inductor, "
-        "which recomputes element-wise ops in the backward)")
+        "bias-GELU); norm_moe: only norm modules and an expert block's routing and activation ops fused, as "
+        "Transformer Engine and Megatron-Core's MoE kernels run them; time only: the activation memory stays "
+        "eager autograd's (an upper bound under Inductor, which recomputes element-wise ops in the backward)")
     mixed_precision: MixedPrecision = Field(
         default="autocast", description="autocast: torch.autocast over 2-byte parameters (what autopar run "
         "executes): autocast's fp32 ops (CUDA: layer norm, softmax, ...) write fp32 tensors; half: the model "
@@ -264,9 +269,11 @@ class SoftwareSpec(BaseModel):
         """One line: the name and every choice (what `autopar show` prints)."""
         sync = "overlaps the backward" if self.grad_sync_overlap else "after the backward"
         own = f", its own attention rates on {', '.join(sorted(self.attention_flops))}" if self.attention_flops else ""
-        fusion = ", element-wise chains fused" if self.pointwise_fusion == "fused" else ""
+        fusion = {"fused": ", element-wise chains fused",
+                  "norm_moe": ", norms and the experts' routing fused"}.get(self.pointwise_fusion, "")
         half = ", model cast to its 2-byte dtype (no autocast)" if not self.autocast else ""
-        loss = {"fused": ", fused cross-entropy", "half": ", cross-entropy on the 2-byte logits"}.get(self.loss_kernel, "")
+        loss = {"fused": ", fused cross-entropy",
+                "half": ", cross-entropy on the 2-byte logits"}.get(self.loss_kernel, "")
         fp32 = ", fp32 parameters under autocast" if self.param_dtype == "fp32" else ""
         zro = ", torch ZeroRedundancyOptimizer" if self.zero_optimizer == "zero_redundancy" else ""
         zero3 = ", ZeRO-3 collectives beside the compute" if self.zero3_overlap else ""
