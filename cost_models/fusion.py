@@ -198,8 +198,11 @@ def pointwise_chains(nodes: Iterable, index: dict, copies: Optional[tuple[frozen
     return _priced(list(members.values()), pos, index, consumers, view, base)
 
 
-def _priced(groups: list[list[str]], pos: dict, index: dict, consumers: dict, view, base) -> FusedChains:
-    """`FusedChains` of `groups` (member names), each priced as one kernel (the module docstring)."""
+def _priced(groups: list[list[str]], pos: dict, index: dict, consumers: dict, view, base,
+            alias_casts: bool = False) -> FusedChains:
+    """`FusedChains` of `groups` (member names), each priced as one kernel (the module docstring).
+    `alias_casts`: a cast of a tensor from outside the group is that tensor to the kernel (it
+    casts in registers): a reader outside reads the tensor, so the cast's output is not written."""
     from cost_models.compute import backward_bytes_factor
 
     chain_of: dict[str, PointwiseChain] = {}
@@ -225,7 +228,9 @@ def _priced(groups: list[list[str]], pos: dict, index: dict, consumers: dict, vi
                 read.add(b)
                 boundary.append((nbytes, dt))
                 owned[m] += nbytes
-            if _leaves(m, group, consumers, index, view):
+            own_cast = alias_casts and node.op in ("to", "_to_copy", "type_as") and bool(node.inputs) \
+                and base(node.inputs[0])[0] not in group
+            if _leaves(m, group, consumers, index, view) and not own_cast:
                 o = node.outputs[0]
                 boundary.append((float(o.nbytes), o.dtype))
                 owned[m] += float(o.nbytes)
@@ -304,7 +309,9 @@ def module_groups(nodes: Iterable, index: dict, expert_modules: Iterable[str],
             groups.setdefault(owner, []).append(n.name)
         elif path and any(k in (n.module_type or "").lower() for k in NORM_MODULE_NAMES):
             groups.setdefault(path, []).append(n.name)
-    return _priced(list(groups.values()), pos, index, consumers, view, base)
+    # a norm module's upcast of its input, read by the residual beside it in an fp32 capture (the
+    # same tensor there), is its input to the fused kernel: not written
+    return _priced(list(groups.values()), pos, index, consumers, view, base, alias_casts=True)
 
 
 def graph_module_groups(graph: Any, device_type: Optional[str] = None,

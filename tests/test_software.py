@@ -38,11 +38,14 @@ def test_presets_are_typed_and_sourced():
                   | ({"pointwise_fusion"} if sw.pointwise_fusion != "eager" else set())
                   | ({"loss_kernel"} if sw.loss_kernel != "eager" else set())
                   | ({"param_dtype"} if sw.param_dtype != "training" else set())
-                  | ({"zero_optimizer"} if sw.zero_optimizer != "flat" else set()))
+                  | ({"zero_optimizer"} if sw.zero_optimizer != "flat" else set())
+                  | ({"zero3_overlap"} if sw.zero3_overlap else set())
+                  | ({"expert_dispatch"} if sw.expert_dispatch != "pairs" else set())
+                  | ({"expert_routing"} if sw.expert_routing != "router" else set()))
         assert set(sw.sources) == chosen, "every choice names its source"
     with pytest.raises(PlanError, match="unknown software 'flash9'; bundled: autopar, flash-attn-1-2022, "
                                          "flash-attn-2-2023, megatron-lm-2021, megatron-lm-2021-torch-ddp, "
-                                         "nemo-megatron-core-2024, "
+                                         "nemo-automodel-2025, nemo-megatron-core-2024, "
                                          "torch-compile-2025"):
         resolve_software("flash9")
     with pytest.raises(Exception, match="attention_kernel"):
@@ -197,7 +200,8 @@ def test_cli_software_option(tmp_path):
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines() == [
         "autopar: error: unknown software 'flash9'; bundled: autopar, flash-attn-1-2022, flash-attn-2-2023, "
-        "megatron-lm-2021, megatron-lm-2021-torch-ddp, nemo-megatron-core-2024, torch-compile-2025 (or give a "
+        "megatron-lm-2021, megatron-lm-2021-torch-ddp, nemo-automodel-2025, nemo-megatron-core-2024, "
+        "torch-compile-2025 (or give a "
         "YAML/JSON file path)"]
     own = tmp_path / "sw.yaml"
     own.write_text(yaml.safe_dump({"attention_kernel": "unfused"}))
