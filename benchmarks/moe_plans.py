@@ -55,6 +55,9 @@ class Published:
 _MZ = ("github.com/yanring/Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md, 'Performance Results' (256 H100, "
        "NVLink 4, InfiniBand 8x50 GB/s), row ")
 _MZ_FLOPS = "Megatron's 'Per GPU TF' (model FLOPs, active parameters, no recomputation counted)"
+_MZ_DEEPEP = ("the readme table's Dispatcher column says DeepEP: Megatron's flex dispatcher over DeepEP, a token sent "
+              "once to each rank holding any of its experts (expert_dispatch ranks; routing left to the model's "
+              "router, its 10% imbalance estimate and experts at random over the ranks)")
 _MZ_NORM = ("recompute 'norm, act' (Megatron's output-discarding recomputation of the layer norms and the expert "
             "activation) has no autopar equivalent: pinned 'none' (keeps those outputs, slightly more memory, no "
             "recompute time)")
@@ -90,7 +93,8 @@ PUBLISHED = [
                    num_microbatches=128,
                    schedule="interleaved_1f1b", recompute="none"),
               19.7, 245.0, _MZ_FLOPS, _MZ + "1 (TP2 EP32 PP8 VPP4 DP16 EDP1 ETP1, MBS1 GBS2048 GA128)",
-              "EP32 spans TP2 x DP16 (Megatron's MoE parallel folding, autopar's folded experts); " + _MZ_NORM),
+              "EP32 spans TP2 x DP16 (Megatron's MoE parallel folding, autopar's folded experts); " + _MZ_NORM
+              + "; " + _MZ_DEEPEP, software_update={"expert_dispatch": "ranks"}),
     Published("Qwen3-235B-A22B, MCore DeepEP, intra-node EP8 FSDP", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100",
               32, "nemo-megatron-core-2024",
               dict(tp=2, pp=1, dp=128, ep=8, expert_dp=32, expert_tp=1, microbatch_size=4, num_microbatches=4,
@@ -101,8 +105,8 @@ PUBLISHED = [
               "folded over the tp and dp ranks (autopar's folded experts, expert_tp=1); its all-gathers and "
               "reduce-scatters beside the compute (`zero3_overlap`: the zoo's model_configs/benchmarking/"
               "Qwen3-235B-A22B.yaml sets --overlap-param-gather and --overlap-grad-reduce, which Megatron-FSDP "
-              "runs on their own streams; a micro-batch pays what exceeds its forward and backward compute)",
-              software_update={"zero3_overlap": True}),
+              "runs on their own streams; a micro-batch pays what exceeds its forward and backward compute); "
+              + _MZ_DEEPEP, software_update={"zero3_overlap": True, "expert_dispatch": "ranks"}),
     Published("Qwen3-235B-A22B, MCore all-to-all, PP32", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100", 32,
               "nemo-megatron-core-2024",
               dict(tp=2, pp=32, virtual_stages=3, dp=4, ep=8, expert_dp=1, expert_tp=1, microbatch_size=1,
@@ -118,7 +122,7 @@ PUBLISHED = [
                    schedule="interleaved_1f1b", recompute="none"),
               29.0, 167.0, _MZ_FLOPS, _MZ + "5 (TP4 EP8 PP8 VPP4 EDP4 ETP1 DP8, MBS1 GA256, no recompute)",
               "Megatron's EDP4 = TP4 x DP8 / EP8 reuses the tp ranks as expert data parallelism: autopar's folded "
-              "experts (expert_dp=4, expert_tp=1)"),
+              "experts (expert_dp=4, expert_tp=1); " + _MZ_DEEPEP, software_update={"expert_dispatch": "ranks"}),
 ]
 
 
