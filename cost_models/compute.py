@@ -221,6 +221,8 @@ def optimizer_bytes_per_param(policy: str = "bf16", optimizer: str = "adamw") ->
     writes master, m, v (12) and the bf16 weight copy (2): 28 bytes. In fp32: reads w, g, m, v
     (16), writes w, m, v (12): 28. SGD with momentum: reads w, g, buf, writes w, buf."""
     opt = optimizer.lower()
+    if opt in ("adamw", "adam") and policy.endswith("_param"):
+        return 14.0     # no master: reads w, g, m, v and writes w, m, v, each 2 bytes
     if opt in ("adamw", "adam"):
         return 28.0
     if opt in ("sgd", "sgd_momentum"):
@@ -253,7 +255,8 @@ def optimizer_step_time(num_params: float, device: DeviceSpec, policy: str = "bf
 def grad_accumulation_bytes(policy: str = "bf16") -> float:
     """Bytes one micro-batch's gradient accumulation moves per parameter: the accumulated
     gradient and the new one read, the sum written (3 gradient-sized accesses)."""
-    return 3.0 * DTYPE_SIZE.get(policy, 4)
+    from cost_models.memory import PRECISION_POLICIES
+    return 3.0 * (PRECISION_POLICIES[policy][1] if policy in PRECISION_POLICIES else DTYPE_SIZE.get(policy, 4))
 
 
 def param_cast_bytes(param_dtype: str, dtype: str) -> float:

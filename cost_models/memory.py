@@ -95,6 +95,10 @@ PRECISION_POLICIES: dict[str, tuple[float, float, float]] = {
     "bf16": (2, 2, 12),   # bf16 weights + grads; fp32 master, Adam m and v
     "fp16": (2, 2, 12),
     "fp32": (4, 4, 8),    # fp32 weights + grads; Adam m and v
+    # no master: the optimizer steps the 2-byte parameters, its moments in their dtype
+    # (`SoftwareSpec.optimizer_states` "param": torch.optim.Adam on a model cast to bf16)
+    "bf16_param": (2, 2, 4),
+    "fp16_param": (2, 2, 4),
 }
 
 # what each op's backward reads (tools/autograd/derivatives.yaml): its result, its input, both
@@ -2067,7 +2071,8 @@ def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, d
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0-3, got {zero_stage}")
     w, g, o = PRECISION_POLICIES[policy]
-    mixed = w < 4
+    own = policy.endswith("_param")     # no fp32 master: the step reads the 2-byte gradients
+    mixed = w < 4 and not own
     D = max(int(dp), 1)
     P = num_params
     z = zero_stage if D > 1 else 0
@@ -2095,6 +2100,10 @@ def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, d
     # ZeRO 3
     grads = g * P if num_microbatches > 1 and not reduce_every_microbatch else 4.0 * P / D
     opt = (o if mixed else o + 4.0) * P / D
+    if own:     # FSDP's 2-byte shards are the weights the optimizer steps, its moments beside them
+        return [PhaseMemory("forward_backward", w * gathered_params + w * P / D, grads, o * P / D,
+                            w * prefetch_params + 0.0 * P),
+                PhaseMemory("optimizer_step", w * P / D, g * P / D, o * P / D, temp / D)]
     if not mixed:   # FSDP's fp32 shards are the weights (and the masters): weights, not optimizer
         opt = o * P / D
         return [PhaseMemory("forward_backward", w * gathered_params + 4.0 * P / D, grads, opt,

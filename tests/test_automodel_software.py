@@ -183,3 +183,32 @@ def test_norm_moe_fuses_the_norm_modules_and_the_experts_routing_only(qwen3):
     outside = [n for n in g4.calls if n.name not in fused.chain_of and n.op == "add" and n.module_path == ""]
     for n in outside:
         assert node_time(n, H100, "bf16", 1.0, idx, fusion=fused) == node_time(n, H100, "bf16", 1.0, idx)
+
+
+def test_optimizer_states_in_the_parameters_dtype_are_adams_own(qwen3):
+    """`optimizer_states` "param" (AutoModel: torch.optim.Adam over a model cast to bf16): torch's
+    Adam, stepped here on a bf16 parameter, keeps its two moments in bf16, 4 bytes a parameter
+    and no master; a plan with it holds a third of the fp32 policy's optimizer state (12 bytes:
+    fp32 master and moments), the 2-byte weight shards beside it, and steps in less time."""
+    from cost_models.memory import PRECISION_POLICIES
+
+    w = torch.nn.Parameter(torch.randn(64, 32, dtype=torch.bfloat16))
+    opt = torch.optim.Adam([w])
+    w.grad = torch.randn_like(w)
+    opt.step()
+    state = [t for t in opt.state[w].values() if torch.is_tensor(t) and t.dim() > 0]
+    assert {t.dtype for t in state} == {torch.bfloat16}
+    assert sum(t.nbytes for t in state) / w.numel() == PRECISION_POLICIES["bf16_param"][2] == 4
+    b, g = qwen3
+    cpu = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
+    cons = Constraints(dp=4, tp=1, pp=1, ep=4, microbatch_size=2, zero_stage=3, recompute="full")
+    sw = SoftwareSpec.load("nemo-automodel-2025")
+    assert sw.optimizer_states == "param" and sw.state_policy("bf16") == "bf16_param"
+    assert "no fp32 master" in sw.summary()
+    p = {k: plan(b, cpu, global_batch_size=16, graph=g, intra_op="analytic", constraints=cons, dtype="bf16",
+                 software=sw.model_copy(update={"optimizer_states": k})) for k in ("param", "fp32")}
+    own, master = p["param"].stages[0].predicted, p["fp32"].stages[0].predicted
+    assert own.optimizer_bytes == pytest.approx(master.optimizer_bytes / 3)
+    assert own.weights_bytes > master.weights_bytes         # the 2-byte shards are the weights now
+    assert p["param"].predicted.peak_memory_bytes < p["fp32"].predicted.peak_memory_bytes
+    assert "optimizer_states" not in p["fp32"].software.model_dump()     # the default is written as before

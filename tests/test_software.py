@@ -40,6 +40,7 @@ def test_presets_are_typed_and_sourced():
                   | ({"param_dtype"} if sw.param_dtype != "training" else set())
                   | ({"zero_optimizer"} if sw.zero_optimizer != "flat" else set())
                   | ({"zero3_overlap"} if sw.zero3_overlap else set())
+                  | ({"optimizer_states"} if sw.optimizer_states != "fp32" else set())
                   | ({"expert_dispatch"} if sw.expert_dispatch != "pairs" else set())
                   | ({"expert_routing"} if sw.expert_routing != "router" else set()))
         assert set(sw.sources) == chosen, "every choice names its source"

@@ -73,6 +73,12 @@ same plan, and that the cost model honours:
   Megatron-FSDP with --overlap-param-gather and --overlap-grad-reduce) instead of between the
   units' kernels. Time: `autopar.inter_op.search` (`_Tables.exposed_zero`: a micro-batch pays
   the part of its ZeRO-3 collectives beyond its forward and backward compute).
+- `optimizer_states`: what the optimizer keeps beside 2-byte parameters. "fp32" (fp32 master
+  weights and fp32 moments, 12 bytes a parameter: what `autopar run` executes, Megatron-LM) or
+  "param" (no master: the optimizer steps the parameters themselves, its moments in their
+  dtype, 4 bytes a parameter under Adam; torch.optim.Adam on a model cast to bf16, NeMo
+  AutoModel). Memory: `cost_models.memory.PRECISION_POLICIES` (`state_policy`); time: the
+  optimizer step's bytes.
 - `expert_dispatch`: how expert parallelism's all-to-all carries the tokens. "pairs" (what
   `autopar run` executes, `autopar.runtime.experts`: one row per token-expert pair, a token sent
   once for each of its top-k experts, the combine returning as many rows) or "ranks" (DeepEP's
@@ -123,6 +129,8 @@ ParamDtype = Literal["training", "fp32"]
 PARAM_DTYPES: tuple[str, ...] = ("training", "fp32")
 ZeroOptimizer = Literal["flat", "zero_redundancy"]
 ZERO_OPTIMIZERS: tuple[str, ...] = ("flat", "zero_redundancy")
+OptimizerStates = Literal["fp32", "param"]
+OPTIMIZER_STATES: tuple[str, ...] = ("fp32", "param")
 ExpertDispatch = Literal["pairs", "ranks"]
 EXPERT_DISPATCHES: tuple[str, ...] = ("pairs", "ranks")
 ExpertRouting = Literal["router", "fake_balanced"]
@@ -178,6 +186,10 @@ class SoftwareSpec(BaseModel):
         default=False, description="ZeRO-3's per-unit all-gathers and reduce-scatters run on their own streams "
         "beside the compute (prefetched gathers, asynchronous reduce-scatters: FSDP2 on NCCL, Megatron-FSDP with "
         "--overlap-param-gather / --overlap-grad-reduce): a micro-batch pays what exceeds its compute")
+    optimizer_states: OptimizerStates = Field(
+        default="fp32", description="fp32: fp32 master weights and moments beside 2-byte parameters (what autopar "
+        "run executes); param: no master, the optimizer steps the 2-byte parameters, its moments in their dtype "
+        "(torch.optim.Adam on a model cast to bf16: NeMo AutoModel)")
     expert_dispatch: ExpertDispatch = Field(
         default="pairs", description="pairs: expert parallelism's all-to-all sends one row per token-expert pair "
         "and the combine returns as many (what autopar run executes); ranks: a token sent once to each rank "
@@ -216,7 +228,8 @@ class SoftwareSpec(BaseModel):
         if isinstance(out, dict):
             for key, old in (("pointwise_fusion", "eager"), ("mixed_precision", "autocast"), ("loss_kernel", "eager"),
                              ("param_dtype", "training"), ("zero_optimizer", "flat"), ("zero3_overlap", False),
-                             ("expert_dispatch", "pairs"), ("expert_routing", "router")):
+                             ("expert_dispatch", "pairs"), ("expert_routing", "router"),
+                             ("optimizer_states", "fp32")):
                 if out.get(key) == old:
                     out.pop(key)
         return out
@@ -231,8 +244,11 @@ class SoftwareSpec(BaseModel):
         """The precision policy of a `dtype` run's model states, gradient accumulation and sync
         (`cost_models.memory.PRECISION_POLICIES`): "fp32" where the parameters stay fp32
         (`param_dtype`: 4-byte weights and gradients, Adam's two moments, no master copy), else
-        `dtype` itself."""
-        return "fp32" if self.param_dtype == "fp32" else dtype
+        `dtype` itself, or `dtype`'s "_param" policy (no master, 2-byte moments) where the optimizer
+        keeps no fp32 states (`optimizer_states` "param")."""
+        if self.param_dtype == "fp32":
+            return "fp32"
+        return f"{dtype}_param" if self.optimizer_states == "param" and dtype in ("bf16", "fp16") else dtype
 
     def param_cast_bytes(self, dtype: str) -> float:
         """Bytes per parameter element one micro-batch moves casting fp32 parameters for a
@@ -277,6 +293,7 @@ class SoftwareSpec(BaseModel):
         fp32 = ", fp32 parameters under autocast" if self.param_dtype == "fp32" else ""
         zro = ", torch ZeroRedundancyOptimizer" if self.zero_optimizer == "zero_redundancy" else ""
         zero3 = ", ZeRO-3 collectives beside the compute" if self.zero3_overlap else ""
+        zero3 += ", no fp32 master (2-byte optimizer moments)" if self.optimizer_states == "param" else ""
         moe = (", a token sent once per expert rank (DeepEP)" if self.expert_dispatch == "ranks" else "") + \
             (", fake balanced routing" if self.expert_routing == "fake_balanced" else "")
         return (f"software: {self.name} (attention {self.attention_kernel}{own}{fusion}{half}{loss}{fp32}{zro}, "
@@ -288,7 +305,7 @@ class SoftwareSpec(BaseModel):
         path = _resolve(str(name_or_path))
         data = read_mapping(path, "software",
                             "name, attention_kernel, pointwise_fusion, mixed_precision, param_dtype, zero_optimizer, "
-                            "grad_sync_overlap, zero3_overlap, expert_dispatch, expert_routing")
+                            "grad_sync_overlap, zero3_overlap, optimizer_states, expert_dispatch, expert_routing")
         data.setdefault("name", path.stem)
         try:
             return cls.model_validate(data)
