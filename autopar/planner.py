@@ -23,7 +23,7 @@ from autopar.capture import OpGraph, capture
 from autopar.capture.cache import cache_directory
 from autopar.capture.experts import tp_split
 from autopar.inter_op import context_parallel
-from autopar.inter_op.experts import EP_IMBALANCE, ExpertCosting
+from autopar.inter_op.experts import ExpertCosting
 from autopar.inter_op.layers import Layer, build_layers
 from autopar.inter_op.pinned_layouts import (
     NO_EXPORT,
@@ -569,8 +569,11 @@ def _expert_plan(experts: ExpertCosting, c: Candidate, dtype: str) -> ExpertPara
     """`Plan.experts` of a candidate with expert parallelism."""
     blocks = [b for bs in experts.by_layer.values() for b in bs]
     return ExpertParallelism(ep=c.ep, expert_dp=c.expert_copies if c.fold else c.dp // c.ep,
-                             imbalance=EP_IMBALANCE, expert_tp=c.etp, folded=c.fold,
-                             dispatch_bytes=experts.dispatch_bytes(blocks[0], c.mb, dtype) / (c.tp if c.fold else 1),
+                             imbalance=experts.imbalance, expert_tp=c.etp, folded=c.fold,
+                             exchange=("deduplicated_all_to_all" if experts.dispatch == "ranks"
+                                       else "dropless_all_to_all"),
+                             dispatch_bytes=(experts.dispatch_bytes(blocks[0], c.mb, dtype, c.ep)
+                                             / (c.tp if c.fold else 1)),
                              blocks=[ExpertBlockPlan(module=b.module, num_experts=b.num_experts, top_k=b.top_k,
                                                      weights=list(b.weights),
                                                      tp_split=list(tp_split(experts.graph, b)) if c.etp > 1 else [])

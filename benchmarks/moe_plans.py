@@ -58,6 +58,9 @@ _MZ_FLOPS = "Megatron's 'Per GPU TF' (model FLOPs, active parameters, no recompu
 _MZ_NORM = ("recompute 'norm, act' (best_practice/qwen3/run_h100_235b.sh: --recompute-granularity selective "
             "--recompute-modules moe_act layernorm, Megatron's output-discarding recomputation of the layer norms and "
             "the expert activation) pinned as autopar's recompute 'norm_act', the same policy")
+_MZ_DEEPEP = ("the readme table's Dispatcher column says DeepEP: Megatron's flex dispatcher over DeepEP, a token sent "
+              "once to each rank holding any of its experts (expert_dispatch ranks; routing left to the model's "
+              "router, its 10% imbalance estimate and experts at random over the ranks)")
 
 # Every case was looked at after the cost model's constants were set (none is set here): all held out.
 PUBLISHED = [
@@ -69,7 +72,7 @@ PUBLISHED = [
               "the whole layout (TP1 PP4 EP8, dp 16, 64 GPUs, mb 1, batch 256, s 4096) is a third-party "
               "reproduction script's; schedule, recompute and ZeRO left to the search"),
     Published("Qwen3-30B-A3B, NeMo AutoModel", "hf:qwen3-30b-a3b?seq_len=4096", 512, "dgx-h100", 1,
-              "nemo-megatron-core-2024",
+              "nemo-automodel-2025",
               dict(tp=1, pp=1, dp=8, ep=8, microbatch_size=4, num_microbatches=16, zero_stage=3, recompute="full"),
               21.773, 277.0,
               "AutoModel's 'Model TFLOPs' (its own formula; the same run is listed at 327 in a later "
@@ -77,18 +80,21 @@ PUBLISHED = [
               "github.com/NVIDIA-NeMo/Automodel docs/performance-summary.md (2025-10-02), 'Pre-Training "
               "Performance, System: DGX-H100, Precision: BF16', row 'Qwen3 MoE 30B'; layout from "
               "examples/benchmark/configs/qwen3_moe_30b_te_deepep.yaml",
-              "software: AutoModel is PyTorch FSDP2 with Transformer Engine attention/linear/RMSNorm and "
-              "DeepEP, planned as nemo-megatron-core-2024 (fused attention, bf16 model, gradient "
-              "reduce-scatter overlapped); activation_checkpointing: true taken as full per-layer "
-              "recompute; the run's fake balanced gate is even routing (autopar charges its stated 10% "
-              "imbalance)"),
+              "software: the nemo-automodel-2025 preset (software_profiles/, each field from AutoModel's "
+              "config and code at 8d9bfb90e) with the config's fake_balanced_gate: true (expert_routing "
+              "fake_balanced: moe/layers.py FakeBalancedGate, token t to experts 8t..8t+7 mod 128, so one "
+              "rank of 16 experts each); activation_checkpointing: true is moe/parallelizer.py apply_ac, "
+              "checkpoint_wrapper around every block: full per-layer recompute; FSDP2 as ZeRO-3 (the "
+              "experts, ep 8 over the 8 GPUs, are left out of FSDP: no expert data parallelism)",
+              software_update={"expert_routing": "fake_balanced"}),
     Published("Qwen3-235B-A22B, MCore DeepEP, cross-node EP32", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100",
               32, "nemo-megatron-core-2024",
               dict(tp=2, pp=8, virtual_stages=4, dp=16, ep=32, expert_dp=1, expert_tp=1, microbatch_size=1,
                    num_microbatches=128,
                    schedule="interleaved_1f1b", recompute="norm_act"),
               19.7, 245.0, _MZ_FLOPS, _MZ + "1 (TP2 EP32 PP8 VPP4 DP16 EDP1 ETP1, MBS1 GBS2048 GA128)",
-              "EP32 spans TP2 x DP16 (Megatron's MoE parallel folding, autopar's folded experts); " + _MZ_NORM),
+              "EP32 spans TP2 x DP16 (Megatron's MoE parallel folding, autopar's folded experts); " + _MZ_NORM
+              + "; " + _MZ_DEEPEP, software_update={"expert_dispatch": "ranks"}),
     Published("Qwen3-235B-A22B, MCore DeepEP, intra-node EP8 FSDP", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100",
               32, "nemo-megatron-core-2024",
               dict(tp=2, pp=1, dp=128, ep=8, expert_dp=32, expert_tp=1, microbatch_size=4, num_microbatches=4,
@@ -99,8 +105,8 @@ PUBLISHED = [
               "folded over the tp and dp ranks (autopar's folded experts, expert_tp=1); its all-gathers and "
               "reduce-scatters beside the compute (`zero3_overlap`: the zoo's model_configs/benchmarking/"
               "Qwen3-235B-A22B.yaml sets --overlap-param-gather and --overlap-grad-reduce, which Megatron-FSDP "
-              "runs on their own streams; a micro-batch pays what exceeds its forward and backward compute)",
-              software_update={"zero3_overlap": True}),
+              "runs on their own streams; a micro-batch pays what exceeds its forward and backward compute); "
+              + _MZ_DEEPEP, software_update={"zero3_overlap": True, "expert_dispatch": "ranks"}),
     Published("Qwen3-235B-A22B, MCore all-to-all, PP32", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100", 32,
               "nemo-megatron-core-2024",
               dict(tp=2, pp=32, virtual_stages=3, dp=4, ep=8, expert_dp=1, expert_tp=1, microbatch_size=1,
@@ -120,7 +126,7 @@ PUBLISHED = [
                    schedule="interleaved_1f1b", recompute="none"),
               29.0, 167.0, _MZ_FLOPS, _MZ + "5 (TP4 EP8 PP8 VPP4 EDP4 ETP1 DP8, MBS1 GA256, no recompute)",
               "Megatron's EDP4 = TP4 x DP8 / EP8 reuses the tp ranks as expert data parallelism: autopar's folded "
-              "experts (expert_dp=4, expert_tp=1)"),
+              "experts (expert_dp=4, expert_tp=1); " + _MZ_DEEPEP, software_update={"expert_dispatch": "ranks"}),
 ]
 
 

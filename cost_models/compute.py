@@ -66,7 +66,7 @@ from typing import Callable, Iterable, Literal, Optional, Sequence, Union
 from autopar.capture.flops import VIEW_OPS
 from autopar.schema.cluster import DeviceSpec, EfficiencyPoint
 from autopar.schema.software import ATTENTION_KERNELS, POINTWISE_FUSIONS, AttentionKernel, PointwiseFusion
-from cost_models.fused_loss import is_fused_loss
+from cost_models.fused_loss import is_fused_loss, is_half_loss
 from cost_models.fusion import FusedChains, chain_member_time, graph_pointwise_chains
 
 MATRIX_OPS = frozenset({"linear", "mm", "addmm", "bmm", "baddbmm", "matmul",
@@ -221,6 +221,8 @@ def optimizer_bytes_per_param(policy: str = "bf16", optimizer: str = "adamw") ->
     writes master, m, v (12) and the bf16 weight copy (2): 28 bytes. In fp32: reads w, g, m, v
     (16), writes w, m, v (12): 28. SGD with momentum: reads w, g, buf, writes w, buf."""
     opt = optimizer.lower()
+    if opt in ("adamw", "adam") and policy.endswith("_param"):
+        return 14.0     # no master: reads w, g, m, v and writes w, m, v, each 2 bytes
     if opt in ("adamw", "adam"):
         return 28.0
     if opt in ("sgd", "sgd_momentum"):
@@ -253,7 +255,8 @@ def optimizer_step_time(num_params: float, device: DeviceSpec, policy: str = "bf
 def grad_accumulation_bytes(policy: str = "bf16") -> float:
     """Bytes one micro-batch's gradient accumulation moves per parameter: the accumulated
     gradient and the new one read, the sum written (3 gradient-sized accesses)."""
-    return 3.0 * DTYPE_SIZE.get(policy, 4)
+    from cost_models.memory import PRECISION_POLICIES
+    return 3.0 * (PRECISION_POLICIES[policy][1] if policy in PRECISION_POLICIES else DTYPE_SIZE.get(policy, 4))
 
 
 def param_cast_bytes(param_dtype: str, dtype: str) -> float:
@@ -648,7 +651,8 @@ def fp32_extra_bytes(n, index: dict, fp32: frozenset, dtype: str) -> float:
     extra = 0.0
     if n.name in fp32:
         extra += sum(o.nbytes for o in n.outputs if o.dtype in _FLOATING)
-    if n.op == "cross_entropy_loss" and not is_fused_loss(n) and n.inputs and n.inputs[0] in index:
+    if n.op == "cross_entropy_loss" and not is_fused_loss(n) and not is_half_loss(n) and n.inputs \
+            and n.inputs[0] in index:
         # the eager loss's log-probabilities (`node_cost`): fp32 in any mixed-precision run
         src = index[n.inputs[0]]
         extra += src.outputs[0].nbytes if src.outputs and src.outputs[0].dtype in _FLOATING else 0.0
@@ -793,6 +797,9 @@ def fusion_of(graph, device: DeviceSpec, attention_kernel: AttentionKernel = "fu
     of `graph` on `device`), else None (eager: one kernel per op)."""
     if pointwise_fusion not in POINTWISE_FUSIONS:
         raise ValueError(f"pointwise fusion must be one of {', '.join(POINTWISE_FUSIONS)}, got {pointwise_fusion!r}")
+    if pointwise_fusion == "norm_moe":
+        from cost_models.fusion import graph_module_groups
+        return graph_module_groups(graph, device.device_type, attention_kernel)
     if pointwise_fusion == "eager":
         return None
     return graph_pointwise_chains(graph, device.device_type, attention_kernel)

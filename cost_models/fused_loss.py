@@ -14,6 +14,13 @@ fused by its target's overload (`FUSED_OVERLOAD`), and an fp32 upcast whose only
 loss becomes a view of the logits (the kernel's own upcast in registers: no tensor, no traffic).
 `cost_models.memory` then saves the logits at the training dtype plus the per-row statistic
 (`saved_tensors`) and holds no gradient beside them (`activation_memory`'s `loss_read`).
+
+`fuse_losses(graph, HALF_OVERLOAD)` rewrites it as software that runs the eager cross-entropy on
+the 2-byte logits (`SoftwareSpec.loss_kernel == "half"`: NeMo AutoModel's `MaskedCrossEntropy`
+with `fp32_upcast: false`, `F.cross_entropy` on bf16 logits): the upcast read only by the loss
+becomes a view likewise, the loss keeps its eager kernels (`log_softmax` writing and saving the
+log-probabilities, the backward their gradient and the logits'), each tensor at the training
+dtype instead of fp32 (`cost_models.memory`, `cost_models.compute.fp32_extra_bytes`).
 """
 
 from __future__ import annotations
@@ -21,9 +28,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from autopar.capture.flops import FUSED_LOSS_OPS, FUSED_OVERLOAD, is_fused_loss, is_view
+from autopar.capture.flops import FUSED_LOSS_OPS, FUSED_OVERLOAD, HALF_OVERLOAD, is_fused_loss, is_half_loss, is_view
 
-__all__ = ["fuse_losses", "is_fused_loss"]
+__all__ = ["fuse_losses", "is_fused_loss", "is_half_loss", "HALF_OVERLOAD"]
 _CASTS = ("to", "_to_copy")
 
 
@@ -32,22 +39,22 @@ def _upcast(node: Any) -> bool:
         "float32" in node.args[1:] or node.kwargs.get("dtype") == "float32")
 
 
-def fuse_losses(graph: Any) -> Any:
+def fuse_losses(graph: Any, overload: str = FUSED_OVERLOAD) -> Any:
     """A copy of `graph` (an `OpGraph`) whose cross-entropy losses run as one fused kernel each
-    (see the module docstring); `graph` itself is left as it is. A graph with no such loss is
-    returned as it is."""
+    (`overload` FUSED_OVERLOAD) or eagerly on the 2-byte logits (HALF_OVERLOAD; see the module
+    docstring); `graph` itself is left as it is. A graph with no such loss is returned as it is."""
     by_name = {n.name: n for n in graph.nodes}
     readers: dict[str, list[str]] = {}
     for n in graph.nodes:
         for i in n.inputs:
             readers.setdefault(i, []).append(n.name)
     losses = [n for n in graph.nodes if n.kind == "call" and n.op in FUSED_LOSS_OPS and n.inputs
-              and not is_fused_loss(n)]
+              and not is_fused_loss(n) and not is_half_loss(n)]
     if not losses:
         return graph
     changed: dict[str, Any] = {}
     for loss in losses:
-        changed[loss.name] = replace(loss, target=f"aten.{loss.op}.{FUSED_OVERLOAD}")
+        changed[loss.name] = replace(loss, target=f"aten.{loss.op}.{overload}")
         # back from the logits through views to an upcast read by nothing but this loss
         chain, cur = [], by_name.get(loss.inputs[0])
         while cur is not None and cur.kind == "call" and is_view(cur) and cur.inputs:

@@ -31,6 +31,17 @@ it owns (the external inputs it reads first, its output if that leaves the chain
 its own sharding (the ILP merges element-wise ops into their producer's group, so a chain's
 members are sharded alike in practice).
 
+Under `pointwise_fusion == "norm_moe"` (software whose libraries fuse some modules and leave the
+rest eager: Transformer Engine's RMSNorm, Megatron-Core's fused MoE permutation and weighted
+SwiGLU, as NeMo AutoModel runs them) the groups are modules instead (`module_groups`): each
+norm module (its class an RMSNorm or LayerNorm) is one kernel, and each expert block's experts
+module (`autopar.capture.experts.find_expert_blocks`) runs its non-matrix ops (the gathers into
+expert order, the activation, the weighting and the sum back) as kernels whose traffic is the
+group's boundary, priced as one chain; every other element-wise op stays eager. The boundary
+of an experts module is what the fused kernels move: the tokens read and their T x k rows
+written in expert order (permutation), the up projection's output read and the activation
+written, the down projection's output read and the T tokens written (unpermutation).
+
 Memory is not changed by fusion here: the memory model keeps what eager autograd saves.
 Inductor's partitioner (AOTAutograd's min-cut rematerialisation) recomputes element-wise ops in
 the backward and saves fewer tensors, so under "fused" the predicted activation memory is an
@@ -95,7 +106,6 @@ def pointwise_chains(nodes: Iterable, index: dict, copies: Optional[tuple[frozen
     `copies`: the graph's (reshapes that copy, `contiguous` calls that copy nothing)
     (`cost_models.layouts.graph_layout_copies`): a reshape that copies ends a chain, a
     `contiguous` that copies nothing is a view."""
-    from cost_models.compute import backward_bytes_factor
 
     nodes = list(nodes)
     copying, aliasing = copies if copies is not None else (frozenset(), frozenset())
@@ -185,9 +195,19 @@ def pointwise_chains(nodes: Iterable, index: dict, copies: Optional[tuple[frozen
             parent[b2] = a
             members[a] = members[a] + members.pop(b2)
 
+    return _priced(list(members.values()), pos, index, consumers, view, base)
+
+
+def _priced(groups: list[list[str]], pos: dict, index: dict, consumers: dict, view, base,
+            alias_casts: bool = False) -> FusedChains:
+    """`FusedChains` of `groups` (member names), each priced as one kernel (the module docstring).
+    `alias_casts`: a cast of a tensor from outside the group is that tensor to the kernel (it
+    casts in registers): a reader outside reads the tensor, so the cast's output is not written."""
+    from cost_models.compute import backward_bytes_factor
+
     chain_of: dict[str, PointwiseChain] = {}
     share: dict[str, float] = {}
-    for ms in members.values():
+    for ms in groups:
         if len(ms) < 2:
             continue
         group = set(ms)
@@ -208,7 +228,9 @@ def pointwise_chains(nodes: Iterable, index: dict, copies: Optional[tuple[frozen
                 read.add(b)
                 boundary.append((nbytes, dt))
                 owned[m] += nbytes
-            if _leaves(m, group, consumers, index, view):
+            own_cast = alias_casts and node.op in ("to", "_to_copy", "type_as") and bool(node.inputs) \
+                and base(node.inputs[0])[0] not in group
+            if _leaves(m, group, consumers, index, view) and not own_cast:
                 o = node.outputs[0]
                 boundary.append((float(o.nbytes), o.dtype))
                 owned[m] += float(o.nbytes)
@@ -234,6 +256,78 @@ def _leaves(name: str, group: set[str], consumers: dict, index: dict, view) -> b
                 continue
             return True
     return not consumers.get(name)
+
+
+NORM_MODULE_NAMES = ("rmsnorm", "layernorm")   # lower-case class names of a norm module
+
+
+def module_groups(nodes: Iterable, index: dict, expert_modules: Iterable[str],
+                  copies: Optional[tuple[frozenset, frozenset]] = None) -> FusedChains:
+    """The groups `pointwise_fusion == "norm_moe"` runs as one kernel each (the module
+    docstring): the non-view call ops of each norm module instance (`module_type` naming an
+    RMSNorm or LayerNorm), and the non-matrix, non-view call ops inside each of
+    `expert_modules` (module FQNs, their submodules included)."""
+    from cost_models.compute import MATRIX_OPS
+
+    nodes = list(nodes)
+    copying, aliasing = copies if copies is not None else (frozenset(), frozenset())
+    pos = {n.name: i for i, n in enumerate(nodes)}
+    consumers: dict[str, list[str]] = {}
+    for n in nodes:
+        for i in n.inputs:
+            consumers.setdefault(i, []).append(n.name)
+
+    def view(n) -> bool:
+        return n.kind == "call" and n.name not in copying and (is_view(n) or n.name in aliasing)
+
+    def base(name: str) -> tuple[str, float, str]:
+        cur = index.get(name)
+        best: tuple[float, str] = (float("inf"), "float32")
+        for _ in range(64):
+            if cur is None:
+                break
+            if cur.outputs:
+                try:
+                    best = min(best, (float(cur.outputs[0].nbytes), cur.outputs[0].dtype))
+                except (TypeError, ValueError):
+                    pass
+            if not (view(cur) and cur.inputs):
+                return cur.name, best[0], best[1]
+            cur = index.get(cur.inputs[0])
+        return name, (best[0] if best[0] != float("inf") else 0.0), best[1]
+
+    experts = tuple(expert_modules)
+    groups: dict[str, list[str]] = {}
+    for n in nodes:
+        if n.kind != "call" or view(n) or n.name in copying or not n.outputs:
+            continue
+        path = n.module_path or ""
+        owner = next((m for m in experts if path == m or path.startswith(m + ".")), None)
+        if owner is not None:
+            if n.op in MATRIX_OPS:
+                continue
+            groups.setdefault(owner, []).append(n.name)
+        elif path and any(k in (n.module_type or "").lower() for k in NORM_MODULE_NAMES):
+            groups.setdefault(path, []).append(n.name)
+    # a norm module's upcast of its input, read by the residual beside it in an fp32 capture (the
+    # same tensor there), is its input to the fused kernel: not written
+    return _priced(list(groups.values()), pos, index, consumers, view, base, alias_casts=True)
+
+
+def graph_module_groups(graph: Any, device_type: Optional[str] = None,
+                        attention_kernel: str = "fused") -> FusedChains:
+    """`module_groups` of `graph` (an `OpGraph` at a concrete batch) with its expert blocks,
+    once per graph, device type and attention kernel."""
+    from autopar.capture.experts import find_expert_blocks
+    from cost_models.layouts import graph_layout_copies
+
+    memo = graph.__dict__.setdefault("_module_groups", {})
+    key = (device_type, attention_kernel)
+    if key not in memo:
+        nodes = list(graph.nodes)
+        memo[key] = module_groups(nodes, {n.name: n for n in nodes}, [b.module for b in find_expert_blocks(graph)],
+                                  graph_layout_copies(graph, device_type, attention_kernel))
+    return memo[key]
 
 
 def graph_pointwise_chains(graph: Any, device_type: Optional[str] = None,

@@ -87,7 +87,7 @@ from cost_models.compute import (
     attention_heads_broadcast,
     bytes_scale,
 )
-from cost_models.fused_loss import is_fused_loss
+from cost_models.fused_loss import is_fused_loss, is_half_loss
 from cost_models.layouts import executor_layout_copies, graph_layout_copies, layout_copies
 
 # bytes per parameter: (weights, gradients, optimizer states incl. fp32 master) by precision policy
@@ -95,6 +95,10 @@ PRECISION_POLICIES: dict[str, tuple[float, float, float]] = {
     "bf16": (2, 2, 12),   # bf16 weights + grads; fp32 master, Adam m and v
     "fp16": (2, 2, 12),
     "fp32": (4, 4, 8),    # fp32 weights + grads; Adam m and v
+    # no master: the optimizer steps the 2-byte parameters, its moments in their dtype
+    # (`SoftwareSpec.optimizer_states` "param": torch.optim.Adam on a model cast to bf16)
+    "bf16_param": (2, 2, 4),
+    "fp16_param": (2, 2, 4),
 }
 
 # what each op's backward reads (tools/autograd/derivatives.yaml): its result, its input, both
@@ -940,7 +944,8 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 if rec == "selective" and n.name in core and key in core:
                     continue
                 at = None
-                if n.op in LOSSES and mixed and _floating(by_name[key]) and not is_fused_loss(n):
+                if n.op in LOSSES and mixed and _floating(by_name[key]) and not is_fused_loss(n) \
+                        and not is_half_loss(n):
                     at = "fp32"
                 elif device_type == "cpu" and mixed and n.op in CPU_FP32_INPUT and _floating(by_name[key]):
                     at, key = "fp32", key + ":fp32"     # the op's own fp32 copy of its input
@@ -990,6 +995,12 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         # writes the gradient into the logits' storage (`cost_models.fused_loss`): none beside
         if is_fused_loss(n):
             return 0, size(i)
+        if is_half_loss(n):
+            # the eager loss on the 2-byte logits (`cost_models.fused_loss`, HALF_OVERLOAD): its
+            # gradients at the training dtype
+            b = by_name[base.get(i, i)]
+            split = callable(shard) and float(shard(b)) > 1 and base.get(i, i) not in copies
+            return (VOCAB_PARALLEL_LOSS_LIVE if split else _loss_live(n)), size(i)
         copy = read(n, i, "fp32")
         if copy is not None:
             split = copy[0] < by_name[i].outputs[0].numel * 4      # the copy is a shard
@@ -1984,7 +1995,7 @@ def _forward_over(calls: list, by_name: dict, base: dict, owner_node: dict, nbyt
         for k, i in enumerate(n.inputs):
             if i not in by_name:
                 continue
-            r = read(n, i, "fp32" if loss and mixed else None)
+            r = read(n, i, "fp32" if loss and mixed and not is_half_loss(n) else None)
             if r is not None and r[3]:
                 held_from.setdefault(f"{i}@{r[1]}", (t, r[0], i))
             if (loss and k == 0 and _floating(by_name[base.get(i, i)]) and f"{n.name}:unreduced" not in owner_node
@@ -1995,7 +2006,7 @@ def _forward_over(calls: list, by_name: dict, base: dict, owner_node: dict, nbyt
                 # fused kernel (`cost_models.fused_loss`) makes none: its forward writes one fp32
                 # loss and one log-sum-exp per row (flash-attn csrc/xentropy/xentropy_kernel.cu,
                 # host_softmax_xentropy: `losses`, `max_log_sum_exp`, each `empty_like(labels)`)
-                extra[t] += r[0] if r is not None else size(i, "fp32")
+                extra[t] += r[0] if r is not None else size(i, None if is_half_loss(n) else "fp32")
             if r is None:
                 continue
             if saver.get(_copy_key(i, r, n.name), T) > t and f"{i}@{r[1]}" not in copies and not r[3]:
@@ -2201,7 +2212,8 @@ def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, d
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0-3, got {zero_stage}")
     w, g, o = PRECISION_POLICIES[policy]
-    mixed = w < 4
+    own = policy.endswith("_param")     # no fp32 master: the step reads the 2-byte gradients
+    mixed = w < 4 and not own
     D = max(int(dp), 1)
     P = num_params
     z = zero_stage if D > 1 else 0
@@ -2229,6 +2241,10 @@ def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, d
     # ZeRO 3
     grads = g * P if num_microbatches > 1 and not reduce_every_microbatch else 4.0 * P / D
     opt = (o if mixed else o + 4.0) * P / D
+    if own:     # FSDP's 2-byte shards are the weights the optimizer steps, its moments beside them
+        return [PhaseMemory("forward_backward", w * gathered_params + w * P / D, grads, o * P / D,
+                            w * prefetch_params + 0.0 * P),
+                PhaseMemory("optimizer_step", w * P / D, g * P / D, o * P / D, temp / D)]
     if not mixed:   # FSDP's fp32 shards are the weights (and the masters): weights, not optimizer
         opt = o * P / D
         return [PhaseMemory("forward_backward", w * gathered_params + 4.0 * P / D, grads, opt,

@@ -40,11 +40,15 @@ def test_presets_are_typed_and_sourced():
                   | ({"param_dtype"} if sw.param_dtype != "training" else set())
                   | ({"zero_optimizer"} if sw.zero_optimizer != "flat" else set())
                   | ({"attention_head_dims"} if sw.attention_head_dims else set())
-                  | {k for k in MEMORY_TERM_FIELDS if getattr(sw, k) != SoftwareSpec.model_fields[k].default})
+                  | {k for k in MEMORY_TERM_FIELDS if getattr(sw, k) != SoftwareSpec.model_fields[k].default}
+                  | ({"zero3_overlap"} if sw.zero3_overlap else set())
+                  | ({"optimizer_states"} if sw.optimizer_states != "fp32" else set())
+                  | ({"expert_dispatch"} if sw.expert_dispatch != "pairs" else set())
+                  | ({"expert_routing"} if sw.expert_routing != "router" else set()))
         assert set(sw.sources) == chosen, "every choice names its source"
     with pytest.raises(PlanError, match="unknown software 'flash9'; bundled: autopar, flash-attn-1-2022, "
                                          "flash-attn-2-2023, megatron-lm-2021, megatron-lm-2021-torch-ddp, "
-                                         "nemo-megatron-core-2024, "
+                                         "nemo-automodel-2025, nemo-megatron-core-2024, "
                                          "torch-compile-2025"):
         resolve_software("flash9")
     with pytest.raises(Exception, match="attention_kernel"):
@@ -199,7 +203,8 @@ def test_cli_software_option(tmp_path):
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines() == [
         "autopar: error: unknown software 'flash9'; bundled: autopar, flash-attn-1-2022, flash-attn-2-2023, "
-        "megatron-lm-2021, megatron-lm-2021-torch-ddp, nemo-megatron-core-2024, torch-compile-2025 (or give a "
+        "megatron-lm-2021, megatron-lm-2021-torch-ddp, nemo-automodel-2025, nemo-megatron-core-2024, "
+        "torch-compile-2025 (or give a "
         "YAML/JSON file path)"]
     own = tmp_path / "sw.yaml"
     own.write_text(yaml.safe_dump({"attention_kernel": "unfused"}))

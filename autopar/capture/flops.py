@@ -59,9 +59,20 @@ FUSED_OVERLOAD = "fused"
 FUSED_LOSS_OPS = frozenset({"cross_entropy_loss"})
 
 
+# software that runs the eager cross-entropy on the 2-byte logits without upcasting them
+# (`SoftwareSpec.loss_kernel` "half") marks the loss by this overload (`cost_models.fused_loss`)
+HALF_OVERLOAD = "half"
+
+
 def is_fused_loss(node: OpNode) -> bool:
     """Whether `node` is a cross-entropy `cost_models.fused_loss.fuse_losses` marked as one kernel."""
     return node.op in FUSED_LOSS_OPS and node.target.endswith("." + FUSED_OVERLOAD)
+
+
+def is_half_loss(node: OpNode) -> bool:
+    """Whether `node` is a cross-entropy `cost_models.fused_loss.fuse_losses` marked as run on the
+    2-byte logits (`HALF_OVERLOAD`)."""
+    return node.op in FUSED_LOSS_OPS and node.target.endswith("." + HALF_OVERLOAD)
 
 
 # losses reduce their input to a scalar: their work is per input element

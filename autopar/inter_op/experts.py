@@ -56,6 +56,14 @@ rank takes 1/tp of the block's tokens (the dense layers hold them replicated ove
 The block's other ops (sort, gather, weighted sum) run on 1/tp of the tokens too; their time,
 small beside the GEMMs and the exchange, is left as the replicated layer costs have it.
 
+The software's token exchange and routing (`SoftwareSpec.expert_dispatch`, `expert_routing`)
+change the exchange's bytes and the imbalance: under "ranks" (DeepEP) a rank sends each token
+once to each rank holding any of its experts (`ranks_per_token`), T x r rows of width H instead
+of T x k, and the combine returns as many; under "fake_balanced" routing (NeMo AutoModel's
+`FakeBalancedGate`: token t to experts (k t + j) mod E) every expert takes the same pairs
+(imbalance 1) and r follows from the rule (`fake_ranks_per_token`); under the model's router r
+is the mean for experts drawn at random (`random_ranks_per_token`).
+
 `EP_IMBALANCE` is an estimate, not a measurement: the most-loaded rank of an ep group
 receives 10% more pairs than the mean. Trained with a balance loss (the zoo MoE's, Mixtral's,
 DeepSeek's), routers stay near uniform over a batch of thousands of tokens; Megatron-Core
@@ -66,6 +74,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections import Counter
 from typing import Any, Optional
 
@@ -92,11 +101,41 @@ FOLD_FORWARD = 1          # the block's output, each tp rank's 1/tp of the token
 FOLD_BACKWARD = 1         # the gradients of its inputs (hidden states and top-k weights, one buffer)
 
 
+def random_ranks_per_token(num_experts: int, top_k: int, ep: int) -> float:
+    """The mean number of the `ep` ranks (each holding E / ep experts) a token's `top_k` distinct
+    experts fall on, the experts drawn at random: ep (1 - C(E - E/ep, k) / C(E, k))."""
+    if ep <= 1:
+        return 1.0
+    per = num_experts // ep
+    k = min(top_k, num_experts)
+    return ep * (1.0 - math.comb(num_experts - per, k) / math.comb(num_experts, k))
+
+
+def fake_ranks_per_token(num_experts: int, top_k: int, ep: int) -> float:
+    """The mean number of ranks a token reaches under NeMo AutoModel's `FakeBalancedGate`
+    (nemo_automodel/components/moe/layers.py: `indices = arange(T * k).view(-1, k) % E`, token t
+    to experts (k t + j) mod E, j < k), the E experts split over `ep` ranks in consecutive blocks
+    of E / ep (`ExpertParallel`, Shard(0)); exact over the rule's period."""
+    if ep <= 1:
+        return 1.0
+    per = num_experts // ep
+    period = num_experts // math.gcd(top_k, num_experts)
+    hits = sum(len({((top_k * t + j) % num_experts) // per for j in range(top_k)}) for t in range(period))
+    return hits / period
+
+
 class ExpertCosting:
     """A model's expert blocks by layer, and their costs under expert parallelism."""
 
-    def __init__(self, graph: OpGraph, layers: list[Layer], blocks: Optional[list[ExpertBlock]] = None) -> None:
+    def __init__(self, graph: OpGraph, layers: list[Layer], blocks: Optional[list[ExpertBlock]] = None,
+                 software: Any = None) -> None:
+        """`software` (a `SoftwareSpec`, None: the default's choices): its `expert_dispatch` and
+        `expert_routing` (the module docstring)."""
         self.graph = graph
+        self.dispatch = getattr(software, "expert_dispatch", "pairs")
+        self.routing = getattr(software, "expert_routing", "router")
+        # the most-loaded rank's pairs over the mean: exact balance under the fake gate
+        self.imbalance = 1.0 if self.routing == "fake_balanced" else EP_IMBALANCE
         self.blocks = find_expert_blocks(graph) if blocks is None else blocks
         where = {l.name: i for i, l in enumerate(layers)}
         self.by_layer: dict[int, list[ExpertBlock]] = {}
@@ -169,12 +208,28 @@ class ExpertCosting:
         rows' width-H output (forward) or input gradient (backward), `dispatch_bytes` of them."""
         if etp <= 1:
             return 0.0
-        return axis_collective_time("all_reduce", self.dispatch_bytes(block, mb, dtype), cluster, list(range(etp)))
-
-    def dispatch_bytes(self, block: ExpertBlock, mb: int, dtype: str, imbalance: float = EP_IMBALANCE) -> float:
-        """Bytes one rank sends in `block`'s dispatch for a micro-batch of `mb` samples."""
         elem = 4 if dtype == "fp32" else 2
-        return mb * block.pairs_per_sample * block.hidden * elem * imbalance
+        rows = mb * block.pairs_per_sample * self.imbalance
+        return axis_collective_time("all_reduce", rows * block.hidden * elem, cluster, list(range(etp)))
+
+    def ranks_per_token(self, block: ExpertBlock, ep: int) -> float:
+        """The ranks of an ep group one token is sent to under "ranks" dispatch (the module
+        docstring); the top-k under "pairs" (one row per pair)."""
+        if self.dispatch != "ranks":
+            return float(block.top_k)
+        if self.routing == "fake_balanced":
+            return fake_ranks_per_token(block.num_experts, block.top_k, ep)
+        return random_ranks_per_token(block.num_experts, block.top_k, ep)
+
+    def dispatch_bytes(self, block: ExpertBlock, mb: int, dtype: str, ep: int = 1) -> float:
+        """Bytes one rank sends in `block`'s dispatch for a micro-batch of `mb` samples over an
+        ep group of `ep` ranks: its pairs (or, under "ranks" dispatch, its tokens times the ranks
+        each reaches) x width x element size x the imbalance."""
+        elem = 4 if dtype == "fp32" else 2
+        rows = mb * block.pairs_per_sample
+        if self.dispatch == "ranks":
+            rows = rows / block.top_k * self.ranks_per_token(block, ep)
+        return rows * block.hidden * elem * self.imbalance
 
     def layer_costs(self, costs: list[LayerCost], ep: int, mb: int, tp: int, cluster: ClusterSpec,
                     dtype: str, etp: int = 1, fold: bool = False) -> list[LayerCost]:
@@ -201,7 +256,7 @@ class ExpertCosting:
                 for w in b.weights:
                     if w in c.param_elems:
                         c.param_elems[w] = c.param_elems[w] / ep if etp == 1 else c.param_elems[w] / (ep * etp)
-                nbytes = self.dispatch_bytes(b, mb, dtype) * share
+                nbytes = self.dispatch_bytes(b, mb, dtype, ep) * share
                 a2a = axis_collective_time("all_to_all", nbytes, cluster, group)
                 counts = axis_collective_time("all_to_all", 8.0 * b.num_experts, cluster, group)
                 c.fwd_comm_s += 2 * a2a + counts
@@ -356,11 +411,12 @@ class ExpertCosting:
         of imbalance x the pairs (each GEMM 1/etp of its FLOPs with expert tensor parallelism;
         `share` of them folded), against E groups of the rank's own pairs."""
         gemms = self._block_gemms(b)
-        key = (gemms, b.num_experts, ep, mb, id(dev), dtype, etp, share)
+        key = (gemms, b.num_experts, ep, mb, id(dev), dtype, etp, share, self.imbalance)
         hit = self._deltas.get(key)
         if hit is None:
             self._devices[id(dev)] = dev        # held: its id stays its own while keyed
-            hit = self._deltas[key] = self._delta_of(list(gemms), b.num_experts, ep, mb, dev, dtype, etp, share)
+            hit = self._deltas[key] = self._delta_of(list(gemms), b.num_experts, ep, mb, dev, dtype, etp, share,
+                                                     self.imbalance)
         return hit
 
     def _block_gemms(self, b: ExpertBlock) -> tuple[tuple[float, float, float, str, float, bool], ...]:
@@ -384,7 +440,8 @@ class ExpertCosting:
 
     @staticmethod
     def _delta_of(gemms: list[tuple[float, float, float, str, float, bool]], experts: int, ep: int, mb: int, dev,
-                  dtype: str, etp: int = 1, share: float = 1.0) -> tuple[float, float]:
+                  dtype: str, etp: int = 1, share: float = 1.0, imbalance: float = EP_IMBALANCE
+                  ) -> tuple[float, float]:
         """`_gemm_delta` of GEMMs given as `_block_gemms` gives them, each for one sample."""
         dfwd = dbwd = 0.0
         for flops, moved, wbytes, out_dtype, out_bytes, down in gemms:
@@ -392,16 +449,16 @@ class ExpertCosting:
             scale = bytes_scale(out_dtype, dtype)
             old = grouped_gemm_time(flops * mb, (act + wbytes) * scale, experts, dev, dtype)
             if etp == 1:
-                new = grouped_gemm_time(flops * mb * EP_IMBALANCE * share,
-                                        (act * EP_IMBALANCE * share + wbytes / ep) * scale, experts // ep, dev, dtype)
+                new = grouped_gemm_time(flops * mb * imbalance * share,
+                                        (act * imbalance * share + wbytes / ep) * scale, experts // ep, dev, dtype)
             else:
                 # the split operand: an output projection's input rows, an input projection's
                 # output columns; the other activation operand whole
                 a_out = min(out_bytes * mb, act)
                 a_in = act - a_out
                 split, whole = (a_in, a_out) if down else (a_out, a_in)
-                new = grouped_gemm_time(flops * mb * EP_IMBALANCE / etp,
-                                        ((split / etp + whole) * EP_IMBALANCE + wbytes / (ep * etp)) * scale,
+                new = grouped_gemm_time(flops * mb * imbalance / etp,
+                                        ((split / etp + whole) * imbalance + wbytes / (ep * etp)) * scale,
                                         experts // ep, dev, dtype)
             dfwd += new[0] - old[0]
             dbwd += new[1] - old[1]

@@ -1456,7 +1456,7 @@ class Search:
         self._floor_cache: dict[tuple[int, int], np.ndarray] = {}
         self._bottlenecks: dict[tuple[bytes, int], float] = {}   # `_bottleneck` per (least times, pp)
         self._dp_cache: dict[tuple, Any] = {}       # `_evaluate_hetero`: table -> `stage_dp`'s result
-        self.experts = ExpertCosting(graph, layers)
+        self.experts = ExpertCosting(graph, layers, software=self.software)
         if (cons.ep or 1) > 1 and not self.experts:
             raise PlanError(f"ep={cons.ep}: the model has no routed experts (no grouped GEMM over stacked expert "
                             f"weights was captured); leave ep unset", constraint="ep")

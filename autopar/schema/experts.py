@@ -32,7 +32,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-TokenExchange = Literal["dropless_all_to_all"]
+TokenExchange = Literal["dropless_all_to_all", "deduplicated_all_to_all"]
 
 
 class ExpertBlockPlan(BaseModel):
@@ -62,10 +62,12 @@ class ExpertParallelism(BaseModel):
     blocks: list[ExpertBlockPlan] = Field(min_length=1)
     exchange: TokenExchange = "dropless_all_to_all"
     imbalance: float = Field(ge=1.0, description="the most-loaded rank's token-expert pairs over the mean, "
-                             "costed in the exchange and the expert GEMMs (an estimate)")
+                             "costed in the exchange and the expert GEMMs (an estimate; 1 under fake balanced "
+                             "routing, SoftwareSpec.expert_routing)")
     dispatch_bytes: float = Field(ge=0, description="bytes one rank sends in one block's dispatch, per "
                                   "micro-batch (token-expert pairs x width x element size, the imbalance "
-                                  "included; the combine returns as many)")
+                                  "included; deduplicated: tokens x the ranks each reaches, SoftwareSpec."
+                                  "expert_dispatch 'ranks'; the combine returns as many)")
     expert_tp: int = Field(default=1, ge=1, description="expert tensor parallelism: 1, the experts replicated "
                            "over tp; tp, each expert's projections split over the stage's tp ranks (input "
                            "projections column-parallel, output projection row-parallel), its output "
@@ -90,4 +92,4 @@ class ExpertParallelism(BaseModel):
                 f"each expert held by {self.expert_dp} rank{'s' if self.expert_dp > 1 else ''} (expert data "
                 f"parallelism); tokens exchanged by all_to_all ({self.exchange.replace('_', ' ')}, "
                 f"{self.dispatch_bytes / 2**20:.3g} MiB sent per rank, block and micro-batch each way, "
-                f"routing imbalance {self.imbalance:g}x, an estimate){etp}")
+                f"routing imbalance {self.imbalance:g}x{', an estimate' if self.imbalance > 1 else ''}){etp}")

@@ -19,7 +19,11 @@ same plan, and that the cost model honours:
   memory and writes its output: eager PyTorch, what `autopar run` executes) or "fused" (a
   maximal chain of element-wise ops between other ops runs as one kernel that reads the chain's
   inputs once and writes what leaves it once: torch.compile's Inductor, Megatron's fused
-  bias-GELU kernels). Time: `cost_models.fusion` (through `cost_models.compute.node_time`).
+  bias-GELU kernels) or "norm_moe" (only the modules the software's libraries fuse: each
+  RMSNorm / LayerNorm module one kernel (Transformer Engine's RMSNorm), and an expert block's
+  gathers into expert order, activation, weighting and sum back as fused kernels moving the
+  group's boundary (Megatron-Core's fused permutation and weighted SwiGLU); every other
+  element-wise op eager). Time: `cost_models.fusion` (through `cost_models.compute.node_time`).
   Memory stays eager's: what eager autograd saves (an upper bound under Inductor, whose
   partitioner recomputes element-wise ops in the backward instead of saving them).
 - `mixed_precision`: how a bf16/fp16 run keeps its tensors. "autocast" (torch.autocast around a
@@ -36,8 +40,11 @@ same plan, and that the cost model honours:
   logits, `log_softmax` saving its fp32 output, fp32 gradients of the logits' size in the
   backward; what `autopar run` executes) or "fused" (one kernel reading the 2-byte logits,
   saving them and a log-sum-exp per row, writing their gradient in place: apex's xentropy as the
-  flash-attn training stack runs it, flash-attn's Triton cross-entropy). Time and memory:
-  `cost_models.fused_loss` (the captured graph rewritten as the software runs it).
+  flash-attn training stack runs it, flash-attn's Triton cross-entropy) or "half" (the eager
+  cross-entropy on the 2-byte logits, not upcast: `log_softmax` writing and saving 2-byte
+  log-probabilities, the backward's gradients 2-byte; NeMo AutoModel's `MaskedCrossEntropy` with
+  `fp32_upcast: false`). Time and memory: `cost_models.fused_loss` (the captured graph rewritten
+  as the software runs it).
 - `param_dtype`: the dtype a mixed-precision run keeps its parameters in. "training" (the
   2-byte training dtype, fp32 masters in the optimizer: what `autopar run` executes, also
   Megatron-LM) or "fp32" (the parameters stay fp32 under autocast: PyTorch Lightning's
@@ -66,6 +73,24 @@ same plan, and that the cost model honours:
   Megatron-FSDP with --overlap-param-gather and --overlap-grad-reduce) instead of between the
   units' kernels. Time: `autopar.inter_op.search` (`_Tables.exposed_zero`: a micro-batch pays
   the part of its ZeRO-3 collectives beyond its forward and backward compute).
+- `optimizer_states`: what the optimizer keeps beside 2-byte parameters. "fp32" (fp32 master
+  weights and fp32 moments, 12 bytes a parameter: what `autopar run` executes, Megatron-LM) or
+  "param" (no master: the optimizer steps the parameters themselves, its moments in their
+  dtype, 4 bytes a parameter under Adam; torch.optim.Adam on a model cast to bf16, NeMo
+  AutoModel). Memory: `cost_models.memory.PRECISION_POLICIES` (`state_policy`); time: the
+  optimizer step's bytes.
+- `expert_dispatch`: how expert parallelism's all-to-all carries the tokens. "pairs" (what
+  `autopar run` executes, `autopar.runtime.experts`: one row per token-expert pair, a token sent
+  once for each of its top-k experts, the combine returning as many rows) or "ranks" (DeepEP's
+  normal kernels: a token sent once to each rank holding any of its experts,
+  `get_dispatch_layout`'s `is_token_in_rank`, and its rows on that rank summed before the combine
+  returns one). Time: `autopar.inter_op.experts` (the exchange's bytes).
+- `expert_routing`: which experts the tokens go to, as the costs assume it. "router" (the model's
+  own router, what `autopar run` executes: the most-loaded rank takes `EP_IMBALANCE` times the
+  mean pairs, an estimate, and a token's experts fall at random over the ranks) or
+  "fake_balanced" (NeMo AutoModel's `FakeBalancedGate`, a benchmark setting: token t goes to
+  experts (k t + j) mod E, j < k: every expert the same pairs, no imbalance, and the ranks a
+  token reaches follow from that rule). Time: `autopar.inter_op.experts`.
 
 Every field changes a prediction; a choice the cost model cannot honour has no field here.
 Named presets live in `software_profiles/` (YAML, each field with its source); the default,
@@ -94,16 +119,22 @@ from autopar.schema.files import read_mapping
 
 AttentionKernel = Literal["fused", "unfused"]
 ATTENTION_KERNELS: tuple[str, ...] = ("fused", "unfused")
-PointwiseFusion = Literal["eager", "fused"]
-POINTWISE_FUSIONS: tuple[str, ...] = ("eager", "fused")
+PointwiseFusion = Literal["eager", "fused", "norm_moe"]
+POINTWISE_FUSIONS: tuple[str, ...] = ("eager", "fused", "norm_moe")
 MixedPrecision = Literal["autocast", "half"]
 MIXED_PRECISIONS: tuple[str, ...] = ("autocast", "half")
-LossKernel = Literal["eager", "fused"]
-LOSS_KERNELS: tuple[str, ...] = ("eager", "fused")
+LossKernel = Literal["eager", "fused", "half"]
+LOSS_KERNELS: tuple[str, ...] = ("eager", "fused", "half")
 ParamDtype = Literal["training", "fp32"]
 PARAM_DTYPES: tuple[str, ...] = ("training", "fp32")
 ZeroOptimizer = Literal["flat", "zero_redundancy"]
 ZERO_OPTIMIZERS: tuple[str, ...] = ("flat", "zero_redundancy")
+OptimizerStates = Literal["fp32", "param"]
+OPTIMIZER_STATES: tuple[str, ...] = ("fp32", "param")
+ExpertDispatch = Literal["pairs", "ranks"]
+EXPERT_DISPATCHES: tuple[str, ...] = ("pairs", "ranks")
+ExpertRouting = Literal["router", "fake_balanced"]
+EXPERT_ROUTINGS: tuple[str, ...] = ("router", "fake_balanced")
 
 # the memory a plan may not fill, per software stack (`cost_models.memory.usable_memory`); omitted
 # from a dump at their defaults
@@ -158,8 +189,9 @@ class SoftwareSpec(BaseModel):
         default="eager", description="eager: every element-wise op its own kernel (eager PyTorch, what autopar "
         "run executes); fused: a chain of element-wise ops between other ops runs as one kernel reading the "
         "chain's inputs once and writing what leaves it once (torch.compile / Inductor, Megatron's fused "
-        "bias-GELU); time only: the activation memory stays eager autograd's (an upper bound under Inductor, "
-        "which recomputes element-wise ops in the backward)")
+        "bias-GELU); norm_moe: only norm modules and an expert block's routing and activation ops fused, as "
+        "Transformer Engine and Megatron-Core's MoE kernels run them; time only: the activation memory stays "
+        "eager autograd's (an upper bound under Inductor, which recomputes element-wise ops in the backward)")
     mixed_precision: MixedPrecision = Field(
         default="autocast", description="autocast: torch.autocast over 2-byte parameters (what autopar run "
         "executes): autocast's fp32 ops (CUDA: layer norm, softmax, ...) write fp32 tensors; half: the model "
@@ -168,7 +200,9 @@ class SoftwareSpec(BaseModel):
     loss_kernel: LossKernel = Field(
         default="eager", description="eager: the cross-entropy as the model writes it (fp32 upcast, log_softmax "
         "saving fp32, fp32 gradients; what autopar run executes); fused: one kernel reading the 2-byte logits, "
-        "saving them and a log-sum-exp per row, writing their gradient in place (apex xentropy, flash-attn)")
+        "saving them and a log-sum-exp per row, writing their gradient in place (apex xentropy, flash-attn); "
+        "half: the eager cross-entropy on the 2-byte logits, no upcast, its tensors 2-byte (NeMo AutoModel's "
+        "MaskedCrossEntropy fp32_upcast false)")
     param_dtype: ParamDtype = Field(
         default="training", description="training: a mixed-precision run keeps its parameters in the 2-byte "
         "training dtype, fp32 masters in the optimizer (what autopar run executes, Megatron-LM); fp32: the "
@@ -204,6 +238,20 @@ class SoftwareSpec(BaseModel):
     usable_fraction: Optional[float] = Field(
         default=None, gt=0, le=1, description="when set, a plan may fill this share of the device's "
         "memory_bytes instead of what the terms above leave (an override, for sensitivity)")
+    optimizer_states: OptimizerStates = Field(
+        default="fp32", description="fp32: fp32 master weights and moments beside 2-byte parameters (what autopar "
+        "run executes); param: no master, the optimizer steps the 2-byte parameters, its moments in their dtype "
+        "(torch.optim.Adam on a model cast to bf16: NeMo AutoModel)")
+    expert_dispatch: ExpertDispatch = Field(
+        default="pairs", description="pairs: expert parallelism's all-to-all sends one row per token-expert pair "
+        "and the combine returns as many (what autopar run executes); ranks: a token sent once to each rank "
+        "holding any of its experts, its rows summed there before the combine returns one (DeepEP's normal "
+        "kernels)")
+    expert_routing: ExpertRouting = Field(
+        default="router", description="router: the model's router (what autopar run executes; the most-loaded "
+        "rank takes EP_IMBALANCE x the mean pairs, an estimate, a token's experts at random over the ranks); "
+        "fake_balanced: NeMo AutoModel's FakeBalancedGate benchmark setting, token t to experts (k t + j) mod E: "
+        "every expert the same pairs")
     attention_flops: dict[str, dict[str, list[AttentionPoint]]] = Field(
         default_factory=dict, description="the software's fused attention kernel measured on named devices "
         "(DeviceSpec.name -> dtype -> points, as DeviceSpec.attention_flops); on a device named here they "
@@ -230,12 +278,15 @@ class SoftwareSpec(BaseModel):
         `zero_optimizer` when it is "flat", the memory terms (`MEMORY_TERM_FIELDS`) at their defaults, the
         choices every plan made before the fields existed: a plan file (and its digest,
         `tests/test_planner_unchanged.py`) and a cache key for such software are what they were;
-        the other choices are written; likewise `zero3_overlap` when False."""
+        the other choices are written; likewise `zero3_overlap` when False, `expert_dispatch` when
+        "pairs" and `expert_routing` when "router"."""
         out = handler(self)
         if isinstance(out, dict):
             for key, old in (("pointwise_fusion", "eager"), ("mixed_precision", "autocast"), ("loss_kernel", "eager"),
                              ("param_dtype", "training"), ("zero_optimizer", "flat"), ("zero3_overlap", False),
                              ("attention_head_dims", []),
+                             ("expert_dispatch", "pairs"), ("expert_routing", "router"),
+                             ("optimizer_states", "fp32"),
                              *((k, type(self).model_fields[k].default) for k in MEMORY_TERM_FIELDS)):
                 if out.get(key) == old:
                     out.pop(key)
@@ -251,8 +302,11 @@ class SoftwareSpec(BaseModel):
         """The precision policy of a `dtype` run's model states, gradient accumulation and sync
         (`cost_models.memory.PRECISION_POLICIES`): "fp32" where the parameters stay fp32
         (`param_dtype`: 4-byte weights and gradients, Adam's two moments, no master copy), else
-        `dtype` itself."""
-        return "fp32" if self.param_dtype == "fp32" else dtype
+        `dtype` itself, or `dtype`'s "_param" policy (no master, 2-byte moments) where the optimizer
+        keeps no fp32 states (`optimizer_states` "param")."""
+        if self.param_dtype == "fp32":
+            return "fp32"
+        return f"{dtype}_param" if self.optimizer_states == "param" and dtype in ("bf16", "fp16") else dtype
 
     def param_cast_bytes(self, dtype: str) -> float:
         """Bytes per parameter element one micro-batch moves casting fp32 parameters for a
@@ -269,11 +323,12 @@ class SoftwareSpec(BaseModel):
 
     def on_graph(self, graph: Any) -> Any:
         """`graph` (an OpGraph) as this software runs it: its cross-entropy losses one fused kernel
-        each under `loss_kernel` "fused" (`cost_models.fused_loss.fuse_losses`), else `graph`."""
-        if self.loss_kernel != "fused":
+        each under `loss_kernel` "fused", run on the 2-byte logits under "half"
+        (`cost_models.fused_loss.fuse_losses`), else `graph`."""
+        if self.loss_kernel == "eager":
             return graph
-        from cost_models.fused_loss import fuse_losses
-        return fuse_losses(graph)
+        from cost_models.fused_loss import HALF_OVERLOAD, fuse_losses
+        return fuse_losses(graph) if self.loss_kernel == "fused" else fuse_losses(graph, HALF_OVERLOAD)
 
     def on_cluster(self, cluster: Any) -> Any:
         """`cluster` (a ClusterSpec) with its device's fused-attention rates replaced by this
@@ -289,15 +344,20 @@ class SoftwareSpec(BaseModel):
         """One line: the name and every choice (what `autopar show` prints)."""
         sync = "overlaps the backward" if self.grad_sync_overlap else "after the backward"
         own = f", its own attention rates on {', '.join(sorted(self.attention_flops))}" if self.attention_flops else ""
-        fusion = ", element-wise chains fused" if self.pointwise_fusion == "fused" else ""
+        fusion = {"fused": ", element-wise chains fused",
+                  "norm_moe": ", norms and the experts' routing fused"}.get(self.pointwise_fusion, "")
         half = ", model cast to its 2-byte dtype (no autocast)" if not self.autocast else ""
-        loss = ", fused cross-entropy" if self.loss_kernel == "fused" else ""
+        loss = {"fused": ", fused cross-entropy",
+                "half": ", cross-entropy on the 2-byte logits"}.get(self.loss_kernel, "")
         fp32 = ", fp32 parameters under autocast" if self.param_dtype == "fp32" else ""
         zro = ", torch ZeroRedundancyOptimizer" if self.zero_optimizer == "zero_redundancy" else ""
         zero3 = ", ZeRO-3 collectives beside the compute" if self.zero3_overlap else ""
+        zero3 += ", no fp32 master (2-byte optimizer moments)" if self.optimizer_states == "param" else ""
+        moe = (", a token sent once per expert rank (DeepEP)" if self.expert_dispatch == "ranks" else "") + \
+            (", fake balanced routing" if self.expert_routing == "fake_balanced" else "")
         flat = f", plans fill {self.usable_fraction:g} of device memory (override)" if self.usable_fraction else ""
         return (f"software: {self.name} (attention {self.attention_kernel}{own}{fusion}{half}{loss}{fp32}{zro}, "
-                f"dp gradient sync {sync}{zero3}{flat})")
+                f"dp gradient sync {sync}{zero3}{moe}{flat})")
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> "SoftwareSpec":
@@ -305,7 +365,8 @@ class SoftwareSpec(BaseModel):
         path = _resolve(str(name_or_path))
         data = read_mapping(path, "software",
                             "name, attention_kernel, pointwise_fusion, mixed_precision, param_dtype, zero_optimizer, "
-                            "grad_sync_overlap, zero3_overlap, allocator_fragmentation, usable_fraction")
+                            "grad_sync_overlap, zero3_overlap, allocator_fragmentation, usable_fraction, "
+                            "optimizer_states, expert_dispatch, expert_routing")
         data.setdefault("name", path.stem)
         try:
             return cls.model_validate(data)
