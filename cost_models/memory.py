@@ -2157,6 +2157,12 @@ def reduce_scatter_copies_input(device_type: Optional[str]) -> bool:
     return REDUCE_SCATTER_COPIES_INPUT.get(COLLECTIVE_BACKEND.get(device_type or "cuda", "nccl"), False)
 
 
+def mixed_precision(policy: str) -> bool:
+    """Whether `policy` (a `PRECISION_POLICIES` key) trains 2-byte weights beside fp32 masters
+    the optimizer steps (not fp32 training, not an optimizer stepping the 2-byte weights)."""
+    return PRECISION_POLICIES[policy][0] < 4 and not policy.endswith("_param")
+
+
 def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, dp: int = 1, *,
                    num_microbatches: int = 1, gathered_params: Any = 0.0,
                    optimizer_temps: Any = 0.0, prefetch_params: Any = 0.0,
@@ -2213,7 +2219,7 @@ def runtime_phases(num_params: Any, policy: str = "bf16", zero_stage: int = 0, d
         raise ValueError(f"zero_stage must be 0-3, got {zero_stage}")
     w, g, o = PRECISION_POLICIES[policy]
     own = policy.endswith("_param")     # no fp32 master: the step reads the 2-byte gradients
-    mixed = w < 4 and not own
+    mixed = mixed_precision(policy)
     D = max(int(dp), 1)
     P = num_params
     z = zero_stage if D > 1 else 0
