@@ -114,6 +114,10 @@ def test_models_written_by_others_run_the_collectives_the_rules_price(ref, block
     r = verify(p, ref, jobs=1)
     assert r.ok, r.failures
     assert r.collectives_measured == p.predicted.collectives
+    # every gradient held in its parameter's layout, the vocabulary-parallel table's (S(0) over
+    # tp) too: DTensor's backward hands that one back replicated, whole (`execute._reshard`)
+    assert [rc.tracked_categories["gradients"] for rc in r.ranks] == \
+        [rc.predicted_categories["gradients"] for rc in r.ranks]
 
 
 def test_a_layout_the_rules_did_not_price_is_told(monkeypatch):
