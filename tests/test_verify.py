@@ -567,3 +567,20 @@ def test_counter_riding_on_the_tracker_reports_as_a_mode_of_its_own():
     out = subprocess.run([sys.executable, "-c", "from tests.test_verify import _counter_fused_and_alone as f; f()"],
                          capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
     assert out.returncode == 0 and "same reports" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("model", ["moe-tiny", "llama-small"])
+def test_output_discarding_recomputation_verifies_as_predicted(model):
+    """A GPU plan recomputing the norms' and the experts' activation outputs ("norm_act",
+    `runtime.discard`) on verify's fake tensors: the discarded outputs are found by their
+    storages' identity, as on real ones (keyed by `data_ptr()`, 0 on every fake tensor, none was
+    discarded: HF Mixtral's norm_act plan on 16 H100s verified at twice its activations)."""
+    cluster = autopar.ClusterSpec.load("dgx-h100", num_nodes=1).model_copy(update={"devices_per_node": 2})
+    ep = {"ep": 2} if model == "moe-tiny" else {}
+    p = autopar.plan(model, cluster, global_batch_size=8, cache=False,
+                     constraints=autopar.Constraints(dp=2, tp=1, pp=1, recompute="norm_act", zero_stage=1, **ep))
+    assert p.stages[0].recompute == "norm_act"
+    r = verify(p, model, jobs=1)
+    assert r.ok, r.failures
+    assert r.collectives_match is True
+    assert all(abs(rc.memory_error) <= 0.02 for rc in r.ranks), [rc.memory_error for rc in r.ranks]
