@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 
-import autopar
 from autopar import Constraints
 from autopar.intra_op import execute
 from autopar.models import build_model
@@ -26,11 +25,17 @@ def _counts() -> tuple[int, int, int, int]:
 
 
 @pytest.mark.parametrize("layout", ["pp2xdp2", "tp2", "pp2xtp2_vocab", "cp2xtp2"])
-def test_the_programs_traced_before_the_fork_are_those_the_ranks_look_up(layout):
+def test_the_programs_traced_before_the_fork_are_those_the_ranks_look_up(layout, monkeypatch):
     """A traced pipeline (its chunks), a solved stage (its op-by-op program), a solved pipeline
     (the program its chunks are cut from) and a context-parallel solved stage (its program at a
     rank's tokens, positions traced as an op): `trace_programs` traces each, then every rank
-    kind of the plan builds and steps (`autopar verify`) without tracing any of them again."""
+    kind of the plan builds and steps (`autopar verify`, in this process: the programs are
+    this process's) without tracing any of them again. (What verify reports is not checked:
+    kinds of several layouts built in one process may share DTensor's cached decisions, which
+    is why verify builds them elsewhere; the runtime's ranks run one plan's layout.)"""
+    from autopar.runtime import verify as verify_mod
+
+    monkeypatch.setattr(verify_mod, "_isolated", lambda plan: (False, False))
     plan = (shared_plan("gpt-tiny", 4, constraints=Constraints(cp=2, dp=1, tp=2, pp=1, recompute="none",
                                                                    num_microbatches=1))
             if layout == "cp2xtp2" else make_plan(layout))
@@ -38,8 +43,7 @@ def test_the_programs_traced_before_the_fork_are_those_the_ranks_look_up(layout)
     graph_stages._SPLITS.clear()
     assert trace_programs(plan, build_model(plan.model.name, device="meta")) is None
     hits, misses, split_hits, split_misses = _counts()
-    report = autopar.verify(plan, plan.model.name)
-    assert report.ok, report.failures
+    verify_mod.verify(plan, plan.model.name, check=False)
     after = _counts()
     assert (after[1], after[3]) == (misses, split_misses), (layout, after, (hits, misses, split_hits, split_misses))
     assert after[0] + after[2] > hits + split_hits

@@ -143,3 +143,16 @@ def trace_plan(plan_json: str, model: Any, seed: int = 0) -> Optional[str]:
 
     bundle = model if isinstance(model, ModelBundle) else build_model(model, device="meta")
     return trace_programs(Plan.from_json(plan_json), bundle, seed=seed)
+
+
+def trace_plan_files(paths: list[str], seed: int = 0) -> None:
+    """`trace_programs` for each plan file of a job that runs them in turn (picklable), each
+    plan's model built from its reference."""
+    from autopar.models.registry import build_model
+    from autopar.schema.plan import load_plan
+
+    for path in paths:
+        plan = load_plan(path)
+        why = trace_programs(plan, build_model(plan.model.name, device="meta"), seed=seed)
+        if why is not None:
+            log.info("%s: its ranks trace their own programs (%s)", path, why)
