@@ -262,6 +262,9 @@ def worker(out: str, plan_paths: list[str]) -> None:
 def measure(planned: list[dict]) -> dict:
     """Run the planned specs, one launch per world size; returns {path: [report per rank]}.
     A launch that fails keeps the plans it finished; the others get {"error": ...}."""
+    import functools
+
+    from autopar.runtime.shared_programs import trace_plan_files
     from tests.launch import elastic_run
 
     results: dict = {}
@@ -271,7 +274,9 @@ def measure(planned: list[dict]) -> dict:
             out = f.name
         err = ""
         try:
-            elastic_run(Path(__file__).resolve(), ["--worker", out, *paths], n)
+            # the programs each rank traces alike, traced once before they fork
+            elastic_run(Path(__file__).resolve(), ["--worker", out, *paths], n,
+                        prepare=functools.partial(trace_plan_files, paths))
         except Exception as e:  # noqa: BLE001 - the launch's failure is reported per plan
             err = f"{type(e).__name__}: {str(e)[:500]}"
         got = json.loads(Path(out).read_text()) if os.path.getsize(out) else {}

@@ -47,6 +47,13 @@ def shared_plan(ref: str, devices: int, *, global_batch_size: int = 8, dtype: st
                 providers=_PROVIDERS, **kwargs)
 
 
+def planned(ref: str, cluster: autopar.ClusterSpec, **kwargs: Any) -> Plan:
+    """`autopar.plan(ref, cluster, **kwargs)` from the session's capture of `ref` and its shared
+    per-layer costs (`shared_plan` on any cluster: the same plan)."""
+    bundle, graph = captured(ref)
+    return plan(bundle, cluster, graph=graph, providers=_PROVIDERS, **kwargs)
+
+
 def one_process_losses(ref: str, steps: int) -> list[float]:
     """The losses of `steps` fp32 steps of `ref` on one process (the planner's plan for one CPU
     process, global batch 8, seed 0): what every layout of the model must reproduce."""

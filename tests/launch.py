@@ -13,8 +13,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def elastic_run(script: Path, args: list[str], nproc: int) -> None:
-    """Run `python script *args` on `nproc` processes of one elastic job; raises on failure."""
+def elastic_run(script: Path, args: list[str], nproc: int, prepare=None) -> None:
+    """Run `python script *args` on `nproc` processes of one elastic job; raises on failure.
+    `prepare`: what every process would do alike, done once before they fork
+    (`processes.launch`)."""
     from autopar.runtime.processes import launch, run_script
 
     env_old = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PYTHONPATH", "AUTOPAR_TRACK_MEMORY")}
@@ -27,7 +29,7 @@ def elastic_run(script: Path, args: list[str], nproc: int) -> None:
     cwd = os.getcwd()
     try:
         os.chdir(ROOT)
-        launch(run_script, str(script), *args, nproc=nproc)
+        launch(run_script, str(script), *args, nproc=nproc, prepare=prepare)
     finally:
         os.chdir(cwd)
         for k, v in env_old.items():
@@ -53,8 +55,9 @@ def run_plans(folder: Path, plans: dict, nproc: int, steps: int = 3, options: di
     job, `tests/plans.py`), each `steps` steps unless `options[name]` says otherwise ({"steps":
     N, "checkpoint_dir": DIR}, as `autopar.runtime.run` takes them): name -> its rows (or the
     job's error for it). One launch rather than one per plan: the workers start once, and what
-    they keep between plans of one model (its exported meta program, DTensor's sharding rules)
-    is worked out once."""
+    they keep between plans of one model (DTensor's sharding rules) is worked out once; the
+    programs every rank traces alike (exported, cut into pipeline chunks) are traced once, before
+    the ranks fork (`tests.plans.trace_layouts`, `autopar.runtime.shared_programs`)."""
     from urllib.parse import urlencode
 
     folder = Path(folder)
@@ -74,7 +77,10 @@ def layouts_job(entries: list[str], out: Path, nproc: int, steps: int) -> dict:
     it run in a new job, so one failing layout fails its own test, not every later one's. The
     failure is reported from the ranks' error files (the earliest written), or as the
     job's error where none did (a rank killed)."""
+    import functools
     import json
+
+    from tests.plans import trace_layouts
 
     out = Path(out)
     rows: dict = {}
@@ -83,7 +89,8 @@ def layouts_job(entries: list[str], out: Path, nproc: int, steps: int) -> dict:
         for f in out.parent.glob(f"{out.name}*"):
             f.unlink()
         try:
-            elastic_run(ROOT / "tests" / "plans.py", ["--out", str(out), "--steps", str(steps), *remaining], nproc)
+            elastic_run(ROOT / "tests" / "plans.py", ["--out", str(out), "--steps", str(steps), *remaining], nproc,
+                        prepare=functools.partial(trace_layouts, list(remaining)))
             failed = None
         except Exception as e:   # the job died: find which entry, report it, go on after it
             failed = f"{type(e).__name__}: {e}"

@@ -389,6 +389,36 @@ def recompute_check(layout: str) -> dict:
             "microbatches": plan.num_microbatches}
 
 
+def _entry_plan(lay: str) -> "Plan | None":
+    """The plan a layouts job's entry `lay` runs (`run_layouts_job`), None for a check of none."""
+    if lay.startswith("plan:"):
+        return load_plan(lay[len("plan:"):].partition("?")[0])
+    if lay.startswith("recompute_check:"):
+        return make_plan(lay.split(":", 1)[1])
+    if lay == "build_api":
+        return make_plan("dp2xtp2")
+    if lay.removesuffix("_bf16") in LAYOUTS:
+        return make_plan(lay)
+    return None
+
+
+def trace_layouts(layouts: list[str]) -> None:
+    """What every rank of a layouts job would trace alike, traced once in the process its ranks
+    are forked from (`tests.launch.layouts_job`, `processes.launch(prepare=...)`): each entry's
+    programs (`runtime.shared_programs.trace_programs`) and the hand-written plans' fingerprints
+    (`model_info`). A rank looks each up by its own key: one traced here that it does not ask
+    for changes nothing it runs."""
+    from autopar.runtime.shared_programs import trace_programs
+
+    for lay in layouts:
+        try:
+            plan = _entry_plan(lay)
+        except Exception:  # noqa: BLE001 - the entry's own run reports it, on every rank
+            continue
+        if plan is not None:
+            trace_programs(plan, build_model(plan.model.name, device="meta"))
+
+
 # ---------------------------------------------------------------------------------------------
 # a multi-layout job: one torchrun launch runs several layouts in turn (saves process start-up)
 # ---------------------------------------------------------------------------------------------
@@ -399,7 +429,8 @@ def run_layouts_job(layouts: list[str], out_path: str, steps: int = 4, seed: int
     with the optimizer `MODULE.NAME(params)` makes, as `autopar.runtime.run` does), or a check:
     "build_api", "vocab_loss", "recompute_check:LAYOUT",
     "fail_on_rank:R" (rank R raises: the harness's own test). With AUTOPAR_LAYOUT_TIMES set to
-    a file, rank 0 appends each layout's seconds to it (which layouts a job's time goes to)."""
+    a file, rank 0 appends each layout's seconds to it (which layouts a job's time goes to), and
+    how many programs it found kept and traced (`runtime.shared_programs`)."""
     import importlib
     import json
     import os
@@ -452,9 +483,16 @@ def run_layouts_job(layouts: list[str], out_path: str, steps: int = 4, seed: int
         dist.barrier()
         return rows
 
+    from autopar.intra_op.execute import META_PROGRAM_STATS
+    from autopar.runtime.graph_stages import SPLIT_STATS
+
+    def traced() -> tuple[int, ...]:
+        return (META_PROGRAM_STATS["hits"], META_PROGRAM_STATS["misses"], SPLIT_STATS["hits"], SPLIT_STATS["misses"])
+
     try:
         for lay in layouts:
             t0 = time.perf_counter()
+            c0 = traced()
             try:
                 results[lay] = one(lay)
             except Exception as e:
@@ -469,7 +507,9 @@ def run_layouts_job(layouts: list[str], out_path: str, steps: int = 4, seed: int
             write_results()
             if os.environ.get("AUTOPAR_LAYOUT_TIMES") and dist.get_rank() == 0:
                 with open(os.environ["AUTOPAR_LAYOUT_TIMES"], "a") as f:
-                    f.write(f"{time.perf_counter() - t0:8.1f} s  {dist.get_world_size()}p  {lay}\n")
+                    d = [b - a for a, b in zip(c0, traced())]
+                    f.write(f"{time.perf_counter() - t0:8.1f} s  {dist.get_world_size()}p  programs kept/traced "
+                            f"{d[0]}/{d[1]}, splits {d[2]}/{d[3]}  {lay}\n")
     finally:
         write_results()
         dist.destroy_process_group()
@@ -485,7 +525,11 @@ if __name__ == "__main__":
     ap.add_argument("layouts", nargs="+")
     a = ap.parse_args()
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
-    run_layouts_job(a.layouts, a.out, a.steps)
+    # the module the job's leader imported (`trace_layouts`), not this __main__ copy of it: a
+    # forked rank finds its memos (`model_info`'s fingerprints) filled
+    from tests.plans import run_layouts_job as job
+
+    job(a.layouts, a.out, a.steps)
     from autopar.runtime.worker import hard_exit
 
     hard_exit(0)

@@ -12,10 +12,12 @@ from autopar.capture.experts import find_expert_blocks
 from autopar.cli import main
 from autopar.inter_op.experts import EP_IMBALANCE
 from autopar.models import build_model
-from autopar.planner import plan
 from cost_models.communication import axis_collective_time
 from cost_models.compute import MATRIX_OPS
-from tests.captured import reference_losses, untracked
+
+# every plan from the session's capture of its model and its shared per-layer costs (the
+# same plans as `autopar.plan` makes from scratch: `tests.captured.planned`)
+from tests.captured import planned, reference_losses, untracked
 
 _MIXTRAL = ("hf:mixtral?hidden_size=64&intermediate_size=128&num_key_value_heads=2&num_local_experts=4"
             "&num_hidden_layers=2&num_attention_heads=4&vocab_size=128&seq_len=16")
@@ -39,8 +41,8 @@ def _plan(ep, n=4, **pins) -> Plan:
 
 
 def _plan_anew(ep, n: int, cons: dict) -> Plan:
-    return plan("moe-tiny", _cpu(n), global_batch_size=8, dtype="fp32", intra_op="analytic",
-                constraints=Constraints(ep=ep, **cons))
+    return planned("moe-tiny", _cpu(n), global_batch_size=8, dtype="fp32", intra_op="analytic",
+                   constraints=Constraints(ep=ep, **cons))
 
 
 _PLANS: dict = {}
@@ -54,8 +56,8 @@ def _memo(key, make) -> Plan:
 
 def _one(ref: str = "moe-tiny", dtype: str = "fp32") -> Plan:
     """The planner's plan for one CPU process (2 micro-batches, no recomputation)."""
-    return _memo(("one", ref, dtype), lambda: plan(ref, _cpu(1), global_batch_size=8, dtype=dtype,
-                                                   constraints=Constraints(num_microbatches=2, recompute="none")))
+    return _memo(("one", ref, dtype), lambda: planned(ref, _cpu(1), global_batch_size=8, dtype=dtype,
+                                                      constraints=Constraints(num_microbatches=2, recompute="none")))
 
 
 _LOSSES: dict = {}
@@ -90,7 +92,7 @@ def launched(tmp_path_factory) -> dict:
         "ep2_zero2": _plan(2, zero_stage=2),
         "ep2_pp2": _plan(2, dp=2, pp=2, schedule="1f1b"),
         # test_ep2_in_interleaved_pipeline_trains_like_one_process
-        "moe4_interleaved": _memo(("moe4_interleaved",), lambda: plan(
+        "moe4_interleaved": _memo(("moe4_interleaved",), lambda: planned(
             MOE4_REF, _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
             constraints=Constraints(ep=2, dp=2, tp=1, pp=2, zero_stage=1, recompute="none", num_microbatches=2,
                                     schedule="interleaved_1f1b", virtual_stages=2))),
@@ -99,7 +101,7 @@ def launched(tmp_path_factory) -> dict:
         "zero3_ep2_pp2": _plan(2, dp=2, pp=2, zero_stage=3, schedule="1f1b"),
         # test_zero3_reduce_scatter_every_microbatch_trains_like_one_process
         "zero3_ep2_each": _plan(2, zero_stage=3, zero3_grad_sync="microbatch"),
-        "zero3_ep4_bf16": _memo(("zero3_ep4_bf16",), lambda: plan(
+        "zero3_ep4_bf16": _memo(("zero3_ep4_bf16",), lambda: planned(
             "moe-tiny", _cpu(4), global_batch_size=8, dtype="bf16", intra_op="analytic",
             constraints=Constraints(ep=4, dp=4, tp=1, pp=1, zero_stage=3, recompute="none", num_microbatches=2))),
         # test_ep_with_tp_trains_like_one_process
@@ -117,31 +119,31 @@ def launched(tmp_path_factory) -> dict:
     except ImportError:
         pass
     else:   # test_hf_mixtral_ep2_tp2_op_by_op_trains_like_one_process
-        plans["mixtral_ep2_tp2"] = _memo(("mixtral_ep2_tp2",), lambda: plan(
+        plans["mixtral_ep2_tp2"] = _memo(("mixtral_ep2_tp2",), lambda: planned(
             _MIXTRAL, _cpu(4), global_batch_size=8, dtype="fp32",
             constraints=Constraints(dp=2, tp=2, pp=1, ep=2, zero_stage=0, recompute="none", num_microbatches=1)))
         # test_hf_mixtral_under_context_parallelism_trains_like_one_process
-        plans["mixtral_cp2_dp2"] = _memo(("mixtral_cp2_dp2",), lambda: plan(
+        plans["mixtral_cp2_dp2"] = _memo(("mixtral_cp2_dp2",), lambda: planned(
             _MIXTRAL, _cpu(4), global_batch_size=4, dtype="fp32", intra_op="analytic",
             constraints=Constraints(dp=2, cp=2, tp=1, pp=1, ep=1, zero_stage=0, recompute="none",
                                     num_microbatches=1)))
         # test_hf_mixtral_in_traced_pipeline_chunks_trains_like_one_process
-        plans["mixtral_pp2_dp2"] = _memo(("mixtral_pp2_dp2",), lambda: plan(
+        plans["mixtral_pp2_dp2"] = _memo(("mixtral_pp2_dp2",), lambda: planned(
             _MIXTRAL, _cpu(4), global_batch_size=4, dtype="fp32", intra_op="analytic",
             constraints=Constraints(dp=2, tp=1, pp=2, ep=1, zero_stage=0, recompute="none",
                                     num_microbatches=2, schedule="1f1b")))
-        plans["mixtral_ep2_pp2_dp2"] = _memo(("mixtral_ep2_pp2_dp2",), lambda: plan(
+        plans["mixtral_ep2_pp2_dp2"] = _memo(("mixtral_ep2_pp2_dp2",), lambda: planned(
             _MIXTRAL, _cpu(4), global_batch_size=4, dtype="fp32", intra_op="analytic",
             constraints=Constraints(dp=2, tp=1, pp=2, ep=2, zero_stage=0, recompute="none",
                                     num_microbatches=2, schedule="1f1b")))
-        plans["mixtral_ep2_cp2_zero1"] = _memo(("mixtral_ep2_cp2_zero1",), lambda: plan(
+        plans["mixtral_ep2_cp2_zero1"] = _memo(("mixtral_ep2_cp2_zero1",), lambda: planned(
             _MIXTRAL, _cpu(4), global_batch_size=4, dtype="fp32", intra_op="analytic",
             constraints=Constraints(dp=2, cp=2, tp=1, pp=1, ep=2, zero_stage=1, recompute="none",
                                     num_microbatches=1)))
         # test_hf_mixtral_bf16_program_runs_the_bf16_grouped_gemm_as_solved
         plans["mixtral_tp2_bf16"] = _mixtral_bf16(1)
         # test_hf_qwen_moe_ep2_tp2_op_by_op_trains_like_one_process
-        plans["qwen_ep2_tp2"] = _memo(("qwen_ep2_tp2",), lambda: plan(
+        plans["qwen_ep2_tp2"] = _memo(("qwen_ep2_tp2",), lambda: planned(
             _QWEN, _cpu(4), global_batch_size=8, dtype="fp32",
             constraints=Constraints(dp=2, tp=2, pp=1, ep=2, zero_stage=0, recompute="none", num_microbatches=1)))
         # test_expert_tp_trains_like_one_process
@@ -203,8 +205,8 @@ def test_ep_plan_places_experts_and_costs_the_exchange_with_its_sizes():
 def test_ep_searched_and_plan_file_round_trips():
     """Left free, ep is searched with dp/tp/pp; a plan with experts survives JSON, and a plan
     of format 7 (before experts) still reads, with none."""
-    p = plan("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
-             constraints=Constraints(dp=4, tp=1, pp=1))
+    p = planned("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
+                constraints=Constraints(dp=4, tp=1, pp=1))
     assert p.search["candidates"] > 0
     q = _plan(2)
     assert Plan.from_json(q.to_json()) == q
@@ -216,8 +218,8 @@ def test_ep_searched_and_plan_file_round_trips():
 
 def test_ep_constraint_errors_name_the_field(capsys):
     with pytest.raises(PlanError, match="ep=2: the model has no routed experts"):
-        plan("gpt-tiny", _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
-             constraints=Constraints(ep=2))
+        planned("gpt-tiny", _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
+                constraints=Constraints(ep=2))
     with pytest.raises(PlanError, match="ep=3 does not divide the 8 experts"):
         _plan(3, n=4, dp=None)
     with pytest.raises(PlanError, match="ep=4 must divide dp=2"):
@@ -381,20 +383,20 @@ def test_zero3_reduce_scatter_every_microbatch_planned_where_accumulating_does_n
     between = (once.predicted.peak_memory_bytes + each.predicted.peak_memory_bytes) / 2 / share
     small = small.model_copy(update={"device": small.device.model_copy(update={"memory_bytes": between})})
     cons = dict(dp=4, tp=1, pp=1, zero_stage=3, recompute="none", num_microbatches=2, ep=2)
-    roomy = plan("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
-                 constraints=Constraints(**cons))
+    roomy = planned("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
+                    constraints=Constraints(**cons))
     assert roomy.zero3_grad_sync == "step"
-    tight = plan("moe-tiny", small, global_batch_size=8, dtype="fp32", intra_op="analytic",
-                 constraints=Constraints(**cons))
+    tight = planned("moe-tiny", small, global_batch_size=8, dtype="fp32", intra_op="analytic",
+                    constraints=Constraints(**cons))
     assert tight.zero3_grad_sync == "microbatch"
     with pytest.raises(PlanError, match=r"zero3_grad_sync unset"):
-        plan("moe-tiny", small, global_batch_size=8, dtype="fp32", intra_op="analytic",
-             constraints=Constraints(**cons, zero3_grad_sync="step"))
+        planned("moe-tiny", small, global_batch_size=8, dtype="fp32", intra_op="analytic",
+                constraints=Constraints(**cons, zero3_grad_sync="step"))
     assert Plan.model_validate_json(tight.model_dump_json()) == tight
     for bad in (dict(pp=2, zero_stage=3, dp=2), dict(zero_stage=1)):
         with pytest.raises(PlanError, match="zero3_grad_sync") as e:
-            plan("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
-                 constraints=Constraints(**{**cons, **bad, "zero3_grad_sync": "microbatch"}))
+            planned("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
+                    constraints=Constraints(**{**cons, **bad, "zero3_grad_sync": "microbatch"}))
         assert e.value.constraint == "zero3_grad_sync"
 
 
@@ -405,12 +407,12 @@ def test_hf_mixtral_ep2_trains_like_one_process():
     pytest.importorskip("transformers")
     from autopar.runtime import run
 
-    p = plan(_MIXTRAL, _cpu(2), global_batch_size=4, dtype="fp32", intra_op="analytic",
-             constraints=Constraints(dp=2, tp=1, pp=1, ep=2, zero_stage=0, recompute="none", num_microbatches=1))
+    p = planned(_MIXTRAL, _cpu(2), global_batch_size=4, dtype="fp32", intra_op="analytic",
+                constraints=Constraints(dp=2, tp=1, pp=1, ep=2, zero_stage=0, recompute="none", num_microbatches=1))
     with untracked():      # memory is the memory tests': losses and collectives are compared
         steps = [r for r in run(p, _MIXTRAL, steps=2, seed=0, quiet=True) if "step" in r]
-    one = plan(_MIXTRAL, _cpu(1), global_batch_size=4, dtype="fp32",
-               constraints=Constraints(num_microbatches=1, recompute="none"))
+    one = planned(_MIXTRAL, _cpu(1), global_batch_size=4, dtype="fp32",
+                  constraints=Constraints(num_microbatches=1, recompute="none"))
     want = reference_losses(one, _MIXTRAL, 2)
     assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
     assert all(r["collectives"] == p.predicted.collectives == {"all_to_all": 10, "all_reduce": 1} for r in steps)
@@ -446,7 +448,7 @@ def test_hf_qwen_moe_ep2_tp2_op_by_op_trains_like_one_process(launched):
 
 def _mixtral_bf16(ep: int) -> Plan:
     """Tiny HF Mixtral in bf16 at ep x dp 2 x tp 2 on 4 CPU processes, solved op by op (made once)."""
-    return _memo(("mixtral_bf16", ep), lambda: plan(
+    return _memo(("mixtral_bf16", ep), lambda: planned(
         _MIXTRAL, _cpu(4), global_batch_size=8, dtype="bf16",
         constraints=Constraints(dp=2, tp=2, pp=1, ep=ep, zero_stage=0, recompute="none", num_microbatches=1)))
 
@@ -485,8 +487,8 @@ def test_hf_mixtral_bf16_program_runs_the_bf16_grouped_gemm_as_solved(launched):
     pytest.importorskip("transformers")
     p, steps = launched["mixtral_tp2_bf16"]
     assert p.stages[0].op_layouts is not None
-    one = plan(_MIXTRAL, _cpu(1), global_batch_size=8, dtype="bf16",
-               constraints=Constraints(num_microbatches=1, recompute="none"))
+    one = planned(_MIXTRAL, _cpu(1), global_batch_size=8, dtype="bf16",
+                  constraints=Constraints(num_microbatches=1, recompute="none"))
     assert [r["loss"] for r in steps] == pytest.approx(reference_losses(one, _MIXTRAL, 2), rel=1e-4)
     assert all(r["collectives"] == p.predicted.collectives for r in steps)
 
@@ -494,8 +496,8 @@ def test_hf_mixtral_bf16_program_runs_the_bf16_grouped_gemm_as_solved(launched):
 def _assert_one_process_losses_and_plan_collectives(ref: str, p: Plan, steps: list) -> None:
     """`steps` (2 steps of `p`, global batch 8) have the losses of `ref` on one process (one
     micro-batch) within 1e-4 and each counted the plan's collectives."""
-    one = plan(ref, _cpu(1), global_batch_size=8, dtype="fp32",
-               constraints=Constraints(num_microbatches=1, recompute="none"))
+    one = planned(ref, _cpu(1), global_batch_size=8, dtype="fp32",
+                  constraints=Constraints(num_microbatches=1, recompute="none"))
     want = reference_losses(one, ref, 2)
     assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
     assert all(r["collectives"] == p.predicted.collectives for r in steps), \
@@ -512,8 +514,8 @@ def test_hf_mixtral_under_context_parallelism_trains_like_one_process(launched):
     routing over a sequence (the zoo MoE's sequence-wise balance loss) stays refused, naming the
     op."""
     pytest.importorskip("transformers")
-    one = plan(_MIXTRAL, _cpu(1), global_batch_size=4, dtype="fp32",
-               constraints=Constraints(num_microbatches=1, recompute="none"))
+    one = planned(_MIXTRAL, _cpu(1), global_batch_size=4, dtype="fp32",
+                  constraints=Constraints(num_microbatches=1, recompute="none"))
     want = reference_losses(one, _MIXTRAL, 2)
     for name in ("mixtral_cp2_dp2", "mixtral_ep2_cp2_zero1"):
         p, steps = launched[name]
@@ -532,13 +534,13 @@ def test_hf_mixtral_under_context_parallelism_trains_like_one_process(launched):
     # pinned: issue 20, one executor); in pipeline stages it is marked and refused
     from autopar.runtime.experts import check_executable
 
-    q = plan(_MIXTRAL, _cpu(8), global_batch_size=4, dtype="fp32", intra_op="analytic",
-             constraints=Constraints(ep=2, dp=2, cp=2, tp=2, pp=1, zero_stage=0, recompute="none",
+    q = planned(_MIXTRAL, _cpu(8), global_batch_size=4, dtype="fp32", intra_op="analytic",
+                constraints=Constraints(ep=2, dp=2, cp=2, tp=2, pp=1, zero_stage=0, recompute="none",
                                      num_microbatches=1))
     assert q.stages[0].op_layouts is not None and "ep_executor" not in q.search, q.search
     check_executable(q)
-    q = plan(_MIXTRAL, _cpu(16), global_batch_size=4, dtype="fp32", intra_op="analytic",
-             constraints=Constraints(ep=2, dp=2, cp=2, tp=2, pp=2, zero_stage=0, recompute="none",
+    q = planned(_MIXTRAL, _cpu(16), global_batch_size=4, dtype="fp32", intra_op="analytic",
+                constraints=Constraints(ep=2, dp=2, cp=2, tp=2, pp=2, zero_stage=0, recompute="none",
                                      num_microbatches=2))
     assert "expert parallelism with tensor parallelism in pipeline stages" in q.search["cp_executor"]
     with pytest.raises(PlanError, match=r"scatter \(scatter in layers\.0\.mlp\) mixes tokens along the sequence"):
@@ -559,8 +561,8 @@ def test_hf_mixtral_in_traced_pipeline_chunks_trains_like_one_process(launched):
     experts (`runtime.experts.eager_experts`): the same losses, the plan's collectives (the
     2 x 5 all-to-alls per micro-batch, 2 micro-batches) on every step."""
     pytest.importorskip("transformers")
-    one = plan(_MIXTRAL, _cpu(1), global_batch_size=4, dtype="fp32",
-               constraints=Constraints(num_microbatches=2, recompute="none"))
+    one = planned(_MIXTRAL, _cpu(1), global_batch_size=4, dtype="fp32",
+                  constraints=Constraints(num_microbatches=2, recompute="none"))
     want = reference_losses(one, _MIXTRAL, 2)
     p, steps = launched["mixtral_pp2_dp2"]
     assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
@@ -579,8 +581,8 @@ def test_qwen_moe_preset_is_the_published_checkpoint():
     pytest.importorskip("transformers")
     b = build_model("hf:Qwen/Qwen1.5-MoE-A2.7B", batch_size=1)
     assert round(sum(p.numel() for p in b.model.parameters()) / 1e9, 1) == 14.3
-    p = plan("hf:Qwen/Qwen1.5-MoE-A2.7B?num_hidden_layers=2&seq_len=1024", ClusterSpec.load("dgx-h100", num_nodes=2),
-             global_batch_size=64, constraints=Constraints(ep=4))
+    p = planned("hf:Qwen/Qwen1.5-MoE-A2.7B?num_hidden_layers=2&seq_len=1024", ClusterSpec.load("dgx-h100", num_nodes=2),
+                global_batch_size=64, constraints=Constraints(ep=4))
     assert p.experts is not None and p.ep == 4
     assert "60 routed experts (top-4), ep=4: 15 experts per rank" in p.summary()
 
@@ -609,8 +611,8 @@ def _solved(zero_stage: int) -> Plan:
 
 
 def _solved_anew(zero_stage: int) -> Plan:
-    return plan("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32",
-                constraints=Constraints(ep=2, dp=2, tp=2, pp=1, zero_stage=zero_stage, recompute="none",
+    return planned("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32",
+                   constraints=Constraints(ep=2, dp=2, tp=2, pp=1, zero_stage=zero_stage, recompute="none",
                                         num_microbatches=2))
 
 
@@ -665,8 +667,8 @@ def test_verify_steps_an_ep_plan_on_a_fake_process_group():
     # ep x tp run op by op as solved: the tp layouts' collectives apart from the ep exchange's
     # (under ZeRO-3 the exchange's call nested in its layer's FSDP unit); in pipeline stages on
     # 8 ranks, each chunk's expert slices held where PipelineStage and ZeRO-1 reach them
-    piped = plan("moe-tiny", _cpu(8), global_batch_size=8, dtype="fp32",
-                 constraints=Constraints(ep=2, dp=2, tp=2, pp=2, zero_stage=1, recompute="none",
+    piped = planned("moe-tiny", _cpu(8), global_batch_size=8, dtype="fp32",
+                    constraints=Constraints(ep=2, dp=2, tp=2, pp=2, zero_stage=1, recompute="none",
                                          num_microbatches=2, schedule="1f1b"))
     for p in (_solved(1), _solved(3), piped):
         report = autopar.verify(p, "moe-tiny")
@@ -681,8 +683,8 @@ def test_verify_steps_an_interleaved_ep_pipeline():
     import autopar
     from tests.plans import MOE4_REF
 
-    p = plan(MOE4_REF, _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
-             constraints=Constraints(ep=2, dp=2, tp=1, pp=2, zero_stage=1, recompute="none", num_microbatches=2,
+    p = planned(MOE4_REF, _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
+                constraints=Constraints(ep=2, dp=2, tp=1, pp=2, zero_stage=1, recompute="none", num_microbatches=2,
                                      schedule="interleaved_1f1b", virtual_stages=2))
     text = autopar.verify(p, MOE4_REF).summary()
     assert "FAIL" not in text and "differ" not in text and text.rstrip().endswith("ok"), text
@@ -733,7 +735,7 @@ def _etp(zero_stage: int, etp=2, ref: str = "moe-tiny", **pins) -> Plan:
                 expert_tp=etp)
     cons.update(pins)
     n = cons["dp"] * cons["tp"] * cons["pp"]
-    return _memo(("etp", ref, n, tuple(sorted(cons.items()))), lambda: plan(
+    return _memo(("etp", ref, n, tuple(sorted(cons.items()))), lambda: planned(
         ref, _cpu(n), global_batch_size=8, dtype="fp32", constraints=Constraints(**cons)))
 
 
@@ -742,7 +744,7 @@ def _folded(zero_stage: int, ref: str = "moe-tiny", **pins) -> Plan:
     (Megatron-Core's MoE parallel folding: ep 4, or ep 2 with expert_dp 2), made once."""
     cons = dict(dp=2, tp=2, pp=1, zero_stage=zero_stage, recompute="none", num_microbatches=2, expert_tp=1)
     cons.update(pins)
-    return _memo(("folded", ref, tuple(sorted(cons.items()))), lambda: plan(
+    return _memo(("folded", ref, tuple(sorted(cons.items()))), lambda: planned(
         ref, _cpu(4), global_batch_size=8, dtype="fp32", constraints=Constraints(**cons)))
 
 
@@ -868,8 +870,8 @@ def test_expert_tp_plan_records_the_split_and_search_chooses_by_time_under_memor
     usable = (rep.predicted.peak_memory_bytes + etp.predicted.peak_memory_bytes) / 2
     share = usable_memory(cl.device) / cl.device.memory_bytes          # a CPU: the allocator's share only
     cl = cl.model_copy(update={"device": cl.device.model_copy(update={"memory_bytes": int(usable / share)})})
-    tight = plan("moe-tiny", cl, global_batch_size=8, dtype="fp32",
-                 constraints=Constraints(ep=2, dp=2, tp=2, pp=1, zero_stage=0, recompute="none", num_microbatches=2))
+    tight = planned("moe-tiny", cl, global_batch_size=8, dtype="fp32",
+                    constraints=Constraints(ep=2, dp=2, tp=2, pp=1, zero_stage=0, recompute="none", num_microbatches=2))
     assert tight.experts.expert_tp == 2
     assert tight.predicted.iteration_time_s == pytest.approx(etp.predicted.iteration_time_s)
 
@@ -886,16 +888,16 @@ def test_expert_tp_errors_and_refusals_name_the_field():
         cons = dict(ep=2, dp=2, tp=2, pp=1, zero_stage=0, recompute="none", num_microbatches=2)
         cons.update(pins)
         with pytest.raises(PlanError, match=msg) as e:
-            plan("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
-                 constraints=Constraints(**cons))
+            planned("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
+                    constraints=Constraints(**cons))
         assert e.value.constraint == "expert_tp"
     with pytest.raises(PlanError, match="expert_tp=2: the model has no routed experts"):
-        plan("gpt-tiny", _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
-             constraints=Constraints(tp=2, expert_tp=2))
+        planned("gpt-tiny", _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
+                constraints=Constraints(tp=2, expert_tp=2))
     for z in range(4):
         check_executable(_etp(z))
-    analytic = plan("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
-                    constraints=Constraints(ep=2, dp=2, tp=2, pp=1, zero_stage=0, recompute="none",
+    analytic = planned("moe-tiny", _cpu(4), global_batch_size=8, dtype="fp32", intra_op="analytic",
+                       constraints=Constraints(ep=2, dp=2, tp=2, pp=1, zero_stage=0, recompute="none",
                                             num_microbatches=2, expert_tp=2))
     # the analytic plan runs op by op like the ILP's (its layouts solved with its placements pinned)
     assert analytic.stages[0].op_layouts is not None and "ep_executor" not in analytic.search

@@ -108,6 +108,28 @@ def _plain(v: Any, memo: dict) -> Any:
     return None
 
 
+_TRANSFORMERS: list = []
+
+
+def _transformers_version() -> Optional[str]:
+    """The installed transformers' version (None when it is not installed), whether or not this
+    process has imported it yet: a model's key is the same before and after some other model
+    imported it (the local ranks of a job look up programs traced in the process they were
+    forked from under the key: `runtime.shared_programs`)."""
+    if not _TRANSFORMERS:
+        mod = sys.modules.get("transformers")
+        version = getattr(mod, "__version__", None) if mod is not None else None
+        if version is None:
+            from importlib import metadata
+
+            try:
+                version = metadata.version("transformers")
+            except metadata.PackageNotFoundError:
+                version = None
+        _TRANSFORMERS.append(version)
+    return _TRANSFORMERS[0]
+
+
 def model_key(model: Any, example_inputs: Any, *, loss_fn: Any = None, batch_dim: bool = True,
               repeated: bool = True) -> str:
     """The cache key of capturing `model(*example_inputs)`: see the module docstring."""
@@ -120,9 +142,8 @@ def model_key(model: Any, example_inputs: Any, *, loss_fn: Any = None, batch_dim
         h.update(b"\x00")
 
     put("autopar-capture", FORMAT, code_version(), torch.__version__, batch_dim, repeated)
-    mods = sys.modules.get("transformers")
-    if mods is not None:
-        put("transformers", getattr(mods, "__version__", "?"))
+    if _transformers_version() is not None:
+        put("transformers", _transformers_version())
     memo: dict = {}
     for name, m in model.named_modules(remove_duplicate=False):
         attrs = sorted((k, d) for k, v in vars(m).items() if not k.startswith("_")

@@ -239,9 +239,12 @@ def _launch(p: Plan, model: Any, n: int, steps: int, seed: int, mpath: str, chec
     and the runtime once (`processes`), each running `worker.worker_entry`. A ModelBundle or an
     optimizer factory is pickled to the workers (a calling script defining them needs an
     `if __name__ == "__main__":` guard, as multiprocessing re-imports it)."""
+    import functools
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from autopar.runtime.processes import launch
+    from autopar.runtime.shared_programs import trace_plan
     from autopar.runtime.worker import worker_entry
 
     old = {k: os.environ.get(k) for k in list(env) + ["PYTHONPATH", "OMP_NUM_THREADS"]}
@@ -250,10 +253,13 @@ def _launch(p: Plan, model: Any, n: int, steps: int, seed: int, mpath: str, chec
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, n))))
     paths = [os.getcwd()] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    # CPU ranks trace the same programs: traced once, before they fork (`shared_programs`); GPU
+    # ranks trace each for its own device
+    prepare = None if torch.cuda.is_available() else functools.partial(trace_plan, p.to_json(indent=None), model, seed)
     try:
         launch(worker_entry, p.to_json(indent=None), model, steps, seed, os.path.abspath(mpath),
                os.path.abspath(checkpoint_dir) if checkpoint_dir else None, checkpoint_every, quiet, optimizer_factory,
-               nproc=n, max_restarts=max_restarts)
+               nproc=n, max_restarts=max_restarts, prepare=prepare)
     except ChildFailedError as e:
         def msg(f: Any) -> str:
             m = f.message

@@ -15,6 +15,10 @@ count from OMP_NUM_THREADS, which the OpenMP runtime read once, when torch was f
 in the server. The server imports modules only: it runs no tensor operation, so it has no
 OpenMP thread pool or CUDA context for a fork to copy.
 
+Work every worker would do alike (the programs CPU ranks of one plan trace: `shared_programs`)
+is done once: `launch(..., prepare=fn)` forks a leader from the server, which runs fn() and then
+the job, its workers forked from itself (`fork`), so each starts with what fn left.
+
     results = launch(fn, arg1, arg2, nproc=4)    # fn(arg1, arg2) in each worker: {rank: result}
     ProcessPoolExecutor(mp_context=worker_context()).submit(in_launcher_env, *launcher_args(fn, a))
 """
@@ -26,7 +30,7 @@ import os
 import runpy
 import sys
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 #: how local workers are started (multiprocessing start method)
 START_METHOD = "forkserver"
@@ -76,18 +80,65 @@ def worker_context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
-def launch(fn: Callable[..., Any], *args: Any, nproc: int, max_restarts: int = 0) -> dict[int, Any]:
+def launch(fn: Callable[..., Any], *args: Any, nproc: int, max_restarts: int = 0,
+           prepare: Optional[Callable[[], Any]] = None) -> dict[int, Any]:
     """fn(*args) on `nproc` local workers of one elastic job (torchrun's engine in this process:
     c10d rendezvous on a free local port, `max_restarts` restarts of the whole group), forked
     from the server in this process's environment and directory as they are now: {local rank:
-    fn's result}. Raises torch's ChildFailedError when a worker fails."""
+    fn's result}. Raises torch's ChildFailedError when a worker fails.
+
+    `prepare`: work every worker would do alike (picklable; `shared_programs.trace_programs`,
+    the programs each rank traces): done once, in a process forked from the server, which then
+    runs the job and forks the workers from itself, so each starts with what it left (its
+    kept programs) and does not do it again. Not with one worker (nothing to share)."""
+    if prepare is None or nproc < 2:
+        return _elastic(fn, args, nproc, max_restarts, START_METHOD)
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=worker_context()) as leader:
+        out = leader.submit(in_launcher_env, *launcher_args(_prepared_job, prepare, fn, args, nproc,
+                                                            max_restarts)).result()
+    if isinstance(out, _Failed):
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+        raise ChildFailedError(out.name, out.failures)
+    return out
+
+
+class _Failed:
+    """A job's ChildFailedError as its leader returns it (the error itself does not unpickle)."""
+
+    def __init__(self, name: str, failures: dict) -> None:
+        self.name, self.failures = name, failures
+
+
+def _prepared_job(prepare: Callable[[], Any], fn: Callable[..., Any], args: tuple, nproc: int,
+                  max_restarts: int) -> Any:
+    """`launch`'s leader: `prepare()`, then the job, its workers forked from this process."""
+    import torch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    # one thread: no OpenMP pool for the forked workers to inherit (as the server has none)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        prepare()
+    finally:
+        torch.set_num_threads(threads)
+    try:
+        return _elastic(fn, args, nproc, max_restarts, "fork")
+    except ChildFailedError as e:
+        return _Failed(e.name, e.failures)
+
+
+def _elastic(fn: Callable[..., Any], args: tuple, nproc: int, max_restarts: int, start_method: str) -> dict[int, Any]:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from autopar.runtime import _free_port
 
     cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"autopar-{uuid.uuid4().hex[:8]}",
                        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-                       max_restarts=max_restarts, monitor_interval=0.1, start_method=START_METHOD)
+                       max_restarts=max_restarts, monitor_interval=0.1, start_method=start_method)
     return elastic_launch(cfg, in_launcher_env)(*launcher_args(fn, *args))
 
 
