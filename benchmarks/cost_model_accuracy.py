@@ -556,8 +556,7 @@ def _per_layer(case: Case, cluster: ClusterSpec, made, intra_op: str, software: 
 def _lifted(cluster: ClusterSpec) -> ClusterSpec:
     """`cluster` with 16x the device memory: the time of a plan the memory model does not fit."""
     d = cluster.device
-    device = d.model_copy(update={"memory_bytes": d.memory_bytes * 16, "addressable_memory_bytes":
-                                  d.addressable_memory_bytes * 16 if d.addressable_memory_bytes else None})
+    device = d.model_copy(update={"memory_bytes": d.memory_bytes * 16})
     return cluster.model_copy(update={"device": device})
 
 

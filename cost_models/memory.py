@@ -2281,7 +2281,7 @@ class MemoryBreakdown:
 
 
 # What a plan may fill of a device (issue 14: was a flat 92%, an estimate). Hardware terms, per
-# device (`DeviceSpec`): what CUDA reports as the device's memory (`addressable_memory_bytes`) and
+# device (`DeviceSpec`): what the driver keeps of the device's memory (`driver_reserved_bytes`) and
 # the NCCL channels its node's topology gets (`collective_channels`). Software terms, per stack
 # (`SoftwareSpec`, each sourced in software_profiles/autopar.yaml): the CUDA context with its loaded
 # kernels, the math libraries' workspaces, NCCL's buffers per channel, and the caching allocator's
@@ -2293,7 +2293,7 @@ class UsableMemory:
     """The bytes a plan may fill of a device, term by term (`usable_memory_terms`)."""
 
     capacity: float          # DeviceSpec.memory_bytes
-    addressable: float       # what CUDA reports (DeviceSpec.addressable_memory_bytes), else capacity
+    addressable: float       # what CUDA reports: capacity less DeviceSpec.driver_reserved_bytes
     context: float           # the CUDA context and its kernels (CUDA devices)
     workspace: float         # cuBLAS/cuBLASLt workspaces (CUDA devices)
     collective: float        # NCCL's buffers: channels x bytes a channel, one communicator
@@ -2330,7 +2330,7 @@ def usable_memory_terms(device: DeviceSpec, software=None) -> UsableMemory:
     if sw.usable_fraction is not None:
         u = cap * sw.usable_fraction
         return UsableMemory(cap, cap, 0.0, 0.0, 0.0, 0.0, u, override=sw.usable_fraction)
-    addr = float(device.addressable_memory_bytes or cap)
+    addr = max(cap - float(device.driver_reserved_bytes), 0.0)
     cuda = device.device_type == "cuda"
     ctx = sw.cuda_context_bytes if cuda else 0.0
     ws = sw.library_workspace_bytes if cuda else 0.0

@@ -172,7 +172,8 @@ Issue 14, session 35: the usable memory is term by term (`cost_models.memory.usa
 CUDA's reported memory less context, workspaces, NCCL buffers and fragmentation, in place of a flat
 92%): every plan records its new `usable_memory_bytes` (A100 80GB under megatron-lm-2021 73.60 ->
 74.22 GiB; the CPU profile 0.92 -> 0.95 of its memory) and the devices' and software's new fields
-(`addressable_memory_bytes`, `collective_channels`, `attention_head_dims`): digests only (layouts,
+(`driver_reserved_bytes`, first written as `addressable_memory_bytes`, `collective_channels`,
+`attention_head_dims`): digests only (layouts,
 times, memory and collectives unchanged; no case's memory bound binds, and the A100 case runs
 megatron-lm-2021's unfused attention, which the head-dimension rule does not touch).
 Merged with the two issue-17 changes above: digests re-recorded for all three together.
@@ -201,16 +202,16 @@ CASES = {   # name: (model, cluster, nodes, global batch, pinned constraints, so
 }
 
 EXPECTED = {
-    "gpt3-1.3b-tp2-pp2": {"digest": "d611b481f4bdd82c", "layout": (2, 2, 2, 4, 4, "interleaved_1f1b", 6, 1),
+    "gpt3-1.3b-tp2-pp2": {"digest": "7cb5821bc890f69e", "layout": (2, 2, 2, 4, 4, "interleaved_1f1b", 6, 1),
         "iteration_time_s": 0.553367098202065, "peak_memory_bytes": 21309384704.0,
         "collectives": {"all_reduce": 405, "reduce_scatter": 2, "all_gather": 2, "send_recv": 88}},
-    "gpt-small": {"digest": "a0d531f106a163fb", "layout": (2, 1, 1, 4, 1, "1f1b", 1, 0),
+    "gpt-small": {"digest": "5c0784bdab71e590", "layout": (2, 1, 1, 4, 1, "1f1b", 1, 0),
         "iteration_time_s": 0.015157352217275648, "peak_memory_bytes": 20557824.0,
         "collectives": {"all_reduce": 1}},
-    "hf-gpt2": {"digest": "556fcb3be2682854", "layout": (4, 1, 2, 4, 1, "1f1b", 1, 1),
+    "hf-gpt2": {"digest": "593adbccae8beb36", "layout": (4, 1, 2, 4, 1, "1f1b", 1, 1),
         "iteration_time_s": 0.0013825798662918264, "peak_memory_bytes": 1688512.0,
         "collectives": {"reduce_scatter": 2, "all_gather": 2, "send_recv": 2, "all_reduce": 1}},
-    "hf-llama": {"digest": "2c8aa14f9d57393c", "layout": (4, 2, 1, 4, 1, "1f1b", 1, 1),
+    "hf-llama": {"digest": "89daec8df84d6fa4", "layout": (4, 2, 1, 4, 1, "1f1b", 1, 1),
         "iteration_time_s": 0.0025246015741084617, "peak_memory_bytes": 1444160.0,
         "collectives": {"all_reduce": 25, "all_gather": 2, "reduce_scatter": 1}},
 }

@@ -258,11 +258,16 @@ def test_usable_memory_is_the_devices_less_the_softwares_terms(tmp_path):
     a100 = ClusterSpec.load("dgx-a100-80g").device
     sw = resolve_software(None)
     t = usable_memory_terms(a100, sw)
-    assert t.addressable == a100.addressable_memory_bytes == 81049 * 2**20
+    assert t.addressable == a100.memory_bytes - a100.driver_reserved_bytes == 81049 * 2**20
     assert t.collective == 24 * 10 * 2**20 == a100.collective_channels * sw.collective_buffer_bytes_per_channel
     pool = t.addressable - sw.cuda_context_bytes - sw.library_workspace_bytes - t.collective
     assert t.usable == pytest.approx(pool * (1 - sw.allocator_fragmentation)) == usable_memory(a100)
     assert 74 * 2**30 < t.usable < 74.5 * 2**30 and "NCCL buffers 0.23" in t.summary()
+    # a device with more memory (a larger part, a bound lifted for a diagnostic) keeps the driver's
+    # share and the per-process terms: the rest grows with it (was capped at the 80 GB part's total)
+    big = a100.model_copy(update={"memory_bytes": 2 * a100.memory_bytes})
+    assert usable_memory(big) - usable_memory(a100) == pytest.approx(
+        a100.memory_bytes * (1 - sw.allocator_fragmentation))
     flash = resolve_software("flash-attn-2-2023")        # torch 1.13's lazy-loaded context
     assert usable_memory(a100, flash) - usable_memory(a100) == pytest.approx(
         (sw.cuda_context_bytes - flash.cuda_context_bytes) * (1 - sw.allocator_fragmentation))

@@ -137,10 +137,11 @@ class DeviceSpec(_Strict):
     optimizer_step: Optional[OptimizerCost] = Field(
         default=None, description="measured cost of one optimizer step per parameter tensor and "
         "per element; None: memory-bound bytes per parameter over memory_bandwidth")
-    addressable_memory_bytes: Optional[float] = Field(
-        default=None, gt=0, description="the memory CUDA reports for the device (cudaMemGetInfo's total, "
-        "torch's 'total capacity'): memory_bytes less what the driver keeps; None: memory_bytes. The "
-        "software's per-process terms and fragmentation come off it (`cost_models.memory.usable_memory`)")
+    driver_reserved_bytes: float = Field(
+        default=0.0, ge=0, description="memory_bytes less the memory CUDA reports for the device "
+        "(cudaMemGetInfo's total, torch's 'total capacity'): what the driver keeps. A difference, so a "
+        "device whose memory_bytes is changed (a larger part, a lifted bound) keeps it. The software's "
+        "per-process terms and fragmentation come off the rest (`cost_models.memory.usable_memory`)")
     collective_channels: Optional[int] = Field(
         default=None, ge=1, description="channels NCCL builds for a collective among the node's devices "
         "(its ring count on this topology); each holds the software's collective_buffer_bytes_per_channel "
