@@ -50,7 +50,7 @@ def test_models_and_schema():
     (["plan", "--model", "gpt-tiny", "--cluster", "cpu", "-b", "8", "--dp", "3", "--tp", "1", "--pp", "1"],
      "dp"),
     (["plan", "--model", "gpt-tiny", "--cluster", "dgx-a100-80g", "-b", "8", "--pp", "8"],
-     "pp=8 stages need at least 8 layers; the model has 2"),
+     "pp=8 stages need at least 8 layers; the model has 4 layer slots (2 repeated blocks"),
     # (tp beyond the heads plans under ZeRO-3 too now: the executor runs it as solved)
     (["plan", "--model", "gpt-tiny", "--cluster", "dgx-a100-80g", "--nodes", "2", "-b", "16", "--tp", "3"],
      "tp=3 does not divide the cluster's 16 devices"),

@@ -124,8 +124,12 @@ def test_errors_name_the_constraint():
         autopar.plan("gpt-tiny", cl, global_batch_size=12, constraints=Constraints(dp=8))
     assert e.value.constraint == "global_batch_size"
     with pytest.raises(PlanError) as e:
-        autopar.plan("gpt-tiny", cl, global_batch_size=8, constraints=Constraints(pp=4))
-    assert e.value.constraint == "pp"
+        autopar.plan("gpt-tiny", cl, global_batch_size=8, constraints=Constraints(pp=8))
+    assert e.value.constraint == "pp" and "4 layer slots" in str(e.value)
+    # 4 stages of 2 blocks: the embedding and the head each a stage of its own (Megatron's
+    # --account-for-embedding/loss-in-pipeline-split), said in the plan
+    p = autopar.plan("gpt-tiny", cl, global_batch_size=8, constraints=Constraints(pp=4))
+    assert p.search["account_in_split"] and len(p.stages) == 4
 
 
 def test_out_of_memory_reports_least_memory():
