@@ -100,6 +100,25 @@ def _numel(n) -> Optional[int]:
         return None
 
 
+def _view_base(name: str, index: dict, view: Any) -> tuple[str, float, str]:
+    """(the op that made the data `name` views, bytes of the smallest tensor on the way, its
+    dtype), following `view` ops (a predicate on nodes) back through their first input."""
+    cur = index.get(name)
+    best: tuple[float, str] = (float("inf"), "float32")
+    for _ in range(64):
+        if cur is None:
+            break
+        if cur.outputs:
+            try:
+                best = min(best, (float(cur.outputs[0].nbytes), cur.outputs[0].dtype))
+            except (TypeError, ValueError):
+                pass
+        if not (view(cur) and cur.inputs):
+            return cur.name, best[0], best[1]
+        cur = index.get(cur.inputs[0])
+    return name, (best[0] if best[0] != float("inf") else 0.0), best[1]
+
+
 def pointwise_chains(nodes: Iterable, index: dict, copies: Optional[tuple[frozenset, frozenset]] = None) -> FusedChains:
     """The element-wise chains of `nodes` (a graph's nodes at a concrete batch, in execution
     order; `index`: name -> node of the graph) that fusing software runs as one kernel each.
@@ -123,21 +142,7 @@ def pointwise_chains(nodes: Iterable, index: dict, copies: Optional[tuple[frozen
                 and not is_view(n) and _numel(n) is not None)
 
     def base(name: str) -> tuple[str, float, str]:
-        """(the op that made the data `name` views, bytes of the smallest tensor on the way, its dtype)."""
-        cur = index.get(name)
-        best: tuple[float, str] = (float("inf"), "float32")
-        for _ in range(64):
-            if cur is None:
-                break
-            if cur.outputs:
-                try:
-                    best = min(best, (float(cur.outputs[0].nbytes), cur.outputs[0].dtype))
-                except (TypeError, ValueError):
-                    pass
-            if not (view(cur) and cur.inputs):
-                return cur.name, best[0], best[1]
-            cur = index.get(cur.inputs[0])
-        return name, (best[0] if best[0] != float("inf") else 0.0), best[1]
+        return _view_base(name, index, view)
 
     parent: dict[str, str] = {}
 
@@ -281,20 +286,7 @@ def module_groups(nodes: Iterable, index: dict, expert_modules: Iterable[str],
         return n.kind == "call" and n.name not in copying and (is_view(n) or n.name in aliasing)
 
     def base(name: str) -> tuple[str, float, str]:
-        cur = index.get(name)
-        best: tuple[float, str] = (float("inf"), "float32")
-        for _ in range(64):
-            if cur is None:
-                break
-            if cur.outputs:
-                try:
-                    best = min(best, (float(cur.outputs[0].nbytes), cur.outputs[0].dtype))
-                except (TypeError, ValueError):
-                    pass
-            if not (view(cur) and cur.inputs):
-                return cur.name, best[0], best[1]
-            cur = index.get(cur.inputs[0])
-        return name, (best[0] if best[0] != float("inf") else 0.0), best[1]
+        return _view_base(name, index, view)
 
     experts = tuple(expert_modules)
     groups: dict[str, list[str]] = {}
