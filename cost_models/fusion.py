@@ -100,6 +100,23 @@ def _numel(n) -> Optional[int]:
         return None
 
 
+def _walk(nodes: list, copies: Optional[tuple[frozenset, frozenset]]) -> tuple:
+    """What both groupings read of `nodes` (in execution order): (reshapes that copy, `contiguous`
+    calls that copy nothing, each node's position, each tensor's consumers, whether a node is a
+    view: a call that `is_view` or copies nothing, not a reshape that copies)."""
+    copying, aliasing = copies if copies is not None else (frozenset(), frozenset())
+    pos = {n.name: i for i, n in enumerate(nodes)}
+    consumers: dict[str, list[str]] = {}
+    for n in nodes:
+        for i in n.inputs:
+            consumers.setdefault(i, []).append(n.name)
+
+    def view(n) -> bool:
+        return n.kind == "call" and n.name not in copying and (is_view(n) or n.name in aliasing)
+
+    return copying, aliasing, pos, consumers, view
+
+
 def _view_base(name: str, index: dict, view: Any) -> tuple[str, float, str]:
     """(the op that made the data `name` views, bytes of the smallest tensor on the way, its
     dtype), following `view` ops (a predicate on nodes) back through their first input."""
@@ -127,15 +144,7 @@ def pointwise_chains(nodes: Iterable, index: dict, copies: Optional[tuple[frozen
     `contiguous` that copies nothing is a view."""
 
     nodes = list(nodes)
-    copying, aliasing = copies if copies is not None else (frozenset(), frozenset())
-    pos = {n.name: i for i, n in enumerate(nodes)}
-    consumers: dict[str, list[str]] = {}
-    for n in nodes:
-        for i in n.inputs:
-            consumers.setdefault(i, []).append(n.name)
-
-    def view(n) -> bool:
-        return n.kind == "call" and n.name not in copying and (is_view(n) or n.name in aliasing)
+    copying, aliasing, pos, consumers, view = _walk(nodes, copies)
 
     def pointwise(n) -> bool:
         return (n.kind == "call" and n.op in POINTWISE_OPS and n.name not in copying and n.name not in aliasing
@@ -275,15 +284,7 @@ def module_groups(nodes: Iterable, index: dict, expert_modules: Iterable[str],
     from cost_models.compute import MATRIX_OPS
 
     nodes = list(nodes)
-    copying, aliasing = copies if copies is not None else (frozenset(), frozenset())
-    pos = {n.name: i for i, n in enumerate(nodes)}
-    consumers: dict[str, list[str]] = {}
-    for n in nodes:
-        for i in n.inputs:
-            consumers.setdefault(i, []).append(n.name)
-
-    def view(n) -> bool:
-        return n.kind == "call" and n.name not in copying and (is_view(n) or n.name in aliasing)
+    copying, aliasing, pos, consumers, view = _walk(nodes, copies)
 
     def base(name: str) -> tuple[str, float, str]:
         return _view_base(name, index, view)
