@@ -173,6 +173,31 @@ def main() -> None:
         published()
 
 
+def plan_published(case: Published):
+    """`autopar.plan` of one published run, pinned to its layout, with the software it ran."""
+    bundle = resolve_model(case.model, None, None)
+    graph = capture(bundle.model, bundle.example_inputs, name=bundle.name, cache=True)
+    software = SoftwareSpec.load(case.software)
+    if case.software_update:
+        named = ", ".join(f"{k}={v}" for k, v in case.software_update.items())
+        software = SoftwareSpec.model_validate({**software.model_dump(), **case.software_update,
+                                                "name": f"{software.name} ({named})"})
+    return plan(bundle, ClusterSpec.load(case.profile, num_nodes=case.nodes), global_batch_size=case.global_batch,
+                graph=graph, cache=True, constraints=Constraints(**case.pins), software=software)
+
+
+def time_error(case: Published, p) -> float:
+    """The prediction's step-time error: against the published step time where there is one, else
+    against the time the published TFLOP/s give for the model's FLOPs as the plan counts them without
+    recomputation (`ModelInfo.flops_per_sample`: routed tokens through their top-k experts, as
+    Megatron's MoE formula counts active parameters)."""
+    if case.seconds is not None:
+        return p.predicted.iteration_time_s / case.seconds - 1
+    devices = p.cluster.num_nodes * p.cluster.devices_per_node
+    seconds = p.model.flops_per_sample * case.global_batch / (devices * case.tflops * 1e12)
+    return p.predicted.iteration_time_s / seconds - 1
+
+
 def published(case_filter: str | None = None) -> None:
     """Each published run planned pinned to its layout, with the software it used (those whose
     name contains `case_filter`, where given)."""
@@ -182,17 +207,9 @@ def published(case_filter: str | None = None) -> None:
         raise SystemExit(f"--case {case_filter!r} names no published run; one of: "
                          + "; ".join(c.name for c in PUBLISHED))
     for case in cases:
-        bundle = resolve_model(case.model, None, None)
-        graph = capture(bundle.model, bundle.example_inputs, name=bundle.name, cache=True)
         t = time.perf_counter()
-        software = SoftwareSpec.load(case.software)
-        if case.software_update:
-            named = ", ".join(f"{k}={v}" for k, v in case.software_update.items())
-            software = SoftwareSpec.model_validate({**software.model_dump(), **case.software_update,
-                                                    "name": f"{software.name} ({named})"})
         try:
-            p = plan(bundle, ClusterSpec.load(case.profile, num_nodes=case.nodes), global_batch_size=case.global_batch,
-                     graph=graph, cache=True, constraints=Constraints(**case.pins), software=software)
+            p = plan_published(case)
         except Exception as e:  # noqa: BLE001 - a published run that does not plan is a miss, printed with why
             rows.append([case.name, case.profile, str(case.nodes), "-", "-", "-", "-", "-", "-", "-",
                          _fig(case.seconds, None, "s"), _fig(case.tflops, None, ""), f"miss: {str(e)[:80]}"])
