@@ -607,9 +607,11 @@ class Scored:
         return None if self.predicted is None else self.predicted / self.published - 1
 
 
-def _moe_published(only: str) -> dict[tuple, Scored]:
+def _moe_published(only: str, lift_memory: bool = False) -> dict[tuple, Scored]:
     """benchmarks/moe_plans.py's published MoE runs, each planned pinned with its software; every
-    one was looked at only after the constants were set (held out), as that file says."""
+    one was looked at only after the constants were set (held out), as that file says. With
+    `lift_memory`, a run that does not fit is planned again on devices with twice the memory for
+    its time (still a miss)."""
     import moe_plans
 
     rows, out = [], {}
@@ -619,8 +621,18 @@ def _moe_published(only: str) -> dict[tuple, Scored]:
         try:
             p = moe_plans.plan_published(case)
         except Exception as e:  # noqa: BLE001 - a published run that does not plan is a miss, printed with why
-            rows.append([case.name, "-", "-", "miss", str(e).splitlines()[0][:90] if str(e) else type(e).__name__])
+            why = str(e).splitlines()[0][:90] if str(e) else type(e).__name__
             out[(case.name,)] = Scored("published MoE runs", case.name, 1.0, None, True, case.software)
+            if not (lift_memory and "no plan fits in memory" in str(e)):
+                rows.append([case.name, "-", "-", "miss", why])
+                continue
+            p = moe_plans.plan_published(case, lift_memory=2.0)
+            err = moe_plans.time_error(case, p)
+            need = str(e).split("needs ", 1)[-1].split(" per device")[0]
+            rows.append([case.name, f"{p.predicted.iteration_time_s / (1 + err):.2f}",
+                         f"({p.predicted.iteration_time_s:.2f})", f"miss ({err:+.1%})",
+                         f"no plan in memory (needs {need}); time with the bound lifted; "
+                         f"{p.dp}/{p.ep}/{p.tp}/{p.pp}, mb {p.microbatch_size} x {p.num_microbatches}"])
             continue
         err = moe_plans.time_error(case, p)
         pub = p.predicted.iteration_time_s / (1 + err)
@@ -821,7 +833,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                   + _errors_summary(errs + lifted).split(" (target")[0])
 
     if both or args.moe:
-        board.update(_moe_published(args.only))
+        board.update(_moe_published(args.only, args.lift_memory))
     if args.all or len({sc.family for sc in board.values()}) > 1:
         _scoreboard(list(board.values()))
 

@@ -173,8 +173,9 @@ def main() -> None:
         published()
 
 
-def plan_published(case: Published):
-    """`autopar.plan` of one published run, pinned to its layout, with the software it ran."""
+def plan_published(case: Published, lift_memory: float = 1.0):
+    """`autopar.plan` of one published run, pinned to its layout, with the software it ran
+    (`lift_memory`: the devices' memory times that, to see the time of a run that does not fit)."""
     bundle = resolve_model(case.model, None, None)
     graph = capture(bundle.model, bundle.example_inputs, name=bundle.name, cache=True)
     software = SoftwareSpec.load(case.software)
@@ -182,8 +183,12 @@ def plan_published(case: Published):
         named = ", ".join(f"{k}={v}" for k, v in case.software_update.items())
         software = SoftwareSpec.model_validate({**software.model_dump(), **case.software_update,
                                                 "name": f"{software.name} ({named})"})
-    return plan(bundle, ClusterSpec.load(case.profile, num_nodes=case.nodes), global_batch_size=case.global_batch,
-                graph=graph, cache=True, constraints=Constraints(**case.pins), software=software)
+    cluster = ClusterSpec.load(case.profile, num_nodes=case.nodes)
+    if lift_memory != 1.0:
+        cluster = cluster.model_copy(update={"device": cluster.device.model_copy(
+            update={"memory_bytes": cluster.device.memory_bytes * lift_memory})})
+    return plan(bundle, cluster, global_batch_size=case.global_batch, graph=graph, cache=True,
+                constraints=Constraints(**case.pins), software=software)
 
 
 def time_error(case: Published, p) -> float:
