@@ -9,7 +9,8 @@ output module), cross-entropy at the end of `forward(idx, targets)`.
 tied to the embedding.
 
 `llama_repeat_kv` is the zoo's llama-tiny with its grouped-query attention written as much code
-writes it: K and V repeated over the query heads before SDPA.
+writes it: K and V repeated over the query heads before SDPA (`autopar.models.llama.
+RepeatKVAttention`).
 
 `GatedLM` hands each layer, besides the hidden states, two tensors made once before the first:
 a gate computed from the embeddings (floating, it needs a gradient) and a boolean mask of the
@@ -24,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.models.llama import Attention as LlamaAttention
+from autopar.models.llama import RepeatKVAttention
 from autopar.models.registry import token_batch
 
 VOCAB, SEQ, HIDDEN, HEADS = 128, 16, 32, 4
@@ -251,21 +252,6 @@ def eager_gpt(layers: int = 2):
         model.h = nn.ModuleList(EagerBlock(HIDDEN, HEADS) for _ in range(layers))
     x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
     return model, (x, x), token_batch(VOCAB, SEQ)
-
-
-class RepeatKVAttention(LlamaAttention):
-    """The zoo Llama's attention as much code writes grouped-query attention: K and V repeated
-    over the query heads (`expand` + `reshape`) before SDPA, instead of SDPA's `enable_gqa`."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        d = self.head_dim
-        q, k, v = self.rotated_qkv(x)
-        rep = self.heads // self.kv_heads
-        k = k[:, :, None].expand(b, self.kv_heads, rep, s, d).reshape(b, self.heads, s, d)
-        v = v[:, :, None].expand(b, self.kv_heads, rep, s, d).reshape(b, self.heads, s, d)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, s, self.heads * d))
 
 
 def llama_repeat_kv():

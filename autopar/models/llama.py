@@ -80,6 +80,24 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(b, s, self.heads * d))
 
 
+class RepeatKVAttention(Attention):
+    """Grouped-query attention as much code writes it (Hugging Face's eager `repeat_kv`): K and V
+    repeated over the query heads (`expand` + `reshape`, which copies) before SDPA, instead of
+    SDPA's `enable_gqa`. The zoo's Llama ran it until a272bca; the H100 measurement of
+    `benchmarks/gpu_step.py`'s llama-1b case ran it (two [b, heads, s, d] copies saved a layer),
+    and tests of the repeat's pricing use it (`tests.user_models:llama_repeat_kv`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        d = self.head_dim
+        q, k, v = self.rotated_qkv(x)
+        rep = self.heads // self.kv_heads
+        k = k[:, :, None].expand(b, self.kv_heads, rep, s, d).reshape(b, self.heads, s, d)
+        v = v[:, :, None].expand(b, self.kv_heads, rep, s, d).reshape(b, self.heads, s, d)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, self.heads * d))
+
+
 class SwiGLU(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
