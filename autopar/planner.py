@@ -545,7 +545,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                 global_batch_size=gbs, microbatch_size=c.mb, num_microbatches=m,
                 schedule=c.schedule, virtual_stages=v, zero_stage=c.zero, stages=stage_plans,
                 zero3_grad_sync="microbatch" if c.rs_each else "step",
-                experts=_expert_plan(experts, c, dtype) if experts is not None else None,
+                experts=_expert_plan(experts, c, dtype, spec) if experts is not None else None,
                 sequence_parallel=bool(getattr(res.provider, "sequence_parallel", False)) and c.tp > 1,
                 predicted=pred,
                 search={"search_time_s": round(search_s, 3),
@@ -565,13 +565,12 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
                         **({"skipped": _skipped(res.skipped)} if res.skipped else {})})
 
 
-def _expert_plan(experts: ExpertCosting, c: Candidate, dtype: str) -> ExpertParallelism:
+def _expert_plan(experts: ExpertCosting, c: Candidate, dtype: str, cluster: ClusterSpec) -> ExpertParallelism:
     """`Plan.experts` of a candidate with expert parallelism."""
     blocks = [b for bs in experts.by_layer.values() for b in bs]
     return ExpertParallelism(ep=c.ep, expert_dp=c.expert_copies if c.fold else c.dp // c.ep,
                              imbalance=experts.imbalance, expert_tp=c.etp, folded=c.fold,
-                             exchange=("deduplicated_all_to_all" if experts.dispatch == "ranks"
-                                       else "dropless_all_to_all"),
+                             exchange=experts.exchange_kind(c.ep, c.tp, c.fold, cluster),
                              dispatch_bytes=(experts.dispatch_bytes(blocks[0], c.mb, dtype, c.ep)
                                              / (c.tp if c.fold else 1)),
                              blocks=[ExpertBlockPlan(module=b.module, num_experts=b.num_experts, top_k=b.top_k,

@@ -58,9 +58,13 @@ _MZ_FLOPS = "Megatron's 'Per GPU TF' (model FLOPs, active parameters, no recompu
 _MZ_NORM = ("recompute 'norm, act' (best_practice/qwen3/run_h100_235b.sh: --recompute-granularity selective "
             "--recompute-modules moe_act layernorm, Megatron's output-discarding recomputation of the layer norms and "
             "the expert activation) pinned as autopar's recompute 'norm_act', the same policy")
-_MZ_DEEPEP = ("the readme table's Dispatcher column says DeepEP: Megatron's flex dispatcher over DeepEP, a token sent "
-              "once to each rank holding any of its experts (expert_dispatch ranks; routing left to the model's "
-              "router, its 10% imbalance estimate and experts at random over the ranks)")
+_MZ_DEEPEP = ("the readme table's Dispatcher column says DeepEP: Megatron's flex dispatcher over DeepEP's normal "
+              "kernels (megatron/core/transformer/moe/fused_a2a.py: Buffer.dispatch / combine, the compute stream "
+              "waiting on each), a token sent once to each rank holding any of its experts, and across nodes once "
+              "to each node over the network, forwarded over NVLink there (expert_dispatch nodes; routing left to "
+              "the model's router, its 10% imbalance estimate and experts at random over the ranks); the EP "
+              "exchange exposed: the row without the readme's '+1f1b overlap' note runs sbatch_benchmarking.sh's "
+              "A2A_OVERLAP=0 default (no --overlap-moe-expert-parallel-comm / --delay-wgrad-compute)")
 
 # Every case was looked at after the cost model's constants were set (none is set here): all held out.
 PUBLISHED = [
@@ -94,7 +98,7 @@ PUBLISHED = [
                    schedule="interleaved_1f1b", recompute="norm_act"),
               19.7, 245.0, _MZ_FLOPS, _MZ + "1 (TP2 EP32 PP8 VPP4 DP16 EDP1 ETP1, MBS1 GBS2048 GA128)",
               "EP32 spans TP2 x DP16 (Megatron's MoE parallel folding, autopar's folded experts); " + _MZ_NORM
-              + "; " + _MZ_DEEPEP, software_update={"expert_dispatch": "ranks"}),
+              + "; " + _MZ_DEEPEP, software_update={"expert_dispatch": "nodes"}),
     Published("Qwen3-235B-A22B, MCore DeepEP, intra-node EP8 FSDP", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100",
               32, "nemo-megatron-core-2024",
               dict(tp=2, pp=1, dp=128, ep=8, expert_dp=32, expert_tp=1, microbatch_size=4, num_microbatches=4,
@@ -106,7 +110,7 @@ PUBLISHED = [
               "reduce-scatters beside the compute (`zero3_overlap`: the zoo's model_configs/benchmarking/"
               "Qwen3-235B-A22B.yaml sets --overlap-param-gather and --overlap-grad-reduce, which Megatron-FSDP "
               "runs on their own streams; a micro-batch pays what exceeds its forward and backward compute); "
-              + _MZ_DEEPEP, software_update={"zero3_overlap": True, "expert_dispatch": "ranks"}),
+              + _MZ_DEEPEP, software_update={"zero3_overlap": True, "expert_dispatch": "nodes"}),
     Published("Qwen3-235B-A22B, MCore all-to-all, PP32", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100", 32,
               "nemo-megatron-core-2024",
               dict(tp=2, pp=32, virtual_stages=3, dp=4, ep=8, expert_dp=1, expert_tp=1, microbatch_size=1,
@@ -126,7 +130,7 @@ PUBLISHED = [
                    schedule="interleaved_1f1b", recompute="none"),
               29.0, 167.0, _MZ_FLOPS, _MZ + "5 (TP4 EP8 PP8 VPP4 EDP4 ETP1 DP8, MBS1 GA256, no recompute)",
               "Megatron's EDP4 = TP4 x DP8 / EP8 reuses the tp ranks as expert data parallelism: autopar's folded "
-              "experts (expert_dp=4, expert_tp=1); " + _MZ_DEEPEP, software_update={"expert_dispatch": "ranks"}),
+              "experts (expert_dp=4, expert_tp=1); " + _MZ_DEEPEP, software_update={"expert_dispatch": "nodes"}),
 ]
 
 

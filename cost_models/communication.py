@@ -14,7 +14,10 @@ whose link bandwidth is a measured busbw reproduces the measured times at large 
 Over a cluster:
 - a group of devices inside one node uses the intra-node link;
 - a group with one device per node (a "rail") uses the inter-node link, each device its own NIC;
-- a group with g > 1 devices in each of k > 1 nodes takes the cheapest of: g rail rings at once
+- an all-to-all over g > 1 devices in each of k > 1 nodes: each rank's share for its node's peers
+  over NVLink and the rest over its NIC at once, the slower the time (`peerwise_all_to_all_time`:
+  PyTorch's all_to_all_single is one NCCL send/receive per peer in a group);
+- another collective over g > 1 devices in each of k > 1 nodes takes the cheapest of: g rail rings at once
   (NCCL's channels, one NIC each: bus bandwidth min(intra, g x inter), `rail_rings_time`); the
   hierarchical algorithm (Horovod/BytePS style: reduce-scatter inside the node, all-reduce of S/g
   across the nodes on g rails in parallel, all-gather inside the node; all-gather and
@@ -167,6 +170,8 @@ def axis_collective_time(kind: str, nbytes: float, cluster: ClusterSpec, group: 
         return measured_time(kind, nbytes, n, inter)  # type: ignore[return-value]
     flat = collective_time(kind, nbytes, n, max(intra.latency, inter.latency),
                            1.0 / min(intra.bandwidth, inter.bandwidth))
+    if kind == "all_to_all" and g > 1 and len(sizes) == 1:
+        return peerwise_all_to_all_time(nbytes, g, k, intra, inter)
     if g == 1 or len(sizes) > 1 or kind == "all_to_all":
         # one device per node (a rail), or an irregular group: flat ring at the slowest link
         if g == 1 and len(sizes) == 1:
@@ -174,6 +179,21 @@ def axis_collective_time(kind: str, nbytes: float, cluster: ClusterSpec, group: 
         return flat
     return min(flat, rail_rings_time(kind, nbytes, g, k, intra, inter),
                hierarchical_time(kind, nbytes, g, k, intra, inter))
+
+
+def peerwise_all_to_all_time(nbytes: float, g: int, k: int, intra: LinkSpec, inter: LinkSpec) -> float:
+    """An all-to-all of `nbytes` (a rank's whole send buffer) over g devices in each of k nodes as
+    PyTorch runs it on NCCL: one ncclSend / ncclRecv per peer inside one NCCL group
+    (torch/csrc/cuda/nccl.cpp `all2all_single_equal_split`, `all2all_single_unequal_split`), which
+    NCCL issues at once, each peer over its own transport: the g - 1 peers in the node over NVLink
+    (P2P), the g (k - 1) others over the network (NET, each GPU its own NIC on a rail-optimised
+    node). A rank's (g - 1) / n of the buffer rides NVLink and (n - g) / n the network, at once;
+    the slower sets the time (the node's share on the intra-node link's measured all-to-all where
+    it has one)."""
+    n = g * k
+    local = link_collective_time("all_to_all", nbytes * g / n, g, intra)
+    remote = (n - g) * inter.latency + (n - g) / n * nbytes / inter.bandwidth
+    return max(local, remote)
 
 
 def rail_rings_time(kind: str, nbytes: float, g: int, k: int, intra: LinkSpec, inter: LinkSpec) -> float:

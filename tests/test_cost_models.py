@@ -110,6 +110,26 @@ def test_hierarchical_all_reduce_across_nodes() -> None:
         collective_time("all_reduce", s, 4, 8e-6, 1 / 25e9))
 
 
+def test_all_to_all_across_nodes_sends_each_peer_over_its_own_link() -> None:
+    """An all-to-all over g ranks in each of k nodes (PyTorch's all_to_all_single: one NCCL
+    send/receive per peer, issued at once): a rank's (g - 1) / n of its buffer for its node's peers
+    over NVLink and (n - g) / n over its NIC, concurrently; the slower is the time, below the flat
+    ring that put all (n - 1) / n on the network."""
+    c = cluster(nodes=4)
+    s = 1e9
+    got = axis_collective_time("all_to_all", s, c, list(range(32)))
+    local = collective_time("all_to_all", s / 4, 8, 2e-6, 1 / 200e9)
+    remote = 24 * 8e-6 + 24 / 32 * s / 25e9
+    assert local == pytest.approx(2e-6 * 7 + 7 / 32 * s / 200e9)
+    assert got == pytest.approx(max(local, remote)) == pytest.approx(remote)
+    assert got < collective_time("all_to_all", s, 32, 8e-6, 1 / 25e9)
+    # a rail (one rank a node) and an irregular group keep their rules
+    assert axis_collective_time("all_to_all", s, c, [0, 8, 16, 24]) == pytest.approx(
+        collective_time("all_to_all", s, 4, 8e-6, 1 / 25e9))
+    assert axis_collective_time("all_to_all", s, c, [0, 1, 8]) == pytest.approx(
+        collective_time("all_to_all", s, 3, 8e-6, 1 / 25e9))
+
+
 def test_dgx_a100_bus_bandwidths_match_nccl_tests() -> None:
     """design.md: all-reduce busbw ~230 GB/s inside a DGX A100 and ~192 GB/s across nodes (8 x HDR)."""
     c = autopar.ClusterSpec.load("dgx-a100-80g", num_nodes=2)

@@ -59,10 +59,26 @@ small beside the GEMMs and the exchange, is left as the replicated layer costs h
 The software's token exchange and routing (`SoftwareSpec.expert_dispatch`, `expert_routing`)
 change the exchange's bytes and the imbalance: under "ranks" (DeepEP) a rank sends each token
 once to each rank holding any of its experts (`ranks_per_token`), T x r rows of width H instead
-of T x k, and the combine returns as many; under "fake_balanced" routing (NeMo AutoModel's
+of T x k, and the combine returns as many; under "nodes" (DeepEP's internode kernels), with an
+ep group over k > 1 nodes of g ranks each, the exchange is two stages that run at once
+(`exchange_time`): the network carries each token once to each node holding any of its experts
+(T x n rows, n = `nodes_per_token`, the experts of a node E / k consecutive ones), a rail's
+all-to-all over the k nodes (each rank to the rank of its local index on the others), and
+NVLink carries the T x r rows from the node's receiving ranks to the ranks holding the experts,
+an all-to-all over the g ranks of a node; the slower of the two is the exchange's time (DeepEP
+V1 csrc/kernels/internode.cu: `dispatch`'s RDMA-sender, forwarder and NVL-receiver warps of one
+kernel, a token's copy written once per destination node, `is_token_in_rank`'s 8 ranks of a node
+read as one word, `nvshmemi_ibgda_put_nbi_warp` only for another node; the combine reduces in
+the node before the network). DeepEP's README checks it: internode EP32 on H800 with one CX7
+400 Gb/s NIC a GPU, 4096 tokens, top-8 of 256 experts over 4 nodes, measured 58 GB/s dispatch
+and 57 GB/s combine of "RDMA" bandwidth counted over a token's distinct nodes, its own node
+included (tests/test_internode.py `num_rdma_token_sent`); a token reaches 3.61 nodes at random,
+2.70 of them others, so the NIC carried 43-44 GB/s, 0.91 of the profile's 47.5 for the same NIC
+(dgx-h100 inter_node): the rule prices DeepEP's network stage about 9% faster than it measured.
+Under "fake_balanced" routing (NeMo AutoModel's
 `FakeBalancedGate`: token t to experts (k t + j) mod E) every expert takes the same pairs
-(imbalance 1) and r follows from the rule (`fake_ranks_per_token`); under the model's router r
-is the mean for experts drawn at random (`random_ranks_per_token`).
+(imbalance 1) and r (and n) follow from the rule (`fake_ranks_per_token`); under the model's
+router r (and n) is the mean for experts drawn at random (`random_ranks_per_token`).
 
 `EP_IMBALANCE` is an estimate, not a measurement: the most-loaded rank of an ep group
 receives 10% more pairs than the mean. Trained with a balance loss (the zoo MoE's, Mixtral's,
@@ -85,11 +101,13 @@ from autopar.capture.graph import OpGraph
 from autopar.inter_op.layers import Layer
 from autopar.inter_op.stage_cost import LayerCost
 from autopar.schema import ClusterSpec
-from cost_models.communication import axis_collective_time
+from cost_models.communication import axis_collective_time, link_collective_time
 from cost_models.compute import bytes_scale, grouped_gemm_time
 from cost_models.memory import INDEX_SOURCE_WRITES, saved_tensors, tensor_bases
 
 EP_IMBALANCE = 1.1        # an estimate (see the module docstring)
+# the `SoftwareSpec.expert_dispatch` values that send a token once per rank holding its experts
+DEDUPLICATED = frozenset({"ranks", "nodes"})
 # all-to-alls per expert block and micro-batch, as `autopar.runtime.experts` issues them
 A2A_FORWARD = 3           # the counts (split sizes), the dispatch, the combine
 A2A_BACKWARD = 2          # the combine's and the dispatch's gradients
@@ -213,9 +231,10 @@ class ExpertCosting:
         return axis_collective_time("all_reduce", rows * block.hidden * elem, cluster, list(range(etp)))
 
     def ranks_per_token(self, block: ExpertBlock, ep: int) -> float:
-        """The ranks of an ep group one token is sent to under "ranks" dispatch (the module
-        docstring); the top-k under "pairs" (one row per pair)."""
-        if self.dispatch != "ranks":
+        """The ranks of an ep group one token is sent to under "ranks" or "nodes" dispatch (the
+        module docstring); the top-k under "pairs" (one row per pair). With `ep` the number of
+        nodes the group spans, the nodes it is sent to (each node's E / nodes experts consecutive)."""
+        if self.dispatch not in DEDUPLICATED:
             return float(block.top_k)
         if self.routing == "fake_balanced":
             return fake_ranks_per_token(block.num_experts, block.top_k, ep)
@@ -223,13 +242,67 @@ class ExpertCosting:
 
     def dispatch_bytes(self, block: ExpertBlock, mb: int, dtype: str, ep: int = 1) -> float:
         """Bytes one rank sends in `block`'s dispatch for a micro-batch of `mb` samples over an
-        ep group of `ep` ranks: its pairs (or, under "ranks" dispatch, its tokens times the ranks
-        each reaches) x width x element size x the imbalance."""
+        ep group of `ep` ranks: its pairs (or, under "ranks" and "nodes" dispatch, its tokens times
+        the ranks each reaches) x width x element size x the imbalance."""
         elem = 4 if dtype == "fp32" else 2
         rows = mb * block.pairs_per_sample
-        if self.dispatch == "ranks":
+        if self.dispatch in DEDUPLICATED:
             rows = rows / block.top_k * self.ranks_per_token(block, ep)
         return rows * block.hidden * elem * self.imbalance
+
+    def node_span(self, cluster: ClusterSpec, group: list[int]) -> tuple[int, int]:
+        """(k, g): the nodes an ep group's ranks span and the ranks of it in each, where "nodes"
+        dispatch takes DeepEP's internode path (k > 1, every node g ranks, a network); (1, n)
+        otherwise (one flat exchange)."""
+        by: dict[int, int] = {}
+        for r in group:
+            by[r // cluster.devices_per_node] = by.get(r // cluster.devices_per_node, 0) + 1
+        sizes = set(by.values())
+        if self.dispatch != "nodes" or len(by) <= 1 or len(sizes) > 1 or cluster.inter_node is None:
+            return 1, len(group)
+        return len(by), sizes.pop()
+
+    @staticmethod
+    def ep_group(ep: int, tp: int, fold: bool) -> list[int]:
+        """The first ep group's ranks in its stage: consecutive ranks folded (tp innermost, tp > 1),
+        else dp ranks tp apart."""
+        return list(range(ep)) if fold and tp > 1 else [i * tp for i in range(ep)]
+
+    def exchange_kind(self, ep: int, tp: int, fold: bool, cluster: ClusterSpec) -> str:
+        """`ExpertParallelism.exchange` of the plan: how a token is carried (`expert_dispatch`, and
+        under "nodes" whether the ep group spans nodes)."""
+        if self.dispatch not in DEDUPLICATED:
+            return "dropless_all_to_all"
+        k, _ = self.node_span(cluster, self.ep_group(ep, tp, fold))
+        return "node_deduplicated_all_to_all" if k > 1 else "deduplicated_all_to_all"
+
+    def exchange_time(self, block: ExpertBlock, mb: int, dtype: str, ep: int, cluster: ClusterSpec,
+                      group: list[int], share: float = 1.0) -> float:
+        """Seconds of one dispatch (or combine) of `block` for a micro-batch of `mb` samples over
+        the ep group `group` (global ranks), each rank sending `share` of its tokens: one
+        all-to-all of `dispatch_bytes` over the group (`axis_collective_time`), or under "nodes"
+        dispatch over k > 1 nodes the slower of DeepEP's two concurrent stages (the module
+        docstring): the network's all-to-all over the k nodes on a rail of `nodes_per_token` rows
+        a token, and NVLink's over the g ranks of a node of the `dispatch_bytes`."""
+        nbytes = self.dispatch_bytes(block, mb, dtype, ep) * share
+        k, g = self.node_span(cluster, group)
+        if k <= 1:
+            return axis_collective_time("all_to_all", nbytes, cluster, group)
+        network = nbytes / self.ranks_per_token(block, ep) * self.ranks_per_token(block, k)
+        return max(link_collective_time("all_to_all", network, k, cluster.inter_node),
+                   link_collective_time("all_to_all", nbytes, g, cluster.intra_node))
+
+    def counts_time(self, block: ExpertBlock, cluster: ClusterSpec, group: list[int]) -> float:
+        """Seconds of the small exchange of per-expert counts (int64, the split sizes) before a
+        dispatch: one all-to-all over the group, or under "nodes" dispatch over k > 1 nodes
+        DeepEP's `notify_dispatch` (internode.cu), an exchange over the network among the k nodes
+        then, after a barrier, one over NVLink among the g ranks of a node (latency-bound)."""
+        nbytes = 8.0 * block.num_experts
+        k, g = self.node_span(cluster, group)
+        if k <= 1:
+            return axis_collective_time("all_to_all", nbytes, cluster, group)
+        return (link_collective_time("all_to_all", nbytes, k, cluster.inter_node)
+                + link_collective_time("all_to_all", nbytes, g, cluster.intra_node))
 
     def layer_costs(self, costs: list[LayerCost], ep: int, mb: int, tp: int, cluster: ClusterSpec,
                     dtype: str, etp: int = 1, fold: bool = False) -> list[LayerCost]:
@@ -243,7 +316,7 @@ class ExpertCosting:
         if key in self._cache:
             return self._cache[key]
         # the ep group: consecutive ranks of the stage folded (tp innermost), else dp ranks tp apart
-        group = list(range(ep)) if fold else [i * tp for i in range(ep)]
+        group = self.ep_group(ep, tp, fold)
         share = 1.0 / tp if fold else 1.0        # the block's tokens a rank runs
         dev = cluster.device
         out = list(costs)
@@ -256,9 +329,8 @@ class ExpertCosting:
                 for w in b.weights:
                     if w in c.param_elems:
                         c.param_elems[w] = c.param_elems[w] / ep if etp == 1 else c.param_elems[w] / (ep * etp)
-                nbytes = self.dispatch_bytes(b, mb, dtype, ep) * share
-                a2a = axis_collective_time("all_to_all", nbytes, cluster, group)
-                counts = axis_collective_time("all_to_all", 8.0 * b.num_experts, cluster, group)
+                a2a = self.exchange_time(b, mb, dtype, ep, cluster, group, share)
+                counts = self.counts_time(b, cluster, group)
                 c.fwd_comm_s += 2 * a2a + counts
                 c.bwd_comm_s += 2 * a2a
                 c.rc_extra_s["full"] = c.rc_extra_s.get("full", 0.0) + 2 * a2a + counts

@@ -32,7 +32,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-TokenExchange = Literal["dropless_all_to_all", "deduplicated_all_to_all"]
+# how "node_deduplicated_all_to_all" moves a token (`autopar.inter_op.experts.ExpertCosting.exchange_time`)
+NODE_NOTE = (": over the network once to each node holding any of its experts, over NVLink once to each rank "
+             "there, the two at once, DeepEP's internode kernels")
+TokenExchange = Literal["dropless_all_to_all", "deduplicated_all_to_all", "node_deduplicated_all_to_all"]
 
 
 class ExpertBlockPlan(BaseModel):
@@ -67,7 +70,9 @@ class ExpertParallelism(BaseModel):
     dispatch_bytes: float = Field(ge=0, description="bytes one rank sends in one block's dispatch, per "
                                   "micro-batch (token-expert pairs x width x element size, the imbalance "
                                   "included; deduplicated: tokens x the ranks each reaches, SoftwareSpec."
-                                  "expert_dispatch 'ranks'; the combine returns as many)")
+                                  "expert_dispatch 'ranks'; the combine returns as many; node deduplicated, "
+                                  "SoftwareSpec.expert_dispatch 'nodes' over several nodes: the rows NVLink "
+                                  "carries, the network a token once per node holding its experts)")
     expert_tp: int = Field(default=1, ge=1, description="expert tensor parallelism: 1, the experts replicated "
                            "over tp; tp, each expert's projections split over the stage's tp ranks (input "
                            "projections column-parallel, output projection row-parallel), its output "
@@ -90,6 +95,7 @@ class ExpertParallelism(BaseModel):
         return (f"experts: {len(self.blocks)} blocks of {b.num_experts} routed experts (top-{b.top_k}), ep={self.ep}: "
                 f"{per} expert{'s' if per > 1 else ''} per rank in groups of {self.ep} {where}, "
                 f"each expert held by {self.expert_dp} rank{'s' if self.expert_dp > 1 else ''} (expert data "
-                f"parallelism); tokens exchanged by all_to_all ({self.exchange.replace('_', ' ')}, "
+                f"parallelism); tokens exchanged by all_to_all ({self.exchange.replace('_', ' ')}"
+                f"{NODE_NOTE if self.exchange == 'node_deduplicated_all_to_all' else ''}, "
                 f"{self.dispatch_bytes / 2**20:.3g} MiB sent per rank, block and micro-batch each way, "
                 f"routing imbalance {self.imbalance:g}x{', an estimate' if self.imbalance > 1 else ''}){etp}")

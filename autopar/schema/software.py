@@ -84,7 +84,12 @@ same plan, and that the cost model honours:
   once for each of its top-k experts, the combine returning as many rows) or "ranks" (DeepEP's
   normal kernels: a token sent once to each rank holding any of its experts,
   `get_dispatch_layout`'s `is_token_in_rank`, and its rows on that rank summed before the combine
-  returns one). Time: `autopar.inter_op.experts` (the exchange's bytes).
+  returns one: one flat exchange over the ep group) or "nodes" (DeepEP's normal kernels across
+  nodes, `internode.cu`: a token crosses the network once to each node holding any of its experts,
+  to the rank of its own local index there, and that rank forwards it over NVLink to each rank of
+  the node holding any, the two stages running at once in one kernel; the combine the reverse,
+  the rows summed in the node before the network; an ep group inside one node as "ranks"). Time:
+  `autopar.inter_op.experts` (the exchange's bytes and links).
 - `expert_routing`: which experts the tokens go to, as the costs assume it. "router" (the model's
   own router, what `autopar run` executes: the most-loaded rank takes `EP_IMBALANCE` times the
   mean pairs, an estimate, and a token's experts fall at random over the ranks) or
@@ -131,8 +136,8 @@ ZeroOptimizer = Literal["flat", "zero_redundancy"]
 ZERO_OPTIMIZERS: tuple[str, ...] = ("flat", "zero_redundancy")
 OptimizerStates = Literal["fp32", "param"]
 OPTIMIZER_STATES: tuple[str, ...] = ("fp32", "param")
-ExpertDispatch = Literal["pairs", "ranks"]
-EXPERT_DISPATCHES: tuple[str, ...] = ("pairs", "ranks")
+ExpertDispatch = Literal["pairs", "ranks", "nodes"]
+EXPERT_DISPATCHES: tuple[str, ...] = ("pairs", "ranks", "nodes")
 ExpertRouting = Literal["router", "fake_balanced"]
 EXPERT_ROUTINGS: tuple[str, ...] = ("router", "fake_balanced")
 
@@ -245,8 +250,10 @@ class SoftwareSpec(BaseModel):
     expert_dispatch: ExpertDispatch = Field(
         default="pairs", description="pairs: expert parallelism's all-to-all sends one row per token-expert pair "
         "and the combine returns as many (what autopar run executes); ranks: a token sent once to each rank "
-        "holding any of its experts, its rows summed there before the combine returns one (DeepEP's normal "
-        "kernels)")
+        "holding any of its experts, its rows summed there before the combine returns one, one flat exchange; "
+        "nodes: DeepEP's normal kernels across nodes, a token sent over the network once to each node holding any "
+        "of its experts and forwarded there over NVLink to each rank holding any, the two stages at once (inside "
+        "one node as ranks)")
     expert_routing: ExpertRouting = Field(
         default="router", description="router: the model's router (what autopar run executes; the most-loaded "
         "rank takes EP_IMBALANCE x the mean pairs, an estimate, a token's experts at random over the ranks); "
@@ -353,7 +360,9 @@ class SoftwareSpec(BaseModel):
         zro = ", torch ZeroRedundancyOptimizer" if self.zero_optimizer == "zero_redundancy" else ""
         zero3 = ", ZeRO-3 collectives beside the compute" if self.zero3_overlap else ""
         zero3 += ", no fp32 master (2-byte optimizer moments)" if self.optimizer_states == "param" else ""
-        moe = (", a token sent once per expert rank (DeepEP)" if self.expert_dispatch == "ranks" else "") + \
+        moe = {"ranks": ", a token sent once per expert rank (DeepEP)",
+               "nodes": ", a token sent once per expert node over the network, once per expert rank inside it "
+                        "(DeepEP)"}.get(self.expert_dispatch, "") + \
             (", fake balanced routing" if self.expert_routing == "fake_balanced" else "")
         flat = f", plans fill {self.usable_fraction:g} of device memory (override)" if self.usable_fraction else ""
         return (f"software: {self.name} (attention {self.attention_kernel}{own}{fusion}{half}{loss}{fp32}{zro}, "
