@@ -62,6 +62,17 @@ _MZ_DEEPEP = ("the readme table's Dispatcher column says DeepEP: Megatron's flex
               "once to each rank holding any of its experts (expert_dispatch ranks; routing left to the model's "
               "router, its 10% imbalance estimate and experts at random over the ranks)")
 
+# The zoo's Megatron-LM (2025; model_configs/benchmarking/Qwen3-235B-A22B.yaml, every row): Transformer Engine
+# (--transformer-impl transformer_engine; its norm kernels: RMSNorm, the q/k norms too, --qk-layernorm) with the
+# fused MoE permutation (--moe-permute-fusion true) and Megatron's fused SwiGLU (bias_swiglu_fusion, Megatron's
+# default; --no-bias-swiglu-fusion not set): `pointwise_fusion` norm_moe; TE's fused cross-entropy
+# (--cross-entropy-loss-fusion true, --cross-entropy-fusion-impl te): `loss_kernel` fused
+_MZ_SOFTWARE = {"pointwise_fusion": "norm_moe", "loss_kernel": "fused"}
+_MZ_FUSION = ("fused kernels as the zoo's model_configs/benchmarking/Qwen3-235B-A22B.yaml sets them: TE norms "
+              "(--transformer-impl transformer_engine), --moe-permute-fusion true, Megatron's default fused SwiGLU "
+              "(pointwise_fusion norm_moe), --cross-entropy-loss-fusion true with --cross-entropy-fusion-impl te "
+              "(loss_kernel fused)")
+
 # Every case was looked at after the cost model's constants were set (none is set here): all held out.
 PUBLISHED = [
     Published("Mixtral 8x7B, Megatron-Core v0.9", "hf:mixtral-8x7b?seq_len=4096", 256, "dgx-h100", 8,
@@ -94,7 +105,7 @@ PUBLISHED = [
                    schedule="interleaved_1f1b", recompute="norm_act"),
               19.7, 245.0, _MZ_FLOPS, _MZ + "1 (TP2 EP32 PP8 VPP4 DP16 EDP1 ETP1, MBS1 GBS2048 GA128)",
               "EP32 spans TP2 x DP16 (Megatron's MoE parallel folding, autopar's folded experts); " + _MZ_NORM
-              + "; " + _MZ_DEEPEP, software_update={"expert_dispatch": "ranks"}),
+              + "; " + _MZ_DEEPEP + "; " + _MZ_FUSION, software_update={"expert_dispatch": "ranks", **_MZ_SOFTWARE}),
     Published("Qwen3-235B-A22B, MCore DeepEP, intra-node EP8 FSDP", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100",
               32, "nemo-megatron-core-2024",
               dict(tp=2, pp=1, dp=128, ep=8, expert_dp=32, expert_tp=1, microbatch_size=4, num_microbatches=4,
@@ -106,7 +117,8 @@ PUBLISHED = [
               "reduce-scatters beside the compute (`zero3_overlap`: the zoo's model_configs/benchmarking/"
               "Qwen3-235B-A22B.yaml sets --overlap-param-gather and --overlap-grad-reduce, which Megatron-FSDP "
               "runs on their own streams; a micro-batch pays what exceeds its forward and backward compute); "
-              + _MZ_DEEPEP, software_update={"zero3_overlap": True, "expert_dispatch": "ranks"}),
+              + _MZ_DEEPEP + "; " + _MZ_FUSION,
+              software_update={"zero3_overlap": True, "expert_dispatch": "ranks", **_MZ_SOFTWARE}),
     Published("Qwen3-235B-A22B, MCore all-to-all, PP32", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100", 32,
               "nemo-megatron-core-2024",
               dict(tp=2, pp=32, virtual_stages=3, dp=4, ep=8, expert_dp=1, expert_tp=1, microbatch_size=1,
@@ -118,7 +130,7 @@ PUBLISHED = [
               "set --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split; "
               "runtime_configs/benchmarking/runtime.conf line 13 counts 96 layers, so 96 / 32 / 3 = 1 slot a "
               "chunk: the first chunk the embedding alone, the last the loss alone), searched as "
-              "`account_in_split`; " + _MZ_NORM),
+              "`account_in_split`; " + _MZ_NORM + "; " + _MZ_FUSION, software_update=dict(_MZ_SOFTWARE)),
     Published("Qwen3-235B-A22B, MCore DeepEP, TP4 EP8 PP8", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100", 32,
               "nemo-megatron-core-2024",
               dict(tp=4, pp=8, virtual_stages=4, dp=8, ep=8, expert_dp=4, expert_tp=1, microbatch_size=1,
@@ -126,7 +138,8 @@ PUBLISHED = [
                    schedule="interleaved_1f1b", recompute="none"),
               29.0, 167.0, _MZ_FLOPS, _MZ + "5 (TP4 EP8 PP8 VPP4 EDP4 ETP1 DP8, MBS1 GA256, no recompute)",
               "Megatron's EDP4 = TP4 x DP8 / EP8 reuses the tp ranks as expert data parallelism: autopar's folded "
-              "experts (expert_dp=4, expert_tp=1); " + _MZ_DEEPEP, software_update={"expert_dispatch": "ranks"}),
+              "experts (expert_dp=4, expert_tp=1); " + _MZ_DEEPEP + "; " + _MZ_FUSION,
+              software_update={"expert_dispatch": "ranks", **_MZ_SOFTWARE}),
 ]
 
 

@@ -23,7 +23,9 @@ same plan, and that the cost model honours:
   RMSNorm / LayerNorm module one kernel (Transformer Engine's RMSNorm), and an expert block's
   gathers into expert order, activation, weighting and sum back as fused kernels moving the
   group's boundary (Megatron-Core's fused permutation and weighted SwiGLU); every other
-  element-wise op eager). Time: `cost_models.fusion` (through `cost_models.compute.node_time`).
+  element-wise op eager) or "norm" (each norm module one kernel, every other element-wise op
+  eager: Megatron-Core with Transformer Engine's norm kernels and no fused MoE permutation).
+  Time: `cost_models.fusion` (through `cost_models.compute.node_time`).
   Memory stays eager's: what eager autograd saves (an upper bound under Inductor, whose
   partitioner recomputes element-wise ops in the backward instead of saving them).
 - `mixed_precision`: how a bf16/fp16 run keeps its tensors. "autocast" (torch.autocast around a
@@ -119,8 +121,8 @@ from autopar.schema.files import read_mapping
 
 AttentionKernel = Literal["fused", "unfused"]
 ATTENTION_KERNELS: tuple[str, ...] = ("fused", "unfused")
-PointwiseFusion = Literal["eager", "fused", "norm_moe"]
-POINTWISE_FUSIONS: tuple[str, ...] = ("eager", "fused", "norm_moe")
+PointwiseFusion = Literal["eager", "fused", "norm_moe", "norm"]
+POINTWISE_FUSIONS: tuple[str, ...] = ("eager", "fused", "norm_moe", "norm")
 MixedPrecision = Literal["autocast", "half"]
 MIXED_PRECISIONS: tuple[str, ...] = ("autocast", "half")
 LossKernel = Literal["eager", "fused", "half"]
@@ -190,7 +192,8 @@ class SoftwareSpec(BaseModel):
         "run executes); fused: a chain of element-wise ops between other ops runs as one kernel reading the "
         "chain's inputs once and writing what leaves it once (torch.compile / Inductor, Megatron's fused "
         "bias-GELU); norm_moe: only norm modules and an expert block's routing and activation ops fused, as "
-        "Transformer Engine and Megatron-Core's MoE kernels run them; time only: the activation memory stays "
+        "Transformer Engine and Megatron-Core's MoE kernels run them; norm: only norm modules fused (Transformer "
+        "Engine's norm kernels); time only: the activation memory stays "
         "eager autograd's (an upper bound under Inductor, which recomputes element-wise ops in the backward)")
     mixed_precision: MixedPrecision = Field(
         default="autocast", description="autocast: torch.autocast over 2-byte parameters (what autopar run "
@@ -345,7 +348,8 @@ class SoftwareSpec(BaseModel):
         sync = "overlaps the backward" if self.grad_sync_overlap else "after the backward"
         own = f", its own attention rates on {', '.join(sorted(self.attention_flops))}" if self.attention_flops else ""
         fusion = {"fused": ", element-wise chains fused",
-                  "norm_moe": ", norms and the experts' routing fused"}.get(self.pointwise_fusion, "")
+                  "norm_moe": ", norms and the experts' routing fused",
+                  "norm": ", norms fused"}.get(self.pointwise_fusion, "")
         half = ", model cast to its 2-byte dtype (no autocast)" if not self.autocast else ""
         loss = {"fused": ", fused cross-entropy",
                 "half": ", cross-entropy on the 2-byte logits"}.get(self.loss_kernel, "")
