@@ -59,19 +59,24 @@ _MZ_NORM = ("recompute 'norm, act' (best_practice/qwen3/run_h100_235b.sh: --reco
             "--recompute-modules moe_act layernorm, Megatron's output-discarding recomputation of the layer norms and "
             "the expert activation) pinned as autopar's recompute 'norm_act', the same policy")
 _MZ_DEEPEP = ("the readme table's Dispatcher column says DeepEP: Megatron's flex dispatcher over DeepEP, a token sent "
-              "once to each rank holding any of its experts (expert_dispatch ranks; routing left to the model's "
-              "router, its 10% imbalance estimate and experts at random over the ranks)")
+              "once to each rank holding any of its experts (expert_dispatch ranks)")
 
 # The zoo's Megatron-LM (2025; model_configs/benchmarking/Qwen3-235B-A22B.yaml, every row): Transformer Engine
 # (--transformer-impl transformer_engine; its norm kernels: RMSNorm, the q/k norms too, --qk-layernorm) with the
 # fused MoE permutation (--moe-permute-fusion true) and Megatron's fused SwiGLU (bias_swiglu_fusion, Megatron's
 # default; --no-bias-swiglu-fusion not set): `pointwise_fusion` norm_moe; TE's fused cross-entropy
 # (--cross-entropy-loss-fusion true, --cross-entropy-fusion-impl te): `loss_kernel` fused
-_MZ_SOFTWARE = {"pointwise_fusion": "norm_moe", "loss_kernel": "fused"}
+# The zoo's launch script of the same day as the table (examples/qwen3/run_235b.sh at 31c5686, 2025-05-27; the
+# table came in 8017e11 that day) passes --moe-router-force-load-balancing in each of the five rows' commands
+# (random router logits, Megatron's apply_random_logits): `expert_routing` forced_balance
+_MZ_SOFTWARE = {"pointwise_fusion": "norm_moe", "loss_kernel": "fused", "expert_routing": "forced_balance"}
 _MZ_FUSION = ("fused kernels as the zoo's model_configs/benchmarking/Qwen3-235B-A22B.yaml sets them: TE norms "
               "(--transformer-impl transformer_engine), --moe-permute-fusion true, Megatron's default fused SwiGLU "
               "(pointwise_fusion norm_moe), --cross-entropy-loss-fusion true with --cross-entropy-fusion-impl te "
-              "(loss_kernel fused)")
+              "(loss_kernel fused); routing forced balanced (expert_routing forced_balance: the zoo's "
+              "examples/qwen3/run_235b.sh at 31c5686, committed the day the table was, passes "
+              "--moe-router-force-load-balancing in each of these rows' commands, the FSDP row's with TP=1 where "
+              "the table says TP2)")
 
 # Every case was looked at after the cost model's constants were set (none is set here): all held out.
 PUBLISHED = [

@@ -124,3 +124,28 @@ def test_norm_fusion_fuses_the_norm_modules_only():
     sw = SoftwareSpec.load("nemo-megatron-core-2024")
     assert sw.pointwise_fusion == "norm" and "transformer_engine" in sw.sources["pointwise_fusion"]
     assert "norms fused" in sw.summary()
+
+
+def test_forced_balance_routing_charges_no_imbalance_and_random_ranks():
+    """`expert_routing` "forced_balance" (Megatron-Core's --moe-router-force-load-balancing: random
+    router logits) charges no imbalance, where the model's router carries `EP_IMBALANCE`, and
+    sends a token to the ranks experts drawn at random reach (`random_ranks_per_token`), where the
+    fake gate's rule reaches fewer; the summary names it and a bad value names the field."""
+    from autopar.inter_op.experts import EP_IMBALANCE, random_ranks_per_token
+    from autopar.inter_op.layers import build_layers
+
+    b = build_model("moe-tiny", batch_size=2)
+    g = capture(b.model, b.example_inputs, name="moe-tiny")
+    layers = build_layers(g, b.model)
+    base = SoftwareSpec.load("nemo-megatron-core-2024")
+    forced = base.model_copy(update={"expert_dispatch": "ranks", "expert_routing": "forced_balance"})
+    router = base.model_copy(update={"expert_dispatch": "ranks"})
+    ef, er = ExpertCosting(g, layers, software=forced), ExpertCosting(g, layers, software=router)
+    assert ef.imbalance == 1.0 and er.imbalance == EP_IMBALANCE > 1.0
+    blk = ef.blocks[0]
+    assert ef.ranks_per_token(blk, 4) == er.ranks_per_token(blk, 4) == random_ranks_per_token(
+        blk.num_experts, blk.top_k, 4)
+    assert ef.dispatch_bytes(blk, 2, "bf16", 4) == pytest.approx(er.dispatch_bytes(blk, 2, "bf16", 4) / EP_IMBALANCE)
+    assert "forced balanced routing" in forced.summary()
+    with pytest.raises(Exception, match="expert_routing"):
+        SoftwareSpec(name="x", expert_routing="forced")

@@ -92,7 +92,11 @@ same plan, and that the cost model honours:
   mean pairs, an estimate, and a token's experts fall at random over the ranks) or
   "fake_balanced" (NeMo AutoModel's `FakeBalancedGate`, a benchmark setting: token t goes to
   experts (k t + j) mod E, j < k: every expert the same pairs, no imbalance, and the ranks a
-  token reaches follow from that rule). Time: `autopar.inter_op.experts`.
+  token reaches follow from that rule) or "forced_balance" (Megatron-Core's
+  --moe-router-force-load-balancing, a benchmark setting: the router's logits replaced by random
+  ones, `apply_random_logits` in megatron/core/transformer/moe/router.py: a token's experts drawn
+  at random, every expert the same pairs in expectation, so no imbalance is charged, and the
+  ranks a token reaches as for experts at random). Time: `autopar.inter_op.experts`.
 
 Every field changes a prediction; a choice the cost model cannot honour has no field here.
 Named presets live in `software_profiles/` (YAML, each field with its source); the default,
@@ -135,8 +139,8 @@ OptimizerStates = Literal["fp32", "param"]
 OPTIMIZER_STATES: tuple[str, ...] = ("fp32", "param")
 ExpertDispatch = Literal["pairs", "ranks"]
 EXPERT_DISPATCHES: tuple[str, ...] = ("pairs", "ranks")
-ExpertRouting = Literal["router", "fake_balanced"]
-EXPERT_ROUTINGS: tuple[str, ...] = ("router", "fake_balanced")
+ExpertRouting = Literal["router", "fake_balanced", "forced_balance"]
+EXPERT_ROUTINGS: tuple[str, ...] = ("router", "fake_balanced", "forced_balance")
 
 # the memory a plan may not fill, per software stack (`cost_models.memory.usable_memory`); omitted
 # from a dump at their defaults
@@ -254,7 +258,8 @@ class SoftwareSpec(BaseModel):
         default="router", description="router: the model's router (what autopar run executes; the most-loaded "
         "rank takes EP_IMBALANCE x the mean pairs, an estimate, a token's experts at random over the ranks); "
         "fake_balanced: NeMo AutoModel's FakeBalancedGate benchmark setting, token t to experts (k t + j) mod E: "
-        "every expert the same pairs")
+        "every expert the same pairs; forced_balance: Megatron-Core's --moe-router-force-load-balancing benchmark "
+        "setting, random router logits: no imbalance, a token's experts at random over the ranks")
     attention_flops: dict[str, dict[str, list[AttentionPoint]]] = Field(
         default_factory=dict, description="the software's fused attention kernel measured on named devices "
         "(DeviceSpec.name -> dtype -> points, as DeviceSpec.attention_flops); on a device named here they "
@@ -358,7 +363,8 @@ class SoftwareSpec(BaseModel):
         zero3 = ", ZeRO-3 collectives beside the compute" if self.zero3_overlap else ""
         zero3 += ", no fp32 master (2-byte optimizer moments)" if self.optimizer_states == "param" else ""
         moe = (", a token sent once per expert rank (DeepEP)" if self.expert_dispatch == "ranks" else "") + \
-            (", fake balanced routing" if self.expert_routing == "fake_balanced" else "")
+            {"fake_balanced": ", fake balanced routing",
+             "forced_balance": ", forced balanced routing (random logits)"}.get(self.expert_routing, "")
         flat = f", plans fill {self.usable_fraction:g} of device memory (override)" if self.usable_fraction else ""
         return (f"software: {self.name} (attention {self.attention_kernel}{own}{fusion}{half}{loss}{fp32}{zro}, "
                 f"dp gradient sync {sync}{zero3}{moe}{flat})")
