@@ -168,9 +168,8 @@ class ExpertCosting:
         self._row_index: dict[str, float] = {}       # `row_index_saved` (per sample), by block
         self._split: dict[str, list] = {}            # `split_saved`'s tensors (per sample), by block
         self._saved: dict[str, list] = {}            # `block_saved`'s tensors (per sample), by block
-        # (mb, layer index) -> the layer's graph at mb, as the layer costs were priced on it
-        # (`stage_cost.AnalyticProvider.graph_at`, set by the search with its provider's; None: the
-        # folded block's other ops stay as priced, `_fold_ops_delta`), and the provider
+        # the layer cost provider (set by the search): its layers' graphs at a micro-batch
+        # (`graph_at`) price the folded block's other ops (`_fold_ops_delta`; None: left as priced)
         self.provider: Any = None
         self._fold_ops: dict[tuple, tuple[float, float]] = {}   # `_fold_ops_delta`, by layer kind
         self.layers = layers
@@ -446,9 +445,12 @@ class ExpertCosting:
         time with its work split tp ways less its time replicated, as the layer's solve prices
         them (`op_compute_time` on the provider's graph of layer `i` at `mb`, the software's
         attention kernel, fusion and precision); (0, 0) without a provider to read the layer's
-        graph from. Kept per layer kind (identical layers give one result)."""
+        graph from, or with the analytic provider (whose rules may split some of them already).
+        Kept per layer kind (identical layers give one result)."""
         prov = self.provider
-        if prov is None or tp <= 1 or not hasattr(prov, "graph_at"):
+        if prov is None or tp <= 1 or not hasattr(prov, "_expert_ops"):
+            # only the intra-op solve keeps the block's ops replicated over tp (`_expert_ops`);
+            # the analytic rules may split some already: their costs are left as they are
             return 0.0, 0.0
         layer = self.layers[i]
         key = (layer.signature, b.module.rsplit(".", 1)[-1], mb, tp, id(dev), dtype)
@@ -481,6 +483,7 @@ class ExpertCosting:
             part = op_compute_time(n, rg, rg.get(name, False), dev, dtype, tp, g._index, att, copies, fusion, fp32)
             dfwd += part[0] - whole[0]
             dbwd += part[1] - whole[1]
+        self._devices[id(dev)] = dev        # held: its id stays its own while keyed
         hit = self._fold_ops[key] = (dfwd, dbwd)
         return hit
 
