@@ -61,10 +61,26 @@ _MZ_NORM = ("recompute 'norm, act' (best_practice/qwen3/run_h100_235b.sh: --reco
 _MZ_DEEPEP = ("the readme table's Dispatcher column says DeepEP: Megatron's flex dispatcher over DeepEP's normal "
               "kernels (megatron/core/transformer/moe/fused_a2a.py: Buffer.dispatch / combine, the compute stream "
               "waiting on each), a token sent once to each rank holding any of its experts, and across nodes once "
-              "to each node over the network, forwarded over NVLink there (expert_dispatch nodes; routing left to "
-              "the model's router, its 10% imbalance estimate and experts at random over the ranks); the EP "
+              "to each node over the network, forwarded over NVLink there (expert_dispatch nodes); the EP "
               "exchange exposed: the row without the readme's '+1f1b overlap' note runs sbatch_benchmarking.sh's "
               "A2A_OVERLAP=0 default (no --overlap-moe-expert-parallel-comm / --delay-wgrad-compute)")
+
+# The zoo's Megatron-LM (2025; model_configs/benchmarking/Qwen3-235B-A22B.yaml, every row): Transformer Engine
+# (--transformer-impl transformer_engine; its norm kernels: RMSNorm, the q/k norms too, --qk-layernorm) with the
+# fused MoE permutation (--moe-permute-fusion true) and Megatron's fused SwiGLU (bias_swiglu_fusion, Megatron's
+# default; --no-bias-swiglu-fusion not set): `pointwise_fusion` norm_moe; TE's fused cross-entropy
+# (--cross-entropy-loss-fusion true, --cross-entropy-fusion-impl te): `loss_kernel` fused
+# The zoo's launch script of the same day as the table (examples/qwen3/run_235b.sh at 31c5686, 2025-05-27; the
+# table came in 8017e11 that day) passes --moe-router-force-load-balancing in each of the five rows' commands
+# (random router logits, Megatron's apply_random_logits): `expert_routing` forced_balance
+_MZ_SOFTWARE = {"pointwise_fusion": "norm_moe", "loss_kernel": "fused", "expert_routing": "forced_balance"}
+_MZ_FUSION = ("fused kernels as the zoo's model_configs/benchmarking/Qwen3-235B-A22B.yaml sets them: TE norms "
+              "(--transformer-impl transformer_engine), --moe-permute-fusion true, Megatron's default fused SwiGLU "
+              "(pointwise_fusion norm_moe), --cross-entropy-loss-fusion true with --cross-entropy-fusion-impl te "
+              "(loss_kernel fused); routing forced balanced (expert_routing forced_balance: the zoo's "
+              "examples/qwen3/run_235b.sh at 31c5686, committed the day the table was, passes "
+              "--moe-router-force-load-balancing in each of these rows' commands, the FSDP row's with TP=1 where "
+              "the table says TP2)")
 
 # Every case was looked at after the cost model's constants were set (none is set here): all held out.
 PUBLISHED = [
@@ -98,7 +114,7 @@ PUBLISHED = [
                    schedule="interleaved_1f1b", recompute="norm_act"),
               19.7, 245.0, _MZ_FLOPS, _MZ + "1 (TP2 EP32 PP8 VPP4 DP16 EDP1 ETP1, MBS1 GBS2048 GA128)",
               "EP32 spans TP2 x DP16 (Megatron's MoE parallel folding, autopar's folded experts); " + _MZ_NORM
-              + "; " + _MZ_DEEPEP, software_update={"expert_dispatch": "nodes"}),
+              + "; " + _MZ_DEEPEP + "; " + _MZ_FUSION, software_update={"expert_dispatch": "nodes", **_MZ_SOFTWARE}),
     Published("Qwen3-235B-A22B, MCore DeepEP, intra-node EP8 FSDP", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100",
               32, "nemo-megatron-core-2024",
               dict(tp=2, pp=1, dp=128, ep=8, expert_dp=32, expert_tp=1, microbatch_size=4, num_microbatches=4,
@@ -110,7 +126,8 @@ PUBLISHED = [
               "reduce-scatters beside the compute (`zero3_overlap`: the zoo's model_configs/benchmarking/"
               "Qwen3-235B-A22B.yaml sets --overlap-param-gather and --overlap-grad-reduce, which Megatron-FSDP "
               "runs on their own streams; a micro-batch pays what exceeds its forward and backward compute); "
-              + _MZ_DEEPEP, software_update={"zero3_overlap": True, "expert_dispatch": "nodes"}),
+              + _MZ_DEEPEP + "; " + _MZ_FUSION,
+              software_update={"zero3_overlap": True, "expert_dispatch": "nodes", **_MZ_SOFTWARE}),
     Published("Qwen3-235B-A22B, MCore all-to-all, PP32", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100", 32,
               "nemo-megatron-core-2024",
               dict(tp=2, pp=32, virtual_stages=3, dp=4, ep=8, expert_dp=1, expert_tp=1, microbatch_size=1,
@@ -122,7 +139,7 @@ PUBLISHED = [
               "set --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split; "
               "runtime_configs/benchmarking/runtime.conf line 13 counts 96 layers, so 96 / 32 / 3 = 1 slot a "
               "chunk: the first chunk the embedding alone, the last the loss alone), searched as "
-              "`account_in_split`; " + _MZ_NORM),
+              "`account_in_split`; " + _MZ_NORM + "; " + _MZ_FUSION, software_update=dict(_MZ_SOFTWARE)),
     Published("Qwen3-235B-A22B, MCore DeepEP, TP4 EP8 PP8", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100", 32,
               "nemo-megatron-core-2024",
               dict(tp=4, pp=8, virtual_stages=4, dp=8, ep=8, expert_dp=4, expert_tp=1, microbatch_size=1,
@@ -130,7 +147,8 @@ PUBLISHED = [
                    schedule="interleaved_1f1b", recompute="none"),
               29.0, 167.0, _MZ_FLOPS, _MZ + "5 (TP4 EP8 PP8 VPP4 EDP4 ETP1 DP8, MBS1 GA256, no recompute)",
               "Megatron's EDP4 = TP4 x DP8 / EP8 reuses the tp ranks as expert data parallelism: autopar's folded "
-              "experts (expert_dp=4, expert_tp=1); " + _MZ_DEEPEP, software_update={"expert_dispatch": "nodes"}),
+              "experts (expert_dp=4, expert_tp=1); " + _MZ_DEEPEP + "; " + _MZ_FUSION,
+              software_update={"expert_dispatch": "nodes", **_MZ_SOFTWARE}),
 ]
 
 

@@ -797,9 +797,9 @@ def fusion_of(graph, device: DeviceSpec, attention_kernel: AttentionKernel = "fu
     of `graph` on `device`), else None (eager: one kernel per op)."""
     if pointwise_fusion not in POINTWISE_FUSIONS:
         raise ValueError(f"pointwise fusion must be one of {', '.join(POINTWISE_FUSIONS)}, got {pointwise_fusion!r}")
-    if pointwise_fusion == "norm_moe":
+    if pointwise_fusion in ("norm_moe", "norm"):
         from cost_models.fusion import graph_module_groups
-        return graph_module_groups(graph, device.device_type, attention_kernel)
+        return graph_module_groups(graph, device.device_type, attention_kernel, experts=pointwise_fusion == "norm_moe")
     if pointwise_fusion == "eager":
         return None
     return graph_pointwise_chains(graph, device.device_type, attention_kernel)

@@ -42,6 +42,10 @@ of an experts module is what the fused kernels move: the tokens read and their T
 written in expert order (permutation), the up projection's output read and the activation
 written, the down projection's output read and the T tokens written (unpermutation).
 
+Under `pointwise_fusion == "norm"` (Megatron-Core with Transformer Engine before its fused MoE
+permutation, NeMo 24.05: each norm one TE kernel, everything else eager) the groups are the norm
+modules alone.
+
 Memory is not changed by fusion here: the memory model keeps what eager autograd saves.
 Inductor's partitioner (AOTAutograd's min-cut rematerialisation) recomputes element-wise ops in
 the backward and saves fewer tensors, so under "fused" the predicted activation memory is an
@@ -308,17 +312,19 @@ def module_groups(nodes: Iterable, index: dict, expert_modules: Iterable[str],
 
 
 def graph_module_groups(graph: Any, device_type: Optional[str] = None,
-                        attention_kernel: str = "fused") -> FusedChains:
-    """`module_groups` of `graph` (an `OpGraph` at a concrete batch) with its expert blocks,
-    once per graph, device type and attention kernel."""
+                        attention_kernel: str = "fused", experts: bool = True) -> FusedChains:
+    """`module_groups` of `graph` (an `OpGraph` at a concrete batch) with its expert blocks
+    (`experts`; False: the norm modules only, `pointwise_fusion == "norm"`), once per graph,
+    device type, attention kernel and that choice."""
     from autopar.capture.experts import find_expert_blocks
     from cost_models.layouts import graph_layout_copies
 
     memo = graph.__dict__.setdefault("_module_groups", {})
-    key = (device_type, attention_kernel)
+    key = (device_type, attention_kernel, experts)
     if key not in memo:
         nodes = list(graph.nodes)
-        memo[key] = module_groups(nodes, {n.name: n for n in nodes}, [b.module for b in find_expert_blocks(graph)],
+        blocks = [b.module for b in find_expert_blocks(graph)] if experts else []
+        memo[key] = module_groups(nodes, {n.name: n for n in nodes}, blocks,
                                   graph_layout_copies(graph, device_type, attention_kernel))
     return memo[key]
 

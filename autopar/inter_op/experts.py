@@ -53,8 +53,15 @@ rank takes 1/tp of the block's tokens (the dense layers hold them replicated ove
 * activations: what the block's ops save for the backward (`block_saved`) 1/tp of it, the
   exchange's combine (`combine_saved`) on the rank's 1/tp of the pairs.
 
-The block's other ops (sort, gather, weighted sum) run on 1/tp of the tokens too; their time,
-small beside the GEMMs and the exchange, is left as the replicated layer costs have it.
+* the experts module's other ops (the sort into expert order, the gathers, the activation,
+  the weighting and the sum back: `_fold_ops_delta`) on 1/tp of the tokens too, as the runtime
+  runs them (`runtime.experts.ExpertParallelExperts._folded` splits the module's inputs before
+  any of them; Megatron-Core's folded MoE layer routes the sequence-parallel shard of the tokens
+  each tp rank holds): their layer cost, priced replicated (the intra-op solve keeps the block's
+  ops replicated over tp, `ilp_provider._expert_ops`), less what 1/tp of their work saves, each
+  op priced as the layer's solve prices it (`intra_op.ilp.op_compute_time` on the layer's graph
+  at the micro-batch, with the software's fusion). Hugging Face Qwen3-235B's eager routing is
+  1.46 s of a micro-batch of 4 at tp 2 replicated (of 4.95 s compute), 0.73 s folded.
 
 The software's token exchange and routing (`SoftwareSpec.expert_dispatch`, `expert_routing`)
 change the exchange's bytes and the imbalance: under "ranks" (DeepEP) a rank sends each token
@@ -78,7 +85,8 @@ included (tests/test_internode.py `num_rdma_token_sent`); a token reaches 3.61 n
 Under "fake_balanced" routing (NeMo AutoModel's
 `FakeBalancedGate`: token t to experts (k t + j) mod E) every expert takes the same pairs
 (imbalance 1) and r (and n) follow from the rule (`fake_ranks_per_token`); under the model's
-router r (and n) is the mean for experts drawn at random (`random_ranks_per_token`).
+router r (and n) is the mean for experts drawn at random (`random_ranks_per_token`), and so under
+"forced_balance" (Megatron-Core's --moe-router-force-load-balancing: random logits), with imbalance 1.
 
 `EP_IMBALANCE` is an estimate, not a measurement: the most-loaded rank of an ep group
 receives 10% more pairs than the mean. Trained with a balance loss (the zoo MoE's, Mixtral's,
@@ -152,8 +160,11 @@ class ExpertCosting:
         self.graph = graph
         self.dispatch = getattr(software, "expert_dispatch", "pairs")
         self.routing = getattr(software, "expert_routing", "router")
-        # the most-loaded rank's pairs over the mean: exact balance under the fake gate
-        self.imbalance = 1.0 if self.routing == "fake_balanced" else EP_IMBALANCE
+        # the most-loaded rank's pairs over the mean: exact balance under the fake gate, and
+        # none charged under random logits (`forced_balance`: every expert the same pairs in
+        # expectation; over the thousands of pairs a rank takes its excess is a few percent at
+        # most, binomial: about 2% at 8192 pairs among 8 ranks, under 1% at 65536: not charged)
+        self.imbalance = 1.0 if self.routing in ("fake_balanced", "forced_balance") else EP_IMBALANCE
         self.blocks = find_expert_blocks(graph) if blocks is None else blocks
         where = {l.name: i for i, l in enumerate(layers)}
         self.by_layer: dict[int, list[ExpertBlock]] = {}
@@ -175,6 +186,12 @@ class ExpertCosting:
         self._row_index: dict[str, float] = {}       # `row_index_saved` (per sample), by block
         self._split: dict[str, list] = {}            # `split_saved`'s tensors (per sample), by block
         self._saved: dict[str, list] = {}            # `block_saved`'s tensors (per sample), by block
+        # the layer cost provider (set by the search): its layers' graphs at a micro-batch
+        # (`graph_at`) price the folded block's other ops (`_fold_ops_delta`; None: left as priced)
+        self.provider: Any = None
+        self._fold_ops: dict[tuple, tuple[float, float]] = {}   # `_fold_ops_delta`, by layer kind
+        self.layers = layers
+        self.software = software
 
     @functools.cached_property
     def _g1(self) -> OpGraph:
@@ -348,6 +365,9 @@ class ExpertCosting:
                     c.rc_extra_s["full"] = c.rc_extra_s.get("full", 0.0) + FOLD_FORWARD * agf
                     c.rc_comm_s["full"] = c.rc_comm_s.get("full", 0.0) + FOLD_FORWARD * agf
                 dfwd, dbwd = self._gemm_delta(b, ep, mb, dev, dtype, etp, share)
+                if fold:
+                    ofwd, obwd = self._fold_ops_delta(b, i, mb, tp, dev, dtype)
+                    dfwd, dbwd = dfwd + ofwd, dbwd + obwd
                 c.fwd_s += dfwd
                 c.bwd_s += dbwd
                 c.rc_extra_s["full"] = c.rc_extra_s.get("full", 0.0) + dfwd
@@ -489,6 +509,54 @@ class ExpertCosting:
             self._devices[id(dev)] = dev        # held: its id stays its own while keyed
             hit = self._deltas[key] = self._delta_of(list(gemms), b.num_experts, ep, mb, dev, dtype, etp, share,
                                                      self.imbalance)
+        return hit
+
+    def _fold_ops_delta(self, b: ExpertBlock, i: int, mb: int, tp: int, dev, dtype: str) -> tuple[float, float]:
+        """(forward, backward) seconds the experts module's ops other than its grouped GEMMs change
+        by when folding runs them on 1/tp of the block's tokens (the module docstring): each op's
+        time with its work split tp ways less its time replicated, as the layer's solve prices
+        them (`op_compute_time` on the provider's graph of layer `i` at `mb`, the software's
+        attention kernel, fusion and precision); (0, 0) without a provider to read the layer's
+        graph from, or with the analytic provider (whose rules may split some of them already).
+        Kept per layer kind (identical layers give one result)."""
+        prov = self.provider
+        if prov is None or tp <= 1 or not hasattr(prov, "_expert_ops"):
+            # only the intra-op solve keeps the block's ops replicated over tp (`_expert_ops`);
+            # the analytic rules may split some already: their costs are left as they are
+            return 0.0, 0.0
+        layer = self.layers[i]
+        key = (layer.signature, b.module.rsplit(".", 1)[-1], mb, tp, id(dev), dtype)
+        hit = self._fold_ops.get(key)
+        if hit is not None:
+            return hit
+        from autopar.intra_op.ilp import op_compute_time, requires_grad_of
+        from cost_models.compute import fusion_of
+        from cost_models.layouts import graph_layout_copies
+        from cost_models.memory import graph_fp32_tensors
+
+        sw = self.software
+        att = getattr(sw, "attention_kernel", "fused")
+        g = prov.graph_at(mb, layer)
+        copies = graph_layout_copies(g, dev.device_type, att)
+        fusion = fusion_of(g, dev, att, getattr(sw, "pointwise_fusion", "eager"))
+        fp32 = graph_fp32_tensors(g, dev.device_type, dtype, att, getattr(sw, "autocast", True))
+        rg = requires_grad_of(g, prov._grad_inputs(layer))
+        gemms = set(b.gemms)
+        dfwd = dbwd = 0.0
+        for name in layer.nodes:
+            n = g.node(name)
+            path = n.module_path or ""
+            if n.kind != "call" or name in gemms or not n.outputs or not (
+                    path == b.module or path.startswith(b.module + ".")):
+                continue
+            if n.flops <= 0 and n.bytes_moved <= 0 and name not in copies[0]:
+                continue
+            whole = op_compute_time(n, rg, rg.get(name, False), dev, dtype, 1, g._index, att, copies, fusion, fp32)
+            part = op_compute_time(n, rg, rg.get(name, False), dev, dtype, tp, g._index, att, copies, fusion, fp32)
+            dfwd += part[0] - whole[0]
+            dbwd += part[1] - whole[1]
+        self._devices[id(dev)] = dev        # held: its id stays its own while keyed
+        hit = self._fold_ops[key] = (dfwd, dbwd)
         return hit
 
     def _block_gemms(self, b: ExpertBlock) -> tuple[tuple[float, float, float, str, float, bool], ...]:

@@ -234,7 +234,8 @@ class _Tables:
 
     # what depends on the layers' costs alone (not on dp, ZeRO or the batch), shared by the
     # tables of one cost list (`like`)
-    _COST_ONLY = ("base", "compute", "iter", "rc", "priced", "act", "work", "work_rc", "pel_layer", "pel", "shared",
+    _COST_ONLY = ("base", "compute", "iter", "rc", "rc_compute", "priced", "act", "work", "work_rc", "pel_layer", "pel",
+                  "shared",
                   "out", "cross", "cross_grad", "valid", "kk", "jj", "range_pel", "range_in", "range_out",
                   "range_send", "range_send_grad", "range_act", "range_in_saved", "range_out_kept", "range_work",
                   "range_work_rc", "range_work_rc_grads", "work_grads", "range_work_tmp", "range_root", "_layers",
@@ -293,7 +294,7 @@ class _Tables:
         # ZeRO-3's collectives on their own streams beside the compute (`SoftwareSpec.
         # zero3_overlap`, set by `Search._tables`): a micro-batch pays what exceeds its compute
         self.zero3_overlap = False
-        self._zero_ranges: dict[float, np.ndarray] = {}     # `range_zero_mb`, per gathers
+        self._zero_ranges: dict = {}     # `range_zero_mb`: per gathers, and per (gathers, recomputation)
         self._relief: dict[str, np.ndarray] = {}
         self._temporaries: dict[tuple, float] = {}           # `chunk_temporaries`, per chunks
         self._holders: dict[tuple[int, int], list] = {}       # `_holder_sizes`, per layer range
@@ -319,6 +320,9 @@ class _Tables:
         self.compute = pre([c.fwd_s + c.bwd_s for c in costs])
         self.iter = pre([c.iter_s for c in costs])
         self.rc = {r: pre([c.rc_extra_s.get(r, 0.0) for c in costs]) for r in RECOMPUTES}
+        # of it, the recomputed forward's compute (its collectives left out): ZeRO-3's cover too
+        self.rc_compute = {r: pre([c.rc_extra_s.get(r, 0.0) - c.rc_comm_s.get(r, 0.0) for c in costs])
+                           for r in RECOMPUTES}
         # the policies every layer's cost prices (a cost naming none prices all alike): one a
         # provider leaves out would read as free, saving everything
         self.priced = frozenset(r for r in RECOMPUTES if all(r in c.act_bytes for c in costs if c.act_bytes))
@@ -1154,16 +1158,21 @@ class _Tables:
         each one collective of each kind per pass, `zero_mb`)."""
         return np.concatenate([[0.0], np.cumsum([sum(u > 0 for u in us) for us in self.module_units])])
 
-    def range_zero_mb(self, gathers: float = 2.0) -> np.ndarray:
+    def range_zero_mb(self, gathers: float = 2.0, r: str = "none") -> np.ndarray:
         """`zero_mb` of every layer range (each as one stage's chunk; `gathers` a unit's
-        all-gathers per micro-batch), as much of it as the micro-batch waits for
-        (`exposed_zero`). Kept per `gathers` once made: the candidates on this table ask for the
-        same, after `Search._tables` set what it reads (read-only)."""
-        hit = self._zero_ranges.get(gathers)
+        all-gathers per micro-batch), as much of it as the micro-batch waits for under
+        recomputation `r` (`exposed_zero`: its forward, backward and recomputed forward cover
+        it). Kept per (`gathers`, `r`) once made: the candidates on this table ask for the same,
+        after `Search._tables` set what it reads (read-only)."""
+        hit = self._zero_ranges.get((gathers, r))
         if hit is None:
-            z = self.zero_mb(self.range_pel, self.range_epel, np.where(self.valid, self.ranged(self.layer_units), 0.0),
-                             self.range_eunits, gathers)
-            hit = self._zero_ranges[gathers] = np.asarray(self.exposed_zero(z, self.ranged(self.compute)))
+            z = self._zero_ranges.get(gathers)
+            if z is None:
+                z = self._zero_ranges[gathers] = self.zero_mb(
+                    self.range_pel, self.range_epel, np.where(self.valid, self.ranged(self.layer_units), 0.0),
+                    self.range_eunits, gathers)
+            window = self.ranged(self.compute) + self.ranged(self.rc_compute[r])
+            hit = self._zero_ranges[(gathers, r)] = np.asarray(self.exposed_zero(z, window))
             hit.setflags(write=False)
         return hit
 
@@ -1171,8 +1180,12 @@ class _Tables:
         """Of a micro-batch's ZeRO-3 collectives (`zero_mb`), the seconds it waits for: all of
         them, or with `zero3_overlap` (`SoftwareSpec.zero3_overlap`: the next unit's all-gather
         prefetched on its own stream while a unit computes, reduce-scatters beside the next
-        unit's backward) what exceeds `window`, the micro-batch's forward and backward compute
-        (its recomputation and its layers' own collectives not counted as cover). An
+        unit's backward) what exceeds `window`, the micro-batch's compute: its forward, its
+        backward and its recomputed forward (a checkpointed unit's recomputation runs inside its
+        backward, after the pre-backward hook that gathers it and prefetches the next unit's
+        gather (FSDP2's backward prefetch, Megatron-FSDP's --overlap-param-gather), and before
+        the reduce-scatter of its gradients: the collectives in flight run beside it as beside
+        the rest of the backward); its layers' own collectives are not counted as cover. An
         assumption, labelled: the gather of the step's first unit, which nothing precedes, and
         the compute the collectives' kernels slow are not charged."""
         if not self.zero3_overlap:
@@ -1465,6 +1478,8 @@ class Search:
         self._bottlenecks: dict[tuple[bytes, int], float] = {}   # `_bottleneck` per (least times, pp)
         self._dp_cache: dict[tuple, Any] = {}       # `_evaluate_hetero`: table -> `stage_dp`'s result
         self.experts = ExpertCosting(graph, layers, software=self.software)
+        # the layers' graphs the folded expert blocks' other ops are priced on (`_fold_ops_delta`)
+        self.experts.provider = self.provider
         if (cons.ep or 1) > 1 and not self.experts:
             raise PlanError(f"ep={cons.ep}: the model has no routed experts (no grouped GEMM over stacked expert "
                             f"weights was captured); leave ep unset", constraint="ep")
@@ -2270,8 +2285,7 @@ class Search:
         L, p, m = self.L, cand.pp, cand.m
         pel = tb.range_pel
         fixed = tb.fixed_memory(pel, m)
-        t_common = (tb.ranged(tb.base) + tb.range_p2p + tb.range_zero_mb(_zero3_gathers(p, m))
-                    + tb.accum(pel, m, tb.range_epel))
+        t_common = tb.ranged(tb.base) + tb.range_p2p + tb.accum(pel, m, tb.range_epel)
         cost = np.full((L, L + 1, 1, p + 1), INF)
         choice = np.full((L, L + 1, p + 1), -1, dtype=int)
         rcs = self.recomputes()
@@ -2282,7 +2296,7 @@ class Search:
             # L x (L + 1); 64 stages of GPT 1T's 128 layers: a quarter)
             blk = (slice(p - s, p - s + w), slice(p - s + 1, p - s + 1 + w))
             cost[blk + (0, s)], choice[blk + (s,)] = self._best_recompute(
-                tb, rcs, t_common, fixed, self._held(cand.schedule, p, p - s, m), m, blk)
+                tb, rcs, t_common, fixed, self._held(cand.schedule, p, p - s, m), m, blk, _zero3_gathers(p, m))
         res = stage_dp(cost, [1], p, m, num_stages=p)
         if res is None:
             if not self._found:
@@ -2299,13 +2313,16 @@ class Search:
 
     def _best_recompute(self, tb: "_Tables", rcs: list[str], t_common: np.ndarray, fixed_mem: tuple,
                         held: tuple[np.ndarray, np.ndarray], m: int,
-                        block: tuple[slice, slice] = (slice(None), slice(None))) -> tuple[np.ndarray, np.ndarray]:
+                        block: tuple[slice, slice] = (slice(None), slice(None)),
+                        gathers: float = 2.0) -> tuple[np.ndarray, np.ndarray]:
         """For every layer range [k, j) in `block` (rows k, columns j of the range tables): the
         fastest recomputation policy whose memory fits the budget, as (time, index into `rcs`);
         INF and -1 where none fits. `fixed_mem` is `_Tables.fixed_memory`'s triple, `held` what
         the stage holds before and after its first backward (`cost_models.schedules.
         held_moments`, one chunk): micro-batches in flight, and outputs and input gradients its
-        sends still reference."""
+        sends still reference. The exposed ZeRO-3 collectives of each policy (`range_zero_mb`,
+        `gathers` a unit's all-gathers per micro-batch) are added to `t_common` here: its
+        recomputed forward covers them too."""
         valid, t_common = tb.valid[block], t_common[block]
         best_t = np.full(valid.shape, INF)
         best_c = np.full(valid.shape, -1, dtype=int)
@@ -2313,7 +2330,7 @@ class Search:
             if r not in tb.priced or not self._runs(r, tb):
                 continue
             mem = self._recompute_memory(tb, r, fixed_mem, held, m, block)
-            t = t_common + tb.ranged(tb.rc[r])[block]
+            t = t_common + tb.ranged(tb.rc[r])[block] + tb.range_zero_mb(gathers, r)[block]
             ok = valid & (mem <= self.budget) & (t < best_t)
             best_t = np.where(ok, t, best_t)
             best_c = np.where(ok, ri, best_c)
@@ -2363,7 +2380,7 @@ class Search:
         for mi, tb in enumerate(tbs):
             pel = tb.range_pel
             fixed = tb.fixed_memory(pel, m)
-            t_common = tb.ranged(tb.base) + tb.range_p2p + tb.range_zero_mb() + tb.accum(pel, m, tb.range_epel)
+            t_common = tb.ranged(tb.base) + tb.range_p2p + tb.accum(pel, m, tb.range_epel)
             for s_ in range(1, S + 1):
                 if pin is not None and (s_ > len(pin) or pin[len(pin) - s_] != tps[mi]):
                     continue
@@ -2568,7 +2585,7 @@ class Search:
             ck = (cand.mb, cand.tp, cand.dp, nch, r, cand.zero == 3, cand.ep, cand.cp, cand.etp, cand.fold)
             res = self._chunk_cache.get(ck)
             if ck not in self._chunk_cache:
-                t = (tb.ranged(tb.base) + tb.range_p2p + tb.ranged(tb.rc[r]) + tb.range_zero_mb(_zero3_gathers(p, m))
+                t = (tb.ranged(tb.base) + tb.range_p2p + tb.ranged(tb.rc[r]) + tb.range_zero_mb(_zero3_gathers(p, m), r)
                      + tb.accum(tb.range_pel, m, tb.range_epel))
                 res = self._chunk_cache[ck] = balanced_chunks(np.where(tb.valid, t, INF), nch)
             if res is None:
@@ -2644,6 +2661,8 @@ class Search:
         units = sum(float(tb.layer_units[j] - tb.layer_units[k]) for k, j in chunks)
         eunits = sum(float(tb.range_eunits[k, j]) for k, j in chunks)
         window = sum(float(tb.compute[j] - tb.compute[k]) for k, j in chunks)
+        # the recomputed forward covers them too (`exposed_zero`)
+        window += sum(float(tb.rc_compute[r][j] - tb.rc_compute[r][k]) for k, j in chunks)
         t += float(tb.exposed_zero(tb.zero_mb(pel, epel, units, eunits, _zero3_gathers(cand.pp, cand.m)), window))
         acc = float(tb.accum(pel, cand.m, epel))
         t += acc

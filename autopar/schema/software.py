@@ -23,7 +23,9 @@ same plan, and that the cost model honours:
   RMSNorm / LayerNorm module one kernel (Transformer Engine's RMSNorm), and an expert block's
   gathers into expert order, activation, weighting and sum back as fused kernels moving the
   group's boundary (Megatron-Core's fused permutation and weighted SwiGLU); every other
-  element-wise op eager). Time: `cost_models.fusion` (through `cost_models.compute.node_time`).
+  element-wise op eager) or "norm" (each norm module one kernel, every other element-wise op
+  eager: Megatron-Core with Transformer Engine's norm kernels and no fused MoE permutation).
+  Time: `cost_models.fusion` (through `cost_models.compute.node_time`).
   Memory stays eager's: what eager autograd saves (an upper bound under Inductor, whose
   partitioner recomputes element-wise ops in the backward instead of saving them).
 - `mixed_precision`: how a bf16/fp16 run keeps its tensors. "autocast" (torch.autocast around a
@@ -95,7 +97,11 @@ same plan, and that the cost model honours:
   mean pairs, an estimate, and a token's experts fall at random over the ranks) or
   "fake_balanced" (NeMo AutoModel's `FakeBalancedGate`, a benchmark setting: token t goes to
   experts (k t + j) mod E, j < k: every expert the same pairs, no imbalance, and the ranks a
-  token reaches follow from that rule). Time: `autopar.inter_op.experts`.
+  token reaches follow from that rule) or "forced_balance" (Megatron-Core's
+  --moe-router-force-load-balancing, a benchmark setting: the router's logits replaced by random
+  ones, `apply_random_logits` in megatron/core/transformer/moe/router.py: a token's experts drawn
+  at random, every expert the same pairs in expectation, so no imbalance is charged, and the
+  ranks a token reaches as for experts at random). Time: `autopar.inter_op.experts`.
 
 Every field changes a prediction; a choice the cost model cannot honour has no field here.
 Named presets live in `software_profiles/` (YAML, each field with its source); the default,
@@ -124,8 +130,8 @@ from autopar.schema.files import read_mapping
 
 AttentionKernel = Literal["fused", "unfused"]
 ATTENTION_KERNELS: tuple[str, ...] = ("fused", "unfused")
-PointwiseFusion = Literal["eager", "fused", "norm_moe"]
-POINTWISE_FUSIONS: tuple[str, ...] = ("eager", "fused", "norm_moe")
+PointwiseFusion = Literal["eager", "fused", "norm_moe", "norm"]
+POINTWISE_FUSIONS: tuple[str, ...] = ("eager", "fused", "norm_moe", "norm")
 MixedPrecision = Literal["autocast", "half"]
 MIXED_PRECISIONS: tuple[str, ...] = ("autocast", "half")
 LossKernel = Literal["eager", "fused", "half"]
@@ -138,8 +144,8 @@ OptimizerStates = Literal["fp32", "param"]
 OPTIMIZER_STATES: tuple[str, ...] = ("fp32", "param")
 ExpertDispatch = Literal["pairs", "ranks", "nodes"]
 EXPERT_DISPATCHES: tuple[str, ...] = ("pairs", "ranks", "nodes")
-ExpertRouting = Literal["router", "fake_balanced"]
-EXPERT_ROUTINGS: tuple[str, ...] = ("router", "fake_balanced")
+ExpertRouting = Literal["router", "fake_balanced", "forced_balance"]
+EXPERT_ROUTINGS: tuple[str, ...] = ("router", "fake_balanced", "forced_balance")
 
 # the memory a plan may not fill, per software stack (`cost_models.memory.usable_memory`); omitted
 # from a dump at their defaults
@@ -195,7 +201,8 @@ class SoftwareSpec(BaseModel):
         "run executes); fused: a chain of element-wise ops between other ops runs as one kernel reading the "
         "chain's inputs once and writing what leaves it once (torch.compile / Inductor, Megatron's fused "
         "bias-GELU); norm_moe: only norm modules and an expert block's routing and activation ops fused, as "
-        "Transformer Engine and Megatron-Core's MoE kernels run them; time only: the activation memory stays "
+        "Transformer Engine and Megatron-Core's MoE kernels run them; norm: only norm modules fused (Transformer "
+        "Engine's norm kernels); time only: the activation memory stays "
         "eager autograd's (an upper bound under Inductor, which recomputes element-wise ops in the backward)")
     mixed_precision: MixedPrecision = Field(
         default="autocast", description="autocast: torch.autocast over 2-byte parameters (what autopar run "
@@ -258,7 +265,8 @@ class SoftwareSpec(BaseModel):
         default="router", description="router: the model's router (what autopar run executes; the most-loaded "
         "rank takes EP_IMBALANCE x the mean pairs, an estimate, a token's experts at random over the ranks); "
         "fake_balanced: NeMo AutoModel's FakeBalancedGate benchmark setting, token t to experts (k t + j) mod E: "
-        "every expert the same pairs")
+        "every expert the same pairs; forced_balance: Megatron-Core's --moe-router-force-load-balancing benchmark "
+        "setting, random router logits: no imbalance, a token's experts at random over the ranks")
     attention_flops: dict[str, dict[str, list[AttentionPoint]]] = Field(
         default_factory=dict, description="the software's fused attention kernel measured on named devices "
         "(DeviceSpec.name -> dtype -> points, as DeviceSpec.attention_flops); on a device named here they "
@@ -352,7 +360,8 @@ class SoftwareSpec(BaseModel):
         sync = "overlaps the backward" if self.grad_sync_overlap else "after the backward"
         own = f", its own attention rates on {', '.join(sorted(self.attention_flops))}" if self.attention_flops else ""
         fusion = {"fused": ", element-wise chains fused",
-                  "norm_moe": ", norms and the experts' routing fused"}.get(self.pointwise_fusion, "")
+                  "norm_moe": ", norms and the experts' routing fused",
+                  "norm": ", norms fused"}.get(self.pointwise_fusion, "")
         half = ", model cast to its 2-byte dtype (no autocast)" if not self.autocast else ""
         loss = {"fused": ", fused cross-entropy",
                 "half": ", cross-entropy on the 2-byte logits"}.get(self.loss_kernel, "")
@@ -363,7 +372,8 @@ class SoftwareSpec(BaseModel):
         moe = {"ranks": ", a token sent once per expert rank (DeepEP)",
                "nodes": ", a token sent once per expert node over the network, once per expert rank inside it "
                         "(DeepEP)"}.get(self.expert_dispatch, "") + \
-            (", fake balanced routing" if self.expert_routing == "fake_balanced" else "")
+            {"fake_balanced": ", fake balanced routing",
+             "forced_balance": ", forced balanced routing (random logits)"}.get(self.expert_routing, "")
         flat = f", plans fill {self.usable_fraction:g} of device memory (override)" if self.usable_fraction else ""
         return (f"software: {self.name} (attention {self.attention_kernel}{own}{fusion}{half}{loss}{fp32}{zro}, "
                 f"dp gradient sync {sync}{zero3}{moe}{flat})")
