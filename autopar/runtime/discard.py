@@ -285,6 +285,9 @@ def discard_activations(module: nn.Module) -> None:
             mode.close()
 
     module.forward = fwd
+    # a traced pipeline chunk's experts module is run by an eager copy behind the expert
+    # exchange (`runtime.experts.eager_experts`), which takes the regions from this mark
+    module._autopar_discard_acts = True
 
 
 def readers_pack(module: nn.Module) -> None:

@@ -648,7 +648,15 @@ def shard_experts(model: nn.Module, plan: Plan, mesh: DeviceMesh, into: Optional
         roles = argument_roles(inner, b.top_k)
         inner_roles = None
         if template is not None and isinstance(getattr(inner, "graph", None), torch.fx.Graph):
+            traced = inner
             inner, inner_roles = eager_experts(inner, template, b.module), ROLES
+            if getattr(traced, "_autopar_discard_acts", False):
+                # norm_act: the activation regions the traced module ran (`runtime.discard`) on
+                # the copy that runs in its place (they were lost: HF Mixtral ep 2 x pp 2
+                # verified -17.3%, its SiLU products kept)
+                from autopar.runtime.discard import discard_activations
+
+                discard_activations(inner)
         per = b.num_experts // ex.ep
         for wi, w in enumerate(b.weights):
             name = w[len(b.module) + 1:]
