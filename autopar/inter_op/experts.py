@@ -105,13 +105,13 @@ from typing import Any, Optional
 import numpy as np
 
 from autopar.capture.experts import ExpertBlock, find_expert_blocks, tp_width, weight_param
-from autopar.capture.graph import OpGraph
+from autopar.capture.graph import OpGraph, TensorMeta
 from autopar.inter_op.layers import Layer
 from autopar.inter_op.stage_cost import LayerCost
 from autopar.schema import ClusterSpec
 from cost_models.communication import axis_collective_time, link_collective_time
 from cost_models.compute import bytes_scale, grouped_gemm_time
-from cost_models.memory import INDEX_SOURCE_WRITES, saved_tensors, tensor_bases
+from cost_models.memory import INDEX_SOURCE_WRITES, requires_grad, saved_tensors, tensor_bases
 
 EP_IMBALANCE = 1.1        # an estimate (see the module docstring)
 # the `SoftwareSpec.expert_dispatch` values that send a token once per rank holding its experts
@@ -383,36 +383,91 @@ class ExpertCosting:
         return out
 
     def combine_saved(self, b: ExpertBlock, mb: int, dtype: str) -> float:
-        """Bytes the exchange adds to what the block saves for its backward, a micro-batch of
-        `mb` samples: the runtime runs the experts module itself on the rows it received
-        (`runtime.experts.ExpertParallelExperts`: unit weights, each row its own token), so the
-        module's combine runs there too, on as many rows as the rank's own pairs at the mean
-        (dropless), and saves what it saves in the one-process run (`index_add` keeps its
-        source, `cost_models.memory.INDEX_SOURCE_WRITES`), beside the combine that runs again
-        on the rows sent back. Seen on moe-tiny dp4 x ep4 (`--top`): an [pairs, H] product by
-        the unit weights per block, 16 KiB fp32.
+        """Bytes the exchange changes what the block saves for its backward by, a micro-batch of
+        `mb` samples (dropless: a rank receives as many pairs as it sends, at the mean). The
+        runtime (`runtime.experts.ExpertParallelExperts`) runs the experts module itself on the
+        rows it received, each row its own token with a unit weight that needs no gradient, and
+        combines the rows sent back itself; so the rank saves, in place of what the module's ops
+        save in the one-process run (`module_saved`, weights needing a gradient):
 
-        Its integer indices likewise (`row_index_saved`): the module's gathers and scatters of
-        width-H rows keep their index tensors on the received rows as on the rank's own pairs
-        (its gather of the routing weights does not: the unit weights need no gradient), and
-        the exchange keeps its own two permutations of the received rows (`order`, grouping
-        them by local expert, and `back`, undoing it: int64, one per row), each saved by the
-        index op reading it. Seen on moe-tiny dp4 x ep2 ZeRO-3 (`--top`): 4 int64 tensors of
-        the received rows per block beyond the one-process run's, 2 KiB at 64 rows."""
+        * what the module's ops save on the received rows with weights needing none
+          (`module_saved(..., unit_weights=True)`: a product by the weights keeps the weights
+          alone, a gather of them nothing; Hugging Face's combine `proj_out * weights` no longer
+          keeps `proj_out`, the zoo's `index_add` still keeps its source), and
+        * the exchange's own: the product of the rows sent back by their top-k weights keeps
+          both (a [pairs, H] tensor and the weights), its `index_add` into the tokens keeps its
+          source (another [pairs, H]), and four int64 permutations of the pairs are saved by the
+          gathers and the combine reading them (each pair's token, the sort by expert, the
+          received rows' sort by local expert and its inverse).
+
+        Seen through saved-tensor hooks in one process (`tests/test_memory_model.py::
+        test_expert_exchange_saves_what_the_model_counts`): a [pairs, H] tensor, the weights
+        and 3 int64 permutations more than the one-process block, for the zoo's `index_add`
+        combine and Hugging Face Mixtral's `sum` one alike (before session 36 this counted the
+        module's `index_add` sources, none in Hugging Face's experts: HF Mixtral ep 2 verified
+        -5.5%)."""
         if b.module not in self._combine:
-            g = self._g1
-            per_sample = []
-            for n in g.nodes:
-                p = n.module_path or ""
-                inside = p == b.module or p.startswith(b.module + ".")
-                if n.kind != "call" or n.op not in INDEX_SOURCE_WRITES or not inside:
+            wrapper = b.pairs_per_sample * 4 * 8      # the exchange's int64 permutations
+            one, one_side = self.module_saved(b)
+            unit, unit_side = self.module_saved(b, unit_weights=True)
+            self._combine[b.module] = (one, one_side, unit, unit_side, wrapper)
+        one, one_side, unit, unit_side, wrapper = self._combine[b.module]
+        elem = bytes_scale("float32", dtype) * 4
+        rows = b.pairs_per_sample * (2 * b.hidden + 1) * elem       # the rows, the product, the weights
+        size = sum(o.nbytes * bytes_scale(o.dtype, dtype) for o in unit) + unit_side
+        size -= sum(o.nbytes * bytes_scale(o.dtype, dtype) for o in one) + one_side
+        return (size + rows + wrapper) * mb
+
+    def module_saved(self, b: ExpertBlock, unit_weights: bool = False) -> tuple[list, float]:
+        """What the ops of `b`'s experts module save for their backward, per sample: (the
+        tensors, by storage, `cost_models.memory.saved_tensors`; the bytes they keep on the
+        side). Autograd records no op reading nothing that needs a gradient, and a gather saves
+        its index only when its source needs one. `unit_weights`: as the exchange runs it, the
+        top-k weights (the module's float (T, k) input) needing no gradient, and the module's
+        own inputs it saves counted as the received rows it then reads (each its own tensor,
+        one per pair); else those inputs are the layer's (counted there)."""
+        g = self._g1
+        by_name = {n.name: n for n in g.nodes}
+        inside = [n for n in g.nodes if n.kind == "call" and (
+            (n.module_path or "") == b.module or (n.module_path or "").startswith(b.module + "."))]
+        made = {n.name for n in inside}
+        rg = requires_grad(g.nodes)
+        if unit_weights:
+            for n in inside:
+                for i in n.inputs:
+                    x = by_name.get(i)
+                    if i not in made and x is not None and x.kind != "param" and x.outputs and \
+                            x.outputs[0].dtype.startswith(("float", "bfloat")) and \
+                            len(x.outputs[0].shape) == 2 and x.outputs[0].shape[-1] == b.top_k:
+                        rg[i] = False
+            for n in inside:
+                rg[n.name] = bool(n.outputs) and n.outputs[0].dtype.startswith(("float", "bfloat")) and \
+                    any(rg.get(i, False) for i in n.inputs)
+        base = tensor_bases(inside, by_name)
+        kept: dict[str, Any] = {}
+        side = 0.0
+        for n in inside:
+            if not any(rg.get(i, False) for i in n.inputs):
+                continue
+            if n.op in ("index", "index_select", "gather") and n.inputs and not rg.get(n.inputs[0], False):
+                continue
+            for name, nbytes in saved_tensors(n, by_name, rg=rg):
+                if nbytes is not None:
+                    side += nbytes
                     continue
-                src = g.node(n.inputs[2]) if len(n.inputs) > 2 else None
-                if src is not None and src.outputs:
-                    per_sample.append(src.outputs[0])
-            self._combine[b.module] = per_sample
-        out = sum(o.nbytes * bytes_scale(o.dtype, dtype) * mb for o in self._combine[b.module])
-        return out + (self.row_index_saved(b) + 2 * 8 * b.pairs_per_sample) * mb
+                key = base.get(name, name)
+                owner = by_name.get(key)
+                if owner is None or not owner.outputs or owner.kind == "param":
+                    continue
+                if key in made:
+                    kept[key] = owner.outputs[0]
+                elif unit_weights:
+                    # the module's input as the exchange hands it: one row per pair (the
+                    # hidden states H wide, the index and the weights one)
+                    o = owner.outputs[0]
+                    width = int(o.shape[-1]) if o.shape and int(o.shape[-1]) == b.hidden else 1
+                    kept[key] = TensorMeta((b.pairs_per_sample, width), o.dtype)
+        return list(kept.values()), side
 
     def row_index_saved(self, b: ExpertBlock) -> float:
         """Bytes per sample of the integer indices `b`'s gathers and scatters of width-H rows

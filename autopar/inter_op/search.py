@@ -1621,14 +1621,14 @@ class Search:
         return [self.cons.recompute] if self.cons.recompute else list(RECOMPUTES)
 
     def _runs(self, r: str, tb: "_Tables") -> bool:
-        """Whether the search weighs policy `r` on stages of `tb`: "norm_act" only when pinned.
-        Its memory model holds on the zoo's models (the memory harness, `test_verify`) but not
-        yet on Hugging Face Mixtral, where verify tracks more than it predicts (tiny, dp2:
-        -11.5%, ep2 -16.7%; 16 H100s: -17.8%, the search's own plan not fitting), so a free
-        search does not take it. Pinned on a tp stage it is a prediction `autopar run`
-        refuses: the executor of tp stages does not run it (`stage_layouts`; the plan says
-        why, `Plan.search["tp_executor"]`)."""
-        return r != "norm_act" or self.cons.recompute == "norm_act"
+        """Whether the search weighs policy `r` on stages of `tb`: "norm_act" runs module by
+        module only (`runtime.discard`; a tp stage's executor refuses it, `stage_layouts`), so
+        on a tp stage it is weighed only when pinned: a prediction `autopar run` refuses (the
+        plan says why, `Plan.search["tp_executor"]`). (Session 35 took it only where pinned:
+        verify tracked HF Mixtral's norm_act plans 11-17% over; session 36 found why, a
+        tracker's look ending the experts' activation region and the exchange's saves
+        uncounted, and both hold within 2% now.)"""
+        return r != "norm_act" or tb.tp == 1 or self.cons.recompute == "norm_act"
 
     # -- run -------------------------------------------------------------------------------------
     def run(self) -> SearchResult:

@@ -293,7 +293,8 @@ class ExpertParallelExperts(nn.Module):
         T, k = top_k_index.shape
         E, ep, L = self.num_experts, self.ep, self.local
         ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
-        rows = hidden[perm // k]
+        # each pair's token: one tensor, read by the rows' gather and the combine (each saves it)
+        token = perm // k
         if isinstance(ids, FakeTensor):
             # `autopar verify` steps on fake tensors: no routing exists, so the pairs are taken
             # as spread evenly (the same collectives, sizes of the balanced case)
@@ -313,28 +314,36 @@ class ExpertParallelExperts(nn.Module):
             recv_split = recv.view(ep, L).sum(1).tolist()
             # received: by source rank, then by local expert
             local_ids = torch.repeat_interleave(torch.arange(L, device=recv.device).repeat(ep), recv)
-        got = _AllToAll.apply(rows, recv_split, send_split, self.group)
+        # the rows sent are freed once sent, the rows received once sorted (neither is saved:
+        # the exchange saves nothing, the gathers their indices): held to the block's end, each
+        # was a [pairs, H] tensor more at the forward's moments (`inter_op.experts`)
+        got = _AllToAll.apply(hidden[token], recv_split, send_split, self.group)
         # grouped by local expert for the GEMMs
         lid, order = torch.sort(local_ids, stable=True)
-        ones = torch.ones(lid.shape[0], 1, dtype=top_k_weights.dtype, device=lid.device)
         x = got[order]
+        del got
+        # unit weights in the rows' dtype: the product by them is the rows themselves in any
+        # dtype, and an fp32 one (the router's) would promote the module's combine to fp32
+        ones = torch.ones(lid.shape[0], 1, dtype=x.dtype, device=lid.device)
         if self.tp_group is not None:
             x = _CopyToTP.apply(x, self.tp_group)
         call = {"hidden": x, "index": lid.unsqueeze(1), "weights": ones}
+        del x
         inner = self._inner[0]
         for name in self._direct:
             # the parameters held here, as they are now: FSDP (ZeRO-3, `ExpertGroups.fully_shard`)
             # swaps this module's for its gathered ones around each forward and backward
             inner._parameters[name] = self._parameters[name]
-        y = inner(*(call[r] for r in self.inner_roles))
+        y = inner(*(call.pop(r) for r in self.inner_roles))
         if self.tp_group is not None:
             y = _ReduceFromTP.apply(y, self.tp_group)
         back = torch.empty_like(order)
         back[order] = torch.arange(order.shape[0], device=order.device)
         out_rows = _AllToAll.apply(y[back], send_split, recv_split, self.group)
+        del y
         out_rows = out_rows * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(out_rows.dtype)
         out = torch.zeros((T,) + tuple(hidden.shape[1:]), dtype=out_rows.dtype, device=hidden.device)
-        return out.index_add(0, perm // k, out_rows).to(hidden.dtype)
+        return out.index_add_(0, token, out_rows).to(hidden.dtype)
 
 
 def _replicated_local(t: Any) -> Any:
@@ -639,7 +648,15 @@ def shard_experts(model: nn.Module, plan: Plan, mesh: DeviceMesh, into: Optional
         roles = argument_roles(inner, b.top_k)
         inner_roles = None
         if template is not None and isinstance(getattr(inner, "graph", None), torch.fx.Graph):
+            traced = inner
             inner, inner_roles = eager_experts(inner, template, b.module), ROLES
+            if getattr(traced, "_autopar_discard_acts", False):
+                # norm_act: the activation regions the traced module ran (`runtime.discard`) on
+                # the copy that runs in its place (they were lost: HF Mixtral ep 2 x pp 2
+                # verified -17.3%, its SiLU products kept)
+                from autopar.runtime.discard import discard_activations
+
+                discard_activations(inner)
         per = b.num_experts // ex.ep
         for wi, w in enumerate(b.weights):
             name = w[len(b.module) + 1:]
