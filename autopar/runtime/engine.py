@@ -325,7 +325,8 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         context = self.cp.program() if self.cp is not None else None
         sol = s.op_layouts.solution((self.tp_size,))
         self.runner = parallelize_graph(model, example, sol, self.my_mesh.tp_mesh, param_dtype=self.low,
-                                        recompute=s.op_layouts.recompute_regions(), context=context)
+                                        recompute=s.op_layouts.recompute_regions(), context=context,
+                                        discard=s.op_layouts.discard_regions())
         self._note_interleaved(self.runner.layouts)
         if self.plan.ep > 1:
             # expert parallelism: each expert block's ops run as this rank's token exchange over

@@ -121,6 +121,7 @@ class PipelineStages:
             aliases=self.aliases, device=self.device, autocast=self._autocast_ctx,
             compute_dtype=self._compute_dtype, param_dtype=self.low,
             recompute=[r for i in mine for r in self.stages[i].op_layouts.recompute_regions()],
+            discard=[r for i in mine for r in self.stages[i].op_layouts.discard_regions()],
             units={i: self.stages[i].fsdp_units or [] for i in mine} if self.zero3 else None,
             handover=handover, context=self.cp.program() if self.cp is not None else None, every=every)
         self.chunk_params = dict(enumerate(params))
