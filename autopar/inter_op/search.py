@@ -1610,9 +1610,8 @@ class Search:
         Its memory model holds on the zoo's models (the memory harness, `test_verify`) but not
         yet on Hugging Face Mixtral, where verify tracks more than it predicts (tiny, dp2:
         -11.5%, ep2 -16.7%; 16 H100s: -17.8%, the search's own plan not fitting), so a free
-        search does not take it. Pinned on a tp stage it is a prediction `autopar run`
-        refuses: the executor of tp stages does not run it (`stage_layouts`; the plan says
-        why, `Plan.search["tp_executor"]`)."""
+        search does not take it. On a tp stage the executor runs its regions op by op
+        (`stage_layouts`, `intra_op.execute._DiscardState`)."""
         return r != "norm_act" or self.cons.recompute == "norm_act"
 
     # -- run -------------------------------------------------------------------------------------

@@ -333,6 +333,12 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
             # its ep group and its slice of the experts (`runtime.experts.program_calls`)
             self._shard_experts(model)
             self.runner.replace_modules(program_calls(model, self.plan))
+            if s.recompute == "norm_act" and s.recompute_acts:
+                # the experts' ops no longer run as the program's: their activations are
+                # discarded by the experts modules themselves, as on a module-cut stage
+                from autopar.runtime.discard import apply_discard
+
+                apply_discard(model, None, s.recompute_acts)
         if self.zero3:
             self._shard_solved(self.runner, s.fsdp_units or [])
         self.local_modules = [model]

@@ -143,6 +143,14 @@ class PipelineStages:
             if chunks:
                 chunks[0].prog.replace_modules(program_calls(self.model, self.plan, own),
                                                running={n for ch in chunks for n in ch.nodes})
+                acts = [a for i in mine if self.stages[i].recompute == "norm_act"
+                        for a in self.stages[i].recompute_acts or []]
+                if acts:
+                    # the experts' activations discarded by the experts modules themselves
+                    # (their ops no longer run as the program's), as on a module-cut stage
+                    from autopar.runtime.discard import apply_discard
+
+                    apply_discard(self.model, None, acts)
         if self.zero3:
             self._shard_solved_chunks(chunks)
         self.pipe_stages, self.local_modules, self.fed_chunks = [], [], []
