@@ -193,7 +193,12 @@ def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, 
         for c in sol.collectives:
             counts[c.phase][c.kind] += max(1, len(c.mesh_axes))
             junction_in = c.op not in block and c.op in read_inside and c.reason.endswith(f" of {c.op}")
-            if c.phase == "forward" and (c.op in block or junction_in):
+            # "norm_act" re-runs its regions' ops alone (`execute._DiscardState`), not their
+            # readers: a region output's redistribution for a reader outside it (Megatron-SP's
+            # all-gather of a norm's sequence shard for the projections) is not re-run
+            not_rerun = (recompute == "norm_act" and c.op in block and c.reason.endswith(f" of {c.op}")
+                         and c.op not in read_inside)
+            if c.phase == "forward" and (c.op in block or junction_in) and not not_rerun:
                 counts["recompute"][c.kind] += max(1, len(c.mesh_axes))
     earlier = earlier or {}
     for name, (want, where) in entering.items():
