@@ -906,7 +906,9 @@ class ShardedProgram(nn.Module):
                 if rs & inside and not rs <= inside:
                     raise PlanError(f"a recomputed region starting at {first.name} crosses the ops of ZeRO-3 "
                                     f"unit {fqn}")
-            # a region's re-run reads the parameters it read in the forward, which a unit frees
+            # a region inside a ZeRO-3 unit holds the unit's gathered parameters it read: FSDP
+            # frees their storage after the unit's forward and gathers them into it again before
+            # the unit's backward, where the region's outputs' savers (its block's ops) re-run it
             inner = [m.name for m in span if m.name in self.discard_of]
             if inner and fqn in self.replaced_pending:
                 # its ops do not run: the replacing module discards its activations itself
@@ -914,10 +916,6 @@ class ShardedProgram(nn.Module):
                 for r in {self.discard_of[o] for o in inner}:
                     for o in self.discard_ops[r]:
                         self.discard_of.pop(o, None)
-            elif inner:
-                raise PlanError(f"recompute=norm_act's region of {inner[0]} lies in the ops of ZeRO-3 unit {fqn}, "
-                                f"whose gathered parameters its re-run would read; recompute=norm_act with "
-                                f"zero_stage 3 is not executed op by op")
             self.unit_spans.setdefault(span[0], []).append((fqn, span))
             for m in span:
                 self.units_of.setdefault(m, []).append(fqn)
