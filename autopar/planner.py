@@ -372,10 +372,7 @@ def assemble(bundle: ModelBundle, graph: OpGraph, spec: ClusterSpec, res: Search
     # the chunks the runtime executes op by op as solved (their collectives are the solution's),
     # per chunk position
     layouts, why_not = _op_layouts(graph, c, layers, chunks, res.provider)
-    # a pinned "norm_act" on tp stages is a prediction the executor does not run (`Search._runs`):
-    # with Megatron-SP too, the plan saying why (`search["tp_executor"]`)
-    pinned_norm_act = all(st.recompute == "norm_act" for st in c.stages if st.tp > 1)
-    if getattr(res.provider, "sequence_parallel", False) and c.tp > 1 and why_not and not pinned_norm_act:
+    if getattr(res.provider, "sequence_parallel", False) and c.tp > 1 and why_not:
         raise PlanError(f"sequence parallelism runs only where the executor runs the solved layouts, and "
                         f"here it cannot: {why_not}; drop sequence_parallel or the constraint that forces this")
     units_left: list[str] = []     # ZeRO-3 units left to the root (`contiguous_units`)

@@ -81,6 +81,7 @@ def _specs() -> list[dict]:
         # tensor parallel
         add(g, 2, 32, dtype, dp=1, tp=2, pp=1, recompute="none")
         add(g, 2, 32, dtype, dp=1, tp=2, pp=1, recompute="full")
+        add(g, 2, 32, dtype, dp=1, tp=2, pp=1, recompute="norm_act")
         # pipelines
         for sched in ("gpipe", "1f1b"):
             add(g, 2, 32, dtype, dp=1, tp=1, pp=2, schedule=sched, num_microbatches=4, recompute="none")
@@ -152,6 +153,10 @@ def _specs() -> list[dict]:
         add(e, 2, 16, dtype, dp=2, tp=1, pp=1, ep=2, zero_stage=3, recompute="none")
         # ZeRO-1 with two copies of each expert: the dense and the expert flat buffers apart
         add(e, 4, 16, dtype, dp=4, tp=1, pp=1, ep=2, zero_stage=1, recompute="none")
+        # output-discarding recomputation ("norm_act") on a tp stage, run op by op: the norms'
+        # DTensor outputs discarded once saved and re-made (`execute._DiscardState`), the
+        # experts' SiLU product by the experts modules replaced for expert parallelism
+        add(e, 4, 16, dtype, dp=2, tp=2, pp=1, ep=2, zero_stage=1, recompute="norm_act")
         # two sequences a rank: the experts' backward, not the loss's, holds the peak
         add(e, 4, 8, dtype, dp=4, tp=1, pp=1, zero_stage=3, recompute="none")
         # the same, two copies of each expert (their FSDP units over 2 ranks), every

@@ -539,21 +539,27 @@ def test_search_takes_norm_act_where_it_is_the_fastest_that_fits(pins):
         {"norm_act"}
 
 
-def test_norm_act_pinned_on_a_tp_stage_is_a_prediction_the_runtime_refuses():
-    """Issue 17: the executor of tp stages does not run "norm_act" (`runtime.discard` matches plain
-    tensors' storages), so pinned with tp (Megatron-SP or not) the plan is made, says why it is
-    not executed, and `autopar run`'s validation refuses it with that reason (unpinned, the
-    search weighs it on stages without tp only: `Search._runs`)."""
+def test_norm_act_pinned_on_a_tp_stage_is_executed_op_by_op():
+    """Issue 17: "norm_act" pinned with tp (Megatron-SP or not) is executed as solved: the stage
+    carries its layouts, each block's norm a region of its own (`LayerOps.discarded`, the
+    memory model's `norm_act_regions`), none checkpointed, and `autopar run`'s validation takes
+    it; a plan without it writes no `discarded` (its file, and digest, as before)."""
     from autopar.models.registry import build_model
     from autopar.planner import plan
     from autopar.runtime.validate import validate_plan
-    from autopar.schema import ClusterSpec, Constraints, PlanError
+    from autopar.schema import ClusterSpec, Constraints, Plan
 
     cpu = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 2})
     for sp in (False, True):
         p = plan("gpt-tiny", cpu, global_batch_size=8, dtype="fp32", intra_op="ilp",
                  constraints=Constraints(recompute="norm_act", tp=2, sequence_parallel=sp))
-        assert p.sequence_parallel == sp and p.stages[0].recompute == "norm_act" and p.stages[0].op_layouts is None
-        assert "recompute=norm_act is executed module by module only" in p.search["tp_executor"]
-        with pytest.raises(PlanError, match="norm_act is executed module by module only"):
-            validate_plan(p, build_model("gpt-tiny", device="meta").model)
+        st = p.stages[0]
+        assert p.sequence_parallel == sp and st.recompute == "norm_act" and st.op_layouts is not None
+        assert "tp_executor" not in p.search
+        assert st.op_layouts.recompute_regions() == []
+        assert st.op_layouts.discard_regions() == [["layer_norm"], ["layer_norm_1"], ["layer_norm_2"],
+                                                    ["layer_norm_3"]]
+        validate_plan(p, build_model("gpt-tiny", device="meta").model)
+        assert Plan.model_validate_json(p.to_json()).stages[0].op_layouts == st.op_layouts
+    plain = plan("gpt-tiny", cpu, global_batch_size=8, dtype="fp32", intra_op="ilp", constraints=Constraints(tp=2))
+    assert plain.stages[0].op_layouts is not None and '"discarded"' not in plain.to_json()

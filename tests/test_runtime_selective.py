@@ -11,7 +11,9 @@ module's ops one executor region, its forward collectives re-run). And recompute
 (issue 17: Megatron-Core's output-discarding recomputation of the norms and the routed experts'
 activation, `runtime.discard`), module by module: pp2 x dp2 (pipeline chunks cut from the
 traced model, their aten ops recorded) and the zoo MoE at dp 4 x ep 2 (the experts' SiLU product
-discarded and re-made)."""
+discarded and re-made); and op by op as solved at dp2 x tp2 (`intra_op.execute._DiscardState`:
+each norm's DTensor output discarded once the projections saved it, re-made through the
+executor in the backward)."""
 
 import pytest
 
@@ -39,6 +41,8 @@ ATTENTION = {
 NORM_ACT = {
     "norm_act_pp2xdp2": ("gpt-tiny", dict(dp=2, tp=1, pp=2, schedule="1f1b")),
     "norm_act_moe_dp4_ep2": ("moe-tiny", dict(dp=4, tp=1, pp=1, ep=2)),
+    "norm_act_dp2xtp2": ("gpt-tiny", dict(dp=2, tp=2, pp=1)),
+    "norm_act_moe_dp2xtp2_ep2": ("moe-tiny", dict(dp=2, tp=2, pp=1, ep=2)),
 }
 
 
@@ -71,7 +75,12 @@ def test_selective_plans_run_as_predicted(tmp_path):
     for name, (ref, pins) in NORM_ACT.items():
         p = shared_plan(ref, 4, constraints=Constraints(recompute="norm_act", num_microbatches=2, **pins))
         for s in p.stages:
-            assert s.recompute == "norm_act" and s.op_layouts is None, (name, s)
+            assert s.recompute == "norm_act" and (s.op_layouts is not None) == (s.axis_size("tp") > 1), (name, s)
+            if s.op_layouts is not None:
+                # the norms' regions, one op each, none checkpointed
+                assert not s.op_layouts.recompute_regions()
+                norms = [r for r in s.op_layouts.discard_regions() if len(r) == 1]
+                assert len(norms) == 4 and all(r[0].startswith(("layer_norm", "rms_norm")) for r in norms), norms
             assert s.recompute_modules and all(m.rsplit(".", 1)[-1].startswith(("ln", "attn_norm", "mlp_norm"))
                                                for m in s.recompute_modules), (name, s)
             assert s.recompute_acts == (["layers.0.mlp.experts", "layers.1.mlp.experts"] if p.ep > 1 else []), s

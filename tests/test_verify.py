@@ -569,17 +569,29 @@ def test_counter_riding_on_the_tracker_reports_as_a_mode_of_its_own():
     assert out.returncode == 0 and "same reports" in out.stdout, out.stderr[-2000:]
 
 
-@pytest.mark.parametrize("model", ["moe-tiny", "llama-small"])
-def test_output_discarding_recomputation_verifies_as_predicted(model):
+@pytest.mark.parametrize("model,tp,sp", [("moe-tiny", 1, False), ("llama-small", 1, False), ("llama-small", 2, False),
+                                         ("llama-small", 2, True), ("moe-tiny", 2, False)])
+def test_output_discarding_recomputation_verifies_as_predicted(model, tp, sp):
     """A GPU plan recomputing the norms' and the experts' activation outputs ("norm_act",
     `runtime.discard`) on verify's fake tensors: the discarded outputs are found by their
     storages' identity, as on real ones (keyed by `data_ptr()`, 0 on every fake tensor, none was
-    discarded: HF Mixtral's norm_act plan on 16 H100s verified at twice its activations)."""
-    cluster = autopar.ClusterSpec.load("dgx-h100", num_nodes=1).model_copy(update={"devices_per_node": 2})
+    discarded: HF Mixtral's norm_act plan on 16 H100s verified at twice its activations). With
+    tp 2 the stage runs op by op (`intra_op.execute._DiscardState`: DTensor outputs keyed by
+    their local tensors' storages; the zoo MoE's experts, replaced for expert parallelism,
+    discard their activation themselves), the norms' regions the plan's. With Megatron-SP the
+    projections save the all-gathered copy of a norm's sequence shard (kept, as the memory
+    model counts a redistributed copy): nothing of the norms is re-made, and the plan counts
+    no re-run all-gather (`stage_layouts`: was 8 a step over what ran)."""
+    cluster = autopar.ClusterSpec.load("dgx-h100", num_nodes=1).model_copy(
+        update={"devices_per_node": 2 * tp})
     ep = {"ep": 2} if model == "moe-tiny" else {}
     p = autopar.plan(model, cluster, global_batch_size=8, cache=False,
-                     constraints=autopar.Constraints(dp=2, tp=1, pp=1, recompute="norm_act", zero_stage=1, **ep))
+                     constraints=autopar.Constraints(dp=2, tp=tp, pp=1, recompute="norm_act", zero_stage=1,
+                                                     sequence_parallel=sp, **ep))
     assert p.stages[0].recompute == "norm_act"
+    assert (p.stages[0].op_layouts is not None) == (tp > 1)
+    if tp > 1:
+        assert len(p.stages[0].op_layouts.discard_regions()) >= 4
     r = verify(p, model, jobs=1)
     assert r.ok, r.failures
     assert r.collectives_match is True

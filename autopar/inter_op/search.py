@@ -1620,16 +1620,6 @@ class Search:
     def recomputes(self) -> list[str]:
         return [self.cons.recompute] if self.cons.recompute else list(RECOMPUTES)
 
-    def _runs(self, r: str, tb: "_Tables") -> bool:
-        """Whether the search weighs policy `r` on stages of `tb`: "norm_act" runs module by
-        module only (`runtime.discard`; a tp stage's executor refuses it, `stage_layouts`), so
-        on a tp stage it is weighed only when pinned: a prediction `autopar run` refuses (the
-        plan says why, `Plan.search["tp_executor"]`). (Session 35 took it only where pinned:
-        verify tracked HF Mixtral's norm_act plans 11-17% over; session 36 found why, a
-        tracker's look ending the experts' activation region and the exchange's saves
-        uncounted, and both hold within 2% now.)"""
-        return r != "norm_act" or tb.tp == 1 or self.cons.recompute == "norm_act"
-
     # -- run -------------------------------------------------------------------------------------
     def run(self) -> SearchResult:
         """The best candidate (`SearchResult`); the schedule walks it made are kept on disk for
@@ -2327,7 +2317,7 @@ class Search:
         best_t = np.full(valid.shape, INF)
         best_c = np.full(valid.shape, -1, dtype=int)
         for ri, r in enumerate(rcs):
-            if r not in tb.priced or not self._runs(r, tb):
+            if r not in tb.priced:
                 continue
             mem = self._recompute_memory(tb, r, fixed_mem, held, m, block)
             t = t_common + tb.ranged(tb.rc[r])[block] + tb.range_zero_mb(gathers, r)[block]
@@ -2577,7 +2567,7 @@ class Search:
         # the policies by the forward they re-run over the whole model, the cheapest first
         # (stable: the registry's order where equal)
         for r in sorted(self.recomputes(), key=lambda r: float(tb.rc[r][-1])):
-            if r not in tb.priced or not self._runs(r, tb):
+            if r not in tb.priced:
                 continue
             if cand.bounds.get(r, 0.0) >= bar:
                 # under this policy it cannot beat the best plan: a fit would not be taken (`_walk`)

@@ -107,7 +107,9 @@ def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, 
     `cost_models.memory` counts with `selective_region="ops"`, the plan's
     `StagePlan.recompute_ops`, run under torch's selective checkpoint), with "attention" the
     ops of the module holding that core (`Layer.attention_ops`, one contiguous run); their forward
-    collectives re-run in the backward (phase "recompute"). `earlier`: for a pipeline chunk after the first, the layouts
+    collectives re-run in the backward (phase "recompute"); with "norm_act" its regions
+    (`Layer.discard_regions`, `LayerOps.discarded`), their outputs discarded once saved and
+    re-made, their forward collectives re-run alike. `earlier`: for a pipeline chunk after the first, the layouts
     the ops of the chunks before it leave their outputs in (`produced_layouts`): a tensor this
     chunk receives must arrive as its readers' solutions assumed, and `receives` records them.
     `entries`: {layer index: (solution, layer)} taking the place of a layer's shared solution
@@ -115,10 +117,6 @@ def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, 
     solved receiving its tensors replicated); such a layer's op layouts are a signature apart."""
     if recompute not in RECOMPUTES:
         return None, f"recompute={recompute} is not executed op by op"
-    if recompute == "norm_act" and tp > 1:
-        # the runtime's saved-tensor references (`runtime.discard`) match plain tensors' storages,
-        # not the DTensors a tp stage's ops save
-        return None, "recompute=norm_act is executed module by module only (stages without tp)"
     sigs: dict[str, int] = {}
     sig_lists: list[list[OpLayout]] = []
     lay_ops: list[LayerOps] = []
@@ -151,8 +149,14 @@ def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, 
                                        outputs=[tuple(x) for x in ch.output_placements])
                               for ch in (sol.op_choices[n] for n in rep_ops)])
         redo = _recomputed(graph, lay, recompute)
-        lay_ops.append(LayerOps(name=lay.name or str(i), signature=sigs[sig], ops=_tensor_ops(graph, lay.nodes),
-                                recomputed=redo))
+        ops = _tensor_ops(graph, lay.nodes)
+        if recompute == "norm_act":
+            # each region discarded and re-made on its own (`execute._DiscardState`), not checkpointed
+            at = {n: x for x, n in enumerate(ops)}
+            lay_ops.append(LayerOps(name=lay.name or str(i), signature=sigs[sig], ops=ops, discarded=[
+                [at[n] for n in r.ops if n in at] for r in lay.discard_regions]))
+        else:
+            lay_ops.append(LayerOps(name=lay.name or str(i), signature=sigs[sig], ops=ops, recomputed=redo))
         for n in rep_ops:
             outs = sol.op_choices[n].output_placements
             if outs:
@@ -189,7 +193,12 @@ def stage_layouts(graph: OpGraph, layers: list[Layer], solutions: dict, k: int, 
         for c in sol.collectives:
             counts[c.phase][c.kind] += max(1, len(c.mesh_axes))
             junction_in = c.op not in block and c.op in read_inside and c.reason.endswith(f" of {c.op}")
-            if c.phase == "forward" and (c.op in block or junction_in):
+            # "norm_act" re-runs its regions' ops alone (`execute._DiscardState`), not their
+            # readers: a region output's redistribution for a reader outside it (Megatron-SP's
+            # all-gather of a norm's sequence shard for the projections) is not re-run
+            not_rerun = (recompute == "norm_act" and c.op in block and c.reason.endswith(f" of {c.op}")
+                         and c.op not in read_inside)
+            if c.phase == "forward" and (c.op in block or junction_in) and not not_rerun:
                 counts["recompute"][c.kind] += max(1, len(c.mesh_axes))
     earlier = earlier or {}
     for name, (want, where) in entering.items():

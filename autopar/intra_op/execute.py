@@ -424,6 +424,7 @@ class _Regather:
     def __init__(self) -> None:
         self.state = _RegatherState()
         self.paused = 0         # > 0 inside a recomputed region (see `saving`)
+        self.discard: Optional[_DiscardState] = None     # "norm_act"'s noted outputs (`_DiscardState`)
 
     def track(self, gathered: DTensor, shard: DTensor, dst: tuple) -> None:
         self.state.track(gathered, shard, dst)
@@ -434,12 +435,30 @@ class _Regather:
         parameter is gathered now). Never inside a recomputed region: there torch's checkpoint
         holds what the ops save with hooks of its own, which ours, pushed on top, would displace
         (the region gathers its parameters again when it is re-run)."""
-        live = self.state.live
-        if live and not self.paused and any(
-                _storage(v) in live for v in _flat_nodes([args, list((kwargs or {}).values())])
-                if isinstance(v, torch.Tensor)):
-            return torch.autograd.graph.saved_tensors_hooks(self.state.pack, self.state.unpack)
-        return contextlib.nullcontext()
+        live, discard = self.state.live, self.discard
+        if not (live and not self.paused) and not (discard is not None and discard.live):
+            return contextlib.nullcontext()
+        values = [v for v in _flat_nodes([args, list((kwargs or {}).values())]) if isinstance(v, torch.Tensor)]
+        regather = bool(live) and not self.paused and any(_storage(v) in live for v in values)
+        if discard is None or not discard.reads(values):
+            if regather:
+                return torch.autograd.graph.saved_tensors_hooks(self.state.pack, self.state.unpack)
+            return contextlib.nullcontext()
+        # a noted "norm_act" output among the inputs: its reference first, else the regather's
+        state = self.state if regather else None
+
+        def pack(t: torch.Tensor) -> Any:
+            p = discard.pack(t)
+            if p is not None:
+                return p
+            return state.pack(t) if state is not None else t
+
+        def unpack(p: Any) -> Any:
+            if isinstance(p, _DiscardPacked):
+                return _DiscardState.unpack(p)
+            return state.unpack(p) if state is not None else p
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     def __enter__(self) -> "_Regather":
         return self
@@ -506,6 +525,154 @@ def _storage(t: Any) -> int:
     return t.untyped_storage()._cdata if isinstance(t, torch.Tensor) else -1
 
 
+# ---------------------------------------------------------------------------- discarded outputs
+class _DiscardTape:
+    """One "norm_act" region's run in one forward (`_DiscardState`): its ops (with the
+    interpreter that ran each and the names it read them by), the values they read from outside
+    the region (held: the re-run's inputs, as Megatron's `CheckpointWithoutOutput` keeps its
+    inputs) and the forward's autocast state; what the region made is not held. Re-run once,
+    without autograd, by the first backward that unpacks one of its outputs (`value`)."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[Any, torch.fx.Node, dict]] = []    # (interpreter, node, its aliases)
+        self.held: dict[torch.fx.Node, Any] = {}                  # values read from before the region
+        self.outer: set[int] = set()                              # their storages
+        self.made: set[torch.fx.Node] = set()
+        self.need: dict[tuple[torch.fx.Node, int], int] = {}      # packed references not yet unpacked
+        self.cache: Optional[dict[tuple[torch.fx.Node, int], Any]] = None
+        self.autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)]
+
+    def value(self, node: torch.fx.Node, j: int) -> Any:
+        """Output `j` of `node`, re-made (the region's ops re-run once through their interpreters,
+        their redistributions with them: the plan's "recompute" collectives), kept until its
+        last packed reference is unpacked."""
+        from autopar.runtime.selective import recomputation_context
+
+        key = (node, j)
+        if self.cache is None or key not in self.cache:
+            vals: dict[torch.fx.Node, Any] = dict(self.held)
+            junctions: dict[str, DTensor] = {}
+            with torch.no_grad(), recomputation_context(*[torch.autocast(d, dtype=dt) for d, dt in self.autocast]):
+                for interp, n, alias in self.steps:
+                    saved = interp.env, interp.junction_values, interp.alias, interp.node_name
+                    interp.env, interp.junction_values, interp.alias = vals, junctions, alias
+                    interp.discard.replaying += 1
+                    try:
+                        vals[n] = interp._run_one(n)
+                    finally:
+                        interp.env, interp.junction_values, interp.alias, interp.node_name = saved
+                        interp.discard.replaying -= 1
+            self.cache = {k: _flat_output(vals[k[0]], k[1]) for k, c in self.need.items() if c > 0}
+        v = self.cache[key]
+        self.need[key] -= 1
+        if self.need[key] <= 0:
+            del self.cache[key]
+        return v
+
+
+def _flat_output(value: Any, j: int) -> Any:
+    return [t for t in _flat_values(value) if isinstance(t, torch.Tensor)][j]
+
+
+def _flat_values(value: Any) -> list:
+    from torch.utils._pytree import tree_flatten
+
+    return tree_flatten(value)[0]
+
+
+class _DiscardPacked:
+    __slots__ = ("tape", "key", "view", "spec")
+
+    def __init__(self, tape: _DiscardTape, key: tuple, view: tuple, spec: Optional[tuple]) -> None:
+        self.tape, self.key, self.view, self.spec = tape, key, view, spec
+
+
+class _DiscardState:
+    """Output-discarding recomputation ("norm_act", Megatron-Core's `--recompute-modules
+    layernorm moe_act`) on a stage run op by op: the regions are the plan's
+    (`StageLayouts.discard_regions`, what `cost_models.memory.norm_act_regions` counts). Each
+    region op runs as planned (its layouts, its redistributions) and its outputs are noted by
+    their storages' identity (`_storage`: a DTensor's local tensor's StorageImpl, which fake
+    tensors have too, `autopar verify`); an op that saves a tensor living in one of them (the
+    projections reading a norm's output, the GEMM reading an activation's product, a later op
+    of the region) saves a reference (`pack`: region, output, view, DTensor spec) instead, so
+    only the region's inputs keep anything alive. The first backward unpacking one re-runs the
+    region (`_DiscardTape.value`). An op saving its own output (a norm's statistics) saves it
+    before it is noted: kept, as the memory model counts it. A region output redistributed
+    into a new tensor for a reader (a junction) is that reader's own copy: kept, as the memory
+    model counts a redistributed copy. `runtime.discard` is the same for module-cut stages."""
+
+    def __init__(self) -> None:
+        # storage of a region output alive now -> (its tape, (node, output index), weak reference)
+        self.live: dict[int, tuple[_DiscardTape, tuple, weakref.ref]] = {}
+        self.open: dict[int, _DiscardTape] = {}       # region index -> its tape while it runs
+        self.replaying = 0                            # > 0 while a tape re-runs its region
+
+    def run(self, interp: Any, n: torch.fx.Node, region: int, first: bool, last: bool) -> Any:
+        """Op `n` of region `region` in the forward: run, its outputs noted."""
+        tape = self.open.get(region)
+        if tape is None or first:
+            tape = self.open[region] = _DiscardTape()
+        for a in n.all_input_nodes:
+            if a not in tape.made and a not in tape.held and a in interp.env:
+                v = tape.held[a] = interp.env[a]
+                for t in _flat_values(v):
+                    if isinstance(t, torch.Tensor):
+                        tape.outer.add(_storage(t))
+        tape.steps.append((interp, n, {x: interp.alias[x] for x in (n, *n.all_input_nodes) if x in interp.alias}))
+        self.replaying += 1     # the op itself runs as any other
+        try:
+            out = interp._run_one(n)
+        finally:
+            self.replaying -= 1
+        tape.made.add(n)
+        me = weakref.ref(self)
+        for j, t in enumerate(t for t in _flat_values(out) if isinstance(t, torch.Tensor)):
+            key = _storage(t)
+            if key in tape.outer or key in self.live and self.live[key][0] is tape:
+                continue        # an input returned as it is, or a view of an earlier output
+            def gone(ref: weakref.ref, key: int = key) -> None:
+                st = me()
+                if st is not None and st.live.get(key, (None, None, None))[2] is ref:
+                    del st.live[key]
+            self.live[key] = (tape, (n, j), weakref.ref(t, gone))
+        if last:
+            self.open.pop(region, None)
+        return out
+
+    def reads(self, values: Sequence[Any]) -> bool:
+        """Whether one of `values` (an op's inputs) lives in a noted region output."""
+        return bool(self.live) and any(_storage(v) in self.live for v in values if isinstance(v, torch.Tensor))
+
+    def pack(self, t: torch.Tensor) -> Any:
+        e = self.live.get(_storage(t))
+        if e is None:
+            return None
+        tape, key, ref = e
+        made = ref()
+        if made is None or made.dtype != t.dtype:
+            return None
+        loc = t._local_tensor if isinstance(t, DTensor) else t
+        spec = (t.device_mesh, tuple(t.placements), tuple(t.shape), tuple(t.stride())) \
+            if isinstance(t, DTensor) else None
+        tape.need[key] = tape.need.get(key, 0) + 1
+        return _DiscardPacked(tape, key, (tuple(loc.shape), tuple(loc.stride()), loc.storage_offset()), spec)
+
+    @staticmethod
+    def unpack(p: _DiscardPacked) -> torch.Tensor:
+        v = p.tape.value(*p.key)
+        loc = (v._local_tensor if isinstance(v, DTensor) else v).as_strided(*p.view)
+        if p.spec is None:
+            return loc
+        mesh, placements, shape, stride = p.spec
+        return DTensor.from_local(loc, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+    def clear(self) -> None:
+        """The forward ended: nothing more is saved (what was packed keeps its tape)."""
+        self.live.clear()
+        self.open.clear()
+
+
 # ---------------------------------------------------------------------------- interleaved rows
 def interleave(t: torch.Tensor, dim: int, chunks: int, ways: int) -> torch.Tensor:
     """Rows of `t` along `dim` reordered so that contiguous shard r of `ways` holds the r-th
@@ -546,7 +713,8 @@ class ShardedProgram(nn.Module):
     def __init__(self, model: nn.Module, wrapped: nn.Module, program: Any, solution: ShardingSolution,
                  mesh: DeviceMesh, names: Optional[list[str]], inputs: str = "full",
                  device: Optional[torch.device] = None, recompute: Sequence[Sequence[str]] = (),
-                 own: Optional[set[str]] = None, constants: Optional[dict[str, Any]] = None) -> None:
+                 own: Optional[set[str]] = None, constants: Optional[dict[str, Any]] = None,
+                 discard: Sequence[Sequence[str]] = ()) -> None:
         super().__init__()
         # the program's lifted constants, those given in `constants` in their stead (a meta
         # program's meta constants as the model holds them: `_real_constants`); the program,
@@ -572,6 +740,7 @@ class ShardedProgram(nn.Module):
         self.layouts: dict[str, tuple[int, int, int]] = {}      # fqn -> (dim, chunks, ways)
         self._check_names()
         self._recompute_spans(recompute)
+        self._discard_regions(discard)
         # the program holds the parameters as exported (full, before sharding); the interpreter
         # reads the model's own, so keeping them would hold a whole unsharded copy of the model
         state = getattr(program, "_state_dict", None)
@@ -593,6 +762,7 @@ class ShardedProgram(nn.Module):
         self.units_of: dict[torch.fx.Node, list[str]] = {}
         self.unit_calls: dict[str, Any] = {}
         self.replaced: set[str] = set()       # units whose call replaces their ops (`replace_modules`)
+        self.replaced_pending: set[str] = set()
         # custom autograd Functions' calls (`capture.functions`): run as `Function.apply` at their
         # first op, so that the backward is the user's; first op -> the call, and all their ops
         self.fn_first: dict[torch.fx.Node, Any] = {}
@@ -661,6 +831,29 @@ class ShardedProgram(nn.Module):
             self.spans[span[0]] = span
             self.in_span.update(span[1:])
 
+    def _discard_regions(self, regions: Sequence[Sequence[str]]) -> None:
+        """"norm_act"'s regions (op names of the capture, each in program order): each op's
+        outputs discarded once saved and re-made in the backward (`_DiscardState`).
+        `discard_of`: op -> its region's index into `discard_ops`."""
+        self.discard_ops: list[list[str]] = [list(r) for r in regions if r]
+        self.discard_of: dict[str, int] = {}
+        if not self.discard_ops:
+            return
+        names = {n.name for n in self.gm.graph.nodes}
+        for n in self.gm.graph.nodes:
+            i = _subgraph_index(n, self.gm) if n.op == "call_function" else None
+            if i is not None:
+                names.update(_program_calls(getattr(self.gm, str(n.args[i].target)), f"{n.name}__"))
+        for k, ops in enumerate(self.discard_ops):
+            missing = [o for o in ops if o not in names]
+            if missing:
+                raise PlanError(f"the recompute=norm_act region of {ops[0]} names ops the model's program lacks "
+                                f"({', '.join(missing[:3])}); plan and run the same model")
+            for o in ops:
+                if o in self.discard_of:
+                    raise PlanError(f"recompute=norm_act regions overlap at {o}")
+                self.discard_of[o] = k
+
     def run_units(self, calls: dict[str, Any], running: Optional[set] = None) -> None:
         """Run the ops of each module `fqn` of the model (its nodes in the program, from the first
         to the last, a contiguous run) as one call `calls[fqn](region, *inputs)`, which must
@@ -713,6 +906,16 @@ class ShardedProgram(nn.Module):
                 if rs & inside and not rs <= inside:
                     raise PlanError(f"a recomputed region starting at {first.name} crosses the ops of ZeRO-3 "
                                     f"unit {fqn}")
+            # a region inside a ZeRO-3 unit holds the unit's gathered parameters it read: FSDP
+            # frees their storage after the unit's forward and gathers them into it again before
+            # the unit's backward, where the region's outputs' savers (its block's ops) re-run it
+            inner = [m.name for m in span if m.name in self.discard_of]
+            if inner and fqn in self.replaced_pending:
+                # its ops do not run: the replacing module discards its activations itself
+                # (`runtime.discard.discard_activations`, installed by the caller)
+                for r in {self.discard_of[o] for o in inner}:
+                    for o in self.discard_ops[r]:
+                        self.discard_of.pop(o, None)
             self.unit_spans.setdefault(span[0], []).append((fqn, span))
             for m in span:
                 self.units_of.setdefault(m, []).append(fqn)
@@ -733,7 +936,11 @@ class ShardedProgram(nn.Module):
         its own); the call returns the tensors later ops read of the run, in program order (the
         numbers they read, sizes its shape arithmetic worked out, symbolic in the batch, are
         worked out again from the numbers before the run: `_with_numbers`)."""
-        self.run_units({fqn: (lambda region, *vals, f=f: f(*vals)) for fqn, f in calls.items()}, running)
+        self.replaced_pending = set(calls)
+        try:
+            self.run_units({fqn: (lambda region, *vals, f=f: f(*vals)) for fqn, f in calls.items()}, running)
+        finally:
+            self.replaced_pending = set()
         self.replaced |= set(calls)
 
     def _distribute_parameters(self) -> None:
@@ -935,6 +1142,9 @@ class _PlanInterpreter(torch.fx.Interpreter):
         self.junction_values: dict[str, DTensor] = parent.junction_values if parent else {}
         self.alias: dict[torch.fx.Node, str] = parent.alias if parent else {}   # node -> OpGraph name
         self.regather = parent.regather if parent else _Regather()
+        self.discard: _DiscardState = parent.discard if parent else _DiscardState()
+        if parent is None and prog.discard_of:
+            self.regather.discard = self.discard
         self.alias_outputs: dict[torch.fx.Node, list[str]] = {}   # wrapper -> its outputs' names
         self.node_name = ""
         self.in_units: list[str] = []       # the units whose runs are running (`_run_unit`), outer first
@@ -967,6 +1177,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
         self.junction_values.clear()
         self.alias.clear()
         self.alias_outputs.clear()
+        self.discard.clear()
 
     def fetch_args_kwargs_from_env(self, n: torch.fx.Node) -> tuple:
         args, kwargs = super().fetch_args_kwargs_from_env(n)
@@ -1108,6 +1319,11 @@ class _PlanInterpreter(torch.fx.Interpreter):
 
     def _run_one(self, n: torch.fx.Node) -> Any:
         self.node_name = self.name_of(n)
+        if self.prog.discard_of and not self.discard.replaying and torch.is_grad_enabled():
+            region = self.prog.discard_of.get(self.node_name)
+            if region is not None:
+                ops = self.prog.discard_ops[region]
+                return self.discard.run(self, n, region, self.node_name == ops[0], self.node_name == ops[-1])
         if self.prog.fn_first:
             call = self.prog.fn_first.get(n)
             if call is not None:
@@ -1599,7 +1815,8 @@ def _flat_nodes(v: Any) -> list[Any]:
 def parallelize_graph(model: nn.Module, example_inputs: Any, solution: ShardingSolution,
                       mesh: DeviceMesh, *, loss_fn: Any = None, inputs: str = "full",
                       param_dtype: Optional[torch.dtype] = None,
-                      recompute: Sequence[Sequence[str]] = (), context: Any = None) -> ShardedProgram:
+                      recompute: Sequence[Sequence[str]] = (), context: Any = None,
+                      discard: Sequence[Sequence[str]] = ()) -> ShardedProgram:
     """Apply `solution` to `model` on `mesh` and return a module that trains it as planned.
 
     `model` must hold real (materialised) parameters, the same values on every rank (each rank
@@ -1611,20 +1828,22 @@ def parallelize_graph(model: nn.Module, example_inputs: Any, solution: ShardingS
     from a meta copy in that dtype, so that the casts the model's code makes to its weights'
     dtype (`x.to(self.weight.dtype)`, a norm's `.to(input_dtype)`) are traced as they run.
     `recompute`: regions (op names) run under activation checkpointing, each re-run whole in the
-    backward. `context`: context parallelism (`runtime.context_parallel.ProgramContext`):
+    backward. `discard`: "norm_act"'s regions (op names), their outputs discarded once saved
+    and re-made in the backward (`_DiscardState`). `context`: context parallelism
+    (`runtime.context_parallel.ProgramContext`):
     `example_inputs` are a cp rank's tokens, the program is exported with the token positions
     read when it runs (`models.positions.traced_positions`, its nodes named as the capture's:
     `positions_named_as_captured`), its attention and token-mean loss run through `context`."""
     if context is None:
         return _parallelize_graph(model, example_inputs, solution, mesh, loss_fn=loss_fn, inputs=inputs,
-                                  param_dtype=param_dtype, recompute=recompute)
+                                  param_dtype=param_dtype, recompute=recompute, discard=discard)
     from autopar.capture.own_positions import whole_sequence
     from autopar.models.positions import traced_positions
 
     # a model that makes its own positions: its aranges of them made the op (`adopt_positions`)
     with traced_positions(), whole_sequence(context.cp.seq):
         prog = _parallelize_graph(model, example_inputs, solution, mesh, loss_fn=loss_fn, inputs=inputs,
-                                  param_dtype=param_dtype, recompute=recompute)
+                                  param_dtype=param_dtype, recompute=recompute, discard=discard)
     context.check(prog.program)
     context.cp.shifts.update(getattr(prog.program.graph_module, "autopar_input_shifts", {}))
     prog.context = context
@@ -1634,7 +1853,8 @@ def parallelize_graph(model: nn.Module, example_inputs: Any, solution: ShardingS
 def _parallelize_graph(model: nn.Module, example_inputs: Any, solution: ShardingSolution,
                        mesh: DeviceMesh, *, loss_fn: Any = None, inputs: str = "full",
                        param_dtype: Optional[torch.dtype] = None,
-                       recompute: Sequence[Sequence[str]] = ()) -> ShardedProgram:
+                       recompute: Sequence[Sequence[str]] = (),
+                       discard: Sequence[Sequence[str]] = ()) -> ShardedProgram:
     if tuple(mesh.shape) != tuple(solution.mesh_shape):
         raise PlanError(f"the solution is for a mesh of shape {tuple(solution.mesh_shape)}, "
                         f"the device mesh has shape {tuple(mesh.shape)}")
@@ -1651,7 +1871,7 @@ def _parallelize_graph(model: nn.Module, example_inputs: Any, solution: Sharding
         wrapped = _WithLoss(model, loss_fn or default_loss, names)
         return ShardedProgram(model, wrapped, program, solution, mesh, names, inputs=inputs,
                               device=next(model.parameters()).device, recompute=recompute,
-                              constants=_real_constants(program, model))
+                              constants=_real_constants(program, model), discard=discard)
     # the data-less copy first, traced for the device (`meta_program`), or on meta where that
     # does not fit the solution (`fitting_program`): the solution was solved on the meta
     # capture, whose program it fits even where the model traces differently on its device (a
@@ -1665,14 +1885,15 @@ def _parallelize_graph(model: nn.Module, example_inputs: Any, solution: Sharding
     if held is not None:
         wrapped = _WithLoss(model, loss_fn or default_loss, names)
         return ShardedProgram(model, wrapped, on_meta, solution, mesh, names, inputs=inputs,
-                              device=next(model.parameters()).device, recompute=recompute, constants=held)
+                              device=next(model.parameters()).device, recompute=recompute, constants=held,
+                              discard=discard)
     program, wrapped, names = export_program(model, example_inputs, loss_fn=loss_fn)
     adopt_positions(program, lambda ins: export_program(model, ins, loss_fn=loss_fn)[0], example_inputs)
     positions_named_as_captured(program)
     if meta_fits and _mismatch(program, solution):
         program, device = on_meta, next(model.parameters()).device
     return ShardedProgram(model, wrapped, program, solution, mesh, names, inputs=inputs, device=device,
-                          recompute=recompute)
+                          recompute=recompute, discard=discard)
 
 
 # programs exported from meta copies, by the model's structure (`capture.cache.model_key`), the

@@ -320,7 +320,8 @@ def parallelize_chunks(model: nn.Module, example_inputs: Sequence[Any], solution
                        param_dtype: Optional[torch.dtype] = None, loss_fn: Any = None,
                        recompute: Sequence[Sequence[str]] = (),
                        units: Optional[dict[int, Sequence[str]]] = None,
-                       handover: Sequence[int] = (), context: Any = None, every: Any = None
+                       handover: Sequence[int] = (), context: Any = None, every: Any = None,
+                       discard: Sequence[Sequence[str]] = ()
                        ) -> tuple[list[ProgramChunk], list[set[str]]]:
     """The rank's pipeline chunks `mine` of `model` (on meta) run as `solution` plans (the
     merged solution of those chunks' layouts), and every chunk's parameters (canonical names).
@@ -378,7 +379,7 @@ def parallelize_chunks(model: nn.Module, example_inputs: Sequence[Any], solution
     own = set().union(*(params[c] for c in mine))
     materialize(own)
     prog = ShardedProgram(model, wrapped, program, solution, mesh, names, device=device,
-                          recompute=recompute, own=own)
+                          recompute=recompute, own=own, discard=discard)
     prog.context = context
     users = [ph for ph, s in specs.items() if s.kind == InputKind.USER_INPUT]
     user_inputs = {ph: k for k, ph in enumerate(users)}

@@ -325,13 +325,20 @@ class ParallelModel(PipelineStages, TiedParameters, ZeroSharding):
         context = self.cp.program() if self.cp is not None else None
         sol = s.op_layouts.solution((self.tp_size,))
         self.runner = parallelize_graph(model, example, sol, self.my_mesh.tp_mesh, param_dtype=self.low,
-                                        recompute=s.op_layouts.recompute_regions(), context=context)
+                                        recompute=s.op_layouts.recompute_regions(), context=context,
+                                        discard=s.op_layouts.discard_regions())
         self._note_interleaved(self.runner.layouts)
         if self.plan.ep > 1:
             # expert parallelism: each expert block's ops run as this rank's token exchange over
             # its ep group and its slice of the experts (`runtime.experts.program_calls`)
             self._shard_experts(model)
             self.runner.replace_modules(program_calls(model, self.plan))
+            if s.recompute == "norm_act" and s.recompute_acts:
+                # the experts' ops no longer run as the program's: their activations are
+                # discarded by the experts modules themselves, as on a module-cut stage
+                from autopar.runtime.discard import apply_discard
+
+                apply_discard(model, None, s.recompute_acts)
         if self.zero3:
             self._shard_solved(self.runner, s.fsdp_units or [])
         self.local_modules = [model]

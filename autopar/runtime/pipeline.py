@@ -121,6 +121,7 @@ class PipelineStages:
             aliases=self.aliases, device=self.device, autocast=self._autocast_ctx,
             compute_dtype=self._compute_dtype, param_dtype=self.low,
             recompute=[r for i in mine for r in self.stages[i].op_layouts.recompute_regions()],
+            discard=[r for i in mine for r in self.stages[i].op_layouts.discard_regions()],
             units={i: self.stages[i].fsdp_units or [] for i in mine} if self.zero3 else None,
             handover=handover, context=self.cp.program() if self.cp is not None else None, every=every)
         self.chunk_params = dict(enumerate(params))
@@ -142,6 +143,14 @@ class PipelineStages:
             if chunks:
                 chunks[0].prog.replace_modules(program_calls(self.model, self.plan, own),
                                                running={n for ch in chunks for n in ch.nodes})
+                acts = [a for i in mine if self.stages[i].recompute == "norm_act"
+                        for a in self.stages[i].recompute_acts or []]
+                if acts:
+                    # the experts' activations discarded by the experts modules themselves
+                    # (their ops no longer run as the program's), as on a module-cut stage
+                    from autopar.runtime.discard import apply_discard
+
+                    apply_discard(self.model, None, acts)
         if self.zero3:
             self._shard_solved_chunks(chunks)
         self.pipe_stages, self.local_modules, self.fed_chunks = [], [], []

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from autopar.schema.placement import Placement  # "R", "S(d)", "P": one per mesh axis
 
@@ -39,6 +39,20 @@ class LayerOps(_Model):
     ops: list[str] = Field(description="op names of the captured graph")
     recomputed: list[int] = Field(default_factory=list, description="indices into `ops` of the ops the "
                                   "stage's recomputation re-runs in the backward (one checkpointed region)")
+    discarded: list[list[int]] = Field(
+        default_factory=list, description="under recompute \"norm_act\": its regions (the norms', the routed "
+        "experts' activations': `cost_models.memory.norm_act_regions`), each the indices into `ops` of its "
+        "ops in program order, whose outputs are freed once saved and re-made in the backward; not "
+        "checkpointed (`recomputed` is empty)")
+
+    @model_serializer(mode="wrap")
+    def _omit_no_regions(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The dump without `discarded` when empty: a plan without "norm_act" (and its digest,
+        `tests/test_planner_unchanged.py`) is what it was."""
+        out = handler(self)
+        if isinstance(out, dict) and not out.get("discarded", True):
+            out.pop("discarded")
+        return out
 
 
 class Junction(_Model):
@@ -86,11 +100,18 @@ class StageLayouts(_Model):
             if len(lay.ops) != len(self.signatures[lay.signature]):
                 raise ValueError(f"layer {lay.name!r} lists {len(lay.ops)} ops for a signature of "
                                  f"{len(self.signatures[lay.signature])} layouts")
+            if any(not 0 <= i < len(lay.ops) for r in lay.discarded for i in r):
+                raise ValueError(f"layer {lay.name!r}: a discarded region's index is not one of its "
+                                 f"{len(lay.ops)} ops")
         return self
 
     def recompute_regions(self) -> list[list[str]]:
         """The checkpointed regions, one per layer that recomputes: its ops' names."""
         return [[lay.ops[i] for i in lay.recomputed] for lay in self.layers if lay.recomputed]
+
+    def discard_regions(self) -> list[list[str]]:
+        """Under "norm_act": its regions, each its ops' names (`LayerOps.discarded`)."""
+        return [[lay.ops[i] for i in r] for lay in self.layers for r in lay.discarded]
 
     @property
     def num_ops(self) -> int:
