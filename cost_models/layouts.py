@@ -242,3 +242,33 @@ def share_layout_walk(sub, graph) -> None:
     `graph_layout_copies` with `graph`'s walk: its ops are laid out as in `graph`, what it reads
     from outside as `graph` lays it (not taken contiguous), and one walk serves both."""
     sub.__dict__["_layout_copies"] = graph.__dict__.setdefault("_layout_copies", {})
+
+
+def chain_strides(name: str, index: dict, device_type: Optional[str] = None,
+                  attention_kernel: str = "fused") -> Strides:
+    """The strides of tensor `name` (`index`: name -> node) from the op that made its data,
+    followed through the view ops between, by `layout_copies`' rules: the op's output
+    contiguous (a fused attention's [b, s, h, d] in memory), each view's from its input's. None
+    where a shape is not concrete or a view cannot be followed. For one tensor where the
+    graph's walk is not at hand (`cost_models.compute.split_backward_time` asks per op)."""
+    from cost_models.memory import attention_is_fused  # memory imports this module
+
+    chain = []
+    cur = index.get(name)
+    while cur is not None and cur.kind == "call" and cur.op in VIEW_OPS and cur.target != "getitem" \
+            and cur.inputs and len(chain) < 32:
+        chain.append(cur)
+        cur = index.get(cur.inputs[0])
+    shape = _shape(cur) if cur is not None else None
+    if shape is None:
+        return None
+    st: Strides = contiguous_strides(shape)
+    if cur.kind == "call" and cur.op in FUSED_ATTENTION and attention_is_fused(cur, device_type, attention_kernel,
+                                                                                 index):
+        st = _attention_out(cur, None, shape, device_type)
+    for v in reversed(chain):
+        src_shape, shp = _shape(index[v.inputs[0]]), _shape(v)
+        if st is None or src_shape is None or shp is None or len(st) != len(src_shape):
+            return None
+        st, _ = _view_strides(v, src_shape, st, shp)
+    return st
