@@ -730,6 +730,25 @@ def autocast_cast_time(n, index: dict, fp32: frozenset, device: DeviceSpec, dtyp
     return fwd, bwd
 
 
+def bias_grad_time(n, index: dict, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0) -> float:
+    """Backward seconds of a linear layer's bias gradient: a sum of the output's gradient over its
+    rows (`linear`'s backward, tools/autograd/derivatives.yaml: `grad.sum(0)` over the flattened
+    rows), a memory-bound reduction outside the two GEMMs: the output's bytes read, one kernel.
+    Measured on an H100: 388 `aten::sum` calls, 16.9 ms of GPT-3 1.3B's step, beside 330 ms of
+    GEMMs (benchmarks/results/h100-2026-11-25/profiles/profile_gpt3-1.3b-mb4-none.txt). 0 for a
+    matrix op without a bias parameter, and where the profile measured a linear layer's backward
+    with its bias sum (`matmul_backward_ratio`)."""
+    if device.matmul_backward_ratio is not None or not n.outputs:
+        return 0.0
+    bias = n.inputs[2] if n.op == "linear" and len(n.inputs) > 2 else (
+        n.inputs[0] if n.op == "addmm" and n.inputs else None)
+    src = index.get(bias) if bias is not None else None
+    if src is None or src.kind != "param":
+        return 0.0
+    out = n.outputs[0]
+    return op_time("sum", 0.0, out.nbytes * bytes_scale(out.dtype, dtype) / max(float(shard), 1.0), device, dtype)
+
+
 # ops splitting a tensor into views whose gradients autograd puts back together: split's,
 # chunk's and unbind's backward (`split_backward`, `unbind_backward` in torch's
 # tools/autograd/derivatives.yaml) is a `cat` / `stack` of the pieces' gradients into a new
@@ -827,6 +846,8 @@ def node_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
         align = gemm_alignment_factor(n, index, device, dtype)
         if align < 1.0:
             fwd, bwd = fwd / align, bwd / align
+        if n.op in ("linear", "addmm"):
+            bwd += bias_grad_time(n, index or {}, device, dtype, f)
     if n.op in ("arange", "zeros", "ones", "full", "empty") or n.op == "to" and not n.inputs:
         bwd = 0.0
     return fwd + casts[0], bwd + casts[1]

@@ -920,3 +920,9 @@ def test_autocast_casts_layer_norm_and_split_backward_are_priced() -> None:
     assert split_backward_time(split, g._index, DEV, "bf16") == pytest.approx(2 * (2 * qkv / bw + k))
     assert node_time(split, DEV, "bf16", 1.0, g._index, fp32=fp32) == pytest.approx(
         (0.0, 2 * (2 * qkv / bw + k)))
+    # a linear layer's bias gradient: its output's bytes read, one reduction kernel (none where
+    # the profile measured the backward with its bias sum)
+    from cost_models.compute import bias_grad_time
+    lin = next(n for n in g.calls if n.op == "linear")
+    assert bias_grad_time(lin, g._index, DEV, "bf16") == pytest.approx(2 * N / bw + k)
+    assert bias_grad_time(lin, g._index, DEV.model_copy(update={"matmul_backward_ratio": 2.0}), "bf16") == 0.0
