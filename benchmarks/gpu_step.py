@@ -304,7 +304,7 @@ def breakdown(out: Path, name: str, cluster: str) -> None:
     from autopar.models.registry import build_model
     from autopar.schema.cluster import ClusterSpec
     from autopar.schema.plan import Plan
-    from cost_models.compute import autocast_cast_time, bias_grad_time, node_time, priced
+    from cost_models.compute import autocast_cast_time, bias_grad_time, grad_sum_time, node_time, priced
     from cost_models.layouts import graph_layout_copies
     from cost_models.memory import graph_fp32_tensors
 
@@ -325,9 +325,10 @@ def breakdown(out: Path, name: str, cluster: str) -> None:
             # autocast's casts for the op (`copy_` in the measured profile): a row of their own
             cf, cb = autocast_cast_time(n, index, fp32, dev, plan.dtype)
             bias = bias_grad_time(n, index, dev, plan.dtype) if n.op in ("linear", "addmm") else 0.0
+            sums = grad_sum_time(n, dev, plan.dtype, 1.0, copies, fp32)
             k = "reshape copies" if n.name in copies[0] else n.op
-            for key, (a, c) in ((k, (f - cf, b - cb - bias)), ("autocast casts", (cf, cb)),
-                                ("bias grad sums", (0.0, bias))):
+            for key, (a, c) in ((k, (f - cf, b - cb - bias - sums)), ("autocast casts", (cf, cb)),
+                                ("bias grad sums", (0.0, bias)), ("gradient sums (autograd)", (0.0, sums))):
                 if a or c:
                     per[key][0] += a * m
                     per[key][1] += c * m

@@ -758,9 +758,10 @@ SPLITS = frozenset({"split", "split_with_sizes", "chunk", "unbind", "unsafe_spli
 
 def priced(n, copies: Optional["Copies"] = None) -> bool:
     """Whether `node_time` can give captured op `n` any time: it has FLOPs or bytes, is a
-    reshape that copies (`copies`), or a split whose backward concatenates (`SPLITS`)."""
+    reshape that copies (`copies`), a split whose backward concatenates (`SPLITS`), or a tensor
+    autograd sums gradients into (`copies.grad_sums`)."""
     return n.flops > 0 or n.bytes_moved > 0 or (copies is not None and n.name in copies[0]) \
-        or (n.op in SPLITS and bool(n.inputs))
+        or (n.op in SPLITS and bool(n.inputs)) or n.name in getattr(copies, "grad_sums", {})
 
 
 def split_backward_time(n, index: dict, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
@@ -796,10 +797,38 @@ def split_backward_time(n, index: dict, device: DeviceSpec, dtype: str = "bf16",
     return t
 
 
+def grad_sum_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
+                  copies: Optional[Copies] = None, fp32: Optional[frozenset] = None) -> float:
+    """Backward seconds of the adds autograd runs summing the gradients of op `n`'s output
+    (`copies.grad_sums`, `cost_models.layouts.gradient_sums`): each reads two tensors of its
+    size and writes one (at 4 bytes an element where the run holds it in fp32, `fp32`), one
+    kernel; its bytes divided by `shard`. 0 where `copies` carries no sums."""
+    k = getattr(copies, "grad_sums", {}).get(n.name, 0)
+    if k <= 0 or not n.outputs:
+        return 0.0
+    out = n.outputs[0]
+    wide = fp32 is not None and n.name in fp32 and out.dtype in _FLOATING
+    nbytes = 3.0 * out.nbytes * (1.0 if wide else bytes_scale(out.dtype, dtype)) / max(float(shard), 1.0)
+    return k * op_time("add", 0.0, nbytes, device, dtype)
+
+
 def node_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
               index: Optional[dict] = None, attention_kernel: AttentionKernel = "fused",
               copies: Optional[Copies] = None, fusion: Optional[FusedChains] = None,
               fp32: Optional[frozenset] = None) -> tuple[float, float]:
+    """(forward, backward) seconds of one captured op (`op_node_time`), its backward with the
+    sums of its output's gradients autograd runs (`grad_sum_time`; eager software only: a
+    compiler fuses them)."""
+    fwd, bwd = op_node_time(n, device, dtype, shard, index, attention_kernel, copies, fusion, fp32)
+    if fusion is None:
+        bwd += grad_sum_time(n, device, dtype, shard, copies, fp32)
+    return fwd, bwd
+
+
+def op_node_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
+                 index: Optional[dict] = None, attention_kernel: AttentionKernel = "fused",
+                 copies: Optional[Copies] = None, fusion: Optional[FusedChains] = None,
+                 fp32: Optional[frozenset] = None) -> tuple[float, float]:
     """(forward, backward) seconds of one captured op at a concrete batch with its work split
     `shard` ways: the roofline with the GEMM curve, the measured backward rates, attention as the
     software's `attention_kernel` runs it (`attention_time`; `index`, name -> node, gives its

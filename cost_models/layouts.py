@@ -200,16 +200,62 @@ def layout_copies(nodes: list, by_name: dict, device_type: Optional[str] = None,
     return frozenset(copying), frozenset(aliasing)
 
 
+class LayoutCopies(tuple):
+    """`layout_copies`' pair (reshapes that copy, `contiguous` calls that copy nothing) of a whole
+    graph, with what the time model reads of the same graph beside it: `grad_sums`, tensor name
+    -> the gradients autograd adds into it beyond the first (`gradient_sums`)."""
+
+    def __new__(cls, copying: frozenset, aliasing: frozenset, grad_sums: Optional[dict] = None) -> "LayoutCopies":
+        t = super().__new__(cls, (copying, aliasing))
+        t.grad_sums = dict(grad_sums or {})
+        return t
+
+    def __getnewargs__(self) -> tuple:
+        return self[0], self[1], self.grad_sums
+
+
+# readers through which no gradient reaches a tensor (shape queries, detaching, *_like makers)
+_NO_GRAD_READERS = frozenset({"detach", "sym_size", "sym_numel", "_assert_tensor_metadata", "zeros_like",
+                              "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty",
+                              "new_full"})
+_FLOATING = ("float32", "float64", "float16", "bfloat16")
+
+
+def gradient_sums(nodes: list, by_name: dict) -> dict[str, int]:
+    """Tensor name -> how many gradients autograd's engine adds into it beyond the first: a
+    tensor an op makes that k readers take a gradient from (each read is an edge: `x * x` two)
+    gets k gradients, summed by k - 1 adds (`InputBuffer::accumulate`, torch/csrc/autograd/
+    input_buffer.cpp), each reading two of the tensor's size and writing one. The residual
+    stream read by a norm and the residual add; a post-norm block's fp32 norm output read by the
+    q, k and v projections and the residual (BERT-large on an H100: 96 fp32 adds of its size a
+    step, benchmarks/results/h100-2026-11-25/profiles/profile_bert-large.txt). A split's or a
+    multi-output op's pieces are read through `getitem`, not summed (a split's backward is its
+    `cat`)."""
+    edges: dict[str, int] = {}
+    for r in nodes:
+        if r.kind != "call" or r.target == "getitem" or r.op in _NO_GRAD_READERS or not r.outputs \
+                or r.outputs[0].dtype not in _FLOATING:
+            continue
+        for i in r.inputs:
+            src = by_name.get(i)
+            if src is not None and src.kind == "call" and src.outputs and src.outputs[0].dtype in _FLOATING:
+                edges[i] = edges.get(i, 0) + 1
+    return {k: v - 1 for k, v in edges.items() if v > 1}
+
+
 def graph_layout_copies(graph, device_type: Optional[str] = None,
-                        attention_kernel: str = "fused") -> tuple[frozenset, frozenset]:
+                        attention_kernel: str = "fused") -> LayoutCopies:
     """`layout_copies` of every op of `graph` (an `OpGraph` at a concrete batch), once per graph,
     device type and attention kernel: the walk depends on nothing else, and the memory model
-    (every recomputation policy of a layer) and the time model (every op of it) both ask."""
+    (every recomputation policy of a layer) and the time model (every op of it) both ask. With
+    the graph's `gradient_sums` (the time model's)."""
     memo = graph.__dict__.setdefault("_layout_copies", {})
     key = (device_type, attention_kernel)
     if key not in memo:
         nodes = list(graph.nodes)
-        memo[key] = layout_copies(nodes, {n.name: n for n in nodes}, device_type, attention_kernel)
+        by_name = {n.name: n for n in nodes}
+        memo[key] = LayoutCopies(*layout_copies(nodes, by_name, device_type, attention_kernel),
+                                 gradient_sums(nodes, by_name))
     return memo[key]
 
 

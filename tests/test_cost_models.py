@@ -926,3 +926,15 @@ def test_autocast_casts_layer_norm_and_split_backward_are_priced() -> None:
     lin = next(n for n in g.calls if n.op == "linear")
     assert bias_grad_time(lin, g._index, DEV, "bf16") == pytest.approx(2 * lin.outputs[0].numel / bw + k)
     assert bias_grad_time(lin, g._index, DEV.model_copy(update={"matmul_backward_ratio": 2.0}), "bf16") == 0.0
+    # autograd sums the norm's two gradients (two projections read it): one add, 3 fp32 tensors
+    from cost_models.compute import grad_sum_time
+    from cost_models.layouts import graph_layout_copies
+    copies = graph_layout_copies(g, DEV.device_type)
+    assert copies.grad_sums.get(ln.name) == 1 and split.name not in copies.grad_sums
+    assert priced(ln, copies)
+    assert grad_sum_time(ln, DEV, "bf16", 1.0, copies, fp32) == pytest.approx(3 * 4 * N / bw + k)
+    assert node_time(ln, DEV, "bf16", 1.0, g._index, copies=copies, fp32=fp32)[1] == pytest.approx(
+        bk + 3 * 4 * N / bw + k)
+    import pickle
+    again = pickle.loads(pickle.dumps(copies))
+    assert again == copies and again.grad_sums == copies.grad_sums
