@@ -693,7 +693,7 @@ def test_grouped_query_repeat_costs_a_copy_and_a_sum() -> None:
     from autopar.capture import capture
     from autopar.models.registry import build_model
     from cost_models.compute import node_time
-    from cost_models.layouts import graph_layout_copies
+    from cost_models.layouts import LayoutCopies, graph_layout_copies
 
     bundle = build_model("tests.user_models:llama_repeat_kv")
     g = capture(bundle.model, bundle.example_inputs, name=bundle.name).at_batch(2)
@@ -712,7 +712,8 @@ def test_grouped_query_repeat_costs_a_copy_and_a_sum() -> None:
     base = graph_compute_time(g, DEV, "bf16").total_s
     charged = sum(sum(node_time(n, DEV, "bf16", 1.0, g._index, copies=copies)) for n in repeats)
     g2 = capture(bundle.model, bundle.example_inputs, name=bundle.name).at_batch(2)
-    g2.__dict__["_layout_copies"] = {(DEV.device_type, "fused"): (frozenset(), copies[1])}
+    g2.__dict__["_layout_copies"] = {(DEV.device_type, "fused"): LayoutCopies(frozenset(), copies[1],
+                                                                               copies.grad_sums)}
     assert base - graph_compute_time(g2, DEV, "bf16").total_s == pytest.approx(charged)
 
 
