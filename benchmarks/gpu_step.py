@@ -325,7 +325,7 @@ def breakdown(out: Path, name: str, cluster: str) -> None:
             # autocast's casts for the op (`copy_` in the measured profile): a row of their own
             cf, cb = autocast_cast_time(n, index, fp32, dev, plan.dtype)
             bias = bias_grad_time(n, index, dev, plan.dtype) if n.op in ("linear", "addmm") else 0.0
-            sums = grad_sum_time(n, dev, plan.dtype, 1.0, copies, fp32)
+            sums = grad_sum_time(n, dev, plan.dtype, 1.0, copies, fp32, index)
             k = "reshape copies" if n.name in copies[0] else n.op
             for key, (a, c) in ((k, (f - cf, b - cb - bias - sums)), ("autocast casts", (cf, cb)),
                                 ("bias grad sums", (0.0, bias)), ("gradient sums (autograd)", (0.0, sums))):

@@ -798,18 +798,23 @@ def split_backward_time(n, index: dict, device: DeviceSpec, dtype: str = "bf16",
 
 
 def grad_sum_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
-                  copies: Optional[Copies] = None, fp32: Optional[frozenset] = None) -> float:
-    """Backward seconds of the adds autograd runs summing the gradients of op `n`'s output
-    (`copies.grad_sums`, `cost_models.layouts.gradient_sums`): each reads two tensors of its
-    size and writes one (at 4 bytes an element where the run holds it in fp32, `fp32`), one
-    kernel; its bytes divided by `shard`. 0 where `copies` carries no sums."""
-    k = getattr(copies, "grad_sums", {}).get(n.name, 0)
-    if k <= 0 or not n.outputs:
-        return 0.0
-    out = n.outputs[0]
-    wide = fp32 is not None and n.name in fp32 and out.dtype in _FLOATING
-    nbytes = 3.0 * out.nbytes * (1.0 if wide else bytes_scale(out.dtype, dtype)) / max(float(shard), 1.0)
-    return k * op_time("add", 0.0, nbytes, device, dtype)
+                  copies: Optional[Copies] = None, fp32: Optional[frozenset] = None,
+                  index: Optional[dict] = None) -> float:
+    """Backward seconds of the adds autograd runs summing gradients that op `n` hands to tensors
+    other ops read too (`copies.grad_sums`, `cost_models.layouts.gradient_sums`; `index`, name
+    -> node, gives their sizes): each reads two tensors of the tensor's size and writes one (at
+    4 bytes an element where the run holds it in fp32, `fp32`), one kernel; its bytes divided by
+    `shard`. 0 where `copies` carries no sums."""
+    t = 0.0
+    for name in getattr(copies, "grad_sums", {}).get(n.name, ()):
+        src = (index or {}).get(name)
+        if src is None or not src.outputs:
+            continue
+        out = src.outputs[0]
+        wide = fp32 is not None and name in fp32 and out.dtype in _FLOATING
+        nbytes = 3.0 * out.nbytes * (1.0 if wide else bytes_scale(out.dtype, dtype)) / max(float(shard), 1.0)
+        t += op_time("add", 0.0, nbytes, device, dtype)
+    return t
 
 
 def node_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
@@ -821,7 +826,7 @@ def node_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
     compiler fuses them)."""
     fwd, bwd = op_node_time(n, device, dtype, shard, index, attention_kernel, copies, fusion, fp32)
     if fusion is None:
-        bwd += grad_sum_time(n, device, dtype, shard, copies, fp32)
+        bwd += grad_sum_time(n, device, dtype, shard, copies, fp32, index)
     return fwd, bwd
 
 

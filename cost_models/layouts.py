@@ -202,8 +202,8 @@ def layout_copies(nodes: list, by_name: dict, device_type: Optional[str] = None,
 
 class LayoutCopies(tuple):
     """`layout_copies`' pair (reshapes that copy, `contiguous` calls that copy nothing) of a whole
-    graph, with what the time model reads of the same graph beside it: `grad_sums`, tensor name
-    -> the gradients autograd adds into it beyond the first (`gradient_sums`)."""
+    graph, with what the time model reads of the same graph beside it: `grad_sums`, op name ->
+    the tensors whose gradient sums autograd charges it with (`gradient_sums`)."""
 
     def __new__(cls, copying: frozenset, aliasing: frozenset, grad_sums: Optional[dict] = None) -> "LayoutCopies":
         t = super().__new__(cls, (copying, aliasing))
@@ -221,26 +221,32 @@ _NO_GRAD_READERS = frozenset({"detach", "sym_size", "sym_numel", "_assert_tensor
 _FLOATING = ("float32", "float64", "float16", "bfloat16")
 
 
-def gradient_sums(nodes: list, by_name: dict) -> dict[str, int]:
-    """Tensor name -> how many gradients autograd's engine adds into it beyond the first: a
-    tensor an op makes that k readers take a gradient from (each read is an edge: `x * x` two)
-    gets k gradients, summed by k - 1 adds (`InputBuffer::accumulate`, torch/csrc/autograd/
-    input_buffer.cpp), each reading two of the tensor's size and writing one. The residual
-    stream read by a norm and the residual add; a post-norm block's fp32 norm output read by the
-    q, k and v projections and the residual (BERT-large on an H100: 96 fp32 adds of its size a
-    step, benchmarks/results/h100-2026-11-25/profiles/profile_bert-large.txt). A split's or a
-    multi-output op's pieces are read through `getitem`, not summed (a split's backward is its
-    `cat`)."""
-    edges: dict[str, int] = {}
+def gradient_sums(nodes: list, by_name: dict) -> dict[str, tuple[str, ...]]:
+    """Op name -> the tensors whose gradients autograd's engine adds its gradient into: a tensor
+    that k readers take a gradient from (each read an edge: `x * x` two) gets k gradients, summed
+    by k - 1 adds (`InputBuffer::accumulate`, torch/csrc/autograd/input_buffer.cpp), each reading
+    two of the tensor's size and writing one; the second reader on (in graph order) pays one
+    each. The residual stream read by a norm and the residual add; a post-norm block's fp32 norm
+    output read by the q, k and v projections and the residual (BERT-large on an H100: 96 fp32
+    adds of its size a step, benchmarks/results/h100-2026-11-25/profiles/profile_bert-large.txt).
+    Charged to the readers, a layer's part of a model (its tensors from other layers as inputs)
+    pays for the tensors it reads. A split's or a multi-output op's pieces are read through
+    `getitem`, not summed (a split's backward is its `cat`); the model's own inputs need none."""
+    seen: dict[str, int] = {}
+    out: dict[str, list[str]] = {}
     for r in nodes:
         if r.kind != "call" or r.target == "getitem" or r.op in _NO_GRAD_READERS or not r.outputs \
                 or r.outputs[0].dtype not in _FLOATING:
             continue
         for i in r.inputs:
             src = by_name.get(i)
-            if src is not None and src.kind == "call" and src.outputs and src.outputs[0].dtype in _FLOATING:
-                edges[i] = edges.get(i, 0) + 1
-    return {k: v - 1 for k, v in edges.items() if v > 1}
+            if src is None or not src.outputs or src.outputs[0].dtype not in _FLOATING or not (
+                    src.kind == "call" or (src.kind == "input" and src.target != "placeholder")):
+                continue
+            seen[i] = seen.get(i, 0) + 1
+            if seen[i] > 1:
+                out.setdefault(r.name, []).append(i)
+    return {k: tuple(v) for k, v in out.items()}
 
 
 def graph_layout_copies(graph, device_type: Optional[str] = None,
