@@ -313,8 +313,9 @@ def breakdown(out: Path, name: str, cluster: str) -> None:
     from autopar.models.registry import build_model
     from autopar.schema.cluster import ClusterSpec
     from autopar.schema.plan import Plan
-    from cost_models.compute import node_time
+    from cost_models.compute import autocast_cast_time, bias_grad_time, grad_sum_time, node_time, priced
     from cost_models.layouts import graph_layout_copies
+    from cost_models.memory import graph_fp32_tensors
 
     case = next(c for c in CASES if c[0] == name)
     sys.path[:0] = [str(HERE), str(HERE.parent)]
@@ -324,13 +325,23 @@ def breakdown(out: Path, name: str, cluster: str) -> None:
     index = {n.name: n for n in g.nodes}
     dev, m = ClusterSpec.load(cluster).device, plan.num_microbatches
     per: dict = collections.defaultdict(lambda: [0.0, 0.0, 0])
-    copies = graph_layout_copies(g, dev.device_type, plan.software.attention_kernel)
+    sw = plan.software
+    copies = graph_layout_copies(g, dev.device_type, sw.attention_kernel)
+    fp32 = graph_fp32_tensors(g, dev.device_type, plan.dtype, sw.attention_kernel, sw.autocast)
     for n in g.calls:
-        if n.flops > 0 or n.bytes_moved > 0 or n.name in copies[0]:
-            f, b = node_time(n, dev, plan.dtype, 1.0, index, plan.software.attention_kernel, copies)
-            per[n.op][0] += f * m
-            per[n.op][1] += b * m
-            per[n.op][2] += m
+        if priced(n, copies):
+            f, b = node_time(n, dev, plan.dtype, 1.0, index, sw.attention_kernel, copies, None, fp32)
+            # autocast's casts for the op (`copy_` in the measured profile): a row of their own
+            cf, cb = autocast_cast_time(n, index, fp32, dev, plan.dtype)
+            bias = bias_grad_time(n, index, dev, plan.dtype) if n.op in ("linear", "addmm") else 0.0
+            sums = grad_sum_time(n, dev, plan.dtype, 1.0, copies, fp32, index)
+            k = "reshape copies" if n.name in copies[0] else n.op
+            for key, (a, c) in ((k, (f - cf, b - cb - bias - sums)), ("autocast casts", (cf, cb)),
+                                ("bias grad sums", (0.0, bias)), ("gradient sums (autograd)", (0.0, sums))):
+                if a or c:
+                    per[key][0] += a * m
+                    per[key][1] += c * m
+                    per[key][2] += m
     total = sum(f + b for f, b, _ in per.values())
     lines = [f"case {name} on {Path(cluster).stem}: ops {total * 1e3:.1f} ms over {m} micro-batches "
              f"(plan: {plan.predicted.iteration_time_s * 1e3:.1f} ms a step; recomputation, optimizer and "

@@ -174,16 +174,29 @@ _BWD_BYTES = {"add": 1.0, "sub": 1.0, "embedding": 2.0, "layer_norm": 2.0, "nati
               "ones": 0.0, "full": 0.0, "empty": 0.0, "masked_fill": 1.0}
 
 
-def backward_bytes_factor(op: str) -> float:
+# backward bytes relative to forward bytes where CUDA's kernels differ from the generic rule.
+# Layer norm: PyTorch's backward (aten/src/ATen/native/cuda/layer_norm_kernel.cu,
+# LayerNormBackwardKernelImplInternal) runs two kernels over the activation: one reads dY and X
+# and writes dX, one (GammaBetaBackward) reads dY and X again for the weight and bias gradients:
+# 5 activation-sized accesses against the forward's 2 (X read, Y written). Measured on an H100
+# (benchmarks/results/h100-2026-11-25/profiles: layer_norm_grad_input and GammaBetaBackward each a
+# call of native_layer_norm_backward, 96 + 100 of each in GPT-3 1.3B's step).
+_CUDA_BWD_BYTES = {"layer_norm": 2.5, "native_layer_norm": 2.5}
+
+
+def backward_bytes_factor(op: str, device_type: Optional[str] = None) -> float:
     """Backward bytes relative to forward bytes: the gradient read plus the saved tensors read plus
     the input gradient written (1.5x for a unary op, 2x with a weight gradient); matrix ops are
     costed by FLOPs instead (their bytes scale with the same 2x). A cross-entropy: eager, its
     forward reads the logits and writes the log-probabilities (2 tensors), its backward writes the
     log-probabilities' gradient (nll_loss_backward's zeros) and log_softmax's backward reads it and
     the log-probabilities and writes the logits' (4); fused, 1 read forward, 1 read and 1 write
-    backward: 2x either way."""
+    backward: 2x either way. On CUDA (`device_type`) a layer norm's backward is 2.5x
+    (`_CUDA_BWD_BYTES`: two kernels each reading the gradient and the input)."""
     if op in MATRIX_OPS:
         return backward_factor(op)
+    if device_type == "cuda" and op in _CUDA_BWD_BYTES:
+        return _CUDA_BWD_BYTES[op]
     return _BWD_BYTES.get(op, 1.5)
 
 
@@ -197,7 +210,7 @@ def op_backward_time(op: str, flops: float, bytes_moved: float, device: DeviceSp
                      dtype: str = "bf16") -> float:
     """Backward seconds of one op (see `backward_factor` / `backward_bytes_factor`); a non-matrix
     op whose backward the profile measured runs at that rate instead of the forward's."""
-    bf, bb = backward_factor(op), backward_bytes_factor(op)
+    bf, bb = backward_factor(op), backward_bytes_factor(op, device.device_type)
     if bf == 0 and bb == 0:
         return 0.0
     if op in MATRIX_OPS:
@@ -638,9 +651,10 @@ def fp32_extra_bytes(n, index: dict, fp32: frozenset, dtype: str) -> float:
     less at `dtype`'s, as `autopar.capture.flops.node_cost` counts them (every input read once,
     an embedding's table not: the rows it reads are its output's size). An op's fp32 output
     (an RMSNorm's upcast region, a softmax autocast runs in fp32, a product type promotion
-    makes fp32) is written at 4 bytes, an fp32 input read at 4. Matrix ops and attention are
-    left as they are: autocast runs them on a 2-byte copy of an fp32 input (the cast kernel
-    is not priced). 0 in an fp32 run, where the op's output is not floating (its bytes
+    makes fp32) is written at 4 bytes, an fp32 input read at 4, and an op of CUDA autocast's
+    fp32 list reads its 2-byte inputs' fp32 copies (4 bytes). Matrix ops and attention are
+    left as they are: autocast runs them on a 2-byte copy of an fp32 input (the cast kernels
+    are `autocast_cast_time`'s). 0 in an fp32 run, where the op's output is not floating (its bytes
     already unscaled), or where the op moves nothing (a view of an fp32 tensor copies none of
     it; a view that copies is `reshape_copy_time`'s)."""
     if not n.outputs or n.op in MATRIX_OPS or n.op in FUSED_ATTENTION or n.bytes_moved <= 0:
@@ -657,17 +671,169 @@ def fp32_extra_bytes(n, index: dict, fp32: frozenset, dtype: str) -> float:
         src = index[n.inputs[0]]
         extra += src.outputs[0].nbytes if src.outputs and src.outputs[0].dtype in _FLOATING else 0.0
     ins = n.inputs[1:] if n.op in ("embedding", "index_select", "gather", "index") else n.inputs
+    from cost_models.memory import CUDA_FP32_OPS  # memory imports this module
+    cast_up = n.op in CUDA_FP32_OPS and n.name in fp32
     for i in ins:
         src = index.get(i)
-        if i in fp32 and src is not None and src.outputs and src.outputs[0].dtype in _FLOATING:
+        if (i in fp32 or cast_up) and src is not None and src.outputs and src.outputs[0].dtype in _FLOATING:
+            # an fp32 input, or autocast's fp32 copy of a 2-byte one (`autocast_casts`)
             extra += src.outputs[0].nbytes
     return extra * (1.0 - s)
+
+
+def autocast_casts(n, index: dict, fp32: frozenset, dtype: str) -> list[tuple[float, bool]]:
+    """The cast kernels autocast runs for op `n` of a mixed-precision run (the rules the memory
+    model sizes the copies by, `cost_models.memory`): (elements, whether autograd runs the cast's
+    backward, a cast of the gradient back, `ToCopyBackward`). A matrix op (attention too: both
+    on autocast's lower-precision list) reading a floating activation the run holds in fp32
+    (`fp32`: a norm's output, an upcast region's) casts it to the training dtype, once per op
+    reading it (autocast caches casts of parameters only: a post-norm block's q, k and v
+    projections make three). An op of CUDA autocast's fp32 list (`CUDA_FP32_OPS`: a layer norm,
+    whose output `fp32` holds) casts each 2-byte floating input up to fp32, its weight and bias
+    too (no cache for up-casts); ops that autocast gives an fp32 `dtype` instead
+    (`CUDA_FP32_DTYPE_OPS`: a softmax) read the 2-byte input as it is. The model's own inputs
+    need no gradient. Empty in an fp32 run (`fp32` empty)."""
+    if not fp32 or DTYPE_SIZE.get(dtype, 4) >= 4 or not n.outputs:
+        return []
+    from cost_models.memory import CUDA_FP32_OPS  # memory imports this module
+
+    out: list[tuple[float, bool]] = []
+    if n.op in MATRIX_OPS:
+        for i in n.inputs:
+            src = index.get(i)
+            if i in fp32 and src is not None and src.kind in ("call", "input") and src.outputs \
+                    and src.outputs[0].dtype in _FLOATING:
+                out.append((float(src.outputs[0].numel), src.kind == "call"))
+    elif n.op in CUDA_FP32_OPS and n.name in fp32:
+        for i in n.inputs:
+            src = index.get(i)
+            if i not in fp32 and src is not None and src.kind in ("call", "input", "param") and src.outputs \
+                    and src.outputs[0].dtype in _FLOATING:
+                out.append((float(src.outputs[0].numel), src.kind != "input"))
+    return out
+
+
+def autocast_cast_time(n, index: dict, fp32: frozenset, device: DeviceSpec, dtype: str = "bf16",
+                       shard: float = 1.0) -> tuple[float, float]:
+    """(forward, backward) seconds of the cast kernels autocast runs for op `n`
+    (`autocast_casts`), their elements divided by `shard`: each reads its elements at one width
+    and writes them at the other (4 and 2 bytes in a bf16 run), one kernel; its backward, where
+    the input needs a gradient, the same bytes the other way (measured on an H100: the `copy_`
+    kernels of GPT-3 1.3B's step, 2548 of them, 67 ms, 10.5% of the GPU time, unpriced before;
+    benchmarks/results/h100-2026-11-25/profiles/profile_gpt3-1.3b-mb4-none.txt)."""
+    esz = DTYPE_SIZE.get(dtype, 4)
+    fwd = bwd = 0.0
+    for numel, grad in autocast_casts(n, index, fp32, dtype):
+        t = op_time("_to_copy", 0.0, numel * (4.0 + esz) / max(float(shard), 1.0), device, dtype)
+        fwd += t
+        bwd += t if grad else 0.0
+    return fwd, bwd
+
+
+def bias_grad_time(n, index: dict, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0) -> float:
+    """Backward seconds of a linear layer's bias gradient: a sum of the output's gradient over its
+    rows (`linear`'s backward, tools/autograd/derivatives.yaml: `grad.sum(0)` over the flattened
+    rows), a memory-bound reduction outside the two GEMMs: the output's bytes read, one kernel.
+    Measured on an H100: 388 `aten::sum` calls, 16.9 ms of GPT-3 1.3B's step, beside 330 ms of
+    GEMMs (benchmarks/results/h100-2026-11-25/profiles/profile_gpt3-1.3b-mb4-none.txt). 0 for a
+    matrix op without a bias parameter, and where the profile measured a linear layer's backward
+    with its bias sum (`matmul_backward_ratio`)."""
+    if device.matmul_backward_ratio is not None or not n.outputs:
+        return 0.0
+    bias = n.inputs[2] if n.op == "linear" and len(n.inputs) > 2 else (
+        n.inputs[0] if n.op == "addmm" and n.inputs else None)
+    src = index.get(bias) if bias is not None else None
+    if src is None or src.kind != "param":
+        return 0.0
+    out = n.outputs[0]
+    return op_time("sum", 0.0, out.nbytes * bytes_scale(out.dtype, dtype) / max(float(shard), 1.0), device, dtype)
+
+
+# ops splitting a tensor into views whose gradients autograd puts back together: split's,
+# chunk's and unbind's backward (`split_backward`, `unbind_backward` in torch's
+# tools/autograd/derivatives.yaml) is a `cat` / `stack` of the pieces' gradients into a new
+# tensor of the input's size (zeros for a piece that got none)
+SPLITS = frozenset({"split", "split_with_sizes", "chunk", "unbind", "unsafe_split"})
+
+
+def priced(n, copies: Optional["Copies"] = None) -> bool:
+    """Whether `node_time` can give captured op `n` any time: it has FLOPs or bytes, is a
+    reshape that copies (`copies`), a split whose backward concatenates (`SPLITS`), or a tensor
+    autograd sums gradients into (`copies.grad_sums`)."""
+    return n.flops > 0 or n.bytes_moved > 0 or (copies is not None and n.name in copies[0]) \
+        or (n.op in SPLITS and bool(n.inputs)) or n.name in getattr(copies, "grad_sums", {})
+
+
+def split_backward_time(n, index: dict, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
+                        attention_kernel: AttentionKernel = "fused", fp32: Optional[frozenset] = None) -> float:
+    """Backward seconds of a split (`SPLITS`; its forward is views, free): the `cat` of its
+    pieces' gradients, the input's bytes read and written. Where the split's input is not laid
+    out contiguously (`cost_models.layouts.chain_strides`: GPT's fused projection
+    `qkv.view(b, s, heads, 3 * d).transpose(1, 2).split(d, -1)`), the concatenated gradient,
+    contiguous in that permuted shape, reaches the op that made the data through the inverse
+    views as a copy (the view's backward reshapes a transposed tensor; or the producer's
+    backward copies it, as after a transposing reshape, `reshape_copy_time`): its bytes read
+    and written again. Measured on an H100 (GPT-3 1.3B, mb 4: `cat` 208 us and a strided
+    `copy_` 151 us a layer, 20 and 14.5 ms of the step; benchmarks/results/h100-2026-11-25/
+    profiles/profile_gpt3-1.3b-mb4-none.txt), both unpriced before; the roofline prices them at
+    the copy bandwidth, below what the strided kernels took."""
+    from cost_models.layouts import chain_strides, contiguous_strides  # layouts imports this module
+
+    src = index.get(n.inputs[0]) if n.inputs else None
+    if src is None or not src.outputs or src.outputs[0].dtype not in _FLOATING:
+        return 0.0
+    out = src.outputs[0]
+    wide = fp32 is not None and src.name in fp32
+    nbytes = out.nbytes * (1.0 if wide else bytes_scale(out.dtype, dtype)) / max(float(shard), 1.0)
+    t = op_time("cat", 0.0, 2.0 * nbytes, device, dtype)
+    st = chain_strides(src.name, index, device.device_type, attention_kernel)
+    try:
+        shape = tuple(int(d) for d in out.shape)
+    except (TypeError, ValueError):
+        return t
+    if st is not None and tuple(s for s, d in zip(st, shape) if d != 1) != \
+            tuple(s for s, d in zip(contiguous_strides(shape), shape) if d != 1):
+        t += op_time("contiguous", 0.0, 2.0 * nbytes, device, dtype)
+    return t
+
+
+def grad_sum_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
+                  copies: Optional[Copies] = None, fp32: Optional[frozenset] = None,
+                  index: Optional[dict] = None) -> float:
+    """Backward seconds of the adds autograd runs summing gradients that op `n` hands to tensors
+    other ops read too (`copies.grad_sums`, `cost_models.layouts.gradient_sums`; `index`, name
+    -> node, gives their sizes): each reads two tensors of the tensor's size and writes one (at
+    4 bytes an element where the run holds it in fp32, `fp32`), one kernel; its bytes divided by
+    `shard`. 0 where `copies` carries no sums."""
+    t = 0.0
+    for name in getattr(copies, "grad_sums", {}).get(n.name, ()):
+        src = (index or {}).get(name)
+        if src is None or not src.outputs:
+            continue
+        out = src.outputs[0]
+        wide = fp32 is not None and name in fp32 and out.dtype in _FLOATING
+        nbytes = 3.0 * out.nbytes * (1.0 if wide else bytes_scale(out.dtype, dtype)) / max(float(shard), 1.0)
+        t += op_time("add", 0.0, nbytes, device, dtype)
+    return t
 
 
 def node_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
               index: Optional[dict] = None, attention_kernel: AttentionKernel = "fused",
               copies: Optional[Copies] = None, fusion: Optional[FusedChains] = None,
               fp32: Optional[frozenset] = None) -> tuple[float, float]:
+    """(forward, backward) seconds of one captured op (`op_node_time`), its backward with the
+    sums of its output's gradients autograd runs (`grad_sum_time`; eager software only: a
+    compiler fuses them)."""
+    fwd, bwd = op_node_time(n, device, dtype, shard, index, attention_kernel, copies, fusion, fp32)
+    if fusion is None:
+        bwd += grad_sum_time(n, device, dtype, shard, copies, fp32, index)
+    return fwd, bwd
+
+
+def op_node_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
+                 index: Optional[dict] = None, attention_kernel: AttentionKernel = "fused",
+                 copies: Optional[Copies] = None, fusion: Optional[FusedChains] = None,
+                 fp32: Optional[frozenset] = None) -> tuple[float, float]:
     """(forward, backward) seconds of one captured op at a concrete batch with its work split
     `shard` ways: the roofline with the GEMM curve, the measured backward rates, attention as the
     software's `attention_kernel` runs it (`attention_time`; `index`, name -> node, gives its
@@ -681,9 +847,12 @@ def node_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
     priced as its share of its chain's kernel; None: every op its own kernel (eager). `fp32`:
     the tensors a mixed-precision run holds in fp32 (`cost_models.memory.graph_fp32_tensors`,
     the memory model's rule): what the op reads or writes of them moves 4 bytes an element,
-    not the training dtype's (`fp32_extra_bytes`); None: every floating tensor at `dtype`."""
+    not the training dtype's (`fp32_extra_bytes`), and the casts autocast makes for it are
+    its kernels too (`autocast_cast_time`); None: every floating tensor at `dtype`."""
     if fusion is not None and n.name in fusion:
         return chain_member_time(n.name, fusion, device, dtype, shard)
+    if n.op in SPLITS:
+        return 0.0, split_backward_time(n, index or {}, device, dtype, shard, attention_kernel, fp32)
     if copies is not None:
         if n.name in copies[0]:
             return reshape_copy_time(n, device, dtype, shard, index, fp32)
@@ -692,8 +861,11 @@ def node_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
     f = max(float(shard), 1.0)
     tdt = n.outputs[0].dtype if n.outputs else "float32"
     flops, nbytes = n.flops / f, n.bytes_moved * bytes_scale(tdt, dtype) / f
+    casts = (0.0, 0.0)
     if fp32:
         nbytes += fp32_extra_bytes(n, index or {}, fp32, dtype) / f
+        if fusion is None:   # fusing software folds the casts into its kernels
+            casts = autocast_cast_time(n, index or {}, fp32, device, dtype, f)
     att = (_attention_node_time(n, index or {}, device, dtype, f, attention_kernel) if n.op in FUSED_ATTENTION
            else None)
     if att is not None:
@@ -708,9 +880,11 @@ def node_time(n, device: DeviceSpec, dtype: str = "bf16", shard: float = 1.0,
         align = gemm_alignment_factor(n, index, device, dtype)
         if align < 1.0:
             fwd, bwd = fwd / align, bwd / align
+        if n.op in ("linear", "addmm"):
+            bwd += bias_grad_time(n, index or {}, device, dtype, f)
     if n.op in ("arange", "zeros", "ones", "full", "empty") or n.op == "to" and not n.inputs:
         bwd = 0.0
-    return fwd, bwd
+    return fwd + casts[0], bwd + casts[1]
 
 
 def grouped_gemm_time(flops: float, bytes_moved: float, groups: int, device: DeviceSpec,
@@ -747,9 +921,8 @@ def op_list_time(nodes: Iterable, device: DeviceSpec, dtype: str = "bf16", *,
     nodes = [n for n in nodes if n.kind == "call"]
     core = attention_core(nodes) if rec == "selective" else set()
     out = ComputeTime()
-    copying = copies[0] if copies is not None else frozenset()
     for n in nodes:
-        if n.flops <= 0 and n.bytes_moved <= 0 and n.name not in copying:
+        if not priced(n, copies):
             continue
         f = shard(n) if callable(shard) else shard
         fwd, bwd = node_time(n, device, dtype, f, index, attention_kernel, copies, fusion, fp32)

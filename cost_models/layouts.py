@@ -200,16 +200,68 @@ def layout_copies(nodes: list, by_name: dict, device_type: Optional[str] = None,
     return frozenset(copying), frozenset(aliasing)
 
 
+class LayoutCopies(tuple):
+    """`layout_copies`' pair (reshapes that copy, `contiguous` calls that copy nothing) of a whole
+    graph, with what the time model reads of the same graph beside it: `grad_sums`, op name ->
+    the tensors whose gradient sums autograd charges it with (`gradient_sums`)."""
+
+    def __new__(cls, copying: frozenset, aliasing: frozenset, grad_sums: Optional[dict] = None) -> "LayoutCopies":
+        t = super().__new__(cls, (copying, aliasing))
+        t.grad_sums = dict(grad_sums or {})
+        return t
+
+    def __getnewargs__(self) -> tuple:
+        return self[0], self[1], self.grad_sums
+
+
+# readers through which no gradient reaches a tensor (shape queries, detaching, *_like makers)
+_NO_GRAD_READERS = frozenset({"detach", "sym_size", "sym_numel", "_assert_tensor_metadata", "zeros_like",
+                              "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty",
+                              "new_full"})
+_FLOATING = ("float32", "float64", "float16", "bfloat16")
+
+
+def gradient_sums(nodes: list, by_name: dict) -> dict[str, tuple[str, ...]]:
+    """Op name -> the tensors whose gradients autograd's engine adds its gradient into: a tensor
+    that k readers take a gradient from (each read an edge: `x * x` two) gets k gradients, summed
+    by k - 1 adds (`InputBuffer::accumulate`, torch/csrc/autograd/input_buffer.cpp), each reading
+    two of the tensor's size and writing one; the second reader on (in graph order) pays one
+    each. The residual stream read by a norm and the residual add; a post-norm block's fp32 norm
+    output read by the q, k and v projections and the residual (BERT-large on an H100: 96 fp32
+    adds of its size a step, benchmarks/results/h100-2026-11-25/profiles/profile_bert-large.txt).
+    Charged to the readers, a layer's part of a model (its tensors from other layers as inputs)
+    pays for the tensors it reads. A split's or a multi-output op's pieces are read through
+    `getitem`, not summed (a split's backward is its `cat`); the model's own inputs need none."""
+    seen: dict[str, int] = {}
+    out: dict[str, list[str]] = {}
+    for r in nodes:
+        if r.kind != "call" or r.target == "getitem" or r.op in _NO_GRAD_READERS or not r.outputs \
+                or r.outputs[0].dtype not in _FLOATING:
+            continue
+        for i in r.inputs:
+            src = by_name.get(i)
+            if src is None or not src.outputs or src.outputs[0].dtype not in _FLOATING or not (
+                    src.kind == "call" or (src.kind == "input" and src.target != "placeholder")):
+                continue
+            seen[i] = seen.get(i, 0) + 1
+            if seen[i] > 1:
+                out.setdefault(r.name, []).append(i)
+    return {k: tuple(v) for k, v in out.items()}
+
+
 def graph_layout_copies(graph, device_type: Optional[str] = None,
-                        attention_kernel: str = "fused") -> tuple[frozenset, frozenset]:
+                        attention_kernel: str = "fused") -> LayoutCopies:
     """`layout_copies` of every op of `graph` (an `OpGraph` at a concrete batch), once per graph,
     device type and attention kernel: the walk depends on nothing else, and the memory model
-    (every recomputation policy of a layer) and the time model (every op of it) both ask."""
+    (every recomputation policy of a layer) and the time model (every op of it) both ask. With
+    the graph's `gradient_sums` (the time model's)."""
     memo = graph.__dict__.setdefault("_layout_copies", {})
     key = (device_type, attention_kernel)
     if key not in memo:
         nodes = list(graph.nodes)
-        memo[key] = layout_copies(nodes, {n.name: n for n in nodes}, device_type, attention_kernel)
+        by_name = {n.name: n for n in nodes}
+        memo[key] = LayoutCopies(*layout_copies(nodes, by_name, device_type, attention_kernel),
+                                 gradient_sums(nodes, by_name))
     return memo[key]
 
 
@@ -242,3 +294,33 @@ def share_layout_walk(sub, graph) -> None:
     `graph_layout_copies` with `graph`'s walk: its ops are laid out as in `graph`, what it reads
     from outside as `graph` lays it (not taken contiguous), and one walk serves both."""
     sub.__dict__["_layout_copies"] = graph.__dict__.setdefault("_layout_copies", {})
+
+
+def chain_strides(name: str, index: dict, device_type: Optional[str] = None,
+                  attention_kernel: str = "fused") -> Strides:
+    """The strides of tensor `name` (`index`: name -> node) from the op that made its data,
+    followed through the view ops between, by `layout_copies`' rules: the op's output
+    contiguous (a fused attention's [b, s, h, d] in memory), each view's from its input's. None
+    where a shape is not concrete or a view cannot be followed. For one tensor where the
+    graph's walk is not at hand (`cost_models.compute.split_backward_time` asks per op)."""
+    from cost_models.memory import attention_is_fused  # memory imports this module
+
+    chain = []
+    cur = index.get(name)
+    while cur is not None and cur.kind == "call" and cur.op in VIEW_OPS and cur.target != "getitem" \
+            and cur.inputs and len(chain) < 32:
+        chain.append(cur)
+        cur = index.get(cur.inputs[0])
+    shape = _shape(cur) if cur is not None else None
+    if shape is None:
+        return None
+    st: Strides = contiguous_strides(shape)
+    if cur.kind == "call" and cur.op in FUSED_ATTENTION and attention_is_fused(cur, device_type, attention_kernel,
+                                                                                 index):
+        st = _attention_out(cur, None, shape, device_type)
+    for v in reversed(chain):
+        src_shape, shp = _shape(index[v.inputs[0]]), _shape(v)
+        if st is None or src_shape is None or shp is None or len(st) != len(src_shape):
+            return None
+        st, _ = _view_strides(v, src_shape, st, shp)
+    return st

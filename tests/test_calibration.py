@@ -139,29 +139,44 @@ TOLERANCE = 0.03
 # -2.20%), and for FA1 GPT2-1.6B, whose published time now counts the README's FLOPs (3/4 of
 # Megatron's formula, LM head included: `Case.head_scaled`; -16.1% -> -15.13%). Usable memory by
 # sourced terms (`cost_models.memory.usable_memory_terms`) moved no pinned error.
+# Session 36 (issue 14, the H100 step's eager work): the time model prices the kernels it left out,
+# each counted from the kernels' source and seen in the H100 profile: autocast's casts (the copies the
+# memory model counts; eager autocast software only: the flash-attn presets, whose dropout-add-LayerNorm
+# kernel casts nothing, are priced on the slow side by it), a split's backward cat and the copy behind
+# a transpose, a linear layer's bias-gradient sum, autograd's sums of a tensor's gradients where
+# several ops read it, CUDA layer norm's two backward kernels (2.5x its forward's bytes);
+# dgx-h100's memory_efficiency 0.88 -> 0.90 and layer norm rate, measured on the project's H100.
+# Every case moves up (slower): pinned 1.7B -1.70% -> +0.05%, 39.1B +1.69% -> +3.54%, 22B +3.34% ->
+# +5.54%, 175B +2.14% -> +3.65%, 22B SP+sel. -6.99% -> -5.93%; analytic 1.7B -3.75% -> -2.37%, 39.1B
+# +1.28% -> +3.87%, 22B +2.87% -> +5.94%, 175B +2.80% -> +4.87%; table1 7.5B -3.70% -> -1.67%, 18.4B
+# -2.56% -> -0.40%; h100 175B NeMo 512 -1.61% -> -0.32%; flash FA2 1.3B 2k -10.69% -> -3.18%, FA2
+# 2.7B 2k -5.64% -> +1.13%, FA1 (T1) 1.3B 2k -2.07% -> +5.16%, FA1 (T1) 2.7B 2k -3.02% -> +3.22%, FA1
+# GPT3-125M -9.41% -> +1.26%, FA1 GPT3-1.3B -0.69% -> +6.65%, FA2 2.7B 8k -5.39% -> +0.17%, FA1 (T1)
+# 2.7B 8k -2.34% -> +1.98%, FA1 GPT3-760M -2.20% -> +5.67%, FA1 GPT2-1.6B -15.13% -> -6.33%. Means:
+# pinned 3.17% -> 3.74%, analytic 2.68% -> 4.26%, table1 3.13% -> 1.04%. Nothing refit.
 PINNED: dict[tuple[str, str], float] = {
-    ("pinned", "1.7B"): -0.0170,
-    ("pinned", "39.1B"): +0.0169,
-    ("pinned", "22B"): +0.0334,
-    ("pinned", "175B"): +0.0214,
-    ("pinned", "22B SP+sel."): -0.0699,
-    ("analytic", "1.7B"): -0.0375,
-    ("analytic", "39.1B"): +0.0128,
-    ("analytic", "22B"): +0.0287,
-    ("analytic", "175B"): +0.0280,
-    ("table1", "7.5B"): -0.0370,
-    ("table1", "18.4B"): -0.0256,
-    ("h100", "175B NeMo 512"): -0.0161,
-    ("flash", "FA2 1.3B 2k"): -0.1069,
-    ("flash", "FA2 2.7B 2k"): -0.0564,
-    ("flash", "FA1 (T1) 1.3B 2k"): -0.0207,
-    ("flash", "FA1 (T1) 2.7B 2k"): -0.0302,
-    ("flash", "FA1 GPT3-125M"): -0.0941,
-    ("flash", "FA1 GPT3-1.3B"): -0.0069,
-    ("flash", "FA2 2.7B 8k"): -0.0539,
-    ("flash", "FA1 (T1) 2.7B 8k"): -0.0234,
-    ("flash", "FA1 GPT3-760M"): -0.0220,
-    ("flash", "FA1 GPT2-1.6B"): -0.1513,
+    ("pinned", "1.7B"): +0.0005,
+    ("pinned", "39.1B"): +0.0354,
+    ("pinned", "22B"): +0.0554,
+    ("pinned", "175B"): +0.0365,
+    ("pinned", "22B SP+sel."): -0.0593,
+    ("analytic", "1.7B"): -0.0237,
+    ("analytic", "39.1B"): +0.0387,
+    ("analytic", "22B"): +0.0594,
+    ("analytic", "175B"): +0.0487,
+    ("table1", "7.5B"): -0.0167,
+    ("table1", "18.4B"): -0.0040,
+    ("h100", "175B NeMo 512"): -0.0032,
+    ("flash", "FA2 1.3B 2k"): -0.0318,
+    ("flash", "FA2 2.7B 2k"): +0.0113,
+    ("flash", "FA1 (T1) 1.3B 2k"): +0.0516,
+    ("flash", "FA1 (T1) 2.7B 2k"): +0.0322,
+    ("flash", "FA1 GPT3-125M"): +0.0126,
+    ("flash", "FA1 GPT3-1.3B"): +0.0665,
+    ("flash", "FA2 2.7B 8k"): +0.0017,
+    ("flash", "FA1 (T1) 2.7B 8k"): +0.0198,
+    ("flash", "FA1 GPT3-760M"): +0.0567,
+    ("flash", "FA1 GPT2-1.6B"): -0.0633,
 }
 
 # family -> the bound on its mean |error| over the pinned subset, where the family meets the

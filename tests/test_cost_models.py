@@ -713,7 +713,7 @@ def test_grouped_query_repeat_costs_a_copy_and_a_sum() -> None:
     from autopar.capture import capture
     from autopar.models.registry import build_model
     from cost_models.compute import node_time
-    from cost_models.layouts import graph_layout_copies
+    from cost_models.layouts import LayoutCopies, graph_layout_copies
 
     bundle = build_model("tests.user_models:llama_repeat_kv")
     g = capture(bundle.model, bundle.example_inputs, name=bundle.name).at_batch(2)
@@ -732,7 +732,8 @@ def test_grouped_query_repeat_costs_a_copy_and_a_sum() -> None:
     base = graph_compute_time(g, DEV, "bf16").total_s
     charged = sum(sum(node_time(n, DEV, "bf16", 1.0, g._index, copies=copies)) for n in repeats)
     g2 = capture(bundle.model, bundle.example_inputs, name=bundle.name).at_batch(2)
-    g2.__dict__["_layout_copies"] = {(DEV.device_type, "fused"): (frozenset(), copies[1])}
+    g2.__dict__["_layout_copies"] = {(DEV.device_type, "fused"): LayoutCopies(frozenset(), copies[1],
+                                                                               copies.grad_sums)}
     assert base - graph_compute_time(g2, DEV, "bf16").total_s == pytest.approx(charged)
 
 
@@ -879,3 +880,82 @@ def test_a_model_cast_to_half_holds_no_autocast_fp32_tensors() -> None:
                                     torch.zeros(64, dtype=torch.long, device="meta"))).at_batch(64)
     cast = {n.name for n in g2.calls if n.op in ("to", "_to_copy")}
     assert cast and cast <= graph_fp32_tensors(g2, DEV.device_type, "bf16", autocast=False)
+
+
+class _NormQKV(nn.Module):
+    """A layer norm read by two projections, then GPT's fused-projection head split."""
+
+    def __init__(self, h: int = 256, heads: int = 4) -> None:
+        super().__init__()
+        self.ln, self.a, self.qkv, self.heads = nn.LayerNorm(h), nn.Linear(h, h), nn.Linear(h, 3 * h), heads
+
+    def forward(self, x):
+        b, s, h = x.shape
+        y = self.ln(x)
+        q, k, v = self.qkv(y).view(b, s, self.heads, 3 * h // self.heads).transpose(1, 2).split(
+            h // self.heads, dim=-1)
+        return self.a(y).sum() + (q * k * v).sum()
+
+
+def test_autocast_casts_layer_norm_and_split_backward_are_priced() -> None:
+    """Issue 14 (the H100 step, benchmarks/results/h100-2026-11-25/profiles): eager work the time
+    model did not price. Under bf16 autocast on CUDA a layer norm reads autocast's fp32 copy of
+    its input (a cast kernel: 2 bytes read, 4 written, and its weight's and bias's) and each
+    projection reading its fp32 output casts it down (4 read, 2 written), the casts' backward the
+    same bytes the other way (`autocast_cast_time`); a layer norm's CUDA backward moves 2.5x its
+    forward's bytes; a split's backward concatenates (the input's bytes read and written) and,
+    its input a transposed view, copies once more (`split_backward_time`). By hand, N elements."""
+    from cost_models.compute import autocast_cast_time, autocast_casts, node_time, priced, split_backward_time
+    from cost_models.memory import graph_fp32_tensors
+
+    b, s, h = 2, 64, 256
+    N = b * s * h
+    g = autopar.capture(_NormQKV(h), (torch.zeros(b, s, h, device="meta"),)).at_batch(b)
+    fp32 = graph_fp32_tensors(g, DEV.device_type, "bf16")
+    ops = {n.op + ("_1" if n.name.endswith("_1") else ""): n for n in g.calls}
+    ln, split = ops["layer_norm"], ops["split"]
+    assert ln.name in fp32
+    bw = DEV.memory_bandwidth * DEV.memory_efficiency
+    k = DEV.kernel_overhead_s
+    # the layer norm: x, weight and bias cast up (x has no gradient: the model's input)
+    assert sorted(autocast_casts(ln, g._index, fp32, "bf16")) == [(float(h), True), (float(h), True),
+                                                                  (float(N), False)]
+    cf, cb = autocast_cast_time(ln, g._index, fp32, DEV, "bf16")
+    assert cf == pytest.approx(6 * N / bw + 2 * 6 * h / bw + 3 * k)
+    assert cb == pytest.approx(2 * 6 * h / bw + 2 * k)
+    f, bk = node_time(ln, DEV, "bf16", 1.0, g._index, fp32=fp32)
+    # the op itself reads x's fp32 copy (4) and writes fp32 (4), its weight and bias fp32 too
+    ln_bytes = 8 * N + 2 * 4 * h
+    assert f - cf == pytest.approx(ln_bytes / bw + k)
+    assert bk - cb == pytest.approx(2.5 * ln_bytes / bw + k)
+    # both projections cast the norm's fp32 output down, each its own cast
+    for lin in (n for n in g.calls if n.op == "linear"):
+        assert autocast_casts(lin, g._index, fp32, "bf16") == [(float(N), True)]
+        assert autocast_cast_time(lin, g._index, fp32, DEV, "bf16") == pytest.approx(
+            (6 * N / bw + k, 6 * N / bw + k))
+    # fp32 run, or no fp32 set: no casts
+    assert autocast_casts(ln, g._index, frozenset(), "bf16") == []
+    # the split: free forward; backward a cat and, behind the transpose, the re-layout copy
+    assert priced(split) and split.flops == 0 and split.bytes_moved == 0
+    qkv = 3 * N * 2                                   # the projection's output in bf16
+    assert split_backward_time(split, g._index, DEV, "bf16") == pytest.approx(2 * (2 * qkv / bw + k))
+    assert node_time(split, DEV, "bf16", 1.0, g._index, fp32=fp32) == pytest.approx(
+        (0.0, 2 * (2 * qkv / bw + k)))
+    # a linear layer's bias gradient: its output's bytes read, one reduction kernel (none where
+    # the profile measured the backward with its bias sum)
+    from cost_models.compute import bias_grad_time
+    lin = next(n for n in g.calls if n.op == "linear")
+    assert bias_grad_time(lin, g._index, DEV, "bf16") == pytest.approx(2 * lin.outputs[0].numel / bw + k)
+    assert bias_grad_time(lin, g._index, DEV.model_copy(update={"matmul_backward_ratio": 2.0}), "bf16") == 0.0
+    # autograd sums the norm's two gradients (two projections read it): one add, 3 fp32 tensors
+    from cost_models.compute import grad_sum_time
+    from cost_models.layouts import graph_layout_copies
+    copies = graph_layout_copies(g, DEV.device_type)
+    second = [n for n in g.calls if n.op == "linear"][1]          # the second reader pays
+    assert copies.grad_sums == {second.name: (ln.name,)}
+    assert priced(second, copies)
+    assert grad_sum_time(second, DEV, "bf16", 1.0, copies, fp32, g._index) == pytest.approx(3 * 4 * N / bw + k)
+    assert grad_sum_time(ln, DEV, "bf16", 1.0, copies, fp32, g._index) == 0.0
+    import pickle
+    again = pickle.loads(pickle.dumps(copies))
+    assert again == copies and again.grad_sums == copies.grad_sums

@@ -570,6 +570,12 @@ class AnalyticProvider:
         # the tensors the run holds in fp32 (an upcast norm's, autocast's fp32 ops' outputs):
         # their bytes at 4 bytes an element (`node_time`), as the memory model sizes them
         fp32 = graph_fp32_tensors(g, dev.device_type, dtype, self.software.attention_kernel, self.software.autocast)
+        # and what it reads from other layers that the whole model's rule holds in fp32 (a
+        # post-norm block's norm output, read by the next block's projections: their casts, the
+        # sums of its gradients), which the layer's part alone takes for inputs at `dtype`
+        whole = graph_fp32_tensors(self.graph, dev.device_type, dtype, self.software.attention_kernel,
+                                   self.software.autocast)
+        fp32 = fp32 | frozenset(i for n in nodes for i in n.inputs if i not in mine and i in whole)
 
         for n in nodes:
             ins = [state.get(i, "R") for i in n.inputs]

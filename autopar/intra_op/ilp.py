@@ -92,7 +92,7 @@ from autopar.schema.errors import PlanError
 from autopar.schema.mesh import LogicalMesh
 from autopar.schema.placement import is_shard, shard_dim
 from cost_models.communication import collective_time, measured_time
-from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, fusion_of, node_time
+from cost_models.compute import FUSED_ATTENTION, MATRIX_OPS, fusion_of, node_time, priced
 from cost_models.fusion import FusedChains
 from cost_models.layouts import graph_layout_copies
 from cost_models.memory import CUDA_FP32_OPS, graph_fp32_tensors
@@ -183,7 +183,7 @@ def layer_compute_floor(graph: OpGraph, nodes: Iterable[str], grad_inputs: Itera
     total = 0.0
     for name in nodes:
         n = graph.node(name)
-        if n.kind != "call" or not n.outputs or (n.flops <= 0 and n.bytes_moved <= 0 and name not in copies[0]):
+        if n.kind != "call" or not n.outputs or not priced(n, copies):
             continue
         total += min(sum(op_compute_time(n, rg, rg.get(name, False), device, dtype, w, graph._index,
                                          attention_kernel, copies, fusion, fp32)) for w in {1, max(int(tp), 1)})
