@@ -559,17 +559,21 @@ def _counter_fused_and_alone():
         vmod.PhasedCounter.__enter__ = orig
     assert seen and fused == alone
     assert fused["collectives_match"] is True
-    print("same reports")
+    return "same reports"
 
 
 def test_counter_riding_on_the_tracker_reports_as_a_mode_of_its_own():
     """verify's collective counter observes the ops the step's memory tracker is handed instead
     of being a dispatch mode above it (one Python mode less per op): the report, collectives by
     phase, shards, tracked peaks and peak tensors included, equals the one with the counter as
-    its own mode (gpt-tiny tp2 x pp2, in a fresh process)."""
-    out = subprocess.run([sys.executable, "-c", "from tests.test_verify import _counter_fused_and_alone as f; f()"],
-                         capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
-    assert out.returncode == 0 and "same reports" in out.stdout, out.stderr[-2000:]
+    its own mode (gpt-tiny tp2 x pp2, in a process that built no plan: one forked from the
+    runtime's server, which imported torch and the runtime and built nothing)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from autopar.runtime.processes import in_launcher_env, launcher_args, worker_context
+
+    with ProcessPoolExecutor(1, mp_context=worker_context()) as pool:
+        assert pool.submit(in_launcher_env, *launcher_args(_counter_fused_and_alone)).result() == "same reports"
 
 
 @pytest.mark.parametrize("model", ["moe-tiny", "llama-small"])
