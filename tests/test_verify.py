@@ -353,9 +353,9 @@ def test_cuda_program_runs_dropout_and_attention_dropout_as_cuda_kernels():
         assert torch.allclose(want, got)
         assert all(torch.allclose(a, c) for a, c in zip(torch.autograd.grad(want, (q, k, v), g),
                                                          torch.autograd.grad(got, (q, k, v), g)))
-    # gradcheck's numerical Jacobian: one forward per input element and side; 4 tokens of
-    # 4 dimensions (grouped-query heads, causal, one row block as before) take 3 CPU s where
-    # 8 x 8 took 42 (session 36)
+    # gradcheck's numerical Jacobian: one forward per input element and side, on 4 tokens of
+    # 4 dimensions (grouped-query heads, causal, one row block as before): 8 x 8 took 42 CPU s
+    # on a machine at load ~10 (its small ops' intra-op threads contending), 2.8 at load 1
     small = [t.detach()[:1, :, :4, :4].requires_grad_() for t in (q, k, v)]
 
     def dropped(q, k, v):
