@@ -17,7 +17,7 @@ from cost_models.compute import MATRIX_OPS
 
 # every plan from the session's capture of its model and its shared per-layer costs (the
 # same plans as `autopar.plan` makes from scratch: `tests.captured.planned`)
-from tests.captured import planned, reference_losses, untracked
+from tests.captured import captured, planned, reference_losses, untracked
 
 _MIXTRAL = ("hf:mixtral?hidden_size=64&intermediate_size=128&num_key_value_heads=2&num_local_experts=4"
             "&num_hidden_layers=2&num_attention_heads=4&vocab_size=128&seq_len=16")
@@ -169,8 +169,7 @@ def test_expert_blocks_found_in_zoo_moe_and_hf_mixtral_and_qwen_moe():
     for ref, module, E, k, H in (("moe-tiny", "layers.{}.mlp.experts", 8, 2, 32),
                                  (_MIXTRAL, "model.layers.{}.mlp.experts", 4, 2, 64),
                                  (_QWEN, "model.layers.{}.mlp.experts", 4, 2, 64)):
-        b = build_model(ref, batch_size=2)
-        g = capture(b.model, b.example_inputs, name=ref)
+        g = captured(ref)[1]        # the module's capture of the model (its plans' too)
         blocks = find_expert_blocks(g)
         assert [x.module for x in blocks] == [module.format(0), module.format(1)]
         assert {(x.num_experts, x.top_k, x.hidden, x.tokens_per_sample) for x in blocks} == {(E, k, H, 16)}
@@ -593,12 +592,9 @@ def test_zero3_holds_each_rank_its_own_experts_unsharded_gradients():
     rank's own experts' (1/ep of them), not every expert's, while its shards (weights, optimizer)
     are over the dp / ep ranks holding them. At ep 2 and 4 (dp 4, 2 micro-batches) the stage's
     gradients at its peak drop by the experts' share the rank does not hold."""
-    from autopar.capture import capture
     from autopar.capture.experts import find_expert_blocks
-    from autopar.planner import resolve_model
 
-    b = resolve_model("moe-tiny", None, None)
-    g = capture(b.model, b.example_inputs)
+    g = captured("moe-tiny")[1]
     experts = sum(g.params[w].numel for blk in find_expert_blocks(g) for w in blk.weights)
     grads = {ep: _plan(ep, zero_stage=3).stages[0].predicted.gradients_bytes for ep in (1, 2, 4)}
     for ep in (2, 4):      # fp32: 4 bytes an element
@@ -705,8 +701,7 @@ def test_router_softmax_is_no_attention_core_so_selective_recomputes_attention_a
 
     cl = ClusterSpec.load("dgx-h100", num_nodes=1)
     for ref, attn in (("moe-tiny", "layers.{}.attn"), (_MIXTRAL, "model.layers.{}.self_attn")):
-        b = build_model(ref, batch_size=2)
-        g = capture(b.model, b.example_inputs, name=ref)
+        b, g = captured(ref)
         layers = [lay for lay in build_layers(g, b.model) if lay.block_nodes]
         assert len(layers) == 2
         pr = AnalyticProvider(g, layers, cl, "bf16")
@@ -787,8 +782,7 @@ def test_expert_tp_costs_weights_gemms_and_the_tp_all_reduce_by_hand():
     from autopar.inter_op.stage_cost import AnalyticProvider
     from cost_models.compute import grouped_gemm_time
 
-    b = build_model("moe-tiny", batch_size=2)
-    g = capture(b.model, b.example_inputs, name="moe-tiny")
+    b, g = captured("moe-tiny")
     layers = build_layers(g, b.model)
     cl, mb, tp, ep = _cpu(4), 2, 2, 2
     pr = AnalyticProvider(g, layers, cl, "fp32")

@@ -103,8 +103,10 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Optiona
     if cache:
         from autopar.capture.cache import cached_capture
 
-        return cached_capture(model, example_inputs, cache=cache, loss_fn=loss_fn, name=name,
-                              batch_dim=batch_dim, repeated=repeated)
+        g = cached_capture(model, example_inputs, cache=cache, loss_fn=loss_fn, name=name,
+                           batch_dim=batch_dim, repeated=repeated)
+        _remember(model, example_inputs, g, loss_fn=loss_fn, batch_dim=batch_dim, repeated=repeated)
+        return g
     if not isinstance(model, nn.Module):
         raise PlanError(f"expected a torch.nn.Module, got {type(model).__name__}")
     from autopar.models.positions import calls
@@ -114,7 +116,44 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Optiona
     g.reads_positions = calls() > before
     if not g.reads_positions:
         g.own_positions = _own_positions(model, example_inputs, loss_fn, g)
+    _remember(model, example_inputs, g, loss_fn=loss_fn, batch_dim=batch_dim, repeated=repeated)
     return g
+
+
+#: the fingerprints of this process's captures (`OpGraph.fingerprint`) by the model's structure,
+#: the capture cache's key (`cache.model_key`: every module's type, settings and class source,
+#: every parameter's and buffer's name, shape and dtype, the inputs' shapes, torch's and
+#: autopar's capture code). `fingerprint` reads it: checking a plan against its model
+#: (`runtime.check_plan`, before every `autopar.runtime.run` and `verify`) captured the model
+#: again each time, in a process that had just captured one of the same structure to plan it
+#: (the test suite's one-process reference runs and verifies: about a second of CPU each).
+_FINGERPRINTS: dict[str, str] = {}
+
+
+def _remember(model: Any, example_inputs: Any, g: OpGraph, **options: Any) -> None:
+    """Keep `g`'s fingerprint under the model's structure (`_FINGERPRINTS`). A model the key
+    cannot describe is not kept: its next check captures it again, as before."""
+    from autopar.capture.cache import model_key
+
+    try:
+        key = model_key(model, example_inputs, **options)
+    except (TypeError, ValueError, OSError) as e:
+        log.debug("capture: no fingerprint kept for %s (%s)", type(model).__name__, e)
+        return
+    _FINGERPRINTS[key] = g.fingerprint()
+
+
+def fingerprint(model: nn.Module, example_inputs: Sequence[Any]) -> str:
+    """`capture(model, example_inputs).fingerprint()`: the one this process found for a model of
+    the same structure and inputs (`_FINGERPRINTS`), else a new capture's."""
+    from autopar.capture.cache import model_key
+
+    _prepare_hf(model)          # what capture changes of a Hugging Face config, before the key reads it
+    try:
+        fp = _FINGERPRINTS.get(model_key(model, example_inputs))
+    except (TypeError, ValueError, OSError):
+        fp = None
+    return fp if fp is not None else capture(model, example_inputs).fingerprint()
 
 
 def _own_positions(model: nn.Module, example_inputs: Any, loss_fn: Optional[LossFn], g: OpGraph) -> Optional[str]:

@@ -60,11 +60,11 @@ def check_plan(plan: Plan, bundle: ModelBundle, *, world_size: Optional[int] = N
                model_ref: Optional[str] = None) -> None:
     """Raise PlanError when the plan was made for another model (fingerprint of the captured
     graph) or needs another number of processes/devices than are available."""
-    from autopar.capture import capture
+    from autopar.capture.export import fingerprint
 
     ref = model_ref or bundle.name
     try:
-        fp = capture(bundle.model, bundle.example_inputs).fingerprint()
+        fp = fingerprint(bundle.model, bundle.example_inputs)
     except PlanError:
         raise
     except Exception as e:  # capture failure: say so rather than run blind
