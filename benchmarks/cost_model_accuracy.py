@@ -626,7 +626,11 @@ def _moe_published(only: str, lift_memory: bool = False) -> dict[tuple, Scored]:
             if not (lift_memory and "no plan fits in memory" in str(e)):
                 rows.append([case.name, "-", "-", "miss", why])
                 continue
-            p = moe_plans.plan_published(case, lift_memory=2.0)
+            try:
+                p = moe_plans.plan_published(case, lift_memory=2.0)
+            except Exception as e2:  # noqa: BLE001 - still a miss, printed with why
+                rows.append([case.name, "-", "-", "miss", f"{why}; with the bound lifted: {str(e2)[:60]}"])
+                continue
             err = moe_plans.time_error(case, p)
             need = str(e).split("needs ", 1)[-1].split(" per device")[0]
             rows.append([case.name, f"{p.predicted.iteration_time_s / (1 + err):.2f}",
@@ -676,6 +680,9 @@ def _scoreboard(scored: list[Scored]) -> None:
     print("  held out: ", line([sc for sc in scored if sc.held_out]))
     print("  largest: " + "; ".join(f"{sc.name} {'miss' if sc.error is None else f'{sc.error:+.1%}'}"
                                     for sc in worst))
+
+
+_FLASH = "flash-attn GPT training on 8 A100"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -763,24 +770,26 @@ def main(argv: Optional[list[str]] = None) -> int:
         for sw in args.software or [None, "autopar"]:
             what = (f"software {sw}" + (" (autopar's default; not a calibration: the published runs did not "
                                         "run it)" if sw == "autopar" else "") if sw else own)
-            sections.append((f"autopar.plan (pinned configuration) vs published, {what}", CASES, sw))
+            sections.append(("Megatron-LM 2021, pinned", f"autopar.plan (pinned configuration) vs published, {what}",
+                             CASES, sw))
     if both or args.table1:
         for sw in args.software or [None]:
-            sections.append((f"generalisation: autopar.plan on every row of Narayanan et al. 2021 Table 1, "
+            sections.append(("Narayanan et al. 2021 Table 1",
+                             f"generalisation: autopar.plan on every row of Narayanan et al. 2021 Table 1, "
                              f"{f'software {sw}' if sw else own}", TABLE1, sw))
     if both or args.h100:
         for sw in args.software or [None]:
-            sections.append((f"published H100 runs (all held out), {f'software {sw}' if sw else own}",
+            sections.append(("NeMo GPT-3 175B on H100", f"published H100 runs (all held out), "
+                             f"{f'software {sw}' if sw else own}",
                              H100_CASES, sw))
     if both or args.flash:
         for sw in args.software or [None]:
             what = f"software {sw}" if sw else own
-            sections.append((f"published A100 runs with flash attention, looked at while the model was changed, "
-                             f"{what}", [c for c in FLASH_CASES if not c.held_out], sw))
-            sections.append((f"published A100 runs with flash attention, held out, {what}",
+            sections.append((_FLASH, "published A100 runs with flash attention, looked at while the model was "
+                             f"changed, {what}", [c for c in FLASH_CASES if not c.held_out], sw))
+            sections.append((_FLASH, f"published A100 runs with flash attention, held out, {what}",
                              [c for c in FLASH_CASES if c.held_out], sw))
-    for title, cases, sw in sections:
-        family = title.split(",")[0] if "flash" not in title else "published A100 runs with flash attention"
+    for family, title, cases, sw in sections:
         rows, errs, misses, lifted = [], [], 0, []
         if args.variant:
             title += f" (variant {', '.join(args.variant)}: not the published configuration)"
