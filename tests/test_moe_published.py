@@ -89,3 +89,20 @@ def test_hf_qwen3_moe_experts_found_and_planned_at_the_pinned_ep():
     p = plan(ref, cpu, global_batch_size=8, dtype="fp32", graph=g,
              constraints=Constraints(dp=4, tp=1, pp=1, ep=4, zero_stage=0, recompute="none", num_microbatches=1))
     assert p.experts.ep == 4 and p.dp == 4
+
+
+def test_missing_time_host_starvation_rule():
+    """`benchmarks/moe_missing_time.py`'s host rule (issue 14): launched from an empty queue at
+    a host sync, the GPU idles only while the host is behind. GPU ops longer than the host's
+    launch gap never wait past the first launch; ops shorter than it wait the difference each;
+    a block queued at the sync (the dispatch's exchange) lets the host get ahead."""
+    _bench()
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "moe_missing_time.py"
+    spec = importlib.util.spec_from_file_location("moe_missing_time", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    h = 10e-6
+    assert mod.starved([50e-6] * 4, h) == pytest.approx(h)                  # the first launch only
+    assert mod.starved([2e-6] * 5, h) == pytest.approx(5 * h - 4 * 2e-6)    # host-bound: n launches
+    assert mod.starved([2e-6] * 5, h, first=100e-6) == pytest.approx(0.0)   # queued behind the exchange
+    assert mod.HOST_OP_S == pytest.approx(2.177e-5, rel=1e-3)               # the H100 profile's figure

@@ -1,0 +1,195 @@
+"""What the published Qwen3-235B runs paid that the cost model leaves out (issue 14), candidate by
+candidate, in seconds a step on one rank.
+
+    python benchmarks/moe_missing_time.py [--case TEXT] [--lift-memory 2.0]
+
+Plans each published Qwen3-235B-A22B run of `moe_plans.PUBLISHED` (the zoo's rows 1, 3, 4, 5;
+`--case` picks those whose name contains TEXT; the devices' memory times `--lift-memory` so that
+rows 4 and 5 plan) and prints, beside the predicted and published step and the gap between them:
+
+* the rank's layer micro-batches (a micro-batch through one decoder layer; rows 1, 4 and 5 run
+  the same FLOPs a rank, 94 layers x 2048 sequences over 256 GPUs) and the gap per one;
+* the host's share: the dispatch waits on the host once a layer's forward (DeepEP's normal
+  `Buffer.dispatch` spins on the received counts, Megatron's all-to-all dispatcher copies the
+  split sizes to the host before its all-to-all), so the host cannot queue more than one layer
+  ahead. The layer's forward ops in order, each priced as the model prices it (GPU seconds) and
+  launched by the host at `HOST_OP_S` apart (the per-op host time this project measured on an
+  H100 with eager PyTorch ops under autograd, benchmarks/results/h100-2026-11-25/h100-profile.yaml
+  `kernel_overhead_s`: 21.8 us per op and pass), the GPU starting each when both it is launched
+  and the previous one is done, from an empty queue at the dispatch: the GPU's idle time in a
+  layer's forward, times the layer micro-batches (and the upper bound, the host time not
+  overlapped at all);
+* the pipeline sends the model charges, and the expert GEMMs' rows per expert and their rate on
+  the profile's GEMM curve (the efficiency that would close the gap alone);
+* `--log-params-norm` (on in the zoo's model config the day of the table; row 3's note says it
+  was disabled there): an fp32 copy of every expert weight and an L2 norm each step
+  (megatron/training/utils.py calc_params_l2_norm at 1e057005), its bytes over the HBM.
+
+Each candidate's size is printed against the gap; none is added to the prediction here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import moe_plans  # noqa: E402
+
+from autopar.capture.flops import VIEW_OPS  # noqa: E402
+from autopar.inter_op import experts as ex  # noqa: E402
+from cost_models.compute import bytes_scale, grouped_gemm_time  # noqa: E402
+
+# per-op host time of an eager PyTorch step on an H100 host (forward op with autograd recording,
+# or a backward node): benchmarks/results/h100-2026-11-25/h100-profile.yaml kernel_overhead_s,
+# measured by cost_models.profiler on a 64-op chain of one-element tensors
+HOST_OP_S = 2.177034615382485e-05
+
+
+def layer_ops(self, i: int, mb: int, tp: int, cluster, dtype: str) -> list[tuple[str, str, float]]:
+    """(op, module, forward GPU seconds) of layer `i`'s launching ops in order at micro-batch `mb`,
+    work split over `tp` where the op is a matrix op (an estimate of the solved layout: the
+    dense GEMMs and attention split over tp, the rest on the rank's sequence slice or whole),
+    one entry per fused chain under the software's `pointwise_fusion`."""
+    from autopar.intra_op.ilp import op_compute_time, requires_grad_of
+    from cost_models.compute import fusion_of
+    from cost_models.layouts import graph_layout_copies
+    from cost_models.memory import graph_fp32_tensors
+
+    prov, sw, dev = self.provider, self.software, cluster.device
+    layer = self.layers[i]
+    att = getattr(sw, "attention_kernel", "fused")
+    g = prov.graph_at(mb, layer)
+    copies = graph_layout_copies(g, dev.device_type, att)
+    fusion = fusion_of(g, dev, att, getattr(sw, "pointwise_fusion", "eager"))
+    fp32 = graph_fp32_tensors(g, dev.device_type, dtype, att, getattr(sw, "autocast", True))
+    rg = requires_grad_of(g, prov._grad_inputs(layer))
+    out: list[tuple[str, str, float]] = []
+    seen_chains: dict[int, int] = {}
+    for name in layer.nodes:
+        n = g.node(name)
+        if n.kind != "call" or n.op in VIEW_OPS or not n.outputs:
+            continue
+        if n.flops <= 0 and n.bytes_moved <= 0 and name not in copies[0]:
+            continue
+        split = tp if n.flops > 0 and n.op in ("linear", "mm", "matmul", "bmm", "scaled_dot_product_attention") else 1
+        f, _ = op_compute_time(n, rg, rg.get(name, False), dev, dtype, split, g._index, att, copies, fusion, fp32)
+        chain = fusion.chain_of.get(name) if fusion is not None else None
+        if chain is not None:
+            k = id(chain)
+            if k in seen_chains:
+                j = seen_chains[k]
+                op, mod, t = out[j]
+                out[j] = (op, mod, t + f)
+                continue
+            seen_chains[k] = len(out)
+        out.append((n.op, n.module_path or "", f))
+    return out
+
+
+def starved(ops: list[float], host_s: float, first: float = 0.0) -> float:
+    """Seconds the GPU idles running `ops` (GPU seconds, in order) when the host launches one
+    every `host_s` from an empty queue and the GPU runs each once launched and the one before is
+    done; `first`: a GPU block queued at the start (the dispatch's exchange)."""
+    issue, gpu = 0.0, first
+    for t in ops:
+        issue += host_s
+        gpu = max(gpu, issue) + t
+    return gpu - (first + sum(ops))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", default="Qwen3-235B")
+    ap.add_argument("--lift-memory", type=float, default=2.0)
+    args = ap.parse_args()
+    cases = [c for c in moe_plans.PUBLISHED if args.case.lower() in c.name.lower() and "235B" in c.name]
+    for case in cases:
+        seen: dict = {}
+        orig = ex.ExpertCosting.layer_costs
+
+        def spy(self, costs, ep, mb, tp, cluster, dtype, etp=1, fold=False, _case=case, _orig=orig, _seen=seen):
+            out = _orig(self, costs, ep, mb, tp, cluster, dtype, etp, fold)
+            if ep == _case.pins.get("ep") and mb == _case.pins.get("microbatch_size") and tp == _case.pins.get("tp"):
+                _seen["args"] = (self, costs, out, ep, mb, tp, cluster, dtype, etp, fold)
+            return out
+
+        ex.ExpertCosting.layer_costs = spy
+        try:
+            p = moe_plans.plan_published(case, args.lift_memory)
+        finally:
+            ex.ExpertCosting.layer_costs = orig
+        self, costs, out, ep, mb, tp, cluster, dtype, etp, fold = seen["args"]
+        i = sorted(self.by_layer)[len(self.by_layer) // 2]
+        b = self.by_layer[i][0]
+        c = out[i]
+        m, v = p.num_microbatches, max(1, p.virtual_stages)
+        st = p.stages[1] if len(p.stages) > 1 else p.stages[0]
+        per_rank = len(st.layers) * v if len(p.stages) > 1 else len(self.by_layer)
+        lmb = m * per_rank
+        pred, pub = p.predicted.iteration_time_s, case.seconds
+        gap = pub - pred
+        print(f"\n{case.name}: predicted {pred:.2f} s, published {pub:.1f} s, gap {gap:+.2f} s; {m} micro-batches "
+              f"x {per_rank} layers a rank = {lmb} layer micro-batches, {gap / lmb * 1e3:.2f} ms each")
+        print(f"  a layer micro-batch in the model: compute fwd {c.fwd_s * 1e3:.2f} + bwd {c.bwd_s * 1e3:.2f} ms, "
+              f"collectives fwd {c.fwd_comm_s * 1e3:.2f} + bwd {c.bwd_comm_s * 1e3:.2f} ms")
+        # the host: the layer's forward launched from an empty queue at the dispatch
+        ops = layer_ops(self, i, mb, tp, cluster, dtype)
+        # the ops' shares of the layer's priced forward (the one-process graph holds every expert's
+        # rows and the dense ops unsplit: the layer's solved and expert-sharded cost is the total)
+        raw = [t for _, _, t in ops]
+        gpu = [t * c.fwd_s / sum(raw) for t in raw]
+        k = next((j for j, (_, mod, _) in enumerate(ops) if mod == b.module or mod.startswith(b.module + ".")), 0)
+        rot = gpu[k:] + gpu[:k]                 # from the dispatch to the next layer's dispatch
+        a2a = self.exchange_time(b, mb, dtype, ep, cluster, self.ep_group(ep, tp, fold and tp > 1),
+                                 1.0 / tp if fold and tp > 1 else 1.0)
+        idle = starved(rot, HOST_OP_S, first=a2a)          # the dispatch's exchange queued at the sync
+        syncs = 2 if st.recompute == "full" else 1      # full recomputation re-runs the dispatch
+        host = len(ops) * HOST_OP_S
+        print(f"  host: {len(ops)} launching ops a layer forward (fused chains one each), {host * 1e3:.2f} ms at "
+              f"{HOST_OP_S * 1e6:.1f} us, GPU {sum(gpu) * 1e3:.2f} ms + collectives {c.fwd_comm_s * 1e3:.2f} ms; "
+              f"the GPU idles {idle * 1e3:.3f} ms a forward from an empty queue: {idle * lmb * syncs:.2f} s a step "
+              f"({syncs} sync(s) a layer micro-batch); not overlapped at all (bound): {host * lmb * syncs:.2f} s; "
+              f"host-bound at the published step: {pub / lmb / HOST_OP_S:.0f} op-passes a layer micro-batch")
+        # pipeline sends, expert GEMMs
+        tot = c.fwd_comm_s + c.bwd_comm_s
+        sends = (st.predicted.communication_s - tot * m * len(st.layers)) * v if len(p.stages) > 1 else 0.0
+        local = b.num_experts // ep
+        rows = b.pairs_per_sample * mb / (tp if fold and tp > 1 else 1) / local
+        print(f"  pipeline sends charged: {sends:.2f} s a step (Megatron overlaps them: overlap_p2p_comm, "
+              f"its default with the interleaved schedule)")
+        share = 1.0 / tp if fold and tp > 1 else 1.0
+        gf = gb = 0.0
+        for flops, moved, wbytes, out_dtype, _, _ in self._block_gemms(b):
+            act = max(moved - wbytes, 0.0) * mb
+            t = grouped_gemm_time(flops * mb * self.imbalance * share,
+                                  (act * self.imbalance * share + wbytes / ep) * bytes_scale(out_dtype, dtype),
+                                  local, cluster.device, dtype)
+            gf, gb = gf + t[0], gb + t[1]
+        g_step = (gf * (2 if st.recompute == "full" else 1) + gb) * lmb
+        print(f"  expert GEMMs: {local} local experts x {rows:.0f} rows at the mean (K {b.hidden}), "
+              f"fwd {gf * 1e3:.2f} + bwd {gb * 1e3:.2f} ms a layer micro-batch, {g_step:.2f} s a step; the gap alone "
+              f"would make them {1 + gap / g_step:.2f}x slower than the GEMM curve's per-expert GEMMs")
+        # --log-params-norm: fp32 copies of the expert weights, then their L2 norm
+        expert_elems = sum(v_ for w, v_ in c.param_elems.items() if ".experts." in w) * per_rank
+        nbytes = expert_elems * (2 + 4 + 4)
+        bw = cluster.device.memory_bandwidth * cluster.device.memory_efficiency
+        # the distributed optimizer's step on the rank's shards, and the last chunk's gradient
+        # reduce-scatter (fp32, Megatron's default for bf16), the one --overlap-grad-reduce cannot hide
+        dense_elems = sum(v_ for w, v_ in c.param_elems.items() if ".experts." not in w) * per_rank
+        edp = p.experts.expert_dp if p.experts else 1
+        shard = expert_elems / max(edp, 1) + dense_elems / max(p.dp, 1)
+        opt = shard * 30 / bw        # fp32 param, grad, two moments read, three written, the bf16 copy
+        rs = (4 * expert_elems / v * (edp - 1) / edp / cluster.intra_node.bandwidth
+              + 4 * dense_elems / v * (p.dp - 1) / p.dp / cluster.inter_node.bandwidth)
+        print(f"  optimizer step on the shards: {shard / 1e9:.2f} G elements, {opt:.3f} s; the last chunk's "
+              f"gradient reduce-scatter: {rs:.3f} s")
+        off = " (off in this row: the table's note)" if p.zero_stage == 3 else ""
+        print(f"  --log-params-norm{off}: {expert_elems / 1e9:.2f} G expert elements a rank, {nbytes / 1e9:.1f} GB "
+              f"moved: {nbytes / bw:.3f} s a step")
+
+
+if __name__ == "__main__":
+    main()
