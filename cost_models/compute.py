@@ -293,6 +293,39 @@ def param_cast_bytes(param_dtype: str, dtype: str) -> float:
     return (4.0 + low) + (low + 4.0)
 
 
+def loss_scaling_bytes(loss_scaling: str, dtype: str) -> float:
+    """Bytes per gradient element one optimizer step moves under dynamic loss scaling of an fp16
+    run (`SoftwareSpec.loss_scaling` "dynamic"); 0 otherwise (bf16 and fp32 runs scale nothing).
+
+    Before the optimizer steps, every gradient it steps is multiplied by the inverse scale and
+    checked for inf/NaN in one multi-tensor pass, `torch._amp_foreach_non_finite_check_and_unscale_`
+    (torch's `GradScaler.unscale_`, which PyTorch Lightning's precision 16 calls once a step before
+    gradient clipping; Megatron-LM's `_unscale_main_grads_and_check_for_nan` over its fp32 main
+    gradients): each fp32 gradient read and written, 8 bytes an element. GradScaler refuses 2-byte
+    gradients ("Attempting to unscale FP16 gradients"), so the gradients it unscales are fp32 in
+    every recipe that scales. The step's host synchronisation on the inf flag (`found_inf.item()`)
+    is not priced: no source read sizes what it exposes."""
+    if loss_scaling != "dynamic" or dtype != "fp16":
+        return 0.0
+    return 8.0
+
+
+def unscale_time(grad_elems: float, device: DeviceSpec, nbytes: float, dp: int = 1, zero: int = 0,
+                 zero_optimizer: str = "flat") -> float:
+    """Seconds of one step's unscale and inf check (`loss_scaling_bytes`, `nbytes` a gradient
+    element; 0 when 0) over the gradients one device's optimizer steps, of a stage holding
+    `grad_elems` parameter elements: all of them without ZeRO and under torch's
+    ZeroRedundancyOptimizer (ZeRO-1 "zero_redundancy": GradScaler.unscale_ walks the optimizer's
+    param_groups, which hold every parameter, torch/distributed/optim/zero_redundancy_optimizer.py),
+    a 1/dp shard where the optimizer steps a flat shard of them (ZeRO-1/2 "flat", ZeRO-3: Megatron's
+    distributed optimizer unscales its shard's main gradients). Memory-bound, one multi-tensor
+    kernel (`kernel_overhead_s`)."""
+    if nbytes <= 0 or grad_elems <= 0:
+        return 0.0
+    whole = zero == 0 or dp <= 1 or (zero == 1 and zero_optimizer == "zero_redundancy")
+    return memory_time(grad_elems / (1 if whole else dp) * nbytes, device) + device.kernel_overhead_s
+
+
 def grad_accumulation_time(num_params: float, device: DeviceSpec, policy: str = "bf16",
                            num_microbatches: int = 1, shard: float = 1.0) -> float:
     """Seconds spent adding each micro-batch's weight gradients into the accumulated gradients over

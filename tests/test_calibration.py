@@ -154,6 +154,10 @@ TOLERANCE = 0.03
 # GPT3-125M -9.41% -> +1.26%, FA1 GPT3-1.3B -0.69% -> +6.65%, FA2 2.7B 8k -5.39% -> +0.17%, FA1 (T1)
 # 2.7B 8k -2.34% -> +1.98%, FA1 GPT3-760M -2.20% -> +5.67%, FA1 GPT2-1.6B -15.13% -> -6.33%. Means:
 # pinned 3.17% -> 3.74%, analytic 2.68% -> 4.26%, table1 3.13% -> 1.04%. Nothing refit.
+# Session 37 (issue 14, the GPT-2 rows): fp16 dynamic loss scaling (`SoftwareSpec.loss_scaling`
+# "dynamic", the flash-attn presets: Lightning's precision 16 runs torch's GradScaler, whose unscale_
+# reads and writes every fp32 gradient once a step, 8 bytes a parameter): FA1 GPT2-1.6B -10.56% ->
+# -10.38% (held out; seen before the change). The bf16 rows and the other families unchanged.
 PINNED: dict[tuple[str, str], float] = {
     ("pinned", "1.7B"): +0.0005,
     ("pinned", "39.1B"): +0.0354,
@@ -176,7 +180,7 @@ PINNED: dict[tuple[str, str], float] = {
     ("flash", "FA2 2.7B 8k"): -0.0253,
     ("flash", "FA1 (T1) 2.7B 8k"): -0.0012,
     ("flash", "FA1 GPT3-760M"): +0.0192,
-    ("flash", "FA1 GPT2-1.6B"): -0.1056,
+    ("flash", "FA1 GPT2-1.6B"): -0.1038,
 }
 
 # family -> the bound on its mean |error| over the pinned subset, where the family meets the

@@ -39,6 +39,7 @@ def test_presets_are_typed_and_sourced():
                   | ({"loss_kernel"} if sw.loss_kernel != "eager" else set())
                   | ({"param_dtype"} if sw.param_dtype != "training" else set())
                   | ({"zero_optimizer"} if sw.zero_optimizer != "flat" else set())
+                  | ({"loss_scaling"} if sw.loss_scaling != "none" else set())
                   | ({"attention_head_dims"} if sw.attention_head_dims else set())
                   | {k for k in MEMORY_TERM_FIELDS if getattr(sw, k) != SoftwareSpec.model_fields[k].default}
                   | ({"zero3_overlap"} if sw.zero3_overlap else set())
@@ -154,6 +155,42 @@ def test_overlapped_gradient_sync_hides_behind_the_backward():
     assert after.stages[0].predicted.communication_s > 0
     assert during.predicted.iteration_time_s < after.predicted.iteration_time_s
     assert during.predicted.collectives == after.predicted.collectives      # the same collectives, hidden
+
+
+def test_fp16_dynamic_loss_scaling_unscales_the_gradients_once_a_step():
+    """`loss_scaling` "dynamic" (torch GradScaler under Lightning's precision 16): one pass reading
+    and writing every fp32 gradient the optimizer steps, in the step's tail; fp16 runs only."""
+    from cost_models.compute import loss_scaling_bytes, memory_time, unscale_time
+
+    assert loss_scaling_bytes("dynamic", "fp16") == 8.0
+    assert loss_scaling_bytes("dynamic", "bf16") == loss_scaling_bytes("none", "fp16") == 0.0
+    assert SoftwareSpec.load("flash-attn-1-2022").loss_scaling == "dynamic"
+    assert resolve_software(None).loss_scaling == "none"      # autopar run scales no loss
+    dev = ClusterSpec.load("dgx-a100-80g").device
+    n = 1.5e9
+    whole = memory_time(8 * n, dev) + dev.kernel_overhead_s
+    assert unscale_time(n, dev, 8.0) == pytest.approx(whole)
+    # torch's ZeroRedundancyOptimizer: GradScaler walks its param_groups, every parameter
+    assert unscale_time(n, dev, 8.0, dp=8, zero=1, zero_optimizer="zero_redundancy") == pytest.approx(whole)
+    # a flat ZeRO shard: its 1/dp of the gradients
+    assert unscale_time(n, dev, 8.0, dp=8, zero=1) == pytest.approx(memory_time(n, dev) + dev.kernel_overhead_s)
+    assert unscale_time(n, dev, 0.0) == 0.0
+
+    cl = ClusterSpec.load("dgx-a100-80g")
+    cons = Constraints(dp=8, tp=1, pp=1, microbatch_size=1, recompute="none", zero_stage=0)
+    base = SoftwareSpec.load("autopar")
+    scaled = base.model_copy(update={"name": "scaled", "loss_scaling": "dynamic"})
+    plans = {(sw.name, dt): autopar.plan("gpt-small", cl, global_batch_size=8, constraints=cons, software=sw, dtype=dt)
+             for sw in (base, scaled) for dt in ("fp16", "bf16")}
+    # every gradient unscaled once, in the step's tail: the plan grows by exactly that pass
+    extra = plans["scaled", "fp16"].predicted.iteration_time_s - plans["autopar", "fp16"].predicted.iteration_time_s
+    assert extra == pytest.approx(unscale_time(plans["autopar", "fp16"].model.num_params, dev, 8.0), rel=1e-6)
+    # bf16 scales nothing: the same plan time either way
+    assert plans["scaled", "bf16"].predicted.iteration_time_s == plans["autopar", "bf16"].predicted.iteration_time_s
+    # the field is written only when it is not the default (plan digests of older software unchanged)
+    assert "loss_scaling" not in base.model_dump() and scaled.model_dump()["loss_scaling"] == "dynamic"
+    with pytest.raises(Exception, match="loss_scaling"):
+        SoftwareSpec(name="x", loss_scaling="static")
 
 
 def test_old_cluster_file_with_attention_kernel_loads_with_a_warning(tmp_path):

@@ -105,7 +105,7 @@ from autopar.schema import ClusterSpec, Constraints, PlanError
 from autopar.schema.constraints import RECOMPUTES
 from autopar.schema.software import resolve_software
 from cost_models.communication import axis_collective_time
-from cost_models.compute import grad_accumulation_bytes, memory_time, optimizer_step_time
+from cost_models.compute import grad_accumulation_bytes, memory_time, optimizer_step_time, unscale_time
 from cost_models.memory import (
     ADAMW_TEMPORARIES,
     PRECISION_POLICIES,
@@ -245,7 +245,8 @@ class _Tables:
     def __init__(self, costs: list[LayerCost], cluster: ClusterSpec, dtype: str, dp: int, tp: int,
                  zero: int, layers: list[Layer], batch: tuple[float, float] = (0.0, 0.0),
                  like: Optional["_Tables"] = None, rooted: frozenset = frozenset(), policy: Optional[str] = None,
-                 cast_bytes: float = 0.0, cast_saved: float = 0.0, zero_optimizer: str = "flat") -> None:
+                 cast_bytes: float = 0.0, cast_saved: float = 0.0, zero_optimizer: str = "flat",
+                 unscale_bytes: float = 0.0) -> None:
         """`like`: a table of the same `costs` list (another dp or ZeRO stage), whose cost-only
         arrays are reused as they are (read-only) instead of being built again. `rooted`: the
         modules ZeRO-3 leaves to the root unit (`rooted_modules`). `policy`: the precision policy
@@ -253,9 +254,12 @@ class _Tables:
         `dtype`); `cast_bytes`, `cast_saved`: bytes per parameter element a micro-batch moves
         casting fp32 parameters and saves of the casts (`SoftwareSpec.param_cast_bytes`,
         `param_cast_saved_bytes`; 0 with parameters in the training dtype); `zero_optimizer`: how
-        ZeRO-1 shards the optimizer (`SoftwareSpec.zero_optimizer`, `runtime_phases`)."""
+        ZeRO-1 shards the optimizer (`SoftwareSpec.zero_optimizer`, `runtime_phases`);
+        `unscale_bytes`: bytes per gradient element the step moves unscaling the gradients under
+        fp16 dynamic loss scaling (`SoftwareSpec.loss_scaling_bytes`; 0 without)."""
         self.policy = policy or dtype
         self.zero_optimizer = zero_optimizer
+        self.unscale_bytes = unscale_bytes
         self.cast_bytes, self.cast_saved = cast_bytes, cast_saved
         self.costs = costs
         self.rooted = rooted
@@ -1091,8 +1095,9 @@ class _Tables:
         """Optimizer step of `pel` parameter elements in `tensors` parameter tensors (the runtime
         updates one tensor at a time; ZeRO-1/2 update one flat shard)."""
         flat = self.zero in (1, 2) and self.dp > 1
-        return optimizer_step_time(pel, self.cluster.device, self.policy, shard=self.dp if self.zero >= 1 else 1,
-                                   param_tensors=1 if flat else tensors)
+        return (optimizer_step_time(pel, self.cluster.device, self.policy, shard=self.dp if self.zero >= 1 else 1,
+                                    param_tensors=1 if flat else tensors)
+                + unscale_time(pel, self.cluster.device, self.unscale_bytes, self.dp, self.zero, self.zero_optimizer))
 
     def chunk_temporaries(self, chunks: list[tuple[int, int]]) -> float:
         """AdamW's temporaries at their worst, elements, for a stage whose `chunks` each run as a
@@ -2100,6 +2105,8 @@ class Search:
             sync -= _grad_reduce_time(self.cluster, self.policy, dp, tp, zero, pel - epel)
         opt = optimizer_step_time(pel, self.cluster.device, self.policy, shard=dp if zero >= 1 else 1,
                                   param_tensors=1)
+        opt += unscale_time(pel, self.cluster.device, self.software.loss_scaling_bytes(self.dtype), dp, zero,
+                            self.software.zero_optimizer)
         return per_mb, sync + opt
 
     def _sp_options(self, mb: int, tp: int) -> tuple[bool, ...]:
@@ -2513,7 +2520,8 @@ class Search:
                          rooted=self.rooted_modules, policy=self.policy,
                          cast_bytes=self.software.param_cast_bytes(self.dtype),
                          cast_saved=self.software.param_cast_saved_bytes(self.dtype),
-                         zero_optimizer=self.software.zero_optimizer)
+                         zero_optimizer=self.software.zero_optimizer,
+                         unscale_bytes=self.software.loss_scaling_bytes(self.dtype))
             tb.rs_each = rs_each and tb.zero3
             tb.zero3_overlap = self.software.zero3_overlap
             if ep > 1:

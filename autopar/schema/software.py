@@ -65,6 +65,14 @@ same plan, and that the cost model honours:
   gradients in its buckets, which are the gradients, and each rank's optimizer steps its
   partition's parameter tensors in place and broadcasts them: only the optimizer's moments are
   sharded, no flat buffer, no fp32 copy). Memory: `cost_models.memory.runtime_phases`.
+- `loss_scaling`: what an fp16 run does with its loss. "none" (what `autopar run` executes: no
+  scaling) or "dynamic" (dynamic loss scaling, torch's `GradScaler` under PyTorch Lightning's
+  `precision: 16`, Megatron-LM's `DynamicGradScaler` under `--fp16`): once a step, before the
+  optimizer, every gradient the optimizer steps is unscaled and checked for inf/NaN in one pass
+  (`torch._amp_foreach_non_finite_check_and_unscale_`), which reads and writes each fp32 gradient
+  (8 bytes an element: `cost_models.compute.loss_scaling_bytes`); a bf16 or fp32 run scales
+  nothing whatever the field says. Time: `autopar.inter_op.search` (`_Tables.opt`, the step's
+  tail).
 - `grad_sync_overlap`: whether the data-parallel gradient sync of a stage runs during the backward
   of its last micro-batch (bucketed all-reduce as PyTorch DDP or Megatron-Core's
   --overlap-grad-reduce do it) instead of after it. Time: `autopar.inter_op.search` (the
@@ -138,6 +146,8 @@ LossKernel = Literal["eager", "fused", "half"]
 LOSS_KERNELS: tuple[str, ...] = ("eager", "fused", "half")
 ParamDtype = Literal["training", "fp32"]
 PARAM_DTYPES: tuple[str, ...] = ("training", "fp32")
+LossScaling = Literal["none", "dynamic"]
+LOSS_SCALINGS: tuple[str, ...] = ("none", "dynamic")
 ZeroOptimizer = Literal["flat", "zero_redundancy"]
 ZERO_OPTIMIZERS: tuple[str, ...] = ("flat", "zero_redundancy")
 OptimizerStates = Literal["fp32", "param"]
@@ -226,6 +236,11 @@ class SoftwareSpec(BaseModel):
         "steps one flat fp32 shard (with fp32 parameters a copy of them; what autopar run executes); "
         "zero_redundancy: torch's ZeroRedundancyOptimizer under DDP, each rank stepping its partition's "
         "parameter tensors in place (only the moments sharded, no flat buffer or copy)")
+    loss_scaling: LossScaling = Field(
+        default="none", description="none: an fp16 run scales no loss (what autopar run executes); dynamic: "
+        "dynamic loss scaling (torch GradScaler under PyTorch Lightning's precision 16, Megatron-LM's --fp16): "
+        "once a step every gradient the optimizer steps is unscaled and checked for inf/NaN, one pass reading "
+        "and writing each fp32 gradient; bf16 and fp32 runs scale nothing")
     grad_sync_overlap: bool = Field(
         default=False, description="the data-parallel gradient sync runs during the last micro-batch's "
         "backward (bucketed, as PyTorch DDP or Megatron-Core --overlap-grad-reduce) instead of after it")
@@ -294,11 +309,12 @@ class SoftwareSpec(BaseModel):
         choices every plan made before the fields existed: a plan file (and its digest,
         `tests/test_planner_unchanged.py`) and a cache key for such software are what they were;
         the other choices are written; likewise `zero3_overlap` when False, `expert_dispatch` when
-        "pairs" and `expert_routing` when "router"."""
+        "pairs", `expert_routing` when "router" and `loss_scaling` when "none"."""
         out = handler(self)
         if isinstance(out, dict):
             for key, old in (("pointwise_fusion", "eager"), ("mixed_precision", "autocast"), ("loss_kernel", "eager"),
                              ("param_dtype", "training"), ("zero_optimizer", "flat"), ("zero3_overlap", False),
+                             ("loss_scaling", "none"),
                              ("attention_head_dims", []),
                              ("expert_dispatch", "pairs"), ("expert_routing", "router"),
                              ("optimizer_states", "fp32"),
@@ -328,6 +344,13 @@ class SoftwareSpec(BaseModel):
         `dtype` run (`cost_models.compute.param_cast_bytes`); 0 with parameters in `dtype`."""
         from cost_models.compute import param_cast_bytes
         return param_cast_bytes(self.param_dtype, dtype)
+
+    def loss_scaling_bytes(self, dtype: str) -> float:
+        """Bytes per gradient element one optimizer step moves unscaling the gradients of a
+        `dtype` run and checking them for inf/NaN (`cost_models.compute.loss_scaling_bytes`); 0
+        without dynamic loss scaling or outside fp16."""
+        from cost_models.compute import loss_scaling_bytes
+        return loss_scaling_bytes(self.loss_scaling, dtype)
 
     def param_cast_saved_bytes(self, dtype: str) -> float:
         """Bytes per parameter element a micro-batch's forward saves for its backward as the
@@ -367,6 +390,7 @@ class SoftwareSpec(BaseModel):
                 "half": ", cross-entropy on the 2-byte logits"}.get(self.loss_kernel, "")
         fp32 = ", fp32 parameters under autocast" if self.param_dtype == "fp32" else ""
         zro = ", torch ZeroRedundancyOptimizer" if self.zero_optimizer == "zero_redundancy" else ""
+        zro += ", fp16 dynamic loss scaling" if self.loss_scaling == "dynamic" else ""
         zero3 = ", ZeRO-3 collectives beside the compute" if self.zero3_overlap else ""
         zero3 += ", no fp32 master (2-byte optimizer moments)" if self.optimizer_states == "param" else ""
         moe = {"ranks": ", a token sent once per expert rank (DeepEP)",
@@ -384,7 +408,7 @@ class SoftwareSpec(BaseModel):
         path = _resolve(str(name_or_path))
         data = read_mapping(path, "software",
                             "name, attention_kernel, pointwise_fusion, mixed_precision, param_dtype, zero_optimizer, "
-                            "grad_sync_overlap, zero3_overlap, allocator_fragmentation, usable_fraction, "
+                            "loss_scaling, grad_sync_overlap, zero3_overlap, allocator_fragmentation, usable_fraction, "
                             "optimizer_states, expert_dispatch, expert_routing")
         data.setdefault("name", path.stem)
         try:
