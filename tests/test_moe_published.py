@@ -89,3 +89,62 @@ def test_hf_qwen3_moe_experts_found_and_planned_at_the_pinned_ep():
     p = plan(ref, cpu, global_batch_size=8, dtype="fp32", graph=g,
              constraints=Constraints(dp=4, tp=1, pp=1, ep=4, zero_stage=0, recompute="none", num_microbatches=1))
     assert p.experts.ep == 4 and p.dp == 4
+
+
+def _megatron():
+    _bench()      # puts benchmarks/ on sys.path (moe_plans imports its sibling)
+    import megatron_flops
+    return megatron_flops
+
+
+def test_megatron_flops_mixtral_is_a_hand_count_of_its_gemms():
+    """Megatron's formula (benchmarks/megatron_flops.py) for Mixtral 8x7B at s 4096, against the
+    model's GEMMs counted one by one: per token and layer the q, k, v, o projections (GQA 32/8
+    heads of 128), QK^T and PV over the whole sequence (the 2024 formula) or half of it (2025),
+    two of eight SwiGLU experts (three h x 14336 GEMMs each), and once per token the logits
+    (vocabulary 32000, a multiple of 128: no padding); forward and two backward GEMMs each."""
+    pytest.importorskip("transformers")
+    mf = _megatron()
+    h, s, L, heads, groups, d, f, k, V = 4096, 4096, 32, 32, 8, 128, 14336, 2, 32000
+    proj = 2 * h * heads * d * 2 + 2 * h * groups * d * 2           # q, o and k, v
+    experts = k * 3 * 2 * h * f
+    for half in (False, True):
+        scores = 2 * 2 * s * heads * d / (2 if half else 1)         # QK^T and PV, per token
+        hand = 3 * s * (L * (proj + scores + experts) + 2 * h * V)
+        got = mf.megatron_flops_for_ref("hf:mixtral-8x7b?seq_len=4096", causal_half=half)
+        assert got == pytest.approx(hand, rel=1e-12), half
+    assert mf.padded_vocab(32000) == 32000 and mf.padded_vocab(50257, tp=2) == 50432
+
+
+def test_megatron_causal_half_formula_gives_automodels_published_qwen3_30b_tflops():
+    """AutoModel's 'Model TFLOPs' of its Qwen3 MoE 30B row (277 TFLOP/s/GPU at 21.773 s, 8 GPUs,
+    batch 512 x 4096: docs/performance-summary.md at 8d9bfb90e) is Megatron's formula with causal
+    attention halved (flops_utils.py qwen3_flops line 207, the same terms): an outside check of the
+    implementation, to the published three digits."""
+    pytest.importorskip("transformers")
+    mf = _megatron()
+    per_sample = mf.megatron_flops_for_ref("hf:qwen3-30b-a3b?seq_len=4096", causal_half=True)
+    assert per_sample * 512 / 8 / 21.773 / 1e12 == pytest.approx(277, abs=0.5)
+
+
+def test_mixtral_published_tflops_turn_into_time_with_megatrons_2024_formula():
+    """The Mixtral row's 468 TFLOP/s become a step time with the FLOPs Megatron counted when the
+    figure was published (causal attention whole), not the plan's captured count; the rows that
+    publish a time use it."""
+    pytest.importorskip("transformers")
+    mod = _bench()
+    mf = _megatron()
+    mixtral = [c for c in mod.PUBLISHED if c.name.startswith("Mixtral")]
+    assert len(mixtral) == 1 and mixtral[0].seconds is None and mixtral[0].source_flops is not None
+    case = mixtral[0]
+
+    class _P:      # what published_seconds reads of a plan
+        class cluster:
+            num_nodes, devices_per_node = 8, 8
+
+        class model:
+            flops_per_sample = 1.0
+
+    want = mf.megatron_flops_for_ref(case.model, causal_half=False) * 256 / (64 * 468e12)
+    assert mod.published_seconds(case, _P) == pytest.approx(want)
+    assert all(c.seconds is not None for c in mod.PUBLISHED if c is not case)
