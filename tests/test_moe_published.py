@@ -148,3 +148,24 @@ def test_mixtral_published_tflops_turn_into_time_with_megatrons_2024_formula():
     want = mf.megatron_flops_for_ref(case.model, causal_half=False) * 256 / (64 * 468e12)
     assert mod.published_seconds(case, _P) == pytest.approx(want)
     assert all(c.seconds is not None for c in mod.PUBLISHED if c is not case)
+
+
+def test_zero_shards_expert_optimizer_state_over_their_copies_not_dp():
+    """The optimizer step under ZeRO steps 1/dp of the dense weights and 1/copies of the expert
+    weights (the ranks holding the same experts), as the memory model holds their states: with ep
+    = dp 8 (AutoModel's Qwen3-30B-A3B: no expert data parallelism) each rank steps all its own
+    experts; ZeRO-0 steps everything."""
+    import numpy as np
+
+    from autopar.inter_op.search import _Tables
+    from autopar.inter_op.stage_cost import LayerCost
+    from cost_models.compute import optimizer_step_time
+
+    cluster = ClusterSpec.load("dgx-h100")
+    costs = [LayerCost(act_bytes={"none": 1.0}, param_elems={"w": 100.0})]
+    dense, experts = 1.6e9, 3.6e9
+    for zero, ep, want in ((3, 8, dense / 8 + experts), (1, 4, dense / 8 + experts / 2), (0, 8, dense + experts)):
+        tb = _Tables(costs, cluster, "bf16", 8, 1, zero, [])
+        tb.set_experts(ep, np.array([1.0]))
+        got = tb.opt(dense + experts, tensors=10, epel=experts)
+        assert got == pytest.approx(optimizer_step_time(want, cluster.device, "bf16", param_tensors=10)), zero
