@@ -110,8 +110,9 @@ PUBLISHED = [
               "nemo-automodel-2025",
               dict(tp=1, pp=1, dp=8, ep=8, microbatch_size=4, num_microbatches=16, zero_stage=3, recompute="full"),
               21.773, 277.0,
-              "AutoModel's 'Model TFLOPs' (its own formula; the same run is listed at 327 in a later "
-              "revision of the page, so compare the step time)",
+              "AutoModel's 'Model TFLOPs' (nemo_automodel/components/utils/flops_utils.py qwen3_flops: Megatron's "
+              "formula with causal attention halved, line 207; benchmarks/megatron_flops.py with causal_half "
+              "gives 277.0 at 21.773 s), so compare the step time",
               "github.com/NVIDIA-NeMo/Automodel docs/performance-summary.md (2025-10-02), 'Pre-Training "
               "Performance, System: DGX-H100, Precision: BF16', row 'Qwen3 MoE 30B'; layout from "
               "examples/benchmark/configs/qwen3_moe_30b_te_deepep.yaml",
