@@ -20,14 +20,21 @@ experts only, recomputation included).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Callable, Optional
 
 from autopar import ClusterSpec, Constraints
 from autopar.capture import capture
 from autopar.planner import plan, resolve_model
 from autopar.schema.plan import format_table
 from autopar.schema.software import SoftwareSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))    # its sibling, loaded by path from the tests too
+from megatron_flops import MEGATRON_TRAINING_PY, megatron_flops_for_ref  # noqa: E402
 
 MODELS = {"mixtral": ("hf:mixtral-8x7b?seq_len=4096", 256), "deepseek": ("deepseek-moe-16b", 1024)}
 
@@ -50,6 +57,9 @@ class Published:
     assumed: str
     # fields of the software preset the run changed (`SoftwareSpec`), each source in `assumed`
     software_update: dict = field(default_factory=dict)
+    # the source's own FLOPs per sample of `model` (its formula), which turn `tflops` into the step
+    # time it measured; None: the plan's captured FLOPs (`ModelInfo.flops_per_sample`)
+    source_flops: Optional[Callable[[str], float]] = None
 
 
 _MZ = ("github.com/yanring/Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md, 'Performance Results' (256 H100, "
@@ -86,17 +96,23 @@ _MZ_FUSION = ("fused kernels as the zoo's model_configs/benchmarking/Qwen3-235B-
 PUBLISHED = [
     Published("Mixtral 8x7B, Megatron-Core v0.9", "hf:mixtral-8x7b?seq_len=4096", 256, "dgx-h100", 8,
               "nemo-megatron-core-2024", dict(tp=1, pp=4, dp=16, ep=8, microbatch_size=1), None, 468.0,
-              "Megatron's MoE formula: active parameters (each token through its top-2 experts)",
+              "Megatron's formula as of the figure (" + MEGATRON_TRAINING_PY + " at c230e0d7c2, 2024-11-21, the "
+              "commit that put 468 into the MoE README: lines 98-151, GEMMs only, each token through its top-2 "
+              "experts, the whole s x s attention counted (line 137: + seq_length / hidden_size; halved only from "
+              "8873b55d6a, 2025-03-06), the logits, no router; benchmarks/megatron_flops.py): the step time is "
+              "those FLOPs over 468 TFLOP/s",
               "docs.nvidia.com/megatron-core/developer-guide/latest/api-guide/moe.html (opening paragraph); "
               "github.com/NVIDIA/Megatron-LM megatron/core/transformer/moe/README.md",
               "the whole layout (TP1 PP4 EP8, dp 16, 64 GPUs, mb 1, batch 256, s 4096) is a third-party "
-              "reproduction script's; schedule, recompute and ZeRO left to the search"),
+              "reproduction script's; schedule, recompute and ZeRO left to the search",
+              source_flops=partial(megatron_flops_for_ref, causal_half=False)),
     Published("Qwen3-30B-A3B, NeMo AutoModel", "hf:qwen3-30b-a3b?seq_len=4096", 512, "dgx-h100", 1,
               "nemo-automodel-2025",
               dict(tp=1, pp=1, dp=8, ep=8, microbatch_size=4, num_microbatches=16, zero_stage=3, recompute="full"),
               21.773, 277.0,
-              "AutoModel's 'Model TFLOPs' (its own formula; the same run is listed at 327 in a later "
-              "revision of the page, so compare the step time)",
+              "AutoModel's 'Model TFLOPs' (nemo_automodel/components/utils/flops_utils.py qwen3_flops: Megatron's "
+              "formula with causal attention halved, line 207; benchmarks/megatron_flops.py with causal_half "
+              "gives 277.0 at 21.773 s), so compare the step time",
               "github.com/NVIDIA-NeMo/Automodel docs/performance-summary.md (2025-10-02), 'Pre-Training "
               "Performance, System: DGX-H100, Precision: BF16', row 'Qwen3 MoE 30B'; layout from "
               "examples/benchmark/configs/qwen3_moe_30b_te_deepep.yaml",
@@ -213,16 +229,21 @@ def plan_published(case: Published, lift_memory: float = 1.0):
                 constraints=Constraints(**case.pins), software=software)
 
 
-def time_error(case: Published, p) -> float:
-    """The prediction's step-time error: against the published step time where there is one, else
-    against the time the published TFLOP/s give for the model's FLOPs as the plan counts them without
-    recomputation (`ModelInfo.flops_per_sample`: routed tokens through their top-k experts, as
-    Megatron's MoE formula counts active parameters)."""
+def published_seconds(case: Published, p) -> float:
+    """The run's step time: published, or the time its published TFLOP/s give for the FLOPs its
+    source counted (`source_flops`, the source's own formula for the model), else for the FLOPs
+    the plan captured without recomputation (`ModelInfo.flops_per_sample`: routed tokens through
+    their top-k experts)."""
     if case.seconds is not None:
-        return p.predicted.iteration_time_s / case.seconds - 1
+        return case.seconds
+    per_sample = case.source_flops(case.model) if case.source_flops else p.model.flops_per_sample
     devices = p.cluster.num_nodes * p.cluster.devices_per_node
-    seconds = p.model.flops_per_sample * case.global_batch / (devices * case.tflops * 1e12)
-    return p.predicted.iteration_time_s / seconds - 1
+    return per_sample * case.global_batch / (devices * case.tflops * 1e12)
+
+
+def time_error(case: Published, p) -> float:
+    """The prediction's step-time error against the run's step time (`published_seconds`)."""
+    return p.predicted.iteration_time_s / published_seconds(case, p) - 1
 
 
 def published(case_filter: str | None = None) -> None:
@@ -248,7 +269,8 @@ def published(case_filter: str | None = None) -> None:
                      p.schedule + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""),
                      str(p.zero_stage) + (" rs/mb" if p.zero3_grad_sync == "microbatch" else ""),
                      p.stages[0].recompute, f"{p.predicted.peak_memory_bytes / 2**30:.1f}",
-                     f"{time.perf_counter() - t:.1f}", _fig(case.seconds, s, "s"), _fig(case.tflops, tf, ""),
+                     f"{time.perf_counter() - t:.1f}", _fig(published_seconds(case, p), s, "s"),
+                     _fig(case.tflops, tf, ""),
                      p.search.get("ep_executor", "")[:80]])
         print(format_table(PUB_HEAD, rows[-1:]), flush=True)
     print(format_table(PUB_HEAD, rows))

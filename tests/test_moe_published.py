@@ -106,3 +106,90 @@ def test_missing_time_host_starvation_rule():
     assert mod.starved([2e-6] * 5, h) == pytest.approx(5 * h - 4 * 2e-6)    # host-bound: n launches
     assert mod.starved([2e-6] * 5, h, first=100e-6) == pytest.approx(0.0)   # queued behind the exchange
     assert mod.HOST_OP_S == pytest.approx(2.177e-5, rel=1e-3)               # the H100 profile's figure
+
+
+def _megatron():
+    _bench()      # puts benchmarks/ on sys.path (moe_plans imports its sibling)
+    import megatron_flops
+    return megatron_flops
+
+
+def test_megatron_flops_mixtral_is_a_hand_count_of_its_gemms():
+    """Megatron's formula (benchmarks/megatron_flops.py) for Mixtral 8x7B at s 4096, against the
+    model's GEMMs counted one by one: per token and layer the q, k, v, o projections (GQA 32/8
+    heads of 128), QK^T and PV over the whole sequence (the 2024 formula) or half of it (2025),
+    two of eight SwiGLU experts (three h x 14336 GEMMs each), and once per token the logits
+    (vocabulary 32000, a multiple of 128: no padding); forward and two backward GEMMs each."""
+    pytest.importorskip("transformers")
+    mf = _megatron()
+    h, s, L, heads, groups, d, f, k, V = 4096, 4096, 32, 32, 8, 128, 14336, 2, 32000
+    proj = 2 * h * heads * d * 2 + 2 * h * groups * d * 2           # q, o and k, v
+    experts = k * 3 * 2 * h * f
+    for half in (False, True):
+        scores = 2 * 2 * s * heads * d / (2 if half else 1)         # QK^T and PV, per token
+        hand = 3 * s * (L * (proj + scores + experts) + 2 * h * V)
+        got = mf.megatron_flops_for_ref("hf:mixtral-8x7b?seq_len=4096", causal_half=half)
+        assert got == pytest.approx(hand, rel=1e-12), half
+    assert mf.padded_vocab(32000) == 32000 and mf.padded_vocab(50257, tp=2) == 50432
+
+
+def test_megatron_causal_half_formula_gives_the_published_tflops_of_every_timed_row():
+    """Every published row with both a step time and a TFLOP/s figure: AutoModel's 'Model TFLOPs'
+    of its Qwen3 MoE 30B row (277 at 21.773 s: flops_utils.py qwen3_flops, causal attention halved,
+    line 207) and the Megatron MoE model zoo's 'Per GPU TF' of the four Qwen3-235B rows (245, 276,
+    200, 167 at 19.7, 17.6, 24.2, 29.0 s: 246.2, 275.6, 200.4, 167.3) are Megatron's 2025 formula
+    over the step time, each within 1% (the times' three digits): an outside check of the
+    implementation, and of each row's time against its TFLOP/s."""
+    pytest.importorskip("transformers")
+    mod = _bench()
+    mf = _megatron()
+    timed = [c for c in mod.PUBLISHED if c.seconds is not None and c.tflops is not None]
+    assert len(timed) == 5
+    for case in timed:
+        per_sample = mf.megatron_flops_for_ref(case.model, causal_half=True)
+        tflops = per_sample * case.global_batch / (8 * case.nodes) / case.seconds / 1e12
+        assert tflops == pytest.approx(case.tflops, rel=0.01), case.name
+
+
+def test_mixtral_published_tflops_turn_into_time_with_megatrons_2024_formula():
+    """The Mixtral row's 468 TFLOP/s become a step time with the FLOPs Megatron counted when the
+    figure was published (causal attention whole), not the plan's captured count; the rows that
+    publish a time use it."""
+    pytest.importorskip("transformers")
+    mod = _bench()
+    mf = _megatron()
+    mixtral = [c for c in mod.PUBLISHED if c.name.startswith("Mixtral")]
+    assert len(mixtral) == 1 and mixtral[0].seconds is None and mixtral[0].source_flops is not None
+    case = mixtral[0]
+
+    class _P:      # what published_seconds reads of a plan
+        class cluster:
+            num_nodes, devices_per_node = 8, 8
+
+        class model:
+            flops_per_sample = 1.0
+
+    want = mf.megatron_flops_for_ref(case.model, causal_half=False) * 256 / (64 * 468e12)
+    assert mod.published_seconds(case, _P) == pytest.approx(want)
+    assert all(c.seconds is not None for c in mod.PUBLISHED if c is not case)
+
+
+def test_zero_shards_expert_optimizer_state_over_their_copies_not_dp():
+    """The optimizer step under ZeRO steps 1/dp of the dense weights and 1/copies of the expert
+    weights (the ranks holding the same experts), as the memory model holds their states: with ep
+    = dp 8 (AutoModel's Qwen3-30B-A3B: no expert data parallelism) each rank steps all its own
+    experts; ZeRO-0 steps everything."""
+    import numpy as np
+
+    from autopar.inter_op.search import _Tables
+    from autopar.inter_op.stage_cost import LayerCost
+    from cost_models.compute import optimizer_step_time
+
+    cluster = ClusterSpec.load("dgx-h100")
+    costs = [LayerCost(act_bytes={"none": 1.0}, param_elems={"w": 100.0})]
+    dense, experts = 1.6e9, 3.6e9
+    for zero, ep, want in ((3, 8, dense / 8 + experts), (1, 4, dense / 8 + experts / 2), (0, 8, dense + experts)):
+        tb = _Tables(costs, cluster, "bf16", 8, 1, zero, [])
+        tb.set_experts(ep, np.array([1.0]))
+        got = tb.opt(dense + experts, tensors=10, epel=experts)
+        assert got == pytest.approx(optimizer_step_time(want, cluster.device, "bf16", param_tensors=10)), zero

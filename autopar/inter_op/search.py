@@ -1091,12 +1091,16 @@ class _Tables:
         return (_sync_time(self.cluster, self.policy, self.dp, self.tp, self.zero, pel - epel)
                 + _sync_time(self.cluster, self.policy, self.ecopies, self.estride, self.zero, epel))
 
-    def opt(self, pel: float, tensors: int = 1) -> float:
+    def opt(self, pel: float, tensors: int = 1, epel: float = 0.0) -> float:
         """Optimizer step of `pel` parameter elements in `tensors` parameter tensors (the runtime
-        updates one tensor at a time; ZeRO-1/2 update one flat shard)."""
+        updates one tensor at a time; ZeRO-1/2 update one flat shard). ZeRO shards the optimizer
+        state over the ranks holding the same weights: the dense ones over dp, the `epel` expert
+        weights of them over the `ecopies` ranks holding the same experts, as the memory model
+        holds them (`phases`; `_accumulated_elems`): with ep = dp (no expert data parallelism)
+        each rank steps all its experts."""
         flat = self.zero in (1, 2) and self.dp > 1
-        return (optimizer_step_time(pel, self.cluster.device, self.policy, shard=self.dp if self.zero >= 1 else 1,
-                                    param_tensors=1 if flat else tensors)
+        elems = float(_accumulated_elems(pel, self.dp, True, epel, self.ecopies)) if self.zero >= 1 else pel
+        return (optimizer_step_time(elems, self.cluster.device, self.policy, param_tensors=1 if flat else tensors)
                 + unscale_time(pel, self.cluster.device, self.unscale_bytes, self.dp, self.zero, self.zero_optimizer))
 
     def chunk_temporaries(self, chunks: list[tuple[int, int]]) -> float:
@@ -2103,8 +2107,8 @@ class Search:
         sync = _sync_time(self.cluster, self.policy, dp, tp, zero, pel - epel)
         if self.software.grad_sync_overlap:      # the part no backward can hide
             sync -= _grad_reduce_time(self.cluster, self.policy, dp, tp, zero, pel - epel)
-        opt = optimizer_step_time(pel, self.cluster.device, self.policy, shard=dp if zero >= 1 else 1,
-                                  param_tensors=1)
+        opt = optimizer_step_time(float(_accumulated_elems(pel, dp, True, epel, copies)) if zero >= 1 else pel,
+                                  self.cluster.device, self.policy, param_tensors=1)
         opt += unscale_time(pel, self.cluster.device, self.software.loss_scaling_bytes(self.dtype), dp, zero,
                             self.software.zero_optimizer)
         return per_mb, sync + opt
@@ -2750,7 +2754,8 @@ class Search:
             sync = _exposed_sync(sync, tb.grad_reduce(pel, epel), window)
         sync += sum(float(tb.iter[j] - tb.iter[k]) for k, j in chunks)
         sync += self._scalar_sync(tb, chunks)
-        return StageResult(chunks, r, t, comp, max(0.0, t - comp), sync, tb.opt(pel, tb.param_tensors(chunks)), pel,
+        opt = tb.opt(pel, tb.param_tensors(chunks), epel)
+        return StageResult(chunks, r, t, comp, max(0.0, t - comp), sync, opt, pel,
                            float(top.weights), float(top.gradients), float(top.optimizer), float(top.activations),
                            float(top.buffers), top.phase, float(top.total), tp=tb.tp, tables=tb,
                            phases=phases)
