@@ -178,7 +178,7 @@ def test_megatron_core_expert_saves_replace_the_exchanges_in_the_layer_cost():
 
 
 def test_expert_saves_is_a_typed_choice_the_default_leaves_out():
-    """`expert_saves` defaults to "runtime" (what `autopar run` executes), is left out of a dump
+    """`expert_saves` (and `norm_saves`) default to what `autopar run` executes, are left out of a dump
     at that default (plan files and cache keys as before), is named by the summary and by the
     CLI's note that a plan predicts other software, and a bad value names the field."""
     from autopar.schema.software import RUNTIME_CHOICES, SoftwareSpec, resolve_software
@@ -190,10 +190,15 @@ def test_expert_saves_is_a_typed_choice_the_default_leaves_out():
     assert "Megatron-Core's expert activations" in meg.summary()
     with pytest.raises(Exception, match="expert_saves"):
         SoftwareSpec(name="x", expert_saves="megatron")
+    assert sw.norm_saves == "eager" and "norm_saves" not in sw.model_dump() and "norm_saves" in RUNTIME_CHOICES
+    assert "norm modules saving their input" in sw.model_copy(update={"norm_saves": "input"}).summary()
+    with pytest.raises(Exception, match="norm_saves"):
+        SoftwareSpec(name="x", norm_saves="fused")
     bench = _bench()
-    assert all(c.software_update.get("expert_saves") == "megatron_core"
-               for c in bench.PUBLISHED if "Qwen3-235B" in c.name)
-    assert all("expert_saves" not in c.software_update for c in bench.PUBLISHED if "Qwen3-235B" not in c.name)
+    for c in bench.PUBLISHED:
+        zoo = "Qwen3-235B" in c.name
+        assert (c.software_update.get("expert_saves") == "megatron_core") == zoo
+        assert (c.software_update.get("norm_saves") == "input") == zoo
 
 
 def test_cli_note_names_megatron_expert_saves(capsys):

@@ -114,6 +114,12 @@ same plan, and that the cost model honours:
   first grouped GEMM's input), the input projections' outputs (the SwiGLU's input), the fp32
   probabilities and the output projection's input: `ExpertCosting.megatron_saved`). Memory:
   `autopar.inter_op.experts` (a layer's activation bytes with ep > 1).
+- `norm_saves`: what a norm module written as several ops (Hugging Face's RMSNorm: an fp32
+  upcast, pow, mean, rsqrt, products) keeps for its backward. "eager" (what `autopar run`
+  executes: what autograd saves of each op, the fp32 copy of the input and the normalised output
+  among them) or "input" (the module one norm kernel saving its input and an fp32 statistic a
+  row: Transformer Engine's RMSNorm, `save_for_backward(x, rstdevs)`, as Megatron-Core's TE layer
+  spec runs every norm, the q/k norms included). Memory: `cost_models.memory.norm_kernel_modules`.
 
 Every field changes a prediction; a choice the cost model cannot honour has no field here.
 Named presets live in `software_profiles/` (YAML, each field with its source); the default,
@@ -160,12 +166,15 @@ ExpertRouting = Literal["router", "fake_balanced", "forced_balance"]
 EXPERT_ROUTINGS: tuple[str, ...] = ("router", "fake_balanced", "forced_balance")
 ExpertSaves = Literal["runtime", "megatron_core"]
 EXPERT_SAVES: tuple[str, ...] = ("runtime", "megatron_core")
+NormSaves = Literal["eager", "input"]
+NORM_SAVES: tuple[str, ...] = ("eager", "input")
 
 # the choices `autopar run` executes as the default preset has them: a plan whose software differs in
 # any of them predicts another software's run (the CLI says so, `cli._software_note`)
 RUNTIME_CHOICES: tuple[str, ...] = ("attention_kernel", "pointwise_fusion", "mixed_precision", "loss_kernel",
                                     "param_dtype", "zero_optimizer", "grad_sync_overlap", "zero3_overlap",
-                                    "optimizer_states", "expert_dispatch", "expert_routing", "expert_saves")
+                                    "optimizer_states", "expert_dispatch", "expert_routing", "expert_saves",
+                                    "norm_saves")
 
 # the memory a plan may not fill, per software stack (`cost_models.memory.usable_memory`); omitted
 # from a dump at their defaults
@@ -293,6 +302,11 @@ class SoftwareSpec(BaseModel):
         "weighted and summed by the exchange); megatron_core: what Megatron-Core's TEGroupedMLP with the fused "
         "permutation keeps (probabilities applied in the weighted SwiGLU, no output-projection output kept, "
         "int64 row maps in place of the permutations)")
+    norm_saves: NormSaves = Field(
+        default="eager", description="eager: each op of a norm module written as several ops saves what "
+        "autograd saves (HF RMSNorm: the fp32 copy of its input, the normalised output; what autopar run "
+        "executes); input: the module saves its input and an fp32 statistic a row, as one norm kernel does "
+        "(Transformer Engine's RMSNorm)")
     attention_flops: dict[str, dict[str, list[AttentionPoint]]] = Field(
         default_factory=dict, description="the software's fused attention kernel measured on named devices "
         "(DeviceSpec.name -> dtype -> points, as DeviceSpec.attention_flops); on a device named here they "
@@ -320,14 +334,14 @@ class SoftwareSpec(BaseModel):
         choices every plan made before the fields existed: a plan file (and its digest,
         `tests/test_planner_unchanged.py`) and a cache key for such software are what they were;
         the other choices are written; likewise `zero3_overlap` when False, `expert_dispatch` when
-        "pairs", `expert_routing` when "router" and `expert_saves` when "runtime"."""
+        "pairs", `expert_routing` when "router", `expert_saves` when "runtime" and `norm_saves` when "eager"."""
         out = handler(self)
         if isinstance(out, dict):
             for key, old in (("pointwise_fusion", "eager"), ("mixed_precision", "autocast"), ("loss_kernel", "eager"),
                              ("param_dtype", "training"), ("zero_optimizer", "flat"), ("zero3_overlap", False),
                              ("attention_head_dims", []),
                              ("expert_dispatch", "pairs"), ("expert_routing", "router"),
-                             ("expert_saves", "runtime"),
+                             ("expert_saves", "runtime"), ("norm_saves", "eager"),
                              ("optimizer_states", "fp32"),
                              *((k, type(self).model_fields[k].default) for k in MEMORY_TERM_FIELDS)):
                 if out.get(key) == old:
@@ -402,7 +416,8 @@ class SoftwareSpec(BaseModel):
             {"fake_balanced": ", fake balanced routing",
              "forced_balance": ", forced balanced routing (random logits)"}.get(self.expert_routing, "") + \
             {"megatron_core": ", Megatron-Core's expert activations (fused permutation, weighted SwiGLU)"}.get(
-                self.expert_saves, "")
+                self.expert_saves, "") + \
+            (", norm modules saving their input (one kernel)" if self.norm_saves == "input" else "")
         flat = f", plans fill {self.usable_fraction:g} of device memory (override)" if self.usable_fraction else ""
         return (f"software: {self.name} (attention {self.attention_kernel}{own}{fusion}{half}{loss}{fp32}{zro}, "
                 f"dp gradient sync {sync}{zero3}{moe}{flat})")
@@ -414,7 +429,7 @@ class SoftwareSpec(BaseModel):
         data = read_mapping(path, "software",
                             "name, attention_kernel, pointwise_fusion, mixed_precision, param_dtype, zero_optimizer, "
                             "grad_sync_overlap, zero3_overlap, allocator_fragmentation, usable_fraction, "
-                            "optimizer_states, expert_dispatch, expert_routing, expert_saves")
+                            "optimizer_states, expert_dispatch, expert_routing, expert_saves, norm_saves")
         data.setdefault("name", path.stem)
         try:
             return cls.model_validate(data)
