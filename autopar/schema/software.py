@@ -27,7 +27,8 @@ same plan, and that the cost model honours:
   eager: Megatron-Core with Transformer Engine's norm kernels and no fused MoE permutation).
   Time: `cost_models.fusion` (through `cost_models.compute.node_time`).
   Memory stays eager's: what eager autograd saves (an upper bound under Inductor, whose
-  partitioner recomputes element-wise ops in the backward instead of saving them).
+  partitioner recomputes element-wise ops in the backward instead of saving them); what a fused
+  norm kernel saves is `norm_saves`, a fused expert block's `expert_saves`.
 - `mixed_precision`: how a bf16/fp16 run keeps its tensors. "autocast" (torch.autocast around a
   model whose parameters are the 2-byte dtype, what `autopar run` executes, also PyTorch
   Lightning's and nanoGPT's): the ops on autocast's fp32 list (CUDA: layer norm, softmax, exp,
