@@ -209,3 +209,26 @@ def test_cli_note_names_megatron_expert_saves(capsys):
              software=resolve_software(None).model_copy(update={"expert_saves": "megatron_core"}))
     _software_note(p)
     assert "Megatron-Core's expert activations" in capsys.readouterr().err
+
+
+def test_megatron_software_lowers_a_planned_moe_runs_activations():
+    """Through `autopar.plan` (the search's expert costing and its layers' activation memory): a
+    tiny Qwen3-MoE pinned to dp 4 x ep 4, "none" and "norm_act", needs less activation memory with
+    `expert_saves` megatron_core and less again with `norm_saves` input; its time is unchanged."""
+    pytest.importorskip("transformers")
+    from autopar.schema.software import resolve_software
+
+    b = build_model(_TINY_QWEN3, batch_size=2)
+    g = capture(b.model, b.example_inputs, name=_TINY_QWEN3)
+    cpu = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
+    sw = resolve_software(None)
+    for rc in ("none", "norm_act"):
+        got = []
+        for update in ({}, {"expert_saves": "megatron_core"}, {"expert_saves": "megatron_core", "norm_saves": "input"}):
+            p = plan(_TINY_QWEN3, cpu, global_batch_size=8, dtype="fp32", graph=g,
+                     software=sw.model_copy(update=update),
+                     constraints=Constraints(dp=4, tp=1, pp=1, ep=4, zero_stage=0, recompute=rc,
+                                             num_microbatches=1))
+            got.append((p.stages[0].predicted.activations_bytes, p.predicted.iteration_time_s))
+        assert got[0][0] > got[1][0] > got[2][0], (rc, got)
+        assert got[0][1] == got[1][1] == got[2][1]
