@@ -232,3 +232,36 @@ def test_megatron_software_lowers_a_planned_moe_runs_activations():
             got.append((p.stages[0].predicted.activations_bytes, p.predicted.iteration_time_s))
         assert got[0][0] > got[1][0] > got[2][0], (rc, got)
         assert got[0][1] == got[1][1] == got[2][1]
+
+
+def test_deepep_buffers_are_counted_from_deepeps_size_hints():
+    """DeepEP's `Buffer` (Megatron's fused_a2a.py `get_buffer`, the normal kernels' configs and
+    csrc/config.hpp's size hints, 20 SMs): at EP8 one NVLink buffer, 10 channels x 8 ranks x 256
+    tokens x (hidden bytes, an 8-byte source meta, 128 int64 top-k indices, 128 fp32 weights, 128
+    fp32 scales) + 10 x 8 x 5 ints, in 128-byte units; across nodes (EP32) an RDMA buffer too, rounded up to
+    NVSHMEM's 512 MiB granule. A plan dispatching through DeepEP ("ranks" / "nodes") holds it in
+    every phase; "pairs" (torch's all-to-all, what `autopar run` executes) holds none."""
+    pytest.importorskip("transformers")
+    from autopar.inter_op.experts import deepep_buffer_bytes
+    from autopar.schema.software import resolve_software
+
+    h = 4096 * 2
+
+    def aligned(n):
+        return -(-n // 128) * 128
+    assert deepep_buffer_bytes(8, h) == aligned(10 * 8 * 256 * (h + 8 + 128 * 8 + 128 * 4 + 128 * 4) + 10 * 8 * 5 * 4)
+    nvl32 = aligned(10 * 8 * 288 * (h + 8 + 128 * 8 + 128 * 4 + 128 * 4) + 10 * 8 * 11 * 4)
+    assert deepep_buffer_bytes(32, h) == nvl32 + 2 ** 29       # the RDMA buffer's 110 MiB in one granule
+    assert deepep_buffer_bytes(12, h) == 0.0                    # no DeepEP config: not run
+    assert _qwen3_costing(expert_dispatch="pairs").comm_buffer_bytes(4, 1, "bf16") == 0.0
+    b = build_model(_TINY_QWEN3, batch_size=2)
+    g = capture(b.model, b.example_inputs, name=_TINY_QWEN3)
+    cpu = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
+    got = []
+    for dispatch in ("pairs", "ranks"):
+        p = plan(_TINY_QWEN3, cpu, global_batch_size=8, dtype="fp32", graph=g,
+                 software=resolve_software(None).model_copy(update={"expert_dispatch": dispatch}),
+                 constraints=Constraints(dp=4, tp=1, pp=1, ep=4, zero_stage=0, recompute="none", num_microbatches=1))
+        got.append(p.stages[0].predicted)
+    assert got[1].buffers_bytes - got[0].buffers_bytes == pytest.approx(deepep_buffer_bytes(4, 64 * 4))
+    assert got[1].activations_bytes == got[0].activations_bytes

@@ -127,6 +127,50 @@ FOLD_FORWARD = 1          # the block's output, each tp rank's 1/tp of the token
 FOLD_BACKWARD = 1         # the gradients of its inputs (hidden states and top-k weights, one buffer)
 
 
+# DeepEP's recommended configs (deep_ep/buffer.py at 9fe9021, 2025-05: `Buffer.get_dispatch_config` /
+# `get_combine_config`), by the group's ranks: (NVL chunked send tokens, NVL chunked recv tokens,
+# RDMA chunked send tokens, RDMA chunked recv tokens), dispatch then combine; `Buffer.num_sms` 20
+# (Megatron-LM's fused_a2a.py `get_buffer` at 1e057005 sets none: the default)
+DEEPEP_CONFIGS: dict[int, tuple[tuple[int, int, int, int], tuple[int, int, int, int]]] = {
+    2: ((16, 256, 6, 128), (6, 256, 6, 128)), 4: ((16, 256, 6, 128), (6, 256, 6, 128)),
+    8: ((6, 256, 6, 128), (6, 256, 6, 128)), 16: ((16, 288, 20, 128), (2, 288, 28, 128)),
+    24: ((8, 288, 32, 128), (1, 288, 20, 128)), 32: ((8, 288, 32, 128), (1, 288, 20, 128)),
+    64: ((20, 288, 28, 128), (1, 288, 20, 128)), 128: ((20, 560, 32, 128), (1, 560, 12, 128)),
+    144: ((32, 720, 12, 128), (2, 720, 8, 128)), 160: ((28, 720, 12, 128), (2, 720, 8, 128)),
+}
+DEEPEP_NUM_SMS = 20
+NVSHMEM_GRANULE = 2 ** 29     # buffer.py: NVSHMEM_CUMEM_GRANULARITY, set before NVSHMEM starts (internode)
+
+
+def deepep_buffer_bytes(num_ranks: int, hidden_bytes: int) -> float:
+    """Device bytes one rank's DeepEP `Buffer` takes for a group of `num_ranks` (normal kernels,
+    Megatron's `get_buffer`: the larger of the dispatch and combine configs' size hints), tokens
+    of `hidden_bytes` each: the NVLink buffer (csrc/config.hpp `get_nvl_buffer_size_hint`, cudaMalloc
+    outside torch's allocator) plus, across nodes (more than 8 ranks), the RDMA buffer
+    (`get_rdma_buffer_size_hint`, NVSHMEM's symmetric heap) rounded up to NVSHMEM_CUMEM_GRANULARITY
+    (an assumption: the heap mapped in those granules). 0 for a group size DeepEP has no config for
+    (it refuses to run one)."""
+    cfgs = DEEPEP_CONFIGS.get(num_ranks)
+    if cfgs is None:
+        return 0.0
+    peers, topk, scales, meta = 8, 128, 128, 8        # NUM_MAX_NVL_PEERS, kNumMaxTopK, kNumMaxScales, SourceMeta
+    channels = DEEPEP_NUM_SMS // 2
+    rdma_ranks, nvl_ranks = max(num_ranks // peers, 1), min(num_ranks, peers)
+    nvl = rdma = 0
+    for _, nvl_recv, rdma_send, rdma_recv in cfgs:
+        rdma_recv = -(-rdma_recv // rdma_send) * rdma_send          # Config: aligned to the send chunk
+        n = channels * nvl_ranks * (2 * rdma_ranks + 3) * 4
+        n += channels * nvl_ranks * nvl_recv * (hidden_bytes + meta + topk * 8 + topk * 4 + scales * 4)
+        nvl = max(nvl, -(-n // 128) * 128)
+        if num_ranks > peers:
+            r = channels * rdma_ranks * (peers * 2 + 2) * 2 * 4
+            r += channels * rdma_ranks * rdma_recv * (hidden_bytes + meta + topk * 8 + topk * 4 + scales * 4 + 16) * 2
+            rdma = max(rdma, -(-r // 128) * 128)
+    if rdma:
+        rdma = -(-rdma // NVSHMEM_GRANULE) * NVSHMEM_GRANULE
+    return float(nvl + rdma)
+
+
 def random_ranks_per_token(num_experts: int, top_k: int, ep: int) -> float:
     """The mean number of the `ep` ranks (each holding E / ep experts) a token's `top_k` distinct
     experts fall on, the experts drawn at random: ep (1 - C(E - E/ep, k) / C(E, k))."""
@@ -268,6 +312,17 @@ class ExpertCosting:
         if self.dispatch in DEDUPLICATED:
             rows = rows / block.top_k * self.ranks_per_token(block, ep)
         return rows * block.hidden * elem * self.imbalance
+
+    def comm_buffer_bytes(self, ep: int, etp: int, dtype: str) -> float:
+        """Device bytes the exchange's library keeps for the whole run on each rank: DeepEP's
+        `Buffer` under "ranks" / "nodes" dispatch (`deepep_buffer_bytes`; Megatron's flex
+        dispatcher over the expert tp x ep group, tokens of the hidden width at 2 bytes an element,
+        fused_a2a.py `get_hidden_bytes`: `max(element_size, 2)`); 0 under "pairs" (torch's
+        all-to-all, NCCL's buffers counted with the device's) or without ep."""
+        if self.dispatch not in DEDUPLICATED or ep <= 1 or not self.blocks:
+            return 0.0
+        hidden = max(b.hidden for b in self.blocks) * (4 if dtype == "fp32" else 2)
+        return deepep_buffer_bytes(ep * max(etp, 1), hidden)
 
     def node_span(self, cluster: ClusterSpec, group: list[int]) -> tuple[int, int]:
         """(k, g): the nodes an ep group's ranks span and the ranks of it in each, where "nodes"
