@@ -92,7 +92,8 @@ same plan, and that the cost model honours:
   to the rank of its own local index there, and that rank forwards it over NVLink to each rank of
   the node holding any, the two stages running at once in one kernel; the combine the reverse,
   the rows summed in the node before the network; an ep group inside one node as "ranks"). Time:
-  `autopar.inter_op.experts` (the exchange's bytes and links).
+  `autopar.inter_op.experts` (the exchange's bytes and links); memory: DeepEP's buffers under
+  "ranks" / "nodes" (`ExpertCosting.comm_buffer_bytes`, a buffer in every phase).
 - `expert_routing`: which experts the tokens go to, as the costs assume it. "router" (the model's
   own router, what `autopar run` executes: the most-loaded rank takes `EP_IMBALANCE` times the
   mean pairs, an estimate, and a token's experts fall at random over the ranks) or
