@@ -83,13 +83,10 @@ SOFTWARE_HELP = ("what the training software does on the cluster (attention kern
 def _software_note(p: Any, quiet: bool = False) -> None:
     """One line on stderr when a plan's predictions assume other software than the runtime
     executes (`autopar run` runs the default preset's choices whatever the plan says)."""
-    from autopar.schema.software import resolve_software
+    from autopar.schema.software import RUNTIME_CHOICES, resolve_software
 
     runs = resolve_software(None)
-    chosen = ("attention_kernel", "pointwise_fusion", "mixed_precision", "loss_kernel", "param_dtype",
-              "zero_optimizer", "grad_sync_overlap", "zero3_overlap", "optimizer_states", "expert_dispatch",
-              "expert_routing")
-    if any(getattr(p.software, k) != getattr(runs, k) for k in chosen):
+    if any(getattr(p.software, k) != getattr(runs, k) for k in RUNTIME_CHOICES):
         _echo_err(f"autopar: note: the plan's predictions assume software {p.software.name!r} "
                   f"({p.software.summary().split('(', 1)[1]}; the runtime executes {runs.name!r} "
                   f"({runs.summary().split('(', 1)[1]}, so its measurements answer to other figures", quiet)

@@ -83,14 +83,26 @@ _MZ_DEEPEP = ("the readme table's Dispatcher column says DeepEP: Megatron's flex
 # The zoo's launch script of the same day as the table (examples/qwen3/run_235b.sh at 31c5686, 2025-05-27; the
 # table came in 8017e11 that day) passes --moe-router-force-load-balancing in each of the five rows' commands
 # (random router logits, Megatron's apply_random_logits): `expert_routing` forced_balance
-_MZ_SOFTWARE = {"pointwise_fusion": "norm_moe", "loss_kernel": "fused", "expert_routing": "forced_balance"}
+# The table's Code column names Megatron-LM main(1e057005) (2025-05-24; row 1 an internal moe_dev branch),
+# after 2659630721 (2025-04-09, "Memory efficient token permutation"): TEGroupedMLP applies the routing
+# probabilities in the weighted SwiGLU and TE's fused permute / unpermute keep only row maps: `expert_saves`
+# megatron_core (`ExpertCosting.megatron_saved`)
+# and Megatron-Core's TE layer spec (megatron/core/models/gpt/gpt_layer_specs.py at 1e057005) runs every norm as
+# a TE kernel (TENorm for the q/k and pre-MLP norms, the input norm inside TELayerNormColumnParallelLinear), TE's
+# RMSNorm saving its input and the inverse RMS (ops/basic/rmsnorm.py): `norm_saves` input
+_MZ_SOFTWARE = {"pointwise_fusion": "norm_moe", "loss_kernel": "fused", "expert_routing": "forced_balance",
+                "expert_saves": "megatron_core", "norm_saves": "input"}
 _MZ_FUSION = ("fused kernels as the zoo's model_configs/benchmarking/Qwen3-235B-A22B.yaml sets them: TE norms "
               "(--transformer-impl transformer_engine), --moe-permute-fusion true, Megatron's default fused SwiGLU "
               "(pointwise_fusion norm_moe), --cross-entropy-loss-fusion true with --cross-entropy-fusion-impl te "
               "(loss_kernel fused); routing forced balanced (expert_routing forced_balance: the zoo's "
               "examples/qwen3/run_235b.sh at 31c5686, committed the day the table was, passes "
               "--moe-router-force-load-balancing in each of these rows' commands, the FSDP row's with TP=1 where "
-              "the table says TP2)")
+              "the table says TP2); the experts' activations as Megatron-Core keeps them (expert_saves megatron_core: "
+              "the table's Code column main(1e057005) has 2659630721's weighted SwiGLU and the fused permutation's "
+              "row maps); every norm one TE kernel saving its input and a statistic a row (norm_saves input: "
+              "gpt_layer_specs.py's TENorm q/k and pre-MLP norms, TE ops/basic/rmsnorm.py "
+              "save_for_backward(x, rstdevs))")
 
 # Every case was looked at after the cost model's constants were set (none is set here): all held out.
 PUBLISHED = [

@@ -617,6 +617,44 @@ ACTIVATION_OPS = frozenset({"silu", "gelu", "relu", "sigmoid", "tanh", "mish", "
 ACT_CONTINUE_OPS = frozenset({"mul", "to", "_to_copy", "add", "type_as"})
 
 
+def norm_kernel_modules(calls: list, by_name: dict) -> dict[str, list[tuple[str, Optional[float]]]]:
+    """What each op of a norm module written as several ops saves when the module runs as one
+    norm kernel (`SoftwareSpec.norm_saves` "input"): op -> (tensor, side bytes) items as
+    `saved_tensors` gives them. A norm module: a module instance whose class names an RMSNorm or
+    LayerNorm (`cost_models.fusion.NORM_MODULE_NAMES`) holding a `NORM_OPS` op, no matrix op and
+    more than one op (a single `layer_norm` / `rms_norm` op saves as such a kernel already). Its
+    first op saves the module's input (its first tensor input) and one fp32 statistic per row
+    (the inverse RMS, or for a LayerNorm the mean and inverse deviation: two), the others
+    nothing: Transformer Engine's RMSNorm (transformer_engine/pytorch/ops/basic/rmsnorm.py at
+    c6a9e26, `op_forward`: `ctx.save_for_backward(x, rstdevs)`; its LayerNorm saves x, means and
+    rstdevs), what Megatron-Core's TE layer spec runs for every norm module (TENorm; the input
+    norm inside TELayerNormColumnParallelLinear, layernorm_linear.py: inputmat, ln_out, mu,
+    rsigma, the normalised output being the projections' input, saved by them here too)."""
+    from cost_models.compute import MATRIX_OPS
+    from cost_models.fusion import NORM_MODULE_NAMES
+
+    mods: dict[str, list] = {}
+    for n in calls:
+        path = n.module_path or ""
+        if path and any(k in (n.module_type or "").lower() for k in NORM_MODULE_NAMES):
+            mods.setdefault(path, []).append(n)
+    out: dict[str, list[tuple[str, Optional[float]]]] = {}
+    for ns in mods.values():
+        if len(ns) < 2 or not any(n.op in NORM_OPS for n in ns) or any(n.op in MATRIX_OPS for n in ns):
+            continue
+        first = ns[0]
+        src = next((i for i in first.inputs if i in by_name and by_name[i].outputs and _floating(by_name[i])), None)
+        if src is None:
+            continue
+        o = by_name[src].outputs[0]
+        rows = o.numel // max(int(o.shape[-1]), 1) if o.shape else 1
+        stats = 2 if "layernorm" in (first.module_type or "").lower() else 1
+        out[first.name] = [(src, None), (f"{first.name}:norm_stats", float(rows * 4 * stats))]
+        for n in ns[1:]:
+            out[n.name] = []
+    return out
+
+
 @dataclass(frozen=True)
 class DiscardRegion:
     """One region "norm_act" recomputes (`norm_act_regions`): a norm module's ops ("norm", its
@@ -778,6 +816,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                       attention_kernel: AttentionKernel = "fused",
                       modules: Sequence[str] = (),
                       autocast: bool = True,
+                      norm_saves: str = "eager",
                       ) -> ActivationMemory:
     """Activation bytes of one micro-batch of `graph` (at a concrete batch, `graph.at_batch(b)`),
     optionally restricted to `layers` (FQNs; None names the ops outside every layer), with
@@ -813,7 +852,10 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     which the first backward's moments are told apart (`first_moments`, `unit_position`).
     `autocast`: a mixed-precision run under torch.autocast (`SoftwareSpec.mixed_precision`
     "autocast", `device_type`'s fp32 list applies); False: the model cast to `dtype` ("half":
-    only its own upcasts and the loss fp32)."""
+    only its own upcasts and the loss fp32). `norm_saves` (`SoftwareSpec.norm_saves`): "eager",
+    each op of a norm module saves what eager autograd saves; "input", a norm module written as
+    several ops (`norm_kernel_modules`) saves what one norm kernel does, its input and an fp32
+    statistic a row (none under "norm_act", which runs the norm without saving)."""
     rec = "full" if recompute is True else ("none" if recompute is False else recompute)
     if rec not in RECOMPUTES:
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTES)}, got {recompute!r}")
@@ -932,8 +974,14 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
 
     # what every op saves: key -> (bytes, layer of its first saver, saver's region)
     saves: list[tuple[str, float, Any]] = []     # (key, bytes, saver node)
+    kernel_norms = norm_kernel_modules(calls, by_name) if norm_saves == "input" else {}
     for n in calls:
-        for name, extra in saved_tensors(n, by_name, dtype, device_type, rg, attention_kernel):
+        items = saved_tensors(n, by_name, dtype, device_type, rg, attention_kernel)
+        if n.name in kernel_norms:
+            items = kernel_norms[n.name]
+            if items and discard.get(n.name) is not None:
+                items = items[:1]           # "norm_act" runs the norm without saving: its input kept
+        for name, extra in items:
             if extra is None:
                 key = base.get(name, name)
                 if key not in by_name or by_name[key].kind not in ("call", "input"):
@@ -1050,7 +1098,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     # what follows from the graph and its layouts alone, not the policy, is made once for the
     # policies `fill_activations` asks of one layer in turn (`_PolicyFree`)
     free = _PolicyFree.of(graph, shard, read_shard, param_elems, (dtype, device_type, attention_kernel, autocast,
-                                                                  given_grad, count_inputs, dtensor))
+                                                                  given_grad, count_inputs, dtensor, norm_saves))
     if free.moments is None:
         free.moments = _gradient_moments(calls, by_name, base, rg, copies, upcasts, shard, dtype, new_grads,
                                          loss_read, given_grad, gathers_grad,

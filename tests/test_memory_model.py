@@ -2730,3 +2730,62 @@ def test_norm_act_holds_under_a_tracker_looking_at_each_module_output():
         held[rc] = _forward_held_bytes(m, call_batch_fn(bundle.batch_fn, 0, b, 0))
     pred = {rc: activation_memory(g, "fp32", rc, device_type="cpu", count_inputs=False).saved_bytes for rc in held}
     assert held["none"] - held["norm_act"] == pred["none"] - pred["norm_act"], (held, pred)
+
+
+def test_norm_kernels_save_their_input_and_a_statistic_a_row():
+    """`SoftwareSpec.norm_saves` "input" (issue 14: Transformer Engine's RMSNorm saves x and the
+    inverse RMS, as Megatron-Core's TE spec runs every norm): each of Hugging Face's 8-op RMSNorm
+    modules (the layers' two, the q/k norms, the final one) saves its input as it arrives and 4
+    bytes a row, nothing it made (eager: the fp32 copy of its input, the inverse RMS, the
+    normalised 2-byte output); under "norm_act" the layer norms keep their input either way and
+    only the q/k and final norms keep something of their own (the kernel runs the layer norms
+    without saving, Megatron's `CheckpointWithoutOutput`); other ops' saves are untouched."""
+    from autopar.capture import capture
+    from autopar.models.registry import build_model
+    from cost_models.memory import activation_memory, norm_act_region_of, norm_kernel_modules
+
+    pytest.importorskip("transformers")
+    b = build_model(_QWEN3_MOE, device="meta", batch_size=2)
+    g = capture(b.model, b.example_inputs, name=_QWEN3_MOE).at_batch(2)
+    calls = [n for n in g.nodes if n.kind == "call"]
+    by_name = {n.name: n for n in g.nodes}
+    norms = norm_kernel_modules(calls, by_name)
+    firsts = {k: v for k, v in norms.items() if v}
+    mods = {by_name[k].module_path for k in norms}
+    assert {m.rsplit(".", 1)[-1] for m in mods} == {"input_layernorm", "post_attention_layernorm", "q_norm",
+                                                     "k_norm", "norm"}
+    made = {n.name for n in calls if (n.module_path or "") in mods}
+    eager = activation_memory(g, "bf16", "none", autocast=False)
+    kern = activation_memory(g, "bf16", "none", autocast=False, norm_saves="input")
+    # of what a norm module made, only its output is kept, by the ops reading it after the module
+    # (the q/k/v projections: TE's LayerNormLinear keeps that ln_out too)
+    readers = {i: [n for n in calls if i in n.inputs] for i in made}
+    for k in kern.saved:
+        if k in made:
+            assert kern.saved[k] == eager.saved[k]
+            assert any((r.module_path or "") != by_name[k].module_path for r in readers[k]), k
+    assert sum(v for k, v in eager.saved.items() if k in made) > sum(v for k, v in kern.saved.items() if k in made)
+    for (src, _), (stat, nbytes) in firsts.values():
+        o = by_name[src].outputs[0]
+        assert kern.saved[stat] == nbytes == o.numel // o.shape[-1] * 4
+        assert kern.saved_of(src) == o.numel * 2          # the input as it arrives, bf16
+    for k in {k for k in eager.saved if k not in made}:
+        if k in kern.saved and not any(k == v[0][0] for v in firsts.values()):
+            assert kern.saved[k] == eager.saved[k]
+    # "norm_act": the layer norms' inputs are kept and their outputs re-made either way
+    e_na = activation_memory(g, "bf16", "norm_act", autocast=False)
+    k_na = activation_memory(g, "bf16", "norm_act", autocast=False, norm_saves="input")
+    region = norm_act_region_of(calls)
+    outside = [f for f in firsts if region.get(f) is None]      # the q/k norms and the final norm
+    assert {by_name[f].module_path.rsplit(".", 1)[-1] for f in outside} == {"q_norm", "k_norm", "norm"}
+    expect = 0.0
+    for f in firsts:
+        mod = by_name[f].module_path
+        inside = {k for k in made if by_name[k].module_path == mod}
+        src, stat = firsts[f][0][0], firsts[f][1][0]
+        expect += sum(v for k, v in e_na.saved.items() if k in inside)     # the eager ops' (the layer
+        expect -= sum(v for k, v in k_na.saved.items() if k in inside)     # norms' own rsqrt output too)
+        expect -= k_na.saved.get(stat, 0.0) + (k_na.saved_of(src) if not e_na.saved_of(src) else 0.0)
+    assert e_na.saved_bytes - k_na.saved_bytes == pytest.approx(expect) and expect > 0
+    rest = {k for k in firsts if k not in outside}
+    assert not any(firsts[f][1][0] in k_na.saved for f in rest)

@@ -193,3 +193,179 @@ def test_zero_shards_expert_optimizer_state_over_their_copies_not_dp():
         tb.set_experts(ep, np.array([1.0]))
         got = tb.opt(dense + experts, tensors=10, epel=experts)
         assert got == pytest.approx(optimizer_step_time(want, cluster.device, "bf16", param_tensors=10)), zero
+
+
+_TINY_QWEN3 = ("hf:qwen3_moe?hidden_size=64&intermediate_size=128&moe_intermediate_size=32&head_dim=16"
+               "&num_key_value_heads=2&num_experts=16&num_experts_per_tok=8&num_hidden_layers=2"
+               "&num_attention_heads=4&vocab_size=128&seq_len=16")
+
+
+def _qwen3_costing(**update):
+    from autopar.inter_op.experts import ExpertCosting
+    from autopar.inter_op.layers import build_layers
+    from autopar.schema.software import SoftwareSpec
+
+    b = build_model(_TINY_QWEN3, batch_size=2)
+    g = capture(b.model, b.example_inputs, name=_TINY_QWEN3)
+    sw = SoftwareSpec.load("nemo-megatron-core-2024").model_copy(update=update)
+    return ExpertCosting(g, build_layers(g, b.model), software=sw)
+
+
+def test_megatron_core_expert_saves_are_the_tensors_megatron_keeps():
+    """Issue 14: under `expert_saves` "megatron_core" an expert block keeps, per token-expert pair,
+    what Megatron-Core's TEGroupedMLP and TE's fused permutation save (`megatron_saved`): the
+    permuted row (H), the gate/up projection's output (2F, the weighted SwiGLU's input), the fp32
+    probability, the down projection's input (F, not under "norm_act": moe_act recomputation) and
+    int64 row maps (DeepEP: E/ep local experts by the received rows; all-to-all: E x T and two
+    chunk sorts of the pairs), bf16; in place of what Hugging Face's experts module saves, which
+    also keeps the SiLU output and the down projection's output (the product by the routing
+    weights keeps it), the latter two "norm_act" discarding only the SiLU's and its product."""
+    pytest.importorskip("transformers")
+    from autopar.inter_op.experts import random_ranks_per_token
+
+    ec = _qwen3_costing(expert_saves="megatron_core", expert_dispatch="ranks")
+    blk = ec.blocks[0]
+    T, k, E, H, F, mb, ep = 16, 8, 16, 64, 32, 3, 4
+    P = T * k
+    assert (blk.tokens_per_sample, blk.top_k, blk.num_experts, blk.hidden) == (T, k, E, H)
+    rowmap = 8 * (E // ep) * T * random_ranks_per_token(E, k, ep)
+    kept = P * H * 2 + P * 2 * F * 2 + P * 4 + rowmap
+    mine, one = ec.megatron_saved(blk, mb, "bf16", ep, "none")
+    assert mine == pytest.approx((kept + P * F * 2) * mb)
+    mine_na, one_na = ec.megatron_saved(blk, mb, "bf16", ep, "norm_act")
+    assert mine_na == pytest.approx(kept * mb)
+    # the module's own: "norm_act" drops the SiLU output and its product with `up` (P x F each)
+    assert one - one_na == pytest.approx(2 * P * F * 2 * mb)
+    # what the module keeps beyond Megatron under "none": the SiLU output, the down projection's
+    # output, and its integer permutations / gathered bf16 weights in place of the row map and fp32 probs
+    module, side = ec.module_saved(blk)
+    assert side == 0.0
+    ints = sum(o.nbytes for o in module if not o.dtype.startswith("float"))
+    assert one == pytest.approx((P * H * 2 + P * 2 * F * 2 + 2 * P * F * 2 + P * H * 2 + P * 2 + ints) * mb)
+    # the all-to-all dispatcher's maps: the source permute's E x T, the two chunk sorts' pairs
+    a2a = _qwen3_costing(expert_saves="megatron_core", expert_dispatch="pairs")
+    assert a2a.megatron_saved(a2a.blocks[0], mb, "bf16", ep, "none")[0] == pytest.approx(
+        (kept - rowmap + 8 * E * T + 2 * 8 * P + P * F * 2) * mb)
+
+
+def test_megatron_core_expert_saves_replace_the_exchanges_in_the_layer_cost():
+    """In a layer's activation bytes with ep > 1 (`ExpertCosting.layer_costs`), "runtime" adds the
+    exchange's `combine_saved` to what the one-process layer counts, whatever the policy;
+    "megatron_core" puts Megatron's tensors in place of the module's, per policy; folded over tp 2
+    the rank keeps half of Megatron's; "full" is left as counted."""
+    pytest.importorskip("transformers")
+    from autopar.inter_op.stage_cost import LayerCost
+
+    cpu = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 8})
+    mb, ep = 2, 4
+    base = {"none": 1e6, "norm_act": 5e5, "full": 1e4}
+    runtime = _qwen3_costing(expert_saves="runtime", expert_dispatch="ranks")
+    megatron = _qwen3_costing(expert_saves="megatron_core", expert_dispatch="ranks")
+    blocks = runtime.blocks
+    for fold, tp in ((False, 1), (True, 2)):
+        share = 1 / tp
+        costs = [LayerCost(act_bytes=dict(base)) for _ in runtime.layers]
+        got_r = runtime.layer_costs(costs, ep, mb, tp, cpu, "bf16", fold=fold)
+        got_m = megatron.layer_costs([LayerCost(act_bytes=dict(base)) for _ in megatron.layers], ep, mb, tp, cpu,
+                                     "bf16", fold=fold)
+        for blk in blocks:
+            li = next(j for j, bs in runtime.by_layer.items() if blk in bs)
+            for r in ("none", "norm_act"):
+                mine, one = megatron.megatron_saved(blk, mb, "bf16", ep, r)
+                assert got_m[li].act_bytes[r] == pytest.approx(base[r] + mine * share - one)
+                extra = runtime.combine_saved(blk, mb, "bf16") * share
+                if fold:
+                    extra -= runtime.block_saved(blk, mb, "bf16") * (1 - share)
+                assert got_r[li].act_bytes[r] == pytest.approx(base[r] + extra)
+                assert got_m[li].act_bytes[r] < got_r[li].act_bytes[r]
+            assert got_m[li].act_bytes["full"] == got_r[li].act_bytes["full"] == base["full"]
+
+
+def test_expert_saves_is_a_typed_choice_the_default_leaves_out():
+    """`expert_saves` (and `norm_saves`) default to what `autopar run` executes, are left out of a dump
+    at that default (plan files and cache keys as before), is named by the summary and by the
+    CLI's note that a plan predicts other software, and a bad value names the field."""
+    from autopar.schema.software import RUNTIME_CHOICES, SoftwareSpec, resolve_software
+
+    sw = resolve_software(None)
+    assert sw.expert_saves == "runtime" and "expert_saves" not in sw.model_dump()
+    meg = sw.model_copy(update={"expert_saves": "megatron_core"})
+    assert meg.model_dump()["expert_saves"] == "megatron_core" and "expert_saves" in RUNTIME_CHOICES
+    assert "Megatron-Core's expert activations" in meg.summary()
+    with pytest.raises(Exception, match="expert_saves"):
+        SoftwareSpec(name="x", expert_saves="megatron")
+    assert sw.norm_saves == "eager" and "norm_saves" not in sw.model_dump() and "norm_saves" in RUNTIME_CHOICES
+    assert "norm modules saving their input" in sw.model_copy(update={"norm_saves": "input"}).summary()
+    with pytest.raises(Exception, match="norm_saves"):
+        SoftwareSpec(name="x", norm_saves="fused")
+    bench = _bench()
+    for c in bench.PUBLISHED:
+        zoo = "Qwen3-235B" in c.name
+        assert (c.software_update.get("expert_saves") == "megatron_core") == zoo
+        assert (c.software_update.get("norm_saves") == "input") == zoo
+
+
+def test_cli_note_names_megatron_expert_saves(capsys):
+    from autopar.cli import _software_note
+    from autopar.schema.software import resolve_software
+
+    p = plan("gpt-tiny", "cpu", global_batch_size=8, dtype="fp32",
+             software=resolve_software(None).model_copy(update={"expert_saves": "megatron_core"}))
+    _software_note(p)
+    assert "Megatron-Core's expert activations" in capsys.readouterr().err
+
+
+def test_megatron_software_lowers_a_planned_moe_runs_activations():
+    """Through `autopar.plan` (the search's expert costing and its layers' activation memory): a
+    tiny Qwen3-MoE pinned to dp 4 x ep 4, "none" and "norm_act", needs less activation memory with
+    `expert_saves` megatron_core and less again with `norm_saves` input; its time is unchanged."""
+    pytest.importorskip("transformers")
+    from autopar.schema.software import resolve_software
+
+    b = build_model(_TINY_QWEN3, batch_size=2)
+    g = capture(b.model, b.example_inputs, name=_TINY_QWEN3)
+    cpu = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
+    sw = resolve_software(None)
+    for rc in ("none", "norm_act"):
+        got = []
+        for update in ({}, {"expert_saves": "megatron_core"}, {"expert_saves": "megatron_core", "norm_saves": "input"}):
+            p = plan(_TINY_QWEN3, cpu, global_batch_size=8, dtype="fp32", graph=g,
+                     software=sw.model_copy(update=update),
+                     constraints=Constraints(dp=4, tp=1, pp=1, ep=4, zero_stage=0, recompute=rc,
+                                             num_microbatches=1))
+            got.append((p.stages[0].predicted.activations_bytes, p.predicted.iteration_time_s))
+        assert got[0][0] > got[1][0] > got[2][0], (rc, got)
+        assert got[0][1] == got[1][1] == got[2][1]
+
+
+def test_deepep_buffers_are_counted_from_deepeps_size_hints():
+    """DeepEP's `Buffer` (Megatron's fused_a2a.py `get_buffer`, the normal kernels' configs and
+    csrc/config.hpp's size hints, 20 SMs): at EP8 one NVLink buffer, 10 channels x 8 ranks x 256
+    tokens x (hidden bytes, an 8-byte source meta, 128 int64 top-k indices, 128 fp32 weights, 128
+    fp32 scales) + 10 x 8 x 5 ints, in 128-byte units; across nodes (EP32) an RDMA buffer too, rounded up to
+    NVSHMEM's 512 MiB granule. A plan dispatching through DeepEP ("ranks" / "nodes") holds it in
+    every phase; "pairs" (torch's all-to-all, what `autopar run` executes) holds none."""
+    pytest.importorskip("transformers")
+    from autopar.inter_op.experts import deepep_buffer_bytes
+    from autopar.schema.software import resolve_software
+
+    h = 4096 * 2
+
+    def aligned(n):
+        return -(-n // 128) * 128
+    assert deepep_buffer_bytes(8, h) == aligned(10 * 8 * 256 * (h + 8 + 128 * 8 + 128 * 4 + 128 * 4) + 10 * 8 * 5 * 4)
+    nvl32 = aligned(10 * 8 * 288 * (h + 8 + 128 * 8 + 128 * 4 + 128 * 4) + 10 * 8 * 11 * 4)
+    assert deepep_buffer_bytes(32, h) == nvl32 + 2 ** 29       # the RDMA buffer's 110 MiB in one granule
+    assert deepep_buffer_bytes(12, h) == 0.0                    # no DeepEP config: not run
+    assert _qwen3_costing(expert_dispatch="pairs").comm_buffer_bytes(4, 1, "bf16") == 0.0
+    b = build_model(_TINY_QWEN3, batch_size=2)
+    g = capture(b.model, b.example_inputs, name=_TINY_QWEN3)
+    cpu = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
+    got = []
+    for dispatch in ("pairs", "ranks"):
+        p = plan(_TINY_QWEN3, cpu, global_batch_size=8, dtype="fp32", graph=g,
+                 software=resolve_software(None).model_copy(update={"expert_dispatch": dispatch}),
+                 constraints=Constraints(dp=4, tp=1, pp=1, ep=4, zero_stage=0, recompute="none", num_microbatches=1))
+        got.append(p.stages[0].predicted)
+    assert got[1].buffers_bytes - got[0].buffers_bytes == pytest.approx(deepep_buffer_bytes(4, 64 * 4))
+    assert got[1].activations_bytes == got[0].activations_bytes

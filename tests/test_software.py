@@ -45,7 +45,9 @@ def test_presets_are_typed_and_sourced():
                   | ({"zero3_overlap"} if sw.zero3_overlap else set())
                   | ({"optimizer_states"} if sw.optimizer_states != "fp32" else set())
                   | ({"expert_dispatch"} if sw.expert_dispatch != "pairs" else set())
-                  | ({"expert_routing"} if sw.expert_routing != "router" else set()))
+                  | ({"expert_routing"} if sw.expert_routing != "router" else set())
+                  | ({"expert_saves"} if sw.expert_saves != "runtime" else set())
+                  | ({"norm_saves"} if sw.norm_saves != "eager" else set()))
         assert set(sw.sources) == chosen, "every choice names its source"
     with pytest.raises(PlanError, match="unknown software 'flash9'; bundled: autopar, flash-attn-1-2022, "
                                          "flash-attn-2-2023, megatron-lm-2021, megatron-lm-2021-torch-ddp, "

@@ -111,7 +111,7 @@ from autopar.inter_op.stage_cost import LayerCost
 from autopar.schema import ClusterSpec
 from cost_models.communication import axis_collective_time, link_collective_time
 from cost_models.compute import bytes_scale, grouped_gemm_time
-from cost_models.memory import INDEX_SOURCE_WRITES, requires_grad, saved_tensors, tensor_bases
+from cost_models.memory import INDEX_SOURCE_WRITES, norm_act_regions, requires_grad, saved_tensors, tensor_bases
 
 EP_IMBALANCE = 1.1        # an estimate (see the module docstring)
 # the `SoftwareSpec.expert_dispatch` values that send a token once per rank holding its experts
@@ -125,6 +125,50 @@ ETP_BACKWARD = 1          # the gradient of the experts' input (column-parallel 
 # MoE parallel folding: all-gathers over tp per expert block and micro-batch
 FOLD_FORWARD = 1          # the block's output, each tp rank's 1/tp of the tokens
 FOLD_BACKWARD = 1         # the gradients of its inputs (hidden states and top-k weights, one buffer)
+
+
+# DeepEP's recommended configs (deep_ep/buffer.py at 9fe9021, 2025-05: `Buffer.get_dispatch_config` /
+# `get_combine_config`), by the group's ranks: (NVL chunked send tokens, NVL chunked recv tokens,
+# RDMA chunked send tokens, RDMA chunked recv tokens), dispatch then combine; `Buffer.num_sms` 20
+# (Megatron-LM's fused_a2a.py `get_buffer` at 1e057005 sets none: the default)
+DEEPEP_CONFIGS: dict[int, tuple[tuple[int, int, int, int], tuple[int, int, int, int]]] = {
+    2: ((16, 256, 6, 128), (6, 256, 6, 128)), 4: ((16, 256, 6, 128), (6, 256, 6, 128)),
+    8: ((6, 256, 6, 128), (6, 256, 6, 128)), 16: ((16, 288, 20, 128), (2, 288, 28, 128)),
+    24: ((8, 288, 32, 128), (1, 288, 20, 128)), 32: ((8, 288, 32, 128), (1, 288, 20, 128)),
+    64: ((20, 288, 28, 128), (1, 288, 20, 128)), 128: ((20, 560, 32, 128), (1, 560, 12, 128)),
+    144: ((32, 720, 12, 128), (2, 720, 8, 128)), 160: ((28, 720, 12, 128), (2, 720, 8, 128)),
+}
+DEEPEP_NUM_SMS = 20
+NVSHMEM_GRANULE = 2 ** 29     # buffer.py: NVSHMEM_CUMEM_GRANULARITY, set before NVSHMEM starts (internode)
+
+
+def deepep_buffer_bytes(num_ranks: int, hidden_bytes: int) -> float:
+    """Device bytes one rank's DeepEP `Buffer` takes for a group of `num_ranks` (normal kernels,
+    Megatron's `get_buffer`: the larger of the dispatch and combine configs' size hints), tokens
+    of `hidden_bytes` each: the NVLink buffer (csrc/config.hpp `get_nvl_buffer_size_hint`, cudaMalloc
+    outside torch's allocator) plus, across nodes (more than 8 ranks), the RDMA buffer
+    (`get_rdma_buffer_size_hint`, NVSHMEM's symmetric heap) rounded up to NVSHMEM_CUMEM_GRANULARITY
+    (an assumption: the heap mapped in those granules). 0 for a group size DeepEP has no config for
+    (it refuses to run one)."""
+    cfgs = DEEPEP_CONFIGS.get(num_ranks)
+    if cfgs is None:
+        return 0.0
+    peers, topk, scales, meta = 8, 128, 128, 8        # NUM_MAX_NVL_PEERS, kNumMaxTopK, kNumMaxScales, SourceMeta
+    channels = DEEPEP_NUM_SMS // 2
+    rdma_ranks, nvl_ranks = max(num_ranks // peers, 1), min(num_ranks, peers)
+    nvl = rdma = 0
+    for _, nvl_recv, rdma_send, rdma_recv in cfgs:
+        rdma_recv = -(-rdma_recv // rdma_send) * rdma_send          # Config: aligned to the send chunk
+        n = channels * nvl_ranks * (2 * rdma_ranks + 3) * 4
+        n += channels * nvl_ranks * nvl_recv * (hidden_bytes + meta + topk * 8 + topk * 4 + scales * 4)
+        nvl = max(nvl, -(-n // 128) * 128)
+        if num_ranks > peers:
+            r = channels * rdma_ranks * (peers * 2 + 2) * 2 * 4
+            r += channels * rdma_ranks * rdma_recv * (hidden_bytes + meta + topk * 8 + topk * 4 + scales * 4 + 16) * 2
+            rdma = max(rdma, -(-r // 128) * 128)
+    if rdma:
+        rdma = -(-rdma // NVSHMEM_GRANULE) * NVSHMEM_GRANULE
+    return float(nvl + rdma)
 
 
 def random_ranks_per_token(num_experts: int, top_k: int, ep: int) -> float:
@@ -160,6 +204,7 @@ class ExpertCosting:
         self.graph = graph
         self.dispatch = getattr(software, "expert_dispatch", "pairs")
         self.routing = getattr(software, "expert_routing", "router")
+        self.saves = getattr(software, "expert_saves", "runtime")
         # the most-loaded rank's pairs over the mean: exact balance under the fake gate, and
         # none charged under random logits (`forced_balance`: every expert the same pairs in
         # expectation; over the thousands of pairs a rank takes its excess is a few percent at
@@ -186,6 +231,7 @@ class ExpertCosting:
         self._row_index: dict[str, float] = {}       # `row_index_saved` (per sample), by block
         self._split: dict[str, list] = {}            # `split_saved`'s tensors (per sample), by block
         self._saved: dict[str, list] = {}            # `block_saved`'s tensors (per sample), by block
+        self._megatron: dict[str, tuple] = {}        # `megatron_saved`'s parts (per sample), by block
         # the layer cost provider (set by the search): its layers' graphs at a micro-batch
         # (`graph_at`) price the folded block's other ops (`_fold_ops_delta`; None: left as priced)
         self.provider: Any = None
@@ -266,6 +312,17 @@ class ExpertCosting:
         if self.dispatch in DEDUPLICATED:
             rows = rows / block.top_k * self.ranks_per_token(block, ep)
         return rows * block.hidden * elem * self.imbalance
+
+    def comm_buffer_bytes(self, ep: int, etp: int, dtype: str) -> float:
+        """Device bytes the exchange's library keeps for the whole run on each rank: DeepEP's
+        `Buffer` under "ranks" / "nodes" dispatch (`deepep_buffer_bytes`; Megatron's flex
+        dispatcher over the expert tp x ep group, tokens of the hidden width at 2 bytes an element,
+        fused_a2a.py `get_hidden_bytes`: `max(element_size, 2)`); 0 under "pairs" (torch's
+        all-to-all, NCCL's buffers counted with the device's) or without ep."""
+        if self.dispatch not in DEDUPLICATED or ep <= 1 or not self.blocks:
+            return 0.0
+        hidden = max(b.hidden for b in self.blocks) * (4 if dtype == "fp32" else 2)
+        return deepep_buffer_bytes(ep * max(etp, 1), hidden)
 
     def node_span(self, cluster: ClusterSpec, group: list[int]) -> tuple[int, int]:
         """(k, g): the nodes an ep group's ranks span and the ranks of it in each, where "nodes"
@@ -371,6 +428,13 @@ class ExpertCosting:
                 c.fwd_s += dfwd
                 c.bwd_s += dbwd
                 c.rc_extra_s["full"] = c.rc_extra_s.get("full", 0.0) + dfwd
+                if self.saves == "megatron_core":
+                    # the rank keeps Megatron's tensors (its `share` of the pairs, 1/etp of the split
+                    # ones) in place of the module's as the layer counts them under each policy
+                    c.act_bytes = {r: v + (self.megatron_saved(b, mb, dtype, ep, r, etp)[0] * share
+                                           - self.megatron_saved(b, mb, dtype, ep, r, etp)[1]
+                                           if r != "full" else 0.0) for r, v in c.act_bytes.items()}
+                    continue
                 extra = self.combine_saved(b, mb, dtype) * share
                 if etp > 1:
                     extra -= self.split_saved(b, mb, dtype) * (1 - 1 / etp)
@@ -417,6 +481,99 @@ class ExpertCosting:
         size = sum(o.nbytes * bytes_scale(o.dtype, dtype) for o in unit) + unit_side
         size -= sum(o.nbytes * bytes_scale(o.dtype, dtype) for o in one) + one_side
         return (size + rows + wrapper) * mb
+
+    def megatron_saved(self, b: ExpertBlock, mb: int, dtype: str, ep: int, recompute: str, etp: int = 1
+                       ) -> tuple[float, float]:
+        """(Megatron's, the module's): the bytes the block saves for its backward under
+        `expert_saves` "megatron_core" on a rank running all of its tokens' pairs (`layer_costs`
+        scales them by the rank's share when folded), and what the model's experts module saves
+        in the one-process run as the layer's activation bytes under `recompute` count it (every
+        tensor `module_saved` names, less the activation's outputs "norm_act" discards), a
+        micro-batch of `mb` samples over `ep` ranks (dropless: a rank runs as many pairs as it
+        sends, at the mean), with `etp` > 1 the projections' outputs and the output projection's
+        input 1/etp. Megatron-Core's
+        TEGroupedMLP (megatron/core/transformer/moe/experts.py, `TEGroupedMLP.forward`, and
+        token_dispatcher.py at 1e057005, 2025-05-24, the commit the Megatron MoE model zoo's Qwen3
+        table names; the probabilities moved into the activation by 2659630721, 2025-04-09) keeps,
+        per pair:
+
+        * the permuted row, the first grouped GEMM's input (TE's GroupedLinear saves its input);
+        * the input projections' outputs, which `weighted_bias_swiglu_impl` (fusions/
+          fused_bias_swiglu.py, `WeightedSwiGLUFunction.forward`: `save_for_backward(input,
+          weights)`) saves with the probability, fp32 (4 bytes: DeepEP and the weighted SwiGLU take
+          fp32 probabilities);
+        * the output projection's input, unless "norm_act" discards it (`--recompute-modules
+          moe_act`: `CheckpointWithoutOutput` around the activation);
+
+        and nothing else of the rows: the probabilities are applied in the SwiGLU, so no product
+        keeps the output projection's output (Hugging Face's `proj_out * weights` does), the
+        fused `unpermute` without probabilities saves its row map only (Transformer Engine
+        permutation.py at c6a9e26, `_moe_unpermute_mask_map.forward`), and the fused permutation
+        and chunk sorts save only their int64 row maps (`_moe_permute_mask_map`,
+        `_moe_chunk_sort`), in place of the module's integer permutations:
+
+        * DeepEP's flex dispatcher (`expert_dispatch` "ranks" / "nodes", `_DeepepManager.
+          get_permuted_hidden_states_by_experts`): one map of E / ep local experts by the received
+          rows (T x r, a token's ranks `ranks_per_token`);
+        * the all-to-all dispatcher ("pairs", `MoEAlltoAllTokenDispatcher`): the source permute's map
+          of E experts by T tokens, and with more than one local expert the two chunk sorts' maps of
+          the received pairs.
+
+        What DeepEP's dispatch and combine keep (the handle's per-token layout, ints a token) is
+        not counted. The activation's eager intermediates (HF's `act_fn(gate)`, saved by the
+        product with `up`) are not kept by the fused SwiGLU: under policies that keep the
+        activation they are part of what this drops."""
+        if b.module not in self._megatron:
+            g = self._g1
+            by_name = {n.name: n for n in g.nodes}
+            inside = [n for n in g.nodes if n.kind == "call" and (
+                (n.module_path or "") == b.module or (n.module_path or "").startswith(b.module + "."))]
+            base = tensor_bases(inside, by_name)
+            rg = requires_grad(g.nodes)
+            act = {x for r in norm_act_regions(inside) if r.kind == "act" for x in r.ops}
+            made = {n.name for n in inside}
+            kept: dict[str, tuple[Any, bool]] = {}
+            side = 0.0
+            for n in inside:
+                if not any(rg.get(i, False) for i in n.inputs):
+                    continue
+                if n.op in ("index", "index_select", "gather") and n.inputs and not rg.get(n.inputs[0], False):
+                    continue
+                for name, nbytes in saved_tensors(n, by_name, rg=rg):
+                    if nbytes is not None:
+                        side += nbytes
+                        continue
+                    key = base.get(name, name)
+                    owner = by_name.get(key)
+                    if owner is not None and owner.outputs and owner.kind == "call" and key in made:
+                        kept[key] = (owner.outputs[0], key in act)
+
+            def size(name: str) -> TensorMeta:
+                x = by_name[base.get(name, name)]
+                return x.outputs[0]
+
+            first, last = g.node(b.gemms[0]), g.node(b.gemms[-1])
+            rows = size(first.inputs[0])
+            projections = [g.node(x).outputs[0] for x in b.gemms[:-1]]
+            down_in = size(last.inputs[0])
+            self._megatron[b.module] = (list(kept.values()), side, rows, projections, down_in)
+        kept, side, rows, projections, down_in = self._megatron[b.module]
+
+        def nb(o: TensorMeta) -> float:
+            return o.nbytes * bytes_scale(o.dtype, dtype)
+
+        discards = recompute == "norm_act"
+        one = sum(nb(o) for o, in_act in kept if not (discards and in_act)) + side
+        pairs = b.pairs_per_sample
+        split = sum(nb(o) for o in projections) + (0.0 if discards else nb(down_in))
+        mine = nb(rows) + split / max(etp, 1) + pairs * 4.0
+        local = max(b.num_experts // max(ep, 1), 1)
+        if self.dispatch in DEDUPLICATED and ep > 1:
+            received = b.tokens_per_sample * self.ranks_per_token(b, ep)
+            mine += 8.0 * local * received
+        else:
+            mine += 8.0 * b.num_experts * b.tokens_per_sample + (2 * 8.0 * pairs if local > 1 else 0.0)
+        return mine * mb, one * mb
 
     def module_saved(self, b: ExpertBlock, unit_weights: bool = False) -> tuple[list, float]:
         """What the ops of `b`'s experts module save for their backward, per sample: (the

@@ -500,7 +500,8 @@ class IlpProvider(AnalyticProvider):
         # (`fill_activations` reads them off the cost)
         fill_activations(c, sub, self.dtype, shard, autocast_device(self.cluster), dtensor=tp > 1, read_shard=read,
                          attention_kernel=self.software.attention_kernel, selective_region=layer.selective_region(tp),
-                         modules=layer.modules, autocast=self.software.autocast, **names)
+                         modules=layer.modules, autocast=self.software.autocast,
+                         norm_saves=self.software.norm_saves, **names)
         return c
 
 

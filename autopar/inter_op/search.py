@@ -298,6 +298,9 @@ class _Tables:
         # ZeRO-3's collectives on their own streams beside the compute (`SoftwareSpec.
         # zero3_overlap`, set by `Search._tables`): a micro-batch pays what exceeds its compute
         self.zero3_overlap = False
+        # what the expert exchange's library holds for the run (DeepEP's buffers, `ExpertCosting.
+        # comm_buffer_bytes`, set by `Search._tables`): a buffer in every phase
+        self.comm_buffers = 0.0
         self._zero_ranges: dict = {}     # `range_zero_mb`: per gathers, and per (gathers, recomputation)
         self._relief: dict[str, np.ndarray] = {}
         self._temporaries: dict[tuple, float] = {}           # `chunk_temporaries`, per chunks
@@ -828,6 +831,8 @@ class _Tables:
                 gradients=ph.gradients if unsharded and ph.phase == "forward_backward"
                 else ph.gradients + b.gradients - a.gradients)
                 for ph, a, b in zip(out, base, wide)]
+        if self.comm_buffers:
+            out = [dataclasses.replace(ph, buffers=ph.buffers + self.comm_buffers) for ph in out]
         return out
 
     def _expert_zero12_sync(self, out: list, pel: Any, e: Any, kw: dict) -> list:
@@ -2536,6 +2541,7 @@ class Search:
                 else:
                     tb.set_experts(ep, self.experts.expert_elems(costs), blocks=blocks,
                                    largest=self.experts.expert_largest(costs))
+                tb.comm_buffers = self.experts.comm_buffer_bytes(ep, etp, self.dtype)
             self._tables_cache[key] = tb
         return self._tables_cache[key]
 

@@ -213,7 +213,7 @@ MAIN_UNIT = -1.0
 def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | None = None, *,
                      out_name: str | None = None, in_name: str | None = None, dtensor: bool = False,
                      read_shard=None, attention_kernel: str = "fused", selective_region: str = "ops",
-                     modules: list[str] | tuple = (), autocast: bool = True) -> None:
+                     modules: list[str] | tuple = (), autocast: bool = True, norm_saves: str = "eager") -> None:
     """A layer's activation memory per recomputation policy (graph liveness,
     `cost_models.memory.activation_memory` of its ops `sub`, tensors divided by `shard(node)`,
     under `device_type`'s autocast; the model's inputs left to the stage's batch buffer), its
@@ -227,14 +227,16 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
     the software's (`SoftwareSpec`: unfused attention saves its scores); `selective_region`:
     what "selective" recomputes (`Layer.selective_region`); `modules`: the layer's, in order
     (`Layer.modules`: the first backward's moments by position, `bwd_first`); `autocast`: the
-    software's mixed precision (`SoftwareSpec.autocast`; False: the model cast to `dtype`)."""
+    software's mixed precision (`SoftwareSpec.autocast`; False: the model cast to `dtype`);
+    `norm_saves`: what its norm modules save (`SoftwareSpec.norm_saves`)."""
     params = {n.name: c.param_elems[n.fqn] for n in sub.nodes
               if n.kind == "param" and getattr(n, "fqn", None) in c.param_elems}
     with one_graph_policies():      # the policies share what does not depend on them
         ams = {rc: activation_memory(sub, dtype, rc, shard=shard, selective_region=selective_region,
                                      device_type=device_type, count_inputs=False, dtensor=dtensor,
                                      read_shard=read_shard, param_elems=params, given_grad=out_name,
-                                     attention_kernel=attention_kernel, modules=modules, autocast=autocast)
+                                     attention_kernel=attention_kernel, modules=modules, autocast=autocast,
+                                     norm_saves=norm_saves)
                for rc in RECOMPUTES}
     for rc, am in ams.items():
         c.act_bytes[rc] = am.saved_bytes
@@ -703,5 +705,6 @@ class AnalyticProvider:
         shard = lambda node: tp if node.name in sharded_nodes else 1  # noqa: E731
         fill_activations(c, sub, dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
                          attention_kernel=self.software.attention_kernel, selective_region=region,
-                         modules=layer.modules, autocast=self.software.autocast, **self.boundary_names(layer))
+                         modules=layer.modules, autocast=self.software.autocast,
+                         norm_saves=self.software.norm_saves, **self.boundary_names(layer))
         return c

@@ -27,7 +27,8 @@ same plan, and that the cost model honours:
   eager: Megatron-Core with Transformer Engine's norm kernels and no fused MoE permutation).
   Time: `cost_models.fusion` (through `cost_models.compute.node_time`).
   Memory stays eager's: what eager autograd saves (an upper bound under Inductor, whose
-  partitioner recomputes element-wise ops in the backward instead of saving them).
+  partitioner recomputes element-wise ops in the backward instead of saving them); what a fused
+  norm kernel saves is `norm_saves`, a fused expert block's `expert_saves`.
 - `mixed_precision`: how a bf16/fp16 run keeps its tensors. "autocast" (torch.autocast around a
   model whose parameters are the 2-byte dtype, what `autopar run` executes, also PyTorch
   Lightning's and nanoGPT's): the ops on autocast's fp32 list (CUDA: layer norm, softmax, exp,
@@ -99,7 +100,8 @@ same plan, and that the cost model honours:
   to the rank of its own local index there, and that rank forwards it over NVLink to each rank of
   the node holding any, the two stages running at once in one kernel; the combine the reverse,
   the rows summed in the node before the network; an ep group inside one node as "ranks"). Time:
-  `autopar.inter_op.experts` (the exchange's bytes and links).
+  `autopar.inter_op.experts` (the exchange's bytes and links); memory: DeepEP's buffers under
+  "ranks" / "nodes" (`ExpertCosting.comm_buffer_bytes`, a buffer in every phase).
 - `expert_routing`: which experts the tokens go to, as the costs assume it. "router" (the model's
   own router, what `autopar run` executes: the most-loaded rank takes `EP_IMBALANCE` times the
   mean pairs, an estimate, and a token's experts fall at random over the ranks) or
@@ -110,6 +112,24 @@ same plan, and that the cost model honours:
   ones, `apply_random_logits` in megatron/core/transformer/moe/router.py: a token's experts drawn
   at random, every expert the same pairs in expectation, so no imbalance is charged, and the
   ranks a token reaches as for experts at random). Time: `autopar.inter_op.experts`.
+- `expert_saves`: what a routed expert block keeps for its backward under expert parallelism.
+  "runtime" (what `autopar run` executes, `autopar.runtime.experts`: the model's own experts module
+  run on the received rows, the rows sent back multiplied by their top-k weights and summed into
+  the tokens by the exchange, which keeps them: `ExpertCosting.combine_saved`) or "megatron_core"
+  (Megatron-Core's TEGroupedMLP with `--moe-permute-fusion`, since github.com/NVIDIA/Megatron-LM
+  2659630721, 2025-04-09, "Memory efficient token permutation": the routing probabilities applied
+  inside the (weighted) SwiGLU, `weighted_bias_swiglu_impl`, so nothing keeps the output
+  projection's output; Transformer Engine's fused `moe_permute` / `moe_unpermute` without probs
+  and the chunk sorts saving only their int64 row maps; the block keeps the permuted rows (the
+  first grouped GEMM's input), the input projections' outputs (the SwiGLU's input), the fp32
+  probabilities and the output projection's input: `ExpertCosting.megatron_saved`). Memory:
+  `autopar.inter_op.experts` (a layer's activation bytes with ep > 1).
+- `norm_saves`: what a norm module written as several ops (Hugging Face's RMSNorm: an fp32
+  upcast, pow, mean, rsqrt, products) keeps for its backward. "eager" (what `autopar run`
+  executes: what autograd saves of each op, the fp32 copy of the input and the normalised output
+  among them) or "input" (the module one norm kernel saving its input and an fp32 statistic a
+  row: Transformer Engine's RMSNorm, `save_for_backward(x, rstdevs)`, as Megatron-Core's TE layer
+  spec runs every norm, the q/k norms included). Memory: `cost_models.memory.norm_kernel_modules`.
 
 Every field changes a prediction; a choice the cost model cannot honour has no field here.
 Named presets live in `software_profiles/` (YAML, each field with its source); the default,
@@ -156,6 +176,17 @@ ExpertDispatch = Literal["pairs", "ranks", "nodes"]
 EXPERT_DISPATCHES: tuple[str, ...] = ("pairs", "ranks", "nodes")
 ExpertRouting = Literal["router", "fake_balanced", "forced_balance"]
 EXPERT_ROUTINGS: tuple[str, ...] = ("router", "fake_balanced", "forced_balance")
+ExpertSaves = Literal["runtime", "megatron_core"]
+EXPERT_SAVES: tuple[str, ...] = ("runtime", "megatron_core")
+NormSaves = Literal["eager", "input"]
+NORM_SAVES: tuple[str, ...] = ("eager", "input")
+
+# the choices `autopar run` executes as the default preset has them: a plan whose software differs in
+# any of them predicts another software's run (the CLI says so, `cli._software_note`)
+RUNTIME_CHOICES: tuple[str, ...] = ("attention_kernel", "pointwise_fusion", "mixed_precision", "loss_kernel",
+                                    "param_dtype", "zero_optimizer", "grad_sync_overlap", "zero3_overlap",
+                                    "optimizer_states", "expert_dispatch", "expert_routing", "expert_saves",
+                                    "norm_saves")
 
 # the memory a plan may not fill, per software stack (`cost_models.memory.usable_memory`); omitted
 # from a dump at their defaults
@@ -282,6 +313,17 @@ class SoftwareSpec(BaseModel):
         "fake_balanced: NeMo AutoModel's FakeBalancedGate benchmark setting, token t to experts (k t + j) mod E: "
         "every expert the same pairs; forced_balance: Megatron-Core's --moe-router-force-load-balancing benchmark "
         "setting, random router logits: no imbalance, a token's experts at random over the ranks")
+    expert_saves: ExpertSaves = Field(
+        default="runtime", description="runtime: a routed expert block under expert parallelism keeps what "
+        "autopar run's exchange keeps (the model's experts module on the received rows, the rows sent back "
+        "weighted and summed by the exchange); megatron_core: what Megatron-Core's TEGroupedMLP with the fused "
+        "permutation keeps (probabilities applied in the weighted SwiGLU, no output-projection output kept, "
+        "int64 row maps in place of the permutations)")
+    norm_saves: NormSaves = Field(
+        default="eager", description="eager: each op of a norm module written as several ops saves what "
+        "autograd saves (HF RMSNorm: the fp32 copy of its input, the normalised output; what autopar run "
+        "executes); input: the module saves its input and an fp32 statistic a row, as one norm kernel does "
+        "(Transformer Engine's RMSNorm)")
     attention_flops: dict[str, dict[str, list[AttentionPoint]]] = Field(
         default_factory=dict, description="the software's fused attention kernel measured on named devices "
         "(DeviceSpec.name -> dtype -> points, as DeviceSpec.attention_flops); on a device named here they "
@@ -309,7 +351,8 @@ class SoftwareSpec(BaseModel):
         choices every plan made before the fields existed: a plan file (and its digest,
         `tests/test_planner_unchanged.py`) and a cache key for such software are what they were;
         the other choices are written; likewise `zero3_overlap` when False, `expert_dispatch` when
-        "pairs", `expert_routing` when "router" and `loss_scaling` when "none"."""
+        "pairs", `expert_routing` when "router", `expert_saves` when "runtime", `norm_saves` when "eager"
+        and `loss_scaling` when "none"."""
         out = handler(self)
         if isinstance(out, dict):
             for key, old in (("pointwise_fusion", "eager"), ("mixed_precision", "autocast"), ("loss_kernel", "eager"),
@@ -317,6 +360,7 @@ class SoftwareSpec(BaseModel):
                              ("loss_scaling", "none"),
                              ("attention_head_dims", []),
                              ("expert_dispatch", "pairs"), ("expert_routing", "router"),
+                             ("expert_saves", "runtime"), ("norm_saves", "eager"),
                              ("optimizer_states", "fp32"),
                              *((k, type(self).model_fields[k].default) for k in MEMORY_TERM_FIELDS)):
                 if out.get(key) == old:
@@ -397,7 +441,10 @@ class SoftwareSpec(BaseModel):
                "nodes": ", a token sent once per expert node over the network, once per expert rank inside it "
                         "(DeepEP)"}.get(self.expert_dispatch, "") + \
             {"fake_balanced": ", fake balanced routing",
-             "forced_balance": ", forced balanced routing (random logits)"}.get(self.expert_routing, "")
+             "forced_balance": ", forced balanced routing (random logits)"}.get(self.expert_routing, "") + \
+            {"megatron_core": ", Megatron-Core's expert activations (fused permutation, weighted SwiGLU)"}.get(
+                self.expert_saves, "") + \
+            (", norm modules saving their input (one kernel)" if self.norm_saves == "input" else "")
         flat = f", plans fill {self.usable_fraction:g} of device memory (override)" if self.usable_fraction else ""
         return (f"software: {self.name} (attention {self.attention_kernel}{own}{fusion}{half}{loss}{fp32}{zro}, "
                 f"dp gradient sync {sync}{zero3}{moe}{flat})")
@@ -409,7 +456,7 @@ class SoftwareSpec(BaseModel):
         data = read_mapping(path, "software",
                             "name, attention_kernel, pointwise_fusion, mixed_precision, param_dtype, zero_optimizer, "
                             "loss_scaling, grad_sync_overlap, zero3_overlap, allocator_fragmentation, usable_fraction, "
-                            "optimizer_states, expert_dispatch, expert_routing")
+                            "optimizer_states, expert_dispatch, expert_routing, expert_saves, norm_saves")
         data.setdefault("name", path.stem)
         try:
             return cls.model_validate(data)
