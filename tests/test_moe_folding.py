@@ -77,6 +77,12 @@ def test_folded_costs_by_hand():
         assert saved >= rows * 2 * (32 + 16) * 4
         assert rep[i].act_bytes["none"] - fold[i].act_bytes["none"] == pytest.approx(
             saved / 2 + ec.combine_saved(blk, mb, "fp32") / 2, rel=1e-9)
+        # under norm_act the layer's count leaves the activation's outputs out already: folding
+        # halves what the block keeps under that policy, not those outputs a second time
+        kept = ec.block_saved(blk, mb, "fp32", "norm_act")
+        assert kept < saved
+        assert rep[i].act_bytes["norm_act"] - fold[i].act_bytes["norm_act"] == pytest.approx(
+            kept / 2 + ec.combine_saved(blk, mb, "fp32") / 2, rel=1e-9)
     assert ec.expert_collectives(range(len(layers)), 2, "none", fold=True)["all_gather"] == 2 * 2 * 2
     assert ec.expert_collectives(range(len(layers)), 2, "full", fold=True)["all_gather"] == 2 * 2 * 3
 

@@ -438,10 +438,11 @@ class ExpertCosting:
                 extra = self.combine_saved(b, mb, dtype) * share
                 if etp > 1:
                     extra -= self.split_saved(b, mb, dtype) * (1 - 1 / etp)
-                if fold:
-                    extra -= self.block_saved(b, mb, dtype) * (1 - share)
-                if extra:
-                    c.act_bytes = {r: v + (extra if r != "full" else 0.0) for r, v in c.act_bytes.items()}
+                # folding: the block saves on 1/tp of the tokens what it saves under each policy
+                # (under norm_act less the activation's outputs, which the layer's count left out)
+                folded = {r: self.block_saved(b, mb, dtype, r) * (1 - share) if fold else 0.0 for r in c.act_bytes}
+                if extra or fold:
+                    c.act_bytes = {r: v + (extra - folded[r] if r != "full" else 0.0) for r, v in c.act_bytes.items()}
             out[i] = c
         self._cache[key] = out
         return out
@@ -685,17 +686,20 @@ class ExpertCosting:
             self._split[b.module] = list(kept.values())
         return sum(o.nbytes * bytes_scale(o.dtype, dtype) * mb for o in self._split[b.module])
 
-    def block_saved(self, b: ExpertBlock, mb: int, dtype: str) -> float:
+    def block_saved(self, b: ExpertBlock, mb: int, dtype: str, recompute: Optional[str] = None) -> float:
         """Bytes of everything `b`'s ops save for their backward, a micro-batch of `mb` samples
         (graph tensors by storage, as `split_saved` counts them, and what ops keep on the side):
-        what folding runs on 1/tp of the tokens."""
+        what folding runs on 1/tp of the tokens. `recompute` "norm_act": less the outputs of the
+        block's activation regions (`norm_act_regions`), which that policy discards (the layer's
+        count leaves them out already)."""
         if b.module not in self._saved:
             g = self._g1
             by_name = {n.name: n for n in g.nodes}
             inside = [n for n in g.nodes if n.kind == "call" and (
                 (n.module_path or "") == b.module or (n.module_path or "").startswith(b.module + "."))]
             base = tensor_bases(inside, by_name, dtype=dtype)
-            kept: dict[str, Any] = {}
+            act = {x for r in norm_act_regions(inside) if r.kind == "act" for x in r.ops}
+            kept: dict[str, tuple[Any, bool]] = {}
             side = 0.0
             for n in inside:
                 for name, nbytes in saved_tensors(n, by_name, dtype):
@@ -704,10 +708,12 @@ class ExpertCosting:
                         continue
                     owner = by_name.get(base.get(name, name))
                     if owner is not None and owner.outputs and owner.kind == "call":
-                        kept[owner.name] = owner.outputs[0]
+                        kept[owner.name] = (owner.outputs[0], owner.name in act)
             self._saved[b.module] = (list(kept.values()), side)
         kept, side = self._saved[b.module]
-        return sum(o.nbytes * bytes_scale(o.dtype, dtype) * mb for o in kept) + side * mb
+        discards = recompute == "norm_act"
+        return sum(o.nbytes * bytes_scale(o.dtype, dtype) * mb for o, in_act in kept
+                   if not (discards and in_act)) + side * mb
 
     def _gemm_delta(self, b: ExpertBlock, ep: int, mb: int, dev, dtype: str, etp: int = 1,
                     share: float = 1.0) -> tuple[float, float]:
