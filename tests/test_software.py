@@ -33,7 +33,7 @@ def test_presets_are_typed_and_sourced():
     for name in bundled_software():
         sw = SoftwareSpec.load(name)
         assert sw.name == name and sw.description
-        chosen = ({"attention_kernel", "mixed_precision", "grad_sync_overlap"}
+        chosen = ({"attention_kernel", "mixed_precision", "grad_sync_overlap", "pipeline_send_overlap"}
                   | ({"attention_flops"} if sw.attention_flops else set())
                   | ({"pointwise_fusion"} if sw.pointwise_fusion != "eager" else set())
                   | ({"loss_kernel"} if sw.loss_kernel != "eager" else set())
@@ -139,7 +139,7 @@ def test_plan_records_its_software_and_round_trips(tmp_path):
     assert autopar.load_plan(tmp_path / "p.json").software.name == "megatron-lm-2021"
     line = [x for x in unfused.summary().splitlines() if x.startswith("software:")]
     assert line == ["software: megatron-lm-2021 (attention unfused, model cast to its 2-byte dtype (no autocast), "
-                    "dp gradient sync after the backward)"]
+                    "dp gradient sync after the backward, pipeline sends waited)"]
     # a SoftwareSpec of one's own is recorded as given
     own = SoftwareSpec(name="mine", attention_kernel="unfused", grad_sync_overlap=True)
     assert autopar.plan("gpt-tiny", cl, global_batch_size=8, constraints=cons, software=own).software == own
