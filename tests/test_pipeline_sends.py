@@ -31,7 +31,7 @@ def test_the_field_is_typed_normalised_and_omitted_at_its_default():
     assert executed_schedule("interleaved_1f1b", 4, 8, 2).name == "interleaved_1f1b"
 
 
-def _tables(cluster, dp, tp):
+def _tables(cluster, dp, tp, split=False):
     from autopar.inter_op.search import _Tables
     from autopar.inter_op.stage_cost import LayerCost
 
@@ -40,7 +40,7 @@ def _tables(cluster, dp, tp):
                                       out_bytes=x, act_bytes={"none": 0.0}, param_elems={})
     # layer 0 is quick and sends a lot (a transfer longer than its forward), layer 1 the reverse
     costs = [mk(1e-5, 2e-5, 8e6, 4e6), mk(1e-3, 2e-3, 8e6, 4e6), mk(1e-3, 2e-3, 0.0, 0.0)]
-    return _Tables(costs, cluster, "bf16", dp, tp, 0, [])
+    return _Tables(costs, cluster, "bf16", dp, tp, 0, [], send_split=split)
 
 
 def test_exposed_sends_follow_the_rule():
@@ -114,3 +114,25 @@ def test_a_plan_pays_its_sends_by_the_software_and_on_the_link_they_cross():
         assert (plans["1f1b", "waited"].stages[i].predicted.communication_s
                 == plans["1f1b", "autopar"].stages[i].predicted.communication_s)
     assert plans["gpipe", "autopar"].predicted.collectives == plans["gpipe", "waited"].predicted.collectives
+
+
+def test_megatron_2021_scatter_gather_splits_the_send_over_tp():
+    """`pipeline_send_split` (Megatron-LM 2021's scatter/gather, on by default there): each of a
+    stage's 8 tp ranks sends 1/8 of the tensor over its own link and the receiving stage
+    all-gathers it over its tp ranks (waited), at its start for the activation and at its end for
+    the gradient."""
+    from autopar.inter_op.stage_cost import axis_link, coll_time
+
+    cl = ClusterSpec.load("dgx-a100-80g", num_nodes=2)
+    assert SoftwareSpec.load("megatron-lm-2021").pipeline_send_split
+    assert not resolve_software(None).pipeline_send_split       # autopar's ranks send the whole tensor
+    tb = _tables(cl, 1, 8, split=True)
+    inter, tpl = cl.inter_node, axis_link(cl, 8)
+    sends = coll_time("send_recv", 8e6 / 8, 2, inter) + coll_time("send_recv", 4e6 / 8, 2, inter)
+    gathers = coll_time("all_gather", 8e6, 8, tpl) + coll_time("all_gather", 4e6, 8, tpl)
+    assert tb.stage_p2p(None, True, True)[1, 2] == pytest.approx(sends + gathers)
+    # the gathers stay waited when the sends run beside the compute
+    assert tb.stage_p2p("same", True, True)[1, 2] == pytest.approx(gathers)
+    # one tp rank: nothing to split
+    assert _tables(cl, 1, 1, split=True).stage_p2p(None, True, True)[0, 1] == pytest.approx(
+        coll_time("send_recv", 8e6, 2, inter))

@@ -251,7 +251,7 @@ class _Tables:
                  zero: int, layers: list[Layer], batch: tuple[float, float] = (0.0, 0.0),
                  like: Optional["_Tables"] = None, rooted: frozenset = frozenset(), policy: Optional[str] = None,
                  cast_bytes: float = 0.0, cast_saved: float = 0.0, zero_optimizer: str = "flat",
-                 unscale_bytes: float = 0.0) -> None:
+                 unscale_bytes: float = 0.0, send_split: bool = False) -> None:
         """`like`: a table of the same `costs` list (another dp or ZeRO stage), whose cost-only
         arrays are reused as they are (read-only) instead of being built again. `rooted`: the
         modules ZeRO-3 leaves to the root unit (`rooted_modules`). `policy`: the precision policy
@@ -261,7 +261,9 @@ class _Tables:
         `param_cast_saved_bytes`; 0 with parameters in the training dtype); `zero_optimizer`: how
         ZeRO-1 shards the optimizer (`SoftwareSpec.zero_optimizer`, `runtime_phases`);
         `unscale_bytes`: bytes per gradient element the step moves unscaling the gradients under
-        fp16 dynamic loss scaling (`SoftwareSpec.loss_scaling_bytes`; 0 without)."""
+        fp16 dynamic loss scaling (`SoftwareSpec.loss_scaling_bytes`; 0 without); `send_split`:
+        each of a stage's tp ranks sends 1/tp of a boundary's tensors and the receiving stage
+        all-gathers them over its tp ranks (`SoftwareSpec.pipeline_send_split`)."""
         self.policy = policy or dtype
         self.zero_optimizer = zero_optimizer
         self.unscale_bytes = unscale_bytes
@@ -292,9 +294,18 @@ class _Tables:
         # says which a hop crosses); a gradient sends the crossing tensors that need one
         self.stage_size = dp * tp
         links = {False: cluster.intra_node, True: _inter_link(cluster)}
-        self.p2p_on = {x: (np.array([coll_time("send_recv", b, 2, ln) for b in self.cross]),
-                           np.array([coll_time("send_recv", b, 2, ln) for b in self.cross_grad]))
+        split = tp if send_split and tp > 1 else 1
+        self.p2p_on = {x: (np.array([coll_time("send_recv", b / split, 2, ln) for b in self.cross]),
+                           np.array([coll_time("send_recv", b / split, 2, ln) for b in self.cross_grad]))
                        for x, ln in links.items()}
+        # with the split, what a stage receives is all-gathered over its tp ranks before it is
+        # read (Megatron-LM 2021's gather_split_1d_tensor after the transfer's synchronize):
+        # waited, on the tp group's link; the activation at its start, the gradient at its end
+        tpl = axis_link(cluster, tp)
+        gather = [np.array([coll_time("all_gather", b, split, tpl) if split > 1 else 0.0 for b in arr])
+                  for arr in (self.cross, self.cross_grad)]
+        self.range_gathers = (np.where(self.kk > 0, gather[0][np.clip(self.kk - 1, 0, L - 1)], 0.0)
+                              + np.where(self.jj < L, gather[1][np.clip(self.jj - 1, 0, L - 1)], 0.0))
         # on the link every hop crosses when stages are whole nodes (a stage of a node's slice:
         # inside the node), waited: the fan-out's extra copies (`Search._fanout_sends`) and the
         # stages of different sizes (`hetero`), whose placement is not pipeline-ordered
@@ -368,7 +379,7 @@ class _Tables:
                 fwd, bwd = self.ranged(self.fwd_time), self.ranged(self.bwd_time)
                 send_fwd = np.maximum(0.0, send_fwd - (fwd if beside == "same" else bwd))
                 send_bwd = np.maximum(0.0, send_bwd - (bwd if beside == "same" else fwd))
-            out = self._stage_p2p[key] = send_fwd + send_bwd
+            out = self._stage_p2p[key] = send_fwd + send_bwd + self.range_gathers
             out.setflags(write=False)
         return out
 
@@ -2621,7 +2632,9 @@ class Search:
                          cast_bytes=self.software.param_cast_bytes(self.dtype),
                          cast_saved=self.software.param_cast_saved_bytes(self.dtype),
                          zero_optimizer=self.software.zero_optimizer,
-                         unscale_bytes=self.software.loss_scaling_bytes(self.dtype))
+                         unscale_bytes=self.software.loss_scaling_bytes(self.dtype),
+                         # with Megatron-SP the residual stream already crosses split over tp
+                         send_split=self.software.pipeline_send_split and not sp)
             tb.rs_each = rs_each and tb.zero3
             tb.zero3_overlap = self.software.zero3_overlap
             if ep > 1:

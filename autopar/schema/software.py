@@ -95,6 +95,13 @@ same plan, and that the cost model honours:
   interleaved only: `forward_backward_pipelining_with_interleaving` posts `send_forward_recv_
   forward` after a chunk's forward and waits its handles before the next forward, after the
   backward ran). Time: `autopar.inter_op.search` (`_Tables.stage_p2p`).
+- `pipeline_send_split`: whether each tp rank of a stage sends only its 1/tp of a boundary's
+  tensors, which the receiving stage all-gathers over its tp ranks (Megatron-LM 2021's
+  scatter/gather optimization, Narayanan et al. 2021 §4.1: `--no-scatter-gather-tensors-in-
+  pipeline` off by default, `split_tensor_into_1d_equal_chunks` before the transfer,
+  `gather_split_1d_tensor` after it), instead of every rank sending the whole replicated tensor
+  (what `autopar run` executes, `runtime.pipeline_p2p`). Not applied under Megatron-SP, whose
+  residual stream already crosses split. Time: `autopar.inter_op.search` (`_Tables.stage_p2p`).
 - `zero3_overlap`: whether ZeRO-3's per-unit all-gathers and reduce-scatters run on their own
   streams beside the compute (the next unit's gather prefetched while a unit computes, a unit's
   gradients reduce-scattered while the next one's backward runs: PyTorch FSDP2 on NCCL,
@@ -270,6 +277,10 @@ class SoftwareSpec(BaseModel):
         "beyond it (gpipe: torch's ScheduleGPipe waits its sends at the end of each phase, what autopar run "
         "executes; interleaved_1f1b: Megatron-Core's --overlap-p2p-communication); the others' sends are waited "
         "before the next op and paid in full (torch's Schedule1F1B and interleaved runner, Megatron-LM 2021)")
+    pipeline_send_split: bool = Field(
+        default=False, description="each tp rank of a stage sends 1/tp of a pipeline boundary's tensors, the "
+        "receiving stage all-gathers them over its tp ranks (Megatron-LM 2021's scatter/gather); false: every "
+        "rank sends the whole replicated tensor (what autopar run executes)")
     zero3_overlap: bool = Field(
         default=False, description="ZeRO-3's per-unit all-gathers and reduce-scatters run on their own streams "
         "beside the compute (prefetched gathers, asynchronous reduce-scatters: FSDP2 on NCCL, Megatron-FSDP with "
@@ -355,6 +366,7 @@ class SoftwareSpec(BaseModel):
             for key, old in (("pointwise_fusion", "eager"), ("mixed_precision", "autocast"), ("loss_kernel", "eager"),
                              ("param_dtype", "training"), ("zero_optimizer", "flat"), ("zero3_overlap", False),
                              ("loss_scaling", "none"), ("pipeline_send_overlap", ["gpipe"]),
+                             ("pipeline_send_split", False),
                              ("attention_head_dims", []),
                              ("expert_dispatch", "pairs"), ("expert_routing", "router"),
                              ("optimizer_states", "fp32"),
@@ -435,6 +447,7 @@ class SoftwareSpec(BaseModel):
         if self.pipeline_send_overlap != type(self).model_fields["pipeline_send_overlap"].default_factory():
             zero3 += (f", pipeline sends beside the compute under {'/'.join(self.pipeline_send_overlap)}"
                       if self.pipeline_send_overlap else ", pipeline sends waited")
+        zero3 += ", pipeline sends split over tp and all-gathered" if self.pipeline_send_split else ""
         zero3 += ", no fp32 master (2-byte optimizer moments)" if self.optimizer_states == "param" else ""
         moe = {"ranks": ", a token sent once per expert rank (DeepEP)",
                "nodes": ", a token sent once per expert node over the network, once per expert rank inside it "
@@ -451,8 +464,8 @@ class SoftwareSpec(BaseModel):
         path = _resolve(str(name_or_path))
         data = read_mapping(path, "software",
                             "name, attention_kernel, pointwise_fusion, mixed_precision, param_dtype, zero_optimizer, "
-                            "loss_scaling, grad_sync_overlap, pipeline_send_overlap, zero3_overlap, "
-                            "allocator_fragmentation, usable_fraction, "
+                            "loss_scaling, grad_sync_overlap, pipeline_send_overlap, pipeline_send_split, "
+                            "zero3_overlap, allocator_fragmentation, usable_fraction, "
                             "optimizer_states, expert_dispatch, expert_routing")
         data.setdefault("name", path.stem)
         try:
