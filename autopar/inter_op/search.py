@@ -15,7 +15,14 @@ What is approximated, and why (to keep a 1000-GPU search within seconds on two c
   and ZeRO's memory split.
 - Stage cost = the sum of its layers' costs (Alpa's "individual" profiling) plus the
   point-to-point transfer of the activation and its gradient at each boundary, on the link the
-  boundary crosses (inter-node when a stage spans whole nodes, intra-node otherwise).
+  boundary crosses: stages sit in pipeline order (`pack_stages`), so a hop between stages of whole
+  nodes crosses the network, one between slices of a node only at the node's edge (`_Tables.
+  hop_inter`; the DP knows each stage's position). Paid in full where the software waits the sends,
+  only beyond the compute they run beside where it does not (`SoftwareSpec.pipeline_send_overlap`,
+  `_Tables.stage_p2p`), split over tp with an all-gather on receipt under Megatron-LM 2021's
+  scatter/gather (`pipeline_send_split`). The pipeline's fill and drain carry 2 (p - 1) transfers on
+  their critical path even when the steady state hides them: not priced (under 0.1% of the
+  published pipelined runs' steps).
 - All stages share one (dp, tp) logical mesh, because the runtime feeds every data-parallel
   replica its own micro-batch stream (dp x micro-batch x micro-batches = global batch). Alpa's
   per-stage choice among a sub-mesh's logical meshes is thereby fixed per candidate, and the
