@@ -88,7 +88,7 @@ def _software_note(p: Any, quiet: bool = False) -> None:
     runs = resolve_software(None)
     chosen = ("attention_kernel", "pointwise_fusion", "mixed_precision", "loss_kernel", "param_dtype",
               "zero_optimizer", "grad_sync_overlap", "zero3_overlap", "optimizer_states", "expert_dispatch",
-              "expert_routing")
+              "expert_routing", "pipeline_send_overlap", "pipeline_send_split")
     if any(getattr(p.software, k) != getattr(runs, k) for k in chosen):
         _echo_err(f"autopar: note: the plan's predictions assume software {p.software.name!r} "
                   f"({p.software.summary().split('(', 1)[1]}; the runtime executes {runs.name!r} "
