@@ -77,6 +77,11 @@ def test_hops_cross_nodes_where_the_stages_are_placed():
     place them): stages of a whole node hop over the network at every boundary; slices of a node
     at the node's edge only; an interleaved pipeline's wrap from the last group to the first
     crosses when the pipeline spans nodes."""
+    from autopar.inter_op.search import pack_stages
+
+    # equal stages are placed in pipeline order, stage i on ranks i x u .. (i + 1) x u - 1
+    assert pack_stages([8] * 4, 32, 8) == [list(range(8 * i, 8 * i + 8)) for i in range(4)]
+    assert pack_stages([4] * 8, 32, 8) == [list(range(4 * i, 4 * i + 4)) for i in range(8)]
     cl = ClusterSpec.load("dgx-a100-80g", num_nodes=4)
     whole = _tables(cl, 1, 8)                       # 8 GPUs a stage: one node each
     assert whole.whole_node_hops and all(whole.hop_inter(i, 4) for i in range(4))
