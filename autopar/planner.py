@@ -220,10 +220,11 @@ def _chunk_share(st: Any, chunk: tuple[int, int]) -> float:
     if len(st.chunks) == 1:
         return 1.0
     tb, r = st.tables, st.recompute
+    p2p = dict(zip(st.chunks, st.chunk_p2p))
 
     def t(c: tuple[int, int]) -> float:
         k, j = c
-        return max(0.0, float(tb.base[j] - tb.base[k] + tb.rc[r][j] - tb.rc[r][k] + tb.range_p2p[k, j]))
+        return max(0.0, float(tb.base[j] - tb.base[k] + tb.rc[r][j] - tb.rc[r][k] + p2p.get(c, 0.0)))
 
     total = sum(t(c) for c in st.chunks)
     return t(chunk) / total if total > 0 else 1.0 / len(st.chunks)

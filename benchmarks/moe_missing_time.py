@@ -19,7 +19,8 @@ rows 4 and 5 plan) and prints, beside the predicted and published step and the g
   and the previous one is done, from an empty queue at the dispatch: the GPU's idle time in a
   layer's forward, times the layer micro-batches (and the upper bound, the host time not
   overlapped at all);
-* the pipeline sends the model charges, and the expert GEMMs' rows per expert and their rate on
+* the pipeline sends the model charges (what the stage's communication holds beyond its layers'
+  collectives), and the expert GEMMs' rows per expert and their rate on
   the profile's GEMM curve (the efficiency that would close the gap alone);
 * `--log-params-norm` (on in the zoo's model config the day of the table; row 3's note says it
   was disabled there): an fp32 copy of every expert weight and an L2 norm each step
@@ -158,8 +159,8 @@ def main() -> None:
         sends = (st.predicted.communication_s - tot * m * len(st.layers)) * v if len(p.stages) > 1 else 0.0
         local = b.num_experts // ep
         rows = b.pairs_per_sample * mb / (tp if fold and tp > 1 else 1) / local
-        print(f"  pipeline sends charged: {sends:.2f} s a step (Megatron overlaps them: overlap_p2p_comm, "
-              f"its default with the interleaved schedule)")
+        print(f"  the stage's communication beyond its layers' collectives (pipeline sends as the software "
+              f"leaves them exposed, pipeline_send_overlap {p.software.pipeline_send_overlap}): {sends:.2f} s a step")
         share = 1.0 / tp if fold and tp > 1 else 1.0
         gf = gb = 0.0
         for flops, moved, wbytes, out_dtype, _, _ in self._block_gemms(b):

@@ -52,6 +52,12 @@ class ScheduleKind:
     interleaved: bool                 # several chunks per device group (`virtual_stages` > 1)
     torch_class: TorchSchedule
     description: str
+    # where the schedule's pipeline sends run beside the compute (`SoftwareSpec.
+    # pipeline_send_overlap`), which compute they run beside: "same", a forward send beside the
+    # next micro-batch's forward and a gradient send beside the next backward (all forwards,
+    # then all backwards); "opposite", a forward send beside the backward after it and a
+    # gradient send beside the next forward (one forward, one backward)
+    sends_beside: Literal["same", "opposite"] = "opposite"
 
     def runtime_class(self, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> TorchSchedule:
         """The class the runtime runs: torch's 1F1B needs at least as many micro-batches as
@@ -75,7 +81,7 @@ class ScheduleKind:
 
 
 SCHEDULES: dict[str, ScheduleKind] = {k.name: k for k in (
-    ScheduleKind("gpipe", False, "ScheduleGPipe", "all forwards, then all backwards (GPipe)"),
+    ScheduleKind("gpipe", False, "ScheduleGPipe", "all forwards, then all backwards (GPipe)", "same"),
     ScheduleKind("1f1b", False, "Schedule1F1B", "one forward, one backward (PipeDream-Flush)"),
     ScheduleKind("interleaved_1f1b", True, "ScheduleInterleaved1F1B",
                  "1F1B over several model chunks per device group (Megatron's interleaving)"),
@@ -88,6 +94,13 @@ def schedule_kind(name: str) -> ScheduleKind:
     if kind is None:
         raise ValueError(f"unknown schedule {name!r}; one of {', '.join(SCHEDULES)}")
     return kind
+
+
+def executed_schedule(kind: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> ScheduleKind:
+    """The schedule a plan of `kind` runs as (`ScheduleKind.runtime_class`): 1F1B with fewer
+    micro-batches than stages runs as GPipe, interleaving with one chunk per group as 1F1B."""
+    cls = torch_schedule(kind, num_stages, num_microbatches, virtual_stages)
+    return next(k for k in SCHEDULES.values() if k.torch_class == cls)
 
 
 def torch_schedule(kind: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> TorchSchedule:

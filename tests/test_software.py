@@ -33,7 +33,7 @@ def test_presets_are_typed_and_sourced():
     for name in bundled_software():
         sw = SoftwareSpec.load(name)
         assert sw.name == name and sw.description
-        chosen = ({"attention_kernel", "mixed_precision", "grad_sync_overlap"}
+        chosen = ({"attention_kernel", "mixed_precision", "grad_sync_overlap", "pipeline_send_overlap"}
                   | ({"attention_flops"} if sw.attention_flops else set())
                   | ({"pointwise_fusion"} if sw.pointwise_fusion != "eager" else set())
                   | ({"loss_kernel"} if sw.loss_kernel != "eager" else set())
@@ -43,6 +43,7 @@ def test_presets_are_typed_and_sourced():
                   | ({"attention_head_dims"} if sw.attention_head_dims else set())
                   | {k for k in MEMORY_TERM_FIELDS if getattr(sw, k) != SoftwareSpec.model_fields[k].default}
                   | ({"zero3_overlap"} if sw.zero3_overlap else set())
+                  | ({"pipeline_send_split"} if sw.pipeline_send_split else set())
                   | ({"optimizer_states"} if sw.optimizer_states != "fp32" else set())
                   | ({"expert_dispatch"} if sw.expert_dispatch != "pairs" else set())
                   | ({"expert_routing"} if sw.expert_routing != "router" else set())
@@ -141,7 +142,8 @@ def test_plan_records_its_software_and_round_trips(tmp_path):
     assert autopar.load_plan(tmp_path / "p.json").software.name == "megatron-lm-2021"
     line = [x for x in unfused.summary().splitlines() if x.startswith("software:")]
     assert line == ["software: megatron-lm-2021 (attention unfused, model cast to its 2-byte dtype (no autocast), "
-                    "dp gradient sync after the backward)"]
+                    "dp gradient sync after the backward, pipeline sends waited, pipeline sends split over tp and "
+                    "all-gathered)"]
     # a SoftwareSpec of one's own is recorded as given
     own = SoftwareSpec(name="mine", attention_kernel="unfused", grad_sync_overlap=True)
     assert autopar.plan("gpt-tiny", cl, global_batch_size=8, constraints=cons, software=own).software == own

@@ -15,7 +15,14 @@ What is approximated, and why (to keep a 1000-GPU search within seconds on two c
   and ZeRO's memory split.
 - Stage cost = the sum of its layers' costs (Alpa's "individual" profiling) plus the
   point-to-point transfer of the activation and its gradient at each boundary, on the link the
-  boundary crosses (inter-node when a stage spans whole nodes, intra-node otherwise).
+  boundary crosses: stages sit in pipeline order (`pack_stages`), so a hop between stages of whole
+  nodes crosses the network, one between slices of a node only at the node's edge (`_Tables.
+  hop_inter`; the DP knows each stage's position). Paid in full where the software waits the sends,
+  only beyond the compute they run beside where it does not (`SoftwareSpec.pipeline_send_overlap`,
+  `_Tables.stage_p2p`), split over tp with an all-gather on receipt under Megatron-LM 2021's
+  scatter/gather (`pipeline_send_split`). The pipeline's fill and drain carry 2 (p - 1) transfers on
+  their critical path even when the steady state hides them: not priced (under 0.1% of the
+  published pipelined runs' steps).
 - All stages share one (dp, tp) logical mesh, because the runtime feeds every data-parallel
   replica its own micro-batch stream (dp x micro-batch x micro-batches = global batch). Alpa's
   per-stage choice among a sub-mesh's logical meshes is thereby fixed per candidate, and the
@@ -125,6 +132,7 @@ from cost_models.schedules import (
     SCHEDULES,
     SENT_GRADS,
     SENT_OUTPUTS,
+    executed_schedule,
     held_moments,
     save_moments,
     schedule_kind,
@@ -160,6 +168,9 @@ class StageResult:
     devices: list[int] = field(default_factory=list)
     tables: Optional["_Tables"] = None
     phases: list = field(default_factory=list)   # every phase / moment costed (`PhaseMemory`)
+    # per chunk, the pipeline transfers it pays per micro-batch (in t_mb and comm_mb;
+    # `_Tables.stage_p2p`: waited in full, or beyond the compute they run beside)
+    chunk_p2p: list[float] = field(default_factory=list)
 
     def phase_peaks(self) -> dict[str, Any]:
         """The largest moment of each phase (`PhaseMemory` by phase name)."""
@@ -234,7 +245,8 @@ class _Tables:
 
     # what depends on the layers' costs alone (not on dp, ZeRO or the batch), shared by the
     # tables of one cost list (`like`)
-    _COST_ONLY = ("base", "compute", "iter", "rc", "rc_compute", "priced", "act", "work", "work_rc", "pel_layer", "pel",
+    _COST_ONLY = ("base", "compute", "fwd_time", "bwd_time", "iter",
+                  "rc", "rc_compute", "priced", "act", "work", "work_rc", "pel_layer", "pel",
                   "shared",
                   "out", "cross", "cross_grad", "valid", "kk", "jj", "range_pel", "range_in", "range_out",
                   "range_send", "range_send_grad", "range_act", "range_in_saved", "range_out_kept", "range_work",
@@ -246,7 +258,7 @@ class _Tables:
                  zero: int, layers: list[Layer], batch: tuple[float, float] = (0.0, 0.0),
                  like: Optional["_Tables"] = None, rooted: frozenset = frozenset(), policy: Optional[str] = None,
                  cast_bytes: float = 0.0, cast_saved: float = 0.0, zero_optimizer: str = "flat",
-                 unscale_bytes: float = 0.0) -> None:
+                 unscale_bytes: float = 0.0, send_split: bool = False) -> None:
         """`like`: a table of the same `costs` list (another dp or ZeRO stage), whose cost-only
         arrays are reused as they are (read-only) instead of being built again. `rooted`: the
         modules ZeRO-3 leaves to the root unit (`rooted_modules`). `policy`: the precision policy
@@ -256,7 +268,9 @@ class _Tables:
         `param_cast_saved_bytes`; 0 with parameters in the training dtype); `zero_optimizer`: how
         ZeRO-1 shards the optimizer (`SoftwareSpec.zero_optimizer`, `runtime_phases`);
         `unscale_bytes`: bytes per gradient element the step moves unscaling the gradients under
-        fp16 dynamic loss scaling (`SoftwareSpec.loss_scaling_bytes`; 0 without)."""
+        fp16 dynamic loss scaling (`SoftwareSpec.loss_scaling_bytes`; 0 without); `send_split`:
+        each of a stage's tp ranks sends 1/tp of a boundary's tensors and the receiving stage
+        all-gathers them over its tp ranks (`SoftwareSpec.pipeline_send_split`)."""
         self.policy = policy or dtype
         self.zero_optimizer = zero_optimizer
         self.unscale_bytes = unscale_bytes
@@ -281,15 +295,30 @@ class _Tables:
             self._cost_ranges(costs, layers, dtype)
         self.wgo = PRECISION_POLICIES[self.policy]
         kk, jj = self.kk, self.jj
-        stage_size = dp * tp
-        link = axis_link(cluster, stage_size)
-        self.p2p = np.array([coll_time("send_recv", b, 2, link) for b in self.cross])
+        # a pipeline hop joins rank r of one stage to rank r of the next, `stage_size` ranks
+        # apart (stages placed in pipeline order, pp outermost: `pack_stages`, Megatron's
+        # tp-cp-ep-dp-pp order): each transfer's time per boundary on either link (`hop_inter`
+        # says which a hop crosses); a gradient sends the crossing tensors that need one
+        self.stage_size = dp * tp
+        links = {False: cluster.intra_node, True: _inter_link(cluster)}
+        split = tp if send_split and tp > 1 else 1
+        self.p2p_on = {x: (np.array([coll_time("send_recv", b / split, 2, ln) for b in self.cross]),
+                           np.array([coll_time("send_recv", b / split, 2, ln) for b in self.cross_grad]))
+                       for x, ln in links.items()}
+        # with the split, what a stage receives is all-gathered over its tp ranks before it is
+        # read (Megatron-LM 2021's gather_split_1d_tensor after the transfer's synchronize):
+        # waited, on the tp group's link; the activation at its start, the gradient at its end
+        tpl = axis_link(cluster, tp)
+        gather = [np.array([coll_time("all_gather", b, split, tpl) if split > 1 else 0.0 for b in arr])
+                  for arr in (self.cross, self.cross_grad)]
+        self.range_gathers = (np.where(self.kk > 0, gather[0][np.clip(self.kk - 1, 0, L - 1)], 0.0)
+                              + np.where(self.jj < L, gather[1][np.clip(self.jj - 1, 0, L - 1)], 0.0))
+        # on the link every hop crosses when stages are whole nodes (a stage of a node's slice:
+        # inside the node), waited: the fan-out's extra copies (`Search._fanout_sends`) and the
+        # stages of different sizes (`hetero`), whose placement is not pipeline-ordered
+        self.p2p = self.p2p_on[self.whole_node_hops][0]
+        self._stage_p2p: dict[tuple, np.ndarray] = {}
         self.dp_link = _dp_link(cluster, dp, tp)
-        # p2p at the boundaries this stage sends over: activation forward at its end, gradient
-        # backward at its start
-        send_fwd = np.where(jj < L, self.p2p[np.clip(jj - 1, 0, L - 1)], 0.0)
-        send_bwd = np.where(kk > 0, self.p2p[np.clip(kk - 1, 0, L - 1)], 0.0)
-        self.range_p2p = send_fwd + send_bwd
         self.zero3 = zero == 3 and dp > 1
         # ZeRO-3 reduce-scatters every micro-batch's gradients (`Plan.zero3_grad_sync`
         # "microbatch", set by `Search._tables`): each backward holds its units' gradients as one
@@ -319,12 +348,73 @@ class _Tables:
         # inputs (targets) if it ends it
         self.range_batch = np.where(kk == 0, self.batch_first, 0.0) + np.where(jj == L, self.batch_rest, 0.0)
 
+    @property
+    def whole_node_hops(self) -> bool:
+        """Whether every pipeline hop crosses nodes whatever the stage's position: stages of whole
+        nodes (`stage_size` >= a node) on a cluster of several."""
+        c = self.cluster
+        return c.num_nodes > 1 and c.inter_node is not None and self.stage_size >= c.devices_per_node
+
+    def hop_inter(self, src: int, p: int) -> bool:
+        """Whether the hop from the stage at pipeline position `src` of `p` to the next one
+        ((src + 1) mod p: an interleaved pipeline's last group hands its chunk to the first)
+        crosses nodes. Stages sit in pipeline order, `stage_size` ranks each (`pack_stages`):
+        rank r of stage i is i x stage_size + r, a node's slice never straddles nodes, so the hop
+        crosses when the two stages' first ranks are on different nodes: always for whole-node
+        stages; for slices of a node, at the node's edge only."""
+        c = self.cluster
+        if c.num_nodes <= 1 or c.inter_node is None or p <= 1:
+            return False
+        a, b = src * self.stage_size, ((src + 1) % p) * self.stage_size
+        return a // c.devices_per_node != b // c.devices_per_node
+
+    def stage_p2p(self, beside: Optional[str], fwd_inter: bool, bwd_inter: bool) -> np.ndarray:
+        """Per layer range [k, j): the pipeline transfers a stage of it pays per micro-batch, its
+        activation sent forward at its end (`fwd_inter`: over the network) and its input's
+        gradient back at its start (`bwd_inter`). `beside` None: the sends are waited before the
+        next op, paid in full (`SoftwareSpec.pipeline_send_overlap` without the schedule); else
+        they run beside the compute (`ScheduleKind.sends_beside`) and each direction pays only
+        what exceeds its window, max(0, transfer - window), the window the range's own forward
+        time (forward and tp collectives, recomputation left out) or backward time: "same", a
+        forward send beside the next forward and a gradient send beside the next backward
+        (GPipe); "opposite", a forward send beside the backward after it and a gradient send
+        beside the next forward (1F1B, Megatron-Core's overlapped interleaving)."""
+        key = (beside, fwd_inter, bwd_inter)
+        out = self._stage_p2p.get(key)
+        if out is None:
+            L, kk, jj = self.L, self.kk, self.jj
+            send_fwd = np.where(jj < L, self.p2p_on[fwd_inter][0][np.clip(jj - 1, 0, L - 1)], 0.0)
+            send_bwd = np.where(kk > 0, self.p2p_on[bwd_inter][1][np.clip(kk - 1, 0, L - 1)], 0.0)
+            if beside is not None:
+                fwd, bwd = self.ranged(self.fwd_time), self.ranged(self.bwd_time)
+                send_fwd = np.maximum(0.0, send_fwd - (fwd if beside == "same" else bwd))
+                send_bwd = np.maximum(0.0, send_bwd - (bwd if beside == "same" else fwd))
+            out = self._stage_p2p[key] = send_fwd + send_bwd + self.range_gathers
+            out.setflags(write=False)
+        return out
+
+    def position_p2p(self, beside: Optional[str], pos: int, p: int) -> np.ndarray:
+        """`stage_p2p` of the stage (device group) at pipeline position `pos` of `p`: its
+        forward sends to position pos + 1, its gradients to pos - 1 (mod p), each on the link
+        that hop crosses (`hop_inter`)."""
+        return self.stage_p2p(beside, self.hop_inter(pos, p), self.hop_inter((pos - 1) % p, p))
+
+    @property
+    def range_p2p(self) -> np.ndarray:
+        """`stage_p2p` waited, every hop on the whole-node rule's link (`p2p`): the search's
+        position-free price (stages of different sizes)."""
+        return self.stage_p2p(None, self.whole_node_hops, self.whole_node_hops)
+
     def _cost_ranges(self, costs: list[LayerCost], layers: list[Layer], dtype: str) -> None:
         """The arrays that depend on the layers' costs alone (`_COST_ONLY`)."""
         L = self.L
         pre = lambda xs: np.concatenate([[0.0], np.cumsum(xs)])  # noqa: E731
         self.base = pre([c.base_s for c in costs])
         self.compute = pre([c.fwd_s + c.bwd_s for c in costs])
+        # a micro-batch's forward and backward time on the stream, with their tp collectives
+        # (the windows pipeline sends can run beside: `stage_p2p`)
+        self.fwd_time = pre([c.fwd_s + c.fwd_comm_s for c in costs])
+        self.bwd_time = pre([c.bwd_s + c.bwd_comm_s for c in costs])
         self.iter = pre([c.iter_s for c in costs])
         self.rc = {r: pre([c.rc_extra_s.get(r, 0.0) for c in costs]) for r in RECOMPUTES}
         # of it, the recomputed forward's compute (its collectives left out): ZeRO-3's cover too
@@ -1410,6 +1500,11 @@ def _pack_time(cluster: ClusterSpec, nbytes: float) -> float:
     return memory_time(nbytes, cluster.device)
 
 
+def _inter_link(cluster: ClusterSpec):
+    """The link a transfer between nodes takes (the node's own on a one-node cluster)."""
+    return cluster.inter_node if cluster.num_nodes > 1 and cluster.inter_node is not None else cluster.intra_node
+
+
 def _dp_link(cluster: ClusterSpec, dp: int, tp: int):
     """Data-parallel groups are `tp` ranks apart: inside a node while dp * tp fits in one."""
     return axis_link(cluster, dp, stride=tp)
@@ -2291,7 +2386,9 @@ class Search:
         L, p, m = self.L, cand.pp, cand.m
         pel = tb.range_pel
         fixed = tb.fixed_memory(pel, m)
-        t_common = tb.ranged(tb.base) + tb.range_p2p + tb.accum(pel, m, tb.range_epel)
+        t_base = tb.ranged(tb.base) + tb.accum(pel, m, tb.range_epel)
+        beside = self._send_beside(cand.schedule, p, m)
+        by_hops: dict[tuple[bool, bool], np.ndarray] = {}   # the stage's time by the links of its hops
         cost = np.full((L, L + 1, 1, p + 1), INF)
         choice = np.full((L, L + 1, p + 1), -1, dtype=int)
         rcs = self.recomputes()
@@ -2301,6 +2398,10 @@ class Search:
             # [k, j) with k >= p - s and j <= L - s + 1 (others stay INF: a w x w block, not
             # L x (L + 1); 64 stages of GPT 1T's 128 layers: a quarter)
             blk = (slice(p - s, p - s + w), slice(p - s + 1, p - s + 1 + w))
+            hops = (tb.hop_inter(p - s, p), tb.hop_inter(p - s - 1, p))
+            if hops not in by_hops:
+                by_hops[hops] = t_base + tb.stage_p2p(beside, *hops)
+            t_common = by_hops[hops]
             cost[blk + (0, s)], choice[blk + (s,)] = self._best_recompute(
                 tb, rcs, t_common, fixed, self._held(cand.schedule, p, p - s, m), m, blk, _zero3_gathers(p, m))
         res = stage_dp(cost, [1], p, m, num_stages=p)
@@ -2312,7 +2413,8 @@ class Search:
         for idx, (k, j, _) in enumerate(res.stages):
             s = p - idx
             r = rcs[choice[k, j, s]]
-            stages.append(self._stage(tb, cand, [(k, j)], r, self._held(cand.schedule, p, idx, m)))
+            stages.append(self._stage(tb, cand, [(k, j)], r, self._held(cand.schedule, p, idx, m),
+                                      tb.position_p2p(beside, idx, p)))
         self._finish(cand, tb, stages, res.total)
         cand.costs = tb
         return True
@@ -2386,7 +2488,7 @@ class Search:
         for mi, tb in enumerate(tbs):
             pel = tb.range_pel
             fixed = tb.fixed_memory(pel, m)
-            t_common = tb.ranged(tb.base) + tb.range_p2p + tb.accum(pel, m, tb.range_epel)
+            t_base = tb.ranged(tb.base) + tb.accum(pel, m, tb.range_epel)
             for s_ in range(1, S + 1):
                 if pin is not None and (s_ > len(pin) or pin[len(pin) - s_] != tps[mi]):
                     continue
@@ -2394,6 +2496,10 @@ class Search:
                 # where the runtime runs GPipe instead (fewer micro-batches than stages) the
                 # stages are checked below
                 kind = "gpipe" if cand.schedule == "gpipe" or m < s_ else "1f1b"
+                # the stages' sizes differ and are not placed in pipeline order: every hop on the
+                # whole-node rule's link (`_Tables.p2p`)
+                hop = tb.whole_node_hops
+                t_common = t_base + tb.stage_p2p(self._send_beside(kind, s_, m), hop, hop)
                 cost[:, :, mi, s_], choice[:, :, mi, s_] = self._best_recompute(
                     tb, rcs, t_common, fixed, self._held(kind, s_, 0, m), m)
         # candidates of other ZeRO stages often give the same table: the DP once per table
@@ -2410,7 +2516,9 @@ class Search:
             s_ = p - idx
             tb = tbs[mi]
             r = rcs[choice[k, j, mi, s_]]
-            stages.append(self._stage(tb, cand, [(k, j)], r, self._held(cand.schedule, p, idx, m)))
+            hop = tb.whole_node_hops
+            stages.append(self._stage(tb, cand, [(k, j)], r, self._held(cand.schedule, p, idx, m),
+                                      tb.stage_p2p(self._send_beside(cand.schedule, p, m), hop, hop)))
         if any(st.peak_bytes > self.budget for st in stages):
             self.min_memory = min(self.min_memory, max(st.peak_bytes for st in stages))
             return False
@@ -2492,9 +2600,19 @@ class Search:
             if i + 1 < len(stages) and stages[i + 1].tp > st.tp:
                 extra += (stages[i + 1].tp // st.tp - 1) * float(tb.p2p[j - 1])
             if i > 0 and stages[i - 1].tp > st.tp:
-                extra += (stages[i - 1].tp // st.tp - 1) * float(tb.p2p[k - 1])
+                extra += (stages[i - 1].tp // st.tp - 1) * float(tb.p2p_on[tb.whole_node_hops][1][k - 1])
             st.t_mb += extra
             st.comm_mb += extra
+
+    def _send_beside(self, schedule: str, p: int, m: int, v: int = 1) -> Optional[str]:
+        """Which compute the pipeline sends of a `schedule` plan with `p` stages, `m` micro-batches
+        and `v` chunks per group run beside (`ScheduleKind.sends_beside`), or None where the
+        software waits them before the next op (`SoftwareSpec.pipeline_send_overlap`, of the
+        schedule the runtime executes: `executed_schedule`)."""
+        if p <= 1:
+            return None
+        kind = executed_schedule(schedule, p, m, v)
+        return kind.sends_beside if self.software.sends_overlap(kind.name) else None
 
     def _held(self, kind: str, p: int, rank: int, m: int, v: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """`cost_models.schedules.held_moments`, kept per search: candidates of one schedule, depth
@@ -2530,7 +2648,9 @@ class Search:
                          cast_bytes=self.software.param_cast_bytes(self.dtype),
                          cast_saved=self.software.param_cast_saved_bytes(self.dtype),
                          zero_optimizer=self.software.zero_optimizer,
-                         unscale_bytes=self.software.loss_scaling_bytes(self.dtype))
+                         unscale_bytes=self.software.loss_scaling_bytes(self.dtype),
+                         # with Megatron-SP the residual stream already crosses split over tp
+                         send_split=self.software.pipeline_send_split and not sp)
             tb.rs_each = rs_each and tb.zero3
             tb.zero3_overlap = self.software.zero3_overlap
             if ep > 1:
@@ -2580,6 +2700,7 @@ class Search:
 
     def _evaluate_interleaved(self, cand: Candidate, tb: _Tables, bar: float = INF) -> bool:
         p, v, m = cand.pp, cand.v, cand.m
+        beside = self._send_beside(cand.schedule, p, m, v)
         nch = p * v
         best_ok = False
         # the policies by the forward they re-run over the whole model, the cheapest first
@@ -2590,10 +2711,14 @@ class Search:
             if cand.bounds.get(r, 0.0) >= bar:
                 # under this policy it cannot beat the best plan: a fit would not be taken (`_walk`)
                 continue
-            ck = (cand.mb, cand.tp, cand.dp, nch, r, cand.zero == 3, cand.ep, cand.cp, cand.etp, cand.fold)
+            # the chunks are cut before they are placed: every boundary on the slowest link a
+            # hop of this pipeline crosses
+            hop = any(tb.hop_inter(d, p) for d in range(p))
+            ck = (cand.mb, cand.tp, cand.dp, nch, r, cand.zero == 3, cand.ep, cand.cp, cand.etp, cand.fold, hop, beside)
             res = self._chunk_cache.get(ck)
             if ck not in self._chunk_cache:
-                t = (tb.ranged(tb.base) + tb.range_p2p + tb.ranged(tb.rc[r]) + tb.range_zero_mb(_zero3_gathers(p, m), r)
+                t = (tb.ranged(tb.base) + tb.stage_p2p(beside, hop, hop) + tb.ranged(tb.rc[r])
+                     + tb.range_zero_mb(_zero3_gathers(p, m), r)
                      + tb.accum(tb.range_pel, m, tb.range_epel))
                 res = self._chunk_cache[ck] = balanced_chunks(np.where(tb.valid, t, INF), nch)
             if res is None:
@@ -2602,7 +2727,8 @@ class Search:
             stages = []
             fits = True
             for d, g in enumerate(groups):
-                st = self._stage(tb, cand, list(g), r, self._held(cand.schedule, p, d, m, v))
+                st = self._stage(tb, cand, list(g), r, self._held(cand.schedule, p, d, m, v),
+                                 tb.position_p2p(beside, d, p))
                 stages.append(st)
                 if st.peak_bytes > self.budget:
                     # infeasible: the rest of the groups matter only for the least memory a plan
@@ -2632,7 +2758,7 @@ class Search:
         return best_ok
 
     def _stage(self, tb: _Tables, cand: Candidate, chunks: list[tuple[int, int]], r: str,
-               held: tuple[np.ndarray, np.ndarray]) -> StageResult:
+               held: tuple[np.ndarray, np.ndarray], p2p: Optional[np.ndarray] = None) -> StageResult:
         """One device group's stage: its `chunks` (layer ranges, in local chunk order), its
         recomputation `r`, `held` the schedule's chunk micro-batches in flight before and after
         the group's first backward (`cost_models.schedules.held_moments`: chunk micro-batches in
@@ -2641,6 +2767,8 @@ class Search:
         backward phase at its worst moment: the most activations before any gradient exists,
         the most after, or every gradient once the activations are gone."""
         pel = 0.0
+        p2p = tb.range_p2p if p2p is None else p2p
+        chunk_p2p: list[float] = []     # each chunk's exposed pipeline transfers (`StageResult.chunk_p2p`)
         batch = sum(float(tb.range_batch[k, j]) for k, j in chunks)
         root = max(float(tb.range_root[k, j]) for k, j in chunks)
         unit = max(float(tb.range_unit[k, j]) for k, j in chunks) if tb.zero3 else 0.0
@@ -2658,7 +2786,8 @@ class Search:
         for k, j in chunks:
             pel += float(tb.range_pel[k, j])
             chunk_pel.append(float(tb.range_pel[k, j]))
-            t += float(tb.base[j] - tb.base[k] + tb.rc[r][j] - tb.rc[r][k] + tb.range_p2p[k, j])
+            t += float(tb.base[j] - tb.base[k] + tb.rc[r][j] - tb.rc[r][k] + p2p[k, j])
+            chunk_p2p.append(float(p2p[k, j]))
             comp += float(tb.compute[j] - tb.compute[k])
             comp += sum(c.rc_extra_s.get(r, 0.0) - c.rc_comm_s.get(r, 0.0) for c in tb.costs[k:j])
             kept_out = float(tb.range_out_kept[r][k, j])
@@ -2764,7 +2893,7 @@ class Search:
         return StageResult(chunks, r, t, comp, max(0.0, t - comp), sync, opt, pel,
                            float(top.weights), float(top.gradients), float(top.optimizer), float(top.activations),
                            float(top.buffers), top.phase, float(top.total), tp=tb.tp, tables=tb,
-                           phases=phases)
+                           phases=phases, chunk_p2p=chunk_p2p)
 
     def _finish(self, cand: Candidate, tb: _Tables, stages: list[StageResult], pipeline_s: float) -> None:
         if not all(st.devices for st in stages):

@@ -78,6 +78,31 @@ same plan, and that the cost model honours:
   of its last micro-batch (bucketed all-reduce as PyTorch DDP or Megatron-Core's
   --overlap-grad-reduce do it) instead of after it. Time: `autopar.inter_op.search` (the
   per-iteration tail).
+- `pipeline_send_overlap`: the pipeline schedules (as the runtime executes them: 1F1B with fewer
+  micro-batches than stages runs as GPipe, interleaving with one chunk as 1F1B) whose point-to-
+  point sends run beside the compute instead of being waited before the next op. Waited (the
+  schedules not listed): a stage pays each boundary's transfer in full per micro-batch (Megatron-LM
+  2021's `_communicate`: `batch_isend_irecv`, every request waited, then `torch.cuda.synchronize()`;
+  torch 2.13's `Schedule1F1B`, whose steady state fuses a send with the next op's receive and
+  waits both before that op; its lock-step interleaved runner, which waits each time step's sends
+  and receives in that step). Beside the compute: a transfer is paid only beyond the compute it
+  runs beside, max(0, transfer - window) per direction and micro-batch, the window the stage's
+  (chunk's) own forward or backward time, recomputation left out: for "gpipe" a forward send
+  beside the next micro-batch's forward and a gradient send beside the next backward (torch's
+  `ScheduleGPipe` waits its sends only after all forwards, then all backwards; a receive is
+  waited just before the op that reads it, by then in flight one op long); for "1f1b" and
+  "interleaved_1f1b" a forward send beside the backward that follows it and a gradient send
+  beside the next forward (Megatron-Core's `--overlap-p2p-communication`, on by default and
+  interleaved only: `forward_backward_pipelining_with_interleaving` posts `send_forward_recv_
+  forward` after a chunk's forward and waits its handles before the next forward, after the
+  backward ran). Time: `autopar.inter_op.search` (`_Tables.stage_p2p`).
+- `pipeline_send_split`: whether each tp rank of a stage sends only its 1/tp of a boundary's
+  tensors, which the receiving stage all-gathers over its tp ranks (Megatron-LM 2021's
+  scatter/gather optimization, Narayanan et al. 2021 §4.1: `--no-scatter-gather-tensors-in-
+  pipeline` off by default, `split_tensor_into_1d_equal_chunks` before the transfer,
+  `gather_split_1d_tensor` after it), instead of every rank sending the whole replicated tensor
+  (what `autopar run` executes, `runtime.pipeline_p2p`). Not applied under Megatron-SP, whose
+  residual stream already crosses split. Time: `autopar.inter_op.search` (`_Tables.stage_p2p`).
 - `zero3_overlap`: whether ZeRO-3's per-unit all-gathers and reduce-scatters run on their own
   streams beside the compute (the next unit's gather prefetched while a unit computes, a unit's
   gradients reduce-scattered while the next one's backward runs: PyTorch FSDP2 on NCCL,
@@ -148,11 +173,13 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     ValidationError,
+    field_validator,
     model_serializer,
     model_validator,
 )
 
 from autopar.schema.cluster import AttentionPoint
+from autopar.schema.constraints import Schedule
 from autopar.schema.errors import PlanError
 from autopar.schema.files import read_mapping
 
@@ -186,7 +213,7 @@ NORM_SAVES: tuple[str, ...] = ("eager", "input")
 RUNTIME_CHOICES: tuple[str, ...] = ("attention_kernel", "pointwise_fusion", "mixed_precision", "loss_kernel",
                                     "param_dtype", "zero_optimizer", "grad_sync_overlap", "zero3_overlap",
                                     "optimizer_states", "expert_dispatch", "expert_routing", "expert_saves",
-                                    "norm_saves")
+                                    "norm_saves", "loss_scaling", "pipeline_send_overlap", "pipeline_send_split")
 
 # the memory a plan may not fill, per software stack (`cost_models.memory.usable_memory`); omitted
 # from a dump at their defaults
@@ -275,6 +302,16 @@ class SoftwareSpec(BaseModel):
     grad_sync_overlap: bool = Field(
         default=False, description="the data-parallel gradient sync runs during the last micro-batch's "
         "backward (bucketed, as PyTorch DDP or Megatron-Core --overlap-grad-reduce) instead of after it")
+    pipeline_send_overlap: list[Schedule] = Field(
+        default_factory=lambda: ["gpipe"], description="the pipeline schedules (as run: 1F1B with fewer "
+        "micro-batches than stages runs as GPipe) whose point-to-point sends run beside the compute, paid only "
+        "beyond it (gpipe: torch's ScheduleGPipe waits its sends at the end of each phase, what autopar run "
+        "executes; interleaved_1f1b: Megatron-Core's --overlap-p2p-communication); the others' sends are waited "
+        "before the next op and paid in full (torch's Schedule1F1B and interleaved runner, Megatron-LM 2021)")
+    pipeline_send_split: bool = Field(
+        default=False, description="each tp rank of a stage sends 1/tp of a pipeline boundary's tensors, the "
+        "receiving stage all-gathers them over its tp ranks (Megatron-LM 2021's scatter/gather); false: every "
+        "rank sends the whole replicated tensor (what autopar run executes)")
     zero3_overlap: bool = Field(
         default=False, description="ZeRO-3's per-unit all-gathers and reduce-scatters run on their own streams "
         "beside the compute (prefetched gathers, asynchronous reduce-scatters: FSDP2 on NCCL, Megatron-FSDP with "
@@ -343,6 +380,20 @@ class SoftwareSpec(BaseModel):
                              "autocast")
         return self
 
+    @field_validator("pipeline_send_overlap")
+    @classmethod
+    def _schedules_once(cls, v: list[str]) -> list[str]:
+        """Each schedule named once, in the registry's order (a dump and a cache key do not
+        depend on how the file listed them)."""
+        from cost_models.schedules import SCHEDULES
+
+        return [s for s in SCHEDULES if s in set(v)]
+
+    def sends_overlap(self, schedule: str) -> bool:
+        """Whether the pipeline sends of `schedule` (the one the runtime executes: `cost_models.
+        schedules.executed_schedule`) run beside the compute (`pipeline_send_overlap`)."""
+        return schedule in self.pipeline_send_overlap
+
     @model_serializer(mode="wrap")
     def _omit_eager_fusion(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         """The dump without `pointwise_fusion` when it is "eager", `mixed_precision` when it is
@@ -357,7 +408,8 @@ class SoftwareSpec(BaseModel):
         if isinstance(out, dict):
             for key, old in (("pointwise_fusion", "eager"), ("mixed_precision", "autocast"), ("loss_kernel", "eager"),
                              ("param_dtype", "training"), ("zero_optimizer", "flat"), ("zero3_overlap", False),
-                             ("loss_scaling", "none"),
+                             ("loss_scaling", "none"), ("pipeline_send_overlap", ["gpipe"]),
+                             ("pipeline_send_split", False),
                              ("attention_head_dims", []),
                              ("expert_dispatch", "pairs"), ("expert_routing", "router"),
                              ("expert_saves", "runtime"), ("norm_saves", "eager"),
@@ -436,6 +488,10 @@ class SoftwareSpec(BaseModel):
         zro = ", torch ZeroRedundancyOptimizer" if self.zero_optimizer == "zero_redundancy" else ""
         zro += ", fp16 dynamic loss scaling" if self.loss_scaling == "dynamic" else ""
         zero3 = ", ZeRO-3 collectives beside the compute" if self.zero3_overlap else ""
+        if self.pipeline_send_overlap != type(self).model_fields["pipeline_send_overlap"].default_factory():
+            zero3 += (f", pipeline sends beside the compute under {'/'.join(self.pipeline_send_overlap)}"
+                      if self.pipeline_send_overlap else ", pipeline sends waited")
+        zero3 += ", pipeline sends split over tp and all-gathered" if self.pipeline_send_split else ""
         zero3 += ", no fp32 master (2-byte optimizer moments)" if self.optimizer_states == "param" else ""
         moe = {"ranks": ", a token sent once per expert rank (DeepEP)",
                "nodes": ", a token sent once per expert node over the network, once per expert rank inside it "
@@ -455,7 +511,8 @@ class SoftwareSpec(BaseModel):
         path = _resolve(str(name_or_path))
         data = read_mapping(path, "software",
                             "name, attention_kernel, pointwise_fusion, mixed_precision, param_dtype, zero_optimizer, "
-                            "loss_scaling, grad_sync_overlap, zero3_overlap, allocator_fragmentation, usable_fraction, "
+                            "loss_scaling, grad_sync_overlap, pipeline_send_overlap, pipeline_send_split, "
+                            "zero3_overlap, allocator_fragmentation, usable_fraction, "
                             "optimizer_states, expert_dispatch, expert_routing, expert_saves, norm_saves")
         data.setdefault("name", path.stem)
         try:
