@@ -129,15 +129,19 @@ def starved(ops: list[float], host_s, first: float = 0.0) -> float:
 
 
 def per_expert_launches(rot: list[float], ops: list[tuple[str, str, float]], k: int, local: int,
-                        host_gemm_s: float) -> tuple[list[float], list[float]]:
+                        host_gemm_s: float, gemm_s: list[float]) -> tuple[list[float], list[float]]:
     """The forward from the dispatch (`rot`, GPU seconds, `ops` rotated by `k`) with each expert
-    grouped GEMM split into `local` per-expert GEMMs of equal GPU time, each launched `host_gemm_s`
-    after the one before (Transformer Engine 2.2's GroupedLinear: a C++ loop of cuBLASLt calls),
-    the other ops `HOST_OP_S` apart: (GPU seconds, host seconds) per launch."""
+    grouped GEMM split into `local` per-expert GEMMs of equal GPU time (the i-th grouped GEMM's
+    the model's forward seconds `gemm_s[i]`, all local experts), each launched `host_gemm_s` after
+    the one before (Transformer Engine 2.2's GroupedLinear: a C++ loop of cuBLASLt calls), the other
+    ops `HOST_OP_S` apart: (GPU seconds, host seconds) per launch."""
     gpu: list[float] = []
     host: list[float] = []
+    i = 0
     for (op, _, _), t in zip(ops[k:] + ops[:k], rot):
         if op == "grouped_mm":
+            t = gemm_s[min(i, len(gemm_s) - 1)]
+            i += 1
             gpu += [t / local] * local
             host += [HOST_OP_S] + [host_gemm_s] * (local - 1)    # the module's own call, then the loop
         else:
@@ -224,12 +228,14 @@ def main() -> None:
               f"its default with the interleaved schedule)")
         share = 1.0 / tp if fold and tp > 1 else 1.0
         gf = gb = 0.0
+        gemm_f = []
         for flops, moved, wbytes, out_dtype, _, _ in self._block_gemms(b):
             act = max(moved - wbytes, 0.0) * mb
             t = grouped_gemm_time(flops * mb * self.imbalance * share,
                                   (act * self.imbalance * share + wbytes / ep) * bytes_scale(out_dtype, dtype),
                                   local, cluster.device, dtype)
             gf, gb = gf + t[0], gb + t[1]
+            gemm_f.append(t[0])
         g_step = (gf * (2 if st.recompute == "full" else 1) + gb) * lmb
         print(f"  expert GEMMs: {local} local experts x {rows:.0f} rows at the mean (K {b.hidden}), "
               f"fwd {gf * 1e3:.2f} + bwd {gb * 1e3:.2f} ms a layer micro-batch, {g_step:.2f} s a step; the gap alone "
@@ -237,7 +243,7 @@ def main() -> None:
         # TE 2.2's per-expert cuBLASLt GEMMs: their launches (the GPU's rate is TE22_GROUPED's check in main)
         n_fwd = GEMMS_PER_EXPERT * local
         n = n_fwd * (2 if st.recompute == "full" else 1) + 2 * n_fwd
-        g_fwd, h_fwd = per_expert_launches(rot, ops, k, local, HOST_GEMM_S)
+        g_fwd, h_fwd = per_expert_launches(rot, ops, k, local, HOST_GEMM_S, gemm_f)
         idle_e = max(starved(g_fwd, h_fwd, first=a2a), 0.0)
         split = sum(1 for op, _, _ in ops if op == "grouped_mm")
         gflop = [fl * mb * share / local for fl, *_ in self._block_gemms(b)]   # each GEMM of an expert
