@@ -4,8 +4,9 @@ candidate, in seconds a step on one rank.
     python benchmarks/moe_missing_time.py [--case TEXT] [--lift-memory 2.0]
 
 Plans each published Qwen3-235B-A22B run of `moe_plans.PUBLISHED` (the zoo's rows 1, 3, 4, 5;
-`--case` picks those whose name contains TEXT; the devices' memory times `--lift-memory` so that
-rows 4 and 5 plan) and prints, beside the predicted and published step and the gap between them:
+`--case` picks the published runs whose name contains TEXT, e.g. Qwen3-30B or Mixtral; the
+devices' memory times `--lift-memory` so that rows 4 and 5 plan) and prints, beside the predicted
+and published step and the gap between them:
 
 * the rank's layer micro-batches (a micro-batch through one decoder layer; rows 1, 4 and 5 run
   the same FLOPs a rank, 94 layers x 2048 sequences over 256 GPUs) and the gap per one;
@@ -22,6 +23,12 @@ rows 4 and 5 plan) and prints, beside the predicted and published step and the g
 * the pipeline sends the model charges (what the stage's communication holds beyond its layers'
   collectives), and the expert GEMMs' rows per expert and their rate on
   the profile's GEMM curve (the efficiency that would close the gap alone);
+* the expert GEMMs one library GEMM an expert (Transformer Engine 2.2's GroupedLinear in the zoo's
+  container: a host loop of cuBLASLt calls over 4 streams): the launches a layer micro-batch, the
+  GPU time of each against `HOST_GEMM_S` of host, the forward's idle time from the dispatch's empty
+  queue with each grouped GEMM so split, the bound with every launch's host time exposed, and the
+  gap per launch; before the cases, the GEMM curve against TE 2.2's own measured grouped-GEMM rate
+  (`TE22_GROUPED`) at per-expert sizes of rows 4 and 5;
 * `--log-params-norm` (on in the zoo's model config the day of the table; row 3's note says it
   was disabled there): an fp32 copy of every expert weight and an L2 norm each step
   (megatron/training/utils.py calc_params_l2_norm at 1e057005), its bytes over the HBM.
@@ -47,6 +54,25 @@ from cost_models.compute import bytes_scale, grouped_gemm_time  # noqa: E402
 # or a backward node): benchmarks/results/h100-2026-11-25/h100-profile.yaml kernel_overhead_s,
 # measured by cost_models.profiler on a 64-op chain of one-element tensors
 HOST_OP_S = 2.177034615382485e-05
+
+# Transformer Engine's GroupedLinear in the zoo's container (dockers/Dockerfile at 8017e11, the table's
+# commit: TransformerEngine release_v2.2 on nvcr.io/nvidia/pytorch:25.02-py3; Megatron 1e057005 builds
+# TEGroupedMLP from it under --moe-grouped-gemm, moe_module_specs.py) runs a grouped GEMM as one
+# cuBLASLt GEMM per expert from a host loop over 4 streams (cpp_extensions/gemm.py general_grouped_gemm
+# -> te_general_grouped_gemm -> common/gemm/cublaslt_gemm.cu nvte_multi_stream_cublas_gemm,
+# num_streams = 4 in gemm.h); each call builds its cuBLASLt descriptors and queries the heuristic
+# (cublaslt_gemm.cu cublas_gemm). A CUTLASS grouped kernel came in TE 2.8 (PR 2045, opt-in).
+# Megatron's TEGroupedMLP: linear_fc1 (gate and up fused) and linear_fc2, 2 GEMMs an expert forward,
+# each with a data- and a weight-gradient GEMM backward
+GEMMS_PER_EXPERT = 2
+# host time of one such cuBLASLt call: github.com/rapidsai/raft pull 1736 (cuBLASLt matmul "kernel
+# launch latency approx 10us -> 5us, as measured by NVTX from entering matmul wrapper on the host to
+# the launch of the kernel", descriptors and heuristic per call -> memoized); TE 2.2 does the former.
+# A transferred figure (another library's wrapper of the same cuBLASLt calls), not measured in TE
+HOST_GEMM_S = 10e-6
+# TE 2.2's own grouped GEMM on an H100, bf16 (github.com/NVIDIA/TransformerEngine pull 2045, the
+# description's table, "TE V2.2 (TFLOPs)"): (experts, rows, N, K) -> TFLOP/s
+TE22_GROUPED = {(8, 4096, 768, 2048): 508.77e12, (16, 2048, 768, 2048): 398.81e12}
 
 
 def layer_ops(self, i: int, mb: int, tp: int, cluster, dtype: str) -> list[tuple[str, str, float]]:
@@ -90,15 +116,54 @@ def layer_ops(self, i: int, mb: int, tp: int, cluster, dtype: str) -> list[tuple
     return out
 
 
-def starved(ops: list[float], host_s: float, first: float = 0.0) -> float:
+def starved(ops: list[float], host_s, first: float = 0.0) -> float:
     """Seconds the GPU idles running `ops` (GPU seconds, in order) when the host launches one
-    every `host_s` from an empty queue and the GPU runs each once launched and the one before is
-    done; `first`: a GPU block queued at the start (the dispatch's exchange)."""
+    every `host_s` (seconds, or a list: each op's own host time) from an empty queue and the GPU
+    runs each once launched and the one before is done; `first`: a GPU block queued at the start
+    (the dispatch's exchange)."""
+    hosts = host_s if isinstance(host_s, (list, tuple)) else [host_s] * len(ops)
     issue, gpu = 0.0, first
-    for t in ops:
-        issue += host_s
+    for t, h in zip(ops, hosts):
+        issue += h
         gpu = max(gpu, issue) + t
     return gpu - (first + sum(ops))
+
+
+def per_expert_launches(rot: list[float], ops: list[tuple[str, str, float]], k: int, local: int,
+                        host_gemm_s: float, gemm_s: list[float]) -> tuple[list[float], list[float]]:
+    """The forward from the dispatch (`rot`, GPU seconds, `ops` rotated by `k`) with each expert
+    grouped GEMM split into `local` per-expert GEMMs of equal GPU time (the i-th grouped GEMM's
+    the model's forward seconds `gemm_s[i]`, all local experts), each launched `host_gemm_s` after
+    the one before (Transformer Engine 2.2's GroupedLinear: a C++ loop of cuBLASLt calls), the other
+    ops `HOST_OP_S` apart: (GPU seconds, host seconds) per launch."""
+    gpu: list[float] = []
+    host: list[float] = []
+    i = 0
+    for (op, _, _), t in zip(ops[k:] + ops[:k], rot):
+        if op == "grouped_mm":
+            t = gemm_s[min(i, len(gemm_s) - 1)]
+            i += 1
+            gpu += [t / local] * local
+            host += [HOST_OP_S] + [host_gemm_s] * (local - 1)    # the module's own call, then the loop
+        else:
+            gpu.append(t)
+            host.append(HOST_OP_S)
+    return gpu, host
+
+
+def te22_check() -> None:
+    """The profile's GEMM curve against TE 2.2's measured grouped GEMM (TE22_GROUPED) at the same
+    per-expert shapes: bf16 operands and output, each expert's GEMM priced alone (`grouped_gemm_time`)."""
+    from autopar.planner import resolve_cluster  # noqa: PLC0415
+    dev = resolve_cluster("dgx-h100").device
+    for (g, m, n, kk), measured in TE22_GROUPED.items():
+        flops = 2.0 * g * m * n * kk
+        moved = 2.0 * g * (m * kk + kk * n + m * n)
+        t = grouped_gemm_time(flops, moved, g, dev, "bf16")[0]
+        print(f"TE 2.2 grouped GEMM (TE pull 2045, H100 bf16) g={g} m={m} n={n} k={kk}: {measured / 1e12:.0f} "
+              f"TFLOP/s measured, {flops / g / 1e9:.1f} GFLOP a GEMM; the profile's curve {flops / t / 1e12:.0f} "
+              f"TFLOP/s ({flops / t / measured:.2f}x); a host-bound loop would take at most "
+              f"{flops / measured / g * 1e6:.1f} us of host a GEMM")
 
 
 def main() -> None:
@@ -106,7 +171,8 @@ def main() -> None:
     ap.add_argument("--case", default="Qwen3-235B")
     ap.add_argument("--lift-memory", type=float, default=2.0)
     args = ap.parse_args()
-    cases = [c for c in moe_plans.PUBLISHED if args.case.lower() in c.name.lower() and "235B" in c.name]
+    cases = [c for c in moe_plans.PUBLISHED if args.case.lower() in c.name.lower()]
+    te22_check()
     for case in cases:
         seen: dict = {}
         orig = ex.ExpertCosting.layer_costs
@@ -130,7 +196,7 @@ def main() -> None:
         st = p.stages[1] if len(p.stages) > 1 else p.stages[0]
         per_rank = len(st.layers) * v if len(p.stages) > 1 else len(self.by_layer)
         lmb = m * per_rank
-        pred, pub = p.predicted.iteration_time_s, case.seconds
+        pred, pub = p.predicted.iteration_time_s, moe_plans.published_seconds(case, p)
         gap = pub - pred
         print(f"\n{case.name}: predicted {pred:.2f} s, published {pub:.1f} s, gap {gap:+.2f} s; {m} micro-batches "
               f"x {per_rank} layers a rank = {lmb} layer micro-batches, {gap / lmb * 1e3:.2f} ms each")
@@ -163,16 +229,34 @@ def main() -> None:
               f"leaves them exposed, pipeline_send_overlap {p.software.pipeline_send_overlap}): {sends:.2f} s a step")
         share = 1.0 / tp if fold and tp > 1 else 1.0
         gf = gb = 0.0
+        gemm_f = []
         for flops, moved, wbytes, out_dtype, _, _ in self._block_gemms(b):
             act = max(moved - wbytes, 0.0) * mb
             t = grouped_gemm_time(flops * mb * self.imbalance * share,
                                   (act * self.imbalance * share + wbytes / ep) * bytes_scale(out_dtype, dtype),
                                   local, cluster.device, dtype)
             gf, gb = gf + t[0], gb + t[1]
+            gemm_f.append(t[0])
         g_step = (gf * (2 if st.recompute == "full" else 1) + gb) * lmb
         print(f"  expert GEMMs: {local} local experts x {rows:.0f} rows at the mean (K {b.hidden}), "
               f"fwd {gf * 1e3:.2f} + bwd {gb * 1e3:.2f} ms a layer micro-batch, {g_step:.2f} s a step; the gap alone "
               f"would make them {1 + gap / g_step:.2f}x slower than the GEMM curve's per-expert GEMMs")
+        # TE 2.2's per-expert cuBLASLt GEMMs: their launches (the GPU's rate is TE22_GROUPED's check in main)
+        n_fwd = GEMMS_PER_EXPERT * local
+        n = n_fwd * (2 if st.recompute == "full" else 1) + 2 * n_fwd
+        g_fwd, h_fwd = per_expert_launches(rot, ops, k, local, HOST_GEMM_S, gemm_f)
+        idle_e = max(starved(g_fwd, h_fwd, first=a2a), 0.0)
+        split = sum(1 for op, _, _ in ops if op == "grouped_mm")
+        gflop = [fl * mb * share / local for fl, *_ in self._block_gemms(b)]   # each GEMM of an expert
+        print(f"  per-expert GEMMs (one cuBLAS(Lt) call an expert, TE 2.2 in the zoo's rows): {n} launches "
+              f"a layer micro-batch ({n_fwd} forward"
+              f"{' twice' if st.recompute == 'full' else ''}, {2 * n_fwd} backward), an expert's forward GEMMs "
+              f"{' + '.join(f'{x / 1e9:.1f}' for x in gflop)} GFLOP, {gf / n_fwd * 1e6:.0f} us forward / "
+              f"{gb / (2 * n_fwd) * 1e6:.0f} us backward of GPU each at the mean against "
+              f"{HOST_GEMM_S * 1e6:.0f} us of host; the forward's {split} grouped GEMMs so split, the GPU idles "
+              f"{idle_e * 1e3:.3f} ms a forward from the dispatch's empty queue: {idle_e * lmb * syncs:.2f} s a "
+              f"step; every launch's host time exposed (bound): {n * HOST_GEMM_S * lmb:.2f} s; the gap is "
+              f"{gap / (n * lmb) * 1e6:.0f} us a launch")
         # --log-params-norm: fp32 copies of the expert weights, then their L2 norm
         expert_elems = sum(v_ for w, v_ in c.param_elems.items() if ".experts." in w) * per_rank
         nbytes = expert_elems * (2 + 4 + 4)

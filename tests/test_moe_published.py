@@ -106,6 +106,32 @@ def test_missing_time_host_starvation_rule():
     assert mod.starved([2e-6] * 5, h) == pytest.approx(5 * h - 4 * 2e-6)    # host-bound: n launches
     assert mod.starved([2e-6] * 5, h, first=100e-6) == pytest.approx(0.0)   # queued behind the exchange
     assert mod.HOST_OP_S == pytest.approx(2.177e-5, rel=1e-3)               # the H100 profile's figure
+    # per-op host times: a loop of cheap launches behind one slow op catches up
+    assert mod.starved([50e-6, 5e-6, 5e-6], [h, 1e-6, 1e-6]) == pytest.approx(h)
+
+
+def test_missing_time_per_expert_gemm_candidate():
+    """The per-expert GEMM candidate (issue 14): a grouped GEMM in the forward from the dispatch
+    becomes `local` GEMMs of the model's time over the experts, the module's call at `HOST_OP_S`
+    and the loop's calls at the per-GEMM host time; other ops keep `HOST_OP_S`. The sources'
+    figures it prints are as published: TE 2.2 on an H100, bf16 (TE pull 2045), and the cuBLASLt
+    call's host latency (raft pull 1736)."""
+    _bench()
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "moe_missing_time.py"
+    spec = importlib.util.spec_from_file_location("moe_missing_time", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ops = [("add", "m.attn", 0.0), ("grouped_mm", "m.experts", 0.0), ("silu", "m.experts", 0.0),
+           ("grouped_mm", "m.experts", 0.0)]
+    rot = [1e-6, 9.0, 2e-6, 9.0]           # the grouped GEMMs' shares are replaced by the model's times
+    gpu, host = mod.per_expert_launches(rot, ops, 0, 4, 10e-6, [80e-6, 40e-6])
+    assert gpu == pytest.approx([1e-6] + [20e-6] * 4 + [2e-6] + [10e-6] * 4)
+    assert host == pytest.approx([mod.HOST_OP_S] * 2 + [10e-6] * 3 + [mod.HOST_OP_S] * 2 + [10e-6] * 3)
+    # GEMMs longer than the loop's host time: the GPU waits only for the launches before the first
+    idle = mod.starved(gpu[1:5], host[1:5])
+    assert idle == pytest.approx(mod.HOST_OP_S)
+    assert mod.TE22_GROUPED[(16, 2048, 768, 2048)] == pytest.approx(398.81e12)
+    assert mod.HOST_GEMM_S == pytest.approx(10e-6) and mod.GEMMS_PER_EXPERT == 2
 
 
 def _megatron():
