@@ -181,6 +181,32 @@ def random_ranks_per_token(num_experts: int, top_k: int, ep: int) -> float:
     return ep * (1.0 - math.comb(num_experts - per, k) / math.comb(num_experts, k))
 
 
+def _block_nodes(g: OpGraph, b: ExpertBlock) -> tuple[dict[str, Any], list[Any]]:
+    """(the graph's nodes by name, the call nodes inside `b`'s experts module)."""
+    by_name = {n.name: n for n in g.nodes}
+    inside = [n for n in g.nodes if n.kind == "call" and (
+        (n.module_path or "") == b.module or (n.module_path or "").startswith(b.module + "."))]
+    return by_name, inside
+
+
+def _grad_saves(inside: list[Any], by_name: dict[str, Any], rg: dict[str, bool], base: dict[str, str]):
+    """What the ops `inside` save for their backward as autograd records them (an op reading
+    nothing that needs a gradient records nothing; a gather saves its index only when its source
+    needs one): (the saved tensor's base name, the node making it or None, None) for a graph
+    tensor, (None, None, bytes) for what an op keeps on the side (`saved_tensors`)."""
+    for n in inside:
+        if not any(rg.get(i, False) for i in n.inputs):
+            continue
+        if n.op in ("index", "index_select", "gather") and n.inputs and not rg.get(n.inputs[0], False):
+            continue
+        for name, nbytes in saved_tensors(n, by_name, rg=rg):
+            if nbytes is not None:
+                yield None, None, nbytes
+                continue
+            key = base.get(name, name)
+            yield key, by_name.get(key), None
+
+
 def fake_ranks_per_token(num_experts: int, top_k: int, ep: int) -> float:
     """The mean number of ranks a token reaches under NeMo AutoModel's `FakeBalancedGate`
     (nemo_automodel/components/moe/layers.py: `indices = arange(T * k).view(-1, k) % E`, token t
@@ -526,28 +552,17 @@ class ExpertCosting:
         activation they are part of what this drops."""
         if b.module not in self._megatron:
             g = self._g1
-            by_name = {n.name: n for n in g.nodes}
-            inside = [n for n in g.nodes if n.kind == "call" and (
-                (n.module_path or "") == b.module or (n.module_path or "").startswith(b.module + "."))]
+            by_name, inside = _block_nodes(g, b)
             base = tensor_bases(inside, by_name)
-            rg = requires_grad(g.nodes)
             act = {x for r in norm_act_regions(inside) if r.kind == "act" for x in r.ops}
             made = {n.name for n in inside}
             kept: dict[str, tuple[Any, bool]] = {}
             side = 0.0
-            for n in inside:
-                if not any(rg.get(i, False) for i in n.inputs):
-                    continue
-                if n.op in ("index", "index_select", "gather") and n.inputs and not rg.get(n.inputs[0], False):
-                    continue
-                for name, nbytes in saved_tensors(n, by_name, rg=rg):
-                    if nbytes is not None:
-                        side += nbytes
-                        continue
-                    key = base.get(name, name)
-                    owner = by_name.get(key)
-                    if owner is not None and owner.outputs and owner.kind == "call" and key in made:
-                        kept[key] = (owner.outputs[0], key in act)
+            for key, owner, nbytes in _grad_saves(inside, by_name, requires_grad(g.nodes), base):
+                if nbytes is not None:
+                    side += nbytes
+                elif owner is not None and owner.outputs and owner.kind == "call" and key in made:
+                    kept[key] = (owner.outputs[0], key in act)
 
             def size(name: str) -> TensorMeta:
                 x = by_name[base.get(name, name)]
@@ -585,9 +600,7 @@ class ExpertCosting:
         own inputs it saves counted as the received rows it then reads (each its own tensor,
         one per pair); else those inputs are the layer's (counted there)."""
         g = self._g1
-        by_name = {n.name: n for n in g.nodes}
-        inside = [n for n in g.nodes if n.kind == "call" and (
-            (n.module_path or "") == b.module or (n.module_path or "").startswith(b.module + "."))]
+        by_name, inside = _block_nodes(g, b)
         made = {n.name for n in inside}
         rg = requires_grad(g.nodes)
         if unit_weights:
@@ -604,27 +617,20 @@ class ExpertCosting:
         base = tensor_bases(inside, by_name)
         kept: dict[str, Any] = {}
         side = 0.0
-        for n in inside:
-            if not any(rg.get(i, False) for i in n.inputs):
+        for key, owner, nbytes in _grad_saves(inside, by_name, rg, base):
+            if nbytes is not None:
+                side += nbytes
                 continue
-            if n.op in ("index", "index_select", "gather") and n.inputs and not rg.get(n.inputs[0], False):
+            if owner is None or not owner.outputs or owner.kind == "param":
                 continue
-            for name, nbytes in saved_tensors(n, by_name, rg=rg):
-                if nbytes is not None:
-                    side += nbytes
-                    continue
-                key = base.get(name, name)
-                owner = by_name.get(key)
-                if owner is None or not owner.outputs or owner.kind == "param":
-                    continue
-                if key in made:
-                    kept[key] = owner.outputs[0]
-                elif unit_weights:
-                    # the module's input as the exchange hands it: one row per pair (the
-                    # hidden states H wide, the index and the weights one)
-                    o = owner.outputs[0]
-                    width = int(o.shape[-1]) if o.shape and int(o.shape[-1]) == b.hidden else 1
-                    kept[key] = TensorMeta((b.pairs_per_sample, width), o.dtype)
+            if key in made:
+                kept[key] = owner.outputs[0]
+            elif unit_weights:
+                # the module's input as the exchange hands it: one row per pair (the
+                # hidden states H wide, the index and the weights one)
+                o = owner.outputs[0]
+                width = int(o.shape[-1]) if o.shape and int(o.shape[-1]) == b.hidden else 1
+                kept[key] = TensorMeta((b.pairs_per_sample, width), o.dtype)
         return list(kept.values()), side
 
     def row_index_saved(self, b: ExpertBlock) -> float:
@@ -668,9 +674,7 @@ class ExpertCosting:
         `cost_models.memory.saved_tensors` says each op keeps them."""
         if b.module not in self._split:
             g = self._g1
-            by_name = {n.name: n for n in g.nodes}
-            inside = [n for n in g.nodes if n.kind == "call" and (
-                (n.module_path or "") == b.module or (n.module_path or "").startswith(b.module + "."))]
+            by_name, inside = _block_nodes(g, b)
             split = set(b.gemms[:-1])
             for n in inside:
                 if n.name not in b.gemms and any(i in split for i in n.inputs):
@@ -693,10 +697,7 @@ class ExpertCosting:
         block's activation regions (`norm_act_regions`), which that policy discards (the layer's
         count leaves them out already)."""
         if b.module not in self._saved:
-            g = self._g1
-            by_name = {n.name: n for n in g.nodes}
-            inside = [n for n in g.nodes if n.kind == "call" and (
-                (n.module_path or "") == b.module or (n.module_path or "").startswith(b.module + "."))]
+            by_name, inside = _block_nodes(self._g1, b)
             base = tensor_bases(inside, by_name, dtype=dtype)
             act = {x for r in norm_act_regions(inside) if r.kind == "act" for x in r.ops}
             kept: dict[str, tuple[Any, bool]] = {}
