@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import moe_plans  # noqa: E402
 
-from autopar.inter_op import experts as ex  # noqa: E402
 from cost_models.communication import link_collective_time  # noqa: E402
 
 
@@ -37,21 +36,8 @@ def main() -> None:
     case = next(c for c in moe_plans.PUBLISHED if args.case.lower() in c.name.lower())
     if args.dispatch:
         case = dataclasses.replace(case, software_update={**case.software_update, "expert_dispatch": args.dispatch})
-    seen: dict = {}
-    orig = ex.ExpertCosting.layer_costs
-
-    def spy(self, costs, ep, mb, tp, cluster, dtype, etp=1, fold=False):
-        out = orig(self, costs, ep, mb, tp, cluster, dtype, etp, fold)
-        if ep == case.pins.get("ep") and mb == case.pins.get("microbatch_size") and tp == case.pins.get("tp"):
-            seen["args"] = (self, costs, out, ep, mb, tp, cluster, dtype, etp, fold)
-        return out
-
-    ex.ExpertCosting.layer_costs = spy
-    try:
-        p = moe_plans.plan_published(case, args.lift_memory)
-    finally:
-        ex.ExpertCosting.layer_costs = orig
-    self, costs, out, ep, mb, tp, cluster, dtype, etp, fold = seen["args"]
+    p, (self, costs, out, ep, mb, tp, cluster, dtype, etp, fold) = moe_plans.plan_watching_experts(
+        case, args.lift_memory)
     i = sorted(self.by_layer)[len(self.by_layer) // 2]
     b = self.by_layer[i][0]
     fold = fold and tp > 1

@@ -47,7 +47,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moe_plans  # noqa: E402
 
 from autopar.capture.flops import VIEW_OPS  # noqa: E402
-from autopar.inter_op import experts as ex  # noqa: E402
 from cost_models.compute import bytes_scale, grouped_gemm_time  # noqa: E402
 
 # per-op host time of an eager PyTorch step on an H100 host (forward op with autograd recording,
@@ -174,21 +173,8 @@ def main() -> None:
     cases = [c for c in moe_plans.PUBLISHED if args.case.lower() in c.name.lower()]
     te22_check()
     for case in cases:
-        seen: dict = {}
-        orig = ex.ExpertCosting.layer_costs
-
-        def spy(self, costs, ep, mb, tp, cluster, dtype, etp=1, fold=False, _case=case, _orig=orig, _seen=seen):
-            out = _orig(self, costs, ep, mb, tp, cluster, dtype, etp, fold)
-            if ep == _case.pins.get("ep") and mb == _case.pins.get("microbatch_size") and tp == _case.pins.get("tp"):
-                _seen["args"] = (self, costs, out, ep, mb, tp, cluster, dtype, etp, fold)
-            return out
-
-        ex.ExpertCosting.layer_costs = spy
-        try:
-            p = moe_plans.plan_published(case, args.lift_memory)
-        finally:
-            ex.ExpertCosting.layer_costs = orig
-        self, costs, out, ep, mb, tp, cluster, dtype, etp, fold = seen["args"]
+        p, (self, costs, out, ep, mb, tp, cluster, dtype, etp, fold) = moe_plans.plan_watching_experts(
+            case, args.lift_memory)
         i = sorted(self.by_layer)[len(self.by_layer) // 2]
         b = self.by_layer[i][0]
         c = out[i]

@@ -253,6 +253,30 @@ def published_seconds(case: Published, p) -> float:
     return per_sample * case.global_batch / (devices * case.tflops * 1e12)
 
 
+def plan_watching_experts(case: Published, lift_memory: float = 1.0):
+    """(`plan_published(case, lift_memory)`, the arguments and result of the search's
+    `ExpertCosting.layer_costs` call at the case's pinned ep, micro-batch and tp: (costing, costs,
+    out, ep, mb, tp, cluster, dtype, etp, fold)), for the benchmarks that break a published run's
+    expert terms down (`moe_comm_breakdown.py`, `moe_missing_time.py`)."""
+    from autopar.inter_op import experts as ex
+
+    seen: dict = {}
+    orig = ex.ExpertCosting.layer_costs
+
+    def spy(self, costs, ep, mb, tp, cluster, dtype, etp=1, fold=False):
+        out = orig(self, costs, ep, mb, tp, cluster, dtype, etp, fold)
+        if ep == case.pins.get("ep") and mb == case.pins.get("microbatch_size") and tp == case.pins.get("tp"):
+            seen["args"] = (self, costs, out, ep, mb, tp, cluster, dtype, etp, fold)
+        return out
+
+    ex.ExpertCosting.layer_costs = spy
+    try:
+        p = plan_published(case, lift_memory)
+    finally:
+        ex.ExpertCosting.layer_costs = orig
+    return p, seen["args"]
+
+
 def time_error(case: Published, p) -> float:
     """The prediction's step-time error against the run's step time (`published_seconds`)."""
     return p.predicted.iteration_time_s / published_seconds(case, p) - 1
