@@ -158,7 +158,7 @@ TOLERANCE = 0.03
 # "dynamic", the flash-attn presets: Lightning's precision 16 runs torch's GradScaler, whose unscale_
 # reads and writes every fp32 gradient once a step, 8 bytes a parameter): FA1 GPT2-1.6B -10.56% ->
 # -10.38% (held out; seen before the change). The bf16 rows and the other families unchanged.
-# Session 38 (issue 14, pipeline sends as software): `pipeline_send_overlap` (Megatron-Core overlaps the
+# Session 37 (issue 14, pipeline sends as software): `pipeline_send_overlap` (Megatron-Core overlaps the
 # interleaved schedule's sends, `overlap_p2p_comm`; Megatron-LM 2021 and autopar's 1F1B wait them),
 # `pipeline_send_split` (Megatron-LM 2021's scatter/gather: each tp rank sends 1/tp, the receiver
 # all-gathers over tp), each hop on the link it crosses (stages of a whole node crossed InfiniBand,
@@ -197,7 +197,7 @@ PINNED: dict[tuple[str, str], float] = {
 # table1's two rows, 11.4% under micro-batch 1 (session 28), are 9.0% as the authors' script ran
 # them (session 31); with the unfused attention core's measured A100 speed (session 32) pinned,
 # analytic and table1 meet issue 14's 5% (3.2%, 2.7% and 3.1%); h100 (its one pinned case) does not
-# since its pipeline sends are hidden as Megatron-Core runs them (session 38: -0.3% -> -5.4%)
+# since its pipeline sends are hidden as Megatron-Core runs them (session 37: -0.3% -> -5.4%)
 MEAN_BOUND = {"pinned": 0.05, "analytic": 0.05, "table1": 0.05}
 
 FAMILIES = {"pinned": CASES, "analytic": CASES, "table1": TABLE1, "h100": H100_CASES, "flash": FLASH_CASES}
