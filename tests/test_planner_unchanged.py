@@ -183,7 +183,7 @@ bytes): times only, the same layouts, peaks and collectives: GPT-3 1.3B tp2 pp2 
 0.5534 -> 0.5744 s; hf-gpt2 1.383 -> 1.600 ms; hf-llama 2.525 -> 2.842 ms; gpt-small (CPU
 profile) 15.157 -> 15.315 ms (the split's cat and the gradient sums; its profile measured the
 linear backward, bias sum in it).
-Session 38 (issue 14, pipeline sends as software: `SoftwareSpec.pipeline_send_overlap` and
+Session 37 (issue 14, pipeline sends as software: `SoftwareSpec.pipeline_send_overlap` and
 `pipeline_send_split`, each hop on the link it crosses): GPT-3 1.3B tp2 pp2 under megatron-lm-2021
 0.574375 -> 0.574517 s (its scatter/gather: each of the 2 tp ranks sends half the boundary and the
 receiver all-gathers it over NVLink: 0.14 ms a step more than whole sends there), same
