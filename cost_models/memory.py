@@ -270,6 +270,16 @@ class ActivationMemory:
     # of each such moment's parameter gradients, those the ops of the layer's other modules made,
     # by their position (under ZeRO-3 a unit's are reduce-scattered as its backward ends)
     first_born: dict[float, dict[float, float]] = field(default_factory=dict)
+    # the same moments of a later micro-batch's backward, gradients accumulating (every
+    # parameter gradient alive already, `.grad` of the earlier micro-batches): per position the
+    # worst by activations and activation gradients alone (the parameter gradients the ops made
+    # so far are added into `.grad`, no new bytes), which need not be the first backward's (a
+    # recomputed MLP's weight-gradient matmul, every re-made tensor alive, against a later
+    # op's moment with more parameter gradients made: gpt-tiny dp2 x tp2 ZeRO-3 with full
+    # recomputation and 2 micro-batches, 8 KiB of a block's re-made activations left out);
+    # the same parts and `acc_born` as `first_moments` and `first_born`
+    acc_moments: dict[float, tuple[float, float, float]] = field(default_factory=dict)
+    acc_born: dict[float, dict[float, float]] = field(default_factory=dict)
     # each recomputed region holding a fused attention op: its worst moments (above
     # `saved_bytes`, as `backward_over_bytes`) by where they fall against the attention's
     # backward, "post" (before it: the attention's re-saved tensors alive, the region's later
@@ -1300,6 +1310,10 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         if old is None or acts + act_grads + param_grads > sum(old):
             out.first_moments[at] = (acts, act_grads, param_grads)
             out.first_born[at] = {p: b for p, b in born_at.items() if p != at and b > 0}
+        old = out.acc_moments.get(at)
+        if old is None or acts + act_grads > old[0] + old[1]:
+            out.acc_moments[at] = (acts, act_grads, param_grads)
+            out.acc_born[at] = {p: b for p, b in born_at.items() if p != at and b > 0}
 
     # the plain backward's moments by where they fall against the layer's first fused attention
     # op (`attention_moments`)

@@ -435,8 +435,17 @@ class _Tables:
             self.range_work[r] = np.maximum(np.maximum(Wrc, Wtmp), 0.0)
         self._outputs_held()
         self._first: dict[tuple[str, bool], tuple[np.ndarray, ...]] = {}
-        self.range_root = np.where(self.valid, root, 0.0)
         self._layers = layers
+        # and every parameter no unit holds: those of the modules it keeps (`rooted`: a tied
+        # embedding's module holds the position table too) and those outside the layers'
+        # modules (a final norm), gathered from the forward to the backward as the tied ones
+        # (gpt-tiny ZeRO-3: wpe and ln_f, 1.25 KiB at dp2 x tp2, were left out)
+        shared_names = {f for f, _, _ in self.shared}
+        own = [sum(e for f, e in c.param_elems.items() if f not in shared_names) - sum(us)
+               for c, us in zip(costs, self.module_units)]
+        own_pre = pre([max(x, 0.0) for x in own])
+        root = root + own_pre[np.clip(jj, 0, L)] - own_pre[kk]
+        self.range_root = np.where(self.valid, root, 0.0)
         # AdamW's temporaries at their worst, per device (`adamw_temporary_elems`: the tensors
         # in the order the layers hold them, the first of a layer after the last of the one
         # before, the layer's first where it starts the range: the tensor stepped before it is
@@ -559,13 +568,19 @@ class _Tables:
         # each layer's worst moment by parts [activations, activation gradients, parameter
         # gradients, its unit's weights, the prefetched unit's], where the layer before is in
         # the range (`inside`) and where the layer starts it (`alone`: nothing before to prefetch)
-        inside, alone = np.zeros((L, 5)), np.zeros((L, 5))
+        inside, alone = np.zeros((L, 6)), np.zeros((L, 6))
         w0 = self.wgo[0] if self.zero3 else 0.0
+        # a later micro-batch's moments, gradients accumulated: the worst by what they make
+        # (`LayerCost.bwd_acc`), not the first backward's
+        acc = accumulated in ("mid", "last")
         for i, c in enumerate(costs):
-            ms = c.bwd_first.get(r)
+            ms = (c.bwd_acc.get(r) if acc else None) or c.bwd_first.get(r)
             if ms:
-                at = c.bwd_first_at.get(r) or [MAIN_UNIT] * len(ms)
-                born = c.bwd_first_born.get(r) or [{}] * len(ms)
+                at = ((c.bwd_acc_at.get(r) if acc and c.bwd_acc.get(r) else None) or c.bwd_first_at.get(r)
+                      or [MAIN_UNIT] * len(ms))
+                born = ((c.bwd_acc_born.get(r) if acc and c.bwd_acc.get(r) else None) or c.bwd_first_born.get(r)
+                        or [{}] * len(ms))
+                made = [m[2] for m in ms]
                 if accumulated == "mid":
                     ms = [[m[0], m[1], 0.0] for m in ms]
                 elif accumulated == "last":
@@ -588,16 +603,20 @@ class _Tables:
                 # a layer costed without the first backward's parts: its worst moment of any
                 g = self.work_grads[r][i]
                 ms, at = [[work[i] - g, g, 0.0] if self.work_rc[r][i] else [0.0, work[i], 0.0]], [MAIN_UNIT]
+                made = [0.0]
             # the layer before's last unit, prefetched: less the experts modules in it that are
             # FSDP units of their own (`expert_units`), which its pre-backward prefetches later
             before = max(self.last_unit[i - 1] - self.expert_units[i - 1], 0.0) if i > 0 else 0.0
             for out, prev in ((inside, before), (alone, 0.0)):
                 best = -INF
-                for m, x in zip(ms, at):
+                for m, x, mk in zip(ms, at, made):
                     own, pre = self._moment_units(i, x)
                     row = [m[0], m[1], m[2], w0 * own, w0 * (prev if pre is None else pre)]
                     if sum(row) > best:
-                        best, out[i] = sum(row), row
+                        best, out[i] = sum(row), row + [mk]
+        # the sixth column: the parameter gradients the moment's layer made so far, whatever
+        # became of them (the tied parameter's pending gradient below)
+        inside, alone, made_in, made_alone = inside[:, :5], alone[:, :5], inside[:, 5], alone[:, 5]
         f_in, f_out = inside.sum(axis=1), alone.sum(axis=1)
         g = self.wgo[1] if later else 0.0
         GP = np.concatenate([[0.0], np.cumsum(self.pel_layer * g)])
@@ -638,6 +657,7 @@ class _Tables:
         ok = at >= 0
         i = np.maximum(at, 0)
         parts = np.where((i == self.kk)[..., None], alone[i], inside[i])
+        made = np.where(ok, np.where(i == self.kk, made_alone[i], made_in[i]), 0.0)
         later_g = np.where(ok, GP[np.clip(self.jj, 0, L)] - GP[i + 1], 0.0)
         ag = np.where(ok, parts[..., 1], 0.0)
         ag = ag - np.minimum(given, np.maximum(ag, 0.0))
@@ -657,6 +677,7 @@ class _Tables:
             inr = [(self.kk <= u) & (u < self.jj) for u in us]
             n_in = sum(x.astype(int) for x in inr)
             u0 = np.min(np.stack([np.where(x, u, L) for x, u in zip(inr, us)]), axis=0)
+            ul = np.max(np.stack([np.where(x, u, -1) for x, u in zip(inr, us)]), axis=0)
             done = sum((x & (u > i)).astype(int) for x, u in zip(inr, us)) if later else np.zeros_like(n_in)
             mine = (n_in >= 2) & np.isin(i, us) & (i != u0)
             extra = np.where(done > 1, (done - 1) * e * g, 0.0) + np.where(mine & (done > 0), e * eb_dt, 0.0)
@@ -664,6 +685,19 @@ class _Tables:
             move = np.where(pending, np.minimum(e * eb_dt, np.maximum(pg - extra, 0.0)), 0.0)
             W, pg = W - extra, pg - extra - move
             ag = ag + move
+            if not later:
+                # the later readers' gradient (their backward ran: the head's of a tied
+                # embedding) waits in autograd's input buffer until the first reader's backward
+                # adds its own: new bytes at every moment of the layers from the first reader's
+                # up to the last's (there, once its backward made it: the layer's gradients made
+                # so far, at most the parameter's), which the parameter gradients here do not
+                # hold (the later layers' are not counted without `later`; a later micro-batch's
+                # are its `.grad`, the phase's). gpt-tiny dp2 x tp2 ZeRO-3 with full
+                # recomputation: 8 KiB (the head's [128, 16] fp32 gradient) left out
+                waits = np.where((n_in >= 2) & (u0 <= i) & (i < ul) & ~mine, e * eb_dt, 0.0)
+                if accumulated in ("mid", "last"):
+                    waits = waits + np.where(mine, np.minimum(e * eb_dt, np.maximum(made, 0.0)), 0.0)
+                W, ag = W + waits, ag + waits
         out = (W, at, np.stack([W - ag - pg - wd, ag, pg, wd], axis=-1))
         self._first[key] = out
         return out

@@ -101,6 +101,12 @@ class LayerCost:
     # of each moment's parameter gradients, those made by the layer's other modules, by their
     # position (a str key: `ActivationMemory.first_born`), by policy
     bwd_first_born: dict[str, list] = field(default_factory=dict)
+    # the same moments of a later micro-batch's backward, gradients accumulated (per position
+    # the worst by activations and activation gradients: `ActivationMemory.acc_moments`), their
+    # positions and their born gradients as `bwd_first_at` and `bwd_first_born`, by policy
+    bwd_acc: dict[str, list] = field(default_factory=dict)
+    bwd_acc_at: dict[str, list] = field(default_factory=dict)
+    bwd_acc_born: dict[str, list] = field(default_factory=dict)
     # the recomputed regions holding a fused attention op, their moments by where they fall
     # against its backward (`ActivationMemory.attention_regions`), by policy: what context
     # parallelism adds to each kind (`context_parallel.layer_cost`)
@@ -259,9 +265,15 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
         at = sorted(am.first_moments)
         moments = [list(am.first_moments[x]) for x in at]
         born = [{str(p): b for p, b in am.first_born.get(x, {}).items()} for x in at]
+        acc_at = sorted(am.acc_moments)
+        acc = [list(am.acc_moments[x]) for x in acc_at]
+        acc_born = [{str(p): b for p, b in am.acc_born.get(x, {}).items()} for x in acc_at]
         if am.forward_over_bytes > max((sum(m) for m in moments), default=0.0):
             at, moments, born = at + [MAIN_UNIT], moments + [[am.forward_over_bytes, 0.0, 0.0]], born + [{}]
+        if am.forward_over_bytes > max((m[0] + m[1] for m in acc), default=0.0):
+            acc_at, acc, acc_born = acc_at + [MAIN_UNIT], acc + [[am.forward_over_bytes, 0.0, 0.0]], acc_born + [{}]
         c.bwd_first[rc], c.bwd_first_at[rc], c.bwd_first_born[rc] = moments, at, born
+        c.bwd_acc[rc], c.bwd_acc_at[rc], c.bwd_acc_born[rc] = acc, acc_at, acc_born
         if am.attention_regions:
             c.rc_attention[rc] = am.attention_regions
         if am.attention_moments:
