@@ -296,6 +296,7 @@ class _Tables:
         self.zero3_overlap = False
         self._zero_ranges: dict = {}     # `range_zero_mb`: per gathers, and per (gathers, recomputation)
         self._relief: dict[str, np.ndarray] = {}
+        self._tied_work: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}   # `tied_work`, per policy
         self._temporaries: dict[tuple, float] = {}           # `chunk_temporaries`, per chunks
         self._holders: dict[tuple[int, int], list] = {}       # `_holder_sizes`, per layer range
         # `recompute_terms`, per (recomputation, ZeRO-3 with one micro-batch)
@@ -740,7 +741,10 @@ class _Tables:
                 kinds = ("mid", "last") if m > 2 else ("last",)
                 work = np.max([self.first_backward(r, False, accumulated=a)[0] for a in kinds], axis=0)
             else:
-                work = self.range_work[r] - self.relief(r)
+                work = self.range_work[r]
+                if self.shared:
+                    work = np.maximum(work, self.tied_work(r)[0])     # a tied gradient waiting
+                work = work - self.relief(r)
             first, at, _ = self.first_backward(r, not shards)
             if shards:
                 L = self.L
@@ -756,6 +760,53 @@ class _Tables:
                 first = np.maximum(first, -self.range_last_act(r))
             hit = self._rc_terms[key] = (act, work, first)
         return hit
+
+    def tied_work(self, r: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A later micro-batch's backward (every parameter gradient alive: `.grad` of the
+        earlier ones) where a parameter several layers of the range read (a tied embedding)
+        has its later readers' gradient waiting in autograd's input buffer for the first
+        reader's: beside the accumulated `.grad`, new bytes at every moment from the last
+        reader's backward (in its layer, once its ops made the gradient: the layer's gradients
+        made so far, at most the parameter's, `LayerCost.bwd_acc`) to the first reader's. Per
+        range, the worst such moment above the range's saved activations as `range_work` takes
+        them, and its parts (re-made or freed activations, gradients with the waiting one);
+        -inf where the range holds no two readers. gpt-tiny dp2 x tp2 ZeRO-0 with full
+        recomputation and 2 micro-batches: the head's [128, 16] fp32 gradient, 8 KiB of the
+        second backward's peak, was left out. Cached per policy."""
+        hit = self._tied_work.get(r)
+        if hit is not None:
+            return hit
+        L = self.L
+        tot, acts, grads = (np.full((L, L + 1), -INF) for _ in range(3))
+        P = self.live[r]
+        for _f, e, us in self.shared:
+            wait = e * self.wgo[1]
+            # per layer: its worst moment with the gradient waiting through it (`full`) and as
+            # the last reader (`last`: once made), each (total above P[i + 1], acts, grads)
+            full, last = [], []
+            for i, c in enumerate(self.costs):
+                ms = c.bwd_acc.get(r) or [[self.work[r][i] - self.work_grads[r][i], self.work_grads[r][i], 0.0]
+                                         if self.work_rc[r][i] else [0.0, self.work[r][i], 0.0]]
+                full.append(max((m[0] + m[1] + wait, m[0], m[1] + wait) for m in ms))
+                last.append(max((m[0] + m[1] + min(wait, max(m[2], 0.0)), m[0], m[1] + min(wait, max(m[2], 0.0)))
+                                for m in ms))
+            users = sorted(set(us))
+            for a, u0 in enumerate(users):
+                for ul in users[a + 1:]:
+                    best = max([(full[i][0] + P[i + 1],) + full[i][1:] for i in range(u0, ul)]
+                               + [(last[ul][0] + P[ul + 1],) + last[ul][1:]])
+                    # the ranges whose first reader is u0 and last is ul
+                    k0 = users[a - 1] + 1 if a > 0 else 0
+                    b = users.index(ul)
+                    j1 = users[b + 1] if b + 1 < len(users) else L
+                    for k in range(k0, u0 + 1):
+                        for j in range(ul + 1, j1 + 1):
+                            v = best[0] - P[j]
+                            if v > tot[k, j]:
+                                tot[k, j], acts[k, j], grads[k, j] = v, best[1], best[2]
+        out = (tot, acts, grads)
+        self._tied_work[r] = out
+        return out
 
     def ranged(self, arr: np.ndarray) -> np.ndarray:
         """`arr[j] - arr[k]` for every layer range [k, j) of a per-layer prefix sum `arr` (one of
@@ -1254,6 +1305,12 @@ def _transient(tb: "_Tables", chunks: list[tuple[int, int]], r: str) -> tuple[fl
     runs beside what it re-made, counted as gradients (buffers) as a tracker counts them; a
     plain backward moment holds its op's gradients (buffers) where the saved activations
     autograd freed before it are gone (the first item, then at most 0)."""
+    if tb.shared:
+        # a later micro-batch's moment with a tied parameter's gradient waiting (`tied_work`)
+        tot, acts, grads = tb.tied_work(r)
+        v, c = max((float(tot[c]), c) for c in chunks)
+        if v > max(max(float(tb.range_work_rc[r][c]), float(tb.range_work_tmp[r][c])) for c in chunks) and v > 0:
+            return v - float(grads[c]), float(grads[c])
     rc, at = max((float(tb.range_work_rc[r][k, j]), (k, j)) for k, j in chunks)
     tmp, at_tmp = max((float(tb.range_work_tmp[r][k, j]), (k, j)) for k, j in chunks)
     if rc > tmp and rc > 0:
