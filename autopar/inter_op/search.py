@@ -239,7 +239,7 @@ class _Tables:
                   "out", "cross", "cross_grad", "valid", "kk", "jj", "range_pel", "range_in", "range_out",
                   "range_send", "range_send_grad", "range_act", "range_in_saved", "range_out_kept", "range_work",
                   "range_work_rc", "range_work_rc_grads", "work_grads", "range_work_tmp", "range_root", "_layers",
-                  "work_tmp_grads", "range_work_tmp_grads",
+                  "work_tmp_grads", "range_work_tmp_grads", "root_own",
                   "range_maxtensor", "_first", "live")
 
     def __init__(self, costs: list[LayerCost], cluster: ClusterSpec, dtype: str, dp: int, tp: int,
@@ -444,7 +444,8 @@ class _Tables:
         shared_names = {f for f, _, _ in self.shared}
         own = [sum(e for f, e in c.param_elems.items() if f not in shared_names) - sum(us)
                for c, us in zip(costs, self.module_units)]
-        own_pre = pre([max(x, 0.0) for x in own])
+        self.root_own = np.array([max(x, 0.0) for x in own], dtype=float).reshape(L)
+        own_pre = pre(self.root_own)
         root = root + own_pre[np.clip(jj, 0, L)] - own_pre[kk]
         self.range_root = np.where(self.valid, root, 0.0)
         # AdamW's temporaries at their worst, per device (`adamw_temporary_elems`: the tensors
@@ -597,9 +598,13 @@ class _Tables:
                 elif self.zero3 and not later:
                     # the gradients of the layer's other modules that are units were
                     # reduce-scattered as their backward ended: fp32 shards (4 / dp bytes per
-                    # element) in place of the whole 2- or 4-byte ones; the root's stay whole
+                    # element) in place of the whole 2- or 4-byte ones; the root's stay whole;
+                    # the flat reduce-scatter input of the unit before kept until the next one's,
+                    # as in a later micro-batch ("last"; gpt-tiny dp2 x tp2 ZeRO-3 with full
+                    # recomputation and one micro-batch: block 1's, 25 KiB at block 0's backward)
                     shrink = 1.0 - 4.0 / (self.wgo[1] * self.dp)
-                    ms = [[m[0], m[1], m[2] - shrink * self._units_grads(i, b)] for m, b in zip(ms, born)]
+                    ms = [[m[0], m[1] + self.wgo[1] * self._reduced_before(i, x),
+                           m[2] - shrink * self._units_grads(i, b)] for m, b, x in zip(ms, born, at)]
             else:
                 # a layer costed without the first backward's parts: its worst moment of any
                 g = self.work_grads[r][i]
@@ -625,6 +630,15 @@ class _Tables:
             # the later layers' units were reduce-scattered (their root parameters' stay whole)
             shrink = 1.0 - 4.0 / (self.wgo[1] * self.dp)
             GP = -shrink * self.wgo[1] * np.concatenate([[0.0], np.cumsum([sum(us) for us in self.module_units])])
+        elif shards and accumulated is None:
+            # each unit reduce-scattered as its backward ends: the later layers' fp32 gradient
+            # shards (4 / dp bytes an element) alive, counted here so that the worst moment is
+            # taken with them (gpt-tiny dp2 x tp2 ZeRO-3, full recomputation, one micro-batch:
+            # block 0's backward with block 1's shard and reduce-scatter input, not block 1's)
+            # (the root's parameters' gradients whole until the root's reduce-scatter at the
+            # backward's end; a tied one's waiting in autograd's buffer, below)
+            per = [4.0 / self.dp * sum(us) + self.wgo[1] * x for us, x in zip(self.module_units, self.root_own)]
+            GP = np.concatenate([[0.0], np.cumsum(per)])
         v_in, v_out = f_in + P[1:] - GP[1:], f_out + P[1:] - GP[1:]
         # W[k, j]: layer k's moment alone, or a later one's with its layer before in the range
         rm, ra = np.full((L, L + 1), -INF), np.full((L, L + 1), -1)
@@ -632,6 +646,28 @@ class _Tables:
         first = np.where(self.jj > self.kk, v_out[:, None], -INF)
         W = np.maximum(first, rm) - P[None, :] + GP[None, :]
         at = np.where((first >= rm) & (self.jj > self.kk), self.kk, ra)
+        if not later and self.shared:
+            # the worst moment taken with the tied parameters' waiting gradients (added below)
+            # where a range holds every reader of one: a layer's moment before its last reader's
+            # can be the worst with it (gpt-tiny ZeRO-3, one micro-batch: block 0's backward)
+            wi, wo, every = np.zeros(L), np.zeros(L), np.zeros((L, L + 1), dtype=bool)
+            for _f, e, us in self.shared:
+                u0, ul = min(us), max(us)
+                wi[u0:ul] += e * self.wgo[1]
+                wo[u0:ul] += e * self.wgo[1]
+                if accumulated in ("mid", "last"):
+                    wi[ul] += min(e * self.wgo[1], max(float(made_in[ul]), 0.0))
+                    wo[ul] += min(e * self.wgo[1], max(float(made_alone[ul]), 0.0))
+                every |= (self.kk <= u0) & (ul < self.jj)
+            vw_in, vw_out = v_in + wi, v_out + wo
+            rmw, raw_ = np.full((L, L + 1), -INF), np.full((L, L + 1), -1)
+            rmw[:-1], raw_[:-1] = _range_max(vw_in)[1:], _range_argmax(vw_in)[1:]
+            firstw = np.where(self.jj > self.kk, vw_out[:, None], -INF)
+            atw = np.where((firstw >= rmw) & (self.jj > self.kk), self.kk, raw_)
+            iw = np.maximum(atw, 0)
+            less = np.where(iw == self.kk, wo[iw], wi[iw])
+            Ww = np.maximum(firstw, rmw) - less - P[None, :] + GP[None, :]
+            W, at = np.where(every, Ww, W), np.where(every, atw, at)
         # a chunk's output held by the stage's forward cache (`_outputs_held`); its output's
         # gradient is the receive buffer (`recv_buffers`), so the last layer's moment leaves it
         # out of the activation gradients its backward holds (`given`, where that moment is
@@ -746,16 +782,15 @@ class _Tables:
                     work = np.maximum(work, self.tied_work(r)[0])     # a tied gradient waiting
                 work = work - self.relief(r)
             first, at, _ = self.first_backward(r, not shards)
-            if shards:
+            if shards and m > 1:
+                # reduce-scattered every micro-batch: in a later one every shard is alive (the
+                # earlier micro-batches' sums), the worst case; `first_backward` holds the later
+                # layers' already
                 L = self.L
                 later = self.pel[np.clip(self.jj, 0, L)] - self.pel[np.clip(at + 1, 0, L)]
                 pel = self.range_pel
-                frac = np.where(at >= 0, later / np.where(pel > 0, pel, 1.0), 1.0)
-                if m > 1:
-                    # reduce-scattered every micro-batch: in a later one every shard is alive
-                    # (the earlier micro-batches' sums), the worst case
-                    frac = np.ones_like(frac)
-                first = first + np.where(pel > 0, self.fixed_memory(pel, m)[1] * frac, 0.0)
+                frac = np.where(at >= 0, later / np.where(pel > 0, pel, 1.0), 0.0)
+                first = first + np.where(pel > 0, self.fixed_memory(pel, m)[1] * (1.0 - frac), 0.0)
             if self.zero3:
                 first = np.maximum(first, -self.range_last_act(r))
             hit = self._rc_terms[key] = (act, work, first)
@@ -2771,9 +2806,11 @@ class Search:
         f_w, f_at, f_parts = tb.first_backward(r, not shards)
         k, j = max(chunks, key=lambda c: float(f_w[c]))
         a_rc, a_g, a_p, a_w = (float(x) for x in f_parts[k, j])
-        if shards and pel > 0:
+        if shards and pel > 0 and cand.m > 1:
+            # reduced every micro-batch (`rs_each`), a later one's moment: the earlier layers'
+            # shards too (`first_backward` holds the later ones')
             i = int(f_at[k, j])
-            a_p += fb.gradients * (float(tb.pel[j] - tb.pel[i + 1]) / pel if i >= 0 and cand.m == 1 else 1.0)
+            a_p += fb.gradients * (1.0 - (float(tb.pel[j] - tb.pel[i + 1]) / pel if i >= 0 else 0.0))
         phases.append(dataclasses.replace(fb, gradients=a_p, weights=fb.weights + a_w,
                                           activations=pre + a_rc, buffers=fb.buffers + a_g + recv))
         if tb.zero3:
