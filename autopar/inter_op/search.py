@@ -560,7 +560,7 @@ class _Tables:
         shards = self.zero3 and not later
         key = (r, later, self.zero3, self.dp if shards else None) if accumulated is None \
             else (r, self.zero3, accumulated, self.dp)
-        key = key + (float(self.expert_units.sum()),)
+        key = key + (float(self.expert_units.sum()), self.ep, self.ecopies)
         hit = self._first.get(key)
         if hit is not None:
             return hit
@@ -637,7 +637,12 @@ class _Tables:
             # block 0's backward with block 1's shard and reduce-scatter input, not block 1's)
             # (the root's parameters' gradients whole until the root's reduce-scatter at the
             # backward's end; a tied one's waiting in autograd's buffer, below)
-            per = [4.0 / self.dp * sum(us) + self.wgo[1] * x for us, x in zip(self.module_units, self.root_own)]
+            # An experts module's: fp32 shards over the ranks holding the same experts (its own
+            # unit), or whole where each has one copy (FSDP leaves them alone)
+            epl = np.diff(self.expert_pel)
+            eb = 4.0 / self.ecopies if self.ecopies > 1 else self.wgo[1]
+            per = [4.0 / self.dp * max(sum(us) - e, 0.0) + eb * e + self.wgo[1] * x
+                   for us, x, e in zip(self.module_units, self.root_own, epl)]
             GP = np.concatenate([[0.0], np.cumsum(per)])
         v_in, v_out = f_in + P[1:] - GP[1:], f_out + P[1:] - GP[1:]
         # W[k, j]: layer k's moment alone, or a later one's with its layer before in the range
