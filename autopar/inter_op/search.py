@@ -582,6 +582,17 @@ class _Tables:
                       or [MAIN_UNIT] * len(ms))
                 born = ((c.bwd_acc_born.get(r) if acc and c.bwd_acc.get(r) else None) or c.bwd_first_born.get(r)
                         or [{}] * len(ms))
+                eg = ((c.bwd_acc_egrads.get(r) if acc and c.bwd_acc.get(r) else c.bwd_first_egrads.get(r))
+                      or [0.0] * len(ms))
+                if not acc and not later and self.expert_units[i] > 0 and c.bwd_acc.get(r):
+                    # the experts' gradients reduce-scattered as their own unit ends: a moment
+                    # with fewer made (a later micro-batch's worst, `bwd_acc`) can be the worst
+                    ms = list(ms) + list(c.bwd_acc[r])
+                    at = list(at) + list(c.bwd_acc_at.get(r) or [MAIN_UNIT] * len(c.bwd_acc[r]))
+                    born = list(born) + list(c.bwd_acc_born.get(r) or [{}] * len(c.bwd_acc[r]))
+                    eg = list(eg) + list(c.bwd_acc_egrads.get(r) or [0.0] * len(c.bwd_acc[r]))
+                # the experts' gradients made, where they are an FSDP unit of their own
+                eu = eg if self.expert_units[i] > 0 else [0.0] * len(ms)
                 made = [m[2] for m in ms]
                 if accumulated == "mid":
                     ms = [[m[0], m[1], 0.0] for m in ms]
@@ -593,8 +604,8 @@ class _Tables:
                     # each unit's new gradients reduce-scattered as its backward ends and added
                     # into the fp32 shards (the phase's): gone but the flat reduce-scatter input
                     # of the unit before, which FSDP keeps until the next one's
-                    ms = [[m[0], m[1] + self.wgo[1] * self._reduced_before(i, x), m[2] - self._units_grads(i, b)]
-                          for m, b, x in zip(ms, born, at)]
+                    ms = [[m[0], m[1] + self.wgo[1] * self._reduced_before(i, x), m[2] - self._units_grads(i, b) - e]
+                          for m, b, x, e in zip(ms, born, at, eu)]
                 elif self.zero3 and not later:
                     # the gradients of the layer's other modules that are units were
                     # reduce-scattered as their backward ended: fp32 shards (4 / dp bytes per
@@ -603,8 +614,10 @@ class _Tables:
                     # as in a later micro-batch ("last"; gpt-tiny dp2 x tp2 ZeRO-3 with full
                     # recomputation and one micro-batch: block 1's, 25 KiB at block 0's backward)
                     shrink = 1.0 - 4.0 / (self.wgo[1] * self.dp)
+                    eshrink = 1.0 - 4.0 / (self.wgo[1] * max(self.ecopies, 1))
                     ms = [[m[0], m[1] + self.wgo[1] * self._reduced_before(i, x),
-                           m[2] - shrink * self._units_grads(i, b)] for m, b, x in zip(ms, born, at)]
+                           m[2] - shrink * self._units_grads(i, b) - eshrink * e]
+                          for m, b, x, e in zip(ms, born, at, eu)]
             else:
                 # a layer costed without the first backward's parts: its worst moment of any
                 g = self.work_grads[r][i]
@@ -787,15 +800,9 @@ class _Tables:
                     work = np.maximum(work, self.tied_work(r)[0])     # a tied gradient waiting
                 work = work - self.relief(r)
             first, at, _ = self.first_backward(r, not shards)
-            if shards and m > 1:
-                # reduce-scattered every micro-batch: in a later one every shard is alive (the
-                # earlier micro-batches' sums), the worst case; `first_backward` holds the later
-                # layers' already
-                L = self.L
-                later = self.pel[np.clip(self.jj, 0, L)] - self.pel[np.clip(at + 1, 0, L)]
-                pel = self.range_pel
-                frac = np.where(at >= 0, later / np.where(pel > 0, pel, 1.0), 0.0)
-                first = first + np.where(pel > 0, self.fixed_memory(pel, m)[1] * (1.0 - frac), 0.0)
+            # (`first_backward` holds the later layers' gradient shards, made in this backward;
+            # reduced every micro-batch, a later one's moments, every shard alive, are the
+            # phase's with the backward's transient, `work`)
             if self.zero3:
                 first = np.maximum(first, -self.range_last_act(r))
             hit = self._rc_terms[key] = (act, work, first)
@@ -2811,11 +2818,9 @@ class Search:
         f_w, f_at, f_parts = tb.first_backward(r, not shards)
         k, j = max(chunks, key=lambda c: float(f_w[c]))
         a_rc, a_g, a_p, a_w = (float(x) for x in f_parts[k, j])
-        if shards and pel > 0 and cand.m > 1:
-            # reduced every micro-batch (`rs_each`), a later one's moment: the earlier layers'
-            # shards too (`first_backward` holds the later ones')
-            i = int(f_at[k, j])
-            a_p += fb.gradients * (1.0 - (float(tb.pel[j] - tb.pel[i + 1]) / pel if i >= 0 else 0.0))
+        # (reduced every micro-batch, `rs_each`: a later micro-batch's moments, every shard
+        # alive, are the "each" variant's below; the first's holds the later layers' shards
+        # alone, `first_backward`: counted with all of them, moe-tiny dp4 x ep2 was +2.8%)
         phases.append(dataclasses.replace(fb, gradients=a_p, weights=fb.weights + a_w,
                                           activations=pre + a_rc, buffers=fb.buffers + a_g + recv))
         if tb.zero3:
