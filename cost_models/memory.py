@@ -270,6 +270,21 @@ class ActivationMemory:
     # of each such moment's parameter gradients, those the ops of the layer's other modules made,
     # by their position (under ZeRO-3 a unit's are reduce-scattered as its backward ends)
     first_born: dict[float, dict[float, float]] = field(default_factory=dict)
+    # the same moments of a later micro-batch's backward, gradients accumulating (every
+    # parameter gradient alive already, `.grad` of the earlier micro-batches): per position the
+    # worst by activations and activation gradients alone (the parameter gradients the ops made
+    # so far are added into `.grad`, no new bytes), which need not be the first backward's (a
+    # recomputed MLP's weight-gradient matmul, every re-made tensor alive, against a later
+    # op's moment with more parameter gradients made: gpt-tiny dp2 x tp2 ZeRO-3 with full
+    # recomputation and 2 micro-batches, 8 KiB of a block's re-made activations left out);
+    # the same parts and `acc_born` as `first_moments` and `first_born`
+    acc_moments: dict[float, tuple[float, float, float]] = field(default_factory=dict)
+    acc_born: dict[float, dict[float, float]] = field(default_factory=dict)
+    # of each such moment's parameter gradients (`first_moments`, `acc_moments`), the routed
+    # experts' weights' (`activation_memory`'s `expert_params`): expert parallelism holds 1/ep
+    # of them, and ZeRO-3 reduce-scatters them as the experts' own unit ends
+    first_egrads: dict[float, float] = field(default_factory=dict)
+    acc_egrads: dict[float, float] = field(default_factory=dict)
     # each recomputed region holding a fused attention op: its worst moments (above
     # `saved_bytes`, as `backward_over_bytes`) by where they fall against the attention's
     # backward, "post" (before it: the attention's re-saved tensors alive, the region's later
@@ -817,6 +832,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                       modules: Sequence[str] = (),
                       autocast: bool = True,
                       norm_saves: str = "eager",
+                      expert_params: frozenset = frozenset(),
                       ) -> ActivationMemory:
     """Activation bytes of one micro-batch of `graph` (at a concrete batch, `graph.at_batch(b)`),
     optionally restricted to `layers` (FQNs; None names the ops outside every layer), with
@@ -1065,6 +1081,13 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
         if not param_elems or is_view(n):
             return 0.0
         ps = {base.get(i, i) for i in n.inputs} & param_elems.keys()
+        return sum(param_elems[q] for q in ps) * 4.0 * bytes_scale("float32", dtype)
+
+    def new_expert_grads(n) -> float:
+        # of `new_grads(n)`, the routed experts' weights' (`expert_params`, node names)
+        if not expert_params or not param_elems or is_view(n):
+            return 0.0
+        ps = {base.get(i, i) for i in n.inputs} & param_elems.keys() & expert_params
         return sum(param_elems[q] for q in ps) * 4.0 * bytes_scale("float32", dtype)
 
     def gathers_grad(n, i: str) -> Any:
@@ -1338,16 +1361,24 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
     live = out.saved_bytes
     entered: set = set()
     born = 0.0          # parameter gradients the ops whose backward ran made
+    born_e = 0.0        # of them, the routed experts' (`expert_params`)
     position = unit_position(calls, modules)
     born_at: dict[float, float] = {}      # of those, by the position of the op that made them
 
-    def first(n, acts: float, act_grads: float, param_grads: float) -> None:
-        # a moment of the first backward, by parts: the worst at op n's position
+    def first(n, acts: float, act_grads: float, param_grads: float, expert_grads: float = 0.0) -> None:
+        # a moment of the first backward, by parts: the worst at op n's position; of its
+        # parameter gradients, the routed experts' (`expert_egrads`)
         at = position[n.name]
         old = out.first_moments.get(at)
         if old is None or acts + act_grads + param_grads > sum(old):
             out.first_moments[at] = (acts, act_grads, param_grads)
             out.first_born[at] = {p: b for p, b in born_at.items() if p != at and b > 0}
+            out.first_egrads[at] = expert_grads
+        old = out.acc_moments.get(at)
+        if old is None or acts + act_grads > old[0] + old[1]:
+            out.acc_moments[at] = (acts, act_grads, param_grads)
+            out.acc_born[at] = {p: b for p, b in born_at.items() if p != at and b > 0}
+            out.acc_egrads[at] = expert_grads
 
     # the plain backward's moments by where they fall against the layer's first fused attention
     # op (`attention_moments`)
@@ -1386,7 +1417,8 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 # norm's backward)
                 for val, g, after_i in region_moments.get(r, ()):
                     made_in = sum(new_grads(c) for c in region_calls.get(r, ()) if index[c.name] > after_i)
-                    first(n, live + val - out.saved_bytes - g, g, born + made_in)
+                    made_e = sum(new_expert_grads(c) for c in region_calls.get(r, ()) if index[c.name] > after_i)
+                    first(n, live + val - out.saved_bytes - g, g, born + made_in, born_e + made_e)
                 if r in region_att:
                     out.attention_regions.append({
                         "position": position[n.name], "param_grads": born,
@@ -1407,7 +1439,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             m = live + grads(n) - out.saved_bytes
             # the weight gradients the op makes are its backward's outputs while it runs
             # (AccumulateGrad makes them `.grad` after it): counted with its other gradients
-            first(n, live - out.saved_bytes, grads(n), born)
+            first(n, live - out.saved_bytes, grads(n), born, born_e)
             plain(n, m, grads(n), given_share(n))
             if n.op in LOSSES:
                 out.backward_over_loss = max(out.backward_over_loss or 0.0, m)
@@ -1421,6 +1453,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 out.backward_over_given_grads = grads(n) - given_share(n)
         made = new_grads(n)
         born += made
+        born_e += new_expert_grads(n)
         if made:
             born_at[position[n.name]] = born_at.get(position[n.name], 0.0) + made
         live -= owned.get(n.name, 0.0)
@@ -1429,7 +1462,7 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
             # own, which freed what it saved (`_gradient_moments`' fourth item)
             g_after = after_grads(n)
             m = live + g_after - out.saved_bytes
-            first(n, live - out.saved_bytes, g_after, born)
+            first(n, live - out.saved_bytes, g_after, born, born_e)
             plain(n, m, g_after, moments[n.name][4])
             out.backward_over_body = max(out.backward_over_body, m)
             if m > out.backward_over_bytes:

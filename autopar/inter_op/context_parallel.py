@@ -70,7 +70,8 @@ _CORE_SAVED = ("none", "norm_act")
 _SCALED = ("fwd_s", "bwd_s", "fwd_comm_s", "bwd_comm_s", "rc_extra_s", "rc_comm_s", "act_bytes", "bwd_over",
            "bwd_over_grads", "bwd_over_loss", "bwd_over_body", "bwd_over_given", "bwd_over_given_grads",
            "bwd_given_backward", "bwd_first",
-           "bwd_first_born", "out_saved", "in_saved", "kept_saved", "out_bytes", "cross_bytes", "cross_grad_bytes")
+           "bwd_first_born", "bwd_acc", "bwd_acc_born",
+           "out_saved", "in_saved", "kept_saved", "out_bytes", "cross_bytes", "cross_grad_bytes")
 
 
 def attention_nodes(graph: OpGraph, layer: Layer) -> list:
@@ -419,6 +420,9 @@ def layer_cost(cost: LayerCost, cp: int, kv: float, tp: int, cluster: ClusterSpe
     for r, ms in cost.bwd_first.items():
         out.bwd_first[r] = [[m[0] / cp, m[1] / cp, *m[2:]] for m in ms]
     out.bwd_first_born = cost.bwd_first_born
+    for r, ms in cost.bwd_acc.items():
+        out.bwd_acc[r] = [[m[0] / cp, m[1] / cp, *m[2:]] for m in ms]
+    out.bwd_acc_born = cost.bwd_acc_born
     # what the attention saves above its share (the gathered K and V, the rank's own where the
     # query's storage keeps them, the concatenated output), and what its backward holds above
     # its share besides (the full-length gradients of K and V before their reduce-scatter and,
@@ -530,6 +534,11 @@ def _recomputed_attention(out: LayerCost, r: str, regions: list, cp: int, saves:
             cand = [val - g, g, reg["param_grads"]]
             if sum(cand) > sum(ms[i][:3]):
                 out.bwd_first[r] = [*ms[:i], cand + list(ms[i][3:]), *ms[i + 1:]]
+        ats, ms = out.bwd_acc_at.get(r), out.bwd_acc.get(r)
+        if ats and ms and reg["position"] in ats:
+            i = ats.index(reg["position"])
+            if val > ms[i][0] + ms[i][1]:
+                out.bwd_acc[r] = [*ms[:i], [val - g, g, reg["param_grads"]] + list(ms[i][3:]), *ms[i + 1:]]
 
 
 def collectives(graph: OpGraph, layers: list[Layer], k: int, j: int, recompute: str) -> Counter:

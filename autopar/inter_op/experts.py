@@ -425,6 +425,20 @@ class ExpertCosting:
             # here: the tp counts of a layer come from DTensor dry runs or the solved layouts)
             c = dataclasses.replace(costs[i], param_elems=dict(costs[i].param_elems),
                                     rc_extra_s=dict(costs[i].rc_extra_s), rc_comm_s=dict(costs[i].rc_comm_s))
+            # the first backward's moments hold the rank's experts' gradients, 1/ep of them (1/(ep
+            # x etp) split over tp): of each moment's parameter gradients, the experts' share
+            # (`LayerCost.bwd_first_egrads`) scaled as their elements (moe-tiny dp4 x ep2 ZeRO-3:
+            # a moment counted every expert's gradient of a weight, 8 KiB more than a rank's)
+            keep = 1.0 / ep if etp == 1 else 1.0 / (ep * etp)
+            for moments, field_ in (("bwd_first", "bwd_first_egrads"), ("bwd_acc", "bwd_acc_egrads")):
+                ms_by, eg_by = getattr(c, moments), getattr(c, field_)
+                new_ms, new_eg = {}, {}
+                for r, ms in ms_by.items():
+                    eg = eg_by.get(r) or [0.0] * len(ms)
+                    new_ms[r] = [[m[0], m[1], m[2] - e * (1.0 - keep), *m[3:]] for m, e in zip(ms, eg)]
+                    new_eg[r] = [e * keep for e in eg]
+                setattr(c, moments, new_ms)
+                setattr(c, field_, new_eg)
             for b in blocks:
                 for w in b.weights:
                     if w in c.param_elems:

@@ -101,6 +101,16 @@ class LayerCost:
     # of each moment's parameter gradients, those made by the layer's other modules, by their
     # position (a str key: `ActivationMemory.first_born`), by policy
     bwd_first_born: dict[str, list] = field(default_factory=dict)
+    # the same moments of a later micro-batch's backward, gradients accumulated (per position
+    # the worst by activations and activation gradients: `ActivationMemory.acc_moments`), their
+    # positions and their born gradients as `bwd_first_at` and `bwd_first_born`, by policy
+    bwd_acc: dict[str, list] = field(default_factory=dict)
+    bwd_acc_at: dict[str, list] = field(default_factory=dict)
+    bwd_acc_born: dict[str, list] = field(default_factory=dict)
+    # of each moment's parameter gradients (`bwd_first`, `bwd_acc`), the routed experts'
+    # weights' (`ActivationMemory.first_egrads`), by policy
+    bwd_first_egrads: dict[str, list] = field(default_factory=dict)
+    bwd_acc_egrads: dict[str, list] = field(default_factory=dict)
     # the recomputed regions holding a fused attention op, their moments by where they fall
     # against its backward (`ActivationMemory.attention_regions`), by policy: what context
     # parallelism adds to each kind (`context_parallel.layer_cost`)
@@ -231,12 +241,17 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
     `norm_saves`: what its norm modules save (`SoftwareSpec.norm_saves`)."""
     params = {n.name: c.param_elems[n.fqn] for n in sub.nodes
               if n.kind == "param" and getattr(n, "fqn", None) in c.param_elems}
+    # the routed experts' weights (`capture.experts`): their gradients told apart at each moment
+    from autopar.capture.experts import find_expert_blocks
+
+    eweights = {w for b in find_expert_blocks(sub) for w in b.weights}
+    experts = frozenset(n for n in params if getattr(sub.node(n), "fqn", None) in eweights) if eweights else frozenset()
     with one_graph_policies():      # the policies share what does not depend on them
         ams = {rc: activation_memory(sub, dtype, rc, shard=shard, selective_region=selective_region,
                                      device_type=device_type, count_inputs=False, dtensor=dtensor,
                                      read_shard=read_shard, param_elems=params, given_grad=out_name,
                                      attention_kernel=attention_kernel, modules=modules, autocast=autocast,
-                                     norm_saves=norm_saves)
+                                     norm_saves=norm_saves, expert_params=experts)
                for rc in RECOMPUTES}
     for rc, am in ams.items():
         c.act_bytes[rc] = am.saved_bytes
@@ -261,9 +276,17 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
         at = sorted(am.first_moments)
         moments = [list(am.first_moments[x]) for x in at]
         born = [{str(p): b for p, b in am.first_born.get(x, {}).items()} for x in at]
+        acc_at = sorted(am.acc_moments)
+        acc = [list(am.acc_moments[x]) for x in acc_at]
+        acc_born = [{str(p): b for p, b in am.acc_born.get(x, {}).items()} for x in acc_at]
         if am.forward_over_bytes > max((sum(m) for m in moments), default=0.0):
             at, moments, born = at + [MAIN_UNIT], moments + [[am.forward_over_bytes, 0.0, 0.0]], born + [{}]
+        if am.forward_over_bytes > max((m[0] + m[1] for m in acc), default=0.0):
+            acc_at, acc, acc_born = acc_at + [MAIN_UNIT], acc + [[am.forward_over_bytes, 0.0, 0.0]], acc_born + [{}]
         c.bwd_first[rc], c.bwd_first_at[rc], c.bwd_first_born[rc] = moments, at, born
+        c.bwd_acc[rc], c.bwd_acc_at[rc], c.bwd_acc_born[rc] = acc, acc_at, acc_born
+        c.bwd_first_egrads[rc] = [am.first_egrads.get(x, 0.0) for x in at]
+        c.bwd_acc_egrads[rc] = [am.acc_egrads.get(x, 0.0) for x in acc_at]
         if am.attention_regions:
             c.rc_attention[rc] = am.attention_regions
         if am.attention_moments:
