@@ -29,6 +29,39 @@ def autopar_cli(*args):
                           timeout=300)
 
 
+def _cli_with_output_to(out: str, err: str, args: tuple) -> int:
+    """`autopar.cli.main(args)` with this process's stdout and stderr (file descriptors 1 and 2,
+    what a terminal would show: logging and warnings included) written to `out` and `err`."""
+    from autopar.cli import main
+
+    sys.stdout.flush(), sys.stderr.flush()
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    try:
+        return main(list(args))
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()
+
+
+def autopar_forked(tmp_path: Path, *args) -> subprocess.CompletedProcess:
+    """`autopar ...` (its exit status, stdout and stderr) in a process of its own forked from the
+    runtime's server, which imported torch and the runtime but built nothing, as a fresh `python
+    -m autopar` process has (without its ~4 CPU s of imports). What a fresh process prints while
+    importing is `test_a_stage_that_does_not_fit_fails_in_one_line`'s and tests/test_cli.py's."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from autopar.runtime.processes import in_launcher_env, launcher_args, worker_context
+
+    out, err = tmp_path / "cli.out", tmp_path / "cli.err"
+    env, cwd, *rest = launcher_args(_cli_with_output_to, str(out), str(err), tuple(args))
+    with ProcessPoolExecutor(1, mp_context=worker_context()) as pool:
+        env = {k: v for k, v in env.items() if k != "AUTOPAR_DEBUG"}     # as `ENV`
+        rc = pool.submit(in_launcher_env, env, cwd, *rest).result(timeout=300)
+    return subprocess.CompletedProcess(list(args), rc, out.read_text(), err.read_text())
+
+
 @pytest.fixture(scope="module")
 def plan64(tmp_path_factory):
     """gpt-tiny on 64 A100s: dp 8 x tp 4 x pp 2, ZeRO-1, bf16 (tensor parallelism run as solved)."""
@@ -144,6 +177,7 @@ def test_a_stage_that_does_not_fit_fails_in_one_line(plan64, tmp_path):
     data["cluster"]["device"]["memory_bytes"] = 2**20
     edited = tmp_path / "small.json"
     edited.write_text(json.dumps(data))
+    # a fresh `python -m autopar` (the other CLI tests here fork from the runtime's server)
     res = autopar_cli("verify", str(edited), "--model", "gpt-tiny", "--quiet", "--jobs", "1")
     assert res.returncode == 1, res.stderr
     err = [ln for ln in res.stderr.splitlines() if ln.strip()]
@@ -153,8 +187,8 @@ def test_a_stage_that_does_not_fit_fails_in_one_line(plan64, tmp_path):
     assert "does not fit" in res.stdout   # the table and the failure, above
 
 
-def test_device_memory_option_and_json(plan64):
-    res = autopar_cli("verify", str(plan64), "--model", "gpt-tiny", "--json", "-q", "-j", "1",
+def test_device_memory_option_and_json(plan64, tmp_path):
+    res = autopar_forked(tmp_path, "verify", str(plan64), "--model", "gpt-tiny", "--json", "-q", "-j", "1",
                       "--device-memory", "0.0001")
     assert res.returncode == 1
     rep = json.loads(res.stdout)
@@ -180,8 +214,8 @@ def test_edited_placement_and_collectives_are_caught(plan64):
     (["verify", "PLAN", "--model", "mlp-tiny"], "plan was made for gpt-tiny"),
     (["verify", "PLAN", "--model", "gpt-tiny", "--rank", "64"], "rank 64 is not in the plan"),
 ])
-def test_bad_input_is_one_line(plan64, args, message):
-    res = autopar_cli(*[str(plan64) if a == "PLAN" else a for a in args])
+def test_bad_input_is_one_line(plan64, args, message, tmp_path):
+    res = autopar_forked(tmp_path, *[str(plan64) if a == "PLAN" else a for a in args])
     assert res.returncode == 1
     err = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(err) == 1 and message in err[0] and "Traceback" not in res.stderr, res.stderr
