@@ -17,7 +17,7 @@ import pytest
 from autopar import ClusterSpec, Constraints
 from tests.captured import reference_losses, shared_plan
 from tests.test_context_parallel import solved_counts
-from tests.test_runtime_planned import STEPS, _run_in_one_job, assert_ran_as_planned
+from tests.test_runtime_planned import STEPS, _run_in_one_job, _single, assert_ran_as_planned
 
 pytestmark = pytest.mark.slow
 
@@ -48,10 +48,7 @@ _REFS: dict[str, list[float]] = {}
 def _one_process(ref: str) -> list[float]:
     """`STEPS` steps of `ref`'s one-process plan (`_single`), memory untracked, once in the module."""
     if ref not in _REFS:
-        # `_single(ref=ref)` made from the module's capture of `ref` and its shared costs
-        single = shared_plan(ref, 1, global_batch_size=8, dtype="fp32",
-                             constraints=Constraints(num_microbatches=2, recompute="none"))
-        _REFS[ref] = reference_losses(single, ref, STEPS)
+        _REFS[ref] = reference_losses(_single(ref=ref), ref, STEPS)
     return _REFS[ref]
 
 
