@@ -206,10 +206,13 @@ def make_plans(specs: list[dict], folder: str) -> tuple[list[dict], list[dict]]:
     import autopar
     from autopar.capture import capture
     from autopar.models.registry import build_model
-    from autopar.planner import plan
+    from autopar.planner import ProviderCache, plan
     from autopar.schema.errors import PlanError
 
     graphs: dict = {}   # one capture per model (what autopar.plan does first, every call)
+    # per-layer costs shared by the plans of one model, device and dtype (as `autopar.sweep`
+    # shares them): the plan `autopar.plan` makes without them (`ProviderCache`)
+    providers = ProviderCache()
     planned, skipped = [], []
     for i, s in enumerate(specs):
         cluster = autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": s["nproc"]})
@@ -219,7 +222,7 @@ def make_plans(specs: list[dict], folder: str) -> tuple[list[dict], list[dict]]:
         try:
             p = plan(s["model"], cluster, global_batch_size=s["gbs"], dtype=s["dtype"],
                      constraints=autopar.Constraints(**{"sequence_parallel": False, **s["constraints"]}),
-                     graph=graphs[s["model"]])
+                     graph=graphs[s["model"]], providers=providers)
         except PlanError as e:
             skipped.append(dict(s, reason=str(e)))
             continue

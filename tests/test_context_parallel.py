@@ -15,8 +15,9 @@ from autopar.models.configs import LlamaConfig
 from autopar.models.init import meta_initialisers_skipped
 from autopar.models.llama import Llama
 from autopar.models.registry import ModelBundle, TokenBatch, TokenInputs
-from autopar.planner import plan
+from autopar.planner import ProviderCache, plan
 from autopar.schema.plan import PLAN_FORMAT_VERSION, Plan
+from tests.captured import planned
 
 SEQ = 131072
 
@@ -39,12 +40,15 @@ def test_llama3_8b_at_128k_tokens_on_8_and_64_h100_plans_context_parallelism(lla
     searches, pipelined or not, with tp or not, is one the runtime executes). On 64 H100 too."""
     b, g = llama3_8b_128k
     one = ClusterSpec.load("dgx-h100", num_nodes=1)
+    # the per-layer costs shared by the four plans (`ProviderCache`, as a sweep shares them: the
+    # same plans, 30 -> 18 CPU s)
+    pc = ProviderCache()
     with pytest.raises(PlanError, match="no plan fits in memory") as e:
-        plan(b, one, global_batch_size=8, constraints=Constraints(cp=1, sequence_parallel=False), graph=g)
+        plan(b, one, global_batch_size=8, constraints=Constraints(cp=1, sequence_parallel=False), graph=g, providers=pc)
     assert e.value.min_memory_bytes > one.device.memory_bytes * 0.9
-    p1 = plan(b, one, global_batch_size=8, constraints=Constraints(cp=1), graph=g)
+    p1 = plan(b, one, global_batch_size=8, constraints=Constraints(cp=1), graph=g, providers=pc)
     assert p1.tp == 8 and p1.sequence_parallel and p1.stages[0].recompute == "full"
-    p = plan(b, one, global_batch_size=8, graph=g)
+    p = plan(b, one, global_batch_size=8, graph=g, providers=pc)
     # (since session 33 dp2 x cp4 under ZeRO-3 reducing every micro-batch, 0.7% faster than cp8 at ZeRO-1)
     assert p.cp > 1 and p.pp == 1 and "cp_executor" not in p.search
     assert p.predicted.peak_memory_bytes <= p.predicted.usable_memory_bytes
@@ -61,7 +65,7 @@ def test_llama3_8b_at_128k_tokens_on_8_and_64_h100_plans_context_parallelism(lla
     assert p.predicted.collectives["reduce_scatter"] >= m * L * 2
     s = p.summary()
     assert f"cp={p.cp}" in s and f"context parallelism over {p.cp} ranks" in s
-    many = plan(b, ClusterSpec.load("dgx-h100", num_nodes=8), global_batch_size=16, graph=g)
+    many = plan(b, ClusterSpec.load("dgx-h100", num_nodes=8), global_batch_size=16, graph=g, providers=pc)
     assert many.cp > 1 and many.predicted.peak_memory_bytes <= many.predicted.usable_memory_bytes
 
 
@@ -81,8 +85,8 @@ def test_a_cp_plan_round_trips_and_short_sequences_search_as_before(tmp_path):
     exchange's collectives; JSON round trip. A 16-token model's free search tries no cp (the
     same candidates as with cp pinned to 1); a mesh axis of an unknown kind is refused."""
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
-    p = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32",
-             constraints=Constraints(cp=2, dp=2, tp=1, pp=1, num_microbatches=2, recompute="none"))
+    p = planned("llama-tiny", cl, global_batch_size=8, dtype="fp32",
+                constraints=Constraints(cp=2, dp=2, tp=1, pp=1, num_microbatches=2, recompute="none"))
     assert p.format_version == PLAN_FORMAT_VERSION >= 11 and (p.dp, p.cp, p.tp) == (2, 2, 1)
     st = p.stages[0]
     assert st.mesh_axis_names == ("dp", "cp", "tp") and all(len(pl) == 3 for pl in st.placements.values())
@@ -90,14 +94,15 @@ def test_a_cp_plan_round_trips_and_short_sequences_search_as_before(tmp_path):
     # over cp; one gradient all-reduce over dp x cp
     assert p.predicted.collectives == {"all_gather": 8, "reduce_scatter": 8, "all_reduce": 2 + 1}
     assert Plan.from_json(p.to_json()) == p
-    free = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32", constraints=Constraints(num_microbatches=2))
-    one = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32", constraints=Constraints(num_microbatches=2, cp=1))
+    free = planned("llama-tiny", cl, global_batch_size=8, dtype="fp32", constraints=Constraints(num_microbatches=2))
+    one = planned("llama-tiny", cl, global_batch_size=8, dtype="fp32",
+                  constraints=Constraints(num_microbatches=2, cp=1))
     assert free.cp == 1 and free.search["candidates"] == one.search["candidates"]
     # with pipeline stages: executed (`inter_op.context_parallel.unexecuted_parts`), the
     # exchange per stage and micro-batch (each stage's layer: K and V gathered, their gradients
     # reduce-scattered), the loss's count on the last stage
-    pp2 = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32",
-               constraints=Constraints(cp=2, pp=2, tp=1, num_microbatches=2, recompute="none"))
+    pp2 = planned("llama-tiny", cl, global_batch_size=8, dtype="fp32",
+                  constraints=Constraints(cp=2, pp=2, tp=1, num_microbatches=2, recompute="none"))
     assert pp2.cp == 2 and pp2.pp == 2 and "cp_executor" not in pp2.search and "cp_executor" not in p.search
     assert pp2.predicted.collectives == {"all_gather": 8, "reduce_scatter": 8, "all_reduce": 2 + 2,
                                          "send_recv": 4}
@@ -105,8 +110,8 @@ def test_a_cp_plan_round_trips_and_short_sequences_search_as_before(tmp_path):
     # stage carries its layouts, no DTensor propagation), the exchange as without tp beside the
     # solution's collectives
     cl8 = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 8})
-    tp2 = plan("llama-tiny", cl8, global_batch_size=8, dtype="fp32",
-               constraints=Constraints(cp=2, pp=2, tp=2, dp=1, num_microbatches=2, recompute="none"))
+    tp2 = planned("llama-tiny", cl8, global_batch_size=8, dtype="fp32",
+                  constraints=Constraints(cp=2, pp=2, tp=2, dp=1, num_microbatches=2, recompute="none"))
     assert "cp_executor" not in tp2.search and "tp_executor" not in tp2.search
     assert all(s.op_layouts is not None for s in tp2.stages)
     assert {k: tp2.predicted.collectives[k] for k in ("all_gather", "reduce_scatter", "send_recv")} == {
@@ -123,13 +128,13 @@ def test_cp_constraints_are_checked():
     is not one fused op (nanoGPT's eager softmax attention) cannot take it."""
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
     with pytest.raises(PlanError, match="cp=3: pick a power of two"):
-        plan("llama-tiny", ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 3}),
-             global_batch_size=6, constraints=Constraints(cp=3))
+        planned("llama-tiny", ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 3}),
+                global_batch_size=6, constraints=Constraints(cp=3))
     with pytest.raises(PlanError, match="no fused attention op"):
-        plan("tests.user_models:eager_gpt", cl, global_batch_size=8, constraints=Constraints(cp=2))
+        planned("tests.user_models:eager_gpt", cl, global_batch_size=8, constraints=Constraints(cp=2))
     # dp x tp x pp holds the devices left over cp: the message names both counts
     with pytest.raises(PlanError, match=r"^dp=4 does not divide 2, the cluster's 4 devices over cp=2$"):
-        plan("llama-tiny", cl, global_batch_size=8, constraints=Constraints(cp=2, dp=4))
+        planned("llama-tiny", cl, global_batch_size=8, constraints=Constraints(cp=2, dp=4))
 
 
 class _FeatureAttention(nn.Module):
@@ -187,8 +192,8 @@ def test_verify_steps_a_cp_plan(ref, pins):
         pytest.importorskip("transformers")
     n = pins["cp"] * pins["dp"] * pins["tp"] * pins["pp"]
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": n})
-    p = plan(ref, cl, global_batch_size=8, dtype="fp32",
-             constraints=Constraints(num_microbatches=2, recompute="full", **pins))
+    p = planned(ref, cl, global_batch_size=8, dtype="fp32",
+                constraints=Constraints(num_microbatches=2, recompute="full", **pins))
     r = verify(p, ref, jobs=1)
     assert r.ok, r.failures
     assert r.collectives_match is True
@@ -462,11 +467,11 @@ def test_hugging_face_causal_lms_take_cp_and_others_say_why():
     from autopar.runtime.context_parallel import chunk_positions
 
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 2})
-    p = plan(_HF_LLAMA, cl, global_batch_size=4, dtype="fp32", constraints=Constraints(cp=2))
+    p = planned(_HF_LLAMA, cl, global_batch_size=4, dtype="fp32", constraints=Constraints(cp=2))
     assert p.cp == 2 and "cp_executor" not in p.search
     with pytest.raises(PlanError, match="cp=2: .*applies dropout to its attention weights"):
-        plan("hf:gpt2?hidden_size=64&num_hidden_layers=2&num_attention_heads=4&vocab_size=128&seq_len=16", cl,
-             global_batch_size=4, dtype="fp32", constraints=Constraints(cp=2))
+        planned("hf:gpt2?hidden_size=64&num_hidden_layers=2&num_attention_heads=4&vocab_size=128&seq_len=16", cl,
+                global_batch_size=4, dtype="fp32", constraints=Constraints(cp=2))
     # the rank's positions reach the rotary embedding
     b = build_hf(_HF_LLAMA[3:], device="cpu")
     seen = []
@@ -527,8 +532,8 @@ def test_cp_gathers_the_kv_heads_the_plan_prices():
             return out
 
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 2})
-    p = plan("llama-tiny", cl, global_batch_size=4, dtype="fp32",
-             constraints=Constraints(cp=2, dp=1, tp=1, pp=1, num_microbatches=2, recompute="none"))
+    p = planned("llama-tiny", cl, global_batch_size=4, dtype="fp32",
+                constraints=Constraints(cp=2, dp=1, tp=1, pp=1, num_microbatches=2, recompute="none"))
     b = build_model("llama-tiny")
     g = capture(b.model, b.example_inputs)
     layers = build_layers(g, b.model)
@@ -568,8 +573,8 @@ def test_cp_x_tp_plans_carry_their_op_layouts():
     model = build_model("llama-tiny").model
     for n, pins in ((4, dict(pp=1, recompute="selective")), (8, dict(pp=2, recompute="none"))):
         cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": n})
-        p = plan("llama-tiny", cl, global_batch_size=8, dtype="fp32",
-                 constraints=Constraints(cp=2, tp=2, dp=1, num_microbatches=2, **pins))
+        p = planned("llama-tiny", cl, global_batch_size=8, dtype="fp32",
+                    constraints=Constraints(cp=2, tp=2, dp=1, num_microbatches=2, **pins))
         assert (p.cp, p.tp, p.pp) == (2, 2, pins["pp"])
         assert all(s.op_layouts is not None for s in p.stages)
         assert "tp_executor" not in p.search and "cp_executor" not in p.search and "tp_counts_fallback" not in p.search

@@ -15,7 +15,6 @@ module runs in one launch (`launched`)."""
 import pytest
 
 from autopar import ClusterSpec, Constraints
-from autopar.planner import plan
 from tests.captured import reference_losses, shared_plan
 from tests.test_context_parallel import solved_counts
 from tests.test_runtime_planned import STEPS, _run_in_one_job, _single, assert_ran_as_planned
@@ -294,9 +293,8 @@ def test_context_parallel_runs_in_tensor_parallel_pipeline_stages(tmp_path):
     over the world (`runtime.meshes.StageMesh.flattens`). Losses equal one process within
     2e-6, every step's counted collectives (after a pipeline's first) the plan's (K and V
     gathered per layer and micro-batch, again in the recomputation, beside the solution's)."""
-    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 8})
-    p = plan(REF, cl, global_batch_size=8, dtype="fp32",
-             constraints=Constraints(num_microbatches=2, pp=2, cp=2, tp=2, dp=1, recompute="selective"))
+    p = shared_plan(REF, 8, global_batch_size=8, dtype="fp32",
+                    constraints=Constraints(num_microbatches=2, pp=2, cp=2, tp=2, dp=1, recompute="selective"))
     assert (p.pp, p.cp, p.tp) == (2, 2, 2) and "cp_executor" not in p.search
     # run op by op as solved (issue 20): the exchange beside the solution's collectives
     assert all(s.op_layouts is not None for s in p.stages) and "tp_executor" not in p.search
@@ -304,8 +302,8 @@ def test_context_parallel_runs_in_tensor_parallel_pipeline_stages(tmp_path):
     plans = {"pp2xcp2xtp2": (REF, p)}
     for name, pins in (("gpt_pp2xcp2xtp2_zero3", dict(pp=2, dp=1, recompute="full", schedule="gpipe", zero_stage=3)),
                        ("gpt_dp2xcp2xtp2_full", dict(pp=1, dp=2, recompute="full"))):
-        q = plan("gpt-tiny", cl, global_batch_size=8, dtype="fp32",
-                 constraints=Constraints(num_microbatches=2, cp=2, tp=2, **pins))
+        q = shared_plan("gpt-tiny", 8, global_batch_size=8, dtype="fp32",
+                        constraints=Constraints(num_microbatches=2, cp=2, tp=2, **pins))
         assert all(s.op_layouts is not None for s in q.stages) and "tp_executor" not in q.search, name
         plans[name] = ("gpt-tiny", q)
     rows = _run_in_one_job(tmp_path, {name: q for name, (_, q) in plans.items()}, 8)

@@ -6,9 +6,8 @@ equal one process."""
 import pytest
 
 from autopar import ClusterSpec, Constraints
-from autopar.planner import plan
 from autopar.runtime import run
-from tests.captured import one_process_losses, reference_losses, shared_plan, untracked
+from tests.captured import one_process_losses, planned, reference_losses, shared_plan, untracked
 
 pytestmark = pytest.mark.slow
 # steps each layout runs (and its one-process reference): the second is the first after the
@@ -37,15 +36,15 @@ def gpt_job(tmp_path_factory) -> dict:
     one 4-process job (`tests/plans.py`; as `autopar.runtime.run` runs a plan, memory
     untracked): {name: (plan, rows)}."""
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
-    plans = {"tp2_pp2": plan("gpt-tiny", cl, global_batch_size=8, dtype="fp32", intra_op="ilp",
-                             constraints=Constraints(tp=2, pp=2, dp=1, num_microbatches=2, recompute="none",
-                                                     schedule="1f1b")),
-             "sp": plan("gpt-tiny", _formula_links(cl), global_batch_size=8, dtype="fp32", intra_op="ilp",
-                        constraints=Constraints(sequence_parallel=True, recompute="none", **_GPT_SP))}
+    plans = {"tp2_pp2": planned("gpt-tiny", cl, global_batch_size=8, dtype="fp32", intra_op="ilp",
+                                constraints=Constraints(tp=2, pp=2, dp=1, num_microbatches=2, recompute="none",
+                                                        schedule="1f1b")),
+             "sp": planned("gpt-tiny", _formula_links(cl), global_batch_size=8, dtype="fp32", intra_op="ilp",
+                           constraints=Constraints(sequence_parallel=True, recompute="none", **_GPT_SP))}
     for name, dtype, rc, sp in (("full_fp32", "fp32", "full", False), ("selective_bf16", "bf16", "selective", False),
                                 ("sp_fp32", "fp32", "none", True)):
         cons = Constraints(dp=2, tp=2, pp=1, zero_stage=3, num_microbatches=2, recompute=rc, sequence_parallel=sp)
-        plans[name] = plan("gpt-tiny", cl, global_batch_size=8, dtype=dtype, constraints=cons, intra_op="ilp")
+        plans[name] = planned("gpt-tiny", cl, global_batch_size=8, dtype=dtype, constraints=cons, intra_op="ilp")
     rows = _run_in_one_job(tmp_path_factory.mktemp("gpt_plans"), plans, 4)
     return {name: (p, rows[name]) for name, p in plans.items()}
 
@@ -63,9 +62,10 @@ def test_ilp_planned_gpt_tp2_pp2_runs_as_predicted(gpt_job):
 
 
 def _single(dtype: str = "fp32", ref: str = "gpt-tiny"):
-    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 1})
-    return plan(ref, cl, global_batch_size=8, dtype=dtype,
-                constraints=Constraints(num_microbatches=2, recompute="none"))
+    """The planner's plan of `ref` for one CPU process (2 micro-batches), from the session's
+    capture of `ref` and its shared per-layer costs (`tests.captured.shared_plan`)."""
+    return shared_plan(ref, 1, global_batch_size=8, dtype=dtype,
+                       constraints=Constraints(num_microbatches=2, recompute="none"))
 
 
 _SINGLE: dict = {}
@@ -98,8 +98,8 @@ def test_sequence_parallel_plans_run_as_predicted(model, n, pins, request):
     if model == "gpt-tiny":     # planned as below and run in the module's one gpt-tiny job
         p, rows = request.getfixturevalue("gpt_job")["sp"]
     else:
-        p = plan(model, cl, global_batch_size=8, dtype="fp32", intra_op="ilp",
-                 constraints=Constraints(sequence_parallel=True, recompute="none", **pins))
+        p = planned(model, cl, global_batch_size=8, dtype="fp32", intra_op="ilp",
+                    constraints=Constraints(sequence_parallel=True, recompute="none", **pins))
         with untracked():      # memory is the memory tests': losses and collectives are compared
             rows = run(p, model, steps=STEPS, seed=0, quiet=True)
     assert isinstance(rows, list), rows
@@ -118,8 +118,8 @@ def test_sequence_parallel_plans_run_as_predicted(model, n, pins, request):
         want = _single_losses("fp32")      # the same one-process plan as below
     else:
         one = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 1})
-        ref = plan(model, one, global_batch_size=8, dtype="fp32",
-                   constraints=Constraints(num_microbatches=p.num_microbatches, recompute="none"))
+        ref = planned(model, one, global_batch_size=8, dtype="fp32",
+                      constraints=Constraints(num_microbatches=p.num_microbatches, recompute="none"))
         want = reference_losses(ref, model, STEPS)
     assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-4)
 

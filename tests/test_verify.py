@@ -15,6 +15,7 @@ import autopar
 from autopar.runtime.rank_kinds import chunk_len, rank_kinds
 from autopar.runtime.verify import verify
 from autopar.schema import PlanError
+from tests.captured import planned
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
@@ -28,12 +29,45 @@ def autopar_cli(*args):
                           timeout=300)
 
 
+def _cli_with_output_to(out: str, err: str, args: tuple) -> int:
+    """`autopar.cli.main(args)` with this process's stdout and stderr (file descriptors 1 and 2,
+    what a terminal would show: logging and warnings included) written to `out` and `err`."""
+    from autopar.cli import main
+
+    sys.stdout.flush(), sys.stderr.flush()
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    try:
+        return main(list(args))
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()
+
+
+def autopar_forked(tmp_path: Path, *args) -> subprocess.CompletedProcess:
+    """`autopar ...` (its exit status, stdout and stderr) in a process of its own forked from the
+    runtime's server, which imported torch and the runtime but built nothing, as a fresh `python
+    -m autopar` process has (without its ~4 CPU s of imports). What a fresh process prints while
+    importing is `test_a_stage_that_does_not_fit_fails_in_one_line`'s and tests/test_cli.py's."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from autopar.runtime.processes import in_launcher_env, launcher_args, worker_context
+
+    out, err = tmp_path / "cli.out", tmp_path / "cli.err"
+    env, cwd, *rest = launcher_args(_cli_with_output_to, str(out), str(err), tuple(args))
+    with ProcessPoolExecutor(1, mp_context=worker_context()) as pool:
+        env = {k: v for k, v in env.items() if k != "AUTOPAR_DEBUG"}     # as `ENV`
+        rc = pool.submit(in_launcher_env, env, cwd, *rest).result(timeout=300)
+    return subprocess.CompletedProcess(list(args), rc, out.read_text(), err.read_text())
+
+
 @pytest.fixture(scope="module")
 def plan64(tmp_path_factory):
     """gpt-tiny on 64 A100s: dp 8 x tp 4 x pp 2, ZeRO-1, bf16 (tensor parallelism run as solved)."""
     cluster = autopar.ClusterSpec.load("dgx-a100-80g", num_nodes=8)
-    p = autopar.plan("gpt-tiny", cluster, global_batch_size=256,
-                     constraints=autopar.Constraints(dp=8, tp=4, pp=2, zero_stage=1))
+    p = planned("gpt-tiny", cluster, global_batch_size=256,
+                constraints=autopar.Constraints(dp=8, tp=4, pp=2, zero_stage=1))
     path = tmp_path_factory.mktemp("verify") / "plan64.json"
     p.save(path)
     return path
@@ -87,8 +121,8 @@ def test_verify_uneven_zero3_shards_are_kinds(tmp_path):
     """mlp-tiny under ZeRO-3 over 6 ranks: 64 and 32 rows split 11,...,11,9 and 6,...,6,2, so the
     last rank is a kind of its own; FSDP's shards equal the plan's on both kinds."""
     cluster = autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": 6})
-    p = autopar.plan("mlp-tiny", cluster, global_batch_size=48, dtype="fp32",
-                     constraints=autopar.Constraints(dp=6, tp=1, pp=1, zero_stage=3))
+    p = planned("mlp-tiny", cluster, global_batch_size=48, dtype="fp32",
+                constraints=autopar.Constraints(dp=6, tp=1, pp=1, zero_stage=3))
     r = verify(p, "mlp-tiny", jobs=1)
     assert [(rc.rank, rc.ranks_of_kind) for rc in r.ranks] == [(0, 5), (5, 1)]
     assert r.ok, r.failures
@@ -105,8 +139,8 @@ def test_verify_data_parallel_replicas_of_stages_of_different_tp():
     from tests.plans import GPT6_REF
 
     cluster = autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": 8})
-    p = autopar.plan(GPT6_REF, cluster, global_batch_size=8, dtype="fp32",
-                     constraints=autopar.Constraints(stage_tp=(1, 1, 2), num_microbatches=2, zero_stage=3))
+    p = planned(GPT6_REF, cluster, global_batch_size=8, dtype="fp32",
+                constraints=autopar.Constraints(stage_tp=(1, 1, 2), num_microbatches=2, zero_stage=3))
     assert [s.mesh_shape for s in sorted(p.stages, key=lambda s: s.index)] == [(2, 1), (2, 1), (2, 2)]
     assert all(s.op_layouts is not None for s in p.stages)
     r = verify(p, GPT6_REF, jobs=1)
@@ -122,9 +156,9 @@ def test_verify_matches_a_real_run(tmp_path, sp):
     sequence parallelism too (a pipeline boundary split along its tokens, the norms' partial
     gradients all-reduced in every backward)."""
     cluster = autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": 4})
-    p = autopar.plan("gpt-tiny", cluster, global_batch_size=32,
-                     constraints=autopar.Constraints(dp=1, tp=2, pp=2, num_microbatches=2, schedule="1f1b",
-                                                     sequence_parallel=sp))
+    p = planned("gpt-tiny", cluster, global_batch_size=32,
+                constraints=autopar.Constraints(dp=1, tp=2, pp=2, num_microbatches=2, schedule="1f1b",
+                                                sequence_parallel=sp))
     assert p.sequence_parallel == sp
     path = tmp_path / "plan.json"
     p.save(path)
@@ -143,6 +177,7 @@ def test_a_stage_that_does_not_fit_fails_in_one_line(plan64, tmp_path):
     data["cluster"]["device"]["memory_bytes"] = 2**20
     edited = tmp_path / "small.json"
     edited.write_text(json.dumps(data))
+    # a fresh `python -m autopar` (the other CLI tests here fork from the runtime's server)
     res = autopar_cli("verify", str(edited), "--model", "gpt-tiny", "--quiet", "--jobs", "1")
     assert res.returncode == 1, res.stderr
     err = [ln for ln in res.stderr.splitlines() if ln.strip()]
@@ -152,8 +187,8 @@ def test_a_stage_that_does_not_fit_fails_in_one_line(plan64, tmp_path):
     assert "does not fit" in res.stdout   # the table and the failure, above
 
 
-def test_device_memory_option_and_json(plan64):
-    res = autopar_cli("verify", str(plan64), "--model", "gpt-tiny", "--json", "-q", "-j", "1",
+def test_device_memory_option_and_json(plan64, tmp_path):
+    res = autopar_forked(tmp_path, "verify", str(plan64), "--model", "gpt-tiny", "--json", "-q", "-j", "1",
                       "--device-memory", "0.0001")
     assert res.returncode == 1
     rep = json.loads(res.stdout)
@@ -179,8 +214,8 @@ def test_edited_placement_and_collectives_are_caught(plan64):
     (["verify", "PLAN", "--model", "mlp-tiny"], "plan was made for gpt-tiny"),
     (["verify", "PLAN", "--model", "gpt-tiny", "--rank", "64"], "rank 64 is not in the plan"),
 ])
-def test_bad_input_is_one_line(plan64, args, message):
-    res = autopar_cli(*[str(plan64) if a == "PLAN" else a for a in args])
+def test_bad_input_is_one_line(plan64, args, message, tmp_path):
+    res = autopar_forked(tmp_path, *[str(plan64) if a == "PLAN" else a for a in args])
     assert res.returncode == 1
     err = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(err) == 1 and message in err[0] and "Traceback" not in res.stderr, res.stderr
@@ -253,7 +288,7 @@ def test_shorter_step_equals_the_full_one(layout):
         world, ref = 4, GPT6_REF
         cons = dict(dp=1, tp=2, pp=2, num_microbatches=8, schedule="interleaved_1f1b", virtual_stages=2)
     cluster = autopar.ClusterSpec.load("dgx-a100-80g", num_nodes=1).model_copy(update={"devices_per_node": world})
-    p = autopar.plan(ref, cluster, global_batch_size=32, constraints=autopar.Constraints(**cons))
+    p = planned(ref, cluster, global_batch_size=32, constraints=autopar.Constraints(**cons))
     short = verify(p, ref, jobs=1, check=False)
     full = verify(p, ref, jobs=1, check=False, all_microbatches=True)
     assert short.ok and full.ok, (short.failures, full.failures)
@@ -408,9 +443,9 @@ def test_tensor_parallel_activations_predicted_as_tracked(model, cluster_name, t
     CUDA writes the output (`cuda_program._query_as_cuda_lays_out`)."""
     cluster = autopar.ClusterSpec.load(cluster_name, num_nodes=1).model_copy(update={"devices_per_node": tp})
     for sp in (False, True):
-        p = autopar.plan(model, cluster, global_batch_size=8, cache=False,
-                         constraints=autopar.Constraints(dp=1, tp=tp, pp=1, microbatch_size=8, recompute="none",
-                                                         zero_stage=0, sequence_parallel=sp))
+        p = planned(model, cluster, global_batch_size=8,
+                    constraints=autopar.Constraints(dp=1, tp=tp, pp=1, microbatch_size=8, recompute="none",
+                                                    zero_stage=0, sequence_parallel=sp))
         assert p.sequence_parallel == sp
         rc = verify(p, model, ranks=[0], jobs=1).ranks[0]
         got, want = rc.tracked_categories["activations"], rc.predicted_categories["activations"]
@@ -427,9 +462,9 @@ def test_query_head_split_activations_predicted_as_tracked():
     per reader, `memory._copy_key`); the model counted one (-1.7% of the activations before)."""
     cluster = autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": 4})
     for sp in (True, False):
-        p = autopar.plan("llama-small", cluster, global_batch_size=16, dtype="fp32", cache=False,
-                         constraints=autopar.Constraints(dp=1, tp=4, pp=1, microbatch_size=16, recompute="none",
-                                                         zero_stage=0, sequence_parallel=sp))
+        p = planned("llama-small", cluster, global_batch_size=16, dtype="fp32",
+                    constraints=autopar.Constraints(dp=1, tp=4, pp=1, microbatch_size=16, recompute="none",
+                                                    zero_stage=0, sequence_parallel=sp))
         st = p.stages[0]
         assert {c.strategy for c in st.op_layouts.solution(st.mesh_shape).op_choices.values()
                 if c.family == "attention"} == {"hq@0"}
@@ -446,9 +481,9 @@ def test_hugging_face_gpt2_gpu_plan_verifies_as_predicted():
     pytest.importorskip("transformers")
     ref = "hf:gpt2?hidden_size=64&num_hidden_layers=2&num_attention_heads=4&seq_len=16&vocab_size=128"
     cluster = autopar.ClusterSpec.load("dgx-a100-80g", num_nodes=1).model_copy(update={"devices_per_node": 4})
-    p = autopar.plan(ref, cluster, global_batch_size=16, cache=False,
-                     constraints=autopar.Constraints(dp=1, tp=2, pp=2, schedule="gpipe", microbatch_size=8,
-                                                     recompute="none", zero_stage=0))
+    p = planned(ref, cluster, global_batch_size=16,
+                constraints=autopar.Constraints(dp=1, tp=2, pp=2, schedule="gpipe", microbatch_size=8,
+                                                recompute="none", zero_stage=0))
     r = verify(p, ref, jobs=1)
     assert r.ok and r.collectives_match is True, r.failures
     assert all(abs(rc.memory_error) <= 0.02 for rc in r.ranks), [rc.memory_error for rc in r.ranks]
@@ -460,9 +495,9 @@ def test_recomputed_attention_regathers_its_sequence_shard():
     own junction values): its re-run gathers again, and the plan counts it (was one all-gather a
     layer and micro-batch short: llama2-70b's free plan on 8 DGX H100 failed verify on it)."""
     cluster = autopar.ClusterSpec.load("dgx-a100-80g", num_nodes=1).model_copy(update={"devices_per_node": 4})
-    p = autopar.plan("llama-small", cluster, global_batch_size=8, cache=False,
-                     constraints=autopar.Constraints(dp=1, tp=4, pp=1, microbatch_size=8, recompute="attention",
-                                                     zero_stage=0, sequence_parallel=True))
+    p = planned("llama-small", cluster, global_batch_size=8,
+                constraints=autopar.Constraints(dp=1, tp=4, pp=1, microbatch_size=8, recompute="attention",
+                                                zero_stage=0, sequence_parallel=True))
     r = verify(p, "llama-small", jobs=1)
     assert r.ok, r.failures
     assert r.collectives_match is True, (r.collectives_measured, r.collectives_predicted)
@@ -475,8 +510,8 @@ def test_gpu_plans_with_recomputation_verify(recompute):
     runtime's checkpoints re-enter it for the recomputation (was a CheckpointError: the re-run
     made bf16 norms where the forward had saved fp32 ones)."""
     cluster = autopar.ClusterSpec.load("dgx-a100-80g", num_nodes=1).model_copy(update={"devices_per_node": 2})
-    p = autopar.plan("llama-small", cluster, global_batch_size=8, cache=False,
-                     constraints=autopar.Constraints(dp=1, tp=2, pp=1, recompute=recompute, zero_stage=0))
+    p = planned("llama-small", cluster, global_batch_size=8,
+                constraints=autopar.Constraints(dp=1, tp=2, pp=1, recompute=recompute, zero_stage=0))
     r = verify(p, "llama-small", jobs=1)
     assert r.ok, r.failures
     assert r.collectives_match is True
@@ -489,9 +524,9 @@ def test_recomputed_region_frees_as_it_goes():
     region kept every tensor it made until its end: stage 0 of llama-small tp2 x pp2 was 7.7%
     over its plan on CPU kernels, 8.7% under the CUDA program)."""
     cluster = autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": 4})
-    p = autopar.plan("llama-small", cluster, global_batch_size=8, cache=False,
-                     constraints=autopar.Constraints(dp=1, tp=2, pp=2, microbatch_size=8, num_microbatches=1,
-                                                     schedule="1f1b", recompute="full", zero_stage=0))
+    p = planned("llama-small", cluster, global_batch_size=8,
+                constraints=autopar.Constraints(dp=1, tp=2, pp=2, microbatch_size=8, num_microbatches=1,
+                                                schedule="1f1b", recompute="full", zero_stage=0))
     rc = verify(p, "llama-small", ranks=[0], jobs=1).ranks[0]
     assert rc.stages == [0]
     assert abs(rc.memory_error) <= 0.01, rc.memory_error
@@ -549,8 +584,8 @@ def test_vocabulary_parallel_loss_shape_propagation_is_not_memory():
     37.1 predicted; here -54.5%)."""
     model = "tests.user_models:wide_vocab_lm"
     cluster = autopar.ClusterSpec.load("dgx-a100-80g", num_nodes=1).model_copy(update={"devices_per_node": 4})
-    p = autopar.plan(model, cluster, global_batch_size=64, cache=False,
-                     constraints=autopar.Constraints(dp=1, tp=4, pp=1, microbatch_size=64, zero_stage=0))
+    p = planned(model, cluster, global_batch_size=64,
+                constraints=autopar.Constraints(dp=1, tp=4, pp=1, microbatch_size=64, zero_stage=0))
     loss = [o for sig in p.stages[0].op_layouts.signatures for o in sig if o.family == "loss"]
     assert [o.inputs[0] for o in loss] == [("S(1)",)]           # the loss runs vocabulary-parallel
     rc = verify(p, model, ranks=[0], jobs=1).ranks[0]
@@ -637,9 +672,9 @@ def test_output_discarding_recomputation_verifies_as_predicted(model, tp, sp):
     cluster = autopar.ClusterSpec.load("dgx-h100", num_nodes=1).model_copy(
         update={"devices_per_node": 2 * tp})
     ep = {"ep": 2} if model == "moe-tiny" else {}
-    p = autopar.plan(model, cluster, global_batch_size=8, cache=False,
-                     constraints=autopar.Constraints(dp=2, tp=tp, pp=1, recompute="norm_act", zero_stage=1,
-                                                     sequence_parallel=sp, **ep))
+    p = planned(model, cluster, global_batch_size=8,
+                constraints=autopar.Constraints(dp=2, tp=tp, pp=1, recompute="norm_act", zero_stage=1,
+                                                sequence_parallel=sp, **ep))
     assert p.stages[0].recompute == "norm_act"
     assert (p.stages[0].op_layouts is not None) == (tp > 1)
     if tp > 1:
