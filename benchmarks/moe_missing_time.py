@@ -79,19 +79,11 @@ def layer_ops(self, i: int, mb: int, tp: int, cluster, dtype: str) -> list[tuple
     work split over `tp` where the op is a matrix op (an estimate of the solved layout: the
     dense GEMMs and attention split over tp, the rest on the rank's sequence slice or whole),
     one entry per fused chain under the software's `pointwise_fusion`."""
-    from autopar.intra_op.ilp import op_compute_time, requires_grad_of
-    from cost_models.compute import fusion_of
-    from cost_models.layouts import graph_layout_copies
-    from cost_models.memory import graph_fp32_tensors
+    from autopar.intra_op.ilp import op_compute_time
 
-    prov, sw, dev = self.provider, self.software, cluster.device
+    dev = cluster.device
     layer = self.layers[i]
-    att = getattr(sw, "attention_kernel", "fused")
-    g = prov.graph_at(mb, layer)
-    copies = graph_layout_copies(g, dev.device_type, att)
-    fusion = fusion_of(g, dev, att, getattr(sw, "pointwise_fusion", "eager"))
-    fp32 = graph_fp32_tensors(g, dev.device_type, dtype, att, getattr(sw, "autocast", True))
-    rg = requires_grad_of(g, prov._grad_inputs(layer))
+    g, rg, att, copies, fusion, fp32 = self.op_pricing(layer, mb, dev, dtype)
     out: list[tuple[str, str, float]] = []
     seen_chains: dict[int, int] = {}
     for name in layer.nodes:

@@ -744,6 +744,24 @@ class ExpertCosting:
                                                      self.imbalance)
         return hit
 
+    def op_pricing(self, layer: Layer, mb: int, dev, dtype: str) -> tuple:
+        """What `intra_op.ilp.op_compute_time` reads to price the ops of `layer` at micro-batch `mb`
+        as the layer's solve does: (the provider's graph of the layer, which tensors need a
+        gradient, the software's attention kernel, the graph's copying reshapes, its fused chains,
+        its fp32 tensors)."""
+        from autopar.intra_op.ilp import requires_grad_of
+        from cost_models.compute import fusion_of
+        from cost_models.layouts import graph_layout_copies
+        from cost_models.memory import graph_fp32_tensors
+
+        sw, prov = self.software, self.provider
+        att = getattr(sw, "attention_kernel", "fused")
+        g = prov.graph_at(mb, layer)
+        copies = graph_layout_copies(g, dev.device_type, att)
+        fusion = fusion_of(g, dev, att, getattr(sw, "pointwise_fusion", "eager"))
+        fp32 = graph_fp32_tensors(g, dev.device_type, dtype, att, getattr(sw, "autocast", True))
+        return g, requires_grad_of(g, prov._grad_inputs(layer)), att, copies, fusion, fp32
+
     def _fold_ops_delta(self, b: ExpertBlock, i: int, mb: int, tp: int, dev, dtype: str) -> tuple[float, float]:
         """(forward, backward) seconds the experts module's ops other than its grouped GEMMs change
         by when folding runs them on 1/tp of the block's tokens (the module docstring): each op's
@@ -762,18 +780,9 @@ class ExpertCosting:
         hit = self._fold_ops.get(key)
         if hit is not None:
             return hit
-        from autopar.intra_op.ilp import op_compute_time, requires_grad_of
-        from cost_models.compute import fusion_of
-        from cost_models.layouts import graph_layout_copies
-        from cost_models.memory import graph_fp32_tensors
+        from autopar.intra_op.ilp import op_compute_time
 
-        sw = self.software
-        att = getattr(sw, "attention_kernel", "fused")
-        g = prov.graph_at(mb, layer)
-        copies = graph_layout_copies(g, dev.device_type, att)
-        fusion = fusion_of(g, dev, att, getattr(sw, "pointwise_fusion", "eager"))
-        fp32 = graph_fp32_tensors(g, dev.device_type, dtype, att, getattr(sw, "autocast", True))
-        rg = requires_grad_of(g, prov._grad_inputs(layer))
+        g, rg, att, copies, fusion, fp32 = self.op_pricing(layer, mb, dev, dtype)
         gemms = set(b.gemms)
         dfwd = dbwd = 0.0
         for name in layer.nodes:
