@@ -226,7 +226,11 @@ def main() -> None:
         idle_e = max(starved(g_fwd, h_fwd, first=a2a), 0.0)
         split = sum(1 for op, _, _ in ops if op == "grouped_mm")
         gflop = [fl * mb * share / local for fl, *_ in self._block_gemms(b)]   # each GEMM of an expert
-        print(f"  per-expert GEMMs (one cuBLAS(Lt) call an expert, TE 2.2 in the zoo's rows): {n} launches "
+        # the zoo's rows (Megatron MoE model zoo) ran TE 2.2 and --log-params-norm; other runs are
+        # sized with the same per-expert loop as a what-if, said so
+        zoo = "Megatron-MoE-ModelZoo" in case.source
+        how = "TE 2.2 in the zoo's rows" if zoo else "TE 2.2's loop as a what-if: this run's software differs"
+        print(f"  per-expert GEMMs (one cuBLAS(Lt) call an expert, {how}): {n} launches "
               f"a layer micro-batch ({n_fwd} forward"
               f"{' twice' if st.recompute == 'full' else ''}, {2 * n_fwd} backward), an expert's forward GEMMs "
               f"{' + '.join(f'{x / 1e9:.1f}' for x in gflop)} GFLOP, {gf / n_fwd * 1e6:.0f} us forward / "
@@ -249,9 +253,10 @@ def main() -> None:
               + 4 * dense_elems / v * (p.dp - 1) / p.dp / cluster.inter_node.bandwidth)
         print(f"  optimizer step on the shards: {shard / 1e9:.2f} G elements, {opt:.3f} s; the last chunk's "
               f"gradient reduce-scatter: {rs:.3f} s")
-        off = " (off in this row: the table's note)" if p.zero_stage == 3 else ""
-        print(f"  --log-params-norm{off}: {expert_elems / 1e9:.2f} G expert elements a rank, {nbytes / 1e9:.1f} GB "
-              f"moved: {nbytes / bw:.3f} s a step")
+        if zoo:
+            off = " (off in this row: the table's note)" if p.zero_stage == 3 else ""
+            print(f"  --log-params-norm{off}: {expert_elems / 1e9:.2f} G expert elements a rank, "
+                  f"{nbytes / 1e9:.1f} GB moved: {nbytes / bw:.3f} s a step")
 
 
 if __name__ == "__main__":
