@@ -165,7 +165,7 @@ Named presets live in `software_profiles/` (YAML, each field with its source); t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, get_args
 
 from pydantic import (
     BaseModel,
@@ -184,29 +184,29 @@ from autopar.schema.errors import PlanError
 from autopar.schema.files import read_mapping
 
 AttentionKernel = Literal["fused", "unfused"]
-ATTENTION_KERNELS: tuple[str, ...] = ("fused", "unfused")
+ATTENTION_KERNELS: tuple[str, ...] = get_args(AttentionKernel)
 PointwiseFusion = Literal["eager", "fused", "norm_moe", "norm"]
-POINTWISE_FUSIONS: tuple[str, ...] = ("eager", "fused", "norm_moe", "norm")
+POINTWISE_FUSIONS: tuple[str, ...] = get_args(PointwiseFusion)
 MixedPrecision = Literal["autocast", "half"]
-MIXED_PRECISIONS: tuple[str, ...] = ("autocast", "half")
+MIXED_PRECISIONS: tuple[str, ...] = get_args(MixedPrecision)
 LossKernel = Literal["eager", "fused", "half"]
-LOSS_KERNELS: tuple[str, ...] = ("eager", "fused", "half")
+LOSS_KERNELS: tuple[str, ...] = get_args(LossKernel)
 ParamDtype = Literal["training", "fp32"]
-PARAM_DTYPES: tuple[str, ...] = ("training", "fp32")
+PARAM_DTYPES: tuple[str, ...] = get_args(ParamDtype)
 LossScaling = Literal["none", "dynamic"]
-LOSS_SCALINGS: tuple[str, ...] = ("none", "dynamic")
+LOSS_SCALINGS: tuple[str, ...] = get_args(LossScaling)
 ZeroOptimizer = Literal["flat", "zero_redundancy"]
-ZERO_OPTIMIZERS: tuple[str, ...] = ("flat", "zero_redundancy")
+ZERO_OPTIMIZERS: tuple[str, ...] = get_args(ZeroOptimizer)
 OptimizerStates = Literal["fp32", "param"]
-OPTIMIZER_STATES: tuple[str, ...] = ("fp32", "param")
+OPTIMIZER_STATES: tuple[str, ...] = get_args(OptimizerStates)
 ExpertDispatch = Literal["pairs", "ranks", "nodes"]
-EXPERT_DISPATCHES: tuple[str, ...] = ("pairs", "ranks", "nodes")
+EXPERT_DISPATCHES: tuple[str, ...] = get_args(ExpertDispatch)
 ExpertRouting = Literal["router", "fake_balanced", "forced_balance"]
-EXPERT_ROUTINGS: tuple[str, ...] = ("router", "fake_balanced", "forced_balance")
+EXPERT_ROUTINGS: tuple[str, ...] = get_args(ExpertRouting)
 ExpertSaves = Literal["runtime", "megatron_core"]
-EXPERT_SAVES: tuple[str, ...] = ("runtime", "megatron_core")
+EXPERT_SAVES: tuple[str, ...] = get_args(ExpertSaves)
 NormSaves = Literal["eager", "input"]
-NORM_SAVES: tuple[str, ...] = ("eager", "input")
+NORM_SAVES: tuple[str, ...] = get_args(NormSaves)
 
 # the choices `autopar run` executes as the default preset has them: a plan whose software differs in
 # any of them predicts another software's run (the CLI says so, `cli._software_note`)
@@ -214,6 +214,13 @@ RUNTIME_CHOICES: tuple[str, ...] = ("attention_kernel", "pointwise_fusion", "mix
                                     "param_dtype", "zero_optimizer", "grad_sync_overlap", "zero3_overlap",
                                     "optimizer_states", "expert_dispatch", "expert_routing", "expert_saves",
                                     "norm_saves", "loss_scaling", "pipeline_send_overlap", "pipeline_send_split")
+
+# the choices a dump leaves out at their defaults (`SoftwareSpec._omit_eager_fusion`): each added
+# after plans were first written, so a plan of the default software reads and digests as before
+OMITTED_AT_DEFAULT: tuple[str, ...] = ("pointwise_fusion", "mixed_precision", "loss_kernel", "param_dtype",
+                                       "zero_optimizer", "zero3_overlap", "loss_scaling", "pipeline_send_overlap",
+                                       "pipeline_send_split", "attention_head_dims", "expert_dispatch",
+                                       "expert_routing", "expert_saves", "norm_saves", "optimizer_states")
 
 # the memory a plan may not fill, per software stack (`cost_models.memory.usable_memory`); omitted
 # from a dump at their defaults
@@ -396,26 +403,15 @@ class SoftwareSpec(BaseModel):
 
     @model_serializer(mode="wrap")
     def _omit_eager_fusion(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """The dump without `pointwise_fusion` when it is "eager", `mixed_precision` when it is
-        "autocast", `loss_kernel` when it is "eager", `param_dtype` when it is "training" and
-        `zero_optimizer` when it is "flat", the memory terms (`MEMORY_TERM_FIELDS`) at their defaults, the
-        choices every plan made before the fields existed: a plan file (and its digest,
-        `tests/test_planner_unchanged.py`) and a cache key for such software are what they were;
-        the other choices are written; likewise `zero3_overlap` when False, `expert_dispatch` when
-        "pairs", `expert_routing` when "router", `expert_saves` when "runtime", `norm_saves` when "eager"
-        and `loss_scaling` when "none"."""
+        """The dump without the fields of `OMITTED_AT_DEFAULT` and the memory terms
+        (`MEMORY_TERM_FIELDS`) where they hold their defaults: the choices every plan made before
+        the fields existed, so a plan file (and its digest, `tests/test_planner_unchanged.py`) and a
+        cache key for such software are what they were; the other choices are written."""
         out = handler(self)
         if isinstance(out, dict):
-            for key, old in (("pointwise_fusion", "eager"), ("mixed_precision", "autocast"), ("loss_kernel", "eager"),
-                             ("param_dtype", "training"), ("zero_optimizer", "flat"), ("zero3_overlap", False),
-                             ("loss_scaling", "none"), ("pipeline_send_overlap", ["gpipe"]),
-                             ("pipeline_send_split", False),
-                             ("attention_head_dims", []),
-                             ("expert_dispatch", "pairs"), ("expert_routing", "router"),
-                             ("expert_saves", "runtime"), ("norm_saves", "eager"),
-                             ("optimizer_states", "fp32"),
-                             *((k, type(self).model_fields[k].default) for k in MEMORY_TERM_FIELDS)):
-                if out.get(key) == old:
+            fields = type(self).model_fields
+            for key in (*OMITTED_AT_DEFAULT, *MEMORY_TERM_FIELDS):
+                if key in out and out[key] == fields[key].get_default(call_default_factory=True):
                     out.pop(key)
         return out
 
