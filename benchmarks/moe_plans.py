@@ -274,6 +274,10 @@ def plan_watching_experts(case: Published, lift_memory: float = 1.0):
         p = plan_published(case, lift_memory)
     finally:
         ex.ExpertCosting.layer_costs = orig
+    if "args" not in seen:
+        raise SystemExit(f"{case.name}: the search never costed the experts at the case's pins (ep "
+                         f"{case.pins.get('ep')}, micro-batch {case.pins.get('microbatch_size')}, tp "
+                         f"{case.pins.get('tp')}): nothing to break down")
     return p, seen["args"]
 
 
