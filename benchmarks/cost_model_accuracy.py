@@ -46,7 +46,7 @@ gradient all-reduce (bf16 gradients, after the backward; under DDP torch only wh
 micro-batch's backward, as `autopar.inter_op.search._exposed_sync`); the gradient accumulation
 over micro-batches; the AdamW step.
 Section 3 ("h100", `H100_CASES`): published DGX H100 runs of GPT-3 175B in BF16 (NVIDIA's DGX
-Cloud Benchmarking recipe, NeMo 24.05 / Megatron-Core) with their full layout, planned with the
+Cloud Benchmarking recipe v25.02, NeMo 24.12 / Megatron-Core) with their full layout, planned with the
 `nemo-megatron-core-2024` software on the bundled dgx-h100 profile; all held out (none was looked
 at while any constant was set).
 Section 4 ("flash", `FLASH_CASES`): published A100 runs with a fused (flash) attention kernel, the
@@ -206,17 +206,20 @@ TABLE1 = [Case(name, a, h, l, t, p, n, b, mb, v=1 if lpv is None else l // p // 
               ("1008B", 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, "local", None)]]
 
 
-# Published H100 runs: NVIDIA's DGX Cloud Benchmarking recipe for GPT-3 175B in BF16 (NeMo 24.05
-# container, Megatron-Core; github.com/NVIDIA/dgxc-benchmarking, nemo_megatron/README_175b.md, table
-# "NeMo Megatron BF16 (TP=4,PP=8, MBS=1, VP=12, SEQ=2048)", row "Training step time", one column per
-# GPU count; layout from the recipe's gpt3_175b_hydra.yaml: sequence parallelism, no activation
-# recomputation, distributed_fused_adam (optimizer state sharded over dp, gradient sync overlapped),
-# TP and p2p communication overlap, dropout 0.1, GPT-2 vocabulary padded to 50688 = 128 x TP-multiple).
-# GBS = 2 x GPUs, so 64 micro-batches per pipeline at every scale. None of these was looked at while
-# any constant was set (all held out).
-_H100_SRC = ("NVIDIA/dgxc-benchmarking nemo_megatron/README_175b.md, BF16 table, "
-             "'Training step time' at {} H100 GPUs")
-H100_CASES = [Case(f"175B NeMo {n}", 96, 12288, 96, 4, 8, n, 2 * n, 1, v=12, published_s=step,
+# Published H100 runs: NVIDIA's DGX Cloud Benchmarking recipe for GPT-3 175B in BF16, release v25.02
+# (github.com/NVIDIA/dgxc-benchmarking at 8f5cbb3, the first commit with these figures; unchanged through
+# 1b9bb6b, v25.03): nemo_megatron/README_175b.md, table "NeMo Megatron BF16 (...)", row "Training step time",
+# one column per GPU count. That release runs the NeMo 24.12 container (launch.sh:40-41, setup.sh:34;
+# the earlier 8.91-9.09 s table of 35a9aec/e6afea3 ran 24.05) with the recipe's gpt3_175b_hydra.yaml at
+# 8f5cbb3, whose layout is pinned here: TP4 PP8 with **6** virtual stages (line 57; the table's heading
+# still says VP=12, the value of 35a9aec's file), sequence parallelism, no activation recomputation,
+# distributed_fused_adam (optimizer state sharded over dp, gradient sync overlapped), TP and p2p
+# communication overlap, dropout 0.1, GPT-2 vocabulary padded to 50688 = 128 x TP-multiple.
+# GBS = 16 x nodes = 2 x GPUs (configure.sh), so 64 micro-batches per pipeline at every scale. None of
+# these was looked at while any constant was set (all held out).
+_H100_SRC = ("NVIDIA/dgxc-benchmarking at 8f5cbb3 (v25.02, NeMo 24.12), nemo_megatron/README_175b.md, BF16 table, "
+             "'Training step time' at {} H100 GPUs; layout from that commit's gpt3_175b_hydra.yaml (VP 6)")
+H100_CASES = [Case(f"175B NeMo {n}", 96, 12288, 96, 4, 8, n, 2 * n, 1, v=6, published_s=step,
                    software="nemo-megatron-core-2024", recompute="none", sequence_parallel=True,
                    hardware="dgx-h100", zero_stage=1, vocab=50688, source=_H100_SRC.format(n), held_out=True)
               for n, step in [(128, 8.309), (256, 8.408), (512, 8.42), (1024, 8.453), (2048, 8.49)]]

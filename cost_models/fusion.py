@@ -43,7 +43,7 @@ written in expert order (permutation), the up projection's output read and the a
 written, the down projection's output read and the T tokens written (unpermutation).
 
 Under `pointwise_fusion == "norm"` (Megatron-Core with Transformer Engine before its fused MoE
-permutation, NeMo 24.05: each norm one TE kernel, everything else eager) the groups are the norm
+permutation, NeMo 24.05 and 24.12: each norm one TE kernel, everything else eager) the groups are the norm
 modules alone.
 
 Memory is not changed by fusion here: the memory model keeps what eager autograd saves.

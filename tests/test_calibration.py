@@ -166,6 +166,9 @@ TOLERANCE = 0.03
 # -0.32% -> -5.38% (its sends, 0.41 s a step, now hidden behind the chunks' compute as Megatron-Core
 # runs them: what else that recipe's step pays is not priced). The h100 family no longer meets 5%:
 # per-case pin only since then, as flash. Nothing refit.
+# Session 38 (issue 14, the H100 cases' source): the 8.309-8.49 s table is dgxc-benchmarking v25.02
+# (8f5cbb3), which ran NeMo 24.12 with gpt3_175b_hydra.yaml's 6 virtual stages (not 24.05 / 12, as the
+# cases said): h100 175B NeMo 512 -5.38% -> -4.57% (the smaller interleaving's longer bubble).
 PINNED: dict[tuple[str, str], float] = {
     ("pinned", "1.7B"): +0.0005,
     ("pinned", "39.1B"): +0.0315,
@@ -178,7 +181,7 @@ PINNED: dict[tuple[str, str], float] = {
     ("analytic", "175B"): +0.0487,
     ("table1", "7.5B"): -0.0167,
     ("table1", "18.4B"): -0.0040,
-    ("h100", "175B NeMo 512"): -0.0538,
+    ("h100", "175B NeMo 512"): -0.0457,
     ("flash", "FA2 1.3B 2k"): -0.0679,
     ("flash", "FA2 2.7B 2k"): -0.0215,
     ("flash", "FA1 (T1) 1.3B 2k"): +0.0169,
