@@ -48,7 +48,8 @@ def test_presets_are_typed_and_sourced():
                   | ({"expert_dispatch"} if sw.expert_dispatch != "pairs" else set())
                   | ({"expert_routing"} if sw.expert_routing != "router" else set())
                   | ({"expert_saves"} if sw.expert_saves != "runtime" else set())
-                  | ({"norm_saves"} if sw.norm_saves != "eager" else set()))
+                  | ({"norm_saves"} if sw.norm_saves != "eager" else set())
+                  | ({"gradient_accumulation_fusion"} if sw.gradient_accumulation_fusion else set()))
         assert set(sw.sources) == chosen, "every choice names its source"
     with pytest.raises(PlanError, match="unknown software 'flash9'; bundled: autopar, flash-attn-1-2022, "
                                          "flash-attn-2-2023, megatron-lm-2021, megatron-lm-2021-torch-ddp, "

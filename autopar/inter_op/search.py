@@ -327,6 +327,9 @@ class _Tables:
         # ZeRO-3's collectives on their own streams beside the compute (`SoftwareSpec.
         # zero3_overlap`, set by `Search._tables`): a micro-batch pays what exceeds its compute
         self.zero3_overlap = False
+        # the weight-gradient GEMMs accumulate into the gradients kept across micro-batches
+        # (`SoftwareSpec.gradient_accumulation_fusion`, set by `Search._tables`): no separate pass
+        self.accum_fused = False
         # what the expert exchange's library holds for the run (DeepEP's buffers, `ExpertCosting.
         # comm_buffer_bytes`, set by `Search._tables`): a buffer in every phase
         self.comm_buffers = 0.0
@@ -1373,8 +1376,14 @@ class _Tables:
         accumulated ones (`_accum_time`; the fp32 shards under `rs_each`: `_accumulated_elems`,
         `epel` of `pel` expert weights). With fp32 parameters also every micro-batch's casts of
         the weights and of their gradients (`cast_bytes` a parameter element)."""
-        elems = _accumulated_elems(pel, self.dp, self.rs_each, epel, self.ecopies)
-        t = _accum_time(elems, m, self.policy, self.cluster.device)
+        if self.accum_fused and not self.rs_each:
+            # the weight-gradient GEMM adds into the accumulated gradient itself (`SoftwareSpec.
+            # gradient_accumulation_fusion`): no pass of its own; ZeRO-3's per-micro-batch shards
+            # are still added to after each reduce-scatter
+            t = np.asarray(pel, dtype=float) * 0.0
+        else:
+            elems = _accumulated_elems(pel, self.dp, self.rs_each, epel, self.ecopies)
+            t = _accum_time(elems, m, self.policy, self.cluster.device)
         if self.cast_bytes:
             t = t + memory_time(np.asarray(pel) * self.cast_bytes, self.cluster.device)
         return t
@@ -2335,8 +2344,10 @@ class Search:
             per_mb += _zero3_gathers(pp, m) * _dp_affine(self.cluster, "all_gather", dp, tp)[1] * (pel - epel) * w
             if copies > 1:
                 per_mb += _zero3_gathers(pp, m) * _dp_affine(self.cluster, "all_gather", copies, stride)[1] * epel * w
-        if m > 1:
-            # reduced every micro-batch, into the shards (`_Tables.accum`): at least that
+        if m > 1 and not self.software.gradient_accumulation_fusion:
+            # reduced every micro-batch, into the shards (`_Tables.accum`): at least that (fused
+            # into the weight-gradient GEMMs, `SoftwareSpec.gradient_accumulation_fusion`, an
+            # unsharded accumulation costs nothing: 0 bounds it)
             each = zero == 3 and dp > 1 and self.cons.zero3_grad_sync != "step"
             per_mb += _accum_time(_accumulated_elems(pel, dp, each, epel, copies), m, self.policy, self.cluster.device)
         cast = self.software.param_cast_bytes(self.dtype)   # fp32 parameters' casts, every micro-batch
@@ -2791,6 +2802,7 @@ class Search:
                          send_split=self.software.pipeline_send_split and not sp)
             tb.rs_each = rs_each and tb.zero3
             tb.zero3_overlap = self.software.zero3_overlap
+            tb.accum_fused = self.software.gradient_accumulation_fusion
             if ep > 1:
                 blocks = np.array([len(self.experts.by_layer.get(i, ())) for i in range(self.L)], dtype=float)
                 if fold:

@@ -78,6 +78,15 @@ same plan, and that the cost model honours:
   of its last micro-batch (bucketed all-reduce as PyTorch DDP or Megatron-Core's
   --overlap-grad-reduce do it) instead of after it. Time: `autopar.inter_op.search` (the
   per-iteration tail).
+- `gradient_accumulation_fusion`: whether the weight-gradient GEMM of each linear adds its result
+  into the gradient kept across micro-batches (cuBLAS with beta = 1 into Megatron's `main_grad`:
+  Transformer Engine's `fuse_wgrad_accumulation`, Megatron-Core's `--no-gradient-accumulation-
+  fusion` off, NeMo's `gradient_accumulation_fusion: true`) instead of writing a fresh gradient
+  that a separate pass adds into the kept one (autograd's `.grad` accumulation, what `autopar run`
+  executes: `grad_accumulation_bytes` a parameter every micro-batch after the first). Time:
+  `autopar.inter_op.search` (`_Tables.accum`; the GEMM's own read of the kept gradient is not
+  charged: a transformer's weight-gradient GEMMs are compute-bound). ZeRO-3 reducing every
+  micro-batch still adds each reduce-scattered shard into the kept one.
 - `pipeline_send_overlap`: the pipeline schedules (as the runtime executes them: 1F1B with fewer
   micro-batches than stages runs as GPipe, interleaving with one chunk as 1F1B) whose point-to-
   point sends run beside the compute instead of being waited before the next op. Waited (the
@@ -213,14 +222,16 @@ NORM_SAVES: tuple[str, ...] = get_args(NormSaves)
 RUNTIME_CHOICES: tuple[str, ...] = ("attention_kernel", "pointwise_fusion", "mixed_precision", "loss_kernel",
                                     "param_dtype", "zero_optimizer", "grad_sync_overlap", "zero3_overlap",
                                     "optimizer_states", "expert_dispatch", "expert_routing", "expert_saves",
-                                    "norm_saves", "loss_scaling", "pipeline_send_overlap", "pipeline_send_split")
+                                    "norm_saves", "loss_scaling", "pipeline_send_overlap", "pipeline_send_split",
+                                    "gradient_accumulation_fusion")
 
 # the choices a dump leaves out at their defaults (`SoftwareSpec._omit_eager_fusion`): each added
 # after plans were first written, so a plan of the default software reads and digests as before
 OMITTED_AT_DEFAULT: tuple[str, ...] = ("pointwise_fusion", "mixed_precision", "loss_kernel", "param_dtype",
                                        "zero_optimizer", "zero3_overlap", "loss_scaling", "pipeline_send_overlap",
                                        "pipeline_send_split", "attention_head_dims", "expert_dispatch",
-                                       "expert_routing", "expert_saves", "norm_saves", "optimizer_states")
+                                       "expert_routing", "expert_saves", "norm_saves", "optimizer_states",
+                                       "gradient_accumulation_fusion")
 
 # the memory a plan may not fill, per software stack (`cost_models.memory.usable_memory`); omitted
 # from a dump at their defaults
@@ -309,6 +320,11 @@ class SoftwareSpec(BaseModel):
     grad_sync_overlap: bool = Field(
         default=False, description="the data-parallel gradient sync runs during the last micro-batch's "
         "backward (bucketed, as PyTorch DDP or Megatron-Core --overlap-grad-reduce) instead of after it")
+    gradient_accumulation_fusion: bool = Field(
+        default=False, description="the weight-gradient GEMMs add into the gradients kept across micro-batches "
+        "(Transformer Engine's fuse_wgrad_accumulation under Megatron-Core / NeMo gradient_accumulation_fusion): "
+        "no separate accumulation pass per micro-batch; false: autograd writes each micro-batch's gradient and "
+        "adds it into .grad (what autopar run executes)")
     pipeline_send_overlap: list[Schedule] = Field(
         default_factory=lambda: ["gpipe"], description="the pipeline schedules (as run: 1F1B with fewer "
         "micro-batches than stages runs as GPipe) whose point-to-point sends run beside the compute, paid only "
@@ -489,6 +505,8 @@ class SoftwareSpec(BaseModel):
                       if self.pipeline_send_overlap else ", pipeline sends waited")
         zero3 += ", pipeline sends split over tp and all-gathered" if self.pipeline_send_split else ""
         zero3 += ", no fp32 master (2-byte optimizer moments)" if self.optimizer_states == "param" else ""
+        zero3 += ", gradient accumulation fused into the weight-gradient GEMMs" if self.gradient_accumulation_fusion \
+            else ""
         moe = {"ranks": ", a token sent once per expert rank (DeepEP)",
                "nodes": ", a token sent once per expert node over the network, once per expert rank inside it "
                         "(DeepEP)"}.get(self.expert_dispatch, "") + \
@@ -508,7 +526,7 @@ class SoftwareSpec(BaseModel):
         data = read_mapping(path, "software",
                             "name, attention_kernel, pointwise_fusion, mixed_precision, param_dtype, zero_optimizer, "
                             "loss_scaling, grad_sync_overlap, pipeline_send_overlap, pipeline_send_split, "
-                            "zero3_overlap, allocator_fragmentation, usable_fraction, "
+                            "zero3_overlap, gradient_accumulation_fusion, allocator_fragmentation, usable_fraction, "
                             "optimizer_states, expert_dispatch, expert_routing, expert_saves, norm_saves")
         data.setdefault("name", path.stem)
         try:
