@@ -209,6 +209,10 @@ def plan(model: Any, cluster: ClusterSpec | str, example_inputs: Optional[Sequen
         p.search["account_in_split"] = why_slots
     if no_tp:
         p.search["tp_free"] = "kept at 1 by the search: every tp plan would be " + no_tp
+    if (sw.tp_comm_overlap and p.sequence_parallel and spec.device.sm_count is None
+            and any(c.num_sm > 0 and (c.set_sm_margin or c.method == "bulk") for c in sw.tp_comm_overlap.values())):
+        p.search["tp_comm_overlap"] = (f"the SMs {sw.name}'s tp overlaps take from the GEMMs are not priced: "
+                                       f"{spec.device.name} has no sm_count in its profile")
     return p
 
 

@@ -90,8 +90,13 @@ _MZ_DEEPEP = ("the readme table's Dispatcher column says DeepEP: Megatron's flex
 # and Megatron-Core's TE layer spec (megatron/core/models/gpt/gpt_layer_specs.py at 1e057005) runs every norm as
 # a TE kernel (TENorm for the q/k and pre-MLP norms, the input norm inside TELayerNormColumnParallelLinear), TE's
 # RMSNorm saving its input and the inverse RMS (ops/basic/rmsnorm.py): `norm_saves` input
+# The zoo's yaml at 31c5686 passes no --tp-comm-overlap (Megatron-LM's store_true, off by default:
+# megatron/training/arguments.py:1726 at 1e057005): its tp collectives waited, not the NeMo recipe's
+# userbuffers overlaps the base preset carries (`tp_comm_overlap` empty); it leaves gradient accumulation
+# fusion at Megatron's default, on (--no-gradient-accumulation-fusion store_false, arguments.py:1856-1860),
+# as the base preset has it
 _MZ_SOFTWARE = {"pointwise_fusion": "norm_moe", "loss_kernel": "fused", "expert_routing": "forced_balance",
-                "expert_saves": "megatron_core", "norm_saves": "input"}
+                "expert_saves": "megatron_core", "norm_saves": "input", "tp_comm_overlap": {}}
 _MZ_FUSION = ("fused kernels as the zoo's model_configs/benchmarking/Qwen3-235B-A22B.yaml sets them: TE norms "
               "(--transformer-impl transformer_engine), --moe-permute-fusion true, Megatron's default fused SwiGLU "
               "(pointwise_fusion norm_moe), --cross-entropy-loss-fusion true with --cross-entropy-fusion-impl te "

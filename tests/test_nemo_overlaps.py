@@ -40,3 +40,64 @@ def test_fused_gradient_accumulation_drops_the_accumulation_pass():
     assert SoftwareSpec.model_validate(dumped) == fused
     with pytest.raises(Exception, match="gradient_accumulation_fusion"):
         SoftwareSpec(name="x", gradient_accumulation_fusion="sometimes")
+
+
+def _ub(method, **kw):
+    from autopar.schema.software import UbOverlap
+
+    return UbOverlap(method=method, **kw)
+
+
+def test_userbuffers_overlap_rules():
+    """`cost_models.tp_overlap`: bulk max(GEMM, collective), the GEMM slowed by the SMs the
+    collective holds; pipeline g + (n-1) max(g, c) + c over chunks; ring exchange (tp-1) max(g, s) + g."""
+    from cost_models.tp_overlap import chunk_gemm_time, overlapped_time, sm_margin_factor
+
+    dev = ClusterSpec.load("dgx-h100").device
+    assert dev.sm_count == 132
+    part = lambda f: 100e-6 * f  # noqa: E731  (a collective of 100 us, linear in its bytes)
+    big = 1e13         # FLOPs where the GEMM curve is flat: a chunk runs at the whole's rate
+    assert chunk_gemm_time(800e-6, big, 4, dev, "bf16") == pytest.approx(200e-6)
+    assert chunk_gemm_time(800e-6, 4e10, 4, dev, "bf16") > 200e-6         # a small chunk runs slower
+    # bulk, no margin: max of the two, the GEMM losing num_sm of 132 SMs while the collective runs
+    g, t = overlapped_time(_ub("bulk", num_sm=8), 600e-6, big, 100e-6, 4, dev, "bf16", part, 30e-6)
+    assert g == pytest.approx(600e-6 + 100e-6 * 8 / 132) and t == g
+    g, t = overlapped_time(_ub("bulk", num_sm=8), 50e-6, big, 100e-6, 4, dev, "bf16", part, 30e-6)
+    assert t == pytest.approx(100e-6)                                     # the collective exposed beyond it
+    # pipeline with a margin: the GEMM on 132 - 24 SMs, the last chunk's reduce-scatter waited
+    cfg = _ub("pipeline", num_sm=24, set_sm_margin=True, num_splits=4)
+    assert sm_margin_factor(cfg, dev) == pytest.approx(132 / 108)
+    g, t = overlapped_time(cfg, 800e-6, big, 100e-6, 4, dev, "bf16", part, 30e-6, reduce_scatter=True)
+    gc = 200e-6 * 132 / 108
+    assert g == pytest.approx(4 * gc) and t == pytest.approx(gc + 3 * gc + 25e-6)
+    # ring exchange: tp shard steps, the transfers on the copy engines (no SMs taken)
+    g, t = overlapped_time(_ub("ring_exchange", num_sm=1), 400e-6, big, 100e-6, 4, dev, "bf16", part, 30e-6)
+    assert g == pytest.approx(400e-6) and t == pytest.approx(400e-6)
+    g, t = overlapped_time(_ub("ring_exchange", num_sm=1), 40e-6, big, 100e-6, 4, dev, "bf16", part, 30e-6)
+    assert t == pytest.approx(3 * 30e-6 + 10e-6)                          # transfer-bound
+    # aggregate: one 1-shard exchange, then tp/2 steps of two shards
+    g, t = overlapped_time(_ub("ring_exchange", num_sm=1, aggregate=True), 400e-6, big, 100e-6, 4, dev, "bf16",
+                           part, 30e-6)
+    assert t == pytest.approx(30e-6 + 400e-6)
+    with pytest.raises(Exception, match="qkv_fprop cannot be overlapped by 'bulk'"):
+        SoftwareSpec(name="x", tp_comm_overlap={"qkv_fprop": {"method": "bulk"}})
+
+
+def test_tp_collectives_hide_behind_their_gemms_with_userbuffers():
+    """`tp_comm_overlap` on a sequence-parallel plan: the blocks' all-gathers and reduce-scatters
+    priced beside their GEMMs (less exposed communication), the GEMMs' slowdown as compute; the
+    same collectives run. Empty (autopar run): nothing changes."""
+    nemo = SoftwareSpec.load("nemo-megatron-core-2024")
+    assert nemo.tp_comm_overlap["proj_fprop"].method == "pipeline" and resolve_software(None).tp_comm_overlap == {}
+    off = nemo.model_copy(update={"name": "off", "tp_comm_overlap": {}})
+    cl = ClusterSpec.load("dgx-h100")
+    cons = Constraints(dp=2, tp=4, pp=1, microbatch_size=1, recompute="none", zero_stage=1, sequence_parallel=True)
+    plans = {sw.name: autopar.plan("gpt3-1.3b", cl, global_batch_size=4, constraints=cons, software=sw)
+             for sw in (nemo, off)}
+    on, waited = plans[nemo.name].predicted, plans["off"].predicted
+    assert on.collectives == waited.collectives                  # the same collectives, beside the GEMMs
+    assert on.communication_s < waited.communication_s
+    assert on.compute_s > waited.compute_s                       # chunked GEMMs, SMs given to the comm kernels
+    # written only when set, and round-trips
+    assert "tp_comm_overlap" not in resolve_software(None).model_dump()
+    assert SoftwareSpec.model_validate(nemo.model_dump()) == nemo

@@ -26,6 +26,7 @@ from autopar.capture.graph import OpGraph
 from autopar.inter_op.ilp_cache import CostCache, IlpCache, cost_key, graph_digest, solve_key
 from autopar.inter_op.layers import Layer, op_name_mapping
 from autopar.inter_op.stage_cost import AnalyticProvider, LayerCost, autocast_device, fill_activations, float_bytes
+from autopar.inter_op.tp_overlap import tp_overlap_deltas
 from autopar.intra_op.solution import ShardingSolution
 from autopar.schema import ClusterSpec, PlanError
 from autopar.schema.placement import is_shard, shard_dim
@@ -474,6 +475,14 @@ class IlpProvider(AnalyticProvider):
         scale = sol.forward_s / fwd_a if fwd_a > 0 else 1.0
         c.rc_extra_s = {r: v * scale for r, v in base.rc_extra_s.items()}
         c.rc_comm_s = {r: v * scale for r, v in base.rc_comm_s.items()}
+        if self.sequence_parallel and self.software.tp_comm_overlap:
+            # the software's userbuffers overlaps (`SoftwareSpec.tp_comm_overlap`): the blocks'
+            # collectives beside their GEMMs, the GEMMs as they run there (a recomputed forward's
+            # collectives, `rc_comm_s`, are left waited)
+            d = tp_overlap_deltas(sol, g, list(layer.nodes), tp, self.software, self.cluster, self.dtype)
+            c.fwd_s, c.bwd_s = c.fwd_s + d["fwd_s"], c.bwd_s + d["bwd_s"]
+            c.fwd_comm_s = max(0.0, c.fwd_comm_s + d["fwd_comm_s"])
+            c.bwd_comm_s = max(0.0, c.bwd_comm_s + d["bwd_comm_s"])
         c.out_bytes = base.out_bytes
         for fqn, pl in sol.param_placements.items():
             if fqn in self.graph.params and fqn in set(layer.params):

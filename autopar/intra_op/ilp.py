@@ -1300,16 +1300,17 @@ class IntraOpProblem:
         comm_of: dict[str, float] = defaultdict(float)
         layouts: dict[str, tuple[int, int]] = {}
 
-        def add(kind, axes, nbytes, phase, op, reason):
+        def add(kind, axes, nbytes, phase, op, reason, tensor=""):
             nonlocal fwd, bwd, sync
             t = self.coll_time(kind, axes, nbytes, phase)
             df, db, ds = by_phase(phase, t)
             fwd, bwd, sync = fwd + df, bwd + db, sync + ds
             comm_of[op] += t
             if t > 0 or nbytes > 0:
-                colls.append(Collective(kind, tuple(axes), float(nbytes), phase, op, t, reason))
+                colls.append(Collective(kind, tuple(axes), float(nbytes), phase, op, t, reason, tensor))
 
         compute: dict[str, float] = {}
+        forward: dict[str, float] = {}
         for c in self.calls:
             pn = self.pnodes[self.rep[c]]
             st = strat(c)
@@ -1317,6 +1318,7 @@ class IntraOpProblem:
             fwd += f
             bwd += b
             compute[c] = f + b
+            forward[c] = f
             for kind, axes, nbytes, phase in st.comms:
                 add(kind, axes, nbytes, phase, c, pn.family)
         consumers = [(c, g.node(c)) for c in self.calls]
@@ -1337,11 +1339,11 @@ class IntraOpProblem:
                 st, rc = strat(c), self.rep[c]
                 at = c if "#" not in c else p          # producer -> junction: charged to the producer
             for kind, a, b, ph, why in self.edge_collectives(self.rep[p], o, src, rc, k, st, sgp):
-                add(kind, (a,), b, ph, at, f"{why} of {label(p)}")
+                add(kind, (a,), b, ph, at, f"{why} of {label(p)}", p.rsplit("#", 1)[0] if "#" in p else p)
         for c, n in consumers:
             st = strat(c)
             op_choices[c] = OpChoice(st.name, list(st.out_specs), compute[c], comm_of.get(c, 0.0),
-                                     list(st.in_specs), self.pnodes[self.rep[c]].family)
+                                     list(st.in_specs), self.pnodes[self.rep[c]].family, forward[c])
             if st.note.startswith("interleaved"):
                 _, dim, chunks = st.note.split(":")
                 self._record_interleave(n.inputs[0], int(dim), int(chunks), layouts)

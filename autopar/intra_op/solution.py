@@ -22,6 +22,10 @@ class Collective:
     op: str = ""                    # the node it belongs to (a consumer for resharding)
     time_s: float = 0.0
     reason: str = ""                # "reshard x", "grad of w", "vocab-parallel cross-entropy", ...
+    # the op whose output (or its gradient) this collective moves, for a redistribution between
+    # ops (an edge): what a GEMM-communication overlap pairs it with (`inter_op.tp_overlap`);
+    # "" for an op's own collectives
+    tensor: str = ""
 
 
 @dataclass
@@ -32,6 +36,7 @@ class OpChoice:
     communication_s: float          # collectives charged to it (its own and its inputs' resharding)
     input_placements: list[tuple[str, ...]] = field(default_factory=list)
     family: str = ""
+    forward_s: float = 0.0          # of compute_s, the forward's (the rest is the backward's)
 
 
 @dataclass
@@ -96,10 +101,11 @@ class ShardingSolution:
             param_placements={k: t(v) for k, v in d["param_placements"].items()},
             input_placements={k: t(v) for k, v in d["input_placements"].items()},
             collectives=[Collective(c["kind"], t(c["mesh_axes"]), c["bytes"], c["phase"], c["op"], c["time_s"],
-                                    c["reason"]) for c in d["collectives"]],
+                                    c["reason"], c.get("tensor", "")) for c in d["collectives"]],
             objective=d["objective"],
             op_choices={k: OpChoice(v["strategy"], specs(v["output_placements"]), v["compute_s"],
-                                    v["communication_s"], specs(v["input_placements"]), v["family"])
+                                    v["communication_s"], specs(v["input_placements"]), v["family"],
+                                    v.get("forward_s", 0.0))
                         for k, v in d["op_choices"].items()},
             forward_s=d["forward_s"], backward_s=d["backward_s"], grad_sync_s=d["grad_sync_s"],
             param_bytes_per_device=d["param_bytes_per_device"],

@@ -13,7 +13,17 @@ import warnings
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from autopar.schema.errors import PlanError
 from autopar.schema.files import read_mapping
@@ -149,6 +159,10 @@ class DeviceSpec(_Strict):
     device_type: Literal["cuda", "cpu"] = Field(
         default="cuda", description="the torch device type the runtime trains on: it sets which ops "
                                     "mixed precision (torch.autocast) keeps in fp32, so what they save")
+    sm_count: Optional[int] = Field(
+        default=None, ge=1, description="streaming multiprocessors of the device: what a library that "
+        "reserves some for its communication kernels leaves its GEMMs (`SoftwareSpec.tp_comm_overlap`); "
+        "None: not known (such a reservation is not priced, the plan says so)")
     sources: dict[str, str] = Field(default_factory=dict)
     # a device's `attention_kernel` from a file written before software was apart from hardware
     # (`_software_moved`); the planner takes it as the software's when none is given
@@ -182,6 +196,15 @@ class DeviceSpec(_Strict):
         if legacy is not None:
             obj._legacy_attention_kernel = legacy
         return obj
+
+    @model_serializer(mode="wrap")
+    def _omit_unknown_sms(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The dump without `sm_count` where it is not known: a plan file of a device profile
+        written before the field existed (and its digest) is what it was."""
+        out = handler(self)
+        if isinstance(out, dict) and out.get("sm_count", 0) is None:
+            out.pop("sm_count")
+        return out
 
     @property
     def legacy_attention_kernel(self) -> Optional[str]:

@@ -87,6 +87,15 @@ same plan, and that the cost model honours:
   `autopar.inter_op.search` (`_Tables.accum`; the GEMM's own read of the kept gradient is not
   charged: a transformer's weight-gradient GEMMs are compute-bound). ZeRO-3 reducing every
   micro-batch still adds each reduce-scattered shard into the kept one.
+- `tp_comm_overlap`: the tensor-parallel collectives of Megatron-SP's linears run beside the GEMMs
+  that read or make them (Transformer Engine's userbuffers, `ub_tp_comm_overlap` with its
+  `ub_tp_comm_overlap_cfg`), per GEMM of a transformer layer's attention and MLP blocks (`UbGemm`:
+  qkv / proj, fc1 / fc2, as TE names them) with its method and SMs (`UbOverlap`); empty: every tp
+  collective waited (what `autopar run` executes). Priced on the ILP's solution with sequence
+  parallelism: a layer's k-th forward all-gather into column-parallel linears followed by a
+  reduce-scatter out of a row-parallel one is its k-th block (qkv / proj first, fc1 / fc2 after);
+  a gathered tensor read by no such pair (the LM head's, an expert block's) stays waited. Time:
+  `autopar.inter_op.tp_overlap`, `cost_models.tp_overlap`.
 - `pipeline_send_overlap`: the pipeline schedules (as the runtime executes them: 1F1B with fewer
   micro-batches than stages runs as GPipe, interleaving with one chunk as 1F1B) whose point-to-
   point sends run beside the compute instead of being waited before the next op. Waited (the
@@ -216,6 +225,37 @@ ExpertSaves = Literal["runtime", "megatron_core"]
 EXPERT_SAVES: tuple[str, ...] = get_args(ExpertSaves)
 NormSaves = Literal["eager", "input"]
 NORM_SAVES: tuple[str, ...] = get_args(NormSaves)
+# the GEMMs of a transformer layer's tensor-parallel blocks Transformer Engine's userbuffers overlap
+# (`initialize_ub`'s names): qkv / proj the attention block's column- and row-parallel linears, fc1 / fc2
+# the MLP's; fprop the forward GEMM, dgrad / wgrad the backward's input- and weight-gradient GEMMs
+UbGemm = Literal["qkv_fprop", "qkv_dgrad", "qkv_wgrad", "proj_fprop", "proj_dgrad",
+                 "fc1_fprop", "fc1_dgrad", "fc1_wgrad", "fc2_fprop", "fc2_dgrad"]
+UB_GEMMS: tuple[str, ...] = get_args(UbGemm)
+UbMethod = Literal["bulk", "ring_exchange", "pipeline"]
+UB_METHODS: tuple[str, ...] = get_args(UbMethod)
+# the methods each GEMM's collective can be overlapped by, as `cost_models.tp_overlap` prices them:
+# a forward all-gather or a row-parallel dgrad's all-gather by the ring exchange (TE refuses
+# "pipeline" for an all-gather), a row-parallel forward's reduce-scatter by either split method, the
+# column-parallel backward's collectives in bulk (TE's other dgrad reduce-scatter variant not modelled)
+UB_ALLOWED: dict[str, tuple[str, ...]] = {
+    **{g: ("ring_exchange",) for g in ("qkv_fprop", "fc1_fprop", "proj_dgrad", "fc2_dgrad")},
+    **{g: ("pipeline", "ring_exchange") for g in ("proj_fprop", "fc2_fprop")},
+    **{g: ("bulk",) for g in ("qkv_dgrad", "qkv_wgrad", "fc1_dgrad", "fc1_wgrad")}}
+
+
+class UbOverlap(BaseModel):
+    """How one GEMM's tensor-parallel collective is overlapped with it (one entry of Transformer
+    Engine's `ub_cfgs`, `initialize_ub`; the defaults are its `get_default_config`'s)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: UbMethod = Field(description="bulk: the whole collective beside the GEMM; pipeline: the GEMM in "
+                             "num_splits chunks, each chunk's reduce-scatter beside the next; ring_exchange: "
+                             "point-to-point shard exchanges on the copy engines beside per-shard GEMMs")
+    num_sm: int = Field(default=16, ge=0, description="SMs the communication kernel runs on (bulk, pipeline)")
+    set_sm_margin: bool = Field(default=False, description="the GEMM runs on the device's other SMs only")
+    num_splits: int = Field(default=4, ge=1, description="a pipeline overlap's GEMM chunks")
+    aggregate: bool = Field(default=False, description="a ring exchange moves two shards a step")
 
 # the choices `autopar run` executes as the default preset has them: a plan whose software differs in
 # any of them predicts another software's run (the CLI says so, `cli._software_note`)
@@ -223,7 +263,7 @@ RUNTIME_CHOICES: tuple[str, ...] = ("attention_kernel", "pointwise_fusion", "mix
                                     "param_dtype", "zero_optimizer", "grad_sync_overlap", "zero3_overlap",
                                     "optimizer_states", "expert_dispatch", "expert_routing", "expert_saves",
                                     "norm_saves", "loss_scaling", "pipeline_send_overlap", "pipeline_send_split",
-                                    "gradient_accumulation_fusion")
+                                    "gradient_accumulation_fusion", "tp_comm_overlap")
 
 # the choices a dump leaves out at their defaults (`SoftwareSpec._omit_eager_fusion`): each added
 # after plans were first written, so a plan of the default software reads and digests as before
@@ -231,7 +271,7 @@ OMITTED_AT_DEFAULT: tuple[str, ...] = ("pointwise_fusion", "mixed_precision", "l
                                        "zero_optimizer", "zero3_overlap", "loss_scaling", "pipeline_send_overlap",
                                        "pipeline_send_split", "attention_head_dims", "expert_dispatch",
                                        "expert_routing", "expert_saves", "norm_saves", "optimizer_states",
-                                       "gradient_accumulation_fusion")
+                                       "gradient_accumulation_fusion", "tp_comm_overlap")
 
 # the memory a plan may not fill, per software stack (`cost_models.memory.usable_memory`); omitted
 # from a dump at their defaults
@@ -325,6 +365,11 @@ class SoftwareSpec(BaseModel):
         "(Transformer Engine's fuse_wgrad_accumulation under Megatron-Core / NeMo gradient_accumulation_fusion): "
         "no separate accumulation pass per micro-batch; false: autograd writes each micro-batch's gradient and "
         "adds it into .grad (what autopar run executes)")
+    tp_comm_overlap: dict[UbGemm, UbOverlap] = Field(
+        default_factory=dict, description="the tensor-parallel collectives of sequence-parallel linears "
+        "overlapped with their GEMMs (Transformer Engine userbuffers, ub_tp_comm_overlap), per GEMM: "
+        "qkv/proj the attention block's, fc1/fc2 the MLP's, fprop/dgrad/wgrad; empty: every tp "
+        "collective waited (what autopar run executes)")
     pipeline_send_overlap: list[Schedule] = Field(
         default_factory=lambda: ["gpipe"], description="the pipeline schedules (as run: 1F1B with fewer "
         "micro-batches than stages runs as GPipe) whose point-to-point sends run beside the compute, paid only "
@@ -402,6 +447,16 @@ class SoftwareSpec(BaseModel):
                              "dtype keeps no fp32 parameters); set param_dtype: training or mixed_precision: "
                              "autocast")
         return self
+
+    @field_validator("tp_comm_overlap")
+    @classmethod
+    def _ub_methods_modelled(cls, v: dict[str, UbOverlap]) -> dict[str, UbOverlap]:
+        """Each GEMM's collective overlapped by a method TE runs for it and the cost model prices."""
+        for gemm, cfg in v.items():
+            if cfg.method not in UB_ALLOWED[gemm]:
+                raise ValueError(f"tp_comm_overlap: {gemm} cannot be overlapped by {cfg.method!r}; use "
+                                 f"{' or '.join(UB_ALLOWED[gemm])}")
+        return v
 
     @field_validator("pipeline_send_overlap")
     @classmethod
@@ -507,6 +562,8 @@ class SoftwareSpec(BaseModel):
         zero3 += ", no fp32 master (2-byte optimizer moments)" if self.optimizer_states == "param" else ""
         zero3 += ", gradient accumulation fused into the weight-gradient GEMMs" if self.gradient_accumulation_fusion \
             else ""
+        zero3 += (f", tp collectives beside their GEMMs ({len(self.tp_comm_overlap)} userbuffers overlaps)"
+                  if self.tp_comm_overlap else "")
         moe = {"ranks": ", a token sent once per expert rank (DeepEP)",
                "nodes": ", a token sent once per expert node over the network, once per expert rank inside it "
                         "(DeepEP)"}.get(self.expert_dispatch, "") + \
@@ -526,7 +583,8 @@ class SoftwareSpec(BaseModel):
         data = read_mapping(path, "software",
                             "name, attention_kernel, pointwise_fusion, mixed_precision, param_dtype, zero_optimizer, "
                             "loss_scaling, grad_sync_overlap, pipeline_send_overlap, pipeline_send_split, "
-                            "zero3_overlap, gradient_accumulation_fusion, allocator_fragmentation, usable_fraction, "
+                            "zero3_overlap, gradient_accumulation_fusion, tp_comm_overlap, allocator_fragmentation, "
+                            "usable_fraction, "
                             "optimizer_states, expert_dispatch, expert_routing, expert_saves, norm_saves")
         data.setdefault("name", path.stem)
         try:
