@@ -101,3 +101,32 @@ def test_tp_collectives_hide_behind_their_gemms_with_userbuffers():
     # written only when set, and round-trips
     assert "tp_comm_overlap" not in resolve_software(None).model_dump()
     assert SoftwareSpec.model_validate(nemo.model_dump()) == nemo
+
+
+def test_param_gather_beside_the_next_forward():
+    """`param_sync_overlap`: ZeRO-1's all-gather of the updated weights waited only beyond the
+    forward it runs beside (one chunk: its first micro-batch's; interleaved: chunk 0's share
+    waited, each later chunk's beyond the previous chunk's warm-up forwards)."""
+    from autopar.inter_op.search import _exposed_param_gather
+
+    assert _exposed_param_gather(10.0, [1.0], [4.0], 8) == pytest.approx(6.0)
+    assert _exposed_param_gather(10.0, [1.0], [40.0], 8) == 0.0
+    # 3 chunks, 2 ahead: chunk 0's 5 waited; chunk 1's 3 beside 2 x 1 of chunk 0 (1 waited); chunk 2's 2 hidden
+    assert _exposed_param_gather(10.0, [0.5, 0.3, 0.2], [1.0, 1.0, 1.0], 2) == pytest.approx(5.0 + 1.0)
+    assert SoftwareSpec.load("nemo-megatron-core-2024").param_sync_overlap is True
+    assert resolve_software(None).param_sync_overlap is False
+    cl = ClusterSpec.load("dgx-a100-80g")
+    cons = Constraints(dp=8, tp=1, pp=1, microbatch_size=1, recompute="none", zero_stage=1)
+    base = SoftwareSpec.load("autopar")
+    over = base.model_copy(update={"name": "over", "param_sync_overlap": True})
+    after = autopar.plan("gpt-small", cl, global_batch_size=8, constraints=cons, software=base)
+    beside = autopar.plan("gpt-small", cl, global_batch_size=8, constraints=cons, software=over)
+    assert beside.predicted.iteration_time_s < after.predicted.iteration_time_s
+    assert beside.predicted.collectives == after.predicted.collectives       # the same gather, hidden
+    # ZeRO 0 gathers nothing: no change
+    z0 = cons.model_copy(update={"zero_stage": 0})
+    assert (autopar.plan("gpt-small", cl, global_batch_size=8, constraints=z0, software=over).predicted.iteration_time_s
+            == pytest.approx(autopar.plan("gpt-small", cl, global_batch_size=8, constraints=z0,
+                                          software=base).predicted.iteration_time_s))
+    assert "param_sync_overlap" not in base.model_dump() and over.model_dump()["param_sync_overlap"] is True
+    assert SoftwareSpec.model_validate(over.model_dump()) == over

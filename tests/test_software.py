@@ -50,7 +50,8 @@ def test_presets_are_typed_and_sourced():
                   | ({"expert_saves"} if sw.expert_saves != "runtime" else set())
                   | ({"norm_saves"} if sw.norm_saves != "eager" else set())
                   | ({"gradient_accumulation_fusion"} if sw.gradient_accumulation_fusion else set())
-                  | ({"tp_comm_overlap"} if sw.tp_comm_overlap else set()))
+                  | ({"tp_comm_overlap"} if sw.tp_comm_overlap else set())
+                  | ({"param_sync_overlap"} if sw.param_sync_overlap else set()))
         assert set(sw.sources) == chosen, "every choice names its source"
     with pytest.raises(PlanError, match="unknown software 'flash9'; bundled: autopar, flash-attn-1-2022, "
                                          "flash-attn-2-2023, megatron-lm-2021, megatron-lm-2021-torch-ddp, "

@@ -1321,6 +1321,16 @@ class _Tables:
         return (_sync_time(self.cluster, self.policy, self.dp, self.tp, self.zero, pel - epel)
                 + _sync_time(self.cluster, self.policy, self.ecopies, self.estride, self.zero, epel))
 
+    def param_gather(self, pel: float, epel: float = 0.0) -> float:
+        """Of `sync`, ZeRO-1/2's all-gather of the updated weights (`_param_gather_time`), the
+        dense ones over dp and the experts' over their copies; 0 under ZeRO 0 and 3."""
+        if self.rs_each:
+            return 0.0
+        if self.ep <= 1:
+            return _param_gather_time(self.cluster, self.policy, self.dp, self.tp, self.zero, pel)
+        return (_param_gather_time(self.cluster, self.policy, self.dp, self.tp, self.zero, pel - epel)
+                + _param_gather_time(self.cluster, self.policy, self.ecopies, self.estride, self.zero, epel))
+
     def opt(self, pel: float, tensors: int = 1, epel: float = 0.0) -> float:
         """Optimizer step of `pel` parameter elements in `tensors` parameter tensors (the runtime
         updates one tensor at a time; ZeRO-1/2 update one flat shard). ZeRO shards the optimizer
@@ -1630,6 +1640,39 @@ def _grad_reduce_time(cluster: ClusterSpec, dtype: str, dp: int, tp: int, zero: 
     if dp == 1 or zero == 3:
         return 0.0
     return _dp_coll(cluster, "all_reduce" if zero == 0 else "reduce_scatter", pel * g, dp, tp)
+
+
+def _param_gather_time(cluster: ClusterSpec, dtype: str, dp: int, tp: int, zero: int, pel: float) -> float:
+    """The part of `_sync_time` that gathers the updated weights (ZeRO 1/2's all-gather), which a
+    distributed optimizer may run beside the next step's forward (`SoftwareSpec.param_sync_overlap`);
+    0 otherwise."""
+    w = PRECISION_POLICIES[dtype][0]
+    if dp == 1 or zero not in (1, 2):
+        return 0.0
+    return _dp_coll(cluster, "all_gather", pel * w, dp, tp)
+
+
+def _exposed_param_gather(gather: float, shares: list[float], forwards: list[float], ahead: int) -> float:
+    """Seconds of a stage's weight all-gather (`gather`, ZeRO-1/2) the next step waits for when it
+    runs beside that step's forward (`SoftwareSpec.param_sync_overlap`). One chunk: apex's
+    DistributedFusedAdam gathers a bucket when a forward pre-hook of its parameters fires and then
+    launches the next, one bucket in flight (distributed_fused_adam.py at 810ffae, pre_forward_hook
+    lines 851-860, _try_start_bucket_param_sync 1897-1913): what exceeds the chunk's first forward
+    is waited. Several chunks (the interleaved schedule): Megatron-Core launches the first two
+    chunks' gathers as the step starts and chunk c + 1's as chunk c's first micro-batch starts its
+    forward (core_v0.10.0 pipeline_parallel/schedules.py:713-716, 862-880, NeMo's param_sync_func):
+    chunk 0's gather (its `shares` of `gather`) is waited, chunk c's beyond the `ahead` forwards of
+    chunk c - 1 that run before its own first (`forwards`: one micro-batch's forward of each chunk;
+    `ahead`: min(pp, m), the micro-batches a chunk's warm-up runs before the next chunk's). An
+    estimate of those chains: the gathers' slowing of the forwards they run beside is not counted."""
+    if gather <= 0:
+        return 0.0
+    if len(shares) <= 1:
+        return max(0.0, gather - sum(forwards))
+    out = gather * shares[0]
+    for c in range(1, len(shares)):
+        out += max(0.0, gather * shares[c] - ahead * forwards[c - 1])
+    return out
 
 
 def _exposed_sync(sync: float, reduce: float, window: float) -> float:
@@ -2356,6 +2399,8 @@ class Search:
         sync = _sync_time(self.cluster, self.policy, dp, tp, zero, pel - epel)
         if self.software.grad_sync_overlap:      # the part no backward can hide
             sync -= _grad_reduce_time(self.cluster, self.policy, dp, tp, zero, pel - epel)
+        if self.software.param_sync_overlap:     # the weights' gather may hide behind the next forward
+            sync -= _param_gather_time(self.cluster, self.policy, dp, tp, zero, pel - epel)
         opt = optimizer_step_time(float(_accumulated_elems(pel, dp, True, epel, copies)) if zero >= 1 else pel,
                                   self.cluster.device, self.policy, param_tensors=1)
         opt += unscale_time(pel, self.cluster.device, self.software.loss_scaling_bytes(self.dtype), dp, zero,
@@ -3037,6 +3082,11 @@ class Search:
             # gradient reduction runs beside
             window = sum(c.bwd_s + c.bwd_comm_s + c.rc_extra_s.get(r, 0.0) for k, j in chunks for c in tb.costs[k:j])
             sync = _exposed_sync(sync, tb.grad_reduce(pel, epel), window)
+        if self.software.param_sync_overlap:
+            gather = tb.param_gather(pel, epel)
+            sync = sync - gather + _exposed_param_gather(
+                gather, [float(x) / pel if pel > 0 else 0.0 for x in chunk_pel],
+                [sum(c.fwd_s + c.fwd_comm_s for c in tb.costs[k:j]) for k, j in chunks], min(cand.pp, cand.m))
         sync += sum(float(tb.iter[j] - tb.iter[k]) for k, j in chunks)
         sync += self._scalar_sync(tb, chunks)
         opt = tb.opt(pel, tb.param_tensors(chunks), epel)

@@ -96,6 +96,14 @@ same plan, and that the cost model honours:
   reduce-scatter out of a row-parallel one is its k-th block (qkv / proj first, fc1 / fc2 after);
   a gathered tensor read by no such pair (the LM head's, an expert block's) stays waited. Time:
   `autopar.inter_op.tp_overlap`, `cost_models.tp_overlap`.
+- `param_sync_overlap`: whether ZeRO-1/2's all-gather of the updated weights runs beside the next
+  step's forward (apex's DistributedFusedAdam `overlap_param_sync`, as NeMo's distributed_fused_adam
+  runs it; Megatron-Core's `--overlap-param-gather`) instead of after the optimizer step: with one
+  chunk a stage waits for what exceeds its first micro-batch's forward (apex gathers bucket by
+  bucket as the forward reaches them), under the interleaved schedule for its first chunk's share
+  and what of each later chunk's exceeds the previous chunk's warm-up forwards (Megatron-Core
+  launches a chunk's gather one chunk ahead): an estimate of those chains. Time:
+  `autopar.inter_op.search` (the per-iteration tail, `_exposed_param_gather`).
 - `pipeline_send_overlap`: the pipeline schedules (as the runtime executes them: 1F1B with fewer
   micro-batches than stages runs as GPipe, interleaving with one chunk as 1F1B) whose point-to-
   point sends run beside the compute instead of being waited before the next op. Waited (the
@@ -263,7 +271,7 @@ RUNTIME_CHOICES: tuple[str, ...] = ("attention_kernel", "pointwise_fusion", "mix
                                     "param_dtype", "zero_optimizer", "grad_sync_overlap", "zero3_overlap",
                                     "optimizer_states", "expert_dispatch", "expert_routing", "expert_saves",
                                     "norm_saves", "loss_scaling", "pipeline_send_overlap", "pipeline_send_split",
-                                    "gradient_accumulation_fusion", "tp_comm_overlap")
+                                    "gradient_accumulation_fusion", "tp_comm_overlap", "param_sync_overlap")
 
 # the choices a dump leaves out at their defaults (`SoftwareSpec._omit_eager_fusion`): each added
 # after plans were first written, so a plan of the default software reads and digests as before
@@ -271,7 +279,7 @@ OMITTED_AT_DEFAULT: tuple[str, ...] = ("pointwise_fusion", "mixed_precision", "l
                                        "zero_optimizer", "zero3_overlap", "loss_scaling", "pipeline_send_overlap",
                                        "pipeline_send_split", "attention_head_dims", "expert_dispatch",
                                        "expert_routing", "expert_saves", "norm_saves", "optimizer_states",
-                                       "gradient_accumulation_fusion", "tp_comm_overlap")
+                                       "gradient_accumulation_fusion", "tp_comm_overlap", "param_sync_overlap")
 
 # the memory a plan may not fill, per software stack (`cost_models.memory.usable_memory`); omitted
 # from a dump at their defaults
@@ -365,6 +373,10 @@ class SoftwareSpec(BaseModel):
         "(Transformer Engine's fuse_wgrad_accumulation under Megatron-Core / NeMo gradient_accumulation_fusion): "
         "no separate accumulation pass per micro-batch; false: autograd writes each micro-batch's gradient and "
         "adds it into .grad (what autopar run executes)")
+    param_sync_overlap: bool = Field(
+        default=False, description="ZeRO-1/2's all-gather of the updated weights runs beside the next step's "
+        "forward, bucket by bucket as the forward reaches them (apex DistributedFusedAdam overlap_param_sync, "
+        "Megatron-Core --overlap-param-gather); false: after the optimizer step (what autopar run executes)")
     tp_comm_overlap: dict[UbGemm, UbOverlap] = Field(
         default_factory=dict, description="the tensor-parallel collectives of sequence-parallel linears "
         "overlapped with their GEMMs (Transformer Engine userbuffers, ub_tp_comm_overlap), per GEMM: "
@@ -562,6 +574,7 @@ class SoftwareSpec(BaseModel):
         zero3 += ", no fp32 master (2-byte optimizer moments)" if self.optimizer_states == "param" else ""
         zero3 += ", gradient accumulation fused into the weight-gradient GEMMs" if self.gradient_accumulation_fusion \
             else ""
+        zero3 += ", weights' all-gather beside the next forward" if self.param_sync_overlap else ""
         zero3 += (f", tp collectives beside their GEMMs ({len(self.tp_comm_overlap)} userbuffers overlaps)"
                   if self.tp_comm_overlap else "")
         moe = {"ranks": ", a token sent once per expert rank (DeepEP)",
@@ -583,7 +596,8 @@ class SoftwareSpec(BaseModel):
         data = read_mapping(path, "software",
                             "name, attention_kernel, pointwise_fusion, mixed_precision, param_dtype, zero_optimizer, "
                             "loss_scaling, grad_sync_overlap, pipeline_send_overlap, pipeline_send_split, "
-                            "zero3_overlap, gradient_accumulation_fusion, tp_comm_overlap, allocator_fragmentation, "
+                            "zero3_overlap, gradient_accumulation_fusion, tp_comm_overlap, param_sync_overlap, "
+                            "allocator_fragmentation, "
                             "usable_fraction, "
                             "optimizer_states, expert_dispatch, expert_routing, expert_saves, norm_saves")
         data.setdefault("name", path.stem)
