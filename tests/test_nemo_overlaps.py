@@ -130,3 +130,36 @@ def test_param_gather_beside_the_next_forward():
                                           software=base).predicted.iteration_time_s))
     assert "param_sync_overlap" not in base.model_dump() and over.model_dump()["param_sync_overlap"] is True
     assert SoftwareSpec.model_validate(over.model_dump()) == over
+
+
+def test_only_complete_tp_blocks_are_overlapped():
+    """The pairing (`autopar.inter_op.tp_overlap`): a layer's all-gather into linears followed by a
+    reduce-scatter out of a linear is a block (qkv/proj first, fc1/fc2 after); the LM head's gather,
+    which no reduce-scatter follows, stays waited, so the last layer (block + head) gets the same
+    fc1 overlap as a middle one."""
+    from autopar.inter_op.tp_overlap import tp_overlap_deltas
+    from autopar.planner import ProviderCache
+    from autopar.planner import plan as make_plan
+
+    nemo = SoftwareSpec.load("nemo-megatron-core-2024")
+    cl = ClusterSpec.load("dgx-h100")
+    cons = Constraints(dp=2, tp=4, pp=1, microbatch_size=1, recompute="none", zero_stage=1, sequence_parallel=True)
+    pc = ProviderCache()
+    make_plan("gpt3-1.3b", cl, global_batch_size=4, constraints=cons, software=nemo, providers=pc)
+    (prov,) = [p for _, p in pc._entries.values() if getattr(p, "sequence_parallel", False)]
+    sols = {lay.index: (sol, lay) for (_, mb, tp), (sol, lay) in prov.solutions.items() if tp == 4 and mb == 1}
+    last, mid = max(sols), sorted(sols)[len(sols) // 2]
+    gathers = {i: sum(x.kind == "all_gather" and x.phase == "forward" for x in sols[i][0].collectives)
+               for i in (mid, last)}
+    assert gathers[last] == gathers[mid] + 1          # the head's
+    only_fc1 = nemo.model_copy(update={"tp_comm_overlap": {"fc1_fprop": nemo.tp_comm_overlap["fc1_fprop"]}})
+    d = {}
+    for i in (mid, last):
+        sol, lay = sols[i]
+        d[i] = tp_overlap_deltas(sol, prov.graph_at(1, lay), list(lay.nodes), 4, only_fc1, cl, "bf16")
+    assert d[mid]["fwd_comm_s"] < 0 and d[mid]["bwd_comm_s"] == 0.0
+    assert d[last] == pytest.approx(d[mid])
+    # the head's gather is still charged whole: the last layer keeps more forward communication
+    none = nemo.model_copy(update={"tp_comm_overlap": {}})
+    assert tp_overlap_deltas(*sols[mid][:1], prov.graph_at(1, sols[mid][1]), list(sols[mid][1].nodes), 4, none, cl,
+                             "bf16") == {"fwd_s": 0.0, "fwd_comm_s": 0.0, "bwd_s": 0.0, "bwd_comm_s": 0.0}
