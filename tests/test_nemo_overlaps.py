@@ -163,3 +163,14 @@ def test_only_complete_tp_blocks_are_overlapped():
     none = nemo.model_copy(update={"tp_comm_overlap": {}})
     assert tp_overlap_deltas(*sols[mid][:1], prov.graph_at(1, sols[mid][1]), list(sols[mid][1].nodes), 4, none, cl,
                              "bf16") == {"fwd_s": 0.0, "fwd_comm_s": 0.0, "bwd_s": 0.0, "bwd_comm_s": 0.0}
+
+
+def test_overlap_on_a_device_without_sm_count_says_so():
+    """A device profile without `sm_count` (dgx-a100-80g): the overlaps are priced without the SMs
+    they take from the GEMMs, and the plan says so."""
+    nemo = SoftwareSpec.load("nemo-megatron-core-2024")
+    cl = ClusterSpec.load("dgx-a100-80g")
+    assert cl.device.sm_count is None and "sm_count" not in cl.device.model_dump()
+    cons = Constraints(dp=2, tp=4, pp=1, microbatch_size=1, recompute="none", zero_stage=1, sequence_parallel=True)
+    p = autopar.plan("gpt3-1.3b", cl, global_batch_size=4, constraints=cons, software=nemo)
+    assert "no sm_count" in p.search["tp_comm_overlap"]
