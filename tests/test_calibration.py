@@ -169,7 +169,7 @@ TOLERANCE = 0.03
 # Session 38 (issue 14, the H100 cases' source): the 8.309-8.49 s table is dgxc-benchmarking v25.02
 # (8f5cbb3), which ran NeMo 24.12 with gpt3_175b_hydra.yaml's 6 virtual stages (not 24.05 / 12, as the
 # cases said): h100 175B NeMo 512 -5.38% -> -4.57% (the smaller interleaving's longer bubble).
-# Session 39 (issue 14, what NeMo fuses): `gradient_accumulation_fusion` (the recipe's hydra line 77; TE's
+# Session 38 (issue 14, what NeMo fuses): `gradient_accumulation_fusion` (the recipe's hydra line 77; TE's
 # fuse_wgrad_accumulation under Megatron-Core core_v0.10.0): the weight-gradient GEMM adds into main_grad,
 # so the separate 6-byte-a-parameter pass every later micro-batch (0.69 s of the 175B step: 5.5e9
 # parameters a GPU, 63 of 64 micro-batches) is no longer charged. h100 175B NeMo 512 -4.57% -> -13.04%:
