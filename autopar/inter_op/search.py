@@ -691,18 +691,25 @@ class _Tables:
                 # the experts' gradients made, where they are an FSDP unit of their own
                 eu = eg if self.expert_units[i] > 0 else [0.0] * len(ms)
                 made = [m[2] for m in ms]
+                # the forward's moment (`MAIN_UNIT`) where its position is known (`fwd_over_at`):
+                # it holds the unit of its op's module alone (FSDP2 gathers a unit in its
+                # pre-forward and reshards it after; nothing prefetched, no reduce-scatter input:
+                # no backward has run in the micro-batch)
+                fp = c.fwd_over_at.get(r)
+                fwd = [fp if x == MAIN_UNIT else None for x in at]
+                rb = [0.0 if f is not None else self._reduced_before(i, x) for x, f in zip(at, fwd)]
                 if accumulated == "mid":
                     ms = [[m[0], m[1], 0.0] for m in ms]
                 elif accumulated == "last":
                     shrink = 1.0 - 4.0 / (self.wgo[1] * self.dp)
-                    ms = [[m[0], m[1] + self.wgo[1] * self._reduced_before(i, x), -shrink * self._units_grads(i, b)]
-                          for m, b, x in zip(ms, born, at)]
+                    ms = [[m[0], m[1] + self.wgo[1] * x, -shrink * self._units_grads(i, b)]
+                          for m, b, x in zip(ms, born, rb)]
                 elif accumulated == "each":
                     # each unit's new gradients reduce-scattered as its backward ends and added
                     # into the fp32 shards (the phase's): gone but the flat reduce-scatter input
                     # of the unit before, which FSDP keeps until the next one's
-                    ms = [[m[0], m[1] + self.wgo[1] * self._reduced_before(i, x), m[2] - self._units_grads(i, b) - e]
-                          for m, b, x, e in zip(ms, born, at, eu)]
+                    ms = [[m[0], m[1] + self.wgo[1] * x, m[2] - self._units_grads(i, b) - e]
+                          for m, b, x, e in zip(ms, born, rb, eu)]
                 elif self.zero3 and not later:
                     # the gradients of the layer's other modules that are units were
                     # reduce-scattered as their backward ended: fp32 shards (4 / dp bytes per
@@ -712,21 +719,21 @@ class _Tables:
                     # recomputation and one micro-batch: block 1's, 25 KiB at block 0's backward)
                     shrink = 1.0 - 4.0 / (self.wgo[1] * self.dp)
                     eshrink = 1.0 - 4.0 / (self.wgo[1] * max(self.ecopies, 1))
-                    ms = [[m[0], m[1] + self.wgo[1] * self._reduced_before(i, x),
+                    ms = [[m[0], m[1] + self.wgo[1] * x,
                            m[2] - shrink * self._units_grads(i, b) - eshrink * e]
-                          for m, b, x, e in zip(ms, born, at, eu)]
+                          for m, b, x, e in zip(ms, born, rb, eu)]
             else:
                 # a layer costed without the first backward's parts: its worst moment of any
                 g = self.work_grads[r][i]
                 ms, at = [[work[i] - g, g, 0.0] if self.work_rc[r][i] else [0.0, work[i], 0.0]], [MAIN_UNIT]
-                made = [0.0]
+                made, fwd = [0.0], [None]
             # the layer before's last unit, prefetched: less the experts modules in it that are
             # FSDP units of their own (`expert_units`), which its pre-backward prefetches later
             before = max(self.last_unit[i - 1] - self.expert_units[i - 1], 0.0) if i > 0 else 0.0
             for out, prev in ((inside, before), (alone, 0.0)):
                 best = -INF
-                for m, x, mk in zip(ms, at, made):
-                    own, pre = self._moment_units(i, x)
+                for m, x, mk, f in zip(ms, at, made, fwd):
+                    own, pre = self._moment_units(i, x) if f is None else (self._unit_at(i, f), 0.0)
                     row = [m[0], m[1], m[2], w0 * own, w0 * (prev if pre is None else pre)]
                     if sum(row) > best:
                         best, out[i] = sum(row), row + [mk]
@@ -1173,6 +1180,13 @@ class _Tables:
             if x == int(x) and 0 <= int(x) < len(units) and units[int(x)] > 0:
                 out += b
         return out
+
+    def _unit_at(self, i: int, at: float) -> float:
+        """Elements of the ZeRO-3 unit of the module at position `at` among layer `i`'s
+        (`cost_models.memory.unit_position`): 0 for an op outside them (half positions)."""
+        units = self.module_units[i]
+        k = int(np.floor(at))
+        return float(units[k]) if at == k and 0 <= k < len(units) else 0.0
 
     def _moment_units(self, i: int, at: float) -> tuple[float, Optional[float]]:
         """The ZeRO-3 units a first-backward moment of layer `i` at position `at`

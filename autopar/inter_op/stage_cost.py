@@ -98,6 +98,10 @@ class LayerCost:
     # above, held with the layer's largest unit), by policy
     bwd_first: dict[str, list] = field(default_factory=dict)
     bwd_first_at: dict[str, list] = field(default_factory=dict)
+    # where the forward's worst moment (`MAIN_UNIT` among `bwd_first_at` and `bwd_acc_at`) lies
+    # among the layer's modules (`ActivationMemory.forward_over_at`): the one ZeRO-3 unit the
+    # forward holds gathered there (none outside the modules), by policy; absent: not known
+    fwd_over_at: dict[str, float] = field(default_factory=dict)
     # of each moment's parameter gradients, those made by the layer's other modules, by their
     # position (a str key: `ActivationMemory.first_born`), by policy
     bwd_first_born: dict[str, list] = field(default_factory=dict)
@@ -283,6 +287,8 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
             at, moments, born = at + [MAIN_UNIT], moments + [[am.forward_over_bytes, 0.0, 0.0]], born + [{}]
         if am.forward_over_bytes > max((m[0] + m[1] for m in acc), default=0.0):
             acc_at, acc, acc_born = acc_at + [MAIN_UNIT], acc + [[am.forward_over_bytes, 0.0, 0.0]], acc_born + [{}]
+        if am.forward_over_at is not None:
+            c.fwd_over_at[rc] = am.forward_over_at
         c.bwd_first[rc], c.bwd_first_at[rc], c.bwd_first_born[rc] = moments, at, born
         c.bwd_acc[rc], c.bwd_acc_at[rc], c.bwd_acc_born[rc] = acc, acc_at, acc_born
         c.bwd_first_egrads[rc] = [am.first_egrads.get(x, 0.0) for x in at]
