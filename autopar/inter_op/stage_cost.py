@@ -283,9 +283,12 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
         acc_at = sorted(am.acc_moments)
         acc = [list(am.acc_moments[x]) for x in acc_at]
         acc_born = [{str(p): b for p, b in am.acc_born.get(x, {}).items()} for x in acc_at]
-        if am.forward_over_bytes > max((sum(m) for m in moments), default=0.0):
+        # (where its position is known, always: under ZeRO-3 it holds other units than the
+        # backward's moments, `_Tables.first_backward`, and can be the worst with them)
+        known = am.forward_over_at is not None
+        if known or am.forward_over_bytes > max((sum(m) for m in moments), default=0.0):
             at, moments, born = at + [MAIN_UNIT], moments + [[am.forward_over_bytes, 0.0, 0.0]], born + [{}]
-        if am.forward_over_bytes > max((m[0] + m[1] for m in acc), default=0.0):
+        if known or am.forward_over_bytes > max((m[0] + m[1] for m in acc), default=0.0):
             acc_at, acc, acc_born = acc_at + [MAIN_UNIT], acc + [[am.forward_over_bytes, 0.0, 0.0]], acc_born + [{}]
         if am.forward_over_at is not None:
             c.fwd_over_at[rc] = am.forward_over_at
