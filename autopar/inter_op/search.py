@@ -790,7 +790,8 @@ class _Tables:
             last_v = np.where(jj - 1 > kk, vi_e[lj], -INF)
             first = np.where(jj > kk, np.where(end, vo_e[kk], vo[kk]), -INF)
             best = np.maximum(np.maximum(first, mid), last_v)
-            where = np.where((first >= best) & (jj > kk), kk, np.where(mid >= best, mid_at, jj - 1))
+            # ties as `_range_argmax` breaks them: the range's first layer, else the last of equal ones
+            where = np.where((first >= best) & (jj > kk), kk, np.where(last_v >= best, jj - 1, mid_at))
             return best, np.where(jj > kk, where, -1)
 
         best, at = ranged(v_in, v_out, v_in_e, v_out_e)
