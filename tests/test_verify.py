@@ -546,8 +546,11 @@ def test_accumulated_recomputed_backward_memory_as_tracked(zero, pp, m, rc):
     reduce-scatter input (kept until the next reduce-scatter); ZeRO-3's root unit gathers the
     position table and the final norm with the tied table. Before: -6.2%, -2.6%, -1.7%, and
     the pipeline -0.8% / -0.2%. Without recomputation (ZeRO-3, 2 micro-batches) the forward's
-    worst moment (the loss) holds the root unit alone: no block's unit, nothing prefetched
-    (`LayerCost.fwd_over_at`; was +7.8%, the largest unit and a prefetched one). ZeRO-1 (full
+    worst moment (the loss) holds the root unit and the last block's flat all-gather output
+    (FSDP2 keeps it until the next copy-out), no block's parameters and nothing prefetched, so
+    the loss's backward is the peak (`LayerCost.fwd_over_at`, `_Tables._forward_units`; was
+    +7.8%: the largest unit beside a prefetched one). In the pipeline each unit's forward holds
+    its parameters and its flat all-gather output (was hidden by the bound). ZeRO-1 (full
     recomputation) peaks in the flat reduce-scatter, which gloo, a CPU plan's backend, runs on a
     copy of its input: verify's fake backend holds one too (`tied_grads.fake_backend_of`; was
     +6.6%)."""
