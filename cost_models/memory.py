@@ -247,6 +247,9 @@ class ActivationMemory:
     # output once per micro-batch in flight, the one running included (its forward cache,
     # `boundary_acts`), so its forward moments must not count it again
     forward_over_given: float = 0.0
+    # the position among the layer's modules (`unit_position`) of the op `forward_over_bytes`
+    # falls at (None: nothing above the saved tensors)
+    forward_over_at: Optional[float] = None
     # `backward_over_bytes` where `given_grad`'s gradient is no tensor of the backward's own (a
     # receive buffer, counted elsewhere): not made by the op producing it, nor passed on as a
     # new one by a sum
@@ -1474,12 +1477,17 @@ def activation_memory(graph, dtype: str = "bf16", recompute: Recompute | bool = 
                 out.backward_over_given_grads = g_after - g_in
     if keep is None:
         fo = [_forward_over(calls, by_name, base, owner_node, nbytes_of, size, read, batch, out.saved_bytes,
-                            mixed, cuda_fp32, {k: v[1] for k, v in copies.items()}, handed=h, split_at=att_first)
+                            mixed, cuda_fp32, {k: v[1] for k, v in copies.items()}, handed=h, split_at=att_first,
+                            where=True)
               for h in ((None, given_grad) if given_grad is not None else (None,))]
+        worst_op = fo[0][-1]
         if att_first is not None:
             out.forward_attention = {k: [v, fo[-1][1].get(k, v)] for k, v in fo[0][1].items()}
-            fo = [f[0] for f in fo]
+        fo = [f[0] for f in fo]
         out.forward_over_bytes, out.forward_over_given = fo[0], fo[-1]
+        # where the forward's worst moment lies among the layer's modules (`unit_position`): the
+        # ZeRO-3 unit it holds gathered (none outside them: a loss), nothing prefetched
+        out.forward_over_at = position.get(worst_op, 0.0) if worst_op is not None else None
     layer_of_region = {region[n.name]: n.layer for n in calls if region[n.name] is not None}
     # region_peak: what a region re-made at the end plus the last op's gradients at least
     cand = [region_peak[r] for r in region_bytes if keep is None or layer_of_region.get(r) in keep]
@@ -2009,7 +2017,7 @@ def _copy_key(name: str, r: tuple, reader: str) -> str:
 def _forward_over(calls: list, by_name: dict, base: dict, owner_node: dict, nbytes_of: dict,
                   size: Callable, read: Callable, batch: Callable, saved_total: float, mixed: bool,
                   fp32_ops: frozenset, copies: dict[str, str], per_op: bool = False,
-                  handed: Optional[str] = None, split_at: Optional[int] = None) -> Any:
+                  handed: Optional[str] = None, split_at: Optional[int] = None, where: bool = False) -> Any:
     """The forward's worst moment above everything saved (`ActivationMemory.forward_over_bytes`),
     op by op in order: what the ops up to this one saved, every tensor made and not yet saved
     whose last reader is still to run (a storage's readers through any view; a tensor no op of
@@ -2026,10 +2034,11 @@ def _forward_over(calls: list, by_name: dict, base: dict, owner_node: dict, nbyt
     where no op of the layer reads it (then it is held from the op making it alone).
     `split_at`: the index of an op (a fused attention) in `calls`: also the worst moments
     before it ("pre"), at it ("at") and after it ("post"), above everything saved, unfloored
-    (`ActivationMemory.forward_attention`)."""
+    (`ActivationMemory.forward_attention`). `where` (not with `per_op`): also the name of the op
+    the worst moment falls at, last (None where nothing lies above the saved tensors)."""
     T = len(calls)
     if T == 0:
-        return (0.0, {}) if per_op or split_at is not None else 0.0
+        return (0.0, {}) if per_op or split_at is not None else (0.0, None) if where else 0.0
     idx = {n.name: t for t, n in enumerate(calls)}
     saved_at = np.zeros(T + 1)
     saver: dict[str, int] = {}
@@ -2105,10 +2114,14 @@ def _forward_over(calls: list, by_name: dict, base: dict, owner_node: dict, nbyt
     # before the op: its inputs gathered, its outputs not yet made, its own saves not yet made
     before = saved - saved_at[:T] + held - made[:T] + gather
     over = float(max(moments.max() - saved_total, before.max() - saved_total, 0.0))
+    worst_op = calls[int(np.argmax(np.maximum(moments, before)))].name if over > 0 else None
     if split_at is not None:
         each = np.maximum(moments, before) - saved_total
         parts = {"pre": each[:split_at], "at": each[split_at:split_at + 1], "post": each[split_at + 1:]}
-        return over, {k: float(v.max()) for k, v in parts.items() if v.size}
+        out = over, {k: float(v.max()) for k, v in parts.items() if v.size}
+        return out + (worst_op,) if where else out
+    if where:
+        return over, worst_op
     if not per_op:
         return over
     prev = saved - saved_at[:T]

@@ -532,8 +532,9 @@ def test_recomputed_region_frees_as_it_goes():
     assert abs(rc.memory_error) <= 0.01, rc.memory_error
 
 
-@pytest.mark.parametrize("zero, pp, m", [(3, 1, 2), (0, 1, 2), (3, 1, 1), (3, 2, 2)])
-def test_accumulated_recomputed_backward_memory_as_tracked(zero, pp, m):
+@pytest.mark.parametrize("zero, pp, m, rc", [(3, 1, 2, "full"), (0, 1, 2, "full"), (3, 1, 1, "full"), (3, 2, 2, None),
+                                             (3, 1, 2, "none"), (1, 1, 2, "full")])
+def test_accumulated_recomputed_backward_memory_as_tracked(zero, pp, m, rc):
     """gpt-tiny fp32 (its head reading the tied embedding) at dp2 x tp2 with full recomputation,
     ZeRO-3 and ZeRO-0 over 2 micro-batches, ZeRO-3 over one, and pp2 x dp2 x tp2 ZeRO-3 under
     1F1B: every rank's tracked peak within 1% of the plan's. The head's gradient of the tied
@@ -544,13 +545,21 @@ def test_accumulated_recomputed_backward_memory_as_tracked(zero, pp, m):
     micro-batch peaks in block 0's backward, with block 1's fp32 shard and its flat
     reduce-scatter input (kept until the next reduce-scatter); ZeRO-3's root unit gathers the
     position table and the final norm with the tied table. Before: -6.2%, -2.6%, -1.7%, and
-    the pipeline -0.8% / -0.2%."""
+    the pipeline -0.8% / -0.2%. Without recomputation (ZeRO-3, 2 micro-batches) the forward's
+    worst moment (the loss) holds the root unit and the last block's flat all-gather output
+    (FSDP2 keeps it until the next copy-out), no block's parameters and nothing prefetched, so
+    the loss's backward is the peak (`LayerCost.fwd_over_at`, `_Tables._forward_units`; was
+    +7.8%: the largest unit beside a prefetched one). In the pipeline each unit's forward holds
+    its parameters and its flat all-gather output (was hidden by the bound). ZeRO-1 (full
+    recomputation) peaks in the flat reduce-scatter, which gloo, a CPU plan's backend, runs on a
+    copy of its input: verify's fake backend holds one too (`tied_grads.fake_backend_of`; was
+    +6.6%)."""
     from autopar.planner import plan
 
     n = 4 * pp
     cluster = autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": n})
     cons = dict(dp=2, tp=2, pp=pp, zero_stage=zero, num_microbatches=m, sequence_parallel=False)
-    cons.update(recompute="full") if pp == 1 else cons.update(schedule="1f1b")
+    cons.update(recompute=rc) if rc is not None else cons.update(schedule="1f1b")
     p = plan("gpt-tiny", cluster, global_batch_size=8, dtype="fp32", intra_op="ilp", cache=False,
              constraints=autopar.Constraints(**cons))
     r = verify(p, "gpt-tiny", jobs=1)

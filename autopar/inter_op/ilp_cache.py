@@ -151,7 +151,7 @@ class IlpCache(_JsonStore):
         return value.to_dict()
 
 
-COST_FORMAT = 6   # a LayerCost entry's JSON layout (`LayerCost.to_dict`); bump when it changes
+COST_FORMAT = 7   # a LayerCost entry's JSON layout (`LayerCost.to_dict`); bump when it changes
 
 
 class CostCache(_JsonStore):

@@ -669,8 +669,11 @@ class _Tables:
         work = self.work[r]
         # each layer's worst moment by parts [activations, activation gradients, parameter
         # gradients, its unit's weights, the prefetched unit's], where the layer before is in
-        # the range (`inside`) and where the layer starts it (`alone`: nothing before to prefetch)
+        # the range (`inside`) and where the layer starts it (`alone`: nothing before to prefetch);
+        # `inside_e`, `alone_e` where the layer ends the range: the next layer's units lie on
+        # another stage, so no flat reduce-scatter input of theirs is kept (`_reduced_before`)
         inside, alone = np.zeros((L, 6)), np.zeros((L, 6))
+        inside_e, alone_e = np.zeros((L, 6)), np.zeros((L, 6))
         w0 = self.wgo[0] if self.zero3 else 0.0
         # a later micro-batch's moments, gradients accumulated: the worst by what they make
         # (`LayerCost.bwd_acc`), not the first backward's
@@ -694,18 +697,30 @@ class _Tables:
                 # the experts' gradients made, where they are an FSDP unit of their own
                 eu = eg if self.expert_units[i] > 0 else [0.0] * len(ms)
                 made = [m[2] for m in ms]
+                # the forward's moment (`MAIN_UNIT`) where its position is known (`fwd_over_at`):
+                # it holds the unit of its op's module and the flat all-gather output of the last
+                # unit gathered (`_forward_units`); nothing prefetched for a backward, no
+                # reduce-scatter input (no backward has run in the micro-batch)
+                fp = c.fwd_over_at.get(r)
+                fwd = [fp if x == MAIN_UNIT else None for x in at]
+                rb = [0.0 if f is not None else self._reduced_before(i, x) for x, f in zip(at, fwd)]
+                # of those, the next layer's (none where the layer ends the range)
+                nxt = [0.0 if f is not None else x - self._reduced_before(i, y, within=True)
+                       for x, y, f in zip(rb, at, fwd)]
+                if accumulated == "mid" or not (accumulated in ("last", "each") or (self.zero3 and not later)):
+                    nxt = [0.0] * len(ms)
                 if accumulated == "mid":
                     ms = [[m[0], m[1], 0.0] for m in ms]
                 elif accumulated == "last":
                     shrink = 1.0 - 4.0 / (self.wgo[1] * self.dp)
-                    ms = [[m[0], m[1] + self.wgo[1] * self._reduced_before(i, x), -shrink * self._units_grads(i, b)]
-                          for m, b, x in zip(ms, born, at)]
+                    ms = [[m[0], m[1] + self.wgo[1] * x, -shrink * self._units_grads(i, b)]
+                          for m, b, x in zip(ms, born, rb)]
                 elif accumulated == "each":
                     # each unit's new gradients reduce-scattered as its backward ends and added
                     # into the fp32 shards (the phase's): gone but the flat reduce-scatter input
                     # of the unit before, which FSDP keeps until the next one's
-                    ms = [[m[0], m[1] + self.wgo[1] * self._reduced_before(i, x), m[2] - self._units_grads(i, b) - e]
-                          for m, b, x, e in zip(ms, born, at, eu)]
+                    ms = [[m[0], m[1] + self.wgo[1] * x, m[2] - self._units_grads(i, b) - e]
+                          for m, b, x, e in zip(ms, born, rb, eu)]
                 elif self.zero3 and not later:
                     # the gradients of the layer's other modules that are units were
                     # reduce-scattered as their backward ended: fp32 shards (4 / dp bytes per
@@ -715,28 +730,32 @@ class _Tables:
                     # recomputation and one micro-batch: block 1's, 25 KiB at block 0's backward)
                     shrink = 1.0 - 4.0 / (self.wgo[1] * self.dp)
                     eshrink = 1.0 - 4.0 / (self.wgo[1] * max(self.ecopies, 1))
-                    ms = [[m[0], m[1] + self.wgo[1] * self._reduced_before(i, x),
+                    ms = [[m[0], m[1] + self.wgo[1] * x,
                            m[2] - shrink * self._units_grads(i, b) - eshrink * e]
-                          for m, b, x, e in zip(ms, born, at, eu)]
+                          for m, b, x, e in zip(ms, born, rb, eu)]
             else:
                 # a layer costed without the first backward's parts: its worst moment of any
                 g = self.work_grads[r][i]
                 ms, at = [[work[i] - g, g, 0.0] if self.work_rc[r][i] else [0.0, work[i], 0.0]], [MAIN_UNIT]
-                made = [0.0]
+                made, fwd, nxt = [0.0], [None], [0.0]
             # the layer before's last unit, prefetched: less the experts modules in it that are
             # FSDP units of their own (`expert_units`), which its pre-backward prefetches later
             before = max(self.last_unit[i - 1] - self.expert_units[i - 1], 0.0) if i > 0 else 0.0
-            for out, prev in ((inside, before), (alone, 0.0)):
+            for out, prev, end in ((inside, before, False), (alone, 0.0, False), (inside_e, before, True),
+                                   (alone_e, 0.0, True)):
                 best = -INF
-                for m, x, mk in zip(ms, at, made):
-                    own, pre = self._moment_units(i, x)
-                    row = [m[0], m[1], m[2], w0 * own, w0 * (prev if pre is None else pre)]
+                for m, x, mk, f, nx in zip(ms, at, made, fwd, nxt):
+                    own, pre = self._moment_units(i, x) if f is None else self._forward_units(i, f)
+                    row = [m[0], m[1] - (self.wgo[1] * nx if end else 0.0), m[2], w0 * own,
+                           w0 * (prev if pre is None else pre)]
                     if sum(row) > best:
                         best, out[i] = sum(row), row + [mk]
         # the sixth column: the parameter gradients the moment's layer made so far, whatever
         # became of them (the tied parameter's pending gradient below)
         inside, alone, made_in, made_alone = inside[:, :5], alone[:, :5], inside[:, 5], alone[:, 5]
+        inside_e, alone_e, made_in_e, made_alone_e = inside_e[:, :5], alone_e[:, :5], inside_e[:, 5], alone_e[:, 5]
         f_in, f_out = inside.sum(axis=1), alone.sum(axis=1)
+        f_in_e, f_out_e = inside_e.sum(axis=1), alone_e.sum(axis=1)
         g = self.wgo[1] if later else 0.0
         GP = np.concatenate([[0.0], np.cumsum(self.pel_layer * g)])
         if accumulated == "last":
@@ -758,12 +777,28 @@ class _Tables:
                    for us, x, e in zip(self.module_units, self.root_own, epl)]
             GP = np.concatenate([[0.0], np.cumsum(per)])
         v_in, v_out = f_in + P[1:] - GP[1:], f_out + P[1:] - GP[1:]
-        # W[k, j]: layer k's moment alone, or a later one's with its layer before in the range
-        rm, ra = np.full((L, L + 1), -INF), np.full((L, L + 1), -1)
-        rm[:-1], ra[:-1] = _range_max(v_in)[1:], _range_argmax(v_in)[1:]
-        first = np.where(self.jj > self.kk, v_out[:, None], -INF)
-        W = np.maximum(first, rm) - P[None, :] + GP[None, :]
-        at = np.where((first >= rm) & (self.jj > self.kk), self.kk, ra)
+        v_in_e, v_out_e = f_in_e + P[1:] - GP[1:], f_out_e + P[1:] - GP[1:]
+        kk, jj = np.broadcast_arrays(self.kk, self.jj)
+        end = kk == jj - 1
+        lj = np.clip(jj - 1, 0, L - 1)
+
+        def ranged(vi, vo, vi_e, vo_e):
+            # W[k, j]: layer k's moment alone, a later one's with its layer before in the range,
+            # the range's last layer's (k < j - 1) with no later layer in it
+            rm, ra = np.full((L, L + 1), -INF), np.full((L, L + 1), -1)
+            rm[:-1], ra[:-1] = _range_max(vi)[1:], _range_argmax(vi)[1:]
+            cols = np.clip(jj - 1, 0, L)
+            mid = np.where(jj - 1 > kk, np.take_along_axis(rm, cols, axis=1), -INF)
+            mid_at = np.take_along_axis(ra, cols, axis=1)
+            last_v = np.where(jj - 1 > kk, vi_e[lj], -INF)
+            first = np.where(jj > kk, np.where(end, vo_e[kk], vo[kk]), -INF)
+            best = np.maximum(np.maximum(first, mid), last_v)
+            # ties as `_range_argmax` breaks them: the range's first layer, else the last of equal ones
+            where = np.where((first >= best) & (jj > kk), kk, np.where(last_v >= best, jj - 1, mid_at))
+            return best, np.where(jj > kk, where, -1)
+
+        best, at = ranged(v_in, v_out, v_in_e, v_out_e)
+        W = best - P[None, :] + GP[None, :]
         if not later and self.shared:
             # the worst moment taken with the tied parameters' waiting gradients (added below)
             # where a range holds every reader of one: a layer's moment before its last reader's
@@ -777,14 +812,10 @@ class _Tables:
                     wi[ul] += min(e * self.wgo[1], max(float(made_in[ul]), 0.0))
                     wo[ul] += min(e * self.wgo[1], max(float(made_alone[ul]), 0.0))
                 every |= (self.kk <= u0) & (ul < self.jj)
-            vw_in, vw_out = v_in + wi, v_out + wo
-            rmw, raw_ = np.full((L, L + 1), -INF), np.full((L, L + 1), -1)
-            rmw[:-1], raw_[:-1] = _range_max(vw_in)[1:], _range_argmax(vw_in)[1:]
-            firstw = np.where(self.jj > self.kk, vw_out[:, None], -INF)
-            atw = np.where((firstw >= rmw) & (self.jj > self.kk), self.kk, raw_)
+            bestw, atw = ranged(v_in + wi, v_out + wo, v_in_e + wi, v_out_e + wo)
             iw = np.maximum(atw, 0)
             less = np.where(iw == self.kk, wo[iw], wi[iw])
-            Ww = np.maximum(firstw, rmw) - less - P[None, :] + GP[None, :]
+            Ww = bestw - less - P[None, :] + GP[None, :]
             W, at = np.where(every, Ww, W), np.where(every, atw, at)
         # a chunk's output held by the stage's forward cache (`_outputs_held`); its output's
         # gradient is the receive buffer (`recv_buffers`), so the last layer's moment leaves it
@@ -799,9 +830,9 @@ class _Tables:
             if held <= 0 and own == work[j - 1]:
                 continue
             rows = []
-            for f in (f_in, f_out):
+            for f, fe in ((f_in, f_in_e), (f_out, f_out_e)):
                 vv = f[:j] + P[1:j + 1] - P[j] + held + (GP[j] - GP[1:j + 1])
-                vv[-1] = own + (f[j - 1] - work[j - 1]) + held
+                vv[-1] = own + (fe[j - 1] - work[j - 1]) + held
                 rows.append(vv)
             vi, vo = rows
             later_max = np.concatenate([np.maximum.accumulate(vi[::-1])[::-1][1:], [-INF]])
@@ -811,8 +842,11 @@ class _Tables:
             given[:j, j] = np.where(at[:j, j] == j - 1, max(work[j - 1] - own, 0.0), 0.0)
         ok = at >= 0
         i = np.maximum(at, 0)
-        parts = np.where((i == self.kk)[..., None], alone[i], inside[i])
-        made = np.where(ok, np.where(i == self.kk, made_alone[i], made_in[i]), 0.0)
+        last = (i == jj - 1)[..., None]
+        parts = np.where((i == self.kk)[..., None], np.where(last, alone_e[i], alone[i]),
+                         np.where(last, inside_e[i], inside[i]))
+        made = np.where(ok, np.where(i == self.kk, np.where(last[..., 0], made_alone_e[i], made_alone[i]),
+                                     np.where(last[..., 0], made_in_e[i], made_in[i])), 0.0)
         later_g = np.where(ok, GP[np.clip(self.jj, 0, L)] - GP[i + 1], 0.0)
         ag = np.where(ok, parts[..., 1], 0.0)
         ag = ag - np.minimum(given, np.maximum(ag, 0.0))
@@ -1152,17 +1186,18 @@ class _Tables:
         runs, which the next layer's first unit prefetches (0: none)."""
         return np.array([next((u for u in reversed(us) if u > 0), 0.0) for us in self.module_units])
 
-    def _reduced_before(self, i: int, at: float) -> float:
+    def _reduced_before(self, i: int, at: float, within: bool = False) -> float:
         """Elements of the ZeRO-3 unit whose backward ran just before a moment of layer `i` at
         position `at` (`LayerCost.bwd_first_at`): the nearest module after it with parameters,
         in the layer or, past its last, the next layer's first unit (0: none; the layer's
-        largest, `MAIN_UNIT`: the one after its largest)."""
+        largest, `MAIN_UNIT`: the one after its largest). `within`: in the layer only (the
+        layer ends its stage's chunk: the next layer's units are another stage's)."""
         units = self.module_units[i]
         k = int(np.argmax(units)) if at == MAIN_UNIT and units else int(np.floor(at))
         later = [u for u in units[k + 1:] if u > 0]
         if later:
             return float(later[0])
-        if i + 1 < self.L:
+        if i + 1 < self.L and not within:
             return float(next((u for u in self.module_units[i + 1] if u > 0), 0.0))
         return 0.0
 
@@ -1176,6 +1211,30 @@ class _Tables:
             if x == int(x) and 0 <= int(x) < len(units) and units[int(x)] > 0:
                 out += b
         return out
+
+    def _forward_units(self, i: int, at: float) -> tuple[float, Optional[float]]:
+        """The ZeRO-3 units a forward moment of layer `i` at position `at` holds, elements: (its
+        op's module's unit, gathered; the flat all-gather output of the last unit gathered
+        before it: its own inside a unit, else the nearest one before it in the layer, None where
+        that is the layer before's last). FSDP2 keeps a forward all-gather's output until the
+        next unit's copy-out or the root's post-forward (`FSDPParamGroup.wait_for_unshard`:
+        `comm_ctx.all_gather_state` in the forward, torch 2.13), so a unit's forward holds it
+        beside the unit's parameters, and an op after the last unit (a loss) holds that unit's
+        (gpt-tiny dp2 x tp2 ZeRO-3, pp2 1F1B: block 1's flat output, 25 KiB, through its forward;
+        the loss's forward moment without pipelining)."""
+        own = self._unit_at(i, at)
+        if own > 0:
+            return own, own
+        units = self.module_units[i]
+        before = [u for u in units[:max(0, min(math.ceil(at), len(units)))] if u > 0]
+        return 0.0, (before[-1] if before else None)
+
+    def _unit_at(self, i: int, at: float) -> float:
+        """Elements of the ZeRO-3 unit of the module at position `at` among layer `i`'s
+        (`cost_models.memory.unit_position`): 0 for an op outside them (half positions)."""
+        units = self.module_units[i]
+        k = int(np.floor(at))
+        return float(units[k]) if at == k and 0 <= k < len(units) else 0.0
 
     def _moment_units(self, i: int, at: float) -> tuple[float, Optional[float]]:
         """The ZeRO-3 units a first-backward moment of layer `i` at position `at`
@@ -3050,7 +3109,20 @@ class Search:
             # (one unit held) over an MLP's matmul (its unit, the next prefetched, the one before's
             # reduce-scatter input), which the run holds at its peak
             variants = [(rc_work, grad_tmp, 0.0, -relief)]
-            if tb.zero3 and cand.m > 1 and not tb.rs_each and len(chunks) == 1:
+            if tb.zero3 and cand.m > 1 and not tb.rs_each and cand.pp > 1:
+                # a pipeline stage: torch.pipelining runs every micro-batch's backward without
+                # FSDP's gradient sync (`backward_maybe_with_nosync`: `set_requires_gradient_sync
+                # (False)`) and reduce-scatters them all after the last (`perform_reduce_grad`):
+                # each backward's moments are a "mid" micro-batch's, every gradient accumulated
+                # whole, no reduce-scatter input; one chunk's backward at a time, each with its
+                # own units (the phase's are the stage's largest: `unit`)
+                w0 = tb.wgo[0]
+                variants = []
+                for c in chunks:
+                    v_rc, v_tmp, v_grads, v_w = (float(x) for x in tb.first_backward(r, False, accumulated="mid")[2][c])
+                    d = w0 * (float(tb.range_unit[c]) - unit)
+                    variants.append((v_rc, v_tmp + d, v_grads, v_w + d))
+            elif tb.zero3 and cand.m > 1 and not tb.rs_each and len(chunks) == 1:
                 kinds = ("mid", "last") if cand.m > 2 else ("last",)
                 variants = [tuple(float(x) for x in tb.first_backward(r, False, accumulated=a)[2][chunks[0]])
                             for a in kinds]

@@ -98,6 +98,10 @@ class LayerCost:
     # above, held with the layer's largest unit), by policy
     bwd_first: dict[str, list] = field(default_factory=dict)
     bwd_first_at: dict[str, list] = field(default_factory=dict)
+    # where the forward's worst moment (`MAIN_UNIT` among `bwd_first_at` and `bwd_acc_at`) lies
+    # among the layer's modules (`ActivationMemory.forward_over_at`): the one ZeRO-3 unit the
+    # forward holds gathered there (none outside the modules), by policy; absent: not known
+    fwd_over_at: dict[str, float] = field(default_factory=dict)
     # of each moment's parameter gradients, those made by the layer's other modules, by their
     # position (a str key: `ActivationMemory.first_born`), by policy
     bwd_first_born: dict[str, list] = field(default_factory=dict)
@@ -279,10 +283,15 @@ def fill_activations(c: LayerCost, sub, dtype: str, shard, device_type: str | No
         acc_at = sorted(am.acc_moments)
         acc = [list(am.acc_moments[x]) for x in acc_at]
         acc_born = [{str(p): b for p, b in am.acc_born.get(x, {}).items()} for x in acc_at]
-        if am.forward_over_bytes > max((sum(m) for m in moments), default=0.0):
+        # (where its position is known, always: under ZeRO-3 it holds other units than the
+        # backward's moments, `_Tables.first_backward`, and can be the worst with them)
+        known = am.forward_over_at is not None
+        if known or am.forward_over_bytes > max((sum(m) for m in moments), default=0.0):
             at, moments, born = at + [MAIN_UNIT], moments + [[am.forward_over_bytes, 0.0, 0.0]], born + [{}]
-        if am.forward_over_bytes > max((m[0] + m[1] for m in acc), default=0.0):
+        if known or am.forward_over_bytes > max((m[0] + m[1] for m in acc), default=0.0):
             acc_at, acc, acc_born = acc_at + [MAIN_UNIT], acc + [[am.forward_over_bytes, 0.0, 0.0]], acc_born + [{}]
+        if am.forward_over_at is not None:
+            c.fwd_over_at[rc] = am.forward_over_at
         c.bwd_first[rc], c.bwd_first_at[rc], c.bwd_first_born[rc] = moments, at, born
         c.bwd_acc[rc], c.bwd_acc_at[rc], c.bwd_acc_born[rc] = acc, acc_at, acc_born
         c.bwd_first_egrads[rc] = [am.first_egrads.get(x, 0.0) for x in at]

@@ -50,9 +50,34 @@ def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessG
 
 def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Sum-reduce-scatter the 1-D `full` into equal shards (`reduce_scatter_single` in new torch).
-    On gloo, the backend's own copy of `full` is freed when the call returns (`gloo_copies_released`)."""
+    On gloo, the backend's own copy of `full` is freed when the call returns (`gloo_copies_released`).
+    On the fake backend (`autopar verify`) emulating one that copies its input
+    (`fake_backend_of`), a copy of `full` is held through the call, as that backend holds it."""
+    copy = full.clone() if _FAKE_RS_COPIES_INPUT and dist.get_backend(group) == "fake" else None
     with gloo_copies_released(group, out, full):
         getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, full, group=group)
+    del copy
+
+
+# whether the fake backend's reduce-scatter holds a copy of its input, as the backend of the
+# device a verified plan runs on does (`fake_backend_of`)
+_FAKE_RS_COPIES_INPUT = False
+
+
+@contextlib.contextmanager
+def fake_backend_of(device_type: Optional[str]) -> Iterator[None]:
+    """Inside, the fake process group's collectives (`autopar verify`) hold what the runtime's
+    backend on `device_type` holds beyond their operands (`cost_models.memory.
+    reduce_scatter_copies_input`: gloo's reduce-scatter works on a copy of its input, NCCL's in
+    place), so that a step on fake tensors tracks the memory the real run does."""
+    from cost_models.memory import reduce_scatter_copies_input
+
+    global _FAKE_RS_COPIES_INPUT
+    old, _FAKE_RS_COPIES_INPUT = _FAKE_RS_COPIES_INPUT, reduce_scatter_copies_input(device_type)
+    try:
+        yield
+    finally:
+        _FAKE_RS_COPIES_INPUT = old
 
 
 class _BackendViews(TorchDispatchMode):

@@ -40,6 +40,7 @@ from autopar.runtime import fake_kernels
 from autopar.runtime.counting import CollectiveCounter, combine
 from autopar.runtime.rank_kinds import RankKind, expected_shards, rank_kinds
 from autopar.runtime.short_step import MicrobatchTags, ShortStepError, extrapolate, full_inputs, shortened
+from autopar.runtime.tied_grads import fake_backend_of
 from autopar.schema.errors import PlanError
 from autopar.schema.plan import Plan, format_bytes
 from autopar.schema.verify import RankCheck, ShardMismatch, VerifyReport
@@ -217,7 +218,7 @@ def verify_rank(plan: Plan, make_bundle: Callable[[], ModelBundle], kind: RankKi
         bundle = make_bundle()
         skip = baseline()
         with FakeTensorMode(allow_non_fake_inputs=True), _real_mesh_concatenation(), _device_lists(plan), \
-                _dispatch_without_dynamo_guard():
+                _dispatch_without_dynamo_guard(), fake_backend_of(plan.cluster.device.device_type):
             # the optimizer the plan's device runs (fused AdamW on CUDA: no temporaries)
             opt = functools.partial(default_optimizer, fused=fused_optimizer(plan.cluster.device.device_type))
             pm = ParallelModel(run_plan, bundle, seed=0, optimizer_factory=opt)
