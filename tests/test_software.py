@@ -385,3 +385,26 @@ def test_fp32_gradients_are_megatrons_main_grad_buffer():
         assert fb["fp32 grads"].weights_bytes == fb["autopar"].weights_bytes
         assert fb["fp32 grads"].optimizer_bytes == fb["autopar"].optimizer_bytes
         assert p["fp32 grads"].predicted.iteration_time_s > p["autopar"].predicted.iteration_time_s
+
+
+def test_zero3_states_bound_lets_fp32_gradients_reduce_every_microbatch():
+    """The search's model-states bound for ZeRO-3 with several micro-batches takes the gradients
+    reduce-scattered every micro-batch where it may try that: with fp32 gradients (`grad_dtype`
+    fp32) the unsharded ones alone can overflow a device a plan reducing every micro-batch fits
+    (the zoo's FSDP row, pruned at 119 GiB of states before; here at MiB scale)."""
+    from cost_models.memory import runtime_phases
+
+    sw = SoftwareSpec.load("autopar").model_copy(update={"name": "fp32 grads", "grad_dtype": "fp32",
+                                                         "usable_fraction": 1.0})
+    cl = ClusterSpec.load("dgx-h100")
+    base = dict(dp=8, tp=1, pp=1, microbatch_size=1, recompute="full", zero_stage=3)
+    each = autopar.plan("gpt-small", cl, global_batch_size=32, software=sw, dtype="bf16",
+                        constraints=Constraints(**base, zero3_grad_sync="microbatch"))
+    unsharded = max(ph.total for ph in runtime_phases(each.model.num_params, "bf16_fp32grad", 3, 8,
+                                                      num_microbatches=4))
+    mem = (each.predicted.peak_memory_bytes + unsharded) / 2
+    assert each.predicted.peak_memory_bytes < mem < unsharded
+    small = cl.model_copy(update={"device": cl.device.model_copy(update={"memory_bytes": mem})})
+    p = autopar.plan("gpt-small", small, global_batch_size=32, software=sw, dtype="bf16",
+                     constraints=Constraints(**base))
+    assert p.zero3_grad_sync == "microbatch"
