@@ -698,8 +698,11 @@ class _Tables:
                 if accumulated == "mid":
                     ms = [[m[0], m[1], 0.0] for m in ms]
                 elif accumulated == "last":
-                    shrink = 1.0 - 4.0 / (self.wgo[1] * self.dp)
-                    ms = [[m[0], m[1] + self.wgo[1] * self._reduced_before(i, x), -shrink * self._units_grads(i, b)]
+                    # the dense units' accumulated gradients and reduce-scatter inputs at `dense_grad_bytes`
+                    # (fp32 under FSDP2's reduce_dtype: each unit reduced frees 4 bytes an element)
+                    gu = self.dense_grad_bytes
+                    shrink = (gu - 4.0 / self.dp) / self.wgo[1]
+                    ms = [[m[0], m[1] + gu * self._reduced_before(i, x), -shrink * self._units_grads(i, b)]
                           for m, b, x in zip(ms, born, at)]
                 elif accumulated == "each":
                     # each unit's new gradients reduce-scattered as its backward ends and added
@@ -742,8 +745,8 @@ class _Tables:
         GP = np.concatenate([[0.0], np.cumsum(self.pel_layer * g)])
         if accumulated == "last":
             # the later layers' units were reduce-scattered (their root parameters' stay whole)
-            shrink = 1.0 - 4.0 / (self.wgo[1] * self.dp)
-            GP = -shrink * self.wgo[1] * np.concatenate([[0.0], np.cumsum([sum(us) for us in self.module_units])])
+            GP = -(self.dense_grad_bytes - 4.0 / self.dp) * np.concatenate(
+                [[0.0], np.cumsum([sum(us) for us in self.module_units])])
         elif shards and accumulated is None:
             # each unit reduce-scattered as its backward ends: the later layers' fp32 gradient
             # shards (4 / dp bytes an element) alive, counted here so that the worst moment is
