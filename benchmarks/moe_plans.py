@@ -95,8 +95,12 @@ _MZ_DEEPEP = ("the readme table's Dispatcher column says DeepEP: Megatron's flex
 # userbuffers overlaps the base preset carries (`tp_comm_overlap` empty); it leaves gradient accumulation
 # fusion at Megatron's default, on (--no-gradient-accumulation-fusion store_false, arguments.py:1856-1860),
 # as the base preset has it
+# and the zoo's --bf16 with the distributed optimizer keeps fp32 gradients: Megatron-LM's arguments.py at 1e057005
+# (lines 618-632) sets accumulate_allreduce_grads_in_fp32 for bf16 unless --grad-reduce-in-bf16 (not set), and
+# Megatron-Core's DDP makes its grad buffer fp32 under grad_reduce_in_fp32 (distributed_data_parallel.py line 234;
+# megatron/training/training.py line 1101 passes the flag): `grad_dtype` fp32
 _MZ_SOFTWARE = {"pointwise_fusion": "norm_moe", "loss_kernel": "fused", "expert_routing": "forced_balance",
-                "expert_saves": "megatron_core", "norm_saves": "input", "tp_comm_overlap": {}}
+                "expert_saves": "megatron_core", "norm_saves": "input", "tp_comm_overlap": {}, "grad_dtype": "fp32"}
 _MZ_FUSION = ("fused kernels as the zoo's model_configs/benchmarking/Qwen3-235B-A22B.yaml sets them: TE norms "
               "(--transformer-impl transformer_engine), --moe-permute-fusion true, Megatron's default fused SwiGLU "
               "(pointwise_fusion norm_moe), --cross-entropy-loss-fusion true with --cross-entropy-fusion-impl te "
@@ -107,7 +111,9 @@ _MZ_FUSION = ("fused kernels as the zoo's model_configs/benchmarking/Qwen3-235B-
               "the table's Code column main(1e057005) has 2659630721's weighted SwiGLU and the fused permutation's "
               "row maps); every norm one TE kernel saving its input and a statistic a row (norm_saves input: "
               "gpt_layer_specs.py's TENorm q/k and pre-MLP norms, TE ops/basic/rmsnorm.py "
-              "save_for_backward(x, rstdevs))")
+              "save_for_backward(x, rstdevs)); fp32 gradients (grad_dtype fp32: --bf16 without --grad-reduce-in-bf16, "
+              "Megatron-LM 1e057005 arguments.py lines 618-632, the DDP grad buffer fp32, "
+              "distributed_data_parallel.py line 234)")
 
 # Every case was looked at after the cost model's constants were set (none is set here): all held out.
 PUBLISHED = [
@@ -121,8 +127,12 @@ PUBLISHED = [
               "docs.nvidia.com/megatron-core/developer-guide/latest/api-guide/moe.html (opening paragraph); "
               "github.com/NVIDIA/Megatron-LM megatron/core/transformer/moe/README.md",
               "the whole layout (TP1 PP4 EP8, dp 16, 64 GPUs, mb 1, batch 256, s 4096) is a third-party "
-              "reproduction script's; schedule, recompute and ZeRO left to the search",
-              source_flops=partial(megatron_flops_for_ref, causal_half=False)),
+              "reproduction script's; schedule, recompute and ZeRO left to the search; bf16 run by Megatron-LM, "
+              "whose arguments.py at c230e0d7c2 (lines 337-343) forces accumulate_allreduce_grads_in_fp32 for "
+              "bf16 and whose DDP keeps an fp32 grad buffer under it (distributed_data_parallel.py line 122): "
+              "grad_dtype fp32",
+              source_flops=partial(megatron_flops_for_ref, causal_half=False),
+              software_update={"grad_dtype": "fp32"}),
     Published("Qwen3-30B-A3B, NeMo AutoModel", "hf:qwen3-30b-a3b?seq_len=4096", 512, "dgx-h100", 1,
               "nemo-automodel-2025",
               dict(tp=1, pp=1, dp=8, ep=8, microbatch_size=4, num_microbatches=16, zero_stage=3, recompute="full"),

@@ -231,13 +231,14 @@ def optimizer_bytes_per_param(policy: str = "bf16", optimizer: str = "adamw") ->
     """Bytes read plus written per parameter by one optimizer step.
 
     AdamW under bf16/fp16 mixed precision reads the grad (2), fp32 master (4), m (4), v (4) and
-    writes master, m, v (12) and the bf16 weight copy (2): 28 bytes. In fp32: reads w, g, m, v
+    writes master, m, v (12) and the bf16 weight copy (2): 28 bytes (30 reading fp32 gradients,
+    the "_fp32grad" policies). In fp32: reads w, g, m, v
     (16), writes w, m, v (12): 28. SGD with momentum: reads w, g, buf, writes w, buf."""
     opt = optimizer.lower()
     if opt in ("adamw", "adam") and policy.endswith("_param"):
         return 14.0     # no master: reads w, g, m, v and writes w, m, v, each 2 bytes
     if opt in ("adamw", "adam"):
-        return 28.0
+        return 30.0 if policy.endswith("_fp32grad") else 28.0     # an fp32 gradient read: 4, not 2
     if opt in ("sgd", "sgd_momentum"):
         w = DTYPE_SIZE.get(policy, 4)
         return (2 * 4 + w) + 2 * 4 + (w if policy != "fp32" else 0)
@@ -267,9 +268,14 @@ def optimizer_step_time(num_params: float, device: DeviceSpec, policy: str = "bf
 
 def grad_accumulation_bytes(policy: str = "bf16") -> float:
     """Bytes one micro-batch's gradient accumulation moves per parameter: the accumulated
-    gradient and the new one read, the sum written (3 gradient-sized accesses)."""
+    gradient and the new one read, the sum written (3 gradient-sized accesses); into fp32
+    gradients beside 2-byte weights (the "_fp32grad" policies, `SoftwareSpec.grad_dtype`) the new
+    one is the weights' dtype: 2 + 4 + 4."""
     from cost_models.memory import PRECISION_POLICIES
-    return 3.0 * (PRECISION_POLICIES[policy][1] if policy in PRECISION_POLICIES else DTYPE_SIZE.get(policy, 4))
+    if policy in PRECISION_POLICIES:
+        w, g, _ = PRECISION_POLICIES[policy]
+        return min(w, g) + 2.0 * g
+    return 3.0 * DTYPE_SIZE.get(policy, 4)
 
 
 def param_cast_bytes(param_dtype: str, dtype: str) -> float:

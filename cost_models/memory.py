@@ -99,6 +99,14 @@ PRECISION_POLICIES: dict[str, tuple[float, float, float]] = {
     # (`SoftwareSpec.optimizer_states` "param": torch.optim.Adam on a model cast to bf16)
     "bf16_param": (2, 2, 4),
     "fp16_param": (2, 2, 4),
+    # fp32 gradients beside the 2-byte weights, accumulated, reduced and stepped in fp32
+    # (`SoftwareSpec.grad_dtype` "fp32": Megatron-Core's DDP under --bf16 keeps one fp32 `main_grad`
+    # buffer, github.com/NVIDIA/Megatron-LM megatron/core/distributed/distributed_data_parallel.py
+    # `grad_dtype = torch.float if self.ddp_config.grad_reduce_in_fp32` at 1e057005 line 234; 2 + 4 +
+    # 12, the distributed optimizer's "6 + 12/d" for bf16 parameters and fp32 gradients,
+    # docs/source/api-guide/dist_optimizer.md line 10)
+    "bf16_fp32grad": (2, 4, 12),
+    "fp16_fp32grad": (2, 4, 12),
 }
 
 # what each op's backward reads (tools/autograd/derivatives.yaml): its result, its input, both

@@ -276,3 +276,41 @@ def test_deepep_internode_rule_against_deepeps_published_bandwidth():
     measured = sent / 58e9
     rule = link_collective_time("all_to_all", sent, 4, cl.inter_node)
     assert 0.85 < rule / measured < 1.0
+
+
+def test_fsdp_reduce_dtype_fp32_accumulates_the_dense_gradients_in_fp32(qwen3):
+    """`grad_dtype` "fp32_reduce" (AutoModel's FSDP2 MixedPrecisionPolicy(reduce_dtype=float32),
+    moe/parallelizer.py apply_fsdp): under ZeRO-3 with the gradients kept unsharded until the
+    last micro-batch, the dense units' accumulate in fp32 (torch's `to_accumulated_grad_if_needed`
+    upcasts the first, checked here on one FSDPParam-like tensor), 2 bytes an element more than
+    bf16, the experts' (outside FSDP's policy) as they were; the step's reduce-scatter moves 4
+    bytes an element and the accumulation 2 + 4 + 4: the plan is slower. Reduce-scattered every
+    micro-batch, nothing is held unsharded: the memory as "param". The preset takes it."""
+    from cost_models.compute import grad_accumulation_bytes
+
+    g16 = torch.randn(8, dtype=torch.bfloat16)
+    acc = g16.to(torch.float32)                 # FSDPParam.to_accumulated_grad_if_needed
+    acc += torch.randn(8, dtype=torch.bfloat16)  # accumulate_unsharded_grad_if_needed: stays fp32
+    assert acc.dtype == torch.float32 and acc.element_size() - g16.element_size() == 2
+    assert grad_accumulation_bytes("bf16_fp32grad") == 10.0 and grad_accumulation_bytes("bf16_param") == 6.0
+    b, g = qwen3
+    cpu = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4})
+    sw = SoftwareSpec.load("nemo-automodel-2025")
+    assert sw.grad_dtype == "fp32_reduce" and "gradients accumulated and reduced in fp32" in sw.summary()
+    dense = sum(p.numel() for n, p in b.model.named_parameters() if ".experts." not in n)
+    for sync in ("step", "microbatch"):
+        cons = Constraints(dp=4, tp=1, pp=1, ep=4, microbatch_size=2, zero_stage=3, recompute="full",
+                           zero3_grad_sync=sync)
+        p = {k: plan(b, cpu, global_batch_size=32, graph=g, intra_op="analytic", constraints=cons, dtype="bf16",
+                     software=sw.model_copy(update={"grad_dtype": k})) for k in ("fp32_reduce", "param")}
+        assert p["param"].num_microbatches == 4 and p["param"].zero3_grad_sync == sync
+        more = p["fp32_reduce"].stages[0].predicted.gradients_bytes - p["param"].stages[0].predicted.gradients_bytes
+        assert more == (2.0 * dense if sync == "step" else 0.0)
+    assert "grad_dtype" not in p["param"].software.model_dump()      # the default is written as before
+    # time on the H100 profile (the CPU's measured gloo tables are not monotonic at these sizes)
+    cons = Constraints(dp=8, tp=1, pp=1, ep=8, microbatch_size=2, zero_stage=3, recompute="full",
+                       zero3_grad_sync="step")
+    t = {k: plan(b, ClusterSpec.load("dgx-h100"), global_batch_size=64, graph=g, intra_op="analytic",
+                 constraints=cons, dtype="bf16", software=sw.model_copy(update={"grad_dtype": k})).predicted
+         for k in ("fp32_reduce", "param")}
+    assert t["fp32_reduce"].iteration_time_s > t["param"].iteration_time_s

@@ -2789,3 +2789,65 @@ def test_norm_kernels_save_their_input_and_a_statistic_a_row():
     assert e_na.saved_bytes - k_na.saved_bytes == pytest.approx(expect) and expect > 0
     rest = {k for k in firsts if k not in outside}
     assert not any(firsts[f][1][0] in k_na.saved for f in rest)
+
+
+_LLAMA_TINY = ("hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2&num_hidden_layers=2"
+               "&num_attention_heads=4&vocab_size=128&seq_len=16")
+
+
+def test_sequence_parallel_linears_save_their_input_shard():
+    """`SoftwareSpec.sp_linear_saves` "shard" (Megatron-Core / Transformer Engine: a column-parallel
+    linear under sequence parallelism saves the input shard it received and all-gathers it again
+    in its backward, TE linear.py `saved_inputmat = inputmat`): a tiny Llama's layer under
+    Megatron-SP at tp 2 saves, for each input its linears read gathered from a token shard (the
+    attention norm's output for q/k/v, the MLP norm's for gate/up, the final norm's for the head), the
+    shard in place of the
+    gathered copy: (1 - 1/tp) of it less per gathered input with nothing recomputed. Only matrix
+    ops take it, only under SP: the same provider without SP costs alike either way."""
+    from autopar.capture import capture
+    from autopar.inter_op import ilp_provider as ip
+    from autopar.inter_op.layers import build_layers
+    from autopar.models.registry import build_model
+    from autopar.schema.software import SoftwareSpec
+    from cost_models.compute import MATRIX_OPS
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("ortools")
+    b = build_model(_LLAMA_TINY, device="meta")
+    g = capture(b.model, b.example_inputs, name=_LLAMA_TINY)
+    layers = build_layers(g, b.model)
+    cl = autopar.ClusterSpec.load("dgx-h100")
+    seen: list = []
+    orig = ip._read_shard
+
+    def spy(*a, **k):
+        r = orig(*a, **k)
+
+        def read(node, name):
+            x = r(node, name)
+            if x:
+                seen.append((node, name, x))
+            return x
+        return read
+
+    costs, reads = {}, {}
+    try:
+        ip._read_shard = spy
+        for sp in (True, False):
+            for mode in ("gathered", "shard"):
+                sw = SoftwareSpec.load("autopar").model_copy(update={"sp_linear_saves": mode})
+                prov = ip.IlpProvider(g, layers, cl, "bf16", sequence_parallel=sp, software=sw, time_limit_s=30)
+                seen.clear()
+                costs[sp, mode] = prov._analyze_layer(layers[1], 2, 2).act_bytes
+                reads[sp, mode] = list(seen)
+    finally:
+        ip._read_shard = orig
+    below = {(n.name, i) for n, i, x in reads[True, "shard"] if x[4]}
+    assert below and all(n.op in MATRIX_OPS for n, i, x in reads[True, "shard"] if x[4])
+    assert not any(x[4] for n, i, x in reads[True, "gathered"] + reads[False, "shard"])
+    ins = {i for n, i in below if n in set(layers[1].nodes)}      # the layer's own (reads of others' too)
+    by_name = {n.name: n for n in g.at_batch(2).nodes}
+    full = {i: by_name[i].outputs[0].numel * 2 for i in ins}      # bf16, the micro-batch of 2
+    assert costs[True, "gathered"]["none"] - costs[True, "shard"]["none"] == sum(f / 2 for f in full.values())
+    assert all(costs[True, "shard"][r] <= costs[True, "gathered"][r] for r in costs[True, "gathered"])
+    assert costs[False, "shard"] == costs[False, "gathered"]

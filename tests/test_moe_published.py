@@ -395,3 +395,24 @@ def test_deepep_buffers_are_counted_from_deepeps_size_hints():
         got.append(p.stages[0].predicted)
     assert got[1].buffers_bytes - got[0].buffers_bytes == pytest.approx(deepep_buffer_bytes(4, 64 * 4))
     assert got[1].activations_bytes == got[0].activations_bytes
+
+
+def test_megatron_rows_take_fp32_gradients_and_their_preset_the_shard_saving_linears():
+    """The Megatron-LM runs (the zoo's Qwen3-235B rows, the Mixtral row) train under --bf16, which
+    keeps fp32 gradients (`grad_dtype` fp32); AutoModel's FSDP2 reduces in fp32 (its preset's
+    `fp32_reduce`); the NeMo / Megatron-Core preset's TE linears save their sequence-parallel input
+    shard (`sp_linear_saves` shard). Each preset reads back as it was written (round trip)."""
+    from autopar.schema.software import RUNTIME_CHOICES, SoftwareSpec
+
+    for c in _bench().PUBLISHED:
+        megatron = "Qwen3-235B" in c.name or "Mixtral" in c.name
+        assert (c.software_update.get("grad_dtype") == "fp32") == megatron, c.name
+    for name, field, value in (("nemo-megatron-core-2024", "sp_linear_saves", "shard"),
+                               ("nemo-automodel-2025", "grad_dtype", "fp32_reduce")):
+        sw = SoftwareSpec.load(name)
+        assert getattr(sw, field) == value and field in sw.sources and field in RUNTIME_CHOICES
+        assert SoftwareSpec.model_validate(sw.model_dump()) == sw
+        assert SoftwareSpec.model_validate_json(sw.model_dump_json()) == sw
+    default = SoftwareSpec.load("autopar")
+    assert default.grad_dtype == "param" and default.sp_linear_saves == "gathered"
+    assert "sp_linear_saves" not in default.model_dump() and "grad_dtype" not in default.model_dump()

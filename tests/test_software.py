@@ -51,7 +51,9 @@ def test_presets_are_typed_and_sourced():
                   | ({"norm_saves"} if sw.norm_saves != "eager" else set())
                   | ({"gradient_accumulation_fusion"} if sw.gradient_accumulation_fusion else set())
                   | ({"tp_comm_overlap"} if sw.tp_comm_overlap else set())
-                  | ({"param_sync_overlap"} if sw.param_sync_overlap else set()))
+                  | ({"param_sync_overlap"} if sw.param_sync_overlap else set())
+                  | ({"grad_dtype"} if sw.grad_dtype != "param" else set())
+                  | ({"sp_linear_saves"} if sw.sp_linear_saves != "gathered" else set()))
         assert set(sw.sources) == chosen, "every choice names its source"
     with pytest.raises(PlanError, match="unknown software 'flash9'; bundled: autopar, flash-attn-1-2022, "
                                          "flash-attn-2-2023, megatron-lm-2021, megatron-lm-2021-torch-ddp, "
@@ -353,3 +355,59 @@ def test_fused_attention_runs_at_its_kernels_head_dimension():
     # a device with no list keeps the old reading (the nearest measured head dimension)
     bare = cl.device.model_copy(update={"attention_head_dims": None})
     assert kernel_head_dim(bare, 80) == 80
+
+
+def test_fp32_gradients_are_megatrons_main_grad_buffer():
+    """`grad_dtype` "fp32" (Megatron-LM under --bf16: accumulate_allreduce_grads_in_fp32, Megatron-
+    Core's DDP grad buffer fp32): the model states are Megatron's distributed-optimizer table's "bf16
+    parameters, fp32 gradients" row, 18 bytes a parameter, 6 + 12/d sharded
+    (docs/source/api-guide/dist_optimizer.md); a plan holds twice the gradient bytes in its forward
+    and backward and syncs 4 bytes an element (slower); an optimizer stepping the 2-byte parameters
+    cannot take it; the default is left out of a dump, and the zoo's Megatron-LM rows take it."""
+    from cost_models.memory import model_state_bytes
+
+    n, d = 1.0e9, 8
+    assert model_state_bytes(n, "bf16_fp32grad").total == 18 * n
+    assert model_state_bytes(n, "bf16_fp32grad", zero_stage=1, dp=d).total == pytest.approx((6 + 12 / d) * n)
+    base = SoftwareSpec.load("autopar")
+    fp32 = base.model_copy(update={"name": "fp32 grads", "grad_dtype": "fp32"})
+    assert base.state_policy("bf16") == "bf16" and fp32.state_policy("bf16") == "bf16_fp32grad"
+    assert fp32.state_policy("fp32") == "fp32" and "fp32 gradients (main_grad buffer)" in fp32.summary()
+    assert "grad_dtype" not in base.model_dump() and fp32.model_dump()["grad_dtype"] == "fp32"
+    with pytest.raises(Exception, match="grad_dtype 'fp32' needs optimizer_states 'fp32'"):
+        SoftwareSpec(name="x", grad_dtype="fp32", optimizer_states="param")
+    with pytest.raises(Exception, match="grad_dtype"):
+        SoftwareSpec(name="x", grad_dtype="bf16")
+    cl = ClusterSpec.load("dgx-a100-80g")
+    for zero in (0, 1):
+        cons = Constraints(dp=8, tp=1, pp=1, microbatch_size=1, recompute="none", zero_stage=zero)
+        p = {sw.name: autopar.plan("gpt-small", cl, global_batch_size=16, constraints=cons, software=sw, dtype="bf16")
+             for sw in (base, fp32)}
+        fb = {k: v.stages[0].predicted.phases["forward_backward"] for k, v in p.items()}
+        assert fb["fp32 grads"].gradients_bytes == 2 * fb["autopar"].gradients_bytes > 0
+        assert fb["fp32 grads"].weights_bytes == fb["autopar"].weights_bytes
+        assert fb["fp32 grads"].optimizer_bytes == fb["autopar"].optimizer_bytes
+        assert p["fp32 grads"].predicted.iteration_time_s > p["autopar"].predicted.iteration_time_s
+
+
+def test_zero3_states_bound_lets_fp32_gradients_reduce_every_microbatch():
+    """The search's model-states bound for ZeRO-3 with several micro-batches takes the gradients
+    reduce-scattered every micro-batch where it may try that: with fp32 gradients (`grad_dtype`
+    fp32) the unsharded ones alone can overflow a device a plan reducing every micro-batch fits
+    (the zoo's FSDP row, pruned at 119 GiB of states before; here at MiB scale)."""
+    from cost_models.memory import runtime_phases
+
+    sw = SoftwareSpec.load("autopar").model_copy(update={"name": "fp32 grads", "grad_dtype": "fp32",
+                                                         "usable_fraction": 1.0})
+    cl = ClusterSpec.load("dgx-h100")
+    base = dict(dp=8, tp=1, pp=1, microbatch_size=1, recompute="full", zero_stage=3)
+    each = autopar.plan("gpt-small", cl, global_batch_size=32, software=sw, dtype="bf16",
+                        constraints=Constraints(**base, zero3_grad_sync="microbatch"))
+    unsharded = max(ph.total for ph in runtime_phases(each.model.num_params, "bf16_fp32grad", 3, 8,
+                                                      num_microbatches=4))
+    mem = (each.predicted.peak_memory_bytes + unsharded) / 2
+    assert each.predicted.peak_memory_bytes < mem < unsharded
+    small = cl.model_copy(update={"device": cl.device.model_copy(update={"memory_bytes": mem})})
+    p = autopar.plan("gpt-small", small, global_batch_size=32, software=sw, dtype="bf16",
+                     constraints=Constraints(**base))
+    assert p.zero3_grad_sync == "microbatch"

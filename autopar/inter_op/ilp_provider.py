@@ -502,7 +502,11 @@ class IlpProvider(AnalyticProvider):
         if names["out_name"] in sharded:
             # the output the layer hands on (and a pipeline stage's forward cache keeps) is split
             c.out_bytes = base.out_bytes / tp
-        read = _read_shard(sol, tp, {n.name: n.fqn for n in sub.nodes if n.kind == "param" and n.fqn})
+        # Megatron-SP's linears as Megatron-Core / Transformer Engine run them save their input
+        # shard and gather it again in the backward (`SoftwareSpec.sp_linear_saves`)
+        tokens = self.token_dims if self.sequence_parallel and self.software.sp_linear_saves == "shard" else None
+        read = _read_shard(sol, tp, {n.name: n.fqn for n in sub.nodes if n.kind == "param" and n.fqn},
+                           sp_shard_tokens=tokens)
         if not any(read(n, i) for n in sub.calls for i in n.inputs):
             read = None
         # the parameters' elements are set: each op's backward makes their gradients
@@ -522,7 +526,8 @@ def _sharded(sol: ShardingSolution) -> set[str]:
     return sharded | {n for n, pl in sol.input_placements.items() if any(map(is_shard, pl))}
 
 
-def _read_shard(sol: ShardingSolution, tp: int, params: dict[str, str] | None = None):
+def _read_shard(sol: ShardingSolution, tp: int, params: dict[str, str] | None = None,
+                sp_shard_tokens: dict | None = None):
     """`activation_memory`'s `read_shard` for a solution on a 1-D tp mesh: where an op reads an
     input in another layout than its producer gives it (or a parameter in another than it is
     stored in: `params` maps their node names to FQNs), the executor redistributes it and the
@@ -532,8 +537,23 @@ def _read_shard(sol: ShardingSolution, tp: int, params: dict[str, str] | None = 
     tensor's junction value (one redistribution shared by its readers), the executor holds it
     until the tensor's last reader. Its gradient goes back to the producer's layout in the
     redistribution's own backward, after the op's (`execute._Reshard`): a gather along a dim
-    other than the first holds its buffers there (the sixth item, `_gather_buffer`)."""
+    other than the first holds its buffers there (the sixth item, `_gather_buffer`).
+    `sp_shard_tokens` (the graph's token dims, `token_dims_of`; `SoftwareSpec.sp_linear_saves`
+    "shard"): a matrix op reading whole an input split along a token dim (Megatron-SP's
+    column-parallel linear) gathers it below autograd, the fifth item: it saves the shard as it
+    arrived, holds the gathered copy while its forward runs and gathers it again for its
+    backward (Transformer Engine's Linear: `saved_inputmat = inputmat`, the local shard, and
+    `gather_along_first_dim` in the backward: transformer_engine/pytorch/module/linear.py at
+    c6a9e26 lines 341-354 and 565-583, at v1.13 lines 305 and 429-430; LayerNormLinear's
+    `ln_out` likewise, layernorm_linear.py at c6a9e26 lines 391-393, 443 and 632-656; Megatron-
+    Core's own `LinearWithGradAccumulationAndAsyncCommunication` saves `input`, the shard)."""
     params = params or {}
+
+    def sp_gather(node, name: str, want: tuple, have: tuple) -> bool:
+        if sp_shard_tokens is None or node.op not in MATRIX_OPS or any(is_shard(p) or p == "P" for p in want):
+            return False
+        toks = set(sp_shard_tokens.get(name, ()))
+        return any(is_shard(p) and shard_dim(p) in toks for p in have)
 
     def produced(name: str):
         if name in params:
@@ -561,7 +581,7 @@ def _read_shard(sol: ShardingSolution, tp: int, params: dict[str, str] | None = 
         # (`execute._grad_target`): a gather there holds its buffers too
         back = tuple("R" if p == "P" else p for p in have)
         return ((tp if any(map(is_shard, want)) else 1), ",".join(want), _gather_buffer(have, want, tp), held,
-                False, _gather_buffer(want, back, tp))
+                sp_gather(node, name, want, have), _gather_buffer(want, back, tp))
     return read
 
 

@@ -330,6 +330,10 @@ class _Tables:
         # the weight-gradient GEMMs accumulate into the gradients kept across micro-batches
         # (`SoftwareSpec.gradient_accumulation_fusion`, set by `Search._tables`): no separate pass
         self.accum_fused = False
+        # FSDP2's reduce_dtype float32 (`SoftwareSpec.grad_dtype` "fp32_reduce", set by `Search.
+        # _tables`): ZeRO-3's dense units accumulate their unsharded gradients and reduce-scatter
+        # them in fp32 (`dense_grad_bytes`); the experts' and the shards keep the policy's dtype
+        self.reduce_fp32 = False
         # what the expert exchange's library holds for the run (DeepEP's buffers, `ExpertCosting.
         # comm_buffer_bytes`, set by `Search._tables`): a buffer in every phase
         self.comm_buffers = 0.0
@@ -712,8 +716,11 @@ class _Tables:
                 if accumulated == "mid":
                     ms = [[m[0], m[1], 0.0] for m in ms]
                 elif accumulated == "last":
-                    shrink = 1.0 - 4.0 / (self.wgo[1] * self.dp)
-                    ms = [[m[0], m[1] + self.wgo[1] * x, -shrink * self._units_grads(i, b)]
+                    # the dense units' accumulated gradients and reduce-scatter inputs at `dense_grad_bytes`
+                    # (fp32 under FSDP2's reduce_dtype: each unit reduced frees 4 bytes an element)
+                    gu = self.dense_grad_bytes
+                    shrink = (gu - 4.0 / self.dp) / self.wgo[1]
+                    ms = [[m[0], m[1] + gu * x, -shrink * self._units_grads(i, b)]
                           for m, b, x in zip(ms, born, rb)]
                 elif accumulated == "each":
                     # each unit's new gradients reduce-scattered as its backward ends and added
@@ -760,8 +767,8 @@ class _Tables:
         GP = np.concatenate([[0.0], np.cumsum(self.pel_layer * g)])
         if accumulated == "last":
             # the later layers' units were reduce-scattered (their root parameters' stay whole)
-            shrink = 1.0 - 4.0 / (self.wgo[1] * self.dp)
-            GP = -shrink * self.wgo[1] * np.concatenate([[0.0], np.cumsum([sum(us) for us in self.module_units])])
+            GP = -(self.dense_grad_bytes - 4.0 / self.dp) * np.concatenate(
+                [[0.0], np.cumsum([sum(us) for us in self.module_units])])
         elif shards and accumulated is None:
             # each unit reduce-scattered as its backward ends: the later layers' fp32 gradient
             # shards (4 / dp bytes an element) alive, counted here so that the worst moment is
@@ -1019,12 +1026,12 @@ class _Tables:
         if self.dp == 1 or self.zero < 3:
             return np.zeros_like(np.asarray(pel, dtype=float))
         pel, epel = np.asarray(pel, dtype=float), np.asarray(epel, dtype=float)
-        kinds = (("all_gather", w, gathers),) + ((("reduce_scatter", g, 1.0),) if self.rs_each else ())
         out = np.zeros_like(pel)
-        groups = [(pel - epel, units, self.dp, self.tp)]
+        groups = [(pel - epel, units, self.dp, self.tp, self.dense_grad_bytes)]
         if self.ep > 1:
-            groups.append((epel, eunits, self.ecopies, self.estride))
-        for elems, n, size, stride in groups:
+            groups.append((epel, eunits, self.ecopies, self.estride, g))
+        for elems, n, size, stride, gb in groups:
+            kinds = (("all_gather", w, gathers),) + ((("reduce_scatter", gb, 1.0),) if self.rs_each else ())
             for kind, b, times in kinds:
                 a, slope = _dp_affine(self.cluster, kind, size, stride)
                 # a stage's parameters outside every unit are its root unit's: one at least
@@ -1090,9 +1097,23 @@ class _Tables:
                 gradients=ph.gradients if unsharded and ph.phase == "forward_backward"
                 else ph.gradients + b.gradients - a.gradients)
                 for ph, a, b in zip(out, base, wide)]
+        if self.reduce_fp32 and m > 1 and not self.rs_each:
+            # FSDP2's reduce_dtype float32: the dense units' unsharded gradients, accumulated over
+            # the micro-batches, are fp32 (torch's `FSDPParam.to_accumulated_grad_if_needed` upcasts
+            # the first one to reduce_dtype, `accumulate_unsharded_grad_if_needed` adds the next
+            # into it), the experts' outside the policy as they were
+            more = (self.dense_grad_bytes - self.wgo[1]) * (np.asarray(pel, dtype=float) - np.asarray(epel))
+            out = [dataclasses.replace(ph, gradients=ph.gradients + more) if ph.phase == "forward_backward" else ph
+                   for ph in out]
         if self.comm_buffers:
             out = [dataclasses.replace(ph, buffers=ph.buffers + self.comm_buffers) for ph in out]
         return out
+
+    @property
+    def dense_grad_bytes(self) -> float:
+        """Bytes a dense gradient element is accumulated and reduced in: the policy's, or 4 where
+        FSDP2 reduces in fp32 (`reduce_fp32`)."""
+        return 4.0 if self.reduce_fp32 else float(self.wgo[1])
 
     def _expert_zero12_sync(self, out: list, pel: Any, e: Any, kw: dict) -> list:
         """ZeRO-1/2's gradient sync under expert parallelism, as `runtime.zero._zero12_step`
@@ -1375,9 +1396,10 @@ class _Tables:
         micro-batch (`rs_each`: `zero_mb` has them)."""
         if self.rs_each:
             return 0.0
+        g = self.dense_grad_bytes
         if self.ep <= 1:
-            return _sync_time(self.cluster, self.policy, self.dp, self.tp, self.zero, pel)
-        return (_sync_time(self.cluster, self.policy, self.dp, self.tp, self.zero, pel - epel)
+            return _sync_time(self.cluster, self.policy, self.dp, self.tp, self.zero, pel, g)
+        return (_sync_time(self.cluster, self.policy, self.dp, self.tp, self.zero, pel - epel, g)
                 + _sync_time(self.cluster, self.policy, self.ecopies, self.estride, self.zero, epel))
 
     def param_gather(self, pel: float, epel: float = 0.0) -> float:
@@ -1453,6 +1475,11 @@ class _Tables:
         else:
             elems = _accumulated_elems(pel, self.dp, self.rs_each, epel, self.ecopies)
             t = _accum_time(elems, m, self.policy, self.cluster.device)
+            if self.reduce_fp32 and not self.rs_each:
+                # the dense units' unsharded gradients added into fp32 ones (`reduce_fp32`)
+                more = grad_accumulation_bytes(f"{self.dtype}_fp32grad") - grad_accumulation_bytes(self.policy)
+                t = t + _accum_time(np.asarray(pel, dtype=float) - np.asarray(epel, dtype=float), m, None,
+                                    self.cluster.device, more)
         if self.cast_bytes:
             t = t + memory_time(np.asarray(pel) * self.cast_bytes, self.cluster.device)
         return t
@@ -1519,12 +1546,13 @@ def _accumulated_elems(pel: Any, dp: int, sharded: bool, epel: Any = 0.0, ecopie
     return (pel - epel) / dp + epel / max(ecopies, 1)
 
 
-def _accum_time(elems: Any, m: int, policy: str, device: Any) -> Any:
+def _accum_time(elems: Any, m: int, policy: Optional[str], device: Any, nbytes: Optional[float] = None) -> Any:
     """Per micro-batch share of adding each micro-batch's weight gradients into the accumulated
     `elems` (autograd does it in every backward after the first, m - 1 of m):
-    `grad_accumulation_bytes` per element."""
+    `grad_accumulation_bytes` per element (`nbytes` where given)."""
     share = (m - 1) / m if m > 1 else 0.0
-    return share * memory_time(np.asarray(elems) * grad_accumulation_bytes(policy), device)
+    per = grad_accumulation_bytes(policy) if nbytes is None else nbytes
+    return share * memory_time(np.asarray(elems) * per, device)
 
 
 def _transient(tb: "_Tables", chunks: list[tuple[int, int]], r: str) -> tuple[float, float]:
@@ -1663,12 +1691,15 @@ def _dp_affine(cluster: ClusterSpec, kind: str, dp: int, tp: int) -> tuple[float
 _EACH_HINT = ", or ZeRO-3 reducing every micro-batch (zero3_grad_sync unset)"
 
 
-def _sync_time(cluster: ClusterSpec, dtype: str, dp: int, tp: int, zero: int, pel: float) -> float:
+def _sync_time(cluster: ClusterSpec, dtype: str, dp: int, tp: int, zero: int, pel: float,
+               grad_bytes: Optional[float] = None) -> float:
     """Per-iteration gradient sync of one stage over dp, as the runtime does it: one flat
     all-reduce (ZeRO 0), one reduce-scatter + one all-gather of the updated weights (ZeRO 1
     and 2), one reduce-scatter after the last micro-batch (ZeRO 3), with the copies into and
-    out of the flat buffers (`_pack_time`)."""
+    out of the flat buffers (`_pack_time`). `grad_bytes`: a gradient element's bytes where not
+    the policy's (`_Tables.dense_grad_bytes`)."""
     w, g, _ = PRECISION_POLICIES[dtype]
+    g = g if grad_bytes is None else grad_bytes
     if dp == 1:
         return 0.0
     if zero == 0:
@@ -2389,9 +2420,13 @@ class Search:
                                         float(self.experts.expert_elems(cs).sum()) / pp if ep > 1 else 0.0,
                                         {r: m * (rc - rc_min) / pp for r, rc in rc_sums.items()}]
             ideal, pel, slowest, epel, rc_more = bounds[bk]
-            # memory lower bound: the model states of an average stage, no activations
+            # memory lower bound: the model states of an average stage, no activations; under
+            # ZeRO-3 with the gradients reduce-scattered every micro-batch where `_walk` may try
+            # that (their fp32 shards, not the unsharded gradients: fp32 gradients, `SoftwareSpec.
+            # grad_dtype`, made the unsharded ones overflow a bound the zoo's FSDP row fits)
+            each = z == 3 and pp == 1 and m > 1 and self.cons.zero3_grad_sync != "step"
             states = max(ph.total for ph in runtime_phases(
-                pel, self.policy, z, reps, num_microbatches=m,
+                pel, self.policy, z, reps, num_microbatches=m, reduce_every_microbatch=each,
                 fused_optimizer=fused_optimizer(self.cluster.device.device_type),
                 zero_optimizer=self.software.zero_optimizer))
             if states > self.budget:
@@ -2907,6 +2942,7 @@ class Search:
             tb.rs_each = rs_each and tb.zero3
             tb.zero3_overlap = self.software.zero3_overlap
             tb.accum_fused = self.software.gradient_accumulation_fusion
+            tb.reduce_fp32 = self.software.grad_dtype == "fp32_reduce" and tb.zero3
             if ep > 1:
                 blocks = np.array([len(self.experts.by_layer.get(i, ())) for i in range(self.L)], dtype=float)
                 if fold:

@@ -181,6 +181,23 @@ same plan, and that the cost model honours:
   among them) or "input" (the module one norm kernel saving its input and an fp32 statistic a
   row: Transformer Engine's RMSNorm, `save_for_backward(x, rstdevs)`, as Megatron-Core's TE layer
   spec runs every norm, the q/k norms included). Memory: `cost_models.memory.norm_kernel_modules`.
+- `grad_dtype`: the dtype a mixed-precision run accumulates and reduces its gradients in.
+  "param" (the parameters' training dtype: what `autopar run` executes) or "fp32" (every gradient
+  accumulated, reduced and stepped in fp32: Megatron-Core's DDP and distributed optimizer keep one
+  fp32 `main_grad` buffer under --bf16, `grad_reduce_in_fp32`, whatever the ZeRO stage; model
+  states 2 + 4 + 12 bytes a parameter, the sync moving 4) or "fp32_reduce" (PyTorch FSDP2's
+  `MixedPrecisionPolicy(reduce_dtype=float32)`, ZeRO-3 only: the FSDP units' gradients, kept
+  unsharded over several micro-batches, accumulate in fp32 and are reduce-scattered in fp32, the
+  shard cast back to the parameters' dtype; experts outside that policy keep theirs: NeMo
+  AutoModel). Memory: `cost_models.memory.PRECISION_POLICIES` ("fp32": `state_policy`),
+  `autopar.inter_op.search._Tables.phases` ("fp32_reduce"); time: the sync's and the
+  accumulation's bytes.
+- `sp_linear_saves`: what a linear layer reading a sequence-parallel input all-gathered over tp
+  keeps for its weight gradient (Megatron-SP). "gathered" (what `autopar run` executes: the
+  executor's all-gathered copy, saved) or "shard" (the input shard as it arrived, all-gathered
+  again in the backward: Megatron-Core's and Transformer Engine's column-parallel linears).
+  Memory: `autopar.inter_op.ilp_provider._read_shard` (the gather below autograd); time: the
+  backward's gather is not priced (Transformer Engine runs it beside the input-gradient GEMM).
 
 Every field changes a prediction; a choice the cost model cannot honour has no field here.
 Named presets live in `software_profiles/` (YAML, each field with its source); the default,
@@ -265,21 +282,29 @@ class UbOverlap(BaseModel):
     num_splits: int = Field(default=4, ge=1, description="a pipeline overlap's GEMM chunks")
     aggregate: bool = Field(default=False, description="a ring exchange moves two shards a step")
 
+
+GradDtype = Literal["param", "fp32", "fp32_reduce"]
+GRAD_DTYPES: tuple[str, ...] = get_args(GradDtype)
+SpLinearSaves = Literal["gathered", "shard"]
+SP_LINEAR_SAVES: tuple[str, ...] = get_args(SpLinearSaves)
+
 # the choices `autopar run` executes as the default preset has them: a plan whose software differs in
 # any of them predicts another software's run (the CLI says so, `cli._software_note`)
 RUNTIME_CHOICES: tuple[str, ...] = ("attention_kernel", "pointwise_fusion", "mixed_precision", "loss_kernel",
                                     "param_dtype", "zero_optimizer", "grad_sync_overlap", "zero3_overlap",
                                     "optimizer_states", "expert_dispatch", "expert_routing", "expert_saves",
-                                    "norm_saves", "loss_scaling", "pipeline_send_overlap", "pipeline_send_split",
-                                    "gradient_accumulation_fusion", "tp_comm_overlap", "param_sync_overlap")
+                                    "norm_saves", "grad_dtype", "sp_linear_saves", "loss_scaling",
+                                    "pipeline_send_overlap", "pipeline_send_split", "gradient_accumulation_fusion",
+                                    "tp_comm_overlap", "param_sync_overlap")
 
 # the choices a dump leaves out at their defaults (`SoftwareSpec._omit_eager_fusion`): each added
 # after plans were first written, so a plan of the default software reads and digests as before
 OMITTED_AT_DEFAULT: tuple[str, ...] = ("pointwise_fusion", "mixed_precision", "loss_kernel", "param_dtype",
                                        "zero_optimizer", "zero3_overlap", "loss_scaling", "pipeline_send_overlap",
                                        "pipeline_send_split", "attention_head_dims", "expert_dispatch",
-                                       "expert_routing", "expert_saves", "norm_saves", "optimizer_states",
-                                       "gradient_accumulation_fusion", "tp_comm_overlap", "param_sync_overlap")
+                                       "expert_routing", "expert_saves", "norm_saves", "grad_dtype",
+                                       "sp_linear_saves", "optimizer_states", "gradient_accumulation_fusion",
+                                       "tp_comm_overlap", "param_sync_overlap")
 
 # the memory a plan may not fill, per software stack (`cost_models.memory.usable_memory`); omitted
 # from a dump at their defaults
@@ -441,6 +466,16 @@ class SoftwareSpec(BaseModel):
         "autograd saves (HF RMSNorm: the fp32 copy of its input, the normalised output; what autopar run "
         "executes); input: the module saves its input and an fp32 statistic a row, as one norm kernel does "
         "(Transformer Engine's RMSNorm)")
+    grad_dtype: GradDtype = Field(
+        default="param", description="param: a mixed-precision run accumulates and reduces its gradients in "
+        "the parameters' dtype (what autopar run executes); fp32: every gradient in fp32 through the step "
+        "(Megatron-Core's fp32 main_grad buffer under --bf16); fp32_reduce: FSDP2's reduce_dtype float32 "
+        "(ZeRO-3): the FSDP units' unsharded gradients accumulated and reduce-scattered in fp32, the shard in "
+        "the parameters' dtype (NeMo AutoModel)")
+    sp_linear_saves: SpLinearSaves = Field(
+        default="gathered", description="gathered: a linear reading a sequence-parallel input all-gathered "
+        "over tp saves the gathered copy (what autopar run executes); shard: it saves the shard as it arrived "
+        "and all-gathers it again in the backward (Megatron-Core / Transformer Engine)")
     attention_flops: dict[str, dict[str, list[AttentionPoint]]] = Field(
         default_factory=dict, description="the software's fused attention kernel measured on named devices "
         "(DeviceSpec.name -> dtype -> points, as DeviceSpec.attention_flops); on a device named here they "
@@ -469,6 +504,15 @@ class SoftwareSpec(BaseModel):
                 raise ValueError(f"tp_comm_overlap: {gemm} cannot be overlapped by {cfg.method!r}; use "
                                  f"{' or '.join(UB_ALLOWED[gemm])}")
         return v
+
+    @model_validator(mode="after")
+    def _fp32_grads_need_fp32_states(self) -> "SoftwareSpec":
+        """fp32 gradients through the step are an fp32 optimizer's (torch's Adam steps a parameter
+        with a gradient of its own dtype: no master, no fp32 gradient)."""
+        if self.grad_dtype == "fp32" and self.optimizer_states == "param":
+            raise ValueError("grad_dtype 'fp32' needs optimizer_states 'fp32' (an optimizer stepping the 2-byte "
+                             "parameters takes gradients of their dtype); set grad_dtype: param or fp32_reduce")
+        return self
 
     @field_validator("pipeline_send_overlap")
     @classmethod
@@ -509,9 +553,12 @@ class SoftwareSpec(BaseModel):
         (`cost_models.memory.PRECISION_POLICIES`): "fp32" where the parameters stay fp32
         (`param_dtype`: 4-byte weights and gradients, Adam's two moments, no master copy), else
         `dtype` itself, or `dtype`'s "_param" policy (no master, 2-byte moments) where the optimizer
-        keeps no fp32 states (`optimizer_states` "param")."""
+        keeps no fp32 states (`optimizer_states` "param"), or its "_fp32grad" policy (fp32
+        gradients beside 2-byte weights) under `grad_dtype` "fp32"."""
         if self.param_dtype == "fp32":
             return "fp32"
+        if self.grad_dtype == "fp32" and dtype in ("bf16", "fp16"):
+            return f"{dtype}_fp32grad"
         return f"{dtype}_param" if self.optimizer_states == "param" and dtype in ("bf16", "fp16") else dtype
 
     def param_cast_bytes(self, dtype: str) -> float:
@@ -584,7 +631,10 @@ class SoftwareSpec(BaseModel):
              "forced_balance": ", forced balanced routing (random logits)"}.get(self.expert_routing, "") + \
             {"megatron_core": ", Megatron-Core's expert activations (fused permutation, weighted SwiGLU)"}.get(
                 self.expert_saves, "") + \
-            (", norm modules saving their input (one kernel)" if self.norm_saves == "input" else "")
+            (", norm modules saving their input (one kernel)" if self.norm_saves == "input" else "") + \
+            {"fp32": ", fp32 gradients (main_grad buffer)",
+             "fp32_reduce": ", FSDP gradients accumulated and reduced in fp32"}.get(self.grad_dtype, "") + \
+            (", sequence-parallel linears saving their input shard" if self.sp_linear_saves == "shard" else "")
         flat = f", plans fill {self.usable_fraction:g} of device memory (override)" if self.usable_fraction else ""
         return (f"software: {self.name} (attention {self.attention_kernel}{own}{fusion}{half}{loss}{fp32}{zro}, "
                 f"dp gradient sync {sync}{zero3}{moe}{flat})")
@@ -597,9 +647,9 @@ class SoftwareSpec(BaseModel):
                             "name, attention_kernel, pointwise_fusion, mixed_precision, param_dtype, zero_optimizer, "
                             "loss_scaling, grad_sync_overlap, pipeline_send_overlap, pipeline_send_split, "
                             "zero3_overlap, gradient_accumulation_fusion, tp_comm_overlap, param_sync_overlap, "
-                            "allocator_fragmentation, "
-                            "usable_fraction, "
-                            "optimizer_states, expert_dispatch, expert_routing, expert_saves, norm_saves")
+                            "allocator_fragmentation, usable_fraction, "
+                            "optimizer_states, expert_dispatch, expert_routing, expert_saves, norm_saves, "
+                            "grad_dtype, sp_linear_saves")
         data.setdefault("name", path.stem)
         try:
             return cls.model_validate(data)
