@@ -11,6 +11,7 @@ prediction: the median step after the first against `predicted.iteration_time_s`
     python benchmarks/gpu_step.py profile --out DIR --only NAME   # torch.profiler ops of one case
     python benchmarks/gpu_step.py optimizer --out DIR --only NAME # AdamW variants on a case's parameters
     python benchmarks/gpu_step.py gemm --out DIR                  # bf16 GEMMs, aligned against not
+    python benchmarks/gpu_step.py wgrad --out DIR                 # NeMo 175B's GEMMs, wgrad into fp32 too
     python benchmarks/gpu_step.py memory --out DIR --only NAME    # what the peak holds, tensor by tensor
     python benchmarks/gpu_step.py breakdown --out DIR --only NAME [--cluster P]  # predicted time by op
     python benchmarks/gpu_step.py report --out DIR [--metrics M] [--cluster P]  # the table (plans made
@@ -303,6 +304,52 @@ def gemm_alignment(out: Path) -> None:
     (out / "gemm_alignment.txt").write_text("\n".join(lines) + "\n")
 
 
+# NeMo GPT-3 175B's GEMMs on a rank of its published H100 runs (TP4, s 2048, mb 1, h 12288): tokens,
+# input features, output features of qkv (12288 -> 9216), proj (3072 -> 12288) and fc1 / fc2 (12288 ->
+# 12288); README "the NeMo 175B step's missing time"
+NEMO_175B_TP4_GEMMS = [(2048, 12288, 9216), (2048, 3072, 12288), (2048, 12288, 12288)]
+
+
+def wgrad_accum(out: Path) -> None:
+    """bf16 forward, input gradient, weight gradient into bf16, and weight gradient added into an
+    fp32 main_grad in place (`torch.addmm(main_grad, g.T, x, out_dtype=float32, out=main_grad)`: cuBLAS
+    with beta = 1, as gradient_accumulation_fusion runs it) of each NEMO_175B_TP4_GEMMS shape:
+    TFLOP/s of each, the median of 10 after 3 warm-ups (as `gemm_alignment`). Written to
+    DIR/wgrad_accum.txt. Needs a torch whose addmm takes out_dtype (CUDA)."""
+    import torch
+    import torch.nn.functional as F
+
+    def rate(fn, flops: float) -> float:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(10):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            ts.append(a.elapsed_time(b) / 1e3)
+        return flops / sorted(ts)[5] / 1e12
+
+    lines = ["M K N: forward, input-gradient, weight-gradient (bf16 out), weight-gradient into fp32 main_grad "
+             "TFLOP/s (torch " + torch.__version__ + ")"]
+    for m, k, n in NEMO_175B_TP4_GEMMS:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        main_grad = torch.zeros(n, k, device="cuda", dtype=torch.float32)
+        f = 2.0 * m * k * n
+        r = (rate(functools.partial(F.linear, x, w), f), rate(functools.partial(torch.matmul, g, w), f),
+             rate(functools.partial(torch.matmul, g.t(), x), f),
+             rate(functools.partial(torch.addmm, main_grad, g.t(), x, out_dtype=torch.float32, out=main_grad), f))
+        lines.append(f"{m} {k} {n}: " + " ".join(f"{v:.0f}" for v in r))
+        print(lines[-1], flush=True)
+        del x, w, g, main_grad
+    (out / "wgrad_accum.txt").write_text("\n".join(lines) + "\n")
+
+
 def breakdown(out: Path, name: str, cluster: str) -> None:
     """The cost model's time for one case's step by captured op (`cost_models.compute.node_time`,
     forward and backward, summed over the plan's micro-batches), to set beside the measured op
@@ -446,8 +493,8 @@ def _summary(rows: list[dict], cases: int, cluster: str | None) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("action", choices=["plan", "run", "profile", "optimizer", "gemm", "memory", "breakdown",
-                                       "report"])
+    ap.add_argument("action", choices=["plan", "run", "profile", "optimizer", "gemm", "wgrad", "memory",
+                                       "breakdown", "report"])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--cluster", help="plan: the profile planned on (default dgx-h100); report: re-predict on it")
     ap.add_argument("--only", help="comma-separated case names")
@@ -476,6 +523,8 @@ def main() -> None:
             memory_case(a.out, name)
     elif a.action == "gemm":
         gemm_alignment(a.out)
+    elif a.action == "wgrad":
+        wgrad_accum(a.out)
     elif a.action == "optimizer":
         for name in (a.only or "gpt3-1.3b").split(","):
             optimizer_case(a.out, name)

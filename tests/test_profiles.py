@@ -65,3 +65,27 @@ def test_every_figure_is_in_the_constants_inventory(name: str) -> None:
             if key in ("name", "sources", "memory_bytes"):     # memory_bytes sets no time
                 continue
             assert f"{section}.{key}" in doc, f"{name}: {section}.{key} is not in docs/constants.md"
+
+
+def test_dgx_h100_gemm_curve_above_the_table_is_the_projects_measurement() -> None:
+    """dgx-h100's two GEMM points above OpenXLA's table are the medians its source names: the
+    forward, input- and weight-gradient rates of the aligned shapes of each size measured on the
+    project's H100 (benchmarks/results/h100-2026-11-25/gemm_alignment.txt), over the bf16 peak."""
+    import statistics
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "benchmarks/results/h100-2026-11-25/gemm_alignment.txt").read_text()
+    rates = {}
+    for line in text.splitlines()[1:]:
+        shape, _, r = line.partition(":")
+        m, k, n = map(int, shape.split())
+        rates[(m, k, n)] = [float(x) * 1e12 for x in r.split()]
+    aligned = {s: v for s, v in rates.items() if s[1] % 8 == 0 and s[2] % 8 == 0}
+    dev = autopar.ClusterSpec.load("dgx-h100").device
+    pts = sorted((p.flops, p.efficiency) for p in dev.gemm_efficiency["bf16"])
+    for lo, hi, at in ((2.7e11, 2.8e11, 2.75e11), (2e12, 1e13, 2.15e12)):
+        vals = [x for (m, k, n), v in aligned.items() if lo <= 2 * m * k * n <= hi for x in v]
+        assert len(vals) == 12
+        want = statistics.median(vals) / dev.peak_flops["bf16"]
+        assert dict(pts)[at] == pytest.approx(want, abs=5e-4)
+    assert pts[-1][0] == 2.15e12            # the estimate beyond the measured sizes is gone
