@@ -10,6 +10,8 @@ Cases (fp32, global batch 8, the ILP's layouts on the CPU profile unless said):
   gptpp    gpt-tiny pp2 x dp2 x tp2 ZeRO-3, 1F1B, 2 micro-batches
   nanogpt  nanoGPT (tests.user_models) pp2 x dp2 x tp2 ZeRO-3, GPipe, 2 micro-batches
   llama    tiny HF Llama pp2 x dp2 x tp2 ZeRO-3, interleaved 1F1B (v 2), 2 micro-batches
+  gptan    gptpp by the analytic rules (`intra_op="analytic"`: DTensor propagation)
+  nanoan   nanogpt by the analytic rules
   mixtral  tiny HF Mixtral dp2 x ep2 x pp2 ZeRO-1, norm_act, 1F1B, 4 micro-batches, bf16 on
            the H100 profile, global batch 32 (tests/test_moe.py's)
 
@@ -29,7 +31,7 @@ HF_LLAMA = ("hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2
 NANOGPT = "tests.user_models:nanogpt"
 MIXTRAL = ("hf:mixtral?hidden_size=64&intermediate_size=128&num_key_value_heads=2&num_local_experts=4"
            "&num_hidden_layers=4&num_attention_heads=4&seq_len=256&vocab_size=128")
-CASES = ("z3none", "z1full", "gptpp", "nanogpt", "llama", "mixtral")
+CASES = ("z3none", "z1full", "gptpp", "nanogpt", "llama", "gptan", "nanoan", "mixtral")
 
 
 def case(name: str):
@@ -41,8 +43,8 @@ def case(name: str):
     def cpu(n: int):
         return ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": n})
 
-    def tiny(ref: str, n: int, **cons):
-        return ref, plan(ref, cpu(n), global_batch_size=8, dtype="fp32", intra_op="ilp", cache=False,
+    def tiny(ref: str, n: int, intra_op: str = "ilp", **cons):
+        return ref, plan(ref, cpu(n), global_batch_size=8, dtype="fp32", intra_op=intra_op, cache=False,
                          constraints=Constraints(**cons))
 
     pipe = dict(dp=2, tp=2, pp=2, zero_stage=3, num_microbatches=2)
@@ -58,6 +60,10 @@ def case(name: str):
         return tiny(NANOGPT, 8, **pipe, schedule="gpipe")
     if name == "llama":
         return tiny(HF_LLAMA, 8, **pipe, schedule="interleaved_1f1b", virtual_stages=2)
+    if name == "gptan":
+        return tiny("gpt-tiny", 8, "analytic", **pipe, schedule="1f1b")
+    if name == "nanoan":
+        return tiny(NANOGPT, 8, "analytic", **pipe, schedule="gpipe")
     if name == "mixtral":
         cluster = ClusterSpec.load("dgx-h100", num_nodes=1).model_copy(update={"devices_per_node": 4})
         return MIXTRAL, autopar.plan(MIXTRAL, cluster, global_batch_size=32, cache=False,

@@ -111,6 +111,24 @@ def torch_schedule(kind: str, num_stages: int, num_microbatches: int, virtual_st
 
 
 @lru_cache(maxsize=256)
+def backwards_in_a_row(kind: str, num_stages: int, rank: int, num_microbatches: int) -> bool:
+    """Whether a one-chunk rank runs a backward right after another, no forward between: then
+    it starts with every FSDP unit its previous backward gathered, since torch.pipelining runs
+    each backward with `set_reshard_after_backward(False)` (`_PipelineStageBase.
+    backward_maybe_with_nosync`, torch 2.13; resharded by `perform_reduce_grad` after the
+    last), where a forward between frees them again (its units reshard after it). GPipe: all
+    backwards after all forwards; 1F1B (`Schedule1F1B._step_microbatches`): min(m, p - rank)
+    warm-up forwards, then backward and forward in turn, the last warm-up - 1 backwards in a
+    row at the end."""
+    cls = torch_schedule(kind, num_stages, num_microbatches)
+    m, p = int(num_microbatches), int(num_stages)
+    if cls == "ScheduleGPipe":
+        return m > 1
+    if cls == "Schedule1F1B":
+        return min(m, p - int(rank)) >= 2
+    return False
+
+
 def _rank_actions(cls_name: TorchSchedule, p: int, m: int, v: int, rank: int) -> list:
     """torch's action list of one rank (None entries are idle steps; read-only: cached, since
     the lock-step walk of a rank reads its neighbours' lists too, and torch builds an

@@ -132,6 +132,7 @@ from cost_models.schedules import (
     SCHEDULES,
     SENT_GRADS,
     SENT_OUTPUTS,
+    backwards_in_a_row,
     executed_schedule,
     held_moments,
     save_moments,
@@ -256,12 +257,15 @@ class _Tables:
 
     def __init__(self, costs: list[LayerCost], cluster: ClusterSpec, dtype: str, dp: int, tp: int,
                  zero: int, layers: list[Layer], batch: tuple[float, float] = (0.0, 0.0),
-                 like: Optional["_Tables"] = None, rooted: frozenset = frozenset(), policy: Optional[str] = None,
+                 like: Optional["_Tables"] = None, rooted: frozenset = frozenset(),
+                 rooted_tied: Optional[frozenset] = None, policy: Optional[str] = None,
                  cast_bytes: float = 0.0, cast_saved: float = 0.0, zero_optimizer: str = "flat",
                  unscale_bytes: float = 0.0, send_split: bool = False) -> None:
         """`like`: a table of the same `costs` list (another dp or ZeRO stage), whose cost-only
         arrays are reused as they are (read-only) instead of being built again. `rooted`: the
-        modules ZeRO-3 leaves to the root unit (`rooted_modules`). `policy`: the precision policy
+        modules ZeRO-3 leaves to the root unit (`rooted_modules`); `rooted_tied`: of those, the
+        ones a pipeline chunk leaves to its root too (a parameter under several names), the
+        others are units of their own there (default: all of them). `policy`: the precision policy
         of the model states, gradient accumulation and sync (`SoftwareSpec.state_policy`; default
         `dtype`); `cast_bytes`, `cast_saved`: bytes per parameter element a micro-batch moves
         casting fp32 parameters and saves of the casts (`SoftwareSpec.param_cast_bytes`,
@@ -277,6 +281,9 @@ class _Tables:
         self.cast_bytes, self.cast_saved = cast_bytes, cast_saved
         self.costs = costs
         self.rooted = rooted
+        self.rooted_tied = rooted if rooted_tied is None else rooted_tied
+        # which `module_units` the unit tables read: 0 the whole model's, 1 a pipeline chunk's
+        self._units_variant = 0
         self._ranged: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         L = len(costs)
         self.L = L
@@ -551,6 +558,12 @@ class _Tables:
         self.root_own = np.array([max(x, 0.0) for x in own], dtype=float).reshape(L)
         own_pre = pre(self.root_own)
         root = root + own_pre[np.clip(jj, 0, L)] - own_pre[kk]
+        # a pipeline chunk (every range but the whole model) holding a shared parameter under
+        # one name alone shards it with its module, a unit of its own freed after its forward
+        # (`planner.zero3_units`, pipelined: nanoGPT's `wte` read by the head on another stage);
+        # the chunk's root keeps it where it has several names (a tied `lm_head.weight`)
+        for _f, e, o in self._unit_shared:
+            root = root - np.where(self.pipelined & (kk <= o) & (o < jj), e, 0.0)
         self.range_root = np.where(self.valid, root, 0.0)
         # AdamW's temporaries at their worst, per device (`adamw_temporary_elems`: the tensors
         # in the order the layers hold them, the first of a layer after the last of the one
@@ -656,7 +669,8 @@ class _Tables:
         micro-batch reduce-scattered): a later micro-batch's moments, the ops' new weight
         gradients made beside the fp32 shards (the caller's), each unit's gone as it is
         reduce-scattered and added into its shard, the unit before's flat reduce-scatter input
-        kept as in "last"."""
+        kept as in "last". "kept": "mid" without the moment's units (its own, the prefetched
+        one): a pipeline stage's later backward, every unit gathered already (the caller's)."""
         if accumulated is not None:
             later = False
         # `_first` is shared by the tables of every ZeRO stage and dp: where the result depends on
@@ -668,6 +682,23 @@ class _Tables:
         hit = self._first.get(key)
         if hit is not None:
             return hit
+        out = self._first_backward(r, later, accumulated)
+        if self.zero3 and self._unit_shared:
+            # a pipeline chunk's ranges with its own units (`module_units`' second variant)
+            self._units_variant = 1
+            try:
+                alt = self._first_backward(r, later, accumulated)
+            finally:
+                self._units_variant = 0
+            pp = self.pipelined
+            out = (np.where(pp, alt[0], out[0]), np.where(pp, alt[1], out[1]),
+                   np.where(pp[..., None], alt[2], out[2]))
+        self._first[key] = out
+        return out
+
+    def _first_backward(self, r: str, later: bool, accumulated: Optional[str]) -> tuple[np.ndarray, ...]:
+        """`first_backward` with the unit tables `_units_variant` reads, not cached."""
+        shards = self.zero3 and not later
         L, costs = self.L, self.costs
         P = self.live[r]
         work = self.work[r]
@@ -681,7 +712,7 @@ class _Tables:
         w0 = self.wgo[0] if self.zero3 else 0.0
         # a later micro-batch's moments, gradients accumulated: the worst by what they make
         # (`LayerCost.bwd_acc`), not the first backward's
-        acc = accumulated in ("mid", "last")
+        acc = accumulated in ("mid", "last", "kept")
         for i, c in enumerate(costs):
             ms = (c.bwd_acc.get(r) if acc else None) or c.bwd_first.get(r)
             if ms:
@@ -711,9 +742,10 @@ class _Tables:
                 # of those, the next layer's (none where the layer ends the range)
                 nxt = [0.0 if f is not None else x - self._reduced_before(i, y, within=True)
                        for x, y, f in zip(rb, at, fwd)]
-                if accumulated == "mid" or not (accumulated in ("last", "each") or (self.zero3 and not later)):
+                if accumulated in ("mid", "kept") or not (accumulated in ("last", "each")
+                                                          or (self.zero3 and not later)):
                     nxt = [0.0] * len(ms)
-                if accumulated == "mid":
+                if accumulated in ("mid", "kept"):
                     ms = [[m[0], m[1], 0.0] for m in ms]
                 elif accumulated == "last":
                     # the dense units' accumulated gradients and reduce-scatter inputs at `dense_grad_bytes`
@@ -753,6 +785,8 @@ class _Tables:
                 best = -INF
                 for m, x, mk, f, nx in zip(ms, at, made, fwd, nxt):
                     own, pre = self._moment_units(i, x) if f is None else self._forward_units(i, f)
+                    if accumulated == "kept":
+                        own, pre = 0.0, 0.0
                     row = [m[0], m[1] - (self.wgo[1] * nx if end else 0.0), m[2], w0 * own,
                            w0 * (prev if pre is None else pre)]
                     if sum(row) > best:
@@ -815,7 +849,7 @@ class _Tables:
                 u0, ul = min(us), max(us)
                 wi[u0:ul] += e * self.wgo[1]
                 wo[u0:ul] += e * self.wgo[1]
-                if accumulated in ("mid", "last"):
+                if accumulated in ("mid", "last", "kept"):
                     wi[ul] += min(e * self.wgo[1], max(float(made_in[ul]), 0.0))
                     wo[ul] += min(e * self.wgo[1], max(float(made_alone[ul]), 0.0))
                 every |= (self.kk <= u0) & (ul < self.jj)
@@ -891,12 +925,10 @@ class _Tables:
                 # are its `.grad`, the phase's). gpt-tiny dp2 x tp2 ZeRO-3 with full
                 # recomputation: 8 KiB (the head's [128, 16] fp32 gradient) left out
                 waits = np.where((n_in >= 2) & (u0 <= i) & (i < ul) & ~mine, e * eb_dt, 0.0)
-                if accumulated in ("mid", "last"):
+                if accumulated in ("mid", "last", "kept"):
                     waits = waits + np.where(mine, np.minimum(e * eb_dt, np.maximum(made, 0.0)), 0.0)
                 W, ag = W + waits, ag + waits
-        out = (W, at, np.stack([W - ag - pg - wd, ag, pg, wd], axis=-1))
-        self._first[key] = out
-        return out
+        return W, at, np.stack([W - ag - pg - wd, ag, pg, wd], axis=-1)
 
     def recompute_terms(self, r: str, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per layer range under recomputation `r`, what `Search._best_recompute` adds to the stage's
@@ -1172,25 +1204,52 @@ class _Tables:
         loss's backward the first unit of the backward, prefetched by the root's pre-backward
         hook (1 unit, its flat output); in a unit's backward its unsharded parameters and the
         next one prefetched (2 units). Built on first use: only ZeRO-3 tables read it."""
-        return np.where(self.valid, np.maximum(_range_max(self.unit_layer), 0.0), 0.0)
+        whole, chunk = (np.where(self.valid, np.maximum(_range_max(u), 0.0), 0.0) for u in self._unit_layers)
+        return np.where(self.pipelined, chunk, whole)
 
     @functools.cached_property
+    def range_units_sum(self) -> np.ndarray:
+        """Every range's ZeRO-3 units together (a pipeline chunk's `module_units`), elements:
+        what a pipeline stage's later backward holds gathered (`Search._stage`)."""
+        per = [sum(us) for us in self._module_units_variants[1]]
+        return np.where(self.valid, self.ranged(np.concatenate([[0.0], np.cumsum(per)])), 0.0)
+
+    @property
     def unit_layer(self) -> np.ndarray:
         """Each layer's largest ZeRO-3 unit, elements (0: its parameters are the root's):
         the largest of its `module_units`."""
-        return np.array([max(us, default=0.0) for us in self.module_units], dtype=float).reshape(self.L)
+        return self._unit_layers[self._units_variant]
 
     @functools.cached_property
+    def _unit_layers(self) -> tuple[np.ndarray, np.ndarray]:
+        return tuple(np.array([max(us, default=0.0) for us in mu], dtype=float).reshape(self.L)
+                     for mu in self._module_units_variants)
+
+    @functools.cached_property
+    def pipelined(self) -> np.ndarray:
+        """Every range but the whole model's: a pipeline chunk's (`module_units`' second variant)."""
+        return self.valid & ~((self.kk == 0) & (self.jj == self.L))
+
+    @property
     def module_units(self) -> list[list[float]]:
         """Each layer's ZeRO-3 units by module (`Layer.modules`, in order), elements (0: a
         module with no parameters, or holding one several layers read: FSDP shards all of a
-        unit's parameters, so that module's are the root's, as `planner.zero3_units` decides)."""
+        unit's parameters, so that module's are the root's, as `planner.zero3_units` decides).
+        In a pipeline chunk (`_units_variant` 1) a module holding a shared parameter under one
+        name alone is a unit of its own (`_unit_shared`)."""
+        return self._module_units_variants[self._units_variant]
+
+    @functools.cached_property
+    def _module_units_variants(self) -> tuple[list[list[float]], list[list[float]]]:
+        """`module_units` of the whole model and of a pipeline chunk."""
         shared_names = {f for f, _, _ in self.shared}
-        out = []
+        out: tuple[list, list] = ([], [])
         for i, c in enumerate(self.costs):
             mods = self._layers[i].modules if i < len(self._layers) else []
             units = [0.0] * len(mods)
             rooted = {k for k, m in enumerate(mods) if m in self.rooted}
+            tied = {k for k, m in enumerate(mods) if m in self.rooted_tied}
+            in_pp = set(tied)
             for f, e in c.param_elems.items():
                 m = next((k for k, m in enumerate(mods) if f == m or f.startswith(m + ".")), None)
                 if m is None:
@@ -1198,14 +1257,34 @@ class _Tables:
                 if f in shared_names:
                     rooted.add(m)
                 units[m] += e
-            out.append([0.0 if k in rooted else u for k, u in enumerate(units)])
+            out[0].append([0.0 if k in rooted else u for k, u in enumerate(units)])
+            out[1].append([0.0 if k in in_pp else u for k, u in enumerate(units)])
         return out
 
     @functools.cached_property
+    def _unit_shared(self) -> list[tuple[str, float, int]]:
+        """The shared parameters a pipeline chunk holding their module shards with it (a
+        module rooted for an outside reader, not for a second name): (name, elements, the
+        layer holding the module)."""
+        out = []
+        for f, e, us in self.shared:
+            for i in us:
+                mods = self._layers[i].modules if i < len(self._layers) else []
+                m = next((m for m in mods if f == m or f.startswith(m + ".")), None)
+                if m is not None and m in self.rooted and m not in self.rooted_tied:
+                    out.append((f, e, i))
+        return out
+
+    @property
     def last_unit(self) -> np.ndarray:
         """Each layer's last ZeRO-3 unit in forward order, elements: the first its backward
         runs, which the next layer's first unit prefetches (0: none)."""
-        return np.array([next((u for u in reversed(us) if u > 0), 0.0) for us in self.module_units])
+        return self._last_units[self._units_variant]
+
+    @functools.cached_property
+    def _last_units(self) -> tuple[np.ndarray, np.ndarray]:
+        return tuple(np.array([next((u for u in reversed(us) if u > 0), 0.0) for us in mu])
+                     for mu in self._module_units_variants)
 
     def _reduced_before(self, i: int, at: float, within: bool = False) -> float:
         """Elements of the ZeRO-3 unit whose backward ran just before a moment of layer `i` at
@@ -1794,11 +1873,12 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def rooted_modules(graph: OpGraph, layers: list[Layer]) -> frozenset:
+def rooted_modules(graph: OpGraph, layers: list[Layer], tied_only: bool = False) -> frozenset:
     """The layers' modules that ZeRO-3 leaves to the root unit, whose parameters stay gathered
     from the forward to the backward (as `planner.zero3_units` decides without pipelining): a
     module holding a parameter under one of its tied names, or one an op outside the modules
-    holding it reads (a head computed as `x @ emb.weight.t()`)."""
+    holding it reads (a head computed as `x @ emb.weight.t()`). `tied_only`: the first kind
+    alone, what a pipeline chunk leaves to its root too (`planner.zero3_units`, pipelined)."""
     under = lambda n, mod: n == mod or n.startswith(mod + ".")  # noqa: E731
     readers: dict[str, set[str]] = {}
     for n in graph.nodes:
@@ -1810,7 +1890,7 @@ def rooted_modules(graph: OpGraph, layers: list[Layer]) -> frozenset:
         names = [f, *info.tied]
         owners = [a.rsplit(".", 1)[0] if "." in a else "" for a in names]
         outside = any(not any(o == "" or under(p, o) for o in owners) for p in readers.get(f, ()))
-        if len(names) > 1 or outside:
+        if len(names) > 1 or (outside and not tied_only):
             out.update(m for m in modules if any(under(n, m) for n in names))
     return frozenset(out)
 
@@ -1828,6 +1908,7 @@ class Search:
         self._scalars = _layer_scalars(graph, layers)
         self._any_scalar = any(self._scalars)
         self._rooted: Optional[frozenset] = None
+        self._rooted_tied: Optional[frozenset] = None
         self.provider = provider or AnalyticProvider(graph, layers, cluster, dtype)
         self.sp_provider = sp_provider
         self.sp_skipped: dict[tuple[int, int], str] = {}   # (mb, tp) -> why SP cannot run there
@@ -2702,7 +2783,7 @@ class Search:
             s = p - idx
             r = rcs[choice[k, j, s]]
             stages.append(self._stage(tb, cand, [(k, j)], r, self._held(cand.schedule, p, idx, m),
-                                      tb.position_p2p(beside, idx, p)))
+                                      tb.position_p2p(beside, idx, p), rank=idx))
         self._finish(cand, tb, stages, res.total)
         cand.costs = tb
         return True
@@ -2806,7 +2887,7 @@ class Search:
             r = rcs[choice[k, j, mi, s_]]
             hop = tb.whole_node_hops
             stages.append(self._stage(tb, cand, [(k, j)], r, self._held(cand.schedule, p, idx, m),
-                                      tb.stage_p2p(self._send_beside(cand.schedule, p, m), hop, hop)))
+                                      tb.stage_p2p(self._send_beside(cand.schedule, p, m), hop, hop), rank=idx))
         if any(st.peak_bytes > self.budget for st in stages):
             self.min_memory = min(self.min_memory, max(st.peak_bytes for st in stages))
             return False
@@ -2917,6 +2998,13 @@ class Search:
             self._rooted = rooted_modules(self.graph, self.layers)
         return self._rooted
 
+    @property
+    def rooted_tied_modules(self) -> frozenset:
+        """`rooted_modules(tied_only=True)`, computed once: a pipeline chunk's root's."""
+        if self._rooted_tied is None:
+            self._rooted_tied = rooted_modules(self.graph, self.layers, tied_only=True)
+        return self._rooted_tied
+
     def _tables(self, mb: int, tp: int, dp: int, zero: int, sp: bool = False,
                 ep: int = 1, cp: int = 1, etp: int = 1, fold: bool = False, rs_each: bool = False) -> "_Tables":
         """`sp`: with Megatron-SP; `ep`: the routed experts over ep dp ranks
@@ -2932,7 +3020,7 @@ class Search:
             # executor): its output is the loss, no loss input is kept for the schedule
             like = next((t for t in self._tables_cache.values() if t.costs is costs), None)
             tb = _Tables(costs, self.cluster, self.dtype, dp * cp, tp, zero, self.layers, batch, like=like,
-                         rooted=self.rooted_modules, policy=self.policy,
+                         rooted=self.rooted_modules, rooted_tied=self.rooted_tied_modules, policy=self.policy,
                          cast_bytes=self.software.param_cast_bytes(self.dtype),
                          cast_saved=self.software.param_cast_saved_bytes(self.dtype),
                          zero_optimizer=self.software.zero_optimizer,
@@ -3048,7 +3136,8 @@ class Search:
         return best_ok
 
     def _stage(self, tb: _Tables, cand: Candidate, chunks: list[tuple[int, int]], r: str,
-               held: tuple[np.ndarray, np.ndarray], p2p: Optional[np.ndarray] = None) -> StageResult:
+               held: tuple[np.ndarray, np.ndarray], p2p: Optional[np.ndarray] = None,
+               rank: Optional[int] = None) -> StageResult:
         """One device group's stage: its `chunks` (layer ranges, in local chunk order), its
         recomputation `r`, `held` the schedule's chunk micro-batches in flight before and after
         the group's first backward (`cost_models.schedules.held_moments`: chunk micro-batches in
@@ -3158,6 +3247,14 @@ class Search:
                     v_rc, v_tmp, v_grads, v_w = (float(x) for x in tb.first_backward(r, False, accumulated="mid")[2][c])
                     d = w0 * (float(tb.range_unit[c]) - unit)
                     variants.append((v_rc, v_tmp + d, v_grads, v_w + d))
+                if len(chunks) == 1 and rank is not None and backwards_in_a_row(cand.schedule, cand.pp, rank, cand.m):
+                    # a backward right after another (`set_reshard_after_backward(False)`): every
+                    # unit of the chunk gathered already, nothing prefetched, no all-gather
+                    # output (nanoGPT pp2 x dp2 x tp2 GPipe stage 0: the second backward holds
+                    # both blocks', wte's and wpe's parameters)
+                    v_rc, v_tmp, v_grads, v_w = (float(x) for x in
+                                                 tb.first_backward(r, False, accumulated="kept")[2][chunks[0]])
+                    variants.append((v_rc, v_tmp, v_grads, v_w + w0 * float(tb.range_units_sum[chunks[0]])))
             elif tb.zero3 and cand.m > 1 and not tb.rs_each and len(chunks) == 1:
                 kinds = ("mid", "last") if cand.m > 2 else ("last",)
                 variants = [tuple(float(x) for x in tb.first_backward(r, False, accumulated=a)[2][chunks[0]])
@@ -3269,7 +3366,7 @@ class Search:
         worst = 0.0
         for i in range(p):
             k, j = bounds[i], bounds[i + 1]
-            st = self._stage(tb, cand, [(k, j)], r, self._held(cand.schedule, p, i, cand.m))
+            st = self._stage(tb, cand, [(k, j)], r, self._held(cand.schedule, p, i, cand.m), rank=i)
             worst = max(worst, st.peak_bytes)
         self.min_memory = min(self.min_memory, worst)
 

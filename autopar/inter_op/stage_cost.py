@@ -589,6 +589,9 @@ class AnalyticProvider:
         times: dict[str, tuple[float, float, float, float]] = {}   # fwd, bwd, fwd comm, bwd comm
         coll_f: dict[str, Counter] = {}
         sharded_nodes: set[str] = set()
+        # of those, the ops each rank computes a partial sum of, whole-sized, all-reduced after
+        # (a row-parallel linear, the vocab-parallel embedding): flops / tp, not bytes / tp
+        partial_nodes: set[str] = set()
         # outputs split along their last dim as a column-parallel linear splits its output features,
         # and element-wise ops of them (`_replicated_reads`)
         features: set[str] = set()
@@ -649,6 +652,7 @@ class AnalyticProvider:
                     for p in n.params:
                         c.placements.setdefault(p, "R")
                     sharded, out = True, "R"
+                    partial_nodes.add(n.name)
                     fc += ar(sum(float_bytes(o, dtype) for o in n.outputs))
                     cf["all_reduce"] += 1
             elif tp > 1 and op == "embedding" and n.params and n.name == big_emb:
@@ -660,6 +664,7 @@ class AnalyticProvider:
                     c.placements[n.params[0]] = "S(0)"
                     sharded = True
                     vocab[n.name] = "embedding"
+                    partial_nodes.add(n.name)
                     fc += ar(sum(float_bytes(o, dtype) for o in n.outputs))
                     cf["all_reduce"] += 1
                 out = "R"
@@ -734,7 +739,11 @@ class AnalyticProvider:
                 c.placements.setdefault(p, pl)
                 c.param_elems[p] = math.prod(g.params[p].shape) / (tp if is_shard(pl) else 1)
         sub = self._subgraph(g, layer, nodes, self.requires_grad)
-        shard = lambda node: tp if node.name in sharded_nodes else 1  # noqa: E731
+        # a partial sum's local result is as large as the whole output (RowwiseParallel's and
+        # the vocab-parallel embedding's before their all-reduce; gpt-tiny pp2 x dp2 x tp2
+        # ZeRO-3 by these rules: each block's output projections counted at 1 / tp, stage 0
+        # 2 KiB under its tracked peak at the second micro-batch's forward)
+        shard = lambda node: tp if node.name in sharded_nodes and node.name not in partial_nodes else 1  # noqa: E731
         fill_activations(c, sub, dtype, shard, autocast_device(self.cluster), dtensor=tp > 1,
                          attention_kernel=self.software.attention_kernel, selective_region=region,
                          modules=layer.modules, autocast=self.software.autocast,
