@@ -416,3 +416,25 @@ def test_megatron_rows_take_fp32_gradients_and_their_preset_the_shard_saving_lin
     default = SoftwareSpec.load("autopar")
     assert default.grad_dtype == "param" and default.sp_linear_saves == "gathered"
     assert "sp_linear_saves" not in default.model_dump() and "grad_dtype" not in default.model_dump()
+
+
+def test_megatron_fsdp_row_moves_what_megatron_fsdp_moves():
+    """The zoo's FSDP row (run_235b.sh at 31c5686: --use-custom-fsdp --data-parallel-sharding-strategy
+    optim_grads_params --no-gradient-accumulation-fusion) as Megatron-FSDP at 1e057005 runs it:
+    gradients reduce-scattered in every micro-batch's backward (fully_sharded_data_parallel.py
+    390-399: optim_grads_params ignores no_sync), pinned; from the fp32 main-grad bucket
+    (grad_reduce_in_fp32 under --bf16), 4 bytes an element; each TransformerLayer unit all-gathered
+    in bf16 twice a micro-batch (the forward, and the full-recompute forward, kept for the
+    backward), 2 bytes an element; gradient accumulation fusion off, as optim_grads_params requires."""
+    from autopar.inter_op.search import _zero3_gathers
+    from autopar.schema.software import SoftwareSpec
+    from cost_models.memory import PRECISION_POLICIES
+
+    (row,) = [c for c in _bench().PUBLISHED if "FSDP" in c.name]
+    assert row.pins["zero_stage"] == 3 and row.pins["zero3_grad_sync"] == "microbatch"
+    assert row.pins["recompute"] == "full" and row.pins["pp"] == 1
+    sw = SoftwareSpec.model_validate({**SoftwareSpec.load(row.software).model_dump(), **row.software_update})
+    assert sw.zero3_overlap and not sw.gradient_accumulation_fusion and sw.grad_dtype == "fp32"
+    w, g, _ = PRECISION_POLICIES[sw.state_policy("bf16")]
+    assert (w, g) == (2, 4)
+    assert _zero3_gathers(row.pins["pp"], row.pins["num_microbatches"]) == 2.0
