@@ -438,3 +438,16 @@ def test_megatron_fsdp_row_moves_what_megatron_fsdp_moves():
     w, g, _ = PRECISION_POLICIES[sw.state_policy("bf16")]
     assert (w, g) == (2, 4)
     assert _zero3_gathers(row.pins["pp"], row.pins["num_microbatches"]) == 2.0
+
+
+def test_zero3_collectives_hide_behind_the_layer_waits_only_on_other_links():
+    """`_zero3_links_apart`: the zoo's FSDP row (8 GPUs a node, tp 2, dp 128, ep 8 folded, the
+    experts' copies 32 ranks 8 apart) has its tp and DeepEP exchange inside a node and both ZeRO-3
+    groups across nodes: the compute stream's waits on the former cover the latter. AutoModel's
+    one node (dp 8, ep 8: every group inside it) and an expert exchange across nodes do not."""
+    from autopar.inter_op.search import _zero3_links_apart
+
+    assert _zero3_links_apart(8, 2, 128, 1, 8, True, 32, 8)
+    assert not _zero3_links_apart(8, 1, 8, 1, 8, False, 1, 8)          # one node: shared NVLink
+    assert not _zero3_links_apart(8, 2, 128, 1, 32, True, 8, 32)       # ep 32: the exchange on the NICs
+    assert not _zero3_links_apart(8, 2, 4, 1, 8, True, 1, 8)           # dp x tp 8: ZeRO-3 inside the node
