@@ -161,16 +161,30 @@ PUBLISHED = [
     Published("Qwen3-235B-A22B, MCore DeepEP, intra-node EP8 FSDP", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100",
               32, "nemo-megatron-core-2024",
               dict(tp=2, pp=1, dp=128, ep=8, expert_dp=32, expert_tp=1, microbatch_size=4, num_microbatches=4,
-                   zero_stage=3, recompute="full"),
+                   zero_stage=3, zero3_grad_sync="microbatch", recompute="full"),
               17.6, 276.0, _MZ_FLOPS, _MZ + "3 (TP2 EP8 PP1 EDP32 DP128 FSDP on, MBS4 GBS2048 GA4, full recompute)",
-              "Megatron FSDP taken as ZeRO-3 (when it reduce-scatters the gradients, every micro-batch or at the "
-              "step's end, left to the search: `zero3_grad_sync`); EDP32 = TP2 x DP128 / EP8: the expert mesh "
-              "folded over the tp and dp ranks (autopar's folded experts, expert_tp=1); its all-gathers and "
-              "reduce-scatters beside the compute (`zero3_overlap`: the zoo's model_configs/benchmarking/"
-              "Qwen3-235B-A22B.yaml sets --overlap-param-gather and --overlap-grad-reduce, which Megatron-FSDP "
-              "runs on their own streams; a micro-batch pays what exceeds its forward and backward compute); "
+              "Megatron-FSDP as ZeRO-3, as the zoo runs it (examples/qwen3/run_235b.sh at 31c5686 line 37: "
+              "--use-custom-fsdp --data-parallel-sharding-strategy optim_grads_params "
+              "--no-gradient-accumulation-fusion) and Megatron-LM 1e057005 codes it "
+              "(megatron/core/distributed/custom_fsdp/): every TransformerLayer one FSDP unit "
+              "(fully_sharded_data_parallel.py 163-167), all-gathered in the parameters' bf16 "
+              "(param_and_grad_buffer.py 1319-1330, 2325) for the forward and again for the full-recompute "
+              "forward, which keeps it for the backward (fully_sharded_data_parallel.py 401-434, 522-559: two "
+              "gathers a micro-batch); its gradients copied into an fp32 bucket (grad_reduce_in_fp32: "
+              "arguments.py 618-632, training.py 1101; param_and_grad_buffer.py 1351-1362) and reduce-scattered "
+              "from it in every micro-batch's backward, no_sync or not (optim_grads_params: "
+              "fully_sharded_data_parallel.py 390-399, 498-506; pinned `zero3_grad_sync` microbatch); the "
+              "experts' units over the expert data-parallel group, the rest over dp (param_and_grad_buffer.py "
+              "1292-1296); gradient accumulation fusion off (`gradient_accumulation_fusion` false: the command's "
+              "flag, which arguments.py 594-597 requires of optim_grads_params); EDP32 = TP2 x DP128 / EP8: the "
+              "expert mesh folded over the tp and dp ranks (autopar's folded experts, expert_tp=1); its "
+              "all-gathers and reduce-scatters beside the compute (`zero3_overlap`: optim_grads_params turns on "
+              "--overlap-param-gather and --overlap-grad-reduce, arguments.py 531-533, as the zoo's yaml does; "
+              "the reduce-scatters on a side stream, fully_sharded_data_parallel.py 232-236; a micro-batch pays "
+              "what exceeds its forward, backward and recomputed forward compute); "
               + _MZ_DEEPEP + "; " + _MZ_FUSION,
-              software_update={"zero3_overlap": True, "expert_dispatch": "nodes", **_MZ_SOFTWARE}),
+              software_update={"zero3_overlap": True, "expert_dispatch": "nodes", **_MZ_SOFTWARE,
+                               "gradient_accumulation_fusion": False}),
     Published("Qwen3-235B-A22B, MCore all-to-all, PP32", "hf:qwen3-235b-a22b?seq_len=4096", 2048, "dgx-h100", 32,
               "nemo-megatron-core-2024",
               dict(tp=2, pp=32, virtual_stages=3, dp=4, ep=8, expert_dp=1, expert_tp=1, microbatch_size=1,

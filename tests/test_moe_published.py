@@ -416,3 +416,38 @@ def test_megatron_rows_take_fp32_gradients_and_their_preset_the_shard_saving_lin
     default = SoftwareSpec.load("autopar")
     assert default.grad_dtype == "param" and default.sp_linear_saves == "gathered"
     assert "sp_linear_saves" not in default.model_dump() and "grad_dtype" not in default.model_dump()
+
+
+def test_megatron_fsdp_row_moves_what_megatron_fsdp_moves():
+    """The zoo's FSDP row (run_235b.sh at 31c5686: --use-custom-fsdp --data-parallel-sharding-strategy
+    optim_grads_params --no-gradient-accumulation-fusion) as Megatron-FSDP at 1e057005 runs it:
+    gradients reduce-scattered in every micro-batch's backward (fully_sharded_data_parallel.py
+    390-399: optim_grads_params ignores no_sync), pinned; from the fp32 main-grad bucket
+    (grad_reduce_in_fp32 under --bf16), 4 bytes an element; each TransformerLayer unit all-gathered
+    in bf16 twice a micro-batch (the forward, and the full-recompute forward, kept for the
+    backward), 2 bytes an element; gradient accumulation fusion off, as optim_grads_params requires."""
+    from autopar.inter_op.search import _zero3_gathers
+    from autopar.schema.software import SoftwareSpec
+    from cost_models.memory import PRECISION_POLICIES
+
+    (row,) = [c for c in _bench().PUBLISHED if "FSDP" in c.name]
+    assert row.pins["zero_stage"] == 3 and row.pins["zero3_grad_sync"] == "microbatch"
+    assert row.pins["recompute"] == "full" and row.pins["pp"] == 1
+    sw = SoftwareSpec.model_validate({**SoftwareSpec.load(row.software).model_dump(), **row.software_update})
+    assert sw.zero3_overlap and not sw.gradient_accumulation_fusion and sw.grad_dtype == "fp32"
+    w, g, _ = PRECISION_POLICIES[sw.state_policy("bf16")]
+    assert (w, g) == (2, 4)
+    assert _zero3_gathers(row.pins["pp"], row.pins["num_microbatches"]) == 2.0
+
+
+def test_zero3_collectives_hide_behind_the_layer_waits_only_on_other_links():
+    """`_zero3_links_apart`: the zoo's FSDP row (8 GPUs a node, tp 2, dp 128, ep 8 folded, the
+    experts' copies 32 ranks 8 apart) has its tp and DeepEP exchange inside a node and both ZeRO-3
+    groups across nodes: the compute stream's waits on the former cover the latter. AutoModel's
+    one node (dp 8, ep 8: every group inside it) and an expert exchange across nodes do not."""
+    from autopar.inter_op.search import _zero3_links_apart
+
+    assert _zero3_links_apart(8, 2, 128, 1, 8, True, 32, 8)
+    assert not _zero3_links_apart(8, 1, 8, 1, 8, False, 1, 8)          # one node: shared NVLink
+    assert not _zero3_links_apart(8, 2, 128, 1, 32, True, 8, 32)       # ep 32: the exchange on the NICs
+    assert not _zero3_links_apart(8, 2, 4, 1, 8, True, 1, 8)           # dp x tp 8: ZeRO-3 inside the node

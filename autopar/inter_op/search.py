@@ -247,7 +247,7 @@ class _Tables:
     # what depends on the layers' costs alone (not on dp, ZeRO or the batch), shared by the
     # tables of one cost list (`like`)
     _COST_ONLY = ("base", "compute", "fwd_time", "bwd_time", "iter",
-                  "rc", "rc_compute", "priced", "act", "work", "work_rc", "pel_layer", "pel",
+                  "rc", "rc_compute", "layer_comm", "priced", "act", "work", "work_rc", "pel_layer", "pel",
                   "shared",
                   "out", "cross", "cross_grad", "valid", "kk", "jj", "range_pel", "range_in", "range_out",
                   "range_send", "range_send_grad", "range_act", "range_in_saved", "range_out_kept", "range_work",
@@ -334,6 +334,10 @@ class _Tables:
         # ZeRO-3's collectives on their own streams beside the compute (`SoftwareSpec.
         # zero3_overlap`, set by `Search._tables`): a micro-batch pays what exceeds its compute
         self.zero3_overlap = False
+        # the layers' collectives (tp, cp, the expert exchange) all inside a node while every
+        # ZeRO-3 group that moves bytes spans nodes (`_zero3_links_apart`, set by `Search._tables`):
+        # under `zero3_overlap` the micro-batch's waits on the former cover the latter too
+        self.zero3_links_apart = False
         # the weight-gradient GEMMs accumulate into the gradients kept across micro-batches
         # (`SoftwareSpec.gradient_accumulation_fusion`, set by `Search._tables`): no separate pass
         self.accum_fused = False
@@ -434,6 +438,10 @@ class _Tables:
         self.rc = {r: pre([c.rc_extra_s.get(r, 0.0) for c in costs]) for r in RECOMPUTES}
         # of it, the recomputed forward's compute (its collectives left out): ZeRO-3's cover too
         self.rc_compute = {r: pre([c.rc_extra_s.get(r, 0.0) - c.rc_comm_s.get(r, 0.0) for c in costs])
+                           for r in RECOMPUTES}
+        # the layers' own collectives a micro-batch waits for (forward, backward, recomputed
+        # forward): ZeRO-3's cover where their links are apart (`_Tables.zero3_links_apart`)
+        self.layer_comm = {r: pre([c.fwd_comm_s + c.bwd_comm_s + c.rc_comm_s.get(r, 0.0) for c in costs])
                            for r in RECOMPUTES}
         # the policies every layer's cost prices (a cost naming none prices all alike): one a
         # provider leaves out would read as free, saving everything
@@ -1592,6 +1600,8 @@ class _Tables:
                     self.range_pel, self.range_epel, np.where(self.valid, self.ranged(self.layer_units), 0.0),
                     self.range_eunits, gathers)
             window = self.ranged(self.compute) + self.ranged(self.rc_compute[r])
+            if self.zero3_links_apart:
+                window = window + self.ranged(self.layer_comm[r])
             hit = self._zero_ranges[(gathers, r)] = np.asarray(self.exposed_zero(z, window))
             hit.setflags(write=False)
         return hit
@@ -1605,7 +1615,11 @@ class _Tables:
         backward, after the pre-backward hook that gathers it and prefetches the next unit's
         gather (FSDP2's backward prefetch, Megatron-FSDP's --overlap-param-gather), and before
         the reduce-scatter of its gradients: the collectives in flight run beside it as beside
-        the rest of the backward); its layers' own collectives are not counted as cover. An
+        the rest of the backward); its layers' own collectives count as cover only where their
+        links are apart from ZeRO-3's (`zero3_links_apart`: tp and the expert exchange inside a
+        node over NVLink, every ZeRO-3 group across nodes, bound by the NICs; Megatron-FSDP's
+        collectives run on their own NCCL communicators and side stream while the compute
+        stream waits on DeepEP's NVLink exchange), else they share the links and do not. An
         assumption, labelled: the gather of the step's first unit, which nothing precedes, and
         the compute the collectives' kernels slow are not charged."""
         if not self.zero3_overlap:
@@ -1748,6 +1762,21 @@ def _dp_coll(cluster: ClusterSpec, kind: str, nbytes: float, dp: int, tp: int) -
         _LINEAR[key] = (t1 - slope * 1e6, slope)
     a, b = _LINEAR[key]
     return max(0.0, a + b * nbytes)
+
+
+def _zero3_links_apart(per_node: int, tp: int, dp: int, cp: int, ep: int, fold: bool, ecopies: int,
+                       estride: int) -> bool:
+    """Whether a stage's layer collectives and its ZeRO-3 collectives cross different links
+    (`_Tables.zero3_links_apart`), in autopar's rank order (tp innermost, then the dp x cp
+    ranks tp apart): every layer group inside one node of `per_node` devices (tp's `tp`
+    adjacent ranks; cp's, tp apart; the expert exchange's `ep` ranks, adjacent where folded
+    over tp x dp, else tp apart) and every ZeRO-3 group that moves bytes spanning nodes (the
+    dense one, dp x cp ranks tp apart; the experts', `ecopies` ranks `estride` apart, where
+    there are copies), its collectives bound by the NICs the layers' do not use."""
+    inside = tp <= per_node and cp * tp <= per_node and (ep <= 1 or (ep if fold else ep * tp) <= per_node)
+    dense_across = dp * cp > 1 and (dp * cp - 1) * tp + 1 > per_node
+    experts_across = ecopies <= 1 or (ecopies - 1) * estride + 1 > per_node
+    return inside and dense_across and experts_across
 
 
 def _zero3_gathers(pp: int, m: int) -> float:
@@ -3040,6 +3069,9 @@ class Search:
                     tb.set_experts(ep, self.experts.expert_elems(costs), blocks=blocks,
                                    largest=self.experts.expert_largest(costs))
                 tb.comm_buffers = self.experts.comm_buffer_bytes(ep, etp, self.dtype)
+            tb.zero3_links_apart = tb.zero3 and tb.zero3_overlap and _zero3_links_apart(
+                self.cluster.devices_per_node, tp, dp, cp, ep, fold, tb.ecopies if ep > 1 else 1,
+                tb.estride if ep > 1 else 1)
             self._tables_cache[key] = tb
         return self._tables_cache[key]
 
@@ -3177,8 +3209,11 @@ class Search:
         units = sum(float(tb.layer_units[j] - tb.layer_units[k]) for k, j in chunks)
         eunits = sum(float(tb.range_eunits[k, j]) for k, j in chunks)
         window = sum(float(tb.compute[j] - tb.compute[k]) for k, j in chunks)
-        # the recomputed forward covers them too (`exposed_zero`)
+        # the recomputed forward covers them too (`exposed_zero`), and the layers' own
+        # collectives where their links are apart (`_Tables.zero3_links_apart`)
         window += sum(float(tb.rc_compute[r][j] - tb.rc_compute[r][k]) for k, j in chunks)
+        if tb.zero3_links_apart:
+            window += sum(float(tb.layer_comm[r][j] - tb.layer_comm[r][k]) for k, j in chunks)
         t += float(tb.exposed_zero(tb.zero_mb(pel, epel, units, eunits, _zero3_gathers(cand.pp, cand.m)), window))
         acc = float(tb.accum(pel, cand.m, epel))
         t += acc

@@ -134,7 +134,9 @@ same plan, and that the cost model honours:
   gradients reduce-scattered while the next one's backward runs: PyTorch FSDP2 on NCCL,
   Megatron-FSDP with --overlap-param-gather and --overlap-grad-reduce) instead of between the
   units' kernels. Time: `autopar.inter_op.search` (`_Tables.exposed_zero`: a micro-batch pays
-  the part of its ZeRO-3 collectives beyond its forward and backward compute).
+  the part of its ZeRO-3 collectives beyond its forward and backward compute, and beyond its
+  layers' own collective waits where those stay inside a node and ZeRO-3's groups span nodes:
+  `_zero3_links_apart`).
 - `optimizer_states`: what the optimizer keeps beside 2-byte parameters. "fp32" (fp32 master
   weights and fp32 moments, 12 bytes a parameter: what `autopar run` executes, Megatron-LM) or
   "param" (no master: the optimizer steps the parameters themselves, its moments in their
