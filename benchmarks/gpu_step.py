@@ -270,26 +270,31 @@ GEMM_SHAPES = [  # (M, K, N): a language-model head at vocabularies 50257 (GPT-2
 ]
 
 
+def _cuda_rate(fn, flops: float) -> float:
+    """TFLOP/s of `fn` doing `flops`: the median of 10 CUDA-event timings after 3 warm-ups."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    return flops / sorted(ts)[5] / 1e12
+
+
 def gemm_alignment(out: Path) -> None:
     """bf16 `F.linear` forward (x @ w.T), input gradient (g @ w) and weight gradient (g.T @ x) of
     each (M, K, N) in GEMM_SHAPES: TFLOP/s of each, the median of 10 after 3 warm-ups."""
     import torch
     import torch.nn.functional as F
 
-    def rate(fn, flops: float) -> float:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(10):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b) / 1e3)
-        return flops / sorted(ts)[5] / 1e12
-
+    rate = _cuda_rate
     lines = ["M K N: forward, input-gradient, weight-gradient TFLOP/s (bf16, torch " + torch.__version__ + ")"]
     for m, k, n in GEMM_SHAPES:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -319,20 +324,7 @@ def wgrad_accum(out: Path) -> None:
     import torch
     import torch.nn.functional as F
 
-    def rate(fn, flops: float) -> float:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(10):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b) / 1e3)
-        return flops / sorted(ts)[5] / 1e12
-
+    rate = _cuda_rate
     lines = ["M K N: forward, input-gradient, weight-gradient (bf16 out), weight-gradient into fp32 main_grad "
              "TFLOP/s (torch " + torch.__version__ + ")"]
     for m, k, n in NEMO_175B_TP4_GEMMS:
