@@ -183,7 +183,7 @@ def _own_positions(model: nn.Module, example_inputs: Any, loss_fn: Optional[Loss
             # at one fixed batch, both: an arange of the batch's length is the same in the two
             # programs, so it cannot pass for positions (what `find` compares is the sequence's
             # S / 2 against S), and an export at a fixed batch costs a third to a half of one
-            # with a symbolic batch (nanoGPT's two: 1.1 -> 0.6 CPU s of its 1.9 s capture)
+            # with a symbolic batch (nanoGPT's two: 1.10 -> 0.44 CPU s of its 1.9 s capture)
             local, _, _ = export_program(model, half, loss_fn=loss_fn, symbolic_batch=False)
             whole, _, _ = export_program(model, example_inputs, loss_fn=loss_fn, symbolic_batch=False)
     except Exception as e:  # noqa: BLE001 - the capture succeeded another way: say why cp cannot
