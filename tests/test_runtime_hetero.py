@@ -65,8 +65,8 @@ PLANNED = {
 def launched4(tmp_path_factory) -> dict:
     """{name: (plan, rows)} for `HETERO`'s 4-process layouts and `PLANNED`'s plans, `STEPS`
     steps each, in one 4-process job."""
-    from autopar.planner import plan as make
     from autopar.schema import ClusterSpec, Constraints
+    from tests.captured import planned as make  # each model captured once, its per-layer costs shared
     from tests.launch import run_plans
 
     cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4, "num_nodes": 1})
