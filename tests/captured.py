@@ -5,7 +5,15 @@ A plan made here equals one made from scratch (the planner's promise, `tests/tes
 compared field by field for every layout of `test_runtime_user_models` and
 `test_runtime_selective` when this was written); the runtime tests that plan dozens of pinned
 layouts of the same few models spend their time running them, not re-capturing them. The
-one-process losses the layouts are compared with are kept too."""
+one-process losses the layouts are compared with are kept too.
+
+Under pytest (`tests/conftest.py` names the session's capture cache, AUTOPAR_CACHE_DIR, a
+temporary directory both xdist workers share) the captures and the ILP's per-layer solutions
+also go through autopar's disk caches (`capture.cache`, `inter_op.ilp_cache`), as `autopar plan`
+keeps them: a model another test file captured and solved already is read back, not captured
+and solved again (the caches' promise, a plan equal to one made without them, is
+`tests/test_capture_cache.py`'s and `tests/test_ilp_cache.py`'s). Without AUTOPAR_CACHE_DIR
+(a test module run as a script) nothing is cached on disk."""
 
 from __future__ import annotations
 
@@ -25,6 +33,11 @@ _PROVIDERS = ProviderCache()
 _LOSSES: dict[tuple[str, int], list[float]] = {}
 
 
+def _cache() -> Any:
+    """The session's capture cache directory (AUTOPAR_CACHE_DIR), or None: not the user's."""
+    return os.environ.get("AUTOPAR_CACHE_DIR") or None
+
+
 def cpu_cluster(n: int) -> autopar.ClusterSpec:
     """The bundled "cpu" profile with `n` processes on its one node."""
     return autopar.ClusterSpec.load("cpu", num_nodes=1).model_copy(update={"devices_per_node": n})
@@ -34,7 +47,7 @@ def captured(ref: str) -> tuple[ModelBundle, OpGraph]:
     """(the model on meta, its OpGraph) for `ref`, made on first use."""
     if ref not in _CAPTURED:
         b = build_model(ref)
-        _CAPTURED[ref] = (b, capture(b.model, b.example_inputs, name=b.name))
+        _CAPTURED[ref] = (b, capture(b.model, b.example_inputs, name=b.name, cache=_cache()))
     return _CAPTURED[ref]
 
 
@@ -44,14 +57,14 @@ def shared_plan(ref: str, devices: int, *, global_batch_size: int = 8, dtype: st
     shared per-layer costs; `kwargs` go to `plan` (constraints=, intra_op=)."""
     bundle, graph = captured(ref)
     return plan(bundle, cpu_cluster(devices), global_batch_size=global_batch_size, dtype=dtype, graph=graph,
-                providers=_PROVIDERS, **kwargs)
+                providers=_PROVIDERS, **{"cache": _cache(), **kwargs})
 
 
 def planned(ref: str, cluster: autopar.ClusterSpec, **kwargs: Any) -> Plan:
     """`autopar.plan(ref, cluster, **kwargs)` from the session's capture of `ref` and its shared
     per-layer costs (`shared_plan` on any cluster: the same plan)."""
     bundle, graph = captured(ref)
-    return plan(bundle, cluster, graph=graph, providers=_PROVIDERS, **kwargs)
+    return plan(bundle, cluster, graph=graph, providers=_PROVIDERS, **{"cache": _cache(), **kwargs})
 
 
 def one_process_losses(ref: str, steps: int) -> list[float]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.planner import plan
+from tests.captured import planned as plan  # one capture of nanoGPT, its per-layer costs shared
 
 NANOGPT = "tests.user_models:nanogpt"
 HF_GPT2 = ("hf:gpt2?hidden_size=64&num_hidden_layers=2&num_attention_heads=4&seq_len=16&vocab_size=128"

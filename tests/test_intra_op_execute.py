@@ -399,6 +399,35 @@ def test_meta_program_exported_once_per_model_structure(monkeypatch):
     assert len(execute._META_PROGRAMS) == min(4, execute.META_PROGRAMS_KEPT)
 
 
+def test_meta_program_keeps_the_constants_its_forward_makes(monkeypatch):
+    """A forward that makes tensors from Python data (an index list, as Falcon's split of its
+    fused qkv: `lifted_tensor_0`) exports a program holding them with their values; it is kept
+    like any other (each rank of a Falcon plan exported its own before, 1.5 CPU s each), and a
+    model whose forward makes other values is another program."""
+    from autopar.intra_op import execute
+
+    class Pick(torch.nn.Module):
+        def __init__(self, cols: list) -> None:
+            super().__init__()
+            self.cols = cols
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)[..., self.cols].sum()
+
+    calls = _count_exports(monkeypatch)
+    cpu = torch.device("cpu")
+    with torch.device("meta"):
+        a, b, other = Pick([-2, -1]), Pick([-2, -1]), Pick([0, 1])
+    x = torch.empty(2, 8, device="meta")
+    p1, _ = execute.meta_program(a, (x,), loss_fn=lambda out, *_: out, device=cpu)
+    consts = [c.tolist() for c in p1.constants.values() if isinstance(c, torch.Tensor)]
+    assert consts == [[-2, -1]], consts
+    assert execute.meta_program(b, (x,), loss_fn=lambda out, *_: out, device=cpu)[0] is p1 and len(calls) == 1
+    p3, _ = execute.meta_program(other, (x,), loss_fn=lambda out, *_: out, device=cpu)
+    assert p3 is not p1 and [c.tolist() for c in p3.constants.values()] == [[0, 1]]
+
+
 def test_meta_program_keyed_by_config_and_inputs(monkeypatch):
     """Two models of the same class, parameter names and shapes that differ in a config field
     (dropout) get different programs, as do the same model's inputs of another sequence length;

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from autopar import Constraints
-from autopar.planner import plan
+from tests.captured import planned as plan  # each model captured once, its per-layer costs shared
 from tests.captured import reference_losses
 from tests.test_moe import _MIXTRAL, _cpu, _etp, _one
 

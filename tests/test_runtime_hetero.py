@@ -13,7 +13,6 @@ a transfer reaches) and the tied embedding's gradient sync across the first and 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -51,40 +50,39 @@ def hetero_plan(layout: str) -> Plan:
 
 
 # ---------------------------------------------------------------------------------------------
-def run_job(layouts: list[str], out_path: str) -> None:
-    """Under torchrun: train each layout STEPS steps; rank 0 writes {layout: rows} as JSON."""
-    import traceback
+# the 4-process plans of the tests below, run in one 4-process job (the runtime tests' layouts
+# job, `tests.launch.run_plans`: the programs every rank traces alike traced once, before the
+# ranks fork); they ran in three launches of this module's own script before
+PLANNED = {
+    # test_planned_hetero_pipelines_run_as_solved: (model, constraints), the ILP's plans
+    "gpt6_112": (GPT6_REF, dict(stage_tp=(1, 1, 2), num_microbatches=4, schedule="1f1b", recompute="none")),
+    "gpt6_211": (GPT6_REF, dict(stage_tp=(2, 1, 1), num_microbatches=2, schedule="gpipe", recompute="full")),
+    "mlp_free": ("mlp-tiny", dict(dp=1)),
+}
 
-    import torch.distributed as dist
 
-    from autopar.runtime.worker import init_distributed, train
-    from autopar.schema.plan import load_plan
+@pytest.fixture(scope="module")
+def launched4(tmp_path_factory) -> dict:
+    """{name: (plan, rows)} for `HETERO`'s 4-process layouts and `PLANNED`'s plans, `STEPS`
+    steps each, in one 4-process job."""
+    from autopar.schema import ClusterSpec, Constraints
+    from tests.captured import planned as make  # each model captured once, its per-layer costs shared
+    from tests.launch import run_plans
 
-    init_distributed()
-    results: dict = {}
-    try:
-        for lay in layouts:
-            # "PLAN.json|MODEL": a plan file made by the planner, for model reference MODEL
-            path, _, ref = lay.partition("|")
-            plan = load_plan(path) if ref else hetero_plan(lay)
-            try:
-                results[lay] = train(plan, build_model(ref or GPT6_REF, device="meta"), steps=STEPS, quiet=True)
-            except Exception as e:
-                results[lay] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
-                raise
-            dist.barrier()
-    finally:
-        if dist.get_rank() == 0:
-            Path(out_path).write_text(json.dumps(results))
-        dist.destroy_process_group()
+    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4, "num_nodes": 1})
+    plans = {lay: hetero_plan(lay) for lay, (devices, _) in HETERO.items() if devices == 4}
+    for name, (ref, cons) in PLANNED.items():
+        plans[name] = make(ref, cl, global_batch_size=8, dtype="fp32", constraints=Constraints(**cons),
+                           intra_op="ilp")
+    rows = run_plans(tmp_path_factory.mktemp("hetero4"), plans, 4, steps=STEPS)
+    return {name: (p, rows[name]) for name, p in plans.items()}
 
 
 def launch(layouts: list[str], nproc: int, tmp_path: Path) -> dict:
-    from tests.launch import elastic_run
+    """`HETERO`'s `layouts` run `STEPS` steps in one `nproc`-process job: {layout: rows}."""
+    from tests.launch import run_plans
 
-    out = tmp_path / f"hetero_{nproc}.json"
-    elastic_run(Path(__file__).resolve(), ["--out", str(out), *layouts], nproc)
-    return json.loads(out.read_text())
+    return run_plans(tmp_path, {lay: hetero_plan(lay) for lay in layouts}, nproc, steps=STEPS)
 
 
 def check(rows: list[dict] | dict, plan: Plan, ref: list[float], name: str) -> None:
@@ -100,24 +98,23 @@ def check(rows: list[dict] | dict, plan: Plan, ref: list[float], name: str) -> N
 
 
 # ---------------------------------------------------------------------------------------------
-def test_stages_of_different_tp_equal_one_process(tmp_path):
+def test_stages_of_different_tp_equal_one_process(launched4):
     """4 processes, 1F1B: tp 1 -> tp 1 -> tp 2 and tp 2 -> tp 1 -> tp 1: the losses of `STEPS` steps
     within 1e-4 of one process, the counted collectives as planned."""
     from tests.test_runtime import reference_losses
 
-    layouts = ["tp1_tp2", "tp2_tp1"]
-    res = launch(layouts, 4, tmp_path)
-    for lay in layouts:
-        check(res[lay], hetero_plan(lay), reference_losses(GPT6_REF), lay)
+    for lay in ["tp1_tp2", "tp2_tp1"]:
+        p, rows = launched4[lay]
+        check(rows, p, reference_losses(GPT6_REF), lay)
 
 
-def test_wide_stage_between_narrow_ones(tmp_path):
+def test_wide_stage_between_narrow_ones(launched4):
     """4 processes, GPipe: tp 1 -> tp 2 -> tp 1 (fan-out and fan-in in one pipeline; the tied
     embedding joins two tp-1 stages)."""
     from tests.test_runtime import reference_losses
 
-    res = launch(["tp1_tp2_tp1"], 4, tmp_path)
-    check(res["tp1_tp2_tp1"], hetero_plan("tp1_tp2_tp1"), reference_losses(GPT6_REF), "tp1_tp2_tp1")
+    p, rows = launched4["tp1_tp2_tp1"]
+    check(rows, p, reference_losses(GPT6_REF), "tp1_tp2_tp1")
 
 
 def test_data_parallel_replicas_of_a_hetero_pipeline(tmp_path):
@@ -131,7 +128,7 @@ def test_data_parallel_replicas_of_a_hetero_pipeline(tmp_path):
         check(res[lay], hetero_plan(lay), reference_losses(GPT6_REF), lay)
 
 
-def test_planned_hetero_pipelines_run_as_solved(tmp_path):
+def test_planned_hetero_pipelines_run_as_solved(launched4):
     """Plans of the planner (intra-op ILP) with stages of different tp on 4 processes, each
     stage carrying its op layouts, run op by op as solved: the losses of `STEPS` steps within 1e-4
     of one process and every counted collective the plan's.
@@ -144,38 +141,22 @@ def test_planned_hetero_pipelines_run_as_solved(tmp_path):
     * mlp-tiny planned freely (dp pinned to 1): the search picks stages of tp 2, 1, 1 by
       itself; the tp-2 stage's column-parallel output is gathered before it leaves (the
       all-gather the plan counts)."""
-    from autopar.planner import plan as make
-    from autopar.schema import ClusterSpec, Constraints
-    from tests.plans import GPT6_REF
     from tests.test_runtime import reference_losses
 
-    cl = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": 4, "num_nodes": 1})
-    cases = {
-        "gpt6_112": (GPT6_REF, Constraints(stage_tp=(1, 1, 2), num_microbatches=4, schedule="1f1b",
-                                           recompute="none")),
-        "gpt6_211": (GPT6_REF, Constraints(stage_tp=(2, 1, 1), num_microbatches=2, schedule="gpipe",
-                                           recompute="full")),
-        "mlp_free": ("mlp-tiny", Constraints(dp=1)),
-    }
-    plans, jobs = {}, []
-    for name, (ref, cons) in cases.items():
-        p = make(ref, cl, global_batch_size=8, dtype="fp32", constraints=cons, intra_op="ilp")
+    plans, res = {n: launched4[n][0] for n in PLANNED}, {n: launched4[n][1] for n in PLANNED}
+    for name, (_, cons) in PLANNED.items():
+        p = plans[name]
         tps = [s.axis_size("tp") for s in sorted(p.stages, key=lambda s: s.index)]
         assert len(set(tps)) > 1 and all(s.op_layouts is not None for s in p.stages), (name, tps, p.search)
-        if cons.stage_tp is not None:
-            assert tuple(tps) == cons.stage_tp
-        path = tmp_path / f"{name}.json"
-        p.save(path)
-        plans[name] = p
-        jobs.append(f"{path}|{ref}")
-    res = launch(jobs, 4, tmp_path)
+        if "stage_tp" in cons:
+            assert tuple(tps) == cons["stage_tp"]
     one = plans["mlp_free"].model_copy(update={"stages": [StagePlan(
         index=0, devices=[0], mesh_shape=(1,), mesh_axis_names=("dp",),
         layers=[x for s in sorted(plans["mlp_free"].stages, key=lambda s: s.index) for x in s.layers])]})
     refs = {"gpt6_112": reference_losses(GPT6_REF, steps=STEPS), "gpt6_211": reference_losses(GPT6_REF, steps=STEPS),
             "mlp_free": plan_losses(one, "mlp-tiny", STEPS)}
-    for name, job in zip(cases, jobs):
-        check(res[job], plans[name], refs[name], name)
+    for name in PLANNED:
+        check(res[name], plans[name], refs[name], name)
     assert plans["mlp_free"].predicted.collectives.get("all_gather", 0) >= 1
 
 
@@ -265,15 +246,3 @@ def test_interleaving_needs_equal_stage_meshes():
     with pytest.raises(PlanError, match="interleaved pipelines need equal stage meshes"):
         validate_plan(plan, build("gpt-tiny", device="meta").model)
 
-
-if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("layouts", nargs="+")
-    a = ap.parse_args()
-    run_job(a.layouts, a.out)
-    from autopar.runtime.worker import hard_exit
-
-    hard_exit(0)

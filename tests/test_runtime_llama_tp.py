@@ -45,10 +45,10 @@ def make_plan(ref: str, devices: int, gbs: int = GBS, **pins):
     the analytic (Megatron) per-layer rules: these tests are about running Megatron's layout,
     vocabulary-parallel embedding included (the ILP may keep a table this small whole)."""
     from autopar import ClusterSpec, Constraints
-    from autopar.planner import plan
+    from tests.captured import planned  # each model captured once, its per-layer costs shared
 
     cluster = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": devices})
-    return plan(ref, cluster, global_batch_size=gbs, dtype="fp32", intra_op="analytic",
+    return planned(ref, cluster, global_batch_size=gbs, dtype="fp32", intra_op="analytic",
                 constraints=Constraints(num_microbatches=1, recompute="none", **pins))
 
 
@@ -68,10 +68,10 @@ def one_process_losses(ref: str, gbs: int = GBS) -> list[float]:
 def _ilp_plan(ref: str, devices: int, gbs: int, tp: int):
     """The default (ILP) planner's plan for `ref` on `devices` CPU processes at tp `tp`."""
     from autopar import ClusterSpec, Constraints
-    from autopar.planner import plan as make
+    from tests.captured import planned
 
     cluster = ClusterSpec.load("cpu").model_copy(update={"devices_per_node": devices})
-    return make(ref, cluster, global_batch_size=gbs, dtype="fp32", intra_op="ilp",
+    return planned(ref, cluster, global_batch_size=gbs, dtype="fp32", intra_op="ilp",
                 constraints=Constraints(num_microbatches=1, recompute="none", tp=tp, dp=1, pp=1))
 
 

@@ -1972,10 +1972,11 @@ def meta_program(model: nn.Module, example_inputs: Any, *, loss_fn: Any = None,
     parameter names, shapes, dtypes and tying), the inputs' shapes and dtypes, the loss, the
     device the program is retargeted to and the device it is traced for. The program is shared:
     its users only read it (the setup they do to it, `move_not_cast`, `retarget`, clearing its
-    state dict, gives the same result done again). A program that lifts tensor constants is not
-    kept (they belong to the fake-tensor mode it was traced under, or hold a value the key does
-    not cover); one whose tensor constants are all the copy's own data-less tensors (a
-    non-persistent buffer, Hugging Face's rotary `inv_freq`) is. A test launch of 26 plans of
+    state dict, gives the same result done again). A program whose tensor constants are the
+    copy's own data-less tensors (a non-persistent buffer, Hugging Face's rotary `inv_freq`) or
+    tensors its forward made from Python data (`_made_from_python_data`: Falcon's index lists,
+    whose ranks each exported their own program before) is kept; one that lifts another
+    tensor (of the fake-tensor mode it was traced under) is not. A test launch of 26 plans of
     four models on 4 ranks exported 11 of its 12 meta programs per rank with 2 kept and
     constants left out (about 1.5 CPU s each); `META_PROGRAM_STATS` counts hits and misses, and
     each is logged at debug level."""
@@ -2017,7 +2018,8 @@ def meta_program(model: nn.Module, example_inputs: Any, *, loss_fn: Any = None,
     adopt_positions(program, lambda ins: meta_program(model, ins, loss_fn=loss_fn, param_dtype=param_dtype,
                                                       device=device, trace=trace)[0], inputs)
     positions_named_as_captured(program)
-    if all(_dataless(c, own) for c in program.constants.values() if isinstance(c, torch.Tensor)):
+    if all(_dataless(c, own) or _made_from_python_data(c) for c in program.constants.values()
+           if isinstance(c, torch.Tensor)):
         _META_PROGRAMS[key] = (program, names)
         while len(_META_PROGRAMS) > META_PROGRAMS_KEPT:
             _META_PROGRAMS.popitem(last=False)
@@ -2153,6 +2155,18 @@ def _dataless(c: torch.Tensor, own: set[int]) -> bool:
     if isinstance(c, FakeTensor):
         return id(c) in own
     return c.is_meta
+
+
+def _made_from_python_data(c: torch.Tensor) -> bool:
+    """A program constant that is a plain tensor with data (not meta, not fake): in a program
+    exported from a data-less copy, one the forward made from Python data (Falcon's index list
+    `fused_qkv[..., [-2], :]`, lifted as `lifted_tensor_0`; every tensor the copy holds is meta
+    or fake). Its value comes from the forward's code and the model's settings, which the key
+    covers (the class's source, the modules' settings) as it covers the graph itself; the
+    program's users read it (`_flat_inputs`, `_lifted_values`), never write it."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return type(c) is torch.Tensor and not isinstance(c, FakeTensor) and not c.is_meta
 
 
 def _placeholder_constant(c: Any) -> bool:
