@@ -12,6 +12,8 @@ Cases (fp32, global batch 8, the ILP's layouts on the CPU profile unless said):
   llama    tiny HF Llama pp2 x dp2 x tp2 ZeRO-3, interleaved 1F1B (v 2), 2 micro-batches
   gptan    gptpp by the analytic rules (`intra_op="analytic"`: DTensor propagation)
   nanoan   nanogpt by the analytic rules
+  widenano nanoGPT over 4096 tokens (tests.user_models:wide_nanogpt) pp2 x dp2 ZeRO-3, 1F1B, 4 micro-batches
+  widenano1  the same with 1 micro-batch
   mixtral  tiny HF Mixtral dp2 x ep2 x pp2 ZeRO-1, norm_act, 1F1B, 4 micro-batches, bf16 on
            the H100 profile, global batch 32 (tests/test_moe.py's)
 
@@ -29,9 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 HF_LLAMA = ("hf:llama?hidden_size=64&intermediate_size=128&num_key_value_heads=2&num_hidden_layers=2"
             "&num_attention_heads=4&seq_len=16&vocab_size=128")
 NANOGPT = "tests.user_models:nanogpt"
+WIDE_NANOGPT = "tests.user_models:wide_nanogpt"
 MIXTRAL = ("hf:mixtral?hidden_size=64&intermediate_size=128&num_key_value_heads=2&num_local_experts=4"
            "&num_hidden_layers=4&num_attention_heads=4&seq_len=256&vocab_size=128")
-CASES = ("z3none", "z1full", "gptpp", "nanogpt", "llama", "gptan", "nanoan", "mixtral")
+CASES = ("z3none", "z1full", "gptpp", "nanogpt", "llama", "gptan", "nanoan", "widenano", "widenano1", "mixtral")
 
 
 def case(name: str):
@@ -64,6 +67,9 @@ def case(name: str):
         return tiny("gpt-tiny", 8, "analytic", **pipe, schedule="1f1b")
     if name == "nanoan":
         return tiny(NANOGPT, 8, "analytic", **pipe, schedule="gpipe")
+    if name in ("widenano", "widenano1"):
+        return tiny(WIDE_NANOGPT, 4, dp=2, tp=1, pp=2, zero_stage=3, schedule="1f1b",
+                    num_microbatches=4 if name == "widenano" else 1)
     if name == "mixtral":
         cluster = ClusterSpec.load("dgx-h100", num_nodes=1).model_copy(update={"devices_per_node": 4})
         return MIXTRAL, autopar.plan(MIXTRAL, cluster, global_batch_size=32, cache=False,

@@ -175,6 +175,16 @@ def wide_vocab_lm():
     return model, (x, x.clone()), token_batch(8192, SEQ)
 
 
+def wide_nanogpt(layers: int = 4):
+    """`NanoGPT` over 4096 tokens: its shared embedding (wte, 128 Ki parameters) outweighs the
+    four blocks together (50 Ki), so which stage holds it gathered when decides the peak
+    (benchmarks/verify_memory_cases.py's `widenano` cases)."""
+    with torch.device("meta"):
+        model = NanoGPT(layers, vocab=4096)
+    x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    return model, (x, x), token_batch(4096, SEQ)
+
+
 def separate_gpt(layers: int = 4):
     """`SeparateGPT` by the MODULE:FACTORY contract."""
     with torch.device("meta"):

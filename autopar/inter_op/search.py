@@ -1078,6 +1078,17 @@ class _Tables:
                 out = out + times * np.where(elems > 0, a * np.maximum(n, 1.0) + slope * elems * b, 0.0)
         return out
 
+    def grads_m(self, m: int, pp: int) -> int:
+        """The micro-batch count whose gradient rule a stage's memory takes (`phases`,
+        `first_backward`'s shards, `recompute_terms`): m, but 2 for a ZeRO-3 pipeline stage of
+        one micro-batch, whose gradients accumulate unsharded as with several, since
+        torch.pipelining runs every backward without FSDP's gradient sync
+        (`_PipelineStageBase.backward_maybe_with_nosync`: `set_requires_gradient_sync(False)`,
+        torch 2.13) and reduce-scatters them all after the last (`perform_reduce_grad`), not
+        each unit's as its backward ends (wide nanoGPT pp2 x dp2 ZeRO-3, 1F1B, one micro-batch,
+        stage 0: -9.1% with each unit's reduce-scattered at its backward's end)."""
+        return max(int(m), 2) if self.zero3 and pp > 1 and not self.rs_each else int(m)
+
     def phases(self, pel: Any, m: int, root: Any = 0.0, unit: Any = 0.0, largest: Any = 0.0,
                epel: Any = 0.0, spel: float = 0.0) -> list:
         """What the runtime holds per phase of a step for `pel` parameter elements per device
@@ -1221,6 +1232,13 @@ class _Tables:
         what a pipeline stage's later backward holds gathered (`Search._stage`)."""
         per = [sum(us) for us in self._module_units_variants[1]]
         return np.where(self.valid, self.ranged(np.concatenate([[0.0], np.cumsum(per)])), 0.0)
+
+    def kept_after(self, i: int, j: int) -> float:
+        """ZeRO-3 units of a pipeline chunk's layers i + 1 .. j - 1 (`module_units`' chunk
+        variant), elements: what its backward still holds gathered at a moment of layer i, since
+        torch.pipelining runs every backward with `set_reshard_after_backward(False)`
+        (`_PipelineStageBase.backward_maybe_with_nosync`, torch 2.13), the first included."""
+        return float(sum(sum(us) for us in self._module_units_variants[1][i + 1:j]))
 
     @property
     def unit_layer(self) -> np.ndarray:
@@ -2783,7 +2801,7 @@ class Search:
             return self._evaluate_interleaved(cand, tb, bar)
         L, p, m = self.L, cand.pp, cand.m
         pel = tb.range_pel
-        fixed = tb.fixed_memory(pel, m)
+        fixed = tb.fixed_memory(pel, tb.grads_m(m, p))
         t_base = tb.ranged(tb.base) + tb.accum(pel, m, tb.range_epel)
         beside = self._send_beside(cand.schedule, p, m)
         by_hops: dict[tuple[bool, bool], np.ndarray] = {}   # the stage's time by the links of its hops
@@ -2801,7 +2819,8 @@ class Search:
                 by_hops[hops] = t_base + tb.stage_p2p(beside, *hops)
             t_common = by_hops[hops]
             cost[blk + (0, s)], choice[blk + (s,)] = self._best_recompute(
-                tb, rcs, t_common, fixed, self._held(cand.schedule, p, p - s, m), m, blk, _zero3_gathers(p, m))
+                tb, rcs, t_common, fixed, self._held(cand.schedule, p, p - s, m), tb.grads_m(m, p), blk,
+                _zero3_gathers(p, m))
         res = stage_dp(cost, [1], p, m, num_stages=p)
         if res is None:
             if not self._found:
@@ -3219,8 +3238,9 @@ class Search:
         t += acc
         comp += acc
         spel = float(self._scalar_count(chunks)) if tb.zero3 else 0.0
+        m_acc = tb.grads_m(cand.m, cand.pp)
         phases = [dataclasses.replace(ph, buffers=ph.buffers + batch)
-                  for ph in tb.phases(pel, cand.m, root, unit, largest, epel, spel)]
+                  for ph in tb.phases(pel, m_acc, root, unit, largest, epel, spel)]
         fb = phases[0]
         # ZeRO-3 holds fewer units at a micro-batch's worst moment than the bound (`relief`; one
         # chunk: with several, each chunk's FSDP root keeps its own parameters)
@@ -3237,10 +3257,15 @@ class Search:
         # gradients its ops made so far alive (ZeRO-3 with one micro-batch: each unit's are
         # reduce-scattered into the gradient shards as it ends, `fb.gradients`, in proportion)
         # reduced every micro-batch (`rs_each`), a later one's moment: every shard alive
-        shards = tb.zero3 and (cand.m == 1 or tb.rs_each)
+        shards = tb.zero3 and (m_acc == 1 or tb.rs_each)
         f_w, f_at, f_parts = tb.first_backward(r, not shards)
         k, j = max(chunks, key=lambda c: float(f_w[c]))
         a_rc, a_g, a_p, a_w = (float(x) for x in f_parts[k, j])
+        if tb.zero3 and cand.pp > 1 and len(chunks) == 1 and int(f_at[k, j]) >= 0:
+            # a pipeline stage's first backward keeps each unit gathered after its backward
+            # (`kept_after`): the later layers' at the moment (wide nanoGPT pp2 x dp2 ZeRO-3, one
+            # micro-batch, stage 0: the three blocks' at wte's backward, 149 KiB)
+            a_w += tb.wgo[0] * tb.kept_after(int(f_at[k, j]), j)
         # (reduced every micro-batch, `rs_each`: a later micro-batch's moments, every shard
         # alive, are the "each" variant's below; the first's holds the later layers' shards
         # alone, `first_backward`: counted with all of them, moe-tiny dp4 x ep2 was +2.8%)
@@ -3269,7 +3294,7 @@ class Search:
             # (one unit held) over an MLP's matmul (its unit, the next prefetched, the one before's
             # reduce-scatter input), which the run holds at its peak
             variants = [(rc_work, grad_tmp, 0.0, -relief)]
-            if tb.zero3 and cand.m > 1 and not tb.rs_each and cand.pp > 1:
+            if tb.zero3 and m_acc > 1 and not tb.rs_each and cand.pp > 1:
                 # a pipeline stage: torch.pipelining runs every micro-batch's backward without
                 # FSDP's gradient sync (`backward_maybe_with_nosync`: `set_requires_gradient_sync
                 # (False)`) and reduce-scatters them all after the last (`perform_reduce_grad`):
